@@ -1,0 +1,36 @@
+// The contract between the engine (scheduler) and a model runner (CPU or CUDA).
+//
+// The engine decides, per step, which sequences advance by which tokens and which KV
+// blocks each sequence owns in each cache group; the runner turns that into per-token
+// metadata (positions, slot mapping, top-k buffers), runs the forward, writes the new
+// tokens' KV into the cache pages and returns logits where asked.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace ml4 {
+
+// One sequence's share of a step.
+struct SeqStep {
+  int64_t seq_id = 0;
+  std::vector<int32_t> tokens;   // the new tokens: a prefill chunk, or 1 (decode), or 1+drafts
+  int64_t start_pos = 0;         // position of tokens[0] == tokens already in the cache
+  // Per cache group (index = group id from KvCacheSpec): block ids in position order;
+  // block b covers positions [b*page, (b+1)*page). Must cover start_pos + tokens.size().
+  std::vector<std::vector<int32_t>> block_tables;
+  // Logits are returned for the last `num_logits` tokens of this chunk (0: none, as for
+  // a prefill chunk that does not end the prompt; 1: normal decode; 1+k: verification).
+  int num_logits = 1;
+};
+
+struct StepInput {
+  std::vector<SeqStep> seqs;
+};
+
+struct StepOutput {
+  // For each seq in order, num_logits rows of [vocab] logits (f32), concatenated.
+  std::vector<std::vector<float>> logits;
+};
+
+}  // namespace ml4
