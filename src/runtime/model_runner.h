@@ -1,0 +1,42 @@
+// ModelRunner: what the engine drives. One implementation per backend (CPU now, CUDA
+// later); the engine, scheduler and server never see which one runs.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+#include "model/model_config.h"
+#include "runtime/step.h"
+
+namespace ml4 {
+
+// One KV cache group as the block manager sees it: the runner owns the page memory,
+// the engine owns which block ids belong to which sequence.
+struct CacheGroupInfo {
+  std::string name;             // "latent", "indexer", "drafter"
+  int page_tokens = 64;         // tokens per block
+  int64_t num_blocks = 0;       // blocks the runner allocated for this group
+  int64_t sliding_window = 0;   // 0: full attention; else only the last N tokens are read
+  int64_t bytes_per_token = 0;  // summed over the group's layers
+};
+
+struct RunnerOptions {
+  std::string kv_cache_dtype = "fp8_ds_mla";  // fp8_ds_mla | fp8 | bf16
+  int64_t kv_cache_bytes = 256ll << 20;       // KV memory budget, split across groups
+  int64_t max_model_len = 0;                  // 0: the model's max_position_embeddings
+};
+
+class ModelRunner {
+ public:
+  virtual ~ModelRunner() = default;
+  virtual const ModelConfig& config() const = 0;
+  virtual const std::vector<CacheGroupInfo>& cache_groups() const = 0;
+  // Runs one step. Tokens of all sequences are processed; KV for them is written into the
+  // blocks named by each SeqStep's block tables.
+  virtual Result<StepOutput> execute(const StepInput& in) = 0;
+};
+
+}  // namespace ml4
