@@ -1,0 +1,31 @@
+// linear: y[M, N] = x[M, K] W^T for every LinearFormat (model/linear_weight.h).
+//
+// The CPU backend's one matmul. Weights stay in their stored format (a view into the
+// mapped checkpoint); each worker decodes a tile of weight rows to f32 once, exactly
+// (core/dtype.h), and uses it for all M activation rows, so decode cost is paid once
+// per weight element whatever M is. Accumulation is f32 (AVX2/FMA where present).
+// Work is split over N with parallel_for (core/threads.h).
+//
+// A weight whose tensors do not match its declared format/shape is a load-time error:
+// validate_linear_weight() says exactly what is wrong. linear() itself never crashes on
+// one: it logs the same message and writes NaN to y, so a skipped check is loud.
+#pragma once
+
+#include <cstdint>
+
+#include "core/status.h"
+#include "model/linear_weight.h"
+
+namespace ml4::cpu {
+
+// Checks dtypes and shapes of weight/scale against w.format, out_features, in_features.
+Status validate_linear_weight(const LinearWeight& w);
+
+// x: [M, K] f32 row-major; y: [M, N] f32 row-major (must not alias x).
+void linear(const float* x, int64_t M, const LinearWeight& w, float* y);
+
+// Decodes weight rows [n0, n1) to f32 into out ([n1-n0, K] row-major), exactly.
+// Exposed for tests, the CUDA backend's reference path, and re-quantization tools.
+void decode_weight_rows(const LinearWeight& w, int64_t n0, int64_t n1, float* out);
+
+}  // namespace ml4::cpu
