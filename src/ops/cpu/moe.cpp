@@ -4,12 +4,14 @@
 // `DeepseekV3TopkRouter` / Mistral 4's router:
 //   p = softmax(logits) (kSoftmax, Mistral 4 / ML4) or sigmoid(logits) (kSigmoid, DeepSeek-V3)
 //   s = p + correction_bias (selection only; bias absent -> s = p)
-//   groups (num_expert_groups > 1): group score = sum of the top-2 s in the group when a
-//     correction bias is present (sigmoid scoring, DeepSeek-V3 `topk(2).sum`), the group
-//     max otherwise (DeepSeek `amax` for bias-free routers); the best
-//     num_expert_groups_per_tok groups stay, experts of the others are masked to -inf
+//   groups (num_expert_groups > 1): group score = sum of the top-2 s in the group, for
+//     both scorings: transformers' Mistral4TopkRouter (softmax) and DeepseekV3TopkRouter
+//     (sigmoid + bias) both use `topk(2).sum`. (DeepSeek's own inference/model.py uses
+//     the group max when there is no bias; no ML4 config asks for that, so it is not
+//     offered.) A group of one expert scores that expert. The best
+//     num_expert_groups_per_tok groups stay; experts of the others are masked to -inf
 //     (DeepSeek's masked_fill(-inf); transformers fills 0.0, which only differs when
-//     every kept score is negative)
+//     every kept score is negative, i.e. with a negative bias)
 //   ids = top-k(s) (descending, ties to the lower id); weights = p[ids] (not s),
 //   divided by their sum if cfg.renormalize, times routed_scale.
 #include "ops/cpu/moe.h"
@@ -50,7 +52,7 @@ void moe_route(const float* logits, int64_t T, const MoeConfig& cfg, const float
     if (G > 1 && keep_groups < G) {
       for (int g = 0; g < G; ++g) {
         const float* sg = s.data() + g * per_group;
-        if (correction_bias && per_group >= 2) {
+        if (per_group >= 2) {
           float a = kNegInf, b = kNegInf;  // top-2
           for (int i = 0; i < per_group; ++i) {
             if (sg[i] > a) {
