@@ -1,0 +1,228 @@
+// linear() for every weight format against an f64 reference computed from the weight
+// decoded independently here (scalar core/dtype.h conversions, in f64).
+//
+// Bound: the f32 dot product of K terms has |error| <= gamma_K * sum_k |x_k w_k|, gamma_K
+// ~ K * 2^-24 (Higham, Accuracy and Stability, 3.1), whatever the summation order; the
+// one f32 rounding of a block-scaled weight (e4m3 * scale) adds 2^-24 relative per term.
+// That worst case is asserted per element with a factor (K + 2). The typical error
+// grows like sqrt(K) * 2^-24 relative (random rounding errors), asserted on the relative
+// L2 error with a margin of 8.
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "core/dtype.h"
+#include "ops/cpu/linear.h"
+#include "ops_test_util.h"
+
+namespace ml4::cpu {
+namespace {
+
+using test::kU;
+
+// A weight with random content in `format`, and its f64 decoding [N, K].
+struct TestWeight {
+  LinearWeight w;
+  std::vector<double> ref;
+};
+
+uint8_t random_e4m3(std::mt19937& rng, bool positive) {
+  for (;;) {
+    uint8_t b = static_cast<uint8_t>(rng() & 0xff);
+    if ((b & 0x7f) == 0x7f) continue;  // NaN
+    if (positive) b &= 0x7f;
+    return b;
+  }
+}
+
+TestWeight make_weight(LinearFormat format, int64_t N, int64_t K, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+  TestWeight t;
+  t.w.name = "test.weight";
+  t.w.format = format;
+  t.w.out_features = N;
+  t.w.in_features = K;
+  t.ref.resize(static_cast<size_t>(N * K));
+  switch (format) {
+    case LinearFormat::kF32: {
+      t.w.weight = Tensor(DType::kF32, {N, K});
+      float* p = t.w.weight.mutable_as<float>();
+      for (int64_t i = 0; i < N * K; ++i) t.ref[i] = p[i] = uni(rng);
+      break;
+    }
+    case LinearFormat::kBF16: {
+      t.w.weight = Tensor(DType::kBF16, {N, K});
+      uint16_t* p = t.w.weight.mutable_as<uint16_t>();
+      for (int64_t i = 0; i < N * K; ++i) {
+        p[i] = f32_to_bf16(uni(rng));
+        t.ref[i] = bf16_to_f32(p[i]);
+      }
+      break;
+    }
+    case LinearFormat::kFP8Block: {
+      const int64_t nb = (N + 127) / 128, kb = (K + 127) / 128;
+      t.w.weight = Tensor(DType::kF8E4M3, {N, K});
+      t.w.scale = Tensor(DType::kF32, {nb, kb});
+      uint8_t* q = t.w.weight.mutable_as<uint8_t>();
+      float* s = t.w.scale.mutable_as<float>();
+      std::uniform_real_distribution<float> sd(1e-4f, 1e-2f);
+      for (int64_t i = 0; i < nb * kb; ++i) s[i] = sd(rng);
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t k = 0; k < K; ++k) {
+          q[n * K + k] = random_e4m3(rng, false);
+          t.ref[n * K + k] = static_cast<double>(e4m3_to_f32(q[n * K + k])) * s[(n / 128) * kb + k / 128];
+        }
+      break;
+    }
+    case LinearFormat::kNVFP4:
+    case LinearFormat::kMXFP4: {
+      const bool nv = format == LinearFormat::kNVFP4;
+      const int64_t group = nv ? 16 : 32;
+      t.w.weight = Tensor(DType::kU8, {N, K / 2});
+      t.w.scale = Tensor(nv ? DType::kF8E4M3 : DType::kE8M0, {N, K / group});
+      t.w.global_scale = nv ? 0.0123f : 1.0f;
+      uint8_t* q = t.w.weight.mutable_as<uint8_t>();
+      uint8_t* s = t.w.scale.mutable_as<uint8_t>();
+      for (int64_t i = 0; i < N * K / 2; ++i) q[i] = static_cast<uint8_t>(rng() & 0xff);
+      for (int64_t i = 0; i < N * K / group; ++i)
+        s[i] = nv ? random_e4m3(rng, true) : static_cast<uint8_t>(118 + rng() % 16);
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t k = 0; k < K; ++k) {
+          const uint8_t byte = q[n * (K / 2) + k / 2];
+          const uint8_t nib = (k % 2 == 0) ? (byte & 0xf) : (byte >> 4);
+          const uint8_t sv = s[n * (K / group) + k / group];
+          const double scale = nv ? static_cast<double>(e4m3_to_f32(sv)) * t.w.global_scale
+                                  : std::ldexp(1.0, sv - 127);
+          t.ref[n * K + k] = e2m1_to_f32(nib) * scale;
+        }
+      break;
+    }
+  }
+  return t;
+}
+
+void check_linear(LinearFormat format, int64_t M, int64_t N, int64_t K, uint32_t seed) {
+  SCOPED_TRACE(testing::Message() << "format " << static_cast<int>(format) << " M=" << M
+                                  << " N=" << N << " K=" << K);
+  TestWeight t = make_weight(format, N, K, seed);
+  ASSERT_TRUE(validate_linear_weight(t.w).is_ok()) << validate_linear_weight(t.w).message();
+  std::vector<float> x = test::random_floats(static_cast<size_t>(M * K), seed + 1);
+  std::vector<float> y(static_cast<size_t>(M * N), -7.0f);
+  linear(x.data(), M, t.w, y.data());
+
+  std::vector<double> ref(static_cast<size_t>(M * N));
+  double worst_violation = 0.0;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      double acc = 0.0, mag = 0.0;
+      for (int64_t k = 0; k < K; ++k) {
+        acc += x[m * K + k] * t.ref[n * K + k];
+        mag += std::fabs(x[m * K + k] * t.ref[n * K + k]);
+      }
+      ref[m * N + n] = acc;
+      const double bound = (K + 2) * kU * mag + 1e-30;
+      worst_violation = std::max(worst_violation, std::fabs(y[m * N + n] - acc) / bound);
+    }
+  EXPECT_LE(worst_violation, 1.0) << "an element exceeds the gamma_K worst-case bound";
+  const double rel = test::rel_l2(y.data(), ref.data(), ref.size());
+  EXPECT_LE(rel, 8.0 * std::sqrt(static_cast<double>(K)) * kU);
+}
+
+TEST(Linear, F32AllShapes) {
+  for (int64_t M : {1, 3, 17}) check_linear(LinearFormat::kF32, M, 37, 300, 11);
+  check_linear(LinearFormat::kF32, 2, 5, 7, 12);  // K below one SIMD vector
+}
+
+TEST(Linear, BF16RaggedShapes) {
+  for (int64_t M : {1, 3, 17}) {
+    check_linear(LinearFormat::kBF16, M, 37, 300, 21);
+    check_linear(LinearFormat::kBF16, M, 130, 259, 22);
+  }
+  check_linear(LinearFormat::kBF16, 3, 1000, 1024, 23);  // several threads' worth of N
+}
+
+TEST(Linear, FP8BlockRaggedShapes) {
+  for (int64_t M : {1, 3, 17}) check_linear(LinearFormat::kFP8Block, M, 200, 300, 31);
+  check_linear(LinearFormat::kFP8Block, 2, 129, 129, 32);  // one element past a block
+}
+
+TEST(Linear, NVFP4) {
+  for (int64_t M : {1, 3, 17}) check_linear(LinearFormat::kNVFP4, M, 45, 336, 41);
+}
+
+TEST(Linear, MXFP4) {
+  for (int64_t M : {1, 3, 17}) check_linear(LinearFormat::kMXFP4, M, 45, 352, 51);
+}
+
+// Spec bytes (linear_weight.h): element 2j is the low nibble; NVFP4 value = e2m1 * e4m3
+// scale * global; MXFP4 = e2m1 * 2^(e - 127). e2m1 codes: 1 = 0.5, 2 = 1.0, 7 = 6.0,
+// 0xA = -1.0. e4m3 0x40 = 2.0; e8m0 126 = 0.5.
+TEST(Linear, Fp4KnownBytes) {
+  for (LinearFormat f : {LinearFormat::kNVFP4, LinearFormat::kMXFP4}) {
+    const bool nv = f == LinearFormat::kNVFP4;
+    const int64_t K = nv ? 16 : 32;
+    LinearWeight w;
+    w.format = f;
+    w.out_features = 1;
+    w.in_features = K;
+    w.weight = Tensor(DType::kU8, {1, K / 2});
+    w.scale = Tensor(nv ? DType::kF8E4M3 : DType::kE8M0, {1, 1});
+    w.global_scale = nv ? 0.25f : 1.0f;
+    uint8_t* q = w.weight.mutable_as<uint8_t>();
+    q[0] = 0x21;  // k=0: 0.5, k=1: 1.0
+    q[1] = 0xA7;  // k=2: 6.0, k=3: -1.0
+    w.scale.mutable_as<uint8_t>()[0] = nv ? 0x40 : 126;
+    std::vector<float> dec(K);
+    decode_weight_rows(w, 0, 1, dec.data());
+    const float s = nv ? 2.0f * 0.25f : 0.5f;
+    EXPECT_EQ(dec[0], 0.5f * s);
+    EXPECT_EQ(dec[1], 1.0f * s);
+    EXPECT_EQ(dec[2], 6.0f * s);
+    EXPECT_EQ(dec[3], -1.0f * s);
+    for (int64_t k = 4; k < K; ++k) EXPECT_EQ(dec[k], 0.0f);
+  }
+}
+
+TEST(Linear, FP8KnownBytes) {
+  LinearWeight w;
+  w.format = LinearFormat::kFP8Block;
+  w.out_features = 130;  // two block rows
+  w.in_features = 2;
+  w.weight = Tensor(DType::kF8E4M3, {130, 2});
+  w.scale = Tensor(DType::kF32, {2, 1});
+  w.scale.mutable_as<float>()[0] = 3.0f;
+  w.scale.mutable_as<float>()[1] = 0.5f;
+  uint8_t* q = w.weight.mutable_as<uint8_t>();
+  q[0] = 0x38;        // 1.0
+  q[1] = 0xC0;        // -2.0
+  q[129 * 2] = 0x7e;  // 448
+  std::vector<float> dec(130 * 2);
+  decode_weight_rows(w, 0, 130, dec.data());
+  EXPECT_EQ(dec[0], 3.0f);
+  EXPECT_EQ(dec[1], -6.0f);
+  EXPECT_EQ(dec[129 * 2], 224.0f);
+}
+
+TEST(Linear, BadWeightIsAnErrorNotACrash) {
+  TestWeight t = make_weight(LinearFormat::kBF16, 8, 16, 61);
+  t.w.in_features = 32;  // declared K disagrees with the tensor
+  Status st = validate_linear_weight(t.w);
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("test.weight"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("[8, 32]"), std::string::npos) << st.message();
+  std::vector<float> x(32, 1.0f), y(8, 0.0f);
+  linear(x.data(), 1, t.w, y.data());
+  for (float v : y) EXPECT_TRUE(std::isnan(v));
+
+  TestWeight f = make_weight(LinearFormat::kFP8Block, 8, 16, 62);
+  f.w.scale = Tensor();
+  EXPECT_FALSE(validate_linear_weight(f.w).is_ok());
+
+  TestWeight nv = make_weight(LinearFormat::kNVFP4, 4, 32, 63);
+  nv.w.in_features = 24;  // not a multiple of 16
+  EXPECT_FALSE(validate_linear_weight(nv.w).is_ok());
+}
+
+}  // namespace
+}  // namespace ml4::cpu
