@@ -1,0 +1,106 @@
+// KvBlockManager: which KV blocks each request owns, per cache group, with prefix caching.
+//
+// The runner owns the page memory of every cache group (latent, indexer, later the drafter
+// window); this class owns the ids. Each group is a separate pool with its own page size and
+// block count. A block is ref-counted: a request holds one ref per block in its table, a
+// prefix-cache hit shares a block between requests.
+//
+// Prefix caching (vLLM v1 kv_cache_manager / block_pool design): every full block gets a
+// hash chained over token ids, h_i = H(h_{i-1}, tokens of block i), so a hash names the whole
+// prefix. Full blocks are registered in a per-group hash -> block map; when the last ref
+// drops they stay in the map but go back to the free list, at its tail (evicted last), while
+// blocks with no hash go to its head. Allocation pops the head and evicts whatever hash it
+// carried. A hit must exist in *every* group (the forward needs all of them), and the hit
+// length is a multiple of every group's page size and leaves at least one prompt token to
+// compute (the step needs logits). Stored tokens are compared on a hit, so a 64-bit hash
+// collision can never return another prompt's KV.
+//
+// Accounting is exact: allocate() first computes, per group, the blocks it would take off
+// the free list (new blocks plus hit blocks whose ref is 0, which sit in the free list) and
+// changes nothing unless every group has them; free counts are therefore never negative and
+// return to their start when every request is gone (tested).
+//
+// Later parts: a sliding-window group (drafter) may release blocks wholly outside its window
+// (not done yet: it keeps them, which is correct but uses more memory); P/D transfer
+// allocates blocks for num_external_tokens the same way as a prefill.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "core/status.h"
+#include "engine/request.h"
+#include "runtime/model_runner.h"
+
+namespace ml4 {
+
+struct PrefixHit {
+  int64_t num_tokens = 0;                     // tokens whose KV is reused
+  std::vector<std::vector<int32_t>> blocks;   // per group
+  std::vector<std::vector<uint64_t>> hashes;  // per group
+};
+
+class KvBlockManager {
+ public:
+  KvBlockManager(std::vector<CacheGroupInfo> groups, bool enable_prefix_caching);
+
+  int num_groups() const { return static_cast<int>(pools_.size()); }
+  const CacheGroupInfo& group(int g) const { return pools_[g].info; }
+  int64_t num_free_blocks(int g) const { return pools_[g].num_free; }
+  int64_t num_total_blocks(int g) const { return pools_[g].info.num_blocks; }
+  int64_t num_free_blocks_total() const;
+  double usage(int g) const;
+  // Tokens one sequence can hold when it has the whole cache.
+  int64_t capacity_tokens() const;
+  bool prefix_caching() const { return prefix_caching_; }
+
+  // Longest reusable cached prefix of the request's tokens (prompt + output so far).
+  // Counts toward the prefix-cache query/hit statistics.
+  PrefixHit find_cached_prefix(const Request& r);
+  // Makes the request's tables cover `num_tokens` tokens, taking `hit`'s blocks first (only
+  // for a request that holds none). Returns false and changes nothing when any group lacks
+  // free blocks.
+  bool allocate(Request& r, int64_t num_tokens, const PrefixHit* hit = nullptr);
+  // Blocks `allocate(r, num_tokens)` would take off the free lists, per group.
+  std::vector<int64_t> blocks_needed(const Request& r, int64_t num_tokens) const;
+  // Drops the request's refs; its registered blocks stay cached until evicted.
+  void free(Request& r);
+  // Registers the full blocks among tokens [0, r.num_computed) for reuse.
+  void cache_full_blocks(Request& r);
+  // Drops every cached hash whose block is free (e.g. after a weight update).
+  void reset_prefix_cache();
+
+  int64_t prefix_queries() const { return queries_; }  // tokens looked up
+  int64_t prefix_hits() const { return hits_; }        // tokens found
+
+  // Consistency of refs, free lists and hash maps; for tests and debug builds.
+  Status check_invariants() const;
+
+ private:
+  struct Pool {
+    CacheGroupInfo info;
+    std::vector<int32_t> ref;
+    std::vector<int32_t> prev, next;  // intrusive doubly linked free list
+    std::vector<uint8_t> in_free;
+    std::vector<uint8_t> has_hash;
+    std::vector<uint64_t> hash;
+    std::vector<std::vector<int32_t>> tokens;  // the block's tokens while it has a hash
+    std::unordered_map<uint64_t, int32_t> cached;
+    int32_t head = -1, tail = -1;
+    int64_t num_free = 0;
+  };
+  static void list_remove(Pool& p, int32_t b);
+  static void list_push_front(Pool& p, int32_t b);
+  static void list_push_back(Pool& p, int32_t b);
+  static void drop_hash(Pool& p, int32_t b);
+  static uint64_t chain_hash(uint64_t parent, const Request& r, int64_t begin, int64_t end);
+
+  std::vector<Pool> pools_;
+  bool prefix_caching_;
+  int64_t lcm_page_ = 1;
+  int64_t queries_ = 0, hits_ = 0;
+};
+
+}  // namespace ml4

@@ -1,0 +1,256 @@
+// Engine (design in engine.h).
+#include "engine/engine.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "core/log.h"
+#include "engine/sampler.h"
+
+namespace ml4 {
+namespace {
+
+double mono_now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+uint64_t splitmix(uint64_t& s) {
+  uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+size_t max_stop_len(const SamplingParams& p) {
+  size_t m = 0;
+  for (const auto& s : p.stop) m = std::max(m, s.size());
+  return m;
+}
+
+}  // namespace
+
+Engine::Engine(ModelRunner* runner, const TextCodec* codec, const EngineConfig& config)
+    : runner_(runner),
+      codec_(codec),
+      config_(config),
+      vocab_(runner->config().vocab_size),
+      blocks_(runner->cache_groups(), config.enable_prefix_caching),
+      scheduler_(config.scheduler, &blocks_),
+      seed_state_(config.seed) {
+  // A sequence longer than the whole cache could never finish: bound max_model_len by it.
+  int64_t cap = blocks_.capacity_tokens();
+  if (config_.scheduler.max_model_len > cap) {
+    ML4_LOG_WARN("max_model_len {} exceeds the KV cache capacity of {} tokens; using {}",
+                 config_.scheduler.max_model_len, cap, cap);
+    config_.scheduler.max_model_len = cap;
+    scheduler_ = Scheduler(config_.scheduler, &blocks_);
+  }
+}
+
+Status Engine::add_request(const std::string& request_id, std::vector<int32_t> prompt,
+                           const SamplingParams& params, int priority, double now) {
+  if (live_.count(request_id)) return invalid_argument("request id '{}' is already in use", request_id);
+  ML4_RETURN_IF_ERROR(check_request(prompt, params));
+  auto r = std::make_unique<Request>();
+  r->seq_id = next_seq_id_++;
+  r->request_id = request_id;
+  r->priority = priority;
+  r->arrival_order = next_arrival_++;
+  r->arrival_time = now > 0 ? now : mono_now();
+  r->prompt = std::move(prompt);
+  r->params = params;
+  r->rng.seed(params.seed ? *params.seed : splitmix(seed_state_));
+  scheduler_.add(r.get());
+  live_.emplace(request_id, std::move(r));
+  return Status::ok();
+}
+
+Status Engine::check_request(const std::vector<int32_t>& prompt, const SamplingParams& params) const {
+  if (prompt.empty()) return invalid_argument("the prompt is empty");
+  for (size_t i = 0; i < prompt.size(); ++i)
+    if (prompt[i] < 0 || prompt[i] >= vocab_)
+      return invalid_argument("prompt token {} at position {} is outside the vocabulary [0, {})", prompt[i], i, vocab_);
+  ML4_RETURN_IF_ERROR(params.validate(vocab_));
+  const int64_t max_len = config_.scheduler.max_model_len;
+  const int64_t plen = static_cast<int64_t>(prompt.size());
+  if (plen + params.max_tokens > max_len)
+    return invalid_argument(
+        "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the "
+        "prompt, {} for the completion). Please reduce the length of the prompt or of max_tokens.",
+        max_len, plen + params.max_tokens, plen, params.max_tokens);
+
+  return Status::ok();
+}
+
+bool Engine::abort(const std::string& request_id) {
+  auto it = live_.find(request_id);
+  if (it == live_.end()) return false;
+  scheduler_.remove(it->second.get());
+  it->second->status = RequestStatus::kFinished;
+  it->second->finish_reason = FinishReason::kAbort;
+  live_.erase(it);
+  return true;
+}
+
+EngineCounters Engine::counters() const {
+  EngineCounters c = counters_;
+  c.preemptions = scheduler_.num_preemptions();
+  c.prefix_queries = blocks_.prefix_queries();
+  c.prefix_hits = blocks_.prefix_hits();
+  return c;
+}
+
+void Engine::finish(Request& r, FinishReason reason) {
+  r.status = RequestStatus::kFinished;
+  r.finish_reason = reason;
+}
+
+bool Engine::append_token(Request& r, int32_t token) {
+  const SamplingParams& p = r.params;
+  r.output.push_back(token);
+  ++r.output_counts[token];
+  const bool past_min = static_cast<int>(r.output.size()) > p.min_tokens;
+  if (past_min && !p.ignore_eos && token == codec_->eos_id()) {
+    finish(r, FinishReason::kStop);
+    return true;
+  }
+  if (past_min && std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), token) != p.stop_token_ids.end()) {
+    r.stop_reason = std::to_string(token);
+    finish(r, FinishReason::kStop);
+    return true;
+  }
+  const size_t old_size = r.text.size();
+  r.text += r.detok.push(*codec_, token, p.skip_special_tokens);
+  if (past_min && !p.stop.empty() && r.text.size() > old_size) {
+    const size_t from = old_size >= max_stop_len(p) ? old_size - max_stop_len(p) + 1 : 0;
+    size_t best = std::string::npos;
+    const std::string* hit = nullptr;
+    for (const auto& s : p.stop) {
+      size_t pos = r.text.find(s, from);
+      if (pos != std::string::npos && pos < best) {
+        best = pos;
+        hit = &s;
+      }
+    }
+    if (hit) {
+      r.text.resize(p.include_stop_str_in_output ? best + hit->size() : best);
+      r.text_sent = std::min(r.text_sent, r.text.size());
+      r.stop_reason = *hit;
+      finish(r, FinishReason::kStop);
+      return true;
+    }
+  }
+  if (static_cast<int>(r.output.size()) >= p.max_tokens || r.num_tokens() >= config_.scheduler.max_model_len) {
+    r.text += r.detok.flush();
+    finish(r, FinishReason::kLength);
+    return true;
+  }
+  return false;
+}
+
+RequestOutput Engine::take_output(Request& r) {
+  RequestOutput o;
+  o.request_id = r.request_id;
+  o.new_tokens.assign(r.output.begin() + static_cast<int64_t>(r.tokens_sent), r.output.end());
+  if (r.params.logprobs >= 0 && r.logprobs.size() >= r.tokens_sent)
+    o.new_logprobs.assign(r.logprobs.begin() + static_cast<int64_t>(r.tokens_sent), r.logprobs.end());
+  r.tokens_sent = r.output.size();
+  size_t end = r.text.size();
+  if (!r.finished()) {
+    const size_t hold = max_stop_len(r.params);
+    end = hold > 0 && end >= hold - 1 ? end - (hold - 1) : (hold > 0 ? 0 : end);
+    while (end > r.text_sent && end < r.text.size() && (static_cast<unsigned char>(r.text[end]) & 0xC0) == 0x80) --end;
+  }
+  if (end > r.text_sent) {
+    o.new_text = r.text.substr(r.text_sent, end - r.text_sent);
+    r.text_sent = end;
+  }
+  o.finished = r.finished();
+  o.finish_reason = r.finish_reason;
+  o.stop_reason = r.stop_reason;
+  o.prompt_tokens = static_cast<int64_t>(r.prompt.size());
+  o.completion_tokens = static_cast<int64_t>(r.output.size());
+  o.cached_tokens = std::max<int64_t>(0, r.num_cached_tokens);
+  return o;
+}
+
+Result<std::vector<RequestOutput>> Engine::step(double now) {
+  if (now <= 0) now = mono_now();
+  std::vector<RequestOutput> outputs;
+  SchedulerOutput so = scheduler_.schedule(now);
+  if (so.empty()) return outputs;
+
+  StepInput in;
+  in.seqs.reserve(so.seqs.size());
+  for (const auto& s : so.seqs) {
+    Request& r = *s.req;
+    SeqStep ss;
+    ss.seq_id = r.seq_id;
+    ss.start_pos = r.num_computed;
+    ss.tokens.reserve(s.num_new_tokens);
+    const int64_t known = r.num_tokens();
+    for (int64_t i = r.num_computed; i < r.num_computed + s.num_new_tokens; ++i)
+      ss.tokens.push_back(i < known ? r.token_at(i) : r.spec_tokens[i - known]);
+    ss.block_tables = r.block_tables;
+    const bool reaches_end = r.num_computed + s.num_new_tokens >= known;
+    ss.num_logits = reaches_end ? 1 + static_cast<int>(r.spec_tokens.size()) : 0;
+    in.seqs.push_back(std::move(ss));
+  }
+  counters_.max_batched_tokens_seen = std::max(counters_.max_batched_tokens_seen, so.num_batched_tokens);
+  ++counters_.steps;
+  if (step_hook_) step_hook_(so, in);
+
+  ML4_ASSIGN_OR_RETURN(StepOutput out, runner_->execute(in));
+
+  // The runner returns one entry per sequence, or one per sequence that asked for logits.
+  size_t wanted = 0;
+  for (const auto& ss : in.seqs) wanted += ss.num_logits > 0 ? 1 : 0;
+  const bool per_seq = out.logits.size() == in.seqs.size();
+  if (!per_seq && out.logits.size() != wanted)
+    return internal_error("runner returned {} logits entries for {} sequences ({} asking for logits)",
+                          out.logits.size(), in.seqs.size(), wanted);
+
+  size_t li = 0;
+  for (size_t i = 0; i < so.seqs.size(); ++i) {
+    Request& r = *so.seqs[i].req;
+    const int num_logits = in.seqs[i].num_logits;
+    r.num_computed += so.seqs[i].num_new_tokens;
+    if (num_logits > 0) {
+      std::vector<float>& row = out.logits[per_seq ? i : li++];
+      const size_t need = static_cast<size_t>(num_logits) * vocab_;
+      if (row.size() != need)
+        return internal_error("runner returned {} logits for seq {}, expected {}", row.size(), r.seq_id, need);
+      r.spec_tokens.clear();
+      // Without drafts the last row is the only one; verification lands with DSpark.
+      float* last = row.data() + static_cast<size_t>(num_logits - 1) * vocab_;
+      int32_t token = Sampler::sample(r, last, vocab_, r.params.ignore_eos ? -1 : codec_->eos_id());
+      ++counters_.generation_tokens;
+      if (r.output.empty()) {
+        r.first_token_time = now;
+        if (observer_) observer_->on_first_token(r.first_scheduled_time - r.arrival_time, now - r.arrival_time);
+      } else if (observer_) {
+        observer_->on_token(now - r.last_token_time);
+      }
+      r.last_token_time = now;
+      append_token(r, token);
+    } else if (per_seq) {
+      ++li;
+    }
+    blocks_.cache_full_blocks(r);
+    if (r.finished() || (num_logits > 0 && r.tokens_sent < r.output.size())) {
+      outputs.push_back(take_output(r));
+    }
+    if (r.finished()) {
+      counters_.prompt_tokens += static_cast<int64_t>(r.prompt.size());
+      if (observer_)
+        observer_->on_finished(now - r.arrival_time, r.finish_reason, static_cast<int64_t>(r.prompt.size()),
+                               static_cast<int64_t>(r.output.size()));
+      scheduler_.remove(&r);
+      const std::string id = r.request_id;  // r dies with the erase
+      live_.erase(id);
+    }
+  }
+  return outputs;
+}
+
+}  // namespace ml4

@@ -1,0 +1,127 @@
+// Engine: the synchronous core. add_request / abort / step, nothing else; one thread drives
+// it (AsyncEngine in a server, a loop in tests and `ml4 generate`).
+//
+// A step: the scheduler picks (request, new tokens) pairs under the token budget; the engine
+// turns them into one StepInput (tokens, start position, block tables per cache group,
+// logits wanted only where a chunk reaches the end of the known tokens); the runner (CPU or
+// CUDA, the engine cannot tell) executes; each row of logits is sampled; stop conditions are
+// checked (stop ids, EOS, stop strings on the detokenized text, max_tokens, max_model_len);
+// full blocks are registered for prefix caching; finished requests give their blocks back.
+// Text is handed out incrementally: while a stop string could still be forming, the last
+// (longest stop - 1) bytes are held back, as vLLM does, so a stream never shows a stop string.
+//
+// A DSpark step later sets Request::spec_tokens; the step then carries 1 + k tokens and
+// num_logits = 1 + k (the runner contract already allows it).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "core/status.h"
+#include "engine/block_manager.h"
+#include "engine/request.h"
+#include "engine/scheduler.h"
+#include "engine/text_codec.h"
+#include "runtime/model_runner.h"
+
+namespace ml4 {
+
+struct EngineConfig {
+  SchedulerConfig scheduler;
+  bool enable_prefix_caching = true;
+  uint64_t seed = 0;  // seeds requests that bring no seed of their own
+};
+
+// What a step produced for one request: the new part only.
+struct RequestOutput {
+  std::string request_id;
+  std::vector<int32_t> new_tokens;
+  std::string new_text;
+  std::vector<TokenLogprob> new_logprobs;
+  bool finished = false;
+  FinishReason finish_reason = FinishReason::kNone;
+  std::string stop_reason;
+  std::string error;  // set with FinishReason::kError
+  int64_t prompt_tokens = 0;
+  int64_t completion_tokens = 0;
+  int64_t cached_tokens = 0;
+};
+
+// Timing hooks for metrics (server-side Prometheus histograms); called on the engine thread.
+class EngineObserver {
+ public:
+  virtual ~EngineObserver() = default;
+  virtual void on_first_token(double queue_time_s, double ttft_s) {}
+  virtual void on_token(double inter_token_s) {}
+  virtual void on_finished(double e2e_s, FinishReason reason, int64_t prompt_tokens, int64_t gen_tokens) {}
+};
+
+struct EngineCounters {
+  int64_t prompt_tokens = 0;      // prompt tokens of finished requests
+  int64_t generation_tokens = 0;  // sampled tokens
+  int64_t preemptions = 0;
+  int64_t prefix_queries = 0;
+  int64_t prefix_hits = 0;
+  int64_t steps = 0;
+  int64_t max_batched_tokens_seen = 0;
+};
+
+class Engine {
+ public:
+  Engine(ModelRunner* runner, const TextCodec* codec, const EngineConfig& config);
+
+  // Validates and queues a request; errors name the bad field.
+  Status add_request(const std::string& request_id, std::vector<int32_t> prompt, const SamplingParams& params,
+                     int priority = 0, double now = 0.0);
+  // The checks add_request makes, without queueing; reads only immutable state, so any
+  // thread may call it while another drives the engine.
+  Status check_request(const std::vector<int32_t>& prompt, const SamplingParams& params) const;
+  // Finishes a live request with FinishReason::kAbort; its blocks are free on return.
+  // Returns false when no such request is live.
+  bool abort(const std::string& request_id);
+  // One scheduling + forward + sampling round; outputs for requests that changed.
+  Result<std::vector<RequestOutput>> step(double now = 0.0);
+
+  bool has_work() const { return scheduler_.has_work(); }
+  size_t num_running() const { return scheduler_.num_running(); }
+  size_t num_waiting() const { return scheduler_.num_waiting(); }
+  size_t num_live() const { return live_.size(); }
+  const KvBlockManager& blocks() const { return blocks_; }
+  KvBlockManager& blocks() { return blocks_; }
+  EngineCounters counters() const;
+  int64_t max_model_len() const { return config_.scheduler.max_model_len; }
+  const EngineConfig& config() const { return config_; }
+  const TextCodec& codec() const { return *codec_; }
+  int vocab_size() const { return vocab_; }
+  void set_observer(EngineObserver* o) { observer_ = o; }
+  // Called after scheduling, before the forward (tests check the token budget here).
+  void set_step_hook(std::function<void(const SchedulerOutput&, const StepInput&)> hook) {
+    step_hook_ = std::move(hook);
+  }
+
+ private:
+  // Appends `token`, updates text and stop state; returns true when the request finished.
+  bool append_token(Request& r, int32_t token);
+  RequestOutput take_output(Request& r);
+  void finish(Request& r, FinishReason reason);
+
+  ModelRunner* runner_;
+  const TextCodec* codec_;
+  EngineConfig config_;
+  int vocab_;
+  KvBlockManager blocks_;
+  Scheduler scheduler_;
+  std::unordered_map<std::string, std::unique_ptr<Request>> live_;
+  int64_t next_seq_id_ = 1;
+  int64_t next_arrival_ = 0;
+  uint64_t seed_state_;
+  EngineCounters counters_;
+  EngineObserver* observer_ = nullptr;
+  std::function<void(const SchedulerOutput&, const StepInput&)> step_hook_;
+};
+
+}  // namespace ml4

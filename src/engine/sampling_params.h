@@ -1,0 +1,66 @@
+// SamplingParams: what a request asks of the sampler and of the stop logic.
+//
+// Field names and defaults follow vLLM's SamplingParams (vllm/sampling_params.py) so the
+// OpenAI server maps request fields one to one. validate() is the single place that rejects
+// out-of-range values with a message naming the field; the engine assumes validated params.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+
+namespace ml4 {
+
+struct SamplingParams {
+  int n = 1;                       // choices per request (the server fans out n requests)
+  double temperature = 1.0;        // 0: greedy
+  double top_p = 1.0;              // (0, 1]
+  int top_k = 0;                   // 0 or -1: off
+  double min_p = 0.0;              // [0, 1]
+  double frequency_penalty = 0.0;  // [-2, 2], OpenAI semantics: logit -= f * count
+  double presence_penalty = 0.0;   // [-2, 2]: logit -= p * (count > 0)
+  double repetition_penalty = 1.0; // (0, 2], CTRL (arXiv:1909.05858) as in vLLM / HF
+  std::optional<uint64_t> seed;    // per-request generator; unset: drawn from the engine seed
+  int max_tokens = 16;
+  int min_tokens = 0;              // stop ids and EOS are masked until this many tokens
+  std::vector<std::string> stop;   // stop strings, excluded from the output text
+  std::vector<int32_t> stop_token_ids;
+  bool ignore_eos = false;
+  int logprobs = -1;               // -1: none; 0: the sampled token's; N: also the top N
+  bool skip_special_tokens = true;
+  bool include_stop_str_in_output = false;
+
+  static constexpr int kMaxLogprobs = 20;  // OpenAI's top_logprobs bound
+
+  Status validate(int vocab_size) const {
+    if (n < 1 || n > 128) return invalid_argument("n must be in [1, 128], got {}", n);
+    if (!(temperature >= 0.0 && temperature <= 100.0))
+      return invalid_argument("temperature must be in [0, 100], got {}", temperature);
+    if (!(top_p > 0.0 && top_p <= 1.0)) return invalid_argument("top_p must be in (0, 1], got {}", top_p);
+    if (top_k < -1) return invalid_argument("top_k must be -1 (off), 0 (off) or positive, got {}", top_k);
+    if (!(min_p >= 0.0 && min_p <= 1.0)) return invalid_argument("min_p must be in [0, 1], got {}", min_p);
+    if (!(frequency_penalty >= -2.0 && frequency_penalty <= 2.0))
+      return invalid_argument("frequency_penalty must be in [-2, 2], got {}", frequency_penalty);
+    if (!(presence_penalty >= -2.0 && presence_penalty <= 2.0))
+      return invalid_argument("presence_penalty must be in [-2, 2], got {}", presence_penalty);
+    if (!(repetition_penalty > 0.0 && repetition_penalty <= 2.0))
+      return invalid_argument("repetition_penalty must be in (0, 2], got {}", repetition_penalty);
+    if (max_tokens < 1) return invalid_argument("max_tokens must be at least 1, got {}", max_tokens);
+    if (min_tokens < 0 || min_tokens > max_tokens)
+      return invalid_argument("min_tokens must be in [0, max_tokens={}], got {}", max_tokens, min_tokens);
+    if (logprobs < -1 || logprobs > kMaxLogprobs)
+      return invalid_argument("logprobs must be in [0, {}], got {}", kMaxLogprobs, logprobs);
+    if (stop.size() > 16) return invalid_argument("at most 16 stop strings, got {}", stop.size());
+    for (const auto& s : stop)
+      if (s.empty() || s.size() > 256) return invalid_argument("stop strings must be 1..256 bytes long");
+    for (int32_t id : stop_token_ids)
+      if (id < 0 || id >= vocab_size)
+        return invalid_argument("stop_token_ids: {} is outside the vocabulary [0, {})", id, vocab_size);
+    return Status::ok();
+  }
+};
+
+}  // namespace ml4
