@@ -1,0 +1,238 @@
+// Binds checkpoint tensors to ModelWeights. Names are written here in the Mistral native
+// form (MODEL.md section 2) and translated for HF checkpoints with hf_name_from_native();
+// HF mistral4 checkpoints hold routed experts fused ([E, 2I, H] gate_up, [E, H, I] down),
+// which are sliced into per-expert views. Every tensor read is recorded: a checkpoint
+// tensor nobody read is "unknown", a tensor the spec needs that is absent is "missing".
+#include "model/model_weights.h"
+
+#include <algorithm>
+#include <set>
+
+#include <fmt/format.h>
+
+#include "model/quant.h"
+#include "model/weight_names.h"
+
+namespace ml4 {
+namespace {
+
+class Binder {
+ public:
+  Binder(const ModelConfig& cfg, const Checkpoint& ckpt) : cfg_(cfg), ckpt_(ckpt) {}
+
+  Result<std::string> resolve(const std::string& native) const {
+    if (cfg_.layout == CheckpointLayout::kMistral) return native;
+    return hf_name_from_native(native);
+  }
+
+  bool has(const std::string& native) const {
+    auto n = resolve(native);
+    return n.ok() && ckpt_.contains(n.value());
+  }
+
+  Result<Tensor> raw(const std::string& native) {
+    ML4_ASSIGN_OR_RETURN(std::string name, resolve(native));
+    if (!ckpt_.contains(name)) return not_found("missing tensor {}", name);
+    used_.insert(name);
+    return ckpt_.get(name);
+  }
+
+  // A vector of `n` values stored as f32/bf16/f16, returned as f32.
+  Result<std::vector<float>> vec(const std::string& native, int64_t n) {
+    ML4_ASSIGN_OR_RETURN(Tensor t, raw(native));
+    std::string name = resolve(native).value();
+    if (t.rank() != 1 || t.dim(0) != n)
+      return invalid_argument("tensor {}: expected [{}], found {}", name, n, t.describe());
+    if (t.dtype() != DType::kF32 && t.dtype() != DType::kBF16 && t.dtype() != DType::kF16)
+      return invalid_argument("tensor {}: expected f32/bf16/f16, found {}", name, t.describe());
+    Tensor f = to_f32(t);
+    return std::vector<float>(f.as<float>(), f.as<float>() + n);
+  }
+
+  // `base` without the ".weight" suffix; the stored dtype decides the format.
+  Result<LinearWeight> linear(const std::string& base, int64_t N, int64_t K) {
+    const std::string wname = base + ".weight";
+    ML4_ASSIGN_OR_RETURN(Tensor w, raw(wname));
+    return linear_from(base, w, N, K);
+  }
+
+  Result<LinearWeight> linear_from(const std::string& base, const Tensor& w, int64_t N, int64_t K) {
+    auto resolved = resolve(base + ".weight");
+    const std::string name = resolved.ok() ? resolved.value() : base + ".weight";
+    switch (w.dtype()) {
+      case DType::kF32:
+        return make_linear_weight(name, LinearFormat::kF32, N, K, w);
+      case DType::kBF16:
+        return make_linear_weight(name, LinearFormat::kBF16, N, K, w);
+      case DType::kF8E4M3: {
+        ML4_ASSIGN_OR_RETURN(Tensor s, raw(base + "." + kFp8BlockScaleSuffix));
+        return make_linear_weight(name, LinearFormat::kFP8Block, N, K, w, s);
+      }
+      case DType::kU8:
+      case DType::kF4E2M1x2: {
+        ML4_ASSIGN_OR_RETURN(Tensor s, raw(base + "." + kFp4BlockScaleSuffix));
+        if (s.dtype() == DType::kF8E4M3) {
+          ML4_ASSIGN_OR_RETURN(Tensor g, raw(base + "." + kNvfp4GlobalScaleSuffix));
+          if (g.numel() != 1 || g.dtype() != DType::kF32)
+            return invalid_argument("tensor {}.{}: expected one f32, found {}", base, kNvfp4GlobalScaleSuffix, g.describe());
+          return make_linear_weight(name, LinearFormat::kNVFP4, N, K, w, s, g.as<float>()[0]);
+        }
+        return make_linear_weight(name, LinearFormat::kMXFP4, N, K, w, s);
+      }
+      default:
+        return invalid_argument("tensor {}: dtype {} is not a weight format", name, dtype_name(w.dtype()));
+    }
+  }
+
+  Status check_all_used() const {
+    for (const auto& n : ckpt_.names()) {
+      // The DSpark drafter's tensors belong to the drafter runner (S7), not the target.
+      if (cfg_.drafter.enabled && n.rfind("mtp_dspark.", 0) == 0) continue;
+      if (!used_.count(n)) return invalid_argument("unknown tensor {} (not part of this model's layer spec)", n);
+    }
+    return Status::ok();
+  }
+
+  const ModelConfig& cfg_;
+  const Checkpoint& ckpt_;
+  std::set<std::string> used_;
+};
+
+// Splits W_UK [H][dn][r] and W_UV [H][dv][r] out of wkv_b [H*(dn+dv), r].
+void split_wkv_b(const ModelConfig& cfg, const LinearWeight& wkv_b, AttentionWeights& A) {
+  const int H = cfg.n_heads, dn = cfg.qk_nope_head_dim, dv = cfg.v_head_dim, r = cfg.kv_lora_rank;
+  std::vector<float> full = dequantize_linear(wkv_b);
+  A.w_uk.resize(static_cast<size_t>(H) * dn * r);
+  A.w_uv.resize(static_cast<size_t>(H) * dv * r);
+  for (int h = 0; h < H; ++h) {
+    const float* head = full.data() + static_cast<size_t>(h) * (dn + dv) * r;
+    std::copy_n(head, static_cast<size_t>(dn) * r, A.w_uk.data() + static_cast<size_t>(h) * dn * r);
+    std::copy_n(head + static_cast<size_t>(dn) * r, static_cast<size_t>(dv) * r, A.w_uv.data() + static_cast<size_t>(h) * dv * r);
+  }
+}
+
+// A [rows, cols] slice of a fused [E, R, C] tensor (HF fused experts), as a view.
+Tensor slice_rows(const Tensor& t, int64_t e, int64_t row0, int64_t rows) {
+  const int64_t R = t.dim(1), C = t.dim(2);
+  const size_t esz = dtype_size(t.dtype());
+  const uint8_t* base = static_cast<const uint8_t*>(t.data()) + (static_cast<size_t>(e) * R + row0) * C * esz;
+  return Tensor::view(t.dtype(), {rows, C}, base, nullptr);
+}
+
+Status load_layer(const ModelConfig& cfg, int l, Binder& b, LayerWeights& LW) {
+  const LayerSpec& spec = cfg.layers[l];
+  const std::string p = fmt::format("layers.{}.", l);
+  const int64_t D = cfg.dim, H = cfg.n_heads, dn = cfg.qk_nope_head_dim, dr = cfg.qk_rope_head_dim;
+  const int64_t dv = cfg.v_head_dim, r = cfg.kv_lora_rank;
+  ML4_ASSIGN_OR_RETURN(LW.attention_norm, b.vec(p + "attention_norm.weight", D));
+  ML4_ASSIGN_OR_RETURN(LW.ffn_norm, b.vec(p + "ffn_norm.weight", D));
+  AttentionWeights& A = LW.attn;
+  const std::string pa = p + "attention.";
+  if (cfg.q_lora_rank > 0) {
+    ML4_ASSIGN_OR_RETURN(A.wq_a, b.linear(pa + "wq_a", cfg.q_lora_rank, D));
+    ML4_ASSIGN_OR_RETURN(A.q_a_norm, b.vec(pa + "q_a_norm.weight", cfg.q_lora_rank));
+    ML4_ASSIGN_OR_RETURN(A.wq_b, b.linear(pa + "wq_b", H * (dn + dr), cfg.q_lora_rank));
+  } else {
+    ML4_ASSIGN_OR_RETURN(A.wq, b.linear(pa + "wq", H * (dn + dr), D));
+  }
+  if (spec.owns_kv()) {
+    ML4_ASSIGN_OR_RETURN(A.wkv_a, b.linear(pa + "wkv_a_with_mqa", r + dr, D));
+    ML4_ASSIGN_OR_RETURN(A.kv_a_norm, b.vec(pa + "kv_a_norm.weight", r));
+  }
+  ML4_ASSIGN_OR_RETURN(A.wkv_b, b.linear(pa + "wkv_b", H * (dn + dv), r));
+  split_wkv_b(cfg, A.wkv_b, A);
+  ML4_ASSIGN_OR_RETURN(A.wo, b.linear(pa + "wo", D, H * dv));
+  if (spec.ssmax) {
+    ML4_ASSIGN_OR_RETURN(A.ssmax_s, b.vec(pa + "ssmax_s", H));
+  }
+  if (spec.indexer == IndexerRole::kOwner) {
+    auto I = std::make_unique<IndexerWeights>();
+    const std::string pi = pa + "indexer.";
+    const int64_t HI = cfg.indexer.n_heads, dI = cfg.indexer.head_dim;
+    const int64_t qin = cfg.q_lora_rank > 0 ? cfg.q_lora_rank : D;
+    ML4_ASSIGN_OR_RETURN(I->wq, b.linear(pi + "wq", HI * dI, qin));
+    ML4_ASSIGN_OR_RETURN(I->wk, b.linear(pi + "wk", dI, D));
+    ML4_ASSIGN_OR_RETURN(I->k_norm_weight, b.vec(pi + "k_norm.weight", dI));
+    ML4_ASSIGN_OR_RETURN(I->k_norm_bias, b.vec(pi + "k_norm.bias", dI));
+    ML4_ASSIGN_OR_RETURN(I->weights_proj, b.linear(pi + "weights_proj", HI, D));
+    A.indexer = std::move(I);
+  }
+  FfnWeights& F = LW.ffn;
+  switch (spec.ffn) {
+    case FfnKind::kDense: {
+      const int64_t I = cfg.hidden_dim;
+      ML4_ASSIGN_OR_RETURN(F.dense.w1, b.linear(p + "feed_forward.w1", I, D));
+      ML4_ASSIGN_OR_RETURN(F.dense.w2, b.linear(p + "feed_forward.w2", D, I));
+      ML4_ASSIGN_OR_RETURN(F.dense.w3, b.linear(p + "feed_forward.w3", I, D));
+      break;
+    }
+    case FfnKind::kMoe: {
+      const int64_t E = cfg.moe.num_experts, I = cfg.moe.expert_hidden_dim;
+      ML4_ASSIGN_OR_RETURN(F.gate, b.linear(p + "gate", E, D));
+      if (cfg.moe.has_correction_bias) {
+        ML4_ASSIGN_OR_RETURN(F.correction_bias, b.vec(p + "gate.e_score_correction_bias", E));
+      }
+      F.experts.resize(E);
+      if (cfg.layout == CheckpointLayout::kHF && hf_fused_experts(cfg)) {
+        const std::string pe = fmt::format("model.layers.{}.mlp.experts.", l);
+        if (!b.ckpt_.contains(pe + "gate_up_proj") || !b.ckpt_.contains(pe + "down_proj"))
+          return not_found("missing tensor {}gate_up_proj / down_proj", pe);
+        b.used_.insert(pe + "gate_up_proj");
+        b.used_.insert(pe + "down_proj");
+        ML4_ASSIGN_OR_RETURN(Tensor gu, b.ckpt_.get(pe + "gate_up_proj"));
+        ML4_ASSIGN_OR_RETURN(Tensor dw, b.ckpt_.get(pe + "down_proj"));
+        if (gu.shape() != Shape{E, 2 * I, D} || dw.shape() != Shape{E, D, I})
+          return invalid_argument("tensor {}gate_up_proj/down_proj: expected [{}, {}, {}] and [{}, {}, {}], found {} and {}",
+                                  pe, E, 2 * I, D, E, D, I, gu.describe(), dw.describe());
+        for (int64_t e = 0; e < E; ++e) {
+          const std::string pn = fmt::format("{}{}", pe, e);
+          ML4_ASSIGN_OR_RETURN(F.experts[e].w1, b.linear_from(pn + ".gate", slice_rows(gu, e, 0, I), I, D));
+          ML4_ASSIGN_OR_RETURN(F.experts[e].w3, b.linear_from(pn + ".up", slice_rows(gu, e, I, I), I, D));
+          ML4_ASSIGN_OR_RETURN(F.experts[e].w2, b.linear_from(pn + ".down", slice_rows(dw, e, 0, D), D, I));
+        }
+      } else {
+        for (int64_t e = 0; e < E; ++e) {
+          const std::string pe = fmt::format("{}experts.{}.", p, e);
+          ML4_ASSIGN_OR_RETURN(F.experts[e].w1, b.linear(pe + "w1", I, D));
+          ML4_ASSIGN_OR_RETURN(F.experts[e].w2, b.linear(pe + "w2", D, I));
+          ML4_ASSIGN_OR_RETURN(F.experts[e].w3, b.linear(pe + "w3", I, D));
+        }
+      }
+      if (cfg.moe.num_shared_experts > 0) {
+        const int64_t IS = I * cfg.moe.num_shared_experts;
+        auto S = std::make_unique<MlpWeights>();
+        ML4_ASSIGN_OR_RETURN(S->w1, b.linear(p + "shared_experts.w1", IS, D));
+        ML4_ASSIGN_OR_RETURN(S->w2, b.linear(p + "shared_experts.w2", D, IS));
+        ML4_ASSIGN_OR_RETURN(S->w3, b.linear(p + "shared_experts.w3", IS, D));
+        F.shared = std::move(S);
+      }
+      break;
+    }
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+Result<std::shared_ptr<const ModelWeights>> load_model_weights(const ModelConfig& cfg, const Checkpoint& ckpt) {
+  auto W = std::make_shared<ModelWeights>();
+  Binder b(cfg, ckpt);
+  const int64_t D = cfg.dim, V = cfg.vocab_size;
+  ML4_ASSIGN_OR_RETURN(W->tok_embeddings, b.raw("tok_embeddings.weight"));
+  if (W->tok_embeddings.shape() != Shape{V, D} ||
+      (W->tok_embeddings.dtype() != DType::kBF16 && W->tok_embeddings.dtype() != DType::kF32))
+    return invalid_argument("tensor {}: expected [{}, {}] bf16/f32, found {}", b.resolve("tok_embeddings.weight").value(), V,
+                            D, W->tok_embeddings.describe());
+  ML4_ASSIGN_OR_RETURN(W->norm, b.vec("norm.weight", D));
+  if (cfg.tied_embeddings) {
+    ML4_ASSIGN_OR_RETURN(W->output, b.linear_from("tok_embeddings", W->tok_embeddings, V, D));
+  } else {
+    ML4_ASSIGN_OR_RETURN(W->output, b.linear("output", V, D));
+  }
+  W->layers.resize(cfg.n_layers);
+  for (int l = 0; l < cfg.n_layers; ++l) ML4_RETURN_IF_ERROR(load_layer(cfg, l, b, W->layers[l]));
+  ML4_RETURN_IF_ERROR(b.check_all_used());
+  return std::shared_ptr<const ModelWeights>(std::move(W));
+}
+
+}  // namespace ml4

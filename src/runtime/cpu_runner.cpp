@@ -1,0 +1,58 @@
+#include "runtime/cpu_runner.h"
+
+#include "core/log.h"
+#include "kv/kv_cache_dtype.h"
+#include "model/config_loader.h"
+#include "model/model_weights.h"
+
+namespace ml4 {
+
+Result<std::unique_ptr<CpuRunner>> CpuRunner::load(const std::string& model_dir, const RunnerOptions& opts) {
+  ML4_ASSIGN_OR_RETURN(ModelConfig cfg, load_model_config(model_dir));
+  ML4_ASSIGN_OR_RETURN(Checkpoint ck, Checkpoint::open(model_dir));
+  auto ckpt = std::make_shared<Checkpoint>(std::move(ck));
+  ML4_ASSIGN_OR_RETURN(auto weights, load_model_weights(cfg, *ckpt));
+  ML4_ASSIGN_OR_RETURN(KvCacheDtype dtype, parse_kv_cache_dtype(opts.kv_cache_dtype));
+  ML4_ASSIGN_OR_RETURN(KvCacheSpec spec, make_kv_cache_spec(cfg, dtype));
+  auto r = std::unique_ptr<CpuRunner>(new CpuRunner());
+  r->ckpt_ = ckpt;
+  r->spec_ = spec;
+  r->max_model_len_ = opts.max_model_len > 0 ? opts.max_model_len : cfg.max_position_embeddings;
+  std::vector<int64_t> blocks = PagedKvCache::blocks_for_budget(spec, opts.kv_cache_bytes);
+  ML4_ASSIGN_OR_RETURN(PagedKvCache cache, PagedKvCache::create(spec, blocks));
+  r->cache_ = std::make_unique<PagedKvCache>(std::move(cache));
+  for (size_t g = 0; g < spec.groups.size(); ++g) {
+    const auto& sg = spec.groups[g];
+    r->groups_.push_back(CacheGroupInfo{sg.name, sg.page_tokens, blocks[g], sg.sliding_window, sg.bytes_per_token()});
+  }
+  r->model_ = std::make_unique<CpuModel>(cfg, weights, spec.group_index(CacheGroupSpec::kLatent),
+                                         spec.group_index(CacheGroupSpec::kIndexer));
+  ML4_LOG_INFO("cpu runner: {} ({} layers), kv {} : {} B/token, {} blocks of {} tokens", model_dir, cfg.n_layers,
+               opts.kv_cache_dtype, spec.bytes_per_token(), blocks.empty() ? 0 : blocks[0], kPageTokens);
+  return r;
+}
+
+Result<StepOutput> CpuRunner::execute(const StepInput& in) { return execute_traced(in, nullptr); }
+
+Result<StepOutput> CpuRunner::execute_traced(const StepInput& in, ForwardTrace* trace) {
+  const ModelConfig& cfg = model_->config();
+  ML4_ASSIGN_OR_RETURN(StepMetadata md, build_step_metadata(in, groups_, cfg.vocab_size, max_model_len_));
+  std::vector<float> logits;
+  ML4_RETURN_IF_ERROR(model_->forward(md, *cache_, &logits, trace));
+  StepOutput out;
+  const int64_t V = cfg.vocab_size;
+  size_t row = 0;
+  for (const auto& s : in.seqs) {
+    std::vector<float> l(logits.begin() + row * V, logits.begin() + (row + s.num_logits) * V);
+    row += s.num_logits;
+    out.logits.push_back(std::move(l));
+  }
+  return out;
+}
+
+Result<std::unique_ptr<ModelRunner>> load_cpu_runner(const std::string& model_dir, const RunnerOptions& opts) {
+  ML4_ASSIGN_OR_RETURN(auto r, CpuRunner::load(model_dir, opts));
+  return std::unique_ptr<ModelRunner>(std::move(r));
+}
+
+}  // namespace ml4

@@ -1,0 +1,45 @@
+// CpuRunner: the CPU backend behind the ModelRunner interface (SYSTEM.md S3).
+//
+// Loads a model directory (params.json or config.json, safetensors, any weight format),
+// sizes the paged KV cache from RunnerOptions::kv_cache_bytes (every full-attention
+// group gets the same number of token slots) and runs steps with CpuModel.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "kv/cache_spec.h"
+#include "kv/paged_kv_cache.h"
+#include "model/checkpoint.h"
+#include "runtime/cpu_model.h"
+#include "runtime/model_runner.h"
+
+namespace ml4 {
+
+class CpuRunner : public ModelRunner {
+ public:
+  static Result<std::unique_ptr<CpuRunner>> load(const std::string& model_dir, const RunnerOptions& opts);
+
+  const ModelConfig& config() const override { return model_->config(); }
+  const std::vector<CacheGroupInfo>& cache_groups() const override { return groups_; }
+  Result<StepOutput> execute(const StepInput& in) override;
+  // As execute(), also recording the forward's decisions (top-k sets, routed experts).
+  Result<StepOutput> execute_traced(const StepInput& in, ForwardTrace* trace);
+
+  const KvCacheSpec& kv_spec() const { return spec_; }
+  PagedKvCache& cache() { return *cache_; }
+  int64_t max_model_len() const { return max_model_len_; }
+
+ private:
+  std::shared_ptr<Checkpoint> ckpt_;
+  std::unique_ptr<CpuModel> model_;
+  KvCacheSpec spec_;
+  std::unique_ptr<PagedKvCache> cache_;
+  std::vector<CacheGroupInfo> groups_;
+  int64_t max_model_len_ = 0;
+};
+
+// The engine-facing factory.
+Result<std::unique_ptr<ModelRunner>> load_cpu_runner(const std::string& model_dir, const RunnerOptions& opts);
+
+}  // namespace ml4
