@@ -89,6 +89,35 @@ inline float hsum(__m256 v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+
+// 8 e4m3 bytes -> 8 f32, exactly: the 7 magnitude bits placed at f32 bit 20 read as
+// 2^(e-127) (1 + m/8) (an f32 subnormal for e == 0, m * 2^-129), and * 2^120 rebiases
+// both cases exactly (needs DAZ off, the C++ default). Codes 0x7f/0xff become NaN.
+inline __m256 e4m3x8(const uint8_t* p) {
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi32(0x7f));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
+  __m256 v = _mm256_castsi256_ps(_mm256_or_si256(_mm256_slli_epi32(mag, 20), sign));
+  v = _mm256_mul_ps(v, _mm256_set1_ps(0x1p120f));
+  const __m256 nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7f)));
+  return _mm256_or_ps(v, nan);
+}
+
+// 8 bytes of packed e2m1 (16 values, low nibble first) times s -> out[0..16).
+inline void e2m1x16(const uint8_t* p, __m256 s, float* out) {
+  const __m256 table = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  auto dec = [&](__m256i n) {
+    const __m256 v = _mm256_permutevar8x32_ps(table, n);  // uses the low 3 bits
+    const __m256i sgn = _mm256_slli_epi32(_mm256_and_si256(n, _mm256_set1_epi32(8)), 28);
+    return _mm256_or_ps(v, _mm256_castsi256_ps(sgn));
+  };
+  const __m256 lo = dec(_mm256_and_si256(b, _mm256_set1_epi32(0xf)));
+  const __m256 hi = dec(_mm256_srli_epi32(b, 4));
+  const __m256 a = _mm256_unpacklo_ps(lo, hi), c = _mm256_unpackhi_ps(lo, hi);
+  _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_permute2f128_ps(a, c, 0x20), s));
+  _mm256_storeu_ps(out + 8, _mm256_mul_ps(_mm256_permute2f128_ps(a, c, 0x31), s));
+}
 #endif
 
 inline float to_f32(float v) { return v; }
@@ -217,14 +246,19 @@ void decode_weight_rows(const LinearWeight& w, int64_t n0, int64_t n1, float* ou
         for (int64_t b = 0; b < kb; ++b) {
           const float s = srow[b];
           const int64_t k1 = std::min(K, (b + 1) * kFp8BlockSize);
-          for (int64_t k = b * kFp8BlockSize; k < k1; ++k) o[k] = lut[row[k]] * s;
+          int64_t k = b * kFp8BlockSize;
+#ifdef ML4_LINEAR_AVX2
+          const __m256 sv = _mm256_set1_ps(s);
+          for (; k + 8 <= k1; k += 8) _mm256_storeu_ps(o + k, _mm256_mul_ps(e4m3x8(row + k), sv));
+#endif
+          for (; k < k1; ++k) o[k] = lut[row[k]] * s;
         }
       }
       break;
     }
     case LinearFormat::kNVFP4:
     case LinearFormat::kMXFP4: {
-      const auto& pairs = e2m1_pair_table();
+      [[maybe_unused]] const auto& pairs = e2m1_pair_table();
       const auto& e4m3 = e4m3_table();
       const bool nv = w.format == LinearFormat::kNVFP4;
       const int64_t group = nv ? kNvfp4GroupSize : kMxfp4GroupSize;
@@ -235,14 +269,19 @@ void decode_weight_rows(const LinearWeight& w, int64_t n0, int64_t n1, float* ou
         const uint8_t* row = q + n * (K / 2);
         float* o = out + (n - n0) * K;
         for (int64_t g = 0; g < groups; ++g) {
-          const uint8_t sv = sc[n * groups + g];
-          const float s = nv ? e4m3[sv] * w.global_scale : e8m0_to_f32(sv);
+          const uint8_t code = sc[n * groups + g];
+          const float s = nv ? e4m3[code] * w.global_scale : e8m0_to_f32(code);
           const uint8_t* b = row + g * group / 2;
           float* og = o + g * group;
+#ifdef ML4_LINEAR_AVX2
+          const __m256 sv = _mm256_set1_ps(s);
+          for (int64_t i = 0; i < group / 2; i += 8) e2m1x16(b + i, sv, og + 2 * i);  // group % 16 == 0
+#else
           for (int64_t i = 0; i < group / 2; ++i) {
             og[2 * i] = pairs[b[i]][0] * s;
             og[2 * i + 1] = pairs[b[i]][1] * s;
           }
+#endif
         }
       }
       break;
