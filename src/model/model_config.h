@@ -110,6 +110,13 @@ struct LayerSpec {
 struct ModelConfig {
   std::string name;  // informative (logs, /v1/models); never branched on
   CheckpointLayout layout = CheckpointLayout::kMistral;
+  // HF config.json model_type this config came from ("" for params.json); selects tensor
+  // naming details of the HF layout only (weight_names.h), never the forward.
+  std::string hf_model_type;
+  // Order of the rope rows in the stored wq / wq_b / wkv_a_with_mqa weights: true is
+  // interleaved pairs (native, and HF `rope_interleave: true`); false is HF rotate_half
+  // order, which the loader permutes back (weight_names.h hf_rope_row_permutation).
+  bool rope_interleave = true;
 
   int dim = 0;
   int n_layers = 0;
