@@ -150,26 +150,35 @@ Result<Checkpoint> Checkpoint::open_index(const std::string& dir, const std::str
     mapped[it.key()] = fname;
   }
 
-  Checkpoint c;
-  c.dir_ = dir;
-  c.layout_ = layout;
+  std::vector<std::shared_ptr<const SafetensorsFile>> opened;
   for (const std::string& fname : file_names) {
     fs::path p = fs::path(dir) / fname;
     if (!is_regular(p)) return not_found("{}: names shard {}, which does not exist in {}", ip, fname, dir);
     ML4_ASSIGN_OR_RETURN(auto f, SafetensorsFile::open(p.string()));
-    // Every tensor of this shard must be mapped here; a tensor mapped elsewhere is a duplicate.
-    for (const std::string& n : f->names()) {
+    opened.push_back(std::move(f));
+  }
+  // Every tensor of a shard must be mapped to that shard; one mapped elsewhere is either a
+  // duplicate (the other shard holds it too) or a wrong index entry.
+  for (size_t i = 0; i < opened.size(); ++i) {
+    const std::string& fname = file_names[i];
+    for (const std::string& n : opened[i]->names()) {
       auto m = mapped.find(n);
       if (m == mapped.end()) {
         return invalid_argument("{}: shard {} holds tensor \"{}\", which the index does not list", ip, fname, n);
       }
       if (m->second != fname) {
-        return invalid_argument("{}: tensor \"{}\" is in two shards, {} and {} (the index maps it to {})", ip, n,
-                                m->second, fname, m->second);
+        if (opened[file_index.at(m->second)]->contains(n)) {
+          return invalid_argument("{}: tensor \"{}\" is in two shards, {} and {}", ip, n, m->second, fname);
+        }
+        return invalid_argument("{}: tensor \"{}\" is in shard {}, but the index maps it to {}, which does not hold it",
+                                ip, n, fname, m->second);
       }
     }
-    ML4_RETURN_IF_ERROR(c.add_file(std::move(f)));
   }
+  Checkpoint c;
+  c.dir_ = dir;
+  c.layout_ = layout;
+  for (auto& f : opened) ML4_RETURN_IF_ERROR(c.add_file(std::move(f)));
   for (const auto& [n, fname] : mapped) {
     if (!c.where_.count(n)) {
       return not_found("{}: tensor \"{}\" is mapped to {}, which does not hold it", ip, n, fname);

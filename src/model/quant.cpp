@@ -163,9 +163,11 @@ Result<LinearWeight> make_linear_weight(std::string name, LinearFormat fmt, int6
   w.in_features = in_features;
   w.global_scale = fmt == LinearFormat::kNVFP4 ? global_scale : 1.0f;
   const bool fp4 = fmt == LinearFormat::kNVFP4 || fmt == LinearFormat::kMXFP4;
-  w.weight = fp4 && weight.dtype() == DType::kU8 ? retag(weight, DType::kF4E2M1x2) : std::move(weight);
-  w.scale = fmt == LinearFormat::kMXFP4 && scale.dtype() == DType::kU8 ? retag(scale, DType::kE8M0) : std::move(scale);
-  ML4_RETURN_IF_ERROR(validate_linear_weight_format(w));
+  w.weight = std::move(weight);
+  w.scale = std::move(scale);
+  ML4_RETURN_IF_ERROR(validate_linear_weight_format(w));  // messages show the dtypes as stored
+  if (fp4 && w.weight.dtype() == DType::kU8) w.weight = retag(w.weight, DType::kF4E2M1x2);
+  if (fmt == LinearFormat::kMXFP4 && w.scale.dtype() == DType::kU8) w.scale = retag(w.scale, DType::kE8M0);
   if (fmt == LinearFormat::kFP8Block) {
     // Block scales are few (1 per 16384 weights); a NaN or inf here would poison a whole block.
     const float* s = w.scale.as<float>();

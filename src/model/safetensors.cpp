@@ -150,7 +150,8 @@ Status parse_tensor_entry(const std::string& file, const std::string& name, cons
   }
   uint64_t want = 0;
   if (overflow || __builtin_mul_overflow(numel, static_cast<uint64_t>(dtype_size(*dt)), &want)) {
-    return fail(fmt::format("shape {} is too large ({} elements overflow)", shape_str(info->shape), dtype_name(*dt)));
+    return fail(fmt::format("shape {} {} is too large (its byte size overflows 64 bits)", shape_str(info->shape),
+                            jd.get_ref<const std::string&>()));
   }
   if (en - b != want) {
     return fail(fmt::format("data_offsets [{}, {}] hold {} bytes but shape {} {} needs {}", b, en, en - b,
