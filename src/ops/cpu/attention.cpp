@@ -1,6 +1,11 @@
-// Attention cores: see attention.h. The MLA core is FlashMLA's contract on gathered
-// rows: logits, one f64-free max-subtracted softmax in f32 with the normalizer summed in
-// f64, out and lse per head. Heads are split across threads.
+// Attention cores: see attention.h.
+//
+// mla_attention walks the gathered rows in blocks of kBlock and, for every head of the
+// thread's share, updates an online softmax (FlashAttention: running max m, running
+// sum l, output rescaled by exp(m_old - m_new) when the max grows). A block of c
+// (kBlock x r f32, 64 KiB at r = 512) is thus read from memory once per thread and
+// reused from cache by all its heads, instead of once per head. Logits and the output
+// are f32 (AVX2 FMA dots); l is summed in f64; lse = m + log(l).
 #include "ops/cpu/attention.h"
 
 #include <algorithm>
@@ -8,49 +13,107 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define ML4_ATTN_AVX2 1
+#endif
+
 #include "core/threads.h"
 
 namespace ml4::cpu {
 namespace {
 
+constexpr int64_t kBlock = 32;  // rows of c per online-softmax step
+
 inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
   float s = 0.0f;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+#ifdef ML4_ATTN_AVX2
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  __m256 v = _mm256_add_ps(acc0, acc1);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  s = _mm_cvtss_f32(h);
+#endif
+  for (; i < n; ++i) s += a[i] * b[i];
   return s;
+}
+
+// o[i] = o[i] * alpha + sum_j p[j] * c[j*r + i], j < rows.
+inline void scale_accumulate(float* o, float alpha, const float* p, const float* c, int64_t rows, int r) {
+  int i = 0;
+#ifdef ML4_ATTN_AVX2
+  const __m256 av = _mm256_set1_ps(alpha);
+  for (; i + 8 <= r; i += 8) {
+    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(o + i), av);
+    for (int64_t j = 0; j < rows; ++j)
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(c + j * r + i), acc);
+    _mm256_storeu_ps(o + i, acc);
+  }
+#endif
+  for (; i < r; ++i) {
+    float acc = o[i] * alpha;
+    for (int64_t j = 0; j < rows; ++j) acc += p[j] * c[j * r + i];
+    o[i] = acc;
+  }
 }
 
 }  // namespace
 
 void mla_attention(const float* q_lat, const float* q_rope, int H, int r, int dr, const float* c,
                    const float* kr, int64_t S, const float* head_scale, float* out_lat, float* lse) {
-  parallel_for(H, 1, [&](int64_t h0, int64_t h1) {
-    std::vector<float> logit(static_cast<size_t>(std::max<int64_t>(S, 0)));
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  // Split heads evenly over the threads: every thread then streams c once.
+  const int64_t grain = std::max<int64_t>(1, (H + num_threads() - 1) / num_threads());
+  parallel_for(H, grain, [&](int64_t h0, int64_t h1) {
+    const int64_t nh = h1 - h0;
+    std::vector<float> m(nh, kNegInf);
+    std::vector<double> l(nh, 0.0);
+    float p[kBlock];
+    for (int64_t h = h0; h < h1; ++h) std::fill(out_lat + h * r, out_lat + (h + 1) * r, 0.0f);
+    for (int64_t s0 = 0; s0 < S; s0 += kBlock) {
+      const int64_t rows = std::min(kBlock, S - s0);
+      const float* cb = c + s0 * r;
+      const float* kb = kr + s0 * dr;
+      for (int64_t h = h0; h < h1; ++h) {
+        const float* ql = q_lat + h * r;
+        const float* qr = q_rope + h * dr;
+        float bmax = kNegInf;
+        for (int64_t j = 0; j < rows; ++j) {
+          p[j] = (dot(ql, cb + j * r, r) + dot(qr, kb + j * dr, dr)) * head_scale[h];
+          bmax = std::max(bmax, p[j]);
+        }
+        float& mh = m[h - h0];
+        const float m_new = std::max(mh, bmax);
+        if (m_new == kNegInf) continue;  // everything so far is -inf: nothing to add
+        const float alpha = mh == kNegInf ? 0.0f : std::exp(mh - m_new);
+        double bsum = 0.0;
+        for (int64_t j = 0; j < rows; ++j) {
+          p[j] = std::exp(p[j] - m_new);
+          bsum += p[j];
+        }
+        l[h - h0] = l[h - h0] * alpha + bsum;
+        mh = m_new;
+        scale_accumulate(out_lat + h * r, alpha, p, cb, rows, r);
+      }
+    }
     for (int64_t h = h0; h < h1; ++h) {
+      const double lh = l[h - h0];
       float* o = out_lat + h * r;
-      std::fill(o, o + r, 0.0f);
-      if (S <= 0) {
-        lse[h] = -std::numeric_limits<float>::infinity();
+      if (lh <= 0.0) {  // S == 0 (or all logits -inf): no mass
+        std::fill(o, o + r, 0.0f);
+        lse[h] = kNegInf;
         continue;
       }
-      const float* ql = q_lat + h * r;
-      const float* qr = q_rope + h * dr;
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t s = 0; s < S; ++s) {
-        logit[s] = (dot(ql, c + s * r, r) + dot(qr, kr + s * dr, dr)) * head_scale[h];
-        mx = std::max(mx, logit[s]);
-      }
-      double sum = 0.0;
-      for (int64_t s = 0; s < S; ++s) {
-        logit[s] = std::exp(logit[s] - mx);
-        sum += logit[s];
-      }
-      const float inv = static_cast<float>(1.0 / sum);
-      for (int64_t s = 0; s < S; ++s) {
-        const float p = logit[s] * inv;
-        const float* cs = c + s * r;
-        for (int i = 0; i < r; ++i) o[i] += p * cs[i];
-      }
-      lse[h] = static_cast<float>(mx + std::log(sum));
+      const float inv = static_cast<float>(1.0 / lh);
+      for (int i = 0; i < r; ++i) o[i] *= inv;
+      lse[h] = static_cast<float>(m[h - h0] + std::log(lh));
     }
   });
 }
