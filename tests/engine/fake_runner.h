@@ -1,0 +1,108 @@
+// FakeRunner: a ModelRunner whose logits are a pure function of the token history *as read
+// back from its paged KV cache* through the block tables the engine passes.
+//
+// Each cache group is a page array of cells {token, position}. execute() writes every new
+// token into its cell in every group, then, for each logits row at position p, reads cells
+// 0..p through the block tables of every group, checks each cell holds the position it
+// should (else the engine handed out a wrong or stale block) and hashes the tokens into a
+// logits row. So a scheduling, block-table or prefix-cache bug changes the output or fails
+// the step, while a correct engine gives the same tokens alone, batched, preempted or with a
+// prefix hit: exactly the invariants the tests check.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <thread>
+#include <vector>
+
+#include "runtime/model_runner.h"
+
+namespace ml4::testing {
+
+class FakeRunner : public ModelRunner {
+ public:
+  struct Cell {
+    int32_t token = -1;
+    int64_t pos = -1;
+  };
+
+  FakeRunner(int vocab, std::vector<CacheGroupInfo> groups) : groups_(std::move(groups)) {
+    config_.name = "fake";
+    config_.vocab_size = vocab;
+    config_.max_position_embeddings = 1 << 20;
+    for (const auto& g : groups_) pages_.emplace_back(static_cast<size_t>(g.num_blocks * g.page_tokens));
+  }
+  static std::vector<CacheGroupInfo> two_groups(int64_t blocks, int page = 4) {
+    return {{"latent", page, blocks, 0, 656}, {"indexer", page, blocks, 0, 132}};
+  }
+
+  const ModelConfig& config() const override { return config_; }
+  const std::vector<CacheGroupInfo>& cache_groups() const override { return groups_; }
+
+  Result<StepOutput> execute(const StepInput& in) override {
+    ++steps_;
+    if (delay_ms_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms_.load()));
+    if (fail_) return internal_error("fake runner: injected failure");
+    StepOutput out;
+    for (const auto& s : in.seqs) {
+      if (s.block_tables.size() != groups_.size())
+        return internal_error("seq {}: {} block tables for {} groups", s.seq_id, s.block_tables.size(), groups_.size());
+      for (size_t i = 0; i < s.tokens.size(); ++i) {
+        int64_t pos = s.start_pos + static_cast<int64_t>(i);
+        for (size_t g = 0; g < groups_.size(); ++g) {
+          Cell* c = cell(g, s.block_tables[g], pos);
+          if (!c) return internal_error("seq {}: group {} has no block for position {}", s.seq_id, g, pos);
+          *c = {s.tokens[i], pos};
+        }
+      }
+      std::vector<float> rows;
+      const int64_t end = s.start_pos + static_cast<int64_t>(s.tokens.size());
+      for (int64_t p = end - s.num_logits; p < end; ++p) {
+        uint64_t h = 0x1234567ull;
+        for (int64_t q = 0; q <= p; ++q) {
+          int32_t tok = -1;
+          for (size_t g = 0; g < groups_.size(); ++g) {
+            Cell* c = cell(g, s.block_tables[g], q);
+            if (!c || c->pos != q)
+              return internal_error("seq {}: group {} position {} holds stale KV", s.seq_id, g, q);
+            if (g > 0 && c->token != tok) return internal_error("seq {}: groups disagree at {}", s.seq_id, q);
+            tok = c->token;
+          }
+          h = mix(h ^ static_cast<uint64_t>(tok));
+        }
+        for (int v = 0; v < config_.vocab_size; ++v)
+          rows.push_back(static_cast<float>((mix(h ^ (static_cast<uint64_t>(v) << 32)) >> 40) / double(1 << 24) * 8.0 - 4.0));
+      }
+      out.logits.push_back(std::move(rows));
+    }
+    return out;
+  }
+
+  static uint64_t mix(uint64_t x) {
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+  }
+
+  std::atomic<int> delay_ms_{0};
+  std::atomic<bool> fail_{false};
+  std::atomic<int64_t> steps_{0};
+
+ private:
+  Cell* cell(size_t g, const std::vector<int32_t>& table, int64_t pos) {
+    const int64_t page = groups_[g].page_tokens;
+    const int64_t bi = pos / page;
+    if (bi >= static_cast<int64_t>(table.size())) return nullptr;
+    const int32_t b = table[bi];
+    if (b < 0 || b >= groups_[g].num_blocks) return nullptr;
+    return &pages_[g][static_cast<size_t>(b * page + pos % page)];
+  }
+
+  ModelConfig config_;
+  std::vector<CacheGroupInfo> groups_;
+  std::vector<std::vector<Cell>> pages_;
+};
+
+}  // namespace ml4::testing
