@@ -17,7 +17,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define ML4_LINEAR_AVX2 1
 #endif
@@ -90,17 +90,18 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// 8 e4m3 bytes -> 8 f32, exactly: the 7 magnitude bits placed at f32 bit 20 read as
-// 2^(e-127) (1 + m/8) (an f32 subnormal for e == 0, m * 2^-129), and * 2^120 rebiases
-// both cases exactly (needs DAZ off, the C++ default). Codes 0x7f/0xff become NaN.
-inline __m256 e4m3x8(const uint8_t* p) {
-  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi32(0x7f));
-  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
-  __m256 v = _mm256_castsi256_ps(_mm256_or_si256(_mm256_slli_epi32(mag, 20), sign));
-  v = _mm256_mul_ps(v, _mm256_set1_ps(0x1p120f));
-  const __m256 nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7f)));
-  return _mm256_or_ps(v, nan);
+// 8 e4m3 bytes -> 8 f32 times 2^-8, exactly: e4m3 s.eeee.mmm placed in an f16 as
+// s.0eeee.mmm0000000 is 2^-8 times the e4m3 value (also for subnormals, which f16 has
+// too), and F16C converts that to an always-normal f32 (an f32-subnormal trick would hit
+// the ~100-cycle denormal assist on 1/16 of the codes). The caller folds 2^8 into the
+// block scale (exact). Codes 0x7f/0xff become NaN.
+inline __m256 e4m3x8_div256(const uint8_t* p) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i mag = _mm_and_si128(b, _mm_set1_epi16(0x7f));
+  const __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
+  const __m256 v = _mm256_cvtph_ps(_mm_or_si128(_mm_slli_epi16(mag, 7), sign));
+  const __m256i nan = _mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f)));
+  return _mm256_or_ps(v, _mm256_castsi256_ps(nan));
 }
 
 // 8 bytes of packed e2m1 (16 values, low nibble first) times s -> out[0..16).
@@ -251,8 +252,10 @@ void decode_weight_rows(const LinearWeight& w, int64_t n0, int64_t n1, float* ou
           const int64_t k1 = std::min(K, (b + 1) * kFp8BlockSize);
           int64_t k = b * kFp8BlockSize;
 #ifdef ML4_LINEAR_AVX2
-          const __m256 sv = _mm256_set1_ps(s);
-          for (; k + 8 <= k1; k += 8) _mm256_storeu_ps(o + k, _mm256_mul_ps(e4m3x8(row + k), sv));
+          // (v / 256) * (s * 256) rounds once, exactly like lut[v] * s (2^8 scalings are exact
+          // unless s * 256 overflows, which no checkpoint scale comes near).
+          const __m256 sv = _mm256_set1_ps(s * 256.0f);
+          for (; k + 8 <= k1; k += 8) _mm256_storeu_ps(o + k, _mm256_mul_ps(e4m3x8_div256(row + k), sv));
 #endif
           for (; k < k1; ++k) o[k] = lut[row[k]] * s;
         }
