@@ -1,0 +1,162 @@
+// `ml4 generate`: one prompt through the CPU runner, token by token over the paged cache.
+//
+// The prompt is prefilled in one step, then each new token is one decode step reading
+// the cache (no recomputation). Sampling is the engine's Sampler (greedy with
+// --temperature 0, else temperature / top-p / top-k from a seeded generator).
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <sstream>
+
+#include "command.h"
+#include "core/log.h"
+#include "engine/request.h"
+#include "engine/sampler.h"
+#include "runtime/cpu_runner.h"
+#include "tokenizer/tokenizer.h"
+
+namespace ml4::cli {
+namespace {
+
+struct GenerateOptions {
+  std::string model;
+  std::string prompt;
+  std::string prompt_ids;
+  int max_tokens = 32;
+  double temperature = 0.0;
+  double top_p = 1.0;
+  int top_k = 0;
+  uint64_t seed = 0;
+  std::string kv_cache_dtype = "fp8_ds_mla";
+  bool ignore_eos = false;
+};
+
+Result<std::vector<int32_t>> parse_ids(const std::string& s) {
+  std::vector<int32_t> ids;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    try {
+      size_t used = 0;
+      long v = std::stol(item, &used);
+      if (used != item.size() && item.find_first_not_of(' ', used) != std::string::npos) throw std::invalid_argument(item);
+      ids.push_back(static_cast<int32_t>(v));
+    } catch (const std::exception&) {
+      return invalid_argument("--prompt-ids: '{}' is not an integer", item);
+    }
+  }
+  if (ids.empty()) return invalid_argument("--prompt-ids is empty");
+  return ids;
+}
+
+Status run_generate(const GenerateOptions& o) {
+  RunnerOptions ro;
+  ro.kv_cache_dtype = o.kv_cache_dtype;
+  ML4_ASSIGN_OR_RETURN(auto runner, CpuRunner::load(o.model, ro));
+  const ModelConfig& cfg = runner->config();
+  std::shared_ptr<const Tokenizer> tok;
+  const std::string tok_path = o.model + "/tekken.json";
+  if (std::filesystem::exists(tok_path)) {
+    ML4_ASSIGN_OR_RETURN(tok, Tokenizer::load(tok_path));
+  }
+  std::vector<int32_t> prompt;
+  if (!o.prompt_ids.empty()) {
+    ML4_ASSIGN_OR_RETURN(prompt, parse_ids(o.prompt_ids));
+  } else {
+    if (!tok) return invalid_argument("{} has no tekken.json: pass --prompt-ids", o.model);
+    prompt.push_back(tok->bos_id());
+    auto body = tok->encode(o.prompt);
+    prompt.insert(prompt.end(), body.begin(), body.end());
+  }
+  const int64_t total = static_cast<int64_t>(prompt.size()) + o.max_tokens;
+  const auto& groups = runner->cache_groups();
+  SeqStep step;
+  step.seq_id = 1;
+  step.block_tables.resize(groups.size());
+  for (size_t g = 0; g < groups.size(); ++g) {
+    if (groups[g].sliding_window != 0) continue;
+    const int64_t need = (total + groups[g].page_tokens - 1) / groups[g].page_tokens;
+    if (need > groups[g].num_blocks)
+      return resource_exhausted("{} tokens need {} blocks of group {}, the cache has {}", total, need, groups[g].name,
+                                groups[g].num_blocks);
+    for (int64_t b = 0; b < need; ++b) step.block_tables[g].push_back(static_cast<int32_t>(b));
+  }
+  Request req;
+  req.prompt = prompt;
+  req.params.temperature = o.temperature;
+  req.params.top_p = o.top_p;
+  req.params.top_k = o.top_k;
+  req.params.max_tokens = o.max_tokens;
+  req.params.ignore_eos = o.ignore_eos;
+  ML4_RETURN_IF_ERROR(req.params.validate(cfg.vocab_size));
+  req.rng.seed(o.seed);
+  const int32_t eos = tok ? tok->eos_id() : -1;
+
+  using clock = std::chrono::steady_clock;
+  step.tokens = prompt;
+  step.start_pos = 0;
+  auto t0 = clock::now();
+  ML4_ASSIGN_OR_RETURN(StepOutput out, runner->execute(StepInput{{step}}));
+  auto t1 = clock::now();
+  std::unique_ptr<StreamDecoder> dec;
+  if (tok) dec = std::make_unique<StreamDecoder>(tok);
+  std::vector<int32_t> generated;
+  double decode_s = 0.0;
+  for (int i = 0; i < o.max_tokens; ++i) {
+    int32_t next = Sampler::sample(req, out.logits[0].data(), cfg.vocab_size, eos);
+    req.output.push_back(next);
+    req.output_counts[next]++;
+    generated.push_back(next);
+    if (dec) {
+      std::fputs(dec->push(next).c_str(), stdout);
+      std::fflush(stdout);
+    }
+    if (next == eos && !o.ignore_eos) break;
+    if (i + 1 == o.max_tokens) break;
+    step.start_pos += static_cast<int64_t>(step.tokens.size());
+    step.tokens = {next};
+    auto d0 = clock::now();
+    ML4_ASSIGN_OR_RETURN(out, runner->execute(StepInput{{step}}));
+    decode_s += std::chrono::duration<double>(clock::now() - d0).count();
+  }
+  if (dec) std::fputs(dec->flush().c_str(), stdout);
+  std::printf("\n");
+  std::string ids;
+  for (auto id : generated) ids += (ids.empty() ? "" : ",") + std::to_string(id);
+  std::printf("ids: %s\n", ids.c_str());
+  const double prefill_s = std::chrono::duration<double>(t1 - t0).count();
+  const size_t decoded = generated.size() > 0 ? generated.size() - 1 : 0;
+  std::printf("prefill: %zu tokens in %.3f s (%.1f tok/s); decode: %zu tokens in %.3f s (%.2f tok/s)\n", prompt.size(),
+              prefill_s, prompt.size() / prefill_s, decoded, decode_s, decoded > 0 ? decoded / decode_s : 0.0);
+  return Status::ok();
+}
+
+CommandRegistrar reg("generate", [](CLI::App& app, int* exit_code) {
+  auto* cmd = app.add_subcommand("generate", "generate from a prompt on the CPU backend");
+  auto o = std::make_shared<GenerateOptions>();
+  cmd->add_option("--model", o->model, "model directory")->required();
+  cmd->add_option("--prompt", o->prompt, "prompt text (tokenized with the model's tekken.json, BOS prepended)");
+  cmd->add_option("--prompt-ids", o->prompt_ids, "prompt token ids, comma separated");
+  cmd->add_option("--max-tokens", o->max_tokens, "tokens to generate");
+  cmd->add_option("--temperature", o->temperature, "0: greedy");
+  cmd->add_option("--top-p", o->top_p, "nucleus sampling");
+  cmd->add_option("--top-k", o->top_k, "top-k sampling (0: off)");
+  cmd->add_option("--seed", o->seed, "sampling seed");
+  cmd->add_option("--kv-cache-dtype", o->kv_cache_dtype, "fp8_ds_mla, fp8 or bf16");
+  cmd->add_flag("--ignore-eos", o->ignore_eos, "keep generating after EOS");
+  cmd->callback([o, exit_code] {
+    if (o->prompt.empty() == o->prompt_ids.empty()) {
+      ML4_LOG_ERROR("generate: give exactly one of --prompt and --prompt-ids");
+      *exit_code = 2;
+      return;
+    }
+    Status s = run_generate(*o);
+    if (!s.is_ok()) {
+      ML4_LOG_ERROR("generate: {}", s.message());
+      *exit_code = 1;
+    }
+  });
+});
+
+}  // namespace
+}  // namespace ml4::cli

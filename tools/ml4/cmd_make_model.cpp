@@ -1,0 +1,81 @@
+// `ml4 make-model`: a model directory with random weights for a preset
+// (src/model/random_checkpoint.h), plus its tokenizer.
+#include "command.h"
+#include "core/log.h"
+#include "model/model_config.h"
+#include "model/presets.h"
+#include "model/random_checkpoint.h"
+#include <nlohmann/json.hpp>
+
+#include "tokenizer/base64.h"
+
+namespace ml4 {
+namespace cli {
+namespace {
+
+// A byte-level tekken.json of exactly `vocab_size` ids: the special tokens first
+// (mistral-common's v7 set, padded with <SPECIAL_n>), then the 256 single bytes.
+std::string default_tokenizer_json(int vocab_size) {
+  const std::vector<std::string> named = {"<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]",
+                                          "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[TOOL_CALLS]",
+                                          "[IMG]", "<pad>", "[IMG_BREAK]", "[IMG_END]", "[PREFIX]", "[MIDDLE]",
+                                          "[SUFFIX]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CONTENT]",
+                                          "[ARGS]", "[CALL_ID]", "[THINK]", "[/THINK]"};
+  const int num_special = std::max<int>(static_cast<int>(named.size()), vocab_size - 256);
+  nlohmann::json specials = nlohmann::json::array();
+  for (int i = 0; i < num_special; ++i) {
+    std::string name = i < static_cast<int>(named.size()) ? named[i] : fmt::format("<SPECIAL_{}>", i);
+    specials.push_back({{"rank", i}, {"token_str", name}, {"is_control", true}});
+  }
+  nlohmann::json vocab = nlohmann::json::array();
+  for (int b = 0; b < 256 && num_special + b < vocab_size; ++b) {
+    std::string byte(1, static_cast<char>(b));
+    vocab.push_back({{"rank", b}, {"token_bytes", base64_encode(byte)}, {"token_str", nullptr}});
+  }
+  nlohmann::json doc = {
+      {"config",
+       {{"pattern", R"([^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+)"},
+        {"num_vocab_tokens", static_cast<int>(vocab.size())},
+        {"default_vocab_size", vocab_size},
+        {"default_num_special_tokens", num_special},
+        {"version", "v7"}}},
+      {"vocab", vocab},
+      {"special_tokens", specials}};
+  return doc.dump();
+}
+
+}  // namespace
+
+namespace {
+
+CommandRegistrar reg("make-model", [](CLI::App& app, int* exit_code) {
+  auto* cmd = app.add_subcommand("make-model", "write a model directory with random weights for a preset");
+  auto o = std::make_shared<MakeModelOptions>();
+  cmd->add_option("--preset", o->preset, "ml4, ml4-slice-N, ml4-tiny, mistral4-tiny, dsv32-tiny")->required();
+  cmd->add_option("--out", o->out_dir, "output directory")->required();
+  cmd->add_option("--seed", o->seed, "weight seed");
+  cmd->add_option("--dtype", o->weight_dtype, "weight format: bf16, fp8, nvfp4 (experts), mxfp4 (experts)");
+  cmd->add_option("--layout", o->layout, "native, hf, both (HF copy in OUT/hf), default (the preset's own)");
+  cmd->add_option("--max-shard-bytes", o->max_shard_bytes, "split the weights into shards of at most this size");
+  cmd->add_option("--hf-model-type", o->hf_model_type, "model_type of the HF copy (default: the preset's, else mistral4)");
+  cmd->callback([o, exit_code] {
+    auto cfg = preset_config(o->preset);
+    if (!cfg.ok()) {
+      ML4_LOG_ERROR("make-model: {}", cfg.status().message());
+      *exit_code = 1;
+      return;
+    }
+    o->tokenizer_json = default_tokenizer_json(cfg->vocab_size);
+    Status s = make_model(*o);
+    if (!s.is_ok()) {
+      ML4_LOG_ERROR("make-model: {}", s.message());
+      *exit_code = 1;
+      return;
+    }
+    ML4_LOG_INFO("make-model: wrote {} ({})", o->out_dir, o->preset);
+  });
+});
+
+}  // namespace
+}  // namespace cli
+}  // namespace ml4
