@@ -130,7 +130,7 @@ void check_linear(LinearFormat format, int64_t M, int64_t N, int64_t K, uint32_t
 }
 
 TEST(Linear, F32AllShapes) {
-  for (int64_t M : {1, 3, 17}) check_linear(LinearFormat::kF32, M, 37, 300, 11);
+  for (int64_t M : {1, 3, 8, 17}) check_linear(LinearFormat::kF32, M, 37, 300, 11);
   check_linear(LinearFormat::kF32, 2, 5, 7, 12);  // K below one SIMD vector
 }
 

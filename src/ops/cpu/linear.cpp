@@ -1,11 +1,11 @@
-// linear: see linear.h. Layout of the work:
-//
-//   parallel_for over tiles of weight rows (N); per tile:
-//     f32 / bf16  : the stored rows are read directly (bf16 -> f32 is a 16-bit shift,
-//                   cheaper than a round trip through a buffer);
-//     FP8/NV/MXFP4: the tile is decoded once into a thread-local f32 buffer;
-//     then a register-tiled kernel computes y[m, n] for all m over the tile, 2 rows of
-//     x by 4 rows of W at a time, 8 f32 lanes, f32 FMA accumulation.
+// linear: see linear.h. Two paths, both ending in one register-tiled kernel (2 rows of
+// x by 4 rows of W, 8 f32 lanes, FMA accumulation, all M rows per weight tile):
+//   f32 / bf16: stored rows are read directly (bf16 -> f32 is a shift, cheaper than a
+//     round trip through a buffer); at M = 1 this is bound by memory bandwidth.
+//   FP8 / NVFP4 / MXFP4: tiles of whole rows decoded once into an L2-sized f32 buffer.
+// Work is split over N. A K-blocked variant (64 x 256 f32 tiles, y accumulated over K
+// blocks) was measured on the 2-core dev machine for M in {17, 64, 512} and was not
+// faster than this, so it is not kept; large-M prefill on the CPU is not a goal (S3).
 //
 // Decoding is exact except one f32 rounding where a block scale multiplies a value
 // (FP8: e4m3 * f32 scale; NVFP4: (e2m1 * e4m3) * global; MXFP4 is exact, e2m1 * 2^e).
@@ -63,6 +63,7 @@ const char* format_name(LinearFormat f) {
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
 
 Status expect(const Tensor& t, const char* what, std::initializer_list<DType> dtypes,
               const Shape& shape) {
@@ -129,45 +130,51 @@ inline float to_f32(uint16_t v) { return bf16_to_f32(v); }
 // FMA goes through a store/load (measured 3x slower at M = 1).
 #define ML4_UNROLL _Pragma("GCC unroll 8")
 template <int RM, int RN, typename W>
-void micro(const float* x, int64_t K, const W* w, int64_t ldw, float* y, int64_t ldy) {
+void micro(const float* x, int64_t ldx, int64_t len, const W* w, int64_t ldw, float* y,
+           int64_t ldy, bool accumulate) {
   int64_t k = 0;
   float acc_s[RM][RN] = {};
 #ifdef ML4_LINEAR_AVX2
   __m256 acc[RM][RN];
   ML4_UNROLL for (int i = 0; i < RM; ++i)
     ML4_UNROLL for (int j = 0; j < RN; ++j) acc[i][j] = _mm256_setzero_ps();
-  for (; k + 8 <= K; k += 8) {
+  for (; k + 8 <= len; k += 8) {
     __m256 wv[RN];
     ML4_UNROLL for (int j = 0; j < RN; ++j) wv[j] = load8(w + j * ldw + k);
     ML4_UNROLL for (int i = 0; i < RM; ++i) {
-      const __m256 xv = _mm256_loadu_ps(x + i * K + k);
+      const __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
       ML4_UNROLL for (int j = 0; j < RN; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
     }
   }
   ML4_UNROLL for (int i = 0; i < RM; ++i)
     ML4_UNROLL for (int j = 0; j < RN; ++j) acc_s[i][j] = hsum(acc[i][j]);
 #endif
-  for (; k < K; ++k)
+  for (; k < len; ++k)
     for (int i = 0; i < RM; ++i)
-      for (int j = 0; j < RN; ++j) acc_s[i][j] += x[i * K + k] * to_f32(w[j * ldw + k]);
+      for (int j = 0; j < RN; ++j) acc_s[i][j] += x[i * ldx + k] * to_f32(w[j * ldw + k]);
   for (int i = 0; i < RM; ++i)
-    for (int j = 0; j < RN; ++j) y[i * ldy + j] = acc_s[i][j];
+    for (int j = 0; j < RN; ++j) y[i * ldy + j] = accumulate ? y[i * ldy + j] + acc_s[i][j] : acc_s[i][j];
 }
 
-// All M rows of x against nrows weight rows starting at w; y points at y[0, n0].
+// y[m, j] (+)= x[m, 0:len] . w[j, 0:len] for m < M, j < nrows; x rows ldx apart, w rows
+// ldw apart, y rows ldy apart.
 template <typename W>
-void tile_kernel(const float* x, int64_t M, int64_t K, const W* w, int64_t nrows, float* y,
-                 int64_t N) {
+void tile_kernel(const float* x, int64_t ldx, int64_t M, int64_t len, const W* w, int64_t ldw,
+                 int64_t nrows, float* y, int64_t ldy, bool accumulate) {
   int64_t j = 0;
   for (; j + 4 <= nrows; j += 4) {
     int64_t m = 0;
-    for (; m + 2 <= M; m += 2) micro<2, 4>(x + m * K, K, w + j * K, K, y + m * N + j, N);
-    for (; m < M; ++m) micro<1, 4>(x + m * K, K, w + j * K, K, y + m * N + j, N);
+    for (; m + 2 <= M; m += 2)
+      micro<2, 4>(x + m * ldx, ldx, len, w + j * ldw, ldw, y + m * ldy + j, ldy, accumulate);
+    for (; m < M; ++m)
+      micro<1, 4>(x + m * ldx, ldx, len, w + j * ldw, ldw, y + m * ldy + j, ldy, accumulate);
   }
   for (; j < nrows; ++j) {
     int64_t m = 0;
-    for (; m + 2 <= M; m += 2) micro<2, 1>(x + m * K, K, w + j * K, K, y + m * N + j, N);
-    for (; m < M; ++m) micro<1, 1>(x + m * K, K, w + j * K, K, y + m * N + j, N);
+    for (; m + 2 <= M; m += 2)
+      micro<2, 1>(x + m * ldx, ldx, len, w + j * ldw, ldw, y + m * ldy + j, ldy, accumulate);
+    for (; m < M; ++m)
+      micro<1, 1>(x + m * ldx, ldx, len, w + j * ldw, ldw, y + m * ldy + j, ldy, accumulate);
   }
 }
 
@@ -225,19 +232,31 @@ Status validate_linear_weight(const LinearWeight& w) {
                                      format_name(w.format)));
 }
 
-void decode_weight_rows(const LinearWeight& w, int64_t n0, int64_t n1, float* out) {
+namespace {
+
+// Decodes W[n0:n1, k0:k1] into out (rows ldo apart). k0 is a multiple of the format's
+// block/group size (128 FP8, 16 NVFP4, 32 MXFP4); k1 is one too, or K.
+void decode_block(const LinearWeight& w, int64_t n0, int64_t n1, int64_t k0, int64_t k1, float* out,
+                  int64_t ldo) {
   const int64_t K = w.in_features;
   switch (w.format) {
-    case LinearFormat::kF32: {
-      const float* src = w.weight.as<float>() + n0 * K;
-      std::copy(src, src + (n1 - n0) * K, out);
+    case LinearFormat::kF32:
+      for (int64_t n = n0; n < n1; ++n) {
+        const float* src = w.weight.as<float>() + n * K;
+        std::copy(src + k0, src + k1, out + (n - n0) * ldo);
+      }
       break;
-    }
-    case LinearFormat::kBF16: {
-      const uint16_t* src = w.weight.as<uint16_t>() + n0 * K;
-      for (int64_t i = 0; i < (n1 - n0) * K; ++i) out[i] = bf16_to_f32(src[i]);
+    case LinearFormat::kBF16:
+      for (int64_t n = n0; n < n1; ++n) {
+        const uint16_t* src = w.weight.as<uint16_t>() + n * K;
+        float* o = out + (n - n0) * ldo;
+        int64_t k = k0;
+#ifdef ML4_LINEAR_AVX2
+        for (; k + 8 <= k1; k += 8) _mm256_storeu_ps(o + (k - k0), load8(src + k));
+#endif
+        for (; k < k1; ++k) o[k - k0] = bf16_to_f32(src[k]);
+      }
       break;
-    }
     case LinearFormat::kFP8Block: {
       const auto& lut = e4m3_table();
       const uint8_t* q = w.weight.as<uint8_t>();
@@ -245,19 +264,19 @@ void decode_weight_rows(const LinearWeight& w, int64_t n0, int64_t n1, float* ou
       const int64_t kb = ceil_div(K, kFp8BlockSize);
       for (int64_t n = n0; n < n1; ++n) {
         const uint8_t* row = q + n * K;
-        float* o = out + (n - n0) * K;
+        float* o = out + (n - n0) * ldo - k0;  // indexed by absolute k
         const float* srow = sc + (n / kFp8BlockSize) * kb;
-        for (int64_t b = 0; b < kb; ++b) {
+        for (int64_t b = k0 / kFp8BlockSize; b * kFp8BlockSize < k1; ++b) {
           const float s = srow[b];
-          const int64_t k1 = std::min(K, (b + 1) * kFp8BlockSize);
+          const int64_t e = std::min(k1, (b + 1) * kFp8BlockSize);
           int64_t k = b * kFp8BlockSize;
 #ifdef ML4_LINEAR_AVX2
           // (v / 256) * (s * 256) rounds once, exactly like lut[v] * s (2^8 scalings are exact
           // unless s * 256 overflows, which no checkpoint scale comes near).
           const __m256 sv = _mm256_set1_ps(s * 256.0f);
-          for (; k + 8 <= k1; k += 8) _mm256_storeu_ps(o + k, _mm256_mul_ps(e4m3x8_div256(row + k), sv));
+          for (; k + 8 <= e; k += 8) _mm256_storeu_ps(o + k, _mm256_mul_ps(e4m3x8_div256(row + k), sv));
 #endif
-          for (; k < k1; ++k) o[k] = lut[row[k]] * s;
+          for (; k < e; ++k) o[k] = lut[row[k]] * s;
         }
       }
       break;
@@ -273,8 +292,8 @@ void decode_weight_rows(const LinearWeight& w, int64_t n0, int64_t n1, float* ou
       const uint8_t* sc = w.scale.as<uint8_t>();
       for (int64_t n = n0; n < n1; ++n) {
         const uint8_t* row = q + n * (K / 2);
-        float* o = out + (n - n0) * K;
-        for (int64_t g = 0; g < groups; ++g) {
+        float* o = out + (n - n0) * ldo - k0;
+        for (int64_t g = k0 / group; g < k1 / group; ++g) {
           const uint8_t code = sc[n * groups + g];
           const float s = nv ? e4m3[code] * w.global_scale : e8m0_to_f32(code);
           const uint8_t* b = row + g * group / 2;
@@ -295,6 +314,12 @@ void decode_weight_rows(const LinearWeight& w, int64_t n0, int64_t n1, float* ou
   }
 }
 
+}  // namespace
+
+void decode_weight_rows(const LinearWeight& w, int64_t n0, int64_t n1, float* out) {
+  decode_block(w, n0, n1, 0, w.in_features, out, w.in_features);
+}
+
 void linear(const float* x, int64_t M, const LinearWeight& w, float* y) {
   const int64_t N = w.out_features, K = w.in_features;
   if (M <= 0) return;
@@ -303,36 +328,30 @@ void linear(const float* x, int64_t M, const LinearWeight& w, float* y) {
     if (N > 0) std::fill(y, y + M * N, std::numeric_limits<float>::quiet_NaN());
     return;
   }
-  const int64_t rows = tile_rows(K);
-  const int64_t tiles = ceil_div(N, rows);
-  switch (w.format) {
-    case LinearFormat::kF32:
-    case LinearFormat::kBF16: {
-      // Direct read; chunk by 4 rows so the M=1 decode splits N finely across threads.
-      const int64_t quads = ceil_div(N, 4);
-      parallel_for(quads, std::max<int64_t>(1, 16384 / K), [&](int64_t b, int64_t e) {
-        const int64_t n0 = b * 4, n1 = std::min(N, e * 4);
-        if (w.format == LinearFormat::kF32)
-          tile_kernel(x, M, K, w.weight.as<float>() + n0 * K, n1 - n0, y + n0, N);
-        else
-          tile_kernel(x, M, K, w.weight.as<uint16_t>() + n0 * K, n1 - n0, y + n0, N);
-      });
-      break;
-    }
-    case LinearFormat::kFP8Block:
-    case LinearFormat::kNVFP4:
-    case LinearFormat::kMXFP4: {
-      parallel_for(tiles, 1, [&](int64_t b, int64_t e) {
-        thread_local std::vector<float> buf;
-        buf.resize(static_cast<size_t>(rows * K));
-        for (int64_t t = b; t < e; ++t) {
-          const int64_t n0 = t * rows, n1 = std::min(N, n0 + rows);
-          decode_weight_rows(w, n0, n1, buf.data());
-          tile_kernel(x, M, K, buf.data(), n1 - n0, y + n0, N);
-        }
-      });
-      break;
-    }
+  const bool direct = w.format == LinearFormat::kF32 || w.format == LinearFormat::kBF16;
+  if (direct) {
+    // Decode: stored rows read directly (bf16 -> f32 is a shift, cheaper than a buffer
+    // round trip); chunks of 4 rows so N splits finely across threads.
+    const int64_t quads = ceil_div(N, 4);
+    parallel_for(quads, std::max<int64_t>(1, 16384 / K), [&](int64_t b, int64_t e) {
+      const int64_t n0 = b * 4, n1 = std::min(N, e * 4);
+      if (w.format == LinearFormat::kF32)
+        tile_kernel(x, K, M, K, w.weight.as<float>() + n0 * K, K, n1 - n0, y + n0, N, false);
+      else
+        tile_kernel(x, K, M, K, w.weight.as<uint16_t>() + n0 * K, K, n1 - n0, y + n0, N, false);
+    });
+  } else {
+    // Decode with a quantized weight: whole rows decoded once into an L2-sized buffer.
+    const int64_t rows = tile_rows(K);
+    parallel_for(ceil_div(N, rows), 1, [&](int64_t b, int64_t e) {
+      thread_local std::vector<float> buf;
+      buf.resize(static_cast<size_t>(rows * K));
+      for (int64_t t = b; t < e; ++t) {
+        const int64_t n0 = t * rows, n1 = std::min(N, n0 + rows);
+        decode_block(w, n0, n1, 0, K, buf.data(), K);
+        tile_kernel(x, K, M, K, buf.data(), K, n1 - n0, y + n0, N, false);
+      }
+    });
   }
 }
 
