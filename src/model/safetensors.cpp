@@ -331,7 +331,23 @@ uint64_t SafetensorsWriter::total_bytes() const {
   return t;
 }
 
-Status SafetensorsWriter::write_entries(const std::string& path, const std::vector<const Entry*>& entries) const {
+Status SafetensorsWriter::write_entries(const std::string& path, const std::vector<const Entry*>& in_order) const {
+  // Data in the order added, unless that would leave a tensor misaligned for its element
+  // size (an odd-sized small tensor before an f32 one, say): then, like the reference
+  // writer, larger elements first (stable, so the added order holds within a size).
+  // The file then needs no holes, which the reference reader would refuse.
+  std::vector<const Entry*> entries = in_order;
+  uint64_t pos = 0;
+  bool aligned = true;
+  for (const Entry* e : entries) {
+    aligned = aligned && pos % dtype_size(e->tensor.dtype()) == 0;
+    pos += e->tensor.nbytes();
+  }
+  if (!aligned) {
+    std::stable_sort(entries.begin(), entries.end(), [](const Entry* a, const Entry* b) {
+      return dtype_size(a->tensor.dtype()) > dtype_size(b->tensor.dtype());
+    });
+  }
   // ordered_json keeps __metadata__ first and the tensors in data order, as the reference does.
   nlohmann::ordered_json h = nlohmann::ordered_json::object();
   if (!metadata_.empty()) {

@@ -15,7 +15,9 @@
 //
 // Writing: the header is padded with spaces to a multiple of 8 bytes, as the reference
 // writer (safetensors/src/tensor.rs, `prepare`) does, so that every tensor starts 8-byte
-// aligned; tensors are laid out in the order they were added. Sharded output follows the
+// aligned; tensors are laid out in the order they were added, unless that would leave one
+// misaligned for its element size (then larger elements first, as the reference writer
+// orders by dtype; the added order holds within a size). Sharded output follows the
 // Hugging Face convention: `<prefix>-00001-of-0000N.safetensors` plus
 // `<prefix>.safetensors.index.json` = {"metadata": {"total_size": bytes}, "weight_map":
 // {name: file}}. Mistral's native layout uses the prefix `consolidated`, HF `model`.

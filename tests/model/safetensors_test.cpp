@@ -291,7 +291,9 @@ void expect_same(const Tensor& got, const Tensor& want, const std::string& name)
   EXPECT_EQ(got.dtype(), want_dt) << name;
   EXPECT_EQ(got.shape(), want.shape()) << name;
   ASSERT_EQ(got.nbytes(), want.nbytes()) << name;
-  if (want.nbytes() > 0) EXPECT_EQ(std::memcmp(got.data(), want.data(), want.nbytes()), 0) << name;
+  if (want.nbytes() > 0) {
+    EXPECT_EQ(std::memcmp(got.data(), want.data(), want.nbytes()), 0) << name;
+  }
 }
 
 TEST(Safetensors, RoundTripEveryDtypeSingleFile) {
@@ -308,19 +310,29 @@ TEST(Safetensors, RoundTripEveryDtypeSingleFile) {
   ASSERT_TRUE(w.write(p).is_ok());
   EXPECT_FALSE(fs::exists(p + ".tmp"));
 
-  // File layout: header length a multiple of 8 (space padded), data = the tensors in order.
+  // File layout: header length a multiple of 8 (space padded); the data region holds the
+  // tensors back to back, each aligned to its element size (this mix cannot keep the added
+  // order aligned, so the writer orders by element size).
   std::string bytes = read_bytes(p);
   uint64_t hlen = 0;
   for (int i = 7; i >= 0; --i) hlen = (hlen << 8) | static_cast<uint8_t>(bytes[i]);
   EXPECT_EQ(hlen % 8, 0u);
   EXPECT_EQ(bytes[8], '{');
-  size_t off = 8 + hlen;
-  for (auto& [n, t] : tensors) {
-    ASSERT_LE(off + t.nbytes(), bytes.size());
-    if (t.nbytes() > 0) EXPECT_EQ(std::memcmp(bytes.data() + off, t.data(), t.nbytes()), 0) << n;
-    off += t.nbytes();
+  uint64_t total = 0;
+  {
+    auto f = SafetensorsFile::open(p);
+    ASSERT_TRUE(f.ok()) << f.status().message();
+    for (auto& [n, t] : tensors) {
+      auto info = (*f)->info(n);
+      ASSERT_TRUE(info.ok());
+      EXPECT_EQ(info->begin % dtype_size(t.dtype()), 0u) << n;
+      if (t.nbytes() > 0) {
+        EXPECT_EQ(std::memcmp(bytes.data() + 8 + hlen + info->begin, t.data(), t.nbytes()), 0) << n;
+      }
+      total += t.nbytes();
+    }
   }
-  EXPECT_EQ(off, bytes.size());
+  EXPECT_EQ(8 + hlen + total, bytes.size());
 
   auto f = SafetensorsFile::open(p);
   ASSERT_TRUE(f.ok()) << f.status().message();
@@ -331,6 +343,37 @@ TEST(Safetensors, RoundTripEveryDtypeSingleFile) {
     ASSERT_TRUE(g.ok()) << n;
     expect_same(*g, t, n);
   }
+}
+
+TEST(Safetensors, WriterKeepsTheAddedOrderWhenAligned) {
+  TempDir dir;
+  std::mt19937 rng(3);
+  SafetensorsWriter w;
+  ASSERT_TRUE(w.add("z", random_tensor(DType::kF32, {4}, rng)).is_ok());
+  ASSERT_TRUE(w.add("a", random_tensor(DType::kBF16, {4}, rng)).is_ok());
+  ASSERT_TRUE(w.add("m", random_tensor(DType::kU8, {3}, rng)).is_ok());
+  ASSERT_TRUE(w.add("b", random_tensor(DType::kU8, {5}, rng)).is_ok());
+  std::string p = dir.file("o.safetensors");
+  ASSERT_TRUE(w.write(p).is_ok());
+  auto f = SafetensorsFile::open(p);
+  ASSERT_TRUE(f.ok());
+  EXPECT_EQ((*f)->info("z")->begin, 0u);
+  EXPECT_EQ((*f)->info("a")->begin, 16u);
+  EXPECT_EQ((*f)->info("m")->begin, 24u);
+  EXPECT_EQ((*f)->info("b")->begin, 27u);
+  // A u8 [3] first would misalign what follows: larger elements move ahead, in added order.
+  SafetensorsWriter w2;
+  ASSERT_TRUE(w2.add("m", random_tensor(DType::kU8, {3}, rng)).is_ok());
+  ASSERT_TRUE(w2.add("h", random_tensor(DType::kF16, {1}, rng)).is_ok());
+  ASSERT_TRUE(w2.add("z", random_tensor(DType::kF32, {1}, rng)).is_ok());
+  ASSERT_TRUE(w2.add("y", random_tensor(DType::kF32, {1}, rng)).is_ok());
+  ASSERT_TRUE(w2.write(p).is_ok());
+  f = SafetensorsFile::open(p);
+  ASSERT_TRUE(f.ok());
+  EXPECT_EQ((*f)->info("z")->begin, 0u);
+  EXPECT_EQ((*f)->info("y")->begin, 4u);
+  EXPECT_EQ((*f)->info("h")->begin, 8u);
+  EXPECT_EQ((*f)->info("m")->begin, 10u);
 }
 
 TEST(Safetensors, RoundTripSharded) {
@@ -357,7 +400,9 @@ TEST(Safetensors, RoundTripSharded) {
       EXPECT_NE(fn.find("-of-"), std::string::npos);
       auto f = SafetensorsFile::open(e.path().string());
       ASSERT_TRUE(f.ok()) << f.status().message();
-      if ((*f)->size() > 1) EXPECT_LE((*f)->data_bytes(), 200u) << fn;
+      if ((*f)->size() > 1) {
+        EXPECT_LE((*f)->data_bytes(), 200u) << fn;
+      }
     }
   }
   EXPECT_GE(shards, 3);
