@@ -5,6 +5,10 @@
     /tmp/tokvenv/bin/python tools/tokenizer/make_goldens.py \
         --tekken tests/golden/tokenizer/tekken_240911.json --out tests/golden/tokenizer
 
+With --ml4 PATH (the built `ml4` binary) it also trains two small vocabularies with
+`ml4 tokenizer train` on train_corpus.txt and records mistral-common's ids on them:
+  train_corpus.txt, tekken_trained_v13_1500.json, tekken_trained_v15_512.json, trained_golden.json
+
 Writes:
   encode_golden.json  text (as raw bytes, base64) -> ids, and ids -> decoded text (ignore/keep)
   chat_golden.json    OpenAI-style request -> ids of encode_chat_completion, per tokenizer version
@@ -351,10 +355,54 @@ def chat_requests():
     return R
 
 
+TRAINED = [
+    {"file": "tekken_trained_v13_1500.json", "vocab_size": 1500, "num_special": 100, "version": "v13"},
+    {"file": "tekken_trained_v15_512.json", "vocab_size": 512, "num_special": 100, "version": "v15"},
+]
+
+
+def make_trained_goldens(ml4, out):
+    """Vocabularies trained by `ml4 tokenizer train`, checked by mistral-common."""
+    import subprocess
+    texts = [data.decode("utf-8", errors="replace") for _, data in corpus()]
+    for name, req, _ in chat_requests():
+        for m in req["messages"]:
+            if isinstance(m.get("content"), str):
+                texts.append(m["content"])
+    corpus_path = os.path.join(out, "train_corpus.txt")
+    with open(corpus_path, "w", encoding="utf-8") as f:
+        f.write("\n".join(texts))
+    cases = []
+    for t in TRAINED:
+        path = os.path.join(out, t["file"])
+        subprocess.run([ml4, "tokenizer", "train", "--corpus", corpus_path, "--out", path, "--vocab-size",
+                        str(t["vocab_size"]), "--num-special", str(t["num_special"]), "--version", t["version"]],
+                       check=True)
+        mt = MistralTokenizer.from_file(path)
+        tok = mt.instruct_tokenizer.tokenizer
+        enc = [{"name": n, "bytes_b64": base64.b64encode(d).decode(),
+                "ids": tok.encode(d.decode("utf-8", errors="replace"), bos=False, eos=False)} for n, d in corpus()]
+        chat = []
+        for name, req, versions in chat_requests():
+            if t["version"] not in versions or name.startswith("error_") or name.startswith("image"):
+                continue
+            r = copy.deepcopy(req)
+            messages = r.pop("messages")
+            tools = r.pop("tools", None)
+            request = ChatCompletionRequest.from_openai(messages=messages, tools=tools, **r)
+            chat.append({"name": name, "request": req, "ids": mt.encode_chat_completion(request).tokens})
+        cases.append({"file": t["file"], "encode": enc, "chat": chat})
+    with open(os.path.join(out, "trained_golden.json"), "w", encoding="utf-8") as f:
+        json.dump({"trained": TRAINED, "cases": cases}, f, ensure_ascii=False)
+        f.write("\n")
+    return {"trained_encode": sum(len(c["encode"]) for c in cases), "trained_chat": sum(len(c["chat"]) for c in cases)}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tekken", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--ml4", help="ml4 binary: also make the trained-vocabulary goldens")
     args = ap.parse_args()
 
     base = json.load(open(args.tekken, encoding="utf-8"))
@@ -402,6 +450,10 @@ def main():
                   ensure_ascii=False)
         f.write("\n")
 
+    trained_counts = {}
+    if args.ml4:
+        trained_counts = make_trained_goldens(args.ml4, args.out)
+
     def sha(p):
         return hashlib.sha256(open(p, "rb").read()).hexdigest()
 
@@ -412,9 +464,11 @@ def main():
         "python": sys.version.split()[0],
         "tekken_source": "mistral_common/data/tekken_240911.json from the mistral-common wheel",
         "files": {n: sha(os.path.join(args.out, n)) for n in
-                  ("tekken_240911.json", "encode_golden.json", "chat_golden.json") if
+                  ("tekken_240911.json", "encode_golden.json", "chat_golden.json", "train_corpus.txt",
+                   "tekken_trained_v13_1500.json", "tekken_trained_v15_512.json", "trained_golden.json") if
                   os.path.exists(os.path.join(args.out, n))},
-        "counts": {"encode": len(enc_cases), "decode": len(dec_cases), "chat": len(chat_cases)},
+        "counts": {"encode": len(enc_cases), "decode": len(dec_cases), "chat": len(chat_cases), **trained_counts},
+        "trained": TRAINED,
     }
     with open(os.path.join(args.out, "MANIFEST.json"), "w") as f:
         json.dump(manifest, f, indent=2)
