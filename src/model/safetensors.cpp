@@ -427,13 +427,13 @@ Status SafetensorsWriter::write_sharded(const std::string& dir, const std::strin
   }
   fs::remove(single, ec);
   const int n = static_cast<int>(shards.size());
-  nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
+  json weight_map = json::object();  // sorted by name, as transformers writes it
   for (int i = 0; i < n; ++i) {
     std::string fname = safetensors_shard_name(prefix, i, n);
     ML4_RETURN_IF_ERROR(write_entries((base / fname).string(), shards[i]));
     for (const Entry* e : shards[i]) weight_map[e->name] = fname;
   }
-  nlohmann::ordered_json idx = {{"metadata", {{"total_size", total_bytes()}}}, {"weight_map", std::move(weight_map)}};
+  nlohmann::ordered_json idx = {{"metadata", {{"total_size", total_bytes()}}}, {"weight_map", weight_map}};
   return write_text_file(index.string(), idx.dump(2) + "\n");
 }
 
