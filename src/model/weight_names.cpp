@@ -175,6 +175,8 @@ class Builder {
   // layouts, all bf16 (the drafter is small). See docs/MODEL-FORMAT.md.
   void add_drafter() {
     drafter_ = true;
+    const bool hf = hf_;
+    hf_ = false;  // drafter names are the same in both layouts
     const auto& d = cfg_.drafter;
     const int64_t D = cfg_.dim, r = d.rnn_rank, V = cfg_.vocab_size;
     const std::string p = "mtp_dspark.";
@@ -199,6 +201,7 @@ class Builder {
     add_param(p + "markov.bias_hh", {3 * r}, TensorRole::kBias);
     add_linear(p + "markov.out.weight", V, r, LinearFormat::kBF16);
     drafter_ = false;
+    hf_ = hf;
   }
 
   const ModelConfig& cfg_;
