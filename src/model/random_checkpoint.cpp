@@ -86,22 +86,21 @@ Tensor f32_tensor(const std::vector<float>& v, Shape shape, bool as_bf16) {
 Status add_tensor(SafetensorsWriter& w, const ExpectedTensor& t, const std::vector<float>& v) {
   const bool linear = t.role == TensorRole::kLinear || t.role == TensorRole::kExpertsLinear;
   if (!linear || t.format == LinearFormat::kF32 || t.format == LinearFormat::kBF16) {
-    w.add(t.name, f32_tensor(v, t.shape, t.format != LinearFormat::kF32));
-    return Status::ok();
+    return w.add(t.name, f32_tensor(v, t.shape, t.format != LinearFormat::kF32));
   }
   if (t.role == TensorRole::kExpertsLinear)
     return unimplemented("tensor {}: quantized fused expert tensors are not written (use the native layout)", t.name);
   const int64_t N = t.shape[0], K = t.shape[1];
   ML4_ASSIGN_OR_RETURN(LinearWeight lw, quantize_linear(v.data(), N, K, t.format, t.name));
-  w.add(t.name, lw.weight);
+  ML4_RETURN_IF_ERROR(w.add(t.name, lw.weight));
   for (const auto& s : t.scales) {
     const std::string suffix = s.name.substr(s.name.rfind('.') + 1);
     if (suffix == kNvfp4GlobalScaleSuffix) {
       Tensor g(DType::kF32, s.shape);
       g.mutable_as<float>()[0] = lw.global_scale;
-      w.add(s.name, g);
+      ML4_RETURN_IF_ERROR(w.add(s.name, g));
     } else {
-      w.add(s.name, lw.scale);
+      ML4_RETURN_IF_ERROR(w.add(s.name, lw.scale));
     }
   }
   return Status::ok();

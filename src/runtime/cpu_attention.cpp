@@ -125,7 +125,7 @@ void CpuModel::attention(int layer, const StepMetadata& md, PagedKvCache& cache,
         const double pp = cpu::lerope_position(md.positions[t], cfg_.lerope);
         cpu::rope_interleaved(kr, 1, dr, dr, pp, inv_freq_.data(), rope_factor_);
       }
-      cache.write_latent(spec.latent_slot, md.slots[latent_group_][t], c.data(), kr);
+      for (int slot : latent_write_slots_[layer]) cache.write_latent(slot, md.slots[latent_group_][t], c.data(), kr);
     }
   }
   // 5. Sparse selection.
@@ -143,7 +143,7 @@ void CpuModel::attention(int layer, const StepMetadata& md, PagedKvCache& cache,
   const auto& topk = topk_by_layer[layer];
 
   // 6. Absorbed attention over keys read back from the source layer's pages.
-  const int src_slot = cfg_.layers[spec.kv_source].latent_slot;
+  const int src_slot = latent_read_slot_[layer];
   const double base_scale = cfg_.softmax_scale();
   std::vector<float> o(T * H * dv);
   for (size_t si = 0; si < md.seqs.size(); ++si) {

@@ -7,8 +7,25 @@
 
 namespace ml4 {
 
-CpuModel::CpuModel(ModelConfig cfg, std::shared_ptr<const ModelWeights> weights, int latent_group, int indexer_group)
+CpuModel::CpuModel(ModelConfig cfg, std::shared_ptr<const ModelWeights> weights, int latent_group, int indexer_group,
+                   bool duplicate_shared_kv)
     : cfg_(std::move(cfg)), w_(std::move(weights)), latent_group_(latent_group), indexer_group_(indexer_group) {
+  const int L = cfg_.n_layers;
+  latent_read_slot_.assign(L, -1);
+  latent_write_slots_.assign(L, {});
+  int extra = cfg_.num_latent_layers();
+  for (int l = 0; l < L; ++l) {
+    const LayerSpec& s = cfg_.layers[l];
+    if (s.owns_kv()) {
+      latent_read_slot_[l] = s.latent_slot;
+      latent_write_slots_[l].push_back(s.latent_slot);
+    } else if (duplicate_shared_kv) {
+      latent_read_slot_[l] = extra;
+      latent_write_slots_[s.kv_source].push_back(extra++);
+    } else {
+      latent_read_slot_[l] = cfg_.layers[s.kv_source].latent_slot;
+    }
+  }
   inv_freq_ = cpu::rope_inv_freq(cfg_.rope_theta, cfg_.qk_rope_head_dim, cfg_.yarn);
   if (cfg_.has_dsa()) indexer_inv_freq_ = cpu::rope_inv_freq(cfg_.rope_theta, cfg_.indexer.rope_head_dim, cfg_.yarn);
   rope_factor_ = cpu::rope_attention_factor(cfg_.yarn);

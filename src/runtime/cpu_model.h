@@ -33,7 +33,12 @@ struct ForwardTrace {
 
 class CpuModel {
  public:
-  CpuModel(ModelConfig cfg, std::shared_ptr<const ModelWeights> weights, int latent_group, int indexer_group);
+  // duplicate_shared_kv: the baseline without KV sharing's memory saving: each consumer
+  // layer gets latent layer slot num_latent_layers + k (k-th consumer) holding its own copy
+  // of its source's rows (written when the source writes) and reads that copy. The cache
+  // must then have those extra layer slots (CpuRunner does this).
+  CpuModel(ModelConfig cfg, std::shared_ptr<const ModelWeights> weights, int latent_group, int indexer_group,
+           bool duplicate_shared_kv = false);
 
   const ModelConfig& config() const { return cfg_; }
 
@@ -55,6 +60,8 @@ class CpuModel {
   std::vector<float> inv_freq_;          // MLA rope
   std::vector<float> indexer_inv_freq_;  // indexer rope
   float rope_factor_ = 1.0f;
+  std::vector<int> latent_read_slot_;                // [layer] latent layer slot attention reads
+  std::vector<std::vector<int>> latent_write_slots_;  // [layer] slots its rows are written to
 };
 
 }  // namespace ml4

@@ -7,13 +7,19 @@
 
 namespace ml4 {
 
-Result<std::unique_ptr<CpuRunner>> CpuRunner::load(const std::string& model_dir, const RunnerOptions& opts) {
+Result<std::unique_ptr<CpuRunner>> CpuRunner::load(const std::string& model_dir, const RunnerOptions& opts,
+                                                   bool duplicate_shared_kv) {
   ML4_ASSIGN_OR_RETURN(ModelConfig cfg, load_model_config(model_dir));
   ML4_ASSIGN_OR_RETURN(Checkpoint ck, Checkpoint::open(model_dir));
   auto ckpt = std::make_shared<Checkpoint>(std::move(ck));
   ML4_ASSIGN_OR_RETURN(auto weights, load_model_weights(cfg, *ckpt));
   ML4_ASSIGN_OR_RETURN(KvCacheDtype dtype, parse_kv_cache_dtype(opts.kv_cache_dtype));
   ML4_ASSIGN_OR_RETURN(KvCacheSpec spec, make_kv_cache_spec(cfg, dtype));
+  if (duplicate_shared_kv) {
+    const int g = spec.group_index(CacheGroupSpec::kLatent);
+    for (const auto& l : cfg.layers)
+      if (!l.owns_kv()) spec.groups[g].layers.push_back(l.index);  // slots num_latent_layers + k
+  }
   auto r = std::unique_ptr<CpuRunner>(new CpuRunner());
   r->ckpt_ = ckpt;
   r->spec_ = spec;
@@ -26,8 +32,8 @@ Result<std::unique_ptr<CpuRunner>> CpuRunner::load(const std::string& model_dir,
     r->groups_.push_back(CacheGroupInfo{sg.name, sg.page_tokens, blocks[g], sg.sliding_window, sg.bytes_per_token()});
   }
   r->model_ = std::make_unique<CpuModel>(cfg, weights, spec.group_index(CacheGroupSpec::kLatent),
-                                         spec.group_index(CacheGroupSpec::kIndexer));
-  ML4_LOG_INFO("cpu runner: {} ({} layers), kv {} : {} B/token, {} blocks of {} tokens", model_dir, cfg.n_layers,
+                                         spec.group_index(CacheGroupSpec::kIndexer), duplicate_shared_kv);
+  ML4_LOG_DEBUG("cpu runner: {} ({} layers), kv {} : {} B/token, {} blocks of {} tokens", model_dir, cfg.n_layers,
                opts.kv_cache_dtype, spec.bytes_per_token(), blocks.empty() ? 0 : blocks[0], kPageTokens);
   return r;
 }

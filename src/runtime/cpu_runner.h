@@ -18,7 +18,10 @@ namespace ml4 {
 
 class CpuRunner : public ModelRunner {
  public:
-  static Result<std::unique_ptr<CpuRunner>> load(const std::string& model_dir, const RunnerOptions& opts);
+  // duplicate_shared_kv: KV-sharing consumers keep their own copy of the source's rows
+  // (the no-sharing memory baseline; see CpuModel).
+  static Result<std::unique_ptr<CpuRunner>> load(const std::string& model_dir, const RunnerOptions& opts,
+                                                 bool duplicate_shared_kv = false);
 
   const ModelConfig& config() const override { return model_->config(); }
   const std::vector<CacheGroupInfo>& cache_groups() const override { return groups_; }
