@@ -6,9 +6,12 @@
 #include "model/quant.h"
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <initializer_list>
+#include <limits>
 #include <memory>
 
 #include <fmt/format.h>
@@ -50,16 +53,13 @@ Tensor retag(const Tensor& t, DType d) {
 
 // e2m1 code of v: round to nearest, ties to the even code (even mantissa), saturating at
 // +-6; the same rule as f32_to_e2m1 but on f64 so no double rounding happens first.
-uint8_t e2m1_from_f64(double v) {
-  static const double kMid[7] = {0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0};
-  uint8_t sign = std::signbit(v) ? 8 : 0;
-  double a = std::fabs(v);
-  uint8_t code = 7;
-  for (uint8_t i = 0; i < 7; ++i) {
-    if (a < kMid[i]) { code = i; break; }
-    if (a == kMid[i]) { code = (i % 2 == 0) ? i : static_cast<uint8_t>(i + 1); break; }
-  }
-  return sign | code;
+// Counting the midpoints passed: '>' where the tie goes down to the even code below,
+// '>=' where it goes up (0.25 -> 0, 0.75 -> 1.0, 1.25 -> 1.0, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4,
+// 5 -> 4). Branch-free: the loader runs this on every expert weight.
+inline uint8_t e2m1_from_f64(double v) {
+  const double a = std::fabs(v);
+  const int code = (a > 0.25) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5) + (a > 5.0);
+  return static_cast<uint8_t>((std::signbit(v) ? 8 : 0) | code);
 }
 
 // One MXFP4 group of kMxfp4GroupSize values: e8m0 scale byte and 16 packed bytes.
@@ -68,9 +68,12 @@ void quantize_mx_group(const double* x, uint8_t* packed, uint8_t* scale) {
   for (int i = 0; i < kMxfp4GroupSize; ++i) amax = std::max(amax, std::fabs(x[i]));
   int e = mxfp4_scale_exponent(amax);
   *scale = static_cast<uint8_t>(e + 127);
+  // Exact: a power of two in [2^-127, 2^127] times a value of <= 28 significant bits stays
+  // a normal f64.
+  const double inv = std::ldexp(1.0, -e);
   for (int i = 0; i < kMxfp4GroupSize; i += 2) {
-    uint8_t lo = e2m1_from_f64(std::ldexp(x[i], -e));  // exact: a power-of-two scaling in f64
-    uint8_t hi = e2m1_from_f64(std::ldexp(x[i + 1], -e));
+    uint8_t lo = e2m1_from_f64(x[i] * inv);
+    uint8_t hi = e2m1_from_f64(x[i + 1] * inv);
     packed[i / 2] = static_cast<uint8_t>(lo | (hi << 4));
   }
 }
@@ -84,10 +87,22 @@ Status check_finite(const float* w, int64_t N, int64_t K, const std::string& nam
   return Status::ok();
 }
 
+// e4m3 code -> value, in f64 (exact); the loader's FP8 -> MXFP4 pass reads every expert
+// weight through it, so a table instead of a decode per element.
+const std::array<double, 256>& e4m3_f64_table() {
+  static const std::array<double, 256> table = [] {
+    std::array<double, 256> t{};
+    for (int c = 0; c < 256; ++c) t[c] = e4m3_to_f32(static_cast<uint8_t>(c));
+    return t;
+  }();
+  return table;
+}
+
 // Value of packed e2m1 element k of a row.
 inline double fp4_at(const uint8_t* row, int64_t k) {
-  uint8_t b = row[k / 2];
-  return e2m1_to_f32(static_cast<uint8_t>((k & 1) ? (b >> 4) : (b & 0xf)));
+  static constexpr double kE2M1[16] = {0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6};
+  const uint8_t b = row[k / 2];
+  return kE2M1[(k & 1) ? (b >> 4) : (b & 0xf)];
 }
 
 }  // namespace
@@ -305,11 +320,12 @@ std::vector<float> dequantize_linear(const LinearWeight& w) {
       const uint8_t* q = w.weight.as<uint8_t>();
       const float* sc = w.scale.as<float>();
       const int64_t kb = w.scale.dim(1);
+      const auto& e4m3 = e4m3_f64_table();
       parallel_for(N, 16, [&](int64_t r0, int64_t r1) {
         for (int64_t n = r0; n < r1; ++n)
           for (int64_t k = 0; k < K; ++k) {
             // One f32 multiply of two exact factors is the correctly rounded product.
-            o[n * K + k] = e4m3_to_f32(q[n * K + k]) * sc[(n / kFp8BlockSize) * kb + k / kFp8BlockSize];
+            o[n * K + k] = static_cast<float>(e4m3[q[n * K + k]]) * sc[(n / kFp8BlockSize) * kb + k / kFp8BlockSize];
           }
       });
       break;
@@ -321,15 +337,19 @@ std::vector<float> dequantize_linear(const LinearWeight& w) {
       const uint8_t* q = w.weight.as<uint8_t>();
       const uint8_t* sc = w.scale.as<uint8_t>();
       const double gs = w.global_scale;
+      const auto& e4m3 = e4m3_f64_table();
       parallel_for(N, 16, [&](int64_t r0, int64_t r1) {
         for (int64_t n = r0; n < r1; ++n) {
           const uint8_t* row = q + n * (K / 2);
-          for (int64_t k = 0; k < K; ++k) {
-            const uint8_t s = sc[n * groups + k / g];
-            // e2m1 x e4m3 x f32 is exact in f64 (<= 30 significant bits); rounded once here.
-            const double v = nv ? fp4_at(row, k) * static_cast<double>(e4m3_to_f32(s)) * gs
-                                : fp4_at(row, k) * static_cast<double>(e8m0_to_f32(s));
-            o[n * K + k] = static_cast<float>(v);
+          for (int64_t j = 0; j < groups; ++j) {
+            const uint8_t s = sc[n * groups + j];
+            const double scale = nv ? e4m3[s] : std::ldexp(1.0, s - 127);
+            const bool nan_scale = !nv && s == 0xff;  // e8m0 0xFF is NaN
+            for (int64_t k = j * g; k < (j + 1) * g; ++k) {
+              // e2m1 x e4m3 x f32 is exact in f64 (<= 30 significant bits); rounded once here.
+              const double v = nv ? fp4_at(row, k) * scale * gs : fp4_at(row, k) * scale;
+              o[n * K + k] = nan_scale ? std::numeric_limits<float>::quiet_NaN() : static_cast<float>(v);
+            }
           }
         }
       });
@@ -362,19 +382,34 @@ Result<LinearWeight> requantize_fp8_to_mxfp4(const LinearWeight& fp8) {
   const float* ssc = fp8.scale.as<float>();
   uint8_t* q = out.weight.mutable_as<uint8_t>();
   uint8_t* sc = out.scale.mutable_as<uint8_t>();
+  const auto& lut = e4m3_f64_table();
+  std::atomic<int64_t> first_bad{INT64_MAX};  // a NaN code or a non-finite block scale
   parallel_for(N, 16, [&](int64_t r0, int64_t r1) {
     double x[kMxfp4GroupSize];
     for (int64_t n = r0; n < r1; ++n) {
       for (int64_t j = 0; j < groups; ++j) {
+        // A 32-group never straddles a 128-block, so one block scale serves it.
+        const double s = ssc[(n / kFp8BlockSize) * kb + (j * kMxfp4GroupSize) / kFp8BlockSize];
+        const uint8_t* in = src + n * K + j * kMxfp4GroupSize;
+        // Exact: 4 x 24 significant bits fit f64's 53.
         for (int i = 0; i < kMxfp4GroupSize; ++i) {
-          const int64_t k = j * kMxfp4GroupSize + i;
-          // Exact: 4 x 24 significant bits fit f64's 53.
-          x[i] = static_cast<double>(e4m3_to_f32(src[n * K + k])) * ssc[(n / kFp8BlockSize) * kb + k / kFp8BlockSize];
+          x[i] = lut[in[i]] * s;
+          if (!std::isfinite(x[i])) {
+            int64_t at = n * K + j * kMxfp4GroupSize + i, cur = first_bad.load();
+            while (at < cur && !first_bad.compare_exchange_weak(cur, at)) {
+            }
+            x[i] = 0;
+          }
         }
         quantize_mx_group(x, q + n * (K / 2) + j * (kMxfp4GroupSize / 2), sc + n * groups + j);
       }
     }
   });
+  if (int64_t at = first_bad.load(); at != INT64_MAX) {
+    const int64_t n = at / K, k = at % K;
+    return invalid_argument("tensor {}: element ({}, {}) is not finite (e4m3 code 0x{:02x}, block scale {}): corrupt FP8 weight?",
+                            fp8.name, n, k, src[at], ssc[(n / kFp8BlockSize) * kb + k / kFp8BlockSize]);
+  }
   return out;
 }
 

@@ -257,6 +257,16 @@ TEST(Quant, Fp8ToMxfp4Requantization) {
   ASSERT_TRUE(direct.ok());
   EXPECT_EQ(std::memcmp(direct->weight.data(), mx->weight.data(), mx->weight.nbytes()), 0);
 
+  // A NaN e4m3 code (0x7f) is refused, not saturated to 6 X.
+  LinearWeight corrupt = *fp8;
+  corrupt.weight = Tensor(DType::kF8E4M3, {N, K});
+  std::memcpy(corrupt.weight.mutable_data(), fp8->weight.data(), fp8->weight.nbytes());
+  corrupt.weight.mutable_as<uint8_t>()[3 * K + 70] = 0x7f;
+  auto bad = requantize_fp8_to_mxfp4(corrupt);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("element (3, 70) is not finite (e4m3 code 0x7f"), std::string::npos)
+      << bad.status().message();
+
   auto not_fp8 = requantize_fp8_to_mxfp4(*mx);
   ASSERT_FALSE(not_fp8.ok());
   EXPECT_NE(not_fp8.status().message().find("needs an fp8 block weight"), std::string::npos);
@@ -338,6 +348,23 @@ TEST(Quant, MakeLinearWeightValidates) {
   broken.in_features = 64;
   broken.weight = Tensor(DType::kU8, {4, 8});
   EXPECT_TRUE(dequantize_linear(broken).empty());
+}
+
+// Exact midpoints between e2m1 values go to the even code (OCP: RNE), and values past 6 X
+// saturate. amax 7 gives X = 2^(2 - 2) = 1, so the inputs are the scaled values themselves.
+TEST(Quant, Mxfp4TiesGoToEvenAndSaturate) {
+  const float in[32] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f, 7.0f, -0.25f, -0.75f, -5.0f, 6.5f,
+                        0.26f, 0.74f, 2.49f, 3.51f};
+  const float want[32] = {0.0f, 1.0f, 1.0f, 2.0f, 2.0f, 4.0f, 4.0f, 6.0f, -0.0f, -1.0f, -4.0f, 6.0f,
+                          0.5f, 0.5f, 2.0f, 4.0f};
+  auto q = quantize_linear(in, 1, 32, LinearFormat::kMXFP4, "ties");
+  ASSERT_TRUE(q.ok());
+  EXPECT_EQ(q->scale.as<uint8_t>()[0], 127);
+  auto d = dequantize_linear(*q);
+  for (int i = 0; i < 32; ++i) {
+    EXPECT_EQ(d[i], want[i]) << in[i];
+    EXPECT_EQ(d[i], e2m1_to_f32(f32_to_e2m1(in[i]))) << in[i];  // agrees with core's RNE encoder
+  }
 }
 
 TEST(Quant, QuantizeRefusesBadInput) {
