@@ -1,0 +1,129 @@
+// `ml4 capacity`: KV bytes per token per cache group and the token capacity of a memory
+// budget, from a preset or a model directory (SYSTEM.md S6).
+//
+// The numbers come from make_kv_cache_spec and PagedKvCache::blocks_for_budget, the same
+// code the engine sizes its cache with, so what this prints is what the engine admits
+// against. For --preset ml4 the totals are MODEL.md section 1's: 47,136 B/token
+// (fp8_ds_mla), 42,096 (fp8), 78,384 (bf16). The drafter group is a per-request sliding
+// window, so it is listed apart and left out of the per-token total.
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "command.h"
+#include "kv/cache_spec.h"
+#include "kv/paged_kv_cache.h"
+#include "model/config_loader.h"
+#include "model/presets.h"
+
+namespace ml4::cli {
+namespace {
+
+constexpr int64_t kGiB = int64_t{1} << 30;
+
+// 47136 -> "47,136".
+std::string grouped(int64_t v) {
+  std::string digits = std::to_string(v < 0 ? -v : v), out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return v < 0 ? "-" + out : out;
+}
+
+const char* kind_name(CacheGroupSpec::Kind k) {
+  switch (k) {
+    case CacheGroupSpec::kLatent: return "latent";
+    case CacheGroupSpec::kIndexer: return "indexer";
+    case CacheGroupSpec::kDrafter: return "drafter";
+  }
+  return "?";
+}
+
+struct CapacityOptions {
+  std::string preset;
+  std::string model_dir;
+  std::string kv_cache_dtype = "auto";
+  double gib = 0.0;
+  int64_t max_requests = 0;
+};
+
+int run_capacity(const CapacityOptions& o) {
+  if (o.preset.empty() == o.model_dir.empty()) {
+    std::fprintf(stderr, "ml4 capacity: give exactly one of --preset NAME or --model DIR\n");
+    return 2;
+  }
+  if (o.gib < 0.0 || o.max_requests < 0) {
+    std::fprintf(stderr, "ml4 capacity: --gib and --max-requests must be >= 0\n");
+    return 2;
+  }
+  auto dtype = parse_kv_cache_dtype(o.kv_cache_dtype);
+  if (!dtype.ok()) {
+    std::fprintf(stderr, "ml4 capacity: %s\n", dtype.status().message().c_str());
+    return 2;
+  }
+  auto cfg = o.preset.empty() ? load_model_config(o.model_dir) : preset_config(o.preset);
+  if (!cfg.ok()) {
+    std::fprintf(stderr, "ml4 capacity: %s\n", cfg.status().message().c_str());
+    return 1;
+  }
+  auto spec = make_kv_cache_spec(*cfg, *dtype);
+  if (!spec.ok()) {
+    std::fprintf(stderr, "ml4 capacity: %s\n", spec.status().message().c_str());
+    return 1;
+  }
+
+  fmt::print("model {} ({} layers), kv cache dtype {}, {} tokens per page\n",
+             o.preset.empty() ? o.model_dir : o.preset, cfg->n_layers,
+             kv_cache_dtype_name(*dtype), kPageTokens);
+  fmt::print("{:<9} {:<8} {:>6} {:>14} {:>10} {:>13}\n", "group", "kind", "layers",
+             "B/token/layer", "B/token", "page B/layer");
+  for (const auto& g : spec->groups) {
+    fmt::print("{:<9} {:<8} {:>6} {:>14} {:>10} {:>13}{}\n", g.name, kind_name(g.kind),
+               g.layers.size(), grouped(g.token_bytes_per_layer), grouped(g.bytes_per_token()),
+               grouped(g.page_bytes_per_layer()),
+               g.full_attention() ? "" : fmt::format("  (sliding window {}, per request)", grouped(g.sliding_window)));
+  }
+  const int64_t per_token = spec->bytes_per_token();
+  fmt::print("total: {} B/token (full-attention groups)\n", grouped(per_token));
+  fmt::print("tokens per GiB: {}\n", grouped(kGiB / per_token));
+  for (const auto& g : spec->groups) {
+    if (g.full_attention()) continue;
+    const int64_t blocks = PagedKvCache::window_blocks(g);
+    fmt::print("{} per request: {} pages x {} B = {} B\n", g.name, blocks,
+               grouped(g.page_bytes_per_layer() * static_cast<int64_t>(g.layers.size())),
+               grouped(blocks * g.page_bytes_per_layer() * static_cast<int64_t>(g.layers.size())));
+  }
+  if (o.gib > 0.0) {
+    const auto budget = static_cast<int64_t>(o.gib * static_cast<double>(kGiB));
+    const auto blocks = PagedKvCache::blocks_for_budget(*spec, budget, o.max_requests);
+    int64_t used = 0;
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      const auto& g = spec->groups[i];
+      used += blocks[i] * g.page_bytes_per_layer() * static_cast<int64_t>(g.layers.size());
+    }
+    const int latent = spec->group_index(CacheGroupSpec::kLatent);
+    fmt::print("budget {} GiB ({} B), {} drafter requests: {} tokens ({} pages of {}), {} B used\n",
+               o.gib, grouped(budget), o.max_requests, grouped(blocks[latent] * kPageTokens),
+               grouped(blocks[latent]), kPageTokens, grouped(used));
+  }
+  return 0;
+}
+
+CommandRegistrar reg("capacity", [](CLI::App& app, int* exit_code) {
+  auto opts = std::make_shared<CapacityOptions>();
+  auto* cmd = app.add_subcommand("capacity", "KV cache bytes per token and tokens per memory budget");
+  cmd->add_option("--preset", opts->preset, "built-in model shape (ml4, ml4-slice-N, ml4-tiny, ...)");
+  cmd->add_option("--model", opts->model_dir, "model directory (params.json or config.json)");
+  cmd->add_option("--kv-cache-dtype", opts->kv_cache_dtype, "fp8_ds_mla | fp8 | bf16 | auto")
+      ->capture_default_str();
+  cmd->add_option("--gib", opts->gib, "memory budget for the KV cache, GiB");
+  cmd->add_option("--max-requests", opts->max_requests,
+                  "concurrent requests whose drafter windows the budget must also hold");
+  cmd->callback([opts, exit_code] { *exit_code = run_capacity(*opts); });
+});
+
+}  // namespace
+}  // namespace ml4::cli
