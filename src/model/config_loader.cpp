@@ -198,11 +198,19 @@ Status build_layers(ModelConfig& cfg, const LayerPlan& plan) {
     while (k < n && cfg.layers[k].ffn == FfnKind::kDense) ++k;
     cfg.moe.first_k_dense_replace = k;
   } else {
+    if (cfg.moe.num_experts > 0 && (cfg.moe.first_k_dense_replace < 0 || cfg.moe.first_k_dense_replace > n)) {
+      return out_of_range("moe.first_k_dense_replace {} out of range [0, {}]", cfg.moe.first_k_dense_replace, n);
+    }
     for (int i = 0; i < n; ++i) {
       bool moe = cfg.moe.num_experts > 0 && i >= cfg.moe.first_k_dense_replace;
       cfg.layers[i].ffn = moe ? FfnKind::kMoe : FfnKind::kDense;
     }
   }
+  // An MoE block whose layers are all dense (vLLM's MLA adapter and our HF writer spell a
+  // dense model that way) is no MoE: normalise so both spellings give one config.
+  bool any_moe = false;
+  for (const auto& l : cfg.layers) any_moe |= l.ffn == FfnKind::kMoe;
+  if (!any_moe) cfg.moe = MoeConfig{};
   int latent = 0, indexer = 0;
   for (auto& l : cfg.layers) {
     l.latent_slot = l.owns_kv() ? latent++ : -1;

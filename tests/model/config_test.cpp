@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <sstream>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -290,6 +291,15 @@ TEST(ConfigLoader, HfConfigRoundTrip) {
   ASSERT_TRUE(native.ok()) << native.status().message();
   expect_same(m, native.value());
 
+  // A dense-only model survives the HF writer's "n_routed_experts 1, all layers dense".
+  ModelConfig dense = preset("mistral4-tiny");
+  dense.moe = MoeConfig{};
+  for (auto& l : dense.layers) l.ffn = FfnKind::kDense;
+  ASSERT_TRUE(validate_model_config(dense).is_ok());
+  auto dense_back = parse_hf_config_json(hf_config_json_from_config(dense, "mistral4"));
+  ASSERT_TRUE(dense_back.ok()) << dense_back.status().message();
+  expect_same(dense, dense_back.value());
+
   // deepseek_v3 (no indexer): drop the indexer from dsv32-tiny.
   ModelConfig v3 = preset("dsv32-tiny");
   v3.indexer.n_heads = 0;
@@ -557,6 +567,24 @@ TEST(ConfigLoader, LoadModelConfigFromDirectory) {
   auto bad = load_model_config(dir.path().string());
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find((dir.path() / "params.json").string()), std::string::npos) << bad.status().message();
+}
+
+// docs/MODEL-FORMAT.md's params.json example is the ml4-tiny preset.
+TEST(ConfigLoader, DocumentedExampleIsMl4Tiny) {
+  std::ifstream f(std::string(ML4_SOURCE_DIR) + "/docs/MODEL-FORMAT.md");
+  ASSERT_TRUE(f) << "docs/MODEL-FORMAT.md not found";
+  std::stringstream ss;
+  ss << f.rdbuf();
+  std::string doc = ss.str();
+  size_t begin = doc.find("```json\n");
+  ASSERT_NE(begin, std::string::npos);
+  begin += 8;
+  size_t end = doc.find("```", begin);
+  ASSERT_NE(end, std::string::npos);
+  auto r = parse_params_json(doc.substr(begin, end - begin));
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  expect_same(r.value(), preset("ml4-tiny"));
+  EXPECT_EQ(json::parse(doc.substr(begin, end - begin)), json::parse(preset_source_json("ml4-tiny").value()));
 }
 
 }  // namespace
