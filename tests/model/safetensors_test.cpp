@@ -345,6 +345,30 @@ TEST(Safetensors, RoundTripEveryDtypeSingleFile) {
   }
 }
 
+// Known answer: these bytes are what the reference writer (Python safetensors 0.8.0,
+// `safetensors.numpy.save_file({"a": f32 [1, -2], "b.weight": i8 [[1, 2, 3]]},
+// metadata={"format": "pt"})`) produces; ours must be identical.
+TEST(Safetensors, WriterMatchesReferenceBytes) {
+  TempDir dir;
+  const std::string header =
+      R"({"__metadata__":{"format":"pt"},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+      R"("b.weight":{"dtype":"I8","shape":[1,3],"data_offsets":[8,11]}}     )";
+  ASSERT_EQ(header.size(), 0x98u);
+  const std::string want = le64(0x98) + header + std::string("\x00\x00\x80\x3f\x00\x00\x00\xc0\x01\x02\x03", 11);
+  Tensor a(DType::kF32, {2});
+  a.mutable_as<float>()[0] = 1.0f;
+  a.mutable_as<float>()[1] = -2.0f;
+  Tensor b(DType::kI8, {1, 3});
+  for (int i = 0; i < 3; ++i) b.mutable_as<int8_t>()[i] = static_cast<int8_t>(i + 1);
+  SafetensorsWriter w;
+  w.set_metadata("format", "pt");
+  ASSERT_TRUE(w.add("a", a).is_ok());
+  ASSERT_TRUE(w.add("b.weight", b).is_ok());
+  std::string p = dir.file("ref.safetensors");
+  ASSERT_TRUE(w.write(p).is_ok());
+  EXPECT_EQ(read_bytes(p), want);
+}
+
 TEST(Safetensors, WriterKeepsTheAddedOrderWhenAligned) {
   TempDir dir;
   std::mt19937 rng(3);
