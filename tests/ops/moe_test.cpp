@@ -128,5 +128,16 @@ TEST(MoeRoute, GroupScoreIsTopTwoSum) {
   EXPECT_NEAR(w[0], 0.01 / 0.31, 1e-6);
 }
 
+TEST(MoeRoute, BadConfigIsLoggedNotACrash) {
+  MoeConfig c = cfg(10, 2, 3, 1, RouterScoring::kSoftmax, true, 1.0);  // 10 % 3 != 0
+  std::vector<float> logits(10, 0.5f);
+  int32_t ids[2] = {7, 7};
+  float w[2] = {7, 7};
+  moe_route(logits.data(), 1, c, nullptr, ids, w);
+  EXPECT_EQ(ids[0], -1);
+  EXPECT_EQ(ids[1], -1);
+  EXPECT_EQ(w[0], 0.0f);
+}
+
 }  // namespace
 }  // namespace ml4::cpu

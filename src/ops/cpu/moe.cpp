@@ -33,6 +33,10 @@ void moe_route(const float* logits, int64_t T, const MoeConfig& cfg, const float
   if (E <= 0 || K <= 0 || K > E || E % G != 0 || cfg.num_expert_groups_per_tok < 1) {
     ML4_LOG_ERROR("moe_route: bad config experts={} per_tok={} groups={} groups_per_tok={}", E, K,
                   cfg.num_expert_groups, cfg.num_expert_groups_per_tok);
+    for (int64_t i = 0; i < T * std::max(K, 0); ++i) {
+      ids[i] = -1;  // no expert: a caller that skips the check still reads defined values
+      weights[i] = 0.0f;
+    }
     return;
   }
   const int per_group = E / G;
