@@ -49,6 +49,21 @@ size_t PagedKvCache::size_bytes() const {
   return n;
 }
 
+Status PagedKvCache::check_slot(int group, int layer_slot, int64_t slot) const {
+  if (group < 0 || group >= num_groups()) {
+    return out_of_range("kv cache group {} (there are {})", group, num_groups());
+  }
+  const auto& gs = spec_.groups[group];
+  if (layer_slot < 0 || layer_slot >= static_cast<int>(gs.layers.size())) {
+    return out_of_range("kv cache group {}: layer slot {} (it has {})", gs.name, layer_slot, gs.layers.size());
+  }
+  if (slot < 0 || slot >= num_slots(group)) {
+    return out_of_range("kv cache group {}: token slot {} (it has {} = {} blocks x {})", gs.name, slot,
+                        num_slots(group), num_blocks_[group], kPageTokens);
+  }
+  return Status::ok();
+}
+
 uint8_t* PagedKvCache::page(int group, int layer_slot, int64_t block) {
   return const_cast<uint8_t*>(std::as_const(*this).page(group, layer_slot, block));
 }

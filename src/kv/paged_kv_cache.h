@@ -30,6 +30,10 @@ class PagedKvCache {
   int64_t num_slots(int group) const { return num_blocks_[group] * kPageTokens; }
   size_t size_bytes() const;
 
+  // Out-of-range error naming the group, for checking slot mappings at a boundary (the
+  // accessors below only assert).
+  Status check_slot(int group, int layer_slot, int64_t slot) const;
+
   uint8_t* page(int group, int layer_slot, int64_t block);
   const uint8_t* page(int group, int layer_slot, int64_t block) const;
 
