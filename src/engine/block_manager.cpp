@@ -25,6 +25,7 @@ KvBlockManager::KvBlockManager(std::vector<CacheGroupInfo> groups, bool enable_p
   for (auto& info : groups) {
     Pool p;
     p.info = info;
+    p.active = !(info.sliding_window > 0 && info.num_blocks <= 0);
     size_t n = static_cast<size_t>(std::max<int64_t>(0, info.num_blocks));
     p.ref.assign(n, 0);
     p.prev.assign(n, -1);
@@ -36,7 +37,7 @@ KvBlockManager::KvBlockManager(std::vector<CacheGroupInfo> groups, bool enable_p
     pools_.push_back(std::move(p));
     Pool& q = pools_.back();
     for (size_t b = 0; b < n; ++b) list_push_back(q, static_cast<int32_t>(b));
-    lcm_page_ = std::lcm(lcm_page_, static_cast<int64_t>(std::max(1, info.page_tokens)));
+    if (q.active) lcm_page_ = std::lcm(lcm_page_, static_cast<int64_t>(std::max(1, info.page_tokens)));
   }
 }
 
@@ -96,8 +97,9 @@ double KvBlockManager::usage(int g) const {
 
 int64_t KvBlockManager::capacity_tokens() const {
   int64_t cap = INT64_MAX;
-  for (const auto& p : pools_) cap = std::min(cap, p.info.num_blocks * p.info.page_tokens);
-  return pools_.empty() ? 0 : cap;
+  for (const auto& p : pools_)
+    if (p.active) cap = std::min(cap, p.info.num_blocks * p.info.page_tokens);
+  return cap == INT64_MAX ? 0 : cap;
 }
 
 PrefixHit KvBlockManager::find_cached_prefix(const Request& r) {
@@ -109,6 +111,7 @@ PrefixHit KvBlockManager::find_cached_prefix(const Request& r) {
   int64_t best = limit;
   for (size_t g = 0; g < pools_.size() && best > 0; ++g) {
     const Pool& p = pools_[g];
+    if (!p.active) continue;
     const int64_t page = p.info.page_tokens;
     uint64_t parent = kRootHash;
     int64_t found = 0;
@@ -130,7 +133,7 @@ PrefixHit KvBlockManager::find_cached_prefix(const Request& r) {
   best = best / lcm_page_ * lcm_page_;
   hit.num_tokens = best;
   for (size_t g = 0; g < pools_.size(); ++g) {
-    size_t keep = static_cast<size_t>(best / pools_[g].info.page_tokens);
+    size_t keep = pools_[g].active ? static_cast<size_t>(best / pools_[g].info.page_tokens) : 0;
     hit.blocks[g].resize(std::min(keep, hit.blocks[g].size()));
     hit.hashes[g].resize(hit.blocks[g].size());
   }
@@ -142,6 +145,7 @@ PrefixHit KvBlockManager::find_cached_prefix(const Request& r) {
 std::vector<int64_t> KvBlockManager::blocks_needed(const Request& r, int64_t num_tokens) const {
   std::vector<int64_t> need(pools_.size(), 0);
   for (size_t g = 0; g < pools_.size(); ++g) {
+    if (!pools_[g].active) continue;
     int64_t have = g < r.block_tables.size() ? static_cast<int64_t>(r.block_tables[g].size()) : 0;
     need[g] = std::max<int64_t>(0, ceil_div(num_tokens, pools_[g].info.page_tokens) - have);
   }
@@ -158,6 +162,7 @@ bool KvBlockManager::allocate(Request& r, int64_t num_tokens, const PrefixHit* h
   std::vector<int64_t> need(G, 0);
   for (size_t g = 0; g < G; ++g) {
     const Pool& p = pools_[g];
+    if (!p.active) continue;
     int64_t have = static_cast<int64_t>(r.block_tables[g].size());
     int64_t from_free = 0;
     if (use_hit) {
@@ -169,6 +174,7 @@ bool KvBlockManager::allocate(Request& r, int64_t num_tokens, const PrefixHit* h
   }
   for (size_t g = 0; g < G; ++g) {
     Pool& p = pools_[g];
+    if (!p.active) continue;
     if (use_hit) {
       for (size_t i = 0; i < hit->blocks[g].size(); ++i) {
         int32_t b = hit->blocks[g][i];
@@ -211,6 +217,7 @@ void KvBlockManager::cache_full_blocks(Request& r) {
   if (!prefix_caching_) return;
   for (size_t g = 0; g < r.block_tables.size() && g < pools_.size(); ++g) {
     Pool& p = pools_[g];
+    if (!p.active) continue;
     const int64_t page = p.info.page_tokens;
     const int64_t full = std::min<int64_t>(r.num_computed / page, r.block_tables[g].size());
     auto& hashes = r.block_hashes[g];

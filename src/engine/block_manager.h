@@ -20,7 +20,9 @@
 // changes nothing unless every group has them; free counts are therefore never negative and
 // return to their start when every request is gone (tested).
 //
-// Later parts: a sliding-window group (drafter) may release blocks wholly outside its window
+// A sliding-window group the runner gave no blocks (the drafter when speculation is off)
+// is inactive: its tables stay empty and it takes no part in admission or prefix hits.
+// Later parts: an active sliding-window group may release blocks wholly outside its window
 // (not done yet: it keeps them, which is correct but uses more memory); P/D transfer
 // allocates blocks for num_external_tokens the same way as a prefill.
 #pragma once
@@ -50,6 +52,7 @@ class KvBlockManager {
   const CacheGroupInfo& group(int g) const { return pools_[g].info; }
   int64_t num_free_blocks(int g) const { return pools_[g].num_free; }
   int64_t num_total_blocks(int g) const { return pools_[g].info.num_blocks; }
+  bool active(int g) const { return pools_[g].active; }
   int64_t num_free_blocks_total() const;
   double usage(int g) const;
   // Tokens one sequence can hold when it has the whole cache.
@@ -81,6 +84,7 @@ class KvBlockManager {
  private:
   struct Pool {
     CacheGroupInfo info;
+    bool active = true;
     std::vector<int32_t> ref;
     std::vector<int32_t> prev, next;  // intrusive doubly linked free list
     std::vector<uint8_t> in_free;

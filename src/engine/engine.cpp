@@ -85,9 +85,13 @@ Status Engine::check_request(const std::vector<int32_t>& prompt, const SamplingP
 bool Engine::abort(const std::string& request_id) {
   auto it = live_.find(request_id);
   if (it == live_.end()) return false;
-  scheduler_.remove(it->second.get());
-  it->second->status = RequestStatus::kFinished;
-  it->second->finish_reason = FinishReason::kAbort;
+  Request& r = *it->second;
+  scheduler_.remove(&r);
+  r.status = RequestStatus::kFinished;
+  r.finish_reason = FinishReason::kAbort;
+  if (observer_)
+    observer_->on_finished(mono_now() - r.arrival_time, FinishReason::kAbort, static_cast<int64_t>(r.prompt.size()),
+                           static_cast<int64_t>(r.output.size()));
   live_.erase(it);
   return true;
 }

@@ -5,6 +5,8 @@
 #include <filesystem>
 
 #include "core/log.h"
+#include "tokenizer/chat.h"
+#include "tokenizer/tokenizer.h"
 
 namespace ml4 {
 namespace {
@@ -40,7 +42,7 @@ int utf8_seq_len(const std::string& s, size_t i) {
   return len;
 }
 
-std::string message_text(const nlohmann::json& content) {
+std::string message_text(const nlohmann::ordered_json& content) {
   if (content.is_string()) return content.get<std::string>();
   std::string out;
   if (content.is_array()) {
@@ -118,8 +120,10 @@ Result<std::vector<int32_t>> ByteTextCodec::encode(const std::string& text, bool
 
 // Mistral instruct layout (mistral-common, tokens v7+): <s>[SYSTEM_PROMPT]..[/SYSTEM_PROMPT]
 // [INST]user[/INST]assistant</s>[INST]...[/INST]; tools are not supported by this fallback.
-Result<std::vector<int32_t>> ByteTextCodec::encode_chat(const nlohmann::json& messages,
-                                                        const nlohmann::json& tools) const {
+Result<std::vector<int32_t>> ByteTextCodec::encode_chat(const nlohmann::ordered_json& request) const {
+  if (!request.is_object() || !request.contains("messages"))
+    return invalid_argument("'messages' is required");
+  const auto& messages = request["messages"];
   if (!messages.is_array() || messages.empty())
     return invalid_argument("'messages' must be a non-empty array");
   std::vector<int32_t> ids{bos_id()};
@@ -155,13 +159,37 @@ Result<std::vector<int32_t>> ByteTextCodec::encode_chat(const nlohmann::json& me
   return ids;
 }
 
+int TekkenTextCodec::vocab_size() const { return tok_->vocab_size(); }
+int32_t TekkenTextCodec::bos_id() const { return tok_->bos_id(); }
+int32_t TekkenTextCodec::eos_id() const { return tok_->eos_id(); }
+bool TekkenTextCodec::is_special(int32_t id) const { return tok_->is_special(id); }
+std::string TekkenTextCodec::token_bytes(int32_t id) const { return std::string(tok_->token_bytes(id)); }
+std::string TekkenTextCodec::name() const { return tok_->name(); }
+
+Result<std::vector<int32_t>> TekkenTextCodec::encode(const std::string& text, bool add_bos) const {
+  std::vector<int32_t> ids;
+  if (add_bos) ids.push_back(tok_->bos_id());
+  tok_->encode_into(text, false, ids);
+  return ids;
+}
+
+Result<std::vector<int32_t>> TekkenTextCodec::encode_chat(const nlohmann::ordered_json& request) const {
+  return ::ml4::encode_chat(*tok_, request);
+}
+
 Result<std::unique_ptr<TextCodec>> make_text_codec(const std::string& model_dir, int vocab_size) {
-  // The tekken tokenizer (src/tokenizer) replaces this fallback once it lands.
-  std::unique_ptr<TextCodec> codec = std::make_unique<ByteTextCodec>(vocab_size);
+  const std::string path = model_dir + "/tekken.json";
+  if (std::filesystem::exists(path)) {
+    ML4_ASSIGN_OR_RETURN(std::shared_ptr<const Tokenizer> tok, Tokenizer::load(path));
+    if (tok->vocab_size() > vocab_size)
+      return invalid_argument("{}: tokenizer has {} ids, the model only {}", path, tok->vocab_size(), vocab_size);
+    return std::unique_ptr<TextCodec>(std::make_unique<TekkenTextCodec>(tok));
+  }
   if (vocab_size < ByteTextCodec::kNumSpecial + 256)
-    return invalid_argument("model vocabulary {} is too small for the byte codec (needs {})", vocab_size,
-                            ByteTextCodec::kNumSpecial + 256);
-  return codec;
+    return invalid_argument("{} has no tekken.json and its vocabulary ({}) is too small for the byte codec", model_dir,
+                            vocab_size);
+  ML4_LOG_WARN("{} has no tekken.json: using the byte-level fallback codec", model_dir);
+  return std::unique_ptr<TextCodec>(std::make_unique<ByteTextCodec>(vocab_size));
 }
 
 std::string IncrementalDetokenizer::push(const TextCodec& codec, int32_t id, bool skip_special) {

@@ -34,9 +34,8 @@ class TextCodec {
   // Raw bytes of one token (may be part of a UTF-8 sequence); a special token gives its name.
   virtual std::string token_bytes(int32_t id) const = 0;
   virtual Result<std::vector<int32_t>> encode(const std::string& text, bool add_bos) const = 0;
-  // OpenAI chat messages (and optional tools) -> prompt ids, generation prompt included.
-  virtual Result<std::vector<int32_t>> encode_chat(const nlohmann::json& messages,
-                                                   const nlohmann::json& tools) const = 0;
+  // An OpenAI chat request (messages, tools, ...) -> prompt ids, generation prompt included.
+  virtual Result<std::vector<int32_t>> encode_chat(const nlohmann::ordered_json& request) const = 0;
   // A name for /v1/models and logs.
   virtual std::string name() const = 0;
 
@@ -56,12 +55,30 @@ class ByteTextCodec : public TextCodec {
   bool is_special(int32_t id) const override { return id < kNumSpecial || id >= kNumSpecial + 256; }
   std::string token_bytes(int32_t id) const override;
   Result<std::vector<int32_t>> encode(const std::string& text, bool add_bos) const override;
-  Result<std::vector<int32_t>> encode_chat(const nlohmann::json& messages,
-                                           const nlohmann::json& tools) const override;
+  Result<std::vector<int32_t>> encode_chat(const nlohmann::ordered_json& request) const override;
   std::string name() const override { return "byte-fallback"; }
 
  private:
   int vocab_size_;
+};
+
+class Tokenizer;
+
+// The model's tekken.json through src/tokenizer (mistral-common compatible ids and chat).
+class TekkenTextCodec : public TextCodec {
+ public:
+  explicit TekkenTextCodec(std::shared_ptr<const Tokenizer> tok) : tok_(std::move(tok)) {}
+  int vocab_size() const override;
+  int32_t bos_id() const override;
+  int32_t eos_id() const override;
+  bool is_special(int32_t id) const override;
+  std::string token_bytes(int32_t id) const override;
+  Result<std::vector<int32_t>> encode(const std::string& text, bool add_bos) const override;
+  Result<std::vector<int32_t>> encode_chat(const nlohmann::ordered_json& request) const override;
+  std::string name() const override;
+
+ private:
+  std::shared_ptr<const Tokenizer> tok_;
 };
 
 // Picks the model's tokenizer when one is usable, else the byte fallback.

@@ -1,0 +1,172 @@
+// `ml4 serve`: the OpenAI-compatible server (SYSTEM.md S14, S16), flags named as vLLM's.
+//
+// With no --model it serves the default model: ml4-tiny (seed 0), built deterministically
+// on first start by this same binary's `make-model` into $ML4_DEFAULT_MODEL or
+// ~/.cache/ml4/models/ml4-tiny; nothing is downloaded. SIGINT / SIGTERM drain: new requests
+// get 503, live ones finish (up to --shutdown-timeout seconds), then the process exits.
+#include <csignal>
+#include <cstdlib>
+#include <filesystem>
+#include <thread>
+
+#include "command.h"
+#include "core/log.h"
+#include "engine/async_engine.h"
+#include "runtime/cpu_runner.h"
+#include "server/http_server.h"
+
+namespace ml4::cli {
+namespace {
+
+struct ServeOptions {
+  std::string model;
+  std::string served_model_name;
+  std::string host = "127.0.0.1";
+  int port = 8000;
+  int64_t max_model_len = 0;
+  int max_num_seqs = 64;
+  int64_t max_num_batched_tokens = 2048;
+  std::string kv_cache_dtype = "fp8_ds_mla";
+  int64_t kv_cache_memory_bytes = 256ll << 20;
+  bool enable_prefix_caching = true;
+  bool enable_chunked_prefill = true;
+  uint64_t seed = 0;
+  std::string api_key;
+  size_t max_queue = 512;
+  size_t max_body_bytes = 8u << 20;
+  double hang_timeout = 60.0;
+  double shutdown_timeout = 30.0;
+  int http_threads = 256;
+};
+
+std::atomic<int> g_signal{0};
+extern "C" void on_signal(int sig) { g_signal = sig; }
+
+std::string default_model_dir() {
+  if (const char* env = std::getenv("ML4_DEFAULT_MODEL"); env && *env) return env;
+  const char* cache = std::getenv("XDG_CACHE_HOME");
+  const char* home = std::getenv("HOME");
+  std::string base = cache && *cache ? cache : std::string(home && *home ? home : ".") + "/.cache";
+  return base + "/ml4/models/ml4-tiny";
+}
+
+Status ensure_default_model(const std::string& dir) {
+  if (std::filesystem::exists(dir + "/params.json")) return Status::ok();
+  ML4_LOG_INFO("serve: building the default model ml4-tiny (seed 0) in {}", dir);
+  std::error_code ec;
+  std::filesystem::create_directories(std::filesystem::path(dir).parent_path(), ec);
+  const std::string self = std::filesystem::read_symlink("/proc/self/exe", ec).string();
+  if (ec) return io_error("cannot find this executable to run make-model: {}", ec.message());
+  const std::string tmp = dir + ".tmp";
+  std::filesystem::remove_all(tmp, ec);
+  const std::string cmd = "'" + self + "' make-model --preset ml4-tiny --seed 0 --out '" + tmp + "'";
+  if (std::system(cmd.c_str()) != 0) return internal_error("'{}' failed", cmd);
+  std::filesystem::rename(tmp, dir, ec);  // atomic: a half-written model is never picked up
+  if (ec && !std::filesystem::exists(dir + "/params.json")) return io_error("cannot move {} to {}: {}", tmp, dir, ec.message());
+  return Status::ok();
+}
+
+Status run_serve(ServeOptions o) {
+  if (o.model.empty()) {
+    o.model = default_model_dir();
+    ML4_RETURN_IF_ERROR(ensure_default_model(o.model));
+  }
+  if (o.served_model_name.empty()) o.served_model_name = std::filesystem::path(o.model).filename().string();
+  if (o.served_model_name.empty()) o.served_model_name = o.model;
+  if (o.api_key.empty())
+    if (const char* env = std::getenv("ML4_API_KEY"); env && *env) o.api_key = env;
+
+  RunnerOptions ro;
+  ro.kv_cache_dtype = o.kv_cache_dtype;
+  ro.kv_cache_bytes = o.kv_cache_memory_bytes;
+  ro.max_model_len = o.max_model_len;
+  ML4_ASSIGN_OR_RETURN(std::unique_ptr<ModelRunner> runner, load_cpu_runner(o.model, ro));
+  ML4_ASSIGN_OR_RETURN(std::unique_ptr<TextCodec> codec, make_text_codec(o.model, runner->config().vocab_size));
+
+  EngineConfig ec;
+  ec.scheduler.max_num_seqs = o.max_num_seqs;
+  ec.scheduler.max_num_batched_tokens = o.max_num_batched_tokens;
+  ec.scheduler.max_model_len = o.max_model_len > 0 ? o.max_model_len : runner->config().max_position_embeddings;
+  ec.scheduler.enable_chunked_prefill = o.enable_chunked_prefill;
+  ec.enable_prefix_caching = o.enable_prefix_caching;
+  ec.seed = o.seed;
+  if (ec.scheduler.max_num_seqs < 1 || ec.scheduler.max_num_batched_tokens < 1)
+    return invalid_argument("--max-num-seqs and --max-num-batched-tokens must be positive");
+  auto engine = std::make_unique<Engine>(runner.get(), codec.get(), ec);
+  ServerMetrics metrics(o.served_model_name);
+  engine->set_observer(&metrics);
+  AsyncEngine::Options ao;
+  ao.max_live = o.max_queue;
+  ao.hang_timeout_s = o.hang_timeout;
+  AsyncEngine async(std::move(engine), ao);
+
+  ServerOptions so;
+  so.host = o.host;
+  so.port = o.port;
+  so.served_model_name = o.served_model_name;
+  so.api_key = o.api_key;
+  so.max_body_bytes = o.max_body_bytes;
+  so.http_threads = o.http_threads;
+  OpenAiServer server(&async, codec.get(), &metrics, so);
+  ML4_RETURN_IF_ERROR(server.bind());
+  async.start();
+
+  std::signal(SIGPIPE, SIG_IGN);
+  std::signal(SIGINT, on_signal);
+  std::signal(SIGTERM, on_signal);
+  std::atomic<bool> served{false};
+  std::thread watcher([&] {
+    while (!served) {
+      if (g_signal.load() != 0) {
+        ML4_LOG_INFO("serve: signal {}, draining (up to {} s)", g_signal.load(), o.shutdown_timeout);
+        server.drain_and_stop(o.shutdown_timeout);
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  });
+  ML4_LOG_INFO("serve: {} as '{}' on http://{}:{} (max_model_len {}, tokenizer {})", o.model, o.served_model_name,
+               o.host, server.bound_port(), async.engine().max_model_len(), codec->name());
+  Status st = server.serve();
+  served = true;
+  watcher.join();
+  async.stop();
+  ML4_LOG_INFO("serve: stopped");
+  return st;
+}
+
+CommandRegistrar reg("serve", [](CLI::App& app, int* exit_code) {
+  auto* cmd = app.add_subcommand("serve", "OpenAI-compatible HTTP server");
+  auto o = std::make_shared<ServeOptions>();
+  cmd->add_option("--model", o->model, "model directory (default: ml4-tiny, built on first start)");
+  cmd->add_option("--served-model-name", o->served_model_name, "name in the API (default: the directory name)");
+  cmd->add_option("--host", o->host, "address to listen on");
+  cmd->add_option("--port", o->port, "port (0: any free port)")->check(CLI::Range(0, 65535));
+  cmd->add_option("--max-model-len", o->max_model_len, "longest prompt + output, tokens");
+  cmd->add_option("--max-num-seqs", o->max_num_seqs, "sequences per step")->check(CLI::PositiveNumber);
+  cmd->add_option("--max-num-batched-tokens", o->max_num_batched_tokens, "token budget per step")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--kv-cache-dtype", o->kv_cache_dtype, "fp8_ds_mla, fp8 or bf16");
+  cmd->add_option("--kv-cache-memory-bytes", o->kv_cache_memory_bytes, "KV cache budget in bytes");
+  cmd->add_flag("--enable-prefix-caching,!--no-enable-prefix-caching", o->enable_prefix_caching,
+                "prefix caching (default on)");
+  cmd->add_flag("--enable-chunked-prefill,!--no-enable-chunked-prefill", o->enable_chunked_prefill,
+                "chunked prefill (default on)");
+  cmd->add_option("--seed", o->seed, "seed for requests that bring none");
+  cmd->add_option("--api-key", o->api_key, "require 'Authorization: Bearer KEY' (also $ML4_API_KEY)");
+  cmd->add_option("--max-queue", o->max_queue, "queued + running requests before 429");
+  cmd->add_option("--max-body-bytes", o->max_body_bytes, "largest request body (413 above)");
+  cmd->add_option("--hang-timeout", o->hang_timeout, "a step longer than this fails /health, seconds");
+  cmd->add_option("--shutdown-timeout", o->shutdown_timeout, "grace period for live requests on SIGTERM, seconds");
+  cmd->add_option("--http-threads", o->http_threads, "concurrent HTTP connections");
+  cmd->callback([o, exit_code] {
+    Status s = run_serve(*o);
+    if (!s.is_ok()) {
+      ML4_LOG_ERROR("serve: {}", s.message());
+      *exit_code = 1;
+    }
+  });
+});
+
+}  // namespace
+}  // namespace ml4::cli
