@@ -243,6 +243,27 @@ TEST(Linear, DecodeCoversEveryCode) {
   }
 }
 
+// Batch invariance: row m of a batched call equals the same row computed alone, bit for
+// bit (every y element sees the same FMA sequence whatever M, the row pairing or the
+// thread split), and repeated calls are identical. The runtime's batch/chunk invariance
+// tests rely on this.
+TEST(Linear, BatchInvariantAndDeterministic) {
+  for (LinearFormat f : {LinearFormat::kBF16, LinearFormat::kFP8Block, LinearFormat::kNVFP4}) {
+    TestWeight t = make_weight(f, 203, 512, 71);
+    const int64_t M = 17;
+    auto x = test::random_floats(M * 512, 72);
+    std::vector<float> y(M * 203), y2(M * 203), row(203);
+    linear(x.data(), M, t.w, y.data());
+    linear(x.data(), M, t.w, y2.data());
+    EXPECT_EQ(y, y2);
+    for (int64_t m : {0, 7, 16}) {
+      linear(x.data() + m * 512, 1, t.w, row.data());
+      for (int64_t n = 0; n < 203; ++n)
+        ASSERT_EQ(f32_to_bits(row[n]), f32_to_bits(y[m * 203 + n])) << "m=" << m << " n=" << n;
+    }
+  }
+}
+
 TEST(Linear, BadWeightIsAnErrorNotACrash) {
   TestWeight t = make_weight(LinearFormat::kBF16, 8, 16, 61);
   t.w.in_features = 32;  // declared K disagrees with the tensor
