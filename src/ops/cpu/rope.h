@@ -24,7 +24,8 @@ std::vector<float> rope_inv_freq(double theta, int rope_dim, const YarnConfig& y
 // mscale_all_dim) (transformers `attention_factor`); 1 when yarn is off.
 float rope_attention_factor(const YarnConfig& yarn);
 
-// LeRoPE: p for p < window, window + (p - window) / leak beyond; p when disabled.
+// LeRoPE: p for p < window, window + (p - window) / leak beyond; p when disabled (or
+// leak <= 0, which the config loader rejects).
 double lerope_position(int64_t p, const LeRopeConfig& cfg);
 
 // Mistral 4: 1 + beta * log(1 + floor(p / original_max_position_embeddings)); 1 when off.
