@@ -4,7 +4,7 @@
 // rebuilt here in memory exactly as the script built them. Ids compare exactly.
 #include <map>
 
-#include "tests/tokenizer/test_util.h"
+#include "test_util.h"
 #include "tokenizer/chat.h"
 #include "tokenizer/python_json.h"
 

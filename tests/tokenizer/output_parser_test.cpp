@@ -1,7 +1,7 @@
 // Output parsing: known answers for each output form, and streaming == whole-text for
 // every chunking of the samples (exhaustively for short token sequences; every one- and
 // two-cut chunking plus one-unit-per-chunk for the longer ones and for text).
-#include "tests/tokenizer/test_util.h"
+#include "test_util.h"
 #include "tokenizer/output_parser.h"
 #include "tokenizer/utf8.h"
 

@@ -3,7 +3,7 @@
 // Ids are integers: every comparison is exact.
 #include <random>
 
-#include "tests/tokenizer/test_util.h"
+#include "test_util.h"
 #include "tokenizer/base64.h"
 #include "tokenizer/utf8.h"
 

@@ -1,7 +1,7 @@
 // `ml4 tokenizer train` output: deterministic, the exact size asked for, loadable by
 // mistral-common, and encoded identically by it (trained_golden.json holds mistral-common's
 // ids on the two committed trained files; tools/tokenizer/make_goldens.py --ml4).
-#include "tests/tokenizer/test_util.h"
+#include "test_util.h"
 #include "tokenizer/base64.h"
 #include "tokenizer/chat.h"
 #include "tokenizer/trainer.h"
