@@ -141,6 +141,7 @@ Result<ApiRequest> parse_api_request(const ojson& b, bool chat, const TextCodec&
   ML4_RETURN_IF_ERROR(get_bool(b, "ignore_eos", &p.ignore_eos));
   ML4_RETURN_IF_ERROR(get_bool(b, "skip_special_tokens", &p.skip_special_tokens));
   ML4_RETURN_IF_ERROR(get_bool(b, "include_stop_str_in_output", &p.include_stop_str_in_output));
+  ML4_RETURN_IF_ERROR(get_bool(b, "return_token_ids", &r.return_token_ids));
   if (auto it = b.find("stream_options"); it != b.end() && !it->is_null()) {
     if (!it->is_object()) return invalid_argument("'stream_options' must be an object");
     ML4_RETURN_IF_ERROR(get_bool(*it, "include_usage", &r.include_usage));
@@ -366,6 +367,10 @@ ojson ChoiceBuilder::final_json() const {
     }
     choice["finish_reason"] = c.finish == FinishReason::kNone ? ojson(nullptr) : ojson(finish_reason_name(c.finish));
     choice["stop_reason"] = c.stop_reason.empty() ? ojson(nullptr) : ojson(c.stop_reason);
+    if (req_.return_token_ids) {
+      choice["token_ids"] = c.tokens;
+      choice["prompt_token_ids"] = req_.prompts[i / n_];
+    }
     choices.push_back(choice);
   }
   return {{"id", id_},

@@ -40,6 +40,7 @@ struct ApiRequest {
   bool include_usage = false;
   bool echo = false;
   bool chat_logprobs = false;  // chat: logprobs: true (+ top_logprobs)
+  bool return_token_ids = false;  // vLLM extension: token_ids per choice (non-streaming)
   int priority = 0;
 };
 
