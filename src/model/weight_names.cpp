@@ -197,8 +197,8 @@ class Builder {
     add_param(p + "markov.embed.weight", {V, r}, TensorRole::kEmbedding);
     add_linear(p + "markov.weight_ih", 3 * r, D + r, LinearFormat::kBF16);
     add_linear(p + "markov.weight_hh", 3 * r, r, LinearFormat::kBF16);
-    add_param(p + "markov.bias_ih", {3 * r}, TensorRole::kBias);
-    add_param(p + "markov.bias_hh", {3 * r}, TensorRole::kBias);
+    add_param(p + "markov.bias_ih", {3 * r}, TensorRole::kNormBias);
+    add_param(p + "markov.bias_hh", {3 * r}, TensorRole::kNormBias);
     add_linear(p + "markov.out.weight", V, r, LinearFormat::kBF16);
     drafter_ = false;
     hf_ = hf;
@@ -314,7 +314,6 @@ const char* tensor_role_name(TensorRole r) {
     case TensorRole::kExpertsLinear: return "experts_linear";
     case TensorRole::kNorm: return "norm";
     case TensorRole::kNormBias: return "norm_bias";
-    case TensorRole::kBias: return "bias";
     case TensorRole::kEmbedding: return "embedding";
     case TensorRole::kRouterGate: return "router_gate";
     case TensorRole::kCorrectionBias: return "correction_bias";

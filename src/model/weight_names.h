@@ -27,8 +27,7 @@ enum class TensorRole {
   kLinear,          // [out, in] weight of a linear layer
   kExpertsLinear,   // [experts, out, in]: HF fused routed experts (mistral4 layout)
   kNorm,            // RMSNorm / LayerNorm weight [dim]
-  kNormBias,        // LayerNorm bias [dim] (indexer k_norm)
-  kBias,            // other bias vectors (drafter GRU)
+  kNormBias,        // bias vectors: LayerNorm (indexer k_norm), the drafter's GRU
   kEmbedding,       // token embeddings [vocab, dim], drafter mask embeddings
   kRouterGate,      // MoE router [experts, dim], always bf16 and run in fp32
   kCorrectionBias,  // DeepSeek-V3 e_score_correction_bias [experts], f32
