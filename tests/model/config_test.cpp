@@ -11,6 +11,7 @@
 
 #include "model/config_loader.h"
 #include "model/presets.h"
+#include "model/weight_names.h"
 
 namespace ml4 {
 namespace {
@@ -388,6 +389,11 @@ TEST(ConfigLoader, RealDeepseekV32Config) {
   // DeepSeek-V3 inference/model.py: softmax_scale = 192^-0.5 * (0.1 ln 40 + 1)^2.
   double m = 0.1 * std::log(40.0) + 1.0;
   EXPECT_NEAR(c.softmax_scale(), m * m / std::sqrt(192.0), 1e-12);
+  // DeepSeek-V3's model card: 671B total, 37B activated (the 14B MTP module aside); V3.2
+  // adds ~0.85B of indexer weights. Counted from expected_tensors: 671.9B and 36.6B.
+  ParamCounts pc = count_parameters(c);
+  EXPECT_NEAR(static_cast<double>(pc.total) / 671e9, 1.0, 0.01) << pc.total;
+  EXPECT_NEAR(static_cast<double>(pc.active) / 37e9, 1.0, 0.02) << pc.active;
 }
 
 // Our cos/sin factor: mscale(f, mscale) / mscale(f, mscale_all_dim), mscale(f, 0) = 1.
