@@ -1,0 +1,76 @@
+// MLA attention on the GPU, absorbed form (MODEL.md 3.6; DeepSeek-V2/V3 "weight absorption",
+// FlashMLA's sparse decode), over a layer's paged latent cache (latent_layout.h, any
+// KvCacheDtype: fp8_ds_mla 656 B rows, fp8, bf16). For query token t and head h:
+//   logit(s) = (q_lat[t,h] . c[s] + q_rope[t,h] . kr[s]) * head_scale[t,h]
+//   out_lat[t,h] = sum_s softmax(logit)(s) c[s],   lse[t,h] = ln sum_s exp(logit(s))
+// exactly ml4::cpu::mla_attention on the dequantized keys. The log-sum-exp is in the
+// NATURAL log (base e), like the CPU reference; a base-2 consumer multiplies by log2(e).
+// No valid key gives out_lat = 0 and lse = -inf (the split/DCP combine convention).
+//
+// Which keys token t sees:
+//   sparse (indices != null): the cache slots indices[t, 0 .. n_t), n_t = index_lengths[t] if
+//     given, else topk; entries < 0 or >= num_slots are skipped (FlashMLA's -1 padding). This
+//     serves decode and prefill alike (every token carries its own top-k list).
+//   dense (indices == null): positions [0, lengths[t]) of sequence seq_of_token[t], slot =
+//     block_table[seq][s / 64] * 64 + s % 64: the causal variant for models without DSA (for a
+//     prefill chunk lengths[t] = p_t + 1 per token).
+// Arithmetic is f32 throughout (keys dequantized to f32, f32 dot products and softmax), so
+// the result matches the f64-accumulating CPU reference to ~1e-6 relative.
+//
+// Work is split over the keys (FlashMLA's num_splits / flash-decoding): split i of token t
+// writes a partial (out, lse) into the workspace, and a combine kernel merges them in split
+// order (deterministic). Pass a workspace of mla_attention_workspace_bytes(p) bytes; a smaller
+// (or null) workspace only lowers the number of splits, never fails.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "core/status.h"
+#include "kv/kv_cache_dtype.h"
+
+namespace ml4::cuda {
+
+// Heads per thread block; more heads run as further blocks (grid.z).
+constexpr int kMlaHeadsPerBlock = 64;
+
+struct MlaAttentionParams {
+  const float* q_lat = nullptr;       // [T, H, r] f32
+  const float* q_rope = nullptr;      // [T, H, dr] f32
+  const float* head_scale = nullptr;  // [T, H] softmax scale per token and head (SSMax etc.)
+  int64_t T = 0;
+  int H = 64;
+  int r = 512;                        // multiple of 128, <= 512
+  int dr = 64;                        // even, <= 64, (r + dr) % 4 == 0
+  const void* cache = nullptr;        // [num_slots, latent_token_bytes(dtype, r, dr)]
+  int64_t num_slots = 0;
+  KvCacheDtype dtype = KvCacheDtype::kFp8DsMla;
+  float fp8_scale = 1.0f;             // kFp8 only
+  // Sparse.
+  const int32_t* indices = nullptr;   // [T, indices_stride] cache slots
+  int64_t indices_stride = 0;         // 0: topk
+  int topk = 0;                       // entries per row
+  const int32_t* index_lengths = nullptr;  // [T] or null (topk)
+  // Dense.
+  const int32_t* block_table = nullptr;    // [num_seqs, block_table_stride]
+  int64_t block_table_stride = 0;
+  const int32_t* seq_of_token = nullptr;   // [T]
+  const int32_t* lengths = nullptr;        // [T] keys visible to each token
+  int max_length = 0;                      // host-side bound on lengths[t]
+  // Outputs.
+  float* out_lat = nullptr;           // [T, H, r] f32
+  float* lse = nullptr;               // [T, H] natural log
+  // Split-KV.
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+  int num_splits = 0;                 // 0: chosen from T, H and the multiprocessor count
+  cudaStream_t stream = nullptr;
+};
+
+// Workspace for the split count mla_attention would choose for p (0 when it needs none).
+size_t mla_attention_workspace_bytes(const MlaAttentionParams& p);
+Status mla_attention(const MlaAttentionParams& p);
+
+}  // namespace ml4::cuda

@@ -1,0 +1,181 @@
+// See cache_write.h. One thread block per token; every value is computed with the same f32
+// operations, in the same order where order matters, as the CPU encoders, so the bytes match:
+//   fp8_ds_mla tile: amax (order-free), scale = max(amax / 448, FLT_MIN), q = e4m3_satfinite(x / scale)
+//     (IEEE division: this file is not built with fast-math);
+//   indexer key: Hadamard butterflies h = 1, 2, 4, ... on pairs (j, j + h), then * n^-0.5 (the
+//     host's f32 rounding of 1/sqrt(n), as ml4::cpu::hadamard_transform), then
+//     scale = max(amax, 1e-4) / 448 (DeepSeek-V3.2 act_quant), q = e4m3_satfinite(x / scale).
+#include "ops/cuda/cache_write.h"
+
+#include <cfloat>
+#include <cmath>
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include "kv/indexer_layout.h"
+#include "kv/latent_layout.h"
+#include "ops/cuda/cuda_common.h"
+
+namespace ml4::cuda {
+namespace {
+
+__device__ __forceinline__ float load_val(const void* base, bool bf16, int64_t i) {
+  if (bf16) return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
+  return static_cast<const float*>(base)[i];
+}
+
+__device__ __forceinline__ uint8_t to_e4m3(float x) {
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3));
+}
+
+__device__ __forceinline__ void store_bf16(uint8_t* p, float v) {
+  const __nv_bfloat16 h = __float2bfloat16_rn(v);
+  *reinterpret_cast<__nv_bfloat16*>(p) = h;  // 2-byte aligned: offsets are even, rows even-sized
+}
+
+// Block-wide max of non-negative floats (their bit patterns order like unsigned ints).
+__device__ __forceinline__ float block_amax(float v, unsigned* red) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  if (threadIdx.x == 0) *red = 0u;
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) atomicMax(red, __float_as_uint(v));
+  __syncthreads();
+  const float r = __uint_as_float(*red);
+  __syncthreads();
+  return r;
+}
+
+// grid (T), block 128: thread i handles value i of each 128-value tile.
+__global__ void latent_write_kernel(const void* __restrict__ c, bool c_bf16, int64_t c_stride,
+                                    const void* __restrict__ kr, bool kr_bf16, int64_t kr_stride,
+                                    const int64_t* __restrict__ slots, int r, int dr, int dtype,
+                                    float fp8_scale, uint8_t* __restrict__ cache, int64_t num_slots,
+                                    int64_t token_bytes) {
+  __shared__ unsigned red;
+  const int64_t t = blockIdx.x;
+  const int64_t slot = slots[t];
+  if (slot < 0 || slot >= num_slots) return;  // whole block leaves together
+  uint8_t* dst = cache + slot * token_bytes;
+  const int64_t c0 = t * c_stride, k0 = t * kr_stride;
+  const int tid = threadIdx.x;
+  if (dtype == static_cast<int>(KvCacheDtype::kFp8DsMla)) {
+    const int tiles = r / kDsMlaTile;
+    for (int tile = 0; tile < tiles; ++tile) {
+      const float x = load_val(c, c_bf16, c0 + tile * kDsMlaTile + tid);
+      const float amax = block_amax(fabsf(x), &red);
+      const float scale = fmaxf(amax / 448.0f, FLT_MIN);
+      dst[tile * kDsMlaTile + tid] = to_e4m3(x / scale);
+      if (tid == 0) *reinterpret_cast<float*>(dst + r + 4 * tile) = scale;  // 4-aligned: r % 128 == 0
+    }
+    uint8_t* rope = dst + r + 4 * tiles;
+    for (int i = tid; i < dr; i += blockDim.x) store_bf16(rope + 2 * i, load_val(kr, kr_bf16, k0 + i));
+  } else if (dtype == static_cast<int>(KvCacheDtype::kFp8)) {
+    for (int i = tid; i < r; i += blockDim.x) dst[i] = to_e4m3(load_val(c, c_bf16, c0 + i) / fp8_scale);
+    for (int i = tid; i < dr; i += blockDim.x) dst[r + i] = to_e4m3(load_val(kr, kr_bf16, k0 + i) / fp8_scale);
+  } else {
+    for (int i = tid; i < r; i += blockDim.x) store_bf16(dst + 2 * i, load_val(c, c_bf16, c0 + i));
+    for (int i = tid; i < dr; i += blockDim.x) store_bf16(dst + 2 * (r + i), load_val(kr, kr_bf16, k0 + i));
+  }
+}
+
+// grid (T), block dI / 2: thread i owns values i and i + dI/2 between butterfly stages.
+__global__ void indexer_write_kernel(const void* __restrict__ k, bool k_bf16, int64_t k_stride,
+                                     const int64_t* __restrict__ slots, int dI, bool hadamard,
+                                     float hscale, uint8_t* __restrict__ cache, int64_t num_blocks,
+                                     int64_t page_bytes) {
+  extern __shared__ float v[];  // [dI]
+  __shared__ unsigned gmax[8];  // one per 128-value group (dI <= 1024)
+  const int64_t t = blockIdx.x;
+  const int64_t slot = slots[t];
+  if (slot < 0 || slot >= num_blocks * kPageTokens) return;
+  const int tid = threadIdx.x, half = dI / 2;
+  const int G = dI / kIndexerQuantBlock;
+  v[tid] = load_val(k, k_bf16, t * k_stride + tid);
+  v[tid + half] = load_val(k, k_bf16, t * k_stride + tid + half);
+  if (tid < G) gmax[tid] = 0u;
+  __syncthreads();
+  if (hadamard) {
+    // Same pairs and order of operations as ml4::cpu::hadamard_transform.
+    for (int h = 1; h < dI; h *= 2) {
+      const int j = (tid / h) * 2 * h + (tid % h);
+      const float a = v[j], b = v[j + h];
+      __syncthreads();
+      v[j] = a + b;
+      v[j + h] = a - b;
+      __syncthreads();
+    }
+    v[tid] *= hscale;
+    v[tid + half] *= hscale;
+    __syncthreads();
+  }
+  const float x0 = v[tid], x1 = v[tid + half];
+  // Group amax: each warp's 32 values lie in one group (32 | 128).
+  float a0 = fabsf(x0), a1 = fabsf(x1);
+  for (int o = 16; o > 0; o >>= 1) {
+    a0 = fmaxf(a0, __shfl_xor_sync(0xffffffffu, a0, o));
+    a1 = fmaxf(a1, __shfl_xor_sync(0xffffffffu, a1, o));
+  }
+  if ((tid & 31) == 0) {
+    atomicMax(&gmax[tid / kIndexerQuantBlock], __float_as_uint(a0));
+    atomicMax(&gmax[(tid + half) / kIndexerQuantBlock], __float_as_uint(a1));
+  }
+  __syncthreads();
+  const int64_t block = slot / kPageTokens, off = slot % kPageTokens;
+  uint8_t* page = cache + block * page_bytes;
+  uint8_t* values = page + off * dI;
+  float* scales = reinterpret_cast<float*>(page + int64_t{kPageTokens} * dI + off * 4 * G);
+  const float s0 = fmaxf(__uint_as_float(gmax[tid / kIndexerQuantBlock]), 1e-4f) / 448.0f;
+  const float s1 = fmaxf(__uint_as_float(gmax[(tid + half) / kIndexerQuantBlock]), 1e-4f) / 448.0f;
+  values[tid] = to_e4m3(x0 / s0);
+  values[tid + half] = to_e4m3(x1 / s1);
+  if (tid < G) scales[tid] = fmaxf(__uint_as_float(gmax[tid]), 1e-4f) / 448.0f;
+}
+
+bool float_dtype(DType d) { return d == DType::kF32 || d == DType::kBF16; }
+
+}  // namespace
+
+Status latent_cache_write(const LatentCacheWriteParams& p) {
+  if (p.T < 0) return invalid_argument("latent_cache_write: T = {}", p.T);
+  if (p.r <= 0 || p.dr < 0 || p.r % 2 || p.dr % 2)
+    return invalid_argument("latent_cache_write: r = {}, dr = {} (positive, even)", p.r, p.dr);
+  if (p.dtype == KvCacheDtype::kFp8DsMla && p.r % kDsMlaTile != 0)
+    return invalid_argument("latent_cache_write: fp8_ds_mla needs r % 128 == 0, got r = {}", p.r);
+  if (!float_dtype(p.c_dtype) || !float_dtype(p.kr_dtype))
+    return invalid_argument("latent_cache_write: c/kr dtype must be f32 or bf16");
+  if ((p.c_stride != 0 && p.c_stride < p.r) || (p.kr_stride != 0 && p.kr_stride < p.dr))
+    return invalid_argument("latent_cache_write: row stride smaller than the row");
+  if (p.T == 0) return Status::ok();
+  if (!p.c || (p.dr > 0 && !p.kr) || !p.slots || !p.cache || p.num_slots <= 0)
+    return invalid_argument("latent_cache_write: null pointer or empty cache");
+  if (p.dtype == KvCacheDtype::kFp8 && !(p.fp8_scale > 0.0f))
+    return invalid_argument("latent_cache_write: fp8_scale must be > 0, got {}", p.fp8_scale);
+  if (p.T > 0x7fffffff) return invalid_argument("latent_cache_write: T = {} too large", p.T);
+  const int64_t token_bytes = static_cast<int64_t>(latent_token_bytes(p.dtype, p.r, p.dr));
+  latent_write_kernel<<<static_cast<unsigned>(p.T), kDsMlaTile, 0, p.stream>>>(
+      p.c, p.c_dtype == DType::kBF16, p.c_stride ? p.c_stride : p.r, p.kr, p.kr_dtype == DType::kBF16,
+      p.kr_stride ? p.kr_stride : p.dr, p.slots, p.r, p.dr, static_cast<int>(p.dtype), p.fp8_scale,
+      static_cast<uint8_t*>(p.cache), p.num_slots, token_bytes);
+  return cuda_status(cudaGetLastError(), "latent_write_kernel");
+}
+
+Status indexer_cache_write(const IndexerCacheWriteParams& p) {
+  if (p.T < 0) return invalid_argument("indexer_cache_write: T = {}", p.T);
+  if (p.dI < kIndexerQuantBlock || p.dI > 1024 || (p.dI & (p.dI - 1)) != 0)
+    return invalid_argument("indexer_cache_write: dI = {} (a power of two in [128, 1024])", p.dI);
+  if (!float_dtype(p.k_dtype)) return invalid_argument("indexer_cache_write: k dtype must be f32 or bf16");
+  if (p.k_stride != 0 && p.k_stride < p.dI) return invalid_argument("indexer_cache_write: k_stride < dI");
+  if (p.T == 0) return Status::ok();
+  if (!p.k || !p.slots || !p.cache || p.num_blocks <= 0)
+    return invalid_argument("indexer_cache_write: null pointer or empty cache");
+  if (p.T > 0x7fffffff) return invalid_argument("indexer_cache_write: T = {} too large", p.T);
+  // The CPU reference's scale, rounded to f32 the same way (ops/cpu/quant.cpp).
+  const float hscale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(p.dI)));
+  indexer_write_kernel<<<static_cast<unsigned>(p.T), p.dI / 2, p.dI * sizeof(float), p.stream>>>(
+      p.k, p.k_dtype == DType::kBF16, p.k_stride ? p.k_stride : p.dI, p.slots, p.dI, p.hadamard, hscale,
+      static_cast<uint8_t*>(p.cache), p.num_blocks, static_cast<int64_t>(indexer_page_bytes(p.dI)));
+  return cuda_status(cudaGetLastError(), "indexer_write_kernel");
+}
+
+}  // namespace ml4::cuda

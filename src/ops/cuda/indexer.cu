@@ -1,0 +1,170 @@
+// See indexer.h. Grid (T, page chunks): a block of 256 threads takes one query token and
+// kPagesPerBlock pages of its sequence. The token's q (HI x 128 e4m3) is decoded once into
+// shared memory as f32; each page's 64 keys are decoded into shared memory next to it
+// (rows padded to 132 floats so that 16-byte reads of 8 different rows hit distinct banks).
+// Thread (key = tid % 64, head group g = tid / 64) accumulates the dots of its key with heads
+// g, g + 4, ... (up to 16) in registers; the per-head relu * w * q_scale terms are summed in
+// head order per group, the 4 groups are then added in a fixed order, so results are
+// deterministic run to run.
+//
+// Cost per (token, key): HI * 128 MACs on f32 cores (64 heads: 16 KFLOP); bytes per key 132.
+// A tensor-core (FP8 mma) version is the next step for long prefills; decode at 60k context
+// is ~1 GFLOP per token.
+#include "ops/cuda/indexer.h"
+
+#include <cuda_fp8.h>
+
+#include "kv/indexer_layout.h"
+#include "kv/kv_cache_dtype.h"
+#include "ops/cuda/cuda_common.h"
+
+namespace ml4::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kPagesPerBlock = 4;
+constexpr int kDim = 128;
+constexpr int kRow = kDim + 4;  // padded f32 row
+constexpr int kHeadsPerThread = kIndexerMaxHeads / 4;
+
+__device__ __forceinline__ float e4m3_f32(uint8_t b) {
+  __nv_fp8_e4m3 v;
+  v.__x = b;
+  return static_cast<float>(v);
+}
+
+// Decodes 4 packed e4m3 bytes into dst[0..4).
+__device__ __forceinline__ void decode4(uint32_t w, float* dst) {
+  const float4 f = make_float4(e4m3_f32(w & 0xff), e4m3_f32((w >> 8) & 0xff), e4m3_f32((w >> 16) & 0xff),
+                               e4m3_f32(w >> 24));
+  *reinterpret_cast<float4*>(dst) = f;
+}
+
+__global__ void __launch_bounds__(kThreads) indexer_scores_kernel(
+    const uint8_t* __restrict__ q, const float* __restrict__ q_scale, const float* __restrict__ weights,
+    const uint8_t* __restrict__ cache, int64_t num_blocks, const int32_t* __restrict__ block_table,
+    int64_t bt_stride, const int32_t* __restrict__ seq_of_token, const int32_t* __restrict__ lengths, int HI,
+    float* __restrict__ scores, int64_t scores_stride) {
+  extern __shared__ float smem[];
+  float* qs = smem;                       // [HI][kRow]
+  float* ks = qs + HI * kRow;             // [64][kRow]
+  float* wq = ks + kPageTokens * kRow;    // [HI]
+  float* red = wq + kIndexerMaxHeads;     // [4][64]
+  float* kscale = red + 4 * kPageTokens;  // [64]
+  __shared__ int64_t page_id;
+
+  const int64_t t = blockIdx.x;
+  const int len = lengths[t];
+  const int page0 = blockIdx.y * kPagesPerBlock;
+  if (page0 * kPageTokens >= len) return;
+  const int tid = threadIdx.x;
+  const int seq = seq_of_token[t];
+
+  // q: HI * 128 bytes, as 32-bit words.
+  const uint32_t* q32 = reinterpret_cast<const uint32_t*>(q + t * HI * kDim);
+  for (int i = tid; i < HI * kDim / 4; i += kThreads) {
+    const int h = i / (kDim / 4), c = i % (kDim / 4);
+    decode4(q32[i], qs + h * kRow + 4 * c);
+  }
+  for (int h = tid; h < HI; h += kThreads) wq[h] = weights[t * HI + h] * q_scale[t * HI + h];
+
+  const int key = tid % kPageTokens, g = tid / kPageTokens;
+  const int64_t page_bytes = kPageTokens * (kDim + 4);
+  for (int pg = page0; pg < page0 + kPagesPerBlock && pg * kPageTokens < len; ++pg) {
+    __syncthreads();  // previous page's ks/red/kscale fully consumed
+    if (tid == 0) {
+      const int64_t b = block_table[seq * bt_stride + pg];
+      page_id = (b >= 0 && b < num_blocks) ? b : -1;
+    }
+    __syncthreads();
+    const int64_t b = page_id;
+    if (b < 0) {
+      // A page outside the cache is a caller bug: score its keys -inf rather than read it.
+      if (tid < kPageTokens && pg * kPageTokens + tid < len)
+        scores[t * scores_stride + pg * kPageTokens + tid] = -__int_as_float(0x7f800000);
+      continue;
+    }
+    const uint8_t* page = cache + b * page_bytes;
+    const uint32_t* k32 = reinterpret_cast<const uint32_t*>(page);
+    for (int i = tid; i < kPageTokens * kDim / 4; i += kThreads) {
+      const int s = i / (kDim / 4), c = i % (kDim / 4);
+      decode4(k32[i], ks + s * kRow + 4 * c);
+    }
+    if (tid < kPageTokens) kscale[tid] = reinterpret_cast<const float*>(page + kPageTokens * kDim)[tid];
+    __syncthreads();
+
+    float acc[kHeadsPerThread];
+#pragma unroll
+    for (int j = 0; j < kHeadsPerThread; ++j) acc[j] = 0.0f;
+    const float* kr = ks + key * kRow;
+#pragma unroll 2
+    for (int d = 0; d < kDim; d += 4) {
+      const float4 kv = *reinterpret_cast<const float4*>(kr + d);
+#pragma unroll
+      for (int j = 0; j < kHeadsPerThread; ++j) {
+        const int h = g + 4 * j;
+        if (h < HI) {
+          const float4 qv = *reinterpret_cast<const float4*>(qs + h * kRow + d);
+          acc[j] = fmaf(qv.x, kv.x, acc[j]);
+          acc[j] = fmaf(qv.y, kv.y, acc[j]);
+          acc[j] = fmaf(qv.z, kv.z, acc[j]);
+          acc[j] = fmaf(qv.w, kv.w, acc[j]);
+        }
+      }
+    }
+    float part = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kHeadsPerThread; ++j) {
+      const int h = g + 4 * j;
+      if (h < HI) part = fmaf(wq[h], fmaxf(acc[j], 0.0f), part);
+    }
+    red[g * kPageTokens + key] = part;
+    __syncthreads();
+    if (tid < kPageTokens) {
+      const int s = pg * kPageTokens + tid;
+      if (s < len) {
+        const float sum = ((red[tid] + red[kPageTokens + tid]) + red[2 * kPageTokens + tid]) + red[3 * kPageTokens + tid];
+        scores[t * scores_stride + s] = sum * kscale[tid];
+      }
+    }
+  }
+}
+
+size_t smem_bytes(int HI) {
+  return sizeof(float) * (static_cast<size_t>(HI) * kRow + kPageTokens * kRow + kIndexerMaxHeads + 4 * kPageTokens +
+                          kPageTokens);
+}
+
+}  // namespace
+
+Status indexer_scores(const IndexerScoresParams& p) {
+  if (p.dI != kDim) return invalid_argument("indexer_scores: dI = {} (only 128 is supported)", p.dI);
+  if (p.HI <= 0 || p.HI > kIndexerMaxHeads)
+    return invalid_argument("indexer_scores: HI = {} (1..{})", p.HI, kIndexerMaxHeads);
+  if (p.T < 0 || p.max_length < 0) return invalid_argument("indexer_scores: T = {}, max_length = {}", p.T, p.max_length);
+  if (p.scores_stride < p.max_length)
+    return invalid_argument("indexer_scores: scores_stride {} < max_length {}", p.scores_stride, p.max_length);
+  if (p.T == 0 || p.max_length == 0) return Status::ok();
+  if (!p.q || !p.q_scale || !p.weights || !p.cache || !p.block_table || !p.seq_of_token || !p.lengths || !p.scores)
+    return invalid_argument("indexer_scores: null pointer");
+  if (p.num_blocks <= 0 || p.block_table_stride <= 0)
+    return invalid_argument("indexer_scores: num_blocks = {}, block_table_stride = {}", p.num_blocks,
+                            p.block_table_stride);
+  if (p.T > 0x7fffffff) return invalid_argument("indexer_scores: T = {} too large", p.T);
+  const int pages = (p.max_length + kPageTokens - 1) / kPageTokens;
+  if (pages > p.block_table_stride)
+    return invalid_argument("indexer_scores: max_length {} needs {} pages, block table has {}", p.max_length, pages,
+                            p.block_table_stride);
+  const int chunks = (pages + kPagesPerBlock - 1) / kPagesPerBlock;
+  if (chunks > 65535) return invalid_argument("indexer_scores: max_length {} too large", p.max_length);
+  const size_t smem = smem_bytes(p.HI);
+  ML4_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(indexer_scores_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  const dim3 grid(static_cast<unsigned>(p.T), static_cast<unsigned>(chunks));
+  indexer_scores_kernel<<<grid, kThreads, smem, p.stream>>>(
+      static_cast<const uint8_t*>(p.q), p.q_scale, p.weights, static_cast<const uint8_t*>(p.cache), p.num_blocks,
+      p.block_table, p.block_table_stride, p.seq_of_token, p.lengths, p.HI, p.scores, p.scores_stride);
+  return cuda_status(cudaGetLastError(), "indexer_scores_kernel");
+}
+
+}  // namespace ml4::cuda

@@ -1,0 +1,44 @@
+// DSA lightning-indexer scores on the GPU (MODEL.md 3.5; DeepSeek-V3.2 inference/kernel.py
+// fp8_index, vLLM's indexer on the paged cache), for decode and prefill alike: every query
+// token t scores the keys of its own sequence at positions s in [0, lengths[t]) (lengths[t] =
+// p_t + 1, causal), reading them from the paged indexer cache through the sequence's block
+// table:
+//   score[t, s] = sum_h w[t, h] * q_scale[t, h] * relu(q8[t, h] . k8[s]) * k_scale[s]
+// with q8, k8 the e4m3 values (products and sums in f32). Because q_scale, k_scale > 0 this
+// equals ml4::cpu::indexer_scores on the dequantized q and k (relu(a x) = a relu(x), a > 0).
+// Only [0, lengths[t]) of each score row is written; the rest of the row is never touched
+// (top-k scans stop at the same length).
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "core/status.h"
+
+namespace ml4::cuda {
+
+// Heads the kernel handles (DeepSeek-V3.2 and ML4 use 64 and 32; tiny models 4).
+constexpr int kIndexerMaxHeads = 64;
+
+struct IndexerScoresParams {
+  const void* q = nullptr;          // [T, HI, dI] e4m3
+  const float* q_scale = nullptr;   // [T, HI] one scale per head (dI == 128)
+  const float* weights = nullptr;   // [T, HI] f32 (already including 1/sqrt(HI * dI))
+  const void* cache = nullptr;      // [num_blocks, indexer_page_bytes(dI)] (indexer_layout.h)
+  int64_t num_blocks = 0;
+  const int32_t* block_table = nullptr;  // [num_seqs, block_table_stride] page ids
+  int64_t block_table_stride = 0;
+  const int32_t* seq_of_token = nullptr;  // [T] row of block_table for each token
+  const int32_t* lengths = nullptr;       // [T] keys visible to each token (p + 1)
+  int64_t T = 0;
+  int HI = 64;
+  int dI = 128;                     // 128 only
+  int max_length = 0;               // host-side bound on lengths[t] (grid size)
+  float* scores = nullptr;          // [T, scores_stride] f32
+  int64_t scores_stride = 0;        // >= max_length
+  cudaStream_t stream = nullptr;
+};
+Status indexer_scores(const IndexerScoresParams& p);
+
+}  // namespace ml4::cuda
