@@ -295,7 +295,9 @@ void decode_block(const LinearWeight& w, int64_t n0, int64_t n1, int64_t k0, int
         float* o = out + (n - n0) * ldo - k0;
         for (int64_t g = k0 / group; g < k1 / group; ++g) {
           const uint8_t code = sc[n * groups + g];
-          const float s = nv ? e4m3[code] * w.global_scale : e8m0_to_f32(code);
+          // NVFP4: e2m1 * e4m3 is exact in f32 (2 + 4 significant bits); the global scale is
+          // applied last, so each value is the exact product rounded once.
+          const float s = nv ? e4m3[code] : e8m0_to_f32(code);
           const uint8_t* b = row + g * group / 2;
           float* og = o + g * group;
 #ifdef ML4_LINEAR_AVX2
@@ -307,6 +309,8 @@ void decode_block(const LinearWeight& w, int64_t n0, int64_t n1, int64_t k0, int
             og[2 * i + 1] = pairs[b[i]][1] * s;
           }
 #endif
+          if (nv)
+            for (int64_t i = 0; i < group; ++i) og[i] *= w.global_scale;
         }
       }
       break;

@@ -1,0 +1,190 @@
+// The Mistral-native and HF layouts of one checkpoint load to identical weights and give
+// identical logits (MODEL.md section 6: the oracles read HF, ml4 reads both), and every
+// weight format runs the whole model.
+#include <random>
+
+#include <gtest/gtest.h>
+
+#include "model/config_loader.h"
+#include "model/model_weights.h"
+#include "kv/cache_spec.h"
+#include "model/quant.h"
+#include "runtime/test_models.h"
+
+namespace ml4 {
+namespace {
+
+using testing::load_runner;
+using testing::rel_l2;
+using testing::seq_step;
+using testing::test_model;
+
+std::vector<int32_t> prompt(int n, int vocab) {
+  std::mt19937 rng(99);
+  std::vector<int32_t> v(n);
+  for (auto& x : v) x = static_cast<int32_t>(rng() % vocab);
+  return v;
+}
+
+void expect_same_linear(const LinearWeight& a, const LinearWeight& b) {
+  ASSERT_EQ(a.out_features, b.out_features) << a.name;
+  ASSERT_EQ(a.in_features, b.in_features) << a.name;
+  EXPECT_EQ(dequantize_linear(a), dequantize_linear(b)) << a.name << " vs " << b.name;
+}
+
+class Layouts : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(Layouts, NativeAndHfLoadIdentically) {
+  const std::string dir = test_model(GetParam(), 3, "bf16", "both");
+  auto cn = load_model_config(dir);
+  auto ch = load_model_config(dir + "/hf");
+  ASSERT_TRUE(cn.ok()) << cn.status().message();
+  ASSERT_TRUE(ch.ok()) << ch.status().message();
+  auto kn = Checkpoint::open(dir);
+  auto kh = Checkpoint::open(dir + "/hf");
+  ASSERT_TRUE(kn.ok() && kh.ok());
+  auto wn = load_model_weights(*cn, *kn);
+  auto wh = load_model_weights(*ch, *kh);
+  ASSERT_TRUE(wn.ok()) << wn.status().message();
+  ASSERT_TRUE(wh.ok()) << wh.status().message();
+  const ModelWeights& A = **wn;
+  const ModelWeights& B = **wh;
+  ASSERT_EQ(A.layers.size(), B.layers.size());
+  expect_same_linear(A.output, B.output);
+  EXPECT_EQ(A.norm, B.norm);
+  for (size_t l = 0; l < A.layers.size(); ++l) {
+    const auto& a = A.layers[l];
+    const auto& b = B.layers[l];
+    EXPECT_EQ(a.attention_norm, b.attention_norm);
+    EXPECT_EQ(a.ffn_norm, b.ffn_norm);
+    EXPECT_EQ(a.attn.w_uk, b.attn.w_uk);
+    EXPECT_EQ(a.attn.w_uv, b.attn.w_uv);
+    expect_same_linear(a.attn.wo, b.attn.wo);
+    if (a.attn.wkv_a.out_features > 0) expect_same_linear(a.attn.wkv_a, b.attn.wkv_a);
+    if (a.attn.wq.out_features > 0) expect_same_linear(a.attn.wq, b.attn.wq);
+    if (a.attn.wq_b.out_features > 0) expect_same_linear(a.attn.wq_b, b.attn.wq_b);
+    ASSERT_EQ(a.ffn.experts.size(), b.ffn.experts.size());
+    for (size_t e = 0; e < a.ffn.experts.size(); ++e) {
+      expect_same_linear(a.ffn.experts[e].w1, b.ffn.experts[e].w1);
+      expect_same_linear(a.ffn.experts[e].w2, b.ffn.experts[e].w2);
+      expect_same_linear(a.ffn.experts[e].w3, b.ffn.experts[e].w3);
+    }
+    EXPECT_EQ(a.ffn.correction_bias, b.ffn.correction_bias);
+  }
+  // And the whole forward agrees bit for bit.
+  auto rn = load_runner(dir, "bf16");
+  auto rh = load_runner(dir + "/hf", "bf16");
+  ASSERT_TRUE(rn && rh);
+  auto p = prompt(23, rn->config().vocab_size);
+  auto on = rn->execute(StepInput{{seq_step(*rn, 1, p, 0, 0, 1, 23)}});
+  auto oh = rh->execute(StepInput{{seq_step(*rh, 1, p, 0, 0, 1, 23)}});
+  ASSERT_TRUE(on.ok() && oh.ok());
+  EXPECT_EQ(on->logits[0], oh->logits[0]);
+}
+
+INSTANTIATE_TEST_SUITE_P(Presets, Layouts, ::testing::Values("mistral4-tiny", "dsv32-tiny"));
+
+// Every weight format runs the whole model, and its decode inside the kernels is exact:
+// the quantized model's logits equal those of the same model with every weight first
+// dequantized to f32 (dequantize_linear, checked bit-exact against an f64 decode in
+// tests/model/quant_test.cpp). Both runs read identical f32 weight values, so they differ
+// only by the kernels' summation order and the single f32 rounding of each decoded
+// product (NVFP4 forms scale*global first): 1e-5 relative covers that through 12 layers.
+LinearWeight to_f32_linear(const LinearWeight& w) {
+  if (w.out_features == 0) return w;
+  std::vector<float> v = dequantize_linear(w);
+  Tensor t(DType::kF32, {w.out_features, w.in_features});
+  std::copy(v.begin(), v.end(), t.mutable_as<float>());
+  LinearWeight o;
+  o.name = w.name;
+  o.format = LinearFormat::kF32;
+  o.out_features = w.out_features;
+  o.in_features = w.in_features;
+  o.weight = t;
+  return o;
+}
+
+MlpWeights to_f32_mlp(const MlpWeights& m) { return {to_f32_linear(m.w1), to_f32_linear(m.w2), to_f32_linear(m.w3)}; }
+
+std::shared_ptr<const ModelWeights> dequantized_copy(const ModelWeights& W) {
+  auto o = std::make_shared<ModelWeights>();
+  o->tok_embeddings = W.tok_embeddings;
+  o->norm = W.norm;
+  o->output = to_f32_linear(W.output);
+  o->layers.resize(W.layers.size());
+  for (size_t l = 0; l < W.layers.size(); ++l) {
+    const auto& a = W.layers[l];
+    auto& b = o->layers[l];
+    b.attention_norm = a.attention_norm;
+    b.ffn_norm = a.ffn_norm;
+    b.attn.wq = to_f32_linear(a.attn.wq);
+    b.attn.wq_a = to_f32_linear(a.attn.wq_a);
+    b.attn.wq_b = to_f32_linear(a.attn.wq_b);
+    b.attn.q_a_norm = a.attn.q_a_norm;
+    b.attn.wkv_a = to_f32_linear(a.attn.wkv_a);
+    b.attn.kv_a_norm = a.attn.kv_a_norm;
+    b.attn.wkv_b = to_f32_linear(a.attn.wkv_b);
+    b.attn.wo = to_f32_linear(a.attn.wo);
+    b.attn.w_uk = a.attn.w_uk;
+    b.attn.w_uv = a.attn.w_uv;
+    b.attn.ssmax_s = a.attn.ssmax_s;
+    if (a.attn.indexer) {
+      auto I = std::make_unique<IndexerWeights>();
+      I->wq = to_f32_linear(a.attn.indexer->wq);
+      I->wk = to_f32_linear(a.attn.indexer->wk);
+      I->k_norm_weight = a.attn.indexer->k_norm_weight;
+      I->k_norm_bias = a.attn.indexer->k_norm_bias;
+      I->weights_proj = to_f32_linear(a.attn.indexer->weights_proj);
+      b.attn.indexer = std::move(I);
+    }
+    b.ffn.dense = to_f32_mlp(a.ffn.dense);
+    b.ffn.gate = to_f32_linear(a.ffn.gate);
+    b.ffn.correction_bias = a.ffn.correction_bias;
+    for (const auto& e : a.ffn.experts) b.ffn.experts.push_back(to_f32_mlp(e));
+    if (a.ffn.shared) b.ffn.shared = std::make_unique<MlpWeights>(to_f32_mlp(*a.ffn.shared));
+  }
+  return o;
+}
+
+class Formats : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(Formats, KernelsDecodeExactly) {
+  const std::string dir = test_model("ml4-tiny", 5, GetParam(), "native");
+  auto cfg = load_model_config(dir);
+  auto ck = Checkpoint::open(dir);
+  ASSERT_TRUE(cfg.ok() && ck.ok());
+  auto w = load_model_weights(*cfg, *ck);
+  ASSERT_TRUE(w.ok()) << w.status().message();
+  // The format really is quantized where the config says so.
+  const auto& experts = (*w)->layers.back().ffn.experts;
+  ASSERT_FALSE(experts.empty());
+  const LinearFormat want = GetParam() == "fp8" ? LinearFormat::kFP8Block
+                            : GetParam() == "nvfp4" ? LinearFormat::kNVFP4 : LinearFormat::kMXFP4;
+  EXPECT_EQ(experts[0].w1.format, want);
+  EXPECT_EQ((*w)->layers[0].attn.wo.format, LinearFormat::kFP8Block);
+  auto spec = make_kv_cache_spec(*cfg, KvCacheDtype::kBf16);
+  ASSERT_TRUE(spec.ok());
+  auto blocks = PagedKvCache::blocks_for_budget(*spec, 16 << 20);
+  PagedKvCache c1(*spec, blocks), c2(*spec, blocks);
+  const int lg = spec->group_index(CacheGroupSpec::kLatent), ig = spec->group_index(CacheGroupSpec::kIndexer);
+  CpuModel quant(*cfg, *w, lg, ig), f32(*cfg, dequantized_copy(**w), lg, ig);
+  std::vector<CacheGroupInfo> groups;
+  for (size_t g = 0; g < spec->groups.size(); ++g)
+    groups.push_back({spec->groups[g].name, 64, blocks[g], spec->groups[g].sliding_window, 0});
+  StepInput in;
+  in.seqs.push_back(SeqStep{});
+  in.seqs[0].tokens = prompt(30, cfg->vocab_size);
+  in.seqs[0].num_logits = 30;
+  for (const auto& g : groups) in.seqs[0].block_tables.push_back(g.sliding_window == 0 ? std::vector<int32_t>{0} : std::vector<int32_t>{});
+  auto md = build_step_metadata(in, groups, cfg->vocab_size, 0);
+  ASSERT_TRUE(md.ok()) << md.status().message();
+  std::vector<float> a, b;
+  ASSERT_TRUE(quant.forward(*md, c1, &a).is_ok());
+  ASSERT_TRUE(f32.forward(*md, c2, &b).is_ok());
+  EXPECT_LT(rel_l2(a, b), 1e-5) << GetParam();
+}
+
+INSTANTIATE_TEST_SUITE_P(WeightFormats, Formats, ::testing::Values("fp8", "nvfp4", "mxfp4"));
+
+}  // namespace
+}  // namespace ml4
