@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (via the run tool) over a tree carrying .device-carry (see
+# gpu_pack.sh): the GPU tests first, then the benchmarks, each logged under $OUT.
+# Prints a short summary last (the run tool returns the tail of the output).
+#
+# usage: bash scripts/gpu_run.sh [gtest filter] [bench names...]
+#   filter default '*'; benches default: every .device-carry/bin/*_bench.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+carry="$root/.device-carry"
+out=${OUT:-/tmp/ml4-out}
+mkdir -p "$out"
+export LD_LIBRARY_PATH="$carry/lib:${LD_LIBRARY_PATH:-}"
+filter=${1:-*}
+shift || true
+benches=("$@")
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1
+  ls /usr/local/cuda*/lib64/libcublasLt.so* 2>/dev/null | head -3
+} > "$out/machine.txt" 2>&1
+cat "$out/machine.txt"
+summary=()
+if [ -x "$carry/bin/ml4_cuda_tests" ]; then
+  ldd "$carry/bin/ml4_cuda_tests" | grep "not found" && echo "gpu_run: missing libraries above"
+  timeout 300 "$carry/bin/ml4_cuda_tests" --gtest_filter="$filter" --gtest_color=no > "$out/tests.log" 2>&1
+  rc=$?
+  grep -E "^\[  (FAILED|PASSED|SKIPPED) |rel_err|mismatch|speedup|^[a-z_]+ .*bound" "$out/tests.log" | tail -80
+  summary+=("ml4_cuda_tests rc=$rc ($(grep -c '^\[       OK' "$out/tests.log") ok, $(grep -c '^\[  FAILED  \]' "$out/tests.log") failed lines)")
+fi
+if [ ${#benches[@]} -eq 0 ]; then
+  for b in "$carry"/bin/*_bench; do [ -x "$b" ] && benches+=("$(basename "$b")"); done
+fi
+for b in "${benches[@]}"; do
+  [ "$b" = none ] && continue
+  timeout 240 "$carry/bin/$b" > "$out/$b.log" 2>&1
+  rc=$?
+  summary+=("$b rc=$rc")
+  grep -E "CEILING|GB/s|TFLOP/s|speedup" "$out/$b.log" | tail -40
+done
+echo "==== summary"
+printf '%s\n' "${summary[@]}"

@@ -1,0 +1,248 @@
+// See elementwise.h. One block per row for the reductions (rows are at most ~16k wide);
+// grid-stride loops elsewhere. Every kernel writes each output element exactly once, in
+// a fixed order, so repeated runs are bit-identical.
+#include "ops/cuda/elementwise.h"
+
+#include <cuda_bf16.h>
+
+#include <cmath>
+
+#include "ops/cuda/cuda_common.h"
+
+namespace ml4::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+__device__ float block_sum(float v, float* smem) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < (blockDim.x >> 5) ? smem[lane] : 0.0f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0) smem[0] = v;
+  }
+  __syncthreads();
+  const float r = smem[0];
+  __syncthreads();
+  return r;
+}
+
+__global__ void rms_norm_kernel(const float* __restrict__ x, float* __restrict__ residual, const float* __restrict__ w,
+                                int64_t dim, float eps, float* y, __nv_bfloat16* __restrict__ yb) {
+  __shared__ float smem[32];
+  const int64_t row = blockIdx.x;
+  const float* xr = x + row * dim;
+  float* rr = residual ? residual + row * dim : nullptr;
+  float ss = 0.0f;
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
+    float v = xr[i];
+    if (rr) {
+      v += rr[i];
+      rr[i] = v;
+    }
+    ss += v * v;
+  }
+  ss = block_sum(ss, smem);
+  const float inv = 1.0f / sqrtf(ss / static_cast<float>(dim) + eps);
+  const float* src = rr ? rr : xr;
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
+    const float v = src[i] * inv * w[i];
+    if (y) y[row * dim + i] = v;
+    if (yb) yb[row * dim + i] = __float2bfloat16_rn(v);
+  }
+}
+
+__global__ void silu_mul_kernel(const float* __restrict__ g, const float* __restrict__ u, int64_t rows, int64_t cols,
+                                int64_t gs, int64_t us, float* out, __nv_bfloat16* outb) {
+  const int64_t n = rows * cols;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t r = i / cols, c = i % cols;
+    const float gv = g[r * gs + c];
+    // cpu::silu_mul: v / (1 + exp(-v)) in f32; expf to ~2 ulp.
+    const float v = gv / (1.0f + expf(-gv)) * u[r * us + c];
+    if (out) out[i] = v;
+    if (outb) outb[i] = __float2bfloat16_rn(v);
+  }
+}
+
+template <typename T>
+__global__ void embedding_kernel(const T* __restrict__ table, int64_t V, int64_t D, const int32_t* __restrict__ ids,
+                                 float* __restrict__ out) {
+  const int64_t t = blockIdx.x;
+  const int32_t id = ids[t];
+  const bool ok = id >= 0 && id < V;
+  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
+    float v;
+    if (!ok) {
+      v = __int_as_float(0x7fc00000);
+    } else if constexpr (std::is_same_v<T, float>) {
+      v = table[id * D + d];
+    } else {
+      v = __bfloat162float(table[id * D + d]);
+    }
+    out[t * D + d] = v;
+  }
+}
+
+struct QPathArgs {
+  float* q;
+  int H, head_stride, rope_offset, rope_dim;
+  const int64_t* positions;
+  const float* inv_freq;
+  float attn_factor;
+  bool apply_rope;
+  bool lerope;
+  int64_t lerope_window;
+  double lerope_leak;
+  double base_scale;
+  bool llama4;
+  int64_t llama4_orig;
+  double llama4_beta;
+  const float* ssmax_s;
+  const int32_t* n_keys;
+  float* head_scale;
+  bool fold;
+};
+
+// One block per token: cos/sin of the token's angles once in shared memory, then every
+// head's pairs; then the head temperatures.
+__global__ void q_path_kernel(QPathArgs a) {
+  extern __shared__ float cs[];  // [rope_dim/2][2]
+  const int64_t t = blockIdx.x;
+  const int64_t p = a.positions[t];
+  const int half = a.rope_dim / 2;
+  if (a.apply_rope) {
+    // LeRoPE (cpu::lerope_position) in f64.
+    double pos = static_cast<double>(p);
+    if (a.lerope && p >= a.lerope_window && a.lerope_leak > 0.0)
+      pos = static_cast<double>(a.lerope_window) + static_cast<double>(p - a.lerope_window) / a.lerope_leak;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+      const double ang = pos * static_cast<double>(a.inv_freq[i]);
+      double s, c;
+      sincos(ang, &s, &c);
+      cs[2 * i] = static_cast<float>(c) * a.attn_factor;
+      cs[2 * i + 1] = static_cast<float>(s) * a.attn_factor;
+    }
+    __syncthreads();
+  }
+  float* qt = a.q + t * a.H * a.head_stride;
+  if (a.apply_rope) {
+    for (int j = threadIdx.x; j < a.H * half; j += blockDim.x) {
+      const int h = j / half, i = j % half;
+      float* x = qt + h * a.head_stride + a.rope_offset + 2 * i;
+      const float x0 = x[0], x1 = x[1], c = cs[2 * i], s = cs[2 * i + 1];
+      x[0] = x0 * c - x1 * s;
+      x[1] = x0 * s + x1 * c;
+    }
+  }
+  if (a.base_scale == 0.0) return;
+  // Temperature (cpu_attention.cpp step 6): f64 as on the CPU, rounded to f32 once.
+  double sc = a.base_scale;
+  if (a.llama4 && a.llama4_orig > 0) {
+    const double n = floor(static_cast<double>(p) / static_cast<double>(a.llama4_orig));
+    sc *= static_cast<double>(static_cast<float>(1.0 + a.llama4_beta * log(1.0 + n)));
+  }
+  const double nk = a.n_keys ? static_cast<double>(a.n_keys[t]) : static_cast<double>(p + 1);
+  __syncthreads();  // rope writes before the fold reads
+  for (int h = 0; h < a.H; ++h) {
+    double s = sc;
+    if (a.ssmax_s) s *= static_cast<double>(a.ssmax_s[h]) * log(nk);
+    const float sf = static_cast<float>(s);
+    if (a.head_scale && threadIdx.x == 0) a.head_scale[t * a.H + h] = sf;
+    if (a.fold)
+      for (int d = threadIdx.x; d < a.head_stride; d += blockDim.x) qt[h * a.head_stride + d] *= sf;
+  }
+}
+
+__global__ void cast_f32_bf16_kernel(const float* __restrict__ x, int64_t n, __nv_bfloat16* __restrict__ o) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
+    o[i] = __float2bfloat16_rn(x[i]);
+}
+__global__ void cast_bf16_f32_kernel(const __nv_bfloat16* __restrict__ x, int64_t n, float* __restrict__ o) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
+    o[i] = __bfloat162float(x[i]);
+}
+
+int grid_for(int64_t n) { return static_cast<int>(std::min<int64_t>((n + kThreads - 1) / kThreads, 65536)); }
+
+}  // namespace
+
+Status rms_norm(const RmsNormParams& p) {
+  if (p.rows < 0 || p.dim <= 0) return invalid_argument("rms_norm: bad shape rows={} dim={}", p.rows, p.dim);
+  if (!p.x || !p.w || (!p.y && !p.y_bf16)) return invalid_argument("rms_norm: null input or no output");
+  if (p.residual && static_cast<const void*>(p.y) == p.residual)
+    return invalid_argument("rms_norm: y must not alias residual");
+  if (p.rows == 0) return Status::ok();
+  if (p.rows > INT32_MAX) return invalid_argument("rms_norm: {} rows", p.rows);
+  rms_norm_kernel<<<static_cast<int>(p.rows), kThreads, 0, p.stream>>>(
+      p.x, p.residual, p.w, p.dim, p.eps, p.y, static_cast<__nv_bfloat16*>(p.y_bf16));
+  return cuda_status(cudaGetLastError(), "rms_norm_kernel");
+}
+
+Status silu_mul(const SiluMulParams& p) {
+  if (p.rows < 0 || p.cols <= 0) return invalid_argument("silu_mul: bad shape rows={} cols={}", p.rows, p.cols);
+  const int64_t gs = p.g_stride ? p.g_stride : p.cols, us = p.u_stride ? p.u_stride : p.cols;
+  if (gs < p.cols || us < p.cols) return invalid_argument("silu_mul: stride below cols");
+  if (!p.g || !p.u || (!p.out && !p.out_bf16)) return invalid_argument("silu_mul: null input or no output");
+  if (p.rows == 0) return Status::ok();
+  silu_mul_kernel<<<grid_for(p.rows * p.cols), kThreads, 0, p.stream>>>(p.g, p.u, p.rows, p.cols, gs, us, p.out,
+                                                                          static_cast<__nv_bfloat16*>(p.out_bf16));
+  return cuda_status(cudaGetLastError(), "silu_mul_kernel");
+}
+
+Status embedding(const EmbeddingParams& p) {
+  if (p.V <= 0 || p.D <= 0 || p.T < 0) return invalid_argument("embedding: bad shape V={} D={} T={}", p.V, p.D, p.T);
+  if (!p.table || !p.ids || !p.out) return invalid_argument("embedding: null pointer");
+  if (p.T == 0) return Status::ok();
+  switch (p.table_dtype) {
+    case DType::kF32:
+      embedding_kernel<float><<<static_cast<int>(p.T), kThreads, 0, p.stream>>>(static_cast<const float*>(p.table),
+                                                                                p.V, p.D, p.ids, p.out);
+      break;
+    case DType::kBF16:
+      embedding_kernel<__nv_bfloat16><<<static_cast<int>(p.T), kThreads, 0, p.stream>>>(
+          static_cast<const __nv_bfloat16*>(p.table), p.V, p.D, p.ids, p.out);
+      break;
+    default:
+      return invalid_argument("embedding: table dtype {} (bf16 or f32)", dtype_name(p.table_dtype));
+  }
+  return cuda_status(cudaGetLastError(), "embedding_kernel");
+}
+
+Status q_path(const QPathParams& p) {
+  if (p.T < 0 || p.H <= 0 || p.head_stride <= 0) return invalid_argument("q_path: bad shape T={} H={}", p.T, p.H);
+  if (p.apply_rope && (p.rope_dim <= 0 || p.rope_dim % 2 != 0 || p.rope_offset < 0 ||
+                       p.rope_offset + p.rope_dim > p.head_stride || !p.inv_freq))
+    return invalid_argument("q_path: rope part [{}, {}) of a {}-wide head (even rope_dim, inv_freq set)",
+                            p.rope_offset, p.rope_offset + p.rope_dim, p.head_stride);
+  if (!p.q || !p.positions) return invalid_argument("q_path: null q or positions");
+  if (p.T == 0) return Status::ok();
+  QPathArgs a{p.q, p.H, p.head_stride, p.rope_offset, p.rope_dim, p.positions, p.inv_freq, p.attn_factor,
+              p.apply_rope, p.lerope.enabled, p.lerope.window, p.lerope.leak, p.base_scale, p.llama4.enabled,
+              p.llama4.original_max_position_embeddings, p.llama4.beta, p.ssmax_s, p.n_keys, p.head_scale,
+              p.fold_scale};
+  const size_t smem = static_cast<size_t>(std::max(p.rope_dim, 2)) * sizeof(float);
+  q_path_kernel<<<static_cast<int>(p.T), 128, smem, p.stream>>>(a);
+  return cuda_status(cudaGetLastError(), "q_path_kernel");
+}
+
+Status cast_f32_bf16(const float* x, int64_t n, void* out, cudaStream_t stream) {
+  if (n < 0 || (n > 0 && (!x || !out))) return invalid_argument("cast_f32_bf16: bad arguments");
+  if (n == 0) return Status::ok();
+  cast_f32_bf16_kernel<<<grid_for(n), kThreads, 0, stream>>>(x, n, static_cast<__nv_bfloat16*>(out));
+  return cuda_status(cudaGetLastError(), "cast_f32_bf16_kernel");
+}
+
+Status cast_bf16_f32(const void* x, int64_t n, float* out, cudaStream_t stream) {
+  if (n < 0 || (n > 0 && (!x || !out))) return invalid_argument("cast_bf16_f32: bad arguments");
+  if (n == 0) return Status::ok();
+  cast_bf16_f32_kernel<<<grid_for(n), kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), n, out);
+  return cuda_status(cudaGetLastError(), "cast_bf16_f32_kernel");
+}
+
+}  // namespace ml4::cuda

@@ -1,0 +1,87 @@
+// Fused elementwise kernels of the CUDA backend, each the GPU twin of a CPU op:
+//   rms_norm     : [residual += x;] y = x / sqrt(mean(x^2) + eps) * w   (cpu::rms_norm,
+//                  cpu::add_rms_norm; nano-vllm's fused (hidden, residual) pairs)
+//   silu_mul     : out = silu(g) * u                                    (cpu::silu_mul)
+//   embedding    : out[t] = table[ids[t]]                               (cpu::embedding_lookup)
+//   q_path       : MLA query path: interleaved RoPE on the rope part of each head at the
+//                  LeRoPE-mapped position (YaRN inv_freq and attention factor from the
+//                  host, cpu::rope_inv_freq / rope_attention_factor), then the per-head
+//                  softmax temperature: softmax_scale * llama_4_scaling(p) * (SSMax:
+//                  s_h * ln(n_keys)), either returned per head or folded into q
+//                  (cpu_attention.cpp steps 2 and 6; MODEL.md 3.2, 3.4)
+//   cast_f32_bf16: GEMM inputs.
+// Sums of squares are f32 tree reductions (the CPU sums in f64: relative difference ~1e-7).
+// Angles are formed and their cos/sin evaluated in f64 as on the CPU, so RoPE matches to
+// f32 rounding. Shapes are in each params struct; everything is row-major.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "core/dtype.h"
+#include "core/status.h"
+#include "model/model_config.h"
+
+namespace ml4::cuda {
+
+struct RmsNormParams {
+  const float* x = nullptr;   // [rows, dim]
+  float* residual = nullptr;  // [rows, dim] or null; when set: residual += x, normalize residual
+  const float* w = nullptr;   // [dim]
+  int64_t rows = 0, dim = 0;
+  float eps = 1e-6f;
+  float* y = nullptr;         // [rows, dim] f32 or null (may alias x, not residual)
+  void* y_bf16 = nullptr;     // [rows, dim] bf16 or null (GEMM input)
+  cudaStream_t stream = nullptr;
+};
+Status rms_norm(const RmsNormParams& p);
+
+struct SiluMulParams {
+  const float* g = nullptr;  // [rows] x cols, rows g_stride apart
+  const float* u = nullptr;  // [rows] x cols, rows u_stride apart
+  int64_t rows = 0, cols = 0, g_stride = 0, u_stride = 0;  // strides 0: cols
+  float* out = nullptr;      // [rows, cols] f32 or null
+  void* out_bf16 = nullptr;  // [rows, cols] bf16 or null
+  cudaStream_t stream = nullptr;
+};
+Status silu_mul(const SiluMulParams& p);
+
+struct EmbeddingParams {
+  const void* table = nullptr;  // [V, D] table_dtype (kBF16 or kF32)
+  DType table_dtype = DType::kBF16;
+  int64_t V = 0, D = 0;
+  const int32_t* ids = nullptr;  // [T]; an id outside [0, V) gives a NaN row (the engine
+                                 // validates ids; never read out of bounds)
+  int64_t T = 0;
+  float* out = nullptr;          // [T, D]
+  cudaStream_t stream = nullptr;
+};
+Status embedding(const EmbeddingParams& p);
+
+struct QPathParams {
+  float* q = nullptr;               // [T, H, head_stride]; rope part at [rope_offset, rope_offset + rope_dim)
+  int64_t T = 0;
+  int H = 0, head_stride = 0, rope_offset = 0, rope_dim = 0;
+  const int64_t* positions = nullptr;  // [T]
+  const float* inv_freq = nullptr;     // [rope_dim / 2] (cpu::rope_inv_freq, YaRN-blended)
+  float attn_factor = 1.0f;            // cpu::rope_attention_factor
+  bool apply_rope = true;              // LayerSpec::rope (NoPE layers skip it)
+  LeRopeConfig lerope;
+  // Temperature. base_scale 0 disables it (a key-side call: RoPE only).
+  double base_scale = 0.0;             // ModelConfig::softmax_scale()
+  Llama4Scaling llama4;
+  const float* ssmax_s = nullptr;      // [H] or null (no SSMax)
+  const int32_t* n_keys = nullptr;     // [T] keys each token attends (SSMax's n); null: p + 1
+  float* head_scale = nullptr;         // [T, H] out, or null
+  bool fold_scale = false;             // multiply the whole head row of q by its scale
+  cudaStream_t stream = nullptr;
+};
+Status q_path(const QPathParams& p);
+
+// out[i] = bf16(x[i]) (RNE), n values.
+Status cast_f32_bf16(const float* x, int64_t n, void* out, cudaStream_t stream);
+// out[i] = f32(x[i]), n values.
+Status cast_bf16_f32(const void* x, int64_t n, float* out, cudaStream_t stream);
+
+}  // namespace ml4::cuda

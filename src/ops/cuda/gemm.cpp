@@ -1,0 +1,131 @@
+// See gemm.h. Shapes cuBLASLt refuses (no heuristic result) come back as kUnimplemented
+// naming the shape, never as a crash.
+#include "ops/cuda/gemm.h"
+
+#include "ops/cuda/cuda_common.h"
+
+namespace ml4::cuda {
+namespace {
+
+Status lt_status(cublasStatus_t s, const char* what) {
+  if (s == CUBLAS_STATUS_SUCCESS) return Status::ok();
+  return internal_error("cuBLASLt error {} ({}) in {}", static_cast<int>(s), cublasGetStatusString(s), what);
+}
+
+#define ML4_LT_RETURN_IF_ERROR(expr) ML4_RETURN_IF_ERROR(lt_status((expr), #expr))
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+}  // namespace
+
+Result<std::unique_ptr<LtGemm>> LtGemm::create(size_t workspace_bytes) {
+  std::unique_ptr<LtGemm> g(new LtGemm());
+  ML4_LT_RETURN_IF_ERROR(cublasLtCreate(&g->handle_));
+  if (workspace_bytes > 0) {
+    ML4_CUDA_RETURN_IF_ERROR(cudaMalloc(&g->workspace_, workspace_bytes));
+    g->workspace_bytes_ = workspace_bytes;
+  }
+  return g;
+}
+
+LtGemm::~LtGemm() {
+  for (auto& [k, p] : plans_) {
+    if (p.op) cublasLtMatmulDescDestroy(p.op);
+    if (p.a) cublasLtMatrixLayoutDestroy(p.a);
+    if (p.b) cublasLtMatrixLayoutDestroy(p.b);
+    if (p.d) cublasLtMatrixLayoutDestroy(p.d);
+  }
+  if (workspace_) cudaFree(workspace_);
+  if (handle_) cublasLtDestroy(handle_);
+}
+
+Result<LtGemm::Plan*> LtGemm::plan(int kind, DType y_dtype, int64_t M, int64_t N, int64_t K) {
+  const Key key{kind, static_cast<int>(y_dtype), M, N, K};
+  auto it = plans_.find(key);
+  if (it != plans_.end()) return &it->second;
+
+  Plan p;
+  const cudaDataType_t in_t = kind == 0 ? CUDA_R_16BF : CUDA_R_8F_E4M3;
+  const cudaDataType_t out_t = y_dtype == DType::kF32 ? CUDA_R_32F : CUDA_R_16BF;
+  auto cleanup = [&]() {
+    if (p.op) cublasLtMatmulDescDestroy(p.op);
+    if (p.a) cublasLtMatrixLayoutDestroy(p.a);
+    if (p.b) cublasLtMatrixLayoutDestroy(p.b);
+    if (p.d) cublasLtMatrixLayoutDestroy(p.d);
+  };
+  Status st = [&]() -> Status {
+    ML4_LT_RETURN_IF_ERROR(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const cublasOperation_t opT = CUBLAS_OP_T, opN = CUBLAS_OP_N;
+    ML4_LT_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &opT, sizeof(opT)));
+    ML4_LT_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &opN, sizeof(opN)));
+    if (kind == 1) {
+      // DeepSeek-style block scaling (cuBLASLt 12.9+; sm_90 takes VEC128 x BLK128x128).
+      const int32_t a_mode = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+      const int32_t b_mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+      ML4_LT_RETURN_IF_ERROR(
+          cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &a_mode, sizeof(a_mode)));
+      ML4_LT_RETURN_IF_ERROR(
+          cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &b_mode, sizeof(b_mode)));
+    }
+    ML4_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&p.a, in_t, K, N, K));
+    ML4_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&p.b, in_t, K, M, K));
+    ML4_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&p.d, out_t, N, M, N));
+    cublasLtMatmulPreference_t pref = nullptr;
+    ML4_LT_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&pref));
+    const uint64_t ws = workspace_bytes_;
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+    cublasLtMatmulHeuristicResult_t res{};
+    int found = 0;
+    cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(handle_, p.op, p.a, p.b, p.d, p.d, pref, 1, &res, &found);
+    cublasLtMatmulPreferenceDestroy(pref);
+    if (hs != CUBLAS_STATUS_SUCCESS || found == 0) {
+      return unimplemented("cuBLASLt has no {} GEMM for M={} N={} K={} -> {} ({})",
+                           kind == 0 ? "bf16" : "fp8 block-scaled", M, N, K, dtype_name(y_dtype),
+                           cublasGetStatusString(hs));
+    }
+    p.algo = res.algo;
+    return Status::ok();
+  }();
+  if (!st.is_ok()) {
+    cleanup();
+    return st;
+  }
+  auto [ins, ok] = plans_.emplace(key, p);
+  return &ins->second;
+}
+
+Status LtGemm::bf16(const GemmBf16Params& p) {
+  if (p.M <= 0 || p.N <= 0 || p.K <= 0) return invalid_argument("gemm bf16: bad shape M={} N={} K={}", p.M, p.N, p.K);
+  if (p.y_dtype != DType::kBF16 && p.y_dtype != DType::kF32)
+    return invalid_argument("gemm bf16: output dtype {} (bf16 or f32)", dtype_name(p.y_dtype));
+  if (!p.x || !p.w || !p.y) return invalid_argument("gemm bf16: null pointer");
+  if (!aligned16(p.x) || !aligned16(p.w) || !aligned16(p.y) || p.K % 8 != 0)
+    return invalid_argument("gemm bf16: operands must be 16-byte aligned and K % 8 == 0 (K={})", p.K);
+  ML4_ASSIGN_OR_RETURN(Plan * pl, plan(0, p.y_dtype, p.M, p.N, p.K));
+  const float alpha = 1.0f, beta = 0.0f;
+  return lt_status(cublasLtMatmul(handle_, pl->op, &alpha, p.w, pl->a, p.x, pl->b, &beta, p.y, pl->d, p.y, pl->d,
+                                  &pl->algo, workspace_, workspace_bytes_, p.stream),
+                   "cublasLtMatmul(bf16)");
+}
+
+Status LtGemm::fp8_block(const GemmFp8BlockParams& p) {
+  if (p.M <= 0 || p.N <= 0 || p.K <= 0) return invalid_argument("gemm fp8: bad shape M={} N={} K={}", p.M, p.N, p.K);
+  if (p.K % 128 != 0 || p.N % 16 != 0)
+    return invalid_argument("gemm fp8 block: K={} must be a multiple of 128 and N={} of 16", p.K, p.N);
+  if (p.y_dtype != DType::kBF16 && p.y_dtype != DType::kF32)
+    return invalid_argument("gemm fp8: output dtype {} (bf16 or f32)", dtype_name(p.y_dtype));
+  if (!p.x || !p.w || !p.y || !p.x_scale || !p.w_scale) return invalid_argument("gemm fp8: null pointer");
+  if (!aligned16(p.x) || !aligned16(p.w) || !aligned16(p.y) || !aligned16(p.x_scale) || !aligned16(p.w_scale))
+    return invalid_argument("gemm fp8: operands and scales must be 16-byte aligned");
+  ML4_ASSIGN_OR_RETURN(Plan * pl, plan(1, p.y_dtype, p.M, p.N, p.K));
+  ML4_LT_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(pl->op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &p.w_scale,
+                                                        sizeof(p.w_scale)));
+  ML4_LT_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(pl->op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &p.x_scale,
+                                                        sizeof(p.x_scale)));
+  const float alpha = 1.0f, beta = 0.0f;
+  return lt_status(cublasLtMatmul(handle_, pl->op, &alpha, p.w, pl->a, p.x, pl->b, &beta, p.y, pl->d, p.y, pl->d,
+                                  &pl->algo, workspace_, workspace_bytes_, p.stream),
+                   "cublasLtMatmul(fp8 block)");
+}
+
+}  // namespace ml4::cuda
