@@ -119,7 +119,13 @@ Tensor slice_rows(const Tensor& t, int64_t e, int64_t row0, int64_t rows) {
   return Tensor::view(t.dtype(), {rows, C}, base, nullptr);
 }
 
-Status load_layer(const ModelConfig& cfg, int l, Binder& b, LayerWeights& LW) {
+Status requantize_expert(LinearWeight& w) {
+  if (w.format != LinearFormat::kFP8Block) return Status::ok();
+  ML4_ASSIGN_OR_RETURN(w, requantize_fp8_to_mxfp4(w));
+  return Status::ok();
+}
+
+Status load_layer(const ModelConfig& cfg, int l, Binder& b, LayerWeights& LW, const WeightLoadOptions& opts) {
   const LayerSpec& spec = cfg.layers[l];
   const std::string p = fmt::format("layers.{}.", l);
   const int64_t D = cfg.dim, H = cfg.n_heads, dn = cfg.qk_nope_head_dim, dr = cfg.qk_rope_head_dim;
@@ -198,6 +204,13 @@ Status load_layer(const ModelConfig& cfg, int l, Binder& b, LayerWeights& LW) {
           ML4_ASSIGN_OR_RETURN(F.experts[e].w3, b.linear(pe + "w3", I, D));
         }
       }
+      if (opts.experts_to_mxfp4) {
+        for (auto& e : F.experts) {
+          ML4_RETURN_IF_ERROR(requantize_expert(e.w1));
+          ML4_RETURN_IF_ERROR(requantize_expert(e.w2));
+          ML4_RETURN_IF_ERROR(requantize_expert(e.w3));
+        }
+      }
       if (cfg.moe.num_shared_experts > 0) {
         const int64_t IS = I * cfg.moe.num_shared_experts;
         auto S = std::make_unique<MlpWeights>();
@@ -214,7 +227,8 @@ Status load_layer(const ModelConfig& cfg, int l, Binder& b, LayerWeights& LW) {
 
 }  // namespace
 
-Result<std::shared_ptr<const ModelWeights>> load_model_weights(const ModelConfig& cfg, const Checkpoint& ckpt) {
+Result<std::shared_ptr<const ModelWeights>> load_model_weights(const ModelConfig& cfg, const Checkpoint& ckpt,
+                                                               const WeightLoadOptions& opts) {
   auto W = std::make_shared<ModelWeights>();
   Binder b(cfg, ckpt);
   const int64_t D = cfg.dim, V = cfg.vocab_size;
@@ -230,7 +244,7 @@ Result<std::shared_ptr<const ModelWeights>> load_model_weights(const ModelConfig
     ML4_ASSIGN_OR_RETURN(W->output, b.linear("output", V, D));
   }
   W->layers.resize(cfg.n_layers);
-  for (int l = 0; l < cfg.n_layers; ++l) ML4_RETURN_IF_ERROR(load_layer(cfg, l, b, W->layers[l]));
+  for (int l = 0; l < cfg.n_layers; ++l) ML4_RETURN_IF_ERROR(load_layer(cfg, l, b, W->layers[l], opts));
   ML4_RETURN_IF_ERROR(b.check_all_used());
   return std::shared_ptr<const ModelWeights>(std::move(W));
 }

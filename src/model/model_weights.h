@@ -69,6 +69,13 @@ struct ModelWeights {
   std::shared_ptr<const void> keepalive;  // the checkpoint's mappings
 };
 
-Result<std::shared_ptr<const ModelWeights>> load_model_weights(const ModelConfig& cfg, const Checkpoint& ckpt);
+struct WeightLoadOptions {
+  // Re-quantize FP8 routed experts to MXFP4 while loading (SYSTEM.md S1), layer by layer,
+  // so at most one layer's experts exist in both formats at once.
+  bool experts_to_mxfp4 = false;
+};
+
+Result<std::shared_ptr<const ModelWeights>> load_model_weights(const ModelConfig& cfg, const Checkpoint& ckpt,
+                                                               const WeightLoadOptions& opts = {});
 
 }  // namespace ml4

@@ -12,7 +12,9 @@ Result<std::unique_ptr<CpuRunner>> CpuRunner::load(const std::string& model_dir,
   ML4_ASSIGN_OR_RETURN(ModelConfig cfg, load_model_config(model_dir));
   ML4_ASSIGN_OR_RETURN(Checkpoint ck, Checkpoint::open(model_dir));
   auto ckpt = std::make_shared<Checkpoint>(std::move(ck));
-  ML4_ASSIGN_OR_RETURN(auto weights, load_model_weights(cfg, *ckpt));
+  WeightLoadOptions wo;
+  wo.experts_to_mxfp4 = opts.experts_to_mxfp4;
+  ML4_ASSIGN_OR_RETURN(auto weights, load_model_weights(cfg, *ckpt, wo));
   ML4_ASSIGN_OR_RETURN(KvCacheDtype dtype, parse_kv_cache_dtype(opts.kv_cache_dtype));
   ML4_ASSIGN_OR_RETURN(KvCacheSpec spec, make_kv_cache_spec(cfg, dtype));
   if (duplicate_shared_kv) {

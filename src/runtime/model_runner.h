@@ -27,6 +27,7 @@ struct RunnerOptions {
   std::string kv_cache_dtype = "fp8_ds_mla";  // fp8_ds_mla | fp8 | bf16
   int64_t kv_cache_bytes = 256ll << 20;       // KV memory budget, split across groups
   int64_t max_model_len = 0;                  // 0: the model's max_position_embeddings
+  bool experts_to_mxfp4 = false;              // re-quantize FP8 routed experts to MXFP4 at load
 };
 
 class ModelRunner {

@@ -186,5 +186,42 @@ TEST_P(Formats, KernelsDecodeExactly) {
 
 INSTANTIATE_TEST_SUITE_P(WeightFormats, Formats, ::testing::Values("fp8", "nvfp4", "mxfp4"));
 
+// FP8 experts re-quantized to MXFP4 at load: every routed expert becomes MXFP4 with the
+// bytes requantize_fp8_to_mxfp4 gives (its error bound is tested in quant_test.cpp), the
+// rest stays FP8, and the model runs.
+TEST(Formats, Fp8ExpertsRequantizedToMxfp4AtLoad) {
+  const std::string dir = test_model("ml4-tiny", 5, "fp8", "native");
+  auto cfg = load_model_config(dir);
+  auto ck = Checkpoint::open(dir);
+  ASSERT_TRUE(cfg.ok() && ck.ok());
+  auto fp8 = load_model_weights(*cfg, *ck);
+  WeightLoadOptions wo;
+  wo.experts_to_mxfp4 = true;
+  auto mx = load_model_weights(*cfg, *ck, wo);
+  ASSERT_TRUE(fp8.ok() && mx.ok()) << mx.status().message();
+  int experts = 0;
+  for (size_t l = 0; l < (*mx)->layers.size(); ++l) {
+    const auto& a = (*fp8)->layers[l].ffn;
+    const auto& b = (*mx)->layers[l].ffn;
+    for (size_t e = 0; e < b.experts.size(); ++e, ++experts) {
+      ASSERT_EQ(b.experts[e].w1.format, LinearFormat::kMXFP4);
+      auto want = requantize_fp8_to_mxfp4(a.experts[e].w2);
+      ASSERT_TRUE(want.ok());
+      EXPECT_EQ(dequantize_linear(b.experts[e].w2), dequantize_linear(*want));
+    }
+    if (b.shared) EXPECT_EQ(b.shared->w1.format, LinearFormat::kFP8Block);
+  }
+  EXPECT_GT(experts, 0);
+  RunnerOptions ro;
+  ro.kv_cache_dtype = "bf16";
+  ro.kv_cache_bytes = 16 << 20;
+  ro.experts_to_mxfp4 = true;
+  auto r = CpuRunner::load(dir, ro);
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  auto out = (*r)->execute(StepInput{{seq_step(**r, 1, prompt(20, cfg->vocab_size), 0, 0, 1, 1)}});
+  ASSERT_TRUE(out.ok());
+  for (float v : out->logits[0]) ASSERT_TRUE(std::isfinite(v));
+}
+
 }  // namespace
 }  // namespace ml4
