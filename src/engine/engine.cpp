@@ -205,6 +205,8 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
   if (step_hook_) step_hook_(so, in);
 
   ML4_ASSIGN_OR_RETURN(StepOutput out, runner_->execute(in));
+  // Tokens exist once the forward is done: timestamps for TTFT / ITL are taken here.
+  const double done = mono_now();
 
   // The runner returns one entry per sequence, or one per sequence that asked for logits.
   size_t wanted = 0;
@@ -230,12 +232,12 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
       int32_t token = Sampler::sample(r, last, vocab_, r.params.ignore_eos ? -1 : codec_->eos_id());
       ++counters_.generation_tokens;
       if (r.output.empty()) {
-        r.first_token_time = now;
-        if (observer_) observer_->on_first_token(r.first_scheduled_time - r.arrival_time, now - r.arrival_time);
+        r.first_token_time = done;
+        if (observer_) observer_->on_first_token(r.first_scheduled_time - r.arrival_time, done - r.arrival_time);
       } else if (observer_) {
-        observer_->on_token(now - r.last_token_time);
+        observer_->on_token(done - r.last_token_time);
       }
-      r.last_token_time = now;
+      r.last_token_time = done;
       append_token(r, token);
     } else if (per_seq) {
       ++li;
@@ -247,7 +249,7 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
     if (r.finished()) {
       counters_.prompt_tokens += static_cast<int64_t>(r.prompt.size());
       if (observer_)
-        observer_->on_finished(now - r.arrival_time, r.finish_reason, static_cast<int64_t>(r.prompt.size()),
+        observer_->on_finished(done - r.arrival_time, r.finish_reason, static_cast<int64_t>(r.prompt.size()),
                                static_cast<int64_t>(r.output.size()));
       scheduler_.remove(&r);
       const std::string id = r.request_id;  // r dies with the erase

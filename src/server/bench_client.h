@@ -1,0 +1,80 @@
+// A serving load generator for any OpenAI-compatible server (`ml4 bench serve`), measuring
+// what vLLM's `vllm bench serve` (vllm/benchmarks/serve.py) measures, with the same
+// definitions so the numbers compare:
+//   TTFT  time from sending a request to its first content token;
+//   ITL   gaps between consecutive content chunks of a stream;
+//   TPOT  (latency - TTFT) / (output tokens - 1), per request;
+//   E2EL  request latency; throughput = requests or tokens / benchmark duration.
+// Prompts: "random" (token ids drawn from the server's own tokenization of an English
+// sample via /tokenize, so any tokenizer gets exact input lengths; plain words when the
+// server has no /tokenize) or a JSONL dataset with "prompt" (and optional "output_len").
+// Arrivals: all at once, or a Poisson process at --request-rate (seeded); --max-concurrency
+// caps requests in flight. Warm-up requests run first and are not counted.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/status.h"
+
+namespace ml4 {
+
+struct BenchOptions {
+  std::string base_url = "http://127.0.0.1:8000";
+  std::string endpoint = "/v1/completions";  // or /v1/chat/completions
+  std::string model;                          // empty: the first of /v1/models
+  std::string api_key;
+  std::string dataset = "random";             // "random" or a .jsonl path
+  int input_len = 128;
+  int output_len = 128;
+  double range_ratio = 0.0;                   // lengths uniform in [len*(1-r), len*(1+r)]
+  int num_prompts = 100;
+  int max_concurrency = 0;                    // 0: unbounded
+  double request_rate = 0.0;                  // req/s, 0: all at once
+  int num_warmups = 0;
+  uint64_t seed = 0;
+  bool ignore_eos = true;
+  double timeout_s = 600.0;
+  bool progress = true;
+};
+
+struct RequestResult {
+  bool ok = false;
+  std::string error;
+  int prompt_tokens = 0;
+  int output_tokens = 0;
+  double ttft = 0.0;
+  double latency = 0.0;
+  std::vector<double> itl;
+};
+
+struct LatencyStats {
+  double mean = 0, median = 0, p90 = 0, p99 = 0, min = 0, max = 0;
+};
+
+struct BenchSummary {
+  BenchOptions options;
+  std::string model;
+  int completed = 0;
+  int failed = 0;
+  double duration_s = 0.0;
+  int64_t total_input = 0;
+  int64_t total_output = 0;
+  double request_throughput = 0.0;
+  double output_throughput = 0.0;
+  double total_throughput = 0.0;
+  int max_concurrency_seen = 0;
+  LatencyStats ttft_ms, tpot_ms, itl_ms, e2el_ms;
+  std::vector<std::string> errors;  // first few
+};
+
+Result<BenchSummary> run_bench(const BenchOptions& o);
+std::string format_bench_table(const BenchSummary& s);
+nlohmann::json bench_json(const BenchSummary& s);
+LatencyStats latency_stats(std::vector<double> v_ms);
+
+}  // namespace ml4

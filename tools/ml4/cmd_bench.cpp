@@ -1,0 +1,64 @@
+// `ml4 bench serve`: load against any OpenAI-compatible server (src/server/bench_client.h);
+// prints vLLM's result table and optionally writes the figures as JSON.
+#include <cstdio>
+#include <fstream>
+
+#include "command.h"
+#include "core/log.h"
+#include "server/bench_client.h"
+
+namespace ml4::cli {
+namespace {
+
+CommandRegistrar reg("bench", [](CLI::App& app, int* exit_code) {
+  auto* bench = app.add_subcommand("bench", "benchmarks");
+  bench->require_subcommand(1);
+  auto* serve = bench->add_subcommand("serve", "serving load: TTFT, TPOT, ITL, E2EL, throughput");
+  auto o = std::make_shared<BenchOptions>();
+  auto result_file = std::make_shared<std::string>();
+  auto host = std::make_shared<std::string>();
+  auto port = std::make_shared<int>(0);
+  serve->add_option("--base-url", o->base_url, "server root, e.g. http://127.0.0.1:8000");
+  serve->add_option("--host", *host, "server host (with --port, instead of --base-url)");
+  serve->add_option("--port", *port, "server port");
+  serve->add_option("--endpoint", o->endpoint, "/v1/completions or /v1/chat/completions");
+  serve->add_option("--model", o->model, "model name (default: the server's first)");
+  serve->add_option("--api-key", o->api_key, "bearer token");
+  serve->add_option("--dataset", o->dataset, "random, or a .jsonl file of {\"prompt\": ..., \"output_len\": ...}");
+  serve->add_option("--random-input-len,--input-len", o->input_len, "prompt tokens (random dataset)");
+  serve->add_option("--random-output-len,--output-len", o->output_len, "max_tokens per request");
+  serve->add_option("--random-range-ratio", o->range_ratio, "lengths uniform in len*(1 -+ ratio)");
+  serve->add_option("--num-prompts", o->num_prompts, "requests to send");
+  serve->add_option("--max-concurrency", o->max_concurrency, "requests in flight at most (0: no cap)");
+  serve->add_option("--request-rate", o->request_rate, "Poisson arrivals per second (0: all at once)");
+  serve->add_option("--num-warmups", o->num_warmups, "requests sent first, not measured");
+  serve->add_option("--seed", o->seed, "prompt and arrival seed");
+  serve->add_option("--timeout", o->timeout_s, "per-request timeout, seconds");
+  serve->add_flag("!--no-ignore-eos", o->ignore_eos, "let requests stop at EOS (default: ignore_eos, exact lengths)");
+  serve->add_flag("!--no-progress", o->progress, "no progress bar");
+  serve->add_option("--result-file,--save-result", *result_file, "write the figures as JSON here");
+  serve->callback([o, result_file, host, port, exit_code] {
+    if (!host->empty() || *port != 0)
+      o->base_url = fmt::format("http://{}:{}", host->empty() ? "127.0.0.1" : *host, *port == 0 ? 8000 : *port);
+    auto s = run_bench(*o);
+    if (!s.ok()) {
+      ML4_LOG_ERROR("bench serve: {}", s.status().message());
+      *exit_code = 1;
+      return;
+    }
+    std::fputs(format_bench_table(s.value()).c_str(), stdout);
+    if (!result_file->empty()) {
+      std::ofstream f(*result_file);
+      f << bench_json(s.value()).dump(2) << "\n";
+      if (!f) {
+        ML4_LOG_ERROR("bench serve: cannot write {}", *result_file);
+        *exit_code = 1;
+        return;
+      }
+    }
+    if (s->failed > 0) *exit_code = 2;
+  });
+});
+
+}  // namespace
+}  // namespace ml4::cli
