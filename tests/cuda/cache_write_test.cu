@@ -1,0 +1,174 @@
+// GPU cache writes against the CPU encoders, byte for byte: latent rows (every KvCacheDtype,
+// f32 and bf16 inputs, two model shapes) must equal ml4::encode_latent, indexer keys must
+// equal ml4::encode_indexer_key after ml4::cpu::hadamard_transform. Caches start poisoned
+// (0xFF) on both sides, so a stray write or a missed slot shows as a byte difference.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "core/dtype.h"
+#include "cuda_test_util.h"
+#include "kv/indexer_layout.h"
+#include "kv/latent_layout.h"
+#include "ops/cpu/quant.h"
+#include "ops/cuda/cache_write.h"
+
+namespace ml4::cuda {
+namespace {
+
+using testing::poisoned;
+using testing::to_device;
+using testing::to_host;
+
+// Random slots: a permutation prefix of [0, num_slots), with slot -1 (padding) at `pad`.
+std::vector<int64_t> random_slots(int64_t T, int64_t num_slots, int64_t pad, std::mt19937& rng) {
+  std::vector<int64_t> all(num_slots);
+  std::iota(all.begin(), all.end(), 0);
+  std::shuffle(all.begin(), all.end(), rng);
+  std::vector<int64_t> s(all.begin(), all.begin() + T);
+  if (pad >= 0 && pad < T) s[pad] = -1;
+  return s;
+}
+
+struct LatentCase {
+  KvCacheDtype dtype;
+  int r, dr;
+  bool bf16_in;
+};
+
+TEST(CudaCacheWrite, LatentRowsAreByteIdenticalToCpuEncoder) {
+  ML4_REQUIRE_GPU();
+  const LatentCase cases[] = {
+      {KvCacheDtype::kFp8DsMla, 512, 64, false}, {KvCacheDtype::kFp8DsMla, 512, 64, true},
+      {KvCacheDtype::kFp8DsMla, 128, 32, false}, {KvCacheDtype::kFp8, 512, 64, false},
+      {KvCacheDtype::kBf16, 512, 64, false},     {KvCacheDtype::kBf16, 128, 32, true},
+  };
+  std::mt19937 rng(1234);
+  for (const auto& cs : cases) {
+    const int64_t T = 45, num_slots = 4 * kPageTokens;
+    const float fp8_scale = cs.dtype == KvCacheDtype::kFp8 ? 0.05f : 1.0f;
+    std::uniform_real_distribution<float> u(-3.0f, 3.0f);
+    std::vector<float> c(T * cs.r), kr(T * cs.dr);
+    for (auto& v : c) v = u(rng);
+    for (auto& v : kr) v = u(rng);
+    // Tile edge cases: one tile of zeros (scale FLT_MIN) and one of tiny values.
+    std::fill(c.begin() + 3 * cs.r, c.begin() + 3 * cs.r + 128, 0.0f);
+    for (int i = 0; i < 128; ++i) c[5 * cs.r + i] *= 1e-30f;
+    if (cs.bf16_in) {  // the kernel reads bf16; the reference encodes the same rounded values
+      for (auto& v : c) v = round_bf16(v);
+      for (auto& v : kr) v = round_bf16(v);
+    }
+    const auto slots = random_slots(T, num_slots, 7, rng);
+    const size_t tb = latent_token_bytes(cs.dtype, cs.r, cs.dr);
+    std::vector<uint8_t> ref(num_slots * tb, 0xFF);
+    for (int64_t t = 0; t < T; ++t)
+      if (slots[t] >= 0)
+        encode_latent(cs.dtype, c.data() + t * cs.r, kr.data() + t * cs.dr, cs.r, cs.dr, fp8_scale,
+                      ref.data() + slots[t] * tb);
+
+    DeviceBuffer dc, dkr;
+    if (cs.bf16_in) {
+      std::vector<uint16_t> cb(c.size()), kb(kr.size());
+      for (size_t i = 0; i < c.size(); ++i) cb[i] = f32_to_bf16(c[i]);
+      for (size_t i = 0; i < kr.size(); ++i) kb[i] = f32_to_bf16(kr[i]);
+      dc = to_device(cb);
+      dkr = to_device(kb);
+    } else {
+      dc = to_device(c);
+      dkr = to_device(kr);
+    }
+    auto dslots = to_device(slots);
+    std::vector<std::vector<uint8_t>> outs;
+    for (int rep = 0; rep < 2; ++rep) {
+      auto cache = poisoned<uint8_t>(num_slots * tb);
+      LatentCacheWriteParams p;
+      p.c = dc.data();
+      p.kr = dkr.data();
+      p.c_dtype = p.kr_dtype = cs.bf16_in ? DType::kBF16 : DType::kF32;
+      p.slots = dslots.as<int64_t>();
+      p.T = T;
+      p.r = cs.r;
+      p.dr = cs.dr;
+      p.dtype = cs.dtype;
+      p.fp8_scale = fp8_scale;
+      p.cache = cache.data();
+      p.num_slots = num_slots;
+      ML4_ASSERT_OK(latent_cache_write(p));
+      ML4_ASSERT_OK(cuda_status(cudaDeviceSynchronize(), "sync"));
+      outs.push_back(to_host<uint8_t>(cache, num_slots * tb));
+    }
+    size_t diff = 0;
+    for (size_t i = 0; i < ref.size(); ++i) diff += outs[0][i] != ref[i];
+    std::printf("latent %s r=%d dr=%d %s: %zu of %zu bytes differ\n", kv_cache_dtype_name(cs.dtype), cs.r, cs.dr,
+                cs.bf16_in ? "bf16 in" : "f32 in", diff, ref.size());
+    EXPECT_EQ(diff, 0u);
+    EXPECT_EQ(0, std::memcmp(outs[0].data(), outs[1].data(), ref.size())) << "repeat run differs";
+  }
+}
+
+TEST(CudaCacheWrite, IndexerKeysAreByteIdenticalToCpuEncoder) {
+  ML4_REQUIRE_GPU();
+  std::mt19937 rng(99);
+  for (bool hadamard : {true, false}) {
+    const int dI = 128;
+    const int64_t T = 70, num_blocks = 3;
+    std::normal_distribution<float> nd(0.0f, 1.5f);
+    std::vector<float> k(T * dI);
+    for (auto& v : k) v = nd(rng);
+    for (int i = 0; i < dI; ++i) k[4 * dI + i] = 0.0f;  // amax floor 1e-4
+    const auto slots = random_slots(T, num_blocks * kPageTokens, 11, rng);
+    std::vector<float> kt = k;
+    if (hadamard) cpu::hadamard_transform(kt.data(), T, dI);
+    const size_t pb = indexer_page_bytes(dI);
+    std::vector<uint8_t> ref(num_blocks * pb, 0xFF);
+    for (int64_t t = 0; t < T; ++t)
+      if (slots[t] >= 0)
+        encode_indexer_key(kt.data() + t * dI, dI, ref.data() + (slots[t] / kPageTokens) * pb, slots[t] % kPageTokens);
+    auto dk = to_device(k);
+    auto dslots = to_device(slots);
+    std::vector<std::vector<uint8_t>> outs;
+    for (int rep = 0; rep < 2; ++rep) {
+      auto cache = poisoned<uint8_t>(num_blocks * pb);
+      IndexerCacheWriteParams p;
+      p.k = dk.data();
+      p.slots = dslots.as<int64_t>();
+      p.T = T;
+      p.dI = dI;
+      p.hadamard = hadamard;
+      p.cache = cache.data();
+      p.num_blocks = num_blocks;
+      ML4_ASSERT_OK(indexer_cache_write(p));
+      ML4_ASSERT_OK(cuda_status(cudaDeviceSynchronize(), "sync"));
+      outs.push_back(to_host<uint8_t>(cache, num_blocks * pb));
+    }
+    size_t diff = 0;
+    for (size_t i = 0; i < ref.size(); ++i) diff += outs[0][i] != ref[i];
+    std::printf("indexer keys hadamard=%d: %zu of %zu bytes differ\n", hadamard, diff, ref.size());
+    EXPECT_EQ(diff, 0u);
+    EXPECT_EQ(0, std::memcmp(outs[0].data(), outs[1].data(), ref.size())) << "repeat run differs";
+  }
+}
+
+TEST(CudaCacheWrite, BadShapesAreErrors) {
+  // Argument checks run before any CUDA call, so these hold without a GPU too.
+  LatentCacheWriteParams p;
+  p.T = 1;
+  p.r = 100;  // not a multiple of 128 for fp8_ds_mla
+  EXPECT_FALSE(latent_cache_write(p).is_ok());
+  p.r = 512;
+  p.c_dtype = DType::kI32;
+  EXPECT_FALSE(latent_cache_write(p).is_ok());
+  p.c_dtype = DType::kF32;
+  EXPECT_FALSE(latent_cache_write(p).is_ok());  // null pointers
+  IndexerCacheWriteParams q;
+  q.T = 1;
+  q.dI = 96;
+  EXPECT_FALSE(indexer_cache_write(q).is_ok());
+}
+
+}  // namespace
+}  // namespace ml4::cuda

@@ -1,0 +1,126 @@
+// GPU radix top-k against ml4::cpu::topk on the same rows: the selected positions must be
+// exactly the CPU's set (same tie rule: lower position first; NaN as -inf; -0 == +0), written
+// in ascending order, then -1 up to k. Rows have mixed lengths (shorter than k, one element,
+// empty, 70k) and the score buffer past each row's length holds +inf: any read past the valid
+// length would select it, so the scans provably stop at `lengths`.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "cuda_test_util.h"
+#include "kv/kv_cache_dtype.h"
+#include "ops/cpu/basic.h"
+#include "ops/cuda/topk.h"
+
+namespace ml4::cuda {
+namespace {
+
+using testing::poisoned;
+using testing::to_device;
+using testing::to_host;
+
+TEST(CudaTopk, MatchesCpuTopkWithTiesNanAndPadding) {
+  ML4_REQUIRE_GPU();
+  std::mt19937 rng(2024);
+  const std::vector<int32_t> lengths = {70000, 2048, 2049, 5000, 1, 0, 3000, 3000, 130, 65536};
+  const int64_t T = static_cast<int64_t>(lengths.size());
+  const int64_t stride = 70016;
+  const float inf = std::numeric_limits<float>::infinity();
+  std::vector<float> scores(T * stride, inf);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (int64_t t = 0; t < T; ++t) {
+    float* row = scores.data() + t * stride;
+    for (int i = 0; i < lengths[t]; ++i) row[i] = nd(rng);
+  }
+  // Row 6: heavy ties (8 distinct values) and signed zeros; row 7: NaNs and infinities;
+  // row 3: all positive, close together (one exponent: the first radix digit is shared).
+  for (int i = 0; i < 3000; ++i) scores[6 * stride + i] = static_cast<float>(static_cast<int>(rng() % 8) - 4) * 0.5f;
+  for (int i = 0; i < 3000; i += 7) scores[6 * stride + i] = -0.0f;
+  for (int i = 0; i < 3000; i += 13) scores[7 * stride + i] = std::numeric_limits<float>::quiet_NaN();
+  for (int i = 5; i < 3000; i += 101) scores[7 * stride + i] = -inf;
+  scores[7 * stride + 17] = inf;
+  for (int i = 0; i < 5000; ++i) scores[3 * stride + i] = 1.0f + std::ldexp(static_cast<float>(rng() % 4096), -13);
+
+  // One sequence per row, pages shuffled.
+  const int64_t pages = stride / kPageTokens;
+  std::vector<int32_t> bt(T * pages), seq_of(T);
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<int32_t> perm(pages);
+    std::iota(perm.begin(), perm.end(), static_cast<int32_t>(t * pages));
+    std::shuffle(perm.begin(), perm.end(), rng);
+    std::copy(perm.begin(), perm.end(), bt.begin() + t * pages);
+    seq_of[t] = static_cast<int32_t>(T - 1 - t);  // rows map to a different table row
+  }
+  std::vector<int32_t> bt_rows(T * pages);
+  for (int64_t t = 0; t < T; ++t) std::copy_n(bt.begin() + t * pages, pages, bt_rows.begin() + seq_of[t] * pages);
+
+  auto d_scores = to_device(scores);
+  auto d_len = to_device(lengths);
+  auto d_bt = to_device(bt_rows);
+  auto d_seq = to_device(seq_of);
+  for (int k : {2048, 16}) {
+    std::vector<std::vector<int32_t>> pos_runs, slot_runs;
+    for (int rep = 0; rep < 2; ++rep) {
+      auto d_pos = poisoned<int32_t>(T * k), d_slots = poisoned<int32_t>(T * k), d_cnt = poisoned<int32_t>(T);
+      TopkParams p;
+      p.scores = d_scores.as<float>();
+      p.scores_stride = stride;
+      p.lengths = d_len.as<int32_t>();
+      p.T = T;
+      p.k = k;
+      p.positions = d_pos.as<int32_t>();
+      p.slots = d_slots.as<int32_t>();
+      p.counts = d_cnt.as<int32_t>();
+      p.block_table = d_bt.as<int32_t>();
+      p.block_table_stride = pages;
+      p.seq_of_token = d_seq.as<int32_t>();
+      ML4_ASSERT_OK(topk(p));
+      ML4_ASSERT_OK(cuda_status(cudaDeviceSynchronize(), "sync"));
+      pos_runs.push_back(to_host<int32_t>(d_pos, T * k));
+      slot_runs.push_back(to_host<int32_t>(d_slots, T * k));
+      const auto cnt = to_host<int32_t>(d_cnt, T);
+      for (int64_t t = 0; t < T; ++t) EXPECT_EQ(cnt[t], std::min(k, lengths[t])) << "row " << t;
+    }
+    EXPECT_EQ(pos_runs[0], pos_runs[1]) << "repeat run differs";
+    EXPECT_EQ(slot_runs[0], slot_runs[1]) << "repeat run differs";
+    int64_t mismatched_rows = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      std::vector<int32_t> ref(k);
+      cpu::topk(scores.data() + t * stride, lengths[t], k, ref.data());
+      const int kk = std::min(k, lengths[t]);
+      std::sort(ref.begin(), ref.begin() + kk);
+      const int32_t* got = pos_runs[0].data() + t * k;
+      const int32_t* gs = slot_runs[0].data() + t * k;
+      bool ok = true;
+      for (int i = 0; i < k; ++i) {
+        const int32_t want = i < kk ? ref[i] : -1;
+        const int32_t want_slot = i < kk ? bt[t * pages + want / kPageTokens] * kPageTokens + want % kPageTokens : -1;
+        if (got[i] != want || gs[i] != want_slot) ok = false;
+      }
+      if (!ok) ++mismatched_rows;
+      EXPECT_TRUE(ok) << "k=" << k << " row " << t << " (length " << lengths[t] << ")";
+    }
+    std::printf("topk k=%d: %lld of %lld rows differ from cpu::topk\n", k, static_cast<long long>(mismatched_rows),
+                static_cast<long long>(T));
+  }
+}
+
+TEST(CudaTopk, BadArgumentsAreErrors) {
+  TopkParams p;
+  p.T = 1;
+  p.k = 8;
+  p.out_stride = 4;  // < k
+  EXPECT_FALSE(topk(p).is_ok());
+  p.out_stride = 0;
+  int32_t dummy = 0;
+  p.positions = &dummy;
+  EXPECT_FALSE(topk(p).is_ok());  // null scores / lengths
+}
+
+}  // namespace
+}  // namespace ml4::cuda
