@@ -241,6 +241,25 @@ TEST(Linear, DecodeCoversEveryCode) {
     const float want = e2m1_to_f32((k % 2) ? byte >> 4 : byte & 0xf) * e8m0_to_f32(static_cast<uint8_t>(120 + k / 32));
     EXPECT_EQ(f32_to_bits(d4[k]), f32_to_bits(want)) << k;
   }
+  // NVFP4: each value is e2m1 * e4m3 * global rounded once (the triple product is exact
+  // in f64: 2 + 4 + 24 significant bits), for every packed byte and every finite scale.
+  LinearWeight nv;
+  nv.format = LinearFormat::kNVFP4;
+  nv.out_features = 1;
+  nv.in_features = 4096;  // 256 groups of 16
+  nv.global_scale = 0.1f;
+  nv.weight = Tensor(DType::kU8, {1, 2048});
+  nv.scale = Tensor(DType::kF8E4M3, {1, 256});
+  for (int i = 0; i < 2048; ++i) nv.weight.mutable_as<uint8_t>()[i] = static_cast<uint8_t>(i * 37 + 11);
+  for (int g = 0; g < 256; ++g) nv.scale.mutable_as<uint8_t>()[g] = static_cast<uint8_t>((g & 0x7f) == 0x7f ? 0x38 : g);
+  std::vector<float> dn(4096);
+  decode_weight_rows(nv, 0, 1, dn.data());
+  for (int k = 0; k < 4096; ++k) {
+    const uint8_t byte = nv.weight.as<uint8_t>()[k / 2];
+    const double v = e2m1_to_f32((k % 2) ? byte >> 4 : byte & 0xf);
+    const float want = static_cast<float>(v * e4m3_to_f32(nv.scale.as<uint8_t>()[k / 16]) * double(0.1f));
+    ASSERT_EQ(f32_to_bits(dn[k]), f32_to_bits(want)) << k;
+  }
 }
 
 // Batch invariance: row m of a batched call equals the same row computed alone, bit for

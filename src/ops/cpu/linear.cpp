@@ -105,8 +105,8 @@ inline __m256 e4m3x8_div256(const uint8_t* p) {
   return _mm256_or_ps(v, _mm256_castsi256_ps(nan));
 }
 
-// 8 bytes of packed e2m1 (16 values, low nibble first) times s -> out[0..16).
-inline void e2m1x16(const uint8_t* p, __m256 s, float* out) {
+// 8 bytes of packed e2m1 (16 values, low nibble first) -> out[0..16) = (v * s) * s2.
+inline void e2m1x16(const uint8_t* p, __m256 s, __m256 s2, float* out) {
   const __m256 table = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
   const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   auto dec = [&](__m256i n) {
@@ -117,8 +117,8 @@ inline void e2m1x16(const uint8_t* p, __m256 s, float* out) {
   const __m256 lo = dec(_mm256_and_si256(b, _mm256_set1_epi32(0xf)));
   const __m256 hi = dec(_mm256_srli_epi32(b, 4));
   const __m256 a = _mm256_unpacklo_ps(lo, hi), c = _mm256_unpackhi_ps(lo, hi);
-  _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_permute2f128_ps(a, c, 0x20), s));
-  _mm256_storeu_ps(out + 8, _mm256_mul_ps(_mm256_permute2f128_ps(a, c, 0x31), s));
+  _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_mul_ps(_mm256_permute2f128_ps(a, c, 0x20), s), s2));
+  _mm256_storeu_ps(out + 8, _mm256_mul_ps(_mm256_mul_ps(_mm256_permute2f128_ps(a, c, 0x31), s), s2));
 }
 #endif
 
@@ -296,21 +296,20 @@ void decode_block(const LinearWeight& w, int64_t n0, int64_t n1, int64_t k0, int
         for (int64_t g = k0 / group; g < k1 / group; ++g) {
           const uint8_t code = sc[n * groups + g];
           // NVFP4: e2m1 * e4m3 is exact in f32 (2 + 4 significant bits); the global scale is
-          // applied last, so each value is the exact product rounded once.
+          // applied last, so each value is the exact product rounded once. MXFP4: * 1.
           const float s = nv ? e4m3[code] : e8m0_to_f32(code);
+          const float s2 = nv ? w.global_scale : 1.0f;
           const uint8_t* b = row + g * group / 2;
           float* og = o + g * group;
 #ifdef ML4_LINEAR_AVX2
-          const __m256 sv = _mm256_set1_ps(s);
-          for (int64_t i = 0; i < group / 2; i += 8) e2m1x16(b + i, sv, og + 2 * i);  // group % 16 == 0
+          const __m256 sv = _mm256_set1_ps(s), s2v = _mm256_set1_ps(s2);
+          for (int64_t i = 0; i < group / 2; i += 8) e2m1x16(b + i, sv, s2v, og + 2 * i);  // group % 16 == 0
 #else
           for (int64_t i = 0; i < group / 2; ++i) {
-            og[2 * i] = pairs[b[i]][0] * s;
-            og[2 * i + 1] = pairs[b[i]][1] * s;
+            og[2 * i] = pairs[b[i]][0] * s * s2;
+            og[2 * i + 1] = pairs[b[i]][1] * s * s2;
           }
 #endif
-          if (nv)
-            for (int64_t i = 0; i < group; ++i) og[i] *= w.global_scale;
         }
       }
       break;
