@@ -31,12 +31,21 @@ fi
 if [ ${#benches[@]} -eq 0 ]; then
   for b in "$carry"/bin/*_bench; do [ -x "$b" ] && benches+=("$(basename "$b")"); done
 fi
-for b in "${benches[@]}"; do
+# Ceilings first: later harnesses take the measured copy bandwidth (GB/s) as argv[1].
+hbm=""
+ordered=()
+for b in "${benches[@]}"; do [ "$b" = gpu_ceilings_bench ] && ordered+=("$b"); done
+for b in "${benches[@]}"; do [ "$b" != gpu_ceilings_bench ] && ordered+=("$b"); done
+for b in "${ordered[@]}"; do
   [ "$b" = none ] && continue
-  timeout 240 "$carry/bin/$b" > "$out/$b.log" 2>&1
+  [ -x "$carry/bin/$b" ] || { summary+=("$b missing"); continue; }
+  timeout 240 "$carry/bin/$b" $hbm > "$out/$b.log" 2>&1
   rc=$?
   summary+=("$b rc=$rc")
-  grep -E "CEILING|GB/s|TFLOP/s|speedup" "$out/$b.log" | tail -40
+  if [ "$b" = gpu_ceilings_bench ]; then
+    hbm=$(awk '/CEILING hbm_copy/ {print $3}' "$out/$b.log")
+  fi
+  tail -60 "$out/$b.log"
 done
 echo "==== summary"
 printf '%s\n' "${summary[@]}"

@@ -45,7 +45,7 @@ Result<LtGemm::Plan*> LtGemm::plan(int kind, DType y_dtype, int64_t M, int64_t N
   if (it != plans_.end()) return &it->second;
 
   Plan p;
-  const cudaDataType_t in_t = kind == 0 ? CUDA_R_16BF : CUDA_R_8F_E4M3;
+  const cudaDataType_t in_t = kind == 0 ? CUDA_R_16BF : kind == 1 ? CUDA_R_8F_E4M3 : CUDA_R_32F;
   const cudaDataType_t out_t = y_dtype == DType::kF32 ? CUDA_R_32F : CUDA_R_16BF;
   auto cleanup = [&]() {
     if (p.op) cublasLtMatmulDescDestroy(p.op);
@@ -80,7 +80,7 @@ Result<LtGemm::Plan*> LtGemm::plan(int kind, DType y_dtype, int64_t M, int64_t N
     cublasLtMatmulPreferenceDestroy(pref);
     if (hs != CUBLAS_STATUS_SUCCESS || found == 0) {
       return unimplemented("cuBLASLt has no {} GEMM for M={} N={} K={} -> {} ({})",
-                           kind == 0 ? "bf16" : "fp8 block-scaled", M, N, K, dtype_name(y_dtype),
+                           kind == 0 ? "bf16" : kind == 1 ? "fp8 block-scaled" : "f32", M, N, K, dtype_name(y_dtype),
                            cublasGetStatusString(hs));
     }
     p.algo = res.algo;
@@ -126,6 +126,18 @@ Status LtGemm::fp8_block(const GemmFp8BlockParams& p) {
   return lt_status(cublasLtMatmul(handle_, pl->op, &alpha, p.w, pl->a, p.x, pl->b, &beta, p.y, pl->d, p.y, pl->d,
                                   &pl->algo, workspace_, workspace_bytes_, p.stream),
                    "cublasLtMatmul(fp8 block)");
+}
+
+Status LtGemm::f32(const GemmF32Params& p) {
+  if (p.M <= 0 || p.N <= 0 || p.K <= 0) return invalid_argument("gemm f32: bad shape M={} N={} K={}", p.M, p.N, p.K);
+  if (!p.x || !p.w || !p.y) return invalid_argument("gemm f32: null pointer");
+  if (!aligned16(p.x) || !aligned16(p.w) || !aligned16(p.y) || p.K % 4 != 0)
+    return invalid_argument("gemm f32: operands must be 16-byte aligned and K % 4 == 0 (K={})", p.K);
+  ML4_ASSIGN_OR_RETURN(Plan * pl, plan(2, DType::kF32, p.M, p.N, p.K));
+  const float alpha = 1.0f, beta = 0.0f;
+  return lt_status(cublasLtMatmul(handle_, pl->op, &alpha, p.w, pl->a, p.x, pl->b, &beta, p.y, pl->d, p.y, pl->d,
+                                  &pl->algo, workspace_, workspace_bytes_, p.stream),
+                   "cublasLtMatmul(f32)");
 }
 
 }  // namespace ml4::cuda

@@ -48,6 +48,14 @@ struct GemmFp8BlockParams {
   cudaStream_t stream = nullptr;
 };
 
+struct GemmF32Params {
+  const float* x = nullptr;  // [M, K] f32 row-major
+  const float* w = nullptr;  // [N, K] f32 row-major
+  float* y = nullptr;        // [M, N] f32 row-major
+  int64_t M = 0, N = 0, K = 0;
+  cudaStream_t stream = nullptr;
+};
+
 class LtGemm {
  public:
   // One cuBLASLt handle and a device workspace (cuBLASLt's recommendation for Hopper is
@@ -59,6 +67,8 @@ class LtGemm {
 
   Status bf16(const GemmBf16Params& p);
   Status fp8_block(const GemmFp8BlockParams& p);
+  // Full f32 (CUBLAS_COMPUTE_32F, no TF32): the MoE router (MODEL.md 3.7).
+  Status f32(const GemmF32Params& p);
 
  private:
   LtGemm() = default;
@@ -67,7 +77,7 @@ class LtGemm {
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
     cublasLtMatmulAlgo_t algo{};
   };
-  // (kind 0 = bf16 / 1 = fp8 block, out dtype, M, N, K)
+  // (kind 0 = bf16 / 1 = fp8 block / 2 = f32, out dtype, M, N, K)
   using Key = std::tuple<int, int, int64_t, int64_t, int64_t>;
   Result<Plan*> plan(int kind, DType y_dtype, int64_t M, int64_t N, int64_t K);
 

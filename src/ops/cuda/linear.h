@@ -1,0 +1,45 @@
+// A linear layer resident on the GPU, and y = x W^T with f32 activations on both sides.
+//
+// DeviceLinear holds a LinearWeight's bytes in device memory in the format the GEMM reads:
+//   kBF16     -> bf16 [N, K]; x is cast to bf16, cuBLASLt BF16 GEMM (gemm.h)
+//   kFP8Block -> e4m3 [N, K] + f32 [N/128][K/128]; x is quantized per 1x128 group
+//                (act_quant.h, DeepSeek act_quant), cuBLASLt FP8 block GEMM
+//   kF32      -> f32 [N, K]; full-f32 GEMM (no TF32): routers, MODEL.md 3.7
+// NVFP4/MXFP4 are not offered on the GPU yet: upload_linear says so (kUnimplemented).
+// LinearScratch holds the converted activations; reserve() it once for the largest M so
+// that calls allocate nothing (CUDA graphs replay fixed addresses).
+#pragma once
+
+#include <cstdint>
+
+#include "model/linear_weight.h"
+#include "ops/cuda/cuda_common.h"
+#include "ops/cuda/gemm.h"
+
+namespace ml4::cuda {
+
+struct DeviceLinear {
+  std::string name;
+  LinearFormat format = LinearFormat::kBF16;
+  int64_t N = 0, K = 0;
+  DeviceBuffer weight;  // [N, K] in format's element type
+  DeviceBuffer scale;   // kFP8Block: [ceil(N/128), ceil(K/128)] f32
+  size_t bytes() const { return weight.bytes() + scale.bytes(); }
+};
+
+// Uploads (and validates) a host weight. kF32 stays f32; kBF16 and kFP8Block as stored.
+Result<DeviceLinear> upload_linear(const LinearWeight& w);
+
+class LinearScratch {
+ public:
+  // Capacity for M x K activations (bytes for bf16 or e4m3 plus the group scales).
+  Status reserve(int64_t elems, int64_t groups);
+  DeviceBuffer act;    // bf16 or e4m3 copy of x
+  DeviceBuffer scale;  // [K/128][M] f32
+};
+
+// y[M, N] f32 = x[M, K] f32 W^T. scratch must hold M*K elements and M*K/128 scales.
+Status linear_f32(LtGemm& lt, const DeviceLinear& w, const float* x, int64_t M, float* y, LinearScratch& scratch,
+                  cudaStream_t stream);
+
+}  // namespace ml4::cuda

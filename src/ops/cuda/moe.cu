@@ -1,0 +1,297 @@
+// See moe.h. The router runs one warp per token with the token's scores in shared memory:
+// E <= 1024 values, top-k by K rounds of a warp argmax (larger score, then lower id: the
+// order cpu::topk defines), so selection is exactly the CPU's whenever the scores are.
+// Softmax sums in f32 here (f64 on the CPU): a 1e-7 relative difference in p, which can
+// only swap two experts whose scores tie to that precision.
+#include "ops/cuda/moe.h"
+
+#include <cmath>
+
+#include "ops/cuda/elementwise.h"
+
+namespace ml4::cuda {
+namespace {
+
+constexpr int kMaxExperts = 1024;
+constexpr int kMaxTopK = 32;
+
+struct RouteArgs {
+  const float* logits;
+  int64_t T;
+  int E, K, G, keep_groups;
+  bool softmax, renorm;
+  float routed_scale;
+  const float* bias;
+  int32_t* ids;
+  float* weights;
+};
+
+__device__ __forceinline__ bool better(float a, int ia, float b, int ib) {
+  // NaN ranks below everything (cpu::topk); then larger value, then lower index.
+  const bool an = a != a, bn = b != b;
+  if (an != bn) return bn;
+  if (an) return ia < ib;
+  return a > b || (a == b && ia < ib);
+}
+
+__device__ void warp_argmax(float& v, int& i) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+    if (better(ov, oi, v, i)) {
+      v = ov;
+      i = oi;
+    }
+  }
+}
+
+// One warp per token; blockDim = 32 * warps, shared memory: warps * (2E + G) floats.
+__global__ void route_kernel(RouteArgs a) {
+  extern __shared__ float sm[];
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  const int64_t t = blockIdx.x * int64_t{blockDim.x >> 5} + w;
+  if (t >= a.T) return;
+  float* p = sm + w * (2 * a.E + a.G);
+  float* s = p + a.E;
+  float* gs = s + a.E;
+  const float* l = a.logits + t * a.E;
+  const float kNegInf = -INFINITY;
+  if (a.softmax) {
+    float m = kNegInf;
+    for (int e = lane; e < a.E; e += 32) m = fmaxf(m, l[e]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    float sum = 0.0f;
+    for (int e = lane; e < a.E; e += 32) {
+      const float v = expf(l[e] - m);
+      p[e] = v;
+      sum += v;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    for (int e = lane; e < a.E; e += 32) p[e] = p[e] / sum;
+  } else {
+    for (int e = lane; e < a.E; e += 32) p[e] = 1.0f / (1.0f + expf(-l[e]));
+  }
+  __syncwarp();
+  for (int e = lane; e < a.E; e += 32) s[e] = a.bias ? p[e] + a.bias[e] : p[e];
+  __syncwarp();
+  if (a.G > 1 && a.keep_groups < a.G) {
+    const int per = a.E / a.G;
+    for (int g = lane; g < a.G; g += 32) {
+      const float* sg = s + g * per;
+      float b1 = kNegInf, b2 = kNegInf;
+      for (int i = 0; i < per; ++i) {
+        if (sg[i] > b1) {
+          b2 = b1;
+          b1 = sg[i];
+        } else if (sg[i] > b2) {
+          b2 = sg[i];
+        }
+      }
+      gs[g] = per >= 2 ? b1 + b2 : b1;
+    }
+    __syncwarp();
+    // Keep the best keep_groups groups (ties to the lower group): knock out the rest.
+    for (int r = 0; r < a.keep_groups; ++r) {
+      float v = kNegInf;
+      int i = 0x7fffffff;
+      for (int g = lane; g < a.G; g += 32)
+        if (gs[g] != INFINITY && better(gs[g], g, v, i)) {
+          v = gs[g];
+          i = g;
+        }
+      warp_argmax(v, i);
+      if (lane == 0 && i != 0x7fffffff) gs[i] = INFINITY;  // mark kept
+      __syncwarp();
+    }
+    for (int e = lane; e < a.E; e += 32)
+      if (gs[e / per] != INFINITY) s[e] = kNegInf;
+    __syncwarp();
+  }
+  double wsum = 0.0;  // f64 as cpu::moe_route
+  float wk[kMaxTopK];
+  int ik[kMaxTopK];
+  for (int k = 0; k < a.K; ++k) {
+    float v = kNegInf;
+    int i = 0x7fffffff;
+    bool first = true;
+    for (int e = lane; e < a.E; e += 32) {
+      if (s[e] == INFINITY) continue;  // taken (scores are finite or -inf)
+      if (first || better(s[e], e, v, i)) {
+        v = s[e];
+        i = e;
+        first = false;
+      }
+    }
+    if (first) v = __int_as_float(0xffc00000);  // lane has nothing: NaN ranks last
+    warp_argmax(v, i);
+    if (lane == 0) s[i] = INFINITY;
+    __syncwarp();
+    if (k < kMaxTopK) {
+      ik[k] = i;
+      wk[k] = p[i];
+    }
+    wsum += static_cast<double>(p[i]);
+  }
+  if (lane == 0) {
+    for (int k = 0; k < a.K; ++k) {
+      a.ids[t * a.K + k] = ik[k];
+      a.weights[t * a.K + k] = static_cast<float>(static_cast<double>(wk[k]) *
+                                                  (a.renorm ? 1.0 / (wsum + 1e-20) : 1.0) *
+                                                  static_cast<double>(a.routed_scale));
+    }
+  }
+}
+
+// One block: thread e counts expert e's rows, a serial scan gives offsets, then thread e
+// lists its rows in (t, k) order. Deterministic; O(E * T*K / threads) for now.
+__global__ void permute_kernel(const int32_t* __restrict__ ids, int64_t n, int E, int32_t* offsets,
+                               int32_t* perm_token, int32_t* inv, int K) {
+  extern __shared__ int32_t cnt[];  // [E + 1]
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int32_t c = 0;
+    for (int64_t i = 0; i < n; ++i) c += ids[i] == e;
+    cnt[e + 1] = c;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    cnt[0] = 0;
+    for (int e = 0; e < E; ++e) cnt[e + 1] += cnt[e];
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e <= E; e += blockDim.x) offsets[e] = cnt[e];
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int32_t o = cnt[e];
+    for (int64_t i = 0; i < n; ++i) {
+      if (ids[i] == e) {
+        perm_token[o] = static_cast<int32_t>(i / K);
+        inv[i] = o;
+        ++o;
+      }
+    }
+  }
+}
+
+__global__ void gather_rows_kernel(const float* __restrict__ x, int64_t D, const int32_t* __restrict__ rows,
+                                   float* __restrict__ out) {
+  const int64_t i = blockIdx.x;
+  const float* src = x + int64_t{rows[i]} * D;
+  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) out[i * D + d] = src[d];
+}
+
+__global__ void combine_kernel(const float* __restrict__ y, const int32_t* __restrict__ inv,
+                               const float* __restrict__ w, int K, int64_t D, const float* __restrict__ shared,
+                               float* __restrict__ out) {
+  const int64_t t = blockIdx.x;
+  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
+    float acc = 0.0f;
+    for (int k = 0; k < K; ++k) acc += w[t * K + k] * y[int64_t{inv[t * K + k]} * D + d];
+    if (shared) acc += shared[t * D + d];
+    out[t * D + d] = acc;
+  }
+}
+
+}  // namespace
+
+Status moe_route(const MoeRouteParams& p) {
+  const int E = p.cfg.num_experts, K = p.cfg.num_experts_per_tok, G = std::max(p.cfg.num_expert_groups, 1);
+  if (E <= 0 || E > kMaxExperts || K <= 0 || K > E || K > kMaxTopK || E % G != 0 || G > E ||
+      p.cfg.num_expert_groups_per_tok < 1)
+    return invalid_argument("moe_route: unsupported config experts={} per_tok={} groups={} groups_per_tok={}", E, K,
+                            p.cfg.num_expert_groups, p.cfg.num_expert_groups_per_tok);
+  if (p.T < 0 || (p.T > 0 && (!p.logits || !p.ids || !p.weights))) return invalid_argument("moe_route: bad arguments");
+  if (p.T == 0) return Status::ok();
+  RouteArgs a{p.logits, p.T, E, K, G, std::min(p.cfg.num_expert_groups_per_tok, G),
+              p.cfg.scoring == RouterScoring::kSoftmax, p.cfg.renormalize, static_cast<float>(p.cfg.routed_scale),
+              p.bias, p.ids, p.weights};
+  const int warps = 4;
+  const size_t smem = static_cast<size_t>(warps) * (2 * E + G) * sizeof(float);
+  const int64_t blocks = (p.T + warps - 1) / warps;
+  route_kernel<<<static_cast<unsigned>(blocks), warps * 32, smem, p.stream>>>(a);
+  return cuda_status(cudaGetLastError(), "route_kernel");
+}
+
+Status moe_permute(const MoePermuteParams& p) {
+  if (p.T < 0 || p.K <= 0 || p.E <= 0 || p.E > 8192) return invalid_argument("moe_permute: bad shape");
+  if (!p.ids || !p.offsets || !p.perm_token || !p.inv) return invalid_argument("moe_permute: null pointer");
+  permute_kernel<<<1, 256, (p.E + 1) * sizeof(int32_t), p.stream>>>(p.ids, p.T * p.K, p.E, p.offsets, p.perm_token,
+                                                                    p.inv, p.K);
+  return cuda_status(cudaGetLastError(), "permute_kernel");
+}
+
+Status gather_rows(const float* x, int64_t D, const int32_t* rows, int64_t n, float* out, cudaStream_t stream) {
+  if (n < 0 || D <= 0) return invalid_argument("gather_rows: bad shape");
+  if (n == 0) return Status::ok();
+  gather_rows_kernel<<<static_cast<unsigned>(n), 256, 0, stream>>>(x, D, rows, out);
+  return cuda_status(cudaGetLastError(), "gather_rows_kernel");
+}
+
+Status moe_combine(const MoeCombineParams& p) {
+  if (p.T < 0 || p.K <= 0 || p.D <= 0) return invalid_argument("moe_combine: bad shape");
+  if (p.T == 0) return Status::ok();
+  if (!p.y_perm || !p.inv || !p.weights || !p.out) return invalid_argument("moe_combine: null pointer");
+  combine_kernel<<<static_cast<unsigned>(p.T), 256, 0, p.stream>>>(p.y_perm, p.inv, p.weights, p.K, p.D, p.shared,
+                                                                  p.out);
+  return cuda_status(cudaGetLastError(), "combine_kernel");
+}
+
+Status MoeScratch::reserve(int64_t rows, int64_t D, int64_t I, int E) {
+  if (rows <= max_rows) return Status::ok();
+  ML4_ASSIGN_OR_RETURN(xs, DeviceBuffer::alloc(rows * D * 4));
+  ML4_ASSIGN_OR_RETURN(g, DeviceBuffer::alloc(rows * I * 4));
+  ML4_ASSIGN_OR_RETURN(u, DeviceBuffer::alloc(rows * I * 4));
+  ML4_ASSIGN_OR_RETURN(y, DeviceBuffer::alloc(rows * D * 4));
+  ML4_ASSIGN_OR_RETURN(offsets, DeviceBuffer::alloc((E + 1) * 4));
+  ML4_ASSIGN_OR_RETURN(perm_token, DeviceBuffer::alloc(rows * 4));
+  ML4_ASSIGN_OR_RETURN(inv, DeviceBuffer::alloc(rows * 4));
+  const int64_t wide = std::max(D, I);
+  ML4_RETURN_IF_ERROR(lin.reserve(rows * wide, rows * ((wide + 127) / 128)));
+  host_offsets.resize(E + 1);
+  max_rows = rows;
+  return Status::ok();
+}
+
+Status mlp_forward(LtGemm& lt, const DeviceMlp& m, const float* x, int64_t M, float* out, MoeScratch& s,
+                   cudaStream_t stream) {
+  if (M == 0) return Status::ok();
+  if (M > s.max_rows) return out_of_range("mlp_forward: {} rows, scratch holds {}", M, s.max_rows);
+  const int64_t I = m.w1.N;
+  ML4_RETURN_IF_ERROR(linear_f32(lt, m.w1, x, M, s.g.as<float>(), s.lin, stream));
+  ML4_RETURN_IF_ERROR(linear_f32(lt, m.w3, x, M, s.u.as<float>(), s.lin, stream));
+  ML4_RETURN_IF_ERROR(silu_mul({s.g.as<float>(), s.u.as<float>(), M, I, 0, 0, s.g.as<float>(), nullptr, stream}));
+  return linear_f32(lt, m.w2, s.g.as<float>(), M, out, s.lin, stream);
+}
+
+Status moe_experts_forward(LtGemm& lt, const std::vector<DeviceMlp>& experts, const DeviceMlp* shared,
+                           const float* x, int64_t T, int64_t D, const int32_t* ids, const float* weights, int K,
+                           float* out, MoeScratch& s, cudaStream_t stream) {
+  const int E = static_cast<int>(experts.size());
+  if (T == 0) return Status::ok();
+  if (T * K > s.max_rows) return out_of_range("moe: {} expert rows, scratch holds {}", T * K, s.max_rows);
+  ML4_RETURN_IF_ERROR(moe_permute({ids, T, K, E, s.offsets.as<int32_t>(), s.perm_token.as<int32_t>(),
+                                   s.inv.as<int32_t>(), stream}));
+  ML4_RETURN_IF_ERROR(gather_rows(x, D, s.perm_token.as<int32_t>(), T * K, s.xs.as<float>(), stream));
+  // Graph break: the per-expert row counts decide the GEMM shapes.
+  ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.host_offsets.data(), s.offsets.data(), (E + 1) * 4,
+                                           cudaMemcpyDeviceToHost, stream));
+  ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  // Experts write disjoint row ranges of y; the MLP's own scratch (g, u) is reused in
+  // turn, so rows go through it at offset 0 and results land at the expert's offset.
+  for (int e = 0; e < E; ++e) {
+    const int64_t r0 = s.host_offsets[e], n = s.host_offsets[e + 1] - r0;
+    if (n == 0) continue;
+    ML4_RETURN_IF_ERROR(mlp_forward(lt, experts[e], s.xs.as<float>() + r0 * D, n, s.y.as<float>() + r0 * D, s, stream)
+                            .with_context("expert " + std::to_string(e)));
+  }
+  const float* sh = nullptr;
+  if (shared) {
+    // The shared expert's output goes through xs (its gathered copy is no longer needed).
+    ML4_RETURN_IF_ERROR(mlp_forward(lt, *shared, x, T, s.xs.as<float>(), s, stream).with_context("shared expert"));
+    sh = s.xs.as<float>();
+  }
+  return moe_combine({s.y.as<float>(), s.inv.as<int32_t>(), weights, T, K, D, sh, out, stream});
+}
+
+}  // namespace ml4::cuda

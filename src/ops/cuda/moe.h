@@ -1,0 +1,84 @@
+// MoE on the GPU (MODEL.md 3.7), the same function as CpuModel::ffn's MoE branch:
+//   router logits (f32 GEMM, LtGemm::f32) -> moe_route (the exact semantics of
+//   cpu::moe_route: softmax/sigmoid, correction bias for selection only, group-limited
+//   top-k by top-2 group sums, ties to the lower id, renormalize, routed_scale)
+//   -> moe_permute (rows grouped by expert, stable: by expert, then token, then k)
+//   -> per expert: gather rows, SwiGLU MLP through DeviceLinear GEMMs (BF16 or FP8
+//      block) -- a loop of cuBLASLt calls over experts for now
+//   -> moe_combine: out[t] = sum_k w[t,k] y[perm(t,k)] (+ shared expert), in k order.
+// moe_experts_forward reads the expert offsets back to the host (one small copy), so it
+// is a graph break: a decode graph captures around it (SYSTEM.md S5).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "model/model_config.h"
+#include "ops/cuda/linear.h"
+
+namespace ml4::cuda {
+
+struct MoeRouteParams {
+  const float* logits = nullptr;  // [T, E]
+  int64_t T = 0;
+  MoeConfig cfg;                  // E = num_experts (<= 1024), K = num_experts_per_tok (<= 32)
+  const float* bias = nullptr;    // [E] correction bias or null
+  int32_t* ids = nullptr;         // [T, K] descending selection score
+  float* weights = nullptr;       // [T, K]
+  cudaStream_t stream = nullptr;
+};
+Status moe_route(const MoeRouteParams& p);
+
+struct MoePermuteParams {
+  const int32_t* ids = nullptr;   // [T, K] expert ids
+  int64_t T = 0;
+  int K = 0, E = 0;
+  int32_t* offsets = nullptr;     // [E + 1]: expert e owns permuted rows [offsets[e], offsets[e+1])
+  int32_t* perm_token = nullptr;  // [T*K]: source token of permuted row i
+  int32_t* inv = nullptr;         // [T*K]: permuted row of (t, k), at t*K + k
+  cudaStream_t stream = nullptr;
+};
+Status moe_permute(const MoePermuteParams& p);
+
+// out[i] = x[rows[i]] for i < n; rows of D f32.
+Status gather_rows(const float* x, int64_t D, const int32_t* rows, int64_t n, float* out, cudaStream_t stream);
+
+struct MoeCombineParams {
+  const float* y_perm = nullptr;  // [T*K, D] expert outputs in permuted order
+  const int32_t* inv = nullptr;   // [T*K]
+  const float* weights = nullptr; // [T, K]
+  int64_t T = 0;
+  int K = 0;
+  int64_t D = 0;
+  const float* shared = nullptr;  // [T, D] shared-expert output or null
+  float* out = nullptr;           // [T, D]
+  cudaStream_t stream = nullptr;
+};
+Status moe_combine(const MoeCombineParams& p);
+
+// One SwiGLU MLP on the GPU: w2(silu(w1 x) * w3 x).
+struct DeviceMlp {
+  DeviceLinear w1, w2, w3;  // gate [I, D], down [D, I], up [I, D]
+};
+
+// Scratch for mlp_forward / moe_experts_forward, sized once for max_rows rows.
+struct MoeScratch {
+  Status reserve(int64_t max_rows, int64_t D, int64_t I, int E);
+  DeviceBuffer xs, g, u, y;  // [rows, D], [rows, I], [rows, I], [rows, D] f32
+  DeviceBuffer offsets, perm_token, inv;
+  LinearScratch lin;
+  std::vector<int32_t> host_offsets;
+  int64_t max_rows = 0;
+};
+
+// out[M, D] = mlp(x[M, D]).
+Status mlp_forward(LtGemm& lt, const DeviceMlp& m, const float* x, int64_t M, float* out, MoeScratch& s,
+                   cudaStream_t stream);
+
+// The routed experts and the shared one, given ids/weights from moe_route:
+// out[T, D] = sum_k w[t,k] expert_{ids[t,k]}(x[t]) + shared(x[t]).
+Status moe_experts_forward(LtGemm& lt, const std::vector<DeviceMlp>& experts, const DeviceMlp* shared,
+                           const float* x, int64_t T, int64_t D, const int32_t* ids, const float* weights, int K,
+                           float* out, MoeScratch& s, cudaStream_t stream);
+
+}  // namespace ml4::cuda

@@ -1,0 +1,227 @@
+// Fused elementwise kernels (ops/cuda/elementwise.h) against their CPU ops.
+//
+// Bounds: rms_norm sums squares in f32 (tree) where the CPU sums in f64 and rounds once:
+// the inverse norm differs by ~dim^0.5 * 2^-24 relative, so outputs by ~1e-6; bound 1e-5.
+// silu_mul: expf vs std::exp, a few ulp: bound 1e-6. RoPE: same f64 angles and cos/sin,
+// then the same f32 products (FMA contraction may differ): bound 1e-6. Temperatures are
+// computed in f64 on both sides and rounded once: bound 1e-6. Embedding and casts: exact.
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "cuda_test_util.h"
+#include "ops/cpu/basic.h"
+#include "ops/cpu/norm.h"
+#include "ops/cpu/rope.h"
+#include "ops/cuda/elementwise.h"
+
+namespace ml4::cuda {
+namespace {
+
+using namespace testing;
+
+std::vector<float> randn(size_t n, uint32_t seed, float sd = 1.0f, float mean = 0.0f) {
+  std::mt19937 g(seed);
+  std::normal_distribution<float> d(mean, sd);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(g);
+  return v;
+}
+
+void sync() { ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess); }
+
+TEST(CudaElementwise, RmsNormWithAndWithoutResidual) {
+  ML4_REQUIRE_GPU();
+  for (int64_t dim : {64, 1000, 7168}) {
+    const int64_t rows = 13;
+    auto x = randn(rows * dim, 1 + dim, 2.0f, 0.3f), res = randn(rows * dim, 2 + dim), w = randn(dim, 3 + dim, 0.2f, 1.0f);
+    // CPU: both variants.
+    std::vector<float> ref_plain(rows * dim), ref_res = res, ref_y(rows * dim);
+    cpu::rms_norm(x.data(), w.data(), rows, dim, 1e-6f, ref_plain.data());
+    cpu::add_rms_norm(ref_res.data(), x.data(), w.data(), rows, dim, 1e-6f, ref_y.data());
+    auto dx = to_device(x), dw = to_device(w);
+    std::vector<std::vector<float>> outs;
+    for (int rep = 0; rep < 2; ++rep) {
+      auto dy = poisoned<float>(rows * dim);
+      auto dyb = poisoned<uint16_t>(rows * dim);
+      ML4_ASSERT_OK(rms_norm({dx.as<float>(), nullptr, dw.as<float>(), rows, dim, 1e-6f, dy.as<float>(), dyb.data(), nullptr}));
+      sync();
+      auto y = to_host<float>(dy, rows * dim);
+      auto yb = bf16_to_f32_vec(to_host<uint16_t>(dyb, rows * dim));
+      ASSERT_TRUE(all_finite(y) && all_finite(yb));
+      const double e = rel_err(y, ref_plain), eb = rel_err(yb, ref_plain);
+      std::printf("rms_norm dim=%ld rel_err=%.3g (bound 1e-5) bf16 out rel_err=%.3g (bound 4e-3)\n", dim, e, eb);
+      EXPECT_LT(e, 1e-5);
+      EXPECT_LT(eb, 4e-3);
+      outs.push_back(y);
+    }
+    EXPECT_EQ(0, std::memcmp(outs[0].data(), outs[1].data(), outs[0].size() * 4)) << "not deterministic";
+    // With residual.
+    auto dres = to_device(res);
+    auto dy = poisoned<float>(rows * dim);
+    ML4_ASSERT_OK(rms_norm({dx.as<float>(), dres.as<float>(), dw.as<float>(), rows, dim, 1e-6f, dy.as<float>(), nullptr, nullptr}));
+    sync();
+    auto y = to_host<float>(dy, rows * dim);
+    auto r = to_host<float>(dres, rows * dim);
+    EXPECT_EQ(0, std::memcmp(r.data(), ref_res.data(), r.size() * 4)) << "residual sum must be exact (one f32 add)";
+    const double e = rel_err(y, ref_y);
+    std::printf("add_rms_norm dim=%ld rel_err=%.3g (bound 1e-5)\n", dim, e);
+    EXPECT_LT(e, 1e-5);
+  }
+  auto b = DeviceBuffer::alloc(64);
+  EXPECT_EQ(rms_norm({b->as<float>(), b->as<float>(), b->as<float>(), 1, 4, 1e-6f, b->as<float>(), nullptr, nullptr}).code(),
+            StatusCode::kInvalidArgument);
+}
+
+TEST(CudaElementwise, SiluMulStridedAndBf16) {
+  ML4_REQUIRE_GPU();
+  const int64_t rows = 9, cols = 1536;
+  auto gu = randn(rows * 2 * cols, 11, 3.0f);  // [rows, 2*cols]: gate | up
+  std::vector<float> ref(rows * cols);
+  for (int64_t r = 0; r < rows; ++r)
+    cpu::silu_mul(gu.data() + r * 2 * cols, gu.data() + r * 2 * cols + cols, cols, ref.data() + r * cols);
+  auto d = to_device(gu);
+  auto o = poisoned<float>(rows * cols);
+  auto ob = poisoned<uint16_t>(rows * cols);
+  ML4_ASSERT_OK(silu_mul({d.as<float>(), d.as<float>() + cols, rows, cols, 2 * cols, 2 * cols, o.as<float>(), ob.data(), nullptr}));
+  sync();
+  auto y = to_host<float>(o, rows * cols);
+  auto yb = bf16_to_f32_vec(to_host<uint16_t>(ob, rows * cols));
+  ASSERT_TRUE(all_finite(y) && all_finite(yb));
+  const double e = rel_err(y, ref), eb = rel_err(yb, ref);
+  std::printf("silu_mul rel_err=%.3g (bound 1e-6) bf16 rel_err=%.3g (bound 4e-3)\n", e, eb);
+  EXPECT_LT(e, 1e-6);
+  EXPECT_LT(eb, 4e-3);
+}
+
+TEST(CudaElementwise, EmbeddingExactAndBadIdIsNan) {
+  ML4_REQUIRE_GPU();
+  const int64_t V = 1000, D = 384;
+  auto tf = randn(V * D, 21);
+  std::vector<uint16_t> tb(V * D);
+  for (size_t i = 0; i < tf.size(); ++i) tb[i] = f32_to_bf16(tf[i]);
+  std::vector<int32_t> ids = {0, 999, 17, 17, 500, 3};
+  Tensor table(DType::kBF16, {V, D});
+  std::memcpy(table.mutable_data(), tb.data(), tb.size() * 2);
+  std::vector<float> ref(ids.size() * D);
+  cpu::embedding_lookup(table, ids.data(), static_cast<int64_t>(ids.size()), ref.data());
+  for (DType dt : {DType::kBF16, DType::kF32}) {
+    std::vector<float> tf32(V * D);
+    for (size_t i = 0; i < tb.size(); ++i) tf32[i] = bf16_to_f32(tb[i]);
+    DeviceBuffer dt_buf = dt == DType::kBF16 ? to_device(tb) : to_device(tf32);
+    auto di = to_device(ids);
+    auto o = poisoned<float>(ids.size() * D);
+    ML4_ASSERT_OK(embedding({dt_buf.data(), dt, V, D, di.as<int32_t>(), static_cast<int64_t>(ids.size()), o.as<float>(), nullptr}));
+    sync();
+    auto y = to_host<float>(o, ids.size() * D);
+    EXPECT_EQ(0, std::memcmp(y.data(), ref.data(), y.size() * 4)) << dtype_name(dt);
+  }
+  std::vector<int32_t> bad = {5, -1, 1000};
+  auto tbd = to_device(tb);
+  auto di = to_device(bad);
+  auto o = poisoned<float>(3 * D);
+  ML4_ASSERT_OK(fill_uniform_f32(o.as<float>(), 3 * D, 1, 0, 1, nullptr));
+  ML4_ASSERT_OK(embedding({tbd.data(), DType::kBF16, V, D, di.as<int32_t>(), 3, o.as<float>(), nullptr}));
+  sync();
+  auto y = to_host<float>(o, 3 * D);
+  EXPECT_FALSE(std::isnan(y[0]));
+  EXPECT_TRUE(std::isnan(y[D]) && std::isnan(y[2 * D + D - 1]));
+}
+
+TEST(CudaElementwise, QPathRopeYarnLeropeLlama4Ssmax) {
+  ML4_REQUIRE_GPU();
+  const int H = 16, dn = 128, dr = 64, qk = dn + dr;
+  const std::vector<int64_t> pos = {0, 1, 7, 4095, 8192, 40000, 131071, 65536 + 3};
+  const int64_t T = static_cast<int64_t>(pos.size());
+  YarnConfig yarn;
+  yarn.enabled = true;
+  yarn.factor = 40.0;
+  yarn.original_max_position_embeddings = 4096;
+  yarn.beta_fast = 32;
+  yarn.beta_slow = 1;
+  yarn.mscale = 1.0;
+  yarn.mscale_all_dim = 0.707;
+  LeRopeConfig lr{true, 8192, 4.0};
+  Llama4Scaling l4{true, 8192, 0.1};
+  const auto inv = cpu::rope_inv_freq(10000.0, dr, yarn);
+  const float af = cpu::rope_attention_factor(yarn);
+  auto ss = randn(H, 31, 0.1f, 0.5f);
+  std::vector<int32_t> nk(T);
+  for (int64_t t = 0; t < T; ++t) nk[t] = static_cast<int32_t>(std::min<int64_t>(pos[t] + 1, 2048));
+  const double base = 1.0 / std::sqrt(192.0);
+  auto q = randn(T * H * qk, 32);
+  // CPU reference (cpu_attention.cpp steps 2 and 6).
+  std::vector<float> ref = q, ref_scale(T * H);
+  for (int64_t t = 0; t < T; ++t) {
+    cpu::rope_interleaved(ref.data() + t * H * qk + dn, H, dr, qk, cpu::lerope_position(pos[t], lr), inv.data(), af);
+    for (int h = 0; h < H; ++h)
+      ref_scale[t * H + h] = static_cast<float>(base * cpu::llama4_q_scale(pos[t], l4) * ss[h] * std::log(static_cast<double>(nk[t])));
+  }
+  auto dq = to_device(q);
+  auto dpos = to_device(pos);
+  auto dinv = to_device(inv);
+  auto dss = to_device(ss);
+  auto dnk = to_device(nk);
+  auto dsc = poisoned<float>(T * H);
+  QPathParams p;
+  p.q = dq.as<float>();
+  p.T = T;
+  p.H = H;
+  p.head_stride = qk;
+  p.rope_offset = dn;
+  p.rope_dim = dr;
+  p.positions = dpos.as<int64_t>();
+  p.inv_freq = dinv.as<float>();
+  p.attn_factor = af;
+  p.lerope = lr;
+  p.base_scale = base;
+  p.llama4 = l4;
+  p.ssmax_s = dss.as<float>();
+  p.n_keys = dnk.as<int32_t>();
+  p.head_scale = dsc.as<float>();
+  ML4_ASSERT_OK(q_path(p));
+  sync();
+  auto got = to_host<float>(dq, T * H * qk);
+  auto gs = to_host<float>(dsc, T * H);
+  const double e = rel_err(got, ref), es = rel_err(gs, ref_scale);
+  std::printf("q_path rope rel_err=%.3g (bound 1e-6), head scale rel_err=%.3g (bound 1e-6)\n", e, es);
+  EXPECT_LT(e, 1e-6);
+  EXPECT_LT(es, 1e-6);
+  // Folded: q * scale per head.
+  auto dq2 = to_device(q);
+  p.q = dq2.as<float>();
+  p.head_scale = nullptr;
+  p.fold_scale = true;
+  ML4_ASSERT_OK(q_path(p));
+  sync();
+  auto folded = to_host<float>(dq2, T * H * qk);
+  std::vector<float> ref_f = ref;
+  for (int64_t t = 0; t < T; ++t)
+    for (int h = 0; h < H; ++h)
+      for (int d = 0; d < qk; ++d) ref_f[(t * H + h) * qk + d] *= ref_scale[t * H + h];
+  const double ef = rel_err(folded, ref_f);
+  std::printf("q_path folded rel_err=%.3g (bound 2e-6)\n", ef);
+  EXPECT_LT(ef, 2e-6);
+  p.rope_dim = 63;
+  EXPECT_EQ(q_path(p).code(), StatusCode::kInvalidArgument);
+}
+
+TEST(CudaElementwise, CastsRoundTrip) {
+  ML4_REQUIRE_GPU();
+  const int64_t n = 100003;
+  auto x = randn(n, 41, 100.0f);
+  auto dx = to_device(x);
+  auto db = poisoned<uint16_t>(n);
+  auto dy = poisoned<float>(n);
+  ML4_ASSERT_OK(cast_f32_bf16(dx.as<float>(), n, db.data(), nullptr));
+  ML4_ASSERT_OK(cast_bf16_f32(db.data(), n, dy.as<float>(), nullptr));
+  sync();
+  auto b = to_host<uint16_t>(db, n);
+  auto y = to_host<float>(dy, n);
+  int64_t bad = 0;
+  for (int64_t i = 0; i < n; ++i) bad += b[i] != f32_to_bf16(x[i]) || y[i] != bf16_to_f32(b[i]);
+  EXPECT_EQ(bad, 0);
+}
+
+}  // namespace
+}  // namespace ml4::cuda
