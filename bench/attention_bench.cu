@@ -1,0 +1,267 @@
+// Attention-side kernels on the card, each timed (CUDA events, median; gpu_bench_util.h) and
+// set against the HBM copy ceiling measured in the same run:
+//   1. sparse MLA decode (attention.h): B = 1..128 tokens, topk 2048, H 64, r 512, dr 64,
+//      fp8_ds_mla rows at random slots of a 172 MB cache (well past the 50 MB L2).
+//        bytes = B * 2048 * 656 (KV rows) + B * 64 * (576 + 512 + 1) * 4 (q, out, lse)
+//        flop  = 2 * B * 64 * 2048 * (576 + 512)
+//      Prediction: at 4.8 TB/s the rows of B = 1 take 0.28 us, B = 128 36 us; the f32 kernel is
+//      compute-bound instead (285 MFLOP per token; ~0.5 TFLOP/s per SM of f32 FMA), so expect
+//      ~20 us at B = 1 (32 splits on 32 SMs) and ~1 ms at B = 128: far from the 70% target,
+//      which needs tensor-core QK^T / PV.
+//   2. dense MLA decode at 8k context, B = 1 and 32 (models without DSA).
+//   3. indexer scores + top-k 2048 at 60k context, HI = 32 (ML4) and 64 (DeepSeek-V3.2):
+//        bytes = B * 60k * 132 (keys) + 2 * B * 60k * 4 (scores written, read by top-k)
+//        flop  = 2 * B * 60k * HI * 128
+//   4. cache writes: 4096 latent rows (fp8_ds_mla) and 4096 indexer keys.
+// Output lines start with "ATTN" (one per measurement).
+#include <algorithm>
+#include <cstdio>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "gpu_bench_util.h"
+#include "kv/indexer_layout.h"
+#include "kv/latent_layout.h"
+#include "ops/cuda/attention.h"
+#include "ops/cuda/cache_write.h"
+#include "ops/cuda/cuda_common.h"
+#include "ops/cuda/indexer.h"
+#include "ops/cuda/topk.h"
+
+using namespace ml4;
+using namespace ml4::cuda;
+
+namespace {
+
+DeviceBuffer must_alloc(size_t bytes) {
+  auto b = DeviceBuffer::alloc(std::max<size_t>(bytes, 16));
+  BENCH_CHECK(b.status());
+  return std::move(b).value();
+}
+
+template <typename T>
+DeviceBuffer upload(const std::vector<T>& v) {
+  DeviceBuffer b = must_alloc(v.size() * sizeof(T));
+  BENCH_CHECK(b.upload(v.data(), v.size() * sizeof(T)));
+  return b;
+}
+
+}  // namespace
+
+int main() {
+  if (!device_available()) {
+    std::printf("no CUDA device\n");
+    return 0;
+  }
+  cudaDeviceProp prop{};
+  BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s, %d SMs, L2 %d MiB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
+  cudaStream_t s;
+  BENCH_CUDA(cudaStreamCreate(&s));
+  std::mt19937 rng(1);
+
+  double hbm = 0;  // GB/s
+  {
+    const size_t bytes = size_t{1} << 30;
+    DeviceBuffer a = must_alloc(bytes), b = must_alloc(bytes);
+    BENCH_CHECK(fill_uniform_f32(a.as<float>(), bytes / 4, 1, -1, 1, s));
+    const double ms = bench::median_ms(s, 3, 20, [&](int) {
+      BENCH_CUDA(cudaMemcpyAsync(b.data(), a.data(), bytes, cudaMemcpyDeviceToDevice, s));
+    });
+    hbm = 2.0 * bytes / (ms * 1e6);
+    std::printf("ATTN ceiling hbm_copy %.0f GB/s (1 GiB D2D, read + write)\n", hbm);
+  }
+
+  // A fp8_ds_mla cache of 262144 slots filled through the cache-write kernel.
+  const int H = 64, r = 512, dr = 64, topk = 2048;
+  const int64_t num_slots = 262144;
+  const size_t tb = latent_token_bytes(KvCacheDtype::kFp8DsMla, r, dr);
+  DeviceBuffer cache = must_alloc(num_slots * tb);
+  {
+    const int64_t chunk = 65536;
+    DeviceBuffer c = must_alloc(chunk * r * 4), kr = must_alloc(chunk * dr * 4), sl = must_alloc(chunk * 8);
+    std::vector<int64_t> slots(chunk);
+    for (int64_t base = 0; base < num_slots; base += chunk) {
+      BENCH_CHECK(fill_uniform_f32(c.as<float>(), chunk * r, 10 + base, -2, 2, s));
+      BENCH_CHECK(fill_uniform_f32(kr.as<float>(), chunk * dr, 20 + base, -2, 2, s));
+      std::iota(slots.begin(), slots.end(), base);
+      BENCH_CHECK(sl.upload(slots.data(), chunk * 8));
+      LatentCacheWriteParams w;
+      w.c = c.data();
+      w.kr = kr.data();
+      w.slots = sl.as<int64_t>();
+      w.T = chunk;
+      w.cache = cache.data();
+      w.num_slots = num_slots;
+      w.stream = s;
+      BENCH_CHECK(latent_cache_write(w));
+      if (base == 0) {
+        const double ms = bench::median_ms(s, 2, 10, [&](int) { BENCH_CHECK(latent_cache_write(w)); });
+        const double bytes = chunk * (r + dr) * 4.0 + chunk * (8.0 + tb);
+        std::printf("ATTN cache_write latent T=%lld: %.3f ms, %.0f GB/s (%.0f%% of copy)\n",
+                    static_cast<long long>(chunk), ms, bytes / (ms * 1e6), 100 * bytes / (ms * 1e6) / hbm);
+      }
+    }
+    BENCH_CUDA(cudaStreamSynchronize(s));
+  }
+
+  // 1. Sparse decode.
+  for (int B : {1, 8, 32, 64, 128}) {
+    std::vector<int32_t> idx(static_cast<size_t>(B) * topk);
+    for (int b = 0; b < B; ++b) {
+      // distinct random slots per token
+      std::uniform_int_distribution<int32_t> ud(0, static_cast<int32_t>(num_slots - 1));
+      for (int j = 0; j < topk; ++j) idx[static_cast<size_t>(b) * topk + j] = ud(rng);
+    }
+    DeviceBuffer d_idx = upload(idx);
+    DeviceBuffer ql = must_alloc(size_t{4} * B * H * r), qr = must_alloc(size_t{4} * B * H * dr);
+    DeviceBuffer hs = must_alloc(size_t{4} * B * H), out = must_alloc(size_t{4} * B * H * r), lse = must_alloc(4 * B * H);
+    BENCH_CHECK(fill_uniform_f32(ql.as<float>(), int64_t{B} * H * r, 3, -1, 1, s));
+    BENCH_CHECK(fill_uniform_f32(qr.as<float>(), int64_t{B} * H * dr, 4, -1, 1, s));
+    BENCH_CHECK(fill_uniform_f32(hs.as<float>(), int64_t{B} * H, 5, 0.03f, 0.05f, s));
+    MlaAttentionParams p;
+    p.q_lat = ql.as<float>();
+    p.q_rope = qr.as<float>();
+    p.head_scale = hs.as<float>();
+    p.T = B;
+    p.H = H;
+    p.cache = cache.data();
+    p.num_slots = num_slots;
+    p.indices = d_idx.as<int32_t>();
+    p.topk = topk;
+    p.out_lat = out.as<float>();
+    p.lse = lse.as<float>();
+    p.stream = s;
+    const size_t wsb = mla_attention_workspace_bytes(p);
+    DeviceBuffer ws = must_alloc(wsb);
+    p.workspace = ws.data();
+    p.workspace_bytes = wsb;
+    const double ms = bench::median_ms(s, 3, 20, [&](int) { BENCH_CHECK(mla_attention(p)); });
+    const double bytes = double(B) * topk * tb + double(B) * H * (576 + 512 + 1) * 4;
+    const double flop = 2.0 * B * H * topk * (576 + 512);
+    std::printf("ATTN sparse_mla_decode B=%d topk=%d H=%d: %.4f ms, %.0f GB/s (%.1f%% of copy), %.1f TFLOP/s, "
+                "floor %.4f ms\n",
+                B, topk, H, ms, bytes / (ms * 1e6), 100 * bytes / (ms * 1e6) / hbm, flop / (ms * 1e9),
+                bytes / (hbm * 1e6));
+  }
+
+  // 2. Dense decode, 8k context.
+  for (int B : {1, 32}) {
+    const int ctx = 8192, pages = ctx / kPageTokens;
+    std::vector<int32_t> bt(static_cast<size_t>(B) * pages), seq(B), len(B, ctx);
+    std::uniform_int_distribution<int32_t> up(0, static_cast<int32_t>(num_slots / kPageTokens - 1));
+    for (auto& v : bt) v = up(rng);
+    std::iota(seq.begin(), seq.end(), 0);
+    DeviceBuffer d_bt = upload(bt), d_seq = upload(seq), d_len = upload(len);
+    DeviceBuffer ql = must_alloc(size_t{4} * B * H * r), qr = must_alloc(size_t{4} * B * H * dr);
+    DeviceBuffer hs = must_alloc(size_t{4} * B * H), out = must_alloc(size_t{4} * B * H * r), lse = must_alloc(4 * B * H);
+    BENCH_CHECK(fill_uniform_f32(ql.as<float>(), int64_t{B} * H * r, 3, -1, 1, s));
+    BENCH_CHECK(fill_uniform_f32(qr.as<float>(), int64_t{B} * H * dr, 4, -1, 1, s));
+    BENCH_CHECK(fill_uniform_f32(hs.as<float>(), int64_t{B} * H, 5, 0.03f, 0.05f, s));
+    MlaAttentionParams p;
+    p.q_lat = ql.as<float>();
+    p.q_rope = qr.as<float>();
+    p.head_scale = hs.as<float>();
+    p.T = B;
+    p.H = H;
+    p.cache = cache.data();
+    p.num_slots = num_slots;
+    p.block_table = d_bt.as<int32_t>();
+    p.block_table_stride = pages;
+    p.seq_of_token = d_seq.as<int32_t>();
+    p.lengths = d_len.as<int32_t>();
+    p.max_length = ctx;
+    p.out_lat = out.as<float>();
+    p.lse = lse.as<float>();
+    p.stream = s;
+    const size_t wsb = mla_attention_workspace_bytes(p);
+    DeviceBuffer ws = must_alloc(wsb);
+    p.workspace = ws.data();
+    p.workspace_bytes = wsb;
+    const double ms = bench::median_ms(s, 2, 10, [&](int) { BENCH_CHECK(mla_attention(p)); });
+    const double bytes = double(B) * ctx * tb;
+    const double flop = 2.0 * B * H * ctx * (576 + 512);
+    std::printf("ATTN dense_mla_decode B=%d ctx=%d H=%d: %.4f ms, %.0f GB/s (%.1f%% of copy), %.1f TFLOP/s\n", B, ctx,
+                H, ms, bytes / (ms * 1e6), 100 * bytes / (ms * 1e6) / hbm, flop / (ms * 1e9));
+  }
+
+  // 3. Indexer + top-k at 60k context.
+  {
+    const int ctx = 61440, pages = ctx / kPageTokens, dI = 128;
+    const size_t pb = indexer_page_bytes(dI);
+    const int64_t ipages = 4096;  // 35 MB of keys
+    DeviceBuffer icache = must_alloc(ipages * pb);
+    {
+      const int64_t n = ipages * kPageTokens;
+      DeviceBuffer k = must_alloc(n * dI * 4), sl = must_alloc(n * 8);
+      BENCH_CHECK(fill_uniform_f32(k.as<float>(), n * dI, 30, -2, 2, s));
+      std::vector<int64_t> slots(n);
+      std::iota(slots.begin(), slots.end(), 0);
+      BENCH_CHECK(sl.upload(slots.data(), n * 8));
+      IndexerCacheWriteParams w;
+      w.k = k.data();
+      w.slots = sl.as<int64_t>();
+      w.T = 4096;
+      w.cache = icache.data();
+      w.num_blocks = ipages;
+      w.stream = s;
+      const double ms = bench::median_ms(s, 2, 10, [&](int) { BENCH_CHECK(indexer_cache_write(w)); });
+      std::printf("ATTN cache_write indexer T=4096 (Hadamard + FP8): %.4f ms\n", ms);
+      w.T = n;
+      BENCH_CHECK(indexer_cache_write(w));
+      BENCH_CUDA(cudaStreamSynchronize(s));
+    }
+    for (int HI : {32, 64}) {
+      for (int B : {1, 8, 32, 64}) {
+        std::vector<int32_t> bt(static_cast<size_t>(B) * pages), seq(B), len(B, ctx);
+        for (int b = 0; b < B; ++b)
+          for (int i = 0; i < pages; ++i) bt[static_cast<size_t>(b) * pages + i] = static_cast<int32_t>((b * 977 + i * 7) % ipages);
+        std::iota(seq.begin(), seq.end(), 0);
+        DeviceBuffer d_bt = upload(bt), d_seq = upload(seq), d_len = upload(len);
+        DeviceBuffer q = must_alloc(size_t{1} * B * HI * dI), qs = must_alloc(size_t{4} * B * HI), w = must_alloc(size_t{4} * B * HI);
+        BENCH_CHECK(fill_uniform_e4m3(q.data(), int64_t{B} * HI * dI, 40, -100, 100, s));
+        BENCH_CHECK(fill_uniform_f32(qs.as<float>(), int64_t{B} * HI, 41, 0.01f, 0.02f, s));
+        BENCH_CHECK(fill_uniform_f32(w.as<float>(), int64_t{B} * HI, 42, -0.1f, 0.1f, s));
+        DeviceBuffer scores = must_alloc(size_t{4} * B * ctx), sel = must_alloc(size_t{4} * B * topk);
+        IndexerScoresParams ip;
+        ip.q = q.data();
+        ip.q_scale = qs.as<float>();
+        ip.weights = w.as<float>();
+        ip.cache = icache.data();
+        ip.num_blocks = ipages;
+        ip.block_table = d_bt.as<int32_t>();
+        ip.block_table_stride = pages;
+        ip.seq_of_token = d_seq.as<int32_t>();
+        ip.lengths = d_len.as<int32_t>();
+        ip.T = B;
+        ip.HI = HI;
+        ip.max_length = ctx;
+        ip.scores = scores.as<float>();
+        ip.scores_stride = ctx;
+        ip.stream = s;
+        TopkParams tp;
+        tp.scores = scores.as<float>();
+        tp.scores_stride = ctx;
+        tp.lengths = d_len.as<int32_t>();
+        tp.T = B;
+        tp.k = topk;
+        tp.slots = sel.as<int32_t>();
+        tp.block_table = d_bt.as<int32_t>();
+        tp.block_table_stride = pages;
+        tp.seq_of_token = d_seq.as<int32_t>();
+        tp.stream = s;
+        const double ms_i = bench::median_ms(s, 2, 10, [&](int) { BENCH_CHECK(indexer_scores(ip)); });
+        const double ms_k = bench::median_ms(s, 2, 10, [&](int) { BENCH_CHECK(ml4::cuda::topk(tp)); });
+        const double bytes = double(B) * ctx * 132 + 2.0 * B * ctx * 4;
+        const double flop = 2.0 * B * ctx * HI * dI;
+        std::printf("ATTN indexer_topk ctx=%d HI=%d B=%d: indexer %.4f ms (%.1f TFLOP/s), topk %.4f ms, total %.4f ms, "
+                    "%.0f GB/s (%.1f%% of copy), floor %.4f ms\n",
+                    ctx, HI, B, ms_i, flop / (ms_i * 1e9), ms_k, ms_i + ms_k, bytes / ((ms_i + ms_k) * 1e6),
+                    100 * bytes / ((ms_i + ms_k) * 1e6) / hbm, bytes / (hbm * 1e6));
+      }
+    }
+  }
+  BENCH_CUDA(cudaStreamDestroy(s));
+  return 0;
+}
