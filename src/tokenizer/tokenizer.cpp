@@ -2,6 +2,7 @@
 #include "tokenizer/tokenizer.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <fstream>
 #include <limits>
@@ -79,7 +80,22 @@ Result<int64_t> get_int(const nlohmann::json& obj, const char* key, const char* 
 
 }  // namespace
 
-Tokenizer::Tokenizer() = default;
+// Pieces that need byte-pair merging recur (Zipf): a small direct-mapped cache per thread
+// keeps their ids. tiktoken has no such cache; it changes speed only, never the ids.
+struct PieceCache {
+  static constexpr size_t kSize = 1 << 13;
+  struct Entry {
+    uint64_t hash = 0;
+    std::string piece;
+    std::vector<int32_t> ids;
+  };
+  uint64_t owner = 0;
+  std::vector<Entry> entries;
+};
+
+std::atomic<uint64_t> g_next_instance{1};
+
+Tokenizer::Tokenizer() : instance_id_(g_next_instance.fetch_add(1)) {}
 Tokenizer::~Tokenizer() = default;
 
 Result<std::shared_ptr<const Tokenizer>> Tokenizer::load(const std::string& path) {
@@ -182,15 +198,16 @@ Status Tokenizer::init(const nlohmann::json& doc) {
   }
   size_t cap = 1;
   while (cap < static_cast<size_t>(inner) * 2) cap <<= 1;
-  table_.assign(cap, 0);
+  table_.assign(cap, Slot{});
   table_mask_ = cap - 1;
   for (int64_t r = 0; r < inner; ++r) {
     const char* p = arena_.data() + offsets_[r];
     size_t n = offsets_[r + 1] - offsets_[r];
     if (rank_of(p, n) >= 0) return invalid_argument("vocab[{}]: duplicate token bytes", r);
-    uint64_t h = hash_bytes(p, n) & table_mask_;
-    while (table_[h] != 0) h = (h + 1) & table_mask_;
-    table_[h] = static_cast<uint32_t>(r + 1);
+    uint64_t full = hash_bytes(p, n);
+    uint64_t h = full & table_mask_;
+    while (table_[h].rank1 != 0) h = (h + 1) & table_mask_;
+    table_[h] = Slot{static_cast<uint32_t>(full >> 32), static_cast<uint32_t>(r + 1)};
   }
 
   ML4_ASSIGN_OR_RETURN(regex_, PretokenizerRegex::compile(pattern_));
@@ -227,14 +244,19 @@ Status Tokenizer::init(const nlohmann::json& doc) {
   return Status::ok();
 }
 
-int32_t Tokenizer::rank_of(const char* p, size_t n) const {
-  uint64_t h = hash_bytes(p, n) & table_mask_;
+int32_t Tokenizer::rank_of(const char* p, size_t n) const { return rank_of_hashed(p, n, hash_bytes(p, n)); }
+
+int32_t Tokenizer::rank_of_hashed(const char* p, size_t n, uint64_t full) const {
+  const uint32_t tag = static_cast<uint32_t>(full >> 32);
+  uint64_t h = full & table_mask_;
   while (true) {
-    uint32_t s = table_[h];
-    if (s == 0) return -1;
-    uint32_t r = s - 1;
-    uint32_t b = offsets_[r], e = offsets_[r + 1];
-    if (e - b == n && std::memcmp(arena_.data() + b, p, n) == 0) return static_cast<int32_t>(r);
+    const Slot s = table_[h];
+    if (s.rank1 == 0) return -1;
+    if (s.tag == tag) {
+      uint32_t r = s.rank1 - 1;
+      uint32_t b = offsets_[r], e = offsets_[r + 1];
+      if (e - b == n && std::memcmp(arena_.data() + b, p, n) == 0) return static_cast<int32_t>(r);
+    }
     h = (h + 1) & table_mask_;
   }
 }
@@ -252,14 +274,35 @@ std::string_view Tokenizer::token_bytes(int32_t id) const {
   return std::string_view(arena_.data() + offsets_[r], offsets_[r + 1] - offsets_[r]);
 }
 
-// tiktoken `_byte_pair_merge`: repeatedly merge the adjacent pair whose concatenation has
+// tiktoken `_byte_pair_merge` (byte_pair_merge below): repeatedly merge the adjacent pair whose concatenation has
 // the lowest rank (leftmost among equal ranks) until no pair is in the vocabulary.
 void Tokenizer::encode_piece(std::string_view piece, std::vector<int32_t>& out) const {
-  const size_t n = piece.size();
-  if (int32_t r = rank_of(piece.data(), n); r >= 0) {
+  const uint64_t h = hash_bytes(piece.data(), piece.size());
+  if (int32_t r = rank_of_hashed(piece.data(), piece.size(), h); r >= 0) {
     out.push_back(r + num_special_);
     return;
   }
+  thread_local PieceCache cache;
+  if (cache.owner != instance_id_) {
+    cache.owner = instance_id_;
+    cache.entries.assign(PieceCache::kSize, {});
+  }
+  PieceCache::Entry& e = cache.entries[(h ^ (h >> 29)) & (PieceCache::kSize - 1)];
+  if (e.hash == h && e.piece == piece) {
+    out.insert(out.end(), e.ids.begin(), e.ids.end());
+    return;
+  }
+  size_t before = out.size();
+  byte_pair_merge(piece, out);
+  if (piece.size() <= 64) {
+    e.hash = h;
+    e.piece.assign(piece);
+    e.ids.assign(out.begin() + before, out.end());
+  }
+}
+
+void Tokenizer::byte_pair_merge(std::string_view piece, std::vector<int32_t>& out) const {
+  const size_t n = piece.size();
   constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
   thread_local std::vector<uint32_t> start, rank;
   start.resize(n + 1);

@@ -88,7 +88,10 @@ class Tokenizer {
   void encode_ordinary(std::string_view valid_utf8, std::vector<int32_t>& out) const;
   void encode_piece(std::string_view piece, std::vector<int32_t>& out) const;
   int32_t rank_of(const char* p, size_t n) const;  // -1 when absent
+  int32_t rank_of_hashed(const char* p, size_t n, uint64_t hash) const;
+  void byte_pair_merge(std::string_view piece, std::vector<int32_t>& out) const;
 
+  uint64_t instance_id_ = 0;  // keys the per-thread piece cache (tokenizer.cpp)
   std::string name_;
   std::string pattern_;
   int version_ = 0;
@@ -99,8 +102,14 @@ class Tokenizer {
   // Regular vocabulary: bytes of rank r are arena_[offsets_[r], offsets_[r + 1]).
   std::string arena_;
   std::vector<uint32_t> offsets_;
-  // Open-addressing hash table from bytes to rank; slots hold rank + 1, 0 = empty.
-  std::vector<uint32_t> table_;
+  // Open-addressing hash table from bytes to rank: each slot holds 32 more bits of the hash
+  // (a tag that rules out almost every mismatch without touching the arena) and rank + 1,
+  // 0 = empty.
+  struct Slot {
+    uint32_t tag = 0;
+    uint32_t rank1 = 0;
+  };
+  std::vector<Slot> table_;
   uint64_t table_mask_ = 0;
   std::unique_ptr<PretokenizerRegex> regex_;
   std::unique_ptr<PretokenizerRegex> special_regex_;  // alternation of special names
