@@ -5,6 +5,10 @@
 #include "model/model_config.h"
 #include "model/presets.h"
 #include "model/random_checkpoint.h"
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+
 #include <nlohmann/json.hpp>
 
 #include "tokenizer/base64.h"
@@ -21,7 +25,8 @@ std::string default_tokenizer_json(int vocab_size) {
                                           "[IMG]", "<pad>", "[IMG_BREAK]", "[IMG_END]", "[PREFIX]", "[MIDDLE]",
                                           "[SUFFIX]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CONTENT]",
                                           "[ARGS]", "[CALL_ID]", "[THINK]", "[/THINK]"};
-  const int num_special = std::max<int>(static_cast<int>(named.size()), vocab_size - 256);
+  // At most 1000 special tokens (tekken's default); ids past specials + 256 bytes are unused.
+  const int num_special = std::clamp<int>(vocab_size - 256, static_cast<int>(named.size()), 1000);
   nlohmann::json specials = nlohmann::json::array();
   for (int i = 0; i < num_special; ++i) {
     std::string name = i < static_cast<int>(named.size()) ? named[i] : fmt::format("<SPECIAL_{}>", i);
@@ -44,6 +49,27 @@ std::string default_tokenizer_json(int vocab_size) {
   return doc.dump();
 }
 
+// The tokenizer for a model of `vocab_size`: --tokenizer if given; else a tekken.json the
+// repo ships whose default_vocab_size matches (tests/golden/tokenizer/: Mistral's real
+// tekken_240911.json for 131,072, vocabularies trained by `ml4 tokenizer train` for the tiny
+// presets); else a byte-level one.
+Result<std::string> tokenizer_for(int vocab_size, const std::string& path) {
+  auto read = [](const std::string& p) -> Result<std::string> {
+    std::ifstream f(p, std::ios::binary);
+    if (!f) return not_found("cannot read tokenizer {}", p);
+    return std::string(std::istreambuf_iterator<char>(f), {});
+  };
+  if (!path.empty()) return read(path);
+  const std::filesystem::path dir = std::filesystem::path(ML4_SOURCE_DIR) / "tests/golden/tokenizer";
+  for (const char* name : {"tekken_240911.json", "tekken_trained_v15_512.json", "tekken_trained_v13_1500.json"}) {
+    auto text = read((dir / name).string());
+    if (!text.ok()) continue;
+    auto doc = nlohmann::json::parse(*text, nullptr, false);
+    if (!doc.is_discarded() && doc["config"].value("default_vocab_size", 0) == vocab_size) return text;
+  }
+  return default_tokenizer_json(vocab_size);
+}
+
 }  // namespace
 
 namespace {
@@ -58,14 +84,22 @@ CommandRegistrar reg("make-model", [](CLI::App& app, int* exit_code) {
   cmd->add_option("--layout", o->layout, "native, hf, both (HF copy in OUT/hf), default (the preset's own)");
   cmd->add_option("--max-shard-bytes", o->max_shard_bytes, "split the weights into shards of at most this size");
   cmd->add_option("--hf-model-type", o->hf_model_type, "model_type of the HF copy (default: the preset's, else mistral4)");
-  cmd->callback([o, exit_code] {
+  auto tokenizer_path = std::make_shared<std::string>();
+  cmd->add_option("--tokenizer", *tokenizer_path, "tekken.json to copy into the model (default: a shipped one of the same vocab size)");
+  cmd->callback([o, exit_code, tokenizer_path] {
     auto cfg = preset_config(o->preset);
     if (!cfg.ok()) {
       ML4_LOG_ERROR("make-model: {}", cfg.status().message());
       *exit_code = 1;
       return;
     }
-    o->tokenizer_json = default_tokenizer_json(cfg->vocab_size);
+    auto tok = tokenizer_for(cfg->vocab_size, *tokenizer_path);
+    if (!tok.ok()) {
+      ML4_LOG_ERROR("make-model: {}", tok.status().message());
+      *exit_code = 1;
+      return;
+    }
+    o->tokenizer_json = std::move(tok).value();
     Status s = make_model(*o);
     if (!s.is_ok()) {
       ML4_LOG_ERROR("make-model: {}", s.message());
