@@ -14,6 +14,7 @@
 #include "ops/cuda/act_quant.h"
 #include "ops/cuda/cuda_common.h"
 #include "ops/cuda/gemm.h"
+#include "ops/cuda/gemv.h"
 
 using namespace ml4;
 using namespace ml4::cuda;
@@ -85,6 +86,21 @@ int main(int argc, char** argv) {
                     ms * 1e3, gbps, tflops);
         if (copy_gbps > 0) std::printf(" %5.0f%%", 100.0 * gbps / copy_gbps);
         std::printf("\n");
+        if (M <= kGemvMaxM) {  // our GEMV on the same weights (f32 x, no activation quantization)
+          auto gws = DeviceBuffer::alloc(gemv_workspace_floats(M, sh.N, sh.K) * 4), yf = DeviceBuffer::alloc(M * sh.N * 4);
+          BENCH_CHECK(gws.status());
+          BENCH_CHECK(yf.status());
+          const double gms = bench::median_ms(s, 3, 30, [&](int i) {
+            const int c = i % copies;
+            BENCH_CHECK(gemv({x->as<float>(), M, sh.N, sh.K, fp8 ? LinearFormat::kFP8Block : LinearFormat::kBF16,
+                              ws[c].data(), fp8 ? wss[c].as<float>() : nullptr, yf->as<float>(), gws->as<float>(), s}));
+          });
+          const double gb = (wbytes + M * sh.K * 4 + M * sh.N * 4) / (gms * 1e6);
+          std::printf("%-10s %6ld %6ld %6ld %5s %9.1f %9.0f %9.1f", "  gemv", M, sh.N, sh.K, fp8 ? "fp8" : "bf16",
+                      gms * 1e3, gb, 2.0 * M * sh.N * sh.K / (gms * 1e9));
+          if (copy_gbps > 0) std::printf(" %5.0f%%", 100.0 * gb / copy_gbps);
+          std::printf("  (%.2fx cuBLASLt)\n", ms / gms);
+        }
       }
     }
   }

@@ -183,8 +183,8 @@ TEST(CudaGemm, Fp8BlockVsCpuLinear) {
       }
       ASSERT_TRUE(all_finite(y)) << "unwritten or non-finite output";
       const double err = rel_err(y, ref), bound = yt == DType::kF32 ? 1e-3 : 5e-3;
-      std::printf("gemm fp8 block M=%ld N=%ld K=%ld out=%s rel_err=%.3g bound=%.0e\n", s.M, s.N, s.K,
-                  dtype_name(yt), err, bound);
+      std::printf("gemm fp8 block M=%ld N=%ld K=%ld out=%s rel_err=%.3g bound=%.0e%s\n", s.M, s.N, s.K,
+                  dtype_name(yt), err, bound, (*lt)->last_fp8_swapped() ? " (swapped orientation)" : "");
       EXPECT_LT(err, bound);
       EXPECT_EQ(runs[0], runs[1]) << "repeat run not bit-identical";
     }

@@ -168,6 +168,15 @@ __global__ void cast_bf16_f32_kernel(const __nv_bfloat16* __restrict__ x, int64_
     o[i] = __bfloat162float(x[i]);
 }
 
+template <typename T>
+__global__ void transpose_kernel(const T* __restrict__ in, int64_t rows, int64_t cols, T* __restrict__ out) {
+  const int64_t n = rows * cols;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t c = i / rows, r = i % rows;  // write-coalesced
+    out[i] = in[r * cols + c];
+  }
+}
+
 int grid_for(int64_t n) { return static_cast<int>(std::min<int64_t>((n + kThreads - 1) / kThreads, 65536)); }
 
 }  // namespace
@@ -236,6 +245,18 @@ Status cast_f32_bf16(const float* x, int64_t n, void* out, cudaStream_t stream) 
   if (n == 0) return Status::ok();
   cast_f32_bf16_kernel<<<grid_for(n), kThreads, 0, stream>>>(x, n, static_cast<__nv_bfloat16*>(out));
   return cuda_status(cudaGetLastError(), "cast_f32_bf16_kernel");
+}
+
+Status transpose_2d(const void* in, int elem_bytes, int64_t rows, int64_t cols, void* out, cudaStream_t stream) {
+  if (rows < 0 || cols < 0 || (elem_bytes != 2 && elem_bytes != 4)) return invalid_argument("transpose_2d: bad arguments");
+  if (rows * cols == 0) return Status::ok();
+  if (elem_bytes == 4)
+    transpose_kernel<uint32_t><<<grid_for(rows * cols), kThreads, 0, stream>>>(static_cast<const uint32_t*>(in), rows,
+                                                                                cols, static_cast<uint32_t*>(out));
+  else
+    transpose_kernel<uint16_t><<<grid_for(rows * cols), kThreads, 0, stream>>>(static_cast<const uint16_t*>(in), rows,
+                                                                                cols, static_cast<uint16_t*>(out));
+  return cuda_status(cudaGetLastError(), "transpose_kernel");
 }
 
 Status cast_bf16_f32(const void* x, int64_t n, float* out, cudaStream_t stream) {

@@ -81,6 +81,8 @@ Status q_path(const QPathParams& p);
 
 // out[i] = bf16(x[i]) (RNE), n values.
 Status cast_f32_bf16(const float* x, int64_t n, void* out, cudaStream_t stream);
+// out[c][r] = in[r][c] for elements of elem_bytes (2 or 4): in [rows, cols] -> out [cols, rows].
+Status transpose_2d(const void* in, int elem_bytes, int64_t rows, int64_t cols, void* out, cudaStream_t stream);
 // out[i] = f32(x[i]), n values.
 Status cast_bf16_f32(const void* x, int64_t n, float* out, cudaStream_t stream);
 

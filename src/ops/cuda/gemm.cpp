@@ -3,6 +3,7 @@
 #include "ops/cuda/gemm.h"
 
 #include "ops/cuda/cuda_common.h"
+#include "ops/cuda/elementwise.h"
 
 namespace ml4::cuda {
 namespace {
@@ -36,40 +37,55 @@ LtGemm::~LtGemm() {
     if (p.d) cublasLtMatrixLayoutDestroy(p.d);
   }
   if (workspace_) cudaFree(workspace_);
+  if (tbuf_) cudaFree(tbuf_);
   if (handle_) cublasLtDestroy(handle_);
 }
 
-Result<LtGemm::Plan*> LtGemm::plan(int kind, DType y_dtype, int64_t M, int64_t N, int64_t K) {
+Result<LtGemm::Plan*> LtGemm::plan(int kind, DType y_dtype, int64_t M, int64_t N, int64_t K, const float* a_scale,
+                                   const float* b_scale) {
   const Key key{kind, static_cast<int>(y_dtype), M, N, K};
   auto it = plans_.find(key);
   if (it != plans_.end()) return &it->second;
+  auto bad = failed_.find(key);  // a refused shape is asked about once
+  if (bad != failed_.end()) return bad->second;
 
-  Plan p;
   const cudaDataType_t in_t = kind == 0 ? CUDA_R_16BF : kind == 1 ? CUDA_R_8F_E4M3 : CUDA_R_32F;
   const cudaDataType_t out_t = y_dtype == DType::kF32 ? CUDA_R_32F : CUDA_R_16BF;
-  auto cleanup = [&]() {
-    if (p.op) cublasLtMatmulDescDestroy(p.op);
-    if (p.a) cublasLtMatrixLayoutDestroy(p.a);
-    if (p.b) cublasLtMatrixLayoutDestroy(p.b);
-    if (p.d) cublasLtMatrixLayoutDestroy(p.d);
-  };
-  Status st = [&]() -> Status {
+  // swapped (FP8 only, a fallback): A = x with VEC128 scales, B = W with BLK128x128 (the
+  // orientation of NVIDIA's CUDALibrarySamples LtBlk128x128Fp8Matmul), D = y^T [N][M],
+  // transposed into y after the GEMM.
+  auto attempt = [&](Plan& p, bool swapped) -> Status {
+    p.swapped = swapped;
     ML4_LT_RETURN_IF_ERROR(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     const cublasOperation_t opT = CUBLAS_OP_T, opN = CUBLAS_OP_N;
     ML4_LT_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &opT, sizeof(opT)));
     ML4_LT_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &opN, sizeof(opN)));
     if (kind == 1) {
       // DeepSeek-style block scaling (cuBLASLt 12.9+; sm_90 takes VEC128 x BLK128x128).
-      const int32_t a_mode = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
-      const int32_t b_mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+      const int32_t w_mode = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+      const int32_t x_mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+      const int32_t a_mode = swapped ? x_mode : w_mode, b_mode = swapped ? w_mode : x_mode;
       ML4_LT_RETURN_IF_ERROR(
           cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &a_mode, sizeof(a_mode)));
       ML4_LT_RETURN_IF_ERROR(
           cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &b_mode, sizeof(b_mode)));
+      // The heuristic may refuse block-scaled descriptors without scale pointers
+      // (CUBLAS_STATUS_INVALID_VALUE was seen on the H200 with cuBLASLt 13.1), so the
+      // first call's pointers go in before the query; each call sets its own afterwards.
+      const float* pa = swapped ? b_scale : a_scale;
+      const float* pb = swapped ? a_scale : b_scale;
+      ML4_LT_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &pa, sizeof(pa)));
+      ML4_LT_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &pb, sizeof(pb)));
     }
-    ML4_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&p.a, in_t, K, N, K));
-    ML4_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&p.b, in_t, K, M, K));
-    ML4_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&p.d, out_t, N, M, N));
+    if (!swapped) {
+      ML4_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&p.a, in_t, K, N, K));
+      ML4_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&p.b, in_t, K, M, K));
+      ML4_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&p.d, out_t, N, M, N));
+    } else {
+      ML4_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&p.a, in_t, K, M, K));
+      ML4_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&p.b, in_t, K, N, K));
+      ML4_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&p.d, out_t, M, N, M));
+    }
     cublasLtMatmulPreference_t pref = nullptr;
     ML4_LT_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&pref));
     const uint64_t ws = workspace_bytes_;
@@ -85,9 +101,37 @@ Result<LtGemm::Plan*> LtGemm::plan(int kind, DType y_dtype, int64_t M, int64_t N
     }
     p.algo = res.algo;
     return Status::ok();
-  }();
+  };
+  auto cleanup = [](Plan& p) {
+    if (p.op) cublasLtMatmulDescDestroy(p.op);
+    if (p.a) cublasLtMatrixLayoutDestroy(p.a);
+    if (p.b) cublasLtMatrixLayoutDestroy(p.b);
+    if (p.d) cublasLtMatrixLayoutDestroy(p.d);
+    p = Plan{};
+  };
+  Plan p;
+  Status st = attempt(p, false);
+  if (!st.is_ok()) cleanup(p);
+  if (!st.is_ok() && kind == 1) {
+    Status st2 = attempt(p, true);
+    if (!st2.is_ok()) {
+      cleanup(p);
+      Status both(st2.code(), st.message() + "; swapped orientation: " + st2.message());
+      failed_.emplace(key, both);
+      return both;
+    }
+    const size_t need = static_cast<size_t>(M * N) * (y_dtype == DType::kF32 ? 4 : 2);
+    if (tbuf_bytes_ < need) {
+      if (tbuf_) cudaFree(tbuf_);
+      tbuf_ = nullptr;
+      tbuf_bytes_ = 0;
+      ML4_CUDA_RETURN_IF_ERROR(cudaMalloc(&tbuf_, need));
+      tbuf_bytes_ = need;
+    }
+    st = Status::ok();
+  }
   if (!st.is_ok()) {
-    cleanup();
+    failed_.emplace(key, st);
     return st;
   }
   auto [ins, ok] = plans_.emplace(key, p);
@@ -117,15 +161,21 @@ Status LtGemm::fp8_block(const GemmFp8BlockParams& p) {
   if (!p.x || !p.w || !p.y || !p.x_scale || !p.w_scale) return invalid_argument("gemm fp8: null pointer");
   if (!aligned16(p.x) || !aligned16(p.w) || !aligned16(p.y) || !aligned16(p.x_scale) || !aligned16(p.w_scale))
     return invalid_argument("gemm fp8: operands and scales must be 16-byte aligned");
-  ML4_ASSIGN_OR_RETURN(Plan * pl, plan(1, p.y_dtype, p.M, p.N, p.K));
-  ML4_LT_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(pl->op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &p.w_scale,
-                                                        sizeof(p.w_scale)));
-  ML4_LT_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(pl->op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &p.x_scale,
-                                                        sizeof(p.x_scale)));
+  ML4_ASSIGN_OR_RETURN(Plan * pl, plan(1, p.y_dtype, p.M, p.N, p.K, p.w_scale, p.x_scale));
+  last_swapped_ = pl->swapped;
+  const float* pa = pl->swapped ? p.x_scale : p.w_scale;
+  const float* pb = pl->swapped ? p.w_scale : p.x_scale;
+  ML4_LT_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(pl->op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &pa, sizeof(pa)));
+  ML4_LT_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(pl->op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &pb, sizeof(pb)));
   const float alpha = 1.0f, beta = 0.0f;
-  return lt_status(cublasLtMatmul(handle_, pl->op, &alpha, p.w, pl->a, p.x, pl->b, &beta, p.y, pl->d, p.y, pl->d,
-                                  &pl->algo, workspace_, workspace_bytes_, p.stream),
-                   "cublasLtMatmul(fp8 block)");
+  if (!pl->swapped) {
+    return lt_status(cublasLtMatmul(handle_, pl->op, &alpha, p.w, pl->a, p.x, pl->b, &beta, p.y, pl->d, p.y, pl->d,
+                                    &pl->algo, workspace_, workspace_bytes_, p.stream),
+                     "cublasLtMatmul(fp8 block)");
+  }
+  ML4_LT_RETURN_IF_ERROR(cublasLtMatmul(handle_, pl->op, &alpha, p.x, pl->a, p.w, pl->b, &beta, tbuf_, pl->d, tbuf_,
+                                        pl->d, &pl->algo, workspace_, workspace_bytes_, p.stream));
+  return transpose_2d(tbuf_, p.y_dtype == DType::kF32 ? 4 : 2, p.N, p.M, p.y, p.stream);
 }
 
 Status LtGemm::f32(const GemmF32Params& p) {

@@ -69,6 +69,8 @@ class LtGemm {
   Status fp8_block(const GemmFp8BlockParams& p);
   // Full f32 (CUBLAS_COMPUTE_32F, no TF32): the MoE router (MODEL.md 3.7).
   Status f32(const GemmF32Params& p);
+  // Whether the last fp8_block call ran the swapped orientation (tests report it).
+  bool last_fp8_swapped() const { return last_swapped_; }
 
  private:
   LtGemm() = default;
@@ -76,15 +78,21 @@ class LtGemm {
     cublasLtMatmulDesc_t op = nullptr;
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
     cublasLtMatmulAlgo_t algo{};
+    bool swapped = false;  // FP8: x as A, W as B, D = y^T in tbuf_ (see gemm.cpp)
   };
   // (kind 0 = bf16 / 1 = fp8 block / 2 = f32, out dtype, M, N, K)
   using Key = std::tuple<int, int, int64_t, int64_t, int64_t>;
-  Result<Plan*> plan(int kind, DType y_dtype, int64_t M, int64_t N, int64_t K);
+  Result<Plan*> plan(int kind, DType y_dtype, int64_t M, int64_t N, int64_t K, const float* a_scale = nullptr,
+                     const float* b_scale = nullptr);
 
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
   std::map<Key, Plan> plans_;
+  std::map<Key, Status> failed_;
+  void* tbuf_ = nullptr;  // y^T of swapped FP8 plans, sized at plan time
+  size_t tbuf_bytes_ = 0;
+  bool last_swapped_ = false;
 };
 
 }  // namespace ml4::cuda

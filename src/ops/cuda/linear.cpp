@@ -44,6 +44,9 @@ Status LinearScratch::reserve(int64_t elems, int64_t groups) {
   if (scale.bytes() < sb) {
     ML4_ASSIGN_OR_RETURN(scale, DeviceBuffer::alloc(sb));
   }
+  if (out.bytes() < ab) {
+    ML4_ASSIGN_OR_RETURN(out, DeviceBuffer::alloc(ab));
+  }
   return Status::ok();
 }
 
@@ -65,8 +68,17 @@ Status linear_f32(LtGemm& lt, const DeviceLinear& w, const float* x, int64_t M, 
         return out_of_range("{}: linear scratch too small for M={} K={}", w.name, M, w.K);
       ML4_RETURN_IF_ERROR(fp8_act_quant({x, DType::kF32, 0, M, w.K, 128, scratch.act.data(), scratch.scale.as<float>(),
                                          ScaleLayout::kGroupMajor, stream}));
-      return lt.fp8_block({scratch.act.data(), scratch.scale.as<float>(), w.weight.data(), w.scale.as<float>(), y,
-                           DType::kF32, M, w.N, w.K, stream});
+      GemmFp8BlockParams g{scratch.act.data(), scratch.scale.as<float>(), w.weight.data(), w.scale.as<float>(), y,
+                           DType::kF32, M, w.N, w.K, stream};
+      Status st = lt.fp8_block(g);
+      if (st.code() != StatusCode::kUnimplemented) return st;
+      // No f32-output kernel for this shape: bf16 output, widened after (one more rounding).
+      if (scratch.out.bytes() < static_cast<size_t>(M * w.N) * 2)
+        return out_of_range("{}: linear scratch too small for a bf16 output of {}x{}", w.name, M, w.N);
+      g.y = scratch.out.data();
+      g.y_dtype = DType::kBF16;
+      ML4_RETURN_IF_ERROR(lt.fp8_block(g));
+      return cast_bf16_f32(scratch.out.data(), M * w.N, y, stream);
     }
     case LinearFormat::kNVFP4:
     case LinearFormat::kMXFP4:

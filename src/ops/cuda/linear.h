@@ -36,9 +36,10 @@ class LinearScratch {
   Status reserve(int64_t elems, int64_t groups);
   DeviceBuffer act;    // bf16 or e4m3 copy of x
   DeviceBuffer scale;  // [K/128][M] f32
+  DeviceBuffer out;    // bf16 output when a GEMM has no f32-output kernel (elems x 2 bytes)
 };
 
-// y[M, N] f32 = x[M, K] f32 W^T. scratch must hold M*K elements and M*K/128 scales.
+// y[M, N] f32 = x[M, K] f32 W^T. scratch must hold max(M*K, M*N) elements and M*K/128 scales.
 Status linear_f32(LtGemm& lt, const DeviceLinear& w, const float* x, int64_t M, float* y, LinearScratch& scratch,
                   cudaStream_t stream);
 
