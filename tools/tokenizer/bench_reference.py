@@ -81,9 +81,15 @@ def main():
     tok = Tekkenizer.from_file(args.tekken)
     t_mc, ids = best_of(args.repeats, lambda: tok.encode(text, bos=False, eos=False))
     t_tt, _ = best_of(args.repeats, lambda: tok._model.encode_ordinary(text))
-    lines = text.split("\n")
+    # One slice per core, cut at line ends, as tokenizer_bench does for ml4.
     threads = os.cpu_count()
-    t_batch, _ = best_of(args.repeats, lambda: tok._model.encode_ordinary_batch(lines, num_threads=threads))
+    slices, begin = [], 0
+    for i in range(1, threads + 1):
+        end = len(text) if i == threads else text.find("\n", len(text) * i // threads)
+        end = len(text) if end < 0 else end
+        slices.append(text[begin:end])
+        begin = end
+    t_batch, _ = best_of(args.repeats, lambda: tok._model.encode_ordinary_batch(slices, num_threads=threads))
     ml4 = json.loads(subprocess.run([args.bench, args.tekken, args.text, str(args.repeats)], check=True,
                                     capture_output=True, text=True).stdout)
     fnv = 1469598103934665603
