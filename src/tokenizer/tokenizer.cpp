@@ -6,6 +6,7 @@
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <queue>
 #include <sstream>
 #include <unordered_map>
 
@@ -301,8 +302,58 @@ void Tokenizer::encode_piece(std::string_view piece, std::vector<int32_t>& out) 
   }
 }
 
+// The same merge order with a heap and a linked list: O(n log n) instead of O(n^2), for long
+// pieces (a 100 KB run of spaces is one piece). The heap orders pairs by (rank, position),
+// so it pops exactly the pair the linear scan would pick: lowest rank, leftmost on ties.
+void Tokenizer::byte_pair_merge_long(std::string_view piece, std::vector<int32_t>& out) const {
+  const size_t n = piece.size();
+  constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
+  std::vector<uint32_t> next(n), prev(n), version(n, 0);
+  std::vector<uint8_t> alive(n, 1);
+  for (size_t i = 0; i < n; ++i) {
+    next[i] = static_cast<uint32_t>(i + 1);  // n = end
+    prev[i] = i == 0 ? kNone : static_cast<uint32_t>(i - 1);
+  }
+  auto pair_rank = [&](uint32_t i) -> uint32_t {  // part i merged with its successor
+    uint32_t j = next[i];
+    if (j >= n) return kNone;
+    uint32_t end = next[j];
+    int32_t r = rank_of(piece.data() + i, end - i);
+    return r < 0 ? kNone : static_cast<uint32_t>(r);
+  };
+  struct Item {
+    uint32_t rank, pos, version;
+    bool operator>(const Item& o) const { return rank != o.rank ? rank > o.rank : pos > o.pos; }
+  };
+  std::priority_queue<Item, std::vector<Item>, std::greater<Item>> heap;
+  for (uint32_t i = 0; i + 1 < n; ++i)
+    if (uint32_t r = pair_rank(i); r != kNone) heap.push({r, i, 0});
+  while (!heap.empty()) {
+    Item it = heap.top();
+    heap.pop();
+    uint32_t i = it.pos;
+    if (!alive[i] || it.version != version[i]) continue;  // stale
+    uint32_t j = next[i];
+    alive[j] = 0;
+    next[i] = next[j];
+    if (next[j] < n) prev[next[j]] = i;
+    ++version[i];
+    if (uint32_t r = pair_rank(i); r != kNone) heap.push({r, i, version[i]});
+    if (prev[i] != kNone) {
+      uint32_t p = prev[i];
+      ++version[p];
+      if (uint32_t r = pair_rank(p); r != kNone) heap.push({r, p, version[p]});
+    }
+  }
+  for (uint32_t i = 0; i < n; i = next[i]) out.push_back(rank_of(piece.data() + i, next[i] - i) + num_special_);
+}
+
 void Tokenizer::byte_pair_merge(std::string_view piece, std::vector<int32_t>& out) const {
   const size_t n = piece.size();
+  if (n > 128) {
+    byte_pair_merge_long(piece, out);
+    return;
+  }
   constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
   thread_local std::vector<uint32_t> start, rank;
   start.resize(n + 1);

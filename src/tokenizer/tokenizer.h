@@ -90,6 +90,7 @@ class Tokenizer {
   int32_t rank_of(const char* p, size_t n) const;  // -1 when absent
   int32_t rank_of_hashed(const char* p, size_t n, uint64_t hash) const;
   void byte_pair_merge(std::string_view piece, std::vector<int32_t>& out) const;
+  void byte_pair_merge_long(std::string_view piece, std::vector<int32_t>& out) const;
 
   uint64_t instance_id_ = 0;  // keys the per-thread piece cache (tokenizer.cpp)
   std::string name_;

@@ -125,6 +125,11 @@ def corpus():
     add("mixed_scripts", "Englishрусский中文العربيةहिन्दी日本語한국어Ελληνικά")
     add("combining", "e\u0301 a\u0300 n\u0303 Z\u0351\u0352\u0353a\u0354\u0355l\u0356g\u0357o\u0358")
     add("repeated_char", "a" * 300 + " " + "ab" * 150 + " " + "🙂" * 50)
+    rng_long = random.Random(7)
+    add("long_random_letters", "".join(rng_long.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(1500)))
+    add("long_cjk_run", "".join(chr(rng_long.randrange(0x4E00, 0x5000)) for _ in range(600)))
+    add("long_spaces", "x" + " " * 5000 + "y\t\t" + "\n" * 300 + "z")
+    add("long_punct_run", "=-" * 400 + "!")
     add("digits_unicode", "٠١٢٣٤٥٦٧٨٩ ०१२३४५ ①②③ ½¼¾ Ⅻ ⁰¹²³")
     add("control_chars", "a\x00b\x01c\x07d\x1be\x7ff")
     # Malformed UTF-8 as raw bytes.
