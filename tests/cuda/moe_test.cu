@@ -111,14 +111,14 @@ struct HostMlp {
   LinearWeight w1, w2, w3;
 };
 
-std::vector<float> host_mlp(const HostMlp& m, const std::vector<float>& x, int64_t M, int64_t D) {
+std::vector<float> host_mlp(const HostMlp& m, const std::vector<float>& x, int64_t M, int64_t D, bool exact = false) {
   const int64_t I = m.w1.out_features;
-  auto xq = quant_like_gpu(x, D, m.w1.format);
+  auto xq = exact ? x : quant_like_gpu(x, D, m.w1.format);
   std::vector<float> g(M * I), u(M * I), y(M * D);
   cpu::linear(xq.data(), M, m.w1, g.data());
   cpu::linear(xq.data(), M, m.w3, u.data());
   cpu::silu_mul(g.data(), u.data(), M * I, g.data());
-  auto hq = quant_like_gpu(g, I, m.w2.format);
+  auto hq = exact ? g : quant_like_gpu(g, I, m.w2.format);
   cpu::linear(hq.data(), M, m.w2, y.data());
   return y;
 }
@@ -200,6 +200,36 @@ TEST(CudaMoe, ExpertsAndSharedVsCpu) {
                 linear_format_name(f), E, K, D, I, T, e);
     EXPECT_LT(e, 1e-2);
     EXPECT_EQ(0, std::memcmp(runs[0].data(), runs[1].data(), runs[0].size() * 4)) << "not deterministic";
+
+    // Decode path: grouped GEMV, f32 activations: against the exact-activation reference
+    // (f32 accumulation order only: bound 1e-5). Batch sizes 1 and 8.
+    auto tables = build_expert_tables(dx);
+    ML4_ASSERT_OK(tables.status());
+    for (int64_t Tb : {int64_t{1}, int64_t{8}}) {
+      std::vector<double> ref2(Tb * D, 0.0);
+      for (int64_t t = 0; t < Tb; ++t) {
+        std::vector<float> xt(x.begin() + t * D, x.begin() + (t + 1) * D);
+        for (int k = 0; k < K; ++k) {
+          auto y = host_mlp(hx[ids[t * K + k]], xt, 1, D, true);
+          for (int64_t d = 0; d < D; ++d) ref2[t * D + d] += static_cast<double>(w[t * K + k]) * y[d];
+        }
+        auto ys = host_mlp(hx[E], xt, 1, D, true);
+        for (int64_t d = 0; d < D; ++d) ref2[t * D + d] += ys[d];
+      }
+      std::vector<std::vector<float>> gr;
+      for (int rep = 0; rep < 2; ++rep) {
+        auto out = poisoned<float>(Tb * D);
+        ML4_ASSERT_OK(moe_experts_forward_grouped(*tables, &dshared, dxb.as<float>(), Tb, dids.as<int32_t>(),
+                                                  dw.as<float>(), K, out.as<float>(), s, nullptr));
+        sync();
+        gr.push_back(to_host<float>(out, Tb * D));
+      }
+      ASSERT_TRUE(all_finite(gr[0]));
+      const double e2 = rel_err(gr[0], ref2);
+      std::printf("moe grouped-gemv decode %s T=%ld rel_err=%.3g (bound 1e-5)\n", linear_format_name(f), Tb, e2);
+      EXPECT_LT(e2, 1e-5);
+      EXPECT_EQ(0, std::memcmp(gr[0].data(), gr[1].data(), gr[0].size() * 4)) << "not deterministic";
+    }
   }
 }
 

@@ -37,12 +37,28 @@ __device__ __forceinline__ void decode16_e4m3(const uint4& v, float* f) {
   }
 }
 
+struct GemvGroup {
+  const int32_t* row_expert = nullptr;
+  const int32_t* row_src = nullptr;
+  const void* const* w_table = nullptr;
+  const float* const* s_table = nullptr;
+};
+
 // grid: (ceil(N / (kWarps * R)), S). Slice s covers k in [s*Ks, min(K, (s+1)*Ks)).
 template <int M, int R, bool kFp8>
 __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const float* __restrict__ x, int m_rows, int64_t N,
                                                             int64_t K, const uint8_t* __restrict__ w,
                                                             const float* __restrict__ w_scale, float* __restrict__ y,
-                                                            int64_t Ks, int64_t slice_stride) {
+                                                            int64_t Ks, int64_t slice_stride,
+                                                            const GemvGroup group = GemvGroup{}) {
+  if (group.row_expert) {  // grouped: grid.z = row i, its own expert's weights (M = 1)
+    const int64_t i = blockIdx.z;
+    const int e = group.row_expert[i];
+    w = static_cast<const uint8_t*>(group.w_table[e]);
+    w_scale = group.s_table ? group.s_table[e] : nullptr;
+    x += (group.row_src ? int64_t{group.row_src[i]} : i) * K;
+    y += i * N;
+  }
   constexpr int E = Elems<kFp8>::value;
   constexpr int64_t kEb = kFp8 ? 1 : 2;  // bytes per weight element
   const int lane = threadIdx.x & 31;
@@ -166,6 +182,30 @@ void launch_m(const GemvParams& p, int R, int S, float* out, int64_t Ks) {
 }
 
 }  // namespace
+
+Status grouped_gemv(const GroupedGemvParams& p) {
+  if (p.rows < 0 || p.N <= 0 || p.K <= 0) return invalid_argument("grouped_gemv: bad shape N={} K={}", p.N, p.K);
+  const bool fp8 = p.format == LinearFormat::kFP8Block;
+  if (!fp8 && p.format != LinearFormat::kBF16)
+    return invalid_argument("grouped_gemv: weight format {} (bf16 or fp8 block)", linear_format_name(p.format));
+  if (p.K % (fp8 ? 128 : 8) != 0) return invalid_argument("grouped_gemv: K={} alignment", p.K);
+  if (p.rows == 0) return Status::ok();
+  if (p.rows > 65535) return invalid_argument("grouped_gemv: {} rows (at most 65535)", p.rows);
+  if (!p.x || !p.y || !p.row_expert || !p.w_table || (fp8 && !p.s_table)) return invalid_argument("grouped_gemv: null pointer");
+  GemvGroup g{p.row_expert, p.row_src, p.w_table, fp8 ? p.s_table : nullptr};
+  const int R = p.N >= 2048 ? 4 : 1;
+  const dim3 grid(static_cast<unsigned>((p.N + kWarps * R - 1) / (kWarps * R)), 1, static_cast<unsigned>(p.rows));
+  const int64_t Ks = p.K;
+  auto go = [&](auto kern) {
+    kern<<<grid, kWarps * 32, 0, p.stream>>>(p.x, 1, p.N, p.K, nullptr, nullptr, p.y, Ks, 0, g);
+  };
+  if (fp8) {
+    R == 4 ? go(gemv_kernel<1, 4, true>) : go(gemv_kernel<1, 1, true>);
+  } else {
+    R == 4 ? go(gemv_kernel<1, 4, false>) : go(gemv_kernel<1, 1, false>);
+  }
+  return cuda_status(cudaGetLastError(), "grouped gemv_kernel");
+}
 
 int64_t gemv_workspace_floats(int64_t M, int64_t N, int64_t K) { return int64_t{kMaxSplit} * M * N; }
 

@@ -41,4 +41,21 @@ int64_t gemv_workspace_floats(int64_t M, int64_t N, int64_t K);
 
 Status gemv(const GemvParams& p);
 
+// Grouped GEMV for MoE decode, one launch for all (token, expert) rows and capturable in a
+// CUDA graph (expert ids are read on the device): y[i] = x[row_src[i]] W_{row_expert[i]}^T.
+// Every expert has the same format and shape; w_table / s_table are device arrays of
+// per-expert device pointers.
+struct GroupedGemvParams {
+  const float* x = nullptr;           // [*, K] f32
+  int64_t rows = 0, N = 0, K = 0;
+  LinearFormat format = LinearFormat::kBF16;
+  const int32_t* row_expert = nullptr;  // [rows]
+  const int32_t* row_src = nullptr;     // [rows] row of x, or null (row i)
+  const void* const* w_table = nullptr;   // [E] -> [N, K]
+  const float* const* s_table = nullptr;  // [E] -> FP8 block scales
+  float* y = nullptr;                 // [rows, N]
+  cudaStream_t stream = nullptr;
+};
+Status grouped_gemv(const GroupedGemvParams& p);
+
 }  // namespace ml4::cuda

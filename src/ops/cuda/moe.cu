@@ -193,6 +193,13 @@ __global__ void combine_kernel(const float* __restrict__ y, const int32_t* __res
   }
 }
 
+__global__ void decode_rows_kernel(int64_t n, int K, int32_t* __restrict__ row_src, int32_t* __restrict__ inv) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    row_src[i] = static_cast<int32_t>(i / K);
+    inv[i] = static_cast<int32_t>(i);
+  }
+}
+
 }  // namespace
 
 Status moe_route(const MoeRouteParams& p) {
@@ -246,6 +253,9 @@ Status MoeScratch::reserve(int64_t rows, int64_t D, int64_t I, int E) {
   ML4_ASSIGN_OR_RETURN(offsets, DeviceBuffer::alloc((E + 1) * 4));
   ML4_ASSIGN_OR_RETURN(perm_token, DeviceBuffer::alloc(rows * 4));
   ML4_ASSIGN_OR_RETURN(inv, DeviceBuffer::alloc(rows * 4));
+  ML4_ASSIGN_OR_RETURN(row_src, DeviceBuffer::alloc(rows * 4));
+  ML4_ASSIGN_OR_RETURN(gemv_ws, DeviceBuffer::alloc(gemv_workspace_floats(std::min<int64_t>(rows, kGemvMaxM), 1,
+                                                                           1) * std::max(D, I) * 4));
   const int64_t wide = std::max(D, I);
   ML4_RETURN_IF_ERROR(lin.reserve(rows * wide, rows * ((wide + 127) / 128)));
   host_offsets.resize(E + 1);
@@ -292,6 +302,79 @@ Status moe_experts_forward(LtGemm& lt, const std::vector<DeviceMlp>& experts, co
     sh = s.xs.as<float>();
   }
   return moe_combine({s.y.as<float>(), s.inv.as<int32_t>(), weights, T, K, D, sh, out, stream});
+}
+
+Result<MoeExpertTables> build_expert_tables(const std::vector<DeviceMlp>& experts) {
+  MoeExpertTables t;
+  if (experts.empty()) return invalid_argument("build_expert_tables: no experts");
+  const DeviceMlp& e0 = experts[0];
+  t.format = e0.w1.format;
+  t.E = static_cast<int>(experts.size());
+  t.D = e0.w1.K;
+  t.I = e0.w1.N;
+  std::vector<const void*> w1, w2, w3;
+  std::vector<const float*> s1, s2, s3;
+  for (size_t e = 0; e < experts.size(); ++e) {
+    const DeviceMlp& m = experts[e];
+    for (const DeviceLinear* l : {&m.w1, &m.w2, &m.w3})
+      if (l->format != t.format)
+        return invalid_argument("expert {}: {} is {}, expert 0 is {}", e, l->name, linear_format_name(l->format),
+                                linear_format_name(t.format));
+    if (m.w1.N != t.I || m.w3.N != t.I || m.w1.K != t.D || m.w3.K != t.D || m.w2.N != t.D || m.w2.K != t.I)
+      return invalid_argument("expert {}: shapes differ from expert 0", e);
+    w1.push_back(m.w1.weight.data());
+    w2.push_back(m.w2.weight.data());
+    w3.push_back(m.w3.weight.data());
+    s1.push_back(m.w1.scale.as<float>());
+    s2.push_back(m.w2.scale.as<float>());
+    s3.push_back(m.w3.scale.as<float>());
+  }
+  const size_t b = experts.size() * sizeof(void*);
+  for (auto [buf, src] : {std::pair<DeviceBuffer*, const void*>{&t.w1, w1.data()}, {&t.w2, w2.data()},
+                          {&t.w3, w3.data()}, {&t.s1, s1.data()}, {&t.s2, s2.data()}, {&t.s3, s3.data()}}) {
+    ML4_ASSIGN_OR_RETURN(*buf, DeviceBuffer::alloc(b));
+    ML4_RETURN_IF_ERROR(buf->upload(src, b));
+  }
+  return std::move(t);
+}
+
+Status mlp_forward_gemv(const DeviceMlp& m, const float* x, int64_t M, float* out, MoeScratch& s,
+                        cudaStream_t stream) {
+  if (M == 0) return Status::ok();
+  if (M > s.max_rows || M > kGemvMaxM) return out_of_range("mlp_forward_gemv: {} rows", M);
+  const int64_t I = m.w1.N;
+  auto run = [&](const DeviceLinear& l, const float* in, float* o) {
+    return gemv({in, M, l.N, l.K, l.format, l.weight.data(), l.scale.as<float>(), o, s.gemv_ws.as<float>(), stream});
+  };
+  ML4_RETURN_IF_ERROR(run(m.w1, x, s.g.as<float>()));
+  ML4_RETURN_IF_ERROR(run(m.w3, x, s.u.as<float>()));
+  ML4_RETURN_IF_ERROR(silu_mul({s.g.as<float>(), s.u.as<float>(), M, I, 0, 0, s.g.as<float>(), nullptr, stream}));
+  return run(m.w2, s.g.as<float>(), out);
+}
+
+Status moe_experts_forward_grouped(const MoeExpertTables& tb, const DeviceMlp* shared, const float* x, int64_t T,
+                                   const int32_t* ids, const float* weights, int K, float* out, MoeScratch& s,
+                                   cudaStream_t stream) {
+  if (T == 0) return Status::ok();
+  const int64_t n = T * K;
+  if (n > s.max_rows) return out_of_range("moe grouped: {} expert rows, scratch holds {}", n, s.max_rows);
+  decode_rows_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(n, K, s.row_src.as<int32_t>(),
+                                                                                s.inv.as<int32_t>());
+  ML4_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  const auto w1 = static_cast<const void* const*>(tb.w1.data()), w2 = static_cast<const void* const*>(tb.w2.data()),
+             w3 = static_cast<const void* const*>(tb.w3.data());
+  const auto s1 = static_cast<const float* const*>(tb.s1.data()), s2 = static_cast<const float* const*>(tb.s2.data()),
+             s3 = static_cast<const float* const*>(tb.s3.data());
+  ML4_RETURN_IF_ERROR(grouped_gemv({x, n, tb.I, tb.D, tb.format, ids, s.row_src.as<int32_t>(), w1, s1, s.g.as<float>(), stream}));
+  ML4_RETURN_IF_ERROR(grouped_gemv({x, n, tb.I, tb.D, tb.format, ids, s.row_src.as<int32_t>(), w3, s3, s.u.as<float>(), stream}));
+  ML4_RETURN_IF_ERROR(silu_mul({s.g.as<float>(), s.u.as<float>(), n, tb.I, 0, 0, s.g.as<float>(), nullptr, stream}));
+  ML4_RETURN_IF_ERROR(grouped_gemv({s.g.as<float>(), n, tb.D, tb.I, tb.format, ids, nullptr, w2, s2, s.y.as<float>(), stream}));
+  const float* sh = nullptr;
+  if (shared) {
+    ML4_RETURN_IF_ERROR(mlp_forward_gemv(*shared, x, T, s.xs.as<float>(), s, stream).with_context("shared expert"));
+    sh = s.xs.as<float>();
+  }
+  return moe_combine({s.y.as<float>(), s.inv.as<int32_t>(), weights, T, K, tb.D, sh, out, stream});
 }
 
 }  // namespace ml4::cuda

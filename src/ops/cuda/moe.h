@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "model/model_config.h"
+#include "ops/cuda/gemv.h"
 #include "ops/cuda/linear.h"
 
 namespace ml4::cuda {
@@ -66,6 +67,7 @@ struct MoeScratch {
   Status reserve(int64_t max_rows, int64_t D, int64_t I, int E);
   DeviceBuffer xs, g, u, y;  // [rows, D], [rows, I], [rows, I], [rows, D] f32
   DeviceBuffer offsets, perm_token, inv;
+  DeviceBuffer row_src, gemv_ws;  // decode path: token of each (t, k) row; GEMV split-K partials
   LinearScratch lin;
   std::vector<int32_t> host_offsets;
   int64_t max_rows = 0;
@@ -80,5 +82,27 @@ Status mlp_forward(LtGemm& lt, const DeviceMlp& m, const float* x, int64_t M, fl
 Status moe_experts_forward(LtGemm& lt, const std::vector<DeviceMlp>& experts, const DeviceMlp* shared,
                            const float* x, int64_t T, int64_t D, const int32_t* ids, const float* weights, int K,
                            float* out, MoeScratch& s, cudaStream_t stream);
+
+// Per-expert device pointer tables for grouped_gemv (gemv.h), built once at load. Every
+// routed expert must share one format (bf16 or FP8 block) and shape.
+struct MoeExpertTables {
+  LinearFormat format = LinearFormat::kBF16;
+  int E = 0;
+  int64_t D = 0, I = 0;
+  DeviceBuffer w1, w3, w2;  // [E] const void*
+  DeviceBuffer s1, s3, s2;  // [E] const float* (FP8 only)
+};
+Result<MoeExpertTables> build_expert_tables(const std::vector<DeviceMlp>& experts);
+
+// out[M, D] = mlp(x[M, D]) through our GEMV (M <= 8): f32 activations throughout.
+Status mlp_forward_gemv(const DeviceMlp& m, const float* x, int64_t M, float* out, MoeScratch& s,
+                        cudaStream_t stream);
+
+// Decode-shaped MoE (T <= 8 for the shared expert's GEMV; routed rows T*K <= 65535): the
+// same function as moe_experts_forward with f32 activations (no bf16/e4m3 rounding of
+// x), in a fixed number of launches with no host synchronization -- capturable.
+Status moe_experts_forward_grouped(const MoeExpertTables& tb, const DeviceMlp* shared, const float* x, int64_t T,
+                                   const int32_t* ids, const float* weights, int K, float* out, MoeScratch& s,
+                                   cudaStream_t stream);
 
 }  // namespace ml4::cuda

@@ -1,0 +1,112 @@
+// MoE layer at ML4's shape (presets.cpp "ml4": 128 experts, 4 per token, 1 shared,
+// D 6144, I 5632, FP8 block weights) at decode batch sizes: the grouped-GEMV path
+// (moe_experts_forward_grouped: 5 launches + shared, no host sync, graph-capturable)
+// against the cuBLASLt loop over experts (moe_experts_forward: permutation, one host
+// sync, 3 GEMMs + act quant per active expert). Router included in neither.
+//
+// Bytes counted: the weights of the distinct active experts + the shared expert (each
+// 3 x 5632 x 6144 e4m3 + scales = 104 MB), activations negligible. The bound is that
+// over the measured copy bandwidth (argv[1], GB/s).
+#include <cstdio>
+#include <random>
+#include <set>
+#include <vector>
+
+#include "gpu_bench_util.h"
+#include "ops/cuda/moe.h"
+
+using namespace ml4;
+using namespace ml4::cuda;
+
+namespace {
+
+Result<DeviceLinear> random_linear(int64_t N, int64_t K, uint64_t seed, cudaStream_t s) {
+  DeviceLinear d;
+  d.format = LinearFormat::kFP8Block;
+  d.N = N;
+  d.K = K;
+  ML4_ASSIGN_OR_RETURN(d.weight, DeviceBuffer::alloc(N * K));
+  ML4_ASSIGN_OR_RETURN(d.scale, DeviceBuffer::alloc((N + 127) / 128 * (K / 128) * 4));
+  ML4_RETURN_IF_ERROR(fill_uniform_e4m3(d.weight.data(), N * K, seed, -448, 448, s));
+  ML4_RETURN_IF_ERROR(fill_uniform_f32(d.scale.as<float>(), (N + 127) / 128 * (K / 128), seed + 1, 1e-5f, 2e-5f, s));
+  return std::move(d);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (!device_available()) {
+    std::printf("no CUDA device\n");
+    return 0;
+  }
+  const double copy_gbps = argc > 1 ? std::atof(argv[1]) : 0.0;
+  const int E = 128, K = 4;
+  const int64_t D = 6144, I = 5632;
+  cudaStream_t s;
+  BENCH_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  auto lt = LtGemm::create();
+  BENCH_CHECK(lt.status());
+  std::vector<DeviceMlp> experts(E);
+  uint64_t seed = 1;
+  for (int e = 0; e <= E; ++e) {
+    DeviceMlp m;
+    auto a = random_linear(I, D, seed++, s), b = random_linear(D, I, seed++, s), c = random_linear(I, D, seed++, s);
+    BENCH_CHECK(a.status());
+    BENCH_CHECK(b.status());
+    BENCH_CHECK(c.status());
+    m.w1 = std::move(a).value();
+    m.w2 = std::move(b).value();
+    m.w3 = std::move(c).value();
+    if (e < E)
+      experts[e] = std::move(m);
+    else
+      experts.push_back(std::move(m));
+  }
+  DeviceMlp shared = std::move(experts.back());
+  experts.pop_back();
+  auto tables = build_expert_tables(experts);
+  BENCH_CHECK(tables.status());
+  const double expert_bytes = 3.0 * (I * D + (I / 128 + 1) * (D / 128) * 4.0);
+  std::printf("moe E=%d K=%d D=%ld I=%ld fp8 block; %.1f MB per expert\n", E, K, D, I, expert_bytes / 1e6);
+  std::mt19937 g(7);
+  for (int64_t T : {1, 8}) {
+    std::vector<int32_t> ids(T * K);
+    std::vector<float> w(T * K, 0.25f);
+    std::set<int> distinct;
+    for (int64_t t = 0; t < T; ++t) {
+      std::vector<int> perm(E);
+      for (int e = 0; e < E; ++e) perm[e] = e;
+      std::shuffle(perm.begin(), perm.end(), g);
+      for (int k = 0; k < K; ++k) {
+        ids[t * K + k] = perm[k];
+        distinct.insert(perm[k]);
+      }
+    }
+    auto dids = DeviceBuffer::alloc(ids.size() * 4), dw = DeviceBuffer::alloc(w.size() * 4),
+         x = DeviceBuffer::alloc(T * D * 4), out = DeviceBuffer::alloc(T * D * 4);
+    BENCH_CHECK(dids.status());
+    BENCH_CHECK(dw.status());
+    BENCH_CHECK(x.status());
+    BENCH_CHECK(out.status());
+    BENCH_CHECK(dids->upload(ids.data(), ids.size() * 4));
+    BENCH_CHECK(dw->upload(w.data(), w.size() * 4));
+    BENCH_CHECK(fill_uniform_f32(x->as<float>(), T * D, 3, -1, 1, s));
+    MoeScratch sc;
+    BENCH_CHECK(sc.reserve(T * K, D, I, E));
+    const double bytes = (distinct.size() + 1) * expert_bytes;
+    const double t_loop = bench::median_ms(s, 2, 20, [&](int) {
+      BENCH_CHECK(moe_experts_forward(**lt, experts, &shared, x->as<float>(), T, D, dids->as<int32_t>(),
+                                      dw->as<float>(), K, out->as<float>(), sc, s));
+    });
+    const double t_grp = bench::median_ms(s, 2, 20, [&](int) {
+      BENCH_CHECK(moe_experts_forward_grouped(*tables, &shared, x->as<float>(), T, dids->as<int32_t>(),
+                                              dw->as<float>(), K, out->as<float>(), sc, s));
+    });
+    const double floor_ms = copy_gbps > 0 ? bytes / (copy_gbps * 1e6) : 0.0;
+    std::printf("moe T=%ld (%zu distinct experts + shared, %.0f MB): cuBLASLt loop %.3f ms (%.0f GB/s), "
+                "grouped gemv %.3f ms (%.0f GB/s); floor %.3f ms at copy bandwidth\n",
+                T, distinct.size(), bytes / 1e6, t_loop, bytes / (t_loop * 1e6), t_grp, bytes / (t_grp * 1e6),
+                floor_ms);
+  }
+  return 0;
+}
