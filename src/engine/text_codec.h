@@ -21,6 +21,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/status.h"
+#include "tokenizer/output_parser.h"
 
 namespace ml4 {
 
@@ -38,6 +39,11 @@ class TextCodec {
   virtual Result<std::vector<int32_t>> encode_chat(const nlohmann::ordered_json& request) const = 0;
   // A name for /v1/models and logs.
   virtual std::string name() const = 0;
+  // Streaming parser for reasoning and tool calls over output ids; null when the codec has
+  // no such markers (the byte fallback).
+  virtual std::unique_ptr<OutputParser> make_output_parser(const OutputParserOptions& options) const {
+    return nullptr;
+  }
 
   // Whole-sequence decode; invalid UTF-8 bytes become U+FFFD.
   std::string decode(const std::vector<int32_t>& ids, bool skip_special) const;
@@ -62,8 +68,6 @@ class ByteTextCodec : public TextCodec {
   int vocab_size_;
 };
 
-class Tokenizer;
-
 // The model's tekken.json through src/tokenizer (mistral-common compatible ids and chat).
 class TekkenTextCodec : public TextCodec {
  public:
@@ -76,6 +80,9 @@ class TekkenTextCodec : public TextCodec {
   Result<std::vector<int32_t>> encode(const std::string& text, bool add_bos) const override;
   Result<std::vector<int32_t>> encode_chat(const nlohmann::ordered_json& request) const override;
   std::string name() const override;
+  std::unique_ptr<OutputParser> make_output_parser(const OutputParserOptions& options) const override {
+    return std::make_unique<OutputParser>(tok_, options);
+  }
 
  private:
   std::shared_ptr<const Tokenizer> tok_;

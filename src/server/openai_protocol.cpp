@@ -177,6 +177,10 @@ Result<ApiRequest> parse_api_request(const ojson& b, bool chat, const TextCodec&
     ML4_RETURN_IF_ERROR(get_int(b, "top_logprobs", 0, SamplingParams::kMaxLogprobs, &top));
     if (top > 0 && !r.chat_logprobs) return invalid_argument("'top_logprobs' needs 'logprobs': true");
     p.logprobs = r.chat_logprobs ? static_cast<int>(top) : -1;
+    if (auto t = b.find("tools"); t != b.end() && !t->is_null()) {
+      if (!t->is_array()) return invalid_argument("'tools' must be an array");
+      r.tools = !t->empty() && !(b.contains("tool_choice") && b["tool_choice"] == "none");
+    }
     auto it = b.find("messages");
     if (it == b.end() || !it->is_array() || it->empty()) return invalid_argument("'messages' must be a non-empty array");
     ML4_ASSIGN_OR_RETURN(auto ids, codec.encode_chat(b));
@@ -228,7 +232,36 @@ ChoiceBuilder::ChoiceBuilder(const ApiRequest& req, const TextCodec& codec, std:
   for (size_t i = 0; i < choices_.size(); ++i) {
     choices_[i].prompt_tokens = static_cast<int64_t>(req.prompts[i / n_].size());
     if (req.echo) choices_[i].text = req.prompt_texts[i / n_];
+    // Stop strings act on text, which the id-level parser does not see: keep plain text then.
+    if (req.chat && req.params.stop.empty()) {
+      OutputParserOptions po;
+      po.parse_tool_calls = req.tools;
+      choices_[i].parser = codec.make_output_parser(po);
+    }
   }
+}
+
+ojson ChoiceBuilder::parsed_delta_json(const ParsedDelta& d) const {
+  ojson delta = ojson::object();
+  if (!d.content.empty()) delta["content"] = d.content;
+  if (!d.reasoning.empty()) delta["reasoning_content"] = d.reasoning;
+  if (!d.tool_calls.empty()) {
+    ojson calls = ojson::array();
+    for (const auto& tc : d.tool_calls) {
+      ojson c = {{"index", tc.index}};
+      ojson fn = ojson::object();
+      if (!tc.id.empty()) {
+        c["id"] = tc.id;
+        c["type"] = "function";
+      }
+      if (!tc.name.empty()) fn["name"] = tc.name;
+      fn["arguments"] = tc.arguments;
+      c["function"] = fn;
+      calls.push_back(c);
+    }
+    delta["tool_calls"] = calls;
+  }
+  return delta;
 }
 
 std::string ChoiceBuilder::event(const ojson& chunk) const {
@@ -270,6 +303,17 @@ std::vector<std::string> ChoiceBuilder::add(const StreamItem& item) {
   Choice& c = choices_[item.index];
   const RequestOutput& o = item.out;
   const size_t offset_before = c.text.size();
+  ParsedDelta pd;
+  if (c.parser) {
+    pd = c.parser->push(o.new_tokens);
+    if (o.finished) {
+      ParsedDelta tail = c.parser->finish();
+      pd.content += tail.content;
+      pd.reasoning += tail.reasoning;
+      pd.tool_calls.insert(pd.tool_calls.end(), tail.tool_calls.begin(), tail.tool_calls.end());
+    }
+    c.parsed.add(pd);
+  }
   c.text += o.new_text;
   c.tokens.insert(c.tokens.end(), o.new_tokens.begin(), o.new_tokens.end());
   c.logprobs.insert(c.logprobs.end(), o.new_logprobs.begin(), o.new_logprobs.end());
@@ -281,11 +325,16 @@ std::vector<std::string> ChoiceBuilder::add(const StreamItem& item) {
     if (o.finish_reason == FinishReason::kError && error_.empty()) error_ = o.error.empty() ? "engine error" : o.error;
   }
   if (!req_.stream) return events;
-  if (o.new_text.empty() && o.new_logprobs.empty() && !o.finished) return events;
+  // Without a parser, a step that produced no text yet (held-back bytes) sends nothing.
+  if (!c.parser && o.new_text.empty() && o.new_logprobs.empty() && !o.finished) return events;
   ojson choice;
   choice["index"] = item.index;
   const bool want_lp = req_.params.logprobs >= 0 && !o.new_logprobs.empty();
-  if (req_.chat) {
+  if (req_.chat && c.parser) {
+    if (pd.empty() && o.new_logprobs.empty() && !o.finished) return events;
+    choice["delta"] = parsed_delta_json(pd);
+    choice["logprobs"] = want_lp ? logprobs_json(o.new_logprobs, 0) : ojson(nullptr);
+  } else if (req_.chat) {
     ojson delta = ojson::object();
     if (!o.new_text.empty() || !o.finished) delta["content"] = o.new_text;
     choice["delta"] = delta;
@@ -295,7 +344,8 @@ std::vector<std::string> ChoiceBuilder::add(const StreamItem& item) {
     choice["logprobs"] = want_lp ? logprobs_json(o.new_logprobs, offset_before) : ojson(nullptr);
   }
   const bool ended = o.finished && o.finish_reason != FinishReason::kError;
-  choice["finish_reason"] = ended ? ojson(finish_reason_name(o.finish_reason)) : ojson(nullptr);
+  const bool called = c.parser && !c.parsed.tool_calls.empty() && o.finish_reason == FinishReason::kStop;
+  choice["finish_reason"] = ended ? ojson(called ? "tool_calls" : finish_reason_name(o.finish_reason)) : ojson(nullptr);
   if (ended && !o.stop_reason.empty()) choice["stop_reason"] = o.stop_reason;
   ojson chunk = {{"id", id_},
                  {"object", req_.chat ? "chat.completion.chunk" : "text_completion"},
@@ -357,7 +407,19 @@ ojson ChoiceBuilder::final_json() const {
     ojson choice;
     choice["index"] = i;
     const bool want_lp = req_.params.logprobs >= 0;
-    if (req_.chat) {
+    if (req_.chat && c.parser) {
+      ojson msg = {{"role", "assistant"}};
+      msg["content"] = c.parsed.content.empty() && !c.parsed.tool_calls.empty() ? ojson(nullptr) : ojson(c.parsed.content);
+      if (!c.parsed.reasoning.empty()) msg["reasoning_content"] = c.parsed.reasoning;
+      if (!c.parsed.tool_calls.empty()) {
+        ojson calls = ojson::array();
+        for (const auto& tc : c.parsed.tool_calls)
+          calls.push_back({{"id", tc.id}, {"type", "function"}, {"function", {{"name", tc.name}, {"arguments", tc.arguments}}}});
+        msg["tool_calls"] = calls;
+      }
+      choice["message"] = msg;
+      choice["logprobs"] = want_lp ? logprobs_json(c.logprobs, 0) : ojson(nullptr);
+    } else if (req_.chat) {
       choice["message"] = {{"role", "assistant"}, {"content", c.text}};
       choice["logprobs"] = want_lp ? logprobs_json(c.logprobs, 0) : ojson(nullptr);
     } else {
@@ -365,7 +427,10 @@ ojson ChoiceBuilder::final_json() const {
       const size_t base = req_.echo ? req_.prompt_texts[i / n_].size() : 0;
       choice["logprobs"] = want_lp ? logprobs_json(c.logprobs, base) : ojson(nullptr);
     }
-    choice["finish_reason"] = c.finish == FinishReason::kNone ? ojson(nullptr) : ojson(finish_reason_name(c.finish));
+    const bool called = c.parser && !c.parsed.tool_calls.empty() && c.finish == FinishReason::kStop;
+    choice["finish_reason"] = c.finish == FinishReason::kNone ? ojson(nullptr)
+                              : called                        ? ojson("tool_calls")
+                                                              : ojson(finish_reason_name(c.finish));
     choice["stop_reason"] = c.stop_reason.empty() ? ojson(nullptr) : ojson(c.stop_reason);
     if (req_.return_token_ids) {
       choice["token_ids"] = c.tokens;

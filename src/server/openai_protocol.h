@@ -41,6 +41,7 @@ struct ApiRequest {
   bool echo = false;
   bool chat_logprobs = false;  // chat: logprobs: true (+ top_logprobs)
   bool return_token_ids = false;  // vLLM extension: token_ids per choice (non-streaming)
+  bool tools = false;             // chat: tools given and tool_choice != "none"
   int priority = 0;
 };
 
@@ -79,7 +80,12 @@ class ChoiceBuilder {
     int64_t completion_tokens = 0;
     int64_t prompt_tokens = 0;
     int64_t cached_tokens = 0;
+    // Chat with the model's tokenizer: reasoning and tool calls parsed out of the ids.
+    std::unique_ptr<OutputParser> parser;
+    ParsedOutput parsed;
   };
+  // Chat deltas through the parser: the JSON "delta" object and whether it says anything.
+  ojson parsed_delta_json(const ParsedDelta& d) const;
   ojson logprobs_json(const std::vector<TokenLogprob>& lps, size_t text_offset) const;
   ojson usage_json() const;
   std::string event(const ojson& chunk) const;

@@ -165,3 +165,22 @@ def test_tokenize_detokenize_metrics(server):
                  "vllm:request_queue_time_seconds_bucket"]:
         assert name in text, name
     assert 'cache_group="latent"' in text and 'cache_group="indexer"' in text
+
+
+def test_chat_with_tools_is_encoded_and_answered(client, server):
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    plain = client.chat.completions.create(model=server.name, messages=msgs, max_tokens=4, temperature=0)
+    with_tools = client.chat.completions.create(model=server.name, messages=msgs, tools=tools, max_tokens=4,
+                                                temperature=0)
+    # The tool definitions are in the prompt ([AVAILABLE_TOOLS] block, mistral-common layout).
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + 20
+    assert with_tools.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # A tool-result turn in the history is accepted too (ids rewritten to 9 alphanumerics).
+    history = msgs + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_abc123xyz", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_abc123xyz", "content": "sunny"}]
+    r = client.chat.completions.create(model=server.name, messages=history, tools=tools, max_tokens=4, temperature=0)
+    assert r.usage.prompt_tokens > with_tools.usage.prompt_tokens
