@@ -98,6 +98,29 @@ class Binder {
   std::set<std::string> used_;
 };
 
+// HF checkpoints with `rope_interleave: false` store each rope segment in rotate_half order:
+// stored row j of a segment holds interleaved (native) row perm[j]
+// (hf_rope_row_permutation). Rows [offset, offset + dr) of every `group`-row block of `w`
+// are put back in native order; the result is an owned f32 weight (exact: every stored
+// format decodes exactly to f32).
+LinearWeight unpermute_rope_rows(const LinearWeight& w, int64_t group, int64_t offset, int dr) {
+  const std::vector<int> perm = hf_rope_row_permutation(dr, false);
+  std::vector<float> src = dequantize_linear(w);
+  const int64_t K = w.in_features;
+  Tensor t(DType::kF32, {w.out_features, K});
+  float* dst = t.mutable_as<float>();
+  std::copy(src.begin(), src.end(), dst);
+  for (int64_t g = 0; g < w.out_features / group; ++g)
+    for (int j = 0; j < dr; ++j)
+      std::copy_n(src.data() + (g * group + offset + j) * K, K, dst + (g * group + offset + perm[j]) * K);
+  LinearWeight o = w;
+  o.format = LinearFormat::kF32;
+  o.weight = t;
+  o.scale = Tensor();
+  o.global_scale = 1.0f;
+  return o;
+}
+
 // Splits W_UK [H][dn][r] and W_UV [H][dv][r] out of wkv_b [H*(dn+dv), r].
 void split_wkv_b(const ModelConfig& cfg, const LinearWeight& wkv_b, AttentionWeights& A) {
   const int H = cfg.n_heads, dn = cfg.qk_nope_head_dim, dv = cfg.v_head_dim, r = cfg.kv_lora_rank;
@@ -144,6 +167,11 @@ Status load_layer(const ModelConfig& cfg, int l, Binder& b, LayerWeights& LW, co
   if (spec.owns_kv()) {
     ML4_ASSIGN_OR_RETURN(A.wkv_a, b.linear(pa + "wkv_a_with_mqa", r + dr, D));
     ML4_ASSIGN_OR_RETURN(A.kv_a_norm, b.vec(pa + "kv_a_norm.weight", r));
+  }
+  if (!cfg.rope_interleave) {
+    LinearWeight& wq = cfg.q_lora_rank > 0 ? A.wq_b : A.wq;
+    wq = unpermute_rope_rows(wq, dn + dr, dn, static_cast<int>(dr));
+    if (spec.owns_kv()) A.wkv_a = unpermute_rope_rows(A.wkv_a, r + dr, r, static_cast<int>(dr));
   }
   ML4_ASSIGN_OR_RETURN(A.wkv_b, b.linear(pa + "wkv_b", H * (dn + dv), r));
   split_wkv_b(cfg, A.wkv_b, A);

@@ -1,7 +1,11 @@
 // The Mistral-native and HF layouts of one checkpoint load to identical weights and give
 // identical logits (MODEL.md section 6: the oracles read HF, ml4 reads both), and every
 // weight format runs the whole model.
+#include <filesystem>
+#include <fstream>
 #include <random>
+
+#include <nlohmann/json.hpp>
 
 #include <gtest/gtest.h>
 
@@ -9,6 +13,8 @@
 #include "model/model_weights.h"
 #include "kv/cache_spec.h"
 #include "model/quant.h"
+#include "model/safetensors.h"
+#include "model/weight_names.h"
 #include "runtime/test_models.h"
 
 namespace ml4 {
@@ -221,6 +227,72 @@ TEST(Formats, Fp8ExpertsRequantizedToMxfp4AtLoad) {
   auto out = (*r)->execute(StepInput{{seq_step(**r, 1, prompt(20, cfg->vocab_size), 0, 0, 1, 1)}});
   ASSERT_TRUE(out.ok());
   for (float v : out->logits[0]) ASSERT_TRUE(std::isfinite(v));
+}
+
+}  // namespace
+}  // namespace ml4
+
+namespace ml4 {
+namespace {
+
+// An HF checkpoint stored with `rope_interleave: false` (rotate_half row order) loads to the
+// same model: the test writes one from the native weights by permuting the rope rows of
+// wq/wq_b and wkv_a_with_mqa, and the logits must equal the native model's (the loader
+// decodes to f32 exactly, so only summation order may differ: 1e-6).
+TEST(Layouts, HfRotateHalfRopeOrderLoadsIdentically) {
+  const std::string dir = test_model("mistral4-tiny", 3, "bf16", "both");
+  const std::string out = dir + "-rotate-half";
+  std::filesystem::create_directories(out);
+  auto cfg = load_model_config(dir + "/hf");
+  ASSERT_TRUE(cfg.ok());
+  const int dn = cfg->qk_nope_head_dim, dr = cfg->qk_rope_head_dim, r = cfg->kv_lora_rank;
+  const std::vector<int> perm = hf_rope_row_permutation(dr, false);
+  auto ck = Checkpoint::open(dir + "/hf");
+  ASSERT_TRUE(ck.ok());
+  SafetensorsWriter w;
+  for (const auto& name : ck->names()) {
+    Tensor t = ck->get(name).value();
+    int64_t group = 0, offset = 0;
+    if (name.find("q_b_proj.weight") != std::string::npos || name.find("q_proj.weight") != std::string::npos) {
+      group = dn + dr;
+      offset = dn;
+    } else if (name.find("kv_a_proj_with_mqa.weight") != std::string::npos) {
+      group = r + dr;
+      offset = r;
+    }
+    if (group == 0) {
+      ASSERT_TRUE(w.add(name, t).is_ok());
+      continue;
+    }
+    ASSERT_EQ(t.dtype(), DType::kBF16) << name;
+    Tensor c(DType::kBF16, t.shape());
+    const int64_t K = t.dim(1);
+    const uint16_t* src = t.as<uint16_t>();
+    uint16_t* dst = c.mutable_as<uint16_t>();
+    std::copy(src, src + t.numel(), dst);
+    for (int64_t g = 0; g < t.dim(0) / group; ++g)
+      for (int j = 0; j < dr; ++j)  // stored row j holds native row perm[j]
+        std::copy_n(src + (g * group + offset + perm[j]) * K, K, dst + (g * group + offset + j) * K);
+    ASSERT_TRUE(w.add(name, c).is_ok());
+  }
+  ASSERT_TRUE(w.write(out + "/model.safetensors").is_ok());
+  {
+    std::ifstream in(dir + "/hf/config.json");
+    auto j = nlohmann::json::parse(in);
+    j["rope_interleave"] = false;
+    std::ofstream(out + "/config.json") << j.dump(2);
+  }
+  auto rn = load_runner(dir, "bf16");
+  auto rh = load_runner(out, "bf16");
+  ASSERT_TRUE(rn && rh);
+  EXPECT_FALSE(rh->config().rope_interleave);
+  auto p = prompt(29, rn->config().vocab_size);
+  auto on = rn->execute(StepInput{{seq_step(*rn, 1, p, 0, 0, 1, 29)}});
+  auto oh = rh->execute(StepInput{{seq_step(*rh, 1, p, 0, 0, 1, 29)}});
+  ASSERT_TRUE(on.ok() && oh.ok());
+  EXPECT_LT(rel_l2(oh->logits[0], on->logits[0]), 1e-6);
+  std::error_code ec;
+  std::filesystem::remove_all(out, ec);
 }
 
 }  // namespace
