@@ -1,7 +1,7 @@
 // Mistral instruct chat encoding: an OpenAI-style request to prompt ids, exactly as
 // mistral-common's MistralTokenizer.encode_chat_completion (v1.13) produces them.
 //
-// The pipeline mirrors mistral-common's three stages, each in its own section of chat.cpp:
+// The pipeline mirrors mistral-common's four stages (1-3 in chat_request.cpp, 4 in chat.cpp):
 //   1. parse    ChatCompletionRequest.from_openai (protocol/instruct/{messages,chunk,
 //               tool_calls,request}.py): roles, content chunks, tool calls, reasoning fields;
 //   2. validate MistralRequestValidatorV5/V11/V13/V15 in "test" mode (validator.py);
