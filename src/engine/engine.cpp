@@ -179,7 +179,8 @@ RequestOutput Engine::take_output(Request& r) {
 }
 
 Result<std::vector<RequestOutput>> Engine::step(double now) {
-  if (now <= 0) now = mono_now();
+  const double t_enter = mono_now();
+  if (now <= 0) now = t_enter;
   std::vector<RequestOutput> outputs;
   SchedulerOutput so = scheduler_.schedule(now);
   if (so.empty()) return outputs;
@@ -204,9 +205,12 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
   ++counters_.steps;
   if (step_hook_) step_hook_(so, in);
 
+  counters_.batched_tokens += so.num_batched_tokens;
+  const double t_fwd = mono_now();
   ML4_ASSIGN_OR_RETURN(StepOutput out, runner_->execute(in));
   // Tokens exist once the forward is done: timestamps for TTFT / ITL are taken here.
   const double done = mono_now();
+  counters_.forward_seconds += done - t_fwd;
 
   // The runner returns one entry per sequence, or one per sequence that asked for logits.
   size_t wanted = 0;
@@ -256,6 +260,7 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
       live_.erase(id);
     }
   }
+  counters_.step_seconds += mono_now() - t_enter;
   return outputs;
 }
 

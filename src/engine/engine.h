@@ -68,6 +68,9 @@ struct EngineCounters {
   int64_t prefix_hits = 0;
   int64_t steps = 0;
   int64_t max_batched_tokens_seen = 0;
+  double step_seconds = 0.0;     // wall time inside step(), all of it
+  double forward_seconds = 0.0;  // of which the runner's execute()
+  int64_t batched_tokens = 0;    // tokens fed to the runner, summed over steps
 };
 
 class Engine {

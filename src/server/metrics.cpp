@@ -106,6 +106,14 @@ std::string ServerMetrics::render(const EngineSnapshot& snap) const {
   o += fmt::format("vllm:prompt_tokens_total{{{}}} {}\n", ml, c.prompt_tokens);
   family("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.");
   o += fmt::format("vllm:generation_tokens_total{{{}}} {}\n", ml, c.generation_tokens);
+  family("ml4:engine_step_seconds_total", "counter", "Wall time in engine steps (scheduling, forward, sampling).");
+  o += fmt::format("ml4:engine_step_seconds_total{{{}}} {}\n", ml, fmt_double(c.step_seconds));
+  family("ml4:engine_forward_seconds_total", "counter", "Wall time in the model runner's forward.");
+  o += fmt::format("ml4:engine_forward_seconds_total{{{}}} {}\n", ml, fmt_double(c.forward_seconds));
+  family("ml4:engine_steps_total", "counter", "Engine steps run.");
+  o += fmt::format("ml4:engine_steps_total{{{}}} {}\n", ml, c.steps);
+  family("ml4:engine_batched_tokens_total", "counter", "Tokens fed to the model, summed over steps.");
+  o += fmt::format("ml4:engine_batched_tokens_total{{{}}} {}\n", ml, c.batched_tokens);
   {
     std::lock_guard<std::mutex> lk(mu_);
     family("vllm:request_success_total", "counter", "Count of finished requests by finish reason.");
