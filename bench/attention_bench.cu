@@ -137,13 +137,16 @@ int main() {
     DeviceBuffer ws = must_alloc(wsb);
     p.workspace = ws.data();
     p.workspace_bytes = wsb;
-    const double ms = bench::median_ms(s, 3, 20, [&](int) { BENCH_CHECK(mla_attention(p)); });
-    const double bytes = double(B) * topk * tb + double(B) * H * (576 + 512 + 1) * 4;
-    const double flop = 2.0 * B * H * topk * (576 + 512);
-    std::printf("ATTN sparse_mla_decode B=%d topk=%d H=%d: %.4f ms, %.0f GB/s (%.1f%% of copy), %.1f TFLOP/s, "
-                "floor %.4f ms\n",
-                B, topk, H, ms, bytes / (ms * 1e6), 100 * bytes / (ms * 1e6) / hbm, flop / (ms * 1e9),
-                bytes / (hbm * 1e6));
+    for (MlaMath math : {MlaMath::kF32, MlaMath::kBf16TensorCore}) {
+      p.math = math;
+      const double ms = bench::median_ms(s, 3, 20, [&](int) { BENCH_CHECK(mla_attention(p)); });
+      const double bytes = double(B) * topk * tb + double(B) * H * (576 + 512 + 1) * 4;
+      const double flop = 2.0 * B * H * topk * (576 + 512);
+      std::printf("ATTN sparse_mla_decode %s B=%d topk=%d H=%d: %.4f ms, %.0f GB/s (%.1f%% of copy), %.1f TFLOP/s, "
+                  "floor %.4f ms\n",
+                  math == MlaMath::kF32 ? "f32" : "bf16-tc", B, topk, H, ms, bytes / (ms * 1e6),
+                  100 * bytes / (ms * 1e6) / hbm, flop / (ms * 1e9), bytes / (hbm * 1e6));
+    }
   }
 
   // 2. Dense decode, 8k context.
@@ -179,11 +182,15 @@ int main() {
     DeviceBuffer ws = must_alloc(wsb);
     p.workspace = ws.data();
     p.workspace_bytes = wsb;
-    const double ms = bench::median_ms(s, 2, 10, [&](int) { BENCH_CHECK(mla_attention(p)); });
-    const double bytes = double(B) * ctx * tb;
-    const double flop = 2.0 * B * H * ctx * (576 + 512);
-    std::printf("ATTN dense_mla_decode B=%d ctx=%d H=%d: %.4f ms, %.0f GB/s (%.1f%% of copy), %.1f TFLOP/s\n", B, ctx,
-                H, ms, bytes / (ms * 1e6), 100 * bytes / (ms * 1e6) / hbm, flop / (ms * 1e9));
+    for (MlaMath math : {MlaMath::kF32, MlaMath::kBf16TensorCore}) {
+      p.math = math;
+      const double ms = bench::median_ms(s, 2, 10, [&](int) { BENCH_CHECK(mla_attention(p)); });
+      const double bytes = double(B) * ctx * tb;
+      const double flop = 2.0 * B * H * ctx * (576 + 512);
+      std::printf("ATTN dense_mla_decode %s B=%d ctx=%d H=%d: %.4f ms, %.0f GB/s (%.1f%% of copy), %.1f TFLOP/s\n",
+                  math == MlaMath::kF32 ? "f32" : "bf16-tc", B, ctx, H, ms, bytes / (ms * 1e6),
+                  100 * bytes / (ms * 1e6) / hbm, flop / (ms * 1e9));
+    }
   }
 
   // 3. Indexer + top-k at 60k context.
@@ -251,6 +258,9 @@ int main() {
         tp.block_table_stride = pages;
         tp.seq_of_token = d_seq.as<int32_t>();
         tp.stream = s;
+        ip.math = IndexerMath::kFp8TensorCore;
+        const double ms_tc = bench::median_ms(s, 2, 10, [&](int) { BENCH_CHECK(indexer_scores(ip)); });
+        ip.math = IndexerMath::kF32;
         const double ms_i = bench::median_ms(s, 2, 10, [&](int) { BENCH_CHECK(indexer_scores(ip)); });
         const double ms_k = bench::median_ms(s, 2, 10, [&](int) { BENCH_CHECK(ml4::cuda::topk(tp)); });
         const double bytes = double(B) * ctx * 132 + 2.0 * B * ctx * 4;
@@ -259,6 +269,10 @@ int main() {
                     "%.0f GB/s (%.1f%% of copy), floor %.4f ms\n",
                     ctx, HI, B, ms_i, flop / (ms_i * 1e9), ms_k, ms_i + ms_k, bytes / ((ms_i + ms_k) * 1e6),
                     100 * bytes / ((ms_i + ms_k) * 1e6) / hbm, bytes / (hbm * 1e6));
+        std::printf("ATTN indexer_fp8_tc ctx=%d HI=%d B=%d: indexer %.4f ms (%.1f TFLOP/s), + topk %.4f ms, %.0f GB/s "
+                    "(%.1f%% of copy)\n",
+                    ctx, HI, B, ms_tc, flop / (ms_tc * 1e9), ms_tc + ms_k, bytes / ((ms_tc + ms_k) * 1e6),
+                    100 * bytes / ((ms_tc + ms_k) * 1e6) / hbm);
       }
     }
   }

@@ -21,41 +21,22 @@
 #include <cuda_fp8.h>
 
 #include "kv/latent_layout.h"
+#include "ops/cuda/attention_internal.h"
 #include "ops/cuda/cuda_common.h"
 
 namespace ml4::cuda {
 namespace {
 
+using detail::Args;
+using detail::key_slot;
+
 constexpr int kThreads = 512;
 constexpr int kTile = 16;            // keys per tile
+constexpr int kSplitQuantum = 64;    // split boundaries: whole tiles of both kernels
 constexpr int kMaxRowWords = 288;    // bf16 rows: 1152 B
 constexpr int kRawPerThread = (kTile * kMaxRowWords + kThreads - 1) / kThreads;  // 9
 constexpr int kMaxHeadsPerGroup = 16;  // PV: at least 4 head groups of <= 16 heads (r <= 512)
 static_assert(kThreads / (512 / 4) * kMaxHeadsPerGroup >= kMlaHeadsPerBlock, "PV mapping covers 64 heads");
-
-struct Args {
-  const float* q_lat;
-  const float* q_rope;
-  const float* head_scale;
-  int T, H, r, dr;
-  const uint8_t* cache;
-  int64_t num_slots;
-  int dtype;
-  float fp8_scale;
-  int row_bytes;
-  const int32_t* indices;
-  int64_t indices_stride;
-  int topk;
-  const int32_t* index_lengths;
-  const int32_t* block_table;
-  int64_t bt_stride;
-  const int32_t* seq_of_token;
-  const int32_t* lengths;
-  int chunk;        // keys per split (multiple of kTile)
-  int splits;
-  float* out;       // final out (splits == 1) or partial [splits][T][H][r]
-  float* lse;       // final lse or partial [splits][T][H]
-};
 
 __device__ __forceinline__ float e4m3_f32(uint8_t b) {
   __nv_fp8_e4m3 v;
@@ -64,18 +45,6 @@ __device__ __forceinline__ float e4m3_f32(uint8_t b) {
 }
 __device__ __forceinline__ float bf16_f32(const uint8_t* p) {
   return __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(p));
-}
-
-// Cache slot of key j of token t, or -1.
-__device__ __forceinline__ int64_t key_slot(const Args& a, int64_t t, int j, int seq) {
-  int64_t s;
-  if (a.indices) {
-    s = a.indices[t * a.indices_stride + j];
-  } else {
-    const int64_t b = a.block_table[seq * a.bt_stride + j / kPageTokens];
-    s = b < 0 ? -1 : b * kPageTokens + j % kPageTokens;
-  }
-  return (s >= 0 && s < a.num_slots) ? s : -1;
 }
 
 __global__ void __launch_bounds__(kThreads, 1) mla_kernel(const Args a) {
@@ -362,7 +331,7 @@ Status mla_attention(const MlaAttentionParams& p) {
   if (splits > 65535) splits = 65535;
   const int64_t keys = std::max(max_keys(p), 1);
   int chunk = static_cast<int>((keys + splits - 1) / splits);
-  chunk = (chunk + kTile - 1) / kTile * kTile;
+  chunk = (chunk + kSplitQuantum - 1) / kSplitQuantum * kSplitQuantum;
 
   Args a{};
   a.q_lat = p.q_lat;
@@ -392,13 +361,20 @@ Status mla_attention(const MlaAttentionParams& p) {
   a.out = splits > 1 ? part_out : p.out_lat;
   a.lse = splits > 1 ? part_lse : p.lse;
 
-  const size_t smem = smem_bytes(p, row_bytes);
-  ML4_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(mla_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                static_cast<int>(smem)));
   const dim3 grid(static_cast<unsigned>(p.T), static_cast<unsigned>(splits),
                   static_cast<unsigned>((p.H + kMlaHeadsPerBlock - 1) / kMlaHeadsPerBlock));
-  mla_kernel<<<grid, kThreads, smem, p.stream>>>(a);
-  ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "mla_kernel"));
+  const bool tc = p.math == MlaMath::kBf16TensorCore && p.dtype != KvCacheDtype::kBf16 && (p.r + p.dr) % 16 == 0;
+  if (tc) {
+    ML4_RETURN_IF_ERROR(
+        cuda_status(detail::launch_mla_tc(a, grid, detail::mla_tc_smem_bytes(p.r, p.dr, row_bytes), p.stream),
+                    "mla_tc_kernel"));
+  } else {
+    const size_t smem = smem_bytes(p, row_bytes);
+    ML4_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(mla_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                  static_cast<int>(smem)));
+    mla_kernel<<<grid, kThreads, smem, p.stream>>>(a);
+    ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "mla_kernel"));
+  }
   if (splits > 1) {
     const int64_t TH = p.T * p.H;
     if (TH > 0x7fffffff) return invalid_argument("mla_attention: T * H too large");

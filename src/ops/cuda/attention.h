@@ -36,6 +36,14 @@ namespace ml4::cuda {
 // Heads per thread block; more heads run as further blocks (grid.z).
 constexpr int kMlaHeadsPerBlock = 64;
 
+// Arithmetic of the two matmuls (QK^T, PV).
+//   kF32: f32 CUDA cores, keys dequantized to f32: ~1e-6 relative to the f64-summing CPU
+//     reference (the exact path; slow: compute-bound at ~10 TFLOP/s, see docs/BENCHMARKS.md).
+//   kBf16TensorCore: q, keys and P rounded to bf16, mma.sync with f32 accumulation, f32
+//     softmax (FlashMLA's numerics): ~1e-3 relative. Needs cache dtype fp8_ds_mla or fp8 and
+//     (r + dr) % 16 == 0; otherwise the kF32 kernel runs.
+enum class MlaMath { kF32, kBf16TensorCore };
+
 struct MlaAttentionParams {
   const float* q_lat = nullptr;       // [T, H, r] f32
   const float* q_rope = nullptr;      // [T, H, dr] f32
@@ -66,6 +74,7 @@ struct MlaAttentionParams {
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   int num_splits = 0;                 // 0: chosen from T, H and the multiprocessor count
+  MlaMath math = MlaMath::kF32;
   cudaStream_t stream = nullptr;
 };
 

@@ -8,8 +8,7 @@
 // deterministic run to run.
 //
 // Cost per (token, key): HI * 128 MACs on f32 cores (64 heads: 16 KFLOP); bytes per key 132.
-// A tensor-core (FP8 mma) version is the next step for long prefills; decode at 60k context
-// is ~1 GFLOP per token.
+// IndexerMath::kFp8TensorCore runs the same scores on FP8 mma.sync (indexer_fp8_kernel below).
 #include "ops/cuda/indexer.h"
 
 #include <cuda_fp8.h>
@@ -130,6 +129,115 @@ __global__ void __launch_bounds__(kThreads) indexer_scores_kernel(
   }
 }
 
+// FP8 tensor-core variant: grid (T, chunks of kPagesPerBlock pages), 256 threads = 8 warps.
+// Per page, S[key][head] = k8 . q8 as mma.sync m16n8k32 e4m3 (A = keys, row-major; B = q,
+// "column-major" = q rows as stored). Warp w: key tile w % 4 (16 keys), head n-tiles
+// [4 (w / 4), +4) of 8 heads. Fragment layout (PTX ISA, mma.m16n8k32 for 8-bit types): A reg i
+// holds 4 consecutive k of row g (+8 for regs 1, 3) at k = 4 tq (+16 for regs 2, 3); B reg i
+// holds k = 4 tq (+16) of column g; C as for m16n8k16. Rows padded to 144 B (bank spread).
+constexpr int kRowB = kDim + 16;
+
+__device__ __forceinline__ void mma_e4m3(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__global__ void __launch_bounds__(kThreads) indexer_fp8_kernel(
+    const uint8_t* __restrict__ q, const float* __restrict__ q_scale, const float* __restrict__ weights,
+    const uint8_t* __restrict__ cache, int64_t num_blocks, const int32_t* __restrict__ block_table,
+    int64_t bt_stride, const int32_t* __restrict__ seq_of_token, const int32_t* __restrict__ lengths, int HI,
+    float* __restrict__ scores, int64_t scores_stride) {
+  __shared__ __align__(16) uint8_t qs[kIndexerMaxHeads * kRowB];
+  __shared__ __align__(16) uint8_t ks[kPageTokens * kRowB];
+  __shared__ float wq[kIndexerMaxHeads], kscale[kPageTokens], red[2][kPageTokens];
+  __shared__ int64_t page_id;
+  const int64_t t = blockIdx.x;
+  const int len = lengths[t];
+  const int page0 = blockIdx.y * kPagesPerBlock;
+  if (page0 * kPageTokens >= len) return;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, tq = lane & 3, mt = warp & 3, hh = warp >> 2;
+  const int seq = seq_of_token[t];
+  const int nt_total = (HI + 7) / 8;
+  for (int i = tid; i < kIndexerMaxHeads * (kDim / 16); i += kThreads) {
+    const int h = i / (kDim / 16), c = i % (kDim / 16);
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (h < HI) v = *reinterpret_cast<const uint4*>(q + (t * HI + h) * kDim + 16 * c);
+    *reinterpret_cast<uint4*>(qs + h * kRowB + 16 * c) = v;
+  }
+  for (int h = tid; h < kIndexerMaxHeads; h += kThreads)
+    wq[h] = h < HI ? weights[t * HI + h] * q_scale[t * HI + h] : 0.0f;
+  const int64_t page_bytes = kPageTokens * (kDim + 4);
+  for (int pg = page0; pg < page0 + kPagesPerBlock && pg * kPageTokens < len; ++pg) {
+    __syncthreads();
+    if (tid == 0) {
+      const int64_t b = block_table[seq * bt_stride + pg];
+      page_id = (b >= 0 && b < num_blocks) ? b : -1;
+    }
+    __syncthreads();
+    const int64_t b = page_id;
+    if (b < 0) {
+      if (tid < kPageTokens && pg * kPageTokens + tid < len)
+        scores[t * scores_stride + pg * kPageTokens + tid] = -__int_as_float(0x7f800000);
+      continue;
+    }
+    const uint8_t* page = cache + b * page_bytes;
+    for (int i = tid; i < kPageTokens * (kDim / 16); i += kThreads) {
+      const int s = i / (kDim / 16), c = i % (kDim / 16);
+      *reinterpret_cast<uint4*>(ks + s * kRowB + 16 * c) = *reinterpret_cast<const uint4*>(page + s * kDim + 16 * c);
+    }
+    if (tid < kPageTokens) kscale[tid] = reinterpret_cast<const float*>(page + kPageTokens * kDim)[tid];
+    __syncthreads();
+    float acc[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    const uint8_t* ka = ks + (16 * mt + g) * kRowB + 4 * tq;
+#pragma unroll
+    for (int k0 = 0; k0 < kDim; k0 += 32) {
+      uint32_t a[4];
+      a[0] = *reinterpret_cast<const uint32_t*>(ka + k0);
+      a[1] = *reinterpret_cast<const uint32_t*>(ka + 8 * kRowB + k0);
+      a[2] = *reinterpret_cast<const uint32_t*>(ka + k0 + 16);
+      a[3] = *reinterpret_cast<const uint32_t*>(ka + 8 * kRowB + k0 + 16);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int nt = 4 * hh + j;
+        if (nt < nt_total) {
+          const uint8_t* qb = qs + (8 * nt + g) * kRowB + 4 * tq + k0;
+          mma_e4m3(acc[j], a, *reinterpret_cast<const uint32_t*>(qb), *reinterpret_cast<const uint32_t*>(qb + 16));
+        }
+      }
+    }
+    float p0 = 0.f, p1 = 0.f;  // key rows 16 mt + g and + 8
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int h = 8 * (4 * hh + j) + 2 * tq;
+      if (4 * hh + j < nt_total) {
+        p0 = fmaf(wq[h], fmaxf(acc[j][0], 0.f), p0);
+        p0 = fmaf(wq[h + 1], fmaxf(acc[j][1], 0.f), p0);
+        p1 = fmaf(wq[h], fmaxf(acc[j][2], 0.f), p1);
+        p1 = fmaf(wq[h + 1], fmaxf(acc[j][3], 0.f), p1);
+      }
+    }
+    p0 += __shfl_xor_sync(0xffffffffu, p0, 1);
+    p0 += __shfl_xor_sync(0xffffffffu, p0, 2);
+    p1 += __shfl_xor_sync(0xffffffffu, p1, 1);
+    p1 += __shfl_xor_sync(0xffffffffu, p1, 2);
+    if (tq == 0) {
+      red[hh][16 * mt + g] = p0;
+      red[hh][16 * mt + g + 8] = p1;
+    }
+    __syncthreads();
+    if (tid < kPageTokens) {
+      const int s = pg * kPageTokens + tid;
+      if (s < len) scores[t * scores_stride + s] = (red[0][tid] + red[1][tid]) * kscale[tid];
+    }
+  }
+}
+
 size_t smem_bytes(int HI) {
   return sizeof(float) * (static_cast<size_t>(HI) * kRow + kPageTokens * kRow + kIndexerMaxHeads + 4 * kPageTokens +
                           kPageTokens);
@@ -157,10 +265,16 @@ Status indexer_scores(const IndexerScoresParams& p) {
                             p.block_table_stride);
   const int chunks = (pages + kPagesPerBlock - 1) / kPagesPerBlock;
   if (chunks > 65535) return invalid_argument("indexer_scores: max_length {} too large", p.max_length);
+  const dim3 grid(static_cast<unsigned>(p.T), static_cast<unsigned>(chunks));
+  if (p.math == IndexerMath::kFp8TensorCore) {
+    indexer_fp8_kernel<<<grid, kThreads, 0, p.stream>>>(
+        static_cast<const uint8_t*>(p.q), p.q_scale, p.weights, static_cast<const uint8_t*>(p.cache), p.num_blocks,
+        p.block_table, p.block_table_stride, p.seq_of_token, p.lengths, p.HI, p.scores, p.scores_stride);
+    return cuda_status(cudaGetLastError(), "indexer_fp8_kernel");
+  }
   const size_t smem = smem_bytes(p.HI);
   ML4_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(indexer_scores_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  const dim3 grid(static_cast<unsigned>(p.T), static_cast<unsigned>(chunks));
   indexer_scores_kernel<<<grid, kThreads, smem, p.stream>>>(
       static_cast<const uint8_t*>(p.q), p.q_scale, p.weights, static_cast<const uint8_t*>(p.cache), p.num_blocks,
       p.block_table, p.block_table_stride, p.seq_of_token, p.lengths, p.HI, p.scores, p.scores_stride);

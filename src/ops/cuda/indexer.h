@@ -21,6 +21,13 @@ namespace ml4::cuda {
 // Heads the kernel handles (DeepSeek-V3.2 and ML4 use 64 and 32; tiny models 4).
 constexpr int kIndexerMaxHeads = 64;
 
+// How q8 . k8 is computed.
+//   kF32: e4m3 decoded to f32, f32 FMAs (products exact, f32 sums: ~1e-7 relative).
+//   kFp8TensorCore: mma.sync m16n8k32 e4m3 x e4m3 -> f32 on the tensor cores, as DeepSeek's
+//     fp8_index; Hopper's FP8 tensor-core accumulation keeps fewer bits than f32 (DeepSeek-V3
+//     report 3.3.2), so scores differ from kF32 by up to ~1e-4 relative.
+enum class IndexerMath { kF32, kFp8TensorCore };
+
 struct IndexerScoresParams {
   const void* q = nullptr;          // [T, HI, dI] e4m3
   const float* q_scale = nullptr;   // [T, HI] one scale per head (dI == 128)
@@ -37,6 +44,7 @@ struct IndexerScoresParams {
   int max_length = 0;               // host-side bound on lengths[t] (grid size)
   float* scores = nullptr;          // [T, scores_stride] f32
   int64_t scores_stride = 0;        // >= max_length
+  IndexerMath math = IndexerMath::kF32;
   cudaStream_t stream = nullptr;
 };
 Status indexer_scores(const IndexerScoresParams& p);

@@ -5,8 +5,9 @@
 // most significant first, each a shared-memory histogram of the keys that still match the
 // chosen prefix, fix one digit of the k-th largest key `thr` and the number `take_eq` of
 // keys equal to thr that belong to the top k. A final pass keeps keys > thr and the first
-// take_eq keys == thr in position order (the CPU's lower-index tie rule), compacted with
-// block scans so the output is in ascending position order and deterministic.
+// take_eq keys == thr in position order (the CPU's lower-index tie rule); each thread owns a
+// contiguous run of positions, so two block scans of per-thread counts place every selected
+// position: the output is in ascending position order and deterministic.
 // Rows with length <= k skip the passes: every position is selected.
 #include "ops/cuda/topk.h"
 
@@ -45,6 +46,13 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const float* __restrict_
   const float* row = scores + t * scores_stride;
   const int32_t* bt = slots ? block_table + static_cast<int64_t>(seq_of_token[t]) * bt_stride : nullptr;
 
+  // Thread tid owns the contiguous positions [tid * seg, tid * seg + seg) of the row: loads
+  // unrolled 8 deep keep several in flight per thread (a one-load-per-iteration loop was
+  // latency-bound at ~25 us per pass for 60k scores), and per-thread counts in position order
+  // make the final compaction two block scans instead of one pair per 1024 positions.
+  const int seg = (n + kThreads - 1) / kThreads;
+  const int lo = tid * seg;
+  const int lane = tid & 31;
   uint32_t thr = 0;  // every key >= 0: all selected when kk == n
   int take_eq = n;
   if (kk < n && kk > 0) {
@@ -53,9 +61,25 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const float* __restrict_
     for (int shift = 24; shift >= 0; shift -= 8) {
       for (int i = tid; i < 256; i += kThreads) hist[i] = 0;
       __syncthreads();
-      for (int i = tid; i < n; i += kThreads) {
-        const uint32_t u = order_key(row[i]);
-        if ((u & mask) == prefix) atomicAdd(&hist[(u >> shift) & 0xff], 1u);
+      for (int i0 = 0; i0 < seg; i0 += 8) {  // warp-uniform trip count
+        uint32_t u8[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const int i = lo + i0 + j;
+          u8[j] = (i0 + j < seg && i < n) ? order_key(row[i]) : 0u;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const int i = lo + i0 + j;
+          const bool act = i0 + j < seg && i < n && (u8[j] & mask) == prefix;
+          const unsigned am = __ballot_sync(0xffffffffu, act);
+          if (act) {
+            // Warp-aggregated update: the top-byte bins are few and hot.
+            const unsigned d = (u8[j] >> shift) & 0xffu;
+            const unsigned peers = __match_any_sync(am, d);
+            if (lane == __ffs(peers) - 1) atomicAdd(&hist[d], static_cast<unsigned>(__popc(peers)));
+          }
+        }
       }
       __syncthreads();
       if (tid < 32) {
@@ -66,8 +90,7 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const float* __restrict_
           c[i] = hist[8 * tid + i];
           tot += c[i];
         }
-        // above = keys in lanes > tid (higher digits).
-        unsigned incl = tot;
+        unsigned incl = tot;  // keys in lanes >= tid (higher digits)
         for (int o = 1; o < 32; o <<= 1) {
           const unsigned v = __shfl_down_sync(0xffffffffu, incl, o);
           if (tid + o < 32) incl += v;
@@ -94,28 +117,42 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const float* __restrict_
     take_eq = rem;
   }
 
-  // Compaction in position order.
-  int written = 0, eq_seen = 0;
+  // Compaction in position order: per-thread counts, two scans, then the writes.
   if (kk > 0) {
-    for (int c0 = 0; c0 < n; c0 += kThreads) {
-      const int i = c0 + tid;
-      const uint32_t u = i < n ? order_key(row[i]) : 0u;
-      const bool in = i < n;
-      const int gt = in && u > thr, eq = in && u == thr;
-      int eq_rank, eq_total;
-      Scan(scan_tmp).ExclusiveSum(eq, eq_rank, eq_total);
-      __syncthreads();
-      const int take = gt || (eq && eq_seen + eq_rank < take_eq);
-      int pos, total;
-      Scan(scan_tmp).ExclusiveSum(take, pos, total);
-      __syncthreads();
-      if (take) {
-        const int64_t o = t * out_stride + written + pos;
-        if (positions) positions[o] = i;
-        if (slots) slots[o] = bt[i / kPageTokens] * kPageTokens + i % kPageTokens;
+    int gt = 0, eq = 0;
+    for (int i0 = 0; i0 < seg; i0 += 8) {
+      uint32_t u8[8];
+      bool in[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int i = lo + i0 + j;
+        in[j] = i0 + j < seg && i < n;
+        u8[j] = in[j] ? order_key(row[i]) : 0u;
       }
-      written += total;
-      eq_seen += eq_total;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        gt += in[j] && u8[j] > thr;
+        eq += in[j] && u8[j] == thr;
+      }
+    }
+    int eq_before, take_before;
+    Scan(scan_tmp).ExclusiveSum(eq, eq_before);
+    __syncthreads();
+    const int eq_take = max(0, min(eq, take_eq - eq_before));
+    Scan(scan_tmp).ExclusiveSum(gt + eq_take, take_before);
+    int o = take_before, eq_left = eq_take;
+    for (int i = lo; i < min(n, lo + seg); ++i) {
+      const uint32_t u = order_key(row[i]);
+      bool take = u > thr;
+      if (!take && u == thr && eq_left > 0) {
+        take = true;
+        --eq_left;
+      }
+      if (take) {
+        const int64_t off = t * out_stride + o++;
+        if (positions) positions[off] = i;
+        if (slots) slots[off] = bt[i / kPageTokens] * kPageTokens + i % kPageTokens;
+      }
     }
   }
   for (int i = kk + tid; i < k; i += kThreads) {
