@@ -85,10 +85,12 @@ uint64_t pair_key(uint32_t a, uint32_t b) { return (uint64_t(a) << 32) | b; }
 
 }  // namespace
 
-std::string byte_level_tekken_json(int num_special_tokens, const std::string& version) {
+std::string byte_level_tekken_json(int num_special_tokens, const std::string& version_in) {
   std::vector<std::string> tokens;
   for (int b = 0; b < 256; ++b) tokens.emplace_back(1, static_cast<char>(b));
-  if (!special_names(num_special_tokens, version).ok()) num_special_tokens = 36;
+  std::string version = special_names(1000, version_in).ok() ? version_in : "v13";
+  // Too few ids for the version's named tokens: raise to the minimum (20, 34, 36 or 38).
+  while (!special_names(num_special_tokens, version).ok()) ++num_special_tokens;
   return make_doc(tokens, num_special_tokens, version);
 }
 

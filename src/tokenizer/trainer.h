@@ -33,7 +33,9 @@ struct TekkenTrainOptions {
 Result<std::string> train_tekken_json(std::string_view corpus, const TekkenTrainOptions& options);
 
 // A merge-free vocabulary: num_special_tokens special tokens and the 256 bytes, so
-// vocab_size = num_special_tokens + 256 (the default 1000 gives 1256).
+// vocab_size = num_special_tokens + 256 (the default 1000 gives 1256). For a model with
+// vocab_size V pass V - 256. num_special_tokens below the version's named tokens (v7 20,
+// v11 34, v13 36, v15 38) is raised to that minimum; an unknown version means v13.
 std::string byte_level_tekken_json(int num_special_tokens = 1000, const std::string& version = "v13");
 
 }  // namespace ml4

@@ -96,8 +96,9 @@ TEST(Fuzz, MangledChatRequestsNeverCrash) {
     *node = junk[rng() % junk.size()];
     auto r = encode_chat(*tok, req);
     (r.ok() ? ok : refused)++;
-    if (r.ok())
+    if (r.ok()) {
       for (int32_t id : r.value()) ASSERT_TRUE(tok->is_valid_id(id));
+    }
   }
   EXPECT_GT(refused, 0);
   EXPECT_GT(ok, 0);

@@ -86,6 +86,13 @@ TEST(Trainer, PadsWhenCorpusRunsOutAndByteLevel) {
   EXPECT_EQ(bl.value()->vocab_size(), 1256);
   EXPECT_EQ(bl.value()->special_id("[THINK]"), 34);
   EXPECT_EQ(bl.value()->encode("hé"), (std::vector<int32_t>{1000 + 'h', 1000 + 0xC3, 1000 + 0xA9}));
+  auto v15 = Tokenizer::from_json(nlohmann::json::parse(byte_level_tekken_json(512 - 256, "v15")));
+  ASSERT_TRUE(v15.ok()) << v15.status().message();
+  EXPECT_EQ(v15.value()->vocab_size(), 512);
+  EXPECT_EQ(v15.value()->special_id("[/MODEL_SETTINGS]"), 37);
+  auto tiny = Tokenizer::from_json(nlohmann::json::parse(byte_level_tekken_json(3, "v15")));
+  ASSERT_TRUE(tiny.ok());
+  EXPECT_EQ(tiny.value()->num_special_tokens(), 38);
 }
 
 TEST(Trainer, BadOptionsGiveErrors) {
