@@ -209,6 +209,25 @@ TEST(Engine, StopStringsIdsAndLengths) {
   EXPECT_EQ(e.blocks().num_free_blocks_total(), 2 * 128);
 }
 
+TEST(Engine, PriorityThenArrivalOrder) {
+  ByteTextCodec codec(kVocab);
+  FakeRunner runner(kVocab, FakeRunner::two_groups(128));
+  Engine e(&runner, &codec, config(1, 64));  // one sequence at a time: finish order = schedule order
+  std::mt19937 rng(2);
+  ASSERT_TRUE(e.add_request("low", random_prompt(rng, 9), greedy(3), /*priority=*/5).is_ok());
+  ASSERT_TRUE(e.add_request("normal-1", random_prompt(rng, 9), greedy(3), 0).is_ok());
+  ASSERT_TRUE(e.add_request("urgent", random_prompt(rng, 9), greedy(3), -1).is_ok());
+  ASSERT_TRUE(e.add_request("normal-2", random_prompt(rng, 9), greedy(3), 0).is_ok());
+  std::vector<std::string> order;
+  while (e.has_work()) {
+    auto r = e.step();
+    ASSERT_TRUE(r.ok());
+    for (auto& o : r.value())
+      if (o.finished) order.push_back(o.request_id);
+  }
+  EXPECT_EQ(order, (std::vector<std::string>{"urgent", "normal-1", "normal-2", "low"}));
+}
+
 TEST(Engine, RejectsBadRequests) {
   ByteTextCodec codec(kVocab);
   FakeRunner runner(kVocab, FakeRunner::two_groups(64));
