@@ -172,6 +172,7 @@ Status Tokenizer::init(const nlohmann::json& doc) {
     if (!by_name.emplace(special_names_[i], i).second)
       return invalid_argument("special token {} is defined twice", special_names_[i]);
   }
+  special_by_name_ = by_name;
   auto sid = [&](const char* n) { auto it = by_name.find(n); return it == by_name.end() ? -1 : it->second; };
   bos_id_ = sid("<s>");
   eos_id_ = sid("</s>");
@@ -263,9 +264,9 @@ int32_t Tokenizer::rank_of_hashed(const char* p, size_t n, uint64_t full) const 
 }
 
 std::optional<int32_t> Tokenizer::special_id(std::string_view name) const {
-  for (int i = 0; i < num_special_; ++i)
-    if (special_names_[i] == name) return i;
-  return std::nullopt;
+  auto it = special_by_name_.find(std::string(name));
+  if (it == special_by_name_.end()) return std::nullopt;
+  return it->second;
 }
 
 std::string_view Tokenizer::token_bytes(int32_t id) const {

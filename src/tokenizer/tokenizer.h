@@ -25,6 +25,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -100,6 +101,7 @@ class Tokenizer {
   int num_special_ = 0;
   int32_t bos_id_ = -1, eos_id_ = -1, pad_id_ = -1, unk_id_ = -1;
   std::vector<std::string> special_names_;  // [num_special]
+  std::unordered_map<std::string, int32_t> special_by_name_;
   // Regular vocabulary: bytes of rank r are arena_[offsets_[r], offsets_[r + 1]).
   std::string arena_;
   std::vector<uint32_t> offsets_;
