@@ -33,10 +33,10 @@ __device__ float block_sum(float v, float* smem) {
 }
 
 __global__ void rms_norm_kernel(const float* __restrict__ x, float* __restrict__ residual, const float* __restrict__ w,
-                                int64_t dim, float eps, float* y, __nv_bfloat16* __restrict__ yb) {
+                                int64_t dim, float eps, float* y, __nv_bfloat16* __restrict__ yb, int64_t x_stride) {
   __shared__ float smem[32];
   const int64_t row = blockIdx.x;
-  const float* xr = x + row * dim;
+  const float* xr = x + row * x_stride;
   float* rr = residual ? residual + row * dim : nullptr;
   float ss = 0.0f;
   for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
@@ -177,6 +177,36 @@ __global__ void transpose_kernel(const T* __restrict__ in, int64_t rows, int64_t
   }
 }
 
+// grid (T, H): q_lat[t,h,:] = W_UK[h]^T q_nope[t,h] (the CPU's loop order: d outer).
+__global__ void absorb_q_kernel(MlaAbsorbParams p) {
+  const int64_t t = blockIdx.x;
+  const int h = blockIdx.y;
+  const float* qn = p.q + (t * p.H + h) * p.q_stride + p.q_offset;
+  const float* w = p.w_uk + static_cast<int64_t>(h) * p.dn * p.r;
+  float* out = p.q_lat + (t * p.H + h) * p.r;
+  for (int j = threadIdx.x; j < p.r; j += blockDim.x) {
+    float acc = 0.0f;
+    for (int d = 0; d < p.dn; ++d) acc += qn[d] * w[static_cast<int64_t>(d) * p.r + j];
+    out[j] = acc;
+  }
+}
+
+// grid (T, H), one warp per output d: o[t,h,d] = W_UV[h][d] . lat[t,h].
+__global__ void apply_uv_kernel(MlaAbsorbParams p) {
+  const int64_t t = blockIdx.x;
+  const int h = blockIdx.y;
+  const int lane = threadIdx.x & 31;
+  const float* lat = p.lat + (t * p.H + h) * p.r;
+  for (int d = threadIdx.x >> 5; d < p.dv; d += blockDim.x >> 5) {
+    const float* w = p.w_uv + (static_cast<int64_t>(h) * p.dv + d) * p.r;
+    float acc = 0.0f;
+    for (int j = lane; j < p.r; j += 32) acc += w[j] * lat[j];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (lane == 0) p.o[(t * p.H + h) * p.dv + d] = acc;
+  }
+}
+
 int grid_for(int64_t n) { return static_cast<int>(std::min<int64_t>((n + kThreads - 1) / kThreads, 65536)); }
 
 }  // namespace
@@ -186,10 +216,11 @@ Status rms_norm(const RmsNormParams& p) {
   if (!p.x || !p.w || (!p.y && !p.y_bf16)) return invalid_argument("rms_norm: null input or no output");
   if (p.residual && static_cast<const void*>(p.y) == p.residual)
     return invalid_argument("rms_norm: y must not alias residual");
+  if (p.x_stride != 0 && p.x_stride < p.dim) return invalid_argument("rms_norm: x_stride {} < dim {}", p.x_stride, p.dim);
   if (p.rows == 0) return Status::ok();
   if (p.rows > INT32_MAX) return invalid_argument("rms_norm: {} rows", p.rows);
   rms_norm_kernel<<<static_cast<int>(p.rows), kThreads, 0, p.stream>>>(
-      p.x, p.residual, p.w, p.dim, p.eps, p.y, static_cast<__nv_bfloat16*>(p.y_bf16));
+      p.x, p.residual, p.w, p.dim, p.eps, p.y, static_cast<__nv_bfloat16*>(p.y_bf16), p.x_stride ? p.x_stride : p.dim);
   return cuda_status(cudaGetLastError(), "rms_norm_kernel");
 }
 
@@ -238,6 +269,23 @@ Status q_path(const QPathParams& p) {
   const size_t smem = static_cast<size_t>(std::max(p.rope_dim, 2)) * sizeof(float);
   q_path_kernel<<<static_cast<int>(p.T), 128, smem, p.stream>>>(a);
   return cuda_status(cudaGetLastError(), "q_path_kernel");
+}
+
+Status mla_absorb_q(const MlaAbsorbParams& p) {
+  if (p.T < 0 || p.H <= 0 || p.dn <= 0 || p.r <= 0 || p.q_offset + p.dn > p.q_stride)
+    return invalid_argument("mla_absorb_q: bad shape");
+  if (p.T == 0) return Status::ok();
+  if (!p.q || !p.w_uk || !p.q_lat) return invalid_argument("mla_absorb_q: null pointer");
+  absorb_q_kernel<<<dim3(static_cast<unsigned>(p.T), p.H), 128, 0, p.stream>>>(p);
+  return cuda_status(cudaGetLastError(), "absorb_q_kernel");
+}
+
+Status mla_apply_uv(const MlaAbsorbParams& p) {
+  if (p.T < 0 || p.H <= 0 || p.dv <= 0 || p.r <= 0) return invalid_argument("mla_apply_uv: bad shape");
+  if (p.T == 0) return Status::ok();
+  if (!p.lat || !p.w_uv || !p.o) return invalid_argument("mla_apply_uv: null pointer");
+  apply_uv_kernel<<<dim3(static_cast<unsigned>(p.T), p.H), 256, 0, p.stream>>>(p);
+  return cuda_status(cudaGetLastError(), "apply_uv_kernel");
 }
 
 Status cast_f32_bf16(const float* x, int64_t n, void* out, cudaStream_t stream) {

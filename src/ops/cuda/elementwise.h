@@ -34,6 +34,7 @@ struct RmsNormParams {
   float* y = nullptr;         // [rows, dim] f32 or null (may alias x, not residual)
   void* y_bf16 = nullptr;     // [rows, dim] bf16 or null (GEMM input)
   cudaStream_t stream = nullptr;
+  int64_t x_stride = 0;       // elements between rows of x (0: dim); residual and y are dense
 };
 Status rms_norm(const RmsNormParams& p);
 
@@ -78,6 +79,24 @@ struct QPathParams {
   cudaStream_t stream = nullptr;
 };
 Status q_path(const QPathParams& p);
+
+// MLA weight absorption (MODEL.md 3.6), f32:
+//   q_lat[t, h, j] = sum_d q[t, h, q_offset + d] * w_uk[h][d][j]   (d < dn, j < r)
+//   o[t, h, d]     = sum_j w_uv[h][d][j] * lat[t, h, j]            (d < dv)
+struct MlaAbsorbParams {
+  int64_t T = 0;
+  int H = 0, dn = 0, dv = 0, r = 0;
+  const float* q = nullptr;      // [T, H, q_stride]
+  int q_stride = 0, q_offset = 0;
+  const float* w_uk = nullptr;   // [H, dn, r]
+  float* q_lat = nullptr;        // [T, H, r]
+  const float* lat = nullptr;    // [T, H, r]
+  const float* w_uv = nullptr;   // [H, dv, r]
+  float* o = nullptr;            // [T, H, dv]
+  cudaStream_t stream = nullptr;
+};
+Status mla_absorb_q(const MlaAbsorbParams& p);
+Status mla_apply_uv(const MlaAbsorbParams& p);
 
 // out[i] = bf16(x[i]) (RNE), n values.
 Status cast_f32_bf16(const float* x, int64_t n, void* out, cudaStream_t stream);

@@ -1,0 +1,531 @@
+// See cuda_runner.h. The layer loop mirrors CpuModel::forward step by step; comments name
+// the CPU step each block reproduces.
+#include "ops/cuda/cuda_runner.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "core/log.h"
+#include "kv/latent_layout.h"
+#include "kv/paged_kv_cache.h"
+#include "model/checkpoint.h"
+#include "model/config_loader.h"
+#include "ops/cpu/linear.h"
+#include "ops/cpu/rope.h"
+#include "ops/cuda/act_quant.h"
+#include "ops/cuda/attention.h"
+#include "ops/cuda/cache_write.h"
+#include "ops/cuda/elementwise.h"
+#include "ops/cuda/gemv.h"
+#include "ops/cuda/sampling.h"
+
+namespace ml4::cuda {
+
+struct CudaRunner::Layer {
+  DeviceBuffer attn_norm, ffn_norm;
+  DeviceLinear wq, wq_a, wq_b, wkv_a, wo;
+  DeviceBuffer q_a_norm, kv_a_norm, w_uk, w_uv, ssmax_s;
+  bool moe = false;
+  DeviceMlp dense;
+  DeviceLinear gate;  // f32
+  DeviceBuffer bias;
+  std::vector<DeviceMlp> experts;
+  std::unique_ptr<DeviceMlp> shared;
+  std::unique_ptr<MoeExpertTables> tables;
+};
+
+// Step buffers, grown to the largest step seen (fixed addresses between steps of a size).
+struct CudaRunner::Buffers {
+  int64_t T = 0, R = 0, bt_cap = 0, maxb = 0;
+  DeviceBuffer residual, a, tmp, q, qlat_in, ckv, c, q_lat, q_rope, head_scale, out_lat, lse, o;
+  DeviceBuffer router, ids, wts, rows, normed, logits;
+  DeviceBuffer tok, pos, slots, seq_of, lengths, block_table, row_idx, attn_ws, gemv_ws;
+  size_t attn_ws_bytes = 0;
+  LinearScratch lin;
+  MoeScratch moe;
+};
+
+namespace {
+
+Result<DeviceBuffer> upload_floats(const std::vector<float>& v) {
+  ML4_ASSIGN_OR_RETURN(DeviceBuffer b, DeviceBuffer::alloc(v.size() * 4));
+  if (!v.empty()) ML4_RETURN_IF_ERROR(b.upload(v.data(), v.size() * 4));
+  return std::move(b);
+}
+
+// The router runs in f32 (MODEL.md 3.7): a bf16-stored gate is widened once at load.
+Result<DeviceLinear> upload_f32_linear(const LinearWeight& w) {
+  if (w.format == LinearFormat::kF32) return upload_linear(w);
+  LinearWeight f;
+  f.name = w.name;
+  f.format = LinearFormat::kF32;
+  f.out_features = w.out_features;
+  f.in_features = w.in_features;
+  f.weight = Tensor(DType::kF32, {w.out_features, w.in_features});
+  cpu::decode_weight_rows(w, 0, w.out_features, f.weight.mutable_as<float>());
+  return upload_linear(f);
+}
+
+}  // namespace
+
+CudaRunner::~CudaRunner() {
+  buf_.reset();
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+Status CudaRunner::upload(const ModelWeights& w) {
+  auto track = [&](const DeviceLinear& d) {
+    weight_bytes_ += static_cast<int64_t>(d.bytes());
+    max_in_ = std::max({max_in_, d.K, d.N});
+  };
+  auto up = [&](DeviceLinear& dst, const LinearWeight& src) -> Status {
+    ML4_ASSIGN_OR_RETURN(dst, upload_linear(src));
+    track(dst);
+    return Status::ok();
+  };
+  auto up_mlp = [&](DeviceMlp& dst, const MlpWeights& src) -> Status {
+    ML4_RETURN_IF_ERROR(up(dst.w1, src.w1));
+    ML4_RETURN_IF_ERROR(up(dst.w2, src.w2));
+    ML4_RETURN_IF_ERROR(up(dst.w3, src.w3));
+    max_hidden_ = std::max(max_hidden_, dst.w1.N);
+    return Status::ok();
+  };
+  ML4_ASSIGN_OR_RETURN(embed_, DeviceBuffer::alloc(w.tok_embeddings.nbytes()));
+  ML4_RETURN_IF_ERROR(embed_.upload(w.tok_embeddings.data(), w.tok_embeddings.nbytes()));
+  embed_dtype_ = w.tok_embeddings.dtype();
+  weight_bytes_ += static_cast<int64_t>(embed_.bytes());
+  ML4_ASSIGN_OR_RETURN(norm_, upload_floats(w.norm));
+  ML4_RETURN_IF_ERROR(up(output_, w.output));
+  layers_.resize(cfg_.n_layers);
+  for (int l = 0; l < cfg_.n_layers; ++l) {
+    const LayerWeights& LW = w.layers[l];
+    const LayerSpec& spec = cfg_.layers[l];
+    Layer& L = layers_[l];
+    ML4_ASSIGN_OR_RETURN(L.attn_norm, upload_floats(LW.attention_norm));
+    ML4_ASSIGN_OR_RETURN(L.ffn_norm, upload_floats(LW.ffn_norm));
+    const AttentionWeights& A = LW.attn;
+    if (cfg_.q_lora_rank > 0) {
+      ML4_RETURN_IF_ERROR(up(L.wq_a, A.wq_a));
+      ML4_RETURN_IF_ERROR(up(L.wq_b, A.wq_b));
+      ML4_ASSIGN_OR_RETURN(L.q_a_norm, upload_floats(A.q_a_norm));
+    } else {
+      ML4_RETURN_IF_ERROR(up(L.wq, A.wq));
+    }
+    if (spec.owns_kv()) {
+      ML4_RETURN_IF_ERROR(up(L.wkv_a, A.wkv_a));
+      ML4_ASSIGN_OR_RETURN(L.kv_a_norm, upload_floats(A.kv_a_norm));
+    }
+    ML4_RETURN_IF_ERROR(up(L.wo, A.wo));
+    ML4_ASSIGN_OR_RETURN(L.w_uk, upload_floats(A.w_uk));
+    ML4_ASSIGN_OR_RETURN(L.w_uv, upload_floats(A.w_uv));
+    weight_bytes_ += static_cast<int64_t>(L.w_uk.bytes() + L.w_uv.bytes());
+    if (spec.ssmax) {
+      ML4_ASSIGN_OR_RETURN(L.ssmax_s, upload_floats(A.ssmax_s));
+    }
+    const FfnWeights& F = LW.ffn;
+    switch (spec.ffn) {
+      case FfnKind::kDense:
+        ML4_RETURN_IF_ERROR(up_mlp(L.dense, F.dense));
+        break;
+      case FfnKind::kMoe: {
+        L.moe = true;
+        ML4_ASSIGN_OR_RETURN(L.gate, upload_f32_linear(F.gate));
+        track(L.gate);
+        if (!F.correction_bias.empty()) {
+          ML4_ASSIGN_OR_RETURN(L.bias, upload_floats(F.correction_bias));
+        }
+        L.experts.resize(F.experts.size());
+        for (size_t e = 0; e < F.experts.size(); ++e) ML4_RETURN_IF_ERROR(up_mlp(L.experts[e], F.experts[e]));
+        if (F.shared) {
+          L.shared = std::make_unique<DeviceMlp>();
+          ML4_RETURN_IF_ERROR(up_mlp(*L.shared, *F.shared));
+        }
+        auto t = build_expert_tables(L.experts);
+        if (t.ok() && (t->format == LinearFormat::kBF16 || t->format == LinearFormat::kFP8Block))
+          L.tables = std::make_unique<MoeExpertTables>(std::move(t).value());
+        break;
+      }
+    }
+  }
+  return Status::ok();
+}
+
+Result<std::unique_ptr<CudaRunner>> CudaRunner::load(const std::string& model_dir, const CudaRunnerOptions& opts) {
+  if (!device_available()) return unimplemented("no CUDA device: the CUDA runner cannot start");
+  ML4_ASSIGN_OR_RETURN(ModelConfig cfg, load_model_config(model_dir));
+  if (cfg.has_dsa())
+    return unimplemented("{}: the CUDA runner does not run the DSA indexer yet (use the CPU runner)", model_dir);
+  ML4_ASSIGN_OR_RETURN(Checkpoint ck, Checkpoint::open(model_dir));
+  WeightLoadOptions wo;
+  wo.experts_to_mxfp4 = opts.base.experts_to_mxfp4;
+  ML4_ASSIGN_OR_RETURN(auto weights, load_model_weights(cfg, ck, wo));
+  ML4_ASSIGN_OR_RETURN(KvCacheDtype dtype, parse_kv_cache_dtype(opts.base.kv_cache_dtype));
+  ML4_ASSIGN_OR_RETURN(KvCacheSpec spec, make_kv_cache_spec(cfg, dtype));
+  if (spec.groups.size() != 1 || spec.groups[0].kind != CacheGroupSpec::kLatent)
+    return unimplemented("{}: the CUDA runner keeps only a latent cache group ({} groups here)", model_dir,
+                         spec.groups.size());
+  std::unique_ptr<CudaRunner> r(new CudaRunner());
+  r->cfg_ = cfg;
+  r->opts_ = opts;
+  r->spec_ = spec;
+  r->max_model_len_ = opts.base.max_model_len > 0 ? opts.base.max_model_len : cfg.max_position_embeddings;
+  ML4_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&r->stream_, cudaStreamNonBlocking));
+  ML4_ASSIGN_OR_RETURN(r->lt_, LtGemm::create());
+  ML4_RETURN_IF_ERROR(r->upload(*weights).with_context(model_dir));
+  ML4_ASSIGN_OR_RETURN(r->inv_freq_, upload_floats(cpu::rope_inv_freq(cfg.rope_theta, cfg.qk_rope_head_dim, cfg.yarn)));
+  r->rope_factor_ = cpu::rope_attention_factor(cfg.yarn);
+  // KV sharing as CpuModel (without duplication): consumers read their source's slot.
+  const int L = cfg.n_layers;
+  r->latent_read_slot_.assign(L, -1);
+  r->latent_write_slots_.assign(L, {});
+  for (int l = 0; l < L; ++l) {
+    const LayerSpec& s = cfg.layers[l];
+    if (s.owns_kv()) {
+      r->latent_read_slot_[l] = s.latent_slot;
+      r->latent_write_slots_[l].push_back(s.latent_slot);
+    } else {
+      r->latent_read_slot_[l] = cfg.layers[s.kv_source].latent_slot;
+    }
+  }
+  // KV pool.
+  int64_t kv_budget = opts.base.kv_cache_bytes;
+  if (opts.gpu_memory_utilization > 0) {
+    if (opts.gpu_memory_utilization > 1.0)
+      return invalid_argument("--gpu-memory-utilization {} must be in (0, 1]", opts.gpu_memory_utilization);
+    size_t free_b = 0, total_b = 0;
+    ML4_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_b, &total_b));
+    const double used = static_cast<double>(total_b - free_b);
+    // Leave room for step activations and cuBLASLt's workspace: 5% of the budget.
+    kv_budget = static_cast<int64_t>((opts.gpu_memory_utilization * total_b - used) * 0.95);
+    if (kv_budget <= 0)
+      return resource_exhausted("--gpu-memory-utilization {}: weights and runtime already use {:.1f} of {:.1f} GiB",
+                                opts.gpu_memory_utilization, used / 1073741824.0, total_b / 1073741824.0);
+  }
+  const std::vector<int64_t> blocks = PagedKvCache::blocks_for_budget(spec, kv_budget);
+  r->num_blocks_ = blocks[0];
+  if (r->num_blocks_ <= 0) return resource_exhausted("KV budget of {} bytes holds no block", kv_budget);
+  const auto& g = spec.groups[0];
+  for (size_t slot = 0; slot < g.layers.size(); ++slot) {
+    ML4_ASSIGN_OR_RETURN(DeviceBuffer b, DeviceBuffer::alloc(r->num_blocks_ * g.page_bytes_per_layer()));
+    ML4_RETURN_IF_ERROR(b.fill_bytes(0));
+    r->kv_bytes_ += static_cast<int64_t>(b.bytes());
+    r->kv_.push_back(std::move(b));
+  }
+  r->groups_.push_back(CacheGroupInfo{g.name, g.page_tokens, r->num_blocks_, g.sliding_window, g.bytes_per_token()});
+  r->buf_ = std::make_unique<Buffers>();
+  ML4_LOG_INFO("cuda runner: {} ({} layers), weights {:.1f} MiB, kv {} {:.1f} MiB ({} blocks)", model_dir, L,
+               r->weight_bytes_ / 1048576.0, opts.base.kv_cache_dtype, r->kv_bytes_ / 1048576.0, r->num_blocks_);
+  return r;
+}
+
+Status CudaRunner::ensure_buffers(int64_t T, int64_t R, int64_t S, int64_t maxb) {
+  Buffers& b = *buf_;
+  const ModelConfig& c = cfg_;
+  const int64_t D = c.dim, H = c.n_heads, qk = c.qk_nope_head_dim + c.qk_rope_head_dim, r = c.kv_lora_rank,
+                dr = c.qk_rope_head_dim;
+  const int64_t E = std::max(c.moe.num_experts, 1), K = std::max(c.moe.num_experts_per_tok, 1);
+  if (T > b.T) {
+    const int64_t n = std::max(T, 2 * b.T);
+    auto f = [&](DeviceBuffer& d, int64_t count, size_t elem) -> Status {
+      ML4_ASSIGN_OR_RETURN(d, DeviceBuffer::alloc(static_cast<size_t>(std::max<int64_t>(count, 1)) * elem));
+      return Status::ok();
+    };
+    ML4_RETURN_IF_ERROR(f(b.residual, n * D, 4));
+    ML4_RETURN_IF_ERROR(f(b.a, n * D, 4));
+    ML4_RETURN_IF_ERROR(f(b.tmp, n * D, 4));
+    ML4_RETURN_IF_ERROR(f(b.q, n * H * qk, 4));
+    ML4_RETURN_IF_ERROR(f(b.qlat_in, n * std::max(c.q_lora_rank, 1), 4));
+    ML4_RETURN_IF_ERROR(f(b.ckv, n * (r + dr), 4));
+    ML4_RETURN_IF_ERROR(f(b.c, n * r, 4));
+    ML4_RETURN_IF_ERROR(f(b.q_lat, n * H * r, 4));
+    ML4_RETURN_IF_ERROR(f(b.q_rope, n * H * dr, 4));
+    ML4_RETURN_IF_ERROR(f(b.head_scale, n * H, 4));
+    ML4_RETURN_IF_ERROR(f(b.out_lat, n * H * r, 4));
+    ML4_RETURN_IF_ERROR(f(b.lse, n * H, 4));
+    ML4_RETURN_IF_ERROR(f(b.o, n * H * c.v_head_dim, 4));
+    ML4_RETURN_IF_ERROR(f(b.router, n * E, 4));
+    ML4_RETURN_IF_ERROR(f(b.ids, n * K, 4));
+    ML4_RETURN_IF_ERROR(f(b.wts, n * K, 4));
+    ML4_RETURN_IF_ERROR(f(b.tok, n, 4));
+    ML4_RETURN_IF_ERROR(f(b.pos, n, 8));
+    ML4_RETURN_IF_ERROR(f(b.slots, n, 8));
+    ML4_RETURN_IF_ERROR(f(b.seq_of, n, 4));
+    ML4_RETURN_IF_ERROR(f(b.lengths, n, 4));
+    ML4_RETURN_IF_ERROR(f(b.gemv_ws, gemv_workspace_floats(kGemvMaxM, 1, 1) * max_in_, 4));
+    ML4_RETURN_IF_ERROR(b.lin.reserve(n * max_in_, n * ((max_in_ + 127) / 128)));
+    b.moe = MoeScratch{};
+    ML4_RETURN_IF_ERROR(b.moe.reserve(n * K, D, std::max<int64_t>(max_hidden_, 1), static_cast<int>(E)));
+    b.T = n;
+  }
+  if (R > b.R) {
+    const int64_t n = std::max(R, 2 * b.R);
+    ML4_ASSIGN_OR_RETURN(b.rows, DeviceBuffer::alloc(n * D * 4));
+    ML4_ASSIGN_OR_RETURN(b.normed, DeviceBuffer::alloc(n * D * 4));
+    ML4_ASSIGN_OR_RETURN(b.logits, DeviceBuffer::alloc(n * c.vocab_size * 4));
+    ML4_ASSIGN_OR_RETURN(b.row_idx, DeviceBuffer::alloc(n * 4));
+    b.R = n;
+  }
+  if (S * maxb > b.bt_cap) {
+    ML4_ASSIGN_OR_RETURN(b.block_table, DeviceBuffer::alloc(std::max<int64_t>(S * maxb, 1) * 4));
+    b.bt_cap = S * maxb;
+  }
+  b.maxb = maxb;  // this step's block-table row stride
+  return Status::ok();
+}
+
+Status CudaRunner::lin(const DeviceLinear& w, const float* x, int64_t M, float* y) {
+  const bool gemv_ok = w.format == LinearFormat::kBF16 || w.format == LinearFormat::kFP8Block;
+  if (gemv_ok && (opts_.exact_activations || M <= kGemvMaxM)) {
+    for (int64_t m0 = 0; m0 < M; m0 += kGemvMaxM) {
+      const int64_t m = std::min<int64_t>(kGemvMaxM, M - m0);
+      ML4_RETURN_IF_ERROR(gemv({x + m0 * w.K, m, w.N, w.K, w.format, w.weight.data(), w.scale.as<float>(),
+                                y + m0 * w.N, buf_->gemv_ws.as<float>(), stream_})
+                              .with_context(w.name));
+    }
+    return Status::ok();
+  }
+  return linear_f32(*lt_, w, x, M, y, buf_->lin, stream_).with_context(w.name);
+}
+
+Status CudaRunner::mlp(const DeviceMlp& m, const float* x, int64_t M, float* y) {
+  MoeScratch& s = buf_->moe;
+  const int64_t I = m.w1.N;
+  ML4_RETURN_IF_ERROR(lin(m.w1, x, M, s.g.as<float>()));
+  ML4_RETURN_IF_ERROR(lin(m.w3, x, M, s.u.as<float>()));
+  ML4_RETURN_IF_ERROR(silu_mul({s.g.as<float>(), s.u.as<float>(), M, I, 0, 0, s.g.as<float>(), nullptr, stream_}));
+  return lin(m.w2, s.g.as<float>(), M, y);
+}
+
+// cpu_attention.cpp CpuModel::attention steps 1-6 (dense: no DSA in this runner).
+Status CudaRunner::attention(int l, const StepMetadata& md, float* out) {
+  const LayerSpec& spec = cfg_.layers[l];
+  Layer& L = layers_[l];
+  Buffers& b = *buf_;
+  const int H = cfg_.n_heads, dn = cfg_.qk_nope_head_dim, dr = cfg_.qk_rope_head_dim, dv = cfg_.v_head_dim;
+  const int r = cfg_.kv_lora_rank, qk = dn + dr;
+  const int64_t T = md.num_tokens();
+  const float eps = static_cast<float>(cfg_.norm_eps);
+  float* q = b.q.as<float>();
+  // 1. Queries.
+  if (cfg_.q_lora_rank > 0) {
+    ML4_RETURN_IF_ERROR(lin(L.wq_a, b.a.as<float>(), T, b.qlat_in.as<float>()));
+    ML4_RETURN_IF_ERROR(rms_norm({b.qlat_in.as<float>(), nullptr, L.q_a_norm.as<float>(), T, cfg_.q_lora_rank, eps,
+                                  b.qlat_in.as<float>(), nullptr, stream_}));
+    ML4_RETURN_IF_ERROR(lin(L.wq_b, b.qlat_in.as<float>(), T, q));
+  } else {
+    ML4_RETURN_IF_ERROR(lin(L.wq, b.a.as<float>(), T, q));
+  }
+  // 2. + 6. (temperature): RoPE on the rope part, head scales.
+  QPathParams qp;
+  qp.q = q;
+  qp.T = T;
+  qp.H = H;
+  qp.head_stride = qk;
+  qp.rope_offset = dn;
+  qp.rope_dim = dr;
+  qp.positions = b.pos.as<int64_t>();
+  qp.inv_freq = inv_freq_.as<float>();
+  qp.attn_factor = rope_factor_;
+  qp.apply_rope = spec.rope;
+  qp.lerope = cfg_.lerope;
+  qp.base_scale = cfg_.softmax_scale();
+  qp.llama4 = cfg_.llama4_scaling;
+  qp.ssmax_s = spec.ssmax ? L.ssmax_s.as<float>() : nullptr;
+  qp.head_scale = b.head_scale.as<float>();
+  qp.stream = stream_;
+  ML4_RETURN_IF_ERROR(q_path(qp));
+  // 3./4. Latent row into the pages (owners).
+  if (spec.owns_kv()) {
+    float* ckv = b.ckv.as<float>();
+    ML4_RETURN_IF_ERROR(lin(L.wkv_a, b.a.as<float>(), T, ckv));
+    RmsNormParams np{ckv, nullptr, L.kv_a_norm.as<float>(), T, r, eps, b.c.as<float>(), nullptr, stream_};
+    np.x_stride = r + dr;
+    ML4_RETURN_IF_ERROR(rms_norm(np));
+    if (spec.rope) {
+      QPathParams kp;
+      kp.q = ckv;
+      kp.T = T;
+      kp.H = 1;
+      kp.head_stride = r + dr;
+      kp.rope_offset = r;
+      kp.rope_dim = dr;
+      kp.positions = b.pos.as<int64_t>();
+      kp.inv_freq = inv_freq_.as<float>();
+      kp.attn_factor = rope_factor_;
+      kp.lerope = cfg_.lerope;
+      kp.stream = stream_;
+      ML4_RETURN_IF_ERROR(q_path(kp));
+    }
+    for (int slot : latent_write_slots_[l]) {
+      LatentCacheWriteParams w;
+      w.c = b.c.as<float>();
+      w.kr = ckv + r;
+      w.kr_stride = r + dr;
+      w.slots = b.slots.as<int64_t>();
+      w.T = T;
+      w.r = r;
+      w.dr = dr;
+      w.dtype = spec_.dtype;
+      w.cache = kv_[slot].data();
+      w.num_slots = num_blocks_ * kPageTokens;
+      w.stream = stream_;
+      ML4_RETURN_IF_ERROR(latent_cache_write(w));
+    }
+  }
+  // 6. Absorbed attention over the pages.
+  MlaAbsorbParams ab;
+  ab.T = T;
+  ab.H = H;
+  ab.dn = dn;
+  ab.dv = dv;
+  ab.r = r;
+  ab.q = q;
+  ab.q_stride = qk;
+  ab.q_offset = 0;
+  ab.w_uk = L.w_uk.as<float>();
+  ab.q_lat = b.q_lat.as<float>();
+  ab.lat = b.out_lat.as<float>();
+  ab.w_uv = L.w_uv.as<float>();
+  ab.o = b.o.as<float>();
+  ab.stream = stream_;
+  ML4_RETURN_IF_ERROR(mla_absorb_q(ab));
+  ML4_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(b.q_rope.data(), dr * 4, q + dn, qk * 4, dr * 4, T * H,
+                                             cudaMemcpyDeviceToDevice, stream_));
+  MlaAttentionParams ap;
+  ap.q_lat = b.q_lat.as<float>();
+  ap.q_rope = b.q_rope.as<float>();
+  ap.head_scale = b.head_scale.as<float>();
+  ap.T = T;
+  ap.H = H;
+  ap.r = r;
+  ap.dr = dr;
+  ap.cache = kv_[latent_read_slot_[l]].data();
+  ap.num_slots = num_blocks_ * kPageTokens;
+  ap.dtype = spec_.dtype;
+  ap.block_table = b.block_table.as<int32_t>();
+  ap.block_table_stride = b.maxb;
+  ap.seq_of_token = b.seq_of.as<int32_t>();
+  ap.lengths = b.lengths.as<int32_t>();
+  int64_t maxlen = 0;
+  for (int64_t p : md.positions) maxlen = std::max(maxlen, p + 1);
+  ap.max_length = static_cast<int>(maxlen);
+  ap.out_lat = b.out_lat.as<float>();
+  ap.lse = b.lse.as<float>();
+  ap.stream = stream_;
+  const size_t need = mla_attention_workspace_bytes(ap);
+  if (need > b.attn_ws_bytes) {
+    ML4_ASSIGN_OR_RETURN(b.attn_ws, DeviceBuffer::alloc(need));
+    b.attn_ws_bytes = need;
+  }
+  ap.workspace = b.attn_ws.data();
+  ap.workspace_bytes = b.attn_ws_bytes;
+  ML4_RETURN_IF_ERROR(mla_attention(ap).with_context("layer " + std::to_string(l)));
+  ML4_RETURN_IF_ERROR(mla_apply_uv(ab));
+  return lin(L.wo, b.o.as<float>(), T, out);
+}
+
+// CpuModel::ffn.
+Status CudaRunner::ffn(int l, int64_t T, float* out) {
+  Layer& L = layers_[l];
+  Buffers& b = *buf_;
+  const float* x = b.a.as<float>();
+  if (!L.moe) return mlp(L.dense, x, T, out);
+  const int E = cfg_.moe.num_experts, K = cfg_.moe.num_experts_per_tok;
+  ML4_RETURN_IF_ERROR(linear_f32(*lt_, L.gate, x, T, b.router.as<float>(), b.lin, stream_).with_context("router"));
+  ML4_RETURN_IF_ERROR(moe_route({b.router.as<float>(), T, cfg_.moe, L.bias.empty() ? nullptr : L.bias.as<float>(),
+                                 b.ids.as<int32_t>(), b.wts.as<float>(), stream_}));
+  const int64_t D = cfg_.dim;
+  if (L.tables && (opts_.exact_activations || T <= kGemvMaxM)) {
+    for (int64_t t0 = 0; t0 < T; t0 += kGemvMaxM) {
+      const int64_t n = std::min<int64_t>(kGemvMaxM, T - t0);
+      ML4_RETURN_IF_ERROR(moe_experts_forward_grouped(*L.tables, L.shared.get(), x + t0 * D, n,
+                                                      b.ids.as<int32_t>() + t0 * K, b.wts.as<float>() + t0 * K, K,
+                                                      out + t0 * D, b.moe, stream_));
+    }
+    return Status::ok();
+  }
+  (void)E;
+  return moe_experts_forward(*lt_, L.experts, L.shared.get(), x, T, D, b.ids.as<int32_t>(), b.wts.as<float>(), K, out,
+                             b.moe, stream_);
+}
+
+Result<StepOutput> CudaRunner::execute(const StepInput& in) {
+  ML4_ASSIGN_OR_RETURN(StepMetadata md, build_step_metadata(in, groups_, cfg_.vocab_size, max_model_len_));
+  const int64_t T = md.num_tokens(), R = static_cast<int64_t>(md.logits_rows.size());
+  const int64_t S = static_cast<int64_t>(md.seqs.size());
+  int64_t maxb = 1;
+  for (const auto& s : in.seqs) maxb = std::max<int64_t>(maxb, s.block_tables[latent_group_].size());
+  ML4_RETURN_IF_ERROR(ensure_buffers(T, R, S, maxb));
+  Buffers& b = *buf_;
+  // Per-step metadata to the device (one plain copy per array).
+  std::vector<int32_t> lengths(T), bt(S * maxb, 0), rows(R);
+  for (int64_t t = 0; t < T; ++t) lengths[t] = static_cast<int32_t>(md.positions[t] + 1);
+  for (int64_t s = 0; s < S; ++s) {
+    const auto& tab = in.seqs[s].block_tables[latent_group_];
+    std::copy(tab.begin(), tab.end(), bt.begin() + s * maxb);
+  }
+  for (int64_t i = 0; i < R; ++i) rows[i] = static_cast<int32_t>(md.logits_rows[i]);
+  auto h2d = [&](DeviceBuffer& d, const void* src, size_t bytes) {
+    return cuda_status(cudaMemcpyAsync(d.data(), src, bytes, cudaMemcpyHostToDevice, stream_), "step metadata");
+  };
+  ML4_RETURN_IF_ERROR(h2d(b.tok, md.token_ids.data(), T * 4));
+  ML4_RETURN_IF_ERROR(h2d(b.pos, md.positions.data(), T * 8));
+  ML4_RETURN_IF_ERROR(h2d(b.slots, md.slots[latent_group_].data(), T * 8));
+  ML4_RETURN_IF_ERROR(h2d(b.seq_of, md.seq_of_token.data(), T * 4));
+  ML4_RETURN_IF_ERROR(h2d(b.lengths, lengths.data(), T * 4));
+  ML4_RETURN_IF_ERROR(h2d(b.block_table, bt.data(), bt.size() * 4));
+  if (R > 0) ML4_RETURN_IF_ERROR(h2d(b.row_idx, rows.data(), R * 4));
+
+  const int64_t D = cfg_.dim;
+  const float eps = static_cast<float>(cfg_.norm_eps);
+  float* residual = b.residual.as<float>();
+  float* a = b.a.as<float>();
+  float* tmp = b.tmp.as<float>();
+  ML4_RETURN_IF_ERROR(embedding({embed_.data(), embed_dtype_, cfg_.vocab_size, D, b.tok.as<int32_t>(), T, residual,
+                                 stream_}));
+  for (int l = 0; l < cfg_.n_layers; ++l) {
+    const Layer& L = layers_[l];
+    if (l == 0) {
+      ML4_RETURN_IF_ERROR(rms_norm({residual, nullptr, L.attn_norm.as<float>(), T, D, eps, a, nullptr, stream_}));
+    } else {  // residual += previous FFN output; a = norm(residual)
+      ML4_RETURN_IF_ERROR(rms_norm({tmp, residual, L.attn_norm.as<float>(), T, D, eps, a, nullptr, stream_}));
+    }
+    ML4_RETURN_IF_ERROR(attention(l, md, tmp));
+    ML4_RETURN_IF_ERROR(rms_norm({tmp, residual, L.ffn_norm.as<float>(), T, D, eps, a, nullptr, stream_}));
+    ML4_RETURN_IF_ERROR(ffn(l, T, tmp));
+  }
+  StepOutput out;
+  if (R > 0) {
+    // residual += last FFN output (into a: the residual is not needed afterwards).
+    ML4_RETURN_IF_ERROR(rms_norm({tmp, residual, norm_.as<float>(), T, D, eps, a, nullptr, stream_}));
+    ML4_RETURN_IF_ERROR(gather_rows(residual, D, b.row_idx.as<int32_t>(), R, b.rows.as<float>(), stream_));
+    ML4_RETURN_IF_ERROR(rms_norm({b.rows.as<float>(), nullptr, norm_.as<float>(), R, D, eps, b.normed.as<float>(),
+                                  nullptr, stream_}));
+    ML4_RETURN_IF_ERROR(lin(output_, b.normed.as<float>(), R, b.logits.as<float>()));
+    std::vector<float> logits(R * cfg_.vocab_size);
+    ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(logits.data(), b.logits.data(), logits.size() * 4,
+                                             cudaMemcpyDeviceToHost, stream_));
+    ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    const int64_t V = cfg_.vocab_size;
+    size_t row = 0;
+    for (const auto& s : in.seqs) {
+      out.logits.emplace_back(logits.begin() + row * V, logits.begin() + (row + s.num_logits) * V);
+      row += s.num_logits;
+    }
+  } else {
+    ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    for (size_t i = 0; i < in.seqs.size(); ++i) out.logits.emplace_back();
+  }
+  return out;
+}
+
+Result<std::unique_ptr<ModelRunner>> load_cuda_runner(const std::string& model_dir, const RunnerOptions& opts,
+                                                      double gpu_memory_utilization) {
+  CudaRunnerOptions o;
+  o.base = opts;
+  o.gpu_memory_utilization = gpu_memory_utilization;
+  ML4_ASSIGN_OR_RETURN(auto r, CudaRunner::load(model_dir, o));
+  return std::unique_ptr<ModelRunner>(std::move(r));
+}
+
+}  // namespace ml4::cuda

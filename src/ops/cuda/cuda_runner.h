@@ -1,0 +1,90 @@
+// CudaRunner: the CUDA backend behind the ModelRunner interface (SYSTEM.md S4), the same
+// forward as CpuModel (src/runtime/cpu_model.cpp, cpu_attention.cpp) with every step on
+// the GPU: embedding, fused add+RMSNorm, query LoRA, q path (RoPE/YaRN/LeRoPE, llama_4
+// temperature, SSMax), latent row -> paged fp8_ds_mla/fp8/bf16 cache, absorbed MLA over
+// the pages (ops/cuda/attention.h), W_UV, wo, dense or MoE FFN (f32 router, grouped
+// top-k, experts, shared expert), final norm and the logits rows.
+//
+// Scope of this first version (stated, refused at load with kUnimplemented otherwise):
+//   - no DSA indexer yet (models with an indexer: ml4, ml4-tiny, dsv32-tiny), so attention
+//     is the dense causal variant;
+//   - weights bf16, fp8 block or f32 (NVFP4/MXFP4 not yet);
+//   - only the "latent" cache group (no drafter group).
+// Linears: M <= 8 rows (decode) go through our GEMV (f32 activations, gemv.h); larger M
+// through cuBLASLt (bf16 / e4m3 activations). exact_activations forces the GEMV path in
+// 8-row chunks everywhere: every linear then matches cpu::linear to f32 rounding, which
+// is what the whole-model test against CpuRunner uses.
+// KV memory: RunnerOptions::kv_cache_bytes, or, when gpu_memory_utilization > 0, that
+// fraction of the card's memory minus what is in use once the weights are resident
+// (vLLM's --gpu-memory-utilization).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kv/cache_spec.h"
+#include "model/model_weights.h"
+#include "ops/cuda/gemm.h"
+#include "ops/cuda/moe.h"
+#include "runtime/model_runner.h"
+#include "runtime/step_metadata.h"
+
+namespace ml4::cuda {
+
+struct CudaRunnerOptions {
+  RunnerOptions base;
+  double gpu_memory_utilization = 0.0;  // (0, 1]: size the KV pool from the card's memory
+  bool exact_activations = false;
+};
+
+class CudaRunner : public ModelRunner {
+ public:
+  static Result<std::unique_ptr<CudaRunner>> load(const std::string& model_dir, const CudaRunnerOptions& opts);
+  ~CudaRunner() override;
+
+  const ModelConfig& config() const override { return cfg_; }
+  const std::vector<CacheGroupInfo>& cache_groups() const override { return groups_; }
+  Result<StepOutput> execute(const StepInput& in) override;
+
+  int64_t weight_bytes() const { return weight_bytes_; }
+  int64_t kv_bytes() const { return kv_bytes_; }
+
+ private:
+  struct Layer;
+  struct Buffers;
+  CudaRunner() = default;
+  Status upload(const ModelWeights& w);
+  Status ensure_buffers(int64_t T, int64_t R, int64_t S, int64_t max_blocks);
+  Status lin(const DeviceLinear& w, const float* x, int64_t M, float* y);
+  Status mlp(const DeviceMlp& m, const float* x, int64_t M, float* y);
+  Status attention(int l, const StepMetadata& md, float* out);
+  Status ffn(int l, int64_t T, float* out);
+
+  ModelConfig cfg_;
+  CudaRunnerOptions opts_;
+  KvCacheSpec spec_;
+  std::vector<CacheGroupInfo> groups_;
+  int latent_group_ = 0;
+  int64_t max_model_len_ = 0;
+  int64_t num_blocks_ = 0;
+  std::vector<DeviceBuffer> kv_;                      // [latent slot] pages
+  std::vector<int> latent_read_slot_;
+  std::vector<std::vector<int>> latent_write_slots_;
+  std::vector<Layer> layers_;
+  DeviceBuffer embed_, norm_, inv_freq_;
+  DType embed_dtype_ = DType::kBF16;
+  DeviceLinear output_;
+  float rope_factor_ = 1.0f;
+  int64_t max_in_ = 0, max_hidden_ = 0;
+  std::unique_ptr<LtGemm> lt_;
+  std::unique_ptr<Buffers> buf_;
+  cudaStream_t stream_ = nullptr;
+  int64_t weight_bytes_ = 0, kv_bytes_ = 0;
+};
+
+// The engine-facing factory (the CPU one is load_cpu_runner).
+Result<std::unique_ptr<ModelRunner>> load_cuda_runner(const std::string& model_dir, const RunnerOptions& opts,
+                                                      double gpu_memory_utilization);
+
+}  // namespace ml4::cuda
