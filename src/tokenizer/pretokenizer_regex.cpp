@@ -88,7 +88,8 @@ Result<std::unique_ptr<PretokenizerRegex>> PretokenizerRegex::compile(std::strin
     PCRE2_UCHAR msg[256];
     pcre2_get_error_message(err, msg, sizeof(msg));
     return invalid_argument("pre-split regex does not compile at offset {}: {} (pattern: {})", err_off,
-                            reinterpret_cast<const char*>(msg), std::string(pattern));
+                            reinterpret_cast<const char*>(msg),
+                            pattern.size() > 200 ? std::string(pattern.substr(0, 200)) + "..." : std::string(pattern));
   }
   std::unique_ptr<PretokenizerRegex> r(new PretokenizerRegex());
   r->code_ = code;
