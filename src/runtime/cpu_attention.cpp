@@ -87,7 +87,8 @@ void CpuModel::indexer_topk(int layer, const StepMetadata& md, PagedKvCache& cac
 }
 
 void CpuModel::attention(int layer, const StepMetadata& md, PagedKvCache& cache, const float* a, float* out,
-                         std::vector<std::vector<std::vector<int32_t>>>& topk_by_layer) const {
+                         std::vector<std::vector<std::vector<int32_t>>>& topk_by_layer,
+                         const std::vector<std::vector<int32_t>>* forced_topk) const {
   const LayerSpec& spec = cfg_.layers[layer];
   const AttentionWeights& W = w_->layers[layer].attn;
   const int H = cfg_.n_heads, dn = cfg_.qk_nope_head_dim, dr = cfg_.qk_rope_head_dim, dv = cfg_.v_head_dim;
@@ -140,7 +141,7 @@ void CpuModel::attention(int layer, const StepMetadata& md, PagedKvCache& cache,
       break;
   }
   const bool sparse = spec.sparse();
-  const auto& topk = topk_by_layer[layer];
+  const auto& topk = sparse && forced_topk != nullptr ? *forced_topk : topk_by_layer[layer];
 
   // 6. Absorbed attention over keys read back from the source layer's pages.
   const int src_slot = latent_read_slot_[layer];

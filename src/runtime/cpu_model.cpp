@@ -69,6 +69,30 @@ void CpuModel::ffn(int layer, const float* x, int64_t T, float* out, ForwardTrac
     rec.assign(T, {});
     for (int64_t t = 0; t < T; ++t) rec[t].assign(ids.begin() + t * K, ids.begin() + (t + 1) * K);
   }
+  if (trace != nullptr && layer < static_cast<int>(trace->forced_experts.size()) &&
+      !trace->forced_experts[layer].empty()) {
+    // Test input (ForwardTrace::forced_experts, checked in forward()): run these experts,
+    // weighted as moe_route weighs its own choice (router probability, renormalised, times
+    // routed_scale).
+    const auto& forced = trace->forced_experts[layer];
+    std::vector<float> prob(E);
+    for (int64_t t = 0; t < T; ++t) {
+      const float* l = logits.data() + t * E;
+      if (cfg_.moe.scoring == RouterScoring::kSoftmax) {
+        std::copy(l, l + E, prob.begin());
+        cpu::softmax_inplace(prob.data(), E);
+      } else {
+        for (int e = 0; e < E; ++e) prob[e] = 1.0f / (1.0f + std::exp(-l[e]));
+      }
+      double sum = 0.0;
+      for (int k = 0; k < K; ++k) sum += prob[forced[t][k]];
+      const double norm = cfg_.moe.renormalize ? 1.0 / (sum + 1e-20) : 1.0;
+      for (int k = 0; k < K; ++k) {
+        ids[t * K + k] = forced[t][k];
+        wts[t * K + k] = static_cast<float>(prob[forced[t][k]] * norm * cfg_.moe.routed_scale);
+      }
+    }
+  }
   std::fill(out, out + T * D, 0.0f);
   // Group token rows by expert so each expert's weights are decoded once per step.
   std::vector<std::vector<std::pair<int64_t, float>>> rows(E);
@@ -105,6 +129,34 @@ Status CpuModel::forward(const StepMetadata& md, PagedKvCache& cache, std::vecto
   if (trace != nullptr) {
     trace->topk.assign(L, {});
     trace->experts.assign(L, {});
+    for (size_t l = 0; l < trace->forced_experts.size() && l < static_cast<size_t>(L); ++l) {
+      const auto& f = trace->forced_experts[l];
+      if (f.empty()) continue;
+      if (static_cast<int64_t>(f.size()) != T || cfg_.layers[l].ffn != FfnKind::kMoe) {
+        return invalid_argument("forced_experts[{}]: {} rows for {} tokens, or not an MoE layer", l, f.size(), T);
+      }
+      for (const auto& row : f) {
+        if (static_cast<int>(row.size()) != cfg_.moe.num_experts_per_tok) {
+          return invalid_argument("forced_experts[{}]: {} experts per token, expected {}", l, row.size(),
+                                  cfg_.moe.num_experts_per_tok);
+        }
+        for (int32_t e : row)
+          if (e < 0 || e >= cfg_.moe.num_experts) return invalid_argument("forced_experts[{}]: expert {}", l, e);
+      }
+    }
+    // Forced selections are test input: check them before any index is used.
+    for (size_t l = 0; l < trace->forced_topk.size() && l < static_cast<size_t>(L); ++l) {
+      const auto& f = trace->forced_topk[l];
+      if (f.empty()) continue;
+      if (static_cast<int64_t>(f.size()) != T) {
+        return invalid_argument("forced_topk[{}]: {} rows for {} tokens", l, f.size(), T);
+      }
+      for (int64_t t = 0; t < T; ++t)
+        for (int32_t s : f[t])
+          if (s < 0 || s > md.positions[t]) {
+            return invalid_argument("forced_topk[{}][{}]: key {} outside [0, {}]", l, t, s, md.positions[t]);
+          }
+    }
   }
   std::vector<float> residual(T * D), a(T * D), tmp(T * D);
   cpu::embedding_lookup(w_->tok_embeddings, md.token_ids.data(), T, residual.data());
@@ -112,7 +164,9 @@ Status CpuModel::forward(const StepMetadata& md, PagedKvCache& cache, std::vecto
   for (int l = 0; l < L; ++l) {
     const LayerWeights& LW = w_->layers[l];
     cpu::rms_norm(residual.data(), LW.attention_norm.data(), T, D, eps, a.data());
-    attention(l, md, cache, a.data(), tmp.data(), topk);
+    const bool forced = trace != nullptr && l < static_cast<int>(trace->forced_topk.size()) &&
+                        !trace->forced_topk[l].empty();
+    attention(l, md, cache, a.data(), tmp.data(), topk, forced ? &trace->forced_topk[l] : nullptr);
     cpu::add_rms_norm(residual.data(), tmp.data(), LW.ffn_norm.data(), T, D, eps, a.data());
     ffn(l, a.data(), T, tmp.data(), trace);
     for (int64_t i = 0; i < T * D; ++i) residual[i] += tmp[i];

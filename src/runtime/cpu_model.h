@@ -29,6 +29,15 @@ struct ForwardTrace {
   std::vector<std::vector<std::vector<int32_t>>> topk;
   // [layer][token][expert slot] -> routed expert ids (routing replay, S15).
   std::vector<std::vector<std::vector<int32_t>>> experts;
+  // Input, for golden comparisons (tests/runtime/golden_test.cpp): where forced_topk[layer]
+  // is non-empty, that sparse layer attends to forced_topk[layer][token] (this step's
+  // tokens) instead of its indexer's choice; `topk` still records the indexer's own sets.
+  // This isolates one implementation's near-tie selections from the rest of the forward.
+  std::vector<std::vector<std::vector<int32_t>>> forced_topk;
+  // Input, likewise: where forced_experts[layer] is non-empty, that MoE layer runs experts
+  // forced_experts[layer][token] (num_experts_per_tok ids) weighted as its router would
+  // weigh them; `experts` still records the router's own choice.
+  std::vector<std::vector<std::vector<int32_t>>> forced_experts;
 };
 
 class CpuModel {
@@ -49,7 +58,8 @@ class CpuModel {
  private:
   struct LayerScratch;
   void attention(int layer, const StepMetadata& md, PagedKvCache& cache, const float* a, float* out,
-                 std::vector<std::vector<std::vector<int32_t>>>& topk_by_layer) const;
+                 std::vector<std::vector<std::vector<int32_t>>>& topk_by_layer,
+                 const std::vector<std::vector<int32_t>>* forced_topk = nullptr) const;
   void indexer_topk(int layer, const StepMetadata& md, PagedKvCache& cache, const float* a, const float* q_latent,
                     std::vector<std::vector<int32_t>>& topk) const;
   void ffn(int layer, const float* x, int64_t T, float* out, ForwardTrace* trace) const;

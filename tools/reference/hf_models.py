@@ -24,7 +24,7 @@ import logging
 
 import torch
 
-from numerics import bf16_round, indexer_scores, select_topk
+from numerics import attach_route_hooks, bf16_round, indexer_scores, select_topk
 
 
 class LoadError(RuntimeError):
@@ -32,7 +32,8 @@ class LoadError(RuntimeError):
 
 
 def load_hf_model(model_dir: str):
-    from transformers import AutoModelForCausalLM
+    import transformers
+    from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
     # Collect every warning transformers logs while loading: a silent re-init of a tensor
@@ -46,9 +47,13 @@ def load_hf_model(model_dir: str):
     handler = _Collect(level=logging.WARNING)
     hf_logger = hf_logging.get_logger("transformers")
     hf_logger.addHandler(handler)
+    # The class named by config.json's `architectures` (transformers 5.17 does not register
+    # Mistral4ForCausalLM with AutoModelForCausalLM).
+    cls = getattr(transformers, AutoConfig.from_pretrained(model_dir).architectures[0])
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float64, attn_implementation="eager", output_loading_info=True
+        model, info = cls.from_pretrained(
+            model_dir, dtype=torch.float64, attn_implementation="eager", experts_implementation="eager",
+            output_loading_info=True,
         )
     finally:
         hf_logger.removeHandler(handler)
@@ -70,7 +75,10 @@ class HfRun:
         self.model = model
         self.mode = mode
         self.record = {}  # layer -> (selection [S, k] int64, masked scores [S, T] f64)
+        self.routes = {}  # layer -> routed experts [S, k] sorted
         self._undo = []
+        gates = {l: layer.mlp.gate for l, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")}
+        self._undo += [h.remove for h in attach_route_hooks(gates, self.routes)]
         mt = model.config.model_type
         self.module = importlib.import_module(f"transformers.models.{mt}.modeling_{mt.replace('-', '_')}")
         if mode == "emulated":
@@ -161,6 +169,7 @@ class HfRun:
     def logits(self, tokens):
         """Logits [len, vocab] (f64) of one sequence, all positions, no cache."""
         self.record = {}
+        self.routes.clear()
         ids = torch.tensor([tokens], dtype=torch.long)
         return self.model(input_ids=ids, use_cache=False).logits[0].to(torch.float64)
 

@@ -41,7 +41,7 @@ import os
 import torch
 from torch import nn
 
-from numerics import bf16_round, indexer_scores, select_topk
+from numerics import attach_route_hooks, bf16_round, indexer_scores, select_topk
 
 
 def _tf():
@@ -142,6 +142,7 @@ class Ml4Reference(nn.Module):
             rope_parameters=dict(rope_params, partial_rotary_factor=self.dr / qk),
         )
         self.rotary = m4.Mistral4RotaryEmbedding(self.cfg)
+        assert self.rotary.inv_freq.numel() * 2 == self.dr, "MLA rotary width"
         self.scale = m4.yarn_apply_mscale(self.cfg.rope_parameters, qk**-0.5)
         l4 = p.get("llama_4_scaling")
         self.l4 = (float(l4["beta"]), int(l4["original_max_position_embeddings"])) if l4 else None
@@ -158,10 +159,13 @@ class Ml4Reference(nn.Module):
             )
             # The indexer rotates ix rope_head_dim dims with the same theta / YaRN (ml4: one
             # inverse-frequency table per rope width, CpuModel).
-            rc = Mistral4Config(**{**self.cfg.to_dict(), "qk_rope_head_dim": ix["rope_head_dim"],
-                                   "qk_nope_head_dim": ix["head_dim"] - ix["rope_head_dim"],
-                                   "rope_parameters": dict(rope_params, partial_rotary_factor=ix["rope_head_dim"] / ix["head_dim"])})
+            ixr, ixd = ix["rope_head_dim"], ix["head_dim"]
+            rc = Mistral4Config(hidden_size=D, num_attention_heads=H, num_key_value_heads=H, q_lora_rank=None,
+                                kv_lora_rank=self.r, qk_rope_head_dim=ixr, qk_nope_head_dim=ixd - ixr,
+                                v_head_dim=self.dv, max_position_embeddings=p["max_position_embeddings"],
+                                rope_parameters=dict(rope_params, partial_rotary_factor=ixr / ixd))
             self.ix_rotary = m4.Mistral4RotaryEmbedding(rc)
+            assert self.ix_rotary.inv_freq.numel() * 2 == ixr, "indexer rotary width"
 
         t = load_file(os.path.join(model_dir, "consolidated.safetensors"))
         t = {k: v.to(torch.float64) for k, v in t.items()}
@@ -235,6 +239,8 @@ class Ml4Reference(nn.Module):
         if left:
             raise RuntimeError(f"checkpoint tensors the reference does not use: {left}")
         self.record = {}
+        self.routes = {}
+        attach_route_hooks({s.index: L.ffn.gate for s, L in zip(self.specs, self.layers) if not s.dense}, self.routes)
 
     def _cos_sin(self, rotary, x, pos):
         cos, sin = rotary(x, pos[None, :])  # f32 cos/sin (transformers forces fp32), cast to x's dtype
@@ -245,6 +251,7 @@ class Ml4Reference(nn.Module):
         """Logits [len, vocab] (f64) of one sequence, all positions."""
         m4 = self.m4
         self.record = {}
+        self.routes.clear()
         T = len(tokens)
         positions = torch.arange(T)
         pp = lerope_positions(positions, self.p)

@@ -88,3 +88,17 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, fp8: bool)
         k = fp8_group_roundtrip(hadamard(k.to(torch.float32)).to(k.dtype))
     dots = torch.einsum("shd,td->sht", q.to(torch.float64), k.to(torch.float64))
     return torch.einsum("sh,sht->st", w.to(torch.float64), torch.relu(dots))
+
+
+def attach_route_hooks(gates: dict, store: dict):
+    """Records each MoE router's chosen experts (sorted) per layer into store[layer].
+
+    gates: layer -> a transformers TopkRouter (Mistral4TopkRouter, DeepseekV32TopkRouter),
+    whose forward returns (router_logits, topk_weights, topk_indices). Returns the hook
+    handles.
+    """
+    def hook(layer):
+        def f(module, inputs, out):
+            store[layer] = out[2].sort(-1).values.clone()
+        return f
+    return [g.register_forward_hook(hook(l)) for l, g in gates.items()]
