@@ -444,5 +444,37 @@ TEST(Golden, Dsv32TinyAgainstTransformersHfLayout) { check_case("dsv32-tiny", "b
 TEST(Golden, Dsv32TinyAgainstTransformersNativeLayout) { check_case("dsv32-tiny", "both", ""); }
 TEST(Golden, Ml4TinyAgainstPytorchReference) { check_case("ml4-tiny", "native", ""); }
 
+// The forced decisions are test input to CpuModel: malformed ones are refused with a
+// Status, never read out of bounds.
+TEST(Golden, ForcedDecisionsAreValidated) {
+  auto r = load_runner(test_model("ml4-tiny", 1234, "bf16", "native"));
+  ASSERT_TRUE(r);
+  const int L = r->config().n_layers;
+  const std::vector<int32_t> tokens = {5, 6, 7, 8};
+  auto run = [&](ForwardTrace& tr) {
+    return r->execute_traced(StepInput{{seq_step(*r, 9, tokens, 0, 40, 1, 1)}}, &tr).status();
+  };
+  ForwardTrace future;  // a key after the token's own position
+  future.forced_topk.assign(L, {});
+  future.forced_topk[0] = {{0}, {0, 1}, {0, 3}, {0}};
+  Status s = run(future);
+  EXPECT_FALSE(s.is_ok());
+  EXPECT_NE(s.message().find("forced_topk[0][2]"), std::string::npos) << s.message();
+  ForwardTrace short_rows;  // fewer rows than tokens
+  short_rows.forced_topk.assign(L, {});
+  short_rows.forced_topk[0] = {{0}};
+  EXPECT_FALSE(run(short_rows).is_ok());
+  ForwardTrace bad_expert;  // an expert id out of range, on an MoE layer
+  bad_expert.forced_experts.assign(L, {});
+  bad_expert.forced_experts[1].assign(tokens.size(), {0, r->config().moe.num_experts});
+  s = run(bad_expert);
+  EXPECT_FALSE(s.is_ok());
+  EXPECT_NE(s.message().find("forced_experts[1]"), std::string::npos) << s.message();
+  ForwardTrace dense;  // forcing experts on the dense layer 0
+  dense.forced_experts.assign(L, {});
+  dense.forced_experts[0].assign(tokens.size(), {0, 1});
+  EXPECT_FALSE(run(dense).is_ok());
+}
+
 }  // namespace
 }  // namespace ml4

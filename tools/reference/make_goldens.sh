@@ -3,6 +3,9 @@
 #
 #   tools/reference/make_goldens.sh [ML4_BINARY]      (default: build/ml4)
 #
+# Environment: PYTHON (default python3), GOLDEN_OUT (default tests/golden; another
+# directory to check that a regeneration reproduces the committed files).
+#
 # Needs python3 with torch 2.11 and transformers 5.17 (and safetensors, numpy): the GPU
 # machine has them; `pip install torch==2.11.0 transformers==5.17.0` works anywhere (the
 # references run in float64 on the CPU; a GPU is not needed). Writes the checkpoints with
@@ -22,5 +25,5 @@ for preset in mistral4-tiny dsv32-tiny ml4-tiny; do
   "$ml4" make-model --preset "$preset" --seed "$seed" --layout "$layout" --dtype bf16 --out "$models/$preset" >/dev/null
 done
 cd "$root"
-"$py" tools/reference/make_goldens.py --models "$models" --out tests/golden \
+"$py" tools/reference/make_goldens.py --models "$models" --out "${GOLDEN_OUT:-tests/golden}" \
   --command "tools/reference/make_goldens.sh $(basename "$ml4")"
