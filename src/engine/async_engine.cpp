@@ -158,7 +158,7 @@ void AsyncEngine::fail_all(const std::string& reason) {
   dead_ = true;
   ML4_LOG_ERROR("engine loop stopped: {}", reason);
   for (auto& [id, route] : routes_) {
-    engine_->abort(id);
+    engine_->abort(id, FinishReason::kError);
     StreamItem item;
     item.index = route.index;
     item.out.request_id = id;

@@ -82,15 +82,15 @@ Status Engine::check_request(const std::vector<int32_t>& prompt, const SamplingP
   return Status::ok();
 }
 
-bool Engine::abort(const std::string& request_id) {
+bool Engine::abort(const std::string& request_id, FinishReason reason) {
   auto it = live_.find(request_id);
   if (it == live_.end()) return false;
   Request& r = *it->second;
   scheduler_.remove(&r);
   r.status = RequestStatus::kFinished;
-  r.finish_reason = FinishReason::kAbort;
+  r.finish_reason = reason;
   if (observer_)
-    observer_->on_finished(mono_now() - r.arrival_time, FinishReason::kAbort, static_cast<int64_t>(r.prompt.size()),
+    observer_->on_finished(mono_now() - r.arrival_time, reason, static_cast<int64_t>(r.prompt.size()),
                            static_cast<int64_t>(r.output.size()));
   live_.erase(it);
   return true;

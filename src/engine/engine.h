@@ -83,9 +83,9 @@ class Engine {
   // The checks add_request makes, without queueing; reads only immutable state, so any
   // thread may call it while another drives the engine.
   Status check_request(const std::vector<int32_t>& prompt, const SamplingParams& params) const;
-  // Finishes a live request with FinishReason::kAbort; its blocks are free on return.
-  // Returns false when no such request is live.
-  bool abort(const std::string& request_id);
+  // Finishes a live request (kAbort, or kError when the engine is failing); its blocks are
+  // free on return. Returns false when no such request is live.
+  bool abort(const std::string& request_id, FinishReason reason = FinishReason::kAbort);
   // One scheduling + forward + sampling round; outputs for requests that changed.
   Result<std::vector<RequestOutput>> step(double now = 0.0);
 
