@@ -76,11 +76,15 @@ Status run_serve(ServeOptions o) {
   if (o.api_key.empty())
     if (const char* env = std::getenv("ML4_API_KEY"); env && *env) o.api_key = env;
 
+  if (o.max_model_len < 0) return invalid_argument("--max-model-len must be positive");
   RunnerOptions ro;
   ro.kv_cache_dtype = o.kv_cache_dtype;
   ro.kv_cache_bytes = o.kv_cache_memory_bytes;
   ro.max_model_len = o.max_model_len;
   ML4_ASSIGN_OR_RETURN(std::unique_ptr<ModelRunner> runner, load_cpu_runner(o.model, ro));
+  if (o.max_model_len > runner->config().max_position_embeddings)
+    return invalid_argument("--max-model-len {} exceeds the model's max_position_embeddings {}", o.max_model_len,
+                            runner->config().max_position_embeddings);
   ML4_ASSIGN_OR_RETURN(std::unique_ptr<TextCodec> codec, make_text_codec(o.model, runner->config().vocab_size));
 
   EngineConfig ec;
