@@ -196,6 +196,46 @@ TEST(CudaIndexer, ScoresAndTopkMatchCpu) {
   }
 }
 
+TEST(CudaIndexer, QueryQuantIsByteIdenticalToCpu) {
+  ML4_REQUIRE_GPU();
+  std::mt19937 rng(31);
+  std::normal_distribution<float> nd(0.0f, 2.0f);
+  for (int dI : {128, 256}) {
+    for (bool hadamard : {true, false}) {
+      const int64_t rows = 3 * 64 + 5;
+      std::vector<float> q(rows * dI);
+      for (auto& v : q) v = nd(rng);
+      for (int i = 0; i < dI; ++i) q[7 * dI + i] = 0.0f;  // amax floor 1e-4
+      std::vector<float> qt = q;
+      if (hadamard) cpu::hadamard_transform(qt.data(), rows, dI);
+      const int G = dI / 128;
+      std::vector<uint8_t> ref8(rows * dI);
+      std::vector<float> refs(rows * G);
+      for (int64_t r = 0; r < rows; ++r)
+        cpu::quantize_fp8_groups(qt.data() + r * dI, dI, 128, ref8.data() + r * dI, refs.data() + r * G);
+      auto d_q = to_device(q);
+      auto d_q8 = poisoned<uint8_t>(rows * dI);
+      auto d_s = poisoned<float>(rows * G);
+      IndexerQueryQuantParams p;
+      p.q = d_q.as<float>();
+      p.rows = rows;
+      p.dI = dI;
+      p.hadamard = hadamard;
+      p.q8 = d_q8.data();
+      p.scales = d_s.as<float>();
+      ML4_ASSERT_OK(indexer_query_quant(p));
+      ML4_ASSERT_OK(cuda_status(cudaDeviceSynchronize(), "sync"));
+      const auto got8 = to_host<uint8_t>(d_q8, rows * dI);
+      const auto gots = to_host<float>(d_s, rows * G);
+      size_t diff = 0;
+      for (size_t i = 0; i < ref8.size(); ++i) diff += got8[i] != ref8[i];
+      std::printf("indexer query quant dI=%d hadamard=%d: %zu of %zu bytes differ\n", dI, hadamard, diff, ref8.size());
+      EXPECT_EQ(diff, 0u);
+      EXPECT_EQ(0, std::memcmp(gots.data(), refs.data(), refs.size() * 4)) << "scales differ";
+    }
+  }
+}
+
 TEST(CudaIndexer, BadArgumentsAreErrors) {
   IndexerScoresParams p;
   p.T = 1;
@@ -211,6 +251,12 @@ TEST(CudaIndexer, BadArgumentsAreErrors) {
   EXPECT_FALSE(indexer_scores(p).is_ok());
   p.scores_stride = 10;
   EXPECT_FALSE(indexer_scores(p).is_ok());  // null pointers
+  IndexerQueryQuantParams qq;
+  qq.rows = 1;
+  qq.dI = 96;
+  EXPECT_FALSE(indexer_query_quant(qq).is_ok());
+  qq.dI = 128;
+  EXPECT_FALSE(indexer_query_quant(qq).is_ok());  // null pointers
 }
 
 }  // namespace

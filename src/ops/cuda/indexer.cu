@@ -13,6 +13,8 @@
 
 #include <cuda_fp8.h>
 
+#include <cmath>
+
 #include "kv/indexer_layout.h"
 #include "kv/kv_cache_dtype.h"
 #include "ops/cuda/cuda_common.h"
@@ -238,6 +240,50 @@ __global__ void __launch_bounds__(kThreads) indexer_fp8_kernel(
   }
 }
 
+// grid (rows), block dI / 2: the butterflies of ml4::cpu::hadamard_transform (pairs (j, j + h),
+// h = 1, 2, 4, ..., then * n^-0.5 as the host rounds it), then per-128 amax and e4m3 (the same
+// operations as cache_write.cu's indexer key path, which is byte-identical to the CPU encoder).
+__global__ void query_quant_kernel(const float* __restrict__ q, int dI, bool hadamard, float hscale,
+                                   uint8_t* __restrict__ q8, float* __restrict__ scales) {
+  extern __shared__ float v[];  // [dI]
+  __shared__ unsigned gmax[8];
+  const int64_t row = blockIdx.x;
+  const int tid = threadIdx.x, half = dI / 2, G = dI / kDim;
+  v[tid] = q[row * dI + tid];
+  v[tid + half] = q[row * dI + tid + half];
+  if (tid < G) gmax[tid] = 0u;
+  __syncthreads();
+  if (hadamard) {
+    for (int h = 1; h < dI; h *= 2) {
+      const int j = (tid / h) * 2 * h + (tid % h);
+      const float a = v[j], b = v[j + h];
+      __syncthreads();
+      v[j] = a + b;
+      v[j + h] = a - b;
+      __syncthreads();
+    }
+    v[tid] *= hscale;
+    v[tid + half] *= hscale;
+    __syncthreads();
+  }
+  const float x0 = v[tid], x1 = v[tid + half];
+  float a0 = fabsf(x0), a1 = fabsf(x1);
+  for (int o = 16; o > 0; o >>= 1) {
+    a0 = fmaxf(a0, __shfl_xor_sync(0xffffffffu, a0, o));
+    a1 = fmaxf(a1, __shfl_xor_sync(0xffffffffu, a1, o));
+  }
+  if ((tid & 31) == 0) {
+    atomicMax(&gmax[tid / kDim], __float_as_uint(a0));
+    atomicMax(&gmax[(tid + half) / kDim], __float_as_uint(a1));
+  }
+  __syncthreads();
+  const float s0 = fmaxf(__uint_as_float(gmax[tid / kDim]), 1e-4f) / 448.0f;
+  const float s1 = fmaxf(__uint_as_float(gmax[(tid + half) / kDim]), 1e-4f) / 448.0f;
+  q8[row * dI + tid] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(x0 / s0, __NV_SATFINITE, __NV_E4M3));
+  q8[row * dI + tid + half] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(x1 / s1, __NV_SATFINITE, __NV_E4M3));
+  if (tid < G) scales[row * G + tid] = fmaxf(__uint_as_float(gmax[tid]), 1e-4f) / 448.0f;
+}
+
 size_t smem_bytes(int HI) {
   return sizeof(float) * (static_cast<size_t>(HI) * kRow + kPageTokens * kRow + kIndexerMaxHeads + 4 * kPageTokens +
                           kPageTokens);
@@ -279,6 +325,20 @@ Status indexer_scores(const IndexerScoresParams& p) {
       static_cast<const uint8_t*>(p.q), p.q_scale, p.weights, static_cast<const uint8_t*>(p.cache), p.num_blocks,
       p.block_table, p.block_table_stride, p.seq_of_token, p.lengths, p.HI, p.scores, p.scores_stride);
   return cuda_status(cudaGetLastError(), "indexer_scores_kernel");
+}
+
+Status indexer_query_quant(const IndexerQueryQuantParams& p) {
+  if (p.rows < 0) return invalid_argument("indexer_query_quant: rows = {}", p.rows);
+  if (p.dI < kDim || p.dI > 1024 || (p.dI & (p.dI - 1)) != 0)
+    return invalid_argument("indexer_query_quant: dI = {} (a power of two in [128, 1024])", p.dI);
+  if (p.rows == 0) return Status::ok();
+  if (!p.q || !p.q8 || !p.scales) return invalid_argument("indexer_query_quant: null pointer");
+  if (p.rows > 0x7fffffff) return invalid_argument("indexer_query_quant: rows = {} too large", p.rows);
+  // The CPU reference's n^-0.5, rounded to f32 the same way (ops/cpu/quant.cpp).
+  const float hscale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(p.dI)));
+  query_quant_kernel<<<static_cast<unsigned>(p.rows), p.dI / 2, p.dI * sizeof(float), p.stream>>>(
+      p.q, p.dI, p.hadamard, hscale, static_cast<uint8_t*>(p.q8), p.scales);
+  return cuda_status(cudaGetLastError(), "query_quant_kernel");
 }
 
 }  // namespace ml4::cuda

@@ -49,4 +49,19 @@ struct IndexerScoresParams {
 };
 Status indexer_scores(const IndexerScoresParams& p);
 
+// The indexer query's FP8 form for indexer_scores: per row of dI values, the normalized
+// Walsh-Hadamard transform (optional), then e4m3 with scale max(amax, 1e-4) / 448 per 128 values.
+// Bytes and scales equal ml4::cpu::hadamard_transform + ml4::cpu::quantize_fp8_groups(.., 128, ..)
+// (the CPU runner's indexer path, runtime/cpu_attention.cpp), bit for bit.
+struct IndexerQueryQuantParams {
+  const float* q = nullptr;   // [rows, dI] f32 (rows = T * HI)
+  int64_t rows = 0;
+  int dI = 128;               // a power of two in [128, 1024]
+  bool hadamard = true;
+  void* q8 = nullptr;         // [rows, dI] e4m3
+  float* scales = nullptr;    // [rows, dI / 128]
+  cudaStream_t stream = nullptr;
+};
+Status indexer_query_quant(const IndexerQueryQuantParams& p);
+
 }  // namespace ml4::cuda
