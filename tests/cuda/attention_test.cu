@@ -53,8 +53,7 @@ Cache make_cache(const Shape& sh, int64_t num_slots, std::mt19937& rng) {
     for (auto& v : c) v = nd(rng);
     for (auto& v : kr) v = nd(rng);
     encode_latent(sh.dtype, c.data(), kr.data(), sh.r, sh.dr, 1.0f, k.bytes.data() + s * tb);
-    decode_latent(sh.dtype, k.bytes.data() + s * tb, sh.r, sh.dr, 1.0f, k.c.data() + s * sh.r,
-                  k.kr.data() + s * sh.dr);
+    decode_latent(sh.dtype, k.bytes.data() + s * tb, sh.r, sh.dr, 1.0f, k.c.data() + s * sh.r, k.kr.data() + s * sh.dr);
   }
   return k;
 }
@@ -84,8 +83,8 @@ struct Bounds {
 };
 Bounds bounds_for(MlaMath m) { return m == MlaMath::kF32 ? Bounds{2e-5, 2e-5} : Bounds{1e-2, 2e-2}; }
 
-void check(const Outputs& got, const std::vector<float>& ref_out, const std::vector<float>& ref_lse,
-           const char* what, Bounds b = {2e-5, 2e-5}) {
+void check(const Outputs& got, const std::vector<float>& ref_out, const std::vector<float>& ref_lse, const char* what,
+           Bounds b = {2e-5, 2e-5}) {
   ASSERT_EQ(got.out.size(), ref_out.size());
   size_t empty_rows = 0;
   for (size_t i = 0; i < ref_lse.size(); ++i) {
@@ -145,8 +144,8 @@ TEST(CudaMlaAttention, SparseMatchesCpuReference) {
         const int32_t s = idx[t * topk + j];
         if (s >= 0 && s < num_slots) sl.push_back(s);
       }
-      reference(cache, sh.H, q_lat.data() + t * sh.H * sh.r, q_rope.data() + t * sh.H * sh.dr, hs.data() + t * sh.H,
-                sl, ref_out.data() + t * sh.H * sh.r, ref_lse.data() + t * sh.H);
+      reference(cache, sh.H, q_lat.data() + t * sh.H * sh.r, q_rope.data() + t * sh.H * sh.dr, hs.data() + t * sh.H, sl,
+                ref_out.data() + t * sh.H * sh.r, ref_lse.data() + t * sh.H);
     }
 
     auto d_cache = to_device(cache.bytes);
@@ -156,49 +155,49 @@ TEST(CudaMlaAttention, SparseMatchesCpuReference) {
     auto d_idx = to_device(idx);
     auto d_len = to_device(idx_len);
     for (MlaMath math : {MlaMath::kF32, MlaMath::kBf16TensorCore}) {
-    std::vector<Outputs> runs;
-    for (int splits : {1, 0, 7, 0}) {
-      MlaAttentionParams p;
-      p.math = math;
-      p.q_lat = d_ql.as<float>();
-      p.q_rope = d_qr.as<float>();
-      p.head_scale = d_hs.as<float>();
-      p.T = T;
-      p.H = sh.H;
-      p.r = sh.r;
-      p.dr = sh.dr;
-      p.cache = d_cache.data();
-      p.num_slots = num_slots;
-      p.dtype = sh.dtype;
-      p.indices = d_idx.as<int32_t>();
-      p.topk = topk;
-      p.index_lengths = d_len.as<int32_t>();
-      p.num_splits = splits;
-      auto out = poisoned<float>(T * sh.H * sh.r), lse = poisoned<float>(T * sh.H);
-      p.out_lat = out.as<float>();
-      p.lse = lse.as<float>();
-      const size_t ws_bytes = mla_attention_workspace_bytes(p);
-      DeviceBuffer ws;
-      if (ws_bytes > 0) {
-        auto b = DeviceBuffer::alloc(ws_bytes);
-        ASSERT_TRUE(b.ok());
-        ws = std::move(b).value();
-        ASSERT_TRUE(ws.fill_bytes(0xFF).is_ok());
+      std::vector<Outputs> runs;
+      for (int splits : {1, 0, 7, 0}) {
+        MlaAttentionParams p;
+        p.math = math;
+        p.q_lat = d_ql.as<float>();
+        p.q_rope = d_qr.as<float>();
+        p.head_scale = d_hs.as<float>();
+        p.T = T;
+        p.H = sh.H;
+        p.r = sh.r;
+        p.dr = sh.dr;
+        p.cache = d_cache.data();
+        p.num_slots = num_slots;
+        p.dtype = sh.dtype;
+        p.indices = d_idx.as<int32_t>();
+        p.topk = topk;
+        p.index_lengths = d_len.as<int32_t>();
+        p.num_splits = splits;
+        auto out = poisoned<float>(T * sh.H * sh.r), lse = poisoned<float>(T * sh.H);
+        p.out_lat = out.as<float>();
+        p.lse = lse.as<float>();
+        const size_t ws_bytes = mla_attention_workspace_bytes(p);
+        DeviceBuffer ws;
+        if (ws_bytes > 0) {
+          auto b = DeviceBuffer::alloc(ws_bytes);
+          ASSERT_TRUE(b.ok());
+          ws = std::move(b).value();
+          ASSERT_TRUE(ws.fill_bytes(0xFF).is_ok());
+        }
+        p.workspace = ws.data();
+        p.workspace_bytes = ws_bytes;
+        ML4_ASSERT_OK(mla_attention(p));
+        ML4_ASSERT_OK(cuda_status(cudaDeviceSynchronize(), "sync"));
+        runs.push_back({to_host<float>(out, T * sh.H * sh.r), to_host<float>(lse, T * sh.H)});
+        char what[128];
+        std::snprintf(what, sizeof what, "sparse %s H=%d r=%d %s splits=%d (ws %zu B)",
+                      math == MlaMath::kF32 ? "f32" : "bf16-tc", sh.H, sh.r, kv_cache_dtype_name(sh.dtype), splits,
+                      ws_bytes);
+        check(runs.back(), ref_out, ref_lse, what, bounds_for(math));
       }
-      p.workspace = ws.data();
-      p.workspace_bytes = ws_bytes;
-      ML4_ASSERT_OK(mla_attention(p));
-      ML4_ASSERT_OK(cuda_status(cudaDeviceSynchronize(), "sync"));
-      runs.push_back({to_host<float>(out, T * sh.H * sh.r), to_host<float>(lse, T * sh.H)});
-      char what[128];
-      std::snprintf(what, sizeof what, "sparse %s H=%d r=%d %s splits=%d (ws %zu B)",
-                    math == MlaMath::kF32 ? "f32" : "bf16-tc", sh.H, sh.r, kv_cache_dtype_name(sh.dtype), splits,
-                    ws_bytes);
-      check(runs.back(), ref_out, ref_lse, what, bounds_for(math));
-    }
-    // Runs 1 and 3 use the same (automatic) split count: bit-identical.
-    EXPECT_EQ(0, std::memcmp(runs[1].out.data(), runs[3].out.data(), runs[1].out.size() * 4)) << "repeat run differs";
-    EXPECT_EQ(0, std::memcmp(runs[1].lse.data(), runs[3].lse.data(), runs[1].lse.size() * 4)) << "repeat run differs";
+      // Runs 1 and 3 use the same (automatic) split count: bit-identical.
+      EXPECT_EQ(0, std::memcmp(runs[1].out.data(), runs[3].out.data(), runs[1].out.size() * 4)) << "repeat run differs";
+      EXPECT_EQ(0, std::memcmp(runs[1].lse.data(), runs[3].lse.data(), runs[1].lse.size() * 4)) << "repeat run differs";
     }
   }
 }
@@ -241,40 +240,40 @@ TEST(CudaMlaAttention, DenseCausalPrefillAndDecodeMatchCpuReference) {
   auto d_seq = to_device(seq_of);
   auto d_len = to_device(lengths);
   for (MlaMath math : {MlaMath::kF32, MlaMath::kBf16TensorCore})
-  for (int splits : {1, 0}) {
-    MlaAttentionParams p;
-    p.math = math;
-    p.q_lat = d_ql.as<float>();
-    p.q_rope = d_qr.as<float>();
-    p.head_scale = d_hs.as<float>();
-    p.T = T;
-    p.H = sh.H;
-    p.r = sh.r;
-    p.dr = sh.dr;
-    p.cache = d_cache.data();
-    p.num_slots = num_slots;
-    p.dtype = sh.dtype;
-    p.block_table = d_bt.as<int32_t>();
-    p.block_table_stride = max_pages;
-    p.seq_of_token = d_seq.as<int32_t>();
-    p.lengths = d_len.as<int32_t>();
-    p.max_length = 1000;
-    p.num_splits = splits;
-    auto out = poisoned<float>(T * sh.H * sh.r), lse = poisoned<float>(T * sh.H);
-    p.out_lat = out.as<float>();
-    p.lse = lse.as<float>();
-    const size_t ws_bytes = mla_attention_workspace_bytes(p);
-    auto ws = poisoned<uint8_t>(std::max<size_t>(ws_bytes, 16));
-    p.workspace = ws.data();
-    p.workspace_bytes = ws_bytes;
-    ML4_ASSERT_OK(mla_attention(p));
-    ML4_ASSERT_OK(cuda_status(cudaDeviceSynchronize(), "sync"));
-    char what[96];
-    std::snprintf(what, sizeof what, "dense causal %s splits=%d (ws %zu B)", math == MlaMath::kF32 ? "f32" : "bf16-tc",
-                  splits, ws_bytes);
-    check({to_host<float>(out, T * sh.H * sh.r), to_host<float>(lse, T * sh.H)}, ref_out, ref_lse, what,
-          bounds_for(math));
-  }
+    for (int splits : {1, 0}) {
+      MlaAttentionParams p;
+      p.math = math;
+      p.q_lat = d_ql.as<float>();
+      p.q_rope = d_qr.as<float>();
+      p.head_scale = d_hs.as<float>();
+      p.T = T;
+      p.H = sh.H;
+      p.r = sh.r;
+      p.dr = sh.dr;
+      p.cache = d_cache.data();
+      p.num_slots = num_slots;
+      p.dtype = sh.dtype;
+      p.block_table = d_bt.as<int32_t>();
+      p.block_table_stride = max_pages;
+      p.seq_of_token = d_seq.as<int32_t>();
+      p.lengths = d_len.as<int32_t>();
+      p.max_length = 1000;
+      p.num_splits = splits;
+      auto out = poisoned<float>(T * sh.H * sh.r), lse = poisoned<float>(T * sh.H);
+      p.out_lat = out.as<float>();
+      p.lse = lse.as<float>();
+      const size_t ws_bytes = mla_attention_workspace_bytes(p);
+      auto ws = poisoned<uint8_t>(std::max<size_t>(ws_bytes, 16));
+      p.workspace = ws.data();
+      p.workspace_bytes = ws_bytes;
+      ML4_ASSERT_OK(mla_attention(p));
+      ML4_ASSERT_OK(cuda_status(cudaDeviceSynchronize(), "sync"));
+      char what[96];
+      std::snprintf(what, sizeof what, "dense causal %s splits=%d (ws %zu B)",
+                    math == MlaMath::kF32 ? "f32" : "bf16-tc", splits, ws_bytes);
+      check({to_host<float>(out, T * sh.H * sh.r), to_host<float>(lse, T * sh.H)}, ref_out, ref_lse, what,
+            bounds_for(math));
+    }
 }
 
 TEST(CudaMlaAttention, BadArgumentsAreErrors) {

@@ -6,10 +6,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <set>
-#include <cstring>
 #include <vector>
 
 #include "core/dtype.h"
@@ -37,163 +37,162 @@ TEST(CudaIndexer, ScoresAndTopkMatchCpu) {
   // kFp8TensorCore: Hopper's FP8 mma accumulates with fewer mantissa bits than f32 (DeepSeek-V3
   // report 3.3.2 measured ~14 bits: 2^-14 ~ 6e-5 per add, averaging over 128-term dots): 1e-3.
   for (IndexerMath math : {IndexerMath::kF32, IndexerMath::kFp8TensorCore})
-  for (int HI : {64, 32, 4}) {
-    const double bound = math == IndexerMath::kF32 ? 1e-5 : 1e-3;
-    const char* mname = math == IndexerMath::kF32 ? "f32" : "fp8-tc";
-    // Three sequences; tokens: a decode token of each, plus a prefill chunk of sequence 0.
-    const std::vector<int32_t> ctx = {3000, 130, 64 * 5 + 3};
-    const int64_t S = static_cast<int64_t>(ctx.size());
-    const int64_t max_pages = 64;
-    int64_t total_pages = 0;
-    for (int32_t c : ctx) total_pages += (c + kPageTokens - 1) / kPageTokens;
-    std::vector<int32_t> perm(total_pages);
-    std::iota(perm.begin(), perm.end(), 0);
-    std::shuffle(perm.begin(), perm.end(), rng);
-    std::vector<int32_t> bt(S * max_pages, -1);
-    const size_t pb = indexer_page_bytes(dI);
-    std::vector<uint8_t> cache(total_pages * pb, 0);
-    std::vector<std::vector<float>> keys(S);  // dequantized, [ctx, dI]
-    std::normal_distribution<float> nd(0.0f, 1.0f);
-    int64_t next = 0;
-    for (int64_t s = 0; s < S; ++s) {
-      const int np = (ctx[s] + kPageTokens - 1) / kPageTokens;
-      for (int i = 0; i < np; ++i) bt[s * max_pages + i] = perm[next++];
-      keys[s].resize(static_cast<size_t>(ctx[s]) * dI);
-      std::vector<float> k(dI);
-      for (int j = 0; j < ctx[s]; ++j) {
-        for (auto& v : k) v = nd(rng);
-        uint8_t* page = cache.data() + bt[s * max_pages + j / kPageTokens] * pb;
-        encode_indexer_key(k.data(), dI, page, j % kPageTokens);
-        decode_indexer_key(page, j % kPageTokens, dI, keys[s].data() + static_cast<size_t>(j) * dI);
+    for (int HI : {64, 32, 4}) {
+      const double bound = math == IndexerMath::kF32 ? 1e-5 : 1e-3;
+      const char* mname = math == IndexerMath::kF32 ? "f32" : "fp8-tc";
+      // Three sequences; tokens: a decode token of each, plus a prefill chunk of sequence 0.
+      const std::vector<int32_t> ctx = {3000, 130, 64 * 5 + 3};
+      const int64_t S = static_cast<int64_t>(ctx.size());
+      const int64_t max_pages = 64;
+      int64_t total_pages = 0;
+      for (int32_t c : ctx) total_pages += (c + kPageTokens - 1) / kPageTokens;
+      std::vector<int32_t> perm(total_pages);
+      std::iota(perm.begin(), perm.end(), 0);
+      std::shuffle(perm.begin(), perm.end(), rng);
+      std::vector<int32_t> bt(S * max_pages, -1);
+      const size_t pb = indexer_page_bytes(dI);
+      std::vector<uint8_t> cache(total_pages * pb, 0);
+      std::vector<std::vector<float>> keys(S);  // dequantized, [ctx, dI]
+      std::normal_distribution<float> nd(0.0f, 1.0f);
+      int64_t next = 0;
+      for (int64_t s = 0; s < S; ++s) {
+        const int np = (ctx[s] + kPageTokens - 1) / kPageTokens;
+        for (int i = 0; i < np; ++i) bt[s * max_pages + i] = perm[next++];
+        keys[s].resize(static_cast<size_t>(ctx[s]) * dI);
+        std::vector<float> k(dI);
+        for (int j = 0; j < ctx[s]; ++j) {
+          for (auto& v : k) v = nd(rng);
+          uint8_t* page = cache.data() + bt[s * max_pages + j / kPageTokens] * pb;
+          encode_indexer_key(k.data(), dI, page, j % kPageTokens);
+          decode_indexer_key(page, j % kPageTokens, dI, keys[s].data() + static_cast<size_t>(j) * dI);
+        }
       }
-    }
-    std::vector<int32_t> seq_of, lengths;
-    for (int64_t s = 0; s < S; ++s) {
-      seq_of.push_back(static_cast<int32_t>(s));
-      lengths.push_back(ctx[s]);
-    }
-    for (int32_t p : {0, 1, 63, 64, 1000, 2047, 2048, 2500, 2999}) {
-      seq_of.push_back(0);
-      lengths.push_back(p + 1);
-    }
-    const int64_t T = static_cast<int64_t>(seq_of.size());
-    const int max_len = *std::max_element(lengths.begin(), lengths.end());
-    const int64_t stride = max_len + 64;  // padding past max_len must stay untouched
-    std::vector<float> qf(T * HI * dI), qdeq(T * HI * dI), qscale(T * HI), w(T * HI);
-    std::vector<uint8_t> q8(T * HI * dI);
-    std::uniform_real_distribution<float> uw(-1.0f, 1.0f);
-    for (auto& v : qf) v = nd(rng);
-    for (auto& v : w) v = uw(rng) / std::sqrt(static_cast<float>(HI * dI));
-    for (int64_t row = 0; row < T * HI; ++row) {
-      cpu::quantize_fp8_groups(qf.data() + row * dI, dI, 128, q8.data() + row * dI, qscale.data() + row);
-      cpu::dequantize_fp8_groups(q8.data() + row * dI, qscale.data() + row, dI, 128, qdeq.data() + row * dI);
-    }
+      std::vector<int32_t> seq_of, lengths;
+      for (int64_t s = 0; s < S; ++s) {
+        seq_of.push_back(static_cast<int32_t>(s));
+        lengths.push_back(ctx[s]);
+      }
+      for (int32_t p : {0, 1, 63, 64, 1000, 2047, 2048, 2500, 2999}) {
+        seq_of.push_back(0);
+        lengths.push_back(p + 1);
+      }
+      const int64_t T = static_cast<int64_t>(seq_of.size());
+      const int max_len = *std::max_element(lengths.begin(), lengths.end());
+      const int64_t stride = max_len + 64;  // padding past max_len must stay untouched
+      std::vector<float> qf(T * HI * dI), qdeq(T * HI * dI), qscale(T * HI), w(T * HI);
+      std::vector<uint8_t> q8(T * HI * dI);
+      std::uniform_real_distribution<float> uw(-1.0f, 1.0f);
+      for (auto& v : qf) v = nd(rng);
+      for (auto& v : w) v = uw(rng) / std::sqrt(static_cast<float>(HI * dI));
+      for (int64_t row = 0; row < T * HI; ++row) {
+        cpu::quantize_fp8_groups(qf.data() + row * dI, dI, 128, q8.data() + row * dI, qscale.data() + row);
+        cpu::dequantize_fp8_groups(q8.data() + row * dI, qscale.data() + row, dI, 128, qdeq.data() + row * dI);
+      }
 
-    auto d_q = to_device(q8);
-    auto d_qs = to_device(qscale);
-    auto d_w = to_device(w);
-    auto d_cache = to_device(cache);
-    auto d_bt = to_device(bt);
-    auto d_seq = to_device(seq_of);
-    auto d_len = to_device(lengths);
-    std::vector<std::vector<float>> runs;
-    for (int rep = 0; rep < 2; ++rep) {
-      auto d_scores = poisoned<float>(T * stride);
-      IndexerScoresParams p;
-      p.q = d_q.data();
-      p.q_scale = d_qs.as<float>();
-      p.weights = d_w.as<float>();
-      p.cache = d_cache.data();
-      p.num_blocks = total_pages;
-      p.block_table = d_bt.as<int32_t>();
-      p.block_table_stride = max_pages;
-      p.seq_of_token = d_seq.as<int32_t>();
-      p.lengths = d_len.as<int32_t>();
-      p.T = T;
-      p.HI = HI;
-      p.max_length = max_len;
-      p.scores = d_scores.as<float>();
-      p.scores_stride = stride;
-      p.math = math;
-      ML4_ASSERT_OK(indexer_scores(p));
+      auto d_q = to_device(q8);
+      auto d_qs = to_device(qscale);
+      auto d_w = to_device(w);
+      auto d_cache = to_device(cache);
+      auto d_bt = to_device(bt);
+      auto d_seq = to_device(seq_of);
+      auto d_len = to_device(lengths);
+      std::vector<std::vector<float>> runs;
+      for (int rep = 0; rep < 2; ++rep) {
+        auto d_scores = poisoned<float>(T * stride);
+        IndexerScoresParams p;
+        p.q = d_q.data();
+        p.q_scale = d_qs.as<float>();
+        p.weights = d_w.as<float>();
+        p.cache = d_cache.data();
+        p.num_blocks = total_pages;
+        p.block_table = d_bt.as<int32_t>();
+        p.block_table_stride = max_pages;
+        p.seq_of_token = d_seq.as<int32_t>();
+        p.lengths = d_len.as<int32_t>();
+        p.T = T;
+        p.HI = HI;
+        p.max_length = max_len;
+        p.scores = d_scores.as<float>();
+        p.scores_stride = stride;
+        p.math = math;
+        ML4_ASSERT_OK(indexer_scores(p));
+        ML4_ASSERT_OK(cuda_status(cudaDeviceSynchronize(), "sync"));
+        runs.push_back(to_host<float>(d_scores, T * stride));
+      }
+      EXPECT_EQ(0, std::memcmp(runs[0].data(), runs[1].data(), runs[0].size() * 4)) << "repeat run differs";
+      const auto& got = runs[0];
+
+      // f64 reference; CPU f32 reference for the top-k comparison.
+      double worst = 0;
+      for (int64_t t = 0; t < T; ++t) {
+        const int n = lengths[t];
+        const float* kk = keys[seq_of[t]].data();
+        std::vector<double> ref(n);
+        std::vector<float> out(got.begin() + t * stride, got.begin() + t * stride + n);
+        for (int s = 0; s < n; ++s) {
+          double acc = 0;
+          for (int h = 0; h < HI; ++h) {
+            double d = 0;
+            for (int i = 0; i < dI; ++i) d += static_cast<double>(qdeq[(t * HI + h) * dI + i]) * kk[s * dI + i];
+            acc += w[t * HI + h] * std::max(0.0, d);
+          }
+          ref[s] = acc;
+        }
+        for (int64_t i = n; i < stride; ++i) {
+          uint32_t bits;
+          std::memcpy(&bits, &got[t * stride + i], 4);
+          ASSERT_EQ(bits, 0xFFFFFFFFu) << "written past the length: row " << t << " col " << i;
+        }
+        ASSERT_TRUE(testing::all_finite(out)) << "row " << t;
+        const double e = testing::rel_err(out, ref);
+        worst = std::max(worst, e);
+        EXPECT_LT(e, bound) << mname << " row " << t;
+      }
+      std::printf("indexer %s HI=%d: worst row ||gpu - f64|| / ||f64|| = %.3g (bound %.0e)\n", mname, HI, worst, bound);
+
+      // GPU top-k on the GPU scores.
+      const int k = 256;
+      auto d_scores = to_device(got);
+      auto d_pos = poisoned<int32_t>(T * k);
+      TopkParams tp;
+      tp.scores = d_scores.as<float>();
+      tp.scores_stride = stride;
+      tp.lengths = d_len.as<int32_t>();
+      tp.T = T;
+      tp.k = k;
+      tp.positions = d_pos.as<int32_t>();
+      ML4_ASSERT_OK(topk(tp));
       ML4_ASSERT_OK(cuda_status(cudaDeviceSynchronize(), "sync"));
-      runs.push_back(to_host<float>(d_scores, T * stride));
-    }
-    EXPECT_EQ(0, std::memcmp(runs[0].data(), runs[1].data(), runs[0].size() * 4)) << "repeat run differs";
-    const auto& got = runs[0];
-
-    // f64 reference; CPU f32 reference for the top-k comparison.
-    double worst = 0;
-    for (int64_t t = 0; t < T; ++t) {
-      const int n = lengths[t];
-      const float* kk = keys[seq_of[t]].data();
-      std::vector<double> ref(n);
-      std::vector<float> out(got.begin() + t * stride, got.begin() + t * stride + n);
-      for (int s = 0; s < n; ++s) {
-        double acc = 0;
-        for (int h = 0; h < HI; ++h) {
-          double d = 0;
-          for (int i = 0; i < dI; ++i) d += static_cast<double>(qdeq[(t * HI + h) * dI + i]) * kk[s * dI + i];
-          acc += w[t * HI + h] * std::max(0.0, d);
-        }
-        ref[s] = acc;
+      const auto pos = to_host<int32_t>(d_pos, T * k);
+      int64_t swapped = 0;
+      for (int64_t t = 0; t < T; ++t) {
+        const int n = lengths[t];
+        const float* kk = keys[seq_of[t]].data();
+        std::vector<float> cref(n);
+        cpu::indexer_scores(qdeq.data() + t * HI * dI, w.data() + t * HI, HI, dI, kk, n, cref.data());
+        std::vector<int32_t> want(k);
+        cpu::topk(cref.data(), n, k, want.data());
+        const int kk_n = std::min(k, n);
+        std::set<int32_t> a(want.begin(), want.begin() + kk_n), b(pos.begin() + t * k, pos.begin() + t * k + kk_n);
+        for (int i = kk_n; i < k; ++i) EXPECT_EQ(pos[t * k + i], -1);
+        ASSERT_EQ(b.size(), static_cast<size_t>(kk_n)) << "duplicate or missing positions, row " << t;
+        if (kk_n == 0) continue;
+        // Sets may differ only by elements whose reference score ties the k-th score to within
+        // the scores' rounding (`bound` of the row's largest magnitude).
+        float amax = 0;
+        for (float v : cref) amax = std::max(amax, std::fabs(v));
+        const float kth = cref[want[kk_n - 1]];
+        for (int32_t x : a)
+          if (!b.count(x)) {
+            ++swapped;
+            EXPECT_NEAR(cref[x], kth, bound * amax) << mname << " row " << t << " lost position " << x;
+          }
+        for (int32_t x : b)
+          if (!a.count(x)) EXPECT_NEAR(cref[x], kth, bound * amax) << mname << " row " << t << " gained position " << x;
       }
-      for (int64_t i = n; i < stride; ++i) {
-        uint32_t bits;
-        std::memcpy(&bits, &got[t * stride + i], 4);
-        ASSERT_EQ(bits, 0xFFFFFFFFu) << "written past the length: row " << t << " col " << i;
-      }
-      ASSERT_TRUE(testing::all_finite(out)) << "row " << t;
-      const double e = testing::rel_err(out, ref);
-      worst = std::max(worst, e);
-      EXPECT_LT(e, bound) << mname << " row " << t;
-
+      std::printf("indexer+topk %s HI=%d: %lld near-tie swaps vs cpu::indexer_scores + cpu::topk\n", mname, HI,
+                  static_cast<long long>(swapped));
     }
-    std::printf("indexer %s HI=%d: worst row ||gpu - f64|| / ||f64|| = %.3g (bound %.0e)\n", mname, HI, worst, bound);
-
-    // GPU top-k on the GPU scores.
-    const int k = 256;
-    auto d_scores = to_device(got);
-    auto d_pos = poisoned<int32_t>(T * k);
-    TopkParams tp;
-    tp.scores = d_scores.as<float>();
-    tp.scores_stride = stride;
-    tp.lengths = d_len.as<int32_t>();
-    tp.T = T;
-    tp.k = k;
-    tp.positions = d_pos.as<int32_t>();
-    ML4_ASSERT_OK(topk(tp));
-    ML4_ASSERT_OK(cuda_status(cudaDeviceSynchronize(), "sync"));
-    const auto pos = to_host<int32_t>(d_pos, T * k);
-    int64_t swapped = 0;
-    for (int64_t t = 0; t < T; ++t) {
-      const int n = lengths[t];
-      const float* kk = keys[seq_of[t]].data();
-      std::vector<float> cref(n);
-      cpu::indexer_scores(qdeq.data() + t * HI * dI, w.data() + t * HI, HI, dI, kk, n, cref.data());
-      std::vector<int32_t> want(k);
-      cpu::topk(cref.data(), n, k, want.data());
-      const int kk_n = std::min(k, n);
-      std::set<int32_t> a(want.begin(), want.begin() + kk_n), b(pos.begin() + t * k, pos.begin() + t * k + kk_n);
-      for (int i = kk_n; i < k; ++i) EXPECT_EQ(pos[t * k + i], -1);
-      ASSERT_EQ(b.size(), static_cast<size_t>(kk_n)) << "duplicate or missing positions, row " << t;
-      if (kk_n == 0) continue;
-      // Sets may differ only by elements whose reference score ties the k-th score to within
-      // the scores' rounding (`bound` of the row's largest magnitude).
-      float amax = 0;
-      for (float v : cref) amax = std::max(amax, std::fabs(v));
-      const float kth = cref[want[kk_n - 1]];
-      for (int32_t x : a)
-        if (!b.count(x)) {
-          ++swapped;
-          EXPECT_NEAR(cref[x], kth, bound * amax) << mname << " row " << t << " lost position " << x;
-        }
-      for (int32_t x : b)
-        if (!a.count(x)) EXPECT_NEAR(cref[x], kth, bound * amax) << mname << " row " << t << " gained position " << x;
-    }
-    std::printf("indexer+topk %s HI=%d: %lld near-tie swaps vs cpu::indexer_scores + cpu::topk\n", mname, HI,
-                static_cast<long long>(swapped));
-  }
 }
 
 TEST(CudaIndexer, QueryQuantIsByteIdenticalToCpu) {
