@@ -83,6 +83,12 @@ uint64_t KvBlockManager::chain_hash(uint64_t parent, const Request& r, int64_t b
   return h;
 }
 
+int64_t KvBlockManager::first_window_block(const Pool& p, int64_t num_computed) {
+  if (p.info.sliding_window <= 0) return 0;
+  const int64_t lo = num_computed - p.info.sliding_window;  // positions below lo are never read again
+  return lo > 0 ? lo / p.info.page_tokens : 0;
+}
+
 int64_t KvBlockManager::num_free_blocks_total() const {
   int64_t s = 0;
   for (const auto& p : pools_) s += p.num_free;
@@ -147,6 +153,7 @@ std::vector<int64_t> KvBlockManager::blocks_needed(const Request& r, int64_t num
   for (size_t g = 0; g < pools_.size(); ++g) {
     if (!pools_[g].active) continue;
     int64_t have = g < r.block_tables.size() ? static_cast<int64_t>(r.block_tables[g].size()) : 0;
+    have = std::max(have, first_window_block(pools_[g], r.num_computed));
     need[g] = std::max<int64_t>(0, ceil_div(num_tokens, pools_[g].info.page_tokens) - have);
   }
   return need;
@@ -169,6 +176,7 @@ bool KvBlockManager::allocate(Request& r, int64_t num_tokens, const PrefixHit* h
       for (int32_t b : hit->blocks[g]) from_free += p.ref[b] == 0 ? 1 : 0;
       have += static_cast<int64_t>(hit->blocks[g].size());
     }
+    have = std::max(have, first_window_block(p, r.num_computed));  // kNoBlock entries are free
     need[g] = from_free + std::max<int64_t>(0, ceil_div(num_tokens, p.info.page_tokens) - have);
     if (need[g] > p.num_free) return false;
   }
@@ -185,7 +193,12 @@ bool KvBlockManager::allocate(Request& r, int64_t num_tokens, const PrefixHit* h
       }
     }
     int64_t target = ceil_div(num_tokens, p.info.page_tokens);
+    const int64_t first = first_window_block(p, r.num_computed);
     while (static_cast<int64_t>(r.block_tables[g].size()) < target) {
+      if (static_cast<int64_t>(r.block_tables[g].size()) < first) {
+        r.block_tables[g].push_back(kNoBlock);
+        continue;
+      }
       int32_t b = p.head;
       list_remove(p, b);
       drop_hash(p, b);  // evicts a cached block
@@ -204,6 +217,7 @@ void KvBlockManager::free(Request& r) {
     // are evicted first (they end up nearer the head among the hashed blocks).
     for (auto it = table.rbegin(); it != table.rend(); ++it) {
       int32_t b = *it;
+      if (b == kNoBlock) continue;
       if (--p.ref[b] == 0) {
         if (p.has_hash[b]) list_push_back(p, b); else list_push_front(p, b);
       }
@@ -226,12 +240,28 @@ void KvBlockManager::cache_full_blocks(Request& r) {
       uint64_t h = chain_hash(parent, r, i * page, (i + 1) * page);
       hashes.push_back(h);
       int32_t b = r.block_tables[g][i];
-      if (p.has_hash[b] || p.cached.count(h)) continue;  // already cached (maybe elsewhere)
+      if (b == kNoBlock || p.has_hash[b] || p.cached.count(h)) continue;  // already cached (maybe elsewhere)
       p.has_hash[b] = 1;
       p.hash[b] = h;
       p.tokens[b].resize(page);
       for (int64_t k = 0; k < page; ++k) p.tokens[b][k] = r.token_at(i * page + k);
       p.cached[h] = b;
+    }
+  }
+}
+
+void KvBlockManager::release_outside_window(Request& r) {
+  for (size_t g = 0; g < r.block_tables.size() && g < pools_.size(); ++g) {
+    Pool& p = pools_[g];
+    if (!p.active || p.info.sliding_window <= 0) continue;
+    auto& table = r.block_tables[g];
+    const int64_t first = std::min<int64_t>(first_window_block(p, r.num_computed), table.size());
+    for (int64_t i = first - 1; i >= 0 && table[i] != kNoBlock; --i) {
+      const int32_t b = table[i];
+      if (--p.ref[b] == 0) {
+        if (p.has_hash[b]) list_push_back(p, b); else list_push_front(p, b);
+      }
+      table[i] = kNoBlock;
     }
   }
 }

@@ -22,8 +22,11 @@
 //
 // A sliding-window group the runner gave no blocks (the drafter when speculation is off)
 // is inactive: its tables stay empty and it takes no part in admission or prefix hits.
-// Later parts: an active sliding-window group may release blocks wholly outside its window
-// (not done yet: it keeps them, which is correct but uses more memory); P/D transfer
+// An active sliding-window group (the drafter's window, MODEL.md section 5) holds only the
+// blocks the next step can read: a block wholly before position num_computed - window is
+// released (its table entry becomes kNoBlock, -1, which the runner neither reads nor writes)
+// and allocation never takes one for such a position. A prefix hit still needs the group's
+// blocks cached for the whole prefix, which is conservative and correct. P/D transfer
 // allocates blocks for num_external_tokens the same way as a prefill.
 #pragma once
 
@@ -37,6 +40,8 @@
 #include "runtime/model_runner.h"
 
 namespace ml4 {
+
+constexpr int32_t kNoBlock = -1;  // a table entry released by a sliding-window group
 
 struct PrefixHit {
   int64_t num_tokens = 0;                     // tokens whose KV is reused
@@ -70,6 +75,8 @@ class KvBlockManager {
   std::vector<int64_t> blocks_needed(const Request& r, int64_t num_tokens) const;
   // Drops the request's refs; its registered blocks stay cached until evicted.
   void free(Request& r);
+  // Sliding-window groups: releases the blocks wholly before r.num_computed - window.
+  void release_outside_window(Request& r);
   // Registers the full blocks among tokens [0, r.num_computed) for reuse.
   void cache_full_blocks(Request& r);
   // Drops every cached hash whose block is free (e.g. after a weight update).
@@ -99,6 +106,8 @@ class KvBlockManager {
   static void list_push_front(Pool& p, int32_t b);
   static void list_push_back(Pool& p, int32_t b);
   static void drop_hash(Pool& p, int32_t b);
+  // First block index a sliding-window group still needs for a request at `num_computed`.
+  static int64_t first_window_block(const Pool& p, int64_t num_computed);
   static uint64_t chain_hash(uint64_t parent, const Request& r, int64_t begin, int64_t end);
 
   std::vector<Pool> pools_;

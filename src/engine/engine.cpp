@@ -247,6 +247,7 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
       ++li;
     }
     blocks_.cache_full_blocks(r);
+    blocks_.release_outside_window(r);
     if (r.finished() || (num_logits > 0 && r.tokens_sent < r.output.size())) {
       outputs.push_back(take_output(r));
     }

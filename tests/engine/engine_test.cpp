@@ -246,3 +246,46 @@ TEST(Engine, RejectsBadRequests) {
 
 }  // namespace
 }  // namespace ml4
+
+namespace ml4 {
+namespace {
+
+// A drafter-like sliding-window group (window 8, page 4) with far fewer blocks than the
+// sequences' lengths: blocks behind the window are released every step, so the requests
+// run to the end, give the same tokens as without the group, and leak nothing.
+TEST(Engine, SlidingWindowGroupKeepsOnlyTheWindow) {
+  ByteTextCodec codec(kVocab);
+  std::mt19937 rng(21);
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < 4; ++i) prompts.push_back(random_prompt(rng, 10 + 3 * i));
+  auto groups = FakeRunner::two_groups(256);
+  groups.push_back({"drafter", 4, 24, 8, 100});
+  FakeRunner windowed(kVocab, groups);
+  Engine e(&windowed, &codec, config(4, 16));  // 16-token chunks: a chunk needs <= 7 window blocks
+  const int64_t free0 = e.blocks().num_free_blocks(2);
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(e.add_request("w" + std::to_string(i), prompts[i], greedy(40)).is_ok());
+  int64_t max_used = 0;
+  std::map<std::string, std::vector<int32_t>> got;
+  while (e.has_work()) {
+    auto r = e.step();
+    ASSERT_TRUE(r.ok()) << r.status().message();
+    for (auto& o : r.value()) got[o.request_id].insert(got[o.request_id].end(), o.new_tokens.begin(), o.new_tokens.end());
+    max_used = std::max(max_used, free0 - e.blocks().num_free_blocks(2));
+    ASSERT_TRUE(e.blocks().check_invariants().is_ok());
+  }
+  EXPECT_EQ(e.blocks().num_free_blocks(2), free0);
+  EXPECT_LE(max_used, 24);
+  // Holding every block would need 4 x 15 > 24 and force preemptions; releasing needs none.
+  EXPECT_EQ(e.counters().preemptions, 0);
+  for (int i = 0; i < 4; ++i) {
+    FakeRunner plain(kVocab, FakeRunner::two_groups(256));
+    Engine ref(&plain, &codec, config(1, 64, false));
+    std::string id = "w" + std::to_string(i);
+    ASSERT_TRUE(ref.add_request(id, prompts[i], greedy(40)).is_ok());
+    EXPECT_EQ(got[id], drain(ref).tokens[id]) << id;
+    EXPECT_EQ(got[id].size(), 40u);
+  }
+}
+
+}  // namespace
+}  // namespace ml4
