@@ -184,3 +184,18 @@ def test_chat_with_tools_is_encoded_and_answered(client, server):
         {"role": "tool", "tool_call_id": "call_abc123xyz", "content": "sunny"}]
     r = client.chat.completions.create(model=server.name, messages=history, tools=tools, max_tokens=4, temperature=0)
     assert r.usage.prompt_tokens > with_tools.usage.prompt_tokens
+
+
+def test_seeded_sampling_same_alone_and_under_load(client, server):
+    """Each request samples from its own seeded generator: batching with others changes nothing."""
+    import concurrent.futures
+    kw = dict(model=server.name, prompt="Seeded sampling", max_tokens=16, temperature=0.9, top_p=0.95, seed=77,
+              extra_body={"ignore_eos": True})
+    alone = client.completions.create(**kw).choices[0].text
+    with concurrent.futures.ThreadPoolExecutor(9) as ex:
+        noise = [ex.submit(client.completions.create, model=server.name, prompt=f"noise {i}", max_tokens=24,
+                           temperature=1.0) for i in range(8)]
+        again = ex.submit(client.completions.create, **kw)
+        assert again.result().choices[0].text == alone
+        for f in noise:
+            f.result()
