@@ -87,10 +87,10 @@ TEST(AsyncEngine, BoundedAdmissionAndAbortFreesBlocks) {
 
 TEST(AsyncEngine, HungStepFailsHealthAndFailureStopsLoop) {
   Fixture f(8, 0.2);
-  f.runner.delay_ms_ = 600;
+  f.runner.delay_ms_ = 1200;
   auto s = f.async->submit({greq("slow", 2)});
   ASSERT_TRUE(s.ok());
-  std::this_thread::sleep_for(400ms);
+  std::this_thread::sleep_for(700ms);
   EngineHealth h = f.async->health();
   EXPECT_FALSE(h.ok);
   EXPECT_NE(h.reason.find("running for"), std::string::npos) << h.reason;

@@ -60,7 +60,7 @@ TEST(HttpServer, HealthFailsFastOnHungOrDeadEngine) {
   ASSERT_TRUE(h);
   EXPECT_EQ(h->status, 503);
   EXPECT_NE(h->body.find("running for"), std::string::npos) << h->body;
-  EXPECT_LT(took, 0.5);
+  EXPECT_LT(took, 1.0);  // the step still has >1 s to go: health did not wait for it
   // Then the step fails: the engine stops, health stays 503, generation answers 503.
   runner.fail_ = true;
   slow.join();
