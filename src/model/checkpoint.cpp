@@ -1,6 +1,8 @@
 // Checkpoint directory discovery and index validation; see checkpoint.h for the rules.
 #include "model/checkpoint.h"
 
+#include "model/strict_json.h"
+
 
 #include <filesystem>
 #include <fstream>
@@ -19,10 +21,6 @@ using json = nlohmann::json;
 // An index maps each tensor to a file name: ~100 bytes a tensor; 100 MiB is far beyond any model.
 constexpr uintmax_t kMaxIndexBytes = 100ull << 20;
 
-struct IndexError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
 bool is_regular(const fs::path& p) {
   std::error_code ec;
   return fs::is_regular_file(p, ec);
@@ -30,38 +28,12 @@ bool is_regular(const fs::path& p) {
 
 // Parses the index JSON, refusing duplicate keys (a tensor mapped twice) at any level.
 Status parse_index_json(const std::string& path, const std::string& text, json* out) {
-  std::vector<std::set<std::string>> open_objects;
-  auto cb = [&](int depth, json::parse_event_t event, json& parsed) -> bool {
-    switch (event) {
-      case json::parse_event_t::object_start:
-      case json::parse_event_t::array_start:
-        if (depth >= 16) throw IndexError("JSON nests too deep");
-        open_objects.emplace_back();
-        break;
-      case json::parse_event_t::object_end:
-      case json::parse_event_t::array_end:
-        if (!open_objects.empty()) open_objects.pop_back();
-        break;
-      case json::parse_event_t::key: {
-        const auto& key = parsed.get_ref<const std::string&>();
-        if (!open_objects.empty() && !open_objects.back().insert(key).second) {
-          throw IndexError(fmt::format("key \"{}\" appears twice (a tensor mapped to two shards?)", key));
-        }
-        break;
-      }
-      case json::parse_event_t::value:
-        break;
-    }
-    return true;
+  StrictJsonMessages m;
+  m.what = "index";
+  m.duplicate = [](int, const std::string& key) {
+    return fmt::format("key \"{}\" appears twice (a tensor mapped to two shards?)", key);
   };
-  try {
-    *out = json::parse(text, cb, /*allow_exceptions=*/true);
-  } catch (const IndexError& e) {
-    return invalid_argument("{}: {}", path, e.what());
-  } catch (const json::exception& e) {
-    return invalid_argument("{}: not valid JSON: {}", path, e.what());
-  }
-  return Status::ok();
+  return parse_strict_json(path, text, 16, m, out);
 }
 
 Result<std::string> read_small_file(const fs::path& p) {

@@ -6,6 +6,8 @@
 // the JSON library stay inside this file; callers only see Status.
 #include "model/safetensors.h"
 
+#include "model/strict_json.h"
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -29,11 +31,6 @@ using json = nlohmann::json;
 // Real headers nest three deep ({name: {shape: [..]}}); anything much deeper is hostile.
 constexpr int kMaxJsonDepth = 16;
 
-// Thrown by the parse callback and caught in parse_header_json: a message for the user.
-struct HeaderError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
 // The mapped file; unmapped when the last owner (the SafetensorsFile or a view) goes.
 struct Mapping {
   void* addr = nullptr;
@@ -45,43 +42,13 @@ struct Mapping {
 
 // Parses `text`, rejecting duplicate keys in any object and excessive nesting.
 Status parse_header_json(const std::string& file, const char* text, size_t len, json* out) {
-  // One set of keys per open object; arrays push an empty marker so pops stay balanced.
-  std::vector<std::set<std::string>> open_objects;
-  auto cb = [&](int depth, json::parse_event_t event, json& parsed) -> bool {
-    switch (event) {
-      case json::parse_event_t::object_start:
-      case json::parse_event_t::array_start:
-        if (depth >= kMaxJsonDepth) {
-          throw HeaderError(fmt::format("header JSON nests deeper than {} levels", kMaxJsonDepth));
-        }
-        open_objects.emplace_back();
-        break;
-      case json::parse_event_t::object_end:
-      case json::parse_event_t::array_end:
-        if (!open_objects.empty()) open_objects.pop_back();
-        break;
-      case json::parse_event_t::key: {
-        const std::string& key = parsed.get_ref<const std::string&>();
-        if (!open_objects.empty() && !open_objects.back().insert(key).second) {
-          throw HeaderError(
-              depth <= 1 ? fmt::format("tensor \"{}\" appears twice in the header (duplicate key)", key)
-                         : fmt::format("duplicate key \"{}\" in the header", key));
-        }
-        break;
-      }
-      case json::parse_event_t::value:
-        break;
-    }
-    return true;
+  StrictJsonMessages m;
+  m.what = "header";
+  m.duplicate = [](int depth, const std::string& key) {
+    return depth <= 1 ? fmt::format("tensor \"{}\" appears twice in the header (duplicate key)", key)
+                      : fmt::format("duplicate key \"{}\" in the header", key);
   };
-  try {
-    *out = json::parse(text, text + len, cb, /*allow_exceptions=*/true, /*ignore_comments=*/false);
-  } catch (const HeaderError& e) {
-    return invalid_argument("{}: {}", file, e.what());
-  } catch (const json::exception& e) {
-    return invalid_argument("{}: header is not valid JSON: {}", file, e.what());
-  }
-  return Status::ok();
+  return parse_strict_json(file, std::string_view(text, len), kMaxJsonDepth, m, out);
 }
 
 // Reads a non-negative JSON integer; floats, negatives and non-numbers are refused.
