@@ -15,7 +15,7 @@ namespace fs = std::filesystem;
 
 // tmpfs when there is one: the fuzz loop rewrites a file 2,000 times, which on a busy
 // disk costs seconds of I/O wait.
-fs::path temp_base() {
+inline fs::path temp_base() {
   std::error_code ec;
   if (fs::is_directory("/dev/shm", ec) && access("/dev/shm", W_OK) == 0) return "/dev/shm";
   return fs::temp_directory_path();
