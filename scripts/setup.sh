@@ -14,3 +14,9 @@ if [ ${#missing[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}"
 fi
+
+# Python packages the server tests drive ml4 with (the real openai client, pytest).
+if ! python3 -c "import openai, pytest" >/dev/null 2>&1; then
+  echo "setup: installing openai and pytest"
+  python3 -m pip install -q openai pytest || python3 -m pip install -q --break-system-packages openai pytest
+fi
