@@ -16,6 +16,7 @@
 #include "kv/indexer_layout.h"
 #include "kv/latent_layout.h"
 #include "ops/cuda/cuda_common.h"
+#include "ops/cuda/fp8_groups.cuh"
 
 namespace ml4::cuda {
 namespace {
@@ -93,43 +94,14 @@ __global__ void indexer_write_kernel(const void* __restrict__ k, bool k_bf16, in
   const int G = dI / kIndexerQuantBlock;
   v[tid] = load_val(k, k_bf16, t * k_stride + tid);
   v[tid + half] = load_val(k, k_bf16, t * k_stride + tid + half);
-  if (tid < G) gmax[tid] = 0u;
-  __syncthreads();
-  if (hadamard) {
-    // Same pairs and order of operations as ml4::cpu::hadamard_transform.
-    for (int h = 1; h < dI; h *= 2) {
-      const int j = (tid / h) * 2 * h + (tid % h);
-      const float a = v[j], b = v[j + h];
-      __syncthreads();
-      v[j] = a + b;
-      v[j + h] = a - b;
-      __syncthreads();
-    }
-    v[tid] *= hscale;
-    v[tid + half] *= hscale;
-    __syncthreads();
-  }
-  const float x0 = v[tid], x1 = v[tid + half];
-  // Group amax: each warp's 32 values lie in one group (32 | 128).
-  float a0 = fabsf(x0), a1 = fabsf(x1);
-  for (int o = 16; o > 0; o >>= 1) {
-    a0 = fmaxf(a0, __shfl_xor_sync(0xffffffffu, a0, o));
-    a1 = fmaxf(a1, __shfl_xor_sync(0xffffffffu, a1, o));
-  }
-  if ((tid & 31) == 0) {
-    atomicMax(&gmax[tid / kIndexerQuantBlock], __float_as_uint(a0));
-    atomicMax(&gmax[(tid + half) / kIndexerQuantBlock], __float_as_uint(a1));
-  }
-  __syncthreads();
+  const Fp8GroupPair f = hadamard_fp8_groups(v, gmax, dI, hadamard, hscale);
   const int64_t block = slot / kPageTokens, off = slot % kPageTokens;
   uint8_t* page = cache + block * page_bytes;
   uint8_t* values = page + off * dI;
   float* scales = reinterpret_cast<float*>(page + int64_t{kPageTokens} * dI + off * 4 * G);
-  const float s0 = fmaxf(__uint_as_float(gmax[tid / kIndexerQuantBlock]), 1e-4f) / 448.0f;
-  const float s1 = fmaxf(__uint_as_float(gmax[(tid + half) / kIndexerQuantBlock]), 1e-4f) / 448.0f;
-  values[tid] = to_e4m3(x0 / s0);
-  values[tid + half] = to_e4m3(x1 / s1);
-  if (tid < G) scales[tid] = fmaxf(__uint_as_float(gmax[tid]), 1e-4f) / 448.0f;
+  values[tid] = to_e4m3(f.x0 / f.s0);
+  values[tid + half] = to_e4m3(f.x1 / f.s1);
+  if (tid < G) scales[tid] = fp8_group_scale(gmax, tid);
 }
 
 bool float_dtype(DType d) { return d == DType::kF32 || d == DType::kBF16; }

@@ -18,6 +18,7 @@
 #include "kv/indexer_layout.h"
 #include "kv/kv_cache_dtype.h"
 #include "ops/cuda/cuda_common.h"
+#include "ops/cuda/fp8_groups.cuh"
 
 namespace ml4::cuda {
 namespace {
@@ -251,37 +252,10 @@ __global__ void query_quant_kernel(const float* __restrict__ q, int dI, bool had
   const int tid = threadIdx.x, half = dI / 2, G = dI / kDim;
   v[tid] = q[row * dI + tid];
   v[tid + half] = q[row * dI + tid + half];
-  if (tid < G) gmax[tid] = 0u;
-  __syncthreads();
-  if (hadamard) {
-    for (int h = 1; h < dI; h *= 2) {
-      const int j = (tid / h) * 2 * h + (tid % h);
-      const float a = v[j], b = v[j + h];
-      __syncthreads();
-      v[j] = a + b;
-      v[j + h] = a - b;
-      __syncthreads();
-    }
-    v[tid] *= hscale;
-    v[tid + half] *= hscale;
-    __syncthreads();
-  }
-  const float x0 = v[tid], x1 = v[tid + half];
-  float a0 = fabsf(x0), a1 = fabsf(x1);
-  for (int o = 16; o > 0; o >>= 1) {
-    a0 = fmaxf(a0, __shfl_xor_sync(0xffffffffu, a0, o));
-    a1 = fmaxf(a1, __shfl_xor_sync(0xffffffffu, a1, o));
-  }
-  if ((tid & 31) == 0) {
-    atomicMax(&gmax[tid / kDim], __float_as_uint(a0));
-    atomicMax(&gmax[(tid + half) / kDim], __float_as_uint(a1));
-  }
-  __syncthreads();
-  const float s0 = fmaxf(__uint_as_float(gmax[tid / kDim]), 1e-4f) / 448.0f;
-  const float s1 = fmaxf(__uint_as_float(gmax[(tid + half) / kDim]), 1e-4f) / 448.0f;
-  q8[row * dI + tid] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(x0 / s0, __NV_SATFINITE, __NV_E4M3));
-  q8[row * dI + tid + half] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(x1 / s1, __NV_SATFINITE, __NV_E4M3));
-  if (tid < G) scales[row * G + tid] = fmaxf(__uint_as_float(gmax[tid]), 1e-4f) / 448.0f;
+  const Fp8GroupPair f = hadamard_fp8_groups(v, gmax, dI, hadamard, hscale);
+  q8[row * dI + tid] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(f.x0 / f.s0, __NV_SATFINITE, __NV_E4M3));
+  q8[row * dI + tid + half] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(f.x1 / f.s1, __NV_SATFINITE, __NV_E4M3));
+  if (tid < G) scales[row * G + tid] = fp8_group_scale(gmax, tid);
 }
 
 size_t smem_bytes(int HI) {
