@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <random>
 #include <vector>
 
 #include "core/dtype.h"
@@ -78,6 +79,15 @@ inline std::vector<float> bf16_to_f32_vec(const std::vector<uint16_t>& v) {
   std::vector<float> o(v.size());
   for (size_t i = 0; i < v.size(); ++i) o[i] = bf16_to_f32(v[i]);
   return o;
+}
+
+// Fresh normal(0, sd) values from a fixed seed.
+inline std::vector<float> randn(size_t n, uint32_t seed, float sd = 1.0f) {
+  std::mt19937 g(seed);
+  std::normal_distribution<float> d(0.0f, sd);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(g);
+  return v;
 }
 
 }  // namespace ml4::cuda::testing

@@ -26,14 +26,6 @@ namespace {
 
 using namespace testing;
 
-std::vector<float> randn(size_t n, uint32_t seed, float sd = 1.0f) {
-  std::mt19937 g(seed);
-  std::normal_distribution<float> d(0.0f, sd);
-  std::vector<float> v(n);
-  for (auto& x : v) x = d(g);
-  return v;
-}
-
 struct Shape3 {
   int64_t M, N, K;
 };
