@@ -20,7 +20,7 @@ int ModelConfig::num_indexer_layers() const {
 // the yarn factor > 1, with mscale = 0.1 * mscale_all_dim * ln(factor) + 1.
 double ModelConfig::softmax_scale() const {
   double s = 1.0 / std::sqrt(static_cast<double>(qk_head_dim()));
-  if (yarn.enabled && yarn.apply_scale && yarn.factor > 1.0 && yarn.mscale_all_dim > 0) {
+  if (yarn.enabled && yarn.factor > 1.0 && yarn.mscale_all_dim > 0) {
     double m = 0.1 * yarn.mscale_all_dim * std::log(yarn.factor) + 1.0;
     s *= m * m;
   }

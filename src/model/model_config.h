@@ -28,7 +28,10 @@ struct YarnConfig {
   // mscale(factor, mscale_all_dim)^2; cos/sin by mscale(factor, mscale)/mscale(factor, mscale_all_dim).
   double mscale = 1.0;
   double mscale_all_dim = 1.0;
-  bool apply_scale = true;  // params.json apply_scale: whether the softmax mscale^2 applies
+  // params.json apply_scale == false means no cos/sin magnitude correction; the loader folds
+  // it into mscale = mscale_all_dim (attention factor 1) and leaves this true. The softmax
+  // mscale^2 always applies, as in vLLM and transformers.
+  bool apply_scale = true;
 };
 
 // Mistral 4 query temperature: q *= 1 + beta * log(1 + floor(p / original_max_position_embeddings)).
