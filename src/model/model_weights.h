@@ -66,7 +66,9 @@ struct ModelWeights {
   std::vector<float> norm;  // [dim]
   LinearWeight output;      // [vocab, dim] (a view of tok_embeddings when tied)
   std::vector<LayerWeights> layers;
-  std::shared_ptr<const void> keepalive;  // the checkpoint's mappings
+  // Views into the checkpoint: per-tensor views keep their file mapped; the per-expert
+  // slices of HF fused expert tensors do not, so the Checkpoint must outlive these weights
+  // (CpuRunner holds both).
 };
 
 struct WeightLoadOptions {

@@ -56,7 +56,6 @@ class CpuModel {
                  ForwardTrace* trace = nullptr) const;
 
  private:
-  struct LayerScratch;
   void attention(int layer, const StepMetadata& md, PagedKvCache& cache, const float* a, float* out,
                  std::vector<std::vector<std::vector<int32_t>>>& topk_by_layer,
                  const std::vector<std::vector<int32_t>>* forced_topk = nullptr) const;
