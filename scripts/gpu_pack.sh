@@ -7,12 +7,13 @@
 # Also copies scripts/gpu_run.sh. Name .device-carry in the run tool's `carry`.
 #
 # usage: scripts/gpu_pack.sh BUILD_DIR [binary names...]
+#   ML4_CARRY=.device-carry-NAME picks another carry folder (one per engineer; all ignored)
 #   default binaries: ml4_cuda_tests and every *_bench built from bench/*_bench.cu
 set -euo pipefail
 build=${1:?usage: gpu_pack.sh BUILD_DIR [binaries...]}
 shift || true
 root=$(cd "$(dirname "$0")/.." && pwd)
-dest="$root/.device-carry"
+dest="$root/${ML4_CARRY:-.device-carry}"
 rm -rf "$dest"
 mkdir -p "$dest/bin" "$dest/lib"
 bins=("$@")

@@ -7,7 +7,9 @@
 #   filter default '*'; benches default: every .device-carry/bin/*_bench.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-carry="$root/.device-carry"
+# The carry folder is the one this copy of the script lies in (gpu_pack.sh puts it there).
+carry=$(cd "$(dirname "$0")" && pwd)
+[ -d "$carry/bin" ] || carry="$root/.device-carry"
 out=${OUT:-/tmp/ml4-out}
 mkdir -p "$out"
 export LD_LIBRARY_PATH="$carry/lib:${LD_LIBRARY_PATH:-}"
