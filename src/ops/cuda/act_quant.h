@@ -3,8 +3,10 @@
 //   scale = max(amax, 1e-4) / 448,  q = e4m3(x / scale)  (RNE, saturating),
 // bit-identical to ml4::cpu::quantize_fp8_groups (the division is IEEE f32 on both sides).
 //
-// Scales are written either [ceil(K/group)][M] (kGroupMajor: M fastest, the VEC128 layout
-// cuBLASLt's FP8 block GEMM reads, gemm.h) or [M][ceil(K/group)] (kRowMajor).
+// Scales are written either [ceil(K/group)][rows] (kGroupMajor: M fastest, the VEC128 layout
+// the FP8 block GEMMs read, gemm.h) or [rows][ceil(K/group)] (kRowMajor), rows = M or
+// rows_out: rows in [M, rows_out) are written as quantized zeros (q = 0, scale 1e-4/448),
+// the padding cuBLASLt's FP8 GEMM needs when M % 4 != 0 (gemm.h).
 #pragma once
 
 #include <cstdint>
@@ -28,6 +30,7 @@ struct Fp8ActQuantParams {
   float* scale = nullptr;   // see ScaleLayout
   ScaleLayout scale_layout = ScaleLayout::kGroupMajor;
   cudaStream_t stream = nullptr;
+  int64_t rows_out = 0;     // 0: M; else >= M, q and scale hold rows_out rows
 };
 
 Status fp8_act_quant(const Fp8ActQuantParams& p);

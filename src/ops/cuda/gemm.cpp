@@ -1,9 +1,9 @@
 // See gemm.h. Shapes cuBLASLt refuses (no heuristic result) come back as kUnimplemented
-// naming the shape, never as a crash.
+// naming the shape, never as a crash; fp8_block then runs our kernel instead (kAuto).
 #include "ops/cuda/gemm.h"
 
 #include "ops/cuda/cuda_common.h"
-#include "ops/cuda/elementwise.h"
+#include "ops/cuda/fp8_gemm.h"
 
 namespace ml4::cuda {
 namespace {
@@ -26,6 +26,10 @@ Result<std::unique_ptr<LtGemm>> LtGemm::create(size_t workspace_bytes) {
     ML4_CUDA_RETURN_IF_ERROR(cudaMalloc(&g->workspace_, workspace_bytes));
     g->workspace_bytes_ = workspace_bytes;
   }
+  // Our FP8 kernel splits K only for decode-sized M (<= 64 rows: at most ~5 MB for ML4's
+  // shapes); a separate buffer so it never races cuBLASLt's workspace.
+  g->own_ws_bytes_ = size_t{16} << 20;
+  ML4_CUDA_RETURN_IF_ERROR(cudaMalloc(&g->own_ws_, g->own_ws_bytes_));
   return g;
 }
 
@@ -38,11 +42,12 @@ LtGemm::~LtGemm() {
   }
   if (workspace_) cudaFree(workspace_);
   if (tbuf_) cudaFree(tbuf_);
+  if (own_ws_) cudaFree(own_ws_);
   if (handle_) cublasLtDestroy(handle_);
 }
 
-Result<LtGemm::Plan*> LtGemm::plan(int kind, DType y_dtype, int64_t M, int64_t N, int64_t K, const float* a_scale,
-                                   const float* b_scale) {
+Result<LtGemm::Plan*> LtGemm::plan(int kind, DType y_dtype, int64_t M, int64_t N, int64_t K, const float* x_scale,
+                                   const float* w_scale) {
   const Key key{kind, static_cast<int>(y_dtype), M, N, K};
   auto it = plans_.find(key);
   if (it != plans_.end()) return &it->second;
@@ -51,9 +56,9 @@ Result<LtGemm::Plan*> LtGemm::plan(int kind, DType y_dtype, int64_t M, int64_t N
 
   const cudaDataType_t in_t = kind == 0 ? CUDA_R_16BF : kind == 1 ? CUDA_R_8F_E4M3 : CUDA_R_32F;
   const cudaDataType_t out_t = y_dtype == DType::kF32 ? CUDA_R_32F : CUDA_R_16BF;
-  // swapped (FP8 only, a fallback): A = x with VEC128 scales, B = W with BLK128x128 (the
-  // orientation of NVIDIA's CUDALibrarySamples LtBlk128x128Fp8Matmul), D = y^T [N][M],
-  // transposed into y after the GEMM.
+  // swapped (FP8): A = x with VEC128 scales, B = W with BLK128x128 (the orientation of
+  // NVIDIA's CUDALibrarySamples LtBlk128x128Fp8Matmul), D = y^T [N][M] in tbuf_,
+  // transposed into y after the GEMM. M here is the padded row count (gemm.h).
   auto attempt = [&](Plan& p, bool swapped) -> Status {
     p.swapped = swapped;
     ML4_LT_RETURN_IF_ERROR(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
@@ -72,8 +77,8 @@ Result<LtGemm::Plan*> LtGemm::plan(int kind, DType y_dtype, int64_t M, int64_t N
       // The heuristic may refuse block-scaled descriptors without scale pointers
       // (CUBLAS_STATUS_INVALID_VALUE was seen on the H200 with cuBLASLt 13.1), so the
       // first call's pointers go in before the query; each call sets its own afterwards.
-      const float* pa = swapped ? b_scale : a_scale;
-      const float* pb = swapped ? a_scale : b_scale;
+      const float* pa = swapped ? x_scale : w_scale;
+      const float* pb = swapped ? w_scale : x_scale;
       ML4_LT_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &pa, sizeof(pa)));
       ML4_LT_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &pb, sizeof(pb)));
     }
@@ -109,15 +114,26 @@ Result<LtGemm::Plan*> LtGemm::plan(int kind, DType y_dtype, int64_t M, int64_t N
     if (p.d) cublasLtMatrixLayoutDestroy(p.d);
     p = Plan{};
   };
+  // FP8 runs swapped only: W-as-A was refused for every shape on the H200 (gemm.h).
   Plan p;
-  Status st = attempt(p, false);
-  if (!st.is_ok()) cleanup(p);
-  // The swapped orientation (attempt(p, true)) is not tried: on the H200 it was refused
-  // for the small shapes where the first one is, and where it ran it read out of bounds
-  // (illegal address in bench/gpu_gemm_bench, 2026-12-02 run 2).
+  Status st = attempt(p, kind == 1);
   if (!st.is_ok()) {
+    cleanup(p);
     failed_.emplace(key, st);
     return st;
+  }
+  if (p.swapped) {
+    const size_t need = static_cast<size_t>(M) * N * (y_dtype == DType::kF32 ? 4 : 2);
+    if (need > tbuf_bytes_) {
+      // Plans are made on a shape's first call; earlier GEMMs may still read the old
+      // buffer, so wait for them before freeing it.
+      ML4_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+      if (tbuf_) cudaFree(tbuf_);
+      tbuf_ = nullptr;
+      tbuf_bytes_ = 0;
+      ML4_CUDA_RETURN_IF_ERROR(cudaMalloc(&tbuf_, need));
+      tbuf_bytes_ = need;
+    }
   }
   auto [ins, ok] = plans_.emplace(key, p);
   return &ins->second;
@@ -137,6 +153,13 @@ Status LtGemm::bf16(const GemmBf16Params& p) {
                    "cublasLtMatmul(bf16)");
 }
 
+bool LtGemm::fp8_lt_eligible(const GemmFp8BlockParams& p) {
+  const int64_t m4 = (p.M + 3) / 4 * 4, kb4 = (p.K / 128 + 3) / 4 * 4;
+  const int64_t m_pad = p.m_pad ? p.m_pad : p.M;
+  const int64_t w_ld = p.w_scale_ld ? p.w_scale_ld : p.K / 128;
+  return m_pad == m4 && w_ld == kb4;
+}
+
 Status LtGemm::fp8_block(const GemmFp8BlockParams& p) {
   if (p.M <= 0 || p.N <= 0 || p.K <= 0) return invalid_argument("gemm fp8: bad shape M={} N={} K={}", p.M, p.N, p.K);
   if (p.K % 128 != 0 || p.N % 16 != 0)
@@ -146,21 +169,41 @@ Status LtGemm::fp8_block(const GemmFp8BlockParams& p) {
   if (!p.x || !p.w || !p.y || !p.x_scale || !p.w_scale) return invalid_argument("gemm fp8: null pointer");
   if (!aligned16(p.x) || !aligned16(p.w) || !aligned16(p.y) || !aligned16(p.x_scale) || !aligned16(p.w_scale))
     return invalid_argument("gemm fp8: operands and scales must be 16-byte aligned");
-  ML4_ASSIGN_OR_RETURN(Plan * pl, plan(1, p.y_dtype, p.M, p.N, p.K, p.w_scale, p.x_scale));
-  last_swapped_ = pl->swapped;
-  const float* pa = pl->swapped ? p.x_scale : p.w_scale;
-  const float* pb = pl->swapped ? p.w_scale : p.x_scale;
+  const int64_t m_pad = p.m_pad ? p.m_pad : p.M;
+  if (m_pad != p.M && m_pad != (p.M + 3) / 4 * 4)
+    return invalid_argument("gemm fp8: m_pad {} is neither M {} nor roundup(M, 4)", m_pad, p.M);
+  if (p.w_scale_ld != 0 && p.w_scale_ld < p.K / 128)
+    return invalid_argument("gemm fp8: w_scale_ld {} < K/128 {}", p.w_scale_ld, p.K / 128);
+  const bool eligible = fp8_lt_eligible(p);
+  if (fp8_backend_ == Fp8Backend::kCublasLt && !eligible)
+    return unimplemented("gemm fp8: cuBLASLt needs m_pad = roundup(M, 4) and w_scale_ld = roundup(K/128, 4) "
+                         "(M={} m_pad={} K={} w_scale_ld={})",
+                         p.M, m_pad, p.K, p.w_scale_ld);
+  bool use_lt = eligible && (fp8_backend_ == Fp8Backend::kCublasLt ||
+                             (fp8_backend_ == Fp8Backend::kAuto && p.M >= fp8_lt_min_m_));
+  Plan* pl = nullptr;
+  if (use_lt) {
+    auto r = plan(1, p.y_dtype, m_pad, p.N, p.K, p.x_scale, p.w_scale);
+    if (!r.ok()) {
+      if (fp8_backend_ == Fp8Backend::kCublasLt) return r.status();
+      use_lt = false;  // refused shape: our kernel takes it
+    } else {
+      pl = *r;
+    }
+  }
+  last_used_lt_ = use_lt;
+  if (!use_lt) {
+    return fp8_block_gemm({p.x, p.x_scale, m_pad, p.w, p.w_scale, p.w_scale_ld, p.y, p.y_dtype, p.M, p.N, p.K, own_ws_,
+                           own_ws_bytes_, p.stream});
+  }
+  const float* pa = p.x_scale;
+  const float* pb = p.w_scale;
   ML4_LT_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(pl->op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &pa, sizeof(pa)));
   ML4_LT_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(pl->op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &pb, sizeof(pb)));
   const float alpha = 1.0f, beta = 0.0f;
-  if (!pl->swapped) {
-    return lt_status(cublasLtMatmul(handle_, pl->op, &alpha, p.w, pl->a, p.x, pl->b, &beta, p.y, pl->d, p.y, pl->d,
-                                    &pl->algo, workspace_, workspace_bytes_, p.stream),
-                     "cublasLtMatmul(fp8 block)");
-  }
   ML4_LT_RETURN_IF_ERROR(cublasLtMatmul(handle_, pl->op, &alpha, p.x, pl->a, p.w, pl->b, &beta, tbuf_, pl->d, tbuf_,
                                         pl->d, &pl->algo, workspace_, workspace_bytes_, p.stream));
-  return transpose_2d(tbuf_, p.y_dtype == DType::kF32 ? 4 : 2, p.N, p.M, p.y, p.stream);
+  return transpose_out(tbuf_, m_pad, p.y_dtype == DType::kF32 ? 4 : 2, p.N, p.M, p.y, p.stream);
 }
 
 Status LtGemm::f32(const GemmF32Params& p) {

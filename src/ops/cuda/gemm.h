@@ -5,10 +5,19 @@
 // with op T; x row-major [M, K] is B, column-major [K, M] with op N; y row-major [M, N]
 // is D, column-major [N, M]. This "TN" form is also the only one Hopper's FP8 path takes.
 //
-// FP8 (DeepSeek-V3 block format, MODEL.md 4): W e4m3 with one f32 scale per 128x128 block,
-// [ceil(N/128)][ceil(K/128)] row-major (`weight_scale_inv` as stored) -> A_SCALE_MODE
-// BLK128x128_32F; x e4m3 with one f32 scale per 128 values of a row, laid out
-// [ceil(K/128)][M] (M fastest) -> B_SCALE_MODE VEC128_32F. act_quant.h writes that layout.
+// FP8 (DeepSeek-V3 block format, MODEL.md 4), fp8_block(): W e4m3 with one f32 scale per
+// 128x128 block, x e4m3 with one f32 scale per 1x128 group of a row. Two backends:
+//  - cuBLASLt 13 (A_SCALE_MODE VEC128_32F / B_SCALE_MODE BLK128x128_32F). On the H200 the
+//    heuristic refuses W-as-A for every shape (2026-12-02 runs), so x is A and W is B --
+//    the orientation of NVIDIA's CUDALibrarySamples LtBlk128x128Fp8Matmul -- D is y^T,
+//    and transpose_out (fp8_gemm.h) writes y. cuBLASLt reads the scales in
+//    TransformerEngine's "GEMM-ready" layout (TE docs, FP8 blockwise scaling, "swizzle";
+//    TE tests' get_scales): VEC128 [ceil(K/128)][roundup(M, 4)] and BLK128x128
+//    [ceil(N/128)][roundup(ceil(K/128), 4)], and takes M % 4 == 0 only. So the path runs
+//    when w_scale_ld == roundup(ceil(K/128), 4) and x holds m_pad = roundup(M, 4) rows
+//    (rows >= M zero, act_quant's rows_out), m_pad also being x_scale's leading dimension.
+//  - our mma.sync kernel (fp8_gemm.h) for every other shape and where it is faster
+//    (small M; the crossover is measured, docs/BENCHMARKS.md).
 //
 // Plans (descriptors, layouts and the heuristic's algorithm) are cached per shape, so a
 // call after the first costs a few attribute sets and one cublasLtMatmul, and can be
@@ -38,15 +47,21 @@ struct GemmBf16Params {
 };
 
 struct GemmFp8BlockParams {
-  const void* x = nullptr;         // [M, K] e4m3 row-major
-  const float* x_scale = nullptr;  // [ceil(K/128)][M] f32 (VEC128, M fastest)
+  const void* x = nullptr;         // [m_pad, K] e4m3 row-major
+  const float* x_scale = nullptr;  // [K/128][m_pad] f32 (M fastest)
   const void* w = nullptr;         // [N, K] e4m3 row-major
-  const float* w_scale = nullptr;  // [ceil(N/128)][ceil(K/128)] f32 (BLK128x128)
+  const float* w_scale = nullptr;  // [ceil(N/128)][w_scale_ld] f32
   void* y = nullptr;               // [M, N] y_dtype (kBF16 or kF32) row-major
   DType y_dtype = DType::kBF16;
   int64_t M = 0, N = 0, K = 0;
   cudaStream_t stream = nullptr;
+  // Rows x holds (rows >= M zero) and x_scale's leading dimension: 0 = M, or roundup(M, 4)
+  // (what cuBLASLt needs when M % 4 != 0).
+  int64_t m_pad = 0;
+  int64_t w_scale_ld = 0;  // 0 = K/128; cuBLASLt needs roundup(K/128, 4)
 };
+
+enum class Fp8Backend { kAuto, kCublasLt, kOwn };
 
 struct GemmF32Params {
   const float* x = nullptr;  // [M, K] f32 row-major
@@ -69,8 +84,14 @@ class LtGemm {
   Status fp8_block(const GemmFp8BlockParams& p);
   // Full f32 (CUBLAS_COMPUTE_32F, no TF32): the MoE router (MODEL.md 3.7).
   Status f32(const GemmF32Params& p);
-  // Whether the last fp8_block call ran the swapped orientation (tests report it).
-  bool last_fp8_swapped() const { return last_swapped_; }
+  // kAuto (default): cuBLASLt where it applies and M >= fp8_lt_min_m, else our kernel.
+  // Tests and benchmarks force one (a forced cuBLASLt call that cannot run is an error).
+  void set_fp8_backend(Fp8Backend b) { fp8_backend_ = b; }
+  void set_fp8_lt_min_m(int64_t m) { fp8_lt_min_m_ = m; }
+  // Whether the last fp8_block call ran cuBLASLt (tests and benchmarks report it).
+  bool last_fp8_used_lt() const { return last_used_lt_; }
+  // Whether cuBLASLt can take this call's shape and layouts (without asking its heuristic).
+  static bool fp8_lt_eligible(const GemmFp8BlockParams& p);
 
  private:
   LtGemm() = default;
@@ -78,12 +99,12 @@ class LtGemm {
     cublasLtMatmulDesc_t op = nullptr;
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
     cublasLtMatmulAlgo_t algo{};
-    bool swapped = false;  // FP8: x as A, W as B, D = y^T in tbuf_ (see gemm.cpp)
+    bool swapped = false;  // FP8: x as A, W as B, D = y^T in tbuf_ (see the top of this file)
   };
   // (kind 0 = bf16 / 1 = fp8 block / 2 = f32, out dtype, M, N, K)
   using Key = std::tuple<int, int, int64_t, int64_t, int64_t>;
-  Result<Plan*> plan(int kind, DType y_dtype, int64_t M, int64_t N, int64_t K, const float* a_scale = nullptr,
-                     const float* b_scale = nullptr);
+  Result<Plan*> plan(int kind, DType y_dtype, int64_t M, int64_t N, int64_t K, const float* x_scale = nullptr,
+                     const float* w_scale = nullptr);
 
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
@@ -92,7 +113,11 @@ class LtGemm {
   std::map<Key, Status> failed_;
   void* tbuf_ = nullptr;  // y^T of swapped FP8 plans, sized at plan time
   size_t tbuf_bytes_ = 0;
-  bool last_swapped_ = false;
+  void* own_ws_ = nullptr;  // split-K partials of our FP8 kernel
+  size_t own_ws_bytes_ = 0;
+  Fp8Backend fp8_backend_ = Fp8Backend::kAuto;
+  int64_t fp8_lt_min_m_ = 128;
+  bool last_used_lt_ = false;
 };
 
 }  // namespace ml4::cuda

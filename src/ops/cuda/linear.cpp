@@ -7,6 +7,7 @@
 #include "ops/cuda/gemv.h"
 
 #include <algorithm>
+#include <vector>
 
 namespace ml4::cuda {
 
@@ -35,12 +36,22 @@ Result<DeviceLinear> upload_linear(const LinearWeight& w) {
   if (w.format == LinearFormat::kFP8Block) {
     ML4_ASSIGN_OR_RETURN(d.scale, DeviceBuffer::alloc(w.scale.nbytes()));
     ML4_RETURN_IF_ERROR(d.scale.upload(w.scale.data(), w.scale.nbytes()));
+    const int64_t nb = (d.N + 127) / 128, kb = d.K / 128, kb4 = (kb + 3) / 4 * 4;
+    if (kb4 != kb) {  // cuBLASLt's BLK128x128 layout pads each row of scales to 4 (gemm.h)
+      if (static_cast<int64_t>(w.scale.nbytes()) != nb * kb * 4)
+        return invalid_argument("{}: FP8 scales hold {} bytes, expected {}", w.name, w.scale.nbytes(), nb * kb * 4);
+      const float* src = static_cast<const float*>(w.scale.data());
+      std::vector<float> padded(nb * kb4, 0.0f);
+      for (int64_t r = 0; r < nb; ++r) std::copy(src + r * kb, src + (r + 1) * kb, padded.begin() + r * kb4);
+      ML4_ASSIGN_OR_RETURN(d.scale_lt, DeviceBuffer::alloc(padded.size() * 4));
+      ML4_RETURN_IF_ERROR(d.scale_lt.upload(padded.data(), padded.size() * 4));
+    }
   }
   return d;
 }
 
 Status LinearScratch::reserve(int64_t elems, int64_t groups) {
-  const size_t ab = static_cast<size_t>(elems) * 2, sb = static_cast<size_t>(groups) * 4;
+  const size_t ab = static_cast<size_t>(elems) * 2, sb = (static_cast<size_t>(groups) * 3 / 2 + 64) * 4;
   if (act.bytes() < ab) {
     ML4_ASSIGN_OR_RETURN(act, DeviceBuffer::alloc(ab));
   }
@@ -66,16 +77,33 @@ Status linear_f32(LtGemm& lt, const DeviceLinear& w, const float* x, int64_t M, 
       return lt.bf16({scratch.act.data(), w.weight.data(), y, DType::kF32, M, w.N, w.K, stream});
     }
     case LinearFormat::kFP8Block: {
-      // Our GEMV in 8-row chunks (f32 activations; tested exact against cpu::linear). The
-      // cuBLASLt FP8 block path (LtGemm::fp8_block) is not used here: on the H200 it
-      // returned non-finite output for a small decode shape and refused others (M=5,
-      // N=384, K=256), so it stays behind its own failing test until that is understood.
-      for (int64_t m0 = 0; m0 < M; m0 += kGemvMaxM) {
-        const int64_t m = std::min<int64_t>(kGemvMaxM, M - m0);
-        ML4_RETURN_IF_ERROR(gemv({x + m0 * w.K, m, w.N, w.K, w.format, w.weight.data(), w.scale.as<float>(),
-                                  y + m0 * w.N, nullptr, stream}));
+      if (M <= kGemvMaxM) {  // decode: our GEMV on f32 x (exact activations, a pure weight stream)
+        return gemv({x, M, w.N, w.K, w.format, w.weight.data(), w.scale.as<float>(), y, nullptr, stream});
       }
-      return Status::ok();
+      // Prefill: per-1x128 activation quantization, rows padded to a multiple of 4 (zero
+      // rows) so that cuBLASLt can take any M (gemm.h), then the FP8 block GEMM.
+      const int64_t m_pad = (M + 3) / 4 * 4, kb = w.K / 128;
+      if (scratch.act.bytes() < static_cast<size_t>(m_pad * w.K) ||
+          scratch.scale.bytes() < static_cast<size_t>(m_pad * kb) * 4)
+        return out_of_range("{}: linear scratch holds {} + {} bytes, FP8 needs {} + {}", w.name, scratch.act.bytes(),
+                            scratch.scale.bytes(), m_pad * w.K, m_pad * kb * 4);
+      Fp8ActQuantParams q;
+      q.x = x;
+      q.x_dtype = DType::kF32;
+      q.M = M;
+      q.K = w.K;
+      q.group = 128;
+      q.q = scratch.act.data();
+      q.scale = scratch.scale.as<float>();
+      q.scale_layout = ScaleLayout::kGroupMajor;
+      q.stream = stream;
+      q.rows_out = m_pad;
+      ML4_RETURN_IF_ERROR(fp8_act_quant(q));
+      GemmFp8BlockParams g{scratch.act.data(), scratch.scale.as<float>(), w.weight.data(), w.gemm_scale(), y,
+                           DType::kF32, M, w.N, w.K, stream};
+      g.m_pad = m_pad;
+      g.w_scale_ld = w.gemm_scale_ld();
+      return lt.fp8_block(g);
     }
     case LinearFormat::kNVFP4:
     case LinearFormat::kMXFP4:
