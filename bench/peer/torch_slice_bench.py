@@ -29,8 +29,9 @@ implementation of the same architecture on the same GPU:
   The step is captured in a torch.cuda.CUDAGraph when capture works (else eager), timed with
   CUDA events: warm-up 3, timed 10, median. Eager time is reported beside the graph time.
 * Configs whose KV cache does not fit in free memory are skipped with the reason printed.
+  After timing, one replay's logits are compared with one eager step's (graph_vs_eager).
 * Prefill: one sequence of 4096 and of 8192 tokens, eager, DynamicCache, logits of the last
-  token only (as generate does).
+  token only (as generate does); warm-up 3, timed 10, median.
 
 Output: `PEER ...`, `PEER_SKIP ...`, `PEER_PREFILL ...` lines and $OUT/peer.json (or --out).
 `--tiny` runs a toy config on CPU to check the plumbing.
@@ -233,9 +234,15 @@ def decode_config(model, cfg, batch, ctx, device, args, state, gen):
             graph = None
             torch.cuda.synchronize()
         if graph is not None:
+            graph_logits = out["logits"]  # the graph's static output
             res["ms"] = round(median_ms(timer, graph.replay, args.warmup, args.iters), 3)
             res["graphs"] = 1
-            del graph
+            # The replay must compute what the eager step computes (same inputs, same cache slot).
+            g = graph_logits.float().clone()
+            step()
+            e = out["logits"].float()
+            res["graph_vs_eager"] = float(f"{float((g - e).norm() / e.norm()):.2e}")
+            del graph, graph_logits, g, e
         else:
             res["ms"] = res["eager_ms"]
             res["graphs"] = 0
@@ -290,8 +297,8 @@ def main():
     ap.add_argument("--prefill", default=None, help="comma list (default 4096,8192; tiny 64)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--prefill-warmup", type=int, default=1)
-    ap.add_argument("--prefill-iters", type=int, default=3)
+    ap.add_argument("--prefill-warmup", type=int, default=3)
+    ap.add_argument("--prefill-iters", type=int, default=10)
     ap.add_argument("--check", action="store_true", help="with --tiny: decode step == full forward, then exit")
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--time-budget", type=float, default=210.0, help="seconds; later configs are skipped")
