@@ -1,12 +1,18 @@
-// cuBLASLt GEMMs on ML4's projection shapes (presets.cpp "ml4": dim 6144, 64 heads x 192,
-// experts 5632 wide, dense 16384), decode-shaped (M = 1..64) and prefill-shaped (4096),
-// BF16 and FP8 block-scaled, plus the FP8 activation quantization in front of them.
+// GEMMs on ML4's projection shapes (presets.cpp "ml4": dim 6144; wq_a 1536, wkv_a 576,
+// wo 6144 x 8192, experts 5632 wide, dense 16384), decode-shaped (M = 1..64) and
+// prefill-shaped (4096): BF16 through cuBLASLt, FP8 block-scaled through cuBLASLt and
+// through our kernel (fp8_gemm.h), our GEMV at M <= 8, plus the FP8 activation
+// quantization in front of them.
 //
-// Bytes counted: weight + activations + output, each once. Decode GEMMs are memory-bound
-// (M=64 FP8: 2*64 flop per weight byte, below the card's ~300 flop/byte ridge), so their
-// figure is GB/s against the measured copy bandwidth; prefill's is TFLOP/s against the
-// gpu_ceilings_bench rates. Weights rotate over enough copies (>= 256 MB) that L2 (60 MB)
-// holds none of them between repetitions (METHOD.md).
+// Bytes counted: weight + activations + output, each once (FP8 rows: f32 output, what
+// linear_f32 asks for; the cuBLASLt FP8 row includes its y^T -> y transpose). Decode GEMMs
+// are memory-bound (M=64 FP8: 2*64 flop per weight byte, below the card's ~300 flop/byte
+// ridge), so their figure is GB/s against the measured copy bandwidth; prefill's is
+// TFLOP/s against the gpu_ceilings_bench rates (BF16 779, FP8 1287 TFLOP/s). "floor" is
+// max(bytes / copy, flops / peak) in microseconds: the time the row could reach at best.
+// Weights rotate over enough copies (>= 256 MB) that L2 (60 MB) holds none of them between
+// repetitions (METHOD.md).
+#include <algorithm>
 #include <cstdio>
 #include <vector>
 
@@ -24,7 +30,8 @@ int main(int argc, char** argv) {
     std::printf("no CUDA device\n");
     return 0;
   }
-  const double copy_gbps = argc > 1 ? std::atof(argv[1]) : 0.0;  // from gpu_ceilings_bench, if given
+  const double copy_gbps = argc > 1 ? std::atof(argv[1]) : 4253.0;  // from gpu_ceilings_bench, if given
+  const double bf16_peak = 779e12, fp8_peak = 1287e12;
   cudaStream_t s;
   BENCH_CUDA(cudaStreamCreate(&s));
   auto lt = LtGemm::create();
@@ -33,14 +40,28 @@ int main(int argc, char** argv) {
     const char* name;
     int64_t N, K;
   };
-  const Shape shapes[] = {{"wq", 12288, 6144}, {"wkv_a", 576, 6144}, {"wo", 6144, 8192},
+  const Shape shapes[] = {{"wq_a", 1536, 6144},      {"wkv_a", 576, 6144},       {"wo", 6144, 8192},
                           {"expert_w1", 5632, 6144}, {"expert_w2", 6144, 5632}, {"dense_w1", 16384, 6144}};
   const int64_t Ms[] = {1, 8, 32, 64, 4096};
-  std::printf("%-10s %6s %6s %6s %5s %9s %9s %9s %s\n", "shape", "M", "N", "K", "fmt", "us", "GB/s", "TFLOP/s",
-              copy_gbps > 0 ? "%copy" : "");
-  for (int fp8 = 0; fp8 <= 1; ++fp8) {
+  std::printf("copy %.0f GB/s, peaks bf16 %.0f / fp8 %.0f TFLOP/s\n", copy_gbps, bf16_peak / 1e12, fp8_peak / 1e12);
+  std::printf("%-10s %5s %6s %6s %5s %-9s %9s %8s %8s %6s %6s %8s\n", "shape", "M", "N", "K", "fmt", "backend", "us",
+              "GB/s", "TFLOP/s", "%copy", "%peak", "floor_us");
+  auto row = [&](const char* name, int64_t M, int64_t N, int64_t K, const char* fmt, const char* be, double ms,
+                 double bytes, double peak) {
+    const double flops = 2.0 * M * N * K;
+    const double gbps = bytes / (ms * 1e6), tf = flops / (ms * 1e9);
+    const double floor_us = std::max(bytes / (copy_gbps * 1e3), flops / peak * 1e6);
+    std::printf("%-10s %5ld %6ld %6ld %5s %-9s %9.1f %8.0f %8.1f %5.0f%% %5.0f%% %8.1f\n", name, M, N, K, fmt, be,
+                ms * 1e3, gbps, tf, 100.0 * gbps / copy_gbps, 100.0 * tf * 1e12 / peak, floor_us);
+  };
+  // Passes: BF16 (cuBLASLt + GEMV), FP8 ours (+ GEMV), FP8 cuBLASLt last (a fault inside
+  // cuBLASLt would end the run; the rows before it are printed).
+  for (int pass = 0; pass < 3; ++pass) {
+    const int fp8 = pass > 0;
+    const Fp8Backend fp8_be = pass == 1 ? Fp8Backend::kOwn : Fp8Backend::kCublasLt;
     for (const auto& sh : shapes) {
       const size_t wbytes = sh.N * sh.K * (fp8 ? 1 : 2);
+      const int64_t nb = (sh.N + 127) / 128, kb = sh.K / 128;  // ML4's K/128 are multiples of 4
       const int copies = static_cast<int>(std::min<size_t>(64, (size_t{256} << 20) / wbytes + 1));
       std::vector<DeviceBuffer> ws, wss;
       for (int c = 0; c < copies; ++c) {
@@ -48,9 +69,9 @@ int main(int argc, char** argv) {
         BENCH_CHECK(w.status());
         if (fp8) {
           BENCH_CHECK(fill_uniform_e4m3(w->data(), sh.N * sh.K, 10 + c, -448, 448, s));
-          auto sc = DeviceBuffer::alloc((sh.N / 128 + 1) * (sh.K / 128) * 4);
+          auto sc = DeviceBuffer::alloc(nb * kb * 4);
           BENCH_CHECK(sc.status());
-          BENCH_CHECK(fill_uniform_f32(sc->as<float>(), (sh.N / 128 + 1) * (sh.K / 128), 20 + c, 1e-4f, 2e-4f, s));
+          BENCH_CHECK(fill_uniform_f32(sc->as<float>(), nb * kb, 20 + c, 1e-4f, 2e-4f, s));
           wss.push_back(std::move(sc).value());
         } else {
           BENCH_CHECK(fill_uniform_bf16(w->data(), sh.N * sh.K, 10 + c, -0.05f, 0.05f, s));
@@ -58,48 +79,57 @@ int main(int argc, char** argv) {
         ws.push_back(std::move(w).value());
       }
       for (int64_t M : Ms) {
-        auto x = DeviceBuffer::alloc(M * sh.K * 4), xq = DeviceBuffer::alloc(M * sh.K * 2),
-             xs = DeviceBuffer::alloc(M * (sh.K / 128) * 4), y = DeviceBuffer::alloc(M * sh.N * 2);
+        const int64_t m4 = (M + 3) / 4 * 4;
+        auto x = DeviceBuffer::alloc(M * sh.K * 4), xq = DeviceBuffer::alloc(m4 * sh.K * 2),
+             xs = DeviceBuffer::alloc(m4 * kb * 4), y = DeviceBuffer::alloc(M * sh.N * 4);
         BENCH_CHECK(x.status());
         BENCH_CHECK(xq.status());
         BENCH_CHECK(xs.status());
         BENCH_CHECK(y.status());
         BENCH_CHECK(fill_uniform_f32(x->as<float>(), M * sh.K, 3, -2, 2, s));
-        if (fp8) {
-          BENCH_CHECK(fp8_act_quant({x->data(), DType::kF32, 0, M, sh.K, 128, xq->data(), xs->as<float>(),
-                                     ScaleLayout::kGroupMajor, s}));
-        } else {
+        if (!fp8) {
           BENCH_CHECK(fill_uniform_bf16(xq->data(), M * sh.K, 4, -2, 2, s));
-        }
-        const double ms = bench::median_ms(s, 3, 30, [&](int i) {
-          const int c = i % copies;
-          if (fp8) {
-            BENCH_CHECK((*lt)->fp8_block({xq->data(), xs->as<float>(), ws[c].data(), wss[c].as<float>(), y->data(),
-                                          DType::kBF16, M, sh.N, sh.K, s}));
-          } else {
-            BENCH_CHECK((*lt)->bf16({xq->data(), ws[c].data(), y->data(), DType::kBF16, M, sh.N, sh.K, s}));
+          const double ms = bench::median_ms(s, 2, 20, [&](int i) {
+            BENCH_CHECK((*lt)->bf16({xq->data(), ws[i % copies].data(), y->data(), DType::kBF16, M, sh.N, sh.K, s}));
+          });
+          row(sh.name, M, sh.N, sh.K, "bf16", "cublaslt", ms, wbytes + M * sh.K * 2.0 + M * sh.N * 2.0, bf16_peak);
+        } else {
+          Fp8ActQuantParams q{x->data(), DType::kF32, 0, M, sh.K, 128, xq->data(), xs->as<float>(),
+                              ScaleLayout::kGroupMajor, s};
+          q.rows_out = m4;
+          BENCH_CHECK(fp8_act_quant(q));
+          const double bytes = wbytes + nb * kb * 4.0 + M * sh.K * (1 + 4.0 / 128) + M * sh.N * 4.0;
+          for (Fp8Backend be : {fp8_be}) {
+            (*lt)->set_fp8_backend(be);
+            GemmFp8BlockParams p{xq->data(), xs->as<float>(), nullptr, nullptr, y->data(), DType::kF32, M, sh.N, sh.K,
+                                 s};
+            p.m_pad = m4;
+            p.w_scale_ld = kb;
+            p.w = ws[0].data();
+            p.w_scale = wss[0].as<float>();
+            Status st = (*lt)->fp8_block(p);
+            if (!st.is_ok()) {
+              std::printf("%-10s %5ld %6ld %6ld %5s %-9s %s\n", sh.name, M, sh.N, sh.K, "fp8",
+                          be == Fp8Backend::kOwn ? "own" : "cublaslt", st.message().c_str());
+              continue;
+            }
+            const double ms = bench::median_ms(s, 2, 20, [&](int i) {
+              p.w = ws[i % copies].data();
+              p.w_scale = wss[i % copies].as<float>();
+              BENCH_CHECK((*lt)->fp8_block(p));
+            });
+            row(sh.name, M, sh.N, sh.K, "fp8", be == Fp8Backend::kOwn ? "own" : "cublaslt", ms, bytes, fp8_peak);
           }
-        });
-        const double bytes = wbytes + M * sh.K * (fp8 ? 1 : 2) + M * sh.N * 2;
-        const double gbps = bytes / (ms * 1e6), tflops = 2.0 * M * sh.N * sh.K / (ms * 1e9);
-        std::printf("%-10s %6ld %6ld %6ld %5s %9.1f %9.0f %9.1f", sh.name, M, sh.N, sh.K, fp8 ? "fp8" : "bf16",
-                    ms * 1e3, gbps, tflops);
-        if (copy_gbps > 0) std::printf(" %5.0f%%", 100.0 * gbps / copy_gbps);
-        std::printf("\n");
-        if (M <= kGemvMaxM) {  // our GEMV on the same weights (f32 x, no activation quantization)
-          auto gws = DeviceBuffer::alloc(gemv_workspace_floats(M, sh.N, sh.K) * 4), yf = DeviceBuffer::alloc(M * sh.N * 4);
-          BENCH_CHECK(gws.status());
-          BENCH_CHECK(yf.status());
-          const double gms = bench::median_ms(s, 3, 30, [&](int i) {
+          (*lt)->set_fp8_backend(Fp8Backend::kAuto);
+        }
+        if (M <= kGemvMaxM && pass < 2) {  // our GEMV on the same weights (f32 x, no activation quantization)
+          const double gms = bench::median_ms(s, 2, 20, [&](int i) {
             const int c = i % copies;
             BENCH_CHECK(gemv({x->as<float>(), M, sh.N, sh.K, fp8 ? LinearFormat::kFP8Block : LinearFormat::kBF16,
-                              ws[c].data(), fp8 ? wss[c].as<float>() : nullptr, yf->as<float>(), gws->as<float>(), s}));
+                              ws[c].data(), fp8 ? wss[c].as<float>() : nullptr, y->as<float>(), nullptr, s}));
           });
-          const double gb = (wbytes + M * sh.K * 4 + M * sh.N * 4) / (gms * 1e6);
-          std::printf("%-10s %6ld %6ld %6ld %5s %9.1f %9.0f %9.1f", "  gemv", M, sh.N, sh.K, fp8 ? "fp8" : "bf16",
-                      gms * 1e3, gb, 2.0 * M * sh.N * sh.K / (gms * 1e9));
-          if (copy_gbps > 0) std::printf(" %5.0f%%", 100.0 * gb / copy_gbps);
-          std::printf("  (%.2fx cuBLASLt)\n", ms / gms);
+          row(sh.name, M, sh.N, sh.K, fp8 ? "fp8" : "bf16", "gemv", gms, wbytes + M * sh.K * 4.0 + M * sh.N * 4.0,
+              fp8 ? fp8_peak : bf16_peak);
         }
       }
     }
