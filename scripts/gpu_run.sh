@@ -13,6 +13,8 @@ carry=$(cd "$(dirname "$0")" && pwd)
 out=${OUT:-/tmp/ml4-out}
 mkdir -p "$out"
 export LD_LIBRARY_PATH="$carry/lib:${LD_LIBRARY_PATH:-}"
+# Goldens and test models are read from this tree, not the build machine's path.
+export ML4_SOURCE_DIR="$root"
 filter=${1:-*}
 shift || true
 benches=("$@")
@@ -27,9 +29,9 @@ if [ -x "$carry/bin/ml4_cuda_tests" ]; then
   ldd "$carry/bin/ml4_cuda_tests" | grep "not found" && echo "gpu_run: missing libraries above"
   # Whole-model runner tests run in their own process: a crash there cannot hide the
   # kernel tests' results.
-  timeout 300 "$carry/bin/ml4_cuda_tests" --gtest_filter="$filter:-CudaRunner.*" --gtest_color=no > "$out/tests.log" 2>&1
+  timeout 300 "$carry/bin/ml4_cuda_tests" --gtest_filter="$filter:-CudaRunner.*:CudaGolden.*" --gtest_color=no > "$out/tests.log" 2>&1
   rc=$?
-  timeout 200 "$carry/bin/ml4_cuda_tests" --gtest_filter="CudaRunner.*" --gtest_color=no >> "$out/tests.log" 2>&1
+  timeout 240 "$carry/bin/ml4_cuda_tests" --gtest_filter="CudaRunner.*:CudaGolden.*" --gtest_color=no >> "$out/tests.log" 2>&1
   rc2=$?
   grep -E "^\[  (FAILED|PASSED|SKIPPED) |rel_err|mismatch|speedup|Failure|error|^[a-z_]+ .*bound" "$out/tests.log" | tail -120
   summary+=("ml4_cuda_tests rc=$rc runner rc=$rc2 ($(grep -c '^\[       OK' "$out/tests.log") ok, $(grep -c '^\[  FAILED  \]' "$out/tests.log") failed lines)")

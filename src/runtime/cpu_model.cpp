@@ -129,34 +129,7 @@ Status CpuModel::forward(const StepMetadata& md, PagedKvCache& cache, std::vecto
   if (trace != nullptr) {
     trace->topk.assign(L, {});
     trace->experts.assign(L, {});
-    for (size_t l = 0; l < trace->forced_experts.size() && l < static_cast<size_t>(L); ++l) {
-      const auto& f = trace->forced_experts[l];
-      if (f.empty()) continue;
-      if (static_cast<int64_t>(f.size()) != T || cfg_.layers[l].ffn != FfnKind::kMoe) {
-        return invalid_argument("forced_experts[{}]: {} rows for {} tokens, or not an MoE layer", l, f.size(), T);
-      }
-      for (const auto& row : f) {
-        if (static_cast<int>(row.size()) != cfg_.moe.num_experts_per_tok) {
-          return invalid_argument("forced_experts[{}]: {} experts per token, expected {}", l, row.size(),
-                                  cfg_.moe.num_experts_per_tok);
-        }
-        for (int32_t e : row)
-          if (e < 0 || e >= cfg_.moe.num_experts) return invalid_argument("forced_experts[{}]: expert {}", l, e);
-      }
-    }
-    // Forced selections are test input: check them before any index is used.
-    for (size_t l = 0; l < trace->forced_topk.size() && l < static_cast<size_t>(L); ++l) {
-      const auto& f = trace->forced_topk[l];
-      if (f.empty()) continue;
-      if (static_cast<int64_t>(f.size()) != T) {
-        return invalid_argument("forced_topk[{}]: {} rows for {} tokens", l, f.size(), T);
-      }
-      for (int64_t t = 0; t < T; ++t)
-        for (int32_t s : f[t])
-          if (s < 0 || s > md.positions[t]) {
-            return invalid_argument("forced_topk[{}][{}]: key {} outside [0, {}]", l, t, s, md.positions[t]);
-          }
-    }
+    ML4_RETURN_IF_ERROR(validate_forced_decisions(*trace, cfg_, md.positions));
   }
   std::vector<float> residual(T * D), a(T * D), tmp(T * D);
   cpu::embedding_lookup(w_->tok_embeddings, md.token_ids.data(), T, residual.data());

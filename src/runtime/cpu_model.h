@@ -18,27 +18,10 @@
 #include "kv/paged_kv_cache.h"
 #include "model/model_config.h"
 #include "model/model_weights.h"
+#include "runtime/forward_trace.h"
 #include "runtime/step_metadata.h"
 
 namespace ml4 {
-
-// Optional record of what a forward decided, for tests and golden comparisons.
-struct ForwardTrace {
-  // [layer][token] -> selected key positions (sorted ascending) in sparse layers; empty
-  // vector for dense layers.
-  std::vector<std::vector<std::vector<int32_t>>> topk;
-  // [layer][token][expert slot] -> routed expert ids (routing replay, S15).
-  std::vector<std::vector<std::vector<int32_t>>> experts;
-  // Input, for golden comparisons (tests/runtime/golden_test.cpp): where forced_topk[layer]
-  // is non-empty, that sparse layer attends to forced_topk[layer][token] (this step's
-  // tokens) instead of its indexer's choice; `topk` still records the indexer's own sets.
-  // This isolates one implementation's near-tie selections from the rest of the forward.
-  std::vector<std::vector<std::vector<int32_t>>> forced_topk;
-  // Input, likewise: where forced_experts[layer] is non-empty, that MoE layer runs experts
-  // forced_experts[layer][token] (num_experts_per_tok ids) weighted as its router would
-  // weigh them; `experts` still records the router's own choice.
-  std::vector<std::vector<std::vector<int32_t>>> forced_experts;
-};
 
 class CpuModel {
  public:

@@ -27,7 +27,7 @@ class CpuRunner : public ModelRunner {
   const std::vector<CacheGroupInfo>& cache_groups() const override { return groups_; }
   Result<StepOutput> execute(const StepInput& in) override;
   // As execute(), also recording the forward's decisions (top-k sets, routed experts).
-  Result<StepOutput> execute_traced(const StepInput& in, ForwardTrace* trace);
+  Result<StepOutput> execute_traced(const StepInput& in, ForwardTrace* trace) override;
 
   const KvCacheSpec& kv_spec() const { return spec_; }
   PagedKvCache& cache() { return *cache_; }

@@ -9,6 +9,7 @@
 
 #include "core/status.h"
 #include "model/model_config.h"
+#include "runtime/forward_trace.h"
 #include "runtime/step.h"
 
 namespace ml4 {
@@ -38,6 +39,12 @@ class ModelRunner {
   // Runs one step. Tokens of all sequences are processed; KV for them is written into the
   // blocks named by each SeqStep's block tables.
   virtual Result<StepOutput> execute(const StepInput& in) = 0;
+  // As execute(), also recording the forward's decisions into *trace and obeying its
+  // forced ones (tests and golden comparisons; forward_trace.h).
+  virtual Result<StepOutput> execute_traced(const StepInput& in, ForwardTrace* trace) {
+    if (trace == nullptr) return execute(in);
+    return unimplemented("this runner does not record or force its forward's decisions");
+  }
 };
 
 }  // namespace ml4

@@ -3,10 +3,12 @@
 #include "ops/cuda/cuda_runner.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "core/log.h"
 #include "kv/latent_layout.h"
+#include "kv/indexer_layout.h"
 #include "kv/paged_kv_cache.h"
 #include "model/checkpoint.h"
 #include "model/config_loader.h"
@@ -17,6 +19,8 @@
 #include "ops/cuda/cache_write.h"
 #include "ops/cuda/elementwise.h"
 #include "ops/cuda/gemv.h"
+#include "ops/cuda/indexer.h"
+#include "ops/cuda/topk.h"
 #include "ops/cuda/sampling.h"
 
 namespace ml4::cuda {
@@ -25,6 +29,8 @@ struct CudaRunner::Layer {
   DeviceBuffer attn_norm, ffn_norm;
   DeviceLinear wq, wq_a, wq_b, wkv_a, wo;
   DeviceBuffer q_a_norm, kv_a_norm, w_uk, w_uv, ssmax_s;
+  DeviceLinear idx_wq, idx_wk, idx_wproj;  // DSA indexer owners
+  DeviceBuffer idx_knorm_w, idx_knorm_b;
   bool moe = false;
   DeviceMlp dense;
   DeviceLinear gate;  // f32
@@ -41,6 +47,12 @@ struct CudaRunner::Buffers {
   DeviceBuffer router, ids, wts, rows, normed, logits;
   DeviceBuffer tok, pos, slots, seq_of, lengths, block_table, row_idx, attn_ws, gemv_ws;
   size_t attn_ws_bytes = 0;
+  // DSA: indexer q/k/weights, q in e4m3 + scales, key slots, scores for a chunk of tokens,
+  // per-buffer top-k slots and counts, forced selections, traced positions.
+  DeviceBuffer iq, ik, iw, iq8, iqs, idx_slots, idx_block_table, scores, forced_slots, forced_counts, topk_pos;
+  std::vector<DeviceBuffer> topk_slots, topk_counts;
+  DeviceBuffer forced_ids;
+  int64_t scores_cap = 0;
   LinearScratch lin;
   MoeScratch moe;
 };
@@ -116,6 +128,15 @@ Status CudaRunner::upload(const ModelWeights& w) {
       ML4_ASSIGN_OR_RETURN(L.kv_a_norm, upload_floats(A.kv_a_norm));
     }
     ML4_RETURN_IF_ERROR(up(L.wo, A.wo));
+    if (spec.indexer == IndexerRole::kOwner) {
+      if (!A.indexer) return invalid_argument("layer {}: indexer owner without indexer weights", l);
+      const IndexerWeights& I = *A.indexer;
+      ML4_RETURN_IF_ERROR(up(L.idx_wq, I.wq));
+      ML4_RETURN_IF_ERROR(up(L.idx_wk, I.wk));
+      ML4_RETURN_IF_ERROR(up(L.idx_wproj, I.weights_proj));
+      ML4_ASSIGN_OR_RETURN(L.idx_knorm_w, upload_floats(I.k_norm_weight));
+      ML4_ASSIGN_OR_RETURN(L.idx_knorm_b, upload_floats(I.k_norm_bias));
+    }
     ML4_ASSIGN_OR_RETURN(L.w_uk, upload_floats(A.w_uk));
     ML4_ASSIGN_OR_RETURN(L.w_uv, upload_floats(A.w_uv));
     weight_bytes_ += static_cast<int64_t>(L.w_uk.bytes() + L.w_uv.bytes());
@@ -153,17 +174,14 @@ Status CudaRunner::upload(const ModelWeights& w) {
 Result<std::unique_ptr<CudaRunner>> CudaRunner::load(const std::string& model_dir, const CudaRunnerOptions& opts) {
   if (!device_available()) return unimplemented("no CUDA device: the CUDA runner cannot start");
   ML4_ASSIGN_OR_RETURN(ModelConfig cfg, load_model_config(model_dir));
-  if (cfg.has_dsa())
-    return unimplemented("{}: the CUDA runner does not run the DSA indexer yet (use the CPU runner)", model_dir);
   ML4_ASSIGN_OR_RETURN(Checkpoint ck, Checkpoint::open(model_dir));
   WeightLoadOptions wo;
   wo.experts_to_mxfp4 = opts.base.experts_to_mxfp4;
   ML4_ASSIGN_OR_RETURN(auto weights, load_model_weights(cfg, ck, wo));
   ML4_ASSIGN_OR_RETURN(KvCacheDtype dtype, parse_kv_cache_dtype(opts.base.kv_cache_dtype));
   ML4_ASSIGN_OR_RETURN(KvCacheSpec spec, make_kv_cache_spec(cfg, dtype));
-  if (spec.groups.size() != 1 || spec.groups[0].kind != CacheGroupSpec::kLatent)
-    return unimplemented("{}: the CUDA runner keeps only a latent cache group ({} groups here)", model_dir,
-                         spec.groups.size());
+  if (cfg.has_dsa() && cfg.indexer.head_dim != 128)
+    return unimplemented("{}: the CUDA indexer kernels take head_dim 128 (model: {})", model_dir, cfg.indexer.head_dim);
   std::unique_ptr<CudaRunner> r(new CudaRunner());
   r->cfg_ = cfg;
   r->opts_ = opts;
@@ -173,6 +191,21 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::load(const std::string& model_di
   ML4_ASSIGN_OR_RETURN(r->lt_, LtGemm::create());
   ML4_RETURN_IF_ERROR(r->upload(*weights).with_context(model_dir));
   ML4_ASSIGN_OR_RETURN(r->inv_freq_, upload_floats(cpu::rope_inv_freq(cfg.rope_theta, cfg.qk_rope_head_dim, cfg.yarn)));
+  if (cfg.has_dsa()) {
+    ML4_ASSIGN_OR_RETURN(r->idx_inv_freq_,
+                         upload_floats(cpu::rope_inv_freq(cfg.rope_theta, cfg.indexer.rope_head_dim, cfg.yarn)));
+  }
+  // Top-k buffers: an owner whose sets a reuser reads keeps its own; the others share one.
+  r->topk_buf_.assign(cfg.n_layers, -1);
+  {
+    std::vector<bool> has_reuser(cfg.n_layers, false);
+    for (const auto& s : cfg.layers)
+      if (s.indexer == IndexerRole::kReuser) has_reuser[s.indexer_source] = true;
+    int next = 1;
+    for (const auto& s : cfg.layers)
+      if (s.indexer == IndexerRole::kOwner) r->topk_buf_[s.index] = has_reuser[s.index] ? next++ : 0;
+    r->num_topk_bufs_ = cfg.has_dsa() ? next : 0;
+  }
   r->rope_factor_ = cpu::rope_attention_factor(cfg.yarn);
   // KV sharing as CpuModel (without duplication): consumers read their source's slot.
   const int L = cfg.n_layers;
@@ -202,16 +235,22 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::load(const std::string& model_di
                                 opts.gpu_memory_utilization, used / 1073741824.0, total_b / 1073741824.0);
   }
   const std::vector<int64_t> blocks = PagedKvCache::blocks_for_budget(spec, kv_budget);
-  r->num_blocks_ = blocks[0];
+  r->latent_group_ = spec.group_index(CacheGroupSpec::kLatent);
+  r->indexer_group_ = spec.group_index(CacheGroupSpec::kIndexer);
+  r->num_blocks_ = blocks[r->latent_group_];
   if (r->num_blocks_ <= 0) return resource_exhausted("KV budget of {} bytes holds no block", kv_budget);
-  const auto& g = spec.groups[0];
-  for (size_t slot = 0; slot < g.layers.size(); ++slot) {
-    ML4_ASSIGN_OR_RETURN(DeviceBuffer b, DeviceBuffer::alloc(r->num_blocks_ * g.page_bytes_per_layer()));
-    ML4_RETURN_IF_ERROR(b.fill_bytes(0));
-    r->kv_bytes_ += static_cast<int64_t>(b.bytes());
-    r->kv_.push_back(std::move(b));
+  r->group_blocks_ = blocks;
+  for (size_t gi = 0; gi < spec.groups.size(); ++gi) {
+    const auto& g = spec.groups[gi];
+    auto& dst = g.kind == CacheGroupSpec::kLatent ? r->kv_ : g.kind == CacheGroupSpec::kIndexer ? r->idx_kv_ : r->other_kv_;
+    for (size_t slot = 0; slot < g.layers.size(); ++slot) {
+      ML4_ASSIGN_OR_RETURN(DeviceBuffer b, DeviceBuffer::alloc(std::max<int64_t>(blocks[gi], 1) * g.page_bytes_per_layer()));
+      ML4_RETURN_IF_ERROR(b.fill_bytes(0));
+      r->kv_bytes_ += static_cast<int64_t>(b.bytes());
+      dst.push_back(std::move(b));
+    }
+    r->groups_.push_back(CacheGroupInfo{g.name, g.page_tokens, blocks[gi], g.sliding_window, g.bytes_per_token()});
   }
-  r->groups_.push_back(CacheGroupInfo{g.name, g.page_tokens, r->num_blocks_, g.sliding_window, g.bytes_per_token()});
   r->buf_ = std::make_unique<Buffers>();
   ML4_LOG_INFO("cuda runner: {} ({} layers), weights {:.1f} MiB, kv {} {:.1f} MiB ({} blocks)", model_dir, L,
                r->weight_bytes_ / 1048576.0, opts.base.kv_cache_dtype, r->kv_bytes_ / 1048576.0, r->num_blocks_);
@@ -253,6 +292,25 @@ Status CudaRunner::ensure_buffers(int64_t T, int64_t R, int64_t S, int64_t maxb)
     ML4_RETURN_IF_ERROR(f(b.lengths, n, 4));
     ML4_RETURN_IF_ERROR(f(b.gemv_ws, gemv_workspace_floats(kGemvMaxM, 1, 1) * max_in_, 4));
     ML4_RETURN_IF_ERROR(b.lin.reserve(n * max_in_, n * ((max_in_ + 127) / 128)));
+    if (c.has_dsa()) {
+      const int64_t HI = c.indexer.n_heads, dI = c.indexer.head_dim, k = c.indexer.topk;
+      ML4_RETURN_IF_ERROR(f(b.iq, n * HI * dI, 4));
+      ML4_RETURN_IF_ERROR(f(b.ik, n * dI, 4));
+      ML4_RETURN_IF_ERROR(f(b.iw, n * HI, 4));
+      ML4_RETURN_IF_ERROR(f(b.iq8, n * HI * dI, 1));
+      ML4_RETURN_IF_ERROR(f(b.iqs, n * HI, 4));
+      ML4_RETURN_IF_ERROR(f(b.idx_slots, n, 8));
+      ML4_RETURN_IF_ERROR(f(b.forced_slots, n * k, 4));
+      ML4_RETURN_IF_ERROR(f(b.forced_counts, n, 4));
+      ML4_RETURN_IF_ERROR(f(b.topk_pos, n * k, 4));
+      b.topk_slots.resize(num_topk_bufs_);
+      b.topk_counts.resize(num_topk_bufs_);
+      for (int i = 0; i < num_topk_bufs_; ++i) {
+        ML4_RETURN_IF_ERROR(f(b.topk_slots[i], n * k, 4));
+        ML4_RETURN_IF_ERROR(f(b.topk_counts[i], n, 4));
+      }
+    }
+    ML4_RETURN_IF_ERROR(f(b.forced_ids, n * K, 4));
     b.moe = MoeScratch{};
     ML4_RETURN_IF_ERROR(b.moe.reserve(n * K, D, std::max<int64_t>(max_hidden_, 1), static_cast<int>(E)));
     b.T = n;
@@ -267,6 +325,7 @@ Status CudaRunner::ensure_buffers(int64_t T, int64_t R, int64_t S, int64_t maxb)
   }
   if (S * maxb > b.bt_cap) {
     ML4_ASSIGN_OR_RETURN(b.block_table, DeviceBuffer::alloc(std::max<int64_t>(S * maxb, 1) * 4));
+    ML4_ASSIGN_OR_RETURN(b.idx_block_table, DeviceBuffer::alloc(std::max<int64_t>(S * maxb, 1) * 4));
     b.bt_cap = S * maxb;
   }
   b.maxb = maxb;  // this step's block-table row stride
@@ -296,8 +355,115 @@ Status CudaRunner::mlp(const DeviceMlp& m, const float* x, int64_t M, float* y) 
   return lin(m.w2, s.g.as<float>(), M, y);
 }
 
-// cpu_attention.cpp CpuModel::attention steps 1-6 (dense: no DSA in this runner).
-Status CudaRunner::attention(int l, const StepMetadata& md, float* out) {
+// cpu_attention.cpp CpuModel::indexer_topk for an indexer owner: this step's keys into the
+// indexer pages, then per token the causal top-k of its scores as latent cache slots into
+// the layer's top-k buffer (and, when tracing, as positions into trace->topk[l]).
+Status CudaRunner::indexer(int l, const StepMetadata& md, ForwardTrace* trace) {
+  const LayerSpec& spec = cfg_.layers[l];
+  Layer& L = layers_[l];
+  Buffers& b = *buf_;
+  const int HI = cfg_.indexer.n_heads, dI = cfg_.indexer.head_dim, rd = cfg_.indexer.rope_head_dim;
+  const int k = cfg_.indexer.topk;
+  const int64_t T = md.num_tokens();
+  float* iq = b.iq.as<float>();
+  float* ik = b.ik.as<float>();
+  float* iw = b.iw.as<float>();
+  // DeepSeek-V3.2: q from the query-LoRA latent when there is one, k and weights from x.
+  ML4_RETURN_IF_ERROR(lin(L.idx_wq, cfg_.q_lora_rank > 0 ? b.qlat_in.as<float>() : b.a.as<float>(), T, iq));
+  ML4_RETURN_IF_ERROR(lin(L.idx_wk, b.a.as<float>(), T, ik));
+  ML4_RETURN_IF_ERROR(layer_norm({ik, L.idx_knorm_w.as<float>(), L.idx_knorm_b.as<float>(), T, dI, 1e-6f, ik, stream_}));
+  ML4_RETURN_IF_ERROR(lin(L.idx_wproj, b.a.as<float>(), T, iw));
+  const float wscale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(HI)) / std::sqrt(static_cast<double>(dI)));
+  ML4_RETURN_IF_ERROR(scale_inplace(iw, T * HI, wscale, stream_));
+  if (spec.rope) {  // NeoX pairs on the [rope | nope] head, LeRoPE positions
+    for (auto [x, heads] : {std::pair<float*, int>{iq, HI}, {ik, 1}}) {
+      QPathParams rp;
+      rp.q = x;
+      rp.T = T;
+      rp.H = heads;
+      rp.head_stride = dI;
+      rp.rope_offset = 0;
+      rp.rope_dim = rd;
+      rp.neox = true;
+      rp.positions = b.pos.as<int64_t>();
+      rp.inv_freq = idx_inv_freq_.as<float>();
+      rp.attn_factor = rope_factor_;
+      rp.lerope = cfg_.lerope;
+      rp.stream = stream_;
+      ML4_RETURN_IF_ERROR(q_path(rp));
+    }
+  }
+  IndexerCacheWriteParams wp;
+  wp.k = ik;
+  wp.slots = b.idx_slots.as<int64_t>();
+  wp.T = T;
+  wp.dI = dI;
+  wp.cache = idx_kv_[spec.indexer_slot].data();
+  wp.num_blocks = group_blocks_[indexer_group_];
+  wp.stream = stream_;
+  ML4_RETURN_IF_ERROR(indexer_cache_write(wp));
+  ML4_RETURN_IF_ERROR(indexer_query_quant({iq, T * HI, dI, true, b.iq8.data(), b.iqs.as<float>(), stream_}));
+  int64_t maxlen = 1;
+  for (int64_t p : md.positions) maxlen = std::max(maxlen, p + 1);
+  // Scores of a chunk of tokens at a time: at most 64 Mi floats (256 MiB) of scores.
+  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(T, (int64_t{64} << 20) / maxlen));
+  if (chunk * maxlen > b.scores_cap) {
+    ML4_ASSIGN_OR_RETURN(b.scores, DeviceBuffer::alloc(chunk * maxlen * 4));
+    b.scores_cap = chunk * maxlen;
+  }
+  const int buf = topk_buf_[l];
+  for (int64_t t0 = 0; t0 < T; t0 += chunk) {
+    const int64_t n = std::min(chunk, T - t0);
+    IndexerScoresParams sp;
+    sp.q = static_cast<const uint8_t*>(b.iq8.data()) + t0 * HI * dI;
+    sp.q_scale = b.iqs.as<float>() + t0 * HI;
+    sp.weights = iw + t0 * HI;
+    sp.cache = idx_kv_[spec.indexer_slot].data();
+    sp.num_blocks = group_blocks_[indexer_group_];
+    sp.block_table = b.idx_block_table.as<int32_t>();
+    sp.block_table_stride = b.maxb;
+    sp.seq_of_token = b.seq_of.as<int32_t>() + t0;
+    sp.lengths = b.lengths.as<int32_t>() + t0;
+    sp.T = n;
+    sp.HI = HI;
+    sp.dI = dI;
+    sp.max_length = static_cast<int>(maxlen);
+    sp.scores = b.scores.as<float>();
+    sp.scores_stride = maxlen;
+    sp.math = opts_.exact_activations ? IndexerMath::kF32 : IndexerMath::kFp8TensorCore;
+    sp.stream = stream_;
+    ML4_RETURN_IF_ERROR(indexer_scores(sp).with_context("layer " + std::to_string(l)));
+    TopkParams tp;
+    tp.scores = b.scores.as<float>();
+    tp.scores_stride = maxlen;
+    tp.lengths = b.lengths.as<int32_t>() + t0;
+    tp.T = n;
+    tp.k = k;
+    tp.positions = trace != nullptr ? b.topk_pos.as<int32_t>() + t0 * k : nullptr;
+    tp.slots = b.topk_slots[buf].as<int32_t>() + t0 * k;
+    tp.counts = b.topk_counts[buf].as<int32_t>() + t0;
+    tp.out_stride = k;
+    tp.block_table = b.block_table.as<int32_t>();
+    tp.block_table_stride = b.maxb;
+    tp.seq_of_token = b.seq_of.as<int32_t>() + t0;
+    tp.stream = stream_;
+    ML4_RETURN_IF_ERROR(topk(tp).with_context("layer " + std::to_string(l)));
+  }
+  if (trace != nullptr) {
+    std::vector<int32_t> pos(T * k), cnt(T);
+    ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(pos.data(), b.topk_pos.data(), pos.size() * 4, cudaMemcpyDeviceToHost, stream_));
+    ML4_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(cnt.data(), b.topk_counts[buf].data(), cnt.size() * 4, cudaMemcpyDeviceToHost, stream_));
+    ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    auto& rec = trace->topk[l];
+    rec.assign(T, {});
+    for (int64_t t = 0; t < T; ++t) rec[t].assign(pos.begin() + t * k, pos.begin() + t * k + cnt[t]);
+  }
+  return Status::ok();
+}
+
+// cpu_attention.cpp CpuModel::attention steps 1-6.
+Status CudaRunner::attention(int l, const StepMetadata& md, float* out, ForwardTrace* trace) {
   const LayerSpec& spec = cfg_.layers[l];
   Layer& L = layers_[l];
   Buffers& b = *buf_;
@@ -315,25 +481,6 @@ Status CudaRunner::attention(int l, const StepMetadata& md, float* out) {
   } else {
     ML4_RETURN_IF_ERROR(lin(L.wq, b.a.as<float>(), T, q));
   }
-  // 2. + 6. (temperature): RoPE on the rope part, head scales.
-  QPathParams qp;
-  qp.q = q;
-  qp.T = T;
-  qp.H = H;
-  qp.head_stride = qk;
-  qp.rope_offset = dn;
-  qp.rope_dim = dr;
-  qp.positions = b.pos.as<int64_t>();
-  qp.inv_freq = inv_freq_.as<float>();
-  qp.attn_factor = rope_factor_;
-  qp.apply_rope = spec.rope;
-  qp.lerope = cfg_.lerope;
-  qp.base_scale = cfg_.softmax_scale();
-  qp.llama4 = cfg_.llama4_scaling;
-  qp.ssmax_s = spec.ssmax ? L.ssmax_s.as<float>() : nullptr;
-  qp.head_scale = b.head_scale.as<float>();
-  qp.stream = stream_;
-  ML4_RETURN_IF_ERROR(q_path(qp));
   // 3./4. Latent row into the pages (owners).
   if (spec.owns_kv()) {
     float* ckv = b.ckv.as<float>();
@@ -372,6 +519,57 @@ Status CudaRunner::attention(int l, const StepMetadata& md, float* out) {
       ML4_RETURN_IF_ERROR(latent_cache_write(w));
     }
   }
+  // 5. DSA: the keys this layer attends to (its own indexer's, its source's, or forced).
+  const int32_t* sel_slots = nullptr;
+  const int32_t* sel_counts = nullptr;
+  const int k = cfg_.indexer.topk;
+  if (spec.sparse()) {
+    if (spec.indexer == IndexerRole::kOwner) ML4_RETURN_IF_ERROR(indexer(l, md, trace));
+    const int src = spec.indexer == IndexerRole::kOwner ? l : spec.indexer_source;
+    if (trace != nullptr && src != l) trace->topk[l] = trace->topk[src];
+    const bool forced = trace != nullptr && l < static_cast<int>(trace->forced_topk.size()) &&
+                        !trace->forced_topk[l].empty();
+    if (forced) {  // test input, validated: positions -> latent slots, -1 padded
+      std::vector<int32_t> sl(T * k, -1), cnt(T);
+      for (int64_t t = 0; t < T; ++t) {
+        const auto& row = trace->forced_topk[l][t];
+        const int si = md.seq_of_token[t];
+        for (size_t j = 0; j < row.size(); ++j)
+          sl[t * k + j] = static_cast<int32_t>(md.slot_of(si, latent_group_, row[j]));
+        cnt[t] = static_cast<int32_t>(row.size());
+      }
+      ML4_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(b.forced_slots.data(), sl.data(), sl.size() * 4, cudaMemcpyHostToDevice, stream_));
+      ML4_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(b.forced_counts.data(), cnt.data(), cnt.size() * 4, cudaMemcpyHostToDevice, stream_));
+      ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));  // the host vectors die here
+      sel_slots = b.forced_slots.as<int32_t>();
+      sel_counts = b.forced_counts.as<int32_t>();
+    } else {
+      sel_slots = b.topk_slots[topk_buf_[src]].as<int32_t>();
+      sel_counts = b.topk_counts[topk_buf_[src]].as<int32_t>();
+    }
+  }
+  // 2. + 6. (temperature): RoPE on the rope part, head scales (SSMax's n: keys attended).
+  QPathParams qp;
+  qp.q = q;
+  qp.T = T;
+  qp.H = H;
+  qp.head_stride = qk;
+  qp.rope_offset = dn;
+  qp.rope_dim = dr;
+  qp.positions = b.pos.as<int64_t>();
+  qp.inv_freq = inv_freq_.as<float>();
+  qp.attn_factor = rope_factor_;
+  qp.apply_rope = spec.rope;
+  qp.lerope = cfg_.lerope;
+  qp.base_scale = cfg_.softmax_scale();
+  qp.llama4 = cfg_.llama4_scaling;
+  qp.ssmax_s = spec.ssmax ? L.ssmax_s.as<float>() : nullptr;
+  qp.n_keys = sel_counts;
+  qp.head_scale = b.head_scale.as<float>();
+  qp.stream = stream_;
+  ML4_RETURN_IF_ERROR(q_path(qp));
   // 6. Absorbed attention over the pages.
   MlaAbsorbParams ab;
   ab.T = T;
@@ -402,15 +600,23 @@ Status CudaRunner::attention(int l, const StepMetadata& md, float* out) {
   ap.cache = kv_[latent_read_slot_[l]].data();
   ap.num_slots = num_blocks_ * kPageTokens;
   ap.dtype = spec_.dtype;
-  ap.block_table = b.block_table.as<int32_t>();
-  ap.block_table_stride = b.maxb;
-  ap.seq_of_token = b.seq_of.as<int32_t>();
-  ap.lengths = b.lengths.as<int32_t>();
-  int64_t maxlen = 0;
-  for (int64_t p : md.positions) maxlen = std::max(maxlen, p + 1);
-  ap.max_length = static_cast<int>(maxlen);
+  if (sel_slots != nullptr) {
+    ap.indices = sel_slots;
+    ap.indices_stride = k;
+    ap.topk = k;
+    ap.index_lengths = sel_counts;
+  } else {
+    ap.block_table = b.block_table.as<int32_t>();
+    ap.block_table_stride = b.maxb;
+    ap.seq_of_token = b.seq_of.as<int32_t>();
+    ap.lengths = b.lengths.as<int32_t>();
+    int64_t maxlen = 0;
+    for (int64_t p : md.positions) maxlen = std::max(maxlen, p + 1);
+    ap.max_length = static_cast<int>(maxlen);
+  }
   ap.out_lat = b.out_lat.as<float>();
   ap.lse = b.lse.as<float>();
+  ap.math = opts_.exact_activations ? MlaMath::kF32 : MlaMath::kBf16TensorCore;
   ap.stream = stream_;
   const size_t need = mla_attention_workspace_bytes(ap);
   if (need > b.attn_ws_bytes) {
@@ -425,15 +631,32 @@ Status CudaRunner::attention(int l, const StepMetadata& md, float* out) {
 }
 
 // CpuModel::ffn.
-Status CudaRunner::ffn(int l, int64_t T, float* out) {
+Status CudaRunner::ffn(int l, int64_t T, float* out, ForwardTrace* trace) {
   Layer& L = layers_[l];
   Buffers& b = *buf_;
   const float* x = b.a.as<float>();
   if (!L.moe) return mlp(L.dense, x, T, out);
   const int E = cfg_.moe.num_experts, K = cfg_.moe.num_experts_per_tok;
   ML4_RETURN_IF_ERROR(linear_f32(*lt_, L.gate, x, T, b.router.as<float>(), b.lin, stream_).with_context("router"));
-  ML4_RETURN_IF_ERROR(moe_route({b.router.as<float>(), T, cfg_.moe, L.bias.empty() ? nullptr : L.bias.as<float>(),
-                                 b.ids.as<int32_t>(), b.wts.as<float>(), stream_}));
+  MoeRouteParams rp{b.router.as<float>(), T, cfg_.moe, L.bias.empty() ? nullptr : L.bias.as<float>(),
+                    b.ids.as<int32_t>(), b.wts.as<float>(), nullptr, stream_};
+  ML4_RETURN_IF_ERROR(moe_route(rp));
+  if (trace != nullptr) {  // the router's own choice, then (test input) forced experts
+    std::vector<int32_t> ids(T * K);
+    ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(ids.data(), b.ids.data(), ids.size() * 4, cudaMemcpyDeviceToHost, stream_));
+    ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    auto& rec = trace->experts[l];
+    rec.assign(T, {});
+    for (int64_t t = 0; t < T; ++t) rec[t].assign(ids.begin() + t * K, ids.begin() + (t + 1) * K);
+    if (l < static_cast<int>(trace->forced_experts.size()) && !trace->forced_experts[l].empty()) {
+      for (int64_t t = 0; t < T; ++t) std::copy_n(trace->forced_experts[l][t].begin(), K, ids.begin() + t * K);
+      ML4_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(b.forced_ids.data(), ids.data(), ids.size() * 4, cudaMemcpyHostToDevice, stream_));
+      rp.forced_ids = b.forced_ids.as<int32_t>();
+      ML4_RETURN_IF_ERROR(moe_route(rp));
+      ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    }
+  }
   const int64_t D = cfg_.dim;
   if (L.tables && (opts_.exact_activations || T <= kGemvMaxM)) {
     for (int64_t t0 = 0; t0 < T; t0 += kGemvMaxM) {
@@ -449,20 +672,32 @@ Status CudaRunner::ffn(int l, int64_t T, float* out) {
                              b.moe, stream_);
 }
 
-Result<StepOutput> CudaRunner::execute(const StepInput& in) {
+Result<StepOutput> CudaRunner::execute_traced(const StepInput& in, ForwardTrace* trace) {
   ML4_ASSIGN_OR_RETURN(StepMetadata md, build_step_metadata(in, groups_, cfg_.vocab_size, max_model_len_));
   const int64_t T = md.num_tokens(), R = static_cast<int64_t>(md.logits_rows.size());
   const int64_t S = static_cast<int64_t>(md.seqs.size());
+  if (trace != nullptr) {
+    trace->topk.assign(cfg_.n_layers, {});
+    trace->experts.assign(cfg_.n_layers, {});
+    ML4_RETURN_IF_ERROR(validate_forced_decisions(*trace, cfg_, md.positions));
+  }
   int64_t maxb = 1;
-  for (const auto& s : in.seqs) maxb = std::max<int64_t>(maxb, s.block_tables[latent_group_].size());
+  for (const auto& s : in.seqs) {
+    maxb = std::max<int64_t>(maxb, s.block_tables[latent_group_].size());
+    if (indexer_group_ >= 0) maxb = std::max<int64_t>(maxb, s.block_tables[indexer_group_].size());
+  }
   ML4_RETURN_IF_ERROR(ensure_buffers(T, R, S, maxb));
   Buffers& b = *buf_;
   // Per-step metadata to the device (one plain copy per array).
-  std::vector<int32_t> lengths(T), bt(S * maxb, 0), rows(R);
+  std::vector<int32_t> lengths(T), bt(S * maxb, 0), ibt(indexer_group_ >= 0 ? S * maxb : 0, 0), rows(R);
   for (int64_t t = 0; t < T; ++t) lengths[t] = static_cast<int32_t>(md.positions[t] + 1);
   for (int64_t s = 0; s < S; ++s) {
     const auto& tab = in.seqs[s].block_tables[latent_group_];
     std::copy(tab.begin(), tab.end(), bt.begin() + s * maxb);
+    if (indexer_group_ >= 0) {
+      const auto& itab = in.seqs[s].block_tables[indexer_group_];
+      std::copy(itab.begin(), itab.end(), ibt.begin() + s * maxb);
+    }
   }
   for (int64_t i = 0; i < R; ++i) rows[i] = static_cast<int32_t>(md.logits_rows[i]);
   auto h2d = [&](DeviceBuffer& d, const void* src, size_t bytes) {
@@ -474,6 +709,10 @@ Result<StepOutput> CudaRunner::execute(const StepInput& in) {
   ML4_RETURN_IF_ERROR(h2d(b.seq_of, md.seq_of_token.data(), T * 4));
   ML4_RETURN_IF_ERROR(h2d(b.lengths, lengths.data(), T * 4));
   ML4_RETURN_IF_ERROR(h2d(b.block_table, bt.data(), bt.size() * 4));
+  if (indexer_group_ >= 0) {
+    ML4_RETURN_IF_ERROR(h2d(b.idx_block_table, ibt.data(), ibt.size() * 4));
+    ML4_RETURN_IF_ERROR(h2d(b.idx_slots, md.slots[indexer_group_].data(), T * 8));
+  }
   if (R > 0) ML4_RETURN_IF_ERROR(h2d(b.row_idx, rows.data(), R * 4));
 
   const int64_t D = cfg_.dim;
@@ -490,9 +729,9 @@ Result<StepOutput> CudaRunner::execute(const StepInput& in) {
     } else {  // residual += previous FFN output; a = norm(residual)
       ML4_RETURN_IF_ERROR(rms_norm({tmp, residual, L.attn_norm.as<float>(), T, D, eps, a, nullptr, stream_}));
     }
-    ML4_RETURN_IF_ERROR(attention(l, md, tmp));
+    ML4_RETURN_IF_ERROR(attention(l, md, tmp, trace));
     ML4_RETURN_IF_ERROR(rms_norm({tmp, residual, L.ffn_norm.as<float>(), T, D, eps, a, nullptr, stream_}));
-    ML4_RETURN_IF_ERROR(ffn(l, T, tmp));
+    ML4_RETURN_IF_ERROR(ffn(l, T, tmp, trace));
   }
   StepOutput out;
   if (R > 0) {

@@ -5,11 +5,18 @@
 // the pages (ops/cuda/attention.h), W_UV, wo, dense or MoE FFN (f32 router, grouped
 // top-k, experts, shared expert), final norm and the logits rows.
 //
-// Scope of this first version (stated, refused at load with kUnimplemented otherwise):
-//   - no DSA indexer yet (models with an indexer: ml4, ml4-tiny, dsv32-tiny), so attention
-//     is the dense causal variant;
-//   - weights bf16, fp8 block or f32 (NVFP4/MXFP4 not yet);
-//   - only the "latent" cache group (no drafter group).
+// DSA (MODEL.md 3.5): indexer owners compute the indexer query/key/weights, write the key
+// (Hadamard + FP8) into the indexer pages, score every visible key (indexer.h), pick the
+// causal top-k by radix select (topk.h) straight into cache slots, and attention reads only
+// those slots (sparse mla_attention); reusers attend to their source's slots. SSMax's n is
+// then the number of selected keys, as on the CPU.
+// Cache groups: latent, indexer, and the drafter group, whose pages are allocated and
+// reported to the engine but not yet written (S7, block drafting, is not implemented on
+// any backend).
+// Scope (refused at load with kUnimplemented otherwise): weights bf16, fp8 block or f32
+// (NVFP4/MXFP4 not yet).
+// execute_traced records the indexer's top-k sets and the routed experts and obeys forced
+// ones (forward_trace.h): the golden tests run the CUDA runner exactly as the CPU one.
 // Linears: M <= 8 rows (decode) go through our GEMV (f32 activations, gemv.h); larger M
 // through cuBLASLt (bf16 / e4m3 activations). exact_activations forces the GEMV path in
 // 8-row chunks everywhere: every linear then matches cpu::linear to f32 rounding, which
@@ -45,7 +52,8 @@ class CudaRunner : public ModelRunner {
 
   const ModelConfig& config() const override { return cfg_; }
   const std::vector<CacheGroupInfo>& cache_groups() const override { return groups_; }
-  Result<StepOutput> execute(const StepInput& in) override;
+  Result<StepOutput> execute(const StepInput& in) override { return execute_traced(in, nullptr); }
+  Result<StepOutput> execute_traced(const StepInput& in, ForwardTrace* trace) override;
 
   int64_t weight_bytes() const { return weight_bytes_; }
   int64_t kv_bytes() const { return kv_bytes_; }
@@ -58,21 +66,27 @@ class CudaRunner : public ModelRunner {
   Status ensure_buffers(int64_t T, int64_t R, int64_t S, int64_t max_blocks);
   Status lin(const DeviceLinear& w, const float* x, int64_t M, float* y);
   Status mlp(const DeviceMlp& m, const float* x, int64_t M, float* y);
-  Status attention(int l, const StepMetadata& md, float* out);
-  Status ffn(int l, int64_t T, float* out);
+  Status attention(int l, const StepMetadata& md, float* out, ForwardTrace* trace);
+  Status indexer(int l, const StepMetadata& md, ForwardTrace* trace);
+  Status ffn(int l, int64_t T, float* out, ForwardTrace* trace);
 
   ModelConfig cfg_;
   CudaRunnerOptions opts_;
   KvCacheSpec spec_;
   std::vector<CacheGroupInfo> groups_;
-  int latent_group_ = 0;
+  int latent_group_ = 0, indexer_group_ = -1;
   int64_t max_model_len_ = 0;
   int64_t num_blocks_ = 0;
   std::vector<DeviceBuffer> kv_;                      // [latent slot] pages
+  std::vector<DeviceBuffer> idx_kv_;                  // [indexer slot] pages
+  std::vector<DeviceBuffer> other_kv_;                // drafter pages (allocated, unused)
+  std::vector<int64_t> group_blocks_;
+  std::vector<int> topk_buf_;                         // [layer] which top-k buffer an owner fills
+  int num_topk_bufs_ = 0;
   std::vector<int> latent_read_slot_;
   std::vector<std::vector<int>> latent_write_slots_;
   std::vector<Layer> layers_;
-  DeviceBuffer embed_, norm_, inv_freq_;
+  DeviceBuffer embed_, norm_, inv_freq_, idx_inv_freq_;
   DType embed_dtype_ = DType::kBF16;
   DeviceLinear output_;
   float rope_factor_ = 1.0f;

@@ -57,6 +57,49 @@ __global__ void rms_norm_kernel(const float* __restrict__ x, float* __restrict__
   }
 }
 
+__device__ double block_sum_f64(double v, double* smem) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < (blockDim.x >> 5) ? smem[lane] : 0.0;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0) smem[0] = v;
+  }
+  __syncthreads();
+  const double r = smem[0];
+  __syncthreads();
+  return r;
+}
+
+// One block per row; mean and variance in f64 like cpu::layer_norm (two passes), so the
+// only difference is the order of the f64 sums.
+__global__ void layer_norm_kernel(const float* x, const float* __restrict__ w, const float* __restrict__ b,
+                                  int64_t dim, float eps, float* y) {
+  __shared__ double smem[32];
+  const int64_t row = blockIdx.x;
+  const float* xr = x + row * dim;
+  double s = 0.0;
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) s += xr[i];
+  const double mean = block_sum_f64(s, smem) / static_cast<double>(dim);
+  double v = 0.0;
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) v += (xr[i] - mean) * (xr[i] - mean);
+  const double var = block_sum_f64(v, smem) / static_cast<double>(dim);
+  const double inv = 1.0 / sqrt(var + static_cast<double>(eps));
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
+    const float o = static_cast<float>((xr[i] - mean) * inv) * w[i];
+    y[row * dim + i] = b ? o + b[i] : o;
+  }
+}
+
+__global__ void scale_kernel(float* x, int64_t n, float s) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
+    x[i] *= s;
+}
+
 __global__ void silu_mul_kernel(const float* __restrict__ g, const float* __restrict__ u, int64_t rows, int64_t cols,
                                 int64_t gs, int64_t us, float* out, __nv_bfloat16* outb) {
   const int64_t n = rows * cols;
@@ -96,6 +139,7 @@ struct QPathArgs {
   const float* inv_freq;
   float attn_factor;
   bool apply_rope;
+  bool neox;
   bool lerope;
   int64_t lerope_window;
   double lerope_leak;
@@ -134,10 +178,12 @@ __global__ void q_path_kernel(QPathArgs a) {
   if (a.apply_rope) {
     for (int j = threadIdx.x; j < a.H * half; j += blockDim.x) {
       const int h = j / half, i = j % half;
-      float* x = qt + h * a.head_stride + a.rope_offset + 2 * i;
-      const float x0 = x[0], x1 = x[1], c = cs[2 * i], s = cs[2 * i + 1];
-      x[0] = x0 * c - x1 * s;
-      x[1] = x0 * s + x1 * c;
+      float* base = qt + h * a.head_stride + a.rope_offset;
+      float* x0p = a.neox ? base + i : base + 2 * i;
+      float* x1p = a.neox ? base + i + half : base + 2 * i + 1;
+      const float x0 = *x0p, x1 = *x1p, c = cs[2 * i], s = cs[2 * i + 1];
+      *x0p = x0 * c - x1 * s;
+      *x1p = x0 * s + x1 * c;
     }
   }
   if (a.base_scale == 0.0) return;
@@ -263,12 +309,27 @@ Status q_path(const QPathParams& p) {
   if (!p.q || !p.positions) return invalid_argument("q_path: null q or positions");
   if (p.T == 0) return Status::ok();
   QPathArgs a{p.q, p.H, p.head_stride, p.rope_offset, p.rope_dim, p.positions, p.inv_freq, p.attn_factor,
-              p.apply_rope, p.lerope.enabled, p.lerope.window, p.lerope.leak, p.base_scale, p.llama4.enabled,
+              p.apply_rope, p.neox, p.lerope.enabled, p.lerope.window, p.lerope.leak, p.base_scale, p.llama4.enabled,
               p.llama4.original_max_position_embeddings, p.llama4.beta, p.ssmax_s, p.n_keys, p.head_scale,
               p.fold_scale};
   const size_t smem = static_cast<size_t>(std::max(p.rope_dim, 2)) * sizeof(float);
   q_path_kernel<<<static_cast<int>(p.T), 128, smem, p.stream>>>(a);
   return cuda_status(cudaGetLastError(), "q_path_kernel");
+}
+
+Status layer_norm(const LayerNormParams& p) {
+  if (p.rows < 0 || p.dim <= 0) return invalid_argument("layer_norm: bad shape rows={} dim={}", p.rows, p.dim);
+  if (p.rows == 0) return Status::ok();
+  if (!p.x || !p.w || !p.y) return invalid_argument("layer_norm: null pointer");
+  layer_norm_kernel<<<static_cast<unsigned>(p.rows), 128, 0, p.stream>>>(p.x, p.w, p.b, p.dim, p.eps, p.y);
+  return cuda_status(cudaGetLastError(), "layer_norm_kernel");
+}
+
+Status scale_inplace(float* x, int64_t n, float s, cudaStream_t stream) {
+  if (n < 0 || (n > 0 && !x)) return invalid_argument("scale_inplace: bad arguments");
+  if (n == 0) return Status::ok();
+  scale_kernel<<<grid_for(n), kThreads, 0, stream>>>(x, n, s);
+  return cuda_status(cudaGetLastError(), "scale_kernel");
 }
 
 Status mla_absorb_q(const MlaAbsorbParams& p) {

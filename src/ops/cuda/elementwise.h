@@ -68,6 +68,8 @@ struct QPathParams {
   const float* inv_freq = nullptr;     // [rope_dim / 2] (cpu::rope_inv_freq, YaRN-blended)
   float attn_factor = 1.0f;            // cpu::rope_attention_factor
   bool apply_rope = true;              // LayerSpec::rope (NoPE layers skip it)
+  bool neox = false;                   // pairs (i, i + rope_dim/2) (cpu::rope_neox: the DSA
+                                       // indexer) instead of (2i, 2i + 1) (cpu::rope_interleaved)
   LeRopeConfig lerope;
   // Temperature. base_scale 0 disables it (a key-side call: RoPE only).
   double base_scale = 0.0;             // ModelConfig::softmax_scale()
@@ -79,6 +81,23 @@ struct QPathParams {
   cudaStream_t stream = nullptr;
 };
 Status q_path(const QPathParams& p);
+
+// y = (x - mean) / sqrt(var + eps) * w + b per row (cpu::layer_norm: two-pass mean and
+// variance; the CPU sums in f64, here f32 tree sums: ~1e-7 relative). The DSA indexer's
+// key norm.
+struct LayerNormParams {
+  const float* x = nullptr;  // [rows, dim]
+  const float* w = nullptr;  // [dim]
+  const float* b = nullptr;  // [dim] or null
+  int64_t rows = 0, dim = 0;
+  float eps = 1e-6f;
+  float* y = nullptr;        // [rows, dim] (may alias x)
+  cudaStream_t stream = nullptr;
+};
+Status layer_norm(const LayerNormParams& p);
+
+// x[i] *= s, n values (f32 multiply, as the CPU's `v *= s`).
+Status scale_inplace(float* x, int64_t n, float s, cudaStream_t stream);
 
 // MLA weight absorption (MODEL.md 3.6), f32:
 //   q_lat[t, h, j] = sum_d q[t, h, q_offset + d] * w_uk[h][d][j]   (d < dn, j < r)

@@ -24,6 +24,7 @@ struct RouteArgs {
   const float* bias;
   int32_t* ids;
   float* weights;
+  const int32_t* forced;  // [T, K] or null
 };
 
 __device__ __forceinline__ bool better(float a, int ia, float b, int ib) {
@@ -127,6 +128,7 @@ __global__ void route_kernel(RouteArgs a) {
     }
     if (first) v = __int_as_float(0xffc00000);  // lane has nothing: NaN ranks last
     warp_argmax(v, i);
+    if (a.forced) i = a.forced[t * a.K + k];  // test input: weights of these experts
     if (lane == 0) s[i] = INFINITY;
     __syncwarp();
     if (k < kMaxTopK) {
@@ -212,7 +214,7 @@ Status moe_route(const MoeRouteParams& p) {
   if (p.T == 0) return Status::ok();
   RouteArgs a{p.logits, p.T, E, K, G, std::min(p.cfg.num_expert_groups_per_tok, G),
               p.cfg.scoring == RouterScoring::kSoftmax, p.cfg.renormalize, static_cast<float>(p.cfg.routed_scale),
-              p.bias, p.ids, p.weights};
+              p.bias, p.ids, p.weights, p.forced_ids};
   const int warps = 4;
   const size_t smem = static_cast<size_t>(warps) * (2 * E + G) * sizeof(float);
   const int64_t blocks = (p.T + warps - 1) / warps;

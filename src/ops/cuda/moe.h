@@ -26,6 +26,9 @@ struct MoeRouteParams {
   const float* bias = nullptr;    // [E] correction bias or null
   int32_t* ids = nullptr;         // [T, K] descending selection score
   float* weights = nullptr;       // [T, K]
+  // Test input (ForwardTrace::forced_experts): select these ids [T, K] (each in [0, E))
+  // instead, weighted as the router weighs its own choice (cpu_model.cpp's forced path).
+  const int32_t* forced_ids = nullptr;
   cudaStream_t stream = nullptr;
 };
 Status moe_route(const MoeRouteParams& p);
