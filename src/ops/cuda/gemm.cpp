@@ -157,7 +157,8 @@ bool LtGemm::fp8_lt_eligible(const GemmFp8BlockParams& p) {
   const int64_t m4 = (p.M + 3) / 4 * 4, kb4 = (p.K / 128 + 3) / 4 * 4;
   const int64_t m_pad = p.m_pad ? p.m_pad : p.M;
   const int64_t w_ld = p.w_scale_ld ? p.w_scale_ld : p.K / 128;
-  return m_pad == m4 && w_ld == kb4;
+  const int64_t d_align = p.y_dtype == DType::kF32 ? 4 : 8;  // D's ld: 16 bytes
+  return m_pad == m4 && m_pad % d_align == 0 && w_ld == kb4;
 }
 
 Status LtGemm::fp8_block(const GemmFp8BlockParams& p) {
@@ -176,11 +177,11 @@ Status LtGemm::fp8_block(const GemmFp8BlockParams& p) {
     return invalid_argument("gemm fp8: w_scale_ld {} < K/128 {}", p.w_scale_ld, p.K / 128);
   const bool eligible = fp8_lt_eligible(p);
   if (fp8_backend_ == Fp8Backend::kCublasLt && !eligible)
-    return unimplemented("gemm fp8: cuBLASLt needs m_pad = roundup(M, 4) and w_scale_ld = roundup(K/128, 4) "
-                         "(M={} m_pad={} K={} w_scale_ld={})",
-                         p.M, m_pad, p.K, p.w_scale_ld);
+    return unimplemented("gemm fp8: cuBLASLt needs m_pad = roundup(M, 4) (a multiple of 8 for bf16 out) and "
+                         "w_scale_ld = roundup(K/128, 4) (M={} m_pad={} K={} w_scale_ld={} out {})",
+                         p.M, m_pad, p.K, p.w_scale_ld, dtype_name(p.y_dtype));
   bool use_lt = eligible && (fp8_backend_ == Fp8Backend::kCublasLt ||
-                             (fp8_backend_ == Fp8Backend::kAuto && p.M >= fp8_lt_min_m_));
+                             (fp8_backend_ == Fp8Backend::kAuto && fp8_prefer_lt(p.M, p.N)));
   Plan* pl = nullptr;
   if (use_lt) {
     auto r = plan(1, p.y_dtype, m_pad, p.N, p.K, p.x_scale, p.w_scale);

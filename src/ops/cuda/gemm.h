@@ -16,8 +16,14 @@
 //    [ceil(N/128)][roundup(ceil(K/128), 4)], and takes M % 4 == 0 only. So the path runs
 //    when w_scale_ld == roundup(ceil(K/128), 4) and x holds m_pad = roundup(M, 4) rows
 //    (rows >= M zero, act_quant's rows_out), m_pad also being x_scale's leading dimension.
-//  - our mma.sync kernel (fp8_gemm.h) for every other shape and where it is faster
-//    (small M; the crossover is measured, docs/BENCHMARKS.md).
+//    A bf16 D also needs m_pad % 8 == 0 (its leading dimension in bytes a multiple of 16:
+//    the heuristic refused bf16 out for m_pad = 4, 12, 36, 300 and took 8, 16, 64, 1024).
+//  - our mma.sync kernel (fp8_gemm.h) for every other shape and where it is faster. The
+//    H200 run of 2026-12-02 (docs/BENCHMARKS.md, ML4 shapes, f32 out): ours is faster or
+//    level at M <= 16 on every shape (wq_a 15.8 vs 28.1 us at M=1) and at M <= 64 on the
+//    narrow ones (N 1536, 576); cuBLASLt is 2x faster at M = 32-64 for N >= 5632 and
+//    3.8-4.3x at M = 4096 (890-1000 vs 235 TFLOP/s). kAuto follows that: cuBLASLt when
+//    M > 16 and (N >= 4096 or M >= 128), ours otherwise.
 //
 // Plans (descriptors, layouts and the heuristic's algorithm) are cached per shape, so a
 // call after the first costs a few attribute sets and one cublasLtMatmul, and can be
@@ -84,10 +90,12 @@ class LtGemm {
   Status fp8_block(const GemmFp8BlockParams& p);
   // Full f32 (CUBLAS_COMPUTE_32F, no TF32): the MoE router (MODEL.md 3.7).
   Status f32(const GemmF32Params& p);
-  // kAuto (default): cuBLASLt where it applies and M >= fp8_lt_min_m, else our kernel.
-  // Tests and benchmarks force one (a forced cuBLASLt call that cannot run is an error).
+  // kAuto (default): cuBLASLt where it applies and is the faster one (top of this file),
+  // else our kernel. Tests and benchmarks force one (a forced cuBLASLt call that cannot
+  // run is kUnimplemented).
   void set_fp8_backend(Fp8Backend b) { fp8_backend_ = b; }
-  void set_fp8_lt_min_m(int64_t m) { fp8_lt_min_m_ = m; }
+  // kAuto's choice for a shape cuBLASLt can take.
+  static bool fp8_prefer_lt(int64_t M, int64_t N) { return M > 16 && (N >= 4096 || M >= 128); }
   // Whether the last fp8_block call ran cuBLASLt (tests and benchmarks report it).
   bool last_fp8_used_lt() const { return last_used_lt_; }
   // Whether cuBLASLt can take this call's shape and layouts (without asking its heuristic).
@@ -116,7 +124,6 @@ class LtGemm {
   void* own_ws_ = nullptr;  // split-K partials of our FP8 kernel
   size_t own_ws_bytes_ = 0;
   Fp8Backend fp8_backend_ = Fp8Backend::kAuto;
-  int64_t fp8_lt_min_m_ = 128;
   bool last_used_lt_ = false;
 };
 
