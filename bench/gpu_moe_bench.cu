@@ -41,7 +41,7 @@ int main(int argc, char** argv) {
     std::printf("no CUDA device\n");
     return 0;
   }
-  const double copy_gbps = argc > 1 ? std::atof(argv[1]) : 0.0;
+  const double copy_gbps = argc > 1 ? std::atof(argv[1]) : 4253.0;  // gpu_ceilings_bench; default: the H200 runs
   const int E = 128, K = 4;
   const int64_t D = 6144, I = 5632;
   cudaStream_t s;

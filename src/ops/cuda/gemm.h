@@ -20,10 +20,10 @@
 //    the heuristic refused bf16 out for m_pad = 4, 12, 36, 300 and took 8, 16, 64, 1024).
 //  - our mma.sync kernel (fp8_gemm.h) for every other shape and where it is faster. The
 //    H200 run of 2026-12-02 (docs/BENCHMARKS.md, ML4 shapes, f32 out): ours is faster or
-//    level at M <= 16 on every shape (wq_a 15.8 vs 28.1 us at M=1) and at M <= 64 on the
-//    narrow ones (N 1536, 576); cuBLASLt is 2x faster at M = 32-64 for N >= 5632 and
-//    3.8-4.3x at M = 4096 (890-1000 vs 235 TFLOP/s). kAuto follows that: cuBLASLt when
-//    M > 16 and (N >= 4096 or M >= 128), ours otherwise.
+//    within ~10% at M = 1..8 on every shape (wq_a 15.8 vs 28.1 us at M=1; M = 16 runs the
+//    same 16-row tile) and at M <= 64 on the narrow ones (N 1536, 576); cuBLASLt is 2x
+//    faster at M = 32-64 for N >= 5632 and 3.4-4.2x at M = 4096 (785-1003 vs 229-238
+//    TFLOP/s). kAuto follows that: cuBLASLt when M > 16 and (N >= 4096 or M >= 128).
 //
 // Plans (descriptors, layouts and the heuristic's algorithm) are cached per shape, so a
 // call after the first costs a few attribute sets and one cublasLtMatmul, and can be
