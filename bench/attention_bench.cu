@@ -1,21 +1,26 @@
 // Attention-side kernels on the card, each timed (CUDA events, median; gpu_bench_util.h) and
 // set against the HBM copy ceiling measured in the same run:
-//   1. sparse MLA decode (attention.h): B = 1..128 tokens, topk 2048, H 64, r 512, dr 64,
-//      fp8_ds_mla rows at random slots of a 172 MB cache (well past the 50 MB L2).
-//        bytes = B * 2048 * 656 (KV rows) + B * 64 * (576 + 512 + 1) * 4 (q, out, lse)
-//        flop  = 2 * B * 64 * 2048 * (576 + 512)
-//      Prediction: at 4.8 TB/s the rows of B = 1 take 0.28 us, B = 128 36 us; the f32 kernel is
-//      compute-bound instead (285 MFLOP per token; ~0.5 TFLOP/s per SM of f32 FMA), so expect
-//      ~20 us at B = 1 (32 splits on 32 SMs) and ~1 ms at B = 128: far from the 70% target,
-//      which needs tensor-core QK^T / PV.
+//   1. sparse MLA decode (attention.h): H 16 (ML4 at TP 4) and 64 (TP 1), B = 1..128 tokens,
+//      topk 2048, r 512, dr 64, fp8_ds_mla rows at random slots of a 172 MB cache (past the
+//      50 MB L2; index sets rotate over >= 256 MB of rows), generic bf16 tensor-core kernel
+//      against the dedicated decode kernel (attention_decode.cu).
+//        bytes = B * 2048 * (656 + 4) (rows, indices) + B * H * (576 + 512 + 1) * 4 (q, out, lse)
+//        flop  = 2 * B * H * 2048 * (576 + 512)
+//      Prediction: H 16 is memory-bound (53 FLOP/B): B = 128 moves 174 MB, 41 us at 4.25 TB/s,
+//      58 us at the 70% target (needs ~160 TFLOP/s of mma.sync); H 64 is compute-bound
+//      (212 FLOP/B): 36.5 GFLOP at B = 128, ~90 us at ~400 TFLOP/s of mma.sync. B = 1 is latency
+//      bound (one tile chain per split, launch + combine ~10 us).
 //   2. dense MLA decode at 8k context, B = 1 and 32 (models without DSA).
 //   3. indexer scores + top-k 2048 at 60k context, HI = 32 (ML4) and 64 (DeepSeek-V3.2):
 //        bytes = B * 60k * 132 (keys) + 2 * B * 60k * 4 (scores written, read by top-k)
 //        flop  = 2 * B * 60k * HI * 128
 //   4. cache writes: 4096 latent rows (fp8_ds_mla) and 4096 indexer keys.
+// ML4_ATTN_BENCH=sparse stops after section 1.
 // Output lines start with "ATTN" (one per measurement).
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
+#include <string>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -74,7 +79,7 @@ int main() {
   }
 
   // A fp8_ds_mla cache of 262144 slots filled through the cache-write kernel.
-  const int H = 64, r = 512, dr = 64, topk = 2048;
+  const int H = 64, r = 512, dr = 64, topk = 2048;  // H: the dense section
   const int64_t num_slots = 262144;
   const size_t tb = latent_token_bytes(KvCacheDtype::kFp8DsMla, r, dr);
   DeviceBuffer cache = must_alloc(num_slots * tb);
@@ -106,47 +111,61 @@ int main() {
     BENCH_CUDA(cudaStreamSynchronize(s));
   }
 
-  // 1. Sparse decode.
-  for (int B : {1, 8, 32, 64, 128}) {
-    std::vector<int32_t> idx(static_cast<size_t>(B) * topk);
-    for (int b = 0; b < B; ++b) {
-      // distinct random slots per token
+  // 1. Sparse decode: the generic bf16 tensor-core kernel (decode_kernel = false) against the
+  // dedicated decode kernel (attention_decode.cu), same inputs, same run. Index sets rotate so
+  // that the rows read by successive repetitions (>= 256 MB in all) do not sit in the 50 MB L2.
+  for (int Hs : {16, 64}) {
+    for (int B : {1, 8, 32, 64, 128}) {
+      const size_t per_set = static_cast<size_t>(B) * topk;
+      const int nsets = static_cast<int>(std::clamp<double>(256e6 / (per_set * tb), 1, 64));
+      std::vector<int32_t> idx(per_set * nsets);
       std::uniform_int_distribution<int32_t> ud(0, static_cast<int32_t>(num_slots - 1));
-      for (int j = 0; j < topk; ++j) idx[static_cast<size_t>(b) * topk + j] = ud(rng);
+      for (auto& v : idx) v = ud(rng);
+      DeviceBuffer d_idx = upload(idx);
+      DeviceBuffer ql = must_alloc(size_t{4} * B * Hs * r), qr = must_alloc(size_t{4} * B * Hs * dr);
+      DeviceBuffer hs = must_alloc(size_t{4} * B * Hs), out = must_alloc(size_t{4} * B * Hs * r),
+                   lse = must_alloc(4 * B * Hs);
+      BENCH_CHECK(fill_uniform_f32(ql.as<float>(), int64_t{B} * Hs * r, 3, -1, 1, s));
+      BENCH_CHECK(fill_uniform_f32(qr.as<float>(), int64_t{B} * Hs * dr, 4, -1, 1, s));
+      BENCH_CHECK(fill_uniform_f32(hs.as<float>(), int64_t{B} * Hs, 5, 0.03f, 0.05f, s));
+      MlaAttentionParams p;
+      p.q_lat = ql.as<float>();
+      p.q_rope = qr.as<float>();
+      p.head_scale = hs.as<float>();
+      p.T = B;
+      p.H = Hs;
+      p.cache = cache.data();
+      p.num_slots = num_slots;
+      p.indices = d_idx.as<int32_t>();
+      p.topk = topk;
+      p.out_lat = out.as<float>();
+      p.lse = lse.as<float>();
+      p.stream = s;
+      p.math = MlaMath::kBf16TensorCore;
+      const size_t wsb = mla_attention_workspace_bytes(p);
+      const int splits = wsb ? static_cast<int>(wsb / (size_t{4} * B * Hs * (r + 1))) : 1;
+      DeviceBuffer ws = must_alloc(wsb);
+      p.workspace = ws.data();
+      p.workspace_bytes = wsb;
+      // Rows (+ their 4-byte indices), q in, out and lse out; split partials not counted.
+      const double bytes = double(B) * topk * (tb + 4) + double(B) * Hs * ((r + dr) * 4 + r * 4 + 4);
+      const double flop = 2.0 * B * Hs * topk * (576 + 512);
+      for (bool dec : {false, true}) {
+        p.decode_kernel = dec;
+        const double ms = bench::median_ms(s, 3, 20, [&](int i) {
+          p.indices = d_idx.as<int32_t>() + static_cast<size_t>(i % nsets) * per_set;
+          BENCH_CHECK(mla_attention(p));
+        });
+        std::printf("ATTN sparse_mla_decode %s H=%d B=%d topk=%d splits=%d: %.4f ms, %.0f GB/s (%.1f%% of copy), "
+                    "%.1f TFLOP/s, floor %.4f ms\n",
+                    dec ? "decode-kernel" : "generic-tc", Hs, B, topk, splits, ms, bytes / (ms * 1e6),
+                    100 * bytes / (ms * 1e6) / hbm, flop / (ms * 1e9), bytes / (hbm * 1e6));
+      }
     }
-    DeviceBuffer d_idx = upload(idx);
-    DeviceBuffer ql = must_alloc(size_t{4} * B * H * r), qr = must_alloc(size_t{4} * B * H * dr);
-    DeviceBuffer hs = must_alloc(size_t{4} * B * H), out = must_alloc(size_t{4} * B * H * r), lse = must_alloc(4 * B * H);
-    BENCH_CHECK(fill_uniform_f32(ql.as<float>(), int64_t{B} * H * r, 3, -1, 1, s));
-    BENCH_CHECK(fill_uniform_f32(qr.as<float>(), int64_t{B} * H * dr, 4, -1, 1, s));
-    BENCH_CHECK(fill_uniform_f32(hs.as<float>(), int64_t{B} * H, 5, 0.03f, 0.05f, s));
-    MlaAttentionParams p;
-    p.q_lat = ql.as<float>();
-    p.q_rope = qr.as<float>();
-    p.head_scale = hs.as<float>();
-    p.T = B;
-    p.H = H;
-    p.cache = cache.data();
-    p.num_slots = num_slots;
-    p.indices = d_idx.as<int32_t>();
-    p.topk = topk;
-    p.out_lat = out.as<float>();
-    p.lse = lse.as<float>();
-    p.stream = s;
-    const size_t wsb = mla_attention_workspace_bytes(p);
-    DeviceBuffer ws = must_alloc(wsb);
-    p.workspace = ws.data();
-    p.workspace_bytes = wsb;
-    for (MlaMath math : {MlaMath::kF32, MlaMath::kBf16TensorCore}) {
-      p.math = math;
-      const double ms = bench::median_ms(s, 3, 20, [&](int) { BENCH_CHECK(mla_attention(p)); });
-      const double bytes = double(B) * topk * tb + double(B) * H * (576 + 512 + 1) * 4;
-      const double flop = 2.0 * B * H * topk * (576 + 512);
-      std::printf("ATTN sparse_mla_decode %s B=%d topk=%d H=%d: %.4f ms, %.0f GB/s (%.1f%% of copy), %.1f TFLOP/s, "
-                  "floor %.4f ms\n",
-                  math == MlaMath::kF32 ? "f32" : "bf16-tc", B, topk, H, ms, bytes / (ms * 1e6),
-                  100 * bytes / (ms * 1e6) / hbm, flop / (ms * 1e9), bytes / (hbm * 1e6));
-    }
+  }
+  if (const char* only = std::getenv("ML4_ATTN_BENCH"); only && std::string(only) == "sparse") {
+    BENCH_CUDA(cudaStreamDestroy(s));
+    return 0;
   }
 
   // 2. Dense decode, 8k context.

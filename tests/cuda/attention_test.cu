@@ -4,8 +4,9 @@
 // softmax), the reference in f32 with f64 sums: both sides round ~2^-24 per operation over
 // 576-term dots, so ||out - ref|| / ||ref|| stays near 1e-6; the bound is 2e-5, and lse (natural
 // log) is compared to 2e-5 absolute (lse ~ 1..10). The bf16 tensor-core kernel runs the same
-// cases with bounds from bf16 rounding (bounds_for). Every output is poisoned with NaN bytes
-// before the run; a repeat run must be bit-identical.
+// cases with bounds from bf16 rounding (bounds_for); with fp8_ds_mla rows that is the dedicated
+// decode kernel (attention_decode.cu), tested again at decode shapes (H 16/64/128, topk 2048).
+// Every output is poisoned with NaN bytes before the run; a repeat run must be bit-identical.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -198,6 +199,103 @@ TEST(CudaMlaAttention, SparseMatchesCpuReference) {
       // Runs 1 and 3 use the same (automatic) split count: bit-identical.
       EXPECT_EQ(0, std::memcmp(runs[1].out.data(), runs[3].out.data(), runs[1].out.size() * 4)) << "repeat run differs";
       EXPECT_EQ(0, std::memcmp(runs[1].lse.data(), runs[3].lse.data(), runs[1].lse.size() * 4)) << "repeat run differs";
+    }
+  }
+}
+
+// The dedicated sparse decode kernel (attention_decode.cu: MlaMath::kBf16TensorCore, sparse,
+// fp8_ds_mla, r 512, dr 64, H % 16 == 0) at the decode shapes: H 16 / 64 / 128 (one head block,
+// one full block, two full blocks), T 1 / 5 / 64, topk 2048 over a 6144-row cache. Token rows
+// (by (t + H / 16) % 6): the full list; -1 holes and an out-of-range slot; index_length 1000;
+// length 1; length 63 (a partial tile); -1 padding from entry 1500 on. Bounds are the
+// kBf16TensorCore ones (bounds_for: q, keys and P rounded to bf16). Automatic splits run twice
+// (bit-identical) and a forced 3-way split once, each on poisoned outputs and workspace.
+TEST(CudaMlaAttention, SparseDecodeKernelMatchesCpuReference) {
+  ML4_REQUIRE_GPU();
+  std::mt19937 rng(11);
+  const int64_t num_slots = 96 * kPageTokens;
+  const Cache cache = make_cache({16, 512, 64, KvCacheDtype::kFp8DsMla}, num_slots, rng);
+  auto d_cache = to_device(cache.bytes);
+  const int topk = 2048, r = 512, dr = 64;
+  const int64_t stride = topk + 8;
+  for (int H : {16, 64, 128}) {
+    for (int64_t T : {1, 5, 64}) {
+      std::vector<int32_t> idx(T * stride, -1), idx_len(T, topk);
+      std::vector<int32_t> perm(num_slots);
+      std::iota(perm.begin(), perm.end(), 0);
+      for (int64_t t = 0; t < T; ++t) {
+        std::shuffle(perm.begin(), perm.end(), rng);
+        int32_t* row = idx.data() + t * stride;
+        std::copy_n(perm.begin(), topk, row);
+        switch ((t + H / 16) % 6) {
+          case 1:
+            for (int i = 3; i < topk; i += 9) row[i] = -1;
+            row[100] = static_cast<int32_t>(num_slots + 5);
+            break;
+          case 2: idx_len[t] = 1000; break;
+          case 3: idx_len[t] = 1; break;
+          case 4: idx_len[t] = 63; break;
+          case 5: std::fill(row + 1500, row + topk, -1); break;
+          default: break;
+        }
+      }
+      std::normal_distribution<float> nd(0.0f, 1.0f);
+      std::uniform_real_distribution<float> us(0.02f, 0.08f);
+      std::vector<float> q_lat(T * H * r), q_rope(T * H * dr), hs(T * H);
+      for (auto& v : q_lat) v = nd(rng);
+      for (auto& v : q_rope) v = nd(rng);
+      for (auto& v : hs) v = us(rng);
+      std::vector<float> ref_out(T * H * r), ref_lse(T * H);
+      for (int64_t t = 0; t < T; ++t) {
+        std::vector<int64_t> sl;
+        for (int j = 0; j < idx_len[t]; ++j) {
+          const int32_t s = idx[t * stride + j];
+          if (s >= 0 && s < num_slots) sl.push_back(s);
+        }
+        reference(cache, H, q_lat.data() + t * H * r, q_rope.data() + t * H * dr, hs.data() + t * H, sl,
+                  ref_out.data() + t * H * r, ref_lse.data() + t * H);
+      }
+      auto d_ql = to_device(q_lat);
+      auto d_qr = to_device(q_rope);
+      auto d_hs = to_device(hs);
+      auto d_idx = to_device(idx);
+      auto d_len = to_device(idx_len);
+      std::vector<Outputs> runs;
+      for (int splits : {0, 0, 3}) {
+        MlaAttentionParams p;
+        p.math = MlaMath::kBf16TensorCore;
+        p.q_lat = d_ql.as<float>();
+        p.q_rope = d_qr.as<float>();
+        p.head_scale = d_hs.as<float>();
+        p.T = T;
+        p.H = H;
+        p.r = r;
+        p.dr = dr;
+        p.cache = d_cache.data();
+        p.num_slots = num_slots;
+        p.dtype = KvCacheDtype::kFp8DsMla;
+        p.indices = d_idx.as<int32_t>();
+        p.indices_stride = stride;
+        p.topk = topk;
+        p.index_lengths = d_len.as<int32_t>();
+        p.num_splits = splits;
+        auto out = poisoned<float>(T * H * r), lse = poisoned<float>(T * H);
+        p.out_lat = out.as<float>();
+        p.lse = lse.as<float>();
+        const size_t ws_bytes = mla_attention_workspace_bytes(p);
+        auto ws = poisoned<uint8_t>(std::max<size_t>(ws_bytes, 16));
+        p.workspace = ws.data();
+        p.workspace_bytes = ws_bytes;
+        ML4_ASSERT_OK(mla_attention(p));
+        ML4_ASSERT_OK(cuda_status(cudaDeviceSynchronize(), "sync"));
+        runs.push_back({to_host<float>(out, T * H * r), to_host<float>(lse, T * H)});
+        char what[128];
+        std::snprintf(what, sizeof what, "decode kernel H=%d T=%lld splits=%d (ws %zu B)", H,
+                      static_cast<long long>(T), splits, ws_bytes);
+        check(runs.back(), ref_out, ref_lse, what, bounds_for(MlaMath::kBf16TensorCore));
+      }
+      EXPECT_EQ(0, std::memcmp(runs[0].out.data(), runs[1].out.data(), runs[0].out.size() * 4)) << "repeat run differs";
+      EXPECT_EQ(0, std::memcmp(runs[0].lse.data(), runs[1].lse.data(), runs[0].lse.size() * 4)) << "repeat run differs";
     }
   }
 }

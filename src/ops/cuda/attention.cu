@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -261,6 +262,14 @@ __global__ void mla_combine_kernel(const float* __restrict__ part_out, const flo
   if (threadIdx.x == 0) lse[th] = mx == -INFINITY ? -INFINITY : mx + logf(sum);
 }
 
+// The dedicated sparse decode kernel (attention_decode.cu) applies: bf16 tensor cores, sparse,
+// fp8_ds_mla rows of r = 512, dr = 64, H a multiple of 16 up to 128, 16-byte aligned cache (its
+// bulk copies need it). Its split rule is choose_splits' (>= 64 keys per split).
+bool use_decode_kernel(const MlaAttentionParams& p, int row_bytes) {
+  return p.decode_kernel && p.math == MlaMath::kBf16TensorCore && p.indices && p.dtype == KvCacheDtype::kFp8DsMla &&
+         reinterpret_cast<uintptr_t>(p.cache) % 16 == 0 && detail::mla_decode_supported(p.H, p.r, p.dr, row_bytes);
+}
+
 int max_keys(const MlaAttentionParams& p) { return p.indices ? p.topk : p.max_length; }
 
 int choose_splits(const MlaAttentionParams& p) {
@@ -364,7 +373,9 @@ Status mla_attention(const MlaAttentionParams& p) {
   const dim3 grid(static_cast<unsigned>(p.T), static_cast<unsigned>(splits),
                   static_cast<unsigned>((p.H + kMlaHeadsPerBlock - 1) / kMlaHeadsPerBlock));
   const bool tc = p.math == MlaMath::kBf16TensorCore && p.dtype != KvCacheDtype::kBf16 && (p.r + p.dr) % 16 == 0;
-  if (tc) {
+  if (use_decode_kernel(p, row_bytes)) {
+    ML4_RETURN_IF_ERROR(cuda_status(detail::launch_mla_decode(a, grid, p.stream), "mla_decode_kernel"));
+  } else if (tc) {
     ML4_RETURN_IF_ERROR(
         cuda_status(detail::launch_mla_tc(a, grid, detail::mla_tc_smem_bytes(p.r, p.dr, row_bytes), p.stream),
                     "mla_tc_kernel"));

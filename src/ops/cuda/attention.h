@@ -41,7 +41,9 @@ constexpr int kMlaHeadsPerBlock = 64;
 //     reference (the exact path; slow: compute-bound at ~10 TFLOP/s, see docs/BENCHMARKS.md).
 //   kBf16TensorCore: q, keys and P rounded to bf16, mma.sync with f32 accumulation, f32
 //     softmax (FlashMLA's numerics): ~1e-3 relative. Needs cache dtype fp8_ds_mla or fp8 and
-//     (r + dr) % 16 == 0; otherwise the kF32 kernel runs.
+//     (r + dr) % 16 == 0; otherwise the kF32 kernel runs. Sparse fp8_ds_mla attention with
+//     r = 512, dr = 64 and H % 16 == 0, H <= 128 runs a dedicated decode kernel
+//     (attention_decode.cu, FlashMLA's schedule: see decode_kernel below), same numerics.
 enum class MlaMath { kF32, kBf16TensorCore };
 
 struct MlaAttentionParams {
@@ -75,6 +77,10 @@ struct MlaAttentionParams {
   size_t workspace_bytes = 0;
   int num_splits = 0;                 // 0: chosen from T, H and the multiprocessor count
   MlaMath math = MlaMath::kF32;
+  // kBf16TensorCore + sparse + fp8_ds_mla + r 512 + dr 64 + H a multiple of 16 (<= 128) runs the
+  // dedicated decode kernel (attention_decode.cu: producer warp + bulk-copy ring); false keeps
+  // the generic tensor-core kernel (for comparisons).
+  bool decode_kernel = true;
   cudaStream_t stream = nullptr;
 };
 

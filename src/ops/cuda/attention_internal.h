@@ -1,5 +1,6 @@
 // Internals shared by the MLA attention kernels (attention.cu: f32 CUDA-core kernel and the
-// split combine; attention_tc.cu: bf16 tensor-core kernel). Not part of the API.
+// split combine; attention_tc.cu: bf16 tensor-core kernel; attention_decode.cu: sparse
+// fp8_ds_mla decode kernel). Not part of the API.
 #pragma once
 
 #include <cstdint>
@@ -50,5 +51,10 @@ __device__ __forceinline__ int64_t key_slot(const Args& a, int64_t t, int j, int
 // bf16 tensor-core kernel (attention_tc.cu): dynamic shared memory it needs, and its launch.
 size_t mla_tc_smem_bytes(int r, int dr, int row_bytes);
 cudaError_t launch_mla_tc(const Args& a, dim3 grid, size_t smem, cudaStream_t stream);
+
+// Sparse fp8_ds_mla decode kernel (attention_decode.cu): whether it handles this shape, and its
+// launch (grid.x = T, grid.y = splits; it picks the head blocks, ring depth and shared memory).
+bool mla_decode_supported(int H, int r, int dr, int row_bytes);
+cudaError_t launch_mla_decode(const Args& a, dim3 grid, cudaStream_t stream);
 
 }  // namespace ml4::cuda::detail

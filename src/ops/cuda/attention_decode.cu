@@ -1,0 +1,461 @@
+// Sparse MLA decode over the fp8_ds_mla latent cache (r = 512, dr = 64), bf16 tensor cores:
+// the kernel mla_attention picks for MlaMath::kBf16TensorCore + sparse + kFp8DsMla (attention.h;
+// chosen in attention.cu by use_decode_kernel). Same function and numerics as attention_tc.cu
+// (q, keys and P rounded to bf16, f32 accumulation and softmax, natural-log lse, FlashMLA's
+// rounding), a different schedule.
+//
+// Why a second kernel. The generic tc kernel reached 8.3% of HBM copy bandwidth (BENCHMARKS.md):
+// every one of its 512 threads fetched 16-byte pieces with a dependent index load each, one
+// prefetch stage, and four block-wide barriers per tile with the dequantization in between.
+// Per token (topk 2048) the work is 1.34 MB of rows and 2 H 2048 1088 FLOP: at H = 16 (ML4 at
+// TP = 4) 53 FLOP/B, so the rows must stream at HBM speed while ~160 TFLOP/s of bf16 mma keep up.
+//
+// Schedule (FlashMLA's sparse decode, mma.sync instead of wgmma):
+//   grid (T, splits, head blocks); the top-k list of token t is cut into `splits` chunks (so
+//   B = 1 still fills the SMs; attention.cu merges the partial (out, lse) in split order, so
+//   the result is deterministic), and each block takes 64 heads (MT = 4 head tiles of 16; a
+//   remainder of H % 64 heads is a second launch with MT = 1..3, MT a template parameter).
+//   384 threads: warpgroups 0-1 (warps 0-7) are the consumers, warpgroup 2 the producer, of
+//   which warp 8 works; setmaxnreg moves registers to the consumers (232 each: MT = 4 keeps
+//   128 f32 accumulators; at 288 threads the 4-warp allocation granularity capped all at 168).
+//   Producer: per tile of 32 keys, lane j loads slot j (one coalesced 128-byte index load,
+//     issued a tile ahead so its latency hides behind the ring wait), waits until the ring
+//     stage is free (mbarrier `empty`), posts the valid-key bit mask and the byte count on the
+//     stage's `full` mbarrier, and each lane with a valid slot issues one cp.async.bulk of its
+//     whole 656-byte row (global -> shared, completing on `full`). NS ring stages (2..8, as
+//     many as the shared memory allows: 3 at 64 heads, 6 at 16) keep 40-120 KB of rows in
+//     flight per SM, above the ~23 KB that 70% of HBM bandwidth needs per SM at ~1 us latency.
+//   Consumers, per tile: wait `full`; dequantize the stage into a bf16 key tile [32][576]
+//     (e4m3 x tile scale, rope copied; invalid keys zeroed), release the stage (`empty`); then
+//     QK^T: S = Q K^T as (MT x 4 key n-tiles x KS k-splits) units of mma.sync m16n8k16 over
+//     ldmatrix fragments (KS = 2 when MT = 1 so 8 warps have work), partial S to shared memory;
+//     softmax: warp w owns heads w, w+8, ...: lane = key, running max per head in registers,
+//     per-lane running sums (reduced once at the end), P as bf16 and the rescale factor to
+//     shared memory; PV: warp w owns output columns [64w, 64w+64) for all heads, rescales its
+//     accumulators (MT x 8 n-tiles x 4 = up to 128 f32 registers) and adds P V with the key
+//     tile read by ldmatrix.trans. Three named barriers among the consumers per tile (the
+//     producer never waits on them); the key tile is double-buffered so the next tile's
+//     dequantization overlaps the slow warps' PV.
+// Shared memory: ring NS x 32 x 656 B, Q and two key tiles at a 1168-byte row stride (ldmatrix
+// rows fall on distinct banks), S partials at 40 floats per row (conflict-free float2 writes).
+// The split partials use attention.cu's layout ([split][T][H][r] out / l, and m + ln l).
+//
+// Fragment layouts: PTX ISA "Matrix Fragments for mma.m16n8k16"; mbarrier / cp.async.bulk:
+// PTX ISA "Parallel Synchronization and Communication Instructions: mbarrier" and "Data
+// Movement: cp.async.bulk" (the same sequence as CUTLASS's PipelineTmaAsync).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <algorithm>
+
+#include "kv/latent_layout.h"
+#include "ops/cuda/attention_internal.h"
+
+namespace ml4::cuda::detail {
+namespace {
+
+constexpr int kR = 512, kDr = 64, kD = kR + kDr;
+constexpr int kRowBytes = 656;        // latent_token_bytes(kFp8DsMla, 512, 64)
+constexpr int kRopeOffset = kR + 16;  // after the 4 f32 tile scales
+constexpr int kKeys = 32;             // keys per tile
+constexpr int kWarps = 8;             // consumer warps
+constexpr int kConsumers = 32 * kWarps;
+constexpr int kThreads = kConsumers + 128;  // + the producer warpgroup (one warp of it works)
+constexpr int kProducerRegs = 40, kConsumerRegs = 232;  // setmaxnreg: 128 x 40 + 256 x 232 <= 65536
+constexpr int kMaxHeads = 64;
+constexpr int kQP = kD + 8;           // bf16 row stride of Q and key tiles: 1168 B = 292 words (4 mod 32)
+constexpr int kSP = kKeys + 8;        // f32 row stride of S partials
+constexpr int kPP = kKeys + 8;        // bf16 row stride of P (80 B)
+constexpr int kChunks = kR / 16 + kDr / 8;  // 16-byte pieces of a key row to dequantize: 32 fp8 + 8 rope
+constexpr int kItems = kKeys * kChunks / kConsumers;  // per consumer thread and tile: 5
+constexpr int kMaxStages = 8;
+static_assert(kKeys * kChunks % kConsumers == 0, "dequantization items divide evenly");
+static_assert(kRowBytes % 16 == 0 && (kKeys * kRowBytes) % 16 == 0, "bulk copies need 16-byte sizes");
+
+struct Smem {
+  int raw, full, empty, masks, qs, kb, sp, ps, cs, ls, hs, total;
+};
+
+// Byte offsets of the shared-memory regions for MT head tiles and NS ring stages.
+__host__ __device__ inline Smem smem_layout(int MT, int NS) {
+  const int HB = 16 * MT, KS = MT == 1 ? 2 : 1;
+  Smem L{};
+  int o = 0;
+  L.raw = o;
+  o += NS * kKeys * kRowBytes;
+  L.full = o;
+  o += 8 * NS;
+  L.empty = o;
+  o += 8 * NS;
+  L.masks = o;
+  o += 4 * NS;
+  o = (o + 15) & ~15;
+  L.qs = o;
+  o += HB * kQP * 2;
+  L.kb = o;
+  o += 2 * kKeys * kQP * 2;
+  L.sp = o;
+  o += KS * HB * kSP * 4;
+  L.ps = o;
+  o += HB * kPP * 2;
+  L.cs = o;
+  o += HB * 4;
+  L.ls = o;
+  o += HB * 4;
+  L.hs = o;
+  o += HB * 4;
+  L.total = o;
+  return L;
+}
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(smem_u32(bar)),
+               "r"(bytes)
+               : "memory");
+}
+// Waits until the phase of parity `parity` has completed.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  const uint32_t a = smem_u32(bar);
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(a), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   smem_u32(dst)),
+               "l"(src), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
+}
+// Barrier 1 among the 256 consumer threads (barrier 0 is __syncthreads).
+__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumers) : "memory"); }
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x = lo (low 16 bits)
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+// Two e4m3 bytes (low byte first) x scale -> bf16x2.
+__device__ __forceinline__ uint32_t dequant2(uint32_t two, float sc) {
+  const __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two & 0xffffu), __NV_E4M3);
+  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&hr));
+  return pack_bf16(f.x * sc, f.y * sc);
+}
+
+__device__ __forceinline__ void mma_bf16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+
+template <int MT>
+__global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const Args a, const int NS, const int h_first) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int t = blockIdx.x, split = blockIdx.y;
+  const int h0 = h_first + blockIdx.z * kMaxHeads;
+  constexpr int HB = 16 * MT;  // heads of this block (the launch picks MT per head block)
+  const Smem L = smem_layout(MT, NS);
+  uint8_t* raw = smem + L.raw;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L.full);
+  uint64_t* empty = reinterpret_cast<uint64_t*>(smem + L.empty);
+  uint32_t* masks = reinterpret_cast<uint32_t*>(smem + L.masks);
+  __nv_bfloat16* qs = reinterpret_cast<__nv_bfloat16*>(smem + L.qs);
+  __nv_bfloat16* kb = reinterpret_cast<__nv_bfloat16*>(smem + L.kb);
+  float* sp = reinterpret_cast<float*>(smem + L.sp);
+  __nv_bfloat16* ps = reinterpret_cast<__nv_bfloat16*>(smem + L.ps);
+  float* cs = reinterpret_cast<float*>(smem + L.cs);
+  float* ls = reinterpret_cast<float*>(smem + L.ls);
+  float* hs = reinterpret_cast<float*>(smem + L.hs);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+
+  const int n = a.index_lengths ? min(max(a.index_lengths[t], 0), a.topk) : a.topk;
+  const int j0 = split * a.chunk;
+  const int j1 = min(n, j0 + a.chunk);
+  const int ntiles = j1 > j0 ? (j1 - j0 + kKeys - 1) / kKeys : 0;
+
+  if (tid == 0) {
+    for (int s = 0; s < NS; ++s) {
+      mbar_init(full + s, 1);
+      mbar_init(empty + s, kWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp >= kWarps) {
+    // Producer warpgroup: gives its registers to the consumers; warp 8 works, 9-11 leave.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
+    if (warp != kWarps) return;
+    const int32_t* idx = a.indices + static_cast<int64_t>(t) * a.indices_stride;
+    auto slot_of = [&](int j) -> int64_t {
+      if (j >= j1) return -1;
+      const int64_t s = idx[j];
+      return (s >= 0 && s < a.num_slots) ? s : -1;
+    };
+    int64_t next = ntiles > 0 ? slot_of(j0 + lane) : -1;
+    for (int i = 0; i < ntiles; ++i) {
+      const int64_t slot = next;
+      if (i + 1 < ntiles) next = slot_of(j0 + (i + 1) * kKeys + lane);
+      const int s = i % NS;
+      if (i >= NS) mbar_wait(empty + s, ((i / NS) - 1) & 1);
+      const uint32_t m = __ballot_sync(0xffffffffu, slot >= 0);
+      if (lane == 0) {
+        masks[s] = m;
+        mbar_arrive_expect_tx(full + s, static_cast<uint32_t>(__popc(m)) * kRowBytes);
+      }
+      __syncwarp();
+      if (slot >= 0) bulk_g2s(raw + (s * kKeys + lane) * kRowBytes, a.cache + slot * kRowBytes, kRowBytes, full + s);
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
+
+  // Consumers. q -> bf16 rows, head scales.
+  for (int i = tid; i < HB * (kD / 2); i += kConsumers) {
+    const int h = i / (kD / 2), v = 2 * (i % (kD / 2));
+    const int64_t th = static_cast<int64_t>(t) * a.H + h0 + h;
+    const float* src = v < kR ? a.q_lat + th * kR + v : a.q_rope + th * kDr + (v - kR);
+    *reinterpret_cast<uint32_t*>(qs + h * kQP + v) = pack_bf16(src[0], src[1]);
+  }
+  if (tid < HB) hs[tid] = a.head_scale[static_cast<int64_t>(t) * a.H + h0 + tid];
+
+  const int g = lane >> 2, tq = lane & 3;
+  constexpr int KS = MT == 1 ? 2 : 1;
+  constexpr int nunits = MT * 4 * KS;
+  constexpr int ksteps = (kD / 16) / KS;  // 36 or 18, even
+  constexpr int RW = HB / kWarps;         // softmax rows per warp: 2..8
+  const int lrow = (lane & 7) + 8 * ((lane >> 3) & 1);  // A fragments (ldmatrix.x4): row in the 16-row tile
+  const int lcol = 8 * (lane >> 4);                     //   and column offset
+
+  float m_run[8], l_run[8];
+#pragma unroll
+  for (int rr = 0; rr < 8; ++rr) {
+    m_run[rr] = -INFINITY;
+    l_run[rr] = 0.0f;
+  }
+  float acc[4][8][4];
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.0f;
+
+  for (int i = 0; i < ntiles; ++i) {
+    const int s = i % NS;
+    mbar_wait(full + s, (i / NS) & 1);
+    const uint32_t mask = masks[s];  // read before the stage is released
+    __nv_bfloat16* kt = kb + (i & 1) * kKeys * kQP;
+    const uint8_t* rs = raw + s * kKeys * kRowBytes;
+
+    // Dequantize: 16 e4m3 bytes -> 16 bf16, or 8 rope bf16 copied; invalid keys -> 0.
+#pragma unroll
+    for (int it = 0; it < kItems; ++it) {
+      const int item = tid + it * kConsumers;
+      const int key = item / kChunks, c = item % kChunks;
+      const uint8_t* row = rs + key * kRowBytes;
+      const bool ok = (mask >> key) & 1u;
+      if (c < kR / 16) {
+        uint4 o0 = make_uint4(0, 0, 0, 0), o1 = o0;
+        if (ok) {
+          const uint4 v = *reinterpret_cast<const uint4*>(row + 16 * c);
+          const float sc = *reinterpret_cast<const float*>(row + kR + 4 * (c / 8));
+          o0 = make_uint4(dequant2(v.x, sc), dequant2(v.x >> 16, sc), dequant2(v.y, sc), dequant2(v.y >> 16, sc));
+          o1 = make_uint4(dequant2(v.z, sc), dequant2(v.z >> 16, sc), dequant2(v.w, sc), dequant2(v.w >> 16, sc));
+        }
+        uint4* d = reinterpret_cast<uint4*>(kt + key * kQP + 16 * c);
+        d[0] = o0;
+        d[1] = o1;
+      } else {
+        const int rc = c - kR / 16;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (ok) v = *reinterpret_cast<const uint4*>(row + kRopeOffset + 16 * rc);
+        *reinterpret_cast<uint4*>(kt + key * kQP + kR + 8 * rc) = v;
+      }
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty + s);
+    consumer_sync();  // key tile (and, at i = 0, q and head scales) complete
+
+    // S partials: unit u = (head tile mt, key n-tile nt, k-split ks).
+    for (int u = warp; u < nunits; u += kWarps) {
+      const int ks = u % KS, nt = (u / KS) % 4, mt = u / (4 * KS);
+      float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
+      const __nv_bfloat16* qa = qs + (16 * mt + lrow) * kQP + lcol;
+      const __nv_bfloat16* kp = kt + (8 * nt + (lane & 7)) * kQP + 8 * (lane >> 3);
+      const int kbeg = ks * ksteps;
+#pragma unroll 2
+      for (int k = kbeg; k < kbeg + ksteps; k += 2) {
+        uint32_t a0[4], a1[4], b[4];
+        ldmatrix_x4(a0, qa + 16 * k);
+        ldmatrix_x4(a1, qa + 16 * (k + 1));
+        ldmatrix_x4(b, kp + 16 * k);  // d [16k, 16k + 32): b0, b1 of step k, then of step k + 1
+        mma_bf16(c0, a0, b[0], b[1]);
+        mma_bf16(c1, a1, b[2], b[3]);
+      }
+      float* o = sp + (ks * HB + 16 * mt + g) * kSP + 8 * nt + 2 * tq;
+      *reinterpret_cast<float2*>(o) = make_float2(c0[0] + c1[0], c0[1] + c1[1]);
+      *reinterpret_cast<float2*>(o + 8 * kSP) = make_float2(c0[2] + c1[2], c0[3] + c1[3]);
+    }
+    consumer_sync();  // S complete
+
+    // Online softmax: warp w, heads w + 8 rr; lane = key.
+    const bool kv = (mask >> lane) & 1u;
+#pragma unroll
+    for (int rr = 0; rr < 8; ++rr) {
+      if (rr < RW) {
+        const int h = warp + kWarps * rr;
+        float x = sp[h * kSP + lane];
+        if (KS == 2) x += sp[(HB + h) * kSP + lane];
+        x = kv ? x * hs[h] : -INFINITY;
+        float mx = x;
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+        const float mn = fmaxf(m_run[rr], mx);
+        const float corr = mn == -INFINITY ? 1.0f : __expf(m_run[rr] - mn);  // m_run = -inf -> 0
+        const __nv_bfloat16 pb = __float2bfloat16_rn(mn == -INFINITY ? 0.0f : __expf(x - mn));
+        l_run[rr] = l_run[rr] * corr + __bfloat162float(pb);  // the sum of the P that PV uses
+        m_run[rr] = mn;
+        ps[h * kPP + lane] = pb;
+        if (lane == 0) cs[h] = corr;
+      }
+    }
+    consumer_sync();  // P and the rescale factors complete
+
+    // O = O * corr + P V over this tile's 32 keys; warp w: columns [64w, 64w + 64).
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt) {
+      if (mt < MT) {
+        const float c0 = cs[16 * mt + g], c1 = cs[16 * mt + g + 8];
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          acc[mt][nt][0] *= c0;
+          acc[mt][nt][1] *= c0;
+          acc[mt][nt][2] *= c1;
+          acc[mt][nt][3] *= c1;
+        }
+      }
+    }
+    const __nv_bfloat16* vb = kt + (lane & 15) * kQP + 64 * warp + 8 * (lane >> 4);
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk) {
+      uint32_t pa[4][4];
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt)
+        if (mt < MT) ldmatrix_x4(pa[mt], ps + (16 * mt + lrow) * kPP + 16 * kk + lcol);
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, vb + 16 * kk * kQP + 16 * np);
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt) {
+          if (mt < MT) {
+            mma_bf16(acc[mt][2 * np], pa[mt], b[0], b[1]);
+            mma_bf16(acc[mt][2 * np + 1], pa[mt], b[2], b[3]);
+          }
+        }
+      }
+    }
+  }
+
+  // Sums, lse (natural log), normalised output of this split.
+  const int64_t base = (static_cast<int64_t>(a.splits > 1 ? split : 0) * a.T + t) * a.H + h0;
+#pragma unroll
+  for (int rr = 0; rr < 8; ++rr) {
+    if (rr < RW) {
+      const int h = warp + kWarps * rr;
+      float l = l_run[rr];
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
+      if (lane == 0) {
+        ls[h] = l;
+        a.lse[base + h] = l > 0.0f ? m_run[rr] + logf(l) : -INFINITY;
+      }
+    }
+  }
+  consumer_sync();
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt) {
+    if (mt < MT) {
+      const int r0 = 16 * mt + g, r1 = r0 + 8;
+      const float l0 = ls[r0], l1 = ls[r1];
+      const float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const int col = 64 * warp + 8 * nt + 2 * tq;
+        *reinterpret_cast<float2*>(a.out + (base + r0) * kR + col) =
+            make_float2(acc[mt][nt][0] * i0, acc[mt][nt][1] * i0);
+        *reinterpret_cast<float2*>(a.out + (base + r1) * kR + col) =
+            make_float2(acc[mt][nt][2] * i1, acc[mt][nt][3] * i1);
+      }
+    }
+  }
+}
+
+// Ring stages that fit beside the fixed regions for HB heads per block.
+int stages_for(int HB, int smem_limit) {
+  const int MT = HB / 16;
+  int ns = kMaxStages;
+  while (ns > 2 && smem_layout(MT, ns).total > smem_limit) --ns;
+  return ns;
+}
+
+}  // namespace
+
+bool mla_decode_supported(int H, int r, int dr, int row_bytes) {
+  return r == kR && dr == kDr && row_bytes == kRowBytes && H > 0 && H % 16 == 0 && H <= 128;
+}
+
+cudaError_t launch_mla_decode(const Args& a, dim3 grid, cudaStream_t stream) {
+  int dev = 0, limit = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  e = cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (e != cudaSuccess) return e;
+  // Head blocks of 64 (MT = 4); a remainder of H % 64 heads runs as its own launch.
+  const int full_blocks = a.H / kMaxHeads, rest = a.H % kMaxHeads;
+  auto launch = [&](auto kernel, int MT, unsigned zblocks, int h_first) -> cudaError_t {
+    const int ns = stages_for(16 * MT, limit);
+    const int smem = smem_layout(MT, ns).total;
+    if (smem > limit) return cudaErrorInvalidConfiguration;
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return err;
+    kernel<<<dim3(grid.x, grid.y, zblocks), kThreads, smem, stream>>>(a, ns, h_first);
+    return cudaGetLastError();
+  };
+  if (full_blocks > 0) {
+    e = launch(mla_decode_kernel<4>, 4, static_cast<unsigned>(full_blocks), 0);
+    if (e != cudaSuccess) return e;
+  }
+  switch (rest / 16) {
+    case 1: return launch(mla_decode_kernel<1>, 1, 1u, full_blocks * kMaxHeads);
+    case 2: return launch(mla_decode_kernel<2>, 2, 1u, full_blocks * kMaxHeads);
+    case 3: return launch(mla_decode_kernel<3>, 3, 1u, full_blocks * kMaxHeads);
+    default: return cudaSuccess;
+  }
+}
+
+}  // namespace ml4::cuda::detail
