@@ -13,7 +13,10 @@
 //     partly averaging out), through 4-12 layers: bound 3e-2 rel L2 and 3e-2 of the largest
 //     logit max-abs; vs the unemulated reference 5e-2 (its 1e-2 plus this); routing flips at
 //     most 5% of cells (flips need a near-tie at the 1e-3 level instead of 1e-4); a greedy
-//     token may differ where the reference margin is below twice the measured max-abs error.
+//     token may differ where the reference margin is below twice the measured max-abs error;
+//     top-k near-ties: the indexer q now carries ~2^-9 relative error before its e4m3
+//     rounding, so ~16 of a row's 512 q values flip an e4m3 ulp (1 on the f32 path), each
+//     moving a head's score by ~ulp/16 of it: ~4x the f32 path's 2e-2, tolerance 8e-2.
 #if defined(ML4_WITH_CUDA)
 #include "runtime/golden_check.h"
 
@@ -43,6 +46,7 @@ golden::Bounds production_bounds() {
   b.pure_rel_l2 = 5e-2;
   b.max_route_flips = 0.05;
   b.greedy_margin_factor = 2.0;
+  b.tie_rel_tol = 8e-2;
   return b;
 }
 

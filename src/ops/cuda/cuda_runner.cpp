@@ -25,6 +25,10 @@
 
 namespace ml4::cuda {
 
+// Tokens up to which MoE layers take the grouped decode path (moe_experts_forward_grouped:
+// no host synchronization, capturable); larger steps loop over experts.
+constexpr int64_t kGroupedMoeMaxTokens = kGemvMaxM;
+
 struct CudaRunner::Layer {
   DeviceBuffer attn_norm, ffn_norm;
   DeviceLinear wq, wq_a, wq_b, wkv_a, wo;
@@ -264,6 +268,7 @@ Status CudaRunner::ensure_buffers(int64_t T, int64_t R, int64_t S, int64_t maxb)
                 dr = c.qk_rope_head_dim;
   const int64_t E = std::max(c.moe.num_experts, 1), K = std::max(c.moe.num_experts_per_tok, 1);
   if (T > b.T) {
+    ++buffer_generation_;
     const int64_t n = std::max(T, 2 * b.T);
     auto f = [&](DeviceBuffer& d, int64_t count, size_t elem) -> Status {
       ML4_ASSIGN_OR_RETURN(d, DeviceBuffer::alloc(static_cast<size_t>(std::max<int64_t>(count, 1)) * elem));
@@ -316,6 +321,7 @@ Status CudaRunner::ensure_buffers(int64_t T, int64_t R, int64_t S, int64_t maxb)
     b.T = n;
   }
   if (R > b.R) {
+    ++buffer_generation_;
     const int64_t n = std::max(R, 2 * b.R);
     ML4_ASSIGN_OR_RETURN(b.rows, DeviceBuffer::alloc(n * D * 4));
     ML4_ASSIGN_OR_RETURN(b.normed, DeviceBuffer::alloc(n * D * 4));
@@ -324,6 +330,7 @@ Status CudaRunner::ensure_buffers(int64_t T, int64_t R, int64_t S, int64_t maxb)
     b.R = n;
   }
   if (S * maxb > b.bt_cap) {
+    ++buffer_generation_;
     ML4_ASSIGN_OR_RETURN(b.block_table, DeviceBuffer::alloc(std::max<int64_t>(S * maxb, 1) * 4));
     ML4_ASSIGN_OR_RETURN(b.idx_block_table, DeviceBuffer::alloc(std::max<int64_t>(S * maxb, 1) * 4));
     b.bt_cap = S * maxb;
@@ -358,13 +365,13 @@ Status CudaRunner::mlp(const DeviceMlp& m, const float* x, int64_t M, float* y) 
 // cpu_attention.cpp CpuModel::indexer_topk for an indexer owner: this step's keys into the
 // indexer pages, then per token the causal top-k of its scores as latent cache slots into
 // the layer's top-k buffer (and, when tracing, as positions into trace->topk[l]).
-Status CudaRunner::indexer(int l, const StepMetadata& md, ForwardTrace* trace) {
+Status CudaRunner::indexer(int l, ForwardTrace* trace) {
   const LayerSpec& spec = cfg_.layers[l];
   Layer& L = layers_[l];
   Buffers& b = *buf_;
   const int HI = cfg_.indexer.n_heads, dI = cfg_.indexer.head_dim, rd = cfg_.indexer.rope_head_dim;
   const int k = cfg_.indexer.topk;
-  const int64_t T = md.num_tokens();
+  const int64_t T = step_T_;
   float* iq = b.iq.as<float>();
   float* ik = b.ik.as<float>();
   float* iw = b.iw.as<float>();
@@ -403,11 +410,11 @@ Status CudaRunner::indexer(int l, const StepMetadata& md, ForwardTrace* trace) {
   wp.stream = stream_;
   ML4_RETURN_IF_ERROR(indexer_cache_write(wp));
   ML4_RETURN_IF_ERROR(indexer_query_quant({iq, T * HI, dI, true, b.iq8.data(), b.iqs.as<float>(), stream_}));
-  int64_t maxlen = 1;
-  for (int64_t p : md.positions) maxlen = std::max(maxlen, p + 1);
+  const int64_t maxlen = step_maxlen_;
   // Scores of a chunk of tokens at a time: at most 64 Mi floats (256 MiB) of scores.
   const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(T, (int64_t{64} << 20) / maxlen));
   if (chunk * maxlen > b.scores_cap) {
+    ++buffer_generation_;
     ML4_ASSIGN_OR_RETURN(b.scores, DeviceBuffer::alloc(chunk * maxlen * 4));
     b.scores_cap = chunk * maxlen;
   }
@@ -463,13 +470,13 @@ Status CudaRunner::indexer(int l, const StepMetadata& md, ForwardTrace* trace) {
 }
 
 // cpu_attention.cpp CpuModel::attention steps 1-6.
-Status CudaRunner::attention(int l, const StepMetadata& md, float* out, ForwardTrace* trace) {
+Status CudaRunner::attention(int l, const StepMetadata* md, float* out, ForwardTrace* trace) {
   const LayerSpec& spec = cfg_.layers[l];
   Layer& L = layers_[l];
   Buffers& b = *buf_;
   const int H = cfg_.n_heads, dn = cfg_.qk_nope_head_dim, dr = cfg_.qk_rope_head_dim, dv = cfg_.v_head_dim;
   const int r = cfg_.kv_lora_rank, qk = dn + dr;
-  const int64_t T = md.num_tokens();
+  const int64_t T = step_T_;
   const float eps = static_cast<float>(cfg_.norm_eps);
   float* q = b.q.as<float>();
   // 1. Queries.
@@ -524,7 +531,7 @@ Status CudaRunner::attention(int l, const StepMetadata& md, float* out, ForwardT
   const int32_t* sel_counts = nullptr;
   const int k = cfg_.indexer.topk;
   if (spec.sparse()) {
-    if (spec.indexer == IndexerRole::kOwner) ML4_RETURN_IF_ERROR(indexer(l, md, trace));
+    if (spec.indexer == IndexerRole::kOwner) ML4_RETURN_IF_ERROR(indexer(l, trace));
     const int src = spec.indexer == IndexerRole::kOwner ? l : spec.indexer_source;
     if (trace != nullptr && src != l) trace->topk[l] = trace->topk[src];
     const bool forced = trace != nullptr && l < static_cast<int>(trace->forced_topk.size()) &&
@@ -533,9 +540,9 @@ Status CudaRunner::attention(int l, const StepMetadata& md, float* out, ForwardT
       std::vector<int32_t> sl(T * k, -1), cnt(T);
       for (int64_t t = 0; t < T; ++t) {
         const auto& row = trace->forced_topk[l][t];
-        const int si = md.seq_of_token[t];
+        const int si = md->seq_of_token[t];
         for (size_t j = 0; j < row.size(); ++j)
-          sl[t * k + j] = static_cast<int32_t>(md.slot_of(si, latent_group_, row[j]));
+          sl[t * k + j] = static_cast<int32_t>(md->slot_of(si, latent_group_, row[j]));
         cnt[t] = static_cast<int32_t>(row.size());
       }
       ML4_CUDA_RETURN_IF_ERROR(
@@ -610,9 +617,7 @@ Status CudaRunner::attention(int l, const StepMetadata& md, float* out, ForwardT
     ap.block_table_stride = b.maxb;
     ap.seq_of_token = b.seq_of.as<int32_t>();
     ap.lengths = b.lengths.as<int32_t>();
-    int64_t maxlen = 0;
-    for (int64_t p : md.positions) maxlen = std::max(maxlen, p + 1);
-    ap.max_length = static_cast<int>(maxlen);
+    ap.max_length = static_cast<int>(step_maxlen_);
   }
   ap.out_lat = b.out_lat.as<float>();
   ap.lse = b.lse.as<float>();
@@ -620,6 +625,7 @@ Status CudaRunner::attention(int l, const StepMetadata& md, float* out, ForwardT
   ap.stream = stream_;
   const size_t need = mla_attention_workspace_bytes(ap);
   if (need > b.attn_ws_bytes) {
+    ++buffer_generation_;
     ML4_ASSIGN_OR_RETURN(b.attn_ws, DeviceBuffer::alloc(need));
     b.attn_ws_bytes = need;
   }
@@ -658,7 +664,7 @@ Status CudaRunner::ffn(int l, int64_t T, float* out, ForwardTrace* trace) {
     }
   }
   const int64_t D = cfg_.dim;
-  if (L.tables && (opts_.exact_activations || T <= kGemvMaxM)) {
+  if (L.tables && (opts_.exact_activations || T <= kGroupedMoeMaxTokens)) {
     for (int64_t t0 = 0; t0 < T; t0 += kGemvMaxM) {
       const int64_t n = std::min<int64_t>(kGemvMaxM, T - t0);
       ML4_RETURN_IF_ERROR(moe_experts_forward_grouped(*L.tables, L.shared.get(), x + t0 * D, n,
@@ -672,50 +678,22 @@ Status CudaRunner::ffn(int l, int64_t T, float* out, ForwardTrace* trace) {
                              b.moe, stream_);
 }
 
-Result<StepOutput> CudaRunner::execute_traced(const StepInput& in, ForwardTrace* trace) {
-  ML4_ASSIGN_OR_RETURN(StepMetadata md, build_step_metadata(in, groups_, cfg_.vocab_size, max_model_len_));
-  const int64_t T = md.num_tokens(), R = static_cast<int64_t>(md.logits_rows.size());
-  const int64_t S = static_cast<int64_t>(md.seqs.size());
-  if (trace != nullptr) {
-    trace->topk.assign(cfg_.n_layers, {});
-    trace->experts.assign(cfg_.n_layers, {});
-    ML4_RETURN_IF_ERROR(validate_forced_decisions(*trace, cfg_, md.positions));
-  }
-  int64_t maxb = 1;
-  for (const auto& s : in.seqs) {
-    maxb = std::max<int64_t>(maxb, s.block_tables[latent_group_].size());
-    if (indexer_group_ >= 0) maxb = std::max<int64_t>(maxb, s.block_tables[indexer_group_].size());
-  }
-  ML4_RETURN_IF_ERROR(ensure_buffers(T, R, S, maxb));
-  Buffers& b = *buf_;
-  // Per-step metadata to the device (one plain copy per array).
-  std::vector<int32_t> lengths(T), bt(S * maxb, 0), ibt(indexer_group_ >= 0 ? S * maxb : 0, 0), rows(R);
-  for (int64_t t = 0; t < T; ++t) lengths[t] = static_cast<int32_t>(md.positions[t] + 1);
-  for (int64_t s = 0; s < S; ++s) {
-    const auto& tab = in.seqs[s].block_tables[latent_group_];
-    std::copy(tab.begin(), tab.end(), bt.begin() + s * maxb);
-    if (indexer_group_ >= 0) {
-      const auto& itab = in.seqs[s].block_tables[indexer_group_];
-      std::copy(itab.begin(), itab.end(), ibt.begin() + s * maxb);
-    }
-  }
-  for (int64_t i = 0; i < R; ++i) rows[i] = static_cast<int32_t>(md.logits_rows[i]);
-  auto h2d = [&](DeviceBuffer& d, const void* src, size_t bytes) {
-    return cuda_status(cudaMemcpyAsync(d.data(), src, bytes, cudaMemcpyHostToDevice, stream_), "step metadata");
-  };
-  ML4_RETURN_IF_ERROR(h2d(b.tok, md.token_ids.data(), T * 4));
-  ML4_RETURN_IF_ERROR(h2d(b.pos, md.positions.data(), T * 8));
-  ML4_RETURN_IF_ERROR(h2d(b.slots, md.slots[latent_group_].data(), T * 8));
-  ML4_RETURN_IF_ERROR(h2d(b.seq_of, md.seq_of_token.data(), T * 4));
-  ML4_RETURN_IF_ERROR(h2d(b.lengths, lengths.data(), T * 4));
-  ML4_RETURN_IF_ERROR(h2d(b.block_table, bt.data(), bt.size() * 4));
-  if (indexer_group_ >= 0) {
-    ML4_RETURN_IF_ERROR(h2d(b.idx_block_table, ibt.data(), ibt.size() * 4));
-    ML4_RETURN_IF_ERROR(h2d(b.idx_slots, md.slots[indexer_group_].data(), T * 8));
-  }
-  if (R > 0) ML4_RETURN_IF_ERROR(h2d(b.row_idx, rows.data(), R * 4));
+namespace {
 
-  const int64_t D = cfg_.dim;
+int64_t round_up_pow2(int64_t v, int64_t lo) {
+  int64_t b = lo;
+  while (b < v) b *= 2;
+  return b;
+}
+
+}  // namespace
+
+// Embedding -> layers -> final norm -> logits rows into buf_->logits, for step_T_ tokens
+// and step_R_ logits rows; only kernels and device-to-device work unless tracing (md and
+// trace are then set), so a decode step can be captured.
+Status CudaRunner::forward(const StepMetadata* md, ForwardTrace* trace) {
+  Buffers& b = *buf_;
+  const int64_t T = step_T_, R = step_R_, D = cfg_.dim;
   const float eps = static_cast<float>(cfg_.norm_eps);
   float* residual = b.residual.as<float>();
   float* a = b.a.as<float>();
@@ -733,14 +711,123 @@ Result<StepOutput> CudaRunner::execute_traced(const StepInput& in, ForwardTrace*
     ML4_RETURN_IF_ERROR(rms_norm({tmp, residual, L.ffn_norm.as<float>(), T, D, eps, a, nullptr, stream_}));
     ML4_RETURN_IF_ERROR(ffn(l, T, tmp, trace));
   }
+  if (R == 0) return Status::ok();
+  // residual += last FFN output (into a: the residual is not needed afterwards).
+  ML4_RETURN_IF_ERROR(rms_norm({tmp, residual, norm_.as<float>(), T, D, eps, a, nullptr, stream_}));
+  ML4_RETURN_IF_ERROR(gather_rows(residual, D, b.row_idx.as<int32_t>(), R, b.rows.as<float>(), stream_));
+  ML4_RETURN_IF_ERROR(
+      rms_norm({b.rows.as<float>(), nullptr, norm_.as<float>(), R, D, eps, b.normed.as<float>(), nullptr, stream_}));
+  return lin(output_, b.normed.as<float>(), R, b.logits.as<float>());
+}
+
+Result<StepOutput> CudaRunner::execute_traced(const StepInput& in, ForwardTrace* trace) {
+  ML4_ASSIGN_OR_RETURN(StepMetadata md, build_step_metadata(in, groups_, cfg_.vocab_size, max_model_len_));
+  const int64_t T = md.num_tokens(), R = static_cast<int64_t>(md.logits_rows.size());
+  const int64_t S = static_cast<int64_t>(md.seqs.size());
+  if (trace != nullptr) {
+    trace->topk.assign(cfg_.n_layers, {});
+    trace->experts.assign(cfg_.n_layers, {});
+    ML4_RETURN_IF_ERROR(validate_forced_decisions(*trace, cfg_, md.positions));
+  }
+  int64_t maxb = 1, maxlen = 1;
+  for (const auto& s : in.seqs) {
+    maxb = std::max<int64_t>(maxb, s.block_tables[latent_group_].size());
+    if (indexer_group_ >= 0) maxb = std::max<int64_t>(maxb, s.block_tables[indexer_group_].size());
+  }
+  for (int64_t p : md.positions) maxlen = std::max(maxlen, p + 1);
+  // A pure decode step (one token and one logits row per sequence) runs as a CUDA graph
+  // for a padded batch size: padding tokens write no cache slot (slot -1), attend to one
+  // key of an all-zero block-table row, and their logits rows are dropped. Launch shapes
+  // that depend on the context (key count, block-table stride) are rounded up to powers of
+  // two, so one graph serves a range of lengths; each (batch, length, stride) bucket is
+  // captured once, after an eager run of the same padded step has sized every buffer and
+  // made every GEMM plan.
+  bool graph = opts_.cuda_graphs && trace == nullptr && T == S && R == T && T <= graph_max_batch() && T > 0;
+  const int64_t Tp = graph ? round_up_pow2(T, 1) : T;
+  const int64_t Sp = graph ? Tp : S, Rp = graph ? Tp : R;
+  if (graph) {
+    maxb = round_up_pow2(maxb, 4);
+    maxlen = std::min<int64_t>(round_up_pow2(maxlen, 256), std::max<int64_t>(maxb * kPageTokens, 256));
+  }
+  const uint64_t gen = buffer_generation_;
+  ML4_RETURN_IF_ERROR(ensure_buffers(Tp, Rp, Sp, maxb));
+  if (buffer_generation_ != gen) graphs_.clear();  // captured addresses are stale
+  Buffers& b = *buf_;
+  // Per-step metadata to the device (one plain copy per array), padded to Tp tokens.
+  std::vector<int32_t> tok(Tp, 0), seq_of(Tp), lengths(Tp, 1), bt(Sp * maxb, 0),
+      ibt(indexer_group_ >= 0 ? Sp * maxb : 0, 0), rows(Rp);
+  std::vector<int64_t> pos(Tp, 0), slots(Tp, -1), islots(Tp, -1);
+  for (int64_t t = 0; t < Tp; ++t) {
+    const bool real = t < T;
+    tok[t] = real ? md.token_ids[t] : 0;
+    pos[t] = real ? md.positions[t] : 0;
+    lengths[t] = real ? static_cast<int32_t>(md.positions[t] + 1) : 1;
+    seq_of[t] = real ? md.seq_of_token[t] : static_cast<int32_t>(t);
+    if (real) slots[t] = md.slots[latent_group_][t];
+    if (real && indexer_group_ >= 0) islots[t] = md.slots[indexer_group_][t];
+  }
+  for (int64_t s = 0; s < S; ++s) {
+    const auto& tab = in.seqs[s].block_tables[latent_group_];
+    std::copy(tab.begin(), tab.end(), bt.begin() + s * maxb);
+    if (indexer_group_ >= 0) {
+      const auto& itab = in.seqs[s].block_tables[indexer_group_];
+      std::copy(itab.begin(), itab.end(), ibt.begin() + s * maxb);
+    }
+  }
+  for (int64_t i = 0; i < Rp; ++i) rows[i] = i < R ? static_cast<int32_t>(md.logits_rows[i]) : static_cast<int32_t>(i);
+  auto h2d = [&](DeviceBuffer& d, const void* src, size_t bytes) {
+    return cuda_status(cudaMemcpyAsync(d.data(), src, bytes, cudaMemcpyHostToDevice, stream_), "step metadata");
+  };
+  ML4_RETURN_IF_ERROR(h2d(b.tok, tok.data(), Tp * 4));
+  ML4_RETURN_IF_ERROR(h2d(b.pos, pos.data(), Tp * 8));
+  ML4_RETURN_IF_ERROR(h2d(b.slots, slots.data(), Tp * 8));
+  ML4_RETURN_IF_ERROR(h2d(b.seq_of, seq_of.data(), Tp * 4));
+  ML4_RETURN_IF_ERROR(h2d(b.lengths, lengths.data(), Tp * 4));
+  ML4_RETURN_IF_ERROR(h2d(b.block_table, bt.data(), bt.size() * 4));
+  if (indexer_group_ >= 0) {
+    ML4_RETURN_IF_ERROR(h2d(b.idx_block_table, ibt.data(), ibt.size() * 4));
+    ML4_RETURN_IF_ERROR(h2d(b.idx_slots, islots.data(), Tp * 8));
+  }
+  if (Rp > 0) ML4_RETURN_IF_ERROR(h2d(b.row_idx, rows.data(), Rp * 4));
+  step_T_ = Tp;
+  step_R_ = Rp;
+  step_maxlen_ = maxlen;
+  if (graph) {
+    const auto key = std::make_tuple(Tp, maxlen, maxb);
+    auto it = graphs_.find(key);
+    if (it != graphs_.end()) {
+      ML4_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(it->second, stream_));
+      ++graph_replays_;
+    } else {
+      // Eager first (sizes buffers, makes plans: nothing may allocate while capturing),
+      // then capture the identical launch sequence for the next steps of this bucket.
+      ML4_RETURN_IF_ERROR(forward(nullptr, nullptr));
+      if (buffer_generation_ != gen) graphs_.clear();
+      {
+        cudaGraph_t g = nullptr;
+        ML4_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+        Status cap = forward(nullptr, nullptr);
+        const cudaError_t end = cudaStreamEndCapture(stream_, &g);
+        if (!cap.is_ok() || end != cudaSuccess) {
+          if (g) cudaGraphDestroy(g);
+          (void)cudaGetLastError();
+          ML4_LOG_WARN("cuda runner: decode graph capture failed for batch {} ({}); running eagerly", Tp,
+                       cap.is_ok() ? cudaGetErrorString(end) : cap.message());
+          opts_.cuda_graphs = false;
+        } else {
+          cudaGraphExec_t exec = nullptr;
+          const cudaError_t inst = cudaGraphInstantiate(&exec, g, 0);
+          cudaGraphDestroy(g);
+          ML4_CUDA_RETURN_IF_ERROR(inst);
+          graphs_.emplace(key, GraphExec(exec));
+        }
+      }
+    }
+  } else {
+    ML4_RETURN_IF_ERROR(forward(trace != nullptr ? &md : nullptr, trace));
+  }
   StepOutput out;
   if (R > 0) {
-    // residual += last FFN output (into a: the residual is not needed afterwards).
-    ML4_RETURN_IF_ERROR(rms_norm({tmp, residual, norm_.as<float>(), T, D, eps, a, nullptr, stream_}));
-    ML4_RETURN_IF_ERROR(gather_rows(residual, D, b.row_idx.as<int32_t>(), R, b.rows.as<float>(), stream_));
-    ML4_RETURN_IF_ERROR(rms_norm({b.rows.as<float>(), nullptr, norm_.as<float>(), R, D, eps, b.normed.as<float>(),
-                                  nullptr, stream_}));
-    ML4_RETURN_IF_ERROR(lin(output_, b.normed.as<float>(), R, b.logits.as<float>()));
     std::vector<float> logits(R * cfg_.vocab_size);
     ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(logits.data(), b.logits.data(), logits.size() * 4,
                                              cudaMemcpyDeviceToHost, stream_));
@@ -756,6 +843,18 @@ Result<StepOutput> CudaRunner::execute_traced(const StepInput& in, ForwardTrace*
     for (size_t i = 0; i < in.seqs.size(); ++i) out.logits.emplace_back();
   }
   return out;
+}
+
+int64_t CudaRunner::graph_max_batch() const {
+  // MoE layers are capturable only on the grouped decode path (the expert loop reads the
+  // per-expert row counts back to the host).
+  bool moe = false;
+  for (const auto& L : layers_) moe |= L.moe;
+  int64_t b = opts_.max_graph_batch;
+  if (moe && !opts_.exact_activations) b = std::min<int64_t>(b, kGroupedMoeMaxTokens);
+  for (const auto& L : layers_)
+    if (L.moe && !L.tables) b = 0;  // mixed-format experts: the loop only
+  return b;
 }
 
 Result<std::unique_ptr<ModelRunner>> load_cuda_runner(const std::string& model_dir, const RunnerOptions& opts,

@@ -26,7 +26,9 @@
 // (vLLM's --gpu-memory-utilization).
 #pragma once
 
+#include <map>
 #include <memory>
+#include <tuple>
 #include <string>
 #include <vector>
 
@@ -43,6 +45,10 @@ struct CudaRunnerOptions {
   RunnerOptions base;
   double gpu_memory_utilization = 0.0;  // (0, 1]: size the KV pool from the card's memory
   bool exact_activations = false;
+  // Pure decode steps of up to max_graph_batch sequences replay CUDA graphs (one per padded
+  // batch size and context bucket); other steps, and traced ones, run eagerly.
+  bool cuda_graphs = true;
+  int max_graph_batch = 64;
 };
 
 class CudaRunner : public ModelRunner {
@@ -56,6 +62,9 @@ class CudaRunner : public ModelRunner {
   Result<StepOutput> execute_traced(const StepInput& in, ForwardTrace* trace) override;
 
   int64_t weight_bytes() const { return weight_bytes_; }
+  // Decode steps served by replaying a captured graph, and graphs held.
+  int64_t graph_replays() const { return graph_replays_; }
+  size_t graphs_captured() const { return graphs_.size(); }
   int64_t kv_bytes() const { return kv_bytes_; }
 
  private:
@@ -66,8 +75,10 @@ class CudaRunner : public ModelRunner {
   Status ensure_buffers(int64_t T, int64_t R, int64_t S, int64_t max_blocks);
   Status lin(const DeviceLinear& w, const float* x, int64_t M, float* y);
   Status mlp(const DeviceMlp& m, const float* x, int64_t M, float* y);
-  Status attention(int l, const StepMetadata& md, float* out, ForwardTrace* trace);
-  Status indexer(int l, const StepMetadata& md, ForwardTrace* trace);
+  Status forward(const StepMetadata* md, ForwardTrace* trace);
+  Status attention(int l, const StepMetadata* md, float* out, ForwardTrace* trace);
+  Status indexer(int l, ForwardTrace* trace);
+  int64_t graph_max_batch() const;
   Status ffn(int l, int64_t T, float* out, ForwardTrace* trace);
 
   ModelConfig cfg_;
@@ -95,6 +106,22 @@ class CudaRunner : public ModelRunner {
   std::unique_ptr<Buffers> buf_;
   cudaStream_t stream_ = nullptr;
   int64_t weight_bytes_ = 0, kv_bytes_ = 0;
+  // This step's launch shape (padded in graph mode).
+  int64_t step_T_ = 0, step_R_ = 0, step_maxlen_ = 1;
+  // Bumped whenever a step buffer is reallocated: captured graphs hold old addresses.
+  uint64_t buffer_generation_ = 0;
+  struct GraphExec {
+    explicit GraphExec(cudaGraphExec_t e) : exec(e) {}
+    GraphExec(GraphExec&& o) noexcept : exec(o.exec) { o.exec = nullptr; }
+    GraphExec(const GraphExec&) = delete;
+    ~GraphExec() {
+      if (exec) cudaGraphExecDestroy(exec);
+    }
+    operator cudaGraphExec_t() const { return exec; }
+    cudaGraphExec_t exec = nullptr;
+  };
+  std::map<std::tuple<int64_t, int64_t, int64_t>, GraphExec> graphs_;  // (batch, max length, table stride)
+  int64_t graph_replays_ = 0;
 };
 
 // The engine-facing factory (the CPU one is load_cpu_runner).

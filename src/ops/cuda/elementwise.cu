@@ -14,49 +14,6 @@ namespace {
 
 constexpr int kThreads = 256;
 
-__device__ float block_sum(float v, float* smem) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) smem[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    v = lane < (blockDim.x >> 5) ? smem[lane] : 0.0f;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (lane == 0) smem[0] = v;
-  }
-  __syncthreads();
-  const float r = smem[0];
-  __syncthreads();
-  return r;
-}
-
-__global__ void rms_norm_kernel(const float* __restrict__ x, float* __restrict__ residual, const float* __restrict__ w,
-                                int64_t dim, float eps, float* y, __nv_bfloat16* __restrict__ yb, int64_t x_stride) {
-  __shared__ float smem[32];
-  const int64_t row = blockIdx.x;
-  const float* xr = x + row * x_stride;
-  float* rr = residual ? residual + row * dim : nullptr;
-  float ss = 0.0f;
-  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
-    float v = xr[i];
-    if (rr) {
-      v += rr[i];
-      rr[i] = v;
-    }
-    ss += v * v;
-  }
-  ss = block_sum(ss, smem);
-  const float inv = 1.0f / sqrtf(ss / static_cast<float>(dim) + eps);
-  const float* src = rr ? rr : xr;
-  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
-    const float v = src[i] * inv * w[i];
-    if (y) y[row * dim + i] = v;
-    if (yb) yb[row * dim + i] = __float2bfloat16_rn(v);
-  }
-}
-
 __device__ double block_sum_f64(double v, double* smem) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -98,6 +55,31 @@ __global__ void layer_norm_kernel(const float* x, const float* __restrict__ w, c
 __global__ void scale_kernel(float* x, int64_t n, float s) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
     x[i] *= s;
+}
+
+__global__ void rms_norm_kernel(const float* __restrict__ x, float* __restrict__ residual, const float* __restrict__ w,
+                                int64_t dim, float eps, float* y, __nv_bfloat16* __restrict__ yb, int64_t x_stride) {
+  __shared__ double smem[32];
+  const int64_t row = blockIdx.x;
+  const float* xr = x + row * x_stride;
+  float* rr = residual ? residual + row * dim : nullptr;
+  double ss = 0.0;  // f64 like cpu::rms_norm: the row's scale is then exact to f32 rounding
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
+    float v = xr[i];
+    if (rr) {
+      v += rr[i];
+      rr[i] = v;
+    }
+    ss += static_cast<double>(v) * v;
+  }
+  ss = block_sum_f64(ss, smem);
+  const float inv = static_cast<float>(1.0 / sqrt(ss / static_cast<double>(dim) + static_cast<double>(eps)));
+  const float* src = rr ? rr : xr;
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
+    const float v = src[i] * inv * w[i];
+    if (y) y[row * dim + i] = v;
+    if (yb) yb[row * dim + i] = __float2bfloat16_rn(v);
+  }
 }
 
 __global__ void silu_mul_kernel(const float* __restrict__ g, const float* __restrict__ u, int64_t rows, int64_t cols,
