@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "command.h"
+#include "device_options.h"
 #include "core/log.h"
 #include "engine/request.h"
 #include "engine/sampler.h"
@@ -29,6 +30,7 @@ struct GenerateOptions {
   uint64_t seed = 0;
   std::string kv_cache_dtype = "fp8_ds_mla";
   bool ignore_eos = false;
+  DeviceOptions dev;
 };
 
 Result<std::vector<int32_t>> parse_ids(const std::string& s) {
@@ -52,7 +54,7 @@ Result<std::vector<int32_t>> parse_ids(const std::string& s) {
 Status run_generate(const GenerateOptions& o) {
   RunnerOptions ro;
   ro.kv_cache_dtype = o.kv_cache_dtype;
-  ML4_ASSIGN_OR_RETURN(auto runner, CpuRunner::load(o.model, ro));
+  ML4_ASSIGN_OR_RETURN(auto runner, load_runner_on(o.dev, o.model, ro));
   const ModelConfig& cfg = runner->config();
   std::shared_ptr<const Tokenizer> tok;
   const std::string tok_path = o.model + "/tekken.json";
@@ -143,6 +145,7 @@ CommandRegistrar reg("generate", [](CLI::App& app, int* exit_code) {
   cmd->add_option("--top-k", o->top_k, "top-k sampling (0: off)");
   cmd->add_option("--seed", o->seed, "sampling seed");
   cmd->add_option("--kv-cache-dtype", o->kv_cache_dtype, "fp8_ds_mla, fp8 or bf16");
+  add_device_options(cmd, &o->dev);
   cmd->add_flag("--ignore-eos", o->ignore_eos, "keep generating after EOS");
   cmd->callback([o, exit_code] {
     if (o->prompt.empty() == o->prompt_ids.empty()) {

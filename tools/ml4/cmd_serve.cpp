@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "command.h"
+#include "device_options.h"
 #include "core/log.h"
 #include "engine/async_engine.h"
 #include "runtime/cpu_runner.h"
@@ -28,6 +29,7 @@ struct ServeOptions {
   int64_t max_num_batched_tokens = 2048;
   std::string kv_cache_dtype = "fp8_ds_mla";
   int64_t kv_cache_memory_bytes = 256ll << 20;
+  DeviceOptions dev;
   bool enable_prefix_caching = true;
   bool enable_chunked_prefill = true;
   uint64_t seed = 0;
@@ -81,7 +83,7 @@ Status run_serve(ServeOptions o) {
   ro.kv_cache_dtype = o.kv_cache_dtype;
   ro.kv_cache_bytes = o.kv_cache_memory_bytes;
   ro.max_model_len = o.max_model_len;
-  ML4_ASSIGN_OR_RETURN(std::unique_ptr<ModelRunner> runner, load_cpu_runner(o.model, ro));
+  ML4_ASSIGN_OR_RETURN(std::unique_ptr<ModelRunner> runner, load_runner_on(o.dev, o.model, ro));
   if (o.max_model_len > runner->config().max_position_embeddings)
     return invalid_argument("--max-model-len {} exceeds the model's max_position_embeddings {}", o.max_model_len,
                             runner->config().max_position_embeddings);
@@ -151,7 +153,9 @@ CommandRegistrar reg("serve", [](CLI::App& app, int* exit_code) {
   cmd->add_option("--max-num-batched-tokens", o->max_num_batched_tokens, "token budget per step")
       ->check(CLI::PositiveNumber);
   cmd->add_option("--kv-cache-dtype", o->kv_cache_dtype, "fp8_ds_mla, fp8 or bf16");
-  cmd->add_option("--kv-cache-memory-bytes", o->kv_cache_memory_bytes, "KV cache budget in bytes");
+  o->dev.kv_bytes_option = cmd->add_option("--kv-cache-memory-bytes", o->kv_cache_memory_bytes,
+                                           "KV cache budget in bytes (cuda: overrides --gpu-memory-utilization)");
+  add_device_options(cmd, &o->dev);
   cmd->add_flag("--enable-prefix-caching,!--no-enable-prefix-caching", o->enable_prefix_caching,
                 "prefix caching (default on)");
   cmd->add_flag("--enable-chunked-prefill,!--no-enable-chunked-prefill", o->enable_chunked_prefill,

@@ -22,6 +22,7 @@
 #include "ops/cuda/indexer.h"
 #include "ops/cuda/topk.h"
 #include "ops/cuda/sampling.h"
+#include "ops/cuda/synthetic_weights.h"
 
 namespace ml4::cuda {
 
@@ -94,8 +95,13 @@ Status CudaRunner::upload(const ModelWeights& w) {
     weight_bytes_ += static_cast<int64_t>(d.bytes());
     max_in_ = std::max({max_in_, d.K, d.N});
   };
+  uint64_t synth_counter = 0;
   auto up = [&](DeviceLinear& dst, const LinearWeight& src) -> Status {
-    ML4_ASSIGN_OR_RETURN(dst, upload_linear(src));
+    if (synthetic_seed_ != 0) {
+      ML4_ASSIGN_OR_RETURN(dst, synthetic_linear(src, synthetic_seed_ * 1000003u + ++synth_counter));
+    } else {
+      ML4_ASSIGN_OR_RETURN(dst, upload_linear(src));
+    }
     track(dst);
     return Status::ok();
   };
@@ -106,9 +112,16 @@ Status CudaRunner::upload(const ModelWeights& w) {
     max_hidden_ = std::max(max_hidden_, dst.w1.N);
     return Status::ok();
   };
-  ML4_ASSIGN_OR_RETURN(embed_, DeviceBuffer::alloc(w.tok_embeddings.nbytes()));
-  ML4_RETURN_IF_ERROR(embed_.upload(w.tok_embeddings.data(), w.tok_embeddings.nbytes()));
-  embed_dtype_ = w.tok_embeddings.dtype();
+  if (synthetic_seed_ != 0) {
+    const int64_t n = static_cast<int64_t>(cfg_.vocab_size) * cfg_.dim;
+    ML4_ASSIGN_OR_RETURN(embed_, DeviceBuffer::alloc(n * 2));
+    ML4_RETURN_IF_ERROR(fill_synthetic_bf16(embed_.data(), n, 1.0f, synthetic_seed_));
+    embed_dtype_ = DType::kBF16;
+  } else {
+    ML4_ASSIGN_OR_RETURN(embed_, DeviceBuffer::alloc(w.tok_embeddings.nbytes()));
+    ML4_RETURN_IF_ERROR(embed_.upload(w.tok_embeddings.data(), w.tok_embeddings.nbytes()));
+    embed_dtype_ = w.tok_embeddings.dtype();
+  }
   weight_bytes_ += static_cast<int64_t>(embed_.bytes());
   ML4_ASSIGN_OR_RETURN(norm_, upload_floats(w.norm));
   ML4_RETURN_IF_ERROR(up(output_, w.output));
@@ -154,13 +167,20 @@ Status CudaRunner::upload(const ModelWeights& w) {
         break;
       case FfnKind::kMoe: {
         L.moe = true;
-        ML4_ASSIGN_OR_RETURN(L.gate, upload_f32_linear(F.gate));
+        if (synthetic_seed_ != 0) {
+          LinearWeight g = F.gate;
+          g.format = LinearFormat::kF32;
+          ML4_ASSIGN_OR_RETURN(L.gate, synthetic_linear(g, synthetic_seed_ * 7919u + l));
+        } else {
+          ML4_ASSIGN_OR_RETURN(L.gate, upload_f32_linear(F.gate));
+        }
         track(L.gate);
         if (!F.correction_bias.empty()) {
           ML4_ASSIGN_OR_RETURN(L.bias, upload_floats(F.correction_bias));
         }
         L.experts.resize(F.experts.size());
         for (size_t e = 0; e < F.experts.size(); ++e) ML4_RETURN_IF_ERROR(up_mlp(L.experts[e], F.experts[e]));
+        for (const auto& e : L.experts) routed_expert_bytes_ += static_cast<int64_t>(e.w1.bytes() + e.w2.bytes() + e.w3.bytes());
         if (F.shared) {
           L.shared = std::make_unique<DeviceMlp>();
           ML4_RETURN_IF_ERROR(up_mlp(*L.shared, *F.shared));
@@ -182,6 +202,19 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::load(const std::string& model_di
   WeightLoadOptions wo;
   wo.experts_to_mxfp4 = opts.base.experts_to_mxfp4;
   ML4_ASSIGN_OR_RETURN(auto weights, load_model_weights(cfg, ck, wo));
+  return create(cfg, *weights, opts, 0, model_dir);
+}
+
+Result<std::unique_ptr<CudaRunner>> CudaRunner::load_synthetic(const ModelConfig& cfg, const CudaRunnerOptions& opts,
+                                                               uint64_t seed) {
+  if (!device_available()) return unimplemented("no CUDA device: the CUDA runner cannot start");
+  auto skeleton = synthetic_weight_skeleton(cfg, seed);
+  return create(cfg, *skeleton, opts, seed == 0 ? 1 : seed, "synthetic " + cfg.name);
+}
+
+Result<std::unique_ptr<CudaRunner>> CudaRunner::create(const ModelConfig& cfg, const ModelWeights& weights,
+                                                       const CudaRunnerOptions& opts, uint64_t synthetic_seed,
+                                                       const std::string& model_dir) {
   ML4_ASSIGN_OR_RETURN(KvCacheDtype dtype, parse_kv_cache_dtype(opts.base.kv_cache_dtype));
   ML4_ASSIGN_OR_RETURN(KvCacheSpec spec, make_kv_cache_spec(cfg, dtype));
   if (cfg.has_dsa() && cfg.indexer.head_dim != 128)
@@ -189,11 +222,13 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::load(const std::string& model_di
   std::unique_ptr<CudaRunner> r(new CudaRunner());
   r->cfg_ = cfg;
   r->opts_ = opts;
+  r->synthetic_seed_ = synthetic_seed;
   r->spec_ = spec;
   r->max_model_len_ = opts.base.max_model_len > 0 ? opts.base.max_model_len : cfg.max_position_embeddings;
   ML4_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&r->stream_, cudaStreamNonBlocking));
   ML4_ASSIGN_OR_RETURN(r->lt_, LtGemm::create());
-  ML4_RETURN_IF_ERROR(r->upload(*weights).with_context(model_dir));
+  ML4_RETURN_IF_ERROR(r->upload(weights).with_context(model_dir));
+  ML4_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());  // synthetic fills ran on the default stream
   ML4_ASSIGN_OR_RETURN(r->inv_freq_, upload_floats(cpu::rope_inv_freq(cfg.rope_theta, cfg.qk_rope_head_dim, cfg.yarn)));
   if (cfg.has_dsa()) {
     ML4_ASSIGN_OR_RETURN(r->idx_inv_freq_,
@@ -843,6 +878,13 @@ Result<StepOutput> CudaRunner::execute_traced(const StepInput& in, ForwardTrace*
     for (size_t i = 0; i < in.seqs.size(); ++i) out.logits.emplace_back();
   }
   return out;
+}
+
+Status CudaRunner::fill_kv_synthetic(uint64_t seed) {
+  uint64_t i = 0;
+  for (auto* pool : {&kv_, &idx_kv_})
+    for (auto& b : *pool) ML4_RETURN_IF_ERROR(fill_synthetic_bytes(b.data(), static_cast<int64_t>(b.bytes()), seed + ++i, stream_));
+  return cuda_status(cudaStreamSynchronize(stream_), "fill_kv_synthetic");
 }
 
 int64_t CudaRunner::graph_max_batch() const {

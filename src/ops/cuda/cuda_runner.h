@@ -54,6 +54,9 @@ struct CudaRunnerOptions {
 class CudaRunner : public ModelRunner {
  public:
   static Result<std::unique_ptr<CudaRunner>> load(const std::string& model_dir, const CudaRunnerOptions& opts);
+  // Speed measurements only: cfg's shapes with device-made values (synthetic_weights.h).
+  static Result<std::unique_ptr<CudaRunner>> load_synthetic(const ModelConfig& cfg, const CudaRunnerOptions& opts,
+                                                            uint64_t seed);
   ~CudaRunner() override;
 
   const ModelConfig& config() const override { return cfg_; }
@@ -62,6 +65,11 @@ class CudaRunner : public ModelRunner {
   Result<StepOutput> execute_traced(const StepInput& in, ForwardTrace* trace) override;
 
   int64_t weight_bytes() const { return weight_bytes_; }
+  // Bytes of all routed experts of all layers (the rest of weight_bytes is read every step).
+  int64_t routed_expert_bytes() const { return routed_expert_bytes_; }
+  // Benchmarks: finite random bytes in every latent and indexer page.
+  Status fill_kv_synthetic(uint64_t seed);
+  void set_cuda_graphs(bool on) { opts_.cuda_graphs = on; }
   // Decode steps served by replaying a captured graph, and graphs held.
   int64_t graph_replays() const { return graph_replays_; }
   size_t graphs_captured() const { return graphs_.size(); }
@@ -71,6 +79,9 @@ class CudaRunner : public ModelRunner {
   struct Layer;
   struct Buffers;
   CudaRunner() = default;
+  static Result<std::unique_ptr<CudaRunner>> create(const ModelConfig& cfg, const ModelWeights& weights,
+                                                    const CudaRunnerOptions& opts, uint64_t synthetic_seed,
+                                                    const std::string& model_dir);
   Status upload(const ModelWeights& w);
   Status ensure_buffers(int64_t T, int64_t R, int64_t S, int64_t max_blocks);
   Status lin(const DeviceLinear& w, const float* x, int64_t M, float* y);
@@ -105,7 +116,8 @@ class CudaRunner : public ModelRunner {
   std::unique_ptr<LtGemm> lt_;
   std::unique_ptr<Buffers> buf_;
   cudaStream_t stream_ = nullptr;
-  int64_t weight_bytes_ = 0, kv_bytes_ = 0;
+  int64_t weight_bytes_ = 0, kv_bytes_ = 0, routed_expert_bytes_ = 0;
+  uint64_t synthetic_seed_ = 0;  // non-zero: linears made on the device (load_synthetic)
   // This step's launch shape (padded in graph mode).
   int64_t step_T_ = 0, step_R_ = 0, step_maxlen_ = 1;
   // Bumped whenever a step buffer is reallocated: captured graphs hold old addresses.

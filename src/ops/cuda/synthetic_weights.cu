@@ -1,0 +1,188 @@
+// See synthetic_weights.h.
+#include "ops/cuda/synthetic_weights.h"
+
+#include <cmath>
+#include <random>
+
+#include <cuda_bf16.h>
+
+#include "ops/cuda/cuda_common.h"
+
+namespace ml4::cuda {
+namespace {
+
+__device__ __forceinline__ uint64_t mix(uint64_t x) {  // splitmix64 finalizer
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+__device__ __forceinline__ uint8_t band_e4m3(uint64_t h) {
+  const uint32_t sign = (h >> 8) & 1u, exp = 5u + static_cast<uint32_t>((h >> 16) % 5u), man = h & 7u;
+  return static_cast<uint8_t>((sign << 7) | (exp << 3) | man);
+}
+
+__global__ void bytes_kernel(uint8_t* p, int64_t n, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
+    p[i] = band_e4m3(mix(seed ^ static_cast<uint64_t>(i)));
+}
+
+__global__ void bf16_kernel(__nv_bfloat16* p, int64_t n, float amp, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    const float u = static_cast<float>(mix(seed ^ static_cast<uint64_t>(i)) >> 40) * (1.0f / 16777216.0f);
+    p[i] = __float2bfloat16_rn((2.0f * u - 1.0f) * amp);
+  }
+}
+
+__global__ void f32_kernel(float* p, int64_t n, float amp, float offset, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    const float u = static_cast<float>(mix(seed ^ static_cast<uint64_t>(i)) >> 40) * (1.0f / 16777216.0f);
+    p[i] = offset + (2.0f * u - 1.0f) * amp;
+  }
+}
+
+unsigned grid(int64_t n) { return static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 4096)); }
+
+// Host values for the small vectors.
+std::vector<float> host_values(std::mt19937_64& g, int64_t n, float offset, float amp) {
+  std::uniform_real_distribution<float> u(-amp, amp);
+  std::vector<float> v(n);
+  for (auto& x : v) x = offset + u(g);
+  return v;
+}
+
+LinearWeight shape_only(const std::string& name, LinearFormat f, int64_t N, int64_t K) {
+  LinearWeight w;
+  w.name = name;
+  w.format = f;
+  w.out_features = N;
+  w.in_features = K;
+  return w;
+}
+
+}  // namespace
+
+Status fill_synthetic_bytes(void* p, int64_t n, uint64_t seed, cudaStream_t stream) {
+  if (n <= 0) return Status::ok();
+  bytes_kernel<<<grid(n), 256, 0, stream>>>(static_cast<uint8_t*>(p), n, seed);
+  return cuda_status(cudaGetLastError(), "synthetic bytes");
+}
+
+Status fill_synthetic_bf16(void* p, int64_t n, float amplitude, uint64_t seed, cudaStream_t stream) {
+  if (n <= 0) return Status::ok();
+  bf16_kernel<<<grid(n), 256, 0, stream>>>(static_cast<__nv_bfloat16*>(p), n, amplitude, seed);
+  return cuda_status(cudaGetLastError(), "synthetic bf16");
+}
+
+Result<DeviceLinear> synthetic_linear(const LinearWeight& w, uint64_t seed) {
+  DeviceLinear d;
+  d.name = w.name;
+  d.format = w.format;
+  d.N = w.out_features;
+  d.K = w.in_features;
+  const int64_t n = d.N * d.K;
+  const float amp = 1.0f / std::sqrt(static_cast<float>(d.K));
+  switch (w.format) {
+    case LinearFormat::kBF16: {
+      ML4_ASSIGN_OR_RETURN(d.weight, DeviceBuffer::alloc(n * 2));
+      ML4_RETURN_IF_ERROR(fill_synthetic_bf16(d.weight.data(), n, amp, seed));
+      break;
+    }
+    case LinearFormat::kF32: {
+      ML4_ASSIGN_OR_RETURN(d.weight, DeviceBuffer::alloc(n * 4));
+      f32_kernel<<<grid(n), 256>>>(d.weight.as<float>(), n, amp, 0.0f, seed);
+      ML4_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+      break;
+    }
+    case LinearFormat::kFP8Block: {
+      if (d.K % 128 != 0 || d.N % 16 != 0)
+        return unimplemented("{}: FP8 block linear needs K % 128 == 0 and N % 16 == 0 (N={}, K={})", d.name, d.N, d.K);
+      ML4_ASSIGN_OR_RETURN(d.weight, DeviceBuffer::alloc(n));
+      ML4_RETURN_IF_ERROR(fill_synthetic_bytes(d.weight.data(), n, seed));
+      const int64_t kb = d.K / 128, nb = (d.N + 127) / 128, kb_lt = (kb + 3) / 4 * 4;
+      const float s = 0.25f * amp;
+      ML4_ASSIGN_OR_RETURN(d.scale, DeviceBuffer::alloc(nb * kb * 4));
+      f32_kernel<<<grid(nb * kb), 256>>>(d.scale.as<float>(), nb * kb, 0.0f, s, seed);
+      ML4_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+      if (kb_lt != kb) {  // the padded copy cuBLASLt reads (linear.h)
+        ML4_ASSIGN_OR_RETURN(d.scale_lt, DeviceBuffer::alloc(nb * kb_lt * 4));
+        f32_kernel<<<grid(nb * kb_lt), 256>>>(d.scale_lt.as<float>(), nb * kb_lt, 0.0f, s, seed);
+        ML4_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+      }
+      break;
+    }
+    case LinearFormat::kNVFP4:
+    case LinearFormat::kMXFP4:
+      return unimplemented("{}: synthetic {} weights", d.name, linear_format_name(w.format));
+  }
+  return Result<DeviceLinear>(std::move(d));
+}
+
+std::shared_ptr<ModelWeights> synthetic_weight_skeleton(const ModelConfig& cfg, uint64_t seed) {
+  std::mt19937_64 g(seed);
+  auto W = std::make_shared<ModelWeights>();
+  const int64_t D = cfg.dim, V = cfg.vocab_size, H = cfg.n_heads, dn = cfg.qk_nope_head_dim;
+  const int64_t dr = cfg.qk_rope_head_dim, dv = cfg.v_head_dim, r = cfg.kv_lora_rank;
+  const LinearFormat big = cfg.weight_format == WeightFormat::kBF16 ? LinearFormat::kBF16 : LinearFormat::kFP8Block;
+  W->tok_embeddings = Tensor();  // made on the device (CudaRunner)
+  W->norm = host_values(g, D, 1.0f, 0.1f);
+  W->output = shape_only("output.weight", LinearFormat::kBF16, V, D);
+  W->layers.resize(cfg.n_layers);
+  const float wr = 1.0f / std::sqrt(static_cast<float>(r));
+  for (int l = 0; l < cfg.n_layers; ++l) {
+    const LayerSpec& spec = cfg.layers[l];
+    LayerWeights& LW = W->layers[l];
+    const std::string p = "layers." + std::to_string(l) + ".";
+    LW.attention_norm = host_values(g, D, 1.0f, 0.1f);
+    LW.ffn_norm = host_values(g, D, 1.0f, 0.1f);
+    AttentionWeights& A = LW.attn;
+    if (cfg.q_lora_rank > 0) {
+      A.wq_a = shape_only(p + "attention.wq_a.weight", big, cfg.q_lora_rank, D);
+      A.q_a_norm = host_values(g, cfg.q_lora_rank, 1.0f, 0.1f);
+      A.wq_b = shape_only(p + "attention.wq_b.weight", big, H * (dn + dr), cfg.q_lora_rank);
+    } else {
+      A.wq = shape_only(p + "attention.wq.weight", big, H * (dn + dr), D);
+    }
+    if (spec.owns_kv()) {
+      A.wkv_a = shape_only(p + "attention.wkv_a_with_mqa.weight", big, r + dr, D);
+      A.kv_a_norm = host_values(g, r, 1.0f, 0.1f);
+    }
+    A.wo = shape_only(p + "attention.wo.weight", big, D, H * dv);
+    A.w_uk = host_values(g, H * dn * r, 0.0f, wr);
+    A.w_uv = host_values(g, H * dv * r, 0.0f, wr);
+    if (spec.ssmax) A.ssmax_s = host_values(g, H, 0.3f, 0.05f);
+    if (spec.indexer == IndexerRole::kOwner) {
+      auto I = std::make_unique<IndexerWeights>();
+      const int64_t HI = cfg.indexer.n_heads, dI = cfg.indexer.head_dim;
+      I->wq = shape_only(p + "attention.indexer.wq.weight", big, HI * dI, cfg.q_lora_rank > 0 ? cfg.q_lora_rank : D);
+      I->wk = shape_only(p + "attention.indexer.wk.weight", big, dI, D);
+      I->k_norm_weight = host_values(g, dI, 1.0f, 0.1f);
+      I->k_norm_bias = host_values(g, dI, 0.0f, 0.1f);
+      I->weights_proj = shape_only(p + "attention.indexer.weights_proj.weight", LinearFormat::kBF16, HI, D);
+      A.indexer = std::move(I);
+    }
+    FfnWeights& F = LW.ffn;
+    auto mlp = [&](MlpWeights& m, const std::string& pre, int64_t I) {
+      m.w1 = shape_only(pre + "w1.weight", big, I, D);
+      m.w2 = shape_only(pre + "w2.weight", big, D, I);
+      m.w3 = shape_only(pre + "w3.weight", big, I, D);
+    };
+    if (spec.ffn == FfnKind::kDense) {
+      mlp(F.dense, p + "feed_forward.", cfg.hidden_dim);
+    } else {
+      const int64_t E = cfg.moe.num_experts, I = cfg.moe.expert_hidden_dim;
+      F.gate = shape_only(p + "gate.weight", LinearFormat::kBF16, E, D);
+      if (cfg.moe.has_correction_bias) F.correction_bias = host_values(g, E, 0.0f, 0.01f);
+      F.experts.resize(E);
+      for (int64_t e = 0; e < E; ++e) mlp(F.experts[e], p + "experts." + std::to_string(e) + ".", I);
+      if (cfg.moe.num_shared_experts > 0) {
+        F.shared = std::make_unique<MlpWeights>();
+        mlp(*F.shared, p + "shared_experts.", I * cfg.moe.num_shared_experts);
+      }
+    }
+  }
+  return W;
+}
+
+}  // namespace ml4::cuda
