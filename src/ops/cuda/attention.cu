@@ -34,6 +34,7 @@ using detail::key_slot;
 constexpr int kThreads = 512;
 constexpr int kTile = 16;            // keys per tile
 constexpr int kSplitQuantum = 64;    // split boundaries: whole tiles of both kernels
+constexpr int kDecodeQuantum = 32;   // the decode kernel's tile (attention_decode.cu)
 constexpr int kMaxRowWords = 288;    // bf16 rows: 1152 B
 constexpr int kRawPerThread = (kTile * kMaxRowWords + kThreads - 1) / kThreads;  // 9
 constexpr int kMaxHeadsPerGroup = 16;  // PV: at least 4 head groups of <= 16 heads (r <= 512)
@@ -275,6 +276,15 @@ int max_keys(const MlaAttentionParams& p) { return p.indices ? p.topk : p.max_le
 int choose_splits(const MlaAttentionParams& p) {
   const int64_t keys = max_keys(p);
   if (keys <= 0 || p.T <= 0) return 1;
+  if (use_decode_kernel(p, static_cast<int>(latent_token_bytes(p.dtype, p.r, p.dr)))) {
+    // Decode kernel: one block per SM (its shared memory), so as many splits as keep all blocks
+    // in ONE wave (a second, partial wave costs a whole block time), >= 32 keys (a tile) each.
+    const int64_t max_splits = std::max<int64_t>(1, (keys + kDecodeQuantum - 1) / kDecodeQuantum);
+    if (p.num_splits > 0) return static_cast<int>(std::min<int64_t>(p.num_splits, max_splits));
+    const int64_t blocks = p.T * ((p.H + kMlaHeadsPerBlock - 1) / kMlaHeadsPerBlock);
+    const int64_t sms = std::max(1, sm_count());
+    return static_cast<int>(std::clamp<int64_t>(sms / blocks, 1, max_splits));
+  }
   const int64_t tiles = (keys + kTile - 1) / kTile;
   const int64_t max_splits = std::max<int64_t>(1, tiles / 4);  // >= 64 keys per split
   if (p.num_splits > 0) return static_cast<int>(std::min<int64_t>(p.num_splits, tiles));
@@ -340,7 +350,8 @@ Status mla_attention(const MlaAttentionParams& p) {
   if (splits > 65535) splits = 65535;
   const int64_t keys = std::max(max_keys(p), 1);
   int chunk = static_cast<int>((keys + splits - 1) / splits);
-  chunk = (chunk + kSplitQuantum - 1) / kSplitQuantum * kSplitQuantum;
+  const int quantum = use_decode_kernel(p, row_bytes) ? kDecodeQuantum : kSplitQuantum;
+  chunk = (chunk + quantum - 1) / quantum * quantum;
 
   Args a{};
   a.q_lat = p.q_lat;

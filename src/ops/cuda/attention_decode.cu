@@ -15,27 +15,34 @@
 //   B = 1 still fills the SMs; attention.cu merges the partial (out, lse) in split order, so
 //   the result is deterministic), and each block takes 64 heads (MT = 4 head tiles of 16; a
 //   remainder of H % 64 heads is a second launch with MT = 1..3, MT a template parameter).
-//   384 threads: warpgroups 0-1 (warps 0-7) are the consumers, warpgroup 2 the producer, of
-//   which warp 8 works; setmaxnreg moves registers to the consumers (232 each: MT = 4 keeps
-//   128 f32 accumulators; at 288 threads the 4-warp allocation granularity capped all at 168).
+//   512 threads: warpgroups 0-1 (warps 0-7) are the consumers, warpgroups 2-3 the producers
+//   (warp 8 loads, 9-15 dequantize); setmaxnreg moves registers to the consumers (200 each:
+//   MT = 4 keeps 128 f32 accumulators; without it the 4-warp allocation granularity caps all
+//   warps at 128).
+//   Splits (attention.cu choose_splits): as many as keep T x head blocks x splits within one
+//   wave of one block per SM, >= 32 keys each.
 //   Producer: per tile of 32 keys, lane j loads slot j (one coalesced 128-byte index load,
 //     issued a tile ahead so its latency hides behind the ring wait), waits until the ring
 //     stage is free (mbarrier `empty`), posts the valid-key bit mask and the byte count on the
 //     stage's `full` mbarrier, and each lane with a valid slot issues one cp.async.bulk of its
 //     whole 656-byte row (global -> shared, completing on `full`). NS ring stages (2..8, as
-//     many as the shared memory allows: 3 at 64 heads, 6 at 16) keep 40-120 KB of rows in
+//     many as the shared memory allows: 2 at 64 heads, 6 at 16) keep 40-120 KB of rows in
 //     flight per SM, above the ~23 KB that 70% of HBM bandwidth needs per SM at ~1 us latency.
-//   Consumers, per tile: wait `full`; dequantize the stage into a bf16 key tile [32][576]
-//     (e4m3 x tile scale, rope copied; invalid keys zeroed), release the stage (`empty`); then
-//     QK^T: S = Q K^T as (MT x 4 key n-tiles x KS k-splits) units of mma.sync m16n8k16 over
-//     ldmatrix fragments (KS = 2 when MT = 1 so 8 warps have work), partial S to shared memory;
-//     softmax: warp w owns heads w, w+8, ...: lane = key, running max per head in registers,
-//     per-lane running sums (reduced once at the end), P as bf16 and the rescale factor to
-//     shared memory; PV: warp w owns output columns [64w, 64w+64) for all heads, rescales its
-//     accumulators (MT x 8 n-tiles x 4 = up to 128 f32 registers) and adds P V with the key
-//     tile read by ldmatrix.trans. Three named barriers among the consumers per tile (the
-//     producer never waits on them); the key tile is double-buffered so the next tile's
-//     dequantization overlaps the slow warps' PV.
+//   Dequantizers (warps 9-15, "WS"): wait `full`, turn the stage into a bf16 key tile [32][576]
+//     (e4m3 x tile scale with integer ops and one bf16x2 multiply, rope copied, invalid keys
+//     zeroed) in one of two key buffers (mbarriers `kfull` / `kempty`), release the stage.
+//   Consumers (warps 0-7, 200 registers), per tile: wait `kfull`; QK^T with mma.sync m16n8k16
+//     over ldmatrix fragments, partial S (KS k-halves) to shared memory: at H = 16 (MT = 1) warp
+//     w takes key n-tile w / 2 and k-half w % 2 with its q fragments held in registers for the
+//     whole kernel; at MT = 4 warp w takes head tile w / 2, k-half w % 2 and all 4 n-tiles
+//     (384 B of ldmatrix per mma); softmax: warp w owns heads w, w+8, ...: lane = key, running
+//     max per head in registers, per-lane running sums (reduced once at the end), P as bf16 and
+//     the rescale factor to shared memory; PV: warp w owns output columns [64w, 64w+64) for all
+//     heads, rescales its accumulators (MT x 8 n-tiles x 4 = up to 128 f32 registers) and adds
+//     P V with the key tile read by ldmatrix.trans; then releases the key buffer (`kempty`).
+//     Two named barriers among the consumers per tile; the producers never wait on them.
+//   ML4_MLA_DECODE_WS=0 selects the first version (consumers dequantize themselves, 384 threads,
+//     three barriers per tile): kept for comparison (docs/BENCHMARKS.md).
 // Shared memory: ring NS x 32 x 656 B, Q and two key tiles at a 1168-byte row stride (ldmatrix
 // rows fall on distinct banks), S partials at 40 floats per row (conflict-free float2 writes).
 // The split partials use attention.cu's layout ([split][T][H][r] out / l, and m + ln l).
@@ -48,6 +55,8 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <type_traits>
 
 #include "kv/latent_layout.h"
 #include "ops/cuda/attention_internal.h"
@@ -61,25 +70,30 @@ constexpr int kRopeOffset = kR + 16;  // after the 4 f32 tile scales
 constexpr int kKeys = 32;             // keys per tile
 constexpr int kWarps = 8;             // consumer warps
 constexpr int kConsumers = 32 * kWarps;
-constexpr int kThreads = kConsumers + 128;  // + the producer warpgroup (one warp of it works)
-constexpr int kProducerRegs = 40, kConsumerRegs = 232;  // setmaxnreg: 128 x 40 + 256 x 232 <= 65536
+// Threads and setmaxnreg budgets: WS (warp-specialized dequantization): 2 producer warpgroups
+// (warp 8 loads, warps 9-15 dequantize) at 56 registers, 2 consumer warpgroups at 200
+// (256 x 56 + 256 x 200 = 65536); otherwise 1 producer warpgroup (warp 8 loads) at 40 and the
+// consumers dequantize themselves at 232 (128 x 40 + 256 x 232 <= 65536).
+template <bool WS> constexpr int kThreadsOf = WS ? 512 : 384;
+template <bool WS> constexpr int kProducerRegsOf = WS ? 56 : 40;
+template <bool WS> constexpr int kConsumerRegsOf = WS ? 200 : 232;
+constexpr int kDeqWarpsWs = 7;  // warps 9-15
 constexpr int kMaxHeads = 64;
 constexpr int kQP = kD + 8;           // bf16 row stride of Q and key tiles: 1168 B = 292 words (4 mod 32)
 constexpr int kSP = kKeys + 8;        // f32 row stride of S partials
 constexpr int kPP = kKeys + 8;        // bf16 row stride of P (80 B)
 constexpr int kChunks = kR / 16 + kDr / 8;  // 16-byte pieces of a key row to dequantize: 32 fp8 + 8 rope
-constexpr int kItems = kKeys * kChunks / kConsumers;  // per consumer thread and tile: 5
+constexpr int kTileItems = kKeys * kChunks;  // 1280 per tile
 constexpr int kMaxStages = 8;
-static_assert(kKeys * kChunks % kConsumers == 0, "dequantization items divide evenly");
 static_assert(kRowBytes % 16 == 0 && (kKeys * kRowBytes) % 16 == 0, "bulk copies need 16-byte sizes");
 
 struct Smem {
-  int raw, full, empty, masks, qs, kb, sp, ps, cs, ls, hs, total;
+  int raw, full, empty, masks, kfull, kempty, kmask, qs, kb, sp, ps, cs, ls, hs, total;
 };
 
 // Byte offsets of the shared-memory regions for MT head tiles and NS ring stages.
 __host__ __device__ inline Smem smem_layout(int MT, int NS) {
-  const int HB = 16 * MT, KS = MT == 1 ? 2 : 1;
+  const int HB = 16 * MT, KS = (MT == 1 || MT == 4) ? 2 : 1;
   Smem L{};
   int o = 0;
   L.raw = o;
@@ -88,8 +102,14 @@ __host__ __device__ inline Smem smem_layout(int MT, int NS) {
   o += 8 * NS;
   L.empty = o;
   o += 8 * NS;
+  L.kfull = o;  // key-tile buffers (WS): dequantized -> consumers
+  o += 16;
+  L.kempty = o;
+  o += 16;
   L.masks = o;
   o += 4 * NS;
+  L.kmask = o;
+  o += 8;
   o = (o + 15) & ~15;
   L.qs = o;
   o += HB * kQP * 2;
@@ -148,11 +168,28 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x = lo (low 16 bits)
   return *reinterpret_cast<const uint32_t*>(&v);
 }
-// Two e4m3 bytes (low byte first) x scale -> bf16x2.
-__device__ __forceinline__ uint32_t dequant2(uint32_t two, float sc) {
+// Two e4m3 bytes (low byte first) x scale -> bf16x2 through f32 (the exact path, for tile scales
+// >= 2^7 whose 2^120 multiple would overflow below).
+__device__ __forceinline__ uint32_t dequant2_f32(uint32_t two, float sc) {
   const __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two & 0xffffu), __NV_E4M3);
   const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&hr));
   return pack_bf16(f.x * sc, f.y * sc);
+}
+// Four e4m3 bytes of w x scale -> two bf16x2 words, on the integer and bf16 FMA pipes (the
+// conversion instructions run at 16 per clock per SM, a quarter of these). An e4m3 byte
+// s.eeee.mmm placed as bf16 bits s.0000eeee.mmm0000 is exactly its value times 2^-120 (bias 7
+// against 127; e4m3 subnormals become bf16 subnormals alike), so one bf16x2 multiply by
+// s2 = bf16(scale * 2^120) dequantizes two values: a bf16-rounded product of a bf16-rounded
+// scale (two roundings of 2^-9 where the f32 path has one).
+__device__ __forceinline__ void dequant4(uint32_t w, __nv_bfloat162 s2, uint32_t& lo, uint32_t& hi) {
+  const uint32_t t0 = __byte_perm(w, 0u, 0x1404);  // b1 << 24 | b0 << 8
+  const uint32_t t1 = __byte_perm(w, 0u, 0x3424);  // b3 << 24 | b2 << 8
+  uint32_t r0 = ((t0 >> 4) & 0x07F007F0u) | (t0 & 0x80008000u);
+  uint32_t r1 = ((t1 >> 4) & 0x07F007F0u) | (t1 & 0x80008000u);
+  const __nv_bfloat162 x0 = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&r0), s2);
+  const __nv_bfloat162 x1 = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&r1), s2);
+  lo = *reinterpret_cast<const uint32_t*>(&x0);
+  hi = *reinterpret_cast<const uint32_t*>(&x1);
 }
 
 __device__ __forceinline__ void mma_bf16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
@@ -173,8 +210,52 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* p) {
                : "r"(smem_u32(p)));
 }
 
-template <int MT>
-__global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const Args a, const int NS, const int h_first) {
+// Dequantizes one ring stage (32 raw rows) into a bf16 key tile [32][kQP]: item = (key, 16-byte
+// piece): 16 e4m3 -> 16 bf16 (tile scale applied), or 8 rope bf16 copied; invalid keys -> 0.
+// NT threads share the 1280 items; dtid is this thread's index among them.
+template <int NT>
+__device__ __forceinline__ void dequant_tile(const uint8_t* rs, __nv_bfloat16* kt, uint32_t mask, int dtid) {
+  constexpr int kIters = (kTileItems + NT - 1) / NT;
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int item = dtid + it * NT;
+    if (kTileItems % NT == 0 || item < kTileItems) {
+      const int key = item / kChunks, c = item % kChunks;
+      const uint8_t* row = rs + key * kRowBytes;
+      const bool ok = (mask >> key) & 1u;
+      if (c < kR / 16) {
+        uint4 o0 = make_uint4(0, 0, 0, 0), o1 = o0;
+        if (ok) {
+          const uint4 v = *reinterpret_cast<const uint4*>(row + 16 * c);
+          const float sc = *reinterpret_cast<const float*>(row + kR + 4 * (c / 8));
+          if (sc < 128.0f) {
+            const __nv_bfloat162 s2 = __float2bfloat162_rn(sc * 0x1p120f);
+            dequant4(v.x, s2, o0.x, o0.y);
+            dequant4(v.y, s2, o0.z, o0.w);
+            dequant4(v.z, s2, o1.x, o1.y);
+            dequant4(v.w, s2, o1.z, o1.w);
+          } else {
+            o0 = make_uint4(dequant2_f32(v.x, sc), dequant2_f32(v.x >> 16, sc), dequant2_f32(v.y, sc),
+                            dequant2_f32(v.y >> 16, sc));
+            o1 = make_uint4(dequant2_f32(v.z, sc), dequant2_f32(v.z >> 16, sc), dequant2_f32(v.w, sc),
+                            dequant2_f32(v.w >> 16, sc));
+          }
+        }
+        uint4* d = reinterpret_cast<uint4*>(kt + key * kQP + 16 * c);
+        d[0] = o0;
+        d[1] = o1;
+      } else {
+        const int rc = c - kR / 16;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (ok) v = *reinterpret_cast<const uint4*>(row + kRopeOffset + 16 * rc);
+        *reinterpret_cast<uint4*>(kt + key * kQP + kR + 8 * rc) = v;
+      }
+    }
+  }
+}
+
+template <int MT, bool WS>
+__global__ void __launch_bounds__(kThreadsOf<WS>, 1) mla_decode_kernel(const Args a, const int NS, const int h_first) {
   extern __shared__ __align__(128) uint8_t smem[];
   const int t = blockIdx.x, split = blockIdx.y;
   const int h0 = h_first + blockIdx.z * kMaxHeads;
@@ -184,6 +265,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const Args a, c
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + L.full);
   uint64_t* empty = reinterpret_cast<uint64_t*>(smem + L.empty);
   uint32_t* masks = reinterpret_cast<uint32_t*>(smem + L.masks);
+  uint64_t* kfull = reinterpret_cast<uint64_t*>(smem + L.kfull);
+  uint64_t* kempty = reinterpret_cast<uint64_t*>(smem + L.kempty);
+  uint32_t* kmask = reinterpret_cast<uint32_t*>(smem + L.kmask);
   __nv_bfloat16* qs = reinterpret_cast<__nv_bfloat16*>(smem + L.qs);
   __nv_bfloat16* kb = reinterpret_cast<__nv_bfloat16*>(smem + L.kb);
   float* sp = reinterpret_cast<float*>(smem + L.sp);
@@ -201,16 +285,39 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const Args a, c
   if (tid == 0) {
     for (int s = 0; s < NS; ++s) {
       mbar_init(full + s, 1);
-      mbar_init(empty + s, kWarps);
+      mbar_init(empty + s, WS ? kDeqWarpsWs : kWarps);
+    }
+    for (int b = 0; b < 2; ++b) {
+      mbar_init(kfull + b, kDeqWarpsWs);
+      mbar_init(kempty + b, kWarps);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
 
   if (warp >= kWarps) {
-    // Producer warpgroup: gives its registers to the consumers; warp 8 works, 9-11 leave.
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
-    if (warp != kWarps) return;
+    // Producer warpgroup(s): give registers to the consumers; warp 8 loads; with WS warps 9-15
+    // dequantize, else 9-11 leave.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegsOf<WS>));
+    if (warp != kWarps) {
+      if constexpr (WS) {
+        const int dtid = tid - 32 * (kWarps + 1);
+        for (int i = 0; i < ntiles; ++i) {
+          const int s = i % NS, b = i & 1;
+          mbar_wait(full + s, (i / NS) & 1);
+          if (i >= 2) mbar_wait(kempty + b, ((i >> 1) - 1) & 1);
+          const uint32_t mask = masks[s];
+          dequant_tile<32 * kDeqWarpsWs>(raw + s * kKeys * kRowBytes, kb + b * kKeys * kQP, mask, dtid);
+          if (dtid == 0) kmask[b] = mask;
+          __syncwarp();
+          if (lane == 0) {
+            mbar_arrive(empty + s);
+            mbar_arrive(kfull + b);
+          }
+        }
+      }
+      return;
+    }
     const int32_t* idx = a.indices + static_cast<int64_t>(t) * a.indices_stride;
     auto slot_of = [&](int j) -> int64_t {
       if (j >= j1) return -1;
@@ -233,7 +340,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const Args a, c
     }
     return;
   }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegsOf<WS>));
 
   // Consumers. q -> bf16 rows, head scales.
   for (int i = tid; i < HB * (kD / 2); i += kConsumers) {
@@ -243,15 +350,26 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const Args a, c
     *reinterpret_cast<uint32_t*>(qs + h * kQP + v) = pack_bf16(src[0], src[1]);
   }
   if (tid < HB) hs[tid] = a.head_scale[static_cast<int64_t>(t) * a.H + h0 + tid];
+  if constexpr (WS) consumer_sync();  // q and head scales (without WS the first tile's barrier)
 
   const int g = lane >> 2, tq = lane & 3;
-  constexpr int KS = MT == 1 ? 2 : 1;
+  constexpr int KS = (MT == 1 || MT == 4) ? 2 : 1;  // k-splits of QK^T (partial S summed in the softmax)
   constexpr int nunits = MT * 4 * KS;
   constexpr int ksteps = (kD / 16) / KS;  // 36 or 18, even
   constexpr int RW = HB / kWarps;         // softmax rows per warp: 2..8
   const int lrow = (lane & 7) + 8 * ((lane >> 3) & 1);  // A fragments (ldmatrix.x4): row in the 16-row tile
   const int lcol = 8 * (lane >> 4);                     //   and column offset
 
+  // MT = 1: this warp's q fragments (k-half warp % 2, 18 k-steps) live in registers; the QK^T
+  // loop then reads only the key tile from shared memory (the q re-reads were a third of the
+  // per-tile shared-memory traffic at H = 16).
+  uint32_t qf[MT == 1 ? ksteps : 1][4];
+  if constexpr (MT == 1) {
+    if constexpr (!WS) consumer_sync();  // q in shared memory
+    const __nv_bfloat16* qa = qs + lrow * kQP + lcol + 16 * ksteps * (warp % 2);
+#pragma unroll
+    for (int k = 0; k < ksteps; ++k) ldmatrix_x4(qf[k], qa + 16 * k);
+  }
   float m_run[8], l_run[8];
 #pragma unroll
   for (int rr = 0; rr < 8; ++rr) {
@@ -265,60 +383,114 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const Args a, c
     for (int nt = 0; nt < 8; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.0f;
 
   for (int i = 0; i < ntiles; ++i) {
-    const int s = i % NS;
-    mbar_wait(full + s, (i / NS) & 1);
-    const uint32_t mask = masks[s];  // read before the stage is released
     __nv_bfloat16* kt = kb + (i & 1) * kKeys * kQP;
-    const uint8_t* rs = raw + s * kKeys * kRowBytes;
-
-    // Dequantize: 16 e4m3 bytes -> 16 bf16, or 8 rope bf16 copied; invalid keys -> 0.
-#pragma unroll
-    for (int it = 0; it < kItems; ++it) {
-      const int item = tid + it * kConsumers;
-      const int key = item / kChunks, c = item % kChunks;
-      const uint8_t* row = rs + key * kRowBytes;
-      const bool ok = (mask >> key) & 1u;
-      if (c < kR / 16) {
-        uint4 o0 = make_uint4(0, 0, 0, 0), o1 = o0;
-        if (ok) {
-          const uint4 v = *reinterpret_cast<const uint4*>(row + 16 * c);
-          const float sc = *reinterpret_cast<const float*>(row + kR + 4 * (c / 8));
-          o0 = make_uint4(dequant2(v.x, sc), dequant2(v.x >> 16, sc), dequant2(v.y, sc), dequant2(v.y >> 16, sc));
-          o1 = make_uint4(dequant2(v.z, sc), dequant2(v.z >> 16, sc), dequant2(v.w, sc), dequant2(v.w >> 16, sc));
-        }
-        uint4* d = reinterpret_cast<uint4*>(kt + key * kQP + 16 * c);
-        d[0] = o0;
-        d[1] = o1;
-      } else {
-        const int rc = c - kR / 16;
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (ok) v = *reinterpret_cast<const uint4*>(row + kRopeOffset + 16 * rc);
-        *reinterpret_cast<uint4*>(kt + key * kQP + kR + 8 * rc) = v;
-      }
+    uint32_t mask;
+    if constexpr (WS) {
+      mbar_wait(kfull + (i & 1), (i >> 1) & 1);
+      mask = kmask[i & 1];
+    } else {
+      const int s = i % NS;
+      mbar_wait(full + s, (i / NS) & 1);
+      mask = masks[s];  // read before the stage is released
+      dequant_tile<kConsumers>(raw + s * kKeys * kRowBytes, kt, mask, tid);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty + s);
+      consumer_sync();  // key tile (and, at i = 0, q and head scales) complete
     }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(empty + s);
-    consumer_sync();  // key tile (and, at i = 0, q and head scales) complete
 
-    // S partials: unit u = (head tile mt, key n-tile nt, k-split ks).
-    for (int u = warp; u < nunits; u += kWarps) {
-      const int ks = u % KS, nt = (u / KS) % 4, mt = u / (4 * KS);
-      float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
-      const __nv_bfloat16* qa = qs + (16 * mt + lrow) * kQP + lcol;
-      const __nv_bfloat16* kp = kt + (8 * nt + (lane & 7)) * kQP + 8 * (lane >> 3);
-      const int kbeg = ks * ksteps;
-#pragma unroll 2
-      for (int k = kbeg; k < kbeg + ksteps; k += 2) {
-        uint32_t a0[4], a1[4], b[4];
+    // S partials (f32, [KS][HB][kSP]), per head-tile count: MT = 4 and 1 below; MT = 2: warp w
+    // takes key n-tile w % 4 and head tile w / 4; MT = 3: units u = (head tile, n-tile).
+    if constexpr (MT == 4) {
+      // Warp w: head tile w / 2, k-half w % 2, all 4 key n-tiles: 6 ldmatrix per 8 mma (384 B
+      // of shared memory per mma; the q re-reads dominate otherwise).
+      float c[4][4];
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.0f;
+      const int mt = warp / 2, ks = warp % 2;
+      const __nv_bfloat16* qa = qs + (16 * mt + lrow) * kQP + lcol + 16 * ksteps * ks;
+      const __nv_bfloat16* kp = kt + (lane & 7) * kQP + 8 * (lane >> 3) + 16 * ksteps * ks;
+#pragma unroll 3
+      for (int k = 0; k < ksteps; k += 2) {
+        uint32_t a0[4], a1[4];
         ldmatrix_x4(a0, qa + 16 * k);
         ldmatrix_x4(a1, qa + 16 * (k + 1));
-        ldmatrix_x4(b, kp + 16 * k);  // d [16k, 16k + 32): b0, b1 of step k, then of step k + 1
-        mma_bf16(c0, a0, b[0], b[1]);
-        mma_bf16(c1, a1, b[2], b[3]);
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          uint32_t b[4];
+          ldmatrix_x4(b, kp + 8 * nt * kQP + 16 * k);
+          mma_bf16(c[nt], a0, b[0], b[1]);
+          mma_bf16(c[nt], a1, b[2], b[3]);
+        }
       }
-      float* o = sp + (ks * HB + 16 * mt + g) * kSP + 8 * nt + 2 * tq;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        float* o = sp + (ks * HB + 16 * mt + g) * kSP + 8 * nt + 2 * tq;
+        *reinterpret_cast<float2*>(o) = make_float2(c[nt][0], c[nt][1]);
+        *reinterpret_cast<float2*>(o + 8 * kSP) = make_float2(c[nt][2], c[nt][3]);
+      }
+    } else if constexpr (MT == 2) {
+      constexpr int MPW = MT / 2;
+      const int nt = warp % 4;
+      float c[MPW][2][4];
+#pragma unroll
+      for (int j = 0; j < MPW; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) c[j][0][e] = c[j][1][e] = 0.0f;
+      const __nv_bfloat16* kp = kt + (8 * nt + (lane & 7)) * kQP + 8 * (lane >> 3);
+      const __nv_bfloat16* qa = qs + (16 * (warp / 4) + lrow) * kQP + lcol;
+#pragma unroll 6
+      for (int k = 0; k < kD / 16; k += 2) {
+        uint32_t b[4];
+        ldmatrix_x4(b, kp + 16 * k);  // d [16k, 16k + 32): b0, b1 of step k, then of step k + 1
+#pragma unroll
+        for (int j = 0; j < MPW; ++j) {
+          uint32_t a0[4], a1[4];
+          ldmatrix_x4(a0, qa + 32 * j * kQP + 16 * k);
+          ldmatrix_x4(a1, qa + 32 * j * kQP + 16 * (k + 1));
+          mma_bf16(c[j][0], a0, b[0], b[1]);
+          mma_bf16(c[j][1], a1, b[2], b[3]);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < MPW; ++j) {
+        float* o = sp + (16 * (warp / 4 + 2 * j) + g) * kSP + 8 * nt + 2 * tq;
+        *reinterpret_cast<float2*>(o) = make_float2(c[j][0][0] + c[j][1][0], c[j][0][1] + c[j][1][1]);
+        *reinterpret_cast<float2*>(o + 8 * kSP) = make_float2(c[j][0][2] + c[j][1][2], c[j][0][3] + c[j][1][3]);
+      }
+    } else if constexpr (MT == 1) {
+      // Warp w: key n-tile w / 2, k-half w % 2; its q fragments stay in registers (qf).
+      float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
+      const __nv_bfloat16* kp = kt + (8 * (warp / 2) + (lane & 7)) * kQP + 8 * (lane >> 3) + 16 * ksteps * (warp % 2);
+#pragma unroll
+      for (int k = 0; k < ksteps; k += 2) {
+        uint32_t b[4];
+        ldmatrix_x4(b, kp + 16 * k);
+        mma_bf16(c0, qf[k], b[0], b[1]);
+        mma_bf16(c1, qf[k + 1], b[2], b[3]);
+      }
+      float* o = sp + ((warp % 2) * HB + g) * kSP + 8 * (warp / 2) + 2 * tq;
       *reinterpret_cast<float2*>(o) = make_float2(c0[0] + c1[0], c0[1] + c1[1]);
       *reinterpret_cast<float2*>(o + 8 * kSP) = make_float2(c0[2] + c1[2], c0[3] + c1[3]);
+    } else {
+      for (int u = warp; u < nunits; u += kWarps) {
+        const int ks = u % KS, nt = (u / KS) % 4, mt = u / (4 * KS);
+        float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
+        const __nv_bfloat16* qa = qs + (16 * mt + lrow) * kQP + lcol;
+        const __nv_bfloat16* kp = kt + (8 * nt + (lane & 7)) * kQP + 8 * (lane >> 3);
+        const int kbeg = ks * ksteps;
+#pragma unroll
+        for (int k = 0; k < ksteps; k += 2) {
+          uint32_t a0[4], a1[4], b[4];
+          ldmatrix_x4(a0, qa + 16 * (kbeg + k));
+          ldmatrix_x4(a1, qa + 16 * (kbeg + k + 1));
+          ldmatrix_x4(b, kp + 16 * (kbeg + k));
+          mma_bf16(c0, a0, b[0], b[1]);
+          mma_bf16(c1, a1, b[2], b[3]);
+        }
+        float* o = sp + (ks * HB + 16 * mt + g) * kSP + 8 * nt + 2 * tq;
+        *reinterpret_cast<float2*>(o) = make_float2(c0[0] + c1[0], c0[1] + c1[1]);
+        *reinterpret_cast<float2*>(o + 8 * kSP) = make_float2(c0[2] + c1[2], c0[3] + c1[3]);
+      }
     }
     consumer_sync();  // S complete
 
@@ -379,6 +551,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const Args a, c
         }
       }
     }
+    if constexpr (WS) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(kempty + (i & 1));  // this warp is done with the key tile
+    }
   }
 
   // Sums, lse (natural log), normalised output of this split.
@@ -435,27 +611,37 @@ cudaError_t launch_mla_decode(const Args& a, dim3 grid, cudaStream_t stream) {
   if (e != cudaSuccess) return e;
   e = cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
   if (e != cudaSuccess) return e;
+  static const bool ws = [] {
+    const char* v = std::getenv("ML4_MLA_DECODE_WS");
+    return !(v && v[0] == '0');
+  }();
   // Head blocks of 64 (MT = 4); a remainder of H % 64 heads runs as its own launch.
   const int full_blocks = a.H / kMaxHeads, rest = a.H % kMaxHeads;
-  auto launch = [&](auto kernel, int MT, unsigned zblocks, int h_first) -> cudaError_t {
+  auto launch = [&](auto kernel, int MT, int threads, unsigned zblocks, int h_first) -> cudaError_t {
     const int ns = stages_for(16 * MT, limit);
     const int smem = smem_layout(MT, ns).total;
     if (smem > limit) return cudaErrorInvalidConfiguration;
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
-    kernel<<<dim3(grid.x, grid.y, zblocks), kThreads, smem, stream>>>(a, ns, h_first);
+    kernel<<<dim3(grid.x, grid.y, zblocks), threads, smem, stream>>>(a, ns, h_first);
     return cudaGetLastError();
   };
-  if (full_blocks > 0) {
-    e = launch(mla_decode_kernel<4>, 4, static_cast<unsigned>(full_blocks), 0);
-    if (e != cudaSuccess) return e;
-  }
-  switch (rest / 16) {
-    case 1: return launch(mla_decode_kernel<1>, 1, 1u, full_blocks * kMaxHeads);
-    case 2: return launch(mla_decode_kernel<2>, 2, 1u, full_blocks * kMaxHeads);
-    case 3: return launch(mla_decode_kernel<3>, 3, 1u, full_blocks * kMaxHeads);
-    default: return cudaSuccess;
-  }
+  auto run = [&](auto ws_tag) -> cudaError_t {
+    constexpr bool W = decltype(ws_tag)::value;
+    constexpr int T = kThreadsOf<W>;
+    if (full_blocks > 0) {
+      const cudaError_t err = launch(mla_decode_kernel<4, W>, 4, T, static_cast<unsigned>(full_blocks), 0);
+      if (err != cudaSuccess) return err;
+    }
+    const int hf = full_blocks * kMaxHeads;
+    switch (rest / 16) {
+      case 1: return launch(mla_decode_kernel<1, W>, 1, T, 1u, hf);
+      case 2: return launch(mla_decode_kernel<2, W>, 2, T, 1u, hf);
+      case 3: return launch(mla_decode_kernel<3, W>, 3, T, 1u, hf);
+      default: return cudaSuccess;
+    }
+  };
+  return ws ? run(std::true_type{}) : run(std::false_type{});
 }
 
 }  // namespace ml4::cuda::detail
