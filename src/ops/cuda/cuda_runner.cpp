@@ -880,6 +880,20 @@ Result<StepOutput> CudaRunner::execute_traced(const StepInput& in, ForwardTrace*
   return out;
 }
 
+Status CudaRunner::read_cache_page(int group, int layer_slot, int64_t block, std::vector<uint8_t>* out) const {
+  if (group < 0 || group >= static_cast<int>(spec_.groups.size())) return out_of_range("cache group {}", group);
+  const auto& g = spec_.groups[group];
+  const auto& pool = g.kind == CacheGroupSpec::kLatent ? kv_ : g.kind == CacheGroupSpec::kIndexer ? idx_kv_ : other_kv_;
+  if (layer_slot < 0 || layer_slot >= static_cast<int>(pool.size()) || block < 0 || block >= group_blocks_[group])
+    return out_of_range("cache group {} slot {} block {}", group, layer_slot, block);
+  const int64_t bytes = g.page_bytes_per_layer();
+  out->resize(bytes);
+  ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  return cuda_status(cudaMemcpy(out->data(), static_cast<const uint8_t*>(pool[layer_slot].data()) + block * bytes, bytes,
+                                cudaMemcpyDeviceToHost),
+                     "read_cache_page");
+}
+
 Status CudaRunner::fill_kv_synthetic(uint64_t seed) {
   uint64_t i = 0;
   for (auto* pool : {&kv_, &idx_kv_})

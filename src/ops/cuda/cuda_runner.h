@@ -70,6 +70,8 @@ class CudaRunner : public ModelRunner {
   // Benchmarks: finite random bytes in every latent and indexer page.
   Status fill_kv_synthetic(uint64_t seed);
   void set_cuda_graphs(bool on) { opts_.cuda_graphs = on; }
+  // Tests: the bytes of one page (group index as in cache_groups(), layer slot, block).
+  Status read_cache_page(int group, int layer_slot, int64_t block, std::vector<uint8_t>* out) const;
   // Decode steps served by replaying a captured graph, and graphs held.
   int64_t graph_replays() const { return graph_replays_; }
   size_t graphs_captured() const { return graphs_.size(); }
