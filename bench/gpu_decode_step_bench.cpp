@@ -140,7 +140,22 @@ int run(double hbm_gbps, const std::string& preset) {
     r.set_cuda_graphs(false);
     const double e = time_step(r, in, 3, 20);
     r.set_cuda_graphs(true);
-    std::printf("GRAPHS batch=1 ctx=8192 graph_ms=%.3f eager_ms=%.3f speedup=%.2f\n", g, e, e / g);
+    std::printf("GRAPHS model=%s batch=1 ctx=8192 graph_ms=%.3f eager_ms=%.3f speedup=%.2f\n", preset.c_str(), g, e,
+                e / g);
+  }
+  {  // Graphs where launches dominate: ml4-tiny (12 small layers), batch 1.
+    auto tiny_cfg = preset_config("ml4-tiny");
+    cuda::CudaRunnerOptions to;
+    to.base.kv_cache_dtype = "fp8_ds_mla";
+    to.base.kv_cache_bytes = int64_t{256} << 20;
+    auto tr = cuda::CudaRunner::load_synthetic(*tiny_cfg, to, 7);
+    if (tr.ok()) {
+      const StepInput in = decode_step(**tr, 1, 1024, 16);
+      const double g = time_step(**tr, in, 3, 50);
+      (*tr)->set_cuda_graphs(false);
+      const double e = time_step(**tr, in, 3, 50);
+      std::printf("GRAPHS model=ml4-tiny batch=1 ctx=1024 graph_ms=%.3f eager_ms=%.3f speedup=%.2f\n", g, e, e / g);
+    }
   }
   for (int64_t n : {int64_t{4096}, int64_t{8192}}) {  // prefill: one sequence, last-token logits
     StepInput in;
