@@ -1,8 +1,9 @@
 // GEMMs on ML4's projection shapes (presets.cpp "ml4": dim 6144; wq_a 1536, wkv_a 576,
 // wo 6144 x 8192, experts 5632 wide, dense 16384), decode-shaped (M = 1..64) and
 // prefill-shaped (4096): BF16 through cuBLASLt, FP8 block-scaled through cuBLASLt and
-// through our kernel (fp8_gemm.h), our GEMV at M <= 8, plus the FP8 activation
-// quantization in front of them.
+// through our kernel (fp8_gemm.h), our GEMV at M <= 8 (the earlier CUDA-core kernel and
+// the tensor-core weight stream, same run), plus the FP8 activation quantization in
+// front of them.
 //
 // Bytes counted: weight + activations + output, each once (FP8 rows: f32 output, what
 // linear_f32 asks for; the cuBLASLt FP8 row includes its y^T -> y transpose). Decode GEMMs
@@ -42,7 +43,7 @@ int main(int argc, char** argv) {
   };
   const Shape shapes[] = {{"wq_a", 1536, 6144},      {"wkv_a", 576, 6144},       {"wo", 6144, 8192},
                           {"expert_w1", 5632, 6144}, {"expert_w2", 6144, 5632}, {"dense_w1", 16384, 6144}};
-  const int64_t Ms[] = {1, 8, 32, 64, 4096};
+  const int64_t Ms[] = {1, 2, 4, 8, 32, 64, 4096};
   std::printf("copy %.0f GB/s, peaks bf16 %.0f / fp8 %.0f TFLOP/s\n", copy_gbps, bf16_peak / 1e12, fp8_peak / 1e12);
   std::printf("%-10s %5s %6s %6s %5s %-9s %9s %8s %8s %6s %6s %8s\n", "shape", "M", "N", "K", "fmt", "backend", "us",
               "GB/s", "TFLOP/s", "%copy", "%peak", "floor_us");
@@ -122,14 +123,26 @@ int main(int argc, char** argv) {
           }
           (*lt)->set_fp8_backend(Fp8Backend::kAuto);
         }
-        if (M <= kGemvMaxM && pass < 2) {  // our GEMV on the same weights (f32 x, no activation quantization)
-          const double gms = bench::median_ms(s, 2, 20, [&](int i) {
-            const int c = i % copies;
-            BENCH_CHECK(gemv({x->as<float>(), M, sh.N, sh.K, fp8 ? LinearFormat::kFP8Block : LinearFormat::kBF16,
-                              ws[c].data(), fp8 ? wss[c].as<float>() : nullptr, y->as<float>(), nullptr, s}));
-          });
-          row(sh.name, M, sh.N, sh.K, fp8 ? "fp8" : "bf16", "gemv", gms, wbytes + M * sh.K * 4.0 + M * sh.N * 4.0,
-              fp8 ? fp8_peak : bf16_peak);
+        if (M <= kGemvMaxM && pass < 2) {
+          // Our GEMV on the same weights (f32 x, no activation quantization), with a split-K
+          // workspace as the runner gives it: "gemv-cc" = the earlier CUDA-core kernel,
+          // "gemv" = the tensor-core weight stream (gemv.h; "gemv-nopf" without its L2 prefetch).
+          // Bytes: W (+ FP8 scales) + f32 x + f32 y.
+          auto gws = DeviceBuffer::alloc(gemv_workspace_floats(M, sh.N, sh.K) * 4);
+          BENCH_CHECK(gws.status());
+          const double gbytes = wbytes + (fp8 ? nb * kb * 4.0 : 0.0) + M * sh.K * 4.0 + M * sh.N * 4.0;
+          for (int v = 0; v < 3; ++v) {  // CUDA cores, tensor cores without / with the L2 prefetch
+            const GemvImpl impl = v == 0 ? GemvImpl::kCudaCore : GemvImpl::kTensorCore;
+            gemv_set_l2_prefetch(v == 1 ? 0 : 8);
+            const double gms = bench::median_ms(s, 3, 30, [&](int i) {
+              const int c = i % copies;
+              BENCH_CHECK(gemv({x->as<float>(), M, sh.N, sh.K, fp8 ? LinearFormat::kFP8Block : LinearFormat::kBF16,
+                                ws[c].data(), fp8 ? wss[c].as<float>() : nullptr, y->as<float>(), gws->as<float>(), s,
+                                impl}));
+            });
+            row(sh.name, M, sh.N, sh.K, fp8 ? "fp8" : "bf16", v == 0 ? "gemv-cc" : v == 1 ? "gemv-nopf" : "gemv", gms,
+                gbytes, fp8 ? fp8_peak : bf16_peak);
+          }
         }
       }
     }

@@ -1,10 +1,12 @@
 // MoE layer at ML4's shape (presets.cpp "ml4": 128 experts, 4 per token, 1 shared,
-// D 6144, I 5632, FP8 block weights) at decode batch sizes: the grouped-GEMV path
-// (moe_experts_forward_grouped: 5 launches + shared, no host sync, graph-capturable)
-// against the loop over experts (moe_experts_forward: permutation, one host sync, 3
-// linear_f32 per active expert: GEMV for <= 8 rows, act_quant + FP8 GEMM above); and
-// prefill batches (T = 64, 512: ~2 and ~16 rows per expert, the loop only). Router
-// included in neither.
+// D 6144, I 5632, FP8 block weights) at decode batch sizes T = 1, 8, 32, 64: the
+// expert-grouped decode path (moe_experts_forward_grouped: permute, 3 grouped GEMVs with
+// the shared expert as an extra slot, silu, combine; no host sync, graph-capturable),
+// the earlier row-wise path (moe_experts_forward_rowwise, T <= 8: one weight stream per
+// (token, expert) row) and the loop over experts (moe_experts_forward: permutation, one
+// host sync, 3 linear_f32 per active expert: GEMV for <= 8 rows, act_quant + FP8 GEMM
+// above); T = 512 (prefill, ~16 rows per expert) through the loop only. Router included
+// in none.
 //
 // Bytes counted: the weights of the distinct active experts + the shared expert (each
 // 3 x 5632 x 6144 e4m3 + scales = 104 MB), activations negligible. The bound is that
@@ -71,7 +73,7 @@ int main(int argc, char** argv) {
   const double expert_bytes = 3.0 * (I * D + (I / 128 + 1) * (D / 128) * 4.0);
   std::printf("moe E=%d K=%d D=%ld I=%ld fp8 block; %.1f MB per expert\n", E, K, D, I, expert_bytes / 1e6);
   std::mt19937 g(7);
-  for (int64_t T : {1, 8, 64, 512}) {
+  for (int64_t T : {1, 8, 32, 64, 512}) {
     std::vector<int32_t> ids(T * K);
     std::vector<float> w(T * K, 0.25f);
     std::set<int> distinct;
@@ -100,15 +102,29 @@ int main(int argc, char** argv) {
       BENCH_CHECK(moe_experts_forward(**lt, experts, &shared, x->as<float>(), T, D, dids->as<int32_t>(),
                                       dw->as<float>(), K, out->as<float>(), sc, s));
     });
-    const bool grouped = T <= 8;  // the grouped GEMV is the decode path
+    const bool grouped = T <= 128, rowwise = T <= 8;
+    gemv_set_l2_prefetch(0);
+    const double t_grp0 = !grouped ? 0.0 : bench::median_ms(s, 2, 20, [&](int) {
+      BENCH_CHECK(moe_experts_forward_grouped(*tables, &shared, x->as<float>(), T, dids->as<int32_t>(),
+                                              dw->as<float>(), K, out->as<float>(), sc, s));
+    });
+    gemv_set_l2_prefetch(8);
     const double t_grp = !grouped ? 0.0 : bench::median_ms(s, 2, 20, [&](int) {
       BENCH_CHECK(moe_experts_forward_grouped(*tables, &shared, x->as<float>(), T, dids->as<int32_t>(),
                                               dw->as<float>(), K, out->as<float>(), sc, s));
     });
+    const double t_row = !rowwise ? 0.0 : bench::median_ms(s, 2, 20, [&](int) {
+      BENCH_CHECK(moe_experts_forward_rowwise(*tables, &shared, x->as<float>(), T, dids->as<int32_t>(),
+                                              dw->as<float>(), K, out->as<float>(), sc, s));
+    });
     const double floor_ms = copy_gbps > 0 ? bytes / (copy_gbps * 1e6) : 0.0;
-    std::printf("moe T=%ld (%zu distinct experts + shared, %.0f MB): expert loop %.3f ms (%.0f GB/s)", T,
-                distinct.size(), bytes / 1e6, t_loop, bytes / (t_loop * 1e6));
-    if (grouped) std::printf(", grouped gemv %.3f ms (%.0f GB/s)", t_grp, bytes / (t_grp * 1e6));
+    auto pct = [&](double ms) { return 100.0 * bytes / (ms * 1e6) / copy_gbps; };
+    std::printf("moe T=%ld (%zu distinct experts + shared, %.0f MB): expert loop %.3f ms (%.0f GB/s, %.0f%%)", T,
+                distinct.size(), bytes / 1e6, t_loop, bytes / (t_loop * 1e6), pct(t_loop));
+    if (rowwise) std::printf(", rowwise %.3f ms (%.0f GB/s, %.0f%%)", t_row, bytes / (t_row * 1e6), pct(t_row));
+    if (grouped)
+      std::printf(", grouped %.3f ms (%.0f GB/s, %.0f%%; no L2 prefetch %.3f ms)", t_grp, bytes / (t_grp * 1e6),
+                  pct(t_grp), t_grp0);
     std::printf("; floor %.3f ms at copy bandwidth\n", floor_ms);
   }
   return 0;

@@ -1,8 +1,13 @@
 // Small-M GEMV (ops/cuda/gemv.h) against cpu::linear on the same LinearWeight and the same
 // f32 activations. Both accumulate f32 products of exactly decoded weights; only the
 // order differs (per-lane partial sums, one warp reduction, per-128-block FP8 scale
-// products, split-K slices): ~sqrt(K) 2^-24 relative, bound 1e-5. Shapes cover R = 1
-// and 4 rows per warp, split-K and not, every M template (1, 2, 4, 8) and tails of M.
+// products, split-K slices): ~sqrt(K) 2^-24 relative, bound 1e-5. The tensor-core path
+// splits x into three bf16 parts whose sum is x exactly (24 significand bits), so each
+// product w * part is exact in f32 and its mma accumulates in f32 (per-mma rounding of
+// the same order as an f32 add): the same bound. Every kernel variant is run: tensor
+// cores with a workspace (split-K), tensor cores without (one slice, several 1024-k x
+// chunks), and the CUDA-core kernel (null workspace); M = 1..8, N tails (not a multiple
+// of 16 / 128), bf16 K tails (not a multiple of 32).
 #include <gtest/gtest.h>
 
 #include <random>
@@ -23,7 +28,7 @@ TEST(CudaGemv, MatchesCpuLinear) {
     int64_t M, N, K;
   };
   const Shape shapes[] = {{1, 576, 6144}, {3, 576, 1024}, {8, 160, 2048}, {2, 12288, 512}, {5, 9000, 256},
-                          {8, 16384, 384}, {4, 100, 128}};
+                          {8, 16384, 384}, {4, 100, 128}, {6, 1536, 6144}, {7, 200, 1000}, {1, 4100, 2048}};
   uint32_t seed = 1;
   for (LinearFormat f : {LinearFormat::kBF16, LinearFormat::kFP8Block}) {
     for (const auto& s : shapes) {
@@ -46,19 +51,28 @@ TEST(CudaGemv, MatchesCpuLinear) {
         dws = std::move(b).value();
       }
       auto ws = poisoned<float>(gemv_workspace_floats(s.M, s.N, s.K));
-      std::vector<std::vector<float>> runs;
-      for (int rep = 0; rep < 2; ++rep) {
-        auto dy = poisoned<float>(s.M * s.N);
-        ML4_ASSERT_OK(gemv({dx.as<float>(), s.M, s.N, s.K, f, dw->data(), dws.as<float>(), dy.as<float>(),
-                            ws.as<float>(), nullptr}));
-        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-        runs.push_back(to_host<float>(dy, s.M * s.N));
+      struct Variant {
+        const char* name;
+        bool ws;
+        GemvImpl impl;
+      };
+      for (const Variant v : {Variant{"tc+splitk", true, GemvImpl::kAuto}, Variant{"tc", false, GemvImpl::kTensorCore},
+                              Variant{"cudacore", false, GemvImpl::kAuto}}) {
+        std::vector<std::vector<float>> runs;
+        for (int rep = 0; rep < 2; ++rep) {
+          auto dy = poisoned<float>(s.M * s.N);
+          ML4_ASSERT_OK(gemv({dx.as<float>(), s.M, s.N, s.K, f, dw->data(), dws.as<float>(), dy.as<float>(),
+                              v.ws ? ws.as<float>() : nullptr, nullptr, v.impl}));
+          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+          runs.push_back(to_host<float>(dy, s.M * s.N));
+        }
+        ASSERT_TRUE(all_finite(runs[0])) << "unwritten output " << v.name;
+        const double e = rel_err(runs[0], ref);
+        std::printf("gemv %-9s %s M=%ld N=%ld K=%ld rel_err=%.3g (bound 1e-5)\n", v.name, linear_format_name(f), s.M,
+                    s.N, s.K, e);
+        EXPECT_LT(e, 1e-5) << v.name;
+        EXPECT_EQ(0, std::memcmp(runs[0].data(), runs[1].data(), runs[0].size() * 4)) << "not deterministic " << v.name;
       }
-      ASSERT_TRUE(all_finite(runs[0])) << "unwritten output";
-      const double e = rel_err(runs[0], ref);
-      std::printf("gemv %s M=%ld N=%ld K=%ld rel_err=%.3g (bound 1e-5)\n", linear_format_name(f), s.M, s.N, s.K, e);
-      EXPECT_LT(e, 1e-5);
-      EXPECT_EQ(0, std::memcmp(runs[0].data(), runs[1].data(), runs[0].size() * 4)) << "not deterministic";
     }
   }
   auto b = DeviceBuffer::alloc(1024);

@@ -1,17 +1,25 @@
 // Our own small-M GEMM ("GEMV") for decode: y[M, N] f32 = x[M, K] f32 W[N, K]^T for
 // M <= 8, W in bf16 or FP8 block format, read once at full width.
 //
-// Why: cuBLASLt reaches 53-79% of the copy bandwidth on ML4's decode GEMMs and 9% on
-// narrow ones (wkv_a, N=576: too few output tiles to fill 132 SMs) -- docs/BENCHMARKS.md.
-// A decode GEMM is a pure weight stream (M=8 bf16: 8 flop per weight byte, far below the
-// ridge), so the kernel's only job is keeping enough 16-byte loads in flight:
-//   one warp owns R output rows (R = 4 when N is large, 1 otherwise) and walks K with
-//   16-byte weight loads (8 bf16 or 16 e4m3 per lane), 4 loads in flight per row;
-//   x stays f32 (read through L1; R rows reuse each x load);
-//   when rows alone leave SMs idle, K is split into S slices whose partial sums go to a
-//   workspace [S][M][N] and a second kernel adds them in slice order (deterministic).
-// Activations are not quantized (x f32 times dequantized W, f32 accumulation): this is
-// the CPU's cpu::linear arithmetic, so it matches it to f32 rounding.
+// A decode GEMM is a pure weight stream, so the kernel's job is keeping enough 16-byte
+// loads in flight while the arithmetic stays off the critical path. Two kernels:
+//   tensor-core path (default whenever a workspace is given): one warp owns a 16-row mma
+//   tile, each lane's 16-byte weight load is used unchanged as its m16n8k16 A fragment
+//   (bf16; e4m3 converted exactly to bf16), the k permutation this implies is applied to
+//   x as well; x (f32, <= 8 tokens = the mma's n) is staged per 1024-k chunk in shared
+//   memory split into three bf16 parts hi + mid + lo = x exactly (24 significand bits),
+//   so every product is exact and the sums are f32 (the mma's f32 accumulator; FP8 adds
+//   each 64-k partial times its block scale with an f32 FMA). The cost per weight byte no
+//   longer grows with M. K is split into S slices (deterministic reduce) to fill the SMs;
+//   CUDA-core path (null workspace, or GemvImpl::kCudaCore): the earlier kernel (one warp
+//   per R rows, f32 FMAs), kept for callers without a workspace and as the bench baseline.
+// Both match cpu::linear to f32 rounding (x f32 times exactly decoded W, f32 sums: only
+// the summation order differs).
+//
+// grouped_gemv runs MoE decode in one launch with no host synchronization (capturable):
+// rows sorted by expert (moe_permute's offsets and active-expert list, read on the
+// device), one block per (active expert, 128-row tile) looping over that expert's rows 8
+// at a time, so each selected expert's weights are streamed once per 8 of its rows.
 #pragma once
 
 #include <cstdint>
@@ -23,6 +31,8 @@
 
 namespace ml4::cuda {
 
+enum class GemvImpl { kAuto, kCudaCore, kTensorCore };
+
 struct GemvParams {
   const float* x = nullptr;        // [M, K] f32, M <= 8
   int64_t M = 0, N = 0, K = 0;
@@ -32,6 +42,7 @@ struct GemvParams {
   float* y = nullptr;              // [M, N] f32
   float* workspace = nullptr;      // gemv_workspace_floats(M, N, K) floats, or null (no split-K)
   cudaStream_t stream = nullptr;
+  GemvImpl impl = GemvImpl::kAuto;  // kAuto: tensor cores with a workspace, CUDA cores without
 };
 
 constexpr int kGemvMaxM = 8;
@@ -41,20 +52,37 @@ int64_t gemv_workspace_floats(int64_t M, int64_t N, int64_t K);
 
 Status gemv(const GemvParams& p);
 
-// Grouped GEMV for MoE decode, one launch for all (token, expert) rows and capturable in a
-// CUDA graph (expert ids are read on the device): y[i] = x[row_src[i]] W_{row_expert[i]}^T.
-// Every expert has the same format and shape; w_table / s_table are device arrays of
-// per-expert device pointers.
+// Benchmark knob: the tensor-core path's L2 prefetch distance in warp steps (default 8; 0 off).
+void gemv_set_l2_prefetch(int steps);
+
+// Grouped GEMV for MoE decode, one launch, capturable in a CUDA graph (expert ids are read
+// on the device): y[i] = x[row_src[i]] W_{expert of row i}^T. Every expert has the same
+// format and shape; w_table / s_table are device arrays of per-expert device pointers.
+//   Expert-grouped mode (offsets != null; the decode path): rows i are sorted by expert,
+//   expert e owning [offsets[e], offsets[e+1]); active = [count, ids...] lists the experts
+//   with rows (moe_permute). Grid slots: max_active (>= count; min(E, rows) is safe) plus
+//   one for an optional extra expert (the shared one) whose rows t < extra_rows read x row
+//   extra_x_row0 + t and write y row extra_y_row0 + t. Each expert's weights are streamed
+//   once per 8 of its rows.
+//   Row mode (offsets == null; the earlier kernel, kept as the bench baseline): row i uses
+//   expert row_expert[i], one weight stream per row.
 struct GroupedGemvParams {
   const float* x = nullptr;           // [*, K] f32
   int64_t rows = 0, N = 0, K = 0;
   LinearFormat format = LinearFormat::kBF16;
-  const int32_t* row_expert = nullptr;  // [rows]
+  const int32_t* row_expert = nullptr;  // row mode: [rows]
   const int32_t* row_src = nullptr;     // [rows] row of x, or null (row i)
   const void* const* w_table = nullptr;   // [E] -> [N, K]
   const float* const* s_table = nullptr;  // [E] -> FP8 block scales
   float* y = nullptr;                 // [rows, N]
   cudaStream_t stream = nullptr;
+  // Expert-grouped mode:
+  const int32_t* offsets = nullptr;   // [E + 1]
+  const int32_t* active = nullptr;    // [1 + E]
+  int max_active = 0;
+  const void* extra_w = nullptr;      // [N, K] or null
+  const float* extra_s = nullptr;
+  int64_t extra_rows = 0, extra_x_row0 = 0, extra_y_row0 = 0;
 };
 Status grouped_gemv(const GroupedGemvParams& p);
 

@@ -150,7 +150,7 @@ __global__ void route_kernel(RouteArgs a) {
 // One block: thread e counts expert e's rows, a serial scan gives offsets, then thread e
 // lists its rows in (t, k) order. Deterministic; O(E * T*K / threads) for now.
 __global__ void permute_kernel(const int32_t* __restrict__ ids, int64_t n, int E, int32_t* offsets,
-                               int32_t* perm_token, int32_t* inv, int K) {
+                               int32_t* perm_token, int32_t* inv, int K, int32_t* active) {
   extern __shared__ int32_t cnt[];  // [E + 1]
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     int32_t c = 0;
@@ -160,7 +160,12 @@ __global__ void permute_kernel(const int32_t* __restrict__ ids, int64_t n, int E
   __syncthreads();
   if (threadIdx.x == 0) {
     cnt[0] = 0;
-    for (int e = 0; e < E; ++e) cnt[e + 1] += cnt[e];
+    int32_t na = 0;
+    for (int e = 0; e < E; ++e) {
+      if (active && cnt[e + 1] > 0) active[1 + na++] = e;
+      cnt[e + 1] += cnt[e];
+    }
+    if (active) active[0] = na;
   }
   __syncthreads();
   for (int e = threadIdx.x; e <= E; e += blockDim.x) offsets[e] = cnt[e];
@@ -226,7 +231,7 @@ Status moe_permute(const MoePermuteParams& p) {
   if (p.T < 0 || p.K <= 0 || p.E <= 0 || p.E > 8192) return invalid_argument("moe_permute: bad shape");
   if (!p.ids || !p.offsets || !p.perm_token || !p.inv) return invalid_argument("moe_permute: null pointer");
   permute_kernel<<<1, 256, (p.E + 1) * sizeof(int32_t), p.stream>>>(p.ids, p.T * p.K, p.E, p.offsets, p.perm_token,
-                                                                    p.inv, p.K);
+                                                                    p.inv, p.K, p.active);
   return cuda_status(cudaGetLastError(), "permute_kernel");
 }
 
@@ -249,10 +254,12 @@ Status moe_combine(const MoeCombineParams& p) {
 Status MoeScratch::reserve(int64_t rows, int64_t D, int64_t I, int E) {
   if (rows <= max_rows) return Status::ok();
   ML4_ASSIGN_OR_RETURN(xs, DeviceBuffer::alloc(rows * D * 4));
-  ML4_ASSIGN_OR_RETURN(g, DeviceBuffer::alloc(rows * I * 4));
-  ML4_ASSIGN_OR_RETURN(u, DeviceBuffer::alloc(rows * I * 4));
-  ML4_ASSIGN_OR_RETURN(y, DeviceBuffer::alloc(rows * D * 4));
+  // g, u, y: the routed rows, then (grouped decode path) the shared expert's T <= rows.
+  ML4_ASSIGN_OR_RETURN(g, DeviceBuffer::alloc(2 * rows * I * 4));
+  ML4_ASSIGN_OR_RETURN(u, DeviceBuffer::alloc(2 * rows * I * 4));
+  ML4_ASSIGN_OR_RETURN(y, DeviceBuffer::alloc(2 * rows * D * 4));
   ML4_ASSIGN_OR_RETURN(offsets, DeviceBuffer::alloc((E + 1) * 4));
+  ML4_ASSIGN_OR_RETURN(active, DeviceBuffer::alloc((E + 1) * 4));
   ML4_ASSIGN_OR_RETURN(perm_token, DeviceBuffer::alloc(rows * 4));
   ML4_ASSIGN_OR_RETURN(inv, DeviceBuffer::alloc(rows * 4));
   ML4_ASSIGN_OR_RETURN(row_src, DeviceBuffer::alloc(rows * 4));
@@ -341,12 +348,13 @@ Result<MoeExpertTables> build_expert_tables(const std::vector<DeviceMlp>& expert
 }
 
 Status mlp_forward_gemv(const DeviceMlp& m, const float* x, int64_t M, float* out, MoeScratch& s,
-                        cudaStream_t stream) {
+                        cudaStream_t stream, GemvImpl impl) {
   if (M == 0) return Status::ok();
   if (M > s.max_rows || M > kGemvMaxM) return out_of_range("mlp_forward_gemv: {} rows", M);
   const int64_t I = m.w1.N;
   auto run = [&](const DeviceLinear& l, const float* in, float* o) {
-    return gemv({in, M, l.N, l.K, l.format, l.weight.data(), l.scale.as<float>(), o, s.gemv_ws.as<float>(), stream});
+    return gemv({in, M, l.N, l.K, l.format, l.weight.data(), l.scale.as<float>(), o, s.gemv_ws.as<float>(), stream,
+                 impl});
   };
   ML4_RETURN_IF_ERROR(run(m.w1, x, s.g.as<float>()));
   ML4_RETURN_IF_ERROR(run(m.w3, x, s.u.as<float>()));
@@ -358,6 +366,67 @@ Status moe_experts_forward_grouped(const MoeExpertTables& tb, const DeviceMlp* s
                                    const int32_t* ids, const float* weights, int K, float* out, MoeScratch& s,
                                    cudaStream_t stream) {
   if (T == 0) return Status::ok();
+  const int64_t n = T * K, D = tb.D, I = tb.I;
+  if (n > s.max_rows) return out_of_range("moe grouped: {} expert rows, scratch holds {}", n, s.max_rows);
+  if (K <= 0 || K > tb.E) return invalid_argument("moe grouped: {} experts per token of {}", K, tb.E);
+  // The shared expert joins the routed launches as their extra slot when it has the routed
+  // experts' format and shape; otherwise it runs first through the GEMV, 8 rows at a time
+  // (into xs, using g/u as its scratch before the routed experts need them).
+  const bool fused = shared && shared->w1.format == tb.format && shared->w2.format == tb.format &&
+                     shared->w3.format == tb.format && shared->w1.N == I && shared->w3.N == I &&
+                     shared->w1.K == D && shared->w3.K == D && shared->w2.N == D && shared->w2.K == I;
+  if (shared && !fused) {
+    for (int64_t t0 = 0; t0 < T; t0 += kGemvMaxM) {
+      const int64_t m = std::min<int64_t>(kGemvMaxM, T - t0);
+      ML4_RETURN_IF_ERROR(mlp_forward_gemv(*shared, x + t0 * D, m, s.xs.as<float>() + t0 * D, s, stream)
+                              .with_context("shared expert"));
+    }
+  }
+  ML4_RETURN_IF_ERROR(moe_permute({ids, T, K, tb.E, s.offsets.as<int32_t>(), s.perm_token.as<int32_t>(),
+                                   s.inv.as<int32_t>(), stream, s.active.as<int32_t>()}));
+  auto run = [&](const DeviceBuffer& table, const DeviceBuffer& stable, const DeviceLinear* extra, const float* in,
+                 const int32_t* row_src, int64_t N, int64_t Kd, int64_t extra_x_row0, float* y) {
+    GroupedGemvParams p;
+    p.x = in;
+    p.rows = n;
+    p.N = N;
+    p.K = Kd;
+    p.format = tb.format;
+    p.row_src = row_src;
+    p.w_table = static_cast<const void* const*>(table.data());
+    p.s_table = static_cast<const float* const*>(stable.data());
+    p.y = y;
+    p.stream = stream;
+    p.offsets = s.offsets.as<int32_t>();
+    p.active = s.active.as<int32_t>();
+    p.max_active = static_cast<int>(std::min<int64_t>(tb.E, n));
+    if (extra) {
+      p.extra_w = extra->weight.data();
+      p.extra_s = extra->scale.as<float>();
+      p.extra_rows = T;
+      p.extra_x_row0 = extra_x_row0;
+      p.extra_y_row0 = n;
+    }
+    return grouped_gemv(p);
+  };
+  float* g = s.g.as<float>();
+  float* u = s.u.as<float>();
+  float* y = s.y.as<float>();
+  const int32_t* tok = s.perm_token.as<int32_t>();
+  ML4_RETURN_IF_ERROR(run(tb.w1, tb.s1, fused ? &shared->w1 : nullptr, x, tok, I, D, 0, g));
+  ML4_RETURN_IF_ERROR(run(tb.w3, tb.s3, fused ? &shared->w3 : nullptr, x, tok, I, D, 0, u));
+  const int64_t rows = n + (fused ? T : 0);
+  ML4_RETURN_IF_ERROR(silu_mul({g, u, rows, I, 0, 0, g, nullptr, stream}));
+  ML4_RETURN_IF_ERROR(run(tb.w2, tb.s2, fused ? &shared->w2 : nullptr, g, nullptr, D, I, n, y));
+  const float* sh = fused ? y + n * D : shared ? s.xs.as<float>() : nullptr;
+  return moe_combine({y, s.inv.as<int32_t>(), weights, T, K, D, sh, out, stream});
+}
+
+Status moe_experts_forward_rowwise(const MoeExpertTables& tb, const DeviceMlp* shared, const float* x, int64_t T,
+                                   const int32_t* ids, const float* weights, int K, float* out, MoeScratch& s,
+                                   cudaStream_t stream) {
+  if (T == 0) return Status::ok();
+  if (T > kGemvMaxM) return out_of_range("moe rowwise: {} tokens (at most {})", T, kGemvMaxM);
   const int64_t n = T * K;
   if (n > s.max_rows) return out_of_range("moe grouped: {} expert rows, scratch holds {}", n, s.max_rows);
   decode_rows_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(n, K, s.row_src.as<int32_t>(),
@@ -373,7 +442,7 @@ Status moe_experts_forward_grouped(const MoeExpertTables& tb, const DeviceMlp* s
   ML4_RETURN_IF_ERROR(grouped_gemv({s.g.as<float>(), n, tb.D, tb.I, tb.format, ids, nullptr, w2, s2, s.y.as<float>(), stream}));
   const float* sh = nullptr;
   if (shared) {
-    ML4_RETURN_IF_ERROR(mlp_forward_gemv(*shared, x, T, s.xs.as<float>(), s, stream).with_context("shared expert"));
+    ML4_RETURN_IF_ERROR(mlp_forward_gemv(*shared, x, T, s.xs.as<float>(), s, stream, GemvImpl::kCudaCore).with_context("shared expert"));
     sh = s.xs.as<float>();
   }
   return moe_combine({s.y.as<float>(), s.inv.as<int32_t>(), weights, T, K, tb.D, sh, out, stream});

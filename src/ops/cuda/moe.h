@@ -41,6 +41,7 @@ struct MoePermuteParams {
   int32_t* perm_token = nullptr;  // [T*K]: source token of permuted row i
   int32_t* inv = nullptr;         // [T*K]: permuted row of (t, k), at t*K + k
   cudaStream_t stream = nullptr;
+  int32_t* active = nullptr;      // [1 + E] or null: count, then the experts with rows, ascending
 };
 Status moe_permute(const MoePermuteParams& p);
 
@@ -69,7 +70,7 @@ struct DeviceMlp {
 struct MoeScratch {
   Status reserve(int64_t max_rows, int64_t D, int64_t I, int E);
   DeviceBuffer xs, g, u, y;  // [rows, D], [rows, I], [rows, I], [rows, D] f32
-  DeviceBuffer offsets, perm_token, inv;
+  DeviceBuffer offsets, perm_token, inv, active;
   DeviceBuffer row_src, gemv_ws;  // decode path: token of each (t, k) row; GEMV split-K partials
   LinearScratch lin;
   std::vector<int32_t> host_offsets;
@@ -99,12 +100,21 @@ Result<MoeExpertTables> build_expert_tables(const std::vector<DeviceMlp>& expert
 
 // out[M, D] = mlp(x[M, D]) through our GEMV (M <= 8): f32 activations throughout.
 Status mlp_forward_gemv(const DeviceMlp& m, const float* x, int64_t M, float* out, MoeScratch& s,
-                        cudaStream_t stream);
+                        cudaStream_t stream, GemvImpl impl = GemvImpl::kAuto);
 
-// Decode-shaped MoE (T <= 8 for the shared expert's GEMV; routed rows T*K <= 65535): the
-// same function as moe_experts_forward with f32 activations (no bf16/e4m3 rounding of
-// x), in a fixed number of launches with no host synchronization -- capturable.
+// Decode-shaped MoE (T*K <= the scratch's rows; meant for T up to ~128): the same
+// function as moe_experts_forward with f32 activations (no bf16/e4m3 rounding of x), in a
+// fixed number of launches with no host synchronization -- capturable. moe_permute sorts
+// the rows by expert on the device; three expert-grouped GEMVs (gemv.h) stream each
+// selected expert's weights once per 8 of its rows, the shared expert riding along as one
+// more slot of the same launches (its T rows 8 at a time) when it has the routed shape.
 Status moe_experts_forward_grouped(const MoeExpertTables& tb, const DeviceMlp* shared, const float* x, int64_t T,
+                                   const int32_t* ids, const float* weights, int K, float* out, MoeScratch& s,
+                                   cudaStream_t stream);
+
+// The earlier decode path (T <= 8), kept as the benchmark's baseline: one weight stream per
+// (token, expert) row (row-mode grouped_gemv), the shared expert through the GEMV.
+Status moe_experts_forward_rowwise(const MoeExpertTables& tb, const DeviceMlp* shared, const float* x, int64_t T,
                                    const int32_t* ids, const float* weights, int K, float* out, MoeScratch& s,
                                    cudaStream_t stream);
 
