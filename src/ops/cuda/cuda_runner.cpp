@@ -27,8 +27,9 @@
 namespace ml4::cuda {
 
 // Tokens up to which MoE layers take the grouped decode path (moe_experts_forward_grouped:
-// no host synchronization, capturable); larger steps loop over experts.
-constexpr int64_t kGroupedMoeMaxTokens = kGemvMaxM;
+// each selected expert's weights read once per 8 of its rows, no host synchronization,
+// capturable); larger steps loop over experts (cuBLASLt / FP8 GEMMs per expert).
+constexpr int64_t kGroupedMoeMaxTokens = 128;
 
 struct CudaRunner::Layer {
   DeviceBuffer attn_norm, ffn_norm;
@@ -671,44 +672,61 @@ Status CudaRunner::attention(int l, const StepMetadata* md, float* out, ForwardT
   return lin(L.wo, b.o.as<float>(), T, out);
 }
 
-// CpuModel::ffn.
-Status CudaRunner::ffn(int l, int64_t T, float* out, ForwardTrace* trace) {
+// CpuModel::ffn, MoE part in three pieces so the graph capture can cut around the two that
+// read device results back: the router and its top-k (capturable), the traced/forced
+// decisions (host round trip), the experts (capturable on the grouped decode path; the
+// expert loop reads the per-expert row counts back).
+Status CudaRunner::moe_route_step(int l, int64_t T) {
+  Layer& L = layers_[l];
+  Buffers& b = *buf_;
+  ML4_RETURN_IF_ERROR(
+      linear_f32(*lt_, L.gate, b.a.as<float>(), T, b.router.as<float>(), b.lin, stream_).with_context("router"));
+  return moe_route({b.router.as<float>(), T, cfg_.moe, L.bias.empty() ? nullptr : L.bias.as<float>(),
+                    b.ids.as<int32_t>(), b.wts.as<float>(), nullptr, stream_});
+}
+
+Status CudaRunner::moe_trace(int l, int64_t T, ForwardTrace* trace) {
+  Layer& L = layers_[l];
+  Buffers& b = *buf_;
+  const int K = cfg_.moe.num_experts_per_tok;
+  // The router's own choice, then (test input) forced experts.
+  std::vector<int32_t> ids(T * K);
+  ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(ids.data(), b.ids.data(), ids.size() * 4, cudaMemcpyDeviceToHost, stream_));
+  ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  auto& rec = trace->experts[l];
+  rec.assign(T, {});
+  for (int64_t t = 0; t < T; ++t) rec[t].assign(ids.begin() + t * K, ids.begin() + (t + 1) * K);
+  if (l < static_cast<int>(trace->forced_experts.size()) && !trace->forced_experts[l].empty()) {
+    for (int64_t t = 0; t < T; ++t) std::copy_n(trace->forced_experts[l][t].begin(), K, ids.begin() + t * K);
+    ML4_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(b.forced_ids.data(), ids.data(), ids.size() * 4, cudaMemcpyHostToDevice, stream_));
+    MoeRouteParams rp{b.router.as<float>(), T, cfg_.moe, L.bias.empty() ? nullptr : L.bias.as<float>(),
+                      b.ids.as<int32_t>(), b.wts.as<float>(), b.forced_ids.as<int32_t>(), stream_};
+    ML4_RETURN_IF_ERROR(moe_route(rp));
+    ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  }
+  return Status::ok();
+}
+
+bool CudaRunner::moe_grouped(const Layer& L, int64_t T) const {
+  return L.tables != nullptr && (opts_.exact_activations || T <= kGroupedMoeMaxTokens);
+}
+
+Status CudaRunner::moe_experts(int l, int64_t T, float* out) {
   Layer& L = layers_[l];
   Buffers& b = *buf_;
   const float* x = b.a.as<float>();
-  if (!L.moe) return mlp(L.dense, x, T, out);
-  const int E = cfg_.moe.num_experts, K = cfg_.moe.num_experts_per_tok;
-  ML4_RETURN_IF_ERROR(linear_f32(*lt_, L.gate, x, T, b.router.as<float>(), b.lin, stream_).with_context("router"));
-  MoeRouteParams rp{b.router.as<float>(), T, cfg_.moe, L.bias.empty() ? nullptr : L.bias.as<float>(),
-                    b.ids.as<int32_t>(), b.wts.as<float>(), nullptr, stream_};
-  ML4_RETURN_IF_ERROR(moe_route(rp));
-  if (trace != nullptr) {  // the router's own choice, then (test input) forced experts
-    std::vector<int32_t> ids(T * K);
-    ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(ids.data(), b.ids.data(), ids.size() * 4, cudaMemcpyDeviceToHost, stream_));
-    ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-    auto& rec = trace->experts[l];
-    rec.assign(T, {});
-    for (int64_t t = 0; t < T; ++t) rec[t].assign(ids.begin() + t * K, ids.begin() + (t + 1) * K);
-    if (l < static_cast<int>(trace->forced_experts.size()) && !trace->forced_experts[l].empty()) {
-      for (int64_t t = 0; t < T; ++t) std::copy_n(trace->forced_experts[l][t].begin(), K, ids.begin() + t * K);
-      ML4_CUDA_RETURN_IF_ERROR(
-          cudaMemcpyAsync(b.forced_ids.data(), ids.data(), ids.size() * 4, cudaMemcpyHostToDevice, stream_));
-      rp.forced_ids = b.forced_ids.as<int32_t>();
-      ML4_RETURN_IF_ERROR(moe_route(rp));
-      ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-    }
-  }
+  const int K = cfg_.moe.num_experts_per_tok;
   const int64_t D = cfg_.dim;
-  if (L.tables && (opts_.exact_activations || T <= kGroupedMoeMaxTokens)) {
-    for (int64_t t0 = 0; t0 < T; t0 += kGemvMaxM) {
-      const int64_t n = std::min<int64_t>(kGemvMaxM, T - t0);
+  if (moe_grouped(L, T)) {  // exact mode runs larger steps through it in chunks
+    for (int64_t t0 = 0; t0 < T; t0 += kGroupedMoeMaxTokens) {
+      const int64_t n = std::min<int64_t>(kGroupedMoeMaxTokens, T - t0);
       ML4_RETURN_IF_ERROR(moe_experts_forward_grouped(*L.tables, L.shared.get(), x + t0 * D, n,
                                                       b.ids.as<int32_t>() + t0 * K, b.wts.as<float>() + t0 * K, K,
                                                       out + t0 * D, b.moe, stream_));
     }
     return Status::ok();
   }
-  (void)E;
   return moe_experts_forward(*lt_, L.experts, L.shared.get(), x, T, D, b.ids.as<int32_t>(), b.wts.as<float>(), K, out,
                              b.moe, stream_);
 }
@@ -724,8 +742,15 @@ int64_t round_up_pow2(int64_t v, int64_t lo) {
 }  // namespace
 
 // Embedding -> layers -> final norm -> logits rows into buf_->logits, for step_T_ tokens
-// and step_R_ logits rows; only kernels and device-to-device work unless tracing (md and
-// trace are then set), so a decode step can be captured.
+// and step_R_ logits rows. Work is issued through seg() (kernels and device-to-device
+// copies only: capturable) and brk() (work that reads device results back to the host:
+// the MoE expert loop, traced decisions). mode_ says what those do:
+//   kEager:   run everything;
+//   kCapture: record each run of seg() work between breaks as one graph (segments_ of the
+//             current bucket); breaks are cut points only (their work is not needed:
+//             the eager run before has produced this step's results);
+//   kReplay:  launch the recorded graphs in order and run the breaks eagerly between them
+//             (they write into the same fixed buffers the next graph reads).
 Status CudaRunner::forward(const StepMetadata* md, ForwardTrace* trace) {
   Buffers& b = *buf_;
   const int64_t T = step_T_, R = step_R_, D = cfg_.dim;
@@ -733,26 +758,86 @@ Status CudaRunner::forward(const StepMetadata* md, ForwardTrace* trace) {
   float* residual = b.residual.as<float>();
   float* a = b.a.as<float>();
   float* tmp = b.tmp.as<float>();
-  ML4_RETURN_IF_ERROR(embedding({embed_.data(), embed_dtype_, cfg_.vocab_size, D, b.tok.as<int32_t>(), T, residual,
-                                 stream_}));
+  bool in_segment = false;
+  size_t next_graph = 0;
+  auto end_segment = [&]() -> Status {
+    if (!in_segment) return Status::ok();
+    in_segment = false;
+    if (mode_ != Mode::kCapture) return Status::ok();
+    cudaGraph_t g = nullptr;
+    ML4_CUDA_RETURN_IF_ERROR(cudaStreamEndCapture(stream_, &g));
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t inst = cudaGraphInstantiate(&exec, g, 0);
+    cudaGraphDestroy(g);
+    ML4_CUDA_RETURN_IF_ERROR(inst);
+    capture_->emplace_back(exec);
+    return Status::ok();
+  };
+  auto seg = [&](auto&& fn) -> Status {
+    if (!in_segment) {
+      in_segment = true;
+      if (mode_ == Mode::kCapture)
+        ML4_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+      if (mode_ == Mode::kReplay) {
+        if (next_graph >= replay_->size()) return internal_error("graph replay: segment {} missing", next_graph);
+        ML4_CUDA_RETURN_IF_ERROR(cudaGraphLaunch((*replay_)[next_graph++], stream_));
+      }
+    }
+    return mode_ == Mode::kReplay ? Status::ok() : fn();
+  };
+  auto brk = [&](auto&& fn) -> Status {
+    ML4_RETURN_IF_ERROR(end_segment());
+    return mode_ == Mode::kCapture ? Status::ok() : fn();
+  };
+  ML4_RETURN_IF_ERROR(seg([&] {
+    return embedding({embed_.data(), embed_dtype_, cfg_.vocab_size, D, b.tok.as<int32_t>(), T, residual, stream_});
+  }));
   for (int l = 0; l < cfg_.n_layers; ++l) {
     const Layer& L = layers_[l];
-    if (l == 0) {
-      ML4_RETURN_IF_ERROR(rms_norm({residual, nullptr, L.attn_norm.as<float>(), T, D, eps, a, nullptr, stream_}));
-    } else {  // residual += previous FFN output; a = norm(residual)
-      ML4_RETURN_IF_ERROR(rms_norm({tmp, residual, L.attn_norm.as<float>(), T, D, eps, a, nullptr, stream_}));
+    ML4_RETURN_IF_ERROR(seg([&]() -> Status {
+      if (l == 0) {
+        ML4_RETURN_IF_ERROR(rms_norm({residual, nullptr, L.attn_norm.as<float>(), T, D, eps, a, nullptr, stream_}));
+      } else {  // residual += previous FFN output; a = norm(residual)
+        ML4_RETURN_IF_ERROR(rms_norm({tmp, residual, L.attn_norm.as<float>(), T, D, eps, a, nullptr, stream_}));
+      }
+      return Status::ok();
+    }));
+    // Traced steps read decisions back (and upload forced ones) inside the layer: always
+    // eager (execute_traced never captures them).
+    if (trace != nullptr) {
+      ML4_RETURN_IF_ERROR(brk([&] { return attention(l, md, tmp, trace); }));
+    } else {
+      ML4_RETURN_IF_ERROR(seg([&] { return attention(l, md, tmp, nullptr); }));
     }
-    ML4_RETURN_IF_ERROR(attention(l, md, tmp, trace));
-    ML4_RETURN_IF_ERROR(rms_norm({tmp, residual, L.ffn_norm.as<float>(), T, D, eps, a, nullptr, stream_}));
-    ML4_RETURN_IF_ERROR(ffn(l, T, tmp, trace));
+    ML4_RETURN_IF_ERROR(seg([&] {
+      return rms_norm({tmp, residual, L.ffn_norm.as<float>(), T, D, eps, a, nullptr, stream_});
+    }));
+    if (!L.moe) {
+      ML4_RETURN_IF_ERROR(seg([&] { return mlp(L.dense, a, T, tmp); }));
+      continue;
+    }
+    ML4_RETURN_IF_ERROR(seg([&] { return moe_route_step(l, T); }));
+    if (trace != nullptr) ML4_RETURN_IF_ERROR(brk([&] { return moe_trace(l, T, trace); }));
+    if (moe_grouped(L, T)) {
+      ML4_RETURN_IF_ERROR(seg([&] { return moe_experts(l, T, tmp); }));
+    } else {
+      ML4_RETURN_IF_ERROR(brk([&] { return moe_experts(l, T, tmp); }));  // reads row counts back
+    }
   }
-  if (R == 0) return Status::ok();
-  // residual += last FFN output (into a: the residual is not needed afterwards).
-  ML4_RETURN_IF_ERROR(rms_norm({tmp, residual, norm_.as<float>(), T, D, eps, a, nullptr, stream_}));
-  ML4_RETURN_IF_ERROR(gather_rows(residual, D, b.row_idx.as<int32_t>(), R, b.rows.as<float>(), stream_));
-  ML4_RETURN_IF_ERROR(
-      rms_norm({b.rows.as<float>(), nullptr, norm_.as<float>(), R, D, eps, b.normed.as<float>(), nullptr, stream_}));
-  return lin(output_, b.normed.as<float>(), R, b.logits.as<float>());
+  if (R > 0) {
+    ML4_RETURN_IF_ERROR(seg([&]() -> Status {
+      // residual += last FFN output (into a: the residual is not needed afterwards).
+      ML4_RETURN_IF_ERROR(rms_norm({tmp, residual, norm_.as<float>(), T, D, eps, a, nullptr, stream_}));
+      ML4_RETURN_IF_ERROR(gather_rows(residual, D, b.row_idx.as<int32_t>(), R, b.rows.as<float>(), stream_));
+      ML4_RETURN_IF_ERROR(rms_norm(
+          {b.rows.as<float>(), nullptr, norm_.as<float>(), R, D, eps, b.normed.as<float>(), nullptr, stream_}));
+      return lin(output_, b.normed.as<float>(), R, b.logits.as<float>());
+    }));
+  }
+  ML4_RETURN_IF_ERROR(end_segment());
+  if (mode_ == Mode::kReplay && next_graph != replay_->size())
+    return internal_error("graph replay: {} of {} segments launched", next_graph, replay_->size());
+  return Status::ok();
 }
 
 Result<StepOutput> CudaRunner::execute_traced(const StepInput& in, ForwardTrace* trace) {
@@ -770,17 +855,24 @@ Result<StepOutput> CudaRunner::execute_traced(const StepInput& in, ForwardTrace*
     if (indexer_group_ >= 0) maxb = std::max<int64_t>(maxb, s.block_tables[indexer_group_].size());
   }
   for (int64_t p : md.positions) maxlen = std::max(maxlen, p + 1);
-  // A pure decode step (one token and one logits row per sequence) runs as a CUDA graph
-  // for a padded batch size: padding tokens write no cache slot (slot -1), attend to one
-  // key of an all-zero block-table row, and their logits rows are dropped. Launch shapes
-  // that depend on the context (key count, block-table stride) are rounded up to powers of
-  // two, so one graph serves a range of lengths; each (batch, length, stride) bucket is
+  // Steps of up to graph_max_tokens() tokens run as CUDA graphs, padded to a bucket:
+  // decode steps (one token and one logits row per sequence) to a power-of-two batch,
+  // mixed prefill/decode steps to a multiple of 64 tokens and a power-of-two number of
+  // logits rows. Padding tokens write no cache slot (slot -1), attend to one key of an
+  // all-zero block-table row, and their logits rows are dropped. Launch shapes that depend
+  // on the context (key count, block-table stride) are rounded up to powers of two, so one
+  // capture serves a range of lengths. Each (tokens, rows, length, stride) bucket is
   // captured once, after an eager run of the same padded step has sized every buffer and
-  // made every GEMM plan.
-  bool graph = opts_.cuda_graphs && trace == nullptr && T == S && R == T && T <= graph_max_batch() && T > 0;
-  const int64_t Tp = graph ? round_up_pow2(T, 1) : T;
-  const int64_t Sp = graph ? Tp : S, Rp = graph ? Tp : R;
+  // made every GEMM plan; work that must read device results back (the MoE expert loop
+  // of larger steps) splits the capture into segments and runs eagerly between them.
+  const bool decode = T == S && R == T && T <= opts_.max_graph_batch;
+  int64_t Tp = decode ? round_up_pow2(T, 1) : (T + 63) / 64 * 64;
+  const bool graph = opts_.cuda_graphs && trace == nullptr && T > 0 && Tp <= opts_.max_graph_tokens;
+  int64_t Rp = R, Sp = S;
+  if (!graph) Tp = T;
   if (graph) {
+    Rp = decode ? Tp : (R > 0 ? round_up_pow2(R, 1) : 0);
+    Sp = Tp + 1;  // row Tp..: the padding tokens' all-zero block table
     maxb = round_up_pow2(maxb, 4);
     maxlen = std::min<int64_t>(round_up_pow2(maxlen, 256), std::max<int64_t>(maxb * kPageTokens, 256));
   }
@@ -789,17 +881,16 @@ Result<StepOutput> CudaRunner::execute_traced(const StepInput& in, ForwardTrace*
   if (buffer_generation_ != gen) graphs_.clear();  // captured addresses are stale
   Buffers& b = *buf_;
   // Per-step metadata to the device (one plain copy per array), padded to Tp tokens.
-  std::vector<int32_t> tok(Tp, 0), seq_of(Tp), lengths(Tp, 1), bt(Sp * maxb, 0),
-      ibt(indexer_group_ >= 0 ? Sp * maxb : 0, 0), rows(Rp);
+  std::vector<int32_t> tok(Tp, 0), seq_of(Tp, static_cast<int32_t>(S)), lengths(Tp, 1), bt(Sp * maxb, 0),
+      ibt(indexer_group_ >= 0 ? Sp * maxb : 0, 0), rows(Rp, 0);
   std::vector<int64_t> pos(Tp, 0), slots(Tp, -1), islots(Tp, -1);
-  for (int64_t t = 0; t < Tp; ++t) {
-    const bool real = t < T;
-    tok[t] = real ? md.token_ids[t] : 0;
-    pos[t] = real ? md.positions[t] : 0;
-    lengths[t] = real ? static_cast<int32_t>(md.positions[t] + 1) : 1;
-    seq_of[t] = real ? md.seq_of_token[t] : static_cast<int32_t>(t);
-    if (real) slots[t] = md.slots[latent_group_][t];
-    if (real && indexer_group_ >= 0) islots[t] = md.slots[indexer_group_][t];
+  for (int64_t t = 0; t < T; ++t) {
+    tok[t] = md.token_ids[t];
+    pos[t] = md.positions[t];
+    lengths[t] = static_cast<int32_t>(md.positions[t] + 1);
+    seq_of[t] = md.seq_of_token[t];
+    slots[t] = md.slots[latent_group_][t];
+    if (indexer_group_ >= 0) islots[t] = md.slots[indexer_group_][t];
   }
   for (int64_t s = 0; s < S; ++s) {
     const auto& tab = in.seqs[s].block_tables[latent_group_];
@@ -809,7 +900,7 @@ Result<StepOutput> CudaRunner::execute_traced(const StepInput& in, ForwardTrace*
       std::copy(itab.begin(), itab.end(), ibt.begin() + s * maxb);
     }
   }
-  for (int64_t i = 0; i < Rp; ++i) rows[i] = i < R ? static_cast<int32_t>(md.logits_rows[i]) : static_cast<int32_t>(i);
+  for (int64_t i = 0; i < R; ++i) rows[i] = static_cast<int32_t>(md.logits_rows[i]);
   auto h2d = [&](DeviceBuffer& d, const void* src, size_t bytes) {
     return cuda_status(cudaMemcpyAsync(d.data(), src, bytes, cudaMemcpyHostToDevice, stream_), "step metadata");
   };
@@ -827,35 +918,40 @@ Result<StepOutput> CudaRunner::execute_traced(const StepInput& in, ForwardTrace*
   step_T_ = Tp;
   step_R_ = Rp;
   step_maxlen_ = maxlen;
+  mode_ = Mode::kEager;
   if (graph) {
-    const auto key = std::make_tuple(Tp, maxlen, maxb);
+    const GraphKey key{Tp, Rp, maxlen, maxb};
     auto it = graphs_.find(key);
     if (it != graphs_.end()) {
-      ML4_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(it->second, stream_));
+      mode_ = Mode::kReplay;
+      replay_ = &it->second;
+      const Status st = forward(nullptr, nullptr);
+      mode_ = Mode::kEager;
+      ML4_RETURN_IF_ERROR(st);
       ++graph_replays_;
     } else {
       // Eager first (sizes buffers, makes plans: nothing may allocate while capturing),
       // then capture the identical launch sequence for the next steps of this bucket.
       ML4_RETURN_IF_ERROR(forward(nullptr, nullptr));
       if (buffer_generation_ != gen) graphs_.clear();
-      {
+      std::vector<GraphExec> segments;
+      mode_ = Mode::kCapture;
+      capture_ = &segments;
+      const Status cap = forward(nullptr, nullptr);
+      mode_ = Mode::kEager;
+      cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+      cudaStreamIsCapturing(stream_, &cs);
+      if (cs != cudaStreamCaptureStatusNone) {  // a failed segment left the capture open
         cudaGraph_t g = nullptr;
-        ML4_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-        Status cap = forward(nullptr, nullptr);
-        const cudaError_t end = cudaStreamEndCapture(stream_, &g);
-        if (!cap.is_ok() || end != cudaSuccess) {
-          if (g) cudaGraphDestroy(g);
-          (void)cudaGetLastError();
-          ML4_LOG_WARN("cuda runner: decode graph capture failed for batch {} ({}); running eagerly", Tp,
-                       cap.is_ok() ? cudaGetErrorString(end) : cap.message());
-          opts_.cuda_graphs = false;
-        } else {
-          cudaGraphExec_t exec = nullptr;
-          const cudaError_t inst = cudaGraphInstantiate(&exec, g, 0);
-          cudaGraphDestroy(g);
-          ML4_CUDA_RETURN_IF_ERROR(inst);
-          graphs_.emplace(key, GraphExec(exec));
-        }
+        cudaStreamEndCapture(stream_, &g);
+        if (g) cudaGraphDestroy(g);
+      }
+      if (!cap.is_ok()) {
+        (void)cudaGetLastError();
+        ML4_LOG_WARN("cuda runner: graph capture failed for {} tokens ({}); running eagerly", Tp, cap.message());
+        opts_.cuda_graphs = false;
+      } else {
+        graphs_.emplace(key, std::move(segments));
       }
     }
   } else {
@@ -899,18 +995,6 @@ Status CudaRunner::fill_kv_synthetic(uint64_t seed) {
   for (auto* pool : {&kv_, &idx_kv_})
     for (auto& b : *pool) ML4_RETURN_IF_ERROR(fill_synthetic_bytes(b.data(), static_cast<int64_t>(b.bytes()), seed + ++i, stream_));
   return cuda_status(cudaStreamSynchronize(stream_), "fill_kv_synthetic");
-}
-
-int64_t CudaRunner::graph_max_batch() const {
-  // MoE layers are capturable only on the grouped decode path (the expert loop reads the
-  // per-expert row counts back to the host).
-  bool moe = false;
-  for (const auto& L : layers_) moe |= L.moe;
-  int64_t b = opts_.max_graph_batch;
-  if (moe && !opts_.exact_activations) b = std::min<int64_t>(b, kGroupedMoeMaxTokens);
-  for (const auto& L : layers_)
-    if (L.moe && !L.tables) b = 0;  // mixed-format experts: the loop only
-  return b;
 }
 
 Result<std::unique_ptr<ModelRunner>> load_cuda_runner(const std::string& model_dir, const RunnerOptions& opts,

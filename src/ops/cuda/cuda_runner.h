@@ -45,10 +45,13 @@ struct CudaRunnerOptions {
   RunnerOptions base;
   double gpu_memory_utilization = 0.0;  // (0, 1]: size the KV pool from the card's memory
   bool exact_activations = false;
-  // Pure decode steps of up to max_graph_batch sequences replay CUDA graphs (one per padded
-  // batch size and context bucket); other steps, and traced ones, run eagerly.
+  // Steps replay CUDA graphs (one set per padded shape and context bucket): decode steps of
+  // up to max_graph_batch sequences padded to a power of two, other steps of up to
+  // max_graph_tokens tokens padded to a multiple of 64, each split around the work that reads
+  // results back to the host (the MoE expert loop); larger and traced steps run eagerly.
   bool cuda_graphs = true;
   int max_graph_batch = 64;
+  int64_t max_graph_tokens = 512;
 };
 
 class CudaRunner : public ModelRunner {
@@ -91,8 +94,10 @@ class CudaRunner : public ModelRunner {
   Status forward(const StepMetadata* md, ForwardTrace* trace);
   Status attention(int l, const StepMetadata* md, float* out, ForwardTrace* trace);
   Status indexer(int l, ForwardTrace* trace);
-  int64_t graph_max_batch() const;
-  Status ffn(int l, int64_t T, float* out, ForwardTrace* trace);
+  Status moe_route_step(int l, int64_t T);
+  Status moe_trace(int l, int64_t T, ForwardTrace* trace);
+  bool moe_grouped(const Layer& L, int64_t T) const;
+  Status moe_experts(int l, int64_t T, float* out);
 
   ModelConfig cfg_;
   CudaRunnerOptions opts_;
@@ -134,7 +139,13 @@ class CudaRunner : public ModelRunner {
     operator cudaGraphExec_t() const { return exec; }
     cudaGraphExec_t exec = nullptr;
   };
-  std::map<std::tuple<int64_t, int64_t, int64_t>, GraphExec> graphs_;  // (batch, max length, table stride)
+  // (tokens, logits rows, max length, table stride) -> the step's graph segments in order.
+  using GraphKey = std::tuple<int64_t, int64_t, int64_t, int64_t>;
+  std::map<GraphKey, std::vector<GraphExec>> graphs_;
+  enum class Mode { kEager, kCapture, kReplay };
+  Mode mode_ = Mode::kEager;
+  std::vector<GraphExec>* capture_ = nullptr;        // kCapture: segments recorded so far
+  const std::vector<GraphExec>* replay_ = nullptr;   // kReplay: segments to launch
   int64_t graph_replays_ = 0;
 };
 
