@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -142,6 +143,19 @@ int run(double hbm_gbps, const std::string& preset) {
     r.set_cuda_graphs(true);
     std::printf("GRAPHS model=%s batch=1 ctx=8192 graph_ms=%.3f eager_ms=%.3f speedup=%.2f\n", preset.c_str(), g, e,
                 e / g);
+    // Where the time goes (eager, events around each piece; adds a sync per piece).
+    for (int batch : {1, 64}) {
+      const StepInput pin = decode_step(r, batch, 8192, blocks_per_seq);
+      std::map<std::string, double> prof;
+      r.set_cuda_graphs(false);
+      r.set_profile(&prof);
+      const int reps = 5;
+      for (int i = 0; i < reps; ++i)
+        if (!r.execute(pin).ok()) return 1;
+      r.set_profile(nullptr);
+      r.set_cuda_graphs(true);
+      for (const auto& [k, v] : prof) std::printf("PROFILE batch=%d ctx=8192 %s ms=%.3f\n", batch, k.c_str(), v / reps);
+    }
   }
   {  // Graphs where launches dominate: ml4-tiny (12 small layers), batch 1.
     auto tiny_cfg = preset_config("ml4-tiny");

@@ -773,6 +773,23 @@ Status CudaRunner::forward(const StepMetadata* md, ForwardTrace* trace) {
     capture_->emplace_back(exec);
     return Status::ok();
   };
+  // Profiling (eager steps only): events around each piece, summed per label.
+  auto timed = [&](const char* label, auto&& fn) -> Status {
+    if (profile_ == nullptr || mode_ != Mode::kEager) return fn();
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    cudaEventRecord(e0, stream_);
+    Status st = fn();
+    cudaEventRecord(e1, stream_);
+    cudaEventSynchronize(e1);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, e0, e1);
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    (*profile_)[label] += ms;
+    return st;
+  };
   auto seg = [&](auto&& fn) -> Status {
     if (!in_segment) {
       in_segment = true;
@@ -790,7 +807,9 @@ Status CudaRunner::forward(const StepMetadata* md, ForwardTrace* trace) {
     return mode_ == Mode::kCapture ? Status::ok() : fn();
   };
   ML4_RETURN_IF_ERROR(seg([&] {
-    return embedding({embed_.data(), embed_dtype_, cfg_.vocab_size, D, b.tok.as<int32_t>(), T, residual, stream_});
+    return timed("embedding", [&] {
+      return embedding({embed_.data(), embed_dtype_, cfg_.vocab_size, D, b.tok.as<int32_t>(), T, residual, stream_});
+    });
   }));
   for (int l = 0; l < cfg_.n_layers; ++l) {
     const Layer& L = layers_[l];
@@ -807,32 +826,32 @@ Status CudaRunner::forward(const StepMetadata* md, ForwardTrace* trace) {
     if (trace != nullptr) {
       ML4_RETURN_IF_ERROR(brk([&] { return attention(l, md, tmp, trace); }));
     } else {
-      ML4_RETURN_IF_ERROR(seg([&] { return attention(l, md, tmp, nullptr); }));
+      ML4_RETURN_IF_ERROR(seg([&] { return timed("attention (+ indexer)", [&] { return attention(l, md, tmp, nullptr); }); }));
     }
     ML4_RETURN_IF_ERROR(seg([&] {
       return rms_norm({tmp, residual, L.ffn_norm.as<float>(), T, D, eps, a, nullptr, stream_});
     }));
     if (!L.moe) {
-      ML4_RETURN_IF_ERROR(seg([&] { return mlp(L.dense, a, T, tmp); }));
+      ML4_RETURN_IF_ERROR(seg([&] { return timed("dense ffn", [&] { return mlp(L.dense, a, T, tmp); }); }));
       continue;
     }
-    ML4_RETURN_IF_ERROR(seg([&] { return moe_route_step(l, T); }));
+    ML4_RETURN_IF_ERROR(seg([&] { return timed("moe router", [&] { return moe_route_step(l, T); }); }));
     if (trace != nullptr) ML4_RETURN_IF_ERROR(brk([&] { return moe_trace(l, T, trace); }));
     if (moe_grouped(L, T)) {
-      ML4_RETURN_IF_ERROR(seg([&] { return moe_experts(l, T, tmp); }));
-    } else {
-      ML4_RETURN_IF_ERROR(brk([&] { return moe_experts(l, T, tmp); }));  // reads row counts back
+      ML4_RETURN_IF_ERROR(seg([&] { return timed("moe experts", [&] { return moe_experts(l, T, tmp); }); }));
+    } else {  // reads row counts back
+      ML4_RETURN_IF_ERROR(brk([&] { return timed("moe experts", [&] { return moe_experts(l, T, tmp); }); }));
     }
   }
   if (R > 0) {
-    ML4_RETURN_IF_ERROR(seg([&]() -> Status {
+    ML4_RETURN_IF_ERROR(seg([&]() -> Status { return timed("final norm + lm_head", [&]() -> Status {
       // residual += last FFN output (into a: the residual is not needed afterwards).
       ML4_RETURN_IF_ERROR(rms_norm({tmp, residual, norm_.as<float>(), T, D, eps, a, nullptr, stream_}));
       ML4_RETURN_IF_ERROR(gather_rows(residual, D, b.row_idx.as<int32_t>(), R, b.rows.as<float>(), stream_));
       ML4_RETURN_IF_ERROR(rms_norm(
           {b.rows.as<float>(), nullptr, norm_.as<float>(), R, D, eps, b.normed.as<float>(), nullptr, stream_}));
       return lin(output_, b.normed.as<float>(), R, b.logits.as<float>());
-    }));
+    }); }));
   }
   ML4_RETURN_IF_ERROR(end_segment());
   if (mode_ == Mode::kReplay && next_graph != replay_->size())

@@ -73,6 +73,9 @@ class CudaRunner : public ModelRunner {
   // Benchmarks: finite random bytes in every latent and indexer page.
   Status fill_kv_synthetic(uint64_t seed);
   void set_cuda_graphs(bool on) { opts_.cuda_graphs = on; }
+  // Benchmarks: when set, eager steps add the GPU milliseconds of each piece of the forward
+  // (attention, MoE router, experts, dense FFN, lm_head, ...) into *p by label.
+  void set_profile(std::map<std::string, double>* p) { profile_ = p; }
   // Tests: the bytes of one page (group index as in cache_groups(), layer slot, block).
   Status read_cache_page(int group, int layer_slot, int64_t block, std::vector<uint8_t>* out) const;
   // Decode steps served by replaying a captured graph, and graphs held.
@@ -147,6 +150,7 @@ class CudaRunner : public ModelRunner {
   std::vector<GraphExec>* capture_ = nullptr;        // kCapture: segments recorded so far
   const std::vector<GraphExec>* replay_ = nullptr;   // kReplay: segments to launch
   int64_t graph_replays_ = 0;
+  std::map<std::string, double>* profile_ = nullptr;
 };
 
 // The engine-facing factory (the CPU one is load_cpu_runner).
