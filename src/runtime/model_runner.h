@@ -45,6 +45,9 @@ class ModelRunner {
     if (trace == nullptr) return execute(in);
     return unimplemented("this runner does not record or force its forward's decisions");
   }
+  // True when execute() honours SeqStep::device_sampling (fills StepOutput::sampled): the
+  // engine then asks for device sampling for the sequences that need nothing more.
+  virtual bool samples_on_device() const { return false; }
 };
 
 }  // namespace ml4

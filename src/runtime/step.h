@@ -7,9 +7,26 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace ml4 {
+
+// What a runner that samples on its device (ModelRunner::samples_on_device()) needs to draw
+// one token from a row of logits. Semantics (engine/device_sampling.h, the host reference,
+// and ops/cuda/sampling.h): temperature <= 0: argmax (ties -> lower id); else
+// softmax(logits / temperature) restricted by top_k (0: off), then top_p (1: off, over the
+// top-k renormalised probabilities) and min_p (0: off), drawn with a counter-based generator
+// keyed by (seed, counter), so a draw depends on nothing else (batch, step, backend state).
+// A plain 32-byte struct: the CUDA runner copies an array of them to the device each step.
+struct DeviceSamplingParams {
+  float temperature = 1.0f;
+  int top_k = 0;
+  float top_p = 1.0f;
+  float min_p = 0.0f;
+  uint64_t seed = 0;
+  int64_t counter = 0;  // the engine passes the index of the token being sampled (output size)
+};
 
 // One sequence's share of a step.
 struct SeqStep {
@@ -22,6 +39,10 @@ struct SeqStep {
   // Logits are returned for the last `num_logits` tokens of this chunk (0: none, as for
   // a prefill chunk that does not end the prompt; 1: normal decode; 1+k: verification).
   int num_logits = 1;
+  // Set by the engine only when the runner samples on its device (and only with
+  // num_logits == 1): the runner may then return this sequence's token in
+  // StepOutput::sampled instead of its logits.
+  std::optional<DeviceSamplingParams> device_sampling;
 };
 
 struct StepInput {
@@ -31,6 +52,14 @@ struct StepInput {
 struct StepOutput {
   // For each seq in order, num_logits rows of [vocab] logits (f32), concatenated.
   std::vector<std::vector<float>> logits;
+  // Device sampling: when every sequence with num_logits > 0 carries device_sampling (and
+  // so num_logits == 1), a runner may leave `logits` empty and fill these instead: the
+  // sampled token and its logprob (log_softmax of the unmodified logits) for each sequence
+  // in order (-1 and 0 for a sequence with num_logits == 0), or one entry per sequence that
+  // asked for logits, as for `logits`. A runner may always return logits instead; the engine
+  // then draws on the host with the same counter-based generator.
+  std::vector<int32_t> sampled;
+  std::vector<float> sampled_logprob;
 };
 
 }  // namespace ml4

@@ -1,0 +1,194 @@
+// Device sampling: the semantics a runner that samples on its device implements, shared
+// (header-only, host + CUDA) by the CUDA kernel (ops/cuda/sampling.cu), the engine's host
+// fallback and the tests' fake device runner.
+//
+// One row of logits l[0..V) and a DeviceSamplingParams (runtime/step.h):
+//   - m = max over the non-NaN logits; NaN ranks below everything (as cpu::topk).
+//   - temperature <= 0: the argmax, ties -> lower id.
+//   - else s_i = (l_i - m) * (1/T) and weights w_i = exp(s_i) in [0, 1]. Order the ids by
+//     (l_i descending, id ascending): every filter keeps a prefix of that order, so the kept
+//     set is the shortest of: top_k ids; the smallest prefix whose weight reaches top_p times
+//     the top-k weight (vLLM / the host Sampler apply top-p to the top-k renormalised
+//     probabilities); the ids with w_i >= min_p (min-p relative to the top probability).
+//     Weights are summed as integers (w * 2^40, truncated) so the kernel's block-wide sums are
+//     order-independent and bit-reproducible; 2^-40 per id is far below any top-p resolution.
+//   - The draw is Gumbel-max (the exponential race): token = argmax over the kept ids of
+//     s_i - log(-log(u_i)), with u_i from Philox4x32-10 (Salmon et al., SC'11, "Parallel random
+//     numbers: as easy as 1, 2, 3"; constants from Random123) keyed by the request seed, the
+//     counter = (id / 4, a domain tag, the 64-bit request counter), lane id % 4. P(token = i)
+//     = w_i / sum(w kept), no sort or prefix sum needed, and the token depends only on
+//     (logits, params): not on the batch, launch shape or thread count.
+//   - logprob = l_tok - m - log(sum_i exp(l_i - m)) over the unmodified logits (the host
+//     Sampler's "raw" logprob).
+// u_i has 23 random bits in (0, 1) (never 0 or 1): a token whose weight is below ~1e-9 of the
+// best one's can never win, a truncation far below anything a test can see.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "runtime/step.h"
+
+#if defined(__CUDACC__)
+#define ML4_SAMPLING_HD __host__ __device__ __forceinline__
+#else
+#define ML4_SAMPLING_HD inline
+#endif
+
+namespace ml4::sampling {
+
+constexpr uint32_t kCounterTag = 0x4d4c3453u;  // "ML4S": separates these draws from other uses
+constexpr float kWeightScale = 1099511627776.0f;  // 2^40
+
+struct Philox4 {
+  uint32_t v[4];
+};
+
+// Philox4x32-10 (Random123's philox4x32_R with R = 10).
+ML4_SAMPLING_HD Philox4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1) {
+  for (int r = 0; r < 10; ++r) {
+#if defined(__CUDA_ARCH__)
+    const uint32_t hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+    const uint32_t hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+#else
+    const uint64_t p0 = static_cast<uint64_t>(0xD2511F53u) * c0, p1 = static_cast<uint64_t>(0xCD9E8D57u) * c2;
+    const uint32_t hi0 = static_cast<uint32_t>(p0 >> 32), lo0 = static_cast<uint32_t>(p0);
+    const uint32_t hi1 = static_cast<uint32_t>(p1 >> 32), lo1 = static_cast<uint32_t>(p1);
+#endif
+    const uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+    c0 = n0;
+    c1 = lo1;
+    c2 = n2;
+    c3 = lo0;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  return Philox4{{c0, c1, c2, c3}};
+}
+
+// The four uniforms for ids [4q, 4q + 4) of the draw keyed by (seed, counter).
+ML4_SAMPLING_HD Philox4 draw_group(uint64_t seed, int64_t counter, uint32_t q) {
+  const uint64_t c = static_cast<uint64_t>(counter);
+  return philox4x32_10(q, kCounterTag, static_cast<uint32_t>(c), static_cast<uint32_t>(c >> 32),
+                       static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
+}
+
+// Gumbel noise -log(-log(u)), u = (x >> 9 + 0.5) / 2^23 in (0, 1): exact in f32.
+ML4_SAMPLING_HD float gumbel(uint32_t x) {
+  const float u = (static_cast<float>(x >> 9) + 0.5f) * (1.0f / 8388608.0f);
+  return -logf(-logf(u));
+}
+
+ML4_SAMPLING_HD uint32_t float_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  return b;
+#endif
+}
+
+ML4_SAMPLING_HD float bits_float(uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(b);
+#else
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+#endif
+}
+
+// Order-preserving key: larger float -> larger key; NaN -> 0 (below -inf).
+ML4_SAMPLING_HD uint32_t order_key(float f) {
+  if (f != f) return 0u;
+  const uint32_t b = float_bits(f);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+ML4_SAMPLING_HD float key_float(uint32_t k) { return bits_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k); }
+
+// w * 2^40 truncated; NaN -> 0.
+ML4_SAMPLING_HD uint64_t fixed_weight(float w) { return w > 0.0f ? static_cast<uint64_t>(w * kWeightScale) : 0ull; }
+
+// (a, ia) ranks above (b, ib): larger value, then lower id; NaN below everything.
+ML4_SAMPLING_HD bool ranks_above(float a, int64_t ia, float b, int64_t ib) {
+  const bool an = a != a, bn = b != b;
+  if (an != bn) return bn;
+  if (an) return ia < ib;
+  return a > b || (a == b && ia < ib);
+}
+
+// top-p target: the kept prefix is the shortest whose integer weight reaches this.
+ML4_SAMPLING_HD uint64_t top_p_target(float top_p, uint64_t topk_mass) {
+  return static_cast<uint64_t>(static_cast<double>(top_p) * static_cast<double>(topk_mass));
+}
+
+// Which device-sampling fields are active for a row of V ids.
+ML4_SAMPLING_HD bool greedy(const DeviceSamplingParams& p) { return !(p.temperature > 0.0f); }
+ML4_SAMPLING_HD bool top_k_on(const DeviceSamplingParams& p, int64_t V) { return p.top_k > 0 && p.top_k < V; }
+ML4_SAMPLING_HD bool top_p_on(const DeviceSamplingParams& p) { return p.top_p < 1.0f; }
+ML4_SAMPLING_HD bool min_p_on(const DeviceSamplingParams& p) { return p.min_p > 0.0f; }
+ML4_SAMPLING_HD float min_p_value(const DeviceSamplingParams& p) { return p.min_p < 1.0f ? p.min_p : 1.0f; }
+
+// The host reference of the whole contract above (a full sort: O(V log V), for the engine's
+// fallback, the fake device runner and the tests). Returns the token; *logprob when given.
+inline int32_t sample_row_reference(const float* l, int64_t V, const DeviceSamplingParams& p,
+                                    float* logprob = nullptr) {
+  int64_t best = 0;
+  for (int64_t i = 1; i < V; ++i)
+    if (ranks_above(l[i], i, l[best], best)) best = i;
+  const float m = l[best];
+  int64_t token = best;
+  if (!greedy(p) && m == m) {
+    const float inv_t = 1.0f / p.temperature;
+    std::vector<int32_t> idx(static_cast<size_t>(V));
+    std::iota(idx.begin(), idx.end(), 0);
+    std::sort(idx.begin(), idx.end(), [&](int32_t a, int32_t b) {
+      const uint32_t ka = order_key(l[a]), kb = order_key(l[b]);
+      return ka > kb || (ka == kb && a < b);
+    });
+    auto weight = [&](int32_t i) { return fixed_weight(expf((l[i] - m) * inv_t)); };
+    int64_t keep = top_k_on(p, V) ? p.top_k : V;
+    if (top_p_on(p)) {
+      uint64_t zk = 0;
+      for (int64_t i = 0; i < keep; ++i) zk += weight(idx[i]);
+      const uint64_t target = top_p_target(p.top_p, zk);
+      uint64_t acc = 0;
+      for (int64_t i = 0; i < keep; ++i) {
+        acc += weight(idx[i]);
+        if (acc >= target) {
+          keep = i + 1;
+          break;
+        }
+      }
+    }
+    float best_score = std::numeric_limits<float>::quiet_NaN();
+    token = idx[0];
+    for (int64_t j = 0; j < keep; ++j) {
+      const int32_t i = idx[j];
+      const float s = (l[i] - m) * inv_t;
+      if (min_p_on(p) && !(expf(s) >= min_p_value(p))) continue;
+      const Philox4 r = draw_group(p.seed, p.counter, static_cast<uint32_t>(i >> 2));
+      const float score = s + gumbel(r.v[i & 3]);
+      if (ranks_above(score, i, best_score, token) || (best_score != best_score && j == 0)) {
+        best_score = score;
+        token = i;
+      }
+    }
+  }
+  if (logprob) {
+    double sum = 0.0;
+    for (int64_t i = 0; i < V; ++i)
+      if (l[i] == l[i]) sum += std::exp(static_cast<double>(l[i]) - m);
+    *logprob = static_cast<float>(static_cast<double>(l[token]) - m - std::log(sum));
+  }
+  return static_cast<int32_t>(token);
+}
+
+}  // namespace ml4::sampling
