@@ -136,8 +136,10 @@ ML4_SAMPLING_HD bool top_p_on(const DeviceSamplingParams& p) { return p.top_p < 
 ML4_SAMPLING_HD bool min_p_on(const DeviceSamplingParams& p) { return p.min_p > 0.0f; }
 ML4_SAMPLING_HD float min_p_value(const DeviceSamplingParams& p) { return p.min_p < 1.0f ? p.min_p : 1.0f; }
 
-// The host reference of the whole contract above (a full sort: O(V log V), for the engine's
-// fallback, the fake device runner and the tests). Returns the token; *logprob when given.
+// The host reference of the whole contract above, for the engine's fallback (a runner that
+// samples on its device returned logits), the fake device runner and the tests. O(V) plus a
+// sort of the top-k ids, or of a growing top prefix (1024, x4) until it holds the top-p mass.
+// Returns the token; *logprob when given.
 inline int32_t sample_row_reference(const float* l, int64_t V, const DeviceSamplingParams& p,
                                     float* logprob = nullptr) {
   int64_t best = 0;
@@ -147,40 +149,57 @@ inline int32_t sample_row_reference(const float* l, int64_t V, const DeviceSampl
   int64_t token = best;
   if (!greedy(p) && m == m) {
     const float inv_t = 1.0f / p.temperature;
-    std::vector<int32_t> idx(static_cast<size_t>(V));
-    std::iota(idx.begin(), idx.end(), 0);
-    std::sort(idx.begin(), idx.end(), [&](int32_t a, int32_t b) {
+    auto weight = [&](int64_t i) { return fixed_weight(expf((l[i] - m) * inv_t)); };
+    auto before = [&](int32_t a, int32_t b) {
       const uint32_t ka = order_key(l[a]), kb = order_key(l[b]);
       return ka > kb || (ka == kb && a < b);
-    });
-    auto weight = [&](int32_t i) { return fixed_weight(expf((l[i] - m) * inv_t)); };
-    int64_t keep = top_k_on(p, V) ? p.top_k : V;
-    if (top_p_on(p)) {
-      uint64_t zk = 0;
+    };
+    std::vector<int32_t> idx;
+    int64_t keep = V;  // a prefix of idx when idx is not empty, else every id
+    auto sort_prefix = [&](int64_t n) {
+      if (idx.empty()) {
+        idx.resize(static_cast<size_t>(V));
+        std::iota(idx.begin(), idx.end(), 0);
+      }
+      if (n < V) std::nth_element(idx.begin(), idx.begin() + n, idx.end(), before);
+      std::sort(idx.begin(), idx.begin() + n, before);
+    };
+    uint64_t zk = 0;
+    if (top_k_on(p, V)) {
+      keep = p.top_k;
+      sort_prefix(keep);
       for (int64_t i = 0; i < keep; ++i) zk += weight(idx[i]);
+    } else if (top_p_on(p)) {
+      for (int64_t i = 0; i < V; ++i) zk += weight(i);
+    }
+    if (top_p_on(p)) {
       const uint64_t target = top_p_target(p.top_p, zk);
-      uint64_t acc = 0;
-      for (int64_t i = 0; i < keep; ++i) {
-        acc += weight(idx[i]);
-        if (acc >= target) {
-          keep = i + 1;
+      for (int64_t n = std::min<int64_t>(keep, 1024);; n = std::min<int64_t>(keep, 4 * n)) {
+        if (!top_k_on(p, V)) sort_prefix(n);
+        uint64_t acc = 0;
+        int64_t cut = -1;
+        for (int64_t i = 0; i < n && cut < 0; ++i)
+          if ((acc += weight(idx[i])) >= target) cut = i + 1;
+        if (cut > 0 || n == keep) {
+          if (cut > 0) keep = cut;
           break;
         }
       }
     }
     float best_score = std::numeric_limits<float>::quiet_NaN();
-    token = idx[0];
+    token = INT64_MAX;
     for (int64_t j = 0; j < keep; ++j) {
-      const int32_t i = idx[j];
+      const int64_t i = idx.empty() ? j : idx[j];
       const float s = (l[i] - m) * inv_t;
       if (min_p_on(p) && !(expf(s) >= min_p_value(p))) continue;
       const Philox4 r = draw_group(p.seed, p.counter, static_cast<uint32_t>(i >> 2));
       const float score = s + gumbel(r.v[i & 3]);
-      if (ranks_above(score, i, best_score, token) || (best_score != best_score && j == 0)) {
+      if (ranks_above(score, i, best_score, token)) {
         best_score = score;
         token = i;
       }
     }
+    if (token == INT64_MAX) token = best;
   }
   if (logprob) {
     double sum = 0.0;

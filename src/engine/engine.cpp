@@ -5,6 +5,7 @@
 #include <chrono>
 
 #include "core/log.h"
+#include "engine/device_sampling.h"
 #include "engine/sampler.h"
 
 namespace ml4 {
@@ -19,6 +20,27 @@ uint64_t splitmix(uint64_t& s) {
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   return z ^ (z >> 31);
+}
+
+// True when the device's sampler (engine/device_sampling.h) does all `r` needs for its next
+// token: no penalty (they need the token history), no top-N logprobs (only the chosen
+// token's), and no min_tokens masking still active (EOS / stop ids would have to be masked).
+// Stop ids and EOS are checked after sampling either way, so they do not matter otherwise.
+bool device_samplable(const Request& r) {
+  const SamplingParams& p = r.params;
+  return p.repetition_penalty == 1.0 && p.frequency_penalty == 0.0 && p.presence_penalty == 0.0 && p.logprobs <= 0 &&
+         static_cast<int>(r.output.size()) >= p.min_tokens && r.spec_tokens.empty();
+}
+
+DeviceSamplingParams device_params(const Request& r) {
+  DeviceSamplingParams d;
+  d.temperature = static_cast<float>(r.params.temperature);
+  d.top_k = r.params.top_k;
+  d.top_p = static_cast<float>(r.params.top_p);
+  d.min_p = static_cast<float>(r.params.min_p);
+  d.seed = r.sample_seed;
+  d.counter = static_cast<int64_t>(r.output.size());  // survives preemption (recompute)
+  return d;
 }
 
 size_t max_stop_len(const SamplingParams& p) {
@@ -59,7 +81,8 @@ Status Engine::add_request(const std::string& request_id, std::vector<int32_t> p
   r->arrival_time = now > 0 ? now : mono_now();
   r->prompt = std::move(prompt);
   r->params = params;
-  r->rng.seed(params.seed ? *params.seed : splitmix(seed_state_));
+  r->sample_seed = params.seed ? *params.seed : splitmix(seed_state_);
+  r->rng.seed(r->sample_seed);
   scheduler_.add(r.get());
   live_.emplace(request_id, std::move(r));
   return Status::ok();
@@ -187,6 +210,7 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
 
   StepInput in;
   in.seqs.reserve(so.seqs.size());
+  const bool device = runner_->samples_on_device();
   for (const auto& s : so.seqs) {
     Request& r = *s.req;
     SeqStep ss;
@@ -199,6 +223,7 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
     ss.block_tables = r.block_tables;
     const bool reaches_end = r.num_computed + s.num_new_tokens >= known;
     ss.num_logits = reaches_end ? 1 + static_cast<int>(r.spec_tokens.size()) : 0;
+    if (device && ss.num_logits == 1 && device_samplable(r)) ss.device_sampling = device_params(r);
     in.seqs.push_back(std::move(ss));
   }
   counters_.max_batched_tokens_seen = std::max(counters_.max_batched_tokens_seen, so.num_batched_tokens);
@@ -212,13 +237,23 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
   const double done = mono_now();
   counters_.forward_seconds += done - t_fwd;
 
-  // The runner returns one entry per sequence, or one per sequence that asked for logits.
+  // The runner returns one entry per sequence, or one per sequence that asked for logits;
+  // sampled tokens (device sampling) instead of logits only when every such sequence
+  // carries device_sampling (step.h).
   size_t wanted = 0;
-  for (const auto& ss : in.seqs) wanted += ss.num_logits > 0 ? 1 : 0;
-  const bool per_seq = out.logits.size() == in.seqs.size();
-  if (!per_seq && out.logits.size() != wanted)
-    return internal_error("runner returned {} logits entries for {} sequences ({} asking for logits)",
-                          out.logits.size(), in.seqs.size(), wanted);
+  bool all_device = true;
+  for (const auto& ss : in.seqs) {
+    wanted += ss.num_logits > 0 ? 1 : 0;
+    if (ss.num_logits > 0 && !ss.device_sampling) all_device = false;
+  }
+  const bool sampled = !out.sampled.empty();
+  const size_t entries = sampled ? out.sampled.size() : out.logits.size();
+  const bool per_seq = entries == in.seqs.size();
+  if (!per_seq && entries != wanted)
+    return internal_error("runner returned {} {} entries for {} sequences ({} asking for logits)", entries,
+                          sampled ? "sampled" : "logits", in.seqs.size(), wanted);
+  if (sampled && (!all_device || out.sampled_logprob.size() != out.sampled.size()))
+    return internal_error("runner sampled on the device for a step that did not ask for it, or without logprobs");
 
   size_t li = 0;
   for (size_t i = 0; i < so.seqs.size(); ++i) {
@@ -226,14 +261,34 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
     const int num_logits = in.seqs[i].num_logits;
     r.num_computed += so.seqs[i].num_new_tokens;
     if (num_logits > 0) {
-      std::vector<float>& row = out.logits[per_seq ? i : li++];
-      const size_t need = static_cast<size_t>(num_logits) * vocab_;
-      if (row.size() != need)
-        return internal_error("runner returned {} logits for seq {}, expected {}", row.size(), r.seq_id, need);
+      const size_t e = per_seq ? i : li++;
+      const std::optional<DeviceSamplingParams>& ds = in.seqs[i].device_sampling;
+      int32_t token = 0;
+      float logprob = 0.0f;
+      if (sampled) {
+        token = out.sampled[e];
+        logprob = out.sampled_logprob[e];
+        if (token < 0 || token >= vocab_)
+          return internal_error("runner sampled token {} for seq {}, outside [0, {})", token, r.seq_id, vocab_);
+      } else {
+        std::vector<float>& row = out.logits[e];
+        const size_t need = static_cast<size_t>(num_logits) * vocab_;
+        if (row.size() != need)
+          return internal_error("runner returned {} logits for seq {}, expected {}", row.size(), r.seq_id, need);
+        // Without drafts the last row is the only one; verification lands with DSpark.
+        float* last = row.data() + static_cast<size_t>(num_logits - 1) * vocab_;
+        // A sequence that asked for device sampling draws the same way on the host, so its
+        // tokens do not depend on whether the rest of the batch let the runner sample.
+        if (ds) token = sampling::sample_row_reference(last, vocab_, *ds, &logprob);
+        else token = Sampler::sample(r, last, vocab_, r.params.ignore_eos ? -1 : codec_->eos_id());
+      }
+      if (ds && r.params.logprobs >= 0) {
+        TokenLogprob lp;
+        lp.token = token;
+        lp.logprob = logprob;
+        r.logprobs.push_back(std::move(lp));
+      }
       r.spec_tokens.clear();
-      // Without drafts the last row is the only one; verification lands with DSpark.
-      float* last = row.data() + static_cast<size_t>(num_logits - 1) * vocab_;
-      int32_t token = Sampler::sample(r, last, vocab_, r.params.ignore_eos ? -1 : codec_->eos_id());
       ++counters_.generation_tokens;
       if (r.output.empty()) {
         r.first_token_time = done;

@@ -10,6 +10,15 @@
 // Text is handed out incrementally: while a stop string could still be forming, the last
 // (longest stop - 1) bytes are held back, as vLLM does, so a stream never shows a stop string.
 //
+// Device sampling: when the runner samples on its device (ModelRunner::samples_on_device()),
+// each sequence whose next token needs nothing beyond temperature / top-k / top-p / min-p and
+// the chosen token's logprob (no penalties, logprobs <= 0, min_tokens no longer masking, no
+// drafts) carries SeqStep::device_sampling {its seed, counter = its output length}; the runner
+// returns StepOutput::sampled when every sequence with logits carries it, and otherwise the
+// engine draws those sequences on the host with the same counter-based generator
+// (engine/device_sampling.h). So a seeded request's tokens do not depend on its batch. The
+// draws differ from the host Sampler's (a different generator): seeds reproduce per backend.
+//
 // A DSpark step later sets Request::spec_tokens; the step then carries 1 + k tokens and
 // num_logits = 1 + k (the runner contract already allows it).
 #pragma once

@@ -67,6 +67,7 @@ struct Request {
 
   // Sampling and output state.
   std::mt19937_64 rng;
+  uint64_t sample_seed = 0;  // the seed of rng, also the key of device sampling's draws
   std::unordered_map<int32_t, int> output_counts;
   IncrementalDetokenizer detok;
   std::string text;        // detokenized output (stop strings cut off)

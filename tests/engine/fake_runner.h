@@ -9,6 +9,11 @@
 // the step, while a correct engine gives the same tokens alone, batched, preempted or with a
 // prefix hit: exactly the invariants the tests check. A sliding-window group is read only
 // within its window, so released (-1) blocks before it are fine and missing ones inside fail.
+//
+// With device_sampling_ set it also plays a runner that samples on its device: it says so
+// (samples_on_device()) and, when every sequence with logits carries device_sampling, returns
+// StepOutput::sampled drawn by the host reference of the device contract
+// (engine/device_sampling.h) instead of the logits, as the CUDA runner does with its kernel.
 #pragma once
 
 #include <atomic>
@@ -17,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "engine/device_sampling.h"
 #include "runtime/model_runner.h"
 
 namespace ml4::testing {
@@ -40,6 +46,7 @@ class FakeRunner : public ModelRunner {
 
   const ModelConfig& config() const override { return config_; }
   const std::vector<CacheGroupInfo>& cache_groups() const override { return groups_; }
+  bool samples_on_device() const override { return device_sampling_; }
 
   Result<StepOutput> execute(const StepInput& in) override {
     ++steps_;
@@ -79,6 +86,25 @@ class FakeRunner : public ModelRunner {
       }
       out.logits.push_back(std::move(rows));
     }
+    bool all_device = device_sampling_ && !logits_anyway_;
+    int64_t with_logits = 0;
+    for (const auto& s : in.seqs) {
+      if (s.num_logits > 0 && !s.device_sampling) all_device = false;
+      with_logits += s.num_logits > 0;
+      device_rows_ += s.device_sampling.has_value();
+    }
+    if (all_device && with_logits > 0) {
+      for (size_t i = 0; i < in.seqs.size(); ++i) {
+        const auto& s = in.seqs[i];
+        int32_t tok = -1;
+        float lp = 0.0f;
+        if (s.num_logits > 0) tok = sampling::sample_row_reference(out.logits[i].data(), config_.vocab_size, *s.device_sampling, &lp);
+        out.sampled.push_back(tok);
+        out.sampled_logprob.push_back(lp);
+      }
+      out.logits.clear();
+      ++device_steps_;
+    }
     return out;
   }
 
@@ -92,6 +118,10 @@ class FakeRunner : public ModelRunner {
   std::atomic<int> delay_ms_{0};
   std::atomic<bool> fail_{false};
   std::atomic<int64_t> steps_{0};
+  bool device_sampling_ = false;  // play a runner that samples on its device
+  bool logits_anyway_ = false;    // ... that still returns logits (the engine's fallback)
+  int64_t device_rows_ = 0;       // sequences that carried device_sampling
+  int64_t device_steps_ = 0;      // steps answered with StepOutput::sampled
 
  private:
   Cell* cell(size_t g, const std::vector<int32_t>& table, int64_t pos) {

@@ -1,0 +1,304 @@
+// GPU sampling (ops/cuda/sampling.h) against host references:
+//   - greedy: the token equals cpu::topk's first index (ties -> lower id, NaN below all) and,
+//     on NaN-free rows, std::max_element (the host Sampler's greedy branch); argmax_rows too;
+//   - logprob: against an f64 log-softmax of the unmodified row;
+//   - temperature / top-k / top-p / min-p (and all together, and a tie-heavy row on the scalar
+//     path): 20000 draws of one row with counters 0..N-1 land only on the tokens the exact
+//     f64 distribution (the host Sampler's order: sort, top-k, top-p on the renormalised
+//     top-k probabilities, min-p) keeps, and their total-variation distance to it is below
+//     E[TV] + t, E[TV] <= 1/2 sum_b sqrt(p_b / N) over the buckets b, and t = sqrt(ln(1e6) /
+//     (2N)) by McDiarmid (one draw moves TV by at most 1/N): a false failure has p < 1e-6;
+//   - the host reference engine/device_sampling.h (the engine's fallback): the same token on
+//     all but float-rounding flips (>= 97% of rows; a flip needs two Gumbel scores within a
+//     few ulps);
+//   - determinism: same (seed, counter) -> the same token and logprob bits, in any batch order.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "cuda_test_util.h"
+#include "engine/device_sampling.h"
+#include "ops/cpu/basic.h"
+#include "ops/cuda/sampling.h"
+
+namespace ml4::cuda {
+namespace {
+
+using testing::poisoned;
+using testing::to_device;
+using testing::to_host;
+
+constexpr int64_t kV = 131072;
+
+struct Sampled {
+  std::vector<int32_t> tokens;
+  std::vector<float> logprobs;
+};
+
+// Runs sample_rows over B rows (row_stride 0: one row for all), outputs poisoned first.
+Sampled run(const std::vector<float>& logits, int64_t B, int64_t V, const std::vector<DeviceSamplingParams>& params,
+            int64_t row_stride) {
+  DeviceBuffer dl = to_device(logits), dp = to_device(params);
+  DeviceBuffer dt = poisoned<int32_t>(B), dlp = poisoned<float>(B);
+  Status st = sample_rows(dl.as<float>(), B, V, dp.as<DeviceSamplingParams>(), dt.as<int32_t>(), dlp.as<float>(),
+                          nullptr, row_stride);
+  EXPECT_TRUE(st.is_ok()) << st.message();
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  Sampled s{to_host<int32_t>(dt, B), to_host<float>(dlp, B)};
+  for (int64_t b = 0; b < B; ++b) EXPECT_TRUE(s.tokens[b] >= 0 && s.tokens[b] < V) << "row " << b << " not written";
+  return s;
+}
+
+double log_softmax_f64(const float* l, int64_t V, int64_t tok) {
+  double m = -INFINITY;
+  for (int64_t i = 0; i < V; ++i)
+    if (l[i] == l[i]) m = std::max(m, static_cast<double>(l[i]));
+  double s = 0;
+  for (int64_t i = 0; i < V; ++i)
+    if (l[i] == l[i]) s += std::exp(static_cast<double>(l[i]) - m);
+  return static_cast<double>(l[tok]) - m - std::log(s);
+}
+
+// The exact distribution in f64, in the host Sampler's order of filters.
+std::vector<double> exact_dist(const std::vector<float>& l, const DeviceSamplingParams& p) {
+  const int64_t V = static_cast<int64_t>(l.size());
+  std::vector<int32_t> idx(V);
+  std::iota(idx.begin(), idx.end(), 0);
+  std::stable_sort(idx.begin(), idx.end(), [&](int32_t a, int32_t b) { return l[a] > l[b]; });
+  int64_t keep = p.top_k > 0 && p.top_k < V ? p.top_k : V;
+  const double T = p.temperature, m = l[idx[0]];
+  std::vector<double> q(keep);
+  double sum = 0;
+  for (int64_t i = 0; i < keep; ++i) sum += q[i] = std::exp((l[idx[i]] - m) / T);
+  for (auto& x : q) x /= sum;
+  if (p.top_p < 1.0f) {
+    double acc = 0;
+    for (int64_t i = 0; i < keep; ++i)
+      if ((acc += q[i]) >= p.top_p) {
+        keep = i + 1;
+        break;
+      }
+  }
+  if (p.min_p > 0.0f) {
+    int64_t cut = 1;
+    while (cut < keep && q[cut] >= p.min_p * q[0]) ++cut;
+    keep = cut;
+  }
+  std::vector<double> out(V, 0.0);
+  double tot = 0;
+  for (int64_t i = 0; i < keep; ++i) tot += q[i];
+  for (int64_t i = 0; i < keep; ++i) out[idx[i]] = q[i] / tot;
+  return out;
+}
+
+TEST(CudaSampling, GreedyMatchesCpuTopkAndLogprobF64) {
+  ML4_REQUIRE_GPU();
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd(0.0f, 3.0f);
+  const int64_t B = 12;
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  std::vector<float> l(B * kV);
+  for (auto& x : l) x = nd(rng);
+  // Row 1: the max tied at 5 ids; row 2: quantised (huge tie runs); row 3: NaNs incl. id 0
+  // and a NaN next to the max; row 4: all NaN; row 5: -inf everywhere but 3 ids; row 6:
+  // the max at the last id; row 7: the max at id 0 tied with the last id.
+  for (int64_t i : {77, 901, 4000, 65537, 131000}) l[1 * kV + i] = 20.0f;
+  for (int64_t i = 0; i < kV; ++i) l[2 * kV + i] = std::round(l[2 * kV + i]);
+  for (int64_t i = 0; i < kV; i += 17) l[3 * kV + i] = nan;
+  l[3 * kV + 5000] = 30.0f;
+  l[3 * kV + 5001] = nan;
+  for (int64_t i = 0; i < kV; ++i) l[4 * kV + i] = nan;
+  for (int64_t i = 0; i < kV; ++i) l[5 * kV + i] = -inf;
+  l[5 * kV + 10] = -3.0f;
+  l[5 * kV + 99999] = -2.0f;
+  l[5 * kV + 12345] = -2.0f;
+  l[6 * kV + kV - 1] = 40.0f;
+  l[7 * kV + 0] = 40.0f;
+  l[7 * kV + kV - 1] = 40.0f;
+  std::vector<DeviceSamplingParams> params(B);
+  for (auto& p : params) p.temperature = 0.0f;
+  const Sampled s = run(l, B, kV, params, kV);
+
+  DeviceBuffer dl = to_device(l), da = poisoned<int32_t>(B);
+  ML4_ASSERT_OK(argmax_rows(dl.as<float>(), B, kV, da.as<int32_t>(), nullptr));
+  const std::vector<int32_t> am = to_host<int32_t>(da, B);
+  double worst = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const float* row = l.data() + b * kV;
+    int32_t ref = -1;
+    cpu::topk(row, kV, 1, &ref);
+    if (b == 4) ref = 0;  // all NaN: cpu::topk's order is by id among NaN too
+    EXPECT_EQ(s.tokens[b], ref) << "row " << b;
+    EXPECT_EQ(am[b], ref) << "argmax_rows row " << b;
+    EXPECT_EQ(s.tokens[b], sampling::sample_row_reference(row, kV, params[b])) << "row " << b;
+    bool has_nan = false;
+    for (int64_t i = 0; i < kV; ++i) has_nan |= row[i] != row[i];
+    if (!has_nan) EXPECT_EQ(s.tokens[b], std::max_element(row, row + kV) - row) << "host Sampler greedy, row " << b;
+    if (b != 4 && row[s.tokens[b]] == row[s.tokens[b]]) {
+      const double ref_lp = log_softmax_f64(row, kV, s.tokens[b]);
+      // l - m exact in f64; sum of f32 expf (<= 2 ulp each) in f64: ~3e-7 relative, so
+      // log(sum) within ~3e-7; the f32 result rounds at 2^-24 |ref|.
+      const double err = std::abs(s.logprobs[b] - ref_lp);
+      worst = std::max(worst, err / (1.0 + std::abs(ref_lp)));
+      EXPECT_LE(err, 1e-6 + 2e-7 * std::abs(ref_lp)) << "row " << b << " lp " << s.logprobs[b] << " ref " << ref_lp;
+    }
+  }
+  std::printf("greedy: %lld rows match cpu::topk; logprob worst |err|/(1+|ref|) %.3g (bound 1e-6 + 2e-7|ref|)\n",
+              static_cast<long long>(B), worst);
+}
+
+struct DistCase {
+  const char* name;
+  DeviceSamplingParams p;
+};
+
+void check_distribution(const std::vector<float>& row, const DistCase& c, int64_t N, double* worst_ratio) {
+  const int64_t V = static_cast<int64_t>(row.size());
+  std::vector<DeviceSamplingParams> params(N, c.p);
+  for (int64_t r = 0; r < N; ++r) params[r].counter = 1000 + r;
+  const Sampled s = run(row, N, V, params, 0);
+  const std::vector<double> ex = exact_dist(row, c.p);
+  // Buckets: every id with p >= 1e-4 alone, the rest of the support merged, and "outside"
+  // (must stay empty).
+  std::vector<int64_t> bucket(V, -1);
+  std::vector<double> pb;
+  int64_t rest = -1;
+  for (int64_t i = 0; i < V; ++i) {
+    if (ex[i] >= 1e-4) {
+      bucket[i] = static_cast<int64_t>(pb.size());
+      pb.push_back(ex[i]);
+    } else if (ex[i] > 0) {
+      if (rest < 0) {
+        rest = static_cast<int64_t>(pb.size());
+        pb.push_back(0.0);
+      }
+      bucket[i] = rest;
+      pb[rest] += ex[i];
+    }
+  }
+  std::vector<int64_t> cnt(pb.size(), 0);
+  int64_t outside = 0;
+  for (int64_t r = 0; r < N; ++r) {
+    const int64_t b = bucket[s.tokens[r]];
+    if (b < 0) ++outside;
+    else ++cnt[b];
+  }
+  EXPECT_EQ(outside, 0) << c.name << ": tokens outside the kept set";
+  double tv = 0, e_tv = 0;
+  for (size_t b = 0; b < pb.size(); ++b) {
+    tv += std::abs(static_cast<double>(cnt[b]) / N - pb[b]);
+    e_tv += std::sqrt(pb[b] / N);
+  }
+  tv *= 0.5;
+  const double bound = 0.5 * e_tv + std::sqrt(std::log(1e6) / (2.0 * N));
+  EXPECT_LT(tv, bound) << c.name;
+  *worst_ratio = std::max(*worst_ratio, tv / bound);
+  // The host reference agrees draw for draw (rare float-rounding flips aside) and on logprob.
+  const int64_t M = V > 4096 ? 8 : 64;  // the reference sorts the row: O(V log V) each
+  int agree = 0;
+  for (int64_t r = 0; r < M; ++r) {
+    agree += sampling::sample_row_reference(row.data(), V, params[r]) == s.tokens[r];
+    const double lp = log_softmax_f64(row.data(), V, s.tokens[r]);
+    EXPECT_NEAR(s.logprobs[r], lp, 1e-6 + 2e-7 * std::abs(lp)) << c.name << " row " << r;
+  }
+  EXPECT_GE(agree, M - 1) << c.name << ": host reference disagrees";
+  std::printf("%-26s V=%-6lld N=%lld support=%zu buckets: TV %.4f bound %.4f; host reference agrees %d/%lld\n", c.name,
+              static_cast<long long>(V), static_cast<long long>(N), pb.size(), tv, bound, agree,
+              static_cast<long long>(M));
+}
+
+TEST(CudaSampling, DistributionsMatchExact) {
+  ML4_REQUIRE_GPU();
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::uniform_real_distribution<float> ud(2.0f, 6.0f);
+  // 40 head ids at random places over a tail of 131032 ids ~3.5% of the mass at T = 1.
+  std::vector<float> row(kV);
+  for (auto& x : row) x = nd(rng) - 8.0f;
+  for (int i = 0; i < 40; ++i) row[rng() % kV] = ud(rng);
+  auto P = [](float t, int k, float tp, float mp) {
+    DeviceSamplingParams p;
+    p.temperature = t;
+    p.top_k = k;
+    p.top_p = tp;
+    p.min_p = mp;
+    p.seed = 0x5eed1234abcdull;
+    return p;
+  };
+  const int64_t N = 20000;
+  double worst = 0;
+  for (const DistCase& c : {DistCase{"temperature 1", P(1.0f, 0, 1.0f, 0.0f)},
+                            DistCase{"temperature 0.7, top_k 20", P(0.7f, 20, 1.0f, 0.0f)},
+                            DistCase{"temperature 1.3, top_p 0.8", P(1.3f, 0, 0.8f, 0.0f)},
+                            DistCase{"min_p 0.1", P(1.0f, 0, 1.0f, 0.1f)},
+                            DistCase{"k 30, p 0.9, min_p 0.05", P(0.9f, 30, 0.9f, 0.05f)}})
+    check_distribution(row, c, N, &worst);
+  // Ties at the cuts, V not a multiple of 4 (the scalar path): logits in steps of 0.5.
+  std::vector<float> ties(1001);
+  for (auto& x : ties) x = std::round(nd(rng) * 2.0f) * 0.5f;
+  for (const DistCase& c : {DistCase{"ties: top_k 7", P(1.0f, 7, 1.0f, 0.0f)},
+                            DistCase{"ties: top_p 0.3", P(1.0f, 0, 0.3f, 0.0f)},
+                            DistCase{"ties: k 50, p 0.6", P(2.0f, 50, 0.6f, 0.0f)}})
+    check_distribution(ties, c, N, &worst);
+  std::printf("distributions: worst TV / bound %.3f\n", worst);
+}
+
+TEST(CudaSampling, DeterministicAndIndependentOfBatch) {
+  ML4_REQUIRE_GPU();
+  std::mt19937 rng(99);
+  std::normal_distribution<float> nd(0.0f, 2.0f);
+  const int64_t B = 8;
+  std::vector<float> l(B * kV);
+  for (auto& x : l) x = nd(rng);
+  std::vector<DeviceSamplingParams> params(B);
+  for (int64_t b = 0; b < B; ++b) {
+    params[b].temperature = 0.5f + 0.1f * b;
+    params[b].top_k = b % 2 ? 40 : 0;
+    params[b].top_p = b % 3 ? 0.9f : 1.0f;
+    params[b].min_p = b == 5 ? 0.02f : 0.0f;
+    params[b].seed = 1234 + b;
+    params[b].counter = 17 * b;
+  }
+  const Sampled a = run(l, B, kV, params, kV), a2 = run(l, B, kV, params, kV);
+  // The same rows in reverse batch order.
+  std::vector<float> lr(B * kV);
+  std::vector<DeviceSamplingParams> pr(B);
+  for (int64_t b = 0; b < B; ++b) {
+    std::copy_n(l.begin() + b * kV, kV, lr.begin() + (B - 1 - b) * kV);
+    pr[B - 1 - b] = params[b];
+  }
+  const Sampled r = run(lr, B, kV, pr, kV);
+  for (int64_t b = 0; b < B; ++b) {
+    EXPECT_EQ(a.tokens[b], a2.tokens[b]);
+    EXPECT_EQ(std::memcmp(&a.logprobs[b], &a2.logprobs[b], 4), 0);
+    EXPECT_EQ(a.tokens[b], r.tokens[B - 1 - b]);
+    EXPECT_EQ(std::memcmp(&a.logprobs[b], &r.logprobs[B - 1 - b], 4), 0);
+  }
+  // A different counter changes the draw for a flat enough row (T = 1.4, no filter).
+  std::vector<DeviceSamplingParams> pc(64, params[0]);
+  for (int i = 0; i < 64; ++i) pc[i].counter = i;
+  const Sampled c = run(l, 64, kV, pc, 0);
+  std::vector<int32_t> distinct(c.tokens);
+  std::sort(distinct.begin(), distinct.end());
+  EXPECT_GT(std::unique(distinct.begin(), distinct.end()) - distinct.begin(), 8);
+}
+
+TEST(CudaSampling, BadArgumentsAreErrors) {
+  ML4_REQUIRE_GPU();
+  DeviceBuffer d = poisoned<float>(64);
+  const DeviceSamplingParams* p = reinterpret_cast<const DeviceSamplingParams*>(d.as<float>());
+  EXPECT_FALSE(sample_rows(d.as<float>(), -1, 4, p, d.as<int32_t>(), nullptr, nullptr).is_ok());
+  EXPECT_FALSE(sample_rows(d.as<float>(), 1, 0, p, d.as<int32_t>(), nullptr, nullptr).is_ok());
+  EXPECT_FALSE(sample_rows(d.as<float>(), 1, 4, nullptr, d.as<int32_t>(), nullptr, nullptr).is_ok());
+  EXPECT_FALSE(sample_rows(nullptr, 1, 4, p, d.as<int32_t>(), nullptr, nullptr).is_ok());
+  EXPECT_TRUE(sample_rows(d.as<float>(), 0, 4, p, d.as<int32_t>(), nullptr, nullptr).is_ok());
+}
+
+}  // namespace
+}  // namespace ml4::cuda
