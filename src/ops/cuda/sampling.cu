@@ -83,28 +83,35 @@ struct Cut {
 
 // Calls f(v[4], q) for groups q of 4 ids [4q, 4q + 4), with every thread of the block taking
 // the same number of trips (warp-collective code inside f sees full warps). Ids >= V hold NaN
-// and must be skipped by f.
+// and must be skipped by f. kUnroll groups are loaded before any is processed: one block
+// streams a whole row, so its loads in flight (1024 x 4 x 16 B) set its bandwidth.
+constexpr int kUnroll = 4;
 template <bool kVec, class F>
 __device__ __forceinline__ void for_each_group(const float* __restrict__ row, int64_t V, F&& f) {
   const int64_t nq = (V + 3) >> 2;
-  for (int64_t q0 = 0; q0 < nq; q0 += kThreads) {
-    const int64_t q = q0 + threadIdx.x;
-    float v[4];
-    if (kVec) {
-      if (q < nq) {
-        const float4 t = __ldg(reinterpret_cast<const float4*>(row) + q);
-        v[0] = t.x;
-        v[1] = t.y;
-        v[2] = t.z;
-        v[3] = t.w;
-      } else {
-        v[0] = v[1] = v[2] = v[3] = __int_as_float(0x7fc00000);
-      }
-    } else {
+  for (int64_t q0 = 0; q0 < nq; q0 += kUnroll * kThreads) {
+    float v[kUnroll][4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) v[j] = 4 * q + j < V ? __ldg(row + 4 * q + j) : __int_as_float(0x7fc00000);
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t q = q0 + u * kThreads + threadIdx.x;
+      if (kVec) {
+        if (q < nq) {
+          const float4 t = __ldg(reinterpret_cast<const float4*>(row) + q);
+          v[u][0] = t.x;
+          v[u][1] = t.y;
+          v[u][2] = t.z;
+          v[u][3] = t.w;
+        } else {
+          v[u][0] = v[u][1] = v[u][2] = v[u][3] = __int_as_float(0x7fc00000);
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          v[u][j] = 4 * q + j < V ? __ldg(row + 4 * q + j) : __int_as_float(0x7fc00000);
+      }
     }
-    f(v, q);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) f(v[u], q0 + u * kThreads + threadIdx.x);
   }
 }
 
