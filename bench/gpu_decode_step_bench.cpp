@@ -3,8 +3,9 @@
 // pages filled with finite random bytes, at batch 1, 8, 32, 64 and contexts 8k and 60k.
 //
 // Each STEP line is the wall time of CudaRunner::execute (host metadata upload, the graph
-// or eager launches, the logits copy to the host and the synchronization: what the engine
-// waits for), median of 20 after 3 warm-ups, against the roofline
+// or eager launches, sampling on the GPU (temperature 0.8, top-k 50, top-p 0.95) and the
+// token copy to the host, the synchronization: what the engine waits for), median of 20
+// after 3 warm-ups, against the roofline
 //   bytes = weights read (everything but the routed experts, plus the expected number of
 //           distinct routed experts for B tokens: E (1 - (1 - k/E)^B) per MoE layer)
 //         + KV read (per layer min(ctx, top-k) latent rows; per indexer owner all ctx keys
@@ -46,6 +47,7 @@ StepInput decode_step(const cuda::CudaRunner& r, int batch, int64_t ctx, int64_t
     s.tokens = {1 + i};
     s.start_pos = ctx - 1;
     s.num_logits = 1;
+    s.device_sampling = DeviceSamplingParams{0.8f, 50, 0.95f, 0.0f, 1234u, ctx};  // drawn on the GPU
     for (const auto& g : r.cache_groups()) {
       std::vector<int32_t> bt;
       if (g.sliding_window == 0)

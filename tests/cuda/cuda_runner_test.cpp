@@ -12,6 +12,7 @@
 #include <random>
 
 #include "cuda_test_util.h"
+#include "engine/device_sampling.h"
 #include "kv/latent_layout.h"
 #include "ops/cuda/cuda_runner.h"
 #include "runtime/test_models.h"
@@ -212,6 +213,57 @@ TEST(CudaRunner, DecodeGraphsMatchEager) {
   ML4_REQUIRE_GPU();
   graph_vs_eager("mistral4-tiny");
   graph_vs_eager("ml4-tiny");
+}
+
+// Device sampling through the runner: a decode step whose sequences all ask for it returns
+// tokens (and logprobs) drawn on the GPU; the same step again without it (the step is
+// idempotent) returns the logits, and the host reference (engine/device_sampling.h, the
+// same Philox draw) must pick the same tokens. Logprobs agree to f32 rounding of a log-sum
+// over 512 logits (1e-4 absolute).
+TEST(CudaRunner, DeviceSamplingMatchesHostReference) {
+  ML4_REQUIRE_GPU();
+  const std::string dir = ::ml4::testing::test_model("ml4-tiny", 11, "bf16");
+  CudaRunnerOptions o;
+  o.base.kv_cache_dtype = "fp8_ds_mla";
+  o.base.kv_cache_bytes = 64ll << 20;
+  auto r = CudaRunner::load(dir, o);
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  ASSERT_TRUE((*r)->samples_on_device());
+  std::mt19937 rng(21);
+  std::uniform_int_distribution<int> tok(1, (*r)->config().vocab_size - 1);
+  const int kSeqs = 8;
+  StepInput prefill, decode;
+  for (int s = 0; s < kSeqs; ++s) {
+    std::vector<int32_t> p(10 + 3 * s);
+    for (auto& t : p) t = tok(rng);
+    prefill.seqs.push_back(::ml4::testing::seq_step(**r, s, p, 0, 2 * s, 2, 1));
+    auto d = ::ml4::testing::seq_step(**r, s, {tok(rng)}, static_cast<int64_t>(p.size()), 2 * s, 2, 1);
+    DeviceSamplingParams dp;
+    dp.temperature = s == 0 ? 0.0f : 0.5f + 0.2f * s;
+    dp.top_k = s % 3 == 1 ? 20 : 0;
+    dp.top_p = s % 3 == 2 ? 0.8f : 1.0f;
+    dp.min_p = s == 5 ? 0.05f : 0.0f;
+    dp.seed = 1000 + s;
+    dp.counter = 7;
+    d.device_sampling = dp;
+    decode.seqs.push_back(d);
+  }
+  ASSERT_TRUE((*r)->execute(prefill).ok());
+  auto sampled = (*r)->execute(decode);
+  ASSERT_TRUE(sampled.ok()) << sampled.status().message();
+  ASSERT_EQ(sampled->sampled.size(), static_cast<size_t>(kSeqs));
+  StepInput plain = decode;
+  for (auto& s : plain.seqs) s.device_sampling.reset();
+  auto logits = (*r)->execute(plain);
+  ASSERT_TRUE(logits.ok()) << logits.status().message();
+  ASSERT_TRUE(logits->sampled.empty());
+  const int V = (*r)->config().vocab_size;
+  for (int s = 0; s < kSeqs; ++s) {
+    float lp = 0;
+    const int32_t want = sampling::sample_row_reference(logits->logits[s].data(), V, *decode.seqs[s].device_sampling, &lp);
+    EXPECT_EQ(sampled->sampled[s], want) << "seq " << s;
+    EXPECT_NEAR(sampled->sampled_logprob[s], lp, 1e-4) << "seq " << s;
+  }
 }
 
 TEST(CudaRunner, SizesKvFromGpuMemoryUtilization) {

@@ -58,6 +58,8 @@ struct CudaRunner::Buffers {
   DeviceBuffer iq, ik, iw, iq8, iqs, idx_slots, idx_block_table, scores, forced_slots, forced_counts, topk_pos;
   std::vector<DeviceBuffer> topk_slots, topk_counts;
   DeviceBuffer forced_ids;
+  DeviceBuffer samp_params, samp_tokens, samp_logprobs;  // device sampling, samp_cap rows
+  int64_t samp_cap = 0;
   int64_t scores_cap = 0;
   LinearScratch lin;
   MoeScratch moe;
@@ -977,7 +979,34 @@ Result<StepOutput> CudaRunner::execute_traced(const StepInput& in, ForwardTrace*
     ML4_RETURN_IF_ERROR(forward(trace != nullptr ? &md : nullptr, trace));
   }
   StepOutput out;
-  if (R > 0) {
+  // Device sampling (sampling.h): when every sequence asking for logits asked for it, draw
+  // the R tokens on the GPU and copy back 8 bytes per row instead of R x V logits.
+  bool device_sample = R > 0 && trace == nullptr;
+  for (const auto& s : in.seqs)
+    if (s.num_logits > 1 || (s.num_logits == 1 && !s.device_sampling)) device_sample = false;
+  if (device_sample) {
+    if (b.samp_cap < R) {
+      ML4_ASSIGN_OR_RETURN(b.samp_params, DeviceBuffer::alloc(R * sizeof(DeviceSamplingParams)));
+      ML4_ASSIGN_OR_RETURN(b.samp_tokens, DeviceBuffer::alloc(R * 4));
+      ML4_ASSIGN_OR_RETURN(b.samp_logprobs, DeviceBuffer::alloc(R * 4));
+      b.samp_cap = R;
+    }
+    std::vector<DeviceSamplingParams> params;
+    for (const auto& s : in.seqs)
+      if (s.num_logits == 1) params.push_back(*s.device_sampling);
+    ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(b.samp_params.data(), params.data(), R * sizeof(DeviceSamplingParams),
+                                             cudaMemcpyHostToDevice, stream_));
+    ML4_RETURN_IF_ERROR(sample_rows(b.logits.as<float>(), R, cfg_.vocab_size,
+                                    static_cast<const DeviceSamplingParams*>(b.samp_params.data()),
+                                    b.samp_tokens.as<int32_t>(), b.samp_logprobs.as<float>(), stream_));
+    out.sampled.resize(R);
+    out.sampled_logprob.resize(R);
+    ML4_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(out.sampled.data(), b.samp_tokens.data(), R * 4, cudaMemcpyDeviceToHost, stream_));
+    ML4_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(out.sampled_logprob.data(), b.samp_logprobs.data(), R * 4, cudaMemcpyDeviceToHost, stream_));
+    ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));  // params (host vector) and outputs
+  } else if (R > 0) {
     std::vector<float> logits(R * cfg_.vocab_size);
     ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(logits.data(), b.logits.data(), logits.size() * 4,
                                              cudaMemcpyDeviceToHost, stream_));

@@ -66,6 +66,8 @@ class CudaRunner : public ModelRunner {
   const std::vector<CacheGroupInfo>& cache_groups() const override { return groups_; }
   Result<StepOutput> execute(const StepInput& in) override { return execute_traced(in, nullptr); }
   Result<StepOutput> execute_traced(const StepInput& in, ForwardTrace* trace) override;
+  // Draws on the GPU (sampling.h) when every sequence of a step asks for device sampling.
+  bool samples_on_device() const override { return true; }
 
   int64_t weight_bytes() const { return weight_bytes_; }
   // Bytes of all routed experts of all layers (the rest of weight_bytes is read every step).
