@@ -24,9 +24,6 @@ int argmax(const std::vector<float>& v) {
   return static_cast<int>(std::max_element(v.begin(), v.end()) - v.begin());
 }
 
-// Largest relative change of one value that moves one step of the cache format.
-double spec_step(const std::string& kv) { return kv == "bf16" ? 1.0 / 128 : 0.25; }
-
 // Runs two sequences (a 37-token and a 20-token prompt in one prefill step, then 6 decode
 // steps on the CPU's greedy tokens) through both runners. The GPU runner is given the CPU's
 // decisions (its routed experts and top-k sets, ForwardTrace forced_*), so both compute one
@@ -52,8 +49,8 @@ void compare_runs(const std::string& preset, const std::string& kv, bool exact, 
   int64_t pos_a = 37, pos_b = 20;
   double worst = 0;
   int mismatched = 0, route_diff = 0, route_cells = 0, topk_diff = 0, topk_cells = 0;
-  int64_t cache_values = 0, cache_flips = 0;
-  double worst_flip = 0;
+  int64_t cache_values = 0, cache_flips = 0, cache_far = 0;
+  double worst_flip = 0;  // the largest |a - b| / allowed among values beyond one step
   for (int step = 0; step < 7; ++step) {
     ForwardTrace tc;
     auto rc = cpu->execute_traced(in, &tc);
@@ -75,12 +72,19 @@ void compare_runs(const std::string& preset, const std::string& kv, bool exact, 
       mismatched += argmax(rg->logits[s]) != argmax(rc->logits[s]);
       EXPECT_LT(e, bound) << preset << " step " << step << " seq " << s;
     }
-    // The latent pages both wrote (blocks 0 and 3), value by value: a value differs only
-    // where it lay within the two sides' f32 rounding of a bf16 / e4m3 boundary.
+    // The latent pages both wrote (blocks 0 and 3), value by value. The two sides' f32
+    // values differ by summation order (~1e-7 relative), so a value may land one step of
+    // the cache format apart (a rounding boundary between them), and an fp8_ds_mla tile's
+    // scale (amax / 448) may differ in its last bits. Allowed per value: one step of the
+    // format at the larger magnitude (bf16 2^-7 relative; e4m3 2^-2, plus its subnormal
+    // step scale * 2^-9) plus 1e-5 of the row's largest |value| (the f32 difference itself
+    // on near-cancelling values). Differing values are counted and printed; none may be
+    // further apart than that.
     const auto& spec = cpu->kv_spec();
     const int lg = spec.group_index(CacheGroupSpec::kLatent);
     const int r = cpu->config().kv_lora_rank, dr = cpu->config().qk_rope_head_dim;
     const size_t tb_bytes = latent_token_bytes(spec.dtype, r, dr);
+    const bool fp8 = spec.dtype != KvCacheDtype::kBf16;
     std::vector<uint8_t> page;
     std::vector<float> cg(r), kg(dr), cc(r), kc(dr);
     for (int slot = 0; slot < static_cast<int>(spec.groups[lg].layers.size()); ++slot) {
@@ -91,12 +95,23 @@ void compare_runs(const std::string& preset, const std::string& kv, bool exact, 
         for (int64_t t = 0; t < used; ++t) {
           decode_latent(spec.dtype, page.data() + t * tb_bytes, r, dr, 1.0f, cg.data(), kg.data());
           decode_latent(spec.dtype, cp + t * tb_bytes, r, dr, 1.0f, cc.data(), kc.data());
+          float amax_c = 0, amax_k = 0;
+          for (int j = 0; j < r; ++j) amax_c = std::max(amax_c, std::fabs(cc[j]));
+          for (int j = 0; j < dr; ++j) amax_k = std::max(amax_k, std::fabs(kc[j]));
           for (int j = 0; j < r + dr; ++j) {
-            const float a = j < r ? cg[j] : kg[j - r], b = j < r ? cc[j] : kc[j - r];
+            const bool rope = j >= r;
+            const double a = rope ? kg[j - r] : cg[j], b = rope ? kc[j - r] : cc[j];
             ++cache_values;
             if (a == b) continue;
             ++cache_flips;
-            worst_flip = std::max(worst_flip, std::fabs(static_cast<double>(a) - b) / std::max(std::fabs(b), 1e-30f));
+            const double mag = std::max(std::fabs(a), std::fabs(b));
+            const double amax = rope ? amax_k : amax_c;
+            const double tol = (fp8 && !rope) ? mag * 0.25 + amax / 448.0 * std::ldexp(1.0, -9) + 1e-5 * amax
+                                              : mag * std::ldexp(1.0, -7) + 1e-5 * amax;
+            if (std::fabs(a - b) > tol) {
+              ++cache_far;
+              worst_flip = std::max(worst_flip, std::fabs(a - b) / std::max(tol, 1e-30));
+            }
           }
         }
       }
@@ -109,22 +124,21 @@ void compare_runs(const std::string& preset, const std::string& kv, bool exact, 
   }
   std::printf("cuda runner vs cpu runner, %s kv=%s exact=%d: worst logits rel_err=%.3g (bound %.0e), %d greedy "
               "mismatches over 14 rows; GPU's own routing differs in %d of %d cells, own top-k in %d of %d; latent "
-              "cache values differing %ld of %ld (largest relative step %.3g)\n",
+              "cache values differing %ld of %ld, beyond one format step %ld (worst %.3g x allowed)\n",
               preset.c_str(), kv.c_str(), exact ? 1 : 0, worst, bound, mismatched, route_diff, route_cells, topk_diff,
-              topk_cells, static_cast<long>(cache_flips), static_cast<long>(cache_values), worst_flip);
+              topk_cells, static_cast<long>(cache_flips), static_cast<long>(cache_values), static_cast<long>(cache_far),
+              worst_flip);
   if (exact) {
     EXPECT_EQ(mismatched, 0);
-    // Rounding-boundary flips only: rare, and each one step of the cache's format (an e4m3
-    // step is at most 2^-3 relative, with its tile scale; bf16 2^-8).
-    EXPECT_LT(cache_flips, cache_values / 500) << preset << " " << kv;
-    EXPECT_LE(worst_flip, spec_step(kv)) << preset << " " << kv;
+    EXPECT_EQ(cache_far, 0) << preset << " " << kv << ": cache values further apart than one format step";
   }
 }
 
 // Exact mode: each op equals the CPU's to summation order (~1e-7..1e-6 relative). The
 // cache quantizes what both sides computed: a value within that distance of a bf16 / e4m3
-// rounding boundary lands one format step apart (2^-8 / up to 2^-3 relative), checked
-// value by value above (rare, one step). Each such step moves that key's attention
+// rounding boundary lands one format step apart (2^-8 / up to 2^-3 relative), and an
+// fp8_ds_mla tile scale moves in its last bits; checked value by value above (never more
+// than one step apart). Each such step moves that key's attention
 // logits by ~step/sqrt(r) of their size, which these random models carry into the logits
 // at ~1e-4 (bf16) to ~1e-3 (e4m3) per flip (measured: bf16 <= 1.2e-4, fp8_ds_mla <=
 // 4.7e-3 with a handful of flips; transformers' own f32-vs-f64 floor on these models is
