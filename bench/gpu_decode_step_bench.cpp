@@ -137,6 +137,12 @@ int run(double hbm_gbps, const std::string& preset) {
                   (bytes - kv) / 1e9, kv / 1e9, batch / ms * 1e3);
     }
   }
+  for (int batch : {1, 64}) {  // the same step returning logits (host sampling) instead
+    StepInput in = decode_step(r, batch, 8192, blocks_per_seq);
+    for (auto& s : in.seqs) s.device_sampling.reset();
+    std::printf("STEP_LOGITS batch=%d ctx=8192 ms=%.3f (logits to the host, no device sampling)\n", batch,
+                time_step(r, in, 3, 20));
+  }
   {  // Graphs vs eager, batch 1, 8k.
     const StepInput in = decode_step(r, 1, 8192, blocks_per_seq);
     const double g = time_step(r, in, 3, 20);
