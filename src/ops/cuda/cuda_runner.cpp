@@ -400,6 +400,26 @@ Status CudaRunner::mlp(const DeviceMlp& m, const float* x, int64_t M, float* y) 
   return lin(m.w2, s.g.as<float>(), M, y);
 }
 
+// Profiling (eager steps only, CudaRunner::set_profile): events around one piece of the
+// forward, its GPU milliseconds added to (*profile_)[label].
+template <typename F>
+Status CudaRunner::timed(const char* label, F&& fn) {
+  if (profile_ == nullptr || mode_ != Mode::kEager) return fn();
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  cudaEventRecord(e0, stream_);
+  Status st = fn();
+  cudaEventRecord(e1, stream_);
+  cudaEventSynchronize(e1);
+  float ms = 0;
+  cudaEventElapsedTime(&ms, e0, e1);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  (*profile_)[label] += ms;
+  return st;
+}
+
 // cpu_attention.cpp CpuModel::indexer_topk for an indexer owner: this step's keys into the
 // indexer pages, then per token the causal top-k of its scores as latent cache slots into
 // the layer's top-k buffer (and, when tracing, as positions into trace->topk[l]).
@@ -477,7 +497,8 @@ Status CudaRunner::indexer(int l, ForwardTrace* trace) {
     sp.scores_stride = maxlen;
     sp.math = opts_.exact_activations ? IndexerMath::kF32 : IndexerMath::kFp8TensorCore;
     sp.stream = stream_;
-    ML4_RETURN_IF_ERROR(indexer_scores(sp).with_context("layer " + std::to_string(l)));
+    ML4_RETURN_IF_ERROR(timed("attn: (indexer) of which scores",
+                              [&] { return indexer_scores(sp).with_context("layer " + std::to_string(l)); }));
     TopkParams tp;
     tp.scores = b.scores.as<float>();
     tp.scores_stride = maxlen;
@@ -492,7 +513,7 @@ Status CudaRunner::indexer(int l, ForwardTrace* trace) {
     tp.block_table_stride = b.maxb;
     tp.seq_of_token = b.seq_of.as<int32_t>() + t0;
     tp.stream = stream_;
-    ML4_RETURN_IF_ERROR(topk(tp).with_context("layer " + std::to_string(l)));
+    ML4_RETURN_IF_ERROR(timed("attn: (indexer) of which top-k", [&] { return topk(tp).with_context("layer " + std::to_string(l)); }));
   }
   if (trace != nullptr) {
     std::vector<int32_t> pos(T * k), cnt(T);
@@ -518,16 +539,17 @@ Status CudaRunner::attention(int l, const StepMetadata* md, float* out, ForwardT
   const float eps = static_cast<float>(cfg_.norm_eps);
   float* q = b.q.as<float>();
   // 1. Queries.
-  if (cfg_.q_lora_rank > 0) {
-    ML4_RETURN_IF_ERROR(lin(L.wq_a, b.a.as<float>(), T, b.qlat_in.as<float>()));
-    ML4_RETURN_IF_ERROR(rms_norm({b.qlat_in.as<float>(), nullptr, L.q_a_norm.as<float>(), T, cfg_.q_lora_rank, eps,
-                                  b.qlat_in.as<float>(), nullptr, stream_}));
-    ML4_RETURN_IF_ERROR(lin(L.wq_b, b.qlat_in.as<float>(), T, q));
-  } else {
-    ML4_RETURN_IF_ERROR(lin(L.wq, b.a.as<float>(), T, q));
-  }
+  ML4_RETURN_IF_ERROR(timed("attn: q projection", [&]() -> Status {
+    if (cfg_.q_lora_rank > 0) {
+      ML4_RETURN_IF_ERROR(lin(L.wq_a, b.a.as<float>(), T, b.qlat_in.as<float>()));
+      ML4_RETURN_IF_ERROR(rms_norm({b.qlat_in.as<float>(), nullptr, L.q_a_norm.as<float>(), T, cfg_.q_lora_rank,
+                                    eps, b.qlat_in.as<float>(), nullptr, stream_}));
+      return lin(L.wq_b, b.qlat_in.as<float>(), T, q);
+    }
+    return lin(L.wq, b.a.as<float>(), T, q);
+  }));
   // 3./4. Latent row into the pages (owners).
-  if (spec.owns_kv()) {
+  if (spec.owns_kv()) ML4_RETURN_IF_ERROR(timed("attn: kv projection + cache write", [&]() -> Status {
     float* ckv = b.ckv.as<float>();
     ML4_RETURN_IF_ERROR(lin(L.wkv_a, b.a.as<float>(), T, ckv));
     RmsNormParams np{ckv, nullptr, L.kv_a_norm.as<float>(), T, r, eps, b.c.as<float>(), nullptr, stream_};
@@ -563,13 +585,14 @@ Status CudaRunner::attention(int l, const StepMetadata* md, float* out, ForwardT
       w.stream = stream_;
       ML4_RETURN_IF_ERROR(latent_cache_write(w));
     }
-  }
+    return Status::ok();
+  }));
   // 5. DSA: the keys this layer attends to (its own indexer's, its source's, or forced).
   const int32_t* sel_slots = nullptr;
   const int32_t* sel_counts = nullptr;
   const int k = cfg_.indexer.topk;
   if (spec.sparse()) {
-    if (spec.indexer == IndexerRole::kOwner) ML4_RETURN_IF_ERROR(indexer(l, trace));
+    if (spec.indexer == IndexerRole::kOwner) ML4_RETURN_IF_ERROR(timed("attn: indexer + top-k", [&] { return indexer(l, trace); }));
     const int src = spec.indexer == IndexerRole::kOwner ? l : spec.indexer_source;
     if (trace != nullptr && src != l) trace->topk[l] = trace->topk[src];
     const bool forced = trace != nullptr && l < static_cast<int>(trace->forced_topk.size()) &&
@@ -614,7 +637,7 @@ Status CudaRunner::attention(int l, const StepMetadata* md, float* out, ForwardT
   qp.n_keys = sel_counts;
   qp.head_scale = b.head_scale.as<float>();
   qp.stream = stream_;
-  ML4_RETURN_IF_ERROR(q_path(qp));
+  ML4_RETURN_IF_ERROR(timed("attn: q path", [&] { return q_path(qp); }));
   // 6. Absorbed attention over the pages.
   MlaAbsorbParams ab;
   ab.T = T;
@@ -631,9 +654,12 @@ Status CudaRunner::attention(int l, const StepMetadata* md, float* out, ForwardT
   ab.w_uv = L.w_uv.as<float>();
   ab.o = b.o.as<float>();
   ab.stream = stream_;
-  ML4_RETURN_IF_ERROR(mla_absorb_q(ab));
-  ML4_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(b.q_rope.data(), dr * 4, q + dn, qk * 4, dr * 4, T * H,
-                                             cudaMemcpyDeviceToDevice, stream_));
+  ML4_RETURN_IF_ERROR(timed("attn: W_UK absorption", [&]() -> Status {
+    ML4_RETURN_IF_ERROR(mla_absorb_q(ab));
+    return cuda_status(cudaMemcpy2DAsync(b.q_rope.data(), dr * 4, q + dn, qk * 4, dr * 4, T * H,
+                                         cudaMemcpyDeviceToDevice, stream_),
+                       "q_rope copy");
+  }));
   MlaAttentionParams ap;
   ap.q_lat = b.q_lat.as<float>();
   ap.q_rope = b.q_rope.as<float>();
@@ -669,9 +695,10 @@ Status CudaRunner::attention(int l, const StepMetadata* md, float* out, ForwardT
   }
   ap.workspace = b.attn_ws.data();
   ap.workspace_bytes = b.attn_ws_bytes;
-  ML4_RETURN_IF_ERROR(mla_attention(ap).with_context("layer " + std::to_string(l)));
-  ML4_RETURN_IF_ERROR(mla_apply_uv(ab));
-  return lin(L.wo, b.o.as<float>(), T, out);
+  ML4_RETURN_IF_ERROR(
+      timed("attn: MLA kernel", [&] { return mla_attention(ap).with_context("layer " + std::to_string(l)); }));
+  ML4_RETURN_IF_ERROR(timed("attn: W_UV", [&] { return mla_apply_uv(ab); }));
+  return timed("attn: o projection", [&] { return lin(L.wo, b.o.as<float>(), T, out); });
 }
 
 // CpuModel::ffn, MoE part in three pieces so the graph capture can cut around the two that
@@ -775,23 +802,6 @@ Status CudaRunner::forward(const StepMetadata* md, ForwardTrace* trace) {
     capture_->emplace_back(exec);
     return Status::ok();
   };
-  // Profiling (eager steps only): events around each piece, summed per label.
-  auto timed = [&](const char* label, auto&& fn) -> Status {
-    if (profile_ == nullptr || mode_ != Mode::kEager) return fn();
-    cudaEvent_t e0, e1;
-    cudaEventCreate(&e0);
-    cudaEventCreate(&e1);
-    cudaEventRecord(e0, stream_);
-    Status st = fn();
-    cudaEventRecord(e1, stream_);
-    cudaEventSynchronize(e1);
-    float ms = 0;
-    cudaEventElapsedTime(&ms, e0, e1);
-    cudaEventDestroy(e0);
-    cudaEventDestroy(e1);
-    (*profile_)[label] += ms;
-    return st;
-  };
   auto seg = [&](auto&& fn) -> Status {
     if (!in_segment) {
       in_segment = true;
@@ -828,7 +838,7 @@ Status CudaRunner::forward(const StepMetadata* md, ForwardTrace* trace) {
     if (trace != nullptr) {
       ML4_RETURN_IF_ERROR(brk([&] { return attention(l, md, tmp, trace); }));
     } else {
-      ML4_RETURN_IF_ERROR(seg([&] { return timed("attention (+ indexer)", [&] { return attention(l, md, tmp, nullptr); }); }));
+      ML4_RETURN_IF_ERROR(seg([&] { return attention(l, md, tmp, nullptr); }));
     }
     ML4_RETURN_IF_ERROR(seg([&] {
       return rms_norm({tmp, residual, L.ffn_norm.as<float>(), T, D, eps, a, nullptr, stream_});

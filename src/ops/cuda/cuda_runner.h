@@ -97,6 +97,8 @@ class CudaRunner : public ModelRunner {
   Status lin(const DeviceLinear& w, const float* x, int64_t M, float* y);
   Status mlp(const DeviceMlp& m, const float* x, int64_t M, float* y);
   Status forward(const StepMetadata* md, ForwardTrace* trace);
+  template <typename F>
+  Status timed(const char* label, F&& fn);
   Status attention(int l, const StepMetadata* md, float* out, ForwardTrace* trace);
   Status indexer(int l, ForwardTrace* trace);
   Status moe_route_step(int l, int64_t T);
