@@ -15,6 +15,7 @@
 // repetitions (METHOD.md).
 #include <algorithm>
 #include <cstdio>
+#include <string>
 #include <vector>
 
 #include "gpu_bench_util.h"
@@ -43,7 +44,11 @@ int main(int argc, char** argv) {
   };
   const Shape shapes[] = {{"wq_a", 1536, 6144},      {"wkv_a", 576, 6144},       {"wo", 6144, 8192},
                           {"expert_w1", 5632, 6144}, {"expert_w2", 6144, 5632}, {"dense_w1", 16384, 6144}};
-  const int64_t Ms[] = {1, 2, 4, 8, 32, 64, 4096};
+  // argv[2] == "gemv": decode rows only (M <= 8: our GEMV variants and the BF16 cuBLASLt /
+  // own FP8 GEMM peers), for a short device run.
+  const bool gemv_only = argc > 2 && std::string(argv[2]) == "gemv";
+  std::vector<int64_t> Ms = {1, 2, 4, 8, 32, 64, 4096};
+  if (gemv_only) Ms = {1, 2, 4, 8};
   std::printf("copy %.0f GB/s, peaks bf16 %.0f / fp8 %.0f TFLOP/s\n", copy_gbps, bf16_peak / 1e12, fp8_peak / 1e12);
   std::printf("%-10s %5s %6s %6s %5s %-9s %9s %8s %8s %6s %6s %8s\n", "shape", "M", "N", "K", "fmt", "backend", "us",
               "GB/s", "TFLOP/s", "%copy", "%peak", "floor_us");
@@ -57,7 +62,7 @@ int main(int argc, char** argv) {
   };
   // Passes: BF16 (cuBLASLt + GEMV), FP8 ours (+ GEMV), FP8 cuBLASLt last (a fault inside
   // cuBLASLt would end the run; the rows before it are printed).
-  for (int pass = 0; pass < 3; ++pass) {
+  for (int pass = 0; pass < (gemv_only ? 2 : 3); ++pass) {
     const int fp8 = pass > 0;
     const Fp8Backend fp8_be = pass == 1 ? Fp8Backend::kOwn : Fp8Backend::kCublasLt;
     for (const auto& sh : shapes) {
@@ -126,28 +131,30 @@ int main(int argc, char** argv) {
         if (M <= kGemvMaxM && pass < 2) {
           // Our GEMV on the same weights (f32 x, no activation quantization), with a split-K
           // workspace as the runner gives it: "gemv-cc" = the earlier CUDA-core kernel,
-          // "gemv" = the tensor-core weight stream (gemv.h; "gemv-nopf" without its L2 prefetch).
+          // "gemv-tc" = the register-pipelined tensor-core stream (L2 prefetch 8 steps ahead;
+          // "gemv-tcnp" without it), "gemv-ring" = the cp.async ring kernel (kAuto's choice).
           // Bytes: W (+ FP8 scales) + f32 x + f32 y.
           auto gws = DeviceBuffer::alloc(gemv_workspace_floats(M, sh.N, sh.K) * 4);
           BENCH_CHECK(gws.status());
           const double gbytes = wbytes + (fp8 ? nb * kb * 4.0 : 0.0) + M * sh.K * 4.0 + M * sh.N * 4.0;
-          for (int v = 0; v < 3; ++v) {  // CUDA cores, tensor cores without / with the L2 prefetch
-            const GemvImpl impl = v == 0 ? GemvImpl::kCudaCore : GemvImpl::kTensorCore;
-            gemv_set_l2_prefetch(v == 1 ? 0 : 8);
+          for (int v = 0; v < 4; ++v) {  // CUDA cores, tensor cores with / without the L2 prefetch, ring
+            const GemvImpl impl = v == 0 ? GemvImpl::kCudaCore : v == 3 ? GemvImpl::kTensorCoreRing : GemvImpl::kTensorCore;
+            gemv_set_l2_prefetch(v == 2 ? 0 : 8);
             const double gms = bench::median_ms(s, 3, 30, [&](int i) {
               const int c = i % copies;
               BENCH_CHECK(gemv({x->as<float>(), M, sh.N, sh.K, fp8 ? LinearFormat::kFP8Block : LinearFormat::kBF16,
                                 ws[c].data(), fp8 ? wss[c].as<float>() : nullptr, y->as<float>(), gws->as<float>(), s,
                                 impl}));
             });
-            row(sh.name, M, sh.N, sh.K, fp8 ? "fp8" : "bf16", v == 0 ? "gemv-cc" : v == 1 ? "gemv-nopf" : "gemv", gms,
+            row(sh.name, M, sh.N, sh.K, fp8 ? "fp8" : "bf16",
+                v == 0 ? "gemv-cc" : v == 1 ? "gemv-tc" : v == 2 ? "gemv-tcnp" : "gemv-ring", gms,
                 gbytes, fp8 ? fp8_peak : bf16_peak);
           }
         }
       }
     }
   }
-  {  // act_quant alone: bytes = f32 in + e4m3 out + scales.
+  if (!gemv_only) {  // act_quant alone: bytes = f32 in + e4m3 out + scales.
     const int64_t M = 4096, K = 6144;
     auto x = DeviceBuffer::alloc(M * K * 4), q = DeviceBuffer::alloc(M * K), sc = DeviceBuffer::alloc(M * K / 128 * 4);
     BENCH_CHECK(x.status());

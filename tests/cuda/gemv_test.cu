@@ -6,8 +6,12 @@
 // product w * part is exact in f32 and its mma accumulates in f32 (per-mma rounding of
 // the same order as an f32 add): the same bound. Every kernel variant is run: tensor
 // cores with a workspace (split-K), tensor cores without (one slice, several 1024-k x
-// chunks), and the CUDA-core kernel (null workspace); M = 1..8, N tails (not a multiple
-// of 16 / 128), bf16 K tails (not a multiple of 32).
+// chunks), the same two for the cp.async ring kernel (kAuto's choice), and the CUDA-core
+// kernel (null workspace); M = 1..8, N tails (not a multiple of 16 / 128), bf16 K tails
+// (not a multiple of 32). AllE4m3Codes checks the ring kernel's integer e4m3 -> bf16
+// conversion on every finite code (subnormals, -0, +-448) bit for bit: one-hot x makes every
+// output a single exact product (weight times a power-of-two block scale), so any variant
+// must return exactly e4m3_to_f32(code) * scale.
 #include <gtest/gtest.h>
 
 #include <random>
@@ -56,8 +60,10 @@ TEST(CudaGemv, MatchesCpuLinear) {
         bool ws;
         GemvImpl impl;
       };
-      for (const Variant v : {Variant{"tc+splitk", true, GemvImpl::kAuto}, Variant{"tc", false, GemvImpl::kTensorCore},
-                              Variant{"cudacore", false, GemvImpl::kAuto}}) {
+      for (const Variant v : {Variant{"ring+splitk", true, GemvImpl::kAuto},
+                              Variant{"ring", false, GemvImpl::kTensorCoreRing},
+                              Variant{"tc+splitk", true, GemvImpl::kTensorCore},
+                              Variant{"tc", false, GemvImpl::kTensorCore}, Variant{"cudacore", false, GemvImpl::kAuto}}) {
         std::vector<std::vector<float>> runs;
         for (int rep = 0; rep < 2; ++rep) {
           auto dy = poisoned<float>(s.M * s.N);
@@ -68,7 +74,7 @@ TEST(CudaGemv, MatchesCpuLinear) {
         }
         ASSERT_TRUE(all_finite(runs[0])) << "unwritten output " << v.name;
         const double e = rel_err(runs[0], ref);
-        std::printf("gemv %-9s %s M=%ld N=%ld K=%ld rel_err=%.3g (bound 1e-5)\n", v.name, linear_format_name(f), s.M,
+        std::printf("gemv %-11s %s M=%ld N=%ld K=%ld rel_err=%.3g (bound 1e-5)\n", v.name, linear_format_name(f), s.M,
                     s.N, s.K, e);
         EXPECT_LT(e, 1e-5) << v.name;
         EXPECT_EQ(0, std::memcmp(runs[0].data(), runs[1].data(), runs[0].size() * 4)) << "not deterministic " << v.name;
@@ -83,6 +89,48 @@ TEST(CudaGemv, MatchesCpuLinear) {
                   nullptr, nullptr})
                 .code(),
             StatusCode::kInvalidArgument);
+}
+
+
+TEST(CudaGemv, AllE4m3CodesExact) {
+  ML4_REQUIRE_GPU();
+  // W[n][k] = code (n + 37 k) mod 256 (NaN codes 0x7f / 0xff -> 0): for any fixed k the 256
+  // rows cover every code. Token m is one-hot at k_m (different lanes, steps, scale blocks).
+  const int64_t M = 8, N = 256, K = 256;
+  const int64_t km[M] = {0, 1, 2, 3, 77, 130, 201, 255};
+  std::vector<uint8_t> w(N * K);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k) {
+      const uint8_t c = static_cast<uint8_t>((n + 37 * k) & 0xFF);
+      w[n * K + k] = (c & 0x7F) == 0x7F ? 0 : c;
+    }
+  const std::vector<float> sc = {1.0f, 0.5f, 0.25f, 2.0f};  // [N/128][K/128], powers of two
+  std::vector<float> x(M * K, 0.0f);
+  for (int64_t m = 0; m < M; ++m) x[m * K + km[m]] = 1.0f;
+  auto dx = to_device(x);
+  auto dw = to_device(w);
+  auto ds = to_device(sc);
+  auto ws = poisoned<float>(gemv_workspace_floats(M, N, K));
+  for (GemvImpl impl : {GemvImpl::kTensorCoreRing, GemvImpl::kTensorCore}) {
+    for (bool use_ws : {true, false}) {
+      auto dy = poisoned<float>(M * N);
+      ML4_ASSERT_OK(gemv({dx.as<float>(), M, N, K, LinearFormat::kFP8Block, dw.data(), ds.as<float>(), dy.as<float>(),
+                          use_ws ? ws.as<float>() : nullptr, nullptr, impl}));
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const auto y = to_host<float>(dy, M * N);
+      int bad = 0;
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) {
+          const float want = e4m3_to_f32(w[n * K + km[m]]) * sc[(n / 128) * 2 + km[m] / 128];
+          if (!(y[m * N + n] == want) && bad++ < 5)
+            ADD_FAILURE() << "impl " << static_cast<int>(impl) << " ws " << use_ws << " m " << m << " n " << n
+                          << " code " << int{w[n * K + km[m]]} << ": " << y[m * N + n] << " want " << want;
+        }
+      std::printf("gemv all-e4m3-codes impl=%d ws=%d: %d of %ld outputs differ (bound 0: exact)\n",
+                  static_cast<int>(impl), use_ws, bad, M * N);
+      EXPECT_EQ(bad, 0);
+    }
+  }
 }
 
 }  // namespace
