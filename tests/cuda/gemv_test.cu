@@ -60,10 +60,11 @@ TEST(CudaGemv, MatchesCpuLinear) {
         bool ws;
         GemvImpl impl;
       };
-      for (const Variant v : {Variant{"ring+splitk", true, GemvImpl::kAuto},
+      for (const Variant v : {Variant{"ring+splitk", true, GemvImpl::kTensorCoreRing},
                               Variant{"ring", false, GemvImpl::kTensorCoreRing},
                               Variant{"tc+splitk", true, GemvImpl::kTensorCore},
-                              Variant{"tc", false, GemvImpl::kTensorCore}, Variant{"cudacore", false, GemvImpl::kAuto}}) {
+                              Variant{"tc", false, GemvImpl::kTensorCore}, Variant{"cudacore", false, GemvImpl::kAuto},
+                              Variant{"auto+splitk", true, GemvImpl::kAuto}}) {
         std::vector<std::vector<float>> runs;
         for (int rep = 0; rep < 2; ++rep) {
           auto dy = poisoned<float>(s.M * s.N);

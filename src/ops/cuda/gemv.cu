@@ -496,7 +496,7 @@ size_t tc_smem() { return size_t{kTcChunkK} * 48; }  // 8 tokens x 3 bf16 parts 
 constexpr int kRgStages = 8;                    // steps in flight per warp, 1 KB each
 constexpr int kRgChunkK = 512;                  // k per staged x chunk: 24 KB
 constexpr uint32_t kRgStageBytes = 2 * 32 * 16;  // rows g and g+8, 32 lanes, 16 B
-bool g_ring = false;  // TODO(gemv2): on once measured on the H200
+bool g_ring = false;  // kAuto / grouped_gemv use the ring kernel only when on: off until measured on the H200
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
