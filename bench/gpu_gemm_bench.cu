@@ -1,9 +1,10 @@
-// GEMMs on ML4's projection shapes (presets.cpp "ml4": dim 6144; wq_a 1536, wkv_a 576,
-// wo 6144 x 8192, experts 5632 wide, dense 16384), decode-shaped (M = 1..64) and
-// prefill-shaped (4096): BF16 through cuBLASLt, FP8 block-scaled through cuBLASLt and
-// through our kernel (fp8_gemm.h), our GEMV at M <= 8 (the earlier CUDA-core kernel and
-// the tensor-core weight stream, same run), plus the FP8 activation quantization in
-// front of them.
+// GEMMs on ML4's projection shapes (presets.cpp "ml4": dim 6144; wq_a 1536, wkv_a 576, wq 12288
+// (no query LoRA, as in ml4-slice-4), wo 6144 x 8192, experts 5632 wide, dense 16384), decode-
+// shaped (M = 1..64) and prefill-shaped (4096): BF16 through cuBLASLt, FP8 block-scaled through
+// cuBLASLt and through our kernel (fp8_gemm.h), our GEMV at M <= 8 (the earlier CUDA-core kernel,
+// the register-pipelined tensor-core stream and the cp.async ring kernel, same run), plus the FP8
+// activation quantization in front of them. `gpu_gemm_bench [copy GB/s] gemv`: the decode rows
+// alone (M <= 8), a short device run.
 //
 // Bytes counted: weight + activations + output, each once (FP8 rows: f32 output, what
 // linear_f32 asks for; the cuBLASLt FP8 row includes its y^T -> y transpose). Decode GEMMs
@@ -42,7 +43,8 @@ int main(int argc, char** argv) {
     const char* name;
     int64_t N, K;
   };
-  const Shape shapes[] = {{"wq_a", 1536, 6144},      {"wkv_a", 576, 6144},       {"wo", 6144, 8192},
+  const Shape shapes[] = {{"wq_a", 1536, 6144},      {"wkv_a", 576, 6144},       {"wq", 12288, 6144},
+                          {"wo", 6144, 8192},
                           {"expert_w1", 5632, 6144}, {"expert_w2", 6144, 5632}, {"dense_w1", 16384, 6144}};
   // argv[2] == "gemv": decode rows only (M <= 8: our GEMV variants and the BF16 cuBLASLt /
   // own FP8 GEMM peers), for a short device run.

@@ -2,6 +2,7 @@
 #include "ops/cuda/gemv.h"
 
 #include <algorithm>
+#include <cstdlib>
 
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -496,7 +497,14 @@ size_t tc_smem() { return size_t{kTcChunkK} * 48; }  // 8 tokens x 3 bf16 parts 
 constexpr int kRgStages = 8;                    // steps in flight per warp, 1 KB each
 constexpr int kRgChunkK = 512;                  // k per staged x chunk: 24 KB
 constexpr uint32_t kRgStageBytes = 2 * 32 * 16;  // rows g and g+8, 32 lanes, 16 B
-bool g_ring = false;  // kAuto / grouped_gemv use the ring kernel only when on: off until measured on the H200
+// kAuto / grouped_gemv use the ring kernel only when on: off until measured on the H200;
+// ML4_GEMV_RING=1 in the environment turns it on for a whole process (runner tests, MoE
+// bench) without a rebuild, gemv_set_ring overrides.
+bool ring_from_env() {
+  const char* v = std::getenv("ML4_GEMV_RING");
+  return v != nullptr && v[0] == '1';
+}
+bool g_ring = ring_from_env();
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
