@@ -229,8 +229,11 @@ struct TcArgs {
 };
 
 // Bytes in flight beyond the registers: each lane asks L2 for its weights `prefetch` steps
-// ahead of the batch it loads (no register cost; the later load then hits L2).
-int g_tc_prefetch = 8;
+// ahead of the batch it loads (no register cost; the later load then hits L2). Off by
+// default: on the H200 (2026-12-02 17:33 run, gpu_gemm_bench "gemv-tc" vs "gemv-tcnp") the
+// prefetch made 51 of 56 decode shapes 5-25% slower, and the grouped MoE decode layer 11%
+// slower at T = 64 (gpu_moe_bench "no L2 prefetch").
+int g_tc_prefetch = 0;
 
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
