@@ -24,6 +24,7 @@
 
 #include "cuda_test_util.h"
 #include "engine/device_sampling.h"
+#include "engine/sampling_exact_dist.h"
 #include "ops/cpu/basic.h"
 #include "ops/cuda/sampling.h"
 
@@ -63,38 +64,6 @@ double log_softmax_f64(const float* l, int64_t V, int64_t tok) {
   for (int64_t i = 0; i < V; ++i)
     if (l[i] == l[i]) s += std::exp(static_cast<double>(l[i]) - m);
   return static_cast<double>(l[tok]) - m - std::log(s);
-}
-
-// The exact distribution in f64, in the host Sampler's order of filters.
-std::vector<double> exact_dist(const std::vector<float>& l, const DeviceSamplingParams& p) {
-  const int64_t V = static_cast<int64_t>(l.size());
-  std::vector<int32_t> idx(V);
-  std::iota(idx.begin(), idx.end(), 0);
-  std::stable_sort(idx.begin(), idx.end(), [&](int32_t a, int32_t b) { return l[a] > l[b]; });
-  int64_t keep = p.top_k > 0 && p.top_k < V ? p.top_k : V;
-  const double T = p.temperature, m = l[idx[0]];
-  std::vector<double> q(keep);
-  double sum = 0;
-  for (int64_t i = 0; i < keep; ++i) sum += q[i] = std::exp((l[idx[i]] - m) / T);
-  for (auto& x : q) x /= sum;
-  if (p.top_p < 1.0f) {
-    double acc = 0;
-    for (int64_t i = 0; i < keep; ++i)
-      if ((acc += q[i]) >= p.top_p) {
-        keep = i + 1;
-        break;
-      }
-  }
-  if (p.min_p > 0.0f) {
-    int64_t cut = 1;
-    while (cut < keep && q[cut] >= p.min_p * q[0]) ++cut;
-    keep = cut;
-  }
-  std::vector<double> out(V, 0.0);
-  double tot = 0;
-  for (int64_t i = 0; i < keep; ++i) tot += q[i];
-  for (int64_t i = 0; i < keep; ++i) out[idx[i]] = q[i] / tot;
-  return out;
 }
 
 TEST(CudaSampling, GreedyMatchesCpuTopkAndLogprobF64) {
@@ -163,7 +132,7 @@ void check_distribution(const std::vector<float>& row, const DistCase& c, int64_
   std::vector<DeviceSamplingParams> params(N, c.p);
   for (int64_t r = 0; r < N; ++r) params[r].counter = 1000 + r;
   const Sampled s = run(row, N, V, params, 0);
-  const std::vector<double> ex = exact_dist(row, c.p);
+  const std::vector<double> ex = ::ml4::testing::exact_dist(row, c.p);
   // Buckets: every id with p >= 1e-4 alone, the rest of the support merged, and "outside"
   // (must stay empty).
   std::vector<int64_t> bucket(V, -1);

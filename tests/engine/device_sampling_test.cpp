@@ -23,6 +23,7 @@
 #include "engine/device_sampling.h"
 #include "engine/engine.h"
 #include "engine/fake_runner.h"
+#include "engine/sampling_exact_dist.h"
 
 namespace ml4 {
 namespace {
@@ -199,38 +200,6 @@ TEST(DeviceSamplingEngine, IneligibleRequestsStayOnTheHostSampler) {
   EXPECT_EQ(d.logprobs["top_logprobs"][0].top.size(), 3u);
 }
 
-// The exact f64 distribution, in the host Sampler's order of filters.
-std::vector<double> exact_dist(const std::vector<float>& l, const DeviceSamplingParams& p) {
-  const int64_t V = static_cast<int64_t>(l.size());
-  std::vector<int32_t> idx(V);
-  std::iota(idx.begin(), idx.end(), 0);
-  std::stable_sort(idx.begin(), idx.end(), [&](int32_t a, int32_t b) { return l[a] > l[b]; });
-  int64_t keep = p.top_k > 0 && p.top_k < V ? p.top_k : V;
-  const double m = l[idx[0]];
-  std::vector<double> q(keep);
-  double sum = 0;
-  for (int64_t i = 0; i < keep; ++i) sum += q[i] = std::exp((l[idx[i]] - m) / p.temperature);
-  for (auto& x : q) x /= sum;
-  if (p.top_p < 1.0f) {
-    double acc = 0;
-    for (int64_t i = 0; i < keep; ++i)
-      if ((acc += q[i]) >= p.top_p) {
-        keep = i + 1;
-        break;
-      }
-  }
-  if (p.min_p > 0.0f) {
-    int64_t cut = 1;
-    while (cut < keep && q[cut] >= p.min_p * q[0]) ++cut;
-    keep = cut;
-  }
-  std::vector<double> out(V, 0.0);
-  double tot = 0;
-  for (int64_t i = 0; i < keep; ++i) tot += q[i];
-  for (int64_t i = 0; i < keep; ++i) out[idx[i]] = q[i] / tot;
-  return out;
-}
-
 TEST(DeviceSamplingReference, DistributionMatchesExactWithTies) {
   std::mt19937 rng(17);
   std::normal_distribution<float> nd(0.0f, 1.5f);
@@ -249,7 +218,7 @@ TEST(DeviceSamplingReference, DistributionMatchesExactWithTies) {
   const int64_t N = 20000;
   for (const DeviceSamplingParams& p : {P(1.0f, 0, 1.0f, 0.0f), P(0.7f, 25, 1.0f, 0.0f), P(1.3f, 0, 0.5f, 0.0f),
                                         P(1.0f, 0, 1.0f, 0.2f), P(0.9f, 60, 0.8f, 0.05f)}) {
-    const std::vector<double> ex = exact_dist(row, p);
+    const std::vector<double> ex = testing::exact_dist(row, p);
     std::vector<int64_t> cnt(row.size(), 0);
     DeviceSamplingParams q = p;
     for (int64_t c = 0; c < N; ++c) {
