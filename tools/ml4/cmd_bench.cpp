@@ -1,11 +1,19 @@
 // `ml4 bench serve`: load against any OpenAI-compatible server (src/server/bench_client.h);
 // prints vLLM's result table and optionally writes the figures as JSON.
+// `ml4 bench step`: the CUDA runner's decode step on a full-width preset against its
+// roofline (src/ops/cuda/step_bench.h; the same as bench/gpu_decode_step_bench).
 #include <cstdio>
 #include <fstream>
+#include <memory>
+#include <tuple>
+#include <vector>
 
 #include "command.h"
 #include "core/log.h"
 #include "server/bench_client.h"
+#if defined(ML4_WITH_CUDA)
+#include "ops/cuda/step_bench.h"
+#endif
 
 namespace ml4::cli {
 namespace {
@@ -57,6 +65,31 @@ CommandRegistrar reg("bench", [](CLI::App& app, int* exit_code) {
       }
     }
     if (s->failed > 0) *exit_code = 2;
+  });
+
+  auto* step = bench->add_subcommand("step", "CUDA decode step of a full-width preset vs its roofline (synthetic weights)");
+  auto so = std::make_shared<std::tuple<std::string, std::vector<int>, std::vector<int64_t>, double, bool>>(
+      "ml4-slice-4", std::vector<int>{1, 8, 32, 64}, std::vector<int64_t>{8192, 61440}, 4253.0, true);
+  step->add_option("--preset", std::get<0>(*so), "model preset (ml4-slice-N, ml4-tiny, ...)");
+  step->add_option("--batch", std::get<1>(*so), "batch sizes")->delimiter(',')->check(CLI::PositiveNumber);
+  step->add_option("--ctx", std::get<2>(*so), "context lengths")->delimiter(',')->check(CLI::PositiveNumber);
+  step->add_option("--copy-gbps", std::get<3>(*so), "measured HBM copy bandwidth, GB/s (the roofline)")
+      ->check(CLI::PositiveNumber);
+  step->add_flag("!--no-extras", std::get<4>(*so), "only the STEP lines");
+  step->callback([so, exit_code] {
+#if defined(ML4_WITH_CUDA)
+    ml4::cuda::StepBenchOptions o;
+    o.preset = std::get<0>(*so);
+    o.batches = std::get<1>(*so);
+    o.contexts = std::get<2>(*so);
+    o.copy_gbps = std::get<3>(*so);
+    o.extras = std::get<4>(*so);
+    *exit_code = ml4::cuda::run_step_bench(o);
+#else
+    (void)so;
+    ML4_LOG_ERROR("bench step: this ml4 was built without the CUDA backend (cmake -DML4_CUDA=ON)");
+    *exit_code = 1;
+#endif
   });
 });
 

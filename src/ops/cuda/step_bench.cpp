@@ -1,0 +1,207 @@
+// See step_bench.h.
+#include "ops/cuda/step_bench.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "kv/indexer_layout.h"
+#include "kv/latent_layout.h"
+#include "model/presets.h"
+#include "ops/cuda/cuda_runner.h"
+#include "ops/cuda/gemv.h"
+
+namespace ml4::cuda {
+namespace {
+
+
+using Clock = std::chrono::steady_clock;
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+StepInput decode_step(const CudaRunner& r, int batch, int64_t ctx, int64_t blocks_per_seq) {
+  StepInput in;
+  for (int i = 0; i < batch; ++i) {
+    SeqStep s;
+    s.seq_id = i;
+    s.tokens = {1 + i};
+    s.start_pos = ctx - 1;
+    s.num_logits = 1;
+    s.device_sampling = DeviceSamplingParams{0.8f, 50, 0.95f, 0.0f, 1234u, ctx};  // drawn on the GPU
+    for (const auto& g : r.cache_groups()) {
+      std::vector<int32_t> bt;
+      if (g.sliding_window == 0)
+        for (int64_t b = 0; b < (ctx + 63) / 64; ++b) bt.push_back(static_cast<int32_t>(i * blocks_per_seq + b));
+      s.block_tables.push_back(std::move(bt));
+    }
+    in.seqs.push_back(std::move(s));
+  }
+  return in;
+}
+
+double time_step(CudaRunner& r, const StepInput& in, int warm, int reps) {
+  for (int i = 0; i < warm; ++i) {
+    auto o = r.execute(in);
+    if (!o.ok()) {
+      std::fprintf(stderr, "step failed: %s\n", o.status().message().c_str());
+      std::abort();  // a bench step failed: nothing sensible to measure after it
+    }
+  }
+  std::vector<double> ms;
+  for (int i = 0; i < reps; ++i) {
+    const auto t0 = Clock::now();
+    auto o = r.execute(in);
+    ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+    if (!o.ok()) std::abort();  // a bench step failed: nothing sensible to measure after it
+  }
+  return median(ms);
+}
+
+}  // namespace
+
+int run_step_bench(const StepBenchOptions& opt) {
+  const double hbm_gbps = opt.copy_gbps > 0 ? opt.copy_gbps : 4253.0;
+  const std::string& preset = opt.preset;
+  auto cfg_r = preset_config(preset);
+  if (!cfg_r.ok()) {
+    std::fprintf(stderr, "%s\n", cfg_r.status().message().c_str());
+    return 1;
+  }
+  const ModelConfig cfg = *cfg_r;
+  const int64_t kMaxCtx = *std::max_element(opt.contexts.begin(), opt.contexts.end());
+  const int64_t kMaxBatch = *std::max_element(opt.batches.begin(), opt.batches.end());
+  const int64_t blocks_per_seq = (kMaxCtx + 63) / 64;
+  CudaRunnerOptions o;
+  o.base.kv_cache_dtype = "fp8_ds_mla";
+  // Latent + indexer pages for 64 x 60k tokens, and the drafter's share of the split.
+  o.base.kv_cache_bytes = opt.kv_cache_bytes;
+  o.max_graph_batch = kMaxBatch;
+  const auto t0 = Clock::now();
+  auto rr = CudaRunner::load_synthetic(cfg, o, 1234);
+  if (!rr.ok()) {
+    std::fprintf(stderr, "%s\n", rr.status().message().c_str());
+    return 1;
+  }
+  auto& r = **rr;
+  if (!r.fill_kv_synthetic(99).is_ok()) return 1;
+  const double setup_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  if (r.cache_groups()[0].num_blocks < kMaxBatch * blocks_per_seq) {
+    std::fprintf(stderr, "KV pool too small: %ld blocks\n", static_cast<long>(r.cache_groups()[0].num_blocks));
+    return 1;
+  }
+  const int E = cfg.moe.num_experts, K = cfg.moe.num_experts_per_tok;
+  int moe_layers = 0, owners = 0;
+  for (const auto& l : cfg.layers) {
+    moe_layers += l.ffn == FfnKind::kMoe;
+    owners += l.indexer == IndexerRole::kOwner;
+  }
+  const double always = static_cast<double>(r.weight_bytes() - r.routed_expert_bytes());
+  const double per_expert = moe_layers > 0 ? static_cast<double>(r.routed_expert_bytes()) / (E * moe_layers) : 0.0;
+  const double row = static_cast<double>(latent_token_bytes(KvCacheDtype::kFp8DsMla, cfg.kv_lora_rank, cfg.qk_rope_head_dim));
+  const double ikey = static_cast<double>(indexer_token_bytes(cfg.indexer.head_dim));
+  std::printf("MODEL %s: %d layers, weights %.2f GB (routed experts %.2f GB), kv pool %.2f GB, setup %.1f s\n",
+              preset.c_str(), cfg.n_layers, r.weight_bytes() / 1e9, r.routed_expert_bytes() / 1e9, r.kv_bytes() / 1e9,
+              setup_s);
+  for (int64_t ctx : opt.contexts) {
+    for (int batch : opt.batches) {
+      const StepInput in = decode_step(r, batch, ctx, blocks_per_seq);
+      const int64_t replays = r.graph_replays();
+      const double ms = time_step(r, in, 3, 20);
+      const bool graphed = r.graph_replays() > replays;
+      const double experts = moe_layers > 0 ? E * (1.0 - std::pow(1.0 - static_cast<double>(K) / E, batch)) : 0.0;
+      double kv = 0.0;
+      for (const auto& l : cfg.layers) {
+        kv += batch * row * (l.sparse() ? std::min<double>(ctx, cfg.indexer.topk) : static_cast<double>(ctx));
+        if (l.indexer == IndexerRole::kOwner) kv += batch * ctx * (ikey + 8.0);
+      }
+      const double bytes = always + experts * per_expert * moe_layers + kv;
+      const double roof = bytes / (hbm_gbps * 1e6);
+      std::printf("STEP batch=%d ctx=%ld ms=%.3f graphs=%d roofline_ms=%.3f ratio=%.2f bytes_gb=%.2f (weights %.2f, "
+                  "kv %.3f) tok_s=%.0f\n",
+                  batch, static_cast<long>(ctx), ms, graphed ? 1 : 0, roof, ms / roof, bytes / 1e9,
+                  (bytes - kv) / 1e9, kv / 1e9, batch / ms * 1e3);
+    }
+  }
+  for (bool ring : {false, true}) {  // the GEMV's two weight paths (gemv.h gemv_set_ring), timed eagerly
+    gemv_set_ring(ring);
+    for (int batch : {1, 8, 64}) {
+      // Eager: captured graphs keep the kernels chosen at capture time.
+      const StepInput in = decode_step(r, batch, 8192, blocks_per_seq);
+      r.set_cuda_graphs(false);
+      std::printf("STEP_EAGER gemv_ring=%d batch=%d ctx=8192 ms=%.3f\n", ring ? 1 : 0, batch, time_step(r, in, 2, 10));
+      r.set_cuda_graphs(true);
+    }
+  }
+  gemv_set_ring(true);
+  for (int batch : {1, 64}) {  // the same step returning logits (host sampling) instead
+    StepInput in = decode_step(r, batch, 8192, blocks_per_seq);
+    for (auto& s : in.seqs) s.device_sampling.reset();
+    std::printf("STEP_LOGITS batch=%d ctx=8192 ms=%.3f (logits to the host, no device sampling)\n", batch,
+                time_step(r, in, 3, 20));
+  }
+  if (!opt.extras) return 0;
+  {  // Graphs vs eager, batch 1, 8k.
+    const StepInput in = decode_step(r, 1, 8192, blocks_per_seq);
+    const double g = time_step(r, in, 3, 20);
+    r.set_cuda_graphs(false);
+    const double e = time_step(r, in, 3, 20);
+    r.set_cuda_graphs(true);
+    std::printf("GRAPHS model=%s batch=1 ctx=8192 graph_ms=%.3f eager_ms=%.3f speedup=%.2f\n", preset.c_str(), g, e,
+                e / g);
+    // Where the time goes (eager, events around each piece; adds a sync per piece).
+    for (int batch : {1, 64}) {
+      const StepInput pin = decode_step(r, batch, 8192, blocks_per_seq);
+      std::map<std::string, double> prof;
+      r.set_cuda_graphs(false);
+      r.set_profile(&prof);
+      const int reps = 5;
+      for (int i = 0; i < reps; ++i)
+        if (!r.execute(pin).ok()) return 1;
+      r.set_profile(nullptr);
+      r.set_cuda_graphs(true);
+      for (const auto& [k, v] : prof) std::printf("PROFILE batch=%d ctx=8192 %s ms=%.3f\n", batch, k.c_str(), v / reps);
+    }
+  }
+  {  // Graphs where launches dominate: ml4-tiny (12 small layers), batch 1.
+    auto tiny_cfg = preset_config("ml4-tiny");
+    CudaRunnerOptions to;
+    to.base.kv_cache_dtype = "fp8_ds_mla";
+    to.base.kv_cache_bytes = int64_t{256} << 20;
+    auto tr = CudaRunner::load_synthetic(*tiny_cfg, to, 7);
+    if (tr.ok()) {
+      const StepInput in = decode_step(**tr, 1, 1024, 16);
+      const double g = time_step(**tr, in, 3, 50);
+      (*tr)->set_cuda_graphs(false);
+      const double e = time_step(**tr, in, 3, 50);
+      std::printf("GRAPHS model=ml4-tiny batch=1 ctx=1024 graph_ms=%.3f eager_ms=%.3f speedup=%.2f\n", g, e, e / g);
+    }
+  }
+  for (int64_t n : {int64_t{4096}, int64_t{8192}}) {  // prefill: one sequence, last-token logits
+    StepInput in;
+    SeqStep s;
+    s.seq_id = 1000;
+    for (int64_t i = 0; i < n; ++i) s.tokens.push_back(static_cast<int32_t>(1 + i % 1000));
+    s.num_logits = 1;
+    for (const auto& g : r.cache_groups()) {
+      std::vector<int32_t> bt;
+      if (g.sliding_window == 0)
+        for (int64_t b = 0; b < (n + 63) / 64; ++b) bt.push_back(static_cast<int32_t>(b));
+      s.block_tables.push_back(std::move(bt));
+    }
+    in.seqs.push_back(std::move(s));
+    const double ms = time_step(r, in, 1, 3);
+    std::printf("PREFILL tokens=%ld ms=%.1f tok_s=%.0f\n", static_cast<long>(n), ms, n / ms * 1e3);
+  }
+  return 0;
+}
+
+
+}  // namespace ml4::cuda
