@@ -134,14 +134,13 @@ int main(int argc, char** argv) {
           // Our GEMV on the same weights (f32 x, no activation quantization), with a split-K
           // workspace as the runner gives it: "gemv-cc" = the earlier CUDA-core kernel,
           // "gemv-tc" = the register-pipelined tensor-core stream with an L2 prefetch 8 steps
-          // ahead, "gemv-tcnp" without it (the default, kAuto's choice), "gemv-ring" = the
-          // cp.async ring kernel (off by default: not faster on the H200).
+          // ahead, "gemv-tcnp" without it (the default, kAuto's choice).
           // Bytes: W (+ FP8 scales) + f32 x + f32 y.
           auto gws = DeviceBuffer::alloc(gemv_workspace_floats(M, sh.N, sh.K) * 4);
           BENCH_CHECK(gws.status());
           const double gbytes = wbytes + (fp8 ? nb * kb * 4.0 : 0.0) + M * sh.K * 4.0 + M * sh.N * 4.0;
-          for (int v = 0; v < 4; ++v) {  // CUDA cores, tensor cores with / without the L2 prefetch, ring
-            const GemvImpl impl = v == 0 ? GemvImpl::kCudaCore : v == 3 ? GemvImpl::kTensorCoreRing : GemvImpl::kTensorCore;
+          for (int v = 0; v < 3; ++v) {  // CUDA cores, tensor cores with / without the L2 prefetch
+            const GemvImpl impl = v == 0 ? GemvImpl::kCudaCore : GemvImpl::kTensorCore;
             gemv_set_l2_prefetch(v == 1 ? 8 : 0);
             const double gms = bench::median_ms(s, 3, 30, [&](int i) {
               const int c = i % copies;
@@ -150,7 +149,7 @@ int main(int argc, char** argv) {
                                 impl}));
             });
             row(sh.name, M, sh.N, sh.K, fp8 ? "fp8" : "bf16",
-                v == 0 ? "gemv-cc" : v == 1 ? "gemv-tc" : v == 2 ? "gemv-tcnp" : "gemv-ring", gms,
+                v == 0 ? "gemv-cc" : v == 1 ? "gemv-tc" : "gemv-tcnp", gms,
                 gbytes, fp8 ? fp8_peak : bf16_peak);
           }
         }

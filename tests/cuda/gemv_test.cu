@@ -6,10 +6,10 @@
 // product w * part is exact in f32 and its mma accumulates in f32 (per-mma rounding of
 // the same order as an f32 add): the same bound. Every kernel variant is run: tensor
 // cores with a workspace (split-K), tensor cores without (one slice, several 1024-k x
-// chunks), the same two for the cp.async ring kernel (kAuto's choice), and the CUDA-core
-// kernel (null workspace); M = 1..8, N tails (not a multiple of 16 / 128), bf16 K tails
-// (not a multiple of 32). AllE4m3Codes checks the ring kernel's integer e4m3 -> bf16
-// conversion on every finite code (subnormals, -0, +-448) bit for bit: one-hot x makes every
+// chunks), kAuto with a workspace, and the CUDA-core kernel (null workspace); M = 1..8, N
+// tails (not a multiple of 16 / 128), bf16 K tails (not a multiple of 32). AllE4m3Codes
+// checks both kernels' e4m3 decoding on every finite code (subnormals, -0, +-448) bit for
+// bit: one-hot x makes every
 // output a single exact product (weight times a power-of-two block scale), so any variant
 // must return exactly e4m3_to_f32(code) * scale.
 #include <gtest/gtest.h>
@@ -60,9 +60,7 @@ TEST(CudaGemv, MatchesCpuLinear) {
         bool ws;
         GemvImpl impl;
       };
-      for (const Variant v : {Variant{"ring+splitk", true, GemvImpl::kTensorCoreRing},
-                              Variant{"ring", false, GemvImpl::kTensorCoreRing},
-                              Variant{"tc+splitk", true, GemvImpl::kTensorCore},
+      for (const Variant v : {Variant{"tc+splitk", true, GemvImpl::kTensorCore},
                               Variant{"tc", false, GemvImpl::kTensorCore}, Variant{"cudacore", false, GemvImpl::kAuto},
                               Variant{"auto+splitk", true, GemvImpl::kAuto}}) {
         std::vector<std::vector<float>> runs;
@@ -112,7 +110,7 @@ TEST(CudaGemv, AllE4m3CodesExact) {
   auto dw = to_device(w);
   auto ds = to_device(sc);
   auto ws = poisoned<float>(gemv_workspace_floats(M, N, K));
-  for (GemvImpl impl : {GemvImpl::kTensorCoreRing, GemvImpl::kTensorCore}) {
+  for (GemvImpl impl : {GemvImpl::kTensorCore, GemvImpl::kCudaCore}) {
     for (bool use_ws : {true, false}) {
       auto dy = poisoned<float>(M * N);
       ML4_ASSERT_OK(gemv({dx.as<float>(), M, N, K, LinearFormat::kFP8Block, dw.data(), ds.as<float>(), dy.as<float>(),

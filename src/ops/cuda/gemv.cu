@@ -2,7 +2,6 @@
 #include "ops/cuda/gemv.h"
 
 #include <algorithm>
-#include <cstdlib>
 
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -157,6 +156,13 @@ __global__ void splitk_reduce_kernel(const float* __restrict__ ws, int S, int64_
 }
 
 // Rows per warp and K slices for a shape: aim at >= ~16 warps per SM.
+// y[i] = sum over the S split-K partials ws[s][i], in slice order (deterministic); S <= 1: nothing.
+Status reduce_splits(const float* ws, int S, int64_t n, float* y, cudaStream_t stream) {
+  if (S <= 1) return Status::ok();
+  splitk_reduce_kernel<<<static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 4096)), 256, 0, stream>>>(ws, S, n, y);
+  return cuda_status(cudaGetLastError(), "splitk_reduce_kernel");
+}
+
 void choose(int64_t N, int64_t K, int64_t step, int* R, int* S) {
   const int64_t target = int64_t{16} * std::max(sm_count(), 1);
   *R = (N / 4 >= target) ? 4 : 1;
@@ -476,255 +482,7 @@ int tc_split(int64_t M, int64_t N, int64_t K, bool fp8, bool have_ws, int64_t* K
 
 size_t tc_smem() { return size_t{kTcChunkK} * 48; }  // 8 tokens x 3 bf16 parts x 2 bytes per k
 
-// ---------------------------------------------------------------------------------------
-// Ring variant (GemvImpl::kTensorCoreRing, the default of kAuto and of grouped_gemv while
-// gemv_set_ring is on). Same block/warp/lane geometry, same exact x split and mma
-// fragments as gemv_tc_kernel, but:
-//  * weights are streamed through a per-warp ring of kRgStages shared-memory slots with
-//    cp.async (16 B per lane per row-pair per step, zero-filled past the ends): each warp
-//    keeps (kRgStages - 1) KB in flight without spending registers on it, 16 warps per SM
-//    ~112 KB (the copy ceiling needs ~16 B/clk x ~2000 clk latency = 32-64 KB per SM);
-//    every lane reads back only the slots it filled itself, so cp.async.wait_group is the
-//    only synchronization the ring needs (the block barriers are for the x chunks only);
-//  * e4m3 -> bf16 by integer ops instead of the conversion unit (cvt runs at 16 lanes/clk
-//    per SM, which capped the FP8 stream near 40% of copy): the e4m3 byte's 7 magnitude
-//    bits shifted into a bf16's exponent/mantissa field read as a bf16 are the e4m3 value
-//    times 2^-120 exactly, subnormals included (both formats' subnormals scale by the same
-//    2^-120); one bf16x2 multiply by 2^120 (fma.rn.bf16x2, subnormals supported) restores
-//    it exactly. The pairs come out as bytes (0, 2) and (1, 3) of each word, so x is staged
-//    in that k order too (a dot product does not care; the test's all-codes case checks it).
-//    The NaN codes 0x7f/0xff would come out as 480 (weights are finite);
-//  * FP8: one f32 partial per 128-k scale block (2 steps), times its scale with an f32 FMA
-//    (the block scales fold at their boundary); bf16: one partial per 32-k step.
-// ---------------------------------------------------------------------------------------
-constexpr int kRgStages = 8;                    // steps in flight per warp, 1 KB each
-constexpr int kRgChunkK = 512;                  // k per staged x chunk: 24 KB
-constexpr uint32_t kRgStageBytes = 2 * 32 * 16;  // rows g and g+8, 32 lanes, 16 B
-// kAuto / grouped_gemv use the ring kernel only when on: off until measured on the H200;
-// ML4_GEMV_RING=1 in the environment turns it on for a whole process (runner tests, MoE
-// bench) without a rebuild, gemv_set_ring overrides.
-bool ring_from_env() {
-  const char* v = std::getenv("ML4_GEMV_RING");
-  return v != nullptr && v[0] == '1';
-}
-bool g_ring = ring_from_env();
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, uint32_t src_bytes, uint64_t policy) {
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
-               "r"(src_bytes), "l"(policy)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-
-// Bytes c0..c3 of w (e4m3) -> bf16x2 (lo c0, hi c2) and (lo c1, hi c3), exactly (see above).
-__device__ __forceinline__ void e4m3x4_to_bf16(uint32_t w, uint32_t& even, uint32_t& odd) {
-  const uint32_t ue = ((w << 8) & 0x80008000u) | ((w << 4) & 0x07F007F0u);
-  const uint32_t uo = (w & 0x80008000u) | ((w >> 4) & 0x07F007F0u);
-  // 0x7B80 = bf16 2^120; adding -0 keeps x*y exact (x*y + -0 = x*y for every x*y).
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(even) : "r"(ue), "r"(0x7B807B80u), "r"(0x80008000u));
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(odd) : "r"(uo), "r"(0x7B807B80u), "r"(0x80008000u));
-}
-
-template <bool kFp8>
-constexpr int ring_x_uint4() {
-  return kRgChunkK / (kFp8 ? 64 : 32) * 3 * (kFp8 ? 2 : 1) * 32;
-}
-template <bool kFp8>
-constexpr size_t ring_smem() {
-  return (size_t{ring_x_uint4<kFp8>()} + size_t{kTcWarps} * kRgStages * 64) * 16;
-}
-
-template <bool kFp8>
-__global__ void __launch_bounds__(kTcWarps * 32, 2) gemv_ring_kernel(const TcArgs a) {
-  constexpr int E = kFp8 ? 16 : 8;     // weights per 16-byte load
-  constexpr int SK = 4 * E;            // k per warp step
-  constexpr int H = E / 8;             // 8-float halves per lane chunk
-  constexpr int P = 3 * H;             // uint4 parts per lane per step
-  constexpr int kSteps = kRgChunkK / SK;
-  constexpr int kSb = kFp8 ? 128 / SK : 1;  // steps per f32 partial
-  constexpr int64_t kEb = kFp8 ? 1 : 2;
-  extern __shared__ uint4 smem[];
-  uint4* xs = smem;                              // [kSteps][P][32]
-  uint4* ring = smem + ring_x_uint4<kFp8>();     // [warp][stage][row a | b][32]
-
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int64_t N = a.N, K = a.K;
-
-  const uint8_t* w = a.w;
-  const float* w_scale = a.w_scale;
-  int64_t r_begin = 0, r_end = a.rows, x_off = 0, y_off = 0;
-  const int32_t* xmap = nullptr;
-  if (a.offsets) {
-    int slot = blockIdx.z;
-    if (a.extra_w) {
-      if (slot == 0) {
-        w = static_cast<const uint8_t*>(a.extra_w);
-        w_scale = a.extra_s;
-        r_end = a.extra_rows;
-        x_off = a.extra_x_row0;
-        y_off = a.extra_y_row0;
-      }
-      --slot;
-    }
-    if (slot >= 0) {
-      if (slot >= a.active[0]) return;  // block-uniform: before any barrier
-      const int e = a.active[1 + slot];
-      w = static_cast<const uint8_t*>(a.w_table[e]);
-      w_scale = a.s_table ? a.s_table[e] : nullptr;
-      r_begin = a.offsets[e];
-      r_end = a.offsets[e + 1];
-      xmap = a.row_src;
-    }
-  }
-  const int64_t n0 = blockIdx.x * int64_t{kTcRows} + warp * 16;
-  const bool warp_on = n0 < N;
-  const int64_t row_a = n0 + g, row_b = n0 + g + 8;
-  const int64_t k_begin = blockIdx.y * a.k_slice, k_end = min(K, k_begin + a.k_slice);
-  if (k_begin >= k_end) return;  // block-uniform
-  const int n_steps = static_cast<int>((k_end - k_begin + SK - 1) / SK);
-  const bool ok_a = warp_on && row_a < N, ok_b = warp_on && row_b < N;
-  const uint8_t* wa_ptr = w + ((ok_a ? row_a : 0) * K + k_begin + int64_t{E} * t) * kEb;
-  const uint8_t* wb_ptr = w + ((ok_b ? row_b : 0) * K + k_begin + int64_t{E} * t) * kEb;
-  const float* srow = kFp8 && warp_on ? w_scale + (n0 / 128) * (K / 128) : nullptr;
-  float* ybase = a.y + blockIdx.y * a.y_slice_stride;
-
-  uint64_t policy;  // weights are read once: first out of L2 (x and the scales stay)
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
-  const uint32_t slot0 = smem_u32(ring + warp * kRgStages * 64 + lane);
-  auto issue = [&](int st) {  // step st into ring slot st % kRgStages; one commit group per call
-    if (st < n_steps) {
-      const uint32_t d = slot0 + static_cast<uint32_t>(st % kRgStages) * kRgStageBytes;
-      const bool in = k_begin + int64_t{st} * SK + int64_t{E} * t < k_end;
-      const int64_t off = int64_t{st} * SK * kEb;
-      cp_async16(d, in && ok_a ? wa_ptr + off : w, in && ok_a ? 16u : 0u, policy);
-      cp_async16(d + kRgStageBytes / 2, in && ok_b ? wb_ptr + off : w, in && ok_b ? 16u : 0u, policy);
-    }
-    cp_async_commit();
-  };
-
-  for (int64_t p0 = r_begin; p0 < r_end; p0 += kTcTokens) {
-    const int mrows = static_cast<int>(min(int64_t{kTcTokens}, r_end - p0));
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    float sc = 0.0f;
-#pragma unroll
-    for (int s = 0; s < kRgStages - 1; ++s) issue(s);
-    for (int c0 = 0; c0 < n_steps; c0 += kSteps) {  // x chunk: steps [c0, c0 + kSteps)
-      const int cs = min(kSteps, n_steps - c0);
-      __syncthreads();  // the previous chunk's readers are done
-      for (int u = tid; u < cs * 32 * H; u += kTcWarps * 32) {
-        const int j = u / (32 * H), rem = u % (32 * H), h = rem / 32, l = rem % 32;
-        const int tok = l >> 2;
-        const int64_t k = k_begin + int64_t{c0 + j} * SK + int64_t{E} * (l & 3) + 8 * h;
-        float4 f0 = make_float4(0, 0, 0, 0), f1 = f0;
-        if (tok < mrows && k < k_end) {
-          const int64_t i = p0 + tok;
-          const int64_t xr = xmap ? int64_t{xmap[i]} : x_off + i;
-          const float4* src = reinterpret_cast<const float4*>(a.x + xr * K + k);
-          f0 = __ldg(src);
-          f1 = __ldg(src + 1);
-        }
-        if constexpr (kFp8) {  // k order (0, 2, 1, 3) per 4: the converter's pair order
-          f0 = make_float4(f0.x, f0.z, f0.y, f0.w);
-          f1 = make_float4(f1.x, f1.z, f1.y, f1.w);
-        }
-        uint4 hi, mid, lo;
-        split3(f0, f1, hi, mid, lo);
-        uint4* dst = xs + (j * P + h) * 32 + l;
-        dst[0] = hi;
-        dst[H * 32] = mid;
-        dst[2 * H * 32] = lo;
-      }
-      __syncthreads();
-      for (int st = c0; st < c0 + cs; ++st) {
-        issue(st + kRgStages - 1);
-        if constexpr (kFp8) {
-          if (st % kSb == 0) sc = warp_on ? __ldg(srow + (k_begin + int64_t{st} * SK) / 128) : 0.0f;
-        }
-        cp_async_wait<kRgStages - 1>();  // step st's group has landed (this lane's own copies)
-        const uint4* wp = ring + (warp * kRgStages + st % kRgStages) * 64 + lane;
-        const uint4 wa = wp[0], wb = wp[32];
-        const uint4* xp = xs + (st - c0) * P * 32 + lane;
-        if constexpr (kFp8) {
-#pragma unroll
-          for (int h = 0; h < H; ++h) {
-            const uint4 xh = xp[h * 32], xm = xp[(H + h) * 32], xl = xp[(2 * H + h) * 32];
-#pragma unroll
-            for (int qq = 0; qq < 2; ++qq) {
-              const int q = 2 * h + qq;
-              uint32_t a0, a1, a2, a3;
-              e4m3x4_to_bf16(word(wa, q), a0, a2);
-              e4m3x4_to_bf16(word(wb, q), a1, a3);
-              mma_bf16(part, a0, a1, a2, a3, word(xl, 2 * qq), word(xl, 2 * qq + 1));
-              mma_bf16(part, a0, a1, a2, a3, word(xm, 2 * qq), word(xm, 2 * qq + 1));
-              mma_bf16(part, a0, a1, a2, a3, word(xh, 2 * qq), word(xh, 2 * qq + 1));
-            }
-          }
-          if (st % kSb == kSb - 1 || st == n_steps - 1) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              acc[i] = fmaf(part[i], sc, acc[i]);
-              part[i] = 0.0f;
-            }
-          }
-        } else {
-          const uint4 xh = xp[0], xm = xp[32], xl = xp[64];
-#pragma unroll
-          for (int q = 0; q < 2; ++q) {
-            const uint32_t a0 = word(wa, 2 * q), a2 = word(wa, 2 * q + 1);
-            const uint32_t a1 = word(wb, 2 * q), a3 = word(wb, 2 * q + 1);
-            mma_bf16(part, a0, a1, a2, a3, word(xl, 2 * q), word(xl, 2 * q + 1));
-            mma_bf16(part, a0, a1, a2, a3, word(xm, 2 * q), word(xm, 2 * q + 1));
-            mma_bf16(part, a0, a1, a2, a3, word(xh, 2 * q), word(xh, 2 * q + 1));
-          }
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            acc[i] += part[i];
-            part[i] = 0.0f;
-          }
-        }
-      }
-    }
-    cp_async_wait<0>();  // only empty groups are left; the next pass reuses the ring
-    if (warp_on) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int tok = 2 * t + (i & 1);
-        const int64_t row = (i < 2) ? row_a : row_b;
-        if (tok < mrows && row < N) ybase[(y_off + p0 + tok) * N + row] = acc[i];
-      }
-    }
-  }
-}
-
-// Opts the ring kernel into its > 48 KB of shared memory once per instantiation.
-template <bool kFp8>
-cudaError_t ring_attr() {
-  static const cudaError_t e = cudaFuncSetAttribute(gemv_ring_kernel<kFp8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                    static_cast<int>(ring_smem<kFp8>()));
-  return e;
-}
-
-Status launch_tc(const TcArgs& a, dim3 grid, bool fp8, bool ring, cudaStream_t stream) {
-  if (ring) {
-    if (fp8) {
-      ML4_RETURN_IF_ERROR(cuda_status(ring_attr<true>(), "gemv_ring_kernel smem"));
-      gemv_ring_kernel<true><<<grid, kTcWarps * 32, ring_smem<true>(), stream>>>(a);
-    } else {
-      ML4_RETURN_IF_ERROR(cuda_status(ring_attr<false>(), "gemv_ring_kernel smem"));
-      gemv_ring_kernel<false><<<grid, kTcWarps * 32, ring_smem<false>(), stream>>>(a);
-    }
-    return cuda_status(cudaGetLastError(), "gemv_ring_kernel");
-  }
+Status launch_tc(const TcArgs& a, dim3 grid, bool fp8, cudaStream_t stream) {
   if (fp8)
     gemv_tc_kernel<true><<<grid, kTcWarps * 32, tc_smem(), stream>>>(a);
   else
@@ -765,7 +523,7 @@ Status grouped_gemv(const GroupedGemvParams& p) {
     a.extra_y_row0 = p.extra_y_row0;
     a.prefetch = g_tc_prefetch;
     const dim3 grid(static_cast<unsigned>((p.N + kTcRows - 1) / kTcRows), 1, static_cast<unsigned>(slots));
-    return launch_tc(a, grid, fp8, g_ring, p.stream).with_context("grouped_gemv");
+    return launch_tc(a, grid, fp8, p.stream).with_context("grouped_gemv");
   }
   if (p.rows == 0) return Status::ok();
   if (p.rows > 65535) return invalid_argument("grouped_gemv: {} rows (at most 65535)", p.rows);
@@ -789,8 +547,6 @@ int64_t gemv_workspace_floats(int64_t M, int64_t N, int64_t K) { return int64_t{
 
 void gemv_set_l2_prefetch(int steps) { g_tc_prefetch = std::max(steps, 0); }
 
-void gemv_set_ring(bool on) { g_ring = on; }
-
 Status gemv(const GemvParams& p) {
   if (p.M <= 0 || p.M > kGemvMaxM || p.N <= 0 || p.K <= 0)
     return invalid_argument("gemv: M={} (1..{}) N={} K={}", p.M, kGemvMaxM, p.N, p.K);
@@ -802,8 +558,7 @@ Status gemv(const GemvParams& p) {
   if (!p.x || !p.w || !p.y || (fp8 && !p.w_scale)) return invalid_argument("gemv: null pointer");
   if ((reinterpret_cast<uintptr_t>(p.x) | reinterpret_cast<uintptr_t>(p.w)) & 15u)
     return invalid_argument("gemv: x and w must be 16-byte aligned");
-  const bool tc = p.impl == GemvImpl::kTensorCore || p.impl == GemvImpl::kTensorCoreRing ||
-                  (p.impl == GemvImpl::kAuto && p.workspace != nullptr);
+  const bool tc = p.impl == GemvImpl::kTensorCore || (p.impl == GemvImpl::kAuto && p.workspace != nullptr);
   if (tc) {
     int64_t Ks = 0;
     const int S = tc_split(p.M, p.N, p.K, fp8, p.workspace != nullptr, &Ks);
@@ -819,15 +574,8 @@ Status gemv(const GemvParams& p) {
     a.rows = static_cast<int>(p.M);
     a.prefetch = g_tc_prefetch;
     const dim3 grid(static_cast<unsigned>((p.N + kTcRows - 1) / kTcRows), static_cast<unsigned>(S), 1);
-    const bool ring = p.impl == GemvImpl::kTensorCoreRing || (p.impl == GemvImpl::kAuto && g_ring);
-    ML4_RETURN_IF_ERROR(launch_tc(a, grid, fp8, ring, p.stream));
-    if (S > 1) {
-      const int64_t n = p.M * p.N;
-      splitk_reduce_kernel<<<static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 4096)), 256, 0, p.stream>>>(
-          p.workspace, S, n, p.y);
-      ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "splitk_reduce_kernel"));
-    }
-    return Status::ok();
+    ML4_RETURN_IF_ERROR(launch_tc(a, grid, fp8, p.stream));
+    return reduce_splits(p.workspace, S, p.M * p.N, p.y, p.stream);
   }
   int R = 1, S = 1;
   choose(p.N, p.K, step, &R, &S);
@@ -845,13 +593,7 @@ Status gemv(const GemvParams& p) {
     default: launch_m<8>(p, R, S, out, Ks); break;
   }
   ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "gemv_kernel"));
-  if (S > 1) {
-    const int64_t n = p.M * p.N;
-    splitk_reduce_kernel<<<static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 4096)), 256, 0, p.stream>>>(
-        p.workspace, S, n, p.y);
-    ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "splitk_reduce_kernel"));
-  }
-  return Status::ok();
+  return reduce_splits(p.workspace, S, p.M * p.N, p.y, p.stream);
 }
 
 }  // namespace ml4::cuda

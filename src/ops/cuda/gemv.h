@@ -11,10 +11,9 @@
 //   so every product is exact and the sums are f32 (the mma's f32 accumulator; FP8 adds
 //   each 64-k partial times its block scale with an f32 FMA). The cost per weight byte no
 //   longer grows with M. K is split into S slices (deterministic reduce) to fill the SMs;
-//   ring path (GemvImpl::kTensorCoreRing; kAuto's choice only with gemv_set_ring /
-//   ML4_GEMV_RING=1: measured 0-20% slower than the tensor-core path on the H200): the same mma scheme with the
-//   weights streamed through a per-warp cp.async ring in shared memory (bytes in flight
-//   without registers) and e4m3 -> bf16 by exact integer ops instead of the conversion unit;
+//   (a variant streaming the weights through a per-warp cp.async shared-memory ring with an
+//   integer e4m3 -> bf16 conversion was measured 0-20% slower on the H200 and removed;
+//   docs/BENCHMARKS.md "GEMV ring kernel");
 //   CUDA-core path (null workspace, or GemvImpl::kCudaCore): the earlier kernel (one warp
 //   per R rows, f32 FMAs), kept for callers without a workspace and as the bench baseline.
 // Both match cpu::linear to f32 rounding (x f32 times exactly decoded W, f32 sums: only
@@ -35,10 +34,8 @@
 
 namespace ml4::cuda {
 
-// kAuto: kTensorCore with a workspace (the ring kernel when gemv_set_ring is on; off by default),
-// the CUDA-core kernel without one. kTensorCore: register-pipelined weight loads;
-// kTensorCoreRing: weights streamed through a cp.async shared-memory ring (same numerics).
-enum class GemvImpl { kAuto, kCudaCore, kTensorCore, kTensorCoreRing };
+// kAuto: kTensorCore with a workspace, the CUDA-core kernel without one.
+enum class GemvImpl { kAuto, kCudaCore, kTensorCore };
 
 struct GemvParams {
   const float* x = nullptr;        // [M, K] f32, M <= 8
@@ -61,11 +58,6 @@ Status gemv(const GemvParams& p);
 
 // Benchmark knob: the tensor-core path's L2 prefetch distance in warp steps (default 0: off, measured faster).
 void gemv_set_l2_prefetch(int steps);
-
-// Benchmark knob: whether kAuto (with a workspace) and grouped_gemv's expert-grouped mode use
-// the cp.async ring kernel (default off, or ML4_GEMV_RING=1) or the register-pipelined
-// tensor-core kernel.
-void gemv_set_ring(bool on);
 
 // Grouped GEMV for MoE decode, one launch, capturable in a CUDA graph (expert ids are read
 // on the device): y[i] = x[row_src[i]] W_{expert of row i}^T. Every expert has the same

@@ -14,7 +14,6 @@
 #include "kv/latent_layout.h"
 #include "model/presets.h"
 #include "ops/cuda/cuda_runner.h"
-#include "ops/cuda/gemv.h"
 
 namespace ml4::cuda {
 namespace {
@@ -130,17 +129,6 @@ int run_step_bench(const StepBenchOptions& opt) {
                   (bytes - kv) / 1e9, kv / 1e9, batch / ms * 1e3);
     }
   }
-  for (bool ring : {false, true}) {  // the GEMV's two weight paths (gemv.h gemv_set_ring), timed eagerly
-    gemv_set_ring(ring);
-    for (int batch : {1, 8, 64}) {
-      // Eager: captured graphs keep the kernels chosen at capture time.
-      const StepInput in = decode_step(r, batch, 8192, blocks_per_seq);
-      r.set_cuda_graphs(false);
-      std::printf("STEP_EAGER gemv_ring=%d batch=%d ctx=8192 ms=%.3f\n", ring ? 1 : 0, batch, time_step(r, in, 2, 10));
-      r.set_cuda_graphs(true);
-    }
-  }
-  gemv_set_ring(true);
   for (int batch : {1, 64}) {  // the same step returning logits (host sampling) instead
     StepInput in = decode_step(r, batch, 8192, blocks_per_seq);
     for (auto& s : in.seqs) s.device_sampling.reset();

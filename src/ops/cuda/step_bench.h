@@ -12,8 +12,8 @@
 //         + KV read (per layer min(ctx, top-k) latent rows; per indexer owner all ctx keys
 //           and the f32 scores written and read back)
 //   roofline = bytes / measured copy bandwidth (gpu_ceilings_bench).
-// With `extras`: the same steps returning logits, eager with each GEMV weight path, graphs
-// vs eager at batch 1 (also on ml4-tiny), a per-piece profile at batch 1 and 64, prefill
+// With `extras`: the same steps returning logits, graphs vs eager at batch 1 (also on
+// ml4-tiny), a per-piece profile at batch 1 and 64, prefill
 // tokens/s.
 #pragma once
 
@@ -32,7 +32,7 @@ struct StepBenchOptions {
   bool extras = true;
 };
 
-// Prints STEP / STEP_LOGITS / STEP_EAGER / GRAPHS / PROFILE / PREFILL lines to stdout.
+// Prints STEP / STEP_LOGITS / GRAPHS / PROFILE / PREFILL lines to stdout.
 // Returns 0, or 1 when the model cannot be built (message on stderr).
 int run_step_bench(const StepBenchOptions& opt);
 
