@@ -34,6 +34,7 @@
 
 #include "kv/cache_spec.h"
 #include "model/model_weights.h"
+#include "ops/cuda/elementwise.h"
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/moe.h"
 #include "runtime/model_runner.h"
@@ -101,6 +102,7 @@ class CudaRunner : public ModelRunner {
   Status timed(const char* label, F&& fn);
   Status attention(int l, const StepMetadata* md, float* out, ForwardTrace* trace);
   Status indexer(int l, ForwardTrace* trace);
+  QPathParams rope_params(float* x, int heads, int stride, int offset, int dim, const float* inv_freq) const;
   Status moe_route_step(int l, int64_t T);
   Status moe_trace(int l, int64_t T, ForwardTrace* trace);
   bool moe_grouped(const Layer& L, int64_t T) const;

@@ -39,6 +39,24 @@ Status CudaRunner::mlp(const DeviceMlp& m, const float* x, int64_t M, float* y) 
   return lin(m.w2, s.g.as<float>(), M, y);
 }
 
+// RoPE of this step's tokens (LeRoPE positions, YaRN factor) on `heads` vectors of `stride`
+// floats per token, rotating [offset, offset + dim) of each: the q path's shared fields.
+QPathParams CudaRunner::rope_params(float* x, int heads, int stride, int offset, int dim, const float* inv_freq) const {
+  QPathParams p;
+  p.q = x;
+  p.T = step_T_;
+  p.H = heads;
+  p.head_stride = stride;
+  p.rope_offset = offset;
+  p.rope_dim = dim;
+  p.positions = buf_->pos.as<int64_t>();
+  p.inv_freq = inv_freq;
+  p.attn_factor = rope_factor_;
+  p.lerope = cfg_.lerope;
+  p.stream = stream_;
+  return p;
+}
+
 // cpu_attention.cpp CpuModel::indexer_topk for an indexer owner: this step's keys into the
 // indexer pages, then per token the causal top-k of its scores as latent cache slots into
 // the layer's top-k buffer (and, when tracing, as positions into trace->topk[l]).
@@ -61,19 +79,8 @@ Status CudaRunner::indexer(int l, ForwardTrace* trace) {
   ML4_RETURN_IF_ERROR(scale_inplace(iw, T * HI, wscale, stream_));
   if (spec.rope) {  // NeoX pairs on the [rope | nope] head, LeRoPE positions
     for (auto [x, heads] : {std::pair<float*, int>{iq, HI}, {ik, 1}}) {
-      QPathParams rp;
-      rp.q = x;
-      rp.T = T;
-      rp.H = heads;
-      rp.head_stride = dI;
-      rp.rope_offset = 0;
-      rp.rope_dim = rd;
+      QPathParams rp = rope_params(x, heads, dI, 0, rd, idx_inv_freq_.as<float>());
       rp.neox = true;
-      rp.positions = b.pos.as<int64_t>();
-      rp.inv_freq = idx_inv_freq_.as<float>();
-      rp.attn_factor = rope_factor_;
-      rp.lerope = cfg_.lerope;
-      rp.stream = stream_;
       ML4_RETURN_IF_ERROR(q_path(rp));
     }
   }
@@ -174,21 +181,7 @@ Status CudaRunner::attention(int l, const StepMetadata* md, float* out, ForwardT
     RmsNormParams np{ckv, nullptr, L.kv_a_norm.as<float>(), T, r, eps, b.c.as<float>(), nullptr, stream_};
     np.x_stride = r + dr;
     ML4_RETURN_IF_ERROR(rms_norm(np));
-    if (spec.rope) {
-      QPathParams kp;
-      kp.q = ckv;
-      kp.T = T;
-      kp.H = 1;
-      kp.head_stride = r + dr;
-      kp.rope_offset = r;
-      kp.rope_dim = dr;
-      kp.positions = b.pos.as<int64_t>();
-      kp.inv_freq = inv_freq_.as<float>();
-      kp.attn_factor = rope_factor_;
-      kp.lerope = cfg_.lerope;
-      kp.stream = stream_;
-      ML4_RETURN_IF_ERROR(q_path(kp));
-    }
+    if (spec.rope) ML4_RETURN_IF_ERROR(q_path(rope_params(ckv, 1, r + dr, r, dr, inv_freq_.as<float>())));
     for (int slot : latent_write_slots_[l]) {
       LatentCacheWriteParams w;
       w.c = b.c.as<float>();
@@ -238,24 +231,13 @@ Status CudaRunner::attention(int l, const StepMetadata* md, float* out, ForwardT
     }
   }
   // 2. + 6. (temperature): RoPE on the rope part, head scales (SSMax's n: keys attended).
-  QPathParams qp;
-  qp.q = q;
-  qp.T = T;
-  qp.H = H;
-  qp.head_stride = qk;
-  qp.rope_offset = dn;
-  qp.rope_dim = dr;
-  qp.positions = b.pos.as<int64_t>();
-  qp.inv_freq = inv_freq_.as<float>();
-  qp.attn_factor = rope_factor_;
+  QPathParams qp = rope_params(q, H, qk, dn, dr, inv_freq_.as<float>());
   qp.apply_rope = spec.rope;
-  qp.lerope = cfg_.lerope;
   qp.base_scale = cfg_.softmax_scale();
   qp.llama4 = cfg_.llama4_scaling;
   qp.ssmax_s = spec.ssmax ? L.ssmax_s.as<float>() : nullptr;
   qp.n_keys = sel_counts;
   qp.head_scale = b.head_scale.as<float>();
-  qp.stream = stream_;
   ML4_RETURN_IF_ERROR(timed("attn: q path", [&] { return q_path(qp); }));
   // 6. Absorbed attention over the pages.
   MlaAbsorbParams ab;
