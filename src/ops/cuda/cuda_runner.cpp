@@ -5,23 +5,15 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 
 #include "core/log.h"
-#include "kv/latent_layout.h"
-#include "kv/indexer_layout.h"
 #include "kv/paged_kv_cache.h"
 #include "model/checkpoint.h"
 #include "model/config_loader.h"
 #include "ops/cpu/linear.h"
 #include "ops/cpu/rope.h"
-#include "ops/cuda/act_quant.h"
-#include "ops/cuda/attention.h"
-#include "ops/cuda/cache_write.h"
 #include "ops/cuda/elementwise.h"
 #include "ops/cuda/gemv.h"
-#include "ops/cuda/indexer.h"
-#include "ops/cuda/topk.h"
 #include "ops/cuda/sampling.h"
 #include "ops/cuda/synthetic_weights.h"
 
