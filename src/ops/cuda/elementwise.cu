@@ -6,6 +6,7 @@
 #include <cuda_bf16.h>
 
 #include <cmath>
+#include <cstdint>
 
 #include "ops/cuda/cuda_common.h"
 
@@ -205,7 +206,8 @@ __global__ void transpose_kernel(const T* __restrict__ in, int64_t rows, int64_t
   }
 }
 
-// grid (T, H): q_lat[t,h,:] = W_UK[h]^T q_nope[t,h] (the CPU's loop order: d outer).
+// grid (T, H): q_lat[t,h,:] = W_UK[h]^T q_nope[t,h] (the CPU's loop order: d outer). The
+// general fallback (dn > 128 or r % 4 != 0); it re-reads W_UK[h] once per token.
 __global__ void absorb_q_kernel(MlaAbsorbParams p) {
   const int64_t t = blockIdx.x;
   const int h = blockIdx.y;
@@ -219,7 +221,8 @@ __global__ void absorb_q_kernel(MlaAbsorbParams p) {
   }
 }
 
-// grid (T, H), one warp per output d: o[t,h,d] = W_UV[h][d] . lat[t,h].
+// grid (T, H), one warp per output d: o[t,h,d] = W_UV[h][d] . lat[t,h]. The general fallback
+// (r > 512 or r % 4 != 0).
 __global__ void apply_uv_kernel(MlaAbsorbParams p) {
   const int64_t t = blockIdx.x;
   const int h = blockIdx.y;
@@ -233,6 +236,136 @@ __global__ void apply_uv_kernel(MlaAbsorbParams p) {
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
     if (lane == 0) p.o[(t * p.H + h) * p.dv + d] = acc;
   }
+}
+
+// The weight-stationary absorption kernels (decode: the weights are read once per step, not
+// once per token; at ml4 width W_UK and W_UV are 16.8 MB of f32 each per layer). Each block
+// loads its weight tile into registers with 16-byte loads all in flight at once (64 KB per
+// block, two blocks per SM), then loops over the step's tokens kTok at a time.
+constexpr int kAbsTok = 8;
+
+// absorb: grid (H, ceil(r / 128)), block (32, 8). Lane x owns columns c0 + 4x .. +3, row y
+// the d-group [y * dpg, (y + 1) * dpg) (dpg = ceil(dn / 8) <= 16). Each d-group's partial
+// (a sequential f32 fma chain over its d's) goes to shared memory; the 8 partials are then
+// added in group order, so the result is deterministic.
+constexpr int kAbsGroups = 8, kAbsMaxDpg = 16, kAbsCols = 128;
+__global__ void __launch_bounds__(256) absorb_q_ws_kernel(MlaAbsorbParams p) {
+  __shared__ float qs[kAbsTok][kAbsGroups * kAbsMaxDpg];
+  __shared__ float4 part[kAbsGroups][kAbsTok][32];
+  const int h = blockIdx.x, lane = threadIdx.x, g = threadIdx.y, tid = g * 32 + lane;
+  const int dpg = (p.dn + kAbsGroups - 1) / kAbsGroups, d0 = g * dpg;
+  const int c = blockIdx.y * kAbsCols + 4 * lane;
+  const float* wb = p.w_uk + static_cast<int64_t>(h) * p.dn * p.r;
+  float4 w[kAbsMaxDpg];
+#pragma unroll
+  for (int i = 0; i < kAbsMaxDpg; ++i) {
+    const int d = d0 + i;
+    w[i] = (i < dpg && d < p.dn && c < p.r) ? __ldg(reinterpret_cast<const float4*>(wb + static_cast<int64_t>(d) * p.r + c))
+                                            : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  for (int64_t t0 = 0; t0 < p.T; t0 += kAbsTok) {
+    const int nt = static_cast<int>(p.T - t0 < kAbsTok ? p.T - t0 : kAbsTok);
+    __syncthreads();  // the previous tile's readers of qs and part are done
+    for (int i = tid; i < nt * p.dn; i += 256) {
+      const int tt = i / p.dn, d = i - tt * p.dn;
+      qs[tt][d] = p.q[((t0 + tt) * p.H + h) * p.q_stride + p.q_offset + d];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int tt = 0; tt < kAbsTok; ++tt) {
+      if (tt < nt) {
+        float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int i = 0; i < kAbsMaxDpg; ++i) {
+          if (i < dpg && d0 + i < p.dn) {
+            const float qv = qs[tt][d0 + i];
+            a.x = fmaf(qv, w[i].x, a.x);
+            a.y = fmaf(qv, w[i].y, a.y);
+            a.z = fmaf(qv, w[i].z, a.z);
+            a.w = fmaf(qv, w[i].w, a.w);
+          }
+        }
+        part[g][tt][lane] = a;
+      }
+    }
+    __syncthreads();
+    const int tt = tid >> 5, quad = tid & 31, cc = blockIdx.y * kAbsCols + 4 * quad;
+    if (tt < nt && cc < p.r) {
+      float4 s = part[0][tt][quad];
+#pragma unroll
+      for (int gg = 1; gg < kAbsGroups; ++gg) {
+        const float4 v = part[gg][tt][quad];
+        s.x += v.x;
+        s.y += v.y;
+        s.z += v.z;
+        s.w += v.w;
+      }
+      *reinterpret_cast<float4*>(p.q_lat + ((t0 + tt) * p.H + h) * p.r + cc) = s;
+    }
+  }
+}
+
+// apply_uv: grid (H, ceil(dv / 32)), 256 threads. Warp w owns rows d0 + 4w .. +3; lane x holds
+// float4 columns x, x + 32, x + 64, x + 96 of each (r <= 512). lat rows of kTok tokens are staged
+// in shared memory; each row's dot is the lane's f32 fma chain, then a butterfly over the warp.
+constexpr int kUvRows = 4, kUvWarps = 8, kUvMaxR4 = 128;
+__global__ void __launch_bounds__(256) apply_uv_ws_kernel(MlaAbsorbParams p) {
+  __shared__ float4 ls[kAbsTok][kUvMaxR4];
+  const int h = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int row0 = blockIdx.y * (kUvWarps * kUvRows) + warp * kUvRows;
+  const int r4 = p.r / 4;
+  const float* wb = p.w_uv + static_cast<int64_t>(h) * p.dv * p.r;
+  float4 w[kUvRows][kUvMaxR4 / 32];
+#pragma unroll
+  for (int rr = 0; rr < kUvRows; ++rr) {
+#pragma unroll
+    for (int i = 0; i < kUvMaxR4 / 32; ++i) {
+      const int d = row0 + rr, j4 = lane + 32 * i;
+      w[rr][i] = (d < p.dv && j4 < r4) ? __ldg(reinterpret_cast<const float4*>(wb + static_cast<int64_t>(d) * p.r) + j4)
+                                       : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
+  for (int64_t t0 = 0; t0 < p.T; t0 += kAbsTok) {
+    const int nt = static_cast<int>(p.T - t0 < kAbsTok ? p.T - t0 : kAbsTok);
+    __syncthreads();
+    for (int i = threadIdx.x; i < nt * r4; i += 256) {
+      const int tt = i / r4, j4 = i - tt * r4;
+      ls[tt][j4] = reinterpret_cast<const float4*>(p.lat + ((t0 + tt) * p.H + h) * p.r)[j4];
+    }
+    __syncthreads();
+    for (int tt = 0; tt < nt; ++tt) {
+#pragma unroll
+      for (int rr = 0; rr < kUvRows; ++rr) {
+        float a = 0.0f;
+#pragma unroll
+        for (int i = 0; i < kUvMaxR4 / 32; ++i) {
+          if (lane + 32 * i < r4) {
+            const float4 l = ls[tt][lane + 32 * i];
+            a = fmaf(w[rr][i].x, l.x, a);
+            a = fmaf(w[rr][i].y, l.y, a);
+            a = fmaf(w[rr][i].z, l.z, a);
+            a = fmaf(w[rr][i].w, l.w, a);
+          }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+        const int d = row0 + rr;
+        if (lane == rr && d < p.dv) p.o[((t0 + tt) * p.H + h) * p.dv + d] = a;
+      }
+    }
+  }
+}
+
+// The weight-stationary kernels need float4 rows (r % 4 == 0, 16-byte aligned bases), dn <= 128
+// (absorb) or r <= 512 (apply_uv). They also serve prefill: there they run at the f32 FMA rate
+// (T x H x dn x r x 2 flops, e.g. 34 GFLOP ~ 0.5 ms per layer at 4096 tokens), where the
+// per-token fallback re-reads W_UK[h] from L2 for every (token, head): 68 GB per layer.
+bool absorb_weight_stationary(const MlaAbsorbParams& p, bool uv) {
+  if (p.r % 4 != 0) return false;
+  const void* w = uv ? static_cast<const void*>(p.w_uv) : static_cast<const void*>(p.w_uk);
+  const void* io = uv ? static_cast<const void*>(p.lat) : static_cast<const void*>(p.q_lat);
+  if (reinterpret_cast<uintptr_t>(w) % 16 != 0 || reinterpret_cast<uintptr_t>(io) % 16 != 0) return false;
+  return uv ? p.r <= 4 * kUvMaxR4 : p.dn <= kAbsGroups * kAbsMaxDpg;
 }
 
 int grid_for(int64_t n) { return static_cast<int>(std::min<int64_t>((n + kThreads - 1) / kThreads, 65536)); }
@@ -319,6 +452,10 @@ Status mla_absorb_q(const MlaAbsorbParams& p) {
     return invalid_argument("mla_absorb_q: bad shape");
   if (p.T == 0) return Status::ok();
   if (!p.q || !p.w_uk || !p.q_lat) return invalid_argument("mla_absorb_q: null pointer");
+  if (absorb_weight_stationary(p, false)) {
+    absorb_q_ws_kernel<<<dim3(p.H, (p.r + kAbsCols - 1) / kAbsCols), dim3(32, kAbsGroups), 0, p.stream>>>(p);
+    return cuda_status(cudaGetLastError(), "absorb_q_ws_kernel");
+  }
   absorb_q_kernel<<<dim3(static_cast<unsigned>(p.T), p.H), 128, 0, p.stream>>>(p);
   return cuda_status(cudaGetLastError(), "absorb_q_kernel");
 }
@@ -327,6 +464,11 @@ Status mla_apply_uv(const MlaAbsorbParams& p) {
   if (p.T < 0 || p.H <= 0 || p.dv <= 0 || p.r <= 0) return invalid_argument("mla_apply_uv: bad shape");
   if (p.T == 0) return Status::ok();
   if (!p.lat || !p.w_uv || !p.o) return invalid_argument("mla_apply_uv: null pointer");
+  if (absorb_weight_stationary(p, true)) {
+    const int rows = kUvWarps * kUvRows;
+    apply_uv_ws_kernel<<<dim3(p.H, (p.dv + rows - 1) / rows), 256, 0, p.stream>>>(p);
+    return cuda_status(cudaGetLastError(), "apply_uv_ws_kernel");
+  }
   apply_uv_kernel<<<dim3(static_cast<unsigned>(p.T), p.H), 256, 0, p.stream>>>(p);
   return cuda_status(cudaGetLastError(), "apply_uv_kernel");
 }
