@@ -173,7 +173,9 @@ TEST(CudaRunner, MatchesCpuRunnerProduction) {
 // captures) with the graph replay: they must be bit-identical. Against a runner without
 // graphs the padded batch (3 -> 4) and the rounded-up launch lengths change only the
 // attention's split points (f32 summation order, ~1e-7 relative): bound 1e-5, and
-// greedy tokens equal.
+// greedy tokens equal. A third runner runs the DSA indexer on the main stream instead of
+// overlapping it on a second one (CudaRunnerOptions::overlap_indexer): the same kernels on the
+// same inputs, so its logits must equal the eager runner's bit for bit.
 void graph_vs_eager(const std::string& preset) {
   const std::string dir = ::ml4::testing::test_model(preset, 11, "bf16");
   CudaRunnerOptions o;
@@ -181,10 +183,14 @@ void graph_vs_eager(const std::string& preset) {
   o.base.kv_cache_bytes = 64ll << 20;
   auto eager_o = o;
   eager_o.cuda_graphs = false;
+  auto serial_o = eager_o;
+  serial_o.overlap_indexer = false;
   auto g = CudaRunner::load(dir, o);
   auto e = CudaRunner::load(dir, eager_o);
+  auto sr = CudaRunner::load(dir, serial_o);
   ASSERT_TRUE(g.ok()) << g.status().message();
   ASSERT_TRUE(e.ok()) << e.status().message();
+  ASSERT_TRUE(sr.ok()) << sr.status().message();
   std::mt19937 rng(9);
   std::uniform_int_distribution<int> tok(1, (*g)->config().vocab_size - 1);
   const int kSeqs = 3;
@@ -201,8 +207,13 @@ void graph_vs_eager(const std::string& preset) {
   for (int step = 0; step < 8; ++step) {
     auto rg = (*g)->execute(in);
     auto re = (*e)->execute(in);
+    auto rs = (*sr)->execute(in);
     ASSERT_TRUE(rg.ok()) << rg.status().message();
     ASSERT_TRUE(re.ok()) << re.status().message();
+    ASSERT_TRUE(rs.ok()) << rs.status().message();
+    for (int s = 0; s < kSeqs; ++s)
+      EXPECT_EQ(re->logits[s], rs->logits[s]) << preset << " step " << step << " seq " << s
+                                              << ": the overlapped indexer changed the result";
     if (step > 0) {  // a decode step: run it again, now replayed from the graph
       const int64_t before = (*g)->graph_replays();
       auto again = (*g)->execute(in);

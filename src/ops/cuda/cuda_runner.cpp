@@ -44,6 +44,9 @@ Result<DeviceLinear> upload_f32_linear(const LinearWeight& w) {
 
 CudaRunner::~CudaRunner() {
   buf_.reset();
+  for (cudaEvent_t e : {ev_fork_, ev_qlat_, ev_join_})
+    if (e) cudaEventDestroy(e);
+  if (side_stream_) cudaStreamDestroy(side_stream_);
   if (stream_) cudaStreamDestroy(stream_);
 }
 
@@ -183,6 +186,11 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::create(const ModelConfig& cfg, c
   r->spec_ = spec;
   r->max_model_len_ = opts.base.max_model_len > 0 ? opts.base.max_model_len : cfg.max_position_embeddings;
   ML4_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&r->stream_, cudaStreamNonBlocking));
+  if (cfg.has_dsa() && opts.overlap_indexer) {
+    ML4_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&r->side_stream_, cudaStreamNonBlocking));
+    for (cudaEvent_t* e : {&r->ev_fork_, &r->ev_qlat_, &r->ev_join_})
+      ML4_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+  }
   ML4_ASSIGN_OR_RETURN(r->lt_, LtGemm::create());
   ML4_RETURN_IF_ERROR(r->upload(weights).with_context(model_dir));
   ML4_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());  // synthetic fills ran on the default stream
@@ -288,6 +296,7 @@ Status CudaRunner::ensure_buffers(int64_t T, int64_t R, int64_t S, int64_t maxb)
     ML4_RETURN_IF_ERROR(f(b.seq_of, n, 4));
     ML4_RETURN_IF_ERROR(f(b.lengths, n, 4));
     ML4_RETURN_IF_ERROR(f(b.gemv_ws, gemv_workspace_floats(kGemvMaxM, 1, 1) * max_in_, 4));
+    if (side_stream_) ML4_RETURN_IF_ERROR(f(b.gemv_ws_side, gemv_workspace_floats(kGemvMaxM, 1, 1) * max_in_, 4));
     ML4_RETURN_IF_ERROR(b.lin.reserve(n * max_in_, n * ((max_in_ + 127) / 128)));
     if (c.has_dsa()) {
       const int64_t HI = c.indexer.n_heads, dI = c.indexer.head_dim, k = c.indexer.topk;

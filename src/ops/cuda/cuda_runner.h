@@ -53,6 +53,11 @@ struct CudaRunnerOptions {
   bool cuda_graphs = true;
   int max_graph_batch = 64;
   int64_t max_graph_tokens = 512;
+  // An indexer owner's DSA chain (its projections, key cache write, scores, top-k) runs on a
+  // second stream, overlapping the q / kv projections and the W_UK absorption, when every
+  // linear of the layer takes the GEMV (decode-sized steps or exact numerics) and the step is
+  // neither traced nor profiled. The result does not change: the two branches share no output.
+  bool overlap_indexer = true;
 };
 
 class CudaRunner : public ModelRunner {
@@ -76,6 +81,12 @@ class CudaRunner : public ModelRunner {
   // Benchmarks: finite random bytes in every latent and indexer page.
   Status fill_kv_synthetic(uint64_t seed);
   void set_cuda_graphs(bool on) { opts_.cuda_graphs = on; }
+  // Benchmarks: turn the indexer overlap (CudaRunnerOptions::overlap_indexer) off or back on;
+  // drops the captured graphs, which hold one schedule or the other.
+  void set_overlap_indexer(bool on) {
+    opts_.overlap_indexer = on;
+    graphs_.clear();
+  }
   // Benchmarks: when set, eager steps add the GPU milliseconds of each piece of the forward
   // (attention, MoE router, experts, dense FFN, lm_head, ...) into *p by label.
   void set_profile(std::map<std::string, double>* p) { profile_ = p; }
@@ -102,6 +113,11 @@ class CudaRunner : public ModelRunner {
   Status timed(const char* label, F&& fn);
   Status attention(int l, const StepMetadata* md, float* out, ForwardTrace* trace);
   Status indexer(int l, ForwardTrace* trace);
+  Status indexer_keys(int l);
+  Status indexer_select(int l, ForwardTrace* trace);
+  bool overlap_indexer(int l, ForwardTrace* trace) const;
+  template <typename F>
+  Status on_side(F&& fn);
   QPathParams rope_params(float* x, int heads, int stride, int offset, int dim, const float* inv_freq) const;
   Status moe_route_step(int l, int64_t T);
   Status moe_trace(int l, int64_t T, ForwardTrace* trace);
@@ -132,6 +148,12 @@ class CudaRunner : public ModelRunner {
   std::unique_ptr<LtGemm> lt_;
   std::unique_ptr<Buffers> buf_;
   cudaStream_t stream_ = nullptr;
+  // The indexer's branch (overlap_indexer): its stream, fork / q-latent-ready / join events, and
+  // whether stream_ currently is the side stream (on_side swaps them; lin() then uses the side
+  // GEMV workspace).
+  cudaStream_t side_stream_ = nullptr;
+  cudaEvent_t ev_fork_ = nullptr, ev_qlat_ = nullptr, ev_join_ = nullptr;
+  bool on_side_ = false;
   int64_t weight_bytes_ = 0, kv_bytes_ = 0, routed_expert_bytes_ = 0;
   uint64_t synthetic_seed_ = 0;  // non-zero: linears made on the device (load_synthetic)
   // This step's launch shape (padded in graph mode).

@@ -35,7 +35,7 @@ struct CudaRunner::Buffers {
   int64_t T = 0, R = 0, bt_cap = 0, maxb = 0;
   DeviceBuffer residual, a, tmp, q, qlat_in, ckv, c, q_lat, q_rope, head_scale, out_lat, lse, o;
   DeviceBuffer router, ids, wts, rows, normed, logits;
-  DeviceBuffer tok, pos, slots, seq_of, lengths, block_table, row_idx, attn_ws, gemv_ws;
+  DeviceBuffer tok, pos, slots, seq_of, lengths, block_table, row_idx, attn_ws, gemv_ws, gemv_ws_side;
   size_t attn_ws_bytes = 0;
   // DSA: indexer q/k/weights, q in e4m3 + scales, key slots, scores for a chunk of tokens,
   // per-buffer top-k slots and counts, forced selections, traced positions.
@@ -66,6 +66,17 @@ Status CudaRunner::timed(const char* label, F&& fn) {
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
   (*profile_)[label] += ms;
+  return st;
+}
+
+// Runs fn with stream_ switched to the indexer's side stream (and lin() to its GEMV workspace).
+template <typename F>
+Status CudaRunner::on_side(F&& fn) {
+  std::swap(stream_, side_stream_);
+  on_side_ = !on_side_;
+  Status st = fn();
+  std::swap(stream_, side_stream_);
+  on_side_ = !on_side_;
   return st;
 }
 

@@ -21,8 +21,9 @@ Status CudaRunner::lin(const DeviceLinear& w, const float* x, int64_t M, float* 
   if (gemv_ok && (opts_.exact_activations || M <= kGemvMaxM)) {
     for (int64_t m0 = 0; m0 < M; m0 += kGemvMaxM) {
       const int64_t m = std::min<int64_t>(kGemvMaxM, M - m0);
+      float* ws = (on_side_ ? buf_->gemv_ws_side : buf_->gemv_ws).as<float>();
       ML4_RETURN_IF_ERROR(gemv({x + m0 * w.K, m, w.N, w.K, w.format, w.weight.data(), w.scale.as<float>(),
-                                y + m0 * w.N, buf_->gemv_ws.as<float>(), stream_})
+                                y + m0 * w.N, ws, stream_})
                               .with_context(w.name));
     }
     return Status::ok();
@@ -61,28 +62,29 @@ QPathParams CudaRunner::rope_params(float* x, int heads, int stride, int offset,
 // indexer pages, then per token the causal top-k of its scores as latent cache slots into
 // the layer's top-k buffer (and, when tracing, as positions into trace->topk[l]).
 Status CudaRunner::indexer(int l, ForwardTrace* trace) {
+  ML4_RETURN_IF_ERROR(indexer_keys(l));
+  return indexer_select(l, trace);
+}
+
+// The half that reads only x: the keys (projection, LayerNorm, RoPE) into the indexer pages
+// and the per-head weights.
+Status CudaRunner::indexer_keys(int l) {
   const LayerSpec& spec = cfg_.layers[l];
   Layer& L = layers_[l];
   Buffers& b = *buf_;
   const int HI = cfg_.indexer.n_heads, dI = cfg_.indexer.head_dim, rd = cfg_.indexer.rope_head_dim;
-  const int k = cfg_.indexer.topk;
   const int64_t T = step_T_;
-  float* iq = b.iq.as<float>();
   float* ik = b.ik.as<float>();
   float* iw = b.iw.as<float>();
-  // DeepSeek-V3.2: q from the query-LoRA latent when there is one, k and weights from x.
-  ML4_RETURN_IF_ERROR(lin(L.idx_wq, cfg_.q_lora_rank > 0 ? b.qlat_in.as<float>() : b.a.as<float>(), T, iq));
   ML4_RETURN_IF_ERROR(lin(L.idx_wk, b.a.as<float>(), T, ik));
   ML4_RETURN_IF_ERROR(layer_norm({ik, L.idx_knorm_w.as<float>(), L.idx_knorm_b.as<float>(), T, dI, 1e-6f, ik, stream_}));
   ML4_RETURN_IF_ERROR(lin(L.idx_wproj, b.a.as<float>(), T, iw));
   const float wscale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(HI)) / std::sqrt(static_cast<double>(dI)));
   ML4_RETURN_IF_ERROR(scale_inplace(iw, T * HI, wscale, stream_));
   if (spec.rope) {  // NeoX pairs on the [rope | nope] head, LeRoPE positions
-    for (auto [x, heads] : {std::pair<float*, int>{iq, HI}, {ik, 1}}) {
-      QPathParams rp = rope_params(x, heads, dI, 0, rd, idx_inv_freq_.as<float>());
-      rp.neox = true;
-      ML4_RETURN_IF_ERROR(q_path(rp));
-    }
+    QPathParams rp = rope_params(ik, 1, dI, 0, rd, idx_inv_freq_.as<float>());
+    rp.neox = true;
+    ML4_RETURN_IF_ERROR(q_path(rp));
   }
   IndexerCacheWriteParams wp;
   wp.k = ik;
@@ -92,7 +94,26 @@ Status CudaRunner::indexer(int l, ForwardTrace* trace) {
   wp.cache = idx_kv_[spec.indexer_slot].data();
   wp.num_blocks = group_blocks_[indexer_group_];
   wp.stream = stream_;
-  ML4_RETURN_IF_ERROR(indexer_cache_write(wp));
+  return indexer_cache_write(wp);
+}
+
+// The half that needs the query latent (DeepSeek-V3.2: q from the query-LoRA latent when
+// there is one): the queries, their scores over the pages, the causal top-k.
+Status CudaRunner::indexer_select(int l, ForwardTrace* trace) {
+  const LayerSpec& spec = cfg_.layers[l];
+  Layer& L = layers_[l];
+  Buffers& b = *buf_;
+  const int HI = cfg_.indexer.n_heads, dI = cfg_.indexer.head_dim, rd = cfg_.indexer.rope_head_dim;
+  const int k = cfg_.indexer.topk;
+  const int64_t T = step_T_;
+  float* iq = b.iq.as<float>();
+  float* iw = b.iw.as<float>();
+  ML4_RETURN_IF_ERROR(lin(L.idx_wq, cfg_.q_lora_rank > 0 ? b.qlat_in.as<float>() : b.a.as<float>(), T, iq));
+  if (spec.rope) {
+    QPathParams rp = rope_params(iq, HI, dI, 0, rd, idx_inv_freq_.as<float>());
+    rp.neox = true;
+    ML4_RETURN_IF_ERROR(q_path(rp));
+  }
   ML4_RETURN_IF_ERROR(indexer_query_quant({iq, T * HI, dI, true, b.iq8.data(), b.iqs.as<float>(), stream_}));
   const int64_t maxlen = step_maxlen_;
   // Scores of a chunk of tokens at a time: at most 64 Mi floats (256 MiB) of scores.
@@ -154,6 +175,22 @@ Status CudaRunner::indexer(int l, ForwardTrace* trace) {
   return Status::ok();
 }
 
+bool CudaRunner::overlap_indexer(int l, ForwardTrace* trace) const {
+  const LayerSpec& spec = cfg_.layers[l];
+  if (side_stream_ == nullptr || !opts_.overlap_indexer || trace != nullptr || (profile_ != nullptr && mode_ == Mode::kEager) ||
+      !spec.sparse() || spec.indexer != IndexerRole::kOwner)
+    return false;
+  // Only the GEMV may run on both streams at once (each has its own workspace); cuBLASLt
+  // shares one workspace and scratch.
+  const Layer& L = layers_[l];
+  auto gemv = [&](const DeviceLinear& w) {
+    return (w.format == LinearFormat::kBF16 || w.format == LinearFormat::kFP8Block) &&
+           (opts_.exact_activations || step_T_ <= kGemvMaxM);
+  };
+  const bool q_ok = cfg_.q_lora_rank > 0 ? gemv(L.wq_a) && gemv(L.wq_b) : gemv(L.wq);
+  return q_ok && (!spec.owns_kv() || gemv(L.wkv_a)) && gemv(L.idx_wq) && gemv(L.idx_wk) && gemv(L.idx_wproj);
+}
+
 // cpu_attention.cpp CpuModel::attention steps 1-6.
 Status CudaRunner::attention(int l, const StepMetadata* md, float* out, ForwardTrace* trace) {
   const LayerSpec& spec = cfg_.layers[l];
@@ -164,14 +201,35 @@ Status CudaRunner::attention(int l, const StepMetadata* md, float* out, ForwardT
   const int64_t T = step_T_;
   const float eps = static_cast<float>(cfg_.norm_eps);
   float* q = b.q.as<float>();
+  // The indexer branch (overlap_indexer): keys from x at once, queries once the q latent is
+  // normalized; joined before the q path, which needs the top-k counts (SSMax).
+  const bool fork = overlap_indexer(l, trace);
+  if (fork) {
+    ML4_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_fork_, stream_));
+    ML4_RETURN_IF_ERROR(on_side([&]() -> Status {
+      ML4_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, ev_fork_, 0));
+      return indexer_keys(l);
+    }));
+  }
+  auto fork_select = [&]() -> Status {
+    if (!fork) return Status::ok();
+    ML4_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_qlat_, stream_));
+    return on_side([&]() -> Status {
+      ML4_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, ev_qlat_, 0));
+      ML4_RETURN_IF_ERROR(indexer_select(l, nullptr));
+      return cuda_status(cudaEventRecord(ev_join_, stream_), "indexer join");
+    });
+  };
   // 1. Queries.
   ML4_RETURN_IF_ERROR(timed("attn: q projection", [&]() -> Status {
     if (cfg_.q_lora_rank > 0) {
       ML4_RETURN_IF_ERROR(lin(L.wq_a, b.a.as<float>(), T, b.qlat_in.as<float>()));
       ML4_RETURN_IF_ERROR(rms_norm({b.qlat_in.as<float>(), nullptr, L.q_a_norm.as<float>(), T, cfg_.q_lora_rank,
                                     eps, b.qlat_in.as<float>(), nullptr, stream_}));
+      ML4_RETURN_IF_ERROR(fork_select());
       return lin(L.wq_b, b.qlat_in.as<float>(), T, q);
     }
+    ML4_RETURN_IF_ERROR(fork_select());
     return lin(L.wq, b.a.as<float>(), T, q);
   }));
   // 3./4. Latent row into the pages (owners).
@@ -199,12 +257,33 @@ Status CudaRunner::attention(int l, const StepMetadata* md, float* out, ForwardT
     }
     return Status::ok();
   }));
+  // 6a. W_UK absorption of the nope part (the q path below touches only the rope part).
+  MlaAbsorbParams ab;
+  ab.T = T;
+  ab.H = H;
+  ab.dn = dn;
+  ab.dv = dv;
+  ab.r = r;
+  ab.q = q;
+  ab.q_stride = qk;
+  ab.q_offset = 0;
+  ab.w_uk = L.w_uk.as<float>();
+  ab.q_lat = b.q_lat.as<float>();
+  ab.lat = b.out_lat.as<float>();
+  ab.w_uv = L.w_uv.as<float>();
+  ab.o = b.o.as<float>();
+  ab.stream = stream_;
+  ML4_RETURN_IF_ERROR(timed("attn: W_UK absorption", [&] { return mla_absorb_q(ab); }));
   // 5. DSA: the keys this layer attends to (its own indexer's, its source's, or forced).
   const int32_t* sel_slots = nullptr;
   const int32_t* sel_counts = nullptr;
   const int k = cfg_.indexer.topk;
   if (spec.sparse()) {
-    if (spec.indexer == IndexerRole::kOwner) ML4_RETURN_IF_ERROR(timed("attn: indexer + top-k", [&] { return indexer(l, trace); }));
+    if (fork) {
+      ML4_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, ev_join_, 0));
+    } else if (spec.indexer == IndexerRole::kOwner) {
+      ML4_RETURN_IF_ERROR(timed("attn: indexer + top-k", [&] { return indexer(l, trace); }));
+    }
     const int src = spec.indexer == IndexerRole::kOwner ? l : spec.indexer_source;
     if (trace != nullptr && src != l) trace->topk[l] = trace->topk[src];
     const bool forced = trace != nullptr && l < static_cast<int>(trace->forced_topk.size()) &&
@@ -239,28 +318,9 @@ Status CudaRunner::attention(int l, const StepMetadata* md, float* out, ForwardT
   qp.n_keys = sel_counts;
   qp.head_scale = b.head_scale.as<float>();
   ML4_RETURN_IF_ERROR(timed("attn: q path", [&] { return q_path(qp); }));
-  // 6. Absorbed attention over the pages.
-  MlaAbsorbParams ab;
-  ab.T = T;
-  ab.H = H;
-  ab.dn = dn;
-  ab.dv = dv;
-  ab.r = r;
-  ab.q = q;
-  ab.q_stride = qk;
-  ab.q_offset = 0;
-  ab.w_uk = L.w_uk.as<float>();
-  ab.q_lat = b.q_lat.as<float>();
-  ab.lat = b.out_lat.as<float>();
-  ab.w_uv = L.w_uv.as<float>();
-  ab.o = b.o.as<float>();
-  ab.stream = stream_;
-  ML4_RETURN_IF_ERROR(timed("attn: W_UK absorption", [&]() -> Status {
-    ML4_RETURN_IF_ERROR(mla_absorb_q(ab));
-    return cuda_status(cudaMemcpy2DAsync(b.q_rope.data(), dr * 4, q + dn, qk * 4, dr * 4, T * H,
-                                         cudaMemcpyDeviceToDevice, stream_),
-                       "q_rope copy");
-  }));
+  // 6b. Absorbed attention over the pages.
+  ML4_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(b.q_rope.data(), dr * 4, q + dn, qk * 4, dr * 4, T * H,
+                                             cudaMemcpyDeviceToDevice, stream_));
   MlaAttentionParams ap;
   ap.q_lat = b.q_lat.as<float>();
   ap.q_rope = b.q_rope.as<float>();

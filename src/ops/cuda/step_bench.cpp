@@ -144,6 +144,15 @@ int run_step_bench(const StepBenchOptions& opt) {
     r.set_cuda_graphs(true);
     std::printf("GRAPHS model=%s batch=1 ctx=8192 graph_ms=%.3f eager_ms=%.3f speedup=%.2f\n", preset.c_str(), g, e,
                 e / g);
+    for (int batch : {1, 8, 64}) {  // the indexer on the main stream vs overlapped (graphs on)
+      const StepInput oin = decode_step(r, batch, 8192, blocks_per_seq);
+      const double with = time_step(r, oin, 3, 20);
+      r.set_overlap_indexer(false);
+      const double without = time_step(r, oin, 3, 20);
+      r.set_overlap_indexer(true);
+      std::printf("OVERLAP batch=%d ctx=8192 indexer_overlapped_ms=%.3f serial_ms=%.3f gain=%.2f\n", batch, with,
+                  without, without / with);
+    }
     // Where the time goes (eager, events around each piece; adds a sync per piece).
     for (int batch : {1, 64}) {
       const StepInput pin = decode_step(r, batch, 8192, blocks_per_seq);
