@@ -149,21 +149,21 @@ Status parse_hf(const json& j, ModelConfig& cfg) {
                         "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"}) {
     ML4_RETURN_IF_ERROR(require(j, k));
   }
-  ML4_RETURN_IF_ERROR(opt_int(j, "hidden_size", &cfg.dim));
-  ML4_RETURN_IF_ERROR(opt_int(j, "num_hidden_layers", &cfg.n_layers));
-  ML4_RETURN_IF_ERROR(opt_int(j, "num_attention_heads", &cfg.n_heads));
-  ML4_RETURN_IF_ERROR(opt_int(j, "intermediate_size", &cfg.hidden_dim));
-  ML4_RETURN_IF_ERROR(opt_int(j, "vocab_size", &cfg.vocab_size));
+  ML4_RETURN_IF_ERROR(opt_ints(j, {{"hidden_size", &cfg.dim},
+                                   {"num_hidden_layers", &cfg.n_layers},
+                                   {"num_attention_heads", &cfg.n_heads},
+                                   {"intermediate_size", &cfg.hidden_dim},
+                                   {"vocab_size", &cfg.vocab_size}}));
   cfg.max_position_embeddings = 4096;
   ML4_RETURN_IF_ERROR(opt_i64(j, "max_position_embeddings", &cfg.max_position_embeddings));
   ML4_RETURN_IF_ERROR(opt_double(j, "rms_norm_eps", &cfg.norm_eps));
   ML4_RETURN_IF_ERROR(opt_bool(j, "tie_word_embeddings", &cfg.tied_embeddings));
   cfg.q_lora_rank = 0;  // null -> plain q_proj
-  ML4_RETURN_IF_ERROR(opt_int(j, "q_lora_rank", &cfg.q_lora_rank));
-  ML4_RETURN_IF_ERROR(opt_int(j, "kv_lora_rank", &cfg.kv_lora_rank));
-  ML4_RETURN_IF_ERROR(opt_int(j, "qk_nope_head_dim", &cfg.qk_nope_head_dim));
-  ML4_RETURN_IF_ERROR(opt_int(j, "qk_rope_head_dim", &cfg.qk_rope_head_dim));
-  ML4_RETURN_IF_ERROR(opt_int(j, "v_head_dim", &cfg.v_head_dim));
+  ML4_RETURN_IF_ERROR(opt_ints(j, {{"q_lora_rank", &cfg.q_lora_rank},
+                                   {"kv_lora_rank", &cfg.kv_lora_rank},
+                                   {"qk_nope_head_dim", &cfg.qk_nope_head_dim},
+                                   {"qk_rope_head_dim", &cfg.qk_rope_head_dim},
+                                   {"v_head_dim", &cfg.v_head_dim}}));
   int head_dim = -1;
   ML4_RETURN_IF_ERROR(opt_int(j, "head_dim", &head_dim));
   // mistral4 sets head_dim = nope + rope; deepseek_v3/v32 point it at the rope slice.
@@ -193,10 +193,10 @@ Status parse_hf(const json& j, ModelConfig& cfg) {
   if (moe.num_experts > 0) {
     moe.first_k_dense_replace = 0;
     moe.num_experts_per_tok = 0;
-    ML4_RETURN_IF_ERROR(opt_int(j, "moe_intermediate_size", &moe.expert_hidden_dim));
-    ML4_RETURN_IF_ERROR(opt_int(j, "num_experts_per_tok", &moe.num_experts_per_tok));
-    ML4_RETURN_IF_ERROR(opt_int(j, "n_shared_experts", &moe.num_shared_experts));
-    ML4_RETURN_IF_ERROR(opt_int(j, "first_k_dense_replace", &moe.first_k_dense_replace));
+    ML4_RETURN_IF_ERROR(opt_ints(j, {{"moe_intermediate_size", &moe.expert_hidden_dim},
+                                     {"num_experts_per_tok", &moe.num_experts_per_tok},
+                                     {"n_shared_experts", &moe.num_shared_experts},
+                                     {"first_k_dense_replace", &moe.first_k_dense_replace}}));
     ML4_RETURN_IF_ERROR(opt_double(j, "routed_scaling_factor", &moe.routed_scale));
     ML4_RETURN_IF_ERROR(opt_int(j, "n_group", &moe.num_expert_groups));
     ML4_RETURN_IF_ERROR(opt_int(j, "topk_group", &moe.num_expert_groups_per_tok));
@@ -227,9 +227,7 @@ Status parse_hf(const json& j, ModelConfig& cfg) {
     ic.n_heads = 64;  // DeepseekV32Config defaults
     ic.head_dim = 128;
     ic.topk = 2048;
-    ML4_RETURN_IF_ERROR(opt_int(j, "index_n_heads", &ic.n_heads));
-    ML4_RETURN_IF_ERROR(opt_int(j, "index_head_dim", &ic.head_dim));
-    ML4_RETURN_IF_ERROR(opt_int(j, "index_topk", &ic.topk));
+    ML4_RETURN_IF_ERROR(opt_ints(j, {{"index_n_heads", &ic.n_heads}, {"index_head_dim", &ic.head_dim}, {"index_topk", &ic.topk}}));
     ic.rope_head_dim = cfg.qk_rope_head_dim;  // DeepseekV32Indexer rotates qk_rope_head_dim dims
     if (ic.n_heads <= 0) return invalid_argument("index_n_heads must be > 0, found {}", ic.n_heads);
     if (cfg.q_lora_rank <= 0) return invalid_argument("deepseek_v32 needs q_lora_rank (the indexer reads the query latent)");

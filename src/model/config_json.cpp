@@ -35,6 +35,11 @@ Status opt_int(const json& o, const char* key, int* out) {
   return Status::ok();
 }
 
+Status opt_ints(const json& o, std::initializer_list<std::pair<const char*, int*>> fields) {
+  for (const auto& [key, out] : fields) ML4_RETURN_IF_ERROR(opt_int(o, key, out));
+  return Status::ok();
+}
+
 Status opt_double(const json& o, const char* key, double* out) {
   auto it = o.find(key);
   if (it == o.end() || it->is_null()) return Status::ok();

@@ -5,6 +5,7 @@
 // never a json exception. Absent or null leaves the output unchanged (the caller's default).
 #pragma once
 
+#include <initializer_list>
 #include <map>
 #include <optional>
 #include <set>
@@ -23,6 +24,8 @@ using ojson = nlohmann::ordered_json;
 
 Status opt_i64(const json& o, const char* key, int64_t* out);  // integral floats accepted
 Status opt_int(const json& o, const char* key, int* out);
+// opt_int over a list of (key, output) pairs, in order; the first error wins.
+Status opt_ints(const json& o, std::initializer_list<std::pair<const char*, int*>> fields);
 Status opt_double(const json& o, const char* key, double* out);
 Status opt_bool(const json& o, const char* key, bool* out);
 Status opt_string(const json& o, const char* key, std::string* out);

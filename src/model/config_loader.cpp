@@ -122,22 +122,22 @@ Status parse_native(const json& j, ModelConfig& cfg) {
       return invalid_argument("missing required key \"{}\"", k);
     }
   }
-  ML4_RETURN_IF_ERROR(opt_int(j, "dim", &cfg.dim));
-  ML4_RETURN_IF_ERROR(opt_int(j, "n_layers", &cfg.n_layers));
-  ML4_RETURN_IF_ERROR(opt_int(j, "n_heads", &cfg.n_heads));
-  ML4_RETURN_IF_ERROR(opt_int(j, "hidden_dim", &cfg.hidden_dim));
+  ML4_RETURN_IF_ERROR(opt_ints(j, {{"dim", &cfg.dim},
+                                   {"n_layers", &cfg.n_layers},
+                                   {"n_heads", &cfg.n_heads},
+                                   {"hidden_dim", &cfg.hidden_dim},
+                                   {"vocab_size", &cfg.vocab_size}}));
   ML4_RETURN_IF_ERROR(opt_double(j, "norm_eps", &cfg.norm_eps));
-  ML4_RETURN_IF_ERROR(opt_int(j, "vocab_size", &cfg.vocab_size));
   cfg.max_position_embeddings = 0;
   ML4_RETURN_IF_ERROR(opt_i64(j, "max_seq_len", &cfg.max_position_embeddings));
   ML4_RETURN_IF_ERROR(opt_i64(j, "max_position_embeddings", &cfg.max_position_embeddings));
   if (cfg.max_position_embeddings == 0) return invalid_argument("missing required key \"max_position_embeddings\" (or \"max_seq_len\")");
   ML4_RETURN_IF_ERROR(opt_bool(j, "tied_embeddings", &cfg.tied_embeddings));
-  ML4_RETURN_IF_ERROR(opt_int(j, "q_lora_rank", &cfg.q_lora_rank));
-  ML4_RETURN_IF_ERROR(opt_int(j, "kv_lora_rank", &cfg.kv_lora_rank));
-  ML4_RETURN_IF_ERROR(opt_int(j, "qk_nope_head_dim", &cfg.qk_nope_head_dim));
-  ML4_RETURN_IF_ERROR(opt_int(j, "qk_rope_head_dim", &cfg.qk_rope_head_dim));
-  ML4_RETURN_IF_ERROR(opt_int(j, "v_head_dim", &cfg.v_head_dim));
+  ML4_RETURN_IF_ERROR(opt_ints(j, {{"q_lora_rank", &cfg.q_lora_rank},
+                                   {"kv_lora_rank", &cfg.kv_lora_rank},
+                                   {"qk_nope_head_dim", &cfg.qk_nope_head_dim},
+                                   {"qk_rope_head_dim", &cfg.qk_rope_head_dim},
+                                   {"v_head_dim", &cfg.v_head_dim}}));
   int head_dim = -1;
   ML4_RETURN_IF_ERROR(opt_int(j, "head_dim", &head_dim));
   if (head_dim != -1 && head_dim != cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) {
