@@ -17,6 +17,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
+#include <iterator>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -42,13 +44,27 @@ struct Sampled {
   std::vector<float> logprobs;
 };
 
-// Runs sample_rows over B rows (row_stride 0: one row for all), outputs poisoned first.
+enum class Path { kSplit, kRow };
+
+// Runs sample_rows over B rows (row_stride 0: one row for all), outputs poisoned first; the
+// split path's workspace is poisoned too (it needs no initialisation). plans: the split
+// path's plan per row.
 Sampled run(const std::vector<float>& logits, int64_t B, int64_t V, const std::vector<DeviceSamplingParams>& params,
-            int64_t row_stride) {
+            int64_t row_stride, Path path = Path::kSplit, std::vector<SplitPlan>* plans = nullptr) {
   DeviceBuffer dl = to_device(logits), dp = to_device(params);
   DeviceBuffer dt = poisoned<int32_t>(B), dlp = poisoned<float>(B);
-  Status st = sample_rows(dl.as<float>(), B, V, dp.as<DeviceSamplingParams>(), dt.as<int32_t>(), dlp.as<float>(),
-                          nullptr, row_stride);
+  const size_t wb = path == Path::kSplit ? sample_rows_workspace_bytes(B, V) : 0;
+  DeviceBuffer ws = path == Path::kSplit ? poisoned<uint8_t>(wb) : DeviceBuffer();
+  const Status st = path == Path::kRow
+                        ? sample_rows(dl.as<float>(), B, V, dp.as<DeviceSamplingParams>(), dt.as<int32_t>(),
+                                      dlp.as<float>(), nullptr, row_stride)
+                        : sample_rows(dl.as<float>(), B, V, dp.as<DeviceSamplingParams>(), dt.as<int32_t>(),
+                                      dlp.as<float>(), ws.data(), wb, nullptr, row_stride);
+  if (plans && path == Path::kSplit) {
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    plans->assign(B, SplitPlan::kAll);
+    EXPECT_TRUE(sample_rows_split_plans(ws.data(), B, V, plans->data()).is_ok());
+  }
   EXPECT_TRUE(st.is_ok()) << st.message();
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   Sampled s{to_host<int32_t>(dt, B), to_host<float>(dlp, B)};
@@ -93,6 +109,7 @@ TEST(CudaSampling, GreedyMatchesCpuTopkAndLogprobF64) {
   std::vector<DeviceSamplingParams> params(B);
   for (auto& p : params) p.temperature = 0.0f;
   const Sampled s = run(l, B, kV, params, kV);
+  const Sampled s_row = run(l, B, kV, params, kV, Path::kRow);
 
   DeviceBuffer dl = to_device(l), da = poisoned<int32_t>(B);
   ML4_ASSERT_OK(argmax_rows(dl.as<float>(), B, kV, da.as<int32_t>(), nullptr));
@@ -104,6 +121,7 @@ TEST(CudaSampling, GreedyMatchesCpuTopkAndLogprobF64) {
     cpu::topk(row, kV, 1, &ref);
     if (b == 4) ref = 0;  // all NaN: cpu::topk's order is by id among NaN too
     EXPECT_EQ(s.tokens[b], ref) << "row " << b;
+    EXPECT_EQ(s_row.tokens[b], ref) << "one-block path, row " << b;
     EXPECT_EQ(am[b], ref) << "argmax_rows row " << b;
     EXPECT_EQ(s.tokens[b], sampling::sample_row_reference(row, kV, params[b])) << "row " << b;
     bool has_nan = false;
@@ -116,6 +134,7 @@ TEST(CudaSampling, GreedyMatchesCpuTopkAndLogprobF64) {
       const double err = std::abs(s.logprobs[b] - ref_lp);
       worst = std::max(worst, err / (1.0 + std::abs(ref_lp)));
       EXPECT_LE(err, 1e-6 + 2e-7 * std::abs(ref_lp)) << "row " << b << " lp " << s.logprobs[b] << " ref " << ref_lp;
+      EXPECT_LE(std::abs(s_row.logprobs[b] - ref_lp), 1e-6 + 2e-7 * std::abs(ref_lp)) << "one-block path, row " << b;
     }
   }
   std::printf("greedy: %lld rows match cpu::topk; logprob worst |err|/(1+|ref|) %.3g (bound 1e-6 + 2e-7|ref|)\n",
@@ -206,7 +225,10 @@ TEST(CudaSampling, DistributionsMatchExact) {
                             DistCase{"temperature 0.7, top_k 20", P(0.7f, 20, 1.0f, 0.0f)},
                             DistCase{"temperature 1.3, top_p 0.8", P(1.3f, 0, 0.8f, 0.0f)},
                             DistCase{"min_p 0.1", P(1.0f, 0, 1.0f, 0.1f)},
-                            DistCase{"k 30, p 0.9, min_p 0.05", P(0.9f, 30, 0.9f, 0.05f)}})
+                            DistCase{"k 30, p 0.9, min_p 0.05", P(0.9f, 30, 0.9f, 0.05f)},
+                            DistCase{"top_k 5000 (cut bin)", P(1.0f, 5000, 1.0f, 0.0f)},
+                            DistCase{"top_p 0.99 (cut bin)", P(1.0f, 0, 0.99f, 0.0f)},
+                            DistCase{"k 3000, p 0.97 (fallback)", P(1.0f, 3000, 0.97f, 0.0f)}})
     check_distribution(row, c, N, &worst);
   // Ties at the cuts, V not a multiple of 4 (the scalar path): logits in steps of 0.5.
   std::vector<float> ties(1001);
@@ -258,6 +280,105 @@ TEST(CudaSampling, DeterministicAndIndependentOfBatch) {
   EXPECT_GT(std::unique(distinct.begin(), distinct.end()) - distinct.begin(), 8);
 }
 
+// The split path against the one-block path (the same exact contract on the device: the same
+// tokens, bit for bit, and logprobs to the f32 rounding of two summation orders) and against
+// the host reference, over rows chosen to drive every plan: no cut, the top-k cut bin, the
+// top-p cut bin, top-k + top-p candidates, and the fallback (huge tie runs, flat rows,
+// an infinite max, top-k > the candidate capacity with top-p).
+TEST(CudaSampling, SplitPathMatchesOneBlockPathAndHostReference) {
+  ML4_REQUIRE_GPU();
+  std::mt19937 rng(2024);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::uniform_real_distribution<float> ud(0.0f, 1.0f);
+  const int64_t R = 12;
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  std::vector<float> l(R * kV);
+  for (int64_t r = 0; r < R; ++r) {
+    float* x = l.data() + r * kV;
+    for (int64_t i = 0; i < kV; ++i) {
+      const float g = nd(rng), u = ud(rng);
+      switch (r) {
+        case 0: x[i] = -12.0f + 16.0f * u; break;                     // the benchmark's logits
+        case 1: x[i] = g; break;                                        // flat-ish
+        case 2: x[i] = 3.0f * g; break;
+        case 3: x[i] = std::round(2.0f * g) * 0.5f; break;             // runs of ~10^4 ties
+        case 4: x[i] = std::round(32.0f * g) * 0.125f; break;          // short tie runs at the top
+        case 5: x[i] = i % 13 == 0 ? nan : (i % 29 == 0 ? -inf : 2.0f * g); break;
+        case 6: x[i] = g; break;                                        // +inf max (below)
+        case 7: x[i] = 1.0f; break;                                     // all equal
+        case 8: x[i] = 2.0f * g; break;                                 // a model's: a few strong ids
+        case 9: x[i] = 40.0f * g; break;                                // wider than the bins
+        case 10: x[i] = i % 2 ? 0.0f : -1.0f; break;                    // two values
+        default: x[i] = 0.25f * g; break;                               // very flat
+      }
+    }
+  }
+  for (int i = 0; i < 30; ++i) l[8 * kV + rng() % kV] = 15.0f + 5.0f * ud(rng);
+  l[6 * kV + 4321] = inf;
+  auto P = [](float t, int k, float tp, float mp) {
+    DeviceSamplingParams p;
+    p.temperature = t;
+    p.top_k = k;
+    p.top_p = tp;
+    p.min_p = mp;
+    return p;
+  };
+  const DeviceSamplingParams cfgs[] = {P(0.0f, 0, 1.0f, 0.0f),    P(1.0f, 0, 1.0f, 0.0f),    P(0.8f, 50, 1.0f, 0.0f),
+                                       P(0.8f, 0, 0.9f, 0.0f),    P(0.8f, 50, 0.9f, 0.05f),  P(1.0f, 0, 0.99f, 0.0f),
+                                       P(1.0f, 5000, 1.0f, 0.0f), P(1.0f, 7, 1.0f, 0.0f),    P(0.7f, 0, 1.0f, 0.1f),
+                                       P(1.2f, 3000, 0.95f, 0.0f), P(1.0f, 1, 1.0f, 0.0f),   P(0.5f, 100, 0.5f, 0.0f),
+                                       P(2.0f, 0, 0.3f, 0.2f)};
+  int plan_count[5] = {0, 0, 0, 0, 0};
+  int flips = 0, total = 0;
+  double worst_lp = 0;
+  for (size_t ci = 0; ci < std::size(cfgs); ++ci) {
+    std::vector<DeviceSamplingParams> params(R, cfgs[ci]);
+    for (int64_t r = 0; r < R; ++r) {
+      params[r].seed = 77 + 1000 * ci + r;
+      params[r].counter = 5 + r;
+    }
+    std::vector<SplitPlan> plans;
+    const Sampled a = run(l, R, kV, params, kV, Path::kSplit, &plans);
+    const Sampled b = run(l, R, kV, params, kV, Path::kRow);
+    for (int64_t r = 0; r < R; ++r) {
+      const float* row = l.data() + r * kV;
+      EXPECT_EQ(a.tokens[r], b.tokens[r]) << "config " << ci << " row " << r << " plan " << static_cast<int>(plans[r]);
+      if (cfgs[ci].temperature > 0.0f) ++plan_count[static_cast<int>(plans[r])];
+      const double d = std::abs(static_cast<double>(a.logprobs[r]) - b.logprobs[r]);
+      if (std::isfinite(a.logprobs[r]) || std::isfinite(b.logprobs[r])) {
+        // Two f64 summation orders of f32 expf terms (<= 2 ulp each): ~3e-7 relative each.
+        EXPECT_LE(d, 1e-6 + 4e-7 * std::abs(b.logprobs[r])) << "config " << ci << " row " << r;
+        worst_lp = std::max(worst_lp, d / (1.0 + std::abs(b.logprobs[r])));
+      }
+      ++total;
+      flips += sampling::sample_row_reference(row, kV, params[r]) != a.tokens[r];
+    }
+  }
+  // A host/device flip needs two Gumbel scores within a few ulps (host vs device logf/expf).
+  EXPECT_LE(flips, total / 30 + 1) << "host reference disagrees";
+  std::printf("split vs one-block: %d rows x configs, tokens equal; logprob worst |d|/(1+|lp|) %.3g; host reference "
+              "flips %d; plans: all %d, top-k bin %d, top-p bin %d, top-k+top-p %d, fallback %d\n",
+              total, worst_lp, flips, plan_count[0], plan_count[1], plan_count[2], plan_count[3], plan_count[4]);
+  for (int k = 0; k < 5; ++k) EXPECT_GT(plan_count[k], 0) << "plan " << k << " never exercised";
+
+  // B = 1 (the most blocks per row) and B = 3 give the same bits as the batch of 12.
+  std::vector<DeviceSamplingParams> params(R, cfgs[4]);
+  for (int64_t r = 0; r < R; ++r) params[r].seed = 9 + r;
+  const Sampled all = run(l, R, kV, params, kV);
+  for (int64_t r : {0, 3, 6, 8}) {
+    const std::vector<float> one(l.begin() + r * kV, l.begin() + (r + 1) * kV);
+    const Sampled s1 = run(one, 1, kV, {params[r]}, kV);
+    EXPECT_EQ(s1.tokens[0], all.tokens[r]) << "row " << r;
+    EXPECT_EQ(std::memcmp(&s1.logprobs[0], &all.logprobs[r], 4), 0) << "row " << r;
+  }
+  const std::vector<float> three(l.begin() + 3 * kV, l.begin() + 6 * kV);
+  const Sampled s3 = run(three, 3, kV, {params[3], params[4], params[5]}, kV);
+  for (int64_t r = 0; r < 3; ++r) {
+    EXPECT_EQ(s3.tokens[r], all.tokens[3 + r]);
+    EXPECT_EQ(std::memcmp(&s3.logprobs[r], &all.logprobs[3 + r], 4), 0);
+  }
+}
+
 TEST(CudaSampling, BadArgumentsAreErrors) {
   ML4_REQUIRE_GPU();
   DeviceBuffer d = poisoned<float>(64);
@@ -267,6 +388,16 @@ TEST(CudaSampling, BadArgumentsAreErrors) {
   EXPECT_FALSE(sample_rows(d.as<float>(), 1, 4, nullptr, d.as<int32_t>(), nullptr, nullptr).is_ok());
   EXPECT_FALSE(sample_rows(nullptr, 1, 4, p, d.as<int32_t>(), nullptr, nullptr).is_ok());
   EXPECT_TRUE(sample_rows(d.as<float>(), 0, 4, p, d.as<int32_t>(), nullptr, nullptr).is_ok());
+  // The split path: a missing, short or misaligned workspace.
+  const size_t wb = sample_rows_workspace_bytes(2, 4);
+  EXPECT_GT(wb, 0u);
+  DeviceBuffer ws = poisoned<uint8_t>(wb + 256);
+  EXPECT_FALSE(sample_rows(d.as<float>(), 2, 4, p, d.as<int32_t>(), nullptr, nullptr, wb, nullptr).is_ok());
+  EXPECT_FALSE(sample_rows(d.as<float>(), 2, 4, p, d.as<int32_t>(), nullptr, ws.data(), wb - 1, nullptr).is_ok());
+  EXPECT_FALSE(
+      sample_rows(d.as<float>(), 2, 4, p, d.as<int32_t>(), nullptr, ws.as<uint8_t>() + 16, wb, nullptr).is_ok());
+  EXPECT_FALSE(sample_rows(d.as<float>(), -1, 4, p, d.as<int32_t>(), nullptr, ws.data(), wb, nullptr).is_ok());
+  EXPECT_TRUE(sample_rows(d.as<float>(), 0, 4, p, d.as<int32_t>(), nullptr, nullptr, 0, nullptr).is_ok());
 }
 
 }  // namespace

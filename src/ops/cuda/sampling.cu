@@ -1,17 +1,36 @@
 // See sampling.h. argmax_rows: one block per row; each thread scans a strided slice, then a
 // shared-memory tree keeps (larger value, lower index): deterministic for any launch.
-// sample_rows: one 1024-thread block per row, the passes listed in sampling.h; every
-// reduction is in a fixed order or over integers, so a row's token and logprob are
-// bit-reproducible.
+//
+// sample_rows with a workspace (the split path; sampling.h "Design"): four kernels over a
+// grid of (row, block of 4 warp-tiles); every sum has a fixed partition (a warp-tile of 1024
+// logits, whatever B is) and a fixed order, or is over integers, so a row's token and
+// logprob are bit-reproducible and do not depend on the batch:
+//   K1 stats_kernel: per warp-tile max / argmax and sum exp(l - m_tile) (f64); zeroes the
+//      row's histogram and candidate counter for K2 / K3.
+//   K2 hist_kernel (rows with top-k or top-p): histogram over bins of (m - l) * 32 (count and
+//      integer weight), shared memory per block, then global atomics (integers: exact).
+//   K3 scan_kernel: every block scans the row's histogram to the same plan (the bins that
+//      are surely kept, the boundary bins whose ids are candidates, or "fallback"), then per
+//      warp-tile: Gumbel score of the surely-kept ids (min-p per id), candidates appended to
+//      the row's list (any order: the final kernel sorts them by (key, id)).
+//   K4 final_kernel (one 1024-thread block per row): the row max, the logprob, and the
+//      token: greedy; or the best of the tile scores and of the candidates, which are sorted
+//      (bitonic, in shared memory) to apply the rank (top-k) and prefix-mass (top-p) rules
+//      exactly; or, for a fallback row, the one-block-per-row sampler (sampling_row.cuh).
+// The kept set is a prefix of the order (key descending, id ascending), and the bins are
+// monotone in the logit, so "bins before the cut bin" are a prefix too: the cut only has to
+// be resolved inside the boundary bin(s), which is what the candidates are.
 #include "ops/cuda/sampling.h"
 
 #include "engine/device_sampling.h"
 #include "ops/cuda/cuda_common.h"
+#include "ops/cuda/sampling_row.cuh"
 
 namespace ml4::cuda {
 namespace {
 
 using sampling::ranks_above;
+using ull = unsigned long long;
 
 __device__ __forceinline__ bool better(float a, int64_t ia, float b, int64_t ib) {
   const bool an = a != a, bn = b != b;
@@ -44,79 +63,130 @@ __global__ void argmax_kernel(const float* __restrict__ logits, int64_t V, int32
   if (threadIdx.x == 0) out[blockIdx.x] = static_cast<int32_t>(si[0] == INT64_MAX ? 0 : si[0]);
 }
 
-// ---- sample_rows ---------------------------------------------------------------------
+// ---- one block per row (no workspace) --------------------------------------------------
 
-constexpr int kThreads = 1024;
-constexpr int kWarps = kThreads / 32;
-constexpr int kMaxBins = 2048;  // 11-bit digits
-constexpr int kPasses = 3;
-__constant__ int kShift[kPasses] = {21, 10, 0};
-__constant__ int kBits[kPasses] = {11, 11, 10};
-
-using ull = unsigned long long;
-
-struct Smem {
-  uint32_t count[kMaxBins];
-  ull mass[kMaxBins];
-  float red_v[kWarps];
-  int64_t red_i[kWarps];
-  double red_d[kWarps];
-  ull red_u[kWarps];
-  int64_t red_s[kWarps];
-  // radix-select state, written by warp 0
-  uint32_t prefix;
-  ull target;
-  ull mass_above;
-  uint32_t ties;
-  uint32_t take;
-  ull bin_mass;
-  int64_t id_cut;
-};
-
-// The cut: keep keys above `key`, and the `take` lowest ids among the `ties` equal to it.
-struct Cut {
-  uint32_t key;
-  uint32_t take;
-  uint32_t ties;
-  ull mass;  // integer weight of the kept prefix
-};
-
-// Calls f(v[4], q) for groups q of 4 ids [4q, 4q + 4), with every thread of the block taking
-// the same number of trips (warp-collective code inside f sees full warps). Ids >= V hold NaN
-// and must be skipped by f. kUnroll groups are loaded before any is processed: one block
-// streams a whole row, so its loads in flight (1024 x 4 x 16 B) set its bandwidth.
-constexpr int kUnroll = 4;
-template <bool kVec, class F>
-__device__ __forceinline__ void for_each_group(const float* __restrict__ row, int64_t V, F&& f) {
-  const int64_t nq = (V + 3) >> 2;
-  for (int64_t q0 = 0; q0 < nq; q0 += kUnroll * kThreads) {
-    float v[kUnroll][4];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t q = q0 + u * kThreads + threadIdx.x;
-      if (kVec) {
-        if (q < nq) {
-          const float4 t = __ldg(reinterpret_cast<const float4*>(row) + q);
-          v[u][0] = t.x;
-          v[u][1] = t.y;
-          v[u][2] = t.z;
-          v[u][3] = t.w;
-        } else {
-          v[u][0] = v[u][1] = v[u][2] = v[u][3] = __int_as_float(0x7fc00000);
-        }
-      } else {
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          v[u][j] = 4 * q + j < V ? __ldg(row + 4 * q + j) : __int_as_float(0x7fc00000);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) f(v[u], q0 + u * kThreads + threadIdx.x);
+template <bool kVec>
+__global__ void __launch_bounds__(rowblock::kThreads, 1)
+    row_kernel(const float* __restrict__ logits, int64_t V, int64_t stride, const DeviceSamplingParams* __restrict__ params,
+               int32_t* __restrict__ tokens, float* __restrict__ logprobs) {
+  __shared__ rowblock::Smem sm;
+  const float* row = logits + static_cast<int64_t>(blockIdx.x) * stride;
+  const DeviceSamplingParams P = params[blockIdx.x];
+  float m;
+  double lse;
+  const int64_t token = rowblock::sample_row<kVec>(sm, row, V, P, logprobs != nullptr, &m, &lse);
+  if (threadIdx.x == 0) {
+    tokens[blockIdx.x] = static_cast<int32_t>(token);
+    if (logprobs)
+      logprobs[blockIdx.x] = static_cast<float>(static_cast<double>(row[token]) - static_cast<double>(m) - log(lse));
   }
 }
 
-__device__ __forceinline__ void block_argmax(Smem& sm, float& v, int64_t& i) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+// ---- the split path ----------------------------------------------------------------------
+
+constexpr int kTile = 1024;  // logits per warp-tile (lane L: groups of 4 at 32 j + L, j < 8)
+constexpr int kTileWarps = 4;  // warp-tiles per block of K1-K3 (B = 1: 32 blocks per row)
+constexpr int kSplitThreads = kTileWarps * 32;
+constexpr int kBins = 2048;
+constexpr float kBinScale = 32.0f;  // bins of 1/32 logit below the max; the last bin takes the rest
+constexpr int kCap = 2048;          // candidates K4 sorts in shared memory
+constexpr int kFinalThreads = 1024;
+constexpr int kFinalWarps = kFinalThreads / 32;
+constexpr int kHeader = 128;
+
+struct TileStat {
+  float m;       // max over the tile (NaN ranks below everything)
+  int32_t id;    // its id (lowest among ties)
+  double sum;    // sum exp(l - m) over the tile's non-NaN ids; 0 when m is NaN or -inf
+};
+struct TileBest {
+  float score;  // best Gumbel score of the tile's surely-kept ids (NaN: none)
+  int32_t id;   // INT32_MAX: none
+};
+
+enum : int32_t { kModeAll = 0, kModeK = 1, kModeP = 2, kModeKP = 3, kModeFallback = 4 };
+
+// What K3 decided for a row (every block of the row computes the same; block 0 stores it).
+struct RowPlan {
+  int32_t mode;    // kModeAll: no top-k / top-p cut, every id is decided per tile
+  int32_t b_sure;  // ids in bins < b_sure are kept (min-p aside)
+  int32_t b_cand;  // ids in bins [b_sure, b_cand] are candidates
+  uint32_t n;      // how many candidates (from the histogram)
+  ull count_above;  // ids in bins < b_sure
+  ull mass_above;   // their integer weight
+  ull target;       // top-p target (kModeP; kModeKP computes it in K4)
+};
+
+// Workspace of one row: [cand_count u32 | RowPlan] (kHeader B), histogram counts [kBins] u32,
+// masses [kBins] u64, candidates [kCap] u64, TileStat [T], TileBest [T].
+__host__ __device__ constexpr size_t row_ws_bytes(int64_t T) {
+  return (static_cast<size_t>(kHeader + kBins * 12 + kCap * 8 + 24 * T) + 255) & ~static_cast<size_t>(255);
+}
+
+struct RowWs {
+  unsigned* cand_count;
+  RowPlan* plan;
+  unsigned* hcount;
+  ull* hmass;
+  ull* cand;
+  TileStat* stat;
+  TileBest* best;
+};
+
+__device__ __forceinline__ RowWs row_ws(char* ws, int64_t row, int64_t T) {
+  char* b = ws + row * row_ws_bytes(T);
+  RowWs w;
+  w.cand_count = reinterpret_cast<unsigned*>(b);
+  w.plan = reinterpret_cast<RowPlan*>(b + 16);
+  w.hcount = reinterpret_cast<unsigned*>(b + kHeader);
+  w.hmass = reinterpret_cast<ull*>(b + kHeader + kBins * 4);
+  w.cand = reinterpret_cast<ull*>(b + kHeader + kBins * 12);
+  w.stat = reinterpret_cast<TileStat*>(b + kHeader + kBins * 12 + kCap * 8);
+  w.best = reinterpret_cast<TileBest*>(b + kHeader + kBins * 12 + kCap * 8 + 16 * T);
+  return w;
+}
+
+// The bin of a non-NaN logit l <= m (m finite): monotone non-increasing in l, so the ids of
+// the bins before any bin are a prefix of the (key descending, id ascending) order.
+__device__ __forceinline__ int bin_of(float l, float m) {
+  return static_cast<int>(fminf((m - l) * kBinScale, static_cast<float>(kBins - 1)));
+}
+
+// (order key, id) packed so that a larger value ranks first: ties on the key to the lower id.
+__device__ __forceinline__ ull cand_key(float l, int64_t id) {
+  return (static_cast<ull>(sampling::order_key(l)) << 32) | (0xffffffffull - static_cast<ull>(id));
+}
+
+// Warp-tile t of a row into v: lane L gets the groups q = 256 t + 32 j + L (ids 4q..4q+3);
+// ids >= V read as NaN.
+template <bool kVec>
+__device__ __forceinline__ void load_tile(const float* __restrict__ row, int64_t V, int64_t t, float (&v)[8][4]) {
+  const int lane = threadIdx.x & 31;
+  const int64_t nq = (V + 3) >> 2;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int64_t q = t * (kTile / 4) + j * 32 + lane;
+    if (kVec) {
+      if (q < nq) {
+        const float4 x = __ldg(reinterpret_cast<const float4*>(row) + q);
+        v[j][0] = x.x;
+        v[j][1] = x.y;
+        v[j][2] = x.z;
+        v[j][3] = x.w;
+      } else {
+        v[j][0] = v[j][1] = v[j][2] = v[j][3] = __int_as_float(0x7fc00000);
+      }
+    } else {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) v[j][c] = 4 * q + c < V ? __ldg(row + 4 * q + c) : __int_as_float(0x7fc00000);
+    }
+  }
+}
+
+__device__ __forceinline__ int64_t group_of(int64_t t, int j) { return t * (kTile / 4) + j * 32 + (threadIdx.x & 31); }
+
+// Every lane ends with the same (value, id): ranks_above is a total order on distinct ids.
+__device__ __forceinline__ void warp_argmax(float& v, int64_t& i) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     const float ov = __shfl_xor_sync(0xffffffffu, v, o);
@@ -126,287 +196,469 @@ __device__ __forceinline__ void block_argmax(Smem& sm, float& v, int64_t& i) {
       i = oi;
     }
   }
+}
+
+template <int NW>
+__device__ __forceinline__ void block_argmax(float& v, int64_t& i, float* sv, int64_t* si) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  warp_argmax(v, i);
   if (lane == 0) {
-    sm.red_v[warp] = v;
-    sm.red_i[warp] = i;
+    sv[warp] = v;
+    si[warp] = i;
   }
   __syncthreads();
-  v = sm.red_v[0];
-  i = sm.red_i[0];
-  for (int w = 1; w < kWarps; ++w)
-    if (ranks_above(sm.red_v[w], sm.red_i[w], v, i)) {
-      v = sm.red_v[w];
-      i = sm.red_i[w];
+  v = sv[0];
+  i = si[0];
+  for (int w = 1; w < NW; ++w)
+    if (ranks_above(sv[w], si[w], v, i)) {
+      v = sv[w];
+      i = si[w];
     }
   __syncthreads();
 }
 
-__device__ __forceinline__ double block_sum_f64(Smem& sm, double x) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  if (lane == 0) sm.red_d[warp] = x;
-  __syncthreads();
-  double t = 0.0;
-  for (int w = 0; w < kWarps; ++w) t += sm.red_d[w];
-  __syncthreads();
-  return t;
+// The row's max and its id from K1's tile stats (any order: a total order).
+template <int NW>
+__device__ __forceinline__ void row_max(const RowWs& w, int64_t T, float& m, int64_t& mi, float* sv, int64_t* si) {
+  m = __int_as_float(0x7fc00000);
+  mi = INT64_MAX;
+  for (int64_t t = threadIdx.x; t < T; t += NW * 32) {
+    const TileStat s = w.stat[t];
+    if (ranks_above(s.m, s.id, m, mi)) {
+      m = s.m;
+      mi = s.id;
+    }
+  }
+  block_argmax<NW>(m, mi, sv, si);
 }
 
-__device__ __forceinline__ ull block_sum_u64(Smem& sm, ull x) {
+// Exclusive prefix sums of (a, b) over the block in thread order, and the totals.
+template <int NW>
+__device__ __forceinline__ void block_scan2(ull a, ull b, ull* ea, ull* eb, ull* ta, ull* tb, ull* sa, ull* sb) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  if (lane == 0) sm.red_u[warp] = x;
-  __syncthreads();
-  ull t = 0;
-  for (int w = 0; w < kWarps; ++w) t += sm.red_u[w];
-  __syncthreads();
-  return t;
-}
-
-// Exclusive prefix sum over the block in thread order.
-__device__ __forceinline__ int64_t block_exclusive_scan(Smem& sm, int64_t x) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int64_t incl = x;
+  ull ia = a, ib = b;
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
-    const int64_t y = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += y;
-  }
-  if (lane == 31) sm.red_s[warp] = incl;
-  __syncthreads();
-  int64_t before = 0;
-  for (int w = 0; w < warp; ++w) before += sm.red_s[w];
-  __syncthreads();
-  return before + incl - x;
-}
-
-// Adds (1, w) to digit d's bin for every lane with `on`; lanes with equal digits are summed
-// in registers first (the top digits of real logits are few: contention otherwise). All 32
-// lanes must call. w <= 2^40 is summed as two 20-bit halves (32 lanes: < 2^25 each).
-__device__ __forceinline__ void hist_add(Smem& sm, bool on, uint32_t d, ull w) {
-  const unsigned grp = __match_any_sync(0xffffffffu, on ? d : 0xffffffffu);
-  if (!on) return;
-  const unsigned hi = __reduce_add_sync(grp, static_cast<unsigned>(w >> 20));
-  const unsigned lo = __reduce_add_sync(grp, static_cast<unsigned>(w & 0xfffffull));
-  if ((threadIdx.x & 31) == static_cast<unsigned>(__ffs(grp) - 1)) {
-    atomicAdd(&sm.count[d], static_cast<uint32_t>(__popc(grp)));
-    const ull tot = (static_cast<ull>(hi) << 20) + lo;
-    if (tot) atomicAdd(&sm.mass[d], tot);
-  }
-}
-
-// Radix select over the row in (key descending, id ascending) order: the shortest prefix
-// whose count (by_mass false) or integer weight (true) reaches `target`.
-template <bool kVec>
-__device__ Cut radix_select(Smem& sm, const float* __restrict__ row, int64_t V, float m, float inv_t, bool by_mass,
-                            ull target) {
-  const int lane = threadIdx.x & 31;
-  if (threadIdx.x == 0) {
-    sm.prefix = 0;
-    sm.target = target;
-    sm.mass_above = 0;
-  }
-  for (int p = 0; p < kPasses; ++p) {
-    const int shift = kShift[p], bits = kBits[p], nb = 1 << bits;
-    for (int b = threadIdx.x; b < nb; b += kThreads) {
-      sm.count[b] = 0;
-      sm.mass[b] = 0;
+    const ull ya = __shfl_up_sync(0xffffffffu, ia, o), yb = __shfl_up_sync(0xffffffffu, ib, o);
+    if (lane >= o) {
+      ia += ya;
+      ib += yb;
     }
-    __syncthreads();
-    const uint32_t prefix = sm.prefix;
-    const int high = shift + bits;
-    for_each_group<kVec>(row, V, [&](const float* v, int64_t q) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const uint32_t key = sampling::order_key(v[j]);
-        const bool on = 4 * q + j < V && (high >= 32 || (key >> high) == (prefix >> high));
-        const ull w = on ? sampling::fixed_weight(expf((v[j] - m) * inv_t)) : 0ull;
-        hist_add(sm, on, (key >> shift) & (nb - 1), w);
-      }
-    });
-    __syncthreads();
-    if (threadIdx.x < 32) {
-      // Lane L owns bins [nb - (L + 1) * per, nb - L * per), walked from the top.
-      const int per = nb / 32;
-      const int top = nb - 1 - lane * per;
-      ull c = 0, ms = 0;
-      for (int b = top; b > top - per; --b) {
-        c += sm.count[b];
-        ms += sm.mass[b];
-      }
-      ull ci = c, mi = ms;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const ull yc = __shfl_up_sync(0xffffffffu, ci, o), ym = __shfl_up_sync(0xffffffffu, mi, o);
-        if (lane >= o) {
-          ci += yc;
-          mi += ym;
-        }
-      }
-      const ull total_c = __shfl_sync(0xffffffffu, ci, 31), total_m = __shfl_sync(0xffffffffu, mi, 31);
-      ull tgt = sm.target;
-      // Clamp (rounding cannot make the target exceed the total, but never select nothing).
-      if (by_mass ? tgt > total_m : tgt > total_c) tgt = by_mass ? total_m : total_c;
-      const bool reach = ci > 0 && (by_mass ? mi >= tgt : ci >= tgt);
-      const unsigned ball = __ballot_sync(0xffffffffu, reach);
-      const int f = ball ? __ffs(ball) - 1 : 31;
-      if (lane == f) {
-        ull ce = ci - c, me = mi - ms;
-        int pick = top - per + 1;
-        for (int b = top; b > top - per; --b) {
-          const ull nc = ce + sm.count[b], nm = me + sm.mass[b];
-          if (nc > 0 && (by_mass ? nm >= tgt : nc >= tgt)) {
-            pick = b;
-            break;
-          }
-          ce = nc;
-          me = nm;
-        }
-        sm.prefix = prefix | (static_cast<uint32_t>(pick) << shift);
-        sm.target = tgt - (by_mass ? me : ce);
-        sm.mass_above += me;
-        sm.ties = sm.count[pick];
-        sm.bin_mass = sm.mass[pick];
-      }
+  }
+  if (lane == 31) {
+    sa[warp] = ia;
+    sb[warp] = ib;
+  }
+  __syncthreads();
+  ull pa = 0, pb = 0, qa = 0, qb = 0;
+  for (int w = 0; w < NW; ++w) {
+    if (w < warp) {
+      pa += sa[w];
+      pb += sb[w];
     }
-    __syncthreads();
-  }
-  Cut cut;
-  cut.key = sm.prefix;
-  cut.ties = sm.ties;
-  const ull w_t = cut.ties ? sm.bin_mass / cut.ties : 0;  // every tie has the same weight
-  const ull rem = sm.target;
-  ull take;
-  if (!by_mass) take = rem;
-  else take = w_t ? (rem + w_t - 1) / w_t : cut.ties;
-  if (take < 1) take = 1;
-  if (take > cut.ties) take = cut.ties;
-  cut.take = static_cast<uint32_t>(take);
-  cut.mass = sm.mass_above + take * w_t;
-  __syncthreads();
-  return cut;
-}
-
-// The id of the take-th lowest id whose key equals `key` (threads own contiguous id ranges).
-__device__ int64_t tie_cut(Smem& sm, const float* __restrict__ row, int64_t V, uint32_t key, uint32_t take) {
-  const int64_t chunk = (V + kThreads - 1) / kThreads;
-  const int64_t lo = threadIdx.x * chunk, hi = min(V, lo + chunk);
-  if (threadIdx.x == 0) sm.id_cut = INT64_MAX;  // read after the scan's barriers
-  int64_t n = 0;
-  for (int64_t i = lo; i < hi; ++i) n += sampling::order_key(row[i]) == key;
-  const int64_t before = block_exclusive_scan(sm, n);
-  if (before < take && take <= before + n) {
-    int64_t need = take - before;
-    for (int64_t i = lo; i < hi; ++i)
-      if (sampling::order_key(row[i]) == key && --need == 0) {
-        sm.id_cut = i;
-        break;
-      }
+    qa += sa[w];
+    qb += sb[w];
   }
   __syncthreads();
-  const int64_t r = sm.id_cut;
-  __syncthreads();
-  return r;
+  *ea = pa + ia - a;
+  *eb = pb + ib - b;
+  *ta = qa;
+  *tb = qb;
 }
 
+// K1: tile stats; zeroes the row's histogram and candidate counter.
 template <bool kVec>
-__global__ void __launch_bounds__(kThreads, 1)
-    sample_kernel(const float* __restrict__ logits, int64_t V, int64_t stride, const DeviceSamplingParams* __restrict__ params,
-                  int32_t* __restrict__ tokens, float* __restrict__ logprobs) {
-  __shared__ Smem sm;
-  const float* row = logits + static_cast<int64_t>(blockIdx.x) * stride;
-  const DeviceSamplingParams P = params[blockIdx.x];
-
-  // 1. argmax
+__global__ void __launch_bounds__(kSplitThreads)
+    stats_kernel(const float* __restrict__ logits, int64_t V, int64_t stride, char* __restrict__ ws, int64_t T) {
+  const int64_t r = blockIdx.x;
+  const RowWs w = row_ws(ws, r, T);
+  for (int64_t i = static_cast<int64_t>(blockIdx.y) * kSplitThreads + threadIdx.x; i < kBins;
+       i += static_cast<int64_t>(gridDim.y) * kSplitThreads) {
+    w.hcount[i] = 0;
+    w.hmass[i] = 0;
+  }
+  if (blockIdx.y == 0 && threadIdx.x == 0) *w.cand_count = 0;
+  const int64_t t = static_cast<int64_t>(blockIdx.y) * kTileWarps + (threadIdx.x >> 5);
+  if (t >= T) return;
+  const float* row = logits + r * stride;
+  float v[8][4];
+  load_tile<kVec>(row, V, t, v);
   float mv = __int_as_float(0x7fc00000);
   int64_t mi = INT64_MAX;
-  for_each_group<kVec>(row, V, [&](const float* v, int64_t q) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
-      if (4 * q + j < V && ranks_above(v[j], 4 * q + j, mv, mi)) {
-        mv = v[j];
-        mi = 4 * q + j;
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int64_t id = 4 * group_of(t, j) + c;
+      if (id < V && ranks_above(v[j][c], id, mv, mi)) {
+        mv = v[j][c];
+        mi = id;
       }
-  });
-  block_argmax(sm, mv, mi);
-  const float m = mv;
-  int64_t token = mi == INT64_MAX ? 0 : mi;
-  const bool sample = !sampling::greedy(P) && m == m;
-  const float inv_t = sample ? 1.0f / P.temperature : 1.0f;
-  const bool k_on = sample && sampling::top_k_on(P, V), p_on = sample && sampling::top_p_on(P);
-
-  // 2. sums
-  double lse_sum = 0.0;
-  ull z_all = 0;
-  if (logprobs || (p_on && !k_on)) {
-    double s = 0.0;
-    ull z = 0;
-    for_each_group<kVec>(row, V, [&](const float* v, int64_t q) {
+    }
+  warp_argmax(mv, mi);
+  double s = 0.0;
+  if (mv == mv && mv != -INFINITY) {
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
-        if (4 * q + j < V && v[j] == v[j]) {
-          s += static_cast<double>(expf(v[j] - m));
-          if (p_on) z += sampling::fixed_weight(expf((v[j] - m) * inv_t));
-        }
-    });
-    lse_sum = block_sum_f64(sm, s);
-    z_all = block_sum_u64(sm, z);
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        if (4 * group_of(t, j) + c < V && v[j][c] == v[j][c]) s += static_cast<double>(expf(v[j][c] - mv));
   }
-
-  if (sample) {
-    // 3-5. the kept prefix
-    bool cut_on = false;
-    Cut cut{};
-    ull zk = z_all;
-    if (k_on) {
-      cut = radix_select<kVec>(sm, row, V, m, inv_t, false, static_cast<ull>(P.top_k));
-      cut_on = true;
-      zk = cut.mass;
-    }
-    if (p_on) {
-      const Cut cp = radix_select<kVec>(sm, row, V, m, inv_t, true, sampling::top_p_target(P.top_p, zk));
-      if (!cut_on || cp.key > cut.key || (cp.key == cut.key && cp.take < cut.take)) cut = cp;
-      cut_on = true;
-    }
-    int64_t id_cut = INT64_MAX;
-    if (cut_on && cut.take < cut.ties) id_cut = tie_cut(sm, row, V, cut.key, cut.take);
-    // 6. Gumbel-max over the kept ids
-    const bool mp_on = sampling::min_p_on(P);
-    const float min_p = sampling::min_p_value(P);
-    float bv = __int_as_float(0x7fc00000);
-    int64_t bi = INT64_MAX;
-    for_each_group<kVec>(row, V, [&](const float* v, int64_t q) {
-      const sampling::Philox4 r = sampling::draw_group(P.seed, P.counter, static_cast<uint32_t>(q));
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int64_t id = 4 * q + j;
-        if (id >= V) continue;
-        bool kept = true;
-        if (cut_on) {
-          const uint32_t key = sampling::order_key(v[j]);
-          kept = key > cut.key || (key == cut.key && id <= id_cut);
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  if ((threadIdx.x & 31) == 0) w.stat[t] = TileStat{mv, static_cast<int32_t>(mi), s};
+}
+
+// K2: the histogram of a row with a top-k or top-p cut.
+template <bool kVec>
+__global__ void __launch_bounds__(kSplitThreads)
+    hist_kernel(const float* __restrict__ logits, int64_t V, int64_t stride,
+                const DeviceSamplingParams* __restrict__ params, char* __restrict__ ws, int64_t T) {
+  __shared__ unsigned hc[kBins];
+  __shared__ ull hm[kBins];
+  __shared__ float sv[kTileWarps];
+  __shared__ int64_t si[kTileWarps];
+  const int64_t r = blockIdx.x;
+  const DeviceSamplingParams P = params[r];
+  if (sampling::greedy(P)) return;
+  const bool k_on = sampling::top_k_on(P, V), p_on = sampling::top_p_on(P);
+  if (!k_on && !p_on) return;
+  const RowWs w = row_ws(ws, r, T);
+  float m;
+  int64_t mi;
+  row_max<kTileWarps>(w, T, m, mi, sv, si);
+  if (!isfinite(m)) return;  // K3 falls back
+  const float inv_t = 1.0f / P.temperature;
+  for (int i = threadIdx.x; i < kBins; i += kSplitThreads) {
+    hc[i] = 0;
+    hm[i] = 0;
+  }
+  __syncthreads();
+  const int64_t t = static_cast<int64_t>(blockIdx.y) * kTileWarps + (threadIdx.x >> 5);
+  if (t < T) {
+    float v[8][4];
+    load_tile<kVec>(logits + r * stride, V, t, v);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const float x = v[j][c];
+        if (4 * group_of(t, j) + c < V && x == x) {
+          const int b = bin_of(x, m);
+          atomicAdd(&hc[b], 1u);
+          if (p_on) {
+            const ull wt = sampling::fixed_weight(expf((x - m) * inv_t));
+            if (wt) atomicAdd(&hm[b], wt);
+          }
         }
-        const float s = (v[j] - m) * inv_t;
-        if (mp_on && !(expf(s) >= min_p)) kept = false;
-        const float score = kept ? s + sampling::gumbel(r.v[j]) : __int_as_float(0x7fc00000);
-        if (ranks_above(score, id, bv, bi)) {
-          bv = score;
+      }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < kBins; i += kSplitThreads) {
+    if (hc[i]) atomicAdd(&w.hcount[i], hc[i]);
+    if (hm[i]) atomicAdd(&w.hmass[i], hm[i]);
+  }
+}
+
+// The row's plan from its histogram (block-wide; every thread returns the same plan).
+__device__ RowPlan make_plan(const RowWs& w, const DeviceSamplingParams& P, bool k_on, bool p_on, RowPlan* sp,
+                             ull* sa, ull* sb) {
+  constexpr int kPer = kBins / kSplitThreads;
+  const int b0 = threadIdx.x * kPer;
+  unsigned c[kPer];
+  ull ms[kPer];
+  ull lc = 0, lm = 0;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    c[i] = w.hcount[b0 + i];
+    ms[i] = w.hmass[b0 + i];
+    lc += c[i];
+    lm += ms[i];
+  }
+  ull ec, em, tc, tm;
+  block_scan2<kTileWarps>(lc, lm, &ec, &em, &tc, &tm, sa, sb);
+  // top-k at or above the non-NaN count keeps every id that can win: no cut.
+  const bool k_eff = k_on && static_cast<ull>(P.top_k) < tc;
+  const int32_t mode = k_eff ? (p_on ? kModeKP : kModeK) : (p_on ? kModeP : kModeAll);
+  if (threadIdx.x == 0) *sp = RowPlan{mode == kModeAll ? kModeAll : kModeFallback, kBins, -1, 0, 0, 0, 0};
+  __syncthreads();
+  if (mode != kModeAll) {
+    // The cut bin: the first whose inclusive count (top-k) or weight (top-p alone) reaches
+    // the target; exactly one thread's range holds it.
+    const bool by_mass = mode == kModeP;
+    const ull tgt = by_mass ? sampling::top_p_target(P.top_p, tm) : static_cast<ull>(P.top_k);
+    const ull ev = by_mass ? em : ec, lv = by_mass ? lm : lc;
+    if (ev + lv >= tgt && (threadIdx.x == 0 || ev < tgt)) {
+      ull ac = ec, am = em;
+      int b = -1;
+      for (int i = 0; i < kPer; ++i) {
+        if ((by_mass ? am + ms[i] : ac + c[i]) >= tgt) {
+          b = b0 + i;
+          break;
+        }
+        ac += c[i];
+        am += ms[i];
+      }
+      if (b >= 0) {
+        RowPlan p{mode, 0, b, 0, 0, 0, 0};
+        if (mode == kModeKP) {
+          p.n = static_cast<uint32_t>(ac + c[b - b0]);  // every id in bins 0..b
+        } else {
+          p.b_sure = b;
+          p.n = c[b - b0];
+          p.count_above = ac;
+          p.mass_above = am;
+          p.target = tgt;
+        }
+        if (p.n > static_cast<uint32_t>(kCap)) p.mode = kModeFallback;
+        *sp = p;
+      }
+    }
+  }
+  __syncthreads();
+  return *sp;
+}
+
+// K3: the plan, the surely-kept ids' best score per warp-tile, and the candidates.
+template <bool kVec>
+__global__ void __launch_bounds__(kSplitThreads)
+    scan_kernel(const float* __restrict__ logits, int64_t V, int64_t stride,
+                const DeviceSamplingParams* __restrict__ params, char* __restrict__ ws, int64_t T) {
+  __shared__ float sv[kTileWarps];
+  __shared__ int64_t si[kTileWarps];
+  __shared__ ull sa[kTileWarps], sb[kTileWarps];
+  __shared__ RowPlan splan;
+  const int64_t r = blockIdx.x;
+  const DeviceSamplingParams P = params[r];
+  if (sampling::greedy(P)) return;
+  const RowWs w = row_ws(ws, r, T);
+  float m;
+  int64_t mi;
+  row_max<kTileWarps>(w, T, m, mi, sv, si);
+  if (m != m) return;  // every logit NaN: K4 returns the argmax
+  const bool k_on = sampling::top_k_on(P, V), p_on = sampling::top_p_on(P);
+  RowPlan pl{kModeAll, kBins, -1, 0, 0, 0, 0};
+  if (k_on || p_on) {
+    if (isfinite(m)) pl = make_plan(w, P, k_on, p_on, &splan, sa, sb);
+    else pl.mode = kModeFallback;
+  }
+  if (blockIdx.y == 0 && threadIdx.x == 0) *w.plan = pl;
+  if (pl.mode == kModeFallback) return;
+  const int64_t t = static_cast<int64_t>(blockIdx.y) * kTileWarps + (threadIdx.x >> 5);
+  if (t >= T) return;
+  float v[8][4];
+  load_tile<kVec>(logits + r * stride, V, t, v);
+  const float inv_t = 1.0f / P.temperature;
+  const bool mp_on = sampling::min_p_on(P), all = pl.mode == kModeAll;
+  const float min_p = sampling::min_p_value(P);
+  float bv = __int_as_float(0x7fc00000);
+  int64_t bi = INT64_MAX;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int64_t q = group_of(t, j);
+    sampling::Philox4 rnd;
+    bool have = false;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int64_t id = 4 * q + c;
+      const float x = v[j][c];
+      if (id >= V) continue;
+      if (!all) {
+        if (x != x) continue;
+        const int b = bin_of(x, m);
+        if (b > pl.b_cand) continue;
+        if (b >= pl.b_sure) {
+          const unsigned k = atomicAdd(w.cand_count, 1u);
+          if (k < static_cast<unsigned>(kCap)) w.cand[k] = cand_key(x, id);
+          continue;
+        }
+      }
+      // As the one-block sampler: a dropped id scores NaN (it can only win when every id
+      // does, which needs m = +inf: kModeAll only).
+      const float s = (x - m) * inv_t;
+      float score = __int_as_float(0x7fc00000);
+      if (!(mp_on && !(expf(s) >= min_p))) {
+        if (!have) {
+          rnd = sampling::draw_group(P.seed, P.counter, static_cast<uint32_t>(q));
+          have = true;
+        }
+        score = s + sampling::gumbel(rnd.v[c]);
+      }
+      if (ranks_above(score, id, bv, bi)) {
+        bv = score;
+        bi = id;
+      }
+    }
+  }
+  warp_argmax(bv, bi);
+  if ((threadIdx.x & 31) == 0) w.best[t] = TileBest{bv, bi == INT64_MAX ? INT32_MAX : static_cast<int32_t>(bi)};
+}
+
+// Sorts a[0, N) descending (N a power of two), the whole block.
+__device__ void bitonic_desc(ull* a, int N) {
+  for (int k = 2; k <= N; k <<= 1)
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      for (int i = threadIdx.x; i < N; i += blockDim.x) {
+        const int p = i ^ j;
+        if (p > i) {
+          const ull x = a[i], y = a[p];
+          if ((i & k) == 0 ? x < y : x > y) {
+            a[i] = y;
+            a[p] = x;
+          }
+        }
+      }
+      __syncthreads();
+    }
+}
+
+struct FinalSmem {
+  union {
+    rowblock::Smem legacy;
+    ull keys[kCap];
+  } u;
+  float sv[kFinalWarps];
+  int64_t si[kFinalWarps];
+  double sd[kFinalWarps];
+  ull sa[kFinalWarps], sb[kFinalWarps];
+  ull zk;
+};
+
+// K4: one block per row: logprob, then the token.
+template <bool kVec>
+__global__ void __launch_bounds__(kFinalThreads, 1)
+    final_kernel(const float* __restrict__ logits, int64_t V, int64_t stride,
+                 const DeviceSamplingParams* __restrict__ params, int32_t* __restrict__ tokens,
+                 float* __restrict__ logprobs, char* __restrict__ ws, int64_t T) {
+  __shared__ FinalSmem sm;
+  const int64_t r = blockIdx.x;
+  const DeviceSamplingParams P = params[r];
+  const RowWs w = row_ws(ws, r, T);
+  const float* row = logits + r * stride;
+  float m;
+  int64_t mi;
+  row_max<kFinalWarps>(w, T, m, mi, sm.sv, sm.si);
+  int64_t token = mi == INT64_MAX ? 0 : mi;
+  double lse = 0.0;
+  if (logprobs) {
+    // sum_t sum_t * exp(m_t - m) in f64, tiles in a fixed order.
+    double s = 0.0;
+    for (int64_t t = threadIdx.x; t < T; t += kFinalThreads) {
+      const TileStat st = w.stat[t];
+      if (st.sum > 0.0) s += st.sum * exp(static_cast<double>(st.m) - static_cast<double>(m));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if ((threadIdx.x & 31) == 0) sm.sd[threadIdx.x >> 5] = s;
+    __syncthreads();
+    for (int i = 0; i < kFinalWarps; ++i) lse += sm.sd[i];
+    __syncthreads();
+  }
+  if (!sampling::greedy(P) && m == m) {
+    const RowPlan pl = *w.plan;
+    if (pl.mode == kModeFallback) {
+      float m2;
+      double unused;
+      token = rowblock::sample_row<kVec>(sm.u.legacy, row, V, P, false, &m2, &unused);
+    } else {
+      float bv = __int_as_float(0x7fc00000);
+      int64_t bi = INT64_MAX;
+      for (int64_t t = threadIdx.x; t < T; t += kFinalThreads) {
+        const TileBest b = w.best[t];
+        const int64_t id = b.id == INT32_MAX ? INT64_MAX : b.id;
+        if (ranks_above(b.score, id, bv, bi)) {
+          bv = b.score;
           bi = id;
         }
       }
-    });
-    block_argmax(sm, bv, bi);
-    token = bi == INT64_MAX ? 0 : bi;
+      const int n = static_cast<int>(min(min(pl.n, *w.cand_count), static_cast<unsigned>(kCap)));
+      if (pl.mode != kModeAll && n > 0) {
+        int N = 2;
+        while (N < n) N <<= 1;
+        for (int i = threadIdx.x; i < N; i += kFinalThreads) sm.u.keys[i] = i < n ? w.cand[i] : 0ull;
+        __syncthreads();
+        bitonic_desc(sm.u.keys, N);
+        // Thread t owns sorted positions [kPer t, kPer t + kPer).
+        constexpr int kPer = kCap / kFinalThreads;
+        const float inv_t = 1.0f / P.temperature;
+        float s[kPer];
+        ull wt[kPer];
+        int64_t id[kPer];
+        ull loc = 0;
+#pragma unroll
+        for (int e = 0; e < kPer; ++e) {
+          const int j = threadIdx.x * kPer + e;
+          wt[e] = 0;
+          s[e] = 0.0f;
+          id[e] = 0;
+          if (j < n) {
+            const ull k = sm.u.keys[j];
+            id[e] = static_cast<int64_t>(0xffffffffull - (k & 0xffffffffull));
+            s[e] = (sampling::key_float(static_cast<uint32_t>(k >> 32)) - m) * inv_t;
+            wt[e] = sampling::fixed_weight(expf(s[e]));
+          }
+          loc += wt[e];
+        }
+        ull excl, unused_a, tot, unused_b;
+        block_scan2<kFinalWarps>(loc, 0ull, &excl, &unused_a, &tot, &unused_b, sm.sa, sm.sb);
+        const bool k_rule = pl.mode == kModeK || pl.mode == kModeKP;
+        const bool p_rule = pl.mode == kModeP || pl.mode == kModeKP;
+        ull target = pl.target;
+        if (pl.mode == kModeKP) {
+          // Top-p applies to the top-k weight: the candidates are every id of bins 0..b_cand,
+          // at least top_k of them.
+          const int kk = min(n, P.top_k);
+          if (threadIdx.x == 0) sm.zk = tot;
+          __syncthreads();
+          const int owner = (kk - 1) / kPer;
+          if (static_cast<int>(threadIdx.x) == owner) {
+            ull acc = excl;
+            for (int e = 0; e <= (kk - 1) - owner * kPer; ++e) acc += wt[e];
+            sm.zk = acc;
+          }
+          __syncthreads();
+          target = sampling::top_p_target(P.top_p, sm.zk);
+        }
+        const bool mp_on = sampling::min_p_on(P);
+        const float min_p = sampling::min_p_value(P);
+        ull acc = excl;
+#pragma unroll
+        for (int e = 0; e < kPer; ++e) {
+          const int j = threadIdx.x * kPer + e;
+          if (j < n) {
+            const ull rank = pl.count_above + static_cast<ull>(j);
+            bool kept = !k_rule || rank < static_cast<ull>(P.top_k);
+            if (p_rule && !(rank == 0 || pl.mass_above + acc < target)) kept = false;
+            if (mp_on && !(expf(s[e]) >= min_p)) kept = false;
+            if (kept) {
+              const sampling::Philox4 rnd =
+                  sampling::draw_group(P.seed, P.counter, static_cast<uint32_t>(id[e] >> 2));
+              const float score = s[e] + sampling::gumbel(rnd.v[id[e] & 3]);
+              if (ranks_above(score, id[e], bv, bi)) {
+                bv = score;
+                bi = id[e];
+              }
+            }
+          }
+          acc += wt[e];
+        }
+      }
+      block_argmax<kFinalWarps>(bv, bi, sm.sv, sm.si);
+      token = bi == INT64_MAX ? 0 : bi;
+    }
   }
-
   if (threadIdx.x == 0) {
-    tokens[blockIdx.x] = static_cast<int32_t>(token);
-    if (logprobs)
-      logprobs[blockIdx.x] =
-          static_cast<float>(static_cast<double>(row[token]) - static_cast<double>(m) - log(lse_sum));
+    tokens[r] = static_cast<int32_t>(token);
+    if (logprobs) logprobs[r] = static_cast<float>(static_cast<double>(row[token]) - static_cast<double>(m) - log(lse));
   }
+}
+
+Status check_args(const char* what, const float* logits, int64_t B, int64_t V, const DeviceSamplingParams* params,
+                  const int32_t* tokens) {
+  if (B < 0 || B > INT32_MAX || V <= 0 || V > INT32_MAX)
+    return invalid_argument("{}: bad shape B={} V={}", what, B, V);
+  if (B > 0 && (!logits || !params || !tokens)) return invalid_argument("{}: null pointer", what);
+  return Status::ok();
 }
 
 }  // namespace
@@ -421,17 +673,67 @@ Status argmax_rows(const float* logits, int64_t B, int64_t V, int32_t* out, cuda
 
 Status sample_rows(const float* logits, int64_t B, int64_t V, const DeviceSamplingParams* params, int32_t* tokens,
                    float* logprobs, cudaStream_t stream, int64_t row_stride) {
-  if (B < 0 || B > INT32_MAX || V <= 0 || V > INT32_MAX)
-    return invalid_argument("sample_rows: bad shape B={} V={}", B, V);
+  ML4_RETURN_IF_ERROR(check_args("sample_rows", logits, B, V, params, tokens));
   if (B == 0) return Status::ok();
-  if (!logits || !params || !tokens) return invalid_argument("sample_rows: null pointer");
   const int64_t stride = row_stride < 0 ? V : row_stride;
   const bool vec = V % 4 == 0 && stride % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
   if (vec)
-    sample_kernel<true><<<static_cast<unsigned>(B), kThreads, 0, stream>>>(logits, V, stride, params, tokens, logprobs);
+    row_kernel<true><<<static_cast<unsigned>(B), rowblock::kThreads, 0, stream>>>(logits, V, stride, params, tokens,
+                                                                                  logprobs);
   else
-    sample_kernel<false><<<static_cast<unsigned>(B), kThreads, 0, stream>>>(logits, V, stride, params, tokens, logprobs);
-  return cuda_status(cudaGetLastError(), "sample_kernel");
+    row_kernel<false><<<static_cast<unsigned>(B), rowblock::kThreads, 0, stream>>>(logits, V, stride, params, tokens,
+                                                                                   logprobs);
+  return cuda_status(cudaGetLastError(), "sample_rows row_kernel");
+}
+
+size_t sample_rows_workspace_bytes(int64_t B, int64_t V) {
+  if (B <= 0 || V <= 0) return 0;
+  return static_cast<size_t>(B) * row_ws_bytes((V + kTile - 1) / kTile);
+}
+
+namespace {
+template <bool kVec>
+Status launch_split(const float* logits, int64_t B, int64_t V, int64_t stride, const DeviceSamplingParams* params,
+                    int32_t* tokens, float* logprobs, char* ws, cudaStream_t stream) {
+  const int64_t T = (V + kTile - 1) / kTile;
+  const dim3 grid(static_cast<unsigned>(B), static_cast<unsigned>((T + kTileWarps - 1) / kTileWarps));
+  stats_kernel<kVec><<<grid, kSplitThreads, 0, stream>>>(logits, V, stride, ws, T);
+  ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "sample_rows stats_kernel"));
+  hist_kernel<kVec><<<grid, kSplitThreads, 0, stream>>>(logits, V, stride, params, ws, T);
+  ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "sample_rows hist_kernel"));
+  scan_kernel<kVec><<<grid, kSplitThreads, 0, stream>>>(logits, V, stride, params, ws, T);
+  ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "sample_rows scan_kernel"));
+  final_kernel<kVec><<<static_cast<unsigned>(B), kFinalThreads, 0, stream>>>(logits, V, stride, params, tokens,
+                                                                             logprobs, ws, T);
+  return cuda_status(cudaGetLastError(), "sample_rows final_kernel");
+}
+}  // namespace
+
+Status sample_rows(const float* logits, int64_t B, int64_t V, const DeviceSamplingParams* params, int32_t* tokens,
+                   float* logprobs, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                   int64_t row_stride) {
+  ML4_RETURN_IF_ERROR(check_args("sample_rows", logits, B, V, params, tokens));
+  if (B == 0) return Status::ok();
+  const size_t need = sample_rows_workspace_bytes(B, V);
+  if (!workspace || workspace_bytes < need || reinterpret_cast<uintptr_t>(workspace) % 256 != 0)
+    return invalid_argument("sample_rows: workspace {} B at {} (need {} B, 256-aligned)", workspace_bytes,
+                            workspace, need);
+  if ((V + kTile - 1) / kTile > 65535LL * kTileWarps) return invalid_argument("sample_rows: V={} too large", V);
+  const int64_t stride = row_stride < 0 ? V : row_stride;
+  const bool vec = V % 4 == 0 && stride % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
+  char* ws = static_cast<char*>(workspace);
+  return vec ? launch_split<true>(logits, B, V, stride, params, tokens, logprobs, ws, stream)
+             : launch_split<false>(logits, B, V, stride, params, tokens, logprobs, ws, stream);
+}
+
+Status sample_rows_split_plans(const void* workspace, int64_t B, int64_t V, SplitPlan* plans) {
+  if (B <= 0 || V <= 0 || !workspace || !plans) return invalid_argument("sample_rows_split_plans: bad arguments");
+  static_assert(static_cast<int32_t>(SplitPlan::kFallback) == kModeFallback, "plan codes");
+  const size_t rb = row_ws_bytes((V + kTile - 1) / kTile);
+  for (int64_t b = 0; b < B; ++b)
+    ML4_CUDA_RETURN_IF_ERROR(
+        cudaMemcpy(plans + b, static_cast<const char*>(workspace) + b * rb + 16, 4, cudaMemcpyDeviceToHost));
+  return Status::ok();
 }
 
 }  // namespace ml4::cuda

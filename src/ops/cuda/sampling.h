@@ -1,35 +1,60 @@
 // Sampling on the GPU: greedy argmax per row of logits, and the engine's whole device
 // sampling contract (temperature, top-k, top-p, min-p, a seeded counter-based draw and the
-// chosen token's logprob) for every row of a [B, V] f32 logits array in one launch.
+// chosen token's logprob) for every row of a [B, V] f32 logits array in one call.
 //
 // Semantics: engine/device_sampling.h (shared with the host reference the tests and the
 // engine's fallback use). Ties go to the lower token id and NaN ranks below everything, as
 // cpu::topk.
 //
-// Design (one 1024-thread block per row, no sort, no host synchronisation, capturable):
+// Design, with a workspace (the split path, sampling.cu; sample_rows_workspace_bytes):
+//   K1 one pass over the row by (row, 4 warp-tiles of 1024 logits) blocks: per-tile max /
+//      argmax and f64 sum exp(l - m_tile) (the logprob; a fixed partition, whatever B is);
+//   K2 (rows with top-k or top-p) a histogram of (m - l) in bins of 1/32 logit (2048 bins,
+//      the last takes everything more than 64 below the max): count and integer weight;
+//   K3 every block scans the row's histogram to the same plan: the bin holding the top-k
+//      cut (count) or the top-p cut (weight, top-p alone); ids in bins before it are surely
+//      kept, ids in the cut bin are candidates (top-k and top-p together: every id of the
+//      bins up to the top-k cut bin, as the top-p target needs the top-k weight); then the
+//      Gumbel score of the surely-kept ids (min-p per id) per tile, and the candidates
+//      appended to a list;
+//   K4 one 1024-thread block per row: the logprob from the tile sums; the token as the best
+//      of the tile scores and of the candidates, which are sorted by (key, id) in shared
+//      memory (bitonic, <= 2048) so the rank (top-k) and prefix-weight (top-p) rules, ties
+//      included, apply exactly as in the host reference.
+//   A row whose candidate set is larger than 2048 (a cut inside a bin of > 2048 ids: huge tie
+//   runs, top-p 0.99 over very flat logits, top-k > ~2000 together with top-p) or whose max
+//   is infinite falls back, inside K4, to the one-block sampler below: exact, slow.
+//   Every reduction is in a fixed order or over integers, so a row's token and logprob are
+//   bit-reproducible and independent of B and of the row's place in the batch.
+// Without a workspace (the older overload): one 1024-thread block per row, no sort:
 //   1. argmax pass (float4 loads): m and the greedy token;
 //   2. sum pass: sum exp(l - m) in f64 for the logprob, and the integer weight total
 //      (w = exp((l - m) / T) * 2^40) when top-p needs it without top-k;
 //   3. top-k: radix select by count over order-preserving 32-bit keys, 11 + 11 + 10 bits, a
-//      shared-memory histogram of counts and integer weights per digit (warp-aggregated with
-//      __match_any_sync + __reduce_add_sync, so the sums are order-independent): gives the
-//      k-th key, how many of its ties to keep, and the top-k weight;
+//      shared-memory histogram of counts and integer weights per digit: gives the k-th key,
+//      how many of its ties to keep, and the top-k weight;
 //   4. top-p: the same radix select by weight, target top_p * (top-k weight);
 //   5. when the shorter cut splits a run of equal logits, one pass finds the id of the last
 //      tie kept (lowest ids first, as a stable sort);
-//   6. final pass: Gumbel-max over the kept ids (min-p tested per id) with Philox noise keyed
-//      by (seed, counter, id / 4): the token depends on nothing but the row and its params.
-// Each pass re-reads the row (512 KB at V = 131072; from L2 after the first), at most 9.
+//   6. final pass: Gumbel-max over the kept ids (min-p tested per id).
+//   Each pass re-reads the row, at most 9: ~50 us (greedy) to ~1 ms (top-k + top-p) per launch
+//   at any B on an H200 (docs/BENCHMARKS.md "Sampling on the GPU"); its logprob sums in
+//   another order than the split path's (equal to ~1e-7, not bit-equal).
+// The Gumbel noise is Philox keyed by (seed, counter, id / 4): the token depends on nothing
+// but the row and its params, on either path.
 //
 // Runner integration (CudaRunner): keep a pinned host array and a device array of
-// max_batch DeviceSamplingParams (32 B each) and device int32 tokens / f32 logprobs of
-// max_batch. Per step: write the params of the rows whose logits were computed (in row
-// order) into the pinned array, cudaMemcpyAsync them to the device array on the step's
-// stream, call sample_rows(logits, B, V, params_dev, tokens_dev, logprobs_dev, stream), and
-// copy tokens + logprobs back (8 B per row) instead of the B x V logits. All three are graph
-// capturable (fixed pinned source and device addresses, no allocation, no sync inside).
+// max_batch DeviceSamplingParams (32 B each), device int32 tokens / f32 logprobs of
+// max_batch, and a device workspace of sample_rows_workspace_bytes(max_batch, V) (~44 KiB a
+// row at V = 131072). Per step: write the params of the rows whose logits were computed (in
+// row order) into the pinned array, cudaMemcpyAsync them to the device array on the step's
+// stream, call sample_rows(logits, B, V, params_dev, tokens_dev, logprobs_dev, ws, ws_bytes,
+// stream), and copy tokens + logprobs back (8 B per row) instead of the B x V logits. All of
+// it is graph capturable (fixed addresses, no allocation, no host sync; the workspace needs
+// no initialisation: K1 resets what K2 / K3 accumulate).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include <cuda_runtime.h>
@@ -48,7 +73,25 @@ Status argmax_rows(const float* logits, int64_t B, int64_t V, int32_t* out, cuda
 // device [B] f32 (log_softmax of the unmodified row at the token) or nullptr.
 // Out-of-range fields act as "off" (top_k <= 0 or >= V, top_p >= 1 or NaN, min_p <= 0),
 // temperature <= 0 or NaN is greedy; min_p above 1 acts as 1.
+// This overload runs the one-block-per-row kernel (no workspace): slow at small B.
 Status sample_rows(const float* logits, int64_t B, int64_t V, const DeviceSamplingParams* params, int32_t* tokens,
                    float* logprobs, cudaStream_t stream, int64_t row_stride = -1);
+
+// Device bytes of the workspace the split path needs for B rows of V logits:
+// B * (~40 KiB + 24 B per 1024 logits). 0 when B or V <= 0.
+size_t sample_rows_workspace_bytes(int64_t B, int64_t V);
+
+// The same contract through the split path (several blocks per row; see "Design"): the same
+// tokens as the overload above and as the host reference. workspace: device memory of at
+// least sample_rows_workspace_bytes(B, V) bytes, 256-byte aligned, no initialisation, not
+// shared with a launch running at the same time (one per stream).
+Status sample_rows(const float* logits, int64_t B, int64_t V, const DeviceSamplingParams* params, int32_t* tokens,
+                   float* logprobs, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                   int64_t row_stride = -1);
+
+// For tests: how the split path's last call on `workspace` resolved rows [0, B) (stale for
+// greedy rows). Synchronous (cudaMemcpy).
+enum class SplitPlan : int32_t { kAll = 0, kTopK = 1, kTopP = 2, kTopKTopP = 3, kFallback = 4 };
+Status sample_rows_split_plans(const void* workspace, int64_t B, int64_t V, SplitPlan* plans);
 
 }  // namespace ml4::cuda
