@@ -16,9 +16,11 @@
 // temperature ~12 us, top-k / top-p ~15-25 us. At B = 64: 3 x 33.5 MB, half of it out of
 // L2, at ~3 TB/s: ~40-60 us.
 //
-// usage: gpu_sampling_bench [hbm_copy_GBps]
+// usage: gpu_sampling_bench [hbm_copy_GBps] [profile]
+//   profile: one split-path call per config and B, nothing timed (for ncu: per-kernel times).
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "gpu_bench_util.h"
@@ -30,6 +32,7 @@ using namespace ml4::cuda;
 
 int main(int argc, char** argv) {
   const double hbm = argc > 1 ? std::atof(argv[1]) : 4250.0;
+  const bool profile = argc > 2 && std::string(argv[2]) == "profile";
   if (!device_available()) {
     std::printf("no CUDA device\n");
     return 0;
@@ -72,6 +75,18 @@ int main(int argc, char** argv) {
   auto dws = DeviceBuffer::alloc(sample_rows_workspace_bytes(Bmax, V));
   BENCH_CHECK(dws.status());
   const char* plan_names[] = {"no cut", "top-k bin", "top-p bin", "top-k+top-p", "fallback"};
+  if (profile) {
+    for (int64_t B : {1, 8, 64})
+      for (const Cfg& c : cfgs) {
+        for (int64_t b = 0; b < B; ++b) hp[b] = DeviceSamplingParams{c.t, c.k, c.p, c.mp, 7ull + b, 100};
+        BENCH_CUDA(cudaMemcpyAsync(dp->data(), hp, B * sizeof(DeviceSamplingParams), cudaMemcpyHostToDevice, st));
+        BENCH_CHECK(sample_rows(dl->as<float>(), B, V, dp->as<DeviceSamplingParams>(), dt->as<int32_t>(),
+                                dt->as<float>() + Bmax, dws->data(), sample_rows_workspace_bytes(B, V), st));
+        BENCH_CUDA(cudaStreamSynchronize(st));
+        std::printf("profile: B=%lld %s\n", static_cast<long long>(B), c.name);
+      }
+    return 0;
+  }
   std::printf("sample_rows V=%lld: split path (eager, graph) vs one block per row, vs logits D2H (hbm copy ceiling "
               "%.0f GB/s)\n",
               static_cast<long long>(V), hbm);

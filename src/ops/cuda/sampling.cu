@@ -8,11 +8,12 @@
 //   K1 stats_kernel: per warp-tile max / argmax and sum exp(l - m_tile) (f64); zeroes the
 //      row's histogram and candidate counter for K2 / K3.
 //   K2 hist_kernel (rows with top-k or top-p): histogram over bins of (m - l) * 32 (count and
-//      integer weight), shared memory per block, then global atomics (integers: exact).
-//   K3 scan_kernel: every block scans the row's histogram to the same plan (the bins that
-//      are surely kept, the boundary bins whose ids are candidates, or "fallback"), then per
-//      warp-tile: Gumbel score of the surely-kept ids (min-p per id), candidates appended to
-//      the row's list (any order: the final kernel sorts them by (key, id)).
+//      integer weight), shared memory per block, then global atomics (integers: exact); the
+//      row's last block to finish (a counter) scans it to the row's plan: the bins that are
+//      surely kept, the boundary bins whose ids are candidates, or "fallback".
+//   K3 scan_kernel (sampled rows), one warp per 256 logits: the Gumbel score of the
+//      surely-kept ids (min-p per id), best per warp; candidates appended to the row's list
+//      (any order: the final kernel sorts them by (key, id)).
 //   K4 final_kernel (one 1024-thread block per row): the row max, the logprob, and the
 //      token: greedy; or the best of the tile scores and of the candidates, which are sorted
 //      (bitonic, in shared memory) to apply the rank (top-k) and prefix-mass (top-p) rules
@@ -84,7 +85,8 @@ __global__ void __launch_bounds__(rowblock::kThreads, 1)
 
 // ---- the split path ----------------------------------------------------------------------
 
-constexpr int kTile = 1024;  // logits per warp-tile (lane L: groups of 4 at 32 j + L, j < 8)
+constexpr int kTile = 1024;  // logits per warp-tile of K1 / K2 (lane L: groups of 4 at 32 j + L, j < 8)
+constexpr int kSub = 256;    // logits per warp of K3 (2 groups a lane: the Gumbel draws are its cost)
 constexpr int kTileWarps = 4;  // warp-tiles per block of K1-K3 (B = 1: 32 blocks per row)
 constexpr int kSplitThreads = kTileWarps * 32;
 constexpr int kBins = 2048;
@@ -117,14 +119,16 @@ struct RowPlan {
   ull target;       // top-p target (kModeP; kModeKP computes it in K4)
 };
 
-// Workspace of one row: [cand_count u32 | RowPlan] (kHeader B), histogram counts [kBins] u32,
-// masses [kBins] u64, candidates [kCap] u64, TileStat [T], TileBest [T].
+// Workspace of one row: [cand_count u32, k2_done u32 | RowPlan] (kHeader B), histogram counts
+// [kBins] u32, masses [kBins] u64, candidates [kCap] u64, TileStat [T], TileBest [4 T] (one per
+// K3 warp of kSub logits).
 __host__ __device__ constexpr size_t row_ws_bytes(int64_t T) {
-  return (static_cast<size_t>(kHeader + kBins * 12 + kCap * 8 + 24 * T) + 255) & ~static_cast<size_t>(255);
+  return (static_cast<size_t>(kHeader + kBins * 12 + kCap * 8 + 48 * T) + 255) & ~static_cast<size_t>(255);
 }
 
 struct RowWs {
   unsigned* cand_count;
+  unsigned* k2_done;  // K2 blocks of the row done (the last one makes the plan)
   RowPlan* plan;
   unsigned* hcount;
   ull* hmass;
@@ -137,6 +141,7 @@ __device__ __forceinline__ RowWs row_ws(char* ws, int64_t row, int64_t T) {
   char* b = ws + row * row_ws_bytes(T);
   RowWs w;
   w.cand_count = reinterpret_cast<unsigned*>(b);
+  w.k2_done = reinterpret_cast<unsigned*>(b + 4);
   w.plan = reinterpret_cast<RowPlan*>(b + 16);
   w.hcount = reinterpret_cast<unsigned*>(b + kHeader);
   w.hmass = reinterpret_cast<ull*>(b + kHeader + kBins * 4);
@@ -157,15 +162,15 @@ __device__ __forceinline__ ull cand_key(float l, int64_t id) {
   return (static_cast<ull>(sampling::order_key(l)) << 32) | (0xffffffffull - static_cast<ull>(id));
 }
 
-// Warp-tile t of a row into v: lane L gets the groups q = 256 t + 32 j + L (ids 4q..4q+3);
-// ids >= V read as NaN.
-template <bool kVec>
-__device__ __forceinline__ void load_tile(const float* __restrict__ row, int64_t V, int64_t t, float (&v)[8][4]) {
+// J groups of 4 logits per lane: lane L gets the groups q = q0 + 32 j + L (ids 4q..4q+3); ids
+// >= V read as NaN. A warp-tile t of K1 / K2 is q0 = 256 t, J = 8; a K3 warp u is q0 = 64 u, J = 2.
+template <bool kVec, int J>
+__device__ __forceinline__ void load_groups(const float* __restrict__ row, int64_t V, int64_t q0, float (&v)[J][4]) {
   const int lane = threadIdx.x & 31;
   const int64_t nq = (V + 3) >> 2;
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const int64_t q = t * (kTile / 4) + j * 32 + lane;
+  for (int j = 0; j < J; ++j) {
+    const int64_t q = q0 + j * 32 + lane;
     if (kVec) {
       if (q < nq) {
         const float4 x = __ldg(reinterpret_cast<const float4*>(row) + q);
@@ -183,6 +188,12 @@ __device__ __forceinline__ void load_tile(const float* __restrict__ row, int64_t
   }
 }
 
+template <bool kVec>
+__device__ __forceinline__ void load_tile(const float* __restrict__ row, int64_t V, int64_t t, float (&v)[8][4]) {
+  load_groups<kVec, 8>(row, V, t * (kTile / 4), v);
+}
+
+// The lane's j-th group of warp-tile t.
 __device__ __forceinline__ int64_t group_of(int64_t t, int j) { return t * (kTile / 4) + j * 32 + (threadIdx.x & 31); }
 
 // Every lane ends with the same (value, id): ranks_above is a total order on distinct ids.
@@ -277,7 +288,10 @@ __global__ void __launch_bounds__(kSplitThreads)
     w.hcount[i] = 0;
     w.hmass[i] = 0;
   }
-  if (blockIdx.y == 0 && threadIdx.x == 0) *w.cand_count = 0;
+  if (blockIdx.y == 0 && threadIdx.x == 0) {
+    *w.cand_count = 0;
+    *w.k2_done = 0;
+  }
   const int64_t t = static_cast<int64_t>(blockIdx.y) * kTileWarps + (threadIdx.x >> 5);
   if (t >= T) return;
   const float* row = logits + r * stride;
@@ -309,58 +323,8 @@ __global__ void __launch_bounds__(kSplitThreads)
   if ((threadIdx.x & 31) == 0) w.stat[t] = TileStat{mv, static_cast<int32_t>(mi), s};
 }
 
-// K2: the histogram of a row with a top-k or top-p cut.
-template <bool kVec>
-__global__ void __launch_bounds__(kSplitThreads)
-    hist_kernel(const float* __restrict__ logits, int64_t V, int64_t stride,
-                const DeviceSamplingParams* __restrict__ params, char* __restrict__ ws, int64_t T) {
-  __shared__ unsigned hc[kBins];
-  __shared__ ull hm[kBins];
-  __shared__ float sv[kTileWarps];
-  __shared__ int64_t si[kTileWarps];
-  const int64_t r = blockIdx.x;
-  const DeviceSamplingParams P = params[r];
-  if (sampling::greedy(P)) return;
-  const bool k_on = sampling::top_k_on(P, V), p_on = sampling::top_p_on(P);
-  if (!k_on && !p_on) return;
-  const RowWs w = row_ws(ws, r, T);
-  float m;
-  int64_t mi;
-  row_max<kTileWarps>(w, T, m, mi, sv, si);
-  if (!isfinite(m)) return;  // K3 falls back
-  const float inv_t = 1.0f / P.temperature;
-  for (int i = threadIdx.x; i < kBins; i += kSplitThreads) {
-    hc[i] = 0;
-    hm[i] = 0;
-  }
-  __syncthreads();
-  const int64_t t = static_cast<int64_t>(blockIdx.y) * kTileWarps + (threadIdx.x >> 5);
-  if (t < T) {
-    float v[8][4];
-    load_tile<kVec>(logits + r * stride, V, t, v);
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const float x = v[j][c];
-        if (4 * group_of(t, j) + c < V && x == x) {
-          const int b = bin_of(x, m);
-          atomicAdd(&hc[b], 1u);
-          if (p_on) {
-            const ull wt = sampling::fixed_weight(expf((x - m) * inv_t));
-            if (wt) atomicAdd(&hm[b], wt);
-          }
-        }
-      }
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < kBins; i += kSplitThreads) {
-    if (hc[i]) atomicAdd(&w.hcount[i], hc[i]);
-    if (hm[i]) atomicAdd(&w.hmass[i], hm[i]);
-  }
-}
-
 // The row's plan from its histogram (block-wide; every thread returns the same plan).
+// Called by the last K2 block of a row with a top-k or top-p cut and a finite max.
 __device__ RowPlan make_plan(const RowWs& w, const DeviceSamplingParams& P, bool k_on, bool p_on, RowPlan* sp,
                              ull* sa, ull* sb) {
   constexpr int kPer = kBins / kSplitThreads;
@@ -370,8 +334,8 @@ __device__ RowPlan make_plan(const RowWs& w, const DeviceSamplingParams& P, bool
   ull lc = 0, lm = 0;
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
-    c[i] = w.hcount[b0 + i];
-    ms[i] = w.hmass[b0 + i];
+    c[i] = __ldcg(w.hcount + b0 + i);  // other blocks' atomics: from L2
+    ms[i] = __ldcg(w.hmass + b0 + i);
     lc += c[i];
     lm += ms[i];
   }
@@ -419,15 +383,76 @@ __device__ RowPlan make_plan(const RowWs& w, const DeviceSamplingParams& P, bool
   return *sp;
 }
 
-// K3: the plan, the surely-kept ids' best score per warp-tile, and the candidates.
+// K2: the histogram of a row with a top-k or top-p cut.
+template <bool kVec>
+__global__ void __launch_bounds__(kSplitThreads)
+    hist_kernel(const float* __restrict__ logits, int64_t V, int64_t stride,
+                const DeviceSamplingParams* __restrict__ params, char* __restrict__ ws, int64_t T) {
+  __shared__ unsigned hc[kBins];
+  __shared__ ull hm[kBins];
+  __shared__ float sv[kTileWarps];
+  __shared__ int64_t si[kTileWarps];
+  __shared__ ull sa[kTileWarps], sb[kTileWarps];
+  __shared__ RowPlan splan;
+  __shared__ bool last;
+  const int64_t r = blockIdx.x;
+  const DeviceSamplingParams P = params[r];
+  if (sampling::greedy(P)) return;
+  const bool k_on = sampling::top_k_on(P, V), p_on = sampling::top_p_on(P);
+  if (!k_on && !p_on) return;
+  const RowWs w = row_ws(ws, r, T);
+  float m;
+  int64_t mi;
+  row_max<kTileWarps>(w, T, m, mi, sv, si);
+  if (!isfinite(m)) return;  // K3 plans the fallback
+  const float inv_t = 1.0f / P.temperature;
+  for (int i = threadIdx.x; i < kBins; i += kSplitThreads) {
+    hc[i] = 0;
+    hm[i] = 0;
+  }
+  __syncthreads();
+  const int64_t t = static_cast<int64_t>(blockIdx.y) * kTileWarps + (threadIdx.x >> 5);
+  if (t < T) {
+    float v[8][4];
+    load_tile<kVec>(logits + r * stride, V, t, v);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const float x = v[j][c];
+        if (4 * group_of(t, j) + c < V && x == x) {
+          const int b = bin_of(x, m);
+          atomicAdd(&hc[b], 1u);
+          if (p_on) {
+            const ull wt = sampling::fixed_weight(expf((x - m) * inv_t));
+            if (wt) atomicAdd(&hm[b], wt);
+          }
+        }
+      }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < kBins; i += kSplitThreads) {
+    if (hc[i]) atomicAdd(&w.hcount[i], hc[i]);
+    if (hm[i]) atomicAdd(&w.hmass[i], hm[i]);
+  }
+  // The last block of the row to finish makes the plan (CUDA samples' threadFenceReduction).
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(w.k2_done, 1u) == gridDim.y - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const RowPlan pl = make_plan(w, P, k_on, p_on, &splan, sa, sb);
+  if (threadIdx.x == 0) *w.plan = pl;
+}
+
+// K3: the surely-kept ids' best Gumbel score per warp of kSub logits, and the candidates.
 template <bool kVec>
 __global__ void __launch_bounds__(kSplitThreads)
     scan_kernel(const float* __restrict__ logits, int64_t V, int64_t stride,
                 const DeviceSamplingParams* __restrict__ params, char* __restrict__ ws, int64_t T) {
   __shared__ float sv[kTileWarps];
   __shared__ int64_t si[kTileWarps];
-  __shared__ ull sa[kTileWarps], sb[kTileWarps];
-  __shared__ RowPlan splan;
   const int64_t r = blockIdx.x;
   const DeviceSamplingParams P = params[r];
   if (sampling::greedy(P)) return;
@@ -439,25 +464,31 @@ __global__ void __launch_bounds__(kSplitThreads)
   const bool k_on = sampling::top_k_on(P, V), p_on = sampling::top_p_on(P);
   RowPlan pl{kModeAll, kBins, -1, 0, 0, 0, 0};
   if (k_on || p_on) {
-    if (isfinite(m)) pl = make_plan(w, P, k_on, p_on, &splan, sa, sb);
+    if (isfinite(m)) pl = *w.plan;  // K2's last block
     else pl.mode = kModeFallback;
   }
-  if (blockIdx.y == 0 && threadIdx.x == 0) *w.plan = pl;
+  if (!((k_on || p_on) && isfinite(m)) && blockIdx.y == 0 && threadIdx.x == 0) *w.plan = pl;
   if (pl.mode == kModeFallback) return;
-  const int64_t t = static_cast<int64_t>(blockIdx.y) * kTileWarps + (threadIdx.x >> 5);
-  if (t >= T) return;
-  float v[8][4];
-  load_tile<kVec>(logits + r * stride, V, t, v);
+  const int64_t u = static_cast<int64_t>(blockIdx.y) * kTileWarps + (threadIdx.x >> 5);
+  if (4 * u * (kSub / 4) >= V) return;
+  float v[2][4];
+  load_groups<kVec, 2>(logits + r * stride, V, u * (kSub / 4), v);
   const float inv_t = 1.0f / P.temperature;
   const bool mp_on = sampling::min_p_on(P), all = pl.mode == kModeAll;
   const float min_p = sampling::min_p_value(P);
   float bv = __int_as_float(0x7fc00000);
   int64_t bi = INT64_MAX;
+  // No cut: every id needs its draw (computed up front, independent: ILP across the groups).
+  sampling::Philox4 rnd[2];
+  if (all) {
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const int64_t q = group_of(t, j);
-    sampling::Philox4 rnd;
-    bool have = false;
+    for (int j = 0; j < 2; ++j)
+      rnd[j] = sampling::draw_group(P.seed, P.counter, static_cast<uint32_t>(u * (kSub / 4) + j * 32 + (threadIdx.x & 31)));
+  }
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int64_t q = u * (kSub / 4) + j * 32 + (threadIdx.x & 31);
+    bool have = all;
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const int64_t id = 4 * q + c;
@@ -473,17 +504,13 @@ __global__ void __launch_bounds__(kSplitThreads)
           continue;
         }
       }
-      // As the one-block sampler: a dropped id scores NaN (it can only win when every id
-      // does, which needs m = +inf: kModeAll only).
       const float s = (x - m) * inv_t;
-      float score = __int_as_float(0x7fc00000);
-      if (!(mp_on && !(expf(s) >= min_p))) {
-        if (!have) {
-          rnd = sampling::draw_group(P.seed, P.counter, static_cast<uint32_t>(q));
-          have = true;
-        }
-        score = s + sampling::gumbel(rnd.v[c]);
+      if (mp_on && !(expf(s) >= min_p)) continue;  // only kept ids compete
+      if (!have) {
+        rnd[j] = sampling::draw_group(P.seed, P.counter, static_cast<uint32_t>(q));
+        have = true;
       }
+      const float score = s + sampling::gumbel(rnd[j].v[c]);
       if (ranks_above(score, id, bv, bi)) {
         bv = score;
         bi = id;
@@ -491,7 +518,7 @@ __global__ void __launch_bounds__(kSplitThreads)
     }
   }
   warp_argmax(bv, bi);
-  if ((threadIdx.x & 31) == 0) w.best[t] = TileBest{bv, bi == INT64_MAX ? INT32_MAX : static_cast<int32_t>(bi)};
+  if ((threadIdx.x & 31) == 0) w.best[u] = TileBest{bv, bi == INT64_MAX ? INT32_MAX : static_cast<int32_t>(bi)};
 }
 
 // Sorts a[0, N) descending (N a power of two), the whole block.
@@ -563,7 +590,8 @@ __global__ void __launch_bounds__(kFinalThreads, 1)
     } else {
       float bv = __int_as_float(0x7fc00000);
       int64_t bi = INT64_MAX;
-      for (int64_t t = threadIdx.x; t < T; t += kFinalThreads) {
+      const int64_t U = (V + kSub - 1) / kSub;
+      for (int64_t t = threadIdx.x; t < U; t += kFinalThreads) {
         const TileBest b = w.best[t];
         const int64_t id = b.id == INT32_MAX ? INT64_MAX : b.id;
         if (ranks_above(b.score, id, bv, bi)) {
@@ -644,7 +672,7 @@ __global__ void __launch_bounds__(kFinalThreads, 1)
         }
       }
       block_argmax<kFinalWarps>(bv, bi, sm.sv, sm.si);
-      token = bi == INT64_MAX ? 0 : bi;
+      if (bi != INT64_MAX) token = bi;  // none kept (an infinite max): the argmax, as the host reference
     }
   }
   if (threadIdx.x == 0) {
@@ -701,7 +729,9 @@ Status launch_split(const float* logits, int64_t B, int64_t V, int64_t stride, c
   ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "sample_rows stats_kernel"));
   hist_kernel<kVec><<<grid, kSplitThreads, 0, stream>>>(logits, V, stride, params, ws, T);
   ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "sample_rows hist_kernel"));
-  scan_kernel<kVec><<<grid, kSplitThreads, 0, stream>>>(logits, V, stride, params, ws, T);
+  const int64_t U = (V + kSub - 1) / kSub;
+  const dim3 grid3(static_cast<unsigned>(B), static_cast<unsigned>((U + kTileWarps - 1) / kTileWarps));
+  scan_kernel<kVec><<<grid3, kSplitThreads, 0, stream>>>(logits, V, stride, params, ws, T);
   ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "sample_rows scan_kernel"));
   final_kernel<kVec><<<static_cast<unsigned>(B), kFinalThreads, 0, stream>>>(logits, V, stride, params, tokens,
                                                                              logprobs, ws, T);
@@ -718,7 +748,7 @@ Status sample_rows(const float* logits, int64_t B, int64_t V, const DeviceSampli
   if (!workspace || workspace_bytes < need || reinterpret_cast<uintptr_t>(workspace) % 256 != 0)
     return invalid_argument("sample_rows: workspace {} B at {} (need {} B, 256-aligned)", workspace_bytes,
                             workspace, need);
-  if ((V + kTile - 1) / kTile > 65535LL * kTileWarps) return invalid_argument("sample_rows: V={} too large", V);
+  if ((V + kSub - 1) / kSub > 65535LL * kTileWarps) return invalid_argument("sample_rows: V={} too large", V);
   const int64_t stride = row_stride < 0 ? V : row_stride;
   const bool vec = V % 4 == 0 && stride % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
   char* ws = static_cast<char*>(workspace);

@@ -11,12 +11,12 @@
 //      argmax and f64 sum exp(l - m_tile) (the logprob; a fixed partition, whatever B is);
 //   K2 (rows with top-k or top-p) a histogram of (m - l) in bins of 1/32 logit (2048 bins,
 //      the last takes everything more than 64 below the max): count and integer weight;
-//   K3 every block scans the row's histogram to the same plan: the bin holding the top-k
-//      cut (count) or the top-p cut (weight, top-p alone); ids in bins before it are surely
-//      kept, ids in the cut bin are candidates (top-k and top-p together: every id of the
-//      bins up to the top-k cut bin, as the top-p target needs the top-k weight); then the
-//      Gumbel score of the surely-kept ids (min-p per id) per tile, and the candidates
-//      appended to a list;
+//   K3 the last K2 block of the row scans its histogram to a plan: the bin holding the
+//      top-k cut (count) or the top-p cut (weight, top-p alone); ids in bins before it are
+//      surely kept, ids in the cut bin are candidates (top-k and top-p together: every id of
+//      the bins up to the top-k cut bin, as the top-p target needs the top-k weight); then K3,
+//      a warp per 256 logits: the Gumbel score of the surely-kept ids (min-p per id), and the
+//      candidates appended to a list;
 //   K4 one 1024-thread block per row: the logprob from the tile sums; the token as the best
 //      of the tile scores and of the candidates, which are sorted by (key, id) in shared
 //      memory (bitonic, <= 2048) so the rank (top-k) and prefix-weight (top-p) rules, ties
@@ -36,7 +36,8 @@
 //   4. top-p: the same radix select by weight, target top_p * (top-k weight);
 //   5. when the shorter cut splits a run of equal logits, one pass finds the id of the last
 //      tie kept (lowest ids first, as a stable sort);
-//   6. final pass: Gumbel-max over the kept ids (min-p tested per id).
+//   6. final pass: Gumbel-max over the kept ids (min-p tested per id); when no id is kept
+//      (only with an infinite max: every weight NaN or 0), the argmax, as the host reference.
 //   Each pass re-reads the row, at most 9: ~50 us (greedy) to ~1 ms (top-k + top-p) per launch
 //   at any B on an H200 (docs/BENCHMARKS.md "Sampling on the GPU"); its logprob sums in
 //   another order than the split path's (equal to ~1e-7, not bit-equal).

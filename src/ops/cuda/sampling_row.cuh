@@ -359,7 +359,8 @@ __device__ int64_t sample_row(Smem& sm, const float* __restrict__ row, int64_t V
         }
         const float s = (v[j] - m) * inv_t;
         if (mp_on && !(expf(s) >= min_p)) kept = false;
-        const float score = kept ? s + sampling::gumbel(r.v[j]) : __int_as_float(0x7fc00000);
+        if (!kept) continue;  // only kept ids compete (as the host reference)
+        const float score = s + sampling::gumbel(r.v[j]);
         if (ranks_above(score, id, bv, bi)) {
           bv = score;
           bi = id;
@@ -367,7 +368,7 @@ __device__ int64_t sample_row(Smem& sm, const float* __restrict__ row, int64_t V
       }
     });
     block_argmax(sm, bv, bi);
-    token = bi == INT64_MAX ? 0 : bi;
+    if (bi != INT64_MAX) token = bi;  // none kept (an infinite max): the argmax, as the host reference
   }
   return token;
 }
