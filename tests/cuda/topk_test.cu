@@ -2,7 +2,9 @@
 // exactly the CPU's set (same tie rule: lower position first; NaN as -inf; -0 == +0), written
 // in ascending order, then -1 up to k. Rows have mixed lengths (shorter than k, one element,
 // empty, 70k) and the score buffer past each row's length holds +inf: any read past the valid
-// length would select it, so the scans provably stop at `lengths`.
+// length would select it, so the scans provably stop at `lengths`. Both paths: one block per
+// row, and the multi-block path (workspace given, splits forced: 7 and 64 blocks per row, so
+// chunks end inside ties, short rows leave blocks empty, and row 0 spans many chunks).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -63,8 +65,9 @@ TEST(CudaTopk, MatchesCpuTopkWithTiesNanAndPadding) {
   auto d_len = to_device(lengths);
   auto d_bt = to_device(bt_rows);
   auto d_seq = to_device(seq_of);
-  for (int k : {2048, 16}) {
+  for (const auto& [k, splits] : std::vector<std::pair<int, int>>{{2048, 1}, {16, 1}, {2048, 7}, {16, 7}, {2048, 64}}) {
     std::vector<std::vector<int32_t>> pos_runs, slot_runs;
+    auto d_ws = poisoned<uint8_t>(topk_workspace_bytes(T, splits));
     for (int rep = 0; rep < 2; ++rep) {
       auto d_pos = poisoned<int32_t>(T * k), d_slots = poisoned<int32_t>(T * k), d_cnt = poisoned<int32_t>(T);
       TopkParams p;
@@ -79,6 +82,9 @@ TEST(CudaTopk, MatchesCpuTopkWithTiesNanAndPadding) {
       p.block_table = d_bt.as<int32_t>();
       p.block_table_stride = pages;
       p.seq_of_token = d_seq.as<int32_t>();
+      p.splits = splits;
+      p.workspace = d_ws.data();
+      p.workspace_bytes = topk_workspace_bytes(T, splits);
       ML4_ASSERT_OK(topk(p));
       ML4_ASSERT_OK(cuda_status(cudaDeviceSynchronize(), "sync"));
       pos_runs.push_back(to_host<int32_t>(d_pos, T * k));
@@ -103,10 +109,10 @@ TEST(CudaTopk, MatchesCpuTopkWithTiesNanAndPadding) {
         if (got[i] != want || gs[i] != want_slot) ok = false;
       }
       if (!ok) ++mismatched_rows;
-      EXPECT_TRUE(ok) << "k=" << k << " row " << t << " (length " << lengths[t] << ")";
+      EXPECT_TRUE(ok) << "k=" << k << " splits=" << splits << " row " << t << " (length " << lengths[t] << ")";
     }
-    std::printf("topk k=%d: %lld of %lld rows differ from cpu::topk\n", k, static_cast<long long>(mismatched_rows),
-                static_cast<long long>(T));
+    std::printf("topk k=%d splits=%d: %lld of %lld rows differ from cpu::topk\n", k, splits,
+                static_cast<long long>(mismatched_rows), static_cast<long long>(T));
   }
 }
 
@@ -120,6 +126,22 @@ TEST(CudaTopk, BadArgumentsAreErrors) {
   int32_t dummy = 0;
   p.positions = &dummy;
   EXPECT_FALSE(topk(p).is_ok());  // null scores / lengths
+  p.splits = -1;
+  EXPECT_FALSE(topk(p).is_ok());
+}
+
+// The split choice (host only): several blocks per row only for small steps over long rows,
+// about 4096 positions per block, at most two waves of blocks.
+TEST(CudaTopk, SplitChoice) {
+  EXPECT_EQ(topk_choose_splits(1, 8192), 1);
+  EXPECT_EQ(topk_choose_splits(1, 16384), 4);
+  EXPECT_EQ(topk_choose_splits(1, 61440), 15);
+  EXPECT_EQ(topk_choose_splits(8, 1 << 20), 33);
+  EXPECT_EQ(topk_choose_splits(32, 61440), 8);
+  EXPECT_EQ(topk_choose_splits(66, 1 << 20), 4);
+  EXPECT_EQ(topk_choose_splits(67, 1 << 20), 1);
+  EXPECT_EQ(topk_max_workspace_bytes(512, 8192), 0u);
+  EXPECT_EQ(topk_max_workspace_bytes(512, 1 << 20), topk_workspace_bytes(66, 4));
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include "ops/cuda/gemv.h"
 #include "ops/cuda/sampling.h"
 #include "ops/cuda/synthetic_weights.h"
+#include "ops/cuda/topk.h"
 
 namespace ml4::cuda {
 
@@ -309,6 +310,9 @@ Status CudaRunner::ensure_buffers(int64_t T, int64_t R, int64_t S, int64_t maxb)
       ML4_RETURN_IF_ERROR(f(b.forced_slots, n * k, 4));
       ML4_RETURN_IF_ERROR(f(b.forced_counts, n, 4));
       ML4_RETURN_IF_ERROR(f(b.topk_pos, n * k, 4));
+      // topk's multi-block path (small steps over long contexts): the most splits it can pick.
+      b.topk_ws_bytes = topk_max_workspace_bytes(n, max_model_len_);
+      ML4_RETURN_IF_ERROR(f(b.topk_ws, static_cast<int64_t>(b.topk_ws_bytes), 1));
       b.topk_slots.resize(num_topk_bufs_);
       b.topk_counts.resize(num_topk_bufs_);
       for (int i = 0; i < num_topk_bufs_; ++i) {

@@ -39,12 +39,13 @@ struct CudaRunner::Buffers {
   size_t attn_ws_bytes = 0;
   // DSA: indexer q/k/weights, q in e4m3 + scales, key slots, scores for a chunk of tokens,
   // per-buffer top-k slots and counts, forced selections, traced positions.
-  DeviceBuffer iq, ik, iw, iq8, iqs, idx_slots, idx_block_table, scores, forced_slots, forced_counts, topk_pos;
+  DeviceBuffer iq, ik, iw, iq8, iqs, idx_slots, idx_block_table, scores, forced_slots, forced_counts, topk_pos, topk_ws;
   std::vector<DeviceBuffer> topk_slots, topk_counts;
   DeviceBuffer forced_ids;
   DeviceBuffer samp_params, samp_tokens, samp_logprobs;  // device sampling, samp_cap rows
   int64_t samp_cap = 0;
   int64_t scores_cap = 0;
+  size_t topk_ws_bytes = 0;
   LinearScratch lin;
   MoeScratch moe;
 };

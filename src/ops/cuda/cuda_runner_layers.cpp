@@ -159,6 +159,9 @@ Status CudaRunner::indexer_select(int l, ForwardTrace* trace) {
     tp.block_table = b.block_table.as<int32_t>();
     tp.block_table_stride = b.maxb;
     tp.seq_of_token = b.seq_of.as<int32_t>() + t0;
+    tp.workspace = b.topk_ws.data();
+    tp.workspace_bytes = b.topk_ws_bytes;
+    tp.max_length = maxlen;
     tp.stream = stream_;
     ML4_RETURN_IF_ERROR(timed("attn: (indexer) of which top-k", [&] { return topk(tp).with_context("layer " + std::to_string(l)); }));
   }

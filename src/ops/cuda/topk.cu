@@ -11,6 +11,9 @@
 // Rows with length <= k skip the passes: every position is selected.
 #include "ops/cuda/topk.h"
 
+#include <algorithm>
+
+#include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
 #include "kv/kv_cache_dtype.h"
@@ -162,7 +165,259 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const float* __restrict_
   if (counts && tid == 0) counts[t] = kk;
 }
 
+
+// ---- Multi-block path (see topk.h). Per row the workspace holds kWsWords + 2 * splits words:
+// [0, 2048) the global histogram of the current pass, [2048, 2051) the pass tickets,
+// [2052] prefix, [2053] mask, [2054] rem (the selection state the last block of a pass leaves),
+// then (gt, eq) per block. Rows are cut into `splits` chunks of ceil(n / splits) rounded up to
+// 32 positions, so the blocks cover [0, n) whatever the host thought the longest row was.
+constexpr int kMbThreads = 512;
+constexpr int kBins = 2048;
+constexpr int kWsWords = 2056;
+constexpr int kMbUnroll = 8;
+
+struct MbArgs {
+  const float* scores;
+  int64_t stride;
+  const int32_t* lengths;
+  int k;
+  uint32_t* ws;
+  int64_t row_words;
+};
+
+struct MbRow {
+  int n, kk, lo, hi;
+  const float* row;
+  uint32_t* w;
+};
+
+__device__ __forceinline__ MbRow mb_row(const MbArgs& a) {
+  MbRow r;
+  const int64_t t = blockIdx.x;
+  r.n = max(a.lengths[t], 0);
+  r.kk = min(a.k, r.n);
+  const int chunk = ((r.n + static_cast<int>(gridDim.y) - 1) / static_cast<int>(gridDim.y) + 31) & ~31;
+  r.lo = min(r.n, static_cast<int>(blockIdx.y) * chunk);
+  r.hi = min(r.n, r.lo + chunk);
+  r.row = a.scores + t * a.stride;
+  r.w = a.ws + t * a.row_words;
+  return r;
+}
+
+// One radix pass: digit bits [shift, shift + bits) of the keys that match the state's prefix.
+__global__ void __launch_bounds__(kMbThreads) topk_mb_pass_kernel(MbArgs a, int pass) {
+  using Scan = cub::BlockScan<unsigned, kMbThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  __shared__ unsigned hist[kBins];
+  __shared__ bool s_last;
+  const MbRow r = mb_row(a);
+  if (r.kk == r.n || r.kk == 0) return;  // the whole row (or nothing) is selected: no passes
+  const int shift = pass == 0 ? 21 : pass == 1 ? 10 : 0, bits = pass == 2 ? 10 : 11;
+  const uint32_t dmask = (1u << bits) - 1u;
+  uint32_t prefix = 0, mask = 0;
+  unsigned rem = static_cast<unsigned>(r.kk);
+  if (pass > 0) {  // the previous pass's last block wrote these before that kernel ended
+    prefix = r.w[2052];
+    mask = r.w[2053];
+    rem = r.w[2054];
+  }
+  const int tid = threadIdx.x, lane = tid & 31;
+  for (int i = tid; i < kBins; i += kMbThreads) hist[i] = 0;
+  __syncthreads();
+  for (int base = r.lo; base < r.hi; base += kMbThreads * kMbUnroll) {  // block-uniform trip count
+    uint32_t u[kMbUnroll];
+#pragma unroll
+    for (int j = 0; j < kMbUnroll; ++j) {
+      const int i = base + j * kMbThreads + tid;
+      u[j] = i < r.hi ? order_key(r.row[i]) : 0u;
+    }
+#pragma unroll
+    for (int j = 0; j < kMbUnroll; ++j) {
+      const int i = base + j * kMbThreads + tid;
+      const bool act = i < r.hi && (u[j] & mask) == prefix;
+      const unsigned am = __ballot_sync(0xffffffffu, act);
+      if (act) {  // warp-aggregated: the top digits of real scores are few and hot
+        const unsigned d = (u[j] >> shift) & dmask;
+        const unsigned peers = __match_any_sync(am, d);
+        if (lane == __ffs(peers) - 1) atomicAdd(&hist[d], static_cast<unsigned>(__popc(peers)));
+      }
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < kBins; i += kMbThreads)
+    if (hist[i]) atomicAdd(&r.w[i], hist[i]);
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) s_last = atomicAdd(&r.w[2048 + pass], 1u) == gridDim.y - 1;
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  // The last block: the row's histogram is complete. Thread tid owns the 4 bins counted from
+  // the top [4 tid, 4 tid + 4) (bin kBins - 1 - j for the j-th from the top); a scan gives the
+  // keys above each thread's bins, and one thread finds the digit holding the rem-th key.
+  unsigned c[4], tot = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int bin = kBins - 1 - (4 * tid + j);
+    c[j] = bin <= static_cast<int>(dmask) ? __ldcg(&r.w[bin]) : 0u;
+    tot += c[j];
+  }
+  __syncthreads();
+  for (int i = tid; i < kBins; i += kMbThreads) r.w[i] = 0;  // clean for the next pass
+  unsigned above;
+  Scan(scan_tmp).ExclusiveSum(tot, above);
+  if (above < rem && rem <= above + tot) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (rem <= above + c[j]) {
+        const uint32_t bin = static_cast<uint32_t>(kBins - 1 - (4 * tid + j));
+        r.w[2052] = prefix | (bin << shift);
+        r.w[2053] = mask | (dmask << shift);
+        r.w[2054] = rem - above;
+        break;
+      }
+      above += c[j];
+    }
+  }
+}
+
+// Threshold key and how many of its ties to take (every key is > 0: NaN maps to -inf's key).
+__device__ __forceinline__ void mb_threshold(const MbRow& r, uint32_t* thr, int* take_eq) {
+  if (r.kk == r.n) {
+    *thr = 0;
+    *take_eq = r.n;
+  } else {
+    *thr = r.w[2052];
+    *take_eq = static_cast<int>(r.w[2054]);
+  }
+}
+
+// Per block: keys above and equal to the threshold in its chunk.
+__global__ void __launch_bounds__(kMbThreads) topk_mb_count_kernel(MbArgs a) {
+  using Reduce = cub::BlockReduce<int, kMbThreads>;
+  __shared__ typename Reduce::TempStorage red_tmp;
+  const MbRow r = mb_row(a);
+  if (r.kk == 0) return;
+  uint32_t thr;
+  int take_eq;
+  mb_threshold(r, &thr, &take_eq);
+  int gt = 0, eq = 0;
+  for (int base = r.lo; base < r.hi; base += kMbThreads * kMbUnroll) {
+    uint32_t u[kMbUnroll];
+#pragma unroll
+    for (int j = 0; j < kMbUnroll; ++j) {
+      const int i = base + j * kMbThreads + threadIdx.x;
+      u[j] = i < r.hi ? order_key(r.row[i]) : 0u;
+    }
+#pragma unroll
+    for (int j = 0; j < kMbUnroll; ++j) {
+      gt += u[j] > thr;
+      eq += u[j] == thr;  // padding keys are 0 and thr > 0 unless the whole row is taken
+    }
+  }
+  if (thr == 0) eq = 0;
+  const int g = Reduce(red_tmp).Sum(gt);
+  __syncthreads();
+  const int e = Reduce(red_tmp).Sum(eq);
+  if (threadIdx.x == 0) {
+    r.w[kWsWords + 2 * blockIdx.y] = static_cast<uint32_t>(g);
+    r.w[kWsWords + 2 * blockIdx.y + 1] = static_cast<uint32_t>(e);
+  }
+}
+
+// Per block: its selected positions, in order, at the offset the blocks before it leave.
+__global__ void __launch_bounds__(kMbThreads) topk_mb_write_kernel(MbArgs a, int32_t* __restrict__ positions,
+                                                                    int32_t* __restrict__ slots,
+                                                                    int32_t* __restrict__ counts, int64_t out_stride,
+                                                                    const int32_t* __restrict__ block_table,
+                                                                    int64_t bt_stride,
+                                                                    const int32_t* __restrict__ seq_of_token) {
+  using Scan = cub::BlockScan<int, kMbThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  __shared__ int s_gt_before, s_eq_before;
+  const MbRow r = mb_row(a);
+  const int64_t t = blockIdx.x;
+  const int tid = threadIdx.x;
+  if (blockIdx.y == 0) {
+    for (int i = r.kk + tid; i < a.k; i += kMbThreads) {
+      if (positions) positions[t * out_stride + i] = -1;
+      if (slots) slots[t * out_stride + i] = -1;
+    }
+    if (counts && tid == 0) counts[t] = r.kk;
+  }
+  if (r.kk == 0) return;
+  uint32_t thr;
+  int take_eq;
+  mb_threshold(r, &thr, &take_eq);
+  if (tid == 0) {
+    int g = 0, e = 0;
+    for (unsigned b = 0; b < blockIdx.y; ++b) {
+      g += static_cast<int>(r.w[kWsWords + 2 * b]);
+      e += static_cast<int>(r.w[kWsWords + 2 * b + 1]);
+    }
+    s_gt_before = g;
+    s_eq_before = e;
+  }
+  __syncthreads();
+  const int eq_block_take = max(0, take_eq - s_eq_before);  // ties this block may still take
+  const int base_off = s_gt_before + min(s_eq_before, take_eq);
+  // Thread tid owns the contiguous positions [lo + tid * seg, + seg) of the chunk.
+  const int seg = (r.hi - r.lo + kMbThreads - 1) / kMbThreads;
+  const int lo = r.lo + tid * seg, hi = min(r.hi, lo + seg);
+  int gt = 0, eq = 0;
+  for (int i = lo; i < hi; ++i) {
+    const uint32_t u = order_key(r.row[i]);
+    gt += u > thr;
+    eq += u == thr && thr != 0;
+  }
+  int eq_before, take_before;
+  Scan(scan_tmp).ExclusiveSum(eq, eq_before);
+  __syncthreads();
+  const int eq_take = max(0, min(eq, eq_block_take - eq_before));
+  Scan(scan_tmp).ExclusiveSum(gt + eq_take, take_before);
+  const int32_t* bt = slots ? block_table + static_cast<int64_t>(seq_of_token[t]) * bt_stride : nullptr;
+  int o = base_off + take_before, eq_left = eq_take;
+  for (int i = lo; i < hi; ++i) {
+    const uint32_t u = order_key(r.row[i]);
+    bool take = u > thr;
+    if (!take && u == thr && eq_left > 0) {
+      take = true;
+      --eq_left;
+    }
+    if (take) {
+      const int64_t off = t * out_stride + o++;
+      if (positions) positions[off] = i;
+      if (slots) slots[off] = bt[i / kPageTokens] * kPageTokens + i % kPageTokens;
+    }
+  }
+}
+
 }  // namespace
+
+int topk_choose_splits(int64_t T, int64_t max_length) {
+  // One block per row is ~22 us at 8k scores, ~100 us at 60k and ~0.8 ms at 256k (measured,
+  // BENCHMARKS.md): its passes are latency chains. With ~4096 positions per block and at most
+  // two waves of blocks the multi-block path is ~35 us from 16k to 256k; below 4 blocks per
+  // row its extra launches do not pay.
+  constexpr int64_t kChunk = 4096, kMaxBlocks = 264;
+  if (T <= 0) return 1;
+  const int64_t s = std::min(max_length / kChunk, kMaxBlocks / T);
+  return s >= 4 ? static_cast<int>(s) : 1;
+}
+
+size_t topk_workspace_bytes(int64_t T, int splits) {
+  return static_cast<size_t>(std::max<int64_t>(T, 0)) * (kWsWords + 2 * static_cast<size_t>(std::max(splits, 1))) * 4;
+}
+
+size_t topk_max_workspace_bytes(int64_t max_T, int64_t max_length) {
+  size_t most = 0;
+  for (int64_t T = 1; T <= max_T; ++T) {
+    const int s = topk_choose_splits(T, max_length);
+    if (s == 1) break;  // fewer splits for every larger T, and then one block per row
+    most = std::max(most, topk_workspace_bytes(T, s));
+  }
+  return most;
+}
 
 Status topk(const TopkParams& p) {
   if (p.T < 0 || p.k < 0) return invalid_argument("topk: T = {}, k = {}", p.T, p.k);
@@ -173,6 +428,19 @@ Status topk(const TopkParams& p) {
   if (p.slots && (!p.block_table || !p.seq_of_token || p.block_table_stride <= 0))
     return invalid_argument("topk: slot output needs block_table, block_table_stride and seq_of_token");
   if (p.T > 0x7fffffff) return invalid_argument("topk: T = {} too large", p.T);
+  if (p.splits < 0) return invalid_argument("topk: splits = {}", p.splits);
+  const int splits = p.splits > 0 ? p.splits : topk_choose_splits(p.T, p.max_length);
+  if (splits > 1 && p.workspace != nullptr && p.workspace_bytes >= topk_workspace_bytes(p.T, splits)) {
+    if (splits > 65535 || p.T > 65535) return invalid_argument("topk: T = {} x splits = {} too large", p.T, splits);
+    MbArgs a{p.scores, p.scores_stride, p.lengths, p.k, static_cast<uint32_t*>(p.workspace), kWsWords + 2 * splits};
+    ML4_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.workspace, 0, topk_workspace_bytes(p.T, splits), p.stream));
+    const dim3 grid(static_cast<unsigned>(p.T), static_cast<unsigned>(splits));
+    for (int pass = 0; pass < 3; ++pass) topk_mb_pass_kernel<<<grid, kMbThreads, 0, p.stream>>>(a, pass);
+    topk_mb_count_kernel<<<grid, kMbThreads, 0, p.stream>>>(a);
+    topk_mb_write_kernel<<<grid, kMbThreads, 0, p.stream>>>(a, p.positions, p.slots, p.counts, out_stride,
+                                                             p.block_table, p.block_table_stride, p.seq_of_token);
+    return cuda_status(cudaGetLastError(), "topk multi-block kernels");
+  }
   topk_kernel<<<static_cast<unsigned>(p.T), kThreads, 0, p.stream>>>(
       p.scores, p.scores_stride, p.lengths, p.k, p.positions, p.slots, p.counts, out_stride, p.block_table,
       p.block_table_stride, p.seq_of_token);

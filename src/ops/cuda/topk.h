@@ -11,6 +11,12 @@
 //   counts    [T]: k_t.
 // Method: four 8-bit radix passes over order-preserving u32 keys find the k-th largest key
 // and how many of its ties to take; a block-wide scan then compacts in position order.
+// Long rows at small T (decode at long context) take a multi-block path when the caller gives
+// a workspace: each row is cut into `splits` chunks, one block each; three radix passes (11,
+// 11, 10 bits) add per-block histograms into the row's global histogram, and the last block of
+// each pass to finish (an atomic ticket) picks the digit; then every block counts its keys
+// above / equal to the threshold and writes its selected positions at the offset the blocks
+// before it leave. Same result as the one-block kernel, bit for bit.
 #pragma once
 
 #include <cstdint>
@@ -34,8 +40,21 @@ struct TopkParams {
   const int32_t* block_table = nullptr;  // [num_seqs, block_table_stride]
   int64_t block_table_stride = 0;
   const int32_t* seq_of_token = nullptr; // [T]
+  // Multi-block path: a device workspace of at least topk_workspace_bytes(T, splits) bytes
+  // (zeroed by topk itself). splits: 0 chooses from max_length (the longest row, known on the
+  // host) and T; 1 forces one block per row. Without a workspace: one block per row.
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+  int splits = 0;
+  int64_t max_length = 0;
   cudaStream_t stream = nullptr;
 };
 Status topk(const TopkParams& p);
+// The split count topk picks for T rows of at most max_length scores (1: one block per row).
+int topk_choose_splits(int64_t T, int64_t max_length);
+size_t topk_workspace_bytes(int64_t T, int splits);
+// The most workspace topk's own choice needs for any T <= max_T rows of <= max_length scores
+// (0: it never leaves one block per row).
+size_t topk_max_workspace_bytes(int64_t max_T, int64_t max_length);
 
 }  // namespace ml4::cuda
