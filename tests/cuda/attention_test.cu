@@ -204,12 +204,18 @@ TEST(CudaMlaAttention, SparseMatchesCpuReference) {
 }
 
 // The dedicated sparse decode kernel (attention_decode.cu: MlaMath::kBf16TensorCore, sparse,
-// fp8_ds_mla, r 512, dr 64, H % 16 == 0) at the decode shapes: H 16 / 64 / 128 (one head block,
-// one full block, two full blocks), T 1 / 5 / 64, topk 2048 over a 6144-row cache. Token rows
+// fp8_ds_mla, r 512, dr 64, H % 16 == 0) at the decode shapes: H 16 / 64 / 128 (one head block
+// of 16, one full block of 64, two full blocks) at T 1 / 5 / 64, and H 48 / 96 (a 48-head block;
+// a full block and a 32-head one) at T 5, topk 2048 over a 6144-row cache. Token rows
 // (by (t + H / 16) % 6): the full list; -1 holes and an out-of-range slot; index_length 1000;
 // length 1; length 63 (a partial tile); -1 padding from entry 1500 on. Bounds are the
-// kBf16TensorCore ones (bounds_for: q, keys and P rounded to bf16). Automatic splits run twice
-// (bit-identical) and a forced 3-way split once, each on poisoned outputs and workspace.
+// kBf16TensorCore ones (bounds_for: q, keys and P rounded to bf16). The kernel folds the fp8
+// tile scales out of the key tile: its S uses e4m3 x scale exactly (one bf16 rounding fewer than
+// bounds_for assumes) and its PV rounds P, the bf16 scale and their product (three 2^-9 steps per
+// term, as its earlier key bf16(e) x bf16(s) rounded again had; with a single key, P = 1 and
+// only the scale's rounding is left), so the same bounds hold.
+// Automatic splits run twice (bit-identical) and a forced 3-way split once, each on poisoned
+// outputs and workspace.
 TEST(CudaMlaAttention, SparseDecodeKernelMatchesCpuReference) {
   ML4_REQUIRE_GPU();
   std::mt19937 rng(11);
@@ -218,8 +224,9 @@ TEST(CudaMlaAttention, SparseDecodeKernelMatchesCpuReference) {
   auto d_cache = to_device(cache.bytes);
   const int topk = 2048, r = 512, dr = 64;
   const int64_t stride = topk + 8;
-  for (int H : {16, 64, 128}) {
+  for (int H : {16, 48, 64, 96, 128}) {
     for (int64_t T : {1, 5, 64}) {
+      if (H % 64 != 0 && H != 16 && T != 5) continue;  // the MT = 2, 3 head blocks: one shape each
       std::vector<int32_t> idx(T * stride, -1), idx_len(T, topk);
       std::vector<int32_t> perm(num_slots);
       std::iota(perm.begin(), perm.end(), 0);
