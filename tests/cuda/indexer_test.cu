@@ -91,7 +91,10 @@ TEST(CudaIndexer, ScoresAndTopkMatchCpu) {
 
       auto d_q = to_device(q8);
       auto d_qs = to_device(qscale);
-      auto d_w = to_device(w);
+      // The kernel gets 4 w and weight_scale 1/4 (the runner's 1/sqrt(HI dI) fold): exact in f32.
+      std::vector<float> w4(w);
+      for (auto& v : w4) v *= 4.0f;
+      auto d_w = to_device(w4);
       auto d_cache = to_device(cache);
       auto d_bt = to_device(bt);
       auto d_seq = to_device(seq_of);
@@ -103,6 +106,7 @@ TEST(CudaIndexer, ScoresAndTopkMatchCpu) {
         p.q = d_q.data();
         p.q_scale = d_qs.as<float>();
         p.weights = d_w.as<float>();
+        p.weight_scale = 0.25f;
         p.cache = d_cache.data();
         p.num_blocks = total_pages;
         p.block_table = d_bt.as<int32_t>();

@@ -79,8 +79,6 @@ Status CudaRunner::indexer_keys(int l) {
   ML4_RETURN_IF_ERROR(lin(L.idx_wk, b.a.as<float>(), T, ik));
   ML4_RETURN_IF_ERROR(layer_norm({ik, L.idx_knorm_w.as<float>(), L.idx_knorm_b.as<float>(), T, dI, 1e-6f, ik, stream_}));
   ML4_RETURN_IF_ERROR(lin(L.idx_wproj, b.a.as<float>(), T, iw));
-  const float wscale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(HI)) / std::sqrt(static_cast<double>(dI)));
-  ML4_RETURN_IF_ERROR(scale_inplace(iw, T * HI, wscale, stream_));
   if (spec.rope) {  // NeoX pairs on the [rope | nope] head, LeRoPE positions
     QPathParams rp = rope_params(ik, 1, dI, 0, rd, idx_inv_freq_.as<float>());
     rp.neox = true;
@@ -130,6 +128,7 @@ Status CudaRunner::indexer_select(int l, ForwardTrace* trace) {
     sp.q = static_cast<const uint8_t*>(b.iq8.data()) + t0 * HI * dI;
     sp.q_scale = b.iqs.as<float>() + t0 * HI;
     sp.weights = iw + t0 * HI;
+    sp.weight_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(HI)) / std::sqrt(static_cast<double>(dI)));
     sp.cache = idx_kv_[spec.indexer_slot].data();
     sp.num_blocks = group_blocks_[indexer_group_];
     sp.block_table = b.idx_block_table.as<int32_t>();

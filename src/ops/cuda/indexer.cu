@@ -46,7 +46,7 @@ __global__ void __launch_bounds__(kThreads) indexer_scores_kernel(
     const uint8_t* __restrict__ q, const float* __restrict__ q_scale, const float* __restrict__ weights,
     const uint8_t* __restrict__ cache, int64_t num_blocks, const int32_t* __restrict__ block_table,
     int64_t bt_stride, const int32_t* __restrict__ seq_of_token, const int32_t* __restrict__ lengths, int HI,
-    float* __restrict__ scores, int64_t scores_stride) {
+    float w_scale, float* __restrict__ scores, int64_t scores_stride) {
   extern __shared__ float smem[];
   float* qs = smem;                       // [HI][kRow]
   float* ks = qs + HI * kRow;             // [64][kRow]
@@ -68,7 +68,7 @@ __global__ void __launch_bounds__(kThreads) indexer_scores_kernel(
     const int h = i / (kDim / 4), c = i % (kDim / 4);
     decode4(q32[i], qs + h * kRow + 4 * c);
   }
-  for (int h = tid; h < HI; h += kThreads) wq[h] = weights[t * HI + h] * q_scale[t * HI + h];
+  for (int h = tid; h < HI; h += kThreads) wq[h] = weights[t * HI + h] * w_scale * q_scale[t * HI + h];
 
   const int key = tid % kPageTokens, g = tid / kPageTokens;
   const int64_t page_bytes = kPageTokens * (kDim + 4);
@@ -152,7 +152,7 @@ __global__ void __launch_bounds__(kThreads) indexer_fp8_kernel(
     const uint8_t* __restrict__ q, const float* __restrict__ q_scale, const float* __restrict__ weights,
     const uint8_t* __restrict__ cache, int64_t num_blocks, const int32_t* __restrict__ block_table,
     int64_t bt_stride, const int32_t* __restrict__ seq_of_token, const int32_t* __restrict__ lengths, int HI,
-    float* __restrict__ scores, int64_t scores_stride) {
+    float w_scale, float* __restrict__ scores, int64_t scores_stride) {
   __shared__ __align__(16) uint8_t qs[kIndexerMaxHeads * kRowB];
   __shared__ __align__(16) uint8_t ks[kPageTokens * kRowB];
   __shared__ float wq[kIndexerMaxHeads], kscale[kPageTokens], red[2][kPageTokens];
@@ -172,7 +172,7 @@ __global__ void __launch_bounds__(kThreads) indexer_fp8_kernel(
     *reinterpret_cast<uint4*>(qs + h * kRowB + 16 * c) = v;
   }
   for (int h = tid; h < kIndexerMaxHeads; h += kThreads)
-    wq[h] = h < HI ? weights[t * HI + h] * q_scale[t * HI + h] : 0.0f;
+    wq[h] = h < HI ? weights[t * HI + h] * w_scale * q_scale[t * HI + h] : 0.0f;
   const int64_t page_bytes = kPageTokens * (kDim + 4);
   for (int pg = page0; pg < page0 + kPagesPerBlock && pg * kPageTokens < len; ++pg) {
     __syncthreads();
@@ -289,7 +289,8 @@ Status indexer_scores(const IndexerScoresParams& p) {
   if (p.math == IndexerMath::kFp8TensorCore) {
     indexer_fp8_kernel<<<grid, kThreads, 0, p.stream>>>(
         static_cast<const uint8_t*>(p.q), p.q_scale, p.weights, static_cast<const uint8_t*>(p.cache), p.num_blocks,
-        p.block_table, p.block_table_stride, p.seq_of_token, p.lengths, p.HI, p.scores, p.scores_stride);
+        p.block_table, p.block_table_stride, p.seq_of_token, p.lengths, p.HI, p.weight_scale, p.scores,
+        p.scores_stride);
     return cuda_status(cudaGetLastError(), "indexer_fp8_kernel");
   }
   const size_t smem = smem_bytes(p.HI);
@@ -297,7 +298,8 @@ Status indexer_scores(const IndexerScoresParams& p) {
       cudaFuncSetAttribute(indexer_scores_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   indexer_scores_kernel<<<grid, kThreads, smem, p.stream>>>(
       static_cast<const uint8_t*>(p.q), p.q_scale, p.weights, static_cast<const uint8_t*>(p.cache), p.num_blocks,
-      p.block_table, p.block_table_stride, p.seq_of_token, p.lengths, p.HI, p.scores, p.scores_stride);
+      p.block_table, p.block_table_stride, p.seq_of_token, p.lengths, p.HI, p.weight_scale, p.scores,
+        p.scores_stride);
   return cuda_status(cudaGetLastError(), "indexer_scores_kernel");
 }
 

@@ -31,7 +31,9 @@ enum class IndexerMath { kF32, kFp8TensorCore };
 struct IndexerScoresParams {
   const void* q = nullptr;          // [T, HI, dI] e4m3
   const float* q_scale = nullptr;   // [T, HI] one scale per head (dI == 128)
-  const float* weights = nullptr;   // [T, HI] f32 (already including 1/sqrt(HI * dI))
+  const float* weights = nullptr;   // [T, HI] f32
+  float weight_scale = 1.0f;        // weights[t, h] * weight_scale (f32, rounded once: as the
+                                    // CPU's `w *= 1/sqrt(HI * dI)`) is head h's weight
   const void* cache = nullptr;      // [num_blocks, indexer_page_bytes(dI)] (indexer_layout.h)
   int64_t num_blocks = 0;
   const int32_t* block_table = nullptr;  // [num_seqs, block_table_stride] page ids
