@@ -91,10 +91,11 @@ constexpr int kTileWarps = 4;  // warp-tiles per block of K1-K3 (B = 1: 32 block
 constexpr int kSplitThreads = kTileWarps * 32;
 constexpr int kBins = 2048;
 constexpr float kBinScale = 32.0f;  // bins of 1/32 logit below the max; the last bin takes the rest
-constexpr int kCap = 2048;          // candidates K4 sorts in shared memory
+constexpr int kCap = 2048;          // candidates K4 sorts (two per thread)
 constexpr int kFinalThreads = 1024;
 constexpr int kFinalWarps = kFinalThreads / 32;
 constexpr int kHeader = 128;
+static_assert(kCap == 2 * kFinalThreads, "K4 holds two candidates per thread");
 
 struct TileStat {
   float m;       // max over the tile (NaN ranks below everything)
@@ -297,30 +298,41 @@ __global__ void __launch_bounds__(kSplitThreads)
   const float* row = logits + r * stride;
   float v[8][4];
   load_tile<kVec>(row, V, t, v);
-  float mv = __int_as_float(0x7fc00000);
-  int64_t mi = INT64_MAX;
+  // The max by an fmaxf tree (NaN is ignored: it ranks below everything; ids >= V read as
+  // NaN), then the lowest id holding it (any id when the tile is all NaN): short dependency
+  // chains, where a ranks_above scan would be one chain of 32 (latency-bound at small B).
+  float mc[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    mc[c] = v[0][c];
+#pragma unroll
+    for (int j = 1; j < 8; ++j) mc[c] = fmaxf(mc[c], v[j][c]);
+  }
+  float mv = fmaxf(fmaxf(mc[0], mc[1]), fmaxf(mc[2], mc[3]));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mv = fmaxf(mv, __shfl_xor_sync(0xffffffffu, mv, o));
+  int lo_id = INT32_MAX;
 #pragma unroll
   for (int j = 0; j < 8; ++j)
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const int64_t id = 4 * group_of(t, j) + c;
-      if (id < V && ranks_above(v[j][c], id, mv, mi)) {
-        mv = v[j][c];
-        mi = id;
-      }
+      if (id < V && (v[j][c] == mv || mv != mv)) lo_id = min(lo_id, static_cast<int>(id));
     }
-  warp_argmax(mv, mi);
-  double s = 0.0;
+  const int mi = __reduce_min_sync(0xffffffffu, lo_id);
+  // sum exp(l - m_tile): four independent f64 chains, added in a fixed order.
+  double sc[4] = {0.0, 0.0, 0.0, 0.0};
   if (mv == mv && mv != -INFINITY) {
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int c = 0; c < 4; ++c)
-        if (4 * group_of(t, j) + c < V && v[j][c] == v[j][c]) s += static_cast<double>(expf(v[j][c] - mv));
+        if (v[j][c] == v[j][c]) sc[c] += static_cast<double>(expf(v[j][c] - mv));
   }
+  double s = (sc[0] + sc[1]) + (sc[2] + sc[3]);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-  if ((threadIdx.x & 31) == 0) w.stat[t] = TileStat{mv, static_cast<int32_t>(mi), s};
+  if ((threadIdx.x & 31) == 0) w.stat[t] = TileStat{mv, mi, s};
 }
 
 // The row's plan from its histogram (block-wide; every thread returns the same plan).
@@ -388,8 +400,11 @@ template <bool kVec>
 __global__ void __launch_bounds__(kSplitThreads)
     hist_kernel(const float* __restrict__ logits, int64_t V, int64_t stride,
                 const DeviceSamplingParams* __restrict__ params, char* __restrict__ ws, int64_t T) {
-  __shared__ unsigned hc[kBins];
-  __shared__ ull hm[kBins];
+  // Counts, and the integer weights (<= 2^40) as three 14-bit-or-less pieces in 32-bit bins:
+  // a block sums <= 4096 ids, so no piece overflows (2^12 * 2^14 < 2^32), and 32-bit shared
+  // atomics are native where 64-bit adds are compare-and-swap loops.
+  __shared__ unsigned hc[kBins], h2[kBins], h1[kBins], h0[kBins];
+  static_assert(kTileWarps * kTile <= 4096, "weight pieces would overflow");
   __shared__ float sv[kTileWarps];
   __shared__ int64_t si[kTileWarps];
   __shared__ ull sa[kTileWarps], sb[kTileWarps];
@@ -408,7 +423,7 @@ __global__ void __launch_bounds__(kSplitThreads)
   const float inv_t = 1.0f / P.temperature;
   for (int i = threadIdx.x; i < kBins; i += kSplitThreads) {
     hc[i] = 0;
-    hm[i] = 0;
+    if (p_on) h2[i] = h1[i] = h0[i] = 0;
   }
   __syncthreads();
   const int64_t t = static_cast<int64_t>(blockIdx.y) * kTileWarps + (threadIdx.x >> 5);
@@ -425,7 +440,11 @@ __global__ void __launch_bounds__(kSplitThreads)
           atomicAdd(&hc[b], 1u);
           if (p_on) {
             const ull wt = sampling::fixed_weight(expf((x - m) * inv_t));
-            if (wt) atomicAdd(&hm[b], wt);
+            const unsigned p2 = static_cast<unsigned>(wt >> 28), p1 = static_cast<unsigned>(wt >> 14) & 0x3fffu,
+                           p0 = static_cast<unsigned>(wt) & 0x3fffu;
+            if (p2) atomicAdd(&h2[b], p2);
+            if (p1) atomicAdd(&h1[b], p1);
+            if (p0) atomicAdd(&h0[b], p0);
           }
         }
       }
@@ -433,7 +452,10 @@ __global__ void __launch_bounds__(kSplitThreads)
   __syncthreads();
   for (int i = threadIdx.x; i < kBins; i += kSplitThreads) {
     if (hc[i]) atomicAdd(&w.hcount[i], hc[i]);
-    if (hm[i]) atomicAdd(&w.hmass[i], hm[i]);
+    if (p_on) {
+      const ull mass = (static_cast<ull>(h2[i]) << 28) + (static_cast<ull>(h1[i]) << 14) + h0[i];
+      if (mass) atomicAdd(&w.hmass[i], mass);
+    }
   }
   // The last block of the row to finish makes the plan (CUDA samples' threadFenceReduction).
   __threadfence();
@@ -521,21 +543,42 @@ __global__ void __launch_bounds__(kSplitThreads)
   if ((threadIdx.x & 31) == 0) w.best[u] = TileBest{bv, bi == INT64_MAX ? INT32_MAX : static_cast<int32_t>(bi)};
 }
 
-// Sorts a[0, N) descending (N a power of two), the whole block.
-__device__ void bitonic_desc(ull* a, int N) {
+// Bitonic sort, descending, of the block's keys in registers: thread t holds positions t
+// (x[0]) and t + 1024 (x[1], used when N > 1024); N a power of two in [64, 2048]. Distances
+// below 32 exchange through warp shuffles, larger ones through a (shared memory, two
+// barriers); positions >= N sort among themselves (pads).
+__device__ void bitonic_desc(ull (&x)[2], int N, ull* a) {
+  const int t = threadIdx.x;
+  const bool two = N > kFinalThreads;
   for (int k = 2; k <= N; k <<= 1)
     for (int j = k >> 1; j > 0; j >>= 1) {
-      for (int i = threadIdx.x; i < N; i += blockDim.x) {
-        const int p = i ^ j;
-        if (p > i) {
-          const ull x = a[i], y = a[p];
-          if ((i & k) == 0 ? x < y : x > y) {
-            a[i] = y;
-            a[p] = x;
-          }
-        }
+      ull y0, y1 = 0;
+      if (j == kFinalThreads) {
+        y0 = x[1];
+        y1 = x[0];
+      } else if (j >= 32) {
+        a[t] = x[0];
+        if (two) a[t + kFinalThreads] = x[1];
+        __syncthreads();
+        y0 = a[t ^ j];
+        if (two) y1 = a[(t + kFinalThreads) ^ j];
+        __syncthreads();
+      } else {
+        y0 = __shfl_xor_sync(0xffffffffu, x[0], j);
+        if (two) y1 = __shfl_xor_sync(0xffffffffu, x[1], j);
       }
-      __syncthreads();
+      // Position i keeps the larger key when it is the lower index of its pair in a
+      // descending run, or the upper index in an ascending one.
+      {
+        const int i = t;
+        const bool keep_max = ((i & k) == 0) == ((i & j) == 0);
+        x[0] = keep_max ? (x[0] > y0 ? x[0] : y0) : (x[0] < y0 ? x[0] : y0);
+      }
+      if (two) {
+        const int i = t + kFinalThreads;
+        const bool keep_max = ((i & k) == 0) == ((i & j) == 0);
+        x[1] = keep_max ? (x[1] > y1 ? x[1] : y1) : (x[1] < y1 ? x[1] : y1);
+      }
     }
 }
 
@@ -566,9 +609,9 @@ __global__ void __launch_bounds__(kFinalThreads, 1)
   int64_t mi;
   row_max<kFinalWarps>(w, T, m, mi, sm.sv, sm.si);
   int64_t token = mi == INT64_MAX ? 0 : mi;
-  double lse = 0.0;
   if (logprobs) {
-    // sum_t sum_t * exp(m_t - m) in f64, tiles in a fixed order.
+    // sum_t sum_t * exp(m_t - m) in f64, tiles in a fixed order (warp sums here, thread 0
+    // adds them in warp order at the end).
     double s = 0.0;
     for (int64_t t = threadIdx.x; t < T; t += kFinalThreads) {
       const TileStat st = w.stat[t];
@@ -577,8 +620,6 @@ __global__ void __launch_bounds__(kFinalThreads, 1)
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     if ((threadIdx.x & 31) == 0) sm.sd[threadIdx.x >> 5] = s;
-    __syncthreads();
-    for (int i = 0; i < kFinalWarps; ++i) lse += sm.sd[i];
     __syncthreads();
   }
   if (!sampling::greedy(P) && m == m) {
@@ -601,62 +642,54 @@ __global__ void __launch_bounds__(kFinalThreads, 1)
       }
       const int n = static_cast<int>(min(min(pl.n, *w.cand_count), static_cast<unsigned>(kCap)));
       if (pl.mode != kModeAll && n > 0) {
-        int N = 2;
+        int N = 64;
         while (N < n) N <<= 1;
-        for (int i = threadIdx.x; i < N; i += kFinalThreads) sm.u.keys[i] = i < n ? w.cand[i] : 0ull;
-        __syncthreads();
-        bitonic_desc(sm.u.keys, N);
-        // Thread t owns sorted positions [kPer t, kPer t + kPer).
-        constexpr int kPer = kCap / kFinalThreads;
+        const int t = threadIdx.x;
+        ull x[2];
+        x[0] = t < n ? w.cand[t] : 0ull;
+        x[1] = t + kFinalThreads < n ? w.cand[t + kFinalThreads] : 0ull;
+        bitonic_desc(x, N, sm.u.keys);
+        // Thread t now holds sorted positions t and t + 1024.
         const float inv_t = 1.0f / P.temperature;
-        float s[kPer];
-        ull wt[kPer];
-        int64_t id[kPer];
-        ull loc = 0;
+        float s[2];
+        ull wt[2];
+        int64_t id[2];
 #pragma unroll
-        for (int e = 0; e < kPer; ++e) {
-          const int j = threadIdx.x * kPer + e;
+        for (int e = 0; e < 2; ++e) {
+          const int j = t + e * kFinalThreads;
           wt[e] = 0;
           s[e] = 0.0f;
           id[e] = 0;
           if (j < n) {
-            const ull k = sm.u.keys[j];
-            id[e] = static_cast<int64_t>(0xffffffffull - (k & 0xffffffffull));
-            s[e] = (sampling::key_float(static_cast<uint32_t>(k >> 32)) - m) * inv_t;
+            id[e] = static_cast<int64_t>(0xffffffffull - (x[e] & 0xffffffffull));
+            s[e] = (sampling::key_float(static_cast<uint32_t>(x[e] >> 32)) - m) * inv_t;
             wt[e] = sampling::fixed_weight(expf(s[e]));
           }
-          loc += wt[e];
         }
-        ull excl, unused_a, tot, unused_b;
-        block_scan2<kFinalWarps>(loc, 0ull, &excl, &unused_a, &tot, &unused_b, sm.sa, sm.sb);
+        // Exclusive prefix weights in position order: positions < 1024 first.
+        ull e0, e1, t0, t1;
+        block_scan2<kFinalWarps>(wt[0], wt[1], &e0, &e1, &t0, &t1, sm.sa, sm.sb);
+        const ull excl[2] = {e0, t0 + e1};
         const bool k_rule = pl.mode == kModeK || pl.mode == kModeKP;
         const bool p_rule = pl.mode == kModeP || pl.mode == kModeKP;
         ull target = pl.target;
         if (pl.mode == kModeKP) {
           // Top-p applies to the top-k weight: the candidates are every id of bins 0..b_cand,
           // at least top_k of them.
-          const int kk = min(n, P.top_k);
-          if (threadIdx.x == 0) sm.zk = tot;
-          __syncthreads();
-          const int owner = (kk - 1) / kPer;
-          if (static_cast<int>(threadIdx.x) == owner) {
-            ull acc = excl;
-            for (int e = 0; e <= (kk - 1) - owner * kPer; ++e) acc += wt[e];
-            sm.zk = acc;
-          }
+          const int last = min(n, P.top_k) - 1;
+          if (t == last % kFinalThreads) sm.zk = last < kFinalThreads ? excl[0] + wt[0] : excl[1] + wt[1];
           __syncthreads();
           target = sampling::top_p_target(P.top_p, sm.zk);
         }
         const bool mp_on = sampling::min_p_on(P);
         const float min_p = sampling::min_p_value(P);
-        ull acc = excl;
 #pragma unroll
-        for (int e = 0; e < kPer; ++e) {
-          const int j = threadIdx.x * kPer + e;
+        for (int e = 0; e < 2; ++e) {
+          const int j = t + e * kFinalThreads;
           if (j < n) {
             const ull rank = pl.count_above + static_cast<ull>(j);
             bool kept = !k_rule || rank < static_cast<ull>(P.top_k);
-            if (p_rule && !(rank == 0 || pl.mass_above + acc < target)) kept = false;
+            if (p_rule && !(rank == 0 || pl.mass_above + excl[e] < target)) kept = false;
             if (mp_on && !(expf(s[e]) >= min_p)) kept = false;
             if (kept) {
               const sampling::Philox4 rnd =
@@ -668,7 +701,6 @@ __global__ void __launch_bounds__(kFinalThreads, 1)
               }
             }
           }
-          acc += wt[e];
         }
       }
       block_argmax<kFinalWarps>(bv, bi, sm.sv, sm.si);
@@ -677,7 +709,13 @@ __global__ void __launch_bounds__(kFinalThreads, 1)
   }
   if (threadIdx.x == 0) {
     tokens[r] = static_cast<int32_t>(token);
-    if (logprobs) logprobs[r] = static_cast<float>(static_cast<double>(row[token]) - static_cast<double>(m) - log(lse));
+    if (logprobs) {
+      double lse = 0.0;
+      for (int i = 0; i < kFinalWarps; ++i) lse += sm.sd[i];
+      // The argmax's logit is m (a +-0 aside, which changes nothing here): no load.
+      const float lt = token == mi ? m : row[token];
+      logprobs[r] = static_cast<float>(static_cast<double>(lt) - static_cast<double>(m) - log(lse));
+    }
   }
 }
 
