@@ -1,8 +1,8 @@
 // See sampling.h. argmax_rows: one block per row; each thread scans a strided slice, then a
 // shared-memory tree keeps (larger value, lower index): deterministic for any launch.
 //
-// sample_rows with a workspace (the split path; sampling.h "Design"): four kernels over a
-// grid of (row, block of 4 warp-tiles); every sum has a fixed partition (a warp-tile of 1024
+// sample_rows with a workspace (the split path; sampling.h "Design"): four kernels, K1-K3 over
+// a grid of (row, block of 4 warps), K4 a block per row; every sum has a fixed partition (a warp-tile of 1024
 // logits, whatever B is) and a fixed order, or is over integers, so a row's token and
 // logprob are bit-reproducible and do not depend on the batch:
 //   K1 stats_kernel: per warp-tile max / argmax and sum exp(l - m_tile) (f64); zeroes the
@@ -16,7 +16,7 @@
 //      (any order: the final kernel sorts them by (key, id)).
 //   K4 final_kernel (one 1024-thread block per row): the row max, the logprob, and the
 //      token: greedy; or the best of the tile scores and of the candidates, which are sorted
-//      (bitonic, in shared memory) to apply the rank (top-k) and prefix-mass (top-p) rules
+//      (bitonic, in registers) to apply the rank (top-k) and prefix-mass (top-p) rules
 //      exactly; or, for a fallback row, the one-block-per-row sampler (sampling_row.cuh).
 // The kept set is a prefix of the order (key descending, id ascending), and the bins are
 // monotone in the logit, so "bins before the cut bin" are a prefix too: the cut only has to

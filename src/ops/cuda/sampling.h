@@ -10,16 +10,16 @@
 //   K1 one pass over the row by (row, 4 warp-tiles of 1024 logits) blocks: per-tile max /
 //      argmax and f64 sum exp(l - m_tile) (the logprob; a fixed partition, whatever B is);
 //   K2 (rows with top-k or top-p) a histogram of (m - l) in bins of 1/32 logit (2048 bins,
-//      the last takes everything more than 64 below the max): count and integer weight;
-//   K3 the last K2 block of the row scans its histogram to a plan: the bin holding the
+//      the last takes everything more than 64 below the max): count and integer weight.
+//      The row's last K2 block to finish scans the histogram to a plan: the bin holding the
 //      top-k cut (count) or the top-p cut (weight, top-p alone); ids in bins before it are
 //      surely kept, ids in the cut bin are candidates (top-k and top-p together: every id of
-//      the bins up to the top-k cut bin, as the top-p target needs the top-k weight); then K3,
-//      a warp per 256 logits: the Gumbel score of the surely-kept ids (min-p per id), and the
-//      candidates appended to a list;
+//      the bins up to the top-k cut bin, as the top-p target needs the top-k weight);
+//   K3 a warp per 256 logits: the Gumbel score of the surely-kept ids (min-p per id), best
+//      per warp, and the candidates appended to a list;
 //   K4 one 1024-thread block per row: the logprob from the tile sums; the token as the best
-//      of the tile scores and of the candidates, which are sorted by (key, id) in shared
-//      memory (bitonic, <= 2048) so the rank (top-k) and prefix-weight (top-p) rules, ties
+//      of the tile scores and of the candidates, which are sorted by (key, id) (bitonic,
+//      <= 2048, in registers) so the rank (top-k) and prefix-weight (top-p) rules, ties
 //      included, apply exactly as in the host reference.
 //   A row whose candidate set is larger than 2048 (a cut inside a bin of > 2048 ids: huge tie
 //   runs, top-p 0.99 over very flat logits, top-k > ~2000 together with top-p) or whose max
@@ -46,7 +46,7 @@
 //
 // Runner integration (CudaRunner): keep a pinned host array and a device array of
 // max_batch DeviceSamplingParams (32 B each), device int32 tokens / f32 logprobs of
-// max_batch, and a device workspace of sample_rows_workspace_bytes(max_batch, V) (~44 KiB a
+// max_batch, and a device workspace of sample_rows_workspace_bytes(max_batch, V) (~46 KiB a
 // row at V = 131072). Per step: write the params of the rows whose logits were computed (in
 // row order) into the pinned array, cudaMemcpyAsync them to the device array on the step's
 // stream, call sample_rows(logits, B, V, params_dev, tokens_dev, logprobs_dev, ws, ws_bytes,
@@ -79,7 +79,7 @@ Status sample_rows(const float* logits, int64_t B, int64_t V, const DeviceSampli
                    float* logprobs, cudaStream_t stream, int64_t row_stride = -1);
 
 // Device bytes of the workspace the split path needs for B rows of V logits:
-// B * (~40 KiB + 24 B per 1024 logits). 0 when B or V <= 0.
+// B * (~40 KiB + 48 B per 1024 logits). 0 when B or V <= 0.
 size_t sample_rows_workspace_bytes(int64_t B, int64_t V);
 
 // The same contract through the split path (several blocks per row; see "Design"): the same
