@@ -68,6 +68,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <string>
 
 #include "kv/latent_layout.h"
 #include "ops/cuda/attention_internal.h"
@@ -96,6 +97,9 @@ constexpr int kPP = kKeys + 8;        // bf16 row stride of P (80 B)
 constexpr int kChunks = kR / 16 + kDr / 8;  // 16-byte pieces of a key row to dequantize: 32 fp8 + 8 rope
 constexpr int kTileItems = kKeys * kChunks;  // 1280 per tile
 constexpr int kMaxStages = 8;
+// Kernel mode bits (decode_mode()).
+constexpr int kModeIdxAhead = 1, kModeAsyncLoad = 2, kModeDiagNoMath = 4, kModeDiagNoDequant = 8;
+constexpr bool kDefaultAsyncLoad = false;  // row loads: cp.async.bulk per row (false) or 16-byte cp.async
 // Powers of two of the fold: key tile e 2^-120, Q tile q 2^64, S factor s 2^56, P factor s 2^64,
 // output 2^56 / l.
 constexpr float kQScale = 0x1p64f, kSScale = 0x1p56f, kPScale = 0x1p64f, kOutScale = 0x1p56f;
@@ -184,6 +188,14 @@ __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t by
 // 4-byte asynchronous copy global -> shared, its commit and wait (PTX ISA "cp.async").
 __device__ __forceinline__ void cp_async4(void* dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_u32(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst)), "l"(src) : "memory");
+}
+// Arrives on `bar` once all of this thread's earlier cp.async have landed (pending count not
+// raised: the arrival counts towards the barrier's expected count).
+__device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar)) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
@@ -345,7 +357,7 @@ __device__ __forceinline__ void qk_fold(AFrag&& afrag, const __nv_bfloat16* kp, 
 
 template <int MT>
 __global__ void __launch_bounds__(kThreads, 1)
-    mla_decode_kernel(const Args a, const int NS, const int h_first, const bool idx_ahead) {
+    mla_decode_kernel(const Args a, const int NS, const int h_first, const int mode) {
   extern __shared__ __align__(128) uint8_t smem[];
   const int t = blockIdx.x, split = blockIdx.y;
   const int h0 = h_first + blockIdx.z * kMaxHeads;
@@ -377,7 +389,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (tid == 0) {
     for (int s = 0; s < NS; ++s) {
-      mbar_init(full + s, 1);
+      mbar_init(full + s, (mode & kModeAsyncLoad) ? kKeys + 1 : 1);
       mbar_init(empty + s, kDeqWarps);
     }
     for (int b = 0; b < 2; ++b) {
@@ -398,8 +410,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_wait(full + s, (i / NS) & 1);
         if (i >= 2) mbar_wait(kempty + b, ((i >> 1) - 1) & 1);
         const uint32_t mask = masks[s];
-        dequant_tile<32 * kDeqWarps>(raw + s * kKeys * kRowBytes, kb + b * kKeys * kQP, fsb + b * kTiles * kKeys,
-                                     fbb + b * kTiles * kKeys, mask, dtid);
+        if (!(mode & kModeDiagNoDequant))
+          dequant_tile<32 * kDeqWarps>(raw + s * kKeys * kRowBytes, kb + b * kKeys * kQP, fsb + b * kTiles * kKeys,
+                                       fbb + b * kTiles * kKeys, mask, dtid);
         if (dtid == 0) kmask[b] = mask;
         __syncwarp();
         if (lane == 0) {
@@ -411,8 +424,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     // Slot indices kIdxRing - 1 tiles ahead: lane j copies entry j of each tile into the ring
     // (one commit group per tile, empty past the end, so wait_group counts tiles) and reads
-    // back only its own entry. idx_ahead = false (ML4_MLA_DECODE_IDX_AHEAD=0, for comparison):
-    // each tile's indices are fetched when it is issued.
+    // back only its own entry. Without kModeIdxAhead (ML4_MLA_DECODE_IDX_AHEAD=0, for
+    // comparison) each tile's indices are fetched when it is issued.
+    const bool idx_ahead = mode & kModeIdxAhead, async_load = mode & kModeAsyncLoad;
     const int32_t* idx = a.indices + static_cast<int64_t>(t) * a.indices_stride;
     auto fetch = [&](int tile) {
       const int j = j0 + tile * kKeys + lane;
@@ -440,12 +454,37 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int s = i % NS;
       if (i >= NS) mbar_wait(empty + s, ((i / NS) - 1) & 1);
       const uint32_t m = __ballot_sync(0xffffffffu, slot >= 0);
-      if (lane == 0) {
-        masks[s] = m;
-        mbar_arrive_expect_tx(full + s, static_cast<uint32_t>(__popc(m)) * kRowBytes);
+      if (async_load) {
+        // 16-byte cp.async, half a warp per row (41 pieces: 16 + 16 + 9 per lane group), each
+        // lane's copies tracked by one arrive.noinc on `full` (count 33: 32 of those and lane
+        // 0's release of the mask).
+        if (lane == 0) {
+          masks[s] = m;
+          mbar_arrive(full + s);
+        }
+        const int hl = lane & 15, hh = lane >> 4;
+        const int32_t slot32 = static_cast<int32_t>(slot);
+#pragma unroll 4
+        for (int k = 0; k < kKeys / 2; ++k) {
+          const int r = 2 * k + hh;
+          const int32_t sr = __shfl_sync(0xffffffffu, slot32, r);
+          if (sr >= 0) {
+            const uint8_t* src = a.cache + static_cast<int64_t>(sr) * kRowBytes + 16 * hl;
+            uint8_t* dst = raw + (s * kKeys + r) * kRowBytes + 16 * hl;
+            cp_async16(dst, src);
+            cp_async16(dst + 256, src + 256);
+            if (hl < kRowBytes / 16 - 32) cp_async16(dst + 512, src + 512);
+          }
+        }
+        cp_async_mbar_arrive_noinc(full + s);
+      } else {
+        if (lane == 0) {
+          masks[s] = m;
+          mbar_arrive_expect_tx(full + s, static_cast<uint32_t>(__popc(m)) * kRowBytes);
+        }
+        __syncwarp();
+        if (slot >= 0) bulk_g2s(raw + (s * kKeys + lane) * kRowBytes, a.cache + slot * kRowBytes, kRowBytes, full + s);
       }
-      __syncwarp();
-      if (slot >= 0) bulk_g2s(raw + (s * kKeys + lane) * kRowBytes, a.cache + slot * kRowBytes, kRowBytes, full + s);
     }
     cp_async_wait<0>();
     return;
@@ -496,7 +535,16 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.0f;
 
-  for (int i = 0; i < ntiles; ++i) {
+  int ctiles = ntiles;
+  if (mode & kModeDiagNoMath) {  // diagnostic: the load and dequantization pipeline alone
+    for (int i = 0; i < ntiles; ++i) {
+      mbar_wait(kfull + (i & 1), (i >> 1) & 1);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(kempty + (i & 1));
+    }
+    ctiles = 0;
+  }
+  for (int i = 0; i < ctiles; ++i) {
     const int b = i & 1;
     const __nv_bfloat16* kt = kb + b * kKeys * kQP;
     const float* fs = fsb + b * kTiles * kKeys;
@@ -658,13 +706,25 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-// ML4_MLA_DECODE_IDX_AHEAD=0 turns the producer's index look-ahead off (for comparison).
-bool idx_ahead_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("ML4_MLA_DECODE_IDX_AHEAD");
-    return !(v && v[0] == '0');
+// Kernel mode bits from the environment, read once: ML4_MLA_DECODE_IDX_AHEAD=0 turns the index
+// look-ahead off; ML4_MLA_DECODE_LOAD=async|bulk picks the row loads; ML4_MLA_DECODE_DIAG=1
+// skips the consumers' math, =2 also the dequantization (benchmark diagnostics: wrong outputs).
+int decode_mode() {
+  static const int mode = [] {
+    auto env = [](const char* name) -> const char* {
+      const char* v = std::getenv(name);
+      return v ? v : "";
+    };
+    int m = 0;
+    if (env("ML4_MLA_DECODE_IDX_AHEAD")[0] != '0') m |= kModeIdxAhead;
+    const std::string load = env("ML4_MLA_DECODE_LOAD");
+    if (load == "async" || (load != "bulk" && kDefaultAsyncLoad)) m |= kModeAsyncLoad;
+    const char d = env("ML4_MLA_DECODE_DIAG")[0];
+    if (d == '1' || d == '2') m |= kModeDiagNoMath;
+    if (d == '2') m |= kModeDiagNoDequant;
+    return m;
   }();
-  return on;
+  return mode;
 }
 
 // Ring stages that fit beside the fixed regions for HB heads per block.
@@ -695,7 +755,7 @@ cudaError_t launch_mla_decode(const Args& a, dim3 grid, cudaStream_t stream) {
     if (smem > limit) return cudaErrorInvalidConfiguration;
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
-    kernel<<<dim3(grid.x, grid.y, zblocks), kThreads, smem, stream>>>(a, ns, h_first, idx_ahead_enabled());
+    kernel<<<dim3(grid.x, grid.y, zblocks), kThreads, smem, stream>>>(a, ns, h_first, decode_mode());
     return cudaGetLastError();
   };
   if (full_blocks > 0) {
