@@ -583,6 +583,7 @@ Result<StepOutput> CudaRunner::execute_traced(const StepInput& in, ForwardTrace*
       ML4_ASSIGN_OR_RETURN(b.samp_params, DeviceBuffer::alloc(R * sizeof(DeviceSamplingParams)));
       ML4_ASSIGN_OR_RETURN(b.samp_tokens, DeviceBuffer::alloc(R * 4));
       ML4_ASSIGN_OR_RETURN(b.samp_logprobs, DeviceBuffer::alloc(R * 4));
+      ML4_ASSIGN_OR_RETURN(b.samp_ws, DeviceBuffer::alloc(sample_rows_workspace_bytes(R, cfg_.vocab_size)));
       b.samp_cap = R;
     }
     std::vector<DeviceSamplingParams> params;
@@ -592,7 +593,8 @@ Result<StepOutput> CudaRunner::execute_traced(const StepInput& in, ForwardTrace*
                                              cudaMemcpyHostToDevice, stream_));
     ML4_RETURN_IF_ERROR(sample_rows(b.logits.as<float>(), R, cfg_.vocab_size,
                                     static_cast<const DeviceSamplingParams*>(b.samp_params.data()),
-                                    b.samp_tokens.as<int32_t>(), b.samp_logprobs.as<float>(), stream_));
+                                    b.samp_tokens.as<int32_t>(), b.samp_logprobs.as<float>(), b.samp_ws.data(),
+                                    b.samp_ws.bytes(), stream_));
     out.sampled.resize(R);
     out.sampled_logprob.resize(R);
     ML4_CUDA_RETURN_IF_ERROR(

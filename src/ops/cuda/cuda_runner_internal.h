@@ -42,7 +42,7 @@ struct CudaRunner::Buffers {
   DeviceBuffer iq, ik, iw, iq8, iqs, idx_slots, idx_block_table, scores, forced_slots, forced_counts, topk_pos, topk_ws;
   std::vector<DeviceBuffer> topk_slots, topk_counts;
   DeviceBuffer forced_ids;
-  DeviceBuffer samp_params, samp_tokens, samp_logprobs;  // device sampling, samp_cap rows
+  DeviceBuffer samp_params, samp_tokens, samp_logprobs, samp_ws;  // device sampling, samp_cap rows
   int64_t samp_cap = 0;
   int64_t scores_cap = 0;
   size_t topk_ws_bytes = 0;
