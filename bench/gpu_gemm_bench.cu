@@ -48,9 +48,12 @@ int main(int argc, char** argv) {
                           {"expert_w1", 5632, 6144}, {"expert_w2", 6144, 5632}, {"dense_w1", 16384, 6144}};
   // argv[2] == "gemv": decode rows only (M <= 8: our GEMV variants and the BF16 cuBLASLt /
   // own FP8 GEMM peers), for a short device run.
-  const bool gemv_only = argc > 2 && std::string(argv[2]) == "gemv";
+  // argv[2] == "profile": FP8 wo at M = 1 only, one launch per GEMV kernel, untimed (for ncu).
+  const bool profile_only = argc > 2 && std::string(argv[2]) == "profile";
+  const bool gemv_only = profile_only || (argc > 2 && std::string(argv[2]) == "gemv");
   std::vector<int64_t> Ms = {1, 2, 4, 8, 32, 64, 4096};
   if (gemv_only) Ms = {1, 2, 4, 8};
+  if (profile_only) Ms = {1};
   std::printf("copy %.0f GB/s, peaks bf16 %.0f / fp8 %.0f TFLOP/s\n", copy_gbps, bf16_peak / 1e12, fp8_peak / 1e12);
   std::printf("%-10s %5s %6s %6s %5s %-9s %9s %8s %8s %6s %6s %8s\n", "shape", "M", "N", "K", "fmt", "backend", "us",
               "GB/s", "TFLOP/s", "%copy", "%peak", "floor_us");
@@ -67,7 +70,9 @@ int main(int argc, char** argv) {
   for (int pass = 0; pass < (gemv_only ? 2 : 3); ++pass) {
     const int fp8 = pass > 0;
     const Fp8Backend fp8_be = pass == 1 ? Fp8Backend::kOwn : Fp8Backend::kCublasLt;
+    if (profile_only && pass == 0) continue;
     for (const auto& sh : shapes) {
+      if (profile_only && std::string(sh.name) != "wo") continue;
       const size_t wbytes = sh.N * sh.K * (fp8 ? 1 : 2);
       const int64_t nb = (sh.N + 127) / 128, kb = sh.K / 128;  // ML4's K/128 are multiples of 4
       const int copies = static_cast<int>(std::min<size_t>(64, (size_t{256} << 20) / wbytes + 1));
@@ -133,25 +138,61 @@ int main(int argc, char** argv) {
         if (M <= kGemvMaxM && pass < 2) {
           // Our GEMV on the same weights (f32 x, no activation quantization), with a split-K
           // workspace as the runner gives it: "gemv-cc" = the earlier CUDA-core kernel,
-          // "gemv-tc" = the register-pipelined tensor-core stream with an L2 prefetch 8 steps
-          // ahead, "gemv-tcnp" without it (the default, kAuto's choice).
-          // Bytes: W (+ FP8 scales) + f32 x + f32 y.
+          // "gemv-tc" = the register-pipelined tensor-core stream (L2 prefetch off, measured
+          // slower), "st-cC-rR" = the CUDA-core weight stream (gemv_stream.cuh) with e4m3
+          // decoding C (0 integer -> f16, 1 cvt -> f16, 2 integer -> f32; bf16: none) and R
+          // rows per block (0: chosen by shape), loading into registers; "tl-cC-rR" = the same
+          // kernel with each block's rows brought into shared memory by one bulk copy (the
+          // default). Bytes: W (+ FP8 scales) + f32 x + f32 y.
           auto gws = DeviceBuffer::alloc(gemv_workspace_floats(M, sh.N, sh.K) * 4);
           BENCH_CHECK(gws.status());
           const double gbytes = wbytes + (fp8 ? nb * kb * 4.0 : 0.0) + M * sh.K * 4.0 + M * sh.N * 4.0;
-          for (int v = 0; v < 3; ++v) {  // CUDA cores, tensor cores with / without the L2 prefetch
-            const GemvImpl impl = v == 0 ? GemvImpl::kCudaCore : GemvImpl::kTensorCore;
-            gemv_set_l2_prefetch(v == 1 ? 8 : 0);
-            const double gms = bench::median_ms(s, 3, 30, [&](int i) {
-              const int c = i % copies;
+          struct V {
+            GemvImpl impl;
+            int conv, rows, tile;
+          };
+          // (decoding 2, integer -> f32, measured slowest on the H200 at every shape: not listed)
+          std::vector<V> vs = {{GemvImpl::kCudaCore, 0, 0, 0}, {GemvImpl::kTensorCore, 0, 0, 0},
+                               {GemvImpl::kStream, 1, 4, 0}, {GemvImpl::kStream, 1, 2, 1},
+                               {GemvImpl::kStream, 1, 4, 1}, {GemvImpl::kStream, 1, 8, 1}};
+          if (fp8) vs.push_back({GemvImpl::kStream, 0, 0, 1});
+          if (profile_only)
+            vs = {{GemvImpl::kTensorCore, 0, 0, 0}, {GemvImpl::kStream, 1, 4, 0}, {GemvImpl::kStream, 1, 4, 1}};
+          const GemvStreamConfig saved = gemv_stream_config();
+          for (const V& v : vs) {
+            GemvStreamConfig c = saved;
+            c.conv = v.conv;
+            c.rows = v.rows;
+            c.tile = v.tile;
+            gemv_set_stream_config(c);
+            auto launch = [&](int i) {
+              const int cc = i % copies;
               BENCH_CHECK(gemv({x->as<float>(), M, sh.N, sh.K, fp8 ? LinearFormat::kFP8Block : LinearFormat::kBF16,
-                                ws[c].data(), fp8 ? wss[c].as<float>() : nullptr, y->as<float>(), gws->as<float>(), s,
-                                impl}));
-            });
-            row(sh.name, M, sh.N, sh.K, fp8 ? "fp8" : "bf16",
-                v == 0 ? "gemv-cc" : v == 1 ? "gemv-tc" : "gemv-tcnp", gms,
-                gbytes, fp8 ? fp8_peak : bf16_peak);
+                                ws[cc].data(), fp8 ? wss[cc].as<float>() : nullptr, y->as<float>(), gws->as<float>(),
+                                s, v.impl}));
+            };
+            char name[32];
+            if (v.impl == GemvImpl::kStream)
+              std::snprintf(name, sizeof name, "%s-c%d-r%d", v.tile ? "tl" : "st", v.conv, v.rows);
+            else
+              std::snprintf(name, sizeof name, "%s", v.impl == GemvImpl::kCudaCore ? "gemv-cc" : "gemv-tc");
+            if (profile_only) {  // a few launches for the profiler, no timing
+              launch(0);
+              BENCH_CUDA(cudaStreamSynchronize(s));
+              std::printf("profiled %s %s M=%ld\n", sh.name, name, M);
+              continue;
+            }
+            const double gms = bench::median_ms(s, 3, 30, launch);
+            row(sh.name, M, sh.N, sh.K, fp8 ? "fp8" : "bf16", name, gms, gbytes, fp8 ? fp8_peak : bf16_peak);
+            // Back to back: 20 launches (weights rotating) between one event pair, per launch --
+            // what a graph of consecutive GEMVs sees, without the single launch's fixed latency.
+            const double b2b = bench::median_ms(s, 1, 5, [&](int j) {
+                                 for (int i = 0; i < 20; ++i) launch(j * 20 + i);
+                               }) / 20.0;
+            std::printf("%-10s %5ld %6ld %6ld %5s %-9s %9.1f us back-to-back (%.0f%% of copy)\n", sh.name, M, sh.N,
+                        sh.K, fp8 ? "fp8" : "bf16", name, b2b * 1e3, 100.0 * gbytes / (b2b * 1e6) / copy_gbps);
           }
+          gemv_set_stream_config(saved);
         }
       }
     }

@@ -1,7 +1,9 @@
 // MoE layer at ML4's shape (presets.cpp "ml4": 128 experts, 4 per token, 1 shared,
-// D 6144, I 5632, FP8 block weights) at decode batch sizes T = 1, 8, 32, 64: the
+// D 6144, I 5632, FP8 block weights) at decode batch sizes T = 1, 2, 4, 8, 32, 64: the
 // expert-grouped decode path (moe_experts_forward_grouped: permute, 3 grouped GEMVs with
-// the shared expert as an extra slot, silu, combine; no host sync, graph-capturable),
+// the shared expert as an extra slot, silu, combine; no host sync, graph-capturable) with
+// its default kernel (the CUDA-core weight stream for T <= 8) and with the tensor-core
+// grouped kernel throughout,
 // the earlier row-wise path (moe_experts_forward_rowwise, T <= 8: one weight stream per
 // (token, expert) row) and the loop over experts (moe_experts_forward: permutation, one
 // host sync, 3 linear_f32 per active expert: GEMV for <= 8 rows, act_quant + FP8 GEMM
@@ -73,7 +75,7 @@ int main(int argc, char** argv) {
   const double expert_bytes = 3.0 * (I * D + (I / 128 + 1) * (D / 128) * 4.0);
   std::printf("moe E=%d K=%d D=%ld I=%ld fp8 block; %.1f MB per expert\n", E, K, D, I, expert_bytes / 1e6);
   std::mt19937 g(7);
-  for (int64_t T : {1, 8, 32, 64, 512}) {
+  for (int64_t T : {1, 2, 4, 8, 32, 64, 512}) {
     std::vector<int32_t> ids(T * K);
     std::vector<float> w(T * K, 0.25f);
     std::set<int> distinct;
@@ -103,12 +105,22 @@ int main(int argc, char** argv) {
                                       dw->as<float>(), K, out->as<float>(), sc, s));
     });
     const bool grouped = T <= 128, rowwise = T <= 8;
-    gemv_set_l2_prefetch(8);  // the earlier default, for comparison
-    const double t_grp8 = !grouped ? 0.0 : bench::median_ms(s, 2, 20, [&](int) {
+    const GemvStreamConfig saved = gemv_stream_config();
+    GemvStreamConfig tc_only = saved;
+    tc_only.grouped_max_rows = 0;  // the tensor-core grouped kernel for every T, for comparison
+    gemv_set_stream_config(tc_only);
+    const double t_grp_tc = !grouped ? 0.0 : bench::median_ms(s, 2, 20, [&](int) {
       BENCH_CHECK(moe_experts_forward_grouped(*tables, &shared, x->as<float>(), T, dids->as<int32_t>(),
                                               dw->as<float>(), K, out->as<float>(), sc, s));
     });
-    gemv_set_l2_prefetch(0);  // the default
+    GemvStreamConfig regs = saved;
+    regs.tile = 0;  // the CUDA-core stream loading into registers instead of bulk-copied tiles
+    gemv_set_stream_config(regs);
+    const double t_grp_reg = !grouped ? 0.0 : bench::median_ms(s, 2, 20, [&](int) {
+      BENCH_CHECK(moe_experts_forward_grouped(*tables, &shared, x->as<float>(), T, dids->as<int32_t>(),
+                                              dw->as<float>(), K, out->as<float>(), sc, s));
+    });
+    gemv_set_stream_config(saved);  // the default: the CUDA-core stream for T <= grouped_max_rows
     const double t_grp = !grouped ? 0.0 : bench::median_ms(s, 2, 20, [&](int) {
       BENCH_CHECK(moe_experts_forward_grouped(*tables, &shared, x->as<float>(), T, dids->as<int32_t>(),
                                               dw->as<float>(), K, out->as<float>(), sc, s));
@@ -123,8 +135,9 @@ int main(int argc, char** argv) {
                 distinct.size(), bytes / 1e6, t_loop, bytes / (t_loop * 1e6), pct(t_loop));
     if (rowwise) std::printf(", rowwise %.3f ms (%.0f GB/s, %.0f%%)", t_row, bytes / (t_row * 1e6), pct(t_row));
     if (grouped)
-      std::printf(", grouped %.3f ms (%.0f GB/s, %.0f%%; with an L2 prefetch 8 steps ahead %.3f ms)", t_grp,
-                  bytes / (t_grp * 1e6), pct(t_grp), t_grp8);
+      std::printf(", grouped %.3f ms (%.0f GB/s, %.0f%%; tensor-core grouped kernel %.3f ms, %.0f%%; stream into "
+                  "registers %.3f ms, %.0f%%)",
+                  t_grp, bytes / (t_grp * 1e6), pct(t_grp), t_grp_tc, pct(t_grp_tc), t_grp_reg, pct(t_grp_reg));
     std::printf("; floor %.3f ms at copy bandwidth\n", floor_ms);
   }
   return 0;

@@ -216,7 +216,7 @@ TEST(CudaMoe, ExpertsAndSharedVsCpu) {
     // of any one output. The earlier row-wise path (T <= 8) is checked the same way.
     auto tables = build_expert_tables(dx);
     ML4_ASSERT_OK(tables.status());
-    for (int64_t Tb : {int64_t{1}, int64_t{8}, int64_t{32}, int64_t{64}}) {
+    for (int64_t Tb : {int64_t{1}, int64_t{3}, int64_t{8}, int64_t{32}, int64_t{64}}) {
       std::vector<double> ref2(Tb * D, 0.0);
       for (int64_t t = 0; t < Tb; ++t) {
         std::vector<float> xt(x.begin() + t * D, x.begin() + (t + 1) * D);
@@ -227,11 +227,19 @@ TEST(CudaMoe, ExpertsAndSharedVsCpu) {
         auto ys = host_mlp(hx[E], xt, 1, D, true);
         for (int64_t d = 0; d < D; ++d) ref2[t * D + d] += ys[d];
       }
-      for (int path = 0; path < (Tb <= kGemvMaxM ? 2 : 1); ++path) {
+      // path 0: grouped, default kernel choice; 1: grouped with the other grouped kernel
+      // (the CUDA-core stream turned off where it is the default, T <= 8, and on where it
+      // is not); 2: row-wise (T <= 8); 3: the stream with its other weight path (T <= 8).
+      const GemvStreamConfig saved = gemv_stream_config();
+      for (int path = 0; path < (Tb <= kGemvMaxM ? 4 : 2); ++path) {
+        GemvStreamConfig c = saved;
+        if (path == 1) c.grouped_max_rows = Tb <= saved.grouped_max_rows ? 0 : 1 << 20;
+        if (path == 3) c.tile = 1 - saved.tile;  // the stream's other weight path
+        gemv_set_stream_config(c);
         std::vector<std::vector<float>> gr;
         for (int rep = 0; rep < 2; ++rep) {
           auto out = poisoned<float>(Tb * D);
-          if (path == 0)
+          if (path != 2)
             ML4_ASSERT_OK(moe_experts_forward_grouped(*tables, &dshared, dxb.as<float>(), Tb, dids.as<int32_t>(),
                                                       dw.as<float>(), K, out.as<float>(), s, nullptr));
           else
@@ -242,7 +250,9 @@ TEST(CudaMoe, ExpertsAndSharedVsCpu) {
         }
         ASSERT_TRUE(all_finite(gr[0]));
         const double e2 = rel_err(gr[0], ref2);
-        std::printf("moe %s decode %s T=%ld rel_err=%.3g (bound 1e-5)\n", path == 0 ? "grouped" : "rowwise",
+        gemv_set_stream_config(saved);
+        std::printf("moe %s decode %s T=%ld rel_err=%.3g (bound 1e-5)\n",
+                    path == 0 ? "grouped" : path == 1 ? "grouped-other" : path == 2 ? "rowwise" : "grouped-tile/regs",
                     linear_format_name(f), Tb, e2);
         EXPECT_LT(e2, 1e-5) << "T=" << Tb << " path " << path;
         EXPECT_EQ(0, std::memcmp(gr[0].data(), gr[1].data(), gr[0].size() * 4)) << "not deterministic";

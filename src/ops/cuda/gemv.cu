@@ -2,11 +2,13 @@
 #include "ops/cuda/gemv.h"
 
 #include <algorithm>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
 #include "ops/cuda/cuda_common.h"
+#include "ops/cuda/gemv_stream.cuh"
 
 namespace ml4::cuda {
 namespace {
@@ -490,6 +492,74 @@ Status launch_tc(const TcArgs& a, dim3 grid, bool fp8, cudaStream_t stream) {
   return cuda_status(cudaGetLastError(), "gemv_tc_kernel");
 }
 
+
+// ---------------------------------------------------------------------------------------
+// CUDA-core weight stream for small M (gemv_stream.cuh): configuration and launch.
+// ---------------------------------------------------------------------------------------
+GemvStreamConfig g_stream;
+
+template <int M, int R, bool kTile>
+void launch_st_mr(const gemv_stream::StArgs& a, dim3 grid, bool fp8, int conv, size_t smem, cudaStream_t s) {
+  using namespace gemv_stream;
+  auto go = [&](auto kern) {
+    if (smem > 48 * 1024) cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    kern<<<grid, kStThreads, smem, s>>>(a);
+  };
+  if (!fp8)
+    go(gemv_stream_kernel<M, R, false, kConvF16Int, kTile>);
+  else if (conv == kConvF16Int)
+    go(gemv_stream_kernel<M, R, true, kConvF16Int, kTile>);
+  else if constexpr (!kTile) {  // the tile path has decodings 0 and 1
+    if (conv == kConvF32Int)
+      go(gemv_stream_kernel<M, R, true, kConvF32Int, false>);
+    else
+      go(gemv_stream_kernel<M, R, true, kConvF16Hw, false>);
+  } else {
+    go(gemv_stream_kernel<M, R, true, kConvF16Hw, true>);
+  }
+}
+
+// Rows per block. Register path: 4 (32 loads of 4 bytes in flight per thread) unless that
+// leaves fewer than ~16 blocks per SM. Tile path: 2, 4 or 8 rows, the most whose tile
+// stays <= 32 KB (several tiles in flight per SM).
+int stream_rows(int64_t N, int64_t K, bool fp8, bool tile) {
+  if (g_stream.rows == 2 || g_stream.rows == 4 || (tile && g_stream.rows == 8)) return g_stream.rows;
+  if (tile) {
+    const int64_t row_bytes = K * (fp8 ? 1 : 2);
+    return 8 * row_bytes <= 32768 ? 8 : 4 * row_bytes <= 32768 ? 4 : 2;
+  }
+  return N >= int64_t{16} * std::max(sm_count(), 1) ? 4 : 2;
+}
+
+// mt: tokens (1, 2, or more: passes of 4; the kernel stops at the real count).
+Status launch_stream(const gemv_stream::StArgs& a, int mt, unsigned slots, bool fp8, cudaStream_t s) {
+  const bool tile = g_stream.tile != 0;
+  const int R = stream_rows(a.N, a.K, fp8, tile);
+  const size_t smem = tile ? static_cast<size_t>(R) * a.K * (fp8 ? 1 : 2) : 0;
+  if (smem > 200 * 1024) return invalid_argument("gemv stream: {} x {} tile too large", R, a.K);
+  const dim3 grid(static_cast<unsigned>((a.N + R - 1) / R), slots, 1);
+  const int conv = g_stream.conv;
+  auto go = [&](auto m_tag) {
+    constexpr int M = decltype(m_tag)::value;
+    if (tile) {
+      R == 2 ? launch_st_mr<M, 2, true>(a, grid, fp8, conv, smem, s)
+      : R == 4 ? launch_st_mr<M, 4, true>(a, grid, fp8, conv, smem, s)
+               : launch_st_mr<M, 8, true>(a, grid, fp8, conv, smem, s);
+    } else {
+      R == 2 ? launch_st_mr<M, 2, false>(a, grid, fp8, conv, 0, s) : launch_st_mr<M, 4, false>(a, grid, fp8, conv, 0, s);
+    }
+  };
+  if (mt <= 1)
+    go(std::integral_constant<int, 1>{});
+  else if (mt <= 2)
+    go(std::integral_constant<int, 2>{});
+  else  // 3..8 tokens: passes of 4 (the CUDA-core stream's cost grows with M; 8 was measured 2-4x the
+    go(std::integral_constant<int, 4>{});  // tensor-core kernel at M = 8 and is not built)
+  return cuda_status(cudaGetLastError(), "gemv_stream_kernel");
+}
+
+int pow2_tokens(int64_t m) { return m <= 1 ? 1 : m <= 2 ? 2 : m <= 4 ? 4 : 8; }
+
 }  // namespace
 
 Status grouped_gemv(const GroupedGemvParams& p) {
@@ -505,6 +575,45 @@ Status grouped_gemv(const GroupedGemvParams& p) {
     if (reinterpret_cast<uintptr_t>(p.x) & 15u) return invalid_argument("grouped_gemv: x must be 16-byte aligned");
     const int slots = p.max_active + (p.extra_w ? 1 : 0);
     if (slots == 0) return Status::ok();
+    if (p.w_table2 && (!p.y2 || (fp8 && !p.s_table2) || (p.extra_w && !p.extra_w2) || (p.extra_w2 && fp8 && !p.extra_s2)))
+      return invalid_argument("grouped_gemv: bad second weight set");
+    if (p.max_expert_rows > 0 && p.max_expert_rows <= g_stream.grouped_max_rows &&
+        (fp8 || p.impl == GemvImpl::kStream) && p.impl != GemvImpl::kTensorCore) {
+      gemv_stream::StArgs a;
+      a.x = p.x;
+      a.N = p.N;
+      a.K = p.K;
+      a.y = p.y;
+      a.offsets = p.offsets;
+      a.active = p.active;
+      a.row_src = p.row_src;
+      a.w_table = p.w_table;
+      a.s_table = fp8 ? p.s_table : nullptr;
+      a.extra_w = p.extra_w;
+      a.extra_s = p.extra_s;
+      a.extra_rows = static_cast<int>(p.extra_rows);
+      a.extra_x_row0 = p.extra_x_row0;
+      a.extra_y_row0 = p.extra_y_row0;
+      a.slots = slots;
+      a.w_table2 = p.w_table2;
+      a.s_table2 = fp8 ? p.s_table2 : nullptr;
+      a.extra_w2 = p.extra_w2;
+      a.extra_s2 = p.extra_s2;
+      a.y2 = p.y2;
+      const unsigned grid_y = static_cast<unsigned>(slots * (p.w_table2 ? 2 : 1));
+      return launch_stream(a, pow2_tokens(p.max_expert_rows), grid_y, fp8, p.stream).with_context("grouped_gemv");
+    }
+    if (p.w_table2) {  // tensor-core path: one launch per weight set
+      GroupedGemvParams q = p;
+      q.w_table2 = nullptr;
+      ML4_RETURN_IF_ERROR(grouped_gemv(q));
+      q.w_table = p.w_table2;
+      q.s_table = p.s_table2;
+      q.extra_w = p.extra_w2;
+      q.extra_s = p.extra_s2;
+      q.y = p.y2;
+      return grouped_gemv(q);
+    }
     TcArgs a;
     a.x = p.x;
     a.N = p.N;
@@ -547,6 +656,9 @@ int64_t gemv_workspace_floats(int64_t M, int64_t N, int64_t K) { return int64_t{
 
 void gemv_set_l2_prefetch(int steps) { g_tc_prefetch = std::max(steps, 0); }
 
+void gemv_set_stream_config(const GemvStreamConfig& c) { g_stream = c; }
+GemvStreamConfig gemv_stream_config() { return g_stream; }
+
 Status gemv(const GemvParams& p) {
   if (p.M <= 0 || p.M > kGemvMaxM || p.N <= 0 || p.K <= 0)
     return invalid_argument("gemv: M={} (1..{}) N={} K={}", p.M, kGemvMaxM, p.N, p.K);
@@ -558,6 +670,17 @@ Status gemv(const GemvParams& p) {
   if (!p.x || !p.w || !p.y || (fp8 && !p.w_scale)) return invalid_argument("gemv: null pointer");
   if ((reinterpret_cast<uintptr_t>(p.x) | reinterpret_cast<uintptr_t>(p.w)) & 15u)
     return invalid_argument("gemv: x and w must be 16-byte aligned");
+  if (p.impl == GemvImpl::kStream || (p.impl == GemvImpl::kAuto && fp8 && p.M <= g_stream.max_m)) {
+    gemv_stream::StArgs a;
+    a.x = p.x;
+    a.N = p.N;
+    a.K = p.K;
+    a.w = static_cast<const uint8_t*>(p.w);
+    a.w_scale = p.w_scale;
+    a.y = p.y;
+    a.rows = static_cast<int>(p.M);
+    return launch_stream(a, pow2_tokens(p.M), 1, fp8, p.stream);
+  }
   const bool tc = p.impl == GemvImpl::kTensorCore || (p.impl == GemvImpl::kAuto && p.workspace != nullptr);
   if (tc) {
     int64_t Ks = 0;

@@ -34,8 +34,11 @@
 
 namespace ml4::cuda {
 
-// kAuto: kTensorCore with a workspace, the CUDA-core kernel without one.
-enum class GemvImpl { kAuto, kCudaCore, kTensorCore };
+// kAuto: FP8 with M <= gemv_stream_config().max_m: kStream; otherwise kTensorCore with a
+// workspace, the CUDA-core kernel without one. kStream: the CUDA-core weight stream
+// (gemv_stream.cuh: R rows per block, K split over the block, integer e4m3 decoding; no
+// workspace).
+enum class GemvImpl { kAuto, kCudaCore, kTensorCore, kStream };
 
 struct GemvParams {
   const float* x = nullptr;        // [M, K] f32, M <= 8
@@ -58,6 +61,19 @@ Status gemv(const GemvParams& p);
 
 // Benchmark knob: the tensor-core path's L2 prefetch distance in warp steps (default 0: off, measured faster).
 void gemv_set_l2_prefetch(int steps);
+
+// Where the CUDA-core weight stream (kStream) runs and how (benchmark/test knobs; the
+// defaults are the measured choice, docs/BENCHMARKS.md "FP8 decode GEMV, profiled").
+struct GemvStreamConfig {
+  int max_m = 2;             // kAuto: FP8 gemv with M <= max_m streams
+  int grouped_max_rows = 8;  // grouped_gemv: FP8 with max_expert_rows <= this streams
+  int conv = 1;              // e4m3 decoding: 0 integer -> f16, 1 cvt.e4m3x2 -> f16, 2 integer -> f32
+  int rows = 0;              // rows per block: 2, 4 (8: tile path only), or 0 (by shape)
+  int tile = 0;              // 1: the block's rows arrive by one bulk copy into shared memory
+                             // (decodings 0 and 1); 0: loaded straight into registers
+};
+void gemv_set_stream_config(const GemvStreamConfig& c);
+GemvStreamConfig gemv_stream_config();
 
 // Grouped GEMV for MoE decode, one launch, capturable in a CUDA graph (expert ids are read
 // on the device): y[i] = x[row_src[i]] W_{expert of row i}^T. Every expert has the same
@@ -87,6 +103,19 @@ struct GroupedGemvParams {
   const void* extra_w = nullptr;      // [N, K] or null
   const float* extra_s = nullptr;
   int64_t extra_rows = 0, extra_x_row0 = 0, extra_y_row0 = 0;
+  // Most rows any slot has (routed experts: <= T; the extra: extra_rows), or 0 (unknown).
+  // Known and small (gemv_stream_config().grouped_max_rows): the CUDA-core weight stream
+  // (FP8; bf16 only with impl = kStream), one block per (slot, 2-4 rows), all of a slot's
+  // rows per pass; otherwise the tensor-core kernel, one block per (slot, 128 rows).
+  int64_t max_expert_rows = 0;
+  GemvImpl impl = GemvImpl::kAuto;    // kTensorCore: never stream
+  // Optional second weight set over the same rows and x (MoE: w3 beside w1), y2 = x W2^T:
+  // one launch on the stream path (twice the slots), two launches on the tensor-core path.
+  const void* const* w_table2 = nullptr;
+  const float* const* s_table2 = nullptr;
+  const void* extra_w2 = nullptr;
+  const float* extra_s2 = nullptr;
+  float* y2 = nullptr;
 };
 Status grouped_gemv(const GroupedGemvParams& p);
 

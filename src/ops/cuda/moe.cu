@@ -384,8 +384,8 @@ Status moe_experts_forward_grouped(const MoeExpertTables& tb, const DeviceMlp* s
   }
   ML4_RETURN_IF_ERROR(moe_permute({ids, T, K, tb.E, s.offsets.as<int32_t>(), s.perm_token.as<int32_t>(),
                                    s.inv.as<int32_t>(), stream, s.active.as<int32_t>()}));
-  auto run = [&](const DeviceBuffer& table, const DeviceBuffer& stable, const DeviceLinear* extra, const float* in,
-                 const int32_t* row_src, int64_t N, int64_t Kd, int64_t extra_x_row0, float* y) {
+  auto params = [&](const DeviceBuffer& table, const DeviceBuffer& stable, const DeviceLinear* extra, const float* in,
+                    const int32_t* row_src, int64_t N, int64_t Kd, int64_t extra_x_row0, float* y) {
     GroupedGemvParams p;
     p.x = in;
     p.rows = n;
@@ -400,6 +400,7 @@ Status moe_experts_forward_grouped(const MoeExpertTables& tb, const DeviceMlp* s
     p.offsets = s.offsets.as<int32_t>();
     p.active = s.active.as<int32_t>();
     p.max_active = static_cast<int>(std::min<int64_t>(tb.E, n));
+    p.max_expert_rows = T;  // routed: <= T rows unless forced ids repeat (only picks the kernel); shared: T
     if (extra) {
       p.extra_w = extra->weight.data();
       p.extra_s = extra->scale.as<float>();
@@ -407,14 +408,27 @@ Status moe_experts_forward_grouped(const MoeExpertTables& tb, const DeviceMlp* s
       p.extra_x_row0 = extra_x_row0;
       p.extra_y_row0 = n;
     }
-    return grouped_gemv(p);
+    return p;
+  };
+  auto run = [&](const DeviceBuffer& table, const DeviceBuffer& stable, const DeviceLinear* extra, const float* in,
+                 const int32_t* row_src, int64_t N, int64_t Kd, int64_t extra_x_row0, float* y) {
+    return grouped_gemv(params(table, stable, extra, in, row_src, N, Kd, extra_x_row0, y));
   };
   float* g = s.g.as<float>();
   float* u = s.u.as<float>();
   float* y = s.y.as<float>();
   const int32_t* tok = s.perm_token.as<int32_t>();
-  ML4_RETURN_IF_ERROR(run(tb.w1, tb.s1, fused ? &shared->w1 : nullptr, x, tok, I, D, 0, g));
-  ML4_RETURN_IF_ERROR(run(tb.w3, tb.s3, fused ? &shared->w3 : nullptr, x, tok, I, D, 0, u));
+  {  // gate and up projections in one launch (two on the tensor-core path): same rows, same x
+    GroupedGemvParams p = params(tb.w1, tb.s1, fused ? &shared->w1 : nullptr, x, tok, I, D, 0, g);
+    p.w_table2 = static_cast<const void* const*>(tb.w3.data());
+    p.s_table2 = static_cast<const float* const*>(tb.s3.data());
+    if (fused) {
+      p.extra_w2 = shared->w3.weight.data();
+      p.extra_s2 = shared->w3.scale.as<float>();
+    }
+    p.y2 = u;
+    ML4_RETURN_IF_ERROR(grouped_gemv(p));
+  }
   const int64_t rows = n + (fused ? T : 0);
   ML4_RETURN_IF_ERROR(silu_mul({g, u, rows, I, 0, 0, g, nullptr, stream}));
   ML4_RETURN_IF_ERROR(run(tb.w2, tb.s2, fused ? &shared->w2 : nullptr, g, nullptr, D, I, n, y));

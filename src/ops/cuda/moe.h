@@ -105,9 +105,10 @@ Status mlp_forward_gemv(const DeviceMlp& m, const float* x, int64_t M, float* ou
 // Decode-shaped MoE (T*K <= the scratch's rows; meant for T up to ~128): the same
 // function as moe_experts_forward with f32 activations (no bf16/e4m3 rounding of x), in a
 // fixed number of launches with no host synchronization -- capturable. moe_permute sorts
-// the rows by expert on the device; three expert-grouped GEMVs (gemv.h) stream each
-// selected expert's weights once per 8 of its rows, the shared expert riding along as one
-// more slot of the same launches (its T rows 8 at a time) when it has the routed shape.
+// the rows by expert on the device; expert-grouped GEMVs (gemv.h; gate and up in one
+// launch on the CUDA-core stream path, T <= 8) stream each selected expert's weights once
+// per 8 of its rows, the shared expert riding along as one more slot of the same launches
+// (its T rows 8 at a time) when it has the routed shape.
 Status moe_experts_forward_grouped(const MoeExpertTables& tb, const DeviceMlp* shared, const float* x, int64_t T,
                                    const int32_t* ids, const float* weights, int K, float* out, MoeScratch& s,
                                    cudaStream_t stream);

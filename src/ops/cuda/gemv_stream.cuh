@@ -1,0 +1,352 @@
+// The CUDA-core weight-stream GEMV for small M (included by gemv.cu only; gemv.h has the
+// public API). Written for FP8 at M = 1..4 after a profile of the tensor-core path
+// (docs/BENCHMARKS.md "FP8 decode GEMV, profiled (engineer gemv3)").
+//
+// Layout: a block of kStWarps warps owns R consecutive weight rows (R * K contiguous bytes:
+// DRAM sees long sequential runs) and splits K among its threads: thread t reads 4 weights
+// (4 bytes e4m3 / 8 bytes bf16) at quad q = t + i * kStThreads, so one warp instruction
+// covers 128 consecutive k of one row (coalesced) and the 4 f32 x it needs are one float4
+// at lane stride 16 bytes (coalesced, through L1: x is read straight from global memory,
+// no staging, no barrier before the first weight load). All of a thread's loads for one
+// batch (kStU quads x R rows) are issued before any is used; the blocks are short and
+// many (N / R), so the SMs stay evenly loaded without a split-K workspace. The partial
+// sums meet in a fixed order (warp shuffle tree, then warps 0..kStWarps-1 in shared
+// memory): bit-deterministic.
+//
+// Exact e4m3 decoding, three variants (StConv; measured against each other):
+//   kConvF16Int: integer ops build an f16x2 holding two e4m3 values times 2^-8 exactly
+//     (sign to bit 15, the 7 magnitude bits to bits 13..7: f16's 5-bit exponent with bias
+//     15 vs e4m3's 4-bit with bias 7; e4m3 subnormals land on f16 subnormals), 7 integer
+//     ops per 4 weights, then the f16 -> f32 conversion (HADD2.F32); 2^8 goes into the
+//     block scale;
+//   kConvF16Hw: cvt.rn.f16x2.e4m3x2 (exact) then f16 -> f32;
+//   kConvF32Int: the 7 magnitude bits << 20 plus the sign read as an f32 are the value
+//     times 2^-120 exactly (subnormals land on f32 subnormals); x is scaled by 2^64 and
+//     the block scale by 2^56 so every product stays a normal f32 (exact for |x| < 2^64).
+// Every product x * w is exact in f32 and each 4-k partial is summed with f32 FMAs, then
+// multiplied by the (power-of-two adjusted) block scale with one f32 FMA: the same
+// arithmetic as cpu::linear up to summation order.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+namespace ml4::cuda::gemv_stream {
+
+constexpr int kStWarps = 4;
+constexpr int kStThreads = kStWarps * 32;
+// Blocks per SM the registers must allow: register path (M = 1: 128 registers, 16 warps
+// per SM), tile path (M = 1: 80 registers; shared memory allows ~6-9 tiles per SM).
+constexpr int kStMinBlocks(int m, bool tile) {
+  return tile ? (m <= 1 ? 6 : m <= 2 ? 4 : m <= 4 ? 3 : 2) : (m <= 1 ? 4 : m <= 4 ? 3 : 2);
+}
+
+// The tile path's bulk copy (cp.async.bulk, the copy engine: no registers, no per-thread
+// instructions) of a block's R whole rows into shared memory, completing on an mbarrier.
+__device__ __forceinline__ void tile_copy(void* smem, const void* gmem, uint32_t bytes, uint64_t* bar) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const uint32_t b = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(s),
+               "l"(gmem), "r"(bytes), "r"(b)
+               : "memory");
+}
+
+__device__ __forceinline__ void tile_wait(uint64_t* bar) {
+  const uint32_t b = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "WAIT%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], 0;\n"
+      "@!p bra WAIT%=;\n"
+      "}\n" ::"r"(b)
+      : "memory");
+}
+constexpr int kStU = 8;  // register path: quads per row per thread in one load batch
+constexpr int kTileU = 4;  // tile path: quads per row per thread per step (shared-memory reads)
+
+enum StConv { kConvF16Int = 0, kConvF16Hw = 1, kConvF32Int = 2 };
+
+struct StArgs {
+  const float* x = nullptr;
+  int64_t N = 0, K = 0;
+  const uint8_t* w = nullptr;
+  const float* w_scale = nullptr;
+  float* y = nullptr;
+  int rows = 0;  // gemv: M
+  // Grouped (offsets != null): blockIdx.y = slot, as in the tensor-core kernel.
+  const int32_t* offsets = nullptr;
+  const int32_t* active = nullptr;
+  const int32_t* row_src = nullptr;
+  const void* const* w_table = nullptr;
+  const float* const* s_table = nullptr;
+  const void* extra_w = nullptr;
+  const float* extra_s = nullptr;
+  int extra_rows = 0;
+  int64_t extra_x_row0 = 0, extra_y_row0 = 0;
+  // Second weight set (grouped only): slots [slots, 2 * slots) use these, writing y2.
+  int slots = 0;
+  const void* const* w_table2 = nullptr;
+  const float* const* s_table2 = nullptr;
+  const void* extra_w2 = nullptr;
+  const float* extra_s2 = nullptr;
+  float* y2 = nullptr;
+};
+
+// Block-scale multiplier that undoes each decoding's power-of-two offset.
+template <int kConv>
+constexpr float conv_mul() {
+  return kConv == kConvF16Int ? 256.0f : kConv == kConvF32Int ? 72057594037927936.0f /* 2^56 */ : 1.0f;
+}
+
+__device__ __forceinline__ float2 h2f2(uint32_t v) {
+  __half2 h;
+  *reinterpret_cast<uint32_t*>(&h) = v;
+  return __half22float2(h);
+}
+
+// 4 e4m3 (k order: byte 0..3) -> 4 f32, times 2^-8 / 1 / 2^-120 by kConv.
+template <int kConv>
+__device__ __forceinline__ void decode4(uint32_t w, float (&f)[4]) {
+  if constexpr (kConv == kConvF16Int) {
+    const uint32_t p02 = ((w << 7) & 0x3F803F80u) | ((w << 8) & 0x80008000u);  // bytes 0, 2
+    const uint32_t p13 = ((w >> 1) & 0x3F803F80u) | (w & 0x80008000u);         // bytes 1, 3
+    const float2 a = h2f2(p02), b = h2f2(p13);
+    f[0] = a.x;
+    f[1] = b.x;
+    f[2] = a.y;
+    f[3] = b.y;
+  } else if constexpr (kConv == kConvF16Hw) {
+    const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xFFFFu), __NV_E4M3);
+    const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3);
+    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&lo));
+    const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&hi));
+    f[0] = a.x;
+    f[1] = a.y;
+    f[2] = b.x;
+    f[3] = b.y;
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      f[i] = __int_as_float((static_cast<int32_t>(w << (24 - 8 * i)) >> 4) & static_cast<int32_t>(0x87F00000u));
+  }
+}
+
+__device__ __forceinline__ void decode4_bf16(uint2 w, float (&f)[4]) {
+  f[0] = __uint_as_float(w.x << 16);
+  f[1] = __uint_as_float(w.x & 0xFFFF0000u);
+  f[2] = __uint_as_float(w.y << 16);
+  f[3] = __uint_as_float(w.y & 0xFFFF0000u);
+}
+
+// grid: (ceil(N / R), slots). M: tokens per pass (runtime mrows <= M). kTile: the block's
+// rows arrive in shared memory by one bulk copy (dynamic shared memory R * K * element
+// bytes) and are read from there, once for all token passes; otherwise straight from
+// global memory into registers.
+template <int M, int R, bool kFp8, int kConv, bool kTile>
+__global__ void __launch_bounds__(kStThreads, kStMinBlocks(M, kTile)) gemv_stream_kernel(const StArgs a) {
+  using LoadT = std::conditional_t<kFp8, uint32_t, uint2>;
+  constexpr int U = kTile ? kTileU : kStU;
+  constexpr int64_t kEb = kFp8 ? 1 : 2;
+  constexpr float kMul = kFp8 ? conv_mul<kConv>() : 1.0f;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t N = a.N, K = a.K;
+
+  const uint8_t* w = a.w;
+  const float* w_scale = a.w_scale;
+  float* y = a.y;
+  int64_t r_begin = 0, r_end = a.rows, x_off = 0, y_off = 0;
+  const int32_t* xmap = nullptr;
+  if (a.offsets) {
+    int slot = blockIdx.y;
+    const bool second = a.w_table2 && slot >= a.slots;
+    if (second) {
+      slot -= a.slots;
+      y = a.y2;
+    }
+    const void* const* w_table = second ? a.w_table2 : a.w_table;
+    const float* const* s_table = second ? a.s_table2 : a.s_table;
+    if (a.extra_w) {
+      if (slot == 0) {
+        w = static_cast<const uint8_t*>(second ? a.extra_w2 : a.extra_w);
+        w_scale = second ? a.extra_s2 : a.extra_s;
+        r_end = a.extra_rows;
+        x_off = a.extra_x_row0;
+        y_off = a.extra_y_row0;
+      }
+      --slot;
+    }
+    if (slot >= 0) {
+      if (slot >= a.active[0]) return;  // block-uniform: before any barrier
+      const int e = a.active[1 + slot];
+      w = static_cast<const uint8_t*>(w_table[e]);
+      w_scale = s_table ? s_table[e] : nullptr;
+      r_begin = a.offsets[e];
+      r_end = a.offsets[e + 1];
+      xmap = a.row_src;
+    }
+  }
+  const int64_t n0 = blockIdx.x * int64_t{R};
+  if (n0 >= N || r_begin >= r_end) return;  // block-uniform
+  const int64_t nq = K / 4;  // quads per row
+  const int n_my = tid < nq ? static_cast<int>((nq - tid + kStThreads - 1) / kStThreads) : 0;
+  const float* srow = kFp8 ? w_scale + (n0 / 128) * (K / 128) : nullptr;
+  const LoadT* wrow[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    wrow[r] = reinterpret_cast<const LoadT*>(w + (min(n0 + r, N - 1) * K) * kEb);  // tail rows: read row N-1, unused
+  __shared__ float red[kStWarps][M * R];
+  extern __shared__ uint4 tile_smem[];
+  __shared__ uint64_t tile_bar;
+  const LoadT* tile = reinterpret_cast<const LoadT*>(tile_smem);  // [R][K / 4] LoadT
+  if constexpr (kTile) {
+    if (tid == 0) {
+      const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(&tile_bar));
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+      const int64_t rows = min(int64_t{R}, N - n0);
+      tile_copy(tile_smem, w + n0 * K * kEb, static_cast<uint32_t>(rows * K * kEb), &tile_bar);
+    }
+    __syncthreads();  // the barrier is initialized before anyone waits on it
+    tile_wait(&tile_bar);
+  }
+
+  for (int64_t p0 = r_begin; p0 < r_end; p0 += M) {
+    const int mrows = static_cast<int>(min(int64_t{M}, r_end - p0));
+    const float4* xr[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const int64_t i = p0 + min(m, mrows - 1);
+      const int64_t row = xmap ? int64_t{xmap[i]} : x_off + i;
+      xr[m] = reinterpret_cast<const float4*>(a.x + row * K);
+    }
+    float acc[M][R];
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+      for (int r = 0; r < R; ++r) acc[m][r] = 0.0f;
+
+    // Batch b = quads i in [b * U, (b + 1) * U) of this thread, all R rows.
+    // Addresses: per-thread bases plus a per-batch offset; within a batch every load is an
+    // immediate offset (u * kStThreads elements) from them.
+    auto load = [&](int b, LoadT (&wv)[U][R], float (&sc)[U]) {
+      const int rem = n_my - b * U;  // quads left in this batch
+      const int64_t ob = int64_t{b} * (U * kStThreads);
+      auto src = [&](int r) -> const LoadT* { return (kTile ? tile + r * nq : wrow[r]) + tid + ob; };
+      auto ld = [&](const LoadT* p) -> LoadT {
+        if constexpr (kTile) return *p; else return __ldcs(p);
+      };
+      const float* ps = kFp8 ? srow + (tid >> 5) + int64_t{b} * (U * kStThreads / 32) : nullptr;  // k/128 = q/32
+      if (rem >= U) {  // a full batch (every batch when K % 512 == 0): no predicates
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const LoadT* pw = src(r);
+#pragma unroll
+          for (int u = 0; u < U; ++u) wv[u][r] = ld(pw + u * kStThreads);
+        }
+        if constexpr (kFp8) {
+#pragma unroll
+          for (int u = 0; u < U; ++u) sc[u] = __ldg(ps + u * (kStThreads / 32)) * kMul;
+        }
+      } else {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const LoadT* pw = src(r);
+#pragma unroll
+          for (int u = 0; u < U; ++u) {
+            if (u < rem) {
+              wv[u][r] = ld(pw + u * kStThreads);
+            } else {
+              if constexpr (kFp8) wv[u][r] = 0u; else wv[u][r] = make_uint2(0u, 0u);
+            }
+          }
+        }
+        if constexpr (kFp8) {
+#pragma unroll
+          for (int u = 0; u < U; ++u) sc[u] = u < rem ? __ldg(ps + u * (kStThreads / 32)) * kMul : 0.0f;
+        }
+      }
+    };
+    auto compute = [&](int b, const LoadT (&wv)[U][R], const float (&sc)[U]) {
+      const int rem = n_my - b * U;
+      const int64_t ob = int64_t{b} * (U * kStThreads);
+      constexpr bool kEarlyX = M <= 2;  // the batch's x loads issued together (registers allow at M <= 2)
+      float4 xe[kEarlyX ? U : 1][kEarlyX ? M : 1];
+      if constexpr (kEarlyX) {
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          const float4* px = xr[m] + tid + ob;
+#pragma unroll
+          for (int u = 0; u < U; ++u)
+            xe[u][m] = u < rem && m < mrows ? __ldg(px + u * kStThreads) : make_float4(0, 0, 0, 0);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (u >= rem) break;
+        float wf[R][4];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          if constexpr (kFp8) decode4<kConv>(wv[u][r], wf[r]); else decode4_bf16(wv[u][r], wf[r]);
+        }
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          if (m >= mrows) break;
+          float4 xv;
+          if constexpr (kEarlyX) xv = xe[u][m]; else xv = __ldg(xr[m] + tid + ob + u * kStThreads);
+          if constexpr (kFp8 && kConv == kConvF32Int) {
+            constexpr float k64 = 18446744073709551616.0f;  // 2^64
+            xv.x *= k64;
+            xv.y *= k64;
+            xv.z *= k64;
+            xv.w *= k64;
+          }
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            float d = xv.x * wf[r][0];
+            d = fmaf(xv.y, wf[r][1], d);
+            d = fmaf(xv.z, wf[r][2], d);
+            d = fmaf(xv.w, wf[r][3], d);
+            if constexpr (kFp8) acc[m][r] = fmaf(d, sc[u], acc[m][r]); else acc[m][r] += d;
+          }
+        }
+      }
+    };
+    // One batch at a time: all of its loads issued, then used. (Two register buffers, the
+    // next batch in flight while this one is used, measured slower on the H200 -- 4 quads
+    // per buffer to fit the registers: fewer bytes in flight per warp than 8 at once.)
+    const int n_b = (n_my + U - 1) / U;
+    for (int b = 0; b < n_b; ++b) {
+      LoadT wv[U][R];
+      float sc[U];
+      load(b, wv, sc);
+      compute(b, wv, sc);
+    }
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        float v = acc[m][r];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (lane == 0) red[warp][m * R + r] = v;
+      }
+    __syncthreads();
+    if (tid < M * R) {
+      const int m = tid / R, r = tid % R;
+      if (m < mrows && n0 + r < N) {
+        float v = red[0][tid];
+#pragma unroll
+        for (int ww = 1; ww < kStWarps; ++ww) v += red[ww][tid];
+        y[(y_off + p0 + m) * N + n0 + r] = v;
+      }
+    }
+    __syncthreads();  // red is reused by the next token group
+  }
+}
+
+}  // namespace ml4::cuda::gemv_stream
