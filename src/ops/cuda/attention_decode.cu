@@ -98,7 +98,7 @@ constexpr int kChunks = kR / 16 + kDr / 8;  // 16-byte pieces of a key row to de
 constexpr int kTileItems = kKeys * kChunks;  // 1280 per tile
 constexpr int kMaxStages = 8;
 // Kernel mode bits (decode_mode()).
-constexpr int kModeIdxAhead = 1, kModeAsyncLoad = 2, kModeDiagNoMath = 4, kModeDiagNoDequant = 8;
+constexpr int kModeIdxAhead = 1, kModeAsyncLoad = 2, kModeDiagNoMath = 4, kModeDiagNoDequant = 8, kModeSpin = 16;
 constexpr bool kDefaultAsyncLoad = false;  // row loads: cp.async.bulk per row (false) or 16-byte cp.async
 // Powers of two of the fold: key tile e 2^-120, Q tile q 2^64, S factor s 2^56, P factor s 2^64,
 // output 2^56 / l.
@@ -167,10 +167,22 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t by
                "r"(bytes)
                : "memory");
 }
-// Waits until the phase of parity `parity` has completed.
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+// Waits until the phase of parity `parity` has completed: try_wait (the thread may be suspended
+// until the phase completes or a time limit passes) or, with spin, test_wait in a loop
+// (ML4_MLA_DECODE_SPIN=1, for comparison: no suspension, issue slots spent polling).
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity, bool spin) {
   const uint32_t a = smem_u32(bar);
   uint32_t done = 0;
+  if (spin) {
+    do {
+      asm volatile(
+          "{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+          : "=r"(done)
+          : "r"(a), "r"(parity)
+          : "memory");
+    } while (!done);
+    return;
+  }
   do {
     asm volatile(
         "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
@@ -381,6 +393,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* ls = reinterpret_cast<float*>(smem + L.ls);
   float* hs = reinterpret_cast<float*>(smem + L.hs);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const bool spin = mode & kModeSpin;
 
   const int n = a.index_lengths ? min(max(a.index_lengths[t], 0), a.topk) : a.topk;
   const int j0 = split * a.chunk;
@@ -407,8 +420,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int dtid = tid - 32 * (kWarps + 1);
       for (int i = 0; i < ntiles; ++i) {
         const int s = i % NS, b = i & 1;
-        mbar_wait(full + s, (i / NS) & 1);
-        if (i >= 2) mbar_wait(kempty + b, ((i >> 1) - 1) & 1);
+        mbar_wait(full + s, (i / NS) & 1, spin);
+        if (i >= 2) mbar_wait(kempty + b, ((i >> 1) - 1) & 1, spin);
         const uint32_t mask = masks[s];
         if (!(mode & kModeDiagNoDequant))
           dequant_tile<32 * kDeqWarps>(raw + s * kKeys * kRowBytes, kb + b * kKeys * kQP, fsb + b * kTiles * kKeys,
@@ -452,7 +465,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (v >= 0 && v < a.num_slots) slot = v;
       }
       const int s = i % NS;
-      if (i >= NS) mbar_wait(empty + s, ((i / NS) - 1) & 1);
+      if (i >= NS) mbar_wait(empty + s, ((i / NS) - 1) & 1, spin);
       const uint32_t m = __ballot_sync(0xffffffffu, slot >= 0);
       if (async_load) {
         // 16-byte cp.async, half a warp per row (41 pieces: 16 + 16 + 9 per lane group), each
@@ -538,7 +551,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   int ctiles = ntiles;
   if (mode & kModeDiagNoMath) {  // diagnostic: the load and dequantization pipeline alone
     for (int i = 0; i < ntiles; ++i) {
-      mbar_wait(kfull + (i & 1), (i >> 1) & 1);
+      mbar_wait(kfull + (i & 1), (i >> 1) & 1, spin);
       __syncwarp();
       if (lane == 0) mbar_arrive(kempty + (i & 1));
     }
@@ -549,7 +562,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const __nv_bfloat16* kt = kb + b * kKeys * kQP;
     const float* fs = fsb + b * kTiles * kKeys;
     const __nv_bfloat16* fb = fbb + b * kTiles * kKeys;
-    mbar_wait(kfull + b, (i >> 1) & 1);
+    mbar_wait(kfull + b, (i >> 1) & 1, spin);
     const uint32_t mask = kmask[b];
 
     // S partials (f32, [KS][HB][kSP]) with the tile scales folded in.
@@ -707,7 +720,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // Kernel mode bits from the environment, read once: ML4_MLA_DECODE_IDX_AHEAD=0 turns the index
-// look-ahead off; ML4_MLA_DECODE_LOAD=async|bulk picks the row loads; ML4_MLA_DECODE_DIAG=1
+// look-ahead off; ML4_MLA_DECODE_LOAD=async|bulk picks the row loads; ML4_MLA_DECODE_SPIN=1
+// polls the mbarriers with test_wait; ML4_MLA_DECODE_DIAG=1
 // skips the consumers' math, =2 also the dequantization (benchmark diagnostics: wrong outputs).
 int decode_mode() {
   static const int mode = [] {
@@ -719,6 +733,7 @@ int decode_mode() {
     if (env("ML4_MLA_DECODE_IDX_AHEAD")[0] != '0') m |= kModeIdxAhead;
     const std::string load = env("ML4_MLA_DECODE_LOAD");
     if (load == "async" || (load != "bulk" && kDefaultAsyncLoad)) m |= kModeAsyncLoad;
+    if (env("ML4_MLA_DECODE_SPIN")[0] == '1') m |= kModeSpin;
     const char d = env("ML4_MLA_DECODE_DIAG")[0];
     if (d == '1' || d == '2') m |= kModeDiagNoMath;
     if (d == '2') m |= kModeDiagNoDequant;
@@ -728,9 +743,14 @@ int decode_mode() {
 }
 
 // Ring stages that fit beside the fixed regions for HB heads per block.
+// ML4_MLA_DECODE_STAGES=n caps them (for comparison).
 int stages_for(int HB, int smem_limit) {
   const int MT = HB / 16;
-  int ns = kMaxStages;
+  static const int cap = [] {
+    const char* v = std::getenv("ML4_MLA_DECODE_STAGES");
+    return v ? std::clamp(std::atoi(v), 2, kMaxStages) : kMaxStages;
+  }();
+  int ns = cap;
   while (ns > 2 && smem_layout(MT, ns).total > smem_limit) --ns;
   return ns;
 }
