@@ -31,6 +31,25 @@ __device__ __forceinline__ uint32_t order_key(float f) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+// Writes, in position order from out[off], the positions of [lo, hi) whose keys are above thr
+// and the first eq_take whose keys equal it (positions and / or their cache slots).
+__device__ __forceinline__ void write_selected(const float* row, int lo, int hi, uint32_t thr, int eq_take,
+                                               int32_t* positions, int32_t* slots, const int32_t* bt, int64_t off) {
+  for (int i = lo; i < hi; ++i) {
+    const uint32_t u = order_key(row[i]);
+    bool take = u > thr;
+    if (!take && u == thr && eq_take > 0) {
+      take = true;
+      --eq_take;
+    }
+    if (take) {
+      if (positions) positions[off] = i;
+      if (slots) slots[off] = bt[i / kPageTokens] * kPageTokens + i % kPageTokens;
+      ++off;
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kThreads) topk_kernel(const float* __restrict__ scores, int64_t scores_stride,
                                                         const int32_t* __restrict__ lengths, int k,
                                                         int32_t* __restrict__ positions, int32_t* __restrict__ slots,
@@ -143,20 +162,7 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const float* __restrict_
     __syncthreads();
     const int eq_take = max(0, min(eq, take_eq - eq_before));
     Scan(scan_tmp).ExclusiveSum(gt + eq_take, take_before);
-    int o = take_before, eq_left = eq_take;
-    for (int i = lo; i < min(n, lo + seg); ++i) {
-      const uint32_t u = order_key(row[i]);
-      bool take = u > thr;
-      if (!take && u == thr && eq_left > 0) {
-        take = true;
-        --eq_left;
-      }
-      if (take) {
-        const int64_t off = t * out_stride + o++;
-        if (positions) positions[off] = i;
-        if (slots) slots[off] = bt[i / kPageTokens] * kPageTokens + i % kPageTokens;
-      }
-    }
+    write_selected(row, lo, min(n, lo + seg), thr, eq_take, positions, slots, bt, t * out_stride + take_before);
   }
   for (int i = kk + tid; i < k; i += kThreads) {
     if (positions) positions[t * out_stride + i] = -1;
@@ -376,20 +382,7 @@ __global__ void __launch_bounds__(kMbThreads) topk_mb_write_kernel(MbArgs a, int
   const int eq_take = max(0, min(eq, eq_block_take - eq_before));
   Scan(scan_tmp).ExclusiveSum(gt + eq_take, take_before);
   const int32_t* bt = slots ? block_table + static_cast<int64_t>(seq_of_token[t]) * bt_stride : nullptr;
-  int o = base_off + take_before, eq_left = eq_take;
-  for (int i = lo; i < hi; ++i) {
-    const uint32_t u = order_key(r.row[i]);
-    bool take = u > thr;
-    if (!take && u == thr && eq_left > 0) {
-      take = true;
-      --eq_left;
-    }
-    if (take) {
-      const int64_t off = t * out_stride + o++;
-      if (positions) positions[off] = i;
-      if (slots) slots[off] = bt[i / kPageTokens] * kPageTokens + i % kPageTokens;
-    }
-  }
+  write_selected(r.row, lo, hi, thr, eq_take, positions, slots, bt, t * out_stride + base_off + take_before);
 }
 
 }  // namespace
