@@ -141,29 +141,24 @@ int main(int argc, char** argv) {
           // "gemv-tc" = the register-pipelined tensor-core stream (L2 prefetch off, measured
           // slower), "st-cC-rR" = the CUDA-core weight stream (gemv_stream.cuh) with e4m3
           // decoding C (0 integer -> f16, 1 cvt -> f16, 2 integer -> f32; bf16: none) and R
-          // rows per block (0: chosen by shape), loading into registers; "tl-cC-rR" = the same
-          // kernel with each block's rows brought into shared memory by one bulk copy (the
-          // default). Bytes: W (+ FP8 scales) + f32 x + f32 y.
+          // rows per block. Bytes: W (+ FP8 scales) + f32 x + f32 y.
           auto gws = DeviceBuffer::alloc(gemv_workspace_floats(M, sh.N, sh.K) * 4);
           BENCH_CHECK(gws.status());
           const double gbytes = wbytes + (fp8 ? nb * kb * 4.0 : 0.0) + M * sh.K * 4.0 + M * sh.N * 4.0;
           struct V {
             GemvImpl impl;
-            int conv, rows, tile;
+            int conv, rows;
           };
           // (decoding 2, integer -> f32, measured slowest on the H200 at every shape: not listed)
-          std::vector<V> vs = {{GemvImpl::kCudaCore, 0, 0, 0}, {GemvImpl::kTensorCore, 0, 0, 0},
-                               {GemvImpl::kStream, 1, 4, 0}, {GemvImpl::kStream, 1, 2, 1},
-                               {GemvImpl::kStream, 1, 4, 1}, {GemvImpl::kStream, 1, 8, 1}};
-          if (fp8) vs.push_back({GemvImpl::kStream, 0, 0, 1});
-          if (profile_only)
-            vs = {{GemvImpl::kTensorCore, 0, 0, 0}, {GemvImpl::kStream, 1, 4, 0}, {GemvImpl::kStream, 1, 4, 1}};
+          std::vector<V> vs = {{GemvImpl::kCudaCore, 0, 0}, {GemvImpl::kTensorCore, 0, 0},
+                               {GemvImpl::kStream, 1, 2}, {GemvImpl::kStream, 1, 4}};
+          if (fp8) vs.push_back({GemvImpl::kStream, 0, 4});
+          if (profile_only) vs = {{GemvImpl::kTensorCore, 0, 0}, {GemvImpl::kStream, 1, 4}};
           const GemvStreamConfig saved = gemv_stream_config();
           for (const V& v : vs) {
             GemvStreamConfig c = saved;
             c.conv = v.conv;
             c.rows = v.rows;
-            c.tile = v.tile;
             gemv_set_stream_config(c);
             auto launch = [&](int i) {
               const int cc = i % copies;
@@ -173,7 +168,7 @@ int main(int argc, char** argv) {
             };
             char name[32];
             if (v.impl == GemvImpl::kStream)
-              std::snprintf(name, sizeof name, "%s-c%d-r%d", v.tile ? "tl" : "st", v.conv, v.rows);
+              std::snprintf(name, sizeof name, "st-c%d-r%d", v.conv, v.rows);
             else
               std::snprintf(name, sizeof name, "%s", v.impl == GemvImpl::kCudaCore ? "gemv-cc" : "gemv-tc");
             if (profile_only) {  // a few launches for the profiler, no timing

@@ -8,9 +8,8 @@
 // cores with a workspace (split-K), tensor cores without (one slice, several 1024-k x
 // chunks), kAuto with a workspace, and the CUDA-core kernel (null workspace); M = 1..8, N
 // tails (not a multiple of 16 / 128), bf16 K tails (not a multiple of 32), and the CUDA-core
-// weight stream (kStream: 2, 4 and 8 rows per block, each of its three exact e4m3
-// decodings, loading into registers or through bulk-copied shared-memory tiles; f32 FMAs
-// over 4-k partials times the block scale, the same bound). AllE4m3Codes
+// weight stream (kStream: 2 and 4 rows per block, each of its three exact e4m3 decodings;
+// f32 FMAs over 4-k partials times the block scale, the same bound). AllE4m3Codes
 // checks both kernels' e4m3 decoding on every finite code (subnormals, -0, +-448) bit for
 // bit: one-hot x makes every
 // output a single exact product (weight times a power-of-two block scale), so any variant
@@ -64,27 +63,23 @@ TEST(CudaGemv, MatchesCpuLinear) {
         const char* name;
         bool ws;
         GemvImpl impl;
-        int conv, rows, tile;  // stream kernel: e4m3 decoding, rows per block (0: by shape), bulk-copy tiles
+        int conv, rows;  // stream kernel: e4m3 decoding, rows per block (0: by N)
       };
       const GemvStreamConfig saved = gemv_stream_config();
-      for (const Variant v : {Variant{"tc+splitk", true, GemvImpl::kTensorCore, 0, 0, 0},
-                              Variant{"tc", false, GemvImpl::kTensorCore, 0, 0, 0},
-                              Variant{"cudacore", false, GemvImpl::kCudaCore, 0, 0, 0},
-                              Variant{"auto", false, GemvImpl::kAuto, 0, 0, 0},
-                              Variant{"auto+splitk", true, GemvImpl::kAuto, 0, 0, 0},
-                              Variant{"stream-c0r2", false, GemvImpl::kStream, 0, 2, 0},
-                              Variant{"stream-c0r4", false, GemvImpl::kStream, 0, 4, 0},
-                              Variant{"stream-c1", false, GemvImpl::kStream, 1, 0, 0},
-                              Variant{"stream-c2", false, GemvImpl::kStream, 2, 0, 0},
-                              Variant{"tile-c1", false, GemvImpl::kStream, 1, 0, 1},
-                              Variant{"tile-c0r2", false, GemvImpl::kStream, 0, 2, 1},
-                              Variant{"tile-c1r8", false, GemvImpl::kStream, 1, 8, 1}}) {
+      for (const Variant v : {Variant{"tc+splitk", true, GemvImpl::kTensorCore, 0, 0},
+                              Variant{"tc", false, GemvImpl::kTensorCore, 0, 0},
+                              Variant{"cudacore", false, GemvImpl::kCudaCore, 0, 0},
+                              Variant{"auto", false, GemvImpl::kAuto, 0, 0},
+                              Variant{"auto+splitk", true, GemvImpl::kAuto, 0, 0},
+                              Variant{"stream-c0r2", false, GemvImpl::kStream, 0, 2},
+                              Variant{"stream-c0r4", false, GemvImpl::kStream, 0, 4},
+                              Variant{"stream-c1", false, GemvImpl::kStream, 1, 0},
+                              Variant{"stream-c2", false, GemvImpl::kStream, 2, 0}}) {
         if (f == LinearFormat::kBF16 && v.impl == GemvImpl::kStream && v.conv != 1) continue;  // no e4m3 to decode
         GemvStreamConfig c = saved;  // kAuto variants: the defaults
         if (v.impl == GemvImpl::kStream) {
           c.conv = v.conv;
           c.rows = v.rows;
-          c.tile = v.tile;
         }
         gemv_set_stream_config(c);
         std::vector<std::vector<float>> runs;
@@ -136,12 +131,10 @@ TEST(CudaGemv, AllE4m3CodesExact) {
   auto ds = to_device(sc);
   auto ws = poisoned<float>(gemv_workspace_floats(M, N, K));
   const GemvStreamConfig saved = gemv_stream_config();
-  // tensor cores, CUDA cores, the register stream with each e4m3 decoding, the tile stream with decodings 0 and 1
-  for (int variant = 0; variant < 7; ++variant) {
+  for (int variant = 0; variant < 5; ++variant) {  // tensor cores, CUDA cores, the stream with each e4m3 decoding
     const GemvImpl impl = variant == 0 ? GemvImpl::kTensorCore : variant == 1 ? GemvImpl::kCudaCore : GemvImpl::kStream;
     GemvStreamConfig c = saved;
-    c.conv = variant < 5 ? std::max(variant - 2, 0) : variant - 5;
-    c.tile = variant >= 5 ? 1 : 0;
+    c.conv = std::max(variant - 2, 0);
     gemv_set_stream_config(c);
     for (bool use_ws : {true, false}) {
       auto dy = poisoned<float>(M * N);
@@ -157,8 +150,8 @@ TEST(CudaGemv, AllE4m3CodesExact) {
             ADD_FAILURE() << "impl " << static_cast<int>(impl) << " ws " << use_ws << " m " << m << " n " << n
                           << " code " << int{w[n * K + km[m]]} << ": " << y[m * N + n] << " want " << want;
         }
-      std::printf("gemv all-e4m3-codes impl=%d conv=%d tile=%d ws=%d: %d of %ld outputs differ (bound 0: exact)\n",
-                  static_cast<int>(impl), c.conv, c.tile, use_ws, bad, M * N);
+      std::printf("gemv all-e4m3-codes impl=%d conv=%d ws=%d: %d of %ld outputs differ (bound 0: exact)\n",
+                  static_cast<int>(impl), c.conv, use_ws, bad, M * N);
       EXPECT_EQ(bad, 0);
     }
   }

@@ -228,13 +228,12 @@ TEST(CudaMoe, ExpertsAndSharedVsCpu) {
         for (int64_t d = 0; d < D; ++d) ref2[t * D + d] += ys[d];
       }
       // path 0: grouped, default kernel choice; 1: grouped with the other grouped kernel
-      // (the CUDA-core stream turned off where it is the default, T <= 8, and on where it
-      // is not); 2: row-wise (T <= 8); 3: the stream with its other weight path (T <= 8).
+      // (the CUDA-core stream turned off where it is the default, T = 1, and on where it is
+      // not: T >= 3 then runs in passes of 4 rows); 2: row-wise (T <= 8).
       const GemvStreamConfig saved = gemv_stream_config();
-      for (int path = 0; path < (Tb <= kGemvMaxM ? 4 : 2); ++path) {
+      for (int path = 0; path < (Tb <= kGemvMaxM ? 3 : 2); ++path) {
         GemvStreamConfig c = saved;
         if (path == 1) c.grouped_max_rows = Tb <= saved.grouped_max_rows ? 0 : 1 << 20;
-        if (path == 3) c.tile = 1 - saved.tile;  // the stream's other weight path
         gemv_set_stream_config(c);
         std::vector<std::vector<float>> gr;
         for (int rep = 0; rep < 2; ++rep) {
@@ -252,8 +251,7 @@ TEST(CudaMoe, ExpertsAndSharedVsCpu) {
         const double e2 = rel_err(gr[0], ref2);
         gemv_set_stream_config(saved);
         std::printf("moe %s decode %s T=%ld rel_err=%.3g (bound 1e-5)\n",
-                    path == 0 ? "grouped" : path == 1 ? "grouped-other" : path == 2 ? "rowwise" : "grouped-tile/regs",
-                    linear_format_name(f), Tb, e2);
+                    path == 0 ? "grouped" : path == 1 ? "grouped-other" : "rowwise", linear_format_name(f), Tb, e2);
         EXPECT_LT(e2, 1e-5) << "T=" << Tb << " path " << path;
         EXPECT_EQ(0, std::memcmp(gr[0].data(), gr[1].data(), gr[0].size() * 4)) << "not deterministic";
       }

@@ -498,56 +498,34 @@ Status launch_tc(const TcArgs& a, dim3 grid, bool fp8, cudaStream_t stream) {
 // ---------------------------------------------------------------------------------------
 GemvStreamConfig g_stream;
 
-template <int M, int R, bool kTile>
-void launch_st_mr(const gemv_stream::StArgs& a, dim3 grid, bool fp8, int conv, size_t smem, cudaStream_t s) {
+template <int M, int R>
+void launch_st_mr(const gemv_stream::StArgs& a, dim3 grid, bool fp8, int conv, cudaStream_t s) {
   using namespace gemv_stream;
-  auto go = [&](auto kern) {
-    if (smem > 48 * 1024) cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    kern<<<grid, kStThreads, smem, s>>>(a);
-  };
   if (!fp8)
-    go(gemv_stream_kernel<M, R, false, kConvF16Int, kTile>);
+    gemv_stream_kernel<M, R, false, kConvF16Int><<<grid, kStThreads, 0, s>>>(a);
   else if (conv == kConvF16Int)
-    go(gemv_stream_kernel<M, R, true, kConvF16Int, kTile>);
-  else if constexpr (!kTile) {  // the tile path has decodings 0 and 1
-    if (conv == kConvF32Int)
-      go(gemv_stream_kernel<M, R, true, kConvF32Int, false>);
-    else
-      go(gemv_stream_kernel<M, R, true, kConvF16Hw, false>);
-  } else {
-    go(gemv_stream_kernel<M, R, true, kConvF16Hw, true>);
-  }
+    gemv_stream_kernel<M, R, true, kConvF16Int><<<grid, kStThreads, 0, s>>>(a);
+  else if (conv == kConvF32Int)
+    gemv_stream_kernel<M, R, true, kConvF32Int><<<grid, kStThreads, 0, s>>>(a);
+  else
+    gemv_stream_kernel<M, R, true, kConvF16Hw><<<grid, kStThreads, 0, s>>>(a);
 }
 
-// Rows per block. Register path: 4 (32 loads of 4 bytes in flight per thread) unless that
-// leaves fewer than ~16 blocks per SM. Tile path: 2, 4 or 8 rows, the most whose tile
-// stays <= 32 KB (several tiles in flight per SM).
-int stream_rows(int64_t N, int64_t K, bool fp8, bool tile) {
-  if (g_stream.rows == 2 || g_stream.rows == 4 || (tile && g_stream.rows == 8)) return g_stream.rows;
-  if (tile) {
-    const int64_t row_bytes = K * (fp8 ? 1 : 2);
-    return 8 * row_bytes <= 32768 ? 8 : 4 * row_bytes <= 32768 ? 4 : 2;
-  }
+// Rows per block: 4 (32 loads of 4 bytes in flight per thread) unless that leaves fewer
+// than ~16 blocks per SM.
+int stream_rows(int64_t N) {
+  if (g_stream.rows == 2 || g_stream.rows == 4) return g_stream.rows;
   return N >= int64_t{16} * std::max(sm_count(), 1) ? 4 : 2;
 }
 
 // mt: tokens (1, 2, or more: passes of 4; the kernel stops at the real count).
 Status launch_stream(const gemv_stream::StArgs& a, int mt, unsigned slots, bool fp8, cudaStream_t s) {
-  const bool tile = g_stream.tile != 0;
-  const int R = stream_rows(a.N, a.K, fp8, tile);
-  const size_t smem = tile ? static_cast<size_t>(R) * a.K * (fp8 ? 1 : 2) : 0;
-  if (smem > 200 * 1024) return invalid_argument("gemv stream: {} x {} tile too large", R, a.K);
+  const int R = stream_rows(a.N);
   const dim3 grid(static_cast<unsigned>((a.N + R - 1) / R), slots, 1);
   const int conv = g_stream.conv;
   auto go = [&](auto m_tag) {
     constexpr int M = decltype(m_tag)::value;
-    if (tile) {
-      R == 2 ? launch_st_mr<M, 2, true>(a, grid, fp8, conv, smem, s)
-      : R == 4 ? launch_st_mr<M, 4, true>(a, grid, fp8, conv, smem, s)
-               : launch_st_mr<M, 8, true>(a, grid, fp8, conv, smem, s);
-    } else {
-      R == 2 ? launch_st_mr<M, 2, false>(a, grid, fp8, conv, 0, s) : launch_st_mr<M, 4, false>(a, grid, fp8, conv, 0, s);
-    }
+    R == 2 ? launch_st_mr<M, 2>(a, grid, fp8, conv, s) : launch_st_mr<M, 4>(a, grid, fp8, conv, s);
   };
   if (mt <= 1)
     go(std::integral_constant<int, 1>{});

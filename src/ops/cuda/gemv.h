@@ -14,6 +14,10 @@
 //   (a variant streaming the weights through a per-warp cp.async shared-memory ring with an
 //   integer e4m3 -> bf16 conversion was measured 0-20% slower on the H200 and removed;
 //   docs/BENCHMARKS.md "GEMV ring kernel");
+//   CUDA-core weight stream (kStream; kAuto's choice for FP8 at M <= 2, gemv_stream.cuh):
+//   R = 2-4 rows per block, K split over the block's threads, 4-byte coalesced loads and
+//   exact e4m3 decoding (cvt.e4m3x2 -> f16 -> f32), f32 FMAs; no workspace (the H200
+//   profile and figures: docs/BENCHMARKS.md "FP8 decode GEMV, profiled (engineer gemv3)");
 //   CUDA-core path (null workspace, or GemvImpl::kCudaCore): the earlier kernel (one warp
 //   per R rows, f32 FMAs), kept for callers without a workspace and as the bench baseline.
 // Both match cpu::linear to f32 rounding (x f32 times exactly decoded W, f32 sums: only
@@ -66,11 +70,9 @@ void gemv_set_l2_prefetch(int steps);
 // defaults are the measured choice, docs/BENCHMARKS.md "FP8 decode GEMV, profiled").
 struct GemvStreamConfig {
   int max_m = 2;             // kAuto: FP8 gemv with M <= max_m streams
-  int grouped_max_rows = 8;  // grouped_gemv: FP8 with max_expert_rows <= this streams
+  int grouped_max_rows = 1;  // grouped_gemv: FP8 with max_expert_rows <= this streams (MoE T = 1)
   int conv = 1;              // e4m3 decoding: 0 integer -> f16, 1 cvt.e4m3x2 -> f16, 2 integer -> f32
-  int rows = 0;              // rows per block: 2, 4 (8: tile path only), or 0 (by shape)
-  int tile = 0;              // 1: the block's rows arrive by one bulk copy into shared memory
-                             // (decodings 0 and 1); 0: loaded straight into registers
+  int rows = 0;              // rows per block: 2, 4, or 0 (by N)
 };
 void gemv_set_stream_config(const GemvStreamConfig& c);
 GemvStreamConfig gemv_stream_config();
@@ -105,8 +107,8 @@ struct GroupedGemvParams {
   int64_t extra_rows = 0, extra_x_row0 = 0, extra_y_row0 = 0;
   // Most rows any slot has (routed experts: <= T; the extra: extra_rows), or 0 (unknown).
   // Known and small (gemv_stream_config().grouped_max_rows): the CUDA-core weight stream
-  // (FP8; bf16 only with impl = kStream), one block per (slot, 2-4 rows), all of a slot's
-  // rows per pass; otherwise the tensor-core kernel, one block per (slot, 128 rows).
+  // (FP8; bf16 only with impl = kStream), one block per (slot, 2-4 rows), a slot's rows 1, 2
+  // or 4 per pass; otherwise the tensor-core kernel, one block per (slot, 128 rows).
   int64_t max_expert_rows = 0;
   GemvImpl impl = GemvImpl::kAuto;    // kTensorCore: never stream
   // Optional second weight set over the same rows and x (MoE: w3 beside w1), y2 = x W2^T:

@@ -38,36 +38,10 @@ namespace ml4::cuda::gemv_stream {
 
 constexpr int kStWarps = 4;
 constexpr int kStThreads = kStWarps * 32;
-// Blocks per SM the registers must allow: register path (M = 1: 128 registers, 16 warps
-// per SM), tile path (M = 1: 80 registers; shared memory allows ~6-9 tiles per SM).
-constexpr int kStMinBlocks(int m, bool tile) {
-  return tile ? (m <= 1 ? 6 : m <= 2 ? 4 : m <= 4 ? 3 : 2) : (m <= 1 ? 4 : m <= 4 ? 3 : 2);
-}
+// Blocks per SM the registers must allow (M = 1: 128 registers, 16 warps per SM).
+constexpr int kStMinBlocks(int m) { return m <= 1 ? 4 : m <= 4 ? 3 : 2; }
 
-// The tile path's bulk copy (cp.async.bulk, the copy engine: no registers, no per-thread
-// instructions) of a block's R whole rows into shared memory, completing on an mbarrier.
-__device__ __forceinline__ void tile_copy(void* smem, const void* gmem, uint32_t bytes, uint64_t* bar) {
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  const uint32_t b = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes) : "memory");
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(s),
-               "l"(gmem), "r"(bytes), "r"(b)
-               : "memory");
-}
-
-__device__ __forceinline__ void tile_wait(uint64_t* bar) {
-  const uint32_t b = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "WAIT%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], 0;\n"
-      "@!p bra WAIT%=;\n"
-      "}\n" ::"r"(b)
-      : "memory");
-}
-constexpr int kStU = 8;  // register path: quads per row per thread in one load batch
-constexpr int kTileU = 4;  // tile path: quads per row per thread per step (shared-memory reads)
+constexpr int kStU = 8;  // quads per row per thread in one load batch
 
 enum StConv { kConvF16Int = 0, kConvF16Hw = 1, kConvF32Int = 2 };
 
@@ -143,14 +117,11 @@ __device__ __forceinline__ void decode4_bf16(uint2 w, float (&f)[4]) {
   f[3] = __uint_as_float(w.y & 0xFFFF0000u);
 }
 
-// grid: (ceil(N / R), slots). M: tokens per pass (runtime mrows <= M). kTile: the block's
-// rows arrive in shared memory by one bulk copy (dynamic shared memory R * K * element
-// bytes) and are read from there, once for all token passes; otherwise straight from
-// global memory into registers.
-template <int M, int R, bool kFp8, int kConv, bool kTile>
-__global__ void __launch_bounds__(kStThreads, kStMinBlocks(M, kTile)) gemv_stream_kernel(const StArgs a) {
+// grid: (ceil(N / R), slots). M: tokens per pass (runtime mrows <= M).
+template <int M, int R, bool kFp8, int kConv>
+__global__ void __launch_bounds__(kStThreads, kStMinBlocks(M)) gemv_stream_kernel(const StArgs a) {
   using LoadT = std::conditional_t<kFp8, uint32_t, uint2>;
-  constexpr int U = kTile ? kTileU : kStU;
+  constexpr int U = kStU;
   constexpr int64_t kEb = kFp8 ? 1 : 2;
   constexpr float kMul = kFp8 ? conv_mul<kConv>() : 1.0f;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -200,20 +171,6 @@ __global__ void __launch_bounds__(kStThreads, kStMinBlocks(M, kTile)) gemv_strea
   for (int r = 0; r < R; ++r)
     wrow[r] = reinterpret_cast<const LoadT*>(w + (min(n0 + r, N - 1) * K) * kEb);  // tail rows: read row N-1, unused
   __shared__ float red[kStWarps][M * R];
-  extern __shared__ uint4 tile_smem[];
-  __shared__ uint64_t tile_bar;
-  const LoadT* tile = reinterpret_cast<const LoadT*>(tile_smem);  // [R][K / 4] LoadT
-  if constexpr (kTile) {
-    if (tid == 0) {
-      const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(&tile_bar));
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
-      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-      const int64_t rows = min(int64_t{R}, N - n0);
-      tile_copy(tile_smem, w + n0 * K * kEb, static_cast<uint32_t>(rows * K * kEb), &tile_bar);
-    }
-    __syncthreads();  // the barrier is initialized before anyone waits on it
-    tile_wait(&tile_bar);
-  }
 
   for (int64_t p0 = r_begin; p0 < r_end; p0 += M) {
     const int mrows = static_cast<int>(min(int64_t{M}, r_end - p0));
@@ -236,10 +193,8 @@ __global__ void __launch_bounds__(kStThreads, kStMinBlocks(M, kTile)) gemv_strea
     auto load = [&](int b, LoadT (&wv)[U][R], float (&sc)[U]) {
       const int rem = n_my - b * U;  // quads left in this batch
       const int64_t ob = int64_t{b} * (U * kStThreads);
-      auto src = [&](int r) -> const LoadT* { return (kTile ? tile + r * nq : wrow[r]) + tid + ob; };
-      auto ld = [&](const LoadT* p) -> LoadT {
-        if constexpr (kTile) return *p; else return __ldcs(p);
-      };
+      auto src = [&](int r) -> const LoadT* { return wrow[r] + tid + ob; };
+      auto ld = [&](const LoadT* p) -> LoadT { return __ldcs(p); };
       const float* ps = kFp8 ? srow + (tid >> 5) + int64_t{b} * (U * kStThreads / 32) : nullptr;  // k/128 = q/32
       if (rem >= U) {  // a full batch (every batch when K % 512 == 0): no predicates
 #pragma unroll
@@ -316,9 +271,11 @@ __global__ void __launch_bounds__(kStThreads, kStMinBlocks(M, kTile)) gemv_strea
         }
       }
     };
-    // One batch at a time: all of its loads issued, then used. (Two register buffers, the
-    // next batch in flight while this one is used, measured slower on the H200 -- 4 quads
-    // per buffer to fit the registers: fewer bytes in flight per warp than 8 at once.)
+    // One batch at a time: all of its loads issued, then used. Measured slower on the H200
+    // (docs/BENCHMARKS.md "FP8 decode GEMV, profiled"): two register buffers of 4 quads (the
+    // next batch in flight while this one is used: fewer bytes in flight per warp than 8 at
+    // once), and a block's rows bulk-copied (cp.async.bulk) into shared memory first (the
+    // whole tile's latency exposed before any arithmetic).
     const int n_b = (n_my + U - 1) / U;
     for (int b = 0; b < n_b; ++b) {
       LoadT wv[U][R];
