@@ -1,6 +1,7 @@
 // The CUDA-core weight-stream GEMV for small M (included by gemv.cu only; gemv.h has the
-// public API). Written for FP8 at M = 1..4 after a profile of the tensor-core path
-// (docs/BENCHMARKS.md "FP8 decode GEMV, profiled (engineer gemv3)").
+// public API). Written for FP8 at M <= 2 (kAuto's use; M = 4 and up measured slower than
+// the tensor-core kernel) after a profile of the tensor-core path (docs/BENCHMARKS.md "FP8
+// decode GEMV, profiled (engineer gemv3)": 60% of copy in kernel time for wo vs 42%).
 //
 // Layout: a block of kStWarps warps owns R consecutive weight rows (R * K contiguous bytes:
 // DRAM sees long sequential runs) and splits K among its threads: thread t reads 4 weights
@@ -19,7 +20,8 @@
 //     15 vs e4m3's 4-bit with bias 7; e4m3 subnormals land on f16 subnormals), 7 integer
 //     ops per 4 weights, then the f16 -> f32 conversion (HADD2.F32); 2^8 goes into the
 //     block scale;
-//   kConvF16Hw: cvt.rn.f16x2.e4m3x2 (exact) then f16 -> f32;
+//   kConvF16Hw: cvt.rn.f16x2.e4m3x2 (exact) then f16 -> f32 -- the default, measured
+//     5-9% faster than kConvF16Int and 8-10% faster than kConvF32Int on the H200;
 //   kConvF32Int: the 7 magnitude bits << 20 plus the sign read as an f32 are the value
 //     times 2^-120 exactly (subnormals land on f32 subnormals); x is scaled by 2^64 and
 //     the block scale by 2^56 so every product stays a normal f32 (exact for |x| < 2^64).
