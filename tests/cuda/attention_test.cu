@@ -209,13 +209,8 @@ TEST(CudaMlaAttention, SparseMatchesCpuReference) {
 // a full block and a 32-head one) at T 5, topk 2048 over a 6144-row cache. Token rows
 // (by (t + H / 16) % 6): the full list; -1 holes and an out-of-range slot; index_length 1000;
 // length 1; length 63 (a partial tile); -1 padding from entry 1500 on. Bounds are the
-// kBf16TensorCore ones (bounds_for: q, keys and P rounded to bf16). The kernel folds the fp8
-// tile scales out of the key tile: its S uses e4m3 x scale exactly (one bf16 rounding fewer than
-// bounds_for assumes) and its PV rounds P, the bf16 scale and their product (three 2^-9 steps per
-// term, as its earlier key bf16(e) x bf16(s) rounded again had; with a single key, P = 1 and
-// only the scale's rounding is left), so the same bounds hold.
-// Automatic splits run twice (bit-identical) and a forced 3-way split once, each on poisoned
-// outputs and workspace.
+// kBf16TensorCore ones (bounds_for: q, keys and P rounded to bf16). Automatic splits run twice
+// (bit-identical) and a forced 3-way split once, each on poisoned outputs and workspace.
 TEST(CudaMlaAttention, SparseDecodeKernelMatchesCpuReference) {
   ML4_REQUIRE_GPU();
   std::mt19937 rng(11);
