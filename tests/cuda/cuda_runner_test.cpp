@@ -235,6 +235,9 @@ void graph_vs_eager(const std::string& preset) {
   }
   EXPECT_EQ(mismatched, 0);
   EXPECT_GT((*g)->graph_replays(), 0);
+  // The comparison above means something only if the indexer did overlap.
+  if ((*e)->config().has_dsa()) EXPECT_GT((*e)->overlapped_layers(), 0) << preset;
+  EXPECT_EQ((*sr)->overlapped_layers(), 0) << preset;
   std::printf("%s: decode graphs vs eager runner: worst rel_err %.3g (bound 1e-5), %d greedy mismatches, %zu graphs, "
               "%ld replays\n",
               preset.c_str(), worst, mismatched, (*g)->graphs_captured(), static_cast<long>((*g)->graph_replays()));

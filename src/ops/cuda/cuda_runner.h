@@ -94,6 +94,8 @@ class CudaRunner : public ModelRunner {
   Status read_cache_page(int group, int layer_slot, int64_t block, std::vector<uint8_t>* out) const;
   // Decode steps served by replaying a captured graph, and graphs held.
   int64_t graph_replays() const { return graph_replays_; }
+  // Layers whose indexer ran overlapped on the second stream (eager and captured steps).
+  int64_t overlapped_layers() const { return overlapped_layers_; }
   size_t graphs_captured() const { return graphs_.size(); }
   int64_t kv_bytes() const { return kv_bytes_; }
 
@@ -154,6 +156,7 @@ class CudaRunner : public ModelRunner {
   cudaStream_t side_stream_ = nullptr;
   cudaEvent_t ev_fork_ = nullptr, ev_qlat_ = nullptr, ev_join_ = nullptr;
   bool on_side_ = false;
+  int64_t overlapped_layers_ = 0;
   int64_t weight_bytes_ = 0, kv_bytes_ = 0, routed_expert_bytes_ = 0;
   uint64_t synthetic_seed_ = 0;  // non-zero: linears made on the device (load_synthetic)
   // This step's launch shape (padded in graph mode).

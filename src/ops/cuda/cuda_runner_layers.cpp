@@ -207,6 +207,7 @@ Status CudaRunner::attention(int l, const StepMetadata* md, float* out, ForwardT
   // normalized; joined before the q path, which needs the top-k counts (SSMax).
   const bool fork = overlap_indexer(l, trace);
   if (fork) {
+    ++overlapped_layers_;
     ML4_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_fork_, stream_));
     ML4_RETURN_IF_ERROR(on_side([&]() -> Status {
       ML4_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, ev_fork_, 0));

@@ -213,7 +213,7 @@ constexpr int kTcChunkK = 1024;          // k per staged x chunk: 48 KB of share
 constexpr int kTcMaxSplit = 16;
 constexpr int kTcTokens = 8;             // tokens (mma n) per pass
 
-struct TcArgs {
+struct TcArgs : gemv_stream::GroupedArgs {  // grouped: blockIdx.z = slot
   const float* x = nullptr;
   int64_t N = 0, K = 0;
   const uint8_t* w = nullptr;            // single matrix (gemv)
@@ -222,19 +222,24 @@ struct TcArgs {
   int64_t k_slice = 0;                   // K per blockIdx.y
   int64_t y_slice_stride = 0;            // floats between split-K slices of y
   int rows = 0;                          // gemv: M
-  // Grouped (offsets != null): blockIdx.z = slot; slot 0 is the extra (shared) expert
-  // when extra_w != null, the others index active[1 + j].
-  const int32_t* offsets = nullptr;      // [E + 1]
-  const int32_t* active = nullptr;       // [1 + E]: count, expert ids
-  const int32_t* row_src = nullptr;      // x row of permuted row i, or null (row i)
-  const void* const* w_table = nullptr;
-  const float* const* s_table = nullptr;
-  const void* extra_w = nullptr;
-  const float* extra_s = nullptr;
-  int extra_rows = 0;
-  int64_t extra_x_row0 = 0, extra_y_row0 = 0;
   int prefetch = 0;                      // L2 prefetch distance in steps beyond the register batch (0: off)
 };
+
+// The grouped fields of p (scales only for FP8).
+gemv_stream::GroupedArgs grouped_args(const GroupedGemvParams& p, bool fp8) {
+  gemv_stream::GroupedArgs g;
+  g.offsets = p.offsets;
+  g.active = p.active;
+  g.row_src = p.row_src;
+  g.w_table = p.w_table;
+  g.s_table = fp8 ? p.s_table : nullptr;
+  g.extra_w = p.extra_w;
+  g.extra_s = p.extra_s;
+  g.extra_rows = static_cast<int>(p.extra_rows);
+  g.extra_x_row0 = p.extra_x_row0;
+  g.extra_y_row0 = p.extra_y_row0;
+  return g;
+}
 
 // Bytes in flight beyond the registers: each lane asks L2 for its weights `prefetch` steps
 // ahead of the batch it loads (no register cost; the later load then hits L2). Off by
@@ -306,32 +311,15 @@ __global__ void __launch_bounds__(kTcWarps * 32, 2) gemv_tc_kernel(const TcArgs 
   const int64_t N = a.N, K = a.K;
 
   // Which matrix and which rows this block serves.
-  const uint8_t* w = a.w;
-  const float* w_scale = a.w_scale;
-  int64_t r_begin = 0, r_end = a.rows, x_off = 0, y_off = 0;
-  const int32_t* xmap = nullptr;
-  if (a.offsets) {
-    int slot = blockIdx.z;
-    if (a.extra_w) {
-      if (slot == 0) {
-        w = static_cast<const uint8_t*>(a.extra_w);
-        w_scale = a.extra_s;
-        r_end = a.extra_rows;
-        x_off = a.extra_x_row0;
-        y_off = a.extra_y_row0;
-      }
-      --slot;
-    }
-    if (slot >= 0) {
-      if (slot >= a.active[0]) return;  // block-uniform: before any barrier
-      const int e = a.active[1 + slot];
-      w = static_cast<const uint8_t*>(a.w_table[e]);
-      w_scale = a.s_table ? a.s_table[e] : nullptr;
-      r_begin = a.offsets[e];
-      r_end = a.offsets[e + 1];
-      xmap = a.row_src;
-    }
-  }
+  gemv_stream::SlotWork sw;
+  sw.w = a.w;
+  sw.w_scale = a.w_scale;
+  sw.r_end = a.rows;
+  if (a.offsets && !gemv_stream::grouped_slot(a, blockIdx.z, a.w_table, a.s_table, a.extra_w, a.extra_s, &sw)) return;
+  const uint8_t* w = sw.w;
+  const float* w_scale = sw.w_scale;
+  const int64_t r_begin = sw.r_begin, r_end = sw.r_end, x_off = sw.x_off, y_off = sw.y_off;
+  const int32_t* xmap = sw.xmap;
   const int64_t n0 = blockIdx.x * int64_t{kTcRows} + warp * 16;
   const bool warp_on = n0 < N;
   const int64_t row_a = n0 + g, row_b = n0 + g + 8;
@@ -558,20 +546,11 @@ Status grouped_gemv(const GroupedGemvParams& p) {
     if (p.max_expert_rows > 0 && p.max_expert_rows <= g_stream.grouped_max_rows &&
         (fp8 || p.impl == GemvImpl::kStream) && p.impl != GemvImpl::kTensorCore) {
       gemv_stream::StArgs a;
+      static_cast<gemv_stream::GroupedArgs&>(a) = grouped_args(p, fp8);
       a.x = p.x;
       a.N = p.N;
       a.K = p.K;
       a.y = p.y;
-      a.offsets = p.offsets;
-      a.active = p.active;
-      a.row_src = p.row_src;
-      a.w_table = p.w_table;
-      a.s_table = fp8 ? p.s_table : nullptr;
-      a.extra_w = p.extra_w;
-      a.extra_s = p.extra_s;
-      a.extra_rows = static_cast<int>(p.extra_rows);
-      a.extra_x_row0 = p.extra_x_row0;
-      a.extra_y_row0 = p.extra_y_row0;
       a.slots = slots;
       a.w_table2 = p.w_table2;
       a.s_table2 = fp8 ? p.s_table2 : nullptr;
@@ -593,21 +572,12 @@ Status grouped_gemv(const GroupedGemvParams& p) {
       return grouped_gemv(q);
     }
     TcArgs a;
+    static_cast<gemv_stream::GroupedArgs&>(a) = grouped_args(p, fp8);
     a.x = p.x;
     a.N = p.N;
     a.K = p.K;
     a.y = p.y;
     a.k_slice = p.K;
-    a.offsets = p.offsets;
-    a.active = p.active;
-    a.row_src = p.row_src;
-    a.w_table = p.w_table;
-    a.s_table = fp8 ? p.s_table : nullptr;
-    a.extra_w = p.extra_w;
-    a.extra_s = p.extra_s;
-    a.extra_rows = static_cast<int>(p.extra_rows);
-    a.extra_x_row0 = p.extra_x_row0;
-    a.extra_y_row0 = p.extra_y_row0;
     a.prefetch = g_tc_prefetch;
     const dim3 grid(static_cast<unsigned>((p.N + kTcRows - 1) / kTcRows), 1, static_cast<unsigned>(slots));
     return launch_tc(a, grid, fp8, p.stream).with_context("grouped_gemv");

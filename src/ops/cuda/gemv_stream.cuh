@@ -47,24 +47,61 @@ constexpr int kStU = 8;  // quads per row per thread in one load batch
 
 enum StConv { kConvF16Int = 0, kConvF16Hw = 1, kConvF32Int = 2 };
 
-struct StArgs {
-  const float* x = nullptr;
-  int64_t N = 0, K = 0;
-  const uint8_t* w = nullptr;
-  const float* w_scale = nullptr;
-  float* y = nullptr;
-  int rows = 0;  // gemv: M
-  // Grouped (offsets != null): blockIdx.y = slot, as in the tensor-core kernel.
-  const int32_t* offsets = nullptr;
-  const int32_t* active = nullptr;
-  const int32_t* row_src = nullptr;
+// The grouped-launch fields both GEMV kernels share (offsets != null): one block column per
+// slot; slot 0 is the extra (shared) expert when extra_w != null, the others index active[1 + j].
+struct GroupedArgs {
+  const int32_t* offsets = nullptr;      // [E + 1]
+  const int32_t* active = nullptr;       // [1 + E]: count, expert ids
+  const int32_t* row_src = nullptr;      // x row of permuted row i, or null (row i)
   const void* const* w_table = nullptr;
   const float* const* s_table = nullptr;
   const void* extra_w = nullptr;
   const float* extra_s = nullptr;
   int extra_rows = 0;
   int64_t extra_x_row0 = 0, extra_y_row0 = 0;
-  // Second weight set (grouped only): slots [slots, 2 * slots) use these, writing y2.
+};
+
+// What grouped slot `slot` serves, from one weight set (tables + extra expert): its matrix and
+// scales, its rows [r_begin, r_end) and where its x / y rows start. False: an inactive slot
+// (block-uniform, so the caller returns before any barrier).
+struct SlotWork {
+  const uint8_t* w = nullptr;
+  const float* w_scale = nullptr;
+  int64_t r_begin = 0, r_end = 0, x_off = 0, y_off = 0;
+  const int32_t* xmap = nullptr;
+};
+__device__ __forceinline__ bool grouped_slot(const GroupedArgs& g, int slot, const void* const* w_table,
+                                             const float* const* s_table, const void* extra_w, const float* extra_s,
+                                             SlotWork* sw) {
+  if (extra_w) {
+    if (slot == 0) {
+      sw->w = static_cast<const uint8_t*>(extra_w);
+      sw->w_scale = extra_s;
+      sw->r_end = g.extra_rows;
+      sw->x_off = g.extra_x_row0;
+      sw->y_off = g.extra_y_row0;
+      return true;
+    }
+    --slot;
+  }
+  if (slot >= g.active[0]) return false;
+  const int e = g.active[1 + slot];
+  sw->w = static_cast<const uint8_t*>(w_table[e]);
+  sw->w_scale = s_table ? s_table[e] : nullptr;
+  sw->r_begin = g.offsets[e];
+  sw->r_end = g.offsets[e + 1];
+  sw->xmap = g.row_src;
+  return true;
+}
+
+struct StArgs : GroupedArgs {
+  const float* x = nullptr;
+  int64_t N = 0, K = 0;
+  const uint8_t* w = nullptr;
+  const float* w_scale = nullptr;
+  float* y = nullptr;
+  int rows = 0;  // gemv: M
+  // Grouped: blockIdx.y = slot. Second weight set: slots [slots, 2 * slots) use these, writing y2.
   int slots = 0;
   const void* const* w_table2 = nullptr;
   const float* const* s_table2 = nullptr;
@@ -129,11 +166,11 @@ __global__ void __launch_bounds__(kStThreads, kStMinBlocks(M)) gemv_stream_kerne
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t N = a.N, K = a.K;
 
-  const uint8_t* w = a.w;
-  const float* w_scale = a.w_scale;
   float* y = a.y;
-  int64_t r_begin = 0, r_end = a.rows, x_off = 0, y_off = 0;
-  const int32_t* xmap = nullptr;
+  SlotWork sw;
+  sw.w = a.w;
+  sw.w_scale = a.w_scale;
+  sw.r_end = a.rows;
   if (a.offsets) {
     int slot = blockIdx.y;
     const bool second = a.w_table2 && slot >= a.slots;
@@ -141,28 +178,14 @@ __global__ void __launch_bounds__(kStThreads, kStMinBlocks(M)) gemv_stream_kerne
       slot -= a.slots;
       y = a.y2;
     }
-    const void* const* w_table = second ? a.w_table2 : a.w_table;
-    const float* const* s_table = second ? a.s_table2 : a.s_table;
-    if (a.extra_w) {
-      if (slot == 0) {
-        w = static_cast<const uint8_t*>(second ? a.extra_w2 : a.extra_w);
-        w_scale = second ? a.extra_s2 : a.extra_s;
-        r_end = a.extra_rows;
-        x_off = a.extra_x_row0;
-        y_off = a.extra_y_row0;
-      }
-      --slot;
-    }
-    if (slot >= 0) {
-      if (slot >= a.active[0]) return;  // block-uniform: before any barrier
-      const int e = a.active[1 + slot];
-      w = static_cast<const uint8_t*>(w_table[e]);
-      w_scale = s_table ? s_table[e] : nullptr;
-      r_begin = a.offsets[e];
-      r_end = a.offsets[e + 1];
-      xmap = a.row_src;
-    }
+    if (!grouped_slot(a, slot, second ? a.w_table2 : a.w_table, second ? a.s_table2 : a.s_table,
+                      second ? a.extra_w2 : a.extra_w, second ? a.extra_s2 : a.extra_s, &sw))
+      return;
   }
+  const uint8_t* w = sw.w;
+  const float* w_scale = sw.w_scale;
+  const int64_t r_begin = sw.r_begin, r_end = sw.r_end, x_off = sw.x_off, y_off = sw.y_off;
+  const int32_t* xmap = sw.xmap;
   const int64_t n0 = blockIdx.x * int64_t{R};
   if (n0 >= N || r_begin >= r_end) return;  // block-uniform
   const int64_t nq = K / 4;  // quads per row

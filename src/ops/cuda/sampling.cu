@@ -168,25 +168,8 @@ __device__ __forceinline__ ull cand_key(float l, int64_t id) {
 template <bool kVec, int J>
 __device__ __forceinline__ void load_groups(const float* __restrict__ row, int64_t V, int64_t q0, float (&v)[J][4]) {
   const int lane = threadIdx.x & 31;
-  const int64_t nq = (V + 3) >> 2;
 #pragma unroll
-  for (int j = 0; j < J; ++j) {
-    const int64_t q = q0 + j * 32 + lane;
-    if (kVec) {
-      if (q < nq) {
-        const float4 x = __ldg(reinterpret_cast<const float4*>(row) + q);
-        v[j][0] = x.x;
-        v[j][1] = x.y;
-        v[j][2] = x.z;
-        v[j][3] = x.w;
-      } else {
-        v[j][0] = v[j][1] = v[j][2] = v[j][3] = __int_as_float(0x7fc00000);
-      }
-    } else {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) v[j][c] = 4 * q + c < V ? __ldg(row + 4 * q + c) : __int_as_float(0x7fc00000);
-    }
-  }
+  for (int j = 0; j < J; ++j) rowblock::load_quad<kVec>(row, V, q0 + j * 32 + lane, v[j]);
 }
 
 template <bool kVec>

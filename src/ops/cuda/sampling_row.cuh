@@ -50,6 +50,26 @@ struct Cut {
   ull mass;  // integer weight of the kept prefix
 };
 
+// The 4 logits of group q (ids [4q, 4q + 4)); ids >= V read as NaN. kVec: one float4 load
+// (the caller checked the row's alignment and V).
+template <bool kVec>
+__device__ __forceinline__ void load_quad(const float* __restrict__ row, int64_t V, int64_t q, float (&v)[4]) {
+  if (kVec) {
+    if (q < ((V + 3) >> 2)) {
+      const float4 t = __ldg(reinterpret_cast<const float4*>(row) + q);
+      v[0] = t.x;
+      v[1] = t.y;
+      v[2] = t.z;
+      v[3] = t.w;
+    } else {
+      v[0] = v[1] = v[2] = v[3] = __int_as_float(0x7fc00000);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = 4 * q + j < V ? __ldg(row + 4 * q + j) : __int_as_float(0x7fc00000);
+  }
+}
+
 // Calls f(v[4], q) for groups q of 4 ids [4q, 4q + 4), with every thread of the block taking
 // the same number of trips (warp-collective code inside f sees full warps). Ids >= V hold NaN
 // and must be skipped by f. kUnroll groups are loaded before any is processed: one block
@@ -62,22 +82,7 @@ __device__ __forceinline__ void for_each_group(const float* __restrict__ row, in
     float v[kUnroll][4];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int64_t q = q0 + u * kThreads + threadIdx.x;
-      if (kVec) {
-        if (q < nq) {
-          const float4 t = __ldg(reinterpret_cast<const float4*>(row) + q);
-          v[u][0] = t.x;
-          v[u][1] = t.y;
-          v[u][2] = t.z;
-          v[u][3] = t.w;
-        } else {
-          v[u][0] = v[u][1] = v[u][2] = v[u][3] = __int_as_float(0x7fc00000);
-        }
-      } else {
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          v[u][j] = 4 * q + j < V ? __ldg(row + 4 * q + j) : __int_as_float(0x7fc00000);
-      }
+      load_quad<kVec>(row, V, q0 + u * kThreads + threadIdx.x, v[u]);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) f(v[u], q0 + u * kThreads + threadIdx.x);
@@ -110,26 +115,16 @@ __device__ __forceinline__ void block_argmax(Smem& sm, float& v, int64_t& i) {
   __syncthreads();
 }
 
-__device__ __forceinline__ double block_sum_f64(Smem& sm, double x) {
+// Block sum through one shared slot per warp (red: sm.red_d or sm.red_u), added in warp order.
+template <typename T>
+__device__ __forceinline__ T block_sum(T* red, T x) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  if (lane == 0) sm.red_d[warp] = x;
+  if (lane == 0) red[warp] = x;
   __syncthreads();
-  double t = 0.0;
-  for (int w = 0; w < kWarps; ++w) t += sm.red_d[w];
-  __syncthreads();
-  return t;
-}
-
-__device__ __forceinline__ ull block_sum_u64(Smem& sm, ull x) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  if (lane == 0) sm.red_u[warp] = x;
-  __syncthreads();
-  ull t = 0;
-  for (int w = 0; w < kWarps; ++w) t += sm.red_u[w];
+  T t = 0;
+  for (int w = 0; w < kWarps; ++w) t += red[w];
   __syncthreads();
   return t;
 }
@@ -319,8 +314,8 @@ __device__ int64_t sample_row(Smem& sm, const float* __restrict__ row, int64_t V
           if (p_on) z += sampling::fixed_weight(expf((v[j] - m) * inv_t));
         }
     });
-    lse_sum = block_sum_f64(sm, s);
-    z_all = block_sum_u64(sm, z);
+    lse_sum = block_sum(sm.red_d, s);
+    z_all = block_sum(sm.red_u, z);
   }
   *lse_out = lse_sum;
 

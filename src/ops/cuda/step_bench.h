@@ -13,8 +13,8 @@
 //           and the f32 scores written and read back)
 //   roofline = bytes / measured copy bandwidth (gpu_ceilings_bench).
 // With `extras`: the same steps returning logits, graphs vs eager at batch 1 (also on
-// ml4-tiny), a per-piece profile at batch 1 and 64, prefill
-// tokens/s.
+// ml4-tiny), the indexer overlapped vs serial at batch 1 / 8 / 64, a per-piece profile at
+// batch 1 and 64, prefill tokens/s.
 #pragma once
 
 #include <cstdint>
@@ -32,7 +32,7 @@ struct StepBenchOptions {
   bool extras = true;
 };
 
-// Prints STEP / STEP_LOGITS / GRAPHS / PROFILE / PREFILL lines to stdout.
+// Prints STEP / STEP_LOGITS / GRAPHS / OVERLAP / PROFILE / PREFILL lines to stdout.
 // Returns 0, or 1 when the model cannot be built (message on stderr).
 int run_step_bench(const StepBenchOptions& opt);
 
