@@ -58,6 +58,17 @@ Result<StepOutput> CpuRunner::execute_traced(const StepInput& in, ForwardTrace* 
   return out;
 }
 
+std::vector<KvRegion> CpuRunner::kv_regions() {
+  std::vector<KvRegion> out;
+  for (int g = 0; g < cache_->num_groups(); ++g) {
+    const auto& sg = spec_.groups[g];
+    if (cache_->num_blocks(g) <= 0) continue;
+    for (int slot = 0; slot < static_cast<int>(sg.layers.size()); ++slot)
+      out.push_back(KvRegion{g, slot, cache_->page(g, slot, 0), sg.page_bytes_per_layer(), cache_->num_blocks(g), false});
+  }
+  return out;
+}
+
 Result<std::unique_ptr<ModelRunner>> load_cpu_runner(const std::string& model_dir, const RunnerOptions& opts) {
   ML4_ASSIGN_OR_RETURN(auto r, CpuRunner::load(model_dir, opts));
   return std::unique_ptr<ModelRunner>(std::move(r));

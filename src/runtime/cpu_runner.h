@@ -29,6 +29,8 @@ class CpuRunner : public ModelRunner {
   // As execute(), also recording the forward's decisions (top-k sets, routed experts).
   Result<StepOutput> execute_traced(const StepInput& in, ForwardTrace* trace) override;
 
+  std::vector<KvRegion> kv_regions() override;
+
   const KvCacheSpec& kv_spec() const { return spec_; }
   PagedKvCache& cache() { return *cache_; }
   int64_t max_model_len() const { return max_model_len_; }

@@ -24,6 +24,18 @@ struct CacheGroupInfo {
   int64_t bytes_per_token = 0;  // summed over the group's layers
 };
 
+// The memory of one layer slot of one cache group: num_blocks pages of block_bytes each,
+// contiguous from base (block b at base + b * block_bytes). What a KV transport registers
+// (P/D, src/transfer/) and an offload pool mirrors. `device`: GPU memory (else host).
+struct KvRegion {
+  int group = 0;        // index into ModelRunner::cache_groups()
+  int layer_slot = 0;   // the layer's slot inside its group (LayerSpec::latent_slot, ...)
+  void* base = nullptr;
+  int64_t block_bytes = 0;
+  int64_t num_blocks = 0;
+  bool device = false;
+};
+
 struct RunnerOptions {
   std::string kv_cache_dtype = "fp8_ds_mla";  // fp8_ds_mla | fp8 | bf16
   int64_t kv_cache_bytes = 256ll << 20;       // KV memory budget, split across groups
@@ -48,6 +60,10 @@ class ModelRunner {
   // True when execute() honours SeqStep::device_sampling (fills StepOutput::sampled): the
   // engine then asks for device sampling for the sequences that need nothing more.
   virtual bool samples_on_device() const { return false; }
+  // The KV pages, one region per (group, layer slot); empty when the runner cannot expose
+  // them. Block ids are those of the step's block tables. Reading or writing a block that a
+  // running step uses is the caller's race to avoid (the engine moves KV between steps).
+  virtual std::vector<KvRegion> kv_regions() { return {}; }
 };
 
 }  // namespace ml4

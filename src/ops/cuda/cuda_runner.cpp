@@ -634,6 +634,19 @@ Status CudaRunner::read_cache_page(int group, int layer_slot, int64_t block, std
                      "read_cache_page");
 }
 
+std::vector<KvRegion> CudaRunner::kv_regions() {
+  std::vector<KvRegion> out;
+  for (size_t g = 0; g < spec_.groups.size(); ++g) {
+    const auto& sg = spec_.groups[g];
+    auto& pool = sg.kind == CacheGroupSpec::kLatent ? kv_ : sg.kind == CacheGroupSpec::kIndexer ? idx_kv_ : other_kv_;
+    if (group_blocks_[g] <= 0) continue;
+    for (size_t slot = 0; slot < pool.size() && slot < sg.layers.size(); ++slot)
+      out.push_back(KvRegion{static_cast<int>(g), static_cast<int>(slot), pool[slot].data(), sg.page_bytes_per_layer(),
+                             group_blocks_[g], true});
+  }
+  return out;
+}
+
 Status CudaRunner::fill_kv_synthetic(uint64_t seed) {
   uint64_t i = 0;
   for (auto* pool : {&kv_, &idx_kv_})

@@ -74,6 +74,7 @@ class CudaRunner : public ModelRunner {
   Result<StepOutput> execute_traced(const StepInput& in, ForwardTrace* trace) override;
   // Draws on the GPU (sampling.h) when every sequence of a step asks for device sampling.
   bool samples_on_device() const override { return true; }
+  std::vector<KvRegion> kv_regions() override;
 
   int64_t weight_bytes() const { return weight_bytes_; }
   // Bytes of all routed experts of all layers (the rest of weight_bytes is read every step).
