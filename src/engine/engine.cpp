@@ -5,7 +5,7 @@
 #include <chrono>
 
 #include "core/log.h"
-#include "engine/device_sampling.h"
+#include "ops/cpu/sampling.h"
 #include "engine/sampler.h"
 
 namespace ml4 {
@@ -22,7 +22,7 @@ uint64_t splitmix(uint64_t& s) {
   return z ^ (z >> 31);
 }
 
-// True when the device's sampler (engine/device_sampling.h) does all `r` needs for its next
+// True when the device's sampler (ops/cpu/sampling.h) does all `r` needs for its next
 // token: no penalty (they need the token history), no top-N logprobs (only the chosen
 // token's), and no min_tokens masking still active (EOS / stop ids would have to be masked).
 // Stop ids and EOS are checked after sampling either way, so they do not matter otherwise.

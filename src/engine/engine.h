@@ -16,7 +16,7 @@
 // drafts) carries SeqStep::device_sampling {its seed, counter = its output length}; the runner
 // returns StepOutput::sampled when every sequence with logits carries it, and otherwise the
 // engine draws those sequences on the host with the same counter-based generator
-// (engine/device_sampling.h). So a seeded request's tokens do not depend on its batch. The
+// (ops/cpu/sampling.h). So a seeded request's tokens do not depend on its batch. The
 // draws differ from the host Sampler's (a different generator): seeds reproduce per backend.
 //
 // A DSpark step later sets Request::spec_tokens; the step then carries 1 + k tokens and

@@ -10,23 +10,9 @@
 #include <optional>
 #include <vector>
 
-namespace ml4 {
+#include "ops/cpu/sampling.h"  // DeviceSamplingParams
 
-// What a runner that samples on its device (ModelRunner::samples_on_device()) needs to draw
-// one token from a row of logits. Semantics (engine/device_sampling.h, the host reference,
-// and ops/cuda/sampling.h): temperature <= 0: argmax (ties -> lower id); else
-// softmax(logits / temperature) restricted by top_k (0: off), then top_p (1: off, over the
-// top-k renormalised probabilities) and min_p (0: off), drawn with a counter-based generator
-// keyed by (seed, counter), so a draw depends on nothing else (batch, step, backend state).
-// A plain 32-byte struct: the CUDA runner copies an array of them to the device each step.
-struct DeviceSamplingParams {
-  float temperature = 1.0f;
-  int top_k = 0;
-  float top_p = 1.0f;
-  float min_p = 0.0f;
-  uint64_t seed = 0;
-  int64_t counter = 0;  // the engine passes the index of the token being sampled (output size)
-};
+namespace ml4 {
 
 // One sequence's share of a step.
 struct SeqStep {

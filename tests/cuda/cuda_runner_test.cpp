@@ -12,7 +12,7 @@
 #include <random>
 
 #include "cuda_test_util.h"
-#include "engine/device_sampling.h"
+#include "ops/cpu/sampling.h"
 #include "kv/latent_layout.h"
 #include "ops/cuda/cuda_runner.h"
 #include "runtime/test_models.h"
@@ -251,7 +251,7 @@ TEST(CudaRunner, DecodeGraphsMatchEager) {
 
 // Device sampling through the runner: a decode step whose sequences all ask for it returns
 // tokens (and logprobs) drawn on the GPU; the same step again without it (the step is
-// idempotent) returns the logits, and the host reference (engine/device_sampling.h, the
+// idempotent) returns the logits, and the host reference (ops/cpu/sampling.h, the
 // same Philox draw) must pick the same tokens. Logprobs agree to f32 rounding of a log-sum
 // over 512 logits (1e-4 absolute).
 TEST(CudaRunner, DeviceSamplingMatchesHostReference) {

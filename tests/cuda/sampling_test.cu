@@ -8,7 +8,7 @@
 //     top-k probabilities, min-p) keeps, and their total-variation distance to it is below
 //     E[TV] + t, E[TV] <= 1/2 sum_b sqrt(p_b / N) over the buckets b, and t = sqrt(ln(1e6) /
 //     (2N)) by McDiarmid (one draw moves TV by at most 1/N): a false failure has p < 1e-6;
-//   - the host reference engine/device_sampling.h (the engine's fallback): the same token on
+//   - the host reference ops/cpu/sampling.h (the engine's fallback): the same token on
 //     all but float-rounding flips (>= 97% of rows; a flip needs two Gumbel scores within a
 //     few ulps);
 //   - determinism: same (seed, counter) -> the same token and logprob bits, in any batch order.
@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "cuda_test_util.h"
-#include "engine/device_sampling.h"
+#include "ops/cpu/sampling.h"
 #include "engine/sampling_exact_dist.h"
 #include "ops/cpu/basic.h"
 #include "ops/cuda/sampling.h"

@@ -1,6 +1,6 @@
 // Device sampling through the engine, on the FakeRunner playing a runner that samples on its
 // device (tests/engine/fake_runner.h: device_sampling_), and the host reference of the device
-// contract (engine/device_sampling.h) against the exact distribution (CI has no GPU: this is
+// contract (ops/cpu/sampling.h) against the exact distribution (CI has no GPU: this is
 // where the contract's semantics are checked on every build).
 //   - greedy tokens and logprobs equal the host path's;
 //   - a seeded request gives the same tokens alone, in a batch, and when the runner returns
@@ -20,7 +20,7 @@
 #include <random>
 #include <set>
 
-#include "engine/device_sampling.h"
+#include "ops/cpu/sampling.h"
 #include "engine/engine.h"
 #include "engine/fake_runner.h"
 #include "engine/sampling_exact_dist.h"

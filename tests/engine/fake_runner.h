@@ -13,7 +13,7 @@
 // With device_sampling_ set it also plays a runner that samples on its device: it says so
 // (samples_on_device()) and, when every sequence with logits carries device_sampling, returns
 // StepOutput::sampled drawn by the host reference of the device contract
-// (engine/device_sampling.h) instead of the logits, as the CUDA runner does with its kernel.
+// (ops/cpu/sampling.h) instead of the logits, as the CUDA runner does with its kernel.
 #pragma once
 
 #include <atomic>
@@ -22,7 +22,7 @@
 #include <thread>
 #include <vector>
 
-#include "engine/device_sampling.h"
+#include "ops/cpu/sampling.h"
 #include "runtime/model_runner.h"
 
 namespace ml4::testing {

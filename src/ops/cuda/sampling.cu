@@ -23,7 +23,7 @@
 // be resolved inside the boundary bin(s), which is what the candidates are.
 #include "ops/cuda/sampling.h"
 
-#include "engine/device_sampling.h"
+#include "ops/cpu/sampling.h"
 #include "ops/cuda/cuda_common.h"
 #include "ops/cuda/sampling_row.cuh"
 

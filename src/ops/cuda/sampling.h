@@ -2,7 +2,7 @@
 // sampling contract (temperature, top-k, top-p, min-p, a seeded counter-based draw and the
 // chosen token's logprob) for every row of a [B, V] f32 logits array in one call.
 //
-// Semantics: engine/device_sampling.h (shared with the host reference the tests and the
+// Semantics: ops/cpu/sampling.h (shared with the host reference the tests and the
 // engine's fallback use). Ties go to the lower token id and NaN ranks below everything, as
 // cpu::topk.
 //
@@ -61,7 +61,7 @@
 #include <cuda_runtime.h>
 
 #include "core/status.h"
-#include "runtime/step.h"
+#include "ops/cpu/sampling.h"
 
 namespace ml4::cuda {
 

@@ -8,8 +8,8 @@
 
 #include <cstdint>
 
-#include "engine/device_sampling.h"
-#include "runtime/step.h"
+#include "ops/cpu/sampling.h"
+#include "ops/cpu/sampling.h"
 
 namespace ml4::cuda::rowblock {
 

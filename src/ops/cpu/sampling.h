@@ -1,8 +1,8 @@
 // Device sampling: the semantics a runner that samples on its device implements, shared
 // (header-only, host + CUDA) by the CUDA kernel (ops/cuda/sampling.cu), the engine's host
-// fallback and the tests' fake device runner.
+// fallback and the tests' fake device runner: the sampling op's reference (ops/cpu).
 //
-// One row of logits l[0..V) and a DeviceSamplingParams (runtime/step.h):
+// One row of logits l[0..V) and a DeviceSamplingParams (below):
 //   - m = max over the non-NaN logits; NaN ranks below everything (as cpu::topk).
 //   - temperature <= 0: the argmax, ties -> lower id.
 //   - else s_i = (l_i - m) * (1/T) and weights w_i = exp(s_i) in [0, 1]. Order the ids by
@@ -32,13 +32,31 @@
 #include <numeric>
 #include <vector>
 
-#include "runtime/step.h"
-
 #if defined(__CUDACC__)
 #define ML4_SAMPLING_HD __host__ __device__ __forceinline__
 #else
 #define ML4_SAMPLING_HD inline
 #endif
+
+namespace ml4 {
+
+// What a runner that samples on its device (ModelRunner::samples_on_device()) needs to draw
+// one token from a row of logits. Semantics (this file, the host reference, and
+// ops/cuda/sampling.h): temperature <= 0: argmax (ties -> lower id); else
+// softmax(logits / temperature) restricted by top_k (0: off), then top_p (1: off, over the
+// top-k renormalised probabilities) and min_p (0: off), drawn with a counter-based generator
+// keyed by (seed, counter), so a draw depends on nothing else (batch, step, backend state).
+// A plain 32-byte struct: the CUDA runner copies an array of them to the device each step.
+struct DeviceSamplingParams {
+  float temperature = 1.0f;
+  int top_k = 0;
+  float top_p = 1.0f;
+  float min_p = 0.0f;
+  uint64_t seed = 0;
+  int64_t counter = 0;  // the engine passes the index of the token being sampled (output size)
+};
+
+}  // namespace ml4
 
 namespace ml4::sampling {
 
