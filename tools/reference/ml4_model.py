@@ -52,6 +52,80 @@ def _tf():
     return Mistral4Config, DeepseekV32Config, m4, ds
 
 
+def rope_parameters(p: dict) -> dict:
+    """transformers' rope_parameters for params.json's rope_theta / yarn (Mistral4Config)."""
+    yarn = p.get("yarn")
+    rope_params = {"rope_type": "default", "rope_theta": float(p["rope_theta"])}
+    if yarn:
+        mscale_all_dim = float(yarn.get("mscale_all_dim", 1.0))
+        mscale = float(yarn.get("mscale", 1.0))
+        if not yarn.get("apply_scale", True):
+            mscale = mscale_all_dim  # no cos/sin magnitude, softmax mscale^2 stays (config_loader.cpp)
+        rope_params = {"rope_type": "yarn", "rope_theta": float(p["rope_theta"]), "factor": float(yarn["factor"]),
+                       "original_max_position_embeddings": int(yarn["original_max_position_embeddings"]),
+                       "beta_fast": float(yarn.get("beta", 32.0)), "beta_slow": float(yarn.get("alpha", 1.0)),
+                       "mscale": mscale, "mscale_all_dim": mscale_all_dim}
+    return rope_params
+
+
+def mistral4_config(p: dict):
+    """(Mistral4Config, rope_parameters) of an ML4 params.json without query LoRA.
+
+    Shared by Ml4Reference and tools/train (the training model takes its rotary tables and
+    softmax scale from the same transformers objects).
+    """
+    Mistral4Config, _, _, _ = _tf()
+    moe = p.get("moe", {})
+    rope_params = rope_parameters(p)
+    dn, dr = p["qk_nope_head_dim"], p["qk_rope_head_dim"]
+    cfg = Mistral4Config(
+        vocab_size=p["vocab_size"], hidden_size=p["dim"], intermediate_size=p["hidden_dim"],
+        moe_intermediate_size=moe.get("expert_hidden_dim", 1), num_hidden_layers=p["n_layers"],
+        num_attention_heads=p["n_heads"], num_key_value_heads=p["n_heads"], n_shared_experts=moe.get("num_shared_experts", 0),
+        n_routed_experts=moe.get("num_experts", 1), routed_scaling_factor=float(moe.get("routed_scale", 1.0)),
+        kv_lora_rank=p["kv_lora_rank"], q_lora_rank=None, qk_rope_head_dim=dr, v_head_dim=p["v_head_dim"],
+        qk_nope_head_dim=dn, n_group=moe.get("num_expert_groups", 1),
+        topk_group=moe.get("num_expert_groups_per_tok", 1), num_experts_per_tok=moe.get("num_experts_per_tok", 1),
+        first_k_dense_replace=moe.get("first_k_dense_replace", 0), norm_topk_prob=moe.get("norm_topk_prob", True),
+        rms_norm_eps=p["norm_eps"], max_position_embeddings=p["max_position_embeddings"],
+        rope_parameters=dict(rope_params, partial_rotary_factor=dr / (dn + dr)),
+    )
+    return cfg, rope_params
+
+
+def indexer_rotary_config(p: dict):
+    """The Mistral4Config whose rotary embedding is the indexer's: ix rope_head_dim dims with
+    the same theta / YaRN (ml4: one inverse-frequency table per rope width, CpuModel)."""
+    Mistral4Config, _, _, _ = _tf()
+    ix = p["indexer"]
+    ixr, ixd = ix["rope_head_dim"], ix["head_dim"]
+    return Mistral4Config(hidden_size=p["dim"], num_attention_heads=p["n_heads"], num_key_value_heads=p["n_heads"],
+                          q_lora_rank=None, kv_lora_rank=p["kv_lora_rank"], qk_rope_head_dim=ixr,
+                          qk_nope_head_dim=ixd - ixr, v_head_dim=p["v_head_dim"],
+                          max_position_embeddings=p["max_position_embeddings"],
+                          rope_parameters=dict(rope_parameters(p), partial_rotary_factor=ixr / ixd))
+
+
+def dequantize_fp8_blocks(t: dict) -> dict:
+    """FP8 128x128 block weights (docs/MODEL-FORMAT.md section 3) -> float32, scales dropped.
+
+    `X.weight` e4m3 [N, K] with `X.weight_scale_inv` f32 [ceil(N/128), ceil(K/128)], a
+    multiplier (DeepSeek layout): each value is e4m3 * its block's scale, rounded once to f32
+    as ml4's decode_weight_rows does.
+    """
+    out = {}
+    for k, v in t.items():
+        if k.endswith(".weight_scale_inv"):
+            continue
+        s = t.get(k[: -len(".weight")] + ".weight_scale_inv") if k.endswith(".weight") else None
+        if s is not None:
+            N, K = v.shape
+            full = s.to(torch.float32).repeat_interleave(128, 0)[:N].repeat_interleave(128, 1)[:, :K]
+            v = v.to(torch.float32) * full
+        out[k] = v
+    return out
+
+
 class LayerSpec:
     def __init__(self, index):
         self.index = index
@@ -117,30 +191,8 @@ class Ml4Reference(nn.Module):
         D, H = p["dim"], p["n_heads"]
         self.H, self.dn, self.dr, self.dv, self.r = H, p["qk_nope_head_dim"], p["qk_rope_head_dim"], p["v_head_dim"], p["kv_lora_rank"]
         moe = p.get("moe", {})
-        yarn = p.get("yarn")
-        rope_params = {"rope_type": "default", "rope_theta": float(p["rope_theta"])}
-        if yarn:
-            mscale_all_dim = float(yarn.get("mscale_all_dim", 1.0))
-            mscale = float(yarn.get("mscale", 1.0))
-            if not yarn.get("apply_scale", True):
-                mscale = mscale_all_dim  # no cos/sin magnitude, softmax mscale^2 stays (config_loader.cpp)
-            rope_params = {"rope_type": "yarn", "rope_theta": float(p["rope_theta"]), "factor": float(yarn["factor"]),
-                           "original_max_position_embeddings": int(yarn["original_max_position_embeddings"]),
-                           "beta_fast": float(yarn.get("beta", 32.0)), "beta_slow": float(yarn.get("alpha", 1.0)),
-                           "mscale": mscale, "mscale_all_dim": mscale_all_dim}
+        self.cfg, rope_params = mistral4_config(p)
         qk = self.dn + self.dr
-        self.cfg = Mistral4Config(
-            vocab_size=p["vocab_size"], hidden_size=D, intermediate_size=p["hidden_dim"],
-            moe_intermediate_size=moe.get("expert_hidden_dim", 1), num_hidden_layers=p["n_layers"],
-            num_attention_heads=H, num_key_value_heads=H, n_shared_experts=moe.get("num_shared_experts", 0),
-            n_routed_experts=moe.get("num_experts", 1), routed_scaling_factor=float(moe.get("routed_scale", 1.0)),
-            kv_lora_rank=self.r, q_lora_rank=None, qk_rope_head_dim=self.dr, v_head_dim=self.dv,
-            qk_nope_head_dim=self.dn, n_group=moe.get("num_expert_groups", 1),
-            topk_group=moe.get("num_expert_groups_per_tok", 1), num_experts_per_tok=moe.get("num_experts_per_tok", 1),
-            first_k_dense_replace=moe.get("first_k_dense_replace", 0), norm_topk_prob=moe.get("norm_topk_prob", True),
-            rms_norm_eps=p["norm_eps"], max_position_embeddings=p["max_position_embeddings"],
-            rope_parameters=dict(rope_params, partial_rotary_factor=self.dr / qk),
-        )
         self.rotary = m4.Mistral4RotaryEmbedding(self.cfg)
         assert self.rotary.inv_freq.numel() * 2 == self.dr, "MLA rotary width"
         self.scale = m4.yarn_apply_mscale(self.cfg.rope_parameters, qk**-0.5)
@@ -159,15 +211,12 @@ class Ml4Reference(nn.Module):
             )
             # The indexer rotates ix rope_head_dim dims with the same theta / YaRN (ml4: one
             # inverse-frequency table per rope width, CpuModel).
-            ixr, ixd = ix["rope_head_dim"], ix["head_dim"]
-            rc = Mistral4Config(hidden_size=D, num_attention_heads=H, num_key_value_heads=H, q_lora_rank=None,
-                                kv_lora_rank=self.r, qk_rope_head_dim=ixr, qk_nope_head_dim=ixd - ixr,
-                                v_head_dim=self.dv, max_position_embeddings=p["max_position_embeddings"],
-                                rope_parameters=dict(rope_params, partial_rotary_factor=ixr / ixd))
+            ixr = ix["rope_head_dim"]
+            rc = indexer_rotary_config(p)
             self.ix_rotary = m4.Mistral4RotaryEmbedding(rc)
             assert self.ix_rotary.inv_freq.numel() * 2 == ixr, "indexer rotary width"
 
-        t = load_file(os.path.join(model_dir, "consolidated.safetensors"))
+        t = dequantize_fp8_blocks(load_file(os.path.join(model_dir, "consolidated.safetensors")))
         t = {k: v.to(torch.float64) for k, v in t.items()}
         used = set()
 
@@ -195,7 +244,11 @@ class Ml4Reference(nn.Module):
 
         self.embed = take("tok_embeddings.weight")
         self.norm = rms("norm.weight", D)
-        self.output = linear("output.weight")
+        if p.get("tied_embeddings"):
+            self.output = nn.Linear(D, p["vocab_size"], bias=False, dtype=torch.float64)
+            self.output.weight.data.copy_(self.embed)
+        else:
+            self.output = linear("output.weight")
         self.layers = nn.ModuleList()
         for s in self.specs:
             pre = f"layers.{s.index}."
