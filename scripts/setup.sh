@@ -20,3 +20,16 @@ if ! python3 -c "import openai, pytest" >/dev/null 2>&1; then
   echo "setup: installing openai and pytest"
   python3 -m pip install -q openai pytest || python3 -m pip install -q --break-system-packages openai pytest
 fi
+
+# UCX for the P/D KV transport (src/transfer/): the PyPI wheel, into .venv/ucx where CMake
+# looks for it (CMakeLists.txt, ML4_UCX_ROOT). Not Debian's libucx-dev 1.13: slow same-host
+# RMA and a deadlock when a target stops progressing (FIELD-NOTES.md).
+UCX_VERSION=1.22.0
+UCX_DIR="$(cd "$(dirname "$0")/.." && pwd)/.venv/ucx"
+if [ "$(cat "$UCX_DIR/libucx/UCX_WHEEL_VERSION.txt" 2>/dev/null | head -c ${#UCX_VERSION})" != "$UCX_VERSION" ] ||
+   [ ! -f "$UCX_DIR/libucx/lib/cmake/ucx/ucx-config.cmake" ]; then
+  echo "setup: installing libucx-cu13==$UCX_VERSION into $UCX_DIR"
+  rm -rf "$UCX_DIR"
+  python3 -m pip install -q --no-deps --target "$UCX_DIR" "libucx-cu13==$UCX_VERSION" ||
+    python3 -m pip install -q --no-deps --break-system-packages --target "$UCX_DIR" "libucx-cu13==$UCX_VERSION"
+fi
