@@ -135,7 +135,7 @@ TEST(Linear, F32AllShapes) {
 }
 
 TEST(Linear, BF16RaggedShapes) {
-  for (int64_t M : {1, 3, 17}) {
+  for (int64_t M : {1, 3, 5, 17}) {
     check_linear(LinearFormat::kBF16, M, 37, 300, 21);
     check_linear(LinearFormat::kBF16, M, 130, 259, 22);
   }
@@ -143,7 +143,10 @@ TEST(Linear, BF16RaggedShapes) {
 }
 
 TEST(Linear, FP8BlockRaggedShapes) {
-  for (int64_t M : {1, 3, 17}) check_linear(LinearFormat::kFP8Block, M, 200, 300, 31);
+  // M 1-4: the GEMV on stored bytes; M >= 5: decoded tiles (GEMM), whose row groups of
+  // 72 rows at K = 300 straddle the scale-block row 128.
+  for (int64_t M : {1, 3, 5, 17}) check_linear(LinearFormat::kFP8Block, M, 200, 300, 31);
+  check_linear(LinearFormat::kFP8Block, 9, 260, 1040, 33);  // several 128-blocks, tail-free K
   check_linear(LinearFormat::kFP8Block, 2, 129, 129, 32);  // one element past a block
 }
 
@@ -267,18 +270,53 @@ TEST(Linear, DecodeCoversEveryCode) {
 // thread split), and repeated calls are identical. The runtime's batch/chunk invariance
 // tests rely on this.
 TEST(Linear, BatchInvariantAndDeterministic) {
-  for (LinearFormat f : {LinearFormat::kBF16, LinearFormat::kFP8Block, LinearFormat::kNVFP4}) {
-    TestWeight t = make_weight(f, 203, 512, 71);
-    const int64_t M = 17;
-    auto x = test::random_floats(M * 512, 72);
-    std::vector<float> y(M * 203), y2(M * 203), row(203);
-    linear(x.data(), M, t.w, y.data());
-    linear(x.data(), M, t.w, y2.data());
-    EXPECT_EQ(y, y2);
-    for (int64_t m : {0, 7, 16}) {
-      linear(x.data() + m * 512, 1, t.w, row.data());
-      for (int64_t n = 0; n < 203; ++n)
-        ASSERT_EQ(f32_to_bits(row[n]), f32_to_bits(y[m * 203 + n])) << "m=" << m << " n=" << n;
+  // Every M crosses a path or tile boundary: GEMV (M <= 4, rows in pairs) and the GEMM
+  // tiles (4 rows at a time) against the same row computed alone.
+  for (LinearFormat f : {LinearFormat::kF32, LinearFormat::kBF16, LinearFormat::kFP8Block, LinearFormat::kNVFP4,
+                         LinearFormat::kMXFP4}) {
+    SCOPED_TRACE(testing::Message() << "format " << static_cast<int>(f));
+    const int64_t K = 512 + 13 * (f == LinearFormat::kF32 || f == LinearFormat::kBF16 || f == LinearFormat::kFP8Block);
+    TestWeight t = make_weight(f, 203, f == LinearFormat::kNVFP4 || f == LinearFormat::kMXFP4 ? 512 : K, 71);
+    const int64_t Kw = t.w.in_features;
+    std::vector<float> row(203);
+    for (int64_t M : {2, 3, 4, 5, 8, 17}) {
+      auto x = test::random_floats(M * Kw, 72 + static_cast<uint32_t>(M));
+      std::vector<float> y(M * 203), y2(M * 203);
+      linear(x.data(), M, t.w, y.data());
+      linear(x.data(), M, t.w, y2.data());
+      EXPECT_EQ(y, y2);
+      for (int64_t m = 0; m < M; ++m) {
+        linear(x.data() + m * Kw, 1, t.w, row.data());
+        for (int64_t n = 0; n < 203; ++n)
+          ASSERT_EQ(f32_to_bits(row[n]), f32_to_bits(y[m * 203 + n])) << "M=" << M << " m=" << m << " n=" << n;
+      }
+    }
+  }
+}
+
+// An e4m3 NaN code (0x7f / 0xff) in a weight row makes exactly that row's outputs NaN, on
+// the GEMV path (M = 1, whose fast decoder does not produce NaN by itself) and the GEMM
+// path (M = 6); the other rows keep their exact results.
+TEST(Linear, FP8NanCodePropagatesToItsRowOnly) {
+  const int64_t N = 140, K = 264;
+  for (uint8_t code : {uint8_t{0x7f}, uint8_t{0xff}}) {
+    TestWeight t = make_weight(LinearFormat::kFP8Block, N, K, 81);
+    TestWeight clean = make_weight(LinearFormat::kFP8Block, N, K, 81);
+    const int64_t bad_row = 130, bad_k = 37;
+    t.w.weight.mutable_as<uint8_t>()[bad_row * K + bad_k] = code;
+    for (int64_t M : {1, 6}) {
+      auto x = test::random_floats(M * K, 82);
+      std::vector<float> y(M * N), yc(M * N);
+      linear(x.data(), M, t.w, y.data());
+      linear(x.data(), M, clean.w, yc.data());
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) {
+          if (n == bad_row) {
+            EXPECT_TRUE(std::isnan(y[m * N + n])) << "M=" << M << " m=" << m;
+          } else {
+            ASSERT_EQ(f32_to_bits(y[m * N + n]), f32_to_bits(yc[m * N + n])) << "M=" << M << " m=" << m << " n=" << n;
+          }
+        }
     }
   }
 }

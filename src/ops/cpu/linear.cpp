@@ -1,32 +1,48 @@
-// linear: see linear.h. Two paths, both ending in one register-tiled kernel (2 rows of
-// x by 4 rows of W, 8 f32 lanes, FMA accumulation, all M rows per weight tile):
-//   f32 / bf16: stored rows are read directly (bf16 -> f32 is a shift, cheaper than a
-//     round trip through a buffer); at M = 1 this is bound by memory bandwidth.
-//   FP8 / NVFP4 / MXFP4: tiles of whole rows decoded once into an L2-sized f32 buffer.
-// Work is split over N. A K-blocked variant (64 x 256 f32 tiles, y accumulated over K
-// blocks) was measured on the 2-core dev machine for M in {17, 64, 512} and was not
-// faster than this, so it is not kept; large-M prefill on the CPU is not a goal (S3).
+// linear: see linear.h. The kernels and their order contract are in linear_kernels.h.
+//
+// Two paths, chosen by M and the format; both follow the same per-element summation
+// order, so row m of a batched call is bit-identical to the row computed alone:
+//   GEMV (bf16 / FP8 with M <= kDirectMaxM, f32 at any M): the stored rows are read once
+//     and decoded in registers (bf16: one AND and one shift per 16 values; FP8: e4m3 ->
+//     f16 bits -> F16C, times the block scale), 4 weight rows x up to 2 activation rows
+//     per register tile. At M = 1 this is bound by memory bandwidth: nothing but the
+//     weight stream touches DRAM (x, a few KiB, stays in L1).
+//   GEMM (bf16 / FP8 with M > kDirectMaxM; NVFP4 / MXFP4 at any M): each worker decodes
+//     a group of weight rows once to f32 (in the contract's lane order) into a buffer that
+//     stays in L1/L2, then runs a 4 x 3 register tile (12 accumulators, 3 weight vectors:
+//     12 FMAs per 7 loads) over every activation row. Each weight element is decoded once
+//     per call whatever M is, and the whole x (M x K f32, a few MiB at most for a prefill
+//     chunk) streams from L2/L3 once per row group.
+// Work is split over N with parallel_for (core/threads.h); no allocation per call once a
+// thread's buffers have grown to the largest shape (thread_local, reused).
 //
 // Decoding is exact except one f32 rounding where a block scale multiplies a value
 // (FP8: e4m3 * f32 scale; NVFP4: (e2m1 * e4m3) * global; MXFP4 is exact, e2m1 * 2^e).
+// Summation: f32 FMAs in the order of linear_kernels.h; tests/ops/linear_test.cpp bounds
+// every element by (K + 2) u sum |x w| (Higham 3.1, any order) against an f64 reference.
 #include "ops/cpu/linear.h"
 
 #include <algorithm>
 #include <array>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
-
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define ML4_LINEAR_AVX2 1
-#endif
 
 #include "core/log.h"
 #include "core/threads.h"
+#include "ops/cpu/linear_kernels.h"
 
 namespace ml4::cpu {
 namespace {
+
+using kernels::dot_tile_bf16;
+using kernels::dot_tile_f32;
+
+// Largest M that the GEMV path takes for bf16 / FP8 (above it, decode once + GEMM tile).
+constexpr int64_t kDirectMaxM = 4;
+// GEMM tile: activation rows x weight rows.
+constexpr int kTileM = 4, kTileN = 3;
 
 const std::array<float, 256>& e4m3_table() {
   static const std::array<float, 256> t = [] {
@@ -79,18 +95,6 @@ Status expect(const Tensor& t, const char* what, std::initializer_list<DType> dt
 }
 
 #ifdef ML4_LINEAR_AVX2
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {
-  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // 8 e4m3 bytes -> 8 f32 times 2^-8, exactly: e4m3 s.eeee.mmm placed in an f16 as
 // s.0eeee.mmm0000000 is 2^-8 times the e4m3 value (also for subnormals, which f16 has
 // too), and F16C converts that to an always-normal f32 (an f32-subnormal trick would hit
@@ -121,68 +125,6 @@ inline void e2m1x16(const uint8_t* p, __m256 s, __m256 s2, float* out) {
   _mm256_storeu_ps(out + 8, _mm256_mul_ps(_mm256_mul_ps(_mm256_permute2f128_ps(a, c, 0x31), s), s2));
 }
 #endif
-
-inline float to_f32(float v) { return v; }
-inline float to_f32(uint16_t v) { return bf16_to_f32(v); }
-
-// y[m*ldy + j] = sum_k x[m*K + k] * w[j*ldw + k] for m < RM, j < RN.
-// The unroll pragmas matter: without them GCC -O2 keeps acc[][] on the stack and every
-// FMA goes through a store/load (measured 3x slower at M = 1).
-#define ML4_UNROLL _Pragma("GCC unroll 8")
-template <int RM, int RN, typename W>
-void micro(const float* x, int64_t ldx, int64_t len, const W* w, int64_t ldw, float* y,
-           int64_t ldy, bool accumulate) {
-  int64_t k = 0;
-  float acc_s[RM][RN] = {};
-#ifdef ML4_LINEAR_AVX2
-  __m256 acc[RM][RN];
-  ML4_UNROLL for (int i = 0; i < RM; ++i)
-    ML4_UNROLL for (int j = 0; j < RN; ++j) acc[i][j] = _mm256_setzero_ps();
-  for (; k + 8 <= len; k += 8) {
-    __m256 wv[RN];
-    ML4_UNROLL for (int j = 0; j < RN; ++j) wv[j] = load8(w + j * ldw + k);
-    ML4_UNROLL for (int i = 0; i < RM; ++i) {
-      const __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
-      ML4_UNROLL for (int j = 0; j < RN; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
-    }
-  }
-  ML4_UNROLL for (int i = 0; i < RM; ++i)
-    ML4_UNROLL for (int j = 0; j < RN; ++j) acc_s[i][j] = hsum(acc[i][j]);
-#endif
-  for (; k < len; ++k)
-    for (int i = 0; i < RM; ++i)
-      for (int j = 0; j < RN; ++j) acc_s[i][j] += x[i * ldx + k] * to_f32(w[j * ldw + k]);
-  for (int i = 0; i < RM; ++i)
-    for (int j = 0; j < RN; ++j) y[i * ldy + j] = accumulate ? y[i * ldy + j] + acc_s[i][j] : acc_s[i][j];
-}
-
-// y[m, j] (+)= x[m, 0:len] . w[j, 0:len] for m < M, j < nrows; x rows ldx apart, w rows
-// ldw apart, y rows ldy apart.
-template <typename W>
-void tile_kernel(const float* x, int64_t ldx, int64_t M, int64_t len, const W* w, int64_t ldw,
-                 int64_t nrows, float* y, int64_t ldy, bool accumulate) {
-  int64_t j = 0;
-  for (; j + 4 <= nrows; j += 4) {
-    int64_t m = 0;
-    for (; m + 2 <= M; m += 2)
-      micro<2, 4>(x + m * ldx, ldx, len, w + j * ldw, ldw, y + m * ldy + j, ldy, accumulate);
-    for (; m < M; ++m)
-      micro<1, 4>(x + m * ldx, ldx, len, w + j * ldw, ldw, y + m * ldy + j, ldy, accumulate);
-  }
-  for (; j < nrows; ++j) {
-    int64_t m = 0;
-    for (; m + 2 <= M; m += 2)
-      micro<2, 1>(x + m * ldx, ldx, len, w + j * ldw, ldw, y + m * ldy + j, ldy, accumulate);
-    for (; m < M; ++m)
-      micro<1, 1>(x + m * ldx, ldx, len, w + j * ldw, ldw, y + m * ldy + j, ldy, accumulate);
-  }
-}
-
-// Weight rows per tile: a multiple of 4 whose decoded f32 copy stays around 256 KiB (L2).
-int64_t tile_rows(int64_t K) {
-  int64_t rows = (256 * 1024 / 4) / std::max<int64_t>(K, 1);
-  return std::clamp<int64_t>(rows / 4 * 4, 4, 64);
-}
 
 }  // namespace
 
@@ -252,7 +194,10 @@ void decode_block(const LinearWeight& w, int64_t n0, int64_t n1, int64_t k0, int
         float* o = out + (n - n0) * ldo;
         int64_t k = k0;
 #ifdef ML4_LINEAR_AVX2
-        for (; k + 8 <= k1; k += 8) _mm256_storeu_ps(o + (k - k0), load8(src + k));
+        for (; k + 8 <= k1; k += 8) {
+          const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k));
+          _mm256_storeu_ps(o + (k - k0), _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+        }
 #endif
         for (; k < k1; ++k) o[k - k0] = bf16_to_f32(src[k]);
       }
@@ -317,6 +262,138 @@ void decode_block(const LinearWeight& w, int64_t n0, int64_t n1, int64_t k0, int
   }
 }
 
+
+// ---------------------------------------------------------------------------------------
+// GEMV path.
+
+// Dispatches a tile of RM (1..2) x rows by RN (1..4) w rows to the template.
+template <typename F>
+void tile_dispatch(int64_t rm, int64_t rn, F&& f) {
+#define ML4_TILE(A, B) \
+  if (rm == A && rn == B) return f(std::integral_constant<int, A>{}, std::integral_constant<int, B>{});
+  ML4_TILE(1, 1) ML4_TILE(1, 2) ML4_TILE(1, 3) ML4_TILE(1, 4)
+  ML4_TILE(2, 1) ML4_TILE(2, 2) ML4_TILE(2, 3) ML4_TILE(2, 4)
+  ML4_TILE(3, 1) ML4_TILE(3, 2) ML4_TILE(3, 3) ML4_TILE(3, 4)
+  ML4_TILE(4, 1) ML4_TILE(4, 2) ML4_TILE(4, 3)
+#undef ML4_TILE
+}
+
+// Thread-local scratch that only grows.
+std::vector<float>& scratch(int which) {
+  thread_local std::vector<float> bufs[4];  // 0 GEMM tile, 1 permuted x, 2 scales, 3 NaN path
+  return bufs[which];
+}
+float* scratch_floats(int which, int64_t n) {
+  auto& v = scratch(which);
+  if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
+  return v.data();
+}
+
+// f32 / bf16 / FP8 rows [n0, n1) for all M rows of x, reading the stored weight directly.
+// xs: x in the format's lane order (bf16: permuted; else x itself).
+void gemv_rows(const LinearWeight& w, const float* xs, int64_t M, int64_t n0, int64_t n1, float* y) {
+  const int64_t N = w.out_features, K = w.in_features;
+  for (int64_t n = n0; n < n1; n += 4) {
+    const int64_t rn = std::min<int64_t>(4, n1 - n);
+    for (int64_t m = 0; m < M; m += 2) {
+      const int64_t rm = std::min<int64_t>(2, M - m);
+      const float* xm = xs + m * K;
+      float* ym = y + m * N + n;
+      switch (w.format) {
+        case LinearFormat::kF32:
+          tile_dispatch(rm, rn, [&](auto RM, auto RN) {
+            dot_tile_f32<RM, RN>(xm, K, w.weight.as<float>() + n * K, K, K / 8 * 8, K, ym, N);
+          });
+          break;
+        case LinearFormat::kBF16:
+          tile_dispatch(rm, rn, [&](auto RM, auto RN) {
+            dot_tile_bf16<RM, RN>(xm, K, w.weight.as<uint16_t>() + n * K, K, K / 16 * 16, K, ym, N);
+          });
+          break;
+        case LinearFormat::kFP8Block: {
+          const int64_t kb = ceil_div(K, kFp8BlockSize);
+          const float* srow = w.scale.as<float>() + (n / kFp8BlockSize) * kb;
+          float* s256 = scratch_floats(2, kb);
+          for (int64_t b = 0; b < kb; ++b) s256[b] = srow[b] * 256.0f;
+          bool ok = true;
+          tile_dispatch(rm, rn, [&](auto RM, auto RN) {
+            ok = kernels::dot_tile_fp8<RM, RN>(xm, K, w.weight.as<uint8_t>() + n * K, K, srow, s256,
+                                               e4m3_table().data(), K, ym, N);
+          });
+          if (!ok) {  // a NaN code: the exact decoder makes it NaN as e4m3 defines
+            float* buf = scratch_floats(3, 4 * K);
+            for (int64_t j = 0; j < rn; ++j)
+              kernels::decode_fp8_gemm_row(w.weight.as<uint8_t>() + (n + j) * K, K, srow, e4m3_table().data(),
+                                           buf + j * K);
+            const float* rows_s256[4] = {s256, s256, s256, s256};
+            tile_dispatch(rm, rn, [&](auto RM, auto RN) {
+              kernels::dot_tile_fp8_decoded<RM, RN>(xm, K, buf, K, rows_s256, K, ym, N);
+            });
+          }
+          break;
+        }
+        case LinearFormat::kNVFP4:
+        case LinearFormat::kMXFP4:
+          break;  // not direct (linear() sends them to the GEMM path)
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// GEMM path: weight rows [n0, n1) decoded once (lane order) into the thread's buffer,
+// then kTileM x kTileN register tiles over all M rows.
+void gemm_rows(const LinearWeight& w, const float* xs, int64_t M, int64_t n0, int64_t n1, float* y) {
+  const int64_t N = w.out_features, K = w.in_features;
+  const bool bf16 = w.format == LinearFormat::kBF16, fp8 = w.format == LinearFormat::kFP8Block;
+  const int64_t kv = bf16 ? K / 16 * 16 : K / 8 * 8;
+  const int64_t rows = n1 - n0;
+  float* buf = scratch_floats(0, rows * K);
+  // FP8: each row's scale row times 256 (rows of one task span at most two scale groups).
+  const int64_t kb = ceil_div(K, kFp8BlockSize);
+  const int64_t g0 = n0 / kFp8BlockSize;
+  float* s256 = fp8 ? scratch_floats(2, 2 * kb) : nullptr;
+  if (bf16) {
+    for (int64_t n = n0; n < n1; ++n)
+      kernels::decode_bf16_lane_order(w.weight.as<uint16_t>() + n * K, K, buf + (n - n0) * K);
+  } else if (fp8) {
+    const float* sc = w.scale.as<float>();
+    for (int64_t g = g0; g <= (n1 - 1) / kFp8BlockSize; ++g)
+      for (int64_t b = 0; b < kb; ++b) s256[(g - g0) * kb + b] = sc[g * kb + b] * 256.0f;
+    for (int64_t n = n0; n < n1; ++n)
+      kernels::decode_fp8_gemm_row(w.weight.as<uint8_t>() + n * K, K, sc + (n / kFp8BlockSize) * kb,
+                                   e4m3_table().data(), buf + (n - n0) * K);
+  } else if (w.format == LinearFormat::kF32) {
+    std::copy(w.weight.as<float>() + n0 * K, w.weight.as<float>() + n1 * K, buf);
+  } else {
+    decode_block(w, n0, n1, 0, K, buf, K);
+  }
+  for (int64_t m = 0; m < M; m += kTileM) {
+    const int64_t rm = std::min<int64_t>(kTileM, M - m);
+    for (int64_t j = 0; j < rows; j += kTileN) {
+      const int64_t rn = std::min<int64_t>(kTileN, rows - j);
+      const float* wj = buf + j * K;
+      float* yj = y + m * N + n0 + j;
+      if (fp8) {
+        const float* rs[kTileN];
+        for (int64_t r = 0; r < rn; ++r) rs[r] = s256 + ((n0 + j + r) / kFp8BlockSize - g0) * kb;
+        tile_dispatch(rm, rn, [&](auto RM, auto RN) {
+          kernels::dot_tile_fp8_decoded<RM, RN>(xs + m * K, K, wj, K, rs, K, yj, N);
+        });
+      } else {
+        tile_dispatch(rm, rn, [&](auto RM, auto RN) { dot_tile_f32<RM, RN>(xs + m * K, K, wj, K, kv, K, yj, N); });
+      }
+    }
+  }
+}
+
+// Weight rows per GEMM task: a multiple of kTileN (and of 4 so FP8 scale groups and GEMV
+// tiles line up) whose f32 copy stays around 96 KiB (L2 holds it with x streaming by).
+int64_t gemm_group_rows(int64_t K) {
+  const int64_t rows = (96 * 1024 / 4) / std::max<int64_t>(K, 1);
+  return std::clamp<int64_t>(rows / 12 * 12, 12, 96);
+}
+
 }  // namespace
 
 void decode_weight_rows(const LinearWeight& w, int64_t n0, int64_t n1, float* out) {
@@ -331,31 +408,28 @@ void linear(const float* x, int64_t M, const LinearWeight& w, float* y) {
     if (N > 0) std::fill(y, y + M * N, std::numeric_limits<float>::quiet_NaN());
     return;
   }
-  const bool direct = w.format == LinearFormat::kF32 || w.format == LinearFormat::kBF16;
-  if (direct) {
-    // Decode: stored rows read directly (bf16 -> f32 is a shift, cheaper than a buffer
-    // round trip); chunks of 4 rows so N splits finely across threads.
-    const int64_t quads = ceil_div(N, 4);
-    parallel_for(quads, std::max<int64_t>(1, 16384 / K), [&](int64_t b, int64_t e) {
-      const int64_t n0 = b * 4, n1 = std::min(N, e * 4);
-      if (w.format == LinearFormat::kF32)
-        tile_kernel(x, K, M, K, w.weight.as<float>() + n0 * K, K, n1 - n0, y + n0, N, false);
-      else
-        tile_kernel(x, K, M, K, w.weight.as<uint16_t>() + n0 * K, K, n1 - n0, y + n0, N, false);
-    });
-  } else {
-    // Decode with a quantized weight: whole rows decoded once into an L2-sized buffer.
-    const int64_t rows = tile_rows(K);
-    parallel_for(ceil_div(N, rows), 1, [&](int64_t b, int64_t e) {
-      thread_local std::vector<float> buf;
-      buf.resize(static_cast<size_t>(rows * K));
-      for (int64_t t = b; t < e; ++t) {
-        const int64_t n0 = t * rows, n1 = std::min(N, n0 + rows);
-        decode_block(w, n0, n1, 0, K, buf.data(), K);
-        tile_kernel(x, K, M, K, buf.data(), K, n1 - n0, y + n0, N, false);
-      }
-    });
+  // x in the format's lane order (bf16 only; the copy is M x K f32, in the caller's thread).
+  const float* xs = x;
+  if (w.format == LinearFormat::kBF16) {
+    float* xp = scratch_floats(1, M * K);
+    for (int64_t m = 0; m < M; ++m) kernels::permute_bf16_order(x + m * K, K, xp + m * K);
+    xs = xp;
   }
+  const bool direct = w.format == LinearFormat::kF32 ||
+                      ((w.format == LinearFormat::kBF16 || w.format == LinearFormat::kFP8Block) && M <= kDirectMaxM);
+  if (direct) {
+    // Chunks of 4 rows (one FP8 scale group never splits a tile), grain ~16k weights so N
+    // splits finely across threads.
+    const int64_t quads = ceil_div(N, 4);
+    parallel_for(quads, std::max<int64_t>(1, 4096 / K), [&](int64_t b, int64_t e) {
+      gemv_rows(w, xs, M, b * 4, std::min(N, e * 4), y);
+    });
+    return;
+  }
+  const int64_t group = gemm_group_rows(K);
+  parallel_for(ceil_div(N, group), 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) gemm_rows(w, xs, M, t * group, std::min(N, (t + 1) * group), y);
+  });
 }
 
 }  // namespace ml4::cpu

@@ -1,0 +1,337 @@
+// Inner kernels of cpu::linear (linear.cpp): the 8-lane vector type, the exact weight
+// decoders, and the register-tiled dot kernels. Internal to src/ops/cpu.
+//
+// The order contract (what makes linear() batch invariant, tests/ops/linear_test.cpp):
+// every output y[m, n] is computed as
+//   acc (8 lanes) = 0;  for each 8-element step s of the vector part: acc = fma(X_s, W_s, acc)
+//   y = hsum8(acc);     for each k of the tail, in order: y = fma(x_k, w_k, y)
+// except FP8, whose vector part is summed per 128-wide scale block b (DeepSeek's FP8 GEMM
+// order, also the CUDA backend's):
+//   acc = 0; for each block b: { blk = 0; for its steps: blk = fma(X_s, Q_s, blk);
+//                                acc = fma(blk, 256 s_b, acc) }
+// with Q_s = e4m3 * 2^-8 exactly (F16C decodes e4m3 as an f16 that is 2^-8 times its
+// value) and the tail's w_k = e4m3 * s rounded once. Folding the scale per block saves a
+// multiply per weight (on this AVX2 machine the FP8 GEMV is bound by decode, not by
+// memory); each x_k q_k is still exact inside its FMA, so the error bound is unchanged.
+// where the vector part is [0, kv) and the tail [kv, K). X_s / W_s are 8 consecutive
+// elements in the format's lane order:
+//   f32, FP8, NVFP4, MXFP4: natural order, kv = 8 * floor(K / 8);
+//   bf16: within each 16-element block, first the 8 even then the 8 odd elements, kv =
+//     16 * floor(K / 16). This is the order in which AVX2 splits 16 bf16 (one 256-bit load)
+//     into two f32 vectors with one AND and one shift, with no cross-lane shuffle.
+// Every path (the direct GEMV on stored weights, the GEMM on decoded tiles, any M, any
+// thread split) follows it, so a row's result never depends on the batch around it.
+// Without AVX2 the same arithmetic runs on an emulated vector, so results are identical.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define ML4_LINEAR_AVX2 1
+#endif
+
+namespace ml4::cpu::kernels {
+
+// ---------------------------------------------------------------------------------------
+// Vec8: 8 f32 lanes.
+#ifdef ML4_LINEAR_AVX2
+struct Vec8 {
+  __m256 v;
+};
+inline Vec8 zero8() { return {_mm256_setzero_ps()}; }
+inline Vec8 load8(const float* p) { return {_mm256_loadu_ps(p)}; }
+inline Vec8 fma8(Vec8 a, Vec8 b, Vec8 c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+// ((l0+l4) + (l2+l6)) + ((l1+l5) + (l3+l7))
+inline float hsum8(Vec8 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#else
+struct Vec8 {
+  float v[8];
+};
+inline Vec8 zero8() { return Vec8{}; }
+inline Vec8 load8(const float* p) {
+  Vec8 r;
+  for (int i = 0; i < 8; ++i) r.v[i] = p[i];
+  return r;
+}
+inline Vec8 fma8(Vec8 a, Vec8 b, Vec8 c) {
+  for (int i = 0; i < 8; ++i) c.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
+  return c;
+}
+inline float hsum8(Vec8 a) {
+  float t[4];
+  for (int i = 0; i < 4; ++i) t[i] = a.v[i] + a.v[i + 4];
+  return (t[0] + t[2]) + (t[1] + t[3]);
+}
+#endif
+
+#define ML4_UNROLL _Pragma("GCC unroll 16")
+
+// ---------------------------------------------------------------------------------------
+// f32 dot tile: y[i*ldy + j] = dot(x row i, w row j) for i < RM, j < RN, by the contract
+// with vector part [0, kv) (x and w already in lane order there) and tail [kv, K).
+template <int RM, int RN>
+inline void dot_tile_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t kv, int64_t K, float* y,
+                         int64_t ldy) {
+  Vec8 acc[RM][RN];
+  ML4_UNROLL for (int i = 0; i < RM; ++i) ML4_UNROLL for (int j = 0; j < RN; ++j) acc[i][j] = zero8();
+  for (int64_t k = 0; k < kv; k += 8) {
+    Vec8 wv[RN];
+    ML4_UNROLL for (int j = 0; j < RN; ++j) wv[j] = load8(w + j * ldw + k);
+    ML4_UNROLL for (int i = 0; i < RM; ++i) {
+      const Vec8 xv = load8(x + i * ldx + k);
+      ML4_UNROLL for (int j = 0; j < RN; ++j) acc[i][j] = fma8(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < RM; ++i)
+    for (int j = 0; j < RN; ++j) {
+      float s = hsum8(acc[i][j]);
+      for (int64_t k = kv; k < K; ++k) s = std::fma(x[i * ldx + k], w[j * ldw + k], s);
+      y[i * ldy + j] = s;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// bf16 direct tile on stored weights (GEMV, small M). x is in bf16 lane order (see
+// permute_bf16_order); w rows are the stored bf16 rows.
+inline float bf16_scalar(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+
+#ifdef ML4_LINEAR_AVX2
+// 16 bf16 -> (even elements, odd elements) as f32, exactly.
+inline void bf16x16_split(const uint16_t* p, Vec8& even, Vec8& odd) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even.v = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  odd.v = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+#else
+inline void bf16x16_split(const uint16_t* p, Vec8& even, Vec8& odd) {
+  for (int i = 0; i < 8; ++i) {
+    even.v[i] = bf16_scalar(p[2 * i]);
+    odd.v[i] = bf16_scalar(p[2 * i + 1]);
+  }
+}
+#endif
+
+template <int RM, int RN>
+inline void dot_tile_bf16(const float* xp, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t kv, int64_t K,
+                          float* y, int64_t ldy) {
+  Vec8 acc[RM][RN];
+  ML4_UNROLL for (int i = 0; i < RM; ++i) ML4_UNROLL for (int j = 0; j < RN; ++j) acc[i][j] = zero8();
+  for (int64_t k = 0; k < kv; k += 16) {
+    Vec8 we[RN], wo[RN];
+    ML4_UNROLL for (int j = 0; j < RN; ++j) bf16x16_split(w + j * ldw + k, we[j], wo[j]);
+    ML4_UNROLL for (int i = 0; i < RM; ++i) {
+      const Vec8 xe = load8(xp + i * ldx + k);
+      ML4_UNROLL for (int j = 0; j < RN; ++j) acc[i][j] = fma8(xe, we[j], acc[i][j]);
+    }
+    ML4_UNROLL for (int i = 0; i < RM; ++i) {
+      const Vec8 xo = load8(xp + i * ldx + k + 8);
+      ML4_UNROLL for (int j = 0; j < RN; ++j) acc[i][j] = fma8(xo, wo[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < RM; ++i)
+    for (int j = 0; j < RN; ++j) {
+      float s = hsum8(acc[i][j]);
+      for (int64_t k = kv; k < K; ++k) s = std::fma(xp[i * ldx + k], bf16_scalar(w[j * ldw + k]), s);
+      y[i * ldy + j] = s;
+    }
+}
+
+// src [K] natural -> dst [K] in bf16 lane order (16-blocks as evens then odds; tail as is).
+inline void permute_bf16_order(const float* src, int64_t K, float* dst) {
+  const int64_t kv = K / 16 * 16;
+  for (int64_t b = 0; b < kv; b += 16)
+    for (int i = 0; i < 8; ++i) {
+      dst[b + i] = src[b + 2 * i];
+      dst[b + 8 + i] = src[b + 2 * i + 1];
+    }
+  for (int64_t k = kv; k < K; ++k) dst[k] = src[k];
+}
+
+// bf16 row [k0, k1) -> f32 in lane order (k0, k1 multiples of 16, or k1 = K).
+inline void decode_bf16_lane_order(const uint16_t* src, int64_t K, float* dst) {
+  const int64_t kv = K / 16 * 16;
+  for (int64_t b = 0; b < kv; b += 16) {
+    Vec8 e, o;
+    bf16x16_split(src + b, e, o);
+#ifdef ML4_LINEAR_AVX2
+    _mm256_storeu_ps(dst + b, e.v);
+    _mm256_storeu_ps(dst + b + 8, o.v);
+#else
+    for (int i = 0; i < 8; ++i) {
+      dst[b + i] = e.v[i];
+      dst[b + 8 + i] = o.v[i];
+    }
+#endif
+  }
+  for (int64_t k = kv; k < K; ++k) dst[k] = bf16_scalar(src[k]);
+}
+
+// ---------------------------------------------------------------------------------------
+// FP8 e4m3 (see the contract above for the order).
+#ifdef ML4_LINEAR_AVX2
+// 16 e4m3 bytes -> two f16 vectors (bytes 0-7, 8-15) holding 2^-8 times the e4m3 values.
+// NaN codes (0x7f / 0xff) come out as 480 * 2^-8: `nan_probe` collects max |byte| so the
+// caller can tell (probe_has_nan) and take the exact path.
+inline void e4m3x16_to_f16(const uint8_t* p, __m128i& lo, __m128i& hi, __m128i& nan_probe) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i z = _mm_setzero_si128(), keep = _mm_set1_epi16(static_cast<short>(0xbfff));
+  // byte in the high half, arithmetic shift by one: sign at bits 15 and 14, magnitude at
+  // 13..7; clearing bit 14 leaves sign << 15 | magnitude << 7.
+  lo = _mm_and_si128(_mm_srai_epi16(_mm_unpacklo_epi8(z, b), 1), keep);
+  hi = _mm_and_si128(_mm_srai_epi16(_mm_unpackhi_epi8(z, b), 1), keep);
+  nan_probe = _mm_max_epu8(nan_probe, _mm_and_si128(b, _mm_set1_epi8(0x7f)));
+}
+inline __m128i e4m3x8_to_f16(const uint8_t* p, __m128i& nan_probe) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  nan_probe = _mm_max_epu8(nan_probe, _mm_and_si128(b, _mm_set1_epi8(0x7f)));
+  return _mm_and_si128(_mm_srai_epi16(_mm_unpacklo_epi8(_mm_setzero_si128(), b), 1),
+                       _mm_set1_epi16(static_cast<short>(0xbfff)));
+}
+inline bool probe_has_nan(__m128i nan_probe) {
+  return _mm_movemask_epi8(_mm_cmpeq_epi8(nan_probe, _mm_set1_epi8(0x7f))) != 0;
+}
+inline Vec8 f16x8(__m128i h) { return {_mm256_cvtph_ps(h)}; }
+inline Vec8 set8(float v) { return {_mm256_set1_ps(v)}; }
+#else
+inline Vec8 set8(float v) {
+  Vec8 r;
+  for (int i = 0; i < 8; ++i) r.v[i] = v;
+  return r;
+}
+#endif
+
+// Decodes one stored FP8 row for the GEMM path: [0, kv) as e4m3 * 2^-8 (exact; NaN codes
+// NaN), [kv, K) as e4m3 * s rounded once (lut: the e4m3 table, srow: the row's scales).
+inline void decode_fp8_gemm_row(const uint8_t* q, int64_t K, const float* srow, const float* lut, float* out) {
+  const int64_t kv = K / 8 * 8;
+  int64_t k = 0;
+#ifdef ML4_LINEAR_AVX2
+  for (; k < kv; k += 8) {
+    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k)));
+    const __m128i mag = _mm_and_si128(b, _mm_set1_epi16(0x7f));
+    const __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
+    const __m256 v = _mm256_cvtph_ps(_mm_or_si128(_mm_slli_epi16(mag, 7), sign));
+    const __m256i nan = _mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f)));
+    _mm256_storeu_ps(out + k, _mm256_or_ps(v, _mm256_castsi256_ps(nan)));
+  }
+#else
+  for (; k < kv; ++k) out[k] = lut[q[k]] * 0x1p-8f;
+#endif
+  for (; k < K; ++k) out[k] = lut[q[k]] * srow[k / 128];
+}
+
+// GEMM tile on rows decoded by decode_fp8_gemm_row. s256[j]: row j's scale row, times 256.
+template <int RM, int RN>
+inline void dot_tile_fp8_decoded(const float* x, int64_t ldx, const float* w, int64_t ldw, const float* const* s256,
+                                 int64_t K, float* y, int64_t ldy) {
+  const int64_t kv = K / 8 * 8;
+  Vec8 acc[RM][RN];
+  ML4_UNROLL for (int i = 0; i < RM; ++i) ML4_UNROLL for (int j = 0; j < RN; ++j) acc[i][j] = zero8();
+  for (int64_t b0 = 0; b0 < kv; b0 += 128) {
+    const int64_t b1 = b0 + 128 < kv ? b0 + 128 : kv;
+    Vec8 blk[RM][RN];
+    ML4_UNROLL for (int i = 0; i < RM; ++i) ML4_UNROLL for (int j = 0; j < RN; ++j) blk[i][j] = zero8();
+    for (int64_t k = b0; k < b1; k += 8) {
+      Vec8 wv[RN];
+      ML4_UNROLL for (int j = 0; j < RN; ++j) wv[j] = load8(w + j * ldw + k);
+      ML4_UNROLL for (int i = 0; i < RM; ++i) {
+        const Vec8 xv = load8(x + i * ldx + k);
+        ML4_UNROLL for (int j = 0; j < RN; ++j) blk[i][j] = fma8(xv, wv[j], blk[i][j]);
+      }
+    }
+    ML4_UNROLL for (int j = 0; j < RN; ++j) {
+      const Vec8 sv = set8(s256[j][b0 / 128]);
+      ML4_UNROLL for (int i = 0; i < RM; ++i) acc[i][j] = fma8(blk[i][j], sv, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < RM; ++i)
+    for (int j = 0; j < RN; ++j) {
+      float s = hsum8(acc[i][j]);
+      for (int64_t k = kv; k < K; ++k) s = std::fma(x[i * ldx + k], w[j * ldw + k], s);
+      y[i * ldy + j] = s;
+    }
+}
+
+// FP8 direct tile (GEMV, small M) on the stored rows: RN rows of one 128-row scale group
+// (srow: its scale row; s256: the same times 256). Returns false when a weight byte is a
+// NaN code; the caller then recomputes the tile through decode_fp8_gemm_row, which makes it
+// NaN as e4m3 defines (same order, so the result is the GEMM path's).
+template <int RM, int RN>
+inline bool dot_tile_fp8(const float* x, int64_t ldx, const uint8_t* q, int64_t ldq, const float* srow,
+                         const float* s256, const float* lut, int64_t K, float* y, int64_t ldy) {
+  const int64_t kv = K / 8 * 8;
+  Vec8 acc[RM][RN];
+  ML4_UNROLL for (int i = 0; i < RM; ++i) ML4_UNROLL for (int j = 0; j < RN; ++j) acc[i][j] = zero8();
+#ifdef ML4_LINEAR_AVX2
+  __m128i probe = _mm_setzero_si128();
+#endif
+  for (int64_t b0 = 0; b0 < kv; b0 += 128) {
+    const int64_t b1 = b0 + 128 < kv ? b0 + 128 : kv;
+    Vec8 blk[RM][RN];
+    ML4_UNROLL for (int i = 0; i < RM; ++i) ML4_UNROLL for (int j = 0; j < RN; ++j) blk[i][j] = zero8();
+    int64_t k = b0;
+#ifdef ML4_LINEAR_AVX2
+    for (; k + 16 <= b1; k += 16) {
+      Vec8 w0[RN], w1[RN];
+      ML4_UNROLL for (int j = 0; j < RN; ++j) {
+        __m128i lo, hi;
+        e4m3x16_to_f16(q + j * ldq + k, lo, hi, probe);
+        w0[j] = f16x8(lo);
+        w1[j] = f16x8(hi);
+      }
+      ML4_UNROLL for (int i = 0; i < RM; ++i) {
+        const Vec8 xv = load8(x + i * ldx + k);
+        ML4_UNROLL for (int j = 0; j < RN; ++j) blk[i][j] = fma8(xv, w0[j], blk[i][j]);
+      }
+      ML4_UNROLL for (int i = 0; i < RM; ++i) {
+        const Vec8 xv = load8(x + i * ldx + k + 8);
+        ML4_UNROLL for (int j = 0; j < RN; ++j) blk[i][j] = fma8(xv, w1[j], blk[i][j]);
+      }
+    }
+    for (; k < b1; k += 8) {
+      Vec8 w0[RN];
+      ML4_UNROLL for (int j = 0; j < RN; ++j) w0[j] = f16x8(e4m3x8_to_f16(q + j * ldq + k, probe));
+      ML4_UNROLL for (int i = 0; i < RM; ++i) {
+        const Vec8 xv = load8(x + i * ldx + k);
+        ML4_UNROLL for (int j = 0; j < RN; ++j) blk[i][j] = fma8(xv, w0[j], blk[i][j]);
+      }
+    }
+#else
+    for (; k < b1; k += 8) {
+      Vec8 w0[RN];
+      for (int j = 0; j < RN; ++j)
+        for (int l = 0; l < 8; ++l) w0[j].v[l] = lut[q[j * ldq + k + l]] * 0x1p-8f;
+      for (int i = 0; i < RM; ++i) {
+        const Vec8 xv = load8(x + i * ldx + k);
+        for (int j = 0; j < RN; ++j) blk[i][j] = fma8(xv, w0[j], blk[i][j]);
+      }
+    }
+#endif
+    const Vec8 sv = set8(s256[b0 / 128]);
+    ML4_UNROLL for (int i = 0; i < RM; ++i) ML4_UNROLL for (int j = 0; j < RN; ++j) acc[i][j] = fma8(blk[i][j], sv, acc[i][j]);
+  }
+#ifdef ML4_LINEAR_AVX2
+  if (probe_has_nan(probe)) return false;
+#endif
+  for (int i = 0; i < RM; ++i)
+    for (int j = 0; j < RN; ++j) {
+      float s = hsum8(acc[i][j]);
+      for (int64_t k = kv; k < K; ++k) s = std::fma(x[i * ldx + k], lut[q[j * ldq + k]] * srow[k / 128], s);
+      y[i * ldy + j] = s;
+    }
+  return true;
+}
+
+}  // namespace ml4::cpu::kernels
