@@ -1,5 +1,5 @@
 // Decode step of a full-width ML4 slice on the GPU (issue 6, "Decode step"): see
-// src/ops/cuda/step_bench.h for what each line measures. Also `ml4 bench step`.
+// src/runtime/cuda/step_bench.h for what each line measures. Also `ml4 bench step`.
 //
 // usage: gpu_decode_step_bench [copy_GBps=4253] [preset=ml4-slice-4]
 #include <cstdio>
@@ -7,7 +7,7 @@
 #include <string>
 
 #if defined(ML4_WITH_CUDA)
-#include "ops/cuda/step_bench.h"
+#include "runtime/cuda/step_bench.h"
 
 int main(int argc, char** argv) {
   ml4::cuda::StepBenchOptions o;

@@ -1,4 +1,4 @@
-// Whole-model logits of the CUDA runner against the CPU runner (src/runtime/cpu_runner.h)
+// Whole-model logits of the CUDA runner against the CPU runner (src/runtime/cpu/cpu_runner.h)
 // on mistral4-tiny (MLA + query LoRA + MoE with groups + YaRN + llama_4 scaling), ml4-tiny
 // (DSA with indexer reuse, KV sharing, NoPE, SSMax, LeRoPE) and dsv32-tiny, two sequences
 // prefilled in one step and then decoded token by token, fp8_ds_mla and bf16 KV caches.
@@ -14,7 +14,7 @@
 #include "cuda_test_util.h"
 #include "ops/cpu/sampling.h"
 #include "kv/latent_layout.h"
-#include "ops/cuda/cuda_runner.h"
+#include "runtime/cuda/cuda_runner.h"
 #include "runtime/test_models.h"
 
 namespace ml4::cuda {

@@ -25,7 +25,7 @@
 #include "runtime/golden_check.h"
 
 #include "cuda_test_util.h"
-#include "ops/cuda/cuda_runner.h"
+#include "runtime/cuda/cuda_runner.h"
 
 namespace ml4::cuda {
 namespace {

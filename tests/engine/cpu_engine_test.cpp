@@ -11,7 +11,7 @@
 
 #include "engine/engine.h"
 #include "model/random_checkpoint.h"
-#include "runtime/cpu_runner.h"
+#include "runtime/cpu/cpu_runner.h"
 
 namespace ml4 {
 namespace {

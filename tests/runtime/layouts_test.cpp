@@ -168,25 +168,19 @@ TEST_P(Formats, KernelsDecodeExactly) {
                             : GetParam() == "nvfp4" ? LinearFormat::kNVFP4 : LinearFormat::kMXFP4;
   EXPECT_EQ(experts[0].w1.format, want);
   EXPECT_EQ((*w)->layers[0].attn.wo.format, LinearFormat::kFP8Block);
-  auto spec = make_kv_cache_spec(*cfg, KvCacheDtype::kBf16);
-  ASSERT_TRUE(spec.ok());
-  auto blocks = PagedKvCache::blocks_for_budget(*spec, 16 << 20);
-  PagedKvCache c1(*spec, blocks), c2(*spec, blocks);
-  const int lg = spec->group_index(CacheGroupSpec::kLatent), ig = spec->group_index(CacheGroupSpec::kIndexer);
-  CpuModel quant(*cfg, *w, lg, ig), f32(*cfg, dequantized_copy(**w), lg, ig);
-  std::vector<CacheGroupInfo> groups;
-  for (size_t g = 0; g < spec->groups.size(); ++g)
-    groups.push_back({spec->groups[g].name, 64, blocks[g], spec->groups[g].sliding_window, 0});
+  RunnerOptions ro;
+  ro.kv_cache_dtype = "bf16";
+  ro.kv_cache_bytes = 16 << 20;
+  auto quant = CpuRunner::create(*cfg, *w, ro);
+  auto f32 = CpuRunner::create(*cfg, dequantized_copy(**w), ro);
+  ASSERT_TRUE(quant.ok() && f32.ok());
   StepInput in;
-  in.seqs.push_back(SeqStep{});
-  in.seqs[0].tokens = prompt(30, cfg->vocab_size);
-  in.seqs[0].num_logits = 30;
-  for (const auto& g : groups) in.seqs[0].block_tables.push_back(g.sliding_window == 0 ? std::vector<int32_t>{0} : std::vector<int32_t>{});
-  auto md = build_step_metadata(in, groups, cfg->vocab_size, 0);
-  ASSERT_TRUE(md.ok()) << md.status().message();
-  std::vector<float> a, b;
-  ASSERT_TRUE(quant.forward(*md, c1, &a).is_ok());
-  ASSERT_TRUE(f32.forward(*md, c2, &b).is_ok());
+  in.seqs.push_back(seq_step(**quant, 1, prompt(30, cfg->vocab_size), 0, 0, 1, 30));
+  auto oa = (*quant)->execute(in);
+  auto ob = (*f32)->execute(in);
+  ASSERT_TRUE(oa.ok() && ob.ok());
+  const std::vector<float>& a = oa->logits[0];
+  const std::vector<float>& b = ob->logits[0];
   EXPECT_LT(rel_l2(a, b), 1e-5) << GetParam();
 }
 

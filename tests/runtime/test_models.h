@@ -10,7 +10,7 @@
 #include <gtest/gtest.h>
 
 #include "model/random_checkpoint.h"
-#include "runtime/cpu_runner.h"
+#include "runtime/cpu/cpu_runner.h"
 
 namespace ml4::testing {
 

@@ -1,7 +1,7 @@
 // `ml4 bench serve`: load against any OpenAI-compatible server (src/server/bench_client.h);
 // prints vLLM's result table and optionally writes the figures as JSON.
 // `ml4 bench step`: the CUDA runner's decode step on a full-width preset against its
-// roofline (src/ops/cuda/step_bench.h; the same as bench/gpu_decode_step_bench).
+// roofline (src/runtime/cuda/step_bench.h; the same as bench/gpu_decode_step_bench).
 #include <cstdio>
 #include <fstream>
 #include <memory>
@@ -12,7 +12,7 @@
 #include "core/log.h"
 #include "server/bench_client.h"
 #if defined(ML4_WITH_CUDA)
-#include "ops/cuda/step_bench.h"
+#include "runtime/cuda/step_bench.h"
 #endif
 
 namespace ml4::cli {

@@ -13,7 +13,7 @@
 #include "core/log.h"
 #include "engine/request.h"
 #include "engine/sampler.h"
-#include "runtime/cpu_runner.h"
+#include "runtime/cpu/cpu_runner.h"
 #include "tokenizer/tokenizer.h"
 
 namespace ml4::cli {

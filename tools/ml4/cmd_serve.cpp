@@ -13,7 +13,7 @@
 #include "device_options.h"
 #include "core/log.h"
 #include "engine/async_engine.h"
-#include "runtime/cpu_runner.h"
+#include "runtime/cpu/cpu_runner.h"
 #include "server/http_server.h"
 
 namespace ml4::cli {

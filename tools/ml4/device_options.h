@@ -11,10 +11,10 @@
 #include <CLI/CLI.hpp>
 
 #include "core/status.h"
-#include "runtime/cpu_runner.h"
+#include "runtime/cpu/cpu_runner.h"
 #include "runtime/model_runner.h"
 #if defined(ML4_WITH_CUDA)
-#include "ops/cuda/cuda_runner.h"
+#include "runtime/cuda/cuda_runner.h"
 #endif
 
 namespace ml4 {

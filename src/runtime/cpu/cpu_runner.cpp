@@ -1,4 +1,4 @@
-#include "runtime/cpu_runner.h"
+#include "runtime/cpu/cpu_runner.h"
 
 #include "core/log.h"
 #include "kv/kv_cache_dtype.h"
@@ -15,6 +15,16 @@ Result<std::unique_ptr<CpuRunner>> CpuRunner::load(const std::string& model_dir,
   WeightLoadOptions wo;
   wo.experts_to_mxfp4 = opts.experts_to_mxfp4;
   ML4_ASSIGN_OR_RETURN(auto weights, load_model_weights(cfg, *ckpt, wo));
+  ML4_ASSIGN_OR_RETURN(auto r, create(cfg, weights, opts, duplicate_shared_kv));
+  r->ckpt_ = ckpt;
+  ML4_LOG_DEBUG("cpu runner: {} ({} layers), kv {} : {} B/token, {} blocks of {} tokens", model_dir, cfg.n_layers,
+                opts.kv_cache_dtype, r->spec_.bytes_per_token(), r->groups_.empty() ? 0 : r->groups_[0].num_blocks,
+                kPageTokens);
+  return r;
+}
+
+Result<std::unique_ptr<CpuRunner>> CpuRunner::create(const ModelConfig& cfg, std::shared_ptr<const ModelWeights> weights,
+                                                     const RunnerOptions& opts, bool duplicate_shared_kv) {
   ML4_ASSIGN_OR_RETURN(KvCacheDtype dtype, parse_kv_cache_dtype(opts.kv_cache_dtype));
   ML4_ASSIGN_OR_RETURN(KvCacheSpec spec, make_kv_cache_spec(cfg, dtype));
   if (duplicate_shared_kv) {
@@ -23,7 +33,6 @@ Result<std::unique_ptr<CpuRunner>> CpuRunner::load(const std::string& model_dir,
       if (!l.owns_kv()) spec.groups[g].layers.push_back(l.index);  // slots num_latent_layers + k
   }
   auto r = std::unique_ptr<CpuRunner>(new CpuRunner());
-  r->ckpt_ = ckpt;
   r->spec_ = spec;
   r->max_model_len_ = opts.max_model_len > 0 ? opts.max_model_len : cfg.max_position_embeddings;
   std::vector<int64_t> blocks = PagedKvCache::blocks_for_budget(spec, opts.kv_cache_bytes);
@@ -33,27 +42,27 @@ Result<std::unique_ptr<CpuRunner>> CpuRunner::load(const std::string& model_dir,
     const auto& sg = spec.groups[g];
     r->groups_.push_back(CacheGroupInfo{sg.name, sg.page_tokens, blocks[g], sg.sliding_window, sg.bytes_per_token()});
   }
-  r->model_ = std::make_unique<CpuModel>(cfg, weights, spec.group_index(CacheGroupSpec::kLatent),
-                                         spec.group_index(CacheGroupSpec::kIndexer), duplicate_shared_kv);
-  ML4_LOG_DEBUG("cpu runner: {} ({} layers), kv {} : {} B/token, {} blocks of {} tokens", model_dir, cfg.n_layers,
-               opts.kv_cache_dtype, spec.bytes_per_token(), blocks.empty() ? 0 : blocks[0], kPageTokens);
+  r->backend_ = std::make_unique<CpuBackend>(cfg, weights, r->cache_.get());
+  ModelForward::Options fo;
+  fo.duplicate_shared_kv = duplicate_shared_kv;
+  ML4_ASSIGN_OR_RETURN(r->program_, ModelForward::create(cfg, *weights, *r->backend_, fo));
   return r;
 }
 
 Result<StepOutput> CpuRunner::execute(const StepInput& in) { return execute_traced(in, nullptr); }
 
 Result<StepOutput> CpuRunner::execute_traced(const StepInput& in, ForwardTrace* trace) {
-  const ModelConfig& cfg = model_->config();
+  const ModelConfig& cfg = config();
   ML4_ASSIGN_OR_RETURN(StepMetadata md, build_step_metadata(in, groups_, cfg.vocab_size, max_model_len_));
-  std::vector<float> logits;
-  ML4_RETURN_IF_ERROR(model_->forward(md, *cache_, &logits, trace));
+  backend_->begin_step(md);
+  ML4_RETURN_IF_ERROR(program_->forward(&md, trace));
   StepOutput out;
   const int64_t V = cfg.vocab_size;
+  const float* logits = backend_->acts().logits;
   size_t row = 0;
   for (const auto& s : in.seqs) {
-    std::vector<float> l(logits.begin() + row * V, logits.begin() + (row + s.num_logits) * V);
+    out.logits.emplace_back(logits + row * V, logits + (row + s.num_logits) * V);
     row += s.num_logits;
-    out.logits.push_back(std::move(l));
   }
   return out;
 }

@@ -1,24 +1,443 @@
-// The per-layer pieces of CudaRunner's forward (see cuda_runner.h): linears, the DSA indexer,
-// MLA attention and the MoE. Each block names the CpuModel step (cpu_model.cpp,
-// cpu_attention.cpp) it reproduces.
+// See cuda_backend.h. Each op names the ops/cuda kernel(s) it launches; the numerics of
+// each kernel against its CPU reference are in tests/cuda/.
+#include "runtime/cuda/cuda_backend.h"
+
 #include <algorithm>
 #include <cmath>
 
 #include "kv/paged_kv_cache.h"
+#include "ops/cpu/linear.h"
 #include "ops/cuda/attention.h"
 #include "ops/cuda/cache_write.h"
-#include "ops/cuda/cuda_runner.h"
-#include "ops/cuda/cuda_runner_internal.h"
-#include "ops/cuda/elementwise.h"
 #include "ops/cuda/gemv.h"
 #include "ops/cuda/indexer.h"
 #include "ops/cuda/topk.h"
+#include "runtime/cuda/synthetic_weights.h"
 
 namespace ml4::cuda {
 
-Status CudaRunner::lin(const DeviceLinear& w, const float* x, int64_t M, float* y) {
-  const bool gemv_ok = w.format == LinearFormat::kBF16 || w.format == LinearFormat::kFP8Block;
-  if (gemv_ok && (opts_.exact_activations || M <= kGemvMaxM)) {
+namespace {
+
+Result<DeviceBuffer> upload_floats(const std::vector<float>& v) {
+  ML4_ASSIGN_OR_RETURN(DeviceBuffer b, DeviceBuffer::alloc(v.size() * 4));
+  if (!v.empty()) ML4_RETURN_IF_ERROR(b.upload(v.data(), v.size() * 4));
+  return std::move(b);
+}
+
+// The router runs in f32 (MODEL.md 3.7): a bf16-stored gate is widened once at load.
+Result<DeviceLinear> upload_f32_linear(const LinearWeight& w) {
+  if (w.format == LinearFormat::kF32) return upload_linear(w);
+  LinearWeight f;
+  f.name = w.name;
+  f.format = LinearFormat::kF32;
+  f.out_features = w.out_features;
+  f.in_features = w.in_features;
+  f.weight = Tensor(DType::kF32, {w.out_features, w.in_features});
+  cpu::decode_weight_rows(w, 0, w.out_features, f.weight.mutable_as<float>());
+  return upload_linear(f);
+}
+
+bool gemv_format(const DeviceLinear& w) {
+  return w.format == LinearFormat::kBF16 || w.format == LinearFormat::kFP8Block;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const ModelConfig& cfg, const CudaBackendOptions& opts,
+                                                         uint64_t synthetic_seed, int64_t max_model_len) {
+  if (cfg.has_dsa() && cfg.indexer.head_dim != 128)
+    return unimplemented("the CUDA indexer kernels take head_dim 128 (model: {})", cfg.indexer.head_dim);
+  std::unique_ptr<CudaBackend> b(new CudaBackend());
+  b->cfg_ = cfg;
+  b->opts_ = opts;
+  b->synthetic_seed_ = synthetic_seed;
+  b->max_model_len_ = max_model_len;
+  ML4_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&b->stream_, cudaStreamNonBlocking));
+  if (cfg.has_dsa() && opts.overlap_indexer) {
+    ML4_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&b->side_stream_, cudaStreamNonBlocking));
+    for (cudaEvent_t* e : {&b->ev_side_[0], &b->ev_side_[1], &b->ev_join_})
+      ML4_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+  }
+  ML4_ASSIGN_OR_RETURN(b->lt_, LtGemm::create());
+  b->buf_ = std::make_unique<Buffers>();
+  return b;
+}
+
+CudaBackend::~CudaBackend() {
+  buf_.reset();
+  for (cudaEvent_t e : {ev_side_[0], ev_side_[1], ev_join_})
+    if (e) cudaEventDestroy(e);
+  if (side_stream_) cudaStreamDestroy(side_stream_);
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+// ---- weights ----
+
+Status CudaBackend::set_embedding(const Tensor& table) {
+  if (synthetic_seed_ != 0) {
+    const int64_t n = static_cast<int64_t>(cfg_.vocab_size) * cfg_.dim;
+    ML4_ASSIGN_OR_RETURN(embed_, DeviceBuffer::alloc(n * 2));
+    ML4_RETURN_IF_ERROR(fill_synthetic_bf16(embed_.data(), n, 1.0f, synthetic_seed_));
+    embed_dtype_ = DType::kBF16;
+  } else {
+    ML4_ASSIGN_OR_RETURN(embed_, DeviceBuffer::alloc(table.nbytes()));
+    ML4_RETURN_IF_ERROR(embed_.upload(table.data(), table.nbytes()));
+    embed_dtype_ = table.dtype();
+  }
+  weight_bytes_ += static_cast<int64_t>(embed_.bytes());
+  return Status::ok();
+}
+
+Result<DeviceLinear> CudaBackend::make_linear(const LinearWeight& w) {
+  DeviceLinear d;
+  if (synthetic_seed_ != 0) {
+    ML4_ASSIGN_OR_RETURN(d, synthetic_linear(w, synthetic_seed_ * 1000003u + ++synthetic_counter_));
+  } else {
+    ML4_ASSIGN_OR_RETURN(d, upload_linear(w));
+  }
+  weight_bytes_ += static_cast<int64_t>(d.bytes());
+  max_in_ = std::max({max_in_, d.K, d.N});
+  return d;
+}
+
+Result<LinearRef> CudaBackend::add_linear(const LinearWeight& w, LinearUse use) {
+  DeviceLinear d;
+  switch (use) {
+    case LinearUse::kDefault: {
+      ML4_ASSIGN_OR_RETURN(d, make_linear(w));
+      break;
+    }
+    case LinearUse::kRouter: {
+      if (synthetic_seed_ != 0) {
+        // Seeded by the MoE layer's index (the routers' synthetic values predate the program).
+        int l = 0;
+        for (int seen = -1; l < cfg_.n_layers; ++l)
+          if (cfg_.layers[l].ffn == FfnKind::kMoe && ++seen == routers_) break;
+        LinearWeight g = w;
+        g.format = LinearFormat::kF32;
+        ML4_ASSIGN_OR_RETURN(d, synthetic_linear(g, synthetic_seed_ * 7919u + l));
+      } else {
+        ML4_ASSIGN_OR_RETURN(d, upload_f32_linear(w));
+      }
+      ++routers_;
+      weight_bytes_ += static_cast<int64_t>(d.bytes());
+      max_in_ = std::max({max_in_, d.K, d.N});
+      break;
+    }
+  }
+  linears_.push_back(std::move(d));
+  router_.push_back(use == LinearUse::kRouter);
+  return LinearRef{static_cast<int>(linears_.size()) - 1};
+}
+
+Result<MlpRef> CudaBackend::add_mlp(const MlpWeights& m) {
+  MlpRef r;
+  ML4_ASSIGN_OR_RETURN(r.w1, add_linear(m.w1, LinearUse::kDefault));
+  ML4_ASSIGN_OR_RETURN(r.w2, add_linear(m.w2, LinearUse::kDefault));
+  ML4_ASSIGN_OR_RETURN(r.w3, add_linear(m.w3, LinearUse::kDefault));
+  r.hidden = linears_[r.w1.id].N;
+  max_hidden_ = std::max(max_hidden_, r.hidden);
+  return r;
+}
+
+Result<const float*> CudaBackend::add_vector(const std::vector<float>& v) {
+  if (v.empty()) return static_cast<const float*>(nullptr);
+  ML4_ASSIGN_OR_RETURN(DeviceBuffer b, upload_floats(v));
+  weight_bytes_ += static_cast<int64_t>(b.bytes());
+  vectors_.push_back(std::move(b));
+  return vectors_.back().as<float>();
+}
+
+Result<MoeRef> CudaBackend::add_moe(const std::vector<MlpWeights>& experts, const MlpWeights* shared) {
+  Moe m;
+  auto up_mlp = [&](DeviceMlp& dst, const MlpWeights& src) -> Status {
+    ML4_ASSIGN_OR_RETURN(dst.w1, make_linear(src.w1));
+    ML4_ASSIGN_OR_RETURN(dst.w2, make_linear(src.w2));
+    ML4_ASSIGN_OR_RETURN(dst.w3, make_linear(src.w3));
+    max_hidden_ = std::max(max_hidden_, dst.w1.N);
+    return Status::ok();
+  };
+  m.experts.resize(experts.size());
+  for (size_t e = 0; e < experts.size(); ++e) ML4_RETURN_IF_ERROR(up_mlp(m.experts[e], experts[e]));
+  for (const auto& e : m.experts) routed_expert_bytes_ += static_cast<int64_t>(e.w1.bytes() + e.w2.bytes() + e.w3.bytes());
+  if (shared != nullptr) {
+    m.shared = std::make_unique<DeviceMlp>();
+    ML4_RETURN_IF_ERROR(up_mlp(*m.shared, *shared));
+  }
+  auto t = build_expert_tables(m.experts);
+  if (t.ok() && (t->format == LinearFormat::kBF16 || t->format == LinearFormat::kFP8Block))
+    m.tables = std::make_unique<MoeExpertTables>(std::move(t).value());
+  moes_.push_back(std::move(m));
+  return MoeRef{static_cast<int>(moes_.size()) - 1};
+}
+
+Status CudaBackend::reserve_selections(int n) {
+  num_selections_ = n;
+  buf_->T = 0;  // the next ensure_buffers sizes the selection buffers
+  return Status::ok();
+}
+
+// ---- memory ----
+
+Status CudaBackend::allocate_kv(const KvCacheSpec& spec, const std::vector<int64_t>& blocks) {
+  kv_dtype_ = spec.dtype;
+  latent_group_ = spec.group_index(CacheGroupSpec::kLatent);
+  indexer_group_ = spec.group_index(CacheGroupSpec::kIndexer);
+  num_blocks_ = blocks[latent_group_];
+  group_blocks_ = blocks;
+  kv_.assign(spec.groups.size(), {});
+  for (size_t gi = 0; gi < spec.groups.size(); ++gi) {
+    const auto& g = spec.groups[gi];
+    for (size_t slot = 0; slot < g.layers.size(); ++slot) {
+      ML4_ASSIGN_OR_RETURN(DeviceBuffer b, DeviceBuffer::alloc(std::max<int64_t>(blocks[gi], 1) * g.page_bytes_per_layer()));
+      ML4_RETURN_IF_ERROR(b.fill_bytes(0));
+      kv_bytes_ += static_cast<int64_t>(b.bytes());
+      kv_[gi].push_back(std::move(b));
+    }
+  }
+  return Status::ok();
+}
+
+const DeviceBuffer* CudaBackend::kv_pool(int group, int layer_slot) const {
+  if (group < 0 || group >= static_cast<int>(kv_.size())) return nullptr;
+  if (layer_slot < 0 || layer_slot >= static_cast<int>(kv_[group].size())) return nullptr;
+  return &kv_[group][layer_slot];
+}
+
+Status CudaBackend::ensure_buffers(int64_t T, int64_t R, int64_t S, int64_t maxb) {
+  Buffers& b = *buf_;
+  const ModelConfig& c = cfg_;
+  const int64_t D = c.dim, H = c.n_heads, qk = c.qk_nope_head_dim + c.qk_rope_head_dim, r = c.kv_lora_rank,
+                dr = c.qk_rope_head_dim;
+  const int64_t E = std::max(c.moe.num_experts, 1), K = std::max(c.moe.num_experts_per_tok, 1);
+  if (T > b.T) {
+    ++buffer_generation_;
+    const int64_t n = std::max(T, 2 * b.T);
+    auto f = [&](DeviceBuffer& d, int64_t count, size_t elem) -> Status {
+      ML4_ASSIGN_OR_RETURN(d, DeviceBuffer::alloc(static_cast<size_t>(std::max<int64_t>(count, 1)) * elem));
+      return Status::ok();
+    };
+    ML4_RETURN_IF_ERROR(f(b.residual, n * D, 4));
+    ML4_RETURN_IF_ERROR(f(b.a, n * D, 4));
+    ML4_RETURN_IF_ERROR(f(b.tmp, n * D, 4));
+    ML4_RETURN_IF_ERROR(f(b.q, n * H * qk, 4));
+    ML4_RETURN_IF_ERROR(f(b.qlat_in, n * std::max(c.q_lora_rank, 1), 4));
+    ML4_RETURN_IF_ERROR(f(b.ckv, n * (r + dr), 4));
+    ML4_RETURN_IF_ERROR(f(b.c, n * r, 4));
+    ML4_RETURN_IF_ERROR(f(b.q_lat, n * H * r, 4));
+    ML4_RETURN_IF_ERROR(f(b.q_rope, n * H * dr, 4));
+    ML4_RETURN_IF_ERROR(f(b.head_scale, n * H, 4));
+    ML4_RETURN_IF_ERROR(f(b.out_lat, n * H * r, 4));
+    ML4_RETURN_IF_ERROR(f(b.lse, n * H, 4));
+    ML4_RETURN_IF_ERROR(f(b.o, n * H * c.v_head_dim, 4));
+    ML4_RETURN_IF_ERROR(f(b.router, n * E, 4));
+    ML4_RETURN_IF_ERROR(f(b.ids, n * K, 4));
+    ML4_RETURN_IF_ERROR(f(b.wts, n * K, 4));
+    ML4_RETURN_IF_ERROR(f(b.tok, n, 4));
+    ML4_RETURN_IF_ERROR(f(b.pos, n, 8));
+    ML4_RETURN_IF_ERROR(f(b.slots, n, 8));
+    ML4_RETURN_IF_ERROR(f(b.seq_of, n, 4));
+    ML4_RETURN_IF_ERROR(f(b.lengths, n, 4));
+    ML4_RETURN_IF_ERROR(f(b.gemv_ws, gemv_workspace_floats(kGemvMaxM, 1, 1) * max_in_, 4));
+    if (side_stream_) ML4_RETURN_IF_ERROR(f(b.gemv_ws_side, gemv_workspace_floats(kGemvMaxM, 1, 1) * max_in_, 4));
+    ML4_RETURN_IF_ERROR(b.lin.reserve(n * max_in_, n * ((max_in_ + 127) / 128)));
+    if (c.has_dsa()) {
+      const int64_t HI = c.indexer.n_heads, dI = c.indexer.head_dim, k = c.indexer.topk;
+      ML4_RETURN_IF_ERROR(f(b.iq, n * HI * dI, 4));
+      ML4_RETURN_IF_ERROR(f(b.ik, n * dI, 4));
+      ML4_RETURN_IF_ERROR(f(b.iw, n * HI, 4));
+      ML4_RETURN_IF_ERROR(f(b.iq8, n * HI * dI, 1));
+      ML4_RETURN_IF_ERROR(f(b.iqs, n * HI, 4));
+      ML4_RETURN_IF_ERROR(f(b.idx_slots, n, 8));
+      ML4_RETURN_IF_ERROR(f(b.topk_pos, n * k, 4));
+      // topk's multi-block path (small steps over long contexts): the most splits it can pick.
+      b.topk_ws_bytes = topk_max_workspace_bytes(n, max_model_len_);
+      ML4_RETURN_IF_ERROR(f(b.topk_ws, static_cast<int64_t>(b.topk_ws_bytes), 1));
+      b.topk_slots.resize(num_selections_);
+      b.topk_counts.resize(num_selections_);
+      for (int i = 0; i < num_selections_; ++i) {
+        ML4_RETURN_IF_ERROR(f(b.topk_slots[i], n * k, 4));
+        ML4_RETURN_IF_ERROR(f(b.topk_counts[i], n, 4));
+      }
+    }
+    ML4_RETURN_IF_ERROR(f(b.forced_ids, n * K, 4));
+    b.moe = MoeScratch{};
+    ML4_RETURN_IF_ERROR(b.moe.reserve(n * K, D, std::max<int64_t>(max_hidden_, 1), static_cast<int>(E)));
+    b.T = n;
+  }
+  if (R > b.R) {
+    ++buffer_generation_;
+    const int64_t n = std::max(R, 2 * b.R);
+    ML4_ASSIGN_OR_RETURN(b.rows, DeviceBuffer::alloc(n * D * 4));
+    ML4_ASSIGN_OR_RETURN(b.normed, DeviceBuffer::alloc(n * D * 4));
+    ML4_ASSIGN_OR_RETURN(b.logits, DeviceBuffer::alloc(n * c.vocab_size * 4));
+    ML4_ASSIGN_OR_RETURN(b.row_idx, DeviceBuffer::alloc(n * 4));
+    b.R = n;
+  }
+  if (S * maxb > b.bt_cap) {
+    ++buffer_generation_;
+    ML4_ASSIGN_OR_RETURN(b.block_table, DeviceBuffer::alloc(std::max<int64_t>(S * maxb, 1) * 4));
+    ML4_ASSIGN_OR_RETURN(b.idx_block_table, DeviceBuffer::alloc(std::max<int64_t>(S * maxb, 1) * 4));
+    b.bt_cap = S * maxb;
+  }
+  b.maxb = maxb;  // this step's block-table row stride
+  point_activations();
+  return Status::ok();
+}
+
+void CudaBackend::point_activations() {
+  Buffers& b = *buf_;
+  acts_.residual = b.residual.as<float>();
+  acts_.a = b.a.as<float>();
+  acts_.tmp = b.tmp.as<float>();
+  acts_.q = b.q.as<float>();
+  acts_.q_latent = b.qlat_in.as<float>();
+  acts_.ckv = b.ckv.as<float>();
+  acts_.c = b.c.as<float>();
+  acts_.q_lat = b.q_lat.as<float>();
+  acts_.head_scale = b.head_scale.as<float>();
+  acts_.out_lat = b.out_lat.as<float>();
+  acts_.lse = b.lse.as<float>();
+  acts_.o = b.o.as<float>();
+  acts_.router = b.router.as<float>();
+  acts_.expert_ids = b.ids.as<int32_t>();
+  acts_.expert_wts = b.wts.as<float>();
+  acts_.ffn_g = b.moe.g.as<float>();
+  acts_.ffn_u = b.moe.u.as<float>();
+  acts_.iq = b.iq.as<float>();
+  acts_.ik = b.ik.as<float>();
+  acts_.iw = b.iw.as<float>();
+  acts_.rows = b.rows.as<float>();
+  acts_.normed = b.normed.as<float>();
+  acts_.logits = b.logits.as<float>();
+}
+
+void CudaBackend::begin_forward(int64_t T, int64_t R, int64_t maxlen, Mode mode, std::vector<GraphExec>* segments,
+                                const StepMetadata* md) {
+  step_T_ = T;
+  step_R_ = R;
+  step_maxlen_ = maxlen;
+  mode_ = mode;
+  segments_ = segments;
+  md_ = md;
+  in_segment_ = false;
+  next_graph_ = 0;
+}
+
+// ---- schedule ----
+
+Status CudaBackend::end_segment() {
+  if (!in_segment_) return Status::ok();
+  in_segment_ = false;
+  if (mode_ != Mode::kCapture) return Status::ok();
+  cudaGraph_t g = nullptr;
+  ML4_CUDA_RETURN_IF_ERROR(cudaStreamEndCapture(stream_, &g));
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t inst = cudaGraphInstantiate(&exec, g, 0);
+  cudaGraphDestroy(g);
+  ML4_CUDA_RETURN_IF_ERROR(inst);
+  segments_->emplace_back(exec);
+  return Status::ok();
+}
+
+Status CudaBackend::segment(const Fn& fn) {
+  if (!in_segment_) {
+    in_segment_ = true;
+    if (mode_ == Mode::kCapture) ML4_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    if (mode_ == Mode::kReplay) {
+      if (next_graph_ >= segments_->size()) return internal_error("graph replay: segment {} missing", next_graph_);
+      ML4_CUDA_RETURN_IF_ERROR(cudaGraphLaunch((*segments_)[next_graph_++], stream_));
+    }
+  }
+  return mode_ == Mode::kReplay ? Status::ok() : fn();
+}
+
+Status CudaBackend::host_sync(const Fn& fn) {
+  ML4_RETURN_IF_ERROR(end_segment());
+  return mode_ == Mode::kCapture ? Status::ok() : fn();
+}
+
+Status CudaBackend::finish_forward() {
+  ML4_RETURN_IF_ERROR(end_segment());
+  if (mode_ == Mode::kReplay && next_graph_ != segments_->size())
+    return internal_error("graph replay: {} of {} segments launched", next_graph_, segments_->size());
+  return Status::ok();
+}
+
+// Profiling (eager steps only): events around one piece of the forward, its GPU
+// milliseconds added to (*profile_)[label].
+Status CudaBackend::timed(const char* label, const Fn& fn) {
+  if (profile_ == nullptr || mode_ != Mode::kEager) return fn();
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  cudaEventRecord(e0, stream_);
+  Status st = fn();
+  cudaEventRecord(e1, stream_);
+  cudaEventSynchronize(e1);
+  float ms = 0;
+  cudaEventElapsedTime(&ms, e0, e1);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  (*profile_)[label] += ms;
+  return st;
+}
+
+bool CudaBackend::can_overlap(std::initializer_list<LinearRef> linears) const {
+  if (side_stream_ == nullptr || !opts_.overlap_indexer || (profile_ != nullptr && mode_ == Mode::kEager)) return false;
+  // Only the GEMV may run on both streams at once (each has its own workspace); cuBLASLt
+  // shares one workspace and scratch.
+  for (LinearRef r : linears) {
+    if (!r.valid()) continue;
+    const DeviceLinear& w = linears_[r.id];
+    if (router_[r.id] || !gemv_format(w) || !(opts_.exact_activations || step_T_ <= kGemvMaxM)) return false;
+  }
+  return true;
+}
+
+// fn runs with stream_ switched to the side stream (and lin() to its GEMV workspace), after
+// everything issued so far on the main stream.
+Status CudaBackend::side(const Fn& fn) {
+  cudaEvent_t ev = ev_side_[side_calls_++ % 2];
+  ML4_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev, stream_));
+  std::swap(stream_, side_stream_);
+  on_side_ = !on_side_;
+  Status st = cuda_status(cudaStreamWaitEvent(stream_, ev, 0), "side stream wait");
+  if (st.is_ok()) st = fn();
+  std::swap(stream_, side_stream_);
+  on_side_ = !on_side_;
+  return st;
+}
+
+Status CudaBackend::join_side() {
+  ML4_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_join_, side_stream_));
+  ML4_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, ev_join_, 0));
+  ++overlapped_layers_;
+  return Status::ok();
+}
+
+// ---- ops ----
+
+Status CudaBackend::embedding(float* out) {
+  return cuda::embedding({embed_.data(), embed_dtype_, cfg_.vocab_size, cfg_.dim, buf_->tok.as<int32_t>(), step_T_, out, stream_});
+}
+
+Status CudaBackend::rms_norm(const NormArgs& p) {
+  RmsNormParams np{p.x, p.residual, p.w, p.rows, p.dim, p.eps, p.y, nullptr, stream_};
+  np.x_stride = p.x_stride;
+  return cuda::rms_norm(np);
+}
+
+Status CudaBackend::layer_norm(const float* x, const float* w, const float* b, int64_t rows, int64_t dim, float eps,
+                               float* y) {
+  return cuda::layer_norm({x, w, b, rows, dim, eps, y, stream_});
+}
+
+// M <= 8 rows (decode) go through our GEMV (f32 activations, gemv.h); larger M through
+// cuBLASLt (bf16 / e4m3 activations). exact_activations forces the GEMV path in 8-row chunks
+// everywhere: every linear then matches cpu::linear to f32 rounding. Routers: f32 GEMM.
+Status CudaBackend::lin(const DeviceLinear& w, const float* x, int64_t M, float* y) {
+  if (gemv_format(w) && (opts_.exact_activations || M <= kGemvMaxM)) {
     for (int64_t m0 = 0; m0 < M; m0 += kGemvMaxM) {
       const int64_t m = std::min<int64_t>(kGemvMaxM, M - m0);
       float* ws = (on_side_ ? buf_->gemv_ws_side : buf_->gemv_ws).as<float>();
@@ -31,88 +450,87 @@ Status CudaRunner::lin(const DeviceLinear& w, const float* x, int64_t M, float* 
   return linear_f32(*lt_, w, x, M, y, buf_->lin, stream_).with_context(w.name);
 }
 
-Status CudaRunner::mlp(const DeviceMlp& m, const float* x, int64_t M, float* y) {
-  MoeScratch& s = buf_->moe;
-  const int64_t I = m.w1.N;
-  ML4_RETURN_IF_ERROR(lin(m.w1, x, M, s.g.as<float>()));
-  ML4_RETURN_IF_ERROR(lin(m.w3, x, M, s.u.as<float>()));
-  ML4_RETURN_IF_ERROR(silu_mul({s.g.as<float>(), s.u.as<float>(), M, I, 0, 0, s.g.as<float>(), nullptr, stream_}));
-  return lin(m.w2, s.g.as<float>(), M, y);
+Status CudaBackend::linear(LinearRef w, const float* x, int64_t M, float* y) {
+  if (!w.valid() || w.id >= static_cast<int>(linears_.size())) return internal_error("linear: no weight {}", w.id);
+  if (router_[w.id]) return linear_f32(*lt_, linears_[w.id], x, M, y, buf_->lin, stream_).with_context("router");
+  return lin(linears_[w.id], x, M, y);
 }
 
-// RoPE of this step's tokens (LeRoPE positions, YaRN factor) on `heads` vectors of `stride`
-// floats per token, rotating [offset, offset + dim) of each: the q path's shared fields.
-QPathParams CudaRunner::rope_params(float* x, int heads, int stride, int offset, int dim, const float* inv_freq) const {
+Status CudaBackend::silu_mul(const float* g, const float* u, int64_t rows, int64_t cols, float* out) {
+  return cuda::silu_mul({g, u, rows, cols, 0, 0, out, nullptr, stream_});
+}
+
+// RoPE of this step's tokens (LeRoPE positions, YaRN factor): the q path's shared fields.
+QPathParams CudaBackend::rope_params(const RopeArgs& r) const {
   QPathParams p;
-  p.q = x;
+  p.q = r.x;
   p.T = step_T_;
-  p.H = heads;
-  p.head_stride = stride;
-  p.rope_offset = offset;
-  p.rope_dim = dim;
+  p.H = r.heads;
+  p.head_stride = r.stride;
+  p.rope_offset = r.offset;
+  p.rope_dim = r.dim;
   p.positions = buf_->pos.as<int64_t>();
-  p.inv_freq = inv_freq;
-  p.attn_factor = rope_factor_;
+  p.inv_freq = r.inv_freq;
+  p.attn_factor = r.attn_factor;
+  p.neox = r.neox;
   p.lerope = cfg_.lerope;
   p.stream = stream_;
   return p;
 }
 
-// cpu_attention.cpp CpuModel::indexer_topk for an indexer owner: this step's keys into the
-// indexer pages, then per token the causal top-k of its scores as latent cache slots into
-// the layer's top-k buffer (and, when tracing, as positions into trace->topk[l]).
-Status CudaRunner::indexer(int l, ForwardTrace* trace) {
-  ML4_RETURN_IF_ERROR(indexer_keys(l));
-  return indexer_select(l, trace);
+Status CudaBackend::rope(const RopeArgs& p) { return cuda::q_path(rope_params(p)); }
+
+const int32_t* CudaBackend::selection_counts(int selection) const {
+  return selection >= 0 ? buf_->topk_counts[selection].as<int32_t>() : nullptr;
 }
 
-// The half that reads only x: the keys (projection, LayerNorm, RoPE) into the indexer pages
-// and the per-head weights.
-Status CudaRunner::indexer_keys(int l) {
-  const LayerSpec& spec = cfg_.layers[l];
-  Layer& L = layers_[l];
-  Buffers& b = *buf_;
-  const int HI = cfg_.indexer.n_heads, dI = cfg_.indexer.head_dim, rd = cfg_.indexer.rope_head_dim;
-  const int64_t T = step_T_;
-  float* ik = b.ik.as<float>();
-  float* iw = b.iw.as<float>();
-  ML4_RETURN_IF_ERROR(lin(L.idx_wk, b.a.as<float>(), T, ik));
-  ML4_RETURN_IF_ERROR(layer_norm({ik, L.idx_knorm_w.as<float>(), L.idx_knorm_b.as<float>(), T, dI, 1e-6f, ik, stream_}));
-  ML4_RETURN_IF_ERROR(lin(L.idx_wproj, b.a.as<float>(), T, iw));
-  if (spec.rope) {  // NeoX pairs on the [rope | nope] head, LeRoPE positions
-    QPathParams rp = rope_params(ik, 1, dI, 0, rd, idx_inv_freq_.as<float>());
-    rp.neox = true;
-    ML4_RETURN_IF_ERROR(q_path(rp));
-  }
+Status CudaBackend::q_path(const QPathArgs& a) {
+  QPathParams qp = rope_params(a.rope);
+  qp.apply_rope = a.apply_rope;
+  qp.base_scale = a.base_scale;
+  qp.llama4 = a.llama4;
+  qp.ssmax_s = a.ssmax_s;
+  qp.n_keys = selection_counts(a.selection);
+  qp.head_scale = a.head_scale;
+  return cuda::q_path(qp);
+}
+
+Status CudaBackend::latent_cache_write(int cache_slot, const float* c, const float* kr, int kr_stride) {
+  LatentCacheWriteParams w;
+  w.c = c;
+  w.kr = kr;
+  w.kr_stride = kr_stride;
+  w.slots = buf_->slots.as<int64_t>();
+  w.T = step_T_;
+  w.r = cfg_.kv_lora_rank;
+  w.dr = cfg_.qk_rope_head_dim;
+  w.dtype = kv_dtype_;
+  w.cache = kv_[latent_group_][cache_slot].data();
+  w.num_slots = num_blocks_ * kPageTokens;
+  w.stream = stream_;
+  return cuda::latent_cache_write(w);
+}
+
+Status CudaBackend::indexer_key_write(int cache_slot, float* k) {
   IndexerCacheWriteParams wp;
-  wp.k = ik;
-  wp.slots = b.idx_slots.as<int64_t>();
-  wp.T = T;
-  wp.dI = dI;
-  wp.cache = idx_kv_[spec.indexer_slot].data();
+  wp.k = k;
+  wp.slots = buf_->idx_slots.as<int64_t>();
+  wp.T = step_T_;
+  wp.dI = cfg_.indexer.head_dim;
+  wp.cache = kv_[indexer_group_][cache_slot].data();
   wp.num_blocks = group_blocks_[indexer_group_];
   wp.stream = stream_;
   return indexer_cache_write(wp);
 }
 
-// The half that needs the query latent (DeepSeek-V3.2: q from the query-LoRA latent when
-// there is one): the queries, their scores over the pages, the causal top-k.
-Status CudaRunner::indexer_select(int l, ForwardTrace* trace) {
-  const LayerSpec& spec = cfg_.layers[l];
-  Layer& L = layers_[l];
+// Hadamard + FP8 of the queries, then for a chunk of tokens at a time the scores over the
+// pages (f32 or FP8 tensor cores) and the radix top-k straight into latent cache slots.
+Status CudaBackend::indexer_select(const IndexerSelectArgs& a) {
   Buffers& b = *buf_;
-  const int HI = cfg_.indexer.n_heads, dI = cfg_.indexer.head_dim, rd = cfg_.indexer.rope_head_dim;
+  const int HI = cfg_.indexer.n_heads, dI = cfg_.indexer.head_dim;
   const int k = cfg_.indexer.topk;
   const int64_t T = step_T_;
-  float* iq = b.iq.as<float>();
-  float* iw = b.iw.as<float>();
-  ML4_RETURN_IF_ERROR(lin(L.idx_wq, cfg_.q_lora_rank > 0 ? b.qlat_in.as<float>() : b.a.as<float>(), T, iq));
-  if (spec.rope) {
-    QPathParams rp = rope_params(iq, HI, dI, 0, rd, idx_inv_freq_.as<float>());
-    rp.neox = true;
-    ML4_RETURN_IF_ERROR(q_path(rp));
-  }
-  ML4_RETURN_IF_ERROR(indexer_query_quant({iq, T * HI, dI, true, b.iq8.data(), b.iqs.as<float>(), stream_}));
+  ML4_RETURN_IF_ERROR(indexer_query_quant({a.q, T * HI, dI, true, b.iq8.data(), b.iqs.as<float>(), stream_}));
   const int64_t maxlen = step_maxlen_;
   // Scores of a chunk of tokens at a time: at most 64 Mi floats (256 MiB) of scores.
   const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(T, (int64_t{64} << 20) / maxlen));
@@ -121,15 +539,14 @@ Status CudaRunner::indexer_select(int l, ForwardTrace* trace) {
     ML4_ASSIGN_OR_RETURN(b.scores, DeviceBuffer::alloc(chunk * maxlen * 4));
     b.scores_cap = chunk * maxlen;
   }
-  const int buf = topk_buf_[l];
   for (int64_t t0 = 0; t0 < T; t0 += chunk) {
     const int64_t n = std::min(chunk, T - t0);
     IndexerScoresParams sp;
     sp.q = static_cast<const uint8_t*>(b.iq8.data()) + t0 * HI * dI;
     sp.q_scale = b.iqs.as<float>() + t0 * HI;
-    sp.weights = iw + t0 * HI;
-    sp.weight_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(HI)) / std::sqrt(static_cast<double>(dI)));
-    sp.cache = idx_kv_[spec.indexer_slot].data();
+    sp.weights = a.w + t0 * HI;
+    sp.weight_scale = a.weight_scale;
+    sp.cache = kv_[indexer_group_][a.cache_slot].data();
     sp.num_blocks = group_blocks_[indexer_group_];
     sp.block_table = b.idx_block_table.as<int32_t>();
     sp.block_table_stride = b.maxb;
@@ -143,17 +560,16 @@ Status CudaRunner::indexer_select(int l, ForwardTrace* trace) {
     sp.scores_stride = maxlen;
     sp.math = opts_.exact_activations ? IndexerMath::kF32 : IndexerMath::kFp8TensorCore;
     sp.stream = stream_;
-    ML4_RETURN_IF_ERROR(timed("attn: (indexer) of which scores",
-                              [&] { return indexer_scores(sp).with_context("layer " + std::to_string(l)); }));
+    ML4_RETURN_IF_ERROR(timed("attn: (indexer) of which scores", [&] { return indexer_scores(sp); }));
     TopkParams tp;
     tp.scores = b.scores.as<float>();
     tp.scores_stride = maxlen;
     tp.lengths = b.lengths.as<int32_t>() + t0;
     tp.T = n;
     tp.k = k;
-    tp.positions = trace != nullptr ? b.topk_pos.as<int32_t>() + t0 * k : nullptr;
-    tp.slots = b.topk_slots[buf].as<int32_t>() + t0 * k;
-    tp.counts = b.topk_counts[buf].as<int32_t>() + t0;
+    tp.positions = a.record_positions ? b.topk_pos.as<int32_t>() + t0 * k : nullptr;
+    tp.slots = b.topk_slots[a.selection].as<int32_t>() + t0 * k;
+    tp.counts = b.topk_counts[a.selection].as<int32_t>() + t0;
     tp.out_stride = k;
     tp.block_table = b.block_table.as<int32_t>();
     tp.block_table_stride = b.maxb;
@@ -162,184 +578,106 @@ Status CudaRunner::indexer_select(int l, ForwardTrace* trace) {
     tp.workspace_bytes = b.topk_ws_bytes;
     tp.max_length = maxlen;
     tp.stream = stream_;
-    ML4_RETURN_IF_ERROR(timed("attn: (indexer) of which top-k", [&] { return topk(tp).with_context("layer " + std::to_string(l)); }));
-  }
-  if (trace != nullptr) {
-    std::vector<int32_t> pos(T * k), cnt(T);
-    ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(pos.data(), b.topk_pos.data(), pos.size() * 4, cudaMemcpyDeviceToHost, stream_));
-    ML4_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(cnt.data(), b.topk_counts[buf].data(), cnt.size() * 4, cudaMemcpyDeviceToHost, stream_));
-    ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-    auto& rec = trace->topk[l];
-    rec.assign(T, {});
-    for (int64_t t = 0; t < T; ++t) rec[t].assign(pos.begin() + t * k, pos.begin() + t * k + cnt[t]);
+    ML4_RETURN_IF_ERROR(timed("attn: (indexer) of which top-k", [&] { return topk(tp); }));
   }
   return Status::ok();
 }
 
-bool CudaRunner::overlap_indexer(int l, ForwardTrace* trace) const {
-  const LayerSpec& spec = cfg_.layers[l];
-  if (side_stream_ == nullptr || !opts_.overlap_indexer || trace != nullptr || (profile_ != nullptr && mode_ == Mode::kEager) ||
-      !spec.sparse() || spec.indexer != IndexerRole::kOwner)
-    return false;
-  // Only the GEMV may run on both streams at once (each has its own workspace); cuBLASLt
-  // shares one workspace and scratch.
-  const Layer& L = layers_[l];
-  auto gemv = [&](const DeviceLinear& w) {
-    return (w.format == LinearFormat::kBF16 || w.format == LinearFormat::kFP8Block) &&
-           (opts_.exact_activations || step_T_ <= kGemvMaxM);
-  };
-  const bool q_ok = cfg_.q_lora_rank > 0 ? gemv(L.wq_a) && gemv(L.wq_b) : gemv(L.wq);
-  return q_ok && (!spec.owns_kv() || gemv(L.wkv_a)) && gemv(L.idx_wq) && gemv(L.idx_wk) && gemv(L.idx_wproj);
+// The positions the last indexer_select with record_positions wrote (traced steps read them
+// right after it).
+Result<std::vector<std::vector<int32_t>>> CudaBackend::read_selection(int selection) {
+  Buffers& b = *buf_;
+  const int k = cfg_.indexer.topk;
+  const int64_t T = step_T_;
+  std::vector<int32_t> pos(T * k), cnt(T);
+  ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(pos.data(), b.topk_pos.data(), pos.size() * 4, cudaMemcpyDeviceToHost, stream_));
+  ML4_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(cnt.data(), b.topk_counts[selection].data(), cnt.size() * 4, cudaMemcpyDeviceToHost, stream_));
+  ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  std::vector<std::vector<int32_t>> rows(T);
+  for (int64_t t = 0; t < T; ++t) rows[t].assign(pos.begin() + t * k, pos.begin() + t * k + cnt[t]);
+  return rows;
 }
 
-// cpu_attention.cpp CpuModel::attention steps 1-6.
-Status CudaRunner::attention(int l, const StepMetadata* md, float* out, ForwardTrace* trace) {
-  const LayerSpec& spec = cfg_.layers[l];
-  Layer& L = layers_[l];
+// Forced positions -> latent slots of the token's sequence, -1 padded (traced steps: md_).
+Status CudaBackend::set_selection(int selection, const std::vector<std::vector<int32_t>>& positions) {
+  if (md_ == nullptr) return internal_error("set_selection needs the step's host metadata");
   Buffers& b = *buf_;
-  const int H = cfg_.n_heads, dn = cfg_.qk_nope_head_dim, dr = cfg_.qk_rope_head_dim, dv = cfg_.v_head_dim;
-  const int r = cfg_.kv_lora_rank, qk = dn + dr;
+  const int k = cfg_.indexer.topk;
   const int64_t T = step_T_;
-  const float eps = static_cast<float>(cfg_.norm_eps);
-  float* q = b.q.as<float>();
-  // The indexer branch (overlap_indexer): keys from x at once, queries once the q latent is
-  // normalized; joined before the q path, which needs the top-k counts (SSMax).
-  const bool fork = overlap_indexer(l, trace);
-  if (fork) {
-    ++overlapped_layers_;
-    ML4_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_fork_, stream_));
-    ML4_RETURN_IF_ERROR(on_side([&]() -> Status {
-      ML4_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, ev_fork_, 0));
-      return indexer_keys(l);
-    }));
+  std::vector<int32_t> sl(T * k, -1), cnt(T, 0);
+  for (int64_t t = 0; t < T && t < static_cast<int64_t>(positions.size()); ++t) {
+    const auto& row = positions[t];
+    const int si = md_->seq_of_token[t];
+    for (size_t j = 0; j < row.size(); ++j) sl[t * k + j] = static_cast<int32_t>(md_->slot_of(si, latent_group_, row[j]));
+    cnt[t] = static_cast<int32_t>(row.size());
   }
-  auto fork_select = [&]() -> Status {
-    if (!fork) return Status::ok();
-    ML4_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_qlat_, stream_));
-    return on_side([&]() -> Status {
-      ML4_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, ev_qlat_, 0));
-      ML4_RETURN_IF_ERROR(indexer_select(l, nullptr));
-      return cuda_status(cudaEventRecord(ev_join_, stream_), "indexer join");
-    });
-  };
-  // 1. Queries.
-  ML4_RETURN_IF_ERROR(timed("attn: q projection", [&]() -> Status {
-    if (cfg_.q_lora_rank > 0) {
-      ML4_RETURN_IF_ERROR(lin(L.wq_a, b.a.as<float>(), T, b.qlat_in.as<float>()));
-      ML4_RETURN_IF_ERROR(rms_norm({b.qlat_in.as<float>(), nullptr, L.q_a_norm.as<float>(), T, cfg_.q_lora_rank,
-                                    eps, b.qlat_in.as<float>(), nullptr, stream_}));
-      ML4_RETURN_IF_ERROR(fork_select());
-      return lin(L.wq_b, b.qlat_in.as<float>(), T, q);
-    }
-    ML4_RETURN_IF_ERROR(fork_select());
-    return lin(L.wq, b.a.as<float>(), T, q);
-  }));
-  // 3./4. Latent row into the pages (owners).
-  if (spec.owns_kv()) ML4_RETURN_IF_ERROR(timed("attn: kv projection + cache write", [&]() -> Status {
-    float* ckv = b.ckv.as<float>();
-    ML4_RETURN_IF_ERROR(lin(L.wkv_a, b.a.as<float>(), T, ckv));
-    RmsNormParams np{ckv, nullptr, L.kv_a_norm.as<float>(), T, r, eps, b.c.as<float>(), nullptr, stream_};
-    np.x_stride = r + dr;
-    ML4_RETURN_IF_ERROR(rms_norm(np));
-    if (spec.rope) ML4_RETURN_IF_ERROR(q_path(rope_params(ckv, 1, r + dr, r, dr, inv_freq_.as<float>())));
-    for (int slot : latent_write_slots_[l]) {
-      LatentCacheWriteParams w;
-      w.c = b.c.as<float>();
-      w.kr = ckv + r;
-      w.kr_stride = r + dr;
-      w.slots = b.slots.as<int64_t>();
-      w.T = T;
-      w.r = r;
-      w.dr = dr;
-      w.dtype = spec_.dtype;
-      w.cache = kv_[slot].data();
-      w.num_slots = num_blocks_ * kPageTokens;
-      w.stream = stream_;
-      ML4_RETURN_IF_ERROR(latent_cache_write(w));
-    }
-    return Status::ok();
-  }));
-  // 6a. W_UK absorption of the nope part (the q path below touches only the rope part).
+  ML4_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(b.topk_slots[selection].data(), sl.data(), sl.size() * 4, cudaMemcpyHostToDevice, stream_));
+  ML4_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(b.topk_counts[selection].data(), cnt.data(), cnt.size() * 4, cudaMemcpyHostToDevice, stream_));
+  return cuda_status(cudaStreamSynchronize(stream_), "set_selection");  // the host vectors die here
+}
+
+namespace {
+
+MlaAbsorbParams absorb_params(const ModelConfig& c, int64_t T, cudaStream_t stream) {
   MlaAbsorbParams ab;
   ab.T = T;
-  ab.H = H;
-  ab.dn = dn;
-  ab.dv = dv;
-  ab.r = r;
-  ab.q = q;
-  ab.q_stride = qk;
+  ab.H = c.n_heads;
+  ab.dn = c.qk_nope_head_dim;
+  ab.dv = c.v_head_dim;
+  ab.r = c.kv_lora_rank;
+  ab.q_stride = c.qk_nope_head_dim + c.qk_rope_head_dim;
   ab.q_offset = 0;
-  ab.w_uk = L.w_uk.as<float>();
-  ab.q_lat = b.q_lat.as<float>();
-  ab.lat = b.out_lat.as<float>();
-  ab.w_uv = L.w_uv.as<float>();
-  ab.o = b.o.as<float>();
-  ab.stream = stream_;
-  ML4_RETURN_IF_ERROR(timed("attn: W_UK absorption", [&] { return mla_absorb_q(ab); }));
-  // 5. DSA: the keys this layer attends to (its own indexer's, its source's, or forced).
-  const int32_t* sel_slots = nullptr;
-  const int32_t* sel_counts = nullptr;
-  const int k = cfg_.indexer.topk;
-  if (spec.sparse()) {
-    if (fork) {
-      ML4_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, ev_join_, 0));
-    } else if (spec.indexer == IndexerRole::kOwner) {
-      ML4_RETURN_IF_ERROR(timed("attn: indexer + top-k", [&] { return indexer(l, trace); }));
-    }
-    const int src = spec.indexer == IndexerRole::kOwner ? l : spec.indexer_source;
-    if (trace != nullptr && src != l) trace->topk[l] = trace->topk[src];
-    const bool forced = trace != nullptr && l < static_cast<int>(trace->forced_topk.size()) &&
-                        !trace->forced_topk[l].empty();
-    if (forced) {  // test input, validated: positions -> latent slots, -1 padded
-      std::vector<int32_t> sl(T * k, -1), cnt(T);
-      for (int64_t t = 0; t < T; ++t) {
-        const auto& row = trace->forced_topk[l][t];
-        const int si = md->seq_of_token[t];
-        for (size_t j = 0; j < row.size(); ++j)
-          sl[t * k + j] = static_cast<int32_t>(md->slot_of(si, latent_group_, row[j]));
-        cnt[t] = static_cast<int32_t>(row.size());
-      }
-      ML4_CUDA_RETURN_IF_ERROR(
-          cudaMemcpyAsync(b.forced_slots.data(), sl.data(), sl.size() * 4, cudaMemcpyHostToDevice, stream_));
-      ML4_CUDA_RETURN_IF_ERROR(
-          cudaMemcpyAsync(b.forced_counts.data(), cnt.data(), cnt.size() * 4, cudaMemcpyHostToDevice, stream_));
-      ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));  // the host vectors die here
-      sel_slots = b.forced_slots.as<int32_t>();
-      sel_counts = b.forced_counts.as<int32_t>();
-    } else {
-      sel_slots = b.topk_slots[topk_buf_[src]].as<int32_t>();
-      sel_counts = b.topk_counts[topk_buf_[src]].as<int32_t>();
-    }
-  }
-  // 2. + 6. (temperature): RoPE on the rope part, head scales (SSMax's n: keys attended).
-  QPathParams qp = rope_params(q, H, qk, dn, dr, inv_freq_.as<float>());
-  qp.apply_rope = spec.rope;
-  qp.base_scale = cfg_.softmax_scale();
-  qp.llama4 = cfg_.llama4_scaling;
-  qp.ssmax_s = spec.ssmax ? L.ssmax_s.as<float>() : nullptr;
-  qp.n_keys = sel_counts;
-  qp.head_scale = b.head_scale.as<float>();
-  ML4_RETURN_IF_ERROR(timed("attn: q path", [&] { return q_path(qp); }));
-  // 6b. Absorbed attention over the pages.
-  ML4_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(b.q_rope.data(), dr * 4, q + dn, qk * 4, dr * 4, T * H,
+  ab.stream = stream;
+  return ab;
+}
+
+}  // namespace
+
+Status CudaBackend::mla_absorb_q(const float* w_uk, const float* q, float* q_lat) {
+  MlaAbsorbParams ab = absorb_params(cfg_, step_T_, stream_);
+  ab.q = q;
+  ab.w_uk = w_uk;
+  ab.q_lat = q_lat;
+  return cuda::mla_absorb_q(ab);
+}
+
+Status CudaBackend::mla_apply_uv(const float* w_uv, const float* out_lat, float* o) {
+  MlaAbsorbParams ab = absorb_params(cfg_, step_T_, stream_);
+  ab.lat = out_lat;
+  ab.w_uv = w_uv;
+  ab.o = o;
+  return cuda::mla_apply_uv(ab);
+}
+
+// The rope part of q copied contiguous for the kernel, then absorbed MLA over the pages:
+// the selection's slots, or every key of the token's sequence.
+Status CudaBackend::mla_attention(const MlaArgs& a) {
+  Buffers& b = *buf_;
+  const int H = cfg_.n_heads, dn = cfg_.qk_nope_head_dim, dr = cfg_.qk_rope_head_dim;
+  const int qk = dn + dr;
+  const int64_t T = step_T_;
+  ML4_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(b.q_rope.data(), dr * 4, a.q + dn, qk * 4, dr * 4, T * H,
                                              cudaMemcpyDeviceToDevice, stream_));
   MlaAttentionParams ap;
-  ap.q_lat = b.q_lat.as<float>();
+  ap.q_lat = a.q_lat;
   ap.q_rope = b.q_rope.as<float>();
-  ap.head_scale = b.head_scale.as<float>();
+  ap.head_scale = a.head_scale;
   ap.T = T;
   ap.H = H;
-  ap.r = r;
+  ap.r = cfg_.kv_lora_rank;
   ap.dr = dr;
-  ap.cache = kv_[latent_read_slot_[l]].data();
+  ap.cache = kv_[latent_group_][a.cache_slot].data();
   ap.num_slots = num_blocks_ * kPageTokens;
-  ap.dtype = spec_.dtype;
-  if (sel_slots != nullptr) {
-    ap.indices = sel_slots;
+  ap.dtype = kv_dtype_;
+  if (a.selection >= 0) {
+    const int k = cfg_.indexer.topk;
+    ap.indices = b.topk_slots[a.selection].as<int32_t>();
     ap.indices_stride = k;
     ap.topk = k;
-    ap.index_lengths = sel_counts;
+    ap.index_lengths = b.topk_counts[a.selection].as<int32_t>();
   } else {
     ap.block_table = b.block_table.as<int32_t>();
     ap.block_table_stride = b.maxb;
@@ -347,8 +685,8 @@ Status CudaRunner::attention(int l, const StepMetadata* md, float* out, ForwardT
     ap.lengths = b.lengths.as<int32_t>();
     ap.max_length = static_cast<int>(step_maxlen_);
   }
-  ap.out_lat = b.out_lat.as<float>();
-  ap.lse = b.lse.as<float>();
+  ap.out_lat = a.out_lat;
+  ap.lse = a.lse;
   ap.math = opts_.exact_activations ? MlaMath::kF32 : MlaMath::kBf16TensorCore;
   ap.stream = stream_;
   const size_t need = mla_attention_workspace_bytes(ap);
@@ -359,69 +697,62 @@ Status CudaRunner::attention(int l, const StepMetadata* md, float* out, ForwardT
   }
   ap.workspace = b.attn_ws.data();
   ap.workspace_bytes = b.attn_ws_bytes;
-  ML4_RETURN_IF_ERROR(
-      timed("attn: MLA kernel", [&] { return mla_attention(ap).with_context("layer " + std::to_string(l)); }));
-  ML4_RETURN_IF_ERROR(timed("attn: W_UV", [&] { return mla_apply_uv(ab); }));
-  return timed("attn: o projection", [&] { return lin(L.wo, b.o.as<float>(), T, out); });
+  return cuda::mla_attention(ap);
 }
 
-// CpuModel::ffn, MoE part in three pieces so the graph capture can cut around the two that
-// read device results back: the router and its top-k (capturable), the traced/forced
-// decisions (host round trip), the experts (capturable on the grouped decode path; the
-// expert loop reads the per-expert row counts back).
-Status CudaRunner::moe_route_step(int l, int64_t T) {
-  Layer& L = layers_[l];
-  Buffers& b = *buf_;
-  ML4_RETURN_IF_ERROR(
-      linear_f32(*lt_, L.gate, b.a.as<float>(), T, b.router.as<float>(), b.lin, stream_).with_context("router"));
-  return moe_route({b.router.as<float>(), T, cfg_.moe, L.bias.empty() ? nullptr : L.bias.as<float>(),
-                    b.ids.as<int32_t>(), b.wts.as<float>(), nullptr, stream_});
+Status CudaBackend::moe_route(const MoeRouteArgs& a) {
+  MoeRouteParams rp{a.logits, step_T_, cfg_.moe, a.bias, a.ids, a.weights, nullptr, stream_};
+  if (a.forced_host == nullptr) return cuda::moe_route(rp);
+  const int64_t n = step_T_ * cfg_.moe.num_experts_per_tok;
+  ML4_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(buf_->forced_ids.data(), a.forced_host, n * 4, cudaMemcpyHostToDevice, stream_));
+  rp.forced_ids = buf_->forced_ids.as<int32_t>();
+  ML4_RETURN_IF_ERROR(cuda::moe_route(rp));
+  return cuda_status(cudaStreamSynchronize(stream_), "forced experts");  // the host ids die after this call
 }
 
-Status CudaRunner::moe_trace(int l, int64_t T, ForwardTrace* trace) {
-  Layer& L = layers_[l];
+bool CudaBackend::moe_grouped(const Moe& m) const {
+  return m.tables != nullptr && (opts_.exact_activations || step_T_ <= kGroupedMoeMaxTokens);
+}
+
+bool CudaBackend::moe_experts_capturable(MoeRef moe) const { return moe_grouped(moes_[moe.id]); }
+
+// The grouped decode path (capturable; exact mode runs larger steps through it in chunks),
+// or the expert loop, which reads the per-expert row counts back.
+Status CudaBackend::moe_experts(MoeRef moe, const float* x, const int32_t* ids, const float* weights, float* out) {
+  const Moe& M = moes_[moe.id];
   Buffers& b = *buf_;
   const int K = cfg_.moe.num_experts_per_tok;
-  // The router's own choice, then (test input) forced experts.
-  std::vector<int32_t> ids(T * K);
-  ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(ids.data(), b.ids.data(), ids.size() * 4, cudaMemcpyDeviceToHost, stream_));
-  ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-  auto& rec = trace->experts[l];
-  rec.assign(T, {});
-  for (int64_t t = 0; t < T; ++t) rec[t].assign(ids.begin() + t * K, ids.begin() + (t + 1) * K);
-  if (l < static_cast<int>(trace->forced_experts.size()) && !trace->forced_experts[l].empty()) {
-    for (int64_t t = 0; t < T; ++t) std::copy_n(trace->forced_experts[l][t].begin(), K, ids.begin() + t * K);
-    ML4_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(b.forced_ids.data(), ids.data(), ids.size() * 4, cudaMemcpyHostToDevice, stream_));
-    MoeRouteParams rp{b.router.as<float>(), T, cfg_.moe, L.bias.empty() ? nullptr : L.bias.as<float>(),
-                      b.ids.as<int32_t>(), b.wts.as<float>(), b.forced_ids.as<int32_t>(), stream_};
-    ML4_RETURN_IF_ERROR(moe_route(rp));
-    ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-  }
-  return Status::ok();
-}
-
-bool CudaRunner::moe_grouped(const Layer& L, int64_t T) const {
-  return L.tables != nullptr && (opts_.exact_activations || T <= kGroupedMoeMaxTokens);
-}
-
-Status CudaRunner::moe_experts(int l, int64_t T, float* out) {
-  Layer& L = layers_[l];
-  Buffers& b = *buf_;
-  const float* x = b.a.as<float>();
-  const int K = cfg_.moe.num_experts_per_tok;
-  const int64_t D = cfg_.dim;
-  if (moe_grouped(L, T)) {  // exact mode runs larger steps through it in chunks
+  const int64_t D = cfg_.dim, T = step_T_;
+  if (moe_grouped(M)) {
     for (int64_t t0 = 0; t0 < T; t0 += kGroupedMoeMaxTokens) {
       const int64_t n = std::min<int64_t>(kGroupedMoeMaxTokens, T - t0);
-      ML4_RETURN_IF_ERROR(moe_experts_forward_grouped(*L.tables, L.shared.get(), x + t0 * D, n,
-                                                      b.ids.as<int32_t>() + t0 * K, b.wts.as<float>() + t0 * K, K,
-                                                      out + t0 * D, b.moe, stream_));
+      ML4_RETURN_IF_ERROR(moe_experts_forward_grouped(*M.tables, M.shared.get(), x + t0 * D, n, ids + t0 * K,
+                                                      weights + t0 * K, K, out + t0 * D, b.moe, stream_));
     }
     return Status::ok();
   }
-  return moe_experts_forward(*lt_, L.experts, L.shared.get(), x, T, D, b.ids.as<int32_t>(), b.wts.as<float>(), K, out,
-                             b.moe, stream_);
+  return moe_experts_forward(*lt_, M.experts, M.shared.get(), x, T, D, ids, weights, K, out, b.moe, stream_);
+}
+
+Result<std::vector<int32_t>> CudaBackend::read_ints(const int32_t* p, int64_t n) {
+  std::vector<int32_t> v(n);
+  ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(v.data(), p, n * 4, cudaMemcpyDeviceToHost, stream_));
+  ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  return v;
+}
+
+Status CudaBackend::gather_logits_rows(const float* x, float* out) {
+  return gather_rows(x, cfg_.dim, buf_->row_idx.as<int32_t>(), step_R_, out, stream_);
+}
+
+Status CudaBackend::fill_kv_synthetic(uint64_t seed) {
+  uint64_t i = 0;
+  for (int g : {latent_group_, indexer_group_}) {
+    if (g < 0) continue;
+    for (auto& b : kv_[g]) ML4_RETURN_IF_ERROR(fill_synthetic_bytes(b.data(), static_cast<int64_t>(b.bytes()), seed + ++i, stream_));
+  }
+  return cuda_status(cudaStreamSynchronize(stream_), "fill_kv_synthetic");
 }
 
 }  // namespace ml4::cuda

@@ -1,12 +1,44 @@
-// CudaRunner's private state shared by cuda_runner.cpp (loading, steps, graphs) and
-// cuda_runner_layers.cpp (the per-layer pieces of the forward).
+// CudaBackend: the ops of ops/backend.h on one GPU (SYSTEM.md S4), each an ops/cuda kernel on
+// the backend's stream, for the one model program (runtime/model_forward.h).
+//
+// Memory: weights (bf16, FP8 128x128 blocks or f32, as stored; routers widened to f32), the
+// paged KV pools of every cache group, and the step buffers, grown to the largest step seen
+// and otherwise kept at fixed addresses so captured graphs stay valid (buffer_generation()
+// says when they moved).
+//
+// Device-only parts of the program's schedule:
+//   - segment() / host_sync(): CUDA graph segments and the eager breaks between them (mode):
+//       kEager:   run everything;
+//       kCapture: record each run of segment() work between breaks as one graph; breaks are
+//                 cut points only (the eager run before has produced this step's results);
+//       kReplay:  launch the recorded graphs in order and run the breaks eagerly between
+//                 them (they write into the same fixed buffers the next graph reads).
+//   - side() / join_side(): the second stream an indexer owner's DSA chain overlaps on when
+//     every linear involved takes the GEMV (each stream has its own GEMV workspace; cuBLASLt
+//     shares one), decode-sized steps that are neither traced nor profiled.
+//   - timed(): per-piece GPU milliseconds on eager steps (set_profile).
+// Numerics: production (GEMMs with M > 8 on cuBLASLt / our FP8 kernel with bf16 or FP8
+// activations, attention on bf16 tensor cores, indexer scores on FP8 tensor cores) or exact
+// (every linear on f32 activations through the GEMV, f32 attention and indexer: the CPU's
+// arithmetic up to summation order).
 #pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
 
 #include <cuda_runtime.h>
 
-#include "ops/cuda/cuda_runner.h"
+#include "kv/cache_spec.h"
+#include "model/model_weights.h"
+#include "ops/backend.h"
+#include "ops/cuda/cuda_common.h"
+#include "ops/cuda/elementwise.h"
+#include "ops/cuda/gemm.h"
 #include "ops/cuda/linear.h"
 #include "ops/cuda/moe.h"
+#include "runtime/step_metadata.h"
 
 namespace ml4::cuda {
 
@@ -15,70 +47,172 @@ namespace ml4::cuda {
 // capturable); larger steps loop over experts (cuBLASLt / FP8 GEMMs per expert).
 constexpr int64_t kGroupedMoeMaxTokens = 128;
 
-struct CudaRunner::Layer {
-  DeviceBuffer attn_norm, ffn_norm;
-  DeviceLinear wq, wq_a, wq_b, wkv_a, wo;
-  DeviceBuffer q_a_norm, kv_a_norm, w_uk, w_uv, ssmax_s;
-  DeviceLinear idx_wq, idx_wk, idx_wproj;  // DSA indexer owners
-  DeviceBuffer idx_knorm_w, idx_knorm_b;
-  bool moe = false;
-  DeviceMlp dense;
-  DeviceLinear gate;  // f32
-  DeviceBuffer bias;
-  std::vector<DeviceMlp> experts;
-  std::unique_ptr<DeviceMlp> shared;
-  std::unique_ptr<MoeExpertTables> tables;
+struct CudaBackendOptions {
+  bool exact_activations = false;
+  bool overlap_indexer = true;
 };
 
-// Step buffers, grown to the largest step seen (fixed addresses between steps of a size).
-struct CudaRunner::Buffers {
-  int64_t T = 0, R = 0, bt_cap = 0, maxb = 0;
-  DeviceBuffer residual, a, tmp, q, qlat_in, ckv, c, q_lat, q_rope, head_scale, out_lat, lse, o;
-  DeviceBuffer router, ids, wts, rows, normed, logits;
-  DeviceBuffer tok, pos, slots, seq_of, lengths, block_table, row_idx, attn_ws, gemv_ws, gemv_ws_side;
-  size_t attn_ws_bytes = 0;
-  // DSA: indexer q/k/weights, q in e4m3 + scales, key slots, scores for a chunk of tokens,
-  // per-buffer top-k slots and counts, forced selections, traced positions.
-  DeviceBuffer iq, ik, iw, iq8, iqs, idx_slots, idx_block_table, scores, forced_slots, forced_counts, topk_pos, topk_ws;
-  std::vector<DeviceBuffer> topk_slots, topk_counts;
-  DeviceBuffer forced_ids;
-  DeviceBuffer samp_params, samp_tokens, samp_logprobs, samp_ws;  // device sampling, samp_cap rows
-  int64_t samp_cap = 0;
-  int64_t scores_cap = 0;
-  size_t topk_ws_bytes = 0;
-  LinearScratch lin;
-  MoeScratch moe;
+struct GraphExec {
+  explicit GraphExec(cudaGraphExec_t e) : exec(e) {}
+  GraphExec(GraphExec&& o) noexcept : exec(o.exec) { o.exec = nullptr; }
+  GraphExec(const GraphExec&) = delete;
+  ~GraphExec() {
+    if (exec) cudaGraphExecDestroy(exec);
+  }
+  operator cudaGraphExec_t() const { return exec; }
+  cudaGraphExec_t exec = nullptr;
 };
 
-// Profiling (eager steps only, CudaRunner::set_profile): events around one piece of the
-// forward, its GPU milliseconds added to (*profile_)[label].
-template <typename F>
-Status CudaRunner::timed(const char* label, F&& fn) {
-  if (profile_ == nullptr || mode_ != Mode::kEager) return fn();
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  cudaEventRecord(e0, stream_);
-  Status st = fn();
-  cudaEventRecord(e1, stream_);
-  cudaEventSynchronize(e1);
-  float ms = 0;
-  cudaEventElapsedTime(&ms, e0, e1);
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  (*profile_)[label] += ms;
-  return st;
-}
+class CudaBackend : public Backend {
+ public:
+  // synthetic_seed != 0: linears and the embedding are made on the device (speed runs).
+  static Result<std::unique_ptr<CudaBackend>> create(const ModelConfig& cfg, const CudaBackendOptions& opts,
+                                                     uint64_t synthetic_seed, int64_t max_model_len);
+  ~CudaBackend() override;
 
-// Runs fn with stream_ switched to the indexer's side stream (and lin() to its GEMV workspace).
-template <typename F>
-Status CudaRunner::on_side(F&& fn) {
-  std::swap(stream_, side_stream_);
-  on_side_ = !on_side_;
-  Status st = fn();
-  std::swap(stream_, side_stream_);
-  on_side_ = !on_side_;
-  return st;
-}
+  // ---- Backend ----
+  Status set_embedding(const Tensor& table) override;
+  Result<LinearRef> add_linear(const LinearWeight& w, LinearUse use) override;
+  Result<MlpRef> add_mlp(const MlpWeights& m) override;
+  Result<const float*> add_vector(const std::vector<float>& v) override;
+  Result<MoeRef> add_moe(const std::vector<MlpWeights>& experts, const MlpWeights* shared) override;
+  Status reserve_selections(int n) override;
+  Status segment(const Fn& fn) override;
+  Status host_sync(const Fn& fn) override;
+  Status finish_forward() override;
+  Status timed(const char* label, const Fn& fn) override;
+  bool can_overlap(std::initializer_list<LinearRef> linears) const override;
+  Status side(const Fn& fn) override;
+  Status join_side() override;
+  const Activations& acts() const override { return acts_; }
+  int64_t step_tokens() const override { return step_T_; }
+  int64_t step_rows() const override { return step_R_; }
+  Status embedding(float* out) override;
+  Status rms_norm(const NormArgs& p) override;
+  Status layer_norm(const float* x, const float* w, const float* b, int64_t rows, int64_t dim, float eps,
+                    float* y) override;
+  Status linear(LinearRef w, const float* x, int64_t M, float* y) override;
+  Status silu_mul(const float* g, const float* u, int64_t rows, int64_t cols, float* out) override;
+  Status rope(const RopeArgs& p) override;
+  Status q_path(const QPathArgs& p) override;
+  Status latent_cache_write(int cache_slot, const float* c, const float* kr, int kr_stride) override;
+  Status indexer_key_write(int cache_slot, float* k) override;
+  Status indexer_select(const IndexerSelectArgs& p) override;
+  Result<std::vector<std::vector<int32_t>>> read_selection(int selection) override;
+  Status set_selection(int selection, const std::vector<std::vector<int32_t>>& positions) override;
+  Status mla_absorb_q(const float* w_uk, const float* q, float* q_lat) override;
+  Status mla_attention(const MlaArgs& p) override;
+  Status mla_apply_uv(const float* w_uv, const float* out_lat, float* o) override;
+  Status moe_route(const MoeRouteArgs& p) override;
+  Status moe_experts(MoeRef moe, const float* x, const int32_t* ids, const float* weights, float* out) override;
+  bool moe_experts_capturable(MoeRef moe) const override;
+  Result<std::vector<int32_t>> read_ints(const int32_t* p, int64_t n) override;
+  Status gather_logits_rows(const float* x, float* out) override;
+
+  // ---- the runner's side ----
+  // The KV pools: one buffer per (group, layer slot) of blocks[group] pages.
+  Status allocate_kv(const KvCacheSpec& spec, const std::vector<int64_t>& blocks);
+  // Step buffers for T tokens, R logits rows, S block-table rows of maxb entries.
+  Status ensure_buffers(int64_t T, int64_t R, int64_t S, int64_t maxb);
+  enum class Mode { kEager, kCapture, kReplay };
+  // The next forward's launch shape (padded), graph mode and segments (kCapture: filled;
+  // kReplay: launched), and its host metadata (traced steps only; else null).
+  void begin_forward(int64_t T, int64_t R, int64_t maxlen, Mode mode, std::vector<GraphExec>* segments,
+                     const StepMetadata* md);
+
+  // Step buffers, grown to the largest step seen (fixed addresses between steps of a size).
+  struct Buffers {
+    int64_t T = 0, R = 0, bt_cap = 0, maxb = 0;
+    DeviceBuffer residual, a, tmp, q, qlat_in, ckv, c, q_lat, q_rope, head_scale, out_lat, lse, o;
+    DeviceBuffer router, ids, wts, rows, normed, logits;
+    DeviceBuffer tok, pos, slots, seq_of, lengths, block_table, row_idx, attn_ws, gemv_ws, gemv_ws_side;
+    size_t attn_ws_bytes = 0;
+    // DSA: indexer q/k/weights, q in e4m3 + scales, key slots, scores for a chunk of tokens,
+    // per-selection top-k slots and counts, traced positions.
+    DeviceBuffer iq, ik, iw, iq8, iqs, idx_slots, idx_block_table, scores, topk_pos, topk_ws;
+    std::vector<DeviceBuffer> topk_slots, topk_counts;
+    DeviceBuffer forced_ids;
+    DeviceBuffer samp_params, samp_tokens, samp_logprobs, samp_ws;  // device sampling, samp_cap rows
+    int64_t samp_cap = 0;
+    int64_t scores_cap = 0;
+    size_t topk_ws_bytes = 0;
+    LinearScratch lin;
+    MoeScratch moe;
+  };
+  Buffers& buffers() { return *buf_; }
+  cudaStream_t stream() const { return stream_; }
+  uint64_t buffer_generation() const { return buffer_generation_; }
+  int latent_group() const { return latent_group_; }
+  int indexer_group() const { return indexer_group_; }
+  const std::vector<int64_t>& group_blocks() const { return group_blocks_; }
+  // The pages of a group's layer slot (null when out of range).
+  const DeviceBuffer* kv_pool(int group, int layer_slot) const;
+
+  int64_t weight_bytes() const { return weight_bytes_; }
+  int64_t routed_expert_bytes() const { return routed_expert_bytes_; }
+  int64_t kv_bytes() const { return kv_bytes_; }
+  int64_t overlapped_layers() const { return overlapped_layers_; }
+  void set_overlap_indexer(bool on) { opts_.overlap_indexer = on; }
+  void set_profile(std::map<std::string, double>* p) { profile_ = p; }
+  Status fill_kv_synthetic(uint64_t seed);
+
+ private:
+  struct Moe {
+    std::vector<DeviceMlp> experts;
+    std::unique_ptr<DeviceMlp> shared;
+    std::unique_ptr<MoeExpertTables> tables;
+  };
+  CudaBackend() = default;
+  Status lin(const DeviceLinear& w, const float* x, int64_t M, float* y);
+  Result<DeviceLinear> make_linear(const LinearWeight& w);
+  QPathParams rope_params(const RopeArgs& r) const;
+  const int32_t* selection_counts(int selection) const;
+  bool moe_grouped(const Moe& m) const;
+  void point_activations();
+  Status end_segment();
+
+  ModelConfig cfg_;
+  CudaBackendOptions opts_;
+  KvCacheDtype kv_dtype_ = KvCacheDtype::kFp8DsMla;
+  int latent_group_ = 0, indexer_group_ = -1;
+  int64_t max_model_len_ = 0;
+  int64_t num_blocks_ = 0;  // latent group
+  std::vector<std::vector<DeviceBuffer>> kv_;  // [group][layer slot] pages
+  std::vector<int64_t> group_blocks_;
+  int num_selections_ = 0;
+  std::vector<DeviceLinear> linears_;
+  std::vector<bool> router_;  // [linear] f32 router: never the GEMV
+  std::vector<Moe> moes_;
+  std::vector<DeviceBuffer> vectors_;
+  DeviceBuffer embed_;
+  DType embed_dtype_ = DType::kBF16;
+  int64_t max_in_ = 0, max_hidden_ = 0;
+  std::unique_ptr<LtGemm> lt_;
+  std::unique_ptr<Buffers> buf_;
+  Activations acts_;
+  cudaStream_t stream_ = nullptr;
+  // The indexer's branch: its stream, the events side() waits on (two, alternating) and the
+  // join event, and whether stream_ currently is the side stream (lin() then uses the side
+  // GEMV workspace).
+  cudaStream_t side_stream_ = nullptr;
+  cudaEvent_t ev_side_[2] = {nullptr, nullptr}, ev_join_ = nullptr;
+  int side_calls_ = 0;
+  bool on_side_ = false;
+  int64_t overlapped_layers_ = 0;
+  int64_t weight_bytes_ = 0, kv_bytes_ = 0, routed_expert_bytes_ = 0;
+  uint64_t synthetic_seed_ = 0;
+  uint64_t synthetic_counter_ = 0;
+  int routers_ = 0;  // routers registered (synthetic seeds follow the MoE layer index)
+  // This step's launch shape (padded in graph mode) and host metadata (traced steps).
+  int64_t step_T_ = 0, step_R_ = 0, step_maxlen_ = 1;
+  const StepMetadata* md_ = nullptr;
+  // Bumped whenever a step buffer is reallocated: captured graphs hold old addresses.
+  uint64_t buffer_generation_ = 0;
+  Mode mode_ = Mode::kEager;
+  std::vector<GraphExec>* segments_ = nullptr;
+  bool in_segment_ = false;
+  size_t next_graph_ = 0;
+  std::map<std::string, double>* profile_ = nullptr;
+};
 
 }  // namespace ml4::cuda

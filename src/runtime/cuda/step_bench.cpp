@@ -1,5 +1,5 @@
 // See step_bench.h.
-#include "ops/cuda/step_bench.h"
+#include "runtime/cuda/step_bench.h"
 
 #include <algorithm>
 #include <chrono>
@@ -13,7 +13,7 @@
 #include "kv/indexer_layout.h"
 #include "kv/latent_layout.h"
 #include "model/presets.h"
-#include "ops/cuda/cuda_runner.h"
+#include "runtime/cuda/cuda_runner.h"
 
 namespace ml4::cuda {
 namespace {

@@ -1,5 +1,5 @@
 // See synthetic_weights.h.
-#include "ops/cuda/synthetic_weights.h"
+#include "runtime/cuda/synthetic_weights.h"
 
 #include <cmath>
 #include <random>

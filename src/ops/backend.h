@@ -1,0 +1,231 @@
+// Backend: the op interface the one ML4 forward (runtime/model_forward.h) is written against.
+//
+// The model program issues these ops in order, once per step, for every backend; a backend
+// implements each with its own memory and kernels (runtime/cpu/cpu_backend.h: host vectors
+// and the ops/cpu references; runtime/cuda/cuda_backend.h: device buffers and ops/cuda
+// kernels on a stream). The split follows vLLM's model files over dispatched ops and
+// llama.cpp's one graph builder per architecture run by any backend: per-layer differences
+// live in the program (read from the LayerSpec), never in a backend.
+//
+// Conventions:
+//   - Activations are f32, row-major, in backend memory: the pointers of Activations (valid
+//     for the step; a device backend keeps them at fixed addresses so graphs can replay).
+//     The program passes them around and never dereferences them.
+//   - Weights are registered once at load (add_*) in the backend's own format and memory;
+//     linears come back as handles, f32 vectors (norm weights, W_UK / W_UV, SSMax s, RoPE
+//     tables) as backend pointers.
+//   - The step itself (token ids, positions, cache slots, block tables, logits rows) is the
+//     backend's state, set by its runner before forward(): ops that need it read it there.
+//     T below is step_tokens() (a device backend may pad it), R is step_rows().
+//   - Sparse selections (the DSA indexer's top-k) live in `selection` buffers the backend
+//     holds in its own representation (positions on the CPU, cache slots on the GPU); the
+//     program refers to them by index and reads or forces them only on traced steps.
+//   - What only a device needs is expressed so the CPU ignores it: segment() / host_sync()
+//     (CUDA graph segments and the breaks between them), side() / join_side() (a second
+//     stream), timed() (per-piece GPU time). The CPU's defaults run the work at once.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <initializer_list>
+#include <vector>
+
+#include "core/status.h"
+#include "core/tensor.h"
+#include "model/linear_weight.h"
+#include "model/model_config.h"
+
+namespace ml4 {
+
+struct MlpWeights;  // model/model_weights.h
+
+// A linear weight the backend holds (index into its table).
+struct LinearRef {
+  int id = -1;
+  bool valid() const { return id >= 0; }
+};
+// A SwiGLU MLP: w2(silu(w1 x) * w3 x).
+struct MlpRef {
+  LinearRef w1, w2, w3;
+  int64_t hidden = 0;  // w1's output features
+};
+// A layer's routed experts and shared expert(s), held together (a device groups them).
+struct MoeRef {
+  int id = -1;
+};
+
+enum class LinearUse {
+  kDefault,
+  kRouter,  // the MoE gate: always f32 arithmetic on f32 weights (MODEL.md 3.7)
+};
+
+// The step's activation buffers; each at least as large as noted, T = step_tokens(),
+// R = step_rows(). Buffers a model does not need (no DSA, no query LoRA) may be null.
+struct Activations {
+  float* residual = nullptr;    // [T, dim]
+  float* a = nullptr;           // [T, dim] the normalized layer input
+  float* tmp = nullptr;         // [T, dim] a sub-layer's output
+  float* q = nullptr;           // [T, H, dn + dr]
+  float* q_latent = nullptr;    // [T, q_lora_rank]
+  float* ckv = nullptr;         // [T, r + dr]
+  float* c = nullptr;           // [T, r]
+  float* q_lat = nullptr;       // [T, H, r]
+  float* head_scale = nullptr;  // [T, H]
+  float* out_lat = nullptr;     // [T, H, r]
+  float* lse = nullptr;         // [T, H]
+  float* o = nullptr;           // [T, H, dv]
+  float* router = nullptr;      // [T, E]
+  int32_t* expert_ids = nullptr;  // [T, K]
+  float* expert_wts = nullptr;    // [T, K]
+  float* ffn_g = nullptr;       // [T, hidden] dense MLP scratch
+  float* ffn_u = nullptr;       // [T, hidden]
+  float* iq = nullptr;          // [T, HI, dI] indexer queries
+  float* ik = nullptr;          // [T, dI] indexer keys
+  float* iw = nullptr;          // [T, HI] indexer head weights
+  float* rows = nullptr;        // [R, dim] the logits rows' hidden states
+  float* normed = nullptr;      // [R, dim]
+  float* logits = nullptr;      // [R, vocab]
+};
+
+struct NormArgs {
+  const float* x = nullptr;   // [rows, dim], rows x_stride apart (0: dim)
+  float* residual = nullptr;  // [rows, dim] or null: when set, residual += x, then normalize residual
+  const float* w = nullptr;   // [dim]
+  int64_t rows = 0, dim = 0, x_stride = 0;
+  float eps = 1e-6f;
+  float* y = nullptr;         // [rows, dim] (may alias x, not residual)
+};
+
+// Rotation of `heads` vectors per step token, vector j of token t at x + (t * heads + j) *
+// stride, elements [offset, offset + dim), at the token's LeRoPE-mapped position.
+struct RopeArgs {
+  float* x = nullptr;
+  int heads = 0, stride = 0, offset = 0, dim = 0;
+  const float* inv_freq = nullptr;  // [dim / 2], registered (cpu::rope_inv_freq)
+  float attn_factor = 1.0f;         // cpu::rope_attention_factor
+  bool neox = false;                // pairs (i, i + dim/2) (the DSA indexer); else (2i, 2i + 1) (MLA)
+};
+
+// The MLA query path: rotary on the rope part (when apply_rope), then per head the softmax
+// temperature base_scale * llama_4(p) * (SSMax: s_h * ln n), n the keys the token attends:
+// the selection's count, or p + 1 when dense (MODEL.md 3.2-3.4).
+struct QPathArgs {
+  RopeArgs rope;
+  bool apply_rope = true;
+  double base_scale = 1.0;
+  Llama4Scaling llama4;
+  const float* ssmax_s = nullptr;  // [H] or null
+  int selection = -1;              // -1: dense
+  float* head_scale = nullptr;     // [T, H] out
+};
+
+// The DSA indexer's query half (MODEL.md 3.5): q [T, HI, dI] rotated (not yet Hadamard'd),
+// w [T, HI] head weights (unscaled); Hadamard + FP8 of q, scores sum_h w_h * weight_scale *
+// relu(q_h . k_s) over the layer's indexer pages for s <= p, causal top-min(topk, p+1) into
+// `selection` (ties to the lower position). record_positions keeps the positions for
+// read_selection() (traced steps).
+struct IndexerSelectArgs {
+  int cache_slot = 0;  // LayerSpec::indexer_slot
+  float* q = nullptr;
+  float* w = nullptr;
+  float weight_scale = 1.0f;  // HI^-0.5 * dI^-0.5
+  int selection = 0;
+  bool record_positions = false;
+};
+
+// Absorbed MLA over one latent cache slot (MODEL.md 3.6): per token and head,
+// logits (q_lat . c_s + q_rope . kr_s) * head_scale over the selection's keys (or all
+// s <= p), out_lat = softmax-weighted sum of c_s, lse natural-log.
+struct MlaArgs {
+  int cache_slot = 0;            // latent layer slot the keys are read from
+  int selection = -1;            // -1: dense
+  const float* q_lat = nullptr;  // [T, H, r]
+  const float* q = nullptr;      // [T, H, dn + dr]: the rope part at offset dn
+  const float* head_scale = nullptr;
+  float* out_lat = nullptr;      // [T, H, r]
+  float* lse = nullptr;          // [T, H]
+};
+
+struct MoeRouteArgs {
+  const float* logits = nullptr;  // [T, E] router logits (f32)
+  const float* bias = nullptr;    // [E] correction bias or null
+  // Test input (ForwardTrace::forced_experts), host memory [T, K]: route to these experts,
+  // weighted as the router weighs its own choice.
+  const int32_t* forced_host = nullptr;
+  int32_t* ids = nullptr;         // [T, K]
+  float* weights = nullptr;       // [T, K]
+};
+
+class Backend {
+ public:
+  using Fn = std::function<Status()>;
+  virtual ~Backend() = default;
+
+  // ---- weights, registered once at load ----
+  virtual Status set_embedding(const Tensor& table) = 0;  // [vocab, dim] bf16 or f32
+  virtual Result<LinearRef> add_linear(const LinearWeight& w, LinearUse use = LinearUse::kDefault) = 0;
+  virtual Result<MlpRef> add_mlp(const MlpWeights& m) = 0;
+  // v outlives every forward (it belongs to the weights passed at load, or to the program):
+  // a host backend may use it in place.
+  virtual Result<const float*> add_vector(const std::vector<float>& v) = 0;
+  virtual Result<MoeRef> add_moe(const std::vector<MlpWeights>& experts, const MlpWeights* shared) = 0;
+  // Selection buffers 0..n-1 (each [T, topk]).
+  virtual Status reserve_selections(int n) = 0;
+
+  // ---- how work is issued; the CPU's defaults run it at once ----
+  // Work that only launches device work (capturable into a graph segment).
+  virtual Status segment(const Fn& fn) { return fn(); }
+  // Work that reads device results back or uploads host data: it ends the segment and runs
+  // eagerly between replayed segments (into buffers the next segment reads).
+  virtual Status host_sync(const Fn& fn) { return fn(); }
+  // Ends the step's last segment.
+  virtual Status finish_forward() { return Status::ok(); }
+  virtual Status timed(const char* label, const Fn& fn) { return fn(); }
+  // A second in-order queue: side(fn) issues fn there, after everything issued so far on the
+  // main queue; join_side() makes the main queue wait for everything issued on the side.
+  // Only worth it (and only allowed) when can_overlap says the linears involved may run
+  // concurrently.
+  virtual bool can_overlap(std::initializer_list<LinearRef> linears) const { return false; }
+  virtual Status side(const Fn& fn) { return fn(); }
+  virtual Status join_side() { return Status::ok(); }
+
+  // ---- the step ----
+  virtual const Activations& acts() const = 0;
+  virtual int64_t step_tokens() const = 0;
+  virtual int64_t step_rows() const = 0;
+
+  // ---- ops ----
+  virtual Status embedding(float* out) = 0;  // out[t] = table[token t]
+  virtual Status rms_norm(const NormArgs& p) = 0;
+  virtual Status layer_norm(const float* x, const float* w, const float* b, int64_t rows, int64_t dim, float eps,
+                            float* y) = 0;
+  virtual Status linear(LinearRef w, const float* x, int64_t M, float* y) = 0;  // y[M, N] = x[M, K] W^T
+  virtual Status silu_mul(const float* g, const float* u, int64_t rows, int64_t cols, float* out) = 0;
+  virtual Status rope(const RopeArgs& p) = 0;
+  virtual Status q_path(const QPathArgs& p) = 0;
+  // The step's latent rows (c [T, r], kr [T, dr] kr_stride apart) into a latent layer slot.
+  virtual Status latent_cache_write(int cache_slot, const float* c, const float* kr, int kr_stride) = 0;
+  // The step's indexer keys k [T, dI] (rotated): Hadamard + FP8 into an indexer layer slot
+  // (k may be overwritten).
+  virtual Status indexer_key_write(int cache_slot, float* k) = 0;
+  virtual Status indexer_select(const IndexerSelectArgs& p) = 0;
+  // Traced steps: a selection as key positions per step token (sorted ascending), and
+  // forcing one (rows validated by the caller).
+  virtual Result<std::vector<std::vector<int32_t>>> read_selection(int selection) = 0;
+  virtual Status set_selection(int selection, const std::vector<std::vector<int32_t>>& positions) = 0;
+  // q_lat[t, h] = W_UK[h]^T q_nope[t, h] (w_uk [H, dn, r]); o[t, h] = W_UV[h] out_lat[t, h] (w_uv [H, dv, r]).
+  virtual Status mla_absorb_q(const float* w_uk, const float* q, float* q_lat) = 0;
+  virtual Status mla_attention(const MlaArgs& p) = 0;
+  virtual Status mla_apply_uv(const float* w_uv, const float* out_lat, float* o) = 0;
+  virtual Status moe_route(const MoeRouteArgs& p) = 0;
+  // out[T, dim] = sum_k w[t, k] expert_{ids[t, k]}(x[t]) + shared(x[t]).
+  virtual Status moe_experts(MoeRef moe, const float* x, const int32_t* ids, const float* weights, float* out) = 0;
+  // False when moe_experts must read device results back (then the program issues it
+  // through host_sync).
+  virtual bool moe_experts_capturable(MoeRef moe) const { return true; }
+  virtual Result<std::vector<int32_t>> read_ints(const int32_t* p, int64_t n) = 0;
+  // out[i] = x[logits row i] for the step's R logits rows (rows of dim).
+  virtual Status gather_logits_rows(const float* x, float* out) = 0;
+};
+
+}  // namespace ml4

@@ -1,0 +1,400 @@
+// See cpu_backend.h. Each op is the ops/cpu reference applied to the step's tokens.
+#include "runtime/cpu/cpu_backend.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/threads.h"
+#include "ops/cpu/ops.h"
+
+namespace ml4 {
+
+CpuBackend::CpuBackend(const ModelConfig& cfg, std::shared_ptr<const ModelWeights> weights, PagedKvCache* cache)
+    : cfg_(cfg), weights_(std::move(weights)), cache_(cache) {
+  latent_group_ = cache_->spec().group_index(CacheGroupSpec::kLatent);
+  indexer_group_ = cache_->spec().group_index(CacheGroupSpec::kIndexer);
+}
+
+void CpuBackend::begin_step(const StepMetadata& md) {
+  md_ = &md;
+  const ModelConfig& c = cfg_;
+  const int64_t T = md.num_tokens(), R = static_cast<int64_t>(md.logits_rows.size());
+  const int64_t D = c.dim, H = c.n_heads, qk = c.qk_nope_head_dim + c.qk_rope_head_dim, r = c.kv_lora_rank,
+                dr = c.qk_rope_head_dim;
+  const int64_t E = std::max(c.moe.num_experts, 1), K = std::max(c.moe.num_experts_per_tok, 1);
+  act_storage_.resize(21);
+  auto grow = [&](int i, int64_t n) -> float* {
+    auto& v = act_storage_[i];
+    if (static_cast<int64_t>(v.size()) < n) v.assign(n, 0.0f);
+    return v.data();
+  };
+  if (T > act_tokens_ || acts_.residual == nullptr) {
+    const int64_t n = std::max<int64_t>(T, 1);
+    acts_.residual = grow(0, n * D);
+    acts_.a = grow(1, n * D);
+    acts_.tmp = grow(2, n * D);
+    acts_.q = grow(3, n * H * qk);
+    acts_.q_latent = grow(4, n * std::max(c.q_lora_rank, 1));
+    acts_.ckv = grow(5, n * (r + dr));
+    acts_.c = grow(6, n * r);
+    acts_.q_lat = grow(7, n * H * r);
+    acts_.head_scale = grow(8, n * H);
+    acts_.out_lat = grow(9, n * H * r);
+    acts_.lse = grow(10, n * H);
+    acts_.o = grow(11, n * H * c.v_head_dim);
+    acts_.router = grow(12, n * E);
+    acts_.expert_wts = grow(13, n * K);
+    acts_.ffn_g = grow(14, n * max_hidden_);
+    acts_.ffn_u = grow(15, n * max_hidden_);
+    if (c.has_dsa()) {
+      acts_.iq = grow(16, n * c.indexer.n_heads * c.indexer.head_dim);
+      acts_.ik = grow(17, n * c.indexer.head_dim);
+      acts_.iw = grow(18, n * c.indexer.n_heads);
+    }
+    expert_ids_.resize(n * K);
+    acts_.expert_ids = expert_ids_.data();
+    act_tokens_ = n;
+  }
+  if (R > act_rows_ || acts_.rows == nullptr) {
+    const int64_t n = std::max<int64_t>(R, 1);
+    acts_.rows = grow(19, 2 * n * D);
+    acts_.normed = acts_.rows + n * D;
+    acts_.logits = grow(20, n * c.vocab_size);
+    act_rows_ = n;
+  }
+  for (auto& s : selections_) s.assign(T, {});
+}
+
+// ---- weights ----
+
+Status CpuBackend::set_embedding(const Tensor& table) {
+  embed_ = &table;
+  return Status::ok();
+}
+
+Result<LinearRef> CpuBackend::add_linear(const LinearWeight& w, LinearUse) {
+  linears_.push_back(&w);  // cpu::linear runs every format on f32 activations (the router's f32 too)
+  return LinearRef{static_cast<int>(linears_.size()) - 1};
+}
+
+Result<MlpRef> CpuBackend::add_mlp(const MlpWeights& m) {
+  MlpRef r;
+  ML4_ASSIGN_OR_RETURN(r.w1, add_linear(m.w1, LinearUse::kDefault));
+  ML4_ASSIGN_OR_RETURN(r.w2, add_linear(m.w2, LinearUse::kDefault));
+  ML4_ASSIGN_OR_RETURN(r.w3, add_linear(m.w3, LinearUse::kDefault));
+  r.hidden = m.w1.out_features;
+  max_hidden_ = std::max(max_hidden_, r.hidden);
+  return r;
+}
+
+Result<const float*> CpuBackend::add_vector(const std::vector<float>& v) { return v.data(); }
+
+Result<MoeRef> CpuBackend::add_moe(const std::vector<MlpWeights>& experts, const MlpWeights* shared) {
+  moes_.push_back({&experts, shared});
+  return MoeRef{static_cast<int>(moes_.size()) - 1};
+}
+
+Status CpuBackend::reserve_selections(int n) {
+  selections_.assign(n, {});
+  return Status::ok();
+}
+
+// ---- ops ----
+
+Status CpuBackend::embedding(float* out) {
+  cpu::embedding_lookup(*embed_, md_->token_ids.data(), step_tokens(), out);
+  return Status::ok();
+}
+
+Status CpuBackend::rms_norm(const NormArgs& p) {
+  if (p.residual != nullptr) {
+    if (p.x_stride != 0 && p.x_stride != p.dim) return internal_error("rms_norm: a strided x with a residual");
+    cpu::add_rms_norm(p.residual, p.x, p.w, p.rows, p.dim, p.eps, p.y);
+  } else if (p.x_stride == 0 || p.x_stride == p.dim) {
+    cpu::rms_norm(p.x, p.w, p.rows, p.dim, p.eps, p.y);
+  } else {
+    for (int64_t i = 0; i < p.rows; ++i) cpu::rms_norm(p.x + i * p.x_stride, p.w, 1, p.dim, p.eps, p.y + i * p.dim);
+  }
+  return Status::ok();
+}
+
+Status CpuBackend::layer_norm(const float* x, const float* w, const float* b, int64_t rows, int64_t dim, float eps,
+                              float* y) {
+  cpu::layer_norm(x, w, b, rows, dim, eps, y);
+  return Status::ok();
+}
+
+Status CpuBackend::linear(LinearRef w, const float* x, int64_t M, float* y) {
+  if (!w.valid() || w.id >= static_cast<int>(linears_.size())) return internal_error("linear: no weight {}", w.id);
+  cpu::linear(x, M, *linears_[w.id], y);
+  return Status::ok();
+}
+
+Status CpuBackend::silu_mul(const float* g, const float* u, int64_t rows, int64_t cols, float* out) {
+  cpu::silu_mul(g, u, rows * cols, out);
+  return Status::ok();
+}
+
+Status CpuBackend::rope(const RopeArgs& p) {
+  const int64_t T = step_tokens();
+  for (int64_t t = 0; t < T; ++t) {
+    const double pp = cpu::lerope_position(md_->positions[t], cfg_.lerope);
+    float* x = p.x + t * p.heads * p.stride + p.offset;
+    if (p.neox) {
+      cpu::rope_neox(x, p.heads, p.dim, p.stride, pp, p.inv_freq, p.attn_factor);
+    } else {
+      cpu::rope_interleaved(x, p.heads, p.dim, p.stride, pp, p.inv_freq, p.attn_factor);
+    }
+  }
+  return Status::ok();
+}
+
+Status CpuBackend::q_path(const QPathArgs& p) {
+  if (p.apply_rope) ML4_RETURN_IF_ERROR(rope(p.rope));
+  const int H = p.rope.heads;
+  for (int64_t t = 0; t < step_tokens(); ++t) {
+    const int64_t pos = md_->positions[t];
+    const int64_t S = p.selection >= 0 ? static_cast<int64_t>(selected(p.selection, t).size()) : pos + 1;
+    for (int h = 0; h < H; ++h) {
+      double sc = p.base_scale * cpu::llama4_q_scale(pos, p.llama4);
+      if (p.ssmax_s != nullptr) sc *= p.ssmax_s[h] * std::log(static_cast<double>(S));
+      p.head_scale[t * H + h] = static_cast<float>(sc);
+    }
+  }
+  return Status::ok();
+}
+
+Status CpuBackend::latent_cache_write(int cache_slot, const float* c, const float* kr, int kr_stride) {
+  const int r = cfg_.kv_lora_rank;
+  for (int64_t t = 0; t < step_tokens(); ++t)
+    cache_->write_latent(cache_slot, md_->slots[latent_group_][t], c + t * r, kr + t * kr_stride);
+  return Status::ok();
+}
+
+Status CpuBackend::indexer_key_write(int cache_slot, float* k) {
+  const int dI = cfg_.indexer.head_dim;
+  const int64_t T = step_tokens();
+  cpu::hadamard_transform(k, T, dI);
+  for (int64_t t = 0; t < T; ++t) cache_->write_indexer_key(cache_slot, md_->slots[indexer_group_][t], k + t * dI);
+  return Status::ok();
+}
+
+// q is used as FP8 with one scale per 128 values (DeepSeek act_quant); keys come back from the
+// cache as FP8 with theirs. relu(sq*q.k) = sq*relu(q.k) for sq > 0, so scoring on the
+// dequantized values equals DeepSeek's fp8_index.
+Status CpuBackend::indexer_select(const IndexerSelectArgs& p) {
+  const int HI = cfg_.indexer.n_heads, dI = cfg_.indexer.head_dim;
+  const int64_t T = step_tokens();
+  cpu::hadamard_transform(p.q, T * HI, dI);
+  {
+    std::vector<uint8_t> q8(dI);
+    std::vector<float> qs(dI / 128 + 1);
+    for (int64_t row = 0; row < T * HI; ++row) {
+      float* qr = p.q + row * dI;
+      cpu::quantize_fp8_groups(qr, dI, 128, q8.data(), qs.data());
+      cpu::dequantize_fp8_groups(q8.data(), qs.data(), dI, 128, qr);
+    }
+  }
+  for (int64_t i = 0; i < T * HI; ++i) p.w[i] *= p.weight_scale;
+  auto& out = selections_[p.selection];
+  out.assign(T, {});
+  for (size_t si = 0; si < md_->seqs.size(); ++si) {
+    const auto& seq = md_->seqs[si];
+    const int64_t n = seq.context_len;
+    std::vector<float> keys(n * dI);
+    parallel_for(n, 64, [&](int64_t b, int64_t e) {
+      for (int64_t s = b; s < e; ++s)
+        cache_->read_indexer_key(p.cache_slot, md_->slot_of(static_cast<int>(si), indexer_group_, s), keys.data() + s * dI);
+    });
+    parallel_for(seq.num_tokens, 1, [&](int64_t b, int64_t e) {
+      std::vector<float> scores;
+      for (int64_t i = b; i < e; ++i) {
+        const int64_t t = seq.first_token + i;
+        const int64_t visible = md_->positions[t] + 1;
+        scores.resize(visible);
+        cpu::indexer_scores(p.q + t * HI * dI, p.w + t * HI, HI, dI, keys.data(), visible, scores.data());
+        const int kk = static_cast<int>(std::min<int64_t>(cfg_.indexer.topk, visible));
+        std::vector<int32_t> idx(kk);
+        cpu::topk(scores.data(), visible, kk, idx.data());
+        std::sort(idx.begin(), idx.end());
+        out[t] = std::move(idx);
+      }
+    });
+  }
+  return Status::ok();
+}
+
+Result<std::vector<std::vector<int32_t>>> CpuBackend::read_selection(int selection) {
+  return selections_[selection];
+}
+
+Status CpuBackend::set_selection(int selection, const std::vector<std::vector<int32_t>>& positions) {
+  selections_[selection] = positions;
+  return Status::ok();
+}
+
+Status CpuBackend::mla_absorb_q(const float* w_uk, const float* q, float* q_lat) {
+  const int H = cfg_.n_heads, dn = cfg_.qk_nope_head_dim, r = cfg_.kv_lora_rank, qk = dn + cfg_.qk_rope_head_dim;
+  parallel_for(step_tokens(), 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      for (int h = 0; h < H; ++h) {  // q_lat[h] = W_UK[h]^T q_nope[h]  ([dn] x [dn, r] -> [r])
+        float* ql = q_lat + (t * H + h) * r;
+        std::fill(ql, ql + r, 0.0f);
+        const float* qn = q + (t * H + h) * qk;
+        const float* wuk = w_uk + static_cast<int64_t>(h) * dn * r;
+        for (int d = 0; d < dn; ++d) {
+          const float qv = qn[d];
+          const float* wr = wuk + static_cast<int64_t>(d) * r;
+          for (int j = 0; j < r; ++j) ql[j] += qv * wr[j];
+        }
+      }
+    }
+  });
+  return Status::ok();
+}
+
+Status CpuBackend::mla_attention(const MlaArgs& p) {
+  const int H = cfg_.n_heads, dn = cfg_.qk_nope_head_dim, dr = cfg_.qk_rope_head_dim, r = cfg_.kv_lora_rank;
+  const int qk = dn + dr;
+  for (size_t si = 0; si < md_->seqs.size(); ++si) {
+    const auto& seq = md_->seqs[si];
+    const int64_t n = seq.context_len;
+    std::vector<float> keys_c(n * r), keys_kr(n * dr);
+    parallel_for(n, 64, [&](int64_t b, int64_t e) {
+      for (int64_t s = b; s < e; ++s)
+        cache_->read_latent(p.cache_slot, md_->slot_of(static_cast<int>(si), latent_group_, s), keys_c.data() + s * r,
+                            keys_kr.data() + s * dr);
+    });
+    parallel_for(seq.num_tokens, 1, [&](int64_t b, int64_t e) {
+      std::vector<float> q_rope(H * dr), cg, krg;
+      for (int64_t i = b; i < e; ++i) {
+        const int64_t t = seq.first_token + i;
+        // Keys: the selection, or every s <= p.
+        const float* cp = keys_c.data();
+        const float* krp = keys_kr.data();
+        int64_t S = md_->positions[t] + 1;
+        if (p.selection >= 0) {
+          const auto& sel = selected(p.selection, t);
+          S = static_cast<int64_t>(sel.size());
+          cg.resize(S * r);
+          krg.resize(S * dr);
+          for (int64_t j = 0; j < S; ++j) {
+            std::copy_n(keys_c.data() + sel[j] * int64_t{r}, r, cg.data() + j * r);
+            std::copy_n(keys_kr.data() + sel[j] * int64_t{dr}, dr, krg.data() + j * dr);
+          }
+          cp = cg.data();
+          krp = krg.data();
+        }
+        for (int h = 0; h < H; ++h) std::copy_n(p.q + (t * H + h) * qk + dn, dr, q_rope.data() + h * dr);
+        cpu::mla_attention(p.q_lat + t * H * r, q_rope.data(), H, r, dr, cp, krp, S, p.head_scale + t * H,
+                           p.out_lat + t * H * r, p.lse + t * H);
+      }
+    });
+  }
+  return Status::ok();
+}
+
+Status CpuBackend::mla_apply_uv(const float* w_uv, const float* out_lat, float* o) {
+  const int H = cfg_.n_heads, dv = cfg_.v_head_dim, r = cfg_.kv_lora_rank;
+  parallel_for(step_tokens(), 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      for (int h = 0; h < H; ++h) {  // o_h = W_UV[h] out_lat[h]  ([dv, r] x [r])
+        const float* wuv = w_uv + static_cast<int64_t>(h) * dv * r;
+        const float* ol = out_lat + (t * H + h) * r;
+        float* oh = o + (t * H + h) * dv;
+        for (int d = 0; d < dv; ++d) {
+          const float* wr = wuv + static_cast<int64_t>(d) * r;
+          float acc = 0.0f;
+          for (int j = 0; j < r; ++j) acc += wr[j] * ol[j];
+          oh[d] = acc;
+        }
+      }
+    }
+  });
+  return Status::ok();
+}
+
+Status CpuBackend::moe_route(const MoeRouteArgs& p) {
+  const int64_t T = step_tokens();
+  const int E = cfg_.moe.num_experts, K = cfg_.moe.num_experts_per_tok;
+  if (p.forced_host == nullptr) {
+    cpu::moe_route(p.logits, T, cfg_.moe, p.bias, p.ids, p.weights);
+    return Status::ok();
+  }
+  // Forced experts, weighted as moe_route weighs its own choice (router probability,
+  // renormalised, times routed_scale).
+  std::vector<float> prob(E);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* l = p.logits + t * E;
+    if (cfg_.moe.scoring == RouterScoring::kSoftmax) {
+      std::copy(l, l + E, prob.begin());
+      cpu::softmax_inplace(prob.data(), E);
+    } else {
+      for (int e = 0; e < E; ++e) prob[e] = 1.0f / (1.0f + std::exp(-l[e]));
+    }
+    const int32_t* forced = p.forced_host + t * K;
+    double sum = 0.0;
+    for (int k = 0; k < K; ++k) sum += prob[forced[k]];
+    const double norm = cfg_.moe.renormalize ? 1.0 / (sum + 1e-20) : 1.0;
+    for (int k = 0; k < K; ++k) {
+      p.ids[t * K + k] = forced[k];
+      p.weights[t * K + k] = static_cast<float>(prob[forced[k]] * norm * cfg_.moe.routed_scale);
+    }
+  }
+  return Status::ok();
+}
+
+// SwiGLU MLP: w2(silu(w1 x) * w3 x).
+void CpuBackend::mlp(const MlpWeights& m, const float* x, int64_t T, float* out) {
+  const int64_t I = m.w1.out_features;
+  std::vector<float> g(T * I), u(T * I);
+  cpu::linear(x, T, m.w1, g.data());
+  cpu::linear(x, T, m.w3, u.data());
+  cpu::silu_mul(g.data(), u.data(), T * I, g.data());
+  cpu::linear(g.data(), T, m.w2, out);
+}
+
+Status CpuBackend::moe_experts(MoeRef moe, const float* x, const int32_t* ids, const float* weights, float* out) {
+  const Moe& M = moes_[moe.id];
+  const int64_t T = step_tokens(), D = cfg_.dim;
+  const int E = cfg_.moe.num_experts, K = cfg_.moe.num_experts_per_tok;
+  std::fill(out, out + T * D, 0.0f);
+  // Group token rows by expert so each expert's weights are decoded once per step.
+  std::vector<std::vector<std::pair<int64_t, float>>> rows(E);
+  for (int64_t t = 0; t < T; ++t)
+    for (int k = 0; k < K; ++k) rows[ids[t * K + k]].push_back({t, weights[t * K + k]});
+  std::vector<float> xs, ys;
+  for (int e = 0; e < E; ++e) {
+    const auto& r = rows[e];
+    if (r.empty()) continue;
+    const int64_t n = static_cast<int64_t>(r.size());
+    xs.resize(n * D);
+    ys.resize(n * D);
+    for (int64_t i = 0; i < n; ++i) std::copy(x + r[i].first * D, x + (r[i].first + 1) * D, xs.begin() + i * D);
+    mlp((*M.experts)[e], xs.data(), n, ys.data());
+    for (int64_t i = 0; i < n; ++i) {
+      float* o = out + r[i].first * D;
+      const float wt = r[i].second;
+      for (int64_t d = 0; d < D; ++d) o[d] += wt * ys[i * D + d];
+    }
+  }
+  if (M.shared != nullptr) {
+    std::vector<float> sh(T * D);
+    mlp(*M.shared, x, T, sh.data());
+    for (int64_t i = 0; i < T * D; ++i) out[i] += sh[i];
+  }
+  return Status::ok();
+}
+
+Result<std::vector<int32_t>> CpuBackend::read_ints(const int32_t* p, int64_t n) {
+  return std::vector<int32_t>(p, p + n);
+}
+
+Status CpuBackend::gather_logits_rows(const float* x, float* out) {
+  const int64_t D = cfg_.dim;
+  for (size_t i = 0; i < md_->logits_rows.size(); ++i)
+    std::copy(x + md_->logits_rows[i] * D, x + (md_->logits_rows[i] + 1) * D, out + i * D);
+  return Status::ok();
+}
+
+}  // namespace ml4

@@ -1,0 +1,87 @@
+// CpuBackend: the ops of ops/backend.h on the host (SYSTEM.md S3), over the paged KV cache.
+//
+// Activations are f32 host vectors, grown to the largest step and reused (no allocation per
+// step once warm). Weights stay in their stored format (bf16, FP8 blocks, NVFP4, MXFP4) and
+// are decoded exactly inside cpu::linear. Sparse selections are kept as key positions.
+//
+// Attention always reads keys back from the cache pages (after this step's rows were
+// written), in prefill and decode alike: the prompt pass and the incremental pass see the
+// same quantized latent rows, so "incremental decode equals recomputation" holds to f32
+// rounding for every KV dtype. A sequence's keys are decoded from the pages once per layer
+// and shared by its tokens.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "kv/paged_kv_cache.h"
+#include "model/model_weights.h"
+#include "ops/backend.h"
+#include "runtime/step_metadata.h"
+
+namespace ml4 {
+
+class CpuBackend : public Backend {
+ public:
+  // weights: kept alive here (linears and vectors are used in place); cache: the runner's.
+  CpuBackend(const ModelConfig& cfg, std::shared_ptr<const ModelWeights> weights, PagedKvCache* cache);
+
+  // The step the next forward runs (md must outlive it); sizes the activations.
+  void begin_step(const StepMetadata& md);
+
+  Status set_embedding(const Tensor& table) override;
+  Result<LinearRef> add_linear(const LinearWeight& w, LinearUse use) override;
+  Result<MlpRef> add_mlp(const MlpWeights& m) override;
+  Result<const float*> add_vector(const std::vector<float>& v) override;
+  Result<MoeRef> add_moe(const std::vector<MlpWeights>& experts, const MlpWeights* shared) override;
+  Status reserve_selections(int n) override;
+
+  const Activations& acts() const override { return acts_; }
+  int64_t step_tokens() const override { return md_ == nullptr ? 0 : md_->num_tokens(); }
+  int64_t step_rows() const override { return md_ == nullptr ? 0 : static_cast<int64_t>(md_->logits_rows.size()); }
+
+  Status embedding(float* out) override;
+  Status rms_norm(const NormArgs& p) override;
+  Status layer_norm(const float* x, const float* w, const float* b, int64_t rows, int64_t dim, float eps,
+                    float* y) override;
+  Status linear(LinearRef w, const float* x, int64_t M, float* y) override;
+  Status silu_mul(const float* g, const float* u, int64_t rows, int64_t cols, float* out) override;
+  Status rope(const RopeArgs& p) override;
+  Status q_path(const QPathArgs& p) override;
+  Status latent_cache_write(int cache_slot, const float* c, const float* kr, int kr_stride) override;
+  Status indexer_key_write(int cache_slot, float* k) override;
+  Status indexer_select(const IndexerSelectArgs& p) override;
+  Result<std::vector<std::vector<int32_t>>> read_selection(int selection) override;
+  Status set_selection(int selection, const std::vector<std::vector<int32_t>>& positions) override;
+  Status mla_absorb_q(const float* w_uk, const float* q, float* q_lat) override;
+  Status mla_attention(const MlaArgs& p) override;
+  Status mla_apply_uv(const float* w_uv, const float* out_lat, float* o) override;
+  Status moe_route(const MoeRouteArgs& p) override;
+  Status moe_experts(MoeRef moe, const float* x, const int32_t* ids, const float* weights, float* out) override;
+  Result<std::vector<int32_t>> read_ints(const int32_t* p, int64_t n) override;
+  Status gather_logits_rows(const float* x, float* out) override;
+
+ private:
+  struct Moe {
+    const std::vector<MlpWeights>* experts = nullptr;
+    const MlpWeights* shared = nullptr;
+  };
+  void mlp(const MlpWeights& m, const float* x, int64_t T, float* out);
+  const std::vector<int32_t>& selected(int selection, int64_t t) const { return selections_[selection][t]; }
+
+  ModelConfig cfg_;
+  std::shared_ptr<const ModelWeights> weights_;
+  PagedKvCache* cache_ = nullptr;
+  int latent_group_ = -1, indexer_group_ = -1;
+  const Tensor* embed_ = nullptr;
+  std::vector<const LinearWeight*> linears_;
+  std::vector<Moe> moes_;
+  std::vector<std::vector<std::vector<int32_t>>> selections_;  // [selection][token] positions
+  const StepMetadata* md_ = nullptr;
+  Activations acts_;
+  std::vector<std::vector<float>> act_storage_;
+  std::vector<int32_t> expert_ids_;
+  int64_t act_tokens_ = 0, act_rows_ = 0, max_hidden_ = 1;
+};
+
+}  // namespace ml4

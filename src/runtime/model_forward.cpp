@@ -1,0 +1,357 @@
+// The one ML4 layer program (see model_forward.h). Step numbers in comments are MODEL.md
+// section 3's. Every op goes through the backend; segment() / host_sync() mark what a CUDA
+// graph may capture and where it must break (the CPU runs both at once), side() the indexer
+// branch a device may overlap with the q / kv projections.
+#include "runtime/model_forward.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "ops/cpu/rope.h"
+
+namespace ml4 {
+
+Result<std::unique_ptr<ModelForward>> ModelForward::create(const ModelConfig& cfg, const ModelWeights& w, Backend& be,
+                                                           const Options& opts) {
+  std::unique_ptr<ModelForward> f(new ModelForward(cfg, be));
+  const int L = cfg.n_layers;
+  // KV sharing: a consumer reads its source's latent slot (or, as the no-sharing baseline,
+  // its own copy written alongside the source's rows).
+  f->latent_read_slot_.assign(L, -1);
+  f->latent_write_slots_.assign(L, {});
+  int extra = cfg.num_latent_layers();
+  for (int l = 0; l < L; ++l) {
+    const LayerSpec& s = cfg.layers[l];
+    if (s.owns_kv()) {
+      f->latent_read_slot_[l] = s.latent_slot;
+      f->latent_write_slots_[l].push_back(s.latent_slot);
+    } else if (opts.duplicate_shared_kv) {
+      f->latent_read_slot_[l] = extra;
+      f->latent_write_slots_[s.kv_source].push_back(extra++);
+    } else {
+      f->latent_read_slot_[l] = cfg.layers[s.kv_source].latent_slot;
+    }
+  }
+  f->selection_of_owner_.assign(L, -1);
+  if (cfg.has_dsa()) {
+    std::vector<bool> has_reuser(L, false);
+    for (const auto& s : cfg.layers)
+      if (s.indexer == IndexerRole::kReuser) has_reuser[s.indexer_source] = true;
+    int next = 1;
+    for (const auto& s : cfg.layers)
+      if (s.indexer == IndexerRole::kOwner) f->selection_of_owner_[s.index] = has_reuser[s.index] ? next++ : 0;
+    f->forced_selection_ = next;
+    ML4_RETURN_IF_ERROR(be.reserve_selections(next + 1));
+  }
+  ML4_RETURN_IF_ERROR(f->register_weights(w));
+  return f;
+}
+
+// The registration order of the linears is part of the CUDA backend's synthetic weights
+// (each gets the next seed): output, then per layer the q path, wkv_a, wo, the indexer, the FFN.
+Status ModelForward::register_weights(const ModelWeights& w) {
+  ML4_RETURN_IF_ERROR(be_.set_embedding(w.tok_embeddings));
+  ML4_ASSIGN_OR_RETURN(final_norm_, be_.add_vector(w.norm));
+  ML4_ASSIGN_OR_RETURN(output_, be_.add_linear(w.output));
+  layers_.resize(cfg_.n_layers);
+  for (int l = 0; l < cfg_.n_layers; ++l) {
+    const LayerSpec& spec = cfg_.layers[l];
+    const LayerWeights& LW = w.layers[l];
+    const AttentionWeights& A = LW.attn;
+    LayerRefs& R = layers_[l];
+    ML4_ASSIGN_OR_RETURN(R.attn_norm, be_.add_vector(LW.attention_norm));
+    ML4_ASSIGN_OR_RETURN(R.ffn_norm, be_.add_vector(LW.ffn_norm));
+    if (cfg_.q_lora_rank > 0) {
+      ML4_ASSIGN_OR_RETURN(R.wq_a, be_.add_linear(A.wq_a));
+      ML4_ASSIGN_OR_RETURN(R.wq_b, be_.add_linear(A.wq_b));
+      ML4_ASSIGN_OR_RETURN(R.q_a_norm, be_.add_vector(A.q_a_norm));
+    } else {
+      ML4_ASSIGN_OR_RETURN(R.wq, be_.add_linear(A.wq));
+    }
+    if (spec.owns_kv()) {
+      ML4_ASSIGN_OR_RETURN(R.wkv_a, be_.add_linear(A.wkv_a));
+      ML4_ASSIGN_OR_RETURN(R.kv_a_norm, be_.add_vector(A.kv_a_norm));
+    }
+    ML4_ASSIGN_OR_RETURN(R.wo, be_.add_linear(A.wo));
+    if (spec.indexer == IndexerRole::kOwner) {
+      if (!A.indexer) return invalid_argument("layer {}: indexer owner without indexer weights", l);
+      const IndexerWeights& I = *A.indexer;
+      ML4_ASSIGN_OR_RETURN(R.idx_wq, be_.add_linear(I.wq));
+      ML4_ASSIGN_OR_RETURN(R.idx_wk, be_.add_linear(I.wk));
+      ML4_ASSIGN_OR_RETURN(R.idx_wproj, be_.add_linear(I.weights_proj));
+      ML4_ASSIGN_OR_RETURN(R.idx_knorm_w, be_.add_vector(I.k_norm_weight));
+      ML4_ASSIGN_OR_RETURN(R.idx_knorm_b, be_.add_vector(I.k_norm_bias));
+    }
+    ML4_ASSIGN_OR_RETURN(R.w_uk, be_.add_vector(A.w_uk));
+    ML4_ASSIGN_OR_RETURN(R.w_uv, be_.add_vector(A.w_uv));
+    if (spec.ssmax) {
+      ML4_ASSIGN_OR_RETURN(R.ssmax_s, be_.add_vector(A.ssmax_s));
+    }
+    const FfnWeights& F = LW.ffn;
+    switch (spec.ffn) {
+      case FfnKind::kDense: {
+        ML4_ASSIGN_OR_RETURN(R.dense, be_.add_mlp(F.dense));
+        break;
+      }
+      case FfnKind::kMoe: {
+        ML4_ASSIGN_OR_RETURN(R.gate, be_.add_linear(F.gate, LinearUse::kRouter));
+        if (!F.correction_bias.empty()) {
+          ML4_ASSIGN_OR_RETURN(R.router_bias, be_.add_vector(F.correction_bias));
+        }
+        ML4_ASSIGN_OR_RETURN(R.moe, be_.add_moe(F.experts, F.shared.get()));
+        break;
+      }
+    }
+  }
+  rope_tables_[0] = cpu::rope_inv_freq(cfg_.rope_theta, cfg_.qk_rope_head_dim, cfg_.yarn);
+  ML4_ASSIGN_OR_RETURN(inv_freq_, be_.add_vector(rope_tables_[0]));
+  if (cfg_.has_dsa()) {
+    rope_tables_[1] = cpu::rope_inv_freq(cfg_.rope_theta, cfg_.indexer.rope_head_dim, cfg_.yarn);
+    ML4_ASSIGN_OR_RETURN(indexer_inv_freq_, be_.add_vector(rope_tables_[1]));
+  }
+  rope_factor_ = cpu::rope_attention_factor(cfg_.yarn);
+  return Status::ok();
+}
+
+RopeArgs ModelForward::rope_args(float* x, int heads, int stride, int offset, int dim, const float* inv_freq) const {
+  RopeArgs r;
+  r.x = x;
+  r.heads = heads;
+  r.stride = stride;
+  r.offset = offset;
+  r.dim = dim;
+  r.inv_freq = inv_freq;
+  r.attn_factor = rope_factor_;
+  return r;
+}
+
+Status ModelForward::mlp(const MlpRef& m, const float* x, int64_t M, float* y) {
+  const Activations& a = be_.acts();
+  ML4_RETURN_IF_ERROR(be_.linear(m.w1, x, M, a.ffn_g));
+  ML4_RETURN_IF_ERROR(be_.linear(m.w3, x, M, a.ffn_u));
+  ML4_RETURN_IF_ERROR(be_.silu_mul(a.ffn_g, a.ffn_u, M, m.hidden, a.ffn_g));
+  return be_.linear(m.w2, a.ffn_g, M, y);
+}
+
+// 5. The indexer's key half (reads only the layer input): keys [rope | nope] through
+// LayerNorm and NeoX RoPE into the indexer pages (Hadamard + FP8 there), and the head weights.
+Status ModelForward::indexer_keys(int l) {
+  const LayerSpec& spec = cfg_.layers[l];
+  const LayerRefs& L = layers_[l];
+  const Activations& x = be_.acts();
+  const int64_t T = be_.step_tokens();
+  const int dI = cfg_.indexer.head_dim;
+  ML4_RETURN_IF_ERROR(be_.linear(L.idx_wk, x.a, T, x.ik));
+  ML4_RETURN_IF_ERROR(be_.layer_norm(x.ik, L.idx_knorm_w, L.idx_knorm_b, T, dI, 1e-6f, x.ik));
+  ML4_RETURN_IF_ERROR(be_.linear(L.idx_wproj, x.a, T, x.iw));
+  if (spec.rope) {
+    RopeArgs r = rope_args(x.ik, 1, dI, 0, cfg_.indexer.rope_head_dim, indexer_inv_freq_);
+    r.neox = true;
+    ML4_RETURN_IF_ERROR(be_.rope(r));
+  }
+  return be_.indexer_key_write(spec.indexer_slot, x.ik);
+}
+
+// 5. The query half (DeepSeek-V3.2: q from the query-LoRA latent when there is one): the
+// queries, their scores over the pages, the causal top-k into the owner's selection.
+Status ModelForward::indexer_select(int l, ForwardTrace* trace) {
+  const LayerSpec& spec = cfg_.layers[l];
+  const LayerRefs& L = layers_[l];
+  const Activations& x = be_.acts();
+  const int64_t T = be_.step_tokens();
+  const int HI = cfg_.indexer.n_heads, dI = cfg_.indexer.head_dim;
+  ML4_RETURN_IF_ERROR(be_.linear(L.idx_wq, cfg_.q_lora_rank > 0 ? x.q_latent : x.a, T, x.iq));
+  if (spec.rope) {
+    RopeArgs r = rope_args(x.iq, HI, dI, 0, cfg_.indexer.rope_head_dim, indexer_inv_freq_);
+    r.neox = true;
+    ML4_RETURN_IF_ERROR(be_.rope(r));
+  }
+  IndexerSelectArgs s;
+  s.cache_slot = spec.indexer_slot;
+  s.q = x.iq;
+  s.w = x.iw;
+  s.weight_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(HI)) / std::sqrt(static_cast<double>(dI)));
+  s.selection = selection_of_owner_[l];
+  s.record_positions = trace != nullptr;
+  ML4_RETURN_IF_ERROR(be_.indexer_select(s));
+  if (trace != nullptr) {
+    ML4_ASSIGN_OR_RETURN(trace->topk[l], be_.read_selection(s.selection));
+  }
+  return Status::ok();
+}
+
+// 5. Which keys the layer attends: its own indexer's (computed here unless the side branch
+// did), its source's (reusers), or forced ones (traced steps); -1 for dense layers.
+Status ModelForward::select_keys(int l, const StepMetadata* md, ForwardTrace* trace, bool forked, int* selection) {
+  const LayerSpec& spec = cfg_.layers[l];
+  *selection = -1;
+  if (!spec.sparse()) return Status::ok();
+  const bool owner = spec.indexer == IndexerRole::kOwner;
+  if (forked) {
+    ML4_RETURN_IF_ERROR(be_.join_side());
+  } else if (owner) {
+    ML4_RETURN_IF_ERROR(be_.timed("attn: indexer + top-k", [&]() -> Status {
+      ML4_RETURN_IF_ERROR(indexer_keys(l));
+      return indexer_select(l, trace);
+    }));
+  }
+  const int src = owner ? l : spec.indexer_source;
+  if (trace != nullptr && src != l) trace->topk[l] = trace->topk[src];
+  const bool forced = trace != nullptr && l < static_cast<int>(trace->forced_topk.size()) && !trace->forced_topk[l].empty();
+  if (forced) {  // test input, validated in forward()
+    ML4_RETURN_IF_ERROR(be_.set_selection(forced_selection_, trace->forced_topk[l]));
+    *selection = forced_selection_;
+  } else {
+    *selection = selection_of_owner_[src];
+  }
+  return Status::ok();
+}
+
+// Steps 1-6 of one layer; out [T, dim] = wo(concat_h o_h).
+Status ModelForward::attention(int l, const StepMetadata* md, ForwardTrace* trace, float* out) {
+  const LayerSpec& spec = cfg_.layers[l];
+  const LayerRefs& L = layers_[l];
+  const Activations& x = be_.acts();
+  const int64_t T = be_.step_tokens();
+  const int H = cfg_.n_heads, dn = cfg_.qk_nope_head_dim, dr = cfg_.qk_rope_head_dim;
+  const int r = cfg_.kv_lora_rank, qk = dn + dr;
+  const float eps = static_cast<float>(cfg_.norm_eps);
+  // An indexer owner's branch on the side queue: keys at once, queries once the q latent is
+  // normalized; joined before the q path, which needs the top-k counts (SSMax's n).
+  const bool fork = trace == nullptr && spec.indexer == IndexerRole::kOwner &&
+                    be_.can_overlap({L.wq, L.wq_a, L.wq_b, L.wkv_a, L.idx_wq, L.idx_wk, L.idx_wproj});
+  if (fork) ML4_RETURN_IF_ERROR(be_.side([&] { return indexer_keys(l); }));
+  auto fork_select = [&]() -> Status {
+    if (!fork) return Status::ok();
+    return be_.side([&] { return indexer_select(l, nullptr); });
+  };
+  // 1. Queries (with or without the query LoRA).
+  ML4_RETURN_IF_ERROR(be_.timed("attn: q projection", [&]() -> Status {
+    if (cfg_.q_lora_rank > 0) {
+      ML4_RETURN_IF_ERROR(be_.linear(L.wq_a, x.a, T, x.q_latent));
+      ML4_RETURN_IF_ERROR(be_.rms_norm({x.q_latent, nullptr, L.q_a_norm, T, cfg_.q_lora_rank, 0, eps, x.q_latent}));
+      ML4_RETURN_IF_ERROR(fork_select());
+      return be_.linear(L.wq_b, x.q_latent, T, x.q);
+    }
+    ML4_RETURN_IF_ERROR(fork_select());
+    return be_.linear(L.wq, x.a, T, x.q);
+  }));
+  // 3./4. The latent row (c, rotated kr) into the layer's pages (KV owners only).
+  if (spec.owns_kv()) {
+    ML4_RETURN_IF_ERROR(be_.timed("attn: kv projection + cache write", [&]() -> Status {
+      ML4_RETURN_IF_ERROR(be_.linear(L.wkv_a, x.a, T, x.ckv));
+      ML4_RETURN_IF_ERROR(be_.rms_norm({x.ckv, nullptr, L.kv_a_norm, T, r, r + dr, eps, x.c}));
+      if (spec.rope) ML4_RETURN_IF_ERROR(be_.rope(rope_args(x.ckv, 1, r + dr, r, dr, inv_freq_)));
+      for (int slot : latent_write_slots_[l]) ML4_RETURN_IF_ERROR(be_.latent_cache_write(slot, x.c, x.ckv + r, r + dr));
+      return Status::ok();
+    }));
+  }
+  // 6a. W_UK absorption of the nope part (the q path below touches only the rope part).
+  ML4_RETURN_IF_ERROR(be_.timed("attn: W_UK absorption", [&] { return be_.mla_absorb_q(L.w_uk, x.q, x.q_lat); }));
+  // 5. The keys attended.
+  int selection = -1;
+  ML4_RETURN_IF_ERROR(select_keys(l, md, trace, fork, &selection));
+  // 2. + 6. (temperature): RoPE on the rope part, head scales (softmax scale, llama_4,
+  // SSMax s_h ln n).
+  QPathArgs qp;
+  qp.rope = rope_args(x.q, H, qk, dn, dr, inv_freq_);
+  qp.apply_rope = spec.rope;
+  qp.base_scale = cfg_.softmax_scale();
+  qp.llama4 = cfg_.llama4_scaling;
+  qp.ssmax_s = spec.ssmax ? L.ssmax_s : nullptr;
+  qp.selection = selection;
+  qp.head_scale = x.head_scale;
+  ML4_RETURN_IF_ERROR(be_.timed("attn: q path", [&] { return be_.q_path(qp); }));
+  // 6b. Absorbed attention over the keys read back from the (source layer's) pages.
+  MlaArgs ma;
+  ma.cache_slot = latent_read_slot_[l];
+  ma.selection = selection;
+  ma.q_lat = x.q_lat;
+  ma.q = x.q;
+  ma.head_scale = x.head_scale;
+  ma.out_lat = x.out_lat;
+  ma.lse = x.lse;
+  ML4_RETURN_IF_ERROR(be_.timed("attn: MLA kernel", [&] { return be_.mla_attention(ma).with_context("layer " + std::to_string(l)); }));
+  ML4_RETURN_IF_ERROR(be_.timed("attn: W_UV", [&] { return be_.mla_apply_uv(L.w_uv, x.out_lat, x.o); }));
+  return be_.timed("attn: o projection", [&] { return be_.linear(L.wo, x.o, T, out); });
+}
+
+// 7. MoE: the f32 router and its top-k; on traced steps the router's choice read back and
+// forced experts applied (a host round trip); then the routed and shared experts.
+Status ModelForward::moe(int l, ForwardTrace* trace, float* out) {
+  const LayerRefs& L = layers_[l];
+  const Activations& x = be_.acts();
+  const int64_t T = be_.step_tokens();
+  const int K = cfg_.moe.num_experts_per_tok;
+  ML4_RETURN_IF_ERROR(be_.segment([&] {
+    return be_.timed("moe router", [&]() -> Status {
+      ML4_RETURN_IF_ERROR(be_.linear(L.gate, x.a, T, x.router).with_context("router"));
+      return be_.moe_route({x.router, L.router_bias, nullptr, x.expert_ids, x.expert_wts});
+    });
+  }));
+  if (trace != nullptr) {
+    ML4_RETURN_IF_ERROR(be_.host_sync([&]() -> Status {
+      ML4_ASSIGN_OR_RETURN(std::vector<int32_t> ids, be_.read_ints(x.expert_ids, T * K));
+      auto& rec = trace->experts[l];
+      rec.assign(T, {});
+      for (int64_t t = 0; t < T; ++t) rec[t].assign(ids.begin() + t * K, ids.begin() + (t + 1) * K);
+      if (l >= static_cast<int>(trace->forced_experts.size()) || trace->forced_experts[l].empty()) return Status::ok();
+      for (int64_t t = 0; t < T; ++t) std::copy_n(trace->forced_experts[l][t].begin(), K, ids.begin() + t * K);
+      return be_.moe_route({x.router, L.router_bias, ids.data(), x.expert_ids, x.expert_wts});
+    }));
+  }
+  auto experts = [&] {
+    return be_.timed("moe experts", [&] { return be_.moe_experts(L.moe, x.a, x.expert_ids, x.expert_wts, out); });
+  };
+  return be_.moe_experts_capturable(L.moe) ? be_.segment(experts) : be_.host_sync(experts);
+}
+
+Status ModelForward::forward(const StepMetadata* md, ForwardTrace* trace) {
+  const Activations& x = be_.acts();
+  const int64_t T = be_.step_tokens(), R = be_.step_rows(), D = cfg_.dim;
+  const float eps = static_cast<float>(cfg_.norm_eps);
+  if (trace != nullptr) {
+    if (md == nullptr) return internal_error("a traced forward needs the step's host metadata");
+    trace->topk.assign(cfg_.n_layers, {});
+    trace->experts.assign(cfg_.n_layers, {});
+    ML4_RETURN_IF_ERROR(validate_forced_decisions(*trace, cfg_, md->positions));
+  }
+  ML4_RETURN_IF_ERROR(be_.segment([&] { return be_.timed("embedding", [&] { return be_.embedding(x.residual); }); }));
+  for (int l = 0; l < cfg_.n_layers; ++l) {
+    const LayerRefs& L = layers_[l];
+    // a = rms(residual), the previous layer's FFN output added into the residual first.
+    ML4_RETURN_IF_ERROR(be_.segment([&] {
+      return be_.rms_norm({l == 0 ? x.residual : x.tmp, l == 0 ? nullptr : x.residual, L.attn_norm, T, D, 0, eps, x.a});
+    }));
+    // Traced steps read decisions back (and upload forced ones) inside the layer.
+    if (trace != nullptr) {
+      ML4_RETURN_IF_ERROR(be_.host_sync([&] { return attention(l, md, trace, x.tmp); }));
+    } else {
+      ML4_RETURN_IF_ERROR(be_.segment([&] { return attention(l, nullptr, nullptr, x.tmp); }));
+    }
+    ML4_RETURN_IF_ERROR(be_.segment([&] { return be_.rms_norm({x.tmp, x.residual, L.ffn_norm, T, D, 0, eps, x.a}); }));
+    switch (cfg_.layers[l].ffn) {
+      case FfnKind::kDense:
+        ML4_RETURN_IF_ERROR(be_.segment([&] { return be_.timed("dense ffn", [&] { return mlp(L.dense, x.a, T, x.tmp); }); }));
+        break;
+      case FfnKind::kMoe:
+        ML4_RETURN_IF_ERROR(moe(l, trace, x.tmp));
+        break;
+    }
+  }
+  if (R > 0) {
+    ML4_RETURN_IF_ERROR(be_.segment([&] {
+      return be_.timed("final norm + lm_head", [&]() -> Status {
+        // residual += the last FFN output (normalized into a, unused: only the rows matter).
+        ML4_RETURN_IF_ERROR(be_.rms_norm({x.tmp, x.residual, final_norm_, T, D, 0, eps, x.a}));
+        ML4_RETURN_IF_ERROR(be_.gather_logits_rows(x.residual, x.rows));
+        ML4_RETURN_IF_ERROR(be_.rms_norm({x.rows, nullptr, final_norm_, R, D, 0, eps, x.normed}));
+        return be_.linear(output_, x.normed, R, x.logits);
+      });
+    }));
+  }
+  return be_.finish_forward();
+}
+
+}  // namespace ml4

@@ -1,0 +1,85 @@
+// ModelForward: the ML4 forward of MODEL.md section 3, written once against the LayerSpec
+// and run by every backend (ops/backend.h): embedding; per layer RMSNorm, the q path, the
+// latent row and its cache write, the DSA indexer with reuse, absorbed MLA over the selected
+// or all rows, the fused residual + RMSNorm, the dense or MoE FFN; the final norm and the
+// logits rows. Per-layer differences are fields of the spec (RoPE or NoPE, SSMax, KV owner
+// or consumer, indexer owner / reuser / none, dense or MoE), never model names.
+//
+// The program also records the forward's decisions (top-k sets, routed experts) into a
+// ForwardTrace and obeys forced ones (forward_trace.h), for every backend alike.
+//
+// How to add a per-layer feature: a field in LayerSpec (model/model_config.h), its weights
+// in ModelWeights and register() below, its steps in the layer program (model_forward.cpp),
+// and, only if it needs an operation no backend has, one op in ops/backend.h with its CPU
+// reference (runtime/cpu/cpu_backend.cpp) and its CUDA kernel (runtime/cuda/cuda_backend.cpp).
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "core/status.h"
+#include "model/model_config.h"
+#include "model/model_weights.h"
+#include "ops/backend.h"
+#include "runtime/forward_trace.h"
+#include "runtime/step_metadata.h"
+
+namespace ml4 {
+
+class ModelForward {
+ public:
+  struct Options {
+    // The baseline without KV sharing's memory saving: each consumer layer gets latent layer
+    // slot num_latent_layers + k (k-th consumer) holding its own copy of its source's rows
+    // (written when the source writes) and reads that copy. The cache must have those slots.
+    bool duplicate_shared_kv = false;
+  };
+
+  // Registers every weight the spec names with the backend (and the RoPE tables).
+  static Result<std::unique_ptr<ModelForward>> create(const ModelConfig& cfg, const ModelWeights& w, Backend& be,
+                                                      const Options& opts);
+
+  // One step over the backend's current step state. md: the host view of the step, needed
+  // only when trace forces selections (null otherwise). trace: record / force decisions.
+  Status forward(const StepMetadata* md, ForwardTrace* trace);
+
+  const ModelConfig& config() const { return cfg_; }
+
+ private:
+  struct LayerRefs {
+    const float *attn_norm = nullptr, *ffn_norm = nullptr, *q_a_norm = nullptr, *kv_a_norm = nullptr;
+    const float *w_uk = nullptr, *w_uv = nullptr, *ssmax_s = nullptr;
+    const float *idx_knorm_w = nullptr, *idx_knorm_b = nullptr, *router_bias = nullptr;
+    LinearRef wq, wq_a, wq_b, wkv_a, wo, idx_wq, idx_wk, idx_wproj, gate;
+    MlpRef dense;
+    MoeRef moe;
+  };
+
+  ModelForward(const ModelConfig& cfg, Backend& be) : cfg_(cfg), be_(be) {}
+  Status register_weights(const ModelWeights& w);
+  Status attention(int l, const StepMetadata* md, ForwardTrace* trace, float* out);
+  Status indexer_keys(int l);
+  Status indexer_select(int l, ForwardTrace* trace);
+  Status select_keys(int l, const StepMetadata* md, ForwardTrace* trace, bool forked, int* selection);
+  Status mlp(const MlpRef& m, const float* x, int64_t M, float* y);
+  Status moe(int l, ForwardTrace* trace, float* out);
+  RopeArgs rope_args(float* x, int heads, int stride, int offset, int dim, const float* inv_freq) const;
+
+  ModelConfig cfg_;
+  Backend& be_;
+  std::vector<LayerRefs> layers_;
+  LinearRef output_;
+  const float* final_norm_ = nullptr;
+  std::vector<float> rope_tables_[2];        // host copies of the two tables below
+  const float* inv_freq_ = nullptr;          // MLA rope [dr / 2]
+  const float* indexer_inv_freq_ = nullptr;  // indexer rope [indexer rope dims / 2]
+  float rope_factor_ = 1.0f;
+  std::vector<int> latent_read_slot_;                 // [layer] the latent slot attention reads
+  std::vector<std::vector<int>> latent_write_slots_;  // [layer] the slots its rows are written to
+  // Top-k buffers: an indexer owner whose sets a reuser reads keeps its own; the other owners
+  // share buffer 0. The last buffer holds forced selections (traced steps).
+  std::vector<int> selection_of_owner_;
+  int forced_selection_ = -1;
+};
+
+}  // namespace ml4
