@@ -69,11 +69,17 @@ ojson native_quantization_json(WeightFormat f) {
 }
 
 const std::set<std::string> kNativeKeys = {
-    "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim", "norm_eps", "vocab_size",
+    "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim", "norm_eps", "vocab_size", "activation",
     "max_position_embeddings", "max_seq_len", "tied_embeddings", "q_lora_rank", "kv_lora_rank",
     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_theta", "yarn", "llama_4_scaling",
     "moe", "quantization", "vision_encoder", "indexer", "kv_sharing", "nope_layer_interval",
     "nope_layers", "ssmax", "lerope", "mtp"};
+
+const std::set<std::string> kNativeMoeKeys = {
+    "num_experts", "num_experts_per_tok", "expert_hidden_dim", "first_k_dense_replace", "num_shared_experts",
+    "routed_scale", "num_expert_groups", "num_expert_groups_per_tok", "route_every_n", "scoring_func",
+    "correction_bias", "norm_topk_prob", "dense_layers", "use_load_balancing_bias", "renorm_strategy",
+    "expert_parallel", "expert_model_parallel"};
 
 Status parse_native_moe(const json& m, ModelConfig& cfg, LayerPlan& plan) {
   auto& moe = cfg.moe;
@@ -122,6 +128,9 @@ Status parse_native(const json& j, ModelConfig& cfg) {
       return invalid_argument("missing required key \"{}\"", k);
     }
   }
+  std::string activation = "silu";
+  ML4_RETURN_IF_ERROR(opt_string(j, "activation", &activation));
+  if (activation != "silu") return unimplemented("\"activation\": \"{}\" (ml4 runs SwiGLU, \"silu\")", activation);
   ML4_RETURN_IF_ERROR(opt_ints(j, {{"dim", &cfg.dim},
                                    {"n_layers", &cfg.n_layers},
                                    {"n_heads", &cfg.n_heads},
@@ -482,31 +491,46 @@ Result<ModelConfig> load_model_config(const std::string& model_dir) {
   return cfg;
 }
 
+const std::set<std::string>& native_params_keys() { return kNativeKeys; }
+const std::set<std::string>& native_moe_keys() { return kNativeMoeKeys; }
+
 std::string params_json_from_config(const ModelConfig& c) {
+  // Every key of Mistral's native schema (as Mistral's own params.json files and the two
+  // readers of them, vLLM's transformers_utils/configs/mistral.py and llama.cpp's
+  // conversion/mistral.py, spell it), then the ML4 blocks. MLA has one KV head per query
+  // head, so n_kv_heads = n_heads (what vLLM's adapter maps to num_key_value_heads).
   ojson j;
   j["dim"] = c.dim;
   j["n_layers"] = c.n_layers;
-  j["n_heads"] = c.n_heads;
   j["head_dim"] = c.qk_head_dim();
   j["hidden_dim"] = c.hidden_dim;
+  j["n_heads"] = c.n_heads;
+  j["n_kv_heads"] = c.n_heads;
+  j["rope_theta"] = c.rope_theta;
   j["norm_eps"] = c.norm_eps;
   j["vocab_size"] = c.vocab_size;
-  j["max_position_embeddings"] = c.max_position_embeddings;
   j["tied_embeddings"] = c.tied_embeddings;
+  j["max_position_embeddings"] = c.max_position_embeddings;
+  j["max_seq_len"] = c.max_position_embeddings;
+  j["activation"] = "silu";
   if (c.q_lora_rank > 0) j["q_lora_rank"] = c.q_lora_rank;
-  j["kv_lora_rank"] = c.kv_lora_rank;
-  j["qk_nope_head_dim"] = c.qk_nope_head_dim;
+  else j["q_lora_rank"] = nullptr;
   j["qk_rope_head_dim"] = c.qk_rope_head_dim;
+  j["qk_nope_head_dim"] = c.qk_nope_head_dim;
+  j["kv_lora_rank"] = c.kv_lora_rank;
   j["v_head_dim"] = c.v_head_dim;
-  j["rope_theta"] = c.rope_theta;
   if (c.yarn.enabled) {
+    // Mistral's five keys; mscale / mscale_all_dim (ML4) only when they differ from what
+    // those imply (1 and 1), since vLLM's adapter refuses keys it does not know here.
     j["yarn"] = {{"factor", c.yarn.factor},
                  {"original_max_position_embeddings", c.yarn.original_max_position_embeddings},
                  {"beta", c.yarn.beta_fast},
                  {"alpha", c.yarn.beta_slow},
-                 {"apply_scale", true},
-                 {"mscale", c.yarn.mscale},
-                 {"mscale_all_dim", c.yarn.mscale_all_dim}};
+                 {"apply_scale", true}};
+    if (c.yarn.mscale != 1.0 || c.yarn.mscale_all_dim != 1.0) {
+      j["yarn"]["mscale"] = c.yarn.mscale;
+      j["yarn"]["mscale_all_dim"] = c.yarn.mscale_all_dim;
+    }
   }
   if (c.llama4_scaling.enabled) {
     j["llama_4_scaling"] = {{"original_max_position_embeddings", c.llama4_scaling.original_max_position_embeddings},
@@ -514,14 +538,15 @@ std::string params_json_from_config(const ModelConfig& c) {
   }
   if (c.moe.num_experts > 0) {
     const auto& m = c.moe;
-    ojson mo = {{"num_experts", m.num_experts},
-                {"num_experts_per_tok", m.num_experts_per_tok},
-                {"expert_hidden_dim", m.expert_hidden_dim},
+    ojson mo = {{"route_every_n", 1},
                 {"first_k_dense_replace", m.first_k_dense_replace},
-                {"num_shared_experts", m.num_shared_experts},
-                {"routed_scale", m.routed_scale},
+                {"num_experts", m.num_experts},
+                {"num_experts_per_tok", m.num_experts_per_tok},
                 {"num_expert_groups", m.num_expert_groups},
-                {"num_expert_groups_per_tok", m.num_expert_groups_per_tok}};
+                {"num_expert_groups_per_tok", m.num_expert_groups_per_tok},
+                {"routed_scale", m.routed_scale},
+                {"expert_hidden_dim", m.expert_hidden_dim},
+                {"num_shared_experts", m.num_shared_experts}};
     if (m.scoring == RouterScoring::kSigmoid) mo["scoring_func"] = "sigmoid";
     if (m.has_correction_bias) mo["correction_bias"] = true;
     if (!m.renormalize) mo["norm_topk_prob"] = false;

@@ -10,6 +10,7 @@
 // HF <-> native field map are in docs/MODEL-FORMAT.md.
 #pragma once
 
+#include <set>
 #include <string>
 
 #include "core/status.h"
@@ -39,6 +40,11 @@ std::string hf_config_json_from_config(const ModelConfig& cfg, std::string model
 // features, routing and indexer shape that model_type implements); otherwise an error
 // listing every reason.
 Status check_hf_representable(const ModelConfig& cfg, const std::string& model_type);
+
+// The top-level keys params.json may hold (Mistral's native schema plus the ML4 blocks),
+// and the keys of its `moe` block: what `--set` overrides are checked against.
+const std::set<std::string>& native_params_keys();
+const std::set<std::string>& native_moe_keys();
 
 // Re-runs the layer resolver's checks on an already built config (used after edits).
 Status validate_model_config(const ModelConfig& cfg);

@@ -13,6 +13,7 @@
 #include <random>
 
 #include "model/config_loader.h"
+#include "model/config_overrides.h"
 #include "model/presets.h"
 #include "model/quant.h"
 #include "model/safetensors.h"
@@ -109,7 +110,7 @@ Status add_tensor(SafetensorsWriter& w, const ExpectedTensor& t, const std::vect
 }  // namespace
 
 Status make_model(const MakeModelOptions& o) {
-  ML4_ASSIGN_OR_RETURN(ModelConfig cfg, preset_config(o.preset));
+  ML4_ASSIGN_OR_RETURN(ModelConfig cfg, resolve_model_config(o.preset, o.params_text, o.overrides));
   if (o.weight_dtype == "bf16") cfg.weight_format = WeightFormat::kBF16;
   else if (o.weight_dtype == "fp8") cfg.weight_format = WeightFormat::kFP8Block;
   else if (o.weight_dtype == "nvfp4") cfg.weight_format = WeightFormat::kNVFP4Experts;
@@ -170,7 +171,7 @@ Status make_model(const MakeModelOptions& o) {
       std::ofstream(dir + "/params.json") << params_json_from_config(c);
     }
     w.set_metadata("format", "pt");
-    w.set_metadata("ml4_preset", o.preset);
+    w.set_metadata("ml4_preset", cfg.name);
     w.set_metadata("ml4_seed", std::to_string(o.seed));
     ML4_RETURN_IF_ERROR(w.write_sharded(dir, hf ? "model" : "consolidated", o.max_shard_bytes));
     if (!o.tokenizer_json.empty()) std::ofstream(dir + "/tekken.json") << o.tokenizer_json;

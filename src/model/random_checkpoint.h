@@ -4,13 +4,16 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "core/status.h"
 
 namespace ml4 {
 
 struct MakeModelOptions {
-  std::string preset;
+  std::string preset;       // a preset name; may be empty when params_text is given
+  std::string params_text;  // a params.json / config.json text used instead of the preset's
+  std::vector<std::string> overrides;  // "KEY=VALUE[,...]" (model/config_overrides.h)
   std::string out_dir;
   uint64_t seed = 0;
   std::string weight_dtype = "bf16";  // bf16 | fp8 | nvfp4 | mxfp4

@@ -2,7 +2,9 @@
 // (src/model/random_checkpoint.h), plus its tokenizer.
 #include "command.h"
 #include "core/log.h"
+#include "model/config_overrides.h"
 #include "model/model_config.h"
+#include "model/weight_names.h"
 #include "model/presets.h"
 #include "model/random_checkpoint.h"
 #include <algorithm>
@@ -75,9 +77,15 @@ Result<std::string> tokenizer_for(int vocab_size, const std::string& path) {
 namespace {
 
 CommandRegistrar reg("make-model", [](CLI::App& app, int* exit_code) {
-  auto* cmd = app.add_subcommand("make-model", "write a model directory with random weights for a preset");
+  auto* cmd = app.add_subcommand("make-model", "write a model directory with random weights for a preset or any shape");
   auto o = std::make_shared<MakeModelOptions>();
-  cmd->add_option("--preset", o->preset, "ml4, ml4-slice-N, ml4-tiny, mistral4-tiny, dsv32-tiny")->required();
+  auto params_file = std::make_shared<std::string>();
+  cmd->add_option("--preset", o->preset, "ml4, ml4-slice-N, ml4-tiny, mistral4-tiny, dsv32-tiny");
+  cmd->add_option("--params", *params_file,
+                  "a params.json (or HF config.json) giving the shape, instead of a preset");
+  cmd->add_option("--set", o->overrides,
+                  "KEY=VALUE[,KEY=VALUE...] over the preset or --params: dotted keys into blocks, JSON values, "
+                  "null deletes (e.g. dim=2048,n_layers=8,moe.num_experts=32,indexer=null); repeatable");
   cmd->add_option("--out", o->out_dir, "output directory")->required();
   cmd->add_option("--seed", o->seed, "weight seed");
   cmd->add_option("--dtype", o->weight_dtype, "weight format: bf16, fp8, nvfp4 (experts), mxfp4 (experts)");
@@ -86,27 +94,28 @@ CommandRegistrar reg("make-model", [](CLI::App& app, int* exit_code) {
   cmd->add_option("--hf-model-type", o->hf_model_type, "model_type of the HF copy (default: the preset's, else mistral4)");
   auto tokenizer_path = std::make_shared<std::string>();
   cmd->add_option("--tokenizer", *tokenizer_path, "tekken.json to copy into the model (default: a shipped one of the same vocab size)");
-  cmd->callback([o, exit_code, tokenizer_path] {
-    auto cfg = preset_config(o->preset);
-    if (!cfg.ok()) {
-      ML4_LOG_ERROR("make-model: {}", cfg.status().message());
-      *exit_code = 1;
-      return;
-    }
-    auto tok = tokenizer_for(cfg->vocab_size, *tokenizer_path);
-    if (!tok.ok()) {
-      ML4_LOG_ERROR("make-model: {}", tok.status().message());
-      *exit_code = 1;
-      return;
-    }
-    o->tokenizer_json = std::move(tok).value();
-    Status s = make_model(*o);
-    if (!s.is_ok()) {
+  cmd->callback([o, exit_code, tokenizer_path, params_file] {
+    auto fail = [&](const Status& s) {
       ML4_LOG_ERROR("make-model: {}", s.message());
       *exit_code = 1;
-      return;
+    };
+    if (o->preset.empty() && params_file->empty()) return fail(invalid_argument("give --preset NAME or --params FILE"));
+    if (!o->preset.empty() && !params_file->empty())
+      return fail(invalid_argument("give one of --preset and --params (--set edits either)"));
+    if (!params_file->empty()) {
+      std::ifstream f(*params_file, std::ios::binary);
+      if (!f) return fail(not_found("cannot read --params {}", *params_file));
+      o->params_text.assign(std::istreambuf_iterator<char>(f), {});
     }
-    ML4_LOG_INFO("make-model: wrote {} ({})", o->out_dir, o->preset);
+    auto cfg = resolve_model_config(o->preset, o->params_text, o->overrides);
+    if (!cfg.ok()) return fail(cfg.status());
+    auto tok = tokenizer_for(cfg->vocab_size, *tokenizer_path);
+    if (!tok.ok()) return fail(tok.status());
+    o->tokenizer_json = std::move(tok).value();
+    Status s = make_model(*o);
+    if (!s.is_ok()) return fail(s);
+    ML4_LOG_INFO("make-model: wrote {} ({}, {:.3f}B parameters)", o->out_dir, cfg->name,
+                 static_cast<double>(count_parameters(*cfg).total) / 1e9);
   });
 });
 
