@@ -48,7 +48,15 @@ CASES = {
     "mistral4-tiny": {"kind": "hf", "model_type": "mistral4"},
     "dsv32-tiny": {"kind": "hf", "model_type": "deepseek_v32"},
     "ml4-tiny": {"kind": "ml4"},
+    # The trained default model shipped in the repo (not written by make-model): FP8 weights,
+    # text prompts, the second longer than the indexer top-k (256) so that the selection bites.
+    "ml4-small": {"kind": "ml4", "model_dir": "assets/ml4-small"},
 }
+ML4_SMALL_PROMPTS = [
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune,",
+    None,  # the first ML4_SMALL_LONG tokens of tests/golden/ml4-small/prompt.txt
+]
+ML4_SMALL_LONG = 300
 
 
 def fnv1a64_tensors(path):
@@ -73,7 +81,18 @@ def fnv1a64_tensors(path):
     return f"{h:016x}"
 
 
-def prompts(vocab):
+def prompts(vocab, case=None, model_dir=None, out_root=None):
+    if case == "ml4-small":
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "train"))
+        from tekken_tiktoken import Tekken
+        tk = Tekken(os.path.join(model_dir, "tekken.json"))
+        with open(os.path.join(out_root, case, "prompt.txt"), encoding="utf-8") as f:
+            long_text = f.read()
+        out = []
+        for text in ML4_SMALL_PROMPTS:
+            ids = [tk.bos] + (tk.encode(text) if text is not None else tk.encode(long_text)[: ML4_SMALL_LONG - 1])
+            out.append(ids)
+        return out
     g = torch.Generator().manual_seed(PROMPT_SEED)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
@@ -135,7 +154,7 @@ def make_runs(case, models_dir):
         # Each HfRun applies its patches (module- and class-level) until close().
         return d, os.path.join(d, "model.safetensors"), \
             (lambda: HfRun(model, "emulated")), (lambda: HfRun(model, "pure")), model.config.vocab_size, warnings
-    d = os.path.join(models_dir, case)
+    d = spec["model_dir"] if "model_dir" in spec else os.path.join(models_dir, case)
     emu = Ml4Reference(d, bf16_cache=True, fp8_indexer=True)
     pure = Ml4Reference(d, bf16_cache=False, fp8_indexer=False)
 
@@ -168,7 +187,8 @@ def run_case(case, models_dir, out_root, command):
     model_dir, weights, make_emulated, make_pure, vocab, load_warnings = make_runs(case, models_dir)
     tensors = {}
     summary = {"prompts": [], "pure_vs_emulated": []}
-    for i, prompt in enumerate(prompts(vocab)):
+    plist = prompts(vocab, case, model_dir, out_root)
+    for i, prompt in enumerate(plist):
         run = make_emulated()
         try:
             tokens = greedy(run, prompt)
@@ -205,6 +225,7 @@ def run_case(case, models_dir, out_root, command):
     out_dir = os.path.join(out_root, case)
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, "golden.safetensors"), metadata={"case": case})
+    shipped = "model_dir" in CASES[case]
     manifest = {
         "case": case,
         "preset": case,
@@ -217,7 +238,7 @@ def run_case(case, models_dir, out_root, command):
         "weights_file": os.path.relpath(weights, os.path.join(models_dir, case)),
         "weights_fnv1a64": fnv1a64_tensors(weights),
         "prompt_seed": PROMPT_SEED,
-        "prompt_lengths": PROMPT_LENGTHS,
+        "prompt_lengths": [len(q) for q in plist],
         "continuation": CONTINUATION,
         "kv_cache_dtype": "bf16",
         "emulation": ["latent rows (c, rotated kr) rounded to bf16 (ml4 bf16 KV cache)"]
@@ -234,6 +255,15 @@ def run_case(case, models_dir, out_root, command):
         "device": "cpu",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
+    if shipped:
+        # The shipped, trained checkpoint: the test reads it from the repo (model_dir), not
+        # from make-model; its prompts are text (prompt_text), tokenized with its tekken.json.
+        manifest.update({"model_dir": CASES[case]["model_dir"], "weight_dtype": "fp8_e4m3 blocks (experts, attention)",
+                         "make_model": "none: the trained model shipped in the repo (tools/train/train.py)",
+                         "prompt_text": [t if t is not None else f"prompt.txt, first {ML4_SMALL_LONG} tokens with <s>"
+                                         for t in ML4_SMALL_PROMPTS]})
+        manifest.pop("seed")
+        manifest.pop("prompt_seed")
     with open(os.path.join(out_dir, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=2)
         f.write("\n")
@@ -245,7 +275,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", required=True, help="directory with one make-model output per case")
     ap.add_argument("--out", required=True, help="golden root, normally tests/golden")
-    ap.add_argument("--cases", nargs="*", default=list(CASES))
+    ap.add_argument("--cases", nargs="*", default=[c for c in CASES if "model_dir" not in CASES[c]],
+                    help="default: the make-model cases; ml4-small (the shipped model) is asked for by name")
     ap.add_argument("--command", default=" ".join(sys.argv), help="the command recorded in the manifests")
     a = ap.parse_args()
     torch.manual_seed(0)

@@ -31,7 +31,7 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "reference"))
 
 from ml4_model import _tf, indexer_rotary_config, layer_specs, lerope_positions, mistral4_config  # noqa: E402
-from numerics import fp8_group_roundtrip, hadamard  # noqa: E402
+from numerics import fp8_group_roundtrip  # noqa: E402
 
 E4M3_MAX = 448.0
 BLOCK = 128
@@ -65,6 +65,15 @@ def fp8_fake(w: torch.Tensor) -> torch.Tensor:
         q, s = fp8_block_quantize(w.detach())
         wq = fp8_block_dequantize(q, s).to(w.dtype)
     return w + (wq - w).detach()
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """numerics.hadamard (Sylvester order, scale n^-0.5, f64 product) on x's device."""
+    n = x.shape[-1]
+    h = torch.ones(1, 1, dtype=torch.float64, device=x.device)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (x.to(torch.float64) @ h * (1.0 / math.sqrt(n))).to(x.dtype)
 
 
 def up(t: torch.Tensor) -> torch.Tensor:
@@ -312,7 +321,7 @@ class Ml4Small(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, tokens, sparse=True, kl_rows=0, hidden_layers=(), fp8_indexer=False, bf16_latent=False,
-                query_chunk=0, dense_attention=False, record=None):
+                query_chunk=0, dense_attention=False, record=None, stable_ties=None):
         """tokens [B, T] -> dict(logits [B, T, V], aux, kl, hidden {layer: [B, T, D]}).
 
         sparse: attention restricted to the indexer's top-k (False: dense warm-up, every causal
@@ -321,6 +330,7 @@ class Ml4Small(nn.Module):
         fp8_indexer / bf16_latent: emulate ml4's indexer quantization and bf16 latent cache.
         query_chunk: attention in query chunks (long evaluation sequences).
         record: dict filled with {layer: top-k ids [B, T, k]} of owner layers (goldens).
+        stable_ties: top-k ties to the lower key index (default: when not training).
         """
         B, T = tokens.shape
         dev = tokens.device
@@ -366,7 +376,7 @@ class Ml4Small(nn.Module):
                         sc = self.indexer_scores(A.indexer, ai, tb, s.rope, fp8=fp8_indexer)
                         sc = sc.masked_fill(~causal, float("-inf"))
                         kk = min(topk, T)
-                        if self.training:
+                        if not (stable_ties if stable_ties is not None else not self.training):
                             idx = torch.topk(sc, kk, dim=-1).indices  # [B, T, kk]
                         else:  # ties (relu zeros) to the lower key index, as ml4 and the reference
                             idx = torch.sort(-sc, dim=-1, stable=True).indices[..., :kk]
