@@ -15,10 +15,26 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}"
 fi
 
-# Python packages the server tests drive ml4 with (the real openai client, pytest).
-if ! python3 -c "import openai, pytest" >/dev/null 2>&1; then
-  echo "setup: installing openai and pytest"
-  python3 -m pip install -q openai pytest || python3 -m pip install -q --break-system-packages openai pytest
+# Python packages the server tests drive ml4 with (the real openai client, pytest), and the
+# property-based fuzz of the HTTP surface (hypothesis, hypothesis-jsonschema).
+if ! python3 -c "import openai, pytest, hypothesis, hypothesis_jsonschema" >/dev/null 2>&1; then
+  echo "setup: installing openai, pytest, hypothesis, hypothesis-jsonschema"
+  python3 -m pip install -q openai pytest hypothesis hypothesis-jsonschema ||
+    python3 -m pip install -q --break-system-packages openai pytest hypothesis hypothesis-jsonschema
+fi
+
+# xgrammar's C++ sources for structured outputs (src/engine/structured_output.h): the sdist
+# from PyPI, unpacked into .venv/xgrammar where CMakeLists.txt compiles its cpp/ folder.
+XGRAMMAR_VERSION=0.2.9
+XGRAMMAR_DIR="$(cd "$(dirname "$0")/.." && pwd)/.venv/xgrammar"
+if [ "$(cat "$XGRAMMAR_DIR/ML4_VERSION" 2>/dev/null)" != "$XGRAMMAR_VERSION" ]; then
+  echo "setup: fetching the xgrammar $XGRAMMAR_VERSION sdist into $XGRAMMAR_DIR"
+  tmp="$(mktemp -d)"
+  python3 -m pip download -q --no-deps --no-binary xgrammar -d "$tmp" "xgrammar==$XGRAMMAR_VERSION"
+  rm -rf "$XGRAMMAR_DIR" && mkdir -p "$XGRAMMAR_DIR"
+  tar xzf "$tmp/xgrammar-$XGRAMMAR_VERSION.tar.gz" -C "$XGRAMMAR_DIR" --strip-components=1
+  echo "$XGRAMMAR_VERSION" > "$XGRAMMAR_DIR/ML4_VERSION"
+  rm -rf "$tmp"
 fi
 
 # UCX for the P/D KV transport (src/transfer/): the PyPI wheel, into .venv/ucx where CMake

@@ -112,7 +112,8 @@ PrefixHit KvBlockManager::find_cached_prefix(const Request& r) {
   PrefixHit hit;
   hit.blocks.resize(pools_.size());
   hit.hashes.resize(pools_.size());
-  if (!prefix_caching_ || pools_.empty()) return hit;
+  // prompt_logprobs needs the logits of every prompt position: no reuse (as vLLM v1).
+  if (!prefix_caching_ || pools_.empty() || r.params.prompt_logprobs >= 0) return hit;
   const int64_t limit = r.num_tokens() - 1;  // at least one token is computed for logits
   int64_t best = limit;
   for (size_t g = 0; g < pools_.size() && best > 0; ++g) {

@@ -29,7 +29,8 @@ uint64_t splitmix(uint64_t& s) {
 bool device_samplable(const Request& r) {
   const SamplingParams& p = r.params;
   return p.repetition_penalty == 1.0 && p.frequency_penalty == 0.0 && p.presence_penalty == 0.0 && p.logprobs <= 0 &&
-         static_cast<int>(r.output.size()) >= p.min_tokens && r.spec_tokens.empty();
+         static_cast<int>(r.output.size()) >= p.min_tokens && r.spec_tokens.empty() && p.logit_bias.empty() &&
+         !r.grammar;  // a grammar's mask is applied on the host until the runner uploads it
 }
 
 DeviceSamplingParams device_params(const Request& r) {
@@ -83,6 +84,7 @@ Status Engine::add_request(const std::string& request_id, std::vector<int32_t> p
   r->params = params;
   r->sample_seed = params.seed ? *params.seed : splitmix(seed_state_);
   r->rng.seed(r->sample_seed);
+  if (params.structured) r->grammar = params.structured->new_matcher();
   scheduler_.add(r.get());
   live_.emplace(request_id, std::move(r));
   return Status::ok();
@@ -94,6 +96,9 @@ Status Engine::check_request(const std::vector<int32_t>& prompt, const SamplingP
     if (prompt[i] < 0 || prompt[i] >= vocab_)
       return invalid_argument("prompt token {} at position {} is outside the vocabulary [0, {})", prompt[i], i, vocab_);
   ML4_RETURN_IF_ERROR(params.validate(vocab_));
+  if (params.structured && params.structured->vocab_size() != vocab_)
+    return invalid_argument("structured output compiled for a vocabulary of {} ids, the model has {}",
+                            params.structured->vocab_size(), vocab_);
   const int64_t max_len = config_.scheduler.max_model_len;
   const int64_t plen = static_cast<int64_t>(prompt.size());
   if (plen + params.max_tokens > max_len)
@@ -143,6 +148,7 @@ bool Engine::append_token(Request& r, int32_t token) {
   }
   if (past_min && std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), token) != p.stop_token_ids.end()) {
     r.stop_reason = std::to_string(token);
+    r.stop_token = token;
     finish(r, FinishReason::kStop);
     return true;
   }
@@ -195,6 +201,11 @@ RequestOutput Engine::take_output(Request& r) {
   o.finished = r.finished();
   o.finish_reason = r.finish_reason;
   o.stop_reason = r.stop_reason;
+  o.stop_token = r.stop_token;
+  if (r.params.prompt_logprobs >= 0 && !r.prompt_logprobs_sent) {
+    o.prompt_logprobs = r.prompt_logprobs;
+    r.prompt_logprobs_sent = true;
+  }
   o.prompt_tokens = static_cast<int64_t>(r.prompt.size());
   o.completion_tokens = static_cast<int64_t>(r.output.size());
   o.cached_tokens = std::max<int64_t>(0, r.num_cached_tokens);
@@ -223,6 +234,14 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
     ss.block_tables = r.block_tables;
     const bool reaches_end = r.num_computed + s.num_new_tokens >= known;
     ss.num_logits = reaches_end ? 1 + static_cast<int>(r.spec_tokens.size()) : 0;
+    // prompt_logprobs: prompt position q needs the logits of position q - 1; the runner
+    // returns the chunk's last num_logits rows, so ask from the first position still missing.
+    const int64_t plen = static_cast<int64_t>(r.prompt.size());
+    const int64_t next_q = 1 + static_cast<int64_t>(r.prompt_logprobs.size());
+    if (r.params.prompt_logprobs >= 0 && next_q < plen && next_q - 1 < r.num_computed + s.num_new_tokens) {
+      const int64_t from = std::max(r.num_computed, next_q - 1);
+      ss.num_logits = std::max<int>(ss.num_logits, static_cast<int>(r.num_computed + s.num_new_tokens - from));
+    }
     if (device && ss.num_logits == 1 && device_samplable(r)) ss.device_sampling = device_params(r);
     in.seqs.push_back(std::move(ss));
   }
@@ -259,8 +278,25 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
   for (size_t i = 0; i < so.seqs.size(); ++i) {
     Request& r = *so.seqs[i].req;
     const int num_logits = in.seqs[i].num_logits;
-    r.num_computed += so.seqs[i].num_new_tokens;
-    if (num_logits > 0) {
+    const int64_t chunk_end = r.num_computed + so.seqs[i].num_new_tokens;
+    const bool samples = chunk_end >= r.num_tokens();  // the chunk reaches the end: a token is due
+    r.num_computed = chunk_end;
+    if (num_logits > 0 && !sampled && r.params.prompt_logprobs >= 0) {
+      const size_t e = per_seq ? i : li;
+      if (out.logits[e].size() != static_cast<size_t>(num_logits) * vocab_)
+        return internal_error("runner returned {} logits for seq {}, expected {}", out.logits[e].size(), r.seq_id,
+                              static_cast<size_t>(num_logits) * vocab_);
+      const int64_t plen = static_cast<int64_t>(r.prompt.size());
+      for (int j = 0; j < num_logits; ++j) {
+        const int64_t q = chunk_end - num_logits + j + 1;  // the prompt position row j predicts
+        if (q != 1 + static_cast<int64_t>(r.prompt_logprobs.size()) || q >= plen) continue;
+        r.prompt_logprobs.push_back(Sampler::prompt_logprob(out.logits[e].data() + static_cast<size_t>(j) * vocab_,
+                                                            vocab_, r.prompt[q], r.params.prompt_logprobs));
+      }
+    }
+    if (num_logits > 0 && !samples) {
+      if (!per_seq) ++li;  // prompt-logprob rows of a chunk that does not end the prompt
+    } else if (num_logits > 0) {
       const size_t e = per_seq ? i : li++;
       const std::optional<DeviceSamplingParams>& ds = in.seqs[i].device_sampling;
       int32_t token = 0;
@@ -279,8 +315,17 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
         float* last = row.data() + static_cast<size_t>(num_logits - 1) * vocab_;
         // A sequence that asked for device sampling draws the same way on the host, so its
         // tokens do not depend on whether the rest of the batch let the runner sample.
-        if (ds) token = sampling::sample_row_reference(last, vocab_, *ds, &logprob);
-        else token = Sampler::sample(r, last, vocab_, r.params.ignore_eos ? -1 : codec_->eos_id());
+        if (ds) {
+          token = sampling::sample_row_reference(last, vocab_, *ds, &logprob);
+        } else {
+          const uint32_t* allowed = nullptr;
+          if (r.grammar) {
+            mask_.assign(static_cast<size_t>(bitmask_words(vocab_)), 0u);
+            r.grammar->fill_bitmask(mask_.data());
+            allowed = mask_.data();
+          }
+          token = Sampler::sample(r, last, vocab_, r.params.ignore_eos ? -1 : codec_->eos_id(), allowed);
+        }
       }
       if (ds && r.params.logprobs >= 0) {
         TokenLogprob lp;
@@ -297,7 +342,16 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
         observer_->on_token(done - r.last_token_time);
       }
       r.last_token_time = done;
+      const bool grammar_ok = !r.grammar || r.grammar->accept(token);
       append_token(r, token);
+      if (!grammar_ok && !r.finished()) {
+        // The mask allows only what the grammar accepts; this is a fault, not user input.
+        ML4_LOG_ERROR("request {}: the grammar rejected sampled token {}", r.request_id, token);
+        finish(r, FinishReason::kError);
+      } else if (r.grammar && r.grammar->terminated() && !r.finished()) {
+        r.text += r.detok.flush();
+        finish(r, FinishReason::kStop);  // the grammar ended (its EOS was taken, even with ignore_eos)
+      }
     } else if (per_seq) {
       ++li;
     }

@@ -55,6 +55,9 @@ struct RequestOutput {
   FinishReason finish_reason = FinishReason::kNone;
   std::string stop_reason;
   std::string error;  // set with FinishReason::kError
+  int32_t stop_token = -1;  // the stop_token_ids entry that ended it (-1: none)
+  // prompt_logprobs, with the first output: entry k is prompt position k + 1's.
+  std::vector<TokenLogprob> prompt_logprobs;
   int64_t prompt_tokens = 0;
   int64_t completion_tokens = 0;
   int64_t cached_tokens = 0;
@@ -134,6 +137,7 @@ class Engine {
   EngineCounters counters_;
   EngineObserver* observer_ = nullptr;
   std::function<void(const SchedulerOutput&, const StepInput&)> step_hook_;
+  std::vector<uint32_t> mask_;  // a grammar's bitmask for the row being sampled
 };
 
 }  // namespace ml4

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <random>
 #include <string>
 #include <unordered_map>
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "engine/sampling_params.h"
+#include "engine/structured_output.h"
 #include "engine/text_codec.h"
 
 namespace ml4 {
@@ -39,6 +41,7 @@ struct TokenLogprob {
   int32_t token = 0;
   float logprob = 0.0f;
   std::vector<std::pair<int32_t, float>> top;  // the N most likely, best first
+  int64_t rank = 0;  // prompt logprobs: 1 + the number of ids more likely than `token`
 };
 
 struct Request {
@@ -76,6 +79,14 @@ struct Request {
   std::vector<TokenLogprob> logprobs;
   FinishReason finish_reason = FinishReason::kNone;
   std::string stop_reason;  // the stop string or id that ended it
+  int32_t stop_token = -1;  // the stop_token_ids entry that ended it (-1: none)
+
+  // Structured outputs: the request's place in its grammar (engine/structured_output.h).
+  std::shared_ptr<GrammarMatcher> grammar;
+  // prompt_logprobs: entry k is prompt position k + 1's (position 0 has none); filled as
+  // prefill chunks return their logits, handed out once with the first output.
+  std::vector<TokenLogprob> prompt_logprobs;
+  bool prompt_logprobs_sent = false;
 
   // Timing (monotonic seconds) for metrics.
   double first_scheduled_time = 0.0;

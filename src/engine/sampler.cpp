@@ -18,17 +18,64 @@ void Sampler::log_softmax(const float* logits, int vocab, std::vector<float>* ou
   for (int i = 0; i < vocab; ++i) (*out)[i] = static_cast<float>(logits[i] - lse);
 }
 
-int32_t Sampler::sample(Request& r, float* logits, int vocab, int32_t eos_id) {
+namespace {
+
+// The top n ids of a row by value, best first (ties -> lower id).
+std::vector<std::pair<int32_t, float>> top_n(const std::vector<float>& logp, int n) {
+  const int vocab = static_cast<int>(logp.size());
+  n = std::min(n, vocab);
+  std::vector<int32_t> idx(vocab);
+  std::iota(idx.begin(), idx.end(), 0);
+  std::partial_sort(idx.begin(), idx.begin() + n, idx.end(), [&](int32_t a, int32_t b) {
+    return logp[a] > logp[b] || (logp[a] == logp[b] && a < b);
+  });
+  std::vector<std::pair<int32_t, float>> out;
+  out.reserve(n);
+  for (int i = 0; i < n; ++i) out.emplace_back(idx[i], logp[idx[i]]);
+  return out;
+}
+
+}  // namespace
+
+TokenLogprob Sampler::prompt_logprob(const float* logits, int vocab, int32_t token, int n) {
+  std::vector<float> logp;
+  log_softmax(logits, vocab, &logp);
+  TokenLogprob lp;
+  lp.token = token;
+  lp.logprob = logp[token];
+  lp.rank = 1;
+  for (int i = 0; i < vocab; ++i) lp.rank += logp[i] > lp.logprob ? 1 : 0;
+  if (n > 0) lp.top = top_n(logp, n);
+  return lp;
+}
+
+int32_t Sampler::sample(Request& r, float* logits, int vocab, int32_t eos_id, const uint32_t* allowed) {
   const SamplingParams& sp = r.params;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+  // Whether the grammar allows anything but EOS and the stop ids (min_tokens yields if not).
+  bool other_allowed = true;
+  if (allowed) {
+    other_allowed = false;
+    for (int i = 0; i < vocab; ++i) {
+      if (!bitmask_allows(allowed, i)) {
+        logits[i] = kNegInf;
+      } else if (!other_allowed && i != eos_id &&
+                 std::find(sp.stop_token_ids.begin(), sp.stop_token_ids.end(), i) == sp.stop_token_ids.end()) {
+        other_allowed = true;
+      }
+    }
+  }
 
   std::vector<float> logp;
   if (sp.logprobs >= 0) log_softmax(logits, vocab, &logp);
 
-  if (static_cast<int>(r.output.size()) < sp.min_tokens) {
+  if (static_cast<int>(r.output.size()) < sp.min_tokens && other_allowed) {
     if (!sp.ignore_eos && eos_id >= 0 && eos_id < vocab) logits[eos_id] = kNegInf;
     for (int32_t id : sp.stop_token_ids) logits[id] = kNegInf;
   }
+  for (const auto& [id, bias] : sp.logit_bias)
+    if (id >= 0 && id < vocab && (!allowed || bitmask_allows(allowed, id))) logits[id] += bias;
   if (sp.repetition_penalty != 1.0) {
     const float rp = static_cast<float>(sp.repetition_penalty);
     auto apply = [&](int32_t t, std::vector<uint8_t>& seen) {
@@ -108,15 +155,7 @@ int32_t Sampler::sample(Request& r, float* logits, int vocab, int32_t eos_id) {
     TokenLogprob lp;
     lp.token = token;
     lp.logprob = logp[token];
-    if (sp.logprobs > 0) {
-      int n = std::min(sp.logprobs, vocab);
-      std::vector<int32_t> idx(vocab);
-      std::iota(idx.begin(), idx.end(), 0);
-      std::partial_sort(idx.begin(), idx.begin() + n, idx.end(), [&](int32_t a, int32_t b) {
-        return logp[a] > logp[b] || (logp[a] == logp[b] && a < b);
-      });
-      for (int i = 0; i < n; ++i) lp.top.emplace_back(idx[i], logp[idx[i]]);
-    }
+    if (sp.logprobs > 0) lp.top = top_n(logp, sp.logprobs);
     r.logprobs.push_back(std::move(lp));
   }
   return token;

@@ -6,13 +6,17 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/status.h"
 
 namespace ml4 {
+
+class StructuredOutput;  // engine/structured_output.h
 
 struct SamplingParams {
   int n = 1;                       // choices per request (the server fans out n requests)
@@ -32,6 +36,13 @@ struct SamplingParams {
   int logprobs = -1;               // -1: none; 0: the sampled token's; N: also the top N
   bool skip_special_tokens = true;
   bool include_stop_str_in_output = false;
+  // vLLM's prompt_logprobs: -1 none; N >= 0: each prompt token's logprob (from the second on)
+  // with the N most likely ids at its position. Such a request skips the prefix cache.
+  int prompt_logprobs = -1;
+  // OpenAI logit_bias: added to the logit of each id after logprobs are taken, in [-100, 100].
+  std::vector<std::pair<int32_t, float>> logit_bias;
+  // Grammar-constrained sampling (structured outputs, tool_choice); null: none.
+  std::shared_ptr<const StructuredOutput> structured;
 
   static constexpr int kMaxLogprobs = 20;  // OpenAI's top_logprobs bound
 
@@ -59,6 +70,16 @@ struct SamplingParams {
     for (int32_t id : stop_token_ids)
       if (id < 0 || id >= vocab_size)
         return invalid_argument("stop_token_ids: {} is outside the vocabulary [0, {})", id, vocab_size);
+    if (prompt_logprobs < -1 || prompt_logprobs > kMaxLogprobs)
+      return invalid_argument("prompt_logprobs must be in [0, {}], got {}", kMaxLogprobs, prompt_logprobs);
+    if (logit_bias.size() > static_cast<size_t>(vocab_size))
+      return invalid_argument("logit_bias has more entries ({}) than the vocabulary", logit_bias.size());
+    for (const auto& [id, bias] : logit_bias) {
+      if (id < 0 || id >= vocab_size)
+        return invalid_argument("logit_bias: token id {} is outside the vocabulary [0, {})", id, vocab_size);
+      if (!(bias >= -100.0f && bias <= 100.0f))
+        return invalid_argument("logit_bias: the bias of token {} must be in [-100, 100], got {}", id, bias);
+    }
     return Status::ok();
   }
 };

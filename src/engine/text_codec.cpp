@@ -174,7 +174,7 @@ Result<std::vector<int32_t>> TekkenTextCodec::encode(const std::string& text, bo
 }
 
 Result<std::vector<int32_t>> TekkenTextCodec::encode_chat(const nlohmann::ordered_json& request) const {
-  return ::ml4::encode_chat(*tok_, request);
+  return ::ml4::encode_chat(*tok_, request, chat_options_);
 }
 
 Result<std::unique_ptr<TextCodec>> make_text_codec(const std::string& model_dir, int vocab_size) {

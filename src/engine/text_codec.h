@@ -21,6 +21,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/status.h"
+#include "tokenizer/chat.h"
 #include "tokenizer/output_parser.h"
 
 namespace ml4 {
@@ -39,6 +40,8 @@ class TextCodec {
   virtual Result<std::vector<int32_t>> encode_chat(const nlohmann::ordered_json& request) const = 0;
   // A name for /v1/models and logs.
   virtual std::string name() const = 0;
+  // Where chat images may come from (set once, before serving; see tokenizer/chat.h).
+  virtual void set_media_options(const MediaOptions& media) {}
   // Streaming parser for reasoning and tool calls over output ids; null when the codec has
   // no such markers (the byte fallback).
   virtual std::unique_ptr<OutputParser> make_output_parser(const OutputParserOptions& options) const {
@@ -83,9 +86,11 @@ class TekkenTextCodec : public TextCodec {
   std::unique_ptr<OutputParser> make_output_parser(const OutputParserOptions& options) const override {
     return std::make_unique<OutputParser>(tok_, options);
   }
+  void set_media_options(const MediaOptions& media) override { chat_options_.media = media; }
 
  private:
   std::shared_ptr<const Tokenizer> tok_;
+  ChatOptions chat_options_;
 };
 
 // Picks the model's tokenizer when one is usable, else the byte fallback.

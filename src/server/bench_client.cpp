@@ -355,6 +355,8 @@ Result<BenchSummary> run_bench(const BenchOptions& o) {
     ++s.completed;
     s.total_input += r.prompt_tokens;
     s.total_output += r.output_tokens;
+    s.input_lens.push_back(r.prompt_tokens);
+    s.output_lens.push_back(r.output_tokens);
     ttft.push_back(r.ttft * 1e3);
     e2el.push_back(r.latency * 1e3);
     if (r.output_tokens > 1) tpot.push_back((r.latency - r.ttft) / (r.output_tokens - 1) * 1e3);
@@ -411,8 +413,13 @@ nlohmann::json bench_json(const BenchSummary& s) {
           {"endpoint", o.endpoint},
           {"model", s.model},
           {"dataset", o.dataset},
-          {"input_len", o.input_len},
-          {"output_len", o.output_len},
+          // The options' lengths mean something only for random prompts; the lengths each
+          // completed request really had (the server's usage) are input_lens / output_lens.
+          {"input_len", o.dataset == "random" ? nlohmann::json(o.input_len) : nlohmann::json(nullptr)},
+          {"output_len", o.dataset == "random" ? nlohmann::json(o.output_len) : nlohmann::json(nullptr)},
+          {"range_ratio", o.range_ratio},
+          {"input_lens", s.input_lens},
+          {"output_lens", s.output_lens},
           {"num_prompts", o.num_prompts},
           {"max_concurrency", o.max_concurrency},
           {"request_rate", o.request_rate},

@@ -64,6 +64,7 @@ struct BenchSummary {
   double duration_s = 0.0;
   int64_t total_input = 0;
   int64_t total_output = 0;
+  std::vector<int> input_lens, output_lens;  // per completed request, as the server counted them
   double request_throughput = 0.0;
   double output_throughput = 0.0;
   double total_throughput = 0.0;

@@ -3,11 +3,13 @@
 
 #include <httplib.h>
 
+#include <algorithm>
 #include <chrono>
 #include <random>
 #include <thread>
 
 #include "core/log.h"
+#include "server/openapi.h"
 #include "server/openai_protocol.h"
 
 namespace ml4 {
@@ -41,9 +43,100 @@ int http_status_for(const Status& st) {
   return 500;
 }
 
+// The routes and their methods (HEAD goes with GET, as httplib serves it).
+struct Route {
+  const char* path;
+  bool get, post;
+};
+constexpr Route kRoutes[] = {
+    {"/health", true, false},     {"/ping", true, true},         {"/version", true, false},
+    {"/metrics", true, false},    {"/openapi.json", true, false}, {"/v1/models", true, false},
+    {"/tokenize", false, true},   {"/detokenize", false, true},  {"/v1/completions", false, true},
+    {"/v1/chat/completions", false, true}, {"/kv_transfer/metadata", true, false},  // P/D side channel
+};
+
+const Route* find_route(const std::string& path) {
+  for (const auto& r : kRoutes)
+    if (path == r.path) return &r;
+  return nullptr;
+}
+
+// An answer after which the connection closes: the body (if any) was not read and must not be
+// parsed as the next request. httplib 0.11 closes a connection whose content provider fails,
+// so the provider writes the whole answer, ends the chunked body, then reports failure.
+void respond_and_close(httplib::Response& res, int status, const std::string& body) {
+  res.status = status;
+  res.set_header("Connection", "close");
+  auto payload = std::make_shared<std::string>(body);
+  res.set_chunked_content_provider("application/json", [payload](size_t, httplib::DataSink& sink) {
+    sink.write(payload->data(), payload->size());
+    sink.done();
+    return false;
+  });
+}
+
+// The body's framing, from the headers alone. status 0: acceptable.
+struct Framing {
+  int status = 0;
+  std::string message;
+  bool has_body = false;      // bytes follow the headers
+  uint64_t content_length = 0;
+  bool chunked = false;
+};
+
+Framing check_framing(const httplib::Request& req, size_t limit) {
+  Framing f;
+  auto [cl_begin, cl_end] = req.headers.equal_range("Content-Length");
+  auto [te_begin, te_end] = req.headers.equal_range("Transfer-Encoding");
+  const size_t n_cl = static_cast<size_t>(std::distance(cl_begin, cl_end));
+  const size_t n_te = static_cast<size_t>(std::distance(te_begin, te_end));
+  if (n_cl > 1) return {400, "duplicate Content-Length headers", true};
+  if (n_te > 1) return {400, "duplicate Transfer-Encoding headers", true};
+  if (n_te == 1) {
+    if (n_cl == 1) return {400, "Content-Length and Transfer-Encoding together are not accepted", true};
+    std::string te = te_begin->second;
+    for (auto& c : te) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    while (!te.empty() && (te.back() == ' ' || te.back() == '\t')) te.pop_back();
+    if (te != "chunked") return {400, "unsupported Transfer-Encoding (only chunked is accepted)", true};
+    f.has_body = f.chunked = true;
+    return f;
+  }
+  if (n_cl == 1) {
+    std::string v = cl_begin->second;
+    while (!v.empty() && (v.back() == ' ' || v.back() == '\t')) v.pop_back();
+    if (v.empty() || v.size() > 19 || !std::all_of(v.begin(), v.end(), [](char c) { return c >= '0' && c <= '9'; }))
+      return {400, "Content-Length must be a decimal number", true};
+    f.content_length = std::stoull(v);
+    f.has_body = f.content_length > 0;
+    if (f.content_length > limit)
+      return {413, fmt::format("request body too large: Content-Length {} exceeds the limit of {} bytes",
+                               f.content_length, limit), true};
+  }
+  return f;
+}
+
+// Reads a POST body through httplib's content reader, stopping as soon as it passes `limit`
+// bytes whatever the framing. 0 when read, else the status to answer (413, 400).
+int read_body(const Framing& framing, const httplib::ContentReader& reader, size_t limit, std::string* body) {
+  if (!framing.has_body) return 0;  // no Content-Length nor Transfer-Encoding: no body (RFC 9112 6.3)
+  if (framing.content_length > 0) body->reserve(framing.content_length);
+  bool too_large = false;
+  const bool ok = reader([&](const char* data, size_t n) {
+    if (body->size() + n > limit) {
+      too_large = true;
+      return false;
+    }
+    body->append(data, n);
+    return true;
+  });
+  if (too_large) return 413;
+  return ok ? 0 : 400;
+}
+
 // One API call's generation, shared by the content provider and its releaser. Dying
 // unfinished (client gone, server stopping) aborts the engine requests.
 struct GenerationState {
+  std::atomic<int>* active = nullptr;  // the server's count of responses being written
   AsyncEngine* engine = nullptr;
   std::shared_ptr<OutputStream> stream;
   std::unique_ptr<ApiRequest> req;
@@ -53,6 +146,7 @@ struct GenerationState {
   std::chrono::steady_clock::time_point last_write = std::chrono::steady_clock::now();
   ~GenerationState() {
     if (!finished && engine) engine->abort(stream);
+    if (active) --*active;
   }
 };
 
@@ -60,11 +154,22 @@ struct GenerationState {
 
 OpenAiServer::OpenAiServer(AsyncEngine* engine, const TextCodec* codec, ServerMetrics* metrics,
                            const ServerOptions& options)
-    : engine_(engine), codec_(codec), options_(options), http_(std::make_unique<httplib::Server>()), metrics_(metrics) {
+    : engine_(engine),
+      codec_(codec),
+      options_(options),
+      http_(std::make_unique<httplib::Server>()),
+      metrics_(metrics),
+      structured_(std::make_unique<StructuredOutputCompiler>(*codec, engine->engine().vocab_size())) {
   install_routes();
 }
 
 OpenAiServer::~OpenAiServer() { stop(); }
+
+Status OpenAiServer::prepare_structured_output(ApiRequest* ar) {
+  if (!ar->grammar.any()) return Status::ok();
+  ML4_ASSIGN_OR_RETURN(ar->params.structured, structured_->compile(ar->grammar));
+  return Status::ok();
+}
 
 Status OpenAiServer::bind() {
   if (options_.port == 0) {
@@ -88,11 +193,19 @@ void OpenAiServer::stop() {
 }
 
 void OpenAiServer::drain_and_stop(double grace_s) {
+  draining_ = true;
   engine_->set_draining();
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(grace_s);
-  while (!engine_->idle() && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(20ms);
-  // Give providers a moment to write their last events.
-  std::this_thread::sleep_for(100ms);
+  while ((!engine_->idle() || active_.load() > 0) && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(20ms);
+  if (active_.load() > 0 || !engine_->idle()) {
+    // Open responses end with an error event (their providers see expired_ within one
+    // keep-alive slice) and abort their requests; wait for them to be written.
+    ML4_LOG_WARN("serve: shutdown timeout reached with {} responses open; ending them with an error", active_.load());
+    expired_ = true;
+    const auto last = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (active_.load() > 0 && std::chrono::steady_clock::now() < last) std::this_thread::sleep_for(10ms);
+  }
   stop();
 }
 
@@ -100,6 +213,8 @@ void OpenAiServer::install_routes() {
   httplib::Server& s = *http_;
   const int threads = std::max(8, options_.http_threads);
   s.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  // Bodies are read (and bounded) by read_body; this is httplib's own bound for any path
+  // that would read one without it.
   s.set_payload_max_length(options_.max_body_bytes);
   s.set_read_timeout(30, 0);
   s.set_write_timeout(30, 0);
@@ -110,6 +225,10 @@ void OpenAiServer::install_routes() {
     res.set_content(error_json(status, msg).dump(), "application/json");
     metrics_->on_http_error(status);
   };
+  auto error_and_close = [this](httplib::Response& res, int status, const std::string& msg) {
+    respond_and_close(res, status, error_json(status, msg).dump());
+    metrics_->on_http_error(status);
+  };
   auto authorized = [this, send_error](const httplib::Request& req, httplib::Response& res) {
     if (options_.api_key.empty()) return true;
     if (req.get_header_value("Authorization") == "Bearer " + options_.api_key) return true;
@@ -117,8 +236,44 @@ void OpenAiServer::install_routes() {
     return false;
   };
 
+  // Everything but a known route with its method, and a body within the limit, is answered
+  // here, before a byte of the body is read (see the header).
+  auto gate = [this, error_and_close](const httplib::Request& req, httplib::Response& res) -> bool {
+    const Framing f = check_framing(req, options_.max_body_bytes);
+    auto refuse = [&](int status, const std::string& msg) {
+      if (f.has_body) error_and_close(res, status, msg);
+      else {
+        res.status = status;
+        res.set_content(error_json(status, msg).dump(), "application/json");
+        metrics_->on_http_error(status);
+      }
+      return true;
+    };
+    if (f.status != 0) {
+      error_and_close(res, f.status, f.message);
+      return true;
+    }
+    const Route* route = find_route(req.path);
+    if (!route) return refuse(404, "no route " + req.method + " " + req.path);
+    const bool get_like = req.method == "GET" || req.method == "HEAD";
+    if (!(get_like && route->get) && !(req.method == "POST" && route->post)) {
+      res.set_header("Allow", route->get && route->post ? "GET, HEAD, POST" : route->get ? "GET, HEAD" : "POST");
+      return refuse(405, fmt::format("method {} not allowed on {}", req.method, req.path));
+    }
+    if (get_like && f.has_body) return refuse(400, "a GET request carries no body");
+    if (draining_ && req.path != "/metrics") return refuse(503, "the server is shutting down");
+    return false;
+  };
+  s.set_pre_routing_handler([gate](const httplib::Request& req, httplib::Response& res) {
+    return gate(req, res) ? httplib::Server::HandlerResponse::Handled : httplib::Server::HandlerResponse::Unhandled;
+  });
+  // Expect: 100-continue: refuse before the client sends the body at all.
+  s.set_expect_100_continue_handler([gate](const httplib::Request& req, httplib::Response& res) {
+    return gate(req, res) ? res.status : 100;
+  });
+
   s.set_error_handler([this](const httplib::Request& req, httplib::Response& res) {
-    if (!res.body.empty()) return;
+    if (!res.body.empty() || res.has_header("Content-Type")) return;  // answered already
     std::string msg = res.status == 404   ? "no route " + req.method + " " + req.path
                       : res.status == 413 ? fmt::format("request body too large (limit {} bytes)", options_.max_body_bytes)
                       : res.status == 405 ? "method not allowed"
@@ -137,8 +292,9 @@ void OpenAiServer::install_routes() {
     send_error(res, 500, what);
   });
 
-  s.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+  auto health = [this](const httplib::Request&, httplib::Response& res) {
     EngineHealth h = engine_->health();
+    if (draining_) h = {false, "the server is shutting down"};
     if (h.ok) {
       res.status = 200;
       res.set_content("", "text/plain");
@@ -146,9 +302,20 @@ void OpenAiServer::install_routes() {
       res.status = 503;
       res.set_content(error_json(503, h.reason).dump(), "application/json");
     }
+  };
+  s.Get("/health", health);
+  s.Get("/ping", health);
+  s.Post("/ping", [health, this](const httplib::Request& req, httplib::Response& res, const httplib::ContentReader& reader) {
+    std::string body;
+    const int st = read_body(check_framing(req, options_.max_body_bytes), reader, options_.max_body_bytes, &body);
+    if (st != 0) return respond_and_close(res, st, error_json(st, st == 413 ? "request body too large" : "bad body").dump());
+    health(req, res);
   });
   s.Get("/version", [](const httplib::Request&, httplib::Response& res) {
     res.set_content(R"({"version":"ml4-0.1"})", "application/json");
+  });
+  s.Get("/openapi.json", [](const httplib::Request&, httplib::Response& res) {
+    res.set_content(openapi_json(), "application/json");
   });
   s.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
     res.set_content(metrics_->render(engine_->snapshot()), "text/plain; version=0.0.4; charset=utf-8");
@@ -161,9 +328,9 @@ void OpenAiServer::install_routes() {
     res.set_content(ojson({{"object", "list"}, {"data", ojson::array({m})}}).dump(), "application/json");
   });
 
-  auto parse_body = [send_error](const httplib::Request& req, httplib::Response& res, ojson* body) {
+  auto parse_body = [send_error](const std::string& text, httplib::Response& res, ojson* body) {
     try {
-      *body = ojson::parse(req.body);
+      *body = ojson::parse(text);
     } catch (const std::exception& e) {
       send_error(res, 400, std::string("invalid JSON body: ") + e.what());
       return false;
@@ -174,34 +341,74 @@ void OpenAiServer::install_routes() {
     }
     return true;
   };
+  auto model_ok = [this, send_error](const ojson& body, httplib::Response& res) {
+    auto it = body.find("model");
+    if (it == body.end() || it->is_null()) return true;
+    if (!it->is_string()) {
+      send_error(res, 400, "'model' must be a string");
+      return false;
+    }
+    if (it->get<std::string>() == options_.served_model_name) return true;
+    send_error(res, 404, fmt::format("The model `{}` does not exist.", it->get<std::string>()));
+    return false;
+  };
+  // A POST route: the body is read under the limit, then parsed as a JSON object.
+  using BodyHandler = std::function<void(const httplib::Request&, const ojson&, httplib::Response&)>;
+  auto post = [this, &s, parse_body, error_and_close, authorized](const char* path, BodyHandler handler) {
+    s.Post(path, [this, path, parse_body, error_and_close, authorized, handler](
+                     const httplib::Request& req, httplib::Response& res, const httplib::ContentReader& reader) {
+      std::string text;
+      const int st = read_body(check_framing(req, options_.max_body_bytes), reader, options_.max_body_bytes, &text);
+      if (st == 413)
+        return error_and_close(res, 413, fmt::format("request body too large (limit {} bytes)", options_.max_body_bytes));
+      if (st != 0) return error_and_close(res, st, "the request body could not be read (bad chunked framing?)");
+      // The key guards /v1 (as vLLM's middleware); /tokenize and /detokenize stay open.
+      if (std::string_view(path).rfind("/v1/", 0) == 0 && !authorized(req, res)) return;
+      ojson body;
+      if (!parse_body(text, res, &body)) return;
+      handler(req, body, res);
+    });
+  };
 
-  s.Post("/tokenize", [this, parse_body, send_error](const httplib::Request& req, httplib::Response& res) {
-    ojson body;
-    if (!parse_body(req, res, &body)) return;
+  post("/tokenize", [this, send_error, model_ok](const httplib::Request&, const ojson& body, httplib::Response& res) {
+    if (!model_ok(body, res)) return;
+    bool want_strs = false;
+    if (auto it = body.find("return_token_strs"); it != body.end() && !it->is_null()) {
+      if (!it->is_boolean()) return send_error(res, 400, "'return_token_strs' must be a boolean");
+      want_strs = it->get<bool>();
+    }
     Result<std::vector<int32_t>> ids = std::vector<int32_t>{};
     if (body.contains("messages")) {
       ids = codec_->encode_chat(body);
     } else if (body.contains("prompt") && body["prompt"].is_string()) {
-      bool add_special = !body.contains("add_special_tokens") || body["add_special_tokens"].is_boolean() == false ||
-                         body["add_special_tokens"].get<bool>();
+      bool add_special = true;
+      if (auto it = body.find("add_special_tokens"); it != body.end() && !it->is_null()) {
+        if (!it->is_boolean()) return send_error(res, 400, "'add_special_tokens' must be a boolean");
+        add_special = it->get<bool>();
+      }
       ids = codec_->encode(body["prompt"].get<std::string>(), add_special);
     } else {
       return send_error(res, 400, "'prompt' (a string) or 'messages' is required");
     }
     if (!ids.ok()) return send_error(res, http_status_for(ids.status()), ids.status().message());
     ojson out = {{"count", ids.value().size()}, {"max_model_len", engine_->engine().max_model_len()},
-                 {"tokens", ids.value()}};
+                 {"tokens", ids.value()}, {"token_strs", nullptr}};
+    if (want_strs) {
+      ojson strs = ojson::array();
+      for (int32_t id : ids.value()) strs.push_back(sanitize_utf8(codec_->token_bytes(id)));
+      out["token_strs"] = strs;
+    }
     res.set_content(out.dump(), "application/json");
   });
-  s.Post("/detokenize", [this, parse_body, send_error](const httplib::Request& req, httplib::Response& res) {
-    ojson body;
-    if (!parse_body(req, res, &body)) return;
+  post("/detokenize", [this, send_error, model_ok](const httplib::Request&, const ojson& body, httplib::Response& res) {
+    if (!model_ok(body, res)) return;
     if (!body.contains("tokens") || !body["tokens"].is_array())
       return send_error(res, 400, "'tokens' must be an array of token ids");
     std::vector<int32_t> ids;
     for (const auto& t : body["tokens"]) {
       if (!t.is_number_integer()) return send_error(res, 400, "'tokens' must be an array of token ids");
-      int64_t v = t.get<int64_t>();
+      int64_t v = t.is_number_unsigned() ? static_cast<int64_t>(std::min<uint64_t>(t.get<uint64_t>(), INT64_MAX))
+                                         : t.get<int64_t>();
       if (v < 0 || v >= codec_->vocab_size())
         return send_error(res, 400, fmt::format("token id {} is outside the vocabulary [0, {})", v, codec_->vocab_size()));
       ids.push_back(static_cast<int32_t>(v));
@@ -209,13 +416,10 @@ void OpenAiServer::install_routes() {
     res.set_content(ojson({{"prompt", codec_->decode(ids, false)}}).dump(), "application/json");
   });
 
-  auto generate = [this, parse_body, send_error, authorized](bool chat) {
-    return [this, chat, parse_body, send_error, authorized](const httplib::Request& hreq, httplib::Response& res) {
-      if (!authorized(hreq, res)) return;
-      if (engine_->draining()) return send_error(res, 503, "the server is shutting down");
+  auto generate = [this, send_error](bool chat) {
+    return [this, chat, send_error](const httplib::Request&, const ojson& body, httplib::Response& res) {
+      if (draining_ || engine_->draining()) return send_error(res, 503, "the server is shutting down");
       if (!engine_->health().ok) return send_error(res, 503, "the engine is down: " + engine_->health().reason);
-      ojson body;
-      if (!parse_body(hreq, res, &body)) return;
       Result<ApiRequest> parsed = parse_api_request(body, chat, *codec_);
       if (!parsed.ok()) return send_error(res, http_status_for(parsed.status()), parsed.status().message());
       auto state = std::make_shared<GenerationState>();
@@ -223,6 +427,8 @@ void OpenAiServer::install_routes() {
       ApiRequest& ar = *state->req;
       if (!ar.model.empty() && ar.model != options_.served_model_name)
         return send_error(res, 404, fmt::format("The model `{}` does not exist.", ar.model));
+      if (Status st = prepare_structured_output(&ar); !st.is_ok())
+        return send_error(res, http_status_for(st), st.message());
       const std::string id = fmt::format("{}-{}{}", chat ? "chatcmpl" : "cmpl", random_hex(16), next_id_++);
       std::vector<GenerateRequest> reqs;
       for (size_t p = 0; p < ar.prompts.size(); ++p) {
@@ -247,13 +453,16 @@ void OpenAiServer::install_routes() {
       }
       state->engine = engine_;
       state->stream = submitted.value();
+      state->active = &active_;
+      ++active_;
       state->builder = std::make_unique<ChoiceBuilder>(ar, *codec_, id, options_.served_model_name, unix_now());
       const auto slice = std::chrono::milliseconds(static_cast<int>(options_.keepalive_s * 1000));
+      std::atomic<bool>* expired = &expired_;
       if (ar.stream) {
         res.set_header("Cache-Control", "no-cache");
         res.set_chunked_content_provider(
             "text/event-stream",
-            [state, slice](size_t, httplib::DataSink& sink) {
+            [state, slice, expired](size_t, httplib::DataSink& sink) {
               auto write_all = [&](const std::vector<std::string>& events) {
                 for (const auto& e : events)
                   if (!sink.write(e.data(), e.size())) return false;
@@ -262,6 +471,15 @@ void OpenAiServer::install_routes() {
               if (!state->started) {
                 state->started = true;
                 if (!write_all(state->builder->stream_start())) return false;
+              }
+              if (expired->load() && !state->stream->done()) {
+                // Shutdown deadline: an error event and [DONE], never a cut connection.
+                state->finished = true;
+                state->engine->abort(state->stream);
+                if (!write_all(state->builder->stream_abort("the server shut down before the request finished")))
+                  return false;
+                sink.done();
+                return true;
               }
               auto item = state->stream->next(slice);
               if (!item) {
@@ -287,7 +505,15 @@ void OpenAiServer::install_routes() {
       } else {
         res.set_chunked_content_provider(
             "application/json",
-            [state, slice](size_t, httplib::DataSink& sink) {
+            [state, slice, expired](size_t, httplib::DataSink& sink) {
+              if (expired->load() && !state->stream->done()) {
+                state->finished = true;
+                state->engine->abort(state->stream);
+                const std::string out = error_json(503, "the server shut down before the request finished").dump();
+                if (!sink.write(out.data(), out.size())) return false;
+                sink.done();
+                return true;
+              }
               auto item = state->stream->next(slice);
               if (item) {
                 state->builder->add(*item);
@@ -319,8 +545,8 @@ void OpenAiServer::install_routes() {
       }
     };
   };
-  s.Post("/v1/completions", generate(false));
-  s.Post("/v1/chat/completions", generate(true));
+  post("/v1/completions", generate(false));
+  post("/v1/chat/completions", generate(true));
 }
 
 }  // namespace ml4

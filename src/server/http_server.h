@@ -1,9 +1,19 @@
 // OpenAiServer: the HTTP face of an AsyncEngine (SYSTEM.md S14), on cpp-httplib.
 //
 // Routes: /v1/completions, /v1/chat/completions (JSON or SSE), /v1/models, /tokenize,
-// /detokenize, /health, /metrics, /version. Every error is an OpenAI error object with the
-// status that fits: 400 bad input, 401 bad key, 404 unknown model or route, 413 oversized
-// body, 429 queue full, 503 draining or engine down, 500 engine failure.
+// /detokenize, /health, /ping, /metrics, /version, /openapi.json. Every error is an OpenAI error
+// object with the status that fits: 400 bad input, 401 bad key, 404 unknown model or route, 405
+// wrong method, 413 oversized body, 429 queue full, 503 draining or engine down, 500 engine
+// failure.
+//
+// Request bodies: every request passes a pre-routing check before one byte of its body is read:
+// an unknown route (404), a wrong method (405), duplicate or non-numeric Content-Length,
+// Content-Length with Transfer-Encoding, a Transfer-Encoding other than chunked (400), a
+// Content-Length above the limit (413 from the header). POST bodies are then read through
+// httplib's content reader, counting bytes as they arrive whatever the framing, so a chunked
+// body is cut at the limit with 413 too. Whenever a body is left unread the answer closes the
+// connection (a content provider that reports failure after writing the whole answer is the
+// only way httplib 0.11 offers), so the rest of a hostile body is never parsed as a request.
 //
 // Generation responses go through chunked content providers, for streaming and non-streaming
 // alike: the handler thread waits on the request's OutputStream in short slices and writes
@@ -13,8 +23,11 @@
 // blocks back within one engine step. A GenerationState that dies unfinished aborts too, so
 // no path can leak a live request.
 //
-// Shutdown (graceful): drain() makes new generation requests 503, waits until the engine is
-// idle or the grace period ends, then stops the listener.
+// Shutdown (SIGTERM, drain_and_stop): /health and /ping turn 503 at once and every new request
+// but /metrics gets 503; responses in flight run on until done or until the grace period ends.
+// At the deadline each open stream gets an error event and `data: [DONE]`, each waiting
+// non-streaming body an error object, their engine requests are aborted, and only then does
+// the listener stop: no connection is cut mid-answer.
 #pragma once
 
 #include <atomic>
@@ -23,6 +36,7 @@
 
 #include "core/status.h"
 #include "engine/async_engine.h"
+#include "engine/structured_output.h"
 #include "engine/text_codec.h"
 #include "server/metrics.h"
 
@@ -31,6 +45,8 @@ class Server;
 }
 
 namespace ml4 {
+
+struct ApiRequest;
 
 struct ServerOptions {
   std::string host = "127.0.0.1";
@@ -53,19 +69,29 @@ class OpenAiServer {
   int bound_port() const { return port_; }
   // Serves until stop(); call after bind().
   Status serve();
-  // Refuses new work, waits up to grace_s for live requests, then stops serve().
+  // Refuses new work, waits up to grace_s for live requests, ends what is still open with an
+  // error event, then stops serve().
   void drain_and_stop(double grace_s);
   void stop();
+  bool draining() const { return draining_.load(); }
+  // Generation responses still being written.
+  int active_responses() const { return active_.load(); }
 
  private:
   void install_routes();
+  // Compiles the request's grammar (structured outputs, tool_choice) into its params.
+  Status prepare_structured_output(ApiRequest* ar);
 
   AsyncEngine* engine_;
   const TextCodec* codec_;
   ServerOptions options_;
   std::unique_ptr<httplib::Server> http_;
   ServerMetrics* metrics_;
+  std::unique_ptr<StructuredOutputCompiler> structured_;
   std::atomic<uint64_t> next_id_{0};
+  std::atomic<bool> draining_{false};  // SIGTERM seen: new requests 503
+  std::atomic<bool> expired_{false};   // grace period over: open responses end with an error
+  std::atomic<int> active_{0};
   int port_ = 0;
 };
 

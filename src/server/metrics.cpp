@@ -82,15 +82,16 @@ std::string ServerMetrics::render(const EngineSnapshot& snap) const {
   family("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.");
   o += fmt::format("vllm:num_requests_waiting{{{}}} {}\n", ml, snap.waiting);
 
-  family("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage (per cache group; all = summed).");
-  int64_t used = 0, total = 0;
-  for (const auto& g : snap.groups) {
-    o += fmt::format("vllm:kv_cache_usage_perc{{{},cache_group=\"{}\"}} {}\n", ml, g.name, fmt_double(g.usage));
-    used += g.total_blocks - g.free_blocks;
-    total += g.total_blocks;
-  }
-  o += fmt::format("vllm:kv_cache_usage_perc{{{},cache_group=\"all\"}} {}\n", ml,
-                   fmt_double(total > 0 ? static_cast<double>(used) / total : 0.0));
+  // One series as in vLLM (one block pool there). ml4 has a pool per cache group and admission
+  // needs room in every one, so the single figure is the fullest group's; each group's own
+  // usage is ml4:kv_cache_usage_perc{cache_group=...}.
+  double fullest = 0.0;
+  for (const auto& g : snap.groups) fullest = std::max(fullest, g.usage);
+  family("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage (the fullest cache group).");
+  o += fmt::format("vllm:kv_cache_usage_perc{{{}}} {}\n", ml, fmt_double(fullest));
+  family("ml4:kv_cache_usage_perc", "gauge", "KV-cache usage per cache group. 1 means 100 percent usage.");
+  for (const auto& g : snap.groups)
+    o += fmt::format("ml4:kv_cache_usage_perc{{{},cache_group=\"{}\"}} {}\n", ml, g.name, fmt_double(g.usage));
   family("ml4:kv_cache_free_blocks", "gauge", "Free KV blocks per cache group.");
   for (const auto& g : snap.groups)
     o += fmt::format("ml4:kv_cache_free_blocks{{{},cache_group=\"{}\"}} {}\n", ml, g.name, g.free_blocks);

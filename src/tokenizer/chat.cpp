@@ -239,7 +239,7 @@ Result<ChatEncoding> encode_chat_full(const Tokenizer& tok, const nlohmann::orde
                                       const ChatOptions& options) {
   const int v = tok.version();
   if (v < 7) return unimplemented("chat encoding needs a tekken tokenizer of version v7 or later, this one is v{}", v);
-  ML4_ASSIGN_OR_RETURN(Request req, parse_request(openai_request));
+  ML4_ASSIGN_OR_RETURN(Request req, parse_request(openai_request, options.media));
   if (options.rewrite_tool_call_ids && v < 13) {
     auto fix = [](std::string& id) {
       if (id != "null" && !is_valid_tool_call_id(id)) id = rewrite_id(id);

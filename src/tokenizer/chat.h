@@ -30,7 +30,19 @@
 
 namespace ml4 {
 
+// Where image bytes may come from (vLLM's --allowed-local-media-path; the size cap is ml4's
+// --max-media-bytes, vLLM has only per-modality env limits). data: URLs are always accepted up to
+// the cap (checked on the base64 length, before decoding). file:// URLs are refused unless
+// allowed_local_media_path names a directory; then only regular files under it (after
+// resolving links) of at most max_media_bytes are read. Every refusal of a local path gives the
+// same message, so a client cannot tell which files exist.
+struct MediaOptions {
+  std::string allowed_local_media_path;  // canonical directory; empty: no local files
+  size_t max_media_bytes = 20u << 20;    // per image, decoded
+};
+
 struct ChatOptions {
+  MediaOptions media;
   // Tokenizers before v13 put tool-call ids into the prompt and require 9 alphanumerics
   // (mistral-common refuses anything else). OpenAI clients send ids like "call_abc...":
   // when set, each such id is replaced, consistently across the request, by 9 base-62

@@ -4,6 +4,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <set>
@@ -20,29 +26,99 @@ namespace {
 // ---------------------------------------------------------------------------------------
 // 1. Parse (ChatCompletionRequest.from_openai and the message/chunk from_openai methods).
 
-Result<std::string> load_image_url(const std::string& url) {
+// One message for every refusal of a local path: nothing tells a missing file from a
+// forbidden one, a directory, a device or an oversized file.
+Status local_media_refused(const MediaOptions& media) {
+  return invalid_argument(
+      "image URL refused: file:// URLs are served only from the directory given by --allowed-local-media-path, "
+      "as regular files of at most {} bytes",
+      media.max_media_bytes);
+}
+
+// file:///abs/path -> /abs/path with %XX decoded (as vLLM's url2pathname); nullopt if malformed.
+std::optional<std::string> file_url_path(const std::string& url) {
+  std::string rest = url.substr(7);
+  if (rest.rfind("localhost/", 0) == 0) rest = rest.substr(9);
+  if (rest.empty() || rest[0] != '/') return std::nullopt;
+  std::string out;
+  for (size_t i = 0; i < rest.size(); ++i) {
+    if (rest[i] != '%') {
+      out += rest[i];
+      continue;
+    }
+    if (i + 2 >= rest.size() || !std::isxdigit(static_cast<unsigned char>(rest[i + 1])) ||
+        !std::isxdigit(static_cast<unsigned char>(rest[i + 2])))
+      return std::nullopt;
+    char c = static_cast<char>(std::stoi(rest.substr(i + 1, 2), nullptr, 16));
+    if (c == '\0') return std::nullopt;
+    out += c;
+    i += 2;
+  }
+  if (out.find('?') != std::string::npos || out.find('#') != std::string::npos) return std::nullopt;
+  return out;
+}
+
+Result<std::string> load_local_file(const std::string& url, const MediaOptions& media) {
+  namespace fs = std::filesystem;
+  if (media.allowed_local_media_path.empty()) return local_media_refused(media);
+  auto path = file_url_path(url);
+  if (!path) return local_media_refused(media);
+  std::error_code ec;
+  const fs::path real = fs::canonical(*path, ec);  // resolves every link
+  if (ec) return local_media_refused(media);
+  const fs::path root(media.allowed_local_media_path);
+  auto rel = real.lexically_relative(root);
+  if (rel.empty() || *rel.begin() == ".." || rel.is_absolute()) return local_media_refused(media);
+  // O_NOFOLLOW | O_NONBLOCK: no link swapped in since canonical(), no FIFO to block on.
+  const int fd = ::open(real.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  if (fd < 0) return local_media_refused(media);
+  struct stat st{};
+  std::string bytes;
+  bool ok = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && static_cast<uint64_t>(st.st_size) <= media.max_media_bytes;
+  if (ok) {
+    // Read at most the cap + 1 bytes whatever st_size said (the file may grow meanwhile).
+    bytes.resize(std::min<size_t>(static_cast<size_t>(st.st_size), media.max_media_bytes) + 1);
+    size_t got = 0;
+    while (got < bytes.size()) {
+      ssize_t n = ::read(fd, bytes.data() + got, bytes.size() - got);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) break;
+      got += static_cast<size_t>(n);
+    }
+    bytes.resize(got);
+    ok = got <= media.max_media_bytes;
+  }
+  ::close(fd);
+  if (!ok) return local_media_refused(media);
+  return bytes;
+}
+
+Result<std::string> load_image_url(const std::string& url, const MediaOptions& media) {
   if (url.rfind("data:", 0) == 0) {
     size_t comma = url.find(',');
     if (comma == std::string::npos) return invalid_argument("image data URL has no ',' before its payload");
+    // The cap applies before decoding: base64 makes 3 bytes of every 4 characters.
+    const size_t encoded = url.size() - comma - 1;
+    if (encoded / 4 * 3 > media.max_media_bytes + 3)
+      return invalid_argument("image data URL too large: {} base64 characters, the limit is {} decoded bytes "
+                              "(--max-media-bytes)", encoded, media.max_media_bytes);
     std::string payload;
+    payload.reserve(encoded);
     for (char c : std::string_view(url).substr(comma + 1))
       if (!std::isspace(static_cast<unsigned char>(c))) payload += c;
     std::string bytes;
     if (!base64_decode(payload, bytes))
       return invalid_argument("Invalid image data URL {}: payload is not valid base64.", url.substr(0, 64));
+    if (bytes.size() > media.max_media_bytes)
+      return invalid_argument("image data URL too large: {} bytes, the limit is {} (--max-media-bytes)", bytes.size(),
+                              media.max_media_bytes);
     return bytes;
   }
-  if (url.rfind("file://", 0) == 0) {
-    std::ifstream f(url.substr(7), std::ios::binary);
-    if (!f) return not_found("image file {} cannot be opened", url.substr(7));
-    std::stringstream ss;
-    ss << f.rdbuf();
-    return ss.str();
-  }
+  if (url.rfind("file://", 0) == 0) return load_local_file(url, media);
   return invalid_argument("Unsupported image url scheme {} (ml4 accepts data: and file: URLs)", url.substr(0, 64));
 }
 
-Result<Chunk> parse_chunk(const ojson& c) {
+Result<Chunk> parse_chunk(const ojson& c, const MediaOptions& media) {
   if (!c.is_object() || !c.contains("type") || !c["type"].is_string())
     return invalid_argument("Content chunk must have a type field.");
   const std::string type = c["type"].get<std::string>();
@@ -71,7 +147,7 @@ Result<Chunk> parse_chunk(const ojson& c) {
     else if (iu.is_object() && iu.contains("url") && iu["url"].is_string()) url = iu["url"].get<std::string>();
     else return invalid_argument("image_url must be a string or an object with a string \"url\"");
     ch.kind = Chunk::Kind::kImage;
-    ML4_ASSIGN_OR_RETURN(ch.image_bytes, load_image_url(url));
+    ML4_ASSIGN_OR_RETURN(ch.image_bytes, load_image_url(url, media));
     auto size = image_size_from_header(ch.image_bytes);
     if (!size.ok()) return size.status().with_context("Invalid image " + url.substr(0, 64));
     ch.image_size = size.value();
@@ -81,13 +157,13 @@ Result<Chunk> parse_chunk(const ojson& c) {
   return invalid_argument("Unknown content chunk type: {}", type);
 }
 
-Result<Content> parse_content(const ojson& raw) {
+Result<Content> parse_content(const ojson& raw, const MediaOptions& media) {
   if (raw.is_null()) return Content{};
   if (raw.is_string()) return Content::of_str(raw.get<std::string>());
   if (!raw.is_array()) return invalid_argument("Unknown content type: content must be a string, a list or null");
   std::vector<Chunk> chunks;
   for (const auto& c : raw) {
-    ML4_ASSIGN_OR_RETURN(Chunk ch, parse_chunk(c));
+    ML4_ASSIGN_OR_RETURN(Chunk ch, parse_chunk(c, media));
     chunks.push_back(std::move(ch));
   }
   return Content::of_chunks(std::move(chunks));
@@ -118,14 +194,14 @@ Result<ToolCall> parse_tool_call(const ojson& tc) {
   return out;
 }
 
-Result<Message> parse_message(const ojson& m) {
+Result<Message> parse_message(const ojson& m, const MediaOptions& media) {
   if (!m.is_object()) return invalid_argument("each message must be a JSON object");
   std::string role = m.contains("role") && m["role"].is_string() ? m["role"].get<std::string>() : "";
   Message msg;
   if (role == "user" || role == "system" || role == "developer") {
     msg.role = role == "user" ? Role::kUser : Role::kSystem;
     if (!m.contains("content")) return invalid_argument("{} message needs \"content\"", role);
-    ML4_ASSIGN_OR_RETURN(msg.content, parse_content(m["content"]));
+    ML4_ASSIGN_OR_RETURN(msg.content, parse_content(m["content"], media));
     if (msg.content.is_null) return invalid_argument("{} message content must not be null", role);
     for (const auto& c : msg.content.chunks)
       if (msg.role == Role::kSystem && c.kind == Chunk::Kind::kImage)
@@ -145,7 +221,7 @@ Result<Message> parse_message(const ojson& m) {
       }
     }
     if (m.contains("content")) {
-      ML4_ASSIGN_OR_RETURN(msg.content, parse_content(m["content"]));
+      ML4_ASSIGN_OR_RETURN(msg.content, parse_content(m["content"], media));
     }
     for (const auto& c : msg.content.chunks)
       if (c.kind == Chunk::Kind::kImage) return invalid_argument("ImageURLChunk cannot be used in assistant message.");
@@ -177,7 +253,7 @@ Result<Message> parse_message(const ojson& m) {
   if (role == "tool") {
     msg.role = Role::kTool;
     if (!m.contains("content")) return invalid_argument("tool message needs \"content\"");
-    ML4_ASSIGN_OR_RETURN(msg.content, parse_content(m["content"]));
+    ML4_ASSIGN_OR_RETURN(msg.content, parse_content(m["content"], media));
     if (msg.content.is_null) return invalid_argument("tool message content must not be null");
     for (const auto& c : msg.content.chunks)
       if (c.kind == Chunk::Kind::kThink) return invalid_argument("ThinkChunk cannot be used in tool message.");
@@ -216,12 +292,12 @@ Result<ojson> parse_tool(const ojson& t) {
 
 }  // namespace
 
-Result<Request> parse_request(const ojson& req) {
+Result<Request> parse_request(const ojson& req, const MediaOptions& media) {
   if (!req.is_object()) return invalid_argument("the request must be a JSON object");
   if (!req.contains("messages") || !req["messages"].is_array()) return invalid_argument("\"messages\" must be a list");
   Request r;
   for (const auto& m : req["messages"]) {
-    auto msg = parse_message(m);
+    auto msg = parse_message(m, media);
     if (!msg.ok()) return msg.status().with_context(fmt::format("messages[{}]", r.messages.size()));
     r.messages.push_back(std::move(msg).value());
   }

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/status.h"
+#include "tokenizer/chat.h"
 #include "tokenizer/image_header.h"
 #include "tokenizer/tokenizer.h"
 
@@ -84,7 +85,7 @@ struct Settings {
 };
 
 // ChatCompletionRequest.from_openai and the message / chunk from_openai methods.
-Result<Request> parse_request(const ojson& req);
+Result<Request> parse_request(const ojson& req, const MediaOptions& media = {});
 // A 9-character base-62 id derived from a hash of `id` (ChatOptions::rewrite_tool_call_ids).
 std::string rewrite_id(const std::string& id);
 // MistralRequestValidatorV5/V11/V13/V15 in ValidationMode.test, for tokenizer version `v`.

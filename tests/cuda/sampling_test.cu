@@ -379,6 +379,66 @@ TEST(CudaSampling, SplitPathMatchesOneBlockPathAndHostReference) {
   }
 }
 
+// Structured outputs: apply_token_bitmask masks exactly the clear bits (bit for bit against
+// the host), and sampling the masked rows on the device gives the host reference's token and
+// logprob on the host-masked rows (the engine's CPU path masks the same way before its
+// sampler). Fresh random logits, masks and params; V not a multiple of 32; a padded stride.
+TEST(CudaSampling, TokenBitmaskMatchesHostMaskingAndSampling) {
+  const uint32_t seed = std::random_device{}();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937 rng(seed);
+  const int64_t B = 6, V = 50000 + 17, stride = V + 3, W = (V + 31) / 32;
+  std::normal_distribution<float> nd(0.0f, 3.0f);
+  std::vector<float> logits(static_cast<size_t>(B * stride), 7.0f);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < V; ++i) logits[b * stride + i] = nd(rng);
+  std::vector<uint32_t> mask(static_cast<size_t>(B * W));
+  for (int64_t b = 0; b < B; ++b) {
+    const double keep = b == 0 ? 1.0 : b == 1 ? 0.0005 : 0.3;  // row 0: no grammar (all ones)
+    std::bernoulli_distribution bit(keep);
+    for (int64_t w = 0; w < W; ++w) {
+      uint32_t x = 0;
+      for (int j = 0; j < 32; ++j) x |= (bit(rng) ? 1u : 0u) << j;
+      mask[b * W + w] = b == 0 ? 0xffffffffu : x;
+    }
+    mask[b * W + (rng() % (V / 32))] |= 1u;  // at least one allowed id
+  }
+  std::vector<float> host = logits;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < V; ++i)
+      if (!((mask[b * W + i / 32] >> (i % 32)) & 1u)) host[b * stride + i] = -INFINITY;
+
+  DeviceBuffer dl = to_device(logits), dm = to_device(mask);
+  ASSERT_TRUE(apply_token_bitmask(dl.as<float>(), B, V, dm.as<uint32_t>(), nullptr, stride).is_ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<float> dev = to_host<float>(dl, logits.size());
+  ASSERT_EQ(0, std::memcmp(dev.data(), host.data(), host.size() * sizeof(float)));  // padding untouched too
+
+  std::vector<DeviceSamplingParams> params(B);
+  for (int64_t b = 0; b < B; ++b) {
+    params[b].temperature = b % 3 == 0 ? 0.0f : 0.9f;
+    params[b].top_k = b == 4 ? 50 : 0;
+    params[b].top_p = b == 5 ? 0.9f : 1.0f;
+    params[b].seed = rng();
+    params[b].counter = static_cast<int64_t>(rng() % 1000);
+  }
+  std::vector<float> packed(static_cast<size_t>(B * V));
+  for (int64_t b = 0; b < B; ++b) std::copy_n(host.begin() + b * stride, V, packed.begin() + b * V);
+  for (Path path : {Path::kSplit, Path::kRow}) {
+    const Sampled s = run(packed, B, V, params, -1, path);
+    for (int64_t b = 0; b < B; ++b) {
+      float ref_lp = 0.0f;
+      const int32_t ref = sampling::sample_row_reference(packed.data() + b * V, V, params[b], &ref_lp);
+      EXPECT_EQ(s.tokens[b], ref) << "row " << b;
+      EXPECT_TRUE((mask[b * W + s.tokens[b] / 32] >> (s.tokens[b] % 32)) & 1u) << "row " << b << " drew a masked id";
+      // f32 logprob of an f64 log_softmax over the allowed ids: 1e-5 as the other tests.
+      EXPECT_NEAR(s.logprobs[b], log_softmax_f64(packed.data() + b * V, V, s.tokens[b]), 1e-5) << "row " << b;
+    }
+  }
+  EXPECT_FALSE(apply_token_bitmask(dl.as<float>(), B, V, nullptr, nullptr).is_ok());
+  EXPECT_FALSE(apply_token_bitmask(dl.as<float>(), B, V, dm.as<uint32_t>(), nullptr, V - 1).is_ok());
+}
+
 TEST(CudaSampling, BadArgumentsAreErrors) {
   ML4_REQUIRE_GPU();
   DeviceBuffer d = poisoned<float>(64);

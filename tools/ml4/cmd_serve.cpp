@@ -2,8 +2,9 @@
 //
 // With no --model it serves the default model: ml4-tiny (seed 0), built deterministically
 // on first start by this same binary's `make-model` into $ML4_DEFAULT_MODEL or
-// ~/.cache/ml4/models/ml4-tiny; nothing is downloaded. SIGINT / SIGTERM drain: new requests
-// get 503, live ones finish (up to --shutdown-timeout seconds), then the process exits.
+// ~/.cache/ml4/models/ml4-tiny; nothing is downloaded. SIGINT / SIGTERM drain: /health and
+// new requests get 503 at once, live ones finish (up to --shutdown-timeout seconds; streams
+// still open then end with an error event and [DONE]), then the process exits 0.
 #include <csignal>
 #include <cstdlib>
 #include <filesystem>
@@ -39,6 +40,8 @@ struct ServeOptions {
   double hang_timeout = 60.0;
   double shutdown_timeout = 30.0;
   int http_threads = 256;
+  std::string allowed_local_media_path;  // vLLM's flag: file:// images only from here
+  size_t max_media_bytes = 20u << 20;    // per image (data: or file:)
 };
 
 std::atomic<int> g_signal{0};
@@ -88,6 +91,16 @@ Status run_serve(ServeOptions o) {
     return invalid_argument("--max-model-len {} exceeds the model's max_position_embeddings {}", o.max_model_len,
                             runner->config().max_position_embeddings);
   ML4_ASSIGN_OR_RETURN(std::unique_ptr<TextCodec> codec, make_text_codec(o.model, runner->config().vocab_size));
+  MediaOptions media;
+  media.max_media_bytes = o.max_media_bytes;
+  if (!o.allowed_local_media_path.empty()) {
+    std::error_code fec;
+    auto dir = std::filesystem::canonical(o.allowed_local_media_path, fec);
+    if (fec || !std::filesystem::is_directory(dir))
+      return invalid_argument("--allowed-local-media-path {}: not an existing directory", o.allowed_local_media_path);
+    media.allowed_local_media_path = dir.string();
+  }
+  codec->set_media_options(media);
 
   EngineConfig ec;
   ec.scheduler.max_num_seqs = o.max_num_seqs;
@@ -164,6 +177,10 @@ CommandRegistrar reg("serve", [](CLI::App& app, int* exit_code) {
   cmd->add_option("--api-key", o->api_key, "require 'Authorization: Bearer KEY' (also $ML4_API_KEY)");
   cmd->add_option("--max-queue", o->max_queue, "queued + running requests before 429");
   cmd->add_option("--max-body-bytes", o->max_body_bytes, "largest request body (413 above)");
+  cmd->add_option("--allowed-local-media-path", o->allowed_local_media_path,
+                  "serve file:// image URLs from this directory only (default: refuse them all)");
+  cmd->add_option("--max-media-bytes", o->max_media_bytes, "largest image, data: or file: (400 above)")
+      ->check(CLI::PositiveNumber);
   cmd->add_option("--hang-timeout", o->hang_timeout, "a step longer than this fails /health, seconds");
   cmd->add_option("--shutdown-timeout", o->shutdown_timeout, "grace period for live requests on SIGTERM, seconds");
   cmd->add_option("--http-threads", o->http_threads, "concurrent HTTP connections");

@@ -777,6 +777,39 @@ Status sample_rows(const float* logits, int64_t B, int64_t V, const DeviceSampli
              : launch_split<false>(logits, B, V, stride, params, tokens, logprobs, ws, stream);
 }
 
+namespace {
+// One thread per mask word: the word's 32 logits get -inf where its bits are clear.
+__global__ void bitmask_kernel(float* __restrict__ logits, int64_t V, int64_t stride, int64_t words,
+                               const uint32_t* __restrict__ allowed) {
+  const int64_t r = blockIdx.x;
+  const int64_t w = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
+  if (w >= words) return;
+  uint32_t clear = ~allowed[r * words + w];
+  if (clear == 0u) return;
+  float* row = logits + r * stride;
+  const int64_t base = w * 32;
+  while (clear != 0u) {
+    const int b = __ffs(clear) - 1;
+    clear &= clear - 1u;
+    if (base + b < V) row[base + b] = -INFINITY;
+  }
+}
+}  // namespace
+
+Status apply_token_bitmask(float* logits, int64_t B, int64_t V, const uint32_t* allowed, cudaStream_t stream,
+                           int64_t row_stride) {
+  if (B < 0 || B > 65535LL * 1024 || V <= 0 || V > INT32_MAX)
+    return invalid_argument("apply_token_bitmask: bad shape B={} V={}", B, V);
+  if (B == 0) return Status::ok();
+  if (!logits || !allowed) return invalid_argument("apply_token_bitmask: null pointer");
+  const int64_t stride = row_stride < 0 ? V : row_stride;
+  if (stride < V) return invalid_argument("apply_token_bitmask: row stride {} < V {}", stride, V);
+  const int64_t words = (V + 31) / 32;
+  const dim3 grid(static_cast<unsigned>(B), static_cast<unsigned>((words + 255) / 256));
+  bitmask_kernel<<<grid, 256, 0, stream>>>(logits, V, stride, words, allowed);
+  return cuda_status(cudaGetLastError(), "apply_token_bitmask");
+}
+
 Status sample_rows_split_plans(const void* workspace, int64_t B, int64_t V, SplitPlan* plans) {
   if (B <= 0 || V <= 0 || !workspace || !plans) return invalid_argument("sample_rows_split_plans: bad arguments");
   static_assert(static_cast<int32_t>(SplitPlan::kFallback) == kModeFallback, "plan codes");

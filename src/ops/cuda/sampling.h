@@ -44,6 +44,9 @@
 // The Gumbel noise is Philox keyed by (seed, counter, id / 4): the token depends on nothing
 // but the row and its params, on either path.
 //
+// Structured outputs: rows with a grammar need apply_token_bitmask on their logits first
+// (below); the runner uploads a [B, ceil(V / 32)] uint32 mask with the params.
+//
 // Runner integration (CudaRunner): keep a pinned host array and a device array of
 // max_batch DeviceSamplingParams (32 B each), device int32 tokens / f32 logprobs of
 // max_batch, and a device workspace of sample_rows_workspace_bytes(max_batch, V) (~46 KiB a
@@ -89,6 +92,16 @@ size_t sample_rows_workspace_bytes(int64_t B, int64_t V);
 Status sample_rows(const float* logits, int64_t B, int64_t V, const DeviceSamplingParams* params, int32_t* tokens,
                    float* logprobs, void* workspace, size_t workspace_bytes, cudaStream_t stream,
                    int64_t row_stride = -1);
+
+// Structured outputs (engine/structured_output.h): sets logits[r, i] = -inf wherever bit
+// i % 32 of word i / 32 of row r's mask is clear, in place, before sample_rows / argmax_rows
+// (as vLLM applies xgrammar's bitmask to the logits before its sampler). allowed: device
+// [B, (V + 31) / 32] uint32, row r at allowed + r * words; a row without a grammar is all
+// ones. Masked ids then weigh 0 in every path above and the logprob is that of the masked
+// distribution, as on the host (engine/sampler.h). Graph capturable; one read of the mask,
+// writes only where a bit is clear. row_stride as for sample_rows.
+Status apply_token_bitmask(float* logits, int64_t B, int64_t V, const uint32_t* allowed, cudaStream_t stream,
+                           int64_t row_stride = -1);
 
 // For tests: how the split path's last call on `workspace` resolved rows [0, B) (stale for
 // greedy rows). Synchronous (cudaMemcpy).
