@@ -1,0 +1,127 @@
+// `ml4 quantize` (model/quantize_checkpoint.h): a bf16 model re-stored as fp8 / nvfp4 /
+// mxfp4 loads through the real loader with the target format on exactly the linears
+// MODEL-FORMAT.md section 3 names, every quantized weight's bytes equal quantize_linear()
+// of the exactly decoded source, everything else is copied byte for byte; bad requests fail
+// with a message and write nothing.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "model/checkpoint.h"
+#include "model/config_loader.h"
+#include "model/model_weights.h"
+#include "model/quant.h"
+#include "model/quantize_checkpoint.h"
+#include "model/random_checkpoint.h"
+#include "model/weight_names.h"
+#include "temp_dir.h"
+
+namespace ml4 {
+namespace {
+
+// Equal bytes and shape; packed FP4 and e8m0 scales are stored as safetensors U8, so a u8
+// tensor read back equals an e2m1x2 / e8m0 one with the same bytes.
+bool same_bytes(const Tensor& a, const Tensor& b) {
+  auto storage = [](DType d) { return d == DType::kF4E2M1x2 || d == DType::kE8M0 ? DType::kU8 : d; };
+  return storage(a.dtype()) == storage(b.dtype()) && a.shape() == b.shape() &&
+         std::memcmp(a.data(), b.data(), a.nbytes()) == 0;
+}
+
+void make_tiny(const std::string& dir, const std::string& preset, const std::string& layout) {
+  MakeModelOptions m;
+  m.preset = preset;
+  m.out_dir = dir;
+  m.seed = 5;
+  m.layout = layout;
+  m.tokenizer_json = R"({"stand-in": "tokenizer"})";
+  ASSERT_TRUE(make_model(m).is_ok());
+}
+
+void check_quantized(const std::string& in, const std::string& out, WeightFormat want) {
+  auto cfg = load_model_config(out);
+  ASSERT_TRUE(cfg.ok()) << cfg.status().message();
+  EXPECT_EQ(cfg->weight_format, want);
+  auto ck_in = Checkpoint::open(in).value();
+  auto ck_out = Checkpoint::open(out).value();
+  // The real loader accepts the result (names, shapes, dtypes, scales).
+  auto weights = load_model_weights(cfg.value(), ck_out);
+  ASSERT_TRUE(weights.ok()) << weights.status().message();
+  int quantized = 0;
+  for (const ExpectedTensor& t : expected_tensors(cfg.value(), ck_out.layout())) {
+    SCOPED_TRACE(t.name);
+    Tensor o = ck_out.get(t.name).value();
+    Tensor i = ck_in.get(t.name).value();
+    if (t.role != TensorRole::kLinear || t.format == LinearFormat::kBF16) {
+      EXPECT_TRUE(same_bytes(o, i));
+      continue;
+    }
+    // Source bf16 decoded exactly, quantized by the public recipe: the same bytes.
+    const int64_t N = t.shape[0], K = t.shape[1];
+    auto src = make_linear_weight(t.name, LinearFormat::kBF16, N, K, i).value();
+    const std::vector<float> f = dequantize_linear(src);
+    auto q = quantize_linear(f.data(), N, K, t.format, t.name).value();
+    EXPECT_TRUE(same_bytes(o, q.weight)) << o.describe() << " vs " << q.weight.describe();
+    ASSERT_FALSE(t.scales.empty());
+    Tensor s = ck_out.get(t.scales[0].name).value();
+    EXPECT_TRUE(same_bytes(s, q.scale));
+    if (t.format == LinearFormat::kNVFP4) EXPECT_EQ(ck_out.get(t.scales[1].name).value().as<float>()[0], q.global_scale);
+    ++quantized;
+  }
+  EXPECT_GT(quantized, 10);
+  std::ifstream tok(std::filesystem::path(out) / "tekken.json");
+  std::string text((std::istreambuf_iterator<char>(tok)), {});
+  EXPECT_EQ(text, R"({"stand-in": "tokenizer"})");
+}
+
+TEST(Quantize, Ml4TinyToEachFormat) {
+  testing::TempDir tmp;
+  const std::string in = tmp.file("bf16");
+  make_tiny(in, "ml4-tiny", "native");
+  const std::pair<const char*, WeightFormat> cases[] = {
+      {"fp8", WeightFormat::kFP8Block}, {"nvfp4", WeightFormat::kNVFP4Experts}, {"mxfp4", WeightFormat::kMXFP4Experts}};
+  for (const auto& [to, fmt] : cases) {
+    SCOPED_TRACE(to);
+    QuantizeOptions o{in, tmp.file(to), to};
+    auto r = quantize_checkpoint(o);
+    ASSERT_TRUE(r.ok()) << r.status().message();
+    EXPECT_GT(r->quantized_linears, 10);
+    EXPECT_LT(r->bytes_out, r->bytes_in);
+    check_quantized(in, o.out_dir, fmt);
+  }
+}
+
+// The HF layout of a per-expert model type (deepseek_v32) quantizes too; fused mistral4
+// experts are refused with a message that says what to do.
+TEST(Quantize, HfLayouts) {
+  testing::TempDir tmp;
+  make_tiny(tmp.file("dsv32"), "dsv32-tiny", "hf");
+  QuantizeOptions o{tmp.file("dsv32"), tmp.file("dsv32-fp8"), "fp8"};
+  auto r = quantize_checkpoint(o);
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  check_quantized(o.in_dir, o.out_dir, WeightFormat::kFP8Block);
+
+  make_tiny(tmp.file("m4"), "mistral4-tiny", "hf");
+  auto bad = quantize_checkpoint({tmp.file("m4"), tmp.file("m4-fp8"), "fp8"});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("native layout"), std::string::npos) << bad.status().message();
+  EXPECT_FALSE(std::filesystem::exists(tmp.file("m4-fp8")));
+}
+
+TEST(Quantize, BadRequestsWriteNothing) {
+  testing::TempDir tmp;
+  const std::string in = tmp.file("bf16");
+  make_tiny(in, "ml4-tiny", "native");
+  auto msg = [](const Result<QuantizeReport>& r) { return r.ok() ? std::string("ok") : r.status().message(); };
+  EXPECT_NE(msg(quantize_checkpoint({in, tmp.file("x"), "int4"})).find("--to must be"), std::string::npos);
+  EXPECT_NE(msg(quantize_checkpoint({in, in, "fp8"})).find("input directory"), std::string::npos);
+  EXPECT_NE(msg(quantize_checkpoint({tmp.file("nope"), tmp.file("y"), "fp8"})).find("nope"), std::string::npos);
+  EXPECT_FALSE(std::filesystem::exists(tmp.file("x")));
+  EXPECT_FALSE(std::filesystem::exists(tmp.file("y")));
+  ASSERT_TRUE(quantize_checkpoint({in, tmp.file("fp8"), "fp8"}).ok());
+  EXPECT_NE(msg(quantize_checkpoint({in, tmp.file("fp8"), "fp8"})).find("already holds a model"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace ml4
