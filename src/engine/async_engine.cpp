@@ -80,7 +80,10 @@ Result<std::shared_ptr<OutputStream>> AsyncEngine::submit(std::vector<GenerateRe
   if (reqs.empty()) return invalid_argument("no requests to submit");
   if (dead_) return Status(StatusCode::kInternal, "the engine has stopped: " + health().reason);
   if (draining_) return Status(StatusCode::kInternal, "the server is shutting down");
-  for (const auto& r : reqs) ML4_RETURN_IF_ERROR(engine_->check_request(r.prompt, r.params));
+  for (const auto& r : reqs) {
+    ML4_RETURN_IF_ERROR(engine_->check_request(r.prompt, r.params));
+    ML4_RETURN_IF_ERROR(engine_->check_kv_transfer(r.prompt, r.params, r.kv));
+  }
   // Admission: reserve all n slots at once or none.
   size_t live = num_live_.load();
   do {
@@ -109,6 +112,14 @@ void AsyncEngine::abort(const std::shared_ptr<OutputStream>& stream) {
   {
     std::lock_guard<std::mutex> lk(mu_);
     for (const auto& id : stream->ids()) abort_inbox_.push_back(id);
+  }
+  cv_.notify_all();
+}
+
+void AsyncEngine::wake() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    woken_ = true;
   }
   cv_.notify_all();
 }
@@ -150,6 +161,8 @@ void AsyncEngine::publish_snapshot() {
   for (int g = 0; g < b.num_groups(); ++g)
     s.groups.push_back({b.group(g).name, b.num_total_blocks(g), b.num_free_blocks(g), b.usage(g)});
   s.counters = engine_->counters();
+  s.blocks_held_for_remote = engine_->num_blocks_held_for_remote();
+  s.loading = engine_->num_loading();
   std::lock_guard<std::mutex> lk(snap_mu_);
   snapshot_ = std::move(s);
 }
@@ -181,15 +194,16 @@ void AsyncEngine::loop() {
     std::vector<std::string> aborts;
     {
       std::unique_lock<std::mutex> lk(mu_);
-      if (!stop_ && inbox_.empty() && abort_inbox_.empty() && !engine_->has_work())
+      if (!stop_ && inbox_.empty() && abort_inbox_.empty() && !engine_->has_work() && !woken_)
         cv_.wait_for(lk, std::chrono::milliseconds(50));
+      woken_ = false;
       if (stop_) return;
       adds.swap(inbox_);
       aborts.swap(abort_inbox_);
     }
     heartbeat_ = now_s();
     for (auto& [req, route] : adds) {
-      Status st = engine_->add_request(req.request_id, std::move(req.prompt), req.params, req.priority);
+      Status st = engine_->add_request(req.request_id, std::move(req.prompt), req.params, req.priority, 0.0, req.kv);
       if (!st.is_ok()) {
         StreamItem item;
         item.index = route.index;
@@ -216,7 +230,7 @@ void AsyncEngine::loop() {
       routes_.erase(it);
       --num_live_;
     }
-    if (engine_->has_work()) {
+    if (engine_->has_work() || engine_->kv_active()) {  // kv: the step polls the connector
       step_start_ = now_s();
       in_step_ = true;
       Result<std::vector<RequestOutput>> res = std::vector<RequestOutput>{};

@@ -36,6 +36,7 @@ struct GenerateRequest {
   std::vector<int32_t> prompt;
   SamplingParams params;
   int priority = 0;
+  transfer::KvTransferRequest kv;  // P/D (transfer/kv_connector.h)
 };
 
 struct StreamItem {
@@ -74,6 +75,8 @@ struct EngineSnapshot {
   };
   std::vector<Group> groups;
   EngineCounters counters;
+  int64_t blocks_held_for_remote = 0;  // P/D producer: blocks kept for consumers
+  size_t loading = 0;                  // P/D consumer: requests reading their KV
 };
 
 struct EngineHealth {
@@ -101,6 +104,8 @@ class AsyncEngine {
   // requests.
   Result<std::shared_ptr<OutputStream>> submit(std::vector<GenerateRequest> reqs);
   void abort(const std::shared_ptr<OutputStream>& stream);
+  // Wakes the loop now (a KV transfer finished or a hold was released); any thread.
+  void wake();
 
   EngineHealth health() const;
   EngineSnapshot snapshot() const;
@@ -130,6 +135,7 @@ class AsyncEngine {
   std::vector<std::string> abort_inbox_;
   bool stop_ = false;
   bool started_ = false;
+  bool woken_ = false;
 
   std::unordered_map<std::string, Route> routes_;  // loop thread only
 

@@ -211,9 +211,14 @@ bool KvBlockManager::allocate(Request& r, int64_t num_tokens, const PrefixHit* h
 }
 
 void KvBlockManager::free(Request& r) {
-  for (size_t g = 0; g < r.block_tables.size() && g < pools_.size(); ++g) {
+  free_tables(r.block_tables);
+  for (auto& h : r.block_hashes) h.clear();
+}
+
+void KvBlockManager::free_tables(std::vector<std::vector<int32_t>>& tables) {
+  for (size_t g = 0; g < tables.size() && g < pools_.size(); ++g) {
     Pool& p = pools_[g];
-    auto& table = r.block_tables[g];
+    auto& table = tables[g];
     // Reverse order: a sequence's tail blocks are the least likely to be shared, so they
     // are evicted first (they end up nearer the head among the hashed blocks).
     for (auto it = table.rbegin(); it != table.rend(); ++it) {
@@ -225,7 +230,6 @@ void KvBlockManager::free(Request& r) {
     }
     table.clear();
   }
-  for (auto& h : r.block_hashes) h.clear();
 }
 
 void KvBlockManager::cache_full_blocks(Request& r) {

@@ -75,6 +75,9 @@ class KvBlockManager {
   std::vector<int64_t> blocks_needed(const Request& r, int64_t num_tokens) const;
   // Drops the request's refs; its registered blocks stay cached until evicted.
   void free(Request& r);
+  // The same for tables detached from their request (P/D: blocks held for a remote
+  // consumer, or written by reads that outlived their request); clears them.
+  void free_tables(std::vector<std::vector<int32_t>>& tables);
   // Sliding-window groups: releases the blocks wholly before r.num_computed - window.
   void release_outside_window(Request& r);
   // Registers the full blocks among tokens [0, r.num_computed) for reuse.

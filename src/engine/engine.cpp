@@ -71,9 +71,11 @@ Engine::Engine(ModelRunner* runner, const TextCodec* codec, const EngineConfig& 
 }
 
 Status Engine::add_request(const std::string& request_id, std::vector<int32_t> prompt,
-                           const SamplingParams& params, int priority, double now) {
+                           const SamplingParams& params, int priority, double now,
+                           const transfer::KvTransferRequest& kv) {
   if (live_.count(request_id)) return invalid_argument("request id '{}' is already in use", request_id);
   ML4_RETURN_IF_ERROR(check_request(prompt, params));
+  ML4_RETURN_IF_ERROR(check_kv_transfer(prompt, params, kv));
   auto r = std::make_unique<Request>();
   r->seq_id = next_seq_id_++;
   r->request_id = request_id;
@@ -84,6 +86,8 @@ Status Engine::add_request(const std::string& request_id, std::vector<int32_t> p
   r->params = params;
   r->sample_seed = params.seed ? *params.seed : splitmix(seed_state_);
   r->rng.seed(r->sample_seed);
+  r->kv_transfer = kv;
+  if (kv.remote_prefill) r->remote_kv = RemoteKv::kPending;
   if (params.structured) r->grammar = params.structured->new_matcher();
   scheduler_.add(r.get());
   live_.emplace(request_id, std::move(r));
@@ -114,6 +118,15 @@ bool Engine::abort(const std::string& request_id, FinishReason reason) {
   auto it = live_.find(request_id);
   if (it == live_.end()) return false;
   Request& r = *it->second;
+  if (r.remote_kv == RemoteKv::kLoading) {
+    // Reads may still land in its blocks: keep them until the connector says they settled.
+    orphans_[r.seq_id] = std::move(r.block_tables);
+    r.block_tables.clear();
+    loading_.erase(r.seq_id);
+    connector_->cancel_load(r.seq_id);
+  } else if (r.remote_kv == RemoteKv::kPending && connector_ != nullptr) {
+    connector_->release_remote(*r.kv_transfer.remote_prefill);  // the producer frees now
+  }
   scheduler_.remove(&r);
   r.status = RequestStatus::kFinished;
   r.finish_reason = reason;
@@ -216,7 +229,9 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
   const double t_enter = mono_now();
   if (now <= 0) now = t_enter;
   std::vector<RequestOutput> outputs;
+  if (connector_ != nullptr) poll_remote_kv(now, &outputs);
   SchedulerOutput so = scheduler_.schedule(now);
+  if (!so.to_load.empty()) start_loads(so.to_load, now, &outputs);
   if (so.empty()) return outputs;
 
   StepInput in;
@@ -357,8 +372,11 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
     }
     blocks_.cache_full_blocks(r);
     blocks_.release_outside_window(r);
+    std::optional<transfer::RemoteKvSource> held;
+    if (r.finished()) held = hold_for_remote(r);
     if (r.finished() || (num_logits > 0 && r.tokens_sent < r.output.size())) {
       outputs.push_back(take_output(r));
+      outputs.back().kv_source = std::move(held);
     }
     if (r.finished()) {
       counters_.prompt_tokens += static_cast<int64_t>(r.prompt.size());

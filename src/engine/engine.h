@@ -19,6 +19,15 @@
 // (ops/cpu/sampling.h). So a seeded request's tokens do not depend on its batch. The
 // draws differ from the host Sampler's (a different generator): seeds reproduce per backend.
 //
+// P/D (transfer/kv_connector.h), with a KvConnector set: a producer's finished request that
+// asked for do_remote_decode keeps its blocks (held_, detached from the request) until the
+// connector releases them; its last output carries the RemoteKvSource naming them. A
+// consumer's request is admitted for loading (scheduler.h), the engine posts the load with
+// the (remote, local) block pairs its prefix cache lacks, and polls the connector at the
+// start of every step: a finished load resumes the request, a failed one fails it with the
+// connector's error (never a local recompute of the prompt). An aborted load's blocks
+// stay allocated (orphans_) until the connector says no read can touch them.
+//
 // A DSpark step later sets Request::spec_tokens; the step then carries 1 + k tokens and
 // num_logits = 1 + k (the runner contract already allows it).
 #pragma once
@@ -26,6 +35,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -61,6 +71,7 @@ struct RequestOutput {
   int64_t prompt_tokens = 0;
   int64_t completion_tokens = 0;
   int64_t cached_tokens = 0;
+  std::optional<transfer::RemoteKvSource> kv_source;  // P/D producer: where the KV is held
 };
 
 // Timing hooks for metrics (server-side Prometheus histograms); called on the engine thread.
@@ -91,7 +102,18 @@ class Engine {
 
   // Validates and queues a request; errors name the bad field.
   Status add_request(const std::string& request_id, std::vector<int32_t> prompt, const SamplingParams& params,
-                     int priority = 0, double now = 0.0);
+                     int priority = 0, double now = 0.0, const transfer::KvTransferRequest& kv = {});
+  // P/D: the checks add_request makes on a request's kv_transfer part (immutable state only).
+  Status check_kv_transfer(const std::vector<int32_t>& prompt, const SamplingParams& params,
+                           const transfer::KvTransferRequest& kv) const;
+  // P/D: the connector (outlives the engine); null: no P/D.
+  void set_kv_connector(transfer::KvConnector* c) { connector_ = c; }
+  transfer::KvConnector* kv_connector() const { return connector_; }
+  // True while KV is being loaded or held for a consumer: step() must still be called (it
+  // polls the connector) even when has_work() is false.
+  bool kv_active() const { return !loading_.empty() || !orphans_.empty() || !held_.empty(); }
+  int64_t num_blocks_held_for_remote() const;
+  size_t num_loading() const { return loading_.size(); }
   // The checks add_request makes, without queueing; reads only immutable state, so any
   // thread may call it while another drives the engine.
   Status check_request(const std::vector<int32_t>& prompt, const SamplingParams& params) const;
@@ -123,6 +145,11 @@ class Engine {
   bool append_token(Request& r, int32_t token);
   RequestOutput take_output(Request& r);
   void finish(Request& r, FinishReason reason);
+  // P/D (engine_kv.cpp).
+  std::optional<transfer::RemoteKvSource> hold_for_remote(Request& r);
+  void poll_remote_kv(double now, std::vector<RequestOutput>* outputs);
+  void start_loads(const std::vector<Request*>& reqs, double now, std::vector<RequestOutput>* outputs);
+  void fail_request(Request& r, const std::string& error, double now, std::vector<RequestOutput>* outputs);
 
   ModelRunner* runner_;
   const TextCodec* codec_;
@@ -137,6 +164,10 @@ class Engine {
   EngineCounters counters_;
   EngineObserver* observer_ = nullptr;
   std::function<void(const SchedulerOutput&, const StepInput&)> step_hook_;
+  transfer::KvConnector* connector_ = nullptr;
+  std::unordered_map<std::string, std::vector<std::vector<int32_t>>> held_;  // producer, by request id
+  std::unordered_map<int64_t, Request*> loading_;                            // consumer, by seq id
+  std::unordered_map<int64_t, std::vector<std::vector<int32_t>>> orphans_;  // aborted loads, by seq id
   std::vector<uint32_t> mask_;  // a grammar's bitmask for the row being sampled
 };
 

@@ -7,6 +7,13 @@
 // of tokens [0, num_computed) is in the cache, so a decode step feeds the single token at
 // num_computed. Fields for later parts: spec_tokens (DSpark drafts verified in the same
 // step: 1 + k tokens), num_external_tokens (P/D: KV transferred before scheduling).
+//
+// P/D (transfer/kv_connector.h): a consumer's request with remote-prefill params is kWaiting
+// with remote_kv kPending until the scheduler gives it blocks for its prompt but the last
+// token; it then waits in kWaitingForRemoteKv (remote_kv kLoading) while the KV it lacks is
+// read, and goes back to kWaiting (kLoaded, num_computed = prompt - 1) to compute the last
+// prompt token and decode. A producer's request with do_remote_decode keeps its blocks past
+// kFinished until the consumer has read them (Engine: held for remote).
 #pragma once
 
 #include <cstdint>
@@ -20,10 +27,12 @@
 #include "engine/sampling_params.h"
 #include "engine/structured_output.h"
 #include "engine/text_codec.h"
+#include "transfer/kv_connector.h"
 
 namespace ml4 {
 
-enum class RequestStatus { kWaiting, kRunning, kPreempted, kFinished };
+enum class RequestStatus { kWaiting, kRunning, kPreempted, kWaitingForRemoteKv, kFinished };
+enum class RemoteKv { kNone, kPending, kLoading, kLoaded };
 enum class FinishReason { kNone, kStop, kLength, kAbort, kError };
 
 inline const char* finish_reason_name(FinishReason r) {
@@ -61,6 +70,8 @@ struct Request {
   int64_t num_cached_tokens = -1;    // prefix-cache hit at first scheduling (-1: not yet)
   std::vector<int32_t> spec_tokens;  // drafts to verify next step (DSpark; empty for now)
   int64_t num_external_tokens = 0;   // P/D: tokens whose KV arrived from elsewhere
+  transfer::KvTransferRequest kv_transfer;  // P/D: what the API asked for
+  RemoteKv remote_kv = RemoteKv::kNone;
   int num_preemptions = 0;
 
   // Block manager state, per cache group: block ids in position order, and the block-hash

@@ -13,7 +13,15 @@ void Scheduler::add(Request* r) {
 void Scheduler::remove(Request* r) {
   waiting_.erase(r);
   running_.erase(r);
+  loading_.erase(r);
   blocks_->free(*r);
+}
+
+void Scheduler::finish_load(Request* r) {
+  loading_.erase(r);
+  r->remote_kv = RemoteKv::kLoaded;
+  r->status = RequestStatus::kWaiting;
+  waiting_.insert(r);
 }
 
 void Scheduler::preempt(Request* r) {
@@ -52,16 +60,32 @@ SchedulerOutput Scheduler::schedule(double now) {
 
   // 2. Waiting requests, only when nothing had to be preempted this step.
   while (out.preempted.empty() && budget > 0 && !waiting_.empty() &&
-         running_.size() < static_cast<size_t>(config_.max_num_seqs)) {
+         running_.size() + loading_.size() < static_cast<size_t>(config_.max_num_seqs)) {
     Request* r = *waiting_.begin();
+    // A request that holds blocks (P/D, KV loaded) resumes at num_computed; others look up
+    // the prefix cache.
+    const bool fresh = r->block_tables.empty() || r->block_tables[0].empty();
     PrefixHit hit;
-    if (r->block_tables.empty() || r->block_tables[0].empty()) hit = blocks_->find_cached_prefix(*r);
-    int64_t todo = r->num_tokens() - hit.num_tokens;
+    if (fresh) hit = blocks_->find_cached_prefix(*r);
+    const int64_t base = fresh ? hit.num_tokens : r->num_computed;
+    if (r->remote_kv == RemoteKv::kPending) {
+      if (!blocks_->allocate(*r, r->num_tokens() - 1, &hit)) break;
+      waiting_.erase(waiting_.begin());
+      r->num_computed = hit.num_tokens;
+      if (r->num_cached_tokens < 0) r->num_cached_tokens = hit.num_tokens;
+      if (r->first_scheduled_time == 0.0) r->first_scheduled_time = now;
+      r->status = RequestStatus::kWaitingForRemoteKv;
+      r->remote_kv = RemoteKv::kLoading;
+      loading_.insert(r);
+      out.to_load.push_back(r);
+      continue;
+    }
+    int64_t todo = r->num_tokens() - base;
     if (!config_.enable_chunked_prefill && todo > budget) break;
     int64_t n = std::min(todo, budget);
-    if (!blocks_->allocate(*r, hit.num_tokens + n, &hit)) break;
+    if (!blocks_->allocate(*r, base + n, fresh ? &hit : nullptr)) break;
     waiting_.erase(waiting_.begin());
-    r->num_computed = hit.num_tokens;
+    r->num_computed = base;
     if (r->num_cached_tokens < 0) r->num_cached_tokens = hit.num_tokens;
     if (r->first_scheduled_time == 0.0) r->first_scheduled_time = now;
     r->status = RequestStatus::kRunning;

@@ -14,6 +14,14 @@
 //      waits whole when chunking is off.
 // The sum of scheduled tokens never exceeds max_num_batched_tokens, and nothing is
 // admitted that the free blocks cannot hold (allocate() is all-or-nothing).
+//
+// P/D consumer (vLLM's WAITING_FOR_REMOTE_KVS): a waiting request whose KV comes from a
+// producer (remote_kv kPending) is admitted like any other, but only to get blocks for its
+// prompt but the last token (its own prefix-cache hit first); it then leaves the queues for
+// `loading_` and is returned in to_load without using the token budget. finish_load() puts
+// it back into the waiting queue with num_computed = prompt - 1, from where it is admitted
+// normally (its blocks kept) to compute the last prompt token. A loading request counts
+// toward max_num_seqs.
 #pragma once
 
 #include <cstdint>
@@ -41,6 +49,7 @@ struct SchedulerOutput {
   std::vector<ScheduledSeq> seqs;
   int64_t num_batched_tokens = 0;
   std::vector<Request*> preempted;
+  std::vector<Request*> to_load;  // P/D: admitted to read their KV from a producer
   bool empty() const { return seqs.empty(); }
 };
 
@@ -53,6 +62,9 @@ class Scheduler {
   SchedulerOutput schedule(double now);
   // Removes a request (finished or aborted) from whichever queue holds it and frees its blocks.
   void remove(Request* r);
+  // P/D: a loading request's KV has arrived (its num_computed set by the caller).
+  void finish_load(Request* r);
+  size_t num_loading() const { return loading_.size(); }
 
   size_t num_running() const { return running_.size(); }
   size_t num_waiting() const { return waiting_.size(); }
@@ -72,6 +84,7 @@ class Scheduler {
   KvBlockManager* blocks_;
   std::set<Request*, Order> waiting_;
   std::set<Request*, Order> running_;
+  std::set<Request*, Order> loading_;
   int64_t num_preemptions_ = 0;
 };
 

@@ -143,6 +143,9 @@ struct GenerationState {
   std::unique_ptr<ChoiceBuilder> builder;
   bool started = false;
   bool finished = false;
+  std::optional<transfer::RemoteKvSource> kv_source;  // P/D producer: the held blocks
+  std::string kv_host;  // where consumers reach this server (kv_transfer_params.h)
+  int kv_port = 0;
   std::chrono::steady_clock::time_point last_write = std::chrono::steady_clock::now();
   ~GenerationState() {
     if (!finished && engine) engine->abort(stream);
@@ -160,6 +163,8 @@ OpenAiServer::OpenAiServer(AsyncEngine* engine, const TextCodec* codec, ServerMe
       http_(std::make_unique<httplib::Server>()),
       metrics_(metrics),
       structured_(std::make_unique<StructuredOutputCompiler>(*codec, engine->engine().vocab_size())) {
+  if (options_.kv_connector != nullptr && options_.kv_connector->consumer())
+    kv_loader_ = std::make_unique<KvPeerLoader>(options_.kv_connector, options_.api_key);
   install_routes();
 }
 
@@ -318,7 +323,18 @@ void OpenAiServer::install_routes() {
     res.set_content(openapi_json(), "application/json");
   });
   s.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
-    res.set_content(metrics_->render(engine_->snapshot()), "text/plain; version=0.0.4; charset=utf-8");
+    const EngineSnapshot snap = engine_->snapshot();
+    std::string body = metrics_->render(snap);
+    if (options_.kv_connector != nullptr)
+      body += render_kv_transfer_metrics(*options_.kv_connector, options_.served_model_name, snap.blocks_held_for_remote);
+    res.set_content(body, "text/plain; version=0.0.4; charset=utf-8");
+  });
+  // P/D side channel: the producer's connector metadata (kv_transfer_params.h).
+  s.Get("/kv_transfer/metadata", [this, authorized, send_error](const httplib::Request& req, httplib::Response& res) {
+    if (!authorized(req, res)) return;
+    if (options_.kv_connector == nullptr || !options_.kv_connector->producer())
+      return send_error(res, 404, "this server is not a KV producer (--kv-transfer-config kv_role kv_producer)");
+    res.set_content(options_.kv_connector->metadata(), "application/octet-stream");
   });
   s.Get("/v1/models", [this, authorized](const httplib::Request& req, httplib::Response& res) {
     if (!authorized(req, res)) return;
@@ -429,6 +445,22 @@ void OpenAiServer::install_routes() {
         return send_error(res, 404, fmt::format("The model `{}` does not exist.", ar.model));
       if (Status st = prepare_structured_output(&ar); !st.is_ok())
         return send_error(res, http_status_for(st), st.message());
+      Result<transfer::KvTransferRequest> kv = parse_kv_transfer_params(body);
+      if (!kv.ok()) return send_error(res, 400, kv.status().message());
+      if (kv->do_remote_decode || kv->remote_prefill) {
+        if (ar.prompts.size() != 1 || ar.params.n != 1)
+          return send_error(res, 400, "kv_transfer_params: one prompt and n = 1 per request");
+        if (kv->do_remote_decode && ar.stream)
+          return send_error(res, 400, "kv_transfer_params: do_remote_decode answers with stream: false");
+        if (kv->remote_prefill) {
+          if (!kv_loader_)
+            return send_error(res, 400,
+                              "kv_transfer_params: do_remote_prefill needs a server started with --kv-transfer-config "
+                              "kv_role kv_consumer or kv_both");
+          Status st = kv_loader_->ensure(*kv->remote_prefill);
+          if (!st.is_ok()) return send_error(res, 502, st.message());
+        }
+      }
       const std::string id = fmt::format("{}-{}{}", chat ? "chatcmpl" : "cmpl", random_hex(16), next_id_++);
       std::vector<GenerateRequest> reqs;
       for (size_t p = 0; p < ar.prompts.size(); ++p) {
@@ -440,6 +472,7 @@ void OpenAiServer::install_routes() {
           // n > 1 with a seed: choice j uses seed + j, so choices differ yet reproduce.
           if (g.params.seed) g.params.seed = *g.params.seed + static_cast<uint64_t>(j);
           g.priority = ar.priority;
+          g.kv = kv.value();
           reqs.push_back(std::move(g));
         }
       }
@@ -452,6 +485,8 @@ void OpenAiServer::install_routes() {
         return send_error(res, code, st.message());
       }
       state->engine = engine_;
+      state->kv_host = options_.kv_host;
+      state->kv_port = port_;
       state->stream = submitted.value();
       state->active = &active_;
       ++active_;
@@ -514,16 +549,29 @@ void OpenAiServer::install_routes() {
                 sink.done();
                 return true;
               }
+              auto take = [&](const StreamItem& it) {
+                if (it.out.kv_source) state->kv_source = it.out.kv_source;  // P/D producer
+                state->builder->add(it);
+              };
               auto item = state->stream->next(slice);
               if (item) {
-                state->builder->add(*item);
-                while (auto more = state->stream->next(0ms)) state->builder->add(*more);
+                take(*item);
+                while (auto more = state->stream->next(0ms)) take(*more);
               }
               if (state->stream->done()) {
                 state->finished = true;
-                std::string out = state->builder->error().empty()
-                                      ? state->builder->final_json().dump(-1, ' ', false, ojson::error_handler_t::replace)
-                                      : error_json(500, state->builder->error()).dump();
+                std::string out;
+                if (!state->builder->error().empty()) {
+                  out = error_json(500, state->builder->error()).dump();
+                } else {
+                  ojson j = state->builder->final_json();
+                  if (state->kv_source) {
+                    state->kv_source->host = state->kv_host;
+                    state->kv_source->port = state->kv_port;
+                    j["kv_transfer_params"] = kv_transfer_params_json(*state->kv_source);
+                  }
+                  out = j.dump(-1, ' ', false, ojson::error_handler_t::replace);
+                }
                 if (!sink.write(out.data(), out.size())) return false;
                 sink.done();
                 return true;

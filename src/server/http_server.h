@@ -38,6 +38,7 @@
 #include "engine/async_engine.h"
 #include "engine/structured_output.h"
 #include "engine/text_codec.h"
+#include "server/kv_transfer_params.h"
 #include "server/metrics.h"
 
 namespace httplib {
@@ -56,6 +57,10 @@ struct ServerOptions {
   size_t max_body_bytes = 8u << 20;    // request bodies above this get 413
   int http_threads = 256;              // concurrent connections served
   double keepalive_s = 0.25;           // SSE keep-alive / disconnect probe period
+  // P/D (kv_transfer_params.h): the engine's connector, or null; the host consumers reach
+  // this server's side channel at (the port is the bound one).
+  transfer::KvConnector* kv_connector = nullptr;
+  std::string kv_host = "127.0.0.1";
 };
 
 class OpenAiServer {
@@ -87,6 +92,7 @@ class OpenAiServer {
   ServerOptions options_;
   std::unique_ptr<httplib::Server> http_;
   ServerMetrics* metrics_;
+  std::unique_ptr<KvPeerLoader> kv_loader_;  // P/D consumer
   std::unique_ptr<StructuredOutputCompiler> structured_;
   std::atomic<uint64_t> next_id_{0};
   std::atomic<bool> draining_{false};  // SIGTERM seen: new requests 503

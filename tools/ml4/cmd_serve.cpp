@@ -16,6 +16,7 @@
 #include "engine/async_engine.h"
 #include "runtime/cpu/cpu_runner.h"
 #include "server/http_server.h"
+#include "transfer/kv_connector.h"
 
 namespace ml4::cli {
 namespace {
@@ -40,6 +41,8 @@ struct ServeOptions {
   double hang_timeout = 60.0;
   double shutdown_timeout = 30.0;
   int http_threads = 256;
+  std::string kv_transfer_config;  // P/D (transfer/kv_transfer_config.h)
+  double kv_transfer_timeout = 480.0;
   std::string allowed_local_media_path;  // vLLM's flag: file:// images only from here
   size_t max_media_bytes = 20u << 20;    // per image (data: or file:)
 };
@@ -111,7 +114,19 @@ Status run_serve(ServeOptions o) {
   ec.seed = o.seed;
   if (ec.scheduler.max_num_seqs < 1 || ec.scheduler.max_num_batched_tokens < 1)
     return invalid_argument("--max-num-seqs and --max-num-batched-tokens must be positive");
+  // P/D: the connector registers the runner's KV pages; it outlives the engine.
+  std::unique_ptr<transfer::KvConnector> connector;
+  if (!o.kv_transfer_config.empty()) {
+    ML4_ASSIGN_OR_RETURN(transfer::KvTransferConfig kc, transfer::parse_kv_transfer_config(o.kv_transfer_config));
+    if (!(o.kv_transfer_timeout > 0)) return invalid_argument("--kv-transfer-timeout must be positive");
+    kc.timeout_s = o.kv_transfer_timeout;
+    if (kc.kv_ip.empty()) kc.kv_ip = o.host == "0.0.0.0" || o.host == "::" ? "127.0.0.1" : o.host;
+    auto made = transfer::KvConnector::create(kc, runner->kv_regions(), runner->cache_groups());
+    if (!made.ok()) return made.status().with_context("--kv-transfer-config");
+    connector = std::move(made).value();
+  }
   auto engine = std::make_unique<Engine>(runner.get(), codec.get(), ec);
+  engine->set_kv_connector(connector.get());
   ServerMetrics metrics(o.served_model_name);
   engine->set_observer(&metrics);
   AsyncEngine::Options ao;
@@ -126,7 +141,18 @@ Status run_serve(ServeOptions o) {
   so.api_key = o.api_key;
   so.max_body_bytes = o.max_body_bytes;
   so.http_threads = o.http_threads;
+  so.kv_connector = connector.get();
+  if (connector) so.kv_host = connector->config().kv_ip;
   OpenAiServer server(&async, codec.get(), &metrics, so);
+  // The connector's thread wakes the engine loop when a load finishes or a hold is released;
+  // unhooked before the loop goes away.
+  struct Unhook {
+    transfer::KvConnector* c;
+    ~Unhook() {
+      if (c) c->set_wakeup(nullptr);
+    }
+  } unhook{connector.get()};
+  if (connector) connector->set_wakeup([&async] { async.wake(); });
   ML4_RETURN_IF_ERROR(server.bind());
   async.start();
 
@@ -184,6 +210,11 @@ CommandRegistrar reg("serve", [](CLI::App& app, int* exit_code) {
   cmd->add_option("--hang-timeout", o->hang_timeout, "a step longer than this fails /health, seconds");
   cmd->add_option("--shutdown-timeout", o->shutdown_timeout, "grace period for live requests on SIGTERM, seconds");
   cmd->add_option("--http-threads", o->http_threads, "concurrent HTTP connections");
+  cmd->add_option("--kv-transfer-config", o->kv_transfer_config,
+                  "P/D: JSON, e.g. '{\"kv_connector\":\"UcxConnector\",\"kv_role\":\"kv_producer\"}' "
+                  "(kv_producer | kv_consumer | kv_both)");
+  cmd->add_option("--kv-transfer-timeout", o->kv_transfer_timeout,
+                  "P/D: seconds a producer holds KV blocks for a consumer, and a consumer waits for a load");
   cmd->callback([o, exit_code] {
     Status s = run_serve(*o);
     if (!s.is_ok()) {

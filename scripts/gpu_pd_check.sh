@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# P/D on the H200 (issue 16): prefill and decode as two `ml4 serve --device cuda` processes on
+# the one GPU, KV moved device to device by UCX (cuda_ipc, else cuda_copy), and the transfer
+# bandwidth of a 32k-token prompt of ml4-slice-4 against the device copy bandwidth.
+#
+# Two steps:
+#   on the CPU machine, after a CUDA build (ml4 and kv_transfer_bench):
+#     scripts/gpu_pd_check.sh pack BUILD_DIR      -> .device-carry-pd (binaries, their
+#                                                    libraries, UCX and its modules)
+#   on the GPU machine (run tool, carry .device-carry-pd):
+#     bash .device-carry-pd/gpu_pd_check.sh run   -> PASS/FAIL lines and the figures; logs in $OUT
+#
+# What `run` checks:
+#   1. kv_transfer_bench --device cuda (32768 tokens, ml4-slice-4, fp8_ds_mla): GB/s of the
+#      whole-prompt read, contiguous and per-block, and the cudaMemcpy D2D bound; the UCX
+#      transports it used (cuda_ipc expected). Then --device cpu for the host figure.
+#   2. Outputs: ml4-tiny served colocated and through `ml4 proxy` to a prefill and a decode
+#      instance, all on the GPU: the token ids of greedy and seeded requests must be equal,
+#      the decode's transfer counters must show the bytes, and its log the cuda transport.
+set -uo pipefail
+mode=${1:?usage: gpu_pd_check.sh pack BUILD_DIR | run}
+root=$(cd "$(dirname "$0")/.." && pwd)
+
+if [ "$mode" = pack ]; then
+  build=${2:?usage: gpu_pd_check.sh pack BUILD_DIR}
+  ML4_CARRY=.device-carry-pd "$root/scripts/gpu_pack.sh" "$build" ml4 kv_transfer_bench
+  dest="$root/.device-carry-pd"
+  ucx="$root/.venv/ucx/libucx/lib"
+  [ -d "$ucx" ] || { echo "no UCX under $ucx: run scripts/setup.sh"; exit 1; }
+  mkdir -p "$dest/ucx/lib/ucx"
+  for f in "$ucx"/libucp.so.0 "$ucx"/libuct.so.0 "$ucx"/libucs.so.0 "$ucx"/libucm.so.0 "$ucx"/libucs_signal.so.0; do
+    [ -e "$f" ] && cp -L "$f" "$dest/ucx/lib/"
+  done
+  for f in "$ucx"/ucx/libuct_cma.so.0 "$ucx"/ucx/libuct_cuda.so.0 "$ucx"/ucx/libucm_cuda.so.0; do
+    [ -e "$f" ] && cp -L "$f" "$dest/ucx/lib/ucx/"
+  done
+  rm -f "$dest"/lib/libuc[pstm]*.so*  # the UCX copies above are the ones to load
+  cp "$root/scripts/gpu_pd_check.sh" "$dest/"
+  du -sh "$dest"
+  exit 0
+fi
+
+carry=$(cd "$(dirname "$0")" && pwd)
+[ -x "$carry/bin/ml4" ] || carry="$root/.device-carry-pd"
+out=${OUT:-/tmp/ml4-pd-out}
+mkdir -p "$out"
+export LD_LIBRARY_PATH="$carry/ucx/lib:$carry/lib:${LD_LIBRARY_PATH:-}"
+export UCX_MODULE_DIR="$carry/ucx/lib/ucx"
+ml4="$carry/bin/ml4"
+fails=0
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/machine.txt" 2>&1
+cat "$out/machine.txt"
+ldd "$ml4" | grep "not found" && echo "FAIL missing libraries above" && fails=1
+
+echo "==== 1. transfer bandwidth"
+for dev in cuda cpu; do
+  timeout 300 "$carry/bin/kv_transfer_bench" --device $dev --preset ml4-slice-4 --tokens 32768 --iters 5 \
+    > "$out/bench_$dev.log" 2>&1
+  rc=$?
+  cat "$out/bench_$dev.log"
+  [ $rc -eq 0 ] || { echo "FAIL kv_transfer_bench --device $dev rc=$rc"; fails=1; }
+done
+grep -q "cuda_ipc\|cuda_copy" "$out/bench_cuda.log" && echo "PASS device transfer over a cuda transport" ||
+  echo "NOTE the device transfer did not report a cuda transport (see bench_cuda.log)"
+
+echo "==== 2. outputs through the proxy equal colocated (GPU)"
+work=$(mktemp -d)
+"$ml4" make-model --preset ml4-tiny --seed 0 --out "$work/m" \
+  --tokenizer "$root/tests/golden/tokenizer/tekken_trained_v15_512.json" > "$out/make_model.log" 2>&1 ||
+  { echo "FAIL make-model"; cat "$out/make_model.log"; exit 1; }
+common=(--model "$work/m" --served-model-name ml4-tiny --device cuda --gpu-memory-utilization 0.05 --seed 0
+        --max-model-len 4096 --kv-transfer-timeout 30)
+"$ml4" serve "${common[@]}" --port 8131 \
+  --kv-transfer-config '{"kv_connector":"UcxConnector","kv_role":"kv_producer"}' > "$out/prefill.log" 2>&1 &
+p1=$!
+"$ml4" serve "${common[@]}" --port 8132 \
+  --kv-transfer-config '{"kv_connector":"UcxConnector","kv_role":"kv_consumer"}' > "$out/decode.log" 2>&1 &
+p2=$!
+"$ml4" serve "${common[@]}" --port 8133 > "$out/colocated.log" 2>&1 &
+p3=$!
+"$ml4" proxy --port 8130 --prefill http://127.0.0.1:8131 --decode http://127.0.0.1:8132 > "$out/proxy.log" 2>&1 &
+p4=$!
+trap 'kill $p1 $p2 $p3 $p4 2>/dev/null; wait 2>/dev/null' EXIT
+python3 - <<'PY' || fails=1
+import json, random, sys, time, urllib.request
+def post(port, body):
+    r = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                               headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(r, timeout=120) as resp:
+        return json.loads(resp.read())
+def metric(port, name):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+    return None
+for port in (8130, 8131, 8132, 8133):
+    for _ in range(240):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+            break
+        except Exception:
+            time.sleep(0.5)
+    else:
+        print(f"FAIL server on {port} did not start"); sys.exit(1)
+rng = random.Random(1)
+bad = 0
+for i, n in enumerate([5, 64, 65, 300, 1500, 3000]):
+    prompt = " ".join(rng.choice(["alpha", "beta", "gamma", "delta"]) for _ in range(n))
+    body = {"model": "ml4-tiny", "prompt": prompt, "max_tokens": 32, "ignore_eos": True, "return_token_ids": True}
+    body.update({"temperature": 0} if i % 2 == 0 else {"temperature": 0.8, "seed": 100 + i})
+    want = post(8133, body)["choices"][0]["token_ids"]
+    got = post(8130, body)
+    ok = "error" not in got and got["choices"][0]["token_ids"] == want
+    bad += not ok
+    print(("PASS" if ok else "FAIL") + f" {n}-word prompt, {'greedy' if i % 2 == 0 else 'seeded'}: P/D == colocated")
+b = metric(8132, "ml4:kv_transfer_bytes_total")
+f = metric(8132, "ml4:kv_transfer_failures_total")
+print(f"decode: {b:.0f} KV bytes read, {f:.0f} failed transfers")
+h = metric(8131, "ml4:kv_blocks_held_for_remote")
+print(("PASS" if h == 0 else "FAIL") + f" prefill holds {h:.0f} blocks after")
+sys.exit(1 if bad or not b or f or h else 0)
+PY
+grep -h "UCX agent" "$out/decode.log" | head -2
+grep -q "cuda_ipc\|cuda_copy" "$out/decode.log" && echo "PASS decode read device KV over a cuda transport" ||
+  { echo "FAIL decode log names no cuda transport"; fails=1; }
+echo "==== $([ $fails -eq 0 ] && echo PASS || echo FAIL) gpu_pd_check"
+exit $fails
