@@ -185,7 +185,8 @@ Status CudaBackend::allocate_kv(const KvCacheSpec& spec, const std::vector<int64
   indexer_group_ = spec.group_index(CacheGroupSpec::kIndexer);
   num_blocks_ = blocks[latent_group_];
   group_blocks_ = blocks;
-  kv_.assign(spec.groups.size(), {});
+  kv_.clear();
+  kv_.resize(spec.groups.size());
   for (size_t gi = 0; gi < spec.groups.size(); ++gi) {
     const auto& g = spec.groups[gi];
     for (size_t slot = 0; slot < g.layers.size(); ++slot) {
