@@ -16,11 +16,11 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 # Python packages the server tests drive ml4 with (the real openai client, pytest), and the
-# property-based fuzz of the HTTP surface (hypothesis, hypothesis-jsonschema).
-if ! python3 -c "import openai, pytest, hypothesis, hypothesis_jsonschema" >/dev/null 2>&1; then
-  echo "setup: installing openai, pytest, hypothesis, hypothesis-jsonschema"
-  python3 -m pip install -q openai pytest hypothesis hypothesis-jsonschema ||
-    python3 -m pip install -q --break-system-packages openai pytest hypothesis hypothesis-jsonschema
+# property-based fuzz of the HTTP surface (hypothesis).
+if ! python3 -c "import openai, pytest, hypothesis" >/dev/null 2>&1; then
+  echo "setup: installing openai, pytest, hypothesis"
+  python3 -m pip install -q openai pytest hypothesis ||
+    python3 -m pip install -q --break-system-packages openai pytest hypothesis
 fi
 
 # xgrammar's C++ sources for structured outputs (src/engine/structured_output.h): the sdist

@@ -103,7 +103,11 @@ Result<std::shared_ptr<const StructuredOutput>> StructuredOutputCompiler::compil
     std::optional<xgrammar::CompiledGrammar> g;
     switch (spec.kind) {
       case GrammarSpec::Kind::kNone: return invalid_argument("no grammar to compile");
-      case GrammarSpec::Kind::kJsonObject: g = c.CompileBuiltinJSONGrammar(); break;
+      case GrammarSpec::Kind::kJsonObject:
+        // Any JSON object (OpenAI's json_object), as vLLM asks xgrammar for it: the builtin JSON
+        // grammar would also take arrays and scalars.
+        g = c.CompileJSONSchema(R"({"type": "object"})", spec.any_whitespace);
+        break;
       case GrammarSpec::Kind::kJsonSchema:
         what = "JSON schema";
         g = c.CompileJSONSchema(spec.text, spec.any_whitespace);

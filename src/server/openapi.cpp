@@ -15,6 +15,7 @@ json boolean() { return {{"type", "boolean"}}; }
 json string() { return {{"type", "string"}}; }
 json array_of(json items) { return {{"type", "array"}, {"items", std::move(items)}}; }
 json ref(const std::string& name) { return {{"$ref", "#/components/schemas/" + name}}; }
+json stop_string() { return {{"type", "string"}, {"minLength", 1}, {"maxLength", 256}}; }
 
 // Fields both generation endpoints take (OpenAI's and vLLM's extensions).
 json sampling_properties() {
@@ -26,16 +27,17 @@ json sampling_properties() {
       {"top_k", integer(-1, 1 << 30)},
       {"min_p", number(0, 1)},
       {"n", integer(1, 128)},
-      {"seed", {{"type", "integer"}}},
+      {"seed", integer(INT64_MIN, INT64_MAX)},
       {"stream", boolean()},
       {"stream_options",
        {{"type", "object"}, {"properties", {{"include_usage", boolean()}, {"continuous_usage_stats", boolean()}}}}},
-      {"stop", {{"oneOf", json::array({string(), array_of(string())})}}},
-      {"stop_token_ids", array_of({{"type", "integer"}, {"minimum", 0}})},
+      {"stop", {{"oneOf", json::array({stop_string(), {{"type", "array"}, {"maxItems", 16}, {"items", stop_string()}}})}}},
+      {"stop_token_ids", array_of(integer(0, 1 << 30))},
       {"presence_penalty", number(-2, 2)},
       {"frequency_penalty", number(-2, 2)},
       {"repetition_penalty", {{"type", "number"}, {"exclusiveMinimum", 0}, {"maximum", 2}}},
-      {"logit_bias", {{"type", "object"}, {"additionalProperties", number(-100, 100)}}},
+      {"logit_bias",
+       {{"type", "object"}, {"propertyNames", {{"pattern", "^[0-9]{1,9}$"}}}, {"additionalProperties", number(-100, 100)}}},
       {"min_tokens", integer(0, 1 << 30)},
       {"ignore_eos", boolean()},
       {"skip_special_tokens", boolean()},
@@ -63,8 +65,9 @@ json build() {
                      {{"message", string()}, {"type", string()}, {"param", {{"type", {"string", "null"}}}},
                       {"code", {{"type", "integer"}}}}}}}}}};
   json completion = sampling_properties();
-  completion["prompt"] = {{"oneOf", json::array({string(), array_of(string()), array_of(integer(0, 1 << 30)),
-                                                 array_of(array_of(integer(0, 1 << 30)))})}};
+  json ids = {{"type", "array"}, {"minItems", 1}, {"items", integer(0, 1 << 30)}};
+  completion["prompt"] = {{"oneOf", json::array({string(), {{"type", "array"}, {"minItems", 1}, {"items", string()}}, ids,
+                                                 {{"type", "array"}, {"minItems", 1}, {"items", ids}}})}};
   completion["echo"] = boolean();
   completion["logprobs"] = integer(0, 20);
   completion["suffix"] = {{"type", "string"}, {"description", "refused: ml4 has no fill-in-the-middle (400)"}};
@@ -94,7 +97,7 @@ json build() {
                  {"image_url", {{"type", "object"}, {"properties", {{"url", string()}}}}}}}};
   json message = {
       {"type", "object"},
-      {"required", json::array({"role"})},
+      {"required", json::array({"role", "content"})},
       {"properties",
        {{"role", {{"type", "string"}, {"enum", {"system", "developer", "user", "assistant", "tool"}}}},
         {"content", {{"oneOf", json::array({string(), array_of(part), {{"type", "null"}}})}}},

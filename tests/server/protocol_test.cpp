@@ -60,13 +60,29 @@ TEST(Protocol, ParsesAndRejectsFields) {
   EXPECT_EQ(params_for_prompt(*chat, 0, 100).max_tokens, 100 - static_cast<int>(chat->prompts[0].size()));
   for (const char* bad : {R"({"prompt":"x","temperature":"hot"})", R"({"prompt":"x","n":0})",
                           R"({"prompt":"x","max_tokens":1.5})", R"({"prompt":[1,9999]})", R"({"prompt":"x","stop":3})",
-                          R"({"prompt":"x","top_p":2})", R"({"max_tokens":3})", R"({"prompt":"x","logit_bias":{"1":2}})"}) {
+                          R"({"prompt":"x","top_p":2})", R"({"max_tokens":3})", R"({"prompt":"x","logit_bias":{"99999999":2}})",
+                          R"({"prompt":"x","logit_bias":{"a":2}})", R"({"prompt":"x","suffix":"y"})",
+                          R"({"prompt":"x","guided_regex":"a","guided_choice":["b"]})",
+                          R"({"prompt":"x","max_tokens":0})"}) {
     auto r = parse_api_request(ojson::parse(bad), false, codec);
     EXPECT_FALSE(r.ok()) << bad;
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << bad;
   }
   EXPECT_FALSE(parse_api_request(ojson::parse(R"({"messages":[{"role":"user","content":"hi"}],"top_logprobs":2})"),
                                  true, codec).ok());
+  // logit_bias: ids in the vocabulary, biases clamped to [-100, 100] (vLLM).
+  auto lb = parse_api_request(ojson::parse(R"({"prompt":"x","logit_bias":{"5":250,"7":-3.5}})"), false, codec);
+  ASSERT_TRUE(lb.ok()) << lb.status().message();
+  ASSERT_EQ(lb->params.logit_bias.size(), 2u);
+  EXPECT_EQ(lb->params.logit_bias[0], std::make_pair(int32_t{5}, 100.0f));
+  EXPECT_EQ(lb->params.logit_bias[1], std::make_pair(int32_t{7}, -3.5f));
+  // echo with max_tokens 0: the prompt alone, one token generated and dropped; echo with
+  // logprobs asks the engine for the prompt's logprobs.
+  auto echo = parse_api_request(ojson::parse(R"({"prompt":"x","echo":true,"max_tokens":0,"logprobs":2})"), false, codec);
+  ASSERT_TRUE(echo.ok()) << echo.status().message();
+  EXPECT_TRUE(echo->echo_only);
+  EXPECT_EQ(params_for_prompt(*echo, 0, 100).max_tokens, 1);
+  EXPECT_EQ(echo->params.prompt_logprobs, 2);
 }
 
 TEST(Protocol, ChatParsesReasoningAndToolCallsFromIds) {

@@ -122,7 +122,7 @@ def test_tool_choice_required(client, server):
     close = token_id(server, "]")
     for seed in range(3):
         r = client.chat.completions.create(model=server.name, messages=[{"role": "user", "content": "do it"}],
-                                           max_tokens=200, temperature=1.0, seed=seed, tools=TOOLS,
+                                           max_tokens=90, temperature=1.0, seed=seed, tools=TOOLS,
                                            tool_choice="required", logit_bias={str(close): 20})
         assert r.choices[0].finish_reason == "tool_calls"
         calls = r.choices[0].message.tool_calls
