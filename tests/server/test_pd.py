@@ -202,6 +202,24 @@ def test_outputs_equal_colocated(pd):
     leak_free(p, d)
 
 
+def test_round_robin_over_instances(model_dir, pd):
+    p, d, x, c = pd
+    p2 = start_server(model_dir, free_port(), *COMMON, "--kv-transfer-config", kv_config("kv_producer"),
+                      "--kv-transfer-timeout", str(TIMEOUT_S))
+    proxy = start_proxy([p.url, p2.url], [d.url])
+    try:
+        before = [metric(s, "ml4:kv_transfer_holds_released_total") for s in (p, p2)]
+        for i in range(4):
+            case = dict(prompt=words(40 + i, 300 + i), max_tokens=8, temperature=0, ignore_eos=True)
+            assert completion(proxy.url, **case)["token_ids"] == completion(c.url, **case)["token_ids"]
+        after = [metric(s, "ml4:kv_transfer_holds_released_total") for s in (p, p2)]
+        assert [a - b for a, b in zip(after, before)] == [2, 2]  # each prefill served every other request
+        leak_free(p, p2, d)
+    finally:
+        proxy.stop()
+        p2.stop()
+
+
 def sse_text(url, path, body, stop_after=None):
     req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     text = ""
