@@ -69,9 +69,9 @@ void* alloc(uint64_t bytes, bool device, uint8_t fill) {
 }
 
 uint8_t first_byte(const void* p, bool device) {
-  uint8_t b = 0;
 #if defined(ML4_WITH_CUDA)
   if (device) {
+    uint8_t b = 0;
     cudaMemcpy(&b, p, 1, cudaMemcpyDeviceToHost);
     return b;
   }
