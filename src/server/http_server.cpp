@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "core/log.h"
+#include "server/http_body.h"
 #include "server/openapi.h"
 #include "server/openai_protocol.h"
 
@@ -59,78 +60,6 @@ const Route* find_route(const std::string& path) {
   for (const auto& r : kRoutes)
     if (path == r.path) return &r;
   return nullptr;
-}
-
-// An answer after which the connection closes: the body (if any) was not read and must not be
-// parsed as the next request. httplib 0.11 closes a connection whose content provider fails,
-// so the provider writes the whole answer, ends the chunked body, then reports failure.
-void respond_and_close(httplib::Response& res, int status, const std::string& body) {
-  res.status = status;
-  res.set_header("Connection", "close");
-  auto payload = std::make_shared<std::string>(body);
-  res.set_chunked_content_provider("application/json", [payload](size_t, httplib::DataSink& sink) {
-    sink.write(payload->data(), payload->size());
-    sink.done();
-    return false;
-  });
-}
-
-// The body's framing, from the headers alone. status 0: acceptable.
-struct Framing {
-  int status = 0;
-  std::string message;
-  bool has_body = false;      // bytes follow the headers
-  uint64_t content_length = 0;
-  bool chunked = false;
-};
-
-Framing check_framing(const httplib::Request& req, size_t limit) {
-  Framing f;
-  auto [cl_begin, cl_end] = req.headers.equal_range("Content-Length");
-  auto [te_begin, te_end] = req.headers.equal_range("Transfer-Encoding");
-  const size_t n_cl = static_cast<size_t>(std::distance(cl_begin, cl_end));
-  const size_t n_te = static_cast<size_t>(std::distance(te_begin, te_end));
-  if (n_cl > 1) return {400, "duplicate Content-Length headers", true};
-  if (n_te > 1) return {400, "duplicate Transfer-Encoding headers", true};
-  if (n_te == 1) {
-    if (n_cl == 1) return {400, "Content-Length and Transfer-Encoding together are not accepted", true};
-    std::string te = te_begin->second;
-    for (auto& c : te) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-    while (!te.empty() && (te.back() == ' ' || te.back() == '\t')) te.pop_back();
-    if (te != "chunked") return {400, "unsupported Transfer-Encoding (only chunked is accepted)", true};
-    f.has_body = f.chunked = true;
-    return f;
-  }
-  if (n_cl == 1) {
-    std::string v = cl_begin->second;
-    while (!v.empty() && (v.back() == ' ' || v.back() == '\t')) v.pop_back();
-    if (v.empty() || v.size() > 19 || !std::all_of(v.begin(), v.end(), [](char c) { return c >= '0' && c <= '9'; }))
-      return {400, "Content-Length must be a decimal number", true};
-    f.content_length = std::stoull(v);
-    f.has_body = f.content_length > 0;
-    if (f.content_length > limit)
-      return {413, fmt::format("request body too large: Content-Length {} exceeds the limit of {} bytes",
-                               f.content_length, limit), true};
-  }
-  return f;
-}
-
-// Reads a POST body through httplib's content reader, stopping as soon as it passes `limit`
-// bytes whatever the framing. 0 when read, else the status to answer (413, 400).
-int read_body(const Framing& framing, const httplib::ContentReader& reader, size_t limit, std::string* body) {
-  if (!framing.has_body) return 0;  // no Content-Length nor Transfer-Encoding: no body (RFC 9112 6.3)
-  if (framing.content_length > 0) body->reserve(framing.content_length);
-  bool too_large = false;
-  const bool ok = reader([&](const char* data, size_t n) {
-    if (body->size() + n > limit) {
-      too_large = true;
-      return false;
-    }
-    body->append(data, n);
-    return true;
-  });
-  if (too_large) return 413;
-  return ok ? 0 : 400;
 }
 
 // One API call's generation, shared by the content provider and its releaser. Dying
