@@ -23,6 +23,8 @@ def test_random_prompts_fixed_concurrency(server, tmp_path):
     assert r["total_input_tokens"] == 6 * 32  # exact lengths from the server's own tokens
     assert r["total_output_tokens"] == 6 * 8
     assert r["max_concurrency_seen"] <= 3
+    # The lengths each request really had, as the server counted them (vllm bench's fields).
+    assert r["input_lens"] == [32] * 6 and r["output_lens"] == [8] * 6
     for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
         assert r[k]["p99"] >= r[k]["median"] >= 0
     assert r["e2el_ms"]["mean"] >= r["ttft_ms"]["mean"]
@@ -36,6 +38,10 @@ def test_dataset_poisson_and_chat(server, tmp_path):
                   "--endpoint", "/v1/chat/completions")
     assert r["completed"] == 4 and r["failed"] == 0
     assert r["total_output_tokens"] == 4 * 5
+    # A dataset has no single input / output length: the real ones are recorded instead.
+    assert r["input_len"] is None and r["output_len"] is None
+    assert r["output_lens"] == [5] * 4 and sum(r["input_lens"]) == r["total_input_tokens"]
+    assert all(n > 0 for n in r["input_lens"])
 
 
 def test_failures_are_counted(server, tmp_path):
