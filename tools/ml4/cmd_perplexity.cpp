@@ -97,6 +97,7 @@ Status run_perplexity(const PerplexityOptions& o) {
   const auto& groups = runner->cache_groups();
   std::vector<std::vector<int32_t>> tables(groups.size());
   for (size_t g = 0; g < groups.size(); ++g) {
+    if (groups[g].sliding_window != 0) continue;  // the drafter's window group: no target layer reads it
     const int64_t need = (o.ctx + groups[g].page_tokens - 1) / groups[g].page_tokens;
     if (need > groups[g].num_blocks)
       return resource_exhausted("--ctx {} needs {} blocks of cache group {}, the cache has {}", o.ctx, need,
