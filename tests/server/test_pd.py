@@ -31,7 +31,7 @@ import pytest
 
 from conftest import Server, free_port, ml4_bin
 
-TIMEOUT_S = 3  # --kv-transfer-timeout of these servers
+TIMEOUT_S = 5  # --kv-transfer-timeout of these servers
 COMMON = ["--max-model-len", "4096", "--seed", "0", "--kv-cache-memory-bytes", str(64 << 20)]
 
 
@@ -271,9 +271,9 @@ def test_client_abort_during_prefill(model_dir, pd):
 
 @pytest.fixture(scope="module")
 def slow_decode(model_dir, pd):
-    """A decode server whose loads wait 1.5 s before reading, and a proxy in front of it."""
+    """A decode server whose loads wait 2.5 s before reading, and a proxy in front of it."""
     p, d, x, c = pd
-    sd = start_server(model_dir, free_port(), *COMMON, "--kv-transfer-config", kv_config("kv_consumer", 1500),
+    sd = start_server(model_dir, free_port(), *COMMON, "--kv-transfer-config", kv_config("kv_consumer", 2500),
                       "--kv-transfer-timeout", str(TIMEOUT_S))
     proxy = start_proxy([p.url], [sd.url])
     yield sd, proxy
@@ -438,7 +438,7 @@ def test_kill_prefill_mid_transfer_then_restart(model_dir, pd, slow_decode):
 def test_kill_decode_mid_transfer_then_restart(model_dir, pd):
     p, d, x, c = pd
     port = free_port()
-    args = [*COMMON, "--kv-transfer-config", kv_config("kv_consumer", 1500), "--kv-transfer-timeout", str(TIMEOUT_S)]
+    args = [*COMMON, "--kv-transfer-config", kv_config("kv_consumer", 2500), "--kv-transfer-timeout", str(TIMEOUT_S)]
     victim = start_server(model_dir, port, *args)
     proxy = start_proxy([p.url], [victim.url])
     try:
