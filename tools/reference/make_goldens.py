@@ -49,14 +49,15 @@ CASES = {
     "dsv32-tiny": {"kind": "hf", "model_type": "deepseek_v32"},
     "ml4-tiny": {"kind": "ml4"},
     # The trained default model shipped in the repo (not written by make-model): FP8 weights,
-    # text prompts, the second longer than the indexer top-k (256) so that the selection bites.
-    "ml4-small": {"kind": "ml4", "model_dir": "assets/ml4-small"},
+    # a text prompt. With 8,192 logits per row a golden row costs 32 KB, so the case is one
+    # short prompt (52 rows, 2 MB) without the "pure" copies; the indexer's top-k (256) does
+    # not bite at that length (ml4-tiny's golden covers the selection; the 4,096-token
+    # perplexity comparison in docs/ML4-SMALL.md covers it on this model).
+    "ml4-small": {"kind": "ml4", "model_dir": "assets/ml4-small", "pure": False},
 }
 ML4_SMALL_PROMPTS = [
     "It is a truth universally acknowledged, that a single man in possession of a good fortune,",
-    None,  # the first ML4_SMALL_LONG tokens of tests/golden/ml4-small/prompt.txt
 ]
-ML4_SMALL_LONG = 300
 
 
 def fnv1a64_tensors(path):
@@ -86,13 +87,7 @@ def prompts(vocab, case=None, model_dir=None, out_root=None):
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "train"))
         from tekken_tiktoken import Tekken
         tk = Tekken(os.path.join(model_dir, "tekken.json"))
-        with open(os.path.join(out_root, case, "prompt.txt"), encoding="utf-8") as f:
-            long_text = f.read()
-        out = []
-        for text in ML4_SMALL_PROMPTS:
-            ids = [tk.bos] + (tk.encode(text) if text is not None else tk.encode(long_text)[: ML4_SMALL_LONG - 1])
-            out.append(ids)
-        return out
+        return [[tk.bos] + tk.encode(text) for text in ML4_SMALL_PROMPTS]
     g = torch.Generator().manual_seed(PROMPT_SEED)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
@@ -206,6 +201,8 @@ def run_case(case, models_dir, out_root, command):
             emulated_routes = dict(run.routes)
         finally:
             run.close()
+        if not CASES[case].get("pure", True):
+            continue
         pure = make_pure()
         try:
             pl = pure.logits(tokens)
@@ -260,8 +257,7 @@ def run_case(case, models_dir, out_root, command):
         # from make-model; its prompts are text (prompt_text), tokenized with its tekken.json.
         manifest.update({"model_dir": CASES[case]["model_dir"], "weight_dtype": "fp8_e4m3 blocks (experts, attention)",
                          "make_model": "none: the trained model shipped in the repo (tools/train/train.py)",
-                         "prompt_text": [t if t is not None else f"prompt.txt, first {ML4_SMALL_LONG} tokens with <s>"
-                                         for t in ML4_SMALL_PROMPTS]})
+                         "prompt_text": ML4_SMALL_PROMPTS})
         manifest.pop("seed")
         manifest.pop("prompt_seed")
     with open(os.path.join(out_dir, "manifest.json"), "w") as f:
