@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/log.h"
+#include "server/http_body.h"
 #include "server/openai_protocol.h"
 
 namespace ml4 {
@@ -226,9 +227,18 @@ void PdProxy::install_routes() {
   httplib::Server& s = *http_;
   const int threads = std::max(8, options_.http_threads);
   s.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
-  s.set_payload_max_length(64u << 20);
+  // Bodies as the OpenAI server bounds them (server/http_body.h): framing checked before a
+  // byte is read, the body read under the limit, an unread body never parsed as a request.
+  const size_t limit = options_.max_body_bytes;
+  s.set_payload_max_length(limit);
   s.set_read_timeout(30, 0);
   s.set_write_timeout(30, 0);
+  s.set_pre_routing_handler([limit](const httplib::Request& req, httplib::Response& res) {
+    const Framing f = check_framing(req, limit);
+    if (f.status == 0) return httplib::Server::HandlerResponse::Unhandled;
+    respond_and_close(res, f.status, error_json(f.status, f.message).dump());
+    return httplib::Server::HandlerResponse::Handled;
+  });
 
   auto send_error = [](httplib::Response& res, int status, const std::string& msg) {
     res.status = status;
@@ -271,12 +281,20 @@ void PdProxy::install_routes() {
   });
 
   auto generate = [this, authorized, send_error, upstream_headers](const char* path) {
-    return [this, path, authorized, send_error, upstream_headers](const httplib::Request& hreq, httplib::Response& res) {
+    return [this, path, authorized, send_error, upstream_headers](
+               const httplib::Request& hreq, httplib::Response& res, const httplib::ContentReader& reader) {
+      std::string text;
+      const int st = read_body(check_framing(hreq, options_.max_body_bytes), reader, options_.max_body_bytes, &text);
+      if (st != 0) {
+        const std::string msg = st == 413 ? fmt::format("request body too large (limit {} bytes)", options_.max_body_bytes)
+                                          : std::string("the request body could not be read (bad chunked framing?)");
+        return respond_and_close(res, st, error_json(st, msg).dump());
+      }
       if (!authorized(hreq, res)) return;
       ++requests_;
       ojson body;
       try {
-        body = ojson::parse(hreq.body);
+        body = ojson::parse(text);
       } catch (const std::exception& e) {
         ++failed_;
         return send_error(res, 400, std::string("invalid JSON body: ") + e.what());

@@ -39,6 +39,7 @@ struct ProxyOptions {
   std::vector<std::string> prefill_urls, decode_urls;  // http://host:port
   std::string api_key;       // required from clients (empty: none) and sent to the instances
   int http_threads = 256;
+  size_t max_body_bytes = 8u << 20;   // request bodies above this get 413 (as ml4 serve)
   double upstream_timeout_s = 600.0;  // read timeout of a leg
 };
 

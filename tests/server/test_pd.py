@@ -69,7 +69,7 @@ def wait_healthy(s, limit=60):
     raise RuntimeError("not healthy: " + s.log_text())
 
 
-def start_proxy(prefill_urls, decode_urls):
+def start_proxy(prefill_urls, decode_urls, *extra):
     s = Server.__new__(Server)
     s.port = free_port()
     s.url = f"http://127.0.0.1:{s.port}"
@@ -80,6 +80,7 @@ def start_proxy(prefill_urls, decode_urls):
         cmd += ["--prefill", u]
     for u in decode_urls:
         cmd += ["--decode", u]
+    cmd += list(extra)
     s.proc = subprocess.Popen(cmd, stdout=s.log, stderr=subprocess.STDOUT)
     wait_healthy(s)
     return s
@@ -146,7 +147,7 @@ def pd(model_dir):
                      "--kv-transfer-timeout", str(TIMEOUT_S))
     d = start_server(model_dir, free_port(), *COMMON, "--kv-transfer-config", kv_config("kv_consumer"),
                      "--kv-transfer-timeout", str(TIMEOUT_S))
-    x = start_proxy([p.url], [d.url])
+    x = start_proxy([p.url], [d.url], "--max-body-bytes", "65536")
     c = start_server(model_dir, free_port(), *COMMON)
     yield p, d, x, c
     for s in (x, d, p, c):
@@ -388,6 +389,11 @@ def test_bad_metadata_and_params_are_refused(pd):
                                                       "kv_transfer_params": bad})
         assert status == 400, res
         assert field in res["error"]["message"], res
+    # The proxy bounds bodies as the servers do, and refuses what it cannot route.
+    status, res = post(x.url, "/v1/completions", {"model": "ml4-tiny", "prompt": "x" * 70000})  # limit 65536
+    assert status == 413 and "too large" in res["error"]["message"], res
+    status, res = post(x.url, "/v1/completions", {"model": "ml4-tiny", "prompt": "hi", "n": 2})
+    assert status == 400 and "n = 1" in res["error"]["message"], res
     # A producer-only request on the consumer, and the reverse, are refused.
     status, res = post(d.url, "/v1/completions", {"model": "ml4-tiny", "prompt": "x", "max_tokens": 1,
                                                   "kv_transfer_params": {"do_remote_decode": True}})

@@ -53,6 +53,7 @@ CommandRegistrar reg("proxy", [](CLI::App& app, int* exit_code) {
   cmd->add_option("--decode", o->decode_urls, "decode instances (http://host:port), round-robin")->required();
   cmd->add_option("--api-key", o->api_key, "require 'Authorization: Bearer KEY' and send it on (also $ML4_API_KEY)");
   cmd->add_option("--http-threads", o->http_threads, "concurrent HTTP connections");
+  cmd->add_option("--max-body-bytes", o->max_body_bytes, "largest request body (413 above)");
   cmd->add_option("--upstream-timeout", o->upstream_timeout_s, "read timeout of a request to an instance, seconds");
   cmd->callback([o, exit_code] {
     Status s = run_proxy(*o);
