@@ -23,6 +23,13 @@ if ! python3 -c "import openai, pytest, hypothesis" >/dev/null 2>&1; then
     python3 -m pip install -q --break-system-packages openai pytest hypothesis
 fi
 
+# transformers (with its tokenizers) for tests/model/test_hf_tokenizer.py: the HF layout's
+# tokenizer must load in AutoTokenizer and match tekken id for id. No torch needed.
+if ! python3 -c "import transformers, tokenizers" >/dev/null 2>&1; then
+  echo "setup: installing transformers"
+  python3 -m pip install -q transformers || python3 -m pip install -q --break-system-packages transformers
+fi
+
 # xgrammar's C++ sources for structured outputs (src/engine/structured_output.h): the sdist
 # from PyPI, unpacked into .venv/xgrammar where CMakeLists.txt compiles its cpp/ folder.
 XGRAMMAR_VERSION=0.2.9

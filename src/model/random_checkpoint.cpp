@@ -14,6 +14,7 @@
 
 #include "model/config_loader.h"
 #include "model/config_overrides.h"
+#include "model/hf_tokenizer.h"
 #include "model/presets.h"
 #include "model/quant.h"
 #include "model/safetensors.h"
@@ -174,7 +175,14 @@ Status make_model(const MakeModelOptions& o) {
     w.set_metadata("ml4_preset", cfg.name);
     w.set_metadata("ml4_seed", std::to_string(o.seed));
     ML4_RETURN_IF_ERROR(w.write_sharded(dir, hf ? "model" : "consolidated", o.max_shard_bytes));
-    if (!o.tokenizer_json.empty()) std::ofstream(dir + "/tekken.json") << o.tokenizer_json;
+    if (!o.tokenizer_json.empty()) {
+      // tekken.json (ml4, mistral-common) plus the HF files (transformers, llama.cpp's HF
+      // converter), side by side as in Mistral's own repos.
+      std::ofstream(dir + "/tekken.json") << o.tokenizer_json;
+      ML4_ASSIGN_OR_RETURN(HfTokenizerFiles hf_tok, hf_tokenizer_from_tekken(o.tokenizer_json, cfg.max_position_embeddings));
+      std::ofstream(dir + "/tokenizer.json") << hf_tok.tokenizer_json;
+      std::ofstream(dir + "/tokenizer_config.json") << hf_tok.tokenizer_config_json;
+    }
     return Status::ok();
   };
   if (write_native) ML4_RETURN_IF_ERROR(write_dir(o.out_dir, CheckpointLayout::kMistral));

@@ -29,14 +29,24 @@ bool same_bytes(const Tensor& a, const Tensor& b) {
          std::memcmp(a.data(), b.data(), a.nbytes()) == 0;
 }
 
+std::string read_text(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(f)), {});
+}
+
+// The 512-token tekken.json the repo ships for the tiny presets.
+std::string tiny_tekken() { return read_text(std::string(ML4_SOURCE_DIR) + "/tests/golden/tokenizer/tekken_trained_v15_512.json"); }
+
 void make_tiny(const std::string& dir, const std::string& preset, const std::string& layout) {
   MakeModelOptions m;
   m.preset = preset;
   m.out_dir = dir;
   m.seed = 5;
   m.layout = layout;
-  m.tokenizer_json = R"({"stand-in": "tokenizer"})";
-  ASSERT_TRUE(make_model(m).is_ok());
+  m.tokenizer_json = tiny_tekken();
+  ASSERT_FALSE(m.tokenizer_json.empty());
+  Status s = make_model(m);
+  ASSERT_TRUE(s.is_ok()) << s.message();
 }
 
 void check_quantized(const std::string& in, const std::string& out, WeightFormat want) {
@@ -70,9 +80,9 @@ void check_quantized(const std::string& in, const std::string& out, WeightFormat
     ++quantized;
   }
   EXPECT_GT(quantized, 10);
-  std::ifstream tok(std::filesystem::path(out) / "tekken.json");
-  std::string text((std::istreambuf_iterator<char>(tok)), {});
-  EXPECT_EQ(text, R"({"stand-in": "tokenizer"})");
+  for (const char* f : {"tekken.json", "tokenizer.json", "tokenizer_config.json"})
+    EXPECT_EQ(read_text((std::filesystem::path(out) / f).string()), read_text((std::filesystem::path(in) / f).string())) << f;
+  EXPECT_EQ(read_text((std::filesystem::path(out) / "tekken.json").string()), tiny_tekken());
 }
 
 TEST(Quantize, Ml4TinyToEachFormat) {

@@ -63,6 +63,47 @@ TEST(Attention, MlaEmpty) {
   for (float v : lse) EXPECT_EQ(v, -INFINITY);
 }
 
+// mla_absorb_q / mla_apply_uv against f64 loops, T = 1 (decode: heads spread over
+// threads) and T = 3, r with and without a vector tail. Each output is a sum of dn (or r)
+// f32 products: |error| <= (n + 1) u sum |terms| (Higham 3.1, any order).
+TEST(Attention, MlaAbsorbAndApplyUv) {
+  for (int r : {64, 37}) {
+    for (int64_t T : {1, 3}) {
+      const int H = 6, dn = 24, dr = 8, qk = dn + dr, dv = 20;
+      auto wuk = test::random_floats(H * dn * r, 11 + r);
+      auto wuv = test::random_floats(H * dv * r, 12 + r);
+      auto q = test::random_floats(T * H * qk, 13 + T);
+      auto ol = test::random_floats(T * H * r, 14 + T);
+      std::vector<float> ql(T * H * r, -9.0f), o(T * H * dv, -9.0f);
+      mla_absorb_q(wuk.data(), q.data(), T, H, dn, qk, r, ql.data());
+      mla_apply_uv(wuv.data(), ol.data(), T, H, dv, r, o.data());
+      for (int64_t t = 0; t < T; ++t)
+        for (int h = 0; h < H; ++h) {
+          for (int j = 0; j < r; ++j) {
+            double ref = 0.0, mag = 0.0;
+            for (int d = 0; d < dn; ++d) {
+              const double term = double(q[(t * H + h) * qk + d]) * wuk[(h * dn + d) * r + j];
+              ref += term;
+              mag += std::fabs(term);
+            }
+            ASSERT_LE(std::fabs(ql[(t * H + h) * r + j] - ref), (dn + 1) * test::kU * mag + 1e-30)
+                << "absorb t=" << t << " h=" << h << " j=" << j;
+          }
+          for (int d = 0; d < dv; ++d) {
+            double ref = 0.0, mag = 0.0;
+            for (int j = 0; j < r; ++j) {
+              const double term = double(wuv[(h * dv + d) * r + j]) * ol[(t * H + h) * r + j];
+              ref += term;
+              mag += std::fabs(term);
+            }
+            ASSERT_LE(std::fabs(o[(t * H + h) * dv + d] - ref), (r + 1) * test::kU * mag + 1e-30)
+                << "apply t=" << t << " h=" << h << " d=" << d;
+          }
+        }
+    }
+  }
+}
+
 TEST(Attention, IndexerScores) {
   const int HI = 8, dI = 128;
   const int64_t S = 200;

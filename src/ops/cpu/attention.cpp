@@ -118,6 +118,41 @@ void mla_attention(const float* q_lat, const float* q_rope, int H, int r, int dr
   });
 }
 
+void mla_absorb_q(const float* w_uk, const float* q, int64_t T, int H, int dn, int qk, int r, float* q_lat) {
+  parallel_for(T * H, 1, [&](int64_t b, int64_t e) {
+    for (int64_t th = b; th < e; ++th) {
+      const int64_t h = th % H;
+      float* ql = q_lat + th * r;
+      const float* qn = q + th * qk;
+      const float* wuk = w_uk + h * dn * r;
+      std::fill(ql, ql + r, 0.0f);
+      for (int d = 0; d < dn; ++d) {
+        const float qv = qn[d];
+        const float* wr = wuk + static_cast<int64_t>(d) * r;
+        int j = 0;
+#ifdef ML4_ATTN_AVX2
+        const __m256 qb = _mm256_set1_ps(qv);
+        for (; j + 8 <= r; j += 8)
+          _mm256_storeu_ps(ql + j, _mm256_fmadd_ps(qb, _mm256_loadu_ps(wr + j), _mm256_loadu_ps(ql + j)));
+#endif
+        for (; j < r; ++j) ql[j] = std::fma(qv, wr[j], ql[j]);
+      }
+    }
+  });
+}
+
+void mla_apply_uv(const float* w_uv, const float* out_lat, int64_t T, int H, int dv, int r, float* o) {
+  parallel_for(T * H, 1, [&](int64_t b, int64_t e) {
+    for (int64_t th = b; th < e; ++th) {
+      const int64_t h = th % H;
+      const float* wuv = w_uv + h * dv * r;
+      const float* ol = out_lat + th * r;
+      float* oh = o + th * dv;
+      for (int d = 0; d < dv; ++d) oh[d] = dot(wuv + static_cast<int64_t>(d) * r, ol, r);
+    }
+  });
+}
+
 void indexer_scores(const float* q, const float* w, int HI, int dI, const float* k, int64_t S,
                     float* scores) {
   parallel_for(S, 64, [&](int64_t s0, int64_t s1) {

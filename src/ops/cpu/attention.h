@@ -15,6 +15,16 @@ namespace ml4::cpu {
 void mla_attention(const float* q_lat, const float* q_rope, int H, int r, int dr, const float* c,
                    const float* kr, int64_t S, const float* head_scale, float* out_lat, float* lse);
 
+// The two per-head products around absorbed MLA (MODEL.md 3.6), for T tokens at once,
+// parallel over (token, head) pairs so a decode step (T = 1) uses every core, and
+// vectorized over r. w_uk / w_uv are W_UK / W_UV from wkv_b, [H, dn, r] / [H, dv, r] f32.
+//   mla_absorb_q: q_lat[t, h, :] = W_UK[h]^T q[t, h, 0:dn]   (q rows of qk floats per head,
+//     q_lat [T, H, r]); each q_lat element sums over d in order (one FMA per d).
+//   mla_apply_uv: o[t, h, :] = W_UV[h] out_lat[t, h, :]      (out_lat [T, H, r], o [T, H, dv]);
+//     each element is an r-term f32 dot (8 lanes, then a fixed tree): |error| <= r u sum|w o|.
+void mla_absorb_q(const float* w_uk, const float* q, int64_t T, int H, int dn, int qk, int r, float* q_lat);
+void mla_apply_uv(const float* w_uv, const float* out_lat, int64_t T, int H, int dv, int r, float* o);
+
 // q [HI, dI], w [HI], k [S, dI]; scores [S] = sum_h w[h] * relu(q[h].k[s]).
 void indexer_scores(const float* q, const float* w, int HI, int dI, const float* k, int64_t S,
                     float* scores);
