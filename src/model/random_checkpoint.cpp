@@ -117,11 +117,16 @@ Status make_model(const MakeModelOptions& o) {
   else if (o.weight_dtype == "nvfp4") cfg.weight_format = WeightFormat::kNVFP4Experts;
   else if (o.weight_dtype == "mxfp4") cfg.weight_format = WeightFormat::kMXFP4Experts;
   else return invalid_argument("--dtype must be bf16, fp8, nvfp4 or mxfp4, got '{}'", o.weight_dtype);
-  if (o.layout != "native" && o.layout != "hf" && o.layout != "both" && o.layout != "default")
-    return invalid_argument("--layout must be native, hf, both or default, got '{}'", o.layout);
+  if (o.layout != "native" && o.layout != "hf" && o.layout != "both" && o.layout != "merged" && o.layout != "default")
+    return invalid_argument("--layout must be native, hf, both, merged or default, got '{}'", o.layout);
   const bool preset_hf = cfg.layout == CheckpointLayout::kHF;
-  const bool write_native = o.layout == "native" || o.layout == "both" || (o.layout == "default" && !preset_hf);
-  const bool write_hf = o.layout == "hf" || o.layout == "both" || (o.layout == "default" && preset_hf);
+  // merged: both layouts in one directory, as Mistral's Hub repos ship them (params.json +
+  // consolidated*.safetensors + tekken.json beside config.json + model*.safetensors +
+  // tokenizer.json): ml4 reads the native files, transformers the HF ones, and llama.cpp's
+  // `convert_hf_to_gguf.py --mistral-format` finds the config.json it also opens.
+  const bool merged = o.layout == "merged";
+  const bool write_native = o.layout == "native" || o.layout == "both" || merged || (o.layout == "default" && !preset_hf);
+  const bool write_hf = o.layout == "hf" || o.layout == "both" || merged || (o.layout == "default" && preset_hf);
   namespace fs = std::filesystem;
   std::error_code ec;
   fs::create_directories(o.out_dir, ec);
@@ -186,7 +191,8 @@ Status make_model(const MakeModelOptions& o) {
     return Status::ok();
   };
   if (write_native) ML4_RETURN_IF_ERROR(write_dir(o.out_dir, CheckpointLayout::kMistral));
-  if (write_hf) ML4_RETURN_IF_ERROR(write_dir(write_native ? o.out_dir + "/hf" : o.out_dir, CheckpointLayout::kHF));
+  if (write_hf)
+    ML4_RETURN_IF_ERROR(write_dir(write_native && !merged ? o.out_dir + "/hf" : o.out_dir, CheckpointLayout::kHF));
   return Status::ok();
 }
 }  // namespace ml4

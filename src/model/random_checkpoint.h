@@ -17,7 +17,7 @@ struct MakeModelOptions {
   std::string out_dir;
   uint64_t seed = 0;
   std::string weight_dtype = "bf16";  // bf16 | fp8 | nvfp4 | mxfp4
-  std::string layout = "default";     // native | hf | both | default
+  std::string layout = "default";     // native | hf | both (HF in OUT/hf) | merged (one dir) | default
   std::string hf_model_type;          // empty: the config's own, else "mistral4"
   int64_t max_shard_bytes = int64_t{4} << 30;
   std::string tokenizer_json;         // written as tekken.json when not empty

@@ -89,7 +89,7 @@ CommandRegistrar reg("make-model", [](CLI::App& app, int* exit_code) {
   cmd->add_option("--out", o->out_dir, "output directory")->required();
   cmd->add_option("--seed", o->seed, "weight seed");
   cmd->add_option("--dtype", o->weight_dtype, "weight format: bf16, fp8, nvfp4 (experts), mxfp4 (experts)");
-  cmd->add_option("--layout", o->layout, "native, hf, both (HF copy in OUT/hf), default (the preset's own)");
+  cmd->add_option("--layout", o->layout, "native, hf, both (HF copy in OUT/hf), merged (both in OUT, as Mistral's repos), default (the preset's own)");
   cmd->add_option("--max-shard-bytes", o->max_shard_bytes, "split the weights into shards of at most this size");
   cmd->add_option("--hf-model-type", o->hf_model_type, "model_type of the HF copy (default: the preset's, else mistral4)");
   auto tokenizer_path = std::make_shared<std::string>();
