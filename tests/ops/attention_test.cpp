@@ -6,6 +6,8 @@
 // lse by <= ~2d; asserted with d computed per head from the actual magnitudes.
 #include <gtest/gtest.h>
 
+#include <utility>
+
 #include "ops/cpu/attention.h"
 #include "ops_test_util.h"
 
@@ -51,6 +53,59 @@ TEST(Attention, MlaMatchesNaive) {
         ASSERT_NEAR(out[h * r + i], o, 3 * d + 1e-6) << "S=" << S << " h=" << h << " i=" << i;
       }
     }
+  }
+}
+
+// mla_attention_causal (prefill chunk): every query t of the chunk against the f64 softmax
+// over keys [0, p0 + t], with the bound of MlaMatchesNaive; chunks starting at 0 and after
+// earlier keys (p0 > 0), T not a multiple of the 8-query block, keys crossing 64-key blocks,
+// q's rope part read in place from a [T, H, dn + dr] q.
+TEST(Attention, MlaCausalChunkMatchesNaive) {
+  const int H = 3, r = 40, dr = 16, dn = 8, qk = dn + dr;
+  for (auto [T, p0] : {std::pair<int64_t, int64_t>{1, 0}, {13, 0}, {21, 70}, {70, 5}}) {
+    const int64_t S = p0 + T;
+    auto ql = test::random_floats(T * H * r, 21 + T);
+    auto q = test::random_floats(T * H * qk, 22 + T);
+    auto c = test::random_floats(S * r, 23 + S);
+    auto kr = test::random_floats(S * dr, 24 + S);
+    std::vector<float> scale(T * H);
+    for (int64_t i = 0; i < T * H; ++i) scale[i] = (i % 4 == 3) ? 3.0f : 0.2f + 0.01f * (i % 7);
+    std::vector<float> out(T * H * r, -9.0f), lse(T * H, -9.0f);
+    mla_attention_causal(ql.data(), q.data() + dn, H * qk, qk, T, H, r, dr, p0, c.data(), kr.data(), scale.data(),
+                         out.data(), lse.data());
+    for (int64_t t = 0; t < T; ++t)
+      for (int h = 0; h < H; ++h) {
+        const int64_t n = p0 + t + 1;
+        const float* qlr = ql.data() + (t * H + h) * r;
+        const float* qrr = q.data() + (t * H + h) * qk + dn;
+        const double sch = scale[t * H + h];
+        std::vector<double> logit(n);
+        double mx = -INFINITY, mag = 0.0;
+        for (int64_t s = 0; s < n; ++s) {
+          double a = 0.0, m = 0.0;
+          for (int i = 0; i < r; ++i) {
+            a += double(qlr[i]) * c[s * r + i];
+            m += std::fabs(double(qlr[i]) * c[s * r + i]);
+          }
+          for (int i = 0; i < dr; ++i) {
+            a += double(qrr[i]) * kr[s * dr + i];
+            m += std::fabs(double(qrr[i]) * kr[s * dr + i]);
+          }
+          logit[s] = a * sch;
+          mag = std::max(mag, m * sch);
+          mx = std::max(mx, logit[s]);
+        }
+        double sum = 0.0;
+        for (double l : logit) sum += std::exp(l - mx);
+        const double ref_lse = mx + std::log(sum);
+        const double d = (r + dr + 2) * test::kU * mag + 1e-6;
+        ASSERT_NEAR(lse[t * H + h], ref_lse, 2 * d + 4 * test::kU * std::fabs(ref_lse)) << "T=" << T << " t=" << t;
+        for (int i = 0; i < r; ++i) {
+          double o = 0.0;
+          for (int64_t s = 0; s < n; ++s) o += std::exp(logit[s] - ref_lse) * c[s * r + i];
+          ASSERT_NEAR(out[(t * H + h) * r + i], o, 3 * d + 1e-6) << "T=" << T << " p0=" << p0 << " t=" << t << " h=" << h;
+        }
+      }
   }
 }
 

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -19,6 +20,7 @@
 #endif
 
 #include "core/threads.h"
+#include "ops/cpu/linear_kernels.h"
 
 namespace ml4::cpu {
 namespace {
@@ -114,6 +116,144 @@ void mla_attention(const float* q_lat, const float* q_rope, int H, int r, int dr
       const float inv = static_cast<float>(1.0 / lh);
       for (int i = 0; i < r; ++i) o[i] *= inv;
       lse[h] = static_cast<float>(m[h - h0] + std::log(lh));
+    }
+  });
+}
+
+namespace {
+
+// y[i * ldy + j] = dot(x row i, w row j) over n, for i < rm, j < rn (rm <= 4), by the
+// register tiles of linear (3 weight rows at a time).
+void dot_block(const float* x, int64_t ldx, int64_t rm, const float* w, int64_t ldw, int64_t rn, int64_t n, float* y,
+               int64_t ldy) {
+  using namespace kernels;
+  const int64_t kv = n / 8 * 8;
+  for (int64_t j = 0; j < rn; j += 3) {
+    const int64_t cn = std::min<int64_t>(3, rn - j);
+    auto run = [&](auto RM) {
+      switch (cn) {
+        case 1: dot_tile_f32<decltype(RM)::value, 1>(x, ldx, w + j * ldw, ldw, kv, n, y + j, ldy); break;
+        case 2: dot_tile_f32<decltype(RM)::value, 2>(x, ldx, w + j * ldw, ldw, kv, n, y + j, ldy); break;
+        default: dot_tile_f32<decltype(RM)::value, 3>(x, ldx, w + j * ldw, ldw, kv, n, y + j, ldy); break;
+      }
+    };
+    switch (rm) {
+      case 1: run(std::integral_constant<int, 1>{}); break;
+      case 2: run(std::integral_constant<int, 2>{}); break;
+      case 3: run(std::integral_constant<int, 3>{}); break;
+      default: run(std::integral_constant<int, 4>{}); break;
+    }
+  }
+}
+
+// o_q[i] = o_q[i] * alpha[q] + sum_j p[q][j] c[j][i] for the nq (<= 4) rows o_q: each c row
+// is loaded once for all of them.
+void scale_accumulate_rows(float* const* o, const float* alpha, const float* const* p, int nq, const float* c,
+                           int64_t rows, int r) {
+  int i = 0;
+#ifdef ML4_ATTN_AVX2
+  for (; i + 8 <= r; i += 8) {
+    __m256 acc[4];
+    for (int q = 0; q < nq; ++q) acc[q] = _mm256_mul_ps(_mm256_loadu_ps(o[q] + i), _mm256_set1_ps(alpha[q]));
+    for (int64_t j = 0; j < rows; ++j) {
+      const __m256 cv = _mm256_loadu_ps(c + j * r + i);
+      for (int q = 0; q < nq; ++q) acc[q] = _mm256_fmadd_ps(_mm256_set1_ps(p[q][j]), cv, acc[q]);
+    }
+    for (int q = 0; q < nq; ++q) _mm256_storeu_ps(o[q] + i, acc[q]);
+  }
+#endif
+  for (; i < r; ++i)
+    for (int q = 0; q < nq; ++q) {
+      float acc = o[q][i] * alpha[q];
+      for (int64_t j = 0; j < rows; ++j) acc += p[q][j] * c[j * r + i];
+      o[q][i] = acc;
+    }
+}
+
+}  // namespace
+
+void mla_attention_causal(const float* q_lat, const float* q_rope, int64_t q_rope_ld_t, int64_t q_rope_ld_h,
+                          int64_t T, int H, int r, int dr, int64_t p0, const float* c, const float* kr,
+                          const float* head_scale, float* out_lat, float* lse) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  constexpr int64_t kQ = 8, kK = 64;  // queries x keys per score block
+  const int64_t qblocks = (T + kQ - 1) / kQ;
+  parallel_for(qblocks * H, 1, [&](int64_t b, int64_t e) {
+    float sc[kQ * kK], rope[kQ * kK];
+    float qr[kQ * 64];
+    for (int64_t job = b; job < e; ++job) {
+      const int h = static_cast<int>(job % H);
+      const int64_t i0 = (job / H) * kQ, i1 = std::min(T, i0 + kQ), nq = i1 - i0;
+      float m[kQ];
+      double l[kQ];
+      float* o[kQ];
+      const float* ql = q_lat + (i0 * H + h) * r;
+      // The rope rows of this head, contiguous (dr <= 64 is the MLA shape; larger dr goes row by row).
+      const bool pack = dr <= 64;
+      for (int64_t i = 0; i < nq; ++i) {
+        m[i] = kNegInf;
+        l[i] = 0.0;
+        o[i] = out_lat + ((i0 + i) * H + h) * r;
+        std::fill(o[i], o[i] + r, 0.0f);
+        if (pack) std::copy_n(q_rope + (i0 + i) * q_rope_ld_t + h * q_rope_ld_h, dr, qr + i * dr);
+      }
+      const int64_t keys = p0 + i1;  // the last query sees keys [0, p0 + i1 - 1]
+      for (int64_t s0 = 0; s0 < keys; s0 += kK) {
+        const int64_t rows = std::min(kK, keys - s0);
+        for (int64_t i = 0; i < nq; i += 4) {
+          const int64_t rm = std::min<int64_t>(4, nq - i);
+          dot_block(ql + i * H * r, static_cast<int64_t>(H) * r, rm, c + s0 * r, r, rows, r, sc + i * kK, kK);
+          if (pack) {
+            dot_block(qr + i * dr, dr, rm, kr + s0 * dr, dr, rows, dr, rope + i * kK, kK);
+          } else {
+            for (int64_t q = i; q < i + rm; ++q)
+              for (int64_t j = 0; j < rows; ++j)
+                rope[q * kK + j] = dot(q_rope + (i0 + q) * q_rope_ld_t + h * q_rope_ld_h, kr + (s0 + j) * dr, dr);
+          }
+        }
+        float alpha[kQ];
+        const float* prow[kQ];
+        for (int64_t i = 0; i < nq; ++i) {
+          float* p = sc + i * kK;
+          const float scale = head_scale[(i0 + i) * H + h];
+          const int64_t visible = std::min(rows, p0 + i0 + i + 1 - s0);  // causal
+          float bmax = kNegInf;
+          for (int64_t j = 0; j < rows; ++j) {
+            p[j] = j < visible ? (p[j] + rope[i * kK + j]) * scale : kNegInf;
+            bmax = std::max(bmax, p[j]);
+          }
+          const float m_new = std::max(m[i], bmax);
+          if (m_new == kNegInf) {  // nothing visible yet for this query
+            alpha[i] = 1.0f;
+            for (int64_t j = 0; j < rows; ++j) p[j] = 0.0f;
+          } else {
+            alpha[i] = m[i] == kNegInf ? 0.0f : std::exp(m[i] - m_new);
+            double bsum = 0.0;
+            for (int64_t j = 0; j < rows; ++j) {
+              p[j] = j < visible ? std::exp(p[j] - m_new) : 0.0f;
+              bsum += p[j];
+            }
+            l[i] = l[i] * alpha[i] + bsum;
+            m[i] = m_new;
+          }
+          prow[i] = p;
+        }
+        for (int64_t i = 0; i < nq; i += 4)
+          scale_accumulate_rows(o + i, alpha + i, prow + i, static_cast<int>(std::min<int64_t>(4, nq - i)), c + s0 * r,
+                                rows, r);
+      }
+      for (int64_t i = 0; i < nq; ++i) {
+        float* oi = o[i];
+        float& ls = lse[(i0 + i) * H + h];
+        if (l[i] <= 0.0) {
+          std::fill(oi, oi + r, 0.0f);
+          ls = kNegInf;
+          continue;
+        }
+        const float inv = static_cast<float>(1.0 / l[i]);
+        for (int j = 0; j < r; ++j) oi[j] *= inv;
+        ls = static_cast<float>(m[i] + std::log(l[i]));
+      }
     }
   });
 }
