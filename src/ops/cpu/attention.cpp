@@ -152,14 +152,26 @@ void scale_accumulate_rows(float* const* o, const float* alpha, const float* con
                            int64_t rows, int r) {
   int i = 0;
 #ifdef ML4_ATTN_AVX2
-  for (; i + 8 <= r; i += 8) {
-    __m256 acc[4];
-    for (int q = 0; q < nq; ++q) acc[q] = _mm256_mul_ps(_mm256_loadu_ps(o[q] + i), _mm256_set1_ps(alpha[q]));
-    for (int64_t j = 0; j < rows; ++j) {
-      const __m256 cv = _mm256_loadu_ps(c + j * r + i);
-      for (int q = 0; q < nq; ++q) acc[q] = _mm256_fmadd_ps(_mm256_set1_ps(p[q][j]), cv, acc[q]);
+  // 16 columns x nq rows of accumulators; each c row's 16 values loaded once for all rows.
+  for (; i + 16 <= r; i += 16) {
+    __m256 acc[4][2];
+    for (int q = 0; q < nq; ++q) {
+      const __m256 a = _mm256_set1_ps(alpha[q]);
+      acc[q][0] = _mm256_mul_ps(_mm256_loadu_ps(o[q] + i), a);
+      acc[q][1] = _mm256_mul_ps(_mm256_loadu_ps(o[q] + i + 8), a);
     }
-    for (int q = 0; q < nq; ++q) _mm256_storeu_ps(o[q] + i, acc[q]);
+    for (int64_t j = 0; j < rows; ++j) {
+      const __m256 c0 = _mm256_loadu_ps(c + j * r + i), c1 = _mm256_loadu_ps(c + j * r + i + 8);
+      for (int q = 0; q < nq; ++q) {
+        const __m256 pv = _mm256_set1_ps(p[q][j]);
+        acc[q][0] = _mm256_fmadd_ps(pv, c0, acc[q][0]);
+        acc[q][1] = _mm256_fmadd_ps(pv, c1, acc[q][1]);
+      }
+    }
+    for (int q = 0; q < nq; ++q) {
+      _mm256_storeu_ps(o[q] + i, acc[q][0]);
+      _mm256_storeu_ps(o[q] + i + 8, acc[q][1]);
+    }
   }
 #endif
   for (; i < r; ++i)
