@@ -253,6 +253,69 @@ Status load_layer(const ModelConfig& cfg, int l, Binder& b, LayerWeights& LW, co
   return Status::ok();
 }
 
+// MODEL.md section 5: the drafter's own weights (all bf16 in the checkpoints ml4 writes; any
+// stored format loads). Its attention is the target's MLA shape, owning its (window) cache.
+Status load_drafter(const ModelConfig& cfg, Binder& b, DrafterWeights& W) {
+  const auto& d = cfg.drafter;
+  const int64_t D = cfg.dim, H = cfg.n_heads, dn = cfg.qk_nope_head_dim, dr = cfg.qk_rope_head_dim;
+  const int64_t dv = cfg.v_head_dim, r = cfg.kv_lora_rank, R = d.rnn_rank, V = cfg.vocab_size;
+  const std::string p = "mtp_dspark.";
+  // Drafter names are the same in both layouts.
+  ModelConfig native = cfg;
+  native.layout = CheckpointLayout::kMistral;
+  Binder nb(native, b.ckpt_);
+  ML4_ASSIGN_OR_RETURN(W.fc, nb.linear(p + "fc", D, D * static_cast<int64_t>(d.target_layers.size())));
+  ML4_ASSIGN_OR_RETURN(W.fc_norm, nb.vec(p + "fc_norm.weight", D));
+  {
+    ML4_ASSIGN_OR_RETURN(Tensor m, nb.raw(p + "mask_embed"));
+    if (m.shape() != Shape{d.block_size - 1, D})
+      return invalid_argument("tensor {}mask_embed: expected [{}, {}], found {}", p, d.block_size - 1, D, m.describe());
+    Tensor f = to_f32(m);
+    W.mask_embed.assign(f.as<float>(), f.as<float>() + f.numel());
+  }
+  W.layers.resize(d.n_layers);
+  for (int i = 0; i < d.n_layers; ++i) {
+    const std::string lp = fmt::format("{}layers.{}.", p, i);
+    DrafterLayerWeights& L = W.layers[i];
+    ML4_ASSIGN_OR_RETURN(L.attention_norm, nb.vec(lp + "attention_norm.weight", D));
+    ML4_ASSIGN_OR_RETURN(L.ffn_norm, nb.vec(lp + "ffn_norm.weight", D));
+    AttentionWeights& A = L.attn;
+    const std::string pa = lp + "attention.";
+    if (cfg.q_lora_rank > 0) {
+      ML4_ASSIGN_OR_RETURN(A.wq_a, nb.linear(pa + "wq_a", cfg.q_lora_rank, D));
+      ML4_ASSIGN_OR_RETURN(A.q_a_norm, nb.vec(pa + "q_a_norm.weight", cfg.q_lora_rank));
+      ML4_ASSIGN_OR_RETURN(A.wq_b, nb.linear(pa + "wq_b", H * (dn + dr), cfg.q_lora_rank));
+    } else {
+      ML4_ASSIGN_OR_RETURN(A.wq, nb.linear(pa + "wq", H * (dn + dr), D));
+    }
+    ML4_ASSIGN_OR_RETURN(A.wkv_a, nb.linear(pa + "wkv_a_with_mqa", r + dr, D));
+    ML4_ASSIGN_OR_RETURN(A.kv_a_norm, nb.vec(pa + "kv_a_norm.weight", r));
+    ML4_ASSIGN_OR_RETURN(A.wkv_b, nb.linear(pa + "wkv_b", H * (dn + dv), r));
+    split_wkv_b(cfg, A.wkv_b, A);
+    ML4_ASSIGN_OR_RETURN(A.wo, nb.linear(pa + "wo", D, H * dv));
+    ML4_ASSIGN_OR_RETURN(L.ffn.w1, nb.linear(lp + "feed_forward.w1", cfg.hidden_dim, D));
+    ML4_ASSIGN_OR_RETURN(L.ffn.w2, nb.linear(lp + "feed_forward.w2", D, cfg.hidden_dim));
+    ML4_ASSIGN_OR_RETURN(L.ffn.w3, nb.linear(lp + "feed_forward.w3", cfg.hidden_dim, D));
+  }
+  ML4_ASSIGN_OR_RETURN(W.norm, nb.vec(p + "norm.weight", D));
+  ML4_ASSIGN_OR_RETURN(W.markov_embed, nb.raw(p + "markov.embed.weight"));
+  if (W.markov_embed.shape() != Shape{V, R} ||
+      (W.markov_embed.dtype() != DType::kBF16 && W.markov_embed.dtype() != DType::kF32))
+    return invalid_argument("tensor {}markov.embed.weight: expected [{}, {}] bf16/f32, found {}", p, V, R,
+                            W.markov_embed.describe());
+  {
+    ML4_ASSIGN_OR_RETURN(Tensor ih, nb.raw(p + "markov.weight_ih"));
+    ML4_ASSIGN_OR_RETURN(W.markov_ih, nb.linear_from(p + "markov.weight_ih", ih, 3 * R, D + R));
+    ML4_ASSIGN_OR_RETURN(Tensor hh, nb.raw(p + "markov.weight_hh"));
+    ML4_ASSIGN_OR_RETURN(W.markov_hh, nb.linear_from(p + "markov.weight_hh", hh, 3 * R, R));
+  }
+  ML4_ASSIGN_OR_RETURN(W.markov_bias_ih, nb.vec(p + "markov.bias_ih", 3 * R));
+  ML4_ASSIGN_OR_RETURN(W.markov_bias_hh, nb.vec(p + "markov.bias_hh", 3 * R));
+  ML4_ASSIGN_OR_RETURN(W.markov_out, nb.linear(p + "markov.out", V, R));
+  for (const auto& n : nb.used_) b.used_.insert(n);
+  return Status::ok();
+}
+
 }  // namespace
 
 Result<std::shared_ptr<const ModelWeights>> load_model_weights(const ModelConfig& cfg, const Checkpoint& ckpt,
@@ -273,6 +336,11 @@ Result<std::shared_ptr<const ModelWeights>> load_model_weights(const ModelConfig
   }
   W->layers.resize(cfg.n_layers);
   for (int l = 0; l < cfg.n_layers; ++l) ML4_RETURN_IF_ERROR(load_layer(cfg, l, b, W->layers[l], opts));
+  if (opts.load_drafter) {
+    if (!cfg.drafter.enabled) return invalid_argument("the model has no DSpark drafter (no `mtp` block in params.json)");
+    W->drafter = std::make_unique<DrafterWeights>();
+    ML4_RETURN_IF_ERROR(load_drafter(cfg, b, *W->drafter).with_context("DSpark drafter"));
+  }
   ML4_RETURN_IF_ERROR(b.check_all_used());
   return std::shared_ptr<const ModelWeights>(std::move(W));
 }

@@ -61,11 +61,31 @@ struct LayerWeights {
   FfnWeights ffn;
 };
 
+// The DSpark block drafter (MODEL.md section 5; tensors `mtp_dspark.*`, docs/MODEL-FORMAT.md).
+struct DrafterLayerWeights {
+  std::vector<float> attention_norm, ffn_norm;  // [dim]
+  AttentionWeights attn;                        // wq (or the query LoRA), wkv_a, wkv_b (W_UK / W_UV), wo
+  MlpWeights ffn;                               // dense SwiGLU of hidden_dim
+};
+struct DrafterWeights {
+  LinearWeight fc;                   // [dim, n_targets * dim]
+  std::vector<float> fc_norm;        // [dim]
+  std::vector<float> mask_embed;     // [block_size - 1, dim]: slots 1..B-1
+  std::vector<DrafterLayerWeights> layers;
+  std::vector<float> norm;           // [dim]
+  Tensor markov_embed;               // [vocab, rnn_rank] bf16/f32: the previous draft token's embedding
+  LinearWeight markov_ih;            // [3 r, dim + r] GRU input weights (gates r, z, n: torch.nn.GRUCell)
+  LinearWeight markov_hh;            // [3 r, r]
+  std::vector<float> markov_bias_ih, markov_bias_hh;  // [3 r]
+  LinearWeight markov_out;           // [vocab, r]: the logit bias
+};
+
 struct ModelWeights {
   Tensor tok_embeddings;  // [vocab, dim] bf16 or f32
   std::vector<float> norm;  // [dim]
   LinearWeight output;      // [vocab, dim] (a view of tok_embeddings when tied)
   std::vector<LayerWeights> layers;
+  std::unique_ptr<DrafterWeights> drafter;  // WeightLoadOptions::load_drafter on a model with `mtp`
   // Views into the checkpoint: per-tensor views keep their file mapped; the per-expert
   // slices of HF fused expert tensors do not, so the Checkpoint must outlive these weights
   // (CpuRunner holds both).
@@ -75,6 +95,8 @@ struct WeightLoadOptions {
   // Re-quantize FP8 routed experts to MXFP4 while loading (SYSTEM.md S1), layer by layer,
   // so at most one layer's experts exist in both formats at once.
   bool experts_to_mxfp4 = false;
+  // Load the DSpark drafter's tensors (speculative decoding); otherwise they are ignored.
+  bool load_drafter = false;
 };
 
 Result<std::shared_ptr<const ModelWeights>> load_model_weights(const ModelConfig& cfg, const Checkpoint& ckpt,

@@ -38,6 +38,7 @@
 namespace ml4 {
 
 struct MlpWeights;  // model/model_weights.h
+struct DeviceSamplingParams;  // ops/cpu/sampling.h
 
 // A linear weight the backend holds (index into its table).
 struct LinearRef {
@@ -53,6 +54,19 @@ struct MlpRef {
 struct MoeRef {
   int id = -1;
 };
+// An embedding-like table [rows, cols] (bf16 or f32) the backend holds.
+struct TableRef {
+  int id = -1;
+};
+
+// Which paged cache a latent write or an attention read uses: the target's latent group, or
+// the DSpark drafter's window group (bf16, MODEL.md section 5).
+enum class CacheGroup { kLatent, kDrafter };
+
+// MlaArgs::selection: -1 dense (every s <= p), >= 0 a selection buffer, kBlockWindow the keys
+// select_block_window() chose.
+constexpr int kDenseSelection = -1;
+constexpr int kBlockWindow = -2;
 
 enum class LinearUse {
   kDefault,
@@ -85,6 +99,17 @@ struct Activations {
   float* rows = nullptr;        // [R, dim] the logits rows' hidden states
   float* normed = nullptr;      // [R, dim]
   float* logits = nullptr;      // [R, vocab]
+  // The DSpark drafter (after Backend::enable_drafter; n = sequences of a draft step):
+  float* draft_hidden = nullptr;  // [T, n_targets * dim] the target's hidden states at its target layers
+  float* draft_ctx = nullptr;     // [T, dim] rms(fc(...)): the drafter's context rows
+  float* markov_x = nullptr;      // [n, dim + r] [slot output ; previous token's embedding]
+  float* markov_e = nullptr;      // [n, r]
+  float* markov_gi = nullptr;     // [n, 3 r]
+  float* markov_gh = nullptr;     // [n, 3 r]
+  float* markov_s = nullptr;      // [n, r] the GRU state
+  float* markov_logits = nullptr; // [n, vocab] one slot's logits
+  int32_t* draft_ids = nullptr;   // [(B - 1), n] the drafted tokens, slot-major
+  float* draft_probs = nullptr;   // [(B - 1), n, vocab] their distributions (probabilistic drafts)
 };
 
 struct NormArgs {
@@ -137,7 +162,8 @@ struct IndexerSelectArgs {
 // logits (q_lat . c_s + q_rope . kr_s) * head_scale over the selection's keys (or all
 // s <= p), out_lat = softmax-weighted sum of c_s, lse natural-log.
 struct MlaArgs {
-  int cache_slot = 0;            // latent layer slot the keys are read from
+  CacheGroup group = CacheGroup::kLatent;
+  int cache_slot = 0;            // layer slot the keys are read from
   int selection = -1;            // -1: dense
   const float* q_lat = nullptr;  // [T, H, r]
   const float* q = nullptr;      // [T, H, dn + dr]: the rope part at offset dn
@@ -171,6 +197,8 @@ class Backend {
   virtual Result<MoeRef> add_moe(const std::vector<MlpWeights>& experts, const MlpWeights* shared) = 0;
   // Selection buffers 0..n-1 (each [T, topk]).
   virtual Status reserve_selections(int n) = 0;
+  // The drafter's buffers (Activations' draft_* and markov_*) are needed from now on.
+  virtual Status enable_drafter() = 0;
 
   // ---- how work is issued; the CPU's defaults run it at once ----
   // Work that only launches device work (capturable into a graph segment).
@@ -203,8 +231,10 @@ class Backend {
   virtual Status silu_mul(const float* g, const float* u, int64_t rows, int64_t cols, float* out) = 0;
   virtual Status rope(const RopeArgs& p) = 0;
   virtual Status q_path(const QPathArgs& p) = 0;
-  // The step's latent rows (c [T, r], kr [T, dr] kr_stride apart) into a latent layer slot.
-  virtual Status latent_cache_write(int cache_slot, const float* c, const float* kr, int kr_stride) = 0;
+  // The step's latent rows (c [T, r], kr [T, dr] kr_stride apart) into a layer slot of a
+  // group at the step's slots of that group (tokens without a slot are skipped).
+  virtual Status latent_cache_write(CacheGroup group, int cache_slot, const float* c, const float* kr,
+                                    int kr_stride) = 0;
   // The step's indexer keys k [T, dI] (rotated): Hadamard + FP8 into an indexer layer slot
   // (k may be overwritten).
   virtual Status indexer_key_write(int cache_slot, float* k) = 0;
@@ -226,6 +256,36 @@ class Backend {
   virtual Result<std::vector<int32_t>> read_ints(const int32_t* p, int64_t n) = 0;
   // out[i] = x[logits row i] for the step's R logits rows (rows of dim).
   virtual Status gather_logits_rows(const float* x, float* out) = 0;
+
+  // ---- the DSpark drafter's ops (MODEL.md section 5) ----
+  virtual Result<TableRef> add_table(const Tensor& t) = 0;
+  // out[i] = table[ids[i]] as f32 (ids in backend memory), n rows.
+  virtual Status gather_table_rows(TableRef t, const int32_t* ids, int64_t n, float* out) = 0;
+  // dst[i, :cols] = src[i, :cols], rows src_stride / dst_stride floats apart.
+  virtual Status copy_rows(const float* src, int64_t src_stride, float* dst, int64_t dst_stride, int64_t rows,
+                           int64_t cols) = 0;
+  // y[i, :cols] += x[i, :cols], rows y_stride / x_stride floats apart.
+  virtual Status add_rows(float* y, int64_t y_stride, const float* x, int64_t x_stride, int64_t rows, int64_t cols) = 0;
+  virtual Status fill(float* x, int64_t n, float value) = 0;
+  // The draft block's input rows: out[t] = the token embedding of the step's token t when t is
+  // its sequence's first token (slot 0, the last accepted token), else mask[slot - 1]
+  // (mask [B - 1, dim], slots counted from the sequence's first token).
+  virtual Status block_embed(const float* mask, float* out) = 0;
+  // Each token of a step sequence attends, without a causal mask, the keys of `group` at
+  // positions [max(0, start_pos - window), start_pos + num_tokens) of its sequence: the
+  // selection kBlockWindow.
+  virtual Status select_block_window(CacheGroup group, int64_t window) = 0;
+  // A GRU cell's update (torch.nn.GRUCell, gates r, z, n) from gi = W_ih x and gh = W_hh s
+  // (without biases) [rows, 3 r]: r = sig(gi_r + b_ih_r + gh_r + b_hh_r), z likewise,
+  // n = tanh(gi_n + b_ih_n + r (gh_n + b_hh_n)), s = (1 - z) n + z s; s [rows, r] in place.
+  virtual Status gru_update(const float* gi, const float* gh, const float* b_ih, const float* b_hh, int64_t rows,
+                            int64_t r, float* s) = 0;
+  // One token per row of logits [rows, V]: the argmax (ties to the lower id) when params is
+  // null, else a draw with params[row] (ops/cpu/sampling.h semantics). ids [rows] in backend
+  // memory; probs [rows, V] (softmax of the logits at the draw's temperature; 1 at the argmax
+  // for greedy rows) when non-null.
+  virtual Status choose_tokens(const float* logits, int64_t rows, const DeviceSamplingParams* params, int32_t* ids,
+                               float* probs) = 0;
 };
 
 }  // namespace ml4

@@ -45,6 +45,10 @@ Result<std::unique_ptr<ModelForward>> ModelForward::create(const ModelConfig& cf
     ML4_RETURN_IF_ERROR(be.reserve_selections(next + 1));
   }
   ML4_RETURN_IF_ERROR(f->register_weights(w));
+  if (opts.drafter) {
+    if (w.drafter == nullptr) return invalid_argument("speculative decoding: the model's drafter weights are not loaded");
+    ML4_RETURN_IF_ERROR(f->register_drafter(*w.drafter));
+  }
   return f;
 }
 
@@ -112,6 +116,183 @@ Status ModelForward::register_weights(const ModelWeights& w) {
   }
   rope_factor_ = cpu::rope_attention_factor(cfg_.yarn);
   return Status::ok();
+}
+
+Status ModelForward::register_drafter(const DrafterWeights& w) {
+  auto d = std::make_unique<DrafterRefs>();
+  ML4_RETURN_IF_ERROR(be_.enable_drafter());
+  ML4_ASSIGN_OR_RETURN(d->fc, be_.add_linear(w.fc));
+  ML4_ASSIGN_OR_RETURN(d->fc_norm, be_.add_vector(w.fc_norm));
+  ML4_ASSIGN_OR_RETURN(d->mask, be_.add_vector(w.mask_embed));
+  ML4_ASSIGN_OR_RETURN(d->norm, be_.add_vector(w.norm));
+  d->layers.resize(w.layers.size());
+  for (size_t j = 0; j < w.layers.size(); ++j) {
+    const DrafterLayerWeights& L = w.layers[j];
+    DraftLayerRefs& R = d->layers[j];
+    ML4_ASSIGN_OR_RETURN(R.attn_norm, be_.add_vector(L.attention_norm));
+    ML4_ASSIGN_OR_RETURN(R.ffn_norm, be_.add_vector(L.ffn_norm));
+    if (cfg_.q_lora_rank > 0) {
+      ML4_ASSIGN_OR_RETURN(R.wq_a, be_.add_linear(L.attn.wq_a));
+      ML4_ASSIGN_OR_RETURN(R.wq_b, be_.add_linear(L.attn.wq_b));
+      ML4_ASSIGN_OR_RETURN(R.q_a_norm, be_.add_vector(L.attn.q_a_norm));
+    } else {
+      ML4_ASSIGN_OR_RETURN(R.wq, be_.add_linear(L.attn.wq));
+    }
+    ML4_ASSIGN_OR_RETURN(R.wkv_a, be_.add_linear(L.attn.wkv_a));
+    ML4_ASSIGN_OR_RETURN(R.kv_a_norm, be_.add_vector(L.attn.kv_a_norm));
+    ML4_ASSIGN_OR_RETURN(R.wo, be_.add_linear(L.attn.wo));
+    ML4_ASSIGN_OR_RETURN(R.w_uk, be_.add_vector(L.attn.w_uk));
+    ML4_ASSIGN_OR_RETURN(R.w_uv, be_.add_vector(L.attn.w_uv));
+    ML4_ASSIGN_OR_RETURN(R.ffn, be_.add_mlp(L.ffn));
+  }
+  ML4_ASSIGN_OR_RETURN(d->markov_embed, be_.add_table(w.markov_embed));
+  ML4_ASSIGN_OR_RETURN(d->markov_ih, be_.add_linear(w.markov_ih));
+  ML4_ASSIGN_OR_RETURN(d->markov_hh, be_.add_linear(w.markov_hh));
+  ML4_ASSIGN_OR_RETURN(d->markov_out, be_.add_linear(w.markov_out));
+  ML4_ASSIGN_OR_RETURN(d->markov_b_ih, be_.add_vector(w.markov_bias_ih));
+  ML4_ASSIGN_OR_RETURN(d->markov_b_hh, be_.add_vector(w.markov_bias_hh));
+  d->target_slot.assign(cfg_.n_layers, -1);
+  for (size_t i = 0; i < cfg_.drafter.target_layers.size(); ++i) {
+    const int l = cfg_.drafter.target_layers[i];
+    if (l < 0 || l >= cfg_.n_layers) return invalid_argument("mtp.target_layers: layer {} outside [0, {})", l, cfg_.n_layers);
+    d->target_slot[l] = static_cast<int>(i);
+  }
+  drafter_ = std::move(d);
+  return Status::ok();
+}
+
+// The residual stream after layer l (h_l: the residual holds it once the next fused add ran)
+// into its column block of draft_hidden.
+Status ModelForward::capture_hidden(int l) {
+  if (drafter_ == nullptr || l < 0 || drafter_->target_slot[l] < 0) return Status::ok();
+  const Activations& x = be_.acts();
+  const int64_t D = cfg_.dim, n = static_cast<int64_t>(cfg_.drafter.target_layers.size());
+  return be_.segment([&] {
+    return be_.copy_rows(x.residual, D, x.draft_hidden + drafter_->target_slot[l] * D, n * D, be_.step_tokens(), D);
+  });
+}
+
+// MODEL.md 5: ctx = rms(fc(concat_l h_l)); each draft layer writes the K/V of ctx (its own
+// wkv_a, kv_a_norm, RoPE at the token's position) into its drafter cache slot.
+Status ModelForward::drafter_context() {
+  const Activations& x = be_.acts();
+  const int64_t T = be_.step_tokens(), D = cfg_.dim;
+  const int n = static_cast<int>(cfg_.drafter.target_layers.size());
+  const int r = cfg_.kv_lora_rank, dr = cfg_.qk_rope_head_dim;
+  const float eps = static_cast<float>(cfg_.norm_eps);
+  return be_.segment([&] {
+    return be_.timed("drafter context", [&]() -> Status {
+      ML4_RETURN_IF_ERROR(be_.linear(drafter_->fc, x.draft_hidden, T, x.draft_ctx));
+      ML4_RETURN_IF_ERROR(be_.rms_norm({x.draft_ctx, nullptr, drafter_->fc_norm, T, D, 0, eps, x.draft_ctx}));
+      (void)n;
+      for (size_t j = 0; j < drafter_->layers.size(); ++j) {
+        const DraftLayerRefs& L = drafter_->layers[j];
+        ML4_RETURN_IF_ERROR(be_.linear(L.wkv_a, x.draft_ctx, T, x.ckv));
+        ML4_RETURN_IF_ERROR(be_.rms_norm({x.ckv, nullptr, L.kv_a_norm, T, r, r + dr, eps, x.c}));
+        ML4_RETURN_IF_ERROR(be_.rope(rope_args(x.ckv, 1, r + dr, r, dr, inv_freq_)));
+        ML4_RETURN_IF_ERROR(be_.latent_cache_write(CacheGroup::kDrafter, static_cast<int>(j), x.c, x.ckv + r, r + dr));
+      }
+      return Status::ok();
+    });
+  });
+}
+
+// One draft layer's attention over the block: its queries and its own K/V from the block's
+// rows (the block's K/V written at the block's positions of the drafter cache, where the
+// next forward's context rows will overwrite them), absorbed MLA over the window + block
+// without a causal mask, plain softmax scale (no llama_4 temperature, no SSMax).
+Status ModelForward::draft_attention(int j) {
+  const DraftLayerRefs& L = drafter_->layers[j];
+  const Activations& x = be_.acts();
+  const int64_t T = be_.step_tokens();
+  const int H = cfg_.n_heads, dn = cfg_.qk_nope_head_dim, dr = cfg_.qk_rope_head_dim;
+  const int r = cfg_.kv_lora_rank, qk = dn + dr;
+  const float eps = static_cast<float>(cfg_.norm_eps);
+  if (cfg_.q_lora_rank > 0) {
+    ML4_RETURN_IF_ERROR(be_.linear(L.wq_a, x.a, T, x.q_latent));
+    ML4_RETURN_IF_ERROR(be_.rms_norm({x.q_latent, nullptr, L.q_a_norm, T, cfg_.q_lora_rank, 0, eps, x.q_latent}));
+    ML4_RETURN_IF_ERROR(be_.linear(L.wq_b, x.q_latent, T, x.q));
+  } else {
+    ML4_RETURN_IF_ERROR(be_.linear(L.wq, x.a, T, x.q));
+  }
+  ML4_RETURN_IF_ERROR(be_.linear(L.wkv_a, x.a, T, x.ckv));
+  ML4_RETURN_IF_ERROR(be_.rms_norm({x.ckv, nullptr, L.kv_a_norm, T, r, r + dr, eps, x.c}));
+  ML4_RETURN_IF_ERROR(be_.rope(rope_args(x.ckv, 1, r + dr, r, dr, inv_freq_)));
+  ML4_RETURN_IF_ERROR(be_.latent_cache_write(CacheGroup::kDrafter, j, x.c, x.ckv + r, r + dr));
+  ML4_RETURN_IF_ERROR(be_.mla_absorb_q(L.w_uk, x.q, x.q_lat));
+  QPathArgs qp;
+  qp.rope = rope_args(x.q, H, qk, dn, dr, inv_freq_);
+  qp.base_scale = cfg_.softmax_scale();
+  qp.selection = kBlockWindow;
+  qp.head_scale = x.head_scale;
+  ML4_RETURN_IF_ERROR(be_.q_path(qp));
+  MlaArgs ma;
+  ma.group = CacheGroup::kDrafter;
+  ma.cache_slot = j;
+  ma.selection = kBlockWindow;
+  ma.q_lat = x.q_lat;
+  ma.q = x.q;
+  ma.head_scale = x.head_scale;
+  ma.out_lat = x.out_lat;
+  ma.lse = x.lse;
+  ML4_RETURN_IF_ERROR(be_.mla_attention(ma));
+  ML4_RETURN_IF_ERROR(be_.mla_apply_uv(L.w_uv, x.out_lat, x.o));
+  return be_.linear(L.wo, x.o, T, x.tmp);
+}
+
+Status ModelForward::draft(const DeviceSamplingParams* params, bool want_probs) {
+  if (drafter_ == nullptr) return invalid_argument("this model program has no drafter (speculative decoding is off)");
+  const Activations& x = be_.acts();
+  const int64_t T = be_.step_tokens(), R = be_.step_rows(), D = cfg_.dim, V = cfg_.vocab_size;
+  const int64_t B = cfg_.drafter.block_size, r = cfg_.drafter.rnn_rank;
+  const float eps = static_cast<float>(cfg_.norm_eps);
+  if (T % B != 0 || R != T / B * (B - 1))
+    return internal_error("draft step of {} tokens / {} logits rows is not blocks of {}", T, R, B);
+  const int64_t n = T / B;
+  ML4_RETURN_IF_ERROR(be_.segment([&]() -> Status {
+    ML4_RETURN_IF_ERROR(be_.block_embed(drafter_->mask, x.residual));
+    return be_.select_block_window(CacheGroup::kDrafter, cfg_.drafter.window);
+  }));
+  for (size_t j = 0; j < drafter_->layers.size(); ++j) {
+    const DraftLayerRefs& L = drafter_->layers[j];
+    ML4_RETURN_IF_ERROR(be_.segment([&]() -> Status {
+      ML4_RETURN_IF_ERROR(
+          be_.rms_norm({j == 0 ? x.residual : x.tmp, j == 0 ? nullptr : x.residual, L.attn_norm, T, D, 0, eps, x.a}));
+      ML4_RETURN_IF_ERROR(be_.timed("draft: attention", [&] { return draft_attention(static_cast<int>(j)); }));
+      ML4_RETURN_IF_ERROR(be_.rms_norm({x.tmp, x.residual, L.ffn_norm, T, D, 0, eps, x.a}));
+      return be_.timed("draft: ffn", [&] { return mlp(L.ffn, x.a, T, x.tmp); });
+    }));
+  }
+  // o = norm(h) for slots 1..B-1, base logits through the target's output head.
+  ML4_RETURN_IF_ERROR(be_.segment([&] {
+    return be_.timed("draft: norm + lm_head", [&]() -> Status {
+      ML4_RETURN_IF_ERROR(be_.rms_norm({x.tmp, x.residual, drafter_->norm, T, D, 0, eps, x.a}));
+      ML4_RETURN_IF_ERROR(be_.gather_logits_rows(x.a, x.normed));
+      return be_.linear(output_, x.normed, R, x.logits);
+    });
+  }));
+  // The Markov head, slot by slot: s_j = GRU([o_j ; embed(t_{j-1})], s_{j-1}), s_0 = 0, t_0 the
+  // accepted token; slot j's logits = base_j + out(s_j); t_j drawn from them.
+  return be_.segment([&] {
+    return be_.timed("draft: markov head", [&]() -> Status {
+      ML4_RETURN_IF_ERROR(be_.fill(x.markov_s, n * r, 0.0f));
+      for (int64_t j = 1; j < B; ++j) {
+        ML4_RETURN_IF_ERROR(be_.gather_table_rows(drafter_->markov_embed, x.draft_ids + (j - 1) * n, n, x.markov_e));
+        ML4_RETURN_IF_ERROR(be_.copy_rows(x.normed + (j - 1) * D, (B - 1) * D, x.markov_x, D + r, n, D));
+        ML4_RETURN_IF_ERROR(be_.copy_rows(x.markov_e, r, x.markov_x + D, D + r, n, r));
+        ML4_RETURN_IF_ERROR(be_.linear(drafter_->markov_ih, x.markov_x, n, x.markov_gi));
+        ML4_RETURN_IF_ERROR(be_.linear(drafter_->markov_hh, x.markov_s, n, x.markov_gh));
+        ML4_RETURN_IF_ERROR(
+            be_.gru_update(x.markov_gi, x.markov_gh, drafter_->markov_b_ih, drafter_->markov_b_hh, n, r, x.markov_s));
+        ML4_RETURN_IF_ERROR(be_.linear(drafter_->markov_out, x.markov_s, n, x.markov_logits));
+        ML4_RETURN_IF_ERROR(be_.add_rows(x.markov_logits, V, x.logits + (j - 1) * V, (B - 1) * V, n, V));
+        ML4_RETURN_IF_ERROR(be_.choose_tokens(x.markov_logits, n, params != nullptr ? params + (j - 1) * n : nullptr,
+                                              x.draft_ids + j * n,
+                                              want_probs ? x.draft_probs + (j - 1) * n * V : nullptr));
+      }
+      return Status::ok();
+    });
+  });
 }
 
 RopeArgs ModelForward::rope_args(float* x, int heads, int stride, int offset, int dim, const float* inv_freq) const {
@@ -243,7 +424,7 @@ Status ModelForward::attention(int l, const StepMetadata* md, ForwardTrace* trac
       ML4_RETURN_IF_ERROR(be_.linear(L.wkv_a, x.a, T, x.ckv));
       ML4_RETURN_IF_ERROR(be_.rms_norm({x.ckv, nullptr, L.kv_a_norm, T, r, r + dr, eps, x.c}));
       if (spec.rope) ML4_RETURN_IF_ERROR(be_.rope(rope_args(x.ckv, 1, r + dr, r, dr, inv_freq_)));
-      for (int slot : latent_write_slots_[l]) ML4_RETURN_IF_ERROR(be_.latent_cache_write(slot, x.c, x.ckv + r, r + dr));
+      for (int slot : latent_write_slots_[l]) ML4_RETURN_IF_ERROR(be_.latent_cache_write(CacheGroup::kLatent, slot, x.c, x.ckv + r, r + dr));
       return Status::ok();
     }));
   }
@@ -324,6 +505,7 @@ Status ModelForward::forward(const StepMetadata* md, ForwardTrace* trace) {
     ML4_RETURN_IF_ERROR(be_.segment([&] {
       return be_.rms_norm({l == 0 ? x.residual : x.tmp, l == 0 ? nullptr : x.residual, L.attn_norm, T, D, 0, eps, x.a});
     }));
+    ML4_RETURN_IF_ERROR(capture_hidden(l - 1));
     // Traced steps read decisions back (and upload forced ones) inside the layer.
     if (trace != nullptr) {
       ML4_RETURN_IF_ERROR(be_.host_sync([&] { return attention(l, md, trace, x.tmp); }));
@@ -340,11 +522,17 @@ Status ModelForward::forward(const StepMetadata* md, ForwardTrace* trace) {
         break;
     }
   }
+  // residual += the last FFN output (normalized into a, unused: only the rows matter).
+  if (R > 0 || drafter_ != nullptr) {
+    ML4_RETURN_IF_ERROR(be_.segment([&] { return be_.rms_norm({x.tmp, x.residual, final_norm_, T, D, 0, eps, x.a}); }));
+  }
+  if (drafter_ != nullptr) {
+    ML4_RETURN_IF_ERROR(capture_hidden(cfg_.n_layers - 1));
+    ML4_RETURN_IF_ERROR(drafter_context());
+  }
   if (R > 0) {
     ML4_RETURN_IF_ERROR(be_.segment([&] {
       return be_.timed("final norm + lm_head", [&]() -> Status {
-        // residual += the last FFN output (normalized into a, unused: only the rows matter).
-        ML4_RETURN_IF_ERROR(be_.rms_norm({x.tmp, x.residual, final_norm_, T, D, 0, eps, x.a}));
         ML4_RETURN_IF_ERROR(be_.gather_logits_rows(x.residual, x.rows));
         ML4_RETURN_IF_ERROR(be_.rms_norm({x.rows, nullptr, final_norm_, R, D, 0, eps, x.normed}));
         return be_.linear(output_, x.normed, R, x.logits);

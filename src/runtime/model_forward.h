@@ -33,6 +33,9 @@ class ModelForward {
     // slot num_latent_layers + k (k-th consumer) holding its own copy of its source's rows
     // (written when the source writes) and reads that copy. The cache must have those slots.
     bool duplicate_shared_kv = false;
+    // DSpark (MODEL.md section 5): register the drafter (the weights must carry it) and write
+    // the drafter's context K/V for every token each forward processes.
+    bool drafter = false;
   };
 
   // Registers every weight the spec names with the backend (and the RoPE tables).
@@ -43,7 +46,16 @@ class ModelForward {
   // only when trace forces selections (null otherwise). trace: record / force decisions.
   Status forward(const StepMetadata* md, ForwardTrace* trace);
 
+  // One DSpark draft step over the backend's current step, which the runner laid out as one
+  // block of block_size tokens per sequence (token 0 the last accepted token at its position,
+  // the rest placeholders at the next positions; logits rows: slots 1..B-1; Activations::
+  // draft_ids row 0 holding each sequence's accepted token). Fills draft_ids rows 1..B-1 with
+  // the drafts, slot-major, and draft_probs with their distributions when want_probs.
+  // params: null for greedy drafts, else [(B - 1) x n] sampling parameters, slot-major.
+  Status draft(const DeviceSamplingParams* params, bool want_probs);
+
   const ModelConfig& config() const { return cfg_; }
+  bool has_drafter() const { return drafter_ != nullptr; }
 
  private:
   struct LayerRefs {
@@ -55,8 +67,28 @@ class ModelForward {
     MoeRef moe;
   };
 
+  struct DraftLayerRefs {
+    const float *attn_norm = nullptr, *ffn_norm = nullptr, *q_a_norm = nullptr, *kv_a_norm = nullptr;
+    const float *w_uk = nullptr, *w_uv = nullptr;
+    LinearRef wq, wq_a, wq_b, wkv_a, wo;
+    MlpRef ffn;
+  };
+  struct DrafterRefs {
+    LinearRef fc;
+    const float *fc_norm = nullptr, *mask = nullptr, *norm = nullptr;
+    std::vector<DraftLayerRefs> layers;
+    TableRef markov_embed;
+    LinearRef markov_ih, markov_hh, markov_out;
+    const float *markov_b_ih = nullptr, *markov_b_hh = nullptr;
+    std::vector<int> target_slot;  // [target layer] its column block in draft_hidden, or -1
+  };
+
   ModelForward(const ModelConfig& cfg, Backend& be) : cfg_(cfg), be_(be) {}
   Status register_weights(const ModelWeights& w);
+  Status register_drafter(const DrafterWeights& w);
+  Status capture_hidden(int l);
+  Status drafter_context();
+  Status draft_attention(int j);
   Status attention(int l, const StepMetadata* md, ForwardTrace* trace, float* out);
   Status indexer_keys(int l);
   Status indexer_select(int l, ForwardTrace* trace);
@@ -80,6 +112,7 @@ class ModelForward {
   // share buffer 0. The last buffer holds forced selections (traced steps).
   std::vector<int> selection_of_owner_;
   int forced_selection_ = -1;
+  std::unique_ptr<DrafterRefs> drafter_;
 };
 
 }  // namespace ml4

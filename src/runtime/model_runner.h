@@ -41,6 +41,10 @@ struct RunnerOptions {
   int64_t kv_cache_bytes = 256ll << 20;       // KV memory budget, split across groups
   int64_t max_model_len = 0;                  // 0: the model's max_position_embeddings
   bool experts_to_mxfp4 = false;              // re-quantize FP8 routed experts to MXFP4 at load
+  // DSpark speculative decoding: load the checkpoint's drafter, write its context K/V in every
+  // forward, give the drafter group max_num_seqs windows of blocks, and serve draft().
+  bool drafter = false;
+  int64_t max_num_seqs = 0;  // sequences the drafter group must hold windows for
 };
 
 class ModelRunner {
@@ -64,6 +68,11 @@ class ModelRunner {
   // them. Block ids are those of the step's block tables. Reading or writing a block that a
   // running step uses is the caller's race to avoid (the engine moves KV between steps).
   virtual std::vector<KvRegion> kv_regions() { return {}; }
+  // DSpark (step.h DraftInput): true when the runner loaded a drafter (RunnerOptions::drafter).
+  virtual bool has_drafter() const { return false; }
+  virtual Result<DraftOutput> draft(const DraftInput& in) {
+    return unimplemented("this runner has no DSpark drafter");
+  }
 };
 
 }  // namespace ml4

@@ -48,4 +48,32 @@ struct StepOutput {
   std::vector<float> sampled_logprob;
 };
 
+// DSpark (MODEL.md section 5, SYSTEM.md S7): one block of drafts per sequence, proposed after
+// a target step. The target forward of a runner with a drafter writes the drafter's context
+// K/V for every token it processes (into the drafter group's blocks of SeqStep::block_tables,
+// where they exist); a draft step reads the window of it before the anchor.
+struct DraftSeq {
+  int64_t seq_id = 0;
+  int32_t anchor_token = 0;  // the last accepted token (not yet processed by the target)
+  int64_t anchor_pos = 0;    // its position == tokens in the target's cache
+  // As SeqStep: per cache group; only the drafter group's is read, and it must cover
+  // [anchor_pos - window, anchor_pos + block_size) (the block's own rows are written at its
+  // positions, where the next target step overwrites them).
+  std::vector<std::vector<int32_t>> block_tables;
+  int num_drafts = 0;  // 1 .. block_size - 1
+  // Probabilistic drafts: slot j (1-based) is drawn with these parameters and counter
+  // sampling->counter + j - 1; none: greedy (argmax).
+  std::optional<DeviceSamplingParams> sampling;
+};
+
+struct DraftInput {
+  std::vector<DraftSeq> seqs;
+  bool want_probs = false;  // return each draft's distribution q (probabilistic verification)
+};
+
+struct DraftOutput {
+  std::vector<std::vector<int32_t>> tokens;  // [seq][num_drafts]
+  std::vector<std::vector<float>> probs;     // [seq][num_drafts * vocab] when want_probs
+};
+
 }  // namespace ml4

@@ -3,7 +3,7 @@
 namespace ml4 {
 
 Result<StepMetadata> build_step_metadata(const StepInput& in, const std::vector<CacheGroupInfo>& groups,
-                                         int vocab_size, int64_t max_model_len) {
+                                         int vocab_size, int64_t max_model_len, int only_group) {
   StepMetadata md;
   const int ngroups = static_cast<int>(groups.size());
   md.page_tokens_.resize(ngroups);
@@ -26,13 +26,20 @@ Result<StepMetadata> build_step_metadata(const StepInput& in, const std::vector<
     for (int g = 0; g < ngroups; ++g) {
       const auto& bt = s.block_tables[g];
       const int64_t page = groups[g].page_tokens;
-      // Sliding-window groups may not be used by the target forward; only full ones must cover.
-      if (groups[g].sliding_window == 0 && static_cast<int64_t>(bt.size()) * page < end)
+      // Full-attention groups must cover the step (all of them, or only_group); a
+      // sliding-window group may hold kNoBlock (-1) for pages it released, and gives a slot
+      // where its table covers a token.
+      const bool sliding = groups[g].sliding_window != 0;
+      const bool must_cover = only_group >= 0 ? g == only_group : !sliding;
+      if (must_cover && static_cast<int64_t>(bt.size()) * page < end)
         return invalid_argument("{}", where(fmt::format("group {} block table covers {} tokens, needs {}",
                                                         groups[g].name, bt.size() * page, end)));
-      for (int32_t b : bt)
+      for (size_t i = 0; i < bt.size(); ++i) {
+        const int32_t b = bt[i];
+        if (sliding && b == -1 && static_cast<int64_t>(i + 1) * page <= s.start_pos) continue;  // released
         if (b < 0 || b >= groups[g].num_blocks)
           return out_of_range("{}", where(fmt::format("group {} block id {} outside [0, {})", groups[g].name, b, groups[g].num_blocks)));
+      }
     }
     StepMetadata::Seq seq;
     seq.step = &s;
@@ -53,8 +60,11 @@ Result<StepMetadata> build_step_metadata(const StepInput& in, const std::vector<
   }
   for (int g = 0; g < ngroups; ++g) {
     md.slots[g].resize(md.num_tokens(), -1);
-    if (groups[g].sliding_window != 0) continue;
-    for (int64_t t = 0; t < md.num_tokens(); ++t) md.slots[g][t] = md.slot_of(md.seq_of_token[t], g, md.positions[t]);
+    for (int64_t t = 0; t < md.num_tokens(); ++t) {
+      const auto& bt = md.seqs[md.seq_of_token[t]].step->block_tables[g];
+      const int64_t b = md.positions[t] / groups[g].page_tokens;
+      if (b < static_cast<int64_t>(bt.size()) && bt[b] >= 0) md.slots[g][t] = md.slot_of(md.seq_of_token[t], g, md.positions[t]);
+    }
   }
   return md;
 }

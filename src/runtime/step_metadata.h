@@ -42,7 +42,9 @@ struct StepMetadata {
   std::vector<int> page_tokens_;  // per group
 };
 
+// only_group >= 0: only that group's tables must cover the step (a DSpark draft step, which
+// touches only the drafter group); else every full-attention group's must.
 Result<StepMetadata> build_step_metadata(const StepInput& in, const std::vector<CacheGroupInfo>& groups,
-                                         int vocab_size, int64_t max_model_len);
+                                         int vocab_size, int64_t max_model_len, int only_group = -1);
 
 }  // namespace ml4

@@ -228,4 +228,46 @@ inline int32_t sample_row_reference(const float* l, int64_t V, const DeviceSampl
   return static_cast<int32_t>(token);
 }
 
+// The distribution a row is drawn from under p (the filters in the host Sampler's order: sort
+// by logit, ties by id; top-k; top-p over the renormalised top-k probabilities; min-p relative
+// to the top probability), in f64; greedy rows (temperature <= 0) put 1 on the argmax. The
+// speculative decoding verifier works on these (engine/spec_decode.h): what it emits is drawn
+// from exactly this distribution (sample_row_reference's integer weights differ from it by at
+// most 2^-40 per id).
+inline void row_distribution(const float* l, int64_t V, const DeviceSamplingParams& p, double* out) {
+  std::vector<int32_t> idx(static_cast<size_t>(V));
+  std::iota(idx.begin(), idx.end(), 0);
+  std::fill(out, out + V, 0.0);
+  if (greedy(p)) {
+    int64_t best = 0;
+    for (int64_t i = 1; i < V; ++i)
+      if (ranks_above(l[i], i, l[best], best)) best = i;
+    out[best] = 1.0;
+    return;
+  }
+  std::stable_sort(idx.begin(), idx.end(), [&](int32_t a, int32_t b) { return ranks_above(l[a], a, l[b], b); });
+  int64_t keep = top_k_on(p, V) ? p.top_k : V;
+  const double m = l[idx[0]];
+  std::vector<double> q(static_cast<size_t>(keep));
+  double sum = 0;
+  for (int64_t i = 0; i < keep; ++i) sum += q[i] = std::exp((l[idx[i]] - m) / p.temperature);
+  for (auto& x : q) x /= sum;
+  if (top_p_on(p)) {
+    double acc = 0;
+    for (int64_t i = 0; i < keep; ++i)
+      if ((acc += q[i]) >= p.top_p) {
+        keep = i + 1;
+        break;
+      }
+  }
+  if (min_p_on(p)) {
+    int64_t cut = 1;
+    while (cut < keep && q[cut] >= min_p_value(p) * q[0]) ++cut;
+    keep = cut;
+  }
+  double tot = 0;
+  for (int64_t i = 0; i < keep; ++i) tot += q[i];
+  for (int64_t i = 0; i < keep; ++i) out[idx[i]] = q[i] / tot;
+}
+
 }  // namespace ml4::sampling

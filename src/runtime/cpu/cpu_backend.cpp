@@ -6,6 +6,7 @@
 
 #include "core/threads.h"
 #include "ops/cpu/ops.h"
+#include "ops/cpu/sampling.h"
 
 namespace ml4 {
 
@@ -13,6 +14,7 @@ CpuBackend::CpuBackend(const ModelConfig& cfg, std::shared_ptr<const ModelWeight
     : cfg_(cfg), weights_(std::move(weights)), cache_(cache) {
   latent_group_ = cache_->spec().group_index(CacheGroupSpec::kLatent);
   indexer_group_ = cache_->spec().group_index(CacheGroupSpec::kIndexer);
+  drafter_group_ = cache_->spec().group_index(CacheGroupSpec::kDrafter);
 }
 
 void CpuBackend::begin_step(const StepMetadata& md) {
@@ -22,7 +24,7 @@ void CpuBackend::begin_step(const StepMetadata& md) {
   const int64_t D = c.dim, H = c.n_heads, qk = c.qk_nope_head_dim + c.qk_rope_head_dim, r = c.kv_lora_rank,
                 dr = c.qk_rope_head_dim;
   const int64_t E = std::max(c.moe.num_experts, 1), K = std::max(c.moe.num_experts_per_tok, 1);
-  act_storage_.resize(21);
+  act_storage_.resize(30);
   auto grow = [&](int i, int64_t n) -> float* {
     auto& v = act_storage_[i];
     if (static_cast<int64_t>(v.size()) < n) v.assign(n, 0.0f);
@@ -53,6 +55,22 @@ void CpuBackend::begin_step(const StepMetadata& md) {
     }
     expert_ids_.resize(n * K);
     acts_.expert_ids = expert_ids_.data();
+    if (drafter_) {
+      const int64_t nt = static_cast<int64_t>(c.drafter.target_layers.size()), rr = c.drafter.rnn_rank;
+      const int64_t B = c.drafter.block_size, V = c.vocab_size;
+      const int64_t ns = n / std::max<int64_t>(B, 1) + 1;  // sequences of a draft step of n tokens
+      acts_.draft_hidden = grow(21, n * nt * D);
+      acts_.draft_ctx = grow(22, n * D);
+      acts_.markov_x = grow(23, ns * (D + rr));
+      acts_.markov_e = grow(24, ns * rr);
+      acts_.markov_gi = grow(25, ns * 3 * rr);
+      acts_.markov_gh = grow(26, ns * 3 * rr);
+      acts_.markov_s = grow(27, ns * rr);
+      acts_.markov_logits = grow(28, ns * V);
+      acts_.draft_probs = grow(29, (B - 1) * ns * V);
+      draft_ids_.resize(B * ns);
+      acts_.draft_ids = draft_ids_.data();
+    }
     act_tokens_ = n;
   }
   if (R > act_rows_ || acts_.rows == nullptr) {
@@ -96,6 +114,13 @@ Result<MoeRef> CpuBackend::add_moe(const std::vector<MlpWeights>& experts, const
 
 Status CpuBackend::reserve_selections(int n) {
   selections_.assign(n, {});
+  return Status::ok();
+}
+
+Status CpuBackend::enable_drafter() {
+  if (drafter_group_ < 0) return invalid_argument("the KV cache has no drafter group");
+  drafter_ = true;
+  act_tokens_ = 0;  // the next step sizes the drafter's buffers
   return Status::ok();
 }
 
@@ -154,7 +179,7 @@ Status CpuBackend::q_path(const QPathArgs& p) {
   const int H = p.rope.heads;
   for (int64_t t = 0; t < step_tokens(); ++t) {
     const int64_t pos = md_->positions[t];
-    const int64_t S = p.selection >= 0 ? static_cast<int64_t>(selected(p.selection, t).size()) : pos + 1;
+    const int64_t S = p.selection != kDenseSelection ? static_cast<int64_t>(selected(p.selection, t).size()) : pos + 1;
     for (int h = 0; h < H; ++h) {
       double sc = p.base_scale * cpu::llama4_q_scale(pos, p.llama4);
       if (p.ssmax_s != nullptr) sc *= p.ssmax_s[h] * std::log(static_cast<double>(S));
@@ -164,10 +189,18 @@ Status CpuBackend::q_path(const QPathArgs& p) {
   return Status::ok();
 }
 
-Status CpuBackend::latent_cache_write(int cache_slot, const float* c, const float* kr, int kr_stride) {
+Status CpuBackend::latent_cache_write(CacheGroup group, int cache_slot, const float* c, const float* kr,
+                                      int kr_stride) {
   const int r = cfg_.kv_lora_rank;
-  for (int64_t t = 0; t < step_tokens(); ++t)
-    cache_->write_latent(cache_slot, md_->slots[latent_group_][t], c + t * r, kr + t * kr_stride);
+  const auto& slots = md_->slots[group_index(group)];
+  for (int64_t t = 0; t < step_tokens(); ++t) {
+    if (slots[t] < 0) continue;
+    if (group == CacheGroup::kDrafter) {
+      cache_->write_drafter(cache_slot, slots[t], c + t * r, kr + t * kr_stride);
+    } else {
+      cache_->write_latent(cache_slot, slots[t], c + t * r, kr + t * kr_stride);
+    }
+  }
   return Status::ok();
 }
 
@@ -256,14 +289,22 @@ Status CpuBackend::mla_absorb_q(const float* w_uk, const float* q, float* q_lat)
 Status CpuBackend::mla_attention(const MlaArgs& p) {
   const int H = cfg_.n_heads, dn = cfg_.qk_nope_head_dim, dr = cfg_.qk_rope_head_dim, r = cfg_.kv_lora_rank;
   const int qk = dn + dr;
+  const int g = group_index(p.group);
   for (size_t si = 0; si < md_->seqs.size(); ++si) {
     const auto& seq = md_->seqs[si];
     const int64_t n = seq.context_len;
-    std::vector<float> keys_c(n * r), keys_kr(n * dr);
-    parallel_for(n, 64, [&](int64_t b, int64_t e) {
-      for (int64_t s = b; s < e; ++s)
-        cache_->read_latent(p.cache_slot, md_->slot_of(static_cast<int>(si), latent_group_, s), keys_c.data() + s * r,
-                            keys_kr.data() + s * dr);
+    // Keys [lo, n) of the sequence are decoded once (a block window reads only its window).
+    const int64_t lo = p.selection == kBlockWindow ? std::max<int64_t>(0, seq.start_pos - cfg_.drafter.window) : 0;
+    std::vector<float> keys_c((n - lo) * r), keys_kr((n - lo) * dr);
+    parallel_for(n - lo, 64, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        const int64_t slot = md_->slot_of(static_cast<int>(si), g, lo + i);
+        if (p.group == CacheGroup::kDrafter) {
+          cache_->read_drafter(p.cache_slot, slot, keys_c.data() + i * r, keys_kr.data() + i * dr);
+        } else {
+          cache_->read_latent(p.cache_slot, slot, keys_c.data() + i * r, keys_kr.data() + i * dr);
+        }
+      }
     });
     parallel_for(seq.num_tokens, 1, [&](int64_t b, int64_t e) {
       std::vector<float> q_rope(H * dr), cg, krg;
@@ -273,14 +314,14 @@ Status CpuBackend::mla_attention(const MlaArgs& p) {
         const float* cp = keys_c.data();
         const float* krp = keys_kr.data();
         int64_t S = md_->positions[t] + 1;
-        if (p.selection >= 0) {
+        if (p.selection != kDenseSelection) {
           const auto& sel = selected(p.selection, t);
           S = static_cast<int64_t>(sel.size());
           cg.resize(S * r);
           krg.resize(S * dr);
           for (int64_t j = 0; j < S; ++j) {
-            std::copy_n(keys_c.data() + sel[j] * int64_t{r}, r, cg.data() + j * r);
-            std::copy_n(keys_kr.data() + sel[j] * int64_t{dr}, dr, krg.data() + j * dr);
+            std::copy_n(keys_c.data() + (sel[j] - lo) * r, r, cg.data() + j * r);
+            std::copy_n(keys_kr.data() + (sel[j] - lo) * dr, dr, krg.data() + j * dr);
           }
           cp = cg.data();
           krp = krg.data();
@@ -394,6 +435,100 @@ Status CpuBackend::gather_logits_rows(const float* x, float* out) {
   const int64_t D = cfg_.dim;
   for (size_t i = 0; i < md_->logits_rows.size(); ++i)
     std::copy(x + md_->logits_rows[i] * D, x + (md_->logits_rows[i] + 1) * D, out + i * D);
+  return Status::ok();
+}
+
+// ---- the DSpark drafter's ops ----
+
+Result<TableRef> CpuBackend::add_table(const Tensor& t) {
+  if (t.rank() != 2 || (t.dtype() != DType::kBF16 && t.dtype() != DType::kF32))
+    return invalid_argument("table: expected a [rows, cols] bf16/f32 tensor, found {}", t.describe());
+  tables_.push_back(&t);
+  return TableRef{static_cast<int>(tables_.size()) - 1};
+}
+
+Status CpuBackend::gather_table_rows(TableRef t, const int32_t* ids, int64_t n, float* out) {
+  cpu::embedding_lookup(*tables_[t.id], ids, n, out);
+  return Status::ok();
+}
+
+Status CpuBackend::copy_rows(const float* src, int64_t src_stride, float* dst, int64_t dst_stride, int64_t rows,
+                             int64_t cols) {
+  for (int64_t i = 0; i < rows; ++i) std::copy_n(src + i * src_stride, cols, dst + i * dst_stride);
+  return Status::ok();
+}
+
+Status CpuBackend::add_rows(float* y, int64_t y_stride, const float* x, int64_t x_stride, int64_t rows, int64_t cols) {
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) y[i * y_stride + j] += x[i * x_stride + j];
+  return Status::ok();
+}
+
+Status CpuBackend::fill(float* x, int64_t n, float value) {
+  std::fill(x, x + n, value);
+  return Status::ok();
+}
+
+Status CpuBackend::block_embed(const float* mask, float* out) {
+  const int64_t D = cfg_.dim;
+  for (const auto& seq : md_->seqs) {
+    cpu::embedding_lookup(*embed_, md_->token_ids.data() + seq.first_token, 1, out + seq.first_token * D);
+    for (int64_t i = 1; i < seq.num_tokens; ++i) std::copy_n(mask + (i - 1) * D, D, out + (seq.first_token + i) * D);
+  }
+  return Status::ok();
+}
+
+Status CpuBackend::select_block_window(CacheGroup group, int64_t window) {
+  const int g = group_index(group);
+  window_.assign(step_tokens(), {});
+  for (size_t si = 0; si < md_->seqs.size(); ++si) {
+    const auto& seq = md_->seqs[si];
+    const int64_t lo = std::max<int64_t>(0, seq.start_pos - window);
+    std::vector<int32_t> keys;
+    for (int64_t s = lo; s < seq.context_len; ++s) {
+      const auto& bt = seq.step->block_tables[g];
+      const int64_t b = s / kPageTokens;
+      if (b >= static_cast<int64_t>(bt.size()) || bt[b] < 0)
+        return invalid_argument("seq {}: drafter block table does not cover position {}", seq.step->seq_id, s);
+      keys.push_back(static_cast<int32_t>(s));
+    }
+    for (int64_t i = 0; i < seq.num_tokens; ++i) window_[seq.first_token + i] = keys;
+  }
+  return Status::ok();
+}
+
+Status CpuBackend::gru_update(const float* gi, const float* gh, const float* b_ih, const float* b_hh, int64_t rows,
+                              int64_t r, float* s) {
+  auto sig = [](double v) { return 1.0 / (1.0 + std::exp(-v)); };
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* a = gi + i * 3 * r;
+    const float* h = gh + i * 3 * r;
+    float* st = s + i * r;
+    for (int64_t k = 0; k < r; ++k) {
+      const double rg = sig(static_cast<double>(a[k]) + b_ih[k] + h[k] + b_hh[k]);
+      const double zg = sig(static_cast<double>(a[r + k]) + b_ih[r + k] + h[r + k] + b_hh[r + k]);
+      const double ng = std::tanh(static_cast<double>(a[2 * r + k]) + b_ih[2 * r + k] + rg * (h[2 * r + k] + b_hh[2 * r + k]));
+      st[k] = static_cast<float>((1.0 - zg) * ng + zg * st[k]);
+    }
+  }
+  return Status::ok();
+}
+
+Status CpuBackend::choose_tokens(const float* logits, int64_t rows, const DeviceSamplingParams* params, int32_t* ids,
+                                 float* probs) {
+  const int64_t V = cfg_.vocab_size;
+  std::vector<double> dist(probs != nullptr ? V : 0);
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* l = logits + i * V;
+    DeviceSamplingParams p;
+    p.temperature = 0.0f;
+    if (params != nullptr) p = params[i];
+    ids[i] = sampling::sample_row_reference(l, V, p);
+    if (probs != nullptr) {
+      sampling::row_distribution(l, V, p, dist.data());
+      for (int64_t v = 0; v < V; ++v) probs[i * V + v] = static_cast<float>(dist[v]);
+    }
+  }
   return Status::ok();
 }
 

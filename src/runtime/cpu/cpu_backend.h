@@ -35,6 +35,7 @@ class CpuBackend : public Backend {
   Result<const float*> add_vector(const std::vector<float>& v) override;
   Result<MoeRef> add_moe(const std::vector<MlpWeights>& experts, const MlpWeights* shared) override;
   Status reserve_selections(int n) override;
+  Status enable_drafter() override;
 
   const Activations& acts() const override { return acts_; }
   int64_t step_tokens() const override { return md_ == nullptr ? 0 : md_->num_tokens(); }
@@ -48,7 +49,7 @@ class CpuBackend : public Backend {
   Status silu_mul(const float* g, const float* u, int64_t rows, int64_t cols, float* out) override;
   Status rope(const RopeArgs& p) override;
   Status q_path(const QPathArgs& p) override;
-  Status latent_cache_write(int cache_slot, const float* c, const float* kr, int kr_stride) override;
+  Status latent_cache_write(CacheGroup group, int cache_slot, const float* c, const float* kr, int kr_stride) override;
   Status indexer_key_write(int cache_slot, float* k) override;
   Status indexer_select(const IndexerSelectArgs& p) override;
   Result<std::vector<std::vector<int32_t>>> read_selection(int selection) override;
@@ -60,6 +61,18 @@ class CpuBackend : public Backend {
   Status moe_experts(MoeRef moe, const float* x, const int32_t* ids, const float* weights, float* out) override;
   Result<std::vector<int32_t>> read_ints(const int32_t* p, int64_t n) override;
   Status gather_logits_rows(const float* x, float* out) override;
+  Result<TableRef> add_table(const Tensor& t) override;
+  Status gather_table_rows(TableRef t, const int32_t* ids, int64_t n, float* out) override;
+  Status copy_rows(const float* src, int64_t src_stride, float* dst, int64_t dst_stride, int64_t rows,
+                   int64_t cols) override;
+  Status add_rows(float* y, int64_t y_stride, const float* x, int64_t x_stride, int64_t rows, int64_t cols) override;
+  Status fill(float* x, int64_t n, float value) override;
+  Status block_embed(const float* mask, float* out) override;
+  Status select_block_window(CacheGroup group, int64_t window) override;
+  Status gru_update(const float* gi, const float* gh, const float* b_ih, const float* b_hh, int64_t rows, int64_t r,
+                    float* s) override;
+  Status choose_tokens(const float* logits, int64_t rows, const DeviceSamplingParams* params, int32_t* ids,
+                       float* probs) override;
 
  private:
   struct Moe {
@@ -67,16 +80,23 @@ class CpuBackend : public Backend {
     const MlpWeights* shared = nullptr;
   };
   void mlp(const MlpWeights& m, const float* x, int64_t T, float* out);
-  const std::vector<int32_t>& selected(int selection, int64_t t) const { return selections_[selection][t]; }
+  const std::vector<int32_t>& selected(int selection, int64_t t) const {
+    return selection == kBlockWindow ? window_[t] : selections_[selection][t];
+  }
+  int group_index(CacheGroup g) const { return g == CacheGroup::kDrafter ? drafter_group_ : latent_group_; }
 
   ModelConfig cfg_;
   std::shared_ptr<const ModelWeights> weights_;
   PagedKvCache* cache_ = nullptr;
-  int latent_group_ = -1, indexer_group_ = -1;
+  int latent_group_ = -1, indexer_group_ = -1, drafter_group_ = -1;
   const Tensor* embed_ = nullptr;
   std::vector<const LinearWeight*> linears_;
   std::vector<Moe> moes_;
   std::vector<std::vector<std::vector<int32_t>>> selections_;  // [selection][token] positions
+  std::vector<std::vector<int32_t>> window_;                  // [token] kBlockWindow positions
+  std::vector<const Tensor*> tables_;
+  bool drafter_ = false;
+  std::vector<int32_t> draft_ids_;
   const StepMetadata* md_ = nullptr;
   Activations acts_;
   std::vector<std::vector<float>> act_storage_;

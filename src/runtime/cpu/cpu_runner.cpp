@@ -1,5 +1,7 @@
 #include "runtime/cpu/cpu_runner.h"
 
+#include <algorithm>
+
 #include "core/log.h"
 #include "kv/kv_cache_dtype.h"
 #include "model/config_loader.h"
@@ -14,6 +16,7 @@ Result<std::unique_ptr<CpuRunner>> CpuRunner::load(const std::string& model_dir,
   auto ckpt = std::make_shared<Checkpoint>(std::move(ck));
   WeightLoadOptions wo;
   wo.experts_to_mxfp4 = opts.experts_to_mxfp4;
+  wo.load_drafter = opts.drafter;
   ML4_ASSIGN_OR_RETURN(auto weights, load_model_weights(cfg, *ckpt, wo));
   ML4_ASSIGN_OR_RETURN(auto r, create(cfg, weights, opts, duplicate_shared_kv));
   r->ckpt_ = ckpt;
@@ -35,7 +38,8 @@ Result<std::unique_ptr<CpuRunner>> CpuRunner::create(const ModelConfig& cfg, std
   auto r = std::unique_ptr<CpuRunner>(new CpuRunner());
   r->spec_ = spec;
   r->max_model_len_ = opts.max_model_len > 0 ? opts.max_model_len : cfg.max_position_embeddings;
-  std::vector<int64_t> blocks = PagedKvCache::blocks_for_budget(spec, opts.kv_cache_bytes);
+  std::vector<int64_t> blocks =
+      PagedKvCache::blocks_for_budget(spec, opts.kv_cache_bytes, opts.drafter ? std::max<int64_t>(opts.max_num_seqs, 1) : 0);
   ML4_ASSIGN_OR_RETURN(PagedKvCache cache, PagedKvCache::create(spec, blocks));
   r->cache_ = std::make_unique<PagedKvCache>(std::move(cache));
   for (size_t g = 0; g < spec.groups.size(); ++g) {
@@ -45,6 +49,7 @@ Result<std::unique_ptr<CpuRunner>> CpuRunner::create(const ModelConfig& cfg, std
   r->backend_ = std::make_unique<CpuBackend>(cfg, weights, r->cache_.get());
   ModelForward::Options fo;
   fo.duplicate_shared_kv = duplicate_shared_kv;
+  fo.drafter = opts.drafter;
   ML4_ASSIGN_OR_RETURN(r->program_, ModelForward::create(cfg, *weights, *r->backend_, fo));
   return r;
 }
@@ -63,6 +68,64 @@ Result<StepOutput> CpuRunner::execute_traced(const StepInput& in, ForwardTrace* 
   for (const auto& s : in.seqs) {
     out.logits.emplace_back(logits + row * V, logits + (row + s.num_logits) * V);
     row += s.num_logits;
+  }
+  return out;
+}
+
+// One block of B tokens per sequence: the anchor, then placeholders (their rows are the mask
+// embeddings) at the next positions; logits rows: slots 1..B-1 (ModelForward::draft).
+Result<DraftOutput> CpuRunner::draft(const DraftInput& in) {
+  if (!program_->has_drafter()) return unimplemented("this runner has no DSpark drafter (RunnerOptions::drafter)");
+  const ModelConfig& cfg = config();
+  const int B = cfg.drafter.block_size;
+  const int64_t V = cfg.vocab_size;
+  const int dg = spec_.group_index(CacheGroupSpec::kDrafter);
+  StepInput step;
+  for (const auto& d : in.seqs) {
+    if (d.num_drafts < 1 || d.num_drafts > B - 1)
+      return invalid_argument("draft seq {}: num_drafts {} outside [1, {}]", d.seq_id, d.num_drafts, B - 1);
+    SeqStep s;
+    s.seq_id = d.seq_id;
+    s.tokens.assign(B, 0);
+    s.tokens[0] = d.anchor_token;
+    s.start_pos = d.anchor_pos;
+    s.block_tables = d.block_tables;
+    s.num_logits = B - 1;
+    step.seqs.push_back(std::move(s));
+  }
+  ML4_ASSIGN_OR_RETURN(StepMetadata md, build_step_metadata(step, groups_, cfg.vocab_size, 0, dg));
+  backend_->begin_step(md);
+  const int64_t n = static_cast<int64_t>(in.seqs.size());
+  const Activations& x = backend_->acts();
+  for (int64_t i = 0; i < n; ++i) x.draft_ids[i] = in.seqs[i].anchor_token;
+  std::vector<DeviceSamplingParams> params;
+  bool any_sampled = false;
+  for (const auto& d : in.seqs) any_sampled |= d.sampling.has_value();
+  if (any_sampled) {
+    params.resize((B - 1) * n);
+    for (int j = 0; j < B - 1; ++j)
+      for (int64_t i = 0; i < n; ++i) {
+        DeviceSamplingParams p;
+        p.temperature = 0.0f;
+        if (in.seqs[i].sampling) {
+          p = *in.seqs[i].sampling;
+          p.counter += j;
+        }
+        params[j * n + i] = p;
+      }
+  }
+  ML4_RETURN_IF_ERROR(program_->draft(any_sampled ? params.data() : nullptr, in.want_probs));
+  DraftOutput out;
+  for (int64_t i = 0; i < n; ++i) {
+    const int k = in.seqs[i].num_drafts;
+    std::vector<int32_t> toks(k);
+    for (int j = 0; j < k; ++j) toks[j] = x.draft_ids[(j + 1) * n + i];
+    out.tokens.push_back(std::move(toks));
+    if (in.want_probs) {
+      std::vector<float> q(k * V);
+      for (int j = 0; j < k; ++j) std::copy_n(x.draft_probs + (j * n + i) * V, V, q.begin() + j * V);
+      out.probs.push_back(std::move(q));
+    }
   }
   return out;
 }

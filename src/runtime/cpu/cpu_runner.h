@@ -34,6 +34,8 @@ class CpuRunner : public ModelRunner {
   // As execute(), also recording the forward's decisions (top-k sets, routed experts).
   Result<StepOutput> execute_traced(const StepInput& in, ForwardTrace* trace) override;
   std::vector<KvRegion> kv_regions() override;
+  bool has_drafter() const override { return program_->has_drafter(); }
+  Result<DraftOutput> draft(const DraftInput& in) override;
 
   const KvCacheSpec& kv_spec() const { return spec_; }
   PagedKvCache& cache() { return *cache_; }

@@ -496,7 +496,9 @@ Status CudaBackend::q_path(const QPathArgs& a) {
   return cuda::q_path(qp);
 }
 
-Status CudaBackend::latent_cache_write(int cache_slot, const float* c, const float* kr, int kr_stride) {
+Status CudaBackend::latent_cache_write(CacheGroup group, int cache_slot, const float* c, const float* kr,
+                                       int kr_stride) {
+  if (group != CacheGroup::kLatent) return unimplemented("the CUDA backend has no DSpark drafter yet");
   LatentCacheWriteParams w;
   w.c = c;
   w.kr = kr;
@@ -656,6 +658,8 @@ Status CudaBackend::mla_apply_uv(const float* w_uv, const float* out_lat, float*
 // The rope part of q copied contiguous for the kernel, then absorbed MLA over the pages:
 // the selection's slots, or every key of the token's sequence.
 Status CudaBackend::mla_attention(const MlaArgs& a) {
+  if (a.group != CacheGroup::kLatent || a.selection == kBlockWindow)
+    return unimplemented("the CUDA backend has no DSpark drafter yet");
   Buffers& b = *buf_;
   const int H = cfg_.n_heads, dn = cfg_.qk_nope_head_dim, dr = cfg_.qk_rope_head_dim;
   const int qk = dn + dr;
@@ -754,6 +758,23 @@ Status CudaBackend::fill_kv_synthetic(uint64_t seed) {
     for (auto& b : kv_[g]) ML4_RETURN_IF_ERROR(fill_synthetic_bytes(b.data(), static_cast<int64_t>(b.bytes()), seed + ++i, stream_));
   }
   return cuda_status(cudaStreamSynchronize(stream_), "fill_kv_synthetic");
+}
+
+// ---- the DSpark drafter's ops: not on the GPU yet (enable_drafter refuses, so none runs) ----
+
+Status CudaBackend::enable_drafter() { return unimplemented("DSpark speculative decoding is not on the CUDA backend yet"); }
+Result<TableRef> CudaBackend::add_table(const Tensor&) { return unimplemented("add_table"); }
+Status CudaBackend::gather_table_rows(TableRef, const int32_t*, int64_t, float*) { return unimplemented("gather_table_rows"); }
+Status CudaBackend::copy_rows(const float*, int64_t, float*, int64_t, int64_t, int64_t) { return unimplemented("copy_rows"); }
+Status CudaBackend::add_rows(float*, int64_t, const float*, int64_t, int64_t, int64_t) { return unimplemented("add_rows"); }
+Status CudaBackend::fill(float*, int64_t, float) { return unimplemented("fill"); }
+Status CudaBackend::block_embed(const float*, float*) { return unimplemented("block_embed"); }
+Status CudaBackend::select_block_window(CacheGroup, int64_t) { return unimplemented("select_block_window"); }
+Status CudaBackend::gru_update(const float*, const float*, const float*, const float*, int64_t, int64_t, float*) {
+  return unimplemented("gru_update");
+}
+Status CudaBackend::choose_tokens(const float*, int64_t, const DeviceSamplingParams*, int32_t*, float*) {
+  return unimplemented("choose_tokens");
 }
 
 }  // namespace ml4::cuda

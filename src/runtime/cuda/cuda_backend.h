@@ -77,6 +77,7 @@ class CudaBackend : public Backend {
   Result<const float*> add_vector(const std::vector<float>& v) override;
   Result<MoeRef> add_moe(const std::vector<MlpWeights>& experts, const MlpWeights* shared) override;
   Status reserve_selections(int n) override;
+  Status enable_drafter() override;
   Status segment(const Fn& fn) override;
   Status host_sync(const Fn& fn) override;
   Status finish_forward() override;
@@ -95,7 +96,7 @@ class CudaBackend : public Backend {
   Status silu_mul(const float* g, const float* u, int64_t rows, int64_t cols, float* out) override;
   Status rope(const RopeArgs& p) override;
   Status q_path(const QPathArgs& p) override;
-  Status latent_cache_write(int cache_slot, const float* c, const float* kr, int kr_stride) override;
+  Status latent_cache_write(CacheGroup group, int cache_slot, const float* c, const float* kr, int kr_stride) override;
   Status indexer_key_write(int cache_slot, float* k) override;
   Status indexer_select(const IndexerSelectArgs& p) override;
   Result<std::vector<std::vector<int32_t>>> read_selection(int selection) override;
@@ -108,6 +109,18 @@ class CudaBackend : public Backend {
   bool moe_experts_capturable(MoeRef moe) const override;
   Result<std::vector<int32_t>> read_ints(const int32_t* p, int64_t n) override;
   Status gather_logits_rows(const float* x, float* out) override;
+  Result<TableRef> add_table(const Tensor& t) override;
+  Status gather_table_rows(TableRef t, const int32_t* ids, int64_t n, float* out) override;
+  Status copy_rows(const float* src, int64_t src_stride, float* dst, int64_t dst_stride, int64_t rows,
+                   int64_t cols) override;
+  Status add_rows(float* y, int64_t y_stride, const float* x, int64_t x_stride, int64_t rows, int64_t cols) override;
+  Status fill(float* x, int64_t n, float value) override;
+  Status block_embed(const float* mask, float* out) override;
+  Status select_block_window(CacheGroup group, int64_t window) override;
+  Status gru_update(const float* gi, const float* gh, const float* b_ih, const float* b_hh, int64_t rows, int64_t r,
+                    float* s) override;
+  Status choose_tokens(const float* logits, int64_t rows, const DeviceSamplingParams* params, int32_t* ids,
+                       float* probs) override;
 
   // ---- the runner's side ----
   // The KV pools: one buffer per (group, layer slot) of blocks[group] pages.
