@@ -282,8 +282,10 @@ class Backend {
                             int64_t r, float* s) = 0;
   // One token per row of logits [rows, V]: the argmax (ties to the lower id) when params is
   // null, else a draw with params[row] (ops/cpu/sampling.h semantics). ids [rows] in backend
-  // memory; probs [rows, V] (softmax of the logits at the draw's temperature; 1 at the argmax
-  // for greedy rows) when non-null.
+  // memory; probs [rows, V] when non-null: the distribution each row was drawn from
+  // (sampling::row_distribution: the filters at the draw's temperature), or, for greedy
+  // (params null), softmax(logits): the drafter's own distribution (diagnostics and tests; a
+  // greedy draft is verified as one-hot).
   virtual Status choose_tokens(const float* logits, int64_t rows, const DeviceSamplingParams* params, int32_t* ids,
                                float* probs) = 0;
 };

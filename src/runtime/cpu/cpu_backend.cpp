@@ -524,7 +524,10 @@ Status CpuBackend::choose_tokens(const float* logits, int64_t rows, const Device
     p.temperature = 0.0f;
     if (params != nullptr) p = params[i];
     ids[i] = sampling::sample_row_reference(l, V, p);
-    if (probs != nullptr) {
+    if (probs != nullptr && params == nullptr) {  // greedy: the drafter's softmax
+      std::copy_n(l, V, probs + i * V);
+      cpu::softmax_inplace(probs + i * V, V);
+    } else if (probs != nullptr) {
       sampling::row_distribution(l, V, p, dist.data());
       for (int64_t v = 0; v < V; ++v) probs[i * V + v] = static_cast<float>(dist[v]);
     }
