@@ -3,7 +3,8 @@
 # every package is already there.
 set -euo pipefail
 pkgs=(cmake ninja-build g++ pkg-config nlohmann-json3-dev libpcre2-dev libcpp-httplib-dev
-      libcli11-dev libfmt-dev libspdlog-dev libgtest-dev libgmock-dev libbenchmark-dev)
+      libcli11-dev libfmt-dev libspdlog-dev libgtest-dev libgmock-dev libbenchmark-dev
+      libopenmpi-dev openmpi-bin)  # ranks as processes (src/parallel/, SYSTEM.md S10)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -84,6 +84,14 @@ class Binder {
     }
   }
 
+  // A linear another rank holds (expert parallelism): its tensors count as read.
+  void skip_linear(const std::string& base) {
+    for (const char* suffix : {"weight", kFp8BlockScaleSuffix, kFp4BlockScaleSuffix, kNvfp4GlobalScaleSuffix}) {
+      auto n = resolve(base + "." + suffix);
+      if (n.ok() && ckpt_.contains(n.value())) used_.insert(n.value());
+    }
+  }
+
   Status check_all_used() const {
     for (const auto& n : ckpt_.names()) {
       // The DSpark drafter's tensors belong to the drafter runner (S7), not the target.
@@ -121,9 +129,11 @@ LinearWeight unpermute_rope_rows(const LinearWeight& w, int64_t group, int64_t o
   return o;
 }
 
-// Splits W_UK [H][dn][r] and W_UV [H][dv][r] out of wkv_b [H*(dn+dv), r].
+// Splits W_UK [H][dn][r] and W_UV [H][dv][r] out of wkv_b [H*(dn+dv), r] (H: the heads wkv_b
+// holds, the rank's under tensor parallelism).
 void split_wkv_b(const ModelConfig& cfg, const LinearWeight& wkv_b, AttentionWeights& A) {
-  const int H = cfg.n_heads, dn = cfg.qk_nope_head_dim, dv = cfg.v_head_dim, r = cfg.kv_lora_rank;
+  const int dn = cfg.qk_nope_head_dim, dv = cfg.v_head_dim, r = cfg.kv_lora_rank;
+  const int H = static_cast<int>(wkv_b.out_features / (dn + dv));
   std::vector<float> full = dequantize_linear(wkv_b);
   A.w_uk.resize(static_cast<size_t>(H) * dn * r);
   A.w_uv.resize(static_cast<size_t>(H) * dv * r);
@@ -142,6 +152,20 @@ Tensor slice_rows(const Tensor& t, int64_t e, int64_t row0, int64_t rows) {
   return Tensor::view(t.dtype(), {rows, C}, base, nullptr);
 }
 
+// [begin, begin + count) of a dimension of `total`; the whole of it when count < 0.
+struct Range {
+  int64_t begin = 0, count = 0;
+};
+Range pick(int64_t begin, int64_t count, int64_t total) { return count < 0 ? Range{0, total} : Range{begin, count}; }
+
+// A SwiGLU MLP's hidden slice: w1 / w3 rows, w2 columns.
+Status slice_mlp(MlpWeights& m, Range r) {
+  ML4_ASSIGN_OR_RETURN(m.w1, slice_linear_rows(m.w1, r.begin, r.count));
+  ML4_ASSIGN_OR_RETURN(m.w3, slice_linear_rows(m.w3, r.begin, r.count));
+  ML4_ASSIGN_OR_RETURN(m.w2, slice_linear_cols(m.w2, r.begin, r.count));
+  return Status::ok();
+}
+
 Status requantize_expert(LinearWeight& w) {
   if (w.format != LinearFormat::kFP8Block) return Status::ok();
   ML4_ASSIGN_OR_RETURN(w, requantize_fp8_to_mxfp4(w));
@@ -153,6 +177,9 @@ Status load_layer(const ModelConfig& cfg, int l, Binder& b, LayerWeights& LW, co
   const std::string p = fmt::format("layers.{}.", l);
   const int64_t D = cfg.dim, H = cfg.n_heads, dn = cfg.qk_nope_head_dim, dr = cfg.qk_rope_head_dim;
   const int64_t dv = cfg.v_head_dim, r = cfg.kv_lora_rank;
+  static const WeightShard kWhole;
+  const WeightShard& S = opts.shard != nullptr ? *opts.shard : kWhole;
+  const Range hr = pick(S.head_begin, S.heads, H);  // this rank's heads
   ML4_ASSIGN_OR_RETURN(LW.attention_norm, b.vec(p + "attention_norm.weight", D));
   ML4_ASSIGN_OR_RETURN(LW.ffn_norm, b.vec(p + "ffn_norm.weight", D));
   AttentionWeights& A = LW.attn;
@@ -161,8 +188,10 @@ Status load_layer(const ModelConfig& cfg, int l, Binder& b, LayerWeights& LW, co
     ML4_ASSIGN_OR_RETURN(A.wq_a, b.linear(pa + "wq_a", cfg.q_lora_rank, D));
     ML4_ASSIGN_OR_RETURN(A.q_a_norm, b.vec(pa + "q_a_norm.weight", cfg.q_lora_rank));
     ML4_ASSIGN_OR_RETURN(A.wq_b, b.linear(pa + "wq_b", H * (dn + dr), cfg.q_lora_rank));
+    ML4_ASSIGN_OR_RETURN(A.wq_b, slice_linear_rows(A.wq_b, hr.begin * (dn + dr), hr.count * (dn + dr)));
   } else {
     ML4_ASSIGN_OR_RETURN(A.wq, b.linear(pa + "wq", H * (dn + dr), D));
+    ML4_ASSIGN_OR_RETURN(A.wq, slice_linear_rows(A.wq, hr.begin * (dn + dr), hr.count * (dn + dr)));
   }
   if (spec.owns_kv()) {
     ML4_ASSIGN_OR_RETURN(A.wkv_a, b.linear(pa + "wkv_a_with_mqa", r + dr, D));
@@ -174,10 +203,13 @@ Status load_layer(const ModelConfig& cfg, int l, Binder& b, LayerWeights& LW, co
     if (spec.owns_kv()) A.wkv_a = unpermute_rope_rows(A.wkv_a, r + dr, r, static_cast<int>(dr));
   }
   ML4_ASSIGN_OR_RETURN(A.wkv_b, b.linear(pa + "wkv_b", H * (dn + dv), r));
+  ML4_ASSIGN_OR_RETURN(A.wkv_b, slice_linear_rows(A.wkv_b, hr.begin * (dn + dv), hr.count * (dn + dv)));
   split_wkv_b(cfg, A.wkv_b, A);
   ML4_ASSIGN_OR_RETURN(A.wo, b.linear(pa + "wo", D, H * dv));
+  ML4_ASSIGN_OR_RETURN(A.wo, slice_linear_cols(A.wo, hr.begin * dv, hr.count * dv));
   if (spec.ssmax) {
     ML4_ASSIGN_OR_RETURN(A.ssmax_s, b.vec(pa + "ssmax_s", H));
+    A.ssmax_s = std::vector<float>(A.ssmax_s.begin() + hr.begin, A.ssmax_s.begin() + hr.begin + hr.count);
   }
   if (spec.indexer == IndexerRole::kOwner) {
     auto I = std::make_unique<IndexerWeights>();
@@ -198,15 +230,19 @@ Status load_layer(const ModelConfig& cfg, int l, Binder& b, LayerWeights& LW, co
       ML4_ASSIGN_OR_RETURN(F.dense.w1, b.linear(p + "feed_forward.w1", I, D));
       ML4_ASSIGN_OR_RETURN(F.dense.w2, b.linear(p + "feed_forward.w2", D, I));
       ML4_ASSIGN_OR_RETURN(F.dense.w3, b.linear(p + "feed_forward.w3", I, D));
+      ML4_RETURN_IF_ERROR(slice_mlp(F.dense, pick(S.dense_begin, S.dense, I)));
       break;
     }
     case FfnKind::kMoe: {
       const int64_t E = cfg.moe.num_experts, I = cfg.moe.expert_hidden_dim;
+      const Range er = pick(S.expert_begin, S.experts, E);  // the routed experts this rank holds
+      const Range eh = pick(S.expert_hidden_begin, S.expert_hidden, I);
+      auto mine = [&](int64_t e) { return e >= er.begin && e < er.begin + er.count; };
       ML4_ASSIGN_OR_RETURN(F.gate, b.linear(p + "gate", E, D));
       if (cfg.moe.has_correction_bias) {
         ML4_ASSIGN_OR_RETURN(F.correction_bias, b.vec(p + "gate.e_score_correction_bias", E));
       }
-      F.experts.resize(E);
+      F.experts.resize(er.count);
       if (cfg.layout == CheckpointLayout::kHF && hf_fused_experts(cfg)) {
         const std::string pe = fmt::format("model.layers.{}.mlp.experts.", l);
         if (!b.ckpt_.contains(pe + "gate_up_proj") || !b.ckpt_.contains(pe + "down_proj"))
@@ -218,20 +254,27 @@ Status load_layer(const ModelConfig& cfg, int l, Binder& b, LayerWeights& LW, co
         if (gu.shape() != Shape{E, 2 * I, D} || dw.shape() != Shape{E, D, I})
           return invalid_argument("tensor {}gate_up_proj/down_proj: expected [{}, {}, {}] and [{}, {}, {}], found {} and {}",
                                   pe, E, 2 * I, D, E, D, I, gu.describe(), dw.describe());
-        for (int64_t e = 0; e < E; ++e) {
+        for (int64_t e = er.begin; e < er.begin + er.count; ++e) {
           const std::string pn = fmt::format("{}{}", pe, e);
-          ML4_ASSIGN_OR_RETURN(F.experts[e].w1, b.linear_from(pn + ".gate", slice_rows(gu, e, 0, I), I, D));
-          ML4_ASSIGN_OR_RETURN(F.experts[e].w3, b.linear_from(pn + ".up", slice_rows(gu, e, I, I), I, D));
-          ML4_ASSIGN_OR_RETURN(F.experts[e].w2, b.linear_from(pn + ".down", slice_rows(dw, e, 0, D), D, I));
+          MlpWeights& X = F.experts[e - er.begin];
+          ML4_ASSIGN_OR_RETURN(X.w1, b.linear_from(pn + ".gate", slice_rows(gu, e, 0, I), I, D));
+          ML4_ASSIGN_OR_RETURN(X.w3, b.linear_from(pn + ".up", slice_rows(gu, e, I, I), I, D));
+          ML4_ASSIGN_OR_RETURN(X.w2, b.linear_from(pn + ".down", slice_rows(dw, e, 0, D), D, I));
         }
       } else {
         for (int64_t e = 0; e < E; ++e) {
           const std::string pe = fmt::format("{}experts.{}.", p, e);
-          ML4_ASSIGN_OR_RETURN(F.experts[e].w1, b.linear(pe + "w1", I, D));
-          ML4_ASSIGN_OR_RETURN(F.experts[e].w2, b.linear(pe + "w2", D, I));
-          ML4_ASSIGN_OR_RETURN(F.experts[e].w3, b.linear(pe + "w3", I, D));
+          if (!mine(e)) {  // another rank's expert (EP): its tensors are never touched
+            for (const char* w : {"w1", "w2", "w3"}) b.skip_linear(pe + w);
+            continue;
+          }
+          MlpWeights& X = F.experts[e - er.begin];
+          ML4_ASSIGN_OR_RETURN(X.w1, b.linear(pe + "w1", I, D));
+          ML4_ASSIGN_OR_RETURN(X.w2, b.linear(pe + "w2", D, I));
+          ML4_ASSIGN_OR_RETURN(X.w3, b.linear(pe + "w3", I, D));
         }
       }
+      for (auto& X : F.experts) ML4_RETURN_IF_ERROR(slice_mlp(X, eh));
       if (opts.experts_to_mxfp4) {
         for (auto& e : F.experts) {
           ML4_RETURN_IF_ERROR(requantize_expert(e.w1));
@@ -241,11 +284,12 @@ Status load_layer(const ModelConfig& cfg, int l, Binder& b, LayerWeights& LW, co
       }
       if (cfg.moe.num_shared_experts > 0) {
         const int64_t IS = I * cfg.moe.num_shared_experts;
-        auto S = std::make_unique<MlpWeights>();
-        ML4_ASSIGN_OR_RETURN(S->w1, b.linear(p + "shared_experts.w1", IS, D));
-        ML4_ASSIGN_OR_RETURN(S->w2, b.linear(p + "shared_experts.w2", D, IS));
-        ML4_ASSIGN_OR_RETURN(S->w3, b.linear(p + "shared_experts.w3", IS, D));
-        F.shared = std::move(S);
+        auto Sh = std::make_unique<MlpWeights>();
+        ML4_ASSIGN_OR_RETURN(Sh->w1, b.linear(p + "shared_experts.w1", IS, D));
+        ML4_ASSIGN_OR_RETURN(Sh->w2, b.linear(p + "shared_experts.w2", D, IS));
+        ML4_ASSIGN_OR_RETURN(Sh->w3, b.linear(p + "shared_experts.w3", IS, D));
+        ML4_RETURN_IF_ERROR(slice_mlp(*Sh, pick(S.shared_begin, S.shared, IS)));
+        F.shared = std::move(Sh);
       }
       break;
     }
@@ -329,14 +373,20 @@ Result<std::shared_ptr<const ModelWeights>> load_model_weights(const ModelConfig
     return invalid_argument("tensor {}: expected [{}, {}] bf16/f32, found {}", b.resolve("tok_embeddings.weight").value(), V,
                             D, W->tok_embeddings.describe());
   ML4_ASSIGN_OR_RETURN(W->norm, b.vec("norm.weight", D));
+  // Vocabulary-parallel embedding and output: this rank's rows only.
+  const Range vr = opts.shard != nullptr ? pick(opts.shard->vocab_begin, opts.shard->vocab, V) : Range{0, V};
+  W->tok_embeddings = slice_tensor_rows(W->tok_embeddings, vr.begin, vr.count);
   if (cfg.tied_embeddings) {
-    ML4_ASSIGN_OR_RETURN(W->output, b.linear_from("tok_embeddings", W->tok_embeddings, V, D));
+    ML4_ASSIGN_OR_RETURN(W->output, b.linear_from("tok_embeddings", W->tok_embeddings, vr.count, D));
   } else {
     ML4_ASSIGN_OR_RETURN(W->output, b.linear("output", V, D));
+    ML4_ASSIGN_OR_RETURN(W->output, slice_linear_rows(W->output, vr.begin, vr.count));
   }
   W->layers.resize(cfg.n_layers);
   for (int l = 0; l < cfg.n_layers; ++l) ML4_RETURN_IF_ERROR(load_layer(cfg, l, b, W->layers[l], opts));
   if (opts.load_drafter) {
+    if (opts.shard != nullptr && !opts.shard->whole())
+      return unimplemented("the DSpark drafter with tensor / expert parallelism is not supported yet");
     if (!cfg.drafter.enabled) return invalid_argument("the model has no DSpark drafter (no `mtp` block in params.json)");
     W->drafter = std::make_unique<DrafterWeights>();
     ML4_RETURN_IF_ERROR(load_drafter(cfg, b, *W->drafter).with_context("DSpark drafter"));

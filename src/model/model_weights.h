@@ -19,6 +19,7 @@
 #include "model/checkpoint.h"
 #include "model/linear_weight.h"
 #include "model/model_config.h"
+#include "model/weight_shard.h"
 
 namespace ml4 {
 
@@ -97,6 +98,10 @@ struct WeightLoadOptions {
   bool experts_to_mxfp4 = false;
   // Load the DSpark drafter's tensors (speculative decoding); otherwise they are ignored.
   bool load_drafter = false;
+  // A rank of a parallel group (weight_shard.h): bind only its slices; the result has the
+  // rank's local shapes (heads, hidden sizes, vocabulary rows, its routed experts only, in
+  // order from shard->expert_begin). Null: the whole model.
+  const WeightShard* shard = nullptr;
 };
 
 Result<std::shared_ptr<const ModelWeights>> load_model_weights(const ModelConfig& cfg, const Checkpoint& ckpt,

@@ -1,0 +1,180 @@
+#include "parallel/mpi_env.h"
+
+#include <sched.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <csignal>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <thread>
+
+#include "core/log.h"
+
+namespace ml4 {
+namespace {
+
+MpiEnv* g_env = nullptr;
+volatile std::sig_atomic_t g_worker_signal = 0;
+
+extern "C" void on_worker_signal(int sig) { g_worker_signal = sig; }
+
+double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+// A process that is gone or a zombie (exited, not yet reaped by its launcher daemon).
+bool process_dead(int pid) {
+  if (::kill(pid, 0) != 0) return errno == ESRCH;
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(f, line)) return false;
+  const size_t close = line.rfind(')');
+  return close != std::string::npos && close + 2 < line.size() && line[close + 2] == 'Z';
+}
+
+void finish_at_exit() {
+  if (g_env != nullptr) g_env->finish();
+}
+
+}  // namespace
+
+bool MpiEnv::launched_by_mpi() {
+  return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr ||
+         std::getenv("PMIX_RANK") != nullptr;
+}
+
+MpiEnv* MpiEnv::get() { return g_env; }
+
+Result<MpiEnv*> MpiEnv::init() {
+  if (g_env != nullptr) return g_env;
+  // ML4_THREADS before anything starts the CPU thread pool: the host's cores shared by its ranks.
+  if (std::getenv("ML4_THREADS") == nullptr) {
+    int local = 1;
+    if (const char* e = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) local = std::max(1, std::atoi(e));
+    const int cores = static_cast<int>(std::thread::hardware_concurrency());
+    setenv("ML4_THREADS", std::to_string(std::max(1, cores / local)).c_str(), 0);
+  }
+  int inited = 0;
+  MPI_Initialized(&inited);
+  if (!inited) {
+    int provided = 0;
+    if (MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided) != MPI_SUCCESS)
+      return internal_error("MPI_Init_thread failed");
+    if (provided < MPI_THREAD_SERIALIZED)
+      return internal_error("the MPI library gives thread level {}, ml4 needs MPI_THREAD_SERIALIZED", provided);
+  }
+  auto* env = new MpiEnv();
+  MPI_Comm_dup(MPI_COMM_WORLD, &env->world_);
+  // Errors come back as codes (and become Status), never abort inside MPI.
+  MPI_Comm_set_errhandler(env->world_, MPI_ERRORS_RETURN);
+  MPI_Comm_rank(env->world_, &env->rank_);
+  MPI_Comm_size(env->world_, &env->size_);
+  if (const char* e = std::getenv("ML4_DIST_TIMEOUT_S")) env->timeout_s_ = std::atof(e);
+  // Host names and pids of every rank (the watchdog checks the ranks of its own host).
+  struct Ident {
+    char host[64];
+    int pid;
+  } me{}, *all = nullptr;
+  gethostname(me.host, sizeof(me.host) - 1);
+  me.pid = static_cast<int>(getpid());
+  std::vector<Ident> idents(env->size_);
+  all = idents.data();
+  if (MPI_Allgather(&me, sizeof(Ident), MPI_BYTE, all, sizeof(Ident), MPI_BYTE, env->world_) != MPI_SUCCESS)
+    return internal_error("MPI_Allgather of the rank identities failed");
+  for (const auto& id : idents) {
+    env->hosts_.emplace_back(id.host);
+    env->pids_.push_back(id.pid);
+  }
+  g_env = env;
+  std::atexit(finish_at_exit);
+  env->watchdog_ = std::thread([env] { env->watchdog(); });
+  return env;
+}
+
+Result<MPI_Comm> MpiEnv::split(int color, int key) {
+  MPI_Comm c = MPI_COMM_NULL;
+  if (MPI_Comm_split(world_, color, key, &c) != MPI_SUCCESS) return internal_error("MPI_Comm_split failed");
+  MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
+  return c;
+}
+
+void MpiEnv::fail(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (failed_.load()) return;
+    reason_ = reason;
+    failed_.store(true, std::memory_order_release);
+  }
+  ML4_LOG_ERROR("rank {}: parallel group stopped: {}", rank_, reason);
+}
+
+Status MpiEnv::failure() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return Status(StatusCode::kInternal, "parallel group stopped: " + reason_);
+}
+
+Status MpiEnv::wait(MPI_Request* req, const char* what, bool bounded) {
+  const double start = now_s();
+  for (int spins = 0;; ++spins) {
+    int done = 0;
+    if (MPI_Test(req, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) {
+      fail(std::string(what) + ": MPI reported an error (a rank probably exited)");
+      return failure();
+    }
+    if (done) return Status::ok();
+    if (failed()) return failure().with_context(what);
+    if (spins < 256) continue;
+    const double waited = now_s() - start;
+    if (bounded && timeout_s_ > 0.0 && waited > timeout_s_) {
+      fail(fmt::format("{}: no answer from the group within ML4_DIST_TIMEOUT_S = {} s", what, timeout_s_));
+      return failure();
+    }
+    if (waited < 0.002) {
+      sched_yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(waited < 0.1 ? 20 : 200));
+    }
+  }
+}
+
+void MpiEnv::install_worker_signal_handlers() {
+  std::signal(SIGTERM, on_worker_signal);
+  std::signal(SIGINT, on_worker_signal);
+}
+
+void MpiEnv::watchdog() {
+  while (!stop_.load()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    if (failed()) continue;
+    if (const int sig = g_worker_signal; sig != 0) {
+      fail(fmt::format("rank {} received signal {} (the launcher stops the job when a rank exits)", rank_, sig));
+      continue;
+    }
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_ || hosts_[r] != hosts_[rank_] || !process_dead(pids_[r])) continue;
+      fail(fmt::format("rank {} (pid {} on {}) exited", r, pids_[r], hosts_[r]));
+      // Rank 0 serves: a signal to itself starts the server's shutdown; a command without a
+      // handler ends here, and mpirun stops the rest.
+      if (rank_ == 0) ::kill(getpid(), SIGTERM);
+      break;
+    }
+  }
+}
+
+void MpiEnv::finish() {
+  if (finished_) return;
+  finished_ = true;
+  stop_.store(true);
+  if (watchdog_.joinable()) watchdog_.join();
+  if (failed()) {
+    ML4_LOG_ERROR("rank {}: {}; aborting the MPI job", rank_, failure().message());
+    MPI_Abort(MPI_COMM_WORLD, 1);
+    return;
+  }
+  int fin = 0;
+  MPI_Finalized(&fin);
+  if (!fin) MPI_Finalize();
+}
+
+}  // namespace ml4

@@ -1,0 +1,60 @@
+#include "parallel/rank_layout.h"
+
+#include <fmt/format.h>
+
+namespace ml4 {
+
+Status ParallelConfig::validate() const {
+  if (tensor_parallel_size < 1) return invalid_argument("--tensor-parallel-size must be >= 1, got {}", tensor_parallel_size);
+  if (data_parallel_size < 1) return invalid_argument("--data-parallel-size must be >= 1, got {}", data_parallel_size);
+  if (data_parallel_size > 1 && !enable_expert_parallel)
+    return invalid_argument(
+        "--data-parallel-size {} needs --enable-expert-parallel: data parallelism runs attention per DP rank and "
+        "the experts expert-parallel over all ranks (DP attention + EP); experts TP-sharded over DP ranks are not "
+        "supported",
+        data_parallel_size);
+  return Status::ok();
+}
+
+Result<RankLayout> RankLayout::make(const ParallelConfig& config, int world_size, int world_rank) {
+  ML4_RETURN_IF_ERROR(config.validate());
+  if (world_size != config.world_size())
+    return invalid_argument(
+        "{} processes were started but --tensor-parallel-size {} x --data-parallel-size {} needs {} (mpirun -np {})",
+        world_size, config.tensor_parallel_size, config.data_parallel_size, config.world_size(), config.world_size());
+  if (world_rank < 0 || world_rank >= world_size)
+    return internal_error("rank {} outside a world of {}", world_rank, world_size);
+  RankLayout L;
+  L.config = config;
+  L.world_size = world_size;
+  L.world_rank = world_rank;
+  L.tp_size = config.tensor_parallel_size;
+  L.dp_size = config.data_parallel_size;
+  L.tp_rank = world_rank % L.tp_size;
+  L.dp_rank = world_rank / L.tp_size;
+  for (int t = 0; t < L.tp_size; ++t) L.tp_group.push_back(L.dp_rank * L.tp_size + t);
+  for (int d = 0; d < L.dp_size; ++d) L.dp_group.push_back(d * L.tp_size + L.tp_rank);
+  if (config.enable_expert_parallel) {
+    L.ep_size = world_size;
+    L.ep_rank = world_rank;
+    for (int r = 0; r < world_size; ++r) L.ep_group.push_back(r);
+  } else {
+    L.ep_group = {world_rank};
+  }
+  return L;
+}
+
+std::string RankLayout::describe() const {
+  std::string s = fmt::format("parallel layout: world {} = dp {} x tp {}, expert parallel {}{}\n", world_size, dp_size,
+                              tp_size, config.enable_expert_parallel ? "on" : "off",
+                              config.enable_expert_parallel ? fmt::format(" (ep {})", ep_size) : "");
+  for (int r = 0; r < world_size; ++r) {
+    s += fmt::format("  rank {}: dp {} tp {}", r, dp_rank_of(r), tp_rank_of(r));
+    if (config.enable_expert_parallel) s += fmt::format(" ep {}", r);
+    if (r == 0) s += "  (API server, engine, scheduler)";
+    s += "\n";
+  }
+  return s;
+}
+
+}  // namespace ml4

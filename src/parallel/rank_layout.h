@@ -1,0 +1,51 @@
+// RankLayout: which part of the model each process of a parallel group runs (SYSTEM.md S10).
+//
+// Ranks are processes (one per GPU, or CPU ranks), numbered by the launcher (MPI). The layout
+// is vLLM's: world size = data_parallel_size x tensor_parallel_size, TP innermost, so
+//   world rank = dp_rank * tp + tp_rank,
+// the TP group of a rank is the tp consecutive ranks of its DP replica, its DP group the ranks
+// with the same tp_rank, and, with --enable-expert-parallel, the EP group is the whole world
+// (EP size = dp x tp, ep_rank = world rank), as vLLM's FusedMoEParallelConfig makes it.
+// Later context-parallel groups (DCP / PCP) are cut from the same numbering.
+//
+// Choices where the issue is silent (docs/PARALLEL.md): data parallelism needs expert
+// parallelism (DP attention + EP experts, the seed's "DP4/EP"); vLLM's alternative without EP
+// (experts TP-sharded over dp x tp with tokens gathered over DP) is not built.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+
+namespace ml4 {
+
+// The user's request, spelled as vLLM's flags.
+struct ParallelConfig {
+  int tensor_parallel_size = 1;   // --tensor-parallel-size / -tp
+  int data_parallel_size = 1;     // --data-parallel-size / -dp
+  bool enable_expert_parallel = false;  // --enable-expert-parallel
+  int world_size() const { return tensor_parallel_size * data_parallel_size; }
+  bool parallel() const { return world_size() > 1; }
+  Status validate() const;
+};
+
+struct RankLayout {
+  ParallelConfig config;
+  int world_size = 1, world_rank = 0;
+  int tp_size = 1, tp_rank = 0;
+  int dp_size = 1, dp_rank = 0;
+  int ep_size = 1, ep_rank = 0;  // 1 / 0 without expert parallelism
+  // World ranks of this rank's groups, in group-rank order (group rank i = element i).
+  std::vector<int> tp_group, dp_group, ep_group;
+
+  // The layout of world rank `rank` of `world` processes; world must equal config.world_size().
+  static Result<RankLayout> make(const ParallelConfig& config, int world_size, int world_rank);
+  // The whole layout, one line per rank ("rank 3: dp 1 tp 1 ep 3"), printed at start-up.
+  std::string describe() const;
+  // The TP rank and DP rank of any world rank.
+  int tp_rank_of(int world_rank) const { return world_rank % tp_size; }
+  int dp_rank_of(int world_rank) const { return world_rank / tp_size; }
+};
+
+}  // namespace ml4
