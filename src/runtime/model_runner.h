@@ -64,6 +64,8 @@ class ModelRunner {
   // True when execute() honours SeqStep::device_sampling (fills StepOutput::sampled): the
   // engine then asks for device sampling for the sequences that need nothing more.
   virtual bool samples_on_device() const { return false; }
+  // True when device sampling honours SeqStep::allowed_tokens (grammar masks).
+  virtual bool applies_token_masks() const { return false; }
   // The KV pages, one region per (group, layer slot); empty when the runner cannot expose
   // them. Block ids are those of the step's block tables. Reading or writing a block that a
   // running step uses is the caller's race to avoid (the engine moves KV between steps).

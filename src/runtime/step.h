@@ -29,6 +29,10 @@ struct SeqStep {
   // num_logits == 1): the runner may then return this sequence's token in
   // StepOutput::sampled instead of its logits.
   std::optional<DeviceSamplingParams> device_sampling;
+  // Structured outputs, with device_sampling on a runner that applies_token_masks(): the
+  // allowed tokens of this row as a bitmask ((vocab + 31) / 32 words, bit i % 32 of word i / 32;
+  // xgrammar's layout), applied to the logits before the draw. Empty: no mask.
+  std::vector<uint32_t> allowed_tokens;
 };
 
 struct StepInput {

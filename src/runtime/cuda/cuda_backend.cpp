@@ -9,6 +9,10 @@
 #include "ops/cpu/linear.h"
 #include "ops/cuda/attention.h"
 #include "ops/cuda/cache_write.h"
+#include "ops/cuda/drafter.h"
+#include "ops/cuda/sampling.h"
+#include "ops/cpu/basic.h"
+#include "ops/cpu/sampling.h"
 #include "ops/cuda/gemv.h"
 #include "ops/cuda/indexer.h"
 #include "ops/cuda/topk.h"
@@ -183,6 +187,7 @@ Status CudaBackend::allocate_kv(const KvCacheSpec& spec, const std::vector<int64
   kv_dtype_ = spec.dtype;
   latent_group_ = spec.group_index(CacheGroupSpec::kLatent);
   indexer_group_ = spec.group_index(CacheGroupSpec::kIndexer);
+  drafter_group_ = spec.group_index(CacheGroupSpec::kDrafter);
   num_blocks_ = blocks[latent_group_];
   group_blocks_ = blocks;
   kv_.clear();
@@ -262,6 +267,26 @@ Status CudaBackend::ensure_buffers(int64_t T, int64_t R, int64_t S, int64_t maxb
       }
     }
     ML4_RETURN_IF_ERROR(f(b.forced_ids, n * K, 4));
+    if (drafter_) {
+      const int64_t nt = static_cast<int64_t>(c.drafter.target_layers.size()), rr = c.drafter.rnn_rank;
+      const int64_t Bk = c.drafter.block_size, V = c.vocab_size;
+      const int64_t ns = n / std::max<int64_t>(Bk, 1) + 1;  // sequences of a draft step of n tokens
+      ML4_RETURN_IF_ERROR(f(b.drafter_slots, n, 8));
+      ML4_RETURN_IF_ERROR(f(b.draft_anchor_pos, ns, 8));
+      ML4_RETURN_IF_ERROR(f(b.draft_hidden, n * nt * D, 4));
+      ML4_RETURN_IF_ERROR(f(b.draft_ctx, n * D, 4));
+      ML4_RETURN_IF_ERROR(f(b.markov_x, ns * (D + rr), 4));
+      ML4_RETURN_IF_ERROR(f(b.markov_e, ns * rr, 4));
+      ML4_RETURN_IF_ERROR(f(b.markov_gi, ns * 3 * rr, 4));
+      ML4_RETURN_IF_ERROR(f(b.markov_gh, ns * 3 * rr, 4));
+      ML4_RETURN_IF_ERROR(f(b.markov_s, ns * rr, 4));
+      ML4_RETURN_IF_ERROR(f(b.markov_logits, ns * V, 4));
+      ML4_RETURN_IF_ERROR(f(b.draft_ids, Bk * ns, 4));
+      ML4_RETURN_IF_ERROR(f(b.draft_probs, (Bk - 1) * ns * V, 4));
+      ML4_RETURN_IF_ERROR(f(b.draft_samp_params, ns * static_cast<int64_t>(sizeof(DeviceSamplingParams)), 1));
+      ML4_RETURN_IF_ERROR(f(b.draft_samp_logprobs, ns, 4));
+      ML4_RETURN_IF_ERROR(f(b.draft_samp_ws, static_cast<int64_t>(sample_rows_workspace_bytes(ns, V)), 1));
+    }
     b.moe = MoeScratch{};
     ML4_RETURN_IF_ERROR(b.moe.reserve(n * K, D, std::max<int64_t>(max_hidden_, 1), static_cast<int>(E)));
     b.T = n;
@@ -279,6 +304,9 @@ Status CudaBackend::ensure_buffers(int64_t T, int64_t R, int64_t S, int64_t maxb
     ++buffer_generation_;
     ML4_ASSIGN_OR_RETURN(b.block_table, DeviceBuffer::alloc(std::max<int64_t>(S * maxb, 1) * 4));
     ML4_ASSIGN_OR_RETURN(b.idx_block_table, DeviceBuffer::alloc(std::max<int64_t>(S * maxb, 1) * 4));
+    if (drafter_) {
+      ML4_ASSIGN_OR_RETURN(b.drafter_block_table, DeviceBuffer::alloc(std::max<int64_t>(S * maxb, 1) * 4));
+    }
     b.bt_cap = S * maxb;
   }
   b.maxb = maxb;  // this step's block-table row stride
@@ -311,6 +339,16 @@ void CudaBackend::point_activations() {
   acts_.rows = b.rows.as<float>();
   acts_.normed = b.normed.as<float>();
   acts_.logits = b.logits.as<float>();
+  acts_.draft_hidden = b.draft_hidden.as<float>();
+  acts_.draft_ctx = b.draft_ctx.as<float>();
+  acts_.markov_x = b.markov_x.as<float>();
+  acts_.markov_e = b.markov_e.as<float>();
+  acts_.markov_gi = b.markov_gi.as<float>();
+  acts_.markov_gh = b.markov_gh.as<float>();
+  acts_.markov_s = b.markov_s.as<float>();
+  acts_.markov_logits = b.markov_logits.as<float>();
+  acts_.draft_ids = b.draft_ids.as<int32_t>();
+  acts_.draft_probs = b.draft_probs.as<float>();
 }
 
 void CudaBackend::begin_forward(int64_t T, int64_t R, int64_t maxlen, Mode mode, std::vector<GraphExec>* segments,
@@ -482,6 +520,7 @@ QPathParams CudaBackend::rope_params(const RopeArgs& r) const {
 Status CudaBackend::rope(const RopeArgs& p) { return cuda::q_path(rope_params(p)); }
 
 const int32_t* CudaBackend::selection_counts(int selection) const {
+  if (selection == kBlockWindow) return buf_->window_counts.as<int32_t>();
   return selection >= 0 ? buf_->topk_counts[selection].as<int32_t>() : nullptr;
 }
 
@@ -498,18 +537,18 @@ Status CudaBackend::q_path(const QPathArgs& a) {
 
 Status CudaBackend::latent_cache_write(CacheGroup group, int cache_slot, const float* c, const float* kr,
                                        int kr_stride) {
-  if (group != CacheGroup::kLatent) return unimplemented("the CUDA backend has no DSpark drafter yet");
+  const bool draft = group == CacheGroup::kDrafter;
   LatentCacheWriteParams w;
   w.c = c;
   w.kr = kr;
   w.kr_stride = kr_stride;
-  w.slots = buf_->slots.as<int64_t>();
+  w.slots = (draft ? buf_->drafter_slots : buf_->slots).as<int64_t>();
   w.T = step_T_;
   w.r = cfg_.kv_lora_rank;
   w.dr = cfg_.qk_rope_head_dim;
-  w.dtype = kv_dtype_;
-  w.cache = kv_[latent_group_][cache_slot].data();
-  w.num_slots = num_blocks_ * kPageTokens;
+  w.dtype = draft ? KvCacheDtype::kBf16 : kv_dtype_;  // MODEL.md 5: the drafter's window is bf16
+  w.cache = kv_[draft ? drafter_group_ : latent_group_][cache_slot].data();
+  w.num_slots = (draft ? group_blocks_[drafter_group_] : num_blocks_) * kPageTokens;
   w.stream = stream_;
   return cuda::latent_cache_write(w);
 }
@@ -658,9 +697,8 @@ Status CudaBackend::mla_apply_uv(const float* w_uv, const float* out_lat, float*
 // The rope part of q copied contiguous for the kernel, then absorbed MLA over the pages:
 // the selection's slots, or every key of the token's sequence.
 Status CudaBackend::mla_attention(const MlaArgs& a) {
-  if (a.group != CacheGroup::kLatent || a.selection == kBlockWindow)
-    return unimplemented("the CUDA backend has no DSpark drafter yet");
   Buffers& b = *buf_;
+  const bool draft = a.group == CacheGroup::kDrafter;
   const int H = cfg_.n_heads, dn = cfg_.qk_nope_head_dim, dr = cfg_.qk_rope_head_dim;
   const int qk = dn + dr;
   const int64_t T = step_T_;
@@ -674,10 +712,15 @@ Status CudaBackend::mla_attention(const MlaArgs& a) {
   ap.H = H;
   ap.r = cfg_.kv_lora_rank;
   ap.dr = dr;
-  ap.cache = kv_[latent_group_][a.cache_slot].data();
-  ap.num_slots = num_blocks_ * kPageTokens;
-  ap.dtype = kv_dtype_;
-  if (a.selection >= 0) {
+  ap.cache = kv_[draft ? drafter_group_ : latent_group_][a.cache_slot].data();
+  ap.num_slots = (draft ? group_blocks_[drafter_group_] : num_blocks_) * kPageTokens;
+  ap.dtype = draft ? KvCacheDtype::kBf16 : kv_dtype_;
+  if (a.selection == kBlockWindow) {
+    ap.indices = b.window_slots.as<int32_t>();
+    ap.indices_stride = b.window_stride;
+    ap.topk = static_cast<int>(b.window_stride);
+    ap.index_lengths = b.window_counts.as<int32_t>();
+  } else if (a.selection >= 0) {
     const int k = cfg_.indexer.topk;
     ap.indices = b.topk_slots[a.selection].as<int32_t>();
     ap.indices_stride = k;
@@ -760,21 +803,133 @@ Status CudaBackend::fill_kv_synthetic(uint64_t seed) {
   return cuda_status(cudaStreamSynchronize(stream_), "fill_kv_synthetic");
 }
 
-// ---- the DSpark drafter's ops: not on the GPU yet (enable_drafter refuses, so none runs) ----
+// ---- the DSpark drafter's ops (ops/cuda/drafter.h; the CPU twins in cpu_backend.cpp) ----
 
-Status CudaBackend::enable_drafter() { return unimplemented("DSpark speculative decoding is not on the CUDA backend yet"); }
-Result<TableRef> CudaBackend::add_table(const Tensor&) { return unimplemented("add_table"); }
-Status CudaBackend::gather_table_rows(TableRef, const int32_t*, int64_t, float*) { return unimplemented("gather_table_rows"); }
-Status CudaBackend::copy_rows(const float*, int64_t, float*, int64_t, int64_t, int64_t) { return unimplemented("copy_rows"); }
-Status CudaBackend::add_rows(float*, int64_t, const float*, int64_t, int64_t, int64_t) { return unimplemented("add_rows"); }
-Status CudaBackend::fill(float*, int64_t, float) { return unimplemented("fill"); }
-Status CudaBackend::block_embed(const float*, float*) { return unimplemented("block_embed"); }
-Status CudaBackend::select_block_window(CacheGroup, int64_t) { return unimplemented("select_block_window"); }
-Status CudaBackend::gru_update(const float*, const float*, const float*, const float*, int64_t, int64_t, float*) {
-  return unimplemented("gru_update");
+Status CudaBackend::enable_drafter() {
+  if (drafter_group_ < 0 && !kv_.empty()) return invalid_argument("the KV cache has no drafter group");
+  drafter_ = true;
+  buf_->T = 0;  // the next ensure_buffers sizes the drafter's buffers
+  return Status::ok();
 }
-Status CudaBackend::choose_tokens(const float*, int64_t, const DeviceSamplingParams*, int32_t*, float*) {
-  return unimplemented("choose_tokens");
+
+Result<TableRef> CudaBackend::add_table(const Tensor& t) {
+  if (t.rank() != 2 || (t.dtype() != DType::kBF16 && t.dtype() != DType::kF32))
+    return invalid_argument("table: expected a [rows, cols] bf16/f32 tensor, found {}", t.describe());
+  ML4_ASSIGN_OR_RETURN(DeviceBuffer d, DeviceBuffer::alloc(t.nbytes()));
+  ML4_RETURN_IF_ERROR(d.upload(t.data(), t.nbytes()));
+  weight_bytes_ += static_cast<int64_t>(d.bytes());
+  tables_.emplace_back(std::move(d), t.dtype());
+  table_rows_.push_back(t.dim(0));
+  table_cols_v_.push_back(t.dim(1));
+  return TableRef{static_cast<int>(tables_.size()) - 1};
+}
+
+Status CudaBackend::gather_table_rows(TableRef t, const int32_t* ids, int64_t n, float* out) {
+  const auto& tb = tables_[t.id];
+  return cuda::embedding({tb.first.data(), tb.second, table_rows_[t.id], table_cols_v_[t.id], ids, n, out, stream_});
+}
+
+Status CudaBackend::copy_rows(const float* src, int64_t src_stride, float* dst, int64_t dst_stride, int64_t rows,
+                              int64_t cols) {
+  if (rows <= 0 || cols <= 0) return Status::ok();
+  return cuda_status(cudaMemcpy2DAsync(dst, dst_stride * 4, src, src_stride * 4, cols * 4, rows, cudaMemcpyDeviceToDevice,
+                                       stream_),
+                     "copy_rows");
+}
+
+Status CudaBackend::add_rows(float* y, int64_t y_stride, const float* x, int64_t x_stride, int64_t rows, int64_t cols) {
+  return cuda::add_rows(y, y_stride, x, x_stride, rows, cols, stream_);
+}
+
+Status CudaBackend::fill(float* x, int64_t n, float value) { return fill_f32(x, n, value, stream_); }
+
+Status CudaBackend::block_embed(const float* mask, float* out) {
+  BlockEmbedParams p;
+  p.table = embed_.data();
+  p.table_dtype = embed_dtype_;
+  p.V = cfg_.vocab_size;
+  p.D = cfg_.dim;
+  p.tokens = buf_->tok.as<int32_t>();
+  p.mask = mask;
+  p.T = step_T_;
+  p.B = cfg_.drafter.block_size;
+  p.out = out;
+  p.stream = stream_;
+  return cuda::block_embed(p);
+}
+
+// The runner lays a draft step out as blocks of B tokens (sequence t / B) and uploads the
+// drafter block table and each block's anchor position.
+Status CudaBackend::select_block_window(CacheGroup group, int64_t window) {
+  if (group != CacheGroup::kDrafter) return invalid_argument("block windows read the drafter group");
+  Buffers& b = *buf_;
+  const int64_t stride = window + cfg_.drafter.block_size;
+  if (step_T_ * stride > b.window_cap) {
+    ++buffer_generation_;
+    ML4_ASSIGN_OR_RETURN(b.window_slots, DeviceBuffer::alloc(step_T_ * stride * 4));
+    ML4_ASSIGN_OR_RETURN(b.window_counts, DeviceBuffer::alloc(step_T_ * 4));
+    b.window_cap = step_T_ * stride;
+  }
+  b.window_stride = stride;
+  BlockWindowParams p;
+  p.block_table = b.drafter_block_table.as<int32_t>();
+  p.bt_stride = b.maxb;
+  p.anchor_pos = b.draft_anchor_pos.as<int64_t>();
+  p.T = step_T_;
+  p.B = cfg_.drafter.block_size;
+  p.window = window;
+  p.slots = b.window_slots.as<int32_t>();
+  p.stride = stride;
+  p.counts = b.window_counts.as<int32_t>();
+  p.stream = stream_;
+  return block_window_slots(p);
+}
+
+Status CudaBackend::gru_update(const float* gi, const float* gh, const float* b_ih, const float* b_hh, int64_t rows,
+                               int64_t r, float* s) {
+  return cuda::gru_update(gi, gh, b_ih, b_hh, rows, r, s, stream_);
+}
+
+// Greedy rows without distributions: the device argmax (sample_rows at temperature 0).
+// Otherwise (sampled drafts or distributions wanted) the host reference: the logits come back,
+// the token and its distribution are made exactly as the CPU backend makes them, and go up.
+Status CudaBackend::choose_tokens(const float* logits, int64_t rows, const DeviceSamplingParams* params, int32_t* ids,
+                                  float* probs) {
+  Buffers& b = *buf_;
+  const int64_t V = cfg_.vocab_size;
+  if (params == nullptr && probs == nullptr) {
+    std::vector<DeviceSamplingParams> greedy(rows);
+    for (auto& p : greedy) p.temperature = 0.0f;
+    ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(b.draft_samp_params.data(), greedy.data(), rows * sizeof(DeviceSamplingParams),
+                                             cudaMemcpyHostToDevice, stream_));
+    ML4_RETURN_IF_ERROR(sample_rows(logits, rows, V, static_cast<const DeviceSamplingParams*>(b.draft_samp_params.data()),
+                                    ids, b.draft_samp_logprobs.as<float>(), b.draft_samp_ws.data(), b.draft_samp_ws.bytes(),
+                                    stream_));
+    return cuda_status(cudaStreamSynchronize(stream_), "choose_tokens");  // the host params die here
+  }
+  std::vector<float> l(rows * V), q(probs != nullptr ? rows * V : 0);
+  std::vector<int32_t> tok(rows);
+  ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(l.data(), logits, l.size() * 4, cudaMemcpyDeviceToHost, stream_));
+  ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  std::vector<double> dist(V);
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* row = l.data() + i * V;
+    DeviceSamplingParams p;
+    p.temperature = 0.0f;
+    if (params != nullptr) p = params[i];
+    tok[i] = sampling::sample_row_reference(row, V, p);
+    if (probs != nullptr && params == nullptr) {
+      std::copy_n(row, V, q.data() + i * V);
+      cpu::softmax_inplace(q.data() + i * V, V);
+    } else if (probs != nullptr) {
+      sampling::row_distribution(row, V, p, dist.data());
+      for (int64_t v = 0; v < V; ++v) q[i * V + v] = static_cast<float>(dist[v]);
+    }
+  }
+  ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(ids, tok.data(), rows * 4, cudaMemcpyHostToDevice, stream_));
+  if (probs != nullptr)
+    ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(probs, q.data(), q.size() * 4, cudaMemcpyHostToDevice, stream_));
+  return cuda_status(cudaStreamSynchronize(stream_), "choose_tokens");
 }
 
 }  // namespace ml4::cuda

@@ -145,8 +145,15 @@ class CudaBackend : public Backend {
     DeviceBuffer iq, ik, iw, iq8, iqs, idx_slots, idx_block_table, scores, topk_pos, topk_ws;
     std::vector<DeviceBuffer> topk_slots, topk_counts;
     DeviceBuffer forced_ids;
-    DeviceBuffer samp_params, samp_tokens, samp_logprobs, samp_ws;  // device sampling, samp_cap rows
+    DeviceBuffer samp_params, samp_tokens, samp_logprobs, samp_ws, samp_mask;  // device sampling, samp_cap rows
     int64_t samp_cap = 0;
+    // DSpark: each token's drafter slot; a draft step's drafter block table and anchors, its
+    // block-window slots [T, window_stride] and counts, the drafter's activations, and the
+    // Markov head's sampling buffers.
+    DeviceBuffer drafter_slots, drafter_block_table, draft_anchor_pos, window_slots, window_counts;
+    int64_t window_cap = 0, window_stride = 0;
+    DeviceBuffer draft_hidden, draft_ctx, markov_x, markov_e, markov_gi, markov_gh, markov_s, markov_logits,
+        draft_ids, draft_probs, draft_samp_params, draft_samp_logprobs, draft_samp_ws;
     int64_t scores_cap = 0;
     size_t topk_ws_bytes = 0;
     LinearScratch lin;
@@ -168,6 +175,8 @@ class CudaBackend : public Backend {
   void set_overlap_indexer(bool on) { opts_.overlap_indexer = on; }
   void set_profile(std::map<std::string, double>* p) { profile_ = p; }
   Status fill_kv_synthetic(uint64_t seed);
+  bool drafter_enabled() const { return drafter_; }
+  int drafter_group() const { return drafter_group_; }
 
  private:
   struct Moe {
@@ -187,7 +196,10 @@ class CudaBackend : public Backend {
   ModelConfig cfg_;
   CudaBackendOptions opts_;
   KvCacheDtype kv_dtype_ = KvCacheDtype::kFp8DsMla;
-  int latent_group_ = 0, indexer_group_ = -1;
+  int latent_group_ = 0, indexer_group_ = -1, drafter_group_ = -1;
+  bool drafter_ = false;
+  std::vector<std::pair<DeviceBuffer, DType>> tables_;  // [table] device copy, its dtype
+  std::vector<int64_t> table_rows_, table_cols_v_;
   int64_t max_model_len_ = 0;
   int64_t num_blocks_ = 0;  // latent group
   std::vector<std::vector<DeviceBuffer>> kv_;  // [group][layer slot] pages

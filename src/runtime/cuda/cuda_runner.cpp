@@ -22,6 +22,7 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::load(const std::string& model_di
   ML4_ASSIGN_OR_RETURN(Checkpoint ck, Checkpoint::open(model_dir));
   WeightLoadOptions wo;
   wo.experts_to_mxfp4 = opts.base.experts_to_mxfp4;
+  wo.load_drafter = opts.base.drafter;
   ML4_ASSIGN_OR_RETURN(auto weights, load_model_weights(cfg, ck, wo));
   return create(cfg, *weights, opts, 0, model_dir);
 }
@@ -47,7 +48,9 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::create(const ModelConfig& cfg, c
   bo.exact_activations = opts.exact_activations;
   bo.overlap_indexer = opts.overlap_indexer;
   ML4_ASSIGN_OR_RETURN(r->backend_, CudaBackend::create(cfg, bo, synthetic_seed, r->max_model_len_));
-  auto prog = ModelForward::create(cfg, weights, *r->backend_, ModelForward::Options{});
+  ModelForward::Options fo;
+  fo.drafter = opts.base.drafter;
+  auto prog = ModelForward::create(cfg, weights, *r->backend_, fo);
   if (!prog.ok()) return prog.status().with_context(model_dir);
   r->program_ = std::move(prog).value();
   ML4_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());  // synthetic fills ran on the default stream
@@ -65,7 +68,8 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::create(const ModelConfig& cfg, c
       return resource_exhausted("--gpu-memory-utilization {}: weights and runtime already use {:.1f} of {:.1f} GiB",
                                 opts.gpu_memory_utilization, used / 1073741824.0, total_b / 1073741824.0);
   }
-  const std::vector<int64_t> blocks = PagedKvCache::blocks_for_budget(spec, kv_budget);
+  const std::vector<int64_t> blocks = PagedKvCache::blocks_for_budget(
+      spec, kv_budget, opts.base.drafter ? std::max<int64_t>(opts.base.max_num_seqs, 1) : 0);
   if (blocks[spec.group_index(CacheGroupSpec::kLatent)] <= 0)
     return resource_exhausted("KV budget of {} bytes holds no block", kv_budget);
   ML4_RETURN_IF_ERROR(r->backend_->allocate_kv(spec, blocks));
@@ -135,8 +139,10 @@ Result<StepOutput> CudaRunner::execute_traced(const StepInput& in, ForwardTrace*
   // Per-step metadata to the device (one plain copy per array), padded to Tp tokens.
   std::vector<int32_t> tok(Tp, 0), seq_of(Tp, static_cast<int32_t>(S)), lengths(Tp, 1), bt(Sp * maxb, 0),
       ibt(indexer_group >= 0 ? Sp * maxb : 0, 0), rows(Rp, 0);
-  std::vector<int64_t> pos(Tp, 0), slots(Tp, -1), islots(Tp, -1);
+  std::vector<int64_t> pos(Tp, 0), slots(Tp, -1), islots(Tp, -1), dslots(Tp, -1);
+  const int drafter_group = backend_->drafter_enabled() ? backend_->drafter_group() : -1;
   for (int64_t t = 0; t < T; ++t) {
+    if (drafter_group >= 0) dslots[t] = md.slots[drafter_group][t];
     tok[t] = md.token_ids[t];
     pos[t] = md.positions[t];
     lengths[t] = static_cast<int32_t>(md.positions[t] + 1);
@@ -167,6 +173,7 @@ Result<StepOutput> CudaRunner::execute_traced(const StepInput& in, ForwardTrace*
     ML4_RETURN_IF_ERROR(h2d(b.idx_slots, islots.data(), Tp * 8));
   }
   if (Rp > 0) ML4_RETURN_IF_ERROR(h2d(b.row_idx, rows.data(), Rp * 4));
+  if (drafter_group >= 0) ML4_RETURN_IF_ERROR(h2d(b.drafter_slots, dslots.data(), Tp * 8));
   step_T_ = Tp;
   step_R_ = Rp;
   step_maxlen_ = maxlen;
@@ -221,6 +228,29 @@ Result<StepOutput> CudaRunner::execute_traced(const StepInput& in, ForwardTrace*
       if (s.num_logits == 1) params.push_back(*s.device_sampling);
     ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(b.samp_params.data(), params.data(), R * sizeof(DeviceSamplingParams),
                                              cudaMemcpyHostToDevice, stream));
+    // Grammar masks (SeqStep::allowed_tokens), rows in logits order; rows without one allow all.
+    std::vector<uint32_t> mask;
+    const int64_t words = (cfg_.vocab_size + 31) / 32;
+    for (const auto& sq : in.seqs)
+      if (sq.num_logits == 1 && !sq.allowed_tokens.empty()) mask.resize(R * words, 0xffffffffu);
+    if (!mask.empty()) {
+      int64_t row = 0;
+      for (const auto& sq : in.seqs) {
+        if (sq.num_logits != 1) continue;
+        if (!sq.allowed_tokens.empty()) {
+          if (static_cast<int64_t>(sq.allowed_tokens.size()) != words)
+            return invalid_argument("seq {}: allowed_tokens has {} words, the vocabulary needs {}", sq.seq_id,
+                                    sq.allowed_tokens.size(), words);
+          std::copy(sq.allowed_tokens.begin(), sq.allowed_tokens.end(), mask.begin() + row * words);
+        }
+        ++row;
+      }
+      if (static_cast<int64_t>(b.samp_mask.bytes()) < R * words * 4) {
+        ML4_ASSIGN_OR_RETURN(b.samp_mask, DeviceBuffer::alloc(R * words * 4));
+      }
+      ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(b.samp_mask.data(), mask.data(), R * words * 4, cudaMemcpyHostToDevice, stream));
+      ML4_RETURN_IF_ERROR(apply_token_bitmask(b.logits.as<float>(), R, cfg_.vocab_size, b.samp_mask.as<uint32_t>(), stream));
+    }
     ML4_RETURN_IF_ERROR(sample_rows(b.logits.as<float>(), R, cfg_.vocab_size,
                                     static_cast<const DeviceSamplingParams*>(b.samp_params.data()),
                                     b.samp_tokens.as<int32_t>(), b.samp_logprobs.as<float>(), b.samp_ws.data(),
@@ -246,6 +276,108 @@ Result<StepOutput> CudaRunner::execute_traced(const StepInput& in, ForwardTrace*
   } else {
     ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
     for (size_t i = 0; i < in.seqs.size(); ++i) out.logits.emplace_back();
+  }
+  return out;
+}
+
+// As CpuRunner::draft: one block of B tokens per sequence (the anchor, then placeholders whose
+// rows are the mask embeddings), eager; the Markov head's tokens come back from draft_ids.
+Result<DraftOutput> CudaRunner::draft(const DraftInput& in) {
+  if (!program_->has_drafter()) return unimplemented("this runner has no DSpark drafter (RunnerOptions::drafter)");
+  const int B = cfg_.drafter.block_size;
+  const int64_t V = cfg_.vocab_size;
+  const int dg = backend_->drafter_group();
+  StepInput step;
+  int64_t maxb = 1;
+  for (const auto& d : in.seqs) {
+    if (d.num_drafts < 1 || d.num_drafts > B - 1)
+      return invalid_argument("draft seq {}: num_drafts {} outside [1, {}]", d.seq_id, d.num_drafts, B - 1);
+    SeqStep s;
+    s.seq_id = d.seq_id;
+    s.tokens.assign(B, 0);
+    s.tokens[0] = d.anchor_token;
+    s.start_pos = d.anchor_pos;
+    s.block_tables = d.block_tables;
+    s.num_logits = B - 1;
+    if (static_cast<int>(s.block_tables.size()) > dg) maxb = std::max<int64_t>(maxb, s.block_tables[dg].size());
+    step.seqs.push_back(std::move(s));
+  }
+  ML4_ASSIGN_OR_RETURN(StepMetadata md, build_step_metadata(step, groups_, cfg_.vocab_size, 0, dg));
+  const int64_t n = static_cast<int64_t>(in.seqs.size()), T = md.num_tokens(), R = static_cast<int64_t>(md.logits_rows.size());
+  for (size_t i = 0; i < in.seqs.size(); ++i) {  // the window must be there (the block's rows are written)
+    const auto& bt = step.seqs[i].block_tables[dg];
+    const int64_t lo = std::max<int64_t>(0, in.seqs[i].anchor_pos - cfg_.drafter.window);
+    for (int64_t p = lo; p < in.seqs[i].anchor_pos + B; ++p)
+      if (p / kPageTokens >= static_cast<int64_t>(bt.size()) || bt[p / kPageTokens] < 0)
+        return invalid_argument("draft seq {}: drafter block table does not cover position {}", in.seqs[i].seq_id, p);
+  }
+  ML4_RETURN_IF_ERROR(backend_->ensure_buffers(T, R, n, maxb));
+  CudaBackend::Buffers& b = backend_->buffers();
+  cudaStream_t stream = backend_->stream();
+  std::vector<int32_t> tok(T), seq_of(T), lengths(T), bt(n * maxb, -1), rows(R), ids(n);
+  std::vector<int64_t> pos(T), dslots(T), anchors(n);
+  for (int64_t t = 0; t < T; ++t) {
+    tok[t] = md.token_ids[t];
+    pos[t] = md.positions[t];
+    seq_of[t] = md.seq_of_token[t];
+    lengths[t] = static_cast<int32_t>(md.positions[t] + 1);
+    dslots[t] = md.slots[dg][t];
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const auto& tab = step.seqs[i].block_tables[dg];
+    std::copy(tab.begin(), tab.end(), bt.begin() + i * maxb);
+    anchors[i] = in.seqs[i].anchor_pos;
+    ids[i] = in.seqs[i].anchor_token;
+  }
+  for (int64_t i = 0; i < R; ++i) rows[i] = static_cast<int32_t>(md.logits_rows[i]);
+  auto h2d = [&](DeviceBuffer& d, const void* src, size_t bytes) {
+    return cuda_status(cudaMemcpyAsync(d.data(), src, bytes, cudaMemcpyHostToDevice, stream), "draft metadata");
+  };
+  ML4_RETURN_IF_ERROR(h2d(b.tok, tok.data(), T * 4));
+  ML4_RETURN_IF_ERROR(h2d(b.pos, pos.data(), T * 8));
+  ML4_RETURN_IF_ERROR(h2d(b.seq_of, seq_of.data(), T * 4));
+  ML4_RETURN_IF_ERROR(h2d(b.lengths, lengths.data(), T * 4));
+  ML4_RETURN_IF_ERROR(h2d(b.drafter_slots, dslots.data(), T * 8));
+  ML4_RETURN_IF_ERROR(h2d(b.drafter_block_table, bt.data(), bt.size() * 4));
+  ML4_RETURN_IF_ERROR(h2d(b.draft_anchor_pos, anchors.data(), n * 8));
+  ML4_RETURN_IF_ERROR(h2d(b.draft_ids, ids.data(), n * 4));
+  ML4_RETURN_IF_ERROR(h2d(b.row_idx, rows.data(), R * 4));
+  std::vector<DeviceSamplingParams> params;
+  bool any_sampled = false;
+  for (const auto& d : in.seqs) any_sampled |= d.sampling.has_value();
+  if (any_sampled) {
+    params.resize((B - 1) * n);
+    for (int j = 0; j < B - 1; ++j)
+      for (int64_t i = 0; i < n; ++i) {
+        DeviceSamplingParams p;
+        p.temperature = 0.0f;
+        if (in.seqs[i].sampling) {
+          p = *in.seqs[i].sampling;
+          p.counter += j;
+        }
+        params[j * n + i] = p;
+      }
+  }
+  backend_->begin_forward(T, R, std::max<int64_t>(1, md.positions.empty() ? 1 : md.positions.back() + 1),
+                          CudaBackend::Mode::kEager, nullptr, &md);
+  ML4_RETURN_IF_ERROR(program_->draft(any_sampled ? params.data() : nullptr, in.want_probs));
+  std::vector<int32_t> drafted(B * n);
+  ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(drafted.data(), b.draft_ids.data(), drafted.size() * 4, cudaMemcpyDeviceToHost, stream));
+  std::vector<float> q(in.want_probs ? (B - 1) * n * V : 0);
+  if (in.want_probs)
+    ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(q.data(), b.draft_probs.data(), q.size() * 4, cudaMemcpyDeviceToHost, stream));
+  ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  DraftOutput out;
+  for (int64_t i = 0; i < n; ++i) {
+    const int k = in.seqs[i].num_drafts;
+    std::vector<int32_t> t(k);
+    for (int j = 0; j < k; ++j) t[j] = drafted[(j + 1) * n + i];
+    out.tokens.push_back(std::move(t));
+    if (in.want_probs) {
+      std::vector<float> qi(k * V);
+      for (int j = 0; j < k; ++j) std::copy_n(q.data() + (j * n + i) * V, V, qi.begin() + j * V);
+      out.probs.push_back(std::move(qi));
+    }
   }
   return out;
 }

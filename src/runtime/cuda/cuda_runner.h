@@ -61,7 +61,10 @@ class CudaRunner : public ModelRunner {
   Result<StepOutput> execute_traced(const StepInput& in, ForwardTrace* trace) override;
   // Draws on the GPU (sampling.h) when every sequence of a step asks for device sampling.
   bool samples_on_device() const override { return true; }
+  bool applies_token_masks() const override { return true; }
   std::vector<KvRegion> kv_regions() override;
+  bool has_drafter() const override { return program_->has_drafter(); }
+  Result<DraftOutput> draft(const DraftInput& in) override;
 
   int64_t weight_bytes() const { return backend_->weight_bytes(); }
   // Bytes of all routed experts of all layers (the rest of weight_bytes is read every step).
