@@ -3,7 +3,7 @@
 # every package is already there.
 set -euo pipefail
 pkgs=(cmake ninja-build g++ pkg-config nlohmann-json3-dev libpcre2-dev libcpp-httplib-dev
-      libcli11-dev libfmt-dev libspdlog-dev libgtest-dev libgmock-dev libbenchmark-dev
+      libcli11-dev xz-utils libfmt-dev libspdlog-dev libgtest-dev libgmock-dev libbenchmark-dev
       libopenmpi-dev openmpi-bin)  # ranks as processes (src/parallel/, SYSTEM.md S10)
 missing=()
 for p in "${pkgs[@]}"; do
