@@ -99,6 +99,10 @@ struct Activations {
   float* rows = nullptr;        // [R, dim] the logits rows' hidden states
   float* normed = nullptr;      // [R, dim]
   float* logits = nullptr;      // [R, vocab]
+  // Tensor parallelism (runtime/model_forward.h): the output head's vocabulary shards
+  // gathered over the TP group, [tp][R][vocab / tp], before they are laid out into logits.
+  // Needed only when the program runs with a TP group of more than one rank.
+  float* logits_parts = nullptr;  // [R, vocab]
   // The DSpark drafter (after Backend::enable_drafter; n = sequences of a draft step):
   float* draft_hidden = nullptr;  // [T, n_targets * dim] the target's hidden states at its target layers
   float* draft_ctx = nullptr;     // [T, dim] rms(fc(...)): the drafter's context rows
@@ -189,6 +193,13 @@ class Backend {
 
   // ---- weights, registered once at load ----
   virtual Status set_embedding(const Tensor& table) = 0;  // [vocab, dim] bf16 or f32
+  // Vocabulary-parallel embedding (tensor parallelism): table holds the rows of token ids
+  // [first_id, first_id + rows); embedding() writes zeros for other ids (the program sums
+  // the ranks' rows).
+  virtual Status set_embedding_shard(const Tensor& table, int64_t first_id) {
+    if (first_id == 0) return set_embedding(table);
+    return unimplemented("this backend has no vocabulary-parallel embedding (tensor parallelism)");
+  }
   virtual Result<LinearRef> add_linear(const LinearWeight& w, LinearUse use = LinearUse::kDefault) = 0;
   virtual Result<MlpRef> add_mlp(const MlpWeights& m) = 0;
   // v outlives every forward (it belongs to the weights passed at load, or to the program):
@@ -256,6 +267,35 @@ class Backend {
   virtual Result<std::vector<int32_t>> read_ints(const int32_t* p, int64_t n) = 0;
   // out[i] = x[logits row i] for the step's R logits rows (rows of dim).
   virtual Status gather_logits_rows(const float* x, float* out) = 0;
+
+  // ---- parallelism (parallel/communicator.h; runtime/model_forward.h) ----
+  // The queue the ops run on, for a device communicator to issue its collectives on
+  // (cudaStream_t on CUDA); null where ops complete on return (the CPU).
+  virtual void* stream() const { return nullptr; }
+  // Backend memory of at least `bytes`, one buffer per slot, at a fixed address until a
+  // larger request for that slot (expert-parallel dispatch buffers).
+  virtual Result<void*> scratch(int slot, int64_t bytes) {
+    return unimplemented("this backend has no scratch buffers (expert parallelism)");
+  }
+  // bytes from host memory into backend memory.
+  virtual Status upload(void* dst, const void* src_host, int64_t bytes) {
+    return unimplemented("this backend has no upload (expert parallelism)");
+  }
+  // dst[i, :] = src[idx[i], :] and dst[idx[i], :] += src[i, :] for rows of `cols` floats,
+  // idx [n] in backend memory (the scatter's idx has no repeats).
+  virtual Status gather_rows(const float* src, const int32_t* idx, int64_t n, int64_t cols, float* dst) {
+    return unimplemented("this backend has no gather_rows (expert parallelism)");
+  }
+  virtual Status scatter_add_rows(const float* src, const int32_t* idx, int64_t n, int64_t cols, float* dst) {
+    return unimplemented("this backend has no scatter_add_rows (expert parallelism)");
+  }
+  // Routed experts over n given rows (tokens another rank dispatched here), K slots each:
+  // out[i] = sum_k w[i, k] expert_{ids[i, k]}(x[i]); ids index the experts `moe` was
+  // registered with, ids < 0 are skipped; the shared expert is not applied.
+  virtual Status moe_experts_rows(MoeRef moe, const float* x, int64_t n, const int32_t* ids, const float* weights,
+                                  float* out) {
+    return unimplemented("this backend has no moe_experts_rows (expert parallelism)");
+  }
 
   // ---- the DSpark drafter's ops (MODEL.md section 5) ----
   virtual Result<TableRef> add_table(const Tensor& t) = 0;

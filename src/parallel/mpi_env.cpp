@@ -44,6 +44,36 @@ bool MpiEnv::launched_by_mpi() {
          std::getenv("PMIX_RANK") != nullptr;
 }
 
+int MpiEnv::launched_world_size() {
+  for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"})
+    if (const char* e = std::getenv(v)) return std::max(1, std::atoi(e));
+  return 1;
+}
+
+Status MpiEnv::relaunch_under_mpirun(int world) {
+  if (std::getenv("ML4_MPI_RELAUNCHED") != nullptr)
+    return internal_error("started by mpirun but no MPI environment is visible (OMPI_COMM_WORLD_SIZE unset)");
+  std::ifstream f("/proc/self/cmdline", std::ios::binary);
+  std::vector<std::string> args;
+  for (std::string a; std::getline(f, a, '\0');) args.push_back(a);
+  char exe[4096];
+  const ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+  if (n <= 0 || args.empty()) return io_error("cannot read this process's command line to relaunch it under mpirun");
+  exe[n] = '\0';
+  std::vector<std::string> cmd = {"mpirun", "-np", std::to_string(world), "--oversubscribe"};
+  if (getuid() == 0) cmd.push_back("--allow-run-as-root");
+  cmd.push_back(exe);
+  cmd.insert(cmd.end(), args.begin() + 1, args.end());
+  std::vector<char*> argv;
+  for (auto& a : cmd) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  setenv("ML4_MPI_RELAUNCHED", "1", 1);
+  ML4_LOG_INFO("starting {} ranks: mpirun -np {} ...", world, world);
+  execvp("mpirun", argv.data());
+  return io_error("cannot run mpirun ({}): install openmpi-bin, or start the ranks with mpirun -np {} yourself",
+                  std::strerror(errno), world);
+}
+
 MpiEnv* MpiEnv::get() { return g_env; }
 
 Result<MpiEnv*> MpiEnv::init() {

@@ -31,6 +31,12 @@ class MpiEnv {
  public:
   // True when this process was started by an MPI launcher (OpenMPI's or a PMI environment).
   static bool launched_by_mpi();
+  // The launcher's world size from the environment (1 when not launched by MPI).
+  static int launched_world_size();
+  // One node, no launcher: replaces this process by `mpirun -np world` running the same
+  // command line (--oversubscribe; --allow-run-as-root as root), so `ml4 serve -tp 2` starts
+  // its ranks itself through the same MPI path. Returns only on failure.
+  static Status relaunch_under_mpirun(int world);
   // Initialises MPI the first time (later calls return the same world). Sets ML4_THREADS, when
   // unset, to this host's cores divided by the ranks on it, so ranks do not oversubscribe.
   static Result<MpiEnv*> init();

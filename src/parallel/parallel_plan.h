@@ -68,6 +68,7 @@ class ParallelPlan {
   // experts' expert_hidden_dim are the local ones; everything else (vocab_size, the router's
   // num_experts) stays global.
   const ModelConfig& local_config() const { return local_; }
+  const ModelConfig& global_config() const { return global_; }
   const WeightShard& shard() const { return shard_; }
 
   int64_t heads() const { return heads_; }

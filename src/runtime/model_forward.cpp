@@ -15,6 +15,12 @@ namespace ml4 {
 Result<std::unique_ptr<ModelForward>> ModelForward::create(const ModelConfig& cfg, const ModelWeights& w, Backend& be,
                                                            const Options& opts) {
   std::unique_ptr<ModelForward> f(new ModelForward(cfg, be));
+  f->plan_ = opts.plan;
+  f->comms_ = opts.comms;
+  if (opts.plan != nullptr && opts.drafter && opts.plan->layout().world_size > 1)
+    return unimplemented("the DSpark drafter with tensor / data / expert parallelism is not supported yet");
+  if ((f->tensor_parallel() || f->expert_parallel()) && opts.plan == nullptr)
+    return internal_error("a parallel model program needs its parallel plan");
   const int L = cfg.n_layers;
   // KV sharing: a consumer reads its source's latent slot (or, as the no-sharing baseline,
   // its own copy written alongside the source's rows).
@@ -55,7 +61,11 @@ Result<std::unique_ptr<ModelForward>> ModelForward::create(const ModelConfig& cf
 // The registration order of the linears is part of the CUDA backend's synthetic weights
 // (each gets the next seed): output, then per layer the q path, wkv_a, wo, the indexer, the FFN.
 Status ModelForward::register_weights(const ModelWeights& w) {
-  ML4_RETURN_IF_ERROR(be_.set_embedding(w.tok_embeddings));
+  if (tensor_parallel()) {
+    ML4_RETURN_IF_ERROR(be_.set_embedding_shard(w.tok_embeddings, plan_->vocab_begin()));
+  } else {
+    ML4_RETURN_IF_ERROR(be_.set_embedding(w.tok_embeddings));
+  }
   ML4_ASSIGN_OR_RETURN(final_norm_, be_.add_vector(w.norm));
   ML4_ASSIGN_OR_RETURN(output_, be_.add_linear(w.output));
   layers_.resize(cfg_.n_layers);
@@ -103,7 +113,15 @@ Status ModelForward::register_weights(const ModelWeights& w) {
         if (!F.correction_bias.empty()) {
           ML4_ASSIGN_OR_RETURN(R.router_bias, be_.add_vector(F.correction_bias));
         }
-        ML4_ASSIGN_OR_RETURN(R.moe, be_.add_moe(F.experts, F.shared.get()));
+        if (expert_parallel()) {  // routed experts reached by dispatch, the shared one locally
+          ML4_ASSIGN_OR_RETURN(R.moe, be_.add_moe(F.experts, nullptr));
+          if (F.shared != nullptr) {
+            ML4_ASSIGN_OR_RETURN(R.shared, be_.add_mlp(*F.shared));
+            R.has_shared = true;
+          }
+        } else {
+          ML4_ASSIGN_OR_RETURN(R.moe, be_.add_moe(F.experts, F.shared.get()));
+        }
         break;
       }
     }
@@ -482,10 +500,123 @@ Status ModelForward::moe(int l, ForwardTrace* trace, float* out) {
       return be_.moe_route({x.router, L.router_bias, ids.data(), x.expert_ids, x.expert_wts});
     }));
   }
+  if (expert_parallel()) return moe_expert_parallel(l, out);
   auto experts = [&] {
     return be_.timed("moe experts", [&] { return be_.moe_experts(L.moe, x.a, x.expert_ids, x.expert_wts, out); });
   };
-  return be_.moe_experts_capturable(L.moe) ? be_.segment(experts) : be_.host_sync(experts);
+  ML4_RETURN_IF_ERROR(be_.moe_experts_capturable(L.moe) ? be_.segment(experts) : be_.host_sync(experts));
+  // Tensor parallelism: each rank ran every expert's (and the shared expert's) hidden slice.
+  return tp_all_reduce(out, T * cfg_.dim);
+}
+
+Status ModelForward::tp_all_reduce(float* x, int64_t n) {
+  if (!tensor_parallel()) return Status::ok();
+  return be_.segment([&] { return be_.timed("tp all-reduce", [&] { return comms_.tp->all_reduce_sum(x, n); }); });
+}
+
+// 7. under expert parallelism (DeepEP's dispatch / combine shape, over the EP communicator):
+// each rank sends each of its tokens once to every rank that holds one of its K experts, with
+// the K expert ids local to that rank (-1 for experts elsewhere) and the router weights; the
+// owner runs its experts over what it received and sends back one weighted sum per token; the
+// sender adds the answers up (in rank order, i.e. expert order) and then the shared expert.
+// Under TP the tokens are the same on every TP rank, so each dispatches its 1/t of them
+// (ParallelPlan::dispatch_range) and the TP all-reduce at the end, which also sums the TP-split
+// shared expert, assembles the rest. The host computes the routing tables from the expert
+// ids read back, which on a device ends the graph segment (as the MoE expert loop does).
+Status ModelForward::moe_expert_parallel(int l, float* out) {
+  const LayerRefs& L = layers_[l];
+  const Activations& x = be_.acts();
+  const int64_t T = be_.step_tokens(), D = cfg_.dim;
+  const int K = cfg_.moe.num_experts_per_tok;
+  Communicator& ep = *comms_.ep;
+  const int P = ep.size();
+  ML4_RETURN_IF_ERROR(be_.host_sync([&] {
+    return be_.timed("moe experts (expert parallel)", [&]() -> Status {
+      ML4_ASSIGN_OR_RETURN(std::vector<int32_t> ids, be_.read_ints(x.expert_ids, T * K));
+      const auto [t0, t1] = plan_->dispatch_range(T);
+      std::vector<std::vector<int32_t>> tok(P), lid(P);
+      std::vector<int> owner(K);
+      for (int64_t t = t0; t < t1; ++t) {
+        for (int k = 0; k < K; ++k) {
+          const int32_t e = ids[t * K + k];
+          if (e < 0 || e >= cfg_.moe.num_experts) return internal_error("layer {}: routed expert {} out of range", l, e);
+          owner[k] = plan_->expert_owner(e);
+        }
+        for (int d = 0; d < P; ++d) {
+          bool any = false;
+          for (int k = 0; k < K; ++k) any |= owner[k] == d;
+          if (!any) continue;
+          tok[d].push_back(static_cast<int32_t>(t));
+          for (int k = 0; k < K; ++k) lid[d].push_back(owner[k] == d ? ids[t * K + k] - plan_->expert_begin_of(d) : -1);
+        }
+      }
+      std::vector<int64_t> send_n(P), recv_n;
+      std::vector<int32_t> send_tok, send_ids;
+      for (int d = 0; d < P; ++d) {
+        send_n[d] = static_cast<int64_t>(tok[d].size());
+        send_tok.insert(send_tok.end(), tok[d].begin(), tok[d].end());
+        send_ids.insert(send_ids.end(), lid[d].begin(), lid[d].end());
+      }
+      ML4_RETURN_IF_ERROR(ep.exchange_counts(send_n, &recv_n));
+      int64_t ns = 0, nr = 0;
+      for (int d = 0; d < P; ++d) ns += send_n[d], nr += recv_n[d];
+      auto bytes_of = [](const std::vector<int64_t>& n, int64_t row) {
+        std::vector<int64_t> b(n.size());
+        for (size_t i = 0; i < n.size(); ++i) b[i] = n[i] * row;
+        return b;
+      };
+      const int64_t fD = D * 4, fK = K * 4;
+      ML4_ASSIGN_OR_RETURN(void* idx, be_.scratch(0, ns * 4));
+      ML4_ASSIGN_OR_RETURN(void* sids, be_.scratch(1, ns * fK));
+      ML4_ASSIGN_OR_RETURN(void* sx, be_.scratch(2, ns * fD));
+      ML4_ASSIGN_OR_RETURN(void* sw, be_.scratch(3, ns * fK));
+      ML4_ASSIGN_OR_RETURN(void* rx, be_.scratch(4, nr * fD));
+      ML4_ASSIGN_OR_RETURN(void* rids, be_.scratch(5, nr * fK));
+      ML4_ASSIGN_OR_RETURN(void* rw, be_.scratch(6, nr * fK));
+      ML4_ASSIGN_OR_RETURN(void* ry, be_.scratch(7, nr * fD));
+      ML4_ASSIGN_OR_RETURN(void* sy, be_.scratch(8, ns * fD));
+      auto* idx_i = static_cast<int32_t*>(idx);
+      ML4_RETURN_IF_ERROR(be_.upload(idx, send_tok.data(), ns * 4));
+      ML4_RETURN_IF_ERROR(be_.upload(sids, send_ids.data(), ns * fK));
+      ML4_RETURN_IF_ERROR(be_.gather_rows(x.a, idx_i, ns, D, static_cast<float*>(sx)));
+      ML4_RETURN_IF_ERROR(be_.gather_rows(x.expert_wts, idx_i, ns, K, static_cast<float*>(sw)));
+      // Dispatch: rows, their local expert ids and weights.
+      ML4_RETURN_IF_ERROR(ep.all_to_all_v(sx, bytes_of(send_n, fD), rx, bytes_of(recv_n, fD)));
+      ML4_RETURN_IF_ERROR(ep.all_to_all_v(sids, bytes_of(send_n, fK), rids, bytes_of(recv_n, fK)));
+      ML4_RETURN_IF_ERROR(ep.all_to_all_v(sw, bytes_of(send_n, fK), rw, bytes_of(recv_n, fK)));
+      ML4_RETURN_IF_ERROR(be_.moe_experts_rows(L.moe, static_cast<float*>(rx), nr, static_cast<int32_t*>(rids),
+                                               static_cast<float*>(rw), static_cast<float*>(ry)));
+      // Combine: one weighted sum back per dispatched token, added in rank order.
+      ML4_RETURN_IF_ERROR(ep.all_to_all_v(ry, bytes_of(recv_n, fD), sy, bytes_of(send_n, fD)));
+      ML4_RETURN_IF_ERROR(be_.fill(out, T * D, 0.0f));
+      ML4_RETURN_IF_ERROR(be_.scatter_add_rows(static_cast<float*>(sy), idx_i, ns, D, out));
+      if (L.has_shared) {
+        ML4_ASSIGN_OR_RETURN(void* sh, be_.scratch(9, T * fD));
+        ML4_RETURN_IF_ERROR(mlp(L.shared, x.a, T, static_cast<float*>(sh)));
+        ML4_RETURN_IF_ERROR(be_.add_rows(out, D, static_cast<float*>(sh), D, T, D));
+      }
+      return Status::ok();
+    });
+  }));
+  return tp_all_reduce(out, T * D);
+}
+
+// The logits rows: each TP rank's vocabulary shard [R, V/t] into its part of logits_parts,
+// all-gathered ([t][R][V/t]), then laid out as [R, V].
+Status ModelForward::logits() {
+  const Activations& x = be_.acts();
+  const int64_t R = be_.step_rows();
+  if (!tensor_parallel()) return be_.linear(output_, x.normed, R, x.logits);
+  if (x.logits_parts == nullptr) return internal_error("tensor parallelism: the backend has no logits_parts buffer");
+  const int t = comms_.tp->size();
+  const int64_t V = cfg_.vocab_size, Vl = V / t;
+  float* mine = x.logits_parts + comms_.tp->rank() * R * Vl;
+  ML4_RETURN_IF_ERROR(be_.linear(output_, x.normed, R, mine));
+  ML4_RETURN_IF_ERROR(be_.timed("tp all-gather logits", [&] {
+    return comms_.tp->all_gather(mine, x.logits_parts, R * Vl * static_cast<int64_t>(sizeof(float)));
+  }));
+  for (int j = 0; j < t; ++j) ML4_RETURN_IF_ERROR(be_.copy_rows(x.logits_parts + j * R * Vl, Vl, x.logits + j * Vl, V, R, Vl));
+  return Status::ok();
 }
 
 Status ModelForward::forward(const StepMetadata* md, ForwardTrace* trace) {
@@ -499,6 +630,7 @@ Status ModelForward::forward(const StepMetadata* md, ForwardTrace* trace) {
     ML4_RETURN_IF_ERROR(validate_forced_decisions(*trace, cfg_, md->positions));
   }
   ML4_RETURN_IF_ERROR(be_.segment([&] { return be_.timed("embedding", [&] { return be_.embedding(x.residual); }); }));
+  ML4_RETURN_IF_ERROR(tp_all_reduce(x.residual, T * D));  // vocabulary-parallel rows
   for (int l = 0; l < cfg_.n_layers; ++l) {
     const LayerRefs& L = layers_[l];
     // a = rms(residual), the previous layer's FFN output added into the residual first.
@@ -512,10 +644,12 @@ Status ModelForward::forward(const StepMetadata* md, ForwardTrace* trace) {
     } else {
       ML4_RETURN_IF_ERROR(be_.segment([&] { return attention(l, nullptr, nullptr, x.tmp); }));
     }
+    ML4_RETURN_IF_ERROR(tp_all_reduce(x.tmp, T * D));  // wo is row-parallel
     ML4_RETURN_IF_ERROR(be_.segment([&] { return be_.rms_norm({x.tmp, x.residual, L.ffn_norm, T, D, 0, eps, x.a}); }));
     switch (cfg_.layers[l].ffn) {
       case FfnKind::kDense:
         ML4_RETURN_IF_ERROR(be_.segment([&] { return be_.timed("dense ffn", [&] { return mlp(L.dense, x.a, T, x.tmp); }); }));
+        ML4_RETURN_IF_ERROR(tp_all_reduce(x.tmp, T * D));  // w2 is row-parallel
         break;
       case FfnKind::kMoe:
         ML4_RETURN_IF_ERROR(moe(l, trace, x.tmp));
@@ -535,7 +669,7 @@ Status ModelForward::forward(const StepMetadata* md, ForwardTrace* trace) {
       return be_.timed("final norm + lm_head", [&]() -> Status {
         ML4_RETURN_IF_ERROR(be_.gather_logits_rows(x.residual, x.rows));
         ML4_RETURN_IF_ERROR(be_.rms_norm({x.rows, nullptr, final_norm_, R, D, 0, eps, x.normed}));
-        return be_.linear(output_, x.normed, R, x.logits);
+        return logits();
       });
     }));
   }

@@ -21,6 +21,8 @@
 #include "model/model_config.h"
 #include "model/model_weights.h"
 #include "ops/backend.h"
+#include "parallel/communicator.h"
+#include "parallel/parallel_plan.h"
 #include "runtime/forward_trace.h"
 #include "runtime/step_metadata.h"
 
@@ -36,6 +38,12 @@ class ModelForward {
     // DSpark (MODEL.md section 5): register the drafter (the weights must carry it) and write
     // the drafter's context K/V for every token each forward processes.
     bool drafter = false;
+    // A rank of a parallel group (SYSTEM.md S10; parallel/parallel_plan.h): the weights are
+    // the rank's shard and the config its local_config(); the program adds the collectives
+    // over `comms` (TP all-reduces after wo, the dense FFN, the MoE and the vocabulary-parallel
+    // embedding; the logits' all-gather; expert-parallel dispatch and combine). Null: one rank.
+    const ParallelPlan* plan = nullptr;
+    ParallelComms comms;
   };
 
   // Registers every weight the spec names with the backend (and the RoPE tables).
@@ -65,6 +73,8 @@ class ModelForward {
     LinearRef wq, wq_a, wq_b, wkv_a, wo, idx_wq, idx_wk, idx_wproj, gate;
     MlpRef dense;
     MoeRef moe;
+    MlpRef shared;  // expert parallelism: the shared expert apart from the routed ones
+    bool has_shared = false;
   };
 
   struct DraftLayerRefs {
@@ -95,6 +105,13 @@ class ModelForward {
   Status select_keys(int l, const StepMetadata* md, ForwardTrace* trace, bool forked, int* selection);
   Status mlp(const MlpRef& m, const float* x, int64_t M, float* y);
   Status moe(int l, ForwardTrace* trace, float* out);
+  // Parallelism: a sum over the TP group (no-op on one rank), the expert-parallel MoE, and
+  // the logits from the ranks' vocabulary shards.
+  bool tensor_parallel() const { return comms_.tp != nullptr && comms_.tp->size() > 1; }
+  bool expert_parallel() const { return comms_.ep != nullptr && comms_.ep->size() > 1; }
+  Status tp_all_reduce(float* x, int64_t n);
+  Status moe_expert_parallel(int l, float* out);
+  Status logits();
   RopeArgs rope_args(float* x, int heads, int stride, int offset, int dim, const float* inv_freq) const;
 
   ModelConfig cfg_;
@@ -113,6 +130,8 @@ class ModelForward {
   std::vector<int> selection_of_owner_;
   int forced_selection_ = -1;
   std::unique_ptr<DrafterRefs> drafter_;
+  const ParallelPlan* plan_ = nullptr;
+  ParallelComms comms_;
 };
 
 }  // namespace ml4

@@ -9,6 +9,8 @@
 
 #include "core/status.h"
 #include "model/model_config.h"
+#include "parallel/communicator.h"
+#include "parallel/parallel_plan.h"
 #include "runtime/forward_trace.h"
 #include "runtime/step.h"
 
@@ -45,6 +47,12 @@ struct RunnerOptions {
   // forward, give the drafter group max_num_seqs windows of blocks, and serve draft().
   bool drafter = false;
   int64_t max_num_seqs = 0;  // sequences the drafter group must hold windows for
+  // A rank of a parallel group (SYSTEM.md S10; runtime/parallel_runner.h): load only this
+  // rank's shard and run the program on plan->local_config() with these communicators (MPI,
+  // host memory: CPU ranks; a CUDA runner makes NCCL communicators over the same groups,
+  // bootstrapped through them). Null: a single process.
+  const ParallelPlan* plan = nullptr;
+  ParallelComms comms;
 };
 
 class ModelRunner {

@@ -3,16 +3,29 @@
 // the KV pool gets what the weights leave). An explicit --kv-cache-memory-bytes wins over
 // the fraction, as in vLLM. The default device is the CPU, which every build has; a
 // build without the CUDA backend refuses --device cuda with a clear error.
+//
+// Parallelism (SYSTEM.md S10, docs/PARALLEL.md), vLLM's flags: --tensor-parallel-size / -tp,
+// --data-parallel-size / -dp, --enable-expert-parallel. Ranks are processes launched by
+// mpirun (`mpirun -np 4 ml4 serve -tp 4 ...`, one node or a hostfile); without mpirun a
+// command with more than one rank relaunches itself under `mpirun -np N` on this node. Rank 0
+// continues as the command (server, engine, scheduler); the other ranks serve its steps and
+// end with it. CUDA ranks take the GPU of their node-local rank (CUDA_VISIBLE_DEVICES, unless
+// set).
 #pragma once
 
+#include <cstdlib>
 #include <memory>
 #include <string>
 
 #include <CLI/CLI.hpp>
 
+#include "core/log.h"
 #include "core/status.h"
+#include "parallel/mpi_env.h"
+#include "parallel/rank_layout.h"
 #include "runtime/cpu/cpu_runner.h"
 #include "runtime/model_runner.h"
+#include "runtime/parallel_runner.h"
 #if defined(ML4_WITH_CUDA)
 #include "runtime/cuda/cuda_runner.h"
 #endif
@@ -24,6 +37,7 @@ struct DeviceOptions {
   double gpu_memory_utilization = 0.9;
   bool cuda_graphs = true;
   CLI::Option* kv_bytes_option = nullptr;  // set by add_device_options' caller
+  ParallelConfig parallel;
 };
 
 inline void add_device_options(CLI::App* cmd, DeviceOptions* d) {
@@ -32,10 +46,20 @@ inline void add_device_options(CLI::App* cmd, DeviceOptions* d) {
                   "cuda: fraction of GPU memory for weights + KV cache")
       ->check(CLI::Range(0.01, 1.0));
   cmd->add_flag("!--no-cuda-graphs", d->cuda_graphs, "cuda: run decode steps eagerly");
+  cmd->add_option("--tensor-parallel-size", d->parallel.tensor_parallel_size,
+                  "-tp: ranks the attention heads, FFN and vocabulary are split over (one process per rank)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--data-parallel-size", d->parallel.data_parallel_size,
+                  "-dp: replicas of attention, each with its own sequences and KV cache (needs "
+                  "--enable-expert-parallel)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_flag("--enable-expert-parallel", d->parallel.enable_expert_parallel,
+                "split the routed experts over all dp x tp ranks (tokens dispatched by all-to-all)");
 }
 
-inline Result<std::unique_ptr<ModelRunner>> load_runner_on(const DeviceOptions& d, const std::string& model,
-                                                           const RunnerOptions& ro) {
+// One rank's runner on its device (no parallelism).
+inline Result<std::unique_ptr<ModelRunner>> load_local_runner_on(const DeviceOptions& d, const std::string& model,
+                                                                 const RunnerOptions& ro) {
   if (d.device == "cpu") return load_cpu_runner(model, ro);
 #if defined(ML4_WITH_CUDA)
   cuda::CudaRunnerOptions co;
@@ -48,6 +72,29 @@ inline Result<std::unique_ptr<ModelRunner>> load_runner_on(const DeviceOptions& 
 #else
   return unimplemented("--device {}: this ml4 was built without the CUDA backend (cmake -DML4_CUDA=ON)", d.device);
 #endif
+}
+
+// The runner a command drives. Under parallelism a worker rank never returns: it serves rank
+// 0's steps and then ends the process (0 when rank 0 stopped the group, 1 on a failure).
+inline Result<std::unique_ptr<ModelRunner>> load_runner_on(const DeviceOptions& d, const std::string& model,
+                                                           const RunnerOptions& ro) {
+  const int launched = MpiEnv::launched_world_size();
+  if (!d.parallel.parallel() && launched == 1) return load_local_runner_on(d, model, ro);
+  ML4_RETURN_IF_ERROR(d.parallel.validate());
+  if (!MpiEnv::launched_by_mpi()) {
+    ML4_RETURN_IF_ERROR(MpiEnv::relaunch_under_mpirun(d.parallel.world_size()));
+  }
+  if (d.device == "cuda" && std::getenv("CUDA_VISIBLE_DEVICES") == nullptr)
+    if (const char* lr = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK")) setenv("CUDA_VISIBLE_DEVICES", lr, 1);
+  Status worker_status;
+  auto local = [&](const RunnerOptions& o) { return load_local_runner_on(d, model, o); };
+  ML4_ASSIGN_OR_RETURN(std::unique_ptr<ModelRunner> r,
+                       load_parallel_runner(d.parallel, model, ro, local, &worker_status));
+  if (r == nullptr) {  // a worker whose group has finished
+    if (!worker_status.is_ok()) ML4_LOG_ERROR("{}", worker_status.message());
+    std::exit(worker_status.is_ok() ? 0 : 1);
+  }
+  return r;
 }
 
 }  // namespace ml4

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "core/threads.h"
 #include "ops/cpu/ops.h"
@@ -77,7 +78,8 @@ void CpuBackend::begin_step(const StepMetadata& md) {
     const int64_t n = std::max<int64_t>(R, 1);
     acts_.rows = grow(19, 2 * n * D);
     acts_.normed = acts_.rows + n * D;
-    acts_.logits = grow(20, n * c.vocab_size);
+    acts_.logits = grow(20, 2 * n * c.vocab_size);
+    acts_.logits_parts = acts_.logits + n * c.vocab_size;
     act_rows_ = n;
   }
   for (auto& s : selections_) s.assign(T, {});
@@ -87,6 +89,13 @@ void CpuBackend::begin_step(const StepMetadata& md) {
 
 Status CpuBackend::set_embedding(const Tensor& table) {
   embed_ = &table;
+  embed_first_ = 0;
+  return Status::ok();
+}
+
+Status CpuBackend::set_embedding_shard(const Tensor& table, int64_t first_id) {
+  embed_ = &table;
+  embed_first_ = first_id;
   return Status::ok();
 }
 
@@ -127,7 +136,21 @@ Status CpuBackend::enable_drafter() {
 // ---- ops ----
 
 Status CpuBackend::embedding(float* out) {
-  cpu::embedding_lookup(*embed_, md_->token_ids.data(), step_tokens(), out);
+  if (embed_first_ == 0 && embed_->dim(0) == cfg_.vocab_size) {
+    cpu::embedding_lookup(*embed_, md_->token_ids.data(), step_tokens(), out);
+    return Status::ok();
+  }
+  // Vocabulary-parallel: rows of ids outside [first, first + rows) are zero.
+  const int64_t D = cfg_.dim, rows = embed_->dim(0);
+  for (int64_t t = 0; t < step_tokens(); ++t) {
+    const int64_t id = md_->token_ids[t] - embed_first_;
+    if (id >= 0 && id < rows) {
+      const int32_t local = static_cast<int32_t>(id);
+      cpu::embedding_lookup(*embed_, &local, 1, out + t * D);
+    } else {
+      std::fill(out + t * D, out + (t + 1) * D, 0.0f);
+    }
+  }
   return Status::ok();
 }
 
@@ -423,6 +446,72 @@ Status CpuBackend::moe_experts(MoeRef moe, const float* x, const int32_t* ids, c
     std::vector<float> sh(T * D);
     mlp(*M.shared, x, T, sh.data());
     for (int64_t i = 0; i < T * D; ++i) out[i] += sh[i];
+  }
+  return Status::ok();
+}
+
+// ---- parallelism ----
+
+Result<void*> CpuBackend::scratch(int slot, int64_t bytes) {
+  if (slot < 0) return internal_error("scratch: slot {}", slot);
+  if (static_cast<int>(scratch_.size()) <= slot) scratch_.resize(slot + 1);
+  auto& b = scratch_[slot];
+  // Whole floats, never empty: a pointer into it is valid even for zero rows.
+  const int64_t want = std::max<int64_t>(bytes, 16);
+  if (static_cast<int64_t>(b.size()) < want) b.assign(want, 0);
+  return static_cast<void*>(b.data());
+}
+
+Status CpuBackend::upload(void* dst, const void* src_host, int64_t bytes) {
+  if (bytes > 0) std::memcpy(dst, src_host, bytes);
+  return Status::ok();
+}
+
+Status CpuBackend::gather_rows(const float* src, const int32_t* idx, int64_t n, int64_t cols, float* dst) {
+  for (int64_t i = 0; i < n; ++i) std::copy_n(src + static_cast<int64_t>(idx[i]) * cols, cols, dst + i * cols);
+  return Status::ok();
+}
+
+Status CpuBackend::scatter_add_rows(const float* src, const int32_t* idx, int64_t n, int64_t cols, float* dst) {
+  for (int64_t i = 0; i < n; ++i) {
+    float* d = dst + static_cast<int64_t>(idx[i]) * cols;
+    const float* x = src + i * cols;
+    for (int64_t j = 0; j < cols; ++j) d[j] += x[j];
+  }
+  return Status::ok();
+}
+
+// As moe_experts over explicit rows; the k-sum runs in the same order (expert by expert,
+// adding w * y into the row) so a token's routed output is the one moe_experts computes.
+Status CpuBackend::moe_experts_rows(MoeRef moe, const float* x, int64_t n, const int32_t* ids, const float* weights,
+                                    float* out) {
+  const Moe& M = moes_[moe.id];
+  const int64_t D = cfg_.dim;
+  const int K = cfg_.moe.num_experts_per_tok;
+  const int E = static_cast<int>(M.experts->size());
+  std::fill(out, out + n * D, 0.0f);
+  std::vector<std::vector<std::pair<int64_t, float>>> rows(E);
+  for (int64_t t = 0; t < n; ++t)
+    for (int k = 0; k < K; ++k) {
+      const int32_t e = ids[t * K + k];
+      if (e < 0) continue;
+      if (e >= E) return internal_error("moe_experts_rows: expert {} of {} held here", e, E);
+      rows[e].push_back({t, weights[t * K + k]});
+    }
+  std::vector<float> xs, ys;
+  for (int e = 0; e < E; ++e) {
+    const auto& r = rows[e];
+    if (r.empty()) continue;
+    const int64_t m = static_cast<int64_t>(r.size());
+    xs.resize(m * D);
+    ys.resize(m * D);
+    for (int64_t i = 0; i < m; ++i) std::copy(x + r[i].first * D, x + (r[i].first + 1) * D, xs.begin() + i * D);
+    mlp((*M.experts)[e], xs.data(), m, ys.data());
+    for (int64_t i = 0; i < m; ++i) {
+      float* o = out + r[i].first * D;
+      const float wt = r[i].second;
+      for (int64_t d = 0; d < D; ++d) o[d] += wt * ys[i * D + d];
+    }
   }
   return Status::ok();
 }

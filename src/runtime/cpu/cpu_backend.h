@@ -30,6 +30,7 @@ class CpuBackend : public Backend {
   void begin_step(const StepMetadata& md);
 
   Status set_embedding(const Tensor& table) override;
+  Status set_embedding_shard(const Tensor& table, int64_t first_id) override;
   Result<LinearRef> add_linear(const LinearWeight& w, LinearUse use) override;
   Result<MlpRef> add_mlp(const MlpWeights& m) override;
   Result<const float*> add_vector(const std::vector<float>& v) override;
@@ -61,6 +62,12 @@ class CpuBackend : public Backend {
   Status moe_experts(MoeRef moe, const float* x, const int32_t* ids, const float* weights, float* out) override;
   Result<std::vector<int32_t>> read_ints(const int32_t* p, int64_t n) override;
   Status gather_logits_rows(const float* x, float* out) override;
+  Result<void*> scratch(int slot, int64_t bytes) override;
+  Status upload(void* dst, const void* src_host, int64_t bytes) override;
+  Status gather_rows(const float* src, const int32_t* idx, int64_t n, int64_t cols, float* dst) override;
+  Status scatter_add_rows(const float* src, const int32_t* idx, int64_t n, int64_t cols, float* dst) override;
+  Status moe_experts_rows(MoeRef moe, const float* x, int64_t n, const int32_t* ids, const float* weights,
+                          float* out) override;
   Result<TableRef> add_table(const Tensor& t) override;
   Status gather_table_rows(TableRef t, const int32_t* ids, int64_t n, float* out) override;
   Status copy_rows(const float* src, int64_t src_stride, float* dst, int64_t dst_stride, int64_t rows,
@@ -90,6 +97,8 @@ class CpuBackend : public Backend {
   PagedKvCache* cache_ = nullptr;
   int latent_group_ = -1, indexer_group_ = -1, drafter_group_ = -1;
   const Tensor* embed_ = nullptr;
+  int64_t embed_first_ = 0;  // vocabulary-parallel: the first token id embed_ holds
+  std::vector<std::vector<uint8_t>> scratch_;
   std::vector<const LinearWeight*> linears_;
   std::vector<Moe> moes_;
   std::vector<std::vector<std::vector<int32_t>>> selections_;  // [selection][token] positions

@@ -17,8 +17,10 @@ Result<std::unique_ptr<CpuRunner>> CpuRunner::load(const std::string& model_dir,
   WeightLoadOptions wo;
   wo.experts_to_mxfp4 = opts.experts_to_mxfp4;
   wo.load_drafter = opts.drafter;
+  if (opts.plan != nullptr) wo.shard = &opts.plan->shard();  // a parallel rank reads its shard only
   ML4_ASSIGN_OR_RETURN(auto weights, load_model_weights(cfg, *ckpt, wo));
-  ML4_ASSIGN_OR_RETURN(auto r, create(cfg, weights, opts, duplicate_shared_kv));
+  ML4_ASSIGN_OR_RETURN(auto r, create(opts.plan != nullptr ? opts.plan->local_config() : cfg, weights, opts,
+                                      duplicate_shared_kv));
   r->ckpt_ = ckpt;
   ML4_LOG_DEBUG("cpu runner: {} ({} layers), kv {} : {} B/token, {} blocks of {} tokens", model_dir, cfg.n_layers,
                 opts.kv_cache_dtype, r->spec_.bytes_per_token(), r->groups_.empty() ? 0 : r->groups_[0].num_blocks,
@@ -50,6 +52,8 @@ Result<std::unique_ptr<CpuRunner>> CpuRunner::create(const ModelConfig& cfg, std
   ModelForward::Options fo;
   fo.duplicate_shared_kv = duplicate_shared_kv;
   fo.drafter = opts.drafter;
+  fo.plan = opts.plan;
+  fo.comms = opts.comms;
   ML4_ASSIGN_OR_RETURN(r->program_, ModelForward::create(cfg, *weights, *r->backend_, fo));
   return r;
 }
