@@ -12,6 +12,11 @@
 //       ReplicatedLinear), so every rank selects the same keys;
 //     - dense FFN and the shared experts column (w1, w3) / row (w2) split + all-reduce;
 //     - without EP, each routed expert's hidden split the same way (vLLM's TP MoE);
+//     - FFN hidden sizes are split in whole quantization blocks (128 for FP8-block
+//       checkpoints, 1 for bf16), unevenly when the block count does not divide: the
+//       all-reduce sums partial products, so ranks may hold different widths (ml4's experts
+//       and shared expert, 5632 = 44 x 128, give 6 / 6 / 6 / 6 / 5 / 5 / 5 / 5 blocks at TP 8,
+//       where vLLM's even split would refuse the FP8 blocks);
 //     - vocabulary-parallel embedding (rows [v0, v0 + V/t), other ids give zeros, all-reduce)
 //       and output head (each rank's V/t logits, all-gathered);
 //     - the router is replicated.
@@ -86,14 +91,18 @@ class ParallelPlan {
   std::pair<int64_t, int64_t> dispatch_range(int64_t T) const;
 
   // Bytes of the checkpoint's stored weights this rank loads (expected_tensors of the config:
-  // the preset's weight format); `drafter` counts mtp_dspark.* too.
+  // the preset's weight format, each tensor's slice counted exactly, scales included);
+  // `drafter` counts mtp_dspark.* too.
   RankWeightBytes weight_bytes(bool drafter = false) const;
+  // [begin, begin + count) of an FFN hidden size n this TP rank holds (whole blocks of
+  // `unit`, the first ranks one block more when they do not divide).
+  static std::pair<int64_t, int64_t> hidden_split(int64_t n, int64_t unit, int t, int q);
   // One line per part and the total, for `ml4 capacity`.
   std::string describe() const;
 
  private:
-  // The share (numerator, denominator) of tensor t this rank holds.
-  std::pair<int64_t, int64_t> share_of(const ExpectedTensor& t) const;
+  // Stored bytes of the slice of tensor t this rank holds.
+  int64_t bytes_on_rank(const ExpectedTensor& t) const;
 
   ModelConfig global_, local_;
   RankLayout layout_;
