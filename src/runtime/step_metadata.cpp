@@ -27,8 +27,9 @@ Result<StepMetadata> build_step_metadata(const StepInput& in, const std::vector<
       const auto& bt = s.block_tables[g];
       const int64_t page = groups[g].page_tokens;
       // Full-attention groups must cover the step (all of them, or only_group); a
-      // sliding-window group may hold kNoBlock (-1) for pages it released, and gives a slot
-      // where its table covers a token.
+      // sliding-window group may hold kNoBlock (-1) for pages it released or never took (the
+      // engine takes none for positions no later draft reads), and gives a slot where its
+      // table covers a token: a token without one gets no drafter context.
       const bool sliding = groups[g].sliding_window != 0;
       const bool must_cover = only_group >= 0 ? g == only_group : !sliding;
       if (must_cover && static_cast<int64_t>(bt.size()) * page < end)
@@ -36,7 +37,7 @@ Result<StepMetadata> build_step_metadata(const StepInput& in, const std::vector<
                                                         groups[g].name, bt.size() * page, end)));
       for (size_t i = 0; i < bt.size(); ++i) {
         const int32_t b = bt[i];
-        if (sliding && b == -1 && static_cast<int64_t>(i + 1) * page <= s.start_pos) continue;  // released
+        if (sliding && b == -1) continue;  // released or never taken
         if (b < 0 || b >= groups[g].num_blocks)
           return out_of_range("{}", where(fmt::format("group {} block id {} outside [0, {})", groups[g].name, b, groups[g].num_blocks)));
       }
