@@ -89,6 +89,26 @@ int64_t KvBlockManager::first_window_block(const Pool& p, int64_t num_computed) 
   return lo > 0 ? lo / p.info.page_tokens : 0;
 }
 
+int64_t KvBlockManager::first_needed_block(const Pool& p, const Request& r, int64_t num_tokens) {
+  if (p.info.sliding_window <= 0) return 0;
+  const int64_t end = std::min(num_tokens, r.num_tokens());  // the earliest later anchor
+  return std::max(first_window_block(p, r.num_computed), first_window_block(p, end));
+}
+
+void KvBlockManager::release_block(Pool& p, int32_t b) {
+  if (--p.ref[b] == 0) {
+    if (p.has_hash[b]) list_push_back(p, b); else list_push_front(p, b);
+  }
+}
+
+void KvBlockManager::release_before(Pool& p, std::vector<int32_t>& table, int64_t first) {
+  const int64_t n = std::min<int64_t>(first, static_cast<int64_t>(table.size()));
+  for (int64_t i = n - 1; i >= 0 && table[i] != kNoBlock; --i) {
+    release_block(p, table[i]);
+    table[i] = kNoBlock;
+  }
+}
+
 int64_t KvBlockManager::num_free_blocks_total() const {
   int64_t s = 0;
   for (const auto& p : pools_) s += p.num_free;
@@ -103,8 +123,8 @@ double KvBlockManager::usage(int g) const {
 
 int64_t KvBlockManager::capacity_tokens() const {
   int64_t cap = INT64_MAX;
-  for (const auto& p : pools_)
-    if (p.active) cap = std::min(cap, p.info.num_blocks * p.info.page_tokens);
+  for (const auto& p : pools_)  // a window group holds a window per request, whatever its length
+    if (p.active && p.info.sliding_window <= 0) cap = std::min(cap, p.info.num_blocks * p.info.page_tokens);
   return cap == INT64_MAX ? 0 : cap;
 }
 
@@ -115,34 +135,63 @@ PrefixHit KvBlockManager::find_cached_prefix(const Request& r) {
   // prompt_logprobs needs the logits of every prompt position: no reuse (as vLLM v1).
   if (!prefix_caching_ || pools_.empty() || r.params.prompt_logprobs >= 0) return hit;
   const int64_t limit = r.num_tokens() - 1;  // at least one token is computed for logits
+  // The cached run of a group: for block i, the block holding it (or -1) and its chain hash.
+  auto lookup = [&](const Pool& p, int64_t upto, std::vector<int32_t>* blocks, std::vector<uint64_t>* hashes,
+                    bool stop_at_miss) {
+    const int64_t page = p.info.page_tokens;
+    uint64_t parent = kRootHash;
+    for (int64_t i = 0; (i + 1) * page <= upto; ++i) {
+      const uint64_t h = chain_hash(parent, r, i * page, (i + 1) * page);
+      int32_t b = -1;
+      auto it = p.cached.find(h);
+      if (it != p.cached.end()) {
+        b = it->second;
+        bool same = static_cast<int64_t>(p.tokens[b].size()) == page;
+        for (int64_t k = 0; same && k < page; ++k) same = p.tokens[b][k] == r.token_at(i * page + k);
+        if (!same) b = -1;
+      }
+      if (b < 0 && stop_at_miss) break;
+      blocks->push_back(b);
+      hashes->push_back(h);
+      parent = h;
+    }
+  };
+  // Full-attention groups: the chain from position 0, up to the first miss.
   int64_t best = limit;
   for (size_t g = 0; g < pools_.size() && best > 0; ++g) {
     const Pool& p = pools_[g];
-    if (!p.active) continue;
-    const int64_t page = p.info.page_tokens;
-    uint64_t parent = kRootHash;
-    int64_t found = 0;
-    for (int64_t i = 0; (i + 1) * page <= best; ++i) {
-      uint64_t h = chain_hash(parent, r, i * page, (i + 1) * page);
-      auto it = p.cached.find(h);
-      if (it == p.cached.end()) break;
-      int32_t b = it->second;
-      bool same = static_cast<int64_t>(p.tokens[b].size()) == page;
-      for (int64_t k = 0; same && k < page; ++k) same = p.tokens[b][k] == r.token_at(i * page + k);
-      if (!same) break;
-      hit.blocks[g].push_back(b);
-      hit.hashes[g].push_back(h);
-      parent = h;
-      found = (i + 1) * page;
-    }
-    best = std::min(best, found);
+    if (!p.active || p.info.sliding_window > 0) continue;
+    lookup(p, best, &hit.blocks[g], &hit.hashes[g], true);
+    best = std::min(best, static_cast<int64_t>(hit.blocks[g].size()) * p.info.page_tokens);
   }
+  // Sliding-window groups: every block may be missing except the window's before the end.
+  std::vector<size_t> windowed;
+  for (size_t g = 0; g < pools_.size(); ++g) {
+    const Pool& p = pools_[g];
+    if (!p.active || p.info.sliding_window <= 0) continue;
+    windowed.push_back(g);
+    lookup(p, best, &hit.blocks[g], &hit.hashes[g], false);
+  }
+  auto window_ok = [&](int64_t len) {
+    for (size_t g : windowed) {
+      const Pool& p = pools_[g];
+      const int64_t last = len / p.info.page_tokens;  // blocks [first, last) must be cached
+      for (int64_t i = first_window_block(p, len); i < last; ++i)
+        if (i >= static_cast<int64_t>(hit.blocks[g].size()) || hit.blocks[g][i] < 0) return false;
+    }
+    return true;
+  };
   best = best / lcm_page_ * lcm_page_;
+  while (best > 0 && !window_ok(best)) best -= lcm_page_;
   hit.num_tokens = best;
   for (size_t g = 0; g < pools_.size(); ++g) {
-    size_t keep = pools_[g].active ? static_cast<size_t>(best / pools_[g].info.page_tokens) : 0;
+    const Pool& p = pools_[g];
+    const size_t keep = p.active ? static_cast<size_t>(best / p.info.page_tokens) : 0;
     hit.blocks[g].resize(std::min(keep, hit.blocks[g].size()));
     hit.hashes[g].resize(hit.blocks[g].size());
+    if (p.info.sliding_window > 0)  // blocks before the window are not taken
+      for (int64_t i = 0; i < std::min<int64_t>(first_window_block(p, best), hit.blocks[g].size()); ++i)
+        hit.blocks[g][i] = kNoBlock;
   }
   queries_ += r.num_tokens();
   hits_ += best;
@@ -154,7 +203,7 @@ std::vector<int64_t> KvBlockManager::blocks_needed(const Request& r, int64_t num
   for (size_t g = 0; g < pools_.size(); ++g) {
     if (!pools_[g].active) continue;
     int64_t have = g < r.block_tables.size() ? static_cast<int64_t>(r.block_tables[g].size()) : 0;
-    have = std::max(have, first_window_block(pools_[g], r.num_computed));
+    have = std::max(have, first_needed_block(pools_[g], r, num_tokens));
     need[g] = std::max<int64_t>(0, ceil_div(num_tokens, pools_[g].info.page_tokens) - have);
   }
   return need;
@@ -167,6 +216,15 @@ bool KvBlockManager::allocate(Request& r, int64_t num_tokens, const PrefixHit* h
     r.block_hashes.resize(G);
   }
   const bool use_hit = hit != nullptr && hit->num_tokens > 0;
+  // Window groups first give back what no later step reads (valid whether or not the
+  // allocation below succeeds).
+  std::vector<int64_t> first(G, 0);
+  for (size_t g = 0; g < G; ++g) {
+    Pool& p = pools_[g];
+    if (!p.active) continue;
+    first[g] = first_needed_block(p, r, num_tokens);
+    if (p.info.sliding_window > 0) release_before(p, r.block_tables[g], first[g]);
+  }
   std::vector<int64_t> need(G, 0);
   for (size_t g = 0; g < G; ++g) {
     const Pool& p = pools_[g];
@@ -174,40 +232,90 @@ bool KvBlockManager::allocate(Request& r, int64_t num_tokens, const PrefixHit* h
     int64_t have = static_cast<int64_t>(r.block_tables[g].size());
     int64_t from_free = 0;
     if (use_hit) {
-      for (int32_t b : hit->blocks[g]) from_free += p.ref[b] == 0 ? 1 : 0;
+      for (size_t i = 0; i < hit->blocks[g].size(); ++i) {
+        const int32_t b = hit->blocks[g][i];
+        if (b != kNoBlock && have + static_cast<int64_t>(i) >= first[g]) from_free += p.ref[b] == 0 ? 1 : 0;
+      }
       have += static_cast<int64_t>(hit->blocks[g].size());
     }
-    have = std::max(have, first_window_block(p, r.num_computed));  // kNoBlock entries are free
+    have = std::max(have, first[g]);  // kNoBlock entries are free
     need[g] = from_free + std::max<int64_t>(0, ceil_div(num_tokens, p.info.page_tokens) - have);
     if (need[g] > p.num_free) return false;
   }
   for (size_t g = 0; g < G; ++g) {
     Pool& p = pools_[g];
     if (!p.active) continue;
+    auto& table = r.block_tables[g];
     if (use_hit) {
       for (size_t i = 0; i < hit->blocks[g].size(); ++i) {
-        int32_t b = hit->blocks[g][i];
-        if (p.ref[b] == 0) list_remove(p, b);
-        ++p.ref[b];
-        r.block_tables[g].push_back(b);
+        const int32_t b = hit->blocks[g][i];
+        if (b == kNoBlock || static_cast<int64_t>(table.size()) < first[g]) {
+          table.push_back(kNoBlock);
+        } else {
+          if (p.ref[b] == 0) list_remove(p, b);
+          ++p.ref[b];
+          table.push_back(b);
+        }
         r.block_hashes[g].push_back(hit->hashes[g][i]);
       }
     }
-    int64_t target = ceil_div(num_tokens, p.info.page_tokens);
-    const int64_t first = first_window_block(p, r.num_computed);
-    while (static_cast<int64_t>(r.block_tables[g].size()) < target) {
-      if (static_cast<int64_t>(r.block_tables[g].size()) < first) {
-        r.block_tables[g].push_back(kNoBlock);
+    const int64_t target = ceil_div(num_tokens, p.info.page_tokens);
+    while (static_cast<int64_t>(table.size()) < target) {
+      if (static_cast<int64_t>(table.size()) < first[g]) {
+        table.push_back(kNoBlock);
         continue;
       }
       int32_t b = p.head;
       list_remove(p, b);
       drop_hash(p, b);  // evicts a cached block
       p.ref[b] = 1;
-      r.block_tables[g].push_back(b);
+      table.push_back(b);
     }
   }
   return true;
+}
+
+bool KvBlockManager::extend_windows(Request& r, int64_t num_tokens) {
+  const size_t G = std::min(pools_.size(), r.block_tables.size());
+  std::vector<int64_t> need(G, 0);
+  for (size_t g = 0; g < G; ++g) {
+    const Pool& p = pools_[g];
+    if (!p.active || p.info.sliding_window <= 0) continue;
+    const int64_t have = std::max<int64_t>(r.block_tables[g].size(), first_window_block(p, r.num_computed));
+    need[g] = std::max<int64_t>(0, ceil_div(num_tokens, p.info.page_tokens) - have);
+    if (need[g] > p.num_free) return false;
+  }
+  for (size_t g = 0; g < G; ++g) {
+    Pool& p = pools_[g];
+    if (need[g] == 0) continue;
+    auto& table = r.block_tables[g];
+    const int64_t first = first_window_block(p, r.num_computed);
+    while (static_cast<int64_t>(table.size()) < ceil_div(num_tokens, p.info.page_tokens)) {
+      if (static_cast<int64_t>(table.size()) < first) {
+        table.push_back(kNoBlock);
+        continue;
+      }
+      int32_t b = p.head;
+      list_remove(p, b);
+      drop_hash(p, b);
+      p.ref[b] = 1;
+      table.push_back(b);
+    }
+  }
+  return true;
+}
+
+void KvBlockManager::trim(Request& r, int64_t num_tokens) {
+  for (size_t g = 0; g < r.block_tables.size() && g < pools_.size(); ++g) {
+    Pool& p = pools_[g];
+    auto& table = r.block_tables[g];
+    const size_t keep = static_cast<size_t>(ceil_div(std::max<int64_t>(0, num_tokens), p.info.page_tokens));
+    while (table.size() > keep) {
+      if (table.back() != kNoBlock) release_block(p, table.back());
+      table.pop_back();
+    }
+    if (g < r.block_hashes.size() && r.block_hashes[g].size() > keep) r.block_hashes[g].resize(keep);
+  }
 }
 
 void KvBlockManager::free(Request& r) {
@@ -259,15 +367,7 @@ void KvBlockManager::release_outside_window(Request& r) {
   for (size_t g = 0; g < r.block_tables.size() && g < pools_.size(); ++g) {
     Pool& p = pools_[g];
     if (!p.active || p.info.sliding_window <= 0) continue;
-    auto& table = r.block_tables[g];
-    const int64_t first = std::min<int64_t>(first_window_block(p, r.num_computed), table.size());
-    for (int64_t i = first - 1; i >= 0 && table[i] != kNoBlock; --i) {
-      const int32_t b = table[i];
-      if (--p.ref[b] == 0) {
-        if (p.has_hash[b]) list_push_back(p, b); else list_push_front(p, b);
-      }
-      table[i] = kNoBlock;
-    }
+    release_before(p, r.block_tables[g], first_window_block(p, r.num_computed));
   }
 }
 

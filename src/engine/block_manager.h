@@ -23,11 +23,22 @@
 // A sliding-window group the runner gave no blocks (the drafter when speculation is off)
 // is inactive: its tables stay empty and it takes no part in admission or prefix hits.
 // An active sliding-window group (the drafter's window, MODEL.md section 5) holds only the
-// blocks the next step can read: a block wholly before position num_computed - window is
-// released (its table entry becomes kNoBlock, -1, which the runner neither reads nor writes)
-// and allocation never takes one for such a position. A prefix hit still needs the group's
-// blocks cached for the whole prefix, which is conservative and correct. P/D transfer
-// allocates blocks for num_external_tokens the same way as a prefill.
+// blocks a later step can read. The DSpark drafter reads [anchor - window, anchor) where the
+// anchor is the first token the target has not processed, so after a step that ends at e a
+// position below min(e, tokens known) - window is never read again: allocate() gives such
+// blocks back before it takes new ones and takes none for them (their table entries are
+// kNoBlock, -1: the runner writes no context there and reads none), and
+// release_outside_window() does the same after each step. A request's window therefore never
+// spans more than window + draft block positions, however long its prefill chunks are. A
+// prefix hit in such a group needs only the blocks of the window before the hit's end
+// (vLLM's sliding-window cache hit): the hit is the longest prefix, a multiple of every page,
+// that the full-attention groups hold whole and the window group holds over its last
+// `window` positions. P/D transfer allocates blocks for num_external_tokens the same way as
+// a prefill.
+//
+// Speculative decoding (engine/spec_decode.h): a verification step's tables cover the last
+// token plus its drafts; afterwards trim() gives back every block past the accepted tokens,
+// and extend_windows() makes the window groups cover the next draft block.
 #pragma once
 
 #include <cstdint>
@@ -80,6 +91,12 @@ class KvBlockManager {
   void free_tables(std::vector<std::vector<int32_t>>& tables);
   // Sliding-window groups: releases the blocks wholly before r.num_computed - window.
   void release_outside_window(Request& r);
+  // Gives back, in every group, the blocks wholly at or past position `num_tokens` (drafts the
+  // verifier rejected; they hold no registered prefix).
+  void trim(Request& r, int64_t num_tokens);
+  // Makes every active sliding-window group's table cover `num_tokens` tokens (a draft block
+  // past the computed tokens); false and no change when a group lacks free blocks.
+  bool extend_windows(Request& r, int64_t num_tokens);
   // Registers the full blocks among tokens [0, r.num_computed) for reuse.
   void cache_full_blocks(Request& r);
   // Drops every cached hash whose block is free (e.g. after a weight update).
@@ -111,6 +128,11 @@ class KvBlockManager {
   static void drop_hash(Pool& p, int32_t b);
   // First block index a sliding-window group still needs for a request at `num_computed`.
   static int64_t first_window_block(const Pool& p, int64_t num_computed);
+  // First block index a step that makes the request's tables cover `num_tokens` must hold.
+  static int64_t first_needed_block(const Pool& p, const Request& r, int64_t num_tokens);
+  // Drops the request's refs on table entries [0, first), leaving kNoBlock.
+  static void release_before(Pool& p, std::vector<int32_t>& table, int64_t first);
+  static void release_block(Pool& p, int32_t b);
   static uint64_t chain_hash(uint64_t parent, const Request& r, int64_t begin, int64_t end);
 
   std::vector<Pool> pools_;

@@ -68,6 +68,37 @@ Engine::Engine(ModelRunner* runner, const TextCodec* codec, const EngineConfig& 
     config_.scheduler.max_model_len = cap;
     scheduler_ = Scheduler(config_.scheduler, &blocks_);
   }
+  if (config_.speculative.enabled()) {
+    Status s = check_speculation(*runner_, config_);
+    if (!s.is_ok()) {
+      ML4_LOG_ERROR("speculative decoding off: {}", s.message());
+    } else {
+      spec_on_ = true;
+      counters_.spec.accepted_per_pos.assign(static_cast<size_t>(config_.speculative.num_speculative_tokens), 0);
+      // The drafter group must hold a window + draft block per running request, or the
+      // scheduler preempts for drafter pages (correct, but slow).
+      for (int g = 0; g < blocks_.num_groups(); ++g) {
+        if (blocks_.group(g).sliding_window <= 0) continue;
+        const int64_t want = config_.scheduler.max_num_seqs * drafter_blocks_per_seq(runner_->config(), blocks_.group(g).page_tokens);
+        if (blocks_.num_total_blocks(g) < want)
+          ML4_LOG_WARN("cache group {} has {} blocks, {} running requests may need {} (RunnerOptions::max_num_seqs = "
+                       "drafter_runner_seqs())",
+                       blocks_.group(g).name, blocks_.num_total_blocks(g), config_.scheduler.max_num_seqs, want);
+      }
+    }
+  }
+}
+
+Status Engine::check_speculation(const ModelRunner& runner, const EngineConfig& config) {
+  if (!config.speculative.enabled()) return Status::ok();
+  ML4_RETURN_IF_ERROR(check_speculative_config(config.speculative, runner.config()));
+  if (!runner.has_drafter())
+    return invalid_argument("--speculative-config: the model runner has not loaded the DSpark drafter "
+                            "(RunnerOptions::drafter, or a backend without draft())");
+  bool window = false;
+  for (const auto& g : runner.cache_groups()) window |= g.sliding_window > 0 && g.num_blocks > 0;
+  if (!window) return invalid_argument("--speculative-config: the runner gave the drafter's cache group no blocks");
+  return Status::ok();
 }
 
 Status Engine::add_request(const std::string& request_id, std::vector<int32_t> prompt,
@@ -86,9 +117,9 @@ Status Engine::add_request(const std::string& request_id, std::vector<int32_t> p
   r->params = params;
   r->sample_seed = params.seed ? *params.seed : splitmix(seed_state_);
   r->rng.seed(r->sample_seed);
+  if (params.structured) r->grammar = params.structured->new_matcher();
   r->kv_transfer = kv;
   if (kv.remote_prefill) r->remote_kv = RemoteKv::kPending;
-  if (params.structured) r->grammar = params.structured->new_matcher();
   scheduler_.add(r.get());
   live_.emplace(request_id, std::move(r));
   return Status::ok();
@@ -233,6 +264,16 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
   SchedulerOutput so = scheduler_.schedule(now);
   if (!so.to_load.empty()) start_loads(so.to_load, now, &outputs);
   if (so.empty()) return outputs;
+  // Drafts the token budget could not fit are dropped (vLLM trims scheduled drafts alike).
+  for (const auto& s : so.seqs) {
+    Request& r = *s.req;
+    if (r.spec_tokens.empty()) continue;
+    const int64_t fit = std::max<int64_t>(0, r.num_computed + s.num_new_tokens - r.num_tokens());
+    if (fit < static_cast<int64_t>(r.spec_tokens.size())) {
+      r.spec_tokens.resize(static_cast<size_t>(fit));
+      if (!r.spec_probs.empty()) r.spec_probs.resize(static_cast<size_t>(fit) * vocab_);
+    }
+  }
 
   StepInput in;
   in.seqs.reserve(so.seqs.size());
@@ -290,6 +331,7 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
     return internal_error("runner sampled on the device for a step that did not ask for it, or without logprobs");
 
   size_t li = 0;
+  std::vector<Request*> drafting;  // DSpark: requests that propose drafts after this step
   for (size_t i = 0; i < so.seqs.size(); ++i) {
     Request& r = *so.seqs[i].req;
     const int num_logits = in.seqs[i].num_logits;
@@ -311,6 +353,10 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
     }
     if (num_logits > 0 && !samples) {
       if (!per_seq) ++li;  // prompt-logprob rows of a chunk that does not end the prompt
+    } else if (num_logits > 0 && !r.spec_tokens.empty()) {
+      const size_t e = per_seq ? i : li++;
+      if (sampled) return internal_error("runner sampled on the device for seq {}, which verifies drafts", r.seq_id);
+      ML4_RETURN_IF_ERROR(verify_step(r, out.logits[e], chunk_end - num_logits, done));
     } else if (num_logits > 0) {
       const size_t e = per_seq ? i : li++;
       const std::optional<DeviceSamplingParams>& ds = in.seqs[i].device_sampling;
@@ -386,10 +432,114 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
       scheduler_.remove(&r);
       const std::string id = r.request_id;  // r dies with the erase
       live_.erase(id);
+    } else if (spec_on_ && draft_count(r) > 0) {
+      drafting.push_back(&r);
     }
   }
+  if (!drafting.empty()) ML4_RETURN_IF_ERROR(propose_drafts(drafting));
   counters_.step_seconds += mono_now() - t_enter;
   return outputs;
+}
+
+int Engine::draft_count(const Request& r) const {
+  const SamplingParams& p = r.params;
+  if (r.status != RequestStatus::kRunning || r.num_computed != r.num_tokens() - 1 || r.output.empty()) return 0;
+  // What the verifier cannot apply per draft position (spec_decode.h): these decode one by one.
+  if (p.repetition_penalty != 1.0 || p.frequency_penalty != 0.0 || p.presence_penalty != 0.0 ||
+      !p.logit_bias.empty() || r.grammar || static_cast<int>(r.output.size()) < p.min_tokens)
+    return 0;
+  int64_t k = config_.speculative.num_speculative_tokens;
+  k = std::min<int64_t>(k, p.max_tokens - static_cast<int64_t>(r.output.size()) - 1);  // the bonus is a token too
+  k = std::min<int64_t>(k, config_.scheduler.max_model_len - r.num_tokens());  // verified positions fit
+  return static_cast<int>(std::max<int64_t>(0, k));
+}
+
+Status Engine::verify_step(Request& r, const std::vector<float>& rows, int64_t anchor_pos, double done) {
+  const int k = static_cast<int>(r.spec_tokens.size());
+  const size_t need = static_cast<size_t>(k + 1) * vocab_;
+  if (rows.size() != need)
+    return internal_error("runner returned {} logits for seq {}, expected {}", rows.size(), r.seq_id, need);
+  DeviceSamplingParams sp = device_params(r);
+  const VerifyResult v = verify_drafts(rows.data(), vocab_, r.spec_tokens, r.spec_probs.empty() ? nullptr : r.spec_probs.data(),
+                                       sp, r.sample_seed, static_cast<int64_t>(r.output.size()));
+  SpecDecodeCounters& c = counters_.spec;
+  ++c.num_drafts;
+  c.num_draft_tokens += k;
+  c.num_accepted_tokens += v.accepted;
+  for (int j = 0; j < v.accepted && j < static_cast<int>(c.accepted_per_pos.size()); ++j) ++c.accepted_per_pos[j];
+  r.spec_tokens.clear();
+  r.spec_probs.clear();
+  if (r.output.empty()) {
+    r.first_token_time = done;
+    if (observer_) observer_->on_first_token(r.first_scheduled_time - r.arrival_time, done - r.arrival_time);
+  } else if (observer_) {
+    observer_->on_token(done - r.last_token_time);  // one gap per step, as vLLM's ITL with drafts
+  }
+  r.last_token_time = done;
+  for (size_t j = 0; j < v.tokens.size(); ++j) {
+    const int32_t t = v.tokens[j];
+    if (r.params.logprobs >= 0)  // raw logprobs of the row that decided the token, as the host Sampler's
+      r.logprobs.push_back(Sampler::prompt_logprob(rows.data() + j * vocab_, vocab_, t, r.params.logprobs));
+    ++counters_.generation_tokens;
+    if (append_token(r, t)) break;  // a stop inside the accepted run ends it there
+  }
+  // Only the accepted tokens' KV counts; blocks past them are given back (their rows are
+  // overwritten by position when the request gets there).
+  r.num_computed = std::min<int64_t>(anchor_pos + 1 + v.accepted, r.num_tokens());
+  blocks_.trim(r, r.num_computed);
+  return Status::ok();
+}
+
+Status Engine::propose_drafts(const std::vector<Request*>& reqs) {
+  const int B = runner_->config().drafter.block_size;
+  DraftInput din;
+  std::vector<Request*> who;
+  for (Request* r : reqs) {
+    const int k = draft_count(*r);
+    if (k <= 0) continue;
+    // The draft block's own rows are written at [anchor, anchor + B) of the drafter window.
+    if (!blocks_.extend_windows(*r, r->num_computed + B)) {
+      ++counters_.spec_window_misses;
+      continue;
+    }
+    DraftSeq d;
+    d.seq_id = r->seq_id;
+    d.anchor_token = r->token_at(r->num_tokens() - 1);
+    d.anchor_pos = r->num_computed;
+    d.block_tables = r->block_tables;
+    d.num_drafts = k;
+    if (config_.speculative.probabilistic_drafts && r->params.temperature > 0.0) {
+      d.sampling = device_params(*r);
+      d.sampling->seed = draft_seed(r->sample_seed);
+      d.sampling->counter = static_cast<int64_t>(r->output.size());  // slot j: the output index it proposes
+      din.want_probs = true;
+    }
+    din.seqs.push_back(std::move(d));
+    who.push_back(r);
+  }
+  if (who.empty()) return Status::ok();
+  const double t0 = mono_now();
+  ML4_ASSIGN_OR_RETURN(DraftOutput out, runner_->draft(din));
+  counters_.draft_seconds += mono_now() - t0;
+  if (out.tokens.size() != who.size() || (din.want_probs && out.probs.size() != who.size()))
+    return internal_error("runner drafted for {} sequences, asked for {}", out.tokens.size(), who.size());
+  for (size_t i = 0; i < who.size(); ++i) {
+    Request& r = *who[i];
+    const DraftSeq& d = din.seqs[i];
+    if (static_cast<int>(out.tokens[i].size()) != d.num_drafts)
+      return internal_error("runner returned {} drafts for seq {}, asked for {}", out.tokens[i].size(), r.seq_id,
+                            d.num_drafts);
+    for (int32_t t : out.tokens[i])
+      if (t < 0 || t >= vocab_) return internal_error("runner drafted token {} for seq {}, outside [0, {})", t, r.seq_id, vocab_);
+    r.spec_tokens = std::move(out.tokens[i]);
+    if (d.sampling) {  // q of probabilistic drafts; greedy drafts verify against one-hot q
+      if (out.probs[i].size() != static_cast<size_t>(d.num_drafts) * vocab_)
+        return internal_error("runner returned {} draft probabilities for seq {}, expected {}", out.probs[i].size(),
+                              r.seq_id, static_cast<size_t>(d.num_drafts) * vocab_);
+      r.spec_probs = std::move(out.probs[i]);
+    }
+  }
+  return Status::ok();
 }
 
 }  // namespace ml4

@@ -28,8 +28,17 @@
 // connector's error (never a local recompute of the prompt). An aborted load's blocks
 // stay allocated (orphans_) until the connector says no read can touch them.
 //
-// A DSpark step later sets Request::spec_tokens; the step then carries 1 + k tokens and
-// num_logits = 1 + k (the runner contract already allows it).
+// DSpark speculative decoding (EngineConfig::speculative, engine/spec_decode.h): after each
+// step one ModelRunner::draft() call proposes up to num_speculative_tokens drafts for every
+// request that is decoding and may speculate (Request::spec_tokens; the drafter group's table
+// is first extended over the draft block). The next step feeds the last token plus the drafts
+// (num_logits = 1 + k; drafts the token budget cannot fit are dropped), the verifier emits
+// the accepted drafts plus one token, each through the same stop checks as a sampled token
+// (a stop inside the run truncates it), num_computed moves to the accepted tokens only and
+// every block past them is given back (rejected positions hold stale KV that the next step
+// overwrites: every cache is written and read by position). Preemption and abort drop the
+// drafts with the blocks. Requests that cannot speculate, and engines without speculation,
+// run the one-token path unchanged.
 #pragma once
 
 #include <cstdint>
@@ -44,6 +53,7 @@
 #include "engine/block_manager.h"
 #include "engine/request.h"
 #include "engine/scheduler.h"
+#include "engine/spec_decode.h"
 #include "engine/text_codec.h"
 #include "runtime/model_runner.h"
 
@@ -53,6 +63,9 @@ struct EngineConfig {
   SchedulerConfig scheduler;
   bool enable_prefix_caching = true;
   uint64_t seed = 0;  // seeds requests that bring no seed of their own
+  // DSpark speculative decoding (off when num_speculative_tokens is 0); the runner must have
+  // loaded its drafter (RunnerOptions::drafter): check_speculation() says so before start.
+  SpeculativeConfig speculative;
 };
 
 // What a step produced for one request: the new part only.
@@ -94,11 +107,20 @@ struct EngineCounters {
   double step_seconds = 0.0;     // wall time inside step(), all of it
   double forward_seconds = 0.0;  // of which the runner's execute()
   int64_t batched_tokens = 0;    // tokens fed to the runner, summed over steps
+  double draft_seconds = 0.0;    // of step_seconds: the runner's draft()
+  int64_t spec_window_misses = 0;  // drafts skipped: no free drafter-window block
+  SpecDecodeCounters spec;       // accepted_per_pos empty: speculation off
 };
 
 class Engine {
  public:
   Engine(ModelRunner* runner, const TextCodec* codec, const EngineConfig& config);
+
+  // Whether `runner` can serve config.speculative (a drafter loaded, a config the model can
+  // serve); the CLI calls it at start-up. An engine built with a config that fails it runs
+  // without speculation (and logs why).
+  static Status check_speculation(const ModelRunner& runner, const EngineConfig& config);
+  bool speculative() const { return spec_on_; }
 
   // Validates and queues a request; errors name the bad field.
   Status add_request(const std::string& request_id, std::vector<int32_t> prompt, const SamplingParams& params,
@@ -150,6 +172,12 @@ class Engine {
   void poll_remote_kv(double now, std::vector<RequestOutput>* outputs);
   void start_loads(const std::vector<Request*>& reqs, double now, std::vector<RequestOutput>* outputs);
   void fail_request(Request& r, const std::string& error, double now, std::vector<RequestOutput>* outputs);
+  // DSpark: the drafts a decoding request may take next step (0: it does not speculate).
+  int draft_count(const Request& r) const;
+  // Verifies r's drafts against its 1 + k rows (row 0 at anchor_pos), emits the tokens.
+  Status verify_step(Request& r, const std::vector<float>& rows, int64_t anchor_pos, double done);
+  // One draft() call for the requests that decode next step.
+  Status propose_drafts(const std::vector<Request*>& reqs);
 
   ModelRunner* runner_;
   const TextCodec* codec_;
@@ -164,11 +192,12 @@ class Engine {
   EngineCounters counters_;
   EngineObserver* observer_ = nullptr;
   std::function<void(const SchedulerOutput&, const StepInput&)> step_hook_;
+  std::vector<uint32_t> mask_;  // a grammar's bitmask for the row being sampled
+  bool spec_on_ = false;         // config_.speculative enabled and the runner has a drafter
   transfer::KvConnector* connector_ = nullptr;
   std::unordered_map<std::string, std::vector<std::vector<int32_t>>> held_;  // producer, by request id
   std::unordered_map<int64_t, Request*> loading_;                            // consumer, by seq id
   std::unordered_map<int64_t, std::vector<std::vector<int32_t>>> orphans_;  // aborted loads, by seq id
-  std::vector<uint32_t> mask_;  // a grammar's bitmask for the row being sampled
 };
 
 }  // namespace ml4

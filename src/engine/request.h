@@ -5,8 +5,9 @@
 // recompute: the blocks are freed, num_computed drops to 0 and prompt + output so far are
 // prefilled again, mostly as prefix-cache hits). Token ids are prompt then output; the KV
 // of tokens [0, num_computed) is in the cache, so a decode step feeds the single token at
-// num_computed. Fields for later parts: spec_tokens (DSpark drafts verified in the same
-// step: 1 + k tokens), num_external_tokens (P/D: KV transferred before scheduling).
+// num_computed. spec_tokens: DSpark drafts proposed after the last step, verified in the
+// next one (it feeds 1 + k tokens); num_external_tokens (P/D: KV transferred before
+// scheduling).
 //
 // P/D (transfer/kv_connector.h): a consumer's request with remote-prefill params is kWaiting
 // with remote_kv kPending until the scheduler gives it blocks for its prompt but the last
@@ -68,7 +69,8 @@ struct Request {
   RequestStatus status = RequestStatus::kWaiting;
   int64_t num_computed = 0;          // tokens whose KV is in the cache
   int64_t num_cached_tokens = -1;    // prefix-cache hit at first scheduling (-1: not yet)
-  std::vector<int32_t> spec_tokens;  // drafts to verify next step (DSpark; empty for now)
+  std::vector<int32_t> spec_tokens;  // DSpark drafts to verify next step (engine/spec_decode.h)
+  std::vector<float> spec_probs;     // their distributions q, [k x vocab] (probabilistic drafts only)
   int64_t num_external_tokens = 0;   // P/D: tokens whose KV arrived from elsewhere
   transfer::KvTransferRequest kv_transfer;  // P/D: what the API asked for
   RemoteKv remote_kv = RemoteKv::kNone;

@@ -28,6 +28,8 @@ void Scheduler::preempt(Request* r) {
   running_.erase(r);
   blocks_->free(*r);
   r->num_computed = 0;
+  r->spec_tokens.clear();  // drafts are proposed again once it decodes
+  r->spec_probs.clear();
   r->status = RequestStatus::kPreempted;
   ++r->num_preemptions;
   ++num_preemptions_;

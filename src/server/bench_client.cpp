@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <mutex>
 #include <random>
@@ -148,10 +149,12 @@ RequestResult send_one(httplib::Client& cli, const BenchOptions& o, const std::s
   const bool chat = o.endpoint.find("chat") != std::string::npos;
   nlohmann::json body = {{"model", model},
                          {"max_tokens", p.output_len},
-                         {"temperature", 0.0},
+                         {"temperature", o.temperature},
                          {"stream", true},
                          {"stream_options", {{"include_usage", true}}}};
   if (o.ignore_eos) body["ignore_eos"] = true;
+  if (o.top_p < 1.0) body["top_p"] = o.top_p;
+  if (o.top_k > 0) body["top_k"] = o.top_k;
   if (chat) {
     body["messages"] = nlohmann::json::array({{{"role", "user"}, {"content", p.text}}});
   } else if (!p.ids.empty()) {
@@ -264,6 +267,58 @@ LatencyStats latency_stats(std::vector<double> v) {
   return s;
 }
 
+std::optional<SpecDecodeStats> parse_spec_decode_metrics(const std::string& text) {
+  SpecDecodeStats s;
+  bool any = false;
+  size_t pos = 0;
+  while (pos < text.size()) {
+    size_t nl = text.find('\n', pos);
+    if (nl == std::string::npos) nl = text.size();
+    const std::string line = text.substr(pos, nl - pos);
+    pos = nl + 1;
+    if (line.rfind("vllm:spec_decode_", 0) != 0) continue;
+    const size_t sp = line.rfind(' ');
+    if (sp == std::string::npos) continue;
+    double v = 0;
+    try {
+      v = std::stod(line.substr(sp + 1));
+    } catch (const std::exception&) {
+      continue;
+    }
+    const std::string name = line.substr(0, line.find_first_of("{ "));
+    if (name == "vllm:spec_decode_num_drafts_total") {
+      s.num_drafts += v;
+    } else if (name == "vllm:spec_decode_num_draft_tokens_total") {
+      s.draft_tokens += v;
+    } else if (name == "vllm:spec_decode_num_accepted_tokens_total") {
+      s.accepted_tokens += v;
+    } else if (name == "vllm:spec_decode_num_accepted_tokens_per_pos_total") {
+      const size_t at = line.find("position=\"");
+      if (at == std::string::npos) continue;
+      const size_t j = static_cast<size_t>(std::strtoul(line.c_str() + at + 10, nullptr, 10));
+      if (j >= 4096) continue;
+      if (s.accepted_per_pos.size() <= j) s.accepted_per_pos.resize(j + 1, 0.0);
+      s.accepted_per_pos[j] += v;
+    } else {
+      continue;
+    }
+    any = true;
+  }
+  if (!any) return std::nullopt;
+  return s;
+}
+
+namespace {
+
+// The server's counters now; nullopt when /metrics is missing or has none.
+std::optional<SpecDecodeStats> scrape_spec(httplib::Client& cli, const BenchOptions& o) {
+  auto res = cli.Get("/metrics", headers_for(o));
+  if (!res || res->status != 200) return std::nullopt;
+  return parse_spec_decode_metrics(res->body);
+}
+
+}  // namespace
+
 Result<BenchSummary> run_bench(const BenchOptions& o) {
   if (o.num_prompts < 1) return invalid_argument("--num-prompts must be at least 1");
   if (o.request_rate < 0) return invalid_argument("--request-rate must be >= 0");
@@ -297,6 +352,7 @@ Result<BenchSummary> run_bench(const BenchOptions& o) {
     if (!w.ok) return io_error("warm-up request failed: {}", w.error);
   }
 
+  const std::optional<SpecDecodeStats> spec_before = scrape_spec(probe, o);
   const int n = o.num_prompts;
   std::vector<double> arrivals(n, 0.0);
   if (o.request_rate > 0) {
@@ -362,6 +418,18 @@ Result<BenchSummary> run_bench(const BenchOptions& o) {
     if (r.output_tokens > 1) tpot.push_back((r.latency - r.ttft) / (r.output_tokens - 1) * 1e3);
     for (double x : r.itl) itl.push_back(x * 1e3);
   }
+  if (spec_before) {
+    if (const std::optional<SpecDecodeStats> after = scrape_spec(probe, o)) {
+      SpecDecodeStats d;
+      d.num_drafts = after->num_drafts - spec_before->num_drafts;
+      d.draft_tokens = after->draft_tokens - spec_before->draft_tokens;
+      d.accepted_tokens = after->accepted_tokens - spec_before->accepted_tokens;
+      d.accepted_per_pos = after->accepted_per_pos;
+      for (size_t j = 0; j < d.accepted_per_pos.size() && j < spec_before->accepted_per_pos.size(); ++j)
+        d.accepted_per_pos[j] -= spec_before->accepted_per_pos[j];
+      s.spec = d;
+    }
+  }
   s.max_concurrency_seen = peak.load();
   s.request_throughput = s.completed / s.duration_s;
   s.output_throughput = s.total_output / s.duration_s;
@@ -399,6 +467,19 @@ std::string format_bench_table(const BenchSummary& s) {
   block("Time per Output Token (excl. 1st token)", "TPOT", s.tpot_ms);
   block("Inter-token Latency", "ITL", s.itl_ms);
   block("End-to-end Latency", "E2EL", s.e2el_ms);
+  if (s.spec) {  // vllm bench serve's block
+    const SpecDecodeStats& d = *s.spec;
+    head("Speculative Decoding");
+    row("Acceptance rate (%):", fmt::format("{:.2f}", 100.0 * d.acceptance_rate()));
+    row("Acceptance length:", fmt::format("{:.2f}", d.acceptance_length()));
+    row("Drafts:", fmt::format("{:.0f}", d.num_drafts));
+    row("Draft tokens:", fmt::format("{:.0f}", d.draft_tokens));
+    row("Accepted tokens:", fmt::format("{:.0f}", d.accepted_tokens));
+    o += "Per-position acceptance (%):\n";
+    for (size_t j = 0; j < d.accepted_per_pos.size(); ++j)
+      row(fmt::format("  Position {}:", j),
+          fmt::format("{:.2f}", d.num_drafts > 0 ? 100.0 * d.accepted_per_pos[j] / d.num_drafts : 0.0));
+  }
   o += std::string(52, '=') + "\n";
   for (const auto& e : s.errors) o += "error: " + e + "\n";
   return o;
@@ -436,7 +517,15 @@ nlohmann::json bench_json(const BenchSummary& s) {
           {"tpot_ms", lat(s.tpot_ms)},
           {"itl_ms", lat(s.itl_ms)},
           {"e2el_ms", lat(s.e2el_ms)},
-          {"errors", s.errors}};
+          {"errors", s.errors},
+          {"temperature", o.temperature},
+          {"spec_decode", s.spec ? nlohmann::json{{"num_drafts", s.spec->num_drafts},
+                                                 {"draft_tokens", s.spec->draft_tokens},
+                                                 {"accepted_tokens", s.spec->accepted_tokens},
+                                                 {"acceptance_rate", s.spec->acceptance_rate()},
+                                                 {"acceptance_length", s.spec->acceptance_length()},
+                                                 {"accepted_per_pos", s.spec->accepted_per_pos}}
+                                : nlohmann::json(nullptr)}};
 }
 
 }  // namespace ml4

@@ -5,6 +5,11 @@
 //   ITL   gaps between consecutive content chunks of a stream;
 //   TPOT  (latency - TTFT) / (output tokens - 1), per request;
 //   E2EL  request latency; throughput = requests or tokens / benchmark duration.
+// Speculative decoding, as vllm bench serve reads it: the server's vllm:spec_decode_*
+// counters from /metrics before and after the measured requests; the differences give the
+// acceptance rate (accepted / draft tokens), the mean acceptance length (1 + accepted /
+// drafts) and per-position acceptance (accepted at position j / drafts). A server without
+// those counters prints no such block.
 // Prompts: "random" (token ids drawn from the server's own tokenization of an English
 // sample via /tokenize, so any tokenizer gets exact input lengths; plain words when the
 // server has no /tokenize) or a JSONL dataset with "prompt" (and optional "output_len").
@@ -14,6 +19,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -38,6 +44,9 @@ struct BenchOptions {
   int num_warmups = 0;
   uint64_t seed = 0;
   bool ignore_eos = true;
+  double temperature = 0.0;                   // vllm bench serve's default: greedy
+  double top_p = 1.0;
+  int top_k = -1;                             // -1: not sent
   double timeout_s = 600.0;
   bool progress = true;
 };
@@ -56,6 +65,18 @@ struct LatencyStats {
   double mean = 0, median = 0, p90 = 0, p99 = 0, min = 0, max = 0;
 };
 
+// Deltas of the server's speculative decoding counters over the measured requests.
+struct SpecDecodeStats {
+  double num_drafts = 0, draft_tokens = 0, accepted_tokens = 0;
+  std::vector<double> accepted_per_pos;
+  double acceptance_rate() const { return draft_tokens > 0 ? accepted_tokens / draft_tokens : 0.0; }
+  double acceptance_length() const { return num_drafts > 0 ? 1.0 + accepted_tokens / num_drafts : 1.0; }
+};
+
+// The vllm:spec_decode_* counters of a Prometheus text page (summed over label sets); nullopt
+// when it has none.
+std::optional<SpecDecodeStats> parse_spec_decode_metrics(const std::string& text);
+
 struct BenchSummary {
   BenchOptions options;
   std::string model;
@@ -71,6 +92,7 @@ struct BenchSummary {
   int max_concurrency_seen = 0;
   LatencyStats ttft_ms, tpot_ms, itl_ms, e2el_ms;
   std::vector<std::string> errors;  // first few
+  std::optional<SpecDecodeStats> spec;  // the server speculates
 };
 
 Result<BenchSummary> run_bench(const BenchOptions& o);

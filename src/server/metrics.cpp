@@ -107,6 +107,23 @@ std::string ServerMetrics::render(const EngineSnapshot& snap) const {
   o += fmt::format("vllm:prompt_tokens_total{{{}}} {}\n", ml, c.prompt_tokens);
   family("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.");
   o += fmt::format("vllm:generation_tokens_total{{{}}} {}\n", ml, c.generation_tokens);
+  if (!c.spec.accepted_per_pos.empty()) {  // speculative decoding on (vLLM registers these only then)
+    family("vllm:spec_decode_num_drafts_total", "counter", "Number of spec decoding drafts.");
+    o += fmt::format("vllm:spec_decode_num_drafts_total{{{}}} {}\n", ml, c.spec.num_drafts);
+    family("vllm:spec_decode_num_draft_tokens_total", "counter", "Number of draft tokens.");
+    o += fmt::format("vllm:spec_decode_num_draft_tokens_total{{{}}} {}\n", ml, c.spec.num_draft_tokens);
+    family("vllm:spec_decode_num_accepted_tokens_total", "counter", "Number of accepted tokens.");
+    o += fmt::format("vllm:spec_decode_num_accepted_tokens_total{{{}}} {}\n", ml, c.spec.num_accepted_tokens);
+    family("vllm:spec_decode_num_accepted_tokens_per_pos_total", "counter", "Accepted tokens per draft position.");
+    for (size_t j = 0; j < c.spec.accepted_per_pos.size(); ++j)
+      o += fmt::format("vllm:spec_decode_num_accepted_tokens_per_pos_total{{{},position=\"{}\"}} {}\n", ml, j,
+                       c.spec.accepted_per_pos[j]);
+    family("ml4:engine_draft_seconds_total", "counter", "Wall time in the drafter's forward (of the engine steps').");
+    o += fmt::format("ml4:engine_draft_seconds_total{{{}}} {}\n", ml, fmt_double(c.draft_seconds));
+    family("ml4:spec_decode_window_misses_total", "counter",
+           "Drafts not proposed because the drafter window cache had no free block.");
+    o += fmt::format("ml4:spec_decode_window_misses_total{{{}}} {}\n", ml, c.spec_window_misses);
+  }
   family("ml4:engine_step_seconds_total", "counter", "Wall time in engine steps (scheduling, forward, sampling).");
   o += fmt::format("ml4:engine_step_seconds_total{{{}}} {}\n", ml, fmt_double(c.step_seconds));
   family("ml4:engine_forward_seconds_total", "counter", "Wall time in the model runner's forward.");

@@ -7,8 +7,18 @@
 // should (else the engine handed out a wrong or stale block) and hashes the tokens into a
 // logits row. So a scheduling, block-table or prefix-cache bug changes the output or fails
 // the step, while a correct engine gives the same tokens alone, batched, preempted or with a
-// prefix hit: exactly the invariants the tests check. A sliding-window group is read only
-// within its window, so released (-1) blocks before it are fine and missing ones inside fail.
+// prefix hit: exactly the invariants the tests check. A sliding-window group (the drafter's
+// window) is written where its table has a block (the engine takes none for positions no later
+// draft reads; the runner contract, step.h) and read only within its window before a chunk's
+// last position, so released (-1) blocks before it are fine and missing ones inside fail.
+//
+// With enable_drafter() it also plays a DSpark runner (has_drafter(), draft()): draft() checks
+// that the drafter group's table covers [anchor - window, anchor + block) and that every
+// context cell of the window holds what the target wrote there, writes junk into the block's
+// own cells (as the real drafter writes the block's K/V at its positions; a later read of a
+// junk cell fails the step), and proposes the target's own next tokens under a perturbation
+// (draft logits = target logits + `noise` x a hash of the history), greedy or drawn with the
+// device-sampling contract, with the exact distribution q it drew from.
 //
 // With device_sampling_ set it also plays a runner that samples on its device: it says so
 // (samples_on_device()) and, when every sequence with logits carries device_sampling, returns
@@ -44,9 +54,99 @@ class FakeRunner : public ModelRunner {
     return {{"latent", page, blocks, 0, 656}, {"indexer", page, blocks, 0, 132}};
   }
 
+  // Groups for a DSpark-capable fake: latent + indexer (blocks each) and a drafter window.
+  static std::vector<CacheGroupInfo> drafter_groups(int64_t blocks, int64_t window_blocks, int64_t window, int page = 4) {
+    auto g = two_groups(blocks, page);
+    g.push_back({"drafter", page, window_blocks, window, 100});
+    return g;
+  }
+  void enable_drafter(int block_size, double noise) {
+    config_.drafter.enabled = true;
+    config_.drafter.n_layers = 1;
+    config_.drafter.block_size = block_size;
+    for (const auto& g : groups_)
+      if (g.sliding_window > 0) config_.drafter.window = static_cast<int>(g.sliding_window);
+    noise_ = noise;
+  }
+
   const ModelConfig& config() const override { return config_; }
   const std::vector<CacheGroupInfo>& cache_groups() const override { return groups_; }
   bool samples_on_device() const override { return device_sampling_; }
+  bool has_drafter() const override { return config_.drafter.enabled; }
+
+  // The target's logits row after `history` (tokens at positions 0..p): a pure function.
+  static std::vector<float> target_row(const std::vector<int32_t>& history, int vocab) {
+    uint64_t h = 0x1234567ull;
+    for (int32_t t : history) h = mix(h ^ static_cast<uint64_t>(t));
+    return row_of(h, vocab);
+  }
+
+  // The fake drafter's logits after `history`: the target's plus noise x U(-1/2, 1/2) per id.
+  static std::vector<float> draft_row(const std::vector<int32_t>& history, int vocab, double noise) {
+    std::vector<float> l = target_row(history, vocab);
+    uint64_t h = 0xD7AF7ull;
+    for (int32_t t : history) h = mix(h ^ static_cast<uint64_t>(t));
+    for (int v = 0; v < vocab; ++v)
+      l[v] += static_cast<float>(noise * ((mix(h ^ (static_cast<uint64_t>(v) << 32)) >> 40) / double(1 << 24) - 0.5));
+    return l;
+  }
+
+  Result<DraftOutput> draft(const DraftInput& in) override {
+    if (!has_drafter()) return unimplemented("fake runner: no drafter");
+    ++draft_calls_;
+    const int B = config_.drafter.block_size;
+    const int V = config_.vocab_size;
+    int dg = -1, lg = -1;
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      if (groups_[g].sliding_window > 0) dg = static_cast<int>(g);
+      else if (lg < 0) lg = static_cast<int>(g);
+    }
+    const int64_t W = groups_[dg].sliding_window;
+    DraftOutput out;
+    for (const auto& d : in.seqs) {
+      if (d.num_drafts < 1 || d.num_drafts > B - 1) return invalid_argument("fake draft: num_drafts {}", d.num_drafts);
+      if (d.block_tables.size() != groups_.size()) return internal_error("fake draft: {} tables", d.block_tables.size());
+      // The window of context the target wrote, and the block's own rows.
+      std::vector<int32_t> history;
+      for (int64_t q = 0; q < d.anchor_pos; ++q) {
+        Cell* c = cell(lg, d.block_tables[lg], q);
+        if (!c || c->pos != q) return internal_error("fake draft seq {}: latent position {} missing", d.seq_id, q);
+        history.push_back(c->token);
+      }
+      for (int64_t q = std::max<int64_t>(0, d.anchor_pos - W); q < d.anchor_pos + B; ++q) {
+        Cell* c = cell(dg, d.block_tables[dg], q);
+        if (!c) return internal_error("fake draft seq {}: drafter table does not cover position {}", d.seq_id, q);
+        if (q < d.anchor_pos && (c->pos != q || c->token != history[q]))
+          return internal_error("fake draft seq {}: drafter context at {} is stale", d.seq_id, q);
+        if (q >= d.anchor_pos) *c = {-7, q};  // the block's K/V: junk until the target overwrites it
+      }
+      history.push_back(d.anchor_token);
+      std::vector<int32_t> toks;
+      std::vector<float> probs;
+      for (int j = 0; j < d.num_drafts; ++j) {
+        const std::vector<float> l = draft_row(history, V, noise_);
+        int32_t t = 0;
+        std::vector<double> q(V);
+        if (d.sampling) {
+          DeviceSamplingParams p = *d.sampling;
+          p.counter += j;
+          t = sampling::sample_row_reference(l.data(), V, p);
+          sampling::row_distribution(l.data(), V, p, q.data());
+        } else {
+          DeviceSamplingParams p;
+          p.temperature = 0.0f;
+          t = sampling::sample_row_reference(l.data(), V, p);
+          q[t] = 1.0;
+        }
+        toks.push_back(t);
+        if (in.want_probs) probs.insert(probs.end(), q.begin(), q.end());
+        history.push_back(t);
+      }
+      out.tokens.push_back(std::move(toks));
+      if (in.want_probs) out.probs.push_back(std::move(probs));
+    }
+    return out;
+  }
 
   Result<StepOutput> execute(const StepInput& in) override {
     ++steps_;
@@ -60,6 +160,7 @@ class FakeRunner : public ModelRunner {
         int64_t pos = s.start_pos + static_cast<int64_t>(i);
         for (size_t g = 0; g < groups_.size(); ++g) {
           Cell* c = cell(g, s.block_tables[g], pos);
+          if (!c && groups_[g].sliding_window > 0) continue;  // no block: no drafter context
           if (!c) return internal_error("seq {}: group {} has no block for position {}", s.seq_id, g, pos);
           *c = {s.tokens[i], pos};
         }
@@ -72,7 +173,7 @@ class FakeRunner : public ModelRunner {
           int32_t tok = -1;
           for (size_t g = 0; g < groups_.size(); ++g) {
             const int64_t w = groups_[g].sliding_window;
-            if (w > 0 && q <= p - w) continue;  // outside the window: never read (may be released)
+            if (w > 0 && (q <= p - w || p != end - 1)) continue;  // outside the window: never read (may be released)
             Cell* c = cell(g, s.block_tables[g], q);
             if (!c || c->pos != q)
               return internal_error("seq {}: group {} position {} holds stale KV", s.seq_id, g, q);
@@ -81,8 +182,8 @@ class FakeRunner : public ModelRunner {
           }
           h = mix(h ^ static_cast<uint64_t>(tok));
         }
-        for (int v = 0; v < config_.vocab_size; ++v)
-          rows.push_back(static_cast<float>((mix(h ^ (static_cast<uint64_t>(v) << 32)) >> 40) / double(1 << 24) * 8.0 - 4.0));
+        const std::vector<float> row = row_of(h, config_.vocab_size);
+        rows.insert(rows.end(), row.begin(), row.end());
       }
       out.logits.push_back(std::move(rows));
     }
@@ -108,6 +209,13 @@ class FakeRunner : public ModelRunner {
     return out;
   }
 
+  static std::vector<float> row_of(uint64_t h, int vocab) {
+    std::vector<float> row(vocab);
+    for (int v = 0; v < vocab; ++v)
+      row[v] = static_cast<float>((mix(h ^ (static_cast<uint64_t>(v) << 32)) >> 40) / double(1 << 24) * 8.0 - 4.0);
+    return row;
+  }
+
   static uint64_t mix(uint64_t x) {
     x += 0x9E3779B97F4A7C15ull;
     x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -122,6 +230,8 @@ class FakeRunner : public ModelRunner {
   bool logits_anyway_ = false;    // ... that still returns logits (the engine's fallback)
   int64_t device_rows_ = 0;       // sequences that carried device_sampling
   int64_t device_steps_ = 0;      // steps answered with StepOutput::sampled
+  int64_t draft_calls_ = 0;       // draft() calls
+  double noise_ = 0.0;            // the drafter's perturbation of the target's logits
 
  private:
   Cell* cell(size_t g, const std::vector<int32_t>& table, int64_t pos) {

@@ -43,6 +43,10 @@ CommandRegistrar reg("bench", [](CLI::App& app, int* exit_code) {
   serve->add_option("--seed", o->seed, "prompt and arrival seed");
   serve->add_option("--timeout", o->timeout_s, "per-request timeout, seconds");
   serve->add_flag("!--no-ignore-eos", o->ignore_eos, "let requests stop at EOS (default: ignore_eos, exact lengths)");
+  serve->add_option("--temperature", o->temperature, "sampling temperature (default 0: greedy, as vllm bench serve)")
+      ->check(CLI::Range(0.0, 100.0));
+  serve->add_option("--top-p", o->top_p, "nucleus sampling (1: off)")->check(CLI::Range(0.0, 1.0));
+  serve->add_option("--top-k", o->top_k, "top-k sampling (-1: off)");
   serve->add_flag("!--no-progress", o->progress, "no progress bar");
   serve->add_option("--result-file,--save-result", *result_file, "write the figures as JSON here");
   serve->callback([o, result_file, host, port, exit_code] {

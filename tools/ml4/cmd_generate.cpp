@@ -3,6 +3,9 @@
 // The prompt is prefilled in one step, then each new token is one decode step reading
 // the cache (no recomputation). Sampling is the engine's Sampler (greedy with
 // --temperature 0, else temperature / top-p / top-k from a seeded generator).
+// With --speculative-config (DSpark, engine/spec_decode.h) the prompt runs through the Engine
+// instead, which verifies a block of drafts per step; greedy output is the same token for
+// token, and the acceptance figures are printed after the timings.
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -11,8 +14,10 @@
 #include "command.h"
 #include "device_options.h"
 #include "core/log.h"
+#include "engine/engine.h"
 #include "engine/request.h"
 #include "engine/sampler.h"
+#include "spec_options.h"
 #include "runtime/cpu/cpu_runner.h"
 #include "tokenizer/tokenizer.h"
 
@@ -31,6 +36,7 @@ struct GenerateOptions {
   std::string kv_cache_dtype = "fp8_ds_mla";
   bool ignore_eos = false;
   DeviceOptions dev;
+  std::string speculative_config;
 };
 
 Result<std::vector<int32_t>> parse_ids(const std::string& s) {
@@ -51,9 +57,66 @@ Result<std::vector<int32_t>> parse_ids(const std::string& s) {
   return ids;
 }
 
+// The same generation through the Engine, with speculative decoding.
+Status run_generate_engine(const GenerateOptions& o, ModelRunner* runner, const SpeculativeConfig& spec,
+                           const std::vector<int32_t>& prompt) {
+  const ModelConfig& cfg = runner->config();
+  ML4_ASSIGN_OR_RETURN(std::unique_ptr<TextCodec> codec, make_text_codec(o.model, cfg.vocab_size));
+  EngineConfig ec;
+  ec.scheduler.max_num_seqs = 1;
+  ec.scheduler.max_num_batched_tokens = std::max<int64_t>(2048, static_cast<int64_t>(prompt.size()));
+  ec.scheduler.max_model_len = static_cast<int64_t>(prompt.size()) + o.max_tokens;
+  ec.enable_prefix_caching = false;
+  ec.speculative = spec;
+  ML4_RETURN_IF_ERROR(Engine::check_speculation(*runner, ec));
+  Engine engine(runner, codec.get(), ec);
+  SamplingParams p;
+  p.temperature = o.temperature;
+  p.top_p = o.top_p;
+  p.top_k = o.top_k;
+  p.max_tokens = o.max_tokens;
+  p.ignore_eos = o.ignore_eos;
+  p.seed = o.seed;
+  p.skip_special_tokens = true;
+  ML4_RETURN_IF_ERROR(engine.add_request("generate", prompt, p));
+  using clock = std::chrono::steady_clock;
+  const auto t0 = clock::now();
+  double first = 0.0;
+  std::vector<int32_t> generated;
+  while (engine.has_work()) {
+    ML4_ASSIGN_OR_RETURN(auto outs, engine.step());
+    for (const auto& out : outs) {
+      if (generated.empty() && !out.new_tokens.empty()) first = std::chrono::duration<double>(clock::now() - t0).count();
+      generated.insert(generated.end(), out.new_tokens.begin(), out.new_tokens.end());
+      std::fputs(out.new_text.c_str(), stdout);
+      std::fflush(stdout);
+    }
+  }
+  const double total = std::chrono::duration<double>(clock::now() - t0).count();
+  std::printf("\n");
+  std::string ids;
+  for (auto id : generated) ids += (ids.empty() ? "" : ",") + std::to_string(id);
+  std::printf("ids: %s\n", ids.c_str());
+  const size_t decoded = generated.size() > 0 ? generated.size() - 1 : 0;
+  std::printf("prefill: %zu tokens in %.3f s (%.1f tok/s); decode: %zu tokens in %.3f s (%.2f tok/s)\n", prompt.size(),
+              first, prompt.size() / first, decoded, total - first, decoded > 0 ? decoded / (total - first) : 0.0);
+  const EngineCounters c = engine.counters();
+  const SpecDecodeCounters& s = c.spec;
+  std::printf("speculative: %ld drafts, %ld draft tokens, %ld accepted (acceptance rate %.3f, mean acceptance length "
+              "%.2f); per position:",
+              static_cast<long>(s.num_drafts), static_cast<long>(s.num_draft_tokens),
+              static_cast<long>(s.num_accepted_tokens),
+              s.num_draft_tokens > 0 ? static_cast<double>(s.num_accepted_tokens) / s.num_draft_tokens : 0.0,
+              s.num_drafts > 0 ? 1.0 + static_cast<double>(s.num_accepted_tokens) / s.num_drafts : 1.0);
+  for (int64_t a : s.accepted_per_pos) std::printf(" %.3f", s.num_drafts > 0 ? static_cast<double>(a) / s.num_drafts : 0.0);
+  std::printf("\n");
+  return Status::ok();
+}
+
 Status run_generate(const GenerateOptions& o) {
   RunnerOptions ro;
   ro.kv_cache_dtype = o.kv_cache_dtype;
+  ML4_ASSIGN_OR_RETURN(SpeculativeConfig spec, speculative_runner_options(o.speculative_config, o.model, 1, &ro));
   ML4_ASSIGN_OR_RETURN(auto runner, load_runner_on(o.dev, o.model, ro));
   const ModelConfig& cfg = runner->config();
   std::shared_ptr<const Tokenizer> tok;
@@ -70,6 +133,7 @@ Status run_generate(const GenerateOptions& o) {
     auto body = tok->encode(o.prompt);
     prompt.insert(prompt.end(), body.begin(), body.end());
   }
+  if (spec.enabled()) return run_generate_engine(o, runner.get(), spec, prompt);
   const int64_t total = static_cast<int64_t>(prompt.size()) + o.max_tokens;
   const auto& groups = runner->cache_groups();
   SeqStep step;
@@ -147,6 +211,8 @@ CommandRegistrar reg("generate", [](CLI::App& app, int* exit_code) {
   cmd->add_option("--kv-cache-dtype", o->kv_cache_dtype, "fp8_ds_mla, fp8 or bf16");
   add_device_options(cmd, &o->dev);
   cmd->add_flag("--ignore-eos", o->ignore_eos, "keep generating after EOS");
+  cmd->add_option("--speculative-config", o->speculative_config,
+                  "DSpark speculative decoding: JSON, e.g. '{\"method\":\"dspark\",\"num_speculative_tokens\":7}'");
   cmd->callback([o, exit_code] {
     if (o->prompt.empty() == o->prompt_ids.empty()) {
       ML4_LOG_ERROR("generate: give exactly one of --prompt and --prompt-ids");

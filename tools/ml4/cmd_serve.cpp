@@ -12,6 +12,7 @@
 
 #include "command.h"
 #include "device_options.h"
+#include "spec_options.h"
 #include "core/log.h"
 #include "engine/async_engine.h"
 #include "runtime/cpu/cpu_runner.h"
@@ -41,10 +42,11 @@ struct ServeOptions {
   double hang_timeout = 60.0;
   double shutdown_timeout = 30.0;
   int http_threads = 256;
-  std::string kv_transfer_config;  // P/D (transfer/kv_transfer_config.h)
-  double kv_transfer_timeout = 480.0;
   std::string allowed_local_media_path;  // vLLM's flag: file:// images only from here
   size_t max_media_bytes = 20u << 20;    // per image (data: or file:)
+  std::string kv_transfer_config;  // P/D (transfer/kv_transfer_config.h)
+  double kv_transfer_timeout = 480.0;
+  std::string speculative_config;  // DSpark (engine/spec_decode.h)
 };
 
 std::atomic<int> g_signal{0};
@@ -89,6 +91,7 @@ Status run_serve(ServeOptions o) {
   ro.kv_cache_dtype = o.kv_cache_dtype;
   ro.kv_cache_bytes = o.kv_cache_memory_bytes;
   ro.max_model_len = o.max_model_len;
+  ML4_ASSIGN_OR_RETURN(SpeculativeConfig spec, speculative_runner_options(o.speculative_config, o.model, o.max_num_seqs, &ro));
   ML4_ASSIGN_OR_RETURN(std::unique_ptr<ModelRunner> runner, load_runner_on(o.dev, o.model, ro));
   if (o.max_model_len > runner->config().max_position_embeddings)
     return invalid_argument("--max-model-len {} exceeds the model's max_position_embeddings {}", o.max_model_len,
@@ -112,8 +115,10 @@ Status run_serve(ServeOptions o) {
   ec.scheduler.enable_chunked_prefill = o.enable_chunked_prefill;
   ec.enable_prefix_caching = o.enable_prefix_caching;
   ec.seed = o.seed;
+  ec.speculative = spec;
   if (ec.scheduler.max_num_seqs < 1 || ec.scheduler.max_num_batched_tokens < 1)
     return invalid_argument("--max-num-seqs and --max-num-batched-tokens must be positive");
+  ML4_RETURN_IF_ERROR(Engine::check_speculation(*runner, ec));
   // P/D: the connector registers the runner's KV pages; it outlives the engine.
   std::unique_ptr<transfer::KvConnector> connector;
   if (!o.kv_transfer_config.empty()) {
@@ -215,6 +220,9 @@ CommandRegistrar reg("serve", [](CLI::App& app, int* exit_code) {
                   "(kv_producer | kv_consumer | kv_both)");
   cmd->add_option("--kv-transfer-timeout", o->kv_transfer_timeout,
                   "P/D: seconds a producer holds KV blocks for a consumer, and a consumer waits for a load");
+  cmd->add_option("--speculative-config", o->speculative_config,
+                  "DSpark speculative decoding: JSON, e.g. '{\"method\":\"dspark\",\"num_speculative_tokens\":7,"
+                  "\"draft_sample_method\":\"greedy\"}' (or \"probabilistic\")");
   cmd->callback([o, exit_code] {
     Status s = run_serve(*o);
     if (!s.is_ok()) {

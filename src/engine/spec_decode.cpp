@@ -1,0 +1,216 @@
+// DSpark speculative decoding: config and verifier (design in spec_decode.h).
+#include "engine/spec_decode.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include <nlohmann/json.hpp>
+
+namespace ml4 {
+namespace {
+
+constexpr uint32_t kVerifyTag = 0x4d4c3456u;  // "ML4V": the verifier's draws
+constexpr uint64_t kDraftTag = 0x4d4c3444'52414654ull;  // "ML4DRAFT"
+
+// 53 random bits -> [0, 1).
+double unit(uint32_t hi, uint32_t lo) {
+  const uint64_t bits = (static_cast<uint64_t>(hi) << 21) ^ (lo >> 11);
+  return static_cast<double>(bits & ((1ull << 53) - 1)) * (1.0 / 9007199254740992.0);
+}
+
+struct Uniforms {
+  double accept = 0.0;  // the acceptance test's u
+  double draw = 0.0;    // the inverse-CDF draw of a correction or bonus token
+};
+
+Uniforms uniforms(uint64_t seed, int64_t index) {
+  const uint64_t c = static_cast<uint64_t>(index);
+  const sampling::Philox4 r = sampling::philox4x32_10(0u, kVerifyTag, static_cast<uint32_t>(c), static_cast<uint32_t>(c >> 32),
+                                                      static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
+  return {unit(r.v[0], r.v[1]), unit(r.v[2], r.v[3])};
+}
+
+// Inverse CDF over unnormalised non-negative weights, in id order.
+int32_t draw(const std::vector<double>& w, double u) {
+  double total = 0.0;
+  int64_t last = -1;
+  for (size_t i = 0; i < w.size(); ++i)
+    if (w[i] > 0.0) {
+      total += w[i];
+      last = static_cast<int64_t>(i);
+    }
+  if (last < 0) return 0;
+  const double target = u * total;
+  double acc = 0.0;
+  for (size_t i = 0; i < w.size(); ++i) {
+    if (w[i] <= 0.0) continue;
+    acc += w[i];
+    if (target < acc) return static_cast<int32_t>(i);
+  }
+  return static_cast<int32_t>(last);
+}
+
+int32_t argmax(const float* row, int64_t vocab) {
+  int64_t best = 0;
+  for (int64_t i = 1; i < vocab; ++i)
+    if (sampling::ranks_above(row[i], i, row[best], best)) best = i;
+  return static_cast<int32_t>(best);
+}
+
+}  // namespace
+
+Result<SpeculativeConfig> parse_speculative_config(const std::string& text) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const std::exception& e) {
+    return invalid_argument("--speculative-config is not valid JSON: {}", e.what());
+  }
+  if (!j.is_object()) return invalid_argument("--speculative-config must be a JSON object");
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    static const char* kKnown[] = {"method", "num_speculative_tokens", "draft_sample_method", "model"};
+    bool known = false;
+    for (const char* k : kKnown) known |= it.key() == k;
+    if (!known)
+      return invalid_argument(
+          "--speculative-config: unknown field '{}' (ml4 reads method, num_speculative_tokens, draft_sample_method)",
+          it.key());
+  }
+  SpeculativeConfig c;
+  auto m = j.find("method");
+  if (m == j.end() || !m->is_string())
+    return invalid_argument("--speculative-config: 'method' is required and must be a string (\"dspark\")");
+  c.method = m->get<std::string>();
+  if (c.method != "dspark")
+    return invalid_argument("--speculative-config: method '{}' is not supported (ml4 has \"dspark\", the checkpoint's "
+                            "block drafter)",
+                            c.method);
+  if (auto it = j.find("model"); it != j.end() && !it->is_null())
+    return invalid_argument(
+        "--speculative-config: 'model' must be absent: the DSpark drafter is read from the target checkpoint "
+        "(params.json `mtp`, tensors mtp_dspark.*)");
+  auto n = j.find("num_speculative_tokens");
+  if (n == j.end() || !n->is_number_integer())
+    return invalid_argument("--speculative-config: 'num_speculative_tokens' is required and must be an integer");
+  const int64_t k = n->get<int64_t>();
+  if (k < 1 || k > 1024) return invalid_argument("--speculative-config: num_speculative_tokens must be >= 1, got {}", k);
+  c.num_speculative_tokens = static_cast<int>(k);
+  if (auto it = j.find("draft_sample_method"); it != j.end() && !it->is_null()) {
+    if (!it->is_string()) return invalid_argument("--speculative-config: 'draft_sample_method' must be a string");
+    const std::string s = it->get<std::string>();
+    if (s == "probabilistic") {
+      c.probabilistic_drafts = true;
+    } else if (s != "greedy") {
+      return invalid_argument("--speculative-config: draft_sample_method must be \"greedy\" or \"probabilistic\", got '{}'",
+                              s);
+    }
+  }
+  return c;
+}
+
+Status check_speculative_config(const SpeculativeConfig& spec, const ModelConfig& model) {
+  if (!spec.enabled()) return Status::ok();
+  if (!model.drafter.enabled)
+    return invalid_argument(
+        "--speculative-config: model '{}' has no DSpark drafter (no `mtp` block in params.json, no mtp_dspark.* "
+        "tensors)",
+        model.name);
+  const int most = model.drafter.block_size - 1;
+  if (spec.num_speculative_tokens > most)
+    return invalid_argument(
+        "--speculative-config: num_speculative_tokens {} exceeds what the drafter proposes per step ({}: its block of "
+        "{} holds the accepted token and {} drafts)",
+        spec.num_speculative_tokens, most, model.drafter.block_size, most);
+  return Status::ok();
+}
+
+int64_t drafter_blocks_per_seq(const ModelConfig& model, int page) {
+  // An interval of L positions touches at most 1 + ceil((L - 1) / page) pages.
+  const int64_t L = static_cast<int64_t>(model.drafter.window) + model.drafter.block_size;
+  return 1 + (L - 1 + page - 1) / page;
+}
+
+int64_t drafter_runner_seqs(int64_t max_num_seqs, const ModelConfig& model, int page) {
+  const int64_t runner_window = (model.drafter.window + page - 1) / page + 1;  // PagedKvCache::window_blocks
+  const int64_t need = max_num_seqs * drafter_blocks_per_seq(model, page);
+  return (need + runner_window - 1) / runner_window;
+}
+
+uint64_t draft_seed(uint64_t request_seed) {
+  uint64_t z = request_seed ^ kDraftTag;
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+void target_distribution(const float* l, int64_t V, const DeviceSamplingParams& p, std::vector<double>* out) {
+  out->assign(static_cast<size_t>(V), 0.0);
+  if (sampling::greedy(p) || sampling::top_k_on(p, V) || sampling::top_p_on(p)) {
+    sampling::row_distribution(l, V, p, out->data());
+    return;
+  }
+  // Softmax over every id, then min-p relative to the top probability: no order needed.
+  int64_t best = 0;
+  for (int64_t i = 1; i < V; ++i)
+    if (sampling::ranks_above(l[i], i, l[best], best)) best = i;
+  const double m = l[best];
+  std::vector<double>& q = *out;
+  double sum = 0.0;
+  for (int64_t i = 0; i < V; ++i) sum += q[i] = std::exp((l[i] - m) / p.temperature);
+  if (sampling::min_p_on(p)) {  // q[best] = exp(0) = 1: keep q_i >= min_p * q_best
+    const double floor_p = sampling::min_p_value(p);
+    sum = 0.0;
+    for (int64_t i = 0; i < V; ++i) {
+      if (i != best && !(q[i] >= floor_p)) q[i] = 0.0;
+      sum += q[i];
+    }
+  }
+  for (auto& x : q) x /= sum;
+}
+
+VerifyResult verify_drafts(const float* rows, int64_t V, const std::vector<int32_t>& drafts, const float* draft_probs,
+                           const DeviceSamplingParams& params, uint64_t seed, int64_t first_index) {
+  VerifyResult out;
+  const int k = static_cast<int>(drafts.size());
+  if (sampling::greedy(params)) {
+    for (int j = 0; j <= k; ++j) {
+      const int32_t t = argmax(rows + static_cast<int64_t>(j) * V, V);
+      out.tokens.push_back(t);
+      if (j == k || t != drafts[j]) break;
+      ++out.accepted;
+    }
+    return out;
+  }
+  std::vector<double> p;
+  for (int j = 0; j <= k; ++j) {
+    target_distribution(rows + static_cast<int64_t>(j) * V, V, params, &p);
+    const Uniforms u = uniforms(seed, first_index + j);
+    if (j == k) {  // every draft passed: the bonus token, from p
+      out.tokens.push_back(draw(p, u.draw));
+      break;
+    }
+    const int32_t d = drafts[j];
+    const float* q = draft_probs != nullptr ? draft_probs + static_cast<int64_t>(j) * V : nullptr;
+    const double qd = q != nullptr ? q[d] : 1.0;
+    if (qd > 0.0 && p[d] / qd >= u.accept) {
+      out.tokens.push_back(d);
+      ++out.accepted;
+      continue;
+    }
+    // Rejected: the residual max(p - q, 0), renormalised by draw().
+    if (q != nullptr) {
+      for (int64_t i = 0; i < V; ++i) p[i] = std::max(0.0, p[i] - static_cast<double>(q[i]));
+    } else {
+      p[d] = 0.0;
+    }
+    double left = 0.0;
+    for (double x : p) left += x;
+    if (!(left > 0.0)) target_distribution(rows + static_cast<int64_t>(j) * V, V, params, &p);  // p == q: cannot happen
+    out.tokens.push_back(draw(p, u.draw));
+    break;
+  }
+  return out;
+}
+
+}  // namespace ml4
