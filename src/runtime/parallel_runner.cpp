@@ -60,6 +60,26 @@ Result<int> dp_of(const SeqStep& s, int dp_size, const std::vector<int64_t>& per
   return d;
 }
 
+// The forced decisions of the tokens of in.seqs[index[...]] (a DP replica's share).
+ForwardTrace slice_forced(const ForwardTrace& t, const StepInput& in, const std::vector<int>& index) {
+  std::vector<int64_t> first(in.seqs.size() + 1, 0);
+  for (size_t i = 0; i < in.seqs.size(); ++i) first[i + 1] = first[i] + static_cast<int64_t>(in.seqs[i].tokens.size());
+  auto cut = [&](const Nested& all) {
+    Nested out(all.size());
+    for (size_t l = 0; l < all.size(); ++l) {
+      if (all[l].empty()) continue;
+      for (int i : index)
+        for (int64_t k = first[i]; k < first[i + 1] && k < static_cast<int64_t>(all[l].size()); ++k)
+          out[l].push_back(all[l][k]);
+    }
+    return out;
+  };
+  ForwardTrace s;
+  s.forced_topk = cut(t.forced_topk);
+  s.forced_experts = cut(t.forced_experts);
+  return s;
+}
+
 }  // namespace
 
 std::vector<uint8_t> encode_step(const StepInput& in, const ForwardTrace* forced) {
@@ -172,7 +192,6 @@ Result<StepOutput> ParallelRunner::execute_traced(const StepInput& in, ForwardTr
   for (int d = 0; d < dp; ++d) {
     ML4_ASSIGN_OR_RETURN(slices[d], dp_slice(in, d, dp, per_rank, &index[d]));
   }
-  if (trace != nullptr && dp > 1) return unimplemented("traced steps with data parallelism");
   if (trace != nullptr) {
     // Forced decisions are checked on the whole step (positions in step order).
     std::vector<int64_t> positions;
@@ -184,10 +203,18 @@ Result<StepOutput> ParallelRunner::execute_traced(const StepInput& in, ForwardTr
   Header h{static_cast<uint64_t>(trace != nullptr ? Command::kExecuteTraced : Command::kExecute), payload.size()};
   ML4_RETURN_IF_ERROR(group_->world->broadcast(&h, sizeof(h), 0));
   ML4_RETURN_IF_ERROR(group_->world->broadcast(payload.data(), static_cast<int64_t>(payload.size()), 0));
-  // Rank 0 runs DP replica 0's sequences (all of them without DP).
-  ML4_ASSIGN_OR_RETURN(StepOutput mine, trace != nullptr ? local_->execute_traced(slices[0], trace)
-                                                         : local_->execute(slices[0]));
+  // Rank 0 runs DP replica 0's sequences (all of them without DP). Under DP a traced step
+  // records replica 0's tokens only.
+  ForwardTrace mine_trace;
+  if (trace != nullptr && dp > 1) mine_trace = slice_forced(*trace, in, index[0]);
+  ForwardTrace* local_trace = trace == nullptr ? nullptr : dp > 1 ? &mine_trace : trace;
+  ML4_ASSIGN_OR_RETURN(StepOutput mine, local_trace != nullptr ? local_->execute_traced(slices[0], local_trace)
+                                                               : local_->execute(slices[0]));
   if (dp == 1) return mine;
+  if (trace != nullptr) {
+    trace->topk = std::move(mine_trace.topk);
+    trace->experts = std::move(mine_trace.experts);
+  }
   // The other replicas' leaders send their logits rows, [rows of its sequences in order, V].
   StepOutput out;
   out.logits.assign(in.seqs.size(), {});
@@ -252,7 +279,9 @@ Status run_parallel_worker(ParallelGroup& group, ModelRunner& local) {
     ForwardTrace trace;
     bool traced = false;
     ML4_RETURN_IF_ERROR(decode_step(payload, &in, &trace, &traced));
-    ML4_ASSIGN_OR_RETURN(StepInput mine, dp_slice(in, L.dp_rank, L.dp_size, per_rank));
+    std::vector<int> index;
+    ML4_ASSIGN_OR_RETURN(StepInput mine, dp_slice(in, L.dp_rank, L.dp_size, per_rank, &index));
+    if (traced && L.dp_size > 1) trace = slice_forced(trace, in, index);
     auto out = traced ? local.execute_traced(mine, &trace) : local.execute(mine);
     if (!out.ok()) return out.status().with_context(fmt::format("rank {}: step", L.world_rank));
     // A DP replica's leader answers for it (rank 0 is replica 0's).
