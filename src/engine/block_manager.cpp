@@ -34,8 +34,11 @@ KvBlockManager::KvBlockManager(std::vector<CacheGroupInfo> groups, bool enable_p
     p.has_hash.assign(n, 0);
     p.hash.assign(n, 0);
     p.tokens.resize(n);
+    partitions_ = std::max(partitions_, info.partitions);
     pools_.push_back(std::move(p));
     Pool& q = pools_.back();
+    q.part_size = std::max<int64_t>(1, static_cast<int64_t>(n) / std::max(1, info.partitions));
+    q.part_free.assign(std::max(1, info.partitions), 0);
     for (size_t b = 0; b < n; ++b) list_push_back(q, static_cast<int32_t>(b));
     if (q.active) lcm_page_ = std::lcm(lcm_page_, static_cast<int64_t>(std::max(1, info.page_tokens)));
   }
@@ -48,6 +51,7 @@ void KvBlockManager::list_remove(Pool& p, int32_t b) {
   p.prev[b] = p.next[b] = -1;
   p.in_free[b] = 0;
   --p.num_free;
+  --p.part_free[std::min<int64_t>(b / p.part_size, p.part_free.size() - 1)];
 }
 
 void KvBlockManager::list_push_front(Pool& p, int32_t b) {
@@ -57,6 +61,7 @@ void KvBlockManager::list_push_front(Pool& p, int32_t b) {
   p.head = b;
   p.in_free[b] = 1;
   ++p.num_free;
+  ++p.part_free[std::min<int64_t>(b / p.part_size, p.part_free.size() - 1)];
 }
 
 void KvBlockManager::list_push_back(Pool& p, int32_t b) {
@@ -66,6 +71,7 @@ void KvBlockManager::list_push_back(Pool& p, int32_t b) {
   p.tail = b;
   p.in_free[b] = 1;
   ++p.num_free;
+  ++p.part_free[std::min<int64_t>(b / p.part_size, p.part_free.size() - 1)];
 }
 
 void KvBlockManager::drop_hash(Pool& p, int32_t b) {
@@ -109,6 +115,30 @@ void KvBlockManager::release_before(Pool& p, std::vector<int32_t>& table, int64_
   }
 }
 
+int KvBlockManager::partition_for(const Request& r, const PrefixHit* hit) const {
+  if (partitions_ <= 1) return 0;
+  if (r.kv_partition >= 0) return r.kv_partition;
+  if (hit != nullptr)
+    for (size_t g = 0; g < hit->blocks.size(); ++g)
+      for (int32_t b : hit->blocks[g])
+        if (b != kNoBlock) return static_cast<int>(b / pools_[g].part_size);
+  int best = 0;
+  for (const auto& p : pools_) {
+    if (!p.active || p.info.sliding_window > 0) continue;
+    for (int k = 1; k < partitions_; ++k)
+      if (p.part_free[k] > p.part_free[best]) best = k;
+    break;
+  }
+  return best;
+}
+
+int32_t KvBlockManager::free_head(const Pool& p, int part) const {
+  int32_t b = p.head;
+  if (partitions_ > 1)
+    while (b >= 0 && b / p.part_size != part) b = p.next[b];
+  return b;
+}
+
 int64_t KvBlockManager::num_free_blocks_total() const {
   int64_t s = 0;
   for (const auto& p : pools_) s += p.num_free;
@@ -124,7 +154,8 @@ double KvBlockManager::usage(int g) const {
 int64_t KvBlockManager::capacity_tokens() const {
   int64_t cap = INT64_MAX;
   for (const auto& p : pools_)  // a window group holds a window per request, whatever its length
-    if (p.active && p.info.sliding_window <= 0) cap = std::min(cap, p.info.num_blocks * p.info.page_tokens);
+    if (p.active && p.info.sliding_window <= 0)
+      cap = std::min(cap, p.info.num_blocks / std::max(1, partitions_) * p.info.page_tokens);
   return cap == INT64_MAX ? 0 : cap;
 }
 
@@ -135,6 +166,7 @@ PrefixHit KvBlockManager::find_cached_prefix(const Request& r) {
   // prompt_logprobs needs the logits of every prompt position: no reuse (as vLLM v1).
   if (!prefix_caching_ || pools_.empty() || r.params.prompt_logprobs >= 0) return hit;
   const int64_t limit = r.num_tokens() - 1;  // at least one token is computed for logits
+  int part = partitions_ > 1 ? r.kv_partition : 0;  // a hit stays within one DP partition
   // The cached run of a group: for block i, the block holding it (or -1) and its chain hash.
   auto lookup = [&](const Pool& p, int64_t upto, std::vector<int32_t>* blocks, std::vector<uint64_t>* hashes,
                     bool stop_at_miss) {
@@ -149,6 +181,11 @@ PrefixHit KvBlockManager::find_cached_prefix(const Request& r) {
         bool same = static_cast<int64_t>(p.tokens[b].size()) == page;
         for (int64_t k = 0; same && k < page; ++k) same = p.tokens[b][k] == r.token_at(i * page + k);
         if (!same) b = -1;
+        if (b >= 0 && partitions_ > 1) {
+          const int pb = static_cast<int>(b / p.part_size);
+          if (part < 0) part = pb;
+          if (pb != part) b = -1;
+        }
       }
       if (b < 0 && stop_at_miss) break;
       blocks->push_back(b);
@@ -216,6 +253,7 @@ bool KvBlockManager::allocate(Request& r, int64_t num_tokens, const PrefixHit* h
     r.block_hashes.resize(G);
   }
   const bool use_hit = hit != nullptr && hit->num_tokens > 0;
+  const int part = partition_for(r, use_hit ? hit : nullptr);
   // Window groups first give back what no later step reads (valid whether or not the
   // allocation below succeeds).
   std::vector<int64_t> first(G, 0);
@@ -240,7 +278,7 @@ bool KvBlockManager::allocate(Request& r, int64_t num_tokens, const PrefixHit* h
     }
     have = std::max(have, first[g]);  // kNoBlock entries are free
     need[g] = from_free + std::max<int64_t>(0, ceil_div(num_tokens, p.info.page_tokens) - have);
-    if (need[g] > p.num_free) return false;
+    if (need[g] > free_in(p, part)) return false;
   }
   for (size_t g = 0; g < G; ++g) {
     Pool& p = pools_[g];
@@ -265,13 +303,14 @@ bool KvBlockManager::allocate(Request& r, int64_t num_tokens, const PrefixHit* h
         table.push_back(kNoBlock);
         continue;
       }
-      int32_t b = p.head;
+      int32_t b = free_head(p, part);
       list_remove(p, b);
       drop_hash(p, b);  // evicts a cached block
       p.ref[b] = 1;
       table.push_back(b);
     }
   }
+  if (partitions_ > 1) r.kv_partition = part;
   return true;
 }
 
@@ -283,7 +322,7 @@ bool KvBlockManager::extend_windows(Request& r, int64_t num_tokens) {
     if (!p.active || p.info.sliding_window <= 0) continue;
     const int64_t have = std::max<int64_t>(r.block_tables[g].size(), first_window_block(p, r.num_computed));
     need[g] = std::max<int64_t>(0, ceil_div(num_tokens, p.info.page_tokens) - have);
-    if (need[g] > p.num_free) return false;
+    if (need[g] > free_in(p, std::max(0, r.kv_partition))) return false;
   }
   for (size_t g = 0; g < G; ++g) {
     Pool& p = pools_[g];
@@ -295,7 +334,7 @@ bool KvBlockManager::extend_windows(Request& r, int64_t num_tokens) {
         table.push_back(kNoBlock);
         continue;
       }
-      int32_t b = p.head;
+      int32_t b = free_head(p, std::max(0, r.kv_partition));
       list_remove(p, b);
       drop_hash(p, b);
       p.ref[b] = 1;
@@ -321,6 +360,7 @@ void KvBlockManager::trim(Request& r, int64_t num_tokens) {
 void KvBlockManager::free(Request& r) {
   free_tables(r.block_tables);
   for (auto& h : r.block_hashes) h.clear();
+  r.kv_partition = -1;  // placed again at its next allocation (after a preemption)
 }
 
 void KvBlockManager::free_tables(std::vector<std::vector<int32_t>>& tables) {
@@ -386,6 +426,9 @@ Status KvBlockManager::check_invariants() const {
       if (++n > p.info.num_blocks) return internal_error("group {}: free list has a cycle", g);
     }
     if (n != p.num_free) return internal_error("group {}: free list holds {}, count says {}", g, n, p.num_free);
+    std::vector<int64_t> part(p.part_free.size(), 0);
+    for (int32_t b = p.head; b >= 0; b = p.next[b]) ++part[std::min<int64_t>(b / p.part_size, part.size() - 1)];
+    if (part != p.part_free) return internal_error("group {}: free counts per partition are off", g);
     for (size_t b = 0; b < p.ref.size(); ++b) {
       if (p.ref[b] < 0) return internal_error("group {}: block {} has ref {}", g, b, p.ref[b]);
       if ((p.ref[b] == 0) != (p.in_free[b] != 0))

@@ -39,6 +39,11 @@
 // Speculative decoding (engine/spec_decode.h): a verification step's tables cover the last
 // token plus its drafts; afterwards trim() gives back every block past the accepted tokens,
 // and extend_windows() makes the window groups cover the next draft block.
+// Data parallelism (runtime/parallel_runner.h): when the runner's groups come in
+// CacheGroupInfo::partitions ranges (one per DP rank), a request takes all its blocks from one
+// range: the one of its prefix-cache hit, else the range with the most free blocks; a hit is
+// cut where its chain leaves that range; capacity is one range's. Scheduling is unchanged:
+// a request that finds its range full preempts as it would on one rank.
 #pragma once
 
 #include <cstdint>
@@ -121,6 +126,9 @@ class KvBlockManager {
     std::unordered_map<uint64_t, int32_t> cached;
     int32_t head = -1, tail = -1;
     int64_t num_free = 0;
+    // Data parallelism: free blocks per partition (blocks [k part_size, (k + 1) part_size)).
+    int64_t part_size = 0;
+    std::vector<int64_t> part_free;
   };
   static void list_remove(Pool& p, int32_t b);
   static void list_push_front(Pool& p, int32_t b);
@@ -134,8 +142,14 @@ class KvBlockManager {
   static void release_before(Pool& p, std::vector<int32_t>& table, int64_t first);
   static void release_block(Pool& p, int32_t b);
   static uint64_t chain_hash(uint64_t parent, const Request& r, int64_t begin, int64_t end);
+  // Data parallelism: the partition a request's new blocks come from, the free blocks there,
+  // and the first free block of it (the free list's head without partitions).
+  int partition_for(const Request& r, const PrefixHit* hit) const;
+  int64_t free_in(const Pool& p, int part) const { return partitions_ > 1 ? p.part_free[part] : p.num_free; }
+  int32_t free_head(const Pool& p, int part) const;
 
   std::vector<Pool> pools_;
+  int partitions_ = 1;  // CacheGroupInfo::partitions
   bool prefix_caching_;
   int64_t lcm_page_ = 1;
   int64_t queries_ = 0, hits_ = 0;

@@ -80,6 +80,7 @@ struct Request {
   // chain of the full blocks registered so far.
   std::vector<std::vector<int32_t>> block_tables;
   std::vector<std::vector<uint64_t>> block_hashes;
+  int kv_partition = -1;  // data parallelism: the DP rank holding its blocks (-1: none yet)
 
   // Sampling and output state.
   std::mt19937_64 rng;

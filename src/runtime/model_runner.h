@@ -24,6 +24,9 @@ struct CacheGroupInfo {
   int64_t num_blocks = 0;       // blocks the runner allocated for this group
   int64_t sliding_window = 0;   // 0: full attention; else only the last N tokens are read
   int64_t bytes_per_token = 0;  // summed over the group's layers
+  // Data parallelism (runtime/parallel_runner.h): blocks [k n / p, (k + 1) n / p) live on DP
+  // rank k, and the block manager keeps each sequence's blocks within one such range.
+  int partitions = 1;
 };
 
 // The memory of one layer slot of one cache group: num_blocks pages of block_bytes each,

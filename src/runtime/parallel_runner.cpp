@@ -162,7 +162,10 @@ Result<StepInput> dp_slice(const StepInput& in, int dp, int dp_size, const std::
 ParallelRunner::ParallelRunner(std::shared_ptr<ParallelGroup> group, std::unique_ptr<ModelRunner> local)
     : group_(std::move(group)), local_(std::move(local)) {
   groups_ = local_->cache_groups();
-  for (auto& g : groups_) g.num_blocks *= group_->layout.dp_size;
+  for (auto& g : groups_) {
+    g.num_blocks *= group_->layout.dp_size;
+    g.partitions = group_->layout.dp_size;  // the engine keeps a sequence on one DP rank
+  }
 }
 
 ParallelRunner::~ParallelRunner() {
