@@ -153,7 +153,11 @@ Status MpiEnv::wait(MPI_Request* req, const char* what, bool bounded) {
       return failure();
     }
     if (done) return Status::ok();
-    if (failed()) return failure().with_context(what);
+    if (failed()) {
+      // The last message may have arrived before its sender died (rank 0's stop).
+      if (MPI_Test(req, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && done) return Status::ok();
+      return failure().with_context(what);
+    }
     if (spins < 256) continue;
     const double waited = now_s() - start;
     if (bounded && timeout_s_ > 0.0 && waited > timeout_s_) {
@@ -174,12 +178,15 @@ void MpiEnv::install_worker_signal_handlers() {
 }
 
 void MpiEnv::watchdog() {
+  bool signal_logged = false;
   while (!stop_.load()) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     if (failed()) continue;
-    if (const int sig = g_worker_signal; sig != 0) {
-      fail(fmt::format("rank {} received signal {} (the launcher stops the job when a rank exits)", rank_, sig));
-      continue;
+    if (const int sig = g_worker_signal; sig != 0 && !signal_logged) {
+      // mpirun forwards a user's SIGTERM / SIGINT to every rank: rank 0 drains and then stops
+      // the group; a worker keeps serving until then (rank 0's death is caught below).
+      ML4_LOG_INFO("rank {}: signal {}; serving until rank 0 stops the group", rank_, sig);
+      signal_logged = true;
     }
     for (int r = 0; r < size_; ++r) {
       if (r == rank_ || hosts_[r] != hosts_[rank_] || !process_dead(pids_[r])) continue;

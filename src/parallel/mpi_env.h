@@ -3,8 +3,7 @@
 // Initialised once (MPI_THREAD_SERIALIZED: the engine thread issues a step's collectives,
 // the main thread the start-up and the shutdown, never at the same time). At start the ranks
 // exchange host names and process ids; a watchdog thread then checks, every 100 ms, that the
-// ranks on its own host are alive (kill(pid, 0)). A dead peer, a signal to a worker, or
-// fail() marks the world failed with a message naming the rank: every wait in a collective
+// ranks on its own host are alive (kill(pid, 0)). A dead peer or fail() marks the world failed with a message naming the rank: every wait in a collective
 // (wait()) returns that error instead of hanging, the rank-0 engine fails its requests, and the
 // process ends through MPI_Abort, which makes mpirun stop every other rank. mpirun itself
 // also kills the job when a rank exits abnormally (OpenMPI's default), which covers ranks on
@@ -60,7 +59,8 @@ class MpiEnv {
   // Waits for a request; fails on a failed world or after ML4_DIST_TIMEOUT_S when `bounded`.
   Status wait(MPI_Request* req, const char* what, bool bounded = true);
 
-  // Workers: SIGTERM / SIGINT mark the world failed (the worker loop then exits).
+  // Workers: SIGTERM / SIGINT (which mpirun forwards to every rank) are noted and logged; the
+  // worker serves on until rank 0, which drains first, stops the group.
   void install_worker_signal_handlers();
   // Ends the process's MPI: MPI_Finalize after a clean run, MPI_Abort after a failure (so
   // mpirun stops the other ranks). Also run at exit.

@@ -178,7 +178,10 @@ Status ParallelRunner::stop() {
   stopped_ = true;
   if (group_->env->failed()) return group_->env->failure();
   Header h{static_cast<uint64_t>(Command::kStop), 0};
-  return group_->world->broadcast(&h, sizeof(h), 0);
+  ML4_RETURN_IF_ERROR(group_->world->broadcast(&h, sizeof(h), 0));
+  // Every worker has the stop before rank 0 may exit (so none mistakes the exit for a death).
+  float done = 0.0f;
+  return group_->world->all_reduce_sum(&done, 1);
 }
 
 Result<StepOutput> ParallelRunner::execute_traced(const StepInput& in, ForwardTrace* trace) {
@@ -273,7 +276,10 @@ Status run_parallel_worker(ParallelGroup& group, ModelRunner& local) {
   for (;;) {
     Header h;
     ML4_RETURN_IF_ERROR(group.world->broadcast_unbounded(&h, sizeof(h), 0));
-    if (h.command == static_cast<uint64_t>(Command::kStop)) return Status::ok();
+    if (h.command == static_cast<uint64_t>(Command::kStop)) {
+      float done = 0.0f;
+      return group.world->all_reduce_sum(&done, 1);
+    }
     if (h.command != static_cast<uint64_t>(Command::kExecute) && h.command != static_cast<uint64_t>(Command::kExecuteTraced))
       return internal_error("rank {}: unknown command {} from rank 0", L.world_rank, h.command);
     std::vector<uint8_t> payload(h.bytes);
