@@ -6,6 +6,13 @@
 // against. For --preset ml4 the totals are MODEL.md section 1's: 47,136 B/token
 // (fp8_ds_mla), 42,096 (fp8), 78,384 (bf16). The drafter group is a per-request sliding
 // window, so it is listed apart and left out of the per-token total.
+//
+// With -tp / -dp / --enable-expert-parallel (SYSTEM.md S10) it also prints what each rank holds
+// (parallel/parallel_plan.h: weight bytes by part, heads, vocabulary and experts) and the KV
+// tokens per rank that --gpu-memory-gib x --gpu-memory-utilization leaves after the largest
+// rank's weights. The MLA latent is replicated on every TP rank, so KV bytes per token do not
+// shrink with TP (that is what decode context parallelism is for); DP replicas hold different
+// sequences, so the deployment holds dp x the tokens of one rank.
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -17,6 +24,7 @@
 #include "kv/paged_kv_cache.h"
 #include "model/config_loader.h"
 #include "model/presets.h"
+#include "parallel/parallel_plan.h"
 
 namespace ml4::cli {
 namespace {
@@ -48,7 +56,52 @@ struct CapacityOptions {
   std::string kv_cache_dtype = "auto";
   double gib = 0.0;
   int64_t max_requests = 0;
+  ParallelConfig parallel;
+  double gpu_memory_gib = 141.0;  // one H200
+  double gpu_memory_utilization = 0.9;
 };
+
+// Weights per rank and KV tokens per rank (see the file comment).
+int print_parallel(const CapacityOptions& o, const ModelConfig& cfg, const KvCacheSpec& spec) {
+  const ParallelConfig& pc = o.parallel;
+  const int world = pc.world_size();
+  int64_t most = 0;
+  std::string lines;
+  for (int r = 0; r < world; ++r) {
+    auto layout = RankLayout::make(pc, world, r);
+    if (!layout.ok()) {
+      std::fprintf(stderr, "ml4 capacity: %s\n", layout.status().message().c_str());
+      return 2;
+    }
+    auto plan = ParallelPlan::make(cfg, *layout);
+    if (!plan.ok()) {
+      std::fprintf(stderr, "ml4 capacity: %s\n", plan.status().message().c_str());
+      return 1;
+    }
+    if (r == 0) fmt::print("{}", layout->describe());
+    const RankWeightBytes b = plan->weight_bytes();
+    most = std::max(most, b.total());
+    lines += plan->describe();
+  }
+  fmt::print("{}", lines);
+  const int64_t budget = static_cast<int64_t>(o.gpu_memory_gib * o.gpu_memory_utilization * static_cast<double>(kGiB));
+  const int64_t kv = budget - most;
+  fmt::print("per rank: {} GiB x {} = {:.2f} GiB, weights at most {:.2f} GiB, KV cache {:.2f} GiB\n", o.gpu_memory_gib,
+             o.gpu_memory_utilization, static_cast<double>(budget) / kGiB, static_cast<double>(most) / kGiB,
+             static_cast<double>(kv) / kGiB);
+  if (kv <= 0) {
+    fmt::print("KV tokens per rank: 0 (the weights do not fit)\n");
+    return 0;
+  }
+  const auto blocks = PagedKvCache::blocks_for_budget(spec, kv, o.max_requests);
+  const int latent = spec.group_index(CacheGroupSpec::kLatent);
+  const int64_t tokens = blocks[latent] * kPageTokens;
+  fmt::print("KV tokens per rank: {} ({} B/token, the latent replicated on each of {} TP ranks)\n", grouped(tokens),
+             grouped(spec.bytes_per_token()), pc.tensor_parallel_size);
+  fmt::print("KV tokens in all: {} ({} DP replica{})\n", grouped(tokens * pc.data_parallel_size), pc.data_parallel_size,
+             pc.data_parallel_size == 1 ? "" : "s");
+  return 0;
+}
 
 int run_capacity(const CapacityOptions& o) {
   if (o.preset.empty() == o.model_dir.empty()) {
@@ -109,6 +162,7 @@ int run_capacity(const CapacityOptions& o) {
                o.gib, grouped(budget), o.max_requests, grouped(blocks[latent] * kPageTokens),
                grouped(blocks[latent]), kPageTokens, grouped(used));
   }
+  if (o.parallel.parallel()) return print_parallel(o, *cfg, *spec);
   return 0;
 }
 
@@ -122,6 +176,16 @@ CommandRegistrar reg("capacity", [](CLI::App& app, int* exit_code) {
   cmd->add_option("--gib", opts->gib, "memory budget for the KV cache, GiB");
   cmd->add_option("--max-requests", opts->max_requests,
                   "concurrent requests whose drafter windows the budget must also hold");
+  cmd->add_option("--tensor-parallel-size", opts->parallel.tensor_parallel_size, "-tp: weights and KV per TP rank")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--data-parallel-size", opts->parallel.data_parallel_size, "-dp: DP replicas (with EP)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_flag("--enable-expert-parallel", opts->parallel.enable_expert_parallel, "routed experts over all ranks");
+  cmd->add_option("--gpu-memory-gib", opts->gpu_memory_gib, "device memory per rank, GiB (parallel report)")
+      ->capture_default_str();
+  cmd->add_option("--gpu-memory-utilization", opts->gpu_memory_utilization, "fraction of it for weights + KV")
+      ->check(CLI::Range(0.01, 1.0))
+      ->capture_default_str();
   cmd->callback([opts, exit_code] { *exit_code = run_capacity(*opts); });
 });
 
