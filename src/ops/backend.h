@@ -271,7 +271,7 @@ class Backend {
   // ---- parallelism (parallel/communicator.h; runtime/model_forward.h) ----
   // The queue the ops run on, for a device communicator to issue its collectives on
   // (cudaStream_t on CUDA); null where ops complete on return (the CPU).
-  virtual void* stream() const { return nullptr; }
+  virtual void* queue() const { return nullptr; }
   // Backend memory of at least `bytes`, one buffer per slot, at a fixed address until a
   // larger request for that slot (expert-parallel dispatch buffers).
   virtual Result<void*> scratch(int slot, int64_t bytes) {

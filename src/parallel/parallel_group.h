@@ -24,8 +24,10 @@ struct ParallelGroup {
   std::unique_ptr<MpiCommunicator> tp;     // this rank's TP group (size 1 without TP)
   std::unique_ptr<MpiCommunicator> ep;     // the EP group (size 1 without EP)
   bool is_driver() const { return layout.world_rank == 0; }
-  // The forward's communicators (MPI: CPU ranks).
-  ParallelComms comms() const { return {tp.get(), ep.get()}; }
+  // The forward's communicators (MPI: CPU ranks); null for a group of one (no collectives).
+  ParallelComms comms() const {
+    return {tp->size() > 1 ? tp.get() : nullptr, ep->size() > 1 ? ep.get() : nullptr};
+  }
 
   // Initialises MPI when needed, checks the world size against the config, makes the layout,
   // the plan (from the model's config) and the communicators; rank 0 logs the layout.

@@ -41,7 +41,8 @@ class ModelForward {
     // A rank of a parallel group (SYSTEM.md S10; parallel/parallel_plan.h): the weights are
     // the rank's shard and the config its local_config(); the program adds the collectives
     // over `comms` (TP all-reduces after wo, the dense FFN, the MoE and the vocabulary-parallel
-    // embedding; the logits' all-gather; expert-parallel dispatch and combine). Null: one rank.
+    // embedding; the logits' all-gather; expert-parallel dispatch and combine). Null: no such
+    // group (a group of one rank given here still runs the collective path).
     const ParallelPlan* plan = nullptr;
     ParallelComms comms;
   };
@@ -107,8 +108,9 @@ class ModelForward {
   Status moe(int l, ForwardTrace* trace, float* out);
   // Parallelism: a sum over the TP group (no-op on one rank), the expert-parallel MoE, and
   // the logits from the ranks' vocabulary shards.
-  bool tensor_parallel() const { return comms_.tp != nullptr && comms_.tp->size() > 1; }
-  bool expert_parallel() const { return comms_.ep != nullptr && comms_.ep->size() > 1; }
+  // A group given (even of one rank: the single-GPU check of the NCCL path) runs its path.
+  bool tensor_parallel() const { return comms_.tp != nullptr; }
+  bool expert_parallel() const { return comms_.ep != nullptr; }
   Status tp_all_reduce(float* x, int64_t n);
   Status moe_expert_parallel(int l, float* out);
   Status logits();
