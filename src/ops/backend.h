@@ -283,10 +283,10 @@ class Backend {
   }
   // dst[i, :] = src[idx[i], :] and dst[idx[i], :] += src[i, :] for rows of `cols` floats,
   // idx [n] in backend memory (the scatter's idx has no repeats).
-  virtual Status gather_rows(const float* src, const int32_t* idx, int64_t n, int64_t cols, float* dst) {
+  virtual Status gather_rows_at(const float* src, const int32_t* idx, int64_t n, int64_t cols, float* dst) {
     return unimplemented("this backend has no gather_rows (expert parallelism)");
   }
-  virtual Status scatter_add_rows(const float* src, const int32_t* idx, int64_t n, int64_t cols, float* dst) {
+  virtual Status scatter_add_rows_at(const float* src, const int32_t* idx, int64_t n, int64_t cols, float* dst) {
     return unimplemented("this backend has no scatter_add_rows (expert parallelism)");
   }
   // Routed experts over n given rows (tokens another rank dispatched here), K slots each:

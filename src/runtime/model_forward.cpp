@@ -578,8 +578,8 @@ Status ModelForward::moe_expert_parallel(int l, float* out) {
       auto* idx_i = static_cast<int32_t*>(idx);
       ML4_RETURN_IF_ERROR(be_.upload(idx, send_tok.data(), ns * 4));
       ML4_RETURN_IF_ERROR(be_.upload(sids, send_ids.data(), ns * fK));
-      ML4_RETURN_IF_ERROR(be_.gather_rows(x.a, idx_i, ns, D, static_cast<float*>(sx)));
-      ML4_RETURN_IF_ERROR(be_.gather_rows(x.expert_wts, idx_i, ns, K, static_cast<float*>(sw)));
+      ML4_RETURN_IF_ERROR(be_.gather_rows_at(x.a, idx_i, ns, D, static_cast<float*>(sx)));
+      ML4_RETURN_IF_ERROR(be_.gather_rows_at(x.expert_wts, idx_i, ns, K, static_cast<float*>(sw)));
       // Dispatch: rows, their local expert ids and weights.
       ML4_RETURN_IF_ERROR(ep.all_to_all_v(sx, bytes_of(send_n, fD), rx, bytes_of(recv_n, fD)));
       ML4_RETURN_IF_ERROR(ep.all_to_all_v(sids, bytes_of(send_n, fK), rids, bytes_of(recv_n, fK)));
@@ -589,7 +589,7 @@ Status ModelForward::moe_expert_parallel(int l, float* out) {
       // Combine: one weighted sum back per dispatched token, added in rank order.
       ML4_RETURN_IF_ERROR(ep.all_to_all_v(ry, bytes_of(recv_n, fD), sy, bytes_of(send_n, fD)));
       ML4_RETURN_IF_ERROR(be_.fill(out, T * D, 0.0f));
-      ML4_RETURN_IF_ERROR(be_.scatter_add_rows(static_cast<float*>(sy), idx_i, ns, D, out));
+      ML4_RETURN_IF_ERROR(be_.scatter_add_rows_at(static_cast<float*>(sy), idx_i, ns, D, out));
       if (L.has_shared) {
         ML4_ASSIGN_OR_RETURN(void* sh, be_.scratch(9, T * fD));
         ML4_RETURN_IF_ERROR(mlp(L.shared, x.a, T, static_cast<float*>(sh)));

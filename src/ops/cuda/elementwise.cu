@@ -98,14 +98,14 @@ __global__ void silu_mul_kernel(const float* __restrict__ g, const float* __rest
 
 template <typename T>
 __global__ void embedding_kernel(const T* __restrict__ table, int64_t V, int64_t D, const int32_t* __restrict__ ids,
-                                 float* __restrict__ out) {
+                                 float* __restrict__ out, bool shard, int64_t first_id) {
   const int64_t t = blockIdx.x;
-  const int32_t id = ids[t];
+  const int64_t id = ids[t] - first_id;
   const bool ok = id >= 0 && id < V;
   for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
     float v;
     if (!ok) {
-      v = __int_as_float(0x7fc00000);
+      v = shard ? 0.0f : __int_as_float(0x7fc00000);
     } else if constexpr (std::is_same_v<T, float>) {
       v = table[id * D + d];
     } else {
@@ -403,11 +403,12 @@ Status embedding(const EmbeddingParams& p) {
   switch (p.table_dtype) {
     case DType::kF32:
       embedding_kernel<float><<<static_cast<int>(p.T), kThreads, 0, p.stream>>>(static_cast<const float*>(p.table),
-                                                                                p.V, p.D, p.ids, p.out);
+                                                                                p.V, p.D, p.ids, p.out, p.shard,
+                                                                                p.first_id);
       break;
     case DType::kBF16:
       embedding_kernel<__nv_bfloat16><<<static_cast<int>(p.T), kThreads, 0, p.stream>>>(
-          static_cast<const __nv_bfloat16*>(p.table), p.V, p.D, p.ids, p.out);
+          static_cast<const __nv_bfloat16*>(p.table), p.V, p.D, p.ids, p.out, p.shard, p.first_id);
       break;
     default:
       return invalid_argument("embedding: table dtype {} (bf16 or f32)", dtype_name(p.table_dtype));

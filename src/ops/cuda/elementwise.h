@@ -59,6 +59,10 @@ struct EmbeddingParams {
   int64_t T = 0;
   float* out = nullptr;          // [T, D]
   cudaStream_t stream = nullptr;
+  // Vocabulary-parallel (tensor parallelism): the table holds ids [first_id, first_id + V) and
+  // the other ids give zero rows (the ranks' rows are then summed).
+  bool shard = false;
+  int64_t first_id = 0;
 };
 Status embedding(const EmbeddingParams& p);
 

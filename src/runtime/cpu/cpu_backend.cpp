@@ -467,12 +467,12 @@ Status CpuBackend::upload(void* dst, const void* src_host, int64_t bytes) {
   return Status::ok();
 }
 
-Status CpuBackend::gather_rows(const float* src, const int32_t* idx, int64_t n, int64_t cols, float* dst) {
+Status CpuBackend::gather_rows_at(const float* src, const int32_t* idx, int64_t n, int64_t cols, float* dst) {
   for (int64_t i = 0; i < n; ++i) std::copy_n(src + static_cast<int64_t>(idx[i]) * cols, cols, dst + i * cols);
   return Status::ok();
 }
 
-Status CpuBackend::scatter_add_rows(const float* src, const int32_t* idx, int64_t n, int64_t cols, float* dst) {
+Status CpuBackend::scatter_add_rows_at(const float* src, const int32_t* idx, int64_t n, int64_t cols, float* dst) {
   for (int64_t i = 0; i < n; ++i) {
     float* d = dst + static_cast<int64_t>(idx[i]) * cols;
     const float* x = src + i * cols;

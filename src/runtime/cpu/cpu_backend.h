@@ -64,8 +64,8 @@ class CpuBackend : public Backend {
   Status gather_logits_rows(const float* x, float* out) override;
   Result<void*> scratch(int slot, int64_t bytes) override;
   Status upload(void* dst, const void* src_host, int64_t bytes) override;
-  Status gather_rows(const float* src, const int32_t* idx, int64_t n, int64_t cols, float* dst) override;
-  Status scatter_add_rows(const float* src, const int32_t* idx, int64_t n, int64_t cols, float* dst) override;
+  Status gather_rows_at(const float* src, const int32_t* idx, int64_t n, int64_t cols, float* dst) override;
+  Status scatter_add_rows_at(const float* src, const int32_t* idx, int64_t n, int64_t cols, float* dst) override;
   Status moe_experts_rows(MoeRef moe, const float* x, int64_t n, const int32_t* ids, const float* weights,
                           float* out) override;
   Result<TableRef> add_table(const Tensor& t) override;

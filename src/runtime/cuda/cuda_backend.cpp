@@ -297,6 +297,9 @@ Status CudaBackend::ensure_buffers(int64_t T, int64_t R, int64_t S, int64_t maxb
     ML4_ASSIGN_OR_RETURN(b.rows, DeviceBuffer::alloc(n * D * 4));
     ML4_ASSIGN_OR_RETURN(b.normed, DeviceBuffer::alloc(n * D * 4));
     ML4_ASSIGN_OR_RETURN(b.logits, DeviceBuffer::alloc(n * c.vocab_size * 4));
+    if (opts_.tensor_parallel) {
+      ML4_ASSIGN_OR_RETURN(b.logits_parts, DeviceBuffer::alloc(n * c.vocab_size * 4));
+    }
     ML4_ASSIGN_OR_RETURN(b.row_idx, DeviceBuffer::alloc(n * 4));
     b.R = n;
   }
@@ -339,6 +342,7 @@ void CudaBackend::point_activations() {
   acts_.rows = b.rows.as<float>();
   acts_.normed = b.normed.as<float>();
   acts_.logits = b.logits.as<float>();
+  acts_.logits_parts = opts_.tensor_parallel ? b.logits_parts.as<float>() : nullptr;
   acts_.draft_hidden = b.draft_hidden.as<float>();
   acts_.draft_ctx = b.draft_ctx.as<float>();
   acts_.markov_x = b.markov_x.as<float>();
@@ -457,7 +461,22 @@ Status CudaBackend::join_side() {
 
 // ---- ops ----
 
+Status CudaBackend::set_embedding_shard(const Tensor& table, int64_t first_id) {
+  if (synthetic_seed_ != 0 && first_id != 0)
+    return unimplemented("synthetic weights with a vocabulary-parallel embedding");
+  ML4_RETURN_IF_ERROR(set_embedding(table));
+  embed_first_ = first_id;
+  embed_rows_ = table.dim(0);
+  return Status::ok();
+}
+
 Status CudaBackend::embedding(float* out) {
+  if (embed_first_ >= 0) {
+    EmbeddingParams p{embed_.data(), embed_dtype_, embed_rows_, cfg_.dim, buf_->tok.as<int32_t>(), step_T_, out, stream_};
+    p.shard = true;
+    p.first_id = embed_first_;
+    return cuda::embedding(p);
+  }
   return cuda::embedding({embed_.data(), embed_dtype_, cfg_.vocab_size, cfg_.dim, buf_->tok.as<int32_t>(), step_T_, out, stream_});
 }
 

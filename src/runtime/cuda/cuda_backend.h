@@ -50,6 +50,9 @@ constexpr int64_t kGroupedMoeMaxTokens = 128;
 struct CudaBackendOptions {
   bool exact_activations = false;
   bool overlap_indexer = true;
+  // A TP rank (parallel/parallel_plan.h): holds Activations::logits_parts for the logits'
+  // all-gather.
+  bool tensor_parallel = false;
 };
 
 struct GraphExec {
@@ -72,6 +75,8 @@ class CudaBackend : public Backend {
 
   // ---- Backend ----
   Status set_embedding(const Tensor& table) override;
+  Status set_embedding_shard(const Tensor& table, int64_t first_id) override;
+  void* queue() const override { return stream_; }
   Result<LinearRef> add_linear(const LinearWeight& w, LinearUse use) override;
   Result<MlpRef> add_mlp(const MlpWeights& m) override;
   Result<const float*> add_vector(const std::vector<float>& v) override;
@@ -138,6 +143,7 @@ class CudaBackend : public Backend {
     int64_t T = 0, R = 0, bt_cap = 0, maxb = 0;
     DeviceBuffer residual, a, tmp, q, qlat_in, ckv, c, q_lat, q_rope, head_scale, out_lat, lse, o;
     DeviceBuffer router, ids, wts, rows, normed, logits;
+    DeviceBuffer logits_parts;  // tensor parallelism only
     DeviceBuffer tok, pos, slots, seq_of, lengths, block_table, row_idx, attn_ws, gemv_ws, gemv_ws_side;
     size_t attn_ws_bytes = 0;
     // DSA: indexer q/k/weights, q in e4m3 + scales, key slots, scores for a chunk of tokens,
@@ -213,6 +219,8 @@ class CudaBackend : public Backend {
   DType embed_dtype_ = DType::kBF16;
   int64_t max_in_ = 0, max_hidden_ = 0;
   std::unique_ptr<LtGemm> lt_;
+  int64_t embed_rows_ = 0;
+  int64_t embed_first_ = -1;  // vocabulary-parallel: the first id the table holds (-1: whole)
   std::unique_ptr<Buffers> buf_;
   Activations acts_;
   cudaStream_t stream_ = nullptr;

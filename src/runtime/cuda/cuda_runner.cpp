@@ -11,6 +11,9 @@
 #include "model/config_loader.h"
 #include "ops/cuda/sampling.h"
 #include "runtime/cuda/synthetic_weights.h"
+#if defined(ML4_WITH_NCCL)
+#include "parallel/cuda/nccl_communicator.h"
+#endif
 
 namespace ml4::cuda {
 
@@ -23,8 +26,9 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::load(const std::string& model_di
   WeightLoadOptions wo;
   wo.experts_to_mxfp4 = opts.base.experts_to_mxfp4;
   wo.load_drafter = opts.base.drafter;
+  if (opts.base.plan != nullptr) wo.shard = &opts.base.plan->shard();  // a parallel rank reads its shard only
   ML4_ASSIGN_OR_RETURN(auto weights, load_model_weights(cfg, ck, wo));
-  return create(cfg, *weights, opts, 0, model_dir);
+  return create(opts.base.plan != nullptr ? opts.base.plan->local_config() : cfg, *weights, opts, 0, model_dir);
 }
 
 Result<std::unique_ptr<CudaRunner>> CudaRunner::load_synthetic(const ModelConfig& cfg, const CudaRunnerOptions& opts,
@@ -47,9 +51,26 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::create(const ModelConfig& cfg, c
   CudaBackendOptions bo;
   bo.exact_activations = opts.exact_activations;
   bo.overlap_indexer = opts.overlap_indexer;
+  const ParallelPlan* plan = opts.base.plan;
+  bo.tensor_parallel = plan != nullptr;
   ML4_ASSIGN_OR_RETURN(r->backend_, CudaBackend::create(cfg, bo, synthetic_seed, r->max_model_len_));
   ModelForward::Options fo;
   fo.drafter = opts.base.drafter;
+  if (plan != nullptr) {
+    // A parallel rank: NCCL communicators over the plan's groups on the backend's stream,
+    // bootstrapped through the MPI ones (parallel/cuda/nccl_communicator.h). A plan of one
+    // rank gets a TP group of one: the single-GPU check of the NCCL path.
+#if defined(ML4_WITH_NCCL)
+    ML4_ASSIGN_OR_RETURN(r->tp_comm_, make_nccl_communicator(opts.base.comms.tp, r->backend_->stream()));
+    if (plan->expert_parallel() && plan->ep_size() > 1) {
+      ML4_ASSIGN_OR_RETURN(r->ep_comm_, make_nccl_communicator(opts.base.comms.ep, r->backend_->stream()));
+    }
+    fo.plan = plan;
+    fo.comms = {r->tp_comm_.get(), r->ep_comm_.get()};
+#else
+    return unimplemented("parallel CUDA ranks need NCCL: this ml4 was built without it (nccl.h / libnccl not found)");
+#endif
+  }
   auto prog = ModelForward::create(cfg, weights, *r->backend_, fo);
   if (!prog.ok()) return prog.status().with_context(model_dir);
   r->program_ = std::move(prog).value();

@@ -105,6 +105,7 @@ class CudaRunner : public ModelRunner {
   std::vector<CacheGroupInfo> groups_;
   int64_t max_model_len_ = 0;
   std::unique_ptr<CudaBackend> backend_;
+  std::unique_ptr<Communicator> tp_comm_, ep_comm_;  // NCCL, parallel ranks only (before program_)
   std::unique_ptr<ModelForward> program_;
   // This step's launch shape (padded in graph mode).
   int64_t step_T_ = 0, step_R_ = 0, step_maxlen_ = 1;
