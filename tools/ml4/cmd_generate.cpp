@@ -109,7 +109,9 @@ Status run_generate_engine(const GenerateOptions& o, ModelRunner* runner, const 
               s.num_draft_tokens > 0 ? static_cast<double>(s.num_accepted_tokens) / s.num_draft_tokens : 0.0,
               s.num_drafts > 0 ? 1.0 + static_cast<double>(s.num_accepted_tokens) / s.num_drafts : 1.0);
   for (int64_t a : s.accepted_per_pos) std::printf(" %.3f", s.num_drafts > 0 ? static_cast<double>(a) / s.num_drafts : 0.0);
-  std::printf("\n");
+  std::printf("\nengine: %ld steps, %ld tokens fed to the target in %.3f s, drafter %.3f s, rest %.3f s\n",
+              static_cast<long>(c.steps), static_cast<long>(c.batched_tokens), c.forward_seconds, c.draft_seconds,
+              c.step_seconds - c.forward_seconds - c.draft_seconds);
   return Status::ok();
 }
 
