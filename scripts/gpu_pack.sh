@@ -36,6 +36,7 @@ for b in "${bins[@]}"; do
     case "$base" in
       libc.so*|libm.so*|libdl.so*|librt.so*|libpthread.so*|ld-linux*|libstdc++*|libgcc_s*) continue ;;
       libcuda*|libcublas*|libcudart*|libnvrtc*|libnvJitLink*|libcusparse*|libcufft*|libcurand*) continue ;;
+      libnccl*) continue ;;  # 218 MB; the GPU machine has the same NCCL 2.28.9 in PyTorch's site-packages
     esac
     [ -e "$dest/lib/$base" ] || cp -L "$lib" "$dest/lib/$base"
   done

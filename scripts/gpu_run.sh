@@ -13,6 +13,9 @@ carry=$(cd "$(dirname "$0")" && pwd)
 out=${OUT:-/tmp/ml4-out}
 mkdir -p "$out"
 export LD_LIBRARY_PATH="$carry/lib:${LD_LIBRARY_PATH:-}"
+# NCCL (parallel/cuda/): PyTorch's site-packages/nvidia/nccl/lib there (FIELD-NOTES.md).
+nccl_lib=$(python3 -c 'import site, glob; print(next(iter(glob.glob(site.getsitepackages()[0] + "/nvidia/nccl/lib")), ""))' 2>/dev/null)
+[ -n "$nccl_lib" ] && export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$nccl_lib"
 # Goldens and test models are read from this tree, not the build machine's path.
 export ML4_SOURCE_DIR="$root"
 filter=${1:-*}
