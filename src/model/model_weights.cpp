@@ -109,12 +109,27 @@ class Binder {
 // HF checkpoints with `rope_interleave: false` store each rope segment in rotate_half order:
 // stored row j of a segment holds interleaved (native) row perm[j]
 // (hf_rope_row_permutation). Rows [offset, offset + dr) of every `group`-row block of `w`
-// are put back in native order; the result is an owned f32 weight (exact: every stored
-// format decodes exactly to f32).
+// are put back in native order. Unquantized weights (bf16, f32) keep their format (rows are
+// independent, so moving their bytes is exact and the model runs the same kernels as on the
+// native layout, bit for bit); block-quantized ones become an owned f32 weight (exact: every
+// stored format decodes exactly to f32), since a scale block may span moved and kept rows.
 LinearWeight unpermute_rope_rows(const LinearWeight& w, int64_t group, int64_t offset, int dr) {
   const std::vector<int> perm = hf_rope_row_permutation(dr, false);
-  std::vector<float> src = dequantize_linear(w);
   const int64_t K = w.in_features;
+  if (w.format == LinearFormat::kBF16 || w.format == LinearFormat::kF32) {
+    const size_t row = static_cast<size_t>(K) * dtype_size(w.weight.dtype());
+    Tensor t(w.weight.dtype(), w.weight.shape());
+    const auto* s = static_cast<const uint8_t*>(w.weight.data());
+    auto* d = static_cast<uint8_t*>(t.mutable_data());
+    std::copy(s, s + w.weight.nbytes(), d);
+    for (int64_t g = 0; g < w.out_features / group; ++g)
+      for (int j = 0; j < dr; ++j)
+        std::copy_n(s + (g * group + offset + j) * row, row, d + (g * group + offset + perm[j]) * row);
+    LinearWeight o = w;
+    o.weight = t;
+    return o;
+  }
+  std::vector<float> src = dequantize_linear(w);
   Tensor t(DType::kF32, {w.out_features, K});
   float* dst = t.mutable_as<float>();
   std::copy(src.begin(), src.end(), dst);

@@ -384,6 +384,7 @@ TEST(CudaSampling, SplitPathMatchesOneBlockPathAndHostReference) {
 // logprob on the host-masked rows (the engine's CPU path masks the same way before its
 // sampler). Fresh random logits, masks and params; V not a multiple of 32; a padded stride.
 TEST(CudaSampling, TokenBitmaskMatchesHostMaskingAndSampling) {
+  ML4_REQUIRE_GPU();
   const uint32_t seed = std::random_device{}();
   SCOPED_TRACE(::testing::Message() << "seed " << seed);
   std::mt19937 rng(seed);

@@ -176,12 +176,26 @@ TEST_P(Formats, KernelsDecodeExactly) {
   ASSERT_TRUE(quant.ok() && f32.ok());
   StepInput in;
   in.seqs.push_back(seq_step(**quant, 1, prompt(30, cfg->vocab_size), 0, 0, 1, 30));
-  auto oa = (*quant)->execute(in);
-  auto ob = (*f32)->execute(in);
-  ASSERT_TRUE(oa.ok() && ob.ok());
+  // The quantized kernels fold each 128-block's scale into the sum (linear_kernels.h) where
+  // the f32 copy multiplies every weight first: the same products up to f32 rounding, in
+  // another order. A near-tie in the router or the indexer may then pick differently, which
+  // moves the logits by far more than the arithmetic does, so the f32 runner is given the
+  // quantized runner's decisions (ForwardTrace). What remains is f32 rounding (~1e-7 per
+  // product) and what it does to the bf16 KV cache: a latent that moves by 1e-7 crosses a
+  // bf16 rounding boundary with probability ~1e-7 / 2^-8, i.e. a few of the ~10^5 cached
+  // values here flip by one bf16 step (2^-8 relative), which moves the logits by ~1e-4
+  // (measured 2e-4 to 3e-4). A wrongly decoded block moves them by 1e-2 or more: bound 2e-3.
+  ForwardTrace ta;
+  auto oa = (*quant)->execute_traced(in, &ta);
+  ASSERT_TRUE(oa.ok());
+  ForwardTrace tb;
+  tb.forced_topk = ta.topk;
+  tb.forced_experts = ta.experts;
+  auto ob = (*f32)->execute_traced(in, &tb);
+  ASSERT_TRUE(ob.ok()) << ob.status().message();
   const std::vector<float>& a = oa->logits[0];
   const std::vector<float>& b = ob->logits[0];
-  EXPECT_LT(rel_l2(a, b), 1e-5) << GetParam();
+  EXPECT_LT(rel_l2(a, b), 2e-3) << GetParam();
 }
 
 INSTANTIATE_TEST_SUITE_P(WeightFormats, Formats, ::testing::Values("fp8", "nvfp4", "mxfp4"));
@@ -231,8 +245,8 @@ namespace {
 
 // An HF checkpoint stored with `rope_interleave: false` (rotate_half row order) loads to the
 // same model: the test writes one from the native weights by permuting the rope rows of
-// wq/wq_b and wkv_a_with_mqa, and the logits must equal the native model's (the loader
-// decodes to f32 exactly, so only summation order may differ: 1e-6).
+// wq/wq_b and wkv_a_with_mqa, and the logits must equal the native model's bit for bit (the
+// loader moves the bf16 rows back, so the same kernels run on the same bytes).
 TEST(Layouts, HfRotateHalfRopeOrderLoadsIdentically) {
   const std::string dir = test_model("mistral4-tiny", 3, "bf16", "both");
   const std::string out = dir + "-rotate-half";
@@ -284,7 +298,7 @@ TEST(Layouts, HfRotateHalfRopeOrderLoadsIdentically) {
   auto on = rn->execute(StepInput{{seq_step(*rn, 1, p, 0, 0, 1, 29)}});
   auto oh = rh->execute(StepInput{{seq_step(*rh, 1, p, 0, 0, 1, 29)}});
   ASSERT_TRUE(on.ok() && oh.ok());
-  EXPECT_LT(rel_l2(oh->logits[0], on->logits[0]), 1e-6);
+  EXPECT_EQ(oh->logits[0], on->logits[0]);
   std::error_code ec;
   std::filesystem::remove_all(out, ec);
 }
