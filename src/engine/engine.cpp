@@ -3,6 +3,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <limits>
+
+#include <fmt/ranges.h>
 
 #include "core/log.h"
 #include "ops/cpu/sampling.h"
@@ -26,11 +29,13 @@ uint64_t splitmix(uint64_t& s) {
 // token: no penalty (they need the token history), no top-N logprobs (only the chosen
 // token's), and no min_tokens masking still active (EOS / stop ids would have to be masked).
 // Stop ids and EOS are checked after sampling either way, so they do not matter otherwise.
-bool device_samplable(const Request& r) {
+// A grammar's mask goes with the row (SeqStep::allowed_tokens) when the runner applies masks
+// (`masks`); otherwise such rows are drawn by the host Sampler.
+bool device_samplable(const Request& r, bool masks) {
   const SamplingParams& p = r.params;
   return p.repetition_penalty == 1.0 && p.frequency_penalty == 0.0 && p.presence_penalty == 0.0 && p.logprobs <= 0 &&
          static_cast<int>(r.output.size()) >= p.min_tokens && r.spec_tokens.empty() && p.logit_bias.empty() &&
-         !r.grammar;  // a grammar's mask is applied on the host until the runner uploads it
+         (!r.grammar || masks);
 }
 
 DeviceSamplingParams device_params(const Request& r) {
@@ -278,6 +283,7 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
   StepInput in;
   in.seqs.reserve(so.seqs.size());
   const bool device = runner_->samples_on_device();
+  const bool masks = device && runner_->applies_token_masks();
   for (const auto& s : so.seqs) {
     Request& r = *s.req;
     SeqStep ss;
@@ -298,7 +304,13 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
       const int64_t from = std::max(r.num_computed, next_q - 1);
       ss.num_logits = std::max<int>(ss.num_logits, static_cast<int>(r.num_computed + s.num_new_tokens - from));
     }
-    if (device && ss.num_logits == 1 && device_samplable(r)) ss.device_sampling = device_params(r);
+    if (device && ss.num_logits == 1 && device_samplable(r, masks)) {
+      ss.device_sampling = device_params(r);
+      if (r.grammar) {
+        ss.allowed_tokens.assign(static_cast<size_t>(bitmask_words(vocab_)), 0u);
+        r.grammar->fill_bitmask(ss.allowed_tokens.data());
+      }
+    }
     in.seqs.push_back(std::move(ss));
   }
   counters_.max_batched_tokens_seen = std::max(counters_.max_batched_tokens_seen, so.num_batched_tokens);
@@ -377,6 +389,9 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
         // A sequence that asked for device sampling draws the same way on the host, so its
         // tokens do not depend on whether the rest of the batch let the runner sample.
         if (ds) {
+          const std::vector<uint32_t>& allowed = in.seqs[i].allowed_tokens;
+          for (int v = 0; !allowed.empty() && v < vocab_; ++v)  // as the device masks the row
+            if (!bitmask_allows(allowed.data(), v)) last[v] = -std::numeric_limits<float>::infinity();
           token = sampling::sample_row_reference(last, vocab_, *ds, &logprob);
         } else {
           const uint32_t* allowed = nullptr;
@@ -531,6 +546,9 @@ Status Engine::propose_drafts(const std::vector<Request*>& reqs) {
                             d.num_drafts);
     for (int32_t t : out.tokens[i])
       if (t < 0 || t >= vocab_) return internal_error("runner drafted token {} for seq {}, outside [0, {})", t, r.seq_id, vocab_);
+    if (spdlog::should_log(spdlog::level::debug))
+      ML4_LOG_DEBUG("seq {}: anchor {} at {}, drafts {}", r.seq_id, d.anchor_token, d.anchor_pos,
+                    fmt::join(out.tokens[i], ","));
     r.spec_tokens = std::move(out.tokens[i]);
     if (d.sampling) {  // q of probabilistic drafts; greedy drafts verify against one-hot q
       if (out.probs[i].size() != static_cast<size_t>(d.num_drafts) * vocab_)

@@ -24,11 +24,15 @@
 // (samples_on_device()) and, when every sequence with logits carries device_sampling, returns
 // StepOutput::sampled drawn by the host reference of the device contract
 // (ops/cpu/sampling.h) instead of the logits, as the CUDA runner does with its kernel.
+// With token_masks_ too it applies SeqStep::allowed_tokens (grammar bitmasks) before the draw,
+// as the CUDA runner's apply_token_bitmask does; a mask sent to a runner that did not say it
+// applies masks is an error.
 #pragma once
 
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <thread>
 #include <vector>
 
@@ -72,6 +76,7 @@ class FakeRunner : public ModelRunner {
   const ModelConfig& config() const override { return config_; }
   const std::vector<CacheGroupInfo>& cache_groups() const override { return groups_; }
   bool samples_on_device() const override { return device_sampling_; }
+  bool applies_token_masks() const override { return token_masks_; }
   bool has_drafter() const override { return config_.drafter.enabled; }
 
   // The target's logits row after `history` (tokens at positions 0..p): a pure function.
@@ -193,13 +198,20 @@ class FakeRunner : public ModelRunner {
       if (s.num_logits > 0 && !s.device_sampling) all_device = false;
       with_logits += s.num_logits > 0;
       device_rows_ += s.device_sampling.has_value();
+      masked_rows_ += !s.allowed_tokens.empty();
+      if (!s.allowed_tokens.empty() && (!token_masks_ || !s.device_sampling ||
+                                        s.allowed_tokens.size() != static_cast<size_t>((config_.vocab_size + 31) / 32)))
+        return invalid_argument("seq {}: a token mask this runner cannot apply", s.seq_id);
     }
     if (all_device && with_logits > 0) {
       for (size_t i = 0; i < in.seqs.size(); ++i) {
         const auto& s = in.seqs[i];
         int32_t tok = -1;
         float lp = 0.0f;
-        if (s.num_logits > 0) tok = sampling::sample_row_reference(out.logits[i].data(), config_.vocab_size, *s.device_sampling, &lp);
+        std::vector<float>& row = out.logits[i];
+        for (int v = 0; !s.allowed_tokens.empty() && v < config_.vocab_size; ++v)
+          if (!((s.allowed_tokens[v >> 5] >> (v & 31)) & 1u)) row[v] = -std::numeric_limits<float>::infinity();
+        if (s.num_logits > 0) tok = sampling::sample_row_reference(row.data(), config_.vocab_size, *s.device_sampling, &lp);
         out.sampled.push_back(tok);
         out.sampled_logprob.push_back(lp);
       }
@@ -228,6 +240,8 @@ class FakeRunner : public ModelRunner {
   std::atomic<int64_t> steps_{0};
   bool device_sampling_ = false;  // play a runner that samples on its device
   bool logits_anyway_ = false;    // ... that still returns logits (the engine's fallback)
+  bool token_masks_ = false;      // ... that applies grammar bitmasks
+  int64_t masked_rows_ = 0;       // rows that came with a bitmask
   int64_t device_rows_ = 0;       // sequences that carried device_sampling
   int64_t device_steps_ = 0;      // steps answered with StepOutput::sampled
   int64_t draft_calls_ = 0;       // draft() calls

@@ -171,45 +171,61 @@ std::vector<int32_t> random_prompt(std::mt19937& rng, int len) {
   return p;
 }
 
+// Three ways to draw a constrained row: the host Sampler (a runner that cannot mask), the
+// runner's device sampler with the grammar's bitmask in SeqStep::allowed_tokens (the CUDA
+// runner's path), and that runner returning logits anyway (the engine masks the same way and
+// draws with the device contract on the host). Every constrained request must end with a
+// match in each; the last two must give the same text token for token (same seed, same
+// counter, same mask).
 TEST(StructuredOutput, EngineFinishesEveryConstrainedRequestWithAMatch) {
   require_xgrammar();
   const uint32_t seed = fresh_seed();
   SCOPED_TRACE(::testing::Message() << "seed " << seed);
-  std::mt19937 rng(seed);
   ByteTextCodec codec(kVocab);
   StructuredOutputCompiler c(codec, kVocab);
   const std::string re = "(cat|dog)s? [0-9]{1,3}";
   auto rx = compile_or_die(c, {GrammarSpec::Kind::kRegex, re, {}});
   ASSERT_TRUE(rx);
-  FakeRunner runner(kVocab, FakeRunner::two_groups(512));
-  runner.device_sampling_ = true;  // constrained rows must still be drawn on the host
-  Engine e(&runner, &codec, config(16, 64));
-  for (int i = 0; i < 12; ++i) {
-    SamplingParams p;
-    p.temperature = i % 3 == 0 ? 0.0 : 1.0;
-    p.seed = rng();
-    p.max_tokens = 40;
-    if (i % 4 != 3) p.structured = rx;  // every 4th runs unconstrained in the same batch
-    ASSERT_TRUE(e.add_request("r" + std::to_string(i), random_prompt(rng, 5 + i), p).is_ok());
-  }
-  std::map<std::string, std::string> text;
-  std::map<std::string, RequestOutput> last;
-  for (int s = 0; s < 2000 && e.has_work(); ++s) {
-    auto out = e.step();
-    ASSERT_TRUE(out.ok()) << out.status().message();
-    for (auto& o : out.value()) {
-      text[o.request_id] += o.new_text;
-      last[o.request_id] = o;
+  enum Mode { kHostSampler, kDeviceMasks, kDeviceMasksFallback };
+  std::map<std::string, std::string> texts[3];
+  for (Mode mode : {kHostSampler, kDeviceMasks, kDeviceMasksFallback}) {
+    SCOPED_TRACE(::testing::Message() << "mode " << mode);
+    std::mt19937 rng(seed);
+    FakeRunner runner(kVocab, FakeRunner::two_groups(512));
+    runner.device_sampling_ = true;
+    runner.token_masks_ = mode != kHostSampler;
+    runner.logits_anyway_ = mode == kDeviceMasksFallback;
+    Engine e(&runner, &codec, config(16, 64));
+    for (int i = 0; i < 12; ++i) {
+      SamplingParams p;
+      p.temperature = i % 3 == 0 ? 0.0 : 1.0;
+      p.seed = rng();
+      p.max_tokens = 40;
+      if (i % 4 != 3) p.structured = rx;  // every 4th runs unconstrained in the same batch
+      ASSERT_TRUE(e.add_request("r" + std::to_string(i), random_prompt(rng, 5 + i), p).is_ok());
     }
+    std::map<std::string, std::string>& text = texts[mode];
+    std::map<std::string, RequestOutput> last;
+    for (int s = 0; s < 2000 && e.has_work(); ++s) {
+      auto out = e.step();
+      ASSERT_TRUE(out.ok()) << out.status().message();
+      for (auto& o : out.value()) {
+        text[o.request_id] += o.new_text;
+        last[o.request_id] = o;
+      }
+    }
+    ASSERT_FALSE(e.has_work());
+    for (int i = 0; i < 12; ++i) {
+      const std::string id = "r" + std::to_string(i);
+      if (i % 4 == 3) continue;
+      EXPECT_EQ(last[id].finish_reason, FinishReason::kStop) << id << ": " << text[id];
+      EXPECT_TRUE(std::regex_match(text[id], std::regex(re))) << id << ": " << text[id];
+    }
+    if (mode == kHostSampler) EXPECT_EQ(runner.masked_rows_, 0);  // no mask to a runner that cannot apply it
+    else EXPECT_GT(runner.masked_rows_, 40);                       // constrained rows went with their mask
+    EXPECT_EQ(e.blocks().num_free_blocks(0), e.blocks().num_total_blocks(0));
   }
-  ASSERT_FALSE(e.has_work());
-  for (int i = 0; i < 12; ++i) {
-    const std::string id = "r" + std::to_string(i);
-    if (i % 4 == 3) continue;
-    EXPECT_EQ(last[id].finish_reason, FinishReason::kStop) << id << ": " << text[id];
-    EXPECT_TRUE(std::regex_match(text[id], std::regex(re))) << id << ": " << text[id];
-  }
-  EXPECT_EQ(e.blocks().num_free_blocks(0), e.blocks().num_total_blocks(0));
+  EXPECT_EQ(texts[kDeviceMasks], texts[kDeviceMasksFallback]);
 }
 
 // The FakeRunner's logits row after `tokens` (its formula, in the test).
