@@ -145,28 +145,8 @@ uint64_t draft_seed(uint64_t request_seed) {
 }
 
 void target_distribution(const float* l, int64_t V, const DeviceSamplingParams& p, std::vector<double>* out) {
-  out->assign(static_cast<size_t>(V), 0.0);
-  if (sampling::greedy(p) || sampling::top_k_on(p, V) || sampling::top_p_on(p)) {
-    sampling::row_distribution(l, V, p, out->data());
-    return;
-  }
-  // Softmax over every id, then min-p relative to the top probability: no order needed.
-  int64_t best = 0;
-  for (int64_t i = 1; i < V; ++i)
-    if (sampling::ranks_above(l[i], i, l[best], best)) best = i;
-  const double m = l[best];
-  std::vector<double>& q = *out;
-  double sum = 0.0;
-  for (int64_t i = 0; i < V; ++i) sum += q[i] = std::exp((l[i] - m) / p.temperature);
-  if (sampling::min_p_on(p)) {  // q[best] = exp(0) = 1: keep q_i >= min_p * q_best
-    const double floor_p = sampling::min_p_value(p);
-    sum = 0.0;
-    for (int64_t i = 0; i < V; ++i) {
-      if (i != best && !(q[i] >= floor_p)) q[i] = 0.0;
-      sum += q[i];
-    }
-  }
-  for (auto& x : q) x /= sum;
+  out->resize(static_cast<size_t>(V));
+  sampling::row_distribution(l, V, p, out->data());
 }
 
 VerifyResult verify_drafts(const float* rows, int64_t V, const std::vector<int32_t>& drafts, const float* draft_probs,

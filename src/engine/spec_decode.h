@@ -86,8 +86,8 @@ VerifyResult verify_drafts(const float* rows, int64_t vocab, const std::vector<i
                            const float* draft_probs, const DeviceSamplingParams& params, uint64_t seed,
                            int64_t first_index);
 
-// The distribution a row is drawn from under `params`: sampling::row_distribution, with O(V)
-// paths when neither top-k nor top-p is on (the common case; row_distribution sorts the row).
+// The distribution a row is drawn from under `params`: sampling::row_distribution (O(V) when
+// neither top-k nor top-p is on, the common case; with them it sorts the row).
 void target_distribution(const float* logits, int64_t vocab, const DeviceSamplingParams& params,
                          std::vector<double>* out);
 

@@ -233,18 +233,35 @@ inline int32_t sample_row_reference(const float* l, int64_t V, const DeviceSampl
 // to the top probability), in f64; greedy rows (temperature <= 0) put 1 on the argmax. The
 // speculative decoding verifier works on these (engine/spec_decode.h): what it emits is drawn
 // from exactly this distribution (sample_row_reference's integer weights differ from it by at
-// most 2^-40 per id).
+// most 2^-40 per id). O(V) unless top-k or top-p is on (then the row is sorted): min-p alone
+// keeps exactly the ids whose probability is at least min_p times the top one, which needs no
+// order (this is the drafter's and the verifier's common case, once per drafted row).
 inline void row_distribution(const float* l, int64_t V, const DeviceSamplingParams& p, double* out) {
-  std::vector<int32_t> idx(static_cast<size_t>(V));
-  std::iota(idx.begin(), idx.end(), 0);
   std::fill(out, out + V, 0.0);
-  if (greedy(p)) {
+  if (greedy(p) || (!top_k_on(p, V) && !top_p_on(p))) {
     int64_t best = 0;
     for (int64_t i = 1; i < V; ++i)
       if (ranks_above(l[i], i, l[best], best)) best = i;
-    out[best] = 1.0;
+    if (greedy(p)) {
+      out[best] = 1.0;
+      return;
+    }
+    const double m = l[best];
+    double sum = 0.0;
+    for (int64_t i = 0; i < V; ++i) sum += out[i] = std::exp((l[i] - m) / p.temperature);
+    if (min_p_on(p)) {  // out[best] = exp(0) = 1: keep out[i] >= min_p * out[best]
+      const double floor_p = min_p_value(p);
+      sum = 0.0;
+      for (int64_t i = 0; i < V; ++i) {
+        if (i != best && !(out[i] >= floor_p)) out[i] = 0.0;
+        sum += out[i];
+      }
+    }
+    for (int64_t i = 0; i < V; ++i) out[i] /= sum;
     return;
   }
+  std::vector<int32_t> idx(static_cast<size_t>(V));
+  std::iota(idx.begin(), idx.end(), 0);
   std::stable_sort(idx.begin(), idx.end(), [&](int32_t a, int32_t b) { return ranks_above(l[a], a, l[b], b); });
   int64_t keep = top_k_on(p, V) ? p.top_k : V;
   const double m = l[idx[0]];
