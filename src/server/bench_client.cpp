@@ -341,6 +341,7 @@ Result<BenchSummary> run_bench(const BenchOptions& o) {
 
   auto make_client = [&] {
     auto c = std::make_unique<httplib::Client>(o.base_url);
+    c->set_tcp_nodelay(true);
     c->set_read_timeout(static_cast<time_t>(o.timeout_s), 0);
     c->set_write_timeout(30, 0);
     c->set_keep_alive(true);
@@ -367,6 +368,8 @@ Result<BenchSummary> run_bench(const BenchOptions& o) {
   const int workers = std::min(o.max_concurrency > 0 ? o.max_concurrency : n, 1024);
   std::vector<RequestResult> results(n);
   std::atomic<int> next{0}, finished{0}, in_flight{0}, peak{0};
+  std::mutex done_mu;
+  double last_done = 0.0;  // when the last request ended: the duration (the wait below polls)
   const auto t0 = clock_type::now();
   std::vector<std::thread> pool;
   for (int w = 0; w < workers; ++w) {
@@ -382,6 +385,10 @@ Result<BenchSummary> run_bench(const BenchOptions& o) {
         while (now_in > p && !peak.compare_exchange_weak(p, now_in)) {
         }
         results[i] = send_one(*cli, o, s.model, prompts[o.num_warmups + i]);
+        {
+          std::lock_guard<std::mutex> lk(done_mu);
+          last_done = std::max(last_done, seconds_since(t0));
+        }
         --in_flight;
         ++finished;
       }
@@ -398,7 +405,7 @@ Result<BenchSummary> run_bench(const BenchOptions& o) {
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
   for (auto& t : pool) t.join();
-  s.duration_s = seconds_since(t0);
+  s.duration_s = last_done;
   if (o.progress) std::fprintf(stderr, "\r[%s] %d/%d requests, %.1f s\n", std::string(40, '#').c_str(), n, n, s.duration_s);
 
   std::vector<double> ttft, tpot, itl, e2el;

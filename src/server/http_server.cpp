@@ -94,6 +94,9 @@ OpenAiServer::OpenAiServer(AsyncEngine* engine, const TextCodec* codec, ServerMe
       structured_(std::make_unique<StructuredOutputCompiler>(*codec, engine->engine().vocab_size())) {
   if (options_.kv_connector != nullptr && options_.kv_connector->consumer())
     kv_loader_ = std::make_unique<KvPeerLoader>(options_.kv_connector, options_.api_key);
+  // Streams write small events: without TCP_NODELAY Nagle holds each until the client's
+  // delayed ACK (~40 ms on Linux), which showed up as TTFT (uvicorn, vLLM's server, sets it too).
+  http_->set_tcp_nodelay(true);
   install_routes();
 }
 

@@ -92,8 +92,8 @@ class OpenAiServer {
   ServerOptions options_;
   std::unique_ptr<httplib::Server> http_;
   ServerMetrics* metrics_;
-  std::unique_ptr<KvPeerLoader> kv_loader_;  // P/D consumer
   std::unique_ptr<StructuredOutputCompiler> structured_;
+  std::unique_ptr<KvPeerLoader> kv_loader_;  // P/D consumer
   std::atomic<uint64_t> next_id_{0};
   std::atomic<bool> draining_{false};  // SIGTERM seen: new requests 503
   std::atomic<bool> expired_{false};   // grace period over: open responses end with an error
