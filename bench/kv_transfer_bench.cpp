@@ -51,6 +51,18 @@ struct Args {
   std::exit(1);
 }
 
+// The agent's thread must have the device's context current (transfer::make_ucx_agent).
+std::function<void()> bind_device(bool device) {
+  if (!device) return {};
+#if defined(ML4_WITH_CUDA)
+  int dev = 0;
+  cudaGetDevice(&dev);
+  return [dev] { cudaSetDevice(dev); };
+#else
+  return {};
+#endif
+}
+
 void* alloc(uint64_t bytes, bool device, uint8_t fill) {
   if (device) {
 #if defined(ML4_WITH_CUDA)
@@ -147,7 +159,7 @@ int main(int argc, char** argv) {
     std::vector<transfer::MemoryRegion> regions;
     for (size_t r = 0; r < sizes.size(); ++r)
       regions.push_back({alloc(sizes[r], device, static_cast<uint8_t>(r * 7 + 3)), sizes[r], device});
-    auto agent = transfer::make_ucx_agent("bench-producer");
+    auto agent = transfer::make_ucx_agent("bench-producer", bind_device(device));
     if (!agent.ok()) die(agent.status().message());
     if (!(*agent)->register_memory(regions).is_ok()) die("register failed");
     (*agent)->set_notification_handler([](const std::string&) { return std::string("ok"); });
@@ -171,7 +183,7 @@ int main(int argc, char** argv) {
   }
   std::vector<transfer::MemoryRegion> regions;
   for (size_t r = 0; r < sizes.size(); ++r) regions.push_back({alloc(sizes[r], device, 0), sizes[r], device});
-  auto agent = transfer::make_ucx_agent("bench-consumer");
+  auto agent = transfer::make_ucx_agent("bench-consumer", bind_device(device));
   if (!agent.ok()) die(agent.status().message());
   if (!(*agent)->register_memory(regions).is_ok()) die("register failed");
   auto peer = (*agent)->load_peer(md);

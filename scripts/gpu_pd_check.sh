@@ -52,6 +52,28 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/mac
 cat "$out/machine.txt"
 ldd "$ml4" | grep "not found" && echo "FAIL missing libraries above" && fails=1
 
+echo "==== 0. device registration: the UCX settings under which device memory registers"
+# UCX 1.22 refused device regions on the H200 ("failed to insert region [0x0..0x0]") with its
+# defaults (2026-12-04); each candidate is tried on a small transfer, the first that works is
+# kept for the rest of this check and printed (ML4_UCX_TRY overrides the list).
+for v in ${ML4_UCX_TRY:-"-" "UCX_MEMTYPE_CACHE=n" "UCX_RCACHE_ENABLE=n" "UCX_MEMTYPE_CACHE=n,UCX_RCACHE_ENABLE=n" "UCX_TLS=^cuda_ipc"}; do
+  envs=()
+  [ "$v" != "-" ] && IFS=, read -r -a envs <<< "$v"
+  if env "${envs[@]}" timeout 60 "$carry/bin/kv_transfer_bench" --device cuda --preset ml4-slice-4 --tokens 2048 --iters 2 \
+      > "$out/try.log" 2>&1; then
+    echo "PASS device regions register with: ${v}"
+    for e in "${envs[@]}"; do export "${e?}"; done
+    break
+  fi
+  echo "try '${v}': $(grep -m1 -E 'ERROR|failed' "$out/try.log")"
+  v=none
+done
+if [ "$v" = none ]; then
+  UCX_LOG_LEVEL=debug timeout 60 "$carry/bin/kv_transfer_bench" --device cuda --preset ml4-slice-4 --tokens 2048 \
+    --iters 1 > "$out/try_debug.log" 2>&1
+  grep -iE "cuda|rcache|mem_reg|memtype|error" "$out/try_debug.log" | cut -c1-220 | head -40
+fi
+
 echo "==== 1. transfer bandwidth"
 for dev in cuda cpu; do
   timeout 300 "$carry/bin/kv_transfer_bench" --device $dev --preset ml4-slice-4 --tokens 32768 --iters 5 \
@@ -68,8 +90,9 @@ work=$(mktemp -d)
 "$ml4" make-model --preset ml4-tiny --seed 0 --out "$work/m" \
   --tokenizer "$root/tests/golden/tokenizer/tekken_trained_v15_512.json" > "$out/make_model.log" 2>&1 ||
   { echo "FAIL make-model"; cat "$out/make_model.log"; exit 1; }
-common=(--model "$work/m" --served-model-name ml4-tiny --device cuda --gpu-memory-utilization 0.05 --seed 0
-        --max-model-len 4096 --kv-transfer-timeout 30)
+common=(--model "$work/m" --served-model-name ml4-tiny --device cuda --kv-cache-memory-bytes 1073741824 --seed 0
+        --max-model-len 4096 --kv-transfer-timeout 30 --kv-cache-dtype "${ML4_PD_KV_DTYPE:-fp8_ds_mla}")
+echo "kv cache dtype ${ML4_PD_KV_DTYPE:-fp8_ds_mla}"
 "$ml4" serve "${common[@]}" --port 8131 \
   --kv-transfer-config '{"kv_connector":"UcxConnector","kv_role":"kv_producer"}' > "$out/prefill.log" 2>&1 &
 p1=$!
@@ -82,12 +105,15 @@ p3=$!
 p4=$!
 trap 'kill $p1 $p2 $p3 $p4 2>/dev/null; wait 2>/dev/null' EXIT
 python3 - <<'PY' || fails=1
-import json, random, sys, time, urllib.request
+import json, random, sys, time, urllib.error, urllib.request
 def post(port, body):
     r = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
                                headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(r, timeout=120) as resp:
-        return json.loads(resp.read())
+    try:
+        with urllib.request.urlopen(r, timeout=120) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return {"error": f"HTTP {e.code}: {e.read()[:200]!r}"}
 def metric(port, name):
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         for line in r.read().decode().splitlines():
@@ -105,15 +131,21 @@ for port in (8130, 8131, 8132, 8133):
         print(f"FAIL server on {port} did not start"); sys.exit(1)
 rng = random.Random(1)
 bad = 0
-for i, n in enumerate([5, 64, 65, 300, 1500, 3000]):
+for i, n in enumerate([5, 64, 65, 300, 600, 900]):  # words; the 512-id tokenizer makes ~4 tokens of one
     prompt = " ".join(rng.choice(["alpha", "beta", "gamma", "delta"]) for _ in range(n))
     body = {"model": "ml4-tiny", "prompt": prompt, "max_tokens": 32, "ignore_eos": True, "return_token_ids": True}
     body.update({"temperature": 0} if i % 2 == 0 else {"temperature": 0.8, "seed": 100 + i})
-    want = post(8133, body)["choices"][0]["token_ids"]
+    ref = post(8133, body)
+    if "error" in ref:
+        print(f"FAIL colocated: {ref['error']}"); bad += 1; continue
+    want = ref["choices"][0]["token_ids"]
     got = post(8130, body)
-    ok = "error" not in got and got["choices"][0]["token_ids"] == want
+    ids = got["choices"][0]["token_ids"] if "error" not in got else None
+    ok = ids == want
     bad += not ok
-    print(("PASS" if ok else "FAIL") + f" {n}-word prompt, {'greedy' if i % 2 == 0 else 'seeded'}: P/D == colocated")
+    first = next((j for j in range(min(len(ids or []), len(want))) if ids[j] != want[j]), None) if ids else None
+    print(("PASS" if ok else "FAIL") + f" {n}-word prompt, {'greedy' if i % 2 == 0 else 'seeded'}: P/D == colocated"
+          + ("" if ok else f" (first difference at output {first}: {ids[(first or 0):(first or 0) + 4] if ids else got} vs {want[(first or 0):(first or 0) + 4]})"))
 b = metric(8132, "ml4:kv_transfer_bytes_total")
 f = metric(8132, "ml4:kv_transfer_failures_total")
 print(f"decode: {b:.0f} KV bytes read, {f:.0f} failed transfers")

@@ -81,6 +81,9 @@ class ModelRunner {
   // them. Block ids are those of the step's block tables. Reading or writing a block that a
   // running step uses is the caller's race to avoid (the engine moves KV between steps).
   virtual std::vector<KvRegion> kv_regions() { return {}; }
+  // Makes the calling thread use this runner's device (CUDA: its primary context current), for
+  // other threads that touch the KV memory, such as the KV transfer agent's. CPU: nothing.
+  virtual void bind_thread() const {}
   // DSpark (step.h DraftInput): true when the runner loaded a drafter (RunnerOptions::drafter).
   virtual bool has_drafter() const { return false; }
   virtual Result<DraftOutput> draft(const DraftInput& in) {

@@ -41,11 +41,12 @@ KvConnector::~KvConnector() {
 
 Result<std::unique_ptr<KvConnector>> KvConnector::create(const KvTransferConfig& config,
                                                          const std::vector<KvRegion>& regions,
-                                                         const std::vector<CacheGroupInfo>& groups) {
+                                                         const std::vector<CacheGroupInfo>& groups,
+                                                         std::function<void()> thread_init) {
   if (config.kv_connector != "UcxConnector")
     return invalid_argument("kv_connector '{}' is unknown (ml4 has UcxConnector)", config.kv_connector);
   const std::string id = config.engine_id.empty() ? random_engine_id() : config.engine_id;
-  ML4_ASSIGN_OR_RETURN(auto agent, make_ucx_agent(id));
+  ML4_ASSIGN_OR_RETURN(auto agent, make_ucx_agent(id, std::move(thread_init)));
   KvTransferConfig c = config;
   c.engine_id = id;
   return create_with_agent(c, std::move(agent), regions, groups);

@@ -100,9 +100,11 @@ struct KvTransferStats {
 
 class KvConnector {
  public:
-  // Registers the runner's KV regions with a new agent. `groups` are the runner's cache groups.
+  // Registers the runner's KV regions with a new agent. `groups` are the runner's cache groups;
+  // `thread_init` runs on the agent's thread first (the runner's bind_thread: make_ucx_agent).
   static Result<std::unique_ptr<KvConnector>> create(const KvTransferConfig& config, const std::vector<KvRegion>& regions,
-                                                     const std::vector<CacheGroupInfo>& groups);
+                                                     const std::vector<CacheGroupInfo>& groups,
+                                                     std::function<void()> thread_init = {});
   // For tests: over a given agent (already constructed, not yet registered).
   static Result<std::unique_ptr<KvConnector>> create_with_agent(const KvTransferConfig& config,
                                                                 std::unique_ptr<TransferAgent> agent,

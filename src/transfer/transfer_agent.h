@@ -102,7 +102,11 @@ class TransferAgent {
 };
 
 // The UCX (UCP) agent. Fails with a clear message when ml4 was built without UCX.
-Result<std::unique_ptr<TransferAgent>> make_ucx_agent(const std::string& name);
+// `thread_init` runs first on the agent's progress thread, where memory is registered and
+// reads are driven: UCX's CUDA transports (cuda_ipc, cuda_copy) query device pointers with the
+// driver API, which needs the device's context current on that thread (ModelRunner::
+// bind_thread); without it registering device memory fails ("failed to insert region 0x0").
+Result<std::unique_ptr<TransferAgent>> make_ucx_agent(const std::string& name, std::function<void()> thread_init = {});
 // True when this build has UCX.
 bool ucx_available();
 

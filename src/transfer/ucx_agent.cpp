@@ -31,6 +31,7 @@
 #include <unistd.h>
 
 #include <ucp/api/ucp.h>
+#include <ucs/config/global_opts.h>
 
 #include <atomic>
 #include <cstdio>
@@ -72,10 +73,16 @@ struct SendCtx {
 
 class UcxAgent final : public TransferAgent {
  public:
-  explicit UcxAgent(std::string name) : name_(std::move(name)) {}
+  UcxAgent(std::string name, std::function<void()> thread_init)
+      : name_(std::move(name)), thread_init_(std::move(thread_init)) {}
   ~UcxAgent() override { shutdown(); }
 
   Status init() {
+    // UCX 1.22's memory-type cache refused every cudaMalloc'ed KV region on the H200 ("failed to
+    // insert region [0x0..0x0]", 2026-12-04, scripts/gpu_pd_check.sh); with it off they
+    // register and go over cuda_ipc. Off unless the user set UCX_MEMTYPE_CACHE: the regions
+    // say their memory type, so nothing needs the cache.
+    if (std::getenv("UCX_MEMTYPE_CACHE") == nullptr) ucs_global_opts_set_value("MEMTYPE_CACHE", "n");
     ucp_config_t* config = nullptr;
     ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
     if (st != UCS_OK) return internal_error("UCX: cannot read its configuration: {}", ucs_error(st));
@@ -117,7 +124,10 @@ class UcxAgent final : public TransferAgent {
     ucp_worker_release_address(worker_, wa.address);
     cmd_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (cmd_fd_ < 0) return io_error("eventfd failed");
-    thread_ = std::thread([this] { loop(); });
+    thread_ = std::thread([this] {
+      if (thread_init_) thread_init_();
+      loop();
+    });
     return Status::ok();
   }
 
@@ -710,6 +720,7 @@ class UcxAgent final : public TransferAgent {
   int efd_ = -1, cmd_fd_ = -1;
   ucp_err_handling_mode_t err_mode_ = UCP_ERR_HANDLING_MODE_NONE;
   std::string address_;
+  std::function<void()> thread_init_;  // first thing on thread_ (a device context)
   std::thread thread_;
   std::atomic<bool> stop_{false};
 
@@ -736,8 +747,8 @@ class UcxAgent final : public TransferAgent {
 
 bool ucx_available() { return true; }
 
-Result<std::unique_ptr<TransferAgent>> make_ucx_agent(const std::string& name) {
-  auto a = std::make_unique<UcxAgent>(name);
+Result<std::unique_ptr<TransferAgent>> make_ucx_agent(const std::string& name, std::function<void()> thread_init) {
+  auto a = std::make_unique<UcxAgent>(name, std::move(thread_init));
   ML4_RETURN_IF_ERROR(a->init());
   return std::unique_ptr<TransferAgent>(std::move(a));
 }
@@ -750,7 +761,7 @@ namespace ml4::transfer {
 
 bool ucx_available() { return false; }
 
-Result<std::unique_ptr<TransferAgent>> make_ucx_agent(const std::string&) {
+Result<std::unique_ptr<TransferAgent>> make_ucx_agent(const std::string&, std::function<void()>) {
   return unimplemented(
       "the UcxConnector needs UCX, and this ml4 was built without it: run scripts/setup.sh (it installs "
       "libucx-cu13 into .venv/ucx) and configure the build again");

@@ -126,7 +126,8 @@ Status run_serve(ServeOptions o) {
     if (!(o.kv_transfer_timeout > 0)) return invalid_argument("--kv-transfer-timeout must be positive");
     kc.timeout_s = o.kv_transfer_timeout;
     if (kc.kv_ip.empty()) kc.kv_ip = o.host == "0.0.0.0" || o.host == "::" ? "127.0.0.1" : o.host;
-    auto made = transfer::KvConnector::create(kc, runner->kv_regions(), runner->cache_groups());
+    auto made = transfer::KvConnector::create(kc, runner->kv_regions(), runner->cache_groups(),
+                                              [r = runner.get()] { r->bind_thread(); });
     if (!made.ok()) return made.status().with_context("--kv-transfer-config");
     connector = std::move(made).value();
   }

@@ -44,6 +44,7 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::create(const ModelConfig& cfg, c
   ML4_ASSIGN_OR_RETURN(KvCacheDtype dtype, parse_kv_cache_dtype(opts.base.kv_cache_dtype));
   ML4_ASSIGN_OR_RETURN(KvCacheSpec spec, make_kv_cache_spec(cfg, dtype));
   std::unique_ptr<CudaRunner> r(new CudaRunner());
+  ML4_CUDA_RETURN_IF_ERROR(cudaGetDevice(&r->device_));
   r->cfg_ = cfg;
   r->opts_ = opts;
   r->spec_ = spec;
@@ -415,6 +416,8 @@ Status CudaRunner::read_cache_page(int group, int layer_slot, int64_t block, std
       cudaMemcpy(out->data(), static_cast<const uint8_t*>(pool->data()) + block * bytes, bytes, cudaMemcpyDeviceToHost),
       "read_cache_page");
 }
+
+void CudaRunner::bind_thread() const { cudaSetDevice(device_); }
 
 std::vector<KvRegion> CudaRunner::kv_regions() {
   std::vector<KvRegion> out;

@@ -63,6 +63,7 @@ class CudaRunner : public ModelRunner {
   bool samples_on_device() const override { return true; }
   bool applies_token_masks() const override { return true; }
   std::vector<KvRegion> kv_regions() override;
+  void bind_thread() const override;
   bool has_drafter() const override { return program_->has_drafter(); }
   Result<DraftOutput> draft(const DraftInput& in) override;
 
@@ -100,6 +101,7 @@ class CudaRunner : public ModelRunner {
                      ForwardTrace* trace);
 
   ModelConfig cfg_;
+  int device_ = 0;  // the CUDA device current when the runner was made
   CudaRunnerOptions opts_;
   KvCacheSpec spec_;
   std::vector<CacheGroupInfo> groups_;
