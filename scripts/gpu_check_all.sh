@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# One H200 call for everything the CPU machine cannot check (the device budget is ~30 minutes a
+# session, so the checks share one call; the newest first, so that a cut-off call still brings
+# back what matters most):
+#   1. the GPU tests added since the last run (FILTER_NEW), then DSpark on the H200:
+#      bench/spec_decode_cpu.sh against `ml4 serve --device cuda` on assets/ml4-small (one round);
+#   2. `ml4 perplexity --device cuda` on ml4-small (the CPU figure to match is in docs/ML4-SMALL.md);
+#   3. scripts/gpu_pd_check.sh run (P/D over UCX on the GPU);
+#   4. every other GPU test (scripts/gpu_run.sh).
+#
+#   on the CPU machine, after a CUDA build:  scripts/gpu_check_all.sh pack BUILD_DIR
+#   on the GPU machine (carry .device-carry-pd): bash .device-carry-pd/gpu_check_all.sh run
+set -uo pipefail
+mode=${1:?usage: gpu_check_all.sh pack BUILD_DIR | run}
+root=$(cd "$(dirname "$0")/.." && pwd)
+if [ "$mode" = pack ]; then
+  build=${2:?usage: gpu_check_all.sh pack BUILD_DIR}
+  "$root/scripts/gpu_pd_check.sh" pack "$build" || exit 1
+  dest="$root/.device-carry-pd"
+  cp "$build/ml4_cuda_tests" "$dest/bin/"
+  ldd "$build/ml4_cuda_tests" | awk '/=> \// {print $3}' | while read -r lib; do
+    base=$(basename "$lib")
+    case "$base" in
+      libc.so*|libm.so*|libdl.so*|librt.so*|libpthread.so*|ld-linux*|libstdc++*|libgcc_s*|libcu*|libnccl*|libnv*|libuc[pstm]*) continue ;;
+    esac
+    [ -e "$dest/lib/$base" ] || cp -L "$lib" "$dest/lib/$base"
+  done
+  strip --strip-unneeded "$dest"/bin/* 2>/dev/null || true
+  cp "$root/scripts/gpu_run.sh" "$root/scripts/gpu_check_all.sh" "$dest/"
+  du -sh "$dest"
+  exit 0
+fi
+
+carry=$(cd "$(dirname "$0")" && pwd)
+out=${OUT:-/tmp/ml4-all-out}
+mkdir -p "$out"
+nccl_lib=$(python3 -c 'import site, glob; print(next(iter(glob.glob(site.getsitepackages()[0] + "/nvidia/nccl/lib")), ""))' 2>/dev/null)
+export LD_LIBRARY_PATH="$carry/ucx/lib:$carry/lib:${LD_LIBRARY_PATH:-}${nccl_lib:+:$nccl_lib}"
+export UCX_MODULE_DIR="$carry/ucx/lib/ucx"
+export ML4_SOURCE_DIR="$root"
+t0=$(date +%s)
+stamp() { echo "==== [$(( $(date +%s) - t0 )) s] $*"; }
+# SECTIONS picks parts (default all): tests spec perplexity pd all
+sections=" ${SECTIONS:-tests spec perplexity pd all} "
+on() { [[ "$sections" == *" $1 "* ]]; }
+
+new=${FILTER_NEW:-CudaDrafter.*:CudaRunnerMasks.*:NcclTp1.*:CudaSampling.TokenBitmask*}
+on tests && stamp "1a. new GPU tests: $new" && timeout 240 "$carry/bin/ml4_cuda_tests" --gtest_filter="$new" --gtest_color=no > "$out/new_tests.log" 2>&1
+on tests && grep -E "^\[  (FAILED|PASSED|SKIPPED) |^\[       OK|rel|Failure" "$out/new_tests.log" | tail -40
+
+if on spec; then
+stamp "1b. DSpark on the H200 (ml4-small)"
+ML4_SPEC_ROUNDS=1 ML4_SPEC_SERVE_ARGS="--device cuda --kv-cache-memory-bytes 2147483648" \
+  timeout 240 bash "$root/bench/spec_decode_cpu.sh" "$carry/bin" "$out/spec" 7 > "$out/spec.log" 2>&1
+echo "rc=$?"
+cat "$out/spec/summary.md" 2>/dev/null || tail -30 "$out/spec.log"
+for f in "$out"/spec/server_*.log; do grep -iE "error|graph" "$f" | head -3; done
+tar czf "$out/spec.tar.gz" -C "$out" spec && rm -rf "$out/spec"  # the run tool brings back few files
+fi
+
+on perplexity && stamp "2. perplexity on the GPU" && timeout 120 "$carry/bin/ml4" perplexity --model "$root/assets/ml4-small" --file "$carry/val_novels.txt" --ctx 4096 \
+  --chunks 2 --kv-cache-dtype bf16 --device cuda > "$out/perplexity.log" 2>&1
+on perplexity && tail -6 "$out/perplexity.log"
+
+if on pd; then
+  for dt in ${ML4_PD_KV_DTYPES:-fp8_ds_mla bf16}; do
+    stamp "3. P/D on the GPU, kv $dt"
+    ML4_PD_KV_DTYPE=$dt OUT="$out/pd_$dt" timeout 240 bash "$carry/gpu_pd_check.sh" run > "$out/pd_$dt.log" 2>&1
+    grep -E "PASS|FAIL|NOTE|GB/s|try|ERROR|error" "$out/pd_$dt.log" | cut -c1-300 | head -30
+  done
+  tar czf "$out/pd.tar.gz" -C "$out" $(cd "$out" && ls -d pd_*/) && rm -rf "$out"/pd_*/
+fi
+
+on all && stamp "4. the GPU tests" && OUT="$out/all" timeout 300 bash "$carry/gpu_run.sh" "*" none > "$out/all.log" 2>&1
+on all && tail -25 "$out/all.log"
+stamp done
