@@ -19,6 +19,7 @@
 #include <random>
 #include <set>
 
+#include "engine/chi_square.h"
 #include "engine/engine.h"
 #include "engine/sampling_exact_dist.h"
 #include "engine/spec_decode.h"
@@ -30,6 +31,7 @@
 
 namespace ml4 {
 namespace {
+
 
 std::string temp_dir(const std::string& name) {
   return (std::filesystem::temp_directory_path() / ("ml4_spec_" + name + "_" + std::to_string(::getpid()))).string();
@@ -257,31 +259,6 @@ TEST(CpuSpecDecode, GreedyLosslessDsv32TinyShape) { greedy_is_lossless("dsv32-ti
 // bound only says that drafts are really accepted at a useful rate.
 TEST(CpuSpecDecode, GreedyLosslessMl4Small) { greedy_is_lossless("ml4-small", 1.5); }
 
-// Regularized upper incomplete gamma (chi-square survival = Q(df / 2, x / 2)); Numerical
-// Recipes' gammq.
-double gamma_q(double a, double x) {
-  if (x <= 0) return 1.0;
-  const double gln = std::lgamma(a);
-  if (x < a + 1) {
-    double ap = a, sum = 1.0 / a, del = sum;
-    for (int n = 0; n < 100000 && std::abs(del) > std::abs(sum) * 1e-15; ++n) sum += del *= x / ++ap;
-    return 1.0 - sum * std::exp(-x + a * std::log(x) - gln);
-  }
-  double b = x + 1 - a, c = 1e300, d = 1 / b, h = d;
-  for (int i = 1; i < 100000; ++i) {
-    const double an = -i * (i - a);
-    b += 2;
-    d = an * d + b;
-    if (std::abs(d) < 1e-300) d = 1e-300;
-    c = b + an / c;
-    if (std::abs(c) < 1e-300) c = 1e-300;
-    d = 1 / d;
-    const double del = d * c;
-    h *= del;
-    if (std::abs(del - 1) < 1e-15) break;
-  }
-  return std::exp(-x + a * std::log(x) - gln) * h;
-}
 
 // Sampling through the real drafter and verifier draws from the target's distribution. The
 // model: the mistral4-tiny shape cut to 2 layers with a 4-token vocabulary (random weights, a
@@ -390,45 +367,12 @@ TEST_P(CpuSpecSampling, JointOfThreeTokensEqualsTheTargets) {
   Engine e(&runner, &codec, cfg);
   ASSERT_TRUE(e.speculative());
   std::vector<int64_t> counts(exact.size(), 0);
-  std::map<std::string, std::vector<int32_t>> partial;
-  int64_t done = 0, next = 0;
-  while (done < N) {
-    while (next < N && e.num_live() < 128) ASSERT_TRUE(e.add_request(std::to_string(next++), prompt, sp).is_ok());
-    auto r = e.step();
-    ASSERT_TRUE(r.ok()) << r.status().message();
-    for (auto& o : r.value()) {
-      auto& t = partial[o.request_id];
-      t.insert(t.end(), o.new_tokens.begin(), o.new_tokens.end());
-      if (!o.finished) continue;
-      ASSERT_EQ(t.size(), 3u);
-      ++counts[(t[0] * V + t[1]) * V + t[2]];
-      partial.erase(o.request_id);
-      ++done;
-    }
-  }
-  double stat = 0, rest_e = 0, rest_o = 0;
-  int cells = 0;
-  for (size_t i = 0; i < exact.size(); ++i) {
-    const double ex = exact[i] * N;
-    if (ex >= 5) {
-      stat += (counts[i] - ex) * (counts[i] - ex) / ex;
-      ++cells;
-    } else {
-      rest_e += ex;
-      rest_o += counts[i];
-    }
-  }
-  if (rest_e > 0) {
-    stat += (rest_o - rest_e) * (rest_o - rest_e) / rest_e;
-    ++cells;
-  }
-  const int df = cells - 1;
-  const double pv = gamma_q(df / 2.0, stat / 2.0);
-  double lo = df, hi = 20.0 * df + 200;
-  for (int i = 0; i < 200; ++i) {
-    const double mid = 0.5 * (lo + hi);
-    (gamma_q(df / 2.0, mid / 2.0) > 1e-6 ? lo : hi) = mid;
-  }
+  const Status st = testing::count_outputs(e, prompt, sp, N, 3, V, 128, &counts);
+  ASSERT_TRUE(st.is_ok()) << st.message();
+  const testing::ChiSquare x = testing::chi_square(exact, counts, N);
+  const double stat = x.stat, pv = x.p_value;
+  const int df = x.df;
+  const double lo = testing::chi_square_critical(df, 1e-6);
   auto expected_stat = [&](const std::vector<double>& m) {
     double s = 0;
     for (size_t i = 0; i < m.size(); ++i)

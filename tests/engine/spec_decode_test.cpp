@@ -20,6 +20,7 @@
 #include <set>
 
 #include "engine/engine.h"
+#include "engine/chi_square.h"
 #include "engine/fake_runner.h"
 #include "engine/sampling_exact_dist.h"
 #include "engine/spec_decode.h"
@@ -27,7 +28,10 @@
 namespace ml4 {
 namespace {
 
+using testing::chi_square;
+using testing::ChiSquare;
 using testing::FakeRunner;
+using testing::gamma_q;
 
 std::vector<int32_t> random_prompt(std::mt19937& rng, int len, int vocab) {
   std::uniform_int_distribution<int32_t> d(3, vocab - 1);
@@ -249,61 +253,6 @@ TEST(SpecDecodeEngine, GreedyIsLosslessWithPrefixHitsChunksPreemptionAbortsAndSt
   for (int g = 0; g < e.blocks().num_groups(); ++g) EXPECT_EQ(e.blocks().num_free_blocks(g), free0[g]) << g;
 }
 
-// The regularized upper incomplete gamma Q(a, x) (Numerical Recipes' gammq: series for
-// x < a + 1, Lentz's continued fraction otherwise); chi-square survival = Q(df / 2, x / 2).
-double gamma_q(double a, double x) {
-  if (x <= 0) return 1.0;
-  const double gln = std::lgamma(a);
-  if (x < a + 1) {
-    double ap = a, sum = 1.0 / a, del = sum;
-    for (int n = 0; n < 100000 && std::abs(del) > std::abs(sum) * 1e-15; ++n) sum += del *= x / ++ap;
-    return 1.0 - sum * std::exp(-x + a * std::log(x) - gln);
-  }
-  double b = x + 1 - a, c = 1e300, d = 1 / b, h = d;
-  for (int i = 1; i < 100000; ++i) {
-    const double an = -i * (i - a);
-    b += 2;
-    d = an * d + b;
-    if (std::abs(d) < 1e-300) d = 1e-300;
-    c = b + an / c;
-    if (std::abs(c) < 1e-300) c = 1e-300;
-    d = 1 / d;
-    const double del = d * c;
-    h *= del;
-    if (std::abs(del - 1) < 1e-15) break;
-  }
-  return std::exp(-x + a * std::log(x) - gln) * h;
-}
-
-// Pearson's statistic over cells with expected count >= 5 (the rest merged into one cell).
-struct ChiSquare {
-  double stat = 0;
-  int df = 0;
-  double p_value = 1;
-};
-ChiSquare chi_square(const std::vector<double>& expected_p, const std::vector<int64_t>& counts, int64_t n) {
-  ChiSquare r;
-  double rest_e = 0, rest_o = 0;
-  int cells = 0;
-  for (size_t i = 0; i < expected_p.size(); ++i) {
-    const double e = expected_p[i] * n;
-    if (e >= 5) {
-      r.stat += (counts[i] - e) * (counts[i] - e) / e;
-      ++cells;
-    } else {
-      rest_e += e;
-      rest_o += counts[i];
-    }
-  }
-  if (rest_e > 0) {
-    r.stat += (rest_o - rest_e) * (rest_o - rest_e) / rest_e;
-    ++cells;
-  }
-  r.df = cells - 1;
-  r.p_value = gamma_q(r.df / 2.0, r.stat / 2.0);
-  return r;
-}
-
 TEST(SpecDecodeStats, ChiSquareSurvivalMatchesKnownQuantiles) {
   // chi2(df) 0.95 / 0.999 quantiles (standard tables).
   EXPECT_NEAR(gamma_q(1.0 / 2, 3.841 / 2), 0.05, 1e-4);
@@ -396,30 +345,11 @@ TEST_P(SpecDecodeSampling, JointOfFourTokensEqualsTheTargets) {
   sp.max_tokens = 4;
   sp.ignore_eos = true;
   std::vector<int64_t> counts(exact.size(), 0);
-  std::map<std::string, std::vector<int32_t>> partial;
-  int64_t done = 0, next = 0;
-  while (done < N) {
-    while (next < N && e.num_live() < 512) ASSERT_TRUE(e.add_request(std::to_string(next++), prompt, sp).is_ok());
-    auto r = e.step();
-    ASSERT_TRUE(r.ok()) << r.status().message();
-    for (auto& o : r.value()) {
-      auto& t = partial[o.request_id];
-      t.insert(t.end(), o.new_tokens.begin(), o.new_tokens.end());
-      if (!o.finished) continue;
-      ASSERT_EQ(t.size(), 4u);
-      ++counts[((t[0] * 5 + t[1]) * 5 + t[2]) * 5 + t[3]];
-      partial.erase(o.request_id);
-      ++done;
-    }
-  }
+  const Status st = testing::count_outputs(e, prompt, sp, N, 4, 5, 512, &counts);
+  ASSERT_TRUE(st.is_ok()) << st.message();
   const EngineCounters c = e.counters();
   const ChiSquare x = chi_square(exact, counts, N);
-  // The 1e-6 critical value, by bisection on the survival function.
-  double lo = x.df, hi = 20.0 * x.df + 200;
-  for (int i = 0; i < 200; ++i) {
-    const double mid = 0.5 * (lo + hi);
-    (gamma_q(x.df / 2.0, mid / 2.0) > 1e-6 ? lo : hi) = mid;
-  }
+  const double lo = testing::chi_square_critical(x.df, 1e-6);  // the test's critical value
   auto expected_stat = [&](const std::vector<double>& m) {
     double s = 0;
     for (size_t i = 0; i < m.size(); ++i)
