@@ -118,6 +118,10 @@ int main(int argc, char** argv) {
   // Block tables: blocks 0.. of every group (one sequence at a time).
   std::vector<std::vector<int32_t>> tables;
   for (const auto& g : r.cache_groups()) {
+    if (g.sliding_window != 0 && g.num_blocks == 0) {  // the drafter's window, off without speculation
+      tables.emplace_back();
+      continue;
+    }
     const int64_t need = (max_tokens + g.page_tokens) / g.page_tokens;
     if (need > g.num_blocks) {
       std::fprintf(stderr, "cpu_model_bench: KV group %s has %lld blocks, needs %lld\n", g.name.c_str(),
