@@ -10,6 +10,7 @@
 #include <random>
 
 #include "engine/engine.h"
+#include "engine/engine_test_util.h"
 #include "model/random_checkpoint.h"
 #include "runtime/cpu/cpu_runner.h"
 
@@ -57,13 +58,7 @@ std::map<std::string, std::vector<int32_t>> drain(Engine& e) {
   return out;
 }
 
-SamplingParams greedy(int n) {
-  SamplingParams p;
-  p.temperature = 0;
-  p.max_tokens = n;
-  p.ignore_eos = true;
-  return p;
-}
+using testing::greedy;
 
 EngineConfig config(int seqs, int64_t budget, bool prefix) {
   EngineConfig c;

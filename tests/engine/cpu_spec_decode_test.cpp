@@ -21,6 +21,7 @@
 
 #include "engine/chi_square.h"
 #include "engine/engine.h"
+#include "engine/engine_test_util.h"
 #include "engine/sampling_exact_dist.h"
 #include "engine/spec_decode.h"
 #include "model/config_loader.h"
@@ -121,13 +122,7 @@ EngineConfig config(int seqs, int64_t budget, bool prefix, int drafts, bool prob
   return c;
 }
 
-SamplingParams greedy(int n) {
-  SamplingParams p;
-  p.temperature = 0;
-  p.max_tokens = n;
-  p.ignore_eos = true;
-  return p;
-}
+using testing::greedy;
 
 using Outputs = std::map<std::string, std::vector<int32_t>>;
 

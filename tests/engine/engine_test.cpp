@@ -12,6 +12,7 @@
 #include <random>
 
 #include "engine/engine.h"
+#include "engine/engine_test_util.h"
 #include "engine/fake_runner.h"
 
 namespace ml4 {
@@ -51,13 +52,7 @@ RunResult drain(Engine& e, int max_steps = 100000) {
   return run;
 }
 
-SamplingParams greedy(int max_tokens) {
-  SamplingParams p;
-  p.temperature = 0.0;
-  p.max_tokens = max_tokens;
-  p.ignore_eos = true;
-  return p;
-}
+using testing::greedy;
 
 EngineConfig config(int max_seqs, int64_t budget, bool prefix = true) {
   EngineConfig c;

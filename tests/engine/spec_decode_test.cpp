@@ -20,6 +20,7 @@
 #include <set>
 
 #include "engine/engine.h"
+#include "engine/engine_test_util.h"
 #include "engine/chi_square.h"
 #include "engine/fake_runner.h"
 #include "engine/sampling_exact_dist.h"
@@ -68,13 +69,7 @@ RunOut drain(Engine& e) {
   return run;
 }
 
-SamplingParams greedy(int max_tokens) {
-  SamplingParams p;
-  p.temperature = 0.0;
-  p.max_tokens = max_tokens;
-  p.ignore_eos = true;
-  return p;
-}
+using testing::greedy;
 
 EngineConfig config(int max_seqs, int64_t budget, int drafts, bool probabilistic = false) {
   EngineConfig c;
