@@ -74,6 +74,19 @@ if [ "$v" = none ]; then
   grep -iE "cuda|rcache|mem_reg|memtype|error" "$out/try_debug.log" | cut -c1-220 | head -40
 fi
 
+echo "==== 0b. device bandwidth under UCX variants (2026-12-04: 0.13 GB/s with the defaults)"
+# Which protocol UCX picks for a device-to-device get, and what the usual knobs change: the IPC
+# handle cache, the transports allowed, the rendezvous threshold. Small prompt, 2 iterations.
+for v in ${ML4_UCX_BW_TRY:-"UCX_PROTO_INFO=y" "UCX_CUDA_IPC_CACHE=y" "UCX_TLS=cuda_ipc,cuda_copy,sm,self" \
+    "UCX_TLS=cuda_copy,sm,self" "UCX_RNDV_THRESH=0"}; do
+  IFS=, read -r -a envs <<< "$v"
+  [ "${v#UCX_TLS=}" != "$v" ] && envs=("$v")  # a transport list keeps its commas
+  env "${envs[@]}" timeout 60 "$carry/bin/kv_transfer_bench" --device cuda --preset ml4-slice-4 --tokens 8192 \
+    --iters 2 > "$out/bw_try.log" 2>&1
+  echo "bw '${v}': rc=$? $(grep -m1 'contiguous' "$out/bw_try.log")"
+  [ "$v" = "UCX_PROTO_INFO=y" ] && grep -iE "get|rndv|zcopy|cuda" "$out/bw_try.log" | cut -c1-200 | head -12
+done
+
 echo "==== 1. transfer bandwidth"
 for dev in cuda cpu; do
   timeout 300 "$carry/bin/kv_transfer_bench" --device $dev --preset ml4-slice-4 --tokens 32768 --iters 5 \
