@@ -410,29 +410,18 @@ TEST(CpuSpecDecode, NoLeaksAfterAThousandMixedRequestsWithAborts) {
   std::uniform_int_distribution<int32_t> tok(3, V - 1);
   std::vector<int32_t> shared(64);
   for (auto& t : shared) t = tok(rng);
-  std::multimap<int, std::string> to_abort;  // step -> request
-  int added = 0, aborted = 0, steps = 0;
-  while (added < 1000 || e.has_work()) {
-    while (added < 1000 && e.num_live() < 24) {
-      // A third share a 64-token page (prefix hits); the rest are short. (Preemption with
-      // drafts on this runner is in the greedy tests above, which check the free counts too.)
-      std::vector<int32_t> p = rng() % 3 == 0 ? shared : std::vector<int32_t>{};
-      const int len = 1 + static_cast<int>(rng() % (p.empty() ? 10 : 6));
-      for (int k = 0; k < len; ++k) p.push_back(tok(rng));
-      SamplingParams sp = greedy(1 + static_cast<int>(rng() % 5));
-      if (rng() % 2) sp.temperature = 1.0;
-      const std::string id = "m" + std::to_string(added++);
-      ASSERT_TRUE(e.add_request(id, p, sp).is_ok());
-      if (rng() % 5 == 0) to_abort.emplace(steps + static_cast<int>(rng() % 6), id);  // waiting, prefilling or decoding
-    }
-    for (auto it = to_abort.begin(); it != to_abort.end() && it->first <= steps;) {
-      aborted += e.abort(it->second) ? 1 : 0;
-      it = to_abort.erase(it);
-    }
-    auto out = e.step();
-    ASSERT_TRUE(out.ok()) << out.status().message();
-    ASSERT_LT(++steps, 100000);
-  }
+  // A third share a 64-token page (prefix hits); the rest are short. (Preemption with drafts
+  // on this runner is in the greedy tests above, which check the free counts too.)
+  auto made = testing::run_with_aborts(e, 1000, 24, 6, rng, [&] {
+    std::vector<int32_t> p = rng() % 3 == 0 ? shared : std::vector<int32_t>{};
+    const int len = 1 + static_cast<int>(rng() % (p.empty() ? 10 : 6));
+    for (int k = 0; k < len; ++k) p.push_back(tok(rng));
+    SamplingParams sp = greedy(1 + static_cast<int>(rng() % 5));
+    if (rng() % 2) sp.temperature = 1.0;
+    return std::make_pair(p, sp);
+  });
+  ASSERT_TRUE(made.ok()) << made.status().message();
+  const int aborted = *made;
   const EngineCounters c = e.counters();
   std::printf("1000 requests: %d aborted, %ld steps, %ld drafts, %ld accepted, %ld preemptions, %ld prefix-hit tokens, "
               "%ld tokens fed\n",

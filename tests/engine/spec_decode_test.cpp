@@ -491,31 +491,17 @@ TEST(SpecDecodeEngine, NoLeaksAfterAThousandMixedRequestsWithAborts) {
   std::vector<int64_t> free0;
   for (int g = 0; g < e.blocks().num_groups(); ++g) free0.push_back(e.blocks().num_free_blocks(g));
   const auto shared = random_prompt(rng, 16, V);
-  std::multimap<int, std::string> to_abort;  // step -> request
-  int added = 0, aborted = 0, steps = 0;
-  while (added < 1000 || e.has_work()) {
-    while (added < 1000 && e.num_live() < 40) {
-      std::vector<int32_t> p = rng() % 2 ? shared : std::vector<int32_t>{};
-      auto tail = random_prompt(rng, 1 + rng() % 40, V);
-      p.insert(p.end(), tail.begin(), tail.end());
-      SamplingParams sp = greedy(1 + rng() % 12);
-      if (rng() % 2) sp.temperature = 0.7 + (rng() % 5) * 0.2;
-      if (rng() % 7 == 0) sp.stop_token_ids = {static_cast<int32_t>(3 + rng() % (V - 3))};
-      const std::string id = "m" + std::to_string(added++);
-      ASSERT_TRUE(e.add_request(id, p, sp).is_ok());
-      if (rng() % 5 == 0) to_abort.emplace(steps + static_cast<int>(rng() % 8), id);  // waiting, prefilling or decoding
-    }
-    for (auto it = to_abort.begin(); it != to_abort.end() && it->first <= steps;) {
-      aborted += e.abort(it->second) ? 1 : 0;
-      it = to_abort.erase(it);
-    }
-    auto out = e.step();
-    ASSERT_TRUE(out.ok()) << out.status().message();
-    ASSERT_LT(++steps, 100000);
-    if (steps % 50 == 0) {
-      ASSERT_TRUE(e.blocks().check_invariants().is_ok());
-    }
-  }
+  auto made = testing::run_with_aborts(e, 1000, 40, 8, rng, [&] {
+    std::vector<int32_t> p = rng() % 2 ? shared : std::vector<int32_t>{};
+    auto tail = random_prompt(rng, 1 + rng() % 40, V);
+    p.insert(p.end(), tail.begin(), tail.end());
+    SamplingParams sp = greedy(1 + rng() % 12);
+    if (rng() % 2) sp.temperature = 0.7 + (rng() % 5) * 0.2;
+    if (rng() % 7 == 0) sp.stop_token_ids = {static_cast<int32_t>(3 + rng() % (V - 3))};
+    return std::make_pair(p, sp);
+  });
+  ASSERT_TRUE(made.ok()) << made.status().message();
+  const int aborted = *made;
   EXPECT_GT(aborted, 50);
   EXPECT_GT(e.counters().spec.num_accepted_tokens, 0);
   EXPECT_EQ(e.num_live(), 0u);
