@@ -8,8 +8,9 @@
 #   3. scripts/gpu_pd_check.sh run (P/D over UCX on the GPU);
 #   4. every other GPU test (scripts/gpu_run.sh).
 #
-#   on the CPU machine, after a CUDA build:  scripts/gpu_check_all.sh pack BUILD_DIR
-#   on the GPU machine (carry .device-carry-pd): bash .device-carry-pd/gpu_check_all.sh run
+#   on the CPU machine, after a CUDA build:  [ML4_VAL_TEXT=val_novels.txt] scripts/gpu_check_all.sh pack BUILD_DIR
+#   on the GPU machine (carry .device-carry-x):
+#     tar xJf .device-carry-x/carry.tar.xz && [SECTIONS="tests spec ..."] bash .device-carry-pd/gpu_check_all.sh run
 set -uo pipefail
 mode=${1:?usage: gpu_check_all.sh pack BUILD_DIR | run}
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -25,9 +26,16 @@ if [ "$mode" = pack ]; then
     esac
     [ -e "$dest/lib/$base" ] || cp -L "$lib" "$dest/lib/$base"
   done
-  strip --strip-unneeded "$dest"/bin/* 2>/dev/null || true
+  strip --strip-unneeded "$dest"/bin/* "$dest"/lib/*.so* "$dest"/ucx/lib/*.so* "$dest"/ucx/lib/ucx/*.so* 2>/dev/null || true
   cp "$root/scripts/gpu_run.sh" "$root/scripts/gpu_check_all.sh" "$dest/"
+  # The perplexity text (tools/train/prepare_data.py's val_novels.txt), when given.
+  [ -n "${ML4_VAL_TEXT:-}" ] && cp "$ML4_VAL_TEXT" "$dest/val_novels.txt"
   du -sh "$dest"
+  # The run tool carries at most 64 MiB with the working tree: ship the folder xz-packed.
+  rm -rf "$root/.device-carry-x" && mkdir -p "$root/.device-carry-x"
+  tar cJf "$root/.device-carry-x/carry.tar.xz" -C "$root" .device-carry-pd
+  du -sh "$root/.device-carry-x"
+  echo 'run tool: carry [".device-carry-x"], command: tar xJf .device-carry-x/carry.tar.xz && bash .device-carry-pd/gpu_check_all.sh run'
   exit 0
 fi
 
