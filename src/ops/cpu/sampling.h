@@ -287,4 +287,26 @@ inline void row_distribution(const float* l, int64_t V, const DeviceSamplingPara
   for (int64_t i = 0; i < keep; ++i) out[idx[i]] = q[i] / tot;
 }
 
+// A draw from weights w[0..V) (>= 0, not necessarily summing to 1): the first id whose running
+// sum, in f64 and id order, exceeds u * total, with u a 53-bit uniform from the Philox stream
+// keyed (seed, counter) at group 0xFFFFFFFF (past any row's Gumbel groups, i >> 2 < 2^30). For
+// the drafter's probabilistic drafts: the token is drawn from exactly the q the verifier is
+// given (the float row), in O(V) with one uniform, where Gumbel-max costs two logs per id.
+inline int32_t draw_from_weights(const float* w, int64_t V, uint64_t seed, int64_t counter) {
+  const Philox4 r = draw_group(seed, counter, 0xFFFFFFFFu);
+  const double u = static_cast<double>((static_cast<uint64_t>(r.v[0]) << 21) ^ (r.v[1] >> 11)) * 0x1.0p-53;
+  double total = 0.0;
+  for (int64_t i = 0; i < V; ++i) total += w[i] > 0.0f ? w[i] : 0.0f;
+  const double target = u * total;
+  double acc = 0.0;
+  int64_t last = 0;
+  for (int64_t i = 0; i < V; ++i) {
+    if (!(w[i] > 0.0f)) continue;
+    acc += w[i];
+    last = i;
+    if (acc > target) return static_cast<int32_t>(i);
+  }
+  return static_cast<int32_t>(last);  // rounding at the very end of the sum
+}
+
 }  // namespace ml4::sampling

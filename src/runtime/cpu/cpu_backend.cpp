@@ -622,13 +622,17 @@ Status CpuBackend::choose_tokens(const float* logits, int64_t rows, const Device
     DeviceSamplingParams p;
     p.temperature = 0.0f;
     if (params != nullptr) p = params[i];
-    ids[i] = sampling::sample_row_reference(l, V, p);
     if (probs != nullptr && params == nullptr) {  // greedy: the drafter's softmax
+      ids[i] = sampling::sample_row_reference(l, V, p);
       std::copy_n(l, V, probs + i * V);
       cpu::softmax_inplace(probs + i * V, V);
-    } else if (probs != nullptr) {
+    } else if (probs != nullptr) {  // sampled: q, then the token drawn from q itself
       sampling::row_distribution(l, V, p, dist.data());
       for (int64_t v = 0; v < V; ++v) probs[i * V + v] = static_cast<float>(dist[v]);
+      ids[i] = sampling::greedy(p) ? sampling::sample_row_reference(l, V, p)
+                                   : sampling::draw_from_weights(probs + i * V, V, p.seed, p.counter);
+    } else {
+      ids[i] = sampling::sample_row_reference(l, V, p);
     }
   }
   return Status::ok();

@@ -936,13 +936,18 @@ Status CudaBackend::choose_tokens(const float* logits, int64_t rows, const Devic
     DeviceSamplingParams p;
     p.temperature = 0.0f;
     if (params != nullptr) p = params[i];
-    tok[i] = sampling::sample_row_reference(row, V, p);
+    // As CpuBackend::choose_tokens, line for line (the drafts must be the CPU runner's).
     if (probs != nullptr && params == nullptr) {
+      tok[i] = sampling::sample_row_reference(row, V, p);
       std::copy_n(row, V, q.data() + i * V);
       cpu::softmax_inplace(q.data() + i * V, V);
     } else if (probs != nullptr) {
       sampling::row_distribution(row, V, p, dist.data());
       for (int64_t v = 0; v < V; ++v) q[i * V + v] = static_cast<float>(dist[v]);
+      tok[i] = sampling::greedy(p) ? sampling::sample_row_reference(row, V, p)
+                                   : sampling::draw_from_weights(q.data() + i * V, V, p.seed, p.counter);
+    } else {
+      tok[i] = sampling::sample_row_reference(row, V, p);
     }
   }
   ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(ids, tok.data(), rows * 4, cudaMemcpyHostToDevice, stream_));
