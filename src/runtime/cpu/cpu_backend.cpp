@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "core/threads.h"
+#include "ops/cpu/draft_tokens.h"
 #include "ops/cpu/ops.h"
 #include "ops/cpu/sampling.h"
 
@@ -615,26 +616,7 @@ Status CpuBackend::gru_update(const float* gi, const float* gh, const float* b_i
 
 Status CpuBackend::choose_tokens(const float* logits, int64_t rows, const DeviceSamplingParams* params, int32_t* ids,
                                  float* probs) {
-  const int64_t V = cfg_.vocab_size;
-  std::vector<double> dist(probs != nullptr ? V : 0);
-  for (int64_t i = 0; i < rows; ++i) {
-    const float* l = logits + i * V;
-    DeviceSamplingParams p;
-    p.temperature = 0.0f;
-    if (params != nullptr) p = params[i];
-    if (probs != nullptr && params == nullptr) {  // greedy: the drafter's softmax
-      ids[i] = sampling::sample_row_reference(l, V, p);
-      std::copy_n(l, V, probs + i * V);
-      cpu::softmax_inplace(probs + i * V, V);
-    } else if (probs != nullptr) {  // sampled: q, then the token drawn from q itself
-      sampling::row_distribution(l, V, p, dist.data());
-      for (int64_t v = 0; v < V; ++v) probs[i * V + v] = static_cast<float>(dist[v]);
-      ids[i] = sampling::greedy(p) ? sampling::sample_row_reference(l, V, p)
-                                   : sampling::draw_from_weights(probs + i * V, V, p.seed, p.counter);
-    } else {
-      ids[i] = sampling::sample_row_reference(l, V, p);
-    }
-  }
+  cpu::choose_draft_tokens(logits, rows, cfg_.vocab_size, params, ids, probs);
   return Status::ok();
 }
 

@@ -12,6 +12,7 @@
 #include "ops/cuda/drafter.h"
 #include "ops/cuda/sampling.h"
 #include "ops/cpu/basic.h"
+#include "ops/cpu/draft_tokens.h"
 #include "ops/cpu/sampling.h"
 #include "ops/cuda/gemv.h"
 #include "ops/cuda/indexer.h"
@@ -930,26 +931,7 @@ Status CudaBackend::choose_tokens(const float* logits, int64_t rows, const Devic
   std::vector<int32_t> tok(rows);
   ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(l.data(), logits, l.size() * 4, cudaMemcpyDeviceToHost, stream_));
   ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-  std::vector<double> dist(V);
-  for (int64_t i = 0; i < rows; ++i) {
-    const float* row = l.data() + i * V;
-    DeviceSamplingParams p;
-    p.temperature = 0.0f;
-    if (params != nullptr) p = params[i];
-    // As CpuBackend::choose_tokens, line for line (the drafts must be the CPU runner's).
-    if (probs != nullptr && params == nullptr) {
-      tok[i] = sampling::sample_row_reference(row, V, p);
-      std::copy_n(row, V, q.data() + i * V);
-      cpu::softmax_inplace(q.data() + i * V, V);
-    } else if (probs != nullptr) {
-      sampling::row_distribution(row, V, p, dist.data());
-      for (int64_t v = 0; v < V; ++v) q[i * V + v] = static_cast<float>(dist[v]);
-      tok[i] = sampling::greedy(p) ? sampling::sample_row_reference(row, V, p)
-                                   : sampling::draw_from_weights(q.data() + i * V, V, p.seed, p.counter);
-    } else {
-      tok[i] = sampling::sample_row_reference(row, V, p);
-    }
-  }
+  cpu::choose_draft_tokens(l.data(), rows, V, params, tok.data(), probs != nullptr ? q.data() : nullptr);
   ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(ids, tok.data(), rows * 4, cudaMemcpyHostToDevice, stream_));
   if (probs != nullptr)
     ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(probs, q.data(), q.size() * 4, cudaMemcpyHostToDevice, stream_));
