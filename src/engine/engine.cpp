@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <limits>
 
 #include <fmt/ranges.h>
 
@@ -390,8 +389,7 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
         // tokens do not depend on whether the rest of the batch let the runner sample.
         if (ds) {
           const std::vector<uint32_t>& allowed = in.seqs[i].allowed_tokens;
-          for (int v = 0; !allowed.empty() && v < vocab_; ++v)  // as the device masks the row
-            if (!bitmask_allows(allowed.data(), v)) last[v] = -std::numeric_limits<float>::infinity();
+          if (!allowed.empty()) mask_disallowed(last, vocab_, allowed.data());  // as the device does
           token = sampling::sample_row_reference(last, vocab_, *ds, &logprob);
         } else {
           const uint32_t* allowed = nullptr;

@@ -25,6 +25,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -50,6 +51,12 @@ struct GrammarSpec {
 // Words of a bitmask over `vocab` ids.
 inline int bitmask_words(int vocab) { return (vocab + 31) / 32; }
 inline bool bitmask_allows(const uint32_t* words, int32_t id) { return (words[id >> 5] >> (id & 31)) & 1u; }
+// Sets every logit the bitmask does not allow to -inf (what the device's apply_token_bitmask
+// does to a row before it samples).
+inline void mask_disallowed(float* row, int vocab, const uint32_t* words) {
+  for (int v = 0; v < vocab; ++v)
+    if (!bitmask_allows(words, v)) row[v] = -std::numeric_limits<float>::infinity();
+}
 
 // One request's position in its grammar. Engine thread only.
 class GrammarMatcher {

@@ -105,7 +105,8 @@ class TransferAgent {
 // `thread_init` runs first on the agent's progress thread, where memory is registered and
 // reads are driven: UCX's CUDA transports (cuda_ipc, cuda_copy) query device pointers with the
 // driver API, which needs the device's context current on that thread (ModelRunner::
-// bind_thread); without it registering device memory fails ("failed to insert region 0x0").
+// bind_thread). On the H200 (2026-12-04) this alone did not make device regions register; the
+// memory-type cache did (ucx_agent.cpp), and the runs since have both.
 Result<std::unique_ptr<TransferAgent>> make_ucx_agent(const std::string& name, std::function<void()> thread_init = {});
 // True when this build has UCX.
 bool ucx_available();

@@ -32,10 +32,10 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
-#include <limits>
 #include <thread>
 #include <vector>
 
+#include "engine/structured_output.h"
 #include "ops/cpu/sampling.h"
 #include "runtime/model_runner.h"
 
@@ -200,7 +200,7 @@ class FakeRunner : public ModelRunner {
       device_rows_ += s.device_sampling.has_value();
       masked_rows_ += !s.allowed_tokens.empty();
       if (!s.allowed_tokens.empty() && (!token_masks_ || !s.device_sampling ||
-                                        s.allowed_tokens.size() != static_cast<size_t>((config_.vocab_size + 31) / 32)))
+                                        s.allowed_tokens.size() != static_cast<size_t>(bitmask_words(config_.vocab_size))))
         return invalid_argument("seq {}: a token mask this runner cannot apply", s.seq_id);
     }
     if (all_device && with_logits > 0) {
@@ -209,8 +209,7 @@ class FakeRunner : public ModelRunner {
         int32_t tok = -1;
         float lp = 0.0f;
         std::vector<float>& row = out.logits[i];
-        for (int v = 0; !s.allowed_tokens.empty() && v < config_.vocab_size; ++v)
-          if (!((s.allowed_tokens[v >> 5] >> (v & 31)) & 1u)) row[v] = -std::numeric_limits<float>::infinity();
+        if (!s.allowed_tokens.empty()) mask_disallowed(row.data(), config_.vocab_size, s.allowed_tokens.data());
         if (s.num_logits > 0) tok = sampling::sample_row_reference(row.data(), config_.vocab_size, *s.device_sampling, &lp);
         out.sampled.push_back(tok);
         out.sampled_logprob.push_back(lp);

@@ -11,7 +11,6 @@
 #include "ops/cuda/cache_write.h"
 #include "ops/cuda/drafter.h"
 #include "ops/cuda/sampling.h"
-#include "ops/cpu/basic.h"
 #include "ops/cpu/draft_tokens.h"
 #include "ops/cpu/sampling.h"
 #include "ops/cuda/gemv.h"
