@@ -51,10 +51,11 @@ Result<LinearWeight> read_linear(const Checkpoint& ck, const std::string& wname,
 
 Result<QuantizeReport> quantize_checkpoint(const QuantizeOptions& o) {
   WeightFormat target;
-  if (o.to == "fp8") target = WeightFormat::kFP8Block;
+  if (o.to == "bf16") target = WeightFormat::kBF16;
+  else if (o.to == "fp8") target = WeightFormat::kFP8Block;
   else if (o.to == "nvfp4") target = WeightFormat::kNVFP4Experts;
   else if (o.to == "mxfp4") target = WeightFormat::kMXFP4Experts;
-  else return invalid_argument("--to must be fp8, mxfp4 or nvfp4, got '{}'", o.to);
+  else return invalid_argument("--to must be bf16, fp8, mxfp4 or nvfp4, got '{}'", o.to);
   std::error_code ec;
   if (fs::exists(o.out_dir, ec) && fs::equivalent(o.in_dir, o.out_dir, ec))
     return invalid_argument("OUT ({}) is the input directory; write the quantized model elsewhere", o.out_dir);
@@ -91,6 +92,20 @@ Result<QuantizeReport> quantize_checkpoint(const QuantizeOptions& o) {
     }
     const bool linear = t.role == TensorRole::kLinear;
     auto src = source.find(t.name);
+    if (linear && src != source.end() && t.format == LinearFormat::kBF16 && src->second.format != LinearFormat::kBF16 &&
+        src->second.format != LinearFormat::kF32) {
+      // --to bf16: the decoded weight rounded to bf16 (scales dropped).
+      const int64_t N = t.shape[0], K = t.shape[1];
+      ML4_ASSIGN_OR_RETURN(LinearWeight in, read_linear(ck, t.name, N, K));
+      const std::vector<float> f = dequantize_linear(in);
+      if (f.empty()) return internal_error("tensor {}: could not decode", t.name);
+      Tensor b(DType::kBF16, {N, K});
+      uint16_t* d = b.mutable_as<uint16_t>();
+      for (int64_t i = 0; i < N * K; ++i) d[i] = f32_to_bf16(f[i]);
+      ML4_RETURN_IF_ERROR(w.add(t.name, b));
+      ++rep.quantized_linears;
+      continue;
+    }
     if (!linear || src == source.end() || t.format == LinearFormat::kBF16 || t.format == LinearFormat::kF32) {
       ML4_RETURN_IF_ERROR(copy(t.name));
       if (src != source.end())

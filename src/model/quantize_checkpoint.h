@@ -26,7 +26,7 @@ namespace ml4 {
 struct QuantizeOptions {
   std::string in_dir;
   std::string out_dir;
-  std::string to;  // fp8 | mxfp4 | nvfp4
+  std::string to;  // bf16 (decode every linear) | fp8 | mxfp4 | nvfp4
   int64_t max_shard_bytes = int64_t{4} << 30;
 };
 

@@ -160,6 +160,11 @@ struct IndexerSelectArgs {
   float weight_scale = 1.0f;  // HI^-0.5 * dI^-0.5
   int selection = 0;
   bool record_positions = false;
+  // Decode context parallelism: instead of a selection, this rank's candidates over its keys,
+  // [T, topk] each: its local top-min(topk, local keys visible) as (score, global position),
+  // padded with (-inf, -1); merge_topk_candidates() makes the global selection of them.
+  float* cand_scores = nullptr;
+  int32_t* cand_pos = nullptr;
 };
 
 // Absorbed MLA over one latent cache slot (MODEL.md 3.6): per token and head,
@@ -174,6 +179,9 @@ struct MlaArgs {
   const float* head_scale = nullptr;
   float* out_lat = nullptr;      // [T, H, r]
   float* lse = nullptr;          // [T, H]
+  // H above: the config's n_heads when 0; decode context parallelism attends the DCP group's
+  // heads (n_heads x the group's size) over this rank's share of the keys.
+  int heads = 0;
 };
 
 struct MoeRouteArgs {
@@ -295,6 +303,32 @@ class Backend {
   virtual Status moe_experts_rows(MoeRef moe, const float* x, int64_t n, const int32_t* ids, const float* weights,
                                   float* out) {
     return unimplemented("this backend has no moe_experts_rows (expert parallelism)");
+  }
+
+  // ---- decode context parallelism (SYSTEM.md S8; runtime/model_forward.h) ----
+  // The DCP ranks' indexer candidates (IndexerSelectArgs::cand_*), gathered: scores and global
+  // positions [n][T][topk]. Makes the exact causal top-min(topk, p + 1) of them by score, ties
+  // to the lower position (NaN last), which is the selection of one rank holding every key:
+  // `selection` gets its global positions (SSMax's counts, traces), `local_selection` this
+  // rank's cache indices of those it holds (none: an empty row, which attention gives
+  // out 0, lse -inf).
+  virtual Status merge_topk_candidates(const float* scores, const int32_t* pos, int n, int selection,
+                                       int local_selection) {
+    return unimplemented("this backend has no merge_topk_candidates (decode context parallelism)");
+  }
+  // Attention partials over disjoint key sets, lse in natural log (the base of MlaArgs::lse,
+  // one base everywhere): part p's out [rows, cols] at parts + p * part_stride and its lse
+  // [rows] right after it. out = sum_p exp(lse_p - L) out_p (in part order), L = log sum_p
+  // exp(lse_p); an empty part (lse -inf) weighs 0, all empty gives 0.
+  virtual Status merge_attention_parts(const float* parts, int n, int64_t part_stride, int64_t rows, int64_t cols,
+                                       float* out) {
+    return unimplemented("this backend has no merge_attention_parts (decode context parallelism)");
+  }
+  // The all-gather + reduce-scatter combine's half: out [rows, cols] *= exp(lse - L) per row,
+  // L = log sum_p exp(lse_all[p][row]) over the n parts' lse [n][rows] (out 0 where lse -inf).
+  virtual Status rescale_attention_part(float* out, const float* lse, const float* lse_all, int n, int64_t rows,
+                                        int64_t cols) {
+    return unimplemented("this backend has no rescale_attention_part (decode context parallelism)");
   }
 
   // ---- the DSpark drafter's ops (MODEL.md section 5) ----

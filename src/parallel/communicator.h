@@ -76,6 +76,7 @@ class Communicator {
 struct ParallelComms {
   Communicator* tp = nullptr;
   Communicator* ep = nullptr;
+  Communicator* dcp = nullptr;  // decode context parallelism: the KV cache sharded by token
 };
 
 }  // namespace ml4

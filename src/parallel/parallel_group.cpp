@@ -19,6 +19,9 @@ Result<std::unique_ptr<ParallelGroup>> ParallelGroup::create(const ParallelConfi
   g->tp = std::make_unique<MpiCommunicator>(env, tp);
   ML4_ASSIGN_OR_RETURN(MPI_Comm ep, env->split(config.enable_expert_parallel ? 0 : env->rank(), env->rank()));
   g->ep = std::make_unique<MpiCommunicator>(env, ep);
+  // DCP groups are runs of dcp consecutive world ranks (rank_layout.h).
+  ML4_ASSIGN_OR_RETURN(MPI_Comm dcp, env->split(env->rank() / g->layout.dcp_size, g->layout.dcp_rank));
+  g->dcp = std::make_unique<MpiCommunicator>(env, dcp);
   if (g->is_driver()) {
     std::string hosts;
     for (int r = 0; r < env->size(); ++r) hosts += fmt::format(" {}:{}", env->host_of(r), env->pid_of(r));

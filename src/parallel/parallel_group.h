@@ -1,7 +1,7 @@
 // ParallelGroup: this process's place in a parallel run, set up once at start-up: the MPI
 // world (mpi_env.h), the rank layout printed by rank 0, the model's parallel plan, and the
 // MPI communicators of the control channel (the world: rank 0 sends each step to the
-// workers) and of the forward's groups (TP, EP). CUDA ranks build their NCCL communicators
+// workers) and of the forward's groups (TP, EP, DCP). CUDA ranks build their NCCL communicators
 // over the same groups from these (cuda/nccl_communicator.h).
 #pragma once
 
@@ -23,10 +23,12 @@ struct ParallelGroup {
   std::unique_ptr<MpiCommunicator> world;  // control: steps from rank 0, results back
   std::unique_ptr<MpiCommunicator> tp;     // this rank's TP group (size 1 without TP)
   std::unique_ptr<MpiCommunicator> ep;     // the EP group (size 1 without EP)
+  std::unique_ptr<MpiCommunicator> dcp;    // the DCP group (size 1 without DCP)
   bool is_driver() const { return layout.world_rank == 0; }
   // The forward's communicators (MPI: CPU ranks); null for a group of one (no collectives).
   ParallelComms comms() const {
-    return {tp->size() > 1 ? tp.get() : nullptr, ep->size() > 1 ? ep.get() : nullptr};
+    return {tp->size() > 1 ? tp.get() : nullptr, ep->size() > 1 ? ep.get() : nullptr,
+            dcp->size() > 1 ? dcp.get() : nullptr};
   }
 
   // Initialises MPI when needed, checks the world size against the config, makes the layout,

@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "core/status.h"
+#include "kv/context_shard.h"
 #include "model/model_config.h"
 #include "model/weight_names.h"
 #include "model/weight_shard.h"
@@ -68,6 +69,11 @@ class ParallelPlan {
   int ep_size() const { return layout_.ep_size; }
   int ep_rank() const { return layout_.ep_rank; }
   bool expert_parallel() const { return layout_.config.enable_expert_parallel; }
+  // Decode context parallelism: this rank's share of the sharded KV cache (kv/context_shard.h).
+  ContextShard context_shard() const {
+    return {layout_.dcp_size, layout_.dcp_rank, layout_.config.dcp_kv_cache_interleave_size};
+  }
+  bool dcp_all_to_all() const { return layout_.config.dcp_comm_backend == "a2a"; }
 
   // The shapes this rank computes: n_heads, hidden_dim and (TP without EP) the routed
   // experts' expert_hidden_dim are the local ones; everything else (vocab_size, the router's

@@ -13,6 +13,17 @@ Status ParallelConfig::validate() const {
         "the experts expert-parallel over all ranks (DP attention + EP); experts TP-sharded over DP ranks are not "
         "supported",
         data_parallel_size);
+  const int dcp = decode_context_parallel_size;
+  if (dcp < 1) return invalid_argument("--decode-context-parallel-size must be >= 1, got {}", dcp);
+  if (tensor_parallel_size % dcp != 0)
+    return invalid_argument(
+        "--decode-context-parallel-size {} must divide --tensor-parallel-size {}: DCP shards the KV cache over the "
+        "TP ranks that would otherwise hold copies of it",
+        dcp, tensor_parallel_size);
+  if (dcp_kv_cache_interleave_size < 1)
+    return invalid_argument("--dcp-kv-cache-interleave-size must be >= 1, got {}", dcp_kv_cache_interleave_size);
+  if (dcp_comm_backend != "a2a" && dcp_comm_backend != "ag_rs")
+    return invalid_argument("--dcp-comm-backend must be a2a or ag_rs, got \"{}\"", dcp_comm_backend);
   return Status::ok();
 }
 
@@ -41,16 +52,23 @@ Result<RankLayout> RankLayout::make(const ParallelConfig& config, int world_size
   } else {
     L.ep_group = {world_rank};
   }
+  L.dcp_size = config.decode_context_parallel_size;
+  L.dcp_rank = L.tp_rank % L.dcp_size;
+  for (int d = 0; d < L.dcp_size; ++d) L.dcp_group.push_back(world_rank - L.dcp_rank + d);
   return L;
 }
 
 std::string RankLayout::describe() const {
-  std::string s = fmt::format("parallel layout: world {} = dp {} x tp {}, expert parallel {}{}\n", world_size, dp_size,
+  std::string s = fmt::format("parallel layout: world {} = dp {} x tp {}, expert parallel {}{}{}\n", world_size, dp_size,
                               tp_size, config.enable_expert_parallel ? "on" : "off",
-                              config.enable_expert_parallel ? fmt::format(" (ep {})", ep_size) : "");
+                              config.enable_expert_parallel ? fmt::format(" (ep {})", ep_size) : "",
+                              dcp_size > 1 ? fmt::format(", decode context parallel {} (interleave {}, {})", dcp_size,
+                                                         config.dcp_kv_cache_interleave_size, config.dcp_comm_backend)
+                                           : "");
   for (int r = 0; r < world_size; ++r) {
     s += fmt::format("  rank {}: dp {} tp {}", r, dp_rank_of(r), tp_rank_of(r));
     if (config.enable_expert_parallel) s += fmt::format(" ep {}", r);
+    if (dcp_size > 1) s += fmt::format(" dcp {}", tp_rank_of(r) % dcp_size);
     if (r == 0) s += "  (API server, engine, scheduler)";
     s += "\n";
   }

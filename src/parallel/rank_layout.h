@@ -6,7 +6,10 @@
 // the TP group of a rank is the tp consecutive ranks of its DP replica, its DP group the ranks
 // with the same tp_rank, and, with --enable-expert-parallel, the EP group is the whole world
 // (EP size = dp x tp, ep_rank = world rank), as vLLM's FusedMoEParallelConfig makes it.
-// Later context-parallel groups (DCP / PCP) are cut from the same numbering.
+// Decode context parallelism (SYSTEM.md S8, --decode-context-parallel-size N) reuses the TP
+// ranks, as vLLM's does: N must divide tp, and the DCP groups are runs of N consecutive ranks
+// of a TP group (dcp_rank = tp_rank % N). The latent and indexer caches, replicated over the TP
+// group without it, are sharded by token over each DCP group (kv/context_shard.h).
 //
 // Choices where the issue is silent (docs/PARALLEL.md): data parallelism needs expert
 // parallelism (DP attention + EP experts, the seed's "DP4/EP"); vLLM's alternative without EP
@@ -25,6 +28,9 @@ struct ParallelConfig {
   int tensor_parallel_size = 1;   // --tensor-parallel-size / -tp
   int data_parallel_size = 1;     // --data-parallel-size / -dp
   bool enable_expert_parallel = false;  // --enable-expert-parallel
+  int decode_context_parallel_size = 1;  // --decode-context-parallel-size / -dcp
+  int dcp_kv_cache_interleave_size = 1;  // --dcp-kv-cache-interleave-size: tokens per run on one rank
+  std::string dcp_comm_backend = "a2a";  // --dcp-comm-backend a2a | ag_rs: how partials are combined
   int world_size() const { return tensor_parallel_size * data_parallel_size; }
   bool parallel() const { return world_size() > 1; }
   Status validate() const;
@@ -36,8 +42,9 @@ struct RankLayout {
   int tp_size = 1, tp_rank = 0;
   int dp_size = 1, dp_rank = 0;
   int ep_size = 1, ep_rank = 0;  // 1 / 0 without expert parallelism
+  int dcp_size = 1, dcp_rank = 0;
   // World ranks of this rank's groups, in group-rank order (group rank i = element i).
-  std::vector<int> tp_group, dp_group, ep_group;
+  std::vector<int> tp_group, dp_group, ep_group, dcp_group;
 
   // The layout of world rank `rank` of `world` processes; world must equal config.world_size().
   static Result<RankLayout> make(const ParallelConfig& config, int world_size, int world_rank);

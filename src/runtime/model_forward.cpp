@@ -19,7 +19,7 @@ Result<std::unique_ptr<ModelForward>> ModelForward::create(const ModelConfig& cf
   f->comms_ = opts.comms;
   if (opts.plan != nullptr && opts.drafter && opts.plan->layout().world_size > 1)
     return unimplemented("the DSpark drafter with tensor / data / expert parallelism is not supported yet");
-  if ((f->tensor_parallel() || f->expert_parallel()) && opts.plan == nullptr)
+  if ((f->tensor_parallel() || f->expert_parallel() || f->context_parallel()) && opts.plan == nullptr)
     return internal_error("a parallel model program needs its parallel plan");
   const int L = cfg.n_layers;
   // KV sharing: a consumer reads its source's latent slot (or, as the no-sharing baseline,
@@ -48,7 +48,9 @@ Result<std::unique_ptr<ModelForward>> ModelForward::create(const ModelConfig& cf
     for (const auto& s : cfg.layers)
       if (s.indexer == IndexerRole::kOwner) f->selection_of_owner_[s.index] = has_reuser[s.index] ? next++ : 0;
     f->forced_selection_ = next;
-    ML4_RETURN_IF_ERROR(be.reserve_selections(next + 1));
+    // Decode context parallelism: each selection has a twin holding this rank's local indices.
+    if (f->context_parallel()) f->local_selection_offset_ = next + 1;
+    ML4_RETURN_IF_ERROR(be.reserve_selections((next + 1) * (f->context_parallel() ? 2 : 1)));
   }
   ML4_RETURN_IF_ERROR(f->register_weights(w));
   if (opts.drafter) {
@@ -373,7 +375,24 @@ Status ModelForward::indexer_select(int l, ForwardTrace* trace) {
   s.weight_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(HI)) / std::sqrt(static_cast<double>(dI)));
   s.selection = selection_of_owner_[l];
   s.record_positions = trace != nullptr;
-  ML4_RETURN_IF_ERROR(be_.indexer_select(s));
+  if (context_parallel()) {
+    // Each rank's top-k over its keys, gathered, merged into the exact global top-k.
+    Communicator& c = *comms_.dcp;
+    const int64_t n = T * cfg_.indexer.topk;
+    ML4_ASSIGN_OR_RETURN(void* cs, be_.scratch(kDcpCandScores, n * 4));
+    ML4_ASSIGN_OR_RETURN(void* cp, be_.scratch(kDcpCandPos, n * 4));
+    ML4_ASSIGN_OR_RETURN(void* as, be_.scratch(kDcpAllScores, c.size() * n * 4));
+    ML4_ASSIGN_OR_RETURN(void* ap, be_.scratch(kDcpAllPos, c.size() * n * 4));
+    s.cand_scores = static_cast<float*>(cs);
+    s.cand_pos = static_cast<int32_t*>(cp);
+    ML4_RETURN_IF_ERROR(be_.indexer_select(s));
+    ML4_RETURN_IF_ERROR(c.all_gather(cs, as, n * 4));
+    ML4_RETURN_IF_ERROR(c.all_gather(cp, ap, n * 4));
+    ML4_RETURN_IF_ERROR(be_.merge_topk_candidates(static_cast<float*>(as), static_cast<int32_t*>(ap), c.size(),
+                                                  s.selection, s.selection + local_selection_offset_));
+  } else {
+    ML4_RETURN_IF_ERROR(be_.indexer_select(s));
+  }
   if (trace != nullptr) {
     ML4_ASSIGN_OR_RETURN(trace->topk[l], be_.read_selection(s.selection));
   }
@@ -400,6 +419,13 @@ Status ModelForward::select_keys(int l, const StepMetadata* md, ForwardTrace* tr
   const bool forced = trace != nullptr && l < static_cast<int>(trace->forced_topk.size()) && !trace->forced_topk[l].empty();
   if (forced) {  // test input, validated in forward()
     ML4_RETURN_IF_ERROR(be_.set_selection(forced_selection_, trace->forced_topk[l]));
+    if (context_parallel()) {  // this rank's local indices of the forced positions
+      std::vector<std::vector<int32_t>> local(trace->forced_topk[l].size());
+      for (size_t t = 0; t < local.size(); ++t)
+        for (int32_t p : trace->forced_topk[l][t])
+          if (md->shard.holds(p)) local[t].push_back(static_cast<int32_t>(md->shard.local_index(p)));
+      ML4_RETURN_IF_ERROR(be_.set_selection(forced_selection_ + local_selection_offset_, local));
+    }
     *selection = forced_selection_;
   } else {
     *selection = selection_of_owner_[src];
@@ -418,7 +444,7 @@ Status ModelForward::attention(int l, const StepMetadata* md, ForwardTrace* trac
   const float eps = static_cast<float>(cfg_.norm_eps);
   // An indexer owner's branch on the side queue: keys at once, queries once the q latent is
   // normalized; joined before the q path, which needs the top-k counts (SSMax's n).
-  const bool fork = trace == nullptr && spec.indexer == IndexerRole::kOwner &&
+  const bool fork = trace == nullptr && spec.indexer == IndexerRole::kOwner && !context_parallel() &&
                     be_.can_overlap({L.wq, L.wq_a, L.wq_b, L.wkv_a, L.idx_wq, L.idx_wk, L.idx_wproj});
   if (fork) ML4_RETURN_IF_ERROR(be_.side([&] { return indexer_keys(l); }));
   auto fork_select = [&]() -> Status {
@@ -471,13 +497,86 @@ Status ModelForward::attention(int l, const StepMetadata* md, ForwardTrace* trac
   ma.head_scale = x.head_scale;
   ma.out_lat = x.out_lat;
   ma.lse = x.lse;
-  ML4_RETURN_IF_ERROR(be_.timed("attn: MLA kernel", [&] { return be_.mla_attention(ma).with_context("layer " + std::to_string(l)); }));
+  if (context_parallel()) {
+    ML4_RETURN_IF_ERROR(be_.timed("attn: DCP attention", [&] {
+      return context_parallel_attention(ma).with_context("layer " + std::to_string(l));
+    }));
+  } else {
+    ML4_RETURN_IF_ERROR(be_.timed("attn: MLA kernel", [&] { return be_.mla_attention(ma).with_context("layer " + std::to_string(l)); }));
+  }
   ML4_RETURN_IF_ERROR(be_.timed("attn: W_UV", [&] { return be_.mla_apply_uv(L.w_uv, x.out_lat, x.o); }));
   return be_.timed("attn: o projection", [&] { return be_.linear(L.wo, x.o, T, out); });
 }
 
 // 7. MoE: the f32 router and its top-k; on traced steps the router's choice read back and
 // forced experts applied (a host round trip); then the routed and shared experts.
+// Decode context parallelism (SYSTEM.md S8), vLLM's scheme: the DCP ranks (runs of a TP
+// group) hold disjoint shares of every sequence's keys, so each rank attends the queries of
+// every head of the group over its share and the partials are merged by log-sum-exp (natural
+// log, MlaArgs::lse's base): all-to-all of (out, lse) per head owner then a local merge (a2a),
+// or an all-gather of lse, a local rescale and a reduce-scatter sum (ag_rs). ma: this rank's
+// heads' arguments (selection: the global one, whose local twin is read here).
+Status ModelForward::context_parallel_attention(MlaArgs ma) {
+  Communicator& c = *comms_.dcp;
+  const Activations& x = be_.acts();
+  const int64_t T = be_.step_tokens();
+  const int N = c.size(), H = cfg_.n_heads, HG = H * N;
+  const int r = cfg_.kv_lora_rank, qk = cfg_.qk_nope_head_dim + cfg_.qk_rope_head_dim;
+  // 1. The group's queries: per rank [T][q_lat H r | q H qk | scale H], all-gathered, laid out
+  // [T, HG, .] with rank p's heads at p H.
+  const int64_t w = static_cast<int64_t>(H) * (r + qk + 1);
+  ML4_ASSIGN_OR_RETURN(void* sendv, be_.scratch(kDcpSend, std::max<int64_t>(T * w, T * H * (r + 1) * N) * 4));
+  ML4_ASSIGN_OR_RETURN(void* recvv, be_.scratch(kDcpRecv, std::max<int64_t>(N * T * w, T * H * (r + 1) * N) * 4));
+  ML4_ASSIGN_OR_RETURN(void* qv, be_.scratch(kDcpQueries, T * HG * (r + qk + 1) * 4));
+  ML4_ASSIGN_OR_RETURN(void* ov, be_.scratch(kDcpOut, T * HG * (r + 1 + N) * 4));
+  float* send = static_cast<float*>(sendv);
+  float* recv = static_cast<float*>(recvv);
+  float* q_lat = static_cast<float*>(qv);
+  float* q = q_lat + T * HG * r;
+  float* scale = q + T * HG * qk;
+  float* out = static_cast<float*>(ov);
+  float* lse = out + T * HG * r;
+  float* lse_all = lse + T * HG;
+  if (T > 0) {
+    ML4_RETURN_IF_ERROR(be_.copy_rows(ma.q_lat, H * r, send, w, T, H * r));
+    ML4_RETURN_IF_ERROR(be_.copy_rows(ma.q, H * qk, send + H * r, w, T, H * qk));
+    ML4_RETURN_IF_ERROR(be_.copy_rows(ma.head_scale, H, send + H * (r + qk), w, T, H));
+  }
+  ML4_RETURN_IF_ERROR(c.all_gather(send, recv, T * w * 4));
+  for (int p = 0; p < N && T > 0; ++p) {
+    const float* src = recv + p * T * w;
+    ML4_RETURN_IF_ERROR(be_.copy_rows(src, w, q_lat + p * H * r, HG * r, T, H * r));
+    ML4_RETURN_IF_ERROR(be_.copy_rows(src + H * r, w, q + p * H * qk, HG * qk, T, H * qk));
+    ML4_RETURN_IF_ERROR(be_.copy_rows(src + H * (r + qk), w, scale + p * H, HG, T, H));
+  }
+  // 2. Every head of the group over this rank's keys (a rank without any of a query's keys
+  // gives out 0, lse -inf).
+  MlaArgs local = ma;
+  if (local.selection >= 0) local.selection += local_selection_offset_;
+  local.heads = HG;
+  local.q_lat = q_lat;
+  local.q = q;
+  local.head_scale = scale;
+  local.out_lat = out;
+  local.lse = lse;
+  ML4_RETURN_IF_ERROR(be_.mla_attention(local));
+  // 3. The combine, into this rank's heads' out_lat [T, H, r].
+  if (plan_->dcp_all_to_all()) {
+    const int64_t part = T * H * (r + 1);  // [T, H, r] out then [T, H] lse, for each head owner
+    for (int p = 0; p < N && T > 0; ++p) {
+      ML4_RETURN_IF_ERROR(be_.copy_rows(out + p * H * r, HG * r, send + p * part, H * r, T, H * r));
+      ML4_RETURN_IF_ERROR(be_.copy_rows(lse + p * H, HG, send + p * part + T * H * r, H, T, H));
+    }
+    ML4_RETURN_IF_ERROR(c.all_to_all(send, recv, part * 4));
+    return T > 0 ? be_.merge_attention_parts(recv, N, part, T * H, r, x.out_lat) : Status::ok();
+  }
+  ML4_RETURN_IF_ERROR(c.all_gather(lse, lse_all, T * HG * 4));
+  if (T > 0) ML4_RETURN_IF_ERROR(be_.rescale_attention_part(out, lse, lse_all, N, T * HG, r));
+  for (int p = 0; p < N && T > 0; ++p)
+    ML4_RETURN_IF_ERROR(be_.copy_rows(out + p * H * r, HG * r, send + p * T * H * r, H * r, T, H * r));
+  return c.reduce_scatter_sum(send, x.out_lat, T * H * r);
+}
+
 Status ModelForward::moe(int l, ForwardTrace* trace, float* out) {
   const LayerRefs& L = layers_[l];
   const Activations& x = be_.acts();

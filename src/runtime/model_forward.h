@@ -42,7 +42,9 @@ class ModelForward {
     // the rank's shard and the config its local_config(); the program adds the collectives
     // over `comms` (TP all-reduces after wo, the dense FFN, the MoE and the vocabulary-parallel
     // embedding; the logits' all-gather; expert-parallel dispatch and combine). Null: no such
-    // group (a group of one rank given here still runs the collective path).
+    // group (a group of one rank given here still runs the collective path). comms.dcp:
+    // decode context parallelism, the latent and indexer caches sharded by token
+    // (kv/context_shard.h) and attention combined over the group.
     const ParallelPlan* plan = nullptr;
     ParallelComms comms;
   };
@@ -110,6 +112,10 @@ class ModelForward {
   // the logits from the ranks' vocabulary shards.
   // A group given (even of one rank: the single-GPU check of the NCCL path) runs its path.
   bool tensor_parallel() const { return comms_.tp != nullptr; }
+  bool context_parallel() const { return comms_.dcp != nullptr; }
+  Status context_parallel_attention(MlaArgs ma);
+  // Backend::scratch slots of the DCP path (0 .. 9 are expert parallelism's).
+  enum : int { kDcpCandScores = 10, kDcpCandPos, kDcpAllScores, kDcpAllPos, kDcpSend, kDcpRecv, kDcpQueries, kDcpOut };
   bool expert_parallel() const { return comms_.ep != nullptr; }
   Status tp_all_reduce(float* x, int64_t n);
   Status moe_expert_parallel(int l, float* out);
@@ -131,6 +137,7 @@ class ModelForward {
   // share buffer 0. The last buffer holds forced selections (traced steps).
   std::vector<int> selection_of_owner_;
   int forced_selection_ = -1;
+  int local_selection_offset_ = 0;  // DCP: selection s's local twin is s + this
   std::unique_ptr<DrafterRefs> drafter_;
   const ParallelPlan* plan_ = nullptr;
   ParallelComms comms_;

@@ -27,6 +27,9 @@ struct CacheGroupInfo {
   // Data parallelism (runtime/parallel_runner.h): blocks [k n / p, (k + 1) n / p) live on DP
   // rank k, and the block manager keeps each sequence's blocks within one such range.
   int partitions = 1;
+  // Decode context parallelism (kv/context_shard.h): the group's tokens are sharded over this
+  // many ranks; a block covers page_tokens tokens of which each rank holds page_tokens / this.
+  int context_shards = 1;
 };
 
 // The memory of one layer slot of one cache group: num_blocks pages of block_bytes each,

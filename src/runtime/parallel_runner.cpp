@@ -190,7 +190,7 @@ Result<StepOutput> ParallelRunner::execute_traced(const StepInput& in, ForwardTr
   const int dp = group_->layout.dp_size, tp = group_->layout.tp_size;
   const ModelConfig& cfg = config();
   // Every rank must see a valid step: validate here, before anything is sent.
-  ML4_RETURN_IF_ERROR(build_step_metadata(in, groups_, cfg.vocab_size, 0).status());
+  ML4_RETURN_IF_ERROR(build_step_metadata(in, groups_, cfg.vocab_size, 0, -1, group_->plan->context_shard()).status());
   std::vector<int64_t> per_rank;
   for (const auto& g : local_->cache_groups()) per_rank.push_back(g.num_blocks);
   std::vector<StepInput> slices(dp);

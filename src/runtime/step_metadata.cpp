@@ -3,11 +3,20 @@
 namespace ml4 {
 
 Result<StepMetadata> build_step_metadata(const StepInput& in, const std::vector<CacheGroupInfo>& groups,
-                                         int vocab_size, int64_t max_model_len, int only_group) {
+                                         int vocab_size, int64_t max_model_len, int only_group,
+                                         const ContextShard& shard) {
   StepMetadata md;
+  md.shard = shard;
   const int ngroups = static_cast<int>(groups.size());
   md.page_tokens_.resize(ngroups);
-  for (int g = 0; g < ngroups; ++g) md.page_tokens_[g] = groups[g].page_tokens;
+  md.sharded_.resize(ngroups);
+  for (int g = 0; g < ngroups; ++g) {
+    const int n = groups[g].context_shards;
+    if (n > 1 && (n != shard.size || groups[g].page_tokens % n != 0))
+      return internal_error("cache group {} is sharded {} ways, the step's shard {} ways", groups[g].name, n, shard.size);
+    md.page_tokens_[g] = groups[g].page_tokens / n;
+    md.sharded_[g] = n > 1;
+  }
   md.slots.resize(ngroups);
   for (size_t si = 0; si < in.seqs.size(); ++si) {
     const SeqStep& s = in.seqs[si];
@@ -63,11 +72,29 @@ Result<StepMetadata> build_step_metadata(const StepInput& in, const std::vector<
     md.slots[g].resize(md.num_tokens(), -1);
     for (int64_t t = 0; t < md.num_tokens(); ++t) {
       const auto& bt = md.seqs[md.seq_of_token[t]].step->block_tables[g];
-      const int64_t b = md.positions[t] / groups[g].page_tokens;
-      if (b < static_cast<int64_t>(bt.size()) && bt[b] >= 0) md.slots[g][t] = md.slot_of(md.seq_of_token[t], g, md.positions[t]);
+      const int64_t pos = md.positions[t];
+      if (md.sharded(g) && !shard.holds(pos)) continue;  // another DCP rank's token
+      const int64_t index = md.sharded(g) ? shard.local_index(pos) : pos;
+      const int64_t b = index / md.page_tokens_[g];
+      if (b < static_cast<int64_t>(bt.size()) && bt[b] >= 0) md.slots[g][t] = md.slot_of(md.seq_of_token[t], g, index);
     }
   }
   return md;
+}
+
+Status shard_cache_groups(const KvCacheSpec& spec, const ContextShard& shard, std::vector<CacheGroupInfo>* groups) {
+  if (!shard.sharded()) return Status::ok();
+  for (size_t g = 0; g < spec.groups.size() && g < groups->size(); ++g) {
+    const auto kind = spec.groups[g].kind;
+    if (kind != CacheGroupSpec::kLatent && kind != CacheGroupSpec::kIndexer) continue;
+    CacheGroupInfo& info = (*groups)[g];
+    if (info.page_tokens % shard.interleave != 0)
+      return invalid_argument("--dcp-kv-cache-interleave-size {} must divide the {}-token KV page", shard.interleave,
+                              info.page_tokens);
+    info.page_tokens *= shard.size;
+    info.context_shards = shard.size;
+  }
+  return Status::ok();
 }
 
 }  // namespace ml4

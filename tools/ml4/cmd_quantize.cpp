@@ -10,9 +10,9 @@ namespace ml4::cli {
 namespace {
 
 CommandRegistrar reg("quantize", [](CLI::App& app, int* exit_code) {
-  auto* cmd = app.add_subcommand("quantize", "re-store a model's linear weights as fp8 (128x128 block), mxfp4 or nvfp4");
+  auto* cmd = app.add_subcommand("quantize", "re-store a model's linear weights as bf16, fp8 (128x128 block), mxfp4 or nvfp4");
   auto o = std::make_shared<QuantizeOptions>();
-  cmd->add_option("--to", o->to, "fp8: every linear but output/gate/indexer.weights_proj; mxfp4 / nvfp4: routed "
+  cmd->add_option("--to", o->to, "bf16: every linear decoded and rounded to bf16; fp8: every linear but output/gate/indexer.weights_proj; mxfp4 / nvfp4: routed "
                                  "experts FP4, the other linears fp8")
       ->required();
   cmd->add_option("--max-shard-bytes", o->max_shard_bytes, "split the weights into shards of at most this size");

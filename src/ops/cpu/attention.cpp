@@ -317,4 +317,47 @@ void indexer_scores(const float* q, const float* w, int HI, int dI, const float*
   });
 }
 
+namespace {
+// L = log sum_p exp(lse[p * stride]) with the max taken out; -inf when every part is empty.
+float combined_lse(const float* lse, int n, int64_t stride) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int p = 0; p < n; ++p) m = std::max(m, lse[p * stride]);
+  if (m == -std::numeric_limits<float>::infinity()) return m;
+  float sum = 0.0f;
+  for (int p = 0; p < n; ++p) sum += std::exp(lse[p * stride] - m);
+  return m + std::log(sum);
+}
+}  // namespace
+
+void merge_attention_parts(const float* parts, int n, int64_t part_stride, int64_t rows, int64_t cols, float* out) {
+  parallel_for(rows, 16, [&](int64_t b, int64_t e) {
+    for (int64_t row = b; row < e; ++row) {
+      const float* lse = parts + rows * cols + row;
+      const float L = combined_lse(lse, n, part_stride);
+      float* o = out + row * cols;
+      std::fill_n(o, cols, 0.0f);
+      if (L == -std::numeric_limits<float>::infinity()) continue;
+      for (int p = 0; p < n; ++p) {
+        const float l = lse[p * part_stride];
+        if (l == -std::numeric_limits<float>::infinity()) continue;
+        const float w = std::exp(l - L);
+        const float* x = parts + p * part_stride + row * cols;
+        for (int64_t c = 0; c < cols; ++c) o[c] += w * x[c];
+      }
+    }
+  });
+}
+
+void rescale_attention_part(float* out, const float* lse, const float* lse_all, int n, int64_t rows, int64_t cols) {
+  parallel_for(rows, 16, [&](int64_t b, int64_t e) {
+    for (int64_t row = b; row < e; ++row) {
+      const float L = combined_lse(lse_all + row, n, rows);
+      const float l = lse[row];
+      const float w = l == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(l - L);
+      float* o = out + row * cols;
+      for (int64_t c = 0; c < cols; ++c) o[c] *= w;
+    }
+  });
+}
+
 }  // namespace ml4::cpu

@@ -42,4 +42,13 @@ void mla_apply_uv(const float* w_uv, const float* out_lat, int64_t T, int H, int
 void indexer_scores(const float* q, const float* w, int HI, int dI, const float* k, int64_t S,
                     float* scores);
 
+// Decode context parallelism's combine (SYSTEM.md S8), natural-log lse throughout. Part p of n:
+// out [rows, cols] at parts + p * part_stride, its lse [rows] right after.
+//   merge_attention_parts: out = sum_p exp(lse_p - L) out_p in part order, L = log sum_p
+//     exp(lse_p) (m = max_p lse_p first); -inf parts weigh 0; all -inf gives 0.
+//   rescale_attention_part: out *= exp(lse - L), L over lse_all [n][rows] (0 where lse = -inf),
+//     the term each rank adds in the all-gather + reduce-scatter combine.
+void merge_attention_parts(const float* parts, int n, int64_t part_stride, int64_t rows, int64_t cols, float* out);
+void rescale_attention_part(float* out, const float* lse, const float* lse_all, int n, int64_t rows, int64_t cols);
+
 }  // namespace ml4::cpu

@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
+#include <numeric>
 
 #include "core/threads.h"
 #include "ops/cpu/draft_tokens.h"
@@ -232,7 +234,9 @@ Status CpuBackend::indexer_key_write(int cache_slot, float* k) {
   const int dI = cfg_.indexer.head_dim;
   const int64_t T = step_tokens();
   cpu::hadamard_transform(k, T, dI);
-  for (int64_t t = 0; t < T; ++t) cache_->write_indexer_key(cache_slot, md_->slots[indexer_group_][t], k + t * dI);
+  const auto& slots = md_->slots[indexer_group_];
+  for (int64_t t = 0; t < T; ++t)
+    if (slots[t] >= 0) cache_->write_indexer_key(cache_slot, slots[t], k + t * dI);
   return Status::ok();
 }
 
@@ -253,11 +257,14 @@ Status CpuBackend::indexer_select(const IndexerSelectArgs& p) {
     }
   }
   for (int64_t i = 0; i < T * HI; ++i) p.w[i] *= p.weight_scale;
+  // Keys in the indexer group's index space: positions, or this DCP rank's local indices.
+  const bool candidates = p.cand_scores != nullptr;
+  const int topk = cfg_.indexer.topk;
   auto& out = selections_[p.selection];
-  out.assign(T, {});
+  if (!candidates) out.assign(T, {});
   for (size_t si = 0; si < md_->seqs.size(); ++si) {
     const auto& seq = md_->seqs[si];
-    const int64_t n = seq.context_len;
+    const int64_t n = md_->keys(static_cast<int>(si), indexer_group_);
     std::vector<float> keys(n * dI);
     parallel_for(n, 64, [&](int64_t b, int64_t e) {
       for (int64_t s = b; s < e; ++s)
@@ -267,17 +274,82 @@ Status CpuBackend::indexer_select(const IndexerSelectArgs& p) {
       std::vector<float> scores;
       for (int64_t i = b; i < e; ++i) {
         const int64_t t = seq.first_token + i;
-        const int64_t visible = md_->positions[t] + 1;
+        const int64_t visible = md_->visible(t, indexer_group_);
         scores.resize(visible);
         cpu::indexer_scores(p.q + t * HI * dI, p.w + t * HI, HI, dI, keys.data(), visible, scores.data());
-        const int kk = static_cast<int>(std::min<int64_t>(cfg_.indexer.topk, visible));
+        const int kk = static_cast<int>(std::min<int64_t>(topk, visible));
         std::vector<int32_t> idx(kk);
         cpu::topk(scores.data(), visible, kk, idx.data());
+        if (candidates) {
+          float* cs = p.cand_scores + t * topk;
+          int32_t* cp = p.cand_pos + t * topk;
+          std::fill_n(cs, topk, -std::numeric_limits<float>::infinity());
+          std::fill_n(cp, topk, -1);
+          for (int j = 0; j < kk; ++j) {
+            cs[j] = scores[idx[j]];
+            cp[j] = static_cast<int32_t>(md_->sharded(indexer_group_) ? md_->shard.global_index(idx[j]) : idx[j]);
+          }
+          continue;
+        }
         std::sort(idx.begin(), idx.end());
         out[t] = std::move(idx);
       }
     });
   }
+  return Status::ok();
+}
+
+Status CpuBackend::merge_topk_candidates(const float* scores, const int32_t* pos, int n, int selection,
+                                         int local_selection) {
+  const int64_t T = step_tokens();
+  const int topk = cfg_.indexer.topk;
+  auto& global = selections_[selection];
+  auto& local = selections_[local_selection];
+  global.assign(T, {});
+  local.assign(T, {});
+  parallel_for(T, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> cs;
+    std::vector<int32_t> cp, idx;
+    for (int64_t t = b; t < e; ++t) {
+      cs.clear();
+      cp.clear();
+      for (int p = 0; p < n; ++p)
+        for (int j = 0; j < topk; ++j) {
+          const int64_t at = (p * T + t) * topk + j;
+          if (pos[at] < 0) continue;
+          cs.push_back(scores[at]);
+          cp.push_back(pos[at]);
+        }
+      // Candidates ordered by position, so cpu::topk's lower-index tie rule is DCP 1's
+      // lower-position rule.
+      std::vector<int32_t> order(cs.size());
+      std::iota(order.begin(), order.end(), 0);
+      std::sort(order.begin(), order.end(), [&](int32_t a, int32_t c) { return cp[a] < cp[c]; });
+      std::vector<float> sorted(cs.size());
+      for (size_t i = 0; i < order.size(); ++i) sorted[i] = cs[order[i]];
+      const int kk = static_cast<int>(std::min<int64_t>({topk, md_->positions[t] + 1, static_cast<int64_t>(cs.size())}));
+      idx.resize(kk);
+      cpu::topk(sorted.data(), static_cast<int64_t>(sorted.size()), kk, idx.data());
+      std::vector<int32_t> g(kk);
+      for (int j = 0; j < kk; ++j) g[j] = cp[order[idx[j]]];
+      std::sort(g.begin(), g.end());
+      for (int32_t gp : g)
+        if (md_->shard.holds(gp)) local[t].push_back(static_cast<int32_t>(md_->shard.local_index(gp)));
+      global[t] = std::move(g);
+    }
+  });
+  return Status::ok();
+}
+
+Status CpuBackend::merge_attention_parts(const float* parts, int n, int64_t part_stride, int64_t rows, int64_t cols,
+                                         float* out) {
+  cpu::merge_attention_parts(parts, n, part_stride, rows, cols, out);
+  return Status::ok();
+}
+
+Status CpuBackend::rescale_attention_part(float* out, const float* lse, const float* lse_all, int n, int64_t rows,
+                                          int64_t cols) {
+  cpu::rescale_attention_part(out, lse, lse_all, n, rows, cols);
   return Status::ok();
 }
 
@@ -299,12 +371,12 @@ Status CpuBackend::mla_absorb_q(const float* w_uk, const float* q, float* q_lat)
 }
 
 Status CpuBackend::mla_attention(const MlaArgs& p) {
-  const int H = cfg_.n_heads, dn = cfg_.qk_nope_head_dim, dr = cfg_.qk_rope_head_dim, r = cfg_.kv_lora_rank;
+  const int H = p.heads > 0 ? p.heads : cfg_.n_heads, dn = cfg_.qk_nope_head_dim, dr = cfg_.qk_rope_head_dim, r = cfg_.kv_lora_rank;
   const int qk = dn + dr;
   const int g = group_index(p.group);
   for (size_t si = 0; si < md_->seqs.size(); ++si) {
     const auto& seq = md_->seqs[si];
-    const int64_t n = seq.context_len;
+    const int64_t n = md_->keys(static_cast<int>(si), g);
     // Keys [lo, n) of the sequence are decoded once (a block window reads only its window).
     const int64_t lo = p.selection == kBlockWindow ? std::max<int64_t>(0, seq.start_pos - cfg_.drafter.window) : 0;
     std::vector<float> keys_c((n - lo) * r), keys_kr((n - lo) * dr);
@@ -325,7 +397,7 @@ Status CpuBackend::mla_attention(const MlaArgs& p) {
         // Keys: the selection, or every s <= p.
         const float* cp = keys_c.data();
         const float* krp = keys_kr.data();
-        int64_t S = md_->positions[t] + 1;
+        int64_t S = md_->visible(t, g);
         if (p.selection != kDenseSelection) {
           const auto& sel = selected(p.selection, t);
           S = static_cast<int64_t>(sel.size());

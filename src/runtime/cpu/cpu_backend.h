@@ -68,6 +68,12 @@ class CpuBackend : public Backend {
   Status scatter_add_rows_at(const float* src, const int32_t* idx, int64_t n, int64_t cols, float* dst) override;
   Status moe_experts_rows(MoeRef moe, const float* x, int64_t n, const int32_t* ids, const float* weights,
                           float* out) override;
+  Status merge_topk_candidates(const float* scores, const int32_t* pos, int n, int selection,
+                               int local_selection) override;
+  Status merge_attention_parts(const float* parts, int n, int64_t part_stride, int64_t rows, int64_t cols,
+                               float* out) override;
+  Status rescale_attention_part(float* out, const float* lse, const float* lse_all, int n, int64_t rows,
+                                int64_t cols) override;
   Result<TableRef> add_table(const Tensor& t) override;
   Status gather_table_rows(TableRef t, const int32_t* ids, int64_t n, float* out) override;
   Status copy_rows(const float* src, int64_t src_stride, float* dst, int64_t dst_stride, int64_t rows,

@@ -48,6 +48,8 @@ Result<std::unique_ptr<CpuRunner>> CpuRunner::create(const ModelConfig& cfg, std
     const auto& sg = spec.groups[g];
     r->groups_.push_back(CacheGroupInfo{sg.name, sg.page_tokens, blocks[g], sg.sliding_window, sg.bytes_per_token()});
   }
+  if (opts.plan != nullptr) r->shard_ = opts.plan->context_shard();
+  ML4_RETURN_IF_ERROR(shard_cache_groups(spec, r->shard_, &r->groups_));
   r->backend_ = std::make_unique<CpuBackend>(cfg, weights, r->cache_.get());
   ModelForward::Options fo;
   fo.duplicate_shared_kv = duplicate_shared_kv;
@@ -62,7 +64,7 @@ Result<StepOutput> CpuRunner::execute(const StepInput& in) { return execute_trac
 
 Result<StepOutput> CpuRunner::execute_traced(const StepInput& in, ForwardTrace* trace) {
   const ModelConfig& cfg = config();
-  ML4_ASSIGN_OR_RETURN(StepMetadata md, build_step_metadata(in, groups_, cfg.vocab_size, max_model_len_));
+  ML4_ASSIGN_OR_RETURN(StepMetadata md, build_step_metadata(in, groups_, cfg.vocab_size, max_model_len_, -1, shard_));
   backend_->begin_step(md);
   ML4_RETURN_IF_ERROR(program_->forward(&md, trace));
   StepOutput out;
@@ -97,7 +99,7 @@ Result<DraftOutput> CpuRunner::draft(const DraftInput& in) {
     s.num_logits = B - 1;
     step.seqs.push_back(std::move(s));
   }
-  ML4_ASSIGN_OR_RETURN(StepMetadata md, build_step_metadata(step, groups_, cfg.vocab_size, 0, dg));
+  ML4_ASSIGN_OR_RETURN(StepMetadata md, build_step_metadata(step, groups_, cfg.vocab_size, 0, dg, shard_));
   backend_->begin_step(md);
   const int64_t n = static_cast<int64_t>(in.seqs.size());
   const Activations& x = backend_->acts();

@@ -48,6 +48,7 @@ class CpuRunner : public ModelRunner {
   std::unique_ptr<CpuBackend> backend_;
   std::unique_ptr<ModelForward> program_;
   std::vector<CacheGroupInfo> groups_;
+  ContextShard shard_;  // decode context parallelism: this rank's share of the KV
   int64_t max_model_len_ = 0;
 };
 

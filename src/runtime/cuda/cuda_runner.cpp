@@ -61,6 +61,10 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::create(const ModelConfig& cfg, c
     // A parallel rank: NCCL communicators over the plan's groups on the backend's stream,
     // bootstrapped through the MPI ones (parallel/cuda/nccl_communicator.h). A plan of one
     // rank gets a TP group of one: the single-GPU check of the NCCL path.
+    if (plan->context_shard().sharded())
+      return unimplemented(
+          "--decode-context-parallel-size {} on CUDA ranks is not supported yet (DCP runs on CPU ranks; docs/PARALLEL.md)",
+          plan->context_shard().size);
 #if defined(ML4_WITH_NCCL)
     ML4_ASSIGN_OR_RETURN(r->tp_comm_, make_nccl_communicator(opts.base.comms.tp, r->backend_->stream()));
     if (plan->expert_parallel() && plan->ep_size() > 1) {

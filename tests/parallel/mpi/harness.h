@@ -21,8 +21,9 @@ int rank();
 int world();
 
 // Rank 0: makes every rank load `dir` as a parallel runner and returns rank 0's; null (with
-// a test failure) when loading failed.
-std::unique_ptr<ModelRunner> load_everywhere(const std::string& dir, const std::string& kv, const ParallelConfig& pc);
+// a test failure) when loading failed. max_model_len 0: the model's; kv_mib: each rank's KV budget.
+std::unique_ptr<ModelRunner> load_everywhere(const std::string& dir, const std::string& kv, const ParallelConfig& pc,
+                                             int max_model_len = 0, int kv_mib = 32);
 // Rank 0: the workers leave serve() for the next case.
 void end_case();
 // Workers: serve load requests until end_case().

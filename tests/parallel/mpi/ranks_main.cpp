@@ -15,14 +15,15 @@ constexpr int kLoad = 1, kEnd = 2;
 
 struct Message {
   int kind = 0;
-  int tp = 1, dp = 1, ep = 0;
+  int tp = 1, dp = 1, ep = 0, dcp = 1, interleave = 1, a2a = 1, max_len = 0, kv_mib = 32;
   std::string dir, kv;
 };
 
 void bcast_message(Message* m) {
-  int hdr[4] = {m->kind, m->tp, m->dp, m->ep};
-  MPI_Bcast(hdr, 4, MPI_INT, 0, MPI_COMM_WORLD);
+  int hdr[9] = {m->kind, m->tp, m->dp, m->ep, m->dcp, m->interleave, m->a2a, m->max_len, m->kv_mib};
+  MPI_Bcast(hdr, 9, MPI_INT, 0, MPI_COMM_WORLD);
   m->kind = hdr[0], m->tp = hdr[1], m->dp = hdr[2], m->ep = hdr[3];
+  m->dcp = hdr[4], m->interleave = hdr[5], m->a2a = hdr[6], m->max_len = hdr[7], m->kv_mib = hdr[8];
   std::string s = m->dir + '\n' + m->kv;
   int n = static_cast<int>(s.size());
   MPI_Bcast(&n, 1, MPI_INT, 0, MPI_COMM_WORLD);
@@ -33,10 +34,11 @@ void bcast_message(Message* m) {
   m->kv = s.substr(nl + 1);
 }
 
-RunnerOptions options(const std::string& kv) {
+RunnerOptions options(const Message& m) {
   RunnerOptions ro;
-  ro.kv_cache_dtype = kv;
-  ro.kv_cache_bytes = 32ll << 20;
+  ro.kv_cache_dtype = m.kv;
+  ro.kv_cache_bytes = static_cast<int64_t>(m.kv_mib) << 20;
+  ro.max_model_len = m.max_len;
   return ro;
 }
 
@@ -45,12 +47,15 @@ Result<std::unique_ptr<ModelRunner>> load(const Message& m, Status* worker_statu
   pc.tensor_parallel_size = m.tp;
   pc.data_parallel_size = m.dp;
   pc.enable_expert_parallel = m.ep != 0;
+  pc.decode_context_parallel_size = m.dcp;
+  pc.dcp_kv_cache_interleave_size = m.interleave;
+  pc.dcp_comm_backend = m.a2a ? "a2a" : "ag_rs";
   const std::string dir = m.dir;
   auto load_local = [dir](const RunnerOptions& o) -> Result<std::unique_ptr<ModelRunner>> {
     ML4_ASSIGN_OR_RETURN(auto r, CpuRunner::load(dir, o));
     return std::unique_ptr<ModelRunner>(std::move(r));
   };
-  return load_parallel_runner(pc, m.dir, options(m.kv), load_local, worker_status);
+  return load_parallel_runner(pc, m.dir, options(m), load_local, worker_status);
 }
 
 }  // namespace
@@ -58,12 +63,18 @@ Result<std::unique_ptr<ModelRunner>> load(const Message& m, Status* worker_statu
 int rank() { return MpiEnv::get()->rank(); }
 int world() { return MpiEnv::get()->size(); }
 
-std::unique_ptr<ModelRunner> load_everywhere(const std::string& dir, const std::string& kv, const ParallelConfig& pc) {
+std::unique_ptr<ModelRunner> load_everywhere(const std::string& dir, const std::string& kv, const ParallelConfig& pc,
+                                             int max_model_len, int kv_mib) {
   Message m;
   m.kind = kLoad;
   m.tp = pc.tensor_parallel_size;
   m.dp = pc.data_parallel_size;
   m.ep = pc.enable_expert_parallel;
+  m.dcp = pc.decode_context_parallel_size;
+  m.interleave = pc.dcp_kv_cache_interleave_size;
+  m.a2a = pc.dcp_comm_backend == "a2a";
+  m.max_len = max_model_len;
+  m.kv_mib = kv_mib;
   m.dir = dir;
   m.kv = kv;
   bcast_message(&m);

@@ -1,0 +1,311 @@
+// Decode context parallelism against one process (issue 15, SYSTEM.md S8), through the
+// production path (ParallelRunner on rank 0): TP N with the KV cache sharded over DCP groups
+// of 2 or N ranks, both combines (a2a, ag_rs), interleave sizes 1, 4 and 8.
+//
+// What must hold, and why:
+//  - Layer 0's top-k sets equal the single process's exactly, ties included, at every step:
+//    its inputs are the embeddings (bit-identical under TP), so each rank's scores are the
+//    single process's scores of the same keys, and the merge of the ranks' candidates must
+//    give the single process's selection (ties to the lower position). Random ml4-tiny
+//    weights give many exact ties (relu zeroes every head's term for a share of the keys).
+//  - Teacher-forced (the single process's top-k sets and routed experts imposed; ml4-tiny,
+//    bf16 cache), both sides compute one function and what differs is the order of f32 sums:
+//    TP's (model_cases.cpp), and the log-sum-exp merge of the ranks' partial softmaxes (each
+//    renormalised by exp(lse_p - L): a few ulps per element, 2^-24 relative, the size of TP's
+//    reordered sums). The bound is the TP test's (golden_check.h: rel L2 1e-3, max-abs 2e-3
+//    of the largest |logit|), for the reason given there (bf16 cache rounding points).
+//    Measured 6.3e-4 .. 9.7e-4 (2 and 4 ranks, 2026-12-04).
+//  - Free running on the trained model (ml4-small decoded to bf16, English text, prompts of
+//    600 / 1000 / 1500 tokens against a top-k of 256, and one 16k-token prompt): greedy ids
+//    equal at every step, logits within rel L2 1e-2 (measured 4e-6 .. 3.2e-4).
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+
+#include <gtest/gtest.h>
+
+#include "parallel/mpi/harness.h"
+#include "model/quantize_checkpoint.h"
+#include "runtime/cpu/cpu_runner.h"
+#include "runtime/golden_check.h"
+#include "runtime/test_models.h"
+#include "tokenizer/tokenizer.h"
+
+namespace ml4 {
+namespace {
+
+struct Run {
+  std::vector<StepInput> steps;
+  std::vector<StepOutput> outs;
+  std::vector<ForwardTrace> traces;
+};
+
+int argmax(const std::vector<float>& v, int64_t V) {
+  return static_cast<int>(std::max_element(v.begin(), v.begin() + V) - v.begin());
+}
+
+// Sequence i takes blocks [i * stride, ...) of every full-attention group, as many as the
+// runner's block size needs (a DCP runner's block holds N pages).
+SeqStep make_seq(const ModelRunner& r, int i, int stride, std::vector<int32_t> tokens, int64_t start) {
+  SeqStep s;
+  s.seq_id = 100 + i;
+  s.start_pos = start;
+  s.num_logits = 1;
+  const int64_t end = start + static_cast<int64_t>(tokens.size());
+  s.tokens = std::move(tokens);
+  for (const auto& g : r.cache_groups()) {
+    std::vector<int32_t> bt;
+    if (g.sliding_window == 0)
+      for (int64_t b = 0; b * g.page_tokens < end; ++b) bt.push_back(static_cast<int32_t>(i * stride + b));
+    s.block_tables.push_back(bt);
+  }
+  return s;
+}
+
+struct Case {
+  std::string dir, kv;
+  std::vector<std::vector<int32_t>> prompts;
+  int decode_steps = 4;
+  int stride = 8;      // blocks per sequence
+  int kv_mib = 32;     // KV budget per rank
+  int max_len = 0;
+  bool free_greedy = true;  // free running must give the same greedy ids
+  double free_rel_l2 = 0.0; // > 0: free running's logits within this rel L2 of one process
+};
+
+Run reference(ModelRunner& r, const Case& c) {
+  Run run;
+  const int V = r.config().vocab_size;
+  const int n = static_cast<int>(c.prompts.size());
+  StepInput in;
+  for (int i = 0; i < n; ++i) in.seqs.push_back(make_seq(r, i, c.stride, c.prompts[i], 0));
+  for (int step = 0; step <= c.decode_steps; ++step) {
+    ForwardTrace tr;
+    auto out = r.execute_traced(in, &tr);
+    EXPECT_TRUE(out.ok()) << out.status().message();
+    if (!out.ok()) return run;
+    run.steps.push_back(in);
+    run.outs.push_back(*out);
+    run.traces.push_back(tr);
+    StepInput next;
+    for (int i = 0; i < n; ++i) {
+      const auto& s = in.seqs[i];
+      next.seqs.push_back(make_seq(r, i, c.stride, {argmax(out->logits[i], V)},
+                                   s.start_pos + static_cast<int64_t>(s.tokens.size())));
+    }
+    in = next;
+  }
+  return run;
+}
+
+enum Mode { kFree, kTraced, kForced };
+
+// kFree: as served; kTraced: also layer 0's sets must equal; kForced: teacher-forced.
+void compare(ModelRunner& p, const Run& ref, const Case& c, Mode mode, const std::string& what) {
+  const int V = p.config().vocab_size;
+  double worst = 0.0;
+  int64_t sets = 0, differ = 0, greedy_diff = 0;
+  for (size_t k = 0; k < ref.steps.size(); ++k) {
+    StepInput in;
+    for (size_t i = 0; i < ref.steps[k].seqs.size(); ++i) {
+      const auto& s = ref.steps[k].seqs[i];
+      in.seqs.push_back(make_seq(p, static_cast<int>(i), c.stride, s.tokens, s.start_pos));
+    }
+    ForwardTrace tr;
+    if (mode == kForced) {
+      tr.forced_topk = ref.traces[k].topk;
+      tr.forced_experts = ref.traces[k].experts;
+    }
+    auto out = mode == kFree ? p.execute(in) : p.execute_traced(in, &tr);
+    ASSERT_TRUE(out.ok()) << what << ": " << out.status().message();
+    if (mode == kTraced) {
+      ASSERT_EQ(tr.topk.size(), ref.traces[k].topk.size());
+      for (size_t l = 0; l < tr.topk.size(); ++l)
+        for (size_t t = 0; t < tr.topk[l].size(); ++t) {
+          if (l == 0) {
+            EXPECT_EQ(tr.topk[l][t], ref.traces[k].topk[l][t]) << what << " step " << k << " token " << t
+                                                               << ": layer 0's top-k set differs";
+            ++sets;
+          } else {
+            differ += tr.topk[l][t] != ref.traces[k].topk[l][t];
+          }
+        }
+    }
+    for (size_t i = 0; i < in.seqs.size(); ++i) {
+      const auto& a = out->logits[i];
+      const auto& b = ref.outs[k].logits[i];
+      ASSERT_EQ(a.size(), static_cast<size_t>(V));
+      const double rel = testing::rel_l2(a, b);
+      double mx = 0.0, big = 0.0;
+      for (int v = 0; v < V; ++v) {
+        mx = std::max(mx, static_cast<double>(std::abs(a[v] - b[v])));
+        big = std::max(big, static_cast<double>(std::abs(b[v])));
+      }
+      worst = std::max(worst, rel);
+      greedy_diff += argmax(a, V) != argmax(b, V);
+      if (mode == kForced || c.free_greedy)
+        EXPECT_EQ(argmax(a, V), argmax(b, V)) << what << " step " << k << " seq " << i;
+      if (mode != kForced && c.free_rel_l2 > 0.0) EXPECT_LT(rel, c.free_rel_l2) << what << " step " << k << " seq " << i;
+      if (mode == kForced) {
+        EXPECT_LT(rel, golden::kRelL2) << what << " step " << k << " seq " << i;
+        EXPECT_LT(mx, golden::kMaxAbsRel * big) << what << " step " << k << " seq " << i;
+      }
+    }
+  }
+  static const char* names[] = {"free", "traced", "forced"};
+  std::string extra = mode == kTraced ? fmt::format(", layer-0 sets equal: {}, later layers' sets differing: {}", sets, differ)
+                                      : "";
+  std::printf("  %-44s %-6s: worst rel L2 %.2e, greedy ids differing %lld%s\n", what.c_str(), names[mode], worst,
+              static_cast<long long>(greedy_diff), extra.c_str());
+}
+
+struct Config {
+  int tp, dcp, interleave;
+  const char* backend;
+};
+
+std::vector<Config> dcp_configs(int world) {
+  if (world == 2) return {{2, 2, 1, "a2a"}, {2, 2, 1, "ag_rs"}, {2, 2, 8, "a2a"}};
+  if (world == 4) return {{4, 4, 1, "a2a"}, {4, 4, 1, "ag_rs"}, {4, 4, 4, "a2a"}, {4, 2, 1, "a2a"}};
+  return {};
+}
+
+std::unique_ptr<ModelRunner> single_runner(const Case& c) {
+  RunnerOptions ro;
+  ro.kv_cache_dtype = c.kv;
+  ro.kv_cache_bytes = static_cast<int64_t>(c.kv_mib) << 20;
+  ro.max_model_len = c.max_len;
+  auto r = CpuRunner::load(c.dir, ro);
+  EXPECT_TRUE(r.ok()) << r.status().message();
+  return r.ok() ? std::unique_ptr<ModelRunner>(std::move(r).value()) : nullptr;
+}
+
+void check(const Case& c, const std::vector<Config>& configs, const std::vector<Mode>& modes, const std::string& name) {
+  auto single = single_runner(c);
+  ASSERT_TRUE(single);
+  const Run ref = reference(*single, c);
+  ASSERT_EQ(ref.steps.size(), static_cast<size_t>(c.decode_steps + 1));
+  single.reset();
+  ASSERT_FALSE(configs.empty()) << "run with mpirun -np 2 or 4";
+  for (const Config& cf : configs) {
+    ParallelConfig pc;
+    pc.tensor_parallel_size = cf.tp;
+    pc.decode_context_parallel_size = cf.dcp;
+    pc.dcp_kv_cache_interleave_size = cf.interleave;
+    pc.dcp_comm_backend = cf.backend;
+    auto p = mpitest::load_everywhere(c.dir, c.kv, pc, c.max_len, c.kv_mib);
+    ASSERT_TRUE(p);
+    const std::string what = fmt::format("{} tp{} dcp{} I{} {} kv {}", name, cf.tp, cf.dcp, cf.interleave, cf.backend, c.kv);
+    for (Mode m : modes) compare(*p, ref, c, m, what);
+  }
+}
+
+std::vector<int32_t> random_tokens(std::mt19937& rng, int n, int V) {
+  std::vector<int32_t> p(n);
+  for (auto& t : p) t = static_cast<int32_t>(rng() % V);
+  return p;
+}
+
+// English text for the trained model: the repository's docs, tokenized, cut into prompts.
+std::vector<int32_t> docs_tokens(const std::string& dir, int64_t n) {
+  auto tok = Tokenizer::load(dir + "/tekken.json");
+  EXPECT_TRUE(tok.ok()) << tok.status().message();
+  std::vector<int32_t> out;
+  if (!tok.ok()) return out;
+  std::vector<std::filesystem::path> files;
+  for (const auto& e : std::filesystem::directory_iterator(std::string(ML4_SOURCE_DIR) + "/docs"))
+    if (e.path().extension() == ".md") files.push_back(e.path());
+  std::sort(files.begin(), files.end());
+  for (const auto& f : files) {
+    std::ifstream in(f);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    auto ids = (*tok)->encode(ss.str());
+    out.insert(out.end(), ids.begin(), ids.end());
+    if (static_cast<int64_t>(out.size()) >= n) break;
+  }
+  EXPECT_GE(static_cast<int64_t>(out.size()), n) << "docs/*.md hold too little text";
+  out.resize(std::min<int64_t>(n, static_cast<int64_t>(out.size())));
+  return out;
+}
+
+// Random ml4-tiny: teacher-forced within the bound, layer 0's sets exact. Free running is
+// reported, not asserted: random weights make the indexer's scores near-tie everywhere, so
+// a few-ulp difference flips later layers' sets (the debugging run showed layers 0-2 exact
+// and a growing share of differing sets from layer 3 on, as under TP alone with long
+// contexts); the trained model below is where free-running greedy equality is asserted.
+void check_tiny(const std::string& kv) {
+  mpitest::run_case([&] {
+    Case c;
+    c.dir = testing::test_model("ml4-tiny", 1234, "bf16", "native");
+    c.kv = kv;
+    std::mt19937 rng(7);
+    for (int n : {40, 100, 200}) c.prompts.push_back(random_tokens(rng, n, 512));
+    c.free_greedy = false;
+    check(c, dcp_configs(mpitest::world()), {kForced, kTraced, kFree}, "ml4-tiny");
+  });
+}
+
+TEST(ContextParallel, Ml4TinyBf16) { check_tiny("bf16"); }
+
+// assets/ml4-small with its linears decoded to bf16, once per job (rank 0 writes it; every
+// rank reads the directory named in the load message): its FP8 128-blocks cannot be split
+// over TP 2 (a 128-wide shared expert), bf16 weights split at any width.
+std::string ml4_small_bf16() {
+  static const std::string dir = [] {
+    const std::string out =
+        (std::filesystem::temp_directory_path() / fmt::format("ml4-dcp-small-bf16-{}", ::getpid())).string();
+    QuantizeOptions o;
+    o.in_dir = std::string(ML4_SOURCE_DIR) + "/assets/ml4-small";
+    o.out_dir = out;
+    o.to = "bf16";
+    auto r = quantize_checkpoint(o);
+    EXPECT_TRUE(r.ok()) << r.status().message();
+    std::atexit([] {
+      std::error_code ec;
+      std::filesystem::remove_all(
+          std::filesystem::temp_directory_path() / fmt::format("ml4-dcp-small-bf16-{}", ::getpid()), ec);
+    });
+    return out;
+  }();
+  return dir;
+}
+
+// The trained model (ml4-small: top-k 256) on English text, prompts of 600, 1000 and
+// 1500 tokens: free-running greedy ids equal to one process.
+TEST(ContextParallel, Ml4SmallGreedyEqualsOneProcess) {
+  mpitest::run_case([&] {
+    Case c;
+    c.dir = ml4_small_bf16();
+    c.kv = "fp8_ds_mla";
+    const auto text = docs_tokens(c.dir, 3200);
+    c.prompts = {{text.begin(), text.begin() + 600}, {text.begin() + 600, text.begin() + 1600},
+                 {text.begin() + 1600, text.begin() + 3100}};
+    c.decode_steps = 8;
+    c.stride = 32;
+    // A trained model's attention is peaked: a near-tie key swapped in a set of 256 moves the
+    // logits little (measured 4e-6 .. 3.2e-4 at 2 ranks); a wrong merge or shard costs 1e-1.
+    c.free_rel_l2 = 1e-2;
+    check(c, dcp_configs(mpitest::world()), {kFree, kTraced}, "ml4-small");
+  });
+}
+
+// Long context (vllm #41623 reports drift there): one 16k-token prompt, DCP 2.
+TEST(ContextParallel, Ml4SmallLongContext16k) {
+  mpitest::run_case([&] {
+    Case c;
+    c.dir = ml4_small_bf16();
+    c.kv = "fp8_ds_mla";
+    c.prompts = {docs_tokens(c.dir, 16384)};
+    c.decode_steps = 4;
+    c.stride = 300;
+    c.kv_mib = 128;
+    c.max_len = 16384 + 8;
+    c.free_rel_l2 = 1e-2;
+    check(c, {{mpitest::world(), 2, 1, "a2a"}}, {kFree}, "ml4-small 16k");
+  });
+}
+
+}  // namespace
+}  // namespace ml4
