@@ -2,6 +2,7 @@
 // 47,136 / 42,096 / 78,384 B per token. The CLI part runs the built binary ($ML4_BIN, set
 // by ctest) and is skipped when it is not there.
 #include <array>
+#include <cctype>
 #include <cstdio>
 #include <string>
 
@@ -63,6 +64,34 @@ TEST(Capacity, CliPrintsTheThreeTotals) {
   EXPECT_NE(out.find("fp8_ds_mla"), std::string::npos) << out;
   auto [rc2, out2] = run(bin + " capacity --kv-cache-dtype fp8");
   EXPECT_NE(rc2, 0);
+}
+
+// Decode context parallelism shards the KV by token: -tp 8 -dcp 8 holds exactly 8x the tokens
+// of -tp 8 (the seed: 2.38M -> 18.88M), every rank the same pool.
+int64_t tokens_after(const std::string& out, const std::string& label) {
+  const size_t at = out.find(label);
+  if (at == std::string::npos) return -1;
+  std::string digits;
+  for (size_t i = at + label.size(); i < out.size() && (std::isdigit(static_cast<unsigned char>(out[i])) || out[i] == ','); ++i)
+    if (out[i] != ',') digits += out[i];
+  return digits.empty() ? -1 : std::stoll(digits);
+}
+
+TEST(Capacity, DcpHoldsExactlyNTimesTheTokens) {
+  const std::string bin = ml4_bin();
+  if (bin.empty()) GTEST_SKIP() << "ml4 binary not built";
+  auto [rc1, tp8] = run(bin + " capacity --preset ml4 -tp 8");
+  auto [rc2, dcp8] = run(bin + " capacity --preset ml4 -tp 8 -dcp 8");
+  ASSERT_EQ(rc1, 0) << tp8;
+  ASSERT_EQ(rc2, 0) << dcp8;
+  const int64_t base = tokens_after(tp8, "KV tokens in all: ");
+  ASSERT_GT(base, 0) << tp8;
+  EXPECT_EQ(tokens_after(dcp8, "KV tokens per rank: "), base) << dcp8;
+  EXPECT_EQ(tokens_after(dcp8, "KV tokens in all: "), 8 * base) << dcp8;
+  EXPECT_NE(dcp8.find("DSpark x DCP 8"), std::string::npos) << dcp8;
+  auto [rc3, bad] = run(bin + " capacity --preset ml4 -tp 4 -dcp 8");
+  EXPECT_NE(rc3, 0);
+  EXPECT_NE(bad.find("must divide --tensor-parallel-size"), std::string::npos) << bad;
 }
 
 }  // namespace

@@ -114,19 +114,26 @@ def complete(url, prompt_ids, max_tokens, stream=False, timeout=60):
         return events
 
 
-def generate_ids(model, prompt_ids, n):
+def generate_ids(model, prompt_ids, n, extra=()):
     # Against the single process, TP 2 on ml4-tiny agrees until an indexer near-tie flips
     # (tests/parallel/mpi/model_cases.cpp bounds the difference with the decisions forced).
     out = subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", ml4_bin(), "generate", "-tp", "2", "--model", model, "--prompt-ids", ",".join(map(str, prompt_ids)),
-                          "--max-tokens", str(n), "--ignore-eos", "--kv-cache-dtype", "bf16"],
+                          "--max-tokens", str(n), "--ignore-eos", "--kv-cache-dtype", "bf16", *extra],
                          check=True, capture_output=True, text=True)
     m = re.search(r"ids: ([\d,]+)", out.stdout + out.stderr)
     return [int(x) for x in m.group(1).split(",")]
 
 
-def test_load_through_tp2_has_no_failure_and_matches_one_process(model_dir):
+# Each case also under decode context parallelism (issue 15): the KV sharded over the 2 ranks.
+PARALLEL_ARGS = [pytest.param((), id="tp2"), pytest.param(("-dcp", "2"), id="tp2-dcp2"),
+                 pytest.param(("-dcp", "2", "--dcp-comm-backend", "ag_rs", "--dcp-kv-cache-interleave-size", "4"),
+                              id="tp2-dcp2-ag_rs")]
+
+
+@pytest.mark.parametrize("extra", PARALLEL_ARGS)
+def test_load_through_tp2_has_no_failure_and_matches_one_process(model_dir, extra):
     prompts = [[1 + (7 * i + 13 * k) % 500 for k in range(5 + 3 * i)] for i in range(24)]
-    srv = MpiServer(model_dir)
+    srv = MpiServer(model_dir, *extra)
     try:
         results, errors = {}, []
 
@@ -147,11 +154,11 @@ def test_load_through_tp2_has_no_failure_and_matches_one_process(model_dir):
         assert len(results) == len(prompts)
         for i, r in results.items():
             assert r["usage"]["completion_tokens"] == 12, r
-        print(f"tp2 load: {len(prompts)} requests x 12 tokens in {elapsed:.2f} s, no failure")
+        print(f"tp2 {extra} load: {len(prompts)} requests x 12 tokens in {elapsed:.2f} s, no failure")
         # Greedy answers equal `ml4 generate -tp 2`'s: its ids, detokenized by the server, are
         # the text the server returned (special tokens kept).
         for i in (0, 5, 23):
-            ids = generate_ids(model_dir, prompts[i], 12)
+            ids = generate_ids(model_dir, prompts[i], 12, extra)
             req = urllib.request.Request(srv.url + "/detokenize", data=json.dumps({"model": "m", "tokens": ids}).encode(),
                                          headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=30) as r:
@@ -163,8 +170,9 @@ def test_load_through_tp2_has_no_failure_and_matches_one_process(model_dir):
     assert "parallel group stopped" not in srv.text()
 
 
-def test_killed_worker_stops_the_group_with_an_error(model_dir):
-    srv = MpiServer(model_dir)
+@pytest.mark.parametrize("extra", PARALLEL_ARGS[:2])
+def test_killed_worker_stops_the_group_with_an_error(model_dir, extra):
+    srv = MpiServer(model_dir, *extra)
     try:
         pids = srv.rank_pids()
         assert len(pids) == 2

@@ -13,6 +13,7 @@
 // rank's weights. The MLA latent is replicated on every TP rank, so KV bytes per token do not
 // shrink with TP (that is what decode context parallelism is for); DP replicas hold different
 // sequences, so the deployment holds dp x the tokens of one rank.
+#include <cmath>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -20,6 +21,7 @@
 #include <fmt/format.h>
 
 #include "command.h"
+#include "device_options.h"
 #include "kv/cache_spec.h"
 #include "kv/paged_kv_cache.h"
 #include "model/config_loader.h"
@@ -59,6 +61,7 @@ struct CapacityOptions {
   ParallelConfig parallel;
   double gpu_memory_gib = 141.0;  // one H200
   double gpu_memory_utilization = 0.9;
+  int64_t context = 65536;  // the request context of the DSpark x DCP line
 };
 
 // Weights per rank and KV tokens per rank (see the file comment).
@@ -96,10 +99,34 @@ int print_parallel(const CapacityOptions& o, const ModelConfig& cfg, const KvCac
   const auto blocks = PagedKvCache::blocks_for_budget(spec, kv, o.max_requests);
   const int latent = spec.group_index(CacheGroupSpec::kLatent);
   const int64_t tokens = blocks[latent] * kPageTokens;
-  fmt::print("KV tokens per rank: {} ({} B/token, the latent replicated on each of {} TP ranks)\n", grouped(tokens),
-             grouped(spec.bytes_per_token()), pc.tensor_parallel_size);
-  fmt::print("KV tokens in all: {} ({} DP replica{})\n", grouped(tokens * pc.data_parallel_size), pc.data_parallel_size,
-             pc.data_parallel_size == 1 ? "" : "s");
+  const int dcp = pc.decode_context_parallel_size;
+  fmt::print("KV tokens per rank: {} ({} B/token)\n", grouped(tokens), grouped(spec.bytes_per_token()));
+  if (dcp > 1) {
+    fmt::print("KV tokens per DCP group: {} ({} ranks hold disjoint shares of each sequence; {} such group{} per "
+               "DP replica hold{} copies)\n",
+               grouped(tokens * dcp), dcp, pc.tensor_parallel_size / dcp, pc.tensor_parallel_size / dcp == 1 ? "" : "s",
+               pc.tensor_parallel_size / dcp == 1 ? "s no" : "");
+  } else {
+    fmt::print("KV tokens per TP group: {} (the latent replicated on each of {} TP ranks)\n", grouped(tokens),
+               pc.tensor_parallel_size);
+  }
+  fmt::print("KV tokens in all: {} ({} DP replica{})\n", grouped(tokens * dcp * pc.data_parallel_size),
+             pc.data_parallel_size, pc.data_parallel_size == 1 ? "" : "s");
+  // DSpark x DCP: the drafter's window is replicated on every DCP rank while the target's KV
+  // is sharded, so a request costs (C / dcp) x B/token + the window per rank.
+  const int dg = spec.group_index(CacheGroupSpec::kDrafter);
+  if (dg >= 0 && dcp > 1 && o.context > 0) {
+    const auto& g = spec.groups[dg];
+    const int64_t window = PagedKvCache::window_blocks(g) * g.page_bytes_per_layer() * static_cast<int64_t>(g.layers.size());
+    const double target = static_cast<double>(o.context) / dcp * static_cast<double>(spec.bytes_per_token());
+    const double ratio = target / (target + static_cast<double>(window));
+    fmt::print("DSpark x DCP {}: at a {} context a request holds {:.1f} MiB of target KV and the {:.1f} MiB drafter "
+               "window on each rank: {:.0f} such requests per DCP group instead of {:.0f}, {:.2f}x of the drafter-free "
+               "capacity\n",
+               dcp, grouped(o.context), target / (1 << 20), static_cast<double>(window) / (1 << 20),
+               std::floor(static_cast<double>(kv) / (target + static_cast<double>(window))),
+               std::floor(static_cast<double>(kv) / target), ratio);
+  }
   return 0;
 }
 
@@ -181,6 +208,9 @@ CommandRegistrar reg("capacity", [](CLI::App& app, int* exit_code) {
   cmd->add_option("--data-parallel-size", opts->parallel.data_parallel_size, "-dp: DP replicas (with EP)")
       ->check(CLI::PositiveNumber);
   cmd->add_flag("--enable-expert-parallel", opts->parallel.enable_expert_parallel, "routed experts over all ranks");
+  add_dcp_options(cmd, &opts->parallel);
+  cmd->add_option("--context", opts->context, "request context for the DSpark x DCP line of the parallel report")
+      ->capture_default_str();
   cmd->add_option("--gpu-memory-gib", opts->gpu_memory_gib, "device memory per rank, GiB (parallel report)")
       ->capture_default_str();
   cmd->add_option("--gpu-memory-utilization", opts->gpu_memory_utilization, "fraction of it for weights + KV")

@@ -40,6 +40,23 @@ struct DeviceOptions {
   ParallelConfig parallel;
 };
 
+// Decode context parallelism (SYSTEM.md S8, vLLM's flags); also on `ml4 capacity`.
+inline void add_dcp_options(CLI::App* cmd, ParallelConfig* p) {
+  cmd->add_option("--decode-context-parallel-size", p->decode_context_parallel_size,
+                  "-dcp: shard the KV cache by token over this many of the TP ranks (must divide -tp); KV capacity "
+                  "grows by this factor")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--dcp-kv-cache-interleave-size", p->dcp_kv_cache_interleave_size,
+                  "DCP: consecutive tokens kept on one rank before the next (must divide the 64-token page)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  cmd->add_option("--dcp-comm-backend", p->dcp_comm_backend,
+                  "DCP: combine the ranks' partial attention by one all-to-all (a2a) or an all-gather of lse and a "
+                  "reduce-scatter (ag_rs)")
+      ->check(CLI::IsMember({"a2a", "ag_rs"}))
+      ->capture_default_str();
+}
+
 inline void add_device_options(CLI::App* cmd, DeviceOptions* d) {
   cmd->add_option("--device", d->device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
   cmd->add_option("--gpu-memory-utilization", d->gpu_memory_utilization,
@@ -55,6 +72,7 @@ inline void add_device_options(CLI::App* cmd, DeviceOptions* d) {
       ->check(CLI::PositiveNumber);
   cmd->add_flag("--enable-expert-parallel", d->parallel.enable_expert_parallel,
                 "split the routed experts over all dp x tp ranks (tokens dispatched by all-to-all)");
+  add_dcp_options(cmd, &d->parallel);
 }
 
 // One rank's runner on its device (no parallelism).
