@@ -1,7 +1,12 @@
 // CPU tensor parallelism: decode-step time and the communication cost per step (issue 14).
 //
 //   mpirun --allow-run-as-root --oversubscribe -np N tp_decode_bench --model DIR [--batch 4]
-//          [--prompt 32] [--steps 64] [--kv-cache-dtype bf16] [--ep]
+//          [--prompt 32] [--steps 64] [--kv-cache-dtype bf16] [--ep] [--dcp M] [--dcp-backend a2a|ag_rs]
+//
+// --dcp M (issue 15): the KV cache sharded over DCP groups of M of the N TP ranks; then also
+// printed: the DCP collectives per step (query all-gather, top-k candidates' all-gathers, the
+// combine) and rank 0's time in the DCP pieces of attention (the query gather, the attention
+// over its share, the combine), against the whole attention time of the step.
 //
 // N = 1 runs the plain CpuRunner (no MPI group); N > 1 runs -tp N (--ep adds expert
 // parallelism) through the production path (ParallelRunner on rank 0, workers serving). Each
@@ -20,6 +25,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -36,9 +42,12 @@ double secs(Clock::time_point a, Clock::time_point b) { return std::chrono::dura
 
 struct Args {
   std::string model, kv = "bf16";
-  int batch = 4, prompt = 32, steps = 64;
+  int batch = 4, prompt = 32, steps = 64, dcp = 1;
+  std::string dcp_backend = "a2a";
   bool ep = false;
 };
+
+int blocks_per_seq = 4;
 
 ml4::SeqStep seq(const ml4::ModelRunner& r, int i, std::vector<int32_t> toks, int64_t start) {
   ml4::SeqStep s;
@@ -48,7 +57,7 @@ ml4::SeqStep seq(const ml4::ModelRunner& r, int i, std::vector<int32_t> toks, in
   for (const auto& g : r.cache_groups()) {
     std::vector<int32_t> bt;
     if (g.sliding_window == 0)
-      for (int b = 0; b < 4; ++b) bt.push_back(i * 4 + b);
+      for (int b = 0; b < blocks_per_seq; ++b) bt.push_back(i * blocks_per_seq + b);
     s.block_tables.push_back(bt);
   }
   return s;
@@ -77,15 +86,19 @@ int main(int argc, char** argv) {
     else if (k == "--prompt") a.prompt = std::stoi(v);
     else if (k == "--steps") a.steps = std::stoi(v);
     else if (k == "--kv-cache-dtype") a.kv = v;
+    else if (k == "--dcp") a.dcp = std::stoi(v);
+    else if (k == "--dcp-backend") a.dcp_backend = v;
   }
-  if (a.model.empty() || a.prompt + a.steps > 4 * 64) {
-    std::fprintf(stderr, "usage: tp_decode_bench --model DIR [--batch 4] [--prompt 32] [--steps 64] [--ep] (prompt + steps <= 256)\n");
+  if (a.model.empty()) {
+    std::fprintf(stderr, "usage: tp_decode_bench --model DIR [--batch 4] [--prompt 32] [--steps 64] [--ep] [--dcp M]\n");
     return 2;
   }
+  blocks_per_seq = (a.prompt + a.steps + 63) / 64;
   const int world = ml4::MpiEnv::launched_world_size();
   ml4::RunnerOptions ro;
   ro.kv_cache_dtype = a.kv;
-  ro.kv_cache_bytes = 64ll << 20;
+  ro.kv_cache_bytes = 256ll << 20;
+  ro.max_model_len = a.prompt + a.steps + 1;
   std::unique_ptr<ml4::ModelRunner> runner;
   ml4::ParallelRunner* par = nullptr;
   if (world == 1) {
@@ -96,6 +109,8 @@ int main(int argc, char** argv) {
     ml4::ParallelConfig pc;
     pc.tensor_parallel_size = world;
     pc.enable_expert_parallel = a.ep;
+    pc.decode_context_parallel_size = a.dcp;
+    pc.dcp_comm_backend = a.dcp_backend;
     ml4::Status ws;
     const std::string dir = a.model;
     auto r = ml4::load_parallel_runner(pc, a.model, ro,
@@ -122,13 +137,16 @@ int main(int argc, char** argv) {
     in.seqs.push_back(seq(*runner, i, p, 0));
   }
   std::vector<double> step_s;
-  ml4::CommStats tp0, ctrl0, ep0;
+  ml4::CommStats tp0, ctrl0, ep0, dcp0;
+  auto* cpu = dynamic_cast<ml4::CpuRunner*>(par != nullptr ? &par->local() : runner.get());
   for (int s = 0; s <= a.steps; ++s) {
     if (s == 1 && par != nullptr) {  // the decode steps only
       par->group().tp->reset_stats();
       par->group().ep->reset_stats();
+      par->group().dcp->reset_stats();
       par->group().world->reset_stats();
     }
+    if (s == 1 && cpu != nullptr) cpu->backend().set_profile(true);
     const auto t0 = Clock::now();
     auto out = runner->execute(in);
     const auto t1 = Clock::now();
@@ -149,6 +167,10 @@ int main(int argc, char** argv) {
   std::sort(step_s.begin(), step_s.end());
   const double med = step_s[step_s.size() / 2];
   if (par != nullptr) ep0 = par->group().ep->stats();
+  if (par != nullptr) dcp0 = par->group().dcp->stats();
+  std::map<std::string, double> prof;
+  if (cpu != nullptr) prof = cpu->backend().profile();
+  auto us = [&](const char* label) { return prof.count(label) ? prof[label] / a.steps * 1e6 : 0.0; };
   runner.reset();  // stops the workers, which then join the peer loop below
   const double mpi_us = par != nullptr ? bare_allreduce_us(a.batch * D) : 0.0;
   const double n = a.steps;
@@ -156,5 +178,12 @@ int main(int argc, char** argv) {
               "ep_calls=%.1f ep_us=%.1f ctrl_us=%.1f mpi_allreduce_us=%.1f\n",
               world, a.ep ? 1 : 0, a.batch, a.prompt, a.steps, med * 1e3, tp0.calls / n, tp0.bytes / n / 1024.0,
               tp0.seconds / n * 1e6, ep0.calls / n, ep0.seconds / n * 1e6, ctrl0.seconds / n * 1e6, mpi_us);
+  // Rank 0's attention per step: all of it, its DCP pieces, and the DCP collectives inside them.
+  const double attn = us("attn: DCP attention") + us("attn: MLA kernel");
+  std::printf("DCPBENCH ranks=%d dcp=%d backend=%s batch=%d context=%d attn_kernel_us=%.1f indexer_us=%.1f dcp_calls=%.1f "
+              "dcp_kib=%.1f dcp_comm_us=%.1f dcp_gather_q_us=%.1f dcp_local_attn_us=%.1f dcp_combine_us=%.1f\n",
+              world, a.dcp, a.dcp_backend.c_str(), a.batch, a.prompt + a.steps / 2, attn, us("attn: indexer + top-k"),
+              dcp0.calls / n, dcp0.bytes / n / 1024.0, dcp0.seconds / n * 1e6, us("attn: DCP query all-gather"),
+              us("attn: DCP local attention"), us("attn: DCP combine"));
   return 0;
 }

@@ -508,8 +508,6 @@ Status ModelForward::attention(int l, const StepMetadata* md, ForwardTrace* trac
   return be_.timed("attn: o projection", [&] { return be_.linear(L.wo, x.o, T, out); });
 }
 
-// 7. MoE: the f32 router and its top-k; on traced steps the router's choice read back and
-// forced experts applied (a host round trip); then the routed and shared experts.
 // Decode context parallelism (SYSTEM.md S8), vLLM's scheme: the DCP ranks (runs of a TP
 // group) hold disjoint shares of every sequence's keys, so each rank attends the queries of
 // every head of the group over its share and the partials are merged by log-sum-exp (natural
@@ -537,18 +535,21 @@ Status ModelForward::context_parallel_attention(MlaArgs ma) {
   float* out = static_cast<float*>(ov);
   float* lse = out + T * HG * r;
   float* lse_all = lse + T * HG;
-  if (T > 0) {
-    ML4_RETURN_IF_ERROR(be_.copy_rows(ma.q_lat, H * r, send, w, T, H * r));
-    ML4_RETURN_IF_ERROR(be_.copy_rows(ma.q, H * qk, send + H * r, w, T, H * qk));
-    ML4_RETURN_IF_ERROR(be_.copy_rows(ma.head_scale, H, send + H * (r + qk), w, T, H));
-  }
-  ML4_RETURN_IF_ERROR(c.all_gather(send, recv, T * w * 4));
-  for (int p = 0; p < N && T > 0; ++p) {
-    const float* src = recv + p * T * w;
-    ML4_RETURN_IF_ERROR(be_.copy_rows(src, w, q_lat + p * H * r, HG * r, T, H * r));
-    ML4_RETURN_IF_ERROR(be_.copy_rows(src + H * r, w, q + p * H * qk, HG * qk, T, H * qk));
-    ML4_RETURN_IF_ERROR(be_.copy_rows(src + H * (r + qk), w, scale + p * H, HG, T, H));
-  }
+  ML4_RETURN_IF_ERROR(be_.timed("attn: DCP query all-gather", [&]() -> Status {
+    if (T > 0) {
+      ML4_RETURN_IF_ERROR(be_.copy_rows(ma.q_lat, H * r, send, w, T, H * r));
+      ML4_RETURN_IF_ERROR(be_.copy_rows(ma.q, H * qk, send + H * r, w, T, H * qk));
+      ML4_RETURN_IF_ERROR(be_.copy_rows(ma.head_scale, H, send + H * (r + qk), w, T, H));
+    }
+    ML4_RETURN_IF_ERROR(c.all_gather(send, recv, T * w * 4));
+    for (int p = 0; p < N && T > 0; ++p) {
+      const float* src = recv + p * T * w;
+      ML4_RETURN_IF_ERROR(be_.copy_rows(src, w, q_lat + p * H * r, HG * r, T, H * r));
+      ML4_RETURN_IF_ERROR(be_.copy_rows(src + H * r, w, q + p * H * qk, HG * qk, T, H * qk));
+      ML4_RETURN_IF_ERROR(be_.copy_rows(src + H * (r + qk), w, scale + p * H, HG, T, H));
+    }
+    return Status::ok();
+  }));
   // 2. Every head of the group over this rank's keys (a rank without any of a query's keys
   // gives out 0, lse -inf).
   MlaArgs local = ma;
@@ -559,24 +560,28 @@ Status ModelForward::context_parallel_attention(MlaArgs ma) {
   local.head_scale = scale;
   local.out_lat = out;
   local.lse = lse;
-  ML4_RETURN_IF_ERROR(be_.mla_attention(local));
+  ML4_RETURN_IF_ERROR(be_.timed("attn: DCP local attention", [&] { return be_.mla_attention(local); }));
   // 3. The combine, into this rank's heads' out_lat [T, H, r].
-  if (plan_->dcp_all_to_all()) {
-    const int64_t part = T * H * (r + 1);  // [T, H, r] out then [T, H] lse, for each head owner
-    for (int p = 0; p < N && T > 0; ++p) {
-      ML4_RETURN_IF_ERROR(be_.copy_rows(out + p * H * r, HG * r, send + p * part, H * r, T, H * r));
-      ML4_RETURN_IF_ERROR(be_.copy_rows(lse + p * H, HG, send + p * part + T * H * r, H, T, H));
+  return be_.timed("attn: DCP combine", [&]() -> Status {
+    if (plan_->dcp_all_to_all()) {
+      const int64_t part = T * H * (r + 1);  // [T, H, r] out then [T, H] lse, for each head owner
+      for (int p = 0; p < N && T > 0; ++p) {
+        ML4_RETURN_IF_ERROR(be_.copy_rows(out + p * H * r, HG * r, send + p * part, H * r, T, H * r));
+        ML4_RETURN_IF_ERROR(be_.copy_rows(lse + p * H, HG, send + p * part + T * H * r, H, T, H));
+      }
+      ML4_RETURN_IF_ERROR(c.all_to_all(send, recv, part * 4));
+      return T > 0 ? be_.merge_attention_parts(recv, N, part, T * H, r, x.out_lat) : Status::ok();
     }
-    ML4_RETURN_IF_ERROR(c.all_to_all(send, recv, part * 4));
-    return T > 0 ? be_.merge_attention_parts(recv, N, part, T * H, r, x.out_lat) : Status::ok();
-  }
-  ML4_RETURN_IF_ERROR(c.all_gather(lse, lse_all, T * HG * 4));
-  if (T > 0) ML4_RETURN_IF_ERROR(be_.rescale_attention_part(out, lse, lse_all, N, T * HG, r));
-  for (int p = 0; p < N && T > 0; ++p)
-    ML4_RETURN_IF_ERROR(be_.copy_rows(out + p * H * r, HG * r, send + p * T * H * r, H * r, T, H * r));
-  return c.reduce_scatter_sum(send, x.out_lat, T * H * r);
+    ML4_RETURN_IF_ERROR(c.all_gather(lse, lse_all, T * HG * 4));
+    if (T > 0) ML4_RETURN_IF_ERROR(be_.rescale_attention_part(out, lse, lse_all, N, T * HG, r));
+    for (int p = 0; p < N && T > 0; ++p)
+      ML4_RETURN_IF_ERROR(be_.copy_rows(out + p * H * r, HG * r, send + p * T * H * r, H * r, T, H * r));
+    return c.reduce_scatter_sum(send, x.out_lat, T * H * r);
+  });
 }
 
+// 7. MoE: the f32 router and its top-k; on traced steps the router's choice read back and
+// forced experts applied (a host round trip); then the routed and shared experts.
 Status ModelForward::moe(int l, ForwardTrace* trace, float* out) {
   const LayerRefs& L = layers_[l];
   const Activations& x = be_.acts();

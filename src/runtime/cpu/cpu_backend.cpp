@@ -2,6 +2,7 @@
 #include "runtime/cpu/cpu_backend.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -179,6 +180,14 @@ Status CpuBackend::linear(LinearRef w, const float* x, int64_t M, float* y) {
   if (!w.valid() || w.id >= static_cast<int>(linears_.size())) return internal_error("linear: no weight {}", w.id);
   cpu::linear(x, M, *linears_[w.id], y);
   return Status::ok();
+}
+
+Status CpuBackend::timed(const char* label, const Fn& fn) {
+  if (!profile_on_) return fn();
+  const auto t0 = std::chrono::steady_clock::now();
+  Status s = fn();
+  profile_[label] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return s;
 }
 
 Status CpuBackend::silu_mul(const float* g, const float* u, int64_t rows, int64_t cols, float* out) {

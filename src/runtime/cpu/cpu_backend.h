@@ -11,7 +11,9 @@
 // and shared by its tokens.
 #pragma once
 
+#include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "kv/paged_kv_cache.h"
@@ -28,6 +30,12 @@ class CpuBackend : public Backend {
 
   // The step the next forward runs (md must outlive it); sizes the activations.
   void begin_step(const StepMetadata& md);
+  // Per-piece wall time of the program's timed() labels, summed while profiling is on
+  // (benchmarks: bench/tp_decode_bench.cpp); nested labels count in both.
+  void set_profile(bool on) { profile_on_ = on; }
+  const std::map<std::string, double>& profile() const { return profile_; }
+  void reset_profile() { profile_.clear(); }
+  Status timed(const char* label, const Fn& fn) override;
 
   Status set_embedding(const Tensor& table) override;
   Status set_embedding_shard(const Tensor& table, int64_t first_id) override;
@@ -117,6 +125,8 @@ class CpuBackend : public Backend {
   std::vector<std::vector<float>> act_storage_;
   std::vector<int32_t> expert_ids_;
   int64_t act_tokens_ = 0, act_rows_ = 0, max_hidden_ = 1;
+  bool profile_on_ = false;
+  std::map<std::string, double> profile_;
 };
 
 }  // namespace ml4

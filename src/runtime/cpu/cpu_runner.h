@@ -39,6 +39,7 @@ class CpuRunner : public ModelRunner {
 
   const KvCacheSpec& kv_spec() const { return spec_; }
   PagedKvCache& cache() { return *cache_; }
+  CpuBackend& backend() { return *backend_; }
   int64_t max_model_len() const { return max_model_len_; }
 
  private:
