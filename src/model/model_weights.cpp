@@ -314,11 +314,13 @@ Status load_layer(const ModelConfig& cfg, int l, Binder& b, LayerWeights& LW, co
 
 // MODEL.md section 5: the drafter's own weights (all bf16 in the checkpoints ml4 writes; any
 // stored format loads). Its attention is the target's MLA shape, owning its (window) cache.
-Status load_drafter(const ModelConfig& cfg, Binder& b, DrafterWeights& W) {
+Status load_drafter(const ModelConfig& cfg, Binder& b, DrafterWeights& W, const WeightShard& S) {
   const auto& d = cfg.drafter;
   const int64_t D = cfg.dim, H = cfg.n_heads, dn = cfg.qk_nope_head_dim, dr = cfg.qk_rope_head_dim;
   const int64_t dv = cfg.v_head_dim, r = cfg.kv_lora_rank, R = d.rnn_rank, V = cfg.vocab_size;
   const std::string p = "mtp_dspark.";
+  // Under TP its layers split as the target's do (heads, FFN hidden); the rest is replicated.
+  const Range hr = pick(S.head_begin, S.heads, H);
   // Drafter names are the same in both layouts.
   ModelConfig native = cfg;
   native.layout = CheckpointLayout::kMistral;
@@ -344,17 +346,22 @@ Status load_drafter(const ModelConfig& cfg, Binder& b, DrafterWeights& W) {
       ML4_ASSIGN_OR_RETURN(A.wq_a, nb.linear(pa + "wq_a", cfg.q_lora_rank, D));
       ML4_ASSIGN_OR_RETURN(A.q_a_norm, nb.vec(pa + "q_a_norm.weight", cfg.q_lora_rank));
       ML4_ASSIGN_OR_RETURN(A.wq_b, nb.linear(pa + "wq_b", H * (dn + dr), cfg.q_lora_rank));
+      ML4_ASSIGN_OR_RETURN(A.wq_b, slice_linear_rows(A.wq_b, hr.begin * (dn + dr), hr.count * (dn + dr)));
     } else {
       ML4_ASSIGN_OR_RETURN(A.wq, nb.linear(pa + "wq", H * (dn + dr), D));
+      ML4_ASSIGN_OR_RETURN(A.wq, slice_linear_rows(A.wq, hr.begin * (dn + dr), hr.count * (dn + dr)));
     }
     ML4_ASSIGN_OR_RETURN(A.wkv_a, nb.linear(pa + "wkv_a_with_mqa", r + dr, D));
     ML4_ASSIGN_OR_RETURN(A.kv_a_norm, nb.vec(pa + "kv_a_norm.weight", r));
     ML4_ASSIGN_OR_RETURN(A.wkv_b, nb.linear(pa + "wkv_b", H * (dn + dv), r));
+    ML4_ASSIGN_OR_RETURN(A.wkv_b, slice_linear_rows(A.wkv_b, hr.begin * (dn + dv), hr.count * (dn + dv)));
     split_wkv_b(cfg, A.wkv_b, A);
     ML4_ASSIGN_OR_RETURN(A.wo, nb.linear(pa + "wo", D, H * dv));
+    ML4_ASSIGN_OR_RETURN(A.wo, slice_linear_cols(A.wo, hr.begin * dv, hr.count * dv));
     ML4_ASSIGN_OR_RETURN(L.ffn.w1, nb.linear(lp + "feed_forward.w1", cfg.hidden_dim, D));
     ML4_ASSIGN_OR_RETURN(L.ffn.w2, nb.linear(lp + "feed_forward.w2", D, cfg.hidden_dim));
     ML4_ASSIGN_OR_RETURN(L.ffn.w3, nb.linear(lp + "feed_forward.w3", cfg.hidden_dim, D));
+    ML4_RETURN_IF_ERROR(slice_mlp(L.ffn, pick(S.dense_begin, S.dense, cfg.hidden_dim)));
   }
   ML4_ASSIGN_OR_RETURN(W.norm, nb.vec(p + "norm.weight", D));
   ML4_ASSIGN_OR_RETURN(W.markov_embed, nb.raw(p + "markov.embed.weight"));
@@ -400,11 +407,11 @@ Result<std::shared_ptr<const ModelWeights>> load_model_weights(const ModelConfig
   W->layers.resize(cfg.n_layers);
   for (int l = 0; l < cfg.n_layers; ++l) ML4_RETURN_IF_ERROR(load_layer(cfg, l, b, W->layers[l], opts));
   if (opts.load_drafter) {
-    if (opts.shard != nullptr && !opts.shard->whole())
-      return unimplemented("the DSpark drafter with tensor / expert parallelism is not supported yet");
+    static const WeightShard kWhole;
     if (!cfg.drafter.enabled) return invalid_argument("the model has no DSpark drafter (no `mtp` block in params.json)");
     W->drafter = std::make_unique<DrafterWeights>();
-    ML4_RETURN_IF_ERROR(load_drafter(cfg, b, *W->drafter).with_context("DSpark drafter"));
+    ML4_RETURN_IF_ERROR(load_drafter(cfg, b, *W->drafter, opts.shard != nullptr ? *opts.shard : kWhole)
+                            .with_context("DSpark drafter"));
   }
   ML4_RETURN_IF_ERROR(b.check_all_used());
   return std::shared_ptr<const ModelWeights>(std::move(W));

@@ -129,7 +129,9 @@ std::pair<int64_t, int64_t> ParallelPlan::dispatch_range(int64_t T) const {
 int64_t ParallelPlan::bytes_on_rank(const ExpectedTensor& x) const {
   const std::string& n = x.name;
   const WeightShard& S = shard_;
-  if (x.drafter) return stored_bytes(x);
+  // The drafter's layers split as the target's (heads, FFN hidden); its fc, norms, mask and
+  // Markov head are replicated.
+  if (x.drafter && !contains(n, ".layers.")) return stored_bytes(x);
   const bool linear = x.role == TensorRole::kLinear || x.role == TensorRole::kExpertsLinear;
   const int64_t N = x.shape.size() >= 2 ? x.shape[x.shape.size() - 2] : x.shape[0];
   const int64_t K = x.shape.back();

@@ -51,7 +51,7 @@ struct RankWeightBytes {
   int64_t router = 0;
   int64_t embedding = 0;     // tok_embeddings + output (once when tied)
   int64_t norms = 0;         // norms and other small vectors
-  int64_t drafter = 0;       // mtp_dspark.* (replicated)
+  int64_t drafter = 0;       // mtp_dspark.*: layers split as the target's, the rest replicated
   int64_t total() const {
     return attention + dense_ffn + routed_experts + shared_experts + router + embedding + norms + drafter;
   }

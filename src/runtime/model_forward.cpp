@@ -17,8 +17,8 @@ Result<std::unique_ptr<ModelForward>> ModelForward::create(const ModelConfig& cf
   std::unique_ptr<ModelForward> f(new ModelForward(cfg, be));
   f->plan_ = opts.plan;
   f->comms_ = opts.comms;
-  if (opts.plan != nullptr && opts.drafter && opts.plan->layout().world_size > 1)
-    return unimplemented("the DSpark drafter with tensor / data / expert parallelism is not supported yet");
+  if (opts.plan != nullptr && opts.drafter && opts.plan->layout().dp_size > 1)
+    return unimplemented("the DSpark drafter with data parallelism is not supported yet (TP, EP and DCP are)");
   if ((f->tensor_parallel() || f->expert_parallel() || f->context_parallel()) && opts.plan == nullptr)
     return internal_error("a parallel model program needs its parallel plan");
   const int L = cfg.n_layers;
@@ -269,26 +269,44 @@ Status ModelForward::draft(const DeviceSamplingParams* params, bool want_probs) 
   if (T % B != 0 || R != T / B * (B - 1))
     return internal_error("draft step of {} tokens / {} logits rows is not blocks of {}", T, R, B);
   const int64_t n = T / B;
-  ML4_RETURN_IF_ERROR(be_.segment([&]() -> Status {
-    ML4_RETURN_IF_ERROR(be_.block_embed(drafter_->mask, x.residual));
-    return be_.select_block_window(CacheGroup::kDrafter, cfg_.drafter.window);
-  }));
+  if (tensor_parallel()) {
+    // The anchors' embeddings through the vocabulary-parallel lookup (rows of other ranks' ids
+    // are zero until the all-reduce), then the mask rows into slots 1..B-1 of every block.
+    ML4_RETURN_IF_ERROR(be_.segment([&] { return be_.embedding(x.residual); }));
+    ML4_RETURN_IF_ERROR(tp_all_reduce(x.residual, T * D));
+    ML4_RETURN_IF_ERROR(be_.segment([&]() -> Status {
+      for (int64_t j = 1; j < B; ++j)
+        ML4_RETURN_IF_ERROR(be_.copy_rows(drafter_->mask + (j - 1) * D, 0, x.residual + j * D, B * D, n, D));
+      return be_.select_block_window(CacheGroup::kDrafter, cfg_.drafter.window);
+    }));
+  } else {
+    ML4_RETURN_IF_ERROR(be_.segment([&]() -> Status {
+      ML4_RETURN_IF_ERROR(be_.block_embed(drafter_->mask, x.residual));
+      return be_.select_block_window(CacheGroup::kDrafter, cfg_.drafter.window);
+    }));
+  }
+  // Under TP the draft layers hold the rank's heads and FFN slice, as the target's do: wo and
+  // w2 are followed by the TP all-reduce, and the logits by the vocabulary all-gather.
   for (size_t j = 0; j < drafter_->layers.size(); ++j) {
     const DraftLayerRefs& L = drafter_->layers[j];
     ML4_RETURN_IF_ERROR(be_.segment([&]() -> Status {
       ML4_RETURN_IF_ERROR(
           be_.rms_norm({j == 0 ? x.residual : x.tmp, j == 0 ? nullptr : x.residual, L.attn_norm, T, D, 0, eps, x.a}));
-      ML4_RETURN_IF_ERROR(be_.timed("draft: attention", [&] { return draft_attention(static_cast<int>(j)); }));
+      return be_.timed("draft: attention", [&] { return draft_attention(static_cast<int>(j)); });
+    }));
+    ML4_RETURN_IF_ERROR(tp_all_reduce(x.tmp, T * D));
+    ML4_RETURN_IF_ERROR(be_.segment([&]() -> Status {
       ML4_RETURN_IF_ERROR(be_.rms_norm({x.tmp, x.residual, L.ffn_norm, T, D, 0, eps, x.a}));
       return be_.timed("draft: ffn", [&] { return mlp(L.ffn, x.a, T, x.tmp); });
     }));
+    ML4_RETURN_IF_ERROR(tp_all_reduce(x.tmp, T * D));
   }
   // o = norm(h) for slots 1..B-1, base logits through the target's output head.
   ML4_RETURN_IF_ERROR(be_.segment([&] {
     return be_.timed("draft: norm + lm_head", [&]() -> Status {
       ML4_RETURN_IF_ERROR(be_.rms_norm({x.tmp, x.residual, drafter_->norm, T, D, 0, eps, x.a}));
       ML4_RETURN_IF_ERROR(be_.gather_logits_rows(x.a, x.normed));
-      return be_.linear(output_, x.normed, R, x.logits);
+      return logits();
     });
   }));
   // The Markov head, slot by slot: s_j = GRU([o_j ; embed(t_{j-1})], s_{j-1}), s_0 = 0, t_0 the

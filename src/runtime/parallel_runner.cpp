@@ -9,7 +9,7 @@
 namespace ml4 {
 namespace {
 
-enum class Command : uint64_t { kStop = 1, kExecute = 2, kExecuteTraced = 3 };
+enum class Command : uint64_t { kStop = 1, kExecute = 2, kExecuteTraced = 3, kDraft = 4 };
 
 struct Header {
   uint64_t command = 0;
@@ -81,6 +81,54 @@ ForwardTrace slice_forced(const ForwardTrace& t, const StepInput& in, const std:
 }
 
 }  // namespace
+
+std::vector<uint8_t> encode_draft(const DraftInput& in) {
+  WireWriter w;
+  w.put<uint64_t>(in.seqs.size());
+  for (const auto& d : in.seqs) {
+    w.put<int64_t>(d.seq_id);
+    w.put<int32_t>(d.anchor_token);
+    w.put<int64_t>(d.anchor_pos);
+    w.put<uint64_t>(d.block_tables.size());
+    for (const auto& bt : d.block_tables) w.put_vec(bt);
+    w.put<int32_t>(d.num_drafts);
+    w.put<uint8_t>(d.sampling.has_value() ? 1 : 0);
+    if (d.sampling) w.put(*d.sampling);
+  }
+  w.put<uint8_t>(in.want_probs ? 1 : 0);
+  return std::move(w.bytes());
+}
+
+Status decode_draft(const std::vector<uint8_t>& bytes, DraftInput* in) {
+  WireReader r(bytes.data(), bytes.size());
+  uint64_t n = 0;
+  ML4_RETURN_IF_ERROR(r.get(&n));
+  if (n > r.left()) return internal_error("control message: {} draft sequences overrun it", n);
+  in->seqs.assign(n, {});
+  for (auto& d : in->seqs) {
+    ML4_RETURN_IF_ERROR(r.get(&d.seq_id));
+    ML4_RETURN_IF_ERROR(r.get(&d.anchor_token));
+    ML4_RETURN_IF_ERROR(r.get(&d.anchor_pos));
+    uint64_t g = 0;
+    ML4_RETURN_IF_ERROR(r.get(&g));
+    if (g > r.left()) return internal_error("control message: {} block tables overrun it", g);
+    d.block_tables.assign(g, {});
+    for (auto& bt : d.block_tables) ML4_RETURN_IF_ERROR(r.get_vec(&bt));
+    ML4_RETURN_IF_ERROR(r.get(&d.num_drafts));
+    uint8_t has = 0;
+    ML4_RETURN_IF_ERROR(r.get(&has));
+    if (has) {
+      DeviceSamplingParams p;
+      ML4_RETURN_IF_ERROR(r.get(&p));
+      d.sampling = p;
+    }
+  }
+  uint8_t wp = 0;
+  ML4_RETURN_IF_ERROR(r.get(&wp));
+  in->want_probs = wp != 0;
+  if (r.left() != 0) return internal_error("control message: {} bytes after the draft", r.left());
+  return Status::ok();
+}
 
 std::vector<uint8_t> encode_step(const StepInput& in, const ForwardTrace* forced) {
   WireWriter w;
@@ -242,13 +290,27 @@ Result<StepOutput> ParallelRunner::execute_traced(const StepInput& in, ForwardTr
   return out;
 }
 
+// DSpark under TP / DCP (dp 1): every rank runs the draft step (its drafter heads and FFN
+// slice, the TP all-reduces and the logits' all-gather); rank 0's drafts are returned.
+Result<DraftOutput> ParallelRunner::draft(const DraftInput& in) {
+  if (stopped_) return internal_error("the parallel group was stopped");
+  if (group_->env->failed()) return group_->env->failure();
+  if (!local_->has_drafter()) return unimplemented("this runner has no DSpark drafter (RunnerOptions::drafter)");
+  std::vector<uint8_t> payload = encode_draft(in);
+  Header h{static_cast<uint64_t>(Command::kDraft), payload.size()};
+  ML4_RETURN_IF_ERROR(group_->world->broadcast(&h, sizeof(h), 0));
+  ML4_RETURN_IF_ERROR(group_->world->broadcast(payload.data(), static_cast<int64_t>(payload.size()), 0));
+  return local_->draft(in);
+}
+
 Result<std::unique_ptr<ModelRunner>> load_parallel_runner(const ParallelConfig& config, const std::string& model_dir,
                                                           const RunnerOptions& opts, const LocalRunnerLoader& load_local,
                                                           Status* worker_status) {
   ML4_ASSIGN_OR_RETURN(ModelConfig cfg, load_model_config(model_dir));
   ML4_ASSIGN_OR_RETURN(std::unique_ptr<ParallelGroup> made, ParallelGroup::create(config, cfg));
   std::shared_ptr<ParallelGroup> group = std::move(made);
-  if (opts.drafter) return unimplemented("speculative decoding with tensor / data / expert parallelism is not supported yet");
+  if (opts.drafter && config.data_parallel_size > 1)
+    return unimplemented("speculative decoding with data parallelism is not supported yet (TP, EP and DCP are)");
   RunnerOptions ro = opts;
   ro.plan = group->plan.get();
   ro.comms = group->comms();
@@ -280,10 +342,18 @@ Status run_parallel_worker(ParallelGroup& group, ModelRunner& local) {
       float done = 0.0f;
       return group.world->all_reduce_sum(&done, 1);
     }
-    if (h.command != static_cast<uint64_t>(Command::kExecute) && h.command != static_cast<uint64_t>(Command::kExecuteTraced))
+    if (h.command != static_cast<uint64_t>(Command::kExecute) && h.command != static_cast<uint64_t>(Command::kExecuteTraced) &&
+        h.command != static_cast<uint64_t>(Command::kDraft))
       return internal_error("rank {}: unknown command {} from rank 0", L.world_rank, h.command);
     std::vector<uint8_t> payload(h.bytes);
     ML4_RETURN_IF_ERROR(group.world->broadcast(payload.data(), static_cast<int64_t>(h.bytes), 0));
+    if (h.command == static_cast<uint64_t>(Command::kDraft)) {
+      DraftInput din;
+      ML4_RETURN_IF_ERROR(decode_draft(payload, &din));
+      auto d = local.draft(din);
+      if (!d.ok()) return d.status().with_context(fmt::format("rank {}: draft", L.world_rank));
+      continue;
+    }
     StepInput in;
     ForwardTrace trace;
     bool traced = false;

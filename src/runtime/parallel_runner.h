@@ -41,6 +41,8 @@ class ParallelRunner : public ModelRunner {
   Result<StepOutput> execute(const StepInput& in) override { return execute_traced(in, nullptr); }
   Result<StepOutput> execute_traced(const StepInput& in, ForwardTrace* trace) override;
   bool samples_on_device() const override { return group_->layout.dp_size == 1 && local_->samples_on_device(); }
+  bool has_drafter() const override { return local_->has_drafter(); }
+  Result<DraftOutput> draft(const DraftInput& in) override;
 
   // Tells the workers to leave their loop (also done by the destructor); idempotent.
   Status stop();
@@ -67,8 +69,10 @@ Result<std::unique_ptr<ModelRunner>> load_parallel_runner(const ParallelConfig& 
 // group fails (the error).
 Status run_parallel_worker(ParallelGroup& group, ModelRunner& local);
 
-// The wire form of a step (exposed for tests).
+// The wire form of a step and of a draft step (exposed for tests).
 std::vector<uint8_t> encode_step(const StepInput& in, const ForwardTrace* forced);
+std::vector<uint8_t> encode_draft(const DraftInput& in);
+Status decode_draft(const std::vector<uint8_t>& bytes, DraftInput* in);
 Status decode_step(const std::vector<uint8_t>& bytes, StepInput* in, ForwardTrace* forced, bool* traced);
 // The sequences of `in` that DP rank `dp` runs, with block ids made local; blocks_per_rank
 // per cache group. Fails when a sequence's blocks are not all on one DP rank.

@@ -72,6 +72,56 @@ TEST(ParallelWire, StepRoundTripsAndTruncationsAreRefused) {
   EXPECT_FALSE(decode_step(longer, &out, &f2, &traced).is_ok());
 }
 
+// A DSpark draft step (ParallelRunner::draft broadcasts it): the same checks.
+TEST(ParallelWire, DraftRoundTripsAndTruncationsAreRefused) {
+  std::mt19937 g(9);
+  DraftInput in;
+  in.want_probs = true;
+  for (int i = 0; i < 3; ++i) {
+    DraftSeq d;
+    d.seq_id = 40 + i;
+    d.anchor_token = static_cast<int32_t>(g() % 500);
+    d.anchor_pos = g() % 1000;
+    d.block_tables = {{static_cast<int32_t>(g() % 8)}, {-1, static_cast<int32_t>(g() % 8), 3}};
+    d.num_drafts = 1 + static_cast<int>(g() % 7);
+    if (i != 1) {
+      DeviceSamplingParams p;
+      p.temperature = 0.9f;
+      p.top_p = 0.8f;
+      p.seed = g();
+      p.counter = 11 + i;
+      d.sampling = p;
+    }
+    in.seqs.push_back(d);
+  }
+  const std::vector<uint8_t> bytes = encode_draft(in);
+  DraftInput out;
+  ASSERT_TRUE(decode_draft(bytes, &out).is_ok());
+  EXPECT_TRUE(out.want_probs);
+  ASSERT_EQ(out.seqs.size(), in.seqs.size());
+  for (size_t i = 0; i < in.seqs.size(); ++i) {
+    EXPECT_EQ(out.seqs[i].seq_id, in.seqs[i].seq_id);
+    EXPECT_EQ(out.seqs[i].anchor_token, in.seqs[i].anchor_token);
+    EXPECT_EQ(out.seqs[i].anchor_pos, in.seqs[i].anchor_pos);
+    EXPECT_EQ(out.seqs[i].block_tables, in.seqs[i].block_tables);
+    EXPECT_EQ(out.seqs[i].num_drafts, in.seqs[i].num_drafts);
+    ASSERT_EQ(out.seqs[i].sampling.has_value(), in.seqs[i].sampling.has_value());
+    if (in.seqs[i].sampling) {
+      EXPECT_EQ(out.seqs[i].sampling->seed, in.seqs[i].sampling->seed);
+      EXPECT_EQ(out.seqs[i].sampling->counter, in.seqs[i].sampling->counter);
+      EXPECT_EQ(out.seqs[i].sampling->top_p, 0.8f);
+    }
+  }
+  for (size_t cut = 0; cut < bytes.size(); ++cut) {
+    std::vector<uint8_t> part(bytes.begin(), bytes.begin() + cut);
+    DraftInput o;
+    EXPECT_FALSE(decode_draft(part, &o).is_ok()) << "cut at " << cut;
+  }
+  std::vector<uint8_t> longer = bytes;
+  longer.push_back(0);
+  EXPECT_FALSE(decode_draft(longer, &out).is_ok());
+}
+
 TEST(ParallelWire, DpSliceMakesBlocksLocal) {
   // Two replicas of 8 blocks per group: seq 0 on replica 1, seq 1 on replica 0, seq 2 spans.
   StepInput in;

@@ -652,6 +652,8 @@ Status CpuBackend::fill(float* x, int64_t n, float value) {
 
 Status CpuBackend::block_embed(const float* mask, float* out) {
   const int64_t D = cfg_.dim;
+  if (embed_first_ != 0 || embed_->dim(0) != cfg_.vocab_size)
+    return internal_error("block_embed needs the whole embedding (the program embeds draft blocks itself under TP)");
   for (const auto& seq : md_->seqs) {
     cpu::embedding_lookup(*embed_, md_->token_ids.data() + seq.first_token, 1, out + seq.first_token * D);
     for (int64_t i = 1; i < seq.num_tokens; ++i) std::copy_n(mask + (i - 1) * D, D, out + (seq.first_token + i) * D);

@@ -21,9 +21,10 @@ int rank();
 int world();
 
 // Rank 0: makes every rank load `dir` as a parallel runner and returns rank 0's; null (with
-// a test failure) when loading failed. max_model_len 0: the model's; kv_mib: each rank's KV budget.
+// a test failure) when loading failed. max_model_len 0: the model's; kv_mib: each rank's KV
+// budget; drafter: load the DSpark drafter (windows for 8 sequences).
 std::unique_ptr<ModelRunner> load_everywhere(const std::string& dir, const std::string& kv, const ParallelConfig& pc,
-                                             int max_model_len = 0, int kv_mib = 32);
+                                             int max_model_len = 0, int kv_mib = 32, bool drafter = false);
 // Rank 0: the workers leave serve() for the next case.
 void end_case();
 // Workers: serve load requests until end_case().

@@ -15,15 +15,16 @@ constexpr int kLoad = 1, kEnd = 2;
 
 struct Message {
   int kind = 0;
-  int tp = 1, dp = 1, ep = 0, dcp = 1, interleave = 1, a2a = 1, max_len = 0, kv_mib = 32;
+  int tp = 1, dp = 1, ep = 0, dcp = 1, interleave = 1, a2a = 1, max_len = 0, kv_mib = 32, drafter = 0;
   std::string dir, kv;
 };
 
 void bcast_message(Message* m) {
-  int hdr[9] = {m->kind, m->tp, m->dp, m->ep, m->dcp, m->interleave, m->a2a, m->max_len, m->kv_mib};
-  MPI_Bcast(hdr, 9, MPI_INT, 0, MPI_COMM_WORLD);
+  int hdr[10] = {m->kind, m->tp, m->dp, m->ep, m->dcp, m->interleave, m->a2a, m->max_len, m->kv_mib, m->drafter};
+  MPI_Bcast(hdr, 10, MPI_INT, 0, MPI_COMM_WORLD);
   m->kind = hdr[0], m->tp = hdr[1], m->dp = hdr[2], m->ep = hdr[3];
   m->dcp = hdr[4], m->interleave = hdr[5], m->a2a = hdr[6], m->max_len = hdr[7], m->kv_mib = hdr[8];
+  m->drafter = hdr[9];
   std::string s = m->dir + '\n' + m->kv;
   int n = static_cast<int>(s.size());
   MPI_Bcast(&n, 1, MPI_INT, 0, MPI_COMM_WORLD);
@@ -39,6 +40,8 @@ RunnerOptions options(const Message& m) {
   ro.kv_cache_dtype = m.kv;
   ro.kv_cache_bytes = static_cast<int64_t>(m.kv_mib) << 20;
   ro.max_model_len = m.max_len;
+  ro.drafter = m.drafter != 0;
+  ro.max_num_seqs = 8;
   return ro;
 }
 
@@ -64,7 +67,7 @@ int rank() { return MpiEnv::get()->rank(); }
 int world() { return MpiEnv::get()->size(); }
 
 std::unique_ptr<ModelRunner> load_everywhere(const std::string& dir, const std::string& kv, const ParallelConfig& pc,
-                                             int max_model_len, int kv_mib) {
+                                             int max_model_len, int kv_mib, bool drafter) {
   Message m;
   m.kind = kLoad;
   m.tp = pc.tensor_parallel_size;
@@ -75,6 +78,7 @@ std::unique_ptr<ModelRunner> load_everywhere(const std::string& dir, const std::
   m.a2a = pc.dcp_comm_backend == "a2a";
   m.max_len = max_model_len;
   m.kv_mib = kv_mib;
+  m.drafter = drafter;
   m.dir = dir;
   m.kv = kv;
   bcast_message(&m);
