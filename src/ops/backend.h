@@ -257,6 +257,16 @@ class Backend {
   // The step's indexer keys k [T, dI] (rotated): Hadamard + FP8 into an indexer layer slot
   // (k may be overwritten).
   virtual Status indexer_key_write(int cache_slot, float* k) = 0;
+  // Prefill context parallelism (runtime/pcp_split.h): the same two writes for rows of the
+  // whole step (every PCP rank's tokens, gathered, in the runner's write metadata order), where
+  // the step itself holds only this rank's share.
+  virtual Status latent_cache_write_gathered(CacheGroup group, int cache_slot, const float* c, int c_stride,
+                                             const float* kr, int kr_stride) {
+    return unimplemented("this backend has no latent_cache_write_gathered (prefill context parallelism)");
+  }
+  virtual Status indexer_key_write_gathered(int cache_slot, float* k) {
+    return unimplemented("this backend has no indexer_key_write_gathered (prefill context parallelism)");
+  }
   virtual Status indexer_select(const IndexerSelectArgs& p) = 0;
   // Traced steps: a selection as key positions per step token (sorted ascending), and
   // forcing one (rows validated by the caller).

@@ -77,6 +77,7 @@ struct ParallelComms {
   Communicator* tp = nullptr;
   Communicator* ep = nullptr;
   Communicator* dcp = nullptr;  // decode context parallelism: the KV cache sharded by token
+  Communicator* pcp = nullptr;  // prefill context parallelism: a step's tokens split over ranks
 };
 
 }  // namespace ml4

@@ -24,11 +24,12 @@ struct ParallelGroup {
   std::unique_ptr<MpiCommunicator> tp;     // this rank's TP group (size 1 without TP)
   std::unique_ptr<MpiCommunicator> ep;     // the EP group (size 1 without EP)
   std::unique_ptr<MpiCommunicator> dcp;    // the DCP group (size 1 without DCP)
+  std::unique_ptr<MpiCommunicator> pcp;    // the PCP group (size 1 without PCP)
   bool is_driver() const { return layout.world_rank == 0; }
   // The forward's communicators (MPI: CPU ranks); null for a group of one (no collectives).
   ParallelComms comms() const {
     return {tp->size() > 1 ? tp.get() : nullptr, ep->size() > 1 ? ep.get() : nullptr,
-            dcp->size() > 1 ? dcp.get() : nullptr};
+            dcp->size() > 1 ? dcp.get() : nullptr, pcp->size() > 1 ? pcp.get() : nullptr};
   }
 
   // Initialises MPI when needed, checks the world size against the config, makes the layout,

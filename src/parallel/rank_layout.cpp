@@ -13,6 +13,11 @@ Status ParallelConfig::validate() const {
         "the experts expert-parallel over all ranks (DP attention + EP); experts TP-sharded over DP ranks are not "
         "supported",
         data_parallel_size);
+  const int pcp = prefill_context_parallel_size;
+  if (pcp < 1) return invalid_argument("--prefill-context-parallel-size must be >= 1, got {}", pcp);
+  if (pcp > 1 && (data_parallel_size > 1 || enable_expert_parallel))
+    return invalid_argument(
+        "--prefill-context-parallel-size {} with data or expert parallelism is not supported yet (TP and DCP are)", pcp);
   const int dcp = decode_context_parallel_size;
   if (dcp < 1) return invalid_argument("--decode-context-parallel-size must be >= 1, got {}", dcp);
   if (tensor_parallel_size % dcp != 0)
@@ -31,8 +36,10 @@ Result<RankLayout> RankLayout::make(const ParallelConfig& config, int world_size
   ML4_RETURN_IF_ERROR(config.validate());
   if (world_size != config.world_size())
     return invalid_argument(
-        "{} processes were started but --tensor-parallel-size {} x --data-parallel-size {} needs {} (mpirun -np {})",
-        world_size, config.tensor_parallel_size, config.data_parallel_size, config.world_size(), config.world_size());
+        "{} processes were started but --tensor-parallel-size {} x --data-parallel-size {} x "
+        "--prefill-context-parallel-size {} needs {} (mpirun -np {})",
+        world_size, config.tensor_parallel_size, config.data_parallel_size, config.prefill_context_parallel_size,
+        config.world_size(), config.world_size());
   if (world_rank < 0 || world_rank >= world_size)
     return internal_error("rank {} outside a world of {}", world_rank, world_size);
   RankLayout L;
@@ -41,10 +48,14 @@ Result<RankLayout> RankLayout::make(const ParallelConfig& config, int world_size
   L.world_rank = world_rank;
   L.tp_size = config.tensor_parallel_size;
   L.dp_size = config.data_parallel_size;
-  L.tp_rank = world_rank % L.tp_size;
-  L.dp_rank = world_rank / L.tp_size;
-  for (int t = 0; t < L.tp_size; ++t) L.tp_group.push_back(L.dp_rank * L.tp_size + t);
-  for (int d = 0; d < L.dp_size; ++d) L.dp_group.push_back(d * L.tp_size + L.tp_rank);
+  L.pcp_size = config.prefill_context_parallel_size;
+  L.tp_rank = L.tp_rank_of(world_rank);
+  L.pcp_rank = L.pcp_rank_of(world_rank);
+  L.dp_rank = L.dp_rank_of(world_rank);
+  const int tp_first = world_rank - L.tp_rank;
+  for (int t = 0; t < L.tp_size; ++t) L.tp_group.push_back(tp_first + t);
+  for (int d = 0; d < L.dp_size; ++d) L.dp_group.push_back(L.replica_leader(d) + L.pcp_rank * L.tp_size + L.tp_rank);
+  for (int q = 0; q < L.pcp_size; ++q) L.pcp_group.push_back(L.replica_leader(L.dp_rank) + q * L.tp_size + L.tp_rank);
   if (config.enable_expert_parallel) {
     L.ep_size = world_size;
     L.ep_rank = world_rank;
@@ -59,14 +70,17 @@ Result<RankLayout> RankLayout::make(const ParallelConfig& config, int world_size
 }
 
 std::string RankLayout::describe() const {
-  std::string s = fmt::format("parallel layout: world {} = dp {} x tp {}, expert parallel {}{}{}\n", world_size, dp_size,
-                              tp_size, config.enable_expert_parallel ? "on" : "off",
+  std::string s = fmt::format("parallel layout: world {} = dp {} x tp {}{}, expert parallel {}{}{}\n", world_size, dp_size,
+                              tp_size, pcp_size > 1 ? fmt::format(" x pcp {}", pcp_size) : std::string(),
+                              config.enable_expert_parallel ? "on" : "off",
                               config.enable_expert_parallel ? fmt::format(" (ep {})", ep_size) : "",
-                              dcp_size > 1 ? fmt::format(", decode context parallel {} (interleave {}, {})", dcp_size,
-                                                         config.dcp_kv_cache_interleave_size, config.dcp_comm_backend)
-                                           : "");
+                              (dcp_size > 1 ? fmt::format(", decode context parallel {} (interleave {}, {})", dcp_size,
+                                                          config.dcp_kv_cache_interleave_size, config.dcp_comm_backend)
+                                            : std::string()) +
+                                  (pcp_size > 1 ? fmt::format(", prefill context parallel {}", pcp_size) : std::string()));
   for (int r = 0; r < world_size; ++r) {
     s += fmt::format("  rank {}: dp {} tp {}", r, dp_rank_of(r), tp_rank_of(r));
+    if (pcp_size > 1) s += fmt::format(" pcp {}", pcp_rank_of(r));
     if (config.enable_expert_parallel) s += fmt::format(" ep {}", r);
     if (dcp_size > 1) s += fmt::format(" dcp {}", tp_rank_of(r) % dcp_size);
     if (r == 0) s += "  (API server, engine, scheduler)";

@@ -17,6 +17,8 @@ Result<std::unique_ptr<ModelForward>> ModelForward::create(const ModelConfig& cf
   std::unique_ptr<ModelForward> f(new ModelForward(cfg, be));
   f->plan_ = opts.plan;
   f->comms_ = opts.comms;
+  if (opts.plan != nullptr && opts.drafter && opts.plan->layout().pcp_size > 1)
+    return unimplemented("the DSpark drafter with prefill context parallelism is not supported yet");
   if (opts.plan != nullptr && opts.drafter && opts.plan->layout().dp_size > 1)
     return unimplemented("the DSpark drafter with data parallelism is not supported yet (TP, EP and DCP are)");
   if ((f->tensor_parallel() || f->expert_parallel() || f->context_parallel()) && opts.plan == nullptr)
@@ -369,7 +371,28 @@ Status ModelForward::indexer_keys(int l) {
     r.neox = true;
     ML4_RETURN_IF_ERROR(be_.rope(r));
   }
+  if (prefill_context_parallel()) {
+    ML4_ASSIGN_OR_RETURN(float* all, pcp_gather_rows(x.ik, dI));
+    return be_.indexer_key_write_gathered(spec.indexer_slot, all);
+  }
   return be_.indexer_key_write(spec.indexer_slot, x.ik);
+}
+
+// Prefill context parallelism (runtime/pcp_split.h): rows [T, width] of this rank's tokens,
+// all-gathered over the PCP group into a fixed [ranks][pcp_rows] buffer and put in the whole
+// step's order (StepMetadata::pcp_gather): [step tokens, width] in backend scratch.
+Result<float*> ModelForward::pcp_gather_rows(const float* rows, int64_t width) {
+  Communicator& c = *comms_.pcp;
+  const int64_t T = be_.step_tokens(), M = pcp_rows_;
+  ML4_ASSIGN_OR_RETURN(void* send, be_.scratch(kPcpSend, std::max<int64_t>(M, 1) * width * 4));
+  ML4_ASSIGN_OR_RETURN(void* recv, be_.scratch(kPcpRecv, std::max<int64_t>(c.size() * M, 1) * width * 4));
+  ML4_ASSIGN_OR_RETURN(void* all, be_.scratch(kPcpAll, std::max<int64_t>(pcp_step_tokens_, 1) * width * 4));
+  if (T > 0) ML4_RETURN_IF_ERROR(be_.copy_rows(rows, width, static_cast<float*>(send), width, T, width));
+  ML4_RETURN_IF_ERROR(be_.timed("pcp all-gather", [&] { return c.all_gather(send, recv, M * width * 4); }));
+  if (pcp_step_tokens_ > 0)
+    ML4_RETURN_IF_ERROR(be_.gather_rows_at(static_cast<float*>(recv), pcp_index_, pcp_step_tokens_, width,
+                                           static_cast<float*>(all)));
+  return static_cast<float*>(all);
 }
 
 // 5. The query half (DeepSeek-V3.2: q from the query-LoRA latent when there is one): the
@@ -486,6 +509,14 @@ Status ModelForward::attention(int l, const StepMetadata* md, ForwardTrace* trac
       ML4_RETURN_IF_ERROR(be_.linear(L.wkv_a, x.a, T, x.ckv));
       ML4_RETURN_IF_ERROR(be_.rms_norm({x.ckv, nullptr, L.kv_a_norm, T, r, r + dr, eps, x.c}));
       if (spec.rope) ML4_RETURN_IF_ERROR(be_.rope(rope_args(x.ckv, 1, r + dr, r, dr, inv_freq_)));
+      if (prefill_context_parallel()) {
+        // Every PCP rank writes the whole step's rows: [c | kr] of this rank's tokens, gathered.
+        ML4_RETURN_IF_ERROR(be_.copy_rows(x.c, r, x.ckv, r + dr, T, r));
+        ML4_ASSIGN_OR_RETURN(float* all, pcp_gather_rows(x.ckv, r + dr));
+        for (int slot : latent_write_slots_[l])
+          ML4_RETURN_IF_ERROR(be_.latent_cache_write_gathered(CacheGroup::kLatent, slot, all, r + dr, all + r, r + dr));
+        return Status::ok();
+      }
       for (int slot : latent_write_slots_[l]) ML4_RETURN_IF_ERROR(be_.latent_cache_write(CacheGroup::kLatent, slot, x.c, x.ckv + r, r + dr));
       return Status::ok();
     }));
@@ -742,6 +773,15 @@ Status ModelForward::logits() {
 }
 
 Status ModelForward::forward(const StepMetadata* md, ForwardTrace* trace) {
+  if (prefill_context_parallel()) {
+    if (md == nullptr) return internal_error("prefill context parallelism needs the step's metadata");
+    pcp_rows_ = md->pcp_rows;
+    pcp_step_tokens_ = static_cast<int64_t>(md->pcp_gather.size());
+    const int64_t bytes = std::max<int64_t>(pcp_step_tokens_, 1) * 4;
+    ML4_ASSIGN_OR_RETURN(void* idx, be_.scratch(kPcpIndex, bytes));
+    if (pcp_step_tokens_ > 0) ML4_RETURN_IF_ERROR(be_.upload(idx, md->pcp_gather.data(), pcp_step_tokens_ * 4));
+    pcp_index_ = static_cast<const int32_t*>(idx);
+  }
   const Activations& x = be_.acts();
   const int64_t T = be_.step_tokens(), R = be_.step_rows(), D = cfg_.dim;
   const float eps = static_cast<float>(cfg_.norm_eps);

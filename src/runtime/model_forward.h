@@ -44,7 +44,8 @@ class ModelForward {
     // embedding; the logits' all-gather; expert-parallel dispatch and combine). Null: no such
     // group (a group of one rank given here still runs the collective path). comms.dcp:
     // decode context parallelism, the latent and indexer caches sharded by token
-    // (kv/context_shard.h) and attention combined over the group.
+    // (kv/context_shard.h) and attention combined over the group. comms.pcp: prefill context
+    // parallelism, the step holding this rank's share of the tokens (runtime/pcp_split.h).
     const ParallelPlan* plan = nullptr;
     ParallelComms comms;
   };
@@ -114,8 +115,13 @@ class ModelForward {
   bool tensor_parallel() const { return comms_.tp != nullptr; }
   bool context_parallel() const { return comms_.dcp != nullptr; }
   Status context_parallel_attention(MlaArgs ma);
-  // Backend::scratch slots of the DCP path (0 .. 9 are expert parallelism's).
-  enum : int { kDcpCandScores = 10, kDcpCandPos, kDcpAllScores, kDcpAllPos, kDcpSend, kDcpRecv, kDcpQueries, kDcpOut };
+  bool prefill_context_parallel() const { return comms_.pcp != nullptr; }
+  Result<float*> pcp_gather_rows(const float* rows, int64_t width);
+  // Backend::scratch slots of the DCP and PCP paths (0 .. 9 are expert parallelism's).
+  enum : int {
+    kDcpCandScores = 10, kDcpCandPos, kDcpAllScores, kDcpAllPos, kDcpSend, kDcpRecv, kDcpQueries, kDcpOut,
+    kPcpIndex, kPcpSend, kPcpRecv, kPcpAll
+  };
   bool expert_parallel() const { return comms_.ep != nullptr; }
   Status tp_all_reduce(float* x, int64_t n);
   Status moe_expert_parallel(int l, float* out);
@@ -138,6 +144,10 @@ class ModelForward {
   std::vector<int> selection_of_owner_;
   int forced_selection_ = -1;
   int local_selection_offset_ = 0;  // DCP: selection s's local twin is s + this
+  // PCP, per step: rows per rank in the K/V all-gather, tokens of the whole step, the gather
+  // index (backend memory).
+  int64_t pcp_rows_ = 0, pcp_step_tokens_ = 0;
+  const int32_t* pcp_index_ = nullptr;
   std::unique_ptr<DrafterRefs> drafter_;
   const ParallelPlan* plan_ = nullptr;
   ParallelComms comms_;

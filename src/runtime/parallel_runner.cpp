@@ -235,7 +235,7 @@ Status ParallelRunner::stop() {
 Result<StepOutput> ParallelRunner::execute_traced(const StepInput& in, ForwardTrace* trace) {
   if (stopped_) return internal_error("the parallel group was stopped");
   if (group_->env->failed()) return group_->env->failure();
-  const int dp = group_->layout.dp_size, tp = group_->layout.tp_size;
+  const int dp = group_->layout.dp_size;
   const ModelConfig& cfg = config();
   // Every rank must see a valid step: validate here, before anything is sent.
   ML4_RETURN_IF_ERROR(build_step_metadata(in, groups_, cfg.vocab_size, 0, -1, group_->plan->context_shard()).status());
@@ -246,6 +246,8 @@ Result<StepOutput> ParallelRunner::execute_traced(const StepInput& in, ForwardTr
   for (int d = 0; d < dp; ++d) {
     ML4_ASSIGN_OR_RETURN(slices[d], dp_slice(in, d, dp, per_rank, &index[d]));
   }
+  if (trace != nullptr && group_->layout.pcp_size > 1)
+    return unimplemented("traced steps under prefill context parallelism (each rank runs part of the tokens)");
   if (trace != nullptr) {
     // Forced decisions are checked on the whole step (positions in step order).
     std::vector<int64_t> positions;
@@ -279,7 +281,8 @@ Result<StepOutput> ParallelRunner::execute_traced(const StepInput& in, ForwardTr
     for (const auto& s : slices[d].seqs) rows += s.num_logits;
     if (rows == 0) continue;
     std::vector<float> buf(rows * V);
-    ML4_RETURN_IF_ERROR(group_->world->recv(buf.data(), rows * V * static_cast<int64_t>(sizeof(float)), d * tp));
+    ML4_RETURN_IF_ERROR(group_->world->recv(buf.data(), rows * V * static_cast<int64_t>(sizeof(float)),
+                                            group_->layout.replica_leader(d)));
     int64_t row = 0;
     for (size_t i = 0; i < index[d].size(); ++i) {
       const int nl = slices[d].seqs[i].num_logits;
@@ -364,7 +367,7 @@ Status run_parallel_worker(ParallelGroup& group, ModelRunner& local) {
     auto out = traced ? local.execute_traced(mine, &trace) : local.execute(mine);
     if (!out.ok()) return out.status().with_context(fmt::format("rank {}: step", L.world_rank));
     // A DP replica's leader answers for it (rank 0 is replica 0's).
-    if (L.dp_rank > 0 && L.tp_rank == 0) {
+    if (L.dp_rank > 0 && L.tp_rank == 0 && L.pcp_rank == 0) {
       std::vector<float> rows;
       for (const auto& l : out->logits) rows.insert(rows.end(), l.begin(), l.end());
       if (!rows.empty()) {

@@ -39,6 +39,12 @@ struct StepMetadata {
   std::vector<std::vector<int64_t>> slots;    // [group][T]
   std::vector<Seq> seqs;
   std::vector<int64_t> logits_rows;           // flat token indices whose logits are returned
+  // Prefill context parallelism (runtime/pcp_split.h): this metadata holds one rank's share of
+  // a step whose K/V every rank of the group writes (the runner's write metadata holds the
+  // whole step); pcp_rows: rows per rank in the all-gather of the share's K/V; pcp_gather:
+  // for each token of the whole step, its row in the gathered [ranks][pcp_rows] buffer.
+  int64_t pcp_rows = 0;
+  std::vector<int32_t> pcp_gather;
 
   ContextShard shard;                         // this rank's share of the sharded groups
 

@@ -40,7 +40,7 @@ struct DeviceOptions {
   ParallelConfig parallel;
 };
 
-// Decode context parallelism (SYSTEM.md S8, vLLM's flags); also on `ml4 capacity`.
+// Decode and prefill context parallelism (SYSTEM.md S8, S9; vLLM's flags); also on `ml4 capacity`.
 inline void add_dcp_options(CLI::App* cmd, ParallelConfig* p) {
   cmd->add_option("--decode-context-parallel-size", p->decode_context_parallel_size,
                   "-dcp: shard the KV cache by token over this many of the TP ranks (must divide -tp); KV capacity "
@@ -55,6 +55,10 @@ inline void add_dcp_options(CLI::App* cmd, ParallelConfig* p) {
                   "reduce-scatter (ag_rs)")
       ->check(CLI::IsMember({"a2a", "ag_rs"}))
       ->capture_default_str();
+  cmd->add_option("--prefill-context-parallel-size", p->prefill_context_parallel_size,
+                  "-pcp: split each prompt's tokens over this many rank groups (each with the -tp shard of the "
+                  "weights; world = dp x pcp x tp); cuts prefill time")
+      ->check(CLI::PositiveNumber);
 }
 
 inline void add_device_options(CLI::App* cmd, DeviceOptions* d) {

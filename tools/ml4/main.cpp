@@ -29,6 +29,7 @@ int main(int argc, char** argv) {
     if (a == "-tp") a = "--tensor-parallel-size";
     if (a == "-dp") a = "--data-parallel-size";
     if (a == "-dcp") a = "--decode-context-parallel-size";
+    if (a == "-pcp") a = "--prefill-context-parallel-size";
     if (a.rfind("-tp=", 0) == 0) a = "--tensor-parallel-size=" + a.substr(4);
     if (a.rfind("-dp=", 0) == 0) a = "--data-parallel-size=" + a.substr(4);
     args.push_back(a.data());

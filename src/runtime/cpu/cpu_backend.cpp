@@ -22,8 +22,9 @@ CpuBackend::CpuBackend(const ModelConfig& cfg, std::shared_ptr<const ModelWeight
   drafter_group_ = cache_->spec().group_index(CacheGroupSpec::kDrafter);
 }
 
-void CpuBackend::begin_step(const StepMetadata& md) {
+void CpuBackend::begin_step(const StepMetadata& md, const StepMetadata* write_md) {
   md_ = &md;
+  write_md_ = write_md != nullptr ? write_md : &md;
   const ModelConfig& c = cfg_;
   const int64_t T = md.num_tokens(), R = static_cast<int64_t>(md.logits_rows.size());
   const int64_t D = c.dim, H = c.n_heads, qk = c.qk_nope_head_dim + c.qk_rope_head_dim, r = c.kv_lora_rank,
@@ -224,29 +225,44 @@ Status CpuBackend::q_path(const QPathArgs& p) {
   return Status::ok();
 }
 
-Status CpuBackend::latent_cache_write(CacheGroup group, int cache_slot, const float* c, const float* kr,
-                                      int kr_stride) {
-  const int r = cfg_.kv_lora_rank;
-  const auto& slots = md_->slots[group_index(group)];
-  for (int64_t t = 0; t < step_tokens(); ++t) {
+Status CpuBackend::write_latent_rows(const StepMetadata& m, CacheGroup group, int cache_slot, const float* c,
+                                     int c_stride, const float* kr, int kr_stride) {
+  const auto& slots = m.slots[group_index(group)];
+  for (int64_t t = 0; t < m.num_tokens(); ++t) {
     if (slots[t] < 0) continue;
     if (group == CacheGroup::kDrafter) {
-      cache_->write_drafter(cache_slot, slots[t], c + t * r, kr + t * kr_stride);
+      cache_->write_drafter(cache_slot, slots[t], c + t * c_stride, kr + t * kr_stride);
     } else {
-      cache_->write_latent(cache_slot, slots[t], c + t * r, kr + t * kr_stride);
+      cache_->write_latent(cache_slot, slots[t], c + t * c_stride, kr + t * kr_stride);
     }
   }
   return Status::ok();
 }
 
-Status CpuBackend::indexer_key_write(int cache_slot, float* k) {
+Status CpuBackend::write_indexer_rows(const StepMetadata& m, int cache_slot, float* k) {
   const int dI = cfg_.indexer.head_dim;
-  const int64_t T = step_tokens();
+  const int64_t T = m.num_tokens();
   cpu::hadamard_transform(k, T, dI);
-  const auto& slots = md_->slots[indexer_group_];
+  const auto& slots = m.slots[indexer_group_];
   for (int64_t t = 0; t < T; ++t)
     if (slots[t] >= 0) cache_->write_indexer_key(cache_slot, slots[t], k + t * dI);
   return Status::ok();
+}
+
+Status CpuBackend::latent_cache_write(CacheGroup group, int cache_slot, const float* c, const float* kr,
+                                      int kr_stride) {
+  return write_latent_rows(*md_, group, cache_slot, c, cfg_.kv_lora_rank, kr, kr_stride);
+}
+
+Status CpuBackend::indexer_key_write(int cache_slot, float* k) { return write_indexer_rows(*md_, cache_slot, k); }
+
+Status CpuBackend::latent_cache_write_gathered(CacheGroup group, int cache_slot, const float* c, int c_stride,
+                                               const float* kr, int kr_stride) {
+  return write_latent_rows(*write_md_, group, cache_slot, c, c_stride, kr, kr_stride);
+}
+
+Status CpuBackend::indexer_key_write_gathered(int cache_slot, float* k) {
+  return write_indexer_rows(*write_md_, cache_slot, k);
 }
 
 // q is used as FP8 with one scale per 128 values (DeepSeek act_quant); keys come back from the

@@ -28,8 +28,10 @@ class CpuBackend : public Backend {
   // weights: kept alive here (linears and vectors are used in place); cache: the runner's.
   CpuBackend(const ModelConfig& cfg, std::shared_ptr<const ModelWeights> weights, PagedKvCache* cache);
 
-  // The step the next forward runs (md must outlive it); sizes the activations.
-  void begin_step(const StepMetadata& md);
+  // The step the next forward runs (md must outlive it); sizes the activations. write_md:
+  // the whole step whose rows the *_gathered writes take (prefill context parallelism; md
+  // is then this rank's share of it); null: md.
+  void begin_step(const StepMetadata& md, const StepMetadata* write_md = nullptr);
   // Per-piece wall time of the program's timed() labels, summed while profiling is on
   // (benchmarks: bench/tp_decode_bench.cpp); nested labels count in both.
   void set_profile(bool on) { profile_on_ = on; }
@@ -60,6 +62,9 @@ class CpuBackend : public Backend {
   Status q_path(const QPathArgs& p) override;
   Status latent_cache_write(CacheGroup group, int cache_slot, const float* c, const float* kr, int kr_stride) override;
   Status indexer_key_write(int cache_slot, float* k) override;
+  Status latent_cache_write_gathered(CacheGroup group, int cache_slot, const float* c, int c_stride, const float* kr,
+                                     int kr_stride) override;
+  Status indexer_key_write_gathered(int cache_slot, float* k) override;
   Status indexer_select(const IndexerSelectArgs& p) override;
   Result<std::vector<std::vector<int32_t>>> read_selection(int selection) override;
   Status set_selection(int selection, const std::vector<std::vector<int32_t>>& positions) override;
@@ -121,6 +126,10 @@ class CpuBackend : public Backend {
   bool drafter_ = false;
   std::vector<int32_t> draft_ids_;
   const StepMetadata* md_ = nullptr;
+  const StepMetadata* write_md_ = nullptr;
+  Status write_latent_rows(const StepMetadata& m, CacheGroup group, int cache_slot, const float* c, int c_stride,
+                           const float* kr, int kr_stride);
+  Status write_indexer_rows(const StepMetadata& m, int cache_slot, float* k);
   Activations acts_;
   std::vector<std::vector<float>> act_storage_;
   std::vector<int32_t> expert_ids_;

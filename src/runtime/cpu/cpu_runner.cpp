@@ -6,6 +6,7 @@
 #include "kv/kv_cache_dtype.h"
 #include "model/config_loader.h"
 #include "model/model_weights.h"
+#include "runtime/pcp_split.h"
 
 namespace ml4 {
 
@@ -48,7 +49,11 @@ Result<std::unique_ptr<CpuRunner>> CpuRunner::create(const ModelConfig& cfg, std
     const auto& sg = spec.groups[g];
     r->groups_.push_back(CacheGroupInfo{sg.name, sg.page_tokens, blocks[g], sg.sliding_window, sg.bytes_per_token()});
   }
-  if (opts.plan != nullptr) r->shard_ = opts.plan->context_shard();
+  if (opts.plan != nullptr) {
+    r->shard_ = opts.plan->context_shard();
+    r->pcp_size_ = opts.plan->layout().pcp_size;
+    r->pcp_rank_ = opts.plan->layout().pcp_rank;
+  }
   ML4_RETURN_IF_ERROR(shard_cache_groups(spec, r->shard_, &r->groups_));
   r->backend_ = std::make_unique<CpuBackend>(cfg, weights, r->cache_.get());
   ModelForward::Options fo;
@@ -65,9 +70,17 @@ Result<StepOutput> CpuRunner::execute(const StepInput& in) { return execute_trac
 Result<StepOutput> CpuRunner::execute_traced(const StepInput& in, ForwardTrace* trace) {
   const ModelConfig& cfg = config();
   ML4_ASSIGN_OR_RETURN(StepMetadata md, build_step_metadata(in, groups_, cfg.vocab_size, max_model_len_, -1, shard_));
-  backend_->begin_step(md);
-  ML4_RETURN_IF_ERROR(program_->forward(&md, trace));
   StepOutput out;
+  if (pcp_size_ > 1) {
+    // This rank's share of the tokens; every rank writes the whole step's K/V (pcp_split.h).
+    const StepMetadata mine = pcp_step_metadata(md, pcp_size_, pcp_rank_);
+    backend_->begin_step(mine, &md);
+    ML4_RETURN_IF_ERROR(program_->forward(&mine, trace));
+    if (mine.logits_rows.size() != md.logits_rows.size()) return out;  // rank 0 holds every logits row
+  } else {
+    backend_->begin_step(md);
+    ML4_RETURN_IF_ERROR(program_->forward(&md, trace));
+  }
   const int64_t V = cfg.vocab_size;
   const float* logits = backend_->acts().logits;
   size_t row = 0;

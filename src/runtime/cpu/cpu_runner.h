@@ -50,6 +50,7 @@ class CpuRunner : public ModelRunner {
   std::unique_ptr<ModelForward> program_;
   std::vector<CacheGroupInfo> groups_;
   ContextShard shard_;  // decode context parallelism: this rank's share of the KV
+  int pcp_size_ = 1, pcp_rank_ = 0;  // prefill context parallelism
   int64_t max_model_len_ = 0;
 };
 

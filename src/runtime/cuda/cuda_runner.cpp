@@ -61,6 +61,9 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::create(const ModelConfig& cfg, c
     // A parallel rank: NCCL communicators over the plan's groups on the backend's stream,
     // bootstrapped through the MPI ones (parallel/cuda/nccl_communicator.h). A plan of one
     // rank gets a TP group of one: the single-GPU check of the NCCL path.
+    if (plan->layout().pcp_size > 1)
+      return unimplemented("--prefill-context-parallel-size {} on CUDA ranks is not supported yet (PCP runs on CPU ranks)",
+                           plan->layout().pcp_size);
     if (plan->context_shard().sharded())
       return unimplemented(
           "--decode-context-parallel-size {} on CUDA ranks is not supported yet (DCP runs on CPU ranks; docs/PARALLEL.md)",

@@ -15,16 +15,16 @@ constexpr int kLoad = 1, kEnd = 2;
 
 struct Message {
   int kind = 0;
-  int tp = 1, dp = 1, ep = 0, dcp = 1, interleave = 1, a2a = 1, max_len = 0, kv_mib = 32, drafter = 0;
+  int tp = 1, dp = 1, ep = 0, dcp = 1, interleave = 1, a2a = 1, max_len = 0, kv_mib = 32, drafter = 0, pcp = 1;
   std::string dir, kv;
 };
 
 void bcast_message(Message* m) {
-  int hdr[10] = {m->kind, m->tp, m->dp, m->ep, m->dcp, m->interleave, m->a2a, m->max_len, m->kv_mib, m->drafter};
-  MPI_Bcast(hdr, 10, MPI_INT, 0, MPI_COMM_WORLD);
+  int hdr[11] = {m->kind, m->tp, m->dp, m->ep, m->dcp, m->interleave, m->a2a, m->max_len, m->kv_mib, m->drafter, m->pcp};
+  MPI_Bcast(hdr, 11, MPI_INT, 0, MPI_COMM_WORLD);
   m->kind = hdr[0], m->tp = hdr[1], m->dp = hdr[2], m->ep = hdr[3];
   m->dcp = hdr[4], m->interleave = hdr[5], m->a2a = hdr[6], m->max_len = hdr[7], m->kv_mib = hdr[8];
-  m->drafter = hdr[9];
+  m->drafter = hdr[9], m->pcp = hdr[10];
   std::string s = m->dir + '\n' + m->kv;
   int n = static_cast<int>(s.size());
   MPI_Bcast(&n, 1, MPI_INT, 0, MPI_COMM_WORLD);
@@ -53,6 +53,7 @@ Result<std::unique_ptr<ModelRunner>> load(const Message& m, Status* worker_statu
   pc.decode_context_parallel_size = m.dcp;
   pc.dcp_kv_cache_interleave_size = m.interleave;
   pc.dcp_comm_backend = m.a2a ? "a2a" : "ag_rs";
+  pc.prefill_context_parallel_size = m.pcp;
   const std::string dir = m.dir;
   auto load_local = [dir](const RunnerOptions& o) -> Result<std::unique_ptr<ModelRunner>> {
     ML4_ASSIGN_OR_RETURN(auto r, CpuRunner::load(dir, o));
@@ -76,6 +77,7 @@ std::unique_ptr<ModelRunner> load_everywhere(const std::string& dir, const std::
   m.dcp = pc.decode_context_parallel_size;
   m.interleave = pc.dcp_kv_cache_interleave_size;
   m.a2a = pc.dcp_comm_backend == "a2a";
+  m.pcp = pc.prefill_context_parallel_size;
   m.max_len = max_model_len;
   m.kv_mib = kv_mib;
   m.drafter = drafter;
