@@ -36,6 +36,7 @@ struct DeviceOptions {
   std::string device = "cpu";
   double gpu_memory_utilization = 0.9;
   bool cuda_graphs = true;
+  bool batch_invariant = false;
   CLI::Option* kv_bytes_option = nullptr;  // set by add_device_options' caller
   ParallelConfig parallel;
 };
@@ -67,6 +68,10 @@ inline void add_device_options(CLI::App* cmd, DeviceOptions* d) {
                   "cuda: fraction of GPU memory for weights + KV cache")
       ->check(CLI::Range(0.01, 1.0));
   cmd->add_flag("!--no-cuda-graphs", d->cuda_graphs, "cuda: run decode steps eagerly");
+  cmd->add_flag("--batch-invariant", d->batch_invariant,
+                "cuda: exact numerics (f32 activations through the GEMV, f32 attention and indexer), so a token's "
+                "result does not depend on the batch or on how its prompt was split (prefix-cache hits, P/D); "
+                "slower. The CPU backend always is");
   cmd->add_option("--tensor-parallel-size", d->parallel.tensor_parallel_size,
                   "-tp: ranks the attention heads, FFN and vocabulary are split over (one process per rank)")
       ->check(CLI::PositiveNumber);
@@ -89,6 +94,7 @@ inline Result<std::unique_ptr<ModelRunner>> load_local_runner_on(const DeviceOpt
   const bool explicit_bytes = d.kv_bytes_option != nullptr && d.kv_bytes_option->count() > 0;
   co.gpu_memory_utilization = explicit_bytes ? 0.0 : d.gpu_memory_utilization;
   co.cuda_graphs = d.cuda_graphs;
+  co.exact_activations = d.batch_invariant;
   ML4_ASSIGN_OR_RETURN(auto r, cuda::CudaRunner::load(model, co));
   return std::unique_ptr<ModelRunner>(std::move(r));
 #else
