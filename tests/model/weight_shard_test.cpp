@@ -126,9 +126,34 @@ TEST(WeightShard, LoaderBindsTheRanksSlices) {
   for (int e = 0; e < 4; ++e) EXPECT_EQ(dequantize_linear(F.experts[e].w3), dequantize_linear(W.layers[1].ffn.experts[4 + e].w3));
   EXPECT_EQ(dequantize_linear(F.shared->w2), block(dequantize_linear(W.layers[1].ffn.shared->w2), 128, 0, D, 64, 64));
   EXPECT_EQ(dequantize_linear(F.gate), dequantize_linear(W.layers[1].ffn.gate));  // the router is replicated
-  // The drafter does not load into a shard.
-  wo.load_drafter = true;
-  EXPECT_FALSE(load_model_weights(*cfg, *ck, wo).ok());
+  // The DSpark drafter's layers split as the target's (heads, FFN hidden); the rest is replicated.
+  WeightLoadOptions wd;
+  wd.load_drafter = true;
+  auto whole_d = load_model_weights(*cfg, *ck, wd);
+  ASSERT_TRUE(whole_d.ok()) << whole_d.status().message();
+  wd.shard = &s;
+  auto part_d = load_model_weights(*cfg, *ck, wd);
+  ASSERT_TRUE(part_d.ok()) << part_d.status().message();
+  const DrafterWeights& WD = *(*whole_d)->drafter;
+  const DrafterWeights& PD = *(*part_d)->drafter;
+  ASSERT_EQ(PD.layers.size(), WD.layers.size());
+  for (size_t j = 0; j < WD.layers.size(); ++j) {
+    const auto& a = WD.layers[j].attn;
+    const auto& b = PD.layers[j].attn;
+    const LinearWeight& wq = cfg->q_lora_rank > 0 ? a.wq_b : a.wq;
+    const LinearWeight& pq = cfg->q_lora_rank > 0 ? b.wq_b : b.wq;
+    EXPECT_EQ(dequantize_linear(pq), block(dequantize_linear(wq), wq.in_features, 2 * (dn + dr), 2 * (dn + dr), 0,
+                                           wq.in_features));
+    EXPECT_EQ(dequantize_linear(b.wo), block(dequantize_linear(a.wo), a.wo.in_features, 0, D, 2 * dv, 2 * dv));
+    EXPECT_EQ(b.w_uk, std::vector<float>(a.w_uk.begin() + 2 * dn * r, a.w_uk.end()));
+    EXPECT_EQ(dequantize_linear(b.wkv_a), dequantize_linear(a.wkv_a));  // replicated
+    const auto& fw = WD.layers[j].ffn;
+    const auto& fp = PD.layers[j].ffn;
+    EXPECT_EQ(dequantize_linear(fp.w1), block(dequantize_linear(fw.w1), D, 256, 256, 0, D));
+    EXPECT_EQ(dequantize_linear(fp.w2), block(dequantize_linear(fw.w2), 512, 0, D, 256, 256));
+  }
+  EXPECT_EQ(dequantize_linear(PD.fc), dequantize_linear(WD.fc));                  // replicated
+  EXPECT_EQ(dequantize_linear(PD.markov_out), dequantize_linear(WD.markov_out));  // replicated
 }
 
 }  // namespace

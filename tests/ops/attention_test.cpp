@@ -183,5 +183,55 @@ TEST(Attention, IndexerScores) {
   }
 }
 
+
+// Decode context parallelism's combine (SYSTEM.md S8): the keys split over N ranks (token i on
+// rank (i / I) % N), each rank's partial (out, lse) from mla_attention over its share, merged
+// by merge_attention_parts (the all-to-all combine) and by rescale_attention_part + a sum (the
+// all-gather + reduce-scatter combine), against mla_attention over all keys. Shares with no key
+// (more ranks than keys) give out 0, lse -inf, and weigh 0. Bound: each part's out and lse
+// carry mla_attention's own error (measured here ~1e-7); the merge adds one exp and a weighted
+// sum of N terms per element in f32: a few ulps, so 1e-5 relative is generous and a wrong
+// weight (a missing renormalisation, a swapped part) costs 1e-1.
+TEST(Attention, ContextParallelMergesEqualOneRank) {
+  const int H = 3, r = 32, dr = 8;
+  for (int N : {2, 4, 8})
+    for (int I : {1, 4})
+      for (int64_t S : {3, 40, 333}) {
+        auto ql = test::random_floats(H * r, 10 + N);
+        auto qr = test::random_floats(H * dr, 20 + N);
+        auto c = test::random_floats(S * r, 30 + S);
+        auto kr = test::random_floats(S * dr, 40 + S);
+        std::vector<float> scale = {0.2f, 1.0f, 3.0f};
+        std::vector<float> ref(H * r), ref_lse(H);
+        mla_attention(ql.data(), qr.data(), H, r, dr, c.data(), kr.data(), S, scale.data(), ref.data(), ref_lse.data());
+        // parts [N][out H r | lse H], one per rank.
+        const int64_t stride = H * (r + 1);
+        std::vector<float> parts(N * stride);
+        for (int p = 0; p < N; ++p) {
+          std::vector<float> cs, ks;
+          for (int64_t i = 0; i < S; ++i) {
+            if ((i / I) % N != p) continue;
+            cs.insert(cs.end(), c.begin() + i * r, c.begin() + (i + 1) * r);
+            ks.insert(ks.end(), kr.begin() + i * dr, kr.begin() + (i + 1) * dr);
+          }
+          mla_attention(ql.data(), qr.data(), H, r, dr, cs.data(), ks.data(), static_cast<int64_t>(cs.size() / r),
+                        scale.data(), parts.data() + p * stride, parts.data() + p * stride + H * r);
+        }
+        std::vector<float> a2a(H * r);
+        merge_attention_parts(parts.data(), N, stride, H, r, a2a.data());
+        // ag_rs: every part rescaled against all lse, then summed.
+        std::vector<float> lse_all(N * H), ag(H * r, 0.0f);
+        for (int p = 0; p < N; ++p) std::copy_n(parts.data() + p * stride + H * r, H, lse_all.data() + p * H);
+        for (int p = 0; p < N; ++p) {
+          std::vector<float> mine(parts.begin() + p * stride, parts.begin() + p * stride + H * r);
+          rescale_attention_part(mine.data(), parts.data() + p * stride + H * r, lse_all.data(), N, H, r);
+          for (int64_t k = 0; k < H * r; ++k) ag[k] += mine[k];
+        }
+        const std::vector<double> refd(ref.begin(), ref.end());
+        EXPECT_LT(test::rel_l2(a2a.data(), refd.data(), refd.size()), 1e-5) << "a2a N " << N << " I " << I << " S " << S;
+        EXPECT_LT(test::rel_l2(ag.data(), refd.data(), refd.size()), 1e-5) << "ag_rs N " << N << " I " << I << " S " << S;
+      }
+}
+
 }  // namespace
 }  // namespace ml4::cpu

@@ -140,16 +140,11 @@ void compare(ModelRunner& p, const Run& ref, const Case& c, Mode mode, const std
       const auto& a = out->logits[i];
       const auto& b = ref.outs[k].logits[i];
       ASSERT_EQ(a.size(), static_cast<size_t>(V));
-      const double rel = testing::rel_l2(a, b);
-      double mx = 0.0, big = 0.0;
-      for (int v = 0; v < V; ++v) {
-        mx = std::max(mx, static_cast<double>(std::abs(a[v] - b[v])));
-        big = std::max(big, static_cast<double>(std::abs(b[v])));
-      }
+      const mpitest::LogitsDiff d = mpitest::logits_diff(a, b);
+      const double rel = d.rel_l2, mx = d.max_abs, big = d.max_ref;
       worst = std::max(worst, rel);
-      greedy_diff += argmax(a, V) != argmax(b, V);
-      if (mode == kForced || c.free_greedy)
-        EXPECT_EQ(argmax(a, V), argmax(b, V)) << what << " step " << k << " seq " << i;
+      greedy_diff += d.argmax != d.argmax_ref;
+      if (mode == kForced || c.free_greedy) EXPECT_EQ(d.argmax, d.argmax_ref) << what << " step " << k << " seq " << i;
       if (mode != kForced && c.free_rel_l2 > 0.0) EXPECT_LT(rel, c.free_rel_l2) << what << " step " << k << " seq " << i;
       if (c.exact) EXPECT_EQ(rel, 0.0) << what << " step " << k << " seq " << i;
       if (mode == kForced) {

@@ -7,9 +7,12 @@
 // the workers go on to the next case. Only rank 0 checks results and prints.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "parallel/mpi_env.h"
 #include "parallel/rank_layout.h"
@@ -29,6 +32,28 @@ std::unique_ptr<ModelRunner> load_everywhere(const std::string& dir, const std::
 void end_case();
 // Workers: serve load requests until end_case().
 void serve();
+
+// One logits row against the single process's: rel L2, the largest |difference| and the
+// largest |reference logit| (the goldens' max-abs bound is relative to it), and both argmaxes.
+struct LogitsDiff {
+  double rel_l2 = 0.0, max_abs = 0.0, max_ref = 0.0;
+  int argmax = 0, argmax_ref = 0;
+};
+inline LogitsDiff logits_diff(const std::vector<float>& a, const std::vector<float>& ref) {
+  LogitsDiff d;
+  double num = 0.0, den = 0.0;
+  for (size_t v = 0; v < a.size() && v < ref.size(); ++v) {
+    const double e = static_cast<double>(a[v]) - ref[v];
+    num += e * e;
+    den += static_cast<double>(ref[v]) * ref[v];
+    d.max_abs = std::max(d.max_abs, std::abs(e));
+    d.max_ref = std::max(d.max_ref, static_cast<double>(std::abs(ref[v])));
+    if (a[v] > a[d.argmax]) d.argmax = static_cast<int>(v);
+    if (ref[v] > ref[d.argmax_ref]) d.argmax_ref = static_cast<int>(v);
+  }
+  d.rel_l2 = den > 0.0 ? std::sqrt(num / den) : std::sqrt(num);
+  return d;
+}
 
 // The body of a model case: rank 0 runs `driver`; the workers serve.
 inline void run_case(const std::function<void()>& driver) {

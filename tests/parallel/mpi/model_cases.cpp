@@ -115,15 +115,11 @@ void compare(ModelRunner& p, const Run& ref, int dp, bool forced, const std::str
       const auto& a = out->logits[i];
       const auto& b = ref.outs[k].logits[i];
       ASSERT_EQ(a.size(), static_cast<size_t>(V));
-      const double rel = testing::rel_l2(a, b);
-      double mx = 0.0, big = 0.0;
-      for (int v = 0; v < V; ++v) {
-        mx = std::max(mx, static_cast<double>(std::abs(a[v] - b[v])));
-        big = std::max(big, static_cast<double>(std::abs(b[v])));
-      }
+      const mpitest::LogitsDiff d = mpitest::logits_diff(a, b);
+      const double rel = d.rel_l2, mx = d.max_abs, big = d.max_ref;
       worst = std::max(worst, rel);
       worst_abs = std::max(worst_abs, mx / big);
-      EXPECT_EQ(argmax(a, 0, V), argmax(b, 0, V)) << what << " step " << k << " seq " << i;
+      EXPECT_EQ(d.argmax, d.argmax_ref) << what << " step " << k << " seq " << i;
       if (forced) {
         EXPECT_LT(rel, kRelL2) << what << " step " << k << " seq " << i;
         EXPECT_LT(mx, kMaxAbsRel * big) << what << " step " << k << " seq " << i;
