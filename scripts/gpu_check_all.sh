@@ -52,7 +52,7 @@ stamp() { echo "==== [$(( $(date +%s) - t0 )) s] $*"; }
 sections=" ${SECTIONS:-tests spec perplexity pd all} "
 on() { [[ "$sections" == *" $1 "* ]]; }
 
-new=${FILTER_NEW:-CudaDrafter.*:CudaRunnerMasks.*:NcclTp1.*:CudaSampling.TokenBitmask*}
+new=${FILTER_NEW:-CudaContextParallel.*:CudaDrafter.*:NcclTp1.*}
 on tests && stamp "1a. new GPU tests: $new" && timeout 240 "$carry/bin/ml4_cuda_tests" --gtest_filter="$new" --gtest_color=no > "$out/new_tests.log" 2>&1
 on tests && grep -E "^\[  (FAILED|PASSED|SKIPPED) |^\[       OK|rel|Failure" "$out/new_tests.log" | tail -40
 

@@ -9,6 +9,7 @@
 #include "ops/cpu/linear.h"
 #include "ops/cuda/attention.h"
 #include "ops/cuda/cache_write.h"
+#include "ops/cuda/context_parallel.h"
 #include "ops/cuda/drafter.h"
 #include "ops/cuda/sampling.h"
 #include "ops/cpu/draft_tokens.h"
@@ -716,6 +717,8 @@ Status CudaBackend::mla_apply_uv(const float* w_uv, const float* out_lat, float*
 // The rope part of q copied contiguous for the kernel, then absorbed MLA over the pages:
 // the selection's slots, or every key of the token's sequence.
 Status CudaBackend::mla_attention(const MlaArgs& a) {
+  if (a.heads != 0 && a.heads != cfg_.n_heads)
+    return unimplemented("mla_attention over {} heads (decode context parallelism) on CUDA", a.heads);
   Buffers& b = *buf_;
   const bool draft = a.group == CacheGroup::kDrafter;
   const int H = cfg_.n_heads, dn = cfg_.qk_nope_head_dim, dr = cfg_.qk_rope_head_dim;
@@ -861,6 +864,16 @@ Status CudaBackend::add_rows(float* y, int64_t y_stride, const float* x, int64_t
 }
 
 Status CudaBackend::fill(float* x, int64_t n, float value) { return fill_f32(x, n, value, stream_); }
+
+Status CudaBackend::merge_attention_parts(const float* parts, int n, int64_t part_stride, int64_t rows, int64_t cols,
+                                          float* out) {
+  return cuda::merge_attention_parts(parts, n, part_stride, rows, cols, out, stream_);
+}
+
+Status CudaBackend::rescale_attention_part(float* out, const float* lse, const float* lse_all, int n, int64_t rows,
+                                           int64_t cols) {
+  return cuda::rescale_attention_part(out, lse, lse_all, n, rows, cols, stream_);
+}
 
 Status CudaBackend::block_embed(const float* mask, float* out) {
   BlockEmbedParams p;

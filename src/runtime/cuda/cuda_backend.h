@@ -102,6 +102,12 @@ class CudaBackend : public Backend {
   Status rope(const RopeArgs& p) override;
   Status q_path(const QPathArgs& p) override;
   Status latent_cache_write(CacheGroup group, int cache_slot, const float* c, const float* kr, int kr_stride) override;
+  // Decode context parallelism's combines (ops/cuda/context_parallel.h). The rest of DCP on
+  // CUDA ranks (candidates, sharded metadata, MlaArgs::heads) is not built: the runner refuses it.
+  Status merge_attention_parts(const float* parts, int n, int64_t part_stride, int64_t rows, int64_t cols,
+                               float* out) override;
+  Status rescale_attention_part(float* out, const float* lse, const float* lse_all, int n, int64_t rows,
+                                int64_t cols) override;
   Status indexer_key_write(int cache_slot, float* k) override;
   Status indexer_select(const IndexerSelectArgs& p) override;
   Result<std::vector<std::vector<int32_t>>> read_selection(int selection) override;
