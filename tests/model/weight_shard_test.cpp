@@ -104,10 +104,8 @@ TEST(WeightShard, LoaderBindsTheRanksSlices) {
   const int64_t r = cfg->kv_lora_rank;
   EXPECT_EQ(P.tok_embeddings.dim(0), 256);
   EXPECT_EQ(dequantize_linear(P.output), block(dequantize_linear(W.output), D, 256, 256, 0, D));
-  for (int l : {0, 2, 7}) {  // dense, MoE + SSMax reuser, KV consumer
-    SCOPED_TRACE(l);
-    const auto& a = W.layers[l].attn;
-    const auto& b = P.layers[l].attn;
+  // Heads 2..3 of an attention: wq / wq_b rows, wo columns, W_UK / W_UV.
+  auto expect_heads = [&](const AttentionWeights& a, const AttentionWeights& b) {
     const LinearWeight& wq = cfg->q_lora_rank > 0 ? a.wq_b : a.wq;
     const LinearWeight& pq = cfg->q_lora_rank > 0 ? b.wq_b : b.wq;
     EXPECT_EQ(dequantize_linear(pq), block(dequantize_linear(wq), wq.in_features, 2 * (dn + dr), 2 * (dn + dr), 0,
@@ -115,6 +113,12 @@ TEST(WeightShard, LoaderBindsTheRanksSlices) {
     EXPECT_EQ(dequantize_linear(b.wo), block(dequantize_linear(a.wo), a.wo.in_features, 0, D, 2 * dv, 2 * dv));
     EXPECT_EQ(b.w_uk, std::vector<float>(a.w_uk.begin() + 2 * dn * r, a.w_uk.end()));
     EXPECT_EQ(b.w_uv, std::vector<float>(a.w_uv.begin() + 2 * dv * r, a.w_uv.end()));
+  };
+  for (int l : {0, 2, 7}) {  // dense, MoE + SSMax reuser, KV consumer
+    SCOPED_TRACE(l);
+    const auto& a = W.layers[l].attn;
+    const auto& b = P.layers[l].attn;
+    expect_heads(a, b);
     if (cfg->layers[l].ssmax) EXPECT_EQ(b.ssmax_s, std::vector<float>(a.ssmax_s.begin() + 2, a.ssmax_s.end()));
     if (cfg->layers[l].owns_kv()) EXPECT_EQ(dequantize_linear(b.wkv_a), dequantize_linear(a.wkv_a));  // replicated
   }
@@ -140,12 +144,7 @@ TEST(WeightShard, LoaderBindsTheRanksSlices) {
   for (size_t j = 0; j < WD.layers.size(); ++j) {
     const auto& a = WD.layers[j].attn;
     const auto& b = PD.layers[j].attn;
-    const LinearWeight& wq = cfg->q_lora_rank > 0 ? a.wq_b : a.wq;
-    const LinearWeight& pq = cfg->q_lora_rank > 0 ? b.wq_b : b.wq;
-    EXPECT_EQ(dequantize_linear(pq), block(dequantize_linear(wq), wq.in_features, 2 * (dn + dr), 2 * (dn + dr), 0,
-                                           wq.in_features));
-    EXPECT_EQ(dequantize_linear(b.wo), block(dequantize_linear(a.wo), a.wo.in_features, 0, D, 2 * dv, 2 * dv));
-    EXPECT_EQ(b.w_uk, std::vector<float>(a.w_uk.begin() + 2 * dn * r, a.w_uk.end()));
+    expect_heads(a, b);
     EXPECT_EQ(dequantize_linear(b.wkv_a), dequantize_linear(a.wkv_a));  // replicated
     const auto& fw = WD.layers[j].ffn;
     const auto& fp = PD.layers[j].ffn;

@@ -14,9 +14,13 @@
 #include <string>
 #include <vector>
 
+#include <gtest/gtest.h>
+
 #include "parallel/mpi_env.h"
 #include "parallel/rank_layout.h"
 #include "runtime/model_runner.h"
+#include "runtime/forward_trace.h"
+#include "runtime/step.h"
 
 namespace ml4::mpitest {
 
@@ -53,6 +57,42 @@ inline LogitsDiff logits_diff(const std::vector<float>& a, const std::vector<flo
   }
   d.rel_l2 = den > 0.0 ? std::sqrt(num / den) : std::sqrt(num);
   return d;
+}
+
+// One process's run that the parallel ones are compared with: the prompts prefilled in one
+// step, then greedy decoding for decode_steps more, recording each step's input, logits and
+// decisions (top-k sets, routed experts). make_seq(i, tokens, start_pos): sequence i's SeqStep
+// with its block tables.
+struct ReferenceRun {
+  std::vector<StepInput> steps;
+  std::vector<StepOutput> outs;
+  std::vector<ForwardTrace> traces;
+};
+using MakeSeq = std::function<SeqStep(int, std::vector<int32_t>, int64_t)>;
+inline ReferenceRun reference_run(ModelRunner& r, const std::vector<std::vector<int32_t>>& prompts, int decode_steps,
+                                  const MakeSeq& make_seq) {
+  ReferenceRun run;
+  const int n = static_cast<int>(prompts.size());
+  StepInput in;
+  for (int i = 0; i < n; ++i) in.seqs.push_back(make_seq(i, prompts[i], 0));
+  for (int step = 0; step <= decode_steps; ++step) {
+    ForwardTrace tr;
+    auto out = r.execute_traced(in, &tr);
+    EXPECT_TRUE(out.ok()) << out.status().message();
+    if (!out.ok()) return run;
+    run.steps.push_back(in);
+    run.outs.push_back(*out);
+    run.traces.push_back(tr);
+    StepInput next;
+    for (int i = 0; i < n; ++i) {
+      const auto& s = in.seqs[i];
+      const auto& l = out->logits[i];
+      const int32_t id = static_cast<int32_t>(std::max_element(l.begin(), l.end()) - l.begin());
+      next.seqs.push_back(make_seq(i, {id}, s.start_pos + static_cast<int64_t>(s.tokens.size())));
+    }
+    in = next;
+  }
+  return run;
 }
 
 // The body of a model case: rank 0 runs `driver`; the workers serve.

@@ -36,15 +36,7 @@ namespace {
 constexpr double kRelL2 = golden::kRelL2;          // 1e-3
 constexpr double kMaxAbsRel = golden::kMaxAbsRel;  // 2e-3
 
-struct Run {
-  std::vector<StepInput> steps;
-  std::vector<StepOutput> outs;
-  std::vector<ForwardTrace> traces;
-};
-
-int argmax(const std::vector<float>& v, int64_t row, int64_t V) {
-  return static_cast<int>(std::max_element(v.begin() + row * V, v.begin() + (row + 1) * V) - (v.begin() + row * V));
-}
+using Run = mpitest::ReferenceRun;
 
 // Block tables: sequence i takes block `i` of DP rank (i % dp)'s range in every
 // full-attention group (64-token pages; the sequences stay below 64 tokens).
@@ -64,7 +56,6 @@ SeqStep make_seq(const ModelRunner& r, int i, int dp, std::vector<int32_t> token
 
 // The single process: prefill, then greedy decode, recording inputs, logits and decisions.
 Run reference(ModelRunner& r, int decode_steps, uint64_t seed) {
-  Run run;
   std::mt19937 rng(seed);
   const int V = r.config().vocab_size;
   std::vector<std::vector<int32_t>> prompts;
@@ -73,24 +64,9 @@ Run reference(ModelRunner& r, int decode_steps, uint64_t seed) {
     for (auto& t : p) t = static_cast<int32_t>(rng() % V);
     prompts.push_back(p);
   }
-  StepInput in;
-  for (int i = 0; i < 3; ++i) in.seqs.push_back(make_seq(r, i, 1, prompts[i], 0));
-  for (int step = 0; step <= decode_steps; ++step) {
-    ForwardTrace tr;
-    auto out = r.execute_traced(in, &tr);
-    EXPECT_TRUE(out.ok()) << out.status().message();
-    if (!out.ok()) return run;
-    run.steps.push_back(in);
-    run.outs.push_back(*out);
-    run.traces.push_back(tr);
-    StepInput next;
-    for (int i = 0; i < 3; ++i) {
-      const auto& s = in.seqs[i];
-      next.seqs.push_back(make_seq(r, i, 1, {argmax(out->logits[i], 0, V)}, s.start_pos + s.tokens.size()));
-    }
-    in = next;
-  }
-  return run;
+  return mpitest::reference_run(r, prompts, decode_steps, [&](int i, std::vector<int32_t> t, int64_t start) {
+    return make_seq(r, i, 1, std::move(t), start);
+  });
 }
 
 // The same steps on the parallel runner (block ids moved to DP ranks), forced or free.
