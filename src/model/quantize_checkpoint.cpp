@@ -92,21 +92,10 @@ Result<QuantizeReport> quantize_checkpoint(const QuantizeOptions& o) {
     }
     const bool linear = t.role == TensorRole::kLinear;
     auto src = source.find(t.name);
-    if (linear && src != source.end() && t.format == LinearFormat::kBF16 && src->second.format != LinearFormat::kBF16 &&
-        src->second.format != LinearFormat::kF32) {
-      // --to bf16: the decoded weight rounded to bf16 (scales dropped).
-      const int64_t N = t.shape[0], K = t.shape[1];
-      ML4_ASSIGN_OR_RETURN(LinearWeight in, read_linear(ck, t.name, N, K));
-      const std::vector<float> f = dequantize_linear(in);
-      if (f.empty()) return internal_error("tensor {}: could not decode", t.name);
-      Tensor b(DType::kBF16, {N, K});
-      uint16_t* d = b.mutable_as<uint16_t>();
-      for (int64_t i = 0; i < N * K; ++i) d[i] = f32_to_bf16(f[i]);
-      ML4_RETURN_IF_ERROR(w.add(t.name, b));
-      ++rep.quantized_linears;
-      continue;
-    }
-    if (!linear || src == source.end() || t.format == LinearFormat::kBF16 || t.format == LinearFormat::kF32) {
+    // Copied as stored: not a linear, or a bf16 / f32 one the source keeps in that format too
+    // (--to bf16 decodes the others through quantize_linear below).
+    const bool plain = t.format == LinearFormat::kBF16 || t.format == LinearFormat::kF32;
+    if (!linear || src == source.end() || (plain && src->second.format == t.format)) {
       ML4_RETURN_IF_ERROR(copy(t.name));
       if (src != source.end())
         for (const auto& s : src->second.scales)

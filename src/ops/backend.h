@@ -160,11 +160,11 @@ struct IndexerSelectArgs {
   float weight_scale = 1.0f;  // HI^-0.5 * dI^-0.5
   int selection = 0;
   bool record_positions = false;
-  // Decode context parallelism: instead of a selection, this rank's candidates over its keys,
-  // [T, topk] each: its local top-min(topk, local keys visible) as (score, global position),
-  // padded with (-inf, -1); merge_topk_candidates() makes the global selection of them.
-  float* cand_scores = nullptr;
-  int32_t* cand_pos = nullptr;
+  // Decode context parallelism: instead of a selection, this rank's candidates over its keys:
+  // its local top-min(topk, local keys visible) as scores [T, topk] (f32) followed by their
+  // global positions [T, topk] (i32), padded with (-inf, -1); merge_topk_candidates() makes the
+  // global selection of every rank's.
+  void* candidates = nullptr;
 };
 
 // Absorbed MLA over one latent cache slot (MODEL.md 3.6): per token and head,
@@ -316,14 +316,13 @@ class Backend {
   }
 
   // ---- decode context parallelism (SYSTEM.md S8; runtime/model_forward.h) ----
-  // The DCP ranks' indexer candidates (IndexerSelectArgs::cand_*), gathered: scores and global
-  // positions [n][T][topk]. Makes the exact causal top-min(topk, p + 1) of them by score, ties
-  // to the lower position (NaN last), which is the selection of one rank holding every key:
+  // The DCP ranks' indexer candidates (IndexerSelectArgs::candidates), gathered: n of them one
+  // after the other. Makes the exact causal top-min(topk, p + 1) of them by score, ties to the
+  // lower position (NaN last), which is the selection of one rank holding every key:
   // `selection` gets its global positions (SSMax's counts, traces), `local_selection` this
   // rank's cache indices of those it holds (none: an empty row, which attention gives
   // out 0, lse -inf).
-  virtual Status merge_topk_candidates(const float* scores, const int32_t* pos, int n, int selection,
-                                       int local_selection) {
+  virtual Status merge_topk_candidates(const void* candidates, int n, int selection, int local_selection) {
     return unimplemented("this backend has no merge_topk_candidates (decode context parallelism)");
   }
   // Attention partials over disjoint key sets, lse in natural log (the base of MlaArgs::lse,

@@ -417,20 +417,16 @@ Status ModelForward::indexer_select(int l, ForwardTrace* trace) {
   s.selection = selection_of_owner_[l];
   s.record_positions = trace != nullptr;
   if (context_parallel()) {
-    // Each rank's top-k over its keys, gathered, merged into the exact global top-k.
+    // Each rank's top-k over its keys (scores then positions, one buffer), gathered in one
+    // exchange, merged into the exact global top-k.
     Communicator& c = *comms_.dcp;
-    const int64_t n = T * cfg_.indexer.topk;
-    ML4_ASSIGN_OR_RETURN(void* cs, be_.scratch(kDcpCandScores, n * 4));
-    ML4_ASSIGN_OR_RETURN(void* cp, be_.scratch(kDcpCandPos, n * 4));
-    ML4_ASSIGN_OR_RETURN(void* as, be_.scratch(kDcpAllScores, c.size() * n * 4));
-    ML4_ASSIGN_OR_RETURN(void* ap, be_.scratch(kDcpAllPos, c.size() * n * 4));
-    s.cand_scores = static_cast<float*>(cs);
-    s.cand_pos = static_cast<int32_t*>(cp);
+    const int64_t bytes = 2 * T * cfg_.indexer.topk * 4;
+    ML4_ASSIGN_OR_RETURN(void* mine, be_.scratch(kDcpCandidates, bytes));
+    ML4_ASSIGN_OR_RETURN(void* all, be_.scratch(kDcpAllCandidates, c.size() * bytes));
+    s.candidates = mine;
     ML4_RETURN_IF_ERROR(be_.indexer_select(s));
-    ML4_RETURN_IF_ERROR(c.all_gather(cs, as, n * 4));
-    ML4_RETURN_IF_ERROR(c.all_gather(cp, ap, n * 4));
-    ML4_RETURN_IF_ERROR(be_.merge_topk_candidates(static_cast<float*>(as), static_cast<int32_t*>(ap), c.size(),
-                                                  s.selection, s.selection + local_selection_offset_));
+    ML4_RETURN_IF_ERROR(c.all_gather(mine, all, bytes));
+    ML4_RETURN_IF_ERROR(be_.merge_topk_candidates(all, c.size(), s.selection, s.selection + local_selection_offset_));
   } else {
     ML4_RETURN_IF_ERROR(be_.indexer_select(s));
   }
@@ -485,6 +481,7 @@ Status ModelForward::attention(int l, const StepMetadata* md, ForwardTrace* trac
   const float eps = static_cast<float>(cfg_.norm_eps);
   // An indexer owner's branch on the side queue: keys at once, queries once the q latent is
   // normalized; joined before the q path, which needs the top-k counts (SSMax's n).
+  // (Not under DCP: its indexer exchanges candidates over the group, on the main queue.)
   const bool fork = trace == nullptr && spec.indexer == IndexerRole::kOwner && !context_parallel() &&
                     be_.can_overlap({L.wq, L.wq_a, L.wq_b, L.wkv_a, L.idx_wq, L.idx_wk, L.idx_wproj});
   if (fork) ML4_RETURN_IF_ERROR(be_.side([&] { return indexer_keys(l); }));

@@ -119,7 +119,7 @@ class ModelForward {
   Result<float*> pcp_gather_rows(const float* rows, int64_t width);
   // Backend::scratch slots of the DCP and PCP paths (0 .. 9 are expert parallelism's).
   enum : int {
-    kDcpCandScores = 10, kDcpCandPos, kDcpAllScores, kDcpAllPos, kDcpSend, kDcpRecv, kDcpQueries, kDcpOut,
+    kDcpCandidates = 10, kDcpAllCandidates, kDcpSend, kDcpRecv, kDcpQueries, kDcpOut,
     kPcpIndex, kPcpSend, kPcpRecv, kPcpAll
   };
   bool expert_parallel() const { return comms_.ep != nullptr; }

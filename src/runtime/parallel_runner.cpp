@@ -1,6 +1,8 @@
 // See parallel_runner.h.
 #include "runtime/parallel_runner.h"
 
+#include <optional>
+
 #include "core/log.h"
 #include "model/config_loader.h"
 #include "parallel/wire.h"
@@ -39,6 +41,33 @@ Status get_nested(WireReader& r, Nested* v) {
     a.assign(m, {});
     for (auto& b : a) ML4_RETURN_IF_ERROR(r.get_vec(&b));
   }
+  return Status::ok();
+}
+
+// Per-cache-group block tables and an optional sampling row, as steps and draft steps carry them.
+void put_tables(WireWriter& w, const std::vector<std::vector<int32_t>>& tables) {
+  w.put<uint64_t>(tables.size());
+  for (const auto& bt : tables) w.put_vec(bt);
+}
+Status get_tables(WireReader& r, std::vector<std::vector<int32_t>>* tables) {
+  uint64_t g = 0;
+  ML4_RETURN_IF_ERROR(r.get(&g));
+  if (g > r.left()) return internal_error("control message: {} block tables overrun it", g);
+  tables->assign(g, {});
+  for (auto& bt : *tables) ML4_RETURN_IF_ERROR(r.get_vec(&bt));
+  return Status::ok();
+}
+void put_sampling(WireWriter& w, const std::optional<DeviceSamplingParams>& p) {
+  w.put<uint8_t>(p.has_value() ? 1 : 0);
+  if (p) w.put(*p);
+}
+Status get_sampling(WireReader& r, std::optional<DeviceSamplingParams>* p) {
+  uint8_t has = 0;
+  ML4_RETURN_IF_ERROR(r.get(&has));
+  if (!has) return Status::ok();
+  DeviceSamplingParams v;
+  ML4_RETURN_IF_ERROR(r.get(&v));
+  *p = v;
   return Status::ok();
 }
 
@@ -89,11 +118,9 @@ std::vector<uint8_t> encode_draft(const DraftInput& in) {
     w.put<int64_t>(d.seq_id);
     w.put<int32_t>(d.anchor_token);
     w.put<int64_t>(d.anchor_pos);
-    w.put<uint64_t>(d.block_tables.size());
-    for (const auto& bt : d.block_tables) w.put_vec(bt);
+    put_tables(w, d.block_tables);
     w.put<int32_t>(d.num_drafts);
-    w.put<uint8_t>(d.sampling.has_value() ? 1 : 0);
-    if (d.sampling) w.put(*d.sampling);
+    put_sampling(w, d.sampling);
   }
   w.put<uint8_t>(in.want_probs ? 1 : 0);
   return std::move(w.bytes());
@@ -109,19 +136,9 @@ Status decode_draft(const std::vector<uint8_t>& bytes, DraftInput* in) {
     ML4_RETURN_IF_ERROR(r.get(&d.seq_id));
     ML4_RETURN_IF_ERROR(r.get(&d.anchor_token));
     ML4_RETURN_IF_ERROR(r.get(&d.anchor_pos));
-    uint64_t g = 0;
-    ML4_RETURN_IF_ERROR(r.get(&g));
-    if (g > r.left()) return internal_error("control message: {} block tables overrun it", g);
-    d.block_tables.assign(g, {});
-    for (auto& bt : d.block_tables) ML4_RETURN_IF_ERROR(r.get_vec(&bt));
+    ML4_RETURN_IF_ERROR(get_tables(r, &d.block_tables));
     ML4_RETURN_IF_ERROR(r.get(&d.num_drafts));
-    uint8_t has = 0;
-    ML4_RETURN_IF_ERROR(r.get(&has));
-    if (has) {
-      DeviceSamplingParams p;
-      ML4_RETURN_IF_ERROR(r.get(&p));
-      d.sampling = p;
-    }
+    ML4_RETURN_IF_ERROR(get_sampling(r, &d.sampling));
   }
   uint8_t wp = 0;
   ML4_RETURN_IF_ERROR(r.get(&wp));
@@ -137,11 +154,9 @@ std::vector<uint8_t> encode_step(const StepInput& in, const ForwardTrace* forced
     w.put<int64_t>(s.seq_id);
     w.put_vec(s.tokens);
     w.put<int64_t>(s.start_pos);
-    w.put<uint64_t>(s.block_tables.size());
-    for (const auto& bt : s.block_tables) w.put_vec(bt);
+    put_tables(w, s.block_tables);
     w.put<int32_t>(s.num_logits);
-    w.put<uint8_t>(s.device_sampling.has_value() ? 1 : 0);
-    if (s.device_sampling) w.put(*s.device_sampling);
+    put_sampling(w, s.device_sampling);
   }
   w.put<uint8_t>(forced != nullptr ? 1 : 0);
   if (forced != nullptr) {
@@ -161,19 +176,9 @@ Status decode_step(const std::vector<uint8_t>& bytes, StepInput* in, ForwardTrac
     ML4_RETURN_IF_ERROR(r.get(&s.seq_id));
     ML4_RETURN_IF_ERROR(r.get_vec(&s.tokens));
     ML4_RETURN_IF_ERROR(r.get(&s.start_pos));
-    uint64_t g = 0;
-    ML4_RETURN_IF_ERROR(r.get(&g));
-    if (g > r.left()) return internal_error("control message: {} block tables overrun it", g);
-    s.block_tables.assign(g, {});
-    for (auto& bt : s.block_tables) ML4_RETURN_IF_ERROR(r.get_vec(&bt));
+    ML4_RETURN_IF_ERROR(get_tables(r, &s.block_tables));
     ML4_RETURN_IF_ERROR(r.get(&s.num_logits));
-    uint8_t has = 0;
-    ML4_RETURN_IF_ERROR(r.get(&has));
-    if (has) {
-      DeviceSamplingParams p;
-      ML4_RETURN_IF_ERROR(r.get(&p));
-      s.device_sampling = p;
-    }
+    ML4_RETURN_IF_ERROR(get_sampling(r, &s.device_sampling));
   }
   uint8_t tr = 0;
   ML4_RETURN_IF_ERROR(r.get(&tr));

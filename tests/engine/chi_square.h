@@ -86,7 +86,8 @@ inline Status count_outputs(Engine& e, const std::vector<int32_t>& prompt, const
   std::map<std::string, std::vector<int32_t>> partial;
   int64_t done = 0, next = 0;
   while (done < n) {
-    while (next < n && e.num_live() < max_live) ML4_RETURN_IF_ERROR(e.add_request(std::to_string(next++), prompt, sp));
+    while (next < n && static_cast<int64_t>(e.num_live()) < max_live)
+      ML4_RETURN_IF_ERROR(e.add_request(std::to_string(next++), prompt, sp));
     ML4_ASSIGN_OR_RETURN(std::vector<RequestOutput> outs, e.step());
     for (auto& o : outs) {
       auto& t = partial[o.request_id];

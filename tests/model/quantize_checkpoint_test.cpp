@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 
 #include "model/checkpoint.h"
 #include "model/config_loader.h"
@@ -100,6 +101,47 @@ TEST(Quantize, Ml4TinyToEachFormat) {
     EXPECT_LT(r->bytes_out, r->bytes_in);
     check_quantized(in, o.out_dir, fmt);
   }
+}
+
+// --to bf16 decodes an FP8 checkpoint back (the MPI tests split ml4-small's FP8 linears over TP
+// this way): every FP8 linear becomes the bf16 rounding of its decode, scales are dropped, the
+// bf16 / f32 tensors and the rest keep their bytes, and the result loads as a bf16 model.
+TEST(Quantize, Fp8BackToBf16) {
+  testing::TempDir tmp;
+  make_tiny(tmp.file("bf16"), "ml4-tiny", "native");
+  ASSERT_TRUE(quantize_checkpoint({tmp.file("bf16"), tmp.file("fp8"), "fp8"}).ok());
+  auto r = quantize_checkpoint({tmp.file("fp8"), tmp.file("back"), "bf16"});
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_GT(r->quantized_linears, 10);
+  auto fp8_cfg = load_model_config(tmp.file("fp8"));
+  auto cfg = load_model_config(tmp.file("back"));
+  ASSERT_TRUE(cfg.ok() && fp8_cfg.ok());
+  EXPECT_EQ(cfg->weight_format, WeightFormat::kBF16);
+  Checkpoint fp8 = Checkpoint::open(tmp.file("fp8")).value();
+  Checkpoint back = Checkpoint::open(tmp.file("back")).value();
+  std::map<std::string, ExpectedTensor> src;
+  for (auto& t : expected_tensors(*fp8_cfg, fp8.layout())) src.emplace(t.name, t);
+  int decoded = 0;
+  for (const ExpectedTensor& t : expected_tensors(*cfg, back.layout())) {
+    SCOPED_TRACE(t.name);
+    Tensor o = back.get(t.name).value();
+    Tensor i = fp8.get(t.name).value();
+    const ExpectedTensor& s = src.at(t.name);
+    if (t.role != TensorRole::kLinear || s.format == t.format) {
+      EXPECT_TRUE(same_bytes(o, i));
+      continue;
+    }
+    ASSERT_EQ(s.format, LinearFormat::kFP8Block);
+    const int64_t N = t.shape[0], K = t.shape[1];
+    Tensor sc = fp8.get(s.scales[0].name).value();
+    const std::vector<float> f = dequantize_linear(make_linear_weight(t.name, LinearFormat::kFP8Block, N, K, i, sc).value());
+    auto want = quantize_linear(f.data(), N, K, LinearFormat::kBF16, t.name).value();
+    EXPECT_TRUE(same_bytes(o, want.weight));
+    EXPECT_FALSE(back.contains(s.scales[0].name));
+    ++decoded;
+  }
+  EXPECT_GT(decoded, 10);
+  EXPECT_TRUE(load_model_weights(*cfg, back).ok());
 }
 
 // The HF layout of a per-expert model type (deepseek_v32) quantizes too; fused mistral4

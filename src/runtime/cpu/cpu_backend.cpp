@@ -6,7 +6,6 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <numeric>
 
 #include "core/threads.h"
 #include "ops/cpu/draft_tokens.h"
@@ -283,7 +282,7 @@ Status CpuBackend::indexer_select(const IndexerSelectArgs& p) {
   }
   for (int64_t i = 0; i < T * HI; ++i) p.w[i] *= p.weight_scale;
   // Keys in the indexer group's index space: positions, or this DCP rank's local indices.
-  const bool candidates = p.cand_scores != nullptr;
+  const bool candidates = p.candidates != nullptr;
   const int topk = cfg_.indexer.topk;
   auto& out = selections_[p.selection];
   if (!candidates) out.assign(T, {});
@@ -306,8 +305,8 @@ Status CpuBackend::indexer_select(const IndexerSelectArgs& p) {
         std::vector<int32_t> idx(kk);
         cpu::topk(scores.data(), visible, kk, idx.data());
         if (candidates) {
-          float* cs = p.cand_scores + t * topk;
-          int32_t* cp = p.cand_pos + t * topk;
+          float* cs = static_cast<float*>(p.candidates) + t * topk;
+          int32_t* cp = static_cast<int32_t*>(p.candidates) + (T + t) * topk;
           std::fill_n(cs, topk, -std::numeric_limits<float>::infinity());
           std::fill_n(cp, topk, -1);
           for (int j = 0; j < kk; ++j) {
@@ -324,8 +323,7 @@ Status CpuBackend::indexer_select(const IndexerSelectArgs& p) {
   return Status::ok();
 }
 
-Status CpuBackend::merge_topk_candidates(const float* scores, const int32_t* pos, int n, int selection,
-                                         int local_selection) {
+Status CpuBackend::merge_topk_candidates(const void* candidates, int n, int selection, int local_selection) {
   const int64_t T = step_tokens();
   const int topk = cfg_.indexer.topk;
   auto& global = selections_[selection];
@@ -333,34 +331,30 @@ Status CpuBackend::merge_topk_candidates(const float* scores, const int32_t* pos
   global.assign(T, {});
   local.assign(T, {});
   parallel_for(T, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> cs;
-    std::vector<int32_t> cp, idx;
+    std::vector<int32_t> pos, idx;
+    std::vector<float> scores;
+    std::vector<std::pair<int32_t, float>> cands;
     for (int64_t t = b; t < e; ++t) {
-      cs.clear();
-      cp.clear();
-      for (int p = 0; p < n; ++p)
-        for (int j = 0; j < topk; ++j) {
-          const int64_t at = (p * T + t) * topk + j;
-          if (pos[at] < 0) continue;
-          cs.push_back(scores[at]);
-          cp.push_back(pos[at]);
-        }
-      // Candidates ordered by position, so cpu::topk's lower-index tie rule is DCP 1's
-      // lower-position rule.
-      std::vector<int32_t> order(cs.size());
-      std::iota(order.begin(), order.end(), 0);
-      std::sort(order.begin(), order.end(), [&](int32_t a, int32_t c) { return cp[a] < cp[c]; });
-      std::vector<float> sorted(cs.size());
-      for (size_t i = 0; i < order.size(); ++i) sorted[i] = cs[order[i]];
-      const int kk = static_cast<int>(std::min<int64_t>({topk, md_->positions[t] + 1, static_cast<int64_t>(cs.size())}));
+      cands.clear();
+      for (int p = 0; p < n; ++p) {
+        const float* cs = static_cast<const float*>(candidates) + (2 * p * T + t) * topk;
+        const int32_t* cp = static_cast<const int32_t*>(candidates) + ((2 * p + 1) * T + t) * topk;
+        for (int j = 0; j < topk; ++j)
+          if (cp[j] >= 0) cands.emplace_back(cp[j], cs[j]);
+      }
+      // In position order, so cpu::topk's lower-index tie rule is DCP 1's lower-position rule.
+      std::sort(cands.begin(), cands.end());
+      pos.resize(cands.size());
+      scores.resize(cands.size());
+      for (size_t i = 0; i < cands.size(); ++i) pos[i] = cands[i].first, scores[i] = cands[i].second;
+      const int kk = static_cast<int>(std::min<int64_t>({topk, md_->positions[t] + 1, static_cast<int64_t>(pos.size())}));
       idx.resize(kk);
-      cpu::topk(sorted.data(), static_cast<int64_t>(sorted.size()), kk, idx.data());
-      std::vector<int32_t> g(kk);
-      for (int j = 0; j < kk; ++j) g[j] = cp[order[idx[j]]];
+      cpu::topk(scores.data(), static_cast<int64_t>(scores.size()), kk, idx.data());
+      auto& g = global[t];
+      for (int j = 0; j < kk; ++j) g.push_back(pos[idx[j]]);
       std::sort(g.begin(), g.end());
       for (int32_t gp : g)
         if (md_->shard.holds(gp)) local[t].push_back(static_cast<int32_t>(md_->shard.local_index(gp)));
-      global[t] = std::move(g);
     }
   });
   return Status::ok();
@@ -445,44 +439,7 @@ Status CpuBackend::mla_attention(const MlaArgs& p) {
 }
 
 Status CpuBackend::mla_apply_uv(const float* w_uv, const float* out_lat, float* o) {
-  // Over (token, head) pairs like the absorb, but each element keeps its sequential r-term sum:
-  // cpu::mla_apply_uv's 8-lane order measured 10x the TP-vs-one-process difference on ml4-tiny
-  // (bf16 cache roundings flipping differently; tests/parallel/mpi/model_cases.cpp), not
-  // understood yet, so the order the parallel tests were measured with stays.
-  const int H = cfg_.n_heads, dv = cfg_.v_head_dim, r = cfg_.kv_lora_rank;
-  parallel_for(step_tokens() * H, 1, [&](int64_t b, int64_t e) {
-    for (int64_t th = b; th < e; ++th) {  // o_h = W_UV[h] out_lat[h]  ([dv, r] x [r])
-      const float* wuv = w_uv + (th % H) * dv * r;
-      const float* ol = out_lat + th * r;
-      float* oh = o + th * dv;
-      int d = 0;
-      // 8 outputs at once: 8 independent chains (one chain is FMA-latency bound), each still
-      // summed in its own sequential order, so the result is the same as one at a time.
-      for (; d + 8 <= dv; d += 8) {
-        const float* w0 = wuv + static_cast<int64_t>(d) * r;
-        float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f, a4 = 0.0f, a5 = 0.0f, a6 = 0.0f, a7 = 0.0f;
-        for (int j = 0; j < r; ++j) {
-          const float x = ol[j];
-          a0 += w0[j] * x;
-          a1 += w0[r + j] * x;
-          a2 += w0[2 * r + j] * x;
-          a3 += w0[3 * r + j] * x;
-          a4 += w0[4 * r + j] * x;
-          a5 += w0[5 * r + j] * x;
-          a6 += w0[6 * r + j] * x;
-          a7 += w0[7 * r + j] * x;
-        }
-        oh[d] = a0, oh[d + 1] = a1, oh[d + 2] = a2, oh[d + 3] = a3;
-        oh[d + 4] = a4, oh[d + 5] = a5, oh[d + 6] = a6, oh[d + 7] = a7;
-      }
-      for (; d < dv; ++d) {
-        const float* wr = wuv + static_cast<int64_t>(d) * r;
-        float acc = 0.0f;
-        for (int j = 0; j < r; ++j) acc += wr[j] * ol[j];
-        oh[d] = acc;
-      }
-    }
-  });
+  cpu::mla_apply_uv(w_uv, out_lat, step_tokens(), cfg_.n_heads, cfg_.v_head_dim, cfg_.kv_lora_rank, o);
   return Status::ok();
 }
 

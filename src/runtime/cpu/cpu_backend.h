@@ -36,7 +36,6 @@ class CpuBackend : public Backend {
   // (benchmarks: bench/tp_decode_bench.cpp); nested labels count in both.
   void set_profile(bool on) { profile_on_ = on; }
   const std::map<std::string, double>& profile() const { return profile_; }
-  void reset_profile() { profile_.clear(); }
   Status timed(const char* label, const Fn& fn) override;
 
   Status set_embedding(const Tensor& table) override;
@@ -81,8 +80,7 @@ class CpuBackend : public Backend {
   Status scatter_add_rows_at(const float* src, const int32_t* idx, int64_t n, int64_t cols, float* dst) override;
   Status moe_experts_rows(MoeRef moe, const float* x, int64_t n, const int32_t* ids, const float* weights,
                           float* out) override;
-  Status merge_topk_candidates(const float* scores, const int32_t* pos, int n, int selection,
-                               int local_selection) override;
+  Status merge_topk_candidates(const void* candidates, int n, int selection, int local_selection) override;
   Status merge_attention_parts(const float* parts, int n, int64_t part_stride, int64_t rows, int64_t cols,
                                float* out) override;
   Status rescale_attention_part(float* out, const float* lse, const float* lse_all, int n, int64_t rows,

@@ -17,7 +17,7 @@
 //    Measured 6.3e-4 .. 9.7e-4 (2 and 4 ranks, 2026-12-04).
 //  - Free running on the trained model (ml4-small decoded to bf16, English text, prompts of
 //    600 / 1000 / 1500 tokens against a top-k of 256, and one 16k-token prompt): greedy ids
-//    equal at every step, logits within rel L2 1e-2 (measured 4e-6 .. 3.2e-4).
+//    equal at every step, logits within rel L2 3e-3 (measured 4e-6 .. 3.2e-4).
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -271,8 +271,10 @@ TEST(ContextParallel, Ml4SmallGreedyEqualsOneProcess) {
     c.decode_steps = 8;
     c.stride = 32;
     // A trained model's attention is peaked: a near-tie key swapped in a set of 256 moves the
-    // logits little (measured 4e-6 .. 3.2e-4 at 2 ranks); a wrong merge or shard costs 1e-1.
-    c.free_rel_l2 = 1e-2;
+    // logits little (measured 4e-6 .. 3.2e-4 at 2 and 4 ranks; the runs are deterministic on a
+    // machine: fixed reduction orders and thread counts); 3e-3 is 10x the worst, where a wrong
+    // merge or shard costs 1e-1.
+    c.free_rel_l2 = 3e-3;
     check(c, dcp_configs(mpitest::world()), {kFree, kTraced}, "ml4-small");
   });
 }
@@ -290,7 +292,7 @@ TEST(ContextParallel, PrefillContextParallelMatchesOneProcess) {
                  {text.begin() + 1601, text.begin() + 1610}, {text.begin() + 1610, text.begin() + 3100}};
     c.decode_steps = 6;
     c.stride = 32;
-    c.free_rel_l2 = 1e-2;
+    c.free_rel_l2 = 3e-3;  // as above (measured 0 .. 1.7e-5)
     std::vector<Config> configs;
     if (mpitest::world() == 2) configs = {{1, 1, 1, "a2a", 2}};
     if (mpitest::world() == 4) configs = {{1, 1, 1, "a2a", 4}, {2, 1, 1, "a2a", 2}, {2, 2, 1, "a2a", 2}};
@@ -311,7 +313,7 @@ TEST(ContextParallel, Ml4SmallLongContext16k) {
     c.stride = 300;
     c.kv_mib = 128;
     c.max_len = 16384 + 8;
-    c.free_rel_l2 = 1e-2;
+    c.free_rel_l2 = 3e-3;  // as above (measured 7e-6 here)
     check(c, {{mpitest::world(), 2, 1, "a2a"}, {mpitest::world() / 2, 1, 1, "a2a", 2}}, {kFree}, "ml4-small 16k");
   });
 }
