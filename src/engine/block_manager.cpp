@@ -361,6 +361,7 @@ void KvBlockManager::free(Request& r) {
   free_tables(r.block_tables);
   for (auto& h : r.block_hashes) h.clear();
   r.kv_partition = -1;  // placed again at its next allocation (after a preemption)
+  if (release_hook_) release_hook_(r.seq_id);
 }
 
 void KvBlockManager::free_tables(std::vector<std::vector<int32_t>>& tables) {

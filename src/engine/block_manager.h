@@ -47,6 +47,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -89,8 +90,10 @@ class KvBlockManager {
   bool allocate(Request& r, int64_t num_tokens, const PrefixHit* hit = nullptr);
   // Blocks `allocate(r, num_tokens)` would take off the free lists, per group.
   std::vector<int64_t> blocks_needed(const Request& r, int64_t num_tokens) const;
-  // Drops the request's refs; its registered blocks stay cached until evicted.
+  // Drops the request's refs; its registered blocks stay cached until evicted; then the
+  // release hook, if any, hears of it (the runner's per-sequence state, ModelRunner::release).
   void free(Request& r);
+  void set_release_hook(std::function<void(int64_t seq_id)> hook) { release_hook_ = std::move(hook); }
   // The same for tables detached from their request (P/D: blocks held for a remote
   // consumer, or written by reads that outlived their request); clears them.
   void free_tables(std::vector<std::vector<int32_t>>& tables);
@@ -149,6 +152,7 @@ class KvBlockManager {
   int32_t free_head(const Pool& p, int part) const;
 
   std::vector<Pool> pools_;
+  std::function<void(int64_t)> release_hook_;
   int partitions_ = 1;  // CacheGroupInfo::partitions
   bool prefix_caching_;
   int64_t lcm_page_ = 1;

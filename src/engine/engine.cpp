@@ -64,6 +64,7 @@ Engine::Engine(ModelRunner* runner, const TextCodec* codec, const EngineConfig& 
       blocks_(runner->cache_groups(), config.enable_prefix_caching),
       scheduler_(config.scheduler, &blocks_),
       seed_state_(config.seed) {
+  blocks_.set_release_hook([runner](int64_t seq_id) { runner->release(seq_id); });
   // A sequence longer than the whole cache could never finish: bound max_model_len by it.
   int64_t cap = blocks_.capacity_tokens();
   if (config_.scheduler.max_model_len > cap) {

@@ -29,6 +29,7 @@ class PagedKvCache {
   int64_t num_blocks(int group) const { return num_blocks_[group]; }
   int64_t num_slots(int group) const { return num_blocks_[group] * kPageTokens; }
   size_t size_bytes() const;
+  float fp8_scale() const { return fp8_scale_; }
 
   // Out-of-range error naming the group, for checking slot mappings at a boundary (the
   // accessors below only assert).

@@ -61,12 +61,22 @@ struct TableRef {
 
 // Which paged cache a latent write or an attention read uses: the target's latent group, or
 // the DSpark drafter's window group (bf16, MODEL.md section 5).
-enum class CacheGroup { kLatent, kDrafter };
+// kHot: HiSparse's hot pool (offload/hisparse.h), read through the rows set_hot_selection gave.
+enum class CacheGroup { kLatent, kDrafter, kHot };
 
 // MlaArgs::selection: -1 dense (every s <= p), >= 0 a selection buffer, kBlockWindow the keys
-// select_block_window() chose.
+// select_block_window() chose, kHotSelection the hot rows of set_hot_selection().
 constexpr int kDenseSelection = -1;
 constexpr int kBlockWindow = -2;
+constexpr int kHotSelection = -3;
+
+// One row HiSparse copies from the host pool into a hot layer: the latent row of the step's
+// sequence `seq` at `position`, into row `row` of the hot layer's pool.
+struct HotLoad {
+  int32_t seq = 0;
+  int32_t position = 0;
+  int32_t row = 0;
+};
 
 enum class LinearUse {
   kDefault,
@@ -338,6 +348,24 @@ class Backend {
   virtual Status rescale_attention_part(float* out, const float* lse, const float* lse_all, int n, int64_t rows,
                                         int64_t cols) {
     return unimplemented("this backend has no rescale_attention_part (decode context parallelism)");
+  }
+
+  // ---- HiSparse (SYSTEM.md S12; offload/hisparse.h) ----
+  // The hot pool: `layers` hot layers of `rows` latent rows each (the latent group's token
+  // format), in backend memory; mla_attention reads it as CacheGroup::kHot, cache_slot the
+  // hot layer, selection kHotSelection.
+  virtual Status hisparse_reserve(int layers, int64_t rows) {
+    return unimplemented("this backend has no HiSparse hot pool");
+  }
+  // Copies the rows `loads` names from the latent group's layer slot `latent_slot` (the host
+  // pool) into hot layer `hot_layer`, in the queue's order (after the step's cache writes).
+  virtual Status hisparse_load_rows(int latent_slot, int hot_layer, const std::vector<HotLoad>& loads) {
+    return unimplemented("this backend has no HiSparse hot pool");
+  }
+  // The rows attention reads for each step token: rows [T, topk] (hot-pool rows, in the
+  // selection's order, -1 past counts[t]) and counts [T], host memory read by the call.
+  virtual Status set_hot_selection(const int32_t* rows, const int32_t* counts) {
+    return unimplemented("this backend has no HiSparse hot pool");
   }
 
   // ---- the DSpark drafter's ops (MODEL.md section 5) ----

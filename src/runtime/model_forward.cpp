@@ -23,6 +23,21 @@ Result<std::unique_ptr<ModelForward>> ModelForward::create(const ModelConfig& cf
     return unimplemented("the DSpark drafter with data parallelism is not supported yet (TP, EP and DCP are)");
   if ((f->tensor_parallel() || f->expert_parallel() || f->context_parallel()) && opts.plan == nullptr)
     return internal_error("a parallel model program needs its parallel plan");
+  if (opts.hisparse != nullptr) {
+    if (opts.plan != nullptr) return unimplemented("HiSparse with parallel ranks is not supported yet");
+    if (!cfg.has_dsa()) return invalid_argument("HiSparse needs a sparse-attention (DSA) model: this one attends every key");
+    if (opts.hisparse->layers() != hisparse_hot_layers(cfg))
+      return internal_error("HiSparse state has {} layers, the model {} sparse layers", opts.hisparse->layers(), hisparse_hot_layers(cfg));
+    if (opts.hisparse->slots() < cfg.indexer.topk)
+      return invalid_argument("HiSparse: hot_slots_per_request {} is below the indexer's top-k {} (one decode token's rows)",
+                              opts.hisparse->slots(), cfg.indexer.topk);
+    f->hisparse_ = opts.hisparse;
+    f->hot_layer_.assign(cfg.n_layers, -1);
+    int h = 0;
+    for (const auto& s : cfg.layers)
+      if (s.sparse()) f->hot_layer_[s.index] = h++;
+    ML4_RETURN_IF_ERROR(be.hisparse_reserve(h, static_cast<int64_t>(opts.hisparse->regions()) * opts.hisparse->slots()));
+  }
   const int L = cfg.n_layers;
   // KV sharing: a consumer reads its source's latent slot (or, as the no-sharing baseline,
   // its own copy written alongside the source's rows).
@@ -53,6 +68,7 @@ Result<std::unique_ptr<ModelForward>> ModelForward::create(const ModelConfig& cf
     // Decode context parallelism: each selection has a twin holding this rank's local indices.
     if (f->context_parallel()) f->local_selection_offset_ = next + 1;
     ML4_RETURN_IF_ERROR(be.reserve_selections((next + 1) * (f->context_parallel() ? 2 : 1)));
+    f->hisparse_positions_.resize(next + 1);
   }
   ML4_RETURN_IF_ERROR(f->register_weights(w));
   if (opts.drafter) {
@@ -415,7 +431,7 @@ Status ModelForward::indexer_select(int l, ForwardTrace* trace) {
   s.w = x.iw;
   s.weight_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(HI)) / std::sqrt(static_cast<double>(dI)));
   s.selection = selection_of_owner_[l];
-  s.record_positions = trace != nullptr;
+  s.record_positions = trace != nullptr || hisparse_ != nullptr;
   if (context_parallel()) {
     // Each rank's top-k over its keys (scores then positions, one buffer), gathered in one
     // exchange, merged into the exact global top-k.
@@ -482,7 +498,7 @@ Status ModelForward::attention(int l, const StepMetadata* md, ForwardTrace* trac
   // An indexer owner's branch on the side queue: keys at once, queries once the q latent is
   // normalized; joined before the q path, which needs the top-k counts (SSMax's n).
   // (Not under DCP: its indexer exchanges candidates over the group, on the main queue.)
-  const bool fork = trace == nullptr && spec.indexer == IndexerRole::kOwner && !context_parallel() &&
+  const bool fork = trace == nullptr && hisparse_ == nullptr && spec.indexer == IndexerRole::kOwner && !context_parallel() &&
                     be_.can_overlap({L.wq, L.wq_a, L.wq_b, L.wkv_a, L.idx_wq, L.idx_wk, L.idx_wproj});
   if (fork) ML4_RETURN_IF_ERROR(be_.side([&] { return indexer_keys(l); }));
   auto fork_select = [&]() -> Status {
@@ -543,6 +559,15 @@ Status ModelForward::attention(int l, const StepMetadata* md, ForwardTrace* trac
   ma.head_scale = x.head_scale;
   ma.out_lat = x.out_lat;
   ma.lse = x.lse;
+  if (hisparse_ != nullptr && selection >= 0) {
+    bool hot = false;
+    ML4_RETURN_IF_ERROR(be_.timed("attn: HiSparse diff + loads", [&] { return hisparse_rows(l, *md, trace, selection, &hot); }));
+    if (hot) {
+      ma.group = CacheGroup::kHot;
+      ma.cache_slot = hot_layer_[l];
+      ma.selection = kHotSelection;
+    }
+  }
   if (context_parallel()) {
     ML4_RETURN_IF_ERROR(be_.timed("attn: DCP attention", [&] {
       return context_parallel_attention(ma).with_context("layer " + std::to_string(l));
@@ -552,6 +577,72 @@ Status ModelForward::attention(int l, const StepMetadata* md, ForwardTrace* trac
   }
   ML4_RETURN_IF_ERROR(be_.timed("attn: W_UV", [&] { return be_.mla_apply_uv(L.w_uv, x.out_lat, x.o); }));
   return be_.timed("attn: o projection", [&] { return be_.linear(L.wo, x.o, T, out); });
+}
+
+// HiSparse (offload/hisparse.h): per sequence, the distinct positions its tokens select in
+// this layer are made resident in its hot buffer (LRU), the misses loaded from the host pool,
+// and each token's list rewritten as hot-pool rows in the selection's own order.
+Status ModelForward::hisparse_rows(int l, const StepMetadata& md, const ForwardTrace* trace, int selection, bool* hot) {
+  const LayerSpec& spec = cfg_.layers[l];
+  const bool forced = trace != nullptr && l < static_cast<int>(trace->forced_topk.size()) && !trace->forced_topk[l].empty();
+  const std::vector<std::vector<int32_t>>* sel = nullptr;
+  if (forced) {
+    sel = &trace->forced_topk[l];
+  } else {
+    auto& cached = hisparse_positions_[selection];
+    if (spec.indexer == IndexerRole::kOwner) {
+      ML4_ASSIGN_OR_RETURN(cached, be_.read_selection(selection));
+    }
+    sel = &cached;
+  }
+  const int64_t T = md.num_tokens();
+  if (static_cast<int64_t>(sel->size()) != T)
+    return internal_error("HiSparse: layer {} selection has {} rows for {} tokens", l, sel->size(), T);
+  HiSparseState& hs = *hisparse_;
+  const int S = hs.slots(), k = cfg_.indexer.topk, h = hot_layer_[l];
+  // Every sequence's working set first: one that overflows its buffer sends the layer to the
+  // host pool before any buffer changes.
+  std::vector<std::vector<int32_t>> wanted(md.seqs.size());
+  for (size_t si = 0; si < md.seqs.size(); ++si) {
+    const auto& seq = md.seqs[si];
+    auto& w = wanted[si];
+    for (int64_t t = seq.first_token; t < seq.first_token + seq.num_tokens; ++t) w.insert(w.end(), (*sel)[t].begin(), (*sel)[t].end());
+    std::sort(w.begin(), w.end());
+    w.erase(std::unique(w.begin(), w.end()), w.end());
+    if (static_cast<int>(w.size()) > S) {
+      ++hs.direct_layers;
+      *hot = false;
+      return Status::ok();
+    }
+  }
+  std::vector<int32_t> rows(T * k, -1), counts(T, 0), wanted_rows;
+  std::vector<HotLoad> loads;
+  std::vector<std::pair<int32_t, int32_t>> misses;
+  for (size_t si = 0; si < md.seqs.size(); ++si) {
+    const auto& seq = md.seqs[si];
+    ML4_ASSIGN_OR_RETURN(int region, hs.region(seq.step->seq_id));
+    const auto& w = wanted[si];
+    wanted_rows.resize(w.size());
+    misses.clear();
+    hs.buffer(region, h).touch(w, wanted_rows.data(), &misses);
+    hs.loads += static_cast<int64_t>(misses.size());
+    hs.hits += static_cast<int64_t>(w.size() - misses.size());
+    const int32_t base = region * S;
+    for (const auto& [pos, row] : misses) loads.push_back(HotLoad{static_cast<int32_t>(si), pos, base + row});
+    for (int64_t t = seq.first_token; t < seq.first_token + seq.num_tokens; ++t) {
+      const auto& row = (*sel)[t];
+      counts[t] = static_cast<int32_t>(row.size());
+      for (size_t j = 0; j < row.size(); ++j) {
+        const size_t at = std::lower_bound(w.begin(), w.end(), row[j]) - w.begin();
+        rows[t * k + j] = base + wanted_rows[at];
+      }
+    }
+  }
+  ++hs.hot_layers;
+  if (!loads.empty()) ML4_RETURN_IF_ERROR(be_.hisparse_load_rows(latent_read_slot_[l], h, loads));
+  ML4_RETURN_IF_ERROR(be_.set_hot_selection(rows.data(), counts.data()));
+  *hot = true;
+  return Status::ok();
 }
 
 // Decode context parallelism (SYSTEM.md S8), vLLM's scheme: the DCP ranks (runs of a TP
@@ -782,6 +873,11 @@ Status ModelForward::forward(const StepMetadata* md, ForwardTrace* trace) {
   const Activations& x = be_.acts();
   const int64_t T = be_.step_tokens(), R = be_.step_rows(), D = cfg_.dim;
   const float eps = static_cast<float>(cfg_.norm_eps);
+  if (hisparse_ != nullptr) {
+    if (md == nullptr) return internal_error("HiSparse needs the step's host metadata");
+    for (const auto& s : md->seqs)
+      ML4_RETURN_IF_ERROR(hisparse_->begin_seq_step(s.step->seq_id, s.start_pos, s.start_pos + s.num_tokens));
+  }
   if (trace != nullptr) {
     if (md == nullptr) return internal_error("a traced forward needs the step's host metadata");
     trace->topk.assign(cfg_.n_layers, {});
@@ -797,8 +893,9 @@ Status ModelForward::forward(const StepMetadata* md, ForwardTrace* trace) {
       return be_.rms_norm({l == 0 ? x.residual : x.tmp, l == 0 ? nullptr : x.residual, L.attn_norm, T, D, 0, eps, x.a});
     }));
     ML4_RETURN_IF_ERROR(capture_hidden(l - 1));
-    // Traced steps read decisions back (and upload forced ones) inside the layer.
-    if (trace != nullptr) {
+    // Traced steps read decisions back (and upload forced ones) inside the layer, and so
+    // does HiSparse (the selections, to diff against the hot buffers).
+    if (trace != nullptr || hisparse_ != nullptr) {
       ML4_RETURN_IF_ERROR(be_.host_sync([&] { return attention(l, md, trace, x.tmp); }));
     } else {
       ML4_RETURN_IF_ERROR(be_.segment([&] { return attention(l, nullptr, nullptr, x.tmp); }));

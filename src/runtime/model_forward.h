@@ -20,6 +20,7 @@
 #include "core/status.h"
 #include "model/model_config.h"
 #include "model/model_weights.h"
+#include "offload/hisparse.h"
 #include "ops/backend.h"
 #include "parallel/communicator.h"
 #include "parallel/parallel_plan.h"
@@ -48,6 +49,10 @@ class ModelForward {
     // parallelism, the step holding this rank's share of the tokens (runtime/pcp_split.h).
     const ParallelPlan* plan = nullptr;
     ParallelComms comms;
+    // HiSparse (SYSTEM.md S12; offload/hisparse.h): the hot buffers' state, owned by the
+    // runner; its layers are the spec's sparse layers in order (hot_layer()). The backend's
+    // latent group is the host pool. Null: no offload.
+    HiSparseState* hisparse = nullptr;
   };
 
   // Registers every weight the spec names with the backend (and the RoPE tables).
@@ -107,6 +112,10 @@ class ModelForward {
   Status indexer_keys(int l);
   Status indexer_select(int l, ForwardTrace* trace);
   Status select_keys(int l, const StepMetadata* md, ForwardTrace* trace, bool forked, int* selection);
+  // HiSparse: the layer's selection diffed against its hot buffers, the missing rows loaded,
+  // and the remapped rows set; *hot false when a sequence's rows overflow its hot buffer (the
+  // layer then reads the host pool directly).
+  Status hisparse_rows(int l, const StepMetadata& md, const ForwardTrace* trace, int selection, bool* hot);
   Status mlp(const MlpRef& m, const float* x, int64_t M, float* y);
   Status moe(int l, ForwardTrace* trace, float* out);
   // Parallelism: a sum over the TP group (no-op on one rank), the expert-parallel MoE, and
@@ -149,6 +158,11 @@ class ModelForward {
   int64_t pcp_rows_ = 0, pcp_step_tokens_ = 0;
   const int32_t* pcp_index_ = nullptr;
   std::unique_ptr<DrafterRefs> drafter_;
+  // HiSparse: state, hot layer of each model layer (-1: dense), the host copy of each
+  // selection buffer's positions (read after its owner's indexer, used by its reusers).
+  HiSparseState* hisparse_ = nullptr;
+  std::vector<int> hot_layer_;
+  std::vector<std::vector<std::vector<int32_t>>> hisparse_positions_;
   const ParallelPlan* plan_ = nullptr;
   ParallelComms comms_;
 };

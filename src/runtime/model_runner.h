@@ -9,6 +9,7 @@
 
 #include "core/status.h"
 #include "model/model_config.h"
+#include "offload/hisparse.h"
 #include "parallel/communicator.h"
 #include "parallel/parallel_plan.h"
 #include "runtime/forward_trace.h"
@@ -59,6 +60,10 @@ struct RunnerOptions {
   // bootstrapped through them). Null: a single process.
   const ParallelPlan* plan = nullptr;
   ParallelComms comms;
+  // HiSparse (SYSTEM.md S12; offload/hisparse.h): the latent group in a host pool of
+  // hisparse.host_pool_bytes, kv_cache_bytes for the device side (indexer cache, drafter
+  // windows, max_num_seqs x hot buffers).
+  HiSparseConfig hisparse;
 };
 
 class ModelRunner {
@@ -92,6 +97,11 @@ class ModelRunner {
   virtual Result<DraftOutput> draft(const DraftInput& in) {
     return unimplemented("this runner has no DSpark drafter");
   }
+  // The engine gave up the sequence's KV (finished, aborted, preempted): state the runner
+  // keeps per sequence (HiSparse's hot buffers) is freed.
+  virtual void release(int64_t seq_id) {}
+  // HiSparse's hot-buffer state; null without offload.
+  virtual const HiSparseState* hisparse() const { return nullptr; }
 };
 
 }  // namespace ml4

@@ -8,6 +8,7 @@
 #include <limits>
 
 #include "core/threads.h"
+#include "kv/latent_layout.h"
 #include "ops/cpu/draft_tokens.h"
 #include "ops/cpu/ops.h"
 #include "ops/cpu/sampling.h"
@@ -395,8 +396,10 @@ Status CpuBackend::mla_attention(const MlaArgs& p) {
   const int g = group_index(p.group);
   for (size_t si = 0; si < md_->seqs.size(); ++si) {
     const auto& seq = md_->seqs[si];
-    const int64_t n = md_->keys(static_cast<int>(si), g);
-    // Keys [lo, n) of the sequence are decoded once (a block window reads only its window).
+    // Keys [lo, n) of the sequence are decoded once (a block window reads only its window;
+    // HiSparse's hot rows are decoded per token below).
+    const bool hot = p.group == CacheGroup::kHot;
+    const int64_t n = hot ? 0 : md_->keys(static_cast<int>(si), g);
     const int64_t lo = p.selection == kBlockWindow ? std::max<int64_t>(0, seq.start_pos - cfg_.drafter.window) : 0;
     std::vector<float> keys_c((n - lo) * r), keys_kr((n - lo) * dr);
     parallel_for(n - lo, 64, [&](int64_t b, int64_t e) {
@@ -409,6 +412,7 @@ Status CpuBackend::mla_attention(const MlaArgs& p) {
         }
       }
     });
+    const size_t tb = cache_->spec().groups[latent_group_].token_bytes_per_layer;
     parallel_for(seq.num_tokens, 1, [&](int64_t b, int64_t e) {
       std::vector<float> q_rope(H * dr), cg, krg;
       for (int64_t i = b; i < e; ++i) {
@@ -423,6 +427,11 @@ Status CpuBackend::mla_attention(const MlaArgs& p) {
           cg.resize(S * r);
           krg.resize(S * dr);
           for (int64_t j = 0; j < S; ++j) {
+            if (hot) {  // the same bytes as the host pool's row, decoded the same way
+              decode_latent(cache_->spec().dtype, hot_[p.cache_slot].data() + sel[j] * tb, r, dr, cache_->fp8_scale(),
+                            cg.data() + j * r, krg.data() + j * dr);
+              continue;
+            }
             std::copy_n(keys_c.data() + (sel[j] - lo) * r, r, cg.data() + j * r);
             std::copy_n(keys_kr.data() + (sel[j] - lo) * dr, dr, krg.data() + j * dr);
           }
@@ -435,6 +444,40 @@ Status CpuBackend::mla_attention(const MlaArgs& p) {
       }
     });
   }
+  return Status::ok();
+}
+
+// HiSparse (offload/hisparse.h) with a bounded host "device" pool: the whole policy (diff,
+// LRU, loads, remapped rows) runs as on the GPU, so CI tests it.
+Status CpuBackend::hisparse_reserve(int layers, int64_t rows) {
+  const size_t tb = cache_->spec().groups[latent_group_].token_bytes_per_layer;
+  hot_.assign(layers, std::vector<uint8_t>(rows * tb));
+  hot_rows_ = rows;
+  return Status::ok();
+}
+
+int64_t CpuBackend::hot_pool_bytes() const {
+  int64_t n = 0;
+  for (const auto& h : hot_) n += static_cast<int64_t>(h.size());
+  return n;
+}
+
+Status CpuBackend::hisparse_load_rows(int latent_slot, int hot_layer, const std::vector<HotLoad>& loads) {
+  const size_t tb = cache_->spec().groups[latent_group_].token_bytes_per_layer;
+  for (const HotLoad& h : loads) {
+    if (h.row < 0 || h.row >= hot_rows_) return internal_error("HiSparse: hot row {} outside [0, {})", h.row, hot_rows_);
+    const int64_t slot = md_->slot_of(h.seq, latent_group_, h.position);
+    const uint8_t* src = cache_->page(latent_group_, latent_slot, slot / kPageTokens) + (slot % kPageTokens) * tb;
+    std::memcpy(hot_[hot_layer].data() + h.row * tb, src, tb);
+  }
+  return Status::ok();
+}
+
+Status CpuBackend::set_hot_selection(const int32_t* rows, const int32_t* counts) {
+  const int64_t T = step_tokens();
+  const int k = cfg_.indexer.topk;
+  hot_selection_.resize(T);
+  for (int64_t t = 0; t < T; ++t) hot_selection_[t].assign(rows + t * k, rows + t * k + counts[t]);
   return Status::ok();
 }
 

@@ -97,6 +97,11 @@ class CpuBackend : public Backend {
                     float* s) override;
   Status choose_tokens(const float* logits, int64_t rows, const DeviceSamplingParams* params, int32_t* ids,
                        float* probs) override;
+  Status hisparse_reserve(int layers, int64_t rows) override;
+  Status hisparse_load_rows(int latent_slot, int hot_layer, const std::vector<HotLoad>& loads) override;
+  Status set_hot_selection(const int32_t* rows, const int32_t* counts) override;
+  // The HiSparse "device" pool's bytes (the CPU runs the policy with a bounded pool).
+  int64_t hot_pool_bytes() const;
 
  private:
   struct Moe {
@@ -105,7 +110,7 @@ class CpuBackend : public Backend {
   };
   void mlp(const MlpWeights& m, const float* x, int64_t T, float* out);
   const std::vector<int32_t>& selected(int selection, int64_t t) const {
-    return selection == kBlockWindow ? window_[t] : selections_[selection][t];
+    return selection == kBlockWindow ? window_[t] : selection == kHotSelection ? hot_selection_[t] : selections_[selection][t];
   }
   int group_index(CacheGroup g) const { return g == CacheGroup::kDrafter ? drafter_group_ : latent_group_; }
 
@@ -120,6 +125,10 @@ class CpuBackend : public Backend {
   std::vector<Moe> moes_;
   std::vector<std::vector<std::vector<int32_t>>> selections_;  // [selection][token] positions
   std::vector<std::vector<int32_t>> window_;                  // [token] kBlockWindow positions
+  // HiSparse: the hot pool [layer][rows * latent token bytes] and the step's hot rows.
+  std::vector<std::vector<uint8_t>> hot_;
+  int64_t hot_rows_ = 0;
+  std::vector<std::vector<int32_t>> hot_selection_;  // [token] hot-pool rows
   std::vector<const Tensor*> tables_;
   bool drafter_ = false;
   std::vector<int32_t> draft_ids_;

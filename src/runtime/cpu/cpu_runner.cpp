@@ -41,8 +41,13 @@ Result<std::unique_ptr<CpuRunner>> CpuRunner::create(const ModelConfig& cfg, std
   auto r = std::unique_ptr<CpuRunner>(new CpuRunner());
   r->spec_ = spec;
   r->max_model_len_ = opts.max_model_len > 0 ? opts.max_model_len : cfg.max_position_embeddings;
-  std::vector<int64_t> blocks =
-      PagedKvCache::blocks_for_budget(spec, opts.kv_cache_bytes, opts.drafter ? std::max<int64_t>(opts.max_num_seqs, 1) : 0);
+  const int64_t windows = opts.drafter ? std::max<int64_t>(opts.max_num_seqs, 1) : 0;
+  std::vector<int64_t> blocks = PagedKvCache::blocks_for_budget(spec, opts.kv_cache_bytes, windows);
+  if (opts.hisparse.enabled) {
+    ML4_ASSIGN_OR_RETURN(HiSparseSizing hs, hisparse_sizing(cfg, spec, opts.hisparse, opts.kv_cache_bytes, opts.max_num_seqs, opts.drafter));
+    blocks = hs.blocks;
+    r->hisparse_ = std::make_unique<HiSparseState>(hs.layers, hs.regions, hs.slots);
+  }
   ML4_ASSIGN_OR_RETURN(PagedKvCache cache, PagedKvCache::create(spec, blocks));
   r->cache_ = std::make_unique<PagedKvCache>(std::move(cache));
   for (size_t g = 0; g < spec.groups.size(); ++g) {
@@ -61,6 +66,7 @@ Result<std::unique_ptr<CpuRunner>> CpuRunner::create(const ModelConfig& cfg, std
   fo.drafter = opts.drafter;
   fo.plan = opts.plan;
   fo.comms = opts.comms;
+  fo.hisparse = r->hisparse_.get();
   ML4_ASSIGN_OR_RETURN(r->program_, ModelForward::create(cfg, *weights, *r->backend_, fo));
   return r;
 }

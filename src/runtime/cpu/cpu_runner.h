@@ -36,6 +36,10 @@ class CpuRunner : public ModelRunner {
   std::vector<KvRegion> kv_regions() override;
   bool has_drafter() const override { return program_->has_drafter(); }
   Result<DraftOutput> draft(const DraftInput& in) override;
+  void release(int64_t seq_id) override {
+    if (hisparse_) hisparse_->release(seq_id);
+  }
+  const HiSparseState* hisparse() const override { return hisparse_.get(); }
 
   const KvCacheSpec& kv_spec() const { return spec_; }
   PagedKvCache& cache() { return *cache_; }
@@ -47,6 +51,7 @@ class CpuRunner : public ModelRunner {
   KvCacheSpec spec_;
   std::unique_ptr<PagedKvCache> cache_;
   std::unique_ptr<CpuBackend> backend_;
+  std::unique_ptr<HiSparseState> hisparse_;  // before program_, which points to it
   std::unique_ptr<ModelForward> program_;
   std::vector<CacheGroupInfo> groups_;
   ContextShard shard_;  // decode context parallelism: this rank's share of the KV
