@@ -26,6 +26,7 @@
 #include "kv/paged_kv_cache.h"
 #include "model/config_loader.h"
 #include "model/presets.h"
+#include "offload/hisparse.h"
 #include "parallel/parallel_plan.h"
 
 namespace ml4::cli {
@@ -62,7 +63,47 @@ struct CapacityOptions {
   double gpu_memory_gib = 141.0;  // one H200
   double gpu_memory_utilization = 0.9;
   int64_t context = 65536;  // the request context of the DSpark x DCP line
+  double host_pool_gib = 0.0;  // HiSparse (SYSTEM.md S12)
+  int hot_slots = 0;
 };
+
+// HiSparse at the same device budget (--gib): the latent KV in a host pool of --host-pool-gib,
+// the device holding the indexer cache and max_requests x the hot buffers (offload/hisparse.h,
+// the sizing the runners use); against GPU-only, and against consumers materialised.
+int print_hisparse(const CapacityOptions& o, const ModelConfig& cfg, const KvCacheSpec& spec) {
+  HiSparseConfig hc;
+  hc.enabled = true;
+  hc.host_pool_bytes = static_cast<int64_t>(o.host_pool_gib * static_cast<double>(kGiB));
+  hc.hot_slots_per_request = o.hot_slots;
+  const auto device = static_cast<int64_t>(o.gib * static_cast<double>(kGiB));
+  const int64_t requests = std::max<int64_t>(o.max_requests, 1);
+  const bool windows = spec.group_index(CacheGroupSpec::kDrafter) >= 0 && o.max_requests > 0;
+  auto z = hisparse_sizing(cfg, spec, hc, device, requests, windows);
+  if (!z.ok()) {
+    std::fprintf(stderr, "ml4 capacity: %s\n", z.status().message().c_str());
+    return 1;
+  }
+  KvCacheSpec materialised = spec;
+  const int g = spec.group_index(CacheGroupSpec::kLatent);
+  for (const auto& l : cfg.layers)
+    if (!l.owns_kv()) materialised.groups[g].layers.push_back(l.index);
+  auto m = hisparse_sizing(cfg, materialised, hc, device, requests, windows);
+  const int64_t tokens = z->blocks[g] * kPageTokens;
+  const int64_t gpu_only = PagedKvCache::blocks_for_budget(spec, device, o.max_requests)[g] * kPageTokens;
+  const int64_t host_bound = hc.host_pool_bytes / (spec.groups[g].page_bytes_per_layer() * static_cast<int64_t>(spec.groups[g].layers.size())) * kPageTokens;
+  fmt::print("HiSparse: host pool {} GiB, device {} GiB = hot buffers {:.2f} GiB ({} sparse layers x {} requests x {} rows) "
+             "+ indexer cache + drafter windows\n",
+             o.host_pool_gib, o.gib, static_cast<double>(z->hot_bytes) / kGiB, z->layers, z->regions, z->slots);
+  fmt::print("HiSparse tokens admitted: {} (the host pool holds {}, the device's indexer cache {}); GPU only at the "
+             "same device budget: {}: {:.2f}x\n",
+             grouped(tokens), grouped(host_bound), tokens < host_bound ? "less" : "at least as many", grouped(gpu_only),
+             gpu_only > 0 ? static_cast<double>(tokens) / static_cast<double>(gpu_only) : 0.0);
+  if (m.ok() && m->blocks[g] > 0)
+    fmt::print("KV-sharing consumers bound to their source's host rows: {} tokens, materialised: {} ({:+.1f}%)\n",
+               grouped(tokens), grouped(m->blocks[g] * kPageTokens),
+               100.0 * (static_cast<double>(z->blocks[g]) / static_cast<double>(m->blocks[g]) - 1.0));
+  return 0;
+}
 
 // Weights per rank and KV tokens per rank (see the file comment).
 int print_parallel(const CapacityOptions& o, const ModelConfig& cfg, const KvCacheSpec& spec) {
@@ -189,6 +230,13 @@ int run_capacity(const CapacityOptions& o) {
                o.gib, grouped(budget), o.max_requests, grouped(blocks[latent] * kPageTokens),
                grouped(blocks[latent]), kPageTokens, grouped(used));
   }
+  if (o.host_pool_gib > 0.0) {
+    if (o.gib <= 0.0) {
+      std::fprintf(stderr, "ml4 capacity: --host-pool-gib needs --gib (the device KV budget)\n");
+      return 2;
+    }
+    if (const int rc = print_hisparse(o, *cfg, *spec); rc != 0) return rc;
+  }
   if (o.parallel.parallel()) return print_parallel(o, *cfg, *spec);
   return 0;
 }
@@ -216,6 +264,11 @@ CommandRegistrar reg("capacity", [](CLI::App& app, int* exit_code) {
   cmd->add_option("--gpu-memory-utilization", opts->gpu_memory_utilization, "fraction of it for weights + KV")
       ->check(CLI::Range(0.01, 1.0))
       ->capture_default_str();
+  cmd->add_option("--host-pool-gib", opts->host_pool_gib,
+                  "HiSparse: host pool for the latent KV, GiB (with --gib as the device budget)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--hot-slots", opts->hot_slots, "HiSparse: hot rows per request and sparse layer (0: 2 x top-k)")
+      ->check(CLI::NonNegativeNumber);
   cmd->callback([opts, exit_code] { *exit_code = run_capacity(*opts); });
 });
 

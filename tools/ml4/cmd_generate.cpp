@@ -17,6 +17,7 @@
 #include "engine/engine.h"
 #include "engine/request.h"
 #include "engine/sampler.h"
+#include "hisparse_options.h"
 #include "spec_options.h"
 #include "runtime/cpu/cpu_runner.h"
 #include "tokenizer/tokenizer.h"
@@ -37,6 +38,7 @@ struct GenerateOptions {
   bool ignore_eos = false;
   DeviceOptions dev;
   std::string speculative_config;
+  std::string kv_transfer_config;  // HiSparse only (hisparse_options.h)
 };
 
 Result<std::vector<int32_t>> parse_ids(const std::string& s) {
@@ -119,6 +121,9 @@ Status run_generate(const GenerateOptions& o) {
   RunnerOptions ro;
   ro.kv_cache_dtype = o.kv_cache_dtype;
   ML4_ASSIGN_OR_RETURN(SpeculativeConfig spec, speculative_runner_options(o.speculative_config, o.model, 1, &ro));
+  ML4_ASSIGN_OR_RETURN(const bool hisparse, hisparse_runner_options(o.kv_transfer_config, 1, &ro));
+  if (!o.kv_transfer_config.empty() && !hisparse)
+    return invalid_argument("--kv-transfer-config: generate takes only the HiSparseConnector (P/D is for serve)");
   ML4_ASSIGN_OR_RETURN(auto runner, load_runner_on(o.dev, o.model, ro));
   const ModelConfig& cfg = runner->config();
   std::shared_ptr<const Tokenizer> tok;
@@ -215,6 +220,9 @@ CommandRegistrar reg("generate", [](CLI::App& app, int* exit_code) {
   cmd->add_flag("--ignore-eos", o->ignore_eos, "keep generating after EOS");
   cmd->add_option("--speculative-config", o->speculative_config,
                   "DSpark speculative decoding: JSON, e.g. '{\"method\":\"dspark\",\"num_speculative_tokens\":7}'");
+  cmd->add_option("--kv-transfer-config", o->kv_transfer_config,
+                  "HiSparse host KV offload: '{\"kv_connector\":\"HiSparseConnector\",\"kv_connector_extra_config\":"
+                  "{\"host_pool_gb\":G,\"hot_slots_per_request\":S}}'");
   cmd->callback([o, exit_code] {
     if (o->prompt.empty() == o->prompt_ids.empty()) {
       ML4_LOG_ERROR("generate: give exactly one of --prompt and --prompt-ids");

@@ -12,6 +12,7 @@
 
 #include "command.h"
 #include "device_options.h"
+#include "hisparse_options.h"
 #include "spec_options.h"
 #include "core/log.h"
 #include "engine/async_engine.h"
@@ -92,6 +93,7 @@ Status run_serve(ServeOptions o) {
   ro.kv_cache_bytes = o.kv_cache_memory_bytes;
   ro.max_model_len = o.max_model_len;
   ML4_ASSIGN_OR_RETURN(SpeculativeConfig spec, speculative_runner_options(o.speculative_config, o.model, o.max_num_seqs, &ro));
+  ML4_ASSIGN_OR_RETURN(const bool hisparse, hisparse_runner_options(o.kv_transfer_config, o.max_num_seqs, &ro));
   ML4_ASSIGN_OR_RETURN(std::unique_ptr<ModelRunner> runner, load_runner_on(o.dev, o.model, ro));
   if (o.max_model_len > runner->config().max_position_embeddings)
     return invalid_argument("--max-model-len {} exceeds the model's max_position_embeddings {}", o.max_model_len,
@@ -121,7 +123,7 @@ Status run_serve(ServeOptions o) {
   ML4_RETURN_IF_ERROR(Engine::check_speculation(*runner, ec));
   // P/D: the connector registers the runner's KV pages; it outlives the engine.
   std::unique_ptr<transfer::KvConnector> connector;
-  if (!o.kv_transfer_config.empty()) {
+  if (!o.kv_transfer_config.empty() && !hisparse) {
     ML4_ASSIGN_OR_RETURN(transfer::KvTransferConfig kc, transfer::parse_kv_transfer_config(o.kv_transfer_config));
     if (!(o.kv_transfer_timeout > 0)) return invalid_argument("--kv-transfer-timeout must be positive");
     kc.timeout_s = o.kv_transfer_timeout;
@@ -218,7 +220,9 @@ CommandRegistrar reg("serve", [](CLI::App& app, int* exit_code) {
   cmd->add_option("--http-threads", o->http_threads, "concurrent HTTP connections");
   cmd->add_option("--kv-transfer-config", o->kv_transfer_config,
                   "P/D: JSON, e.g. '{\"kv_connector\":\"UcxConnector\",\"kv_role\":\"kv_producer\"}' "
-                  "(kv_producer | kv_consumer | kv_both)");
+                  "(kv_producer | kv_consumer | kv_both); HiSparse host KV offload: "
+                  "'{\"kv_connector\":\"HiSparseConnector\",\"kv_connector_extra_config\":{\"host_pool_gb\":G,"
+                  "\"hot_slots_per_request\":S}}'");
   cmd->add_option("--kv-transfer-timeout", o->kv_transfer_timeout,
                   "P/D: seconds a producer holds KV blocks for a consumer, and a consumer waits for a load");
   cmd->add_option("--speculative-config", o->speculative_config,
