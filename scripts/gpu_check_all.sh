@@ -18,7 +18,7 @@ if [ "$mode" = pack ]; then
   build=${2:?usage: gpu_check_all.sh pack BUILD_DIR}
   "$root/scripts/gpu_pd_check.sh" pack "$build" || exit 1
   dest="$root/.device-carry-pd"
-  cp "$build/ml4_cuda_tests" "$dest/bin/"
+  cp "$build/ml4_cuda_tests" "$build/hisparse_gather_bench" "$dest/bin/"
   ldd "$build/ml4_cuda_tests" | awk '/=> \// {print $3}' | while read -r lib; do
     base=$(basename "$lib")
     case "$base" in
@@ -48,11 +48,11 @@ export UCX_MODULE_DIR="$carry/ucx/lib/ucx"
 export ML4_SOURCE_DIR="$root"
 t0=$(date +%s)
 stamp() { echo "==== [$(( $(date +%s) - t0 )) s] $*"; }
-# SECTIONS picks parts (default all): tests spec perplexity pd all
-sections=" ${SECTIONS:-tests spec perplexity pd all} "
+# SECTIONS picks parts (default all): tests spec hisparse perplexity pd all
+sections=" ${SECTIONS:-tests spec hisparse perplexity pd all} "
 on() { [[ "$sections" == *" $1 "* ]]; }
 
-new=${FILTER_NEW:-CudaContextParallel.*:CudaDrafter.*:NcclTp1.*}
+new=${FILTER_NEW:-CudaHiSparse.*}
 on tests && stamp "1a. new GPU tests: $new" && timeout 240 "$carry/bin/ml4_cuda_tests" --gtest_filter="$new" --gtest_color=no > "$out/new_tests.log" 2>&1
 on tests && grep -E "^\[  (FAILED|PASSED|SKIPPED) |^\[       OK|rel|Failure" "$out/new_tests.log" | tail -40
 
@@ -64,6 +64,15 @@ echo "rc=$?"
 cat "$out/spec/summary.md" 2>/dev/null || tail -30 "$out/spec.log"
 for f in "$out"/spec/server_*.log; do grep -iE "error|graph" "$f" | head -3; done
 tar czf "$out/spec.tar.gz" -C "$out" spec && rm -rf "$out/spec"  # the run tool brings back few files
+fi
+
+if on hisparse; then
+  stamp "1c. HiSparse: gather bandwidth, decode-step overhead (ml4-slice-4)"
+  timeout 120 "$carry/bin/hisparse_gather_bench" 8 > "$out/hisparse_gather.log" 2>&1; echo "rc=$?"
+  grep -E "GATHER|pool" "$out/hisparse_gather.log"
+  timeout 400 "$carry/bin/ml4" bench step --preset ml4-slice-4 --hisparse-slots 4096 --batch 1,16 \
+    --ctx ${ML4_HISPARSE_CTX:-61440,250000} --kv-gib 30 > "$out/hisparse_step.log" 2>&1; echo "rc=$?"
+  grep -E "HISPARSE|rror" "$out/hisparse_step.log" | cut -c1-400
 fi
 
 on perplexity && stamp "2. perplexity on the GPU" && timeout 120 "$carry/bin/ml4" perplexity --model "$root/assets/ml4-small" --file "$carry/val_novels.txt" --ctx 4096 \

@@ -72,14 +72,18 @@ CommandRegistrar reg("bench", [](CLI::App& app, int* exit_code) {
   });
 
   auto* step = bench->add_subcommand("step", "CUDA decode step of a full-width preset vs its roofline (synthetic weights)");
-  auto so = std::make_shared<std::tuple<std::string, std::vector<int>, std::vector<int64_t>, double, bool>>(
-      "ml4-slice-4", std::vector<int>{1, 8, 32, 64}, std::vector<int64_t>{8192, 61440}, 4253.0, true);
+  auto so = std::make_shared<std::tuple<std::string, std::vector<int>, std::vector<int64_t>, double, bool, int, double>>(
+      "ml4-slice-4", std::vector<int>{1, 8, 32, 64}, std::vector<int64_t>{8192, 61440}, 4253.0, true, 0, 20.0);
   step->add_option("--preset", std::get<0>(*so), "model preset (ml4-slice-N, ml4-tiny, ...)");
   step->add_option("--batch", std::get<1>(*so), "batch sizes")->delimiter(',')->check(CLI::PositiveNumber);
   step->add_option("--ctx", std::get<2>(*so), "context lengths")->delimiter(',')->check(CLI::PositiveNumber);
   step->add_option("--copy-gbps", std::get<3>(*so), "measured HBM copy bandwidth, GB/s (the roofline)")
       ->check(CLI::PositiveNumber);
   step->add_flag("!--no-extras", std::get<4>(*so), "only the STEP lines");
+  step->add_option("--hisparse-slots", std::get<5>(*so),
+                   "instead: HiSparse's decode-step overhead with hot buffers of this many rows (HISPARSE lines)")
+      ->check(CLI::NonNegativeNumber);
+  step->add_option("--kv-gib", std::get<6>(*so), "device KV budget, GiB")->check(CLI::PositiveNumber);
   step->callback([so, exit_code] {
 #if defined(ML4_WITH_CUDA)
     ml4::cuda::StepBenchOptions o;
@@ -88,7 +92,9 @@ CommandRegistrar reg("bench", [](CLI::App& app, int* exit_code) {
     o.contexts = std::get<2>(*so);
     o.copy_gbps = std::get<3>(*so);
     o.extras = std::get<4>(*so);
-    *exit_code = ml4::cuda::run_step_bench(o);
+    o.hisparse_slots = std::get<5>(*so);
+    o.kv_cache_bytes = static_cast<int64_t>(std::get<6>(*so) * (1ll << 30));
+    *exit_code = o.hisparse_slots > 0 ? ml4::cuda::run_hisparse_step_bench(o) : ml4::cuda::run_step_bench(o);
 #else
     (void)so;
     ML4_LOG_ERROR("bench step: this ml4 was built without the CUDA backend (cmake -DML4_CUDA=ON)");

@@ -4,6 +4,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include <cstring>
 #include <utility>
 
 namespace ml4::cuda {
@@ -37,18 +38,46 @@ int sm_count() {
   return cached;
 }
 
-DeviceBuffer::~DeviceBuffer() {
-  if (ptr_) cudaFree(ptr_);
+void DeviceBuffer::release() {
+  if (ptr_) host_ ? cudaFreeHost(ptr_) : cudaFree(ptr_);
+  ptr_ = nullptr;
 }
+DeviceBuffer::~DeviceBuffer() { release(); }
 DeviceBuffer::DeviceBuffer(DeviceBuffer&& o) noexcept
-    : ptr_(std::exchange(o.ptr_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
+    : ptr_(std::exchange(o.ptr_, nullptr)), bytes_(std::exchange(o.bytes_, 0)), host_(std::exchange(o.host_, false)) {}
 DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
   if (this != &o) {
-    if (ptr_) cudaFree(ptr_);
+    release();
     ptr_ = std::exchange(o.ptr_, nullptr);
     bytes_ = std::exchange(o.bytes_, 0);
+    host_ = std::exchange(o.host_, false);
   }
   return *this;
+}
+
+// Pinned host memory mapped into the device's address space: with unified addressing the
+// host pointer is the device pointer, so kernels read and write it over the bus (HiSparse's
+// host pool, offload/hisparse.h).
+Result<DeviceBuffer> DeviceBuffer::alloc_host_mapped(size_t bytes) {
+  DeviceBuffer b;
+  if (bytes == 0) return std::move(b);
+  cudaError_t e = cudaHostAlloc(&b.ptr_, bytes, cudaHostAllocMapped | cudaHostAllocPortable);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    b.ptr_ = nullptr;
+    return resource_exhausted("cudaHostAlloc of {} bytes (pinned host memory) failed: {}", bytes, cudaGetErrorString(e));
+  }
+  void* dev = nullptr;
+  e = cudaHostGetDevicePointer(&dev, b.ptr_, 0);
+  if (e != cudaSuccess || dev != b.ptr_) {
+    cudaGetLastError();
+    cudaFreeHost(b.ptr_);
+    b.ptr_ = nullptr;
+    return unimplemented("pinned host memory is not addressable by the device at its host address (no unified addressing)");
+  }
+  b.bytes_ = bytes;
+  b.host_ = true;
+  return std::move(b);
 }
 
 Result<DeviceBuffer> DeviceBuffer::alloc(size_t bytes) {
@@ -80,6 +109,10 @@ Status DeviceBuffer::download(void* host, size_t bytes, size_t offset) const {
 
 Status DeviceBuffer::fill_bytes(uint8_t value) {
   if (!ptr_) return Status::ok();
+  if (host_) {
+    std::memset(ptr_, value, bytes_);
+    return Status::ok();
+  }
   return cuda_status(cudaMemset(ptr_, value, bytes_), "DeviceBuffer::fill_bytes");
 }
 

@@ -36,19 +36,24 @@ class DeviceBuffer {
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
 
   static Result<DeviceBuffer> alloc(size_t bytes);
+  // Pinned, device-mapped host memory (cudaHostAlloc), at one address for host and device.
+  static Result<DeviceBuffer> alloc_host_mapped(size_t bytes);
 
   void* data() const { return ptr_; }
   template <typename T> T* as() const { return static_cast<T*>(ptr_); }
   size_t bytes() const { return bytes_; }
   bool empty() const { return ptr_ == nullptr; }
+  bool host() const { return host_; }
 
   Status upload(const void* host, size_t bytes, size_t offset = 0);
   Status download(void* host, size_t bytes, size_t offset = 0) const;
   Status fill_bytes(uint8_t value);  // cudaMemset: 0xFF poisons f32/bf16 with NaN
 
  private:
+  void release();
   void* ptr_ = nullptr;
   size_t bytes_ = 0;
+  bool host_ = false;
 };
 
 // Fills n values with a counter-based hash of (seed, i) mapped to uniform [lo, hi), in

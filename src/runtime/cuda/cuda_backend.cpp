@@ -10,6 +10,8 @@
 #include "ops/cuda/attention.h"
 #include "ops/cuda/cache_write.h"
 #include "ops/cuda/context_parallel.h"
+#include "ops/cuda/hisparse.h"
+#include "kv/latent_layout.h"
 #include "ops/cuda/drafter.h"
 #include "ops/cuda/sampling.h"
 #include "ops/cpu/draft_tokens.h"
@@ -184,7 +186,7 @@ Status CudaBackend::reserve_selections(int n) {
 
 // ---- memory ----
 
-Status CudaBackend::allocate_kv(const KvCacheSpec& spec, const std::vector<int64_t>& blocks) {
+Status CudaBackend::allocate_kv(const KvCacheSpec& spec, const std::vector<int64_t>& blocks, bool host_latent) {
   kv_dtype_ = spec.dtype;
   latent_group_ = spec.group_index(CacheGroupSpec::kLatent);
   indexer_group_ = spec.group_index(CacheGroupSpec::kIndexer);
@@ -196,9 +198,11 @@ Status CudaBackend::allocate_kv(const KvCacheSpec& spec, const std::vector<int64
   for (size_t gi = 0; gi < spec.groups.size(); ++gi) {
     const auto& g = spec.groups[gi];
     for (size_t slot = 0; slot < g.layers.size(); ++slot) {
-      ML4_ASSIGN_OR_RETURN(DeviceBuffer b, DeviceBuffer::alloc(std::max<int64_t>(blocks[gi], 1) * g.page_bytes_per_layer()));
+      const size_t bytes = std::max<int64_t>(blocks[gi], 1) * g.page_bytes_per_layer();
+      const bool host = host_latent && static_cast<int>(gi) == latent_group_;
+      ML4_ASSIGN_OR_RETURN(DeviceBuffer b, host ? DeviceBuffer::alloc_host_mapped(bytes) : DeviceBuffer::alloc(bytes));
       ML4_RETURN_IF_ERROR(b.fill_bytes(0));
-      kv_bytes_ += static_cast<int64_t>(b.bytes());
+      (host ? host_kv_bytes_ : kv_bytes_) += static_cast<int64_t>(b.bytes());
       kv_[gi].push_back(std::move(b));
     }
   }
@@ -734,10 +738,23 @@ Status CudaBackend::mla_attention(const MlaArgs& a) {
   ap.H = H;
   ap.r = cfg_.kv_lora_rank;
   ap.dr = dr;
-  ap.cache = kv_[draft ? drafter_group_ : latent_group_][a.cache_slot].data();
-  ap.num_slots = (draft ? group_blocks_[drafter_group_] : num_blocks_) * kPageTokens;
+  if (a.group == CacheGroup::kHot) {  // HiSparse: the hot pool, through the remapped rows
+    if (a.selection != kHotSelection || a.cache_slot < 0 || a.cache_slot >= static_cast<int>(hot_.size()))
+      return internal_error("mla_attention: the hot pool is read through set_hot_selection's rows only");
+    ap.cache = hot_[a.cache_slot].data();
+    ap.num_slots = hot_rows_;
+  } else {
+    ap.cache = kv_[draft ? drafter_group_ : latent_group_][a.cache_slot].data();
+    ap.num_slots = (draft ? group_blocks_[drafter_group_] : num_blocks_) * kPageTokens;
+  }
   ap.dtype = draft ? KvCacheDtype::kBf16 : kv_dtype_;
-  if (a.selection == kBlockWindow) {
+  if (a.selection == kHotSelection) {
+    const int k = cfg_.indexer.topk;
+    ap.indices = hot_sel_rows_.as<int32_t>();
+    ap.indices_stride = k;
+    ap.topk = k;
+    ap.index_lengths = hot_sel_counts_.as<int32_t>();
+  } else if (a.selection == kBlockWindow) {
     ap.indices = b.window_slots.as<int32_t>();
     ap.indices_stride = b.window_stride;
     ap.topk = static_cast<int>(b.window_stride);
@@ -768,6 +785,81 @@ Status CudaBackend::mla_attention(const MlaArgs& a) {
   ap.workspace = b.attn_ws.data();
   ap.workspace_bytes = b.attn_ws_bytes;
   return cuda::mla_attention(ap);
+}
+
+// ---- HiSparse (offload/hisparse.h) ----
+
+Status CudaBackend::hisparse_reserve(int layers, int64_t rows) {
+  const size_t row_bytes = latent_token_bytes(kv_dtype_, cfg_.kv_lora_rank, cfg_.qk_rope_head_dim);
+  hot_.clear();
+  hot_bytes_ = 0;
+  for (int l = 0; l < layers; ++l) {
+    ML4_ASSIGN_OR_RETURN(DeviceBuffer b, DeviceBuffer::alloc(std::max<int64_t>(rows, 1) * row_bytes));
+    ML4_RETURN_IF_ERROR(b.fill_bytes(0));
+    hot_bytes_ += static_cast<int64_t>(b.bytes());
+    hot_.push_back(std::move(b));
+  }
+  hot_rows_ = rows;
+  return Status::ok();
+}
+
+namespace {
+
+// Grows a device buffer to `bytes` (HiSparse steps run eagerly: no graph holds its address).
+Status grow(DeviceBuffer& b, size_t bytes) {
+  if (b.bytes() >= bytes) return Status::ok();
+  ML4_ASSIGN_OR_RETURN(b, DeviceBuffer::alloc(std::max<size_t>(bytes, 2 * b.bytes())));
+  return Status::ok();
+}
+
+}  // namespace
+
+// The misses' pool rows from the step's block tables, then one gather kernel reading the host
+// pool through unified addressing, in stream order after this step's cache writes.
+Status CudaBackend::hisparse_load_rows(int latent_slot, int hot_layer, const std::vector<HotLoad>& loads) {
+  if (loads.empty()) return Status::ok();
+  if (md_ == nullptr) return internal_error("hisparse_load_rows needs the step's host metadata");
+  if (hot_layer < 0 || hot_layer >= static_cast<int>(hot_.size()))
+    return internal_error("hisparse_load_rows: hot layer {} of {}", hot_layer, hot_.size());
+  const int64_t n = static_cast<int64_t>(loads.size());
+  std::vector<int64_t> src(n);
+  std::vector<int32_t> dst(n);
+  const int64_t pool_rows = num_blocks_ * kPageTokens;
+  for (int64_t i = 0; i < n; ++i) {
+    src[i] = md_->slot_of(loads[i].seq, latent_group_, loads[i].position);
+    dst[i] = loads[i].row;
+    if (src[i] < 0 || src[i] >= pool_rows || dst[i] < 0 || dst[i] >= hot_rows_)
+      return internal_error("HiSparse load {} -> {} outside the pool ({}) or the hot layer ({})", src[i], dst[i],
+                            pool_rows, hot_rows_);
+  }
+  ML4_RETURN_IF_ERROR(grow(hot_src_, n * 8));
+  ML4_RETURN_IF_ERROR(grow(hot_dst_, n * 4));
+  ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(hot_src_.data(), src.data(), n * 8, cudaMemcpyHostToDevice, stream_));
+  ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(hot_dst_.data(), dst.data(), n * 4, cudaMemcpyHostToDevice, stream_));
+  HotGatherParams g;
+  g.pool = static_cast<const uint8_t*>(kv_[latent_group_][latent_slot].data());
+  g.hot = static_cast<uint8_t*>(hot_[hot_layer].data());
+  g.src = hot_src_.as<int64_t>();
+  g.dst = hot_dst_.as<int32_t>();
+  g.n = n;
+  g.row_bytes = static_cast<int64_t>(latent_token_bytes(kv_dtype_, cfg_.kv_lora_rank, cfg_.qk_rope_head_dim));
+  g.pool_rows = pool_rows;
+  g.hot_rows = hot_rows_;
+  g.stream = stream_;
+  ML4_RETURN_IF_ERROR(hot_gather(g));
+  // The host vectors die here; the copies above read them (pageable: staged before return,
+  // but the kernel must not outlive this frame's view of them either).
+  return cuda_status(cudaStreamSynchronize(stream_), "hisparse_load_rows");
+}
+
+Status CudaBackend::set_hot_selection(const int32_t* rows, const int32_t* counts) {
+  const int64_t T = step_T_;
+  const int k = cfg_.indexer.topk;
+  ML4_RETURN_IF_ERROR(grow(hot_sel_rows_, std::max<int64_t>(T * k, 1) * 4));
+  ML4_RETURN_IF_ERROR(grow(hot_sel_counts_, std::max<int64_t>(T, 1) * 4));
+  ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(hot_sel_rows_.data(), rows, T * k * 4, cudaMemcpyHostToDevice, stream_));
+  ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(hot_sel_counts_.data(), counts, T * 4, cudaMemcpyHostToDevice, stream_));
+  return cuda_status(cudaStreamSynchronize(stream_), "set_hot_selection");  // the host arrays die after the call
 }
 
 Status CudaBackend::moe_route(const MoeRouteArgs& a) {

@@ -132,10 +132,16 @@ class CudaBackend : public Backend {
                     float* s) override;
   Status choose_tokens(const float* logits, int64_t rows, const DeviceSamplingParams* params, int32_t* ids,
                        float* probs) override;
+  Status hisparse_reserve(int layers, int64_t rows) override;
+  Status hisparse_load_rows(int latent_slot, int hot_layer, const std::vector<HotLoad>& loads) override;
+  Status set_hot_selection(const int32_t* rows, const int32_t* counts) override;
 
   // ---- the runner's side ----
-  // The KV pools: one buffer per (group, layer slot) of blocks[group] pages.
-  Status allocate_kv(const KvCacheSpec& spec, const std::vector<int64_t>& blocks);
+  // The KV pools: one buffer per (group, layer slot) of blocks[group] pages; host_latent:
+  // the latent group in pinned, device-mapped host memory (HiSparse's host pool).
+  Status allocate_kv(const KvCacheSpec& spec, const std::vector<int64_t>& blocks, bool host_latent = false);
+  int64_t hot_bytes() const { return hot_bytes_; }
+  int64_t host_kv_bytes() const { return host_kv_bytes_; }
   // Step buffers for T tokens, R logits rows, S block-table rows of maxb entries.
   Status ensure_buffers(int64_t T, int64_t R, int64_t S, int64_t maxb);
   enum class Mode { kEager, kCapture, kReplay };
@@ -216,6 +222,11 @@ class CudaBackend : public Backend {
   int64_t num_blocks_ = 0;  // latent group
   std::vector<std::vector<DeviceBuffer>> kv_;  // [group][layer slot] pages
   std::vector<int64_t> group_blocks_;
+  // HiSparse: the hot pool [layer][hot_rows_ rows], the step's hot rows [T, topk] and
+  // counts [T], the loads' (pool row, hot row) pairs.
+  std::vector<DeviceBuffer> hot_;
+  int64_t hot_rows_ = 0, hot_bytes_ = 0, host_kv_bytes_ = 0;
+  DeviceBuffer hot_sel_rows_, hot_sel_counts_, hot_src_, hot_dst_;
   int num_selections_ = 0;
   std::vector<DeviceLinear> linears_;
   std::vector<bool> router_;  // [linear] f32 router: never the GEMV

@@ -79,6 +79,15 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::create(const ModelConfig& cfg, c
     return unimplemented("parallel CUDA ranks need NCCL: this ml4 was built without it (nccl.h / libnccl not found)");
 #endif
   }
+  // HiSparse: the hot buffers' state (its regions and rows do not depend on the budget); the
+  // program reserves the hot pool on the device.
+  const HiSparseConfig& hc = opts.base.hisparse;
+  if (hc.enabled) {
+    if (!cfg.has_dsa()) return invalid_argument("HiSparse needs a sparse-attention (DSA) model: this one attends every key");
+    const int slots = hc.hot_slots_per_request > 0 ? hc.hot_slots_per_request : 2 * cfg.indexer.topk;
+    r->hisparse_ = std::make_unique<HiSparseState>(hisparse_hot_layers(cfg), static_cast<int>(std::max<int64_t>(opts.base.max_num_seqs, 1)), slots);
+    fo.hisparse = r->hisparse_.get();
+  }
   auto prog = ModelForward::create(cfg, weights, *r->backend_, fo);
   if (!prog.ok()) return prog.status().with_context(model_dir);
   r->program_ = std::move(prog).value();
@@ -97,11 +106,17 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::create(const ModelConfig& cfg, c
       return resource_exhausted("--gpu-memory-utilization {}: weights and runtime already use {:.1f} of {:.1f} GiB",
                                 opts.gpu_memory_utilization, used / 1073741824.0, total_b / 1073741824.0);
   }
-  const std::vector<int64_t> blocks = PagedKvCache::blocks_for_budget(
+  std::vector<int64_t> blocks = PagedKvCache::blocks_for_budget(
       spec, kv_budget, opts.base.drafter ? std::max<int64_t>(opts.base.max_num_seqs, 1) : 0);
+  if (hc.enabled) {
+    // The hot pool is already allocated: a budget from the memory fraction saw it as used.
+    if (opts.gpu_memory_utilization > 0) kv_budget += r->backend_->hot_bytes();
+    ML4_ASSIGN_OR_RETURN(HiSparseSizing z, hisparse_sizing(cfg, spec, hc, kv_budget, opts.base.max_num_seqs, opts.base.drafter));
+    blocks = z.blocks;
+  }
   if (blocks[spec.group_index(CacheGroupSpec::kLatent)] <= 0)
     return resource_exhausted("KV budget of {} bytes holds no block", kv_budget);
-  ML4_RETURN_IF_ERROR(r->backend_->allocate_kv(spec, blocks));
+  ML4_RETURN_IF_ERROR(r->backend_->allocate_kv(spec, blocks, hc.enabled));
   for (size_t gi = 0; gi < spec.groups.size(); ++gi) {
     const auto& g = spec.groups[gi];
     r->groups_.push_back(CacheGroupInfo{g.name, g.page_tokens, blocks[gi], g.sliding_window, g.bytes_per_token()});
@@ -109,6 +124,10 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::create(const ModelConfig& cfg, c
   ML4_LOG_INFO("cuda runner: {} ({} layers), weights {:.1f} MiB, kv {} {:.1f} MiB ({} blocks)", model_dir, cfg.n_layers,
                r->backend_->weight_bytes() / 1048576.0, opts.base.kv_cache_dtype, r->backend_->kv_bytes() / 1048576.0,
                blocks[spec.group_index(CacheGroupSpec::kLatent)]);
+  if (hc.enabled)
+    ML4_LOG_INFO("cuda runner: HiSparse host pool {:.1f} MiB pinned, hot buffers {:.1f} MiB ({} layers x {} requests x {} rows)",
+                 r->backend_->host_kv_bytes() / 1048576.0, r->backend_->hot_bytes() / 1048576.0, r->hisparse_->layers(),
+                 r->hisparse_->regions(), r->hisparse_->slots());
   return r;
 }
 
@@ -151,7 +170,8 @@ Result<StepOutput> CudaRunner::execute_traced(const StepInput& in, ForwardTrace*
   // of larger steps) splits the capture into segments and runs eagerly between them.
   const bool decode = T == S && R == T && T <= opts_.max_graph_batch;
   int64_t Tp = decode ? round_up_pow2(T, 1) : (T + 63) / 64 * 64;
-  const bool graph = opts_.cuda_graphs && trace == nullptr && T > 0 && Tp <= opts_.max_graph_tokens;
+  // HiSparse steps run eagerly: each sparse layer diffs its selection on the host.
+  const bool graph = opts_.cuda_graphs && trace == nullptr && hisparse_ == nullptr && T > 0 && Tp <= opts_.max_graph_tokens;
   int64_t Rp = R, Sp = S;
   if (!graph) Tp = T;
   if (graph) {
@@ -236,7 +256,8 @@ Result<StepOutput> CudaRunner::execute_traced(const StepInput& in, ForwardTrace*
       }
     }
   } else {
-    ML4_RETURN_IF_ERROR(run_forward(CudaBackend::Mode::kEager, nullptr, trace != nullptr ? &md : nullptr, trace));
+    ML4_RETURN_IF_ERROR(
+        run_forward(CudaBackend::Mode::kEager, nullptr, trace != nullptr || hisparse_ != nullptr ? &md : nullptr, trace));
   }
   StepOutput out;
   // Device sampling (sampling.h): when every sequence asking for logits asked for it, draw
@@ -435,7 +456,7 @@ std::vector<KvRegion> CudaRunner::kv_regions() {
       const DeviceBuffer* pool = backend_->kv_pool(static_cast<int>(g), static_cast<int>(slot));
       if (pool == nullptr) continue;
       out.push_back(KvRegion{static_cast<int>(g), static_cast<int>(slot), const_cast<void*>(pool->data()),
-                             sg.page_bytes_per_layer(), backend_->group_blocks()[g], true});
+                             sg.page_bytes_per_layer(), backend_->group_blocks()[g], !pool->host()});
     }
   }
   return out;

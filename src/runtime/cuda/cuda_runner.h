@@ -66,6 +66,13 @@ class CudaRunner : public ModelRunner {
   void bind_thread() const override;
   bool has_drafter() const override { return program_->has_drafter(); }
   Result<DraftOutput> draft(const DraftInput& in) override;
+  void release(int64_t seq_id) override {
+    if (hisparse_) hisparse_->release(seq_id);
+  }
+  const HiSparseState* hisparse() const override { return hisparse_.get(); }
+  // HiSparse: bytes of the hot buffers (device) and of the host pool (pinned host memory).
+  int64_t hot_bytes() const { return backend_->hot_bytes(); }
+  int64_t host_kv_bytes() const { return backend_->host_kv_bytes(); }
 
   int64_t weight_bytes() const { return backend_->weight_bytes(); }
   // Bytes of all routed experts of all layers (the rest of weight_bytes is read every step).
@@ -108,6 +115,7 @@ class CudaRunner : public ModelRunner {
   int64_t max_model_len_ = 0;
   std::unique_ptr<CudaBackend> backend_;
   std::unique_ptr<Communicator> tp_comm_, ep_comm_;  // NCCL, parallel ranks only (before program_)
+  std::unique_ptr<HiSparseState> hisparse_;            // HiSparse only (before program_)
   std::unique_ptr<ModelForward> program_;
   // This step's launch shape (padded in graph mode).
   int64_t step_T_ = 0, step_R_ = 0, step_maxlen_ = 1;

@@ -201,4 +201,100 @@ int run_step_bench(const StepBenchOptions& opt) {
 }
 
 
+// HiSparse: per (context, batch), the decode step of the runner without offload (graphs, then
+// eager) and of the HiSparse runner (eager: each sparse layer diffs its selection on the host)
+// with (a) the same token each step at the next position (the selection barely moves: the
+// steady state of a buffer that holds the working set) and (b) a new token each step (the
+// query moves; rows loaded per step printed). Synthetic weights and KV: random selections,
+// so (b) is a worst case for locality.
+int run_hisparse_step_bench(const StepBenchOptions& opt) {
+  auto cfg_r = preset_config(opt.preset);
+  if (!cfg_r.ok()) {
+    std::fprintf(stderr, "%s\n", cfg_r.status().message().c_str());
+    return 1;
+  }
+  const ModelConfig cfg = *cfg_r;
+  const int64_t kMaxCtx = *std::max_element(opt.contexts.begin(), opt.contexts.end());
+  const int64_t kMaxBatch = *std::max_element(opt.batches.begin(), opt.batches.end());
+  const int reps = 20;
+  const int64_t blocks_per_seq = (kMaxCtx + reps + 8 + 63) / 64;
+  auto steps = [&](const CudaRunner& r, int batch, int64_t ctx, int rep, bool new_token) {
+    StepInput in = decode_step(r, batch, ctx + rep, blocks_per_seq);
+    for (int i = 0; i < batch; ++i) {
+      in.seqs[i].tokens = {new_token ? static_cast<int32_t>(1 + (rep * 131 + i * 17) % 1000) : 1 + i};
+      for (auto& bt : in.seqs[i].block_tables)
+        if (!bt.empty()) {
+          bt.clear();
+          for (int64_t b = 0; b < (ctx + rep + 63) / 64; ++b) bt.push_back(static_cast<int32_t>(i * blocks_per_seq + b));
+        }
+    }
+    return in;
+  };
+  auto timed = [&](CudaRunner& r, int batch, int64_t ctx, bool new_token) {
+    std::vector<double> ms;
+    for (int rep = -3; rep < reps; ++rep) {
+      const StepInput in = steps(r, batch, ctx, rep + 3, new_token);
+      const auto t0 = Clock::now();
+      if (!r.execute(in).ok()) std::abort();  // a bench step failed: nothing sensible to measure after it
+      if (rep >= 0) ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+    }
+    return median(ms);
+  };
+  std::map<std::pair<int64_t, int>, std::pair<double, double>> plain_ms;
+  const int64_t latent_row = static_cast<int64_t>(latent_token_bytes(KvCacheDtype::kFp8DsMla, cfg.kv_lora_rank, cfg.qk_rope_head_dim));
+  const int64_t tokens = kMaxBatch * blocks_per_seq * 64;
+  for (int pass = 0; pass < 2; ++pass) {
+    CudaRunnerOptions o;
+    o.base.kv_cache_dtype = "fp8_ds_mla";
+    o.base.kv_cache_bytes = opt.kv_cache_bytes;
+    o.base.max_num_seqs = kMaxBatch;
+    o.max_graph_batch = static_cast<int>(kMaxBatch);
+    if (pass == 1) {
+      o.base.hisparse.enabled = true;
+      o.base.hisparse.host_pool_bytes = tokens * latent_row * cfg.num_latent_layers() + (int64_t{64} << 20);
+      o.base.hisparse.hot_slots_per_request = opt.hisparse_slots;
+    }
+    const auto t0 = Clock::now();
+    auto rr = CudaRunner::load_synthetic(cfg, o, 1234);
+    if (!rr.ok()) {
+      std::fprintf(stderr, "%s\n", rr.status().message().c_str());
+      return 1;
+    }
+    auto& r = **rr;
+    if (!r.fill_kv_synthetic(99).is_ok()) return 1;
+    if (r.cache_groups()[0].num_blocks < kMaxBatch * blocks_per_seq) {
+      std::fprintf(stderr, "KV pool too small: %ld blocks\n", static_cast<long>(r.cache_groups()[0].num_blocks));
+      return 1;
+    }
+    std::printf("HISPARSE_MODEL %s pass=%s device_kv_gb=%.2f host_pool_gb=%.2f hot_gb=%.3f setup_s=%.1f\n",
+                opt.preset.c_str(), pass ? "hisparse" : "gpu-only", r.kv_bytes() / 1e9, r.host_kv_bytes() / 1e9,
+                r.hot_bytes() / 1e9, std::chrono::duration<double>(Clock::now() - t0).count());
+    for (int64_t ctx : opt.contexts) {
+      for (int batch : opt.batches) {
+        if (pass == 0) {
+          const double g = timed(r, batch, ctx, true);
+          r.set_cuda_graphs(false);
+          const double e = timed(r, batch, ctx, true);
+          r.set_cuda_graphs(true);
+          plain_ms[{ctx, batch}] = {g, e};
+          continue;
+        }
+        const HiSparseState& st = *r.hisparse();
+        const double same = timed(r, batch, ctx, false);
+        const int64_t loads0 = st.loads, hits0 = st.hits;
+        const double moving = timed(r, batch, ctx, true);
+        const double per_step = static_cast<double>(st.loads - loads0) / (reps + 3);
+        const double hit_rate = static_cast<double>(st.hits - hits0) / std::max<double>(1.0, static_cast<double>(st.hits - hits0 + st.loads - loads0));
+        for (int i = 0; i < batch; ++i) r.release(i);
+        const auto [g, e] = plain_ms[{ctx, batch}];
+        std::printf("HISPARSE batch=%d ctx=%ld gpu_graphs_ms=%.3f gpu_eager_ms=%.3f hisparse_same_token_ms=%.3f "
+                    "hisparse_new_token_ms=%.3f rows_loaded_per_step=%.0f (%.1f MB) hit_rate=%.3f overhead_vs_graphs=%.2fx\n",
+                    batch, static_cast<long>(ctx), g, e, same, moving, per_step, per_step * latent_row / 1e6, hit_rate,
+                    moving / g);
+      }
+    }
+  }
+  return 0;
+}
+
 }  // namespace ml4::cuda

@@ -30,10 +30,15 @@ struct StepBenchOptions {
   double copy_gbps = 4253.0;                 // the roofline's bandwidth
   int64_t kv_cache_bytes = int64_t{20} << 30;  // enough for max batch x max context of ml4-slice-4
   bool extras = true;
+  // > 0: instead, HiSparse's decode-step overhead (offload/hisparse.h): the same steps on a
+  // runner with the latent KV in pinned host memory and hot buffers of this many rows, against
+  // the runner without offload (graphs on, and eager as HiSparse runs), HISPARSE lines.
+  int hisparse_slots = 0;
 };
 
 // Prints STEP / STEP_LOGITS / GRAPHS / OVERLAP / PROFILE / PREFILL lines to stdout.
 // Returns 0, or 1 when the model cannot be built (message on stderr).
 int run_step_bench(const StepBenchOptions& opt);
+int run_hisparse_step_bench(const StepBenchOptions& opt);
 
 }  // namespace ml4::cuda
