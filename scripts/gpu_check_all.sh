@@ -73,6 +73,11 @@ if on hisparse; then
   timeout 400 "$carry/bin/ml4" bench step --preset ml4-slice-4 --hisparse-slots 4096 --batch 1,16 \
     --ctx ${ML4_HISPARSE_CTX:-61440,250000} --kv-gib 30 > "$out/hisparse_step.log" 2>&1; echo "rc=$?"
   grep -E "HISPARSE|rror" "$out/hisparse_step.log" | cut -c1-400
+  # Needle in a haystack through the engine, with and without HiSparse (ml4-small).
+  timeout 400 python3 "$root/bench/hisparse_needle.py" --ml4 "$carry/bin/ml4" --model "$root/assets/ml4-small" \
+    --filler "$carry/val_novels.txt" --device cuda --lengths ${ML4_NEEDLE_LENGTHS:-1024 4096 16384 30000} \
+    --n ${ML4_NEEDLE_N:-3} > "$out/hisparse_needle.log" 2>&1; echo "rc=$?"
+  grep -E "NEEDLE|DIFFER|failed" "$out/hisparse_needle.log" | cut -c1-300
 fi
 
 on perplexity && stamp "2. perplexity on the GPU" && timeout 120 "$carry/bin/ml4" perplexity --model "$root/assets/ml4-small" --file "$carry/val_novels.txt" --ctx 4096 \
