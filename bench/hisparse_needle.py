@@ -27,7 +27,7 @@ def generate(a, prompt, hisparse):
     cmd = [a.ml4, "generate", "--model", a.model, "--prompt", prompt, "--max-tokens", "8", "--device", a.device,
            "--kv-cache-dtype", a.kv]
     if a.device == "cuda":
-        cmd += ["--kv-cache-memory-bytes", str(a.device_kv_bytes)]
+        cmd += ["--gpu-memory-utilization", "0.2"]
     if hisparse:
         cmd += ["--kv-transfer-config", json.dumps({
             "kv_connector": "HiSparseConnector",
@@ -52,7 +52,6 @@ def main():
     ap.add_argument("--kv", default="bf16")
     ap.add_argument("--hot-slots", type=int, default=512)
     ap.add_argument("--host-pool-gb", type=float, default=2.0)
-    ap.add_argument("--device-kv-bytes", type=int, default=1 << 30)
     ap.add_argument("--chars-per-token", type=float, default=3.6)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()

@@ -193,6 +193,7 @@ Status CudaBackend::allocate_kv(const KvCacheSpec& spec, const std::vector<int64
   drafter_group_ = spec.group_index(CacheGroupSpec::kDrafter);
   num_blocks_ = blocks[latent_group_];
   group_blocks_ = blocks;
+  ML4_RETURN_IF_ERROR(allocate_hot_pool());
   kv_.clear();
   kv_.resize(spec.groups.size());
   for (size_t gi = 0; gi < spec.groups.size(); ++gi) {
@@ -789,17 +790,24 @@ Status CudaBackend::mla_attention(const MlaArgs& a) {
 
 // ---- HiSparse (offload/hisparse.h) ----
 
+// The hot pool's row format is the latent cache's, known once allocate_kv has the KV dtype:
+// reserve records the shape, allocate_kv allocates it.
 Status CudaBackend::hisparse_reserve(int layers, int64_t rows) {
+  hot_layers_ = layers;
+  hot_rows_ = rows;
+  return Status::ok();
+}
+
+Status CudaBackend::allocate_hot_pool() {
   const size_t row_bytes = latent_token_bytes(kv_dtype_, cfg_.kv_lora_rank, cfg_.qk_rope_head_dim);
   hot_.clear();
   hot_bytes_ = 0;
-  for (int l = 0; l < layers; ++l) {
-    ML4_ASSIGN_OR_RETURN(DeviceBuffer b, DeviceBuffer::alloc(std::max<int64_t>(rows, 1) * row_bytes));
+  for (int l = 0; l < hot_layers_; ++l) {
+    ML4_ASSIGN_OR_RETURN(DeviceBuffer b, DeviceBuffer::alloc(std::max<int64_t>(hot_rows_, 1) * row_bytes));
     ML4_RETURN_IF_ERROR(b.fill_bytes(0));
     hot_bytes_ += static_cast<int64_t>(b.bytes());
     hot_.push_back(std::move(b));
   }
-  hot_rows_ = rows;
   return Status::ok();
 }
 

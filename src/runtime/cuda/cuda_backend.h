@@ -225,7 +225,9 @@ class CudaBackend : public Backend {
   // HiSparse: the hot pool [layer][hot_rows_ rows], the step's hot rows [T, topk] and
   // counts [T], the loads' (pool row, hot row) pairs.
   std::vector<DeviceBuffer> hot_;
+  int hot_layers_ = 0;
   int64_t hot_rows_ = 0, hot_bytes_ = 0, host_kv_bytes_ = 0;
+  Status allocate_hot_pool();
   DeviceBuffer hot_sel_rows_, hot_sel_counts_, hot_src_, hot_dst_;
   int num_selections_ = 0;
   std::vector<DeviceLinear> linears_;

@@ -80,7 +80,7 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::create(const ModelConfig& cfg, c
 #endif
   }
   // HiSparse: the hot buffers' state (its regions and rows do not depend on the budget); the
-  // program reserves the hot pool on the device.
+  // program records the hot pool's shape; allocate_kv allocates it with the KV (its row format).
   const HiSparseConfig& hc = opts.base.hisparse;
   if (hc.enabled) {
     if (!cfg.has_dsa()) return invalid_argument("HiSparse needs a sparse-attention (DSA) model: this one attends every key");
@@ -109,8 +109,7 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::create(const ModelConfig& cfg, c
   std::vector<int64_t> blocks = PagedKvCache::blocks_for_budget(
       spec, kv_budget, opts.base.drafter ? std::max<int64_t>(opts.base.max_num_seqs, 1) : 0);
   if (hc.enabled) {
-    // The hot pool is already allocated: a budget from the memory fraction saw it as used.
-    if (opts.gpu_memory_utilization > 0) kv_budget += r->backend_->hot_bytes();
+    // hisparse_sizing takes the hot pool (allocated with the KV below) out of the budget.
     ML4_ASSIGN_OR_RETURN(HiSparseSizing z, hisparse_sizing(cfg, spec, hc, kv_budget, opts.base.max_num_seqs, opts.base.drafter));
     blocks = z.blocks;
   }
