@@ -178,6 +178,9 @@ EngineCounters Engine::counters() const {
   c.preemptions = scheduler_.num_preemptions();
   c.prefix_queries = blocks_.prefix_queries();
   c.prefix_hits = blocks_.prefix_hits();
+  if (const HiSparseState* h = runner_->hisparse()) {
+    c.hisparse = {true, h->hits, h->loads, h->hot_layers, h->direct_layers, h->regions_in_use(), h->resident_rows()};
+  }
   return c;
 }
 

@@ -110,6 +110,13 @@ struct EngineCounters {
   double draft_seconds = 0.0;    // of step_seconds: the runner's draft()
   int64_t spec_window_misses = 0;  // drafts skipped: no free drafter-window block
   SpecDecodeCounters spec;       // accepted_per_pos empty: speculation off
+  // HiSparse (offload/hisparse.h; the runner's state, copied at the snapshot): rows found in
+  // the hot buffers, rows loaded from the host pool, layer-steps served from the buffers and
+  // read from the host pool directly, regions and rows held now.
+  struct HiSparse {
+    bool on = false;
+    int64_t hits = 0, loads = 0, hot_layers = 0, direct_layers = 0, regions_in_use = 0, resident_rows = 0;
+  } hisparse;
 };
 
 class Engine {

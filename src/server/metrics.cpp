@@ -124,6 +124,20 @@ std::string ServerMetrics::render(const EngineSnapshot& snap) const {
            "Drafts not proposed because the drafter window cache had no free block.");
     o += fmt::format("ml4:spec_decode_window_misses_total{{{}}} {}\n", ml, c.spec_window_misses);
   }
+  if (c.hisparse.on) {  // HiSparse host KV offload (SYSTEM.md S12)
+    family("ml4:hisparse_hot_rows_hit_total", "counter", "Selected KV rows found in the hot buffers.");
+    o += fmt::format("ml4:hisparse_hot_rows_hit_total{{{}}} {}\n", ml, c.hisparse.hits);
+    family("ml4:hisparse_rows_loaded_total", "counter", "KV rows copied from the host pool into the hot buffers.");
+    o += fmt::format("ml4:hisparse_rows_loaded_total{{{}}} {}\n", ml, c.hisparse.loads);
+    family("ml4:hisparse_layer_steps_total", "counter",
+           "Sparse layer-steps by where attention read: the hot buffers, or the host pool directly (overflow).");
+    o += fmt::format("ml4:hisparse_layer_steps_total{{{},read=\"hot\"}} {}\n", ml, c.hisparse.hot_layers);
+    o += fmt::format("ml4:hisparse_layer_steps_total{{{},read=\"host\"}} {}\n", ml, c.hisparse.direct_layers);
+    family("ml4:hisparse_regions_in_use", "gauge", "Requests holding hot buffers.");
+    o += fmt::format("ml4:hisparse_regions_in_use{{{}}} {}\n", ml, c.hisparse.regions_in_use);
+    family("ml4:hisparse_resident_rows", "gauge", "KV rows resident in the hot buffers.");
+    o += fmt::format("ml4:hisparse_resident_rows{{{}}} {}\n", ml, c.hisparse.resident_rows);
+  }
   family("ml4:engine_step_seconds_total", "counter", "Wall time in engine steps (scheduling, forward, sampling).");
   o += fmt::format("ml4:engine_step_seconds_total{{{}}} {}\n", ml, fmt_double(c.step_seconds));
   family("ml4:engine_forward_seconds_total", "counter", "Wall time in the model runner's forward.");
