@@ -87,10 +87,16 @@ def drafter_tensors(drafter, p):
     return out
 
 
-def export(model, drafter, p, tekken, out_dir, fp8=True):
-    from safetensors.torch import save_file
+def export(model, drafter, p, tekken, out_dir, fp8=True, target_file=None):
+    """target_file: take the target's tensors verbatim from this consolidated.safetensors (a
+    drafter trained on a shipped target: re-quantizing decoded FP8 could move a block scale by
+    an ulp)."""
+    from safetensors.torch import load_file, save_file
     os.makedirs(out_dir, exist_ok=True)
-    t = target_tensors(model, fp8=fp8)
+    if target_file:
+        t = {k: v for k, v in load_file(target_file).items() if not k.startswith("mtp_dspark.")}
+    else:
+        t = target_tensors(model, fp8=fp8)
     if drafter is not None:
         t.update(drafter_tensors(drafter, p))
     pj = dict(p)

@@ -435,6 +435,8 @@ def train_drafter(a, p, data, model, drafter, logger):
     rng = np.random.default_rng(a.seed + 1)
     trng = torch.Generator().manual_seed(a.seed + 1)
     S = drafter.B - 1
+    slot_w = a.drafter_slot_decay ** torch.arange(S, dtype=torch.float32, device=dev)
+    slot_w = slot_w / slot_w.sum()  # early slots decide the acceptance length: they weigh more
     start, step = time.time(), 0
     T = a.drafter_seq
     last_log = start
@@ -442,10 +444,11 @@ def train_drafter(a, p, data, model, drafter, logger):
         progress = (time.time() - start) / a.drafter_seconds
         for g in opt.param_groups:
             g["lr"] = lr_at(progress, a.drafter_lr, 0.05)
-        x, _, _ = data.batch(a.drafter_batch, T, rng, a.passkey_frac / 4)
-        with torch.no_grad(), autocast(dev):
-            out = model(x, sparse=True, hidden_layers=tuple(drafter.target_layers), stable_ties=False)
-            tprob = out["logits"].float().softmax(-1)  # row i predicts token i+1
+        if step % a.drafter_reuse == 0:  # one target forward feeds --drafter-reuse drafter steps
+            x, _, _ = data.batch(a.drafter_batch, T, rng, a.passkey_frac / 4)
+            with torch.no_grad(), autocast(dev):
+                out = model(x, sparse=True, hidden_layers=tuple(drafter.target_layers), stable_ties=False)
+                tprob = out["logits"].float().softmax(-1)  # row i predicts token i+1
         anchors = torch.randint(16, T - S, (a.drafter_batch, a.drafter_anchors), generator=trng).to(dev)
         slot0 = torch.gather(x, 1, anchors)
         idx = anchors[:, :, None] + torch.arange(S, device=dev)  # tokens at P..P+S-1 feed slots 1..S
@@ -455,7 +458,8 @@ def train_drafter(a, p, data, model, drafter, logger):
             lg = drafter(model, ctx, anchors, slot0, prev).float()  # slot j predicts P+j from row P+j-1
         tgt = torch.gather(tprob, 1, idx.reshape(a.drafter_batch, -1, 1).expand(-1, -1, tprob.shape[-1]))
         tgt = tgt.view(a.drafter_batch, -1, S, tprob.shape[-1])
-        loss = -(tgt * torch.log_softmax(lg, -1)).sum(-1).mean()
+        per_slot = -(tgt * torch.log_softmax(lg, -1)).sum(-1).mean(dim=(0, 1))  # [S]
+        loss = (per_slot * slot_w).sum()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         opt.step()
@@ -571,6 +575,9 @@ def main():
     ap.add_argument("--tekken", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--resume", default="")
+    ap.add_argument("--target-from", default="", help="a shipped consolidated.safetensors: the frozen target (FP8 "
+                    "decoded) for drafter-only runs (--target-seconds 0); exported verbatim")
+    ap.add_argument("--skip-target-eval", action="store_true", help="no validation perplexity / continuations")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--target-seconds", type=float, default=370)
@@ -596,7 +603,9 @@ def main():
     ap.add_argument("--drafter-lr", type=float, default=3e-3)
     ap.add_argument("--drafter-seq", type=int, default=2048)
     ap.add_argument("--drafter-batch", type=int, default=16)
-    ap.add_argument("--drafter-anchors", type=int, default=64)
+    ap.add_argument("--drafter-anchors", type=int, default=128)
+    ap.add_argument("--drafter-slot-decay", type=float, default=0.8, help="loss weight of slot j ~ decay^(j-1)")
+    ap.add_argument("--drafter-reuse", type=int, default=2, help="drafter steps (fresh anchors) per target forward")
     ap.add_argument("--eval-ctx", type=int, default=4096)
     ap.add_argument("--eval-chunks", type=int, default=2)
     ap.add_argument("--eval-every", type=float, default=30)
@@ -653,17 +662,23 @@ def main():
             write_results()
             return None
 
+    if a.target_from:
+        load_into(model, None, {k: v.to(dev) for k, v in dequantized_state(a.target_from).items()
+                                if not k.startswith("mtp_dspark.")})
+        log(f"target from {a.target_from} (FP8 decoded)")
     if a.target_seconds > 0:
         results["target_training"] = train_target(a, p, data, model, logger, a.out, results)
         write_results()
     model.set_qat(False)
-    size = export(model, None, p, None, a.out)
+    size = export(model, None, p, None, a.out, target_file=a.target_from or None)
     save_ckpt(a.out, model, None, {"phase": "target", "time": time.time() - T0})
     log(f"exported target: {size / 2**20:.2f} MiB")
     # Evaluate exactly what ships: FP8 decoded into a fresh f32 model.
     ev = Ml4Small(p).to(dev)
     load_into(ev, None, {k: v.to(dev) for k, v in dequantized_state(os.path.join(a.out, "consolidated.safetensors")).items()})
     ev.eval()
+    if a.target_from:
+        model = ev  # the drafter learns the target as it ships
 
     def val():
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -677,12 +692,13 @@ def main():
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
 
-    phase("val", val)
-    write_results()
+    if not a.skip_target_eval:
+        phase("val", val)
+        write_results()
     if a.drafter_seconds > 0:
         def draft():
             results["drafter_training"] = train_drafter(a, p, data, model, drafter, logger)
-            size = export(model, drafter, p, None, a.out)
+            size = export(model, drafter, p, None, a.out, target_file=a.target_from or None)
             save_ckpt(a.out, model, drafter, {"phase": "drafter", "time": time.time() - T0})
             log(f"exported target + drafter: {size / 2**20:.2f} MiB")
             drafter.eval()
@@ -695,8 +711,9 @@ def main():
         results["continuations"] = continuations(ev, tk, dev, a.sample_tokens, a.seed)
         for r in results["continuations"]:
             log(f"{r['prompt']!r} -> greedy {r['greedy']!r} | t0.8 {r['t0.8']!r}")
-    phase("continuations", cont)
-    write_results()
+    if not a.skip_target_eval:
+        phase("continuations", cont)
+        write_results()
 
     def pk():
         results["passkey"] = passkey_eval(ev, data, a.passkey_lengths, a.passkey_n, a.seed, deadline)
