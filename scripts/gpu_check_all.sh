@@ -18,7 +18,7 @@ if [ "$mode" = pack ]; then
   build=${2:?usage: gpu_check_all.sh pack BUILD_DIR}
   "$root/scripts/gpu_pd_check.sh" pack "$build" || exit 1
   dest="$root/.device-carry-pd"
-  cp "$build/ml4_cuda_tests" "$build/hisparse_gather_bench" "$dest/bin/"
+  cp "$build/ml4_cuda_tests" "$build/hisparse_gather_bench" "$build/spec_step_bench" "$dest/bin/"
   ldd "$build/ml4_cuda_tests" | awk '/=> \// {print $3}' | while read -r lib; do
     base=$(basename "$lib")
     case "$base" in
@@ -48,8 +48,8 @@ export UCX_MODULE_DIR="$carry/ucx/lib/ucx"
 export ML4_SOURCE_DIR="$root"
 t0=$(date +%s)
 stamp() { echo "==== [$(( $(date +%s) - t0 )) s] $*"; }
-# SECTIONS picks parts (default all): tests spec hisparse perplexity pd all
-sections=" ${SECTIONS:-tests spec hisparse perplexity pd all} "
+# SECTIONS picks parts (default all): tests spec specstep hisparse perplexity pd all
+sections=" ${SECTIONS:-tests spec specstep hisparse perplexity pd all} "
 on() { [[ "$sections" == *" $1 "* ]]; }
 
 new=${FILTER_NEW:-CudaHiSparse.*}
@@ -64,6 +64,12 @@ echo "rc=$?"
 cat "$out/spec/summary.md" 2>/dev/null || tail -30 "$out/spec.log"
 for f in "$out"/spec/server_*.log; do grep -iE "error|graph" "$f" | head -3; done
 tar czf "$out/spec.tar.gz" -C "$out" spec && rm -rf "$out/spec"  # the run tool brings back few files
+fi
+
+if on specstep; then
+  stamp "1d. DSpark step pieces (ml4-small): plain decode, verify, draft"
+  timeout 120 "$carry/bin/spec_step_bench" --model "$root/assets/ml4-small" > "$out/spec_step.log" 2>&1; echo "rc=$?"
+  grep -E "SPEC_STEP|graph|rror" "$out/spec_step.log" | cut -c1-300
 fi
 
 if on hisparse; then

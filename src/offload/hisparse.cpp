@@ -52,8 +52,51 @@ Result<HiSparseConfig> parse_hisparse_config(const std::string& kv_transfer_conf
 }
 
 HotBuffer::HotBuffer(int slots) : pos_of_(slots, -1), prev_(slots), next_(slots) {
+  size_t cap = 2;
+  shift_ = 31;
+  while (cap < 2 * static_cast<size_t>(std::max(slots, 1))) cap *= 2, --shift_;
+  keys_.assign(cap, -1);
+  vals_.assign(cap, -1);
   // Every row starts free, in row order from the LRU end.
   for (int32_t r = 0; r < slots; ++r) push_mru(r);
+}
+
+int32_t HotBuffer::find(int32_t pos) const {
+  const size_t mask = keys_.size() - 1;
+  for (size_t i = home(pos);; i = (i + 1) & mask) {
+    if (keys_[i] == pos) return vals_[i];
+    if (keys_[i] < 0) return -1;
+  }
+}
+
+void HotBuffer::insert(int32_t pos, int32_t row) {
+  const size_t mask = keys_.size() - 1;
+  size_t i = home(pos);
+  while (keys_[i] >= 0) i = (i + 1) & mask;
+  keys_[i] = pos;
+  vals_[i] = row;
+  ++resident_;
+}
+
+void HotBuffer::erase(int32_t pos) {
+  const size_t mask = keys_.size() - 1;
+  size_t i = home(pos);
+  while (keys_[i] != pos) {
+    if (keys_[i] < 0) return;
+    i = (i + 1) & mask;
+  }
+  // Backward shift: move later entries of the probe run into the hole when their home allows.
+  for (size_t j = (i + 1) & mask; keys_[j] >= 0; j = (j + 1) & mask) {
+    const size_t h = home(keys_[j]);
+    if (((j - h) & mask) >= ((j - i) & mask)) {  // h is not in (i, j]: the entry may move to i
+      keys_[i] = keys_[j];
+      vals_[i] = vals_[j];
+      i = j;
+    }
+  }
+  keys_[i] = -1;
+  vals_[i] = -1;
+  --resident_;
 }
 
 void HotBuffer::unlink(int32_t row) {
@@ -72,22 +115,23 @@ void HotBuffer::push_mru(int32_t row) {
 void HotBuffer::touch(const std::vector<int32_t>& wanted, int32_t* rows, std::vector<std::pair<int32_t, int32_t>>* loads) {
   // Hits move to the MRU end first, so the misses' victims, taken from the LRU end, are rows
   // not wanted by this call (at most slots() - hits of them are needed, and that many exist).
-  std::vector<size_t> misses;
+  thread_local std::vector<size_t> misses;
+  misses.clear();
   for (size_t i = 0; i < wanted.size(); ++i) {
-    const auto it = row_of_.find(wanted[i]);
-    if (it == row_of_.end()) {
+    const int32_t row = find(wanted[i]);
+    if (row < 0) {
       misses.push_back(i);
       continue;
     }
-    rows[i] = it->second;
-    unlink(it->second);
-    push_mru(it->second);
+    rows[i] = row;
+    unlink(row);
+    push_mru(row);
   }
   for (size_t i : misses) {
     const int32_t row = head_;
-    if (pos_of_[row] >= 0) row_of_.erase(pos_of_[row]);
+    if (pos_of_[row] >= 0) erase(pos_of_[row]);
     pos_of_[row] = wanted[i];
-    row_of_[wanted[i]] = row;
+    insert(wanted[i], row);
     unlink(row);
     push_mru(row);
     rows[i] = row;
@@ -98,7 +142,7 @@ void HotBuffer::touch(const std::vector<int32_t>& wanted, int32_t* rows, std::ve
 void HotBuffer::forget_from(int64_t pos) {
   for (int32_t r = 0; r < slots(); ++r) {
     if (pos_of_[r] < pos) continue;
-    row_of_.erase(pos_of_[r]);
+    erase(pos_of_[r]);
     pos_of_[r] = -1;
     unlink(r);  // a free row is the first to be taken
     prev_[r] = -1;

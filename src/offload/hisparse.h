@@ -61,7 +61,7 @@ class HotBuffer {
  public:
   explicit HotBuffer(int slots);
   int slots() const { return static_cast<int>(pos_of_.size()); }
-  int resident() const { return static_cast<int>(row_of_.size()); }
+  int resident() const { return resident_; }
   // Makes every position of `wanted` (distinct, at most slots()) resident: rows[i] is the row
   // of wanted[i]; rows evicted are the least recently used ones not among `wanted`; each
   // position that was not resident is appended to `loads` as (position, row).
@@ -72,9 +72,18 @@ class HotBuffer {
  private:
   void unlink(int32_t row);
   void push_mru(int32_t row);
-  std::unordered_map<int32_t, int32_t> row_of_;  // position -> row
-  std::vector<int32_t> pos_of_;                  // row -> position, -1 when free
-  std::vector<int32_t> prev_, next_;             // LRU list: head_ least recent
+  // position -> row: open addressing, linear probing, backward-shift deletion (no tombstones),
+  // at most half full: a decode step looks up every selected position of every sparse layer,
+  // so this is the host's hot loop (std::unordered_map cost ~5x more per lookup).
+  int32_t find(int32_t pos) const;
+  void insert(int32_t pos, int32_t row);
+  void erase(int32_t pos);
+  size_t home(int32_t pos) const { return (static_cast<uint32_t>(pos) * 0x9E3779B1u) >> shift_; }
+  std::vector<int32_t> keys_, vals_;  // keys_ -1: empty
+  int shift_ = 32;
+  int resident_ = 0;
+  std::vector<int32_t> pos_of_;       // row -> position, -1 when free
+  std::vector<int32_t> prev_, next_;  // LRU list: head_ least recent
   int32_t head_ = -1, tail_ = -1;
 };
 

@@ -6,8 +6,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <string>
 
+#include "core/threads.h"
 #include "ops/cpu/rope.h"
 
 namespace ml4 {
@@ -600,43 +602,61 @@ Status ModelForward::hisparse_rows(int l, const StepMetadata& md, const ForwardT
     return internal_error("HiSparse: layer {} selection has {} rows for {} tokens", l, sel->size(), T);
   HiSparseState& hs = *hisparse_;
   const int S = hs.slots(), k = cfg_.indexer.topk, h = hot_layer_[l];
+  const int64_t n = static_cast<int64_t>(md.seqs.size());
   // Every sequence's working set first: one that overflows its buffer sends the layer to the
-  // host pool before any buffer changes.
-  std::vector<std::vector<int32_t>> wanted(md.seqs.size());
-  for (size_t si = 0; si < md.seqs.size(); ++si) {
-    const auto& seq = md.seqs[si];
-    auto& w = wanted[si];
-    for (int64_t t = seq.first_token; t < seq.first_token + seq.num_tokens; ++t) w.insert(w.end(), (*sel)[t].begin(), (*sel)[t].end());
-    std::sort(w.begin(), w.end());
-    w.erase(std::unique(w.begin(), w.end()), w.end());
-    if (static_cast<int>(w.size()) > S) {
-      ++hs.direct_layers;
-      *hot = false;
-      return Status::ok();
+  // host pool before any buffer changes. A one-token sequence's selection is already sorted
+  // and distinct (positions ascending), so most decode steps skip the sort.
+  std::vector<std::vector<int32_t>> wanted(n);
+  std::vector<char> overflow(n, 0);
+  parallel_for(n, 1, [&](int64_t b, int64_t e) {
+    for (int64_t si = b; si < e; ++si) {
+      const auto& seq = md.seqs[si];
+      auto& w = wanted[si];
+      for (int64_t t = seq.first_token; t < seq.first_token + seq.num_tokens; ++t) w.insert(w.end(), (*sel)[t].begin(), (*sel)[t].end());
+      if (seq.num_tokens > 1 || std::adjacent_find(w.begin(), w.end(), std::greater_equal<int32_t>()) != w.end()) {
+        std::sort(w.begin(), w.end());
+        w.erase(std::unique(w.begin(), w.end()), w.end());
+      }
+      overflow[si] = static_cast<int>(w.size()) > S;
     }
+  });
+  if (std::find(overflow.begin(), overflow.end(), 1) != overflow.end()) {
+    ++hs.direct_layers;
+    *hot = false;
+    return Status::ok();
   }
-  std::vector<int32_t> rows(T * k, -1), counts(T, 0), wanted_rows;
-  std::vector<HotLoad> loads;
-  std::vector<std::pair<int32_t, int32_t>> misses;
-  for (size_t si = 0; si < md.seqs.size(); ++si) {
-    const auto& seq = md.seqs[si];
-    ML4_ASSIGN_OR_RETURN(int region, hs.region(seq.step->seq_id));
-    const auto& w = wanted[si];
-    wanted_rows.resize(w.size());
-    misses.clear();
-    hs.buffer(region, h).touch(w, wanted_rows.data(), &misses);
-    hs.loads += static_cast<int64_t>(misses.size());
-    hs.hits += static_cast<int64_t>(w.size() - misses.size());
-    const int32_t base = region * S;
-    for (const auto& [pos, row] : misses) loads.push_back(HotLoad{static_cast<int32_t>(si), pos, base + row});
-    for (int64_t t = seq.first_token; t < seq.first_token + seq.num_tokens; ++t) {
-      const auto& row = (*sel)[t];
-      counts[t] = static_cast<int32_t>(row.size());
-      for (size_t j = 0; j < row.size(); ++j) {
-        const size_t at = std::lower_bound(w.begin(), w.end(), row[j]) - w.begin();
-        rows[t * k + j] = base + wanted_rows[at];
+  std::vector<int32_t> rows(T * k, -1), counts(T, 0);
+  std::vector<int> regions(n);
+  for (int64_t si = 0; si < n; ++si) {  // assigned at the step's start: lookups only below
+    ML4_ASSIGN_OR_RETURN(regions[si], hs.region(md.seqs[si].step->seq_id));
+  }
+  std::vector<std::vector<HotLoad>> seq_loads(n);
+  parallel_for(n, 1, [&](int64_t b, int64_t e) {
+    std::vector<int32_t> wanted_rows;
+    std::vector<std::pair<int32_t, int32_t>> misses;
+    for (int64_t si = b; si < e; ++si) {
+      const auto& seq = md.seqs[si];
+      const auto& w = wanted[si];
+      wanted_rows.resize(w.size());
+      misses.clear();
+      hs.buffer(regions[si], h).touch(w, wanted_rows.data(), &misses);
+      const int32_t base = regions[si] * S;
+      for (const auto& [pos, row] : misses) seq_loads[si].push_back(HotLoad{static_cast<int32_t>(si), pos, base + row});
+      for (int64_t t = seq.first_token; t < seq.first_token + seq.num_tokens; ++t) {
+        const auto& row = (*sel)[t];
+        counts[t] = static_cast<int32_t>(row.size());
+        for (size_t j = 0; j < row.size(); ++j) {
+          const size_t at = std::lower_bound(w.begin(), w.end(), row[j]) - w.begin();
+          rows[t * k + j] = base + wanted_rows[at];
+        }
       }
     }
+  });
+  std::vector<HotLoad> loads;
+  for (int64_t si = 0; si < n; ++si) {
+    hs.loads += static_cast<int64_t>(seq_loads[si].size());
+    hs.hits += static_cast<int64_t>(wanted[si].size() - seq_loads[si].size());
+    loads.insert(loads.end(), seq_loads[si].begin(), seq_loads[si].end());
   }
   ++hs.hot_layers;
   if (!loads.empty()) ML4_RETURN_IF_ERROR(be_.hisparse_load_rows(latent_read_slot_[l], h, loads));

@@ -236,7 +236,9 @@ void graph_vs_eager(const std::string& preset) {
   EXPECT_EQ(mismatched, 0);
   EXPECT_GT((*g)->graph_replays(), 0);
   // The comparison above means something only if the indexer did overlap.
-  if ((*e)->config().has_dsa()) EXPECT_GT((*e)->overlapped_layers(), 0) << preset;
+  if ((*e)->config().has_dsa()) {
+    EXPECT_GT((*e)->overlapped_layers(), 0) << preset;
+  }
   EXPECT_EQ((*sr)->overlapped_layers(), 0) << preset;
   std::printf("%s: decode graphs vs eager runner: worst rel_err %.3g (bound 1e-5), %d greedy mismatches, %zu graphs, "
               "%ld replays\n",
@@ -247,6 +249,53 @@ TEST(CudaRunner, DecodeGraphsMatchEager) {
   ML4_REQUIRE_GPU();
   graph_vs_eager("mistral4-tiny");
   graph_vs_eager("ml4-tiny");
+}
+
+// DSpark verification steps (every token a logits row, several tokens per sequence) take the
+// decode buckets (power-of-two token counts, the GEMV path): graphed and replayed, within the
+// decode graphs' bound of the eager runner, and a replay equal to the first graphed run.
+TEST(CudaRunner, VerificationStepsRunAsDecodeGraphs) {
+  ML4_REQUIRE_GPU();
+  const std::string dir = ::ml4::testing::test_model("ml4-tiny", 11, "bf16");
+  CudaRunnerOptions o;
+  o.base.kv_cache_dtype = "fp8_ds_mla";
+  o.base.kv_cache_bytes = 64ll << 20;
+  auto eager_o = o;
+  eager_o.cuda_graphs = false;
+  auto g = CudaRunner::load(dir, o);
+  auto e = CudaRunner::load(dir, eager_o);
+  ASSERT_TRUE(g.ok() && e.ok());
+  std::mt19937 rng(4);
+  std::uniform_int_distribution<int> tok(1, (*g)->config().vocab_size - 1);
+  for (int per_seq : {5, 3}) {  // 1 x 5 -> 8 tokens; 3 x 3 -> 16
+    const int seqs = per_seq == 5 ? 1 : 3;
+    StepInput prefill;
+    for (int s = 0; s < seqs; ++s) {
+      std::vector<int32_t> p(30 + 5 * s);
+      for (auto& t : p) t = tok(rng);
+      prefill.seqs.push_back(::ml4::testing::seq_step(**g, s, p, 0, 4 * s, 4, 1));
+    }
+    ASSERT_TRUE((*g)->execute(prefill).ok());
+    ASSERT_TRUE((*e)->execute(prefill).ok());
+    for (int step = 0; step < 4; ++step) {
+      StepInput in;
+      for (int s = 0; s < seqs; ++s) {
+        std::vector<int32_t> v(per_seq);
+        for (auto& t : v) t = tok(rng);
+        in.seqs.push_back(::ml4::testing::seq_step(**g, s, v, 30 + 5 * s + step, 4 * s, 4, per_seq));
+      }
+      const int64_t before = (*g)->graph_replays();
+      auto rg = (*g)->execute(in);
+      auto again = (*g)->execute(in);
+      auto re = (*e)->execute(in);
+      ASSERT_TRUE(rg.ok() && again.ok() && re.ok());
+      EXPECT_GE((*g)->graph_replays(), before + 1) << per_seq << " tokens per sequence: not replayed";
+      for (int s = 0; s < seqs; ++s) {
+        EXPECT_EQ(again->logits[s], rg->logits[s]) << "replay differs, step " << step;
+        EXPECT_LT(::ml4::testing::rel_l2(rg->logits[s], re->logits[s]), 1e-5) << "step " << step << " seq " << s;
+      }
+    }
+  }
 }
 
 // Device sampling through the runner: a decode step whose sequences all ask for it returns

@@ -51,7 +51,7 @@ TEST(CudaDrafter, ProbabilisticDraftsEqualTheCpuRunners) {
   std::vector<int32_t> prompt(90);
   for (auto& t : prompt) t = static_cast<int32_t>(rng() % cfg.vocab_size);
   std::vector<std::vector<int32_t>> tables;
-  for (const auto& grp : (*c)->cache_groups()) tables.push_back({0, 1});
+  tables.assign((*c)->cache_groups().size(), {0, 1});
   SeqStep s;
   s.seq_id = 1;
   s.tokens = prompt;

@@ -63,8 +63,11 @@ std::unique_ptr<ModelRunner> load(int64_t host_blocks, int hot_slots, bool draft
   EXPECT_TRUE(r.ok()) << r.status().message();
   if (!r.ok()) return nullptr;
   if (host_blocks > 0) {
-    for (const auto& g : (*r)->cache_groups())
-      if (g.sliding_window == 0) EXPECT_EQ(g.num_blocks, host_blocks) << g.name;
+    for (const auto& g : (*r)->cache_groups()) {
+      if (g.sliding_window == 0) {
+        EXPECT_EQ(g.num_blocks, host_blocks) << g.name;
+      }
+    }
   }
   return std::move(r).value();
 }

@@ -50,7 +50,7 @@ inline void check_drafter_golden(ModelRunner& r, const char* label) {
     const int64_t n = static_cast<int64_t>(prompt.size());
     const int nb = static_cast<int>((n + B + 63) / 64);
     std::vector<std::vector<int32_t>> tables;
-    for (const auto& grp : r.cache_groups()) {
+    for (size_t g = 0; g < r.cache_groups().size(); ++g) {
       std::vector<int32_t> bt;
       for (int b = 0; b < nb; ++b) bt.push_back(b);
       tables.push_back(bt);

@@ -28,7 +28,7 @@ namespace {
 Result<DeviceBuffer> upload_floats(const std::vector<float>& v) {
   ML4_ASSIGN_OR_RETURN(DeviceBuffer b, DeviceBuffer::alloc(v.size() * 4));
   if (!v.empty()) ML4_RETURN_IF_ERROR(b.upload(v.data(), v.size() * 4));
-  return std::move(b);
+  return b;
 }
 
 // The router runs in f32 (MODEL.md 3.7): a bf16-stored gate is widened once at load.

@@ -158,8 +158,10 @@ Result<StepOutput> CudaRunner::execute_traced(const StepInput& in, ForwardTrace*
   }
   for (int64_t p : md.positions) maxlen = std::max(maxlen, p + 1);
   // Steps of up to graph_max_tokens() tokens run as CUDA graphs, padded to a bucket:
-  // decode steps (one token and one logits row per sequence) to a power-of-two batch,
-  // mixed prefill/decode steps to a multiple of 64 tokens and a power-of-two number of
+  // decode-like steps (every token a logits row: decoding, and DSpark's verification of the
+  // last token plus its drafts) to a power-of-two token count, which keeps a c1 verification of
+  // 8 tokens on the GEMV path instead of padding it to 64 tokens of GEMMs (2.3 -> see
+  // docs/BENCHMARKS.md), mixed prefill/decode steps to a multiple of 64 tokens and a power-of-two number of
   // logits rows. Padding tokens write no cache slot (slot -1), attend to one key of an
   // all-zero block-table row, and their logits rows are dropped. Launch shapes that depend
   // on the context (key count, block-table stride) are rounded up to powers of two, so one
@@ -167,7 +169,7 @@ Result<StepOutput> CudaRunner::execute_traced(const StepInput& in, ForwardTrace*
   // captured once, after an eager run of the same padded step has sized every buffer and
   // made every GEMM plan; work that must read device results back (the MoE expert loop
   // of larger steps) splits the capture into segments and runs eagerly between them.
-  const bool decode = T == S && R == T && T <= opts_.max_graph_batch;
+  const bool decode = R == T && T <= opts_.max_graph_batch;
   int64_t Tp = decode ? round_up_pow2(T, 1) : (T + 63) / 64 * 64;
   // HiSparse steps run eagerly: each sparse layer diffs its selection on the host.
   const bool graph = opts_.cuda_graphs && trace == nullptr && hisparse_ == nullptr && T > 0 && Tp <= opts_.max_graph_tokens;

@@ -1,0 +1,109 @@
+// Where a DSpark step's time goes on the CUDA runner (issue 13): one sequence, a prompt
+// prefilled, then (a) plain decode steps (1 token, device sampling: what `plain` serving runs),
+// (b) verification steps (the last token + B - 1 drafts, B logits rows back to the host) and
+// (c) draft steps (CudaRunner::draft, greedy), each timed alone: wall ms of the runner call,
+// median of 30 after 5, and whether the step replayed a CUDA graph.
+//
+//   spec_step_bench --model assets/ml4-small [--prompt 128]
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#if defined(ML4_WITH_CUDA)
+#include "runtime/cuda/cuda_runner.h"
+#endif
+
+int main(int argc, char** argv) {
+  CLI::App app{"DSpark step pieces on the CUDA runner"};
+  std::string model = "assets/ml4-small";
+  int prompt = 128;
+  app.add_option("--model", model);
+  app.add_option("--prompt", prompt);
+  CLI11_PARSE(app, argc, argv);
+#if defined(ML4_WITH_CUDA)
+  using namespace ml4;
+  using Clock = std::chrono::steady_clock;
+  cuda::CudaRunnerOptions o;
+  o.base.kv_cache_dtype = "bf16";
+  o.base.kv_cache_bytes = 512ll << 20;
+  o.base.drafter = true;
+  o.base.max_num_seqs = 4;
+  auto rr = cuda::CudaRunner::load(model, o);
+  if (!rr.ok()) {
+    std::fprintf(stderr, "%s\n", rr.status().message().c_str());
+    return 1;
+  }
+  auto& r = **rr;
+  const int B = r.config().drafter.block_size;
+  const auto& groups = r.cache_groups();
+  auto tables = [&](int64_t upto) {
+    std::vector<std::vector<int32_t>> t(groups.size());
+    for (size_t g = 0; g < groups.size(); ++g)
+      for (int64_t b = 0; b < (upto + 63) / 64; ++b)  // the window group: its blocks reused round robin
+        t[g].push_back(static_cast<int32_t>(groups[g].sliding_window > 0 ? b % groups[g].num_blocks : b));
+    return t;
+  };
+  SeqStep s;
+  s.seq_id = 1;
+  for (int i = 0; i < prompt; ++i) s.tokens.push_back(3 + (i * 37) % 5000);
+  s.block_tables = tables(prompt + 4096);
+  if (!r.execute(StepInput{{s}}).ok()) return 1;
+  int64_t pos = prompt;
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  auto measure = [&](const char* name, auto&& fn) {
+    std::vector<double> ms;
+    const int64_t g0 = r.graph_replays();
+    for (int i = 0; i < 35; ++i) {
+      const auto t0 = Clock::now();
+      if (!fn()) {
+        std::fprintf(stderr, "%s failed\n", name);
+        std::exit(1);
+      }
+      if (i >= 5) ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+    }
+    std::printf("SPEC_STEP %s ms=%.3f graph_replays=%lld/35 graphs_held=%zu\n", name, median(ms),
+                static_cast<long long>(r.graph_replays() - g0), r.graphs_captured());
+  };
+  measure("plain_decode_device_sampling", [&] {
+    SeqStep d;
+    d.seq_id = 1;
+    d.tokens = {17};
+    d.start_pos = pos++;
+    d.block_tables = s.block_tables;
+    d.device_sampling = DeviceSamplingParams{};
+    return r.execute(StepInput{{d}}).ok();
+  });
+  measure("verify_8_tokens_logits", [&] {
+    SeqStep d;
+    d.seq_id = 1;
+    d.tokens.assign(B, 17);
+    d.start_pos = pos;
+    pos += 1;  // one accepted: the next step rewrites the rest
+    d.num_logits = B;
+    d.block_tables = s.block_tables;
+    return r.execute(StepInput{{d}}).ok();
+  });
+  measure("draft_greedy", [&] {
+    DraftInput in;
+    DraftSeq d;
+    d.seq_id = 1;
+    d.anchor_token = 17;
+    d.anchor_pos = pos;
+    d.block_tables = s.block_tables;
+    d.num_drafts = B - 1;
+    in.seqs.push_back(d);
+    return r.draft(in).ok();
+  });
+  return 0;
+#else
+  std::fprintf(stderr, "built without the CUDA backend\n");
+  return 1;
+#endif
+}
