@@ -59,7 +59,7 @@ int main(int argc, char** argv) {
   };
   auto measure = [&](const char* name, auto&& fn) {
     std::vector<double> ms;
-    const int64_t g0 = r.graph_replays();
+    const int64_t g0 = r.graph_replays(), d0 = r.draft_replays();
     for (int i = 0; i < 35; ++i) {
       const auto t0 = Clock::now();
       if (!fn()) {
@@ -68,8 +68,9 @@ int main(int argc, char** argv) {
       }
       if (i >= 5) ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
     }
-    std::printf("SPEC_STEP %s ms=%.3f graph_replays=%lld/35 graphs_held=%zu\n", name, median(ms),
-                static_cast<long long>(r.graph_replays() - g0), r.graphs_captured());
+    std::printf("SPEC_STEP %s ms=%.3f graph_replays=%lld draft_replays=%lld of 35 calls, graphs_held=%zu\n", name,
+                median(ms), static_cast<long long>(r.graph_replays() - g0), static_cast<long long>(r.draft_replays() - d0),
+                r.graphs_captured());
   };
   measure("plain_decode_device_sampling", [&] {
     SeqStep d;

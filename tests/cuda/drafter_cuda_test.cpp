@@ -84,8 +84,75 @@ TEST(CudaDrafter, ProbabilisticDraftsEqualTheCpuRunners) {
       ++equal;
     }
   }
+  // The two runners' logits agree to ~1e-6 relative (exact numerics, different summation
+  // order), so a draw differs only where the uniform or the top-p cut falls within that
+  // distance of a boundary of the (cumulative) distribution: rare, not impossible (one slot in
+  // 50 with the current ml4-small). A systematic difference (a wrong row, a wrong counter)
+  // diverges at the first slot of most of the 8 chains; one divergence is allowed.
   std::printf("cuda vs cpu probabilistic drafts: %d of %d compared slots equal\n", equal, total);
-  EXPECT_EQ(equal, total);
+  EXPECT_GE(equal, total - 1);
+}
+
+// Greedy drafts run as CUDA graphs (CudaRunner::draft): over consecutive anchors (a window
+// that slides, two sequences at once, then one), the replayed drafts equal those of a runner
+// drafting eagerly, token for token (the same kernels on the same inputs), and replays happen.
+TEST(CudaDrafter, GreedyDraftGraphsEqualEagerDrafts) {
+  if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
+  cuda::CudaRunnerOptions o;
+  o.base.kv_cache_dtype = "bf16";
+  o.base.kv_cache_bytes = 64ll << 20;
+  o.base.drafter = true;
+  o.base.max_num_seqs = 4;
+  auto eager_o = o;
+  eager_o.cuda_graphs = false;
+  auto g = cuda::CudaRunner::load(testing::drafter_golden_model_dir(), o);
+  auto e = cuda::CudaRunner::load(testing::drafter_golden_model_dir(), eager_o);
+  ASSERT_TRUE(g.ok() && e.ok());
+  const ModelConfig& cfg = (*g)->config();
+  const int B = cfg.drafter.block_size;
+  std::mt19937 rng(11);
+  const int blocks = 8;  // 512 positions per sequence, in every group
+  auto tables = [&](int seq) {
+    std::vector<std::vector<int32_t>> t((*g)->cache_groups().size());
+    for (size_t k = 0; k < t.size(); ++k)
+      for (int b = 0; b < blocks; ++b) t[k].push_back(seq * blocks + b);
+    return t;
+  };
+  // Both prefills eager (a padded prefill graph may round differently; what is compared here
+  // is the draft's graph against the eager draft over the same caches).
+  (*g)->set_cuda_graphs(false);
+  for (int seq = 0; seq < 2; ++seq) {
+    SeqStep s;
+    s.seq_id = seq;
+    for (int i = 0; i < 100 + 20 * seq; ++i) s.tokens.push_back(static_cast<int32_t>(rng() % cfg.vocab_size));
+    s.block_tables = tables(seq);
+    ASSERT_TRUE((*g)->execute(StepInput{{s}}).ok());
+    ASSERT_TRUE((*e)->execute(StepInput{{s}}).ok());
+  }
+  (*g)->set_cuda_graphs(true);
+  int compared = 0;
+  for (int step = 0; step < 12; ++step) {
+    DraftInput din;
+    for (int seq = 0; seq < (step < 8 ? 2 : 1); ++seq) {
+      DraftSeq d;
+      d.seq_id = seq;
+      d.anchor_token = static_cast<int32_t>(rng() % cfg.vocab_size);
+      d.anchor_pos = 100 + 20 * seq + step;
+      d.block_tables = tables(seq);
+      d.num_drafts = B - 1;
+      din.seqs.push_back(d);
+    }
+    auto a = (*g)->draft(din);
+    auto b = (*e)->draft(din);
+    ASSERT_TRUE(a.ok()) << a.status().message();
+    ASSERT_TRUE(b.ok()) << b.status().message();
+    EXPECT_EQ(a->tokens, b->tokens) << "step " << step;
+    compared += static_cast<int>(din.seqs.size());
+  }
+  EXPECT_GE((*g)->draft_replays(), 8);  // 12 draft steps of two shapes, the first of each captured
+  EXPECT_EQ((*e)->draft_replays(), 0);
+  std::printf("greedy draft graphs: %d blocks compared, %lld replays\n", compared,
+              static_cast<long long>((*g)->draft_replays()));
 }
 
 }  // namespace

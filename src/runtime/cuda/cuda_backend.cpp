@@ -1027,17 +1027,11 @@ Status CudaBackend::gru_update(const float* gi, const float* gh, const float* b_
 // the token and its distribution are made exactly as the CPU backend makes them, and go up.
 Status CudaBackend::choose_tokens(const float* logits, int64_t rows, const DeviceSamplingParams* params, int32_t* ids,
                                   float* probs) {
-  Buffers& b = *buf_;
   const int64_t V = cfg_.vocab_size;
   if (params == nullptr && probs == nullptr) {
-    std::vector<DeviceSamplingParams> greedy(rows);
-    for (auto& p : greedy) p.temperature = 0.0f;
-    ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(b.draft_samp_params.data(), greedy.data(), rows * sizeof(DeviceSamplingParams),
-                                             cudaMemcpyHostToDevice, stream_));
-    ML4_RETURN_IF_ERROR(sample_rows(logits, rows, V, static_cast<const DeviceSamplingParams*>(b.draft_samp_params.data()),
-                                    ids, b.draft_samp_logprobs.as<float>(), b.draft_samp_ws.data(), b.draft_samp_ws.bytes(),
-                                    stream_));
-    return cuda_status(cudaStreamSynchronize(stream_), "choose_tokens");  // the host params die here
+    // Device work only (no upload, no sync), so a greedy draft can be captured in a graph;
+    // ties to the lower id, as sample_rows at temperature 0 and the host.
+    return argmax_rows(logits, rows, V, ids, stream_);
   }
   std::vector<float> l(rows * V), q(probs != nullptr ? rows * V : 0);
   std::vector<int32_t> tok(rows);

@@ -183,7 +183,7 @@ Result<StepOutput> CudaRunner::execute_traced(const StepInput& in, ForwardTrace*
   }
   const uint64_t gen = backend_->buffer_generation();
   ML4_RETURN_IF_ERROR(backend_->ensure_buffers(Tp, Rp, Sp, maxb));
-  if (backend_->buffer_generation() != gen) graphs_.clear();  // captured addresses are stale
+  if (backend_->buffer_generation() != gen) graphs_.clear(), draft_graphs_.clear();  // captured addresses are stale
   CudaBackend::Buffers& b = backend_->buffers();
   cudaStream_t stream = backend_->stream();
   // Per-step metadata to the device (one plain copy per array), padded to Tp tokens.
@@ -237,7 +237,7 @@ Result<StepOutput> CudaRunner::execute_traced(const StepInput& in, ForwardTrace*
       // Eager first (sizes buffers, makes plans: nothing may allocate while capturing),
       // then capture the identical launch sequence for the next steps of this bucket.
       ML4_RETURN_IF_ERROR(run_forward(CudaBackend::Mode::kEager, nullptr, nullptr, nullptr));
-      if (backend_->buffer_generation() != gen) graphs_.clear();
+      if (backend_->buffer_generation() != gen) graphs_.clear(), draft_graphs_.clear();
       std::vector<GraphExec> segments;
       const Status cap = run_forward(CudaBackend::Mode::kCapture, &segments, nullptr, nullptr);
       backend_->begin_forward(Tp, Rp, maxlen, CudaBackend::Mode::kEager, nullptr, nullptr);
@@ -332,7 +332,11 @@ Result<StepOutput> CudaRunner::execute_traced(const StepInput& in, ForwardTrace*
 }
 
 // As CpuRunner::draft: one block of B tokens per sequence (the anchor, then placeholders whose
-// rows are the mask embeddings), eager; the Markov head's tokens come back from draft_ids.
+// rows are the mask embeddings); the Markov head's tokens come back from draft_ids. Greedy
+// drafts run as CUDA graphs, one per (sequences, block-table stride rounded up to a power of
+// two): every input is device data uploaded before the launch (tokens, positions, slots, the
+// drafter block table, anchors), and the greedy token choice is a device argmax. Sampled
+// drafts (the host draws them) and drafts returning q run eagerly.
 Result<DraftOutput> CudaRunner::draft(const DraftInput& in) {
   if (!program_->has_drafter()) return unimplemented("this runner has no DSpark drafter (RunnerOptions::drafter)");
   const int B = cfg_.drafter.block_size;
@@ -353,6 +357,10 @@ Result<DraftOutput> CudaRunner::draft(const DraftInput& in) {
     if (static_cast<int>(s.block_tables.size()) > dg) maxb = std::max<int64_t>(maxb, s.block_tables[dg].size());
     step.seqs.push_back(std::move(s));
   }
+  bool any_sampled = false;
+  for (const auto& d : in.seqs) any_sampled |= d.sampling.has_value();
+  const bool graph = opts_.cuda_graphs && draft_graphs_ok_ && !any_sampled && !in.want_probs;
+  if (graph) maxb = round_up_pow2(maxb, 4);
   ML4_ASSIGN_OR_RETURN(StepMetadata md, build_step_metadata(step, groups_, cfg_.vocab_size, 0, dg));
   const int64_t n = static_cast<int64_t>(in.seqs.size()), T = md.num_tokens(), R = static_cast<int64_t>(md.logits_rows.size());
   for (size_t i = 0; i < in.seqs.size(); ++i) {  // the window must be there (the block's rows are written)
@@ -362,7 +370,12 @@ Result<DraftOutput> CudaRunner::draft(const DraftInput& in) {
       if (p / kPageTokens >= static_cast<int64_t>(bt.size()) || bt[p / kPageTokens] < 0)
         return invalid_argument("draft seq {}: drafter block table does not cover position {}", in.seqs[i].seq_id, p);
   }
+  const uint64_t gen0 = backend_->buffer_generation();
   ML4_RETURN_IF_ERROR(backend_->ensure_buffers(T, R, n, maxb));
+  if (backend_->buffer_generation() != gen0) {  // every captured graph holds old addresses
+    draft_graphs_.clear();
+    graphs_.clear();
+  }
   CudaBackend::Buffers& b = backend_->buffers();
   cudaStream_t stream = backend_->stream();
   std::vector<int32_t> tok(T), seq_of(T), lengths(T), bt(n * maxb, -1), rows(R), ids(n);
@@ -394,8 +407,6 @@ Result<DraftOutput> CudaRunner::draft(const DraftInput& in) {
   ML4_RETURN_IF_ERROR(h2d(b.draft_ids, ids.data(), n * 4));
   ML4_RETURN_IF_ERROR(h2d(b.row_idx, rows.data(), R * 4));
   std::vector<DeviceSamplingParams> params;
-  bool any_sampled = false;
-  for (const auto& d : in.seqs) any_sampled |= d.sampling.has_value();
   if (any_sampled) {
     params.resize((B - 1) * n);
     for (int j = 0; j < B - 1; ++j)
@@ -409,9 +420,43 @@ Result<DraftOutput> CudaRunner::draft(const DraftInput& in) {
         params[j * n + i] = p;
       }
   }
-  backend_->begin_forward(T, R, std::max<int64_t>(1, md.positions.empty() ? 1 : md.positions.back() + 1),
-                          CudaBackend::Mode::kEager, nullptr, &md);
-  ML4_RETURN_IF_ERROR(program_->draft(any_sampled ? params.data() : nullptr, in.want_probs));
+  const int64_t maxlen = std::max<int64_t>(1, md.positions.empty() ? 1 : md.positions.back() + 1);
+  auto run = [&](CudaBackend::Mode mode, std::vector<GraphExec>* segments) -> Status {
+    backend_->begin_forward(T, R, maxlen, mode, segments, mode == CudaBackend::Mode::kEager ? &md : nullptr);
+    ML4_RETURN_IF_ERROR(program_->draft(any_sampled ? params.data() : nullptr, in.want_probs));
+    return backend_->finish_forward();
+  };
+  const auto key = std::make_pair(n, maxb);
+  if (auto it = graph ? draft_graphs_.find(key) : draft_graphs_.end(); it != draft_graphs_.end()) {
+    ML4_RETURN_IF_ERROR(run(CudaBackend::Mode::kReplay, &it->second));
+    ++draft_replays_;
+  } else {
+    const uint64_t gen = backend_->buffer_generation();
+    ML4_RETURN_IF_ERROR(run(CudaBackend::Mode::kEager, nullptr));
+    if (backend_->buffer_generation() != gen) {  // captured addresses are stale
+      draft_graphs_.clear();
+      graphs_.clear();
+    }
+    if (graph) {  // capture the same launches for the next drafts of this shape
+      std::vector<GraphExec> segments;
+      const Status cap = run(CudaBackend::Mode::kCapture, &segments);
+      backend_->begin_forward(T, R, maxlen, CudaBackend::Mode::kEager, nullptr, nullptr);
+      cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+      cudaStreamIsCapturing(stream, &cs);
+      if (cs != cudaStreamCaptureStatusNone) {
+        cudaGraph_t g = nullptr;
+        cudaStreamEndCapture(stream, &g);
+        if (g) cudaGraphDestroy(g);
+      }
+      if (!cap.is_ok()) {
+        (void)cudaGetLastError();
+        ML4_LOG_WARN("cuda runner: draft graph capture failed ({}); drafting eagerly", cap.message());
+        draft_graphs_ok_ = false;
+      } else {
+        draft_graphs_.emplace(key, std::move(segments));
+      }
+    }
+  }
   std::vector<int32_t> drafted(B * n);
   ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(drafted.data(), b.draft_ids.data(), drafted.size() * 4, cudaMemcpyDeviceToHost, stream));
   std::vector<float> q(in.want_probs ? (B - 1) * n * V : 0);

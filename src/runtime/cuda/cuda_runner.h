@@ -94,6 +94,8 @@ class CudaRunner : public ModelRunner {
   Status read_cache_page(int group, int layer_slot, int64_t block, std::vector<uint8_t>* out) const;
   // Decode steps served by replaying a captured graph, and graphs held.
   int64_t graph_replays() const { return graph_replays_; }
+  // Greedy draft steps served by replaying a captured graph.
+  int64_t draft_replays() const { return draft_replays_; }
   // Layers whose indexer ran overlapped on the second stream (eager and captured steps).
   int64_t overlapped_layers() const { return backend_->overlapped_layers(); }
   size_t graphs_captured() const { return graphs_.size(); }
@@ -123,6 +125,10 @@ class CudaRunner : public ModelRunner {
   using GraphKey = std::tuple<int64_t, int64_t, int64_t, int64_t>;
   std::map<GraphKey, std::vector<GraphExec>> graphs_;
   int64_t graph_replays_ = 0;
+  // Greedy DSpark draft steps: (sequences, block-table stride) -> the draft's graph segments.
+  std::map<std::pair<int64_t, int64_t>, std::vector<GraphExec>> draft_graphs_;
+  int64_t draft_replays_ = 0;
+  bool draft_graphs_ok_ = true;  // false after a failed capture: drafts run eagerly
 };
 
 // The engine-facing factory (the CPU one is load_cpu_runner).
