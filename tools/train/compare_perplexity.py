@@ -2,7 +2,7 @@
 """`ml4 perplexity` per validation group against train.py's PyTorch evaluation.
 
     python3 tools/train/compare_perplexity.py --ml4 build/ml4 --model assets/ml4-small \
-        --data build-h12/data --results tools/train/runs/run2/results.json [--device cpu] [--ctx 4096 --chunks 2]
+        --data build-h12/data --results tools/train/runs/run3/results.json [--device cpu] [--ctx 4096 --chunks 2]
 
 Runs `ml4 perplexity --json --kv-cache-dtype bf16` on each val_<group>.txt (the file train.py
 scored) and prints a markdown table: tokens, mean NLL and perplexity from both, their
