@@ -28,8 +28,10 @@ if [ "$mode" = pack ]; then
   done
   strip --strip-unneeded "$dest"/bin/* "$dest"/lib/*.so* "$dest"/ucx/lib/*.so* "$dest"/ucx/lib/ucx/*.so* 2>/dev/null || true
   cp "$root/scripts/gpu_run.sh" "$root/scripts/gpu_check_all.sh" "$dest/"
-  # The perplexity text (tools/train/prepare_data.py's val_novels.txt), when given.
+  # The perplexity texts (tools/train/prepare_data.py's val_<group>.txt): ML4_VAL_DIR (all
+  # groups) or ML4_VAL_TEXT (novels only), when given.
   [ -n "${ML4_VAL_TEXT:-}" ] && cp "$ML4_VAL_TEXT" "$dest/val_novels.txt"
+  [ -n "${ML4_VAL_DIR:-}" ] && cp "$ML4_VAL_DIR"/val_*.txt "$dest/"
   du -sh "$dest"
   # The run tool carries at most 64 MiB with the working tree: ship the folder xz-packed.
   rm -rf "$root/.device-carry-x" && mkdir -p "$root/.device-carry-x"
@@ -86,9 +88,15 @@ if on hisparse; then
   grep -E "NEEDLE|DIFFER|failed" "$out/hisparse_needle.log" | cut -c1-300
 fi
 
-on perplexity && stamp "2. perplexity on the GPU" && timeout 120 "$carry/bin/ml4" perplexity --model "$root/assets/ml4-small" --file "$carry/val_novels.txt" --ctx 4096 \
-  --chunks 2 --kv-cache-dtype bf16 --device cuda > "$out/perplexity.log" 2>&1
-on perplexity && tail -6 "$out/perplexity.log"
+if on perplexity; then
+  stamp "2. perplexity on the GPU, every validation group carried"
+  for f in "$carry"/val_*.txt; do
+    g=$(basename "$f" .txt)
+    timeout 120 "$carry/bin/ml4" perplexity --model "$root/assets/ml4-small" --file "$f" --ctx 4096 \
+      --chunks 2 --kv-cache-dtype bf16 --device cuda > "$out/perplexity_$g.log" 2>&1
+    echo "$g: $(grep -iE "nll|perplexity" "$out/perplexity_$g.log" | tail -2 | tr '\n' ' ')"
+  done
+fi
 
 if on pd; then
   for dt in ${ML4_PD_KV_DTYPES:-fp8_ds_mla bf16}; do

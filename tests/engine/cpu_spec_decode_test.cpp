@@ -4,7 +4,7 @@
 //   - the mistral4-tiny and dsv32-tiny shapes, which have no drafter as presets: the test writes
 //     their config as a native params.json with an `mtp` block added (query LoRA and no DSA,
 //     resp. DSA with sigmoid routing, under a drafter) and make-model writes random weights;
-//   - assets/ml4-small, the trained model (drafter acceptance ~2.8 tokens per step greedy).
+//   - assets/ml4-small, the trained model (greedy acceptance ~1.3 tokens per step here).
 // Greedy is lossless: token for token what the engine gives without drafts (each request
 // alone), for a batch of mixed lengths with prefix-cache hits, chunked prefill, preemption
 // (a KV cache smaller than the batch needs) and aborts; then every cache group is back at its
@@ -250,9 +250,11 @@ void greedy_is_lossless(const std::string& family, double min_acceptance_length)
 TEST(CpuSpecDecode, GreedyLosslessMl4Tiny) { greedy_is_lossless("ml4-tiny", 1.0); }
 TEST(CpuSpecDecode, GreedyLosslessMistral4TinyShape) { greedy_is_lossless("mistral4-tiny", 1.0); }
 TEST(CpuSpecDecode, GreedyLosslessDsv32TinyShape) { greedy_is_lossless("dsv32-tiny", 1.0); }
-// The trained drafter: the PyTorch simulation measured 2.76 greedy (docs/ML4-SMALL.md); the
-// bound only says that drafts are really accepted at a useful rate.
-TEST(CpuSpecDecode, GreedyLosslessMl4Small) { greedy_is_lossless("ml4-small", 1.5); }
+// The trained drafter: on these prompts the PyTorch simulation gives 1.35 tokens per step and
+// the engine 1.27 (docs/ML4-SMALL.md; the retrained target no longer repeats itself, which
+// made the first drafter's 2.8 easy). 1.0 is no draft ever accepted: the bound says drafts are
+// really accepted, one in nine or more.
+TEST(CpuSpecDecode, GreedyLosslessMl4Small) { greedy_is_lossless("ml4-small", 1.11); }
 
 
 // Sampling through the real drafter and verifier draws from the target's distribution. The

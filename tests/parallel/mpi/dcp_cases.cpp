@@ -183,7 +183,8 @@ void check(const Case& c, const std::vector<Config>& configs, const std::vector<
     cc.exact = cf.pcp > 1 && cf.tp == 1 && cf.dcp == 1;
     const std::string what = fmt::format("{} tp{} dcp{} I{} {}{} kv {}", name, cf.tp, cf.dcp, cf.interleave, cf.backend,
                                          cf.pcp > 1 ? fmt::format(" pcp{}", cf.pcp) : "", c.kv);
-    for (Mode m : modes) compare(*p, ref, cc, m, what);
+    for (Mode m : modes)
+      if (m == kFree || cf.pcp == 1) compare(*p, ref, cc, m, what);  // PCP refuses traced steps
   }
 }
 
@@ -270,12 +271,13 @@ TEST(ContextParallel, Ml4SmallGreedyEqualsOneProcess) {
                  {text.begin() + 1600, text.begin() + 3100}};
     c.decode_steps = 8;
     c.stride = 32;
-    // A trained model's attention is peaked: a near-tie key swapped in a set of 256 moves the
-    // logits little (measured 4e-6 .. 3.2e-4 at 2 and 4 ranks; the runs are deterministic on a
-    // machine: fixed reduction orders and thread counts); 3e-3 is 10x the worst, where a wrong
-    // merge or shard costs 1e-1.
-    c.free_rel_l2 = 3e-3;
-    check(c, dcp_configs(mpitest::world()), {kFree, kTraced}, "ml4-small");
+    // Teacher-forced (the one process's top-k sets and experts), DCP's arithmetic alone: the
+    // goldens' bound, as for ml4-tiny. Free running, a near-tie key swapped in a set of 256 by
+    // another reduction order moves the logits (the retrained model: up to 2.3e-3 at 4 ranks;
+    // the runs are deterministic on a machine: fixed reduction orders and thread counts);
+    // 2e-2 is ~10x that, where a wrong merge or shard costs 1e-1.
+    c.free_rel_l2 = 2e-2;
+    check(c, dcp_configs(mpitest::world()), {kForced, kFree, kTraced}, "ml4-small");
   });
 }
 
@@ -292,7 +294,7 @@ TEST(ContextParallel, PrefillContextParallelMatchesOneProcess) {
                  {text.begin() + 1601, text.begin() + 1610}, {text.begin() + 1610, text.begin() + 3100}};
     c.decode_steps = 6;
     c.stride = 32;
-    c.free_rel_l2 = 3e-3;  // as above (measured 0 .. 1.7e-5)
+    c.free_rel_l2 = 2e-2;  // as above
     std::vector<Config> configs;
     if (mpitest::world() == 2) configs = {{1, 1, 1, "a2a", 2}};
     if (mpitest::world() == 4) configs = {{1, 1, 1, "a2a", 4}, {2, 1, 1, "a2a", 2}, {2, 2, 1, "a2a", 2}};
@@ -302,7 +304,11 @@ TEST(ContextParallel, PrefillContextParallelMatchesOneProcess) {
 
 // Long context (vllm #41623 reports drift there): one 16k-token prompt under DCP 2 and PCP 2.
 // ml4-small rather than ml4-tiny: ml4-tiny stops at 4096 positions, and its random weights make
-// free running meaningless at any length (see check_tiny).
+// free running meaningless at any length (see check_tiny). 16k is 4x ml4-small's training length:
+// there its indexer scores have near-ties that any other reduction order flips (TP 2 x PCP 2
+// without DCP moves the free-running logits by 6.8e-2, the greedy ids staying equal), so the
+// merge is checked teacher-forced (the one process's sets: DCP's arithmetic alone, against the
+// goldens' bound) and free running must keep the greedy ids; PCP alone stays bit-identical.
 TEST(ContextParallel, Ml4SmallLongContext16k) {
   mpitest::run_case([&] {
     Case c;
@@ -313,16 +319,15 @@ TEST(ContextParallel, Ml4SmallLongContext16k) {
     c.stride = 300;
     c.kv_mib = 128;
     c.max_len = 16384 + 8;
-    c.free_rel_l2 = 3e-3;  // as above (measured 7e-6 here)
-    check(c, {{mpitest::world(), 2, 1, "a2a"}, {mpitest::world() / 2, 1, 1, "a2a", 2}}, {kFree}, "ml4-small 16k");
+    check(c, {{mpitest::world(), 2, 1, "a2a"}, {mpitest::world() / 2, 1, 1, "a2a", 2}}, {kForced, kFree}, "ml4-small 16k");
   });
 }
 
 // DSpark x DCP (issue 15, SYSTEM.md S7): the drafter's layers split over the TP ranks as the
 // target's, its window cache whole on every DCP rank while the target's is sharded. Lossless:
 // greedy outputs with 7 drafts per step equal the same runner's without speculation, token for
-// token; and the trained drafter's drafts are really accepted (one process measured 5.7 at
-// T = 0 on the CPU serving bench; the bound only says drafts are accepted at a useful rate).
+// token; and the trained drafter's drafts are really accepted (one process and DCP both measure
+// ~1.3 tokens per step on these prompts), at the rate one process accepts them.
 TEST(ContextParallel, DsparkIsLosslessUnderDcp) {
   mpitest::run_case([&] {
     const std::string dir = ml4_small_bf16();
