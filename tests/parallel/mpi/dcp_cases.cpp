@@ -67,6 +67,8 @@ struct Case {
   int max_len = 0;
   bool free_greedy = true;  // free running must give the same greedy ids
   double free_rel_l2 = 0.0; // > 0: free running's logits within this rel L2 of one process
+  // Teacher-forced bounds (default: the goldens', tests/runtime/golden_check.h).
+  double forced_rel_l2 = golden::kRelL2, forced_max_abs_rel = golden::kMaxAbsRel;
   bool exact = false;       // bit-identical logits (set per config by check())
 };
 
@@ -127,8 +129,8 @@ void compare(ModelRunner& p, const Run& ref, const Case& c, Mode mode, const std
         EXPECT_EQ(rel, 0.0) << what << " step " << k << " seq " << i;
       }
       if (mode == kForced) {
-        EXPECT_LT(rel, golden::kRelL2) << what << " step " << k << " seq " << i;
-        EXPECT_LT(mx, golden::kMaxAbsRel * big) << what << " step " << k << " seq " << i;
+        EXPECT_LT(rel, c.forced_rel_l2) << what << " step " << k << " seq " << i;
+        EXPECT_LT(mx, c.forced_max_abs_rel * big) << what << " step " << k << " seq " << i;
       }
     }
   }
@@ -271,11 +273,17 @@ TEST(ContextParallel, Ml4SmallGreedyEqualsOneProcess) {
                  {text.begin() + 1600, text.begin() + 3100}};
     c.decode_steps = 8;
     c.stride = 32;
-    // Teacher-forced (the one process's top-k sets and experts), DCP's arithmetic alone: the
-    // goldens' bound, as for ml4-tiny. Free running, a near-tie key swapped in a set of 256 by
-    // another reduction order moves the logits (the retrained model: up to 2.3e-3 at 4 ranks;
-    // the runs are deterministic on a machine: fixed reduction orders and thread counts);
-    // 2e-2 is ~10x that, where a wrong merge or shard costs 1e-1.
+    // Teacher-forced (the one process's top-k sets and experts): the ranks' arithmetic alone.
+    // With the fp8_ds_mla cache, TP's other reduction order changes a latent value's last bits
+    // and a value near an e4m3 rounding boundary then lands one format step (1/16 .. 1/8 of
+    // itself) the other way; the retrained model's sharp attention carries that to 2.5e-3 of
+    // the logits (max |diff| 2.7e-3 of the largest logit), the same at every DCP size, interleave
+    // and combine backend, and TP 2 alone (PCP 2 x TP 2, no DCP) gives 2.3e-3 free running: it is
+    // TP's rounding, not the merge. The bound is 2x that, where a wrong merge or shard costs 1e-1.
+    c.forced_rel_l2 = 5e-3;
+    c.forced_max_abs_rel = 5e-3;
+    // Free running, a near-tie key swapped in a set of 256 moves the logits too (the runs are
+    // deterministic on a machine: fixed reduction orders and thread counts): 2e-2.
     c.free_rel_l2 = 2e-2;
     check(c, dcp_configs(mpitest::world()), {kForced, kFree, kTraced}, "ml4-small");
   });
