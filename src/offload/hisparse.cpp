@@ -236,7 +236,15 @@ Result<HiSparseSizing> hisparse_sizing(const ModelConfig& cfg, const KvCacheSpec
     }
   }
   int64_t n = host_block_bytes > 0 ? config.host_pool_bytes / host_block_bytes : 0;
+  if (n <= 0)
+    return invalid_argument("HiSparse: the host pool of {} bytes holds no block of {} tokens ({} bytes over the latent "
+                            "layers); raise host_pool_gb",
+                            config.host_pool_bytes, kPageTokens, host_block_bytes);
   if (device_block_bytes > 0) n = std::min(n, left / device_block_bytes);
+  if (n <= 0)
+    return invalid_argument("HiSparse: after the hot buffers the device KV budget holds no indexer block ({} bytes); "
+                            "raise the KV budget or lower hot_slots_per_request / --max-num-seqs",
+                            device_block_bytes);
   for (size_t g = 0; g < spec.groups.size(); ++g)
     if (spec.groups[g].full_attention()) z.blocks[g] = n;
   return z;

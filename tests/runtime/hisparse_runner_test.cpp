@@ -127,6 +127,11 @@ TEST(HiSparseRunner, RefusesWhatItCannotServe) {
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("do not fit"), std::string::npos) << r.status().message();
   ro.kv_cache_bytes = 64ll << 20;
+  ro.hisparse.host_pool_bytes = 1000;  // less than one block
+  r = CpuRunner::load(test_model("ml4-tiny", 11), ro);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("holds no block"), std::string::npos) << r.status().message();
+  ro.hisparse.host_pool_bytes = 64ll << 20;
   r = CpuRunner::load(test_model("mistral4-tiny", 11), ro);  // attends every key
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("DSA"), std::string::npos) << r.status().message();

@@ -33,6 +33,8 @@ def test_bad_configs_are_refused_at_start(model_dir):
         model_dir, json.dumps({**base, "kv_connector_extra_config": {"host_pool_gb": -2}}))
     assert "unknown kv_connector_extra_config field 'swap_in'" in refused(
         model_dir, json.dumps({**base, "kv_connector_extra_config": {"host_pool_gb": 1, "swap_in": 960}}))
+    assert "holds no block" in refused(
+        model_dir, json.dumps({**base, "kv_connector_extra_config": {"host_pool_gb": 0.00001}}))
     # ml4-tiny's indexer keeps 16 keys: a buffer must hold one decode token's selection.
     assert "below the indexer's top-k 16" in refused(
         model_dir, json.dumps({**base, "kv_connector_extra_config": {"host_pool_gb": 1, "hot_slots_per_request": 8}}))
