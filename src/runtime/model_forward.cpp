@@ -26,7 +26,11 @@ Result<std::unique_ptr<ModelForward>> ModelForward::create(const ModelConfig& cf
   if ((f->tensor_parallel() || f->expert_parallel() || f->context_parallel()) && opts.plan == nullptr)
     return internal_error("a parallel model program needs its parallel plan");
   if (opts.hisparse != nullptr) {
-    if (opts.plan != nullptr) return unimplemented("HiSparse with parallel ranks is not supported yet");
+    // TP / EP / DP ranks hold whole latent rows of their sequences, so each runs the policy on
+    // its own copy (the same decisions on every TP rank); under DCP a rank holds a shard and its
+    // selections are local indices, under PCP the step is a share: not supported yet.
+    if (opts.plan != nullptr && (opts.plan->context_shard().sharded() || opts.plan->layout().pcp_size > 1))
+      return unimplemented("HiSparse with decode or prefill context parallelism is not supported yet");
     if (!cfg.has_dsa()) return invalid_argument("HiSparse needs a sparse-attention (DSA) model: this one attends every key");
     if (opts.hisparse->layers() != hisparse_hot_layers(cfg))
       return internal_error("HiSparse state has {} layers, the model {} sparse layers", opts.hisparse->layers(), hisparse_hot_layers(cfg));

@@ -11,7 +11,7 @@
 namespace ml4 {
 namespace {
 
-enum class Command : uint64_t { kStop = 1, kExecute = 2, kExecuteTraced = 3, kDraft = 4 };
+enum class Command : uint64_t { kStop = 1, kExecute = 2, kExecuteTraced = 3, kDraft = 4, kRelease = 5 };
 
 struct Header {
   uint64_t command = 0;
@@ -298,6 +298,17 @@ Result<StepOutput> ParallelRunner::execute_traced(const StepInput& in, ForwardTr
   return out;
 }
 
+// The engine gave a sequence up: every rank frees its per-sequence state (HiSparse's hot
+// buffers; a DP rank that never ran the sequence has none to free).
+void ParallelRunner::release(int64_t seq_id) {
+  local_->release(seq_id);
+  if (stopped_ || group_->env->failed()) return;
+  Header h{static_cast<uint64_t>(Command::kRelease), sizeof(seq_id)};
+  Status s = group_->world->broadcast(&h, sizeof(h), 0);
+  if (s.is_ok()) s = group_->world->broadcast(&seq_id, sizeof(seq_id), 0);
+  if (!s.is_ok()) ML4_LOG_WARN("parallel runner: release of seq {}: {}", seq_id, s.message());
+}
+
 // DSpark under TP / DCP (dp 1): every rank runs the draft step (its drafter heads and FFN
 // slice, the TP all-reduces and the logits' all-gather); rank 0's drafts are returned.
 Result<DraftOutput> ParallelRunner::draft(const DraftInput& in) {
@@ -351,8 +362,15 @@ Status run_parallel_worker(ParallelGroup& group, ModelRunner& local) {
       return group.world->all_reduce_sum(&done, 1);
     }
     if (h.command != static_cast<uint64_t>(Command::kExecute) && h.command != static_cast<uint64_t>(Command::kExecuteTraced) &&
-        h.command != static_cast<uint64_t>(Command::kDraft))
+        h.command != static_cast<uint64_t>(Command::kDraft) && h.command != static_cast<uint64_t>(Command::kRelease))
       return internal_error("rank {}: unknown command {} from rank 0", L.world_rank, h.command);
+    if (h.command == static_cast<uint64_t>(Command::kRelease)) {
+      if (h.bytes != sizeof(int64_t)) return internal_error("rank {}: release of {} bytes", L.world_rank, h.bytes);
+      int64_t seq_id = 0;
+      ML4_RETURN_IF_ERROR(group.world->broadcast(&seq_id, sizeof(seq_id), 0));
+      local.release(seq_id);
+      continue;
+    }
     std::vector<uint8_t> payload(h.bytes);
     ML4_RETURN_IF_ERROR(group.world->broadcast(payload.data(), static_cast<int64_t>(h.bytes), 0));
     if (h.command == static_cast<uint64_t>(Command::kDraft)) {

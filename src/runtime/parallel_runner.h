@@ -43,6 +43,8 @@ class ParallelRunner : public ModelRunner {
   bool samples_on_device() const override { return group_->layout.dp_size == 1 && local_->samples_on_device(); }
   bool has_drafter() const override { return local_->has_drafter(); }
   Result<DraftOutput> draft(const DraftInput& in) override;
+  void release(int64_t seq_id) override;
+  const HiSparseState* hisparse() const override { return local_->hisparse(); }
 
   // Tells the workers to leave their loop (also done by the destructor); idempotent.
   Status stop();

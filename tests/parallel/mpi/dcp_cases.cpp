@@ -331,6 +331,53 @@ TEST(ContextParallel, Ml4SmallLongContext16k) {
   });
 }
 
+// HiSparse (SYSTEM.md S12) on TP ranks: every rank holds whole latent rows, runs the same
+// policy on the same selections and frees a sequence's buffers when rank 0's engine releases
+// it (ParallelRunner::release broadcasts it). Against the same TP group without offload: logits
+// bit for bit equal (the same rows, in the same order), over a prefill that overflows the hot
+// buffers and 30 decode steps that go through them, evicting and reloading rows (ml4-tiny:
+// top-k 16, hot buffers of 32 rows, contexts of 120-220 tokens).
+TEST(ParallelHiSparse, TensorParallelEqualsWithoutOffload) {
+  mpitest::run_case([&] {
+    const std::string dir = testing::test_model("ml4-tiny", 1234, "bf16", "native");
+    std::mt19937 rng(21);
+    std::vector<std::vector<int32_t>> prompts;
+    for (int i = 0; i < 3; ++i) prompts.push_back(random_tokens(rng, 120 + 50 * i, 512));
+    ParallelConfig pc;
+    pc.tensor_parallel_size = mpitest::world();
+    auto run = [&](int slots) {
+      auto p = mpitest::load_everywhere(dir, "fp8_ds_mla", pc, 0, 32, false, slots);
+      EXPECT_TRUE(p);
+      if (!p) return mpitest::ReferenceRun{};
+      auto r = mpitest::reference_run(*p, prompts, 30, [&](int i, std::vector<int32_t> t, int64_t start) {
+        return make_seq(*p, i, 8, std::move(t), start);
+      });
+      if (slots > 0) {
+        const HiSparseState* st = p->hisparse();
+        EXPECT_NE(st, nullptr);
+        if (st != nullptr) {
+          EXPECT_GT(st->hot_layers, 0);
+          EXPECT_GT(st->direct_layers, 0);
+          EXPECT_GT(st->loads, 3 * st->layers() * st->slots());
+          for (int i = 0; i < 3; ++i) p->release(100 + i);  // make_seq's ids; reaches every rank
+          EXPECT_EQ(st->regions_in_use(), 0);
+          std::printf("  hisparse tp%d: hot layer-steps %lld, direct %lld, rows loaded %lld, hits %lld\n",
+                      mpitest::world(), static_cast<long long>(st->hot_layers),
+                      static_cast<long long>(st->direct_layers), static_cast<long long>(st->loads),
+                      static_cast<long long>(st->hits));
+        }
+      }
+      return r;
+    };
+    const auto plain = run(0);
+    const auto hs = run(32);
+    ASSERT_EQ(plain.outs.size(), hs.outs.size());
+    for (size_t k = 0; k < plain.outs.size(); ++k)
+      for (size_t i = 0; i < plain.outs[k].logits.size(); ++i)
+        EXPECT_EQ(plain.outs[k].logits[i], hs.outs[k].logits[i]) << "step " << k << " seq " << i;
+  });
+}
+
 // DSpark x DCP (issue 15, SYSTEM.md S7): the drafter's layers split over the TP ranks as the
 // target's, its window cache whole on every DCP rank while the target's is sharded. Lossless:
 // greedy outputs with 7 drafts per step equal the same runner's without speculation, token for

@@ -30,8 +30,10 @@ int world();
 // Rank 0: makes every rank load `dir` as a parallel runner and returns rank 0's; null (with
 // a test failure) when loading failed. max_model_len 0: the model's; kv_mib: each rank's KV
 // budget; drafter: load the DSpark drafter (windows for 8 sequences).
+// hisparse_slots > 0: HiSparse with hot buffers of that many rows and a host pool of kv_mib.
 std::unique_ptr<ModelRunner> load_everywhere(const std::string& dir, const std::string& kv, const ParallelConfig& pc,
-                                             int max_model_len = 0, int kv_mib = 32, bool drafter = false);
+                                             int max_model_len = 0, int kv_mib = 32, bool drafter = false,
+                                             int hisparse_slots = 0);
 // Rank 0: the workers leave serve() for the next case.
 void end_case();
 // Workers: serve load requests until end_case().

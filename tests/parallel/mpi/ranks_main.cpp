@@ -16,15 +16,17 @@ constexpr int kLoad = 1, kEnd = 2;
 struct Message {
   int kind = 0;
   int tp = 1, dp = 1, ep = 0, dcp = 1, interleave = 1, a2a = 1, max_len = 0, kv_mib = 32, drafter = 0, pcp = 1;
+  int hisparse_slots = 0;
   std::string dir, kv;
 };
 
 void bcast_message(Message* m) {
-  int hdr[11] = {m->kind, m->tp, m->dp, m->ep, m->dcp, m->interleave, m->a2a, m->max_len, m->kv_mib, m->drafter, m->pcp};
-  MPI_Bcast(hdr, 11, MPI_INT, 0, MPI_COMM_WORLD);
+  int hdr[12] = {m->kind,   m->tp,     m->dp,      m->ep,     m->dcp, m->interleave, m->a2a, m->max_len, m->kv_mib,
+                 m->drafter, m->pcp, m->hisparse_slots};
+  MPI_Bcast(hdr, 12, MPI_INT, 0, MPI_COMM_WORLD);
   m->kind = hdr[0], m->tp = hdr[1], m->dp = hdr[2], m->ep = hdr[3];
   m->dcp = hdr[4], m->interleave = hdr[5], m->a2a = hdr[6], m->max_len = hdr[7], m->kv_mib = hdr[8];
-  m->drafter = hdr[9], m->pcp = hdr[10];
+  m->drafter = hdr[9], m->pcp = hdr[10], m->hisparse_slots = hdr[11];
   std::string s = m->dir + '\n' + m->kv;
   int n = static_cast<int>(s.size());
   MPI_Bcast(&n, 1, MPI_INT, 0, MPI_COMM_WORLD);
@@ -42,6 +44,11 @@ RunnerOptions options(const Message& m) {
   ro.max_model_len = m.max_len;
   ro.drafter = m.drafter != 0;
   ro.max_num_seqs = 8;
+  if (m.hisparse_slots > 0) {
+    ro.hisparse.enabled = true;
+    ro.hisparse.host_pool_bytes = ro.kv_cache_bytes;
+    ro.hisparse.hot_slots_per_request = m.hisparse_slots;
+  }
   return ro;
 }
 
@@ -68,7 +75,7 @@ int rank() { return MpiEnv::get()->rank(); }
 int world() { return MpiEnv::get()->size(); }
 
 std::unique_ptr<ModelRunner> load_everywhere(const std::string& dir, const std::string& kv, const ParallelConfig& pc,
-                                             int max_model_len, int kv_mib, bool drafter) {
+                                             int max_model_len, int kv_mib, bool drafter, int hisparse_slots) {
   Message m;
   m.kind = kLoad;
   m.tp = pc.tensor_parallel_size;
@@ -81,6 +88,7 @@ std::unique_ptr<ModelRunner> load_everywhere(const std::string& dir, const std::
   m.max_len = max_model_len;
   m.kv_mib = kv_mib;
   m.drafter = drafter;
+  m.hisparse_slots = hisparse_slots;
   m.dir = dir;
   m.kv = kv;
   bcast_message(&m);
