@@ -26,7 +26,11 @@ struct SamplingParams {
   double min_p = 0.0;              // [0, 1]
   double frequency_penalty = 0.0;  // [-2, 2], OpenAI semantics: logit -= f * count
   double presence_penalty = 0.0;   // [-2, 2]: logit -= p * (count > 0)
-  double repetition_penalty = 1.0; // (0, 2], CTRL (arXiv:1909.05858) as in vLLM / HF
+  // [1e-6, 2], CTRL (arXiv:1909.05858) as in vLLM / HF. vLLM takes any value > 0, but the
+  // penalty divides and multiplies f32 logits: 5e-324 rounds to 0 in f32 (a masked -inf logit
+  // times 0 is NaN), and below ~1e-30 a logit overflows to inf; 1e-6 already scales a logit a
+  // million-fold.
+  double repetition_penalty = 1.0;
   std::optional<uint64_t> seed;    // per-request generator; unset: drawn from the engine seed
   int max_tokens = 16;
   int min_tokens = 0;              // stop ids and EOS are masked until this many tokens
@@ -57,8 +61,8 @@ struct SamplingParams {
       return invalid_argument("frequency_penalty must be in [-2, 2], got {}", frequency_penalty);
     if (!(presence_penalty >= -2.0 && presence_penalty <= 2.0))
       return invalid_argument("presence_penalty must be in [-2, 2], got {}", presence_penalty);
-    if (!(repetition_penalty > 0.0 && repetition_penalty <= 2.0))
-      return invalid_argument("repetition_penalty must be in (0, 2], got {}", repetition_penalty);
+    if (!(repetition_penalty >= 1e-6 && repetition_penalty <= 2.0))
+      return invalid_argument("repetition_penalty must be in [1e-6, 2], got {}", repetition_penalty);
     if (max_tokens < 1) return invalid_argument("max_tokens must be at least 1, got {}", max_tokens);
     if (min_tokens < 0 || min_tokens > max_tokens)
       return invalid_argument("min_tokens must be in [0, max_tokens={}], got {}", max_tokens, min_tokens);

@@ -35,7 +35,7 @@ json sampling_properties() {
       {"stop_token_ids", array_of(integer(0, 1 << 30))},
       {"presence_penalty", number(-2, 2)},
       {"frequency_penalty", number(-2, 2)},
-      {"repetition_penalty", {{"type", "number"}, {"exclusiveMinimum", 0}, {"maximum", 2}}},
+      {"repetition_penalty", {{"type", "number"}, {"minimum", 1e-6}, {"maximum", 2}}},
       {"logit_bias",
        {{"type", "object"}, {"propertyNames", {{"pattern", "^[0-9]{1,9}$"}}}, {"additionalProperties", number(-100, 100)}}},
       {"min_tokens", integer(0, 1 << 30)},

@@ -65,7 +65,7 @@ struct Case {
   int stride = 8;      // blocks per sequence
   int kv_mib = 32;     // KV budget per rank
   int max_len = 0;
-  bool free_greedy = true;  // free running must give the same greedy ids
+  bool free_greedy = true;  // free running must give the same greedy ids, but at near-ties
   double free_rel_l2 = 0.0; // > 0: free running's logits within this rel L2 of one process
   // Teacher-forced bounds (default: the goldens', tests/runtime/golden_check.h).
   double forced_rel_l2 = golden::kRelL2, forced_max_abs_rel = golden::kMaxAbsRel;
@@ -119,8 +119,15 @@ void compare(ModelRunner& p, const Run& ref, const Case& c, Mode mode, const std
       const double rel = d.rel_l2, mx = d.max_abs, big = d.max_ref;
       worst = std::max(worst, rel);
       greedy_diff += d.argmax != d.argmax_ref;
-      if (mode == kForced || c.free_greedy) {
+      if (mode == kForced) {
         EXPECT_EQ(d.argmax, d.argmax_ref) << what << " step " << k << " seq " << i;
+      } else if (c.free_greedy && d.argmax != d.argmax_ref) {
+        // Free running (each step fed the one process's tokens) may pick another token only at
+        // a near-tie its logits' difference can reorder: the one process's margin between the
+        // two tokens at most twice the largest |difference| (else it is a real error).
+        const double margin = static_cast<double>(b[d.argmax_ref]) - b[d.argmax];
+        EXPECT_LE(margin, 2.0 * mx) << what << " step " << k << " seq " << i << ": greedy " << d.argmax << " vs "
+                                    << d.argmax_ref << " with a margin of " << margin << " (max |diff| " << mx << ")";
       }
       if (mode != kForced && c.free_rel_l2 > 0.0) {
         EXPECT_LT(rel, c.free_rel_l2) << what << " step " << k << " seq " << i;
@@ -316,7 +323,9 @@ TEST(ContextParallel, PrefillContextParallelMatchesOneProcess) {
 // there its indexer scores have near-ties that any other reduction order flips (TP 2 x PCP 2
 // without DCP moves the free-running logits by 6.8e-2, the greedy ids staying equal), so the
 // merge is checked teacher-forced (the one process's sets: DCP's arithmetic alone, against the
-// goldens' bound) and free running must keep the greedy ids; PCP alone stays bit-identical.
+// goldens' bound) and free running must keep the greedy ids but at near-ties within its logits'
+// difference (which tokens tie depends on the prompt: the repository's docs); PCP alone stays
+// bit-identical.
 TEST(ContextParallel, Ml4SmallLongContext16k) {
   mpitest::run_case([&] {
     Case c;
