@@ -5,7 +5,6 @@
 // aborts every hot-buffer region and row, and every block, is free again.
 #include <gtest/gtest.h>
 
-#include <filesystem>
 #include <map>
 #include <random>
 
@@ -13,32 +12,17 @@
 #include "engine/engine_test_util.h"
 #include "engine/spec_decode.h"
 #include "model/config_loader.h"
-#include "model/random_checkpoint.h"
 #include "runtime/cpu/cpu_runner.h"
+#include "runtime/test_models.h"
 
 namespace ml4 {
 namespace {
 
+// ml4-tiny (seed 4), written once per test binary and removed at exit (runtime/test_models.h).
 const std::string& model_dir() {
-  static const std::string dir = [] {
-    std::string d = (std::filesystem::temp_directory_path() / ("ml4_hisparse_tiny_" + std::to_string(::getpid()))).string();
-    MakeModelOptions o;
-    o.preset = "ml4-tiny";
-    o.out_dir = d;
-    o.seed = 4;
-    Status s = make_model(o);
-    EXPECT_TRUE(s.is_ok()) << s.message();
-    return d;
-  }();
+  static const std::string dir = testing::test_model("ml4-tiny", 4, "bf16");
   return dir;
 }
-struct CleanUp : ::testing::Environment {
-  void TearDown() override {
-    std::error_code ec;
-    std::filesystem::remove_all(model_dir(), ec);
-  }
-};
-const auto* const kEnv = ::testing::AddGlobalTestEnvironment(new CleanUp);
 
 // host_blocks 0: no offload (64 MiB of ordinary cache).
 std::unique_ptr<ModelRunner> load(int64_t host_blocks, int hot_slots, bool drafter, int max_seqs) {
