@@ -247,6 +247,9 @@ void AsyncEngine::loop() {
         publish_snapshot();
         return;
       }
+      // The snapshot first: a client that reads /metrics after its answer sees this step's state
+      // (blocks held for a remote consumer, free blocks), not the previous step's.
+      publish_snapshot();
       for (auto& out : res.value()) {
         auto it = routes_.find(out.request_id);
         if (it == routes_.end()) continue;
