@@ -11,7 +11,10 @@
 // be held against bench/stream_bench's read bandwidth. The load average is printed before
 // and after each test: the dev machine is shared.
 //
-//   cpu_model_bench --model DIR [-p 64,512] [-n 64,128] [-r 3] [--kv-cache-dtype fp8_ds_mla]
+//   cpu_model_bench --model DIR [-p 64,512] [-n 64,128] [-r 3] [--kv-cache-dtype fp8_ds_mla] [--profile 1]
+//
+// --profile 1: after each test, the wall time per piece of the forward (the program's timed()
+// labels, summed over the measured runs; nested labels count in both) as PROFILE lines.
 //
 // Output (one line per test):
 //   CPUBENCH model=DIR test=tg128 threads=2 tok_s=12.34 stddev=0.21 weight_gb_per_tok=1.14 gb_s=14.1 load=1.2-1.5
@@ -47,7 +50,7 @@ std::vector<int> parse_list(const std::string& s) {
   while (b < s.size()) {
     size_t e = s.find(',', b);
     if (e == std::string::npos) e = s.size();
-    if (e > b) v.push_back(std::atoi(s.substr(b, e - b).c_str()));
+    if (e > b && std::atoi(s.substr(b, e - b).c_str()) > 0) v.push_back(std::atoi(s.substr(b, e - b).c_str()));  // 0: none (llama-bench's -p 0)
     b = e + 1;
   }
   return v;
@@ -83,6 +86,7 @@ int main(int argc, char** argv) {
   std::string model, kv_dtype = "fp8_ds_mla";
   std::vector<int> pp = {64, 512}, tg = {64, 128};
   int reps = 3;
+  bool profile = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--model" || a == "-m") model = argv[i + 1];
@@ -90,6 +94,7 @@ int main(int argc, char** argv) {
     else if (a == "-n") tg = parse_list(argv[i + 1]);
     else if (a == "-r") reps = std::atoi(argv[i + 1]);
     else if (a == "--kv-cache-dtype") kv_dtype = argv[i + 1];
+    else if (a == "--profile") profile = std::atoi(argv[i + 1]) != 0;
     else {
       std::fprintf(stderr, "unknown option %s\n", a.c_str());
       return 2;
@@ -164,12 +169,21 @@ int main(int argc, char** argv) {
                 ml4::num_threads(), mean, sd);
     if (decode) std::printf(" weight_gb_per_tok=%.3f gb_s=%.2f", wbytes / 1e9, wbytes * mean / 1e9);
     std::printf(" load=%.2f-%.2f\n", l0, loadavg());
+    if (profile) {
+      double total = 0;
+      for (double v : ts) total += std::atof(test.c_str() + 2) / v;  // n tokens at v tokens/s
+      for (const auto& [label, sec] : r.backend().profile())
+        std::printf("PROFILE test=%s piece=\"%s\" ms_per_run=%.3f share=%.1f%%\n", test.c_str(), label.c_str(),
+                    1e3 * sec / ts.size(), 100.0 * sec / total);
+      r.backend().set_profile(false);
+    }
     std::fflush(stdout);
   };
   for (int n : pp) {
     const double l0 = loadavg();
     std::vector<double> ts;
     for (int rep = -1; rep < reps; ++rep) {
+      if (rep == 0 && profile) r.backend().set_profile(true);  // after the warm-up
       auto toks = random_tokens(n);
       const auto t0 = Clock::now();
       step(toks, 0);
@@ -182,6 +196,7 @@ int main(int argc, char** argv) {
     const double l0 = loadavg();
     std::vector<double> ts;
     for (int rep = -1; rep < reps; ++rep) {
+      if (rep == 0 && profile) r.backend().set_profile(true);  // after the warm-up
       auto toks = random_tokens(n);
       const auto t0 = Clock::now();
       for (int i = 0; i < n; ++i) step({toks[i]}, i);

@@ -1,6 +1,7 @@
 // CPU backend op harness (llm.c style): times linear() per weight format against a hand
 // count of bytes moved and FLOPs, plus the attention core. A plain main, no framework:
-//   cpu_ops_bench [--quick]
+//   cpu_ops_bench [--quick] [--shape N,K]
+// (--shape: one weight shape, e.g. 131072,2048 for a 2B model's output head; M = 1 and 4.)
 // Prints one line per case: shape, ms, weight GB/s (bytes of the stored weight / time),
 // GFLOP/s (2*M*N*K / time). The bound for M=1 is DRAM bandwidth (measured here by a
 // streaming read of the same size, printed first as the ceiling).
@@ -91,8 +92,18 @@ const char* name(ml4::LinearFormat f) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
-  const int64_t N = quick ? 1024 : 4096, K = 7168;
+  bool quick = false;
+  int64_t N = 4096, K = 7168;
+  bool shape = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--quick") == 0) quick = true, N = 1024;
+    else if (std::strcmp(argv[i], "--shape") == 0 && i + 1 < argc && std::sscanf(argv[++i], "%ld,%ld", &N, &K) == 2)
+      shape = true;
+    else {
+      std::fprintf(stderr, "usage: cpu_ops_bench [--quick] [--shape N,K]\n");
+      return 2;
+    }
+  }
   std::printf("threads %d\n", ml4::num_threads());
 
   {  // Ceiling: a parallel streaming read of N*K*2 bytes (the bf16 weight's size).
@@ -118,7 +129,7 @@ int main(int argc, char** argv) {
     ml4::LinearWeight w = make(fmt, N, K);
     const double wbytes = static_cast<double>(w.weight.nbytes() + (w.scale.empty() ? 0 : w.scale.nbytes()));
     for (int64_t M : {1, 4, 17, 64}) {
-      if (quick && M > 4) continue;
+      if ((quick || shape) && M > 4) continue;
       double ms = time_ms([&] { ml4::cpu::linear(x.data(), M, w, y.data()); }, M == 1 ? 10 : 3);
       std::printf("linear %-5s M=%-3lld N=%lld K=%lld  %8.3f ms  %7.2f GB/s  %7.2f GFLOP/s\n", name(fmt),
                   static_cast<long long>(M), static_cast<long long>(N), static_cast<long long>(K), ms,

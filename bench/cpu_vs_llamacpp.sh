@@ -72,7 +72,7 @@ make_models() {
   fi
 }
 make_models mistral4-tiny --preset mistral4-tiny
-make_models m4-2b --preset ml4-slice-8 --set "dim=2048,n_heads=16,hidden_dim=8192,indexer=null,kv_sharing=null,nope_layer_interval=null,ssmax=null,lerope=null,mtp=null,quantization=null,moe.num_experts=32,moe.expert_hidden_dim=896,moe.first_k_dense_replace=0"
+make_models m4-2b --preset ml4-slice-8 --set "dim=2048,n_heads=16,q_lora_rank=512,hidden_dim=8192,indexer=null,kv_sharing=null,nope_layer_interval=null,ssmax=null,lerope=null,mtp=null,quantization=null,moe.num_experts=32,moe.expert_hidden_dim=896,moe.first_k_dense_replace=0"
 
 # 4. Interleaved runs.
 out="$work/results-$(date -u +%Y%m%dT%H%M%SZ).txt"

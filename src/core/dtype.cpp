@@ -106,14 +106,6 @@ uint16_t f32_to_f16(float f) {
   return sign | static_cast<uint16_t>(exp << 10) | (static_cast<uint16_t>(q) & 0x3ffu);
 }
 
-float e4m3_to_f32(uint8_t v) {
-  uint32_t sign = v >> 7, exp = (v >> 3) & 0xfu, man = v & 0x7u;
-  float r;
-  if (exp == 15 && man == 7) return std::numeric_limits<float>::quiet_NaN();
-  if (exp == 0) r = std::ldexp(static_cast<float>(man), -9);  // man/8 * 2^-6
-  else r = std::ldexp(static_cast<float>(man | 8u), static_cast<int>(exp) - 10);
-  return sign ? -r : r;
-}
 
 uint8_t f32_to_e4m3(float f) {
   if (std::isnan(f)) return 0x7f;

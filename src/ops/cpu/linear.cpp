@@ -293,8 +293,16 @@ float* scratch_floats(int which, int64_t n) {
 // xs: x in the format's lane order (bf16: permuted; else x itself).
 void gemv_rows(const LinearWeight& w, const float* xs, int64_t M, int64_t n0, int64_t n1, float* y) {
   const int64_t N = w.out_features, K = w.in_features;
-  for (int64_t n = n0; n < n1; n += 4) {
-    const int64_t rn = std::min<int64_t>(4, n1 - n);
+  // M = 1 (decode): one weight row at a time, so each thread reads one sequential stream.
+  // Four interleaved row streams (the M > 1 tile) measured 15-20% slower for bf16 and up to
+  // 2x slower for FP8 on the dev machine (cpu_ops_bench --shape 131072,2048, 2026-12-04): the
+  // hardware prefetcher follows one stream per core far better than four, each a row apart.
+  // bf16's single FMA chain per row is then latency bound at ~4 bytes per cycle per core,
+  // which is still at the bandwidth of a 2-core share; FP8's chains restart every 128-element
+  // scale block, so out-of-order execution overlaps them.
+  const int64_t tile_n = M == 1 ? 1 : 4;
+  for (int64_t n = n0; n < n1; n += tile_n) {
+    const int64_t rn = std::min<int64_t>(tile_n, n1 - n);
     for (int64_t m = 0; m < M; m += 2) {
       const int64_t rm = std::min<int64_t>(2, M - m);
       const float* xm = xs + m * K;

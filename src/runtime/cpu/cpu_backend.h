@@ -33,8 +33,12 @@ class CpuBackend : public Backend {
   // is then this rank's share of it); null: md.
   void begin_step(const StepMetadata& md, const StepMetadata* write_md = nullptr);
   // Per-piece wall time of the program's timed() labels, summed while profiling is on
-  // (benchmarks: bench/tp_decode_bench.cpp); nested labels count in both.
-  void set_profile(bool on) { profile_on_ = on; }
+  // (benchmarks: bench/tp_decode_bench.cpp, bench/cpu_model_bench.cpp); nested labels count
+  // in both. Turning it on starts from zero.
+  void set_profile(bool on) {
+    profile_on_ = on;
+    if (on) profile_.clear();
+  }
   const std::map<std::string, double>& profile() const { return profile_; }
   Status timed(const char* label, const Fn& fn) override;
 
