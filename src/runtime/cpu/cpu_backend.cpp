@@ -402,16 +402,19 @@ Status CpuBackend::mla_attention(const MlaArgs& p) {
     const int64_t n = hot ? 0 : md_->keys(static_cast<int>(si), g);
     const int64_t lo = p.selection == kBlockWindow ? std::max<int64_t>(0, seq.start_pos - cfg_.drafter.window) : 0;
     std::vector<float> keys_c((n - lo) * r), keys_kr((n - lo) * dr);
-    parallel_for(n - lo, 64, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) {
-        const int64_t slot = md_->slot_of(static_cast<int>(si), g, lo + i);
-        if (p.group == CacheGroup::kDrafter) {
-          cache_->read_drafter(p.cache_slot, slot, keys_c.data() + i * r, keys_kr.data() + i * dr);
-        } else {
-          cache_->read_latent(p.cache_slot, slot, keys_c.data() + i * r, keys_kr.data() + i * dr);
+    ML4_RETURN_IF_ERROR(timed("attn: (MLA kernel) of which key decode", [&] {
+      parallel_for(n - lo, 64, [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) {
+          const int64_t slot = md_->slot_of(static_cast<int>(si), g, lo + i);
+          if (p.group == CacheGroup::kDrafter) {
+            cache_->read_drafter(p.cache_slot, slot, keys_c.data() + i * r, keys_kr.data() + i * dr);
+          } else {
+            cache_->read_latent(p.cache_slot, slot, keys_c.data() + i * r, keys_kr.data() + i * dr);
+          }
         }
-      }
-    });
+      });
+      return Status::ok();
+    }));
     const size_t tb = cache_->spec().groups[latent_group_].token_bytes_per_layer;
     parallel_for(seq.num_tokens, 1, [&](int64_t b, int64_t e) {
       std::vector<float> q_rope(H * dr), cg, krg;
