@@ -40,7 +40,7 @@ using kernels::dot_tile_bf16;
 using kernels::dot_tile_f32;
 
 // Largest M that the GEMV path takes for bf16 / FP8 (above it, decode once + GEMM tile).
-constexpr int64_t kDirectMaxM = 4;
+constexpr int64_t kDirectMaxM = kGemvMaxM;
 // GEMM tile: activation rows x weight rows.
 constexpr int kTileM = 4, kTileN = 3;
 
@@ -408,24 +408,49 @@ void decode_weight_rows(const LinearWeight& w, int64_t n0, int64_t n1, float* ou
   decode_block(w, n0, n1, 0, w.in_features, out, w.in_features);
 }
 
-void linear(const float* x, int64_t M, const LinearWeight& w, float* y) {
+namespace {
+
+// Checks w (false: y is NaN, the message logged) and returns x in the format's lane order
+// (bf16: a permuted copy in the calling thread's scratch; else x itself).
+const float* prepare(const float* x, int64_t M, const LinearWeight& w, float* y) {
   const int64_t N = w.out_features, K = w.in_features;
-  if (M <= 0) return;
   if (Status st = validate_linear_weight(w); !st.is_ok()) {
     ML4_LOG_ERROR("{}", st.message());
     if (N > 0) std::fill(y, y + M * N, std::numeric_limits<float>::quiet_NaN());
+    return nullptr;
+  }
+  if (w.format != LinearFormat::kBF16) return x;
+  float* xp = scratch_floats(1, M * K);
+  for (int64_t m = 0; m < M; ++m) kernels::permute_bf16_order(x + m * K, K, xp + m * K);
+  return xp;
+}
+
+bool is_direct(const LinearWeight& w, int64_t M) {
+  return w.format == LinearFormat::kF32 ||
+         ((w.format == LinearFormat::kBF16 || w.format == LinearFormat::kFP8Block) && M <= kDirectMaxM);
+}
+
+}  // namespace
+
+void linear_rows(const float* x, int64_t M, const LinearWeight& w, int64_t n0, int64_t n1, float* y) {
+  if (M <= 0 || n0 >= n1) return;
+  const float* xs = prepare(x, M, w, y);
+  if (xs == nullptr) return;
+  if (is_direct(w, M)) {
+    gemv_rows(w, xs, M, n0, n1, y);
     return;
   }
+  const int64_t group = gemm_group_rows(w.in_features);
+  for (int64_t n = n0; n < n1; n += group) gemm_rows(w, xs, M, n, std::min(n1, n + group), y);
+}
+
+void linear(const float* x, int64_t M, const LinearWeight& w, float* y) {
+  const int64_t N = w.out_features, K = w.in_features;
+  if (M <= 0) return;
   // x in the format's lane order (bf16 only; the copy is M x K f32, in the caller's thread).
-  const float* xs = x;
-  if (w.format == LinearFormat::kBF16) {
-    float* xp = scratch_floats(1, M * K);
-    for (int64_t m = 0; m < M; ++m) kernels::permute_bf16_order(x + m * K, K, xp + m * K);
-    xs = xp;
-  }
-  const bool direct = w.format == LinearFormat::kF32 ||
-                      ((w.format == LinearFormat::kBF16 || w.format == LinearFormat::kFP8Block) && M <= kDirectMaxM);
-  if (direct) {
+  const float* xs = prepare(x, M, w, y);
+  if (xs == nullptr) return;
+  if (is_direct(w, M)) {
     // Chunks of 4 rows (one FP8 scale group never splits a tile), grain ~16k weights so N
     // splits finely across threads.
     const int64_t quads = ceil_div(N, 4);

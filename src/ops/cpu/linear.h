@@ -18,11 +18,21 @@
 
 namespace ml4::cpu {
 
+// Largest M for which bf16 / FP8 weights are read directly (GEMV); above it each weight row
+// is decoded once to f32 and run as a GEMM tile.
+constexpr int64_t kGemvMaxM = 4;
+
 // Checks dtypes and shapes of weight/scale against w.format, out_features, in_features.
 Status validate_linear_weight(const LinearWeight& w);
 
 // x: [M, K] f32 row-major; y: [M, N] f32 row-major (must not alias x).
 void linear(const float* x, int64_t M, const LinearWeight& w, float* y);
+
+// Columns [n0, n1) of linear()'s y (y is still [M, N]), bit-identical to linear(), on the
+// calling thread only: for callers that split one parallel region over several weights
+// (the MoE decode runs every active expert's gate and up rows in one region). n0 must be a
+// multiple of 4 (a GEMV tile, so an FP8 scale group never splits one).
+void linear_rows(const float* x, int64_t M, const LinearWeight& w, int64_t n0, int64_t n1, float* y);
 
 // Decodes weight rows [n0, n1) to f32 into out ([n1-n0, K] row-major), exactly.
 // Exposed for tests, the CUDA backend's reference path, and re-quantization tools.

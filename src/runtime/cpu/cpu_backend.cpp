@@ -529,6 +529,50 @@ void CpuBackend::mlp(const MlpWeights& m, const float* x, int64_t T, float* out)
   cpu::linear(g.data(), T, m.w2, out);
 }
 
+void CpuBackend::mlps(const std::vector<MlpJob>& jobs) {
+  bool small = true;
+  for (const MlpJob& j : jobs) small = small && j.rows <= cpu::kGemvMaxM;
+  if (!small) {
+    for (const MlpJob& j : jobs) mlp(*j.w, j.x, j.rows, j.out);
+    return;
+  }
+  // One region over the concatenated rows of several linears, in quads (4 weight rows; a
+  // linear's rows start at a quad, so FP8 scale groups never split a GEMV tile).
+  struct Part {
+    const LinearWeight* w;
+    const float* x;
+    int64_t rows;
+    float* y;
+  };
+  auto region = [](const std::vector<Part>& parts) {
+    std::vector<int64_t> first(parts.size() + 1, 0);  // first quad of each part
+    for (size_t i = 0; i < parts.size(); ++i) first[i + 1] = first[i] + (parts[i].w->out_features + 3) / 4;
+    parallel_for(first.back(), 1, [&](int64_t b, int64_t e) {
+      for (size_t i = 0; i < parts.size(); ++i) {
+        const int64_t lo = std::max(b, first[i]), hi = std::min(e, first[i + 1]);
+        if (lo >= hi) continue;
+        const Part& p = parts[i];
+        const int64_t N = p.w->out_features;
+        cpu::linear_rows(p.x, p.rows, *p.w, (lo - first[i]) * 4, std::min(N, (hi - first[i]) * 4), p.y);
+      }
+    });
+  };
+  std::vector<std::vector<float>> g(jobs.size()), u(jobs.size());
+  std::vector<Part> up, down;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    const MlpJob& j = jobs[i];
+    const int64_t I = j.w->w1.out_features;
+    g[i].resize(j.rows * I);
+    u[i].resize(j.rows * I);
+    up.push_back({&j.w->w1, j.x, j.rows, g[i].data()});
+    up.push_back({&j.w->w3, j.x, j.rows, u[i].data()});
+    down.push_back({&j.w->w2, g[i].data(), j.rows, j.out});
+  }
+  region(up);
+  for (size_t i = 0; i < jobs.size(); ++i) cpu::silu_mul(g[i].data(), u[i].data(), static_cast<int64_t>(g[i].size()), g[i].data());
+  region(down);
+}
+
 Status CpuBackend::moe_experts(MoeRef moe, const float* x, const int32_t* ids, const float* weights, float* out) {
   const Moe& M = moes_[moe.id];
   const int64_t T = step_tokens(), D = cfg_.dim;
@@ -538,26 +582,31 @@ Status CpuBackend::moe_experts(MoeRef moe, const float* x, const int32_t* ids, c
   std::vector<std::vector<std::pair<int64_t, float>>> rows(E);
   for (int64_t t = 0; t < T; ++t)
     for (int k = 0; k < K; ++k) rows[ids[t * K + k]].push_back({t, weights[t * K + k]});
-  std::vector<float> xs, ys;
+  // Each active expert on its rows (gathered), then the shared expert on all; combined in
+  // that order (expert by expert, then the shared output), whatever ran them.
+  std::vector<std::vector<float>> xs(E), ys(E);
+  std::vector<MlpJob> jobs;
   for (int e = 0; e < E; ++e) {
     const auto& r = rows[e];
     if (r.empty()) continue;
     const int64_t n = static_cast<int64_t>(r.size());
-    xs.resize(n * D);
-    ys.resize(n * D);
-    for (int64_t i = 0; i < n; ++i) std::copy(x + r[i].first * D, x + (r[i].first + 1) * D, xs.begin() + i * D);
-    mlp((*M.experts)[e], xs.data(), n, ys.data());
-    for (int64_t i = 0; i < n; ++i) {
+    xs[e].resize(n * D);
+    ys[e].resize(n * D);
+    for (int64_t i = 0; i < n; ++i) std::copy(x + r[i].first * D, x + (r[i].first + 1) * D, xs[e].begin() + i * D);
+    jobs.push_back({&(*M.experts)[e], xs[e].data(), n, ys[e].data()});
+  }
+  std::vector<float> sh(M.shared != nullptr ? T * D : 0);
+  if (M.shared != nullptr) jobs.push_back({M.shared, x, T, sh.data()});
+  mlps(jobs);
+  for (int e = 0; e < E; ++e) {
+    const auto& r = rows[e];
+    for (size_t i = 0; i < r.size(); ++i) {
       float* o = out + r[i].first * D;
       const float wt = r[i].second;
-      for (int64_t d = 0; d < D; ++d) o[d] += wt * ys[i * D + d];
+      for (int64_t d = 0; d < D; ++d) o[d] += wt * ys[e][i * D + d];
     }
   }
-  if (M.shared != nullptr) {
-    std::vector<float> sh(T * D);
-    mlp(*M.shared, x, T, sh.data());
-    for (int64_t i = 0; i < T * D; ++i) out[i] += sh[i];
-  }
+  for (size_t i = 0; i < sh.size(); ++i) out[i] += sh[i];
   return Status::ok();
 }
 

@@ -113,6 +113,16 @@ class CpuBackend : public Backend {
     const MlpWeights* shared = nullptr;
   };
   void mlp(const MlpWeights& m, const float* x, int64_t T, float* out);
+  // Several MLPs (MoE experts) on their own rows, each as mlp() computes it: when none has
+  // more than cpu::kGemvMaxM rows, all gate and up rows in one parallel region and all down
+  // rows in a second (not three regions per expert); else mlp() one after the other.
+  struct MlpJob {
+    const MlpWeights* w;
+    const float* x;
+    int64_t rows;
+    float* out;
+  };
+  void mlps(const std::vector<MlpJob>& jobs);
   const std::vector<int32_t>& selected(int selection, int64_t t) const {
     return selection == kBlockWindow ? window_[t] : selection == kHotSelection ? hot_selection_[t] : selections_[selection][t];
   }
