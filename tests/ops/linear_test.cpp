@@ -9,7 +9,9 @@
 // L2 error with a margin of 8.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
+#include <random>
 
 #include "core/dtype.h"
 #include "ops/cpu/linear.h"
@@ -290,6 +292,31 @@ TEST(Linear, BatchInvariantAndDeterministic) {
         for (int64_t n = 0; n < 203; ++n)
           ASSERT_EQ(f32_to_bits(row[n]), f32_to_bits(y[m * 203 + n])) << "M=" << M << " m=" << m << " n=" << n;
       }
+    }
+  }
+}
+
+// linear_rows over any split of [0, N) at multiples of 4 (how the MoE decode spreads several
+// experts' rows over one parallel region) writes exactly linear()'s bits, on both paths.
+TEST(Linear, RowRangesEqualTheWholeCall) {
+  std::mt19937 rng(91);
+  for (LinearFormat f : {LinearFormat::kF32, LinearFormat::kBF16, LinearFormat::kFP8Block, LinearFormat::kNVFP4,
+                         LinearFormat::kMXFP4}) {
+    SCOPED_TRACE(testing::Message() << "format " << static_cast<int>(f));
+    const bool fp4 = f == LinearFormat::kNVFP4 || f == LinearFormat::kMXFP4;
+    const int64_t N = 301, K = fp4 ? 256 : 269;
+    TestWeight t = make_weight(f, N, K, 92);
+    for (int64_t M : {1, 3, 6}) {
+      auto x = test::random_floats(M * K, 93 + static_cast<uint32_t>(M));
+      std::vector<float> y(M * N), y2(M * N, -1.0f);
+      linear(x.data(), M, t.w, y.data());
+      int64_t n0 = 0;
+      while (n0 < N) {
+        const int64_t n1 = std::min<int64_t>(N, n0 + 4 * (1 + static_cast<int64_t>(rng() % 40)));
+        linear_rows(x.data(), M, t.w, n0, n1, y2.data());
+        n0 = n1;
+      }
+      for (int64_t i = 0; i < M * N; ++i) ASSERT_EQ(f32_to_bits(y[i]), f32_to_bits(y2[i])) << "M=" << M << " i=" << i;
     }
   }
 }
