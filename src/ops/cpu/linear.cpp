@@ -4,11 +4,13 @@
 // order, so row m of a batched call is bit-identical to the row computed alone:
 //   GEMV (bf16 / FP8 with M <= kDirectMaxM, f32 at any M): the stored rows are read once
 //     and decoded in registers (bf16: one AND and one shift per 16 values; FP8: e4m3 ->
-//     f16 bits -> F16C, times the block scale), 4 weight rows x up to 2 activation rows
-//     per register tile. At M = 1 this is bound by memory bandwidth: nothing but the
+//     f16 bits -> F16C, times the block scale), one weight row at a time at M = 1 (one
+//     sequential stream per thread), else 4 (bf16: 2) weight rows x up to 2 activation
+//     rows per register tile. At M = 1 this is bound by memory bandwidth: nothing but the
 //     weight stream touches DRAM (x, a few KiB, stays in L1).
 //   GEMM (bf16 / FP8 with M > kDirectMaxM; NVFP4 / MXFP4 at any M): each worker decodes
-//     a group of weight rows once to f32 (in the contract's lane order) into a buffer that
+//     a group of weight rows once to f32 (bf16: the even halves of the 16-blocks, then the
+//     odd halves, so each of its two accumulators streams one half) into a buffer that
 //     stays in L1/L2, then runs a 4 x 3 register tile (12 accumulators, 3 weight vectors:
 //     12 FMAs per 7 loads) over every activation row. Each weight element is decoded once
 //     per call whatever M is, and the whole x (M x K f32, a few MiB at most for a prefill
@@ -300,7 +302,8 @@ void gemv_rows(const LinearWeight& w, const float* xs, int64_t M, int64_t n0, in
   // bf16's single FMA chain per row is then latency bound at ~4 bytes per cycle per core,
   // which is still at the bandwidth of a 2-core share; FP8's chains restart every 128-element
   // scale block, so out-of-order execution overlaps them.
-  const int64_t tile_n = M == 1 ? 1 : 4;
+  // M > 1: 4 rows (bf16: 2, whose tile holds two accumulators per output).
+  const int64_t tile_n = M == 1 ? 1 : w.format == LinearFormat::kBF16 ? 2 : 4;
   for (int64_t n = n0; n < n1; n += tile_n) {
     const int64_t rn = std::min<int64_t>(tile_n, n1 - n);
     for (int64_t m = 0; m < M; m += 2) {
@@ -363,7 +366,7 @@ void gemm_rows(const LinearWeight& w, const float* xs, int64_t M, int64_t n0, in
   float* s256 = fp8 ? scratch_floats(2, 2 * kb) : nullptr;
   if (bf16) {
     for (int64_t n = n0; n < n1; ++n)
-      kernels::decode_bf16_lane_order(w.weight.as<uint16_t>() + n * K, K, buf + (n - n0) * K);
+      kernels::decode_bf16_halves(w.weight.as<uint16_t>() + n * K, K, buf + (n - n0) * K);
   } else if (fp8) {
     const float* sc = w.scale.as<float>();
     for (int64_t g = g0; g <= (n1 - 1) / kFp8BlockSize; ++g)
@@ -389,7 +392,10 @@ void gemm_rows(const LinearWeight& w, const float* xs, int64_t M, int64_t n0, in
           kernels::dot_tile_fp8_decoded<RM, RN>(xs + m * K, K, wj, K, rs, K, yj, N);
         });
       } else {
-        tile_dispatch(rm, rn, [&](auto RM, auto RN) { dot_tile_f32<RM, RN>(xs + m * K, K, wj, K, kv, K, yj, N); });
+        tile_dispatch(rm, rn, [&](auto RM, auto RN) {
+          if (bf16) kernels::dot_tile_f32_pairs<RM, RN>(xs + m * K, K, wj, K, kv, K, yj, N);
+          else dot_tile_f32<RM, RN>(xs + m * K, K, wj, K, kv, K, yj, N);
+        });
       }
     }
   }
@@ -410,8 +416,14 @@ void decode_weight_rows(const LinearWeight& w, int64_t n0, int64_t n1, float* ou
 
 namespace {
 
-// Checks w (false: y is NaN, the message logged) and returns x in the format's lane order
-// (bf16: a permuted copy in the calling thread's scratch; else x itself).
+bool is_direct(const LinearWeight& w, int64_t M) {
+  return w.format == LinearFormat::kF32 ||
+         ((w.format == LinearFormat::kBF16 || w.format == LinearFormat::kFP8Block) && M <= kDirectMaxM);
+}
+
+// Checks w (false: y is NaN, the message logged) and returns x in the order the path reads
+// (bf16: a permuted copy in the calling thread's scratch, lane order for the GEMV and halves
+// order for the GEMM; else x itself).
 const float* prepare(const float* x, int64_t M, const LinearWeight& w, float* y) {
   const int64_t N = w.out_features, K = w.in_features;
   if (Status st = validate_linear_weight(w); !st.is_ok()) {
@@ -421,13 +433,12 @@ const float* prepare(const float* x, int64_t M, const LinearWeight& w, float* y)
   }
   if (w.format != LinearFormat::kBF16) return x;
   float* xp = scratch_floats(1, M * K);
-  for (int64_t m = 0; m < M; ++m) kernels::permute_bf16_order(x + m * K, K, xp + m * K);
+  const bool direct = is_direct(w, M);
+  for (int64_t m = 0; m < M; ++m) {
+    if (direct) kernels::permute_bf16_order(x + m * K, K, xp + m * K);
+    else kernels::permute_bf16_halves(x + m * K, K, xp + m * K);
+  }
   return xp;
-}
-
-bool is_direct(const LinearWeight& w, int64_t M) {
-  return w.format == LinearFormat::kF32 ||
-         ((w.format == LinearFormat::kBF16 || w.format == LinearFormat::kFP8Block) && M <= kDirectMaxM);
 }
 
 }  // namespace

@@ -5,8 +5,14 @@
 // every output y[m, n] is computed as
 //   acc (8 lanes) = 0;  for each 8-element step s of the vector part: acc = fma(X_s, W_s, acc)
 //   y = hsum8(acc);     for each k of the tail, in order: y = fma(x_k, w_k, y)
-// except FP8, whose vector part is summed per 128-wide scale block b (DeepSeek's FP8 GEMM
-// order, also the CUDA backend's):
+// except bf16 and FP8. bf16 keeps two accumulators, one per half of each 16-element block
+// (its lane order below), so a weight row is two independent FMA chains (one chain is
+// latency bound at 2 FMAs per 32 bytes, ~28 GB/s on two cores, under the DRAM's rate):
+//   acc_e = acc_o = 0;  for each 16-element block b: { acc_e = fma(X_b.even, W_b.even, acc_e);
+//                                                     acc_o = fma(X_b.odd, W_b.odd, acc_o) }
+//   y = hsum8(acc_e + acc_o);   then the tail as above.
+// FP8's vector part is summed per 128-wide scale block b (DeepSeek's FP8 GEMM order, also
+// the CUDA backend's):
 //   acc = 0; for each block b: { blk = 0; for its steps: blk = fma(X_s, Q_s, blk);
 //                                acc = fma(blk, 256 s_b, acc) }
 // with Q_s = e4m3 * 2^-8 exactly (F16C decodes e4m3 as an f16 that is 2^-8 times its
@@ -42,7 +48,9 @@ struct Vec8 {
 };
 inline Vec8 zero8() { return {_mm256_setzero_ps()}; }
 inline Vec8 load8(const float* p) { return {_mm256_loadu_ps(p)}; }
+inline void store8(float* p, Vec8 a) { _mm256_storeu_ps(p, a.v); }
 inline Vec8 fma8(Vec8 a, Vec8 b, Vec8 c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+inline Vec8 add8(Vec8 a, Vec8 b) { return {_mm256_add_ps(a.v, b.v)}; }
 // ((l0+l4) + (l2+l6)) + ((l1+l5) + (l3+l7))
 inline float hsum8(Vec8 a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
@@ -60,9 +68,16 @@ inline Vec8 load8(const float* p) {
   for (int i = 0; i < 8; ++i) r.v[i] = p[i];
   return r;
 }
+inline void store8(float* p, Vec8 a) {
+  for (int i = 0; i < 8; ++i) p[i] = a.v[i];
+}
 inline Vec8 fma8(Vec8 a, Vec8 b, Vec8 c) {
   for (int i = 0; i < 8; ++i) c.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
   return c;
+}
+inline Vec8 add8(Vec8 a, Vec8 b) {
+  for (int i = 0; i < 8; ++i) a.v[i] += b.v[i];
+  return a;
 }
 inline float hsum8(Vec8 a) {
   float t[4];
@@ -97,6 +112,46 @@ inline void dot_tile_f32(const float* x, int64_t ldx, const float* w, int64_t ld
     }
 }
 
+// The same over bf16 rows decoded to f32 in halves order (the GEMM path; see
+// decode_bf16_halves): [0, kv/2) the even halves of the 16-blocks in block order, [kv/2, kv)
+// the odd halves, then the tail. x is in the same order (permute_bf16_halves). One pass per
+// half keeps the register tile at RM x RN and reads each half once.
+template <int RM, int RN>
+inline void dot_tile_f32_pairs(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t kv, int64_t K,
+                               float* y, int64_t ldy) {
+  const int64_t h = kv / 2;
+  alignas(32) float even[RM][RN][8];
+  {
+    Vec8 acc[RM][RN];
+    ML4_UNROLL for (int i = 0; i < RM; ++i) ML4_UNROLL for (int j = 0; j < RN; ++j) acc[i][j] = zero8();
+    for (int64_t k = 0; k < h; k += 8) {
+      Vec8 wv[RN];
+      ML4_UNROLL for (int j = 0; j < RN; ++j) wv[j] = load8(w + j * ldw + k);
+      ML4_UNROLL for (int i = 0; i < RM; ++i) {
+        const Vec8 xv = load8(x + i * ldx + k);
+        ML4_UNROLL for (int j = 0; j < RN; ++j) acc[i][j] = fma8(xv, wv[j], acc[i][j]);
+      }
+    }
+    ML4_UNROLL for (int i = 0; i < RM; ++i) ML4_UNROLL for (int j = 0; j < RN; ++j) store8(even[i][j], acc[i][j]);
+  }
+  Vec8 acc[RM][RN];
+  ML4_UNROLL for (int i = 0; i < RM; ++i) ML4_UNROLL for (int j = 0; j < RN; ++j) acc[i][j] = zero8();
+  for (int64_t k = h; k < kv; k += 8) {
+    Vec8 wv[RN];
+    ML4_UNROLL for (int j = 0; j < RN; ++j) wv[j] = load8(w + j * ldw + k);
+    ML4_UNROLL for (int i = 0; i < RM; ++i) {
+      const Vec8 xv = load8(x + i * ldx + k);
+      ML4_UNROLL for (int j = 0; j < RN; ++j) acc[i][j] = fma8(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < RM; ++i)
+    for (int j = 0; j < RN; ++j) {
+      float s = hsum8(add8(load8(even[i][j]), acc[i][j]));
+      for (int64_t k = kv; k < K; ++k) s = std::fma(x[i * ldx + k], w[j * ldw + k], s);
+      y[i * ldy + j] = s;
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // bf16 direct tile on stored weights (GEMV, small M). x is in bf16 lane order (see
 // permute_bf16_order); w rows are the stored bf16 rows.
@@ -123,26 +178,27 @@ inline void bf16x16_split(const uint16_t* p, Vec8& even, Vec8& odd) {
 }
 #endif
 
+// RM x RN x 2 accumulators: keep RM * RN <= 4 so the tile stays in 16 AVX2 registers.
 template <int RM, int RN>
 inline void dot_tile_bf16(const float* xp, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t kv, int64_t K,
                           float* y, int64_t ldy) {
-  Vec8 acc[RM][RN];
-  ML4_UNROLL for (int i = 0; i < RM; ++i) ML4_UNROLL for (int j = 0; j < RN; ++j) acc[i][j] = zero8();
+  Vec8 ae[RM][RN], ao[RM][RN];
+  ML4_UNROLL for (int i = 0; i < RM; ++i) ML4_UNROLL for (int j = 0; j < RN; ++j) ae[i][j] = ao[i][j] = zero8();
   for (int64_t k = 0; k < kv; k += 16) {
     Vec8 we[RN], wo[RN];
     ML4_UNROLL for (int j = 0; j < RN; ++j) bf16x16_split(w + j * ldw + k, we[j], wo[j]);
     ML4_UNROLL for (int i = 0; i < RM; ++i) {
       const Vec8 xe = load8(xp + i * ldx + k);
-      ML4_UNROLL for (int j = 0; j < RN; ++j) acc[i][j] = fma8(xe, we[j], acc[i][j]);
+      ML4_UNROLL for (int j = 0; j < RN; ++j) ae[i][j] = fma8(xe, we[j], ae[i][j]);
     }
     ML4_UNROLL for (int i = 0; i < RM; ++i) {
       const Vec8 xo = load8(xp + i * ldx + k + 8);
-      ML4_UNROLL for (int j = 0; j < RN; ++j) acc[i][j] = fma8(xo, wo[j], acc[i][j]);
+      ML4_UNROLL for (int j = 0; j < RN; ++j) ao[i][j] = fma8(xo, wo[j], ao[i][j]);
     }
   }
   for (int i = 0; i < RM; ++i)
     for (int j = 0; j < RN; ++j) {
-      float s = hsum8(acc[i][j]);
+      float s = hsum8(add8(ae[i][j], ao[i][j]));
       for (int64_t k = kv; k < K; ++k) s = std::fma(xp[i * ldx + k], bf16_scalar(w[j * ldw + k]), s);
       y[i * ldy + j] = s;
     }
@@ -159,21 +215,26 @@ inline void permute_bf16_order(const float* src, int64_t K, float* dst) {
   for (int64_t k = kv; k < K; ++k) dst[k] = src[k];
 }
 
-// bf16 row [k0, k1) -> f32 in lane order (k0, k1 multiples of 16, or k1 = K).
-inline void decode_bf16_lane_order(const uint16_t* src, int64_t K, float* dst) {
-  const int64_t kv = K / 16 * 16;
+// src [K] natural -> dst [K] in halves order: the even elements of every 16-block in block
+// order, then the odd ones, then the tail as is (the bf16 GEMM path's order).
+inline void permute_bf16_halves(const float* src, int64_t K, float* dst) {
+  const int64_t kv = K / 16 * 16, h = kv / 2;
+  for (int64_t b = 0; b < kv; b += 16)
+    for (int i = 0; i < 8; ++i) {
+      dst[b / 2 + i] = src[b + 2 * i];
+      dst[h + b / 2 + i] = src[b + 2 * i + 1];
+    }
+  for (int64_t k = kv; k < K; ++k) dst[k] = src[k];
+}
+
+// bf16 row -> f32 in halves order (exactly).
+inline void decode_bf16_halves(const uint16_t* src, int64_t K, float* dst) {
+  const int64_t kv = K / 16 * 16, h = kv / 2;
   for (int64_t b = 0; b < kv; b += 16) {
     Vec8 e, o;
     bf16x16_split(src + b, e, o);
-#ifdef ML4_LINEAR_AVX2
-    _mm256_storeu_ps(dst + b, e.v);
-    _mm256_storeu_ps(dst + b + 8, o.v);
-#else
-    for (int i = 0; i < 8; ++i) {
-      dst[b + i] = e.v[i];
-      dst[b + 8 + i] = o.v[i];
-    }
-#endif
+    store8(dst + b / 2, e);
+    store8(dst + h + b / 2, o);
   }
   for (int64_t k = kv; k < K; ++k) dst[k] = bf16_scalar(src[k]);
 }
