@@ -20,7 +20,10 @@
 // equals forced until an indexer top-k or routing near-tie flips (ml4-tiny TP 4, dsv32-tiny
 // TP 2: then 3.5e-2 .. 1.6e-1 on the following rows, as the goldens' free runs do). A wrong
 // head, a missing all-reduce or a misrouted token costs 1e-1 and more on every row. Greedy
-// ids are equal at every step, forced and free running.
+// ids are equal at every step forced; free running they may differ only at a near-tie that
+// the rows' difference can reorder (2026-12-04: with the bf16 linears' two-chain order,
+// ml4-tiny TP 4 flips a top-k near-tie in the prefill and one sequence's greedy id with it,
+// free rel L2 1.4e-1, forced 7.4e-4).
 #include <random>
 
 #include <gtest/gtest.h>
@@ -95,7 +98,16 @@ void compare(ModelRunner& p, const Run& ref, int dp, bool forced, const std::str
       const double rel = d.rel_l2, mx = d.max_abs, big = d.max_ref;
       worst = std::max(worst, rel);
       worst_abs = std::max(worst_abs, mx / big);
-      EXPECT_EQ(d.argmax, d.argmax_ref) << what << " step " << k << " seq " << i;
+      if (forced) {
+        EXPECT_EQ(d.argmax, d.argmax_ref) << what << " step " << k << " seq " << i;
+      } else if (d.argmax != d.argmax_ref) {
+        // Free running may pick another token only at a near-tie that its logits' difference
+        // can reorder (the rule of dcp_cases.cpp): the one process's margin between the two
+        // tokens at most twice the largest |difference|, else it is a real error.
+        const double margin = static_cast<double>(b[d.argmax_ref]) - b[d.argmax];
+        EXPECT_LE(margin, 2.0 * mx) << what << " step " << k << " seq " << i << ": greedy " << d.argmax << " vs "
+                                    << d.argmax_ref << " with a margin of " << margin << " (max |diff| " << mx << ")";
+      }
       if (forced) {
         EXPECT_LT(rel, kRelL2) << what << " step " << k << " seq " << i;
         EXPECT_LT(mx, kMaxAbsRel * big) << what << " step " << k << " seq " << i;
