@@ -583,28 +583,50 @@ Status CpuBackend::moe_experts(MoeRef moe, const float* x, const int32_t* ids, c
   for (int64_t t = 0; t < T; ++t)
     for (int k = 0; k < K; ++k) rows[ids[t * K + k]].push_back({t, weights[t * K + k]});
   // Each active expert on its rows (gathered), then the shared expert on all; combined in
-  // that order (expert by expert, then the shared output), whatever ran them.
-  std::vector<std::vector<float>> xs(E), ys(E);
-  std::vector<MlpJob> jobs;
-  for (int e = 0; e < E; ++e) {
-    const auto& r = rows[e];
-    if (r.empty()) continue;
-    const int64_t n = static_cast<int64_t>(r.size());
-    xs[e].resize(n * D);
-    ys[e].resize(n * D);
-    for (int64_t i = 0; i < n; ++i) std::copy(x + r[i].first * D, x + (r[i].first + 1) * D, xs[e].begin() + i * D);
-    jobs.push_back({&(*M.experts)[e], xs[e].data(), n, ys[e].data()});
-  }
-  std::vector<float> sh(M.shared != nullptr ? T * D : 0);
-  if (M.shared != nullptr) jobs.push_back({M.shared, x, T, sh.data()});
-  mlps(jobs);
-  for (int e = 0; e < E; ++e) {
+  // that order (expert by expert, then the shared output) on both paths. A decode-sized step
+  // runs all experts through mlps() (two parallel regions); a prefill chunk one expert at a
+  // time, reusing one pair of buffers (all experts' rows at once would hold T x k x dim
+  // floats twice).
+  auto add_expert = [&](int e, const float* ys) {
     const auto& r = rows[e];
     for (size_t i = 0; i < r.size(); ++i) {
       float* o = out + r[i].first * D;
       const float wt = r[i].second;
-      for (int64_t d = 0; d < D; ++d) o[d] += wt * ys[e][i * D + d];
+      for (int64_t d = 0; d < D; ++d) o[d] += wt * ys[i * D + d];
     }
+  };
+  auto gather = [&](int e, float* xs) {
+    const auto& r = rows[e];
+    for (size_t i = 0; i < r.size(); ++i) std::copy(x + r[i].first * D, x + (r[i].first + 1) * D, xs + i * D);
+  };
+  std::vector<float> sh(M.shared != nullptr ? T * D : 0);
+  if (T <= cpu::kGemvMaxM) {
+    std::vector<std::vector<float>> xs(E), ys(E);
+    std::vector<MlpJob> jobs;
+    for (int e = 0; e < E; ++e) {
+      const int64_t n = static_cast<int64_t>(rows[e].size());
+      if (n == 0) continue;
+      xs[e].resize(n * D);
+      ys[e].resize(n * D);
+      gather(e, xs[e].data());
+      jobs.push_back({&(*M.experts)[e], xs[e].data(), n, ys[e].data()});
+    }
+    if (M.shared != nullptr) jobs.push_back({M.shared, x, T, sh.data()});
+    mlps(jobs);
+    for (int e = 0; e < E; ++e)
+      if (!rows[e].empty()) add_expert(e, ys[e].data());
+  } else {
+    std::vector<float> xs, ys;
+    for (int e = 0; e < E; ++e) {
+      const int64_t n = static_cast<int64_t>(rows[e].size());
+      if (n == 0) continue;
+      xs.resize(n * D);
+      ys.resize(n * D);
+      gather(e, xs.data());
+      mlp((*M.experts)[e], xs.data(), n, ys.data());
+      add_expert(e, ys.data());
+    }
+    if (M.shared != nullptr) mlp(*M.shared, x, T, sh.data());
   }
   for (size_t i = 0; i < sh.size(); ++i) out[i] += sh[i];
   return Status::ok();
