@@ -299,15 +299,20 @@ void gemv_rows(const LinearWeight& w, const float* xs, int64_t M, int64_t n0, in
   // Four interleaved row streams (the M > 1 tile) measured 15-20% slower for bf16 and up to
   // 2x slower for FP8 on the dev machine (cpu_ops_bench --shape 131072,2048, 2026-12-04): the
   // hardware prefetcher follows one stream per core far better than four, each a row apart.
-  // bf16's single FMA chain per row is then latency bound at ~4 bytes per cycle per core,
-  // which is still at the bandwidth of a 2-core share; FP8's chains restart every 128-element
-  // scale block, so out-of-order execution overlaps them.
-  // M > 1: 4 rows (bf16: 2, whose tile holds two accumulators per output).
-  const int64_t tile_n = M == 1 ? 1 : w.format == LinearFormat::kBF16 ? 2 : 4;
+  // A row is then two FMA chains for bf16 (its even and odd halves) and one chain per
+  // 128-element scale block for FP8 (restarted every block, so out-of-order execution
+  // overlaps them): neither is latency bound below the bandwidth of a 2-core share.
+  // M > 1: 4 weight rows x 2 activation rows (bf16: x 1, its tile holding two accumulators
+  // per output; the 4 rows stay in L1 for the next activation row. Measured at M = 4 against
+  // 2 x 2 and 4 x 2: 14-16 GB/s on the output head vs 12-13 / 15, 84-124 GFLOP/s at
+  // 896 x 2048 vs 71-76 / 37-47).
+  const bool bf16 = w.format == LinearFormat::kBF16;
+  const int64_t tile_n = M == 1 ? 1 : 4;
+  const int64_t tile_m = bf16 ? 1 : 2;
   for (int64_t n = n0; n < n1; n += tile_n) {
     const int64_t rn = std::min<int64_t>(tile_n, n1 - n);
-    for (int64_t m = 0; m < M; m += 2) {
-      const int64_t rm = std::min<int64_t>(2, M - m);
+    for (int64_t m = 0; m < M; m += tile_m) {
+      const int64_t rm = std::min<int64_t>(tile_m, M - m);
       const float* xm = xs + m * K;
       float* ym = y + m * N + n;
       switch (w.format) {

@@ -178,7 +178,7 @@ inline void bf16x16_split(const uint16_t* p, Vec8& even, Vec8& odd) {
 }
 #endif
 
-// RM x RN x 2 accumulators: keep RM * RN <= 4 so the tile stays in 16 AVX2 registers.
+// RM x RN x 2 accumulators: linear() uses 1 x 1 (M = 1) and 1 x 4 (M = 2..4).
 template <int RM, int RN>
 inline void dot_tile_bf16(const float* xp, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t kv, int64_t K,
                           float* y, int64_t ldy) {
