@@ -230,6 +230,7 @@ void AsyncEngine::loop() {
       routes_.erase(it);
       --num_live_;
     }
+    bool published = false;
     if (engine_->has_work() || engine_->kv_active()) {  // kv: the step polls the connector
       step_start_ = now_s();
       in_step_ = true;
@@ -250,6 +251,7 @@ void AsyncEngine::loop() {
       // The snapshot first: a client that reads /metrics after its answer sees this step's state
       // (blocks held for a remote consumer, free blocks), not the previous step's.
       publish_snapshot();
+      published = true;
       for (auto& out : res.value()) {
         auto it = routes_.find(out.request_id);
         if (it == routes_.end()) continue;
@@ -262,7 +264,7 @@ void AsyncEngine::loop() {
       }
     }
     heartbeat_ = now_s();
-    publish_snapshot();
+    if (!published) publish_snapshot();  // no step: the aborts above may have freed blocks
   }
 }
 

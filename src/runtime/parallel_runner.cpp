@@ -302,7 +302,9 @@ Result<StepOutput> ParallelRunner::execute_traced(const StepInput& in, ForwardTr
 // buffers; a DP rank that never ran the sequence has none to free).
 void ParallelRunner::release(int64_t seq_id) {
   local_->release(seq_id);
-  if (stopped_ || group_->env->failed()) return;
+  // Only HiSparse keeps per-sequence state on the ranks (every rank has it or none does):
+  // without it a finished request costs no collective.
+  if (local_->hisparse() == nullptr || stopped_ || group_->env->failed()) return;
   Header h{static_cast<uint64_t>(Command::kRelease), sizeof(seq_id)};
   Status s = group_->world->broadcast(&h, sizeof(h), 0);
   if (s.is_ok()) s = group_->world->broadcast(&seq_id, sizeof(seq_id), 0);

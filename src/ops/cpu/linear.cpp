@@ -2,13 +2,13 @@
 //
 // Two paths, chosen by M and the format; both follow the same per-element summation
 // order, so row m of a batched call is bit-identical to the row computed alone:
-//   GEMV (bf16 / FP8 with M <= kDirectMaxM, f32 at any M): the stored rows are read once
+//   GEMV (bf16 / FP8 with M <= kGemvMaxM, f32 at any M): the stored rows are read once
 //     and decoded in registers (bf16: one AND and one shift per 16 values; FP8: e4m3 ->
 //     f16 bits -> F16C, times the block scale), one weight row at a time at M = 1 (one
-//     sequential stream per thread), else 4 (bf16: 2) weight rows x up to 2 activation
-//     rows per register tile. At M = 1 this is bound by memory bandwidth: nothing but the
+//     sequential stream per thread), else 4 weight rows x up to 2 activation rows (bf16:
+//     x 1) per register tile. At M = 1 this is bound by memory bandwidth: nothing but the
 //     weight stream touches DRAM (x, a few KiB, stays in L1).
-//   GEMM (bf16 / FP8 with M > kDirectMaxM; NVFP4 / MXFP4 at any M): each worker decodes
+//   GEMM (bf16 / FP8 with M > kGemvMaxM; NVFP4 / MXFP4 at any M): each worker decodes
 //     a group of weight rows once to f32 (bf16: the even halves of the 16-blocks, then the
 //     odd halves, so each of its two accumulators streams one half) into a buffer that
 //     stays in L1/L2, then runs a 4 x 3 register tile (12 accumulators, 3 weight vectors:
@@ -41,19 +41,11 @@ namespace {
 using kernels::dot_tile_bf16;
 using kernels::dot_tile_f32;
 
-// Largest M that the GEMV path takes for bf16 / FP8 (above it, decode once + GEMM tile).
-constexpr int64_t kDirectMaxM = kGemvMaxM;
 // GEMM tile: activation rows x weight rows.
 constexpr int kTileM = 4, kTileN = 3;
 
-const std::array<float, 256>& e4m3_table() {
-  static const std::array<float, 256> t = [] {
-    std::array<float, 256> a{};
-    for (int i = 0; i < 256; ++i) a[i] = e4m3_to_f32(static_cast<uint8_t>(i));
-    return a;
-  }();
-  return t;
-}
+// core/dtype's compile-time e4m3 table (what e4m3_to_f32 reads).
+const std::array<float, 256>& e4m3_table() { return detail::kE4M3Table; }
 
 // Byte -> (low nibble value, high nibble value): element 2j is the low nibble.
 const std::array<std::array<float, 2>, 256>& e2m1_pair_table() {
@@ -423,7 +415,7 @@ namespace {
 
 bool is_direct(const LinearWeight& w, int64_t M) {
   return w.format == LinearFormat::kF32 ||
-         ((w.format == LinearFormat::kBF16 || w.format == LinearFormat::kFP8Block) && M <= kDirectMaxM);
+         ((w.format == LinearFormat::kBF16 || w.format == LinearFormat::kFP8Block) && M <= kGemvMaxM);
 }
 
 // Checks w (false: y is NaN, the message logged) and returns x in the order the path reads

@@ -89,14 +89,13 @@ inline float hsum8(Vec8 a) {
 #define ML4_UNROLL _Pragma("GCC unroll 16")
 
 // ---------------------------------------------------------------------------------------
-// f32 dot tile: y[i*ldy + j] = dot(x row i, w row j) for i < RM, j < RN, by the contract
-// with vector part [0, kv) (x and w already in lane order there) and tail [kv, K).
+// acc[i][j] = 0, then acc[i][j] = fma(x row i [k..k+8), w row j [k..k+8), acc[i][j]) for
+// k = k0, k0 + 8, ... < k1: the register tile every f32 dot below is made of.
 template <int RM, int RN>
-inline void dot_tile_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t kv, int64_t K, float* y,
-                         int64_t ldy) {
-  Vec8 acc[RM][RN];
+inline void fma_steps(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k0, int64_t k1,
+                      Vec8 (&acc)[RM][RN]) {
   ML4_UNROLL for (int i = 0; i < RM; ++i) ML4_UNROLL for (int j = 0; j < RN; ++j) acc[i][j] = zero8();
-  for (int64_t k = 0; k < kv; k += 8) {
+  for (int64_t k = k0; k < k1; k += 8) {
     Vec8 wv[RN];
     ML4_UNROLL for (int j = 0; j < RN; ++j) wv[j] = load8(w + j * ldw + k);
     ML4_UNROLL for (int i = 0; i < RM; ++i) {
@@ -104,6 +103,15 @@ inline void dot_tile_f32(const float* x, int64_t ldx, const float* w, int64_t ld
       ML4_UNROLL for (int j = 0; j < RN; ++j) acc[i][j] = fma8(xv, wv[j], acc[i][j]);
     }
   }
+}
+
+// f32 dot tile: y[i*ldy + j] = dot(x row i, w row j) for i < RM, j < RN, by the contract
+// with vector part [0, kv) (x and w already in lane order there) and tail [kv, K).
+template <int RM, int RN>
+inline void dot_tile_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t kv, int64_t K, float* y,
+                         int64_t ldy) {
+  Vec8 acc[RM][RN];
+  fma_steps<RM, RN>(x, ldx, w, ldw, 0, kv, acc);
   for (int i = 0; i < RM; ++i)
     for (int j = 0; j < RN; ++j) {
       float s = hsum8(acc[i][j]);
@@ -121,29 +129,10 @@ inline void dot_tile_f32_pairs(const float* x, int64_t ldx, const float* w, int6
                                float* y, int64_t ldy) {
   const int64_t h = kv / 2;
   alignas(32) float even[RM][RN][8];
-  {
-    Vec8 acc[RM][RN];
-    ML4_UNROLL for (int i = 0; i < RM; ++i) ML4_UNROLL for (int j = 0; j < RN; ++j) acc[i][j] = zero8();
-    for (int64_t k = 0; k < h; k += 8) {
-      Vec8 wv[RN];
-      ML4_UNROLL for (int j = 0; j < RN; ++j) wv[j] = load8(w + j * ldw + k);
-      ML4_UNROLL for (int i = 0; i < RM; ++i) {
-        const Vec8 xv = load8(x + i * ldx + k);
-        ML4_UNROLL for (int j = 0; j < RN; ++j) acc[i][j] = fma8(xv, wv[j], acc[i][j]);
-      }
-    }
-    ML4_UNROLL for (int i = 0; i < RM; ++i) ML4_UNROLL for (int j = 0; j < RN; ++j) store8(even[i][j], acc[i][j]);
-  }
   Vec8 acc[RM][RN];
-  ML4_UNROLL for (int i = 0; i < RM; ++i) ML4_UNROLL for (int j = 0; j < RN; ++j) acc[i][j] = zero8();
-  for (int64_t k = h; k < kv; k += 8) {
-    Vec8 wv[RN];
-    ML4_UNROLL for (int j = 0; j < RN; ++j) wv[j] = load8(w + j * ldw + k);
-    ML4_UNROLL for (int i = 0; i < RM; ++i) {
-      const Vec8 xv = load8(x + i * ldx + k);
-      ML4_UNROLL for (int j = 0; j < RN; ++j) acc[i][j] = fma8(xv, wv[j], acc[i][j]);
-    }
-  }
+  fma_steps<RM, RN>(x, ldx, w, ldw, 0, h, acc);
+  ML4_UNROLL for (int i = 0; i < RM; ++i) ML4_UNROLL for (int j = 0; j < RN; ++j) store8(even[i][j], acc[i][j]);
+  fma_steps<RM, RN>(x, ldx, w, ldw, h, kv, acc);
   for (int i = 0; i < RM; ++i)
     for (int j = 0; j < RN; ++j) {
       float s = hsum8(add8(load8(even[i][j]), acc[i][j]));
@@ -303,15 +292,7 @@ inline void dot_tile_fp8_decoded(const float* x, int64_t ldx, const float* w, in
   for (int64_t b0 = 0; b0 < kv; b0 += 128) {
     const int64_t b1 = b0 + 128 < kv ? b0 + 128 : kv;
     Vec8 blk[RM][RN];
-    ML4_UNROLL for (int i = 0; i < RM; ++i) ML4_UNROLL for (int j = 0; j < RN; ++j) blk[i][j] = zero8();
-    for (int64_t k = b0; k < b1; k += 8) {
-      Vec8 wv[RN];
-      ML4_UNROLL for (int j = 0; j < RN; ++j) wv[j] = load8(w + j * ldw + k);
-      ML4_UNROLL for (int i = 0; i < RM; ++i) {
-        const Vec8 xv = load8(x + i * ldx + k);
-        ML4_UNROLL for (int j = 0; j < RN; ++j) blk[i][j] = fma8(xv, wv[j], blk[i][j]);
-      }
-    }
+    fma_steps<RM, RN>(x, ldx, w, ldw, b0, b1, blk);
     ML4_UNROLL for (int j = 0; j < RN; ++j) {
       const Vec8 sv = set8(s256[j][b0 / 128]);
       ML4_UNROLL for (int i = 0; i < RM; ++i) acc[i][j] = fma8(blk[i][j], sv, acc[i][j]);

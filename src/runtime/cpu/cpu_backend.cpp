@@ -530,12 +530,6 @@ void CpuBackend::mlp(const MlpWeights& m, const float* x, int64_t T, float* out)
 }
 
 void CpuBackend::mlps(const std::vector<MlpJob>& jobs) {
-  bool small = true;
-  for (const MlpJob& j : jobs) small = small && j.rows <= cpu::kGemvMaxM;
-  if (!small) {
-    for (const MlpJob& j : jobs) mlp(*j.w, j.x, j.rows, j.out);
-    return;
-  }
   // One region over the concatenated rows of several linears, in quads (4 weight rows; a
   // linear's rows start at a quad, so FP8 scale groups never split a GEMV tile).
   struct Part {

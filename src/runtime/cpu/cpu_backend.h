@@ -113,9 +113,9 @@ class CpuBackend : public Backend {
     const MlpWeights* shared = nullptr;
   };
   void mlp(const MlpWeights& m, const float* x, int64_t T, float* out);
-  // Several MLPs (MoE experts) on their own rows, each as mlp() computes it: when none has
-  // more than cpu::kGemvMaxM rows, all gate and up rows in one parallel region and all down
-  // rows in a second (not three regions per expert); else mlp() one after the other.
+  // Several MLPs (MoE experts of a decode-sized step, each on at most cpu::kGemvMaxM rows),
+  // each as mlp() computes it, in two parallel regions: all gate and up rows, then all down
+  // rows (not three regions per expert).
   struct MlpJob {
     const MlpWeights* w;
     const float* x;
