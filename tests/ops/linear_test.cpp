@@ -321,6 +321,27 @@ TEST(Linear, RowRangesEqualTheWholeCall) {
   }
 }
 
+// The AVX-512 kernels (chosen at run time where the CPU has them) give the AVX2 kernels' bits:
+// the FP8 GEMV at M = 1..4, rows whose last block has 1, 2, 3, 16 or 17 8-element steps, and
+// K with a scalar tail.
+TEST(Linear, Avx512GivesTheAvx2Bits) {
+  linear_allow_avx512(true);
+  if (!linear_uses_avx512()) GTEST_SKIP() << "this CPU (or build) has no AVX-512";
+  for (int64_t K : {136, 144, 152, 256, 264, 269, 2048 + 24, 2048 + 128})
+    for (int64_t M = 1; M <= kGemvMaxM; ++M) {
+      SCOPED_TRACE(testing::Message() << "K=" << K << " M=" << M);
+      TestWeight t = make_weight(LinearFormat::kFP8Block, 150, K, 101 + static_cast<uint32_t>(K));
+      auto x = test::random_floats(M * K, 102 + static_cast<uint32_t>(K + M));
+      std::vector<float> a(M * 150), b(M * 150);
+      linear(x.data(), M, t.w, a.data());
+      linear_allow_avx512(false);
+      EXPECT_FALSE(linear_uses_avx512());
+      linear(x.data(), M, t.w, b.data());
+      linear_allow_avx512(true);
+      for (int64_t i = 0; i < M * 150; ++i) ASSERT_EQ(f32_to_bits(a[i]), f32_to_bits(b[i])) << "i=" << i;
+    }
+}
+
 // An e4m3 NaN code (0x7f / 0xff) in a weight row makes exactly that row's outputs NaN, on
 // the GEMV path (M = 1, whose fast decoder does not produce NaN by itself) and the GEMM
 // path (M = 6); the other rows keep their exact results.
@@ -331,7 +352,9 @@ TEST(Linear, FP8NanCodePropagatesToItsRowOnly) {
     TestWeight clean = make_weight(LinearFormat::kFP8Block, N, K, 81);
     const int64_t bad_row = 130, bad_k = 37;
     t.w.weight.mutable_as<uint8_t>()[bad_row * K + bad_k] = code;
-    for (int64_t M : {1, 6}) {
+    for (int64_t M : {1, 6, -1}) {  // -1: M = 1 without AVX-512
+      linear_allow_avx512(M > 0);
+      M = std::abs(M);
       auto x = test::random_floats(M * K, 82);
       std::vector<float> y(M * N), yc(M * N);
       linear(x.data(), M, t.w, y.data());
@@ -346,6 +369,7 @@ TEST(Linear, FP8NanCodePropagatesToItsRowOnly) {
         }
     }
   }
+  linear_allow_avx512(true);
 }
 
 TEST(Linear, BadWeightIsAnErrorNotACrash) {

@@ -7,7 +7,9 @@
 //     f16 bits -> F16C, times the block scale), one weight row at a time at M = 1 (one
 //     sequential stream per thread), else 4 weight rows x up to 2 activation rows (bf16:
 //     x 1) per register tile. At M = 1 this is bound by memory bandwidth: nothing but the
-//     weight stream touches DRAM (x, a few KiB, stays in L1).
+//     weight stream touches DRAM (x, a few KiB, stays in L1). FP8 on a CPU with AVX-512
+//     (checked at run time, whatever the build's baseline) runs dot_row_fp8_avx512 instead:
+//     one weight row at a time for all M, 32 weights per step, the AVX2 tiles' bits.
 //   GEMM (bf16 / FP8 with M > kGemvMaxM; NVFP4 / MXFP4 at any M): each worker decodes
 //     a group of weight rows once to f32 (bf16: the even halves of the 16-blocks, then the
 //     odd halves, so each of its two accumulators streams one half) into a buffer that
@@ -26,6 +28,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -272,21 +275,81 @@ void tile_dispatch(int64_t rm, int64_t rn, F&& f) {
 #undef ML4_TILE
 }
 
+std::atomic<bool> g_allow_avx512{true};
+
+bool use_avx512() {
+#ifdef ML4_LINEAR_AVX512
+  return g_allow_avx512.load(std::memory_order_relaxed) && kernels::avx512_usable();
+#else
+  return false;
+#endif
+}
+
 // Thread-local scratch that only grows.
 std::vector<float>& scratch(int which) {
-  thread_local std::vector<float> bufs[4];  // 0 GEMM tile, 1 permuted x, 2 scales, 3 NaN path
+  thread_local std::vector<float> bufs[5];  // 0 GEMM tile, 1 permuted x, 2 scales, 3-4 NaN path
   return bufs[which];
 }
+// 64-byte aligned (a 16-float load never splits a cache line).
 float* scratch_floats(int which, int64_t n) {
   auto& v = scratch(which);
-  if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
-  return v.data();
+  if (static_cast<int64_t>(v.size()) < n + 16) v.resize(static_cast<size_t>(n + 16));
+  const uintptr_t p = reinterpret_cast<uintptr_t>(v.data());
+  return v.data() + ((64 - p % 64) % 64) / sizeof(float);
 }
+
+// The FP8 GEMV's answer for a tile (rm x rows of x from xm, weight rows [n, n + rn) of one
+// scale group whose scale row times 256 is s256) when a weight byte is a NaN code: the rows
+// decoded exactly (NaN codes NaN, as e4m3 defines) and summed in the same order.
+void fp8_exact_tile(const LinearWeight& w, const float* xm, int64_t rm, int64_t n, int64_t rn, const float* s256,
+                    float* ym) {
+  const int64_t N = w.out_features, K = w.in_features;
+  const float* srow = w.scale.as<float>() + (n / kFp8BlockSize) * ceil_div(K, kFp8BlockSize);
+  float* buf = scratch_floats(3, 4 * K);
+  float* xh = scratch_floats(4, 4 * K);
+  for (int64_t j = 0; j < rn; ++j)
+    kernels::decode_fp8_gemm_row(w.weight.as<uint8_t>() + (n + j) * K, K, srow, e4m3_table().data(), buf + j * K);
+  for (int64_t i = 0; i < rm; ++i) kernels::permute_fp8_halves(xm + i * K, K, xh + i * K);
+  const float* rows_s256[4] = {s256, s256, s256, s256};
+  tile_dispatch(rm, rn, [&](auto RM, auto RN) {
+    kernels::dot_tile_fp8_decoded<RM, RN>(xh, K, buf, K, rows_s256, K, ym, N);
+  });
+}
+
+#ifdef ML4_LINEAR_AVX512
+// FP8 rows [n0, n1) for all M (<= 4) rows of x with the AVX-512 row kernel, one weight row
+// at a time (one sequential stream per thread, each row decoded once for all M).
+void gemv_rows_fp8_avx512(const LinearWeight& w, const float* x, int64_t M, int64_t n0, int64_t n1, float* y) {
+  const int64_t N = w.out_features, K = w.in_features, kb = ceil_div(K, kFp8BlockSize);
+  float* s256 = scratch_floats(2, kb);
+  int64_t group = -1;
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* srow = w.scale.as<float>() + (n / kFp8BlockSize) * kb;
+    if (n / kFp8BlockSize != group) {
+      group = n / kFp8BlockSize;
+      for (int64_t b = 0; b < kb; ++b) s256[b] = srow[b] * 256.0f;
+    }
+    const uint8_t* q = w.weight.as<uint8_t>() + n * K;
+    const float* lut = e4m3_table().data();
+    bool ok = false;
+    switch (M) {
+      case 1: ok = kernels::dot_row_fp8_avx512<1>(x, K, q, srow, s256, lut, K, y + n, N); break;
+      case 2: ok = kernels::dot_row_fp8_avx512<2>(x, K, q, srow, s256, lut, K, y + n, N); break;
+      case 3: ok = kernels::dot_row_fp8_avx512<3>(x, K, q, srow, s256, lut, K, y + n, N); break;
+      default: ok = kernels::dot_row_fp8_avx512<4>(x, K, q, srow, s256, lut, K, y + n, N); break;
+    }
+    if (!ok) fp8_exact_tile(w, x, M, n, 1, s256, y + n);
+  }
+}
+#endif
 
 // f32 / bf16 / FP8 rows [n0, n1) for all M rows of x, reading the stored weight directly.
 // xs: x in the format's lane order (bf16: permuted; else x itself).
 void gemv_rows(const LinearWeight& w, const float* xs, int64_t M, int64_t n0, int64_t n1, float* y) {
   const int64_t N = w.out_features, K = w.in_features;
+#ifdef ML4_LINEAR_AVX512
+  if (w.format == LinearFormat::kFP8Block && use_avx512()) return gemv_rows_fp8_avx512(w, xs, M, n0, n1, y);
+#endif
   // M = 1 (decode): one weight row at a time, so each thread reads one sequential stream.
   // Four interleaved row streams (the M > 1 tile) measured 15-20% slower for bf16 and up to
   // 2x slower for FP8 on the dev machine (cpu_ops_bench --shape 131072,2048, 2026-12-04): the
@@ -328,16 +391,7 @@ void gemv_rows(const LinearWeight& w, const float* xs, int64_t M, int64_t n0, in
             ok = kernels::dot_tile_fp8<RM, RN>(xm, K, w.weight.as<uint8_t>() + n * K, K, srow, s256,
                                                e4m3_table().data(), K, ym, N);
           });
-          if (!ok) {  // a NaN code: the exact decoder makes it NaN as e4m3 defines
-            float* buf = scratch_floats(3, 4 * K);
-            for (int64_t j = 0; j < rn; ++j)
-              kernels::decode_fp8_gemm_row(w.weight.as<uint8_t>() + (n + j) * K, K, srow, e4m3_table().data(),
-                                           buf + j * K);
-            const float* rows_s256[4] = {s256, s256, s256, s256};
-            tile_dispatch(rm, rn, [&](auto RM, auto RN) {
-              kernels::dot_tile_fp8_decoded<RM, RN>(xm, K, buf, K, rows_s256, K, ym, N);
-            });
-          }
+          if (!ok) fp8_exact_tile(w, xm, rm, n, rn, s256, ym);
           break;
         }
         case LinearFormat::kNVFP4:
@@ -420,7 +474,7 @@ bool is_direct(const LinearWeight& w, int64_t M) {
 
 // Checks w (false: y is NaN, the message logged) and returns x in the order the path reads
 // (bf16: a permuted copy in the calling thread's scratch, lane order for the GEMV and halves
-// order for the GEMM; else x itself).
+// order for the GEMM; FP8's GEMM: its per-block halves order; else x itself).
 const float* prepare(const float* x, int64_t M, const LinearWeight& w, float* y) {
   const int64_t N = w.out_features, K = w.in_features;
   if (Status st = validate_linear_weight(w); !st.is_ok()) {
@@ -428,17 +482,22 @@ const float* prepare(const float* x, int64_t M, const LinearWeight& w, float* y)
     if (N > 0) std::fill(y, y + M * N, std::numeric_limits<float>::quiet_NaN());
     return nullptr;
   }
-  if (w.format != LinearFormat::kBF16) return x;
-  float* xp = scratch_floats(1, M * K);
   const bool direct = is_direct(w, M);
+  const bool fp8_gemm = w.format == LinearFormat::kFP8Block && !direct;
+  if (w.format != LinearFormat::kBF16 && !fp8_gemm) return x;
+  float* xp = scratch_floats(1, M * K);
   for (int64_t m = 0; m < M; ++m) {
-    if (direct) kernels::permute_bf16_order(x + m * K, K, xp + m * K);
+    if (fp8_gemm) kernels::permute_fp8_halves(x + m * K, K, xp + m * K);
+    else if (direct) kernels::permute_bf16_order(x + m * K, K, xp + m * K);
     else kernels::permute_bf16_halves(x + m * K, K, xp + m * K);
   }
   return xp;
 }
 
 }  // namespace
+
+void linear_allow_avx512(bool allow) { g_allow_avx512.store(allow, std::memory_order_relaxed); }
+bool linear_uses_avx512() { return use_avx512(); }
 
 void linear_rows(const float* x, int64_t M, const LinearWeight& w, int64_t n0, int64_t n1, float* y) {
   if (M <= 0 || n0 >= n1) return;

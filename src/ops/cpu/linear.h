@@ -34,6 +34,12 @@ void linear(const float* x, int64_t M, const LinearWeight& w, float* y);
 // multiple of 4 (a GEMV tile, so an FP8 scale group never splits one).
 void linear_rows(const float* x, int64_t M, const LinearWeight& w, int64_t n0, int64_t n1, float* y);
 
+// Whether linear() may use its AVX-512 kernels where the CPU has them (default true). They
+// give the same bits as the AVX2 ones; tests switch them off to compare the two.
+void linear_allow_avx512(bool allow);
+// True when linear() runs AVX-512 kernels (allowed, built, and the CPU has them).
+bool linear_uses_avx512();
+
 // Decodes weight rows [n0, n1) to f32 into out ([n1-n0, K] row-major), exactly.
 // Exposed for tests, the CUDA backend's reference path, and re-quantization tools.
 void decode_weight_rows(const LinearWeight& w, int64_t n0, int64_t n1, float* out);

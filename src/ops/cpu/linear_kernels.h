@@ -12,16 +12,23 @@
 //                                                     acc_o = fma(X_b.odd, W_b.odd, acc_o) }
 //   y = hsum8(acc_e + acc_o);   then the tail as above.
 // FP8's vector part is summed per 128-wide scale block b (DeepSeek's FP8 GEMM order, also
-// the CUDA backend's):
-//   acc = 0; for each block b: { blk = 0; for its steps: blk = fma(X_s, Q_s, blk);
-//                                acc = fma(blk, 256 s_b, acc) }
+// the CUDA backend's), each block as two chains, its even and its odd 8-element steps
+// (counted from the block's start):
+//   ae = ao = 0; for each block b: { be = bo = 0; for its steps s: (s even ? be : bo) =
+//                                      fma(X_s, Q_s, ·);
+//                                    ae = fma(be, 256 s_b, ae); ao = fma(bo, 256 s_b, ao) }
+//   y = hsum8(ae + ao); then the tail as above
 // with Q_s = e4m3 * 2^-8 exactly (F16C decodes e4m3 as an f16 that is 2^-8 times its
 // value) and the tail's w_k = e4m3 * s rounded once. Folding the scale per block saves a
-// multiply per weight (on this AVX2 machine the FP8 GEMV is bound by decode, not by
-// memory); each x_k q_k is still exact inside its FMA, so the error bound is unchanged.
+// multiply per weight (the FP8 GEMV is bound by decode, not by memory); each x_k q_k is
+// still exact inside its FMA, so the error bound is unchanged. The two chains are what one
+// 16-lane AVX-512 accumulator holds (lanes 0-7 the even steps, 8-15 the odd), so the
+// AVX-512 kernels (chosen at run time) give the AVX2 kernels' bits with one register per
+// output and block.
 // where the vector part is [0, kv) and the tail [kv, K). X_s / W_s are 8 consecutive
 // elements in the format's lane order:
-//   f32, FP8, NVFP4, MXFP4: natural order, kv = 8 * floor(K / 8);
+//   f32, FP8, NVFP4, MXFP4: natural order, kv = 8 * floor(K / 8) (the FP8 GEMM path stores
+//     each block's even steps before its odd ones: permute_fp8_halves);
 //   bf16: within each 16-element block, first the 8 even then the 8 odd elements, kv =
 //     16 * floor(K / 16). This is the order in which AVX2 splits 16 bf16 (one 256-bit load)
 //     into two f32 vectors with one AND and one shift, with no cross-lane shuffle.
@@ -30,6 +37,7 @@
 // Without AVX2 the same arithmetic runs on an emulated vector, so results are identical.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -262,45 +270,73 @@ inline Vec8 set8(float v) {
 }
 #endif
 
-// Decodes one stored FP8 row for the GEMM path: [0, kv) as e4m3 * 2^-8 (exact; NaN codes
-// NaN), [kv, K) as e4m3 * s rounded once (lut: the e4m3 table, srow: the row's scales).
-inline void decode_fp8_gemm_row(const uint8_t* q, int64_t K, const float* srow, const float* lut, float* out) {
+// The FP8 GEMM path's order: within each 128-block of the vector part, the even 8-element
+// steps (counted from the block's start) in order, then the odd ones; the tail as is.
+// Position of step s of a block of S steps: even s at s / 2, odd s at (S + 1) / 2 + s / 2.
+inline int64_t fp8_halves_step(int64_t s, int64_t S) { return (s % 2 == 0) ? s / 2 : (S + 1) / 2 + s / 2; }
+
+// src [K] natural -> dst [K] in the FP8 GEMM path's order.
+inline void permute_fp8_halves(const float* src, int64_t K, float* dst) {
   const int64_t kv = K / 8 * 8;
-  int64_t k = 0;
-#ifdef ML4_LINEAR_AVX2
-  for (; k < kv; k += 8) {
-    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k)));
-    const __m128i mag = _mm_and_si128(b, _mm_set1_epi16(0x7f));
-    const __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
-    const __m256 v = _mm256_cvtph_ps(_mm_or_si128(_mm_slli_epi16(mag, 7), sign));
-    const __m256i nan = _mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f)));
-    _mm256_storeu_ps(out + k, _mm256_or_ps(v, _mm256_castsi256_ps(nan)));
+  for (int64_t b0 = 0; b0 < kv; b0 += 128) {
+    const int64_t S = (std::min<int64_t>(b0 + 128, kv) - b0) / 8;
+    for (int64_t s = 0; s < S; ++s)
+      for (int i = 0; i < 8; ++i) dst[b0 + 8 * fp8_halves_step(s, S) + i] = src[b0 + 8 * s + i];
   }
-#else
-  for (; k < kv; ++k) out[k] = lut[q[k]] * 0x1p-8f;
-#endif
-  for (; k < K; ++k) out[k] = lut[q[k]] * srow[k / 128];
+  for (int64_t k = kv; k < K; ++k) dst[k] = src[k];
 }
 
-// GEMM tile on rows decoded by decode_fp8_gemm_row. s256[j]: row j's scale row, times 256.
+// Decodes one stored FP8 row for the GEMM path, in its order: [0, kv) as e4m3 * 2^-8 (exact;
+// NaN codes NaN), [kv, K) as e4m3 * s rounded once (lut: the e4m3 table, srow: the row's
+// scales).
+inline void decode_fp8_gemm_row(const uint8_t* q, int64_t K, const float* srow, const float* lut, float* out) {
+  const int64_t kv = K / 8 * 8;
+  for (int64_t b0 = 0; b0 < kv; b0 += 128) {
+    const int64_t S = (std::min<int64_t>(b0 + 128, kv) - b0) / 8;
+    for (int64_t s = 0; s < S; ++s) {
+      const uint8_t* qs = q + b0 + 8 * s;
+      float* o = out + b0 + 8 * fp8_halves_step(s, S);
+#ifdef ML4_LINEAR_AVX2
+      const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs)));
+      const __m128i mag = _mm_and_si128(b, _mm_set1_epi16(0x7f));
+      const __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
+      const __m256 v = _mm256_cvtph_ps(_mm_or_si128(_mm_slli_epi16(mag, 7), sign));
+      const __m256i nan = _mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f)));
+      _mm256_storeu_ps(o, _mm256_or_ps(v, _mm256_castsi256_ps(nan)));
+#else
+      for (int i = 0; i < 8; ++i) o[i] = lut[qs[i]] * 0x1p-8f;
+#endif
+    }
+  }
+  for (int64_t k = kv; k < K; ++k) out[k] = lut[q[k]] * srow[k / 128];
+}
+
+// GEMM tile on rows decoded by decode_fp8_gemm_row, x in the same order
+// (permute_fp8_halves). s256[j]: row j's scale row, times 256.
 template <int RM, int RN>
 inline void dot_tile_fp8_decoded(const float* x, int64_t ldx, const float* w, int64_t ldw, const float* const* s256,
                                  int64_t K, float* y, int64_t ldy) {
   const int64_t kv = K / 8 * 8;
-  Vec8 acc[RM][RN];
-  ML4_UNROLL for (int i = 0; i < RM; ++i) ML4_UNROLL for (int j = 0; j < RN; ++j) acc[i][j] = zero8();
+  Vec8 ae[RM][RN], ao[RM][RN];
+  ML4_UNROLL for (int i = 0; i < RM; ++i) ML4_UNROLL for (int j = 0; j < RN; ++j) ae[i][j] = ao[i][j] = zero8();
   for (int64_t b0 = 0; b0 < kv; b0 += 128) {
     const int64_t b1 = b0 + 128 < kv ? b0 + 128 : kv;
+    const int64_t h = b0 + 8 * (((b1 - b0) / 8 + 1) / 2);  // end of the even steps
     Vec8 blk[RM][RN];
-    fma_steps<RM, RN>(x, ldx, w, ldw, b0, b1, blk);
+    fma_steps<RM, RN>(x, ldx, w, ldw, b0, h, blk);
     ML4_UNROLL for (int j = 0; j < RN; ++j) {
       const Vec8 sv = set8(s256[j][b0 / 128]);
-      ML4_UNROLL for (int i = 0; i < RM; ++i) acc[i][j] = fma8(blk[i][j], sv, acc[i][j]);
+      ML4_UNROLL for (int i = 0; i < RM; ++i) ae[i][j] = fma8(blk[i][j], sv, ae[i][j]);
+    }
+    fma_steps<RM, RN>(x, ldx, w, ldw, h, b1, blk);
+    ML4_UNROLL for (int j = 0; j < RN; ++j) {
+      const Vec8 sv = set8(s256[j][b0 / 128]);
+      ML4_UNROLL for (int i = 0; i < RM; ++i) ao[i][j] = fma8(blk[i][j], sv, ao[i][j]);
     }
   }
   for (int i = 0; i < RM; ++i)
     for (int j = 0; j < RN; ++j) {
-      float s = hsum8(acc[i][j]);
+      float s = hsum8(add8(ae[i][j], ao[i][j]));
       for (int64_t k = kv; k < K; ++k) s = std::fma(x[i * ldx + k], w[j * ldw + k], s);
       y[i * ldy + j] = s;
     }
@@ -314,15 +350,15 @@ template <int RM, int RN>
 inline bool dot_tile_fp8(const float* x, int64_t ldx, const uint8_t* q, int64_t ldq, const float* srow,
                          const float* s256, const float* lut, int64_t K, float* y, int64_t ldy) {
   const int64_t kv = K / 8 * 8;
-  Vec8 acc[RM][RN];
-  ML4_UNROLL for (int i = 0; i < RM; ++i) ML4_UNROLL for (int j = 0; j < RN; ++j) acc[i][j] = zero8();
+  Vec8 ae[RM][RN], ao[RM][RN];
+  ML4_UNROLL for (int i = 0; i < RM; ++i) ML4_UNROLL for (int j = 0; j < RN; ++j) ae[i][j] = ao[i][j] = zero8();
 #ifdef ML4_LINEAR_AVX2
   __m128i probe = _mm_setzero_si128();
 #endif
   for (int64_t b0 = 0; b0 < kv; b0 += 128) {
     const int64_t b1 = b0 + 128 < kv ? b0 + 128 : kv;
-    Vec8 blk[RM][RN];
-    ML4_UNROLL for (int i = 0; i < RM; ++i) ML4_UNROLL for (int j = 0; j < RN; ++j) blk[i][j] = zero8();
+    Vec8 be[RM][RN], bo[RM][RN];  // the block's even and odd steps
+    ML4_UNROLL for (int i = 0; i < RM; ++i) ML4_UNROLL for (int j = 0; j < RN; ++j) be[i][j] = bo[i][j] = zero8();
     int64_t k = b0;
 #ifdef ML4_LINEAR_AVX2
     for (; k + 16 <= b1; k += 16) {
@@ -335,19 +371,19 @@ inline bool dot_tile_fp8(const float* x, int64_t ldx, const uint8_t* q, int64_t 
       }
       ML4_UNROLL for (int i = 0; i < RM; ++i) {
         const Vec8 xv = load8(x + i * ldx + k);
-        ML4_UNROLL for (int j = 0; j < RN; ++j) blk[i][j] = fma8(xv, w0[j], blk[i][j]);
+        ML4_UNROLL for (int j = 0; j < RN; ++j) be[i][j] = fma8(xv, w0[j], be[i][j]);
       }
       ML4_UNROLL for (int i = 0; i < RM; ++i) {
         const Vec8 xv = load8(x + i * ldx + k + 8);
-        ML4_UNROLL for (int j = 0; j < RN; ++j) blk[i][j] = fma8(xv, w1[j], blk[i][j]);
+        ML4_UNROLL for (int j = 0; j < RN; ++j) bo[i][j] = fma8(xv, w1[j], bo[i][j]);
       }
     }
-    for (; k < b1; k += 8) {
+    if (k < b1) {  // one even step left (a block of an odd number of steps)
       Vec8 w0[RN];
       ML4_UNROLL for (int j = 0; j < RN; ++j) w0[j] = f16x8(e4m3x8_to_f16(q + j * ldq + k, probe));
       ML4_UNROLL for (int i = 0; i < RM; ++i) {
         const Vec8 xv = load8(x + i * ldx + k);
-        ML4_UNROLL for (int j = 0; j < RN; ++j) blk[i][j] = fma8(xv, w0[j], blk[i][j]);
+        ML4_UNROLL for (int j = 0; j < RN; ++j) be[i][j] = fma8(xv, w0[j], be[i][j]);
       }
     }
 #else
@@ -355,25 +391,110 @@ inline bool dot_tile_fp8(const float* x, int64_t ldx, const uint8_t* q, int64_t 
       Vec8 w0[RN];
       for (int j = 0; j < RN; ++j)
         for (int l = 0; l < 8; ++l) w0[j].v[l] = lut[q[j * ldq + k + l]] * 0x1p-8f;
+      const bool even = (k - b0) / 8 % 2 == 0;
       for (int i = 0; i < RM; ++i) {
         const Vec8 xv = load8(x + i * ldx + k);
-        for (int j = 0; j < RN; ++j) blk[i][j] = fma8(xv, w0[j], blk[i][j]);
+        for (int j = 0; j < RN; ++j) {
+          Vec8& a = even ? be[i][j] : bo[i][j];
+          a = fma8(xv, w0[j], a);
+        }
       }
     }
 #endif
     const Vec8 sv = set8(s256[b0 / 128]);
-    ML4_UNROLL for (int i = 0; i < RM; ++i) ML4_UNROLL for (int j = 0; j < RN; ++j) acc[i][j] = fma8(blk[i][j], sv, acc[i][j]);
+    ML4_UNROLL for (int i = 0; i < RM; ++i) ML4_UNROLL for (int j = 0; j < RN; ++j) {
+      ae[i][j] = fma8(be[i][j], sv, ae[i][j]);
+      ao[i][j] = fma8(bo[i][j], sv, ao[i][j]);
+    }
   }
 #ifdef ML4_LINEAR_AVX2
   if (probe_has_nan(probe)) return false;
 #endif
   for (int i = 0; i < RM; ++i)
     for (int j = 0; j < RN; ++j) {
-      float s = hsum8(acc[i][j]);
+      float s = hsum8(add8(ae[i][j], ao[i][j]));
       for (int64_t k = kv; k < K; ++k) s = std::fma(x[i * ldx + k], lut[q[j * ldq + k]] * srow[k / 128], s);
       y[i * ldy + j] = s;
     }
   return true;
 }
+
+// ---------------------------------------------------------------------------------------
+// AVX-512 (compiled for it whatever the build's baseline, used only where the CPU has it:
+// linear.cpp asks avx512_usable()). The same arithmetic as the AVX2 tiles above, so every
+// result bit is the same; tests/ops/linear_test.cpp checks both paths against each other.
+#if defined(ML4_LINEAR_AVX2) && defined(__GNUC__) && defined(__x86_64__)
+#define ML4_LINEAR_AVX512 1
+#define ML4_AVX512_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+
+inline bool avx512_usable() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return ok;
+}
+
+// FP8 GEMV: RM activation rows (1..4, ldx apart) x one weight row (dot_tile_fp8<RM, 1>'s
+// result; y[i * ldy]). 32 weights per step, decoded once for all RM rows: e4m3 -> f16 by
+// sign extension (sign at bits 15 and 14, magnitude at 13..7 after << 7; clearing bit 14
+// leaves sign << 15 | magnitude << 7, the f16 that is 2^-8 times the e4m3 value), one 16-lane
+// accumulator per block and activation row (lanes 0-7: the block's even 8-steps, 8-15: its
+// odd ones). One row at a time keeps one sequential weight stream per thread. Returns false
+// when a weight byte is a NaN code (the caller takes the exact path).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12's own _mm512 extract helpers
+#pragma GCC diagnostic ignored "-Wuninitialized"
+template <int RM>
+ML4_AVX512_FN inline bool dot_row_fp8_avx512(const float* x, int64_t ldx, const uint8_t* q, const float* srow,
+                                             const float* s256, const float* lut, int64_t K, float* y, int64_t ldy) {
+  const int64_t kv = K / 8 * 8;
+  const __m512i keep = _mm512_set1_epi16(static_cast<short>(0xbfff));
+  const __m256i m7f = _mm256_set1_epi8(0x7f);
+  __m512 acc[RM];  // lanes 0-7: ae, 8-15: ao
+  ML4_UNROLL for (int i = 0; i < RM; ++i) acc[i] = _mm512_setzero_ps();
+  __m256i probe = _mm256_setzero_si256();
+  for (int64_t b0 = 0; b0 < kv; b0 += 128) {
+    const int64_t b1 = b0 + 128 < kv ? b0 + 128 : kv;
+    __m512 blk[RM];
+    ML4_UNROLL for (int i = 0; i < RM; ++i) blk[i] = _mm512_setzero_ps();
+    int64_t k = b0;
+    for (; k + 32 <= b1; k += 32) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k));
+      probe = _mm256_max_epu8(probe, _mm256_and_si256(b, m7f));
+      const __m512i h = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(b), 7), keep);
+      const __m512 w0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), w1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+      ML4_UNROLL for (int i = 0; i < RM; ++i) blk[i] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i * ldx + k), w0, blk[i]);
+      ML4_UNROLL for (int i = 0; i < RM; ++i) blk[i] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i * ldx + k + 16), w1, blk[i]);
+    }
+    if (k + 16 <= b1) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k));
+      probe = _mm256_max_epu8(probe, _mm256_and_si256(_mm256_zextsi128_si256(b), m7f));
+      const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm512_castsi512_si256(keep));
+      const __m512 w0 = _mm512_cvtph_ps(h);
+      ML4_UNROLL for (int i = 0; i < RM; ++i) blk[i] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i * ldx + k), w0, blk[i]);
+      k += 16;
+    }
+    if (k < b1) {  // one even step left
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k));
+      probe = _mm256_max_epu8(probe, _mm256_and_si256(_mm256_zextsi128_si256(b), m7f));
+      const __m256 w0 = _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(b), 7), _mm512_castsi512_si128(keep)));
+      ML4_UNROLL for (int i = 0; i < RM; ++i) {
+        const __m256 lo = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * ldx + k), w0, _mm512_castps512_ps256(blk[i]));
+        blk[i] = _mm512_insertf32x8(blk[i], lo, 0);
+      }
+    }
+    const __m512 sv = _mm512_set1_ps(s256[b0 / 128]);
+    ML4_UNROLL for (int i = 0; i < RM; ++i) acc[i] = _mm512_fmadd_ps(blk[i], sv, acc[i]);
+  }
+  if (_mm256_movemask_epi8(_mm256_cmpeq_epi8(probe, m7f)) != 0) return false;
+  for (int i = 0; i < RM; ++i) {
+    float s = hsum8(Vec8{_mm256_add_ps(_mm512_castps512_ps256(acc[i]), _mm512_extractf32x8_ps(acc[i], 1))});
+    for (int64_t k = kv; k < K; ++k) s = std::fma(x[i * ldx + k], lut[q[k]] * srow[k / 128], s);
+    y[i * ldy] = s;
+  }
+  return true;
+}
+
+#pragma GCC diagnostic pop
+#endif
 
 }  // namespace ml4::cpu::kernels
