@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 
 #include "model/checkpoint.h"
 #include "model/config_loader.h"
@@ -56,6 +57,11 @@ Result<QuantizeReport> quantize_checkpoint(const QuantizeOptions& o) {
   else if (o.to == "nvfp4") target = WeightFormat::kNVFP4Experts;
   else if (o.to == "mxfp4") target = WeightFormat::kMXFP4Experts;
   else return invalid_argument("--to must be bf16, fp8, mxfp4 or nvfp4, got '{}'", o.to);
+  std::optional<LinearFormat> head_format;
+  if (o.output_tensor_type == "bf16") head_format = LinearFormat::kBF16;
+  else if (o.output_tensor_type == "fp8") head_format = LinearFormat::kFP8Block;
+  else if (!o.output_tensor_type.empty())
+    return invalid_argument("--output-tensor-type must be bf16 or fp8, got '{}'", o.output_tensor_type);
   std::error_code ec;
   if (fs::exists(o.out_dir, ec) && fs::equivalent(o.in_dir, o.out_dir, ec))
     return invalid_argument("OUT ({}) is the input directory; write the quantized model elsewhere", o.out_dir);
@@ -76,6 +82,10 @@ Result<QuantizeReport> quantize_checkpoint(const QuantizeOptions& o) {
   const std::string hf_type = out_cfg.hf_model_type.empty() ? "mistral4" : out_cfg.hf_model_type;
   if (layout == CheckpointLayout::kHF) ML4_RETURN_IF_ERROR(check_hf_representable(out_cfg, hf_type));
 
+  if (head_format == LinearFormat::kFP8Block && layout == CheckpointLayout::kHF)
+    return unimplemented("--output-tensor-type fp8 writes the native layout only: transformers' FP8 loader keeps lm_head "
+                         "in bf16, so {} would not load there; quantize a params.json directory",
+                         o.in_dir);
   std::map<std::string, ExpectedTensor> source;
   for (auto& t : expected_tensors(cfg, layout)) source.emplace(t.name, t);
   QuantizeReport rep;
@@ -85,7 +95,9 @@ Result<QuantizeReport> quantize_checkpoint(const QuantizeOptions& o) {
     ML4_ASSIGN_OR_RETURN(Tensor t, ck.get(name));
     return w.add(name, t);
   };
-  for (const ExpectedTensor& t : expected_tensors(out_cfg, layout)) {
+  const std::string head_name = layout == CheckpointLayout::kHF ? "lm_head.weight" : "output.weight";
+  for (ExpectedTensor t : expected_tensors(out_cfg, layout)) {
+    if (head_format && t.name == head_name) t = stored_as(t, *head_format);
     if (!ck.contains(t.name)) {
       if (t.drafter) continue;  // a checkpoint without the drafter stays without it
       return not_found("{}: tensor {} is missing from the input", o.in_dir, t.name);
@@ -94,8 +106,10 @@ Result<QuantizeReport> quantize_checkpoint(const QuantizeOptions& o) {
     auto src = source.find(t.name);
     // Copied as stored: not a linear, or a bf16 / f32 one the source keeps in that format too
     // (--to bf16 decodes the others through quantize_linear below).
+    // (The stored dtype decides what the source holds: an FP8 `output` counts as FP8.)
     const bool plain = t.format == LinearFormat::kBF16 || t.format == LinearFormat::kF32;
-    if (!linear || src == source.end() || (plain && src->second.format == t.format)) {
+    ML4_ASSIGN_OR_RETURN(Tensor stored, ck.get(t.name));
+    if (!linear || src == source.end() || (plain && src->second.format == t.format && stored.dtype() == t.stored_dtype())) {
       ML4_RETURN_IF_ERROR(copy(t.name));
       if (src != source.end())
         for (const auto& s : src->second.scales)

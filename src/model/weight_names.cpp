@@ -15,6 +15,36 @@ namespace {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// The scale tensors of linear `n` stored in format f (`experts` > 0: a fused HF expert tensor).
+std::vector<ScaleTensor> linear_scales(const std::string& n, int64_t out, int64_t in, LinearFormat f, int64_t experts) {
+  std::vector<ScaleTensor> scales;
+  const bool fused = experts > 0;
+  std::string base = n;
+  if (!fused && base.size() > 7 && base.compare(base.size() - 7, 7, ".weight") == 0) base.resize(base.size() - 7);
+  auto scale_name = [&](const char* suffix) { return fused ? base + "_" + suffix : base + "." + suffix; };
+  auto lead = [&](Shape s) {
+    if (fused) s.insert(s.begin(), experts);
+    return s;
+  };
+  switch (f) {
+    case LinearFormat::kF32:
+    case LinearFormat::kBF16: break;
+    case LinearFormat::kFP8Block:
+      // transformers' fused FP8 experts use `gate_up_proj_scale_inv`.
+      scales.push_back({fused ? base + "_scale_inv" : scale_name(kFp8BlockScaleSuffix),
+                        lead({ceil_div(out, kFp8BlockSize), ceil_div(in, kFp8BlockSize)}), DType::kF32});
+      break;
+    case LinearFormat::kNVFP4:
+      scales.push_back({scale_name(kFp4BlockScaleSuffix), lead({out, in / kNvfp4GroupSize}), DType::kF8E4M3});
+      scales.push_back({scale_name(kNvfp4GlobalScaleSuffix), fused ? Shape{experts} : Shape{}, DType::kF32});
+      break;
+    case LinearFormat::kMXFP4:
+      scales.push_back({scale_name(kFp4BlockScaleSuffix), lead({out, in / kMxfp4GroupSize}), DType::kE8M0});
+      break;
+  }
+  return scales;
+}
+
 class Builder {
  public:
   Builder(const ModelConfig& cfg, CheckpointLayout layout) : cfg_(cfg), hf_(layout == CheckpointLayout::kHF) {}
@@ -66,30 +96,7 @@ class Builder {
     t.format = f;
     t.layer = layer_;
     t.drafter = drafter_;
-    const bool fused = experts > 0;
-    std::string base = n;
-    if (!fused && base.size() > 7 && base.compare(base.size() - 7, 7, ".weight") == 0) base.resize(base.size() - 7);
-    auto scale_name = [&](const char* suffix) { return fused ? base + "_" + suffix : base + "." + suffix; };
-    auto lead = [&](Shape s) {
-      if (fused) s.insert(s.begin(), experts);
-      return s;
-    };
-    switch (f) {
-      case LinearFormat::kF32:
-      case LinearFormat::kBF16: break;
-      case LinearFormat::kFP8Block:
-        // transformers' fused FP8 experts use `gate_up_proj_scale_inv`.
-        t.scales.push_back({fused ? base + "_scale_inv" : scale_name(kFp8BlockScaleSuffix),
-                            lead({ceil_div(out, kFp8BlockSize), ceil_div(in, kFp8BlockSize)}), DType::kF32});
-        break;
-      case LinearFormat::kNVFP4:
-        t.scales.push_back({scale_name(kFp4BlockScaleSuffix), lead({out, in / kNvfp4GroupSize}), DType::kF8E4M3});
-        t.scales.push_back({scale_name(kNvfp4GlobalScaleSuffix), fused ? Shape{experts} : Shape{}, DType::kF32});
-        break;
-      case LinearFormat::kMXFP4:
-        t.scales.push_back({scale_name(kFp4BlockScaleSuffix), lead({out, in / kMxfp4GroupSize}), DType::kE8M0});
-        break;
-    }
+    t.scales = linear_scales(n, out, in, f, experts);
     out_.push_back(std::move(t));
     return out_.back();
   }
@@ -343,6 +350,14 @@ bool hf_fused_experts(const ModelConfig& cfg) { return cfg.hf_model_type == "mis
 
 std::vector<ExpectedTensor> expected_tensors(const ModelConfig& cfg, CheckpointLayout layout) {
   return Builder(cfg, layout).build();
+}
+
+ExpectedTensor stored_as(const ExpectedTensor& t, LinearFormat f) {
+  ExpectedTensor r = t;
+  const bool fused = t.shape.size() == 3;
+  r.format = f;
+  r.scales = linear_scales(t.name, t.shape[fused ? 1 : 0], t.shape[fused ? 2 : 1], f, fused ? t.shape[0] : 0);
+  return r;
 }
 
 Result<std::string> hf_name_from_native(const std::string& n) {

@@ -69,6 +69,11 @@ struct ExpectedTensor {
 // which transformers fuses at load.
 std::vector<ExpectedTensor> expected_tensors(const ModelConfig& cfg, CheckpointLayout layout);
 
+// Linear t (one of expected_tensors()) stored in format f instead: its scale tensors follow
+// f (`ml4 quantize --output-tensor-type fp8` stores `output` FP8; the loaders take any
+// linear in the format its stored dtype says).
+ExpectedTensor stored_as(const ExpectedTensor& t, LinearFormat f);
+
 // Whether HF names use fused expert tensors for this config (true for hf_model_type mistral4).
 bool hf_fused_experts(const ModelConfig& cfg);
 

@@ -77,7 +77,9 @@ void check_quantized(const std::string& in, const std::string& out, WeightFormat
     ASSERT_FALSE(t.scales.empty());
     Tensor s = ck_out.get(t.scales[0].name).value();
     EXPECT_TRUE(same_bytes(s, q.scale));
-    if (t.format == LinearFormat::kNVFP4) EXPECT_EQ(ck_out.get(t.scales[1].name).value().as<float>()[0], q.global_scale);
+    if (t.format == LinearFormat::kNVFP4) {
+      EXPECT_EQ(ck_out.get(t.scales[1].name).value().as<float>()[0], q.global_scale);
+    }
     ++quantized;
   }
   EXPECT_GT(quantized, 10);
@@ -142,6 +144,51 @@ TEST(Quantize, Fp8BackToBf16) {
   }
   EXPECT_GT(decoded, 10);
   EXPECT_TRUE(load_model_weights(*cfg, back).ok());
+}
+
+// --output-tensor-type fp8 (llama-quantize's flag): `output` is stored FP8 128x128 with its
+// scale, bytes equal to quantize_linear() of the bf16 head, the loader takes it as an FP8
+// linear; quantizing that model back to bf16 decodes the head too (its stored dtype, not the
+// recipe, says what it is); the HF layout is refused (transformers keeps lm_head bf16).
+TEST(Quantize, Fp8OutputHead) {
+  testing::TempDir tmp;
+  const std::string in = tmp.file("bf16");
+  make_tiny(in, "ml4-tiny", "native");
+  QuantizeOptions o{in, tmp.file("fp8"), "fp8"};
+  o.output_tensor_type = "fp8";
+  auto r = quantize_checkpoint(o);
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  auto cfg = load_model_config(o.out_dir).value();
+  Checkpoint ck_in = Checkpoint::open(in).value(), ck = Checkpoint::open(o.out_dir).value();
+  Tensor head = ck.get("output.weight").value();
+  ASSERT_EQ(head.dtype(), DType::kF8E4M3);
+  const int64_t V = cfg.vocab_size, D = cfg.dim;
+  const std::vector<float> f =
+      dequantize_linear(make_linear_weight("output.weight", LinearFormat::kBF16, V, D, ck_in.get("output.weight").value()).value());
+  auto want = quantize_linear(f.data(), V, D, LinearFormat::kFP8Block, "output.weight").value();
+  EXPECT_TRUE(same_bytes(head, want.weight));
+  EXPECT_TRUE(same_bytes(ck.get("output.weight_scale_inv").value(), want.scale));
+  auto weights = load_model_weights(cfg, ck);
+  ASSERT_TRUE(weights.ok()) << weights.status().message();
+  EXPECT_EQ((*weights)->output.format, LinearFormat::kFP8Block);
+
+  auto back = quantize_checkpoint({o.out_dir, tmp.file("back"), "bf16"});
+  ASSERT_TRUE(back.ok()) << back.status().message();
+  Checkpoint ckb = Checkpoint::open(tmp.file("back")).value();
+  auto want_bf16 = quantize_linear(dequantize_linear(want).data(), V, D, LinearFormat::kBF16, "output.weight").value();
+  EXPECT_TRUE(same_bytes(ckb.get("output.weight").value(), want_bf16.weight));
+  EXPECT_FALSE(ckb.contains("output.weight_scale_inv"));
+  EXPECT_TRUE(load_model_weights(load_model_config(tmp.file("back")).value(), ckb).ok());
+
+  make_tiny(tmp.file("hf"), "dsv32-tiny", "hf");
+  QuantizeOptions h{tmp.file("hf"), tmp.file("hf-fp8"), "fp8"};
+  h.output_tensor_type = "fp8";
+  auto bad = quantize_checkpoint(h);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("lm_head"), std::string::npos) << bad.status().message();
+  EXPECT_FALSE(std::filesystem::exists(tmp.file("hf-fp8")));
+  h.output_tensor_type = "int8";
+  EXPECT_FALSE(quantize_checkpoint(h).ok());
 }
 
 // The HF layout of a per-expert model type (deepseek_v32) quantizes too; fused mistral4

@@ -15,6 +15,9 @@ CommandRegistrar reg("quantize", [](CLI::App& app, int* exit_code) {
   cmd->add_option("--to", o->to, "bf16: every linear decoded and rounded to bf16; fp8: every linear but output/gate/indexer.weights_proj; mxfp4 / nvfp4: routed "
                                  "experts FP4, the other linears fp8")
       ->required();
+  cmd->add_option("--output-tensor-type", o->output_tensor_type,
+                  "the output head's format, bf16 or fp8 (default: the recipe's, bf16; llama-quantize's flag)")
+      ->check(CLI::IsMember({"bf16", "fp8"}));
   cmd->add_option("--max-shard-bytes", o->max_shard_bytes, "split the weights into shards of at most this size");
   cmd->add_option("IN", o->in_dir, "model directory (params.json or config.json + safetensors)")->required();
   cmd->add_option("OUT", o->out_dir, "output directory (created; must not hold a model)")->required();
