@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <utility>
 
+#include "core/dtype.h"
 #include "ops/cpu/attention.h"
 #include "ops_test_util.h"
 
@@ -123,10 +124,14 @@ TEST(Attention, MlaEmpty) {
 // mla_absorb_q / mla_apply_uv against f64 loops, T = 1 (decode: heads spread over
 // threads) and T = 3, r with and without a vector tail. Each output is a sum of dn (or r)
 // f32 products: |error| <= (n + 1) u sum |terms| (Higham 3.1, any order).
+// T >= 4 runs the token-tiled paths (r, dv multiples of 16): against f64, and bit for bit
+// against the same tokens one at a time (the decode path).
 TEST(Attention, MlaAbsorbAndApplyUv) {
-  for (int r : {64, 37}) {
-    for (int64_t T : {1, 3}) {
-      const int H = 6, dn = 24, dr = 8, qk = dn + dr, dv = 20;
+  for (int r : {64, 37})
+    for (int dv : {20, 32})
+    for (int64_t T : {1, 3, 9}) {
+      SCOPED_TRACE(testing::Message() << "r=" << r << " dv=" << dv << " T=" << T);
+      const int H = 6, dn = 24, dr = 8, qk = dn + dr;
       auto wuk = test::random_floats(H * dn * r, 11 + r);
       auto wuv = test::random_floats(H * dv * r, 12 + r);
       auto q = test::random_floats(T * H * qk, 13 + T);
@@ -157,8 +162,14 @@ TEST(Attention, MlaAbsorbAndApplyUv) {
                 << "apply t=" << t << " h=" << h << " d=" << d;
           }
         }
+      for (int64_t t = 0; t < T; ++t) {
+        std::vector<float> ql1(H * r), o1(H * dv);
+        mla_absorb_q(wuk.data(), q.data() + t * H * qk, 1, H, dn, qk, r, ql1.data());
+        mla_apply_uv(wuv.data(), ol.data() + t * H * r, 1, H, dv, r, o1.data());
+        for (int i = 0; i < H * r; ++i) ASSERT_EQ(f32_to_bits(ql1[i]), f32_to_bits(ql[t * H * r + i])) << "t=" << t;
+        for (int i = 0; i < H * dv; ++i) ASSERT_EQ(f32_to_bits(o1[i]), f32_to_bits(o[t * H * dv + i])) << "t=" << t;
+      }
     }
-  }
 }
 
 TEST(Attention, IndexerScores) {

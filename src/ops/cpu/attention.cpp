@@ -270,7 +270,52 @@ void mla_attention_causal(const float* q_lat, const float* q_rope, int64_t q_rop
   });
 }
 
+// Both products below keep one order per output element (an FMA chain over the summed index,
+// in order, from 0), whatever T is: the token-tiled paths (T >= kTokTile, a prefill chunk)
+// hold several tokens' outputs in registers and read each weight row once per tile; the
+// per-token paths (decode) vectorize one token's outputs. Same bits either way.
+namespace {
+constexpr int64_t kTokTile = 4;
+}
+
 void mla_absorb_q(const float* w_uk, const float* q, int64_t T, int H, int dn, int qk, int r, float* q_lat) {
+#ifdef ML4_ATTN_AVX2
+  if (T >= kTokTile && r % 16 == 0) {
+    // Per head: 4 tokens x 16 columns of q_lat in 8 registers, one W_UK row read per d.
+    const int64_t tiles = (T + kTokTile - 1) / kTokTile;
+    parallel_for(H * tiles, 1, [&](int64_t b, int64_t e) {
+      for (int64_t job = b; job < e; ++job) {
+        const int64_t h = job % H, t0 = (job / H) * kTokTile, nt = std::min<int64_t>(kTokTile, T - t0);
+        const float* wuk = w_uk + h * dn * r;
+        const float* qn[kTokTile];
+        float* ql[kTokTile];
+        for (int64_t t = 0; t < kTokTile; ++t) {
+          const int64_t tt = t0 + std::min<int64_t>(t, nt - 1);  // a short tile repeats its last token
+          qn[t] = q + (tt * H + h) * qk;
+          ql[t] = q_lat + (tt * H + h) * r;
+        }
+        for (int j = 0; j < r; j += 16) {
+          __m256 acc[kTokTile][2];
+          for (auto& a : acc) a[0] = a[1] = _mm256_setzero_ps();
+          for (int d = 0; d < dn; ++d) {
+            const float* wr = wuk + static_cast<int64_t>(d) * r + j;
+            const __m256 w0 = _mm256_loadu_ps(wr), w1 = _mm256_loadu_ps(wr + 8);
+            for (int t = 0; t < kTokTile; ++t) {
+              const __m256 qb = _mm256_set1_ps(qn[t][d]);
+              acc[t][0] = _mm256_fmadd_ps(qb, w0, acc[t][0]);
+              acc[t][1] = _mm256_fmadd_ps(qb, w1, acc[t][1]);
+            }
+          }
+          for (int64_t t = 0; t < nt; ++t) {
+            _mm256_storeu_ps(ql[t] + j, acc[t][0]);
+            _mm256_storeu_ps(ql[t] + j + 8, acc[t][1]);
+          }
+        }
+      }
+    });
+    return;
+  }
+#endif
   parallel_for(T * H, 1, [&](int64_t b, int64_t e) {
     for (int64_t th = b; th < e; ++th) {
       const int64_t h = th % H;
@@ -294,6 +339,47 @@ void mla_absorb_q(const float* w_uk, const float* q, int64_t T, int H, int dn, i
 }
 
 void mla_apply_uv(const float* w_uv, const float* out_lat, int64_t T, int H, int dv, int r, float* o) {
+#ifdef ML4_ATTN_AVX2
+  if (T >= kTokTile && dv % 16 == 0) {
+    // Per head: W_UV[h] transposed once ([r, dv], the thread's scratch), then 4 tokens x 16
+    // outputs in 8 registers, one transposed row read per j: the lanes are outputs, each its
+    // own FMA chain over j in order, as in the per-token path below.
+    parallel_for(H, 1, [&](int64_t b, int64_t e) {
+      thread_local std::vector<float> wt_buf;
+      wt_buf.resize(static_cast<size_t>(r) * dv);
+      float* wt = wt_buf.data();
+      for (int64_t h = b; h < e; ++h) {
+        const float* wuv = w_uv + h * dv * r;
+        for (int d = 0; d < dv; ++d)
+          for (int j = 0; j < r; ++j) wt[static_cast<int64_t>(j) * dv + d] = wuv[static_cast<int64_t>(d) * r + j];
+        for (int64_t t0 = 0; t0 < T; t0 += kTokTile) {
+          const int64_t nt = std::min<int64_t>(kTokTile, T - t0);
+          const float* ol[kTokTile];
+          for (int64_t t = 0; t < kTokTile; ++t) ol[t] = out_lat + ((t0 + std::min<int64_t>(t, nt - 1)) * H + h) * r;
+          for (int d = 0; d < dv; d += 16) {
+            __m256 acc[kTokTile][2];
+            for (auto& a : acc) a[0] = a[1] = _mm256_setzero_ps();
+            for (int j = 0; j < r; ++j) {
+              const float* wr = wt + static_cast<int64_t>(j) * dv + d;
+              const __m256 w0 = _mm256_loadu_ps(wr), w1 = _mm256_loadu_ps(wr + 8);
+              for (int t = 0; t < kTokTile; ++t) {
+                const __m256 xb = _mm256_set1_ps(ol[t][j]);
+                acc[t][0] = _mm256_fmadd_ps(w0, xb, acc[t][0]);
+                acc[t][1] = _mm256_fmadd_ps(w1, xb, acc[t][1]);
+              }
+            }
+            for (int64_t t = 0; t < nt; ++t) {
+              float* oh = o + ((t0 + t) * H + h) * dv + d;
+              _mm256_storeu_ps(oh, acc[t][0]);
+              _mm256_storeu_ps(oh + 8, acc[t][1]);
+            }
+          }
+        }
+      }
+    });
+    return;
+  }
+#endif
   parallel_for(T * H, 1, [&](int64_t b, int64_t e) {
     for (int64_t th = b; th < e; ++th) {
       const float* wuv = w_uv + (th % H) * dv * r;
@@ -307,14 +393,14 @@ void mla_apply_uv(const float* w_uv, const float* out_lat, int64_t T, int H, int
         float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f, a4 = 0.0f, a5 = 0.0f, a6 = 0.0f, a7 = 0.0f;
         for (int j = 0; j < r; ++j) {
           const float x = ol[j];
-          a0 += w0[j] * x;
-          a1 += w0[r + j] * x;
-          a2 += w0[2 * r + j] * x;
-          a3 += w0[3 * r + j] * x;
-          a4 += w0[4 * r + j] * x;
-          a5 += w0[5 * r + j] * x;
-          a6 += w0[6 * r + j] * x;
-          a7 += w0[7 * r + j] * x;
+          a0 = std::fma(w0[j], x, a0);
+          a1 = std::fma(w0[r + j], x, a1);
+          a2 = std::fma(w0[2 * r + j], x, a2);
+          a3 = std::fma(w0[3 * r + j], x, a3);
+          a4 = std::fma(w0[4 * r + j], x, a4);
+          a5 = std::fma(w0[5 * r + j], x, a5);
+          a6 = std::fma(w0[6 * r + j], x, a6);
+          a7 = std::fma(w0[7 * r + j], x, a7);
         }
         oh[d] = a0, oh[d + 1] = a1, oh[d + 2] = a2, oh[d + 3] = a3;
         oh[d + 4] = a4, oh[d + 5] = a5, oh[d + 6] = a6, oh[d + 7] = a7;
@@ -322,7 +408,7 @@ void mla_apply_uv(const float* w_uv, const float* out_lat, int64_t T, int H, int
       for (; d < dv; ++d) {
         const float* wr = wuv + static_cast<int64_t>(d) * r;
         float acc = 0.0f;
-        for (int j = 0; j < r; ++j) acc += wr[j] * ol[j];
+        for (int j = 0; j < r; ++j) acc = std::fma(wr[j], ol[j], acc);
         oh[d] = acc;
       }
     }

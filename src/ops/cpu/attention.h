@@ -34,8 +34,10 @@ void mla_attention_causal(const float* q_lat, const float* q_rope, int64_t q_rop
 //   mla_absorb_q: q_lat[t, h, :] = W_UK[h]^T q[t, h, 0:dn]   (q rows of qk floats per head,
 //     q_lat [T, H, r]); each q_lat element sums over d in order (one FMA per d).
 //   mla_apply_uv: o[t, h, :] = W_UV[h] out_lat[t, h, :]      (out_lat [T, H, r], o [T, H, dv]);
-//     each element an r-term f32 sum in sequential order (8 elements' chains interleaved, not
-//     lanes of one sum): |error| <= r u sum|w o|. Not a lane-split dot: that order measured 10x
+//     each element an r-term FMA chain in sequential order (elements' chains interleaved, not
+//     lanes of one sum): |error| <= r u sum|w o|. From T = 4 on (a prefill chunk) both tile
+//     4 tokens in registers (apply_uv through a per-call transposed W_UV[h]); the bits are
+//     the per-token path's (tests/ops/attention_test.cpp). Not a lane-split dot: that order measured 10x
 //     the TP-vs-one-process difference on ml4-tiny (tests/parallel/mpi/model_cases.cpp; bf16
 //     cache roundings flipping differently), not understood yet.
 void mla_absorb_q(const float* w_uk, const float* q, int64_t T, int H, int dn, int qk, int r, float* q_lat);
