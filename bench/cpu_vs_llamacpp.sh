@@ -11,10 +11,10 @@
 #   venv/        Python for llama.cpp's converter: mistral-common, sentencepiece from PyPI,
 #                torch/numpy from the system site-packages (pip-installed from PyPI if absent)
 #   models/      mistral4-tiny and the ~2B Mistral-4-shaped model (make-model --layout merged),
-#                their FP8 copies (ml4 quantize), and GGUFs: bf16 (convert_hf_to_gguf.py
+#                their FP8 copies (ml4 quantize; -fp8h: the output head FP8 too), and GGUFs: bf16 (convert_hf_to_gguf.py
 #                --mistral-format on our directory as written) and Q8_0 (llama-quantize)
 # Then per round: stream_bench once, and for each model ml4 bf16, llama.cpp bf16, ml4 fp8,
-# llama.cpp Q8_0: pp64, pp512, tg64, tg128 at 2 threads. All output goes to
+# ml4 fp8 with an FP8 head, llama.cpp Q8_0: pp64, pp512, tg64, tg128 at 2 threads. All output goes to
 # WORK_DIR/results-<date>.txt (ml4 lines start CPUBENCH, llama.cpp's are its markdown table).
 set -euo pipefail
 build=$(cd "${1:?usage: cpu_vs_llamacpp.sh BUILD_DIR WORK_DIR [ROUNDS]}" && pwd)
@@ -63,6 +63,10 @@ make_models() {
   if [ ! -f "$m/$name-fp8/params.json" ]; then
     "$build/ml4" quantize --to fp8 "$m/$name" "$m/$name-fp8"
   fi
+  # The same with the output head FP8 as well (Q8_0 quantizes it too).
+  if [ ! -f "$m/$name-fp8h/params.json" ]; then
+    "$build/ml4" quantize --to fp8 --output-tensor-type fp8 "$m/$name" "$m/$name-fp8h"
+  fi
   if [ ! -f "$m/$name-bf16.gguf" ]; then
     (cd "$llama" && "$venv/bin/python" convert_hf_to_gguf.py --mistral-format \
         --disable-mistral-community-chat-template "$m/$name" --outfile "$m/$name-bf16.gguf" --outtype bf16)
@@ -84,6 +88,7 @@ for r in $(seq 1 "$rounds"); do
     ML4_THREADS=$threads "$build/cpu_model_bench" --model "$m/$name" -p 64,512 -n 64,128 -r 3 | tee -a "$out"
     "$llama/build/bin/llama-bench" -m "$m/$name-bf16.gguf" -p 64,512 -n 64,128 -t "$threads" -r 3 2>/dev/null | tee -a "$out"
     ML4_THREADS=$threads "$build/cpu_model_bench" --model "$m/$name-fp8" -p 64,512 -n 64,128 -r 3 | tee -a "$out"
+    ML4_THREADS=$threads "$build/cpu_model_bench" --model "$m/$name-fp8h" -p 64,512 -n 64,128 -r 3 | tee -a "$out"
     "$llama/build/bin/llama-bench" -m "$m/$name-q8_0.gguf" -p 64,512 -n 64,128 -t "$threads" -r 3 2>/dev/null | tee -a "$out"
   done
 done
