@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "core/threads.h"
+#include "model/checkpoint.h"
 #include "model/weight_names.h"
 #include "runtime/cpu/cpu_runner.h"
 
@@ -56,15 +57,23 @@ std::vector<int> parse_list(const std::string& s) {
   return v;
 }
 
-// Bytes of the linear weights one decode token reads (routed experts: top-k of them).
-double weight_bytes_per_token(const ml4::ModelConfig& cfg) {
+// Bytes of the linear weights one decode token reads (routed experts: top-k of them), each
+// in the format its stored dtype says (an FP8 checkpoint may hold an FP8 or a bf16 head).
+double weight_bytes_per_token(const ml4::ModelConfig& cfg, const ml4::Checkpoint& ck) {
   using namespace ml4;
   double bytes = 0;
   const double share = cfg.moe.num_experts > 0 ? double(cfg.moe.num_experts_per_tok) / cfg.moe.num_experts : 1.0;
   for (const ExpectedTensor& t : expected_tensors(cfg, CheckpointLayout::kMistral)) {
     if (t.drafter || (t.role != TensorRole::kLinear && t.role != TensorRole::kRouterGate)) continue;
+    LinearFormat f = t.format;
+    if (ck.layout() == CheckpointLayout::kMistral && ck.contains(t.name)) {
+      const DType d = ck.get(t.name).value().dtype();
+      if (d == DType::kF8E4M3) f = LinearFormat::kFP8Block;
+      else if (d == DType::kBF16) f = LinearFormat::kBF16;
+      else if (d == DType::kF32) f = LinearFormat::kF32;
+    }
     double b = 0;
-    switch (t.format) {
+    switch (f) {
       case LinearFormat::kF32: b = 4.0 * t.numel(); break;
       case LinearFormat::kBF16: b = 2.0 * t.numel(); break;
       case LinearFormat::kFP8Block: b = 1.0 * t.numel() + 4.0 * std::ceil(t.shape[0] / 128.0) * std::ceil(t.shape[1] / 128.0); break;
@@ -117,7 +126,12 @@ int main(int argc, char** argv) {
   }
   auto& r = *runner.value();
   const ml4::ModelConfig& cfg = r.config();
-  const double wbytes = weight_bytes_per_token(cfg);
+  auto ck = ml4::Checkpoint::open(model);
+  if (!ck.ok()) {
+    std::fprintf(stderr, "cpu_model_bench: %s\n", ck.status().message().c_str());
+    return 1;
+  }
+  const double wbytes = weight_bytes_per_token(cfg, ck.value());
   std::printf("# model %s: %d layers, dim %d, vocab %d, threads %d, %.3f GB of weights per decode token, kv %s\n",
               model.c_str(), cfg.n_layers, cfg.dim, cfg.vocab_size, ml4::num_threads(), wbytes / 1e9, kv_dtype.c_str());
   // Block tables: blocks 0.. of every group (one sequence at a time).

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <tuple>
 #include <utility>
 
 #include "core/dtype.h"
@@ -63,6 +64,28 @@ TEST(Attention, MlaMatchesNaive) {
 // over keys [0, p0 + t], with the bound of MlaMatchesNaive; chunks starting at 0 and after
 // earlier keys (p0 > 0), T not a multiple of the 8-query block, keys crossing 64-key blocks,
 // q's rope part read in place from a [T, H, dn + dr] q.
+// The decode kernel tiles heads (2 x 2 logit tiles, 4-head accumulation); every head's bits
+// are those of the head computed alone (H = 1: no tile has a second row), with tails in r and
+// dr and a partial last block.
+TEST(Attention, MlaHeadsTogetherEqualHeadsAlone) {
+  for (auto [r, dr, S] : {std::tuple<int, int, int64_t>{512, 64, 70}, {37, 11, 33}, {48, 16, 5}}) {
+    SCOPED_TRACE(testing::Message() << "r=" << r << " dr=" << dr << " S=" << S);
+    const int H = 7;
+    auto ql = test::random_floats(H * r, 41 + r), qr = test::random_floats(H * dr, 42 + dr);
+    auto c = test::random_floats(S * r, 43), kr = test::random_floats(S * dr, 44);
+    std::vector<float> scale(H);
+    for (int h = 0; h < H; ++h) scale[h] = 0.05f + 0.01f * h;
+    std::vector<float> out(H * r), lse(H), o1(r);
+    mla_attention(ql.data(), qr.data(), H, r, dr, c.data(), kr.data(), S, scale.data(), out.data(), lse.data());
+    for (int h = 0; h < H; ++h) {
+      float l1 = 0.0f;
+      mla_attention(ql.data() + h * r, qr.data() + h * dr, 1, r, dr, c.data(), kr.data(), S, scale.data() + h, o1.data(), &l1);
+      ASSERT_EQ(f32_to_bits(l1), f32_to_bits(lse[h])) << "h=" << h;
+      for (int i = 0; i < r; ++i) ASSERT_EQ(f32_to_bits(o1[i]), f32_to_bits(out[h * r + i])) << "h=" << h << " i=" << i;
+    }
+  }
+}
+
 TEST(Attention, MlaCausalChunkMatchesNaive) {
   const int H = 3, r = 40, dr = 16, dn = 8, qk = dn + dr;
   for (auto [T, p0] : {std::pair<int64_t, int64_t>{1, 0}, {13, 0}, {21, 70}, {70, 5}}) {

@@ -43,26 +43,105 @@ inline float dot(const float* a, const float* b, int64_t n) {
   h = _mm_add_ss(h, _mm_movehdup_ps(h));
   s = _mm_cvtss_f32(h);
 #endif
-  for (; i < n; ++i) s += a[i] * b[i];
+  for (; i < n; ++i) s = std::fma(a[i], b[i], s);
   return s;
 }
 
-// o[i] = o[i] * alpha + sum_j p[j] * c[j*r + i], j < rows.
-inline void scale_accumulate(float* o, float alpha, const float* p, const float* c, int64_t rows, int r) {
+// dot(a row, b row) for RM rows of a (lda apart) x RN rows of b (ldb apart), each in dot()'s
+// exact order (two accumulators over 16-element steps, one 8-step more into the first,
+// hsum8(acc0 + acc1), the scalar tail), so a tile gives every element's dot() bits while
+// each loaded row serves RM or RN dots.
+template <int RM, int RN>
+inline void dot_tile_as_dot(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t n, float* y, int64_t ldy) {
+#ifdef ML4_ATTN_AVX2
+  using namespace kernels;
+  Vec8 a0[RM][RN], a1[RM][RN];
+  ML4_UNROLL for (int u = 0; u < RM; ++u) ML4_UNROLL for (int v = 0; v < RN; ++v) a0[u][v] = a1[u][v] = zero8();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    Vec8 b0[RN], b1[RN];
+    ML4_UNROLL for (int v = 0; v < RN; ++v) b0[v] = load8(b + v * ldb + i), b1[v] = load8(b + v * ldb + i + 8);
+    ML4_UNROLL for (int u = 0; u < RM; ++u) {
+      const Vec8 x0 = load8(a + u * lda + i), x1 = load8(a + u * lda + i + 8);
+      ML4_UNROLL for (int v = 0; v < RN; ++v) a0[u][v] = fma8(x0, b0[v], a0[u][v]), a1[u][v] = fma8(x1, b1[v], a1[u][v]);
+    }
+  }
+  for (; i + 8 <= n; i += 8)
+    ML4_UNROLL for (int u = 0; u < RM; ++u) ML4_UNROLL for (int v = 0; v < RN; ++v)
+      a0[u][v] = fma8(load8(a + u * lda + i), load8(b + v * ldb + i), a0[u][v]);
+  for (int u = 0; u < RM; ++u)
+    for (int v = 0; v < RN; ++v) {
+      float t = hsum8(add8(a0[u][v], a1[u][v]));
+      for (int64_t k = i; k < n; ++k) t = std::fma(a[u * lda + k], b[v * ldb + k], t);
+      y[u * ldy + v] = t;
+    }
+#else
+  for (int u = 0; u < RM; ++u)
+    for (int v = 0; v < RN; ++v) y[u * ldy + v] = dot(a + u * lda, b + v * ldb, n);
+#endif
+}
+
+// y[u * ldy + v] = dot(a row u, b row v) for u < rm, v < rn, in 2 x 2 tiles.
+void dot_rows_as_dot(const float* a, int64_t lda, int64_t rm, const float* b, int64_t ldb, int64_t rn, int64_t n,
+                     float* y, int64_t ldy) {
+  for (int64_t u = 0; u < rm; u += 2)
+    for (int64_t v = 0; v < rn; v += 2) {
+      const float* au = a + u * lda;
+      const float* bv = b + v * ldb;
+      float* yuv = y + u * ldy + v;
+      const bool two_a = u + 1 < rm, two_b = v + 1 < rn;
+      if (two_a && two_b) dot_tile_as_dot<2, 2>(au, lda, bv, ldb, n, yuv, ldy);
+      else if (two_a) dot_tile_as_dot<2, 1>(au, lda, bv, ldb, n, yuv, ldy);
+      else if (two_b) dot_tile_as_dot<1, 2>(au, lda, bv, ldb, n, yuv, ldy);
+      else dot_tile_as_dot<1, 1>(au, lda, bv, ldb, n, yuv, ldy);
+    }
+}
+
+// o_q[i] = o_q[i] * alpha[q] + sum_j p[q][j] c[j][i] for the NQ (<= 4) rows o_q: each c row
+// is loaded once for all of them. NQ is a template argument so the 2 x NQ accumulators stay
+// in registers (a run-time row count kept them on the stack: 3x slower).
+template <int NQ>
+void scale_accumulate_rows_n(float* const* o, const float* alpha, const float* const* p, const float* c,
+                             int64_t rows, int r) {
   int i = 0;
 #ifdef ML4_ATTN_AVX2
-  const __m256 av = _mm256_set1_ps(alpha);
-  for (; i + 8 <= r; i += 8) {
-    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(o + i), av);
-    for (int64_t j = 0; j < rows; ++j)
-      acc = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(c + j * r + i), acc);
-    _mm256_storeu_ps(o + i, acc);
+  // 16 columns x NQ rows of accumulators; each c row's 16 values loaded once for all rows.
+  for (; i + 16 <= r; i += 16) {
+    __m256 acc[NQ][2];
+    ML4_UNROLL for (int q = 0; q < NQ; ++q) {
+      const __m256 a = _mm256_set1_ps(alpha[q]);
+      acc[q][0] = _mm256_mul_ps(_mm256_loadu_ps(o[q] + i), a);
+      acc[q][1] = _mm256_mul_ps(_mm256_loadu_ps(o[q] + i + 8), a);
+    }
+    for (int64_t j = 0; j < rows; ++j) {
+      const __m256 c0 = _mm256_loadu_ps(c + j * r + i), c1 = _mm256_loadu_ps(c + j * r + i + 8);
+      ML4_UNROLL for (int q = 0; q < NQ; ++q) {
+        const __m256 pv = _mm256_set1_ps(p[q][j]);
+        acc[q][0] = _mm256_fmadd_ps(pv, c0, acc[q][0]);
+        acc[q][1] = _mm256_fmadd_ps(pv, c1, acc[q][1]);
+      }
+    }
+    ML4_UNROLL for (int q = 0; q < NQ; ++q) {
+      _mm256_storeu_ps(o[q] + i, acc[q][0]);
+      _mm256_storeu_ps(o[q] + i + 8, acc[q][1]);
+    }
   }
 #endif
-  for (; i < r; ++i) {
-    float acc = o[i] * alpha;
-    for (int64_t j = 0; j < rows; ++j) acc += p[j] * c[j * r + i];
-    o[i] = acc;
+  for (; i < r; ++i)
+    ML4_UNROLL for (int q = 0; q < NQ; ++q) {
+      float acc = o[q][i] * alpha[q];
+      for (int64_t j = 0; j < rows; ++j) acc = std::fma(p[q][j], c[j * r + i], acc);
+      o[q][i] = acc;
+    }
+}
+
+void scale_accumulate_rows(float* const* o, const float* alpha, const float* const* p, int nq, const float* c,
+                           int64_t rows, int r) {
+  switch (nq) {
+    case 1: return scale_accumulate_rows_n<1>(o, alpha, p, c, rows, r);
+    case 2: return scale_accumulate_rows_n<2>(o, alpha, p, c, rows, r);
+    case 3: return scale_accumulate_rows_n<3>(o, alpha, p, c, rows, r);
+    default: return scale_accumulate_rows_n<4>(o, alpha, p, c, rows, r);
   }
 }
 
@@ -77,33 +156,45 @@ void mla_attention(const float* q_lat, const float* q_rope, int H, int r, int dr
     const int64_t nh = h1 - h0;
     std::vector<float> m(nh, kNegInf);
     std::vector<double> l(nh, 0.0);
-    float p[kBlock];
+    // Per block: every head's logits as 2 heads x 2 keys tiles (dot()'s bits), then the heads
+    // that take mass accumulate 4 at a time, each c row loaded once for all 4. Every (head,
+    // element) sees the same operations in the same order as one head alone.
+    std::vector<float> pl(nh * kBlock), pr(nh * kBlock), alpha(nh);
+    std::vector<float*> orow(nh);
+    std::vector<const float*> prow(nh);
     for (int64_t h = h0; h < h1; ++h) std::fill(out_lat + h * r, out_lat + (h + 1) * r, 0.0f);
     for (int64_t s0 = 0; s0 < S; s0 += kBlock) {
       const int64_t rows = std::min(kBlock, S - s0);
       const float* cb = c + s0 * r;
       const float* kb = kr + s0 * dr;
+      dot_rows_as_dot(q_lat + h0 * r, r, nh, cb, r, rows, r, pl.data(), kBlock);
+      dot_rows_as_dot(q_rope + h0 * dr, dr, nh, kb, dr, rows, dr, pr.data(), kBlock);
+      int64_t active = 0;
       for (int64_t h = h0; h < h1; ++h) {
-        const float* ql = q_lat + h * r;
-        const float* qr = q_rope + h * dr;
+        float* p = pl.data() + (h - h0) * kBlock;
+        const float* pq = pr.data() + (h - h0) * kBlock;
         float bmax = kNegInf;
         for (int64_t j = 0; j < rows; ++j) {
-          p[j] = (dot(ql, cb + j * r, r) + dot(qr, kb + j * dr, dr)) * head_scale[h];
+          p[j] = (p[j] + pq[j]) * head_scale[h];
           bmax = std::max(bmax, p[j]);
         }
         float& mh = m[h - h0];
         const float m_new = std::max(mh, bmax);
         if (m_new == kNegInf) continue;  // everything so far is -inf: nothing to add
-        const float alpha = mh == kNegInf ? 0.0f : std::exp(mh - m_new);
+        const float a = mh == kNegInf ? 0.0f : std::exp(mh - m_new);
         double bsum = 0.0;
         for (int64_t j = 0; j < rows; ++j) {
           p[j] = std::exp(p[j] - m_new);
           bsum += p[j];
         }
-        l[h - h0] = l[h - h0] * alpha + bsum;
+        l[h - h0] = l[h - h0] * a + bsum;
         mh = m_new;
-        scale_accumulate(out_lat + h * r, alpha, p, cb, rows, r);
+        orow[active] = out_lat + h * r, prow[active] = p, alpha[active] = a;
+        ++active;
       }
+      for (int64_t k = 0; k < active; k += 4)
+        scale_accumulate_rows(orow.data() + k, alpha.data() + k, prow.data() + k,
+                              static_cast<int>(std::min<int64_t>(4, active - k)), cb, rows, r);
     }
     for (int64_t h = h0; h < h1; ++h) {
       const double lh = l[h - h0];
@@ -146,41 +237,6 @@ void dot_block(const float* x, int64_t ldx, int64_t rm, const float* w, int64_t 
   }
 }
 
-// o_q[i] = o_q[i] * alpha[q] + sum_j p[q][j] c[j][i] for the nq (<= 4) rows o_q: each c row
-// is loaded once for all of them.
-void scale_accumulate_rows(float* const* o, const float* alpha, const float* const* p, int nq, const float* c,
-                           int64_t rows, int r) {
-  int i = 0;
-#ifdef ML4_ATTN_AVX2
-  // 16 columns x nq rows of accumulators; each c row's 16 values loaded once for all rows.
-  for (; i + 16 <= r; i += 16) {
-    __m256 acc[4][2];
-    for (int q = 0; q < nq; ++q) {
-      const __m256 a = _mm256_set1_ps(alpha[q]);
-      acc[q][0] = _mm256_mul_ps(_mm256_loadu_ps(o[q] + i), a);
-      acc[q][1] = _mm256_mul_ps(_mm256_loadu_ps(o[q] + i + 8), a);
-    }
-    for (int64_t j = 0; j < rows; ++j) {
-      const __m256 c0 = _mm256_loadu_ps(c + j * r + i), c1 = _mm256_loadu_ps(c + j * r + i + 8);
-      for (int q = 0; q < nq; ++q) {
-        const __m256 pv = _mm256_set1_ps(p[q][j]);
-        acc[q][0] = _mm256_fmadd_ps(pv, c0, acc[q][0]);
-        acc[q][1] = _mm256_fmadd_ps(pv, c1, acc[q][1]);
-      }
-    }
-    for (int q = 0; q < nq; ++q) {
-      _mm256_storeu_ps(o[q] + i, acc[q][0]);
-      _mm256_storeu_ps(o[q] + i + 8, acc[q][1]);
-    }
-  }
-#endif
-  for (; i < r; ++i)
-    for (int q = 0; q < nq; ++q) {
-      float acc = o[q][i] * alpha[q];
-      for (int64_t j = 0; j < rows; ++j) acc += p[q][j] * c[j * r + i];
-      o[q][i] = acc;
-    }
-}
 
 }  // namespace
 
@@ -296,11 +352,11 @@ void mla_absorb_q(const float* w_uk, const float* q, int64_t T, int H, int dn, i
         }
         for (int j = 0; j < r; j += 16) {
           __m256 acc[kTokTile][2];
-          for (auto& a : acc) a[0] = a[1] = _mm256_setzero_ps();
+          ML4_UNROLL for (auto& a : acc) a[0] = a[1] = _mm256_setzero_ps();
           for (int d = 0; d < dn; ++d) {
             const float* wr = wuk + static_cast<int64_t>(d) * r + j;
             const __m256 w0 = _mm256_loadu_ps(wr), w1 = _mm256_loadu_ps(wr + 8);
-            for (int t = 0; t < kTokTile; ++t) {
+            ML4_UNROLL for (int t = 0; t < kTokTile; ++t) {
               const __m256 qb = _mm256_set1_ps(qn[t][d]);
               acc[t][0] = _mm256_fmadd_ps(qb, w0, acc[t][0]);
               acc[t][1] = _mm256_fmadd_ps(qb, w1, acc[t][1]);
@@ -358,11 +414,11 @@ void mla_apply_uv(const float* w_uv, const float* out_lat, int64_t T, int H, int
           for (int64_t t = 0; t < kTokTile; ++t) ol[t] = out_lat + ((t0 + std::min<int64_t>(t, nt - 1)) * H + h) * r;
           for (int d = 0; d < dv; d += 16) {
             __m256 acc[kTokTile][2];
-            for (auto& a : acc) a[0] = a[1] = _mm256_setzero_ps();
+            ML4_UNROLL for (auto& a : acc) a[0] = a[1] = _mm256_setzero_ps();
             for (int j = 0; j < r; ++j) {
               const float* wr = wt + static_cast<int64_t>(j) * dv + d;
               const __m256 w0 = _mm256_loadu_ps(wr), w1 = _mm256_loadu_ps(wr + 8);
-              for (int t = 0; t < kTokTile; ++t) {
+              ML4_UNROLL for (int t = 0; t < kTokTile; ++t) {
                 const __m256 xb = _mm256_set1_ps(ol[t][j]);
                 acc[t][0] = _mm256_fmadd_ps(w0, xb, acc[t][0]);
                 acc[t][1] = _mm256_fmadd_ps(w1, xb, acc[t][1]);
