@@ -4,8 +4,11 @@
 // thread's share, updates an online softmax (FlashAttention: running max m, running
 // sum l, output rescaled by exp(m_old - m_new) when the max grows). A block of c
 // (kBlock x r f32, 64 KiB at r = 512) is thus read from memory once per thread and
-// reused from cache by all its heads, instead of once per head. Logits and the output
-// are f32 (AVX2 FMA dots); l is summed in f64; lse = m + log(l).
+// reused from cache by all its heads, instead of once per head: the logits as 2 heads x 2
+// keys register tiles, P x C for 4 heads at a time (MLA's one latent row serves every head).
+// Each head's result is bit for bit the head computed alone. Logits and the output are f32
+// (AVX2 FMA dots); l is summed in f64; lse = m + log(l). The CPU runner calls it per token,
+// for prefill chunks too, so a token's attention never depends on how its prompt was chunked.
 #include "ops/cpu/attention.h"
 
 #include <algorithm>
