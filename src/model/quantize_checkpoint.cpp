@@ -82,6 +82,10 @@ Result<QuantizeReport> quantize_checkpoint(const QuantizeOptions& o) {
   const std::string hf_type = out_cfg.hf_model_type.empty() ? "mistral4" : out_cfg.hf_model_type;
   if (layout == CheckpointLayout::kHF) ML4_RETURN_IF_ERROR(check_hf_representable(out_cfg, hf_type));
 
+  if (head_format && cfg.tied_embeddings)
+    return invalid_argument("--output-tensor-type: {} ties its output head to tok_embeddings (tied_embeddings), so "
+                            "there is no output tensor to store",
+                            o.in_dir);
   if (head_format == LinearFormat::kFP8Block && layout == CheckpointLayout::kHF)
     return unimplemented("--output-tensor-type fp8 writes the native layout only: transformers' FP8 loader keeps lm_head "
                          "in bf16, so {} would not load there; quantize a params.json directory",

@@ -191,6 +191,26 @@ TEST(Quantize, Fp8OutputHead) {
   EXPECT_FALSE(quantize_checkpoint(h).ok());
 }
 
+// A model whose head is tok_embeddings (tied_embeddings) has no output to store: refused.
+TEST(Quantize, OutputTensorTypeNeedsAnOutputTensor) {
+  testing::TempDir tmp;
+  MakeModelOptions m;
+  m.preset = "ml4-tiny";
+  m.out_dir = tmp.file("tied");
+  m.seed = 5;
+  m.layout = "native";
+  m.tokenizer_json = tiny_tekken();
+  m.overrides = {"tied_embeddings=true"};
+  Status s = make_model(m);
+  ASSERT_TRUE(s.is_ok()) << s.message();
+  QuantizeOptions o{tmp.file("tied"), tmp.file("out"), "fp8"};
+  o.output_tensor_type = "fp8";
+  auto r = quantize_checkpoint(o);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("tied_embeddings"), std::string::npos) << r.status().message();
+  EXPECT_FALSE(std::filesystem::exists(tmp.file("out")));
+}
+
 // The HF layout of a per-expert model type (deepseek_v32) quantizes too; fused mistral4
 // experts are refused with a message that says what to do.
 TEST(Quantize, HfLayouts) {

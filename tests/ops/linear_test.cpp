@@ -271,6 +271,27 @@ TEST(Linear, DecodeCoversEveryCode) {
 // bit (every y element sees the same FMA sequence whatever M, the row pairing or the
 // thread split), and repeated calls are identical. The runtime's batch/chunk invariance
 // tests rely on this.
+// FP8's GEMM (each block's even steps, then its odd ones) against its GEMV, for last blocks
+// of 2, 3, 5, 7 and 16 8-element steps plus a tail, with and without the AVX-512 GEMV.
+TEST(Linear, Fp8GemmEqualsGemvForEveryBlockShape) {
+  for (bool avx512 : {true, false}) {
+    linear_allow_avx512(avx512);
+    for (int64_t K : {100, 144, 152, 168, 184, 256 + 3}) {
+      SCOPED_TRACE(testing::Message() << "K=" << K << " avx512 " << avx512);
+      TestWeight t = make_weight(LinearFormat::kFP8Block, 133, K, 111 + static_cast<uint32_t>(K));
+      const int64_t M = 7;
+      auto x = test::random_floats(M * K, 112 + static_cast<uint32_t>(K));
+      std::vector<float> y(M * 133), row(133);
+      linear(x.data(), M, t.w, y.data());
+      for (int64_t m = 0; m < M; ++m) {
+        linear(x.data() + m * K, 1, t.w, row.data());
+        for (int64_t n = 0; n < 133; ++n) ASSERT_EQ(f32_to_bits(row[n]), f32_to_bits(y[m * 133 + n])) << "m=" << m << " n=" << n;
+      }
+    }
+  }
+  linear_allow_avx512(true);
+}
+
 TEST(Linear, BatchInvariantAndDeterministic) {
   // Every M crosses a path or tile boundary: GEMV (M <= 4, rows in pairs) and the GEMM
   // tiles (4 rows at a time) against the same row computed alone.
@@ -322,8 +343,8 @@ TEST(Linear, RowRangesEqualTheWholeCall) {
 }
 
 // The AVX-512 kernels (chosen at run time where the CPU has them) give the AVX2 kernels' bits:
-// the FP8 GEMV at M = 1..4, rows whose last block has 1, 2, 3, 16 or 17 8-element steps, and
-// K with a scalar tail.
+// the FP8 GEMV at M = 1..4, rows whose last block has 1, 2, 3 or 16 8-element steps, and K
+// with a scalar tail.
 TEST(Linear, Avx512GivesTheAvx2Bits) {
   linear_allow_avx512(true);
   if (!linear_uses_avx512()) GTEST_SKIP() << "this CPU (or build) has no AVX-512";
@@ -346,29 +367,32 @@ TEST(Linear, Avx512GivesTheAvx2Bits) {
 // the GEMV path (M = 1, whose fast decoder does not produce NaN by itself) and the GEMM
 // path (M = 6); the other rows keep their exact results.
 TEST(Linear, FP8NanCodePropagatesToItsRowOnly) {
-  const int64_t N = 140, K = 264;
-  for (uint8_t code : {uint8_t{0x7f}, uint8_t{0xff}}) {
-    TestWeight t = make_weight(LinearFormat::kFP8Block, N, K, 81);
-    TestWeight clean = make_weight(LinearFormat::kFP8Block, N, K, 81);
-    const int64_t bad_row = 130, bad_k = 37;
-    t.w.weight.mutable_as<uint8_t>()[bad_row * K + bad_k] = code;
-    for (int64_t M : {1, 6, -1}) {  // -1: M = 1 without AVX-512
-      linear_allow_avx512(M > 0);
-      M = std::abs(M);
-      auto x = test::random_floats(M * K, 82);
-      std::vector<float> y(M * N), yc(M * N);
-      linear(x.data(), M, t.w, y.data());
-      linear(x.data(), M, clean.w, yc.data());
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = 0; n < N; ++n) {
-          if (n == bad_row) {
-            EXPECT_TRUE(std::isnan(y[m * N + n])) << "M=" << M << " m=" << m;
-          } else {
-            ASSERT_EQ(f32_to_bits(y[m * N + n]), f32_to_bits(yc[m * N + n])) << "M=" << M << " m=" << m << " n=" << n;
-          }
+  // bad_k 37: in a block; 266: in the scalar tail (K = 269). Every GEMV tile height (M = 1..4,
+  // AVX-512 and AVX2) and the GEMM (M = 6).
+  for (auto [K, bad_k] : {std::pair<int64_t, int64_t>{264, 37}, {269, 266}})
+    for (uint8_t code : {uint8_t{0x7f}, uint8_t{0xff}})
+      for (bool avx512 : {true, false}) {
+        linear_allow_avx512(avx512);
+        const int64_t N = 140, bad_row = 130;
+        TestWeight t = make_weight(LinearFormat::kFP8Block, N, K, 81);
+        TestWeight clean = make_weight(LinearFormat::kFP8Block, N, K, 81);
+        t.w.weight.mutable_as<uint8_t>()[bad_row * K + bad_k] = code;
+        for (int64_t M : {1, 2, 3, 4, 6}) {
+          SCOPED_TRACE(testing::Message() << "K=" << K << " code " << int(code) << " avx512 " << avx512 << " M=" << M);
+          auto x = test::random_floats(M * K, 82);
+          std::vector<float> y(M * N), yc(M * N);
+          linear(x.data(), M, t.w, y.data());
+          linear(x.data(), M, clean.w, yc.data());
+          for (int64_t m = 0; m < M; ++m)
+            for (int64_t n = 0; n < N; ++n) {
+              if (n == bad_row) {
+                EXPECT_TRUE(std::isnan(y[m * N + n])) << "m=" << m;
+              } else {
+                ASSERT_EQ(f32_to_bits(y[m * N + n]), f32_to_bits(yc[m * N + n])) << "m=" << m << " n=" << n;
+              }
+            }
         }
-    }
-  }
+      }
   linear_allow_avx512(true);
 }
 

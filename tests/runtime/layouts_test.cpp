@@ -223,7 +223,9 @@ TEST(Formats, Fp8ExpertsRequantizedToMxfp4AtLoad) {
       ASSERT_TRUE(want.ok());
       EXPECT_EQ(dequantize_linear(b.experts[e].w2), dequantize_linear(*want));
     }
-    if (b.shared) EXPECT_EQ(b.shared->w1.format, LinearFormat::kFP8Block);
+    if (b.shared) {
+      EXPECT_EQ(b.shared->w1.format, LinearFormat::kFP8Block);
+    }
   }
   EXPECT_GT(experts, 0);
   RunnerOptions ro;

@@ -30,6 +30,7 @@
 #include <array>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -263,7 +264,9 @@ void decode_block(const LinearWeight& w, int64_t n0, int64_t n1, int64_t k0, int
 // ---------------------------------------------------------------------------------------
 // GEMV path.
 
-// Dispatches a tile of RM (1..2) x rows by RN (1..4) w rows to the template.
+// Dispatches a tile of RM (1..4) x rows by RN (1..4) w rows to the template (4 x 4 is not
+// instantiated: no path asks for it). Any other shape is a bug: it aborts rather than leave y
+// unwritten.
 template <typename F>
 void tile_dispatch(int64_t rm, int64_t rn, F&& f) {
 #define ML4_TILE(A, B) \
@@ -273,6 +276,8 @@ void tile_dispatch(int64_t rm, int64_t rn, F&& f) {
   ML4_TILE(3, 1) ML4_TILE(3, 2) ML4_TILE(3, 3) ML4_TILE(3, 4)
   ML4_TILE(4, 1) ML4_TILE(4, 2) ML4_TILE(4, 3)
 #undef ML4_TILE
+  ML4_LOG_ERROR("cpu::linear: no register tile for {} x {}", rm, rn);
+  std::abort();
 }
 
 std::atomic<bool> g_allow_avx512{true};
@@ -354,9 +359,9 @@ void gemv_rows(const LinearWeight& w, const float* xs, int64_t M, int64_t n0, in
   // Four interleaved row streams (the M > 1 tile) measured 15-20% slower for bf16 and up to
   // 2x slower for FP8 on the dev machine (cpu_ops_bench --shape 131072,2048, 2026-12-04): the
   // hardware prefetcher follows one stream per core far better than four, each a row apart.
-  // A row is then two FMA chains for bf16 (its even and odd halves) and one chain per
-  // 128-element scale block for FP8 (restarted every block, so out-of-order execution
-  // overlaps them): neither is latency bound below the bandwidth of a 2-core share.
+  // A row is then two FMA chains for bf16 (its even and odd halves) and two per 128-element
+  // scale block for FP8 (its even and odd 8-steps, restarted every block, so out-of-order
+  // execution overlaps blocks): neither is latency bound below the bandwidth of a 2-core share.
   // M > 1: 4 weight rows x 2 activation rows (bf16: x 1, its tile holding two accumulators
   // per output; the 4 rows stay in L1 for the next activation row. Measured at M = 4 against
   // 2 x 2 and 4 x 2: 14-16 GB/s on the output head vs 12-13 / 15, 84-124 GFLOP/s at
