@@ -15,19 +15,6 @@ namespace ml4::cpu {
 void mla_attention(const float* q_lat, const float* q_rope, int H, int r, int dr, const float* c,
                    const float* kr, int64_t S, const float* head_scale, float* out_lat, float* lse);
 
-// mla_attention for a prefill chunk: T consecutive queries of one sequence at positions
-// p0 .. p0 + T - 1, query i attending keys [0, p0 + i] (causal, dense). The same function per
-// row as mla_attention, computed as blocked products so a chunk runs at GEMM speed: scores
-// for 8 queries x 64 keys from register tiles (linear's dot kernels), an online softmax per
-// query, then P x C with each c row loaded once for 4 queries. Parallel over (head, query
-// block). q_lat [T, H, r]; the rope part of query i, head h at q_rope + i * q_rope_ld_t +
-// h * q_rope_ld_h (so the runner's [T, H, dn + dr] q passes as is); c [S, r], kr [S, dr] with
-// S >= p0 + T; head_scale [T, H]; out_lat [T, H, r], lse [T, H]. Dots are f32 in another
-// order than mla_attention's, within the same bound (tests/ops/attention_test.cpp).
-void mla_attention_causal(const float* q_lat, const float* q_rope, int64_t q_rope_ld_t, int64_t q_rope_ld_h,
-                          int64_t T, int H, int r, int dr, int64_t p0, const float* c, const float* kr,
-                          const float* head_scale, float* out_lat, float* lse);
-
 // The two per-head products around absorbed MLA (MODEL.md 3.6), for T tokens at once,
 // parallel over (token, head) pairs so a decode step (T = 1) uses every core, and
 // vectorized over r. w_uk / w_uv are W_UK / W_UV from wkv_b, [H, dn, r] / [H, dv, r] f32.
