@@ -1,6 +1,7 @@
 #include "core/dtype.h"
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 namespace ml4 {
@@ -108,23 +109,27 @@ uint16_t f32_to_f16(float f) {
 
 
 uint8_t f32_to_e4m3(float f) {
-  if (std::isnan(f)) return 0x7f;
-  uint8_t sign = std::signbit(f) ? 0x80 : 0x00;
-  float a = std::fabs(f);
-  if (a >= kE4M3Max) return sign | 0x7e;  // saturate to 448
-  if (a < std::ldexp(1.0f, -6)) {         // subnormal: units of 2^-9
-    float q = std::nearbyint(a * 512.0f);
-    if (q >= 8.0f) return sign | 0x08;    // rounded up into the first normal
-    return sign | static_cast<uint8_t>(q);
+  // On the bits (the KV cache and the indexer encode every value they store through this):
+  // normals round their 23-bit mantissa to 3 bits, to nearest even, by adding 2^19 - 1 plus
+  // the lowest kept bit (a carry moves into the exponent, as rounding up to the next binade
+  // should); e4m3's exponent is f32's minus 120. Subnormals (|f| < 2^-6) are multiples of
+  // 2^-9: |f| * 512 rounded to an integer, to nearest even (exact: adding and removing 2^23).
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return 0x7f;        // NaN
+  if (a >= 0x43e00000u) return sign | 0x7e;  // |f| >= 448 (inf too): saturate
+  if (a < 0x3c800000u) {                     // |f| < 2^-6: subnormal, units of 2^-9
+    float mag;
+    std::memcpy(&mag, &a, 4);
+    const float big = mag * 512.0f + 8388608.0f;  // rounds to an integer, ties to even
+    const float q = big - 8388608.0f;
+    return sign | static_cast<uint8_t>(q);  // 8 is code 0x08, the first normal
   }
-  int e;
-  std::frexp(a, &e);                               // a in [2^(e-1), 2^e)
-  float q = std::nearbyint(std::ldexp(a, 4 - e));  // 4 significant bits: [8, 16]
-  if (q >= 16.0f) { q = 8.0f; e += 1; }
-  int exp = e - 1 + 7;
-  uint8_t out = static_cast<uint8_t>((exp << 3) | (static_cast<int>(q) & 7));
-  if (out > 0x7e) out = 0x7e;
-  return sign | out;
+  const uint32_t r = (a + 0x7ffffu + ((a >> 20) & 1u)) >> 20;  // f32 exponent << 3 | 3 bits
+  const uint32_t code = r - (120u << 3);
+  return sign | static_cast<uint8_t>(code > 0x7e ? 0x7e : code);
 }
 
 float e2m1_to_f32(uint8_t nibble) {
