@@ -9,6 +9,8 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <vector>
+#include <string>
 
 #include "model/checkpoint.h"
 #include "model/config_loader.h"
@@ -38,12 +40,14 @@ std::string read_text(const std::string& path) {
 // The 512-token tekken.json the repo ships for the tiny presets.
 std::string tiny_tekken() { return read_text(std::string(ML4_SOURCE_DIR) + "/tests/golden/tokenizer/tekken_trained_v15_512.json"); }
 
-void make_tiny(const std::string& dir, const std::string& preset, const std::string& layout) {
+void make_tiny(const std::string& dir, const std::string& preset, const std::string& layout,
+               std::vector<std::string> overrides = {}) {
   MakeModelOptions m;
   m.preset = preset;
   m.out_dir = dir;
   m.seed = 5;
   m.layout = layout;
+  m.overrides = std::move(overrides);
   m.tokenizer_json = tiny_tekken();
   ASSERT_FALSE(m.tokenizer_json.empty());
   Status s = make_model(m);
@@ -194,15 +198,7 @@ TEST(Quantize, Fp8OutputHead) {
 // A model whose head is tok_embeddings (tied_embeddings) has no output to store: refused.
 TEST(Quantize, OutputTensorTypeNeedsAnOutputTensor) {
   testing::TempDir tmp;
-  MakeModelOptions m;
-  m.preset = "ml4-tiny";
-  m.out_dir = tmp.file("tied");
-  m.seed = 5;
-  m.layout = "native";
-  m.tokenizer_json = tiny_tekken();
-  m.overrides = {"tied_embeddings=true"};
-  Status s = make_model(m);
-  ASSERT_TRUE(s.is_ok()) << s.message();
+  make_tiny(tmp.file("tied"), "ml4-tiny", "native", {"tied_embeddings=true"});
   QuantizeOptions o{tmp.file("tied"), tmp.file("out"), "fp8"};
   o.output_tensor_type = "fp8";
   auto r = quantize_checkpoint(o);

@@ -220,7 +220,30 @@ void mla_attention(const float* q_lat, const float* q_rope, int H, int r, int dr
 // per-token paths (decode) vectorize one token's outputs. Same bits either way.
 namespace {
 constexpr int64_t kTokTile = 4;
+
+#ifdef ML4_ATTN_AVX2
+// out[t][0:16) = sum over k < n of a[t][k] * b[k * ldb + 0:16), for the kTokTile rows a[t]
+// (the first nt stored): each output an FMA chain over k in order from 0, the 4 x 16 outputs
+// in 8 registers, each b row read once for the 4 rows.
+void fma_rows_x16(const float* const* a, const float* b, int64_t ldb, int n, float* const* out, int64_t nt) {
+  __m256 acc[kTokTile][2];
+  ML4_UNROLL for (auto& v : acc) v[0] = v[1] = _mm256_setzero_ps();
+  for (int k = 0; k < n; ++k) {
+    const float* bk = b + k * ldb;
+    const __m256 b0 = _mm256_loadu_ps(bk), b1 = _mm256_loadu_ps(bk + 8);
+    ML4_UNROLL for (int t = 0; t < kTokTile; ++t) {
+      const __m256 at = _mm256_set1_ps(a[t][k]);
+      acc[t][0] = _mm256_fmadd_ps(at, b0, acc[t][0]);
+      acc[t][1] = _mm256_fmadd_ps(at, b1, acc[t][1]);
+    }
+  }
+  for (int64_t t = 0; t < nt; ++t) {
+    _mm256_storeu_ps(out[t], acc[t][0]);
+    _mm256_storeu_ps(out[t] + 8, acc[t][1]);
+  }
 }
+#endif
+}  // namespace
 
 void mla_absorb_q(const float* w_uk, const float* q, int64_t T, int H, int dn, int qk, int r, float* q_lat) {
 #ifdef ML4_ATTN_AVX2
@@ -239,21 +262,9 @@ void mla_absorb_q(const float* w_uk, const float* q, int64_t T, int H, int dn, i
           ql[t] = q_lat + (tt * H + h) * r;
         }
         for (int j = 0; j < r; j += 16) {
-          __m256 acc[kTokTile][2];
-          ML4_UNROLL for (auto& a : acc) a[0] = a[1] = _mm256_setzero_ps();
-          for (int d = 0; d < dn; ++d) {
-            const float* wr = wuk + static_cast<int64_t>(d) * r + j;
-            const __m256 w0 = _mm256_loadu_ps(wr), w1 = _mm256_loadu_ps(wr + 8);
-            ML4_UNROLL for (int t = 0; t < kTokTile; ++t) {
-              const __m256 qb = _mm256_set1_ps(qn[t][d]);
-              acc[t][0] = _mm256_fmadd_ps(qb, w0, acc[t][0]);
-              acc[t][1] = _mm256_fmadd_ps(qb, w1, acc[t][1]);
-            }
-          }
-          for (int64_t t = 0; t < nt; ++t) {
-            _mm256_storeu_ps(ql[t] + j, acc[t][0]);
-            _mm256_storeu_ps(ql[t] + j + 8, acc[t][1]);
-          }
+          float* qlj[kTokTile];
+          for (int64_t t = 0; t < kTokTile; ++t) qlj[t] = ql[t] + j;
+          fma_rows_x16(qn, wuk + j, r, dn, qlj, nt);
         }
       }
     });
@@ -301,22 +312,9 @@ void mla_apply_uv(const float* w_uv, const float* out_lat, int64_t T, int H, int
           const float* ol[kTokTile];
           for (int64_t t = 0; t < kTokTile; ++t) ol[t] = out_lat + ((t0 + std::min<int64_t>(t, nt - 1)) * H + h) * r;
           for (int d = 0; d < dv; d += 16) {
-            __m256 acc[kTokTile][2];
-            ML4_UNROLL for (auto& a : acc) a[0] = a[1] = _mm256_setzero_ps();
-            for (int j = 0; j < r; ++j) {
-              const float* wr = wt + static_cast<int64_t>(j) * dv + d;
-              const __m256 w0 = _mm256_loadu_ps(wr), w1 = _mm256_loadu_ps(wr + 8);
-              ML4_UNROLL for (int t = 0; t < kTokTile; ++t) {
-                const __m256 xb = _mm256_set1_ps(ol[t][j]);
-                acc[t][0] = _mm256_fmadd_ps(w0, xb, acc[t][0]);
-                acc[t][1] = _mm256_fmadd_ps(w1, xb, acc[t][1]);
-              }
-            }
-            for (int64_t t = 0; t < nt; ++t) {
-              float* oh = o + ((t0 + t) * H + h) * dv + d;
-              _mm256_storeu_ps(oh, acc[t][0]);
-              _mm256_storeu_ps(oh + 8, acc[t][1]);
-            }
+            float* oh[kTokTile];
+            for (int64_t t = 0; t < kTokTile; ++t) oh[t] = o + ((t0 + std::min<int64_t>(t, nt - 1)) * H + h) * dv + d;
+            fma_rows_x16(ol, wt + d, dv, r, oh, nt);  // fma(x, w, acc) == fma(w, x, acc) bit for bit
           }
         }
       }

@@ -93,19 +93,7 @@ Status expect(const Tensor& t, const char* what, std::initializer_list<DType> dt
 }
 
 #ifdef ML4_LINEAR_AVX2
-// 8 e4m3 bytes -> 8 f32 times 2^-8, exactly: e4m3 s.eeee.mmm placed in an f16 as
-// s.0eeee.mmm0000000 is 2^-8 times the e4m3 value (also for subnormals, which f16 has
-// too), and F16C converts that to an always-normal f32 (an f32-subnormal trick would hit
-// the ~100-cycle denormal assist on 1/16 of the codes). The caller folds 2^8 into the
-// block scale (exact). Codes 0x7f/0xff become NaN.
-inline __m256 e4m3x8_div256(const uint8_t* p) {
-  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m128i mag = _mm_and_si128(b, _mm_set1_epi16(0x7f));
-  const __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
-  const __m256 v = _mm256_cvtph_ps(_mm_or_si128(_mm_slli_epi16(mag, 7), sign));
-  const __m256i nan = _mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f)));
-  return _mm256_or_ps(v, _mm256_castsi256_ps(nan));
-}
+using kernels::e4m3x8_div256;
 
 // 8 bytes of packed e2m1 (16 values, low nibble first) -> out[0..16) = (v * s) * s2.
 inline void e2m1x16(const uint8_t* p, __m256 s, __m256 s2, float* out) {
@@ -295,12 +283,10 @@ std::vector<float>& scratch(int which) {
   thread_local std::vector<float> bufs[5];  // 0 GEMM tile, 1 permuted x, 2 scales, 3-4 NaN path
   return bufs[which];
 }
-// 64-byte aligned (a 16-float load never splits a cache line).
 float* scratch_floats(int which, int64_t n) {
   auto& v = scratch(which);
-  if (static_cast<int64_t>(v.size()) < n + 16) v.resize(static_cast<size_t>(n + 16));
-  const uintptr_t p = reinterpret_cast<uintptr_t>(v.data());
-  return v.data() + ((64 - p % 64) % 64) / sizeof(float);
+  if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
+  return v.data();
 }
 
 // The FP8 GEMV's answer for a tile (rm x rows of x from xm, weight rows [n, n + rn) of one
