@@ -12,6 +12,7 @@
 // and after each test: the dev machine is shared.
 //
 //   cpu_model_bench --model DIR [-p 64,512] [-n 64,128] [-r 3] [--kv-cache-dtype fp8_ds_mla] [--profile 1]
+//                   [--dtype auto|bfloat16]   (the linears' activations: ml4 serve --dtype)
 //
 // --profile 1: after each test, the wall time per piece of the forward (the program's timed()
 // labels, summed over the measured runs; nested labels count in both) as PROFILE lines.
@@ -92,7 +93,7 @@ struct Sequence {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string model, kv_dtype = "fp8_ds_mla";
+  std::string model, kv_dtype = "fp8_ds_mla", dtype = "auto";
   std::vector<int> pp = {64, 512}, tg = {64, 128};
   int reps = 3;
   bool profile = false;
@@ -103,6 +104,7 @@ int main(int argc, char** argv) {
     else if (a == "-n") tg = parse_list(argv[i + 1]);
     else if (a == "-r") reps = std::atoi(argv[i + 1]);
     else if (a == "--kv-cache-dtype") kv_dtype = argv[i + 1];
+    else if (a == "--dtype") dtype = argv[i + 1];
     else if (a == "--profile") profile = std::atoi(argv[i + 1]) != 0;
     else {
       std::fprintf(stderr, "unknown option %s\n", a.c_str());
@@ -110,13 +112,14 @@ int main(int argc, char** argv) {
     }
   }
   if (model.empty() || reps <= 0) {
-    std::fprintf(stderr, "usage: cpu_model_bench --model DIR [-p 64,512] [-n 64,128] [-r 3] [--kv-cache-dtype D]\n");
+    std::fprintf(stderr, "usage: cpu_model_bench --model DIR [-p 64,512] [-n 64,128] [-r 3] [--kv-cache-dtype D] [--dtype auto|bfloat16]\n");
     return 2;
   }
   const int max_tokens = std::max(pp.empty() ? 0 : *std::max_element(pp.begin(), pp.end()),
                                   tg.empty() ? 0 : *std::max_element(tg.begin(), tg.end()));
   ml4::RunnerOptions opts;
   opts.kv_cache_dtype = kv_dtype;
+  opts.dtype = dtype;
   opts.kv_cache_bytes = 64ll << 20;
   opts.max_model_len = max_tokens + 64;
   auto runner = ml4::CpuRunner::load(model, opts);
@@ -179,8 +182,8 @@ int main(int argc, char** argv) {
     mean /= ts.size();
     for (double v : ts) var += (v - mean) * (v - mean);
     const double sd = ts.size() > 1 ? std::sqrt(var / (ts.size() - 1)) : 0.0;
-    std::printf("CPUBENCH model=%s test=%s threads=%d tok_s=%.2f stddev=%.2f", model.c_str(), test.c_str(),
-                ml4::num_threads(), mean, sd);
+    std::printf("CPUBENCH model=%s test=%s threads=%d dtype=%s tok_s=%.2f stddev=%.2f", model.c_str(), test.c_str(),
+                ml4::num_threads(), dtype.c_str(), mean, sd);
     if (decode) std::printf(" weight_gb_per_tok=%.3f gb_s=%.2f", wbytes / 1e9, wbytes * mean / 1e9);
     std::printf(" load=%.2f-%.2f\n", l0, loadavg());
     if (profile) {

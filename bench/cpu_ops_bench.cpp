@@ -128,12 +128,19 @@ int main(int argc, char** argv) {
                    ml4::LinearFormat::kMXFP4, ml4::LinearFormat::kF32}) {
     ml4::LinearWeight w = make(fmt, N, K);
     const double wbytes = static_cast<double>(w.weight.nbytes() + (w.scale.empty() ? 0 : w.scale.nbytes()));
-    for (int64_t M : {1, 4, 17, 64}) {
-      if ((quick && M > 4) || (shape && M == 17)) continue;
-      double ms = time_ms([&] { ml4::cpu::linear(x.data(), M, w, y.data()); }, M == 1 ? 10 : 3);
-      std::printf("linear %-5s M=%-3lld N=%lld K=%lld  %8.3f ms  %7.2f GB/s  %7.2f GFLOP/s\n", name(fmt),
-                  static_cast<long long>(M), static_cast<long long>(N), static_cast<long long>(K), ms,
-                  wbytes / ms / 1e6, 2.0 * M * N * K / ms / 1e6);
+    // x in bf16 too (--dtype bfloat16) where it applies and the CPU can.
+    const bool bf16x = (fmt == ml4::LinearFormat::kBF16 || fmt == ml4::LinearFormat::kFP8Block) &&
+                       ml4::cpu::activation_dtype_supported(ml4::cpu::ActivationDtype::kBF16).is_ok();
+    for (auto act : {ml4::cpu::ActivationDtype::kF32, ml4::cpu::ActivationDtype::kBF16}) {
+      if (act == ml4::cpu::ActivationDtype::kBF16 && !bf16x) continue;
+      for (int64_t M : {1, 4, 17, 64}) {
+        if ((quick && M > 4) || (shape && M == 17)) continue;
+        double ms = time_ms([&] { ml4::cpu::linear(x.data(), M, w, y.data(), act); }, M == 1 ? 10 : 3);
+        std::printf("linear %-5s x %-4s M=%-3lld N=%lld K=%lld  %8.3f ms  %7.2f GB/s  %7.2f GFLOP/s\n", name(fmt),
+                    act == ml4::cpu::ActivationDtype::kBF16 ? "bf16" : "f32", static_cast<long long>(M),
+                    static_cast<long long>(N), static_cast<long long>(K), ms, wbytes / ms / 1e6,
+                    2.0 * M * N * K / ms / 1e6);
+      }
     }
   }
 

@@ -47,6 +47,9 @@ struct KvRegion {
 
 struct RunnerOptions {
   std::string kv_cache_dtype = "fp8_ds_mla";  // fp8_ds_mla | fp8 | bf16
+  // The CPU backend's linear activations (vLLM's --dtype; ops/cpu/linear.h ActivationDtype):
+  // auto | float32 (exact, the default) | bfloat16 (AVX512_BF16 dot products).
+  std::string dtype = "auto";
   int64_t kv_cache_bytes = 256ll << 20;       // KV memory budget, split across groups
   int64_t max_model_len = 0;                  // 0: the model's max_position_embeddings
   bool experts_to_mxfp4 = false;              // re-quantize FP8 routed experts to MXFP4 at load

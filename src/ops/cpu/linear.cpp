@@ -37,6 +37,7 @@
 
 #include "core/log.h"
 #include "core/threads.h"
+#include "ops/cpu/linear_bf16dot.h"
 #include "ops/cpu/linear_kernels.h"
 
 namespace ml4::cpu {
@@ -487,11 +488,201 @@ const float* prepare(const float* x, int64_t M, const LinearWeight& w, float* y)
 
 }  // namespace
 
+// ---------------------------------------------------------------------------------------
+// bf16-activation mode (ActivationDtype::kBF16; the kernels and their order in
+// linear_bf16dot.h). x is converted once per call into the thread's scratch; then the same
+// two paths as above: direct rows (M <= kGemvMaxM; one weight row at a time, every
+// activation row against it) and, above that, groups of rows with 4 x 4 (bf16, read where
+// stored) or 4 x 2 (FP8, decoded once to bf16 words) register tiles. Both give the same
+// bits for a row, so a token's result never depends on its batch.
+namespace {
+
+bool uses_bf16dot(const LinearWeight& w, ActivationDtype act) {
+  return act == ActivationDtype::kBF16 && (w.format == LinearFormat::kBF16 || w.format == LinearFormat::kFP8Block);
+}
+
+#ifdef ML4_LINEAR_BF16DOT
+uint16_t* scratch_words(int which, int64_t n) {
+  return reinterpret_cast<uint16_t*>(scratch_floats(which, (n + 1) / 2 + 32));
+}
+
+// Words per x row: bf16 weights K rounded up to 32, FP8 to 64.
+int64_t bf16dot_ldx(const LinearWeight& w) {
+  return w.format == LinearFormat::kFP8Block ? ceil_div(w.in_features, 64) * 64 : ceil_div(w.in_features, 32) * 32;
+}
+
+const uint16_t* prepare_bf16dot(const float* x, int64_t M, const LinearWeight& w) {
+  const int64_t K = w.in_features, ldx = bf16dot_ldx(w);
+  uint16_t* xb = scratch_words(1, M * ldx);
+  if (w.format == LinearFormat::kBF16) {
+    for (int64_t m = 0; m < M; ++m) kernels::x_to_bf16(x + m * K, K, ldx, xb + m * ldx);
+    return xb;
+  }
+  uint16_t* tmp = scratch_words(4, ldx);
+  for (int64_t m = 0; m < M; ++m) {
+    kernels::x_to_bf16(x + m * K, K, ldx, tmp);
+    kernels::permute_fp8_chunks(tmp, ldx, xb + m * ldx);
+  }
+  return xb;
+}
+
+template <typename F>
+void tile_dispatch_44(int64_t rm, int64_t rn, F&& f) {
+#define ML4_TILE(A, B) \
+  if (rm == A && rn == B) return f(std::integral_constant<int, A>{}, std::integral_constant<int, B>{});
+  ML4_TILE(1, 1) ML4_TILE(1, 2) ML4_TILE(1, 3) ML4_TILE(1, 4)
+  ML4_TILE(2, 1) ML4_TILE(2, 2) ML4_TILE(2, 3) ML4_TILE(2, 4)
+  ML4_TILE(3, 1) ML4_TILE(3, 2) ML4_TILE(3, 3) ML4_TILE(3, 4)
+  ML4_TILE(4, 1) ML4_TILE(4, 2) ML4_TILE(4, 3) ML4_TILE(4, 4)
+#undef ML4_TILE
+  ML4_LOG_ERROR("cpu::linear: no bf16 register tile for {} x {}", rm, rn);
+  std::abort();
+}
+
+// Rows [n0, n1) for M <= kGemvMaxM: one weight row at a time against every activation row.
+void bf16dot_direct_rows(const LinearWeight& w, const uint16_t* xb, int64_t M, int64_t n0, int64_t n1, float* y) {
+  const int64_t N = w.out_features, K = w.in_features, ldx = bf16dot_ldx(w);
+  if (w.format == LinearFormat::kBF16) {
+    for (int64_t n = n0; n < n1; ++n)
+      tile_dispatch_44(M, 1, [&](auto RM, auto RN) {
+        kernels::dot_tile_bf16dot<RM, RN>(xb, ldx, w.weight.as<uint16_t>() + n * K, K, K, y + n, N);
+      });
+    return;
+  }
+  const auto& t = kernels::e4m3_bf16_tables();
+  const int64_t kb = ceil_div(K, kFp8BlockSize);
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* srow = w.scale.as<float>() + (n / kFp8BlockSize) * kb;
+    const uint8_t* q = w.weight.as<uint8_t>() + n * K;
+    switch (M) {
+      case 1: kernels::dot_row_fp8_bf16dot<1>(xb, ldx, q, srow, K, t, y + n, N); break;
+      case 2: kernels::dot_row_fp8_bf16dot<2>(xb, ldx, q, srow, K, t, y + n, N); break;
+      case 3: kernels::dot_row_fp8_bf16dot<3>(xb, ldx, q, srow, K, t, y + n, N); break;
+      default: kernels::dot_row_fp8_bf16dot<4>(xb, ldx, q, srow, K, t, y + n, N); break;
+    }
+  }
+}
+
+// Rows [n0, n1) for M > kGemvMaxM: register tiles over all M rows, bf16 rows read where
+// stored, FP8 rows decoded once into the thread's buffer.
+void bf16dot_gemm_rows(const LinearWeight& w, const uint16_t* xb, int64_t M, int64_t n0, int64_t n1, float* y) {
+  const int64_t N = w.out_features, K = w.in_features, ldx = bf16dot_ldx(w), rows = n1 - n0;
+  if (w.format == LinearFormat::kBF16) {
+    const uint16_t* wr = w.weight.as<uint16_t>() + n0 * K;
+    for (int64_t m = 0; m < M; m += 4)
+      for (int64_t j = 0; j < rows; j += 4)
+        tile_dispatch_44(std::min<int64_t>(4, M - m), std::min<int64_t>(4, rows - j), [&](auto RM, auto RN) {
+          kernels::dot_tile_bf16dot<RM, RN>(xb + m * ldx, ldx, wr + j * K, K, K, y + m * N + n0 + j, N);
+        });
+    return;
+  }
+  const auto& t = kernels::e4m3_bf16_tables();
+  const int64_t kb = ceil_div(K, kFp8BlockSize);
+  uint16_t* buf = scratch_words(0, rows * ldx);
+  for (int64_t n = n0; n < n1; ++n)
+    kernels::decode_fp8_bf16dot_row(w.weight.as<uint8_t>() + n * K, K, t, buf + (n - n0) * ldx);
+  const float* sc = w.scale.as<float>();
+  for (int64_t m = 0; m < M; m += 4)
+    for (int64_t j = 0; j < rows; j += 2) {
+      const float* rs[2] = {sc + ((n0 + j) / kFp8BlockSize) * kb,
+                            sc + (std::min(n1 - 1, n0 + j + 1) / kFp8BlockSize) * kb};
+      tile_dispatch_44(std::min<int64_t>(4, M - m), std::min<int64_t>(2, rows - j), [&](auto RM, auto RN) {
+        if constexpr (RN <= 2)
+          kernels::dot_tile_fp8_bf16dot<RM, RN>(xb + m * ldx, ldx, buf + j * ldx, ldx, rs, K, y + m * N + n0 + j, N);
+      });
+    }
+}
+
+// Weight rows per GEMM task: their bf16 words around 128 KiB, a multiple of 4.
+int64_t bf16dot_group_rows(const LinearWeight& w) {
+  const int64_t rows = (128 * 1024 / 2) / std::max<int64_t>(bf16dot_ldx(w), 1);
+  return std::clamp<int64_t>(rows / 4 * 4, 4, 128);
+}
+#endif
+
+// Checks w and the CPU; false: y is NaN, the reason logged.
+bool bf16dot_ready(const LinearWeight& w, int64_t M, float* y) {
+  Status st = validate_linear_weight(w);
+  if (st.is_ok()) st = activation_dtype_supported(ActivationDtype::kBF16);
+  if (st.is_ok()) return true;
+  ML4_LOG_ERROR("{}", st.message());
+  if (w.out_features > 0) std::fill(y, y + M * w.out_features, std::numeric_limits<float>::quiet_NaN());
+  return false;
+}
+
+void linear_bf16dot(const float* x, int64_t M, const LinearWeight& w, float* y) {
+  if (!bf16dot_ready(w, M, y)) return;
+#ifdef ML4_LINEAR_BF16DOT
+  const int64_t N = w.out_features;
+  const uint16_t* xb = prepare_bf16dot(x, M, w);
+  if (M <= kGemvMaxM) {
+    const int64_t quads = ceil_div(N, 4);
+    parallel_for(quads, std::max<int64_t>(1, 4096 / w.in_features), [&](int64_t b, int64_t e) {
+      bf16dot_direct_rows(w, xb, M, b * 4, std::min(N, e * 4), y);
+    });
+    return;
+  }
+  const int64_t group = bf16dot_group_rows(w);
+  parallel_for(ceil_div(N, group), 1, [&](int64_t b, int64_t e) {
+    for (int64_t g = b; g < e; ++g) bf16dot_gemm_rows(w, xb, M, g * group, std::min(N, (g + 1) * group), y);
+  });
+#endif
+}
+
+void linear_rows_bf16dot(const float* x, int64_t M, const LinearWeight& w, int64_t n0, int64_t n1, float* y) {
+  if (!bf16dot_ready(w, M, y)) return;
+#ifdef ML4_LINEAR_BF16DOT
+  const uint16_t* xb = prepare_bf16dot(x, M, w);
+  if (M <= kGemvMaxM) return bf16dot_direct_rows(w, xb, M, n0, n1, y);
+  const int64_t group = bf16dot_group_rows(w);
+  for (int64_t n = n0; n < n1; n += group) bf16dot_gemm_rows(w, xb, M, n, std::min(n1, n + group), y);
+#endif
+}
+
+}  // namespace
+
+#ifdef ML4_LINEAR_BF16DOT
+namespace kernels {
+const E4m3Bf16Tables& e4m3_bf16_tables() {
+  static const E4m3Bf16Tables t = [] {
+    E4m3Bf16Tables r{};
+    for (int i = 0; i < 128; ++i) {
+      const uint16_t h = f32_to_bf16(e4m3_table()[i]);  // exact: e4m3 values have 4 significant bits
+      r.lo[i] = static_cast<uint8_t>(h & 0xff);
+      r.hi[i] = static_cast<uint8_t>(h >> 8);
+    }
+    return r;
+  }();
+  return t;
+}
+}  // namespace kernels
+#endif
+
+Status activation_dtype_supported(ActivationDtype a) {
+  if (a == ActivationDtype::kF32) return Status::ok();
+#ifdef ML4_LINEAR_BF16DOT
+  if (kernels::bf16dot_usable()) return Status::ok();
+#endif
+  return invalid_argument(
+      "--dtype bfloat16 on the CPU needs AVX512_BF16 and AVX512_VBMI (x86-64 Zen 4, Sapphire Rapids or later); "
+      "this CPU or build lacks them: use --dtype float32");
+}
+
+Result<ActivationDtype> parse_activation_dtype(const std::string& name) {
+  if (name == "auto" || name == "float32" || name == "float" || name == "f32") return ActivationDtype::kF32;
+  if (name == "bfloat16" || name == "bf16") return ActivationDtype::kBF16;
+  return invalid_argument("--dtype must be auto, float32 or bfloat16, got '{}'", name);
+}
+
+const char* activation_dtype_name(ActivationDtype a) { return a == ActivationDtype::kBF16 ? "bfloat16" : "float32"; }
+
 void linear_allow_avx512(bool allow) { g_allow_avx512.store(allow, std::memory_order_relaxed); }
 bool linear_uses_avx512() { return use_avx512(); }
 
-void linear_rows(const float* x, int64_t M, const LinearWeight& w, int64_t n0, int64_t n1, float* y) {
+void linear_rows(const float* x, int64_t M, const LinearWeight& w, int64_t n0, int64_t n1, float* y,
+                 ActivationDtype act) {
   if (M <= 0 || n0 >= n1) return;
+  if (uses_bf16dot(w, act)) return linear_rows_bf16dot(x, M, w, n0, n1, y);
   const float* xs = prepare(x, M, w, y);
   if (xs == nullptr) return;
   if (is_direct(w, M)) {
@@ -502,9 +693,10 @@ void linear_rows(const float* x, int64_t M, const LinearWeight& w, int64_t n0, i
   for (int64_t n = n0; n < n1; n += group) gemm_rows(w, xs, M, n, std::min(n1, n + group), y);
 }
 
-void linear(const float* x, int64_t M, const LinearWeight& w, float* y) {
+void linear(const float* x, int64_t M, const LinearWeight& w, float* y, ActivationDtype act) {
   const int64_t N = w.out_features, K = w.in_features;
   if (M <= 0) return;
+  if (uses_bf16dot(w, act)) return linear_bf16dot(x, M, w, y);
   // x in the format's lane order (bf16 only; the copy is M x K f32, in the caller's thread).
   const float* xs = prepare(x, M, w, y);
   if (xs == nullptr) return;

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "core/status.h"
 #include "model/linear_weight.h"
@@ -25,14 +26,28 @@ constexpr int64_t kGemvMaxM = 4;
 // Checks dtypes and shapes of weight/scale against w.format, out_features, in_features.
 Status validate_linear_weight(const LinearWeight& w);
 
+// The activations' precision (vLLM's --dtype):
+//   kF32 (the default and the reference): x as given, every format above.
+//   kBF16: x rounded to bf16 and summed in f32 by AVX512_BF16 dot products, 32 products an
+//     instruction (transformers' and vLLM's bf16 numerics; linear_bf16dot.h has the order).
+//     Applies to bf16 and FP8 weights; f32, NVFP4 and MXFP4 weights keep f32 activations.
+//     Needs AVX512_BF16 and AVX512_VBMI: activation_dtype_supported() says, and linear() writes
+//     NaN (and logs why) rather than fall back to another order where they are missing.
+enum class ActivationDtype { kF32, kBF16 };
+Status activation_dtype_supported(ActivationDtype a);
+// "float32" | "bfloat16" (vLLM's names; also "float", "bf16", "auto" = float32).
+Result<ActivationDtype> parse_activation_dtype(const std::string& name);
+const char* activation_dtype_name(ActivationDtype a);
+
 // x: [M, K] f32 row-major; y: [M, N] f32 row-major (must not alias x).
-void linear(const float* x, int64_t M, const LinearWeight& w, float* y);
+void linear(const float* x, int64_t M, const LinearWeight& w, float* y, ActivationDtype act = ActivationDtype::kF32);
 
 // Columns [n0, n1) of linear()'s y (y is still [M, N]), bit-identical to linear(), on the
 // calling thread only: for callers that split one parallel region over several weights
 // (the MoE decode runs every active expert's gate and up rows in one region). n0 must be a
 // multiple of 4 (a GEMV tile, so an FP8 scale group never splits one).
-void linear_rows(const float* x, int64_t M, const LinearWeight& w, int64_t n0, int64_t n1, float* y);
+void linear_rows(const float* x, int64_t M, const LinearWeight& w, int64_t n0, int64_t n1, float* y,
+                 ActivationDtype act = ActivationDtype::kF32);
 
 // Whether linear() may use its AVX-512 kernels where the CPU has them (default true). They
 // give the same bits as the AVX2 ones; tests switch them off to compare the two.

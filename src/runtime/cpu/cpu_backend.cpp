@@ -104,8 +104,16 @@ Status CpuBackend::set_embedding_shard(const Tensor& table, int64_t first_id) {
   return Status::ok();
 }
 
-Result<LinearRef> CpuBackend::add_linear(const LinearWeight& w, LinearUse) {
-  linears_.push_back(&w);  // cpu::linear runs every format on f32 activations (the router's f32 too)
+Status CpuBackend::set_activation_dtype(cpu::ActivationDtype a) {
+  ML4_RETURN_IF_ERROR(cpu::activation_dtype_supported(a));
+  if (!linears_.empty()) return internal_error("set_activation_dtype after weights were added");
+  act_ = a;
+  return Status::ok();
+}
+
+Result<LinearRef> CpuBackend::add_linear(const LinearWeight& w, LinearUse use) {
+  linears_.push_back(&w);
+  linear_act_.push_back(use == LinearUse::kRouter ? cpu::ActivationDtype::kF32 : act_);
   return LinearRef{static_cast<int>(linears_.size()) - 1};
 }
 
@@ -179,7 +187,7 @@ Status CpuBackend::layer_norm(const float* x, const float* w, const float* b, in
 
 Status CpuBackend::linear(LinearRef w, const float* x, int64_t M, float* y) {
   if (!w.valid() || w.id >= static_cast<int>(linears_.size())) return internal_error("linear: no weight {}", w.id);
-  cpu::linear(x, M, *linears_[w.id], y);
+  cpu::linear(x, M, *linears_[w.id], y, linear_act_[w.id]);
   return Status::ok();
 }
 
@@ -523,10 +531,10 @@ Status CpuBackend::moe_route(const MoeRouteArgs& p) {
 void CpuBackend::mlp(const MlpWeights& m, const float* x, int64_t T, float* out) {
   const int64_t I = m.w1.out_features;
   std::vector<float> g(T * I), u(T * I);
-  cpu::linear(x, T, m.w1, g.data());
-  cpu::linear(x, T, m.w3, u.data());
+  cpu::linear(x, T, m.w1, g.data(), act_);
+  cpu::linear(x, T, m.w3, u.data(), act_);
   cpu::silu_mul(g.data(), u.data(), T * I, g.data());
-  cpu::linear(g.data(), T, m.w2, out);
+  cpu::linear(g.data(), T, m.w2, out, act_);
 }
 
 void CpuBackend::mlps(const std::vector<MlpJob>& jobs) {
@@ -538,7 +546,7 @@ void CpuBackend::mlps(const std::vector<MlpJob>& jobs) {
     int64_t rows;
     float* y;
   };
-  auto region = [](const std::vector<Part>& parts) {
+  auto region = [this](const std::vector<Part>& parts) {
     std::vector<int64_t> first(parts.size() + 1, 0);  // first quad of each part
     for (size_t i = 0; i < parts.size(); ++i) first[i + 1] = first[i] + (parts[i].w->out_features + 3) / 4;
     parallel_for(first.back(), 1, [&](int64_t b, int64_t e) {
@@ -547,7 +555,7 @@ void CpuBackend::mlps(const std::vector<MlpJob>& jobs) {
         if (lo >= hi) continue;
         const Part& p = parts[i];
         const int64_t N = p.w->out_features;
-        cpu::linear_rows(p.x, p.rows, *p.w, (lo - first[i]) * 4, std::min(N, (hi - first[i]) * 4), p.y);
+        cpu::linear_rows(p.x, p.rows, *p.w, (lo - first[i]) * 4, std::min(N, (hi - first[i]) * 4), p.y, act_);
       }
     });
   };

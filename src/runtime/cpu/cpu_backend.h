@@ -19,6 +19,7 @@
 #include "kv/paged_kv_cache.h"
 #include "model/model_weights.h"
 #include "ops/backend.h"
+#include "ops/cpu/linear.h"
 #include "runtime/step_metadata.h"
 
 namespace ml4 {
@@ -41,6 +42,9 @@ class CpuBackend : public Backend {
   }
   const std::map<std::string, double>& profile() const { return profile_; }
   Status timed(const char* label, const Fn& fn) override;
+  // The linears' activation precision (ops/cpu/linear.h), set before the program adds its
+  // weights; routers stay f32 (MODEL.md 3.7). An error where the CPU cannot run it.
+  Status set_activation_dtype(cpu::ActivationDtype a);
 
   Status set_embedding(const Tensor& table) override;
   Status set_embedding_shard(const Tensor& table, int64_t first_id) override;
@@ -136,6 +140,8 @@ class CpuBackend : public Backend {
   int64_t embed_first_ = 0;  // vocabulary-parallel: the first token id embed_ holds
   std::vector<std::vector<uint8_t>> scratch_;
   std::vector<const LinearWeight*> linears_;
+  std::vector<cpu::ActivationDtype> linear_act_;  // per linear: act_, or f32 for a router
+  cpu::ActivationDtype act_ = cpu::ActivationDtype::kF32;
   std::vector<Moe> moes_;
   std::vector<std::vector<std::vector<int32_t>>> selections_;  // [selection][token] positions
   std::vector<std::vector<int32_t>> window_;                  // [token] kBlockWindow positions

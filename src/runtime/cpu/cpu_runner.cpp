@@ -61,6 +61,8 @@ Result<std::unique_ptr<CpuRunner>> CpuRunner::create(const ModelConfig& cfg, std
   }
   ML4_RETURN_IF_ERROR(shard_cache_groups(spec, r->shard_, &r->groups_));
   r->backend_ = std::make_unique<CpuBackend>(cfg, weights, r->cache_.get());
+  ML4_ASSIGN_OR_RETURN(cpu::ActivationDtype act, cpu::parse_activation_dtype(opts.dtype));
+  ML4_RETURN_IF_ERROR(r->backend_->set_activation_dtype(act));
   ModelForward::Options fo;
   fo.duplicate_shared_kv = duplicate_shared_kv;
   fo.drafter = opts.drafter;
