@@ -13,8 +13,11 @@
 #   models/      mistral4-tiny and the ~2B Mistral-4-shaped model (make-model --layout merged),
 #                their FP8 copies (ml4 quantize; -fp8h: the output head FP8 too), and GGUFs: bf16 (convert_hf_to_gguf.py
 #                --mistral-format on our directory as written) and Q8_0 (llama-quantize)
-# Then per round: stream_bench once, and for each model ml4 bf16, llama.cpp bf16, ml4 fp8,
-# ml4 fp8 with an FP8 head, llama.cpp Q8_0: pp64, pp512, tg64, tg128 at 2 threads. All output goes to
+# Then per round: stream_bench once, and for each model ml4 bf16, ml4 bf16 --dtype bfloat16,
+# llama.cpp bf16, ml4 fp8, ml4 fp8 with an FP8 head (f32 and bfloat16 activations), llama.cpp
+# Q8_0: pp64, pp512, tg64, tg128 at 2 threads. The bfloat16 runs (ml4's activations in bf16, as
+# llama.cpp's bf16 path has them; Q8_0 rounds them to 8 bits) need AVX512_BF16 and are left out
+# without it. All output goes to
 # WORK_DIR/results-<date>.txt (ml4 lines start CPUBENCH, llama.cpp's are its markdown table).
 set -euo pipefail
 build=$(cd "${1:?usage: cpu_vs_llamacpp.sh BUILD_DIR WORK_DIR [ROUNDS]}" && pwd)
@@ -81,14 +84,20 @@ make_models m4-2b --preset ml4-slice-8 --set "dim=2048,n_heads=16,q_lora_rank=51
 # 4. Interleaved runs.
 out="$work/results-$(date -u +%Y%m%dT%H%M%SZ).txt"
 echo "# $(date -u) $(uname -n) $(nproc) cpus; ml4 $(git -C "$root" rev-parse --short HEAD); llama.cpp from llama-cpp-python $LLAMA_PY_VERSION" | tee "$out"
+bf16x=()
+if grep -q ' avx512_bf16' /proc/cpuinfo && grep -q ' avx512vbmi' /proc/cpuinfo; then bf16x=(bfloat16); fi
 for r in $(seq 1 "$rounds"); do
   echo "## round $r, loadavg $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$out"
   "$build/stream_bench" --mib 512 --reps 5 --threads 1,2 | grep -E "kernel=read" | tee -a "$out"
   for name in mistral4-tiny m4-2b; do
-    ML4_THREADS=$threads "$build/cpu_model_bench" --model "$m/$name" -p 64,512 -n 64,128 -r 3 | tee -a "$out"
+    for dt in auto "${bf16x[@]}"; do
+      ML4_THREADS=$threads "$build/cpu_model_bench" --model "$m/$name" -p 64,512 -n 64,128 -r 3 --dtype "$dt" | tee -a "$out"
+    done
     "$llama/build/bin/llama-bench" -m "$m/$name-bf16.gguf" -p 64,512 -n 64,128 -t "$threads" -r 3 2>/dev/null | tee -a "$out"
     ML4_THREADS=$threads "$build/cpu_model_bench" --model "$m/$name-fp8" -p 64,512 -n 64,128 -r 3 | tee -a "$out"
-    ML4_THREADS=$threads "$build/cpu_model_bench" --model "$m/$name-fp8h" -p 64,512 -n 64,128 -r 3 | tee -a "$out"
+    for dt in auto "${bf16x[@]}"; do
+      ML4_THREADS=$threads "$build/cpu_model_bench" --model "$m/$name-fp8h" -p 64,512 -n 64,128 -r 3 --dtype "$dt" | tee -a "$out"
+    done
     "$llama/build/bin/llama-bench" -m "$m/$name-q8_0.gguf" -p 64,512 -n 64,128 -t "$threads" -r 3 2>/dev/null | tee -a "$out"
   done
 done

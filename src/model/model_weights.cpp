@@ -144,21 +144,6 @@ LinearWeight unpermute_rope_rows(const LinearWeight& w, int64_t group, int64_t o
   return o;
 }
 
-// Splits W_UK [H][dn][r] and W_UV [H][dv][r] out of wkv_b [H*(dn+dv), r] (H: the heads wkv_b
-// holds, the rank's under tensor parallelism).
-void split_wkv_b(const ModelConfig& cfg, const LinearWeight& wkv_b, AttentionWeights& A) {
-  const int dn = cfg.qk_nope_head_dim, dv = cfg.v_head_dim, r = cfg.kv_lora_rank;
-  const int H = static_cast<int>(wkv_b.out_features / (dn + dv));
-  std::vector<float> full = dequantize_linear(wkv_b);
-  A.w_uk.resize(static_cast<size_t>(H) * dn * r);
-  A.w_uv.resize(static_cast<size_t>(H) * dv * r);
-  for (int h = 0; h < H; ++h) {
-    const float* head = full.data() + static_cast<size_t>(h) * (dn + dv) * r;
-    std::copy_n(head, static_cast<size_t>(dn) * r, A.w_uk.data() + static_cast<size_t>(h) * dn * r);
-    std::copy_n(head + static_cast<size_t>(dn) * r, static_cast<size_t>(dv) * r, A.w_uv.data() + static_cast<size_t>(h) * dv * r);
-  }
-}
-
 // A [rows, cols] slice of a fused [E, R, C] tensor (HF fused experts), as a view.
 Tensor slice_rows(const Tensor& t, int64_t e, int64_t row0, int64_t rows) {
   const int64_t R = t.dim(1), C = t.dim(2);
@@ -219,7 +204,6 @@ Status load_layer(const ModelConfig& cfg, int l, Binder& b, LayerWeights& LW, co
   }
   ML4_ASSIGN_OR_RETURN(A.wkv_b, b.linear(pa + "wkv_b", H * (dn + dv), r));
   ML4_ASSIGN_OR_RETURN(A.wkv_b, slice_linear_rows(A.wkv_b, hr.begin * (dn + dv), hr.count * (dn + dv)));
-  split_wkv_b(cfg, A.wkv_b, A);
   ML4_ASSIGN_OR_RETURN(A.wo, b.linear(pa + "wo", D, H * dv));
   ML4_ASSIGN_OR_RETURN(A.wo, slice_linear_cols(A.wo, hr.begin * dv, hr.count * dv));
   if (spec.ssmax) {
@@ -355,8 +339,7 @@ Status load_drafter(const ModelConfig& cfg, Binder& b, DrafterWeights& W, const 
     ML4_ASSIGN_OR_RETURN(A.kv_a_norm, nb.vec(pa + "kv_a_norm.weight", r));
     ML4_ASSIGN_OR_RETURN(A.wkv_b, nb.linear(pa + "wkv_b", H * (dn + dv), r));
     ML4_ASSIGN_OR_RETURN(A.wkv_b, slice_linear_rows(A.wkv_b, hr.begin * (dn + dv), hr.count * (dn + dv)));
-    split_wkv_b(cfg, A.wkv_b, A);
-    ML4_ASSIGN_OR_RETURN(A.wo, nb.linear(pa + "wo", D, H * dv));
+      ML4_ASSIGN_OR_RETURN(A.wo, nb.linear(pa + "wo", D, H * dv));
     ML4_ASSIGN_OR_RETURN(A.wo, slice_linear_cols(A.wo, hr.begin * dv, hr.count * dv));
     ML4_ASSIGN_OR_RETURN(L.ffn.w1, nb.linear(lp + "feed_forward.w1", cfg.hidden_dim, D));
     ML4_ASSIGN_OR_RETURN(L.ffn.w2, nb.linear(lp + "feed_forward.w2", D, cfg.hidden_dim));
@@ -415,6 +398,21 @@ Result<std::shared_ptr<const ModelWeights>> load_model_weights(const ModelConfig
   }
   ML4_RETURN_IF_ERROR(b.check_all_used());
   return std::shared_ptr<const ModelWeights>(std::move(W));
+}
+
+WkvbSplit split_wkv_b(const LinearWeight& wkv_b, int dn, int dv) {
+  const int64_t r = wkv_b.in_features, H = wkv_b.out_features / (dn + dv);
+  std::vector<float> full = dequantize_linear(wkv_b);
+  WkvbSplit s;
+  if (H <= 0 || static_cast<int64_t>(full.size()) != H * (dn + dv) * r) return s;  // invalid: empty
+  s.w_uk.resize(static_cast<size_t>(H * dn * r));
+  s.w_uv.resize(static_cast<size_t>(H * dv * r));
+  for (int64_t h = 0; h < H; ++h) {
+    const float* head = full.data() + h * (dn + dv) * r;
+    std::copy_n(head, dn * r, s.w_uk.data() + h * dn * r);
+    std::copy_n(head + dn * r, dv * r, s.w_uv.data() + h * dv * r);
+  }
+  return s;
 }
 
 }  // namespace ml4

@@ -2,8 +2,9 @@
 //
 // Linears stay in their stored format (views into the mapped safetensors; CPU kernels
 // decode on the fly). Small vectors (norms, biases, SSMax scales, router gates) are
-// converted to f32 once. The MLA up-projection `wkv_b` is also kept decoded and split per
-// head into W_UK [H][dn][r] and W_UV [H][dv][r] for the absorbed form (MODEL.md 3.6).
+// converted to f32 once. The MLA up-projection `wkv_b` stays as stored too; the absorbed form
+// (MODEL.md 3.6) reads it as W_UK [H][dn][r] and W_UV [H][dv][r] (split_wkv_b below for a
+// device that wants them apart).
 //
 // Loading checks the checkpoint against expected_tensors() (weight_names.h): a missing
 // tensor, an unknown tensor, or a wrong dtype or shape is an error naming the tensor.
@@ -36,10 +37,8 @@ struct AttentionWeights {
   std::vector<float> q_a_norm;     // [q_lora]
   LinearWeight wkv_a;              // [r+dr, dim]; KV owners only
   std::vector<float> kv_a_norm;    // [r]; KV owners only
-  LinearWeight wkv_b;              // [H*(dn+dv), r]
+  LinearWeight wkv_b;              // [H*(dn+dv), r]: W_UK / W_UV (split_wkv_b)
   LinearWeight wo;                 // [dim, H*dv]
-  std::vector<float> w_uk;         // [H][dn][r], decoded from wkv_b
-  std::vector<float> w_uv;         // [H][dv][r], decoded from wkv_b
   std::vector<float> ssmax_s;      // [H]; SSMax layers only
   std::unique_ptr<IndexerWeights> indexer;  // indexer owners only
 };
@@ -106,5 +105,13 @@ struct WeightLoadOptions {
 
 Result<std::shared_ptr<const ModelWeights>> load_model_weights(const ModelConfig& cfg, const Checkpoint& ckpt,
                                                                const WeightLoadOptions& opts = {});
+
+// W_UK [H][dn][r] and W_UV [H][dv][r] of wkv_b [H*(dn+dv), r] (H: its rows / (dn + dv)), each
+// element the value dequantize_linear gives it: what a device's absorb kernels read. Empty
+// when wkv_b is invalid or not a whole number of heads.
+struct WkvbSplit {
+  std::vector<float> w_uk, w_uv;
+};
+WkvbSplit split_wkv_b(const LinearWeight& wkv_b, int dn, int dv);
 
 }  // namespace ml4

@@ -12,8 +12,8 @@
 //     for the step; a device backend keeps them at fixed addresses so graphs can replay).
 //     The program passes them around and never dereferences them.
 //   - Weights are registered once at load (add_*) in the backend's own format and memory;
-//     linears come back as handles, f32 vectors (norm weights, W_UK / W_UV, SSMax s, RoPE
-//     tables) as backend pointers.
+//     linears come back as handles (MLA's wkv_b too, as an AbsorbRef), f32 vectors (norm
+//     weights, SSMax s, RoPE tables) as backend pointers.
 //   - The step itself (token ids, positions, cache slots, block tables, logits rows) is the
 //     backend's state, set by its runner before forward(): ops that need it read it there.
 //     T below is step_tokens() (a device backend may pad it), R is step_rows().
@@ -53,6 +53,12 @@ struct MlpRef {
 // A layer's routed experts and shared expert(s), held together (a device groups them).
 struct MoeRef {
   int id = -1;
+};
+// One layer's MLA up-projection wkv_b [H*(dn+dv), r], read as W_UK [H][dn][r] (head h's rows
+// h*(dn+dv) + [0, dn)) and W_UV [H][dv][r] (the next dv rows) by the absorbed form.
+struct AbsorbRef {
+  int id = -1;
+  bool valid() const { return id >= 0; }
 };
 // An embedding-like table [rows, cols] (bf16 or f32) the backend holds.
 struct TableRef {
@@ -224,6 +230,9 @@ class Backend {
   // a host backend may use it in place.
   virtual Result<const float*> add_vector(const std::vector<float>& v) = 0;
   virtual Result<MoeRef> add_moe(const std::vector<MlpWeights>& experts, const MlpWeights* shared) = 0;
+  // wkv_b in its stored format (it outlives every forward); the backend keeps what its
+  // absorb kernels read (a host backend: the weight itself; a device: its own copy).
+  virtual Result<AbsorbRef> add_absorb(const LinearWeight& wkv_b) = 0;
   // Selection buffers 0..n-1 (each [T, topk]).
   virtual Status reserve_selections(int n) = 0;
   // The drafter's buffers (Activations' draft_* and markov_*) are needed from now on.
@@ -282,10 +291,10 @@ class Backend {
   // forcing one (rows validated by the caller).
   virtual Result<std::vector<std::vector<int32_t>>> read_selection(int selection) = 0;
   virtual Status set_selection(int selection, const std::vector<std::vector<int32_t>>& positions) = 0;
-  // q_lat[t, h] = W_UK[h]^T q_nope[t, h] (w_uk [H, dn, r]); o[t, h] = W_UV[h] out_lat[t, h] (w_uv [H, dv, r]).
-  virtual Status mla_absorb_q(const float* w_uk, const float* q, float* q_lat) = 0;
+  // q_lat[t, h] = W_UK[h]^T q_nope[t, h]; o[t, h] = W_UV[h] out_lat[t, h] (AbsorbRef above).
+  virtual Status mla_absorb_q(AbsorbRef a, const float* q, float* q_lat) = 0;
   virtual Status mla_attention(const MlaArgs& p) = 0;
-  virtual Status mla_apply_uv(const float* w_uv, const float* out_lat, float* o) = 0;
+  virtual Status mla_apply_uv(AbsorbRef a, const float* out_lat, float* o) = 0;
   virtual Status moe_route(const MoeRouteArgs& p) = 0;
   // out[T, dim] = sum_k w[t, k] expert_{ids[t, k]}(x[t]) + shared(x[t]).
   virtual Status moe_experts(MoeRef moe, const float* x, const int32_t* ids, const float* weights, float* out) = 0;

@@ -123,8 +123,7 @@ Status ModelForward::register_weights(const ModelWeights& w) {
       ML4_ASSIGN_OR_RETURN(R.idx_knorm_w, be_.add_vector(I.k_norm_weight));
       ML4_ASSIGN_OR_RETURN(R.idx_knorm_b, be_.add_vector(I.k_norm_bias));
     }
-    ML4_ASSIGN_OR_RETURN(R.w_uk, be_.add_vector(A.w_uk));
-    ML4_ASSIGN_OR_RETURN(R.w_uv, be_.add_vector(A.w_uv));
+    ML4_ASSIGN_OR_RETURN(R.absorb, be_.add_absorb(A.wkv_b));
     if (spec.ssmax) {
       ML4_ASSIGN_OR_RETURN(R.ssmax_s, be_.add_vector(A.ssmax_s));
     }
@@ -185,8 +184,7 @@ Status ModelForward::register_drafter(const DrafterWeights& w) {
     ML4_ASSIGN_OR_RETURN(R.wkv_a, be_.add_linear(L.attn.wkv_a));
     ML4_ASSIGN_OR_RETURN(R.kv_a_norm, be_.add_vector(L.attn.kv_a_norm));
     ML4_ASSIGN_OR_RETURN(R.wo, be_.add_linear(L.attn.wo));
-    ML4_ASSIGN_OR_RETURN(R.w_uk, be_.add_vector(L.attn.w_uk));
-    ML4_ASSIGN_OR_RETURN(R.w_uv, be_.add_vector(L.attn.w_uv));
+    ML4_ASSIGN_OR_RETURN(R.absorb, be_.add_absorb(L.attn.wkv_b));
     ML4_ASSIGN_OR_RETURN(R.ffn, be_.add_mlp(L.ffn));
   }
   ML4_ASSIGN_OR_RETURN(d->markov_embed, be_.add_table(w.markov_embed));
@@ -263,7 +261,7 @@ Status ModelForward::draft_attention(int j) {
   ML4_RETURN_IF_ERROR(be_.rms_norm({x.ckv, nullptr, L.kv_a_norm, T, r, r + dr, eps, x.c}));
   ML4_RETURN_IF_ERROR(be_.rope(rope_args(x.ckv, 1, r + dr, r, dr, inv_freq_)));
   ML4_RETURN_IF_ERROR(be_.latent_cache_write(CacheGroup::kDrafter, j, x.c, x.ckv + r, r + dr));
-  ML4_RETURN_IF_ERROR(be_.mla_absorb_q(L.w_uk, x.q, x.q_lat));
+  ML4_RETURN_IF_ERROR(be_.mla_absorb_q(L.absorb, x.q, x.q_lat));
   QPathArgs qp;
   qp.rope = rope_args(x.q, H, qk, dn, dr, inv_freq_);
   qp.base_scale = cfg_.softmax_scale();
@@ -280,7 +278,7 @@ Status ModelForward::draft_attention(int j) {
   ma.out_lat = x.out_lat;
   ma.lse = x.lse;
   ML4_RETURN_IF_ERROR(be_.mla_attention(ma));
-  ML4_RETURN_IF_ERROR(be_.mla_apply_uv(L.w_uv, x.out_lat, x.o));
+  ML4_RETURN_IF_ERROR(be_.mla_apply_uv(L.absorb, x.out_lat, x.o));
   return be_.linear(L.wo, x.o, T, x.tmp);
 }
 
@@ -541,7 +539,7 @@ Status ModelForward::attention(int l, const StepMetadata* md, ForwardTrace* trac
     }));
   }
   // 6a. W_UK absorption of the nope part (the q path below touches only the rope part).
-  ML4_RETURN_IF_ERROR(be_.timed("attn: W_UK absorption", [&] { return be_.mla_absorb_q(L.w_uk, x.q, x.q_lat); }));
+  ML4_RETURN_IF_ERROR(be_.timed("attn: W_UK absorption", [&] { return be_.mla_absorb_q(L.absorb, x.q, x.q_lat); }));
   // 5. The keys attended.
   int selection = -1;
   ML4_RETURN_IF_ERROR(select_keys(l, md, trace, fork, &selection));
@@ -581,7 +579,7 @@ Status ModelForward::attention(int l, const StepMetadata* md, ForwardTrace* trac
   } else {
     ML4_RETURN_IF_ERROR(be_.timed("attn: MLA kernel", [&] { return be_.mla_attention(ma).with_context("layer " + std::to_string(l)); }));
   }
-  ML4_RETURN_IF_ERROR(be_.timed("attn: W_UV", [&] { return be_.mla_apply_uv(L.w_uv, x.out_lat, x.o); }));
+  ML4_RETURN_IF_ERROR(be_.timed("attn: W_UV", [&] { return be_.mla_apply_uv(L.absorb, x.out_lat, x.o); }));
   return be_.timed("attn: o projection", [&] { return be_.linear(L.wo, x.o, T, out); });
 }
 

@@ -77,7 +77,8 @@ class ModelForward {
  private:
   struct LayerRefs {
     const float *attn_norm = nullptr, *ffn_norm = nullptr, *q_a_norm = nullptr, *kv_a_norm = nullptr;
-    const float *w_uk = nullptr, *w_uv = nullptr, *ssmax_s = nullptr;
+    const float* ssmax_s = nullptr;
+    AbsorbRef absorb;
     const float *idx_knorm_w = nullptr, *idx_knorm_b = nullptr, *router_bias = nullptr;
     LinearRef wq, wq_a, wq_b, wkv_a, wo, idx_wq, idx_wk, idx_wproj, gate;
     MlpRef dense;
@@ -88,7 +89,7 @@ class ModelForward {
 
   struct DraftLayerRefs {
     const float *attn_norm = nullptr, *ffn_norm = nullptr, *q_a_norm = nullptr, *kv_a_norm = nullptr;
-    const float *w_uk = nullptr, *w_uv = nullptr;
+    AbsorbRef absorb;
     LinearRef wq, wq_a, wq_b, wkv_a, wo;
     MlpRef ffn;
   };

@@ -111,16 +111,22 @@ TEST(WeightShard, LoaderBindsTheRanksSlices) {
     EXPECT_EQ(dequantize_linear(pq), block(dequantize_linear(wq), wq.in_features, 2 * (dn + dr), 2 * (dn + dr), 0,
                                            wq.in_features));
     EXPECT_EQ(dequantize_linear(b.wo), block(dequantize_linear(a.wo), a.wo.in_features, 0, D, 2 * dv, 2 * dv));
-    EXPECT_EQ(b.w_uk, std::vector<float>(a.w_uk.begin() + 2 * dn * r, a.w_uk.end()));
-    EXPECT_EQ(b.w_uv, std::vector<float>(a.w_uv.begin() + 2 * dv * r, a.w_uv.end()));
+    const WkvbSplit sa = split_wkv_b(a.wkv_b, static_cast<int>(dn), static_cast<int>(dv));
+    const WkvbSplit sb = split_wkv_b(b.wkv_b, static_cast<int>(dn), static_cast<int>(dv));
+    EXPECT_EQ(sb.w_uk, std::vector<float>(sa.w_uk.begin() + 2 * dn * r, sa.w_uk.end()));
+    EXPECT_EQ(sb.w_uv, std::vector<float>(sa.w_uv.begin() + 2 * dv * r, sa.w_uv.end()));
   };
   for (int l : {0, 2, 7}) {  // dense, MoE + SSMax reuser, KV consumer
     SCOPED_TRACE(l);
     const auto& a = W.layers[l].attn;
     const auto& b = P.layers[l].attn;
     expect_heads(a, b);
-    if (cfg->layers[l].ssmax) EXPECT_EQ(b.ssmax_s, std::vector<float>(a.ssmax_s.begin() + 2, a.ssmax_s.end()));
-    if (cfg->layers[l].owns_kv()) EXPECT_EQ(dequantize_linear(b.wkv_a), dequantize_linear(a.wkv_a));  // replicated
+    if (cfg->layers[l].ssmax) {
+      EXPECT_EQ(b.ssmax_s, std::vector<float>(a.ssmax_s.begin() + 2, a.ssmax_s.end()));
+    }
+    if (cfg->layers[l].owns_kv()) {
+      EXPECT_EQ(dequantize_linear(b.wkv_a), dequantize_linear(a.wkv_a));  // replicated
+    }
   }
   const auto& d = P.layers[0].ffn.dense;
   EXPECT_EQ(dequantize_linear(d.w1), block(dequantize_linear(W.layers[0].ffn.dense.w1), D, 256, 256, 0, D));

@@ -12,7 +12,9 @@
 #include <utility>
 
 #include "core/dtype.h"
+#include "model/quant.h"
 #include "ops/cpu/attention.h"
+#include "ops/cpu/linear.h"
 #include "ops_test_util.h"
 
 namespace ml4::cpu {
@@ -70,29 +72,44 @@ TEST(Attention, MlaEmpty) {
 }
 
 // mla_absorb_q / mla_apply_uv against f64 loops, T = 1 (decode: heads spread over
-// threads) and T = 3, r with and without a vector tail. Each output is a sum of dn (or r)
-// f32 products: |error| <= (n + 1) u sum |terms| (Higham 3.1, any order).
+// threads) and T = 3, r with and without a vector tail, wkv_b in f32. Each output is a sum of
+// dn (or r) f32 products: |error| <= (n + 1) u sum |terms| (Higham 3.1, any order).
 // T >= 4 runs the token-tiled paths (r, dv multiples of 16): against f64, and bit for bit
-// against the same tokens one at a time (the decode path).
+// against the same tokens one at a time (the decode path). Then wkv_b stored as bf16 and FP8
+// (decoded per job) gives the bits of its f32 decoding stored as f32 (read in place).
+LinearWeight f32_weight(const std::vector<float>& v, int64_t N, int64_t K) {
+  LinearWeight w;
+  w.name = "wkv_b";
+  w.format = LinearFormat::kF32;
+  w.out_features = N;
+  w.in_features = K;
+  w.weight = Tensor(DType::kF32, {N, K});
+  std::copy(v.begin(), v.end(), w.weight.mutable_as<float>());
+  return w;
+}
+
 TEST(Attention, MlaAbsorbAndApplyUv) {
-  for (int r : {64, 37})
+  for (int r : {64, 37, 200, 256})
     for (int dv : {20, 32})
-    for (int64_t T : {1, 3, 9}) {
+    for (int64_t T : {1, 3, 9, 70}) {
+      if (T == 70 && r < 200) continue;
       SCOPED_TRACE(testing::Message() << "r=" << r << " dv=" << dv << " T=" << T);
       const int H = 6, dn = 24, dr = 8, qk = dn + dr;
-      auto wuk = test::random_floats(H * dn * r, 11 + r);
-      auto wuv = test::random_floats(H * dv * r, 12 + r);
+      const auto wv = test::random_floats(H * (dn + dv) * r, 11 + r + dv);
+      const LinearWeight wkv_b = f32_weight(wv, H * (dn + dv), r);
+      auto wuk = [&](int h, int d, int j) { return wv[(h * (dn + dv) + d) * r + j]; };
+      auto wuv = [&](int h, int d, int j) { return wv[(h * (dn + dv) + dn + d) * r + j]; };
       auto q = test::random_floats(T * H * qk, 13 + T);
       auto ol = test::random_floats(T * H * r, 14 + T);
       std::vector<float> ql(T * H * r, -9.0f), o(T * H * dv, -9.0f);
-      mla_absorb_q(wuk.data(), q.data(), T, H, dn, qk, r, ql.data());
-      mla_apply_uv(wuv.data(), ol.data(), T, H, dv, r, o.data());
+      mla_absorb_q(wkv_b, q.data(), T, H, dn, dv, qk, r, ql.data());
+      mla_apply_uv(wkv_b, ol.data(), T, H, dn, dv, r, o.data());
       for (int64_t t = 0; t < T; ++t)
         for (int h = 0; h < H; ++h) {
           for (int j = 0; j < r; ++j) {
             double ref = 0.0, mag = 0.0;
             for (int d = 0; d < dn; ++d) {
-              const double term = double(q[(t * H + h) * qk + d]) * wuk[(h * dn + d) * r + j];
+              const double term = double(q[(t * H + h) * qk + d]) * wuk(h, d, j);
               ref += term;
               mag += std::fabs(term);
             }
@@ -102,7 +119,7 @@ TEST(Attention, MlaAbsorbAndApplyUv) {
           for (int d = 0; d < dv; ++d) {
             double ref = 0.0, mag = 0.0;
             for (int j = 0; j < r; ++j) {
-              const double term = double(wuv[(h * dv + d) * r + j]) * ol[(t * H + h) * r + j];
+              const double term = double(wuv(h, d, j)) * ol[(t * H + h) * r + j];
               ref += term;
               mag += std::fabs(term);
             }
@@ -112,12 +129,80 @@ TEST(Attention, MlaAbsorbAndApplyUv) {
         }
       for (int64_t t = 0; t < T; ++t) {
         std::vector<float> ql1(H * r), o1(H * dv);
-        mla_absorb_q(wuk.data(), q.data() + t * H * qk, 1, H, dn, qk, r, ql1.data());
-        mla_apply_uv(wuv.data(), ol.data() + t * H * r, 1, H, dv, r, o1.data());
+        mla_absorb_q(wkv_b, q.data() + t * H * qk, 1, H, dn, dv, qk, r, ql1.data());
+        mla_apply_uv(wkv_b, ol.data() + t * H * r, 1, H, dn, dv, r, o1.data());
         for (int i = 0; i < H * r; ++i) ASSERT_EQ(f32_to_bits(ql1[i]), f32_to_bits(ql[t * H * r + i])) << "t=" << t;
         for (int i = 0; i < H * dv; ++i) ASSERT_EQ(f32_to_bits(o1[i]), f32_to_bits(o[t * H * dv + i])) << "t=" << t;
       }
+      for (LinearFormat f : {LinearFormat::kBF16, LinearFormat::kFP8Block}) {
+        SCOPED_TRACE(linear_format_name(f));
+        auto stored = quantize_linear(wv.data(), H * (dn + dv), r, f, "wkv_b");
+        ASSERT_TRUE(stored.ok()) << stored.status().message();
+        const LinearWeight as_f32 = f32_weight(dequantize_linear(*stored), H * (dn + dv), r);
+        std::vector<float> a(T * H * r), b(T * H * r), c(T * H * dv), d(T * H * dv);
+        mla_absorb_q(*stored, q.data(), T, H, dn, dv, qk, r, a.data());
+        mla_absorb_q(as_f32, q.data(), T, H, dn, dv, qk, r, b.data());
+        mla_apply_uv(*stored, ol.data(), T, H, dn, dv, r, c.data());
+        mla_apply_uv(as_f32, ol.data(), T, H, dn, dv, r, d.data());
+        for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(f32_to_bits(a[i]), f32_to_bits(b[i])) << i;
+        for (size_t i = 0; i < c.size(); ++i) ASSERT_EQ(f32_to_bits(c[i]), f32_to_bits(d[i])) << i;
+        // FP8's decode kernels (AVX-512: W_UK from the bytes, W_UV from the transposed copy)
+        // and, with AVX-512 off, the decoding paths: the same bits again.
+        const AbsorbFp8 fp8 = layout_absorb_fp8(*stored, H, dn, dv);
+        if (f == LinearFormat::kFP8Block && linear_uses_avx512()) {
+          EXPECT_EQ(fp8.empty(), dv % 16 != 0 || r % 128 != 0);
+        }
+        for (bool avx512 : {true, false}) {
+          linear_allow_avx512(avx512);
+          std::vector<float> c2(T * H * dv);
+          mla_absorb_q(*stored, q.data(), T, H, dn, dv, qk, r, a.data(), &fp8);
+          mla_apply_uv(*stored, ol.data(), T, H, dn, dv, r, c2.data(), &fp8);
+          for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(f32_to_bits(a[i]), f32_to_bits(b[i])) << i;
+          for (size_t i = 0; i < c2.size(); ++i) ASSERT_EQ(f32_to_bits(c2[i]), f32_to_bits(d[i])) << i;
+        }
+        linear_allow_avx512(true);
+      }
     }
+}
+
+// A NaN code in an FP8 wkv_b: NaN in exactly the outputs that read it, on the decode kernels
+// (which fall back) as on the decoding path.
+TEST(Attention, MlaAbsorbFp8NanCode) {
+  const int H = 3, dn = 16, dv = 32, r = 256, qk = dn;
+  const auto wv = test::random_floats(H * (dn + dv) * r, 21);
+  auto stored = quantize_linear(wv.data(), H * (dn + dv), r, LinearFormat::kFP8Block, "wkv_b");
+  ASSERT_TRUE(stored.ok());
+  uint8_t* q8 = stored->weight.mutable_as<uint8_t>();
+  q8[(1 * (dn + dv) + 3) * r + 130] = 0x7f;       // head 1's W_UK row 3, column 130
+  q8[(2 * (dn + dv) + dn + 5) * r + 7] = 0xff;    // head 2's W_UV row 5, column 7
+  const AbsorbFp8 fp8 = layout_absorb_fp8(*stored, H, dn, dv);
+  if (linear_uses_avx512()) {
+    EXPECT_FALSE(fp8.empty());
+  }
+  auto q = test::random_floats(H * qk, 22), ol = test::random_floats(H * r, 23);
+  for (bool avx512 : {true, false}) {
+    linear_allow_avx512(avx512);
+    std::vector<float> ql(H * r), o(H * dv);
+    mla_absorb_q(*stored, q.data(), 1, H, dn, dv, qk, r, ql.data(), &fp8);
+    mla_apply_uv(*stored, ol.data(), 1, H, dn, dv, r, o.data(), &fp8);
+    for (int h = 0; h < H; ++h)
+      for (int j = 0; j < r; ++j) EXPECT_EQ(std::isnan(ql[h * r + j]), h == 1 && j == 130) << h << " " << j;
+    for (int h = 0; h < H; ++h)
+      for (int d = 0; d < dv; ++d) EXPECT_EQ(std::isnan(o[h * dv + d]), h == 2 && d == 5) << h << " " << d;
+  }
+  linear_allow_avx512(true);
+}
+
+// A wkv_b that is not H heads of (dn + dv) rows x r gives NaN, not a read out of bounds.
+TEST(Attention, MlaAbsorbWrongShapeIsNan) {
+  const int H = 2, dn = 8, dv = 8, r = 16;
+  const LinearWeight w = f32_weight(test::random_floats((H * (dn + dv) - 1) * r, 3), H * (dn + dv) - 1, r);
+  auto q = test::random_floats(H * dn, 4), ol = test::random_floats(H * r, 5);
+  std::vector<float> ql(H * r, 0.0f), o(H * dv, 0.0f);
+  mla_absorb_q(w, q.data(), 1, H, dn, dv, dn, r, ql.data());
+  mla_apply_uv(w, ol.data(), 1, H, dn, dv, r, o.data());
+  for (float v : ql) EXPECT_TRUE(std::isnan(v));
+  for (float v : o) EXPECT_TRUE(std::isnan(v));
 }
 
 TEST(Attention, IndexerScores) {

@@ -63,8 +63,7 @@ TEST_P(Layouts, NativeAndHfLoadIdentically) {
     const auto& b = B.layers[l];
     EXPECT_EQ(a.attention_norm, b.attention_norm);
     EXPECT_EQ(a.ffn_norm, b.ffn_norm);
-    EXPECT_EQ(a.attn.w_uk, b.attn.w_uk);
-    EXPECT_EQ(a.attn.w_uv, b.attn.w_uv);
+    expect_same_linear(a.attn.wkv_b, b.attn.wkv_b);
     expect_same_linear(a.attn.wo, b.attn.wo);
     if (a.attn.wkv_a.out_features > 0) expect_same_linear(a.attn.wkv_a, b.attn.wkv_a);
     if (a.attn.wq.out_features > 0) expect_same_linear(a.attn.wq, b.attn.wq);
@@ -131,8 +130,6 @@ std::shared_ptr<const ModelWeights> dequantized_copy(const ModelWeights& W) {
     b.attn.kv_a_norm = a.attn.kv_a_norm;
     b.attn.wkv_b = to_f32_linear(a.attn.wkv_b);
     b.attn.wo = to_f32_linear(a.attn.wo);
-    b.attn.w_uk = a.attn.w_uk;
-    b.attn.w_uv = a.attn.w_uv;
     b.attn.ssmax_s = a.attn.ssmax_s;
     if (a.attn.indexer) {
       auto I = std::make_unique<IndexerWeights>();

@@ -22,7 +22,9 @@
 #define ML4_ATTN_AVX2 1
 #endif
 
+#include "core/log.h"
 #include "core/threads.h"
+#include "ops/cpu/linear.h"
 #include "ops/cpu/linear_kernels.h"
 
 namespace ml4::cpu {
@@ -245,55 +247,224 @@ void fma_rows_x16(const float* const* a, const float* b, int64_t ldb, int n, flo
 #endif
 }  // namespace
 
-void mla_absorb_q(const float* w_uk, const float* q, int64_t T, int H, int dn, int qk, int r, float* q_lat) {
-#ifdef ML4_ATTN_AVX2
-  if (T >= kTokTile && r % 16 == 0) {
-    // Per head: 4 tokens x 16 columns of q_lat in 8 registers, one W_UK row read per d.
-    const int64_t tiles = (T + kTokTile - 1) / kTokTile;
-    parallel_for(H * tiles, 1, [&](int64_t b, int64_t e) {
-      for (int64_t job = b; job < e; ++job) {
-        const int64_t h = job % H, t0 = (job / H) * kTokTile, nt = std::min<int64_t>(kTokTile, T - t0);
-        const float* wuk = w_uk + h * dn * r;
-        const float* qn[kTokTile];
-        float* ql[kTokTile];
-        for (int64_t t = 0; t < kTokTile; ++t) {
-          const int64_t tt = t0 + std::min<int64_t>(t, nt - 1);  // a short tile repeats its last token
-          qn[t] = q + (tt * H + h) * qk;
-          ql[t] = q_lat + (tt * H + h) * r;
-        }
-        for (int j = 0; j < r; j += 16) {
-          float* qlj[kTokTile];
-          for (int64_t t = 0; t < kTokTile; ++t) qlj[t] = ql[t] + j;
-          fma_rows_x16(qn, wuk + j, r, dn, qlj, nt);
-        }
-      }
-    });
-    return;
+namespace {
+// MLA's up-projection wkv_b [H*(dn+dv), r] as stored; head h's W_UK rows are h*(dn+dv) + [0, dn),
+// its W_UV rows h*(dn+dv) + dn + [0, dv). rows() gives rows [n0, n1) x columns [k0, k1) as f32
+// (each element the value dequantize_linear gives it): a view of an f32 wkv_b, else decoded
+// into the calling thread's buffer `which`.
+struct UpProjection {
+  const LinearWeight& w;
+  int dn, dv;
+  struct Rows {
+    const float* p;
+    int64_t ld;
+  };
+  Rows rows(int64_t n0, int64_t n1, int64_t k0, int64_t k1, int which) const {
+    const int64_t K = w.in_features;
+    if (w.format == LinearFormat::kF32) return {w.weight.as<float>() + n0 * K + k0, K};
+    thread_local std::vector<float> bufs[2];
+    std::vector<float>& b = bufs[which];
+    if (b.size() < static_cast<size_t>((n1 - n0) * (k1 - k0))) b.resize(static_cast<size_t>((n1 - n0) * (k1 - k0)));
+    decode_weight_block(w, n0, n1, k0, k1, b.data(), k1 - k0);
+    return {b.data(), k1 - k0};
   }
+  int64_t uk_row(int64_t h) const { return h * (dn + dv); }
+  int64_t uv_row(int64_t h) const { return h * (dn + dv) + dn; }
+};
+
+// Checks wkv_b against the shapes (false: out is NaN, the reason logged).
+bool up_projection_ok(const LinearWeight& w, int H, int dn, int dv, int r, float* out, int64_t n) {
+  Status st = validate_linear_weight(w);
+  if (st.is_ok() && (w.out_features != static_cast<int64_t>(H) * (dn + dv) || w.in_features != r))
+    st = invalid_argument("{}: wkv_b is [{}, {}], the heads need [{}, {}]", w.name, w.out_features, w.in_features,
+                          static_cast<int64_t>(H) * (dn + dv), r);
+  if (st.is_ok()) return true;
+  ML4_LOG_ERROR("mla: {}", st.message());
+  std::fill(out, out + n, std::numeric_limits<float>::quiet_NaN());
+  return false;
+}
+
+#ifdef ML4_LINEAR_AVX512
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12's own _mm512 helpers
+#pragma GCC diagnostic ignored "-Wuninitialized"
+// 16 e4m3 bytes -> f32 v / 256 (exact; the f16 trick of linear_kernels.h), the magnitudes
+// max-ed into probe (a NaN code shows as 0x7f).
+ML4_AVX512_FN inline __m512 e4m3x16_div256(const uint8_t* p, __m128i& probe) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  probe = _mm_max_epu8(probe, _mm_and_si128(b, _mm_set1_epi8(0x7f)));
+  return _mm512_cvtph_ps(
+      _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16(static_cast<short>(0xbfff))));
+}
+ML4_AVX512_FN inline bool has_nan_code(__m128i probe) {
+  return _mm_movemask_epi8(_mm_cmpeq_epi8(probe, _mm_set1_epi8(0x7f))) != 0;
+}
+
+// One token's q_lat[j0, j0 + 128) = sum over d of q[d] * W_UK[d][j0 + j], from the FP8 rows
+// (row d at w + d * ldw, its scale times 256 s256[d]): 8 registers of 16 columns, each lane an
+// FMA chain over d from 0 (the per-token path's order). False on a NaN code (nothing written).
+ML4_AVX512_FN bool absorb_uk_fp8_avx512(const uint8_t* w, int64_t ldw, const float* s256, const float* q, int dn,
+                                        float* ql) {
+  __m512 acc[8];
+  ML4_UNROLL for (auto& a : acc) a = _mm512_setzero_ps();
+  __m128i probe = _mm_setzero_si128();
+  for (int d = 0; d < dn; ++d) {
+    const __m512 qb = _mm512_set1_ps(q[d]), sv = _mm512_set1_ps(s256[d]);
+    const uint8_t* row = w + d * ldw;
+    ML4_UNROLL for (int c = 0; c < 8; ++c)
+      acc[c] = _mm512_fmadd_ps(qb, _mm512_mul_ps(e4m3x16_div256(row + 16 * c, probe), sv), acc[c]);
+  }
+  if (has_nan_code(probe)) return false;
+  ML4_UNROLL for (int c = 0; c < 8; ++c) _mm512_storeu_ps(ql + 16 * c, acc[c]);
+  return true;
+}
+
+// One token's o[d0, d0 + 16 n) = sum over j of W_UV[d][j] * ol[j] from the transposed codes
+// (row j at wt + j * ldw, lanes d) and scales (s256 + (j / 128) * ldw): n registers, each lane
+// an FMA chain over j from 0. False on a NaN code.
+template <int NV>
+ML4_AVX512_FN bool apply_uv_fp8_avx512(const uint8_t* wt, int64_t ldw, const float* s256, const float* ol, int r,
+                                       float* o) {
+  __m512 acc[NV];
+  ML4_UNROLL for (auto& a : acc) a = _mm512_setzero_ps();
+  __m128i probe = _mm_setzero_si128();
+  for (int j0 = 0; j0 < r; j0 += 128) {
+    __m512 sv[NV];
+    ML4_UNROLL for (int c = 0; c < NV; ++c) sv[c] = _mm512_loadu_ps(s256 + (j0 / 128) * ldw + 16 * c);
+    const int j1 = std::min(r, j0 + 128);
+    for (int j = j0; j < j1; ++j) {
+      const __m512 xb = _mm512_set1_ps(ol[j]);
+      const uint8_t* row = wt + static_cast<int64_t>(j) * ldw;
+      ML4_UNROLL for (int c = 0; c < NV; ++c)
+        acc[c] = _mm512_fmadd_ps(_mm512_mul_ps(e4m3x16_div256(row + 16 * c, probe), sv[c]), xb, acc[c]);
+    }
+  }
+  if (has_nan_code(probe)) return false;
+  ML4_UNROLL for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + 16 * c, acc[c]);
+  return true;
+}
+#pragma GCC diagnostic pop
 #endif
-  parallel_for(T * H, 1, [&](int64_t b, int64_t e) {
-    for (int64_t th = b; th < e; ++th) {
-      const int64_t h = th % H;
-      float* ql = q_lat + th * r;
-      const float* qn = q + th * qk;
-      const float* wuk = w_uk + h * dn * r;
-      std::fill(ql, ql + r, 0.0f);
-      for (int d = 0; d < dn; ++d) {
-        const float qv = qn[d];
-        const float* wr = wuk + static_cast<int64_t>(d) * r;
-        int j = 0;
+
+// Whether the FP8 decode kernels may run on wkv_b: AVX-512 here and every scale * 256 finite
+// (so (v / 256) * (s * 256) rounds exactly as v * s).
+bool fp8_decode_kernels_ok(const LinearWeight& w) {
+#ifdef ML4_LINEAR_AVX512
+  if (w.format != LinearFormat::kFP8Block || !kernels::avx512_usable() || !linear_uses_avx512()) return false;
+  const float* s = w.scale.as<float>();
+  for (int64_t i = 0; i < w.scale.numel(); ++i)
+    if (!std::isfinite(s[i] * 256.0f)) return false;
+  return true;
+#else
+  (void)w;
+  return false;
+#endif
+}
+
+constexpr int64_t kColChunk = 128;   // W_UK columns per job (one FP8 scale block)
+constexpr int64_t kTokGroup = 64;    // tokens per W_UK job (its decoded columns reused by all)
+}  // namespace
+
+void mla_absorb_q(const LinearWeight& wkv_b, const float* q, int64_t T, int H, int dn, int dv, int qk, int r,
+                  float* q_lat, const AbsorbFp8* fp8) {
+  if (!up_projection_ok(wkv_b, H, dn, dv, r, q_lat, T * H * r)) return;
+  const UpProjection up{wkv_b, dn, dv};
+  // Jobs: (head, 128-column chunk, group of 64 tokens); each decodes its W_UK[h][:, chunk]
+  // once. Per element the order is the same whatever the job shape: an FMA chain over d.
+  const int64_t chunks = (r + kColChunk - 1) / kColChunk, groups = (T + kTokGroup - 1) / kTokGroup;
+  [[maybe_unused]] const bool fused = fp8 != nullptr && !fp8->empty() && T < kTokTile && fp8_decode_kernels_ok(wkv_b);
+  parallel_for(H * chunks * groups, 1, [&](int64_t b, int64_t e) {
+    for (int64_t job = b; job < e; ++job) {
+      // Chunks of one head are consecutive jobs, so a thread reads whole rows of wkv_b.
+      const int64_t c = job % chunks, h = (job / chunks) % H, g = job / (H * chunks);
+      const int64_t j0 = c * kColChunk, j1 = std::min<int64_t>(r, j0 + kColChunk), cw = j1 - j0;
+      const int64_t ta = g * kTokGroup, tb = std::min<int64_t>(T, ta + kTokGroup);
+#ifdef ML4_LINEAR_AVX512
+      if (fused) {
+        const int64_t at = (h * chunks + c) * dn;
+        bool ok = true;
+        for (int64_t t = ta; t < tb && ok; ++t)
+          ok = absorb_uk_fp8_avx512(fp8->uk.data() + at * kColChunk, kColChunk, fp8->uk_s256.data() + at,
+                                    q + (t * H + h) * qk, dn, q_lat + (t * H + h) * r + j0);
+        if (ok) continue;  // else (a NaN code) the path below, which decodes NaN as NaN
+      }
+#endif
+      const auto W = up.rows(up.uk_row(h), up.uk_row(h) + dn, j0, j1, 0);
 #ifdef ML4_ATTN_AVX2
-        const __m256 qb = _mm256_set1_ps(qv);
-        for (; j + 8 <= r; j += 8)
-          _mm256_storeu_ps(ql + j, _mm256_fmadd_ps(qb, _mm256_loadu_ps(wr + j), _mm256_loadu_ps(ql + j)));
+      if (T >= kTokTile && cw % 16 == 0) {
+        // 4 tokens x 16 columns of q_lat in 8 registers, one W_UK row read per d.
+        for (int64_t t0 = ta; t0 < tb; t0 += kTokTile) {
+          const int64_t nt = std::min<int64_t>(kTokTile, tb - t0);
+          const float* qn[kTokTile];
+          float* ql[kTokTile];
+          for (int64_t t = 0; t < kTokTile; ++t) {
+            const int64_t tt = t0 + std::min<int64_t>(t, nt - 1);  // a short tile repeats its last token
+            qn[t] = q + (tt * H + h) * qk;
+            ql[t] = q_lat + (tt * H + h) * r + j0;
+          }
+          for (int64_t j = 0; j < cw; j += 16) {
+            float* qlj[kTokTile];
+            for (int64_t t = 0; t < kTokTile; ++t) qlj[t] = ql[t] + j;
+            fma_rows_x16(qn, W.p + j, W.ld, dn, qlj, nt);
+          }
+        }
+        continue;
+      }
 #endif
-        for (; j < r; ++j) ql[j] = std::fma(qv, wr[j], ql[j]);
+      for (int64_t t = ta; t < tb; ++t) {
+        float* ql = q_lat + (t * H + h) * r + j0;
+        const float* qn = q + (t * H + h) * qk;
+        std::fill(ql, ql + cw, 0.0f);
+        for (int d = 0; d < dn; ++d) {
+          const float qv = qn[d];
+          const float* wr = W.p + static_cast<int64_t>(d) * W.ld;
+          int64_t j = 0;
+#ifdef ML4_ATTN_AVX2
+          const __m256 qb = _mm256_set1_ps(qv);
+          for (; j + 8 <= cw; j += 8)
+            _mm256_storeu_ps(ql + j, _mm256_fmadd_ps(qb, _mm256_loadu_ps(wr + j), _mm256_loadu_ps(ql + j)));
+#endif
+          for (; j < cw; ++j) ql[j] = std::fma(qv, wr[j], ql[j]);
+        }
       }
     }
   });
 }
 
-void mla_apply_uv(const float* w_uv, const float* out_lat, int64_t T, int H, int dv, int r, float* o) {
+AbsorbFp8 layout_absorb_fp8(const LinearWeight& wkv_b, int H, int dn, int dv) {
+  AbsorbFp8 u;
+  const int64_t r = wkv_b.in_features;
+  if (dv % 16 != 0 || r % 128 != 0 || wkv_b.out_features != static_cast<int64_t>(H) * (dn + dv) ||
+      !validate_linear_weight(wkv_b).is_ok() || !fp8_decode_kernels_ok(wkv_b))
+    return u;
+  const int64_t rb = r / 128;
+  u.uk.resize(static_cast<size_t>(H) * r * dn);
+  u.uk_s256.resize(static_cast<size_t>(H) * rb * dn);
+  u.uv.resize(static_cast<size_t>(H) * r * dv);
+  u.uv_s256.resize(static_cast<size_t>(H) * rb * dv);
+  const uint8_t* q = wkv_b.weight.as<uint8_t>();
+  const float* sc = wkv_b.scale.as<float>();
+  for (int64_t h = 0; h < H; ++h) {
+    for (int64_t d = 0; d < dn; ++d) {
+      const int64_t row = h * (dn + dv) + d;
+      for (int64_t c = 0; c < rb; ++c) {
+        std::copy_n(q + row * r + 128 * c, 128, u.uk.data() + ((h * rb + c) * dn + d) * 128);
+        u.uk_s256[(h * rb + c) * dn + d] = sc[(row / kFp8BlockSize) * rb + c] * 256.0f;
+      }
+    }
+    for (int64_t d = 0; d < dv; ++d) {
+      const int64_t row = h * (dn + dv) + dn + d;
+      for (int64_t j = 0; j < r; ++j) u.uv[(h * r + j) * dv + d] = q[row * r + j];
+      for (int64_t c = 0; c < rb; ++c) u.uv_s256[(h * rb + c) * dv + d] = sc[(row / kFp8BlockSize) * rb + c] * 256.0f;
+    }
+  }
+  return u;
+}
+
+void mla_apply_uv(const LinearWeight& wkv_b, const float* out_lat, int64_t T, int H, int dn, int dv, int r, float* o,
+                  const AbsorbFp8* fp8) {
+  if (!up_projection_ok(wkv_b, H, dn, dv, r, o, T * H * dv)) return;
+  const UpProjection up{wkv_b, dn, dv};
 #ifdef ML4_ATTN_AVX2
   if (T >= kTokTile && dv % 16 == 0) {
     // Per head: W_UV[h] transposed once ([r, dv], the thread's scratch), then 4 tokens x 16
@@ -304,9 +475,9 @@ void mla_apply_uv(const float* w_uv, const float* out_lat, int64_t T, int H, int
       wt_buf.resize(static_cast<size_t>(r) * dv);
       float* wt = wt_buf.data();
       for (int64_t h = b; h < e; ++h) {
-        const float* wuv = w_uv + h * dv * r;
+        const auto W = up.rows(up.uv_row(h), up.uv_row(h) + dv, 0, r, 0);
         for (int d = 0; d < dv; ++d)
-          for (int j = 0; j < r; ++j) wt[static_cast<int64_t>(j) * dv + d] = wuv[static_cast<int64_t>(d) * r + j];
+          for (int j = 0; j < r; ++j) wt[static_cast<int64_t>(j) * dv + d] = W.p[d * W.ld + j];
         for (int64_t t0 = 0; t0 < T; t0 += kTokTile) {
           const int64_t nt = std::min<int64_t>(kTokTile, T - t0);
           const float* ol[kTokTile];
@@ -322,36 +493,76 @@ void mla_apply_uv(const float* w_uv, const float* out_lat, int64_t T, int H, int
     return;
   }
 #endif
-  parallel_for(T * H, 1, [&](int64_t b, int64_t e) {
-    for (int64_t th = b; th < e; ++th) {
-      const float* wuv = w_uv + (th % H) * dv * r;
-      const float* ol = out_lat + th * r;
-      float* oh = o + th * dv;
-      int d = 0;
-      // 8 outputs at once: 8 independent chains (one chain is FMA-latency bound), each still
-      // summed in its own sequential order, so the result is the same as one at a time.
-      for (; d + 8 <= dv; d += 8) {
-        const float* w0 = wuv + static_cast<int64_t>(d) * r;
-        float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f, a4 = 0.0f, a5 = 0.0f, a6 = 0.0f, a7 = 0.0f;
-        for (int j = 0; j < r; ++j) {
-          const float x = ol[j];
-          a0 = std::fma(w0[j], x, a0);
-          a1 = std::fma(w0[r + j], x, a1);
-          a2 = std::fma(w0[2 * r + j], x, a2);
-          a3 = std::fma(w0[3 * r + j], x, a3);
-          a4 = std::fma(w0[4 * r + j], x, a4);
-          a5 = std::fma(w0[5 * r + j], x, a5);
-          a6 = std::fma(w0[6 * r + j], x, a6);
-          a7 = std::fma(w0[7 * r + j], x, a7);
+#ifdef ML4_LINEAR_AVX512
+  if (fp8 != nullptr && !fp8->empty() && T < kTokTile && fp8_decode_kernels_ok(wkv_b)) {
+    // Jobs: (head, 128 outputs), 16 outputs a register. A NaN code anywhere sends the whole
+    // call down the path below (which decodes NaN as NaN).
+    const int64_t parts = (dv + 127) / 128, rb = (r + 127) / 128;
+    std::vector<uint8_t> nan_head(H, 0);
+    parallel_for(H * parts, 1, [&](int64_t b, int64_t e) {
+      for (int64_t job = b; job < e; ++job) {
+        const int64_t h = job % H, d0 = (job / H) * 128, n = std::min<int64_t>(128, dv - d0);
+        const uint8_t* wt = fp8->uv.data() + h * r * dv + d0;
+        const float* s = fp8->uv_s256.data() + h * rb * dv + d0;
+        for (int64_t t = 0; t < T; ++t) {
+          const float* ol = out_lat + (t * H + h) * r;
+          float* oh = o + (t * H + h) * dv + d0;
+          bool ok = false;
+          switch (n / 16) {
+            case 1: ok = apply_uv_fp8_avx512<1>(wt, dv, s, ol, r, oh); break;
+            case 2: ok = apply_uv_fp8_avx512<2>(wt, dv, s, ol, r, oh); break;
+            case 3: ok = apply_uv_fp8_avx512<3>(wt, dv, s, ol, r, oh); break;
+            case 4: ok = apply_uv_fp8_avx512<4>(wt, dv, s, ol, r, oh); break;
+            case 5: ok = apply_uv_fp8_avx512<5>(wt, dv, s, ol, r, oh); break;
+            case 6: ok = apply_uv_fp8_avx512<6>(wt, dv, s, ol, r, oh); break;
+            case 7: ok = apply_uv_fp8_avx512<7>(wt, dv, s, ol, r, oh); break;
+            default: ok = apply_uv_fp8_avx512<8>(wt, dv, s, ol, r, oh); break;
+          }
+          if (!ok) nan_head[h] = 1;  // one writer per (h, part); any part marks the head
         }
-        oh[d] = a0, oh[d + 1] = a1, oh[d + 2] = a2, oh[d + 3] = a3;
-        oh[d + 4] = a4, oh[d + 5] = a5, oh[d + 6] = a6, oh[d + 7] = a7;
       }
-      for (; d < dv; ++d) {
-        const float* wr = wuv + static_cast<int64_t>(d) * r;
-        float acc = 0.0f;
-        for (int j = 0; j < r; ++j) acc = std::fma(wr[j], ol[j], acc);
-        oh[d] = acc;
+    });
+    bool any = false;
+    for (uint8_t v : nan_head) any = any || v != 0;
+    if (!any) return;
+  }
+#endif
+  // Jobs: (head, 8 output rows), each decoding its 8 W_UV rows once for all T tokens.
+  const int64_t octs = (dv + 7) / 8;
+  parallel_for(H * octs, 1, [&](int64_t b, int64_t e) {
+    for (int64_t job = b; job < e; ++job) {
+      const int64_t h = job % H, d0 = (job / H) * 8, d1 = std::min<int64_t>(dv, d0 + 8);
+      const auto W = up.rows(up.uv_row(h) + d0, up.uv_row(h) + d1, 0, r, 0);
+      for (int64_t t = 0; t < T; ++t) {
+        const float* ol = out_lat + (t * H + h) * r;
+        float* oh = o + (t * H + h) * dv;
+        if (d1 - d0 == 8) {
+          // 8 outputs at once: 8 independent chains (one chain is FMA-latency bound), each still
+          // summed in its own sequential order, so the result is the same as one at a time.
+          const float* w0 = W.p;
+          const int64_t ld = W.ld;
+          float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f, a4 = 0.0f, a5 = 0.0f, a6 = 0.0f, a7 = 0.0f;
+          for (int j = 0; j < r; ++j) {
+            const float x = ol[j];
+            a0 = std::fma(w0[j], x, a0);
+            a1 = std::fma(w0[ld + j], x, a1);
+            a2 = std::fma(w0[2 * ld + j], x, a2);
+            a3 = std::fma(w0[3 * ld + j], x, a3);
+            a4 = std::fma(w0[4 * ld + j], x, a4);
+            a5 = std::fma(w0[5 * ld + j], x, a5);
+            a6 = std::fma(w0[6 * ld + j], x, a6);
+            a7 = std::fma(w0[7 * ld + j], x, a7);
+          }
+          oh[d0] = a0, oh[d0 + 1] = a1, oh[d0 + 2] = a2, oh[d0 + 3] = a3;
+          oh[d0 + 4] = a4, oh[d0 + 5] = a5, oh[d0 + 6] = a6, oh[d0 + 7] = a7;
+          continue;
+        }
+        for (int64_t d = d0; d < d1; ++d) {
+          const float* wr = W.p + (d - d0) * W.ld;
+          float acc = 0.0f;
+          for (int j = 0; j < r; ++j) acc = std::fma(wr[j], ol[j], acc);
+          oh[d] = acc;
+        }
       }
     }
   });

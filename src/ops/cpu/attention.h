@@ -4,6 +4,9 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
+
+#include "model/linear_weight.h"
 
 namespace ml4::cpu {
 
@@ -15,20 +18,45 @@ namespace ml4::cpu {
 void mla_attention(const float* q_lat, const float* q_rope, int H, int r, int dr, const float* c,
                    const float* kr, int64_t S, const float* head_scale, float* out_lat, float* lse);
 
-// The two per-head products around absorbed MLA (MODEL.md 3.6), for T tokens at once,
-// parallel over (token, head) pairs so a decode step (T = 1) uses every core, and
-// vectorized over r. w_uk / w_uv are W_UK / W_UV from wkv_b, [H, dn, r] / [H, dv, r] f32.
+// The two per-head products around absorbed MLA (MODEL.md 3.6), for T tokens at once. W_UK /
+// W_UV are read from wkv_b [H*(dn+dv), r] in its stored format (model/linear_weight.h; head
+// h's W_UK rows h*(dn+dv) + [0, dn), its W_UV rows the next dv), each element the value
+// dequantize_linear gives it: decoded per job into the thread's buffer (a view for f32), so a
+// decode step reads wkv_b's own bytes (FP8: a quarter of an f32 copy's).
 //   mla_absorb_q: q_lat[t, h, :] = W_UK[h]^T q[t, h, 0:dn]   (q rows of qk floats per head,
-//     q_lat [T, H, r]); each q_lat element sums over d in order (one FMA per d).
+//     q_lat [T, H, r]); each q_lat element sums over d in order (one FMA per d). Jobs: (head,
+//     128 columns, 64 tokens).
 //   mla_apply_uv: o[t, h, :] = W_UV[h] out_lat[t, h, :]      (out_lat [T, H, r], o [T, H, dv]);
 //     each element an r-term FMA chain in sequential order (elements' chains interleaved, not
-//     lanes of one sum): |error| <= r u sum|w o|. From T = 4 on (a prefill chunk) both tile
-//     4 tokens in registers (apply_uv through a per-call transposed W_UV[h]); the bits are
-//     the per-token path's (tests/ops/attention_test.cpp). Not a lane-split dot: that order measured 10x
-//     the TP-vs-one-process difference on ml4-tiny (tests/parallel/mpi/model_cases.cpp; bf16
-//     cache roundings flipping differently), not understood yet.
-void mla_absorb_q(const float* w_uk, const float* q, int64_t T, int H, int dn, int qk, int r, float* q_lat);
-void mla_apply_uv(const float* w_uv, const float* out_lat, int64_t T, int H, int dv, int r, float* o);
+//     lanes of one sum): |error| <= r u sum|w o|. Jobs: (head, 8 rows); from T = 4 on, heads.
+//   From T = 4 on (a prefill chunk) both tile 4 tokens in registers (apply_uv through a per-call
+//     transposed W_UV[h]); the bits are the per-token path's (tests/ops/attention_test.cpp).
+//     Not a lane-split dot: that order measured 10x the TP-vs-one-process difference on
+//     ml4-tiny (tests/parallel/mpi/model_cases.cpp; bf16 cache roundings flipping
+//     differently), not understood yet.
+//   FP8 wkv_b on a CPU with AVX-512, decode steps (T < 4): both read e4m3 bytes and decode them
+//     in registers (each weight rounded once, v * s, as dequantize_linear), from a copy laid out
+//     for the kernels (AbsorbFp8, 1 byte a weight): W_UK in 128-column chunks, each chunk's dn
+//     rows contiguous (a job streams one block), and W_UV transposed, so that 16 outputs are
+//     the 16 lanes of one register, each still its own chain over j. Same bits as above.
+// A wkv_b of another shape, or invalid, writes NaN and logs why.
+//
+// wkv_b's e4m3 bytes laid out for the FP8 decode kernels, with each weight's block scale times
+// 256: made at load when wkv_b is FP8, the CPU has AVX-512, r % 128 == 0, dv % 16 == 0 and
+// every scale * 256 is finite; else empty (the kernels read wkv_b).
+struct AbsorbFp8 {
+  std::vector<uint8_t> uk;     // [H][r / 128][dn][128]: W_UK[h][d][128 c + i]
+  std::vector<float> uk_s256;  // [H][r / 128][dn]
+  std::vector<uint8_t> uv;     // [H][r][dv]: W_UV[h][d][j] at (h, j, d)
+  std::vector<float> uv_s256;  // [H][r / 128][dv]
+  bool empty() const { return uk.empty(); }
+};
+AbsorbFp8 layout_absorb_fp8(const LinearWeight& wkv_b, int H, int dn, int dv);
+
+void mla_absorb_q(const LinearWeight& wkv_b, const float* q, int64_t T, int H, int dn, int dv, int qk, int r,
+                  float* q_lat, const AbsorbFp8* fp8 = nullptr);
+void mla_apply_uv(const LinearWeight& wkv_b, const float* out_lat, int64_t T, int H, int dn, int dv, int r, float* o,
+                  const AbsorbFp8* fp8 = nullptr);
 
 // q [HI, dI], w [HI], k [S, dI]; scores [S] = sum_h w[h] * relu(q[h].k[s]).
 void indexer_scores(const float* q, const float* w, int HI, int dI, const float* k, int64_t S,

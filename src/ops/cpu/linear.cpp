@@ -457,6 +457,11 @@ void decode_weight_rows(const LinearWeight& w, int64_t n0, int64_t n1, float* ou
   decode_block(w, n0, n1, 0, w.in_features, out, w.in_features);
 }
 
+void decode_weight_block(const LinearWeight& w, int64_t n0, int64_t n1, int64_t k0, int64_t k1, float* out,
+                         int64_t ldo) {
+  decode_block(w, n0, n1, k0, k1, out, ldo);
+}
+
 namespace {
 
 bool is_direct(const LinearWeight& w, int64_t M) {

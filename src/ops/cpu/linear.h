@@ -58,5 +58,9 @@ bool linear_uses_avx512();
 // Decodes weight rows [n0, n1) to f32 into out ([n1-n0, K] row-major), exactly.
 // Exposed for tests, the CUDA backend's reference path, and re-quantization tools.
 void decode_weight_rows(const LinearWeight& w, int64_t n0, int64_t n1, float* out);
+// W[n0:n1, k0:k1] decoded the same way into out (rows ldo apart). k0 is a multiple of the
+// format's block (FP8 128, NVFP4 16, MXFP4 32), k1 one too or K.
+void decode_weight_block(const LinearWeight& w, int64_t n0, int64_t n1, int64_t k0, int64_t k1, float* out,
+                         int64_t ldo);
 
 }  // namespace ml4::cpu

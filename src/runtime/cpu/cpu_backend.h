@@ -19,6 +19,7 @@
 #include "kv/paged_kv_cache.h"
 #include "model/model_weights.h"
 #include "ops/backend.h"
+#include "ops/cpu/attention.h"
 #include "ops/cpu/linear.h"
 #include "runtime/step_metadata.h"
 
@@ -52,6 +53,7 @@ class CpuBackend : public Backend {
   Result<MlpRef> add_mlp(const MlpWeights& m) override;
   Result<const float*> add_vector(const std::vector<float>& v) override;
   Result<MoeRef> add_moe(const std::vector<MlpWeights>& experts, const MlpWeights* shared) override;
+  Result<AbsorbRef> add_absorb(const LinearWeight& wkv_b) override;
   Status reserve_selections(int n) override;
   Status enable_drafter() override;
 
@@ -75,9 +77,9 @@ class CpuBackend : public Backend {
   Status indexer_select(const IndexerSelectArgs& p) override;
   Result<std::vector<std::vector<int32_t>>> read_selection(int selection) override;
   Status set_selection(int selection, const std::vector<std::vector<int32_t>>& positions) override;
-  Status mla_absorb_q(const float* w_uk, const float* q, float* q_lat) override;
+  Status mla_absorb_q(AbsorbRef a, const float* q, float* q_lat) override;
   Status mla_attention(const MlaArgs& p) override;
-  Status mla_apply_uv(const float* w_uv, const float* out_lat, float* o) override;
+  Status mla_apply_uv(AbsorbRef a, const float* out_lat, float* o) override;
   Status moe_route(const MoeRouteArgs& p) override;
   Status moe_experts(MoeRef moe, const float* x, const int32_t* ids, const float* weights, float* out) override;
   Result<std::vector<int32_t>> read_ints(const int32_t* p, int64_t n) override;
@@ -140,6 +142,8 @@ class CpuBackend : public Backend {
   int64_t embed_first_ = 0;  // vocabulary-parallel: the first token id embed_ holds
   std::vector<std::vector<uint8_t>> scratch_;
   std::vector<const LinearWeight*> linears_;
+  std::vector<const LinearWeight*> absorbs_;  // wkv_b per layer (ops/cpu/attention.h reads it as stored)
+  std::vector<cpu::AbsorbFp8> absorb_fp8_;    // per absorb: the FP8 decode kernels' layout (or empty)
   std::vector<cpu::ActivationDtype> linear_act_;  // per linear: act_, or f32 for a router
   cpu::ActivationDtype act_ = cpu::ActivationDtype::kF32;
   std::vector<Moe> moes_;

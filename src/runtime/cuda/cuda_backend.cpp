@@ -703,18 +703,31 @@ MlaAbsorbParams absorb_params(const ModelConfig& c, int64_t T, cudaStream_t stre
 
 }  // namespace
 
-Status CudaBackend::mla_absorb_q(const float* w_uk, const float* q, float* q_lat) {
+Result<AbsorbRef> CudaBackend::add_absorb(const LinearWeight& wkv_b) {
+  WkvbSplit s = split_wkv_b(wkv_b, cfg_.qk_nope_head_dim, cfg_.v_head_dim);
+  if (s.w_uk.empty())
+    return invalid_argument("{}: wkv_b [{}, {}] is not W_UK / W_UV of whole heads", wkv_b.name, wkv_b.out_features,
+                            wkv_b.in_features);
+  ML4_ASSIGN_OR_RETURN(const float* uk, add_vector(s.w_uk));
+  ML4_ASSIGN_OR_RETURN(const float* uv, add_vector(s.w_uv));
+  absorbs_.push_back({uk, uv});
+  return AbsorbRef{static_cast<int>(absorbs_.size()) - 1};
+}
+
+Status CudaBackend::mla_absorb_q(AbsorbRef a, const float* q, float* q_lat) {
+  if (!a.valid() || a.id >= static_cast<int>(absorbs_.size())) return internal_error("mla_absorb_q: no wkv_b {}", a.id);
   MlaAbsorbParams ab = absorb_params(cfg_, step_T_, stream_);
   ab.q = q;
-  ab.w_uk = w_uk;
+  ab.w_uk = absorbs_[a.id].first;
   ab.q_lat = q_lat;
   return cuda::mla_absorb_q(ab);
 }
 
-Status CudaBackend::mla_apply_uv(const float* w_uv, const float* out_lat, float* o) {
+Status CudaBackend::mla_apply_uv(AbsorbRef a, const float* out_lat, float* o) {
+  if (!a.valid() || a.id >= static_cast<int>(absorbs_.size())) return internal_error("mla_apply_uv: no wkv_b {}", a.id);
   MlaAbsorbParams ab = absorb_params(cfg_, step_T_, stream_);
   ab.lat = out_lat;
-  ab.w_uv = w_uv;
+  ab.w_uv = absorbs_[a.id].second;
   ab.o = o;
   return cuda::mla_apply_uv(ab);
 }

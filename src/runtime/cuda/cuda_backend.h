@@ -81,6 +81,7 @@ class CudaBackend : public Backend {
   Result<MlpRef> add_mlp(const MlpWeights& m) override;
   Result<const float*> add_vector(const std::vector<float>& v) override;
   Result<MoeRef> add_moe(const std::vector<MlpWeights>& experts, const MlpWeights* shared) override;
+  Result<AbsorbRef> add_absorb(const LinearWeight& wkv_b) override;
   Status reserve_selections(int n) override;
   Status enable_drafter() override;
   Status segment(const Fn& fn) override;
@@ -112,9 +113,9 @@ class CudaBackend : public Backend {
   Status indexer_select(const IndexerSelectArgs& p) override;
   Result<std::vector<std::vector<int32_t>>> read_selection(int selection) override;
   Status set_selection(int selection, const std::vector<std::vector<int32_t>>& positions) override;
-  Status mla_absorb_q(const float* w_uk, const float* q, float* q_lat) override;
+  Status mla_absorb_q(AbsorbRef a, const float* q, float* q_lat) override;
   Status mla_attention(const MlaArgs& p) override;
-  Status mla_apply_uv(const float* w_uv, const float* out_lat, float* o) override;
+  Status mla_apply_uv(AbsorbRef a, const float* out_lat, float* o) override;
   Status moe_route(const MoeRouteArgs& p) override;
   Status moe_experts(MoeRef moe, const float* x, const int32_t* ids, const float* weights, float* out) override;
   bool moe_experts_capturable(MoeRef moe) const override;
@@ -234,6 +235,7 @@ class CudaBackend : public Backend {
   std::vector<bool> router_;  // [linear] f32 router: never the GEMV
   std::vector<Moe> moes_;
   std::vector<DeviceBuffer> vectors_;
+  std::vector<std::pair<const float*, const float*>> absorbs_;  // (W_UK, W_UV) per add_absorb, in vectors_
   DeviceBuffer embed_;
   DType embed_dtype_ = DType::kBF16;
   int64_t max_in_ = 0, max_hidden_ = 0;

@@ -149,8 +149,12 @@ std::shared_ptr<ModelWeights> synthetic_weight_skeleton(const ModelConfig& cfg, 
       A.kv_a_norm = host_values(g, r, 1.0f, 0.1f);
     }
     A.wo = shape_only(p + "attention.wo.weight", big, D, H * dv);
-    A.w_uk = host_values(g, H * dn * r, 0.0f, wr);
-    A.w_uv = host_values(g, H * dv * r, 0.0f, wr);
+    {  // wkv_b with data (the backend splits it into W_UK / W_UV on the host)
+      const std::vector<float> v = host_values(g, H * (dn + dv) * r, 0.0f, wr);
+      A.wkv_b = shape_only(p + "attention.wkv_b.weight", LinearFormat::kF32, H * (dn + dv), r);
+      A.wkv_b.weight = Tensor(DType::kF32, {H * (dn + dv), static_cast<int64_t>(r)});
+      std::copy(v.begin(), v.end(), A.wkv_b.weight.mutable_as<float>());
+    }
     if (spec.ssmax) A.ssmax_s = host_values(g, H, 0.3f, 0.05f);
     if (spec.indexer == IndexerRole::kOwner) {
       auto I = std::make_unique<IndexerWeights>();
