@@ -146,17 +146,17 @@ TEST(Attention, MlaAbsorbAndApplyUv) {
         mla_apply_uv(as_f32, ol.data(), T, H, dn, dv, r, d.data());
         for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(f32_to_bits(a[i]), f32_to_bits(b[i])) << i;
         for (size_t i = 0; i < c.size(); ++i) ASSERT_EQ(f32_to_bits(c[i]), f32_to_bits(d[i])) << i;
-        // FP8's decode kernels (AVX-512: W_UK from the bytes, W_UV from the transposed copy)
-        // and, with AVX-512 off, the decoding paths: the same bits again.
-        const AbsorbFp8 fp8 = layout_absorb_fp8(*stored, H, dn, dv);
-        if (f == LinearFormat::kFP8Block && linear_uses_avx512()) {
-          EXPECT_EQ(fp8.empty(), dv % 16 != 0 || r % 128 != 0);
+        // The decode kernels (AVX-512, on the kernel-ordered copy: W_UK chunked, W_UV
+        // transposed) and, with AVX-512 off, the decoding paths: the same bits again.
+        const AbsorbLayout lay = layout_absorb(*stored, H, dn, dv);
+        if (linear_uses_avx512()) {
+          EXPECT_EQ(lay.empty(), dv % 16 != 0 || r % 128 != 0);
         }
         for (bool avx512 : {true, false}) {
           linear_allow_avx512(avx512);
           std::vector<float> c2(T * H * dv);
-          mla_absorb_q(*stored, q.data(), T, H, dn, dv, qk, r, a.data(), &fp8);
-          mla_apply_uv(*stored, ol.data(), T, H, dn, dv, r, c2.data(), &fp8);
+          mla_absorb_q(*stored, q.data(), T, H, dn, dv, qk, r, a.data(), &lay);
+          mla_apply_uv(*stored, ol.data(), T, H, dn, dv, r, c2.data(), &lay);
           for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(f32_to_bits(a[i]), f32_to_bits(b[i])) << i;
           for (size_t i = 0; i < c2.size(); ++i) ASSERT_EQ(f32_to_bits(c2[i]), f32_to_bits(d[i])) << i;
         }
@@ -175,7 +175,7 @@ TEST(Attention, MlaAbsorbFp8NanCode) {
   uint8_t* q8 = stored->weight.mutable_as<uint8_t>();
   q8[(1 * (dn + dv) + 3) * r + 130] = 0x7f;       // head 1's W_UK row 3, column 130
   q8[(2 * (dn + dv) + dn + 5) * r + 7] = 0xff;    // head 2's W_UV row 5, column 7
-  const AbsorbFp8 fp8 = layout_absorb_fp8(*stored, H, dn, dv);
+  const AbsorbLayout fp8 = layout_absorb(*stored, H, dn, dv);
   if (linear_uses_avx512()) {
     EXPECT_FALSE(fp8.empty());
   }

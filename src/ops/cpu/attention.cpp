@@ -300,57 +300,72 @@ ML4_AVX512_FN inline bool has_nan_code(__m128i probe) {
   return _mm_movemask_epi8(_mm_cmpeq_epi8(probe, _mm_set1_epi8(0x7f))) != 0;
 }
 
-// One token's q_lat[j0, j0 + 128) = sum over d of q[d] * W_UK[d][j0 + j], from the FP8 rows
-// (row d at w + d * ldw, its scale times 256 s256[d]): 8 registers of 16 columns, each lane an
-// FMA chain over d from 0 (the per-token path's order). False on a NaN code (nothing written).
-ML4_AVX512_FN bool absorb_uk_fp8_avx512(const uint8_t* w, int64_t ldw, const float* s256, const float* q, int dn,
-                                        float* ql) {
+// 16 weights at p as f32: FP8 (the e4m3 bytes times the scale s256 / 256, one rounding, as
+// dequantize_linear) or bf16 (exact; s256 unused).
+template <bool kFp8>
+ML4_AVX512_FN inline __m512 weights16(const void* p, __m512 s256, __m128i& probe) {
+  if constexpr (kFp8) {
+    return _mm512_mul_ps(e4m3x16_div256(static_cast<const uint8_t*>(p), probe), s256);
+  } else {
+    const __m256i h = _mm256_loadu_si256(static_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+// One token's q_lat[j0, j0 + 128) = sum over d of q[d] * W_UK[d][j0 + j], from the chunk's
+// rows (row d at w + d * 128 elements, FP8 scale times 256 s256[d]): 8 registers of 16
+// columns, each lane an FMA chain over d from 0 (the per-token path's order). False on a NaN
+// code (nothing written).
+template <bool kFp8, typename E>
+ML4_AVX512_FN bool absorb_uk_avx512(const E* w, const float* s256, const float* q, int dn, float* ql) {
   __m512 acc[8];
   ML4_UNROLL for (auto& a : acc) a = _mm512_setzero_ps();
   __m128i probe = _mm_setzero_si128();
   for (int d = 0; d < dn; ++d) {
-    const __m512 qb = _mm512_set1_ps(q[d]), sv = _mm512_set1_ps(s256[d]);
-    const uint8_t* row = w + d * ldw;
+    const __m512 qb = _mm512_set1_ps(q[d]), sv = _mm512_set1_ps(kFp8 ? s256[d] : 1.0f);
+    const E* row = w + d * 128;
     ML4_UNROLL for (int c = 0; c < 8; ++c)
-      acc[c] = _mm512_fmadd_ps(qb, _mm512_mul_ps(e4m3x16_div256(row + 16 * c, probe), sv), acc[c]);
+      acc[c] = _mm512_fmadd_ps(qb, weights16<kFp8>(row + 16 * c, sv, probe), acc[c]);
   }
-  if (has_nan_code(probe)) return false;
+  if (kFp8 && has_nan_code(probe)) return false;
   ML4_UNROLL for (int c = 0; c < 8; ++c) _mm512_storeu_ps(ql + 16 * c, acc[c]);
   return true;
 }
 
-// One token's o[d0, d0 + 16 n) = sum over j of W_UV[d][j] * ol[j] from the transposed codes
-// (row j at wt + j * ldw, lanes d) and scales (s256 + (j / 128) * ldw): n registers, each lane
+// One token's o[d0, d0 + 16 NV) = sum over j of W_UV[d][j] * ol[j] from the transposed rows
+// (row j at wt + j * ldw, lanes d; FP8 scales s256 + (j / 128) * ldw): NV registers, each lane
 // an FMA chain over j from 0. False on a NaN code.
-template <int NV>
-ML4_AVX512_FN bool apply_uv_fp8_avx512(const uint8_t* wt, int64_t ldw, const float* s256, const float* ol, int r,
-                                       float* o) {
+template <bool kFp8, int NV, typename E>
+ML4_AVX512_FN bool apply_uv_avx512(const E* wt, int64_t ldw, const float* s256, const float* ol, int r, float* o) {
   __m512 acc[NV];
   ML4_UNROLL for (auto& a : acc) a = _mm512_setzero_ps();
   __m128i probe = _mm_setzero_si128();
   for (int j0 = 0; j0 < r; j0 += 128) {
     __m512 sv[NV];
-    ML4_UNROLL for (int c = 0; c < NV; ++c) sv[c] = _mm512_loadu_ps(s256 + (j0 / 128) * ldw + 16 * c);
+    ML4_UNROLL for (int c = 0; c < NV; ++c)
+      sv[c] = kFp8 ? _mm512_loadu_ps(s256 + (j0 / 128) * ldw + 16 * c) : _mm512_set1_ps(1.0f);
     const int j1 = std::min(r, j0 + 128);
     for (int j = j0; j < j1; ++j) {
       const __m512 xb = _mm512_set1_ps(ol[j]);
-      const uint8_t* row = wt + static_cast<int64_t>(j) * ldw;
+      const E* row = wt + static_cast<int64_t>(j) * ldw;
       ML4_UNROLL for (int c = 0; c < NV; ++c)
-        acc[c] = _mm512_fmadd_ps(_mm512_mul_ps(e4m3x16_div256(row + 16 * c, probe), sv[c]), xb, acc[c]);
+        acc[c] = _mm512_fmadd_ps(weights16<kFp8>(row + 16 * c, sv[c], probe), xb, acc[c]);
     }
   }
-  if (has_nan_code(probe)) return false;
+  if (kFp8 && has_nan_code(probe)) return false;
   ML4_UNROLL for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + 16 * c, acc[c]);
   return true;
 }
 #pragma GCC diagnostic pop
 #endif
 
-// Whether the FP8 decode kernels may run on wkv_b: AVX-512 here and every scale * 256 finite
-// (so (v / 256) * (s * 256) rounds exactly as v * s).
-bool fp8_decode_kernels_ok(const LinearWeight& w) {
+// Whether the decode kernels may run on wkv_b: AVX-512 here, and bf16, or FP8 with every scale
+// * 256 finite (so (v / 256) * (s * 256) rounds exactly as v * s).
+bool decode_kernels_ok(const LinearWeight& w) {
 #ifdef ML4_LINEAR_AVX512
-  if (w.format != LinearFormat::kFP8Block || !kernels::avx512_usable() || !linear_uses_avx512()) return false;
+  if (!kernels::avx512_usable() || !linear_uses_avx512()) return false;
+  if (w.format == LinearFormat::kBF16) return true;
+  if (w.format != LinearFormat::kFP8Block) return false;
   const float* s = w.scale.as<float>();
   for (int64_t i = 0; i < w.scale.numel(); ++i)
     if (!std::isfinite(s[i] * 256.0f)) return false;
@@ -366,13 +381,13 @@ constexpr int64_t kTokGroup = 64;    // tokens per W_UK job (its decoded columns
 }  // namespace
 
 void mla_absorb_q(const LinearWeight& wkv_b, const float* q, int64_t T, int H, int dn, int dv, int qk, int r,
-                  float* q_lat, const AbsorbFp8* fp8) {
+                  float* q_lat, const AbsorbLayout* lay) {
   if (!up_projection_ok(wkv_b, H, dn, dv, r, q_lat, T * H * r)) return;
   const UpProjection up{wkv_b, dn, dv};
   // Jobs: (head, 128-column chunk, group of 64 tokens); each decodes its W_UK[h][:, chunk]
   // once. Per element the order is the same whatever the job shape: an FMA chain over d.
   const int64_t chunks = (r + kColChunk - 1) / kColChunk, groups = (T + kTokGroup - 1) / kTokGroup;
-  [[maybe_unused]] const bool fused = fp8 != nullptr && !fp8->empty() && T < kTokTile && fp8_decode_kernels_ok(wkv_b);
+  [[maybe_unused]] const bool fused = lay != nullptr && !lay->empty() && T < kTokTile && decode_kernels_ok(wkv_b);
   parallel_for(H * chunks * groups, 1, [&](int64_t b, int64_t e) {
     for (int64_t job = b; job < e; ++job) {
       // Chunks of one head are consecutive jobs, so a thread reads whole rows of wkv_b.
@@ -383,9 +398,12 @@ void mla_absorb_q(const LinearWeight& wkv_b, const float* q, int64_t T, int H, i
       if (fused) {
         const int64_t at = (h * chunks + c) * dn;
         bool ok = true;
-        for (int64_t t = ta; t < tb && ok; ++t)
-          ok = absorb_uk_fp8_avx512(fp8->uk.data() + at * kColChunk, kColChunk, fp8->uk_s256.data() + at,
-                                    q + (t * H + h) * qk, dn, q_lat + (t * H + h) * r + j0);
+        for (int64_t t = ta; t < tb && ok; ++t) {
+          const float* qt = q + (t * H + h) * qk;
+          float* qlt = q_lat + (t * H + h) * r + j0;
+          ok = lay->bf16() ? absorb_uk_avx512<false>(lay->uk16.data() + at * kColChunk, nullptr, qt, dn, qlt)
+                           : absorb_uk_avx512<true>(lay->uk8.data() + at * kColChunk, lay->uk_s256.data() + at, qt, dn, qlt);
+        }
         if (ok) continue;  // else (a NaN code) the path below, which decodes NaN as NaN
       }
 #endif
@@ -431,38 +449,45 @@ void mla_absorb_q(const LinearWeight& wkv_b, const float* q, int64_t T, int H, i
   });
 }
 
-AbsorbFp8 layout_absorb_fp8(const LinearWeight& wkv_b, int H, int dn, int dv) {
-  AbsorbFp8 u;
+AbsorbLayout layout_absorb(const LinearWeight& wkv_b, int H, int dn, int dv) {
+  AbsorbLayout u;
   const int64_t r = wkv_b.in_features;
   if (dv % 16 != 0 || r % 128 != 0 || wkv_b.out_features != static_cast<int64_t>(H) * (dn + dv) ||
-      !validate_linear_weight(wkv_b).is_ok() || !fp8_decode_kernels_ok(wkv_b))
+      !validate_linear_weight(wkv_b).is_ok() || !decode_kernels_ok(wkv_b))
     return u;
   const int64_t rb = r / 128;
-  u.uk.resize(static_cast<size_t>(H) * r * dn);
-  u.uk_s256.resize(static_cast<size_t>(H) * rb * dn);
-  u.uv.resize(static_cast<size_t>(H) * r * dv);
-  u.uv_s256.resize(static_cast<size_t>(H) * rb * dv);
-  const uint8_t* q = wkv_b.weight.as<uint8_t>();
-  const float* sc = wkv_b.scale.as<float>();
-  for (int64_t h = 0; h < H; ++h) {
-    for (int64_t d = 0; d < dn; ++d) {
-      const int64_t row = h * (dn + dv) + d;
-      for (int64_t c = 0; c < rb; ++c) {
-        std::copy_n(q + row * r + 128 * c, 128, u.uk.data() + ((h * rb + c) * dn + d) * 128);
-        u.uk_s256[(h * rb + c) * dn + d] = sc[(row / kFp8BlockSize) * rb + c] * 256.0f;
-      }
+  // uk: (h, c, d, i) <- row h*(dn+dv) + d, column 128 c + i; uv: (h, j, d) <- row h*(dn+dv) + dn + d, column j.
+  auto lay_out = [&](const auto* q, auto& uk, auto& uv) {
+    uk.resize(static_cast<size_t>(H) * r * dn);
+    uv.resize(static_cast<size_t>(H) * r * dv);
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t d = 0; d < dn; ++d)
+        for (int64_t c = 0; c < rb; ++c)
+          std::copy_n(q + (h * (dn + dv) + d) * r + 128 * c, 128, uk.data() + ((h * rb + c) * dn + d) * 128);
+      for (int64_t d = 0; d < dv; ++d)
+        for (int64_t j = 0; j < r; ++j) uv[(h * r + j) * dv + d] = q[(h * (dn + dv) + dn + d) * r + j];
     }
-    for (int64_t d = 0; d < dv; ++d) {
-      const int64_t row = h * (dn + dv) + dn + d;
-      for (int64_t j = 0; j < r; ++j) u.uv[(h * r + j) * dv + d] = q[row * r + j];
-      for (int64_t c = 0; c < rb; ++c) u.uv_s256[(h * rb + c) * dv + d] = sc[(row / kFp8BlockSize) * rb + c] * 256.0f;
-    }
+  };
+  if (wkv_b.format == LinearFormat::kBF16) {
+    lay_out(wkv_b.weight.as<uint16_t>(), u.uk16, u.uv16);
+    return u;
   }
+  lay_out(wkv_b.weight.as<uint8_t>(), u.uk8, u.uv8);
+  const float* sc = wkv_b.scale.as<float>();
+  u.uk_s256.resize(static_cast<size_t>(H) * rb * dn);
+  u.uv_s256.resize(static_cast<size_t>(H) * rb * dv);
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t c = 0; c < rb; ++c) {
+      for (int64_t d = 0; d < dn; ++d)
+        u.uk_s256[(h * rb + c) * dn + d] = sc[((h * (dn + dv) + d) / kFp8BlockSize) * rb + c] * 256.0f;
+      for (int64_t d = 0; d < dv; ++d)
+        u.uv_s256[(h * rb + c) * dv + d] = sc[((h * (dn + dv) + dn + d) / kFp8BlockSize) * rb + c] * 256.0f;
+    }
   return u;
 }
 
 void mla_apply_uv(const LinearWeight& wkv_b, const float* out_lat, int64_t T, int H, int dn, int dv, int r, float* o,
-                  const AbsorbFp8* fp8) {
+                  const AbsorbLayout* lay) {
   if (!up_projection_ok(wkv_b, H, dn, dv, r, o, T * H * dv)) return;
   const UpProjection up{wkv_b, dn, dv};
 #ifdef ML4_ATTN_AVX2
@@ -494,7 +519,7 @@ void mla_apply_uv(const LinearWeight& wkv_b, const float* out_lat, int64_t T, in
   }
 #endif
 #ifdef ML4_LINEAR_AVX512
-  if (fp8 != nullptr && !fp8->empty() && T < kTokTile && fp8_decode_kernels_ok(wkv_b)) {
+  if (lay != nullptr && !lay->empty() && T < kTokTile && decode_kernels_ok(wkv_b)) {
     // Jobs: (head, 128 outputs), 16 outputs a register. A NaN code anywhere sends the whole
     // call down the path below (which decodes NaN as NaN).
     const int64_t parts = (dv + 127) / 128, rb = (r + 127) / 128;
@@ -502,21 +527,25 @@ void mla_apply_uv(const LinearWeight& wkv_b, const float* out_lat, int64_t T, in
     parallel_for(H * parts, 1, [&](int64_t b, int64_t e) {
       for (int64_t job = b; job < e; ++job) {
         const int64_t h = job % H, d0 = (job / H) * 128, n = std::min<int64_t>(128, dv - d0);
-        const uint8_t* wt = fp8->uv.data() + h * r * dv + d0;
-        const float* s = fp8->uv_s256.data() + h * rb * dv + d0;
+        const float* s = lay->bf16() ? nullptr : lay->uv_s256.data() + h * rb * dv + d0;
         for (int64_t t = 0; t < T; ++t) {
           const float* ol = out_lat + (t * H + h) * r;
           float* oh = o + (t * H + h) * dv + d0;
           bool ok = false;
+          auto run = [&](auto nv) {
+            constexpr int NV = decltype(nv)::value;
+            ok = lay->bf16() ? apply_uv_avx512<false, NV>(lay->uv16.data() + h * r * dv + d0, dv, s, ol, r, oh)
+                             : apply_uv_avx512<true, NV>(lay->uv8.data() + h * r * dv + d0, dv, s, ol, r, oh);
+          };
           switch (n / 16) {
-            case 1: ok = apply_uv_fp8_avx512<1>(wt, dv, s, ol, r, oh); break;
-            case 2: ok = apply_uv_fp8_avx512<2>(wt, dv, s, ol, r, oh); break;
-            case 3: ok = apply_uv_fp8_avx512<3>(wt, dv, s, ol, r, oh); break;
-            case 4: ok = apply_uv_fp8_avx512<4>(wt, dv, s, ol, r, oh); break;
-            case 5: ok = apply_uv_fp8_avx512<5>(wt, dv, s, ol, r, oh); break;
-            case 6: ok = apply_uv_fp8_avx512<6>(wt, dv, s, ol, r, oh); break;
-            case 7: ok = apply_uv_fp8_avx512<7>(wt, dv, s, ol, r, oh); break;
-            default: ok = apply_uv_fp8_avx512<8>(wt, dv, s, ol, r, oh); break;
+            case 1: run(std::integral_constant<int, 1>{}); break;
+            case 2: run(std::integral_constant<int, 2>{}); break;
+            case 3: run(std::integral_constant<int, 3>{}); break;
+            case 4: run(std::integral_constant<int, 4>{}); break;
+            case 5: run(std::integral_constant<int, 5>{}); break;
+            case 6: run(std::integral_constant<int, 6>{}); break;
+            case 7: run(std::integral_constant<int, 7>{}); break;
+            default: run(std::integral_constant<int, 8>{}); break;
           }
           if (!ok) nan_head[h] = 1;  // one writer per (h, part); any part marks the head
         }

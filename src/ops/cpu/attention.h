@@ -34,29 +34,31 @@ void mla_attention(const float* q_lat, const float* q_rope, int H, int r, int dr
 //     Not a lane-split dot: that order measured 10x the TP-vs-one-process difference on
 //     ml4-tiny (tests/parallel/mpi/model_cases.cpp; bf16 cache roundings flipping
 //     differently), not understood yet.
-//   FP8 wkv_b on a CPU with AVX-512, decode steps (T < 4): both read e4m3 bytes and decode them
-//     in registers (each weight rounded once, v * s, as dequantize_linear), from a copy laid out
-//     for the kernels (AbsorbFp8, 1 byte a weight): W_UK in 128-column chunks, each chunk's dn
-//     rows contiguous (a job streams one block), and W_UV transposed, so that 16 outputs are
-//     the 16 lanes of one register, each still its own chain over j. Same bits as above.
+//   bf16 / FP8 wkv_b on a CPU with AVX-512, decode steps (T < 4): both decode the stored elements
+//     in registers (FP8: each weight rounded once, v * s, as dequantize_linear), from a copy laid
+//     out for the kernels (AbsorbLayout, the stored element size): W_UK in 128-column chunks,
+//     each chunk's dn rows contiguous (a job streams one block), and W_UV transposed, so that 16
+//     outputs are the 16 lanes of one register, each still its own chain over j. Same bits.
 // A wkv_b of another shape, or invalid, writes NaN and logs why.
 //
-// wkv_b's e4m3 bytes laid out for the FP8 decode kernels, with each weight's block scale times
-// 256: made at load when wkv_b is FP8, the CPU has AVX-512, r % 128 == 0, dv % 16 == 0 and
-// every scale * 256 is finite; else empty (the kernels read wkv_b).
-struct AbsorbFp8 {
-  std::vector<uint8_t> uk;     // [H][r / 128][dn][128]: W_UK[h][d][128 c + i]
-  std::vector<float> uk_s256;  // [H][r / 128][dn]
-  std::vector<uint8_t> uv;     // [H][r][dv]: W_UV[h][d][j] at (h, j, d)
-  std::vector<float> uv_s256;  // [H][r / 128][dv]
-  bool empty() const { return uk.empty(); }
+// wkv_b's bf16 or e4m3 elements laid out for the decode kernels (FP8: with each weight's block
+// scale times 256): made at load when wkv_b is bf16 or FP8, the CPU has AVX-512, r % 128 == 0,
+// dv % 16 == 0 and (FP8) every scale * 256 is finite; else empty (the kernels read wkv_b).
+struct AbsorbLayout {
+  std::vector<uint8_t> uk8, uv8;       // FP8, as uk16 / uv16
+  std::vector<uint16_t> uk16, uv16;    // bf16: uk [H][r / 128][dn][128] = W_UK[h][d][128 c + i];
+                                       // uv [H][r][dv] = W_UV[h][d][j] at (h, j, d)
+  std::vector<float> uk_s256;          // FP8: [H][r / 128][dn]
+  std::vector<float> uv_s256;          // FP8: [H][r / 128][dv]
+  bool bf16() const { return !uk16.empty(); }
+  bool empty() const { return uk8.empty() && uk16.empty(); }
 };
-AbsorbFp8 layout_absorb_fp8(const LinearWeight& wkv_b, int H, int dn, int dv);
+AbsorbLayout layout_absorb(const LinearWeight& wkv_b, int H, int dn, int dv);
 
 void mla_absorb_q(const LinearWeight& wkv_b, const float* q, int64_t T, int H, int dn, int dv, int qk, int r,
-                  float* q_lat, const AbsorbFp8* fp8 = nullptr);
+                  float* q_lat, const AbsorbLayout* layout = nullptr);
 void mla_apply_uv(const LinearWeight& wkv_b, const float* out_lat, int64_t T, int H, int dn, int dv, int r, float* o,
-                  const AbsorbFp8* fp8 = nullptr);
+                  const AbsorbLayout* layout = nullptr);
 
 // q [HI, dI], w [HI], k [S, dI]; scores [S] = sum_h w[h] * relu(q[h].k[s]).
 void indexer_scores(const float* q, const float* w, int HI, int dI, const float* k, int64_t S,

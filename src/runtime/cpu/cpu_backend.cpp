@@ -395,14 +395,14 @@ Status CpuBackend::set_selection(int selection, const std::vector<std::vector<in
 Result<AbsorbRef> CpuBackend::add_absorb(const LinearWeight& wkv_b) {
   ML4_RETURN_IF_ERROR(cpu::validate_linear_weight(wkv_b));
   absorbs_.push_back(&wkv_b);
-  absorb_fp8_.push_back(cpu::layout_absorb_fp8(wkv_b, cfg_.n_heads, cfg_.qk_nope_head_dim, cfg_.v_head_dim));
+  absorb_layout_.push_back(cpu::layout_absorb(wkv_b, cfg_.n_heads, cfg_.qk_nope_head_dim, cfg_.v_head_dim));
   return AbsorbRef{static_cast<int>(absorbs_.size()) - 1};
 }
 
 Status CpuBackend::mla_absorb_q(AbsorbRef a, const float* q, float* q_lat) {
   if (!a.valid() || a.id >= static_cast<int>(absorbs_.size())) return internal_error("mla_absorb_q: no wkv_b {}", a.id);
   cpu::mla_absorb_q(*absorbs_[a.id], q, step_tokens(), cfg_.n_heads, cfg_.qk_nope_head_dim, cfg_.v_head_dim,
-                    cfg_.qk_nope_head_dim + cfg_.qk_rope_head_dim, cfg_.kv_lora_rank, q_lat, &absorb_fp8_[a.id]);
+                    cfg_.qk_nope_head_dim + cfg_.qk_rope_head_dim, cfg_.kv_lora_rank, q_lat, &absorb_layout_[a.id]);
   return Status::ok();
 }
 
@@ -503,7 +503,7 @@ Status CpuBackend::set_hot_selection(const int32_t* rows, const int32_t* counts)
 Status CpuBackend::mla_apply_uv(AbsorbRef a, const float* out_lat, float* o) {
   if (!a.valid() || a.id >= static_cast<int>(absorbs_.size())) return internal_error("mla_apply_uv: no wkv_b {}", a.id);
   cpu::mla_apply_uv(*absorbs_[a.id], out_lat, step_tokens(), cfg_.n_heads, cfg_.qk_nope_head_dim, cfg_.v_head_dim,
-                    cfg_.kv_lora_rank, o, &absorb_fp8_[a.id]);
+                    cfg_.kv_lora_rank, o, &absorb_layout_[a.id]);
   return Status::ok();
 }
 

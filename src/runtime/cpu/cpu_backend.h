@@ -143,7 +143,7 @@ class CpuBackend : public Backend {
   std::vector<std::vector<uint8_t>> scratch_;
   std::vector<const LinearWeight*> linears_;
   std::vector<const LinearWeight*> absorbs_;  // wkv_b per layer (ops/cpu/attention.h reads it as stored)
-  std::vector<cpu::AbsorbFp8> absorb_fp8_;    // per absorb: the FP8 decode kernels' layout (or empty)
+  std::vector<cpu::AbsorbLayout> absorb_layout_;  // per absorb: the decode kernels' layout (or empty)
   std::vector<cpu::ActivationDtype> linear_act_;  // per linear: act_, or f32 for a router
   cpu::ActivationDtype act_ = cpu::ActivationDtype::kF32;
   std::vector<Moe> moes_;
