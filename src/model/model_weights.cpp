@@ -339,7 +339,7 @@ Status load_drafter(const ModelConfig& cfg, Binder& b, DrafterWeights& W, const 
     ML4_ASSIGN_OR_RETURN(A.kv_a_norm, nb.vec(pa + "kv_a_norm.weight", r));
     ML4_ASSIGN_OR_RETURN(A.wkv_b, nb.linear(pa + "wkv_b", H * (dn + dv), r));
     ML4_ASSIGN_OR_RETURN(A.wkv_b, slice_linear_rows(A.wkv_b, hr.begin * (dn + dv), hr.count * (dn + dv)));
-      ML4_ASSIGN_OR_RETURN(A.wo, nb.linear(pa + "wo", D, H * dv));
+    ML4_ASSIGN_OR_RETURN(A.wo, nb.linear(pa + "wo", D, H * dv));
     ML4_ASSIGN_OR_RETURN(A.wo, slice_linear_cols(A.wo, hr.begin * dv, hr.count * dv));
     ML4_ASSIGN_OR_RETURN(L.ffn.w1, nb.linear(lp + "feed_forward.w1", cfg.hidden_dim, D));
     ML4_ASSIGN_OR_RETURN(L.ffn.w2, nb.linear(lp + "feed_forward.w2", D, cfg.hidden_dim));

@@ -154,7 +154,8 @@ TEST(Attention, MlaAbsorbAndApplyUv) {
         }
         for (bool avx512 : {true, false}) {
           linear_allow_avx512(avx512);
-          std::vector<float> c2(T * H * dv);
+          std::vector<float> c2(T * H * dv, -9.0f);
+          std::fill(a.begin(), a.end(), -9.0f);  // a path that wrote nothing must fail
           mla_absorb_q(*stored, q.data(), T, H, dn, dv, qk, r, a.data(), &lay);
           mla_apply_uv(*stored, ol.data(), T, H, dn, dv, r, c2.data(), &lay);
           for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(f32_to_bits(a[i]), f32_to_bits(b[i])) << i;
@@ -163,6 +164,72 @@ TEST(Attention, MlaAbsorbAndApplyUv) {
         linear_allow_avx512(true);
       }
     }
+}
+
+// The decode kernels (AVX-512, T < 4) at every register count: dv of 1, 8 and 9 registers (two
+// parts), dn up to a head's 128, r = 512 (4 chunks), bf16 and FP8: the bits of the f32 path.
+TEST(Attention, MlaAbsorbDecodeKernelsEveryWidth) {
+  if (!linear_uses_avx512()) GTEST_SKIP() << "no AVX-512 on this CPU: the decode kernels do not run";
+  const int H = 3, r = 512;
+  for (LinearFormat f : {LinearFormat::kBF16, LinearFormat::kFP8Block})
+    for (int dn : {24, 128})
+      for (int dv : {16, 128, 144})
+        for (int64_t T : {1, 3}) {
+          SCOPED_TRACE(testing::Message() << linear_format_name(f) << " dn=" << dn << " dv=" << dv << " T=" << T);
+          const int qk = dn + 8;
+          const auto wv = test::random_floats(H * (dn + dv) * r, 31 + dn + dv);
+          auto stored = quantize_linear(wv.data(), H * (dn + dv), r, f, "wkv_b");
+          ASSERT_TRUE(stored.ok());
+          const LinearWeight as_f32 = f32_weight(dequantize_linear(*stored), H * (dn + dv), r);
+          const AbsorbLayout lay = layout_absorb(*stored, H, dn, dv);
+          ASSERT_FALSE(lay.empty());
+          auto q = test::random_floats(T * H * qk, 32), ol = test::random_floats(T * H * r, 33);
+          std::vector<float> a(T * H * r, -9.0f), b(T * H * r), c(T * H * dv, -9.0f), d(T * H * dv);
+          mla_absorb_q(*stored, q.data(), T, H, dn, dv, qk, r, a.data(), &lay);
+          mla_absorb_q(as_f32, q.data(), T, H, dn, dv, qk, r, b.data());
+          mla_apply_uv(*stored, ol.data(), T, H, dn, dv, r, c.data(), &lay);
+          mla_apply_uv(as_f32, ol.data(), T, H, dn, dv, r, d.data());
+          for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(f32_to_bits(a[i]), f32_to_bits(b[i])) << i;
+          for (size_t i = 0; i < c.size(); ++i) ASSERT_EQ(f32_to_bits(c[i]), f32_to_bits(d[i])) << i;
+        }
+}
+
+// An FP8 scale so large that s * 256 overflows (finite s): every path still gives v * s rounded
+// once, as dequantize_linear does (the 2^8 trick is skipped there).
+TEST(Attention, MlaAbsorbHugeFp8Scale) {
+  const int H = 1, dn = 16, dv = 16, r = 128, qk = dn;
+  LinearWeight w;
+  w.name = "wkv_b";
+  w.format = LinearFormat::kFP8Block;
+  w.out_features = H * (dn + dv);
+  w.in_features = r;
+  w.weight = Tensor(DType::kF8E4M3, {w.out_features, r});
+  w.scale = Tensor(DType::kF32, {1, 1});
+  w.scale.mutable_as<float>()[0] = 2e36f;
+  uint8_t* q8 = w.weight.mutable_as<uint8_t>();
+  for (int64_t i = 0; i < w.out_features * r; ++i) q8[i] = (i % 3 == 0) ? 0x00 : (i % 3 == 1 ? 0x38 : 0xb0);
+  const LinearWeight as_f32 = f32_weight(dequantize_linear(w), w.out_features, r);
+  const AbsorbLayout lay = layout_absorb(w, H, dn, dv);
+  EXPECT_TRUE(lay.empty());  // the decode kernels refuse it
+  auto q = test::random_floats(H * qk, 41, -1e-3f, 1e-3f), ol = test::random_floats(H * r, 42, -1e-3f, 1e-3f);
+  std::vector<float> a(H * r), b(H * r), c(H * dv), d(H * dv);
+  for (int64_t T : {1, 5}) {
+    std::vector<float> qT, olT;
+    for (int64_t t = 0; t < T; ++t) {
+      qT.insert(qT.end(), q.begin(), q.end());
+      olT.insert(olT.end(), ol.begin(), ol.end());
+    }
+    a.assign(T * H * r, -9.0f), b.assign(T * H * r, 0.0f), c.assign(T * H * dv, -9.0f), d.assign(T * H * dv, 0.0f);
+    mla_absorb_q(w, qT.data(), T, H, dn, dv, qk, r, a.data(), &lay);
+    mla_absorb_q(as_f32, qT.data(), T, H, dn, dv, qk, r, b.data());
+    mla_apply_uv(w, olT.data(), T, H, dn, dv, r, c.data(), &lay);
+    mla_apply_uv(as_f32, olT.data(), T, H, dn, dv, r, d.data());
+    for (size_t i = 0; i < a.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(a[i])) << i;
+      ASSERT_EQ(f32_to_bits(a[i]), f32_to_bits(b[i])) << i;
+    }
+    for (size_t i = 0; i < c.size(); ++i) ASSERT_EQ(f32_to_bits(c[i]), f32_to_bits(d[i])) << i;
+  }
 }
 
 // A NaN code in an FP8 wkv_b: NaN in exactly the outputs that read it, on the decode kernels

@@ -78,7 +78,7 @@ inline void add_device_options(CLI::App* cmd, DeviceOptions* d) {
                   "bf16 and summed in f32 by AVX512_BF16 dot products, as vLLM and transformers run a bf16 model; "
                   "about 2x the prefill matrix rate; needs a CPU with AVX512_BF16). On cuda, --batch-invariant "
                   "chooses f32 activations")
-      ->check(CLI::IsMember({"auto", "float32", "float", "bfloat16", "bf16"}))
+      ->check(CLI::IsMember({"auto", "float32", "float", "f32", "bfloat16", "bf16"}))
       ->capture_default_str();
   cmd->add_option("--tensor-parallel-size", d->parallel.tensor_parallel_size,
                   "-tp: ranks the attention heads, FFN and vocabulary are split over (one process per rank)")

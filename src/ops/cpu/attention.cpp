@@ -523,7 +523,7 @@ void mla_apply_uv(const LinearWeight& wkv_b, const float* out_lat, int64_t T, in
     // Jobs: (head, 128 outputs), 16 outputs a register. A NaN code anywhere sends the whole
     // call down the path below (which decodes NaN as NaN).
     const int64_t parts = (dv + 127) / 128, rb = (r + 127) / 128;
-    std::vector<uint8_t> nan_head(H, 0);
+    std::vector<uint8_t> nan_job(H * parts, 0);  // one writer per job
     parallel_for(H * parts, 1, [&](int64_t b, int64_t e) {
       for (int64_t job = b; job < e; ++job) {
         const int64_t h = job % H, d0 = (job / H) * 128, n = std::min<int64_t>(128, dv - d0);
@@ -547,12 +547,12 @@ void mla_apply_uv(const LinearWeight& wkv_b, const float* out_lat, int64_t T, in
             case 7: run(std::integral_constant<int, 7>{}); break;
             default: run(std::integral_constant<int, 8>{}); break;
           }
-          if (!ok) nan_head[h] = 1;  // one writer per (h, part); any part marks the head
+          if (!ok) nan_job[job] = 1;
         }
       }
     });
     bool any = false;
-    for (uint8_t v : nan_head) any = any || v != 0;
+    for (uint8_t v : nan_job) any = any || v != 0;
     if (!any) return;
   }
 #endif

@@ -203,10 +203,11 @@ void decode_block(const LinearWeight& w, int64_t n0, int64_t n1, int64_t k0, int
           const int64_t e = std::min(k1, (b + 1) * kFp8BlockSize);
           int64_t k = b * kFp8BlockSize;
 #ifdef ML4_LINEAR_AVX2
-          // (v / 256) * (s * 256) rounds once, exactly like lut[v] * s (2^8 scalings are exact
-          // unless s * 256 overflows, which no checkpoint scale comes near).
+          // (v / 256) * (s * 256) rounds once, exactly like lut[v] * s (2^8 scalings are exact);
+          // a scale so large that s * 256 overflows takes the scalar loop.
           const __m256 sv = _mm256_set1_ps(s * 256.0f);
-          for (; k + 8 <= e; k += 8) _mm256_storeu_ps(o + k, _mm256_mul_ps(e4m3x8_div256(row + k), sv));
+          if (std::isfinite(s * 256.0f))
+            for (; k + 8 <= e; k += 8) _mm256_storeu_ps(o + k, _mm256_mul_ps(e4m3x8_div256(row + k), sv));
 #endif
           for (; k < e; ++k) o[k] = lut[row[k]] * s;
         }

@@ -704,6 +704,10 @@ MlaAbsorbParams absorb_params(const ModelConfig& c, int64_t T, cudaStream_t stre
 }  // namespace
 
 Result<AbsorbRef> CudaBackend::add_absorb(const LinearWeight& wkv_b) {
+  const int64_t rows = static_cast<int64_t>(cfg_.n_heads) * (cfg_.qk_nope_head_dim + cfg_.v_head_dim);
+  if (wkv_b.out_features != rows || wkv_b.in_features != cfg_.kv_lora_rank)
+    return invalid_argument("{}: wkv_b is [{}, {}], {} heads need [{}, {}]", wkv_b.name, wkv_b.out_features,
+                            wkv_b.in_features, cfg_.n_heads, rows, cfg_.kv_lora_rank);
   WkvbSplit s = split_wkv_b(wkv_b, cfg_.qk_nope_head_dim, cfg_.v_head_dim);
   if (s.w_uk.empty())
     return invalid_argument("{}: wkv_b [{}, {}] is not W_UK / W_UV of whole heads", wkv_b.name, wkv_b.out_features,

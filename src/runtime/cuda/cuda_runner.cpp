@@ -20,6 +20,9 @@ namespace ml4::cuda {
 CudaRunner::~CudaRunner() = default;
 
 Result<std::unique_ptr<CudaRunner>> CudaRunner::load(const std::string& model_dir, const CudaRunnerOptions& opts) {
+  if (opts.base.dtype != "auto")
+    return invalid_argument("dtype {} applies to the CPU runner; the CUDA runner's activations follow "
+                            "exact_activations (--batch-invariant)", opts.base.dtype);
   if (!device_available()) return unimplemented("no CUDA device: the CUDA runner cannot start");
   ML4_ASSIGN_OR_RETURN(ModelConfig cfg, load_model_config(model_dir));
   ML4_ASSIGN_OR_RETURN(Checkpoint ck, Checkpoint::open(model_dir));
