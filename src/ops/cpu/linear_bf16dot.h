@@ -60,12 +60,14 @@ ML4_BF16DOT_FN inline void x_to_bf16(const float* x, int64_t K, int64_t Kp, uint
 // The FP8 chunk order on x: x_b [Kp] (Kp a multiple of 64) -> per chunk its a words then its
 // b words.
 ML4_BF16DOT_FN inline void permute_fp8_chunks(const uint16_t* xb, int64_t Kp, uint16_t* out) {
-  for (int64_t c = 0; c < Kp; c += 64)
-    for (int L = 0; L < 4; ++L)
-      for (int i = 0; i < 8; ++i) {
-        out[c + 8 * L + i] = xb[c + 16 * L + i];
-        out[c + 32 + 8 * L + i] = xb[c + 16 * L + 8 + i];
-      }
+  alignas(64) static constexpr uint16_t kA[32] = {0,  1,  2,  3,  4,  5,  6,  7,  16, 17, 18, 19, 20, 21, 22, 23,
+                                                  32, 33, 34, 35, 36, 37, 38, 39, 48, 49, 50, 51, 52, 53, 54, 55};
+  const __m512i ia = _mm512_load_si512(kA), ib = _mm512_add_epi16(ia, _mm512_set1_epi16(8));
+  for (int64_t c = 0; c < Kp; c += 64) {  // a: words 16L + 0..7, b: 16L + 8..15 of the chunk
+    const __m512i lo = _mm512_loadu_si512(xb + c), hi = _mm512_loadu_si512(xb + c + 32);
+    _mm512_storeu_si512(out + c, _mm512_permutex2var_epi16(lo, ia, hi));
+    _mm512_storeu_si512(out + c + 32, _mm512_permutex2var_epi16(lo, ib, hi));
+  }
 }
 
 ML4_BF16DOT_FN inline float hsum16(__m512 v) {
