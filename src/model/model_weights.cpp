@@ -400,6 +400,13 @@ Result<std::shared_ptr<const ModelWeights>> load_model_weights(const ModelConfig
   return std::shared_ptr<const ModelWeights>(std::move(W));
 }
 
+Status check_wkv_b_shape(const ModelConfig& cfg, const LinearWeight& wkv_b) {
+  const int64_t rows = static_cast<int64_t>(cfg.n_heads) * (cfg.qk_nope_head_dim + cfg.v_head_dim);
+  if (wkv_b.out_features == rows && wkv_b.in_features == cfg.kv_lora_rank) return Status::ok();
+  return invalid_argument("{}: wkv_b is [{}, {}], {} heads need [{}, {}]", wkv_b.name, wkv_b.out_features,
+                          wkv_b.in_features, cfg.n_heads, rows, cfg.kv_lora_rank);
+}
+
 WkvbSplit split_wkv_b(const LinearWeight& wkv_b, int dn, int dv) {
   const int64_t r = wkv_b.in_features, H = wkv_b.out_features / (dn + dv);
   std::vector<float> full = dequantize_linear(wkv_b);

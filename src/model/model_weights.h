@@ -109,6 +109,10 @@ Result<std::shared_ptr<const ModelWeights>> load_model_weights(const ModelConfig
 // W_UK [H][dn][r] and W_UV [H][dv][r] of wkv_b [H*(dn+dv), r] (H: its rows / (dn + dv)), each
 // element the value dequantize_linear gives it: what a device's absorb kernels read. Empty
 // when wkv_b is invalid or not a whole number of heads.
+// wkv_b's shape against the (rank's) config: [n_heads * (dn + dv), kv_lora_rank], or an error
+// naming both (what Backend::add_absorb checks on every backend).
+Status check_wkv_b_shape(const ModelConfig& cfg, const LinearWeight& wkv_b);
+
 struct WkvbSplit {
   std::vector<float> w_uk, w_uv;
 };

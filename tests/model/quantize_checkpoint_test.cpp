@@ -54,6 +54,14 @@ void make_tiny(const std::string& dir, const std::string& preset, const std::str
   ASSERT_TRUE(s.is_ok()) << s.message();
 }
 
+// quantize_checkpoint(o) is refused with a message containing `needle`, writing nothing.
+void expect_refused(const QuantizeOptions& o, const std::string& needle) {
+  auto r = quantize_checkpoint(o);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find(needle), std::string::npos) << r.status().message();
+  EXPECT_FALSE(std::filesystem::exists(o.out_dir));
+}
+
 void check_quantized(const std::string& in, const std::string& out, WeightFormat want) {
   auto cfg = load_model_config(out);
   ASSERT_TRUE(cfg.ok()) << cfg.status().message();
@@ -187,10 +195,7 @@ TEST(Quantize, Fp8OutputHead) {
   make_tiny(tmp.file("hf"), "dsv32-tiny", "hf");
   QuantizeOptions h{tmp.file("hf"), tmp.file("hf-fp8"), "fp8"};
   h.output_tensor_type = "fp8";
-  auto bad = quantize_checkpoint(h);
-  ASSERT_FALSE(bad.ok());
-  EXPECT_NE(bad.status().message().find("lm_head"), std::string::npos) << bad.status().message();
-  EXPECT_FALSE(std::filesystem::exists(tmp.file("hf-fp8")));
+  expect_refused(h, "lm_head");
   h.output_tensor_type = "int8";
   EXPECT_FALSE(quantize_checkpoint(h).ok());
 }
@@ -201,10 +206,7 @@ TEST(Quantize, OutputTensorTypeNeedsAnOutputTensor) {
   make_tiny(tmp.file("tied"), "ml4-tiny", "native", {"tied_embeddings=true"});
   QuantizeOptions o{tmp.file("tied"), tmp.file("out"), "fp8"};
   o.output_tensor_type = "fp8";
-  auto r = quantize_checkpoint(o);
-  ASSERT_FALSE(r.ok());
-  EXPECT_NE(r.status().message().find("tied_embeddings"), std::string::npos) << r.status().message();
-  EXPECT_FALSE(std::filesystem::exists(tmp.file("out")));
+  expect_refused(o, "tied_embeddings");
 }
 
 // The HF layout of a per-expert model type (deepseek_v32) quantizes too; fused mistral4
@@ -218,10 +220,7 @@ TEST(Quantize, HfLayouts) {
   check_quantized(o.in_dir, o.out_dir, WeightFormat::kFP8Block);
 
   make_tiny(tmp.file("m4"), "mistral4-tiny", "hf");
-  auto bad = quantize_checkpoint({tmp.file("m4"), tmp.file("m4-fp8"), "fp8"});
-  ASSERT_FALSE(bad.ok());
-  EXPECT_NE(bad.status().message().find("native layout"), std::string::npos) << bad.status().message();
-  EXPECT_FALSE(std::filesystem::exists(tmp.file("m4-fp8")));
+  expect_refused({tmp.file("m4"), tmp.file("m4-fp8"), "fp8"}, "native layout");
 }
 
 TEST(Quantize, BadRequestsWriteNothing) {

@@ -115,6 +115,14 @@ TEST(WeightShard, LoaderBindsTheRanksSlices) {
     const WkvbSplit sb = split_wkv_b(b.wkv_b, static_cast<int>(dn), static_cast<int>(dv));
     EXPECT_EQ(sb.w_uk, std::vector<float>(sa.w_uk.begin() + 2 * dn * r, sa.w_uk.end()));
     EXPECT_EQ(sb.w_uv, std::vector<float>(sa.w_uv.begin() + 2 * dv * r, sa.w_uv.end()));
+    // add_absorb's shape check: the shard's wkv_b fits the rank's 2 heads, not the whole model.
+    ModelConfig rank_cfg = *cfg;
+    rank_cfg.n_heads = 2;
+    EXPECT_TRUE(check_wkv_b_shape(rank_cfg, b.wkv_b).is_ok());
+    EXPECT_TRUE(check_wkv_b_shape(*cfg, a.wkv_b).is_ok());
+    const Status st = check_wkv_b_shape(*cfg, b.wkv_b);
+    EXPECT_FALSE(st.is_ok());
+    EXPECT_NE(st.message().find("wkv_b is ["), std::string::npos) << st.message();
   };
   for (int l : {0, 2, 7}) {  // dense, MoE + SSMax reuser, KV consumer
     SCOPED_TRACE(l);

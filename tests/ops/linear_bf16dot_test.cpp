@@ -14,6 +14,7 @@
 #include "core/dtype.h"
 #include "ops/cpu/linear.h"
 #include "ops_test_util.h"
+#include "test_weights.h"
 
 namespace ml4::cpu {
 namespace {
@@ -63,39 +64,21 @@ float model_dot(const float* x, const float* w, int64_t K, const float* srow) {
   return hsum16(lanes);
 }
 
+// A random bf16 or FP8 weight (test_weights.h) and its values as the contract reads them:
+// [N, K] bf16 values, or unscaled e4m3 values; optionally one NaN code in the middle.
 struct Case {
   LinearWeight w;
-  std::vector<float> values;  // [N, K]: bf16 values, or unscaled e4m3 values
+  std::vector<float> values;
 };
 
 Case make_case(LinearFormat f, int64_t N, int64_t K, uint32_t seed, bool nan_code = false) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
-  Case c;
-  c.w.name = "test.weight";
-  c.w.format = f;
-  c.w.out_features = N;
-  c.w.in_features = K;
+  Case c{test::make_weight(f, N, K, seed).w, {}};
   c.values.resize(static_cast<size_t>(N * K));
   if (f == LinearFormat::kBF16) {
-    c.w.weight = Tensor(DType::kBF16, {N, K});
-    uint16_t* p = c.w.weight.mutable_as<uint16_t>();
-    for (int64_t i = 0; i < N * K; ++i) c.values[i] = bf16_to_f32(p[i] = f32_to_bf16(uni(rng)));
+    for (int64_t i = 0; i < N * K; ++i) c.values[i] = bf16_to_f32(c.w.weight.as<uint16_t>()[i]);
     return c;
   }
-  const int64_t nb = (N + 127) / 128, kb = (K + 127) / 128;
-  c.w.weight = Tensor(DType::kF8E4M3, {N, K});
-  c.w.scale = Tensor(DType::kF32, {nb, kb});
   uint8_t* q = c.w.weight.mutable_as<uint8_t>();
-  float* s = c.w.scale.mutable_as<float>();
-  std::uniform_real_distribution<float> sd(1e-4f, 1e-2f);
-  for (int64_t i = 0; i < nb * kb; ++i) s[i] = sd(rng);
-  for (int64_t i = 0; i < N * K; ++i) {
-    uint8_t b;
-    do b = static_cast<uint8_t>(rng() & 0xff);
-    while ((b & 0x7f) == 0x7f);
-    q[i] = b;
-  }
   if (nan_code) q[(N / 2) * K + K / 2] = 0xff;
   for (int64_t i = 0; i < N * K; ++i) c.values[i] = e4m3_to_f32(q[i]);
   return c;
@@ -183,14 +166,7 @@ TEST_F(LinearBf16Dot, Fp8NanCodeIsNan) {
 
 // Other formats keep f32 activations: kBF16 gives kF32's bits.
 TEST(LinearActivationDtype, F32WeightsIgnoreIt) {
-  Case c = make_case(LinearFormat::kBF16, 5, 64, 3);
-  LinearWeight f;
-  f.name = "f32";
-  f.format = LinearFormat::kF32;
-  f.out_features = 5;
-  f.in_features = 64;
-  f.weight = Tensor(DType::kF32, {5, 64});
-  std::copy(c.values.begin(), c.values.end(), f.weight.mutable_as<float>());
+  const LinearWeight f = test::make_weight(LinearFormat::kF32, 5, 64, 3).w;
   std::vector<float> x = test::random_floats(2 * 64, 4), a(10), b(10);
   linear(x.data(), 2, f, a.data(), ActivationDtype::kF32);
   linear(x.data(), 2, f, b.data(), ActivationDtype::kBF16);

@@ -7,10 +7,9 @@
 // ml4-tiny's residual stream passes some 5 such linears per layer (wq, wkv_a, wo, w1/w3, w2)
 // x 12 layers + the head in series, so its logits move by about sqrt(61) x 1.1e-3 ~ 9e-3
 // relative (measured 2026-12-05: 1.1e-2 bf16 and 1.0e-2 FP8 weights, mistral4-tiny 8.3e-3).
-// The bound, 3e-2, is three times that; what one wrong formula costs is larger
-// (golden_check.h: 7% for a missing q temperature). The difference must also not be zero: a
-// mode that changed nothing would pass the
-// bound silently.
+// The bound, 2e-2, is twice that (a random-rounding sum varies by that much between prompts);
+// what one wrong formula costs is larger (golden_check.h: 7% for a missing q temperature).
+// The difference must also not be zero: a mode that changed nothing would pass the bound.
 #include <gtest/gtest.h>
 
 #include <random>
@@ -55,7 +54,7 @@ void check_model(const std::string& preset, const std::string& weights) {
   ASSERT_TRUE(rb.ok()) << rb.status().message();
   const double e = rel_l2(rb.value().logits[0], ra.value().logits[0]);
   std::printf("%s %s: logits rel L2 bf16 vs f32 activations %.3g\n", preset.c_str(), weights.c_str(), e);
-  EXPECT_LT(e, 3e-2);
+  EXPECT_LT(e, 2e-2);
   EXPECT_GT(e, 1e-6);
 }
 

@@ -251,7 +251,7 @@ namespace {
 // MLA's up-projection wkv_b [H*(dn+dv), r] as stored; head h's W_UK rows are h*(dn+dv) + [0, dn),
 // its W_UV rows h*(dn+dv) + dn + [0, dv). rows() gives rows [n0, n1) x columns [k0, k1) as f32
 // (each element the value dequantize_linear gives it): a view of an f32 wkv_b, else decoded
-// into the calling thread's buffer `which`.
+// into the calling thread's buffer.
 struct UpProjection {
   const LinearWeight& w;
   int dn, dv;
@@ -259,11 +259,10 @@ struct UpProjection {
     const float* p;
     int64_t ld;
   };
-  Rows rows(int64_t n0, int64_t n1, int64_t k0, int64_t k1, int which) const {
+  Rows rows(int64_t n0, int64_t n1, int64_t k0, int64_t k1) const {
     const int64_t K = w.in_features;
     if (w.format == LinearFormat::kF32) return {w.weight.as<float>() + n0 * K + k0, K};
-    thread_local std::vector<float> bufs[2];
-    std::vector<float>& b = bufs[which];
+    thread_local std::vector<float> b;
     if (b.size() < static_cast<size_t>((n1 - n0) * (k1 - k0))) b.resize(static_cast<size_t>((n1 - n0) * (k1 - k0)));
     decode_weight_block(w, n0, n1, k0, k1, b.data(), k1 - k0);
     return {b.data(), k1 - k0};
@@ -288,17 +287,8 @@ bool up_projection_ok(const LinearWeight& w, int H, int dn, int dv, int r, float
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12's own _mm512 helpers
 #pragma GCC diagnostic ignored "-Wuninitialized"
-// 16 e4m3 bytes -> f32 v / 256 (exact; the f16 trick of linear_kernels.h), the magnitudes
-// max-ed into probe (a NaN code shows as 0x7f).
-ML4_AVX512_FN inline __m512 e4m3x16_div256(const uint8_t* p, __m128i& probe) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  probe = _mm_max_epu8(probe, _mm_and_si128(b, _mm_set1_epi8(0x7f)));
-  return _mm512_cvtph_ps(
-      _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16(static_cast<short>(0xbfff))));
-}
-ML4_AVX512_FN inline bool has_nan_code(__m128i probe) {
-  return _mm_movemask_epi8(_mm_cmpeq_epi8(probe, _mm_set1_epi8(0x7f))) != 0;
-}
+using kernels::e4m3x16_div256;
+using kernels::has_nan_code;
 
 // 16 weights at p as f32: FP8 (the e4m3 bytes times the scale s256 / 256, one rounding, as
 // dequantize_linear) or bf16 (exact; s256 unused).
@@ -359,21 +349,22 @@ ML4_AVX512_FN bool apply_uv_avx512(const E* wt, int64_t ldw, const float* s256, 
 #pragma GCC diagnostic pop
 #endif
 
-// Whether the decode kernels may run on wkv_b: AVX-512 here, and bf16, or FP8 with every scale
-// * 256 finite (so (v / 256) * (s * 256) rounds exactly as v * s).
+// Whether layout_absorb may lay wkv_b out for the decode kernels: AVX-512 here, and bf16, or
+// FP8 with every scale * 256 finite (so (v / 256) * (s * 256) rounds exactly as v * s).
 bool decode_kernels_ok(const LinearWeight& w) {
-#ifdef ML4_LINEAR_AVX512
-  if (!kernels::avx512_usable() || !linear_uses_avx512()) return false;
+  if (!linear_uses_avx512()) return false;
   if (w.format == LinearFormat::kBF16) return true;
   if (w.format != LinearFormat::kFP8Block) return false;
   const float* s = w.scale.as<float>();
   for (int64_t i = 0; i < w.scale.numel(); ++i)
     if (!std::isfinite(s[i] * 256.0f)) return false;
   return true;
-#else
-  (void)w;
-  return false;
-#endif
+}
+
+// A decode step (T < kTokTile) runs the decode kernels when wkv_b was laid out for them at
+// load (which checked the format and scales) and AVX-512 is still allowed.
+bool use_decode_kernels(const AbsorbLayout* lay, int64_t T) {
+  return lay != nullptr && !lay->empty() && T < kTokTile && linear_uses_avx512();
 }
 
 constexpr int64_t kColChunk = 128;   // W_UK columns per job (one FP8 scale block)
@@ -387,7 +378,7 @@ void mla_absorb_q(const LinearWeight& wkv_b, const float* q, int64_t T, int H, i
   // Jobs: (head, 128-column chunk, group of 64 tokens); each decodes its W_UK[h][:, chunk]
   // once. Per element the order is the same whatever the job shape: an FMA chain over d.
   const int64_t chunks = (r + kColChunk - 1) / kColChunk, groups = (T + kTokGroup - 1) / kTokGroup;
-  [[maybe_unused]] const bool fused = lay != nullptr && !lay->empty() && T < kTokTile && decode_kernels_ok(wkv_b);
+  [[maybe_unused]] const bool fused = use_decode_kernels(lay, T);
   parallel_for(H * chunks * groups, 1, [&](int64_t b, int64_t e) {
     for (int64_t job = b; job < e; ++job) {
       // Chunks of one head are consecutive jobs, so a thread reads whole rows of wkv_b.
@@ -407,7 +398,7 @@ void mla_absorb_q(const LinearWeight& wkv_b, const float* q, int64_t T, int H, i
         if (ok) continue;  // else (a NaN code) the path below, which decodes NaN as NaN
       }
 #endif
-      const auto W = up.rows(up.uk_row(h), up.uk_row(h) + dn, j0, j1, 0);
+      const auto W = up.rows(up.uk_row(h), up.uk_row(h) + dn, j0, j1);
 #ifdef ML4_ATTN_AVX2
       if (T >= kTokTile && cw % 16 == 0) {
         // 4 tokens x 16 columns of q_lat in 8 registers, one W_UK row read per d.
@@ -500,7 +491,7 @@ void mla_apply_uv(const LinearWeight& wkv_b, const float* out_lat, int64_t T, in
       wt_buf.resize(static_cast<size_t>(r) * dv);
       float* wt = wt_buf.data();
       for (int64_t h = b; h < e; ++h) {
-        const auto W = up.rows(up.uv_row(h), up.uv_row(h) + dv, 0, r, 0);
+        const auto W = up.rows(up.uv_row(h), up.uv_row(h) + dv, 0, r);
         for (int d = 0; d < dv; ++d)
           for (int j = 0; j < r; ++j) wt[static_cast<int64_t>(j) * dv + d] = W.p[d * W.ld + j];
         for (int64_t t0 = 0; t0 < T; t0 += kTokTile) {
@@ -519,7 +510,7 @@ void mla_apply_uv(const LinearWeight& wkv_b, const float* out_lat, int64_t T, in
   }
 #endif
 #ifdef ML4_LINEAR_AVX512
-  if (lay != nullptr && !lay->empty() && T < kTokTile && decode_kernels_ok(wkv_b)) {
+  if (use_decode_kernels(lay, T)) {
     // Jobs: (head, 128 outputs), 16 outputs a register. A NaN code anywhere sends the whole
     // call down the path below (which decodes NaN as NaN).
     const int64_t parts = (dv + 127) / 128, rb = (r + 127) / 128;
@@ -561,7 +552,7 @@ void mla_apply_uv(const LinearWeight& wkv_b, const float* out_lat, int64_t T, in
   parallel_for(H * octs, 1, [&](int64_t b, int64_t e) {
     for (int64_t job = b; job < e; ++job) {
       const int64_t h = job % H, d0 = (job / H) * 8, d1 = std::min<int64_t>(dv, d0 + 8);
-      const auto W = up.rows(up.uv_row(h) + d0, up.uv_row(h) + d1, 0, r, 0);
+      const auto W = up.rows(up.uv_row(h) + d0, up.uv_row(h) + d1, 0, r);
       for (int64_t t = 0; t < T; ++t) {
         const float* ol = out_lat + (t * H + h) * r;
         float* oh = o + (t * H + h) * dv;

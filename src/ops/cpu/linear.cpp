@@ -254,10 +254,10 @@ void decode_block(const LinearWeight& w, int64_t n0, int64_t n1, int64_t k0, int
 // ---------------------------------------------------------------------------------------
 // GEMV path.
 
-// Dispatches a tile of RM (1..4) x rows by RN (1..4) w rows to the template (4 x 4 is not
-// instantiated: no path asks for it). Any other shape is a bug: it aborts rather than leave y
-// unwritten.
-template <typename F>
+// Dispatches a tile of RM (1..4) x rows by RN (1..4) w rows to the template; 4 x 4 only with
+// k44 (the bf16-activation GEMM; the f32 kernels are not instantiated for it). Any other shape
+// is a bug: it aborts rather than leave y unwritten.
+template <bool k44 = false, typename F>
 void tile_dispatch(int64_t rm, int64_t rn, F&& f) {
 #define ML4_TILE(A, B) \
   if (rm == A && rn == B) return f(std::integral_constant<int, A>{}, std::integral_constant<int, B>{});
@@ -265,6 +265,9 @@ void tile_dispatch(int64_t rm, int64_t rn, F&& f) {
   ML4_TILE(2, 1) ML4_TILE(2, 2) ML4_TILE(2, 3) ML4_TILE(2, 4)
   ML4_TILE(3, 1) ML4_TILE(3, 2) ML4_TILE(3, 3) ML4_TILE(3, 4)
   ML4_TILE(4, 1) ML4_TILE(4, 2) ML4_TILE(4, 3)
+  if constexpr (k44) {
+    ML4_TILE(4, 4)
+  }
 #undef ML4_TILE
   ML4_LOG_ERROR("cpu::linear: no register tile for {} x {}", rm, rn);
   std::abort();
@@ -509,7 +512,7 @@ bool uses_bf16dot(const LinearWeight& w, ActivationDtype act) {
 
 #ifdef ML4_LINEAR_BF16DOT
 uint16_t* scratch_words(int which, int64_t n) {
-  return reinterpret_cast<uint16_t*>(scratch_floats(which, (n + 1) / 2 + 32));
+  return reinterpret_cast<uint16_t*>(scratch_floats(which, (n + 1) / 2));
 }
 
 // Words per x row: bf16 weights K rounded up to 32, FP8 to 64.
@@ -532,25 +535,12 @@ const uint16_t* prepare_bf16dot(const float* x, int64_t M, const LinearWeight& w
   return xb;
 }
 
-template <typename F>
-void tile_dispatch_44(int64_t rm, int64_t rn, F&& f) {
-#define ML4_TILE(A, B) \
-  if (rm == A && rn == B) return f(std::integral_constant<int, A>{}, std::integral_constant<int, B>{});
-  ML4_TILE(1, 1) ML4_TILE(1, 2) ML4_TILE(1, 3) ML4_TILE(1, 4)
-  ML4_TILE(2, 1) ML4_TILE(2, 2) ML4_TILE(2, 3) ML4_TILE(2, 4)
-  ML4_TILE(3, 1) ML4_TILE(3, 2) ML4_TILE(3, 3) ML4_TILE(3, 4)
-  ML4_TILE(4, 1) ML4_TILE(4, 2) ML4_TILE(4, 3) ML4_TILE(4, 4)
-#undef ML4_TILE
-  ML4_LOG_ERROR("cpu::linear: no bf16 register tile for {} x {}", rm, rn);
-  std::abort();
-}
-
 // Rows [n0, n1) for M <= kGemvMaxM: one weight row at a time against every activation row.
 void bf16dot_direct_rows(const LinearWeight& w, const uint16_t* xb, int64_t M, int64_t n0, int64_t n1, float* y) {
   const int64_t N = w.out_features, K = w.in_features, ldx = bf16dot_ldx(w);
   if (w.format == LinearFormat::kBF16) {
     for (int64_t n = n0; n < n1; ++n)
-      tile_dispatch_44(M, 1, [&](auto RM, auto RN) {
+      tile_dispatch(M, 1, [&](auto RM, auto RN) {
         kernels::dot_tile_bf16dot<RM, RN>(xb, ldx, w.weight.as<uint16_t>() + n * K, K, K, y + n, N);
       });
     return;
@@ -577,7 +567,7 @@ void bf16dot_gemm_rows(const LinearWeight& w, const uint16_t* xb, int64_t M, int
     const uint16_t* wr = w.weight.as<uint16_t>() + n0 * K;
     for (int64_t m = 0; m < M; m += 4)
       for (int64_t j = 0; j < rows; j += 4)
-        tile_dispatch_44(std::min<int64_t>(4, M - m), std::min<int64_t>(4, rows - j), [&](auto RM, auto RN) {
+        tile_dispatch<true>(std::min<int64_t>(4, M - m), std::min<int64_t>(4, rows - j), [&](auto RM, auto RN) {
           kernels::dot_tile_bf16dot<RM, RN>(xb + m * ldx, ldx, wr + j * K, K, K, y + m * N + n0 + j, N);
         });
     return;
@@ -592,8 +582,8 @@ void bf16dot_gemm_rows(const LinearWeight& w, const uint16_t* xb, int64_t M, int
     for (int64_t j = 0; j < rows; j += 2) {
       const float* rs[2] = {sc + ((n0 + j) / kFp8BlockSize) * kb,
                             sc + (std::min(n1 - 1, n0 + j + 1) / kFp8BlockSize) * kb};
-      tile_dispatch_44(std::min<int64_t>(4, M - m), std::min<int64_t>(2, rows - j), [&](auto RM, auto RN) {
-        if constexpr (RN <= 2)
+      tile_dispatch(std::min<int64_t>(4, M - m), std::min<int64_t>(2, rows - j), [&](auto RM, auto RN) {
+        if constexpr (RN <= 2)  // the dispatch instantiates RN up to 4; only 1 and 2 are reached
           kernels::dot_tile_fp8_bf16dot<RM, RN>(xb + m * ldx, ldx, buf + j * ldx, ldx, rs, K, y + m * N + n0 + j, N);
       });
     }

@@ -444,6 +444,19 @@ inline bool avx512_usable() {
   return ok;
 }
 
+// 16 e4m3 bytes -> f32 v / 256 (exact; the f16 trick below, 16 at a time), the magnitudes
+// max-ed into probe (a NaN code shows as 0x7f; has_nan_code tells). The MLA absorb kernels'
+// decode (attention.cpp).
+ML4_AVX512_FN inline __m512 e4m3x16_div256(const uint8_t* p, __m128i& probe) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  probe = _mm_max_epu8(probe, _mm_and_si128(b, _mm_set1_epi8(0x7f)));
+  return _mm512_cvtph_ps(
+      _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16(static_cast<short>(0xbfff))));
+}
+ML4_AVX512_FN inline bool has_nan_code(__m128i probe) {
+  return _mm_movemask_epi8(_mm_cmpeq_epi8(probe, _mm_set1_epi8(0x7f))) != 0;
+}
+
 // FP8 GEMV: RM activation rows (1..4, ldx apart) x one weight row (dot_tile_fp8<RM, 1>'s
 // result; y[i * ldy]). 32 weights per step, decoded once for all RM rows: e4m3 -> f16 by
 // sign extension (sign at bits 15 and 14, magnitude at 13..7 after << 7; clearing bit 14

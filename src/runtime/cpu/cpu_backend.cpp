@@ -390,14 +390,11 @@ Status CpuBackend::set_selection(int selection, const std::vector<std::vector<in
   return Status::ok();
 }
 
-// Both products run over (token, head) pairs, so a decode step uses every core; each
-// element's summation order does not depend on the batch.
+// wkv_b as stored, plus (bf16 / FP8 on AVX-512) the decode kernels' layout of it; the jobs and
+// the one summation order of both products are in ops/cpu/attention.h.
 Result<AbsorbRef> CpuBackend::add_absorb(const LinearWeight& wkv_b) {
   ML4_RETURN_IF_ERROR(cpu::validate_linear_weight(wkv_b));
-  const int64_t rows = static_cast<int64_t>(cfg_.n_heads) * (cfg_.qk_nope_head_dim + cfg_.v_head_dim);
-  if (wkv_b.out_features != rows || wkv_b.in_features != cfg_.kv_lora_rank)
-    return invalid_argument("{}: wkv_b is [{}, {}], {} heads need [{}, {}]", wkv_b.name, wkv_b.out_features,
-                            wkv_b.in_features, cfg_.n_heads, rows, cfg_.kv_lora_rank);
+  ML4_RETURN_IF_ERROR(check_wkv_b_shape(cfg_, wkv_b));
   absorbs_.push_back(&wkv_b);
   absorb_layout_.push_back(cpu::layout_absorb(wkv_b, cfg_.n_heads, cfg_.qk_nope_head_dim, cfg_.v_head_dim));
   return AbsorbRef{static_cast<int>(absorbs_.size()) - 1};

@@ -704,14 +704,9 @@ MlaAbsorbParams absorb_params(const ModelConfig& c, int64_t T, cudaStream_t stre
 }  // namespace
 
 Result<AbsorbRef> CudaBackend::add_absorb(const LinearWeight& wkv_b) {
-  const int64_t rows = static_cast<int64_t>(cfg_.n_heads) * (cfg_.qk_nope_head_dim + cfg_.v_head_dim);
-  if (wkv_b.out_features != rows || wkv_b.in_features != cfg_.kv_lora_rank)
-    return invalid_argument("{}: wkv_b is [{}, {}], {} heads need [{}, {}]", wkv_b.name, wkv_b.out_features,
-                            wkv_b.in_features, cfg_.n_heads, rows, cfg_.kv_lora_rank);
+  ML4_RETURN_IF_ERROR(check_wkv_b_shape(cfg_, wkv_b));
   WkvbSplit s = split_wkv_b(wkv_b, cfg_.qk_nope_head_dim, cfg_.v_head_dim);
-  if (s.w_uk.empty())
-    return invalid_argument("{}: wkv_b [{}, {}] is not W_UK / W_UV of whole heads", wkv_b.name, wkv_b.out_features,
-                            wkv_b.in_features);
+  if (s.w_uk.empty()) return invalid_argument("{}: wkv_b's tensors do not match its format", wkv_b.name);
   ML4_ASSIGN_OR_RETURN(const float* uk, add_vector(s.w_uk));
   ML4_ASSIGN_OR_RETURN(const float* uv, add_vector(s.w_uv));
   absorbs_.push_back({uk, uv});
