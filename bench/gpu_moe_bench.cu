@@ -7,7 +7,8 @@
 // the earlier row-wise path (moe_experts_forward_rowwise, T <= 8: one weight stream per
 // (token, expert) row) and the loop over experts (moe_experts_forward: permutation, one
 // host sync, 3 linear_f32 per active expert: GEMV for <= 8 rows, act_quant + FP8 GEMM
-// above); T = 512 (prefill, ~16 rows per expert) through the loop only. Router included
+// above); T = 512 (prefill, ~16 rows per expert) through the loop only. Then prefill
+// sizes through the loop and the grouped GEMMs (see prefill() below). Router included
 // in none.
 //
 // Bytes counted: the weights of the distinct active experts + the shared expert (each
@@ -19,7 +20,9 @@
 #include <vector>
 
 #include "gpu_bench_util.h"
+#include "ops/cuda/gemm.h"
 #include "ops/cuda/moe.h"
+#include "ops/cuda/moe_gemm.h"
 
 using namespace ml4;
 using namespace ml4::cuda;
@@ -36,6 +39,100 @@ Result<DeviceLinear> random_linear(int64_t N, int64_t K, uint64_t seed, cudaStre
   ML4_RETURN_IF_ERROR(fill_uniform_e4m3(d.weight.data(), N * K, seed, -448, 448, s));
   ML4_RETURN_IF_ERROR(fill_uniform_f32(d.scale.as<float>(), (N + 127) / 128 * (K / 128), seed + 1, 1e-5f, 2e-5f, s));
   return std::move(d);
+}
+
+// Prefill-shaped MoE layers (issue 18): the loop over experts against the grouped GEMMs
+// (moe_experts_forward_gemm), whole layer with the shared expert; then at T = 4096 the two
+// grouped launches alone against cuBLASLt's dense FP8 block GEMM of the same total size
+// (M = every routed and shared row: gate and up as one N = 2I GEMM, down N = D). FLOPs =
+// 2 x rows x 3 x D x I; the bound is the FP8 matrix rate (gpu_gemm_bench's cuBLASLt figure).
+void prefill(LtGemm& lt, const std::vector<DeviceMlp>& experts, const DeviceMlp& shared, const MoeExpertTables& tb,
+             int E, int K, int64_t D, int64_t I, cudaStream_t s) {
+  std::mt19937 g(11);
+  for (int64_t T : {512, 1024, 4096, 8192}) {
+    std::vector<int32_t> ids(T * K);
+    std::vector<float> w(T * K, 0.25f);
+    for (int64_t t = 0; t < T; ++t) {
+      std::vector<int> perm(E);
+      for (int e = 0; e < E; ++e) perm[e] = e;
+      std::shuffle(perm.begin(), perm.end(), g);
+      for (int k = 0; k < K; ++k) ids[t * K + k] = perm[k];
+    }
+    auto dids = DeviceBuffer::alloc(ids.size() * 4), dw = DeviceBuffer::alloc(w.size() * 4),
+         x = DeviceBuffer::alloc(T * D * 4), out = DeviceBuffer::alloc(T * D * 4);
+    BENCH_CHECK(dids.status());
+    BENCH_CHECK(dw.status());
+    BENCH_CHECK(x.status());
+    BENCH_CHECK(out.status());
+    BENCH_CHECK(dids->upload(ids.data(), ids.size() * 4));
+    BENCH_CHECK(dw->upload(w.data(), w.size() * 4));
+    BENCH_CHECK(fill_uniform_f32(x->as<float>(), T * D, 3, -1, 1, s));
+    MoeScratch sc;
+    BENCH_CHECK(sc.reserve(T * K, D, I, E));
+    const double rows = static_cast<double>(T) * (K + 1), flop = 2.0 * rows * 3.0 * D * I;
+    const double t_loop = bench::median_ms(s, 1, 5, [&](int) {
+      BENCH_CHECK(moe_experts_forward(lt, experts, &shared, x->as<float>(), T, D, dids->as<int32_t>(),
+                                      dw->as<float>(), K, out->as<float>(), sc, s));
+    });
+    const double t_gemm = bench::median_ms(s, 2, 10, [&](int) {
+      BENCH_CHECK(moe_experts_forward_gemm(tb, &shared, x->as<float>(), T, dids->as<int32_t>(), dw->as<float>(), K,
+                                           out->as<float>(), sc, s));
+    });
+    std::printf("moe prefill T=%ld (%.0f rows, %.2f TFLOP): expert loop %.3f ms (%.0f TFLOP/s), grouped GEMMs %.3f ms "
+                "(%.0f TFLOP/s), %.2fx\n",
+                T, rows, flop / 1e12, t_loop, flop / (t_loop * 1e9), t_gemm, flop / (t_gemm * 1e9), t_loop / t_gemm);
+    if (T != 4096) continue;
+    // The two grouped launches alone (the permutation and tile list of the last run stay).
+    const int64_t nrows = T * (K + 1);
+    MoeGroupedGemmParams gp;
+    gp.a = sc.q.data();
+    gp.a_scale = sc.q_scale.as<float>();
+    gp.tiles = sc.tiles.as<MoeTile>();
+    gp.num_tiles = sc.num_tiles.as<int32_t>();
+    gp.max_tiles = moe_gemm_max_tiles(nrows, E + 1);
+    gp.stream = s;
+    gp.gate_up = true;
+    gp.a_rows = sc.perm_token.as<int32_t>();
+    gp.w = static_cast<const void* const*>(tb.w1.data());
+    gp.w_scale = static_cast<const float* const*>(tb.s1.data());
+    gp.w_up = static_cast<const void* const*>(tb.w3.data());
+    gp.w_up_scale = static_cast<const float* const*>(tb.s3.data());
+    gp.N = I;
+    gp.K = D;
+    gp.y = sc.g.as<float>();
+    const double t_gu = bench::median_ms(s, 2, 10, [&](int) { BENCH_CHECK(moe_grouped_gemm(gp)); });
+    gp.gate_up = false;
+    gp.a_rows = nullptr;
+    gp.w = static_cast<const void* const*>(tb.w2.data());
+    gp.w_scale = static_cast<const float* const*>(tb.s2.data());
+    gp.N = D;
+    gp.K = I;
+    gp.y = sc.y.as<float>();
+    const double t_dn = bench::median_ms(s, 2, 10, [&](int) { BENCH_CHECK(moe_grouped_gemm(gp)); });
+    // cuBLASLt dense: x [nrows, D] and h [nrows, I] random e4m3 with group-major scales.
+    auto xa = DeviceBuffer::alloc(nrows * std::max(D, I)), xs = DeviceBuffer::alloc(nrows * (std::max(D, I) / 128) * 4);
+    auto wgu = random_linear(2 * I, D, 77, s), wdn = random_linear(D, I, 78, s);
+    auto yd = DeviceBuffer::alloc(nrows * 2 * I * 4);
+    BENCH_CHECK(xa.status());
+    BENCH_CHECK(xs.status());
+    BENCH_CHECK(wgu.status());
+    BENCH_CHECK(wdn.status());
+    BENCH_CHECK(yd.status());
+    BENCH_CHECK(fill_uniform_e4m3(xa->data(), nrows * std::max(D, I), 5, -4, 4, s));
+    BENCH_CHECK(fill_uniform_f32(xs->as<float>(), nrows * (std::max(D, I) / 128), 6, 0.01f, 0.02f, s));
+    auto dense = [&](const DeviceLinear& wl, int64_t N, int64_t Kd) {
+      GemmFp8BlockParams d{xa->data(), xs->as<float>(), wl.weight.data(), wl.gemm_scale(), yd->data(), DType::kF32,
+                           nrows, N, Kd, s};
+      d.w_scale_ld = wl.gemm_scale_ld();
+      return bench::median_ms(s, 2, 10, [&](int) { BENCH_CHECK(lt.fp8_block(d)); });
+    };
+    const double t_dgu = dense(*wgu, 2 * I, D), t_ddn = dense(*wdn, D, I);
+    const double f_gu = 2.0 * nrows * 2 * I * D, f_dn = 2.0 * nrows * D * I;
+    std::printf("moe grouped GEMM T=%ld rows=%ld: gate+up %.3f ms (%.0f TFLOP/s) vs cuBLASLt dense M=%ld N=%ld K=%ld "
+                "%.3f ms (%.0f TFLOP/s); down %.3f ms (%.0f TFLOP/s) vs dense N=%ld K=%ld %.3f ms (%.0f TFLOP/s)\n",
+                T, nrows, t_gu, f_gu / (t_gu * 1e9), nrows, 2 * I, D, t_dgu, f_gu / (t_dgu * 1e9), t_dn,
+                f_dn / (t_dn * 1e9), D, I, t_ddn, f_dn / (t_ddn * 1e9));
+  }
 }
 
 }  // namespace
@@ -70,7 +167,7 @@ int main(int argc, char** argv) {
   }
   DeviceMlp shared = std::move(experts.back());
   experts.pop_back();
-  auto tables = build_expert_tables(experts);
+  auto tables = build_expert_tables(experts, &shared);
   BENCH_CHECK(tables.status());
   const double expert_bytes = 3.0 * (I * D + (I / 128 + 1) * (D / 128) * 4.0);
   std::printf("moe E=%d K=%d D=%ld I=%ld fp8 block; %.1f MB per expert\n", E, K, D, I, expert_bytes / 1e6);
@@ -140,5 +237,6 @@ int main(int argc, char** argv) {
                   t_grp, bytes / (t_grp * 1e6), pct(t_grp), t_grp_tc, pct(t_grp_tc), t_grp_st, pct(t_grp_st));
     std::printf("; floor %.3f ms at copy bandwidth\n", floor_ms);
   }
+  prefill(**lt, experts, shared, *tables, E, K, D, I, s);
   return 0;
 }

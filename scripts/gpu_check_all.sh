@@ -2,6 +2,8 @@
 # One H200 call for everything the CPU machine cannot check (the device budget is ~30 minutes a
 # session, so the checks share one call; the newest first, so that a cut-off call still brings
 # back what matters most):
+#   0. MoE prefill as grouped GEMMs (issue 18): gpu_moe_bench (loop vs grouped GEMMs vs
+#      cuBLASLt dense) and the ml4-slice-4 step bench's PREFILL lines, both MoE paths;
 #   1. the GPU tests added since the last run (FILTER_NEW), then DSpark on the H200:
 #      bench/spec_decode_cpu.sh against `ml4 serve --device cuda` on assets/ml4-small (one round);
 #   2. `ml4 perplexity --device cuda` on ml4-small (the CPU figure to match is in docs/ML4-SMALL.md);
@@ -18,7 +20,7 @@ if [ "$mode" = pack ]; then
   build=${2:?usage: gpu_check_all.sh pack BUILD_DIR}
   "$root/scripts/gpu_pd_check.sh" pack "$build" || exit 1
   dest="$root/.device-carry-pd"
-  cp "$build/ml4_cuda_tests" "$build/hisparse_gather_bench" "$build/spec_step_bench" "$dest/bin/"
+  cp "$build/ml4_cuda_tests" "$build/hisparse_gather_bench" "$build/spec_step_bench" "$build/gpu_moe_bench" "$dest/bin/"
   ldd "$build/ml4_cuda_tests" | awk '/=> \// {print $3}' | while read -r lib; do
     base=$(basename "$lib")
     case "$base" in
@@ -50,13 +52,21 @@ export UCX_MODULE_DIR="$carry/ucx/lib/ucx"
 export ML4_SOURCE_DIR="$root"
 t0=$(date +%s)
 stamp() { echo "==== [$(( $(date +%s) - t0 )) s] $*"; }
-# SECTIONS picks parts (default all): tests spec specstep hisparse perplexity pd all
-sections=" ${SECTIONS:-tests spec specstep hisparse perplexity pd all} "
+# SECTIONS picks parts (default all): tests moegemm spec specstep hisparse perplexity pd all
+sections=" ${SECTIONS:-tests moegemm spec specstep hisparse perplexity pd all} "
 on() { [[ "$sections" == *" $1 "* ]]; }
 
-new=${FILTER_NEW:-CudaHiSparse.*}
+new=${FILTER_NEW:-CudaMoe.*}
 on tests && stamp "1a. new GPU tests: $new" && timeout 240 "$carry/bin/ml4_cuda_tests" --gtest_filter="$new" --gtest_color=no > "$out/new_tests.log" 2>&1
 on tests && grep -E "^\[  (FAILED|PASSED|SKIPPED) |^\[       OK|rel|Failure" "$out/new_tests.log" | tail -40
+
+if on moegemm; then
+  stamp "0. MoE prefill: grouped GEMMs vs the expert loop"
+  timeout 240 "$carry/bin/gpu_moe_bench" 4253 > "$out/moe_bench.log" 2>&1; echo "rc=$?"
+  grep -E "prefill|grouped GEMM T|rror" "$out/moe_bench.log" | cut -c1-400
+  timeout 300 "$carry/bin/ml4" bench step --preset ml4-slice-4 > "$out/step_bench.log" 2>&1; echo "rc=$?"
+  grep -E "PREFILL|STEP batch=1 |rror" "$out/step_bench.log" | cut -c1-300
+fi
 
 if on spec; then
 stamp "1b. DSpark on the H200 (ml4-small)"

@@ -7,7 +7,9 @@
 
 #include <cmath>
 
+#include "ops/cuda/act_quant.h"
 #include "ops/cuda/elementwise.h"
+#include "ops/cuda/moe_gemm.h"
 
 namespace ml4::cuda {
 namespace {
@@ -258,15 +260,22 @@ Status MoeScratch::reserve(int64_t rows, int64_t D, int64_t I, int E) {
   ML4_ASSIGN_OR_RETURN(g, DeviceBuffer::alloc(2 * rows * I * 4));
   ML4_ASSIGN_OR_RETURN(u, DeviceBuffer::alloc(2 * rows * I * 4));
   ML4_ASSIGN_OR_RETURN(y, DeviceBuffer::alloc(2 * rows * D * 4));
-  ML4_ASSIGN_OR_RETURN(offsets, DeviceBuffer::alloc((E + 1) * 4));
+  ML4_ASSIGN_OR_RETURN(offsets, DeviceBuffer::alloc((E + 2) * 4));
   ML4_ASSIGN_OR_RETURN(active, DeviceBuffer::alloc((E + 1) * 4));
-  ML4_ASSIGN_OR_RETURN(perm_token, DeviceBuffer::alloc(rows * 4));
+  // The routed rows, then (grouped paths) the shared expert's T <= rows.
+  ML4_ASSIGN_OR_RETURN(perm_token, DeviceBuffer::alloc(2 * rows * 4));
   ML4_ASSIGN_OR_RETURN(inv, DeviceBuffer::alloc(rows * 4));
   ML4_ASSIGN_OR_RETURN(row_src, DeviceBuffer::alloc(rows * 4));
   ML4_ASSIGN_OR_RETURN(gemv_ws, DeviceBuffer::alloc(gemv_workspace_floats(std::min<int64_t>(rows, kGemvMaxM), 1,
                                                                            1) * std::max(D, I) * 4));
   const int64_t wide = std::max(D, I);
   ML4_RETURN_IF_ERROR(lin.reserve(rows * wide, rows * ((wide + 127) / 128)));
+  max_tiles = moe_gemm_max_tiles(2 * rows, E + 1);
+  ML4_ASSIGN_OR_RETURN(cursor, DeviceBuffer::alloc((E + 1) * 4));
+  ML4_ASSIGN_OR_RETURN(tiles, DeviceBuffer::alloc(max_tiles * sizeof(MoeTile)));
+  ML4_ASSIGN_OR_RETURN(num_tiles, DeviceBuffer::alloc(4));
+  ML4_ASSIGN_OR_RETURN(q, DeviceBuffer::alloc(2 * rows * wide));
+  ML4_ASSIGN_OR_RETURN(q_scale, DeviceBuffer::alloc(2 * rows * ((wide + 127) / 128) * 4));
   host_offsets.resize(E + 1);
   max_rows = rows;
   return Status::ok();
@@ -313,7 +322,7 @@ Status moe_experts_forward(LtGemm& lt, const std::vector<DeviceMlp>& experts, co
   return moe_combine({s.y.as<float>(), s.inv.as<int32_t>(), weights, T, K, D, sh, out, stream});
 }
 
-Result<MoeExpertTables> build_expert_tables(const std::vector<DeviceMlp>& experts) {
+Result<MoeExpertTables> build_expert_tables(const std::vector<DeviceMlp>& experts, const DeviceMlp* shared) {
   MoeExpertTables t;
   if (experts.empty()) return invalid_argument("build_expert_tables: no experts");
   const DeviceMlp& e0 = experts[0];
@@ -338,7 +347,18 @@ Result<MoeExpertTables> build_expert_tables(const std::vector<DeviceMlp>& expert
     s2.push_back(m.w2.scale.as<float>());
     s3.push_back(m.w3.scale.as<float>());
   }
-  const size_t b = experts.size() * sizeof(void*);
+  if (shared && shared->w1.format == t.format && shared->w2.format == t.format && shared->w3.format == t.format &&
+      shared->w1.N == t.I && shared->w3.N == t.I && shared->w1.K == t.D && shared->w3.K == t.D &&
+      shared->w2.N == t.D && shared->w2.K == t.I) {
+    t.shared_slot = true;
+    w1.push_back(shared->w1.weight.data());
+    w2.push_back(shared->w2.weight.data());
+    w3.push_back(shared->w3.weight.data());
+    s1.push_back(shared->w1.scale.as<float>());
+    s2.push_back(shared->w2.scale.as<float>());
+    s3.push_back(shared->w3.scale.as<float>());
+  }
+  const size_t b = w1.size() * sizeof(void*);
   for (auto [buf, src] : {std::pair<DeviceBuffer*, const void*>{&t.w1, w1.data()}, {&t.w2, w2.data()},
                           {&t.w3, w3.data()}, {&t.s1, s1.data()}, {&t.s2, s2.data()}, {&t.s3, s3.data()}}) {
     ML4_ASSIGN_OR_RETURN(*buf, DeviceBuffer::alloc(b));
@@ -434,6 +454,86 @@ Status moe_experts_forward_grouped(const MoeExpertTables& tb, const DeviceMlp* s
   ML4_RETURN_IF_ERROR(run(tb.w2, tb.s2, fused ? &shared->w2 : nullptr, g, nullptr, D, I, n, y));
   const float* sh = fused ? y + n * D : shared ? s.xs.as<float>() : nullptr;
   return moe_combine({y, s.inv.as<int32_t>(), weights, T, K, D, sh, out, stream});
+}
+
+bool moe_gemm_supported(const MoeExpertTables& tb, const DeviceMlp* shared) {
+  return tb.format == LinearFormat::kFP8Block && tb.D % 128 == 0 && tb.I % 128 == 0 && (!shared || tb.shared_slot);
+}
+
+Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shared, const float* x, int64_t T,
+                                const int32_t* ids, const float* weights, int K, float* out, MoeScratch& s,
+                                cudaStream_t stream) {
+  if (T == 0) return Status::ok();
+  if (!moe_gemm_supported(tb, shared))
+    return invalid_argument("moe grouped GEMM: needs FP8 block experts with D, I % 128 == 0 and a shared expert of "
+                            "their shape (format {}, D {}, I {})", linear_format_name(tb.format), tb.D, tb.I);
+  const int64_t n = T * K, D = tb.D, I = tb.I;
+  if (n > s.max_rows) return out_of_range("moe grouped GEMM: {} expert rows, scratch holds {}", n, s.max_rows);
+  if (K <= 0 || K > tb.E) return invalid_argument("moe grouped GEMM: {} experts per token of {}", K, tb.E);
+  const bool slot = shared != nullptr;
+  const int64_t rows = n + (slot ? T : 0);
+  const int64_t tiles = moe_gemm_max_tiles(rows, tb.E + (slot ? 1 : 0));
+  MoePermuteGemmParams pp;
+  pp.ids = ids;
+  pp.T = T;
+  pp.K = K;
+  pp.E = tb.E;
+  pp.shared_slot = slot;
+  pp.cursor = s.cursor.as<int32_t>();
+  pp.offsets = s.offsets.as<int32_t>();
+  pp.perm_token = s.perm_token.as<int32_t>();
+  pp.inv = s.inv.as<int32_t>();
+  pp.tiles = s.tiles.as<MoeTile>();
+  pp.num_tiles = s.num_tiles.as<int32_t>();
+  pp.max_tiles = s.max_tiles;
+  pp.stream = stream;
+  ML4_RETURN_IF_ERROR(moe_permute_gemm(pp));
+  auto quant = [&](const float* in, int64_t M, int64_t cols) {
+    Fp8ActQuantParams q;
+    q.x = in;
+    q.x_dtype = DType::kF32;
+    q.M = M;
+    q.K = cols;
+    q.group = 128;
+    q.q = s.q.data();
+    q.scale = s.q_scale.as<float>();
+    q.scale_layout = ScaleLayout::kRowMajor;
+    q.stream = stream;
+    return fp8_act_quant(q);
+  };
+  MoeGroupedGemmParams g;
+  g.a = s.q.data();
+  g.a_scale = s.q_scale.as<float>();
+  g.tiles = s.tiles.as<MoeTile>();
+  g.num_tiles = s.num_tiles.as<int32_t>();
+  g.max_tiles = tiles;
+  g.stream = stream;
+  // Gate and up with silu: x's rows (quantized once per token) gathered through perm_token.
+  ML4_RETURN_IF_ERROR(quant(x, T, D));
+  g.gate_up = true;
+  g.a_rows = s.perm_token.as<int32_t>();
+  g.w = static_cast<const void* const*>(tb.w1.data());
+  g.w_scale = static_cast<const float* const*>(tb.s1.data());
+  g.w_up = static_cast<const void* const*>(tb.w3.data());
+  g.w_up_scale = static_cast<const float* const*>(tb.s3.data());
+  g.N = I;
+  g.K = D;
+  g.y = s.g.as<float>();
+  ML4_RETURN_IF_ERROR(moe_grouped_gemm(g));
+  // Down: the hidden rows quantized in permuted order.
+  ML4_RETURN_IF_ERROR(quant(s.g.as<float>(), rows, I));
+  g.gate_up = false;
+  g.a_rows = nullptr;
+  g.w = static_cast<const void* const*>(tb.w2.data());
+  g.w_scale = static_cast<const float* const*>(tb.s2.data());
+  g.w_up = nullptr;
+  g.w_up_scale = nullptr;
+  g.N = D;
+  g.K = I;
+  g.y = s.y.as<float>();
+  ML4_RETURN_IF_ERROR(moe_grouped_gemm(g));
+  const float* y = s.y.as<float>();
+  return moe_combine({y, s.inv.as<int32_t>(), weights, T, K, D, slot ? y + n * D : nullptr, out, stream});
 }
 
 Status moe_experts_forward_rowwise(const MoeExpertTables& tb, const DeviceMlp* shared, const float* x, int64_t T,

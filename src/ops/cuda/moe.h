@@ -4,7 +4,8 @@
 //   top-k by top-2 group sums, ties to the lower id, renormalize, routed_scale)
 //   -> moe_permute (rows grouped by expert, stable: by expert, then token, then k)
 //   -> per expert: gather rows, SwiGLU MLP through DeviceLinear GEMMs (BF16 or FP8
-//      block) -- a loop of cuBLASLt calls over experts for now
+//      block) -- a loop of cuBLASLt calls over experts (moe_experts_forward), or for FP8
+//      experts every expert in one grouped launch per projection (moe_experts_forward_gemm)
 //   -> moe_combine: out[t] = sum_k w[t,k] y[perm(t,k)] (+ shared expert), in k order.
 // moe_experts_forward reads the expert offsets back to the host (one small copy), so it
 // is a graph break: a decode graph captures around it (SYSTEM.md S5).
@@ -72,6 +73,10 @@ struct MoeScratch {
   DeviceBuffer xs, g, u, y;  // [rows, D], [rows, I], [rows, I], [rows, D] f32
   DeviceBuffer offsets, perm_token, inv, active;
   DeviceBuffer row_src, gemv_ws;  // decode path: token of each (t, k) row; GEMV split-K partials
+  // Grouped-GEMM path (moe_gemm.h): per-expert cursors, tile list and count, e4m3 rows
+  // (x, then the hidden activation) and their per-row scales [rows][cols / 128].
+  DeviceBuffer cursor, tiles, num_tiles, q, q_scale;
+  int64_t max_tiles = 0;
   LinearScratch lin;
   std::vector<int32_t> host_offsets;
   int64_t max_rows = 0;
@@ -87,16 +92,18 @@ Status moe_experts_forward(LtGemm& lt, const std::vector<DeviceMlp>& experts, co
                            const float* x, int64_t T, int64_t D, const int32_t* ids, const float* weights, int K,
                            float* out, MoeScratch& s, cudaStream_t stream);
 
-// Per-expert device pointer tables for grouped_gemv (gemv.h), built once at load. Every
-// routed expert must share one format (bf16 or FP8 block) and shape.
+// Per-expert device pointer tables for grouped_gemv (gemv.h) and the grouped GEMMs, built
+// once at load. Every routed expert must share one format (bf16 or FP8 block) and shape. A
+// shared expert of the same format and shape is entry E (shared_slot).
 struct MoeExpertTables {
   LinearFormat format = LinearFormat::kBF16;
   int E = 0;
+  bool shared_slot = false;
   int64_t D = 0, I = 0;
-  DeviceBuffer w1, w3, w2;  // [E] const void*
-  DeviceBuffer s1, s3, s2;  // [E] const float* (FP8 only)
+  DeviceBuffer w1, w3, w2;  // [E (+ 1)] const void*
+  DeviceBuffer s1, s3, s2;  // [E (+ 1)] const float* (FP8 only)
 };
-Result<MoeExpertTables> build_expert_tables(const std::vector<DeviceMlp>& experts);
+Result<MoeExpertTables> build_expert_tables(const std::vector<DeviceMlp>& experts, const DeviceMlp* shared = nullptr);
 
 // out[M, D] = mlp(x[M, D]) through our GEMV (M <= 8): f32 activations throughout.
 Status mlp_forward_gemv(const DeviceMlp& m, const float* x, int64_t M, float* out, MoeScratch& s,
@@ -112,6 +119,18 @@ Status mlp_forward_gemv(const DeviceMlp& m, const float* x, int64_t M, float* ou
 Status moe_experts_forward_grouped(const MoeExpertTables& tb, const DeviceMlp* shared, const float* x, int64_t T,
                                    const int32_t* ids, const float* weights, int K, float* out, MoeScratch& s,
                                    cudaStream_t stream);
+
+// Prefill-shaped MoE with FP8 block experts (issue 18): the same function as
+// moe_experts_forward -- x quantized per 1x128 group (once per token, not per expert row),
+// every expert's gate and up projections in one grouped launch whose epilogue writes
+// silu(g) * u, that quantized per 1x128 group, every expert's down projection in a second
+// launch, the combine -- with the shared expert as group E when tables.shared_slot. No host
+// synchronization: capturable. Needs tables of FP8 block experts with D % 128 == 0 (the
+// scratch reserved for T * K rows); a shared expert must be the tables' slot.
+bool moe_gemm_supported(const MoeExpertTables& tb, const DeviceMlp* shared);
+Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shared, const float* x, int64_t T,
+                                const int32_t* ids, const float* weights, int K, float* out, MoeScratch& s,
+                                cudaStream_t stream);
 
 // The earlier decode path (T <= 8), kept as the benchmark's baseline: one weight stream per
 // (token, expert) row (row-mode grouped_gemv), the shared expert through the GEMV.

@@ -171,7 +171,7 @@ Result<MoeRef> CudaBackend::add_moe(const std::vector<MlpWeights>& experts, cons
     m.shared = std::make_unique<DeviceMlp>();
     ML4_RETURN_IF_ERROR(up_mlp(*m.shared, *shared));
   }
-  auto t = build_expert_tables(m.experts);
+  auto t = build_expert_tables(m.experts, m.shared.get());
   if (t.ok() && (t->format == LinearFormat::kBF16 || t->format == LinearFormat::kFP8Block))
     m.tables = std::make_unique<MoeExpertTables>(std::move(t).value());
   moes_.push_back(std::move(m));
@@ -897,15 +897,25 @@ bool CudaBackend::moe_grouped(const Moe& m) const {
   return m.tables != nullptr && (opts_.exact_activations || step_T_ <= kGroupedMoeMaxTokens);
 }
 
-bool CudaBackend::moe_experts_capturable(MoeRef moe) const { return moe_grouped(moes_[moe.id]); }
+bool CudaBackend::moe_gemm(const Moe& m) const {
+  return opts_.grouped_moe_gemm && !moe_grouped(m) && m.tables != nullptr &&
+         moe_gemm_supported(*m.tables, m.shared.get());
+}
+
+bool CudaBackend::moe_experts_capturable(MoeRef moe) const {
+  return moe_grouped(moes_[moe.id]) || moe_gemm(moes_[moe.id]);
+}
 
 // The grouped decode path (capturable; exact mode runs larger steps through it in chunks),
-// or the expert loop, which reads the per-expert row counts back.
+// the grouped GEMMs (capturable), or the expert loop, which reads the per-expert row counts
+// back.
 Status CudaBackend::moe_experts(MoeRef moe, const float* x, const int32_t* ids, const float* weights, float* out) {
   const Moe& M = moes_[moe.id];
   Buffers& b = *buf_;
   const int K = cfg_.moe.num_experts_per_tok;
   const int64_t D = cfg_.dim, T = step_T_;
+  if (moe_gemm(M))
+    return moe_experts_forward_gemm(*M.tables, M.shared.get(), x, T, ids, weights, K, out, b.moe, stream_);
   if (moe_grouped(M)) {
     for (int64_t t0 = 0; t0 < T; t0 += kGroupedMoeMaxTokens) {
       const int64_t n = std::min<int64_t>(kGroupedMoeMaxTokens, T - t0);

@@ -44,12 +44,14 @@ namespace ml4::cuda {
 
 // Tokens up to which MoE layers take the grouped decode path (moe_experts_forward_grouped:
 // each selected expert's weights read once per 8 of its rows, no host synchronization,
-// capturable); larger steps loop over experts (cuBLASLt / FP8 GEMMs per expert).
+// capturable); larger steps take the grouped GEMMs (FP8 experts, moe_experts_forward_gemm)
+// or loop over experts (cuBLASLt / FP8 GEMMs per expert).
 constexpr int64_t kGroupedMoeMaxTokens = 128;
 
 struct CudaBackendOptions {
   bool exact_activations = false;
   bool overlap_indexer = true;
+  bool grouped_moe_gemm = false;  // CudaRunnerOptions::grouped_moe_gemm
   // A TP rank (parallel/parallel_plan.h): holds Activations::logits_parts for the logits'
   // all-gather.
   bool tensor_parallel = false;
@@ -192,6 +194,7 @@ class CudaBackend : public Backend {
   int64_t kv_bytes() const { return kv_bytes_; }
   int64_t overlapped_layers() const { return overlapped_layers_; }
   void set_overlap_indexer(bool on) { opts_.overlap_indexer = on; }
+  void set_grouped_moe_gemm(bool on) { opts_.grouped_moe_gemm = on; }
   void set_profile(std::map<std::string, double>* p) { profile_ = p; }
   Status fill_kv_synthetic(uint64_t seed);
   bool drafter_enabled() const { return drafter_; }
@@ -209,6 +212,7 @@ class CudaBackend : public Backend {
   QPathParams rope_params(const RopeArgs& r) const;
   const int32_t* selection_counts(int selection) const;
   bool moe_grouped(const Moe& m) const;
+  bool moe_gemm(const Moe& m) const;
   void point_activations();
   Status end_segment();
 

@@ -55,6 +55,7 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::create(const ModelConfig& cfg, c
   CudaBackendOptions bo;
   bo.exact_activations = opts.exact_activations;
   bo.overlap_indexer = opts.overlap_indexer;
+  bo.grouped_moe_gemm = opts.grouped_moe_gemm;
   const ParallelPlan* plan = opts.base.plan;
   bo.tensor_parallel = plan != nullptr;
   ML4_ASSIGN_OR_RETURN(r->backend_, CudaBackend::create(cfg, bo, synthetic_seed, r->max_model_len_));

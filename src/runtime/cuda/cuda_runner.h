@@ -45,6 +45,12 @@ struct CudaRunnerOptions {
   // linear of the layer takes the GEMV (decode-sized steps or exact numerics) and the step is
   // neither traced nor profiled. The result does not change: the two branches share no output.
   bool overlap_indexer = true;
+  // MoE steps above kGroupedMoeMaxTokens with FP8 experts run every expert's GEMMs in one
+  // grouped launch per projection (moe_experts_forward_gemm: no host sync, capturable)
+  // instead of the loop over experts. Off by default until its kernel has run on the H200
+  // (written 2026-12-05 without a device: tests CudaMoe.GroupedGemmPrefillVsCpu, bench
+  // gpu_moe_bench / gpu_decode_step_bench PREFILL lines wait for the next lent GPU).
+  bool grouped_moe_gemm = false;
 };
 
 class CudaRunner : public ModelRunner {
@@ -82,6 +88,10 @@ class CudaRunner : public ModelRunner {
   void set_cuda_graphs(bool on) { opts_.cuda_graphs = on; }
   // Benchmarks: turn the indexer overlap (CudaRunnerOptions::overlap_indexer) off or back on;
   // drops the captured graphs, which hold one schedule or the other.
+  void set_grouped_moe_gemm(bool on) {
+    opts_.grouped_moe_gemm = on;
+    backend_->set_grouped_moe_gemm(on);
+  }
   void set_overlap_indexer(bool on) {
     opts_.overlap_indexer = on;
     backend_->set_overlap_indexer(on);

@@ -194,8 +194,21 @@ int run_step_bench(const StepBenchOptions& opt) {
       s.block_tables.push_back(std::move(bt));
     }
     in.seqs.push_back(std::move(s));
-    const double ms = time_step(r, in, 1, 3);
-    std::printf("PREFILL tokens=%ld ms=%.1f tok_s=%.0f\n", static_cast<long>(n), ms, n / ms * 1e3);
+    for (bool grouped : {false, true}) {  // the MoE: loop over experts, then the grouped GEMMs
+      r.set_grouped_moe_gemm(grouped);
+      const double ms = time_step(r, in, 1, 3);
+      const char* moe = grouped ? "grouped_gemm" : "loop";
+      std::printf("PREFILL tokens=%ld moe=%s ms=%.1f tok_s=%.0f\n", static_cast<long>(n), moe, ms, n / ms * 1e3);
+      if (n != 4096) continue;
+      std::map<std::string, double> prof;  // where the time goes (events around each piece, one sync each)
+      r.set_profile(&prof);
+      const bool ok = r.execute(in).ok();
+      r.set_profile(nullptr);
+      if (!ok) return 1;
+      for (const auto& [k, v] : prof)
+        std::printf("PREFILL_PROFILE tokens=%ld moe=%s %s ms=%.3f\n", static_cast<long>(n), moe, k.c_str(), v);
+    }
+    r.set_grouped_moe_gemm(false);
   }
   return 0;
 }

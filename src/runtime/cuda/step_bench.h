@@ -14,7 +14,8 @@
 //   roofline = bytes / measured copy bandwidth (gpu_ceilings_bench).
 // With `extras`: the same steps returning logits, graphs vs eager at batch 1 (also on
 // ml4-tiny), the indexer overlapped vs serial at batch 1 / 8 / 64, a per-piece profile at
-// batch 1 and 64, prefill tokens/s.
+// batch 1 and 64, prefill tokens/s (MoE through the expert loop and through the grouped
+// GEMMs) and a per-piece profile of each 4096-token prefill.
 #pragma once
 
 #include <cstdint>

@@ -1,0 +1,332 @@
+// See moe_gemm.h. The wgmma operands follow the PTX ISA ("Asynchronous Warpgroup Level
+// Matrix Multiply-Accumulate", K-major e4m3 with the 128-byte swizzle): a tile of R rows x
+// 128 bytes is stored as R/8 atoms of 8 rows x 128 bytes (1024 bytes, 1024-aligned), the
+// 16-byte chunk c of row r at chunk c ^ (r % 8); the descriptor names the atom stride (SBO,
+// 1024 bytes) and the swizzle; each k32 step starts 32 bytes further into the rows.
+#include "ops/cuda/moe_gemm.h"
+
+#include <algorithm>
+
+#include "ops/cuda/cuda_common.h"
+
+namespace ml4::cuda {
+namespace {
+
+constexpr int kTileRows = kMoeGemmTileRows;  // A rows per CTA: one m64 per warpgroup, both on the same rows
+constexpr int kBRows = 256;                  // B rows per CTA: 128 per warpgroup (two 64-row sub-blocks)
+constexpr int kStages = 4;
+constexpr int kThreads = 256;
+constexpr int kAStage = kTileRows * 128, kBStage = kBRows * 128, kStage = kAStage + kBStage;  // 40 KB
+constexpr int kSmem = kStages * kStage + 1024;  // + alignment slack: swizzle atoms sit on 1024 bytes
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  const int n = valid ? 16 : 0;  // src-size 0: the 16 bytes are zero-filled, nothing is read
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Shared-memory matrix descriptor: start address, LBO (unused by swizzled K-major
+// operands whose k step stays inside the 128-byte row), SBO = 1024 bytes between 8-row
+// atoms, layout 1 = 128-byte swizzle.
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
+         (uint64_t{1} << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// One warpgroup: d[64 x 128] (+)= A[64 x 32] . B[128 x 32]^T, e4m3 from shared memory
+// through the descriptors, f32 accumulators (the PTX ISA's m64nNk32 register order: d[4j + e]
+// holds row 16 * warp + lane / 4 + 8 * (e / 2), column 8j + 2 * (lane % 4) + e % 2).
+__device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, %64, %65, p, 1, 1;\n}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+
+// Orders the compiler's uses of the accumulators against the asynchronous MMAs (the
+// registers are the MMA's outputs only once wgmma.wait_group has returned).
+__device__ __forceinline__ void fence_operands(float (&d)[64]) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+struct GemmArgs {
+  const uint8_t* a;
+  const float* a_scale;
+  const int32_t* a_rows;
+  const void* const* w;
+  const float* const* ws;
+  const void* const* wu;
+  const float* const* wus;
+  const MoeTile* tiles;
+  const int32_t* num_tiles;
+  float* y;
+  int N, K;
+};
+
+// One CTA: tile blockIdx.y of the list, output columns [n0, n0 + 128) (gate_up: 64 per
+// warpgroup, gate and up of each) or [n0, n0 + 256) (128 per warpgroup).
+template <bool kGateUp>
+__global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const GemmArgs p) {
+  if (static_cast<int>(blockIdx.y) >= __ldg(p.num_tiles)) return;
+  const MoeTile t = p.tiles[blockIdx.y];
+  const int nrows = t.row1 - t.row0, K = p.K, N = p.N, KB = K / 128;
+  const int n0 = blockIdx.x * (kGateUp ? 128 : 256);
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t sbase = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
+  const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, wwarp = (tid >> 5) & 3;
+
+  // Loader: this thread moves 16-byte chunk c of A rows lr and lr + 32 and of B rows
+  // lr + 32 j (j < 8; B sub-block j / 2). All of them share row % 8, so one swizzle.
+  const int lr = tid >> 3, c = tid & 7;
+  const uint32_t swz = static_cast<uint32_t>((c ^ (lr & 7)) << 4);
+  auto a_source = [&](int r) { return p.a_rows ? __ldg(p.a_rows + t.row0 + r) : t.row0 + r; };
+  const uint8_t* a_src[2];
+  bool a_ok[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = lr + 32 * i;
+    a_ok[i] = r < nrows;
+    a_src[i] = p.a + static_cast<int64_t>(a_ok[i] ? a_source(r) : 0) * K + c * 16;
+  }
+  // B sub-block s: 64 rows of one matrix from row base(s).
+  auto b_base = [&](int s) { return kGateUp ? n0 + (s >> 1) * 64 : n0 + s * 64; };
+  auto b_mat = [&](int s) {
+    return static_cast<const uint8_t*>(kGateUp && (s & 1) ? p.wu[t.group] : p.w[t.group]);
+  };
+  const uint8_t* b_src[8];
+  bool b_ok[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int row = b_base(j >> 1) + (j & 1) * 32 + lr;
+    b_ok[j] = row < N;
+    b_src[j] = b_mat(j >> 1) + static_cast<int64_t>(b_ok[j] ? row : 0) * K + c * 16;
+  }
+  auto load = [&](int stage, int kb) {
+    const uint32_t st = sbase + stage * kStage;
+    const int64_t koff = static_cast<int64_t>(kb) * 128;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) cp_async16(st + (lr + 32 * i) * 128 + swz, a_src[i] + koff, a_ok[i]);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) cp_async16(st + kAStage + (lr + 32 * j) * 128 + swz, b_src[j] + koff, b_ok[j]);
+  };
+
+  // Scales: this thread's accumulator rows (lo, lo + 8) and its warpgroup's two sub-blocks.
+  const int r_lo = wwarp * 16 + (lane >> 2);
+  const float* as_ptr[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = r_lo + 8 * h;
+    as_ptr[h] = r < nrows ? p.a_scale + static_cast<int64_t>(a_source(r)) * KB : nullptr;
+  }
+  const float* bs_ptr[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int s = 2 * wg + h, base = b_base(s);
+    const float* table = kGateUp && (s & 1) ? p.wus[t.group] : p.ws[t.group];
+    bs_ptr[h] = base < N ? table + static_cast<int64_t>(base / 128) * KB : nullptr;
+  }
+
+  float acc[64], part[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < KB) load(s, s);
+    cp_commit();
+  }
+  for (int kb = 0; kb < KB; ++kb) {
+    cp_wait<kStages - 2>();
+    fence_proxy_async();  // cp.async wrote through the generic proxy; the tensor cores read next
+    __syncthreads();      // stage kb landed for every thread; stage kb - 1 is free (its MMAs were waited on)
+    {
+      const int j = kb + kStages - 1;
+      if (j < KB) load(j % kStages, j);
+      cp_commit();
+    }
+    // The scales load while the tensor cores run.
+    const float sa0 = as_ptr[0] ? __ldg(as_ptr[0] + kb) : 0.0f, sa1 = as_ptr[1] ? __ldg(as_ptr[1] + kb) : 0.0f;
+    const float sb0 = bs_ptr[0] ? __ldg(bs_ptr[0] + kb) : 0.0f, sb1 = bs_ptr[1] ? __ldg(bs_ptr[1] + kb) : 0.0f;
+    const uint32_t a_st = sbase + (kb % kStages) * kStage, b_st = a_st + kAStage + wg * 128 * 128;
+    const uint64_t da = smem_desc(a_st), db = smem_desc(b_st);
+    fence_operands(part);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) wgmma_m64n128k32(part, da + 2 * ks, db + 2 * ks, ks);  // + 32 bytes a k step
+    wgmma_commit();
+    wgmma_wait_all();
+    fence_operands(part);
+    // Promotion: acc += partial * a_scale * w_scale (columns j < 8 are sub-block 0's).
+    const float s00 = sa0 * sb0, s01 = sa0 * sb1, s10 = sa1 * sb0, s11 = sa1 * sb1;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const float lo = j < 8 ? s00 : s01, hi = j < 8 ? s10 : s11;
+      acc[4 * j + 0] = fmaf(part[4 * j + 0], lo, acc[4 * j + 0]);
+      acc[4 * j + 1] = fmaf(part[4 * j + 1], lo, acc[4 * j + 1]);
+      acc[4 * j + 2] = fmaf(part[4 * j + 2], hi, acc[4 * j + 2]);
+      acc[4 * j + 3] = fmaf(part[4 * j + 3], hi, acc[4 * j + 3]);
+    }
+  }
+  cp_wait<0>();
+
+  const int q = lane & 3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = r_lo + 8 * h;
+    if (r >= nrows) continue;
+    float* yrow = p.y + static_cast<int64_t>(t.row0 + r) * N;
+    if (kGateUp) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int col = n0 + wg * 64 + 8 * j + 2 * q;
+        if (col >= N) continue;  // N is even, so col < N covers col + 1
+        const float g0 = acc[4 * j + 2 * h], g1 = acc[4 * j + 2 * h + 1];
+        const float u0 = acc[4 * (j + 8) + 2 * h], u1 = acc[4 * (j + 8) + 2 * h + 1];
+        // cpu::silu_mul: v / (1 + exp(-v)) * u in f32.
+        *reinterpret_cast<float2*>(yrow + col) =
+            make_float2(g0 / (1.0f + expf(-g0)) * u0, g1 / (1.0f + expf(-g1)) * u1);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const int col = n0 + wg * 128 + 8 * j + 2 * q;
+        if (col >= N) continue;
+        *reinterpret_cast<float2*>(yrow + col) = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+      }
+    }
+  }
+}
+
+// Per-group row counts (cursor zeroed before): a block's ids counted in shared memory first.
+__global__ void count_kernel(const int32_t* __restrict__ ids, int64_t n, int E, int32_t* __restrict__ cursor) {
+  extern __shared__ int32_t hist[];
+  for (int e = threadIdx.x; e < E; e += blockDim.x) hist[e] = 0;
+  __syncthreads();
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    const int e = ids[i];
+    if (static_cast<unsigned>(e) < static_cast<unsigned>(E)) atomicAdd(&hist[e], 1);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x)
+    if (hist[e]) atomicAdd(&cursor[e], hist[e]);
+}
+
+// One block: offsets from the counts (the shared group last, T rows), cursors reset to the
+// offsets, and the tile list.
+__global__ void plan_kernel(int32_t* __restrict__ cursor, int E, int G, int64_t T, int32_t* __restrict__ offsets,
+                            MoeTile* __restrict__ tiles, int32_t* __restrict__ num_tiles, int64_t max_tiles) {
+  extern __shared__ int32_t first_tile[];  // [G + 1]
+  if (threadIdx.x == 0) {
+    int32_t off = 0, nt = 0;
+    for (int g = 0; g < G; ++g) {
+      const int32_t cnt = g < E ? cursor[g] : static_cast<int32_t>(T);
+      offsets[g] = off;
+      first_tile[g] = nt;
+      off += cnt;
+      nt += (cnt + kTileRows - 1) / kTileRows;
+    }
+    offsets[G] = off;
+    first_tile[G] = nt;
+    *num_tiles = static_cast<int32_t>(nt < max_tiles ? nt : max_tiles);  // the bound holds; min guards the grid
+  }
+  __syncthreads();
+  for (int g = threadIdx.x; g < G; g += blockDim.x) {
+    const int32_t r0 = offsets[g], r1 = offsets[g + 1];
+    for (int32_t i = first_tile[g]; i < first_tile[g + 1] && i < max_tiles; ++i) {
+      const int32_t a = r0 + (i - first_tile[g]) * kTileRows;
+      tiles[i] = MoeTile{g, a, min(a + kTileRows, r1), 0};
+    }
+    if (g < E) cursor[g] = r0;
+  }
+}
+
+__global__ void scatter_kernel(const int32_t* __restrict__ ids, int64_t n, int K, int E, int64_t T, bool shared_slot,
+                               int32_t* __restrict__ cursor, int32_t* __restrict__ perm_token,
+                               int32_t* __restrict__ inv) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    const int e = ids[i];
+    if (static_cast<unsigned>(e) >= static_cast<unsigned>(E)) continue;
+    const int32_t pos = atomicAdd(&cursor[e], 1);
+    perm_token[pos] = static_cast<int32_t>(i / K);
+    inv[i] = pos;
+  }
+  if (shared_slot)
+    for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < T; t += int64_t{gridDim.x} * blockDim.x)
+      perm_token[n + t] = static_cast<int32_t>(t);
+}
+
+unsigned blocks_for(int64_t n) { return static_cast<unsigned>(std::clamp<int64_t>((n + 255) / 256, 1, 1024)); }
+
+}  // namespace
+
+Status moe_permute_gemm(const MoePermuteGemmParams& p) {
+  if (p.T < 0 || p.K <= 0 || p.E <= 0 || p.E > 8192) return invalid_argument("moe_permute_gemm: bad shape");
+  if (!p.ids || !p.cursor || !p.offsets || !p.perm_token || !p.inv || !p.tiles || !p.num_tiles)
+    return invalid_argument("moe_permute_gemm: null pointer");
+  const int64_t n = p.T * p.K;
+  const int G = p.E + (p.shared_slot ? 1 : 0);
+  if (p.max_tiles < moe_gemm_max_tiles(n + (p.shared_slot ? p.T : 0), G))
+    return invalid_argument("moe_permute_gemm: {} tiles of room, {} needed at most", p.max_tiles,
+                            moe_gemm_max_tiles(n + (p.shared_slot ? p.T : 0), G));
+  if (n + p.T >= (int64_t{1} << 31)) return invalid_argument("moe_permute_gemm: {} rows", n + p.T);
+  ML4_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.cursor, 0, (p.E + 1) * sizeof(int32_t), p.stream));
+  if (n > 0) {
+    count_kernel<<<blocks_for(n), 256, p.E * sizeof(int32_t), p.stream>>>(p.ids, n, p.E, p.cursor);
+    ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "count_kernel"));
+  }
+  plan_kernel<<<1, 256, (G + 1) * sizeof(int32_t), p.stream>>>(p.cursor, p.E, G, p.T, p.offsets, p.tiles,
+                                                               p.num_tiles, p.max_tiles);
+  ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "plan_kernel"));
+  if (n == 0) return Status::ok();
+  scatter_kernel<<<blocks_for(n), 256, 0, p.stream>>>(p.ids, n, p.K, p.E, p.T, p.shared_slot, p.cursor, p.perm_token,
+                                                      p.inv);
+  return cuda_status(cudaGetLastError(), "scatter_kernel");
+}
+
+Status moe_grouped_gemm(const MoeGroupedGemmParams& p) {
+  if (p.N <= 0 || p.K <= 0 || p.N % 16 != 0 || p.K % 128 != 0 || p.N > (int64_t{1} << 30) || p.K > (int64_t{1} << 30))
+    return invalid_argument("moe_grouped_gemm: N={} (a multiple of 16) K={} (a multiple of 128)", p.N, p.K);
+  if (!p.a || !p.a_scale || !p.w || !p.w_scale || !p.tiles || !p.num_tiles || !p.y ||
+      (p.gate_up && (!p.w_up || !p.w_up_scale)))
+    return invalid_argument("moe_grouped_gemm: null pointer");
+  if (reinterpret_cast<uintptr_t>(p.a) & 15u) return invalid_argument("moe_grouped_gemm: A must be 16-byte aligned");
+  if (p.max_tiles <= 0) return Status::ok();
+  if (p.max_tiles > 65535) return invalid_argument("moe_grouped_gemm: {} tiles (at most 65535)", p.max_tiles);
+  const GemmArgs a{static_cast<const uint8_t*>(p.a), p.a_scale, p.a_rows, p.w, p.w_scale, p.w_up, p.w_up_scale,
+                   p.tiles, p.num_tiles, p.y, static_cast<int>(p.N), static_cast<int>(p.K)};
+  const int cols = p.gate_up ? 128 : 256;
+  const dim3 grid(static_cast<unsigned>((p.N + cols - 1) / cols), static_cast<unsigned>(p.max_tiles));
+  auto kernel = p.gate_up ? grouped_gemm_kernel<true> : grouped_gemm_kernel<false>;
+  static const cudaError_t attr_t = cudaFuncSetAttribute(grouped_gemm_kernel<true>,
+                                                         cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  static const cudaError_t attr_f = cudaFuncSetAttribute(grouped_gemm_kernel<false>,
+                                                         cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  ML4_RETURN_IF_ERROR(cuda_status(p.gate_up ? attr_t : attr_f, "cudaFuncSetAttribute(grouped_gemm_kernel)"));
+  kernel<<<grid, kThreads, kSmem, p.stream>>>(a);
+  return cuda_status(cudaGetLastError(), "grouped_gemm_kernel");
+}
+
+}  // namespace ml4::cuda

@@ -1,0 +1,79 @@
+// MoE prefill as grouped GEMMs (issue 18): every expert's FP8 block-scaled GEMM in one launch.
+//
+//   moe_permute_gemm: the rows of a step grouped by expert on the device (no host sync):
+//     counts by atomics, offsets by one scan, rows scattered by per-expert cursors; with
+//     `shared_slot` the shared expert is group E, owning rows [T*K, T*K + T) = every token in
+//     order. Then the tile list: each group's rows cut into kMoeGemmTileRows-row tiles
+//     (group, first row, end row), and their count.
+//   moe_grouped_gemm: per tile, y[rows, N] = A[rows] . W_group^T on Hopper's wgmma
+//     (m64n128k32, e4m3 x e4m3 -> f32), with the DeepSeek-V3 block scaling: per 128-wide K
+//     block the tensor cores sum into a fresh accumulator that is then promoted,
+//     acc += partial * a_scale[row, kb] * w_scale[n / 128, kb] (fp8_gemm.h's scheme).
+//     gate_up: the B tile holds 64 rows of W1 and the same 64 rows of W3 per warpgroup, so
+//     one thread holds gate and up of the same element, and the epilogue writes
+//     silu(gate) * up (cpu::silu_mul's formula) -- the hidden activation, never g and u.
+//
+// Rows within an expert come out of the scatter in any order; no output depends on it: the
+// tensor cores compute each output element from its own row and column alone, the
+// activation quantization is per row, and the combine reads rows through `inv`. So results
+// are bit-identical run to run (tested).
+//
+// Layout: CTA = 2 warpgroups, tile 64 rows x 256 B rows (each warpgroup m64 x n128), K in
+// 128-byte blocks through a 4-stage cp.async ring (A rows gathered through `a_rows`; TMA
+// cannot gather on sm_90) stored in the 128-byte swizzle the wgmma descriptors name.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "core/status.h"
+
+namespace ml4::cuda {
+
+constexpr int kMoeGemmTileRows = 64;
+
+struct MoeTile {
+  int32_t group = 0, row0 = 0, row1 = 0, pad = 0;  // rows [row0, row1) of the permuted space
+};
+
+// Upper bound of the tile count for `rows` permuted rows over `groups` groups.
+inline int64_t moe_gemm_max_tiles(int64_t rows, int64_t groups) {
+  return (rows + kMoeGemmTileRows - 1) / kMoeGemmTileRows + groups;
+}
+
+struct MoePermuteGemmParams {
+  const int32_t* ids = nullptr;   // [T, K] expert ids in [0, E)
+  int64_t T = 0;
+  int K = 0, E = 0;
+  bool shared_slot = false;       // group E = the shared expert over all T tokens
+  int32_t* cursor = nullptr;      // [E + 1] scratch
+  int32_t* offsets = nullptr;     // [E + 2]: group g owns rows [offsets[g], offsets[g + 1])
+  int32_t* perm_token = nullptr;  // [T*K (+ T)]: source token of each permuted row
+  int32_t* inv = nullptr;         // [T*K]: permuted row of (t, k), at t*K + k
+  MoeTile* tiles = nullptr;       // [max_tiles]
+  int32_t* num_tiles = nullptr;   // [1]
+  int64_t max_tiles = 0;          // >= moe_gemm_max_tiles(T*K (+ T), E (+ 1))
+  cudaStream_t stream = nullptr;
+};
+Status moe_permute_gemm(const MoePermuteGemmParams& p);
+
+struct MoeGroupedGemmParams {
+  bool gate_up = false;                  // y = silu(A W^T) * (A W_up^T), else y = A W^T
+  const void* a = nullptr;               // e4m3 rows of K bytes
+  const float* a_scale = nullptr;        // [rows of a][K / 128] f32, row-major
+  const int32_t* a_rows = nullptr;       // permuted row i reads a[a_rows[i]]; null: a[i]
+  const void* const* w = nullptr;        // [groups] e4m3 [N, K]
+  const float* const* w_scale = nullptr; // [groups] [ceil(N / 128)][K / 128] f32
+  const void* const* w_up = nullptr;     // gate_up: [groups] e4m3 [N, K]
+  const float* const* w_up_scale = nullptr;
+  const MoeTile* tiles = nullptr;        // from moe_permute_gemm
+  const int32_t* num_tiles = nullptr;
+  int64_t max_tiles = 0;                 // the grid's tile rows (CTAs past *num_tiles exit)
+  int64_t N = 0, K = 0;                  // N % 16 == 0, K % 128 == 0
+  float* y = nullptr;                    // [permuted rows, N] f32
+  cudaStream_t stream = nullptr;
+};
+Status moe_grouped_gemm(const MoeGroupedGemmParams& p);
+
+}  // namespace ml4::cuda
