@@ -7,6 +7,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <random>
 #include <cstdio>
 #include <tuple>
 #include <utility>
@@ -60,6 +64,74 @@ TEST(Attention, MlaMatchesNaive) {
       }
     }
   }
+}
+
+// The AVX-512 score tiles (4 x 4, cross-register sums), P x C passes and the AVX2 ones give
+// the same bits; shapes with 4-head tiles plus a remainder, key counts off the 4-key tiles and
+// the 32-row blocks, and r / dr with an 8-step and a scalar tail.
+TEST(Attention, MlaSameBitsWithAndWithoutAvx512) {
+  for (auto [H, r, dr] : {std::tuple<int, int, int>{5, 64, 16}, {4, 128, 32}, {9, 72, 13}, {1, 24, 3}}) {
+    for (int64_t S : {1, 3, 4, 33, 130}) {
+      auto ql = test::random_floats(H * r, 11 + S);
+      auto qr = test::random_floats(H * dr, 12 + S);
+      auto c = test::random_floats(S * r, 13 + S);
+      auto kr = test::random_floats(S * dr, 14 + S);
+      std::vector<float> scale(H);
+      for (int h = 0; h < H; ++h) scale[h] = 0.05f + 0.7f * h;
+      std::vector<float> out[2], lse[2];
+      for (int avx512 : {0, 1}) {
+        linear_allow_avx512(avx512 != 0);
+        out[avx512].assign(H * r, -9.0f);
+        lse[avx512].assign(H, -9.0f);
+        mla_attention(ql.data(), qr.data(), H, r, dr, c.data(), kr.data(), S, scale.data(), out[avx512].data(),
+                      lse[avx512].data());
+      }
+      linear_allow_avx512(true);
+      ASSERT_EQ(0, std::memcmp(out[0].data(), out[1].data(), out[0].size() * 4)) << H << " " << r << " " << dr << " S=" << S;
+      ASSERT_EQ(0, std::memcmp(lse[0].data(), lse[1].data(), lse[0].size() * 4)) << H << " " << r << " " << dr << " S=" << S;
+    }
+  }
+}
+
+// exp_softmax against exp in f64 over the softmax's range (x <= 0): within 1.01 ulp (1.5
+// asserted) down to -87.3, 0 below FLT_MIN's exponent, -inf -> 0, NaN -> NaN, exp(0) = 1;
+// exp_shifted equal to the scalar function bit for bit at every array length and offset.
+TEST(Attention, SoftmaxExp) {
+  std::mt19937 g(5);
+  std::uniform_real_distribution<float> u(-90.0f, 0.0f);
+  double worst = 0.0;
+  for (int i = 0; i < 200000; ++i) {
+    const float x = i < 1000 ? -i * 1e-3f : u(g);
+    const float e = exp_softmax(x);
+    const double ref = std::exp(static_cast<double>(x));
+    if (ref < 1.1754944e-38) {
+      ASSERT_LE(e, 1.2e-38f) << x;
+      continue;
+    }
+    const float rf = static_cast<float>(ref);
+    worst = std::max(worst, std::fabs(e - ref) / (std::nextafter(rf, INFINITY) - rf));
+  }
+  EXPECT_LT(worst, 1.5);
+  EXPECT_EQ(exp_softmax(0.0f), 1.0f);
+  EXPECT_EQ(exp_softmax(-INFINITY), 0.0f);
+  EXPECT_EQ(exp_softmax(-100.0f), 0.0f);
+  EXPECT_TRUE(std::isnan(exp_softmax(NAN)));
+  for (int n : {1, 7, 8, 9, 31, 32, 33}) {
+    std::vector<float> p(n);
+    for (auto& v : p) v = u(g) + 3.0f;
+    p[n / 2] = NAN;
+    std::vector<float> q = p;
+    exp_shifted(q.data(), n, 3.0f);
+    for (int j = 0; j < n; ++j) {
+      const float want = exp_softmax(p[j] - 3.0f);
+      if (std::isnan(want)) {
+        EXPECT_TRUE(std::isnan(q[j])) << n << " " << j;
+      } else {
+        EXPECT_EQ(std::bit_cast<uint32_t>(q[j]), std::bit_cast<uint32_t>(want)) << n << " " << j;
+      }
+    }
+  }
+  std::printf("exp_softmax: worst %.3f ulp over 200k points in [-87.3, 0]\n", worst);
 }
 
 TEST(Attention, MlaEmpty) {

@@ -18,6 +18,12 @@ namespace ml4::cpu {
 void mla_attention(const float* q_lat, const float* q_rope, int H, int r, int dr, const float* c,
                    const float* kr, int64_t S, const float* head_scale, float* out_lat, float* lse);
 
+// The softmax's exp (mla_attention): exp(x) within 1.01 ulp on [-87.3, 0], 0 below -87.34,
+// NaN for NaN; exp_shifted(p, n, m) sets p[j] = exp_softmax(p[j] - m), vectorized, the same
+// bits as the scalar function.
+float exp_softmax(float x);
+void exp_shifted(float* p, int64_t n, float m);
+
 // The two per-head products around absorbed MLA (MODEL.md 3.6), for T tokens at once. W_UK /
 // W_UV are read from wkv_b [H*(dn+dv), r] in its stored format (model/linear_weight.h; head
 // h's W_UK rows h*(dn+dv) + [0, dn), its W_UV rows the next dv), each element the value
