@@ -3,7 +3,8 @@
 # session, so the checks share one call; the newest first, so that a cut-off call still brings
 # back what matters most):
 #   0. MoE prefill as grouped GEMMs (issue 18): gpu_moe_bench (loop vs grouped GEMMs vs
-#      cuBLASLt dense) and the ml4-slice-4 step bench's PREFILL lines, both MoE paths;
+#      cuBLASLt dense) and the ml4-slice-4 step bench's PREFILL lines, both MoE paths; decode
+#      steps with NVFP4 / MXFP4 routed experts;
 #   1. the GPU tests added since the last run (FILTER_NEW), then DSpark on the H200:
 #      bench/spec_decode_cpu.sh against `ml4 serve --device cuda` on assets/ml4-small (one round);
 #   2. `ml4 perplexity --device cuda` on ml4-small (the CPU figure to match is in docs/ML4-SMALL.md);
@@ -56,7 +57,7 @@ stamp() { echo "==== [$(( $(date +%s) - t0 )) s] $*"; }
 sections=" ${SECTIONS:-tests moegemm spec specstep hisparse perplexity pd all} "
 on() { [[ "$sections" == *" $1 "* ]]; }
 
-new=${FILTER_NEW:-CudaMoe.*}
+new=${FILTER_NEW:-CudaMoe.*:CudaGemv.Fp4*:CudaRunner.MatchesCpuRunnerExact}
 on tests && stamp "1a. new GPU tests: $new" && timeout 240 "$carry/bin/ml4_cuda_tests" --gtest_filter="$new" --gtest_color=no > "$out/new_tests.log" 2>&1
 on tests && grep -E "^\[  (FAILED|PASSED|SKIPPED) |^\[       OK|rel|Failure" "$out/new_tests.log" | tail -40
 
@@ -66,6 +67,11 @@ if on moegemm; then
   grep -E "prefill|grouped GEMM T|rror" "$out/moe_bench.log" | cut -c1-400
   timeout 300 "$carry/bin/ml4" bench step --preset ml4-slice-4 > "$out/step_bench.log" 2>&1; echo "rc=$?"
   grep -E "PREFILL|STEP batch=1 |rror" "$out/step_bench.log" | cut -c1-300
+  for f in nvfp4 mxfp4; do  # decode steps with FP4 routed experts (issue 18), against the FP8 rows above
+    timeout 200 "$carry/bin/ml4" bench step --preset ml4-slice-4 --experts $f --no-extras --ctx 8192 \
+      > "$out/step_bench_$f.log" 2>&1; echo "$f rc=$?"
+    grep -E "MODEL|STEP |rror" "$out/step_bench_$f.log" | cut -c1-300
+  done
 fi
 
 if on spec; then

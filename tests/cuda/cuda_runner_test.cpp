@@ -28,8 +28,9 @@ int argmax(const std::vector<float>& v) {
 // steps on the CPU's greedy tokens) through both runners. The GPU runner is given the CPU's
 // decisions (its routed experts and top-k sets, ForwardTrace forced_*), so both compute one
 // function; how often the GPU's own decisions differ is counted and printed.
-void compare_runs(const std::string& preset, const std::string& kv, bool exact, double bound) {
-  const std::string dir = ::ml4::testing::test_model(preset, 11, "bf16");
+void compare_runs(const std::string& preset, const std::string& kv, bool exact, double bound,
+                  const std::string& weights = "bf16") {
+  const std::string dir = ::ml4::testing::test_model(preset, 11, weights);
   auto cpu = ::ml4::testing::load_runner(dir, kv);
   ASSERT_NE(cpu, nullptr);
   CudaRunnerOptions o;
@@ -126,11 +127,11 @@ void compare_runs(const std::string& preset, const std::string& kv, bool exact, 
     in.seqs.push_back(::ml4::testing::seq_step(*cpu, 1, {ta}, pos_a++, 0, 1, 1));
     in.seqs.push_back(::ml4::testing::seq_step(*cpu, 2, {tb}, pos_b++, 3, 1, 1));
   }
-  std::printf("cuda runner vs cpu runner, %s kv=%s exact=%d: worst logits rel_err=%.3g (bound %.0e), %d greedy "
+  std::printf("cuda runner vs cpu runner, %s (%s weights) kv=%s exact=%d: worst logits rel_err=%.3g (bound %.0e), %d greedy "
               "mismatches over 14 rows; GPU's own routing differs in %d of %d cells, own top-k in %d of %d; latent "
               "cache values differing %ld of %ld, beyond one format step %ld (first latent layer %ld; worst %.3g x "
               "allowed)\n",
-              preset.c_str(), kv.c_str(), exact ? 1 : 0, worst, bound, mismatched, route_diff, route_cells, topk_diff,
+              preset.c_str(), weights.c_str(), kv.c_str(), exact ? 1 : 0, worst, bound, mismatched, route_diff, route_cells, topk_diff,
               topk_cells, static_cast<long>(cache_flips), static_cast<long>(cache_values), static_cast<long>(cache_far),
               static_cast<long>(cache_far_first), worst_flip);
   if (exact) {
@@ -155,6 +156,10 @@ TEST(CudaRunner, MatchesCpuRunnerExact) {
   compare_runs("mistral4-tiny", "bf16", true, 5e-4);
   compare_runs("ml4-tiny", "fp8_ds_mla", true, 1e-2);
   compare_runs("dsv32-tiny", "bf16", true, 5e-4);
+  // NVFP4 / MXFP4 experts (make-model's FP4 checkpoints): the FP4 weight stream decodes the
+  // CPU's weights bit for bit, so the same bound as bf16.
+  compare_runs("mistral4-tiny", "bf16", true, 5e-4, "nvfp4");
+  compare_runs("mistral4-tiny", "bf16", true, 5e-4, "mxfp4");
 }
 
 // Production mode: bf16-rounded GEMM inputs for M > 8 (prefill), bf16 tensor-core

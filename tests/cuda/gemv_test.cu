@@ -17,6 +17,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <random>
 
@@ -24,6 +25,7 @@
 #include "model/quant.h"
 #include "ops/cpu/linear.h"
 #include "ops/cuda/gemv.h"
+#include "ops/cuda/linear.h"
 
 namespace ml4::cuda {
 namespace {
@@ -110,6 +112,93 @@ TEST(CudaGemv, MatchesCpuLinear) {
             StatusCode::kInvalidArgument);
 }
 
+
+// NVFP4 / MXFP4 through upload_linear and the FP4 weight stream (gemv_fp4.cuh), M = 1..20
+// (passes of up to 8 tokens), N not a multiple of the 4 rows a block owns, K a multiple of
+// 256 and not (a partial load batch): the decoded weights are the CPU's bit for bit, so only
+// the f32 summation order differs, bound 1e-5 as above; two runs bit-identical. Then every
+// byte of e2m1 pairs under a spread of scale codes (subnormal and large e4m3, e8m0 0 and
+// 254, NaN codes) with one-hot x: each output is one exact weight, equal to dequantize_linear's.
+TEST(CudaGemv, Fp4MatchesCpuLinear) {
+  ML4_REQUIRE_GPU();
+  struct Shape {
+    int64_t M, N, K;
+  };
+  uint32_t seed = 77;
+  for (LinearFormat f : {LinearFormat::kNVFP4, LinearFormat::kMXFP4}) {
+    for (const Shape s : {Shape{1, 578, 2048}, Shape{3, 301, 96}, Shape{8, 1024, 512}, Shape{20, 130, 6144}}) {
+      auto wf = randn(s.N * s.K, seed++, 0.05f);
+      auto W = quantize_linear(wf.data(), s.N, s.K, f, "w");
+      ML4_ASSERT_OK(W.status());
+      auto x = randn(s.M * s.K, seed++);
+      std::vector<float> ref(s.M * s.N);
+      cpu::linear(x.data(), s.M, *W, ref.data());
+      auto dl = upload_linear(*W);
+      ML4_ASSERT_OK(dl.status());
+      auto dx = to_device(x);
+      std::vector<std::vector<float>> runs;
+      for (int rep = 0; rep < 2; ++rep) {
+        auto dy = poisoned<float>(s.M * s.N);
+        ML4_ASSERT_OK(gemv({dx.as<float>(), s.M, s.N, s.K, f, dl->weight.data(), dl->scale.as<float>(), dy.as<float>(),
+                            nullptr, nullptr}));
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        runs.push_back(to_host<float>(dy, s.M * s.N));
+      }
+      ASSERT_TRUE(all_finite(runs[0])) << "unwritten output";
+      const double e = rel_err(runs[0], ref);
+      std::printf("gemv fp4 %s M=%ld N=%ld K=%ld rel_err=%.3g (bound 1e-5)\n", linear_format_name(f), s.M, s.N, s.K, e);
+      EXPECT_LT(e, 1e-5);
+      EXPECT_EQ(0, std::memcmp(runs[0].data(), runs[1].data(), runs[0].size() * 4)) << "not deterministic";
+    }
+    // Every weight byte, one-hot x: output n = the weight at (n, k).
+    const int64_t N = 256, K = 64;  // row n holds byte n at every position
+    LinearWeight w;
+    w.name = "codes";
+    w.format = f;
+    w.out_features = N;
+    w.in_features = K;
+    w.weight = Tensor(DType::kU8, {N, K / 2});
+    const int64_t groups = K / (f == LinearFormat::kNVFP4 ? 16 : 32);
+    w.scale = Tensor(DType::kU8, {N, groups});
+    auto* wb = w.weight.mutable_as<uint8_t>();
+    auto* sb = w.scale.mutable_as<uint8_t>();
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t j = 0; j < K / 2; ++j) wb[n * K / 2 + j] = static_cast<uint8_t>(n);
+      for (int64_t g = 0; g < groups; ++g)
+        sb[n * groups + g] = f == LinearFormat::kNVFP4 ? static_cast<uint8_t>((n * 37 + g * 11) % 256)
+                                                        : static_cast<uint8_t>((n * 53 + g * 101) % 256);
+    }
+    w.global_scale = f == LinearFormat::kNVFP4 ? 0.3f : 1.0f;
+    const std::vector<float> deq = dequantize_linear(w);
+    auto dl = upload_linear(w);
+    ML4_ASSERT_OK(dl.status());
+    // A row holding a NaN or infinite weight sums to NaN under one-hot x too (0 * inf):
+    // those rows are checked for NaN only.
+    std::vector<bool> finite_row(N, true);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < K; ++k) finite_row[n] = finite_row[n] && std::isfinite(deq[n * K + k]);
+    const int64_t rows_exact = std::count(finite_row.begin(), finite_row.end(), true);
+    EXPECT_GT(rows_exact, N / 2);
+    int mismatches = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      std::vector<float> x(K, 0.0f);
+      x[k] = 1.0f;
+      auto dx = to_device(x);
+      auto dy = poisoned<float>(N);
+      ML4_ASSERT_OK(gemv({dx.as<float>(), 1, N, K, f, dl->weight.data(), dl->scale.as<float>(), dy.as<float>(), nullptr,
+                          nullptr}));
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const auto y = to_host<float>(dy, N);
+      for (int64_t n = 0; n < N; ++n) {
+        const float want = deq[n * K + k];
+        const bool same = !finite_row[n] ? std::isnan(y[n]) : y[n] == want;  // -0 == +0
+        mismatches += !same;
+        if (!same && mismatches < 5) ADD_FAILURE() << linear_format_name(f) << " n=" << n << " k=" << k << " got " << y[n] << " want " << want;
+      }
+    }
+    EXPECT_EQ(mismatches, 0);
+  }
+}
 
 TEST(CudaGemv, AllE4m3CodesExact) {
   ML4_REQUIRE_GPU();

@@ -171,7 +171,8 @@ TEST(CudaMoe, ExpertsAndSharedVsCpu) {
   // T * K / E ~ 15 rows per expert: most experts take the FP8 GEMM path, some the GEMV.
   const int64_t D = 256, I = 384, T = 61;
   const int64_t Tmax = 64;  // tokens drawn; the loop path takes the first T, the decode path up to Tmax
-  for (LinearFormat f : {LinearFormat::kBF16, LinearFormat::kFP8Block}) {
+  for (LinearFormat f : {LinearFormat::kBF16, LinearFormat::kFP8Block, LinearFormat::kNVFP4, LinearFormat::kMXFP4}) {
+    const bool fp4 = f == LinearFormat::kNVFP4 || f == LinearFormat::kMXFP4;  // f32 x at every M (gemv.h)
     uint32_t seed = 500 + static_cast<int>(f);
     auto ex = make_experts(f, E + 1, D, I, seed);  // E routed + 1 shared
     std::vector<HostMlp>& hx = ex.first;
@@ -185,7 +186,7 @@ TEST(CudaMoe, ExpertsAndSharedVsCpu) {
     // Reference. FP8 activations are exact (GEMV) for an expert with <= kGemvMaxM rows.
     std::vector<int64_t> rows_of(E, 0);
     for (int64_t i = 0; i < T * K; ++i) ++rows_of[ids[i]];
-    auto exact_for = [&](int64_t rows) { return f == LinearFormat::kFP8Block && rows <= kGemvMaxM; };
+    auto exact_for = [&](int64_t rows) { return fp4 || (f == LinearFormat::kFP8Block && rows <= kGemvMaxM); };
     int gemm_experts = 0;
     for (int e = 0; e < E; ++e) gemm_experts += rows_of[e] > kGemvMaxM;
     std::vector<double> ref(T * D, 0.0);
@@ -245,7 +246,7 @@ TEST(CudaMoe, ExpertsAndSharedVsCpu) {
       // (the CUDA-core stream turned off where it is the default, T = 1, and on where it is
       // not: T >= 3 then runs in passes of 4 rows); 2: row-wise (T <= 8).
       const GemvStreamConfig saved = gemv_stream_config();
-      for (int path = 0; path < (Tb <= kGemvMaxM ? 3 : 2); ++path) {
+      for (int path = 0; path < (Tb <= kGemvMaxM && !fp4 ? 3 : 2); ++path) {  // FP4: no row-wise path
         GemvStreamConfig c = saved;
         if (path == 1) c.grouped_max_rows = Tb <= saved.grouped_max_rows ? 0 : 1 << 20;
         gemv_set_stream_config(c);

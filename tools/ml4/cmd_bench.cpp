@@ -84,7 +84,10 @@ CommandRegistrar reg("bench", [](CLI::App& app, int* exit_code) {
                    "instead: HiSparse's decode-step overhead with hot buffers of this many rows (HISPARSE lines)")
       ->check(CLI::NonNegativeNumber);
   step->add_option("--kv-gib", std::get<6>(*so), "device KV budget, GiB")->check(CLI::PositiveNumber);
-  step->callback([so, exit_code] {
+  auto experts = std::make_shared<std::string>("fp8");
+  step->add_option("--experts", *experts, "routed experts' format on the synthetic model")
+      ->check(CLI::IsMember({"fp8", "nvfp4", "mxfp4"}));
+  step->callback([so, experts, exit_code] {
 #if defined(ML4_WITH_CUDA)
     ml4::cuda::StepBenchOptions o;
     o.preset = std::get<0>(*so);
@@ -94,9 +97,11 @@ CommandRegistrar reg("bench", [](CLI::App& app, int* exit_code) {
     o.extras = std::get<4>(*so);
     o.hisparse_slots = std::get<5>(*so);
     o.kv_cache_bytes = static_cast<int64_t>(std::get<6>(*so) * (1ll << 30));
+    o.experts = *experts;
     *exit_code = o.hisparse_slots > 0 ? ml4::cuda::run_hisparse_step_bench(o) : ml4::cuda::run_step_bench(o);
 #else
     (void)so;
+    (void)experts;
     ML4_LOG_ERROR("bench step: this ml4 was built without the CUDA backend (cmake -DML4_CUDA=ON)");
     *exit_code = 1;
 #endif

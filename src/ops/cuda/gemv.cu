@@ -8,6 +8,7 @@
 #include <cuda_fp8.h>
 
 #include "ops/cuda/cuda_common.h"
+#include "ops/cuda/gemv_fp4.cuh"
 #include "ops/cuda/gemv_stream.cuh"
 
 namespace ml4::cuda {
@@ -526,10 +527,63 @@ Status launch_stream(const gemv_stream::StArgs& a, int mt, unsigned slots, bool 
 
 int pow2_tokens(int64_t m) { return m <= 1 ? 1 : m <= 2 ? 2 : m <= 4 ? 4 : 8; }
 
+bool is_fp4(LinearFormat f) { return f == LinearFormat::kNVFP4 || f == LinearFormat::kMXFP4; }
+
+// NVFP4 / MXFP4 (gemv_fp4.cuh): mt tokens per pass (1, 2, 4 or 8; any number of rows).
+Status launch_fp4(const gemv_stream::StArgs& a, int mt, unsigned slots, bool nv, cudaStream_t s) {
+  using gemv_fp4::gemv_fp4_kernel;
+  const int R = stream_rows(a.N);
+  const dim3 grid(static_cast<unsigned>((a.N + R - 1) / R), slots, 1);
+  auto go = [&](auto m_tag) {
+    constexpr int M = decltype(m_tag)::value;
+    if (nv)
+      R == 2 ? gemv_fp4_kernel<M, 2, true><<<grid, gemv_stream::kStThreads, 0, s>>>(a)
+             : gemv_fp4_kernel<M, 4, true><<<grid, gemv_stream::kStThreads, 0, s>>>(a);
+    else
+      R == 2 ? gemv_fp4_kernel<M, 2, false><<<grid, gemv_stream::kStThreads, 0, s>>>(a)
+             : gemv_fp4_kernel<M, 4, false><<<grid, gemv_stream::kStThreads, 0, s>>>(a);
+  };
+  if (mt <= 1)
+    go(std::integral_constant<int, 1>{});
+  else if (mt <= 2)
+    go(std::integral_constant<int, 2>{});
+  else if (mt <= 4)
+    go(std::integral_constant<int, 4>{});
+  else
+    go(std::integral_constant<int, 8>{});
+  return cuda_status(cudaGetLastError(), "gemv_fp4_kernel");
+}
+
 }  // namespace
 
 Status grouped_gemv(const GroupedGemvParams& p) {
   if (p.rows < 0 || p.N <= 0 || p.K <= 0) return invalid_argument("grouped_gemv: bad shape N={} K={}", p.N, p.K);
+  if (is_fp4(p.format)) {  // expert-grouped only, through the FP4 weight stream
+    if (!p.offsets) return unimplemented("grouped_gemv: row mode for {} weights", linear_format_name(p.format));
+    if (p.K % 32 != 0) return invalid_argument("grouped_gemv: {} needs K % 32 == 0, K={}", linear_format_name(p.format), p.K);
+    if (!p.active || !p.x || !p.y || !p.w_table || !p.s_table || p.max_active < 0 || p.max_active > 65535 ||
+        (p.extra_w && !p.extra_s) || p.extra_rows < 0 ||
+        (p.w_table2 && (!p.y2 || !p.s_table2 || (p.extra_w && (!p.extra_w2 || !p.extra_s2)))))
+      return invalid_argument("grouped_gemv: bad grouped arguments");
+    if (reinterpret_cast<uintptr_t>(p.x) & 15u) return invalid_argument("grouped_gemv: x must be 16-byte aligned");
+    const int slots = p.max_active + (p.extra_w ? 1 : 0);
+    if (slots == 0) return Status::ok();
+    gemv_stream::StArgs a;
+    static_cast<gemv_stream::GroupedArgs&>(a) = grouped_args(p, true);
+    a.x = p.x;
+    a.N = p.N;
+    a.K = p.K;
+    a.y = p.y;
+    a.slots = slots;
+    a.w_table2 = p.w_table2;
+    a.s_table2 = p.s_table2;
+    a.extra_w2 = p.extra_w2;
+    a.extra_s2 = p.extra_s2;
+    a.y2 = p.y2;
+    const unsigned grid_y = static_cast<unsigned>(slots * (p.w_table2 ? 2 : 1));
+    const int mt = p.max_expert_rows > 0 ? pow2_tokens(p.max_expert_rows) : 8;
+    return launch_fp4(a, mt, grid_y, p.format == LinearFormat::kNVFP4, p.stream).with_context("grouped_gemv");
+  }
   const bool fp8 = p.format == LinearFormat::kFP8Block;
   if (!fp8 && p.format != LinearFormat::kBF16)
     return invalid_argument("grouped_gemv: weight format {} (bf16 or fp8 block)", linear_format_name(p.format));
@@ -608,6 +662,22 @@ void gemv_set_stream_config(const GemvStreamConfig& c) { g_stream = c; }
 GemvStreamConfig gemv_stream_config() { return g_stream; }
 
 Status gemv(const GemvParams& p) {
+  if (is_fp4(p.format)) {  // the FP4 weight stream, any number of rows (passes of up to 8)
+    if (p.M <= 0 || p.M > (int64_t{1} << 30) || p.N <= 0 || p.K <= 0 || p.K % 32 != 0)
+      return invalid_argument("gemv: {} M={} N={} K={} (K % 32 == 0)", linear_format_name(p.format), p.M, p.N, p.K);
+    if (!p.x || !p.w || !p.y || !p.w_scale) return invalid_argument("gemv: null pointer");
+    if ((reinterpret_cast<uintptr_t>(p.x) | reinterpret_cast<uintptr_t>(p.w)) & 15u)
+      return invalid_argument("gemv: x and w must be 16-byte aligned");
+    gemv_stream::StArgs a;
+    a.x = p.x;
+    a.N = p.N;
+    a.K = p.K;
+    a.w = static_cast<const uint8_t*>(p.w);
+    a.w_scale = p.w_scale;
+    a.y = p.y;
+    a.rows = static_cast<int>(p.M);
+    return launch_fp4(a, pow2_tokens(p.M), 1, p.format == LinearFormat::kNVFP4, p.stream);
+  }
   if (p.M <= 0 || p.M > kGemvMaxM || p.N <= 0 || p.K <= 0)
     return invalid_argument("gemv: M={} (1..{}) N={} K={}", p.M, kGemvMaxM, p.N, p.K);
   const bool fp8 = p.format == LinearFormat::kFP8Block;

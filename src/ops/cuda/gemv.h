@@ -22,6 +22,10 @@
 //   per R rows, f32 FMAs), kept for callers without a workspace and as the bench baseline.
 // Both match cpu::linear to f32 rounding (x f32 times exactly decoded W, f32 sums: only
 // the summation order differs).
+// NVFP4 / MXFP4 weights take their own CUDA-core stream (gemv_fp4.cuh; exact decoding, the
+// CPU's weights bit for bit) in gemv, at any M (passes of up to 8 tokens: also the prefill
+// path of linear_f32 for now), and in grouped_gemv's expert-grouped mode. An NVFP4 weight's
+// scale buffer carries its global scale after the e4m3 scales (fp4_global_offset).
 //
 // grouped_gemv runs MoE decode in one launch with no host synchronization (capturable):
 // rows sorted by expert (moe_permute's offsets and active-expert list, read on the
@@ -47,9 +51,9 @@ enum class GemvImpl { kAuto, kCudaCore, kTensorCore, kStream };
 struct GemvParams {
   const float* x = nullptr;        // [M, K] f32, M <= 8
   int64_t M = 0, N = 0, K = 0;
-  LinearFormat format = LinearFormat::kBF16;  // kBF16 or kFP8Block
-  const void* w = nullptr;         // [N, K]
-  const float* w_scale = nullptr;  // kFP8Block: [ceil(N/128)][K/128]
+  LinearFormat format = LinearFormat::kBF16;  // kBF16, kFP8Block, kNVFP4 or kMXFP4 (FP4: any M)
+  const void* w = nullptr;         // [N, K] (FP4: [N, K/2] bytes)
+  const float* w_scale = nullptr;  // kFP8Block: [ceil(N/128)][K/128]; FP4: the scale bytes (linear.h)
   float* y = nullptr;              // [M, N] f32
   float* workspace = nullptr;      // gemv_workspace_floats(M, N, K) floats, or null (no split-K)
   cudaStream_t stream = nullptr;
@@ -57,6 +61,13 @@ struct GemvParams {
 };
 
 constexpr int kGemvMaxM = 8;
+
+// Byte offset of an NVFP4 weight's f32 global scale in its device scale buffer, after the
+// [N, K/16] e4m3 scales (rounded up to 16 bytes).
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+inline int64_t fp4_global_offset(int64_t N, int64_t K) { return (N * (K / 16) + 15) / 16 * 16; }
 
 // Floats of workspace the split-K path may use for this shape (0: never splits).
 int64_t gemv_workspace_floats(int64_t M, int64_t N, int64_t K);

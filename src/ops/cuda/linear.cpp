@@ -28,11 +28,21 @@ Result<DeviceLinear> upload_linear(const LinearWeight& w) {
       break;
     case LinearFormat::kNVFP4:
     case LinearFormat::kMXFP4:
-      return unimplemented("{}: {} weights are not supported by the CUDA backend yet", w.name,
-                           linear_format_name(w.format));
+      if (d.K % 32 != 0) return unimplemented("{}: {} on the GPU needs K % 32 == 0 (K={})", w.name,
+                                              linear_format_name(w.format), d.K);
+      break;
   }
   ML4_ASSIGN_OR_RETURN(d.weight, DeviceBuffer::alloc(w.weight.nbytes()));
   ML4_RETURN_IF_ERROR(d.weight.upload(w.weight.data(), w.weight.nbytes()));
+  if (w.format == LinearFormat::kNVFP4 || w.format == LinearFormat::kMXFP4) {
+    // The scale bytes as stored; NVFP4's global scale after them (gemv.h fp4_global_offset).
+    const bool nv = w.format == LinearFormat::kNVFP4;
+    const size_t sb = w.scale.nbytes(), total = nv ? static_cast<size_t>(fp4_global_offset(d.N, d.K)) + 16 : sb;
+    ML4_ASSIGN_OR_RETURN(d.scale, DeviceBuffer::alloc(total));
+    ML4_RETURN_IF_ERROR(d.scale.upload(w.scale.data(), sb));
+    if (nv) ML4_RETURN_IF_ERROR(d.scale.upload(&w.global_scale, 4, static_cast<size_t>(fp4_global_offset(d.N, d.K))));
+    return d;
+  }
   if (w.format == LinearFormat::kFP8Block) {
     ML4_ASSIGN_OR_RETURN(d.scale, DeviceBuffer::alloc(w.scale.nbytes()));
     ML4_RETURN_IF_ERROR(d.scale.upload(w.scale.data(), w.scale.nbytes()));
@@ -106,8 +116,8 @@ Status linear_f32(LtGemm& lt, const DeviceLinear& w, const float* x, int64_t M, 
       return lt.fp8_block(g);
     }
     case LinearFormat::kNVFP4:
-    case LinearFormat::kMXFP4:
-      break;
+    case LinearFormat::kMXFP4:  // the FP4 weight stream at any M (prefill in passes of 8 tokens for now)
+      return gemv({x, M, w.N, w.K, w.format, w.weight.data(), w.scale.as<float>(), y, nullptr, stream});
   }
   return unimplemented("{}: format {} on the GPU", w.name, linear_format_name(w.format));
 }

@@ -10,7 +10,10 @@
 //                1x128 group (act_quant.h, DeepSeek act_quant, rows padded to 4) and
 //                LtGemm::fp8_block (cuBLASLt or our kernel, whichever gemm.h picks)
 //   kF32      -> f32 [N, K]; full-f32 GEMM (no TF32): routers, MODEL.md 3.7
-// NVFP4/MXFP4 are not offered on the GPU yet: upload_linear says so (kUnimplemented).
+//   kNVFP4 /  -> the packed e2m1 bytes [N, K/2] and the scale bytes as stored (NVFP4: then
+//   kMXFP4      its f32 global scale at gemv.h's fp4_global_offset); K % 32 == 0. Every M
+//               through the FP4 weight stream (gemv.h: exact decoding, f32 x); prefill reads
+//               the weights once per 8 tokens -- grouped FP4 GEMMs are issue 18's next step.
 // LinearScratch holds the converted activations; reserve() it once for the largest M so
 // that calls allocate nothing (CUDA graphs replay fixed addresses).
 #pragma once
@@ -28,7 +31,7 @@ struct DeviceLinear {
   LinearFormat format = LinearFormat::kBF16;
   int64_t N = 0, K = 0;
   DeviceBuffer weight;  // [N, K] in format's element type
-  DeviceBuffer scale;   // kFP8Block: [ceil(N/128), K/128] f32
+  DeviceBuffer scale;   // kFP8Block: [ceil(N/128), K/128] f32; FP4: the scale bytes (+ NVFP4's global)
   DeviceBuffer scale_lt;  // kFP8Block, K/128 % 4 != 0 only: [ceil(N/128), roundup(K/128, 4)] f32
   // The FP8 GEMM's weight scales and their leading dimension.
   const float* gemm_scale() const { return scale_lt.empty() ? scale.as<float>() : scale_lt.as<float>(); }

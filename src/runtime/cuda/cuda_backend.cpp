@@ -172,7 +172,7 @@ Result<MoeRef> CudaBackend::add_moe(const std::vector<MlpWeights>& experts, cons
     ML4_RETURN_IF_ERROR(up_mlp(*m.shared, *shared));
   }
   auto t = build_expert_tables(m.experts, m.shared.get());
-  if (t.ok() && (t->format == LinearFormat::kBF16 || t->format == LinearFormat::kFP8Block))
+  if (t.ok() && t->format != LinearFormat::kF32)
     m.tables = std::make_unique<MoeExpertTables>(std::move(t).value());
   moes_.push_back(std::move(m));
   return MoeRef{static_cast<int>(moes_.size()) - 1};

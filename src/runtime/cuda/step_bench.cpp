@@ -74,7 +74,15 @@ int run_step_bench(const StepBenchOptions& opt) {
     std::fprintf(stderr, "%s\n", cfg_r.status().message().c_str());
     return 1;
   }
-  const ModelConfig cfg = *cfg_r;
+  ModelConfig cfg = *cfg_r;
+  if (opt.experts == "nvfp4") {
+    cfg.weight_format = WeightFormat::kNVFP4Experts;
+  } else if (opt.experts == "mxfp4") {
+    cfg.weight_format = WeightFormat::kMXFP4Experts;
+  } else if (opt.experts != "fp8") {
+    std::fprintf(stderr, "bench step: experts %s (fp8, nvfp4 or mxfp4)\n", opt.experts.c_str());
+    return 1;
+  }
   const int64_t kMaxCtx = *std::max_element(opt.contexts.begin(), opt.contexts.end());
   const int64_t kMaxBatch = *std::max_element(opt.batches.begin(), opt.batches.end());
   const int64_t blocks_per_seq = (kMaxCtx + 63) / 64;
@@ -106,8 +114,8 @@ int run_step_bench(const StepBenchOptions& opt) {
   const double per_expert = moe_layers > 0 ? static_cast<double>(r.routed_expert_bytes()) / (E * moe_layers) : 0.0;
   const double row = static_cast<double>(latent_token_bytes(KvCacheDtype::kFp8DsMla, cfg.kv_lora_rank, cfg.qk_rope_head_dim));
   const double ikey = static_cast<double>(indexer_token_bytes(cfg.indexer.head_dim));
-  std::printf("MODEL %s: %d layers, weights %.2f GB (routed experts %.2f GB), kv pool %.2f GB, setup %.1f s\n",
-              preset.c_str(), cfg.n_layers, r.weight_bytes() / 1e9, r.routed_expert_bytes() / 1e9, r.kv_bytes() / 1e9,
+  std::printf("MODEL %s (%s experts): %d layers, weights %.2f GB (routed experts %.2f GB), kv pool %.2f GB, setup %.1f s\n",
+              preset.c_str(), opt.experts.c_str(), cfg.n_layers, r.weight_bytes() / 1e9, r.routed_expert_bytes() / 1e9, r.kv_bytes() / 1e9,
               setup_s);
   for (int64_t ctx : opt.contexts) {
     for (int batch : opt.batches) {

@@ -7,6 +7,7 @@
 #include <cuda_bf16.h>
 
 #include "ops/cuda/cuda_common.h"
+#include "ops/cuda/gemv.h"
 
 namespace ml4::cuda {
 namespace {
@@ -26,6 +27,12 @@ __device__ __forceinline__ uint8_t band_e4m3(uint64_t h) {
 __global__ void bytes_kernel(uint8_t* p, int64_t n, uint64_t seed) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
     p[i] = band_e4m3(mix(seed ^ static_cast<uint64_t>(i)));
+}
+
+// e8m0 codes base + (0..3): MXFP4 block scales around 2^(base - 127).
+__global__ void e8m0_kernel(uint8_t* p, int64_t n, int base, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
+    p[i] = static_cast<uint8_t>(base + static_cast<int>(mix(seed ^ static_cast<uint64_t>(i)) & 3u));
 }
 
 __global__ void bf16_kernel(__nv_bfloat16* p, int64_t n, float amp, uint64_t seed) {
@@ -113,8 +120,23 @@ Result<DeviceLinear> synthetic_linear(const LinearWeight& w, uint64_t seed) {
       break;
     }
     case LinearFormat::kNVFP4:
-    case LinearFormat::kMXFP4:
-      return unimplemented("{}: synthetic {} weights", d.name, linear_format_name(w.format));
+    case LinearFormat::kMXFP4: {  // any byte is two e2m1 codes; finite scales (linear.h's layout)
+      if (d.K % 32 != 0) return unimplemented("{}: {} needs K % 32 == 0 (K={})", d.name, linear_format_name(d.format), d.K);
+      const bool nv = w.format == LinearFormat::kNVFP4;
+      ML4_ASSIGN_OR_RETURN(d.weight, DeviceBuffer::alloc(n / 2));
+      ML4_RETURN_IF_ERROR(fill_synthetic_bytes(d.weight.data(), n / 2, seed));
+      const int64_t ng = d.N * (d.K / (nv ? 16 : 32));
+      ML4_ASSIGN_OR_RETURN(d.scale, DeviceBuffer::alloc(nv ? static_cast<size_t>(fp4_global_offset(d.N, d.K)) + 16 : ng));
+      if (nv) {  // e4m3 scales of 2^-2..2^2, the global scale brings e2m1 * scale to ~amp
+        ML4_RETURN_IF_ERROR(fill_synthetic_bytes(d.scale.data(), ng, seed + 1));
+        const float g = 0.25f * amp;
+        ML4_RETURN_IF_ERROR(d.scale.upload(&g, 4, static_cast<size_t>(fp4_global_offset(d.N, d.K))));
+      } else {
+        e8m0_kernel<<<grid(ng), 256>>>(d.scale.as<uint8_t>(), ng, 127 + std::ilogb(0.25f * amp), seed + 1);
+        ML4_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+      }
+      break;
+    }
   }
   return Result<DeviceLinear>(std::move(d));
 }
@@ -167,22 +189,26 @@ std::shared_ptr<ModelWeights> synthetic_weight_skeleton(const ModelConfig& cfg, 
       A.indexer = std::move(I);
     }
     FfnWeights& F = LW.ffn;
-    auto mlp = [&](MlpWeights& m, const std::string& pre, int64_t I) {
-      m.w1 = shape_only(pre + "w1.weight", big, I, D);
-      m.w2 = shape_only(pre + "w2.weight", big, D, I);
-      m.w3 = shape_only(pre + "w3.weight", big, I, D);
+    // Routed experts in the checkpoint's expert format (NVFP4 / MXFP4 checkpoints keep the rest FP8).
+    const LinearFormat routed = cfg.weight_format == WeightFormat::kNVFP4Experts   ? LinearFormat::kNVFP4
+                                : cfg.weight_format == WeightFormat::kMXFP4Experts ? LinearFormat::kMXFP4
+                                                                                   : big;
+    auto mlp = [&](MlpWeights& m, const std::string& pre, int64_t I, LinearFormat f) {
+      m.w1 = shape_only(pre + "w1.weight", f, I, D);
+      m.w2 = shape_only(pre + "w2.weight", f, D, I);
+      m.w3 = shape_only(pre + "w3.weight", f, I, D);
     };
     if (spec.ffn == FfnKind::kDense) {
-      mlp(F.dense, p + "feed_forward.", cfg.hidden_dim);
+      mlp(F.dense, p + "feed_forward.", cfg.hidden_dim, big);
     } else {
       const int64_t E = cfg.moe.num_experts, I = cfg.moe.expert_hidden_dim;
       F.gate = shape_only(p + "gate.weight", LinearFormat::kBF16, E, D);
       if (cfg.moe.has_correction_bias) F.correction_bias = host_values(g, E, 0.0f, 0.01f);
       F.experts.resize(E);
-      for (int64_t e = 0; e < E; ++e) mlp(F.experts[e], p + "experts." + std::to_string(e) + ".", I);
+      for (int64_t e = 0; e < E; ++e) mlp(F.experts[e], p + "experts." + std::to_string(e) + ".", I, routed);
       if (cfg.moe.num_shared_experts > 0) {
         F.shared = std::make_unique<MlpWeights>();
-        mlp(*F.shared, p + "shared_experts.", I * cfg.moe.num_shared_experts);
+        mlp(*F.shared, p + "shared_experts.", I * cfg.moe.num_shared_experts, big);
       }
     }
   }
