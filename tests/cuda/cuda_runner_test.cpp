@@ -37,6 +37,7 @@ void compare_runs(const std::string& preset, const std::string& kv, bool exact, 
   o.base.kv_cache_dtype = kv;
   o.base.kv_cache_bytes = 64ll << 20;
   o.exact_activations = exact;
+  o.fp4_weights = weights == "nvfp4" || weights == "mxfp4";
   auto gpu = CudaRunner::load(dir, o);
   ASSERT_TRUE(gpu.ok()) << gpu.status().message();
   std::mt19937 g(5);

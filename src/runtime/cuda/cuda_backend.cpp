@@ -96,6 +96,9 @@ Status CudaBackend::set_embedding(const Tensor& table) {
 }
 
 Result<DeviceLinear> CudaBackend::make_linear(const LinearWeight& w) {
+  if ((w.format == LinearFormat::kNVFP4 || w.format == LinearFormat::kMXFP4) && !opts_.fp4_weights)
+    return unimplemented("{}: {} weights on the GPU are written but not yet verified on a device "
+                         "(CudaRunnerOptions::fp4_weights)", w.name, linear_format_name(w.format));
   DeviceLinear d;
   if (synthetic_seed_ != 0) {
     ML4_ASSIGN_OR_RETURN(d, synthetic_linear(w, synthetic_seed_ * 1000003u + ++synthetic_counter_));

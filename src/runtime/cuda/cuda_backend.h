@@ -52,6 +52,7 @@ struct CudaBackendOptions {
   bool exact_activations = false;
   bool overlap_indexer = true;
   bool grouped_moe_gemm = false;  // CudaRunnerOptions::grouped_moe_gemm
+  bool fp4_weights = false;       // CudaRunnerOptions::fp4_weights
   // A TP rank (parallel/parallel_plan.h): holds Activations::logits_parts for the logits'
   // all-gather.
   bool tensor_parallel = false;

@@ -56,6 +56,7 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::create(const ModelConfig& cfg, c
   bo.exact_activations = opts.exact_activations;
   bo.overlap_indexer = opts.overlap_indexer;
   bo.grouped_moe_gemm = opts.grouped_moe_gemm;
+  bo.fp4_weights = opts.fp4_weights;
   const ParallelPlan* plan = opts.base.plan;
   bo.tensor_parallel = plan != nullptr;
   ML4_ASSIGN_OR_RETURN(r->backend_, CudaBackend::create(cfg, bo, synthetic_seed, r->max_model_len_));

@@ -51,6 +51,11 @@ struct CudaRunnerOptions {
   // (written 2026-12-05 without a device: tests CudaMoe.GroupedGemmPrefillVsCpu, bench
   // gpu_moe_bench / gpu_decode_step_bench PREFILL lines wait for the next lent GPU).
   bool grouped_moe_gemm = false;
+  // NVFP4 / MXFP4 linears (the FP4 weight stream, gemv.h). Refused at load while off, the
+  // default until the kernels have run on the H200 (written 2026-12-05 without a device:
+  // CudaGemv.Fp4MatchesCpuLinear, the FP4 MoE cases and the FP4 rows of
+  // CudaRunner.MatchesCpuRunnerExact turn it on and wait for the next lent GPU).
+  bool fp4_weights = false;
 };
 
 class CudaRunner : public ModelRunner {

@@ -91,6 +91,7 @@ int run_step_bench(const StepBenchOptions& opt) {
   // Latent + indexer pages for 64 x 60k tokens, and the drafter's share of the split.
   o.base.kv_cache_bytes = opt.kv_cache_bytes;
   o.max_graph_batch = kMaxBatch;
+  o.fp4_weights = opt.experts != "fp8";
   const auto t0 = Clock::now();
   auto rr = CudaRunner::load_synthetic(cfg, o, 1234);
   if (!rr.ok()) {
