@@ -28,16 +28,25 @@ int argmax(const std::vector<float>& v) {
 // steps on the CPU's greedy tokens) through both runners. The GPU runner is given the CPU's
 // decisions (its routed experts and top-k sets, ForwardTrace forced_*), so both compute one
 // function; how often the GPU's own decisions differ is counted and printed.
+// weights: make-model's format, or "fp8-to-mxfp4": an FP8 checkpoint whose routed experts both
+// runners re-quantize to MXFP4 at load (the CPU on the host, the GPU on the device).
 void compare_runs(const std::string& preset, const std::string& kv, bool exact, double bound,
                   const std::string& weights = "bf16") {
-  const std::string dir = ::ml4::testing::test_model(preset, 11, weights);
-  auto cpu = ::ml4::testing::load_runner(dir, kv);
-  ASSERT_NE(cpu, nullptr);
+  const bool requant = weights == "fp8-to-mxfp4";
+  const std::string dir = ::ml4::testing::test_model(preset, 11, requant ? "fp8" : weights);
+  RunnerOptions ro;
+  ro.kv_cache_dtype = kv;
+  ro.kv_cache_bytes = 64ll << 20;
+  ro.experts_to_mxfp4 = requant;
+  auto cpu_r = CpuRunner::load(dir, ro);
+  ASSERT_TRUE(cpu_r.ok()) << cpu_r.status().message();
+  auto cpu = std::move(cpu_r).value();
   CudaRunnerOptions o;
   o.base.kv_cache_dtype = kv;
   o.base.kv_cache_bytes = 64ll << 20;
+  o.base.experts_to_mxfp4 = requant;
   o.exact_activations = exact;
-  o.fp4_weights = weights == "nvfp4" || weights == "mxfp4";
+  o.fp4_weights = requant || weights == "nvfp4" || weights == "mxfp4";
   auto gpu = CudaRunner::load(dir, o);
   ASSERT_TRUE(gpu.ok()) << gpu.status().message();
   std::mt19937 g(5);
@@ -161,6 +170,7 @@ TEST(CudaRunner, MatchesCpuRunnerExact) {
   // CPU's weights bit for bit, so the same bound as bf16.
   compare_runs("mistral4-tiny", "bf16", true, 5e-4, "nvfp4");
   compare_runs("mistral4-tiny", "bf16", true, 5e-4, "mxfp4");
+  compare_runs("mistral4-tiny", "bf16", true, 5e-4, "fp8-to-mxfp4");
 }
 
 // Production mode: bf16-rounded GEMM inputs for M > 8 (prefill), bf16 tensor-core

@@ -86,7 +86,7 @@ CommandRegistrar reg("bench", [](CLI::App& app, int* exit_code) {
   step->add_option("--kv-gib", std::get<6>(*so), "device KV budget, GiB")->check(CLI::PositiveNumber);
   auto experts = std::make_shared<std::string>("fp8");
   step->add_option("--experts", *experts, "routed experts' format on the synthetic model")
-      ->check(CLI::IsMember({"fp8", "nvfp4", "mxfp4"}));
+      ->check(CLI::IsMember({"fp8", "nvfp4", "mxfp4", "fp8-to-mxfp4"}));
   step->callback([so, experts, exit_code] {
 #if defined(ML4_WITH_CUDA)
     ml4::cuda::StepBenchOptions o;

@@ -3,6 +3,7 @@
 #include "runtime/cuda/cuda_backend.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 
 #include "kv/paged_kv_cache.h"
@@ -18,6 +19,7 @@
 #include "ops/cpu/sampling.h"
 #include "ops/cuda/gemv.h"
 #include "ops/cuda/indexer.h"
+#include "ops/cuda/requant.h"
 #include "ops/cuda/topk.h"
 #include "runtime/cuda/synthetic_weights.h"
 
@@ -167,8 +169,24 @@ Result<MoeRef> CudaBackend::add_moe(const std::vector<MlpWeights>& experts, cons
     max_hidden_ = std::max(max_hidden_, dst.w1.N);
     return Status::ok();
   };
+  if (opts_.experts_to_mxfp4 && !opts_.fp4_weights)
+    return unimplemented("experts re-quantized to MXFP4 run on the GPU's FP4 path, which is not yet verified on a "
+                         "device (CudaRunnerOptions::fp4_weights)");
   m.experts.resize(experts.size());
-  for (size_t e = 0; e < experts.size(); ++e) ML4_RETURN_IF_ERROR(up_mlp(m.experts[e], experts[e]));
+  for (size_t e = 0; e < experts.size(); ++e) {
+    ML4_RETURN_IF_ERROR(up_mlp(m.experts[e], experts[e]));
+    if (!opts_.experts_to_mxfp4) continue;
+    // One FP8 matrix on the device at a time beside the MXFP4 results (requant.h).
+    const auto t0 = std::chrono::steady_clock::now();
+    for (DeviceLinear* l : {&m.experts[e].w1, &m.experts[e].w2, &m.experts[e].w3}) {
+      if (l->format != LinearFormat::kFP8Block) continue;
+      requant_transient_bytes_ = std::max(requant_transient_bytes_, static_cast<int64_t>(l->bytes()));
+      ML4_ASSIGN_OR_RETURN(DeviceLinear q, requantize_fp8_to_mxfp4_device(*l, stream_));
+      weight_bytes_ += static_cast<int64_t>(q.bytes()) - static_cast<int64_t>(l->bytes());
+      *l = std::move(q);
+    }
+    requant_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
   for (const auto& e : m.experts) routed_expert_bytes_ += static_cast<int64_t>(e.w1.bytes() + e.w2.bytes() + e.w3.bytes());
   if (shared != nullptr) {
     m.shared = std::make_unique<DeviceMlp>();

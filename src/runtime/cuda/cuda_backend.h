@@ -53,6 +53,9 @@ struct CudaBackendOptions {
   bool overlap_indexer = true;
   bool grouped_moe_gemm = false;  // CudaRunnerOptions::grouped_moe_gemm
   bool fp4_weights = false;       // CudaRunnerOptions::fp4_weights
+  // RunnerOptions::experts_to_mxfp4: routed FP8 experts re-quantized to MXFP4 on the device
+  // as they are uploaded (ops/cuda/requant.h); needs fp4_weights.
+  bool experts_to_mxfp4 = false;
   // A TP rank (parallel/parallel_plan.h): holds Activations::logits_parts for the logits'
   // all-gather.
   bool tensor_parallel = false;
@@ -192,6 +195,10 @@ class CudaBackend : public Backend {
 
   int64_t weight_bytes() const { return weight_bytes_; }
   int64_t routed_expert_bytes() const { return routed_expert_bytes_; }
+  // experts_to_mxfp4: seconds spent re-quantizing, and the most device bytes held beyond the
+  // result while doing it (one FP8 matrix at a time).
+  double requant_seconds() const { return requant_seconds_; }
+  int64_t requant_transient_bytes() const { return requant_transient_bytes_; }
   int64_t kv_bytes() const { return kv_bytes_; }
   int64_t overlapped_layers() const { return overlapped_layers_; }
   void set_overlap_indexer(bool on) { opts_.overlap_indexer = on; }
@@ -259,6 +266,8 @@ class CudaBackend : public Backend {
   bool on_side_ = false;
   int64_t overlapped_layers_ = 0;
   int64_t weight_bytes_ = 0, kv_bytes_ = 0, routed_expert_bytes_ = 0;
+  double requant_seconds_ = 0.0;
+  int64_t requant_transient_bytes_ = 0;
   uint64_t synthetic_seed_ = 0;
   uint64_t synthetic_counter_ = 0;
   int routers_ = 0;  // routers registered (synthetic seeds follow the MoE layer index)

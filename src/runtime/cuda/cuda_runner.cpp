@@ -27,7 +27,8 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::load(const std::string& model_di
   ML4_ASSIGN_OR_RETURN(ModelConfig cfg, load_model_config(model_dir));
   ML4_ASSIGN_OR_RETURN(Checkpoint ck, Checkpoint::open(model_dir));
   WeightLoadOptions wo;
-  wo.experts_to_mxfp4 = opts.base.experts_to_mxfp4;
+  // FP8 experts to MXFP4 on the device (CudaBackend::add_moe), not on the host.
+  wo.experts_to_mxfp4 = false;
   wo.load_drafter = opts.base.drafter;
   if (opts.base.plan != nullptr) wo.shard = &opts.base.plan->shard();  // a parallel rank reads its shard only
   ML4_ASSIGN_OR_RETURN(auto weights, load_model_weights(cfg, ck, wo));
@@ -57,6 +58,7 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::create(const ModelConfig& cfg, c
   bo.overlap_indexer = opts.overlap_indexer;
   bo.grouped_moe_gemm = opts.grouped_moe_gemm;
   bo.fp4_weights = opts.fp4_weights;
+  bo.experts_to_mxfp4 = opts.base.experts_to_mxfp4;
   const ParallelPlan* plan = opts.base.plan;
   bo.tensor_parallel = plan != nullptr;
   ML4_ASSIGN_OR_RETURN(r->backend_, CudaBackend::create(cfg, bo, synthetic_seed, r->max_model_len_));

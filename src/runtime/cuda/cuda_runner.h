@@ -88,6 +88,8 @@ class CudaRunner : public ModelRunner {
   int64_t weight_bytes() const { return backend_->weight_bytes(); }
   // Bytes of all routed experts of all layers (the rest of weight_bytes is read every step).
   int64_t routed_expert_bytes() const { return backend_->routed_expert_bytes(); }
+  double requant_seconds() const { return backend_->requant_seconds(); }
+  int64_t requant_transient_bytes() const { return backend_->requant_transient_bytes(); }
   // Benchmarks: finite random bytes in every latent and indexer page.
   Status fill_kv_synthetic(uint64_t seed) { return backend_->fill_kv_synthetic(seed); }
   void set_cuda_graphs(bool on) { opts_.cuda_graphs = on; }

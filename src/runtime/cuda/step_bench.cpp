@@ -79,8 +79,8 @@ int run_step_bench(const StepBenchOptions& opt) {
     cfg.weight_format = WeightFormat::kNVFP4Experts;
   } else if (opt.experts == "mxfp4") {
     cfg.weight_format = WeightFormat::kMXFP4Experts;
-  } else if (opt.experts != "fp8") {
-    std::fprintf(stderr, "bench step: experts %s (fp8, nvfp4 or mxfp4)\n", opt.experts.c_str());
+  } else if (opt.experts != "fp8" && opt.experts != "fp8-to-mxfp4") {
+    std::fprintf(stderr, "bench step: experts %s (fp8, nvfp4, mxfp4 or fp8-to-mxfp4)\n", opt.experts.c_str());
     return 1;
   }
   const int64_t kMaxCtx = *std::max_element(opt.contexts.begin(), opt.contexts.end());
@@ -92,6 +92,7 @@ int run_step_bench(const StepBenchOptions& opt) {
   o.base.kv_cache_bytes = opt.kv_cache_bytes;
   o.max_graph_batch = kMaxBatch;
   o.fp4_weights = opt.experts != "fp8";
+  o.base.experts_to_mxfp4 = opt.experts == "fp8-to-mxfp4";  // made FP8, re-quantized on the device at load
   const auto t0 = Clock::now();
   auto rr = CudaRunner::load_synthetic(cfg, o, 1234);
   if (!rr.ok()) {
@@ -118,6 +119,10 @@ int run_step_bench(const StepBenchOptions& opt) {
   std::printf("MODEL %s (%s experts): %d layers, weights %.2f GB (routed experts %.2f GB), kv pool %.2f GB, setup %.1f s\n",
               preset.c_str(), opt.experts.c_str(), cfg.n_layers, r.weight_bytes() / 1e9, r.routed_expert_bytes() / 1e9, r.kv_bytes() / 1e9,
               setup_s);
+  if (o.base.experts_to_mxfp4)
+    std::printf("REQUANT fp8->mxfp4 on the device: %.2f s for %.2f GB of MXFP4 experts; beyond the result at most %.1f "
+                "MB (one FP8 matrix) while it ran\n",
+                r.requant_seconds(), r.routed_expert_bytes() / 1e9, r.requant_transient_bytes() / 1e6);
   for (int64_t ctx : opt.contexts) {
     for (int batch : opt.batches) {
       const StepInput in = decode_step(r, batch, ctx, blocks_per_seq);

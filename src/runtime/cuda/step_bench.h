@@ -32,7 +32,8 @@ struct StepBenchOptions {
   int64_t kv_cache_bytes = int64_t{20} << 30;  // enough for max batch x max context of ml4-slice-4
   bool extras = true;
   // Routed experts' format: "fp8" (the preset's), "nvfp4" or "mxfp4" (issue 18's decode rows;
-  // the rest of the model stays FP8).
+  // the rest of the model stays FP8), or "fp8-to-mxfp4" (made FP8, re-quantized on the device
+  // at load: a REQUANT line with its time and transient memory).
   std::string experts = "fp8";
   // > 0: instead, HiSparse's decode-step overhead (offload/hisparse.h): the same steps on a
   // runner with the latent KV in pinned host memory and hot buffers of this many rows, against
