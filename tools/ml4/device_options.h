@@ -21,6 +21,7 @@
 
 #include "core/log.h"
 #include "core/status.h"
+#include "model/config_loader.h"
 #include "parallel/mpi_env.h"
 #include "parallel/rank_layout.h"
 #include "runtime/cpu/cpu_runner.h"
@@ -38,6 +39,7 @@ struct DeviceOptions {
   bool cuda_graphs = true;
   bool batch_invariant = false;
   std::string dtype = "auto";  // cpu: the linears' activations (RunnerOptions::dtype)
+  std::string quantization = "auto";  // mxfp4: RunnerOptions::experts_to_mxfp4
   CLI::Option* kv_bytes_option = nullptr;  // set by add_device_options' caller
   ParallelConfig parallel;
 };
@@ -80,6 +82,12 @@ inline void add_device_options(CLI::App* cmd, DeviceOptions* d) {
                   "chooses f32 activations")
       ->check(CLI::IsMember({"auto", "float32", "float", "f32", "bfloat16", "bf16"}))
       ->capture_default_str();
+  cmd->add_option("--quantization,-q", d->quantization,
+                  "weights as the checkpoint stores them (auto), or mxfp4: an FP8 checkpoint's routed experts "
+                  "re-quantized to MXFP4 at load (half their bytes; the rest stays FP8). vLLM's flag; other "
+                  "checkpoints are refused with it")
+      ->check(CLI::IsMember({"auto", "mxfp4"}))
+      ->capture_default_str();
   cmd->add_option("--tensor-parallel-size", d->parallel.tensor_parallel_size,
                   "-tp: ranks the attention heads, FFN and vocabulary are split over (one process per rank)")
       ->check(CLI::PositiveNumber);
@@ -94,7 +102,15 @@ inline void add_device_options(CLI::App* cmd, DeviceOptions* d) {
 
 // One rank's runner on its device (no parallelism).
 inline Result<std::unique_ptr<ModelRunner>> load_local_runner_on(const DeviceOptions& d, const std::string& model,
-                                                                 const RunnerOptions& ro) {
+                                                                 const RunnerOptions& ro_in) {
+  RunnerOptions ro = ro_in;
+  if (d.quantization == "mxfp4") {  // re-quantizes FP8 experts: any other checkpoint is refused, not ignored
+    ML4_ASSIGN_OR_RETURN(const ModelConfig cfg, load_model_config(model));
+    if (cfg.weight_format != WeightFormat::kFP8Block)
+      return invalid_argument("--quantization mxfp4 re-quantizes the routed experts of an FP8 checkpoint; {} is not "
+                              "one (to convert a bf16 model: ml4 quantize --to mxfp4 IN OUT)", model);
+    ro.experts_to_mxfp4 = true;
+  }
   if (d.device == "cpu") {
     RunnerOptions o = ro;
     o.dtype = d.dtype;
