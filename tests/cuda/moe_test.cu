@@ -122,11 +122,17 @@ std::vector<float> host_mlp(const HostMlp& m, const std::vector<float>& x, int64
   return y;
 }
 
-// n random experts (w1, w2, w3) in format f, on the host and on the device.
+// n random experts (w1, w2, w3) in format f, on the host and on the device. blocky: each
+// 128 x 128 block of a weight scaled by its own power of two (2^-2..2^2), so that its FP8
+// block scales differ by powers of two and a wrong scale index shows as a gross error.
 std::pair<std::vector<HostMlp>, std::vector<DeviceMlp>> make_experts(LinearFormat f, int n, int64_t D, int64_t I,
-                                                                     uint32_t& seed) {
+                                                                     uint32_t& seed, bool blocky = false) {
   auto make = [&](int64_t N, int64_t Kd) {
     auto w = randn(N * Kd, seed++, 1.0f / std::sqrt(static_cast<float>(Kd)));
+    if (blocky)
+      for (int64_t r = 0; r < N; ++r)
+        for (int64_t k = 0; k < Kd; ++k)
+          w[r * Kd + k] = std::ldexp(w[r * Kd + k], static_cast<int>((r / 128 + 2 * (k / 128) + seed) % 5) - 2);
     auto r = quantize_linear(w.data(), N, Kd, f, "w");
     EXPECT_TRUE(r.ok());
     return std::move(r).value();
@@ -282,7 +288,8 @@ TEST(CudaMoe, ExpertsAndSharedVsCpu) {
 // the loop itself on the same inputs (both quantize alike where the loop's experts all have
 // more than 8 rows) within 1e-2. Shapes: D = 640
 // leaves the down projection's last 256-column tile partial; skewed routing gives one
-// expert every token (several 64-row tiles) and one no row; T = 5 gives tiles of 1-2 rows.
+// expert every token (several 64-row tiles) and one no row; T = 5 gives tiles of 1-2 rows;
+// every 128 x 128 weight block scaled by its own power of two (a wrong scale index is gross).
 // Also: the permutation's invariants, bit-identical repeats, a CUDA graph replay equal to
 // eager, and the path without a shared expert.
 TEST(CudaMoe, GroupedGemmPrefillVsCpu) {
@@ -292,7 +299,7 @@ TEST(CudaMoe, GroupedGemmPrefillVsCpu) {
   const int E = 16, K = 4;
   for (auto [D, I, T] : {std::tuple<int64_t, int64_t, int64_t>{640, 384, 300}, {512, 256, 5}}) {
     uint32_t seed = 900 + static_cast<uint32_t>(T);
-    auto ex = make_experts(LinearFormat::kFP8Block, E + 1, D, I, seed);
+    auto ex = make_experts(LinearFormat::kFP8Block, E + 1, D, I, seed, /*blocky=*/true);
     std::vector<HostMlp>& hx = ex.first;
     std::vector<DeviceMlp>& dx = ex.second;
     DeviceMlp dshared = std::move(dx.back());

@@ -152,7 +152,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const GemmArg
 
   float acc[64], part[64];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+  for (int i = 0; i < 64; ++i) acc[i] = part[i] = 0.0f;  // part: the first MMA of a block ignores it (scale-d 0)
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < KB) load(s, s);

@@ -43,7 +43,8 @@ inline int64_t moe_gemm_max_tiles(int64_t rows, int64_t groups) {
 }
 
 struct MoePermuteGemmParams {
-  const int32_t* ids = nullptr;   // [T, K] expert ids in [0, E)
+  const int32_t* ids = nullptr;   // [T, K] expert ids in [0, E) (the router's; an id outside is
+                                  // skipped, which would misplace the shared rows: callers check)
   int64_t T = 0;
   int K = 0, E = 0;
   bool shared_slot = false;       // group E = the shared expert over all T tokens
