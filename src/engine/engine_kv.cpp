@@ -1,4 +1,7 @@
-// Engine: the P/D hooks (design in engine.h and transfer/kv_connector.h).
+// Engine: the P/D hooks (design in engine.h and transfer/kv_connector.h). With speculative
+// decoding the drafter's sliding-window group travels too: its tables carry kNoBlock before
+// the window, and only pages both sides hold are read.
+#include <algorithm>
 #include <chrono>
 
 #include "core/log.h"
@@ -8,6 +11,11 @@ namespace ml4 {
 namespace {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Blocks a table holds: a sliding-window group's entries before its window are kNoBlock.
+int64_t held_blocks(const std::vector<int32_t>& t) {
+  return static_cast<int64_t>(std::count_if(t.begin(), t.end(), [](int32_t b) { return b != kNoBlock; }));
+}
 
 }  // namespace
 
@@ -49,7 +57,7 @@ Status Engine::check_kv_transfer(const std::vector<int32_t>& prompt, const Sampl
 int64_t Engine::num_blocks_held_for_remote() const {
   int64_t s = 0;
   for (const auto& [id, tables] : held_)
-    for (const auto& t : tables) s += static_cast<int64_t>(t.size());
+    for (const auto& t : tables) s += held_blocks(t);
   return s;
 }
 
@@ -73,7 +81,7 @@ std::optional<transfer::RemoteKvSource> Engine::hold_for_remote(Request& r) {
       blocks_.free_tables(extra);
       t.resize(keep);
     }
-    count += static_cast<int64_t>(t.size());
+    count += held_blocks(t);
   }
   src.block_ids = r.block_tables;
   held_[r.request_id] = std::move(r.block_tables);
@@ -144,6 +152,9 @@ void Engine::start_loads(const std::vector<Request*>& reqs, double now, std::vec
         break;
       }
       for (int64_t i = first; i < last; ++i) {
+        // The drafter window: pages before it are kNoBlock on both sides (the same window rule
+        // on the same tokens); a page one side still holds and the other gave back is not read.
+        if (src.block_ids[g][i] == kNoBlock || r.block_tables[g][i] == kNoBlock) continue;
         b.remote[g].push_back(src.block_ids[g][i]);
         b.local[g].push_back(r.block_tables[g][i]);
       }

@@ -76,8 +76,10 @@ Result<transfer::KvTransferRequest> parse_kv_transfer_params(const ojson& body) 
     if (!g.is_array()) return field_error("remote_block_ids", "an array of block id arrays (one per cache group)");
     std::vector<int32_t> blocks;
     for (const auto& b : g) {
-      if (!b.is_number_integer() || b.get<int64_t>() < 0 || b.get<int64_t>() > INT32_MAX)
-        return field_error("remote_block_ids", "arrays of non-negative block ids");
+      // -1: a page of a sliding-window group (the DSpark drafter window) before its window,
+      // which the producer no longer holds.
+      if (!b.is_number_integer() || b.get<int64_t>() < -1 || b.get<int64_t>() > INT32_MAX)
+        return field_error("remote_block_ids", "arrays of block ids (non-negative, or -1 for a page before a window)");
       blocks.push_back(static_cast<int32_t>(b.get<int64_t>()));
     }
     total += blocks.size();

@@ -64,11 +64,6 @@ Result<std::unique_ptr<KvConnector>> KvConnector::create_with_agent(const KvTran
 Status KvConnector::init(const std::vector<KvRegion>& regions, const std::vector<CacheGroupInfo>& groups) {
   engine_id_ = agent_->name();
   groups_ = groups;
-  for (size_t g = 0; g < groups.size(); ++g)
-    if (groups[g].sliding_window > 0 && groups[g].num_blocks > 0)
-      return unimplemented("KV transfer of the sliding-window cache group '{}' is not supported yet (speculative "
-                           "decoding's drafter window); run P/D without it",
-                           groups[g].name);
   if (regions.empty()) return unimplemented("this model runner exposes no KV memory to transfer (kv_regions() is empty)");
   std::vector<MemoryRegion> mem;
   for (const KvRegion& r : regions) {
@@ -142,9 +137,17 @@ Result<std::string> KvConnector::load_peer(const std::string& blob, const std::s
   }
   uint32_t nr = 0;
   ML4_RETURN_IF_ERROR(r.u32(&nr));
-  if (nr != layout_.size())
+  if (nr != layout_.size()) {
+    // A sliding-window group (DSpark's drafter window) has blocks only with speculation on.
+    for (size_t g = 0; g < groups_.size(); ++g)
+      if (groups_[g].sliding_window > 0 && (groups_[g].num_blocks > 0) != (remote_group_blocks[g] > 0))
+        return invalid_argument("{}: speculative decoding is {} on the producer and {} here: start both with the same "
+                                "--speculative-config (its drafter window cache group '{}' travels with the KV)",
+                                what, remote_group_blocks[g] > 0 ? "on" : "off", groups_[g].num_blocks > 0 ? "on" : "off",
+                                groups_[g].name);
     return invalid_argument("{}: the producer has {} KV regions, this engine {}: not the same model", what, nr,
                             layout_.size());
+  }
   for (uint32_t i = 0; i < nr; ++i) {
     RegionLayout l;
     int64_t group = 0, slot = 0;

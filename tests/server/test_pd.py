@@ -203,6 +203,65 @@ def test_outputs_equal_colocated(pd):
     leak_free(p, d)
 
 
+SPEC = ["--speculative-config", json.dumps({"method": "dspark", "num_speculative_tokens": 3})]
+
+
+def spec_counts(s):
+    return (metric(s, "vllm:spec_decode_num_drafts_total"), metric(s, "vllm:spec_decode_num_accepted_tokens_total"))
+
+
+def test_speculative_decoding_drafter_window_travels(model_dir):
+    """DSpark under P/D: the drafter's sliding-window cache group goes with the KV. On the trained
+    model (real acceptance) the decode side's drafts must be the colocated server's (the same
+    draft and accepted-token counts: drafts read the transferred window rows, so a missing or
+    wrong page shows as other drafts), outputs equal the colocated and the non-speculative ones
+    (greedy is lossless); on ml4-tiny (a 64-token window) prompts past the window leave pages
+    before it unheld on both sides. A producer without speculation is refused by name."""
+    from conftest import ROOT
+    small = os.path.join(ROOT, "assets", "ml4-small")
+    for model, prompts in ((small, [words(120, 1), words(300, 2), "The history of the city begins " + words(60, 3)]),
+                           (model_dir, [words(20, 4), words(150, 5), words(400, 6)])):
+        p = start_server(model, free_port(), *COMMON, *SPEC, "--kv-transfer-config", kv_config("kv_producer"),
+                         "--kv-transfer-timeout", str(TIMEOUT_S))
+        d = start_server(model, free_port(), *COMMON, *SPEC, "--kv-transfer-config", kv_config("kv_consumer"),
+                         "--kv-transfer-timeout", str(TIMEOUT_S))
+        x = start_proxy([p.url], [d.url], "--max-body-bytes", "65536")
+        c = start_server(model, free_port(), *COMMON, *SPEC)
+        plain = start_server(model, free_port(), *COMMON)
+        try:
+            d0, c0 = spec_counts(d), spec_counts(c)
+            for prompt in prompts:
+                case = dict(prompt=prompt, max_tokens=24, temperature=0, ignore_eos=True)
+                want = completion(plain.url, **case)
+                assert completion(c.url, **case)["token_ids"] == want["token_ids"]
+                got = completion(x.url, **case)
+                assert got["token_ids"] == want["token_ids"], prompt[:40]
+            d1, c1 = spec_counts(d), spec_counts(c)
+            drafts_d, acc_d = d1[0] - d0[0], d1[1] - d0[1]
+            drafts_c, acc_c = c1[0] - c0[0], c1[1] - c0[1]
+            print(f"{os.path.basename(model)}: P/D decode side {drafts_d} drafts, {acc_d} accepted; colocated "
+                  f"{drafts_c}, {acc_c}")
+            assert drafts_d > 0 and (drafts_d, acc_d) == (drafts_c, acc_c)
+            if model == small:
+                assert acc_c > 0  # a trained drafter: the counts carry information
+            assert metric(d, "ml4:kv_transfer_failures_total") == 0
+            leak_free(p, d)
+        finally:
+            for s_ in (x, d, p, c, plain):
+                s_.stop()
+    # Speculation on one side only: the metadata exchange names the mismatch.
+    p = start_server(model_dir, free_port(), *COMMON, "--kv-transfer-config", kv_config("kv_producer"))
+    d = start_server(model_dir, free_port(), *COMMON, *SPEC, "--kv-transfer-config", kv_config("kv_consumer"))
+    x = start_proxy([p.url], [d.url])
+    try:
+        status, out = post(x.url, "/v1/completions", {"model": "ml4-tiny", "prompt": words(30, 8), "max_tokens": 4})
+        assert status != 200 or "error" in out
+        assert "speculative decoding is off on the producer and on here" in json.dumps(out), out
+    finally:
+        for s_ in (x, d, p):
+            s_.stop()
+
+
 def test_round_robin_over_instances(model_dir, pd):
     p, d, x, c = pd
     p2 = start_server(model_dir, free_port(), *COMMON, "--kv-transfer-config", kv_config("kv_producer"),
