@@ -9,8 +9,8 @@
 #      bench/spec_decode_cpu.sh against `ml4 serve --device cuda` on assets/ml4-small (one round);
 #   2. `ml4 perplexity --device cuda` on ml4-small (the CPU figure to match is in docs/ML4-SMALL.md);
 #   3. scripts/gpu_pd_check.sh run (P/D over UCX on the GPU);
-#   4. every other GPU test (scripts/gpu_run.sh; FILTER_ALL, a gtest filter, default '*': e.g.
-#      '*:-CudaMoe.GroupedGemm*' when a new test crashes the process and hides the rest).
+#   4. every other GPU test (scripts/gpu_run.sh; FILTER_ALL, positive gtest patterns, default
+#      '*': e.g. the suites but a crashing new one, so that it does not hide the rest).
 #
 #   on the CPU machine, after a CUDA build:  [ML4_VAL_TEXT=val_novels.txt] scripts/gpu_check_all.sh pack BUILD_DIR
 #   on the GPU machine (carry .device-carry-x):
