@@ -4,11 +4,12 @@
 // thread's share, updates an online softmax (FlashAttention: running max m, running
 // sum l, output rescaled by exp(m_old - m_new) when the max grows). A block of c
 // (kBlock x r f32, 64 KiB at r = 512) is thus read from memory once per thread and
-// reused from cache by all its heads, instead of once per head: the logits as 2 heads x 2
-// keys register tiles (AVX-512: 4 x 4, one 16-lane register holding dot()'s two 8-lane
-// accumulators, 16 dots' final sums reduced across registers), P x C for 4 heads at a time
-// (MLA's one latent row serves every head). Each head's result is bit for bit the head
-// computed alone, and the same with AVX-512 or without. Logits and the output are f32 (FMA
+// reused from cache by all its heads, instead of once per head: the logits (latent and rope
+// parts in one accumulation, the "logit order" of logit_tile) as 2 heads x 2 keys register
+// tiles (AVX-512: 4 x 4, one 16-lane register holding the order's two 8-lane accumulators, 16
+// logits' final sums reduced across registers), P x C for 4 heads at a time (MLA's one latent
+// row serves every head). Each head's result is bit for bit the head computed alone, and the
+// same with AVX-512 or without. Logits and the output are f32 (FMA
 // dots); exp is exp_softmax (vectorized, its own bits, not libm's); l is summed in f64;
 // lse = m + log(l). The CPU runner calls it per token,
 // for prefill chunks too, so a token's attention never depends on how its prompt was chunked.
@@ -126,53 +127,75 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// dot(a row, b row) for RM rows of a (lda apart) x RN rows of b (ldb apart), each in dot()'s
-// exact order (two accumulators over 16-element steps, one 8-step more into the first,
-// hsum8(acc0 + acc1), the scalar tail), so a tile gives every element's dot() bits while
-// each loaded row serves RM or RN dots.
+// The logit's dot product: q [q_lat | q_rope] . [c | kr] over two row segments (the latent and
+// the rope part lie in different arrays), in one order (the "logit order"): two 8-lane
+// accumulators over 16-element steps of segment 0, one 8-step more into the first, the same
+// over segment 1 into the same accumulators, then hsum8(acc0 + acc1), then segment 0's scalar
+// tail, then segment 1's. A segment: rows of a (lda apart) and of b (ldb apart), n long; a tile
+// gives RM x RN logits, each loaded row serving RM or RN of them.
+struct DotSeg {
+  const float* a;
+  int64_t lda;
+  const float* b;
+  int64_t ldb;
+  int64_t n;
+  DotSeg at(int64_t u, int64_t v) const { return {a + u * lda, lda, b + v * ldb, ldb, n}; }
+};
+
 template <int RM, int RN>
-inline void dot_tile_as_dot(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t n, float* y, int64_t ldy) {
+inline void logit_tile(const DotSeg (&s)[2], float* y, int64_t ldy) {
+  int64_t tail[2];
 #ifdef ML4_ATTN_AVX2
   using namespace kernels;
   Vec8 a0[RM][RN], a1[RM][RN];
   ML4_UNROLL for (int u = 0; u < RM; ++u) ML4_UNROLL for (int v = 0; v < RN; ++v) a0[u][v] = a1[u][v] = zero8();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    Vec8 b0[RN], b1[RN];
-    ML4_UNROLL for (int v = 0; v < RN; ++v) b0[v] = load8(b + v * ldb + i), b1[v] = load8(b + v * ldb + i + 8);
-    ML4_UNROLL for (int u = 0; u < RM; ++u) {
-      const Vec8 x0 = load8(a + u * lda + i), x1 = load8(a + u * lda + i + 8);
-      ML4_UNROLL for (int v = 0; v < RN; ++v) a0[u][v] = fma8(x0, b0[v], a0[u][v]), a1[u][v] = fma8(x1, b1[v], a1[u][v]);
+  for (int g = 0; g < 2; ++g) {
+    const float *a = s[g].a, *b = s[g].b;
+    const int64_t lda = s[g].lda, ldb = s[g].ldb, n = s[g].n;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+      Vec8 b0[RN], b1[RN];
+      ML4_UNROLL for (int v = 0; v < RN; ++v) b0[v] = load8(b + v * ldb + i), b1[v] = load8(b + v * ldb + i + 8);
+      ML4_UNROLL for (int u = 0; u < RM; ++u) {
+        const Vec8 x0 = load8(a + u * lda + i), x1 = load8(a + u * lda + i + 8);
+        ML4_UNROLL for (int v = 0; v < RN; ++v) a0[u][v] = fma8(x0, b0[v], a0[u][v]), a1[u][v] = fma8(x1, b1[v], a1[u][v]);
+      }
     }
+    for (; i + 8 <= n; i += 8)
+      ML4_UNROLL for (int u = 0; u < RM; ++u) ML4_UNROLL for (int v = 0; v < RN; ++v)
+        a0[u][v] = fma8(load8(a + u * lda + i), load8(b + v * ldb + i), a0[u][v]);
+    tail[g] = i;
   }
-  for (; i + 8 <= n; i += 8)
-    ML4_UNROLL for (int u = 0; u < RM; ++u) ML4_UNROLL for (int v = 0; v < RN; ++v)
-      a0[u][v] = fma8(load8(a + u * lda + i), load8(b + v * ldb + i), a0[u][v]);
   for (int u = 0; u < RM; ++u)
     for (int v = 0; v < RN; ++v) {
       float t = hsum8(add8(a0[u][v], a1[u][v]));
-      for (int64_t k = i; k < n; ++k) t = std::fma(a[u * lda + k], b[v * ldb + k], t);
+      for (int g = 0; g < 2; ++g)
+        for (int64_t k = tail[g]; k < s[g].n; ++k) t = std::fma(s[g].a[u * s[g].lda + k], s[g].b[v * s[g].ldb + k], t);
       y[u * ldy + v] = t;
     }
 #else
+  tail[0] = tail[1] = 0;
   for (int u = 0; u < RM; ++u)
-    for (int v = 0; v < RN; ++v) y[u * ldy + v] = dot(a + u * lda, b + v * ldb, n);
+    for (int v = 0; v < RN; ++v) {
+      float t = 0.0f;
+      for (int g = 0; g < 2; ++g)
+        for (int64_t k = tail[g]; k < s[g].n; ++k) t = std::fma(s[g].a[u * s[g].lda + k], s[g].b[v * s[g].ldb + k], t);
+      y[u * ldy + v] = t;
+    }
 #endif
 }
 
-// y[u * ldy + v] = dot(a row u, b row v) for u < rm, v < rn, in 2 x 2 tiles.
-void dot_rows_as_dot(const float* a, int64_t lda, int64_t rm, const float* b, int64_t ldb, int64_t rn, int64_t n,
-                     float* y, int64_t ldy) {
+// y[u * ldy + v] = the logit of a-row u and b-row v for u < rm, v < rn, in 2 x 2 tiles.
+void logit_rows(const DotSeg (&s)[2], int64_t rm, int64_t rn, float* y, int64_t ldy) {
   for (int64_t u = 0; u < rm; u += 2)
     for (int64_t v = 0; v < rn; v += 2) {
-      const float* au = a + u * lda;
-      const float* bv = b + v * ldb;
+      const DotSeg t[2] = {s[0].at(u, v), s[1].at(u, v)};
       float* yuv = y + u * ldy + v;
       const bool two_a = u + 1 < rm, two_b = v + 1 < rn;
-      if (two_a && two_b) dot_tile_as_dot<2, 2>(au, lda, bv, ldb, n, yuv, ldy);
-      else if (two_a) dot_tile_as_dot<2, 1>(au, lda, bv, ldb, n, yuv, ldy);
-      else if (two_b) dot_tile_as_dot<1, 2>(au, lda, bv, ldb, n, yuv, ldy);
-      else dot_tile_as_dot<1, 1>(au, lda, bv, ldb, n, yuv, ldy);
+      if (two_a && two_b) logit_tile<2, 2>(t, yuv, ldy);
+      else if (two_a) logit_tile<2, 1>(t, yuv, ldy);
+      else if (two_b) logit_tile<1, 2>(t, yuv, ldy);
+      else logit_tile<1, 1>(t, yuv, ldy);
     }
 }
 
@@ -254,67 +277,79 @@ ML4_AVX512_FN inline void hsum16x16_store(const __m512* a, float* y, int64_t ldy
   }
 }
 
-// dot_tile_as_dot with one 16-lane register per dot: lanes 0-7 are dot()'s acc0 and lanes
-// 8-15 its acc1 (each lane the same FMA chain), the 8-step into lanes 0-7 only, then
-// hsum8(acc0 + acc1) and the scalar tail: dot()'s bits, with twice the registers AVX2 has,
+// logit_tile with one 16-lane register per logit: lanes 0-7 are the order's acc0 and lanes
+// 8-15 its acc1 (each lane the same FMA chain), the 8-steps into lanes 0-7 only, then
+// hsum8(acc0 + acc1) and the scalar tails: the same bits, with twice the registers AVX2 has,
 // so RM x RN up to 4 x 4 tiles (8 loads per 16 FMAs instead of 8 per 8).
 template <int RM, int RN>
-ML4_AVX512_FN void dot_tile_as_dot_avx512(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t n,
-                                          float* y, int64_t ldy) {
+ML4_AVX512_FN void logit_tile_avx512(const DotSeg (&s)[2], float* y, int64_t ldy) {
   __m512 acc[RM][RN];
   ML4_UNROLL for (int u = 0; u < RM; ++u) ML4_UNROLL for (int v = 0; v < RN; ++v) acc[u][v] = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    __m512 bv[RN];
-    ML4_UNROLL for (int v = 0; v < RN; ++v) bv[v] = _mm512_loadu_ps(b + v * ldb + i);
-    ML4_UNROLL for (int u = 0; u < RM; ++u) {
-      const __m512 av = _mm512_loadu_ps(a + u * lda + i);
-      ML4_UNROLL for (int v = 0; v < RN; ++v) acc[u][v] = _mm512_fmadd_ps(av, bv[v], acc[u][v]);
+  int64_t tail[2];
+  for (int g = 0; g < 2; ++g) {
+    const float *a = s[g].a, *b = s[g].b;
+    const int64_t lda = s[g].lda, ldb = s[g].ldb, n = s[g].n;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+      __m512 bv[RN];
+      ML4_UNROLL for (int v = 0; v < RN; ++v) bv[v] = _mm512_loadu_ps(b + v * ldb + i);
+      ML4_UNROLL for (int u = 0; u < RM; ++u) {
+        const __m512 av = _mm512_loadu_ps(a + u * lda + i);
+        ML4_UNROLL for (int v = 0; v < RN; ++v) acc[u][v] = _mm512_fmadd_ps(av, bv[v], acc[u][v]);
+      }
     }
-  }
-  if (i + 8 <= n) {
-    const __mmask16 lo = 0x00FF;
-    ML4_UNROLL for (int u = 0; u < RM; ++u) {
-      const __m512 av = _mm512_maskz_loadu_ps(lo, a + u * lda + i);
-      ML4_UNROLL for (int v = 0; v < RN; ++v)
-        acc[u][v] = _mm512_mask3_fmadd_ps(av, _mm512_maskz_loadu_ps(lo, b + v * ldb + i), acc[u][v], lo);
+    if (i + 8 <= n) {
+      const __mmask16 lo = 0x00FF;
+      ML4_UNROLL for (int u = 0; u < RM; ++u) {
+        const __m512 av = _mm512_maskz_loadu_ps(lo, a + u * lda + i);
+        ML4_UNROLL for (int v = 0; v < RN; ++v)
+          acc[u][v] = _mm512_mask3_fmadd_ps(av, _mm512_maskz_loadu_ps(lo, b + v * ldb + i), acc[u][v], lo);
+      }
+      i += 8;
     }
-    i += 8;
+    tail[g] = i;
   }
   if constexpr (RM == 4 && RN == 4) {
-    if (i == n) return hsum16x16_store(acc[0], y, ldy);
+    if (tail[0] == s[0].n && tail[1] == s[1].n) return hsum16x16_store(acc[0], y, ldy);
   }
   for (int u = 0; u < RM; ++u)
     for (int v = 0; v < RN; ++v) {
       const __m256 lo = _mm512_castps512_ps256(acc[u][v]), hi = _mm512_extractf32x8_ps(acc[u][v], 1);
       float t = kernels::hsum8(kernels::add8(kernels::Vec8{lo}, kernels::Vec8{hi}));
-      for (int64_t k = i; k < n; ++k) t = std::fma(a[u * lda + k], b[v * ldb + k], t);
+      for (int g = 0; g < 2; ++g)
+        for (int64_t k = tail[g]; k < s[g].n; ++k) t = std::fma(s[g].a[u * s[g].lda + k], s[g].b[v * s[g].ldb + k], t);
       y[u * ldy + v] = t;
     }
 }
 
 template <int RM>
-ML4_AVX512_FN void dot_row_tiles_avx512(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t rn,
-                                        int64_t n, float* y, int64_t ldy) {
+ML4_AVX512_FN void logit_row_tiles_avx512(const DotSeg (&s)[2], int64_t rn, float* y, int64_t ldy) {
   int64_t v = 0;
-  for (; v + 4 <= rn; v += 4) dot_tile_as_dot_avx512<RM, 4>(a, lda, b + v * ldb, ldb, n, y + v, ldy);
+  for (; v + 4 <= rn; v += 4) {
+    const DotSeg t[2] = {s[0].at(0, v), s[1].at(0, v)};
+    logit_tile_avx512<RM, 4>(t, y + v, ldy);
+  }
+  const DotSeg t[2] = {s[0].at(0, v), s[1].at(0, v)};
   switch (rn - v) {
-    case 3: return dot_tile_as_dot_avx512<RM, 3>(a, lda, b + v * ldb, ldb, n, y + v, ldy);
-    case 2: return dot_tile_as_dot_avx512<RM, 2>(a, lda, b + v * ldb, ldb, n, y + v, ldy);
-    case 1: return dot_tile_as_dot_avx512<RM, 1>(a, lda, b + v * ldb, ldb, n, y + v, ldy);
+    case 3: return logit_tile_avx512<RM, 3>(t, y + v, ldy);
+    case 2: return logit_tile_avx512<RM, 2>(t, y + v, ldy);
+    case 1: return logit_tile_avx512<RM, 1>(t, y + v, ldy);
     default: return;
   }
 }
 
-// dot_rows_as_dot in 4 x 4 tiles.
-ML4_AVX512_FN void dot_rows_as_dot_avx512(const float* a, int64_t lda, int64_t rm, const float* b, int64_t ldb,
-                                          int64_t rn, int64_t n, float* y, int64_t ldy) {
+// logit_rows in 4 x 4 tiles.
+ML4_AVX512_FN void logit_rows_avx512(const DotSeg (&s)[2], int64_t rm, int64_t rn, float* y, int64_t ldy) {
   int64_t u = 0;
-  for (; u + 4 <= rm; u += 4) dot_row_tiles_avx512<4>(a + u * lda, lda, b, ldb, rn, n, y + u * ldy, ldy);
+  for (; u + 4 <= rm; u += 4) {
+    const DotSeg t[2] = {s[0].at(u, 0), s[1].at(u, 0)};
+    logit_row_tiles_avx512<4>(t, rn, y + u * ldy, ldy);
+  }
+  const DotSeg t[2] = {s[0].at(u, 0), s[1].at(u, 0)};
   switch (rm - u) {
-    case 3: return dot_row_tiles_avx512<3>(a + u * lda, lda, b, ldb, rn, n, y + u * ldy, ldy);
-    case 2: return dot_row_tiles_avx512<2>(a + u * lda, lda, b, ldb, rn, n, y + u * ldy, ldy);
-    case 1: return dot_row_tiles_avx512<1>(a + u * lda, lda, b, ldb, rn, n, y + u * ldy, ldy);
+    case 3: return logit_row_tiles_avx512<3>(t, rn, y + u * ldy, ldy);
+    case 2: return logit_row_tiles_avx512<2>(t, rn, y + u * ldy, ldy);
+    case 1: return logit_row_tiles_avx512<1>(t, rn, y + u * ldy, ldy);
     default: return;
   }
 }
@@ -374,12 +409,11 @@ ML4_AVX512_FN void scale_accumulate_rows_avx512(float* const* o, const float* al
 
 // The score tiles and P x C of mla_attention: AVX-512 where linear.cpp uses it, else AVX2;
 // the same bits either way.
-void score_rows(bool wide, const float* a, int64_t lda, int64_t rm, const float* b, int64_t ldb, int64_t rn,
-                int64_t n, float* y, int64_t ldy) {
+void score_rows(bool wide, const DotSeg (&s)[2], int64_t rm, int64_t rn, float* y, int64_t ldy) {
 #ifdef ML4_LINEAR_AVX512
-  if (wide) return dot_rows_as_dot_avx512(a, lda, rm, b, ldb, rn, n, y, ldy);
+  if (wide) return logit_rows_avx512(s, rm, rn, y, ldy);
 #endif
-  dot_rows_as_dot(a, lda, rm, b, ldb, rn, n, y, ldy);
+  logit_rows(s, rm, rn, y, ldy);
 }
 
 void accumulate_rows(bool wide, float* const* o, const float* alpha, const float* const* p, int nq, const float* c,
@@ -402,10 +436,10 @@ void mla_attention(const float* q_lat, const float* q_rope, int H, int r, int dr
     const int64_t nh = h1 - h0;
     std::vector<float> m(nh, kNegInf);
     std::vector<double> l(nh, 0.0);
-    // Per block: every head's logits as 2 heads x 2 keys tiles (dot()'s bits), then the heads
+    // Per block: every head's logits as 2 heads x 2 keys tiles (the logit order), then the heads
     // that take mass accumulate 4 at a time, each c row loaded once for all 4. Every (head,
     // element) sees the same operations in the same order as one head alone.
-    std::vector<float> pl(nh * kBlock), pr(nh * kBlock), alpha(nh);
+    std::vector<float> pl(nh * kBlock), alpha(nh);
     std::vector<float*> orow(nh);
     std::vector<const float*> prow(nh);
     for (int64_t h = h0; h < h1; ++h) std::fill(out_lat + h * r, out_lat + (h + 1) * r, 0.0f);
@@ -413,15 +447,14 @@ void mla_attention(const float* q_lat, const float* q_rope, int H, int r, int dr
       const int64_t rows = std::min(kBlock, S - s0);
       const float* cb = c + s0 * r;
       const float* kb = kr + s0 * dr;
-      score_rows(wide, q_lat + h0 * r, r, nh, cb, r, rows, r, pl.data(), kBlock);
-      score_rows(wide, q_rope + h0 * dr, dr, nh, kb, dr, rows, dr, pr.data(), kBlock);
+      const DotSeg segs[2] = {{q_lat + h0 * r, r, cb, r, r}, {q_rope + h0 * dr, dr, kb, dr, dr}};
+      score_rows(wide, segs, nh, rows, pl.data(), kBlock);
       int64_t active = 0;
       for (int64_t h = h0; h < h1; ++h) {
         float* p = pl.data() + (h - h0) * kBlock;
-        const float* pq = pr.data() + (h - h0) * kBlock;
         float bmax = kNegInf;
         for (int64_t j = 0; j < rows; ++j) {
-          p[j] = (p[j] + pq[j]) * head_scale[h];
+          p[j] *= head_scale[h];
           bmax = std::max(bmax, p[j]);
         }
         float& mh = m[h - h0];
