@@ -41,6 +41,39 @@ Result<DeviceLinear> random_linear(int64_t N, int64_t K, uint64_t seed, cudaStre
   return std::move(d);
 }
 
+// One MoE layer's inputs for T tokens: K distinct random experts per token (weights 0.25),
+// uniform x, an output buffer and scratch for T * K rows; `distinct` gets the experts used.
+struct MoeInputs {
+  DeviceBuffer ids, w, x, out;
+  MoeScratch sc;
+};
+MoeInputs moe_inputs(int64_t T, int E, int K, int64_t D, int64_t I, std::mt19937& g, std::set<int>* distinct,
+                     cudaStream_t s) {
+  std::vector<int32_t> ids(T * K);
+  std::vector<float> w(T * K, 0.25f);
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<int> perm(E);
+    for (int e = 0; e < E; ++e) perm[e] = e;
+    std::shuffle(perm.begin(), perm.end(), g);
+    for (int k = 0; k < K; ++k) {
+      ids[t * K + k] = perm[k];
+      if (distinct) distinct->insert(perm[k]);
+    }
+  }
+  auto dids = DeviceBuffer::alloc(ids.size() * 4), dw = DeviceBuffer::alloc(w.size() * 4),
+       x = DeviceBuffer::alloc(T * D * 4), out = DeviceBuffer::alloc(T * D * 4);
+  BENCH_CHECK(dids.status());
+  BENCH_CHECK(dw.status());
+  BENCH_CHECK(x.status());
+  BENCH_CHECK(out.status());
+  BENCH_CHECK(dids->upload(ids.data(), ids.size() * 4));
+  BENCH_CHECK(dw->upload(w.data(), w.size() * 4));
+  BENCH_CHECK(fill_uniform_f32(x->as<float>(), T * D, 3, -1, 1, s));
+  MoeInputs in{std::move(dids).value(), std::move(dw).value(), std::move(x).value(), std::move(out).value(), {}};
+  BENCH_CHECK(in.sc.reserve(T * K, D, I, E));
+  return in;
+}
+
 // Prefill-shaped MoE layers (issue 18): the loop over experts against the grouped GEMMs
 // (moe_experts_forward_gemm), whole layer with the shared expert; then at T = 4096 the two
 // grouped launches alone against cuBLASLt's dense FP8 block GEMM of the same total size
@@ -50,33 +83,17 @@ void prefill(LtGemm& lt, const std::vector<DeviceMlp>& experts, const DeviceMlp&
              int E, int K, int64_t D, int64_t I, cudaStream_t s) {
   std::mt19937 g(11);
   for (int64_t T : {512, 1024, 4096, 8192}) {
-    std::vector<int32_t> ids(T * K);
-    std::vector<float> w(T * K, 0.25f);
-    for (int64_t t = 0; t < T; ++t) {
-      std::vector<int> perm(E);
-      for (int e = 0; e < E; ++e) perm[e] = e;
-      std::shuffle(perm.begin(), perm.end(), g);
-      for (int k = 0; k < K; ++k) ids[t * K + k] = perm[k];
-    }
-    auto dids = DeviceBuffer::alloc(ids.size() * 4), dw = DeviceBuffer::alloc(w.size() * 4),
-         x = DeviceBuffer::alloc(T * D * 4), out = DeviceBuffer::alloc(T * D * 4);
-    BENCH_CHECK(dids.status());
-    BENCH_CHECK(dw.status());
-    BENCH_CHECK(x.status());
-    BENCH_CHECK(out.status());
-    BENCH_CHECK(dids->upload(ids.data(), ids.size() * 4));
-    BENCH_CHECK(dw->upload(w.data(), w.size() * 4));
-    BENCH_CHECK(fill_uniform_f32(x->as<float>(), T * D, 3, -1, 1, s));
-    MoeScratch sc;
-    BENCH_CHECK(sc.reserve(T * K, D, I, E));
+    MoeInputs in = moe_inputs(T, E, K, D, I, g, nullptr, s);
+    DeviceBuffer &dids = in.ids, &dw = in.w, &x = in.x, &out = in.out;
+    MoeScratch& sc = in.sc;
     const double rows = static_cast<double>(T) * (K + 1), flop = 2.0 * rows * 3.0 * D * I;
     const double t_loop = bench::median_ms(s, 1, 5, [&](int) {
-      BENCH_CHECK(moe_experts_forward(lt, experts, &shared, x->as<float>(), T, D, dids->as<int32_t>(),
-                                      dw->as<float>(), K, out->as<float>(), sc, s));
+      BENCH_CHECK(moe_experts_forward(lt, experts, &shared, x.as<float>(), T, D, dids.as<int32_t>(),
+                                      dw.as<float>(), K, out.as<float>(), sc, s));
     });
     const double t_gemm = bench::median_ms(s, 2, 10, [&](int) {
-      BENCH_CHECK(moe_experts_forward_gemm(tb, &shared, x->as<float>(), T, dids->as<int32_t>(), dw->as<float>(), K,
-                                           out->as<float>(), sc, s));
+      BENCH_CHECK(moe_experts_forward_gemm(tb, &shared, x.as<float>(), T, dids.as<int32_t>(), dw.as<float>(), K,
+                                           out.as<float>(), sc, s));
     });
     std::printf("moe prefill T=%ld (%.0f rows, %.2f TFLOP): expert loop %.3f ms (%.0f TFLOP/s), grouped GEMMs %.3f ms "
                 "(%.0f TFLOP/s), %.2fx\n",
@@ -173,33 +190,14 @@ int main(int argc, char** argv) {
   std::printf("moe E=%d K=%d D=%ld I=%ld fp8 block; %.1f MB per expert\n", E, K, D, I, expert_bytes / 1e6);
   std::mt19937 g(7);
   for (int64_t T : {1, 2, 4, 8, 32, 64, 512}) {
-    std::vector<int32_t> ids(T * K);
-    std::vector<float> w(T * K, 0.25f);
     std::set<int> distinct;
-    for (int64_t t = 0; t < T; ++t) {
-      std::vector<int> perm(E);
-      for (int e = 0; e < E; ++e) perm[e] = e;
-      std::shuffle(perm.begin(), perm.end(), g);
-      for (int k = 0; k < K; ++k) {
-        ids[t * K + k] = perm[k];
-        distinct.insert(perm[k]);
-      }
-    }
-    auto dids = DeviceBuffer::alloc(ids.size() * 4), dw = DeviceBuffer::alloc(w.size() * 4),
-         x = DeviceBuffer::alloc(T * D * 4), out = DeviceBuffer::alloc(T * D * 4);
-    BENCH_CHECK(dids.status());
-    BENCH_CHECK(dw.status());
-    BENCH_CHECK(x.status());
-    BENCH_CHECK(out.status());
-    BENCH_CHECK(dids->upload(ids.data(), ids.size() * 4));
-    BENCH_CHECK(dw->upload(w.data(), w.size() * 4));
-    BENCH_CHECK(fill_uniform_f32(x->as<float>(), T * D, 3, -1, 1, s));
-    MoeScratch sc;
-    BENCH_CHECK(sc.reserve(T * K, D, I, E));
+    MoeInputs in = moe_inputs(T, E, K, D, I, g, &distinct, s);
+    DeviceBuffer &dids = in.ids, &dw = in.w, &x = in.x, &out = in.out;
+    MoeScratch& sc = in.sc;
     const double bytes = (distinct.size() + 1) * expert_bytes;
     const double t_loop = bench::median_ms(s, 2, 20, [&](int) {
-      BENCH_CHECK(moe_experts_forward(**lt, experts, &shared, x->as<float>(), T, D, dids->as<int32_t>(),
-                                      dw->as<float>(), K, out->as<float>(), sc, s));
+      BENCH_CHECK(moe_experts_forward(**lt, experts, &shared, x.as<float>(), T, D, dids.as<int32_t>(),
+                                      dw.as<float>(), K, out.as<float>(), sc, s));
     });
     const bool grouped = T <= 128, rowwise = T <= 8;
     const GemvStreamConfig saved = gemv_stream_config();
@@ -207,24 +205,24 @@ int main(int argc, char** argv) {
     st_all.grouped_max_rows = 1 << 20;  // the CUDA-core stream for every T (passes of 4 rows), for comparison
     gemv_set_stream_config(st_all);
     const double t_grp_st = !grouped ? 0.0 : bench::median_ms(s, 2, 20, [&](int) {
-      BENCH_CHECK(moe_experts_forward_grouped(*tables, &shared, x->as<float>(), T, dids->as<int32_t>(),
-                                              dw->as<float>(), K, out->as<float>(), sc, s));
+      BENCH_CHECK(moe_experts_forward_grouped(*tables, &shared, x.as<float>(), T, dids.as<int32_t>(),
+                                              dw.as<float>(), K, out.as<float>(), sc, s));
     });
     GemvStreamConfig tc_only = saved;
     tc_only.grouped_max_rows = 0;  // the tensor-core grouped kernel for every T, for comparison
     gemv_set_stream_config(tc_only);
     const double t_grp_tc = !grouped ? 0.0 : bench::median_ms(s, 2, 20, [&](int) {
-      BENCH_CHECK(moe_experts_forward_grouped(*tables, &shared, x->as<float>(), T, dids->as<int32_t>(),
-                                              dw->as<float>(), K, out->as<float>(), sc, s));
+      BENCH_CHECK(moe_experts_forward_grouped(*tables, &shared, x.as<float>(), T, dids.as<int32_t>(),
+                                              dw.as<float>(), K, out.as<float>(), sc, s));
     });
     gemv_set_stream_config(saved);  // the default: the CUDA-core stream for T <= grouped_max_rows (1)
     const double t_grp = !grouped ? 0.0 : bench::median_ms(s, 2, 20, [&](int) {
-      BENCH_CHECK(moe_experts_forward_grouped(*tables, &shared, x->as<float>(), T, dids->as<int32_t>(),
-                                              dw->as<float>(), K, out->as<float>(), sc, s));
+      BENCH_CHECK(moe_experts_forward_grouped(*tables, &shared, x.as<float>(), T, dids.as<int32_t>(),
+                                              dw.as<float>(), K, out.as<float>(), sc, s));
     });
     const double t_row = !rowwise ? 0.0 : bench::median_ms(s, 2, 20, [&](int) {
-      BENCH_CHECK(moe_experts_forward_rowwise(*tables, &shared, x->as<float>(), T, dids->as<int32_t>(),
-                                              dw->as<float>(), K, out->as<float>(), sc, s));
+      BENCH_CHECK(moe_experts_forward_rowwise(*tables, &shared, x.as<float>(), T, dids.as<int32_t>(),
+                                              dw.as<float>(), K, out.as<float>(), sc, s));
     });
     const double floor_ms = copy_gbps > 0 ? bytes / (copy_gbps * 1e6) : 0.0;
     auto pct = [&](double ms) { return 100.0 * bytes / (ms * 1e6) / copy_gbps; };

@@ -169,6 +169,28 @@ void random_routing(int64_t T, int E, int K, uint32_t seed, std::vector<int32_t>
   }
 }
 
+// A MoE layer to test: E routed experts and a shared one (hx[E] on the host, `shared` on the
+// device), T tokens of x and their routing.
+struct MoeCase {
+  std::vector<HostMlp> hx;
+  std::vector<DeviceMlp> dx;
+  DeviceMlp shared;
+  std::vector<float> x, w;
+  std::vector<int32_t> ids;
+};
+MoeCase make_moe_case(LinearFormat f, int E, int K, int64_t D, int64_t I, int64_t T, uint32_t seed,
+                      bool blocky = false) {
+  MoeCase c;
+  auto ex = make_experts(f, E + 1, D, I, seed, blocky);
+  c.hx = std::move(ex.first);
+  c.dx = std::move(ex.second);
+  c.shared = std::move(c.dx.back());
+  c.dx.pop_back();
+  c.x = randn(T * D, seed++);
+  random_routing(T, E, K, seed++, c.ids, c.w);
+  return c;
+}
+
 TEST(CudaMoe, ExpertsAndSharedVsCpu) {
   ML4_REQUIRE_GPU();
   auto lt = LtGemm::create();
@@ -179,16 +201,13 @@ TEST(CudaMoe, ExpertsAndSharedVsCpu) {
   const int64_t Tmax = 64;  // tokens drawn; the loop path takes the first T, the decode path up to Tmax
   for (LinearFormat f : {LinearFormat::kBF16, LinearFormat::kFP8Block, LinearFormat::kNVFP4, LinearFormat::kMXFP4}) {
     const bool fp4 = f == LinearFormat::kNVFP4 || f == LinearFormat::kMXFP4;  // f32 x at every M (gemv.h)
-    uint32_t seed = 500 + static_cast<int>(f);
-    auto ex = make_experts(f, E + 1, D, I, seed);  // E routed + 1 shared
-    std::vector<HostMlp>& hx = ex.first;
-    std::vector<DeviceMlp>& dx = ex.second;
-    DeviceMlp dshared = std::move(dx.back());
-    dx.pop_back();
-    auto x = randn(Tmax * D, seed++);
-    std::vector<int32_t> ids;
-    std::vector<float> w;
-    random_routing(Tmax, E, K, seed++, ids, w);
+    MoeCase c = make_moe_case(f, E, K, D, I, Tmax, 500 + static_cast<uint32_t>(f));
+    const std::vector<HostMlp>& hx = c.hx;
+    const std::vector<DeviceMlp>& dx = c.dx;
+    const DeviceMlp& dshared = c.shared;
+    const std::vector<float>& x = c.x;
+    const std::vector<int32_t>& ids = c.ids;
+    const std::vector<float>& w = c.w;
     // Reference. FP8 activations are exact (GEMV) for an expert with <= kGemvMaxM rows.
     std::vector<int64_t> rows_of(E, 0);
     for (int64_t i = 0; i < T * K; ++i) ++rows_of[ids[i]];
@@ -298,16 +317,13 @@ TEST(CudaMoe, GroupedGemmPrefillVsCpu) {
   ML4_ASSERT_OK(lt.status());
   const int E = 16, K = 4;
   for (auto [D, I, T] : {std::tuple<int64_t, int64_t, int64_t>{640, 384, 300}, {512, 256, 5}}) {
-    uint32_t seed = 900 + static_cast<uint32_t>(T);
-    auto ex = make_experts(LinearFormat::kFP8Block, E + 1, D, I, seed, /*blocky=*/true);
-    std::vector<HostMlp>& hx = ex.first;
-    std::vector<DeviceMlp>& dx = ex.second;
-    DeviceMlp dshared = std::move(dx.back());
-    dx.pop_back();
-    auto x = randn(T * D, seed++);
-    std::vector<int32_t> ids;
-    std::vector<float> w;
-    random_routing(T, E, K, seed++, ids, w);
+    MoeCase c = make_moe_case(LinearFormat::kFP8Block, E, K, D, I, T, 900 + static_cast<uint32_t>(T), /*blocky=*/true);
+    const std::vector<HostMlp>& hx = c.hx;
+    const std::vector<DeviceMlp>& dx = c.dx;
+    const DeviceMlp& dshared = c.shared;
+    const std::vector<float>& x = c.x;
+    std::vector<int32_t>& ids = c.ids;  // skewed below
+    const std::vector<float>& w = c.w;
     for (int64_t t = 0; t < T; ++t) {  // expert 0 first for every token, expert E-1 never
       for (int k = 0; k < K; ++k)
         if (ids[t * K + k] == 0 || ids[t * K + k] == E - 1) ids[t * K + k] = ids[t * K];

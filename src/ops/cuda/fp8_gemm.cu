@@ -11,6 +11,7 @@
 
 #include <cuda_bf16.h>
 
+#include "ops/cuda/cp_async.cuh"
 #include "ops/cuda/cuda_common.h"
 
 namespace ml4::cuda {
@@ -18,16 +19,6 @@ namespace {
 
 constexpr int kRowBytes = 144;  // one staged 128-byte K row + 16 bytes of padding (bank spread)
 constexpr int kMaxSplit = 16;
-
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  const int n = valid ? 16 : 0;  // src-size 0: the 16 bytes are zero-filled, nothing is read
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
 
 __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"

@@ -558,61 +558,40 @@ Status launch_fp4(const gemv_stream::StArgs& a, int mt, unsigned slots, bool nv,
 
 Status grouped_gemv(const GroupedGemvParams& p) {
   if (p.rows < 0 || p.N <= 0 || p.K <= 0) return invalid_argument("grouped_gemv: bad shape N={} K={}", p.N, p.K);
-  if (is_fp4(p.format)) {  // expert-grouped only, through the FP4 weight stream
-    if (!p.offsets) return unimplemented("grouped_gemv: row mode for {} weights", linear_format_name(p.format));
-    if (p.K % 32 != 0) return invalid_argument("grouped_gemv: {} needs K % 32 == 0, K={}", linear_format_name(p.format), p.K);
-    if (!p.active || !p.x || !p.y || !p.w_table || !p.s_table || p.max_active < 0 || p.max_active > 65535 ||
-        (p.extra_w && !p.extra_s) || p.extra_rows < 0 ||
-        (p.w_table2 && (!p.y2 || !p.s_table2 || (p.extra_w && (!p.extra_w2 || !p.extra_s2)))))
-      return invalid_argument("grouped_gemv: bad grouped arguments");
-    if (reinterpret_cast<uintptr_t>(p.x) & 15u) return invalid_argument("grouped_gemv: x must be 16-byte aligned");
-    const int slots = p.max_active + (p.extra_w ? 1 : 0);
-    if (slots == 0) return Status::ok();
-    gemv_stream::StArgs a;
-    static_cast<gemv_stream::GroupedArgs&>(a) = grouped_args(p, true);
-    a.x = p.x;
-    a.N = p.N;
-    a.K = p.K;
-    a.y = p.y;
-    a.slots = slots;
-    a.w_table2 = p.w_table2;
-    a.s_table2 = p.s_table2;
-    a.extra_w2 = p.extra_w2;
-    a.extra_s2 = p.extra_s2;
-    a.y2 = p.y2;
-    const unsigned grid_y = static_cast<unsigned>(slots * (p.w_table2 ? 2 : 1));
-    const int mt = p.max_expert_rows > 0 ? pow2_tokens(p.max_expert_rows) : 8;
-    return launch_fp4(a, mt, grid_y, p.format == LinearFormat::kNVFP4, p.stream).with_context("grouped_gemv");
-  }
-  const bool fp8 = p.format == LinearFormat::kFP8Block;
-  if (!fp8 && p.format != LinearFormat::kBF16)
-    return invalid_argument("grouped_gemv: weight format {} (bf16 or fp8 block)", linear_format_name(p.format));
-  if (p.K % (fp8 ? 128 : 8) != 0) return invalid_argument("grouped_gemv: K={} alignment", p.K);
+  const bool fp4 = is_fp4(p.format), fp8 = p.format == LinearFormat::kFP8Block, scaled = fp8 || fp4;
+  if (!scaled && p.format != LinearFormat::kBF16)
+    return invalid_argument("grouped_gemv: weight format {}", linear_format_name(p.format));
+  if (p.K % (fp4 ? 32 : fp8 ? 128 : 8) != 0) return invalid_argument("grouped_gemv: K={} alignment", p.K);
+  if (fp4 && !p.offsets) return unimplemented("grouped_gemv: row mode for {} weights", linear_format_name(p.format));
   if (p.offsets) {  // expert-grouped: each active expert's weights read once per 8 of its rows
-    if (!p.active || !p.x || !p.y || !p.w_table || (fp8 && !p.s_table) || p.max_active < 0 || p.max_active > 65535 ||
-        (p.extra_w && fp8 && !p.extra_s) || p.extra_rows < 0)
+    if (!p.active || !p.x || !p.y || !p.w_table || (scaled && !p.s_table) || p.max_active < 0 ||
+        p.max_active > 65535 || (p.extra_w && scaled && !p.extra_s) || p.extra_rows < 0)
       return invalid_argument("grouped_gemv: bad grouped arguments");
     if (reinterpret_cast<uintptr_t>(p.x) & 15u) return invalid_argument("grouped_gemv: x must be 16-byte aligned");
     const int slots = p.max_active + (p.extra_w ? 1 : 0);
     if (slots == 0) return Status::ok();
-    if (p.w_table2 && (!p.y2 || (fp8 && !p.s_table2) || (p.extra_w && !p.extra_w2) || (p.extra_w2 && fp8 && !p.extra_s2)))
+    if (p.w_table2 &&
+        (!p.y2 || (scaled && !p.s_table2) || (p.extra_w && !p.extra_w2) || (p.extra_w2 && scaled && !p.extra_s2)))
       return invalid_argument("grouped_gemv: bad second weight set");
-    if (p.max_expert_rows > 0 && p.max_expert_rows <= g_stream.grouped_max_rows &&
-        (fp8 || p.impl == GemvImpl::kStream) && p.impl != GemvImpl::kTensorCore) {
+    // The weight streams (FP4 always; FP8, or bf16 on request, for few rows per expert).
+    if (fp4 || (p.max_expert_rows > 0 && p.max_expert_rows <= g_stream.grouped_max_rows &&
+                (fp8 || p.impl == GemvImpl::kStream) && p.impl != GemvImpl::kTensorCore)) {
       gemv_stream::StArgs a;
-      static_cast<gemv_stream::GroupedArgs&>(a) = grouped_args(p, fp8);
+      static_cast<gemv_stream::GroupedArgs&>(a) = grouped_args(p, scaled);
       a.x = p.x;
       a.N = p.N;
       a.K = p.K;
       a.y = p.y;
       a.slots = slots;
       a.w_table2 = p.w_table2;
-      a.s_table2 = fp8 ? p.s_table2 : nullptr;
+      a.s_table2 = scaled ? p.s_table2 : nullptr;
       a.extra_w2 = p.extra_w2;
       a.extra_s2 = p.extra_s2;
       a.y2 = p.y2;
       const unsigned grid_y = static_cast<unsigned>(slots * (p.w_table2 ? 2 : 1));
-      return launch_stream(a, pow2_tokens(p.max_expert_rows), grid_y, fp8, p.stream).with_context("grouped_gemv");
+      const int mt = p.max_expert_rows > 0 ? pow2_tokens(p.max_expert_rows) : 8;
+      if (fp4) return launch_fp4(a, mt, grid_y, p.format == LinearFormat::kNVFP4, p.stream).with_context("grouped_gemv");
+      return launch_stream(a, mt, grid_y, fp8, p.stream).with_context("grouped_gemv");
     }
     if (p.w_table2) {  // tensor-core path: one launch per weight set
       GroupedGemvParams q = p;
@@ -662,33 +641,18 @@ void gemv_set_stream_config(const GemvStreamConfig& c) { g_stream = c; }
 GemvStreamConfig gemv_stream_config() { return g_stream; }
 
 Status gemv(const GemvParams& p) {
-  if (is_fp4(p.format)) {  // the FP4 weight stream, any number of rows (passes of up to 8)
-    if (p.M <= 0 || p.M > (int64_t{1} << 30) || p.N <= 0 || p.K <= 0 || p.K % 32 != 0)
-      return invalid_argument("gemv: {} M={} N={} K={} (K % 32 == 0)", linear_format_name(p.format), p.M, p.N, p.K);
-    if (!p.x || !p.w || !p.y || !p.w_scale) return invalid_argument("gemv: null pointer");
-    if ((reinterpret_cast<uintptr_t>(p.x) | reinterpret_cast<uintptr_t>(p.w)) & 15u)
-      return invalid_argument("gemv: x and w must be 16-byte aligned");
-    gemv_stream::StArgs a;
-    a.x = p.x;
-    a.N = p.N;
-    a.K = p.K;
-    a.w = static_cast<const uint8_t*>(p.w);
-    a.w_scale = p.w_scale;
-    a.y = p.y;
-    a.rows = static_cast<int>(p.M);
-    return launch_fp4(a, pow2_tokens(p.M), 1, p.format == LinearFormat::kNVFP4, p.stream);
-  }
-  if (p.M <= 0 || p.M > kGemvMaxM || p.N <= 0 || p.K <= 0)
-    return invalid_argument("gemv: M={} (1..{}) N={} K={}", p.M, kGemvMaxM, p.N, p.K);
-  const bool fp8 = p.format == LinearFormat::kFP8Block;
-  if (!fp8 && p.format != LinearFormat::kBF16)
-    return invalid_argument("gemv: weight format {} (bf16 or fp8 block)", linear_format_name(p.format));
-  const int64_t step = fp8 ? 16 : 8;
-  if (p.K % (fp8 ? 128 : 8) != 0) return invalid_argument("gemv: K={} must be a multiple of {}", p.K, fp8 ? 128 : 8);
-  if (!p.x || !p.w || !p.y || (fp8 && !p.w_scale)) return invalid_argument("gemv: null pointer");
+  const bool fp4 = is_fp4(p.format), fp8 = p.format == LinearFormat::kFP8Block;
+  // FP4 takes any number of rows (its weight stream runs passes of up to 8).
+  if (p.M <= 0 || p.M > (fp4 ? int64_t{1} << 30 : kGemvMaxM) || p.N <= 0 || p.K <= 0)
+    return invalid_argument("gemv: M={} (1..{}) N={} K={}", p.M, fp4 ? int64_t{1} << 30 : kGemvMaxM, p.N, p.K);
+  if (!fp4 && !fp8 && p.format != LinearFormat::kBF16)
+    return invalid_argument("gemv: weight format {}", linear_format_name(p.format));
+  const int64_t step = fp8 ? 16 : 8, k_align = fp4 ? 32 : fp8 ? 128 : 8;
+  if (p.K % k_align != 0) return invalid_argument("gemv: K={} must be a multiple of {}", p.K, k_align);
+  if (!p.x || !p.w || !p.y || ((fp8 || fp4) && !p.w_scale)) return invalid_argument("gemv: null pointer");
   if ((reinterpret_cast<uintptr_t>(p.x) | reinterpret_cast<uintptr_t>(p.w)) & 15u)
     return invalid_argument("gemv: x and w must be 16-byte aligned");
-  if (p.impl == GemvImpl::kStream || (p.impl == GemvImpl::kAuto && fp8 && p.M <= g_stream.max_m)) {
+  if (fp4 || p.impl == GemvImpl::kStream || (p.impl == GemvImpl::kAuto && fp8 && p.M <= g_stream.max_m)) {
     gemv_stream::StArgs a;
     a.x = p.x;
     a.N = p.N;
@@ -697,6 +661,7 @@ Status gemv(const GemvParams& p) {
     a.w_scale = p.w_scale;
     a.y = p.y;
     a.rows = static_cast<int>(p.M);
+    if (fp4) return launch_fp4(a, pow2_tokens(p.M), 1, p.format == LinearFormat::kNVFP4, p.stream);
     return launch_stream(a, pow2_tokens(p.M), 1, fp8, p.stream);
   }
   const bool tc = p.impl == GemvImpl::kTensorCore || (p.impl == GemvImpl::kAuto && p.workspace != nullptr);

@@ -63,24 +63,11 @@ __device__ __forceinline__ float e8m0_f32(uint8_t code) {
 // grid: (ceil(N / R), slots). kNv: NVFP4, else MXFP4. M: tokens per pass.
 template <int M, int R, bool kNv>
 __global__ void __launch_bounds__(kStThreads) gemv_fp4_kernel(const StArgs a) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = threadIdx.x;
   const int64_t N = a.N, K = a.K;
-  float* y = a.y;
+  float* y;
   SlotWork sw;
-  sw.w = a.w;
-  sw.w_scale = a.w_scale;
-  sw.r_end = a.rows;
-  if (a.offsets) {
-    int slot = blockIdx.y;
-    const bool second = a.w_table2 && slot >= a.slots;
-    if (second) {
-      slot -= a.slots;
-      y = a.y2;
-    }
-    if (!gemv_stream::grouped_slot(a, slot, second ? a.w_table2 : a.w_table, second ? a.s_table2 : a.s_table,
-                                   second ? a.extra_w2 : a.extra_w, second ? a.extra_s2 : a.extra_s, &sw))
-      return;
-  }
+  if (!gemv_stream::block_work(a, &sw, &y)) return;
   const int64_t n0 = blockIdx.x * int64_t{R};
   if (n0 >= N || sw.r_begin >= sw.r_end) return;  // block-uniform
   const uint8_t* sc8 = reinterpret_cast<const uint8_t*>(sw.w_scale);
@@ -101,12 +88,7 @@ __global__ void __launch_bounds__(kStThreads) gemv_fp4_kernel(const StArgs a) {
   for (int64_t p0 = sw.r_begin; p0 < sw.r_end; p0 += M) {
     const int mrows = static_cast<int>(min(int64_t{M}, sw.r_end - p0));
     const float4* xr[M];
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      const int64_t i = p0 + min(m, mrows - 1);
-      const int64_t row = sw.xmap ? int64_t{sw.xmap[i]} : sw.x_off + i;
-      xr[m] = reinterpret_cast<const float4*>(a.x + row * K);
-    }
+    gemv_stream::token_rows<M>(a.x, K, sw.xmap, sw.x_off, p0, mrows, xr);
     float acc[M][R];
 #pragma unroll
     for (int m = 0; m < M; ++m)
@@ -161,26 +143,7 @@ __global__ void __launch_bounds__(kStThreads) gemv_fp4_kernel(const StArgs a) {
         }
       }
     }
-#pragma unroll
-    for (int m = 0; m < M; ++m)
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        float v = acc[m][r];
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-        if (lane == 0) red[warp][m * R + r] = v;
-      }
-    __syncthreads();
-    if (tid < M * R) {
-      const int m = tid / R, r = tid % R;
-      if (m < mrows && n0 + r < N) {
-        float v = red[0][tid];
-#pragma unroll
-        for (int ww = 1; ww < kStWarps; ++ww) v += red[ww][tid];
-        y[(sw.y_off + p0 + m) * N + n0 + r] = v;
-      }
-    }
-    __syncthreads();  // red is reused by the next token group
+    gemv_stream::reduce_store<M, R>(acc, red, mrows, n0, N, y + (sw.y_off + p0) * N);
   }
 }
 

@@ -110,6 +110,67 @@ struct StArgs : GroupedArgs {
   float* y2 = nullptr;
 };
 
+// The block's work, shared by the weight-stream kernels (this one and gemv_fp4.cuh): a plain
+// gemv (rows a.rows of x), or grouped slot blockIdx.y (the second weight set's slots write y2).
+// False: an inactive slot (block-uniform: the caller returns before any barrier).
+__device__ __forceinline__ bool block_work(const StArgs& a, SlotWork* sw, float** y) {
+  *y = a.y;
+  sw->w = a.w;
+  sw->w_scale = a.w_scale;
+  sw->r_end = a.rows;
+  if (!a.offsets) return true;
+  int slot = blockIdx.y;
+  const bool second = a.w_table2 && slot >= a.slots;
+  if (second) {
+    slot -= a.slots;
+    *y = a.y2;
+  }
+  return grouped_slot(a, slot, second ? a.w_table2 : a.w_table, second ? a.s_table2 : a.s_table,
+                      second ? a.extra_w2 : a.extra_w, second ? a.extra_s2 : a.extra_s, sw);
+}
+
+// x rows of the token group [p0, p0 + mrows) (rows past mrows repeat the last, unused): row
+// xmap[i] of the permuted order, else x_off + i.
+template <int M>
+__device__ __forceinline__ void token_rows(const float* x, int64_t K, const int32_t* xmap, int64_t x_off, int64_t p0,
+                                           int mrows, const float4* (&xr)[M]) {
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    const int64_t i = p0 + min(m, mrows - 1);
+    const int64_t row = xmap ? int64_t{xmap[i]} : x_off + i;
+    xr[m] = reinterpret_cast<const float4*>(x + row * K);
+  }
+}
+
+// A token group's sums: every thread's acc[M][R] -> y_rows[m * N + n0 + r] for m < mrows and
+// n0 + r < N, by a shuffle tree in each warp and then the warps in order in shared memory
+// (bit-deterministic). red is free again when it returns.
+template <int M, int R>
+__device__ __forceinline__ void reduce_store(const float (&acc)[M][R], float (&red)[kStWarps][M * R], int mrows,
+                                             int64_t n0, int64_t N, float* y_rows) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float v = acc[m][r];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (lane == 0) red[warp][m * R + r] = v;
+    }
+  __syncthreads();
+  if (tid < M * R) {
+    const int m = tid / R, r = tid % R;
+    if (m < mrows && n0 + r < N) {
+      float v = red[0][tid];
+#pragma unroll
+      for (int ww = 1; ww < kStWarps; ++ww) v += red[ww][tid];
+      y_rows[m * N + n0 + r] = v;
+    }
+  }
+  __syncthreads();  // red is reused by the next token group
+}
+
 // Block-scale multiplier that undoes each decoding's power-of-two offset.
 template <int kConv>
 constexpr float conv_mul() {
@@ -163,25 +224,12 @@ __global__ void __launch_bounds__(kStThreads, kStMinBlocks(M)) gemv_stream_kerne
   constexpr int U = kStU;
   constexpr int64_t kEb = kFp8 ? 1 : 2;
   constexpr float kMul = kFp8 ? conv_mul<kConv>() : 1.0f;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = threadIdx.x;
   const int64_t N = a.N, K = a.K;
 
-  float* y = a.y;
+  float* y;
   SlotWork sw;
-  sw.w = a.w;
-  sw.w_scale = a.w_scale;
-  sw.r_end = a.rows;
-  if (a.offsets) {
-    int slot = blockIdx.y;
-    const bool second = a.w_table2 && slot >= a.slots;
-    if (second) {
-      slot -= a.slots;
-      y = a.y2;
-    }
-    if (!grouped_slot(a, slot, second ? a.w_table2 : a.w_table, second ? a.s_table2 : a.s_table,
-                      second ? a.extra_w2 : a.extra_w, second ? a.extra_s2 : a.extra_s, &sw))
-      return;
-  }
+  if (!block_work(a, &sw, &y)) return;
   const uint8_t* w = sw.w;
   const float* w_scale = sw.w_scale;
   const int64_t r_begin = sw.r_begin, r_end = sw.r_end, x_off = sw.x_off, y_off = sw.y_off;
@@ -200,12 +248,7 @@ __global__ void __launch_bounds__(kStThreads, kStMinBlocks(M)) gemv_stream_kerne
   for (int64_t p0 = r_begin; p0 < r_end; p0 += M) {
     const int mrows = static_cast<int>(min(int64_t{M}, r_end - p0));
     const float4* xr[M];
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      const int64_t i = p0 + min(m, mrows - 1);
-      const int64_t row = xmap ? int64_t{xmap[i]} : x_off + i;
-      xr[m] = reinterpret_cast<const float4*>(a.x + row * K);
-    }
+    token_rows<M>(a.x, K, xmap, x_off, p0, mrows, xr);
     float acc[M][R];
 #pragma unroll
     for (int m = 0; m < M; ++m)
@@ -308,26 +351,7 @@ __global__ void __launch_bounds__(kStThreads, kStMinBlocks(M)) gemv_stream_kerne
       load(b, wv, sc);
       compute(b, wv, sc);
     }
-#pragma unroll
-    for (int m = 0; m < M; ++m)
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        float v = acc[m][r];
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-        if (lane == 0) red[warp][m * R + r] = v;
-      }
-    __syncthreads();
-    if (tid < M * R) {
-      const int m = tid / R, r = tid % R;
-      if (m < mrows && n0 + r < N) {
-        float v = red[0][tid];
-#pragma unroll
-        for (int ww = 1; ww < kStWarps; ++ww) v += red[ww][tid];
-        y[(y_off + p0 + m) * N + n0 + r] = v;
-      }
-    }
-    __syncthreads();  // red is reused by the next token group
+    reduce_store<M, R>(acc, red, mrows, n0, N, y + (y_off + p0) * N);
   }
 }
 

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 
+#include "ops/cuda/cp_async.cuh"
 #include "ops/cuda/cuda_common.h"
 
 namespace ml4::cuda {
@@ -18,16 +19,6 @@ constexpr int kStages = 4;
 constexpr int kThreads = 256;
 constexpr int kAStage = kTileRows * 128, kBStage = kBRows * 128, kStage = kAStage + kBStage;  // 40 KB
 constexpr int kSmem = kStages * kStage + 1024;  // + alignment slack: swizzle atoms sit on 1024 bytes
-
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  const int n = valid ? 16 : 0;  // src-size 0: the 16 bytes are zero-filled, nothing is read
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
 
 // Shared-memory matrix descriptor: start address, LBO (unused by swizzled K-major
 // operands whose k step stays inside the 128-byte row), SBO = 1024 bytes between 8-row
