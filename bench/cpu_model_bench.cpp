@@ -13,6 +13,7 @@
 //
 //   cpu_model_bench --model DIR [-p 64,512] [-n 64,128] [-r 3] [--kv-cache-dtype fp8_ds_mla] [--profile 1]
 //                   [--dtype auto|bfloat16]   (the linears' activations: ml4 serve --dtype)
+//                   [--weights auto|mmap|copy] (where the linears live: ml4 serve --mmap / --no-mmap)
 //
 // --profile 1: after each test, the wall time per piece of the forward (the program's timed()
 // labels, summed over the measured runs; nested labels count in both) as PROFILE lines.
@@ -93,7 +94,7 @@ struct Sequence {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string model, kv_dtype = "fp8_ds_mla", dtype = "auto";
+  std::string model, kv_dtype = "fp8_ds_mla", dtype = "auto", weights = "auto";
   std::vector<int> pp = {64, 512}, tg = {64, 128};
   int reps = 3;
   bool profile = false;
@@ -105,6 +106,7 @@ int main(int argc, char** argv) {
     else if (a == "-r") reps = std::atoi(argv[i + 1]);
     else if (a == "--kv-cache-dtype") kv_dtype = argv[i + 1];
     else if (a == "--dtype") dtype = argv[i + 1];
+    else if (a == "--weights") weights = argv[i + 1];
     else if (a == "--profile") profile = std::atoi(argv[i + 1]) != 0;
     else {
       std::fprintf(stderr, "unknown option %s\n", a.c_str());
@@ -112,7 +114,7 @@ int main(int argc, char** argv) {
     }
   }
   if (model.empty() || reps <= 0) {
-    std::fprintf(stderr, "usage: cpu_model_bench --model DIR [-p 64,512] [-n 64,128] [-r 3] [--kv-cache-dtype D] [--dtype auto|bfloat16]\n");
+    std::fprintf(stderr, "usage: cpu_model_bench --model DIR [-p 64,512] [-n 64,128] [-r 3] [--kv-cache-dtype D] [--dtype auto|bfloat16] [--weights auto|mmap|copy]\n");
     return 2;
   }
   const int max_tokens = std::max(pp.empty() ? 0 : *std::max_element(pp.begin(), pp.end()),
@@ -120,6 +122,9 @@ int main(int argc, char** argv) {
   ml4::RunnerOptions opts;
   opts.kv_cache_dtype = kv_dtype;
   opts.dtype = dtype;
+  opts.weight_memory = weights == "mmap" ? ml4::WeightMemory::kMapped
+                       : weights == "copy" ? ml4::WeightMemory::kCopy
+                                           : ml4::WeightMemory::kAuto;
   opts.kv_cache_bytes = 64ll << 20;
   opts.max_model_len = max_tokens + 64;
   auto runner = ml4::CpuRunner::load(model, opts);

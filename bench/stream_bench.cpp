@@ -13,10 +13,15 @@
 // run) and the median, and the load average before and after, since the dev machine is
 // shared.
 //
-//   stream_bench [--mib 512] [--reps 10] [--threads 1,2]
+// Pages: each array is an anonymous mapping advised MADV_NOHUGEPAGE (4k: what a std::vector
+// gets where transparent_hugepage is "madvise") or MADV_HUGEPAGE (huge: 2 MiB pages, what the
+// CPU backend's weights get, model/weight_memory.h). Both are printed: the huge-page figure is
+// the ceiling for decode.
 //
-// Output, one line per (kernel, threads):
-//   STREAM kernel=read threads=2 mib=512 best_gbs=17.1 median_gbs=15.9 loadavg=3.1
+//   stream_bench [--mib 512] [--reps 10] [--threads 1,2] [--pages 4k,huge]
+//
+// Output, one line per (pages, kernel, threads):
+//   STREAM kernel=read threads=2 pages=huge mib=512 best_gbs=17.1 median_gbs=15.9 loadavg=3.1
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -28,6 +33,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <sys/mman.h>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -91,6 +98,28 @@ double run_parallel(int threads, int64_t n, F&& fn) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
+// An anonymous array of n floats, advised for 4 KiB or 2 MiB pages; first touch is the caller's.
+struct Array {
+  void* map = nullptr;
+  size_t len = 0;
+  float* data = nullptr;
+  Array(int64_t n, bool huge) {
+    const size_t page = size_t{2} << 20;
+    len = static_cast<size_t>(n) * sizeof(float) + page;
+    map = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (map == MAP_FAILED) {
+      std::perror("stream_bench: mmap");
+      std::exit(1);
+    }
+    auto* p = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(map) + page - 1) & ~(page - 1));
+    madvise(p, static_cast<size_t>(n) * sizeof(float), huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
+    data = reinterpret_cast<float*>(p);
+  }
+  ~Array() { munmap(map, len); }
+  Array(const Array&) = delete;
+  Array& operator=(const Array&) = delete;
+};
+
 std::vector<int> parse_list(const char* s) {
   std::vector<int> v;
   for (const char* p = s; *p;) {
@@ -107,12 +136,20 @@ int main(int argc, char** argv) {
   int64_t mib = 512;
   int reps = 10;
   std::vector<int> threads = {1, 2};
+  std::vector<std::string> pages = {"4k", "huge"};
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--mib")) mib = std::atoll(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--threads")) threads = parse_list(argv[i + 1]);
-    else {
-      std::fprintf(stderr, "usage: stream_bench [--mib N] [--reps N] [--threads 1,2]\n");
+    else if (!std::strcmp(argv[i], "--pages")) {
+      pages.clear();
+      for (std::string l = argv[i + 1]; !l.empty();) {
+        const size_t c = l.find(',');
+        pages.push_back(l.substr(0, c));
+        l = c == std::string::npos ? "" : l.substr(c + 1);
+      }
+    } else {
+      std::fprintf(stderr, "usage: stream_bench [--mib N] [--reps N] [--threads 1,2] [--pages 4k,huge]\n");
       return 2;
     }
   }
@@ -121,12 +158,6 @@ int main(int argc, char** argv) {
     return 2;
   }
   const int64_t n = mib * (int64_t{1} << 20) / 4;
-  std::vector<float> a(n), b(n), c(n);
-  for (int64_t i = 0; i < n; ++i) {  // first touch, outside the timing
-    a[i] = 1.0f;
-    b[i] = 2.0f;
-    c[i] = 0.5f;
-  }
   std::printf("# stream_bench: %lld MiB per array, %d reps, hardware threads %u, loadavg %.2f\n",
               static_cast<long long>(mib), reps, std::thread::hardware_concurrency(), loadavg());
   std::vector<float> sink(64);
@@ -134,25 +165,40 @@ int main(int argc, char** argv) {
     const char* name;
     int streams;
   };
-  for (const Kernel k : {Kernel{"read", 1}, Kernel{"copy", 2}, Kernel{"triad", 3}}) {
-    for (int t : threads) {
-      if (t <= 0) continue;
-      const double l0 = loadavg();
-      std::vector<double> gbs;
-      for (int r = 0; r < reps; ++r) {
-        double s = 0;
-        if (k.streams == 1) {
-          s = run_parallel(t, n, [&](int64_t b0, int64_t e0) { sink[(b0 / 4096) % 64] += read_kernel(a.data(), b0, e0); });
-        } else if (k.streams == 2) {
-          s = run_parallel(t, n, [&](int64_t b0, int64_t e0) { copy_kernel(a.data(), c.data(), b0, e0); });
-        } else {
-          s = run_parallel(t, n, [&](int64_t b0, int64_t e0) { triad_kernel(a.data(), b.data(), c.data(), 0.5f, b0, e0); });
+  for (const std::string& pg : pages) {
+    if (pg != "4k" && pg != "huge") {
+      std::fprintf(stderr, "stream_bench: --pages takes 4k and/or huge, not %s\n", pg.c_str());
+      return 2;
+    }
+    Array A(n, pg == "huge"), B(n, pg == "huge"), C(n, pg == "huge");
+    float *a = A.data, *b = B.data, *c = C.data;
+    for (int64_t i = 0; i < n; ++i) {  // first touch, outside the timing
+      a[i] = 1.0f;
+      b[i] = 2.0f;
+      c[i] = 0.5f;
+    }
+    for (const Kernel k : {Kernel{"read", 1}, Kernel{"copy", 2}, Kernel{"triad", 3}}) {
+      for (int t : threads) {
+        if (t <= 0) continue;
+        const double l0 = loadavg();
+        std::vector<double> gbs;
+        for (int r = 0; r < reps; ++r) {
+          double s = 0;
+          if (k.streams == 1) {
+            s = run_parallel(t, n, [&](int64_t b0, int64_t e0) { sink[(b0 / 4096) % 64] += read_kernel(a, b0, e0); });
+          } else if (k.streams == 2) {
+            s = run_parallel(t, n, [&](int64_t b0, int64_t e0) { copy_kernel(a, c, b0, e0); });
+          } else {
+            s = run_parallel(t, n, [&](int64_t b0, int64_t e0) { triad_kernel(a, b, c, 0.5f, b0, e0); });
+          }
+          gbs.push_back(static_cast<double>(k.streams) * n * 4 / s / 1e9);
         }
-        gbs.push_back(static_cast<double>(k.streams) * n * 4 / s / 1e9);
+        std::sort(gbs.begin(), gbs.end());
+        std::printf("STREAM kernel=%s threads=%d pages=%s mib=%lld best_gbs=%.2f median_gbs=%.2f worst_gbs=%.2f "
+                    "loadavg=%.2f-%.2f\n",
+                    k.name, t, pg.c_str(), static_cast<long long>(mib), gbs.back(), gbs[gbs.size() / 2], gbs.front(),
+                    l0, loadavg());
       }
-      std::sort(gbs.begin(), gbs.end());
-      std::printf("STREAM kernel=%s threads=%d mib=%lld best_gbs=%.2f median_gbs=%.2f worst_gbs=%.2f loadavg=%.2f-%.2f\n",
-                  k.name, t, static_cast<long long>(mib), gbs.back(), gbs[gbs.size() / 2], gbs.front(), l0, loadavg());
     }
   }
   float total = 0;

@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 
 #include "model/quant.h"
+#include "model/weight_memory.h"
 #include "model/weight_names.h"
 
 namespace ml4 {
@@ -397,6 +398,10 @@ Result<std::shared_ptr<const ModelWeights>> load_model_weights(const ModelConfig
                             .with_context("DSpark drafter"));
   }
   ML4_RETURN_IF_ERROR(b.check_all_used());
+  if (opts.copy_linears) {
+    ML4_ASSIGN_OR_RETURN(WeightCopyReport rep, copy_linears_to_memory(*W));
+    if (opts.copy_report != nullptr) *opts.copy_report = rep;
+  }
   return std::shared_ptr<const ModelWeights>(std::move(W));
 }
 

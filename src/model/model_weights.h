@@ -91,6 +91,8 @@ struct ModelWeights {
   // (CpuRunner holds both).
 };
 
+struct WeightCopyReport;  // model/weight_memory.h
+
 struct WeightLoadOptions {
   // Re-quantize FP8 routed experts to MXFP4 while loading (SYSTEM.md S1), layer by layer,
   // so at most one layer's experts exist in both formats at once.
@@ -101,6 +103,10 @@ struct WeightLoadOptions {
   // rank's local shapes (heads, hidden sizes, vocabulary rows, its routed experts only, in
   // order from shard->expert_begin). Null: the whole model.
   const WeightShard* shard = nullptr;
+  // Copy every linear into anonymous huge-page memory at the end (model/weight_memory.h,
+  // `--no-mmap`); the report, when asked for, says how much and how long.
+  bool copy_linears = false;
+  WeightCopyReport* copy_report = nullptr;
 };
 
 Result<std::shared_ptr<const ModelWeights>> load_model_weights(const ModelConfig& cfg, const Checkpoint& ckpt,

@@ -236,12 +236,17 @@ Result<std::shared_ptr<const SafetensorsFile>> SafetensorsFile::open(const std::
 
   std::shared_ptr<SafetensorsFile> f(new SafetensorsFile());
   f->path_ = path;
+  f->map_bytes_ = file_bytes;
   f->data_ = bytes + 8 + n;
   f->data_bytes_ = file_bytes - 8 - n;
   ML4_RETURN_IF_ERROR(parse_safetensors_header(path, reinterpret_cast<const char*>(bytes + 8), n, f->data_bytes_,
                                                &f->tensors_, &f->metadata_));
   f->mapping_ = std::shared_ptr<const void>(mapping, mapping->addr);
   return std::shared_ptr<const SafetensorsFile>(std::move(f));
+}
+
+void SafetensorsFile::drop_resident_pages() const {
+  if (mapping_ != nullptr) madvise(const_cast<void*>(mapping_.get()), map_bytes_, MADV_DONTNEED);
 }
 
 std::vector<std::string> SafetensorsFile::names() const {

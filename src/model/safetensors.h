@@ -64,6 +64,10 @@ class SafetensorsFile {
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
   // Size of the data region in bytes (the file minus 8 minus the header).
   uint64_t data_bytes() const { return data_bytes_; }
+  // Unmaps this process's resident pages of the file (madvise MADV_DONTNEED on the private,
+  // read-only mapping): views stay valid and fault their pages back from the page cache.
+  // For a loader that copied what it streams (model/weight_memory.h).
+  void drop_resident_pages() const;
 
   SafetensorsFile(const SafetensorsFile&) = delete;
   SafetensorsFile& operator=(const SafetensorsFile&) = delete;
@@ -73,6 +77,7 @@ class SafetensorsFile {
 
   std::string path_;
   std::shared_ptr<const void> mapping_;  // the whole file; unmapped when the last view dies
+  uint64_t map_bytes_ = 0;               // the mapping's length (the file's)
   const uint8_t* data_ = nullptr;        // start of the data region
   uint64_t data_bytes_ = 0;
   std::map<std::string, SafetensorsTensorInfo> tensors_;

@@ -9,6 +9,7 @@
 
 #include "core/status.h"
 #include "model/model_config.h"
+#include "model/weight_memory.h"
 #include "offload/hisparse.h"
 #include "parallel/communicator.h"
 #include "parallel/parallel_plan.h"
@@ -53,6 +54,9 @@ struct RunnerOptions {
   int64_t kv_cache_bytes = 256ll << 20;       // KV memory budget, split across groups
   int64_t max_model_len = 0;                  // 0: the model's max_position_embeddings
   bool experts_to_mxfp4 = false;              // re-quantize FP8 routed experts to MXFP4 at load
+  // CPU: the linears as views into the file mapping or copied into huge-page memory
+  // (model/weight_memory.h; `--mmap` / `--no-mmap`). Devices that upload ignore it.
+  WeightMemory weight_memory = WeightMemory::kAuto;
   // DSpark speculative decoding: load the checkpoint's drafter, write its context K/V in every
   // forward, give the drafter group max_num_seqs windows of blocks, and serve draft().
   bool drafter = false;

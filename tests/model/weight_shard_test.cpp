@@ -15,6 +15,7 @@
 #include "model/quant.h"
 #include "model/random_checkpoint.h"
 #include "model/temp_dir.h"
+#include "model/tiny_rank_shard.h"
 
 namespace ml4 {
 namespace {
@@ -88,12 +89,7 @@ TEST(WeightShard, LoaderBindsTheRanksSlices) {
   ASSERT_TRUE(ck.ok());
   auto whole = load_model_weights(*cfg, *ck);
   ASSERT_TRUE(whole.ok()) << whole.status().message();
-  WeightShard s;
-  s.head_begin = 2, s.heads = 2;
-  s.vocab_begin = 256, s.vocab = 256;
-  s.dense_begin = 256, s.dense = 256;
-  s.shared_begin = 64, s.shared = 64;
-  s.expert_begin = 4, s.experts = 4;
+  const WeightShard s = testing::tiny_rank_shard();
   WeightLoadOptions wo;
   wo.shard = &s;
   auto part = load_model_weights(*cfg, *ck, wo);

@@ -25,6 +25,7 @@
 #include "parallel/mpi_env.h"
 #include "parallel/rank_layout.h"
 #include "runtime/cpu/cpu_runner.h"
+#include "runtime/latency_decode.h"
 #include "runtime/model_runner.h"
 #include "runtime/parallel_runner.h"
 #if defined(ML4_WITH_CUDA)
@@ -40,6 +41,8 @@ struct DeviceOptions {
   bool batch_invariant = false;
   std::string dtype = "auto";  // cpu: the linears' activations (RunnerOptions::dtype)
   std::string quantization = "auto";  // mxfp4: RunnerOptions::experts_to_mxfp4
+  bool mmap = false, no_mmap = false;  // cpu: RunnerOptions::weight_memory (neither: auto)
+  std::string decode_backend = "standard";  // runtime/latency_decode.h
   CLI::Option* kv_bytes_option = nullptr;  // set by add_device_options' caller
   ParallelConfig parallel;
 };
@@ -88,6 +91,20 @@ inline void add_device_options(CLI::App* cmd, DeviceOptions* d) {
                   "checkpoints are refused with it")
       ->check(CLI::IsMember({"auto", "mxfp4"}))
       ->capture_default_str();
+  cmd->add_option("--decode-backend", d->decode_backend,
+                  "standard, or latency_specialized: pure-decode steps of 1, 2 or 4 requests as one resident kernel "
+                  "per layer that fails closed (bounded waits, a sticky fault word). A configuration it does not "
+                  "support is refused at start-up with every reason listed; it never falls back")
+      ->check(CLI::IsMember({"standard", "latency_specialized"}))
+      ->capture_default_str();
+  auto* no_mmap = cmd->add_flag("--no-mmap", d->no_mmap,
+                                "cpu: copy the linear weights into memory advised for huge pages (faster decode: "
+                                "decode streams every weight per token); the default for checkpoints of 256 MiB "
+                                "and more that fit in half of the available memory. llama.cpp's flag");
+  cmd->add_flag("--mmap", d->mmap,
+                "cpu: run the linear weights from the checkpoint's file mapping (page cache, shared between "
+                "processes; the default for checkpoints under 256 MiB or over half of the available memory)")
+      ->excludes(no_mmap);
   cmd->add_option("--tensor-parallel-size", d->parallel.tensor_parallel_size,
                   "-tp: ranks the attention heads, FFN and vocabulary are split over (one process per rank)")
       ->check(CLI::PositiveNumber);
@@ -114,6 +131,7 @@ inline Result<std::unique_ptr<ModelRunner>> load_local_runner_on(const DeviceOpt
   if (d.device == "cpu") {
     RunnerOptions o = ro;
     o.dtype = d.dtype;
+    o.weight_memory = d.no_mmap ? WeightMemory::kCopy : d.mmap ? WeightMemory::kMapped : WeightMemory::kAuto;
     return load_cpu_runner(model, o);
   }
   if (d.dtype != "auto")
@@ -135,8 +153,26 @@ inline Result<std::unique_ptr<ModelRunner>> load_local_runner_on(const DeviceOpt
 
 // The runner a command drives. Under parallelism a worker rank never returns: it serves rank
 // 0's steps and then ends the process (0 when rank 0 stopped the group, 1 on a failure).
+// The start-up check of --decode-backend (runtime/latency_decode.h): every reason at once.
+inline Status check_decode_backend_on(const DeviceOptions& d, const std::string& model, const RunnerOptions& ro) {
+  if (d.decode_backend == "standard") return Status::ok();
+  LatencyDecodeSetup s;
+  s.device = d.device;
+  s.cuda_graphs = d.cuda_graphs;
+  s.batch_invariant = d.batch_invariant;
+  s.kv_cache_dtype = ro.kv_cache_dtype;
+  s.quantization = d.quantization;
+  s.parallel = d.parallel;
+  s.speculative = ro.drafter;
+  s.hisparse = ro.hisparse.enabled;
+  auto cfg = load_model_config(model);  // a bad model directory is reported by the load itself
+  if (cfg.ok()) s.model = &cfg.value();
+  return check_decode_backend(d.decode_backend, s);
+}
+
 inline Result<std::unique_ptr<ModelRunner>> load_runner_on(const DeviceOptions& d, const std::string& model,
                                                            const RunnerOptions& ro) {
+  ML4_RETURN_IF_ERROR(check_decode_backend_on(d, model, ro));
   const int launched = MpiEnv::launched_world_size();
   if (!d.parallel.parallel() && launched == 1) return load_local_runner_on(d, model, ro);
   ML4_RETURN_IF_ERROR(d.parallel.validate());

@@ -26,7 +26,9 @@ Phases, each bounded in wall time (the whole command must fit one 10-minute GPU 
    indexer's top-k and with dense attention; the same chunks `ml4 perplexity` reads
    (<s> + ctx-1 tokens of val_<group>.txt, every predicted token scored).
 4. drafter: the frozen target's hidden states, --drafter-seconds of training distilling the
-   target's next-token distribution at every block slot; export again with mtp_dspark.*.
+   target's next-token distribution at every block slot; export again with mtp_dspark.*. With
+   --drafter-data (gen_drafter_data.py), --drafter-data-frac of the batches are the target's own
+   continuations, anchored in their generated part (on-policy, as the engine meets them).
 5. acceptance length on held-out text, greedy and at temperature 1 (verification as the
    engine does it: greedy = longest matching prefix + 1; T=1 = rejection sampling with drafts
    sampled from the drafter, accept with min(1, p/q)).
@@ -426,7 +428,32 @@ def evaluate_ppl(model, data, ctx, n_chunks, dense=False):
     return res
 
 
-def train_drafter(a, p, data, model, drafter, logger):
+class GeneratedRows:
+    """The target's own continuations (gen_drafter_data.py): uint16 rows of prompt + generated
+    tokens; batch() draws whole rows."""
+
+    def __init__(self, path, device):
+        meta = json.load(open(path + ".json"))
+        with open(path, "rb") as f:
+            flat = np.frombuffer(lzma.decompress(f.read()), dtype=np.uint16).astype(np.int64)
+        rows = flat.reshape(meta["rows"], meta["row_len"])
+        self.prompt_len = meta["prompt_len"]
+        self.device = device
+        # The last tenth (at least one row) is held out: acceptance on the target's own text.
+        n_out = max(1, rows.shape[0] // 10) if rows.shape[0] > 1 else 0
+        self.rows, self.held_out = rows[:rows.shape[0] - n_out], rows[rows.shape[0] - n_out:]
+
+    def batch(self, B, rng):
+        x = torch.from_numpy(self.rows[rng.integers(0, self.rows.shape[0], size=B)])
+        return x.to(self.device, non_blocking=True)
+
+    def held_out_positions(self, S):
+        """Anchors in the generated part: its start, middle and last full block."""
+        L = self.held_out.shape[1]
+        return sorted({self.prompt_len + 16, (self.prompt_len + L) // 2, L - S - 2})
+
+
+def train_drafter(a, p, data, model, drafter, logger, gen=None):
     dev = data.device
     opt = torch.optim.AdamW(param_groups(drafter, 0.0), lr=a.drafter_lr, betas=(0.9, 0.95), fused=dev.type == "cuda")
     model.eval()
@@ -437,19 +464,27 @@ def train_drafter(a, p, data, model, drafter, logger):
     S = drafter.B - 1
     slot_w = a.drafter_slot_decay ** torch.arange(S, dtype=torch.float32, device=dev)
     slot_w = slot_w / slot_w.sum()  # early slots decide the acceptance length: they weigh more
+    if gen is not None:
+        log(f"drafter data: {gen.rows.shape[0]} rows of {gen.rows.shape[1]} tokens (prompt {gen.prompt_len}) "
+            f"from {a.drafter_data}, {a.drafter_data_frac:.0%} of the batches")
     start, step = time.time(), 0
-    T = a.drafter_seq
     last_log = start
     while time.time() - start < a.drafter_seconds and step < a.max_steps:
         progress = (time.time() - start) / a.drafter_seconds
         for g in opt.param_groups:
             g["lr"] = lr_at(progress, a.drafter_lr, 0.05)
         if step % a.drafter_reuse == 0:  # one target forward feeds --drafter-reuse drafter steps
-            x, _, _ = data.batch(a.drafter_batch, T, rng, a.passkey_frac / 4)
+            if gen is not None and rng.random() < a.drafter_data_frac:
+                # The target's own continuations (gen_drafter_data.py): anchors in the generated part.
+                x = gen.batch(a.drafter_batch, rng)
+                T, lo = x.shape[1] - 1, gen.prompt_len
+            else:
+                T, lo = a.drafter_seq, 16
+                x, _, _ = data.batch(a.drafter_batch, T, rng, a.passkey_frac / 4)
             with torch.no_grad(), autocast(dev):
                 out = model(x, sparse=True, hidden_layers=tuple(drafter.target_layers), stable_ties=False)
                 tprob = out["logits"].float().softmax(-1)  # row i predicts token i+1
-        anchors = torch.randint(16, T - S, (a.drafter_batch, a.drafter_anchors), generator=trng).to(dev)
+        anchors = torch.randint(lo, T - S, (a.drafter_batch, a.drafter_anchors), generator=trng).to(dev)
         slot0 = torch.gather(x, 1, anchors)
         idx = anchors[:, :, None] + torch.arange(S, device=dev)  # tokens at P..P+S-1 feed slots 1..S
         prev = torch.gather(x, 1, idx.view(a.drafter_batch, -1)).view(a.drafter_batch, -1, S)
@@ -478,9 +513,6 @@ def train_drafter(a, p, data, model, drafter, logger):
 def acceptance(model, drafter, data, n_seq, positions, seed):
     """Mean acceptance length (tokens per target step: accepted drafts + 1) on val text."""
     tk = data.tk
-    dev = data.device
-    g = torch.Generator(device=dev).manual_seed(seed)
-    S = drafter.B - 1
     seqs = []
     for grp in data.groups:
         ids = tk.encode(data.val_text[grp])
@@ -488,7 +520,15 @@ def acceptance(model, drafter, data, n_seq, positions, seed):
         for i in range(n_seq):
             if (i + 1) * L <= len(ids):
                 seqs.append([tk.bos] + ids[i * L:(i + 1) * L - 1])
-    x = torch.tensor(seqs, device=dev)
+    return acceptance_on(model, drafter, torch.tensor(seqs, device=data.device), positions, seed)
+
+
+@torch.no_grad()
+def acceptance_on(model, drafter, x, positions, seed):
+    """acceptance() over the rows x [N, L] at the given positions (each < L)."""
+    dev = x.device
+    g = torch.Generator(device=dev).manual_seed(seed)
+    S = drafter.B - 1
     res = {}
     for mode in ("greedy", "t1"):
         acc_all, per_slot = [], torch.zeros(S, device=dev)
@@ -606,6 +646,10 @@ def main():
     ap.add_argument("--drafter-anchors", type=int, default=128)
     ap.add_argument("--drafter-slot-decay", type=float, default=0.8, help="loss weight of slot j ~ decay^(j-1)")
     ap.add_argument("--drafter-reuse", type=int, default=2, help="drafter steps (fresh anchors) per target forward")
+    ap.add_argument("--drafter-data", default="", help="gen_drafter_data.py's file: the target's own continuations")
+    ap.add_argument("--drafter-data-frac", type=float, default=0.75, help="share of drafter batches from --drafter-data")
+    ap.add_argument("--drafter-from-target", action="store_true", help="with --target-from: start the drafter from "
+                    "that file's mtp_dspark.* tensors (continue training the shipped drafter)")
     ap.add_argument("--eval-ctx", type=int, default=4096)
     ap.add_argument("--eval-chunks", type=int, default=2)
     ap.add_argument("--eval-every", type=float, default=30)
@@ -616,6 +660,7 @@ def main():
     ap.add_argument("--passkey-n", type=int, default=10)
     ap.add_argument("--accept-seqs", type=int, default=8)
     ap.add_argument("--accept-positions", type=int, nargs="*", default=[256, 768, 1536])
+    ap.add_argument("--accept-generated-rows", type=int, default=128, help="held-out rows of --drafter-data measured")
     ap.add_argument("--sample-tokens", type=int, default=40)
     ap.add_argument("--deadline", type=float, default=560, help="seconds after start when optional work stops")
     ap.add_argument("--log-every", type=float, default=10)
@@ -663,9 +708,10 @@ def main():
             return None
 
     if a.target_from:
-        load_into(model, None, {k: v.to(dev) for k, v in dequantized_state(a.target_from).items()
-                                if not k.startswith("mtp_dspark.")})
-        log(f"target from {a.target_from} (FP8 decoded)")
+        state = {k: v.to(dev) for k, v in dequantized_state(a.target_from).items()}
+        load_into(model, drafter if a.drafter_from_target else None,
+                  state if a.drafter_from_target else {k: v for k, v in state.items() if not k.startswith("mtp_dspark.")})
+        log(f"target from {a.target_from} (FP8 decoded)" + (", drafter too" if a.drafter_from_target else ""))
     if a.target_seconds > 0:
         results["target_training"] = train_target(a, p, data, model, logger, a.out, results)
         write_results()
@@ -697,13 +743,20 @@ def main():
         write_results()
     if a.drafter_seconds > 0:
         def draft():
-            results["drafter_training"] = train_drafter(a, p, data, model, drafter, logger)
+            gen = GeneratedRows(a.drafter_data, dev) if a.drafter_data else None
+            results["drafter_training"] = train_drafter(a, p, data, model, drafter, logger, gen)
             size = export(model, drafter, p, None, a.out, target_file=a.target_from or None)
             save_ckpt(a.out, model, drafter, {"phase": "drafter", "time": time.time() - T0})
             log(f"exported target + drafter: {size / 2**20:.2f} MiB")
             drafter.eval()
             results["acceptance"] = acceptance(model, drafter, data, a.accept_seqs, a.accept_positions, a.seed)
             log(f"acceptance: {results['acceptance']}")
+            if gen is not None and len(gen.held_out):
+                pos = gen.held_out_positions(drafter.B - 1)
+                x = torch.from_numpy(gen.held_out[:a.accept_generated_rows]).to(dev)
+                results["acceptance_generated"] = dict(acceptance_on(model, drafter, x, pos, a.seed),
+                                                       rows=int(x.shape[0]), positions=pos)
+                log(f"acceptance on the target's own held-out text: {results['acceptance_generated']}")
         phase("drafter", draft)
         write_results()
 

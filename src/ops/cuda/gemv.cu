@@ -134,12 +134,7 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const float* __restri
 #pragma unroll
   for (int m = 0; m < M; ++m)
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      float v = acc[m][r];
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      acc[m][r] = v;
-    }
+    for (int r = 0; r < R; ++r) acc[m][r] = gemv_stream::warp_sum(acc[m][r]);
   if (lane == 0) {
     float* out = y + blockIdx.y * slice_stride;
 #pragma unroll

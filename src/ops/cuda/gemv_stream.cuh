@@ -47,6 +47,13 @@ constexpr int kStU = 8;  // quads per row per thread in one load batch
 
 enum StConv { kConvF16Int = 0, kConvF16Hw = 1, kConvF32Int = 2 };
 
+// The warp's sum of v in every lane, by the xor-shuffle tree (a fixed order: deterministic).
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
 // The grouped-launch fields both GEMV kernels share (offsets != null): one block column per
 // slot; slot 0 is the extra (shared) expert when extra_w != null, the others index active[1 + j].
 struct GroupedArgs {
@@ -153,9 +160,7 @@ __device__ __forceinline__ void reduce_store(const float (&acc)[M][R], float (&r
   for (int m = 0; m < M; ++m)
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      float v = acc[m][r];
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      const float v = warp_sum(acc[m][r]);
       if (lane == 0) red[warp][m * R + r] = v;
     }
   __syncthreads();

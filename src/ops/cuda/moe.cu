@@ -253,8 +253,8 @@ Status moe_combine(const MoeCombineParams& p) {
   return cuda_status(cudaGetLastError(), "combine_kernel");
 }
 
-Status MoeScratch::reserve(int64_t rows, int64_t D, int64_t I, int E) {
-  if (rows <= max_rows) return Status::ok();
+Status MoeScratch::reserve(int64_t rows, int64_t D, int64_t I, int E, bool grouped_gemm) {
+  if (rows <= max_rows && (!grouped_gemm || max_tiles > 0)) return Status::ok();
   ML4_ASSIGN_OR_RETURN(xs, DeviceBuffer::alloc(rows * D * 4));
   // g, u, y: the routed rows, then (grouped decode path) the shared expert's T <= rows.
   ML4_ASSIGN_OR_RETURN(g, DeviceBuffer::alloc(2 * rows * I * 4));
@@ -270,12 +270,17 @@ Status MoeScratch::reserve(int64_t rows, int64_t D, int64_t I, int E) {
                                                                            1) * std::max(D, I) * 4));
   const int64_t wide = std::max(D, I);
   ML4_RETURN_IF_ERROR(lin.reserve(rows * wide, rows * ((wide + 127) / 128)));
-  max_tiles = moe_gemm_max_tiles(2 * rows, E + 1);
-  ML4_ASSIGN_OR_RETURN(cursor, DeviceBuffer::alloc((E + 1) * 4));
-  ML4_ASSIGN_OR_RETURN(tiles, DeviceBuffer::alloc(max_tiles * sizeof(MoeTile)));
-  ML4_ASSIGN_OR_RETURN(num_tiles, DeviceBuffer::alloc(4));
-  ML4_ASSIGN_OR_RETURN(q, DeviceBuffer::alloc(2 * rows * wide));
-  ML4_ASSIGN_OR_RETURN(q_scale, DeviceBuffer::alloc(2 * rows * ((wide + 127) / 128) * 4));
+  max_tiles = 0;
+  for (DeviceBuffer* d : {&cursor, &tiles, &num_tiles, &q, &q_scale}) *d = DeviceBuffer{};
+  if (grouped_gemm) {
+    const int64_t tiles_max = moe_gemm_max_tiles(2 * rows, E + 1);
+    ML4_ASSIGN_OR_RETURN(cursor, DeviceBuffer::alloc((E + 1) * 4));
+    ML4_ASSIGN_OR_RETURN(tiles, DeviceBuffer::alloc(tiles_max * sizeof(MoeTile)));
+    ML4_ASSIGN_OR_RETURN(num_tiles, DeviceBuffer::alloc(4));
+    ML4_ASSIGN_OR_RETURN(q, DeviceBuffer::alloc(2 * rows * wide));
+    ML4_ASSIGN_OR_RETURN(q_scale, DeviceBuffer::alloc(2 * rows * ((wide + 127) / 128) * 4));
+    max_tiles = tiles_max;
+  }
   host_offsets.resize(E + 1);
   max_rows = rows;
   return Status::ok();
@@ -473,6 +478,9 @@ Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shar
   const bool slot = shared != nullptr;
   const int64_t rows = n + (slot ? T : 0);
   const int64_t tiles = moe_gemm_max_tiles(rows, tb.E + (slot ? 1 : 0));
+  if (tiles > s.max_tiles)
+    return internal_error("moe grouped GEMM: {} tiles, the scratch holds {} (reserved without grouped_gemm?)", tiles,
+                          s.max_tiles);
   MoePermuteGemmParams pp;
   pp.ids = ids;
   pp.T = T;

@@ -69,14 +69,16 @@ struct DeviceMlp {
 
 // Scratch for mlp_forward / moe_experts_forward, sized once for max_rows rows.
 struct MoeScratch {
-  Status reserve(int64_t max_rows, int64_t D, int64_t I, int E);
+  // grouped_gemm: also the grouped-GEMM path's buffers (cursor .. q_scale; 2 x rows x max(D, I)
+  // bytes and more), which a backend with that path off does not pay for.
+  Status reserve(int64_t max_rows, int64_t D, int64_t I, int E, bool grouped_gemm = true);
   DeviceBuffer xs, g, u, y;  // [rows, D], [rows, I], [rows, I], [rows, D] f32
   DeviceBuffer offsets, perm_token, inv, active;
   DeviceBuffer row_src, gemv_ws;  // decode path: token of each (t, k) row; GEMV split-K partials
   // Grouped-GEMM path (moe_gemm.h): per-expert cursors, tile list and count, e4m3 rows
   // (x, then the hidden activation) and their per-row scales [rows][cols / 128].
   DeviceBuffer cursor, tiles, num_tiles, q, q_scale;
-  int64_t max_tiles = 0;
+  int64_t max_tiles = 0;  // 0: reserved without the grouped-GEMM buffers
   LinearScratch lin;
   std::vector<int32_t> host_offsets;
   int64_t max_rows = 0;

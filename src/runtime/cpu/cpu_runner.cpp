@@ -6,6 +6,7 @@
 #include "kv/kv_cache_dtype.h"
 #include "model/config_loader.h"
 #include "model/model_weights.h"
+#include "model/weight_memory.h"
 #include "runtime/pcp_split.h"
 
 namespace ml4 {
@@ -19,7 +20,16 @@ Result<std::unique_ptr<CpuRunner>> CpuRunner::load(const std::string& model_dir,
   wo.experts_to_mxfp4 = opts.experts_to_mxfp4;
   wo.load_drafter = opts.drafter;
   if (opts.plan != nullptr) wo.shard = &opts.plan->shard();  // a parallel rank reads its shard only
+  wo.copy_linears = opts.weight_memory == WeightMemory::kCopy ||
+                    (opts.weight_memory == WeightMemory::kAuto && copy_pays_off(*ckpt));
+  WeightCopyReport copied;
+  wo.copy_report = &copied;
   ML4_ASSIGN_OR_RETURN(auto weights, load_model_weights(cfg, *ckpt, wo));
+  if (wo.copy_linears) {
+    for (const auto& f : ckpt->files()) f->drop_resident_pages();  // the copy is what runs
+    ML4_LOG_INFO("cpu runner: {:.2f} GB of linear weights in memory ({} tensors, huge pages {}, {:.2f} s)",
+                 copied.bytes / 1e9, copied.tensors, copied.huge_pages ? "advised" : "refused", copied.seconds);
+  }
   ML4_ASSIGN_OR_RETURN(auto r, create(opts.plan != nullptr ? opts.plan->local_config() : cfg, weights, opts,
                                       duplicate_shared_kv));
   r->ckpt_ = ckpt;

@@ -315,7 +315,8 @@ Status CudaBackend::ensure_buffers(int64_t T, int64_t R, int64_t S, int64_t maxb
       ML4_RETURN_IF_ERROR(f(b.draft_samp_ws, static_cast<int64_t>(sample_rows_workspace_bytes(ns, V)), 1));
     }
     b.moe = MoeScratch{};
-    ML4_RETURN_IF_ERROR(b.moe.reserve(n * K, D, std::max<int64_t>(max_hidden_, 1), static_cast<int>(E)));
+    ML4_RETURN_IF_ERROR(
+        b.moe.reserve(n * K, D, std::max<int64_t>(max_hidden_, 1), static_cast<int>(E), opts_.grouped_moe_gemm));
     b.T = n;
   }
   if (R > b.R) {

@@ -202,7 +202,10 @@ class CudaBackend : public Backend {
   int64_t kv_bytes() const { return kv_bytes_; }
   int64_t overlapped_layers() const { return overlapped_layers_; }
   void set_overlap_indexer(bool on) { opts_.overlap_indexer = on; }
-  void set_grouped_moe_gemm(bool on) { opts_.grouped_moe_gemm = on; }
+  void set_grouped_moe_gemm(bool on) {  // the next step reserves (or drops) the path's buffers
+    opts_.grouped_moe_gemm = on;
+    if (buf_) buf_->T = 0;
+  }
   void set_profile(std::map<std::string, double>* p) { profile_ = p; }
   Status fill_kv_synthetic(uint64_t seed);
   bool drafter_enabled() const { return drafter_; }
