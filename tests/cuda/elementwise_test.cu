@@ -16,6 +16,7 @@
 #include "ops/cpu/norm.h"
 #include "ops/cpu/rope.h"
 #include "ops/cuda/elementwise.h"
+#include "ops/cuda/gemm.h"
 
 namespace ml4::cuda {
 namespace {
@@ -287,6 +288,81 @@ TEST(CudaElementwise, MlaAbsorptionMatchesF64) {
       } else {
         EXPECT_EQ(std::memcmp(gq.data(), first_q.data(), gq.size() * 4), 0) << "W_UK not repeatable";
         EXPECT_EQ(std::memcmp(go.data(), first_o.data(), go.size() * 4), 0) << "W_UV not repeatable";
+      }
+    }
+  }
+}
+
+// The absorption as strided-batched TF32 GEMMs (prefill-sized steps outside exact mode):
+// against f64 on ml4's width and on toy shapes, with heads' rows interleaved as the runner
+// lays them out. Bound: TF32 keeps 10 mantissa bits, so each rounded input is off by up to
+// 2^-11 relative (RMS ~2.8e-4 if rounded, ~5.6e-4 if truncated); a product carries two such
+// errors, and over sums of independent random terms the relative L2 error of the result is
+// that of one term, <= ~8e-4. Bound 3e-3 leaves room; the f32 kernels sit at 1e-6.
+TEST(CudaElementwise, MlaAbsorptionGemmMatchesF64) {
+  ML4_REQUIRE_GPU();
+  auto lt = LtGemm::create();
+  ML4_ASSERT_OK(lt.status());
+  struct Shape { int H, dn, dv, r, q_stride, q_offset; int64_t T; };
+  const Shape shapes[] = {{64, 128, 128, 512, 192, 0, 200}, {4, 32, 32, 128, 48, 0, 70}, {3, 24, 12, 132, 40, 8, 65}};
+  uint32_t seed = 900;
+  for (const Shape& sh : shapes) {
+    auto q = randn(sh.T * sh.H * sh.q_stride, ++seed);
+    auto wuk = randn(int64_t{sh.H} * sh.dn * sh.r, ++seed, 0.05f);
+    auto lat = randn(sh.T * sh.H * sh.r, ++seed);
+    auto wuv = randn(int64_t{sh.H} * sh.dv * sh.r, ++seed, 0.05f);
+    std::vector<double> ref_q(sh.T * sh.H * sh.r, 0.0), ref_o(sh.T * sh.H * sh.dv, 0.0);
+    for (int64_t t = 0; t < sh.T; ++t)
+      for (int h = 0; h < sh.H; ++h) {
+        double* rq = &ref_q[(t * sh.H + h) * sh.r];
+        for (int d = 0; d < sh.dn; ++d) {
+          const double qv = q[(t * sh.H + h) * sh.q_stride + sh.q_offset + d];
+          const float* w = &wuk[(int64_t{h} * sh.dn + d) * sh.r];
+          for (int j = 0; j < sh.r; ++j) rq[j] += qv * w[j];
+        }
+        for (int d = 0; d < sh.dv; ++d) {
+          double a = 0;
+          const float* w = &wuv[(int64_t{h} * sh.dv + d) * sh.r];
+          const float* l = &lat[(t * sh.H + h) * sh.r];
+          for (int j = 0; j < sh.r; ++j) a += double{w[j]} * l[j];
+          ref_o[(t * sh.H + h) * sh.dv + d] = a;
+        }
+      }
+    auto dq = to_device(q), dwuk = to_device(wuk), dlat = to_device(lat), dwuv = to_device(wuv);
+    std::vector<float> first_q, first_o;
+    for (int rep = 0; rep < 2; ++rep) {
+      auto dql = poisoned<float>(ref_q.size());
+      auto dout = poisoned<float>(ref_o.size());
+      MlaAbsorbParams p;
+      p.T = sh.T;
+      p.H = sh.H;
+      p.dn = sh.dn;
+      p.dv = sh.dv;
+      p.r = sh.r;
+      p.q = dq.as<float>();
+      p.q_stride = sh.q_stride;
+      p.q_offset = sh.q_offset;
+      p.w_uk = dwuk.as<float>();
+      p.q_lat = dql.as<float>();
+      p.lat = dlat.as<float>();
+      p.w_uv = dwuv.as<float>();
+      p.o = dout.as<float>();
+      ML4_ASSERT_OK(mla_absorb_q_gemm(**lt, p));
+      ML4_ASSERT_OK(mla_apply_uv_gemm(**lt, p));
+      sync();
+      auto gq = to_host<float>(dql, ref_q.size());
+      auto go = to_host<float>(dout, ref_o.size());
+      const double eq = rel_err(gq, ref_q), eo = rel_err(go, ref_o);
+      if (rep == 0) {
+        std::printf("mla absorption GEMM (tf32) H=%d dn=%d dv=%d r=%d T=%ld: W_UK rel_err=%.3g, W_UV rel_err=%.3g "
+                    "(bound 3e-3)\n", sh.H, sh.dn, sh.dv, sh.r, static_cast<long>(sh.T), eq, eo);
+        EXPECT_LT(eq, 3e-3);
+        EXPECT_LT(eo, 3e-3);
+        first_q = gq;
+        first_o = go;
+      } else {
+        EXPECT_EQ(std::memcmp(gq.data(), first_q.data(), gq.size() * 4), 0) << "W_UK GEMM not repeatable";
+        EXPECT_EQ(std::memcmp(go.data(), first_o.data(), go.size() * 4), 0) << "W_UV GEMM not repeatable";
       }
     }
   }

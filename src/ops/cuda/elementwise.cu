@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "ops/cuda/cuda_common.h"
+#include "ops/cuda/gemm.h"
 
 namespace ml4::cuda {
 namespace {
@@ -472,6 +473,29 @@ Status mla_apply_uv(const MlaAbsorbParams& p) {
   }
   apply_uv_kernel<<<dim3(static_cast<unsigned>(p.T), p.H), 256, 0, p.stream>>>(p);
   return cuda_status(cudaGetLastError(), "apply_uv_kernel");
+}
+
+// Per head h (batch entry), cuBLASLt's column-major view of the row-major tensors:
+//   q_lat_h^T [r, T]  = W_UK[h]^T [r, dn] (W_UK[h] row-major [dn, r] read as is) q_h^T [dn, T]
+//   o_h^T     [dv, T] = W_UV[h] [dv, r] (row-major [dv, r]: col-major [r, dv], transposed) lat_h^T [r, T]
+// with the token rows H * (row width) apart and the heads (row width) apart.
+Status mla_absorb_q_gemm(LtGemm& lt, const MlaAbsorbParams& p) {
+  if (p.T <= 0 || p.H <= 0 || p.dn <= 0 || p.r <= 0 || p.q_offset + p.dn > p.q_stride)
+    return invalid_argument("mla_absorb_q_gemm: bad shape");
+  if (!p.q || !p.w_uk || !p.q_lat) return invalid_argument("mla_absorb_q_gemm: null pointer");
+  return lt.f32_batched({.a = p.w_uk, .lda = p.r, .stride_a = int64_t{p.dn} * p.r,
+                         .b = p.q + p.q_offset, .ldb = int64_t{p.H} * p.q_stride, .stride_b = p.q_stride,
+                         .d = p.q_lat, .ldd = int64_t{p.H} * p.r, .stride_d = p.r,
+                         .m = p.r, .n = p.T, .k = p.dn, .batch = p.H, .stream = p.stream});
+}
+
+Status mla_apply_uv_gemm(LtGemm& lt, const MlaAbsorbParams& p) {
+  if (p.T <= 0 || p.H <= 0 || p.dv <= 0 || p.r <= 0) return invalid_argument("mla_apply_uv_gemm: bad shape");
+  if (!p.lat || !p.w_uv || !p.o) return invalid_argument("mla_apply_uv_gemm: null pointer");
+  return lt.f32_batched({.a = p.w_uv, .lda = p.r, .stride_a = int64_t{p.dv} * p.r, .trans_a = true,
+                         .b = p.lat, .ldb = int64_t{p.H} * p.r, .stride_b = p.r,
+                         .d = p.o, .ldd = int64_t{p.H} * p.dv, .stride_d = p.dv,
+                         .m = p.dv, .n = p.T, .k = p.r, .batch = p.H, .stream = p.stream});
 }
 
 Status cast_f32_bf16(const float* x, int64_t n, void* out, cudaStream_t stream) {

@@ -27,6 +27,8 @@
 
 namespace ml4::cuda {
 
+class LtGemm;
+
 struct RmsNormParams {
   const float* x = nullptr;   // [rows, dim]
   float* residual = nullptr;  // [rows, dim] or null; when set: residual += x, normalize residual
@@ -122,6 +124,12 @@ struct MlaAbsorbParams {
 };
 Status mla_absorb_q(const MlaAbsorbParams& p);
 Status mla_apply_uv(const MlaAbsorbParams& p);
+// The same two products as strided-batched GEMMs on the tensor cores, one batch entry per head
+// (LtGemm::f32_batched, TF32: inputs rounded to 10-bit mantissas, f32 sums; ~5e-4 relative
+// against the kernels above), for prefill-sized steps outside exact mode (issue 18). A shape
+// cuBLASLt refuses comes back as kUnimplemented; the caller then runs the kernels above.
+Status mla_absorb_q_gemm(LtGemm& lt, const MlaAbsorbParams& p);
+Status mla_apply_uv_gemm(LtGemm& lt, const MlaAbsorbParams& p);
 
 // out[i] = bf16(x[i]) (RNE), n values.
 Status cast_f32_bf16(const float* x, int64_t n, void* out, cudaStream_t stream);

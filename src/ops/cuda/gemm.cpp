@@ -34,16 +34,35 @@ Result<std::unique_ptr<LtGemm>> LtGemm::create(size_t workspace_bytes) {
 }
 
 LtGemm::~LtGemm() {
-  for (auto& [k, p] : plans_) {
-    if (p.op) cublasLtMatmulDescDestroy(p.op);
-    if (p.a) cublasLtMatrixLayoutDestroy(p.a);
-    if (p.b) cublasLtMatrixLayoutDestroy(p.b);
-    if (p.d) cublasLtMatrixLayoutDestroy(p.d);
-  }
+  for (auto& [k, p] : plans_) destroy(p);
+  for (auto& [k, p] : batched_plans_) destroy(p);
   if (workspace_) cudaFree(workspace_);
   if (tbuf_) cudaFree(tbuf_);
   if (own_ws_) cudaFree(own_ws_);
   if (handle_) cublasLtDestroy(handle_);
+}
+
+void LtGemm::destroy(Plan& p) {
+  if (p.op) cublasLtMatmulDescDestroy(p.op);
+  if (p.a) cublasLtMatrixLayoutDestroy(p.a);
+  if (p.b) cublasLtMatrixLayoutDestroy(p.b);
+  if (p.d) cublasLtMatrixLayoutDestroy(p.d);
+  p = Plan{};
+}
+
+Status LtGemm::pick_algo(Plan& p, const std::string& what) {
+  cublasLtMatmulPreference_t pref = nullptr;
+  ML4_LT_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&pref));
+  const uint64_t ws = workspace_bytes_;
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+  cublasLtMatmulHeuristicResult_t res{};
+  int found = 0;
+  cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(handle_, p.op, p.a, p.b, p.d, p.d, pref, 1, &res, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (hs != CUBLAS_STATUS_SUCCESS || found == 0)
+    return unimplemented("cuBLASLt has no {} ({})", what, cublasGetStatusString(hs));
+  p.algo = res.algo;
+  return Status::ok();
 }
 
 Result<LtGemm::Plan*> LtGemm::plan(int kind, DType y_dtype, int64_t M, int64_t N, int64_t K, const float* x_scale,
@@ -91,34 +110,14 @@ Result<LtGemm::Plan*> LtGemm::plan(int kind, DType y_dtype, int64_t M, int64_t N
       ML4_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&p.b, in_t, K, N, K));
       ML4_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&p.d, out_t, M, N, M));
     }
-    cublasLtMatmulPreference_t pref = nullptr;
-    ML4_LT_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&pref));
-    const uint64_t ws = workspace_bytes_;
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
-    cublasLtMatmulHeuristicResult_t res{};
-    int found = 0;
-    cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(handle_, p.op, p.a, p.b, p.d, p.d, pref, 1, &res, &found);
-    cublasLtMatmulPreferenceDestroy(pref);
-    if (hs != CUBLAS_STATUS_SUCCESS || found == 0) {
-      return unimplemented("cuBLASLt has no {} GEMM for M={} N={} K={} -> {} ({})",
-                           kind == 0 ? "bf16" : kind == 1 ? "fp8 block-scaled" : "f32", M, N, K, dtype_name(y_dtype),
-                           cublasGetStatusString(hs));
-    }
-    p.algo = res.algo;
-    return Status::ok();
-  };
-  auto cleanup = [](Plan& p) {
-    if (p.op) cublasLtMatmulDescDestroy(p.op);
-    if (p.a) cublasLtMatrixLayoutDestroy(p.a);
-    if (p.b) cublasLtMatrixLayoutDestroy(p.b);
-    if (p.d) cublasLtMatrixLayoutDestroy(p.d);
-    p = Plan{};
+    return pick_algo(p, fmt::format("{} GEMM for M={} N={} K={} -> {}", kind == 0 ? "bf16" : kind == 1 ? "fp8 block-scaled" : "f32",
+                                    M, N, K, dtype_name(y_dtype)));
   };
   // FP8 runs swapped only: W-as-A was refused for every shape on the H200 (gemm.h).
   Plan p;
   Status st = attempt(p, kind == 1);
   if (!st.is_ok()) {
-    cleanup(p);
+    destroy(p);
     failed_.emplace(key, st);
     return st;
   }
@@ -217,6 +216,56 @@ Status LtGemm::f32(const GemmF32Params& p) {
   return lt_status(cublasLtMatmul(handle_, pl->op, &alpha, p.w, pl->a, p.x, pl->b, &beta, p.y, pl->d, p.y, pl->d,
                                   &pl->algo, workspace_, workspace_bytes_, p.stream),
                    "cublasLtMatmul(f32)");
+}
+
+Status LtGemm::f32_batched(const GemmBatchedF32Params& p) {
+  if (p.m <= 0 || p.n <= 0 || p.k <= 0 || p.batch <= 0)
+    return invalid_argument("gemm f32 batched: bad shape m={} n={} k={} batch={}", p.m, p.n, p.k, p.batch);
+  if (!p.a || !p.b || !p.d) return invalid_argument("gemm f32 batched: null pointer");
+  if (p.lda < (p.trans_a ? p.k : p.m) || p.ldb < p.k || p.ldd < p.m || p.stride_a < 0 || p.stride_b < 0 ||
+      p.stride_d < 0)
+    return invalid_argument("gemm f32 batched: leading dimensions lda={} ldb={} ldd={} below the shape m={} n={} k={}",
+                            p.lda, p.ldb, p.ldd, p.m, p.n, p.k);
+  const BatchedKey key{p.m, p.n, p.k, p.batch, p.lda, p.stride_a, p.trans_a, p.ldb, p.stride_b, p.ldd, p.stride_d, p.tf32};
+  Plan* pl = nullptr;
+  if (auto it = batched_plans_.find(key); it != batched_plans_.end()) {
+    pl = &it->second;
+  } else {
+    if (auto bad = batched_failed_.find(key); bad != batched_failed_.end()) return bad->second;
+    Plan np;
+    auto make = [&]() -> Status {
+      const cublasComputeType_t ct = p.tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+      ML4_LT_RETURN_IF_ERROR(cublasLtMatmulDescCreate(&np.op, ct, CUDA_R_32F));
+      const cublasOperation_t opA = p.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, opN = CUBLAS_OP_N;
+      ML4_LT_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(np.op, CUBLASLT_MATMUL_DESC_TRANSA, &opA, sizeof(opA)));
+      ML4_LT_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(np.op, CUBLASLT_MATMUL_DESC_TRANSB, &opN, sizeof(opN)));
+      auto layout = [&](cublasLtMatrixLayout_t* l, int64_t rows, int64_t cols, int64_t ld, int64_t stride) -> Status {
+        ML4_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(l, CUDA_R_32F, rows, cols, ld));
+        const int32_t count = p.batch;
+        ML4_LT_RETURN_IF_ERROR(
+            cublasLtMatrixLayoutSetAttribute(*l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
+        ML4_LT_RETURN_IF_ERROR(
+            cublasLtMatrixLayoutSetAttribute(*l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)));
+        return Status::ok();
+      };
+      ML4_RETURN_IF_ERROR(layout(&np.a, p.trans_a ? p.k : p.m, p.trans_a ? p.m : p.k, p.lda, p.stride_a));
+      ML4_RETURN_IF_ERROR(layout(&np.b, p.k, p.n, p.ldb, p.stride_b));
+      ML4_RETURN_IF_ERROR(layout(&np.d, p.m, p.n, p.ldd, p.stride_d));
+      return pick_algo(np, fmt::format("{} batched GEMM m={} n={} k={} batch={}", p.tf32 ? "tf32" : "f32", p.m, p.n,
+                                       p.k, p.batch));
+    };
+    Status st = make();
+    if (!st.is_ok()) {
+      destroy(np);
+      batched_failed_.emplace(key, st);
+      return st;
+    }
+    pl = &batched_plans_.emplace(key, np).first->second;
+  }
+  const float alpha = 1.0f, beta = 0.0f;
+  return lt_status(cublasLtMatmul(handle_, pl->op, &alpha, p.a, pl->a, p.b, pl->b, &beta, p.d, pl->d, p.d, pl->d,
+                                  &pl->algo, workspace_, workspace_bytes_, p.stream),
+                   "cublasLtMatmul(f32 batched)");
 }
 
 }  // namespace ml4::cuda

@@ -30,9 +30,11 @@
 // captured into a CUDA graph.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <string>
 #include <tuple>
 
 #include <cublasLt.h>
@@ -67,6 +69,28 @@ struct GemmFp8BlockParams {
   int64_t w_scale_ld = 0;  // 0 = K/128; cuBLASLt needs roundup(K/128, 4)
 };
 
+// Strided-batched f32 GEMMs in cuBLASLt's own column-major terms (the MLA absorption of
+// prefill-sized steps, MODEL.md 3.6: one batch entry per head). For b < batch, with
+// X_b = X + b * stride_x:
+//   D_b[i, j] = sum_l op(A_b)[i, l] B_b[l, j]        (i < m, j < n, l < k)
+// A is m x k column-major (lda >= m), or with trans_a stored k x m (lda >= k) and read
+// transposed; B is k x n (ldb >= k), D m x n (ldd >= m). Batches may interleave (a stride
+// below ld * cols): the heads of one token's row. tf32: CUBLAS_COMPUTE_32F_FAST_TF32 (inputs
+// rounded to 10-bit mantissas on the tensor cores, f32 accumulation), else full f32.
+struct GemmBatchedF32Params {
+  const float* a = nullptr;
+  int64_t lda = 0, stride_a = 0;
+  bool trans_a = false;
+  const float* b = nullptr;
+  int64_t ldb = 0, stride_b = 0;
+  float* d = nullptr;
+  int64_t ldd = 0, stride_d = 0;
+  int64_t m = 0, n = 0, k = 0;
+  int batch = 1;
+  bool tf32 = true;
+  cudaStream_t stream = nullptr;
+};
+
 enum class Fp8Backend { kAuto, kCublasLt, kOwn };
 
 struct GemmF32Params {
@@ -90,6 +114,7 @@ class LtGemm {
   Status fp8_block(const GemmFp8BlockParams& p);
   // Full f32 (CUBLAS_COMPUTE_32F, no TF32): the MoE router (MODEL.md 3.7).
   Status f32(const GemmF32Params& p);
+  Status f32_batched(const GemmBatchedF32Params& p);
   // kAuto (default): cuBLASLt where it applies and is the faster one (top of this file),
   // else our kernel. Tests and benchmarks force one (a forced cuBLASLt call that cannot
   // run is kUnimplemented).
@@ -114,11 +139,18 @@ class LtGemm {
   Result<Plan*> plan(int kind, DType y_dtype, int64_t M, int64_t N, int64_t K, const float* x_scale = nullptr,
                      const float* w_scale = nullptr);
 
+  // The heuristic's first algorithm for p's descriptors, or kUnimplemented naming `what`.
+  Status pick_algo(Plan& p, const std::string& what);
+  static void destroy(Plan& p);
+  using BatchedKey = std::array<int64_t, 12>;
+
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
   std::map<Key, Plan> plans_;
   std::map<Key, Status> failed_;
+  std::map<BatchedKey, Plan> batched_plans_;
+  std::map<BatchedKey, Status> batched_failed_;
   void* tbuf_ = nullptr;  // y^T of swapped FP8 plans, sized at plan time
   size_t tbuf_bytes_ = 0;
   void* own_ws_ = nullptr;  // split-K partials of our FP8 kernel

@@ -735,12 +735,20 @@ Result<AbsorbRef> CudaBackend::add_absorb(const LinearWeight& wkv_b) {
   return AbsorbRef{static_cast<int>(absorbs_.size()) - 1};
 }
 
+bool CudaBackend::absorb_as_gemm() const {
+  return opts_.absorb_gemm && !opts_.exact_activations && step_T_ >= opts_.absorb_gemm_min_tokens;
+}
+
 Status CudaBackend::mla_absorb_q(AbsorbRef a, const float* q, float* q_lat) {
   if (!a.valid() || a.id >= static_cast<int>(absorbs_.size())) return internal_error("mla_absorb_q: no wkv_b {}", a.id);
   MlaAbsorbParams ab = absorb_params(cfg_, step_T_, stream_);
   ab.q = q;
   ab.w_uk = absorbs_[a.id].first;
   ab.q_lat = q_lat;
+  if (absorb_as_gemm()) {
+    Status st = cuda::mla_absorb_q_gemm(*lt_, ab);
+    if (st.code() != StatusCode::kUnimplemented) return st;  // a refused shape runs the kernel
+  }
   return cuda::mla_absorb_q(ab);
 }
 
@@ -750,6 +758,10 @@ Status CudaBackend::mla_apply_uv(AbsorbRef a, const float* out_lat, float* o) {
   ab.lat = out_lat;
   ab.w_uv = absorbs_[a.id].second;
   ab.o = o;
+  if (absorb_as_gemm()) {
+    Status st = cuda::mla_apply_uv_gemm(*lt_, ab);
+    if (st.code() != StatusCode::kUnimplemented) return st;
+  }
   return cuda::mla_apply_uv(ab);
 }
 

@@ -48,10 +48,13 @@ namespace ml4::cuda {
 // or loop over experts (cuBLASLt / FP8 GEMMs per expert).
 constexpr int64_t kGroupedMoeMaxTokens = 128;
 
+
 struct CudaBackendOptions {
   bool exact_activations = false;
   bool overlap_indexer = true;
   bool grouped_moe_gemm = false;  // CudaRunnerOptions::grouped_moe_gemm
+  bool absorb_gemm = false;       // CudaRunnerOptions::absorb_gemm
+  int64_t absorb_gemm_min_tokens = 64;
   bool fp4_weights = false;       // CudaRunnerOptions::fp4_weights
   // RunnerOptions::experts_to_mxfp4: routed FP8 experts re-quantized to MXFP4 on the device
   // as they are uploaded (ops/cuda/requant.h); needs fp4_weights.
@@ -202,6 +205,7 @@ class CudaBackend : public Backend {
   int64_t kv_bytes() const { return kv_bytes_; }
   int64_t overlapped_layers() const { return overlapped_layers_; }
   void set_overlap_indexer(bool on) { opts_.overlap_indexer = on; }
+  void set_absorb_gemm(bool on) { opts_.absorb_gemm = on; }
   void set_grouped_moe_gemm(bool on) {  // the next step reserves (or drops) the path's buffers
     opts_.grouped_moe_gemm = on;
     if (buf_) buf_->T = 0;
@@ -223,6 +227,7 @@ class CudaBackend : public Backend {
   QPathParams rope_params(const RopeArgs& r) const;
   const int32_t* selection_counts(int selection) const;
   bool moe_grouped(const Moe& m) const;
+  bool absorb_as_gemm() const;  // this step's absorption takes the batched GEMMs
   bool moe_gemm(const Moe& m) const;
   void point_activations();
   Status end_segment();

@@ -57,6 +57,8 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::create(const ModelConfig& cfg, c
   bo.exact_activations = opts.exact_activations;
   bo.overlap_indexer = opts.overlap_indexer;
   bo.grouped_moe_gemm = opts.grouped_moe_gemm;
+  bo.absorb_gemm = opts.absorb_gemm;
+  bo.absorb_gemm_min_tokens = opts.absorb_gemm_min_tokens;
   bo.fp4_weights = opts.fp4_weights;
   bo.experts_to_mxfp4 = opts.base.experts_to_mxfp4;
   const ParallelPlan* plan = opts.base.plan;

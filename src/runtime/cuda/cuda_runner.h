@@ -51,6 +51,12 @@ struct CudaRunnerOptions {
   // (written 2026-12-05 without a device: tests CudaMoe.GroupedGemmPrefillVsCpu, bench
   // gpu_moe_bench / gpu_decode_step_bench PREFILL lines wait for the next lent GPU).
   bool grouped_moe_gemm = false;
+  // The MLA absorption (W_UK, W_UV) of steps of at least absorb_gemm_min_tokens tokens as
+  // strided-batched TF32 GEMMs on the tensor cores (elementwise.h mla_absorb_q_gemm) instead
+  // of the f32 CUDA-core kernels, outside exact mode (issue 18). Smaller steps keep the
+  // weight-stationary kernels, which read the weights once for the whole step.
+  bool absorb_gemm = false;
+  int64_t absorb_gemm_min_tokens = 64;
   // NVFP4 / MXFP4 linears (the FP4 weight stream, gemv.h). Refused at load while off, the
   // default until the kernels have run on the H200 (written 2026-12-05 without a device:
   // CudaGemv.Fp4MatchesCpuLinear, the FP4 MoE cases and the FP4 rows of
@@ -95,6 +101,10 @@ class CudaRunner : public ModelRunner {
   void set_cuda_graphs(bool on) { opts_.cuda_graphs = on; }
   // Benchmarks: turn the indexer overlap (CudaRunnerOptions::overlap_indexer) off or back on;
   // drops the captured graphs, which hold one schedule or the other.
+  void set_absorb_gemm(bool on) {
+    opts_.absorb_gemm = on;
+    backend_->set_absorb_gemm(on);
+  }
   void set_grouped_moe_gemm(bool on) {
     opts_.grouped_moe_gemm = on;
     backend_->set_grouped_moe_gemm(on);

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kv/indexer_layout.h"
@@ -208,11 +209,16 @@ int run_step_bench(const StepBenchOptions& opt) {
       s.block_tables.push_back(std::move(bt));
     }
     in.seqs.push_back(std::move(s));
-    for (bool grouped : {false, true}) {  // the MoE: loop over experts, then the grouped GEMMs
+    // The MoE as a loop over experts, then as grouped GEMMs; then also the MLA absorption as
+    // batched TF32 GEMMs (issue 18).
+    for (auto [grouped, absorb] : {std::pair{false, false}, std::pair{true, false}, std::pair{true, true}}) {
       r.set_grouped_moe_gemm(grouped);
+      r.set_absorb_gemm(absorb);
       const double ms = time_step(r, in, 1, 3);
       const char* moe = grouped ? "grouped_gemm" : "loop";
-      std::printf("PREFILL tokens=%ld moe=%s ms=%.1f tok_s=%.0f\n", static_cast<long>(n), moe, ms, n / ms * 1e3);
+      const char* abs = absorb ? "gemm_tf32" : "kernel_f32";
+      std::printf("PREFILL tokens=%ld moe=%s absorb=%s ms=%.1f tok_s=%.0f\n", static_cast<long>(n), moe, abs, ms,
+                  n / ms * 1e3);
       if (n != 4096) continue;
       std::map<std::string, double> prof;  // where the time goes (events around each piece, one sync each)
       r.set_profile(&prof);
@@ -220,8 +226,10 @@ int run_step_bench(const StepBenchOptions& opt) {
       r.set_profile(nullptr);
       if (!ok) return 1;
       for (const auto& [k, v] : prof)
-        std::printf("PREFILL_PROFILE tokens=%ld moe=%s %s ms=%.3f\n", static_cast<long>(n), moe, k.c_str(), v);
+        std::printf("PREFILL_PROFILE tokens=%ld moe=%s absorb=%s %s ms=%.3f\n", static_cast<long>(n), moe, abs,
+                    k.c_str(), v);
     }
+    r.set_absorb_gemm(false);
     r.set_grouped_moe_gemm(false);
   }
   return 0;
