@@ -483,19 +483,44 @@ Status mla_absorb_q_gemm(LtGemm& lt, const MlaAbsorbParams& p) {
   if (p.T <= 0 || p.H <= 0 || p.dn <= 0 || p.r <= 0 || p.q_offset + p.dn > p.q_stride)
     return invalid_argument("mla_absorb_q_gemm: bad shape");
   if (!p.q || !p.w_uk || !p.q_lat) return invalid_argument("mla_absorb_q_gemm: null pointer");
-  return lt.f32_batched({.a = p.w_uk, .lda = p.r, .stride_a = int64_t{p.dn} * p.r,
-                         .b = p.q + p.q_offset, .ldb = int64_t{p.H} * p.q_stride, .stride_b = p.q_stride,
-                         .d = p.q_lat, .ldd = int64_t{p.H} * p.r, .stride_d = p.r,
-                         .m = p.r, .n = p.T, .k = p.dn, .batch = p.H, .stream = p.stream});
+  GemmBatchedF32Params g;  // (nvcc compiles C++17 here: no designated initializers)
+  g.a = p.w_uk;
+  g.lda = p.r;
+  g.stride_a = int64_t{p.dn} * p.r;
+  g.b = p.q + p.q_offset;
+  g.ldb = int64_t{p.H} * p.q_stride;
+  g.stride_b = p.q_stride;
+  g.d = p.q_lat;
+  g.ldd = int64_t{p.H} * p.r;
+  g.stride_d = p.r;
+  g.m = p.r;
+  g.n = p.T;
+  g.k = p.dn;
+  g.batch = p.H;
+  g.stream = p.stream;
+  return lt.f32_batched(g);
 }
 
 Status mla_apply_uv_gemm(LtGemm& lt, const MlaAbsorbParams& p) {
   if (p.T <= 0 || p.H <= 0 || p.dv <= 0 || p.r <= 0) return invalid_argument("mla_apply_uv_gemm: bad shape");
   if (!p.lat || !p.w_uv || !p.o) return invalid_argument("mla_apply_uv_gemm: null pointer");
-  return lt.f32_batched({.a = p.w_uv, .lda = p.r, .stride_a = int64_t{p.dv} * p.r, .trans_a = true,
-                         .b = p.lat, .ldb = int64_t{p.H} * p.r, .stride_b = p.r,
-                         .d = p.o, .ldd = int64_t{p.H} * p.dv, .stride_d = p.dv,
-                         .m = p.dv, .n = p.T, .k = p.r, .batch = p.H, .stream = p.stream});
+  GemmBatchedF32Params g;
+  g.a = p.w_uv;
+  g.lda = p.r;
+  g.stride_a = int64_t{p.dv} * p.r;
+  g.trans_a = true;
+  g.b = p.lat;
+  g.ldb = int64_t{p.H} * p.r;
+  g.stride_b = p.r;
+  g.d = p.o;
+  g.ldd = int64_t{p.H} * p.dv;
+  g.stride_d = p.dv;
+  g.m = p.dv;
+  g.n = p.T;
+  g.k = p.r;
+  g.batch = p.H;
+  g.stream = p.stream;
+  return lt.f32_batched(g);
 }
 
 Status cast_f32_bf16(const float* x, int64_t n, void* out, cudaStream_t stream) {
