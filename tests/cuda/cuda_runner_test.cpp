@@ -276,6 +276,69 @@ TEST(CudaRunner, DecodeGraphsMatchEager) {
   graph_vs_eager("ml4-tiny");
 }
 
+// Programmatic dependent launch (ops/cuda/pdl.cuh, issue 19) changes when a kernel starts, not
+// what it computes: every kernel waits on the device for its predecessor before it touches the
+// step's data. A runner with it, graphed and eager, must give the logits of a runner without
+// it bit for bit, over a prefill of mixed lengths and decode steps (graph replays included).
+void pdl_vs_plain(const std::string& preset) {
+  const std::string dir = ::ml4::testing::test_model(preset, 11, "bf16");
+  CudaRunnerOptions o;
+  o.base.kv_cache_dtype = "fp8_ds_mla";
+  o.base.kv_cache_bytes = 64ll << 20;
+  auto pdl_o = o;
+  pdl_o.programmatic_launch = true;
+  auto pdl_eager_o = pdl_o;
+  pdl_eager_o.cuda_graphs = false;
+  auto plain = CudaRunner::load(dir, o);
+  auto pdl = CudaRunner::load(dir, pdl_o);
+  auto pdl_eager = CudaRunner::load(dir, pdl_eager_o);
+  ASSERT_TRUE(plain.ok()) << plain.status().message();
+  ASSERT_TRUE(pdl.ok()) << pdl.status().message();
+  ASSERT_TRUE(pdl_eager.ok()) << pdl_eager.status().message();
+  std::mt19937 rng(21);
+  std::uniform_int_distribution<int> tok(1, (*plain)->config().vocab_size - 1);
+  const int kSeqs = 3;
+  std::vector<int64_t> pos(kSeqs);
+  StepInput in;
+  for (int s = 0; s < kSeqs; ++s) {
+    std::vector<int32_t> p(24 + 9 * s);
+    for (auto& t : p) t = tok(rng);
+    pos[s] = static_cast<int64_t>(p.size());
+    in.seqs.push_back(::ml4::testing::seq_step(**plain, s, p, 0, 4 * s, 4, 1));
+  }
+  int differing = 0;
+  for (int step = 0; step < 8; ++step) {
+    const int reps = step > 0 ? 2 : 1;  // a decode step twice: capture, then replay (idempotent)
+    for (int rep = 0; rep < reps; ++rep) {
+      auto a = (*plain)->execute(in);
+      auto b = (*pdl)->execute(in);
+      auto c = (*pdl_eager)->execute(in);
+      ASSERT_TRUE(a.ok()) << a.status().message();
+      ASSERT_TRUE(b.ok()) << b.status().message();
+      ASSERT_TRUE(c.ok()) << c.status().message();
+      for (int s = 0; s < kSeqs; ++s) {
+        differing += a->logits[s] != b->logits[s];
+        differing += a->logits[s] != c->logits[s];
+      }
+      if (rep == reps - 1) {
+        in.seqs.clear();
+        for (int s = 0; s < kSeqs; ++s)
+          in.seqs.push_back(::ml4::testing::seq_step(**plain, s, {argmax(a->logits[s])}, pos[s]++, 4 * s, 4, 1));
+      }
+    }
+  }
+  EXPECT_EQ(differing, 0) << preset << ": logits rows that differ with programmatic launch";
+  EXPECT_GT((*pdl)->graph_replays(), 0) << preset;
+  std::printf("%s: programmatic launch vs plain: %d differing logits rows (graphed and eager), %ld replays\n",
+              preset.c_str(), differing, static_cast<long>((*pdl)->graph_replays()));
+}
+
+TEST(CudaRunner, ProgrammaticLaunchIsBitIdentical) {
+  ML4_REQUIRE_GPU();
+  pdl_vs_plain("mistral4-tiny");
+  pdl_vs_plain("ml4-tiny");
+}
+
 // DSpark verification steps (every token a logits row, several tokens per sequence) take the
 // decode buckets (power-of-two token counts, the GEMV path): graphed and replayed, within the
 // decode graphs' bound of the eager runner, and a replay equal to the first graphed run.

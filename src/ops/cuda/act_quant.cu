@@ -2,6 +2,7 @@
 // registers (read once from memory), the amax is a warp shuffle reduction, and the lane
 // writes its quantized bytes. Groups of 128 are DeepSeek's; the template covers 32..1024.
 #include "ops/cuda/act_quant.h"
+#include "ops/cuda/pdl.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -21,6 +22,8 @@ template <typename T, int kPer>
 __global__ void act_quant_kernel(const T* __restrict__ x, int64_t x_stride, int64_t M, int64_t rows, int64_t K,
                                  int group, int64_t n_groups, uint8_t* __restrict__ q, float* __restrict__ scale,
                                  bool group_major) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   const int lane = threadIdx.x & 31;
   const int64_t warp = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) >> 5;
   if (warp >= rows * n_groups) return;
@@ -53,7 +56,7 @@ Status launch(const Fp8ActQuantParams& p, int64_t n_groups) {
   const int threads = 256;
   const int64_t blocks = (warps * 32 + threads - 1) / threads;
   if (blocks > (int64_t{1} << 31) - 1) return invalid_argument("fp8_act_quant: {} groups is too many", warps);
-  act_quant_kernel<T, kPer><<<static_cast<unsigned>(blocks), threads, 0, p.stream>>>(
+  launch_kernel(act_quant_kernel<T, kPer>, static_cast<unsigned>(blocks), threads, 0, p.stream, 
       static_cast<const T*>(p.x), p.x_stride ? p.x_stride : p.K, p.M, rows, p.K, p.group, n_groups,
       static_cast<uint8_t*>(p.q), p.scale, p.scale_layout == ScaleLayout::kGroupMajor);
   return cuda_status(cudaGetLastError(), "act_quant_kernel");

@@ -13,6 +13,7 @@
 // token at the 67 TFLOP/s f32 peak vs 0.28 us of HBM time); reaching the memory bound needs
 // tensor-core QK^T / PV (bf16 wgmma as FlashMLA does), which is the next step.
 #include "ops/cuda/attention.h"
+#include "ops/cuda/pdl.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -50,6 +51,8 @@ __device__ __forceinline__ float bf16_f32(const uint8_t* p) {
 }
 
 __global__ void __launch_bounds__(kThreads, 1) mla_kernel(const Args a) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   extern __shared__ float smem[];
   const int t = blockIdx.x, split = blockIdx.y;
   const int h0 = blockIdx.z * kMlaHeadsPerBlock;
@@ -241,6 +244,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_kernel(const Args a) {
 // grid (T * H), block r / 4: merges the splits of one (token, head) in split order.
 __global__ void mla_combine_kernel(const float* __restrict__ part_out, const float* __restrict__ part_lse, int splits,
                                    int64_t TH, int r, float* __restrict__ out, float* __restrict__ lse) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   const int64_t th = blockIdx.x;
   float mx = -INFINITY;
   for (int i = 0; i < splits; ++i) mx = fmaxf(mx, part_lse[i * TH + th]);
@@ -394,13 +399,13 @@ Status mla_attention(const MlaAttentionParams& p) {
     const size_t smem = smem_bytes(p, row_bytes);
     ML4_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(mla_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                   static_cast<int>(smem)));
-    mla_kernel<<<grid, kThreads, smem, p.stream>>>(a);
+    launch_kernel(mla_kernel, grid, kThreads, smem, p.stream, a);
     ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "mla_kernel"));
   }
   if (splits > 1) {
     const int64_t TH = p.T * p.H;
     if (TH > 0x7fffffff) return invalid_argument("mla_attention: T * H too large");
-    mla_combine_kernel<<<static_cast<unsigned>(TH), p.r / 4, 0, p.stream>>>(part_out, part_lse, splits, TH, p.r,
+    launch_kernel(mla_combine_kernel, static_cast<unsigned>(TH), p.r / 4, 0, p.stream, part_out, part_lse, splits, TH, p.r,
                                                                             p.out_lat, p.lse);
     ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "mla_combine_kernel"));
   }

@@ -65,6 +65,7 @@
 
 #include "kv/latent_layout.h"
 #include "ops/cuda/attention_internal.h"
+#include "ops/cuda/pdl.cuh"
 
 namespace ml4::cuda::detail {
 namespace {
@@ -261,6 +262,8 @@ __device__ __forceinline__ void dequant_tile(const uint8_t* rs, __nv_bfloat16* k
 
 template <int MT, bool WS>
 __global__ void __launch_bounds__(kThreadsOf<WS>, 1) mla_decode_kernel(const Args a, const int NS, const int h_first) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   extern __shared__ __align__(128) uint8_t smem[];
   const int t = blockIdx.x, split = blockIdx.y;
   const int h0 = h_first + blockIdx.z * kMaxHeads;
@@ -628,7 +631,7 @@ cudaError_t launch_mla_decode(const Args& a, dim3 grid, cudaStream_t stream) {
     if (smem > limit) return cudaErrorInvalidConfiguration;
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
-    kernel<<<dim3(grid.x, grid.y, zblocks), threads, smem, stream>>>(a, ns, h_first);
+    launch_kernel(kernel, dim3(grid.x, grid.y, zblocks), threads, smem, stream, a, ns, h_first);
     return cudaGetLastError();
   };
   auto run = [&](auto ws_tag) -> cudaError_t {

@@ -22,6 +22,7 @@
 
 #include "kv/latent_layout.h"
 #include "ops/cuda/attention_internal.h"
+#include "ops/cuda/pdl.cuh"
 
 namespace ml4::cuda::detail {
 namespace {
@@ -71,6 +72,8 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::); }
 
 __global__ void __launch_bounds__(kThreads, 1) mla_tc_kernel(const Args a) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   extern __shared__ __align__(16) uint8_t smem[];
   const int t = blockIdx.x, split = blockIdx.y;
   const int h0 = blockIdx.z * kHeads;
@@ -295,7 +298,7 @@ size_t mla_tc_smem_bytes(int r, int dr, int row_bytes) {
 cudaError_t launch_mla_tc(const Args& a, dim3 grid, size_t smem, cudaStream_t stream) {
   cudaError_t e = cudaFuncSetAttribute(mla_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (e != cudaSuccess) return e;
-  mla_tc_kernel<<<grid, kThreads, smem, stream>>>(a);
+  launch_kernel(mla_tc_kernel, grid, kThreads, smem, stream, a);
   return cudaGetLastError();
 }
 

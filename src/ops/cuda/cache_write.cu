@@ -6,6 +6,7 @@
 //     host's f32 rounding of 1/sqrt(n), as ml4::cpu::hadamard_transform), then
 //     scale = max(amax, 1e-4) / 448 (DeepSeek-V3.2 act_quant), q = e4m3_satfinite(x / scale).
 #include "ops/cuda/cache_write.h"
+#include "ops/cuda/pdl.cuh"
 
 #include <cfloat>
 #include <cmath>
@@ -53,6 +54,8 @@ __global__ void latent_write_kernel(const void* __restrict__ c, bool c_bf16, int
                                     const int64_t* __restrict__ slots, int r, int dr, int dtype,
                                     float fp8_scale, uint8_t* __restrict__ cache, int64_t num_slots,
                                     int64_t token_bytes) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   __shared__ unsigned red;
   const int64_t t = blockIdx.x;
   const int64_t slot = slots[t];
@@ -85,6 +88,8 @@ __global__ void indexer_write_kernel(const void* __restrict__ k, bool k_bf16, in
                                      const int64_t* __restrict__ slots, int dI, bool hadamard,
                                      float hscale, uint8_t* __restrict__ cache, int64_t num_blocks,
                                      int64_t page_bytes) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   extern __shared__ float v[];  // [dI]
   __shared__ unsigned gmax[8];  // one per 128-value group (dI <= 1024)
   const int64_t t = blockIdx.x;
@@ -125,7 +130,7 @@ Status latent_cache_write(const LatentCacheWriteParams& p) {
     return invalid_argument("latent_cache_write: fp8_scale must be > 0, got {}", p.fp8_scale);
   if (p.T > 0x7fffffff) return invalid_argument("latent_cache_write: T = {} too large", p.T);
   const int64_t token_bytes = static_cast<int64_t>(latent_token_bytes(p.dtype, p.r, p.dr));
-  latent_write_kernel<<<static_cast<unsigned>(p.T), kDsMlaTile, 0, p.stream>>>(
+  launch_kernel(latent_write_kernel, static_cast<unsigned>(p.T), kDsMlaTile, 0, p.stream, 
       p.c, p.c_dtype == DType::kBF16, p.c_stride ? p.c_stride : p.r, p.kr, p.kr_dtype == DType::kBF16,
       p.kr_stride ? p.kr_stride : p.dr, p.slots, p.r, p.dr, static_cast<int>(p.dtype), p.fp8_scale,
       static_cast<uint8_t*>(p.cache), p.num_slots, token_bytes);
@@ -144,7 +149,7 @@ Status indexer_cache_write(const IndexerCacheWriteParams& p) {
   if (p.T > 0x7fffffff) return invalid_argument("indexer_cache_write: T = {} too large", p.T);
   // The CPU reference's scale, rounded to f32 the same way (ops/cpu/quant.cpp).
   const float hscale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(p.dI)));
-  indexer_write_kernel<<<static_cast<unsigned>(p.T), p.dI / 2, p.dI * sizeof(float), p.stream>>>(
+  launch_kernel(indexer_write_kernel, static_cast<unsigned>(p.T), p.dI / 2, p.dI * sizeof(float), p.stream, 
       p.k, p.k_dtype == DType::kBF16, p.k_stride ? p.k_stride : p.dI, p.slots, p.dI, p.hadamard, hscale,
       static_cast<uint8_t*>(p.cache), p.num_blocks, static_cast<int64_t>(indexer_page_bytes(p.dI)));
   return cuda_status(cudaGetLastError(), "indexer_write_kernel");

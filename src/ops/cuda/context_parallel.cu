@@ -1,4 +1,5 @@
 #include "ops/cuda/context_parallel.h"
+#include "ops/cuda/pdl.cuh"
 
 #include <math_constants.h>
 
@@ -20,6 +21,8 @@ __device__ float combined_lse(const float* lse, int n, int64_t stride) {
 }
 
 __global__ void merge_kernel(const float* parts, int n, int64_t part_stride, int64_t rows, int64_t cols, float* out) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   const int64_t row = blockIdx.x;
   const float* lse = parts + rows * cols + row;
   const float L = combined_lse(lse, n, part_stride);
@@ -38,6 +41,8 @@ __global__ void merge_kernel(const float* parts, int n, int64_t part_stride, int
 }
 
 __global__ void rescale_kernel(float* out, const float* lse, const float* lse_all, int n, int64_t rows, int64_t cols) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   const int64_t row = blockIdx.x;
   const float L = combined_lse(lse_all + row, n, rows);
   const float l = lse[row];
@@ -51,7 +56,7 @@ Status merge_attention_parts(const float* parts, int n, int64_t part_stride, int
                              cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return Status::ok();
   if (n < 1) return invalid_argument("merge_attention_parts: {} parts", n);
-  merge_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(parts, n, part_stride, rows, cols, out);
+  launch_kernel(merge_kernel, static_cast<unsigned>(rows), kThreads, 0, stream, parts, n, part_stride, rows, cols, out);
   return cuda_status(cudaGetLastError(), "merge_attention_parts");
 }
 
@@ -59,7 +64,7 @@ Status rescale_attention_part(float* out, const float* lse, const float* lse_all
                               cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return Status::ok();
   if (n < 1) return invalid_argument("rescale_attention_part: {} parts", n);
-  rescale_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(out, lse, lse_all, n, rows, cols);
+  launch_kernel(rescale_kernel, static_cast<unsigned>(rows), kThreads, 0, stream, out, lse, lse_all, n, rows, cols);
   return cuda_status(cudaGetLastError(), "rescale_attention_part");
 }
 

@@ -1,9 +1,12 @@
 // See cuda_common.h.
 #include "ops/cuda/cuda_common.h"
 
+#include "ops/cuda/pdl.cuh"
+
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include <atomic>
 #include <cstring>
 #include <utility>
 
@@ -23,6 +26,13 @@ bool device_available() {
   }
   return n > 0;
 }
+
+namespace {
+std::atomic<bool> g_programmatic_launch{false};
+}  // namespace
+
+void set_programmatic_launch(bool on) { g_programmatic_launch.store(on, std::memory_order_relaxed); }
+bool programmatic_launch() { return g_programmatic_launch.load(std::memory_order_relaxed); }
 
 int sm_count() {
   static int cached = -1;
@@ -130,6 +140,8 @@ __device__ __forceinline__ float uniform01(uint64_t seed, uint64_t i) {
 
 template <typename T>
 __global__ void fill_uniform_kernel(T* x, int64_t n, uint64_t seed, float lo, float hi) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x) {
     const float v = lo + (hi - lo) * uniform01(seed, static_cast<uint64_t>(i));
@@ -148,7 +160,7 @@ Status launch_fill(T* x, int64_t n, uint64_t seed, float lo, float hi, cudaStrea
   if (n <= 0) return Status::ok();
   const int threads = 256;
   const int64_t blocks = std::min<int64_t>((n + threads - 1) / threads, 8192);
-  fill_uniform_kernel<T><<<static_cast<int>(blocks), threads, 0, s>>>(x, n, seed, lo, hi);
+  launch_kernel(fill_uniform_kernel<T>, static_cast<int>(blocks), threads, 0, s, x, n, seed, lo, hi);
   return cuda_status(cudaGetLastError(), "fill_uniform_kernel");
 }
 

@@ -25,6 +25,12 @@ bool device_available();
 // Multiprocessor count of the current device (cached after the first call; 0 if none).
 int sm_count();
 
+// Programmatic dependent launch for our kernels (pdl.cuh), process-wide: each CudaRunner step
+// sets its CudaRunnerOptions::programmatic_launch. Read at each launch, so a captured graph
+// keeps the setting it was captured with.
+void set_programmatic_launch(bool on);
+bool programmatic_launch();
+
 // Owns one cudaMalloc'd allocation; moves, never copies.
 class DeviceBuffer {
  public:

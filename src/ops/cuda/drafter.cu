@@ -1,6 +1,7 @@
 // See drafter.h. The GRU is evaluated in f64 like the CPU reference (a few hundred values per
 // row: the cost is nothing next to the Markov head's output GEMV).
 #include "ops/cuda/drafter.h"
+#include "ops/cuda/pdl.cuh"
 
 #include <cuda_bf16.h>
 
@@ -14,6 +15,8 @@ constexpr int kThreads = 256;
 template <typename T>
 __global__ void block_embed_kernel(const T* __restrict__ table, int64_t V, int64_t D, const int32_t* __restrict__ tokens,
                                    const float* __restrict__ mask, int B, float* __restrict__ out) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   const int64_t t = blockIdx.x;
   const int slot = static_cast<int>(t % B);
   float* o = out + t * D;
@@ -38,6 +41,8 @@ __global__ void block_embed_kernel(const T* __restrict__ table, int64_t V, int64
 }
 
 __global__ void block_window_kernel(BlockWindowParams p) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   const int64_t t = blockIdx.x;
   const int64_t seq = t / p.B;
   const int64_t anchor = p.anchor_pos[seq];
@@ -59,6 +64,8 @@ __global__ void block_window_kernel(BlockWindowParams p) {
 
 __global__ void gru_kernel(const float* __restrict__ gi, const float* __restrict__ gh, const float* __restrict__ b_ih,
                            const float* __restrict__ b_hh, int64_t rows, int64_t r, float* __restrict__ s) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= rows * r) return;
   const int64_t row = i / r, k = i % r;
@@ -71,6 +78,8 @@ __global__ void gru_kernel(const float* __restrict__ gi, const float* __restrict
 }
 
 __global__ void add_rows_kernel(float* y, int64_t ys, const float* x, int64_t xs, int64_t rows, int64_t cols) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= rows * cols) return;
   const int64_t row = i / cols, c = i % cols;
@@ -78,6 +87,8 @@ __global__ void add_rows_kernel(float* y, int64_t ys, const float* x, int64_t xs
 }
 
 __global__ void fill_kernel(float* x, int64_t n, float v) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i < n) x[i] = v;
 }
@@ -91,11 +102,11 @@ Status block_embed(const BlockEmbedParams& p) {
   if (p.B < 1 || p.D <= 0) return invalid_argument("block_embed: B {} D {}", p.B, p.D);
   switch (p.table_dtype) {
     case DType::kF32:
-      block_embed_kernel<float><<<static_cast<unsigned>(p.T), kThreads, 0, p.stream>>>(
+      launch_kernel(block_embed_kernel<float>, static_cast<unsigned>(p.T), kThreads, 0, p.stream, 
           static_cast<const float*>(p.table), p.V, p.D, p.tokens, p.mask, p.B, p.out);
       break;
     case DType::kBF16:
-      block_embed_kernel<__nv_bfloat16><<<static_cast<unsigned>(p.T), kThreads, 0, p.stream>>>(
+      launch_kernel(block_embed_kernel<__nv_bfloat16>, static_cast<unsigned>(p.T), kThreads, 0, p.stream, 
           static_cast<const __nv_bfloat16*>(p.table), p.V, p.D, p.tokens, p.mask, p.B, p.out);
       break;
     default:
@@ -107,27 +118,27 @@ Status block_embed(const BlockEmbedParams& p) {
 Status block_window_slots(const BlockWindowParams& p) {
   if (p.T <= 0) return Status::ok();
   if (p.stride < p.window + p.B) return invalid_argument("block_window_slots: stride {} < window {} + B {}", p.stride, p.window, p.B);
-  block_window_kernel<<<static_cast<unsigned>(p.T), kThreads, 0, p.stream>>>(p);
+  launch_kernel(block_window_kernel, static_cast<unsigned>(p.T), kThreads, 0, p.stream, p);
   return cuda_status(cudaGetLastError(), "block_window_kernel");
 }
 
 Status gru_update(const float* gi, const float* gh, const float* b_ih, const float* b_hh, int64_t rows, int64_t r,
                   float* s, cudaStream_t stream) {
   if (rows * r <= 0) return Status::ok();
-  gru_kernel<<<blocks_for(rows * r), kThreads, 0, stream>>>(gi, gh, b_ih, b_hh, rows, r, s);
+  launch_kernel(gru_kernel, blocks_for(rows * r), kThreads, 0, stream, gi, gh, b_ih, b_hh, rows, r, s);
   return cuda_status(cudaGetLastError(), "gru_kernel");
 }
 
 Status add_rows(float* y, int64_t y_stride, const float* x, int64_t x_stride, int64_t rows, int64_t cols,
                 cudaStream_t stream) {
   if (rows * cols <= 0) return Status::ok();
-  add_rows_kernel<<<blocks_for(rows * cols), kThreads, 0, stream>>>(y, y_stride, x, x_stride, rows, cols);
+  launch_kernel(add_rows_kernel, blocks_for(rows * cols), kThreads, 0, stream, y, y_stride, x, x_stride, rows, cols);
   return cuda_status(cudaGetLastError(), "add_rows_kernel");
 }
 
 Status fill_f32(float* x, int64_t n, float value, cudaStream_t stream) {
   if (n <= 0) return Status::ok();
-  fill_kernel<<<blocks_for(n), kThreads, 0, stream>>>(x, n, value);
+  launch_kernel(fill_kernel, blocks_for(n), kThreads, 0, stream, x, n, value);
   return cuda_status(cudaGetLastError(), "fill_kernel");
 }
 

@@ -2,6 +2,7 @@
 // grid-stride loops elsewhere. Every kernel writes each output element exactly once, in
 // a fixed order, so repeated runs are bit-identical.
 #include "ops/cuda/elementwise.h"
+#include "ops/cuda/pdl.cuh"
 
 #include <cuda_bf16.h>
 
@@ -38,6 +39,8 @@ __device__ double block_sum_f64(double v, double* smem) {
 // only difference is the order of the f64 sums.
 __global__ void layer_norm_kernel(const float* x, const float* __restrict__ w, const float* __restrict__ b,
                                   int64_t dim, float eps, float* y) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   __shared__ double smem[32];
   const int64_t row = blockIdx.x;
   const float* xr = x + row * dim;
@@ -55,12 +58,16 @@ __global__ void layer_norm_kernel(const float* x, const float* __restrict__ w, c
 }
 
 __global__ void scale_kernel(float* x, int64_t n, float s) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
     x[i] *= s;
 }
 
 __global__ void rms_norm_kernel(const float* __restrict__ x, float* __restrict__ residual, const float* __restrict__ w,
                                 int64_t dim, float eps, float* y, __nv_bfloat16* __restrict__ yb, int64_t x_stride) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   __shared__ double smem[32];
   const int64_t row = blockIdx.x;
   const float* xr = x + row * x_stride;
@@ -86,6 +93,8 @@ __global__ void rms_norm_kernel(const float* __restrict__ x, float* __restrict__
 
 __global__ void silu_mul_kernel(const float* __restrict__ g, const float* __restrict__ u, int64_t rows, int64_t cols,
                                 int64_t gs, int64_t us, float* out, __nv_bfloat16* outb) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   const int64_t n = rows * cols;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
     const int64_t r = i / cols, c = i % cols;
@@ -100,6 +109,8 @@ __global__ void silu_mul_kernel(const float* __restrict__ g, const float* __rest
 template <typename T>
 __global__ void embedding_kernel(const T* __restrict__ table, int64_t V, int64_t D, const int32_t* __restrict__ ids,
                                  float* __restrict__ out, bool shard, int64_t first_id) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   const int64_t t = blockIdx.x;
   const int64_t id = ids[t] - first_id;
   const bool ok = id >= 0 && id < V;
@@ -140,6 +151,8 @@ struct QPathArgs {
 // One block per token: cos/sin of the token's angles once in shared memory, then every
 // head's pairs; then the head temperatures.
 __global__ void q_path_kernel(QPathArgs a) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   extern __shared__ float cs[];  // [rope_dim/2][2]
   const int64_t t = blockIdx.x;
   const int64_t p = a.positions[t];
@@ -190,16 +203,22 @@ __global__ void q_path_kernel(QPathArgs a) {
 }
 
 __global__ void cast_f32_bf16_kernel(const float* __restrict__ x, int64_t n, __nv_bfloat16* __restrict__ o) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
     o[i] = __float2bfloat16_rn(x[i]);
 }
 __global__ void cast_bf16_f32_kernel(const __nv_bfloat16* __restrict__ x, int64_t n, float* __restrict__ o) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
     o[i] = __bfloat162float(x[i]);
 }
 
 template <typename T>
 __global__ void transpose_kernel(const T* __restrict__ in, int64_t rows, int64_t cols, T* __restrict__ out) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   const int64_t n = rows * cols;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
     const int64_t c = i / rows, r = i % rows;  // write-coalesced
@@ -210,6 +229,8 @@ __global__ void transpose_kernel(const T* __restrict__ in, int64_t rows, int64_t
 // grid (T, H): q_lat[t,h,:] = W_UK[h]^T q_nope[t,h] (the CPU's loop order: d outer). The
 // general fallback (dn > 128 or r % 4 != 0); it re-reads W_UK[h] once per token.
 __global__ void absorb_q_kernel(MlaAbsorbParams p) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   const int64_t t = blockIdx.x;
   const int h = blockIdx.y;
   const float* qn = p.q + (t * p.H + h) * p.q_stride + p.q_offset;
@@ -225,6 +246,8 @@ __global__ void absorb_q_kernel(MlaAbsorbParams p) {
 // grid (T, H), one warp per output d: o[t,h,d] = W_UV[h][d] . lat[t,h]. The general fallback
 // (r > 512 or r % 4 != 0).
 __global__ void apply_uv_kernel(MlaAbsorbParams p) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   const int64_t t = blockIdx.x;
   const int h = blockIdx.y;
   const int lane = threadIdx.x & 31;
@@ -251,6 +274,8 @@ constexpr int kAbsTok = 8;
 // added in group order, so the result is deterministic.
 constexpr int kAbsGroups = 8, kAbsMaxDpg = 16, kAbsCols = 128;
 __global__ void __launch_bounds__(256) absorb_q_ws_kernel(MlaAbsorbParams p) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   __shared__ float qs[kAbsTok][kAbsGroups * kAbsMaxDpg];
   __shared__ float4 part[kAbsGroups][kAbsTok][32];
   const int h = blockIdx.x, lane = threadIdx.x, g = threadIdx.y, tid = g * 32 + lane;
@@ -311,6 +336,8 @@ __global__ void __launch_bounds__(256) absorb_q_ws_kernel(MlaAbsorbParams p) {
 // in shared memory; each row's dot is the lane's f32 fma chain, then a butterfly over the warp.
 constexpr int kUvRows = 4, kUvWarps = 8, kUvMaxR4 = 128;
 __global__ void __launch_bounds__(256) apply_uv_ws_kernel(MlaAbsorbParams p) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   __shared__ float4 ls[kAbsTok][kUvMaxR4];
   const int h = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int row0 = blockIdx.y * (kUvWarps * kUvRows) + warp * kUvRows;
@@ -381,7 +408,7 @@ Status rms_norm(const RmsNormParams& p) {
   if (p.x_stride != 0 && p.x_stride < p.dim) return invalid_argument("rms_norm: x_stride {} < dim {}", p.x_stride, p.dim);
   if (p.rows == 0) return Status::ok();
   if (p.rows > INT32_MAX) return invalid_argument("rms_norm: {} rows", p.rows);
-  rms_norm_kernel<<<static_cast<int>(p.rows), kThreads, 0, p.stream>>>(
+  launch_kernel(rms_norm_kernel, static_cast<int>(p.rows), kThreads, 0, p.stream, 
       p.x, p.residual, p.w, p.dim, p.eps, p.y, static_cast<__nv_bfloat16*>(p.y_bf16), p.x_stride ? p.x_stride : p.dim);
   return cuda_status(cudaGetLastError(), "rms_norm_kernel");
 }
@@ -392,7 +419,7 @@ Status silu_mul(const SiluMulParams& p) {
   if (gs < p.cols || us < p.cols) return invalid_argument("silu_mul: stride below cols");
   if (!p.g || !p.u || (!p.out && !p.out_bf16)) return invalid_argument("silu_mul: null input or no output");
   if (p.rows == 0) return Status::ok();
-  silu_mul_kernel<<<grid_for(p.rows * p.cols), kThreads, 0, p.stream>>>(p.g, p.u, p.rows, p.cols, gs, us, p.out,
+  launch_kernel(silu_mul_kernel, grid_for(p.rows * p.cols), kThreads, 0, p.stream, p.g, p.u, p.rows, p.cols, gs, us, p.out,
                                                                           static_cast<__nv_bfloat16*>(p.out_bf16));
   return cuda_status(cudaGetLastError(), "silu_mul_kernel");
 }
@@ -403,12 +430,12 @@ Status embedding(const EmbeddingParams& p) {
   if (p.T == 0) return Status::ok();
   switch (p.table_dtype) {
     case DType::kF32:
-      embedding_kernel<float><<<static_cast<int>(p.T), kThreads, 0, p.stream>>>(static_cast<const float*>(p.table),
+      launch_kernel(embedding_kernel<float>, static_cast<int>(p.T), kThreads, 0, p.stream, static_cast<const float*>(p.table),
                                                                                 p.V, p.D, p.ids, p.out, p.shard,
                                                                                 p.first_id);
       break;
     case DType::kBF16:
-      embedding_kernel<__nv_bfloat16><<<static_cast<int>(p.T), kThreads, 0, p.stream>>>(
+      launch_kernel(embedding_kernel<__nv_bfloat16>, static_cast<int>(p.T), kThreads, 0, p.stream, 
           static_cast<const __nv_bfloat16*>(p.table), p.V, p.D, p.ids, p.out, p.shard, p.first_id);
       break;
     default:
@@ -430,7 +457,7 @@ Status q_path(const QPathParams& p) {
               p.llama4.original_max_position_embeddings, p.llama4.beta, p.ssmax_s, p.n_keys, p.head_scale,
               p.fold_scale};
   const size_t smem = static_cast<size_t>(std::max(p.rope_dim, 2)) * sizeof(float);
-  q_path_kernel<<<static_cast<int>(p.T), 128, smem, p.stream>>>(a);
+  launch_kernel(q_path_kernel, static_cast<int>(p.T), 128, smem, p.stream, a);
   return cuda_status(cudaGetLastError(), "q_path_kernel");
 }
 
@@ -438,14 +465,14 @@ Status layer_norm(const LayerNormParams& p) {
   if (p.rows < 0 || p.dim <= 0) return invalid_argument("layer_norm: bad shape rows={} dim={}", p.rows, p.dim);
   if (p.rows == 0) return Status::ok();
   if (!p.x || !p.w || !p.y) return invalid_argument("layer_norm: null pointer");
-  layer_norm_kernel<<<static_cast<unsigned>(p.rows), 128, 0, p.stream>>>(p.x, p.w, p.b, p.dim, p.eps, p.y);
+  launch_kernel(layer_norm_kernel, static_cast<unsigned>(p.rows), 128, 0, p.stream, p.x, p.w, p.b, p.dim, p.eps, p.y);
   return cuda_status(cudaGetLastError(), "layer_norm_kernel");
 }
 
 Status scale_inplace(float* x, int64_t n, float s, cudaStream_t stream) {
   if (n < 0 || (n > 0 && !x)) return invalid_argument("scale_inplace: bad arguments");
   if (n == 0) return Status::ok();
-  scale_kernel<<<grid_for(n), kThreads, 0, stream>>>(x, n, s);
+  launch_kernel(scale_kernel, grid_for(n), kThreads, 0, stream, x, n, s);
   return cuda_status(cudaGetLastError(), "scale_kernel");
 }
 
@@ -455,10 +482,10 @@ Status mla_absorb_q(const MlaAbsorbParams& p) {
   if (p.T == 0) return Status::ok();
   if (!p.q || !p.w_uk || !p.q_lat) return invalid_argument("mla_absorb_q: null pointer");
   if (absorb_weight_stationary(p, false)) {
-    absorb_q_ws_kernel<<<dim3(p.H, (p.r + kAbsCols - 1) / kAbsCols), dim3(32, kAbsGroups), 0, p.stream>>>(p);
+    launch_kernel(absorb_q_ws_kernel, dim3(p.H, (p.r + kAbsCols - 1) / kAbsCols), dim3(32, kAbsGroups), 0, p.stream, p);
     return cuda_status(cudaGetLastError(), "absorb_q_ws_kernel");
   }
-  absorb_q_kernel<<<dim3(static_cast<unsigned>(p.T), p.H), 128, 0, p.stream>>>(p);
+  launch_kernel(absorb_q_kernel, dim3(static_cast<unsigned>(p.T), p.H), 128, 0, p.stream, p);
   return cuda_status(cudaGetLastError(), "absorb_q_kernel");
 }
 
@@ -468,10 +495,10 @@ Status mla_apply_uv(const MlaAbsorbParams& p) {
   if (!p.lat || !p.w_uv || !p.o) return invalid_argument("mla_apply_uv: null pointer");
   if (absorb_weight_stationary(p, true)) {
     const int rows = kUvWarps * kUvRows;
-    apply_uv_ws_kernel<<<dim3(p.H, (p.dv + rows - 1) / rows), 256, 0, p.stream>>>(p);
+    launch_kernel(apply_uv_ws_kernel, dim3(p.H, (p.dv + rows - 1) / rows), 256, 0, p.stream, p);
     return cuda_status(cudaGetLastError(), "apply_uv_ws_kernel");
   }
-  apply_uv_kernel<<<dim3(static_cast<unsigned>(p.T), p.H), 256, 0, p.stream>>>(p);
+  launch_kernel(apply_uv_kernel, dim3(static_cast<unsigned>(p.T), p.H), 256, 0, p.stream, p);
   return cuda_status(cudaGetLastError(), "apply_uv_kernel");
 }
 
@@ -526,7 +553,7 @@ Status mla_apply_uv_gemm(LtGemm& lt, const MlaAbsorbParams& p) {
 Status cast_f32_bf16(const float* x, int64_t n, void* out, cudaStream_t stream) {
   if (n < 0 || (n > 0 && (!x || !out))) return invalid_argument("cast_f32_bf16: bad arguments");
   if (n == 0) return Status::ok();
-  cast_f32_bf16_kernel<<<grid_for(n), kThreads, 0, stream>>>(x, n, static_cast<__nv_bfloat16*>(out));
+  launch_kernel(cast_f32_bf16_kernel, grid_for(n), kThreads, 0, stream, x, n, static_cast<__nv_bfloat16*>(out));
   return cuda_status(cudaGetLastError(), "cast_f32_bf16_kernel");
 }
 
@@ -534,10 +561,10 @@ Status transpose_2d(const void* in, int elem_bytes, int64_t rows, int64_t cols, 
   if (rows < 0 || cols < 0 || (elem_bytes != 2 && elem_bytes != 4)) return invalid_argument("transpose_2d: bad arguments");
   if (rows * cols == 0) return Status::ok();
   if (elem_bytes == 4)
-    transpose_kernel<uint32_t><<<grid_for(rows * cols), kThreads, 0, stream>>>(static_cast<const uint32_t*>(in), rows,
+    launch_kernel(transpose_kernel<uint32_t>, grid_for(rows * cols), kThreads, 0, stream, static_cast<const uint32_t*>(in), rows,
                                                                                 cols, static_cast<uint32_t*>(out));
   else
-    transpose_kernel<uint16_t><<<grid_for(rows * cols), kThreads, 0, stream>>>(static_cast<const uint16_t*>(in), rows,
+    launch_kernel(transpose_kernel<uint16_t>, grid_for(rows * cols), kThreads, 0, stream, static_cast<const uint16_t*>(in), rows,
                                                                                 cols, static_cast<uint16_t*>(out));
   return cuda_status(cudaGetLastError(), "transpose_kernel");
 }
@@ -545,7 +572,7 @@ Status transpose_2d(const void* in, int elem_bytes, int64_t rows, int64_t cols, 
 Status cast_bf16_f32(const void* x, int64_t n, float* out, cudaStream_t stream) {
   if (n < 0 || (n > 0 && (!x || !out))) return invalid_argument("cast_bf16_f32: bad arguments");
   if (n == 0) return Status::ok();
-  cast_bf16_f32_kernel<<<grid_for(n), kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), n, out);
+  launch_kernel(cast_bf16_f32_kernel, grid_for(n), kThreads, 0, stream, static_cast<const __nv_bfloat16*>(x), n, out);
   return cuda_status(cudaGetLastError(), "cast_bf16_f32_kernel");
 }
 

@@ -6,6 +6,7 @@
 // matrices, which is exactly those registers when the four matrices are the (row, k) and
 // (n, k) quarters listed at each call.
 #include "ops/cuda/fp8_gemm.h"
+#include "ops/cuda/pdl.cuh"
 
 #include <algorithm>
 
@@ -40,6 +41,8 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
     fp8_gemm_kernel(const uint8_t* __restrict__ x, const float* __restrict__ xs, int64_t xs_ld,
                     const uint8_t* __restrict__ w, const float* __restrict__ wsc, int64_t ws_ld, void* __restrict__ y,
                     bool y_f32, float* __restrict__ part, int M, int N, int K, int kper) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   constexpr int kThreads = WARPS_M * WARPS_N * 32;
   constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N;
   constexpr int MI = WM / 16, NI = WN / 8;
@@ -175,6 +178,8 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
 // y = sum over the S split partials, in slice order (deterministic). Two outputs per thread.
 __global__ void split_reduce_kernel(const float* __restrict__ part, int S, int64_t MN, void* __restrict__ y,
                                     bool y_f32) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   const int64_t i = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) * 2;
   if (i >= MN) return;
   float2 s = *reinterpret_cast<const float2*>(part + i);
@@ -192,6 +197,8 @@ __global__ void split_reduce_kernel(const float* __restrict__ part, int S, int64
 
 template <typename T>
 __global__ void transpose_out_kernel(const T* __restrict__ t, int64_t ld_t, int64_t N, int64_t M, T* __restrict__ y) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   __shared__ T tile[32][33];
   const int64_t m0 = blockIdx.x * int64_t{32}, n0 = blockIdx.y * int64_t{32};
   for (int j = threadIdx.y; j < 32; j += blockDim.y) {
@@ -243,7 +250,7 @@ Status launch(const Fp8GemmParams& p, int S, int kper, float* part) {
   ML4_RETURN_IF_ERROR(cuda_status(attr, "cudaFuncSetAttribute(fp8_gemm_kernel)"));
   const dim3 grid(static_cast<unsigned>((p.N + BN - 1) / BN), static_cast<unsigned>((p.M + BM - 1) / BM),
                   static_cast<unsigned>(S));
-  kernel<<<grid, WARPS_M * WARPS_N * 32, kSmem, p.stream>>>(
+  launch_kernel(kernel, grid, WARPS_M * WARPS_N * 32, kSmem, p.stream, 
       static_cast<const uint8_t*>(p.x), p.x_scale, p.x_scale_ld ? p.x_scale_ld : p.M, static_cast<const uint8_t*>(p.w),
       p.w_scale, p.w_scale_ld ? p.w_scale_ld : p.K / 128, p.y, p.y_dtype == DType::kF32, part, static_cast<int>(p.M),
       static_cast<int>(p.N), static_cast<int>(p.K), kper);
@@ -289,7 +296,7 @@ Status fp8_block_gemm(const Fp8GemmParams& p) {
   }
   if (!part) return Status::ok();
   const int64_t MN = p.M * p.N, threads = 256, blocks = (MN / 2 + threads - 1) / threads;
-  split_reduce_kernel<<<static_cast<unsigned>(blocks), static_cast<unsigned>(threads), 0, p.stream>>>(
+  launch_kernel(split_reduce_kernel, static_cast<unsigned>(blocks), static_cast<unsigned>(threads), 0, p.stream, 
       part, S, MN, p.y, p.y_dtype == DType::kF32);
   return cuda_status(cudaGetLastError(), "split_reduce_kernel");
 }
@@ -300,10 +307,10 @@ Status transpose_out(const void* t, int64_t ld_t, int elem_bytes, int64_t N, int
   if ((N + 31) / 32 > 65535) return invalid_argument("transpose_out: N={} too large", N);
   const dim3 grid(static_cast<unsigned>((M + 31) / 32), static_cast<unsigned>((N + 31) / 32)), block(32, 8);
   if (elem_bytes == 4) {
-    transpose_out_kernel<float><<<grid, block, 0, stream>>>(static_cast<const float*>(t), ld_t, N, M,
+    launch_kernel(transpose_out_kernel<float>, grid, block, 0, stream, static_cast<const float*>(t), ld_t, N, M,
                                                             static_cast<float*>(y));
   } else if (elem_bytes == 2) {
-    transpose_out_kernel<uint16_t><<<grid, block, 0, stream>>>(static_cast<const uint16_t*>(t), ld_t, N, M,
+    launch_kernel(transpose_out_kernel<uint16_t>, grid, block, 0, stream, static_cast<const uint16_t*>(t), ld_t, N, M,
                                                                static_cast<uint16_t*>(y));
   } else {
     return invalid_argument("transpose_out: element size {}", elem_bytes);

@@ -1,5 +1,6 @@
 // See gemv.h.
 #include "ops/cuda/gemv.h"
+#include "ops/cuda/pdl.cuh"
 
 #include <algorithm>
 #include <type_traits>
@@ -56,6 +57,8 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const float* __restri
                                                             const float* __restrict__ w_scale, float* __restrict__ y,
                                                             int64_t Ks, int64_t slice_stride,
                                                             const GemvGroup group = GemvGroup{}) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   if (group.row_expert) {  // grouped: grid.z = row i, its own expert's weights (M = 1)
     const int64_t i = blockIdx.z;
     const int e = group.row_expert[i];
@@ -146,6 +149,8 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const float* __restri
 }
 
 __global__ void splitk_reduce_kernel(const float* __restrict__ ws, int S, int64_t n, float* __restrict__ y) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
     float acc = 0.0f;
     for (int s = 0; s < S; ++s) acc += ws[s * n + i];
@@ -157,7 +162,7 @@ __global__ void splitk_reduce_kernel(const float* __restrict__ ws, int S, int64_
 // y[i] = sum over the S split-K partials ws[s][i], in slice order (deterministic); S <= 1: nothing.
 Status reduce_splits(const float* ws, int S, int64_t n, float* y, cudaStream_t stream) {
   if (S <= 1) return Status::ok();
-  splitk_reduce_kernel<<<static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 4096)), 256, 0, stream>>>(ws, S, n, y);
+  launch_kernel(splitk_reduce_kernel, static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 4096)), 256, 0, stream, ws, S, n, y);
   return cuda_status(cudaGetLastError(), "splitk_reduce_kernel");
 }
 
@@ -173,9 +178,9 @@ void choose(int64_t N, int64_t K, int64_t step, int* R, int* S) {
 template <int M, int R, bool kFp8>
 void launch(const GemvParams& p, int S, float* out, int64_t Ks) {
   const dim3 grid(static_cast<unsigned>((p.N + kWarps * R - 1) / (kWarps * R)), static_cast<unsigned>(S));
-  gemv_kernel<M, R, kFp8><<<grid, kWarps * 32, 0, p.stream>>>(p.x, static_cast<int>(p.M), p.N, p.K,
+  launch_kernel(gemv_kernel<M, R, kFp8>, grid, kWarps * 32, 0, p.stream, p.x, static_cast<int>(p.M), p.N, p.K,
                                                               static_cast<const uint8_t*>(p.w), p.w_scale, out, Ks,
-                                                              p.M * p.N);
+                                                              p.M * p.N, GemvGroup{});
 }
 
 template <int M>
@@ -294,6 +299,8 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
 
 template <bool kFp8>
 __global__ void __launch_bounds__(kTcWarps * 32, 2) gemv_tc_kernel(const TcArgs a) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   constexpr int E = kFp8 ? 16 : 8;     // weights per 16-byte load
   constexpr int SK = 4 * E;            // k per warp step
   constexpr int H = E / 8;             // 8-float halves per lane chunk
@@ -470,9 +477,9 @@ size_t tc_smem() { return size_t{kTcChunkK} * 48; }  // 8 tokens x 3 bf16 parts 
 
 Status launch_tc(const TcArgs& a, dim3 grid, bool fp8, cudaStream_t stream) {
   if (fp8)
-    gemv_tc_kernel<true><<<grid, kTcWarps * 32, tc_smem(), stream>>>(a);
+    launch_kernel(gemv_tc_kernel<true>, grid, kTcWarps * 32, tc_smem(), stream, a);
   else
-    gemv_tc_kernel<false><<<grid, kTcWarps * 32, tc_smem(), stream>>>(a);
+    launch_kernel(gemv_tc_kernel<false>, grid, kTcWarps * 32, tc_smem(), stream, a);
   return cuda_status(cudaGetLastError(), "gemv_tc_kernel");
 }
 
@@ -486,13 +493,13 @@ template <int M, int R>
 void launch_st_mr(const gemv_stream::StArgs& a, dim3 grid, bool fp8, int conv, cudaStream_t s) {
   using namespace gemv_stream;
   if (!fp8)
-    gemv_stream_kernel<M, R, false, kConvF16Int><<<grid, kStThreads, 0, s>>>(a);
+    launch_kernel(gemv_stream_kernel<M, R, false, kConvF16Int>, grid, kStThreads, 0, s, a);
   else if (conv == kConvF16Int)
-    gemv_stream_kernel<M, R, true, kConvF16Int><<<grid, kStThreads, 0, s>>>(a);
+    launch_kernel(gemv_stream_kernel<M, R, true, kConvF16Int>, grid, kStThreads, 0, s, a);
   else if (conv == kConvF32Int)
-    gemv_stream_kernel<M, R, true, kConvF32Int><<<grid, kStThreads, 0, s>>>(a);
+    launch_kernel(gemv_stream_kernel<M, R, true, kConvF32Int>, grid, kStThreads, 0, s, a);
   else
-    gemv_stream_kernel<M, R, true, kConvF16Hw><<<grid, kStThreads, 0, s>>>(a);
+    launch_kernel(gemv_stream_kernel<M, R, true, kConvF16Hw>, grid, kStThreads, 0, s, a);
 }
 
 // Rows per block: 4 (32 loads of 4 bytes in flight per thread) unless that leaves fewer
@@ -532,11 +539,11 @@ Status launch_fp4(const gemv_stream::StArgs& a, int mt, unsigned slots, bool nv,
   auto go = [&](auto m_tag) {
     constexpr int M = decltype(m_tag)::value;
     if (nv)
-      R == 2 ? gemv_fp4_kernel<M, 2, true><<<grid, gemv_stream::kStThreads, 0, s>>>(a)
-             : gemv_fp4_kernel<M, 4, true><<<grid, gemv_stream::kStThreads, 0, s>>>(a);
+      R == 2 ? launch_kernel(gemv_fp4_kernel<M, 2, true>, grid, gemv_stream::kStThreads, 0, s, a)
+             : launch_kernel(gemv_fp4_kernel<M, 4, true>, grid, gemv_stream::kStThreads, 0, s, a);
     else
-      R == 2 ? gemv_fp4_kernel<M, 2, false><<<grid, gemv_stream::kStThreads, 0, s>>>(a)
-             : gemv_fp4_kernel<M, 4, false><<<grid, gemv_stream::kStThreads, 0, s>>>(a);
+      R == 2 ? launch_kernel(gemv_fp4_kernel<M, 2, false>, grid, gemv_stream::kStThreads, 0, s, a)
+             : launch_kernel(gemv_fp4_kernel<M, 4, false>, grid, gemv_stream::kStThreads, 0, s, a);
   };
   if (mt <= 1)
     go(std::integral_constant<int, 1>{});
@@ -618,7 +625,7 @@ Status grouped_gemv(const GroupedGemvParams& p) {
   const dim3 grid(static_cast<unsigned>((p.N + kWarps * R - 1) / (kWarps * R)), 1, static_cast<unsigned>(p.rows));
   const int64_t Ks = p.K;
   auto go = [&](auto kern) {
-    kern<<<grid, kWarps * 32, 0, p.stream>>>(p.x, 1, p.N, p.K, nullptr, nullptr, p.y, Ks, 0, g);
+    launch_kernel(kern, grid, kWarps * 32, 0, p.stream, p.x, 1, p.N, p.K, nullptr, nullptr, p.y, Ks, 0, g);
   };
   if (fp8) {
     R == 4 ? go(gemv_kernel<1, 4, true>) : go(gemv_kernel<1, 1, true>);

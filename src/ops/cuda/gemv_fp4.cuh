@@ -24,6 +24,7 @@
 #include <cuda_fp8.h>
 
 #include "ops/cuda/gemv.h"
+#include "ops/cuda/pdl.cuh"
 #include "ops/cuda/gemv_stream.cuh"
 
 namespace ml4::cuda::gemv_fp4 {
@@ -63,6 +64,8 @@ __device__ __forceinline__ float e8m0_f32(uint8_t code) {
 // grid: (ceil(N / R), slots). kNv: NVFP4, else MXFP4. M: tokens per pass.
 template <int M, int R, bool kNv>
 __global__ void __launch_bounds__(kStThreads) gemv_fp4_kernel(const StArgs a) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   const int tid = threadIdx.x;
   const int64_t N = a.N, K = a.K;
   float* y;

@@ -29,6 +29,7 @@
 // multiplied by the (power-of-two adjusted) block scale with one f32 FMA: the same
 // arithmetic as cpu::linear up to summation order.
 #pragma once
+#include "ops/cuda/pdl.cuh"
 
 #include <cstdint>
 #include <type_traits>
@@ -225,6 +226,8 @@ __device__ __forceinline__ void decode4_bf16(uint2 w, float (&f)[4]) {
 // grid: (ceil(N / R), slots). M: tokens per pass (runtime mrows <= M).
 template <int M, int R, bool kFp8, int kConv>
 __global__ void __launch_bounds__(kStThreads, kStMinBlocks(M)) gemv_stream_kernel(const StArgs a) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   using LoadT = std::conditional_t<kFp8, uint32_t, uint2>;
   constexpr int U = kStU;
   constexpr int64_t kEb = kFp8 ? 1 : 2;

@@ -1,4 +1,5 @@
 #include "ops/cuda/hisparse.h"
+#include "ops/cuda/pdl.cuh"
 
 #include "ops/cuda/cuda_common.h"
 
@@ -9,6 +10,8 @@ constexpr int kWarps = 8;  // rows per block
 
 template <typename V>
 __global__ void hot_gather_kernel(HotGatherParams p) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (i >= p.n) return;
   const int64_t s = p.src[i];
@@ -30,9 +33,9 @@ Status hot_gather(const HotGatherParams& p) {
   const bool wide = p.row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(p.pool) % 16 == 0 &&
                     reinterpret_cast<uintptr_t>(p.hot) % 16 == 0;
   if (wide) {
-    hot_gather_kernel<uint4><<<blocks, kWarps * 32, 0, p.stream>>>(p);
+    launch_kernel(hot_gather_kernel<uint4>, blocks, kWarps * 32, 0, p.stream, p);
   } else {
-    hot_gather_kernel<uint8_t><<<blocks, kWarps * 32, 0, p.stream>>>(p);
+    launch_kernel(hot_gather_kernel<uint8_t>, blocks, kWarps * 32, 0, p.stream, p);
   }
   return cuda_status(cudaGetLastError(), "hot_gather");
 }

@@ -10,6 +10,7 @@
 // Cost per (token, key): HI * 128 MACs on f32 cores (64 heads: 16 KFLOP); bytes per key 132.
 // IndexerMath::kFp8TensorCore runs the same scores on FP8 mma.sync (indexer_fp8_kernel below).
 #include "ops/cuda/indexer.h"
+#include "ops/cuda/pdl.cuh"
 
 #include <cuda_fp8.h>
 
@@ -47,6 +48,8 @@ __global__ void __launch_bounds__(kThreads) indexer_scores_kernel(
     const uint8_t* __restrict__ cache, int64_t num_blocks, const int32_t* __restrict__ block_table,
     int64_t bt_stride, const int32_t* __restrict__ seq_of_token, const int32_t* __restrict__ lengths, int HI,
     float w_scale, float* __restrict__ scores, int64_t scores_stride) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   extern __shared__ float smem[];
   float* qs = smem;                       // [HI][kRow]
   float* ks = qs + HI * kRow;             // [64][kRow]
@@ -153,6 +156,8 @@ __global__ void __launch_bounds__(kThreads) indexer_fp8_kernel(
     const uint8_t* __restrict__ cache, int64_t num_blocks, const int32_t* __restrict__ block_table,
     int64_t bt_stride, const int32_t* __restrict__ seq_of_token, const int32_t* __restrict__ lengths, int HI,
     float w_scale, float* __restrict__ scores, int64_t scores_stride) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   __shared__ __align__(16) uint8_t qs[kIndexerMaxHeads * kRowB];
   __shared__ __align__(16) uint8_t ks[kPageTokens * kRowB];
   __shared__ float wq[kIndexerMaxHeads], kscale[kPageTokens], red[2][kPageTokens];
@@ -246,6 +251,8 @@ __global__ void __launch_bounds__(kThreads) indexer_fp8_kernel(
 // operations as cache_write.cu's indexer key path, which is byte-identical to the CPU encoder).
 __global__ void query_quant_kernel(const float* __restrict__ q, int dI, bool hadamard, float hscale,
                                    uint8_t* __restrict__ q8, float* __restrict__ scales) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   extern __shared__ float v[];  // [dI]
   __shared__ unsigned gmax[8];
   const int64_t row = blockIdx.x;
@@ -287,7 +294,7 @@ Status indexer_scores(const IndexerScoresParams& p) {
   if (chunks > 65535) return invalid_argument("indexer_scores: max_length {} too large", p.max_length);
   const dim3 grid(static_cast<unsigned>(p.T), static_cast<unsigned>(chunks));
   if (p.math == IndexerMath::kFp8TensorCore) {
-    indexer_fp8_kernel<<<grid, kThreads, 0, p.stream>>>(
+    launch_kernel(indexer_fp8_kernel, grid, kThreads, 0, p.stream, 
         static_cast<const uint8_t*>(p.q), p.q_scale, p.weights, static_cast<const uint8_t*>(p.cache), p.num_blocks,
         p.block_table, p.block_table_stride, p.seq_of_token, p.lengths, p.HI, p.weight_scale, p.scores,
         p.scores_stride);
@@ -296,7 +303,7 @@ Status indexer_scores(const IndexerScoresParams& p) {
   const size_t smem = smem_bytes(p.HI);
   ML4_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(indexer_scores_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  indexer_scores_kernel<<<grid, kThreads, smem, p.stream>>>(
+  launch_kernel(indexer_scores_kernel, grid, kThreads, smem, p.stream, 
       static_cast<const uint8_t*>(p.q), p.q_scale, p.weights, static_cast<const uint8_t*>(p.cache), p.num_blocks,
       p.block_table, p.block_table_stride, p.seq_of_token, p.lengths, p.HI, p.weight_scale, p.scores,
         p.scores_stride);
@@ -312,7 +319,7 @@ Status indexer_query_quant(const IndexerQueryQuantParams& p) {
   if (p.rows > 0x7fffffff) return invalid_argument("indexer_query_quant: rows = {} too large", p.rows);
   // The CPU reference's n^-0.5, rounded to f32 the same way (ops/cpu/quant.cpp).
   const float hscale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(p.dI)));
-  query_quant_kernel<<<static_cast<unsigned>(p.rows), p.dI / 2, p.dI * sizeof(float), p.stream>>>(
+  launch_kernel(query_quant_kernel, static_cast<unsigned>(p.rows), p.dI / 2, p.dI * sizeof(float), p.stream, 
       p.q, p.dI, p.hadamard, hscale, static_cast<uint8_t*>(p.q8), p.scales);
   return cuda_status(cudaGetLastError(), "query_quant_kernel");
 }

@@ -4,6 +4,7 @@
 // Softmax sums in f32 here (f64 on the CPU): a 1e-7 relative difference in p, which can
 // only swap two experts whose scores tie to that precision.
 #include "ops/cuda/moe.h"
+#include "ops/cuda/pdl.cuh"
 
 #include <cmath>
 
@@ -51,6 +52,8 @@ __device__ void warp_argmax(float& v, int& i) {
 
 // One warp per token; blockDim = 32 * warps, shared memory: warps * (2E + G) floats.
 __global__ void route_kernel(RouteArgs a) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   extern __shared__ float sm[];
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   const int64_t t = blockIdx.x * int64_t{blockDim.x >> 5} + w;
@@ -153,6 +156,8 @@ __global__ void route_kernel(RouteArgs a) {
 // lists its rows in (t, k) order. Deterministic; O(E * T*K / threads) for now.
 __global__ void permute_kernel(const int32_t* __restrict__ ids, int64_t n, int E, int32_t* offsets,
                                int32_t* perm_token, int32_t* inv, int K, int32_t* active) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   extern __shared__ int32_t cnt[];  // [E + 1]
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     int32_t c = 0;
@@ -185,6 +190,8 @@ __global__ void permute_kernel(const int32_t* __restrict__ ids, int64_t n, int E
 
 __global__ void gather_rows_kernel(const float* __restrict__ x, int64_t D, const int32_t* __restrict__ rows,
                                    float* __restrict__ out) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   const int64_t i = blockIdx.x;
   const float* src = x + int64_t{rows[i]} * D;
   for (int64_t d = threadIdx.x; d < D; d += blockDim.x) out[i * D + d] = src[d];
@@ -193,6 +200,8 @@ __global__ void gather_rows_kernel(const float* __restrict__ x, int64_t D, const
 __global__ void combine_kernel(const float* __restrict__ y, const int32_t* __restrict__ inv,
                                const float* __restrict__ w, int K, int64_t D, const float* __restrict__ shared,
                                float* __restrict__ out) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   const int64_t t = blockIdx.x;
   for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
     float acc = 0.0f;
@@ -203,6 +212,8 @@ __global__ void combine_kernel(const float* __restrict__ y, const int32_t* __res
 }
 
 __global__ void decode_rows_kernel(int64_t n, int K, int32_t* __restrict__ row_src, int32_t* __restrict__ inv) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
     row_src[i] = static_cast<int32_t>(i / K);
     inv[i] = static_cast<int32_t>(i);
@@ -225,14 +236,14 @@ Status moe_route(const MoeRouteParams& p) {
   const int warps = 4;
   const size_t smem = static_cast<size_t>(warps) * (2 * E + G) * sizeof(float);
   const int64_t blocks = (p.T + warps - 1) / warps;
-  route_kernel<<<static_cast<unsigned>(blocks), warps * 32, smem, p.stream>>>(a);
+  launch_kernel(route_kernel, static_cast<unsigned>(blocks), warps * 32, smem, p.stream, a);
   return cuda_status(cudaGetLastError(), "route_kernel");
 }
 
 Status moe_permute(const MoePermuteParams& p) {
   if (p.T < 0 || p.K <= 0 || p.E <= 0 || p.E > 8192) return invalid_argument("moe_permute: bad shape");
   if (!p.ids || !p.offsets || !p.perm_token || !p.inv) return invalid_argument("moe_permute: null pointer");
-  permute_kernel<<<1, 256, (p.E + 1) * sizeof(int32_t), p.stream>>>(p.ids, p.T * p.K, p.E, p.offsets, p.perm_token,
+  launch_kernel(permute_kernel, 1, 256, (p.E + 1) * sizeof(int32_t), p.stream, p.ids, p.T * p.K, p.E, p.offsets, p.perm_token,
                                                                     p.inv, p.K, p.active);
   return cuda_status(cudaGetLastError(), "permute_kernel");
 }
@@ -240,7 +251,7 @@ Status moe_permute(const MoePermuteParams& p) {
 Status gather_rows(const float* x, int64_t D, const int32_t* rows, int64_t n, float* out, cudaStream_t stream) {
   if (n < 0 || D <= 0) return invalid_argument("gather_rows: bad shape");
   if (n == 0) return Status::ok();
-  gather_rows_kernel<<<static_cast<unsigned>(n), 256, 0, stream>>>(x, D, rows, out);
+  launch_kernel(gather_rows_kernel, static_cast<unsigned>(n), 256, 0, stream, x, D, rows, out);
   return cuda_status(cudaGetLastError(), "gather_rows_kernel");
 }
 
@@ -248,7 +259,7 @@ Status moe_combine(const MoeCombineParams& p) {
   if (p.T < 0 || p.K <= 0 || p.D <= 0) return invalid_argument("moe_combine: bad shape");
   if (p.T == 0) return Status::ok();
   if (!p.y_perm || !p.inv || !p.weights || !p.out) return invalid_argument("moe_combine: null pointer");
-  combine_kernel<<<static_cast<unsigned>(p.T), 256, 0, p.stream>>>(p.y_perm, p.inv, p.weights, p.K, p.D, p.shared,
+  launch_kernel(combine_kernel, static_cast<unsigned>(p.T), 256, 0, p.stream, p.y_perm, p.inv, p.weights, p.K, p.D, p.shared,
                                                                   p.out);
   return cuda_status(cudaGetLastError(), "combine_kernel");
 }
@@ -551,7 +562,7 @@ Status moe_experts_forward_rowwise(const MoeExpertTables& tb, const DeviceMlp* s
   if (T > kGemvMaxM) return out_of_range("moe rowwise: {} tokens (at most {})", T, kGemvMaxM);
   const int64_t n = T * K;
   if (n > s.max_rows) return out_of_range("moe grouped: {} expert rows, scratch holds {}", n, s.max_rows);
-  decode_rows_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(n, K, s.row_src.as<int32_t>(),
+  launch_kernel(decode_rows_kernel, static_cast<unsigned>((n + 255) / 256), 256, 0, stream, n, K, s.row_src.as<int32_t>(),
                                                                                 s.inv.as<int32_t>());
   ML4_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   const auto w1 = static_cast<const void* const*>(tb.w1.data()), w2 = static_cast<const void* const*>(tb.w2.data()),

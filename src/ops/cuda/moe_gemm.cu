@@ -4,6 +4,7 @@
 // 16-byte chunk c of row r at chunk c ^ (r % 8); the descriptor names the atom stride (SBO,
 // 1024 bytes) and the swizzle; each k32 step starts 32 bytes further into the rows.
 #include "ops/cuda/moe_gemm.h"
+#include "ops/cuda/pdl.cuh"
 
 #include <algorithm>
 
@@ -82,6 +83,8 @@ struct GemmArgs {
 // warpgroup, gate and up of each) or [n0, n0 + 256) (128 per warpgroup).
 template <bool kGateUp>
 __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const GemmArgs p) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   if (static_cast<int>(blockIdx.y) >= __ldg(p.num_tiles)) return;
   const MoeTile t = p.tiles[blockIdx.y];
   const int nrows = t.row1 - t.row0, K = p.K, N = p.N, KB = K / 128;
@@ -213,6 +216,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const GemmArg
 
 // Per-group row counts (cursor zeroed before): a block's ids counted in shared memory first.
 __global__ void count_kernel(const int32_t* __restrict__ ids, int64_t n, int E, int32_t* __restrict__ cursor) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   extern __shared__ int32_t hist[];
   for (int e = threadIdx.x; e < E; e += blockDim.x) hist[e] = 0;
   __syncthreads();
@@ -229,6 +234,8 @@ __global__ void count_kernel(const int32_t* __restrict__ ids, int64_t n, int E, 
 // offsets, and the tile list.
 __global__ void plan_kernel(int32_t* __restrict__ cursor, int E, int G, int64_t T, int32_t* __restrict__ offsets,
                             MoeTile* __restrict__ tiles, int32_t* __restrict__ num_tiles, int64_t max_tiles) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   extern __shared__ int32_t first_tile[];  // [G + 1]
   if (threadIdx.x == 0) {
     int32_t off = 0, nt = 0;
@@ -257,6 +264,8 @@ __global__ void plan_kernel(int32_t* __restrict__ cursor, int E, int G, int64_t 
 __global__ void scatter_kernel(const int32_t* __restrict__ ids, int64_t n, int K, int E, int64_t T, bool shared_slot,
                                int32_t* __restrict__ cursor, int32_t* __restrict__ perm_token,
                                int32_t* __restrict__ inv) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
     const int e = ids[i];
     if (static_cast<unsigned>(e) >= static_cast<unsigned>(E)) continue;
@@ -285,14 +294,14 @@ Status moe_permute_gemm(const MoePermuteGemmParams& p) {
   if (n + p.T >= (int64_t{1} << 31)) return invalid_argument("moe_permute_gemm: {} rows", n + p.T);
   ML4_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.cursor, 0, (p.E + 1) * sizeof(int32_t), p.stream));
   if (n > 0) {
-    count_kernel<<<blocks_for(n), 256, p.E * sizeof(int32_t), p.stream>>>(p.ids, n, p.E, p.cursor);
+    launch_kernel(count_kernel, blocks_for(n), 256, p.E * sizeof(int32_t), p.stream, p.ids, n, p.E, p.cursor);
     ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "count_kernel"));
   }
-  plan_kernel<<<1, 256, (G + 1) * sizeof(int32_t), p.stream>>>(p.cursor, p.E, G, p.T, p.offsets, p.tiles,
+  launch_kernel(plan_kernel, 1, 256, (G + 1) * sizeof(int32_t), p.stream, p.cursor, p.E, G, p.T, p.offsets, p.tiles,
                                                                p.num_tiles, p.max_tiles);
   ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "plan_kernel"));
   if (n == 0) return Status::ok();
-  scatter_kernel<<<blocks_for(n), 256, 0, p.stream>>>(p.ids, n, p.K, p.E, p.T, p.shared_slot, p.cursor, p.perm_token,
+  launch_kernel(scatter_kernel, blocks_for(n), 256, 0, p.stream, p.ids, n, p.K, p.E, p.T, p.shared_slot, p.cursor, p.perm_token,
                                                       p.inv);
   return cuda_status(cudaGetLastError(), "scatter_kernel");
 }
@@ -316,7 +325,7 @@ Status moe_grouped_gemm(const MoeGroupedGemmParams& p) {
   static const cudaError_t attr_f = cudaFuncSetAttribute(grouped_gemm_kernel<false>,
                                                          cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   ML4_RETURN_IF_ERROR(cuda_status(p.gate_up ? attr_t : attr_f, "cudaFuncSetAttribute(grouped_gemm_kernel)"));
-  kernel<<<grid, kThreads, kSmem, p.stream>>>(a);
+  launch_kernel(kernel, grid, kThreads, kSmem, p.stream, a);
   return cuda_status(cudaGetLastError(), "grouped_gemm_kernel");
 }
 

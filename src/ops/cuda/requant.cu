@@ -1,5 +1,6 @@
 // See requant.h.
 #include "ops/cuda/requant.h"
+#include "ops/cuda/pdl.cuh"
 
 #include <algorithm>
 #include <climits>
@@ -29,6 +30,8 @@ __device__ __forceinline__ uint32_t e2m1_code(double v) {
 __global__ void requant_kernel(const uint8_t* __restrict__ w, const float* __restrict__ scale, int64_t N, int64_t K,
                                int64_t kb, uint8_t* __restrict__ out_w, uint8_t* __restrict__ out_s,
                                unsigned long long* __restrict__ first_bad) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   const int64_t groups = K / 32;
   for (int64_t gid = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; gid < N * groups;
        gid += int64_t{gridDim.x} * blockDim.x) {
@@ -82,7 +85,7 @@ Result<DeviceLinear> requantize_fp8_to_mxfp4_device(const DeviceLinear& fp8, cud
   ML4_RETURN_IF_ERROR(flag.upload(&none, sizeof(none)));
   const int64_t work = N * (K / 32);
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((work + 255) / 256, 65535));
-  requant_kernel<<<blocks, 256, 0, stream>>>(fp8.weight.as<uint8_t>(), fp8.scale.as<float>(), N, K, K / 128,
+  launch_kernel(requant_kernel, blocks, 256, 0, stream, fp8.weight.as<uint8_t>(), fp8.scale.as<float>(), N, K, K / 128,
                                              d.weight.as<uint8_t>(), d.scale.as<uint8_t>(),
                                              flag.as<unsigned long long>());
   ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "requant_kernel"));

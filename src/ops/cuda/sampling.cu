@@ -22,6 +22,7 @@
 // monotone in the logit, so "bins before the cut bin" are a prefix too: the cut only has to
 // be resolved inside the boundary bin(s), which is what the candidates are.
 #include "ops/cuda/sampling.h"
+#include "ops/cuda/pdl.cuh"
 
 #include "ops/cpu/sampling.h"
 #include "ops/cuda/cuda_common.h"
@@ -41,6 +42,8 @@ __device__ __forceinline__ bool better(float a, int64_t ia, float b, int64_t ib)
 }
 
 __global__ void argmax_kernel(const float* __restrict__ logits, int64_t V, int32_t* __restrict__ out) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   __shared__ float sv[256];
   __shared__ int64_t si[256];
   const float* l = logits + blockIdx.x * V;
@@ -70,6 +73,8 @@ template <bool kVec>
 __global__ void __launch_bounds__(rowblock::kThreads, 1)
     row_kernel(const float* __restrict__ logits, int64_t V, int64_t stride, const DeviceSamplingParams* __restrict__ params,
                int32_t* __restrict__ tokens, float* __restrict__ logprobs) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   __shared__ rowblock::Smem sm;
   const float* row = logits + static_cast<int64_t>(blockIdx.x) * stride;
   const DeviceSamplingParams P = params[blockIdx.x];
@@ -265,6 +270,8 @@ __device__ __forceinline__ void block_scan2(ull a, ull b, ull* ea, ull* eb, ull*
 template <bool kVec>
 __global__ void __launch_bounds__(kSplitThreads)
     stats_kernel(const float* __restrict__ logits, int64_t V, int64_t stride, char* __restrict__ ws, int64_t T) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   const int64_t r = blockIdx.x;
   const RowWs w = row_ws(ws, r, T);
   for (int64_t i = static_cast<int64_t>(blockIdx.y) * kSplitThreads + threadIdx.x; i < kBins;
@@ -383,6 +390,8 @@ template <bool kVec>
 __global__ void __launch_bounds__(kSplitThreads)
     hist_kernel(const float* __restrict__ logits, int64_t V, int64_t stride,
                 const DeviceSamplingParams* __restrict__ params, char* __restrict__ ws, int64_t T) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   // Counts, and the integer weights (<= 2^40) as three 14-bit-or-less pieces in 32-bit bins:
   // a block sums <= 4096 ids, so no piece overflows (2^12 * 2^14 < 2^32), and 32-bit shared
   // atomics are native where 64-bit adds are compare-and-swap loops.
@@ -456,6 +465,8 @@ template <bool kVec>
 __global__ void __launch_bounds__(kSplitThreads)
     scan_kernel(const float* __restrict__ logits, int64_t V, int64_t stride,
                 const DeviceSamplingParams* __restrict__ params, char* __restrict__ ws, int64_t T) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   __shared__ float sv[kTileWarps];
   __shared__ int64_t si[kTileWarps];
   const int64_t r = blockIdx.x;
@@ -583,6 +594,8 @@ __global__ void __launch_bounds__(kFinalThreads, 1)
     final_kernel(const float* __restrict__ logits, int64_t V, int64_t stride,
                  const DeviceSamplingParams* __restrict__ params, int32_t* __restrict__ tokens,
                  float* __restrict__ logprobs, char* __restrict__ ws, int64_t T) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   __shared__ FinalSmem sm;
   const int64_t r = blockIdx.x;
   const DeviceSamplingParams P = params[r];
@@ -716,7 +729,7 @@ Status argmax_rows(const float* logits, int64_t B, int64_t V, int32_t* out, cuda
   if (B < 0 || V <= 0 || V > INT32_MAX) return invalid_argument("argmax_rows: bad shape B={} V={}", B, V);
   if (B == 0) return Status::ok();
   if (!logits || !out) return invalid_argument("argmax_rows: null pointer");
-  argmax_kernel<<<static_cast<unsigned>(B), 256, 0, stream>>>(logits, V, out);
+  launch_kernel(argmax_kernel, static_cast<unsigned>(B), 256, 0, stream, logits, V, out);
   return cuda_status(cudaGetLastError(), "argmax_kernel");
 }
 
@@ -727,10 +740,10 @@ Status sample_rows(const float* logits, int64_t B, int64_t V, const DeviceSampli
   const int64_t stride = row_stride < 0 ? V : row_stride;
   const bool vec = V % 4 == 0 && stride % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
   if (vec)
-    row_kernel<true><<<static_cast<unsigned>(B), rowblock::kThreads, 0, stream>>>(logits, V, stride, params, tokens,
+    launch_kernel(row_kernel<true>, static_cast<unsigned>(B), rowblock::kThreads, 0, stream, logits, V, stride, params, tokens,
                                                                                   logprobs);
   else
-    row_kernel<false><<<static_cast<unsigned>(B), rowblock::kThreads, 0, stream>>>(logits, V, stride, params, tokens,
+    launch_kernel(row_kernel<false>, static_cast<unsigned>(B), rowblock::kThreads, 0, stream, logits, V, stride, params, tokens,
                                                                                    logprobs);
   return cuda_status(cudaGetLastError(), "sample_rows row_kernel");
 }
@@ -746,15 +759,15 @@ Status launch_split(const float* logits, int64_t B, int64_t V, int64_t stride, c
                     int32_t* tokens, float* logprobs, char* ws, cudaStream_t stream) {
   const int64_t T = (V + kTile - 1) / kTile;
   const dim3 grid(static_cast<unsigned>(B), static_cast<unsigned>((T + kTileWarps - 1) / kTileWarps));
-  stats_kernel<kVec><<<grid, kSplitThreads, 0, stream>>>(logits, V, stride, ws, T);
+  launch_kernel(stats_kernel<kVec>, grid, kSplitThreads, 0, stream, logits, V, stride, ws, T);
   ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "sample_rows stats_kernel"));
-  hist_kernel<kVec><<<grid, kSplitThreads, 0, stream>>>(logits, V, stride, params, ws, T);
+  launch_kernel(hist_kernel<kVec>, grid, kSplitThreads, 0, stream, logits, V, stride, params, ws, T);
   ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "sample_rows hist_kernel"));
   const int64_t U = (V + kSub - 1) / kSub;
   const dim3 grid3(static_cast<unsigned>(B), static_cast<unsigned>((U + kTileWarps - 1) / kTileWarps));
-  scan_kernel<kVec><<<grid3, kSplitThreads, 0, stream>>>(logits, V, stride, params, ws, T);
+  launch_kernel(scan_kernel<kVec>, grid3, kSplitThreads, 0, stream, logits, V, stride, params, ws, T);
   ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "sample_rows scan_kernel"));
-  final_kernel<kVec><<<static_cast<unsigned>(B), kFinalThreads, 0, stream>>>(logits, V, stride, params, tokens,
+  launch_kernel(final_kernel<kVec>, static_cast<unsigned>(B), kFinalThreads, 0, stream, logits, V, stride, params, tokens,
                                                                              logprobs, ws, T);
   return cuda_status(cudaGetLastError(), "sample_rows final_kernel");
 }
@@ -781,6 +794,8 @@ namespace {
 // One thread per mask word: the word's 32 logits get -inf where its bits are clear.
 __global__ void bitmask_kernel(float* __restrict__ logits, int64_t V, int64_t stride, int64_t words,
                                const uint32_t* __restrict__ allowed) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   const int64_t r = blockIdx.x;
   const int64_t w = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
   if (w >= words) return;
@@ -806,7 +821,7 @@ Status apply_token_bitmask(float* logits, int64_t B, int64_t V, const uint32_t* 
   if (stride < V) return invalid_argument("apply_token_bitmask: row stride {} < V {}", stride, V);
   const int64_t words = (V + 31) / 32;
   const dim3 grid(static_cast<unsigned>(B), static_cast<unsigned>((words + 255) / 256));
-  bitmask_kernel<<<grid, 256, 0, stream>>>(logits, V, stride, words, allowed);
+  launch_kernel(bitmask_kernel, grid, 256, 0, stream, logits, V, stride, words, allowed);
   return cuda_status(cudaGetLastError(), "apply_token_bitmask");
 }
 

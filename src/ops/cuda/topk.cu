@@ -10,6 +10,7 @@
 // position: the output is in ascending position order and deterministic.
 // Rows with length <= k skip the passes: every position is selected.
 #include "ops/cuda/topk.h"
+#include "ops/cuda/pdl.cuh"
 
 #include <algorithm>
 
@@ -56,6 +57,8 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const float* __restrict_
                                                         int32_t* __restrict__ counts, int64_t out_stride,
                                                         const int32_t* __restrict__ block_table, int64_t bt_stride,
                                                         const int32_t* __restrict__ seq_of_token) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
   __shared__ unsigned hist[256];
@@ -212,6 +215,8 @@ __device__ __forceinline__ MbRow mb_row(const MbArgs& a) {
 
 // One radix pass: digit bits [shift, shift + bits) of the keys that match the state's prefix.
 __global__ void __launch_bounds__(kMbThreads) topk_mb_pass_kernel(MbArgs a, int pass) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   using Scan = cub::BlockScan<unsigned, kMbThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
   __shared__ unsigned hist[kBins];
@@ -300,6 +305,8 @@ __device__ __forceinline__ void mb_threshold(const MbRow& r, uint32_t* thr, int*
 
 // Per block: keys above and equal to the threshold in its chunk.
 __global__ void __launch_bounds__(kMbThreads) topk_mb_count_kernel(MbArgs a) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   using Reduce = cub::BlockReduce<int, kMbThreads>;
   __shared__ typename Reduce::TempStorage red_tmp;
   const MbRow r = mb_row(a);
@@ -338,6 +345,8 @@ __global__ void __launch_bounds__(kMbThreads) topk_mb_write_kernel(MbArgs a, int
                                                                     const int32_t* __restrict__ block_table,
                                                                     int64_t bt_stride,
                                                                     const int32_t* __restrict__ seq_of_token) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   using Scan = cub::BlockScan<int, kMbThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
   __shared__ int s_gt_before, s_eq_before;
@@ -428,13 +437,13 @@ Status topk(const TopkParams& p) {
     MbArgs a{p.scores, p.scores_stride, p.lengths, p.k, static_cast<uint32_t*>(p.workspace), kWsWords + 2 * splits};
     ML4_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.workspace, 0, topk_workspace_bytes(p.T, splits), p.stream));
     const dim3 grid(static_cast<unsigned>(p.T), static_cast<unsigned>(splits));
-    for (int pass = 0; pass < 3; ++pass) topk_mb_pass_kernel<<<grid, kMbThreads, 0, p.stream>>>(a, pass);
-    topk_mb_count_kernel<<<grid, kMbThreads, 0, p.stream>>>(a);
-    topk_mb_write_kernel<<<grid, kMbThreads, 0, p.stream>>>(a, p.positions, p.slots, p.counts, out_stride,
+    for (int pass = 0; pass < 3; ++pass) launch_kernel(topk_mb_pass_kernel, grid, kMbThreads, 0, p.stream, a, pass);
+    launch_kernel(topk_mb_count_kernel, grid, kMbThreads, 0, p.stream, a);
+    launch_kernel(topk_mb_write_kernel, grid, kMbThreads, 0, p.stream, a, p.positions, p.slots, p.counts, out_stride,
                                                              p.block_table, p.block_table_stride, p.seq_of_token);
     return cuda_status(cudaGetLastError(), "topk multi-block kernels");
   }
-  topk_kernel<<<static_cast<unsigned>(p.T), kThreads, 0, p.stream>>>(
+  launch_kernel(topk_kernel, static_cast<unsigned>(p.T), kThreads, 0, p.stream, 
       p.scores, p.scores_stride, p.lengths, p.k, p.positions, p.slots, p.counts, out_stride, p.block_table,
       p.block_table_stride, p.seq_of_token);
   return cuda_status(cudaGetLastError(), "topk_kernel");

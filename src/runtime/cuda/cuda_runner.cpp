@@ -156,6 +156,7 @@ Status CudaRunner::run_forward(CudaBackend::Mode mode, std::vector<GraphExec>* s
 }
 
 Result<StepOutput> CudaRunner::execute_traced(const StepInput& in, ForwardTrace* trace) {
+  cuda::set_programmatic_launch(opts_.programmatic_launch);  // process-wide: this runner's setting (pdl.cuh)
   ML4_ASSIGN_OR_RETURN(StepMetadata md, build_step_metadata(in, groups_, cfg_.vocab_size, max_model_len_));
   const int64_t T = md.num_tokens(), R = static_cast<int64_t>(md.logits_rows.size());
   const int64_t S = static_cast<int64_t>(md.seqs.size());
@@ -348,6 +349,7 @@ Result<StepOutput> CudaRunner::execute_traced(const StepInput& in, ForwardTrace*
 // drafts (the host draws them) and drafts returning q run eagerly.
 Result<DraftOutput> CudaRunner::draft(const DraftInput& in) {
   if (!program_->has_drafter()) return unimplemented("this runner has no DSpark drafter (RunnerOptions::drafter)");
+  cuda::set_programmatic_launch(opts_.programmatic_launch);
   const int B = cfg_.drafter.block_size;
   const int64_t V = cfg_.vocab_size;
   const int dg = backend_->drafter_group();

@@ -62,6 +62,11 @@ struct CudaRunnerOptions {
   // CudaGemv.Fp4MatchesCpuLinear, the FP4 MoE cases and the FP4 rows of
   // CudaRunner.MatchesCpuRunnerExact turn it on and wait for the next lent GPU).
   bool fp4_weights = false;
+  // Programmatic dependent launch (ops/cuda/pdl.cuh, issue 19): every kernel of ours starts
+  // while the one before it drains and waits on the device for its results. The same kernels
+  // on the same inputs, so the results are bit-identical either way. Off until it has run on
+  // the H200 (test CudaRunner.ProgrammaticLaunchIsBitIdentical, step bench PDL lines).
+  bool programmatic_launch = false;
 };
 
 class CudaRunner : public ModelRunner {
@@ -99,15 +104,23 @@ class CudaRunner : public ModelRunner {
   // Benchmarks: finite random bytes in every latent and indexer page.
   Status fill_kv_synthetic(uint64_t seed) { return backend_->fill_kv_synthetic(seed); }
   void set_cuda_graphs(bool on) { opts_.cuda_graphs = on; }
-  // Benchmarks: turn the indexer overlap (CudaRunnerOptions::overlap_indexer) off or back on;
-  // drops the captured graphs, which hold one schedule or the other.
+  // Benchmarks: switch a path of CudaRunnerOptions (programmatic_launch, absorb_gemm,
+  // grouped_moe_gemm, overlap_indexer) on or off; each drops the captured graphs, which hold
+  // one schedule or the other.
+  void set_programmatic_launch(bool on) {
+    opts_.programmatic_launch = on;
+    graphs_.clear();
+    draft_graphs_.clear();
+  }
   void set_absorb_gemm(bool on) {
     opts_.absorb_gemm = on;
     backend_->set_absorb_gemm(on);
+    graphs_.clear();
   }
   void set_grouped_moe_gemm(bool on) {
     opts_.grouped_moe_gemm = on;
     backend_->set_grouped_moe_gemm(on);
+    graphs_.clear();
   }
   void set_overlap_indexer(bool on) {
     opts_.overlap_indexer = on;

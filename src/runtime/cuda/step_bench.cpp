@@ -159,6 +159,15 @@ int run_step_bench(const StepBenchOptions& opt) {
     r.set_cuda_graphs(true);
     std::printf("GRAPHS model=%s batch=1 ctx=8192 graph_ms=%.3f eager_ms=%.3f speedup=%.2f\n", preset.c_str(), g, e,
                 e / g);
+    for (int batch : {1, 8, 64}) {  // programmatic dependent launch (pdl.cuh) on vs off, graphs on
+      const StepInput pin = decode_step(r, batch, 8192, blocks_per_seq);
+      const double off = time_step(r, pin, 3, 20);
+      r.set_programmatic_launch(true);
+      const double on = time_step(r, pin, 3, 20);
+      r.set_programmatic_launch(false);
+      std::printf("PDL model=%s batch=%d ctx=8192 pdl_ms=%.3f plain_ms=%.3f gain=%.2f\n", preset.c_str(), batch, on,
+                  off, off / on);
+    }
     for (int batch : {1, 8, 64}) {  // the indexer on the main stream vs overlapped (graphs on)
       const StepInput oin = decode_step(r, batch, 8192, blocks_per_seq);
       const double with = time_step(r, oin, 3, 20);
