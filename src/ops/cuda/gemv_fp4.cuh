@@ -64,6 +64,7 @@ __device__ __forceinline__ float e8m0_f32(uint8_t code) {
 // grid: (ceil(N / R), slots). kNv: NVFP4, else MXFP4. M: tokens per pass.
 template <int M, int R, bool kNv>
 __global__ void __launch_bounds__(kStThreads) gemv_fp4_kernel(const StArgs a) {
+  gemv_stream::prefetch_rows_l2<R>(a, a.K / 2);
   pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
   pdl_launch_dependents();
   const int tid = threadIdx.x;

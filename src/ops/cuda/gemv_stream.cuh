@@ -137,6 +137,20 @@ __device__ __forceinline__ bool block_work(const StArgs& a, SlotWork* sw, float*
                       second ? a.extra_w2 : a.extra_w, second ? a.extra_s2 : a.extra_s, sw);
 }
 
+// The block's weight rows [n0, n0 + R) of a plain gemv (one contiguous range of R * row_bytes)
+// into L2, before pdl_wait: the weights are read-only for the whole step, so with programmatic
+// launch (pdl.cuh) their fetch overlaps the previous kernel's tail. Grouped launches learn their
+// experts from the routing the previous kernel wrote, so they prefetch nothing.
+template <int R>
+__device__ __forceinline__ void prefetch_rows_l2(const StArgs& a, int64_t row_bytes) {
+  if (a.offsets) return;
+  const int64_t n0 = blockIdx.x * int64_t{R};
+  if (n0 >= a.N) return;
+  const char* base = reinterpret_cast<const char*>(a.w) + n0 * row_bytes;
+  const int64_t lines = (min(int64_t{R}, a.N - n0) * row_bytes + 127) / 128;
+  for (int64_t i = threadIdx.x; i < lines; i += blockDim.x) asm volatile("prefetch.global.L2 [%0];" ::"l"(base + i * 128));
+}
+
 // x rows of the token group [p0, p0 + mrows) (rows past mrows repeat the last, unused): row
 // xmap[i] of the permuted order, else x_off + i.
 template <int M>
@@ -226,11 +240,12 @@ __device__ __forceinline__ void decode4_bf16(uint2 w, float (&f)[4]) {
 // grid: (ceil(N / R), slots). M: tokens per pass (runtime mrows <= M).
 template <int M, int R, bool kFp8, int kConv>
 __global__ void __launch_bounds__(kStThreads, kStMinBlocks(M)) gemv_stream_kernel(const StArgs a) {
-  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
-  pdl_launch_dependents();
   using LoadT = std::conditional_t<kFp8, uint32_t, uint2>;
   constexpr int U = kStU;
   constexpr int64_t kEb = kFp8 ? 1 : 2;
+  prefetch_rows_l2<R>(a, a.K * kEb);
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
   constexpr float kMul = kFp8 ? conv_mul<kConv>() : 1.0f;
   const int tid = threadIdx.x;
   const int64_t N = a.N, K = a.K;
