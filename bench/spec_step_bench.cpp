@@ -5,6 +5,8 @@
 // median of 30 after 5, and whether the step replayed a CUDA graph.
 //
 //   spec_step_bench --model assets/ml4-small [--prompt 128]
+//   spec_step_bench --preset ml4-slice-4     (synthetic weights at full width, with a synthetic
+//                                             drafter: the draft and verify cost of ML4's shapes)
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -14,14 +16,16 @@
 #include <CLI/CLI.hpp>
 
 #if defined(ML4_WITH_CUDA)
+#include "model/presets.h"
 #include "runtime/cuda/cuda_runner.h"
 #endif
 
 int main(int argc, char** argv) {
   CLI::App app{"DSpark step pieces on the CUDA runner"};
-  std::string model = "assets/ml4-small";
+  std::string model = "assets/ml4-small", preset;
   int prompt = 128;
   app.add_option("--model", model);
+  app.add_option("--preset", preset, "synthetic weights of this preset instead of --model");
   app.add_option("--prompt", prompt);
   CLI11_PARSE(app, argc, argv);
 #if defined(ML4_WITH_CUDA)
@@ -32,12 +36,27 @@ int main(int argc, char** argv) {
   o.base.kv_cache_bytes = 512ll << 20;
   o.base.drafter = true;
   o.base.max_num_seqs = 4;
-  auto rr = cuda::CudaRunner::load(model, o);
+  Result<std::unique_ptr<cuda::CudaRunner>> rr = unimplemented("");
+  if (preset.empty()) {
+    rr = cuda::CudaRunner::load(model, o);
+  } else {
+    auto cfg = preset_config(preset);
+    if (!cfg.ok()) {
+      std::fprintf(stderr, "%s\n", cfg.status().message().c_str());
+      return 1;
+    }
+    o.base.kv_cache_dtype = "fp8_ds_mla";
+    o.base.kv_cache_bytes = 4ll << 30;
+    rr = cuda::CudaRunner::load_synthetic(*cfg, o, 7);
+    if (rr.ok() && !(*rr)->fill_kv_synthetic(11).ok()) return 1;
+  }
   if (!rr.ok()) {
     std::fprintf(stderr, "%s\n", rr.status().message().c_str());
     return 1;
   }
   auto& r = **rr;
+  std::printf("SPEC_MODEL %s block=%d drafter_layers=%d weights_gb=%.2f\n", preset.empty() ? model.c_str() : preset.c_str(),
+              r.config().drafter.block_size, r.config().drafter.n_layers, r.weight_bytes() / 1e9);
   const int B = r.config().drafter.block_size;
   const auto& groups = r.cache_groups();
   auto tables = [&](int64_t upto) {
@@ -81,7 +100,7 @@ int main(int argc, char** argv) {
     d.device_sampling = DeviceSamplingParams{};
     return r.execute(StepInput{{d}}).ok();
   });
-  measure("verify_8_tokens_logits", [&] {
+  measure("verify_block_tokens_logits", [&] {  // B tokens: the last accepted one + B - 1 drafts
     SeqStep d;
     d.seq_id = 1;
     d.tokens.assign(B, 17);

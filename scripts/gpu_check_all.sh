@@ -90,6 +90,10 @@ if on specstep; then
   stamp "1d. DSpark step pieces (ml4-small): plain decode, verify, draft"
   timeout 120 "$carry/bin/spec_step_bench" --model "$root/assets/ml4-small" > "$out/spec_step.log" 2>&1; echo "rc=$?"
   grep -E "SPEC_STEP|graph|rror" "$out/spec_step.log" | cut -c1-300
+  # Full width (issue 13): ml4-slice-4's synthetic weights with a synthetic drafter (3 bf16
+  # layers, block 16), fp8_ds_mla KV.
+  timeout 180 "$carry/bin/spec_step_bench" --preset ml4-slice-4 > "$out/spec_step_slice4.log" 2>&1; echo "rc=$?"
+  grep -E "SPEC_|rror" "$out/spec_step_slice4.log" | cut -c1-300
 fi
 
 if on hisparse; then

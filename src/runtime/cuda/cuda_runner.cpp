@@ -38,7 +38,7 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::load(const std::string& model_di
 Result<std::unique_ptr<CudaRunner>> CudaRunner::load_synthetic(const ModelConfig& cfg, const CudaRunnerOptions& opts,
                                                                uint64_t seed) {
   if (!device_available()) return unimplemented("no CUDA device: the CUDA runner cannot start");
-  auto skeleton = synthetic_weight_skeleton(cfg, seed);
+  auto skeleton = synthetic_weight_skeleton(cfg, seed, opts.base.drafter);
   return create(cfg, *skeleton, opts, seed == 0 ? 1 : seed, "synthetic " + cfg.name);
 }
 

@@ -2,7 +2,9 @@
 #include "runtime/cuda/synthetic_weights.h"
 
 #include <cmath>
+#include <cstring>
 #include <random>
+#include <string>
 
 #include <cuda_bf16.h>
 
@@ -141,7 +143,73 @@ Result<DeviceLinear> synthetic_linear(const LinearWeight& w, uint64_t seed) {
   return Result<DeviceLinear>(std::move(d));
 }
 
-std::shared_ptr<ModelWeights> synthetic_weight_skeleton(const ModelConfig& cfg, uint64_t seed) {
+namespace {
+
+// The DSpark drafter (MODEL.md section 5) in the layout the checkpoints ml4 writes give it
+// (weight_names.cpp add_drafter: every linear bf16): its full-width cost for speed runs
+// (issue 13). The Markov head's embedding table goes up from the host, as a loaded one does.
+std::unique_ptr<DrafterWeights> synthetic_drafter(const ModelConfig& cfg, std::mt19937_64& g) {
+  const auto& d = cfg.drafter;
+  const int64_t D = cfg.dim, H = cfg.n_heads, dn = cfg.qk_nope_head_dim, dr = cfg.qk_rope_head_dim;
+  const int64_t dv = cfg.v_head_dim, r = cfg.kv_lora_rank, R = d.rnn_rank, V = cfg.vocab_size;
+  const LinearFormat bf = LinearFormat::kBF16;
+  const std::string p = "mtp_dspark.";
+  auto W = std::make_unique<DrafterWeights>();
+  W->fc = shape_only(p + "fc.weight", bf, D, D * static_cast<int64_t>(d.target_layers.size()));
+  W->fc_norm = host_values(g, D, 1.0f, 0.1f);
+  W->mask_embed = host_values(g, (d.block_size - 1) * D, 0.0f, 1.0f);
+  W->layers.resize(d.n_layers);
+  for (int i = 0; i < d.n_layers; ++i) {
+    const std::string lp = p + "layers." + std::to_string(i) + ".";
+    DrafterLayerWeights& L = W->layers[i];
+    L.attention_norm = host_values(g, D, 1.0f, 0.1f);
+    L.ffn_norm = host_values(g, D, 1.0f, 0.1f);
+    AttentionWeights& A = L.attn;
+    if (cfg.q_lora_rank > 0) {
+      A.wq_a = shape_only(lp + "attention.wq_a.weight", bf, cfg.q_lora_rank, D);
+      A.q_a_norm = host_values(g, cfg.q_lora_rank, 1.0f, 0.1f);
+      A.wq_b = shape_only(lp + "attention.wq_b.weight", bf, H * (dn + dr), cfg.q_lora_rank);
+    } else {
+      A.wq = shape_only(lp + "attention.wq.weight", bf, H * (dn + dr), D);
+    }
+    A.wkv_a = shape_only(lp + "attention.wkv_a_with_mqa.weight", bf, r + dr, D);
+    A.kv_a_norm = host_values(g, r, 1.0f, 0.1f);
+    A.wo = shape_only(lp + "attention.wo.weight", bf, D, H * dv);
+    const std::vector<float> v = host_values(g, H * (dn + dv) * r, 0.0f, 1.0f / std::sqrt(static_cast<float>(r)));
+    A.wkv_b = shape_only(lp + "attention.wkv_b.weight", LinearFormat::kF32, H * (dn + dv), r);
+    A.wkv_b.weight = Tensor(DType::kF32, {H * (dn + dv), r});
+    std::copy(v.begin(), v.end(), A.wkv_b.weight.mutable_as<float>());
+    L.ffn.w1 = shape_only(lp + "feed_forward.w1.weight", bf, cfg.hidden_dim, D);
+    L.ffn.w2 = shape_only(lp + "feed_forward.w2.weight", bf, D, cfg.hidden_dim);
+    L.ffn.w3 = shape_only(lp + "feed_forward.w3.weight", bf, cfg.hidden_dim, D);
+  }
+  W->norm = host_values(g, D, 1.0f, 0.1f);
+  W->markov_embed = Tensor(DType::kBF16, {V, R});
+  {  // bf16 bits of uniform values in +-1/sqrt(R) (a splitmix stream: V * R is ~67M at ML4's size)
+    uint16_t* e = W->markov_embed.mutable_as<uint16_t>();
+    uint64_t x = g();
+    const float amp = 1.0f / std::sqrt(static_cast<float>(R));
+    for (int64_t i = 0; i < V * R; ++i) {
+      x += 0x9E3779B97F4A7C15ull;
+      uint64_t z = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+      z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+      const float f = (static_cast<float>((z ^ (z >> 31)) >> 40) * (1.0f / 16777216.0f) * 2.0f - 1.0f) * amp;
+      uint32_t bits;
+      std::memcpy(&bits, &f, 4);
+      e[i] = static_cast<uint16_t>(bits >> 16);
+    }
+  }
+  W->markov_ih = shape_only(p + "markov.weight_ih", bf, 3 * R, D + R);
+  W->markov_hh = shape_only(p + "markov.weight_hh", bf, 3 * R, R);
+  W->markov_bias_ih = host_values(g, 3 * R, 0.0f, 0.1f);
+  W->markov_bias_hh = host_values(g, 3 * R, 0.0f, 0.1f);
+  W->markov_out = shape_only(p + "markov.out.weight", bf, V, R);
+  return W;
+}
+
+}  // namespace
+
+std::shared_ptr<ModelWeights> synthetic_weight_skeleton(const ModelConfig& cfg, uint64_t seed, bool drafter) {
   std::mt19937_64 g(seed);
   auto W = std::make_shared<ModelWeights>();
   const int64_t D = cfg.dim, V = cfg.vocab_size, H = cfg.n_heads, dn = cfg.qk_nope_head_dim;
@@ -212,6 +280,7 @@ std::shared_ptr<ModelWeights> synthetic_weight_skeleton(const ModelConfig& cfg, 
       }
     }
   }
+  if (drafter && cfg.drafter.enabled) W->drafter = synthetic_drafter(cfg, g);
   return W;
 }
 

@@ -28,8 +28,9 @@ namespace ml4::cuda {
 
 // Linears in the config's weight format (bf16, or FP8 block for every weight format other
 // than bf16), the indexer's weights_proj, the router gate and the output head in bf16, as
-// the checkpoints ml4 writes have them (weight_names.cpp).
-std::shared_ptr<ModelWeights> synthetic_weight_skeleton(const ModelConfig& cfg, uint64_t seed);
+// the checkpoints ml4 writes have them (weight_names.cpp). drafter: also the DSpark drafter of
+// a config with `mtp` (all bf16, as ml4's checkpoints store it).
+std::shared_ptr<ModelWeights> synthetic_weight_skeleton(const ModelConfig& cfg, uint64_t seed, bool drafter = false);
 
 Result<DeviceLinear> synthetic_linear(const LinearWeight& shape_only, uint64_t seed);
 
