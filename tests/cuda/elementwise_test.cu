@@ -226,70 +226,84 @@ TEST(CudaElementwise, CastsRoundTrip) {
   EXPECT_EQ(bad, 0);
 }
 
+struct AbsorbShape { int H, dn, dv, r, q_stride, q_offset; int64_t T; };
+
+// Both absorption products on random inputs against f64, run twice (bit-identical repeats);
+// run(p) issues them; both first-run errors must stay under bound.
+template <typename Run>
+void check_absorption(const AbsorbShape& sh, uint32_t seed, double bound, const char* what, Run run) {
+  auto q = randn(sh.T * sh.H * sh.q_stride, ++seed);
+  auto wuk = randn(int64_t{sh.H} * sh.dn * sh.r, ++seed, 0.05f);
+  auto lat = randn(sh.T * sh.H * sh.r, ++seed);
+  auto wuv = randn(int64_t{sh.H} * sh.dv * sh.r, ++seed, 0.05f);
+  std::vector<double> ref_q(sh.T * sh.H * sh.r, 0.0), ref_o(sh.T * sh.H * sh.dv, 0.0);
+  for (int64_t t = 0; t < sh.T; ++t)
+    for (int h = 0; h < sh.H; ++h) {
+      double* rq = &ref_q[(t * sh.H + h) * sh.r];
+      for (int d = 0; d < sh.dn; ++d) {
+        const double qv = q[(t * sh.H + h) * sh.q_stride + sh.q_offset + d];
+        const float* w = &wuk[(int64_t{h} * sh.dn + d) * sh.r];
+        for (int j = 0; j < sh.r; ++j) rq[j] += qv * w[j];
+      }
+      for (int d = 0; d < sh.dv; ++d) {
+        double a = 0;
+        const float* w = &wuv[(int64_t{h} * sh.dv + d) * sh.r];
+        const float* l = &lat[(t * sh.H + h) * sh.r];
+        for (int j = 0; j < sh.r; ++j) a += double{w[j]} * l[j];
+        ref_o[(t * sh.H + h) * sh.dv + d] = a;
+      }
+    }
+  auto dq = to_device(q), dwuk = to_device(wuk), dlat = to_device(lat), dwuv = to_device(wuv);
+  std::vector<float> first_q, first_o;
+  for (int rep = 0; rep < 2; ++rep) {
+    auto dql = poisoned<float>(ref_q.size());
+    auto dout = poisoned<float>(ref_o.size());
+    MlaAbsorbParams p;
+    p.T = sh.T;
+    p.H = sh.H;
+    p.dn = sh.dn;
+    p.dv = sh.dv;
+    p.r = sh.r;
+    p.q = dq.as<float>();
+    p.q_stride = sh.q_stride;
+    p.q_offset = sh.q_offset;
+    p.w_uk = dwuk.as<float>();
+    p.q_lat = dql.as<float>();
+    p.lat = dlat.as<float>();
+    p.w_uv = dwuv.as<float>();
+    p.o = dout.as<float>();
+    run(p);
+    sync();
+    auto gq = to_host<float>(dql, ref_q.size());
+    auto go = to_host<float>(dout, ref_o.size());
+    const double eq = rel_err(gq, ref_q), eo = rel_err(go, ref_o);
+    if (rep == 0) {
+      std::printf("%s H=%d dn=%d dv=%d r=%d T=%ld: W_UK rel_err=%.3g, W_UV rel_err=%.3g (bound %.0e)\n", what, sh.H, sh.dn,
+                  sh.dv, sh.r, static_cast<long>(sh.T), eq, eo, bound);
+      EXPECT_LT(eq, bound) << what;
+      EXPECT_LT(eo, bound) << what;
+      first_q = gq;
+      first_o = go;
+    } else {
+      EXPECT_EQ(std::memcmp(gq.data(), first_q.data(), gq.size() * 4), 0) << what << ": W_UK not repeatable";
+      EXPECT_EQ(std::memcmp(go.data(), first_o.data(), go.size() * 4), 0) << what << ": W_UV not repeatable";
+    }
+  }
+}
+
 // Both absorption products at ml4 width (the weight-stationary kernels, token tiles of 8 with
 // tails), at toy width, and on shapes that take the per-token fallback (r % 4 != 0, dn > 128).
 TEST(CudaElementwise, MlaAbsorptionMatchesF64) {
   ML4_REQUIRE_GPU();
-  struct Shape { int H, dn, dv, r, q_stride, q_offset; int64_t T; };
-  const Shape shapes[] = {{64, 128, 128, 512, 192, 0, 1},  {64, 128, 128, 512, 192, 0, 8},
-                          {64, 128, 128, 512, 192, 0, 19}, {4, 32, 32, 128, 48, 0, 3},
-                          {3, 20, 12, 130, 30, 4, 2},      {2, 136, 40, 64, 200, 8, 9}};
+  const AbsorbShape shapes[] = {{64, 128, 128, 512, 192, 0, 1},  {64, 128, 128, 512, 192, 0, 8},
+                                {64, 128, 128, 512, 192, 0, 19}, {4, 32, 32, 128, 48, 0, 3},
+                                {3, 20, 12, 130, 30, 4, 2},      {2, 136, 40, 64, 200, 8, 9}};
   uint32_t seed = 300;
-  for (const Shape& sh : shapes) {
-    auto q = randn(sh.T * sh.H * sh.q_stride, ++seed);
-    auto wuk = randn(int64_t{sh.H} * sh.dn * sh.r, ++seed, 0.05f);
-    auto lat = randn(sh.T * sh.H * sh.r, ++seed);
-    auto wuv = randn(int64_t{sh.H} * sh.dv * sh.r, ++seed, 0.05f);
-    std::vector<double> ref_q(sh.T * sh.H * sh.r, 0.0), ref_o(sh.T * sh.H * sh.dv, 0.0);
-    for (int64_t t = 0; t < sh.T; ++t)
-      for (int h = 0; h < sh.H; ++h) {
-        for (int d = 0; d < sh.dn; ++d) {
-          const double qv = q[(t * sh.H + h) * sh.q_stride + sh.q_offset + d];
-          for (int j = 0; j < sh.r; ++j) ref_q[(t * sh.H + h) * sh.r + j] += qv * wuk[(int64_t{h} * sh.dn + d) * sh.r + j];
-        }
-        for (int d = 0; d < sh.dv; ++d) {
-          double a = 0;
-          for (int j = 0; j < sh.r; ++j) a += double{wuv[(int64_t{h} * sh.dv + d) * sh.r + j]} * lat[(t * sh.H + h) * sh.r + j];
-          ref_o[(t * sh.H + h) * sh.dv + d] = a;
-        }
-      }
-    auto dq = to_device(q), dwuk = to_device(wuk), dlat = to_device(lat), dwuv = to_device(wuv);
-    std::vector<float> first_q, first_o;
-    for (int rep = 0; rep < 2; ++rep) {
-      auto dql = poisoned<float>(ref_q.size());
-      auto dout = poisoned<float>(ref_o.size());
-      MlaAbsorbParams p;
-      p.T = sh.T;
-      p.H = sh.H;
-      p.dn = sh.dn;
-      p.dv = sh.dv;
-      p.r = sh.r;
-      p.q = dq.as<float>();
-      p.q_stride = sh.q_stride;
-      p.q_offset = sh.q_offset;
-      p.w_uk = dwuk.as<float>();
-      p.q_lat = dql.as<float>();
-      p.lat = dlat.as<float>();
-      p.w_uv = dwuv.as<float>();
-      p.o = dout.as<float>();
+  for (const AbsorbShape& sh : shapes) {
+    check_absorption(sh, seed += 4, 1e-5, "mla absorption", [](const MlaAbsorbParams& p) {
       ML4_ASSERT_OK(mla_absorb_q(p));
       ML4_ASSERT_OK(mla_apply_uv(p));
-      sync();
-      auto gq = to_host<float>(dql, ref_q.size());
-      auto go = to_host<float>(dout, ref_o.size());
-      const double eq = rel_err(gq, ref_q), eo = rel_err(go, ref_o);
-      if (rep == 0) {
-        std::printf("mla absorption H=%d dn=%d dv=%d r=%d T=%ld: W_UK rel_err=%.3g, W_UV rel_err=%.3g (bound 1e-5)\n", sh.H,
-                    sh.dn, sh.dv, sh.r, static_cast<long>(sh.T), eq, eo);
-        EXPECT_LT(eq, 1e-5);
-        EXPECT_LT(eo, 1e-5);
-        first_q = gq;
-        first_o = go;
-      } else {
-        EXPECT_EQ(std::memcmp(gq.data(), first_q.data(), gq.size() * 4), 0) << "W_UK not repeatable";
-        EXPECT_EQ(std::memcmp(go.data(), first_o.data(), go.size() * 4), 0) << "W_UV not repeatable";
-      }
-    }
+    });
   }
 }
 
@@ -303,68 +317,13 @@ TEST(CudaElementwise, MlaAbsorptionGemmMatchesF64) {
   ML4_REQUIRE_GPU();
   auto lt = LtGemm::create();
   ML4_ASSERT_OK(lt.status());
-  struct Shape { int H, dn, dv, r, q_stride, q_offset; int64_t T; };
-  const Shape shapes[] = {{64, 128, 128, 512, 192, 0, 200}, {4, 32, 32, 128, 48, 0, 70}, {3, 24, 12, 132, 40, 8, 65}};
+  const AbsorbShape shapes[] = {{64, 128, 128, 512, 192, 0, 200}, {4, 32, 32, 128, 48, 0, 70}, {3, 24, 12, 132, 40, 8, 65}};
   uint32_t seed = 900;
-  for (const Shape& sh : shapes) {
-    auto q = randn(sh.T * sh.H * sh.q_stride, ++seed);
-    auto wuk = randn(int64_t{sh.H} * sh.dn * sh.r, ++seed, 0.05f);
-    auto lat = randn(sh.T * sh.H * sh.r, ++seed);
-    auto wuv = randn(int64_t{sh.H} * sh.dv * sh.r, ++seed, 0.05f);
-    std::vector<double> ref_q(sh.T * sh.H * sh.r, 0.0), ref_o(sh.T * sh.H * sh.dv, 0.0);
-    for (int64_t t = 0; t < sh.T; ++t)
-      for (int h = 0; h < sh.H; ++h) {
-        double* rq = &ref_q[(t * sh.H + h) * sh.r];
-        for (int d = 0; d < sh.dn; ++d) {
-          const double qv = q[(t * sh.H + h) * sh.q_stride + sh.q_offset + d];
-          const float* w = &wuk[(int64_t{h} * sh.dn + d) * sh.r];
-          for (int j = 0; j < sh.r; ++j) rq[j] += qv * w[j];
-        }
-        for (int d = 0; d < sh.dv; ++d) {
-          double a = 0;
-          const float* w = &wuv[(int64_t{h} * sh.dv + d) * sh.r];
-          const float* l = &lat[(t * sh.H + h) * sh.r];
-          for (int j = 0; j < sh.r; ++j) a += double{w[j]} * l[j];
-          ref_o[(t * sh.H + h) * sh.dv + d] = a;
-        }
-      }
-    auto dq = to_device(q), dwuk = to_device(wuk), dlat = to_device(lat), dwuv = to_device(wuv);
-    std::vector<float> first_q, first_o;
-    for (int rep = 0; rep < 2; ++rep) {
-      auto dql = poisoned<float>(ref_q.size());
-      auto dout = poisoned<float>(ref_o.size());
-      MlaAbsorbParams p;
-      p.T = sh.T;
-      p.H = sh.H;
-      p.dn = sh.dn;
-      p.dv = sh.dv;
-      p.r = sh.r;
-      p.q = dq.as<float>();
-      p.q_stride = sh.q_stride;
-      p.q_offset = sh.q_offset;
-      p.w_uk = dwuk.as<float>();
-      p.q_lat = dql.as<float>();
-      p.lat = dlat.as<float>();
-      p.w_uv = dwuv.as<float>();
-      p.o = dout.as<float>();
+  for (const AbsorbShape& sh : shapes) {
+    check_absorption(sh, seed += 4, 3e-3, "mla absorption GEMM (tf32)", [&](const MlaAbsorbParams& p) {
       ML4_ASSERT_OK(mla_absorb_q_gemm(**lt, p));
       ML4_ASSERT_OK(mla_apply_uv_gemm(**lt, p));
-      sync();
-      auto gq = to_host<float>(dql, ref_q.size());
-      auto go = to_host<float>(dout, ref_o.size());
-      const double eq = rel_err(gq, ref_q), eo = rel_err(go, ref_o);
-      if (rep == 0) {
-        std::printf("mla absorption GEMM (tf32) H=%d dn=%d dv=%d r=%d T=%ld: W_UK rel_err=%.3g, W_UV rel_err=%.3g "
-                    "(bound 3e-3)\n", sh.H, sh.dn, sh.dv, sh.r, static_cast<long>(sh.T), eq, eo);
-        EXPECT_LT(eq, 3e-3);
-        EXPECT_LT(eo, 3e-3);
-        first_q = gq;
-        first_o = go;
-      } else {
-        EXPECT_EQ(std::memcmp(gq.data(), first_q.data(), gq.size() * 4), 0) << "W_UK GEMM not repeatable";
-        EXPECT_EQ(std::memcmp(go.data(), first_o.data(), go.size() * 4), 0) << "W_UV GEMM not repeatable";
-      }
-    }
+    });
   }
 }
 

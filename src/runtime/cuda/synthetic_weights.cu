@@ -145,13 +145,42 @@ Result<DeviceLinear> synthetic_linear(const LinearWeight& w, uint64_t seed) {
 
 namespace {
 
+// An MLA block's linears (the query LoRA pair or wq; wkv_a when the layer owns its KV; wo) as
+// shapes, its norms and wkv_b with values (the backend splits it into W_UK / W_UV on the host).
+void mla_shapes(AttentionWeights& A, const ModelConfig& cfg, const std::string& pre, LinearFormat f, bool owns_kv,
+                std::mt19937_64& g) {
+  const int64_t D = cfg.dim, H = cfg.n_heads, dn = cfg.qk_nope_head_dim, dr = cfg.qk_rope_head_dim;
+  const int64_t dv = cfg.v_head_dim, r = cfg.kv_lora_rank;
+  if (cfg.q_lora_rank > 0) {
+    A.wq_a = shape_only(pre + "attention.wq_a.weight", f, cfg.q_lora_rank, D);
+    A.q_a_norm = host_values(g, cfg.q_lora_rank, 1.0f, 0.1f);
+    A.wq_b = shape_only(pre + "attention.wq_b.weight", f, H * (dn + dr), cfg.q_lora_rank);
+  } else {
+    A.wq = shape_only(pre + "attention.wq.weight", f, H * (dn + dr), D);
+  }
+  if (owns_kv) {
+    A.wkv_a = shape_only(pre + "attention.wkv_a_with_mqa.weight", f, r + dr, D);
+    A.kv_a_norm = host_values(g, r, 1.0f, 0.1f);
+  }
+  A.wo = shape_only(pre + "attention.wo.weight", f, D, H * dv);
+  const std::vector<float> v = host_values(g, H * (dn + dv) * r, 0.0f, 1.0f / std::sqrt(static_cast<float>(r)));
+  A.wkv_b = shape_only(pre + "attention.wkv_b.weight", LinearFormat::kF32, H * (dn + dv), r);
+  A.wkv_b.weight = Tensor(DType::kF32, {H * (dn + dv), r});
+  std::copy(v.begin(), v.end(), A.wkv_b.weight.mutable_as<float>());
+}
+
+void mlp_shapes(MlpWeights& m, const std::string& pre, int64_t I, int64_t D, LinearFormat f) {
+  m.w1 = shape_only(pre + "w1.weight", f, I, D);
+  m.w2 = shape_only(pre + "w2.weight", f, D, I);
+  m.w3 = shape_only(pre + "w3.weight", f, I, D);
+}
+
 // The DSpark drafter (MODEL.md section 5) in the layout the checkpoints ml4 writes give it
 // (weight_names.cpp add_drafter: every linear bf16): its full-width cost for speed runs
 // (issue 13). The Markov head's embedding table goes up from the host, as a loaded one does.
 std::unique_ptr<DrafterWeights> synthetic_drafter(const ModelConfig& cfg, std::mt19937_64& g) {
   const auto& d = cfg.drafter;
-  const int64_t D = cfg.dim, H = cfg.n_heads, dn = cfg.qk_nope_head_dim, dr = cfg.qk_rope_head_dim;
-  const int64_t dv = cfg.v_head_dim, r = cfg.kv_lora_rank, R = d.rnn_rank, V = cfg.vocab_size;
+  const int64_t D = cfg.dim, R = d.rnn_rank, V = cfg.vocab_size;
   const LinearFormat bf = LinearFormat::kBF16;
   const std::string p = "mtp_dspark.";
   auto W = std::make_unique<DrafterWeights>();
@@ -164,24 +193,8 @@ std::unique_ptr<DrafterWeights> synthetic_drafter(const ModelConfig& cfg, std::m
     DrafterLayerWeights& L = W->layers[i];
     L.attention_norm = host_values(g, D, 1.0f, 0.1f);
     L.ffn_norm = host_values(g, D, 1.0f, 0.1f);
-    AttentionWeights& A = L.attn;
-    if (cfg.q_lora_rank > 0) {
-      A.wq_a = shape_only(lp + "attention.wq_a.weight", bf, cfg.q_lora_rank, D);
-      A.q_a_norm = host_values(g, cfg.q_lora_rank, 1.0f, 0.1f);
-      A.wq_b = shape_only(lp + "attention.wq_b.weight", bf, H * (dn + dr), cfg.q_lora_rank);
-    } else {
-      A.wq = shape_only(lp + "attention.wq.weight", bf, H * (dn + dr), D);
-    }
-    A.wkv_a = shape_only(lp + "attention.wkv_a_with_mqa.weight", bf, r + dr, D);
-    A.kv_a_norm = host_values(g, r, 1.0f, 0.1f);
-    A.wo = shape_only(lp + "attention.wo.weight", bf, D, H * dv);
-    const std::vector<float> v = host_values(g, H * (dn + dv) * r, 0.0f, 1.0f / std::sqrt(static_cast<float>(r)));
-    A.wkv_b = shape_only(lp + "attention.wkv_b.weight", LinearFormat::kF32, H * (dn + dv), r);
-    A.wkv_b.weight = Tensor(DType::kF32, {H * (dn + dv), r});
-    std::copy(v.begin(), v.end(), A.wkv_b.weight.mutable_as<float>());
-    L.ffn.w1 = shape_only(lp + "feed_forward.w1.weight", bf, cfg.hidden_dim, D);
-    L.ffn.w2 = shape_only(lp + "feed_forward.w2.weight", bf, D, cfg.hidden_dim);
-    L.ffn.w3 = shape_only(lp + "feed_forward.w3.weight", bf, cfg.hidden_dim, D);
+    mla_shapes(L.attn, cfg, lp, bf, /*owns_kv=*/true, g);
+    mlp_shapes(L.ffn, lp + "feed_forward.", cfg.hidden_dim, D, bf);
   }
   W->norm = host_values(g, D, 1.0f, 0.1f);
   W->markov_embed = Tensor(DType::kBF16, {V, R});
@@ -212,14 +225,12 @@ std::unique_ptr<DrafterWeights> synthetic_drafter(const ModelConfig& cfg, std::m
 std::shared_ptr<ModelWeights> synthetic_weight_skeleton(const ModelConfig& cfg, uint64_t seed, bool drafter) {
   std::mt19937_64 g(seed);
   auto W = std::make_shared<ModelWeights>();
-  const int64_t D = cfg.dim, V = cfg.vocab_size, H = cfg.n_heads, dn = cfg.qk_nope_head_dim;
-  const int64_t dr = cfg.qk_rope_head_dim, dv = cfg.v_head_dim, r = cfg.kv_lora_rank;
+  const int64_t D = cfg.dim, V = cfg.vocab_size, H = cfg.n_heads;
   const LinearFormat big = cfg.weight_format == WeightFormat::kBF16 ? LinearFormat::kBF16 : LinearFormat::kFP8Block;
   W->tok_embeddings = Tensor();  // made on the device (CudaRunner)
   W->norm = host_values(g, D, 1.0f, 0.1f);
   W->output = shape_only("output.weight", LinearFormat::kBF16, V, D);
   W->layers.resize(cfg.n_layers);
-  const float wr = 1.0f / std::sqrt(static_cast<float>(r));
   for (int l = 0; l < cfg.n_layers; ++l) {
     const LayerSpec& spec = cfg.layers[l];
     LayerWeights& LW = W->layers[l];
@@ -227,24 +238,7 @@ std::shared_ptr<ModelWeights> synthetic_weight_skeleton(const ModelConfig& cfg, 
     LW.attention_norm = host_values(g, D, 1.0f, 0.1f);
     LW.ffn_norm = host_values(g, D, 1.0f, 0.1f);
     AttentionWeights& A = LW.attn;
-    if (cfg.q_lora_rank > 0) {
-      A.wq_a = shape_only(p + "attention.wq_a.weight", big, cfg.q_lora_rank, D);
-      A.q_a_norm = host_values(g, cfg.q_lora_rank, 1.0f, 0.1f);
-      A.wq_b = shape_only(p + "attention.wq_b.weight", big, H * (dn + dr), cfg.q_lora_rank);
-    } else {
-      A.wq = shape_only(p + "attention.wq.weight", big, H * (dn + dr), D);
-    }
-    if (spec.owns_kv()) {
-      A.wkv_a = shape_only(p + "attention.wkv_a_with_mqa.weight", big, r + dr, D);
-      A.kv_a_norm = host_values(g, r, 1.0f, 0.1f);
-    }
-    A.wo = shape_only(p + "attention.wo.weight", big, D, H * dv);
-    {  // wkv_b with data (the backend splits it into W_UK / W_UV on the host)
-      const std::vector<float> v = host_values(g, H * (dn + dv) * r, 0.0f, wr);
-      A.wkv_b = shape_only(p + "attention.wkv_b.weight", LinearFormat::kF32, H * (dn + dv), r);
-      A.wkv_b.weight = Tensor(DType::kF32, {H * (dn + dv), static_cast<int64_t>(r)});
-      std::copy(v.begin(), v.end(), A.wkv_b.weight.mutable_as<float>());
-    }
+    mla_shapes(A, cfg, p, big, spec.owns_kv(), g);
     if (spec.ssmax) A.ssmax_s = host_values(g, H, 0.3f, 0.05f);
     if (spec.indexer == IndexerRole::kOwner) {
       auto I = std::make_unique<IndexerWeights>();
@@ -261,22 +255,17 @@ std::shared_ptr<ModelWeights> synthetic_weight_skeleton(const ModelConfig& cfg, 
     const LinearFormat routed = cfg.weight_format == WeightFormat::kNVFP4Experts   ? LinearFormat::kNVFP4
                                 : cfg.weight_format == WeightFormat::kMXFP4Experts ? LinearFormat::kMXFP4
                                                                                    : big;
-    auto mlp = [&](MlpWeights& m, const std::string& pre, int64_t I, LinearFormat f) {
-      m.w1 = shape_only(pre + "w1.weight", f, I, D);
-      m.w2 = shape_only(pre + "w2.weight", f, D, I);
-      m.w3 = shape_only(pre + "w3.weight", f, I, D);
-    };
     if (spec.ffn == FfnKind::kDense) {
-      mlp(F.dense, p + "feed_forward.", cfg.hidden_dim, big);
+      mlp_shapes(F.dense, p + "feed_forward.", cfg.hidden_dim, D, big);
     } else {
       const int64_t E = cfg.moe.num_experts, I = cfg.moe.expert_hidden_dim;
       F.gate = shape_only(p + "gate.weight", LinearFormat::kBF16, E, D);
       if (cfg.moe.has_correction_bias) F.correction_bias = host_values(g, E, 0.0f, 0.01f);
       F.experts.resize(E);
-      for (int64_t e = 0; e < E; ++e) mlp(F.experts[e], p + "experts." + std::to_string(e) + ".", I, routed);
+      for (int64_t e = 0; e < E; ++e) mlp_shapes(F.experts[e], p + "experts." + std::to_string(e) + ".", I, D, routed);
       if (cfg.moe.num_shared_experts > 0) {
         F.shared = std::make_unique<MlpWeights>();
-        mlp(*F.shared, p + "shared_experts.", I * cfg.moe.num_shared_experts, big);
+        mlp_shapes(*F.shared, p + "shared_experts.", I * cfg.moe.num_shared_experts, D, big);
       }
     }
   }
