@@ -54,7 +54,8 @@ export UCX_MODULE_DIR="$carry/ucx/lib/ucx"
 export ML4_SOURCE_DIR="$root"
 t0=$(date +%s)
 stamp() { echo "==== [$(( $(date +%s) - t0 )) s] $*"; }
-# SECTIONS picks parts (default all): tests moegemm spec specstep hisparse perplexity pd all
+# SECTIONS picks parts (default all but train): tests moegemm spec specstep hisparse perplexity pd all;
+# train (not in the default: it needs the corpus carried, see below) retrains the DSpark drafter
 sections=" ${SECTIONS:-tests moegemm spec specstep hisparse perplexity pd all} "
 on() { [[ "$sections" == *" $1 "* ]]; }
 
@@ -130,6 +131,25 @@ if on pd; then
     grep -E "PASS|FAIL|NOTE|GB/s|try|ERROR|error" "$out/pd_$dt.log" | cut -c1-300 | head -30
   done
   tar czf "$out/pd.tar.gz" -C "$out" $(cd "$out" && ls -d pd_*/) && rm -rf "$out"/pd_*/
+fi
+
+if on train; then
+  # The DSpark drafter on the target's own continuations (issue 13, docs/ML4-SMALL.md section 6):
+  # carry [".device-carry-x", ".device-carry-train"] with prepare_data.py's output copied to
+  # .device-carry-train/data. Writes OUT/train (consolidated.safetensors with the new drafter,
+  # results.json with acceptance on held-out corpus and generated rows, stdout.log).
+  stamp "T. DSpark drafter retraining (${ML4_DRAFTER_SECONDS:-300} s)"
+  mkdir -p "$out/train"
+  timeout $(( ${ML4_DRAFTER_SECONDS:-300} + 150 )) python3 "$root/tools/train/train.py" \
+    --data "$root/.device-carry-train/data" --tekken "$root/assets/ml4-small/tekken.json" --out "$out/train" \
+    --target-from "$root/assets/ml4-small/consolidated.safetensors" --drafter-from-target \
+    --target-seconds 0 --skip-target-eval --drafter-seconds "${ML4_DRAFTER_SECONDS:-300}" \
+    --drafter-data "${ML4_DRAFTER_DATA:-$root/tools/train/runs/drafter_data/ml4-small-cpu.tok.xz}" \
+    --drafter-data-frac "${ML4_DRAFTER_DATA_FRAC:-0.6}" --passkey-lengths \
+    --deadline $(( ${ML4_DRAFTER_SECONDS:-300} + 100 )) > "$out/train/stdout.log" 2>&1
+  echo "rc=$?"
+  grep -iE "acceptance|drafter step|rror" "$out/train/stdout.log" | tail -25 | cut -c1-300
+  rm -f "$out"/train/ckpt.*.pt  # f32 checkpoints: too large to bring back, the export suffices
 fi
 
 on all && stamp "4. the GPU tests" && OUT="$out/all" timeout 300 bash "$carry/gpu_run.sh" "${FILTER_ALL:-*}" none > "$out/all.log" 2>&1
