@@ -15,6 +15,9 @@
 # OUT_DIR/summary.md (per row the median over rounds and the range).
 # ML4_SPEC_SERVE_ARGS adds serve flags (on the H200: "--device cuda --kv-cache-memory-bytes N",
 # one budget per server since all of them share the card); BUILD_DIR is any folder holding ml4.
+# ML4_SPEC_DATASET: a bench serve JSONL of text prompts instead of random tokens (e.g.
+# bench/data/ml4-small-val-prompts.jsonl: held-out corpus text, bench/make_text_prompts.py);
+# ML4_SPEC_CONCURRENCY (default "1 8 32") and ML4_SPEC_TEMPS (default "0 1") narrow the grid.
 set -euo pipefail
 build=$(cd "${1:?usage: spec_decode_cpu.sh BUILD_DIR OUT_DIR [NUM_SPEC ...]}" && pwd)
 out=${2:?usage: spec_decode_cpu.sh BUILD_DIR OUT_DIR [NUM_SPEC ...]}
@@ -36,6 +39,9 @@ for n in "${specs[@]}"; do
   configs+=("prob$n|{\"method\":\"dspark\",\"num_speculative_tokens\":$n,\"draft_sample_method\":\"probabilistic\"}")
 done
 
+dataset_args=(--input-len 128)
+[ -n "${ML4_SPEC_DATASET:-}" ] && dataset_args=(--dataset "$(cd "$(dirname "$ML4_SPEC_DATASET")" && pwd)/$(basename "$ML4_SPEC_DATASET")")
+
 declare -A ports
 pids=()
 trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT
@@ -56,15 +62,15 @@ for i in "${!configs[@]}"; do
 done
 
 for r in $(seq "$rounds"); do
-  for t in 0 1; do
-    for c in 1 8 32; do
+  for t in ${ML4_SPEC_TEMPS:-0 1}; do
+    for c in ${ML4_SPEC_CONCURRENCY:-1 8 32}; do
       case $c in 1) n=8 ;; 8) n=32 ;; 32) n=64 ;; esac
       for entry in "${configs[@]}"; do
         name=${entry%%|*}
         f="$out/${name}_t${t}_c${c}_r$r"
         curl -sf "http://127.0.0.1:${ports[$name]}/metrics" > "$f.before" || true
         "$ml4" bench serve --port "${ports[$name]}" --no-progress --max-concurrency "$c" --num-prompts "$n" \
-          --input-len 128 --output-len 128 --num-warmups 2 --seed $((100 + c)) --temperature "$t" \
+          "${dataset_args[@]}" --output-len 128 --num-warmups 2 --seed $((100 + c)) --temperature "$t" \
           --result-file "$f.json" >"$f.txt"
         curl -sf "http://127.0.0.1:${ports[$name]}/metrics" > "$f.after" || true
         echo "round $r $name t=$t c=$c load $(cut -d' ' -f1 /proc/loadavg): $(grep -E 'Output token throughput|Mean TPOT|Acceptance length' "$f.txt" | tr -s ' ' | paste -sd ';')"
