@@ -251,9 +251,9 @@ Status launch(const Fp8GemmParams& p, int S, int kper, float* part) {
   const dim3 grid(static_cast<unsigned>((p.N + BN - 1) / BN), static_cast<unsigned>((p.M + BM - 1) / BM),
                   static_cast<unsigned>(S));
   launch_kernel(kernel, grid, WARPS_M * WARPS_N * 32, kSmem, p.stream, 
-      static_cast<const uint8_t*>(p.x), p.x_scale, p.x_scale_ld ? p.x_scale_ld : p.M, static_cast<const uint8_t*>(p.w),
-      p.w_scale, p.w_scale_ld ? p.w_scale_ld : p.K / 128, p.y, p.y_dtype == DType::kF32, part, static_cast<int>(p.M),
-      static_cast<int>(p.N), static_cast<int>(p.K), kper);
+                static_cast<const uint8_t*>(p.x), p.x_scale, p.x_scale_ld ? p.x_scale_ld : p.M, static_cast<const uint8_t*>(p.w),
+                p.w_scale, p.w_scale_ld ? p.w_scale_ld : p.K / 128, p.y, p.y_dtype == DType::kF32, part, static_cast<int>(p.M),
+                static_cast<int>(p.N), static_cast<int>(p.K), kper);
   return cuda_status(cudaGetLastError(), "fp8_gemm_kernel");
 }
 
@@ -297,7 +297,7 @@ Status fp8_block_gemm(const Fp8GemmParams& p) {
   if (!part) return Status::ok();
   const int64_t MN = p.M * p.N, threads = 256, blocks = (MN / 2 + threads - 1) / threads;
   launch_kernel(split_reduce_kernel, static_cast<unsigned>(blocks), static_cast<unsigned>(threads), 0, p.stream, 
-      part, S, MN, p.y, p.y_dtype == DType::kF32);
+                part, S, MN, p.y, p.y_dtype == DType::kF32);
   return cuda_status(cudaGetLastError(), "split_reduce_kernel");
 }
 
@@ -308,10 +308,10 @@ Status transpose_out(const void* t, int64_t ld_t, int elem_bytes, int64_t N, int
   const dim3 grid(static_cast<unsigned>((M + 31) / 32), static_cast<unsigned>((N + 31) / 32)), block(32, 8);
   if (elem_bytes == 4) {
     launch_kernel(transpose_out_kernel<float>, grid, block, 0, stream, static_cast<const float*>(t), ld_t, N, M,
-                                                            static_cast<float*>(y));
+                  static_cast<float*>(y));
   } else if (elem_bytes == 2) {
     launch_kernel(transpose_out_kernel<uint16_t>, grid, block, 0, stream, static_cast<const uint16_t*>(t), ld_t, N, M,
-                                                               static_cast<uint16_t*>(y));
+                  static_cast<uint16_t*>(y));
   } else {
     return invalid_argument("transpose_out: element size {}", elem_bytes);
   }

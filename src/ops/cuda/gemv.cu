@@ -162,7 +162,8 @@ __global__ void splitk_reduce_kernel(const float* __restrict__ ws, int S, int64_
 // y[i] = sum over the S split-K partials ws[s][i], in slice order (deterministic); S <= 1: nothing.
 Status reduce_splits(const float* ws, int S, int64_t n, float* y, cudaStream_t stream) {
   if (S <= 1) return Status::ok();
-  launch_kernel(splitk_reduce_kernel, static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 4096)), 256, 0, stream, ws, S, n, y);
+  launch_kernel(splitk_reduce_kernel, static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 4096)), 256, 0, stream,
+                ws, S, n, y);
   return cuda_status(cudaGetLastError(), "splitk_reduce_kernel");
 }
 
@@ -179,8 +180,8 @@ template <int M, int R, bool kFp8>
 void launch(const GemvParams& p, int S, float* out, int64_t Ks) {
   const dim3 grid(static_cast<unsigned>((p.N + kWarps * R - 1) / (kWarps * R)), static_cast<unsigned>(S));
   launch_kernel(gemv_kernel<M, R, kFp8>, grid, kWarps * 32, 0, p.stream, p.x, static_cast<int>(p.M), p.N, p.K,
-                                                              static_cast<const uint8_t*>(p.w), p.w_scale, out, Ks,
-                                                              p.M * p.N, GemvGroup{});
+                static_cast<const uint8_t*>(p.w), p.w_scale, out, Ks,
+                p.M * p.N, GemvGroup{});
 }
 
 template <int M>

@@ -295,18 +295,18 @@ Status indexer_scores(const IndexerScoresParams& p) {
   const dim3 grid(static_cast<unsigned>(p.T), static_cast<unsigned>(chunks));
   if (p.math == IndexerMath::kFp8TensorCore) {
     launch_kernel(indexer_fp8_kernel, grid, kThreads, 0, p.stream, 
-        static_cast<const uint8_t*>(p.q), p.q_scale, p.weights, static_cast<const uint8_t*>(p.cache), p.num_blocks,
-        p.block_table, p.block_table_stride, p.seq_of_token, p.lengths, p.HI, p.weight_scale, p.scores,
-        p.scores_stride);
+                  static_cast<const uint8_t*>(p.q), p.q_scale, p.weights, static_cast<const uint8_t*>(p.cache), p.num_blocks,
+                  p.block_table, p.block_table_stride, p.seq_of_token, p.lengths, p.HI, p.weight_scale, p.scores,
+                  p.scores_stride);
     return cuda_status(cudaGetLastError(), "indexer_fp8_kernel");
   }
   const size_t smem = smem_bytes(p.HI);
   ML4_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(indexer_scores_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   launch_kernel(indexer_scores_kernel, grid, kThreads, smem, p.stream, 
-      static_cast<const uint8_t*>(p.q), p.q_scale, p.weights, static_cast<const uint8_t*>(p.cache), p.num_blocks,
-      p.block_table, p.block_table_stride, p.seq_of_token, p.lengths, p.HI, p.weight_scale, p.scores,
-        p.scores_stride);
+                static_cast<const uint8_t*>(p.q), p.q_scale, p.weights, static_cast<const uint8_t*>(p.cache), p.num_blocks,
+                p.block_table, p.block_table_stride, p.seq_of_token, p.lengths, p.HI, p.weight_scale, p.scores,
+                p.scores_stride);
   return cuda_status(cudaGetLastError(), "indexer_scores_kernel");
 }
 
@@ -320,7 +320,7 @@ Status indexer_query_quant(const IndexerQueryQuantParams& p) {
   // The CPU reference's n^-0.5, rounded to f32 the same way (ops/cpu/quant.cpp).
   const float hscale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(p.dI)));
   launch_kernel(query_quant_kernel, static_cast<unsigned>(p.rows), p.dI / 2, p.dI * sizeof(float), p.stream, 
-      p.q, p.dI, p.hadamard, hscale, static_cast<uint8_t*>(p.q8), p.scales);
+                p.q, p.dI, p.hadamard, hscale, static_cast<uint8_t*>(p.q8), p.scales);
   return cuda_status(cudaGetLastError(), "query_quant_kernel");
 }
 

@@ -298,11 +298,12 @@ Status moe_permute_gemm(const MoePermuteGemmParams& p) {
     ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "count_kernel"));
   }
   launch_kernel(plan_kernel, 1, 256, (G + 1) * sizeof(int32_t), p.stream, p.cursor, p.E, G, p.T, p.offsets, p.tiles,
-                                                               p.num_tiles, p.max_tiles);
+                p.num_tiles, p.max_tiles);
   ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "plan_kernel"));
   if (n == 0) return Status::ok();
-  launch_kernel(scatter_kernel, blocks_for(n), 256, 0, p.stream, p.ids, n, p.K, p.E, p.T, p.shared_slot, p.cursor, p.perm_token,
-                                                      p.inv);
+  launch_kernel(scatter_kernel, blocks_for(n), 256, 0, p.stream, p.ids, n, p.K, p.E, p.T, p.shared_slot, p.cursor,
+                p.perm_token,
+                p.inv);
   return cuda_status(cudaGetLastError(), "scatter_kernel");
 }
 

@@ -740,11 +740,13 @@ Status sample_rows(const float* logits, int64_t B, int64_t V, const DeviceSampli
   const int64_t stride = row_stride < 0 ? V : row_stride;
   const bool vec = V % 4 == 0 && stride % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
   if (vec)
-    launch_kernel(row_kernel<true>, static_cast<unsigned>(B), rowblock::kThreads, 0, stream, logits, V, stride, params, tokens,
-                                                                                  logprobs);
+    launch_kernel(row_kernel<true>, static_cast<unsigned>(B), rowblock::kThreads, 0, stream, logits, V, stride,
+                  params, tokens,
+                  logprobs);
   else
-    launch_kernel(row_kernel<false>, static_cast<unsigned>(B), rowblock::kThreads, 0, stream, logits, V, stride, params, tokens,
-                                                                                   logprobs);
+    launch_kernel(row_kernel<false>, static_cast<unsigned>(B), rowblock::kThreads, 0, stream, logits, V, stride,
+                  params, tokens,
+                  logprobs);
   return cuda_status(cudaGetLastError(), "sample_rows row_kernel");
 }
 
@@ -767,8 +769,9 @@ Status launch_split(const float* logits, int64_t B, int64_t V, int64_t stride, c
   const dim3 grid3(static_cast<unsigned>(B), static_cast<unsigned>((U + kTileWarps - 1) / kTileWarps));
   launch_kernel(scan_kernel<kVec>, grid3, kSplitThreads, 0, stream, logits, V, stride, params, ws, T);
   ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "sample_rows scan_kernel"));
-  launch_kernel(final_kernel<kVec>, static_cast<unsigned>(B), kFinalThreads, 0, stream, logits, V, stride, params, tokens,
-                                                                             logprobs, ws, T);
+  launch_kernel(final_kernel<kVec>, static_cast<unsigned>(B), kFinalThreads, 0, stream, logits, V, stride, params,
+                tokens,
+                logprobs, ws, T);
   return cuda_status(cudaGetLastError(), "sample_rows final_kernel");
 }
 }  // namespace

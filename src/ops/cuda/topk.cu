@@ -440,12 +440,12 @@ Status topk(const TopkParams& p) {
     for (int pass = 0; pass < 3; ++pass) launch_kernel(topk_mb_pass_kernel, grid, kMbThreads, 0, p.stream, a, pass);
     launch_kernel(topk_mb_count_kernel, grid, kMbThreads, 0, p.stream, a);
     launch_kernel(topk_mb_write_kernel, grid, kMbThreads, 0, p.stream, a, p.positions, p.slots, p.counts, out_stride,
-                                                             p.block_table, p.block_table_stride, p.seq_of_token);
+                  p.block_table, p.block_table_stride, p.seq_of_token);
     return cuda_status(cudaGetLastError(), "topk multi-block kernels");
   }
   launch_kernel(topk_kernel, static_cast<unsigned>(p.T), kThreads, 0, p.stream, 
-      p.scores, p.scores_stride, p.lengths, p.k, p.positions, p.slots, p.counts, out_stride, p.block_table,
-      p.block_table_stride, p.seq_of_token);
+                p.scores, p.scores_stride, p.lengths, p.k, p.positions, p.slots, p.counts, out_stride, p.block_table,
+                p.block_table_stride, p.seq_of_token);
   return cuda_status(cudaGetLastError(), "topk_kernel");
 }
 
