@@ -53,7 +53,7 @@ struct CudaBackendOptions {
   bool exact_activations = false;
   bool overlap_indexer = true;
   bool grouped_moe_gemm = false;  // CudaRunnerOptions::grouped_moe_gemm
-  bool absorb_gemm = false;       // CudaRunnerOptions::absorb_gemm
+  bool absorb_gemm = true;        // CudaRunnerOptions::absorb_gemm
   int64_t absorb_gemm_min_tokens = 64;
   bool fp4_weights = false;       // CudaRunnerOptions::fp4_weights
   // RunnerOptions::experts_to_mxfp4: routed FP8 experts re-quantized to MXFP4 on the device

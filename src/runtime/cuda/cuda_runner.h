@@ -54,8 +54,12 @@ struct CudaRunnerOptions {
   // The MLA absorption (W_UK, W_UV) of steps of at least absorb_gemm_min_tokens tokens as
   // strided-batched TF32 GEMMs on the tensor cores (elementwise.h mla_absorb_q_gemm) instead
   // of the f32 CUDA-core kernels, outside exact mode (issue 18). Smaller steps keep the
-  // weight-stationary kernels, which read the weights once for the whole step.
-  bool absorb_gemm = false;
+  // weight-stationary kernels, which read the weights once for the whole step. On by default
+  // since the H200 run of 2026-12-05 (fifth session): CudaElementwise.MlaAbsorptionGemmMatchesF64
+  // at 2.9e-4 vs f64, CudaRunner.MatchesCpuRunnerProduction with it on every step within the
+  // production bound; ml4-slice-4 prefill of 4096 tokens 89.4 -> 69.7 ms (absorption 21.7 ->
+  // 1.9 ms).
+  bool absorb_gemm = true;
   int64_t absorb_gemm_min_tokens = 64;
   // NVFP4 / MXFP4 linears (the FP4 weight stream, gemv.h). Refused at load while off, the
   // default until the kernels have run on the H200 (written 2026-12-05 without a device:
@@ -64,8 +68,10 @@ struct CudaRunnerOptions {
   bool fp4_weights = false;
   // Programmatic dependent launch (ops/cuda/pdl.cuh, issue 19): every kernel of ours starts
   // while the one before it drains and waits on the device for its results. The same kernels
-  // on the same inputs, so the results are bit-identical either way. Off until it has run on
-  // the H200 (test CudaRunner.ProgrammaticLaunchIsBitIdentical, step bench PDL lines).
+  // on the same inputs, so the results are bit-identical either way
+  // (CudaRunner.ProgrammaticLaunchIsBitIdentical passed on the H200, 2026-12-05). Off: the
+  // ml4-slice-4 decode step gained 1% at batch 1 and 8 and lost 8% at batch 64 (step bench PDL
+  // lines, docs/BENCHMARKS.md).
   bool programmatic_launch = false;
 };
 

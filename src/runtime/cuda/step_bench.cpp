@@ -238,7 +238,7 @@ int run_step_bench(const StepBenchOptions& opt) {
         std::printf("PREFILL_PROFILE tokens=%ld moe=%s absorb=%s %s ms=%.3f\n", static_cast<long>(n), moe, abs,
                     k.c_str(), v);
     }
-    r.set_absorb_gemm(false);
+    r.set_absorb_gemm(true);  // the default
     r.set_grouped_moe_gemm(false);
   }
   return 0;
