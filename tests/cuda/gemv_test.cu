@@ -159,7 +159,8 @@ TEST(CudaGemv, Fp4MatchesCpuLinear) {
     w.in_features = K;
     w.weight = Tensor(DType::kU8, {N, K / 2});
     const int64_t groups = K / (f == LinearFormat::kNVFP4 ? 16 : 32);
-    w.scale = Tensor(DType::kU8, {N, groups});
+    // NVFP4's scales are e4m3 bytes, MXFP4's e8m0 (dequantize_linear refuses other dtypes).
+    w.scale = Tensor(f == LinearFormat::kNVFP4 ? DType::kF8E4M3 : DType::kE8M0, {N, groups});
     auto* wb = w.weight.mutable_as<uint8_t>();
     auto* sb = w.scale.mutable_as<uint8_t>();
     for (int64_t n = 0; n < N; ++n) {
@@ -170,6 +171,7 @@ TEST(CudaGemv, Fp4MatchesCpuLinear) {
     }
     w.global_scale = f == LinearFormat::kNVFP4 ? 0.3f : 1.0f;
     const std::vector<float> deq = dequantize_linear(w);
+    ASSERT_EQ(deq.size(), static_cast<size_t>(N * K)) << "the hand-made weight is not a valid " << linear_format_name(f);
     auto dl = upload_linear(w);
     ML4_ASSERT_OK(dl.status());
     // A row holding a NaN or infinite weight sums to NaN under one-hot x too (0 * inf):
