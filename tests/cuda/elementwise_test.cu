@@ -312,7 +312,8 @@ TEST(CudaElementwise, MlaAbsorptionMatchesF64) {
 // lays them out. Bound: TF32 keeps 10 mantissa bits, so each rounded input is off by up to
 // 2^-11 relative (RMS ~2.8e-4 if rounded, ~5.6e-4 if truncated); a product carries two such
 // errors, and over sums of independent random terms the relative L2 error of the result is
-// that of one term, <= ~8e-4. Bound 3e-3 leaves room; the f32 kernels sit at 1e-6.
+// that of one term: ~4e-4 with round-to-nearest, <= ~8e-4 with truncation. Bound 1.5e-3, about
+// twice the truncating case (the H200 gave 2.9e-4 on ML4's shape); the f32 kernels sit at 1e-7.
 TEST(CudaElementwise, MlaAbsorptionGemmMatchesF64) {
   ML4_REQUIRE_GPU();
   auto lt = LtGemm::create();
@@ -320,7 +321,7 @@ TEST(CudaElementwise, MlaAbsorptionGemmMatchesF64) {
   const AbsorbShape shapes[] = {{64, 128, 128, 512, 192, 0, 200}, {4, 32, 32, 128, 48, 0, 70}, {3, 24, 12, 132, 40, 8, 65}};
   uint32_t seed = 900;
   for (const AbsorbShape& sh : shapes) {
-    check_absorption(sh, seed += 4, 3e-3, "mla absorption GEMM (tf32)", [&](const MlaAbsorbParams& p) {
+    check_absorption(sh, seed += 4, 1.5e-3, "mla absorption GEMM (tf32)", [&](const MlaAbsorbParams& p) {
       ML4_ASSERT_OK(mla_absorb_q_gemm(**lt, p));
       ML4_ASSERT_OK(mla_apply_uv_gemm(**lt, p));
     });

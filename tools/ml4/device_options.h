@@ -151,8 +151,6 @@ inline Result<std::unique_ptr<ModelRunner>> load_local_runner_on(const DeviceOpt
 #endif
 }
 
-// The runner a command drives. Under parallelism a worker rank never returns: it serves rank
-// 0's steps and then ends the process (0 when rank 0 stopped the group, 1 on a failure).
 // The start-up check of --decode-backend (runtime/latency_decode.h): every reason at once.
 inline Status check_decode_backend_on(const DeviceOptions& d, const std::string& model, const RunnerOptions& ro) {
   if (d.decode_backend == "standard") return Status::ok();
@@ -170,6 +168,8 @@ inline Status check_decode_backend_on(const DeviceOptions& d, const std::string&
   return check_decode_backend(d.decode_backend, s);
 }
 
+// The runner a command drives. Under parallelism a worker rank never returns: it serves rank
+// 0's steps and then ends the process (0 when rank 0 stopped the group, 1 on a failure).
 inline Result<std::unique_ptr<ModelRunner>> load_runner_on(const DeviceOptions& d, const std::string& model,
                                                            const RunnerOptions& ro) {
   ML4_RETURN_IF_ERROR(check_decode_backend_on(d, model, ro));

@@ -526,6 +526,7 @@ Status mla_absorb_q_gemm(LtGemm& lt, const MlaAbsorbParams& p) {
   g.n = p.T;
   g.k = p.dn;
   g.batch = p.H;
+  g.tf32 = true;
   g.stream = p.stream;
   return lt.f32_batched(g);
 }
@@ -548,6 +549,7 @@ Status mla_apply_uv_gemm(LtGemm& lt, const MlaAbsorbParams& p) {
   g.n = p.T;
   g.k = p.r;
   g.batch = p.H;
+  g.tf32 = true;
   g.stream = p.stream;
   return lt.f32_batched(g);
 }

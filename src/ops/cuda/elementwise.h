@@ -125,7 +125,7 @@ struct MlaAbsorbParams {
 Status mla_absorb_q(const MlaAbsorbParams& p);
 Status mla_apply_uv(const MlaAbsorbParams& p);
 // The same two products as strided-batched GEMMs on the tensor cores, one batch entry per head
-// (LtGemm::f32_batched, TF32: inputs rounded to 10-bit mantissas, f32 sums; ~5e-4 relative
+// (LtGemm::f32_batched, TF32: inputs rounded to 10-bit mantissas, f32 sums; ~3e-4 relative
 // against the kernels above), for prefill-sized steps outside exact mode (issue 18). A shape
 // cuBLASLt refuses comes back as kUnimplemented; the caller then runs the kernels above.
 Status mla_absorb_q_gemm(LtGemm& lt, const MlaAbsorbParams& p);

@@ -87,7 +87,7 @@ struct GemmBatchedF32Params {
   int64_t ldd = 0, stride_d = 0;
   int64_t m = 0, n = 0, k = 0;
   int batch = 1;
-  bool tf32 = true;
+  bool tf32 = false;
   cudaStream_t stream = nullptr;
 };
 

@@ -48,7 +48,6 @@ namespace ml4::cuda {
 // or loop over experts (cuBLASLt / FP8 GEMMs per expert).
 constexpr int64_t kGroupedMoeMaxTokens = 128;
 
-
 struct CudaBackendOptions {
   bool exact_activations = false;
   bool overlap_indexer = true;

@@ -2,23 +2,28 @@
 #include "runtime/cuda/synthetic_weights.h"
 
 #include <cmath>
-#include <cstring>
 #include <random>
 #include <string>
 
 #include <cuda_bf16.h>
 
+#include "core/dtype.h"
 #include "ops/cuda/cuda_common.h"
 #include "ops/cuda/gemv.h"
 
 namespace ml4::cuda {
 namespace {
 
-__device__ __forceinline__ uint64_t mix(uint64_t x) {  // splitmix64 finalizer
+__host__ __device__ __forceinline__ uint64_t mix(uint64_t x) {  // splitmix64 finalizer
   x += 0x9E3779B97F4A7C15ull;
   x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
   x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
   return x ^ (x >> 31);
+}
+
+// Uniform in [-1, 1) from element i's hash: the device fillers' values and the host table's.
+__host__ __device__ __forceinline__ float uniform_pm1(uint64_t seed, int64_t i) {
+  return 2.0f * (static_cast<float>(mix(seed ^ static_cast<uint64_t>(i)) >> 40) * (1.0f / 16777216.0f)) - 1.0f;
 }
 
 __device__ __forceinline__ uint8_t band_e4m3(uint64_t h) {
@@ -39,15 +44,13 @@ __global__ void e8m0_kernel(uint8_t* p, int64_t n, int base, uint64_t seed) {
 
 __global__ void bf16_kernel(__nv_bfloat16* p, int64_t n, float amp, uint64_t seed) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
-    const float u = static_cast<float>(mix(seed ^ static_cast<uint64_t>(i)) >> 40) * (1.0f / 16777216.0f);
-    p[i] = __float2bfloat16_rn((2.0f * u - 1.0f) * amp);
+    p[i] = __float2bfloat16_rn(uniform_pm1(seed, i) * amp);
   }
 }
 
 __global__ void f32_kernel(float* p, int64_t n, float amp, float offset, uint64_t seed) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
-    const float u = static_cast<float>(mix(seed ^ static_cast<uint64_t>(i)) >> 40) * (1.0f / 16777216.0f);
-    p[i] = offset + (2.0f * u - 1.0f) * amp;
+    p[i] = offset + uniform_pm1(seed, i) * amp;
   }
 }
 
@@ -198,19 +201,11 @@ std::unique_ptr<DrafterWeights> synthetic_drafter(const ModelConfig& cfg, std::m
   }
   W->norm = host_values(g, D, 1.0f, 0.1f);
   W->markov_embed = Tensor(DType::kBF16, {V, R});
-  {  // bf16 bits of uniform values in +-1/sqrt(R) (a splitmix stream: V * R is ~67M at ML4's size)
+  {  // the device bf16 filler's values, made here: the table goes up from the host as a loaded one does
     uint16_t* e = W->markov_embed.mutable_as<uint16_t>();
-    uint64_t x = g();
+    const uint64_t seed = g();
     const float amp = 1.0f / std::sqrt(static_cast<float>(R));
-    for (int64_t i = 0; i < V * R; ++i) {
-      x += 0x9E3779B97F4A7C15ull;
-      uint64_t z = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-      z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-      const float f = (static_cast<float>((z ^ (z >> 31)) >> 40) * (1.0f / 16777216.0f) * 2.0f - 1.0f) * amp;
-      uint32_t bits;
-      std::memcpy(&bits, &f, 4);
-      e[i] = static_cast<uint16_t>(bits >> 16);
-    }
+    for (int64_t i = 0; i < V * R; ++i) e[i] = f32_to_bf16(uniform_pm1(seed, i) * amp);
   }
   W->markov_ih = shape_only(p + "markov.weight_ih", bf, 3 * R, D + R);
   W->markov_hh = shape_only(p + "markov.weight_hh", bf, 3 * R, R);
