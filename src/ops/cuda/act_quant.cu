@@ -56,7 +56,7 @@ Status launch(const Fp8ActQuantParams& p, int64_t n_groups) {
   const int threads = 256;
   const int64_t blocks = (warps * 32 + threads - 1) / threads;
   if (blocks > (int64_t{1} << 31) - 1) return invalid_argument("fp8_act_quant: {} groups is too many", warps);
-  launch_kernel(act_quant_kernel<T, kPer>, static_cast<unsigned>(blocks), threads, 0, p.stream, 
+  launch_kernel(act_quant_kernel<T, kPer>, static_cast<unsigned>(blocks), threads, 0, p.stream,
                 static_cast<const T*>(p.x), p.x_stride ? p.x_stride : p.K, p.M, rows, p.K, p.group, n_groups,
                 static_cast<uint8_t*>(p.q), p.scale, p.scale_layout == ScaleLayout::kGroupMajor);
   return cuda_status(cudaGetLastError(), "act_quant_kernel");

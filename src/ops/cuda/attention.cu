@@ -406,8 +406,7 @@ Status mla_attention(const MlaAttentionParams& p) {
     const int64_t TH = p.T * p.H;
     if (TH > 0x7fffffff) return invalid_argument("mla_attention: T * H too large");
     launch_kernel(mla_combine_kernel, static_cast<unsigned>(TH), p.r / 4, 0, p.stream, part_out, part_lse, splits, TH,
-                  p.r,
-                  p.out_lat, p.lse);
+                  p.r, p.out_lat, p.lse);
     ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "mla_combine_kernel"));
   }
   return Status::ok();

@@ -130,8 +130,8 @@ Status latent_cache_write(const LatentCacheWriteParams& p) {
     return invalid_argument("latent_cache_write: fp8_scale must be > 0, got {}", p.fp8_scale);
   if (p.T > 0x7fffffff) return invalid_argument("latent_cache_write: T = {} too large", p.T);
   const int64_t token_bytes = static_cast<int64_t>(latent_token_bytes(p.dtype, p.r, p.dr));
-  launch_kernel(latent_write_kernel, static_cast<unsigned>(p.T), kDsMlaTile, 0, p.stream, 
-                p.c, p.c_dtype == DType::kBF16, p.c_stride ? p.c_stride : p.r, p.kr, p.kr_dtype == DType::kBF16,
+  launch_kernel(latent_write_kernel, static_cast<unsigned>(p.T), kDsMlaTile, 0, p.stream, p.c,
+                p.c_dtype == DType::kBF16, p.c_stride ? p.c_stride : p.r, p.kr, p.kr_dtype == DType::kBF16,
                 p.kr_stride ? p.kr_stride : p.dr, p.slots, p.r, p.dr, static_cast<int>(p.dtype), p.fp8_scale,
                 static_cast<uint8_t*>(p.cache), p.num_slots, token_bytes);
   return cuda_status(cudaGetLastError(), "latent_write_kernel");
@@ -149,8 +149,8 @@ Status indexer_cache_write(const IndexerCacheWriteParams& p) {
   if (p.T > 0x7fffffff) return invalid_argument("indexer_cache_write: T = {} too large", p.T);
   // The CPU reference's scale, rounded to f32 the same way (ops/cpu/quant.cpp).
   const float hscale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(p.dI)));
-  launch_kernel(indexer_write_kernel, static_cast<unsigned>(p.T), p.dI / 2, p.dI * sizeof(float), p.stream, 
-                p.k, p.k_dtype == DType::kBF16, p.k_stride ? p.k_stride : p.dI, p.slots, p.dI, p.hadamard, hscale,
+  launch_kernel(indexer_write_kernel, static_cast<unsigned>(p.T), p.dI / 2, p.dI * sizeof(float), p.stream, p.k,
+                p.k_dtype == DType::kBF16, p.k_stride ? p.k_stride : p.dI, p.slots, p.dI, p.hadamard, hscale,
                 static_cast<uint8_t*>(p.cache), p.num_blocks, static_cast<int64_t>(indexer_page_bytes(p.dI)));
   return cuda_status(cudaGetLastError(), "indexer_write_kernel");
 }

@@ -102,11 +102,11 @@ Status block_embed(const BlockEmbedParams& p) {
   if (p.B < 1 || p.D <= 0) return invalid_argument("block_embed: B {} D {}", p.B, p.D);
   switch (p.table_dtype) {
     case DType::kF32:
-      launch_kernel(block_embed_kernel<float>, static_cast<unsigned>(p.T), kThreads, 0, p.stream, 
+      launch_kernel(block_embed_kernel<float>, static_cast<unsigned>(p.T), kThreads, 0, p.stream,
                     static_cast<const float*>(p.table), p.V, p.D, p.tokens, p.mask, p.B, p.out);
       break;
     case DType::kBF16:
-      launch_kernel(block_embed_kernel<__nv_bfloat16>, static_cast<unsigned>(p.T), kThreads, 0, p.stream, 
+      launch_kernel(block_embed_kernel<__nv_bfloat16>, static_cast<unsigned>(p.T), kThreads, 0, p.stream,
                     static_cast<const __nv_bfloat16*>(p.table), p.V, p.D, p.tokens, p.mask, p.B, p.out);
       break;
     default:

@@ -408,8 +408,8 @@ Status rms_norm(const RmsNormParams& p) {
   if (p.x_stride != 0 && p.x_stride < p.dim) return invalid_argument("rms_norm: x_stride {} < dim {}", p.x_stride, p.dim);
   if (p.rows == 0) return Status::ok();
   if (p.rows > INT32_MAX) return invalid_argument("rms_norm: {} rows", p.rows);
-  launch_kernel(rms_norm_kernel, static_cast<int>(p.rows), kThreads, 0, p.stream, 
-                p.x, p.residual, p.w, p.dim, p.eps, p.y, static_cast<__nv_bfloat16*>(p.y_bf16), p.x_stride ? p.x_stride : p.dim);
+  launch_kernel(rms_norm_kernel, static_cast<int>(p.rows), kThreads, 0, p.stream, p.x, p.residual, p.w, p.dim, p.eps,
+                p.y, static_cast<__nv_bfloat16*>(p.y_bf16), p.x_stride ? p.x_stride : p.dim);
   return cuda_status(cudaGetLastError(), "rms_norm_kernel");
 }
 
@@ -420,8 +420,7 @@ Status silu_mul(const SiluMulParams& p) {
   if (!p.g || !p.u || (!p.out && !p.out_bf16)) return invalid_argument("silu_mul: null input or no output");
   if (p.rows == 0) return Status::ok();
   launch_kernel(silu_mul_kernel, grid_for(p.rows * p.cols), kThreads, 0, p.stream, p.g, p.u, p.rows, p.cols, gs, us,
-                p.out,
-                static_cast<__nv_bfloat16*>(p.out_bf16));
+                p.out, static_cast<__nv_bfloat16*>(p.out_bf16));
   return cuda_status(cudaGetLastError(), "silu_mul_kernel");
 }
 
@@ -432,12 +431,10 @@ Status embedding(const EmbeddingParams& p) {
   switch (p.table_dtype) {
     case DType::kF32:
       launch_kernel(embedding_kernel<float>, static_cast<int>(p.T), kThreads, 0, p.stream,
-                    static_cast<const float*>(p.table),
-                    p.V, p.D, p.ids, p.out, p.shard,
-                    p.first_id);
+                    static_cast<const float*>(p.table), p.V, p.D, p.ids, p.out, p.shard, p.first_id);
       break;
     case DType::kBF16:
-      launch_kernel(embedding_kernel<__nv_bfloat16>, static_cast<int>(p.T), kThreads, 0, p.stream, 
+      launch_kernel(embedding_kernel<__nv_bfloat16>, static_cast<int>(p.T), kThreads, 0, p.stream,
                     static_cast<const __nv_bfloat16*>(p.table), p.V, p.D, p.ids, p.out, p.shard, p.first_id);
       break;
     default:
@@ -566,12 +563,10 @@ Status transpose_2d(const void* in, int elem_bytes, int64_t rows, int64_t cols, 
   if (rows * cols == 0) return Status::ok();
   if (elem_bytes == 4)
     launch_kernel(transpose_kernel<uint32_t>, grid_for(rows * cols), kThreads, 0, stream,
-                  static_cast<const uint32_t*>(in), rows,
-                  cols, static_cast<uint32_t*>(out));
+                  static_cast<const uint32_t*>(in), rows, cols, static_cast<uint32_t*>(out));
   else
     launch_kernel(transpose_kernel<uint16_t>, grid_for(rows * cols), kThreads, 0, stream,
-                  static_cast<const uint16_t*>(in), rows,
-                  cols, static_cast<uint16_t*>(out));
+                  static_cast<const uint16_t*>(in), rows, cols, static_cast<uint16_t*>(out));
   return cuda_status(cudaGetLastError(), "transpose_kernel");
 }
 

@@ -250,9 +250,9 @@ Status launch(const Fp8GemmParams& p, int S, int kper, float* part) {
   ML4_RETURN_IF_ERROR(cuda_status(attr, "cudaFuncSetAttribute(fp8_gemm_kernel)"));
   const dim3 grid(static_cast<unsigned>((p.N + BN - 1) / BN), static_cast<unsigned>((p.M + BM - 1) / BM),
                   static_cast<unsigned>(S));
-  launch_kernel(kernel, grid, WARPS_M * WARPS_N * 32, kSmem, p.stream, 
-                static_cast<const uint8_t*>(p.x), p.x_scale, p.x_scale_ld ? p.x_scale_ld : p.M, static_cast<const uint8_t*>(p.w),
-                p.w_scale, p.w_scale_ld ? p.w_scale_ld : p.K / 128, p.y, p.y_dtype == DType::kF32, part, static_cast<int>(p.M),
+  launch_kernel(kernel, grid, WARPS_M * WARPS_N * 32, kSmem, p.stream, static_cast<const uint8_t*>(p.x), p.x_scale,
+                p.x_scale_ld ? p.x_scale_ld : p.M, static_cast<const uint8_t*>(p.w), p.w_scale,
+                p.w_scale_ld ? p.w_scale_ld : p.K / 128, p.y, p.y_dtype == DType::kF32, part, static_cast<int>(p.M),
                 static_cast<int>(p.N), static_cast<int>(p.K), kper);
   return cuda_status(cudaGetLastError(), "fp8_gemm_kernel");
 }
@@ -296,8 +296,8 @@ Status fp8_block_gemm(const Fp8GemmParams& p) {
   }
   if (!part) return Status::ok();
   const int64_t MN = p.M * p.N, threads = 256, blocks = (MN / 2 + threads - 1) / threads;
-  launch_kernel(split_reduce_kernel, static_cast<unsigned>(blocks), static_cast<unsigned>(threads), 0, p.stream, 
-                part, S, MN, p.y, p.y_dtype == DType::kF32);
+  launch_kernel(split_reduce_kernel, static_cast<unsigned>(blocks), static_cast<unsigned>(threads), 0, p.stream, part,
+                S, MN, p.y, p.y_dtype == DType::kF32);
   return cuda_status(cudaGetLastError(), "split_reduce_kernel");
 }
 

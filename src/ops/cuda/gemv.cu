@@ -180,8 +180,7 @@ template <int M, int R, bool kFp8>
 void launch(const GemvParams& p, int S, float* out, int64_t Ks) {
   const dim3 grid(static_cast<unsigned>((p.N + kWarps * R - 1) / (kWarps * R)), static_cast<unsigned>(S));
   launch_kernel(gemv_kernel<M, R, kFp8>, grid, kWarps * 32, 0, p.stream, p.x, static_cast<int>(p.M), p.N, p.K,
-                static_cast<const uint8_t*>(p.w), p.w_scale, out, Ks,
-                p.M * p.N, GemvGroup{});
+                static_cast<const uint8_t*>(p.w), p.w_scale, out, Ks, p.M * p.N, GemvGroup{});
 }
 
 template <int M>

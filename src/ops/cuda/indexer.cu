@@ -294,19 +294,17 @@ Status indexer_scores(const IndexerScoresParams& p) {
   if (chunks > 65535) return invalid_argument("indexer_scores: max_length {} too large", p.max_length);
   const dim3 grid(static_cast<unsigned>(p.T), static_cast<unsigned>(chunks));
   if (p.math == IndexerMath::kFp8TensorCore) {
-    launch_kernel(indexer_fp8_kernel, grid, kThreads, 0, p.stream, 
-                  static_cast<const uint8_t*>(p.q), p.q_scale, p.weights, static_cast<const uint8_t*>(p.cache), p.num_blocks,
-                  p.block_table, p.block_table_stride, p.seq_of_token, p.lengths, p.HI, p.weight_scale, p.scores,
-                  p.scores_stride);
+    launch_kernel(indexer_fp8_kernel, grid, kThreads, 0, p.stream, static_cast<const uint8_t*>(p.q), p.q_scale,
+                  p.weights, static_cast<const uint8_t*>(p.cache), p.num_blocks, p.block_table, p.block_table_stride,
+                  p.seq_of_token, p.lengths, p.HI, p.weight_scale, p.scores, p.scores_stride);
     return cuda_status(cudaGetLastError(), "indexer_fp8_kernel");
   }
   const size_t smem = smem_bytes(p.HI);
   ML4_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(indexer_scores_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  launch_kernel(indexer_scores_kernel, grid, kThreads, smem, p.stream, 
-                static_cast<const uint8_t*>(p.q), p.q_scale, p.weights, static_cast<const uint8_t*>(p.cache), p.num_blocks,
-                p.block_table, p.block_table_stride, p.seq_of_token, p.lengths, p.HI, p.weight_scale, p.scores,
-                p.scores_stride);
+  launch_kernel(indexer_scores_kernel, grid, kThreads, smem, p.stream, static_cast<const uint8_t*>(p.q), p.q_scale,
+                p.weights, static_cast<const uint8_t*>(p.cache), p.num_blocks, p.block_table, p.block_table_stride,
+                p.seq_of_token, p.lengths, p.HI, p.weight_scale, p.scores, p.scores_stride);
   return cuda_status(cudaGetLastError(), "indexer_scores_kernel");
 }
 
@@ -319,8 +317,8 @@ Status indexer_query_quant(const IndexerQueryQuantParams& p) {
   if (p.rows > 0x7fffffff) return invalid_argument("indexer_query_quant: rows = {} too large", p.rows);
   // The CPU reference's n^-0.5, rounded to f32 the same way (ops/cpu/quant.cpp).
   const float hscale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(p.dI)));
-  launch_kernel(query_quant_kernel, static_cast<unsigned>(p.rows), p.dI / 2, p.dI * sizeof(float), p.stream, 
-                p.q, p.dI, p.hadamard, hscale, static_cast<uint8_t*>(p.q8), p.scales);
+  launch_kernel(query_quant_kernel, static_cast<unsigned>(p.rows), p.dI / 2, p.dI * sizeof(float), p.stream, p.q, p.dI,
+                p.hadamard, hscale, static_cast<uint8_t*>(p.q8), p.scales);
   return cuda_status(cudaGetLastError(), "query_quant_kernel");
 }
 

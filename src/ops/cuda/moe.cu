@@ -244,8 +244,7 @@ Status moe_permute(const MoePermuteParams& p) {
   if (p.T < 0 || p.K <= 0 || p.E <= 0 || p.E > 8192) return invalid_argument("moe_permute: bad shape");
   if (!p.ids || !p.offsets || !p.perm_token || !p.inv) return invalid_argument("moe_permute: null pointer");
   launch_kernel(permute_kernel, 1, 256, (p.E + 1) * sizeof(int32_t), p.stream, p.ids, p.T * p.K, p.E, p.offsets,
-                p.perm_token,
-                p.inv, p.K, p.active);
+                p.perm_token, p.inv, p.K, p.active);
   return cuda_status(cudaGetLastError(), "permute_kernel");
 }
 
@@ -261,8 +260,7 @@ Status moe_combine(const MoeCombineParams& p) {
   if (p.T == 0) return Status::ok();
   if (!p.y_perm || !p.inv || !p.weights || !p.out) return invalid_argument("moe_combine: null pointer");
   launch_kernel(combine_kernel, static_cast<unsigned>(p.T), 256, 0, p.stream, p.y_perm, p.inv, p.weights, p.K, p.D,
-                p.shared,
-                p.out);
+                p.shared, p.out);
   return cuda_status(cudaGetLastError(), "combine_kernel");
 }
 
@@ -565,8 +563,7 @@ Status moe_experts_forward_rowwise(const MoeExpertTables& tb, const DeviceMlp* s
   const int64_t n = T * K;
   if (n > s.max_rows) return out_of_range("moe grouped: {} expert rows, scratch holds {}", n, s.max_rows);
   launch_kernel(decode_rows_kernel, static_cast<unsigned>((n + 255) / 256), 256, 0, stream, n, K,
-                s.row_src.as<int32_t>(),
-                s.inv.as<int32_t>());
+                s.row_src.as<int32_t>(), s.inv.as<int32_t>());
   ML4_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   const auto w1 = static_cast<const void* const*>(tb.w1.data()), w2 = static_cast<const void* const*>(tb.w2.data()),
              w3 = static_cast<const void* const*>(tb.w3.data());

@@ -302,8 +302,7 @@ Status moe_permute_gemm(const MoePermuteGemmParams& p) {
   ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "plan_kernel"));
   if (n == 0) return Status::ok();
   launch_kernel(scatter_kernel, blocks_for(n), 256, 0, p.stream, p.ids, n, p.K, p.E, p.T, p.shared_slot, p.cursor,
-                p.perm_token,
-                p.inv);
+                p.perm_token, p.inv);
   return cuda_status(cudaGetLastError(), "scatter_kernel");
 }
 

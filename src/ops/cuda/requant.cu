@@ -86,8 +86,7 @@ Result<DeviceLinear> requantize_fp8_to_mxfp4_device(const DeviceLinear& fp8, cud
   const int64_t work = N * (K / 32);
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((work + 255) / 256, 65535));
   launch_kernel(requant_kernel, blocks, 256, 0, stream, fp8.weight.as<uint8_t>(), fp8.scale.as<float>(), N, K, K / 128,
-                d.weight.as<uint8_t>(), d.scale.as<uint8_t>(),
-                flag.as<unsigned long long>());
+                d.weight.as<uint8_t>(), d.scale.as<uint8_t>(), flag.as<unsigned long long>());
   ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "requant_kernel"));
   ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
   unsigned long long bad = none;

@@ -740,13 +740,11 @@ Status sample_rows(const float* logits, int64_t B, int64_t V, const DeviceSampli
   const int64_t stride = row_stride < 0 ? V : row_stride;
   const bool vec = V % 4 == 0 && stride % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
   if (vec)
-    launch_kernel(row_kernel<true>, static_cast<unsigned>(B), rowblock::kThreads, 0, stream, logits, V, stride,
-                  params, tokens,
-                  logprobs);
+    launch_kernel(row_kernel<true>, static_cast<unsigned>(B), rowblock::kThreads, 0, stream, logits, V, stride, params,
+                  tokens, logprobs);
   else
-    launch_kernel(row_kernel<false>, static_cast<unsigned>(B), rowblock::kThreads, 0, stream, logits, V, stride,
-                  params, tokens,
-                  logprobs);
+    launch_kernel(row_kernel<false>, static_cast<unsigned>(B), rowblock::kThreads, 0, stream, logits, V, stride, params,
+                  tokens, logprobs);
   return cuda_status(cudaGetLastError(), "sample_rows row_kernel");
 }
 
@@ -770,8 +768,7 @@ Status launch_split(const float* logits, int64_t B, int64_t V, int64_t stride, c
   launch_kernel(scan_kernel<kVec>, grid3, kSplitThreads, 0, stream, logits, V, stride, params, ws, T);
   ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "sample_rows scan_kernel"));
   launch_kernel(final_kernel<kVec>, static_cast<unsigned>(B), kFinalThreads, 0, stream, logits, V, stride, params,
-                tokens,
-                logprobs, ws, T);
+                tokens, logprobs, ws, T);
   return cuda_status(cudaGetLastError(), "sample_rows final_kernel");
 }
 }  // namespace

@@ -443,9 +443,8 @@ Status topk(const TopkParams& p) {
                   p.block_table, p.block_table_stride, p.seq_of_token);
     return cuda_status(cudaGetLastError(), "topk multi-block kernels");
   }
-  launch_kernel(topk_kernel, static_cast<unsigned>(p.T), kThreads, 0, p.stream, 
-                p.scores, p.scores_stride, p.lengths, p.k, p.positions, p.slots, p.counts, out_stride, p.block_table,
-                p.block_table_stride, p.seq_of_token);
+  launch_kernel(topk_kernel, static_cast<unsigned>(p.T), kThreads, 0, p.stream, p.scores, p.scores_stride, p.lengths,
+                p.k, p.positions, p.slots, p.counts, out_stride, p.block_table, p.block_table_stride, p.seq_of_token);
   return cuda_status(cudaGetLastError(), "topk_kernel");
 }
 
