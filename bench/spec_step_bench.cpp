@@ -36,20 +36,16 @@ int main(int argc, char** argv) {
   o.base.kv_cache_bytes = 512ll << 20;
   o.base.drafter = true;
   o.base.max_num_seqs = 4;
-  Result<std::unique_ptr<cuda::CudaRunner>> rr = unimplemented("");
-  if (preset.empty()) {
-    rr = cuda::CudaRunner::load(model, o);
-  } else {
-    auto cfg = preset_config(preset);
-    if (!cfg.ok()) {
-      std::fprintf(stderr, "%s\n", cfg.status().message().c_str());
-      return 1;
-    }
+  auto load = [&]() -> Result<std::unique_ptr<cuda::CudaRunner>> {
+    if (preset.empty()) return cuda::CudaRunner::load(model, o);
+    ML4_ASSIGN_OR_RETURN(ModelConfig cfg, preset_config(preset));
     o.base.kv_cache_dtype = "fp8_ds_mla";
     o.base.kv_cache_bytes = 4ll << 30;
-    rr = cuda::CudaRunner::load_synthetic(*cfg, o, 7);
-    if (rr.ok() && !(*rr)->fill_kv_synthetic(11).ok()) return 1;
-  }
+    ML4_ASSIGN_OR_RETURN(auto r, cuda::CudaRunner::load_synthetic(cfg, o, 7));
+    ML4_RETURN_IF_ERROR(r->fill_kv_synthetic(11));
+    return r;
+  };
+  auto rr = load();
   if (!rr.ok()) {
     std::fprintf(stderr, "%s\n", rr.status().message().c_str());
     return 1;
