@@ -73,7 +73,7 @@ if on moegemm; then
                                         # fp8-to-mxfp4 also times the on-device re-quantization (REQUANT line)
     timeout 200 "$carry/bin/ml4" bench step --preset ml4-slice-4 --experts $f --no-extras --ctx 8192 \
       > "$out/step_bench_$f.log" 2>&1; echo "$f rc=$?"
-    grep -E "MODEL|REQUANT|STEP |rror" "$out/step_bench_$f.log" | cut -c1-300
+    grep -E "MODEL|REQUANT|STEP |FP4PARTS|rror" "$out/step_bench_$f.log" | cut -c1-300
   done
 fi
 

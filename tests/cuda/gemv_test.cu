@@ -113,12 +113,20 @@ TEST(CudaGemv, MatchesCpuLinear) {
 }
 
 
-// NVFP4 / MXFP4 through upload_linear and the FP4 weight stream (gemv_fp4.cuh), M = 1..20
-// (passes of up to 8 tokens), N not a multiple of the 4 rows a block owns, K a multiple of
-// 256 and not (a partial load batch): the decoded weights are the CPU's bit for bit, so only
-// the f32 summation order differs, bound 1e-5 as above; two runs bit-identical. Then every
-// byte of e2m1 pairs under a spread of scale codes (subnormal and large e4m3, e8m0 0 and
-// 254, NaN codes) with one-hot x: each output is one exact weight, equal to dequantize_linear's.
+// NVFP4 / MXFP4 through upload_linear, M = 1..20 (passes of up to 8 tokens), N not a multiple
+// of the rows a block owns, K a multiple of 256 and not (a partial load batch), on both
+// kernels: the exact CUDA-core stream (gemv_fp4.cuh, impl kStream) and the tensor-core kernel
+// (gemv_tc.cuh, the default) with x in 3, 2 and 1 bf16 parts, with and without split-K.
+// Bounds on ||y - ref|| / ||ref||, ref = cpu::linear (f32 x times the same weights):
+//   stream, and 3 parts: the weights are the CPU's bit for bit and every product is exact, so
+//     only the f32 summation order differs: 1e-5 as above;
+//   2 parts: x keeps 16 significant bits, each element off by at most 2^-17 relative (rms
+//     2^-17 / sqrt(3) = 4.4e-6 for round-to-nearest); with x and W independent the output's
+//     relative error is that rms: bound 2e-5 (4.5 sigma of the mean, which concentrates);
+//   1 part: x rounded to bf16, 2^-9 / sqrt(3) = 1.1e-3 rms: bound 3e-3.
+// Two runs bit-identical. Then every byte of e2m1 pairs under a spread of scale codes
+// (subnormal and large e4m3, e8m0 0 and 254, NaN codes) with one-hot x: each output is one
+// exact weight, equal to dequantize_linear's, on both kernels.
 TEST(CudaGemv, Fp4MatchesCpuLinear) {
   ML4_REQUIRE_GPU();
   struct Shape {
@@ -136,19 +144,37 @@ TEST(CudaGemv, Fp4MatchesCpuLinear) {
       auto dl = upload_linear(*W);
       ML4_ASSERT_OK(dl.status());
       auto dx = to_device(x);
-      std::vector<std::vector<float>> runs;
-      for (int rep = 0; rep < 2; ++rep) {
-        auto dy = poisoned<float>(s.M * s.N);
-        ML4_ASSERT_OK(gemv({dx.as<float>(), s.M, s.N, s.K, f, dl->weight.data(), dl->scale.as<float>(), dy.as<float>(),
-                            nullptr, nullptr}));
-        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-        runs.push_back(to_host<float>(dy, s.M * s.N));
+      auto ws = DeviceBuffer::alloc(gemv_workspace_floats(s.M, s.N, s.K) * 4);
+      ML4_ASSERT_OK(ws.status());
+      struct Variant {
+        const char* name;
+        GemvImpl impl;
+        int parts;
+        bool split;
+        double bound;
+      };
+      for (const Variant v : {Variant{"stream", GemvImpl::kStream, 0, false, 1e-5},
+                              Variant{"tc3", GemvImpl::kAuto, 3, false, 1e-5},
+                              Variant{"tc3-splitk", GemvImpl::kAuto, 0, true, 1e-5},
+                              Variant{"tc2", GemvImpl::kAuto, 2, false, 2e-5},
+                              Variant{"tc1", GemvImpl::kAuto, 1, true, 3e-3}}) {
+        std::vector<std::vector<float>> runs;
+        for (int rep = 0; rep < 2; ++rep) {
+          auto dy = poisoned<float>(s.M * s.N);
+          GemvParams p{dx.as<float>(), s.M, s.N, s.K, f, dl->weight.data(), dl->scale.as<float>(), dy.as<float>(),
+                       v.split ? ws->as<float>() : nullptr, nullptr, v.impl};
+          p.x_parts = v.parts;
+          ML4_ASSERT_OK(gemv(p));
+          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+          runs.push_back(to_host<float>(dy, s.M * s.N));
+        }
+        ASSERT_TRUE(all_finite(runs[0])) << "unwritten output " << v.name;
+        const double e = rel_err(runs[0], ref);
+        std::printf("gemv fp4 %-10s %s M=%ld N=%ld K=%ld rel_err=%.3g (bound %.0e)\n", v.name, linear_format_name(f),
+                    s.M, s.N, s.K, e, v.bound);
+        EXPECT_LT(e, v.bound) << v.name;
+        EXPECT_EQ(0, std::memcmp(runs[0].data(), runs[1].data(), runs[0].size() * 4)) << "not deterministic " << v.name;
       }
-      ASSERT_TRUE(all_finite(runs[0])) << "unwritten output";
-      const double e = rel_err(runs[0], ref);
-      std::printf("gemv fp4 %s M=%ld N=%ld K=%ld rel_err=%.3g (bound 1e-5)\n", linear_format_name(f), s.M, s.N, s.K, e);
-      EXPECT_LT(e, 1e-5);
-      EXPECT_EQ(0, std::memcmp(runs[0].data(), runs[1].data(), runs[0].size() * 4)) << "not deterministic";
     }
     // Every weight byte, one-hot x: output n = the weight at (n, k).
     const int64_t N = 256, K = 64;  // row n holds byte n at every position
@@ -182,20 +208,23 @@ TEST(CudaGemv, Fp4MatchesCpuLinear) {
     const int64_t rows_exact = std::count(finite_row.begin(), finite_row.end(), true);
     EXPECT_GT(rows_exact, N / 2);
     int mismatches = 0;
-    for (int64_t k = 0; k < K; ++k) {
+    for (int64_t k = 0; k < 2 * K; ++k) {  // k < K: the tensor-core kernel, then the stream
+      const GemvImpl impl = k < K ? GemvImpl::kAuto : GemvImpl::kStream;
       std::vector<float> x(K, 0.0f);
-      x[k] = 1.0f;
+      x[k % K] = 1.0f;
       auto dx = to_device(x);
       auto dy = poisoned<float>(N);
       ML4_ASSERT_OK(gemv({dx.as<float>(), 1, N, K, f, dl->weight.data(), dl->scale.as<float>(), dy.as<float>(), nullptr,
-                          nullptr}));
+                          nullptr, impl}));
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       const auto y = to_host<float>(dy, N);
       for (int64_t n = 0; n < N; ++n) {
-        const float want = deq[n * K + k];
+        const float want = deq[n * K + k % K];
         const bool same = !finite_row[n] ? std::isnan(y[n]) : y[n] == want;  // -0 == +0
         mismatches += !same;
-        if (!same && mismatches < 5) ADD_FAILURE() << linear_format_name(f) << " n=" << n << " k=" << k << " got " << y[n] << " want " << want;
+        if (!same && mismatches < 5)
+          ADD_FAILURE() << linear_format_name(f) << (k < K ? " tensor cores" : " stream") << " n=" << n
+                        << " k=" << k % K << " got " << y[n] << " want " << want;
       }
     }
     EXPECT_EQ(mismatches, 0);

@@ -267,9 +267,10 @@ TEST(CudaMoe, ExpertsAndSharedVsCpu) {
         auto ys = host_mlp(hx[E], xt, 1, D, true);
         for (int64_t d = 0; d < D; ++d) ref2[t * D + d] += ys[d];
       }
-      // path 0: grouped, default kernel choice; 1: grouped with the other grouped kernel
-      // (the CUDA-core stream turned off where it is the default, T = 1, and on where it is
-      // not: T >= 3 then runs in passes of 4 rows); 2: row-wise (T <= 8).
+      // path 0: grouped, default kernel choice (FP4: the tensor cores, x in 3 parts, exact);
+      // 1: grouped with the other grouped kernel (the CUDA-core stream turned off where it is
+      // the default, T = 1, and on where it is not: T >= 3 then runs in passes of 4 rows; FP4:
+      // the exact CUDA-core stream); 2: row-wise (T <= 8).
       const GemvStreamConfig saved = gemv_stream_config();
       for (int path = 0; path < (Tb <= kGemvMaxM && !fp4 ? 3 : 2); ++path) {  // FP4: no row-wise path
         GemvStreamConfig c = saved;
@@ -280,7 +281,8 @@ TEST(CudaMoe, ExpertsAndSharedVsCpu) {
           auto out = poisoned<float>(Tb * D);
           if (path != 2)
             ML4_ASSERT_OK(moe_experts_forward_grouped(*tables, &dshared, dxb.as<float>(), Tb, dids.as<int32_t>(),
-                                                      dw.as<float>(), K, out.as<float>(), s, nullptr));
+                                                      dw.as<float>(), K, out.as<float>(), s, nullptr,
+                                                      fp4 && path == 1 ? GemvImpl::kStream : GemvImpl::kAuto));
           else
             ML4_ASSERT_OK(moe_experts_forward_rowwise(*tables, &dshared, dxb.as<float>(), Tb, dids.as<int32_t>(),
                                                       dw.as<float>(), K, out.as<float>(), s, nullptr));

@@ -11,6 +11,7 @@
 #include "ops/cuda/cuda_common.h"
 #include "ops/cuda/gemv_fp4.cuh"
 #include "ops/cuda/gemv_stream.cuh"
+#include "ops/cuda/gemv_tc.cuh"
 
 namespace ml4::cuda {
 namespace {
@@ -194,46 +195,19 @@ void launch_m(const GemvParams& p, int R, int S, float* out, int64_t Ks) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Tensor-core weight stream (the fast path; gemv.h says why and how the sums stay f32).
-//
-// Block = 8 warps, 128 weight rows (warp w: rows n0 + w*16 .. +16, one mma m16 tile), one
-// K slice. A warp "step" covers 16 rows x SK = 4*E k (E = 16 e4m3 or 8 bf16 per 16-byte
-// load): lane (g, t) = (lane / 4, lane % 4) loads rows n0+g and n0+g+8 at k = kb + E*t.
-// Because a dot product does not care which physical k sits at which mma k index, that
-// 16-byte chunk is the lane's A fragment for E/4 m16n8k16 mmas as it is (bf16) or after
-// an exact e4m3 -> bf16 conversion, provided the B fragment (the 8 tokens' x) uses the
-// same permutation -- and then lane (g, t) needs exactly x[token g][kb + E*t .. + E).
-// x is staged per K chunk in shared memory already split into 3 bf16 parts (hi + mid + lo
-// = x exactly, 24 bits) in per-lane order ([step][part][lane] uint4: conflict-free 16-byte
-// loads), so one weight load feeds 3*E/4 mmas whose products are exact in f32.
+// Tensor-core weight stream (gemv_tc.cuh): launch helpers.
 // ---------------------------------------------------------------------------------------
-constexpr int kTcWarps = 8;
-constexpr int kTcRows = kTcWarps * 16;   // weight rows per block
-constexpr int kTcU = 4;                  // steps per batch (2 x 16-byte loads each)
-constexpr int kTcChunkK = 1024;          // k per staged x chunk: 48 KB of shared memory
-constexpr int kTcMaxSplit = 16;
-constexpr int kTcTokens = 8;             // tokens (mma n) per pass
+using gemv_tc::TcArgs;
+using gemv_tc::kTcRows;
 
-struct TcArgs : gemv_stream::GroupedArgs {  // grouped: blockIdx.z = slot
-  const float* x = nullptr;
-  int64_t N = 0, K = 0;
-  const uint8_t* w = nullptr;            // single matrix (gemv)
-  const float* w_scale = nullptr;
-  float* y = nullptr;
-  int64_t k_slice = 0;                   // K per blockIdx.y
-  int64_t y_slice_stride = 0;            // floats between split-K slices of y
-  int rows = 0;                          // gemv: M
-  int prefetch = 0;                      // L2 prefetch distance in steps beyond the register batch (0: off)
-};
-
-// The grouped fields of p (scales only for FP8).
-gemv_stream::GroupedArgs grouped_args(const GroupedGemvParams& p, bool fp8) {
+// The grouped fields of p (scales for FP8 and FP4 only).
+gemv_stream::GroupedArgs grouped_args(const GroupedGemvParams& p, bool scaled) {
   gemv_stream::GroupedArgs g;
   g.offsets = p.offsets;
   g.active = p.active;
   g.row_src = p.row_src;
   g.w_table = p.w_table;
-  g.s_table = fp8 ? p.s_table : nullptr;
+  g.s_table = scaled ? p.s_table : nullptr;
   g.extra_w = p.extra_w;
   g.extra_s = p.extra_s;
   g.extra_rows = static_cast<int>(p.extra_rows);
@@ -248,241 +222,6 @@ gemv_stream::GroupedArgs grouped_args(const GroupedGemvParams& p, bool fp8) {
 // prefetch made 51 of 56 decode shapes 5-25% slower, and the grouped MoE decode layer 11%
 // slower at T = 64 (gpu_moe_bench "no L2 prefetch").
 int g_tc_prefetch = 0;
-
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
-}
-
-__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t v) {
-  const __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v & 0xffffu), __NV_E4M3);
-  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&hr));
-  const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);  // exact: e4m3 values are bf16 values
-  return *reinterpret_cast<const uint32_t*>(&b);
-}
-
-__device__ __forceinline__ uint32_t bf16x2_bits(__nv_bfloat162 b) { return *reinterpret_cast<const uint32_t*>(&b); }
-
-// x = hi + mid + lo exactly (each step's remainder is exact in f32 and has <= 16, then
-// <= 8 significant bits), for 8 floats -> three uint4 of 8 bf16 in order.
-__device__ __forceinline__ void split3(const float4& a, const float4& b, uint4& hi, uint4& mid, uint4& lo) {
-  const float f[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-  uint32_t h[4], m[4], l[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const __nv_bfloat162 bh = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-    const float2 fh = __bfloat1622float2(bh);
-    const float r0 = f[2 * i] - fh.x, r1 = f[2 * i + 1] - fh.y;
-    const __nv_bfloat162 bm = __floats2bfloat162_rn(r0, r1);
-    const float2 fm = __bfloat1622float2(bm);
-    const __nv_bfloat162 bl = __floats2bfloat162_rn(r0 - fm.x, r1 - fm.y);
-    h[i] = bf16x2_bits(bh);
-    m[i] = bf16x2_bits(bm);
-    l[i] = bf16x2_bits(bl);
-  }
-  hi = make_uint4(h[0], h[1], h[2], h[3]);
-  mid = make_uint4(m[0], m[1], m[2], m[3]);
-  lo = make_uint4(l[0], l[1], l[2], l[3]);
-}
-
-__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
-  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
-}
-
-template <bool kFp8>
-__global__ void __launch_bounds__(kTcWarps * 32, 2) gemv_tc_kernel(const TcArgs a) {
-  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
-  pdl_launch_dependents();
-  constexpr int E = kFp8 ? 16 : 8;     // weights per 16-byte load
-  constexpr int SK = 4 * E;            // k per warp step
-  constexpr int H = E / 8;             // 8-float halves per lane chunk
-  constexpr int P = 3 * H;             // uint4 parts per lane per step
-  constexpr int kSteps = kTcChunkK / SK;
-  constexpr int64_t kEb = kFp8 ? 1 : 2;
-  extern __shared__ uint4 xs[];        // [kSteps][P][32]
-
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int64_t N = a.N, K = a.K;
-
-  // Which matrix and which rows this block serves.
-  gemv_stream::SlotWork sw;
-  sw.w = a.w;
-  sw.w_scale = a.w_scale;
-  sw.r_end = a.rows;
-  if (a.offsets && !gemv_stream::grouped_slot(a, blockIdx.z, a.w_table, a.s_table, a.extra_w, a.extra_s, &sw)) return;
-  const uint8_t* w = sw.w;
-  const float* w_scale = sw.w_scale;
-  const int64_t r_begin = sw.r_begin, r_end = sw.r_end, x_off = sw.x_off, y_off = sw.y_off;
-  const int32_t* xmap = sw.xmap;
-  const int64_t n0 = blockIdx.x * int64_t{kTcRows} + warp * 16;
-  const bool warp_on = n0 < N;
-  const int64_t row_a = n0 + g, row_b = n0 + g + 8;
-  const int64_t k_begin = blockIdx.y * a.k_slice, k_end = min(K, k_begin + a.k_slice);
-  if (k_begin >= k_end) return;  // block-uniform
-  const int n_steps = static_cast<int>((k_end - k_begin + SK - 1) / SK);
-  const int n_batches = (n_steps + kTcU - 1) / kTcU;
-  const uint8_t* wa_ptr = w + (row_a * K + k_begin + int64_t{E} * t) * kEb;
-  const uint8_t* wb_ptr = w + (row_b * K + k_begin + int64_t{E} * t) * kEb;
-  const bool ok_a = warp_on && row_a < N, ok_b = warp_on && row_b < N;
-  const float* srow = kFp8 && warp_on ? w_scale + (n0 / 128) * (K / 128) : nullptr;
-  float* ybase = a.y + blockIdx.y * a.y_slice_stride;
-
-  uint4 wa[kTcU], wb[kTcU];
-  float sc[kTcU];
-  auto load_batch = [&](int b, uint4 (&la)[kTcU], uint4 (&lb)[kTcU], float (&ls)[kTcU]) {
-#pragma unroll
-    for (int u = 0; u < kTcU; ++u) {
-      const int st = b * kTcU + u;
-      const int64_t k = k_begin + int64_t{st} * SK + int64_t{E} * t;
-      const bool in = st < n_steps && k < k_end;
-      la[u] = (in && ok_a) ? __ldcs(reinterpret_cast<const uint4*>(wa_ptr + int64_t{st} * SK * kEb)) : make_uint4(0, 0, 0, 0);
-      lb[u] = (in && ok_b) ? __ldcs(reinterpret_cast<const uint4*>(wb_ptr + int64_t{st} * SK * kEb)) : make_uint4(0, 0, 0, 0);
-      if constexpr (kFp8) ls[u] = (st < n_steps && warp_on) ? __ldg(srow + (k_begin + int64_t{st} * SK) / 128) : 0.0f;
-      const int sp = st + a.prefetch;
-      if (a.prefetch > 0 && sp < n_steps && k + int64_t{a.prefetch} * SK < k_end) {
-        if (ok_a) prefetch_l2(wa_ptr + int64_t{sp} * SK * kEb);
-        if (ok_b) prefetch_l2(wb_ptr + int64_t{sp} * SK * kEb);
-      }
-    }
-  };
-
-  for (int64_t p0 = r_begin; p0 < r_end; p0 += kTcTokens) {
-    const int mrows = static_cast<int>(min(int64_t{kTcTokens}, r_end - p0));
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    load_batch(0, wa, wb, sc);
-    for (int c0 = 0; c0 < n_steps; c0 += kSteps) {  // x chunk: steps [c0, c0 + kSteps)
-      const int cs = min(kSteps, n_steps - c0);
-      __syncthreads();  // the previous chunk's readers are done
-      for (int u = tid; u < cs * 32 * H; u += kTcWarps * 32) {
-        const int j = u / (32 * H), rem = u % (32 * H), h = rem / 32, l = rem % 32;
-        const int tok = l >> 2;
-        const int64_t k = k_begin + int64_t{c0 + j} * SK + int64_t{E} * (l & 3) + 8 * h;
-        float4 f0 = make_float4(0, 0, 0, 0), f1 = f0;
-        if (tok < mrows && k < k_end) {
-          const int64_t i = p0 + tok;
-          const int64_t xr = xmap ? int64_t{xmap[i]} : x_off + i;
-          const float4* src = reinterpret_cast<const float4*>(a.x + xr * K + k);
-          f0 = __ldg(src);
-          f1 = __ldg(src + 1);
-        }
-        uint4 hi, mid, lo;
-        split3(f0, f1, hi, mid, lo);
-        uint4* dst = xs + (j * P + h) * 32 + l;
-        dst[0] = hi;
-        dst[H * 32] = mid;
-        dst[2 * H * 32] = lo;
-      }
-      __syncthreads();
-      const int b_end = (c0 + cs + kTcU - 1) / kTcU;
-      for (int b = c0 / kTcU; b < b_end; ++b) {
-        uint4 na[kTcU], nb[kTcU];
-        float ns[kTcU];
-        load_batch(b + 1 < n_batches ? b + 1 : n_batches, na, nb, ns);  // past the end: all guarded off
-#pragma unroll
-        for (int u = 0; u < kTcU; ++u) {
-          const int st = b * kTcU + u;
-          if (st >= c0 + cs) break;
-          const uint4* xp = xs + (st - c0) * P * 32 + lane;
-          if constexpr (kFp8) {
-            float tacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-            for (int h = 0; h < H; ++h) {
-              const uint4 xh = xp[h * 32], xm = xp[(H + h) * 32], xl = xp[(2 * H + h) * 32];
-#pragma unroll
-              for (int qq = 0; qq < 2; ++qq) {
-                const int q = 2 * h + qq;  // slice: weight word q, x words 2qq, 2qq+1
-                const uint32_t wqa = word(wa[u], q), wqb = word(wb[u], q);
-                const uint32_t a0 = e4m3x2_to_bf16x2(wqa), a2 = e4m3x2_to_bf16x2(wqa >> 16);
-                const uint32_t a1 = e4m3x2_to_bf16x2(wqb), a3 = e4m3x2_to_bf16x2(wqb >> 16);
-                mma_bf16(tacc, a0, a1, a2, a3, word(xl, 2 * qq), word(xl, 2 * qq + 1));
-                mma_bf16(tacc, a0, a1, a2, a3, word(xm, 2 * qq), word(xm, 2 * qq + 1));
-                mma_bf16(tacc, a0, a1, a2, a3, word(xh, 2 * qq), word(xh, 2 * qq + 1));
-              }
-            }
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[i] = fmaf(tacc[i], sc[u], acc[i]);
-          } else {
-            // A 32-k partial per step, added with an f32 add: the mma accumulator does not
-            // round like an f32 add (on the H200, one accumulator over K = 6144 drifted to
-            // 2e-5 relative against cpu::linear; per-step partials keep it at ~1e-6).
-            float tacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            const uint4 xh = xp[0], xm = xp[32], xl = xp[64];
-#pragma unroll
-            for (int q = 0; q < 2; ++q) {
-              const uint32_t a0 = word(wa[u], 2 * q), a2 = word(wa[u], 2 * q + 1);
-              const uint32_t a1 = word(wb[u], 2 * q), a3 = word(wb[u], 2 * q + 1);
-              mma_bf16(tacc, a0, a1, a2, a3, word(xl, 2 * q), word(xl, 2 * q + 1));
-              mma_bf16(tacc, a0, a1, a2, a3, word(xm, 2 * q), word(xm, 2 * q + 1));
-              mma_bf16(tacc, a0, a1, a2, a3, word(xh, 2 * q), word(xh, 2 * q + 1));
-            }
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[i] += tacc[i];
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < kTcU; ++u) {
-          wa[u] = na[u];
-          wb[u] = nb[u];
-          sc[u] = ns[u];
-        }
-      }
-    }
-    // C fragment: (row g | g+8, tokens 2t, 2t+1).
-    if (warp_on) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int tok = 2 * t + (i & 1);
-        const int64_t row = (i < 2) ? row_a : row_b;
-        if (tok < mrows && row < N) ybase[(y_off + p0 + tok) * N + row] = acc[i];
-      }
-    }
-  }
-}
-
-// Split-K for the tensor-core path: the S (1..16) that minimizes the weight stream's time
-// over the fraction of block slots busy in its last wave (2 blocks of 8 warps per SM), plus
-// the partial sums' round trip and the reduce launch (~1 us, counted as 4 MB).
-int tc_split(int64_t M, int64_t N, int64_t K, bool fp8, bool have_ws, int64_t* Ks) {
-  const int64_t unit = fp8 ? 128 : 32;
-  const int64_t nb = (N + kTcRows - 1) / kTcRows, slots = int64_t{2} * std::max(sm_count(), 1);
-  const double wbytes = static_cast<double>(N) * K * (fp8 ? 1 : 2);
-  int best = 1;
-  double best_cost = 1e300;
-  for (int S = 1; S <= (have_ws ? kTcMaxSplit : 1); ++S) {
-    const int64_t ks = ((K + S - 1) / S + unit - 1) / unit * unit;
-    if ((K + ks - 1) / ks != S) continue;
-    if (S > 1 && ks < 256) break;
-    const int64_t blocks = nb * S, waves = (blocks + slots - 1) / slots;
-    const double util = static_cast<double>(blocks) / static_cast<double>(waves * slots);
-    const double cost = wbytes / util + (S > 1 ? 8.0 * S * M * N + 4e6 : 0.0);
-    if (cost < best_cost) {
-      best_cost = cost;
-      best = S;
-    }
-  }
-  *Ks = ((K + best - 1) / best + unit - 1) / unit * unit;
-  return best;
-}
-
-size_t tc_smem() { return size_t{kTcChunkK} * 48; }  // 8 tokens x 3 bf16 parts x 2 bytes per k
-
-Status launch_tc(const TcArgs& a, dim3 grid, bool fp8, cudaStream_t stream) {
-  if (fp8)
-    launch_kernel(gemv_tc_kernel<true>, grid, kTcWarps * 32, tc_smem(), stream, a);
-  else
-    launch_kernel(gemv_tc_kernel<false>, grid, kTcWarps * 32, tc_smem(), stream, a);
-  return cuda_status(cudaGetLastError(), "gemv_tc_kernel");
-}
-
 
 // ---------------------------------------------------------------------------------------
 // CUDA-core weight stream for small M (gemv_stream.cuh): configuration and launch.
@@ -531,6 +270,9 @@ int pow2_tokens(int64_t m) { return m <= 1 ? 1 : m <= 2 ? 2 : m <= 4 ? 4 : 8; }
 
 bool is_fp4(LinearFormat f) { return f == LinearFormat::kNVFP4 || f == LinearFormat::kMXFP4; }
 
+// GemvParams::x_parts: 0 (or out of range) is 3, the exact split.
+int x_parts(int parts) { return parts == 1 || parts == 2 ? parts : 3; }
+
 // NVFP4 / MXFP4 (gemv_fp4.cuh): mt tokens per pass (1, 2, 4 or 8; any number of rows).
 Status launch_fp4(const gemv_stream::StArgs& a, int mt, unsigned slots, bool nv, cudaStream_t s) {
   using gemv_fp4::gemv_fp4_kernel;
@@ -575,9 +317,11 @@ Status grouped_gemv(const GroupedGemvParams& p) {
     if (p.w_table2 &&
         (!p.y2 || (scaled && !p.s_table2) || (p.extra_w && !p.extra_w2) || (p.extra_w2 && scaled && !p.extra_s2)))
       return invalid_argument("grouped_gemv: bad second weight set");
-    // The weight streams (FP4 always; FP8, or bf16 on request, for few rows per expert).
-    if (fp4 || (p.max_expert_rows > 0 && p.max_expert_rows <= g_stream.grouped_max_rows &&
-                (fp8 || p.impl == GemvImpl::kStream) && p.impl != GemvImpl::kTensorCore)) {
+    // The CUDA-core weight streams (FP4 on request: the exact stream; FP8, or bf16 on request,
+    // for few rows per expert).
+    const bool fp4_stream = fp4 && (p.impl == GemvImpl::kStream || p.impl == GemvImpl::kCudaCore);
+    if (fp4_stream || (!fp4 && p.max_expert_rows > 0 && p.max_expert_rows <= g_stream.grouped_max_rows &&
+                       (fp8 || p.impl == GemvImpl::kStream) && p.impl != GemvImpl::kTensorCore)) {
       gemv_stream::StArgs a;
       static_cast<gemv_stream::GroupedArgs&>(a) = grouped_args(p, scaled);
       a.x = p.x;
@@ -607,7 +351,7 @@ Status grouped_gemv(const GroupedGemvParams& p) {
       return grouped_gemv(q);
     }
     TcArgs a;
-    static_cast<gemv_stream::GroupedArgs&>(a) = grouped_args(p, fp8);
+    static_cast<gemv_stream::GroupedArgs&>(a) = grouped_args(p, scaled);
     a.x = p.x;
     a.N = p.N;
     a.K = p.K;
@@ -615,7 +359,8 @@ Status grouped_gemv(const GroupedGemvParams& p) {
     a.k_slice = p.K;
     a.prefetch = g_tc_prefetch;
     const dim3 grid(static_cast<unsigned>((p.N + kTcRows - 1) / kTcRows), 1, static_cast<unsigned>(slots));
-    return launch_tc(a, grid, fp8, p.stream).with_context("grouped_gemv");
+    return gemv_tc::launch_tc(a, grid, gemv_tc::tc_format(p.format), x_parts(p.x_parts), p.stream)
+        .with_context("grouped_gemv");
   }
   if (p.rows == 0) return Status::ok();
   if (p.rows > 65535) return invalid_argument("grouped_gemv: {} rows (at most 65535)", p.rows);
@@ -635,7 +380,7 @@ Status grouped_gemv(const GroupedGemvParams& p) {
   return cuda_status(cudaGetLastError(), "grouped gemv_kernel");
 }
 
-int64_t gemv_workspace_floats(int64_t M, int64_t N, int64_t K) { return int64_t{kTcMaxSplit} * M * N; }
+int64_t gemv_workspace_floats(int64_t M, int64_t N, int64_t K) { return int64_t{gemv_tc::kTcMaxSplit} * M * N; }
 
 void gemv_set_l2_prefetch(int steps) { g_tc_prefetch = std::max(steps, 0); }
 
@@ -654,7 +399,8 @@ Status gemv(const GemvParams& p) {
   if (!p.x || !p.w || !p.y || ((fp8 || fp4) && !p.w_scale)) return invalid_argument("gemv: null pointer");
   if ((reinterpret_cast<uintptr_t>(p.x) | reinterpret_cast<uintptr_t>(p.w)) & 15u)
     return invalid_argument("gemv: x and w must be 16-byte aligned");
-  if (fp4 || p.impl == GemvImpl::kStream || (p.impl == GemvImpl::kAuto && fp8 && p.M <= g_stream.max_m)) {
+  const bool fp4_stream = fp4 && (p.impl == GemvImpl::kStream || p.impl == GemvImpl::kCudaCore);
+  if (fp4_stream || (!fp4 && (p.impl == GemvImpl::kStream || (p.impl == GemvImpl::kAuto && fp8 && p.M <= g_stream.max_m)))) {
     gemv_stream::StArgs a;
     a.x = p.x;
     a.N = p.N;
@@ -667,10 +413,13 @@ Status gemv(const GemvParams& p) {
     if (fp4) return launch_fp4(a, pow2_tokens(p.M), 1, p.format == LinearFormat::kNVFP4, p.stream);
     return launch_stream(a, pow2_tokens(p.M), 1, fp8, p.stream);
   }
-  const bool tc = p.impl == GemvImpl::kTensorCore || (p.impl == GemvImpl::kAuto && p.workspace != nullptr);
+  // FP4 always takes the tensor cores here (any M: passes of 8 tokens; split-K only with a
+  // workspace and M <= 8, the workspace's size).
+  const bool tc = fp4 || p.impl == GemvImpl::kTensorCore || (p.impl == GemvImpl::kAuto && p.workspace != nullptr);
   if (tc) {
     int64_t Ks = 0;
-    const int S = tc_split(p.M, p.N, p.K, fp8, p.workspace != nullptr, &Ks);
+    const gemv_tc::TcFormat tf = gemv_tc::tc_format(p.format);
+    const int S = gemv_tc::tc_split(p.M, p.N, p.K, tf, p.workspace != nullptr && p.M <= kGemvMaxM, &Ks);
     TcArgs a;
     a.x = p.x;
     a.N = p.N;
@@ -683,7 +432,7 @@ Status gemv(const GemvParams& p) {
     a.rows = static_cast<int>(p.M);
     a.prefetch = g_tc_prefetch;
     const dim3 grid(static_cast<unsigned>((p.N + kTcRows - 1) / kTcRows), static_cast<unsigned>(S), 1);
-    ML4_RETURN_IF_ERROR(launch_tc(a, grid, fp8, p.stream));
+    ML4_RETURN_IF_ERROR(gemv_tc::launch_tc(a, grid, tf, x_parts(p.x_parts), p.stream));
     return reduce_splits(p.workspace, S, p.M * p.N, p.y, p.stream);
   }
   int R = 1, S = 1;

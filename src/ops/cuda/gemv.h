@@ -22,10 +22,13 @@
 //   per R rows, f32 FMAs), kept for callers without a workspace and as the bench baseline.
 // Both match cpu::linear to f32 rounding (x f32 times exactly decoded W, f32 sums: only
 // the summation order differs).
-// NVFP4 / MXFP4 weights take their own CUDA-core stream (gemv_fp4.cuh; exact decoding, the
-// CPU's weights bit for bit) in gemv, at any M (passes of up to 8 tokens: also the prefill
-// path of linear_f32 for now), and in grouped_gemv's expert-grouped mode. An NVFP4 weight's
-// scale buffer carries its global scale after the e4m3 scales (fp4_global_offset).
+// NVFP4 / MXFP4 weights (any M: passes of 8 tokens, also the prefill path of linear_f32 for
+// now) take the tensor-core kernel (gemv_tc.cuh: e2m1 decoded to bf16 in registers through
+// byte tables, times the group scale exactly; x in x_parts bf16 parts) unless impl is kStream
+// or kCudaCore, which keep the exact CUDA-core stream (gemv_fp4.cuh: f32 FMAs, the CPU's
+// weights bit for bit; ALU-bound: it reached 0.53 of the HBM rate at batch 1 on the H200).
+// grouped_gemv's expert-grouped mode takes both. An NVFP4 weight's scale buffer carries its
+// global scale after the e4m3 scales (fp4_global_offset).
 //
 // grouped_gemv runs MoE decode in one launch with no host synchronization (capturable):
 // rows sorted by expert (moe_permute's offsets and active-expert list, read on the
@@ -58,6 +61,10 @@ struct GemvParams {
   float* workspace = nullptr;      // gemv_workspace_floats(M, N, K) floats, or null (no split-K)
   cudaStream_t stream = nullptr;
   GemvImpl impl = GemvImpl::kAuto;  // kAuto: tensor cores with a workspace, CUDA cores without
+  // FP4 on the tensor cores: x as 1, 2 or 3 bf16 parts (0: 3). 3 is x exactly (every product
+  // exact, the sums f32: cpu::linear to f32 rounding); 2 keeps 16 bits (relative error per
+  // element <= 2^-17); 1 rounds x to bf16 (<= 2^-9). Fewer parts, fewer mmas per weight byte.
+  int x_parts = 0;
 };
 
 constexpr int kGemvMaxM = 8;
@@ -129,6 +136,7 @@ struct GroupedGemvParams {
   const void* extra_w2 = nullptr;
   const float* extra_s2 = nullptr;
   float* y2 = nullptr;
+  int x_parts = 0;                    // FP4 on the tensor cores: GemvParams::x_parts
 };
 Status grouped_gemv(const GroupedGemvParams& p);
 

@@ -99,8 +99,7 @@ Status CudaBackend::set_embedding(const Tensor& table) {
 
 Result<DeviceLinear> CudaBackend::make_linear(const LinearWeight& w) {
   if ((w.format == LinearFormat::kNVFP4 || w.format == LinearFormat::kMXFP4) && !opts_.fp4_weights)
-    return unimplemented("{}: {} weights on the GPU are written but not yet verified on a device "
-                         "(CudaRunnerOptions::fp4_weights)", w.name, linear_format_name(w.format));
+    return unimplemented("{}: {} weights with CudaRunnerOptions::fp4_weights off", w.name, linear_format_name(w.format));
   DeviceLinear d;
   if (synthetic_seed_ != 0) {
     ML4_ASSIGN_OR_RETURN(d, synthetic_linear(w, synthetic_seed_ * 1000003u + ++synthetic_counter_));
@@ -170,8 +169,7 @@ Result<MoeRef> CudaBackend::add_moe(const std::vector<MlpWeights>& experts, cons
     return Status::ok();
   };
   if (opts_.experts_to_mxfp4 && !opts_.fp4_weights)
-    return unimplemented("experts re-quantized to MXFP4 run on the GPU's FP4 path, which is not yet verified on a "
-                         "device (CudaRunnerOptions::fp4_weights)");
+    return unimplemented("experts re-quantized to MXFP4 need the GPU's FP4 path (CudaRunnerOptions::fp4_weights is off)");
   m.experts.resize(experts.size());
   for (size_t e = 0; e < experts.size(); ++e) {
     ML4_RETURN_IF_ERROR(up_mlp(m.experts[e], experts[e]));
@@ -527,9 +525,10 @@ Status CudaBackend::lin(const DeviceLinear& w, const float* x, int64_t M, float*
     for (int64_t m0 = 0; m0 < M; m0 += kGemvMaxM) {
       const int64_t m = std::min<int64_t>(kGemvMaxM, M - m0);
       float* ws = (on_side_ ? buf_->gemv_ws_side : buf_->gemv_ws).as<float>();
-      ML4_RETURN_IF_ERROR(gemv({x + m0 * w.K, m, w.N, w.K, w.format, w.weight.data(), w.scale.as<float>(),
-                                y + m0 * w.N, ws, stream_})
-                              .with_context(w.name));
+      GemvParams gp{x + m0 * w.K, m, w.N, w.K, w.format, w.weight.data(), w.scale.as<float>(), y + m0 * w.N, ws, stream_};
+      gp.impl = fp4_impl();
+      gp.x_parts = opts_.fp4_x_parts;
+      ML4_RETURN_IF_ERROR(gemv(gp).with_context(w.name));
     }
     return Status::ok();
   }
@@ -954,7 +953,8 @@ Status CudaBackend::moe_experts(MoeRef moe, const float* x, const int32_t* ids, 
     for (int64_t t0 = 0; t0 < T; t0 += kGroupedMoeMaxTokens) {
       const int64_t n = std::min<int64_t>(kGroupedMoeMaxTokens, T - t0);
       ML4_RETURN_IF_ERROR(moe_experts_forward_grouped(*M.tables, M.shared.get(), x + t0 * D, n, ids + t0 * K,
-                                                      weights + t0 * K, K, out + t0 * D, b.moe, stream_));
+                                                      weights + t0 * K, K, out + t0 * D, b.moe, stream_,
+                                                      fp4_impl(), opts_.fp4_x_parts));
     }
     return Status::ok();
   }

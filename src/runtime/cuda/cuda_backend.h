@@ -51,10 +51,11 @@ constexpr int64_t kGroupedMoeMaxTokens = 128;
 struct CudaBackendOptions {
   bool exact_activations = false;
   bool overlap_indexer = true;
-  bool grouped_moe_gemm = false;  // CudaRunnerOptions::grouped_moe_gemm
+  bool grouped_moe_gemm = true;   // CudaRunnerOptions::grouped_moe_gemm
   bool absorb_gemm = true;        // CudaRunnerOptions::absorb_gemm
   int64_t absorb_gemm_min_tokens = 64;
-  bool fp4_weights = false;       // CudaRunnerOptions::fp4_weights
+  bool fp4_weights = true;        // CudaRunnerOptions::fp4_weights
+  int fp4_x_parts = 1;            // CudaRunnerOptions::fp4_x_parts (exact_activations: -1, the stream)
   // RunnerOptions::experts_to_mxfp4: routed FP8 experts re-quantized to MXFP4 on the device
   // as they are uploaded (ops/cuda/requant.h); needs fp4_weights.
   bool experts_to_mxfp4 = false;
@@ -205,6 +206,7 @@ class CudaBackend : public Backend {
   int64_t overlapped_layers() const { return overlapped_layers_; }
   void set_overlap_indexer(bool on) { opts_.overlap_indexer = on; }
   void set_absorb_gemm(bool on) { opts_.absorb_gemm = on; }
+  void set_fp4_x_parts(int parts) { opts_.fp4_x_parts = parts; }
   void set_grouped_moe_gemm(bool on) {  // the next step reserves (or drops) the path's buffers
     opts_.grouped_moe_gemm = on;
     if (buf_) buf_->T = 0;
@@ -222,6 +224,8 @@ class CudaBackend : public Backend {
   };
   CudaBackend() = default;
   Status lin(const DeviceLinear& w, const float* x, int64_t M, float* y);
+  // FP4 GEMVs: the tensor cores (kAuto), or the exact CUDA-core stream for fp4_x_parts < 0.
+  GemvImpl fp4_impl() const { return opts_.fp4_x_parts < 0 ? GemvImpl::kStream : GemvImpl::kAuto; }
   Result<DeviceLinear> make_linear(const LinearWeight& w);
   QPathParams rope_params(const RopeArgs& r) const;
   const int32_t* selection_counts(int selection) const;

@@ -60,6 +60,7 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::create(const ModelConfig& cfg, c
   bo.absorb_gemm = opts.absorb_gemm;
   bo.absorb_gemm_min_tokens = opts.absorb_gemm_min_tokens;
   bo.fp4_weights = opts.fp4_weights;
+  bo.fp4_x_parts = opts.exact_activations ? -1 : opts.fp4_x_parts;
   bo.experts_to_mxfp4 = opts.base.experts_to_mxfp4;
   const ParallelPlan* plan = opts.base.plan;
   bo.tensor_parallel = plan != nullptr;

@@ -47,10 +47,10 @@ struct CudaRunnerOptions {
   bool overlap_indexer = true;
   // MoE steps above kGroupedMoeMaxTokens with FP8 experts run every expert's GEMMs in one
   // grouped launch per projection (moe_experts_forward_gemm: no host sync, capturable)
-  // instead of the loop over experts. Off by default until its kernel has run on the H200
-  // (written 2026-12-05 without a device: tests CudaMoe.GroupedGemmPrefillVsCpu, bench
-  // gpu_moe_bench / gpu_decode_step_bench PREFILL lines wait for the next lent GPU).
-  bool grouped_moe_gemm = false;
+  // instead of the loop over experts. On by default since CudaMoe.GroupedGemmPrefillVsCpu
+  // passed on a device (H100, 2026-12-05 sixth session); ml4-slice-4 prefill of 4096 tokens
+  // 111.9 -> 89.4 ms on the H200 (docs/BENCHMARKS.md).
+  bool grouped_moe_gemm = true;
   // The MLA absorption (W_UK, W_UV) of steps of at least absorb_gemm_min_tokens tokens as
   // strided-batched TF32 GEMMs on the tensor cores (elementwise.h mla_absorb_q_gemm) instead
   // of the f32 CUDA-core kernels, outside exact mode (issue 18). Smaller steps keep the
@@ -61,11 +61,19 @@ struct CudaRunnerOptions {
   // 1.9 ms).
   bool absorb_gemm = true;
   int64_t absorb_gemm_min_tokens = 64;
-  // NVFP4 / MXFP4 linears (the FP4 weight stream, gemv.h). Refused at load while off, the
-  // default until the kernels have run on the H200 (written 2026-12-05 without a device:
-  // CudaGemv.Fp4MatchesCpuLinear, the FP4 MoE cases and the FP4 rows of
-  // CudaRunner.MatchesCpuRunnerExact turn it on and wait for the next lent GPU).
-  bool fp4_weights = false;
+  // NVFP4 / MXFP4 linears (gemv.h: the tensor-core kernel, or the exact CUDA-core stream).
+  // On by default since CudaGemv.Fp4MatchesCpuLinear, the FP4 cases of CudaMoe.* and the FP4
+  // rows of CudaRunner.MatchesCpuRunnerExact passed on a device (H100, 2026-12-05); off refuses
+  // FP4 weights at load.
+  bool fp4_weights = true;
+  // FP4 linears on the tensor cores (gemv.h GemvParams::x_parts): x as 1 bf16 part in
+  // production (relative error <= 2^-9 per element, as vLLM's W4A16 kernels; 9% faster than 2
+  // parts at batch 64), 2 or 3 (x exactly) on request; -1: the exact CUDA-core FP4 stream
+  // (gemv_fp4.cuh), which exact_activations takes: both match cpu::linear to f32 rounding, but
+  // the runner comparison of exact mode (ml4-tiny's random weights amplify any summation order
+  // through near-tied routing) was calibrated on the stream (fp8-to-mxfp4 row: 5.6e-3 with the
+  // stream, 1.19e-2 with 3 parts, bound 1e-2).
+  int fp4_x_parts = 1;
   // Programmatic dependent launch (ops/cuda/pdl.cuh, issue 19): every kernel of ours starts
   // while the one before it drains and waits on the device for its results. The same kernels
   // on the same inputs, so the results are bit-identical either way
@@ -111,8 +119,8 @@ class CudaRunner : public ModelRunner {
   Status fill_kv_synthetic(uint64_t seed) { return backend_->fill_kv_synthetic(seed); }
   void set_cuda_graphs(bool on) { opts_.cuda_graphs = on; }
   // Benchmarks: switch a path of CudaRunnerOptions (programmatic_launch, absorb_gemm,
-  // grouped_moe_gemm, overlap_indexer) on or off; each drops the captured graphs, which hold
-  // one schedule or the other.
+  // grouped_moe_gemm, overlap_indexer, fp4_x_parts) on or off; each drops the captured graphs,
+  // which hold one schedule or the other.
   void set_programmatic_launch(bool on) {
     opts_.programmatic_launch = on;
     graphs_.clear();
@@ -131,6 +139,11 @@ class CudaRunner : public ModelRunner {
   void set_overlap_indexer(bool on) {
     opts_.overlap_indexer = on;
     backend_->set_overlap_indexer(on);
+    graphs_.clear();
+  }
+  void set_fp4_x_parts(int parts) {
+    opts_.fp4_x_parts = parts;
+    backend_->set_fp4_x_parts(parts);
     graphs_.clear();
   }
   // Benchmarks: when set, eager steps add the GPU milliseconds of each piece of the forward

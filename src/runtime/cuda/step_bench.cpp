@@ -144,6 +144,20 @@ int run_step_bench(const StepBenchOptions& opt) {
                   (bytes - kv) / 1e9, kv / 1e9, batch / ms * 1e3);
     }
   }
+  if (o.fp4_weights) {  // FP4 experts on the tensor cores: x in 1, 2 or 3 bf16 parts (gemv.h)
+    for (int batch : {1, 8, 64}) {
+      const StepInput fin = decode_step(r, batch, 8192, blocks_per_seq);
+      double ms[4] = {0, 0, 0, 0};  // [0]: the CUDA-core stream (fp4_x_parts -1)
+      for (int parts = 0; parts <= 3; ++parts) {
+        r.set_fp4_x_parts(parts == 0 ? -1 : parts);
+        ms[parts] = time_step(r, fin, 3, 20);
+      }
+      r.set_fp4_x_parts(o.fp4_x_parts);
+      std::printf("FP4PARTS experts=%s batch=%d ctx=8192 stream_ms=%.3f parts1_ms=%.3f parts2_ms=%.3f "
+                  "parts3_ms=%.3f\n",
+                  opt.experts.c_str(), batch, ms[0], ms[1], ms[2], ms[3]);
+    }
+  }
   for (int batch : {1, 64}) {  // the same step returning logits (host sampling) instead
     StepInput in = decode_step(r, batch, 8192, blocks_per_seq);
     for (auto& s : in.seqs) s.device_sampling.reset();
