@@ -198,7 +198,6 @@ void launch_m(const GemvParams& p, int R, int S, float* out, int64_t Ks) {
 // Tensor-core weight stream (gemv_tc.cuh): launch helpers.
 // ---------------------------------------------------------------------------------------
 using gemv_tc::TcArgs;
-using gemv_tc::kTcRows;
 
 // The grouped fields of p (scales for FP8 and FP4 only).
 gemv_stream::GroupedArgs grouped_args(const GroupedGemvParams& p, bool scaled) {
@@ -358,8 +357,8 @@ Status grouped_gemv(const GroupedGemvParams& p) {
     a.y = p.y;
     a.k_slice = p.K;
     a.prefetch = g_tc_prefetch;
-    const dim3 grid(static_cast<unsigned>((p.N + kTcRows - 1) / kTcRows), 1, static_cast<unsigned>(slots));
-    return gemv_tc::launch_tc(a, grid, gemv_tc::tc_format(p.format), x_parts(p.x_parts), p.stream)
+    return gemv_tc::launch_tc(a, 1, static_cast<unsigned>(slots), gemv_tc::tc_format(p.format), x_parts(p.x_parts),
+                              p.stream)
         .with_context("grouped_gemv");
   }
   if (p.rows == 0) return Status::ok();
@@ -431,8 +430,7 @@ Status gemv(const GemvParams& p) {
     a.y_slice_stride = p.M * p.N;
     a.rows = static_cast<int>(p.M);
     a.prefetch = g_tc_prefetch;
-    const dim3 grid(static_cast<unsigned>((p.N + kTcRows - 1) / kTcRows), static_cast<unsigned>(S), 1);
-    ML4_RETURN_IF_ERROR(gemv_tc::launch_tc(a, grid, tf, x_parts(p.x_parts), p.stream));
+    ML4_RETURN_IF_ERROR(gemv_tc::launch_tc(a, static_cast<unsigned>(S), 1, tf, x_parts(p.x_parts), p.stream));
     return reduce_splits(p.workspace, S, p.M * p.N, p.y, p.stream);
   }
   int R = 1, S = 1;
