@@ -161,13 +161,18 @@ void compare_runs(const std::string& preset, const std::string& kv, bool exact, 
 // logits by ~step/sqrt(r) of their size, which these random models carry into the logits
 // at ~1e-4 (bf16) to ~1e-3 (e4m3) per flip (measured: bf16 <= 1.2e-4, fp8_ds_mla <=
 // 4.7e-3 with a handful of flips; transformers' own f32-vs-f64 floor on these models is
-// 7.6e-4). Bounds: 5e-4 with a bf16 cache, 1e-2 with fp8_ds_mla; greedy tokens equal.
+// 7.6e-4). Bounds: 1e-2 with fp8_ds_mla; with a bf16 cache 1.5e-3, twice that f32-vs-f64
+// floor: two f32 implementations may each sit the floor away from the exact result. (It was
+// 5e-4 while the CPU's MLA kernel summed in the GPU kernel's order; since the CPU kernel's
+// vectorised exp and one-accumulation logits (commits be9951f, a3fa892) mistral4-tiny's bf16
+// row measured 7.6e-4 on the H200 and H100, with 133 deeper-layer cache values beyond one step
+// and none in the first layer, which stays asserted.) Greedy tokens equal.
 TEST(CudaRunner, MatchesCpuRunnerExact) {
   ML4_REQUIRE_GPU();
   compare_runs("mistral4-tiny", "fp8_ds_mla", true, 1e-2);
-  compare_runs("mistral4-tiny", "bf16", true, 5e-4);
+  compare_runs("mistral4-tiny", "bf16", true, 1.5e-3);
   compare_runs("ml4-tiny", "fp8_ds_mla", true, 1e-2);
-  compare_runs("dsv32-tiny", "bf16", true, 5e-4);
+  compare_runs("dsv32-tiny", "bf16", true, 1.5e-3);
   // FP8 / NVFP4 / MXFP4 checkpoints (make-model's: every non-expert linear FP8 block) on ml4-tiny,
   // whose FP8 linears all have K % 128 == 0 (mistral4-tiny's q LoRA has K = 64, which the GPU's
   // FP8 GEMMs refuse): the plain FP8 row first, so that an FP4 failure is not an FP8 one; the FP4
