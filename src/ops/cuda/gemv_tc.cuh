@@ -60,6 +60,7 @@ struct TcArgs : gemv_stream::GroupedArgs {  // grouped: blockIdx.z = slot
   int64_t y_slice_stride = 0;            // floats between split-K slices of y
   int rows = 0;                          // gemv: M
   int prefetch = 0;                      // L2 prefetch distance in steps beyond the register batch (0: off)
+  int chunk_steps = 0;                   // steps of x staged at once (a multiple of the batch; 0: the default)
 };
 
 __device__ __forceinline__ void prefetch_l2(const void* p) {
@@ -262,10 +263,10 @@ __global__ void __launch_bounds__(kTcWarps * 32, 2) gemv_tc_kernel(const TcArgs 
   using F = TcFmt<kFmt>;
   constexpr int E = F::E, SK = F::SK, H = F::H;
   constexpr int PW = P * H;            // uint4 per lane per step
-  constexpr int kSteps = tc_chunk_steps<kFmt, KQ>();
+  const int kSteps = a.chunk_steps > 0 ? a.chunk_steps : tc_chunk_steps<kFmt, KQ>();
   constexpr int kRows = kTcRows / KQ;  // weight rows per block
   constexpr int kBatchSteps = kTcU * KQ;
-  extern __shared__ uint4 xs[];        // [kSteps][P][H][32], then (KQ > 1) f32 partials [8 warps][4][32]
+  extern __shared__ uint4 xs[];        // [chunk steps][P][H][32], then (KQ > 1) f32 partials [8 warps][4][32]
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -437,24 +438,35 @@ inline int tc_split(int64_t M, int64_t N, int64_t K, TcFormat f, bool have_ws, i
   return best;
 }
 
-// The staged chunk (8 tokens x P bf16 parts x 2 bytes per k) plus, for KQ > 1, the phases'
-// partials.
+// Shared memory of a chunk of `steps` staged x steps (8 tokens x P bf16 parts x 2 bytes per
+// k) plus, for KQ > 1, the phases' partials.
 template <int kFmt, int P, int KQ>
-constexpr size_t tc_smem() {
-  return size_t{16} * tc_chunk_steps<kFmt, KQ>() * P * TcFmt<kFmt>::H * 32 + (KQ > 1 ? kTcWarps * 4 * 32 * 4 : 0);
+constexpr size_t tc_smem(int steps) {
+  return size_t{16} * steps * P * TcFmt<kFmt>::H * 32 + (KQ > 1 ? kTcWarps * 4 * 32 * 4 : 0);
 }
 
+// FP4 stages x for the whole K slice at once when it fits in kTcFp4StageBytes (two blocks
+// per SM: 2 x 100 KB of the H100's / H200's 228 KB), so the weight stream never waits at a
+// chunk barrier for x: a 4-bit weight byte carries 4x the k of an FP8 byte, so a chunk's
+// compute is short against the barrier and the x loads behind it. bf16 / FP8 keep 1024-k
+// chunks (48 KB: their 3 parts of x would not fit whole).
+constexpr size_t kTcFp4StageBytes = 100 * 1024;
+
 template <int kFmt, int P, int KQ>
-void launch_tc_fp(const TcArgs& a, unsigned gy, unsigned gz, cudaStream_t stream) {
-  constexpr size_t smem = tc_smem<kFmt, P, KQ>();
-  if constexpr (smem > 48 * 1024) {  // past the default: opt in once per kernel (a host attribute, fine in capture)
-    static const cudaError_t set = cudaFuncSetAttribute(gemv_tc_kernel<kFmt, P, KQ>,
-                                                        cudaFuncAttributeMaxDynamicSharedMemorySize, int{smem});
-    (void)set;
+void launch_tc_fp(TcArgs a, unsigned gy, unsigned gz, cudaStream_t stream) {
+  constexpr int batch = kTcU * KQ;
+  int steps = tc_chunk_steps<kFmt, KQ>();
+  if constexpr (TcFmt<kFmt>::kFp4) {
+    static const cudaError_t set = cudaFuncSetAttribute(  // a host attribute: fine while capturing
+        gemv_tc_kernel<kFmt, P, KQ>, cudaFuncAttributeMaxDynamicSharedMemorySize, int{kTcFp4StageBytes});
+    const int64_t slice = a.k_slice > 0 ? a.k_slice : a.K;
+    const int whole = static_cast<int>((slice + TcFmt<kFmt>::SK - 1) / TcFmt<kFmt>::SK + batch - 1) / batch * batch;
+    if (set == cudaSuccess && tc_smem<kFmt, P, KQ>(whole) <= kTcFp4StageBytes) steps = std::max(steps, whole);
   }
+  a.chunk_steps = steps;
   constexpr int64_t rows = kTcRows / KQ;
   const dim3 grid(static_cast<unsigned>((a.N + rows - 1) / rows), gy, gz);
-  launch_kernel(gemv_tc_kernel<kFmt, P, KQ>, grid, kTcWarps * 32, smem, stream, a);
+  launch_kernel(gemv_tc_kernel<kFmt, P, KQ>, grid, kTcWarps * 32, tc_smem<kFmt, P, KQ>(steps), stream, a);
 }
 
 template <int kFmt, int P>

@@ -382,8 +382,9 @@ void CudaBackend::point_activations() {
 }
 
 void CudaBackend::begin_forward(int64_t T, int64_t R, int64_t maxlen, Mode mode, std::vector<GraphExec>* segments,
-                                const StepMetadata* md) {
+                                const StepMetadata* md, int64_t bucket_T) {
   step_T_ = T;
+  bucket_T_ = bucket_T > 0 ? bucket_T : T;
   step_R_ = R;
   step_maxlen_ = maxlen;
   mode_ = mode;
@@ -734,8 +735,12 @@ Result<AbsorbRef> CudaBackend::add_absorb(const LinearWeight& wkv_b) {
   return AbsorbRef{static_cast<int>(absorbs_.size()) - 1};
 }
 
+// By the step's graph bucket, not its launch count: a prefill of 30 tokens is padded to 64 in a
+// graph and must not switch to TF32 there but stay f32 when run eagerly (the H100 run of
+// 2026-12-05 caught CudaRunner.VerificationStepsRunAsDecodeGraphs apart by 0.4-0.6: the small
+// difference, through ml4-tiny's near-tied top-k, moved whole selections).
 bool CudaBackend::absorb_as_gemm() const {
-  return opts_.absorb_gemm && !opts_.exact_activations && step_T_ >= opts_.absorb_gemm_min_tokens;
+  return opts_.absorb_gemm && !opts_.exact_activations && bucket_T_ >= opts_.absorb_gemm_min_tokens;
 }
 
 Status CudaBackend::mla_absorb_q(AbsorbRef a, const float* q, float* q_lat) {

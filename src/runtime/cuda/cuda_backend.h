@@ -156,9 +156,12 @@ class CudaBackend : public Backend {
   Status ensure_buffers(int64_t T, int64_t R, int64_t S, int64_t maxb);
   enum class Mode { kEager, kCapture, kReplay };
   // The next forward's launch shape (padded), graph mode and segments (kCapture: filled;
-  // kReplay: launched), and its host metadata (traced steps only; else null).
+  // kReplay: launched), and its host metadata (traced steps only; else null). bucket_T: the
+  // token count of the step's graph bucket whether or not it runs graphed (0: T); choices of
+  // numerics that depend on the step's size read it, so a step computes the same way eagerly
+  // and in a graph.
   void begin_forward(int64_t T, int64_t R, int64_t maxlen, Mode mode, std::vector<GraphExec>* segments,
-                     const StepMetadata* md);
+                     const StepMetadata* md, int64_t bucket_T = 0);
 
   // Step buffers, grown to the largest step seen (fixed addresses between steps of a size).
   struct Buffers {
@@ -284,6 +287,7 @@ class CudaBackend : public Backend {
   int routers_ = 0;  // routers registered (synthetic seeds follow the MoE layer index)
   // This step's launch shape (padded in graph mode) and host metadata (traced steps).
   int64_t step_T_ = 0, step_R_ = 0, step_maxlen_ = 1;
+  int64_t bucket_T_ = 0;  // begin_forward's bucket_T
   const StepMetadata* md_ = nullptr;
   // Bumped whenever a step buffer is reallocated: captured graphs hold old addresses.
   uint64_t buffer_generation_ = 0;

@@ -152,7 +152,7 @@ int64_t round_up_pow2(int64_t v, int64_t lo) {
 
 Status CudaRunner::run_forward(CudaBackend::Mode mode, std::vector<GraphExec>* segments, const StepMetadata* md,
                                ForwardTrace* trace) {
-  backend_->begin_forward(step_T_, step_R_, step_maxlen_, mode, segments, md);
+  backend_->begin_forward(step_T_, step_R_, step_maxlen_, mode, segments, md, step_bucket_T_);
   return program_->forward(md, trace);
 }
 
@@ -182,6 +182,7 @@ Result<StepOutput> CudaRunner::execute_traced(const StepInput& in, ForwardTrace*
   // of larger steps) splits the capture into segments and runs eagerly between them.
   const bool decode = R == T && T <= opts_.max_graph_batch;
   int64_t Tp = decode ? round_up_pow2(T, 1) : (T + 63) / 64 * 64;
+  const int64_t bucket_T = Tp;
   // HiSparse steps run eagerly: each sparse layer diffs its selection on the host.
   const bool graph = opts_.cuda_graphs && trace == nullptr && hisparse_ == nullptr && T > 0 && Tp <= opts_.max_graph_tokens;
   int64_t Rp = R, Sp = S;
@@ -238,6 +239,7 @@ Result<StepOutput> CudaRunner::execute_traced(const StepInput& in, ForwardTrace*
   step_T_ = Tp;
   step_R_ = Rp;
   step_maxlen_ = maxlen;
+  step_bucket_T_ = bucket_T;
   if (graph) {
     const GraphKey key{Tp, Rp, maxlen, maxb};
     auto it = graphs_.find(key);
@@ -251,7 +253,7 @@ Result<StepOutput> CudaRunner::execute_traced(const StepInput& in, ForwardTrace*
       if (backend_->buffer_generation() != gen) graphs_.clear(), draft_graphs_.clear();
       std::vector<GraphExec> segments;
       const Status cap = run_forward(CudaBackend::Mode::kCapture, &segments, nullptr, nullptr);
-      backend_->begin_forward(Tp, Rp, maxlen, CudaBackend::Mode::kEager, nullptr, nullptr);
+      backend_->begin_forward(Tp, Rp, maxlen, CudaBackend::Mode::kEager, nullptr, nullptr, bucket_T);
       cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
       cudaStreamIsCapturing(stream, &cs);
       if (cs != cudaStreamCaptureStatusNone) {  // a failed segment left the capture open
