@@ -134,8 +134,7 @@ TEST(CudaGemv, Fp4MatchesCpuLinear) {
   };
   uint32_t seed = 77;
   for (LinearFormat f : {LinearFormat::kNVFP4, LinearFormat::kMXFP4}) {
-    // The last shape has enough 128-row blocks (>= 2 per SM) for the tensor-core kernel's one
-    // k-phase variant; the others take its 4-phase variant (gemv_tc.cuh KQ).
+    // The last shape: more 128-row blocks than the SMs hold at once (N = 40000).
     for (const Shape s : {Shape{1, 578, 2048}, Shape{3, 301, 96}, Shape{8, 1024, 512}, Shape{20, 130, 6144},
                           Shape{2, 40000, 256}}) {
       auto wf = randn(s.N * s.K, seed++, 0.05f);

@@ -60,7 +60,6 @@ struct TcArgs : gemv_stream::GroupedArgs {  // grouped: blockIdx.z = slot
   int64_t y_slice_stride = 0;            // floats between split-K slices of y
   int rows = 0;                          // gemv: M
   int prefetch = 0;                      // L2 prefetch distance in steps beyond the register batch (0: off)
-  int chunk_steps = 0;                   // steps of x staged at once (a multiple of the batch; 0: the default)
 };
 
 __device__ __forceinline__ void prefetch_l2(const void* p) {
@@ -244,29 +243,15 @@ __device__ __forceinline__ void step_mma(float (&tacc)[4], const uint4& wa, cons
   }
 }
 
-// Steps per staged x chunk: kTcChunkK of k, or more so that a chunk holds whole batches
-// (kTcU steps of each of the KQ k-phases).
-template <int kFmt, int KQ>
-constexpr int tc_chunk_steps() {
-  return kTcChunkK / TcFmt<kFmt>::SK > kTcU * KQ ? kTcChunkK / TcFmt<kFmt>::SK : kTcU * KQ;
-}
-
-// KQ k-phases: the block's 8 warps are 8 / KQ row tiles of 16 rows times KQ phases; warp
-// phase q takes the steps st = q (mod KQ) and the phases' partial sums meet in shared memory
-// in phase order (deterministic). KQ = 4 gives 4x the blocks of KQ = 1 for the same matrix:
-// what a batch-1 MoE layer needs (4 routed experts + the shared one = 5 slots of N / 128
-// blocks each leave most of the SMs idle at KQ = 1).
-template <int kFmt, int P, int KQ>
+template <int kFmt, int P>
 __global__ void __launch_bounds__(kTcWarps * 32, 2) gemv_tc_kernel(const TcArgs a) {
   pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
   pdl_launch_dependents();
   using F = TcFmt<kFmt>;
   constexpr int E = F::E, SK = F::SK, H = F::H;
   constexpr int PW = P * H;            // uint4 per lane per step
-  const int kSteps = a.chunk_steps > 0 ? a.chunk_steps : tc_chunk_steps<kFmt, KQ>();
-  constexpr int kRows = kTcRows / KQ;  // weight rows per block
-  constexpr int kBatchSteps = kTcU * KQ;
-  extern __shared__ uint4 xs[];        // [chunk steps][P][H][32], then (KQ > 1) f32 partials [8 warps][4][32]
+  constexpr int kSteps = kTcChunkK / SK;
+  extern __shared__ uint4 xs[];        // [kSteps][P][H][32]
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -282,14 +267,13 @@ __global__ void __launch_bounds__(kTcWarps * 32, 2) gemv_tc_kernel(const TcArgs 
   const float* w_scale = sw.w_scale;
   const int64_t r_begin = sw.r_begin, r_end = sw.r_end, x_off = sw.x_off, y_off = sw.y_off;
   const int32_t* xmap = sw.xmap;
-  const int phase = warp % KQ;
-  const int64_t n0 = blockIdx.x * int64_t{kRows} + (warp / KQ) * 16;
+  const int64_t n0 = blockIdx.x * int64_t{kTcRows} + warp * 16;
   const bool warp_on = n0 < N;
   const int64_t row_a = n0 + g, row_b = n0 + g + 8;
   const int64_t k_begin = blockIdx.y * a.k_slice, k_end = min(K, k_begin + a.k_slice);
   if (k_begin >= k_end) return;  // block-uniform
   const int n_steps = static_cast<int>((k_end - k_begin + SK - 1) / SK);
-  const int n_batches = (n_steps + kBatchSteps - 1) / kBatchSteps;
+  const int n_batches = (n_steps + kTcU - 1) / kTcU;
   const uint8_t* wa_ptr = w + F::bytes(row_a * K + k_begin + int64_t{E} * t);
   const uint8_t* wb_ptr = w + F::bytes(row_b * K + k_begin + int64_t{E} * t);
   const int64_t step_bytes = F::bytes(SK);
@@ -304,7 +288,7 @@ __global__ void __launch_bounds__(kTcWarps * 32, 2) gemv_tc_kernel(const TcArgs 
   auto load_batch = [&](int b, uint4 (&la)[kTcU], uint4 (&lb)[kTcU], uint32_t (&ls)[kTcU]) {
 #pragma unroll
     for (int u = 0; u < kTcU; ++u) {
-      const int st = b * kBatchSteps + phase + KQ * u;
+      const int st = b * kTcU + u;
       const int64_t k = k_begin + int64_t{st} * SK + int64_t{E} * t;
       const bool in = st < n_steps && k < k_end;
       la[u] = (in && ok_a) ? __ldcs(reinterpret_cast<const uint4*>(wa_ptr + st * step_bytes)) : make_uint4(0, 0, 0, 0);
@@ -346,14 +330,14 @@ __global__ void __launch_bounds__(kTcWarps * 32, 2) gemv_tc_kernel(const TcArgs 
         for (int p = 0; p < P; ++p) dst[p * H * 32] = parts[p];
       }
       __syncthreads();
-      const int b_end = (c0 + cs + kBatchSteps - 1) / kBatchSteps;
-      for (int b = c0 / kBatchSteps; b < b_end; ++b) {
+      const int b_end = (c0 + cs + kTcU - 1) / kTcU;
+      for (int b = c0 / kTcU; b < b_end; ++b) {
         uint4 na[kTcU], nb[kTcU];
         uint32_t ns[kTcU];
         load_batch(b + 1 < n_batches ? b + 1 : n_batches, na, nb, ns);  // past the end: all guarded off
 #pragma unroll
         for (int u = 0; u < kTcU; ++u) {
-          const int st = b * kBatchSteps + phase + KQ * u;
+          const int st = b * kTcU + u;
           if (st >= c0 + cs) break;
           // One partial per step, added with an f32 add (FP8: times its block scale): the mma
           // accumulator does not round like an f32 add (on the H200, one accumulator over
@@ -377,20 +361,8 @@ __global__ void __launch_bounds__(kTcWarps * 32, 2) gemv_tc_kernel(const TcArgs 
         }
       }
     }
-    if constexpr (KQ > 1) {  // phases 1.. hand their partials to phase 0 of their row tile
-      float* red = reinterpret_cast<float*>(xs + kSteps * PW * 32);
-      if (phase > 0)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) red[(warp * 4 + i) * 32 + lane] = acc[i];
-      __syncthreads();
-      if (phase == 0)
-#pragma unroll
-        for (int q = 1; q < KQ; ++q)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) acc[i] += red[((warp + q) * 4 + i) * 32 + lane];
-    }
     // C fragment: (row g | g+8, tokens 2t, 2t+1).
-    if (warp_on && phase == 0) {
+    if (warp_on) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int tok = 2 * t + (i & 1);
@@ -438,60 +410,32 @@ inline int tc_split(int64_t M, int64_t N, int64_t K, TcFormat f, bool have_ws, i
   return best;
 }
 
-// Shared memory of a chunk of `steps` staged x steps (8 tokens x P bf16 parts x 2 bytes per
-// k) plus, for KQ > 1, the phases' partials.
-template <int kFmt, int P, int KQ>
-constexpr size_t tc_smem(int steps) {
-  return size_t{16} * steps * P * TcFmt<kFmt>::H * 32 + (KQ > 1 ? kTcWarps * 4 * 32 * 4 : 0);
-}
-
-// FP4 stages x for the whole K slice at once when it fits in kTcFp4StageBytes (two blocks
-// per SM: 2 x 100 KB of the H100's / H200's 228 KB), so the weight stream never waits at a
-// chunk barrier for x: a 4-bit weight byte carries 4x the k of an FP8 byte, so a chunk's
-// compute is short against the barrier and the x loads behind it. bf16 / FP8 keep 1024-k
-// chunks (48 KB: their 3 parts of x would not fit whole).
-constexpr size_t kTcFp4StageBytes = 100 * 1024;
-
-template <int kFmt, int P, int KQ>
-void launch_tc_fp(TcArgs a, unsigned gy, unsigned gz, cudaStream_t stream) {
-  constexpr int batch = kTcU * KQ;
-  int steps = tc_chunk_steps<kFmt, KQ>();
-  if constexpr (TcFmt<kFmt>::kFp4) {
-    static const cudaError_t set = cudaFuncSetAttribute(  // a host attribute: fine while capturing
-        gemv_tc_kernel<kFmt, P, KQ>, cudaFuncAttributeMaxDynamicSharedMemorySize, int{kTcFp4StageBytes});
-    const int64_t slice = a.k_slice > 0 ? a.k_slice : a.K;
-    const int whole = static_cast<int>((slice + TcFmt<kFmt>::SK - 1) / TcFmt<kFmt>::SK + batch - 1) / batch * batch;
-    if (set == cudaSuccess && tc_smem<kFmt, P, KQ>(whole) <= kTcFp4StageBytes) steps = std::max(steps, whole);
-  }
-  a.chunk_steps = steps;
-  constexpr int64_t rows = kTcRows / KQ;
-  const dim3 grid(static_cast<unsigned>((a.N + rows - 1) / rows), gy, gz);
-  launch_kernel(gemv_tc_kernel<kFmt, P, KQ>, grid, kTcWarps * 32, tc_smem<kFmt, P, KQ>(steps), stream, a);
-}
+// 8 tokens x P bf16 parts x 2 bytes per k of the staged chunk (<= 48 KB: no opt-in).
+inline size_t tc_smem(int parts) { return size_t{kTcChunkK} * 16 * parts; }
 
 template <int kFmt, int P>
-void launch_tc_kq(const TcArgs& a, unsigned gy, unsigned gz, bool phases, cudaStream_t stream) {
-  phases ? launch_tc_fp<kFmt, P, 4>(a, gy, gz, stream) : launch_tc_fp<kFmt, P, 1>(a, gy, gz, stream);
+void launch_tc_fp(const TcArgs& a, dim3 grid, cudaStream_t stream) {
+  launch_kernel(gemv_tc_kernel<kFmt, P>, grid, kTcWarps * 32, tc_smem(P), stream, a);
 }
 
-// Blocks over a.N's rows x gy (split-K slices) x gz (grouped slots). parts: x parts for FP4
-// (1, 2 or 3); bf16 and FP8 always take 3 (exact). FP4 launches with fewer than two 128-row
-// blocks per SM take 4 k-phases (32 rows per block: 4x the blocks).
+// Blocks of 128 rows over a.N x gy (split-K slices) x gz (grouped slots). parts: x parts for
+// FP4 (1, 2 or 3); bf16 and FP8 always take 3 (exact). (Tried 2026-12-05 on the H100 and
+// removed: 4 k-phases of 32-row blocks for launches with few blocks, 3-5% slower at batch 1;
+// staging FP4's whole K slice at once (100 KB), 3-8% slower at batch 8 and 64.)
 inline Status launch_tc(const TcArgs& a, unsigned gy, unsigned gz, TcFormat f, int parts, cudaStream_t stream) {
-  const int64_t blocks = (a.N + kTcRows - 1) / kTcRows * gy * gz;
-  const bool phases = blocks < int64_t{2} * std::max(sm_count(), 1);
+  const dim3 grid(static_cast<unsigned>((a.N + kTcRows - 1) / kTcRows), gy, gz);
   switch (f) {
-    case kTcBf16: launch_tc_fp<kTcBf16, 3, 1>(a, gy, gz, stream); break;
-    case kTcFp8: launch_tc_fp<kTcFp8, 3, 1>(a, gy, gz, stream); break;
+    case kTcBf16: launch_tc_fp<kTcBf16, 3>(a, grid, stream); break;
+    case kTcFp8: launch_tc_fp<kTcFp8, 3>(a, grid, stream); break;
     case kTcNvFp4:
-      parts == 1 ? launch_tc_kq<kTcNvFp4, 1>(a, gy, gz, phases, stream)
-      : parts == 2 ? launch_tc_kq<kTcNvFp4, 2>(a, gy, gz, phases, stream)
-                   : launch_tc_kq<kTcNvFp4, 3>(a, gy, gz, phases, stream);
+      parts == 1 ? launch_tc_fp<kTcNvFp4, 1>(a, grid, stream)
+      : parts == 2 ? launch_tc_fp<kTcNvFp4, 2>(a, grid, stream)
+                   : launch_tc_fp<kTcNvFp4, 3>(a, grid, stream);
       break;
     case kTcMxFp4:
-      parts == 1 ? launch_tc_kq<kTcMxFp4, 1>(a, gy, gz, phases, stream)
-      : parts == 2 ? launch_tc_kq<kTcMxFp4, 2>(a, gy, gz, phases, stream)
-                   : launch_tc_kq<kTcMxFp4, 3>(a, gy, gz, phases, stream);
+      parts == 1 ? launch_tc_fp<kTcMxFp4, 1>(a, grid, stream)
+      : parts == 2 ? launch_tc_fp<kTcMxFp4, 2>(a, grid, stream)
+                   : launch_tc_fp<kTcMxFp4, 3>(a, grid, stream);
       break;
   }
   return cuda_status(cudaGetLastError(), "gemv_tc_kernel");
