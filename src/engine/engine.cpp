@@ -120,6 +120,7 @@ Status Engine::add_request(const std::string& request_id, std::vector<int32_t> p
   r->arrival_time = now > 0 ? now : mono_now();
   r->prompt = std::move(prompt);
   r->params = params;
+  if (r->params.temperature < SamplingParams::kGreedyBelow) r->params.temperature = 0.0;  // sampling_params.h
   r->sample_seed = params.seed ? *params.seed : splitmix(seed_state_);
   r->rng.seed(r->sample_seed);
   if (params.structured) r->grammar = params.structured->new_matcher();

@@ -20,7 +20,7 @@ class StructuredOutput;  // engine/structured_output.h
 
 struct SamplingParams {
   int n = 1;                       // choices per request (the server fans out n requests)
-  double temperature = 1.0;        // 0: greedy
+  double temperature = 1.0;        // below kGreedyBelow: greedy (the engine stores 0)
   double top_p = 1.0;              // (0, 1]
   int top_k = 0;                   // 0 or -1: off
   double min_p = 0.0;              // [0, 1]
@@ -49,6 +49,10 @@ struct SamplingParams {
   std::shared_ptr<const StructuredOutput> structured;
 
   static constexpr int kMaxLogprobs = 20;  // OpenAI's top_logprobs bound
+  // vLLM's _SAMPLING_EPS: a temperature below it means greedy sampling. Dividing f32 logits by
+  // a tiny temperature overflows them to inf (7e-233 did, found by tests/server/test_fuzz.py,
+  // and the NaN step stopped the engine).
+  static constexpr double kGreedyBelow = 1e-5;
 
   Status validate(int vocab_size) const {
     if (n < 1 || n > 128) return invalid_argument("n must be in [1, 128], got {}", n);

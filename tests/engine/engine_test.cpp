@@ -239,6 +239,29 @@ TEST(Engine, RejectsBadRequests) {
   drain(e);
 }
 
+// A positive temperature below SamplingParams::kGreedyBelow (vLLM's _SAMPLING_EPS, 1e-5) is
+// greedy: the same tokens as temperature 0, and no step fails (7.18e-233, found by the server's
+// fuzz test, overflowed the f32 logits / T to inf and the NaN step stopped the engine). Just
+// above the threshold the request samples normally, without a step error.
+TEST(Engine, TinyTemperatureIsGreedy) {
+  ByteTextCodec codec(kVocab);
+  std::mt19937 rng(3);
+  const std::vector<int32_t> prompt = random_prompt(rng, 20);
+  FakeRunner runner(kVocab, FakeRunner::two_groups(512));
+  Engine e(&runner, &codec, config(8, 64));
+  const double temps[] = {0.0, 7.18503611641747e-233, 1e-300, 9.9e-6, 2e-5};
+  for (size_t i = 0; i < 5; ++i) {
+    SamplingParams p = greedy(16);
+    p.temperature = temps[i];
+    p.seed = 11;
+    ASSERT_TRUE(e.add_request("t" + std::to_string(i), prompt, p).is_ok());
+  }
+  RunResult r = drain(e);
+  ASSERT_EQ(r.tokens["t0"].size(), 16u);
+  for (int i = 1; i <= 3; ++i) EXPECT_EQ(r.tokens["t" + std::to_string(i)], r.tokens["t0"]) << "temperature " << temps[i];
+  EXPECT_EQ(r.tokens["t4"].size(), 16u);
+}
+
 }  // namespace
 }  // namespace ml4
 
