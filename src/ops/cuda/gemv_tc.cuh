@@ -13,7 +13,8 @@
 // ([step][part][word][lane] uint4: conflict-free 16-byte loads), so one weight load feeds
 // P*E/4 mmas. P = 3 (hi + mid + lo = x exactly, 24 bits): every product is exact in f32 and
 // the result matches cpu::linear to f32 rounding; FP4 may ask for P = 2 (x to 16 bits,
-// relative error <= 2^-17 per element) or P = 1 (x rounded to bf16, <= 2^-9): a 4-bit weight
+// relative error <= 2^-17 per element) or P = 1 (x rounded to bf16, <= 2^-9; the production
+// choice, CudaRunnerOptions::fp4_x_parts): a 4-bit weight
 // carries 4 times the k of an FP8 byte, so at full HBM rate P = 3 would need ~0.9 PFLOP/s of
 // mma.sync, more than the tensor cores give (gemv.h: GemvParams::x_parts).
 //
@@ -21,8 +22,9 @@
 // elements 8i .. 8i+7 (element j in nibble j: sign, 2 exponent bits, 1 mantissa bit). The
 // 3-bit magnitudes index two byte tables (the low and high bytes of bf16 0, 0.5, 1, 1.5, 2, 3,
 // 4, 6) through prmt, the pairs (j, j+4) are interleaved into bf16x2 words, and the sign
-// bits, which then sit 4 (j - 3) bits from their place in both halves at once, are OR-ed in:
-// 18 integer ops per 8 weights. Then each bf16x2 is multiplied by its group's scale (NVFP4:
+// bits, which then sit 4 (3 - j) bits below their place in both halves alike, are shifted and
+// OR-ed in: 18 integer ops per 8 weights (the kernel's limit: measured on the H100 at ~1.9 TB/s
+// of FP4 weights, docs/BENCHMARKS.md "Sixth session"). Then each bf16x2 is multiplied by its group's scale (NVFP4:
 // e4m3 per 16 k, MXFP4: 2^(e - 127) per 32 k), exactly: e2m1 x e4m3 has at most 6
 // significant bits, a power of two none. The NVFP4 global scale multiplies the f32 result.
 // So mma (word i, half h) pairs weights (2h, 2h+4 | 2h+1, 2h+5) with x staged in that order.
