@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -117,6 +118,36 @@ int main(int argc, char** argv) {
     in.seqs.push_back(d);
     return r.draft(in).ok();
   });
+  // Where a verification step and a draft spend their time: eager, events around each piece
+  // (model_forward.cpp's timed() labels; adds a sync per piece), 5 calls each.
+  std::map<std::string, double> prof;
+  r.set_cuda_graphs(false);
+  r.set_profile(&prof);
+  for (int i = 0; i < 5; ++i) {
+    SeqStep d;
+    d.seq_id = 1;
+    d.tokens.assign(B, 17);
+    d.start_pos = pos;
+    d.num_logits = B;
+    d.block_tables = s.block_tables;
+    if (!r.execute(StepInput{{d}}).ok()) return 1;
+  }
+  for (const auto& [k, v] : prof) std::printf("SPEC_PROFILE verify %s ms=%.3f\n", k.c_str(), v / 5);
+  prof.clear();
+  for (int i = 0; i < 5; ++i) {
+    DraftInput in;
+    DraftSeq d;
+    d.seq_id = 1;
+    d.anchor_token = 17;
+    d.anchor_pos = pos;
+    d.block_tables = s.block_tables;
+    d.num_drafts = B - 1;
+    in.seqs.push_back(d);
+    if (!r.draft(in).ok()) return 1;
+  }
+  for (const auto& [k, v] : prof) std::printf("SPEC_PROFILE draft %s ms=%.3f\n", k.c_str(), v / 5);
+  r.set_profile(nullptr);
+  r.set_cuda_graphs(true);
   return 0;
 #else
   std::fprintf(stderr, "built without the CUDA backend\n");
