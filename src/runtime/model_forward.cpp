@@ -337,18 +337,23 @@ Status ModelForward::draft(const DeviceSamplingParams* params, bool want_probs) 
     return be_.timed("draft: markov head", [&]() -> Status {
       ML4_RETURN_IF_ERROR(be_.fill(x.markov_s, n * r, 0.0f));
       for (int64_t j = 1; j < B; ++j) {
-        ML4_RETURN_IF_ERROR(be_.gather_table_rows(drafter_->markov_embed, x.draft_ids + (j - 1) * n, n, x.markov_e));
-        ML4_RETURN_IF_ERROR(be_.copy_rows(x.normed + (j - 1) * D, (B - 1) * D, x.markov_x, D + r, n, D));
-        ML4_RETURN_IF_ERROR(be_.copy_rows(x.markov_e, r, x.markov_x + D, D + r, n, r));
-        ML4_RETURN_IF_ERROR(be_.linear(drafter_->markov_ih, x.markov_x, n, x.markov_gi));
-        ML4_RETURN_IF_ERROR(be_.linear(drafter_->markov_hh, x.markov_s, n, x.markov_gh));
-        ML4_RETURN_IF_ERROR(
-            be_.gru_update(x.markov_gi, x.markov_gh, drafter_->markov_b_ih, drafter_->markov_b_hh, n, r, x.markov_s));
-        ML4_RETURN_IF_ERROR(be_.linear(drafter_->markov_out, x.markov_s, n, x.markov_logits));
-        ML4_RETURN_IF_ERROR(be_.add_rows(x.markov_logits, V, x.logits + (j - 1) * V, (B - 1) * V, n, V));
-        ML4_RETURN_IF_ERROR(be_.choose_tokens(x.markov_logits, n, params != nullptr ? params + (j - 1) * n : nullptr,
-                                              x.draft_ids + j * n,
-                                              want_probs ? x.draft_probs + (j - 1) * n * V : nullptr));
+        ML4_RETURN_IF_ERROR(be_.timed("draft: markov (of which) GRU", [&]() -> Status {
+          ML4_RETURN_IF_ERROR(be_.gather_table_rows(drafter_->markov_embed, x.draft_ids + (j - 1) * n, n, x.markov_e));
+          ML4_RETURN_IF_ERROR(be_.copy_rows(x.normed + (j - 1) * D, (B - 1) * D, x.markov_x, D + r, n, D));
+          ML4_RETURN_IF_ERROR(be_.copy_rows(x.markov_e, r, x.markov_x + D, D + r, n, r));
+          ML4_RETURN_IF_ERROR(be_.linear(drafter_->markov_ih, x.markov_x, n, x.markov_gi));
+          ML4_RETURN_IF_ERROR(be_.linear(drafter_->markov_hh, x.markov_s, n, x.markov_gh));
+          return be_.gru_update(x.markov_gi, x.markov_gh, drafter_->markov_b_ih, drafter_->markov_b_hh, n, r,
+                                x.markov_s);
+        }));
+        ML4_RETURN_IF_ERROR(be_.timed("draft: markov (of which) out projection", [&] {
+          return be_.linear(drafter_->markov_out, x.markov_s, n, x.markov_logits);
+        }));
+        ML4_RETURN_IF_ERROR(be_.timed("draft: markov (of which) add + choose", [&]() -> Status {
+          ML4_RETURN_IF_ERROR(be_.add_rows(x.markov_logits, V, x.logits + (j - 1) * V, (B - 1) * V, n, V));
+          return be_.choose_tokens(x.markov_logits, n, params != nullptr ? params + (j - 1) * n : nullptr,
+                                   x.draft_ids + j * n, want_probs ? x.draft_probs + (j - 1) * n * V : nullptr);
+        }));
       }
       return Status::ok();
     });
