@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -97,17 +98,17 @@ int main(int argc, char** argv) {
     d.device_sampling = DeviceSamplingParams{};
     return r.execute(StepInput{{d}}).ok();
   });
-  measure("verify_block_tokens_logits", [&] {  // B tokens: the last accepted one + B - 1 drafts
+  // B tokens: the last accepted one + B - 1 drafts; one accepted, so the next step rewrites the rest.
+  auto verify = [&] {
     SeqStep d;
     d.seq_id = 1;
     d.tokens.assign(B, 17);
     d.start_pos = pos;
-    pos += 1;  // one accepted: the next step rewrites the rest
     d.num_logits = B;
     d.block_tables = s.block_tables;
     return r.execute(StepInput{{d}}).ok();
-  });
-  measure("draft_greedy", [&] {
+  };
+  auto draft = [&] {
     DraftInput in;
     DraftSeq d;
     d.seq_id = 1;
@@ -117,35 +118,24 @@ int main(int argc, char** argv) {
     d.num_drafts = B - 1;
     in.seqs.push_back(d);
     return r.draft(in).ok();
+  };
+  measure("verify_block_tokens_logits", [&] {
+    const bool ok = verify();
+    pos += 1;
+    return ok;
   });
+  measure("draft_greedy", draft);
   // Where a verification step and a draft spend their time: eager, events around each piece
   // (model_forward.cpp's timed() labels; adds a sync per piece), 5 calls each.
   std::map<std::string, double> prof;
   r.set_cuda_graphs(false);
   r.set_profile(&prof);
-  for (int i = 0; i < 5; ++i) {
-    SeqStep d;
-    d.seq_id = 1;
-    d.tokens.assign(B, 17);
-    d.start_pos = pos;
-    d.num_logits = B;
-    d.block_tables = s.block_tables;
-    if (!r.execute(StepInput{{d}}).ok()) return 1;
+  for (const auto& [name, fn] : {std::pair<const char*, std::function<bool()>>{"verify", verify}, {"draft", draft}}) {
+    prof.clear();
+    for (int i = 0; i < 5; ++i)
+      if (!fn()) return 1;
+    for (const auto& [k, v] : prof) std::printf("SPEC_PROFILE %s %s ms=%.3f\n", name, k.c_str(), v / 5);
   }
-  for (const auto& [k, v] : prof) std::printf("SPEC_PROFILE verify %s ms=%.3f\n", k.c_str(), v / 5);
-  prof.clear();
-  for (int i = 0; i < 5; ++i) {
-    DraftInput in;
-    DraftSeq d;
-    d.seq_id = 1;
-    d.anchor_token = 17;
-    d.anchor_pos = pos;
-    d.block_tables = s.block_tables;
-    d.num_drafts = B - 1;
-    in.seqs.push_back(d);
-    if (!r.draft(in).ok()) return 1;
-  }
-  for (const auto& [k, v] : prof) std::printf("SPEC_PROFILE draft %s ms=%.3f\n", k.c_str(), v / 5);
   r.set_profile(nullptr);
   r.set_cuda_graphs(true);
   return 0;
