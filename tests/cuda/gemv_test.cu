@@ -115,8 +115,9 @@ TEST(CudaGemv, MatchesCpuLinear) {
 
 // NVFP4 / MXFP4 through upload_linear, M = 1..20 (passes of up to 8 tokens), N not a multiple
 // of the rows a block owns, K a multiple of 256 and not (a partial load batch), on both
-// kernels: the exact CUDA-core stream (gemv_fp4.cuh, impl kStream) and the tensor-core kernel
-// (gemv_tc.cuh, the default) with x in 3, 2 and 1 bf16 parts, with and without split-K.
+// kernels: the exact CUDA-core stream (gemv_fp4.cuh; impl kStream, or x_parts -1) and the
+// tensor-core kernel (gemv_tc.cuh, the default) with x in 3, 2 and 1 bf16 parts, with and
+// without split-K.
 // Bounds on ||y - ref|| / ||ref||, ref = cpu::linear (f32 x times the same weights):
 //   stream, and 3 parts: the weights are the CPU's bit for bit and every product is exact, so
 //     only the f32 summation order differs: 1e-5 as above;
@@ -156,6 +157,7 @@ TEST(CudaGemv, Fp4MatchesCpuLinear) {
         double bound;
       };
       for (const Variant v : {Variant{"stream", GemvImpl::kStream, 0, false, 1e-5},
+                              Variant{"stream(-1)", GemvImpl::kAuto, -1, true, 1e-5},  // x_parts < 0: the stream
                               Variant{"tc3", GemvImpl::kAuto, 3, false, 1e-5},
                               Variant{"tc3-splitk", GemvImpl::kAuto, 0, true, 1e-5},
                               Variant{"tc2", GemvImpl::kAuto, 2, false, 2e-5},

@@ -282,7 +282,7 @@ TEST(CudaMoe, ExpertsAndSharedVsCpu) {
           if (path != 2)
             ML4_ASSERT_OK(moe_experts_forward_grouped(*tables, &dshared, dxb.as<float>(), Tb, dids.as<int32_t>(),
                                                       dw.as<float>(), K, out.as<float>(), s, nullptr,
-                                                      fp4 && path == 1 ? GemvImpl::kStream : GemvImpl::kAuto));
+                                                      fp4 && path == 1 ? -1 : 0));
           else
             ML4_ASSERT_OK(moe_experts_forward_rowwise(*tables, &dshared, dxb.as<float>(), Tb, dids.as<int32_t>(),
                                                       dw.as<float>(), K, out.as<float>(), s, nullptr));

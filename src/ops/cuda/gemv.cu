@@ -318,7 +318,7 @@ Status grouped_gemv(const GroupedGemvParams& p) {
       return invalid_argument("grouped_gemv: bad second weight set");
     // The CUDA-core weight streams (FP4 on request: the exact stream; FP8, or bf16 on request,
     // for few rows per expert).
-    const bool fp4_stream = fp4 && (p.impl == GemvImpl::kStream || p.impl == GemvImpl::kCudaCore);
+    const bool fp4_stream = fp4 && (p.x_parts < 0 || p.impl == GemvImpl::kStream || p.impl == GemvImpl::kCudaCore);
     if (fp4_stream || (!fp4 && p.max_expert_rows > 0 && p.max_expert_rows <= g_stream.grouped_max_rows &&
                        (fp8 || p.impl == GemvImpl::kStream) && p.impl != GemvImpl::kTensorCore)) {
       gemv_stream::StArgs a;
@@ -398,7 +398,7 @@ Status gemv(const GemvParams& p) {
   if (!p.x || !p.w || !p.y || ((fp8 || fp4) && !p.w_scale)) return invalid_argument("gemv: null pointer");
   if ((reinterpret_cast<uintptr_t>(p.x) | reinterpret_cast<uintptr_t>(p.w)) & 15u)
     return invalid_argument("gemv: x and w must be 16-byte aligned");
-  const bool fp4_stream = fp4 && (p.impl == GemvImpl::kStream || p.impl == GemvImpl::kCudaCore);
+  const bool fp4_stream = fp4 && (p.x_parts < 0 || p.impl == GemvImpl::kStream || p.impl == GemvImpl::kCudaCore);
   if (fp4_stream || (!fp4 && (p.impl == GemvImpl::kStream || (p.impl == GemvImpl::kAuto && fp8 && p.M <= g_stream.max_m)))) {
     gemv_stream::StArgs a;
     a.x = p.x;

@@ -25,7 +25,7 @@
 // NVFP4 / MXFP4 weights (any M: passes of 8 tokens, also the prefill path of linear_f32 for
 // now) take the tensor-core kernel (gemv_tc.cuh: e2m1 decoded to bf16 in registers through
 // byte tables, times the group scale exactly; x in x_parts bf16 parts) unless impl is kStream
-// or kCudaCore, which keep the exact CUDA-core stream (gemv_fp4.cuh: f32 FMAs, the CPU's
+// or kCudaCore or x_parts is negative, which keep the exact CUDA-core stream (gemv_fp4.cuh: f32 FMAs, the CPU's
 // weights bit for bit; ALU-bound: it reached 0.53 of the HBM rate at batch 1 on the H200).
 // grouped_gemv's expert-grouped mode takes both. An NVFP4 weight's scale buffer carries its
 // global scale after the e4m3 scales (fp4_global_offset).
@@ -64,6 +64,8 @@ struct GemvParams {
   // FP4 on the tensor cores: x as 1, 2 or 3 bf16 parts (0: 3). 3 is x exactly (every product
   // exact, the sums f32: cpu::linear to f32 rounding); 2 keeps 16 bits (relative error per
   // element <= 2^-17); 1 rounds x to bf16 (<= 2^-9). Fewer parts, fewer mmas per weight byte.
+  // Negative: FP4 takes the exact CUDA-core stream, as impl kStream does (other formats ignore
+  // x_parts).
   int x_parts = 0;
 };
 

@@ -400,7 +400,7 @@ Status mlp_forward_gemv(const DeviceMlp& m, const float* x, int64_t M, float* ou
 
 Status moe_experts_forward_grouped(const MoeExpertTables& tb, const DeviceMlp* shared, const float* x, int64_t T,
                                    const int32_t* ids, const float* weights, int K, float* out, MoeScratch& s,
-                                   cudaStream_t stream, GemvImpl impl, int x_parts) {
+                                   cudaStream_t stream, int x_parts) {
   if (T == 0) return Status::ok();
   const int64_t n = T * K, D = tb.D, I = tb.I;
   if (n > s.max_rows) return out_of_range("moe grouped: {} expert rows, scratch holds {}", n, s.max_rows);
@@ -437,7 +437,6 @@ Status moe_experts_forward_grouped(const MoeExpertTables& tb, const DeviceMlp* s
     p.active = s.active.as<int32_t>();
     p.max_active = static_cast<int>(std::min<int64_t>(tb.E, n));
     p.max_expert_rows = T;  // routed: <= T rows unless forced ids repeat (only picks the kernel); shared: T
-    p.impl = impl;
     p.x_parts = x_parts;
     if (extra) {
       p.extra_w = extra->weight.data();

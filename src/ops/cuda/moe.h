@@ -117,13 +117,12 @@ Status mlp_forward_gemv(const DeviceMlp& m, const float* x, int64_t M, float* ou
 // the rows by expert on the device; expert-grouped GEMVs (gemv.h; gate and up in one
 // launch on the CUDA-core stream path, T <= 8) stream each selected expert's weights once
 // per 8 of its rows, the shared expert riding along as one more slot of the same launches
-// (its T rows 8 at a time) when it has the routed shape. impl and x_parts go to every
-// grouped_gemv (gemv.h): FP4 experts take the tensor cores with x in x_parts bf16 parts
-// (0: 3, exact) unless impl is kStream (the exact CUDA-core stream).
+// (its T rows 8 at a time) when it has the routed shape. x_parts goes to every grouped_gemv
+// (gemv.h): FP4 experts take the tensor cores with x in x_parts bf16 parts (0: 3, exact), or
+// the exact CUDA-core stream for x_parts < 0.
 Status moe_experts_forward_grouped(const MoeExpertTables& tb, const DeviceMlp* shared, const float* x, int64_t T,
                                    const int32_t* ids, const float* weights, int K, float* out, MoeScratch& s,
-                                   cudaStream_t stream,
-                                   GemvImpl impl = GemvImpl::kAuto, int x_parts = 0);
+                                   cudaStream_t stream, int x_parts = 0);
 
 // Prefill-shaped MoE with FP8 block experts (issue 18): the same function as
 // moe_experts_forward -- x quantized per 1x128 group (once per token, not per expert row),

@@ -527,8 +527,7 @@ Status CudaBackend::lin(const DeviceLinear& w, const float* x, int64_t M, float*
       const int64_t m = std::min<int64_t>(kGemvMaxM, M - m0);
       float* ws = (on_side_ ? buf_->gemv_ws_side : buf_->gemv_ws).as<float>();
       GemvParams gp{x + m0 * w.K, m, w.N, w.K, w.format, w.weight.data(), w.scale.as<float>(), y + m0 * w.N, ws, stream_};
-      gp.impl = fp4_impl();
-      gp.x_parts = opts_.fp4_x_parts;
+      gp.x_parts = opts_.fp4_x_parts;  // FP4 only
       ML4_RETURN_IF_ERROR(gemv(gp).with_context(w.name));
     }
     return Status::ok();
@@ -959,7 +958,7 @@ Status CudaBackend::moe_experts(MoeRef moe, const float* x, const int32_t* ids, 
       const int64_t n = std::min<int64_t>(kGroupedMoeMaxTokens, T - t0);
       ML4_RETURN_IF_ERROR(moe_experts_forward_grouped(*M.tables, M.shared.get(), x + t0 * D, n, ids + t0 * K,
                                                       weights + t0 * K, K, out + t0 * D, b.moe, stream_,
-                                                      fp4_impl(), opts_.fp4_x_parts));
+                                                      opts_.fp4_x_parts));
     }
     return Status::ok();
   }

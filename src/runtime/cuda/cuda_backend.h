@@ -227,8 +227,6 @@ class CudaBackend : public Backend {
   };
   CudaBackend() = default;
   Status lin(const DeviceLinear& w, const float* x, int64_t M, float* y);
-  // FP4 GEMVs: the tensor cores (kAuto), or the exact CUDA-core stream for fp4_x_parts < 0.
-  GemvImpl fp4_impl() const { return opts_.fp4_x_parts < 0 ? GemvImpl::kStream : GemvImpl::kAuto; }
   Result<DeviceLinear> make_linear(const LinearWeight& w);
   QPathParams rope_params(const RopeArgs& r) const;
   const int32_t* selection_counts(int selection) const;

@@ -71,8 +71,8 @@ struct CudaRunnerOptions {
   // parts at batch 64), 2 or 3 (x exactly) on request; -1: the exact CUDA-core FP4 stream
   // (gemv_fp4.cuh), which exact_activations takes: both match cpu::linear to f32 rounding, but
   // the runner comparison of exact mode (ml4-tiny's random weights amplify any summation order
-  // through near-tied routing) was calibrated on the stream (fp8-to-mxfp4 row: 5.6e-3 with the
-  // stream, 1.19e-2 with 3 parts, bound 1e-2).
+  // through near-tied routing) was calibrated on the stream (fp8-to-mxfp4 row: 5.1e-5 to 5.6e-3
+  // with the stream across runs, 1.19e-2 once with 3 parts, bound 1e-2).
   int fp4_x_parts = 1;
   // Programmatic dependent launch (ops/cuda/pdl.cuh, issue 19): every kernel of ours starts
   // while the one before it drains and waits on the device for its results. The same kernels
