@@ -59,9 +59,12 @@ def events(raw):
 
 
 def test_sigterm_health_503_and_streams_finish(model_dir):
-    srv = Server(model_dir, "--shutdown-timeout", "30", name="drain")
+    # The stream must outlive the /health polls below: 40 tokens took 60 ms here and the server,
+    # drained, exited before the first poll on CI (connection refused). 1500 tokens take ~3.4 s
+    # on 2 idle cores and well under the 60 s drain bound on a loaded machine.
+    srv = Server(model_dir, "--shutdown-timeout", "60", "--max-model-len", "4096", name="drain")
     try:
-        s, first = open_stream(srv, 40)
+        s, first = open_stream(srv, 1500)
         srv.proc.send_signal(signal.SIGTERM)
         t0 = time.time()
         while status_of(srv.url + "/health") != 503:
@@ -69,13 +72,13 @@ def test_sigterm_health_503_and_streams_finish(model_dir):
             time.sleep(0.02)
         assert status_of(srv.url + "/v1/completions", {"prompt": "x", "max_tokens": 2}) == 503
         assert status_of(srv.url + "/ping") == 503
-        evs = events(first + read_all(s))
+        evs = events(first + read_all(s, 90))
         assert evs[-1] == "[DONE]"
         finals = [json.loads(e)["choices"][0]["finish_reason"] for e in evs[:-1]
                   if e.startswith("{") and json.loads(e).get("choices")]
         assert finals[-1] == "length" and not any("error" in json.loads(e) for e in evs[:-1])
         s.close()
-        assert srv.proc.wait(timeout=30) == 0
+        assert srv.proc.wait(timeout=60) == 0
     finally:
         srv.stop()
 
