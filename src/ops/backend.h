@@ -405,9 +405,11 @@ class Backend {
   // memory; probs [rows, V] when non-null: the distribution each row was drawn from
   // (sampling::row_distribution: the filters at the draw's temperature), or, for greedy
   // (params null), softmax(logits): the drafter's own distribution (diagnostics and tests; a
-  // greedy draft is verified as one-hot).
-  virtual Status choose_tokens(const float* logits, int64_t rows, const DeviceSamplingParams* params, int32_t* ids,
-                               float* probs) = 0;
+  // greedy draft is verified as one-hot). base [rows, V], rows base_stride floats apart, or
+  // null: the rows chosen from are logits + base (the f32 sums add_rows forms), which a
+  // backend may write into logits or, fusing the add into the choice, never store.
+  virtual Status choose_tokens(float* logits, int64_t rows, const DeviceSamplingParams* params, int32_t* ids,
+                               float* probs, const float* base, int64_t base_stride) = 0;
 };
 
 }  // namespace ml4

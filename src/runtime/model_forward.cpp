@@ -349,10 +349,10 @@ Status ModelForward::draft(const DeviceSamplingParams* params, bool want_probs) 
         ML4_RETURN_IF_ERROR(be_.timed("draft: markov (of which) out projection", [&] {
           return be_.linear(drafter_->markov_out, x.markov_s, n, x.markov_logits);
         }));
-        ML4_RETURN_IF_ERROR(be_.timed("draft: markov (of which) add + choose", [&]() -> Status {
-          ML4_RETURN_IF_ERROR(be_.add_rows(x.markov_logits, V, x.logits + (j - 1) * V, (B - 1) * V, n, V));
+        ML4_RETURN_IF_ERROR(be_.timed("draft: markov (of which) add + choose", [&] {
           return be_.choose_tokens(x.markov_logits, n, params != nullptr ? params + (j - 1) * n : nullptr,
-                                   x.draft_ids + j * n, want_probs ? x.draft_probs + (j - 1) * n * V : nullptr);
+                                   x.draft_ids + j * n, want_probs ? x.draft_probs + (j - 1) * n * V : nullptr,
+                                   x.logits + (j - 1) * V, (B - 1) * V);
         }));
       }
       return Status::ok();

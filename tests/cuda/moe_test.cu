@@ -448,5 +448,81 @@ TEST(CudaSampling, ArgmaxTiesAndNan) {
   EXPECT_EQ(got[1], V - 1);
 }
 
+// The split argmax of the drafter's Markov head (argmax_rows_split): rows a + b (b at the
+// slot-interleaved stride of the drafter's base logits) against the host's argmax of the same
+// f32 sums, exact: ties across tiles (the lower id), NaN, -0 vs +0, an all-NaN row and a row
+// of -inf, both load paths (V % 4 == 0: float4; V odd: scalar), without b, and twice (the
+// workspace needs no initialisation).
+TEST(CudaSampling, SplitArgmaxWithBaseMatchesHost) {
+  ML4_REQUIRE_GPU();
+  for (const int64_t V : {int64_t{131072}, int64_t{131072 + 7}, int64_t{4095}}) {
+    const int64_t B = 6, bstride = 3 * V;  // base rows interleaved as x.logits + (j - 1) * V
+    auto a = randn(B * V, 11);
+    auto base = randn(B * bstride, 12, 4.0f);
+    // Row 0: a tie of the sums in different tiles: the lower id wins.
+    a[0 * V + 5000] = 100.0f;
+    base[0 * bstride + 5000] = 0.0f;
+    a[0 * V + V - 2] = 50.0f;
+    base[0 * bstride + V - 2] = 50.0f;
+    // Row 1: NaN ranks last, the maximum in the last (partial) tile.
+    a[1 * V + 7] = NAN;
+    a[1 * V + V - 1] = 1e30f;
+    // Row 2: -0 and +0 are equal (the lower id), everything else below.
+    for (int64_t i = 0; i < V; ++i) {
+      a[2 * V + i] = -1.0f - static_cast<float>(i % 97);
+      base[2 * bstride + i] = 0.0f;
+    }
+    a[2 * V + 4200] = -0.0f;
+    a[2 * V + 9] = 0.0f;
+    if (V < 4200) a[2 * V + 4000] = -0.0f;
+    // Row 3: all NaN -> id 0; row 4: all -inf -> id 0; row 5: NaN at 0, -inf elsewhere -> id 1
+    // (NaN below -inf, as sampling::ranks_above and the CPU backend's drafts rank it; cpu::topk,
+    // the reference of the other rows, ties NaN with -inf, so row 5's is set by hand).
+    for (int64_t i = 0; i < V; ++i) {
+      a[3 * V + i] = NAN;
+      a[4 * V + i] = a[5 * V + i] = -INFINITY;
+      base[4 * bstride + i] = base[5 * bstride + i] = 0.0f;
+    }
+    a[5 * V] = NAN;
+    std::vector<float> sum(B * V);
+    for (int64_t r = 0; r < B; ++r)
+      for (int64_t i = 0; i < V; ++i) sum[r * V + i] = a[r * V + i] + base[r * bstride + i];
+    std::vector<int32_t> ref(B), ref_a(B);
+    for (int64_t r = 0; r < B; ++r) {
+      cpu::topk(sum.data() + r * V, V, 1, &ref[r]);
+      cpu::topk(a.data() + r * V, V, 1, &ref_a[r]);
+    }
+    ref[5] = ref_a[5] = 1;
+    ASSERT_EQ(ref[0], 5000);
+    ASSERT_EQ(ref[2], 9);
+    auto da = to_device(a), db = to_device(base);
+    const size_t wsb = argmax_rows_workspace_bytes(B, V);
+    auto ws = poisoned<uint8_t>(wsb);
+    for (int rep = 0; rep < 2; ++rep) {
+      auto o = poisoned<int32_t>(B);
+      ML4_ASSERT_OK(argmax_rows_split(da.as<float>(), V, db.as<float>(), bstride, B, V, o.as<int32_t>(), ws.data(),
+                                      wsb, nullptr));
+      sync();
+      auto got = to_host<int32_t>(o, B);
+      EXPECT_EQ(got, ref) << "V=" << V << " rep " << rep;
+      EXPECT_EQ(got[3], 0);
+      EXPECT_EQ(got[4], 0);
+      // Without b: argmax_rows' ids.
+      auto o2 = poisoned<int32_t>(B), o3 = poisoned<int32_t>(B);
+      ML4_ASSERT_OK(argmax_rows_split(da.as<float>(), V, nullptr, 0, B, V, o2.as<int32_t>(), ws.data(), wsb, nullptr));
+      ML4_ASSERT_OK(argmax_rows(da.as<float>(), B, V, o3.as<int32_t>(), nullptr));
+      sync();
+      EXPECT_EQ(to_host<int32_t>(o2, B), ref_a) << "V=" << V;
+      EXPECT_EQ(to_host<int32_t>(o3, B), ref_a) << "V=" << V;
+    }
+  }
+  // Bad arguments are statuses: a short workspace, a stride below V.
+  auto d = poisoned<float>(64);
+  auto o = poisoned<int32_t>(1);
+  auto ws = poisoned<uint8_t>(8);
+  EXPECT_FALSE(argmax_rows_split(d.as<float>(), 64, nullptr, 0, 2, 64, o.as<int32_t>(), ws.data(), 8, nullptr).ok());
+  EXPECT_FALSE(argmax_rows_split(d.as<float>(), 32, nullptr, 0, 1, 64, o.as<int32_t>(), ws.data(), 8, nullptr).ok());
+}
+
 }  // namespace
 }  // namespace ml4::cuda

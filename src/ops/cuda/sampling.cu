@@ -67,6 +67,101 @@ __global__ void argmax_kernel(const float* __restrict__ logits, int64_t V, int32
   if (threadIdx.x == 0) out[blockIdx.x] = static_cast<int32_t>(si[0] == INT64_MAX ? 0 : si[0]);
 }
 
+// ---- split argmax (argmax_rows_split): tiles of 4096 logits, 64-bit keys ------------------
+
+constexpr int kArgThreads = 256, kArgTile = 4096, kArgPerThread = kArgTile / kArgThreads;
+
+// Order-preserving key: larger value first, then the lower id; NaN below every number (key
+// 0 in the value half) and -0 equal to +0, as better() ranks them.
+__device__ __forceinline__ ull argmax_key(float v, int64_t i) {
+  uint32_t u = __float_as_uint(v);
+  uint32_t o = 0;
+  if (v == v) {
+    if (u == 0x80000000u) u = 0;
+    o = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  }
+  return (static_cast<ull>(o) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(i));
+}
+
+__device__ __forceinline__ ull warp_max_key(ull k) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const ull other = __shfl_xor_sync(0xFFFFFFFFu, k, o);
+    k = other > k ? other : k;
+  }
+  return k;
+}
+
+template <bool kVec>
+__global__ void __launch_bounds__(kArgThreads)
+    argmax_tile_kernel(const float* __restrict__ a, int64_t a_stride, const float* __restrict__ b, int64_t b_stride,
+                       int64_t V, ull* __restrict__ part) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
+  const int64_t row = blockIdx.y, t0 = static_cast<int64_t>(blockIdx.x) * kArgTile;
+  const int64_t end = t0 + kArgTile < V ? t0 + kArgTile : V;
+  const float* ra = a + row * a_stride;
+  const float* rb = b != nullptr ? b + row * b_stride : nullptr;
+  ull best = 0;
+  if constexpr (kVec) {  // V, the strides and the pointers multiples of 4 floats: whole float4s
+    float4 x[kArgPerThread / 4];
+#pragma unroll
+    for (int u = 0; u < kArgPerThread / 4; ++u) {
+      const int64_t j = t0 + (static_cast<int64_t>(u) * kArgThreads + threadIdx.x) * 4;
+      x[u] = j < end ? *reinterpret_cast<const float4*>(ra + j) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    if (rb != nullptr) {
+#pragma unroll
+      for (int u = 0; u < kArgPerThread / 4; ++u) {
+        const int64_t j = t0 + (static_cast<int64_t>(u) * kArgThreads + threadIdx.x) * 4;
+        if (j < end) {
+          const float4 y = *reinterpret_cast<const float4*>(rb + j);
+          x[u].x += y.x;
+          x[u].y += y.y;
+          x[u].z += y.z;
+          x[u].w += y.w;
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kArgPerThread / 4; ++u) {
+      const int64_t j = t0 + (static_cast<int64_t>(u) * kArgThreads + threadIdx.x) * 4;
+      if (j < end) {
+        const ull k0 = argmax_key(x[u].x, j), k1 = argmax_key(x[u].y, j + 1);
+        const ull k2 = argmax_key(x[u].z, j + 2), k3 = argmax_key(x[u].w, j + 3);
+        const ull m01 = k0 > k1 ? k0 : k1, m23 = k2 > k3 ? k2 : k3, m = m01 > m23 ? m01 : m23;
+        best = m > best ? m : best;
+      }
+    }
+  } else {
+    for (int64_t j = t0 + threadIdx.x; j < end; j += kArgThreads) {
+      const float v = rb != nullptr ? ra[j] + rb[j] : ra[j];
+      const ull k = argmax_key(v, j);
+      best = k > best ? k : best;
+    }
+  }
+  best = warp_max_key(best);
+  __shared__ ull warp_best[kArgThreads / 32];
+  if ((threadIdx.x & 31) == 0) warp_best[threadIdx.x >> 5] = best;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    ull k = threadIdx.x < kArgThreads / 32 ? warp_best[threadIdx.x] : 0;
+    k = warp_max_key(k);
+    if (threadIdx.x == 0) part[row * gridDim.x + blockIdx.x] = k;
+  }
+}
+
+// One warp per row over its tiles' keys; every row has at least one logit, so the maximum
+// key names a real id.
+__global__ void argmax_final_kernel(const ull* __restrict__ part, int tiles, int32_t* __restrict__ out) {
+  pdl_wait();
+  pdl_launch_dependents();
+  const ull* p = part + static_cast<int64_t>(blockIdx.x) * tiles;
+  ull k = 0;
+  for (int i = threadIdx.x; i < tiles; i += 32) k = p[i] > k ? p[i] : k;
+  k = warp_max_key(k);
+  if (threadIdx.x == 0) out[blockIdx.x] = static_cast<int32_t>(0xFFFFFFFFu - static_cast<uint32_t>(k & 0xFFFFFFFFu));
+}
+
 // ---- one block per row (no workspace) --------------------------------------------------
 
 template <bool kVec>
@@ -731,6 +826,36 @@ Status argmax_rows(const float* logits, int64_t B, int64_t V, int32_t* out, cuda
   if (!logits || !out) return invalid_argument("argmax_rows: null pointer");
   launch_kernel(argmax_kernel, static_cast<unsigned>(B), 256, 0, stream, logits, V, out);
   return cuda_status(cudaGetLastError(), "argmax_kernel");
+}
+
+size_t argmax_rows_workspace_bytes(int64_t B, int64_t V) {
+  if (B <= 0 || V <= 0) return 0;
+  return static_cast<size_t>(B) * static_cast<size_t>((V + kArgTile - 1) / kArgTile) * sizeof(ull);
+}
+
+Status argmax_rows_split(const float* a, int64_t a_stride, const float* b, int64_t b_stride, int64_t B, int64_t V,
+                         int32_t* out, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  if (B < 0 || B > 65535 || V <= 0 || V > INT32_MAX || a_stride < V || (b != nullptr && b_stride < V))
+    return invalid_argument("argmax_rows_split: bad shape B={} V={} strides {} {}", B, V, a_stride, b_stride);
+  if (B == 0) return Status::ok();
+  if (!a || !out || !workspace) return invalid_argument("argmax_rows_split: null pointer");
+  if (workspace_bytes < argmax_rows_workspace_bytes(B, V) || reinterpret_cast<uintptr_t>(workspace) % 8 != 0)
+    return invalid_argument("argmax_rows_split: workspace of {} bytes, {} needed (8-byte aligned)", workspace_bytes,
+                            argmax_rows_workspace_bytes(B, V));
+  const auto al = [](const float* p, int64_t stride) {
+    return p == nullptr || (reinterpret_cast<uintptr_t>(p) % 16 == 0 && stride % 4 == 0);
+  };
+  const bool vec = V % 4 == 0 && al(a, a_stride) && al(b, b_stride);
+  const int tiles = static_cast<int>((V + kArgTile - 1) / kArgTile);
+  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(B));
+  ull* part = static_cast<ull*>(workspace);
+  if (vec)
+    launch_kernel(argmax_tile_kernel<true>, grid, kArgThreads, 0, stream, a, a_stride, b, b_stride, V, part);
+  else
+    launch_kernel(argmax_tile_kernel<false>, grid, kArgThreads, 0, stream, a, a_stride, b, b_stride, V, part);
+  ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "argmax_tile_kernel"));
+  launch_kernel(argmax_final_kernel, static_cast<unsigned>(B), 32, 0, stream, static_cast<const ull*>(part), tiles, out);
+  return cuda_status(cudaGetLastError(), "argmax_final_kernel");
 }
 
 Status sample_rows(const float* logits, int64_t B, int64_t V, const DeviceSamplingParams* params, int32_t* tokens,

@@ -800,8 +800,9 @@ Status CpuBackend::gru_update(const float* gi, const float* gh, const float* b_i
   return Status::ok();
 }
 
-Status CpuBackend::choose_tokens(const float* logits, int64_t rows, const DeviceSamplingParams* params, int32_t* ids,
-                                 float* probs) {
+Status CpuBackend::choose_tokens(float* logits, int64_t rows, const DeviceSamplingParams* params, int32_t* ids,
+                                 float* probs, const float* base, int64_t base_stride) {
+  if (base != nullptr) ML4_RETURN_IF_ERROR(add_rows(logits, cfg_.vocab_size, base, base_stride, rows, cfg_.vocab_size));
   cpu::choose_draft_tokens(logits, rows, cfg_.vocab_size, params, ids, probs);
   return Status::ok();
 }

@@ -105,8 +105,8 @@ class CpuBackend : public Backend {
   Status select_block_window(CacheGroup group, int64_t window) override;
   Status gru_update(const float* gi, const float* gh, const float* b_ih, const float* b_hh, int64_t rows, int64_t r,
                     float* s) override;
-  Status choose_tokens(const float* logits, int64_t rows, const DeviceSamplingParams* params, int32_t* ids,
-                       float* probs) override;
+  Status choose_tokens(float* logits, int64_t rows, const DeviceSamplingParams* params, int32_t* ids,
+                       float* probs, const float* base, int64_t base_stride) override;
   Status hisparse_reserve(int layers, int64_t rows) override;
   Status hisparse_load_rows(int latent_slot, int hot_layer, const std::vector<HotLoad>& loads) override;
   Status set_hot_selection(const int32_t* rows, const int32_t* counts) override;

@@ -310,7 +310,10 @@ Status CudaBackend::ensure_buffers(int64_t T, int64_t R, int64_t S, int64_t maxb
       ML4_RETURN_IF_ERROR(f(b.draft_probs, (Bk - 1) * ns * V, 4));
       ML4_RETURN_IF_ERROR(f(b.draft_samp_params, ns * static_cast<int64_t>(sizeof(DeviceSamplingParams)), 1));
       ML4_RETURN_IF_ERROR(f(b.draft_samp_logprobs, ns, 4));
-      ML4_RETURN_IF_ERROR(f(b.draft_samp_ws, static_cast<int64_t>(sample_rows_workspace_bytes(ns, V)), 1));
+      ML4_RETURN_IF_ERROR(f(b.draft_samp_ws,
+                            static_cast<int64_t>(std::max(sample_rows_workspace_bytes(ns, V),
+                                                          argmax_rows_workspace_bytes(ns, V))),
+                            1));
     }
     b.moe = MoeScratch{};
     ML4_RETURN_IF_ERROR(
@@ -1085,14 +1088,19 @@ Status CudaBackend::gru_update(const float* gi, const float* gh, const float* b_
 // Greedy rows without distributions: the device argmax (sample_rows at temperature 0).
 // Otherwise (sampled drafts or distributions wanted) the host reference: the logits come back,
 // the token and its distribution are made exactly as the CPU backend makes them, and go up.
-Status CudaBackend::choose_tokens(const float* logits, int64_t rows, const DeviceSamplingParams* params, int32_t* ids,
-                                  float* probs) {
+Status CudaBackend::choose_tokens(float* logits, int64_t rows, const DeviceSamplingParams* params, int32_t* ids,
+                                  float* probs, const float* base, int64_t base_stride) {
   const int64_t V = cfg_.vocab_size;
   if (params == nullptr && probs == nullptr) {
     // Device work only (no upload, no sync), so a greedy draft can be captured in a graph;
-    // ties to the lower id, as sample_rows at temperature 0 and the host.
-    return argmax_rows(logits, rows, V, ids, stream_);
+    // ties to the lower id, as sample_rows at temperature 0 and the host. The base logits
+    // are added inside the split argmax (the sum is not stored): one pass over the rows by
+    // 32 blocks per row of 131,072 instead of an add and a one-block-per-row argmax.
+    Buffers& b = buffers();
+    return argmax_rows_split(logits, V, base, base_stride, rows, V, ids, b.draft_samp_ws.data(),
+                             b.draft_samp_ws.bytes(), stream_);
   }
+  if (base != nullptr) ML4_RETURN_IF_ERROR(add_rows(logits, V, base, base_stride, rows, V));
   std::vector<float> l(rows * V), q(probs != nullptr ? rows * V : 0);
   std::vector<int32_t> tok(rows);
   ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(l.data(), logits, l.size() * 4, cudaMemcpyDeviceToHost, stream_));
