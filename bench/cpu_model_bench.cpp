@@ -4,6 +4,10 @@
 //        prompt as one chunk), tokens/s = N / step time;
 //   tgN: N decode steps of one token each, starting from an empty cache, tokens/s = N /
 //        total time (llama-bench's tg: no prompt, the context grows from 0 to N).
+//   vN:  after an unmeasured prompt of --ctx tokens, 16 steps of N tokens each per run (the
+//        runs continue the sequence: the context grows by 16 N a run), with logits for all N rows (a speculative verification of N - 1 drafts; v1 is plain decoding
+//        at that context); prints ms per step, so v8 / v1 is what a verify step costs in
+//        plain steps.
 // Each test runs --reps times after one unmeasured warm-up run and prints mean and stddev of
 // the per-run tokens/s (llama-bench's avg_ts / stddev_ts). Weight bytes per decode token
 // (all linears touched by one token: attention, dense FFN or top-k + shared experts, the
@@ -11,7 +15,7 @@
 // be held against bench/stream_bench's read bandwidth. The load average is printed before
 // and after each test: the dev machine is shared.
 //
-//   cpu_model_bench --model DIR [-p 64,512] [-n 64,128] [-r 3] [--kv-cache-dtype fp8_ds_mla] [--profile 1]
+//   cpu_model_bench --model DIR [-p 64,512] [-n 64,128] [-v 1,8] [--ctx 512] [-r 3] [--kv-cache-dtype fp8_ds_mla] [--profile 1]
 //                   [--dtype auto|bfloat16]   (the linears' activations: ml4 serve --dtype)
 //                   [--weights auto|mmap|copy] (where the linears live: ml4 serve --mmap / --no-mmap)
 //
@@ -95,14 +99,17 @@ struct Sequence {
 
 int main(int argc, char** argv) {
   std::string model, kv_dtype = "fp8_ds_mla", dtype = "auto", weights = "auto";
-  std::vector<int> pp = {64, 512}, tg = {64, 128};
-  int reps = 3;
+  std::vector<int> pp = {64, 512}, tg = {64, 128}, vs;
+  int reps = 3, ctx = 512;
+  constexpr int kVerifySteps = 16;
   bool profile = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--model" || a == "-m") model = argv[i + 1];
     else if (a == "-p") pp = parse_list(argv[i + 1]);
     else if (a == "-n") tg = parse_list(argv[i + 1]);
+    else if (a == "-v") vs = parse_list(argv[i + 1]);
+    else if (a == "--ctx") ctx = std::atoi(argv[i + 1]);
     else if (a == "-r") reps = std::atoi(argv[i + 1]);
     else if (a == "--kv-cache-dtype") kv_dtype = argv[i + 1];
     else if (a == "--dtype") dtype = argv[i + 1];
@@ -117,8 +124,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: cpu_model_bench --model DIR [-p 64,512] [-n 64,128] [-r 3] [--kv-cache-dtype D] [--dtype auto|bfloat16] [--weights auto|mmap|copy]\n");
     return 2;
   }
-  const int max_tokens = std::max(pp.empty() ? 0 : *std::max_element(pp.begin(), pp.end()),
-                                  tg.empty() ? 0 : *std::max_element(tg.begin(), tg.end()));
+  const int max_tokens = std::max({pp.empty() ? 0 : *std::max_element(pp.begin(), pp.end()),
+                                   tg.empty() ? 0 : *std::max_element(tg.begin(), tg.end()),
+                                   vs.empty() ? 0 : ctx + (reps + 1) * kVerifySteps * *std::max_element(vs.begin(), vs.end())});
   ml4::RunnerOptions opts;
   opts.kv_cache_dtype = kv_dtype;
   opts.dtype = dtype;
@@ -166,14 +174,14 @@ int main(int argc, char** argv) {
     for (auto& t : v) t = lo + static_cast<int32_t>(rng() % (cfg.vocab_size - lo));
     return v;
   };
-  auto step = [&](std::vector<int32_t> tokens, int64_t start) {
+  auto step = [&](std::vector<int32_t> tokens, int64_t start, int logits = 1) {
     ml4::StepInput in;
     ml4::SeqStep s;
     s.seq_id = 1;
     s.tokens = std::move(tokens);
     s.start_pos = start;
     s.block_tables = tables;
-    s.num_logits = 1;
+    s.num_logits = logits;
     in.seqs.push_back(std::move(s));
     auto out = r.execute(in);
     if (!out.ok()) {
@@ -189,11 +197,13 @@ int main(int argc, char** argv) {
     const double sd = ts.size() > 1 ? std::sqrt(var / (ts.size() - 1)) : 0.0;
     std::printf("CPUBENCH model=%s test=%s threads=%d dtype=%s tok_s=%.2f stddev=%.2f", model.c_str(), test.c_str(),
                 ml4::num_threads(), dtype.c_str(), mean, sd);
+    if (test[0] == 'v') std::printf(" ctx=%d ms_per_step=%.3f", ctx, 1e3 * std::atof(test.c_str() + 1) / mean);
     if (decode) std::printf(" weight_gb_per_tok=%.3f gb_s=%.2f", wbytes / 1e9, wbytes * mean / 1e9);
     std::printf(" load=%.2f-%.2f\n", l0, loadavg());
     if (profile) {
       double total = 0;
-      for (double v : ts) total += std::atof(test.c_str() + 2) / v;  // n tokens at v tokens/s
+      const double n = std::atof(test.c_str() + (test[0] == 'v' ? 1 : 2)) * (test[0] == 'v' ? kVerifySteps : 1);
+      for (double v : ts) total += n / v;  // n tokens at v tokens/s
       for (const auto& [label, sec] : r.backend().profile())
         std::printf("PROFILE test=%s piece=\"%s\" ms_per_run=%.3f share=%.1f%%\n", test.c_str(), label.c_str(),
                     1e3 * sec / ts.size(), 100.0 * sec / total);
@@ -226,6 +236,20 @@ int main(int argc, char** argv) {
       if (rep >= 0) ts.push_back(n / s);
     }
     report("tg" + std::to_string(n), ts, l0, true);
+  }
+  for (int n : vs) {
+    const double l0 = loadavg();
+    std::vector<double> ts;
+    step(random_tokens(ctx), 0);  // the prompt, not measured
+    int64_t pos = ctx;
+    for (int rep = -1; rep < reps; ++rep) {
+      if (rep == 0 && profile) r.backend().set_profile(true);  // after the warm-up
+      const auto t0 = Clock::now();
+      for (int i = 0; i < kVerifySteps; ++i, pos += n) step(random_tokens(n), pos, n);
+      const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+      if (rep >= 0) ts.push_back(static_cast<double>(n) * kVerifySteps / s);
+    }
+    report("v" + std::to_string(n), ts, l0, false);
   }
   return 0;
 }
