@@ -90,6 +90,100 @@ TEST(CudaMoe, RouteMatchesCpu) {
   EXPECT_EQ(moe_route({nullptr, 1, bad, nullptr, nullptr, nullptr, nullptr}).code(), StatusCode::kInvalidArgument);
 }
 
+// The fused decode router (router_route, issue 19): logits against an f64 reference of x G^T
+// (f32 products and sums over D = 7168: relative error ~1e-6; bound 1e-5), and the routing of
+// those logits equal to moe_route's (the same device code) and to cpu::moe_route's (weights
+// within moe_route's 1e-6), for T = 1, 3 and 8 and the route configurations above; twice per
+// case (the done-counter resets itself; the results are bit-identical); unsupported shapes
+// are statuses.
+TEST(CudaMoe, FusedRouterMatchesCpu) {
+  ML4_REQUIRE_GPU();
+  struct Case {
+    int E, K, G, keep;
+    RouterScoring sc;
+    bool bias;
+  };
+  const Case cases[] = {{128, 4, 1, 1, RouterScoring::kSoftmax, false},
+                        {256, 8, 8, 4, RouterScoring::kSigmoid, true},
+                        {16, 4, 1, 1, RouterScoring::kSoftmax, true}};
+  const int64_t D = 7168;
+  uint32_t seed = 100;
+  for (const auto& c : cases) {
+    MoeConfig cfg;
+    cfg.num_experts = c.E;
+    cfg.num_experts_per_tok = c.K;
+    cfg.num_expert_groups = c.G;
+    cfg.num_expert_groups_per_tok = c.keep;
+    cfg.scoring = c.sc;
+    auto gate = randn(c.E * D, seed++, 0.02f);
+    auto bias = randn(c.E, seed++, 0.05f);
+    auto dg = to_device(gate), db = to_device(bias);
+    auto counter = poisoned<uint8_t>(router_route_counter_bytes());
+    ML4_ASSERT_OK(counter.fill_bytes(0));
+    for (const int64_t T : {int64_t{1}, int64_t{3}, int64_t{8}}) {
+      auto x = randn(T * D, seed++);
+      std::vector<double> ref(T * c.E);
+      for (int64_t t = 0; t < T; ++t)
+        for (int e = 0; e < c.E; ++e) {
+          double acc = 0.0;
+          for (int64_t k = 0; k < D; ++k) acc += static_cast<double>(x[t * D + k]) * gate[e * D + k];
+          ref[t * c.E + e] = acc;
+        }
+      auto dx = to_device(x);
+      std::vector<std::vector<float>> logit_runs;
+      for (int rep = 0; rep < 2; ++rep) {
+        auto dl = poisoned<float>(T * c.E);
+        auto di = poisoned<int32_t>(T * c.K), di2 = poisoned<int32_t>(T * c.K);
+        auto dw = poisoned<float>(T * c.K), dw2 = poisoned<float>(T * c.K);
+        RouterRouteParams p;
+        p.x = dx.as<float>();
+        p.D = D;
+        p.gate = dg.as<float>();
+        p.counter = counter.as<unsigned>();
+        p.route = {dl.as<float>(), T, cfg, c.bias ? db.as<float>() : nullptr, di.as<int32_t>(), dw.as<float>(), nullptr};
+        ML4_ASSERT_OK(router_route(p));
+        // moe_route on the fused kernel's own logits: the same routing code.
+        ML4_ASSERT_OK(moe_route({dl.as<float>(), T, cfg, c.bias ? db.as<float>() : nullptr, di2.as<int32_t>(),
+                                 dw2.as<float>(), nullptr}));
+        sync();
+        auto l = to_host<float>(dl, T * c.E);
+        double num = 0.0, den = 0.0;
+        for (int64_t i = 0; i < T * c.E; ++i) {
+          num += (l[i] - ref[i]) * (l[i] - ref[i]);
+          den += ref[i] * ref[i];
+        }
+        const double err = std::sqrt(num / den);
+        std::printf("router_route E=%d K=%d T=%lld: logits rel_err=%.3g (bound 1e-5)\n", c.E, c.K,
+                    static_cast<long long>(T), err);
+        EXPECT_LT(err, 1e-5);
+        auto ids = to_host<int32_t>(di, T * c.K);
+        auto w = to_host<float>(dw, T * c.K);
+        EXPECT_EQ(ids, to_host<int32_t>(di2, T * c.K));
+        EXPECT_EQ(w, to_host<float>(dw2, T * c.K));
+        std::vector<int32_t> rid(T * c.K);
+        std::vector<float> rw(T * c.K);
+        cpu::moe_route(l.data(), T, cfg, c.bias ? bias.data() : nullptr, rid.data(), rw.data());
+        EXPECT_EQ(ids, rid) << "E=" << c.E << " T=" << T;
+        EXPECT_LT(rel_err(w, rw), 1e-6);
+        logit_runs.push_back(l);
+      }
+      EXPECT_EQ(logit_runs[0], logit_runs[1]);
+    }
+  }
+  MoeConfig big;
+  big.num_experts = 512;
+  big.num_experts_per_tok = 8;
+  EXPECT_FALSE(router_route_supported(big, 1));
+  MoeConfig ok;
+  ok.num_experts = 128;
+  ok.num_experts_per_tok = 8;
+  EXPECT_FALSE(router_route_supported(ok, 9));
+  RouterRouteParams bad;
+  bad.route.cfg = big;
+  bad.route.T = 1;
+  EXPECT_EQ(router_route(bad).code(), StatusCode::kInvalidArgument);
+}
+
 // Host-side twin of the GPU MLP on the activations the GPU GEMMs see.
 std::vector<float> quant_like_gpu(const std::vector<float>& x, int64_t K, LinearFormat f) {
   std::vector<float> o = x;

@@ -50,18 +50,12 @@ __device__ void warp_argmax(float& v, int& i) {
   }
 }
 
-// One warp per token; blockDim = 32 * warps, shared memory: warps * (2E + G) floats.
-__global__ void route_kernel(RouteArgs a) {
-  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
-  pdl_launch_dependents();
-  extern __shared__ float sm[];
-  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-  const int64_t t = blockIdx.x * int64_t{blockDim.x >> 5} + w;
-  if (t >= a.T) return;
-  float* p = sm + w * (2 * a.E + a.G);
+// Token t's routing by one warp: l its E logits, sw the warp's 2E + G floats of shared memory.
+__device__ void route_row(const RouteArgs& a, int64_t t, const float* l, float* sw) {
+  const int lane = threadIdx.x & 31;
+  float* p = sw;
   float* s = p + a.E;
   float* gs = s + a.E;
-  const float* l = a.logits + t * a.E;
   const float kNegInf = -INFINITY;
   if (a.softmax) {
     float m = kNegInf;
@@ -152,6 +146,71 @@ __global__ void route_kernel(RouteArgs a) {
   }
 }
 
+// One warp per token; blockDim = 32 * warps, shared memory: warps * (2E + G) floats.
+__global__ void route_kernel(RouteArgs a) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
+  extern __shared__ float sm[];
+  const int w = threadIdx.x >> 5;
+  const int64_t t = blockIdx.x * int64_t{blockDim.x >> 5} + w;
+  if (t >= a.T) return;
+  route_row(a, t, a.logits + t * a.E, sm + w * (2 * a.E + a.G));
+}
+
+// The decode router fused (issue 19): block e computes expert e's logit for every token (T <=
+// 8; f32 products summed per thread in k order, then across the warp and the 8 warps in a
+// fixed order), writes it with a fence, and counts itself done; the last block to finish
+// resets the counter (for the next launch or graph replay) and routes every token, warp t
+// for token t, on the logits read back past L1 (__ldcg) into shared memory. Shared memory:
+// 8 warps x (3E + G) floats.
+constexpr int kRouterThreads = 256, kRouterMaxT = 8;
+
+__global__ void __launch_bounds__(kRouterThreads)
+    router_route_kernel(const float* __restrict__ x, int64_t D, const float* __restrict__ gate, float* logits,
+                        unsigned* counter, RouteArgs a) {
+  pdl_wait();
+  pdl_launch_dependents();
+  extern __shared__ float sm[];
+  __shared__ float part[kRouterThreads / 32][kRouterMaxT];
+  __shared__ int last;
+  const int e = blockIdx.x, lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  const int T = static_cast<int>(a.T);
+  const float* g = gate + static_cast<int64_t>(e) * D;
+  float acc[kRouterMaxT];
+#pragma unroll
+  for (int t = 0; t < kRouterMaxT; ++t) acc[t] = 0.0f;
+  for (int64_t k = threadIdx.x; k < D; k += kRouterThreads) {
+    const float gk = g[k];
+#pragma unroll
+    for (int t = 0; t < kRouterMaxT; ++t)
+      if (t < T) acc[t] = fmaf(gk, x[t * D + k], acc[t]);
+  }
+#pragma unroll
+  for (int t = 0; t < kRouterMaxT; ++t) {
+    float v = acc[t];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0) part[w][t] = v;
+  }
+  __syncthreads();
+  if (threadIdx.x < T) {
+    float v = 0.0f;
+    for (int i = 0; i < kRouterThreads / 32; ++i) v += part[i][threadIdx.x];
+    logits[threadIdx.x * a.E + e] = v;
+    __threadfence();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  if (threadIdx.x == 0) atomicExch(counter, 0u);
+  if (w >= T) return;
+  float* sl = sm + w * (3 * a.E + a.G);
+  for (int i = lane; i < a.E; i += 32) sl[i] = __ldcg(logits + w * a.E + i);
+  __syncwarp();
+  route_row(a, w, sl, sl + a.E);
+}
+
 // One block: thread e counts expert e's rows, a serial scan gives offsets, then thread e
 // lists its rows in (t, k) order. Deterministic; O(E * T*K / threads) for now.
 __global__ void permute_kernel(const int32_t* __restrict__ ids, int64_t n, int E, int32_t* offsets,
@@ -238,6 +297,31 @@ Status moe_route(const MoeRouteParams& p) {
   const int64_t blocks = (p.T + warps - 1) / warps;
   launch_kernel(route_kernel, static_cast<unsigned>(blocks), warps * 32, smem, p.stream, a);
   return cuda_status(cudaGetLastError(), "route_kernel");
+}
+
+size_t router_route_counter_bytes() { return sizeof(unsigned); }
+
+Status router_route(const RouterRouteParams& p) {
+  const MoeRouteParams& r = p.route;
+  const int E = r.cfg.num_experts, K = r.cfg.num_experts_per_tok, G = std::max(r.cfg.num_expert_groups, 1);
+  if (!router_route_supported(r.cfg, r.T) || r.cfg.num_expert_groups_per_tok < 1 || E % G != 0 || K > E)
+    return invalid_argument("router_route: unsupported T={} experts={} per_tok={} groups={}", r.T, E, K,
+                            r.cfg.num_expert_groups);
+  if (p.D <= 0 || !p.x || !p.gate || !p.counter || !r.logits || !r.ids || !r.weights || r.forced_ids)
+    return invalid_argument("router_route: bad arguments");
+  if (r.T == 0) return Status::ok();
+  RouteArgs a{r.logits, r.T, E, K, G, std::min(r.cfg.num_expert_groups_per_tok, G),
+              r.cfg.scoring == RouterScoring::kSoftmax, r.cfg.renormalize, static_cast<float>(r.cfg.routed_scale),
+              r.bias, r.ids, r.weights, nullptr};
+  const size_t smem = static_cast<size_t>(kRouterThreads / 32) * (3 * E + G) * sizeof(float);
+  launch_kernel(router_route_kernel, static_cast<unsigned>(E), kRouterThreads, smem, r.stream, p.x, p.D, p.gate,
+                const_cast<float*>(r.logits), p.counter, a);
+  return cuda_status(cudaGetLastError(), "router_route_kernel");
+}
+
+bool router_route_supported(const MoeConfig& cfg, int64_t T) {
+  const int E = cfg.num_experts, K = cfg.num_experts_per_tok;
+  return T >= 0 && T <= kRouterMaxT && E > 0 && E <= 256 && K > 0 && K <= kMaxTopK;
 }
 
 Status moe_permute(const MoePermuteParams& p) {

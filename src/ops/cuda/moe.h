@@ -34,6 +34,24 @@ struct MoeRouteParams {
 };
 Status moe_route(const MoeRouteParams& p);
 
+// The router's f32 GEMV and moe_route in one launch for decode steps (issue 19's "router GEMM
+// fused with top-k"): one block per expert computes that expert's logit for every token into
+// route.logits, and the last block to finish routes every token as moe_route does (the same
+// device code), so ids and weights are moe_route's of those logits. The logits' f32 sums run
+// in another order than the cuBLASLt GEMM's (relative differences ~1e-7). x [T, D] f32,
+// gate [E, D] f32 (the router's DeviceLinear), counter: router_route_counter_bytes() of
+// device memory zeroed once (each launch leaves it at 0). route.forced_ids must be null.
+struct RouterRouteParams {
+  const float* x = nullptr;
+  int64_t D = 0;
+  const float* gate = nullptr;
+  unsigned* counter = nullptr;
+  MoeRouteParams route;  // logits (written), T, cfg, bias, ids, weights, stream
+};
+bool router_route_supported(const MoeConfig& cfg, int64_t T);  // T <= 8, E <= 256, K <= 32
+size_t router_route_counter_bytes();
+Status router_route(const RouterRouteParams& p);
+
 struct MoePermuteParams {
   const int32_t* ids = nullptr;   // [T, K] expert ids
   int64_t T = 0;

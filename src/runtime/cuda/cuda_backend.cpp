@@ -262,6 +262,8 @@ Status CudaBackend::ensure_buffers(int64_t T, int64_t R, int64_t S, int64_t maxb
     ML4_RETURN_IF_ERROR(f(b.lse, n * H, 4));
     ML4_RETURN_IF_ERROR(f(b.o, n * H * c.v_head_dim, 4));
     ML4_RETURN_IF_ERROR(f(b.router, n * E, 4));
+    ML4_RETURN_IF_ERROR(f(b.router_counter, 1, router_route_counter_bytes()));
+    ML4_RETURN_IF_ERROR(b.router_counter.fill_bytes(0));  // router_route leaves it at 0 after each launch
     ML4_RETURN_IF_ERROR(f(b.ids, n * K, 4));
     ML4_RETURN_IF_ERROR(f(b.wts, n * K, 4));
     ML4_RETURN_IF_ERROR(f(b.tok, n, 4));
@@ -920,6 +922,22 @@ Status CudaBackend::set_hot_selection(const int32_t* rows, const int32_t* counts
   ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(hot_sel_rows_.data(), rows, T * k * 4, cudaMemcpyHostToDevice, stream_));
   ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(hot_sel_counts_.data(), counts, T * 4, cudaMemcpyHostToDevice, stream_));
   return cuda_status(cudaStreamSynchronize(stream_), "set_hot_selection");  // the host arrays die after the call
+}
+
+Status CudaBackend::moe_router(LinearRef gate, const float* x, float* logits, const MoeRouteArgs& a) {
+  const bool fuse = opts_.fused_router && a.forced_host == nullptr && gate.valid() &&
+                    gate.id < static_cast<int>(linears_.size()) && router_[gate.id] &&
+                    linears_[gate.id].format == LinearFormat::kF32 && linears_[gate.id].N == cfg_.moe.num_experts &&
+                    router_route_supported(cfg_.moe, step_T_);
+  if (!fuse) return Backend::moe_router(gate, x, logits, a);
+  const DeviceLinear& w = linears_[gate.id];
+  RouterRouteParams p;
+  p.x = x;
+  p.D = w.K;
+  p.gate = w.weight.as<float>();
+  p.counter = buf_->router_counter.as<unsigned>();
+  p.route = MoeRouteParams{logits, step_T_, cfg_.moe, a.bias, a.ids, a.weights, nullptr, stream_};
+  return router_route(p).with_context("router");
 }
 
 Status CudaBackend::moe_route(const MoeRouteArgs& a) {

@@ -56,6 +56,7 @@ struct CudaBackendOptions {
   int64_t absorb_gemm_min_tokens = 64;
   bool fp4_weights = true;        // CudaRunnerOptions::fp4_weights
   int fp4_x_parts = 1;            // CudaRunnerOptions::fp4_x_parts (exact_activations: -1, the stream)
+  bool fused_router = false;      // CudaRunnerOptions::fused_router
   // RunnerOptions::experts_to_mxfp4: routed FP8 experts re-quantized to MXFP4 on the device
   // as they are uploaded (ops/cuda/requant.h); needs fp4_weights.
   bool experts_to_mxfp4 = false;
@@ -126,6 +127,7 @@ class CudaBackend : public Backend {
   Status mla_attention(const MlaArgs& p) override;
   Status mla_apply_uv(AbsorbRef a, const float* out_lat, float* o) override;
   Status moe_route(const MoeRouteArgs& p) override;
+  Status moe_router(LinearRef gate, const float* x, float* logits, const MoeRouteArgs& a) override;
   Status moe_experts(MoeRef moe, const float* x, const int32_t* ids, const float* weights, float* out) override;
   bool moe_experts_capturable(MoeRef moe) const override;
   Result<std::vector<int32_t>> read_ints(const int32_t* p, int64_t n) override;
@@ -167,7 +169,7 @@ class CudaBackend : public Backend {
   struct Buffers {
     int64_t T = 0, R = 0, bt_cap = 0, maxb = 0;
     DeviceBuffer residual, a, tmp, q, qlat_in, ckv, c, q_lat, q_rope, head_scale, out_lat, lse, o;
-    DeviceBuffer router, ids, wts, rows, normed, logits;
+    DeviceBuffer router, router_counter, ids, wts, rows, normed, logits;
     DeviceBuffer logits_parts;  // tensor parallelism only
     DeviceBuffer tok, pos, slots, seq_of, lengths, block_table, row_idx, attn_ws, gemv_ws, gemv_ws_side;
     size_t attn_ws_bytes = 0;
@@ -209,6 +211,7 @@ class CudaBackend : public Backend {
   int64_t overlapped_layers() const { return overlapped_layers_; }
   void set_overlap_indexer(bool on) { opts_.overlap_indexer = on; }
   void set_absorb_gemm(bool on) { opts_.absorb_gemm = on; }
+  void set_fused_router(bool on) { opts_.fused_router = on; }
   void set_fp4_x_parts(int parts) { opts_.fp4_x_parts = parts; }
   void set_grouped_moe_gemm(bool on) {  // the next step reserves (or drops) the path's buffers
     opts_.grouped_moe_gemm = on;

@@ -58,6 +58,7 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::create(const ModelConfig& cfg, c
   bo.overlap_indexer = opts.overlap_indexer;
   bo.grouped_moe_gemm = opts.grouped_moe_gemm;
   bo.absorb_gemm = opts.absorb_gemm;
+  bo.fused_router = opts.fused_router;
   bo.absorb_gemm_min_tokens = opts.absorb_gemm_min_tokens;
   bo.fp4_weights = opts.fp4_weights;
   bo.fp4_x_parts = opts.exact_activations ? -1 : opts.fp4_x_parts;

@@ -81,6 +81,11 @@ struct CudaRunnerOptions {
   // ml4-slice-4 decode step gained 1% at batch 1 and 8 and lost 8% at batch 64 (step bench PDL
   // lines, docs/BENCHMARKS.md).
   bool programmatic_launch = false;
+  // The decode router fused (issue 19, ops/cuda/moe.h router_route): for steps of at most 8
+  // tokens without forced experts, the router's f32 GEMV and the top-k routing in one launch
+  // instead of a cuBLASLt f32 GEMM and the route kernel. Off until CudaMoe.FusedRouterMatchesCpu
+  // has passed on a device and the step bench's FUSEDROUTER lines have measured it.
+  bool fused_router = false;
 };
 
 class CudaRunner : public ModelRunner {
@@ -123,6 +128,12 @@ class CudaRunner : public ModelRunner {
   // which hold one schedule or the other.
   void set_programmatic_launch(bool on) {
     opts_.programmatic_launch = on;
+    graphs_.clear();
+    draft_graphs_.clear();
+  }
+  void set_fused_router(bool on) {
+    opts_.fused_router = on;
+    backend_->set_fused_router(on);
     graphs_.clear();
     draft_graphs_.clear();
   }

@@ -164,6 +164,15 @@ int run_step_bench(const StepBenchOptions& opt) {
     std::printf("STEP_LOGITS batch=%d ctx=8192 ms=%.3f (logits to the host, no device sampling)\n", batch,
                 time_step(r, in, 3, 20));
   }
+  for (int batch : {1, 4, 8}) {  // the decode router fused with its top-k (moe.h router_route) vs not
+    const StepInput fin = decode_step(r, batch, 8192, blocks_per_seq);
+    const double off = time_step(r, fin, 3, 20);
+    r.set_fused_router(true);
+    const double on = time_step(r, fin, 3, 20);
+    r.set_fused_router(false);
+    std::printf("FUSEDROUTER model=%s batch=%d ctx=8192 fused_ms=%.3f plain_ms=%.3f gain=%.3f\n", preset.c_str(), batch,
+                on, off, off / on);
+  }
   if (!opt.extras) return 0;
   {  // Graphs vs eager, batch 1, 8k.
     const StepInput in = decode_step(r, 1, 8192, blocks_per_seq);
