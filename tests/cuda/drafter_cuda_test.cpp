@@ -59,7 +59,12 @@ TEST(CudaDrafter, ProbabilisticDraftsEqualTheCpuRunners) {
   s.num_logits = 1;
   ASSERT_TRUE((*c)->execute(StepInput{{s}}).ok());
   ASSERT_TRUE((*g)->execute(StepInput{{s}}).ok());
+  // top_p 0.95: drawn on the host (CudaBackend::choose_tokens downloads the rows); top_p 1
+  // with min_p: drawn on the device (sampling.h draft_rows) and replayed as a graph after the
+  // first draft of the shape.
+  for (const float top_p : {0.95f, 1.0f}) {
   int equal = 0, total = 0;
+  const int64_t replays0 = (*g)->draft_replays();
   for (uint64_t seed = 1; seed <= 8; ++seed) {
     DraftInput din;
     DraftSeq d;
@@ -70,7 +75,8 @@ TEST(CudaDrafter, ProbabilisticDraftsEqualTheCpuRunners) {
     d.num_drafts = B - 1;
     DeviceSamplingParams p;
     p.temperature = 1.0f;
-    p.top_p = 0.95f;
+    p.top_p = top_p;
+    p.min_p = top_p < 1.0f ? 0.0f : 0.02f;
     p.seed = seed;
     d.sampling = p;
     din.seqs.push_back(d);
@@ -89,8 +95,12 @@ TEST(CudaDrafter, ProbabilisticDraftsEqualTheCpuRunners) {
   // distance of a boundary of the (cumulative) distribution: rare, not impossible (one slot in
   // 50 with the current ml4-small). A systematic difference (a wrong row, a wrong counter)
   // diverges at the first slot of most of the 8 chains; one divergence is allowed.
-  std::printf("cuda vs cpu probabilistic drafts: %d of %d compared slots equal\n", equal, total);
+  std::printf("cuda vs cpu probabilistic drafts (top_p %.2f): %d of %d compared slots equal, %lld graph replays\n",
+              top_p, equal, total, static_cast<long long>((*g)->draft_replays() - replays0));
   EXPECT_GE(equal, total - 1);
+  if (top_p < 1.0f) EXPECT_EQ((*g)->draft_replays(), replays0);  // host draws: no graph
+  else EXPECT_GE((*g)->draft_replays() - replays0, 6);           // the first draft captures
+  }
 }
 
 // Greedy drafts run as CUDA graphs (CudaRunner::draft): over consecutive anchors (a window

@@ -28,6 +28,7 @@
 #include "ops/cpu/sampling.h"
 #include "engine/sampling_exact_dist.h"
 #include "ops/cpu/basic.h"
+#include "ops/cpu/draft_tokens.h"
 #include "ops/cuda/sampling.h"
 
 namespace ml4::cuda {
@@ -438,6 +439,73 @@ TEST(CudaSampling, TokenBitmaskMatchesHostMaskingAndSampling) {
   }
   EXPECT_FALSE(apply_token_bitmask(dl.as<float>(), B, V, nullptr, nullptr).is_ok());
   EXPECT_FALSE(apply_token_bitmask(dl.as<float>(), B, V, dm.as<uint32_t>(), nullptr, V - 1).is_ok());
+}
+
+// The drafter's sampled drafts on the device (draft_rows) against the host's
+// cpu::choose_draft_tokens on the same logits: the same ids (a difference needs u * total within
+// ~1e-16 of a cumulative boundary: the host sums sequentially, the device by tiles), q within
+// 1e-6 relative per row (f64 exp and sums in another order, then the same f32 rounding: a few
+// ulp at most), every row's q summing to 1; greedy rows one-hot at the argmax; both the float4
+// and the scalar argmax path (V % 4 != 0); twice, bit-identical; top-k / top-p rows are not
+// supported (the host draws those).
+TEST(CudaSampling, DraftRowsMatchHostDrafts) {
+  ML4_REQUIRE_GPU();
+  for (const int64_t V : {int64_t{8192}, int64_t{131072 + 3}}) {
+    const int64_t B = 12;
+    auto l = testing::randn(B * V, 31, 2.5f);
+    std::vector<DeviceSamplingParams> ps(B);
+    for (int64_t r = 0; r < B; ++r) {
+      DeviceSamplingParams& p = ps[r];
+      p.temperature = r == 0 ? 0.0f : (r % 3 == 0 ? 0.7f : r % 3 == 1 ? 1.0f : 1.5f);
+      p.min_p = r % 2 == 0 ? 0.05f : 0.0f;
+      p.seed = 1000 + static_cast<uint64_t>(r);
+      p.counter = 17 * r;
+      ASSERT_TRUE(draft_rows_supported(p, V));
+    }
+    std::vector<int32_t> hid(B);
+    std::vector<float> hq(B * V);
+    cpu::choose_draft_tokens(l.data(), B, V, ps.data(), hid.data(), hq.data());
+    auto dl = to_device(l), dp = to_device(ps);
+    const size_t wb = draft_rows_workspace_bytes(B, V);
+    auto ws = poisoned<uint8_t>(wb);
+    std::vector<std::vector<float>> runs;
+    for (int rep = 0; rep < 2; ++rep) {
+      auto di = poisoned<int32_t>(B);
+      auto dq = poisoned<float>(B * V);
+      ML4_ASSERT_OK(draft_rows(dl.as<float>(), B, V, dp.as<DeviceSamplingParams>(), di.as<int32_t>(), dq.as<float>(),
+                               ws.data(), wb, nullptr));
+      ML4_ASSERT_OK(cuda_status(cudaDeviceSynchronize(), "draft_rows"));
+      auto ids = to_host<int32_t>(di, B);
+      auto q = to_host<float>(dq, B * V);
+      EXPECT_EQ(ids, hid) << "V=" << V;
+      for (int64_t r = 0; r < B; ++r) {
+        double num = 0.0, den = 0.0, sum = 0.0;
+        for (int64_t i = 0; i < V; ++i) {
+          const double d = static_cast<double>(q[r * V + i]) - hq[r * V + i];
+          num += d * d;
+          den += static_cast<double>(hq[r * V + i]) * hq[r * V + i];
+          sum += q[r * V + i];
+        }
+        EXPECT_LT(std::sqrt(num / den), 1e-6) << "row " << r << " V=" << V;
+        EXPECT_NEAR(sum, 1.0, 1e-5) << "row " << r;
+      }
+      EXPECT_EQ(q[ids[0]], 1.0f);  // greedy row: one-hot
+      runs.push_back(std::move(q));
+    }
+    EXPECT_EQ(runs[0], runs[1]);
+    std::printf("draft_rows V=%lld: %lld rows, ids equal to the host's: %s\n", static_cast<long long>(V),
+                static_cast<long long>(B), "checked above");
+  }
+  DeviceSamplingParams tp;
+  tp.top_p = 0.9f;
+  EXPECT_FALSE(draft_rows_supported(tp, 8192));
+  tp.top_p = 1.0f;
+  tp.top_k = 50;
+  EXPECT_FALSE(draft_rows_supported(tp, 8192));
+  DeviceBuffer d = poisoned<float>(64);
+  const auto* p = reinterpret_cast<const DeviceSamplingParams*>(d.as<float>());
+  DeviceBuffer ws = poisoned<uint8_t>(8);
+  EXPECT_FALSE(draft_rows(d.as<float>(), 2, 8, p, d.as<int32_t>(), d.as<float>(), ws.data(), 8, nullptr).is_ok());
 }
 
 TEST(CudaSampling, BadArgumentsAreErrors) {

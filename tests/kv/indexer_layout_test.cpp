@@ -2,6 +2,8 @@
 // DeepSeek act_quant's scale max(amax, 1e-4) / 448.
 #include "kv/indexer_layout.h"
 
+#include <bit>
+#include <cmath>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -55,6 +57,38 @@ TEST(IndexerLayout, PageBytesAtTheirOffsets) {
       read_indexer_key_raw(page.data(), t, dI, raw.data(), scales.data());
       ASSERT_EQ(0, std::memcmp(raw.data(), page.data() + t * dI, dI));
       ASSERT_EQ(0, std::memcmp(scales.data(), page.data() + 64 * dI + t * 4 * G, 4 * G));
+    }
+  }
+}
+
+// decode_indexer_key's vector path gives e4m3_to_f32(v) * scale bit for bit: every code (NaN
+// codes as NaN), scales from the 1e-4 floor to large, dI with a short last group.
+TEST(IndexerLayout, DecodeIsTableTimesScaleEveryCode) {
+  for (int dI : {128, 256, 64, 136, 100}) {
+    const int G = indexer_scales_per_token(dI);
+    std::mt19937 rng(31 + dI);
+    std::vector<uint8_t> page(indexer_page_bytes(dI));
+    for (auto& b : page) b = static_cast<uint8_t>(rng());
+    const float picks[] = {1e-4f / 448.0f, 3.7e-3f, 1.0f, 0.1f, 7.3e20f, 1.0e35f};
+    for (int t = 0; t < kPageTokens; ++t)
+      for (int g = 0; g < G; ++g) {
+        const float sc = picks[(t + g) % 6] * (1.0f + static_cast<float>(rng() % 1000) / 997.0f);
+        std::memcpy(page.data() + 64 * dI + t * 4 * G + 4 * g, &sc, 4);
+      }
+    for (int i = 0; i < 256 && i < 64 * dI; ++i) page[i] = static_cast<uint8_t>(i);  // every code
+    std::vector<float> k(dI);
+    for (int t = 0; t < kPageTokens; ++t) {
+      decode_indexer_key(page.data(), t, dI, k.data());
+      for (int i = 0; i < dI; ++i) {
+        float sc;
+        std::memcpy(&sc, page.data() + 64 * dI + t * 4 * G + 4 * (i / 128), 4);
+        const float ref = e4m3_to_f32(page[t * dI + i]) * sc;
+        if (std::isnan(ref)) {
+          ASSERT_TRUE(std::isnan(k[i])) << dI << " " << t << " " << i;
+        } else {
+          ASSERT_EQ(std::bit_cast<uint32_t>(k[i]), std::bit_cast<uint32_t>(ref)) << dI << " " << t << " " << i;
+        }
+      }
     }
   }
 }

@@ -369,6 +369,45 @@ TEST(Attention, IndexerScores) {
 }
 
 
+// indexer_scores_rows: T tokens over a key range, each score bit for bit indexer_scores' for the
+// token (AVX-512 tiles or AVX2), only [s0, min(s1, visible[t])) written; head counts with and without a remainder of
+// 4, dI with and without the 8-step and the scalar tail; zero rows (dots of exactly +-0) and a NaN.
+TEST(Attention, IndexerScoresRowsSameBitsAsIndexerScores) {
+  for (int HI : {4, 8, 5, 3, 1}) {
+    for (int dI : {128, 64, 136, 100}) {
+      const int64_t T = 9, S = 77;
+      auto q = test::random_floats(T * HI * dI, 11 + HI + dI);
+      auto w = test::random_floats(T * HI, 12 + HI);
+      auto k = test::random_floats(S * dI, 13 + dI);
+      for (int i = 0; i < dI; ++i) k[5 * dI + i] = 0.0f, k[6 * dI + i] = -0.0f;
+      for (int i = 0; i < dI; ++i) q[(2 * HI) * dI + i] = 0.0f;  // token 2, head 0
+      k[9 * dI + 3] = NAN;
+      w[HI + 1 < T * HI ? HI + 1 : 0] = -0.0f;
+      const int64_t visible[T] = {1, 77, 76, 8, 9, 16, 17, 70, 0};
+      for (auto [s0, s1, avx512] : {std::tuple<int64_t, int64_t, bool>{0, S, true}, {0, S, false}, {3, 40, true},
+                                    {8, 24, false}, {70, 77, true}, {17, 61, false}}) {
+        std::vector<float> got(T * S, 1234.5f);
+        linear_allow_avx512(avx512);
+        indexer_scores_rows(q.data(), w.data(), T, HI, dI, k.data(), s0, s1, visible, got.data(), S);
+        linear_allow_avx512(true);
+        for (int64_t t = 0; t < T; ++t) {
+          std::vector<float> ref(S);
+          indexer_scores(q.data() + t * HI * dI, w.data() + t * HI, HI, dI, k.data(), S, ref.data());
+          for (int64_t s = 0; s < S; ++s) {
+            const bool in = s >= s0 && s < std::min(s1, visible[t]);
+            if (in) {
+              ASSERT_EQ(std::bit_cast<uint32_t>(got[t * S + s]), std::bit_cast<uint32_t>(ref[s]))
+                  << HI << " " << dI << " " << t << " " << s;
+            } else {
+              ASSERT_EQ(got[t * S + s], 1234.5f) << HI << " " << dI << " " << t << " " << s;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 // Decode context parallelism's combine (SYSTEM.md S8): the keys split over N ranks (token i on
 // rank (i / I) % N), each rank's partial (out, lse) from mla_attention over its share, merged
 // by merge_attention_parts (the all-to-all combine) and by rescale_attention_part + a sum (the

@@ -82,6 +82,31 @@ TEST(Basic, TopkTiesGoToLowerIndexAndNanIsLast) {
   EXPECT_EQ(i3, (std::vector<int32_t>{2, 0, 1, -1, -1}));
 }
 
+// topk_set: topk's indices sorted, with ties, NaN, -inf, -0 / +0 and k >= n.
+TEST(Basic, TopkSetIsSortedTopk) {
+  for (int n : {1, 7, 300, 520, 2000}) {
+    for (int variant = 0; variant < 3; ++variant) {
+      auto s = test::random_floats(n, 40 + n + variant, -5.0f, 5.0f);
+      if (variant >= 1)
+        for (auto& v : s) v = std::floor(v);  // many ties, zeros among them
+      if (variant == 2)
+        for (int i = 0; i < n; i += 7) s[i] = (i / 7) % 4 == 0 ? NAN : (i / 7) % 4 == 1 ? -INFINITY : (i / 7) % 4 == 2 ? -0.0f : 0.0f;
+      for (int k : {0, 1, 5, 64, 65, 256, n - 1, n, n + 3}) {
+        if (k < 0) continue;
+        auto ref = topk_ref(s, k);
+        std::sort(ref.begin(), ref.end());
+        std::vector<int32_t> idx(std::min(k, n), -7);
+        topk_set(s.data(), n, k, idx.data());
+        EXPECT_EQ(idx, ref) << n << " " << variant << " " << k;
+        std::vector<int32_t> full(std::max(k, 0));
+        topk(s.data(), n, k, full.data());
+        full.resize(std::min(k, n));
+        EXPECT_EQ(full, topk_ref(s, k)) << n << " " << variant << " " << k;
+      }
+    }
+  }
+}
+
 TEST(Basic, EmbeddingLookup) {
   const int64_t V = 50, D = 24;
   auto vals = test::random_floats(V * D, 6);

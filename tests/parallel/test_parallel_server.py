@@ -98,7 +98,7 @@ class MpiServer:
         return self.proc.returncode
 
 
-def complete(url, prompt_ids, max_tokens, stream=False, timeout=60):
+def complete(url, prompt_ids, max_tokens, stream=False, timeout=60, on_event=None):
     body = {"model": "m", "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": stream, "skip_special_tokens": False}
     req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
@@ -111,6 +111,8 @@ def complete(url, prompt_ids, max_tokens, stream=False, timeout=60):
             line = line.decode().strip()
             if line.startswith("data: ") and line != "data: [DONE]":
                 events.append(json.loads(line[6:]))
+                if on_event:
+                    on_event()
         return events
 
 
@@ -177,18 +179,29 @@ def test_killed_worker_stops_the_group_with_an_error(model_dir, extra):
         pids = srv.rank_pids()
         assert len(pids) == 2
         outcomes = []
+        # The kill must land while every request is decoding. A fixed sleep (1.5 s) did that only
+        # by timing: 6 x 400 tokens take ~5 s on 2 idle cores, so a faster or differently loaded
+        # machine could finish them (finish_reason "length") or not have started them before the
+        # kill. Now the kill comes once every stream has sent a token, and 1500 tokens each
+        # (~50 s of decoding here) outlast the group's stop (~1 s after the kill) by far.
+        decoding = [threading.Event() for _ in range(6)]
 
         def worker(i):
             try:
-                ev = complete(srv.url, [3 + i, 5, 7, 11], 400, stream=True, timeout=60)
+                ev = complete(srv.url, [3 + i, 5, 7, 11], 1500, stream=True, timeout=60, on_event=decoding[i].set)
                 outcomes.append(("events", ev))
             except Exception as e:  # noqa: BLE001 - a closed connection is an acceptable failure
                 outcomes.append(("error", repr(e)))
+            finally:
+                decoding[i].set()  # a request that ended early shows in outcomes below
 
         threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
         for t in threads:
             t.start()
-        time.sleep(1.5)  # requests are decoding
+        deadline = time.time() + 120
+        for e in decoding:
+            assert e.wait(max(0.0, deadline - time.time())), "a request sent no token within 120 s"
+        assert not outcomes, outcomes  # all 6 still in flight: the kill lands mid-decode
         t_kill = time.time()
         os.kill(pids[1], signal.SIGKILL)
         srv.proc.wait(timeout=KILL_STOP_S + 20)

@@ -147,7 +147,11 @@ def test_api_key_and_graceful_shutdown(model_dir):
         good = openai.OpenAI(base_url=s.url + "/v1", api_key="sekret", max_retries=0)
         assert good.models.list().data[0].id == "keyed"
         # A stream in flight when SIGTERM arrives still completes; the process exits 0.
-        stream = good.completions.create(model="keyed", prompt="go", max_tokens=60, stream=True,
+        # 400 tokens (~0.75 s after the first chunk on 2 idle cores, well under the default 30 s
+        # drain on a loaded machine), not 60: those took ~150 ms, a few of the SIGTERM watcher's
+        # 50 ms polls, so a stalled test process could send SIGTERM after the stream ended and
+        # the check would pass without a drain (the race test_shutdown.py hit on CI).
+        stream = good.completions.create(model="keyed", prompt="go", max_tokens=400, stream=True,
                                          extra_body={"ignore_eos": True})
         first = next(iter(stream))
         s.proc.send_signal(__import__("signal").SIGTERM)

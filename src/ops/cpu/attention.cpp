@@ -872,6 +872,47 @@ void indexer_scores(const float* q, const float* w, int HI, int dI, const float*
   });
 }
 
+void indexer_scores_rows(const float* q, const float* w, int64_t T, int HI, int dI, const float* k, int64_t s0,
+                         int64_t s1, const int64_t* visible, float* scores, int64_t ld) {
+  // Keys per block: their rows stay in L1 while every token's heads pass over them. A token's
+  // HI x m dots are score_rows tiles of one segment (the logit order with an empty second
+  // segment is dot()'s order: 16-steps into two 8-lane accumulators, an 8-step into the first,
+  // hsum8(acc0 + acc1), the scalar tail), AVX-512 or AVX2 with the same bits.
+  constexpr int64_t kKeys = 16;
+  const bool wide = linear_uses_avx512();
+  std::vector<float> d(static_cast<size_t>(HI) * kKeys);
+  for (int64_t sb = s0; sb < s1; sb += kKeys) {
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t m = std::min({kKeys, s1 - sb, visible[t] - sb});
+      if (m <= 0) continue;
+      const float* qt = q + t * HI * dI;
+      const float* wt = w + t * HI;
+      const float* kb = k + sb * dI;
+      const DotSeg segs[2] = {{qt, dI, kb, dI, dI}, {qt, dI, kb, dI, 0}};
+      score_rows(wide, segs, HI, m, d.data(), kKeys);
+      // As indexer_scores: acc = fma(w[h], max(0, dot), acc) over h in order, from 0.
+      float* out = scores + t * ld + sb;
+      int64_t j = 0;
+#ifdef ML4_ATTN_AVX2
+      const __m256 zero = _mm256_setzero_ps();
+      for (; j + 8 <= m; j += 8) {
+        __m256 acc = _mm256_setzero_ps();
+        // max_ps(x, 0) = x > 0 ? x : 0 = std::max(0.0f, x), NaN included.
+        for (int h = 0; h < HI; ++h)
+          acc = _mm256_fmadd_ps(_mm256_set1_ps(wt[h]), _mm256_max_ps(_mm256_loadu_ps(d.data() + h * kKeys + j), zero),
+                                acc);
+        _mm256_storeu_ps(out + j, acc);
+      }
+#endif
+      for (; j < m; ++j) {
+        float acc = 0.0f;
+        for (int h = 0; h < HI; ++h) acc = std::fma(wt[h], std::max(0.0f, d[h * kKeys + j]), acc);
+        out[j] = acc;
+      }
+    }
+  }
+}
+
 namespace {
 // L = log sum_p exp(lse[p * stride]) with the max taken out; -inf when every part is empty.
 float combined_lse(const float* lse, int n, int64_t stride) {

@@ -2,6 +2,8 @@
 #include "ops/cpu/basic.h"
 
 #include <algorithm>
+#include <bit>
+#include <functional>
 #include <cmath>
 #include <limits>
 #include <numeric>
@@ -39,6 +41,46 @@ void silu_mul(const float* g, const float* u, int64_t n, float* out) {
   }
 }
 
+namespace {
+// The rank of a score as an unsigned key whose order is topk's: NaN as -inf, -0 as +0, then the
+// IEEE order (sign flipped in, negatives' bits inverted), so a > b as keys iff a ranks higher.
+inline uint32_t score_key(float s) {
+  const uint32_t u = std::bit_cast<uint32_t>(s), mag = u & 0x7fffffffu;
+  const uint32_t ordered = u ^ (static_cast<uint32_t>(static_cast<int32_t>(u) >> 31) | 0x80000000u);
+  // NaN: the key of -inf (~0xff800000); +-0: the key of +0.
+  return mag > 0x7f800000u ? 0x007fffffu : mag == 0 ? 0x80000000u : ordered;
+}
+// score_key above the index's complement: distinct for every index, a > b iff a ranks higher
+// (ties by lower index).
+inline uint64_t rank_key(float s, int64_t i) {
+  return (static_cast<uint64_t>(score_key(s)) << 32) | static_cast<uint32_t>(~static_cast<uint32_t>(i));
+}
+}  // namespace
+
+void topk_set(const float* scores, int64_t n, int k, int32_t* idx) {
+  const int64_t kk = std::min<int64_t>(std::max(k, 0), std::max<int64_t>(n, 0));
+  if (kk == n) {
+    std::iota(idx, idx + kk, 0);
+    return;
+  }
+  if (kk == 0) return;
+  // The kk-th highest score key; all above it are in, and of those equal to it the lowest
+  // indices up to kk (topk's tie rule), all taken in index order.
+  thread_local std::vector<uint32_t> buf;
+  buf.resize(2 * static_cast<size_t>(n));
+  uint32_t* key = buf.data();
+  uint32_t* work = key + n;
+  for (int64_t i = 0; i < n; ++i) key[i] = score_key(scores[i]);
+  std::copy(key, key + n, work);
+  std::nth_element(work, work + (kk - 1), work + n, std::greater<uint32_t>());
+  const uint32_t pivot = work[kk - 1];
+  int64_t above = 0;
+  for (int64_t i = 0; i < n; ++i) above += key[i] > pivot;
+  int64_t equal_left = kk - above, c = 0;
+  for (int64_t i = 0; i < n; ++i)
+    if (key[i] > pivot || (key[i] == pivot && equal_left-- > 0)) idx[c++] = static_cast<int32_t>(i);
+}
+
 void topk(const float* scores, int64_t n, int k, int32_t* idx) {
   if (k <= 0) return;
   const int64_t kk = std::min<int64_t>(k, std::max<int64_t>(n, 0));
@@ -66,11 +108,12 @@ void topk(const float* scores, int64_t n, int k, int32_t* idx) {
         idx[j] = c;
       }
     } else {
-      std::vector<int32_t> all(static_cast<size_t>(n));
-      std::iota(all.begin(), all.end(), 0);
-      std::nth_element(all.begin(), all.begin() + (kk - 1), all.end(), better);
-      std::sort(all.begin(), all.begin() + kk, better);
-      std::copy(all.begin(), all.begin() + kk, idx);
+      // better() as one integer compare (rank_key), the index in the key's low half.
+      std::vector<uint64_t> all(static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i) all[i] = rank_key(scores[i], i);
+      std::nth_element(all.begin(), all.begin() + (kk - 1), all.end(), std::greater<uint64_t>());
+      std::sort(all.begin(), all.begin() + kk, std::greater<uint64_t>());
+      for (int64_t j = 0; j < kk; ++j) idx[j] = static_cast<int32_t>(~static_cast<uint32_t>(all[j]));
     }
   }
   for (int64_t i = kk; i < k; ++i) idx[i] = -1;

@@ -19,6 +19,10 @@ void silu_mul(const float* g, const float* u, int64_t n, float* out);
 // everything. k > n fills idx[n..k) with -1; k <= 0 writes nothing.
 void topk(const float* scores, int64_t n, int k, int32_t* idx);
 
+// The same indices as topk(scores, n, k), in ascending index order (k > n: the n indices, no
+// -1 filler; idx needs min(k, n) entries).
+void topk_set(const float* scores, int64_t n, int k, int32_t* idx);
+
 // out[t] = table[ids[t]] as f32; table is [V, D] bf16 or f32. An id outside [0, V) or
 // another table dtype is a caller bug (the engine validates ids at admission): that row
 // is written as NaN and logged, never read out of bounds.

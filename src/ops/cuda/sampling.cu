@@ -162,6 +162,207 @@ __global__ void argmax_final_kernel(const ull* __restrict__ part, int tiles, int
   if (threadIdx.x == 0) out[blockIdx.x] = static_cast<int32_t>(0xFFFFFFFFu - static_cast<uint32_t>(k & 0xFFFFFFFFu));
 }
 
+// ---- the drafter's sampled drafts (draft_rows) -------------------------------------------
+//
+// Per row, over the same 4096-logit tiles as the split argmax: K1 argmax_tile_kernel (the
+// best id's key per tile); K2 the row's best id and max, then per tile sum of e_i =
+// exp((l_i - m) / T) in f64 (min-p: e_i kept when >= min_p or i = best); K3 the row's sum
+// (tile sums in tile order), q_i = f32(e_i / sum) written, per tile the f64 sum of the q_i
+// and the last id with q_i > 0; K4 one warp per row: total = the tile sums in order, target =
+// u total (u as draw_from_weights draws it), the tile where the running sum first exceeds it,
+// then inside it lane j's 128 ids (sum, warp prefix, and a sequential scan of the crossing
+// lane); no crossing (rounding at the very end) -> the last id with q > 0, as the host.
+
+struct DraftWs {
+  ull* keys;
+  double* esum;
+  double* qsum;
+  int* lastpos;
+};
+
+__host__ __device__ inline DraftWs draft_ws(void* base, int64_t B, int tiles) {
+  char* p = static_cast<char*>(base);
+  DraftWs w;
+  const size_t n = static_cast<size_t>(B) * tiles;
+  w.keys = reinterpret_cast<ull*>(p);
+  w.esum = reinterpret_cast<double*>(p + n * 8);
+  w.qsum = reinterpret_cast<double*>(p + n * 16);
+  w.lastpos = reinterpret_cast<int*>(p + n * 24);
+  return w;
+}
+
+// The row's best id from its tiles' keys (every thread gets it).
+__device__ __forceinline__ int64_t draft_best(const ull* keys, int tiles) {
+  __shared__ ull red[32];
+  ull k = 0;
+  for (int i = threadIdx.x; i < tiles; i += blockDim.x) k = keys[i] > k ? keys[i] : k;
+  k = warp_max_key(k);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = k;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    ull v = threadIdx.x < (blockDim.x >> 5) ? red[threadIdx.x] : 0;
+    v = warp_max_key(v);
+    if (threadIdx.x == 0) red[0] = v;
+  }
+  __syncthreads();
+  const ull best = red[0];
+  __syncthreads();
+  return static_cast<int64_t>(0xFFFFFFFFu - static_cast<uint32_t>(best & 0xFFFFFFFFu));
+}
+
+// e_i of row_distribution's temperature branch (0 where min-p drops it).
+__device__ __forceinline__ double draft_weight(float l, int64_t i, double m, const DeviceSamplingParams& P,
+                                               int64_t best) {
+  const double e = exp((static_cast<double>(l) - m) / P.temperature);
+  if (sampling::min_p_on(P) && i != best && !(e >= static_cast<double>(sampling::min_p_value(P)))) return 0.0;
+  return e;
+}
+
+// Block sum of one double per thread, in a fixed order (warp shuffles, then the warps in order).
+__device__ __forceinline__ double block_sum_f64(double v) {
+  __shared__ double red[32];
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  double s = 0.0;
+  if (threadIdx.x == 0)
+    for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) s += red[w];
+  __syncthreads();
+  return s;  // thread 0's value
+}
+
+__global__ void __launch_bounds__(kArgThreads)
+    draft_esum_kernel(const float* __restrict__ logits, int64_t V, const DeviceSamplingParams* __restrict__ params,
+                      void* ws) {
+  pdl_wait();
+  pdl_launch_dependents();
+  const int tiles = gridDim.x;
+  const int64_t row = blockIdx.y;
+  const DraftWs w = draft_ws(ws, gridDim.y, tiles);
+  const DeviceSamplingParams P = params[row];
+  const int64_t best = draft_best(w.keys + row * tiles, tiles);
+  if (sampling::greedy(P)) return;
+  const float* l = logits + row * V;
+  const double m = l[best];
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kArgTile, end = t0 + kArgTile < V ? t0 + kArgTile : V;
+  double acc = 0.0;
+  for (int64_t i = t0 + threadIdx.x; i < end; i += kArgThreads) acc += draft_weight(l[i], i, m, P, best);
+  const double s = block_sum_f64(acc);
+  if (threadIdx.x == 0) w.esum[row * tiles + blockIdx.x] = s;
+}
+
+__global__ void __launch_bounds__(kArgThreads)
+    draft_probs_kernel(const float* __restrict__ logits, int64_t V, const DeviceSamplingParams* __restrict__ params,
+                       float* __restrict__ probs, void* ws) {
+  pdl_wait();
+  pdl_launch_dependents();
+  const int tiles = gridDim.x;
+  const int64_t row = blockIdx.y;
+  const DraftWs w = draft_ws(ws, gridDim.y, tiles);
+  const DeviceSamplingParams P = params[row];
+  const int64_t best = draft_best(w.keys + row * tiles, tiles);
+  const float* l = logits + row * V;
+  float* q = probs + row * V;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kArgTile, end = t0 + kArgTile < V ? t0 + kArgTile : V;
+  __shared__ int last;
+  if (threadIdx.x == 0) last = -1;
+  __syncthreads();
+  double acc = 0.0;
+  int mylast = -1;
+  if (sampling::greedy(P)) {
+    for (int64_t i = t0 + threadIdx.x; i < end; i += kArgThreads) q[i] = i == best ? 1.0f : 0.0f;
+  } else {
+    double sum = 0.0;
+    for (int t = 0; t < tiles; ++t) sum += w.esum[row * tiles + t];
+    const double m = l[best];
+    for (int64_t i = t0 + threadIdx.x; i < end; i += kArgThreads) {
+      const float v = static_cast<float>(draft_weight(l[i], i, m, P, best) / sum);
+      q[i] = v;
+      if (v > 0.0f) {
+        acc += v;
+        mylast = static_cast<int>(i);
+      }
+    }
+  }
+  if (mylast >= 0) atomicMax(&last, mylast);
+  const double s = block_sum_f64(acc);
+  if (threadIdx.x == 0) {
+    w.qsum[row * tiles + blockIdx.x] = s;
+    w.lastpos[row * tiles + blockIdx.x] = last;
+  }
+}
+
+constexpr int kDrawLaneIds = kArgTile / 32;  // 128 ids per lane inside the crossing tile
+
+__global__ void draft_draw_kernel(const float* __restrict__ probs, int64_t V, const DeviceSamplingParams* __restrict__ params,
+                                  int32_t* __restrict__ ids, void* ws, int tiles) {
+  pdl_wait();
+  pdl_launch_dependents();
+  const int64_t row = blockIdx.x;
+  const int lane = threadIdx.x;
+  const DraftWs w = draft_ws(ws, gridDim.x, tiles);
+  const DeviceSamplingParams P = params[row];
+  if (sampling::greedy(P)) {
+    const int64_t best = draft_best(w.keys + row * tiles, tiles);
+    if (lane == 0) ids[row] = static_cast<int32_t>(best);
+    return;
+  }
+  // u exactly as sampling::draw_from_weights draws it.
+  const sampling::Philox4 r = sampling::draw_group(P.seed, P.counter, 0xFFFFFFFFu);
+  const double u = static_cast<double>((static_cast<uint64_t>(r.v[0]) << 21) ^ (r.v[1] >> 11)) * 0x1.0p-53;
+  double total = 0.0;
+  int lastpos = -1;
+  for (int t = 0; t < tiles; ++t) {
+    total += w.qsum[row * tiles + t];
+    lastpos = max(lastpos, w.lastpos[row * tiles + t]);
+  }
+  const double target = u * total;
+  double acc = 0.0;
+  int tile = -1;
+  for (int t = 0; t < tiles; ++t) {
+    const double next = acc + w.qsum[row * tiles + t];
+    if (next > target) {
+      tile = t;
+      break;
+    }
+    acc = next;
+  }
+  int32_t token = lastpos < 0 ? 0 : lastpos;
+  if (tile >= 0) {
+    // The tile's last positive id unless a lane crosses (a crossing lost to rounding between
+    // the tile's block-reduced sum and its lanes' sums).
+    if (w.lastpos[row * tiles + tile] >= 0) token = w.lastpos[row * tiles + tile];
+    const float* q = probs + row * V;
+    const int64_t i0 = static_cast<int64_t>(tile) * kArgTile + static_cast<int64_t>(lane) * kDrawLaneIds;
+    const int64_t i1 = i0 + kDrawLaneIds < V ? i0 + kDrawLaneIds : V;
+    double mine = 0.0;
+    for (int64_t i = i0; i < i1; ++i)
+      if (q[i] > 0.0f) mine += q[i];
+    double before = mine;  // inclusive prefix over the lanes
+    for (int o = 1; o < 32; o <<= 1) {
+      const double v = __shfl_up_sync(0xFFFFFFFFu, before, o);
+      if (lane >= o) before += v;
+    }
+    before -= mine;  // exclusive
+    const bool crosses = acc + before + mine > target && mine > 0.0;
+    const unsigned ballot = __ballot_sync(0xFFFFFFFFu, crosses);
+    if (ballot != 0u) {
+      const int first = __ffs(ballot) - 1;
+      if (lane == first) {
+        double a = acc + before;
+        for (int64_t i = i0; i < i1; ++i) {
+          if (!(q[i] > 0.0f)) continue;
+          a += q[i];
+          token = static_cast<int32_t>(i);
+          if (a > target) break;
+        }
+      }
+      token = __shfl_sync(0xFFFFFFFFu, token, first);
+    }
+  }
+  if (lane == 0) ids[row] = token;
+}
+
 // ---- one block per row (no workspace) --------------------------------------------------
 
 template <bool kVec>
@@ -856,6 +1057,41 @@ Status argmax_rows_split(const float* a, int64_t a_stride, const float* b, int64
   ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "argmax_tile_kernel"));
   launch_kernel(argmax_final_kernel, static_cast<unsigned>(B), 32, 0, stream, static_cast<const ull*>(part), tiles, out);
   return cuda_status(cudaGetLastError(), "argmax_final_kernel");
+}
+
+bool draft_rows_supported(const DeviceSamplingParams& p, int64_t V) {
+  return sampling::greedy(p) || (!sampling::top_k_on(p, V) && !sampling::top_p_on(p));
+}
+
+size_t draft_rows_workspace_bytes(int64_t B, int64_t V) {
+  if (B <= 0 || V <= 0) return 0;
+  return static_cast<size_t>(B) * static_cast<size_t>((V + kArgTile - 1) / kArgTile) * 28;
+}
+
+Status draft_rows(const float* logits, int64_t B, int64_t V, const DeviceSamplingParams* params, int32_t* ids,
+                  float* probs, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  if (B < 0 || B > 65535 || V <= 0 || V > INT32_MAX) return invalid_argument("draft_rows: bad shape B={} V={}", B, V);
+  if (B == 0) return Status::ok();
+  if (!logits || !params || !ids || !probs || !workspace) return invalid_argument("draft_rows: null pointer");
+  if (workspace_bytes < draft_rows_workspace_bytes(B, V) || reinterpret_cast<uintptr_t>(workspace) % 8 != 0)
+    return invalid_argument("draft_rows: workspace of {} bytes, {} needed (8-byte aligned)", workspace_bytes,
+                            draft_rows_workspace_bytes(B, V));
+  const int tiles = static_cast<int>((V + kArgTile - 1) / kArgTile);
+  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(B));
+  const DraftWs w = draft_ws(workspace, B, tiles);
+  const bool vec = V % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
+  if (vec)
+    launch_kernel(argmax_tile_kernel<true>, grid, kArgThreads, 0, stream, logits, V, nullptr, int64_t{0}, V, w.keys);
+  else
+    launch_kernel(argmax_tile_kernel<false>, grid, kArgThreads, 0, stream, logits, V, nullptr, int64_t{0}, V, w.keys);
+  ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "draft_rows argmax_tile_kernel"));
+  launch_kernel(draft_esum_kernel, grid, kArgThreads, 0, stream, logits, V, params, workspace);
+  ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "draft_esum_kernel"));
+  launch_kernel(draft_probs_kernel, grid, kArgThreads, 0, stream, logits, V, params, probs, workspace);
+  ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "draft_probs_kernel"));
+  launch_kernel(draft_draw_kernel, static_cast<unsigned>(B), 32, 0, stream, static_cast<const float*>(probs), V, params,
+                ids, workspace, tiles);
+  return cuda_status(cudaGetLastError(), "draft_draw_kernel");
 }
 
 Status sample_rows(const float* logits, int64_t B, int64_t V, const DeviceSamplingParams* params, int32_t* tokens,

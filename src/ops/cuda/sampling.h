@@ -83,6 +83,22 @@ size_t argmax_rows_workspace_bytes(int64_t B, int64_t V);
 Status argmax_rows_split(const float* a, int64_t a_stride, const float* b, int64_t b_stride, int64_t B, int64_t V,
                          int32_t* out, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
+// The drafter's sampled drafts on the device (DSpark, "draft_sample_method": "probabilistic"):
+// for each row r of logits [B, V], q = sampling::row_distribution(row, params[r]) into probs
+// [B, V] (f32) and ids[r] = sampling::draw_from_weights(q, seed, counter) -- an inverse-CDF
+// draw with the host's uniform -- or, for a greedy row, q one-hot at the argmax and that id:
+// cpu::choose_draft_tokens with probs, on the device, so a sampled draft runs inside a CUDA
+// graph. Rows with top-k or top-p are not supported (draft_rows_supported; the caller draws
+// those on the host). Sums run in double in a fixed tiled order instead of the host's
+// sequential one: q agrees to ~1e-16 relative before its f32 rounding, and a token differs
+// from the host's only where u * total falls that close to a boundary of the cumulative sum.
+// params: DEVICE [B]. workspace: draft_rows_workspace_bytes(B, V), 8-byte aligned, no
+// initialisation, one per stream.
+bool draft_rows_supported(const DeviceSamplingParams& p, int64_t V);
+size_t draft_rows_workspace_bytes(int64_t B, int64_t V);
+Status draft_rows(const float* logits, int64_t B, int64_t V, const DeviceSamplingParams* params, int32_t* ids,
+                  float* probs, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
 // Samples one token per row. logits: device f32, row r at logits + r * row_stride
 // (row_stride < 0: V; 0: every row reads the same logits, for tests and benchmarks).
 // params: DEVICE array [B] of DeviceSamplingParams. tokens: device [B] int32. logprobs:

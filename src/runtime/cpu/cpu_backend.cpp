@@ -295,39 +295,62 @@ Status CpuBackend::indexer_select(const IndexerSelectArgs& p) {
   const int topk = cfg_.indexer.topk;
   auto& out = selections_[p.selection];
   if (!candidates) out.assign(T, {});
+  // Per sequence, tokens in groups of up to kGroup: one parallel pass over the keys scores
+  // every token of the group (each key row read once per group; the first group's pass also
+  // decodes its keys from the cache), then a pass over the tokens picks each one's top-k.
+  constexpr int64_t kGroup = 64;
   for (size_t si = 0; si < md_->seqs.size(); ++si) {
     const auto& seq = md_->seqs[si];
-    const int64_t n = md_->keys(static_cast<int>(si), indexer_group_);
-    std::vector<float> keys(n * dI);
-    parallel_for(n, 64, [&](int64_t b, int64_t e) {
-      for (int64_t s = b; s < e; ++s)
-        cache_->read_indexer_key(p.cache_slot, md_->slot_of(static_cast<int>(si), indexer_group_, s), keys.data() + s * dI);
-    });
-    parallel_for(seq.num_tokens, 1, [&](int64_t b, int64_t e) {
-      std::vector<float> scores;
-      for (int64_t i = b; i < e; ++i) {
-        const int64_t t = seq.first_token + i;
-        const int64_t visible = md_->visible(t, indexer_group_);
-        scores.resize(visible);
-        cpu::indexer_scores(p.q + t * HI * dI, p.w + t * HI, HI, dI, keys.data(), visible, scores.data());
-        const int kk = static_cast<int>(std::min<int64_t>(topk, visible));
-        std::vector<int32_t> idx(kk);
-        cpu::topk(scores.data(), visible, kk, idx.data());
-        if (candidates) {
-          float* cs = static_cast<float*>(p.candidates) + t * topk;
-          int32_t* cp = static_cast<int32_t*>(p.candidates) + (T + t) * topk;
-          std::fill_n(cs, topk, -std::numeric_limits<float>::infinity());
-          std::fill_n(cp, topk, -1);
-          for (int j = 0; j < kk; ++j) {
-            cs[j] = scores[idx[j]];
-            cp[j] = static_cast<int32_t>(md_->sharded(indexer_group_) ? md_->shard.global_index(idx[j]) : idx[j]);
+    const int seq_i = static_cast<int>(si);
+    const int64_t n = md_->keys(seq_i, indexer_group_);
+    indexer_visible_.resize(seq.num_tokens);
+    int64_t needed = 0;  // keys any token sees
+    for (int64_t i = 0; i < seq.num_tokens; ++i) {
+      indexer_visible_[i] = std::min(n, md_->visible(seq.first_token + i, indexer_group_));
+      needed = std::max(needed, indexer_visible_[i]);
+    }
+    if (indexer_keys_.size() < static_cast<size_t>(needed * dI)) indexer_keys_.resize(needed * dI);
+    float* keys = indexer_keys_.data();
+    for (int64_t g0 = 0; g0 < seq.num_tokens; g0 += kGroup) {
+      const int64_t G = std::min(kGroup, seq.num_tokens - g0);
+      const int64_t* vis = indexer_visible_.data() + g0;
+      const int64_t span = g0 == 0 ? needed : *std::max_element(vis, vis + G);
+      if (indexer_scores_.size() < static_cast<size_t>(G * needed)) indexer_scores_.resize(G * needed);
+      float* sc = indexer_scores_.data();
+      const int64_t t0 = seq.first_token + g0;
+      parallel_for(span, 64, [&](int64_t b, int64_t e) {
+        if (g0 == 0)
+          for (int64_t s = b; s < e; ++s)
+            cache_->read_indexer_key(p.cache_slot, md_->slot_of(seq_i, indexer_group_, s), keys + s * dI);
+        cpu::indexer_scores_rows(p.q + t0 * HI * dI, p.w + t0 * HI, G, HI, dI, keys, b, e, vis, sc, needed);
+      });
+      parallel_for(G, 1, [&](int64_t b, int64_t e) {
+        std::vector<int32_t> idx;
+        for (int64_t i = b; i < e; ++i) {
+          const int64_t t = t0 + i;
+          const int64_t visible = vis[i];
+          const float* scores = sc + i * needed;
+          const int kk = static_cast<int>(std::min<int64_t>(topk, visible));
+          if (candidates) {
+            idx.resize(kk);
+            cpu::topk(scores, visible, kk, idx.data());
+            float* cs = static_cast<float*>(p.candidates) + t * topk;
+            int32_t* cp = static_cast<int32_t*>(p.candidates) + (T + t) * topk;
+            std::fill_n(cs, topk, -std::numeric_limits<float>::infinity());
+            std::fill_n(cp, topk, -1);
+            for (int j = 0; j < kk; ++j) {
+              cs[j] = scores[idx[j]];
+              cp[j] = static_cast<int32_t>(md_->sharded(indexer_group_) ? md_->shard.global_index(idx[j]) : idx[j]);
+            }
+            continue;
           }
-          continue;
+          // topk's set in index order (what sorting topk's result gave).
+          std::vector<int32_t> sel(kk);
+          cpu::topk_set(scores, visible, kk, sel.data());
+          out[t] = std::move(sel);
         }
-        std::sort(idx.begin(), idx.end());
-        out[t] = std::move(idx);
-      }
-    });
+      });
+    }
   }
   return Status::ok();
 }

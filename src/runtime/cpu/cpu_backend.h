@@ -149,6 +149,9 @@ class CpuBackend : public Backend {
   std::vector<Moe> moes_;
   std::vector<std::vector<std::vector<int32_t>>> selections_;  // [selection][token] positions
   std::vector<std::vector<int32_t>> window_;                  // [token] kBlockWindow positions
+  // indexer_select's scratch, kept across calls: decoded keys, a token group's scores, visible counts.
+  std::vector<float> indexer_keys_, indexer_scores_;
+  std::vector<int64_t> indexer_visible_;
   // HiSparse: the hot pool [layer][rows * latent token bytes] and the step's hot rows.
   std::vector<std::vector<uint8_t>> hot_;
   int64_t hot_rows_ = 0;

@@ -310,11 +310,12 @@ Status CudaBackend::ensure_buffers(int64_t T, int64_t R, int64_t S, int64_t maxb
       ML4_RETURN_IF_ERROR(f(b.markov_logits, ns * V, 4));
       ML4_RETURN_IF_ERROR(f(b.draft_ids, Bk * ns, 4));
       ML4_RETURN_IF_ERROR(f(b.draft_probs, (Bk - 1) * ns * V, 4));
-      ML4_RETURN_IF_ERROR(f(b.draft_samp_params, ns * static_cast<int64_t>(sizeof(DeviceSamplingParams)), 1));
+      ML4_RETURN_IF_ERROR(f(b.draft_samp_params, (Bk - 1) * ns * static_cast<int64_t>(sizeof(DeviceSamplingParams)), 1));
       ML4_RETURN_IF_ERROR(f(b.draft_samp_logprobs, ns, 4));
       ML4_RETURN_IF_ERROR(f(b.draft_samp_ws,
-                            static_cast<int64_t>(std::max(sample_rows_workspace_bytes(ns, V),
-                                                          argmax_rows_workspace_bytes(ns, V))),
+                            static_cast<int64_t>(std::max({sample_rows_workspace_bytes(ns, V),
+                                                           argmax_rows_workspace_bytes(ns, V),
+                                                           draft_rows_workspace_bytes(ns, V)})),
                             1));
     }
     b.moe = MoeScratch{};
@@ -1106,6 +1107,24 @@ Status CudaBackend::gru_update(const float* gi, const float* gh, const float* b_
 // Greedy rows without distributions: the device argmax (sample_rows at temperature 0).
 // Otherwise (sampled drafts or distributions wanted) the host reference: the logits come back,
 // the token and its distribution are made exactly as the CPU backend makes them, and go up.
+Status CudaBackend::stage_draft_params(const DeviceSamplingParams* params, int64_t count) {
+  staged_params_ = nullptr;
+  staged_count_ = 0;
+  if (params == nullptr || count <= 0) return Status::ok();
+  Buffers& b = buffers();
+  const size_t bytes = static_cast<size_t>(count) * sizeof(DeviceSamplingParams);
+  if (bytes > b.draft_samp_params.bytes())
+    return internal_error("stage_draft_params: {} rows, room for {}", count,
+                          b.draft_samp_params.bytes() / sizeof(DeviceSamplingParams));
+  ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(b.draft_samp_params.data(), params, bytes, cudaMemcpyHostToDevice, stream_));
+  // A pageable source: the copy has read it when this returns, but sync anyway so the host
+  // array may change at once.
+  ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  staged_params_ = params;
+  staged_count_ = count;
+  return Status::ok();
+}
+
 Status CudaBackend::choose_tokens(float* logits, int64_t rows, const DeviceSamplingParams* params, int32_t* ids,
                                   float* probs, const float* base, int64_t base_stride) {
   const int64_t V = cfg_.vocab_size;
@@ -1119,6 +1138,18 @@ Status CudaBackend::choose_tokens(float* logits, int64_t rows, const DeviceSampl
                              b.draft_samp_ws.bytes(), stream_);
   }
   if (base != nullptr) ML4_RETURN_IF_ERROR(add_rows(logits, V, base, base_stride, rows, V));
+  // Sampled drafts with their q on the device (no host round trip, so the draft can be a
+  // graph) when the runner staged these rows' parameters and every row is supported.
+  if (params != nullptr && probs != nullptr && staged_params_ != nullptr && params >= staged_params_ &&
+      params + rows <= staged_params_ + staged_count_) {
+    bool ok = true;
+    for (int64_t i = 0; i < rows; ++i) ok = ok && draft_rows_supported(params[i], V);
+    if (ok) {
+      Buffers& b = buffers();
+      const auto* dp = static_cast<const DeviceSamplingParams*>(b.draft_samp_params.data()) + (params - staged_params_);
+      return draft_rows(logits, rows, V, dp, ids, probs, b.draft_samp_ws.data(), b.draft_samp_ws.bytes(), stream_);
+    }
+  }
   std::vector<float> l(rows * V), q(probs != nullptr ? rows * V : 0);
   std::vector<int32_t> tok(rows);
   ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(l.data(), logits, l.size() * 4, cudaMemcpyDeviceToHost, stream_));

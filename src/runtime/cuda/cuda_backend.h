@@ -144,6 +144,10 @@ class CudaBackend : public Backend {
                     float* s) override;
   Status choose_tokens(float* logits, int64_t rows, const DeviceSamplingParams* params, int32_t* ids,
                        float* probs, const float* base, int64_t base_stride) override;
+  // The runner's draft parameters for this draft (host, slot-major, `count` rows), copied to
+  // the device buffer the device draws read (a graph replay too); choose_tokens draws on the
+  // device the rows whose `params` point into this array. null: none (host draws).
+  Status stage_draft_params(const DeviceSamplingParams* params, int64_t count);
   Status hisparse_reserve(int layers, int64_t rows) override;
   Status hisparse_load_rows(int latent_slot, int hot_layer, const std::vector<HotLoad>& loads) override;
   Status set_hot_selection(const int32_t* rows, const int32_t* counts) override;
@@ -289,6 +293,8 @@ class CudaBackend : public Backend {
   // This step's launch shape (padded in graph mode) and host metadata (traced steps).
   int64_t step_T_ = 0, step_R_ = 0, step_maxlen_ = 1;
   int64_t bucket_T_ = 0;  // begin_forward's bucket_T
+  const DeviceSamplingParams* staged_params_ = nullptr;  // stage_draft_params
+  int64_t staged_count_ = 0;
   const StepMetadata* md_ = nullptr;
   // Bumped whenever a step buffer is reallocated: captured graphs hold old addresses.
   uint64_t buffer_generation_ = 0;

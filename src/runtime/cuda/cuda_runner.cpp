@@ -374,7 +374,28 @@ Result<DraftOutput> CudaRunner::draft(const DraftInput& in) {
   }
   bool any_sampled = false;
   for (const auto& d : in.seqs) any_sampled |= d.sampling.has_value();
-  const bool graph = opts_.cuda_graphs && draft_graphs_ok_ && !any_sampled && !in.want_probs;
+  // Each slot's draw parameters (greedy for the sequences without sampling), slot-major.
+  std::vector<DeviceSamplingParams> params;
+  if (any_sampled) {
+    params.resize(static_cast<size_t>(B - 1) * in.seqs.size());
+    for (int j = 0; j < B - 1; ++j)
+      for (size_t i = 0; i < in.seqs.size(); ++i) {
+        DeviceSamplingParams p;
+        p.temperature = 0.0f;
+        if (in.seqs[i].sampling) {
+          p = *in.seqs[i].sampling;
+          p.counter += j;
+        }
+        params[j * in.seqs.size() + i] = p;
+      }
+  }
+  // Sampled drafts with their q are drawn on the device (sampling.h draft_rows) unless a row
+  // has top-k or top-p; greedy drafts are argmaxes on the device. Either can be a graph; the
+  // host draws the rest (and the drafter's softmax of greedy drafts, asked for diagnostics).
+  bool device_draws = any_sampled && in.want_probs;
+  for (const auto& p : params) device_draws = device_draws && draft_rows_supported(p, V);
+  const bool host_choice = any_sampled ? !device_draws : in.want_probs;
+  const bool graph = opts_.cuda_graphs && draft_graphs_ok_ && !host_choice;
   if (graph) maxb = round_up_pow2(maxb, 4);
   ML4_ASSIGN_OR_RETURN(StepMetadata md, build_step_metadata(step, groups_, cfg_.vocab_size, 0, dg));
   const int64_t n = static_cast<int64_t>(in.seqs.size()), T = md.num_tokens(), R = static_cast<int64_t>(md.logits_rows.size());
@@ -421,27 +442,16 @@ Result<DraftOutput> CudaRunner::draft(const DraftInput& in) {
   ML4_RETURN_IF_ERROR(h2d(b.draft_anchor_pos, anchors.data(), n * 8));
   ML4_RETURN_IF_ERROR(h2d(b.draft_ids, ids.data(), n * 4));
   ML4_RETURN_IF_ERROR(h2d(b.row_idx, rows.data(), R * 4));
-  std::vector<DeviceSamplingParams> params;
-  if (any_sampled) {
-    params.resize((B - 1) * n);
-    for (int j = 0; j < B - 1; ++j)
-      for (int64_t i = 0; i < n; ++i) {
-        DeviceSamplingParams p;
-        p.temperature = 0.0f;
-        if (in.seqs[i].sampling) {
-          p = *in.seqs[i].sampling;
-          p.counter += j;
-        }
-        params[j * n + i] = p;
-      }
-  }
+  // The device draws read the parameters from a fixed device buffer (graph replays too).
+  ML4_RETURN_IF_ERROR(backend_->stage_draft_params(device_draws ? params.data() : nullptr,
+                                                   device_draws ? static_cast<int64_t>(params.size()) : 0));
   const int64_t maxlen = std::max<int64_t>(1, md.positions.empty() ? 1 : md.positions.back() + 1);
   auto run = [&](CudaBackend::Mode mode, std::vector<GraphExec>* segments) -> Status {
     backend_->begin_forward(T, R, maxlen, mode, segments, mode == CudaBackend::Mode::kEager ? &md : nullptr);
     ML4_RETURN_IF_ERROR(program_->draft(any_sampled ? params.data() : nullptr, in.want_probs));
     return backend_->finish_forward();
   };
-  const auto key = std::make_pair(n, maxb);
+  const auto key = std::make_pair(n + (any_sampled ? int64_t{1} << 32 : 0), maxb);  // sampled: other kernels
   if (auto it = graph ? draft_graphs_.find(key) : draft_graphs_.end(); it != draft_graphs_.end()) {
     ML4_RETURN_IF_ERROR(run(CudaBackend::Mode::kReplay, &it->second));
     ++draft_replays_;
@@ -472,6 +482,7 @@ Result<DraftOutput> CudaRunner::draft(const DraftInput& in) {
       }
     }
   }
+  ML4_RETURN_IF_ERROR(backend_->stage_draft_params(nullptr, 0));  // `params` dies with this call
   std::vector<int32_t> drafted(B * n);
   ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(drafted.data(), b.draft_ids.data(), drafted.size() * 4, cudaMemcpyDeviceToHost, stream));
   std::vector<float> q(in.want_probs ? (B - 1) * n * V : 0);
