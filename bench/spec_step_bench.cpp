@@ -1,7 +1,8 @@
 // Where a DSpark step's time goes on the CUDA runner (issue 13): one sequence, a prompt
 // prefilled, then (a) plain decode steps (1 token, device sampling: what `plain` serving runs),
 // (b) verification steps (the last token + B - 1 drafts, B logits rows back to the host) and
-// (c) draft steps (CudaRunner::draft, greedy), each timed alone: wall ms of the runner call,
+// (c) draft steps (CudaRunner::draft, greedy, and probabilistic at T = 1 with q back to the
+//     host), each timed alone: wall ms of the runner call,
 // median of 30 after 5, and whether the step replayed a CUDA graph.
 //
 //   spec_step_bench --model assets/ml4-small [--prompt 128]
@@ -108,7 +109,8 @@ int main(int argc, char** argv) {
     d.block_tables = s.block_tables;
     return r.execute(StepInput{{d}}).ok();
   };
-  auto draft = [&] {
+  uint64_t draw = 0;
+  auto draft_with = [&](bool sampled) {
     DraftInput in;
     DraftSeq d;
     d.seq_id = 1;
@@ -116,15 +118,25 @@ int main(int argc, char** argv) {
     d.anchor_pos = pos;
     d.block_tables = s.block_tables;
     d.num_drafts = B - 1;
+    if (sampled) {  // probabilistic drafts at T = 1 with their q (drawn on the device: sampling.h draft_rows)
+      DeviceSamplingParams p;
+      p.temperature = 1.0f;
+      p.seed = 7;
+      p.counter = static_cast<int64_t>(draw++) * B;
+      d.sampling = p;
+      in.want_probs = true;
+    }
     in.seqs.push_back(d);
     return r.draft(in).ok();
   };
+  auto draft = [&] { return draft_with(false); };
   measure("verify_block_tokens_logits", [&] {
     const bool ok = verify();
     pos += 1;
     return ok;
   });
   measure("draft_greedy", draft);
+  measure("draft_probabilistic_t1", [&] { return draft_with(true); });
   // Where a verification step and a draft spend their time: eager, events around each piece
   // (model_forward.cpp's timed() labels; adds a sync per piece), 5 calls each.
   std::map<std::string, double> prof;
