@@ -22,6 +22,18 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
+// A probe of `rounds` rounds on every multiprocessor that must run clean: no fault, every
+// neighbour value right, every block through every round.
+void expect_clean_probe(const FaultWord& fw, int rounds) {
+  BarrierProbe p;
+  p.rounds = rounds;
+  auto r = run_barrier_probe(p, fw, nullptr);
+  ML4_ASSERT_OK(r.status());
+  EXPECT_EQ(r->mismatches, 0);
+  EXPECT_EQ(r->min_rounds, rounds);
+  EXPECT_FALSE(fw.raised());
+}
+
 TEST(CudaFault, GridBarrierSynchronisesEveryBlock) {
   ML4_REQUIRE_GPU();
   auto fw = FaultWord::create();
@@ -87,13 +99,7 @@ TEST(CudaFault, BlockThatNeverArrivesFaultsWithinTheBound) {
 
   // The card serves the next launch: cleared, the probe runs clean.
   fw->clear();
-  BarrierProbe ok;
-  ok.rounds = 200;
-  auto r3 = run_barrier_probe(ok, *fw, nullptr);
-  ML4_ASSERT_OK(r3.status());
-  EXPECT_EQ(r3->mismatches, 0);
-  EXPECT_EQ(r3->min_rounds, 200);
-  EXPECT_FALSE(fw->raised());
+  expect_clean_probe(*fw, 200);
   ML4_ASSERT_OK(cuda_status(cudaDeviceSynchronize(), "after the fault"));
 }
 
@@ -111,13 +117,7 @@ TEST(CudaFault, CardServesTheNextProcessAfterAFault) {
   EXPECT_LT(seconds_since(t0), 60.0);
   auto fw = FaultWord::create();
   ML4_ASSERT_OK(fw.status());
-  BarrierProbe p;
-  p.rounds = 200;
-  auto r = run_barrier_probe(p, *fw, nullptr);
-  ML4_ASSERT_OK(r.status());
-  EXPECT_EQ(r->mismatches, 0);
-  EXPECT_EQ(r->min_rounds, 200);
-  EXPECT_FALSE(fw->raised());
+  expect_clean_probe(*fw, 200);
 }
 
 }  // namespace

@@ -36,6 +36,16 @@ using namespace testing;
 
 void sync() { ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess); }
 
+MoeConfig route_config(int E, int K, int G, int keep, RouterScoring sc) {
+  MoeConfig cfg;
+  cfg.num_experts = E;
+  cfg.num_experts_per_tok = K;
+  cfg.num_expert_groups = G;
+  cfg.num_expert_groups_per_tok = keep;
+  cfg.scoring = sc;
+  return cfg;
+}
+
 TEST(CudaMoe, RouteMatchesCpu) {
   ML4_REQUIRE_GPU();
   struct Case {
@@ -50,12 +60,7 @@ TEST(CudaMoe, RouteMatchesCpu) {
                         {16, 2, 16, 4, RouterScoring::kSoftmax, true, true, 1.0}};
   uint32_t seed = 1;
   for (const auto& c : cases) {
-    MoeConfig cfg;
-    cfg.num_experts = c.E;
-    cfg.num_experts_per_tok = c.K;
-    cfg.num_expert_groups = c.G;
-    cfg.num_expert_groups_per_tok = c.keep;
-    cfg.scoring = c.sc;
+    MoeConfig cfg = route_config(c.E, c.K, c.G, c.keep, c.sc);
     cfg.renormalize = c.renorm;
     cfg.routed_scale = c.scale;
     const int64_t T = 77;
@@ -109,12 +114,7 @@ TEST(CudaMoe, FusedRouterMatchesCpu) {
   const int64_t D = 7168;
   uint32_t seed = 100;
   for (const auto& c : cases) {
-    MoeConfig cfg;
-    cfg.num_experts = c.E;
-    cfg.num_experts_per_tok = c.K;
-    cfg.num_expert_groups = c.G;
-    cfg.num_expert_groups_per_tok = c.keep;
-    cfg.scoring = c.sc;
+    const MoeConfig cfg = route_config(c.E, c.K, c.G, c.keep, c.sc);
     auto gate = randn(c.E * D, seed++, 0.02f);
     auto bias = randn(c.E, seed++, 0.05f);
     auto dg = to_device(gate), db = to_device(bias);

@@ -64,18 +64,29 @@ void topk_set(const float* scores, int64_t n, int k, int32_t* idx) {
     return;
   }
   if (kk == 0) return;
-  // The kk-th highest score key; all above it are in, and of those equal to it the lowest
-  // indices up to kk (topk's tie rule), all taken in index order.
-  thread_local std::vector<uint32_t> buf;
+  // The kk-th highest score key (pivot): a histogram of the keys' top 11 bits finds its bucket,
+  // a selection among that bucket's keys the key. All keys above it are in, and of those equal
+  // to it the lowest indices up to kk (topk's tie rule), all taken in index order.
+  constexpr int kBits = 11, kShift = 32 - kBits;
+  thread_local std::vector<uint32_t> buf, hist;
   buf.resize(2 * static_cast<size_t>(n));
+  hist.assign(size_t{1} << kBits, 0);
   uint32_t* key = buf.data();
   uint32_t* work = key + n;
-  for (int64_t i = 0; i < n; ++i) key[i] = score_key(scores[i]);
-  std::copy(key, key + n, work);
-  std::nth_element(work, work + (kk - 1), work + n, std::greater<uint32_t>());
-  const uint32_t pivot = work[kk - 1];
-  int64_t above = 0;
-  for (int64_t i = 0; i < n; ++i) above += key[i] > pivot;
+  for (int64_t i = 0; i < n; ++i) {
+    key[i] = score_key(scores[i]);
+    ++hist[key[i] >> kShift];
+  }
+  int64_t above = 0;  // keys in buckets above the pivot's
+  uint32_t b = (uint32_t{1} << kBits) - 1;
+  while (above + hist[b] < kk) above += hist[b--];
+  int64_t m = 0;
+  for (int64_t i = 0; i < n; ++i)
+    if ((key[i] >> kShift) == b) work[m++] = key[i];
+  const int64_t r = kk - above;  // 1 <= r <= m
+  std::nth_element(work, work + (r - 1), work + m, std::greater<uint32_t>());
+  const uint32_t pivot = work[r - 1];
+  for (int64_t j = 0; j < m; ++j) above += work[j] > pivot;
   int64_t equal_left = kk - above, c = 0;
   for (int64_t i = 0; i < n; ++i)
     if (key[i] > pivot || (key[i] == pivot && equal_left-- > 0)) idx[c++] = static_cast<int32_t>(i);

@@ -231,24 +231,39 @@ __device__ __forceinline__ double block_sum_f64(double v) {
   return s;  // thread 0's value
 }
 
+// What K2 and K3 share: the block's row, tile range, parameters and the row's best id.
+struct DraftTile {
+  int tiles;
+  int64_t row, best, t0, end;
+  DraftWs w;
+  DeviceSamplingParams P;
+  const float* l;
+  __device__ DraftTile(const float* logits, int64_t V, const DeviceSamplingParams* params, void* ws)
+      : tiles(static_cast<int>(gridDim.x)),
+        row(blockIdx.y),
+        best(0),
+        t0(static_cast<int64_t>(blockIdx.x) * kArgTile),
+        end(0),
+        w(draft_ws(ws, gridDim.y, static_cast<int>(gridDim.x))),
+        P(params[blockIdx.y]),
+        l(logits + static_cast<int64_t>(blockIdx.y) * V) {
+    end = t0 + kArgTile < V ? t0 + kArgTile : V;
+    best = draft_best(w.keys + row * tiles, tiles);
+  }
+};
+
 __global__ void __launch_bounds__(kArgThreads)
     draft_esum_kernel(const float* __restrict__ logits, int64_t V, const DeviceSamplingParams* __restrict__ params,
                       void* ws) {
   pdl_wait();
   pdl_launch_dependents();
-  const int tiles = gridDim.x;
-  const int64_t row = blockIdx.y;
-  const DraftWs w = draft_ws(ws, gridDim.y, tiles);
-  const DeviceSamplingParams P = params[row];
-  const int64_t best = draft_best(w.keys + row * tiles, tiles);
-  if (sampling::greedy(P)) return;
-  const float* l = logits + row * V;
-  const double m = l[best];
-  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kArgTile, end = t0 + kArgTile < V ? t0 + kArgTile : V;
+  const DraftTile d(logits, V, params, ws);
+  if (sampling::greedy(d.P)) return;
+  const double m = d.l[d.best];
   double acc = 0.0;
-  for (int64_t i = t0 + threadIdx.x; i < end; i += kArgThreads) acc += draft_weight(l[i], i, m, P, best);
+  for (int64_t i = d.t0 + threadIdx.x; i < d.end; i += kArgThreads) acc += draft_weight(d.l[i], i, m, d.P, d.best);
   const double s = block_sum_f64(acc);
-  if (threadIdx.x == 0) w.esum[row * tiles + blockIdx.x] = s;
+  if (threadIdx.x == 0) d.w.esum[d.row * d.tiles + blockIdx.x] = s;
 }
 
 __global__ void __launch_bounds__(kArgThreads)
@@ -256,14 +271,13 @@ __global__ void __launch_bounds__(kArgThreads)
                        float* __restrict__ probs, void* ws) {
   pdl_wait();
   pdl_launch_dependents();
-  const int tiles = gridDim.x;
-  const int64_t row = blockIdx.y;
-  const DraftWs w = draft_ws(ws, gridDim.y, tiles);
-  const DeviceSamplingParams P = params[row];
-  const int64_t best = draft_best(w.keys + row * tiles, tiles);
-  const float* l = logits + row * V;
+  const DraftTile d(logits, V, params, ws);
+  const int tiles = d.tiles;
+  const int64_t row = d.row, best = d.best, t0 = d.t0, end = d.end;
+  const DraftWs& w = d.w;
+  const DeviceSamplingParams& P = d.P;
+  const float* l = d.l;
   float* q = probs + row * V;
-  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kArgTile, end = t0 + kArgTile < V ? t0 + kArgTile : V;
   __shared__ int last;
   if (threadIdx.x == 0) last = -1;
   __syncthreads();
