@@ -85,8 +85,11 @@ TEST(Basic, TopkTiesGoToLowerIndexAndNanIsLast) {
 // topk_set: topk's indices sorted, with ties, NaN, -inf, -0 / +0 and k >= n.
 TEST(Basic, TopkSetIsSortedTopk) {
   for (int n : {1, 7, 300, 520, 2000}) {
-    for (int variant = 0; variant < 3; ++variant) {
+    for (int variant = 0; variant < 5; ++variant) {
       auto s = test::random_floats(n, 40 + n + variant, -5.0f, 5.0f);
+      if (variant == 3) std::fill(s.begin(), s.end(), 0.0f);  // one value: all ties
+      if (variant == 4)  // close values (one histogram bucket) and a few far ones
+        for (int i = 0; i < n; ++i) s[i] = 1.0f + (i % 5 == 0 ? 0.0f : 1e-6f * static_cast<float>(i % 37)) + (i % 97 == 3 ? 100.0f : 0.0f);
       if (variant >= 1)
         for (auto& v : s) v = std::floor(v);  // many ties, zeros among them
       if (variant == 2)
