@@ -447,6 +447,42 @@ TEST(CudaRunner, DeviceSamplingMatchesHostReference) {
   }
 }
 
+// Fail closed (issue 19): once a kernel has recorded a device fault in the runner's fault word
+// (here the barrier probe with a block that never arrives, on the runner's own record), the
+// next step fails with the fault named, and so does every step after it; the steps before it
+// ran normally.
+TEST(CudaRunner, DeviceFaultFailsEveryLaterStep) {
+  ML4_REQUIRE_GPU();
+  const std::string dir = ::ml4::testing::test_model("ml4-tiny", 11, "bf16");
+  CudaRunnerOptions o;
+  o.base.kv_cache_dtype = "bf16";
+  o.base.kv_cache_bytes = 64ll << 20;
+  auto gpu = CudaRunner::load(dir, o);
+  ASSERT_TRUE(gpu.ok()) << gpu.status().message();
+  std::vector<int32_t> prompt(12);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(3 + 7 * i);
+  StepInput in;
+  in.seqs.push_back(::ml4::testing::seq_step(**gpu, 1, prompt, 0, 0, 1, 1));
+  auto ok = (*gpu)->execute(in);
+  ASSERT_TRUE(ok.ok()) << ok.status().message();
+  EXPECT_FALSE((*gpu)->fault_word().raised());
+  BarrierProbe probe;
+  probe.rounds = 10;
+  probe.never_arrive_block = 1;
+  probe.timeout_ns = 50'000'000;
+  auto pr = run_barrier_probe(probe, (*gpu)->fault_word(), nullptr);
+  ASSERT_TRUE(pr.ok()) << pr.status().message();
+  ASSERT_TRUE((*gpu)->fault_word().raised());
+  StepInput next;
+  next.seqs.push_back(::ml4::testing::seq_step(**gpu, 1, {9}, 12, 0, 1, 1));
+  for (int i = 0; i < 2; ++i) {
+    auto bad = (*gpu)->execute(next);
+    ASSERT_FALSE(bad.ok());
+    EXPECT_NE(bad.status().message().find("device fault"), std::string::npos) << bad.status().message();
+    EXPECT_NE(bad.status().message().find("never arrived"), std::string::npos) << bad.status().message();
+  }
+}
+
 TEST(CudaRunner, SizesKvFromGpuMemoryUtilization) {
   ML4_REQUIRE_GPU();
   const std::string dir = ::ml4::testing::test_model("mistral4-tiny", 11, "bf16");

@@ -19,4 +19,7 @@ void quantize_fp8_groups(const float* x, int64_t n, int group, uint8_t* q, float
 // x = e4m3(q) * scale of its group.
 void dequantize_fp8_groups(const uint8_t* q, const float* scales, int64_t n, int group, float* x);
 
+// In place: x = dequantize_fp8_groups(quantize_fp8_groups(x)), bit for bit, without the bytes.
+void round_fp8_groups(float* x, int64_t n, int group);
+
 }  // namespace ml4::cpu

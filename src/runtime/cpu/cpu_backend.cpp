@@ -280,15 +280,7 @@ Status CpuBackend::indexer_select(const IndexerSelectArgs& p) {
   const int HI = cfg_.indexer.n_heads, dI = cfg_.indexer.head_dim;
   const int64_t T = step_tokens();
   cpu::hadamard_transform(p.q, T * HI, dI);
-  {
-    std::vector<uint8_t> q8(dI);
-    std::vector<float> qs(dI / 128 + 1);
-    for (int64_t row = 0; row < T * HI; ++row) {
-      float* qr = p.q + row * dI;
-      cpu::quantize_fp8_groups(qr, dI, 128, q8.data(), qs.data());
-      cpu::dequantize_fp8_groups(q8.data(), qs.data(), dI, 128, qr);
-    }
-  }
+  for (int64_t row = 0; row < T * HI; ++row) cpu::round_fp8_groups(p.q + row * dI, dI, 128);
   for (int64_t i = 0; i < T * HI; ++i) p.w[i] *= p.weight_scale;
   // Keys in the indexer group's index space: positions, or this DCP rank's local indices.
   const bool candidates = p.candidates != nullptr;

@@ -49,6 +49,7 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::create(const ModelConfig& cfg, c
   ML4_ASSIGN_OR_RETURN(KvCacheSpec spec, make_kv_cache_spec(cfg, dtype));
   std::unique_ptr<CudaRunner> r(new CudaRunner());
   ML4_CUDA_RETURN_IF_ERROR(cudaGetDevice(&r->device_));
+  ML4_ASSIGN_OR_RETURN(r->fault_, FaultWord::create());
   r->cfg_ = cfg;
   r->opts_ = opts;
   r->spec_ = spec;
@@ -157,7 +158,24 @@ Status CudaRunner::run_forward(CudaBackend::Mode mode, std::vector<GraphExec>* s
   return program_->forward(md, trace);
 }
 
+// Fail closed (issue 19): a fault a kernel recorded (ops/cuda/fault.h: a bounded device-side
+// wait ran out) fails the step that saw it and every later one; the engine then stops with
+// that error (every stream gets it, /health answers 503).
 Result<StepOutput> CudaRunner::execute_traced(const StepInput& in, ForwardTrace* trace) {
+  ML4_RETURN_IF_ERROR(fault_.status("cuda runner (an earlier step)"));
+  auto out = execute_step(in, trace);
+  ML4_RETURN_IF_ERROR(fault_.status("cuda runner"));  // the step has synchronised
+  return out;
+}
+
+Result<DraftOutput> CudaRunner::draft(const DraftInput& in) {
+  ML4_RETURN_IF_ERROR(fault_.status("cuda runner (an earlier step)"));
+  auto out = draft_step(in);
+  ML4_RETURN_IF_ERROR(fault_.status("cuda runner draft"));
+  return out;
+}
+
+Result<StepOutput> CudaRunner::execute_step(const StepInput& in, ForwardTrace* trace) {
   cuda::set_programmatic_launch(opts_.programmatic_launch);  // process-wide: this runner's setting (pdl.cuh)
   ML4_ASSIGN_OR_RETURN(StepMetadata md, build_step_metadata(in, groups_, cfg_.vocab_size, max_model_len_));
   const int64_t T = md.num_tokens(), R = static_cast<int64_t>(md.logits_rows.size());
@@ -351,7 +369,7 @@ Result<StepOutput> CudaRunner::execute_traced(const StepInput& in, ForwardTrace*
 // two): every input is device data uploaded before the launch (tokens, positions, slots, the
 // drafter block table, anchors), and the greedy token choice is a device argmax. Sampled
 // drafts (the host draws them) and drafts returning q run eagerly.
-Result<DraftOutput> CudaRunner::draft(const DraftInput& in) {
+Result<DraftOutput> CudaRunner::draft_step(const DraftInput& in) {
   if (!program_->has_drafter()) return unimplemented("this runner has no DSpark drafter (RunnerOptions::drafter)");
   cuda::set_programmatic_launch(opts_.programmatic_launch);
   const int B = cfg_.drafter.block_size;

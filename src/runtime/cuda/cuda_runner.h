@@ -22,6 +22,7 @@
 
 #include "kv/cache_spec.h"
 #include "model/model_weights.h"
+#include "ops/cuda/fault.h"
 #include "runtime/cuda/cuda_backend.h"
 #include "runtime/model_forward.h"
 #include "runtime/model_runner.h"
@@ -164,15 +165,20 @@ class CudaRunner : public ModelRunner {
   Status read_cache_page(int group, int layer_slot, int64_t block, std::vector<uint8_t>* out) const;
   // Decode steps served by replaying a captured graph, and graphs held.
   int64_t graph_replays() const { return graph_replays_; }
-  // Greedy draft steps served by replaying a captured graph.
+  // Draft steps served by replaying a captured graph.
   int64_t draft_replays() const { return draft_replays_; }
   // Layers whose indexer ran overlapped on the second stream (eager and captured steps).
   int64_t overlapped_layers() const { return backend_->overlapped_layers(); }
   size_t graphs_captured() const { return graphs_.size(); }
   int64_t kv_bytes() const { return backend_->kv_bytes(); }
+  // The sticky fault record the runner's kernels write and every step checks (tests inject a
+  // fault through it: ops/cuda/fault.h run_barrier_probe).
+  const FaultWord& fault_word() const { return fault_; }
 
  private:
   CudaRunner() = default;
+  Result<StepOutput> execute_step(const StepInput& in, ForwardTrace* trace);
+  Result<DraftOutput> draft_step(const DraftInput& in);
   static Result<std::unique_ptr<CudaRunner>> create(const ModelConfig& cfg, const ModelWeights& weights,
                                                     const CudaRunnerOptions& opts, uint64_t synthetic_seed,
                                                     const std::string& model_dir);
@@ -200,6 +206,7 @@ class CudaRunner : public ModelRunner {
   std::map<std::pair<int64_t, int64_t>, std::vector<GraphExec>> draft_graphs_;
   int64_t draft_replays_ = 0;
   bool draft_graphs_ok_ = true;  // false after a failed capture: drafts run eagerly
+  FaultWord fault_;              // kernels' sticky fault record (ops/cuda/fault.h), checked around each step
 };
 
 // The engine-facing factory (the CPU one is load_cpu_runner).
