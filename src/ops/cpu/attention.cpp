@@ -880,7 +880,9 @@ void indexer_scores_rows(const float* q, const float* w, int64_t T, int HI, int 
   // hsum8(acc0 + acc1), the scalar tail), AVX-512 or AVX2 with the same bits.
   constexpr int64_t kKeys = 16;
   const bool wide = linear_uses_avx512();
-  std::vector<float> d(static_cast<size_t>(HI) * kKeys);
+  float d_small[64 * kKeys];
+  std::vector<float> d_big(HI > 64 ? static_cast<size_t>(HI) * kKeys : 0);
+  float* d = HI > 64 ? d_big.data() : d_small;
   for (int64_t sb = s0; sb < s1; sb += kKeys) {
     for (int64_t t = 0; t < T; ++t) {
       const int64_t m = std::min({kKeys, s1 - sb, visible[t] - sb});
@@ -889,7 +891,7 @@ void indexer_scores_rows(const float* q, const float* w, int64_t T, int HI, int 
       const float* wt = w + t * HI;
       const float* kb = k + sb * dI;
       const DotSeg segs[2] = {{qt, dI, kb, dI, dI}, {qt, dI, kb, dI, 0}};
-      score_rows(wide, segs, HI, m, d.data(), kKeys);
+      score_rows(wide, segs, HI, m, d, kKeys);
       // As indexer_scores: acc = fma(w[h], max(0, dot), acc) over h in order, from 0.
       float* out = scores + t * ld + sb;
       int64_t j = 0;
@@ -899,7 +901,7 @@ void indexer_scores_rows(const float* q, const float* w, int64_t T, int HI, int 
         __m256 acc = _mm256_setzero_ps();
         // max_ps(x, 0) = x > 0 ? x : 0 = std::max(0.0f, x), NaN included.
         for (int h = 0; h < HI; ++h)
-          acc = _mm256_fmadd_ps(_mm256_set1_ps(wt[h]), _mm256_max_ps(_mm256_loadu_ps(d.data() + h * kKeys + j), zero),
+          acc = _mm256_fmadd_ps(_mm256_set1_ps(wt[h]), _mm256_max_ps(_mm256_loadu_ps(d + h * kKeys + j), zero),
                                 acc);
         _mm256_storeu_ps(out + j, acc);
       }

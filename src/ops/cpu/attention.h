@@ -74,7 +74,7 @@ void indexer_scores(const float* q, const float* w, int HI, int dI, const float*
 // splits the keys over threads; no parallel_for inside): token t (q + t HI dI, w + t HI) gets
 // scores[t * ld + s] for s in [s0, min(s1, visible[t])), bit for bit what indexer_scores gives
 // (each dot in dot()'s order, acc = fma(w[h], relu(dot), acc) over h in order); nothing else is
-// written. Keys are read in blocks of 8 for every token, so a step of several tokens reads each
+// written. Keys are taken in blocks of 16 for every token, so a step of several tokens reads each
 // key row from memory once.
 void indexer_scores_rows(const float* q, const float* w, int64_t T, int HI, int dI, const float* k, int64_t s0,
                          int64_t s1, const int64_t* visible, float* scores, int64_t ld);

@@ -199,7 +199,10 @@ __global__ void __launch_bounds__(kRouterThreads)
     __threadfence();
   }
   __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == gridDim.x - 1;
+  if (threadIdx.x == 0) {
+    __threadfence();  // release by the signalling thread too (the writers fenced their own stores)
+    last = atomicAdd(counter, 1u) == gridDim.x - 1;
+  }
   __syncthreads();
   if (!last) return;
   __threadfence();

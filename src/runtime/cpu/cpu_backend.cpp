@@ -311,10 +311,17 @@ Status CpuBackend::indexer_select(const IndexerSelectArgs& p) {
       float* sc = indexer_scores_.data();
       const int64_t t0 = seq.first_token + g0;
       parallel_for(span, 64, [&](int64_t b, int64_t e) {
-        if (g0 == 0)
-          for (int64_t s = b; s < e; ++s)
+        if (g0 > 0) {
+          cpu::indexer_scores_rows(p.q + t0 * HI * dI, p.w + t0 * HI, G, HI, dI, keys, b, e, vis, sc, needed);
+          return;
+        }
+        // 16 keys at a time decoded and scored while they are in L1.
+        for (int64_t s0 = b; s0 < e; s0 += 16) {
+          const int64_t s1 = std::min(e, s0 + 16);
+          for (int64_t s = s0; s < s1; ++s)
             cache_->read_indexer_key(p.cache_slot, md_->slot_of(seq_i, indexer_group_, s), keys + s * dI);
-        cpu::indexer_scores_rows(p.q + t0 * HI * dI, p.w + t0 * HI, G, HI, dI, keys, b, e, vis, sc, needed);
+          cpu::indexer_scores_rows(p.q + t0 * HI * dI, p.w + t0 * HI, G, HI, dI, keys, s0, s1, vis, sc, needed);
+        }
       });
       parallel_for(G, 1, [&](int64_t b, int64_t e) {
         std::vector<int32_t> idx;

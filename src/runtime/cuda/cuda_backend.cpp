@@ -263,7 +263,9 @@ Status CudaBackend::ensure_buffers(int64_t T, int64_t R, int64_t S, int64_t maxb
     ML4_RETURN_IF_ERROR(f(b.o, n * H * c.v_head_dim, 4));
     ML4_RETURN_IF_ERROR(f(b.router, n * E, 4));
     ML4_RETURN_IF_ERROR(f(b.router_counter, 1, router_route_counter_bytes()));
-    ML4_RETURN_IF_ERROR(b.router_counter.fill_bytes(0));  // router_route leaves it at 0 after each launch
+    // On the step stream (non-blocking: a plain cudaMemset would not order before the kernel);
+    // router_route leaves it at 0 after each launch.
+    ML4_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(b.router_counter.data(), 0, b.router_counter.bytes(), stream_));
     ML4_RETURN_IF_ERROR(f(b.ids, n * K, 4));
     ML4_RETURN_IF_ERROR(f(b.wts, n * K, 4));
     ML4_RETURN_IF_ERROR(f(b.tok, n, 4));

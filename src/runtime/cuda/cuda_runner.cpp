@@ -171,6 +171,7 @@ Result<StepOutput> CudaRunner::execute_traced(const StepInput& in, ForwardTrace*
 Result<DraftOutput> CudaRunner::draft(const DraftInput& in) {
   ML4_RETURN_IF_ERROR(fault_.status("cuda runner (an earlier step)"));
   auto out = draft_step(in);
+  ML4_RETURN_IF_ERROR(backend_->stage_draft_params(nullptr, 0));  // draft_step's parameters die with it
   ML4_RETURN_IF_ERROR(fault_.status("cuda runner draft"));
   return out;
 }
@@ -500,7 +501,6 @@ Result<DraftOutput> CudaRunner::draft_step(const DraftInput& in) {
       }
     }
   }
-  ML4_RETURN_IF_ERROR(backend_->stage_draft_params(nullptr, 0));  // `params` dies with this call
   std::vector<int32_t> drafted(B * n);
   ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(drafted.data(), b.draft_ids.data(), drafted.size() * 4, cudaMemcpyDeviceToHost, stream));
   std::vector<float> q(in.want_probs ? (B - 1) * n * V : 0);
