@@ -15,6 +15,7 @@
 
 #include "core/log.h"
 #include "server/http_body.h"
+#include "server/http_listen.h"
 #include "server/openai_protocol.h"
 
 namespace ml4 {
@@ -203,14 +204,7 @@ PdProxy::PdProxy(ProxyOptions options) : options_(std::move(options)), http_(std
 PdProxy::~PdProxy() { stop(); }
 
 Status PdProxy::bind() {
-  if (options_.port == 0) {
-    port_ = http_->bind_to_any_port(options_.host);
-    if (port_ <= 0) return io_error("cannot bind {} on any port", options_.host);
-  } else {
-    if (!http_->bind_to_port(options_.host, options_.port))
-      return io_error("cannot bind {}:{} (in use, or not a local address)", options_.host, options_.port);
-    port_ = options_.port;
-  }
+  ML4_ASSIGN_OR_RETURN(port_, bind_http(*http_, options_.host, options_.port));
   return Status::ok();
 }
 
