@@ -8,6 +8,11 @@
 
 #include "core/dtype.h"
 
+#if defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+#define ML4_LATENT_F16C 1
+#endif
+
 namespace ml4 {
 
 namespace {
@@ -74,8 +79,11 @@ void encode_latent(KvCacheDtype dtype, const float* c, const float* kr, int r, i
   }
 }
 
-void decode_latent(KvCacheDtype dtype, const uint8_t* src, int r, int dr, float fp8_scale,
-                   float* c, float* kr) {
+namespace {
+
+// The reference: every value e4m3_to_f32(code) * scale (one rounding) or a bf16 widened.
+void decode_latent_scalar(KvCacheDtype dtype, const uint8_t* src, int r, int dr, float fp8_scale, float* c,
+                          float* kr) {
   switch (dtype) {
     case KvCacheDtype::kFp8DsMla: {
       const int tiles = r / kDsMlaTile;
@@ -101,6 +109,87 @@ void decode_latent(KvCacheDtype dtype, const uint8_t* src, int r, int dr, float 
       return;
     }
   }
+}
+
+#ifdef ML4_LATENT_F16C
+// The vector decode: e4m3 s.eeee.mmm sign-extended to 16 bits, << 7, bit 14 cleared, is the
+// f16 s.0eeee.mmm0000000, exactly 2^-8 times the code's value (subnormals too); times
+// 256 * scale (exact while finite) it is the same real product as code * scale, rounded once.
+// The codes 0x7f / 0xff (NaN) are only noted in `probe` (the caller decodes such a row with the
+// table, whose NaNs keep their sign); bf16 widens by a 16-bit shift. n values from p.
+inline void e4m3_times(const uint8_t* p, int n, __m256 s256, float* out, __m128i& probe) {
+  const __m256i keep = _mm256_set1_epi16(static_cast<short>(0xbfff));
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i));
+    probe = _mm_max_epu8(probe, _mm_and_si128(b, _mm_set1_epi8(0x7f)));
+    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), keep);
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), s256));
+    _mm256_storeu_ps(out + i + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), s256));
+  }
+  for (; i + 8 <= n; i += 8) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + i));
+    probe = _mm_max_epu8(probe, _mm_and_si128(b, _mm_set1_epi8(0x7f)));
+    const __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(b), 7), _mm256_castsi256_si128(keep));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtph_ps(h), s256));
+  }
+  const float s = _mm256_cvtss_f32(s256) * (1.0f / 256.0f);  // exact: s256 is 256 * scale
+  for (; i < n; ++i) out[i] = e4m3_to_f32(p[i]) * s;
+}
+
+inline void bf16_widen(const uint8_t* p, int n, float* out) {
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * i));
+    _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+  }
+  for (; i < n; ++i) out[i] = load_bf16(p + 2 * i);
+}
+
+// 256 * scale when it is finite (so the product above is exact), else 0 (take the table).
+inline float times256(float scale) {
+  const float s = scale * 256.0f;
+  return std::fabs(s) <= FLT_MAX ? s : 0.0f;
+}
+
+bool has_nan_code(__m128i probe) { return _mm_movemask_epi8(_mm_cmpeq_epi8(probe, _mm_set1_epi8(0x7f))) != 0; }
+#endif
+
+}  // namespace
+
+void decode_latent(KvCacheDtype dtype, const uint8_t* src, int r, int dr, float fp8_scale,
+                   float* c, float* kr) {
+#ifdef ML4_LATENT_F16C
+  __m128i probe = _mm_setzero_si128();
+  switch (dtype) {
+    case KvCacheDtype::kFp8DsMla: {
+      const int tiles = r / kDsMlaTile;
+      const uint8_t* scales = src + r;
+      for (int t = 0; t < tiles; ++t) {
+        const float s = times256(load_f32(scales + 4 * t));
+        if (s == 0.0f) return decode_latent_scalar(dtype, src, r, dr, fp8_scale, c, kr);
+        e4m3_times(src + t * kDsMlaTile, kDsMlaTile, _mm256_set1_ps(s), c + t * kDsMlaTile, probe);
+      }
+      if (has_nan_code(probe)) return decode_latent_scalar(dtype, src, r, dr, fp8_scale, c, kr);
+      bf16_widen(scales + 4 * tiles, dr, kr);
+      return;
+    }
+    case KvCacheDtype::kFp8: {
+      const float s = times256(fp8_scale);
+      if (s == 0.0f) break;
+      e4m3_times(src, r, _mm256_set1_ps(s), c, probe);
+      e4m3_times(src + r, dr, _mm256_set1_ps(s), kr, probe);
+      if (has_nan_code(probe)) break;
+      return;
+    }
+    case KvCacheDtype::kBf16: {
+      bf16_widen(src, r, c);
+      bf16_widen(src + 2 * r, dr, kr);
+      return;
+    }
+  }
+#endif
+  decode_latent_scalar(dtype, src, r, dr, fp8_scale, c, kr);
 }
 
 }  // namespace ml4

@@ -45,6 +45,8 @@ class PagedKvCache {
   void write_indexer_key(int idx_slot, int64_t slot, const float* k);
   void read_indexer_key(int idx_slot, int64_t slot, float* k) const;
   void read_indexer_key_raw(int idx_slot, int64_t slot, uint8_t* values, float* scales) const;
+  // The bytes of one token's row in any group (what read_latent / read_drafter decode).
+  const uint8_t* row(int group, int layer_slot, int64_t slot) const { return token_ptr(group, layer_slot, slot); }
   // Drafter group (bf16 latent); drafter_layer in [0, drafter.n_layers).
   void write_drafter(int drafter_layer, int64_t slot, const float* c, const float* kr);
   void read_drafter(int drafter_layer, int64_t slot, float* c, float* kr) const;

@@ -2,6 +2,7 @@
 // positions, tile scale = max(amax/448, FLT_MIN), bf16 rope), fp8 per-tensor and bf16.
 #include "kv/latent_layout.h"
 
+#include <bit>
 #include <cfloat>
 #include <cstring>
 #include <random>
@@ -158,6 +159,68 @@ TEST(LatentLayout, Bf16ExactToBf16) {
   decode_latent(KvCacheDtype::kBf16, row.data(), r, dr, 1.0f, c2.data(), kr2.data());
   for (int i = 0; i < r; ++i) ASSERT_EQ(c2[i], round_bf16(c[i]));
   for (int i = 0; i < dr; ++i) ASSERT_EQ(kr2[i], round_bf16(kr[i]));
+}
+
+// decode_latent's vector path (F16C: e4m3 -> f16 times 256 * scale; bf16 by a shift) gives the
+// table's bits, code * scale rounded once, for every code in every position: fp8_ds_mla tile
+// scales from FLT_MIN (an all-zero tile) to ones whose 256x overflows (the table path), a zero
+// scale; fp8 per-tensor scales likewise; rows with a NaN code (the table path, NaN with its
+// sign); r / dr with 8-steps and scalar tails; bf16 rows of any bits.
+TEST(LatentLayout, DecodeIsTableTimesScaleEveryCode) {
+  auto same = [](float a, float b) { return std::bit_cast<uint32_t>(a) == std::bit_cast<uint32_t>(b); };
+  auto bf16 = [](const uint8_t* p) {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    return bf16_to_f32(h);
+  };
+  std::mt19937 rng(41);
+  const float picks[] = {FLT_MIN, 1e-30f, 3.7e-3f, 1.0f, 0.1f, 7.3e20f, 1.0e35f, 2.0e36f, 3.0e38f, 0.0f, -0.5f};
+  for (auto [r, dr] : {std::pair<int, int>{128, 32}, {256, 64}, {512, 64}, {128, 2}, {384, 13}}) {
+    const size_t tb = latent_token_bytes(KvCacheDtype::kFp8DsMla, r, dr);
+    const int tiles = r / kDsMlaTile;
+    std::vector<uint8_t> row(tb);
+    std::vector<float> c(r), kr(dr);
+    for (int trial = 0; trial < 64; ++trial) {
+      for (auto& b : row) b = static_cast<uint8_t>(rng());
+      for (int i = 0; i < r; ++i) row[i] = static_cast<uint8_t>(i + trial);  // every code, moving
+      if (trial % 4 != 3)  // else keep NaN codes in the row
+        for (int i = 0; i < r; ++i)
+          if ((row[i] & 0x7f) == 0x7f) row[i] = static_cast<uint8_t>(rng() % 0x7f);
+      for (int t = 0; t < tiles; ++t) {
+        const float sc = picks[(trial + t) % 11] * (1.0f + static_cast<float>(rng() % 1000) / 997.0f);
+        std::memcpy(row.data() + r + 4 * t, &sc, 4);
+      }
+      decode_latent(KvCacheDtype::kFp8DsMla, row.data(), r, dr, 1.0f, c.data(), kr.data());
+      for (int i = 0; i < r; ++i) {
+        float sc;
+        std::memcpy(&sc, row.data() + r + 4 * (i / kDsMlaTile), 4);
+        ASSERT_TRUE(same(c[i], e4m3_to_f32(row[i]) * sc)) << r << " " << trial << " " << i << " " << c[i];
+      }
+      for (int i = 0; i < dr; ++i) ASSERT_TRUE(same(kr[i], bf16(row.data() + r + 4 * tiles + 2 * i))) << i;
+    }
+  }
+  for (auto [r, dr] : {std::pair<int, int>{128, 32}, {512, 64}, {100, 13}, {8, 0}}) {
+    std::vector<uint8_t> row(latent_token_bytes(KvCacheDtype::kFp8, r, dr));
+    std::vector<float> c(r), kr(dr);
+    for (int trial = 0; trial < 44; ++trial) {
+      for (size_t i = 0; i < row.size(); ++i) row[i] = static_cast<uint8_t>(i * 7 + trial);
+      if (trial % 4 != 3)
+        for (auto& b : row)
+          if ((b & 0x7f) == 0x7f) b = 0x7e;
+      const float sc = picks[trial % 11];
+      decode_latent(KvCacheDtype::kFp8, row.data(), r, dr, sc, c.data(), kr.data());
+      for (int i = 0; i < r; ++i) ASSERT_TRUE(same(c[i], e4m3_to_f32(row[i]) * sc)) << r << " " << trial << " " << i;
+      for (int i = 0; i < dr; ++i) ASSERT_TRUE(same(kr[i], e4m3_to_f32(row[r + i]) * sc)) << trial << " " << i;
+    }
+  }
+  for (auto [r, dr] : {std::pair<int, int>{128, 32}, {100, 13}}) {
+    std::vector<uint8_t> row(latent_token_bytes(KvCacheDtype::kBf16, r, dr));
+    std::vector<float> c(r), kr(dr);
+    for (auto& b : row) b = static_cast<uint8_t>(rng());
+    decode_latent(KvCacheDtype::kBf16, row.data(), r, dr, 1.0f, c.data(), kr.data());
+    for (int i = 0; i < r; ++i) ASSERT_TRUE(same(c[i], bf16(row.data() + 2 * i))) << i;
+    for (int i = 0; i < dr; ++i) ASSERT_TRUE(same(kr[i], bf16(row.data() + 2 * (r + i)))) << i;
+  }
 }
 
 }  // namespace

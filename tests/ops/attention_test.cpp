@@ -93,6 +93,182 @@ TEST(Attention, MlaSameBitsWithAndWithoutAvx512) {
   }
 }
 
+// The logit order (attention.cpp, DotSeg) in scalar code: two 8-lane accumulators over the
+// 16-steps of segment 0, one 8-step more into the first, the same over segment 1, then
+// hsum8(acc0 + acc1) (lanes l + l + 4, then (0 + 2) + (1 + 3)), then each segment's scalar tail.
+float logit_order(const float* a0, const float* b0, int n0, const float* a1, const float* b1, int n1) {
+  float acc0[8] = {}, acc1[8] = {};
+  const float* A[2] = {a0, a1};
+  const float* B[2] = {b0, b1};
+  const int N[2] = {n0, n1};
+  int tail[2];
+  for (int g = 0; g < 2; ++g) {
+    int i = 0;
+    for (; i + 16 <= N[g]; i += 16)
+      for (int l = 0; l < 8; ++l) {
+        acc0[l] = std::fma(A[g][i + l], B[g][i + l], acc0[l]);
+        acc1[l] = std::fma(A[g][i + 8 + l], B[g][i + 8 + l], acc1[l]);
+      }
+    for (; i + 8 <= N[g]; i += 8)
+      for (int l = 0; l < 8; ++l) acc0[l] = std::fma(A[g][i + l], B[g][i + l], acc0[l]);
+    tail[g] = i;
+  }
+  float v[8], h[4];
+  for (int l = 0; l < 8; ++l) v[l] = acc0[l] + acc1[l];
+  for (int l = 0; l < 4; ++l) h[l] = v[l] + v[l + 4];
+  const float even = h[0] + h[2], odd = h[1] + h[3];
+  float t = even + odd;
+  for (int g = 0; g < 2; ++g)
+    for (int k = tail[g]; k < N[g]; ++k) t = std::fma(A[g][k], B[g][k], t);
+  return t;
+}
+
+// mla_attention's documented operation order for one head, one scalar operation at a time:
+// per 32-key block the logits (logit order) times the head scale, the block max in key order
+// (NaN skipped, the first of equal values kept), the running max, alpha = exp_softmax(m - m_new),
+// p = exp_softmax(logit - m_new), the block sum in f64 in key order, l = l alpha + sum, each
+// output element o alpha then an FMA chain over the block's keys; at the end o / l and m + log l.
+void mla_head_reference(const float* ql, const float* qr, int r, int dr, const float* c, const float* kr, int64_t S,
+                        float scale, float* o, float* lse) {
+  const float kNegInf = -INFINITY;
+  float m = kNegInf;
+  double l = 0.0;
+  std::fill(o, o + r, 0.0f);
+  float p[32];
+  for (int64_t s0 = 0; s0 < S; s0 += 32) {
+    const int64_t rows = std::min<int64_t>(32, S - s0);
+    float bmax = kNegInf;
+    for (int64_t j = 0; j < rows; ++j) {
+      p[j] = logit_order(ql, c + (s0 + j) * r, r, qr, kr + (s0 + j) * dr, dr);
+      p[j] *= scale;
+      bmax = std::max(bmax, p[j]);
+    }
+    const float m_new = std::max(m, bmax);
+    if (m_new == kNegInf) continue;
+    const float a = m == kNegInf ? 0.0f : exp_softmax(m - m_new);
+    for (int64_t j = 0; j < rows; ++j) p[j] = exp_softmax(p[j] - m_new);
+    double bsum = 0.0;
+    for (int64_t j = 0; j < rows; ++j) bsum += p[j];
+    l = l * a + bsum;
+    m = m_new;
+    for (int i = 0; i < r; ++i) {
+      float acc = o[i] * a;
+      for (int64_t j = 0; j < rows; ++j) acc = std::fma(p[j], c[(s0 + j) * r + i], acc);
+      o[i] = acc;
+    }
+  }
+  if (l <= 0.0) {
+    std::fill(o, o + r, 0.0f);
+    *lse = kNegInf;
+    return;
+  }
+  const float inv = static_cast<float>(1.0 / l);
+  for (int i = 0; i < r; ++i) o[i] *= inv;
+  *lse = static_cast<float>(m + std::log(l));
+}
+
+// mla_attention gives mla_head_reference's bits for every head, AVX-512 or AVX2: head counts
+// with 4-head tiles and remainders, key counts off the tiles and blocks, r / dr with 8-steps
+// and tails; a zero head scale (every logit +-0: the block max is the first zero), a sharp one.
+TEST(Attention, MlaSameBitsAsScalarReference) {
+  for (auto [H, r, dr] : {std::tuple<int, int, int>{4, 128, 32}, {5, 64, 16}, {9, 72, 13}, {1, 24, 3}, {8, 512, 64}}) {
+    for (int64_t S : {1, 7, 32, 33, 100, 256}) {
+      auto ql = test::random_floats(H * r, 31 + S);
+      auto qr = test::random_floats(H * dr, 32 + S);
+      auto c = test::random_floats(S * r, 33 + S);
+      auto kr = test::random_floats(S * dr, 34 + S);
+      std::vector<float> scale(H);
+      for (int h = 0; h < H; ++h) scale[h] = h == 1 ? 0.0f : h == 2 ? 9.0f : 0.05f + 0.3f * h;
+      std::vector<float> ref(H * r), ref_lse(H);
+      for (int h = 0; h < H; ++h)
+        mla_head_reference(ql.data() + h * r, qr.data() + h * dr, r, dr, c.data(), kr.data(), S, scale[h],
+                           ref.data() + h * r, ref_lse.data() + h);
+      for (int avx512 : {0, 1}) {
+        linear_allow_avx512(avx512 != 0);
+        std::vector<float> out(H * r, -9.0f), lse(H, -9.0f);
+        mla_attention(ql.data(), qr.data(), H, r, dr, c.data(), kr.data(), S, scale.data(), out.data(), lse.data());
+        for (int h = 0; h < H; ++h) {
+          ASSERT_EQ(std::bit_cast<uint32_t>(lse[h]), std::bit_cast<uint32_t>(ref_lse[h]))
+              << H << " " << r << " S=" << S << " h=" << h << " avx512=" << avx512;
+          for (int i = 0; i < r; ++i)
+            ASSERT_EQ(std::bit_cast<uint32_t>(out[h * r + i]), std::bit_cast<uint32_t>(ref[h * r + i]))
+                << H << " " << r << " S=" << S << " h=" << h << " i=" << i << " avx512=" << avx512;
+        }
+      }
+      linear_allow_avx512(true);
+    }
+  }
+}
+
+// mla_attention_heads, as the CPU runner calls it: heads split into groups of every size (one
+// call per group), the rope query read from rows of dn + dr floats, the keys a selection
+// a selection given block by block as row pointers, some into the kernel's buffers, some into
+// the array it picks from (rows()'s blocks are the 32-row softmax blocks) -- bit for bit
+// mla_attention over the gathered rows, with AVX-512 or AVX2.
+TEST(Attention, MlaHeadsSameBitsAsMlaAttention) {
+  // Keys sel[s] of c_all / kr_all copied into the buffers, one block at a time.
+  class Gather final : public MlaKeyBlocks {
+   public:
+    Gather(const std::vector<float>& c, const std::vector<float>& kr, const std::vector<int>& sel, int r, int dr)
+        : c_(c), kr_(kr), sel_(sel), r_(r), dr_(dr) {}
+    void rows(int64_t s0, int64_t n, float* cb, float* kb, const float** c, const float** kr) const override {
+      EXPECT_EQ(s0 % kMlaBlock, 0);
+      EXPECT_TRUE(n > 0 && n <= kMlaBlock && s0 + n <= static_cast<int64_t>(sel_.size()));
+      for (int64_t j = 0; j < n; ++j) {
+        if (j % 2 == 0) {  // even rows copied into the buffers, odd ones read where they are
+          std::copy_n(c_.data() + sel_[s0 + j] * r_, r_, cb + j * r_);
+          std::copy_n(kr_.data() + sel_[s0 + j] * dr_, dr_, kb + j * dr_);
+          c[j] = cb + j * r_, kr[j] = kb + j * dr_;
+        } else {
+          c[j] = c_.data() + sel_[s0 + j] * r_, kr[j] = kr_.data() + sel_[s0 + j] * dr_;
+        }
+      }
+    }
+
+   private:
+    const std::vector<float>&c_, &kr_;
+    const std::vector<int>& sel_;
+    int r_, dr_;
+  };
+  for (auto [H, r, dr, dn] : {std::tuple<int, int, int, int>{4, 128, 32, 32}, {5, 64, 16, 8}, {9, 72, 13, 5}, {1, 24, 3, 0}}) {
+    for (int64_t S : {0, 1, 31, 32, 33, 130, 256}) {
+      const int64_t n = 2 * S + 7;  // the cache the selection picks from
+      auto ql = test::random_floats(H * r, 21 + S);
+      auto q = test::random_floats(H * (dn + dr), 22 + S);  // [H, dn + dr], rope at dn
+      auto c_all = test::random_floats(n * r, 23 + S);
+      auto kr_all = test::random_floats(n * dr, 24 + S);
+      std::vector<int> sel(S);
+      std::mt19937 g(25 + S);
+      for (auto& v : sel) v = static_cast<int>(g() % n);
+      std::vector<float> c(S * r), kr(S * dr), qr(H * dr);
+      for (int64_t s = 0; s < S; ++s) {
+        std::copy_n(c_all.data() + sel[s] * r, r, c.data() + s * r);
+        std::copy_n(kr_all.data() + sel[s] * dr, dr, kr.data() + s * dr);
+      }
+      for (int h = 0; h < H; ++h) std::copy_n(q.data() + h * (dn + dr) + dn, dr, qr.data() + h * dr);
+      std::vector<float> scale(H);
+      for (int h = 0; h < H; ++h) scale[h] = 0.05f + 0.7f * h;
+      const Gather keys(c_all, kr_all, sel, r, dr);
+      for (int avx512 : {0, 1}) {
+        linear_allow_avx512(avx512 != 0);
+        std::vector<float> ref(H * r, -9.0f), ref_lse(H, -9.0f);
+        mla_attention(ql.data(), qr.data(), H, r, dr, c.data(), kr.data(), S, scale.data(), ref.data(), ref_lse.data());
+        for (int hp = 1; hp <= H; ++hp) {
+          std::vector<float> out(H * r, -7.0f), lse(H, -7.0f);
+          for (int h0 = 0; h0 < H; h0 += hp) {
+            const int nh = std::min(hp, H - h0);
+            mla_attention_heads(ql.data() + h0 * r, q.data() + h0 * (dn + dr) + dn, dn + dr, nh, r, dr, S, keys,
+                                scale.data() + h0, out.data() + h0 * r, lse.data() + h0);
+          }
+          ASSERT_EQ(0, std::memcmp(out.data(), ref.data(), out.size() * 4)) << H << " " << r << " S=" << S << " hp=" << hp;
+          ASSERT_EQ(0, std::memcmp(lse.data(), ref_lse.data(), lse.size() * 4)) << H << " " << r << " S=" << S << " hp=" << hp;
+        }
+      }
+      linear_allow_avx512(true);
+    }
+  }
+}
+
 // exp_softmax against exp in f64 over the softmax's range (x <= 0): within 1.01 ulp (1.5
 // asserted) down to -87.3, 0 below FLT_MIN's exponent, -inf -> 0, NaN -> NaN, exp(0) = 1;
 // exp_shifted equal to the scalar function bit for bit at every array length and offset.

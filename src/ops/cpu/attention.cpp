@@ -1,6 +1,8 @@
 // Attention cores: see attention.h.
 //
-// mla_attention walks the gathered rows in blocks of kBlock and, for every head of the
+// mla_attention (mla_attention_heads on each thread's heads) walks the key rows in blocks of
+// kBlock, each block's rows given by a MlaKeyBlocks source (rows in memory, or rows the runner
+// decodes from the cache into an L1 buffer per block), and, for every head of the
 // thread's share, updates an online softmax (FlashAttention: running max m, running
 // sum l, output rescaled by exp(m_old - m_new) when the max grows). A block of c
 // (kBlock x r f32, 64 KiB at r = 512) is thus read from memory once per thread and
@@ -11,8 +13,10 @@
 // row serves every head). Each head's result is bit for bit the head computed alone, and the
 // same with AVX-512 or without. Logits and the output are f32 (FMA
 // dots); exp is exp_softmax (vectorized, its own bits, not libm's); l is summed in f64;
-// lse = m + log(l). The CPU runner calls it per token,
-// for prefill chunks too, so a token's attention never depends on how its prompt was chunked.
+// lse = m + log(l); the block max and the f64 block sums are vectorized / interleaved over
+// heads in ways that keep each head's key order. The CPU runner calls it per token (per
+// token x head group), for prefill chunks too, so a token's attention never depends on how
+// its prompt was chunked or on the other tokens of its step.
 #include "ops/cpu/attention.h"
 
 #include <algorithm>
@@ -131,15 +135,19 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // the rope part lie in different arrays), in one order (the "logit order"): two 8-lane
 // accumulators over 16-element steps of segment 0, one 8-step more into the first, the same
 // over segment 1 into the same accumulators, then hsum8(acc0 + acc1), then segment 0's scalar
-// tail, then segment 1's. A segment: rows of a (lda apart) and of b (ldb apart), n long; a tile
-// gives RM x RN logits, each loaded row serving RM or RN of them.
+// tail, then segment 1's. A segment: rows of a (lda apart) and of b (ldb apart, or b row v at
+// brows[v]), n long; a tile gives RM x RN logits, each loaded row serving RM or RN of them.
 struct DotSeg {
   const float* a;
   int64_t lda;
   const float* b;
   int64_t ldb;
   int64_t n;
-  DotSeg at(int64_t u, int64_t v) const { return {a + u * lda, lda, b + v * ldb, ldb, n}; }
+  const float* const* brows = nullptr;
+  const float* brow(int64_t v) const { return brows != nullptr ? brows[v] : b + v * ldb; }
+  DotSeg at(int64_t u, int64_t v) const {
+    return {a + u * lda, lda, brows != nullptr ? nullptr : b + v * ldb, ldb, n, brows != nullptr ? brows + v : nullptr};
+  }
 };
 
 template <int RM, int RN>
@@ -149,13 +157,16 @@ inline void logit_tile(const DotSeg (&s)[2], float* y, int64_t ldy) {
   using namespace kernels;
   Vec8 a0[RM][RN], a1[RM][RN];
   ML4_UNROLL for (int u = 0; u < RM; ++u) ML4_UNROLL for (int v = 0; v < RN; ++v) a0[u][v] = a1[u][v] = zero8();
-  for (int g = 0; g < 2; ++g) {
-    const float *a = s[g].a, *b = s[g].b;
-    const int64_t lda = s[g].lda, ldb = s[g].ldb, n = s[g].n;
+  const float* bp[2][RN];
+  for (int g = 0; g < 2; ++g) ML4_UNROLL for (int v = 0; v < RN; ++v) bp[g][v] = s[g].brow(v);
+  ML4_UNROLL for (int g = 0; g < 2; ++g) {
+    const float* a = s[g].a;
+    const float* const* b = bp[g];
+    const int64_t lda = s[g].lda, n = s[g].n;
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
       Vec8 b0[RN], b1[RN];
-      ML4_UNROLL for (int v = 0; v < RN; ++v) b0[v] = load8(b + v * ldb + i), b1[v] = load8(b + v * ldb + i + 8);
+      ML4_UNROLL for (int v = 0; v < RN; ++v) b0[v] = load8(b[v] + i), b1[v] = load8(b[v] + i + 8);
       ML4_UNROLL for (int u = 0; u < RM; ++u) {
         const Vec8 x0 = load8(a + u * lda + i), x1 = load8(a + u * lda + i + 8);
         ML4_UNROLL for (int v = 0; v < RN; ++v) a0[u][v] = fma8(x0, b0[v], a0[u][v]), a1[u][v] = fma8(x1, b1[v], a1[u][v]);
@@ -163,23 +174,23 @@ inline void logit_tile(const DotSeg (&s)[2], float* y, int64_t ldy) {
     }
     for (; i + 8 <= n; i += 8)
       ML4_UNROLL for (int u = 0; u < RM; ++u) ML4_UNROLL for (int v = 0; v < RN; ++v)
-        a0[u][v] = fma8(load8(a + u * lda + i), load8(b + v * ldb + i), a0[u][v]);
+        a0[u][v] = fma8(load8(a + u * lda + i), load8(b[v] + i), a0[u][v]);
     tail[g] = i;
   }
-  for (int u = 0; u < RM; ++u)
-    for (int v = 0; v < RN; ++v) {
+  ML4_UNROLL for (int u = 0; u < RM; ++u)
+    ML4_UNROLL for (int v = 0; v < RN; ++v) {
       float t = hsum8(add8(a0[u][v], a1[u][v]));
       for (int g = 0; g < 2; ++g)
-        for (int64_t k = tail[g]; k < s[g].n; ++k) t = std::fma(s[g].a[u * s[g].lda + k], s[g].b[v * s[g].ldb + k], t);
+        for (int64_t k = tail[g]; k < s[g].n; ++k) t = std::fma(s[g].a[u * s[g].lda + k], bp[g][v][k], t);
       y[u * ldy + v] = t;
     }
 #else
   tail[0] = tail[1] = 0;
-  for (int u = 0; u < RM; ++u)
-    for (int v = 0; v < RN; ++v) {
+  ML4_UNROLL for (int u = 0; u < RM; ++u)
+    ML4_UNROLL for (int v = 0; v < RN; ++v) {
       float t = 0.0f;
       for (int g = 0; g < 2; ++g)
-        for (int64_t k = tail[g]; k < s[g].n; ++k) t = std::fma(s[g].a[u * s[g].lda + k], s[g].b[v * s[g].ldb + k], t);
+        for (int64_t k = tail[g]; k < s[g].n; ++k) t = std::fma(s[g].a[u * s[g].lda + k], s[g].brow(v)[k], t);
       y[u * ldy + v] = t;
     }
 #endif
@@ -199,11 +210,11 @@ void logit_rows(const DotSeg (&s)[2], int64_t rm, int64_t rn, float* y, int64_t 
     }
 }
 
-// o_q[i] = o_q[i] * alpha[q] + sum_j p[q][j] c[j][i] for the NQ (<= 4) rows o_q: each c row
-// is loaded once for all of them. NQ is a template argument so the 2 x NQ accumulators stay
+// o_q[i] = o_q[i] * alpha[q] + sum_j p[q][j] c[j][i] for the NQ (<= 4) rows o_q (c row j at
+// c[j]): each c row is loaded once for all of them. NQ is a template argument so the 2 x NQ accumulators stay
 // in registers (a run-time row count kept them on the stack: 3x slower).
 template <int NQ>
-void scale_accumulate_rows_n(float* const* o, const float* alpha, const float* const* p, const float* c,
+void scale_accumulate_rows_n(float* const* o, const float* alpha, const float* const* p, const float* const* c,
                              int64_t rows, int r) {
   int i = 0;
 #ifdef ML4_ATTN_AVX2
@@ -216,7 +227,7 @@ void scale_accumulate_rows_n(float* const* o, const float* alpha, const float* c
       acc[q][1] = _mm256_mul_ps(_mm256_loadu_ps(o[q] + i + 8), a);
     }
     for (int64_t j = 0; j < rows; ++j) {
-      const __m256 c0 = _mm256_loadu_ps(c + j * r + i), c1 = _mm256_loadu_ps(c + j * r + i + 8);
+      const __m256 c0 = _mm256_loadu_ps(c[j] + i), c1 = _mm256_loadu_ps(c[j] + i + 8);
       ML4_UNROLL for (int q = 0; q < NQ; ++q) {
         const __m256 pv = _mm256_set1_ps(p[q][j]);
         acc[q][0] = _mm256_fmadd_ps(pv, c0, acc[q][0]);
@@ -232,12 +243,12 @@ void scale_accumulate_rows_n(float* const* o, const float* alpha, const float* c
   for (; i < r; ++i)
     ML4_UNROLL for (int q = 0; q < NQ; ++q) {
       float acc = o[q][i] * alpha[q];
-      for (int64_t j = 0; j < rows; ++j) acc = std::fma(p[q][j], c[j * r + i], acc);
+      for (int64_t j = 0; j < rows; ++j) acc = std::fma(p[q][j], c[j][i], acc);
       o[q][i] = acc;
     }
 }
 
-void scale_accumulate_rows(float* const* o, const float* alpha, const float* const* p, int nq, const float* c,
+void scale_accumulate_rows(float* const* o, const float* alpha, const float* const* p, int nq, const float* const* c,
                            int64_t rows, int r) {
   switch (nq) {
     case 1: return scale_accumulate_rows_n<1>(o, alpha, p, c, rows, r);
@@ -255,7 +266,7 @@ void scale_accumulate_rows(float* const* o, const float* alpha, const float* con
 // at y[u * ldy + v]) done across registers: each level is the same adds of the same lanes as
 // the one-register sequence (acc0 + acc1; lo128 + hi128; lanes 0 + 2 and 1 + 3; then (0 + 2)
 // + (1 + 3)), 45 instructions for 16 dots instead of ~128.
-ML4_AVX512_FN inline void hsum16x16_store(const __m512* a, float* y, int64_t ldy) {
+ML4_AVX512_FN inline __attribute__((always_inline)) void hsum16x16_store(const __m512* a, float* y, int64_t ldy) {
   __m512 v[8], s4[4], t2[2];
   ML4_UNROLL for (int k = 0; k < 8; ++k)  // [acc0 + acc1 of dot 2k | of dot 2k + 1]
     v[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
@@ -269,12 +280,14 @@ ML4_AVX512_FN inline void hsum16x16_store(const __m512* a, float* y, int64_t ldy
   // 128-lane q: the dots q, q + 4, q + 8, q + 12.
   const __m512 d = _mm512_add_ps(_mm512_shuffle_ps(t2[0], t2[1], _MM_SHUFFLE(2, 0, 2, 0)),
                                  _mm512_shuffle_ps(t2[0], t2[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  alignas(64) float o[16];
-  _mm512_store_ps(o, d);
-  ML4_UNROLL for (int q = 0; q < 4; ++q) ML4_UNROLL for (int j = 0; j < 4; ++j) {
-    const int dot = q + 4 * j;
-    y[(dot / 4) * ldy + dot % 4] = o[4 * q + j];
-  }
+  // Lane q, element j is dot q + 4j: row j, column q. Transposed, each row is one store.
+  __m128 c0 = _mm512_castps512_ps128(d), c1 = _mm512_extractf32x4_ps(d, 1), c2 = _mm512_extractf32x4_ps(d, 2),
+         c3 = _mm512_extractf32x4_ps(d, 3);
+  _MM_TRANSPOSE4_PS(c0, c1, c2, c3);
+  _mm_storeu_ps(y, c0);
+  _mm_storeu_ps(y + ldy, c1);
+  _mm_storeu_ps(y + 2 * ldy, c2);
+  _mm_storeu_ps(y + 3 * ldy, c3);
 }
 
 // logit_tile with one 16-lane register per logit: lanes 0-7 are the order's acc0 and lanes
@@ -286,13 +299,17 @@ ML4_AVX512_FN void logit_tile_avx512(const DotSeg (&s)[2], float* y, int64_t ldy
   __m512 acc[RM][RN];
   ML4_UNROLL for (int u = 0; u < RM; ++u) ML4_UNROLL for (int v = 0; v < RN; ++v) acc[u][v] = _mm512_setzero_ps();
   int64_t tail[2];
-  for (int g = 0; g < 2; ++g) {
-    const float *a = s[g].a, *b = s[g].b;
-    const int64_t lda = s[g].lda, ldb = s[g].ldb, n = s[g].n;
+  const float* bp[2][RN];
+  for (int g = 0; g < 2; ++g) ML4_UNROLL for (int v = 0; v < RN; ++v) bp[g][v] = s[g].brow(v);
+  // Both segments unrolled: the accumulators stay in registers from the first FMA to the sums.
+  ML4_UNROLL for (int g = 0; g < 2; ++g) {
+    const float* a = s[g].a;
+    const float* const* b = bp[g];
+    const int64_t lda = s[g].lda, n = s[g].n;
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
       __m512 bv[RN];
-      ML4_UNROLL for (int v = 0; v < RN; ++v) bv[v] = _mm512_loadu_ps(b + v * ldb + i);
+      ML4_UNROLL for (int v = 0; v < RN; ++v) bv[v] = _mm512_loadu_ps(b[v] + i);
       ML4_UNROLL for (int u = 0; u < RM; ++u) {
         const __m512 av = _mm512_loadu_ps(a + u * lda + i);
         ML4_UNROLL for (int v = 0; v < RN; ++v) acc[u][v] = _mm512_fmadd_ps(av, bv[v], acc[u][v]);
@@ -303,7 +320,7 @@ ML4_AVX512_FN void logit_tile_avx512(const DotSeg (&s)[2], float* y, int64_t ldy
       ML4_UNROLL for (int u = 0; u < RM; ++u) {
         const __m512 av = _mm512_maskz_loadu_ps(lo, a + u * lda + i);
         ML4_UNROLL for (int v = 0; v < RN; ++v)
-          acc[u][v] = _mm512_mask3_fmadd_ps(av, _mm512_maskz_loadu_ps(lo, b + v * ldb + i), acc[u][v], lo);
+          acc[u][v] = _mm512_mask3_fmadd_ps(av, _mm512_maskz_loadu_ps(lo, b[v] + i), acc[u][v], lo);
       }
       i += 8;
     }
@@ -312,12 +329,12 @@ ML4_AVX512_FN void logit_tile_avx512(const DotSeg (&s)[2], float* y, int64_t ldy
   if constexpr (RM == 4 && RN == 4) {
     if (tail[0] == s[0].n && tail[1] == s[1].n) return hsum16x16_store(acc[0], y, ldy);
   }
-  for (int u = 0; u < RM; ++u)
-    for (int v = 0; v < RN; ++v) {
+  ML4_UNROLL for (int u = 0; u < RM; ++u)
+    ML4_UNROLL for (int v = 0; v < RN; ++v) {
       const __m256 lo = _mm512_castps512_ps256(acc[u][v]), hi = _mm512_extractf32x8_ps(acc[u][v], 1);
       float t = kernels::hsum8(kernels::add8(kernels::Vec8{lo}, kernels::Vec8{hi}));
       for (int g = 0; g < 2; ++g)
-        for (int64_t k = tail[g]; k < s[g].n; ++k) t = std::fma(s[g].a[u * s[g].lda + k], s[g].b[v * s[g].ldb + k], t);
+        for (int64_t k = tail[g]; k < s[g].n; ++k) t = std::fma(s[g].a[u * s[g].lda + k], bp[g][v][k], t);
       y[u * ldy + v] = t;
     }
 }
@@ -359,7 +376,7 @@ ML4_AVX512_FN void logit_rows_avx512(const DotSeg (&s)[2], int64_t rm, int64_t r
 // element the same o * alpha and FMA chain over j.
 template <int NQ>
 ML4_AVX512_FN void scale_accumulate_rows_avx512_n(float* const* o, const float* alpha, const float* const* p,
-                                                  const float* c, int64_t rows, int r) {
+                                                  const float* const* c, int64_t rows, int r) {
   int i = 0;
   for (; i + 64 <= r; i += 64) {
     __m512 acc[NQ][4];
@@ -369,7 +386,7 @@ ML4_AVX512_FN void scale_accumulate_rows_avx512_n(float* const* o, const float* 
     }
     for (int64_t j = 0; j < rows; ++j) {
       __m512 cv[4];
-      ML4_UNROLL for (int k = 0; k < 4; ++k) cv[k] = _mm512_loadu_ps(c + j * r + i + 16 * k);
+      ML4_UNROLL for (int k = 0; k < 4; ++k) cv[k] = _mm512_loadu_ps(c[j] + i + 16 * k);
       ML4_UNROLL for (int q = 0; q < NQ; ++q) {
         const __m512 pv = _mm512_set1_ps(p[q][j]);
         ML4_UNROLL for (int k = 0; k < 4; ++k) acc[q][k] = _mm512_fmadd_ps(pv, cv[k], acc[q][k]);
@@ -382,7 +399,7 @@ ML4_AVX512_FN void scale_accumulate_rows_avx512_n(float* const* o, const float* 
     __m512 acc[NQ];
     ML4_UNROLL for (int q = 0; q < NQ; ++q) acc[q] = _mm512_mul_ps(_mm512_loadu_ps(o[q] + i), _mm512_set1_ps(alpha[q]));
     for (int64_t j = 0; j < rows; ++j) {
-      const __m512 cv = _mm512_loadu_ps(c + j * r + i);
+      const __m512 cv = _mm512_loadu_ps(c[j] + i);
       ML4_UNROLL for (int q = 0; q < NQ; ++q) acc[q] = _mm512_fmadd_ps(_mm512_set1_ps(p[q][j]), cv, acc[q]);
     }
     ML4_UNROLL for (int q = 0; q < NQ; ++q) _mm512_storeu_ps(o[q] + i, acc[q]);
@@ -390,13 +407,13 @@ ML4_AVX512_FN void scale_accumulate_rows_avx512_n(float* const* o, const float* 
   for (; i < r; ++i)
     ML4_UNROLL for (int q = 0; q < NQ; ++q) {
       float acc = o[q][i] * alpha[q];
-      for (int64_t j = 0; j < rows; ++j) acc = std::fma(p[q][j], c[j * r + i], acc);
+      for (int64_t j = 0; j < rows; ++j) acc = std::fma(p[q][j], c[j][i], acc);
       o[q][i] = acc;
     }
 }
 
 ML4_AVX512_FN void scale_accumulate_rows_avx512(float* const* o, const float* alpha, const float* const* p, int nq,
-                                                const float* c, int64_t rows, int r) {
+                                                const float* const* c, int64_t rows, int r) {
   switch (nq) {
     case 1: return scale_accumulate_rows_avx512_n<1>(o, alpha, p, c, rows, r);
     case 2: return scale_accumulate_rows_avx512_n<2>(o, alpha, p, c, rows, r);
@@ -416,8 +433,8 @@ void score_rows(bool wide, const DotSeg (&s)[2], int64_t rm, int64_t rn, float* 
   logit_rows(s, rm, rn, y, ldy);
 }
 
-void accumulate_rows(bool wide, float* const* o, const float* alpha, const float* const* p, int nq, const float* c,
-                     int64_t rows, int r) {
+void accumulate_rows(bool wide, float* const* o, const float* alpha, const float* const* p, int nq,
+                     const float* const* c, int64_t rows, int r) {
 #ifdef ML4_LINEAR_AVX512
   if (wide) return scale_accumulate_rows_avx512(o, alpha, p, nq, c, rows, r);
 #endif
@@ -426,65 +443,145 @@ void accumulate_rows(bool wide, float* const* o, const float* alpha, const float
 
 }  // namespace
 
+namespace {
+// p[j] *= s for j < n; returns max over j of p[j] as the loop bmax = std::max(bmax, p[j]) from
+// -inf gives it: NaN skipped, and among equal values the first (which only +0 / -0 tell
+// apart: a zero maximum is found again in key order).
+inline float scale_and_max(float* p, int64_t n, float s) {
+  float bmax = -std::numeric_limits<float>::infinity();
+  int64_t j = 0;
+#ifdef ML4_ATTN_AVX2
+  if (n >= 8) {
+    const __m256 sv = _mm256_set1_ps(s);
+    __m256 mv = _mm256_set1_ps(bmax);
+    for (; j + 8 <= n; j += 8) {
+      const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(p + j), sv);
+      _mm256_storeu_ps(p + j, x);
+      mv = _mm256_max_ps(x, mv);  // x > mv ? x : mv: a NaN x leaves mv
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    bmax = _mm_cvtss_f32(h);
+  }
+#endif
+  for (; j < n; ++j) {
+    p[j] *= s;
+    bmax = std::max(bmax, p[j]);
+  }
+  if (bmax == 0.0f) {
+    bmax = -std::numeric_limits<float>::infinity();
+    for (j = 0; j < n; ++j) bmax = std::max(bmax, p[j]);
+  }
+  return bmax;
+}
+
+// sum[k] = the f64 sum of p[k][0..n) in order, for k < rows_count; four rows' chains interleaved.
+inline void block_sums(const float* const* p, int64_t count, int64_t n, double* sum) {
+  int64_t k = 0;
+  for (; k + 4 <= count; k += 4) {
+    const float *p0 = p[k], *p1 = p[k + 1], *p2 = p[k + 2], *p3 = p[k + 3];
+    double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
+    for (int64_t j = 0; j < n; ++j) {
+      s0 += p0[j];
+      s1 += p1[j];
+      s2 += p2[j];
+      s3 += p3[j];
+    }
+    sum[k] = s0, sum[k + 1] = s1, sum[k + 2] = s2, sum[k + 3] = s3;
+  }
+  for (; k < count; ++k) {
+    double s = 0.0;
+    for (int64_t j = 0; j < n; ++j) s += p[k][j];
+    sum[k] = s;
+  }
+}
+}  // namespace
+
+void mla_attention_heads(const float* q_lat, const float* q_rope, int64_t ld_rope, int nh, int r, int dr, int64_t S,
+                         const MlaKeyBlocks& keys, const float* head_scale, float* out_lat, float* lse) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  static_assert(kBlock == kMlaBlock);
+  const bool wide = linear_uses_avx512();
+  // The thread's scratch, kept across calls: per head m, l, a block's logits, alpha, the rows
+  // taking mass; a block of decoded key rows.
+  struct Scratch {
+    std::vector<float> m, pl, alpha, c, kr;
+    std::vector<double> l, bsum;
+    std::vector<int> head;
+    std::vector<float*> orow;
+    std::vector<const float*> prow;
+  };
+  thread_local Scratch sc;
+  if (sc.m.size() < static_cast<size_t>(nh)) {
+    sc.m.resize(nh), sc.alpha.resize(nh), sc.l.resize(nh), sc.bsum.resize(nh), sc.head.resize(nh);
+    sc.orow.resize(nh), sc.prow.resize(nh);
+    sc.pl.resize(static_cast<size_t>(nh) * kBlock);
+  }
+  if (sc.c.size() < static_cast<size_t>(kBlock * r)) sc.c.resize(kBlock * r);
+  if (sc.kr.size() < static_cast<size_t>(kBlock * dr)) sc.kr.resize(kBlock * dr);
+  float* m = sc.m.data();
+  double* l = sc.l.data();
+  float* pl = sc.pl.data();
+  float* alpha = sc.alpha.data();
+  std::fill_n(m, nh, kNegInf);
+  std::fill_n(l, nh, 0.0);
+  // Per block: every head's logits as 2 heads x 2 keys tiles (the logit order), then the heads
+  // that take mass accumulate 4 at a time, each c row loaded once for all 4. Every (head,
+  // element) sees the same operations in the same order as one head alone.
+  std::fill(out_lat, out_lat + static_cast<int64_t>(nh) * r, 0.0f);
+  for (int64_t s0 = 0; s0 < S; s0 += kBlock) {
+    const int64_t rows = std::min(kBlock, S - s0);
+    const float *cb[kBlock], *kb[kBlock];
+    keys.rows(s0, rows, sc.c.data(), sc.kr.data(), cb, kb);
+    const DotSeg segs[2] = {{q_lat, r, nullptr, 0, r, cb}, {q_rope, ld_rope, nullptr, 0, dr, kb}};
+    score_rows(wide, segs, nh, rows, pl, kBlock);
+    // Per head: scale, block max, running max, alpha and the exps; then the block sums of the
+    // heads taking mass, four f64 chains interleaved (each still summed in key order).
+    int64_t active = 0;
+    for (int64_t h = 0; h < nh; ++h) {
+      float* p = pl + h * kBlock;
+      const float bmax = scale_and_max(p, rows, head_scale[h]);
+      const float mh = m[h];
+      const float m_new = std::max(mh, bmax);
+      if (m_new == kNegInf) continue;  // everything so far is -inf: nothing to add
+      const float a = mh == kNegInf ? 0.0f : exp_softmax_inline(mh - m_new);
+      exp_shifted_inline(p, rows, m_new);
+      m[h] = m_new;
+      sc.head[active] = static_cast<int>(h), sc.orow[active] = out_lat + h * r, sc.prow[active] = p, alpha[active] = a;
+      ++active;
+    }
+    block_sums(sc.prow.data(), active, rows, sc.bsum.data());
+    for (int64_t k = 0; k < active; ++k) {
+      double& lh = l[sc.head[k]];
+      lh = lh * alpha[k] + sc.bsum[k];
+    }
+    for (int64_t k = 0; k < active; k += 4)
+      accumulate_rows(wide, sc.orow.data() + k, alpha + k, sc.prow.data() + k,
+                      static_cast<int>(std::min<int64_t>(4, active - k)), cb, rows, r);
+  }
+  for (int64_t h = 0; h < nh; ++h) {
+    const double lh = l[h];
+    float* o = out_lat + h * r;
+    if (lh <= 0.0) {  // S == 0 (or all logits -inf): no mass
+      std::fill(o, o + r, 0.0f);
+      lse[h] = kNegInf;
+      continue;
+    }
+    const float inv = static_cast<float>(1.0 / lh);
+    for (int i = 0; i < r; ++i) o[i] *= inv;
+    lse[h] = static_cast<float>(m[h] + std::log(lh));
+  }
+}
+
 void mla_attention(const float* q_lat, const float* q_rope, int H, int r, int dr, const float* c,
                    const float* kr, int64_t S, const float* head_scale, float* out_lat, float* lse) {
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   // Split heads evenly over the threads: every thread then streams c once.
   const int64_t grain = std::max<int64_t>(1, (H + num_threads() - 1) / num_threads());
-  const bool wide = linear_uses_avx512();
+  const MlaKeyRows keys(c, kr, r, dr);
   parallel_for(H, grain, [&](int64_t h0, int64_t h1) {
-    const int64_t nh = h1 - h0;
-    std::vector<float> m(nh, kNegInf);
-    std::vector<double> l(nh, 0.0);
-    // Per block: every head's logits as 2 heads x 2 keys tiles (the logit order), then the heads
-    // that take mass accumulate 4 at a time, each c row loaded once for all 4. Every (head,
-    // element) sees the same operations in the same order as one head alone.
-    std::vector<float> pl(nh * kBlock), alpha(nh);
-    std::vector<float*> orow(nh);
-    std::vector<const float*> prow(nh);
-    for (int64_t h = h0; h < h1; ++h) std::fill(out_lat + h * r, out_lat + (h + 1) * r, 0.0f);
-    for (int64_t s0 = 0; s0 < S; s0 += kBlock) {
-      const int64_t rows = std::min(kBlock, S - s0);
-      const float* cb = c + s0 * r;
-      const float* kb = kr + s0 * dr;
-      const DotSeg segs[2] = {{q_lat + h0 * r, r, cb, r, r}, {q_rope + h0 * dr, dr, kb, dr, dr}};
-      score_rows(wide, segs, nh, rows, pl.data(), kBlock);
-      int64_t active = 0;
-      for (int64_t h = h0; h < h1; ++h) {
-        float* p = pl.data() + (h - h0) * kBlock;
-        float bmax = kNegInf;
-        for (int64_t j = 0; j < rows; ++j) {
-          p[j] *= head_scale[h];
-          bmax = std::max(bmax, p[j]);
-        }
-        float& mh = m[h - h0];
-        const float m_new = std::max(mh, bmax);
-        if (m_new == kNegInf) continue;  // everything so far is -inf: nothing to add
-        const float a = mh == kNegInf ? 0.0f : exp_softmax_inline(mh - m_new);
-        exp_shifted_inline(p, rows, m_new);
-        double bsum = 0.0;
-        for (int64_t j = 0; j < rows; ++j) bsum += p[j];
-        l[h - h0] = l[h - h0] * a + bsum;
-        mh = m_new;
-        orow[active] = out_lat + h * r, prow[active] = p, alpha[active] = a;
-        ++active;
-      }
-      for (int64_t k = 0; k < active; k += 4)
-        accumulate_rows(wide, orow.data() + k, alpha.data() + k, prow.data() + k,
-                        static_cast<int>(std::min<int64_t>(4, active - k)), cb, rows, r);
-    }
-    for (int64_t h = h0; h < h1; ++h) {
-      const double lh = l[h - h0];
-      float* o = out_lat + h * r;
-      if (lh <= 0.0) {  // S == 0 (or all logits -inf): no mass
-        std::fill(o, o + r, 0.0f);
-        lse[h] = kNegInf;
-        continue;
-      }
-      const float inv = static_cast<float>(1.0 / lh);
-      for (int i = 0; i < r; ++i) o[i] *= inv;
-      lse[h] = static_cast<float>(m[h - h0] + std::log(lh));
-    }
+    mla_attention_heads(q_lat + h0 * r, q_rope + h0 * dr, dr, static_cast<int>(h1 - h0), r, dr, S, keys,
+                        head_scale + h0, out_lat + h0 * r, lse + h0);
   });
 }
 

@@ -1,6 +1,6 @@
-// Attention cores on already-gathered f32 data (MODEL.md 3.5-3.6): the absorbed MLA
-// softmax over latent rows and the DSA lightning indexer's scores. The runner gathers
-// the rows (all s <= p, or the indexer's top-k) from the paged cache and dequantizes them.
+// Attention cores on f32 data (MODEL.md 3.5-3.6): the absorbed MLA softmax over latent rows
+// and the DSA lightning indexer's scores. The runner dequantizes the rows (all s <= p, or the
+// indexer's top-k) from the paged cache, for MLA a block at a time (MlaKeyBlocks).
 #pragma once
 
 #include <cstdint>
@@ -17,6 +17,36 @@ namespace ml4::cpu {
 // S == 0 gives out_lat = 0 and lse = -inf (the DCP/split combine convention).
 void mla_attention(const float* q_lat, const float* q_rope, int H, int r, int dr, const float* c,
                    const float* kr, int64_t S, const float* head_scale, float* out_lat, float* lse);
+
+// The keys of mla_attention_heads, kMlaBlock rows at a time (the online softmax's blocks).
+constexpr int64_t kMlaBlock = 32;
+class MlaKeyBlocks {
+ public:
+  virtual ~MlaKeyBlocks() = default;
+  // Key rows [s0, s0 + n), n <= kMlaBlock: c[j] = row s0 + j of c (r floats), kr[j] = its kr
+  // row (dr floats), in the source's memory or decoded into c_buf [kMlaBlock, r] / kr_buf
+  // [kMlaBlock, dr] (the calling thread's, reused for every block).
+  virtual void rows(int64_t s0, int64_t n, float* c_buf, float* kr_buf, const float** c, const float** kr) const = 0;
+};
+// Keys already in memory: c [S, r], kr [S, dr].
+class MlaKeyRows final : public MlaKeyBlocks {
+ public:
+  MlaKeyRows(const float* c, const float* kr, int r, int dr) : c_(c), kr_(kr), r_(r), dr_(dr) {}
+  void rows(int64_t s0, int64_t n, float*, float*, const float** c, const float** kr) const override {
+    for (int64_t j = 0; j < n; ++j) c[j] = c_ + (s0 + j) * r_, kr[j] = kr_ + (s0 + j) * dr_;
+  }
+
+ private:
+  const float *c_, *kr_;
+  int r_, dr_;
+};
+// mla_attention for nh heads on the calling thread (no parallel_for inside): q_lat [nh, r],
+// head h's rope query at q_rope + h * ld_rope, head_scale [nh], out_lat [nh, r], lse [nh], keys
+// from `keys` a block at a time. Each head's result is bit for bit mla_attention's for that head
+// over the same key values, however the heads are split between calls (the runner splits a step
+// over tokens x head groups and decodes a token's selected keys block by block into L1).
+void mla_attention_heads(const float* q_lat, const float* q_rope, int64_t ld_rope, int nh, int r, int dr, int64_t S,
+                         const MlaKeyBlocks& keys, const float* head_scale, float* out_lat, float* lse);
 
 // The softmax's exp (mla_attention): exp(x) within 1.01 ulp on [-87.3, 0], 0 below -87.34,
 // NaN for NaN; exp_shifted(p, n, m) sets p[j] = exp_softmax(p[j] - m), vectorized, the same

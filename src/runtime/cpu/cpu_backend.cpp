@@ -429,63 +429,179 @@ Status CpuBackend::mla_absorb_q(AbsorbRef a, const float* q, float* q_lat) {
   return Status::ok();
 }
 
+namespace {
+// Cache rows are read in a scattered order (a selection; pages), each a miss once the weights
+// have streamed through the caches: rows this far ahead are prefetched while one is decoded.
+constexpr int64_t kRowPrefetch = 16;
+inline void prefetch_bytes(const uint8_t* p, size_t n) {
+  const uintptr_t last = reinterpret_cast<uintptr_t>(p) + n - 1;
+  for (uintptr_t a = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63}; a <= last; a += 64)
+    __builtin_prefetch(reinterpret_cast<const void*>(a));
+}
+
+// A token's keys read from their cache rows (row s at rows[s], S of them) a block at a time,
+// each row decoded (decode_latent) into the kernel's block buffer.
+class CacheKeyBlocks final : public cpu::MlaKeyBlocks {
+ public:
+  CacheKeyBlocks(const uint8_t* const* rows, int64_t S, size_t row_bytes, KvCacheDtype dtype, float scale, int r, int dr)
+      : rows_(rows), S_(S), row_bytes_(row_bytes), dtype_(dtype), scale_(scale), r_(r), dr_(dr) {}
+  void rows(int64_t s0, int64_t n, float* c_buf, float* kr_buf, const float** c, const float** kr) const override {
+    for (int64_t j = 0; j < n; ++j) {
+      if (s0 + j + kRowPrefetch < S_) prefetch_bytes(rows_[s0 + j + kRowPrefetch], row_bytes_);
+      decode_latent(dtype_, rows_[s0 + j], r_, dr_, scale_, c_buf + j * r_, kr_buf + j * dr_);
+      c[j] = c_buf + j * r_, kr[j] = kr_buf + j * dr_;
+    }
+  }
+
+ private:
+  const uint8_t* const* rows_;
+  int64_t S_;
+  size_t row_bytes_;
+  KvCacheDtype dtype_;
+  float scale_;
+  int r_, dr_;
+};
+
+// A token's keys `sel` among rows decoded once for the step: index i's row is row[i] of c / kr.
+class DecodedKeyRows final : public cpu::MlaKeyBlocks {
+ public:
+  DecodedKeyRows(const float* c, const float* kr, const int32_t* row, const int32_t* sel, int r, int dr)
+      : c_(c), kr_(kr), row_(row), sel_(sel), r_(r), dr_(dr) {}
+  void rows(int64_t s0, int64_t n, float*, float*, const float** c, const float** kr) const override {
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t k = row_[sel_[s0 + j]];
+      c[j] = c_ + k * r_, kr[j] = kr_ + k * dr_;
+    }
+  }
+
+ private:
+  const float *c_, *kr_;
+  const int32_t *row_, *sel_;
+  int r_, dr_;
+};
+}  // namespace
+
+// A token's keys are decoded from their cache rows block by block inside the kernel, so they
+// stay in L1 for the logits and P x C. Where a sequence's tokens read its keys many times over
+// (a prefill chunk: at least kSharedReads reads per key), its keys are decoded once instead (one
+// parallel pass): dense attention's [0, n) (each token reads a prefix), a selection's union
+// over the tokens; the kernel then reads the f32 rows from there (L2 or memory, which at a few
+// reads per key costs more than decoding them again). Then one parallel region over (token,
+// head group); few tokens split their heads so that every thread has work. Each head's result
+// is bit for bit the same however the work is split and wherever its key rows lie
+// (cpu::mla_attention_heads).
 Status CpuBackend::mla_attention(const MlaArgs& p) {
+  constexpr int64_t kSharedReads = 16;
   const int H = p.heads > 0 ? p.heads : cfg_.n_heads, dn = cfg_.qk_nope_head_dim, dr = cfg_.qk_rope_head_dim, r = cfg_.kv_lora_rank;
   const int qk = dn + dr;
   const int g = group_index(p.group);
-  for (size_t si = 0; si < md_->seqs.size(); ++si) {
+  const bool hot = p.group == CacheGroup::kHot, dense = p.selection == kDenseSelection;
+  const bool drafter = p.group == CacheGroup::kDrafter;
+  const KvCacheDtype dtype = drafter ? KvCacheDtype::kBf16 : cache_->spec().dtype;
+  const float scale = drafter ? 1.0f : cache_->fp8_scale();
+  const size_t tb = cache_->spec().groups[latent_group_].token_bytes_per_layer;
+  const uint8_t* hot_rows = hot ? hot_[p.cache_slot].data() : nullptr;
+  auto row_of = [&](int si, int64_t index) -> const uint8_t* {
+    return hot ? hot_rows + index * tb : cache_->row(g, p.cache_slot, md_->slot_of(si, g, index));
+  };
+  // Per sequence: its keys decoded once (rows from mla_first_[si]: dense index i at row i, a
+  // selection's index i at row mla_row_[mla_map_first_[si] + i]; mla_shared_[si]) or not.
+  const int ns = static_cast<int>(md_->seqs.size());
+  mla_first_.assign(ns + 1, 0);
+  mla_map_first_.assign(ns, -1);
+  mla_shared_.assign(ns, 0);
+  mla_row_.clear();
+  mla_index_.clear();  // (sequence, index) of each decoded row
+  for (int si = 0; si < ns; ++si) {
     const auto& seq = md_->seqs[si];
-    // Keys [lo, n) of the sequence are decoded once (a block window reads only its window;
-    // HiSparse's hot rows are decoded per token below).
-    const bool hot = p.group == CacheGroup::kHot;
-    const int64_t n = hot ? 0 : md_->keys(static_cast<int>(si), g);
-    const int64_t lo = p.selection == kBlockWindow ? std::max<int64_t>(0, seq.start_pos - cfg_.drafter.window) : 0;
-    std::vector<float> keys_c((n - lo) * r), keys_kr((n - lo) * dr);
-    ML4_RETURN_IF_ERROR(timed("attn: (MLA kernel) of which key decode", [&] {
-      parallel_for(n - lo, 64, [&](int64_t b, int64_t e) {
-        for (int64_t i = b; i < e; ++i) {
-          const int64_t slot = md_->slot_of(static_cast<int>(si), g, lo + i);
-          if (p.group == CacheGroup::kDrafter) {
-            cache_->read_drafter(p.cache_slot, slot, keys_c.data() + i * r, keys_kr.data() + i * dr);
-          } else {
-            cache_->read_latent(p.cache_slot, slot, keys_c.data() + i * r, keys_kr.data() + i * dr);
+    const int64_t first = mla_first_[si];
+    int64_t reads = 0;
+    for (int64_t i = 0; i < seq.num_tokens; ++i) {
+      const int64_t t = seq.first_token + i;
+      reads += dense ? md_->visible(t, g) : static_cast<int64_t>(selected(p.selection, t).size());
+    }
+    const int64_t n = hot ? hot_rows_ : md_->keys(si, g);
+    if (reads < kSharedReads * n) {
+      mla_first_[si + 1] = first;
+      continue;
+    }
+    mla_shared_[si] = 1;
+    if (dense) {
+      for (int64_t i = 0; i < n; ++i) mla_index_.push_back({si, i});
+    } else {
+      int64_t span = 0;
+      for (int64_t i = 0; i < seq.num_tokens; ++i)
+        for (int32_t k : selected(p.selection, seq.first_token + i)) span = std::max<int64_t>(span, int64_t{k} + 1);
+      const int64_t m0 = static_cast<int64_t>(mla_row_.size());
+      mla_map_first_[si] = m0;
+      mla_row_.resize(m0 + span, -1);
+      int32_t* row = mla_row_.data() + m0;
+      for (int64_t i = 0; i < seq.num_tokens; ++i)
+        for (int32_t k : selected(p.selection, seq.first_token + i))
+          if (row[k] < 0) {
+            row[k] = static_cast<int32_t>(static_cast<int64_t>(mla_index_.size()) - first);
+            mla_index_.push_back({si, k});
           }
+    }
+    mla_first_[si + 1] = static_cast<int64_t>(mla_index_.size());
+  }
+  const int64_t decoded = static_cast<int64_t>(mla_index_.size());
+  const size_t row_bytes = drafter ? latent_token_bytes(KvCacheDtype::kBf16, r, dr) : tb;
+  if (decoded > 0) {
+    if (mla_keys_c_.size() < static_cast<size_t>(decoded * r)) mla_keys_c_.resize(decoded * r);
+    if (mla_keys_kr_.size() < static_cast<size_t>(decoded * dr)) mla_keys_kr_.resize(decoded * dr);
+    ML4_RETURN_IF_ERROR(timed("attn: (MLA kernel) of which key decode", [&] {
+      parallel_for(decoded, 32, [&](int64_t b, int64_t e) {
+        thread_local std::vector<const uint8_t*> rows;
+        rows.resize(e - b);
+        for (int64_t k = b; k < e; ++k) rows[k - b] = row_of(mla_index_[k].first, mla_index_[k].second);
+        for (int64_t k = b; k < e; ++k) {
+          if (k + kRowPrefetch < e) prefetch_bytes(rows[k + kRowPrefetch - b], row_bytes);
+          decode_latent(dtype, rows[k - b], r, dr, scale, mla_keys_c_.data() + k * r, mla_keys_kr_.data() + k * dr);
         }
       });
       return Status::ok();
     }));
-    const size_t tb = cache_->spec().groups[latent_group_].token_bytes_per_layer;
-    parallel_for(seq.num_tokens, 1, [&](int64_t b, int64_t e) {
-      std::vector<float> q_rope(H * dr), cg, krg;
-      for (int64_t i = b; i < e; ++i) {
-        const int64_t t = seq.first_token + i;
-        // Keys: the selection, or every s <= p.
-        const float* cp = keys_c.data();
-        const float* krp = keys_kr.data();
-        int64_t S = md_->visible(t, g);
-        if (p.selection != kDenseSelection) {
-          const auto& sel = selected(p.selection, t);
-          S = static_cast<int64_t>(sel.size());
-          cg.resize(S * r);
-          krg.resize(S * dr);
-          for (int64_t j = 0; j < S; ++j) {
-            if (hot) {  // the same bytes as the host pool's row, decoded the same way
-              decode_latent(cache_->spec().dtype, hot_[p.cache_slot].data() + sel[j] * tb, r, dr, cache_->fp8_scale(),
-                            cg.data() + j * r, krg.data() + j * dr);
-              continue;
-            }
-            std::copy_n(keys_c.data() + (sel[j] - lo) * r, r, cg.data() + j * r);
-            std::copy_n(keys_kr.data() + (sel[j] - lo) * dr, dr, krg.data() + j * dr);
-          }
-          cp = cg.data();
-          krp = krg.data();
-        }
-        for (int h = 0; h < H; ++h) std::copy_n(p.q + (t * H + h) * qk + dn, dr, q_rope.data() + h * dr);
-        cpu::mla_attention(p.q_lat + t * H * r, q_rope.data(), H, r, dr, cp, krp, S, p.head_scale + t * H,
-                           p.out_lat + t * H * r, p.lse + t * H);
-      }
-    });
   }
+  // Work units: (token, head group), tokens in sequence order.
+  mla_tokens_.clear();
+  for (int si = 0; si < ns; ++si)
+    for (int64_t i = 0; i < md_->seqs[si].num_tokens; ++i) mla_tokens_.push_back({si, md_->seqs[si].first_token + i});
+  const int64_t T = static_cast<int64_t>(mla_tokens_.size());
+  if (T == 0) return Status::ok();
+  const int64_t want = std::clamp<int64_t>((num_threads() + T - 1) / T, 1, H);
+  const int64_t hp = (H + want - 1) / want, groups = (H + hp - 1) / hp;
+  parallel_for(T * groups, 1, [&](int64_t b, int64_t e) {
+    for (int64_t u = b; u < e; ++u) {
+      const auto [si, t] = mla_tokens_[u / groups];
+      const int64_t h0 = (u % groups) * hp, nh = std::min<int64_t>(H - h0, hp);
+      const float* ql = p.q_lat + (t * H + h0) * r;
+      const float* qr = p.q + (t * H + h0) * qk + dn;
+      const float* hs = p.head_scale + t * H + h0;
+      float* ol = p.out_lat + (t * H + h0) * r;
+      float* lse = p.lse + t * H + h0;
+      const std::vector<int32_t>* sel = dense ? nullptr : &selected(p.selection, t);
+      const int64_t S = dense ? md_->visible(t, g) : static_cast<int64_t>(sel->size());
+      if (mla_shared_[si] != 0) {
+        const float* c = mla_keys_c_.data() + mla_first_[si] * r;
+        const float* kr = mla_keys_kr_.data() + mla_first_[si] * dr;
+        if (dense) {
+          const cpu::MlaKeyRows keys(c, kr, r, dr);
+          cpu::mla_attention_heads(ql, qr, qk, static_cast<int>(nh), r, dr, S, keys, hs, ol, lse);
+        } else {
+          const DecodedKeyRows keys(c, kr, mla_row_.data() + mla_map_first_[si], sel->data(), r, dr);
+          cpu::mla_attention_heads(ql, qr, qk, static_cast<int>(nh), r, dr, S, keys, hs, ol, lse);
+        }
+        continue;
+      }
+      thread_local std::vector<const uint8_t*> rows;
+      rows.resize(S);
+      for (int64_t k = 0; k < S; ++k) rows[k] = row_of(si, dense ? k : (*sel)[k]);
+      for (int64_t k = 0; k < std::min(S, kRowPrefetch); ++k) prefetch_bytes(rows[k], row_bytes);
+      const CacheKeyBlocks keys(rows.data(), S, row_bytes, dtype, scale, r, dr);
+      cpu::mla_attention_heads(ql, qr, qk, static_cast<int>(nh), r, dr, S, keys, hs, ol, lse);
+    }
+  });
   return Status::ok();
 }
 

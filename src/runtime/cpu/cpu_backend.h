@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kv/paged_kv_cache.h"
@@ -152,6 +153,15 @@ class CpuBackend : public Backend {
   // indexer_select's scratch, kept across calls: decoded keys, a token group's scores, visible counts.
   std::vector<float> indexer_keys_, indexer_scores_;
   std::vector<int64_t> indexer_visible_;
+  // mla_attention's scratch: rows decoded once for the step ((sequence, index) of each in
+  // mla_index_, sequence i's from row mla_first_[i] where mla_shared_[i]), a sequence's
+  // selection index -> row map (from mla_map_first_[i] in mla_row_), the step's (sequence,
+  // token) pairs.
+  std::vector<float> mla_keys_c_, mla_keys_kr_;
+  std::vector<int64_t> mla_first_, mla_map_first_;
+  std::vector<char> mla_shared_;
+  std::vector<int32_t> mla_row_;
+  std::vector<std::pair<int, int64_t>> mla_index_, mla_tokens_;
   // HiSparse: the hot pool [layer][rows * latent token bytes] and the step's hot rows.
   std::vector<std::vector<uint8_t>> hot_;
   int64_t hot_rows_ = 0;
