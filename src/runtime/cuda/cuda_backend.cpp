@@ -1106,9 +1106,6 @@ Status CudaBackend::gru_update(const float* gi, const float* gh, const float* b_
   return cuda::gru_update(gi, gh, b_ih, b_hh, rows, r, s, stream_);
 }
 
-// Greedy rows without distributions: the device argmax (sample_rows at temperature 0).
-// Otherwise (sampled drafts or distributions wanted) the host reference: the logits come back,
-// the token and its distribution are made exactly as the CPU backend makes them, and go up.
 Status CudaBackend::stage_draft_params(const DeviceSamplingParams* params, int64_t count) {
   staged_params_ = nullptr;
   staged_count_ = 0;
@@ -1127,6 +1124,11 @@ Status CudaBackend::stage_draft_params(const DeviceSamplingParams* params, int64
   return Status::ok();
 }
 
+// Greedy rows without distributions: the device argmax (argmax_rows_split, the base added
+// inside). Sampled rows with their distributions and staged parameters: the device draw
+// (draft_rows). Otherwise (top-k / top-p rows, or greedy rows whose softmax is wanted) the host
+// reference: the logits come back, the token and its distribution are made exactly as the CPU
+// backend makes them, and go up.
 Status CudaBackend::choose_tokens(float* logits, int64_t rows, const DeviceSamplingParams* params, int32_t* ids,
                                   float* probs, const float* base, int64_t base_stride) {
   const int64_t V = cfg_.vocab_size;

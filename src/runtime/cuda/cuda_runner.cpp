@@ -365,11 +365,12 @@ Result<StepOutput> CudaRunner::execute_step(const StepInput& in, ForwardTrace* t
 }
 
 // As CpuRunner::draft: one block of B tokens per sequence (the anchor, then placeholders whose
-// rows are the mask embeddings); the Markov head's tokens come back from draft_ids. Greedy
-// drafts run as CUDA graphs, one per (sequences, block-table stride rounded up to a power of
-// two): every input is device data uploaded before the launch (tokens, positions, slots, the
-// drafter block table, anchors), and the greedy token choice is a device argmax. Sampled
-// drafts (the host draws them) and drafts returning q run eagerly.
+// rows are the mask embeddings); the Markov head's tokens come back from draft_ids. Drafts run
+// as CUDA graphs, one per (sequences, block-table stride rounded up to a power of two, greedy
+// or sampled): every input is device data uploaded before the launch (tokens, positions,
+// slots, the drafter block table, anchors, the staged draw parameters); the greedy choice is a
+// device argmax, a sampled draft with its q a device draw (draft_rows). Rows with top-k or
+// top-p (the host draws them) and greedy drafts returning their softmax run eagerly.
 Result<DraftOutput> CudaRunner::draft_step(const DraftInput& in) {
   if (!program_->has_drafter()) return unimplemented("this runner has no DSpark drafter (RunnerOptions::drafter)");
   cuda::set_programmatic_launch(opts_.programmatic_launch);
