@@ -285,6 +285,39 @@ TEST(Linear, Avx512GivesTheAvx2Bits) {
     }
 }
 
+// The AVX-512 FP8 GEMV at M = 1 and short rows (K % 32 == 0, K <= 512) runs 4 weight rows at
+// a time: each row's bits are those of the row computed alone (a one-row range), across
+// scale-group boundaries (N > 128, ranges starting off a multiple of 4), and a NaN code
+// still poisons only its own row.
+TEST(Linear, Fp8FourRowGemvEqualsOneRowAtATime) {
+  linear_allow_avx512(true);
+  if (!linear_uses_avx512()) GTEST_SKIP() << "this CPU (or build) has no AVX-512";
+  for (int64_t K : {32, 128, 160, 384, 512, 544})
+    for (bool nan : {false, true}) {
+      SCOPED_TRACE(testing::Message() << "K=" << K << " nan " << nan);
+      const int64_t N = 263;
+      TestWeight t = make_weight(LinearFormat::kFP8Block, N, K, 121 + static_cast<uint32_t>(K));
+      if (nan) t.w.weight.mutable_as<uint8_t>()[129 * K + K / 2] = 0x7f;
+      auto x = test::random_floats(K, 122 + static_cast<uint32_t>(K));
+      std::vector<float> whole(N), ranged(N, -1.0f), single(N, -1.0f);
+      linear(x.data(), 1, t.w, whole.data());
+      for (int64_t n = 0; n < N; ++n) linear_rows(x.data(), 1, t.w, n, n + 1, single.data());
+      for (int64_t n0 = 0; n0 < N;) {  // ranges of 1..13 rows from any offset
+        const int64_t n1 = std::min<int64_t>(N, n0 + 1 + (n0 * 7) % 13);
+        linear_rows(x.data(), 1, t.w, n0, n1, ranged.data());
+        n0 = n1;
+      }
+      for (int64_t n = 0; n < N; ++n) {
+        if (nan && n == 129) {
+          EXPECT_TRUE(std::isnan(whole[n]) && std::isnan(ranged[n]) && std::isnan(single[n]));
+          continue;
+        }
+        ASSERT_EQ(f32_to_bits(whole[n]), f32_to_bits(single[n])) << "n=" << n;
+        ASSERT_EQ(f32_to_bits(ranged[n]), f32_to_bits(single[n])) << "n=" << n;
+      }
+    }
+}
+
 // An e4m3 NaN code (0x7f / 0xff) in a weight row makes exactly that row's outputs NaN, on
 // the GEMV path (M = 1, whose fast decoder does not produce NaN by itself) and the GEMM
 // path (M = 6); the other rows keep their exact results.

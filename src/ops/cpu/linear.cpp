@@ -313,12 +313,18 @@ void fp8_exact_tile(const LinearWeight& w, const float* xm, int64_t rm, int64_t 
 }
 
 #ifdef ML4_LINEAR_AVX512
+// Longest rows the M = 1 FP8 kernel takes 4 at a time (4 x 512 bytes: one short stream).
+constexpr int64_t kRows4MaxK = 512;
+
 // FP8 rows [n0, n1) for all M (<= 4) rows of x with the AVX-512 row kernel, one weight row
 // at a time (one sequential stream per thread, each row decoded once for all M).
 void gemv_rows_fp8_avx512(const LinearWeight& w, const float* x, int64_t M, int64_t n0, int64_t n1, float* y) {
   const int64_t N = w.out_features, K = w.in_features, kb = ceil_div(K, kFp8BlockSize);
   float* s256 = scratch_floats(2, kb);
   int64_t group = -1;
+  // M = 1 with short rows: 4 rows of one scale group at a time (dot_rows_fp8_avx512_m1, the
+  // same bits per row as dot_row_fp8_avx512<1>).
+  const bool rows4 = M == 1 && K % 32 == 0 && K <= kRows4MaxK;
   for (int64_t n = n0; n < n1; ++n) {
     const float* srow = w.scale.as<float>() + (n / kFp8BlockSize) * kb;
     if (n / kFp8BlockSize != group) {
@@ -326,6 +332,20 @@ void gemv_rows_fp8_avx512(const LinearWeight& w, const float* x, int64_t M, int6
       for (int64_t b = 0; b < kb; ++b) s256[b] = srow[b] * 256.0f;
     }
     const uint8_t* q = w.weight.as<uint8_t>() + n * K;
+    if (rows4 && n + 4 <= n1 && (n + 3) / kFp8BlockSize == group) {
+      float yv[4];
+      bool ok4[4];
+      kernels::dot_rows_fp8_avx512_m1<4>(x, q, s256, K, yv, ok4);
+      for (int j = 0; j < 4; ++j) {
+        if (ok4[j]) {
+          y[n + j] = yv[j];
+        } else {
+          fp8_exact_tile(w, x, 1, n + j, 1, s256, y + n + j);
+        }
+      }
+      n += 3;
+      continue;
+    }
     const float* lut = e4m3_table().data();
     bool ok = false;
     switch (M) {

@@ -518,6 +518,44 @@ ML4_AVX512_FN inline bool dot_row_fp8_avx512(const float* x, int64_t ldx, const 
   return true;
 }
 
+// dot_row_fp8_avx512<1> for RN weight rows at once (rows q + j * K, one scale group: s256),
+// each row's operations exactly that kernel's (same bits per row); interleaving the RN
+// independent FMA chains hides their latency where K is short (rows of a small K are
+// adjacent, so this is still one sequential stream). Needs K % 32 == 0. ok[j]: row j had no
+// NaN code (else the caller takes the exact path for it).
+template <int RN>
+ML4_AVX512_FN inline void dot_rows_fp8_avx512_m1(const float* x, const uint8_t* q, const float* s256, int64_t K,
+                                                 float* y, bool* ok) {
+  const __m512i keep = _mm512_set1_epi16(static_cast<short>(0xbfff));
+  const __m256i m7f = _mm256_set1_epi8(0x7f);
+  __m512 acc[RN];
+  __m256i probe[RN];
+  ML4_UNROLL for (int j = 0; j < RN; ++j) acc[j] = _mm512_setzero_ps(), probe[j] = _mm256_setzero_si256();
+  for (int64_t b0 = 0; b0 < K; b0 += 128) {
+    const int64_t b1 = b0 + 128 < K ? b0 + 128 : K;
+    __m512 blk[RN];
+    ML4_UNROLL for (int j = 0; j < RN; ++j) blk[j] = _mm512_setzero_ps();
+    for (int64_t k = b0; k < b1; k += 32) {
+      const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
+      ML4_UNROLL for (int j = 0; j < RN; ++j) {
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j * K + k));
+        probe[j] = _mm256_max_epu8(probe[j], _mm256_and_si256(b, m7f));
+        const __m512i h = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(b), 7), keep);
+        const __m512 w0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+        const __m512 w1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+        blk[j] = _mm512_fmadd_ps(x0, w0, blk[j]);
+        blk[j] = _mm512_fmadd_ps(x1, w1, blk[j]);
+      }
+    }
+    const __m512 sv = _mm512_set1_ps(s256[b0 / 128]);
+    ML4_UNROLL for (int j = 0; j < RN; ++j) acc[j] = _mm512_fmadd_ps(blk[j], sv, acc[j]);
+  }
+  ML4_UNROLL for (int j = 0; j < RN; ++j) {
+    ok[j] = _mm256_movemask_epi8(_mm256_cmpeq_epi8(probe[j], m7f)) == 0;
+    y[j] = hsum8(Vec8{_mm256_add_ps(_mm512_castps512_ps256(acc[j]), _mm512_extractf32x8_ps(acc[j], 1))});
+  }
+}
+
 #pragma GCC diagnostic pop
 #endif
 

@@ -287,10 +287,88 @@ Status CpuBackend::indexer_select(const IndexerSelectArgs& p) {
   const int topk = cfg_.indexer.topk;
   auto& out = selections_[p.selection];
   if (!candidates) out.assign(T, {});
+  // Token t's top-k from its scores (the first `visible`): candidates, or the selection.
+  auto pick = [&](int64_t t, const float* scores, int64_t visible, std::vector<int32_t>& idx) {
+    const int kk = static_cast<int>(std::min<int64_t>(topk, visible));
+    if (candidates) {
+      idx.resize(kk);
+      cpu::topk(scores, visible, kk, idx.data());
+      float* cs = static_cast<float*>(p.candidates) + t * topk;
+      int32_t* cp = static_cast<int32_t*>(p.candidates) + (T + t) * topk;
+      std::fill_n(cs, topk, -std::numeric_limits<float>::infinity());
+      std::fill_n(cp, topk, -1);
+      for (int j = 0; j < kk; ++j) {
+        cs[j] = scores[idx[j]];
+        cp[j] = static_cast<int32_t>(md_->sharded(indexer_group_) ? md_->shard.global_index(idx[j]) : idx[j]);
+      }
+      return;
+    }
+    // topk's set in index order (what sorting topk's result gave).
+    std::vector<int32_t> sel(kk);
+    cpu::topk_set(scores, visible, kk, sel.data());
+    out[t] = std::move(sel);
+  };
+  constexpr int64_t kGroup = 64;
+  constexpr int64_t kKeyBlock = 16;
+  bool one_group = true;
+  for (const auto& seq : md_->seqs) one_group = one_group && seq.num_tokens <= kGroup;
+  if (one_group) {
+    // Every sequence's tokens in one group (decode, drafts, verifies): one parallel region over
+    // all sequences' 16-key blocks, each block's keys decoded into the thread's buffer and
+    // scored for the sequence's tokens while in L1 (indexer_scores_rows gives each score's bits
+    // whatever the key range), then one over all tokens' top-k. Token t's scores at
+    // indexer_score_at_[t], indexer_visible_[t] of them.
+    const size_t nseq = md_->seqs.size();
+    indexer_visible_.resize(T);
+    indexer_score_at_.resize(T);
+    indexer_seq_needed_.resize(nseq);
+    indexer_block_first_.assign(nseq + 1, 0);
+    int64_t floats = 0;
+    for (size_t si = 0; si < nseq; ++si) {
+      const auto& seq = md_->seqs[si];
+      const int64_t n = md_->keys(static_cast<int>(si), indexer_group_);
+      int64_t needed = 0;
+      for (int64_t i = 0; i < seq.num_tokens; ++i) {
+        const int64_t t = seq.first_token + i;
+        indexer_visible_[t] = std::min(n, md_->visible(t, indexer_group_));
+        needed = std::max(needed, indexer_visible_[t]);
+      }
+      for (int64_t i = 0; i < seq.num_tokens; ++i) indexer_score_at_[seq.first_token + i] = floats + i * needed;
+      indexer_seq_needed_[si] = needed;
+      floats += seq.num_tokens * needed;
+      indexer_block_first_[si + 1] = indexer_block_first_[si] + (needed + kKeyBlock - 1) / kKeyBlock;
+    }
+    if (indexer_scores_.size() < static_cast<size_t>(floats)) indexer_scores_.resize(floats);
+    float* sc = indexer_scores_.data();
+    const int64_t* blk_first = indexer_block_first_.data();
+    parallel_for(blk_first[nseq], 4, [&](int64_t b, int64_t e) {
+      thread_local std::vector<float> kbuf;
+      if (kbuf.size() < static_cast<size_t>(kKeyBlock * dI)) kbuf.resize(kKeyBlock * dI);
+      int64_t vis[kGroup];
+      size_t si = std::upper_bound(blk_first, blk_first + nseq + 1, b) - blk_first - 1;
+      for (int64_t u = b; u < e; ++u) {
+        while (blk_first[si + 1] <= u) ++si;
+        const auto& seq = md_->seqs[si];
+        const int seq_i = static_cast<int>(si);
+        const int64_t needed = indexer_seq_needed_[si];
+        const int64_t s0 = (u - blk_first[si]) * kKeyBlock, s1 = std::min(needed, s0 + kKeyBlock);
+        for (int64_t s = s0; s < s1; ++s)
+          cache_->read_indexer_key(p.cache_slot, md_->slot_of(seq_i, indexer_group_, s), kbuf.data() + (s - s0) * dI);
+        const int64_t t0 = seq.first_token, G = seq.num_tokens;
+        for (int64_t i = 0; i < G; ++i) vis[i] = indexer_visible_[t0 + i] - s0;
+        cpu::indexer_scores_rows(p.q + t0 * HI * dI, p.w + t0 * HI, G, HI, dI, kbuf.data(), 0, s1 - s0, vis,
+                                 sc + indexer_score_at_[t0] + s0, needed);
+      }
+    });
+    parallel_for(T, 1, [&](int64_t b, int64_t e) {
+      std::vector<int32_t> idx;
+      for (int64_t t = b; t < e; ++t) pick(t, sc + indexer_score_at_[t], indexer_visible_[t], idx);
+    });
+    return Status::ok();
+  }
   // Per sequence, tokens in groups of up to kGroup: one parallel pass over the keys scores
   // every token of the group (each key row read once per group; the first group's pass also
   // decodes its keys from the cache), then a pass over the tokens picks each one's top-k.
-  constexpr int64_t kGroup = 64;
   for (size_t si = 0; si < md_->seqs.size(); ++si) {
     const auto& seq = md_->seqs[si];
     const int seq_i = static_cast<int>(si);
@@ -325,29 +403,7 @@ Status CpuBackend::indexer_select(const IndexerSelectArgs& p) {
       });
       parallel_for(G, 1, [&](int64_t b, int64_t e) {
         std::vector<int32_t> idx;
-        for (int64_t i = b; i < e; ++i) {
-          const int64_t t = t0 + i;
-          const int64_t visible = vis[i];
-          const float* scores = sc + i * needed;
-          const int kk = static_cast<int>(std::min<int64_t>(topk, visible));
-          if (candidates) {
-            idx.resize(kk);
-            cpu::topk(scores, visible, kk, idx.data());
-            float* cs = static_cast<float*>(p.candidates) + t * topk;
-            int32_t* cp = static_cast<int32_t*>(p.candidates) + (T + t) * topk;
-            std::fill_n(cs, topk, -std::numeric_limits<float>::infinity());
-            std::fill_n(cp, topk, -1);
-            for (int j = 0; j < kk; ++j) {
-              cs[j] = scores[idx[j]];
-              cp[j] = static_cast<int32_t>(md_->sharded(indexer_group_) ? md_->shard.global_index(idx[j]) : idx[j]);
-            }
-            continue;
-          }
-          // topk's set in index order (what sorting topk's result gave).
-          std::vector<int32_t> sel(kk);
-          cpu::topk_set(scores, visible, kk, sel.data());
-          out[t] = std::move(sel);
-        }
+        for (int64_t i = b; i < e; ++i) pick(t0 + i, sc + i * needed, vis[i], idx);
       });
     }
   }
@@ -688,40 +744,39 @@ void CpuBackend::mlp(const MlpWeights& m, const float* x, int64_t T, float* out)
 
 void CpuBackend::mlps(const std::vector<MlpJob>& jobs) {
   // One region over the concatenated rows of several linears, in quads (4 weight rows; a
-  // linear's rows start at a quad, so FP8 scale groups never split a GEMV tile).
-  struct Part {
-    const LinearWeight* w;
-    const float* x;
-    int64_t rows;
-    float* y;
-  };
-  auto region = [this](const std::vector<Part>& parts) {
-    std::vector<int64_t> first(parts.size() + 1, 0);  // first quad of each part
+  // linear's rows start at a quad, so FP8 scale groups never split a GEMV tile). Each output
+  // is linear_rows' for its rows whatever the split (cpu::linear's bits).
+  auto region = [this](const std::vector<MlpPart>& parts) {
+    auto& first = mlps_first_;  // first quad of each part
+    first.assign(parts.size() + 1, 0);
     for (size_t i = 0; i < parts.size(); ++i) first[i + 1] = first[i] + (parts[i].w->out_features + 3) / 4;
     parallel_for(first.back(), 1, [&](int64_t b, int64_t e) {
       for (size_t i = 0; i < parts.size(); ++i) {
         const int64_t lo = std::max(b, first[i]), hi = std::min(e, first[i + 1]);
         if (lo >= hi) continue;
-        const Part& p = parts[i];
+        const MlpPart& p = parts[i];
         const int64_t N = p.w->out_features;
         cpu::linear_rows(p.x, p.rows, *p.w, (lo - first[i]) * 4, std::min(N, (hi - first[i]) * 4), p.y, act_);
       }
     });
   };
-  std::vector<std::vector<float>> g(jobs.size()), u(jobs.size());
-  std::vector<Part> up, down;
-  for (size_t i = 0; i < jobs.size(); ++i) {
-    const MlpJob& j = jobs[i];
-    const int64_t I = j.w->w1.out_features;
-    g[i].resize(j.rows * I);
-    u[i].resize(j.rows * I);
-    up.push_back({&j.w->w1, j.x, j.rows, g[i].data()});
-    up.push_back({&j.w->w3, j.x, j.rows, u[i].data()});
-    down.push_back({&j.w->w2, g[i].data(), j.rows, j.out});
+  int64_t total = 0;  // hidden floats of all jobs
+  for (const MlpJob& j : jobs) total += j.rows * j.w->w1.out_features;
+  if (static_cast<int64_t>(mlps_g_.size()) < total) mlps_g_.resize(total), mlps_u_.resize(total);
+  mlps_up_.clear();
+  mlps_down_.clear();
+  int64_t off = 0;
+  for (const MlpJob& j : jobs) {
+    float* g = mlps_g_.data() + off;
+    float* u = mlps_u_.data() + off;
+    mlps_up_.push_back({&j.w->w1, j.x, j.rows, g});
+    mlps_up_.push_back({&j.w->w3, j.x, j.rows, u});
+    mlps_down_.push_back({&j.w->w2, g, j.rows, j.out});
+    off += j.rows * j.w->w1.out_features;
   }
-  region(up);
-  for (size_t i = 0; i < jobs.size(); ++i) cpu::silu_mul(g[i].data(), u[i].data(), static_cast<int64_t>(g[i].size()), g[i].data());
-  region(down);
+  region(mlps_up_);
+  cpu::silu_mul(mlps_g_.data(), mlps_u_.data(), total, mlps_g_.data());
+  region(mlps_down_);
 }
 
 Status CpuBackend::moe_experts(MoeRef moe, const float* x, const int32_t* ids, const float* weights, float* out) {
@@ -729,47 +784,57 @@ Status CpuBackend::moe_experts(MoeRef moe, const float* x, const int32_t* ids, c
   const int64_t T = step_tokens(), D = cfg_.dim;
   const int E = cfg_.moe.num_experts, K = cfg_.moe.num_experts_per_tok;
   std::fill(out, out + T * D, 0.0f);
-  // Group token rows by expert so each expert's weights are decoded once per step.
-  std::vector<std::vector<std::pair<int64_t, float>>> rows(E);
-  for (int64_t t = 0; t < T; ++t)
-    for (int k = 0; k < K; ++k) rows[ids[t * K + k]].push_back({t, weights[t * K + k]});
+  // Group token rows by expert (a stable counting sort: token order within an expert) so
+  // each expert's weights are decoded once per step.
+  auto& first = moe_first_;
+  first.assign(E + 1, 0);
+  for (int64_t i = 0; i < T * K; ++i) ++first[ids[i] + 1];
+  for (int e = 0; e < E; ++e) first[e + 1] += first[e];
+  moe_rows_.resize(T * K);
+  {
+    auto& next = mlps_first_;  // scratch: the next free row of each expert
+    next.assign(first.begin(), first.end() - 1);
+    for (int64_t t = 0; t < T; ++t)
+      for (int k = 0; k < K; ++k) moe_rows_[next[ids[t * K + k]]++] = {t, weights[t * K + k]};
+  }
   // Each active expert on its rows (gathered), then the shared expert on all; combined in
-  // that order (expert by expert, then the shared output) on both paths. A decode-sized step
-  // runs all experts through mlps() (two parallel regions); a prefill chunk one expert at a
-  // time, reusing one pair of buffers (all experts' rows at once would hold T x k x dim
-  // floats twice).
+  // that order (expert by expert, then the shared output) on both paths. A step of up to
+  // kMlpsMaxTokens tokens runs all experts through mlps() (two parallel regions); a larger
+  // prefill chunk one expert at a time, reusing one pair of buffers (all experts' rows at
+  // once would hold T x k x dim floats twice). Each output is the same on both paths
+  // (linear_rows and linear give the same bits for the same rows).
+  constexpr int64_t kMlpsMaxTokens = 64;
   auto add_expert = [&](int e, const float* ys) {
-    const auto& r = rows[e];
-    for (size_t i = 0; i < r.size(); ++i) {
-      float* o = out + r[i].first * D;
-      const float wt = r[i].second;
-      for (int64_t d = 0; d < D; ++d) o[d] += wt * ys[i * D + d];
+    for (int64_t i = first[e]; i < first[e + 1]; ++i) {
+      float* o = out + moe_rows_[i].first * D;
+      const float wt = moe_rows_[i].second;
+      const float* y = ys + (i - first[e]) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] += wt * y[d];
     }
   };
   auto gather = [&](int e, float* xs) {
-    const auto& r = rows[e];
-    for (size_t i = 0; i < r.size(); ++i) std::copy(x + r[i].first * D, x + (r[i].first + 1) * D, xs + i * D);
+    for (int64_t i = first[e]; i < first[e + 1]; ++i)
+      std::copy(x + moe_rows_[i].first * D, x + (moe_rows_[i].first + 1) * D, xs + (i - first[e]) * D);
   };
-  std::vector<float> sh(M.shared != nullptr ? T * D : 0);
-  if (T <= cpu::kGemvMaxM) {
-    std::vector<std::vector<float>> xs(E), ys(E);
-    std::vector<MlpJob> jobs;
+  if (M.shared != nullptr && static_cast<int64_t>(moe_sh_.size()) < T * D) moe_sh_.resize(T * D);
+  float* sh = moe_sh_.data();
+  if (T <= kMlpsMaxTokens) {
+    if (static_cast<int64_t>(moe_xs_.size()) < T * K * D) moe_xs_.resize(T * K * D), moe_ys_.resize(T * K * D);
+    moe_jobs_.clear();
     for (int e = 0; e < E; ++e) {
-      const int64_t n = static_cast<int64_t>(rows[e].size());
+      const int64_t n = first[e + 1] - first[e];
       if (n == 0) continue;
-      xs[e].resize(n * D);
-      ys[e].resize(n * D);
-      gather(e, xs[e].data());
-      jobs.push_back({&(*M.experts)[e], xs[e].data(), n, ys[e].data()});
+      gather(e, moe_xs_.data() + first[e] * D);
+      moe_jobs_.push_back({&(*M.experts)[e], moe_xs_.data() + first[e] * D, n, moe_ys_.data() + first[e] * D});
     }
-    if (M.shared != nullptr) jobs.push_back({M.shared, x, T, sh.data()});
-    mlps(jobs);
+    if (M.shared != nullptr) moe_jobs_.push_back({M.shared, x, T, sh});
+    mlps(moe_jobs_);
     for (int e = 0; e < E; ++e)
-      if (!rows[e].empty()) add_expert(e, ys[e].data());
+      if (first[e + 1] > first[e]) add_expert(e, moe_ys_.data() + first[e] * D);
   } else {
     std::vector<float> xs, ys;
     for (int e = 0; e < E; ++e) {
-      const int64_t n = static_cast<int64_t>(rows[e].size());
+      const int64_t n = first[e + 1] - first[e];
       if (n == 0) continue;
       xs.resize(n * D);
       ys.resize(n * D);
@@ -777,9 +842,10 @@ Status CpuBackend::moe_experts(MoeRef moe, const float* x, const int32_t* ids, c
       mlp((*M.experts)[e], xs.data(), n, ys.data());
       add_expert(e, ys.data());
     }
-    if (M.shared != nullptr) mlp(*M.shared, x, T, sh.data());
+    if (M.shared != nullptr) mlp(*M.shared, x, T, sh);
   }
-  for (size_t i = 0; i < sh.size(); ++i) out[i] += sh[i];
+  if (M.shared != nullptr)
+    for (int64_t i = 0; i < T * D; ++i) out[i] += sh[i];
   return Status::ok();
 }
 

@@ -120,7 +120,7 @@ class CpuBackend : public Backend {
     const MlpWeights* shared = nullptr;
   };
   void mlp(const MlpWeights& m, const float* x, int64_t T, float* out);
-  // Several MLPs (MoE experts of a decode-sized step, each on at most cpu::kGemvMaxM rows),
+  // Several MLPs (MoE experts of a decode-sized step),
   // each as mlp() computes it, in two parallel regions: all gate and up rows, then all down
   // rows (not three regions per expert).
   struct MlpJob {
@@ -150,9 +150,27 @@ class CpuBackend : public Backend {
   std::vector<Moe> moes_;
   std::vector<std::vector<std::vector<int32_t>>> selections_;  // [selection][token] positions
   std::vector<std::vector<int32_t>> window_;                  // [token] kBlockWindow positions
+  // moe_experts' / mlps' scratch, kept across calls: rows grouped by expert (expert e's
+  // (token, weight) pairs from moe_first_[e] in moe_rows_), gathered inputs and outputs,
+  // the shared expert's output, the jobs and their linear parts, the hidden activations.
+  std::vector<int64_t> moe_first_;
+  std::vector<std::pair<int64_t, float>> moe_rows_;
+  std::vector<float> moe_xs_, moe_ys_, moe_sh_, mlps_g_, mlps_u_;
+  std::vector<MlpJob> moe_jobs_;
+  struct MlpPart {
+    const LinearWeight* w;
+    const float* x;
+    int64_t rows;
+    float* y;
+  };
+  std::vector<MlpPart> mlps_up_, mlps_down_;
+  std::vector<int64_t> mlps_first_;
   // indexer_select's scratch, kept across calls: decoded keys, a token group's scores, visible counts.
   std::vector<float> indexer_keys_, indexer_scores_;
   std::vector<int64_t> indexer_visible_;
+  // indexer_select's one-group steps: each token's first score (in indexer_scores_), each
+  // sequence's key count and first 16-key block.
+  std::vector<int64_t> indexer_score_at_, indexer_seq_needed_, indexer_block_first_;
   // mla_attention's scratch: rows decoded once for the step ((sequence, index) of each in
   // mla_index_, sequence i's from row mla_first_[i] where mla_shared_[i]), a sequence's
   // selection index -> row map (from mla_map_first_[i] in mla_row_), the step's (sequence,
