@@ -396,6 +396,14 @@ TEST(CudaRunner, VerificationStepsRunAsDecodeGraphs) {
   }
 }
 
+// The ml4-tiny test model (bf16 weights) on a runner with 64 MiB of KV in `kv`.
+Result<std::unique_ptr<CudaRunner>> tiny_runner(const std::string& kv) {
+  CudaRunnerOptions o;
+  o.base.kv_cache_dtype = kv;
+  o.base.kv_cache_bytes = 64ll << 20;
+  return CudaRunner::load(::ml4::testing::test_model("ml4-tiny", 11, "bf16"), o);
+}
+
 // Device sampling through the runner: a decode step whose sequences all ask for it returns
 // tokens (and logprobs) drawn on the GPU; the same step again without it (the step is
 // idempotent) returns the logits, and the host reference (ops/cpu/sampling.h, the
@@ -403,11 +411,7 @@ TEST(CudaRunner, VerificationStepsRunAsDecodeGraphs) {
 // over 512 logits (1e-4 absolute).
 TEST(CudaRunner, DeviceSamplingMatchesHostReference) {
   ML4_REQUIRE_GPU();
-  const std::string dir = ::ml4::testing::test_model("ml4-tiny", 11, "bf16");
-  CudaRunnerOptions o;
-  o.base.kv_cache_dtype = "fp8_ds_mla";
-  o.base.kv_cache_bytes = 64ll << 20;
-  auto r = CudaRunner::load(dir, o);
+  auto r = tiny_runner("fp8_ds_mla");
   ASSERT_TRUE(r.ok()) << r.status().message();
   ASSERT_TRUE((*r)->samples_on_device());
   std::mt19937 rng(21);
@@ -453,11 +457,7 @@ TEST(CudaRunner, DeviceSamplingMatchesHostReference) {
 // ran normally.
 TEST(CudaRunner, DeviceFaultFailsEveryLaterStep) {
   ML4_REQUIRE_GPU();
-  const std::string dir = ::ml4::testing::test_model("ml4-tiny", 11, "bf16");
-  CudaRunnerOptions o;
-  o.base.kv_cache_dtype = "bf16";
-  o.base.kv_cache_bytes = 64ll << 20;
-  auto gpu = CudaRunner::load(dir, o);
+  auto gpu = tiny_runner("bf16");
   ASSERT_TRUE(gpu.ok()) << gpu.status().message();
   std::vector<int32_t> prompt(12);
   for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(3 + 7 * i);
