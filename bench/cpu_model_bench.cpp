@@ -121,7 +121,7 @@ int main(int argc, char** argv) {
     }
   }
   if (model.empty() || reps <= 0) {
-    std::fprintf(stderr, "usage: cpu_model_bench --model DIR [-p 64,512] [-n 64,128] [-r 3] [--kv-cache-dtype D] [--dtype auto|bfloat16] [--weights auto|mmap|copy]\n");
+    std::fprintf(stderr, "usage: cpu_model_bench --model DIR [-p 64,512] [-n 64,128] [-v 1,8] [--ctx 512] [-r 3] [--kv-cache-dtype D] [--dtype auto|bfloat16] [--weights auto|mmap|copy]\n");
     return 2;
   }
   const int max_tokens = std::max({pp.empty() ? 0 : *std::max_element(pp.begin(), pp.end()),

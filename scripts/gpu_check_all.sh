@@ -62,7 +62,7 @@ on() { [[ "$sections" == *" $1 "* ]]; }
 # The seventh session's tests (written without a device): the fault word and barrier, the
 # split argmax and the device draft draws, the fused router, the runner failing closed, the
 # drafter's graph / draw tests, and the runner comparisons the review mend touched.
-new=${FILTER_NEW:-CudaFault.*:CudaSampling.SplitArgmax*:CudaSampling.DraftRows*:CudaMoe.FusedRouter*:CudaRunner.DeviceFault*:CudaDrafter.*:CudaGemv.Fp4*:CudaRunner.MatchesCpuRunnerExact}
+new=${FILTER_NEW:-CudaFault.*:CudaSampling.Argmax*:CudaGraph.*:CudaSampling.DraftRows*:CudaMoe.FusedRouter*:CudaRunner.DeviceFault*:CudaDrafter.*:CudaGemv.Fp4*:CudaRunner.MatchesCpuRunnerExact}
 on tests && stamp "1a. new GPU tests: $new" && timeout 240 "$carry/bin/ml4_cuda_tests" --gtest_filter="$new" --gtest_color=no > "$out/new_tests.log" 2>&1
 on tests && grep -E "^\[  (FAILED|PASSED|SKIPPED) |^\[       OK|rel|Failure" "$out/new_tests.log" | tail -40
 

@@ -11,9 +11,6 @@
 #if defined(__AVX2__) && defined(__F16C__)
 #include <immintrin.h>
 #define ML4_INDEXER_F16C 1
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define ML4_INDEXER_AVX512 1
-#endif
 #endif
 
 namespace ml4 {
@@ -55,54 +52,17 @@ void read_indexer_key_raw(const uint8_t* page, int offset_in_page, int dI, uint8
 // e4m3 s.eeee.mmm placed in an f16 as s.0eeee.mmm0000000 is exactly 2^-8 times its value
 // (subnormals too), and 256 * scale is exact, so the one rounding is of the same real product
 // (codes 0x7f / 0xff stay NaN).
-#ifdef ML4_INDEXER_AVX512
-namespace {
-bool avx512_decode_usable() {
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vl");
-  return ok;
-}
-
-// The F16C loop's operations 16 lanes at a time (the same bits), over the leading groups whose
-// length is a multiple of 16; returns where it stopped (a group start).
-__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) int decode_groups_avx512(const uint8_t* values,
-                                                                                   const uint8_t* scales, int dI,
-                                                                                   float* k) {
-  int i = 0;
-  for (int lo = 0; lo < dI; lo += kIndexerQuantBlock) {
-    const int hi = std::min(dI, lo + kIndexerQuantBlock);
-    if ((hi - lo) % 16 != 0) break;
-    float scale;
-    std::memcpy(&scale, scales + 4 * (lo / kIndexerQuantBlock), 4);
-    const __m512 s512 = _mm512_set1_ps(scale * 256.0f);
-    const __m512 ones = _mm512_castsi512_ps(_mm512_set1_epi32(-1));
-    for (; i < hi; i += 16) {
-      const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(values + i)));
-      const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi16(0x7f));
-      const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
-      const __m512 v = _mm512_cvtph_ps(_mm256_or_si256(_mm256_slli_epi16(mag, 7), sign));
-      const __mmask16 nan = _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7f));
-      _mm512_storeu_ps(k + i, _mm512_mul_ps(_mm512_mask_mov_ps(v, nan, ones), s512));
-    }
-  }
-  return i;
-}
-}  // namespace
-#endif
-
 void decode_indexer_key(const uint8_t* page, int offset_in_page, int dI, float* k) {
   const uint8_t* values = page + static_cast<size_t>(offset_in_page) * dI;
   const uint8_t* scales = page + scale_offset(dI, offset_in_page);
   int i = 0;
-#ifdef ML4_INDEXER_AVX512
-  if (avx512_decode_usable()) i = decode_groups_avx512(values, scales, dI, k);
-#endif
 #ifdef ML4_INDEXER_F16C
   for (int lo = i; lo < dI; lo += kIndexerQuantBlock) {
     const int hi = std::min(dI, lo + kIndexerQuantBlock);
     if ((hi - lo) % 8 != 0) break;  // the scalar loop below finishes from i
     float scale;
     std::memcpy(&scale, scales + 4 * (lo / kIndexerQuantBlock), 4);
+    if (!std::isfinite(scale * 256.0f)) break;  // 256 * scale overflows: the scalar loop's bits
     const __m256 s256 = _mm256_set1_ps(scale * 256.0f);
     for (; i < hi; i += 8) {
       const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(values + i)));

@@ -297,11 +297,12 @@ class Backend {
   virtual Status mla_apply_uv(AbsorbRef a, const float* out_lat, float* o) = 0;
   virtual Status moe_route(const MoeRouteArgs& p) = 0;
   // The router's f32 logits (gate over x, step_tokens() rows, into logits) and their routing
-  // (a.logits == logits). The default is linear + moe_route; a backend may fuse the two (the
-  // CUDA decode router, CudaRunnerOptions::fused_router).
-  virtual Status moe_router(LinearRef gate, const float* x, float* logits, const MoeRouteArgs& a) {
+  // into ids / weights [T, K]. The default is linear + moe_route; a backend may fuse the two
+  // (the CUDA decode router, CudaRunnerOptions::fused_router).
+  virtual Status moe_router(LinearRef gate, const float* x, const float* bias, float* logits, int32_t* ids,
+                            float* weights) {
     if (Status st = linear(gate, x, step_tokens(), logits); !st.is_ok()) return st.with_context("router");
-    return moe_route(a);
+    return moe_route({logits, bias, nullptr, ids, weights});
   }
   // out[T, dim] = sum_k w[t, k] expert_{ids[t, k]}(x[t]) + shared(x[t]).
   virtual Status moe_experts(MoeRef moe, const float* x, const int32_t* ids, const float* weights, float* out) = 0;

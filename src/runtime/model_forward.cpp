@@ -753,7 +753,7 @@ Status ModelForward::moe(int l, ForwardTrace* trace, float* out) {
   const int K = cfg_.moe.num_experts_per_tok;
   ML4_RETURN_IF_ERROR(be_.segment([&] {
     return be_.timed("moe router", [&]() -> Status {
-      return be_.moe_router(L.gate, x.a, x.router, {x.router, L.router_bias, nullptr, x.expert_ids, x.expert_wts});
+      return be_.moe_router(L.gate, x.a, L.router_bias, x.router, x.expert_ids, x.expert_wts);
     });
   }));
   if (trace != nullptr) {

@@ -57,12 +57,14 @@ TEST(CudaGraph, DecodeChainReplayEqualsEagerAndSpeedup) {
     ML4_ASSERT_OK(scratch.reserve(B, D, std::max(I, V), 1));
     auto x0 = to_device(randn(B * D, 99));
     auto residual = DeviceBuffer::alloc(B * D * 4), a = DeviceBuffer::alloc(B * D * 4), f = DeviceBuffer::alloc(B * D * 4),
-         logits = DeviceBuffer::alloc(B * V * 4), tok = DeviceBuffer::alloc(B * 4);
+         logits = DeviceBuffer::alloc(B * V * 4), tok = DeviceBuffer::alloc(B * 4),
+         aws = DeviceBuffer::alloc(argmax_rows_workspace_bytes(B, V));
     ML4_ASSERT_OK(residual.status());
     ML4_ASSERT_OK(a.status());
     ML4_ASSERT_OK(f.status());
     ML4_ASSERT_OK(logits.status());
     ML4_ASSERT_OK(tok.status());
+    ML4_ASSERT_OK(aws.status());
     auto step = [&]() -> Status {
       ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(residual->data(), x0.data(), B * D * 4, cudaMemcpyDeviceToDevice, s));
       ML4_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(f->data(), 0, B * D * 4, s));
@@ -74,7 +76,7 @@ TEST(CudaGraph, DecodeChainReplayEqualsEagerAndSpeedup) {
       ML4_RETURN_IF_ERROR(rms_norm({f->as<float>(), residual->as<float>(), norms[0].as<float>(), B, D, 1e-6f,
                                     a->as<float>(), nullptr, s}));
       ML4_RETURN_IF_ERROR(linear_f32(**lt, *dhead, a->as<float>(), B, logits->as<float>(), scratch.lin, s));
-      return argmax_rows(logits->as<float>(), B, V, tok->as<int32_t>(), s);
+      return argmax_rows(logits->as<float>(), V, nullptr, 0, B, V, tok->as<int32_t>(), aws->data(), aws->bytes(), s);
     };
     // Eager (twice: determinism), then capture and replay.
     ML4_ASSERT_OK(step());

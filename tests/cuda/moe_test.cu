@@ -522,32 +522,12 @@ TEST(CudaMoe, GroupedGemmPrefillVsCpu) {
   }
 }
 
-TEST(CudaSampling, ArgmaxTiesAndNan) {
-  ML4_REQUIRE_GPU();
-  const int64_t B = 5, V = 131072 + 7;
-  auto l = randn(B * V, 9);
-  l[0 * V + 100] = 50.0f;
-  l[0 * V + 90000] = 50.0f;  // tie: the lower id wins
-  l[1 * V + 3] = NAN;        // NaN ranks last
-  l[1 * V + V - 1] = 60.0f;
-  std::vector<int32_t> ref(B);
-  for (int64_t b = 0; b < B; ++b) cpu::topk(l.data() + b * V, V, 1, &ref[b]);
-  auto dl = to_device(l);
-  auto o = poisoned<int32_t>(B);
-  ML4_ASSERT_OK(argmax_rows(dl.as<float>(), B, V, o.as<int32_t>(), nullptr));
-  sync();
-  auto got = to_host<int32_t>(o, B);
-  EXPECT_EQ(got, ref);
-  EXPECT_EQ(got[0], 100);
-  EXPECT_EQ(got[1], V - 1);
-}
-
-// The split argmax of the drafter's Markov head (argmax_rows_split): rows a + b (b at the
+// The argmax of the drafter's Markov head and of greedy rows (argmax_rows): rows a + b (b at the
 // slot-interleaved stride of the drafter's base logits) against the host's argmax of the same
 // f32 sums, exact: ties across tiles (the lower id), NaN, -0 vs +0, an all-NaN row and a row
 // of -inf, both load paths (V % 4 == 0: float4; V odd: scalar), without b, and twice (the
 // workspace needs no initialisation).
-TEST(CudaSampling, SplitArgmaxWithBaseMatchesHost) {
+TEST(CudaSampling, ArgmaxWithBaseMatchesHost) {
   ML4_REQUIRE_GPU();
   for (const int64_t V : {int64_t{131072}, int64_t{131072 + 7}, int64_t{4095}}) {
     const int64_t B = 6, bstride = 3 * V;  // base rows interleaved as x.logits + (j - 1) * V
@@ -595,28 +575,26 @@ TEST(CudaSampling, SplitArgmaxWithBaseMatchesHost) {
     auto ws = poisoned<uint8_t>(wsb);
     for (int rep = 0; rep < 2; ++rep) {
       auto o = poisoned<int32_t>(B);
-      ML4_ASSERT_OK(argmax_rows_split(da.as<float>(), V, db.as<float>(), bstride, B, V, o.as<int32_t>(), ws.data(),
-                                      wsb, nullptr));
+      ML4_ASSERT_OK(argmax_rows(da.as<float>(), V, db.as<float>(), bstride, B, V, o.as<int32_t>(), ws.data(), wsb,
+                                nullptr));
       sync();
       auto got = to_host<int32_t>(o, B);
       EXPECT_EQ(got, ref) << "V=" << V << " rep " << rep;
       EXPECT_EQ(got[3], 0);
       EXPECT_EQ(got[4], 0);
-      // Without b: argmax_rows' ids.
-      auto o2 = poisoned<int32_t>(B), o3 = poisoned<int32_t>(B);
-      ML4_ASSERT_OK(argmax_rows_split(da.as<float>(), V, nullptr, 0, B, V, o2.as<int32_t>(), ws.data(), wsb, nullptr));
-      ML4_ASSERT_OK(argmax_rows(da.as<float>(), B, V, o3.as<int32_t>(), nullptr));
+      // Without b: the argmax of a alone.
+      auto o2 = poisoned<int32_t>(B);
+      ML4_ASSERT_OK(argmax_rows(da.as<float>(), V, nullptr, 0, B, V, o2.as<int32_t>(), ws.data(), wsb, nullptr));
       sync();
       EXPECT_EQ(to_host<int32_t>(o2, B), ref_a) << "V=" << V;
-      EXPECT_EQ(to_host<int32_t>(o3, B), ref_a) << "V=" << V;
     }
   }
   // Bad arguments are statuses: a short workspace, a stride below V.
   auto d = poisoned<float>(64);
   auto o = poisoned<int32_t>(1);
   auto ws = poisoned<uint8_t>(8);
-  EXPECT_FALSE(argmax_rows_split(d.as<float>(), 64, nullptr, 0, 2, 64, o.as<int32_t>(), ws.data(), 8, nullptr).ok());
-  EXPECT_FALSE(argmax_rows_split(d.as<float>(), 32, nullptr, 0, 1, 64, o.as<int32_t>(), ws.data(), 8, nullptr).ok());
+  EXPECT_FALSE(argmax_rows(d.as<float>(), 64, nullptr, 0, 2, 64, o.as<int32_t>(), ws.data(), 8, nullptr).ok());
+  EXPECT_FALSE(argmax_rows(d.as<float>(), 32, nullptr, 0, 1, 64, o.as<int32_t>(), ws.data(), 8, nullptr).ok());
 }
 
 }  // namespace

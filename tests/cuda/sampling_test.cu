@@ -113,7 +113,8 @@ TEST(CudaSampling, GreedyMatchesCpuTopkAndLogprobF64) {
   const Sampled s_row = run(l, B, kV, params, kV, Path::kRow);
 
   DeviceBuffer dl = to_device(l), da = poisoned<int32_t>(B);
-  ML4_ASSERT_OK(argmax_rows(dl.as<float>(), B, kV, da.as<int32_t>(), nullptr));
+  DeviceBuffer aws = poisoned<uint8_t>(argmax_rows_workspace_bytes(B, kV));
+  ML4_ASSERT_OK(argmax_rows(dl.as<float>(), kV, nullptr, 0, B, kV, da.as<int32_t>(), aws.data(), aws.bytes(), nullptr));
   const std::vector<int32_t> am = to_host<int32_t>(da, B);
   double worst = 0;
   for (int64_t b = 0; b < B; ++b) {

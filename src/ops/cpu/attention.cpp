@@ -963,7 +963,9 @@ void indexer_scores(const float* q, const float* w, int HI, int dI, const float*
     for (int64_t s = s0; s < s1; ++s) {
       const float* ks = k + s * dI;
       float acc = 0.0f;
-      for (int h = 0; h < HI; ++h) acc += w[h] * std::max(0.0f, dot(q + h * dI, ks, dI));
+      // One fused multiply-add per head, spelled out: the same bits whether or not the
+      // compiler contracts (indexer_scores_rows does the same).
+      for (int h = 0; h < HI; ++h) acc = std::fma(w[h], std::max(0.0f, dot(q + h * dI, ks, dI)), acc);
       scores[s] = acc;
     }
   });

@@ -1,5 +1,5 @@
-// See sampling.h. argmax_rows: one block per row; each thread scans a strided slice, then a
-// shared-memory tree keeps (larger value, lower index): deterministic for any launch.
+// See sampling.h. argmax_rows: tiles of 4096 logits per block, each logit an order-preserving
+// 64-bit key, the row's maximum key over its tiles by one warp: deterministic for any launch.
 //
 // sample_rows with a workspace (the split path; sampling.h "Design"): four kernels, K1-K3 over
 // a grid of (row, block of 4 warps), K4 a block per row; every sum has a fixed partition (a warp-tile of 1024
@@ -34,45 +34,12 @@ namespace {
 using sampling::ranks_above;
 using ull = unsigned long long;
 
-__device__ __forceinline__ bool better(float a, int64_t ia, float b, int64_t ib) {
-  const bool an = a != a, bn = b != b;
-  if (an != bn) return bn;
-  if (an) return ia < ib;
-  return a > b || (a == b && ia < ib);
-}
-
-__global__ void argmax_kernel(const float* __restrict__ logits, int64_t V, int32_t* __restrict__ out) {
-  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
-  pdl_launch_dependents();
-  __shared__ float sv[256];
-  __shared__ int64_t si[256];
-  const float* l = logits + blockIdx.x * V;
-  float v = __int_as_float(0x7fc00000);
-  int64_t i = INT64_MAX;
-  for (int64_t j = threadIdx.x; j < V; j += blockDim.x)
-    if (better(l[j], j, v, i)) {
-      v = l[j];
-      i = j;
-    }
-  sv[threadIdx.x] = v;
-  si[threadIdx.x] = i;
-  __syncthreads();
-  for (int s = blockDim.x / 2; s > 0; s >>= 1) {
-    if (threadIdx.x < s && better(sv[threadIdx.x + s], si[threadIdx.x + s], sv[threadIdx.x], si[threadIdx.x])) {
-      sv[threadIdx.x] = sv[threadIdx.x + s];
-      si[threadIdx.x] = si[threadIdx.x + s];
-    }
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) out[blockIdx.x] = static_cast<int32_t>(si[0] == INT64_MAX ? 0 : si[0]);
-}
-
-// ---- split argmax (argmax_rows_split): tiles of 4096 logits, 64-bit keys ------------------
+// ---- argmax (argmax_rows): tiles of 4096 logits, 64-bit keys ---------------------------
 
 constexpr int kArgThreads = 256, kArgTile = 4096, kArgPerThread = kArgTile / kArgThreads;
 
 // Order-preserving key: larger value first, then the lower id; NaN below every number (key
-// 0 in the value half) and -0 equal to +0, as better() ranks them.
+// 0 in the value half) and -0 equal to +0, as sampling::ranks_above ranks them.
 __device__ __forceinline__ ull argmax_key(float v, int64_t i) {
   uint32_t u = __float_as_uint(v);
   uint32_t o = 0;
@@ -1035,27 +1002,19 @@ Status check_args(const char* what, const float* logits, int64_t B, int64_t V, c
 
 }  // namespace
 
-Status argmax_rows(const float* logits, int64_t B, int64_t V, int32_t* out, cudaStream_t stream) {
-  if (B < 0 || V <= 0 || V > INT32_MAX) return invalid_argument("argmax_rows: bad shape B={} V={}", B, V);
-  if (B == 0) return Status::ok();
-  if (!logits || !out) return invalid_argument("argmax_rows: null pointer");
-  launch_kernel(argmax_kernel, static_cast<unsigned>(B), 256, 0, stream, logits, V, out);
-  return cuda_status(cudaGetLastError(), "argmax_kernel");
-}
-
 size_t argmax_rows_workspace_bytes(int64_t B, int64_t V) {
   if (B <= 0 || V <= 0) return 0;
   return static_cast<size_t>(B) * static_cast<size_t>((V + kArgTile - 1) / kArgTile) * sizeof(ull);
 }
 
-Status argmax_rows_split(const float* a, int64_t a_stride, const float* b, int64_t b_stride, int64_t B, int64_t V,
+Status argmax_rows(const float* a, int64_t a_stride, const float* b, int64_t b_stride, int64_t B, int64_t V,
                          int32_t* out, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   if (B < 0 || B > 65535 || V <= 0 || V > INT32_MAX || a_stride < V || (b != nullptr && b_stride < V))
-    return invalid_argument("argmax_rows_split: bad shape B={} V={} strides {} {}", B, V, a_stride, b_stride);
+    return invalid_argument("argmax_rows: bad shape B={} V={} strides {} {}", B, V, a_stride, b_stride);
   if (B == 0) return Status::ok();
-  if (!a || !out || !workspace) return invalid_argument("argmax_rows_split: null pointer");
+  if (!a || !out || !workspace) return invalid_argument("argmax_rows: null pointer");
   if (workspace_bytes < argmax_rows_workspace_bytes(B, V) || reinterpret_cast<uintptr_t>(workspace) % 8 != 0)
-    return invalid_argument("argmax_rows_split: workspace of {} bytes, {} needed (8-byte aligned)", workspace_bytes,
+    return invalid_argument("argmax_rows: workspace of {} bytes, {} needed (8-byte aligned)", workspace_bytes,
                             argmax_rows_workspace_bytes(B, V));
   const auto al = [](const float* p, int64_t stride) {
     return p == nullptr || (reinterpret_cast<uintptr_t>(p) % 16 == 0 && stride % 4 == 0);

@@ -68,19 +68,16 @@
 
 namespace ml4::cuda {
 
-// logits [B, V] f32 -> out [B] int32 (ties to the lower id, NaN ranks last); one block per
-// row, no workspace.
-Status argmax_rows(const float* logits, int64_t B, int64_t V, int32_t* out, cudaStream_t stream);
-
-// The same ids for the rows a[r, :V] + b[r, :V] (b null: a alone; the f32 sum add_rows forms,
-// not stored), through tiles of 4096 logits per block (a grid of (tiles, B)) and one warp per
-// row over the tiles' results: a row of 131,072 logits is read by 32 blocks instead of one.
-// Each logit becomes a 64-bit key (order-preserving value bits above, ~id below, NaN lowest,
-// -0 as +0), so the maximum key is the argmax under argmax_rows' order whatever the tiling.
+// The argmax of each row a[r, :V] + b[r, :V] (b null: a alone; the f32 sum add_rows forms,
+// not stored) -> out [B] int32: ties to the lower id, NaN ranks last, -0 equals +0
+// (sampling::ranks_above). Tiles of 4096 logits per block (a grid of (tiles, B)), then one warp
+// per row over the tiles' results: a row of 131,072 logits is read by 32 blocks. Each logit
+// becomes a 64-bit key (order-preserving value bits above, ~id below, NaN lowest, -0 as +0), so
+// the maximum key is the argmax whatever the tiling.
 // Rows a_stride / b_stride floats apart. workspace: device memory of at least
 // argmax_rows_workspace_bytes(B, V) bytes, 8-byte aligned, no initialisation, one per stream.
 size_t argmax_rows_workspace_bytes(int64_t B, int64_t V);
-Status argmax_rows_split(const float* a, int64_t a_stride, const float* b, int64_t b_stride, int64_t B, int64_t V,
+Status argmax_rows(const float* a, int64_t a_stride, const float* b, int64_t b_stride, int64_t B, int64_t V,
                          int32_t* out, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 // The drafter's sampled drafts on the device (DSpark, "draft_sample_method": "probabilistic"):

@@ -280,7 +280,9 @@ Status CpuBackend::indexer_select(const IndexerSelectArgs& p) {
   const int HI = cfg_.indexer.n_heads, dI = cfg_.indexer.head_dim;
   const int64_t T = step_tokens();
   cpu::hadamard_transform(p.q, T * HI, dI);
-  for (int64_t row = 0; row < T * HI; ++row) cpu::round_fp8_groups(p.q + row * dI, dI, 128);
+  parallel_for(T * HI, 64, [&](int64_t b, int64_t e) {
+    for (int64_t row = b; row < e; ++row) cpu::round_fp8_groups(p.q + row * dI, dI, 128);
+  });
   for (int64_t i = 0; i < T * HI; ++i) p.w[i] *= p.weight_scale;
   // Keys in the indexer group's index space: positions, or this DCP rank's local indices.
   const bool candidates = p.candidates != nullptr;

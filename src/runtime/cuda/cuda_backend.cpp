@@ -927,19 +927,20 @@ Status CudaBackend::set_hot_selection(const int32_t* rows, const int32_t* counts
   return cuda_status(cudaStreamSynchronize(stream_), "set_hot_selection");  // the host arrays die after the call
 }
 
-Status CudaBackend::moe_router(LinearRef gate, const float* x, float* logits, const MoeRouteArgs& a) {
-  const bool fuse = opts_.fused_router && a.forced_host == nullptr && gate.valid() &&
+Status CudaBackend::moe_router(LinearRef gate, const float* x, const float* bias, float* logits, int32_t* ids,
+                               float* weights) {
+  const bool fuse = opts_.fused_router && gate.valid() &&
                     gate.id < static_cast<int>(linears_.size()) && router_[gate.id] &&
                     linears_[gate.id].format == LinearFormat::kF32 && linears_[gate.id].N == cfg_.moe.num_experts &&
                     router_route_supported(cfg_.moe, step_T_);
-  if (!fuse) return Backend::moe_router(gate, x, logits, a);
+  if (!fuse) return Backend::moe_router(gate, x, bias, logits, ids, weights);
   const DeviceLinear& w = linears_[gate.id];
   RouterRouteParams p;
   p.x = x;
   p.D = w.K;
   p.gate = w.weight.as<float>();
   p.counter = buf_->router_counter.as<unsigned>();
-  p.route = MoeRouteParams{logits, step_T_, cfg_.moe, a.bias, a.ids, a.weights, nullptr, stream_};
+  p.route = MoeRouteParams{logits, step_T_, cfg_.moe, bias, ids, weights, nullptr, stream_};
   return router_route(p).with_context("router");
 }
 
@@ -1115,16 +1116,15 @@ Status CudaBackend::stage_draft_params(const DeviceSamplingParams* params, int64
   if (bytes > b.draft_samp_params.bytes())
     return internal_error("stage_draft_params: {} rows, room for {}", count,
                           b.draft_samp_params.bytes() / sizeof(DeviceSamplingParams));
+  // From pageable memory: the call returns once the source has been staged, so the host
+  // array may change at once (no stream sync on the draft path).
   ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(b.draft_samp_params.data(), params, bytes, cudaMemcpyHostToDevice, stream_));
-  // A pageable source: the copy has read it when this returns, but sync anyway so the host
-  // array may change at once.
-  ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   staged_params_ = params;
   staged_count_ = count;
   return Status::ok();
 }
 
-// Greedy rows without distributions: the device argmax (argmax_rows_split, the base added
+// Greedy rows without distributions: the device argmax (argmax_rows, the base added
 // inside). Sampled rows with their distributions and staged parameters: the device draw
 // (draft_rows). Otherwise (top-k / top-p rows, or greedy rows whose softmax is wanted) the host
 // reference: the logits come back, the token and its distribution are made exactly as the CPU
@@ -1138,7 +1138,7 @@ Status CudaBackend::choose_tokens(float* logits, int64_t rows, const DeviceSampl
     // are added inside the split argmax (the sum is not stored): one pass over the rows by
     // 32 blocks per row of 131,072 instead of an add and a one-block-per-row argmax.
     Buffers& b = buffers();
-    return argmax_rows_split(logits, V, base, base_stride, rows, V, ids, b.draft_samp_ws.data(),
+    return argmax_rows(logits, V, base, base_stride, rows, V, ids, b.draft_samp_ws.data(),
                              b.draft_samp_ws.bytes(), stream_);
   }
   if (base != nullptr) ML4_RETURN_IF_ERROR(add_rows(logits, V, base, base_stride, rows, V));

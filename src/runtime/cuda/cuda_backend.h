@@ -127,7 +127,8 @@ class CudaBackend : public Backend {
   Status mla_attention(const MlaArgs& p) override;
   Status mla_apply_uv(AbsorbRef a, const float* out_lat, float* o) override;
   Status moe_route(const MoeRouteArgs& p) override;
-  Status moe_router(LinearRef gate, const float* x, float* logits, const MoeRouteArgs& a) override;
+  Status moe_router(LinearRef gate, const float* x, const float* bias, float* logits, int32_t* ids,
+                    float* weights) override;
   Status moe_experts(MoeRef moe, const float* x, const int32_t* ids, const float* weights, float* out) override;
   bool moe_experts_capturable(MoeRef moe) const override;
   Result<std::vector<int32_t>> read_ints(const int32_t* p, int64_t n) override;
