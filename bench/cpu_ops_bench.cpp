@@ -130,7 +130,7 @@ int main(int argc, char** argv) {
     const double wbytes = static_cast<double>(w.weight.nbytes() + (w.scale.empty() ? 0 : w.scale.nbytes()));
     // x in bf16 too (--dtype bfloat16) where it applies and the CPU can.
     const bool bf16x = (fmt == ml4::LinearFormat::kBF16 || fmt == ml4::LinearFormat::kFP8Block) &&
-                       ml4::cpu::activation_dtype_supported(ml4::cpu::ActivationDtype::kBF16).is_ok();
+                       ml4::cpu::activation_dtype_supported(ml4::cpu::ActivationDtype::kBF16).ok();
     for (auto act : {ml4::cpu::ActivationDtype::kF32, ml4::cpu::ActivationDtype::kBF16}) {
       if (act == ml4::cpu::ActivationDtype::kBF16 && !bf16x) continue;
       for (int64_t M : {1, 4, 17, 64}) {

@@ -14,7 +14,7 @@
 #define BENCH_CHECK(expr)                                                       \
   do {                                                                          \
     ::ml4::Status bench_st_ = (expr);                                           \
-    if (!bench_st_.is_ok()) {                                                   \
+    if (!bench_st_.ok()) {                                                   \
       std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, bench_st_.message().c_str()); \
       std::exit(1);                                                             \
     }                                                                           \

@@ -121,7 +121,7 @@ int main(int argc, char** argv) {
             p.w = ws[0].data();
             p.w_scale = wss[0].as<float>();
             Status st = (*lt)->fp8_block(p);
-            if (!st.is_ok()) {
+            if (!st.ok()) {
               std::printf("%-10s %5ld %6ld %6ld %5s %-9s %s\n", sh.name, M, sh.N, sh.K, "fp8",
                           be == Fp8Backend::kOwn ? "own" : "cublaslt", st.message().c_str());
               continue;

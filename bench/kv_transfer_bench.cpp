@@ -161,7 +161,7 @@ int main(int argc, char** argv) {
       regions.push_back({alloc(sizes[r], device, static_cast<uint8_t>(r * 7 + 3)), sizes[r], device});
     auto agent = transfer::make_ucx_agent("bench-producer", bind_device(device));
     if (!agent.ok()) die(agent.status().message());
-    if (!(*agent)->register_memory(regions).is_ok()) die("register failed");
+    if (!(*agent)->register_memory(regions).ok()) die("register failed");
     (*agent)->set_notification_handler([](const std::string&) { return std::string("ok"); });
     std::string md = (*agent)->local_metadata().value();
     uint64_t n = md.size();
@@ -185,7 +185,7 @@ int main(int argc, char** argv) {
   for (size_t r = 0; r < sizes.size(); ++r) regions.push_back({alloc(sizes[r], device, 0), sizes[r], device});
   auto agent = transfer::make_ucx_agent("bench-consumer", bind_device(device));
   if (!agent.ok()) die(agent.status().message());
-  if (!(*agent)->register_memory(regions).is_ok()) die("register failed");
+  if (!(*agent)->register_memory(regions).ok()) die("register failed");
   auto peer = (*agent)->load_peer(md);
   if (!peer.ok()) die(peer.status().message());
 

@@ -123,7 +123,7 @@ int main(int argc, char** argv) {
     if (*r == nullptr) {  // a worker: rank 0's steps are done; the peer loop with it
       auto cfg = ml4::load_model_config(a.model);
       bare_allreduce_us(a.batch * (cfg.ok() ? cfg->dim : 1));
-      return ws.is_ok() ? 0 : 1;
+      return ws.ok() ? 0 : 1;
     }
     runner = std::move(r).value();
     par = static_cast<ml4::ParallelRunner*>(runner.get());

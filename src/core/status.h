@@ -30,15 +30,14 @@ class [[nodiscard]] Status {
   Status() = default;
   Status(StatusCode code, std::string message) : code_(code), message_(std::move(message)) {}
 
-  static Status ok() { return {}; }
-  bool is_ok() const { return code_ == StatusCode::kOk; }
-  explicit operator bool() const { return is_ok(); }
+  bool ok() const { return code_ == StatusCode::kOk; }
+  explicit operator bool() const { return ok(); }
   StatusCode code() const { return code_; }
   const std::string& message() const { return message_; }
 
   // Prefixes context: Status("bad shape").with_context("tensor x") -> "tensor x: bad shape".
   Status with_context(const std::string& context) const {
-    if (is_ok()) return *this;
+    if (ok()) return *this;
     return Status(code_, context + ": " + message_);
   }
 
@@ -46,6 +45,11 @@ class [[nodiscard]] Status {
   StatusCode code_ = StatusCode::kOk;
   std::string message_;
 };
+
+// The success value: `return ok_status();`. (No static Status::ok(): called through an
+// instance, `st.ok()` compiled and returned a fresh success, so `EXPECT_FALSE(st.ok())` failed
+// and `if (!st.ok())` never fired; now ok() is the member, as on Result.)
+inline Status ok_status() { return {}; }
 
 template <typename... Args>
 Status invalid_argument(fmt::format_string<Args...> f, Args&&... args) {
@@ -109,7 +113,7 @@ class [[nodiscard]] Result {
 #define ML4_RETURN_IF_ERROR(expr)              \
   do {                                         \
     ::ml4::Status ml4_status_ = (expr);        \
-    if (!ml4_status_.is_ok()) return ml4_status_; \
+    if (!ml4_status_.ok()) return ml4_status_; \
   } while (0)
 
 // ML4_ASSIGN_OR_RETURN(auto x, make_x()): unwraps a Result or returns its Status.

@@ -204,7 +204,7 @@ void AsyncEngine::loop() {
     heartbeat_ = now_s();
     for (auto& [req, route] : adds) {
       Status st = engine_->add_request(req.request_id, std::move(req.prompt), req.params, req.priority, 0.0, req.kv);
-      if (!st.is_ok()) {
+      if (!st.ok()) {
         StreamItem item;
         item.index = route.index;
         item.out.request_id = req.request_id;

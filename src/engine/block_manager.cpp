@@ -438,7 +438,7 @@ Status KvBlockManager::check_invariants() const {
     for (const auto& [h, b] : p.cached)
       if (!p.has_hash[b] || p.hash[b] != h) return internal_error("group {}: stale cache entry for block {}", g, b);
   }
-  return Status::ok();
+  return ok_status();
 }
 
 }  // namespace ml4

@@ -75,7 +75,7 @@ Engine::Engine(ModelRunner* runner, const TextCodec* codec, const EngineConfig& 
   }
   if (config_.speculative.enabled()) {
     Status s = check_speculation(*runner_, config_);
-    if (!s.is_ok()) {
+    if (!s.ok()) {
       ML4_LOG_ERROR("speculative decoding off: {}", s.message());
     } else {
       spec_on_ = true;
@@ -95,7 +95,7 @@ Engine::Engine(ModelRunner* runner, const TextCodec* codec, const EngineConfig& 
 }
 
 Status Engine::check_speculation(const ModelRunner& runner, const EngineConfig& config) {
-  if (!config.speculative.enabled()) return Status::ok();
+  if (!config.speculative.enabled()) return ok_status();
   ML4_RETURN_IF_ERROR(check_speculative_config(config.speculative, runner.config()));
   if (!runner.has_drafter())
     return invalid_argument("--speculative-config: the model runner has not loaded the DSpark drafter "
@@ -103,7 +103,7 @@ Status Engine::check_speculation(const ModelRunner& runner, const EngineConfig& 
   bool window = false;
   for (const auto& g : runner.cache_groups()) window |= g.sliding_window > 0 && g.num_blocks > 0;
   if (!window) return invalid_argument("--speculative-config: the runner gave the drafter's cache group no blocks");
-  return Status::ok();
+  return ok_status();
 }
 
 Status Engine::add_request(const std::string& request_id, std::vector<int32_t> prompt,
@@ -128,7 +128,7 @@ Status Engine::add_request(const std::string& request_id, std::vector<int32_t> p
   if (kv.remote_prefill) r->remote_kv = RemoteKv::kPending;
   scheduler_.add(r.get());
   live_.emplace(request_id, std::move(r));
-  return Status::ok();
+  return ok_status();
 }
 
 Status Engine::check_request(const std::vector<int32_t>& prompt, const SamplingParams& params) const {
@@ -148,7 +148,7 @@ Status Engine::check_request(const std::vector<int32_t>& prompt, const SamplingP
         "prompt, {} for the completion). Please reduce the length of the prompt or of max_tokens.",
         max_len, plen + params.max_tokens, plen, params.max_tokens);
 
-  return Status::ok();
+  return ok_status();
 }
 
 bool Engine::abort(const std::string& request_id, FinishReason reason) {
@@ -505,7 +505,7 @@ Status Engine::verify_step(Request& r, const std::vector<float>& rows, int64_t a
   // overwritten by position when the request gets there).
   r.num_computed = std::min<int64_t>(anchor_pos + 1 + v.accepted, r.num_tokens());
   blocks_.trim(r, r.num_computed);
-  return Status::ok();
+  return ok_status();
 }
 
 Status Engine::propose_drafts(const std::vector<Request*>& reqs) {
@@ -535,7 +535,7 @@ Status Engine::propose_drafts(const std::vector<Request*>& reqs) {
     din.seqs.push_back(std::move(d));
     who.push_back(r);
   }
-  if (who.empty()) return Status::ok();
+  if (who.empty()) return ok_status();
   const double t0 = mono_now();
   ML4_ASSIGN_OR_RETURN(DraftOutput out, runner_->draft(din));
   counters_.draft_seconds += mono_now() - t0;
@@ -560,7 +560,7 @@ Status Engine::propose_drafts(const std::vector<Request*>& reqs) {
       r.spec_probs = std::move(out.probs[i]);
     }
   }
-  return Status::ok();
+  return ok_status();
 }
 
 }  // namespace ml4

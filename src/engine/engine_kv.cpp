@@ -21,14 +21,14 @@ int64_t held_blocks(const std::vector<int32_t>& t) {
 
 Status Engine::check_kv_transfer(const std::vector<int32_t>& prompt, const SamplingParams& params,
                                  const transfer::KvTransferRequest& kv) const {
-  if (!kv.do_remote_decode && !kv.remote_prefill) return Status::ok();
+  if (!kv.do_remote_decode && !kv.remote_prefill) return ok_status();
   if (kv.do_remote_decode && kv.remote_prefill)
     return invalid_argument("kv_transfer_params: do_remote_decode and do_remote_prefill exclude each other");
   if (kv.do_remote_decode && (connector_ == nullptr || !connector_->producer()))
     return invalid_argument(
         "kv_transfer_params: do_remote_decode needs a server started with --kv-transfer-config kv_role kv_producer "
         "or kv_both");
-  if (!kv.remote_prefill) return Status::ok();
+  if (!kv.remote_prefill) return ok_status();
   if (connector_ == nullptr || !connector_->consumer())
     return invalid_argument(
         "kv_transfer_params: do_remote_prefill needs a server started with --kv-transfer-config kv_role kv_consumer "
@@ -51,7 +51,7 @@ Status Engine::check_kv_transfer(const std::vector<int32_t>& prompt, const Sampl
       return invalid_argument("kv_transfer_params: remote_block_ids[{}] names {} blocks, a {}-token prompt needs {}", g,
                               src.block_ids[g].size(), n, want);
   }
-  return Status::ok();
+  return ok_status();
 }
 
 int64_t Engine::num_blocks_held_for_remote() const {
@@ -142,7 +142,7 @@ void Engine::start_loads(const std::vector<Request*>& reqs, double now, std::vec
     b.remote.resize(blocks_.num_groups());
     b.local.resize(blocks_.num_groups());
     Status st;
-    for (int g = 0; g < blocks_.num_groups() && st.is_ok(); ++g) {
+    for (int g = 0; g < blocks_.num_groups() && st.ok(); ++g) {
       if (!blocks_.active(g)) continue;
       const int64_t page = blocks_.group(g).page_tokens;
       const int64_t first = r.num_computed / page, last = ceil_div(target, page);
@@ -159,8 +159,8 @@ void Engine::start_loads(const std::vector<Request*>& reqs, double now, std::vec
         b.local[g].push_back(r.block_tables[g][i]);
       }
     }
-    if (st.is_ok()) st = connector_->start_load(r.seq_id, src, b);
-    if (!st.is_ok()) {
+    if (st.ok()) st = connector_->start_load(r.seq_id, src, b);
+    if (!st.ok()) {
       // Nothing was posted: the blocks are free to go. The producer's hold is released too.
       connector_->release_remote(src);
       fail_request(r, st.message(), now, outputs);

@@ -88,7 +88,7 @@ struct SamplingParams {
       if (!(bias >= -100.0f && bias <= 100.0f))
         return invalid_argument("logit_bias: the bias of token {} must be in [-100, 100], got {}", id, bias);
     }
-    return Status::ok();
+    return ok_status();
   }
 };
 

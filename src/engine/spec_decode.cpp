@@ -109,7 +109,7 @@ Result<SpeculativeConfig> parse_speculative_config(const std::string& text) {
 }
 
 Status check_speculative_config(const SpeculativeConfig& spec, const ModelConfig& model) {
-  if (!spec.enabled()) return Status::ok();
+  if (!spec.enabled()) return ok_status();
   if (!model.drafter.enabled)
     return invalid_argument(
         "--speculative-config: model '{}' has no DSpark drafter (no `mtp` block in params.json, no mtp_dspark.* "
@@ -121,7 +121,7 @@ Status check_speculative_config(const SpeculativeConfig& spec, const ModelConfig
         "--speculative-config: num_speculative_tokens {} exceeds what the drafter proposes per step ({}: its block of "
         "{} holds the accepted token and {} drafts)",
         spec.num_speculative_tokens, most, model.drafter.block_size, most);
-  return Status::ok();
+  return ok_status();
 }
 
 int64_t drafter_blocks_per_seq(const ModelConfig& model, int page) {

@@ -130,7 +130,7 @@ Result<std::vector<int32_t>> ByteTextCodec::encode_chat(const nlohmann::ordered_
   auto append = [&](const std::string& text) -> Status {
     ML4_ASSIGN_OR_RETURN(auto t, encode(text, false));
     ids.insert(ids.end(), t.begin(), t.end());
-    return Status::ok();
+    return ok_status();
   };
   for (size_t i = 0; i < messages.size(); ++i) {
     const auto& m = messages[i];

@@ -61,7 +61,7 @@ Status PagedKvCache::check_slot(int group, int layer_slot, int64_t slot) const {
     return out_of_range("kv cache group {}: token slot {} (it has {} = {} blocks x {})", gs.name, slot,
                         num_slots(group), num_blocks_[group], kPageTokens);
   }
-  return Status::ok();
+  return ok_status();
 }
 
 uint8_t* PagedKvCache::page(int group, int layer_slot, int64_t block) {

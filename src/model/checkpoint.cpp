@@ -82,7 +82,7 @@ Status Checkpoint::add_file(std::shared_ptr<const SafetensorsFile> f) {
     }
   }
   files_.push_back(std::move(f));
-  return Status::ok();
+  return ok_status();
 }
 
 Result<Checkpoint> Checkpoint::open_single(const std::string& dir, const std::string& file, CheckpointLayout layout) {

@@ -25,10 +25,10 @@ Status set_cos_sin_factor(YarnConfig& y, double a) {
   double target = a * yarn_mscale(y.factor, y.mscale_all_dim);
   if (y.factor <= 1.0) {
     if (std::fabs(a - 1.0) > 1e-12) return unimplemented("yarn attention_factor {} with factor <= 1 is not supported", a);
-    return Status::ok();
+    return ok_status();
   }
   y.mscale = (target - 1.0) / (0.1 * std::log(y.factor));
-  return Status::ok();
+  return ok_status();
 }
 
 Status parse_weight_format_hf(const json& q, WeightFormat* out) {
@@ -52,7 +52,7 @@ Status parse_weight_format_hf(const json& q, WeightFormat* out) {
   } else {
     return invalid_argument("unknown quantization_config quant_method \"{}\" (supported: fp8, modelopt NVFP4, mxfp4)", method);
   }
-  return Status::ok();
+  return ok_status();
 }
 
 ojson hf_quantization_json(WeightFormat f) {
@@ -85,7 +85,7 @@ Status parse_hf_rope(const json& j, ModelConfig& cfg) {
   ML4_ASSIGN_OR_RETURN(const json* scaling, opt_object(j, "rope_scaling"));
   rp = params ? params : scaling;
   ML4_RETURN_IF_ERROR(opt_double(j, "rope_theta", &cfg.rope_theta));
-  if (!rp) return Status::ok();
+  if (!rp) return ok_status();
   ML4_RETURN_IF_ERROR(opt_double(*rp, "rope_theta", &cfg.rope_theta));
   std::string type = "default";
   ML4_RETURN_IF_ERROR(opt_string(*rp, "type", &type));
@@ -134,7 +134,7 @@ Status parse_hf_rope(const json& j, ModelConfig& cfg) {
     ML4_RETURN_IF_ERROR(require(*rp, "original_max_position_embeddings").with_context("llama_4_scaling_beta needs it"));
     ML4_RETURN_IF_ERROR(opt_i64(*rp, "original_max_position_embeddings", &l4.original_max_position_embeddings));
   }
-  return Status::ok();
+  return ok_status();
 }
 
 Status parse_hf(const json& j, ModelConfig& cfg) {
@@ -251,7 +251,7 @@ Result<ModelConfig> parse_hf_config_json(const std::string& json_text) {
   } catch (const std::exception& e) {
     s = internal_error("unexpected JSON access error: {}", e.what());
   }
-  if (!s.is_ok()) return s.with_context("config.json");
+  if (!s.ok()) return s.with_context("config.json");
   return cfg;
 }
 
@@ -310,7 +310,7 @@ Status check_hf_representable(const ModelConfig& c, const std::string& mt) {
       }
     }
   }
-  if (why.empty()) return Status::ok();
+  if (why.empty()) return ok_status();
   std::string msg = fmt::format("config cannot be written as HF {}:", mt);
   for (size_t i = 0; i < why.size(); ++i) msg += (i ? "; " : " ") + why[i];
   return invalid_argument("{}", msg);

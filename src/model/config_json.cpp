@@ -12,16 +12,16 @@ const char* json_type(const json& v) { return v.type_name(); }
 // Absent or null leaves *out unchanged. Integral floats (128.0) are accepted.
 Status opt_i64(const json& o, const char* key, int64_t* out) {
   auto it = o.find(key);
-  if (it == o.end() || it->is_null()) return Status::ok();
+  if (it == o.end() || it->is_null()) return ok_status();
   if (it->is_number_integer()) {
     *out = it->get<int64_t>();
-    return Status::ok();
+    return ok_status();
   }
   if (it->is_number_float()) {
     double d = it->get<double>();
     if (std::isfinite(d) && d == std::floor(d) && std::fabs(d) < 9e15) {
       *out = static_cast<int64_t>(d);
-      return Status::ok();
+      return ok_status();
     }
   }
   return invalid_argument("\"{}\" must be an integer, found {} {}", key, json_type(*it), it->dump());
@@ -32,42 +32,42 @@ Status opt_int(const json& o, const char* key, int* out) {
   ML4_RETURN_IF_ERROR(opt_i64(o, key, &v));
   if (v < INT32_MIN || v > INT32_MAX) return out_of_range("\"{}\" = {} does not fit in 32 bits", key, v);
   *out = static_cast<int>(v);
-  return Status::ok();
+  return ok_status();
 }
 
 Status opt_ints(const json& o, std::initializer_list<std::pair<const char*, int*>> fields) {
   for (const auto& [key, out] : fields) ML4_RETURN_IF_ERROR(opt_int(o, key, out));
-  return Status::ok();
+  return ok_status();
 }
 
 Status opt_double(const json& o, const char* key, double* out) {
   auto it = o.find(key);
-  if (it == o.end() || it->is_null()) return Status::ok();
+  if (it == o.end() || it->is_null()) return ok_status();
   if (!it->is_number()) return invalid_argument("\"{}\" must be a number, found {} {}", key, json_type(*it), it->dump());
   *out = it->get<double>();
   if (!std::isfinite(*out)) return invalid_argument("\"{}\" must be finite", key);
-  return Status::ok();
+  return ok_status();
 }
 
 Status opt_bool(const json& o, const char* key, bool* out) {
   auto it = o.find(key);
-  if (it == o.end() || it->is_null()) return Status::ok();
+  if (it == o.end() || it->is_null()) return ok_status();
   if (!it->is_boolean()) return invalid_argument("\"{}\" must be true or false, found {}", key, it->dump());
   *out = it->get<bool>();
-  return Status::ok();
+  return ok_status();
 }
 
 Status opt_string(const json& o, const char* key, std::string* out) {
   auto it = o.find(key);
-  if (it == o.end() || it->is_null()) return Status::ok();
+  if (it == o.end() || it->is_null()) return ok_status();
   if (!it->is_string()) return invalid_argument("\"{}\" must be a string, found {}", key, it->dump());
   *out = it->get<std::string>();
-  return Status::ok();
+  return ok_status();
 }
 
 Status opt_int_list(const json& o, const char* key, std::vector<int>* out) {
   auto it = o.find(key);
-  if (it == o.end() || it->is_null()) return Status::ok();
+  if (it == o.end() || it->is_null()) return ok_status();
   if (!it->is_array()) return invalid_argument("\"{}\" must be a list of integers, found {}", key, it->dump());
   out->clear();
   for (const auto& e : *it) {
@@ -76,7 +76,7 @@ Status opt_int_list(const json& o, const char* key, std::vector<int>* out) {
     if (v < INT32_MIN || v > INT32_MAX) return out_of_range("\"{}\": {} does not fit in 32 bits", key, v);
     out->push_back(static_cast<int>(v));
   }
-  return Status::ok();
+  return ok_status();
 }
 
 bool has(const json& o, const char* key) {
@@ -86,7 +86,7 @@ bool has(const json& o, const char* key) {
 
 Status require(const json& o, const char* key) {
   if (!has(o, key)) return invalid_argument("missing required key \"{}\"", key);
-  return Status::ok();
+  return ok_status();
 }
 
 // An optional nested object: absent/null -> nullptr; anything but an object is an error.
@@ -102,7 +102,7 @@ Status only_keys(const json& o, const std::set<std::string>& allowed, const char
   for (auto it = o.begin(); it != o.end(); ++it) {
     if (!allowed.count(it.key())) return invalid_argument("{}: unknown key \"{}\"", block, it.key());
   }
-  return Status::ok();
+  return ok_status();
 }
 
 Result<json> parse_json_object(const std::string& text, const char* what) {
@@ -118,7 +118,7 @@ Result<json> parse_json_object(const std::string& text, const char* what) {
 
 Status check_layer_index(int l, int n, const std::string& what) {
   if (l < 0 || l >= n) return out_of_range("{}: layer {} out of range [0, {})", what, l, n);
-  return Status::ok();
+  return ok_status();
 }
 
 Status build_layers(ModelConfig& cfg, const LayerPlan& plan) {

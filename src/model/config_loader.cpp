@@ -31,7 +31,7 @@ Status parse_weight_format_native(const json& q, WeightFormat* out) {
   // qformat_experts. Per-tensor FP8 (Mistral's qscale_weight) is not a format ml4 runs.
   if (q.empty()) {
     *out = WeightFormat::kBF16;
-    return Status::ok();
+    return ok_status();
   }
   std::string w, experts;
   ML4_RETURN_IF_ERROR(opt_string(q, "qformat_weight", &w));
@@ -42,7 +42,7 @@ Status parse_weight_format_native(const json& q, WeightFormat* out) {
     if (!experts.empty() || !block.empty()) return invalid_argument("quantization: qformat_experts/weight_block_size need qformat_weight \"fp8_e4m3\"");
     if (w.empty()) return invalid_argument("unknown quantization {}: expected qformat_weight \"fp8_e4m3\" or \"bf16\"", q.dump());
     *out = WeightFormat::kBF16;
-    return Status::ok();
+    return ok_status();
   }
   if (w != "fp8_e4m3") return invalid_argument("unknown quantization qformat_weight \"{}\" (supported: fp8_e4m3, bf16)", w);
   if (block != std::vector<int>{128, 128}) {
@@ -52,7 +52,7 @@ Status parse_weight_format_native(const json& q, WeightFormat* out) {
   else if (experts == "nvfp4") *out = WeightFormat::kNVFP4Experts;
   else if (experts == "mxfp4") *out = WeightFormat::kMXFP4Experts;
   else return invalid_argument("unknown quantization qformat_experts \"{}\" (supported: fp8_e4m3, nvfp4, mxfp4)", experts);
-  return Status::ok();
+  return ok_status();
 }
 
 ojson native_quantization_json(WeightFormat f) {
@@ -114,7 +114,7 @@ Status parse_native_moe(const json& m, ModelConfig& cfg, LayerPlan& plan) {
     plan.ffn = kinds;
   }
   // use_load_balancing_bias / renorm_strategy: read by vLLM's adapter as no-ops; so here.
-  return Status::ok();
+  return ok_status();
 }
 
 Status parse_native(const json& j, ModelConfig& cfg) {
@@ -178,7 +178,7 @@ Status parse_native(const json& j, ModelConfig& cfg) {
       // the softmax mscale^2 from mscale_all_dim stays, as in vLLM and transformers.
       if (!apply) y.mscale = y.mscale_all_dim;
       y.apply_scale = true;
-      return Status::ok();
+      return ok_status();
     }();
     ML4_RETURN_IF_ERROR(s.with_context("yarn"));
   }
@@ -235,7 +235,7 @@ Status parse_native(const json& j, ModelConfig& cfg) {
           plan.indexer_reuse[layer] = it->get<int>();
         }
       }
-      return Status::ok();
+      return ok_status();
     }();
     ML4_RETURN_IF_ERROR(s.with_context("indexer"));
   }
@@ -333,7 +333,7 @@ bool is_interval_pattern(const std::vector<int>& nope, int n, int* interval) {
 Status validate_model_config(const ModelConfig& c) {
   auto pos = [](const char* k, int64_t v) -> Status {
     if (v <= 0) return invalid_argument("{} must be > 0, found {}", k, v);
-    return Status::ok();
+    return ok_status();
   };
   ML4_RETURN_IF_ERROR(pos("dim", c.dim));
   ML4_RETURN_IF_ERROR(pos("n_layers", c.n_layers));
@@ -456,7 +456,7 @@ Status validate_model_config(const ModelConfig& c) {
     if (d.window <= 0) return invalid_argument("mtp.window must be > 0, found {}", d.window);
     if (d.rnn_rank <= 0) return invalid_argument("mtp.rnn_rank must be > 0, found {}", d.rnn_rank);
   }
-  return Status::ok();
+  return ok_status();
 }
 
 Result<ModelConfig> parse_params_json(const std::string& json_text) {
@@ -469,7 +469,7 @@ Result<ModelConfig> parse_params_json(const std::string& json_text) {
   } catch (const std::exception& e) {
     s = internal_error("unexpected JSON access error: {}", e.what());
   }
-  if (!s.is_ok()) return s.with_context("params.json");
+  if (!s.ok()) return s.with_context("params.json");
   return cfg;
 }
 

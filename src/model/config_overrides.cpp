@@ -39,7 +39,7 @@ Status check_known(const ojson& root, const std::vector<std::string>& path, cons
                                 key, key);
       node = &(*node)[p];
     }
-    return Status::ok();
+    return ok_status();
   }
   if (!native_params_keys().count(path[0]))
     return invalid_argument("--set {}: \"{}\" is not a params.json key (known: dim, n_layers, n_heads, moe, yarn, ...; "
@@ -47,7 +47,7 @@ Status check_known(const ojson& root, const std::vector<std::string>& path, cons
                             key, path[0]);
   if (path[0] == "moe" && path.size() == 2 && !native_moe_keys().count(path[1]))
     return invalid_argument("--set {}: \"{}\" is not a key of the moe block", key, path[1]);
-  return Status::ok();
+  return ok_status();
 }
 
 }  // namespace

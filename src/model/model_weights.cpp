@@ -99,7 +99,7 @@ class Binder {
       if (cfg_.drafter.enabled && n.rfind("mtp_dspark.", 0) == 0) continue;
       if (!used_.count(n)) return invalid_argument("unknown tensor {} (not part of this model's layer spec)", n);
     }
-    return Status::ok();
+    return ok_status();
   }
 
   const ModelConfig& cfg_;
@@ -164,13 +164,13 @@ Status slice_mlp(MlpWeights& m, Range r) {
   ML4_ASSIGN_OR_RETURN(m.w1, slice_linear_rows(m.w1, r.begin, r.count));
   ML4_ASSIGN_OR_RETURN(m.w3, slice_linear_rows(m.w3, r.begin, r.count));
   ML4_ASSIGN_OR_RETURN(m.w2, slice_linear_cols(m.w2, r.begin, r.count));
-  return Status::ok();
+  return ok_status();
 }
 
 Status requantize_expert(LinearWeight& w) {
-  if (w.format != LinearFormat::kFP8Block) return Status::ok();
+  if (w.format != LinearFormat::kFP8Block) return ok_status();
   ML4_ASSIGN_OR_RETURN(w, requantize_fp8_to_mxfp4(w));
-  return Status::ok();
+  return ok_status();
 }
 
 Status load_layer(const ModelConfig& cfg, int l, Binder& b, LayerWeights& LW, const WeightLoadOptions& opts) {
@@ -294,7 +294,7 @@ Status load_layer(const ModelConfig& cfg, int l, Binder& b, LayerWeights& LW, co
       break;
     }
   }
-  return Status::ok();
+  return ok_status();
 }
 
 // MODEL.md section 5: the drafter's own weights (all bf16 in the checkpoints ml4 writes; any
@@ -363,7 +363,7 @@ Status load_drafter(const ModelConfig& cfg, Binder& b, DrafterWeights& W, const 
   ML4_ASSIGN_OR_RETURN(W.markov_bias_hh, nb.vec(p + "markov.bias_hh", 3 * R));
   ML4_ASSIGN_OR_RETURN(W.markov_out, nb.linear(p + "markov.out", V, R));
   for (const auto& n : nb.used_) b.used_.insert(n);
-  return Status::ok();
+  return ok_status();
 }
 
 }  // namespace
@@ -407,7 +407,7 @@ Result<std::shared_ptr<const ModelWeights>> load_model_weights(const ModelConfig
 
 Status check_wkv_b_shape(const ModelConfig& cfg, const LinearWeight& wkv_b) {
   const int64_t rows = static_cast<int64_t>(cfg.n_heads) * (cfg.qk_nope_head_dim + cfg.v_head_dim);
-  if (wkv_b.out_features == rows && wkv_b.in_features == cfg.kv_lora_rank) return Status::ok();
+  if (wkv_b.out_features == rows && wkv_b.in_features == cfg.kv_lora_rank) return ok_status();
   return invalid_argument("{}: wkv_b is [{}, {}], {} heads need [{}, {}]", wkv_b.name, wkv_b.out_features,
                           wkv_b.in_features, cfg.n_heads, rows, cfg.kv_lora_rank);
 }

@@ -41,7 +41,7 @@ Status check_tensor(const std::string& name, const char* role, const Tensor& t, 
     return invalid_argument("tensor {}{}: expected {} {}, found {}", name, role, shape_str(shape), dtypes_str(dtypes),
                             found);
   }
-  return Status::ok();
+  return ok_status();
 }
 
 // A view of `t`'s bytes under another dtype; the copy of `t` held as keepalive owns them.
@@ -84,7 +84,7 @@ Status check_finite(const float* w, int64_t N, int64_t K, const std::string& nam
       return invalid_argument("tensor {}: element ({}, {}) is {}, cannot quantize", name, i / K, i % K, w[i]);
     }
   }
-  return Status::ok();
+  return ok_status();
 }
 
 // e4m3 code -> value, in f64 (exact); the loader's FP8 -> MXFP4 pass reads every expert
@@ -140,7 +140,7 @@ Status validate_linear_weight_format(const LinearWeight& w) {
         return invalid_argument("tensor {}: format {} takes no scale, found {}", name, linear_format_name(w.format),
                                 w.scale.describe());
       }
-      return Status::ok();
+      return ok_status();
     }
     case LinearFormat::kFP8Block:
       ML4_RETURN_IF_ERROR(check_tensor(name, "", w.weight, {N, K}, {DType::kF8E4M3}));
@@ -161,7 +161,7 @@ Status validate_linear_weight_format(const LinearWeight& w) {
           return invalid_argument("tensor {}: NVFP4 global scale {} is not a positive finite number", name,
                                   w.global_scale);
         }
-        return Status::ok();
+        return ok_status();
       }
       return check_tensor(name, " scale", w.scale, {N, K / g}, {DType::kE8M0, DType::kU8});
     }
@@ -303,7 +303,7 @@ Result<LinearWeight> quantize_linear(const float* w, int64_t N, int64_t K, Linea
 }
 
 std::vector<float> dequantize_linear(const LinearWeight& w) {
-  if (!validate_linear_weight_format(w).is_ok()) return {};
+  if (!validate_linear_weight_format(w).ok()) return {};
   const int64_t N = w.out_features, K = w.in_features;
   std::vector<float> out(static_cast<size_t>(N * K));
   float* o = out.data();

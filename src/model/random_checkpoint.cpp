@@ -105,7 +105,7 @@ Status add_tensor(SafetensorsWriter& w, const ExpectedTensor& t, const std::vect
       ML4_RETURN_IF_ERROR(w.add(s.name, lw.scale));
     }
   }
-  return Status::ok();
+  return ok_status();
 }
 
 }  // namespace
@@ -188,11 +188,11 @@ Status make_model(const MakeModelOptions& o) {
       std::ofstream(dir + "/tokenizer.json") << hf_tok.tokenizer_json;
       std::ofstream(dir + "/tokenizer_config.json") << hf_tok.tokenizer_config_json;
     }
-    return Status::ok();
+    return ok_status();
   };
   if (write_native) ML4_RETURN_IF_ERROR(write_dir(o.out_dir, CheckpointLayout::kMistral));
   if (write_hf)
     ML4_RETURN_IF_ERROR(write_dir(write_native && !merged ? o.out_dir + "/hf" : o.out_dir, CheckpointLayout::kHF));
-  return Status::ok();
+  return ok_status();
 }
 }  // namespace ml4

@@ -126,12 +126,12 @@ Status parse_tensor_entry(const std::string& file, const std::string& name, cons
   }
   info->begin = b;
   info->end = en;
-  return Status::ok();
+  return ok_status();
 }
 
 Status write_all(FILE* f, const void* p, size_t n) {
   if (n != 0 && std::fwrite(p, 1, n, f) != n) return io_error("write failed: {}", std::strerror(errno));
-  return Status::ok();
+  return ok_status();
 }
 
 // Writes `bytes` to `path` through `path`.tmp + rename.
@@ -140,9 +140,9 @@ Status write_text_file(const std::string& path, const std::string& bytes) {
   FILE* f = std::fopen(tmp.c_str(), "wb");
   if (f == nullptr) return io_error("{}: cannot create: {}", tmp, std::strerror(errno));
   Status s = write_all(f, bytes.data(), bytes.size());
-  if (std::fclose(f) != 0 && s.is_ok()) s = io_error("close failed: {}", std::strerror(errno));
-  if (s.is_ok() && std::rename(tmp.c_str(), path.c_str()) != 0) s = io_error("rename failed: {}", std::strerror(errno));
-  if (!s.is_ok()) std::remove(tmp.c_str());
+  if (std::fclose(f) != 0 && s.ok()) s = io_error("close failed: {}", std::strerror(errno));
+  if (s.ok() && std::rename(tmp.c_str(), path.c_str()) != 0) s = io_error("rename failed: {}", std::strerror(errno));
+  if (!s.ok()) std::remove(tmp.c_str());
   return s.with_context(path);
 }
 
@@ -189,7 +189,7 @@ Status parse_safetensors_header(const std::string& file, const char* text, size_
     }
     if (cur->end > prev->end) far = i;
   }
-  return Status::ok();
+  return ok_status();
 }
 
 Result<std::shared_ptr<const SafetensorsFile>> SafetensorsFile::open(const std::string& path) {
@@ -294,7 +294,7 @@ Status SafetensorsWriter::add(const std::string& name, Tensor tensor) {
   }
   index_[name] = tensors_.size();
   tensors_.push_back({name, std::move(tensor)});
-  return Status::ok();
+  return ok_status();
 }
 
 uint64_t SafetensorsWriter::total_bytes() const {
@@ -349,14 +349,14 @@ Status SafetensorsWriter::write_entries(const std::string& path, const std::vect
   FILE* f = std::fopen(tmp.c_str(), "wb");
   if (f == nullptr) return io_error("{}: cannot create: {}", tmp, std::strerror(errno));
   Status s = write_all(f, len_bytes, 8);
-  if (s.is_ok()) s = write_all(f, header.data(), header.size());
+  if (s.ok()) s = write_all(f, header.data(), header.size());
   for (const Entry* e : entries) {
-    if (!s.is_ok()) break;
+    if (!s.ok()) break;
     s = write_all(f, e->tensor.data(), e->tensor.nbytes());
   }
-  if (std::fclose(f) != 0 && s.is_ok()) s = io_error("close failed: {}", std::strerror(errno));
-  if (s.is_ok() && std::rename(tmp.c_str(), path.c_str()) != 0) s = io_error("rename failed: {}", std::strerror(errno));
-  if (!s.is_ok()) std::remove(tmp.c_str());
+  if (std::fclose(f) != 0 && s.ok()) s = io_error("close failed: {}", std::strerror(errno));
+  if (s.ok() && std::rename(tmp.c_str(), path.c_str()) != 0) s = io_error("rename failed: {}", std::strerror(errno));
+  if (!s.ok()) std::remove(tmp.c_str());
   return s.with_context(path);
 }
 

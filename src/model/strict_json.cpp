@@ -49,7 +49,7 @@ Status parse_strict_json(const std::string& label, std::string_view text, int ma
   } catch (const json::exception& e) {
     return invalid_argument("{}: {} is not valid JSON: {}", label, messages.what, e.what());
   }
-  return Status::ok();
+  return ok_status();
 }
 
 }  // namespace ml4

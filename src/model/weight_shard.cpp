@@ -33,7 +33,7 @@ Tensor copy_cols(const Tensor& t, int64_t c0, int64_t n, DType dtype, int64_t ou
 Status check_range(const LinearWeight& w, int64_t begin, int64_t count, int64_t total, const char* what) {
   if (begin < 0 || count <= 0 || begin + count > total)
     return internal_error("tensor {}: {} slice [{}, {}) outside [0, {})", w.name, what, begin, begin + count, total);
-  return Status::ok();
+  return ok_status();
 }
 
 // A slice along a quantization-blocked dimension must cut whole blocks (vLLM refuses such
@@ -45,7 +45,7 @@ Status check_blocks(const LinearWeight& w, int64_t begin, int64_t count, int64_t
         "tensor {}: the parallel split takes {} [{}, {}), which cuts its {} blocks of {}; choose a tensor-parallel "
         "size that keeps {} slices multiples of {}",
         w.name, what, begin, begin + count, linear_format_name(w.format), block, what, block);
-  return Status::ok();
+  return ok_status();
 }
 
 }  // namespace

@@ -193,7 +193,7 @@ Status HiSparseState::begin_seq_step(int64_t seq_id, int64_t start_pos, int64_t 
   if (start_pos < written_[g])
     for (int l = 0; l < layers_; ++l) buffer(g, l).forget_from(start_pos);
   written_[g] = end_pos;
-  return Status::ok();
+  return ok_status();
 }
 
 int hisparse_hot_layers(const ModelConfig& cfg) {

@@ -245,7 +245,7 @@ class Backend {
   // eagerly between replayed segments (into buffers the next segment reads).
   virtual Status host_sync(const Fn& fn) { return fn(); }
   // Ends the step's last segment.
-  virtual Status finish_forward() { return Status::ok(); }
+  virtual Status finish_forward() { return ok_status(); }
   virtual Status timed(const char* label, const Fn& fn) { return fn(); }
   // A second in-order queue: side(fn) issues fn there, after everything issued so far on the
   // main queue; join_side() makes the main queue wait for everything issued on the side.
@@ -253,7 +253,7 @@ class Backend {
   // concurrently.
   virtual bool can_overlap(std::initializer_list<LinearRef> linears) const { return false; }
   virtual Status side(const Fn& fn) { return fn(); }
-  virtual Status join_side() { return Status::ok(); }
+  virtual Status join_side() { return ok_status(); }
 
   // ---- the step ----
   virtual const Activations& acts() const = 0;
@@ -301,7 +301,7 @@ class Backend {
   // (the CUDA decode router, CudaRunnerOptions::fused_router).
   virtual Status moe_router(LinearRef gate, const float* x, const float* bias, float* logits, int32_t* ids,
                             float* weights) {
-    if (Status st = linear(gate, x, step_tokens(), logits); !st.is_ok()) return st.with_context("router");
+    if (Status st = linear(gate, x, step_tokens(), logits); !st.ok()) return st.with_context("router");
     return moe_route({logits, bias, nullptr, ids, weights});
   }
   // out[T, dim] = sum_k w[t, k] expert_{ids[t, k]}(x[t]) + shared(x[t]).

@@ -63,7 +63,7 @@ class Communicator {
   // Host memory, every implementation: recv[p] = peer p's send[rank()] (size() values each).
   virtual Status exchange_counts(const std::vector<int64_t>& send, std::vector<int64_t>* recv) = 0;
   // Waits for the issued work to finish (NCCL: the stream); MPI calls complete on return.
-  virtual Status synchronize() { return Status::ok(); }
+  virtual Status synchronize() { return ok_status(); }
 
   const CommStats& stats() const { return stats_; }
   void reset_stats() { stats_ = {}; }

@@ -152,10 +152,10 @@ Status MpiEnv::wait(MPI_Request* req, const char* what, bool bounded) {
       fail(std::string(what) + ": MPI reported an error (a rank probably exited)");
       return failure();
     }
-    if (done) return Status::ok();
+    if (done) return ok_status();
     if (failed()) {
       // The last message may have arrived before its sender died (rank 0's stop).
-      if (MPI_Test(req, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && done) return Status::ok();
+      if (MPI_Test(req, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && done) return ok_status();
       return failure().with_context(what);
     }
     if (spins < 256) continue;

@@ -40,7 +40,7 @@ Result<ParallelPlan> ParallelPlan::make(const ModelConfig& cfg, const RankLayout
   auto split = [&](int64_t n, const char* what) -> Status {
     if (n % t != 0)
       return invalid_argument("--tensor-parallel-size {}: {} = {} is not divisible by {}", t, what, n, t);
-    return Status::ok();
+    return ok_status();
   };
   ML4_RETURN_IF_ERROR(split(cfg.n_heads, "n_heads"));
   ML4_RETURN_IF_ERROR(split(cfg.vocab_size, "vocab_size"));
@@ -49,7 +49,7 @@ Result<ParallelPlan> ParallelPlan::make(const ModelConfig& cfg, const RankLayout
   auto hidden = [&](int64_t n, const char* what) -> Status {
     if ((n + unit - 1) / unit < t)
       return invalid_argument("--tensor-parallel-size {}: {} = {} has fewer than {} blocks of {}", t, what, n, t, unit);
-    return Status::ok();
+    return ok_status();
   };
   ML4_RETURN_IF_ERROR(hidden(cfg.hidden_dim, "hidden_dim (dense FFN)"));
   const bool has_moe = cfg.moe.num_experts > 0;

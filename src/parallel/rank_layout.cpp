@@ -29,7 +29,7 @@ Status ParallelConfig::validate() const {
     return invalid_argument("--dcp-kv-cache-interleave-size must be >= 1, got {}", dcp_kv_cache_interleave_size);
   if (dcp_comm_backend != "a2a" && dcp_comm_backend != "ag_rs")
     return invalid_argument("--dcp-comm-backend must be a2a or ag_rs, got \"{}\"", dcp_comm_backend);
-  return Status::ok();
+  return ok_status();
 }
 
 Result<RankLayout> RankLayout::make(const ParallelConfig& config, int world_size, int world_rank) {

@@ -45,7 +45,7 @@ class WireReader {
     std::memcpy(v, p_, sizeof(T));
     p_ += sizeof(T);
     left_ -= sizeof(T);
-    return Status::ok();
+    return ok_status();
   }
   template <typename T>
   Status get_vec(std::vector<T>* v) {
@@ -56,7 +56,7 @@ class WireReader {
     std::memcpy(v->data(), p_, n * sizeof(T));
     p_ += n * sizeof(T);
     left_ -= n * sizeof(T);
-    return Status::ok();
+    return ok_status();
   }
   size_t left() const { return left_; }
 

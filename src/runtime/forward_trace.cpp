@@ -31,7 +31,7 @@ Status validate_forced_decisions(const ForwardTrace& trace, const ModelConfig& c
           return invalid_argument("forced_topk[{}][{}]: key {} outside [0, {}]", l, t, s, positions[t]);
     }
   }
-  return Status::ok();
+  return ok_status();
 }
 
 }  // namespace ml4

@@ -19,7 +19,7 @@ const char* weight_format_label(WeightFormat f) {
 }  // namespace
 
 Status validate_decode_backend(const std::string& backend) {
-  if (backend == "standard" || backend == "latency_specialized") return Status::ok();
+  if (backend == "standard" || backend == "latency_specialized") return ok_status();
   return invalid_argument("--decode-backend {}: expected standard or latency_specialized", backend);
 }
 
@@ -65,9 +65,9 @@ std::vector<std::string> latency_decode_refusals(const LatencyDecodeSetup& s) {
 
 Status check_decode_backend(const std::string& backend, const LatencyDecodeSetup& setup) {
   ML4_RETURN_IF_ERROR(validate_decode_backend(backend));
-  if (backend == "standard") return Status::ok();
+  if (backend == "standard") return ok_status();
   const std::vector<std::string> why = latency_decode_refusals(setup);
-  if (why.empty()) return Status::ok();
+  if (why.empty()) return ok_status();
   std::string msg = fmt::format("--decode-backend latency_specialized refused ({} reason{}); it never falls back to "
                                 "the standard path:",
                                 why.size(), why.size() == 1 ? "" : "s");

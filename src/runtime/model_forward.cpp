@@ -158,7 +158,7 @@ Status ModelForward::register_weights(const ModelWeights& w) {
     ML4_ASSIGN_OR_RETURN(indexer_inv_freq_, be_.add_vector(rope_tables_[1]));
   }
   rope_factor_ = cpu::rope_attention_factor(cfg_.yarn);
-  return Status::ok();
+  return ok_status();
 }
 
 Status ModelForward::register_drafter(const DrafterWeights& w) {
@@ -200,13 +200,13 @@ Status ModelForward::register_drafter(const DrafterWeights& w) {
     d->target_slot[l] = static_cast<int>(i);
   }
   drafter_ = std::move(d);
-  return Status::ok();
+  return ok_status();
 }
 
 // The residual stream after layer l (h_l: the residual holds it once the next fused add ran)
 // into its column block of draft_hidden.
 Status ModelForward::capture_hidden(int l) {
-  if (drafter_ == nullptr || l < 0 || drafter_->target_slot[l] < 0) return Status::ok();
+  if (drafter_ == nullptr || l < 0 || drafter_->target_slot[l] < 0) return ok_status();
   const Activations& x = be_.acts();
   const int64_t D = cfg_.dim, n = static_cast<int64_t>(cfg_.drafter.target_layers.size());
   return be_.segment([&] {
@@ -234,7 +234,7 @@ Status ModelForward::drafter_context() {
         ML4_RETURN_IF_ERROR(be_.rope(rope_args(x.ckv, 1, r + dr, r, dr, inv_freq_)));
         ML4_RETURN_IF_ERROR(be_.latent_cache_write(CacheGroup::kDrafter, static_cast<int>(j), x.c, x.ckv + r, r + dr));
       }
-      return Status::ok();
+      return ok_status();
     });
   });
 }
@@ -355,7 +355,7 @@ Status ModelForward::draft(const DeviceSamplingParams* params, bool want_probs) 
                                    x.logits + (j - 1) * V, (B - 1) * V);
         }));
       }
-      return Status::ok();
+      return ok_status();
     });
   });
 }
@@ -458,7 +458,7 @@ Status ModelForward::indexer_select(int l, ForwardTrace* trace) {
   if (trace != nullptr) {
     ML4_ASSIGN_OR_RETURN(trace->topk[l], be_.read_selection(s.selection));
   }
-  return Status::ok();
+  return ok_status();
 }
 
 // 5. Which keys the layer attends: its own indexer's (computed here unless the side branch
@@ -466,7 +466,7 @@ Status ModelForward::indexer_select(int l, ForwardTrace* trace) {
 Status ModelForward::select_keys(int l, const StepMetadata* md, ForwardTrace* trace, bool forked, int* selection) {
   const LayerSpec& spec = cfg_.layers[l];
   *selection = -1;
-  if (!spec.sparse()) return Status::ok();
+  if (!spec.sparse()) return ok_status();
   const bool owner = spec.indexer == IndexerRole::kOwner;
   if (forked) {
     ML4_RETURN_IF_ERROR(be_.join_side());
@@ -492,7 +492,7 @@ Status ModelForward::select_keys(int l, const StepMetadata* md, ForwardTrace* tr
   } else {
     *selection = selection_of_owner_[src];
   }
-  return Status::ok();
+  return ok_status();
 }
 
 // Steps 1-6 of one layer; out [T, dim] = wo(concat_h o_h).
@@ -511,7 +511,7 @@ Status ModelForward::attention(int l, const StepMetadata* md, ForwardTrace* trac
                     be_.can_overlap({L.wq, L.wq_a, L.wq_b, L.wkv_a, L.idx_wq, L.idx_wk, L.idx_wproj});
   if (fork) ML4_RETURN_IF_ERROR(be_.side([&] { return indexer_keys(l); }));
   auto fork_select = [&]() -> Status {
-    if (!fork) return Status::ok();
+    if (!fork) return ok_status();
     return be_.side([&] { return indexer_select(l, nullptr); });
   };
   // 1. Queries (with or without the query LoRA).
@@ -537,10 +537,10 @@ Status ModelForward::attention(int l, const StepMetadata* md, ForwardTrace* trac
         ML4_ASSIGN_OR_RETURN(float* all, pcp_gather_rows(x.ckv, r + dr));
         for (int slot : latent_write_slots_[l])
           ML4_RETURN_IF_ERROR(be_.latent_cache_write_gathered(CacheGroup::kLatent, slot, all, r + dr, all + r, r + dr));
-        return Status::ok();
+        return ok_status();
       }
       for (int slot : latent_write_slots_[l]) ML4_RETURN_IF_ERROR(be_.latent_cache_write(CacheGroup::kLatent, slot, x.c, x.ckv + r, r + dr));
-      return Status::ok();
+      return ok_status();
     }));
   }
   // 6a. W_UK absorption of the nope part (the q path below touches only the rope part).
@@ -630,7 +630,7 @@ Status ModelForward::hisparse_rows(int l, const StepMetadata& md, const ForwardT
   if (std::find(overflow.begin(), overflow.end(), 1) != overflow.end()) {
     ++hs.direct_layers;
     *hot = false;
-    return Status::ok();
+    return ok_status();
   }
   std::vector<int32_t> rows(T * k, -1), counts(T, 0);
   std::vector<int> regions(n);
@@ -669,7 +669,7 @@ Status ModelForward::hisparse_rows(int l, const StepMetadata& md, const ForwardT
   if (!loads.empty()) ML4_RETURN_IF_ERROR(be_.hisparse_load_rows(latent_read_slot_[l], h, loads));
   ML4_RETURN_IF_ERROR(be_.set_hot_selection(rows.data(), counts.data()));
   *hot = true;
-  return Status::ok();
+  return ok_status();
 }
 
 // Decode context parallelism (SYSTEM.md S8), vLLM's scheme: the DCP ranks (runs of a TP
@@ -712,7 +712,7 @@ Status ModelForward::context_parallel_attention(MlaArgs ma) {
       ML4_RETURN_IF_ERROR(be_.copy_rows(src + H * r, w, q + p * H * qk, HG * qk, T, H * qk));
       ML4_RETURN_IF_ERROR(be_.copy_rows(src + H * (r + qk), w, scale + p * H, HG, T, H));
     }
-    return Status::ok();
+    return ok_status();
   }));
   // 2. Every head of the group over this rank's keys (a rank without any of a query's keys
   // gives out 0, lse -inf).
@@ -734,7 +734,7 @@ Status ModelForward::context_parallel_attention(MlaArgs ma) {
         ML4_RETURN_IF_ERROR(be_.copy_rows(lse + p * H, HG, send + p * part + T * H * r, H, T, H));
       }
       ML4_RETURN_IF_ERROR(c.all_to_all(send, recv, part * 4));
-      return T > 0 ? be_.merge_attention_parts(recv, N, part, T * H, r, x.out_lat) : Status::ok();
+      return T > 0 ? be_.merge_attention_parts(recv, N, part, T * H, r, x.out_lat) : ok_status();
     }
     ML4_RETURN_IF_ERROR(c.all_gather(lse, lse_all, T * HG * 4));
     if (T > 0) ML4_RETURN_IF_ERROR(be_.rescale_attention_part(out, lse, lse_all, N, T * HG, r));
@@ -762,7 +762,7 @@ Status ModelForward::moe(int l, ForwardTrace* trace, float* out) {
       auto& rec = trace->experts[l];
       rec.assign(T, {});
       for (int64_t t = 0; t < T; ++t) rec[t].assign(ids.begin() + t * K, ids.begin() + (t + 1) * K);
-      if (l >= static_cast<int>(trace->forced_experts.size()) || trace->forced_experts[l].empty()) return Status::ok();
+      if (l >= static_cast<int>(trace->forced_experts.size()) || trace->forced_experts[l].empty()) return ok_status();
       for (int64_t t = 0; t < T; ++t) std::copy_n(trace->forced_experts[l][t].begin(), K, ids.begin() + t * K);
       return be_.moe_route({x.router, L.router_bias, ids.data(), x.expert_ids, x.expert_wts});
     }));
@@ -777,7 +777,7 @@ Status ModelForward::moe(int l, ForwardTrace* trace, float* out) {
 }
 
 Status ModelForward::tp_all_reduce(float* x, int64_t n) {
-  if (!tensor_parallel()) return Status::ok();
+  if (!tensor_parallel()) return ok_status();
   return be_.segment([&] { return be_.timed("tp all-reduce", [&] { return comms_.tp->all_reduce_sum(x, n); }); });
 }
 
@@ -862,7 +862,7 @@ Status ModelForward::moe_expert_parallel(int l, float* out) {
         ML4_RETURN_IF_ERROR(mlp(L.shared, x.a, T, static_cast<float*>(sh)));
         ML4_RETURN_IF_ERROR(be_.add_rows(out, D, static_cast<float*>(sh), D, T, D));
       }
-      return Status::ok();
+      return ok_status();
     });
   }));
   return tp_all_reduce(out, T * D);
@@ -883,7 +883,7 @@ Status ModelForward::logits() {
     return comms_.tp->all_gather(mine, x.logits_parts, R * Vl * static_cast<int64_t>(sizeof(float)));
   }));
   for (int j = 0; j < t; ++j) ML4_RETURN_IF_ERROR(be_.copy_rows(x.logits_parts + j * R * Vl, Vl, x.logits + j * Vl, V, R, Vl));
-  return Status::ok();
+  return ok_status();
 }
 
 Status ModelForward::forward(const StepMetadata* md, ForwardTrace* trace) {

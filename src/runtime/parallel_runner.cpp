@@ -41,7 +41,7 @@ Status get_nested(WireReader& r, Nested* v) {
     a.assign(m, {});
     for (auto& b : a) ML4_RETURN_IF_ERROR(r.get_vec(&b));
   }
-  return Status::ok();
+  return ok_status();
 }
 
 // Per-cache-group block tables and an optional sampling row, as steps and draft steps carry them.
@@ -55,7 +55,7 @@ Status get_tables(WireReader& r, std::vector<std::vector<int32_t>>* tables) {
   if (g > r.left()) return internal_error("control message: {} block tables overrun it", g);
   tables->assign(g, {});
   for (auto& bt : *tables) ML4_RETURN_IF_ERROR(r.get_vec(&bt));
-  return Status::ok();
+  return ok_status();
 }
 void put_sampling(WireWriter& w, const std::optional<DeviceSamplingParams>& p) {
   w.put<uint8_t>(p.has_value() ? 1 : 0);
@@ -64,11 +64,11 @@ void put_sampling(WireWriter& w, const std::optional<DeviceSamplingParams>& p) {
 Status get_sampling(WireReader& r, std::optional<DeviceSamplingParams>* p) {
   uint8_t has = 0;
   ML4_RETURN_IF_ERROR(r.get(&has));
-  if (!has) return Status::ok();
+  if (!has) return ok_status();
   DeviceSamplingParams v;
   ML4_RETURN_IF_ERROR(r.get(&v));
   *p = v;
-  return Status::ok();
+  return ok_status();
 }
 
 // The DP rank whose blocks a sequence uses (every block of every group on one rank).
@@ -144,7 +144,7 @@ Status decode_draft(const std::vector<uint8_t>& bytes, DraftInput* in) {
   ML4_RETURN_IF_ERROR(r.get(&wp));
   in->want_probs = wp != 0;
   if (r.left() != 0) return internal_error("control message: {} bytes after the draft", r.left());
-  return Status::ok();
+  return ok_status();
 }
 
 std::vector<uint8_t> encode_step(const StepInput& in, const ForwardTrace* forced) {
@@ -188,7 +188,7 @@ Status decode_step(const std::vector<uint8_t>& bytes, StepInput* in, ForwardTrac
     ML4_RETURN_IF_ERROR(get_nested(r, &forced->forced_experts));
   }
   if (r.left() != 0) return internal_error("control message: {} bytes left over", r.left());
-  return Status::ok();
+  return ok_status();
 }
 
 Result<StepInput> dp_slice(const StepInput& in, int dp, int dp_size, const std::vector<int64_t>& per_rank,
@@ -223,11 +223,11 @@ ParallelRunner::ParallelRunner(std::shared_ptr<ParallelGroup> group, std::unique
 
 ParallelRunner::~ParallelRunner() {
   Status s = stop();
-  if (!s.is_ok()) ML4_LOG_WARN("parallel runner: {}", s.message());
+  if (!s.ok()) ML4_LOG_WARN("parallel runner: {}", s.message());
 }
 
 Status ParallelRunner::stop() {
-  if (stopped_) return Status::ok();
+  if (stopped_) return ok_status();
   stopped_ = true;
   if (group_->env->failed()) return group_->env->failure();
   Header h{static_cast<uint64_t>(Command::kStop), 0};
@@ -307,8 +307,8 @@ void ParallelRunner::release(int64_t seq_id) {
   if (local_->hisparse() == nullptr || stopped_ || group_->env->failed()) return;
   Header h{static_cast<uint64_t>(Command::kRelease), sizeof(seq_id)};
   Status s = group_->world->broadcast(&h, sizeof(h), 0);
-  if (s.is_ok()) s = group_->world->broadcast(&seq_id, sizeof(seq_id), 0);
-  if (!s.is_ok()) ML4_LOG_WARN("parallel runner: release of seq {}: {}", seq_id, s.message());
+  if (s.ok()) s = group_->world->broadcast(&seq_id, sizeof(seq_id), 0);
+  if (!s.ok()) ML4_LOG_WARN("parallel runner: release of seq {}: {}", seq_id, s.message());
 }
 
 // DSpark under TP / DCP (dp 1): every rank runs the draft step (its drafter heads and FFN

@@ -83,7 +83,7 @@ Result<StepMetadata> build_step_metadata(const StepInput& in, const std::vector<
 }
 
 Status shard_cache_groups(const KvCacheSpec& spec, const ContextShard& shard, std::vector<CacheGroupInfo>* groups) {
-  if (!shard.sharded()) return Status::ok();
+  if (!shard.sharded()) return ok_status();
   for (size_t g = 0; g < spec.groups.size() && g < groups->size(); ++g) {
     const auto kind = spec.groups[g].kind;
     if (kind != CacheGroupSpec::kLatent && kind != CacheGroupSpec::kIndexer) continue;
@@ -94,7 +94,7 @@ Status shard_cache_groups(const KvCacheSpec& spec, const ContextShard& shard, st
     info.page_tokens *= shard.size;
     info.context_shards = shard.size;
   }
-  return Status::ok();
+  return ok_status();
 }
 
 }  // namespace ml4

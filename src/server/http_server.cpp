@@ -104,19 +104,19 @@ OpenAiServer::OpenAiServer(AsyncEngine* engine, const TextCodec* codec, ServerMe
 OpenAiServer::~OpenAiServer() { stop(); }
 
 Status OpenAiServer::prepare_structured_output(ApiRequest* ar) {
-  if (!ar->grammar.any()) return Status::ok();
+  if (!ar->grammar.any()) return ok_status();
   ML4_ASSIGN_OR_RETURN(ar->params.structured, structured_->compile(ar->grammar));
-  return Status::ok();
+  return ok_status();
 }
 
 Status OpenAiServer::bind() {
   ML4_ASSIGN_OR_RETURN(port_, bind_http(*http_, options_.host, options_.port));
-  return Status::ok();
+  return ok_status();
 }
 
 Status OpenAiServer::serve() {
   if (!http_->listen_after_bind()) return io_error("the HTTP listener on port {} failed", port_);
-  return Status::ok();
+  return ok_status();
 }
 
 void OpenAiServer::stop() {
@@ -369,7 +369,7 @@ void OpenAiServer::install_routes() {
       ApiRequest& ar = *state->req;
       if (!ar.model.empty() && ar.model != options_.served_model_name)
         return send_error(res, 404, fmt::format("The model `{}` does not exist.", ar.model));
-      if (Status st = prepare_structured_output(&ar); !st.is_ok())
+      if (Status st = prepare_structured_output(&ar); !st.ok())
         return send_error(res, http_status_for(st), st.message());
       Result<transfer::KvTransferRequest> kv = parse_kv_transfer_params(body);
       if (!kv.ok()) return send_error(res, 400, kv.status().message());
@@ -384,7 +384,7 @@ void OpenAiServer::install_routes() {
                               "kv_transfer_params: do_remote_prefill needs a server started with --kv-transfer-config "
                               "kv_role kv_consumer or kv_both");
           Status st = kv_loader_->ensure(*kv->remote_prefill);
-          if (!st.is_ok()) return send_error(res, 502, st.message());
+          if (!st.ok()) return send_error(res, 502, st.message());
         }
       }
       const std::string id = fmt::format("{}-{}{}", chat ? "chatcmpl" : "cmpl", random_hex(16), next_id_++);

@@ -27,10 +27,10 @@ Result<transfer::KvTransferRequest> parse_kv_transfer_params(const ojson& body) 
   if (!p.is_object()) return invalid_argument("'kv_transfer_params' must be an object");
   auto flag = [&](const char* key, bool* out) -> Status {
     auto f = p.find(key);
-    if (f == p.end() || f->is_null()) return Status::ok();
+    if (f == p.end() || f->is_null()) return ok_status();
     if (!f->is_boolean()) return field_error(key, "a boolean");
     *out = f->get<bool>();
-    return Status::ok();
+    return ok_status();
   };
   bool remote_prefill = false;
   ML4_RETURN_IF_ERROR(flag("do_remote_decode", &kv.do_remote_decode));
@@ -42,7 +42,7 @@ Result<transfer::KvTransferRequest> parse_kv_transfer_params(const ojson& body) 
     if (f == p.end() || !f->is_string() || f->get<std::string>().empty() || f->get<std::string>().size() > 256)
       return field_error(key, "a non-empty string (as the prefill server returned it)");
     *out = f->get<std::string>();
-    return Status::ok();
+    return ok_status();
   };
   auto integer = [&](const char* key, int64_t lo, int64_t hi, int64_t* out) -> Status {
     auto f = p.find(key);
@@ -51,7 +51,7 @@ Result<transfer::KvTransferRequest> parse_kv_transfer_params(const ojson& body) 
                                               : f->get<int64_t>();
     if (v < lo || v > hi) return invalid_argument("'kv_transfer_params.{}' must be in [{}, {}], got {}", key, lo, hi, v);
     *out = v;
-    return Status::ok();
+    return ok_status();
   };
   ML4_RETURN_IF_ERROR(str("remote_engine_id", &src.engine_id));
   ML4_RETURN_IF_ERROR(str("remote_request_id", &src.request_id));
@@ -105,9 +105,9 @@ ojson kv_transfer_params_json(const transfer::RemoteKvSource& src) {
 }
 
 Status KvPeerLoader::ensure(const transfer::RemoteKvSource& src) {
-  if (connector_->has_peer(src.engine_id)) return Status::ok();
+  if (connector_->has_peer(src.engine_id)) return ok_status();
   std::lock_guard<std::mutex> lk(mu_);
-  if (connector_->has_peer(src.engine_id)) return Status::ok();  // another request loaded it
+  if (connector_->has_peer(src.engine_id)) return ok_status();  // another request loaded it
   httplib::Client cli(src.host, src.port);
   cli.set_connection_timeout(5, 0);
   cli.set_read_timeout(30, 0);
@@ -121,7 +121,7 @@ Status KvPeerLoader::ensure(const transfer::RemoteKvSource& src) {
                           res->body.substr(0, 200));
   auto loaded = connector_->load_peer(res->body, src.engine_id);
   if (!loaded.ok()) return internal_error("KV transfer: the metadata of {} is unusable: {}", where, loaded.status().message());
-  return Status::ok();
+  return ok_status();
 }
 
 std::string render_kv_transfer_metrics(const transfer::KvConnector& c, const std::string& model_name,

@@ -19,31 +19,31 @@ const char* type_name(const ojson& v) {
 // Each getter leaves *out alone when the field is absent or null.
 Status get_double(const ojson& b, const char* key, double* out) {
   auto it = b.find(key);
-  if (it == b.end() || it->is_null()) return Status::ok();
+  if (it == b.end() || it->is_null()) return ok_status();
   if (!it->is_number()) return invalid_argument("'{}' must be a number, got {}", key, type_name(*it));
   double v = it->get<double>();
   if (!std::isfinite(v)) return invalid_argument("'{}' must be finite", key);
   *out = v;
-  return Status::ok();
+  return ok_status();
 }
 
 Status get_int(const ojson& b, const char* key, int64_t lo, int64_t hi, int64_t* out) {
   auto it = b.find(key);
-  if (it == b.end() || it->is_null()) return Status::ok();
+  if (it == b.end() || it->is_null()) return ok_status();
   if (!it->is_number_integer()) return invalid_argument("'{}' must be an integer, got {}", key, type_name(*it));
   int64_t v = it->is_number_unsigned() ? static_cast<int64_t>(std::min<uint64_t>(it->get<uint64_t>(), INT64_MAX))
                                        : it->get<int64_t>();
   if (v < lo || v > hi) return invalid_argument("'{}' must be in [{}, {}], got {}", key, lo, hi, v);
   *out = v;
-  return Status::ok();
+  return ok_status();
 }
 
 Status get_bool(const ojson& b, const char* key, bool* out) {
   auto it = b.find(key);
-  if (it == b.end() || it->is_null()) return Status::ok();
+  if (it == b.end() || it->is_null()) return ok_status();
   if (!it->is_boolean()) return invalid_argument("'{}' must be a boolean, got {}", key, type_name(*it));
   *out = it->get<bool>();
-  return Status::ok();
+  return ok_status();
 }
 
 Status parse_prompt(const ojson& b, const TextCodec& codec, ApiRequest* r) {
@@ -58,13 +58,13 @@ Status parse_prompt(const ojson& b, const TextCodec& codec, ApiRequest* r) {
         return invalid_argument("'prompt' token id {} is outside the vocabulary [0, {})", v, codec.vocab_size());
       ids->push_back(static_cast<int32_t>(v));
     }
-    return Status::ok();
+    return ok_status();
   };
   auto add_text = [&](const std::string& s) -> Status {
     ML4_ASSIGN_OR_RETURN(auto ids, codec.encode(s, true));
     r->prompts.push_back(std::move(ids));
     r->prompt_texts.push_back(s);
-    return Status::ok();
+    return ok_status();
   };
   if (p.is_string()) return add_text(p.get<std::string>());
   if (!p.is_array() || p.empty()) return invalid_argument("'prompt' must be a string, an array of strings or of token ids");
@@ -73,7 +73,7 @@ Status parse_prompt(const ojson& b, const TextCodec& codec, ApiRequest* r) {
     ML4_RETURN_IF_ERROR(ids_of(p, &ids));
     r->prompt_texts.push_back(codec.decode(ids, false));
     r->prompts.push_back(std::move(ids));
-    return Status::ok();
+    return ok_status();
   }
   if (p.size() > 64) return invalid_argument("at most 64 prompts per request, got {}", p.size());
   for (const auto& e : p) {
@@ -88,7 +88,7 @@ Status parse_prompt(const ojson& b, const TextCodec& codec, ApiRequest* r) {
       return invalid_argument("'prompt' must be a string, an array of strings or of token ids");
     }
   }
-  return Status::ok();
+  return ok_status();
 }
 
 std::string token_text(const TextCodec& codec, int32_t id) { return sanitize_utf8(codec.token_bytes(id)); }
@@ -130,7 +130,7 @@ Status refuse_unsupported(const ojson& b, bool chat, int n) {
         if (x != "text") return invalid_argument("'modalities': only \"text\" is supported");
     }
   }
-  return Status::ok();
+  return ok_status();
 }
 
 // A JSON schema given as an object (or a string holding one).
@@ -230,7 +230,7 @@ Status parse_structured(const ojson& b, GrammarSpec* out) {
     return invalid_argument("at most one structured output constraint per request (response_format, "
                             "structured_outputs, guided_json, guided_regex, guided_choice, guided_grammar)");
   out->any_whitespace = !compact;
-  return Status::ok();
+  return ok_status();
 }
 
 // tool_choice (chat), as vLLM: "none", "auto", "required" or {"type": "function", "function":
@@ -291,7 +291,7 @@ Status parse_tool_choice(const ojson& b, ApiRequest* r) {
     r->grammar = {GrammarSpec::Kind::kJsonSchema, schema.dump(), {}, false};
   }
   r->tools = r->tool_choice == TC::kAuto;
-  return Status::ok();
+  return ok_status();
 }
 
 }  // namespace

@@ -205,12 +205,12 @@ PdProxy::~PdProxy() { stop(); }
 
 Status PdProxy::bind() {
   ML4_ASSIGN_OR_RETURN(port_, bind_http(*http_, options_.host, options_.port));
-  return Status::ok();
+  return ok_status();
 }
 
 Status PdProxy::serve() {
   if (!http_->listen_after_bind()) return io_error("the HTTP listener on port {} failed", port_);
-  return Status::ok();
+  return ok_status();
 }
 
 void PdProxy::stop() {

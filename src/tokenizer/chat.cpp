@@ -48,7 +48,7 @@ class Encoder {
       settings_ = *a;
       end_settings_ = *b;
     }
-    return Status::ok();
+    return ok_status();
   }
 
   void text(const std::string& s) { tok_.encode_into(s, false, out_.ids); }
@@ -60,7 +60,7 @@ class Encoder {
     id(think_);
     text(c.text);
     if (c.closed) id(end_think_);
-    return Status::ok();
+    return ok_status();
   }
 
   // ImageEncoder._image_to_num_tokens and __call__ (tokens/tokenizers/image.py).
@@ -89,7 +89,7 @@ class Encoder {
       id(y + 1 == ht ? *end : *brk);
     }
     out_.images.push_back(std::move(ci));
-    return Status::ok();
+    return ok_status();
   }
 
   Status chunks(const std::vector<Chunk>& cs) {
@@ -100,13 +100,13 @@ class Encoder {
         case Chunk::Kind::kImage: ML4_RETURN_IF_ERROR(image(c)); break;
       }
     }
-    return Status::ok();
+    return ok_status();
   }
 
   Status content(const Content& c) {
     if (c.is_str) {
       text(c.str);
-      return Status::ok();
+      return ok_status();
     }
     return chunks(c.chunks);
   }
@@ -140,7 +140,7 @@ class Encoder {
       ML4_RETURN_IF_ERROR(chunks(cs));
     }
     id(end_inst_);
-    return Status::ok();
+    return ok_status();
   }
 
   Status tool_result(const Message& m) {
@@ -152,7 +152,7 @@ class Encoder {
     }
     ML4_RETURN_IF_ERROR(content(m.content));
     id(end_results_);
-    return Status::ok();
+    return ok_status();
   }
 
   Status assistant(const Message& m) {
@@ -198,14 +198,14 @@ class Encoder {
       }
     }
     if (!m.prefix) id(tok_.eos_id());
-    return Status::ok();
+    return ok_status();
   }
 
   Status system(const Message& m) {
     id(system_);
     ML4_RETURN_IF_ERROR(content(m.content));
     id(end_system_);
-    return Status::ok();
+    return ok_status();
   }
 
   ChatEncoding& out() { return out_; }
@@ -275,7 +275,7 @@ Result<ChatEncoding> encode_chat_full(const Tokenizer& tok, const nlohmann::orde
       case Role::kAssistant: st = enc.assistant(m); break;
       case Role::kSystem: st = enc.system(m); break;
     }
-    if (!st.is_ok()) return st.with_context(fmt::format("message {} ({})", i, role_name(m.role)));
+    if (!st.ok()) return st.with_context(fmt::format("message {} ({})", i, role_name(m.role)));
   }
   enc.out().ends_with_prefix = !msgs.empty() && msgs.back().role == Role::kAssistant && msgs.back().prefix;
   return std::move(enc.out());

@@ -409,13 +409,13 @@ Status validate(const Request& r, int v) {
     if (v >= 13) {
       if (id.empty() || id == "null")
         return invalid_argument("Tool call id must be a non-empty string other than 'null' for tokenizer version 13 or newer.");
-      return Status::ok();
+      return ok_status();
     }
     if (is_call && id == "null")
       return invalid_argument("Tool call id 'null' is only allowed for the last assistant message in finetuning mode.");
     if (!is_valid_tool_call_id(id))
       return invalid_argument("Tool call id was {} but must be a-z, A-Z, 0-9, with a length of 9.", id);
-    return Status::ok();
+    return ok_status();
   };
   for (size_t i = 0; i < ms.size(); ++i) {
     const Message& m = ms[i];
@@ -455,7 +455,7 @@ Status validate(const Request& r, int v) {
     }
   if (v < 15 && r.reasoning_effort)
     return invalid_argument("reasoning_effort='{}' is not supported for this model", *r.reasoning_effort);
-  return Status::ok();
+  return ok_status();
 }
 
 // ---------------------------------------------------------------------------------------

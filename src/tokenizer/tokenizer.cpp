@@ -243,7 +243,7 @@ Status Tokenizer::init(const nlohmann::json& doc) {
     if (version_ < 15) return invalid_argument("model_settings_builder needs tokenizer v15 or later, file is v{}", version_);
     model_settings_builder_ = doc["model_settings_builder"];
   }
-  return Status::ok();
+  return ok_status();
 }
 
 int32_t Tokenizer::rank_of(const char* p, size_t n) const { return rank_of_hashed(p, n, hash_bytes(p, n)); }

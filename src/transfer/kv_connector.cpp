@@ -99,7 +99,7 @@ Status KvConnector::init(const std::vector<KvRegion>& regions, const std::vector
                  for (const auto& r : layout_) s += r.block_bytes * r.num_blocks;
                  return s;
                }());
-  return Status::ok();
+  return ok_status();
 }
 
 Result<std::string> KvConnector::load_peer(const std::string& blob, const std::string& expected_engine_id) {
@@ -332,14 +332,14 @@ Status KvConnector::start_load(int64_t key, const RemoteKvSource& src, const KvL
     pending_ops_[key] = std::move(ops);
     loads_[key] = std::move(l);
     stats_.loads_in_flight = static_cast<int64_t>(loads_.size());
-    return Status::ok();
+    return ok_status();
   }
   ML4_ASSIGN_OR_RETURN(uint64_t xfer, agent_->post_read(src.engine_id, ops, "done " + src.request_id));
   l.xfer = xfer;
   std::lock_guard<std::mutex> lk(mu_);
   loads_[key] = std::move(l);
   stats_.loads_in_flight = static_cast<int64_t>(loads_.size());
-  return Status::ok();
+  return ok_status();
 }
 
 void KvConnector::cancel_load(int64_t key) {
@@ -355,13 +355,13 @@ void KvConnector::cancel_load(int64_t key) {
   }
   // The producer frees its hold now rather than at its timeout (an abort reaches the other side).
   Status s = agent_->send_notification(engine, "abort " + remote);
-  if (!s.is_ok()) ML4_LOG_WARN("kv transfer: cannot tell engine {} to free request {}: {}", engine, remote, s.message());
+  if (!s.ok()) ML4_LOG_WARN("kv transfer: cannot tell engine {} to free request {}: {}", engine, remote, s.message());
 }
 
 void KvConnector::release_remote(const RemoteKvSource& src) {
   if (!agent_->has_peer(src.engine_id)) return;  // never connected: the producer's timeout frees it
   Status s = agent_->send_notification(src.engine_id, "abort " + src.request_id);
-  if (!s.is_ok())
+  if (!s.ok())
     ML4_LOG_WARN("kv transfer: cannot tell engine {} to free request {}: {}", src.engine_id, src.request_id, s.message());
 }
 

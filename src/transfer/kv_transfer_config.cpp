@@ -16,10 +16,10 @@ Result<KvTransferConfig> parse_kv_transfer_config(const std::string& text) {
   KvTransferConfig c;
   auto str = [&](const char* key, std::string* out) -> Status {
     auto it = j.find(key);
-    if (it == j.end() || it->is_null()) return Status::ok();
+    if (it == j.end() || it->is_null()) return ok_status();
     if (!it->is_string()) return invalid_argument("--kv-transfer-config: '{}' must be a string", key);
     *out = it->get<std::string>();
-    return Status::ok();
+    return ok_status();
   };
   for (auto it = j.begin(); it != j.end(); ++it) {
     static const char* kKnown[] = {"kv_connector", "kv_role", "engine_id", "kv_ip", "kv_connector_extra_config"};

@@ -133,7 +133,7 @@ class UcxAgent final : public TransferAgent {
       if (thread_init_) thread_init_();
       loop();
     });
-    return Status::ok();
+    return ok_status();
   }
 
   const std::string& name() const override { return name_; }
@@ -178,7 +178,7 @@ class UcxAgent final : public TransferAgent {
       std::lock_guard<std::mutex> lk(mu_);
       local_bounds_.clear();
       for (const auto& l : locals_) local_bounds_.push_back(l.region.bytes);
-      return Status::ok();
+      return ok_status();
     });
   }
 
@@ -545,7 +545,7 @@ class UcxAgent final : public TransferAgent {
       auto pit = peers_.find(peer);
       Status s = pit == peers_.end() || pit->second->failed ? not_found("UCX peer '{}' is gone", peer)
                                                              : send_am(pit->second->ep, kAmNotify, id, true, msg);
-      if (!s.is_ok()) fail_xfer(id, "cannot notify '" + peer + "': " + s.message());
+      if (!s.ok()) fail_xfer(id, "cannot notify '" + peer + "': " + s.message());
     });
   }
 
@@ -581,13 +581,13 @@ class UcxAgent final : public TransferAgent {
                                            ctx->payload.size(), &prm);
     if (req == nullptr) {
       delete ctx;
-      return Status::ok();
+      return ok_status();
     }
     if (UCS_PTR_IS_ERR(req)) {
       delete ctx;
       return internal_error("UCX active message failed: {}", ucs_error(UCS_PTR_STATUS(req)));
     }
-    return Status::ok();  // pending: on_send_done frees it
+    return ok_status();  // pending: on_send_done frees it
   }
 
   static void on_send_done(void* request, ucs_status_t st, void* user) {
@@ -614,7 +614,7 @@ class UcxAgent final : public TransferAgent {
       // Sending from inside a UCX callback is not allowed: answer after progress returns.
       self->deferred_.push_back([self, reply, token, answer] {
         Status s = self->send_am(reply, kAmAnswer, token, false, answer);
-        if (!s.is_ok()) ML4_LOG_WARN("UCX agent {}: cannot answer a notification: {}", self->name_, s.message());
+        if (!s.ok()) ML4_LOG_WARN("UCX agent {}: cannot answer a notification: {}", self->name_, s.message());
       });
     }
     std::lock_guard<std::mutex> lk(self->mu_);

@@ -50,7 +50,7 @@ class ByteReader {
     if (n > in_.size() - pos_) return truncated(n);
     s->assign(in_.data() + pos_, n);
     pos_ += n;
-    return Status::ok();
+    return ok_status();
   }
   size_t remaining() const { return in_.size() - pos_; }
 
@@ -59,7 +59,7 @@ class ByteReader {
     if (n > in_.size() - pos_) return truncated(n);
     std::memcpy(p, in_.data() + pos_, n);
     pos_ += n;
-    return Status::ok();
+    return ok_status();
   }
   Status truncated(size_t n) const {
     return invalid_argument("{}: truncated ({} bytes wanted at offset {}, {} left)", what_, n, pos_, in_.size() - pos_);

@@ -183,7 +183,7 @@ TEST(CudaMlaAttention, SparseMatchesCpuReference) {
           auto b = DeviceBuffer::alloc(ws_bytes);
           ASSERT_TRUE(b.ok());
           ws = std::move(b).value();
-          ASSERT_TRUE(ws.fill_bytes(0xFF).is_ok());
+          ASSERT_TRUE(ws.fill_bytes(0xFF).ok());
         }
         p.workspace = ws.data();
         p.workspace_bytes = ws_bytes;
@@ -380,12 +380,12 @@ TEST(CudaMlaAttention, BadArgumentsAreErrors) {
   MlaAttentionParams p;
   p.T = 1;
   p.r = 100;
-  EXPECT_FALSE(mla_attention(p).is_ok());
+  EXPECT_FALSE(mla_attention(p).ok());
   p.r = 512;
   p.dr = 65;
-  EXPECT_FALSE(mla_attention(p).is_ok());
+  EXPECT_FALSE(mla_attention(p).ok());
   p.dr = 64;
-  EXPECT_FALSE(mla_attention(p).is_ok());  // null pointers
+  EXPECT_FALSE(mla_attention(p).ok());  // null pointers
 }
 
 }  // namespace

@@ -158,16 +158,16 @@ TEST(CudaCacheWrite, BadShapesAreErrors) {
   LatentCacheWriteParams p;
   p.T = 1;
   p.r = 100;  // not a multiple of 128 for fp8_ds_mla
-  EXPECT_FALSE(latent_cache_write(p).is_ok());
+  EXPECT_FALSE(latent_cache_write(p).ok());
   p.r = 512;
   p.c_dtype = DType::kI32;
-  EXPECT_FALSE(latent_cache_write(p).is_ok());
+  EXPECT_FALSE(latent_cache_write(p).ok());
   p.c_dtype = DType::kF32;
-  EXPECT_FALSE(latent_cache_write(p).is_ok());  // null pointers
+  EXPECT_FALSE(latent_cache_write(p).ok());  // null pointers
   IndexerCacheWriteParams q;
   q.T = 1;
   q.dI = 96;
-  EXPECT_FALSE(indexer_cache_write(q).is_ok());
+  EXPECT_FALSE(indexer_cache_write(q).ok());
 }
 
 }  // namespace

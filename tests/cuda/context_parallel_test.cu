@@ -53,10 +53,10 @@ TEST(CudaContextParallel, MergeAndRescaleMatchTheCpu) {
     cpu::merge_attention_parts(parts.data(), N, stride, rows, cols, want.data());
     auto dp = to_device(parts);
     auto dout = poisoned<float>(rows * cols);
-    ASSERT_TRUE(merge_attention_parts(dptr<float>(dp), N, stride, rows, cols, dptr<float>(dout), nullptr).is_ok());
+    ASSERT_TRUE(merge_attention_parts(dptr<float>(dp), N, stride, rows, cols, dptr<float>(dout), nullptr).ok());
     const auto got = to_host<float>(dout, rows * cols);
     auto dout2 = poisoned<float>(rows * cols);
-    ASSERT_TRUE(merge_attention_parts(dptr<float>(dp), N, stride, rows, cols, dptr<float>(dout2), nullptr).is_ok());
+    ASSERT_TRUE(merge_attention_parts(dptr<float>(dp), N, stride, rows, cols, dptr<float>(dout2), nullptr).ok());
     EXPECT_EQ(to_host<float>(dout2, rows * cols), got) << "a second run differs";
     double mx = 0.0, big = 0.0;
     for (size_t i = 0; i < got.size(); ++i) {
@@ -77,7 +77,7 @@ TEST(CudaContextParallel, MergeAndRescaleMatchTheCpu) {
       auto dm = to_device(mine);
       auto dl = to_device(lse);
       cpu::rescale_attention_part(mine.data(), lse.data(), lse_all.data(), N, rows, cols);
-      ASSERT_TRUE(rescale_attention_part(dptr<float>(dm), dptr<float>(dl), dptr<float>(dall), N, rows, cols, nullptr).is_ok());
+      ASSERT_TRUE(rescale_attention_part(dptr<float>(dm), dptr<float>(dl), dptr<float>(dall), N, rows, cols, nullptr).ok());
       const auto gm = to_host<float>(dm, rows * cols);
       EXPECT_LT(rel_l2(gm, mine), 1e-6) << "N " << N << " part " << p;
       for (int64_t i = 0; i < rows * cols; ++i) sum_cpu[i] += mine[i], sum_gpu[i] += gm[i];

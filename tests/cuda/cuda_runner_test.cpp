@@ -105,7 +105,7 @@ void compare_runs(const std::string& preset, const std::string& kv, bool exact, 
     std::vector<float> cg(r), kg(dr), cc(r), kc(dr);
     for (int slot = 0; slot < static_cast<int>(spec.groups[lg].layers.size()); ++slot) {
       for (int64_t blk : {0, 3}) {
-        ASSERT_TRUE((*gpu)->read_cache_page(lg, slot, blk, &page).is_ok());
+        ASSERT_TRUE((*gpu)->read_cache_page(lg, slot, blk, &page).ok());
         const uint8_t* cp = cpu->cache().page(lg, slot, blk);
         const int64_t used = std::min<int64_t>(64, blk == 0 ? pos_a : pos_b);
         for (int64_t t = 0; t < used; ++t) {

@@ -21,7 +21,7 @@
 #define ML4_ASSERT_OK(expr)                                   \
   do {                                                        \
     ::ml4::Status st_ = (expr);                               \
-    ASSERT_TRUE(st_.is_ok()) << st_.message();                \
+    ASSERT_TRUE(st_.ok()) << st_.message();                \
   } while (0)
 
 namespace ml4::cuda::testing {
@@ -54,7 +54,7 @@ ml4::cuda::DeviceBuffer to_device(const std::vector<T>& host) {
   auto b = ml4::cuda::DeviceBuffer::alloc(host.size() * sizeof(T));
   EXPECT_TRUE(b.ok()) << b.status().message();
   if (!b.ok()) return {};
-  EXPECT_TRUE(b->upload(host.data(), host.size() * sizeof(T)).is_ok());
+  EXPECT_TRUE(b->upload(host.data(), host.size() * sizeof(T)).ok());
   return std::move(b).value();
 }
 
@@ -64,14 +64,14 @@ ml4::cuda::DeviceBuffer poisoned(size_t n) {
   auto b = ml4::cuda::DeviceBuffer::alloc(n * sizeof(T));
   EXPECT_TRUE(b.ok()) << b.status().message();
   if (!b.ok()) return {};
-  EXPECT_TRUE(b->fill_bytes(0xFF).is_ok());
+  EXPECT_TRUE(b->fill_bytes(0xFF).ok());
   return std::move(b).value();
 }
 
 template <typename T>
 std::vector<T> to_host(const ml4::cuda::DeviceBuffer& b, size_t n) {
   std::vector<T> h(n);
-  EXPECT_TRUE(b.download(h.data(), n * sizeof(T)).is_ok());
+  EXPECT_TRUE(b.download(h.data(), n * sizeof(T)).ok());
   return h;
 }
 

@@ -47,7 +47,7 @@ TEST(CudaFault, GridBarrierSynchronisesEveryBlock) {
     EXPECT_EQ(r->mismatches, 0) << r->blocks << " blocks";
     EXPECT_EQ(r->min_rounds, 1000);
     EXPECT_FALSE(fw->raised());
-    EXPECT_TRUE(fw->status("probe").is_ok());
+    EXPECT_TRUE(fw->status("probe").ok());
   }
   // More blocks than can be resident at once: refused before any launch, not a hang.
   BarrierProbe big;

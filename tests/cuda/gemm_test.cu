@@ -190,18 +190,18 @@ void fp8_vs_cpu(std::initializer_list<Fp8Backend> backends) {
       for (DType yt : {DType::kF32, DType::kBF16}) {
         const size_t ysz = yt == DType::kF32 ? 4 : 2;
         std::vector<std::vector<uint8_t>> runs;
-        Status st = Status::ok();
-        for (int rep = 0; rep < 2 && st.is_ok(); ++rep) {
+        Status st = ok_status();
+        for (int rep = 0; rep < 2 && st.ok(); ++rep) {
           auto dy = poisoned<uint8_t>(s.M * s.N * ysz);
           p.y = dy.data();
           p.y_dtype = yt;
           st = (*lt)->fp8_block(p);
-          if (!st.is_ok()) break;
+          if (!st.ok()) break;
           ML4_ASSERT_OK(cuda_status(cudaDeviceSynchronize(), "sync"));
           runs.push_back(to_host<uint8_t>(dy, s.M * s.N * ysz));
         }
         const char* name = be == Fp8Backend::kOwn ? "own" : be == Fp8Backend::kCublasLt ? "cublaslt" : "auto";
-        if (!st.is_ok()) {
+        if (!st.ok()) {
           // cuBLASLt may have no kernel for a shape (kUnimplemented): that is what our kernel
           // is for. Any other error fails.
           std::printf("gemm fp8 block M=%ld N=%ld K=%ld backend=%s: %s\n", s.M, s.N, s.K, name, st.message().c_str());

@@ -97,7 +97,7 @@ TEST(CudaGolden, ForcedDecisionsAreValidated) {
   future.forced_topk.assign(L, {});
   future.forced_topk[0] = {{0}, {0, 1}, {0, 3}, {0}};
   Status s = r->execute_traced(StepInput{{::ml4::testing::seq_step(*r, 9, tokens, 0, 40, 1, 1)}}, &future).status();
-  EXPECT_FALSE(s.is_ok());
+  EXPECT_FALSE(s.ok());
   EXPECT_NE(s.message().find("forced_topk[0][2]"), std::string::npos) << s.message();
 }
 

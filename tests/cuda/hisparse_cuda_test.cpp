@@ -220,7 +220,7 @@ TEST(CudaHiSparse, EngineGreedyEqualsWithoutOffloadUnderPreemptionAndAborts) {
     c.scheduler.max_model_len = 1024;
     ByteTextCodec codec(2000);
     Engine e(r, &codec, c);
-    for (size_t i = 0; i < ps.size(); ++i) EXPECT_TRUE(e.add_request("r" + std::to_string(i), ps[i], ::ml4::testing::greedy(24)).is_ok());
+    for (size_t i = 0; i < ps.size(); ++i) EXPECT_TRUE(e.add_request("r" + std::to_string(i), ps[i], ::ml4::testing::greedy(24)).ok());
     std::map<std::string, std::vector<int32_t>> out;
     for (int i = 0; i < 20000 && e.has_work(); ++i) {
       auto s = e.step();

@@ -245,21 +245,21 @@ TEST(CudaIndexer, BadArgumentsAreErrors) {
   p.max_length = 10;
   p.scores_stride = 10;
   p.dI = 64;
-  EXPECT_FALSE(indexer_scores(p).is_ok());
+  EXPECT_FALSE(indexer_scores(p).ok());
   p.dI = 128;
   p.HI = 65;
-  EXPECT_FALSE(indexer_scores(p).is_ok());
+  EXPECT_FALSE(indexer_scores(p).ok());
   p.HI = 64;
   p.scores_stride = 5;
-  EXPECT_FALSE(indexer_scores(p).is_ok());
+  EXPECT_FALSE(indexer_scores(p).ok());
   p.scores_stride = 10;
-  EXPECT_FALSE(indexer_scores(p).is_ok());  // null pointers
+  EXPECT_FALSE(indexer_scores(p).ok());  // null pointers
   IndexerQueryQuantParams qq;
   qq.rows = 1;
   qq.dI = 96;
-  EXPECT_FALSE(indexer_query_quant(qq).is_ok());
+  EXPECT_FALSE(indexer_query_quant(qq).ok());
   qq.dI = 128;
-  EXPECT_FALSE(indexer_query_quant(qq).is_ok());  // null pointers
+  EXPECT_FALSE(indexer_query_quant(qq).ok());  // null pointers
 }
 
 }  // namespace

@@ -43,27 +43,27 @@ TEST(NcclTp1, CollectivesOfAGroupOfOne) {
     ASSERT_EQ(cudaMalloc(&a, n * 4), cudaSuccess);
     ASSERT_EQ(cudaMalloc(&b, n * 4), cudaSuccess);
     ASSERT_EQ(cudaMemcpy(a, x.data(), n * 4, cudaMemcpyHostToDevice), cudaSuccess);
-    ASSERT_TRUE(comm.all_reduce_sum(a, n).is_ok());
-    ASSERT_TRUE(comm.synchronize().is_ok());
+    ASSERT_TRUE(comm.all_reduce_sum(a, n).ok());
+    ASSERT_TRUE(comm.synchronize().ok());
     EXPECT_EQ(download(a, n), x);
     ASSERT_EQ(cudaMemset(b, 0, n * 4), cudaSuccess);
-    ASSERT_TRUE(comm.all_gather(a, b, n * 4).is_ok());  // out of place
-    ASSERT_TRUE(comm.all_gather(a, a, n * 4).is_ok());  // in place (send == recv + rank * bytes)
-    ASSERT_TRUE(comm.synchronize().is_ok());
+    ASSERT_TRUE(comm.all_gather(a, b, n * 4).ok());  // out of place
+    ASSERT_TRUE(comm.all_gather(a, a, n * 4).ok());  // in place (send == recv + rank * bytes)
+    ASSERT_TRUE(comm.synchronize().ok());
     EXPECT_EQ(download(b, n), x);
     ASSERT_EQ(cudaMemset(b, 0, n * 4), cudaSuccess);
-    ASSERT_TRUE(comm.reduce_scatter_sum(a, b, n).is_ok());
-    ASSERT_TRUE(comm.synchronize().is_ok());
+    ASSERT_TRUE(comm.reduce_scatter_sum(a, b, n).ok());
+    ASSERT_TRUE(comm.synchronize().ok());
     EXPECT_EQ(download(b, n), x);
     ASSERT_EQ(cudaMemset(b, 0, n * 4), cudaSuccess);
-    ASSERT_TRUE(comm.all_to_all_v(a, {n * 4}, b, {n * 4}).is_ok());
-    ASSERT_TRUE(comm.synchronize().is_ok());
+    ASSERT_TRUE(comm.all_to_all_v(a, {n * 4}, b, {n * 4}).ok());
+    ASSERT_TRUE(comm.synchronize().ok());
     EXPECT_EQ(download(b, n), x);
-    ASSERT_TRUE(comm.broadcast(a, n * 4, 0).is_ok());
-    ASSERT_TRUE(comm.synchronize().is_ok());
+    ASSERT_TRUE(comm.broadcast(a, n * 4, 0).ok());
+    ASSERT_TRUE(comm.synchronize().ok());
     EXPECT_EQ(download(a, n), x);
     std::vector<int64_t> counts;
-    ASSERT_TRUE(comm.exchange_counts({17}, &counts).is_ok());
+    ASSERT_TRUE(comm.exchange_counts({17}, &counts).ok());
     EXPECT_EQ(counts, std::vector<int64_t>{17});
     EXPECT_EQ(comm.stats().calls, 6);
     cudaFree(a);

@@ -64,9 +64,9 @@ Sampled run(const std::vector<float>& logits, int64_t B, int64_t V, const std::v
   if (plans && path == Path::kSplit) {
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     plans->assign(B, SplitPlan::kAll);
-    EXPECT_TRUE(sample_rows_split_plans(ws.data(), B, V, plans->data()).is_ok());
+    EXPECT_TRUE(sample_rows_split_plans(ws.data(), B, V, plans->data()).ok());
   }
-  EXPECT_TRUE(st.is_ok()) << st.message();
+  EXPECT_TRUE(st.ok()) << st.message();
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   Sampled s{to_host<int32_t>(dt, B), to_host<float>(dlp, B)};
   for (int64_t b = 0; b < B; ++b) EXPECT_TRUE(s.tokens[b] >= 0 && s.tokens[b] < V) << "row " << b << " not written";
@@ -412,7 +412,7 @@ TEST(CudaSampling, TokenBitmaskMatchesHostMaskingAndSampling) {
       if (!((mask[b * W + i / 32] >> (i % 32)) & 1u)) host[b * stride + i] = -INFINITY;
 
   DeviceBuffer dl = to_device(logits), dm = to_device(mask);
-  ASSERT_TRUE(apply_token_bitmask(dl.as<float>(), B, V, dm.as<uint32_t>(), nullptr, stride).is_ok());
+  ASSERT_TRUE(apply_token_bitmask(dl.as<float>(), B, V, dm.as<uint32_t>(), nullptr, stride).ok());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::vector<float> dev = to_host<float>(dl, logits.size());
   ASSERT_EQ(0, std::memcmp(dev.data(), host.data(), host.size() * sizeof(float)));  // padding untouched too
@@ -438,8 +438,8 @@ TEST(CudaSampling, TokenBitmaskMatchesHostMaskingAndSampling) {
       EXPECT_NEAR(s.logprobs[b], log_softmax_f64(packed.data() + b * V, V, s.tokens[b]), 1e-5) << "row " << b;
     }
   }
-  EXPECT_FALSE(apply_token_bitmask(dl.as<float>(), B, V, nullptr, nullptr).is_ok());
-  EXPECT_FALSE(apply_token_bitmask(dl.as<float>(), B, V, dm.as<uint32_t>(), nullptr, V - 1).is_ok());
+  EXPECT_FALSE(apply_token_bitmask(dl.as<float>(), B, V, nullptr, nullptr).ok());
+  EXPECT_FALSE(apply_token_bitmask(dl.as<float>(), B, V, dm.as<uint32_t>(), nullptr, V - 1).ok());
 }
 
 // The drafter's sampled drafts on the device (draft_rows) against the host's
@@ -506,28 +506,28 @@ TEST(CudaSampling, DraftRowsMatchHostDrafts) {
   DeviceBuffer d = poisoned<float>(64);
   const auto* p = reinterpret_cast<const DeviceSamplingParams*>(d.as<float>());
   DeviceBuffer ws = poisoned<uint8_t>(8);
-  EXPECT_FALSE(draft_rows(d.as<float>(), 2, 8, p, d.as<int32_t>(), d.as<float>(), ws.data(), 8, nullptr).is_ok());
+  EXPECT_FALSE(draft_rows(d.as<float>(), 2, 8, p, d.as<int32_t>(), d.as<float>(), ws.data(), 8, nullptr).ok());
 }
 
 TEST(CudaSampling, BadArgumentsAreErrors) {
   ML4_REQUIRE_GPU();
   DeviceBuffer d = poisoned<float>(64);
   const DeviceSamplingParams* p = reinterpret_cast<const DeviceSamplingParams*>(d.as<float>());
-  EXPECT_FALSE(sample_rows(d.as<float>(), -1, 4, p, d.as<int32_t>(), nullptr, nullptr).is_ok());
-  EXPECT_FALSE(sample_rows(d.as<float>(), 1, 0, p, d.as<int32_t>(), nullptr, nullptr).is_ok());
-  EXPECT_FALSE(sample_rows(d.as<float>(), 1, 4, nullptr, d.as<int32_t>(), nullptr, nullptr).is_ok());
-  EXPECT_FALSE(sample_rows(nullptr, 1, 4, p, d.as<int32_t>(), nullptr, nullptr).is_ok());
-  EXPECT_TRUE(sample_rows(d.as<float>(), 0, 4, p, d.as<int32_t>(), nullptr, nullptr).is_ok());
+  EXPECT_FALSE(sample_rows(d.as<float>(), -1, 4, p, d.as<int32_t>(), nullptr, nullptr).ok());
+  EXPECT_FALSE(sample_rows(d.as<float>(), 1, 0, p, d.as<int32_t>(), nullptr, nullptr).ok());
+  EXPECT_FALSE(sample_rows(d.as<float>(), 1, 4, nullptr, d.as<int32_t>(), nullptr, nullptr).ok());
+  EXPECT_FALSE(sample_rows(nullptr, 1, 4, p, d.as<int32_t>(), nullptr, nullptr).ok());
+  EXPECT_TRUE(sample_rows(d.as<float>(), 0, 4, p, d.as<int32_t>(), nullptr, nullptr).ok());
   // The split path: a missing, short or misaligned workspace.
   const size_t wb = sample_rows_workspace_bytes(2, 4);
   EXPECT_GT(wb, 0u);
   DeviceBuffer ws = poisoned<uint8_t>(wb + 256);
-  EXPECT_FALSE(sample_rows(d.as<float>(), 2, 4, p, d.as<int32_t>(), nullptr, nullptr, wb, nullptr).is_ok());
-  EXPECT_FALSE(sample_rows(d.as<float>(), 2, 4, p, d.as<int32_t>(), nullptr, ws.data(), wb - 1, nullptr).is_ok());
+  EXPECT_FALSE(sample_rows(d.as<float>(), 2, 4, p, d.as<int32_t>(), nullptr, nullptr, wb, nullptr).ok());
+  EXPECT_FALSE(sample_rows(d.as<float>(), 2, 4, p, d.as<int32_t>(), nullptr, ws.data(), wb - 1, nullptr).ok());
   EXPECT_FALSE(
-      sample_rows(d.as<float>(), 2, 4, p, d.as<int32_t>(), nullptr, ws.as<uint8_t>() + 16, wb, nullptr).is_ok());
-  EXPECT_FALSE(sample_rows(d.as<float>(), -1, 4, p, d.as<int32_t>(), nullptr, ws.data(), wb, nullptr).is_ok());
-  EXPECT_TRUE(sample_rows(d.as<float>(), 0, 4, p, d.as<int32_t>(), nullptr, nullptr, 0, nullptr).is_ok());
+      sample_rows(d.as<float>(), 2, 4, p, d.as<int32_t>(), nullptr, ws.as<uint8_t>() + 16, wb, nullptr).ok());
+  EXPECT_FALSE(sample_rows(d.as<float>(), -1, 4, p, d.as<int32_t>(), nullptr, ws.data(), wb, nullptr).ok());
+  EXPECT_TRUE(sample_rows(d.as<float>(), 0, 4, p, d.as<int32_t>(), nullptr, nullptr, 0, nullptr).ok());
 }
 
 }  // namespace

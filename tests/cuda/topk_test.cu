@@ -121,13 +121,13 @@ TEST(CudaTopk, BadArgumentsAreErrors) {
   p.T = 1;
   p.k = 8;
   p.out_stride = 4;  // < k
-  EXPECT_FALSE(topk(p).is_ok());
+  EXPECT_FALSE(topk(p).ok());
   p.out_stride = 0;
   int32_t dummy = 0;
   p.positions = &dummy;
-  EXPECT_FALSE(topk(p).is_ok());  // null scores / lengths
+  EXPECT_FALSE(topk(p).ok());  // null scores / lengths
   p.splits = -1;
-  EXPECT_FALSE(topk(p).is_ok());
+  EXPECT_FALSE(topk(p).ok());
 }
 
 // The split choice (host only): several blocks per row only for small steps over long rows,

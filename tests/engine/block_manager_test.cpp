@@ -39,7 +39,7 @@ TEST(BlockManager, AccountingIsExactAndAllOrNothing) {
   bm.free(b);
   EXPECT_EQ(bm.num_free_blocks(0), 10);
   EXPECT_EQ(bm.num_free_blocks(1), 6);
-  EXPECT_TRUE(bm.check_invariants().is_ok());
+  EXPECT_TRUE(bm.check_invariants().ok());
   EXPECT_EQ(bm.capacity_tokens(), 24);
 }
 
@@ -69,7 +69,7 @@ TEST(BlockManager, PrefixHitSharesBlocksAcrossGroups) {
   EXPECT_EQ(hit.num_tokens, 12);
   ASSERT_TRUE(bm.allocate(c, 13, &hit));
   EXPECT_EQ(bm.num_free_blocks(0), 12);
-  EXPECT_TRUE(bm.check_invariants().is_ok());
+  EXPECT_TRUE(bm.check_invariants().ok());
   bm.free(c);
 
   // A whole-prompt hit still leaves one token to compute.
@@ -96,7 +96,7 @@ TEST(BlockManager, HitMustExistInEveryGroupAndPageSize) {
   ASSERT_TRUE(bm.allocate(filler, 128));  // takes all 16 drafter blocks
   bm.free(filler);
   EXPECT_EQ(bm.find_cached_prefix(b).num_tokens, 0);
-  EXPECT_TRUE(bm.check_invariants().is_ok());
+  EXPECT_TRUE(bm.check_invariants().ok());
 }
 
 TEST(BlockManager, LruEvictsUnhashedFirst) {

@@ -102,7 +102,7 @@ inline Status count_outputs(Engine& e, const std::vector<int32_t>& prompt, const
       ++done;
     }
   }
-  return Status::ok();
+  return ok_status();
 }
 
 }  // namespace ml4::testing

@@ -25,7 +25,7 @@ const std::string& tiny_model_dir() {
     o.out_dir = d;
     o.seed = 0;
     Status s = make_model(o);
-    EXPECT_TRUE(s.is_ok()) << s.message();
+    EXPECT_TRUE(s.ok()) << s.message();
     return d;
   }();
   return dir;
@@ -90,7 +90,7 @@ TEST(CpuEngine, GreedyAloneEqualsBatchOf32) {
   {
     Engine e(runner.get(), &codec, config(1, 4096, false));
     for (int i = 0; i < 32; ++i) {
-      ASSERT_TRUE(e.add_request("r" + std::to_string(i), ps[i], greedy(6)).is_ok());
+      ASSERT_TRUE(e.add_request("r" + std::to_string(i), ps[i], greedy(6)).ok());
       auto out = drain(e);
       alone.insert(out.begin(), out.end());
     }
@@ -98,7 +98,7 @@ TEST(CpuEngine, GreedyAloneEqualsBatchOf32) {
   Engine e(runner.get(), &codec, config(32, 160, false));
   int64_t max_tokens = 0;
   e.set_step_hook([&](const SchedulerOutput& so, const StepInput&) { max_tokens = std::max(max_tokens, so.num_batched_tokens); });
-  for (int i = 0; i < 32; ++i) ASSERT_TRUE(e.add_request("r" + std::to_string(i), ps[i], greedy(6)).is_ok());
+  for (int i = 0; i < 32; ++i) ASSERT_TRUE(e.add_request("r" + std::to_string(i), ps[i], greedy(6)).ok());
   auto batched = drain(e);
   for (const auto& [id, toks] : alone) {
     EXPECT_EQ(toks.size(), 6u);
@@ -135,20 +135,20 @@ TEST(CpuEngine, PrefixHitEqualsMissAndPreemptionLeaksNothing) {
   {
     Engine e(runner.get(), &codec, config(1, 4096, false));
     for (int i = 0; i < 8; ++i) {
-      ASSERT_TRUE(e.add_request("p" + std::to_string(i), ps[i], greedy(12)).is_ok());
+      ASSERT_TRUE(e.add_request("p" + std::to_string(i), ps[i], greedy(12)).ok());
       auto o = drain(e);
       miss.insert(o.begin(), o.end());
     }
   }
   Engine e(runner.get(), &codec, config(8, 256, true));
   const int64_t free0 = e.blocks().num_free_blocks_total();
-  for (int i = 0; i < 8; ++i) ASSERT_TRUE(e.add_request("p" + std::to_string(i), ps[i], greedy(12)).is_ok());
+  for (int i = 0; i < 8; ++i) ASSERT_TRUE(e.add_request("p" + std::to_string(i), ps[i], greedy(12)).ok());
   hit = drain(e);
   EXPECT_EQ(hit, miss);
   EXPECT_GT(e.counters().prefix_hits, 0);
   EXPECT_GT(e.counters().preemptions, 0);
   EXPECT_EQ(e.blocks().num_free_blocks_total(), free0);
-  EXPECT_TRUE(e.blocks().check_invariants().is_ok());
+  EXPECT_TRUE(e.blocks().check_invariants().ok());
 }
 
 }  // namespace

@@ -76,7 +76,7 @@ std::string family_model(const std::string& family, const std::vector<std::strin
     o.params_text = params_json_from_config(*cfg);
   }
   Status s = make_model(o);
-  EXPECT_TRUE(s.is_ok()) << family << ": " << s.message();
+  EXPECT_TRUE(s.ok()) << family << ": " << s.message();
   made_dirs().push_back(o.out_dir);
   return made[key] = o.out_dir;
 }
@@ -194,7 +194,7 @@ void greedy_is_lossless(const std::string& family, double min_acceptance_length)
     Engine e(runner.get(), &codec, config(1, 4096, false, 0));
     for (int i = 0; i < kRequests; ++i) {
       const std::string id = "r" + std::to_string(i);
-      ASSERT_TRUE(e.add_request(id, prompts[i], params(i)).is_ok());
+      ASSERT_TRUE(e.add_request(id, prompts[i], params(i)).ok());
       while (e.has_work()) {
         auto out = e.step();
         ASSERT_TRUE(out.ok()) << out.status().message();
@@ -206,7 +206,7 @@ void greedy_is_lossless(const std::string& family, double min_acceptance_length)
   ASSERT_TRUE(e.speculative());
   std::vector<int64_t> free0;
   for (int g = 0; g < e.blocks().num_groups(); ++g) free0.push_back(e.blocks().num_free_blocks(g));
-  for (int i = 0; i < kRequests; ++i) ASSERT_TRUE(e.add_request("r" + std::to_string(i), prompts[i], params(i)).is_ok());
+  for (int i = 0; i < kRequests; ++i) ASSERT_TRUE(e.add_request("r" + std::to_string(i), prompts[i], params(i)).ok());
   Outputs got;
   std::set<std::string> aborted;
   for (int step = 0; e.has_work(); ++step) {
@@ -243,7 +243,7 @@ void greedy_is_lossless(const std::string& family, double min_acceptance_length)
   EXPECT_GE(len, min_acceptance_length);
   EXPECT_GT(c.preemptions, 0);
   EXPECT_GT(c.prefix_hits, 0);
-  ASSERT_TRUE(e.blocks().check_invariants().is_ok());
+  ASSERT_TRUE(e.blocks().check_invariants().ok());
   for (int g = 0; g < e.blocks().num_groups(); ++g) EXPECT_EQ(e.blocks().num_free_blocks(g), free0[g]) << g;
 }
 
@@ -365,7 +365,7 @@ TEST_P(CpuSpecSampling, JointOfThreeTokensEqualsTheTargets) {
   ASSERT_TRUE(e.speculative());
   std::vector<int64_t> counts(exact.size(), 0);
   const Status st = testing::count_outputs(e, prompt, sp, N, 3, V, 128, &counts);
-  ASSERT_TRUE(st.is_ok()) << st.message();
+  ASSERT_TRUE(st.ok()) << st.message();
   const testing::ChiSquare x = testing::chi_square(exact, counts, N);
   const double stat = x.stat, pv = x.p_value;
   const int df = x.df;
@@ -433,7 +433,7 @@ TEST(CpuSpecDecode, NoLeaksAfterAThousandMixedRequestsWithAborts) {
   EXPECT_GT(c.spec.num_drafts, 100);
   EXPECT_GT(c.prefix_hits, 0);
   EXPECT_EQ(e.num_live(), 0u);
-  ASSERT_TRUE(e.blocks().check_invariants().is_ok());
+  ASSERT_TRUE(e.blocks().check_invariants().ok());
   for (int g = 0; g < e.blocks().num_groups(); ++g) EXPECT_EQ(e.blocks().num_free_blocks(g), free0[g]) << g;
 }
 

@@ -95,8 +95,8 @@ TEST(DeviceSamplingEngine, GreedyEqualsHostPathWithLogprobs) {
   dev.device_sampling_ = true;
   Engine eh(&host, &codec, config(8)), ed(&dev, &codec, config(8));
   for (int i = 0; i < 8; ++i) {
-    ASSERT_TRUE(eh.add_request("g" + std::to_string(i), prompts[i], p).is_ok());
-    ASSERT_TRUE(ed.add_request("g" + std::to_string(i), prompts[i], p).is_ok());
+    ASSERT_TRUE(eh.add_request("g" + std::to_string(i), prompts[i], p).ok());
+    ASSERT_TRUE(ed.add_request("g" + std::to_string(i), prompts[i], p).ok());
   }
   RunOut h = drain(eh), d = drain(ed);
   for (int i = 0; i < 8; ++i) {
@@ -125,13 +125,13 @@ TEST(DeviceSamplingEngine, SeededAloneEqualsBatchedAndFallback) {
     dev.device_sampling_ = true;
     dev.logits_anyway_ = logits_anyway;
     Engine e(&dev, &codec, config(8));
-    EXPECT_TRUE(e.add_request("seeded", prompt, sampled(4242, 24)).is_ok());
+    EXPECT_TRUE(e.add_request("seeded", prompt, sampled(4242, 24)).ok());
     if (batched)
       for (int i = 0; i < 6; ++i) {
         SamplingParams q = sampled(0, 10 + i);
         q.seed.reset();  // drawn from the engine seed
         q.temperature = 1.2;
-        EXPECT_TRUE(e.add_request("o" + std::to_string(i), others[i], q).is_ok());
+        EXPECT_TRUE(e.add_request("o" + std::to_string(i), others[i], q).ok());
       }
     RunOut r = drain(e);
     EXPECT_GT(dev.device_rows_, 0);
@@ -186,14 +186,14 @@ TEST(DeviceSamplingEngine, IneligibleRequestsStayOnTheHostSampler) {
       ++checked;
     }
   });
-  for (size_t i = 0; i < reqs.size(); ++i) ASSERT_TRUE(e.add_request(reqs[i].first, prompts[i], reqs[i].second).is_ok());
+  for (size_t i = 0; i < reqs.size(); ++i) ASSERT_TRUE(e.add_request(reqs[i].first, prompts[i], reqs[i].second).ok());
   RunOut d = drain(e);
   EXPECT_GT(checked, 20);
 
   // The ineligible requests' tokens equal a plain host runner's (the host Sampler, same rng).
   FakeRunner host(kVocab, FakeRunner::two_groups(512));
   Engine eh(&host, &codec, config(8));
-  for (size_t i = 0; i < 3; ++i) ASSERT_TRUE(eh.add_request(reqs[i].first, prompts[i], reqs[i].second).is_ok());
+  for (size_t i = 0; i < 3; ++i) ASSERT_TRUE(eh.add_request(reqs[i].first, prompts[i], reqs[i].second).ok());
   RunOut h = drain(eh);
   for (size_t i = 0; i < 3; ++i) EXPECT_EQ(d.tokens[reqs[i].first], h.tokens[reqs[i].first]) << reqs[i].first;
   EXPECT_EQ(d.logprobs["top_logprobs"].size(), 10u);

@@ -50,7 +50,7 @@ TEST(DpPartitions, RequestsStayInOnePartitionAndBalance) {
   // Growing keeps a request in its partition.
   ASSERT_TRUE(bm.allocate(rs[1], 14));
   EXPECT_EQ(partition_of(rs[1], 8), 1);
-  EXPECT_TRUE(bm.check_invariants().is_ok()) << bm.check_invariants().message();
+  EXPECT_TRUE(bm.check_invariants().ok()) << bm.check_invariants().message();
   // Partition 1 now holds 4 + 2 = 6 blocks of 8: a request needing 3 there is refused,
   // and nothing is taken.
   const int64_t free0 = bm.num_free_blocks(0);
@@ -66,7 +66,7 @@ TEST(DpPartitions, RequestsStayInOnePartitionAndBalance) {
   bm.free(n);
   for (auto& r : rs) EXPECT_EQ(r.kv_partition, -1);
   EXPECT_EQ(bm.num_free_blocks(0), 16);
-  EXPECT_TRUE(bm.check_invariants().is_ok()) << bm.check_invariants().message();
+  EXPECT_TRUE(bm.check_invariants().ok()) << bm.check_invariants().message();
 }
 
 TEST(DpPartitions, PrefixHitsFollowTheirPartition) {
@@ -90,7 +90,7 @@ TEST(DpPartitions, PrefixHitsFollowTheirPartition) {
   bm.free(a);
   bm.free(b);
   bm.free(filler);
-  EXPECT_TRUE(bm.check_invariants().is_ok()) << bm.check_invariants().message();
+  EXPECT_TRUE(bm.check_invariants().ok()) << bm.check_invariants().message();
 }
 
 }  // namespace

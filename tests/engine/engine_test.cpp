@@ -73,7 +73,7 @@ TEST(Engine, GreedyAloneEqualsBatchOf32) {
   for (int i = 0; i < 32; ++i) {
     FakeRunner runner(kVocab, FakeRunner::two_groups(512));
     Engine e(&runner, &codec, config(1, 64, false));
-    ASSERT_TRUE(e.add_request("r" + std::to_string(i), prompts[i], greedy(12)).is_ok());
+    ASSERT_TRUE(e.add_request("r" + std::to_string(i), prompts[i], greedy(12)).ok());
     alone["r" + std::to_string(i)] = drain(e).tokens["r" + std::to_string(i)];
     ASSERT_EQ(alone["r" + std::to_string(i)].size(), 12u);
   }
@@ -88,7 +88,7 @@ TEST(Engine, GreedyAloneEqualsBatchOf32) {
     max_seen = std::max(max_seen, n);
     max_seqs = std::max(max_seqs, in.seqs.size());
   });
-  for (int i = 0; i < 32; ++i) ASSERT_TRUE(e.add_request("r" + std::to_string(i), prompts[i], greedy(12)).is_ok());
+  for (int i = 0; i < 32; ++i) ASSERT_TRUE(e.add_request("r" + std::to_string(i), prompts[i], greedy(12)).ok());
   RunResult batched = drain(e);
   for (const auto& [id, toks] : alone) EXPECT_EQ(batched.tokens[id], toks) << id;
   EXPECT_LE(max_seen, 96);  // the budget
@@ -115,8 +115,8 @@ TEST(Engine, PrefixHitEqualsMiss) {
   Engine hit(&r_hit, &codec, config(8, 64, true));
   for (size_t i = 0; i < prompts.size(); ++i) {
     std::string id = "p" + std::to_string(i);
-    ASSERT_TRUE(miss.add_request(id, prompts[i], greedy(9)).is_ok());
-    ASSERT_TRUE(hit.add_request(id, prompts[i], greedy(9)).is_ok());
+    ASSERT_TRUE(miss.add_request(id, prompts[i], greedy(9)).ok());
+    ASSERT_TRUE(hit.add_request(id, prompts[i], greedy(9)).ok());
     // One at a time, so each later request can hit the earlier ones' blocks.
     RunResult a = drain(miss), b = drain(hit);
     EXPECT_EQ(a.tokens[id], b.tokens[id]) << id;
@@ -125,7 +125,7 @@ TEST(Engine, PrefixHitEqualsMiss) {
   }
   EXPECT_GT(hit.counters().prefix_hits, 0);
   EXPECT_EQ(miss.counters().prefix_hits, 0);
-  ASSERT_TRUE(hit.blocks().check_invariants().is_ok());
+  ASSERT_TRUE(hit.blocks().check_invariants().ok());
 }
 
 TEST(Engine, NoLeaksAfterCompletionAbortAndPreemption) {
@@ -138,7 +138,7 @@ TEST(Engine, NoLeaksAfterCompletionAbortAndPreemption) {
   std::vector<std::vector<int32_t>> prompts;
   for (int i = 0; i < 24; ++i) {
     prompts.push_back(random_prompt(rng, 6 + i % 20));
-    ASSERT_TRUE(e.add_request("q" + std::to_string(i), prompts.back(), greedy(10 + i % 7)).is_ok());
+    ASSERT_TRUE(e.add_request("q" + std::to_string(i), prompts.back(), greedy(10 + i % 7)).ok());
   }
   RunResult run;
   int step = 0;
@@ -151,7 +151,7 @@ TEST(Engine, NoLeaksAfterCompletionAbortAndPreemption) {
       auto& t = run.tokens[o.request_id];
       t.insert(t.end(), o.new_tokens.begin(), o.new_tokens.end());
     }
-    ASSERT_TRUE(e.blocks().check_invariants().is_ok());
+    ASSERT_TRUE(e.blocks().check_invariants().ok());
     ASSERT_LT(++step, 10000);
   }
   EXPECT_GT(e.counters().preemptions, 0);
@@ -164,7 +164,7 @@ TEST(Engine, NoLeaksAfterCompletionAbortAndPreemption) {
     FakeRunner r1(kVocab, FakeRunner::two_groups(64));
     Engine alone(&r1, &codec, config(1, 40, false));
     std::string id = "q" + std::to_string(i);
-    ASSERT_TRUE(alone.add_request(id, prompts[i], greedy(10 + i % 7)).is_ok());
+    ASSERT_TRUE(alone.add_request(id, prompts[i], greedy(10 + i % 7)).ok());
     EXPECT_EQ(drain(alone).tokens[id], run.tokens[id]) << id;
   }
 }
@@ -176,7 +176,7 @@ TEST(Engine, StopStringsIdsAndLengths) {
   std::mt19937 rng(5);
   auto prompt = random_prompt(rng, 10);
   // Find what greedy produces, then ask it to stop on a piece of that.
-  ASSERT_TRUE(e.add_request("base", prompt, greedy(20)).is_ok());
+  ASSERT_TRUE(e.add_request("base", prompt, greedy(20)).ok());
   RunResult base = drain(e);
   const auto& toks = base.tokens["base"];
   ASSERT_EQ(toks.size(), 20u);
@@ -184,7 +184,7 @@ TEST(Engine, StopStringsIdsAndLengths) {
 
   SamplingParams p = greedy(20);
   p.stop_token_ids = {toks[6]};
-  ASSERT_TRUE(e.add_request("ids", prompt, p).is_ok());
+  ASSERT_TRUE(e.add_request("ids", prompt, p).ok());
   RunResult r = drain(e);
   size_t first = std::find(toks.begin(), toks.end(), toks[6]) - toks.begin();
   EXPECT_EQ(r.tokens["ids"].size(), first + 1);
@@ -195,7 +195,7 @@ TEST(Engine, StopStringsIdsAndLengths) {
   std::string s8 = codec.token_bytes(toks[8]) + codec.token_bytes(toks[9]);
   if (!codec.is_special(toks[8]) && !codec.is_special(toks[9]) && (static_cast<unsigned char>(s8[0]) < 0x80)) {
     q.stop = {s8};
-    ASSERT_TRUE(e.add_request("str", prompt, q).is_ok());
+    ASSERT_TRUE(e.add_request("str", prompt, q).ok());
     RunResult s = drain(e);
     EXPECT_EQ(s.last["str"].finish_reason, FinishReason::kStop);
     EXPECT_EQ(s.last["str"].stop_reason, s8);
@@ -209,10 +209,10 @@ TEST(Engine, PriorityThenArrivalOrder) {
   FakeRunner runner(kVocab, FakeRunner::two_groups(128));
   Engine e(&runner, &codec, config(1, 64));  // one sequence at a time: finish order = schedule order
   std::mt19937 rng(2);
-  ASSERT_TRUE(e.add_request("low", random_prompt(rng, 9), greedy(3), /*priority=*/5).is_ok());
-  ASSERT_TRUE(e.add_request("normal-1", random_prompt(rng, 9), greedy(3), 0).is_ok());
-  ASSERT_TRUE(e.add_request("urgent", random_prompt(rng, 9), greedy(3), -1).is_ok());
-  ASSERT_TRUE(e.add_request("normal-2", random_prompt(rng, 9), greedy(3), 0).is_ok());
+  ASSERT_TRUE(e.add_request("low", random_prompt(rng, 9), greedy(3), /*priority=*/5).ok());
+  ASSERT_TRUE(e.add_request("normal-1", random_prompt(rng, 9), greedy(3), 0).ok());
+  ASSERT_TRUE(e.add_request("urgent", random_prompt(rng, 9), greedy(3), -1).ok());
+  ASSERT_TRUE(e.add_request("normal-2", random_prompt(rng, 9), greedy(3), 0).ok());
   std::vector<std::string> order;
   while (e.has_work()) {
     auto r = e.step();
@@ -228,14 +228,14 @@ TEST(Engine, RejectsBadRequests) {
   FakeRunner runner(kVocab, FakeRunner::two_groups(64));
   Engine e(&runner, &codec, config(4, 64));
   EXPECT_EQ(e.max_model_len(), 256);  // bounded by the cache: 64 blocks x 4 tokens
-  EXPECT_FALSE(e.add_request("a", {}, greedy(4)).is_ok());
-  EXPECT_FALSE(e.add_request("a", {5, kVocab}, greedy(4)).is_ok());
-  EXPECT_FALSE(e.add_request("a", std::vector<int32_t>(250, 7), greedy(10)).is_ok());
+  EXPECT_FALSE(e.add_request("a", {}, greedy(4)).ok());
+  EXPECT_FALSE(e.add_request("a", {5, kVocab}, greedy(4)).ok());
+  EXPECT_FALSE(e.add_request("a", std::vector<int32_t>(250, 7), greedy(10)).ok());
   SamplingParams bad = greedy(4);
   bad.top_p = 0.0;
-  EXPECT_FALSE(e.add_request("a", {5}, bad).is_ok());
-  ASSERT_TRUE(e.add_request("a", {5}, greedy(4)).is_ok());
-  EXPECT_FALSE(e.add_request("a", {5}, greedy(4)).is_ok());  // duplicate id
+  EXPECT_FALSE(e.add_request("a", {5}, bad).ok());
+  ASSERT_TRUE(e.add_request("a", {5}, greedy(4)).ok());
+  EXPECT_FALSE(e.add_request("a", {5}, greedy(4)).ok());  // duplicate id
   drain(e);
 }
 
@@ -254,7 +254,7 @@ TEST(Engine, TinyTemperatureIsGreedy) {
     SamplingParams p = greedy(16);
     p.temperature = temps[i];
     p.seed = 11;
-    ASSERT_TRUE(e.add_request("t" + std::to_string(i), prompt, p).is_ok());
+    ASSERT_TRUE(e.add_request("t" + std::to_string(i), prompt, p).ok());
   }
   RunResult r = drain(e);
   ASSERT_EQ(r.tokens["t0"].size(), 16u);
@@ -281,7 +281,7 @@ TEST(Engine, SlidingWindowGroupKeepsOnlyTheWindow) {
   FakeRunner windowed(kVocab, groups);
   Engine e(&windowed, &codec, config(4, 16));  // 16-token chunks: a chunk needs <= 7 window blocks
   const int64_t free0 = e.blocks().num_free_blocks(2);
-  for (int i = 0; i < 4; ++i) ASSERT_TRUE(e.add_request("w" + std::to_string(i), prompts[i], greedy(40)).is_ok());
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(e.add_request("w" + std::to_string(i), prompts[i], greedy(40)).ok());
   int64_t max_used = 0;
   std::map<std::string, std::vector<int32_t>> got;
   while (e.has_work()) {
@@ -289,7 +289,7 @@ TEST(Engine, SlidingWindowGroupKeepsOnlyTheWindow) {
     ASSERT_TRUE(r.ok()) << r.status().message();
     for (auto& o : r.value()) got[o.request_id].insert(got[o.request_id].end(), o.new_tokens.begin(), o.new_tokens.end());
     max_used = std::max(max_used, free0 - e.blocks().num_free_blocks(2));
-    ASSERT_TRUE(e.blocks().check_invariants().is_ok());
+    ASSERT_TRUE(e.blocks().check_invariants().ok());
   }
   EXPECT_EQ(e.blocks().num_free_blocks(2), free0);
   EXPECT_LE(max_used, 24);
@@ -299,7 +299,7 @@ TEST(Engine, SlidingWindowGroupKeepsOnlyTheWindow) {
     FakeRunner plain(kVocab, FakeRunner::two_groups(256));
     Engine ref(&plain, &codec, config(1, 64, false));
     std::string id = "w" + std::to_string(i);
-    ASSERT_TRUE(ref.add_request(id, prompts[i], greedy(40)).is_ok());
+    ASSERT_TRUE(ref.add_request(id, prompts[i], greedy(40)).ok());
     EXPECT_EQ(got[id], drain(ref).tokens[id]) << id;
     EXPECT_EQ(got[id].size(), 40u);
   }

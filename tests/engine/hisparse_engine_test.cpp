@@ -100,7 +100,7 @@ std::map<std::string, std::vector<int32_t>> run(ModelRunner* runner, const Engin
   ByteTextCodec codec(2000);
   Engine e(runner, &codec, c);
   for (size_t i = 0; i < ps.size(); ++i)
-    EXPECT_TRUE(e.add_request("r" + std::to_string(i), ps[i], testing::greedy(max_tokens)).is_ok());
+    EXPECT_TRUE(e.add_request("r" + std::to_string(i), ps[i], testing::greedy(max_tokens)).ok());
   auto out = drain(e);
   if (preemptions != nullptr) *preemptions = e.counters().preemptions;
   for (int g = 0; g < e.blocks().num_groups(); ++g)
@@ -163,7 +163,7 @@ TEST(HiSparseEngine, MixedLoadWithAbortsLeavesNothingBehind) {
   EXPECT_GT(*aborted, 0);
   EXPECT_GT(hs->hisparse()->hot_layers, 0);
   for (int g = 0; g < e.blocks().num_groups(); ++g) EXPECT_EQ(e.blocks().num_free_blocks(g), e.blocks().num_total_blocks(g));
-  ASSERT_TRUE(e.blocks().check_invariants().is_ok());
+  ASSERT_TRUE(e.blocks().check_invariants().ok());
   expect_no_hot_state(*hs);
 }
 

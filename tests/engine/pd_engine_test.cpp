@@ -32,7 +32,7 @@ const std::string& pd_model_dir() {
     o.seed = 3;
     o.weight_dtype = "bf16";
     Status s = make_model(o);
-    EXPECT_TRUE(s.is_ok()) << s.message();
+    EXPECT_TRUE(s.ok()) << s.message();
     return d;
   }();
   return dir;
@@ -120,7 +120,7 @@ std::vector<int32_t> tokens_of(const std::vector<RequestOutput>& outs) {
 void expect_pools_whole(const Engine& e) {
   for (int g = 0; g < e.blocks().num_groups(); ++g)
     EXPECT_EQ(e.blocks().num_free_blocks(g), e.blocks().num_total_blocks(g)) << "group " << g;
-  EXPECT_TRUE(e.blocks().check_invariants().is_ok());
+  EXPECT_TRUE(e.blocks().check_invariants().ok());
   EXPECT_EQ(e.num_blocks_held_for_remote(), 0);
 }
 
@@ -161,7 +161,7 @@ TEST(PdEngine, ConsumerOutputEqualsColocatedAndReadsOnlyWhatItLacks) {
       transfer::KvTransferRequest produce;
       produce.do_remote_decode = true;
       Status added = prod.engine->add_request(id, prompts[i], pre, 0, 0.0, produce);
-      ASSERT_TRUE(added.is_ok()) << added.message();
+      ASSERT_TRUE(added.ok()) << added.message();
       auto pout = drain(*prod.engine);
       ASSERT_EQ(pout[id].size(), 1u);
       ASSERT_TRUE(pout[id].back().kv_source.has_value());
@@ -171,11 +171,11 @@ TEST(PdEngine, ConsumerOutputEqualsColocatedAndReadsOnlyWhatItLacks) {
 
       transfer::KvTransferRequest consume;
       consume.remote_prefill = src;
-      ASSERT_TRUE(cons.engine->add_request(id, prompts[i], sp, 0, 0.0, consume).is_ok());
+      ASSERT_TRUE(cons.engine->add_request(id, prompts[i], sp, 0, 0.0, consume).ok());
       auto cout = drain(*cons.engine);
       ASSERT_FALSE(cout[id].empty());
       EXPECT_EQ(cout[id].back().finish_reason, FinishReason::kLength) << cout[id].back().error;
-      ASSERT_TRUE(colocated.add_request(id, prompts[i], sp).is_ok());
+      ASSERT_TRUE(colocated.add_request(id, prompts[i], sp).ok());
       auto ref = drain(colocated);
       EXPECT_EQ(tokens_of(cout[id]), tokens_of(ref[id])) << "prompt of " << prompts[i].size() << " tokens, "
                                                          << (i % 2 == 0 ? "greedy" : "seeded");
@@ -220,14 +220,14 @@ TEST(PdEngine, AbortWhileLoadingAndFailedLoads) {
 
   // Abort during the load: the consumer keeps the blocks until the load settles, the
   // producer hears of it and frees at once.
-  ASSERT_TRUE(prod.engine->add_request("a", prompt, one, 0, 0.0, produce).is_ok());
+  ASSERT_TRUE(prod.engine->add_request("a", prompt, one, 0, 0.0, produce).ok());
   auto src = drain(*prod.engine)["a"].back().kv_source;
   ASSERT_TRUE(src);
   transfer::KvTransferRequest consume;
   consume.remote_prefill = *src;
   SamplingParams sp;
   sp.max_tokens = 8;
-  ASSERT_TRUE(cons.engine->add_request("a", prompt, sp, 0, 0.0, consume).is_ok());
+  ASSERT_TRUE(cons.engine->add_request("a", prompt, sp, 0, 0.0, consume).ok());
   ASSERT_TRUE(cons.engine->step().ok());  // admitted for loading
   EXPECT_EQ(cons.engine->num_loading(), 1u);
   EXPECT_LT(cons.engine->blocks().num_free_blocks(0), cons.engine->blocks().num_total_blocks(0));
@@ -241,7 +241,7 @@ TEST(PdEngine, AbortWhileLoadingAndFailedLoads) {
 
   // A load from a producer that no longer holds the blocks fails the request with the
   // reason; the prompt is not computed locally.
-  ASSERT_TRUE(prod.engine->add_request("b", prompt, one, 0, 0.0, produce).is_ok());
+  ASSERT_TRUE(prod.engine->add_request("b", prompt, one, 0, 0.0, produce).ok());
   src = drain(*prod.engine)["b"].back().kv_source;
   ASSERT_TRUE(src);
   consume.remote_prefill = *src;
@@ -253,7 +253,7 @@ TEST(PdEngine, AbortWhileLoadingAndFailedLoads) {
   settle(*prod.engine);
   ASSERT_EQ(prod.engine->num_blocks_held_for_remote(), 0);
   const int64_t steps_before = cons.engine->counters().batched_tokens;
-  ASSERT_TRUE(cons.engine->add_request("b", prompt, sp, 0, 0.0, consume).is_ok());
+  ASSERT_TRUE(cons.engine->add_request("b", prompt, sp, 0, 0.0, consume).ok());
   auto out = drain(*cons.engine);
   ASSERT_FALSE(out["b"].empty());
   EXPECT_EQ(out["b"].back().finish_reason, FinishReason::kError);
@@ -270,19 +270,19 @@ TEST(PdEngine, AbortWhileLoadingAndFailedLoads) {
   transfer::KvTransferRequest wrong;
   wrong.remote_prefill = bad;
   Status st = cons.engine->add_request("c", prompt, sp, 0, 0.0, wrong);
-  ASSERT_FALSE(st.is_ok());
+  ASSERT_FALSE(st.ok());
   EXPECT_NE(st.message().find("prompt tokens"), std::string::npos) << st.message();
   bad = *src;
   bad.prompt_hash ^= 1;
   wrong.remote_prefill = bad;
   st = cons.engine->add_request("c", prompt, sp, 0, 0.0, wrong);
-  ASSERT_FALSE(st.is_ok());
+  ASSERT_FALSE(st.ok());
   EXPECT_NE(st.message().find("different prompt"), std::string::npos) << st.message();
   // A server without a connector refuses P/D params.
   auto plain_runner = load_runner();
   Engine plain(plain_runner.get(), &codec, engine_config());
   st = plain.add_request("d", prompt, one, 0, 0.0, produce);
-  ASSERT_FALSE(st.is_ok());
+  ASSERT_FALSE(st.ok());
   EXPECT_NE(st.message().find("kv_producer"), std::string::npos) << st.message();
 }
 

@@ -132,7 +132,7 @@ TEST(Sampler, PenaltiesAndMinTokensMatchReference) {
 
 TEST(SamplingParams, ValidateNamesTheField) {
   SamplingParams p;
-  EXPECT_TRUE(p.validate(100).is_ok());
+  EXPECT_TRUE(p.validate(100).ok());
   p.temperature = -1;
   EXPECT_NE(p.validate(100).message().find("temperature"), std::string::npos);
   p = {};
@@ -140,10 +140,10 @@ TEST(SamplingParams, ValidateNamesTheField) {
   EXPECT_NE(p.validate(100).message().find("stop_token_ids"), std::string::npos);
   p = {};
   p.logprobs = 21;
-  EXPECT_FALSE(p.validate(100).is_ok());
+  EXPECT_FALSE(p.validate(100).ok());
   p = {};
   p.min_tokens = 20;
-  EXPECT_FALSE(p.validate(100).is_ok());
+  EXPECT_FALSE(p.validate(100).ok());
 }
 
 }  // namespace

@@ -117,7 +117,7 @@ TEST(SpecDecodeConfig, RefusesAModelWithoutDrafterOrTooManyDrafts) {
   FakeRunner plain(64, FakeRunner::two_groups(64));
   EngineConfig c = config(4, 64, 3);
   Status s = Engine::check_speculation(plain, c);
-  ASSERT_FALSE(s.is_ok());
+  ASSERT_FALSE(s.ok());
   EXPECT_NE(s.message().find("no DSpark drafter"), std::string::npos) << s.message();
   ByteTextCodec codec(64);
   Engine e(&plain, &codec, c);  // built anyway: runs without speculation
@@ -125,10 +125,10 @@ TEST(SpecDecodeConfig, RefusesAModelWithoutDrafterOrTooManyDrafts) {
 
   FakeRunner dr(64, FakeRunner::drafter_groups(64, 64, 8));
   dr.enable_drafter(4, 0.0);
-  EXPECT_TRUE(Engine::check_speculation(dr, c).is_ok());
+  EXPECT_TRUE(Engine::check_speculation(dr, c).ok());
   c.speculative.num_speculative_tokens = 4;  // a block of 4 holds the accepted token + 3 drafts
   s = Engine::check_speculation(dr, c);
-  ASSERT_FALSE(s.is_ok());
+  ASSERT_FALSE(s.ok());
   EXPECT_NE(s.message().find("exceeds what the drafter proposes per step (3"), std::string::npos) << s.message();
 }
 
@@ -156,7 +156,7 @@ TEST(SpecDecodeEngine, GreedyIsLosslessWithPrefixHitsChunksPreemptionAbortsAndSt
   auto reference = [&](const Req& q) {
     FakeRunner r(V, FakeRunner::two_groups(512));
     Engine e(&r, &codec, config(1, 512, 0));
-    EXPECT_TRUE(e.add_request(q.id, q.prompt, q.params).is_ok());
+    EXPECT_TRUE(e.add_request(q.id, q.prompt, q.params).ok());
     return drain(e);
   };
   // Stops that land inside accepted runs: a stop id taken from the reference output.
@@ -189,7 +189,7 @@ TEST(SpecDecodeEngine, GreedyIsLosslessWithPrefixHitsChunksPreemptionAbortsAndSt
       if (in.seqs[i].num_logits > 1 && in.seqs[i].num_logits < 5) ++cut;
     }
   });
-  for (const auto& q : reqs) ASSERT_TRUE(e.add_request(q.id, q.prompt, q.params).is_ok());
+  for (const auto& q : reqs) ASSERT_TRUE(e.add_request(q.id, q.prompt, q.params).ok());
   RunOut got;
   int step = 0;
   std::set<std::string> aborted;
@@ -205,7 +205,7 @@ TEST(SpecDecodeEngine, GreedyIsLosslessWithPrefixHitsChunksPreemptionAbortsAndSt
     auto r = e.step();
     ASSERT_TRUE(r.ok()) << r.status().message();
     collect(&got, r.value());
-    ASSERT_TRUE(e.blocks().check_invariants().is_ok());
+    ASSERT_TRUE(e.blocks().check_invariants().ok());
     ASSERT_LT(++step, 20000);
   }
   for (const auto& q : reqs) {
@@ -341,7 +341,7 @@ TEST_P(SpecDecodeSampling, JointOfFourTokensEqualsTheTargets) {
   sp.ignore_eos = true;
   std::vector<int64_t> counts(exact.size(), 0);
   const Status st = testing::count_outputs(e, prompt, sp, N, 4, 5, 512, &counts);
-  ASSERT_TRUE(st.is_ok()) << st.message();
+  ASSERT_TRUE(st.ok()) << st.message();
   const EngineCounters c = e.counters();
   const ChiSquare x = chi_square(exact, counts, N);
   const double lo = testing::chi_square_critical(x.df, 1e-6);  // the test's critical value
@@ -391,13 +391,13 @@ TEST(SpecDecodeEngine, SeededSamplingDoesNotDependOnTheBatch) {
       p.seed = 1234;
       p.max_tokens = 30;
       p.ignore_eos = true;
-      EXPECT_TRUE(e.add_request("s", prompt, p).is_ok());
+      EXPECT_TRUE(e.add_request("s", prompt, p).ok());
       if (batched)
         for (int i = 0; i < 7; ++i) {
           SamplingParams q = p;
           q.seed.reset();
           q.max_tokens = 5 + 4 * i;
-          EXPECT_TRUE(e.add_request("o" + std::to_string(i), random_prompt(rng, 3 + 9 * i, V), q).is_ok());
+          EXPECT_TRUE(e.add_request("o" + std::to_string(i), random_prompt(rng, 3 + 9 * i, V), q).ok());
         }
       RunOut o = drain(e);
       EXPECT_GT(e.counters().spec.num_accepted_tokens, 0);
@@ -441,8 +441,8 @@ TEST(SpecDecodeEngine, IneligibleRequestsDecodeOneByOne) {
   FakeRunner plain(V, FakeRunner::two_groups(512));
   Engine ref(&plain, &codec, config(8, 64, 0));
   for (size_t i = 0; i < reqs.size(); ++i) {
-    ASSERT_TRUE(e.add_request(reqs[i].first, prompts[i], reqs[i].second).is_ok());
-    ASSERT_TRUE(ref.add_request(reqs[i].first, prompts[i], reqs[i].second).is_ok());
+    ASSERT_TRUE(e.add_request(reqs[i].first, prompts[i], reqs[i].second).ok());
+    ASSERT_TRUE(ref.add_request(reqs[i].first, prompts[i], reqs[i].second).ok());
   }
   RunOut a = drain(e), b = drain(ref);
   EXPECT_EQ(a.tokens, b.tokens);
@@ -461,14 +461,14 @@ TEST(SpecDecodeEngine, SmallDrafterPoolOnlyCostsDrafts) {
   Engine e(&r, &codec, config(6, 64, 4));
   std::vector<std::vector<int32_t>> prompts;
   for (int i = 0; i < 6; ++i) prompts.push_back(random_prompt(rng, 5 + 7 * i, V));
-  for (int i = 0; i < 6; ++i) ASSERT_TRUE(e.add_request("w" + std::to_string(i), prompts[i], greedy(40)).is_ok());
+  for (int i = 0; i < 6; ++i) ASSERT_TRUE(e.add_request("w" + std::to_string(i), prompts[i], greedy(40)).ok());
   const int64_t free0 = e.blocks().num_free_blocks_total();
   RunOut got = drain(e);
   for (int i = 0; i < 6; ++i) {
     FakeRunner plain(V, FakeRunner::two_groups(512));
     Engine ref(&plain, &codec, config(1, 64, 0));
     const std::string id = "w" + std::to_string(i);
-    ASSERT_TRUE(ref.add_request(id, prompts[i], greedy(40)).is_ok());
+    ASSERT_TRUE(ref.add_request(id, prompts[i], greedy(40)).ok());
     EXPECT_EQ(got.tokens[id], drain(ref).tokens[id]) << id;
   }
   const EngineCounters c = e.counters();
@@ -505,7 +505,7 @@ TEST(SpecDecodeEngine, NoLeaksAfterAThousandMixedRequestsWithAborts) {
   EXPECT_GT(aborted, 50);
   EXPECT_GT(e.counters().spec.num_accepted_tokens, 0);
   EXPECT_EQ(e.num_live(), 0u);
-  ASSERT_TRUE(e.blocks().check_invariants().is_ok());
+  ASSERT_TRUE(e.blocks().check_invariants().ok());
   for (int g = 0; g < e.blocks().num_groups(); ++g) EXPECT_EQ(e.blocks().num_free_blocks(g), free0[g]) << g;
 }
 

@@ -202,7 +202,7 @@ TEST(StructuredOutput, EngineFinishesEveryConstrainedRequestWithAMatch) {
       p.seed = rng();
       p.max_tokens = 40;
       if (i % 4 != 3) p.structured = rx;  // every 4th runs unconstrained in the same batch
-      ASSERT_TRUE(e.add_request("r" + std::to_string(i), random_prompt(rng, 5 + i), p).is_ok());
+      ASSERT_TRUE(e.add_request("r" + std::to_string(i), random_prompt(rng, 5 + i), p).ok());
     }
     std::map<std::string, std::string>& text = texts[mode];
     std::map<std::string, RequestOutput> last;
@@ -253,7 +253,7 @@ TEST(PromptLogprobs, ChunkedPrefillMatchesDirectLogSoftmaxAndSkipsThePrefixCache
   p.prompt_logprobs = 3;
   std::map<std::string, std::vector<TokenLogprob>> got;
   for (const std::string id : {"a", "b"}) {  // b: same prompt after a finished (a full prefix hit otherwise)
-    ASSERT_TRUE(e.add_request(id, prompt, p).is_ok());
+    ASSERT_TRUE(e.add_request(id, prompt, p).ok());
     for (int s = 0; s < 100 && e.has_work(); ++s) {
       auto out = e.step();
       ASSERT_TRUE(out.ok()) << out.status().message();

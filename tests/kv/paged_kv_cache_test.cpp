@@ -129,13 +129,13 @@ TEST(PagedKvCache, SizeBytesAndCreateErrors) {
   EXPECT_FALSE(PagedKvCache::create(*spec, {3, -1, 1}).ok());
   EXPECT_FALSE(PagedKvCache::create(*spec, {3, 2, 1}, 0.0f).ok());
 
-  EXPECT_TRUE(cache->check_slot(0, 4, 3 * 64 - 1).is_ok());
+  EXPECT_TRUE(cache->check_slot(0, 4, 3 * 64 - 1).ok());
   auto past = cache->check_slot(0, 4, 3 * 64);
   EXPECT_EQ(past.code(), StatusCode::kOutOfRange);
   EXPECT_NE(past.message().find("latent"), std::string::npos);
-  EXPECT_FALSE(cache->check_slot(0, 5, 0).is_ok());   // 5 latent slots: 0..4
-  EXPECT_FALSE(cache->check_slot(1, 0, -1).is_ok());
-  EXPECT_FALSE(cache->check_slot(3, 0, 0).is_ok());   // 3 groups
+  EXPECT_FALSE(cache->check_slot(0, 5, 0).ok());   // 5 latent slots: 0..4
+  EXPECT_FALSE(cache->check_slot(1, 0, -1).ok());
+  EXPECT_FALSE(cache->check_slot(3, 0, 0).ok());   // 3 groups
 }
 
 TEST(PagedKvCache, BlocksForBudgetNeverExceedsIt) {

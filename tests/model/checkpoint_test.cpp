@@ -36,8 +36,8 @@ Tensor random_f32(Shape shape, std::mt19937& rng) {
 // Writes one shard file holding `names` (f32 [2, 3] each, random).
 void write_shard(const TempDir& d, const std::string& file, const std::vector<std::string>& names, std::mt19937& rng) {
   SafetensorsWriter w;
-  for (const auto& n : names) ASSERT_TRUE(w.add(n, random_f32({2, 3}, rng)).is_ok());
-  ASSERT_TRUE(w.write(d.file(file)).is_ok());
+  for (const auto& n : names) ASSERT_TRUE(w.add(n, random_f32({2, 3}, rng)).ok());
+  ASSERT_TRUE(w.write(d.file(file)).ok());
 }
 
 std::string open_error(const TempDir& d) {
@@ -50,9 +50,9 @@ TEST(Checkpoint, MistralSingleFileAndViewsOutliveIt) {
   std::mt19937 rng(1);
   Tensor emb = random_f32({4, 8}, rng);
   SafetensorsWriter w;
-  ASSERT_TRUE(w.add("tok_embeddings.weight", emb).is_ok());
-  ASSERT_TRUE(w.add("norm.weight", random_f32({8}, rng)).is_ok());
-  ASSERT_TRUE(w.write_sharded(d.str(), "consolidated", 1 << 20).is_ok());
+  ASSERT_TRUE(w.add("tok_embeddings.weight", emb).ok());
+  ASSERT_TRUE(w.add("norm.weight", random_f32({8}, rng)).ok());
+  ASSERT_TRUE(w.write_sharded(d.str(), "consolidated", 1 << 20).ok());
   ASSERT_TRUE(fs::exists(d.file("consolidated.safetensors")));
 
   Tensor view;
@@ -87,9 +87,9 @@ TEST(Checkpoint, MistralNativeWinsOverHfInTheSameDirectory) {
   std::mt19937 rng(2);
   write_shard(d, "consolidated.safetensors", {"layers.0.attention.wq.weight"}, rng);
   SafetensorsWriter hf;
-  ASSERT_TRUE(hf.add("model.layers.0.self_attn.q_proj.weight", random_f32({2, 3}, rng)).is_ok());
-  ASSERT_TRUE(hf.add("model.norm.weight", random_f32({3}, rng)).is_ok());
-  ASSERT_TRUE(hf.write_sharded(d.str(), "model", 24).is_ok());
+  ASSERT_TRUE(hf.add("model.layers.0.self_attn.q_proj.weight", random_f32({2, 3}, rng)).ok());
+  ASSERT_TRUE(hf.add("model.norm.weight", random_f32({3}, rng)).ok());
+  ASSERT_TRUE(hf.write_sharded(d.str(), "model", 24).ok());
   auto c = Checkpoint::open(d.str());
   ASSERT_TRUE(c.ok()) << c.status().message();
   EXPECT_EQ(c->layout(), CheckpointLayout::kMistral);

@@ -240,7 +240,7 @@ TEST(Presets, TinyPresetsHaveTheirFeatures) {
   EXPECT_FALSE(m.moe.has_correction_bias);
   EXPECT_TRUE(m.llama4_scaling.enabled);
   EXPECT_EQ(m.llama4_scaling.original_max_position_embeddings, m.yarn.original_max_position_embeddings);
-  EXPECT_TRUE(check_hf_representable(m, "mistral4").is_ok()) << check_hf_representable(m, "mistral4").message();
+  EXPECT_TRUE(check_hf_representable(m, "mistral4").ok()) << check_hf_representable(m, "mistral4").message();
 
   ModelConfig d = preset("dsv32-tiny");
   EXPECT_EQ(d.hf_model_type, "deepseek_v32");
@@ -250,7 +250,7 @@ TEST(Presets, TinyPresetsHaveTheirFeatures) {
   EXPECT_EQ(d.moe.scoring, RouterScoring::kSigmoid);
   EXPECT_TRUE(d.moe.has_correction_bias);
   EXPECT_GT(d.moe.num_expert_groups, 1);
-  EXPECT_TRUE(check_hf_representable(d, "deepseek_v32").is_ok()) << check_hf_representable(d, "deepseek_v32").message();
+  EXPECT_TRUE(check_hf_representable(d, "deepseek_v32").ok()) << check_hf_representable(d, "deepseek_v32").message();
 
   EXPECT_EQ(preset_names().size(), 5u);
 }
@@ -270,7 +270,7 @@ TEST(ConfigLoader, ParamsJsonRoundTrip) {
   ModelConfig d = preset("dsv32-tiny");
   d.layers[2].ffn = FfnKind::kDense;
   d.weight_format = WeightFormat::kNVFP4Experts;
-  ASSERT_TRUE(validate_model_config(d).is_ok());
+  ASSERT_TRUE(validate_model_config(d).ok());
   auto back = parse_params_json(params_json_from_config(d));
   ASSERT_TRUE(back.ok()) << back.status().message();
   expect_same(d, back.value());
@@ -296,7 +296,7 @@ TEST(ConfigLoader, HfConfigRoundTrip) {
   ModelConfig dense = preset("mistral4-tiny");
   dense.moe = MoeConfig{};
   for (auto& l : dense.layers) l.ffn = FfnKind::kDense;
-  ASSERT_TRUE(validate_model_config(dense).is_ok());
+  ASSERT_TRUE(validate_model_config(dense).ok());
   auto dense_back = parse_hf_config_json(hf_config_json_from_config(dense, "mistral4"));
   ASSERT_TRUE(dense_back.ok()) << dense_back.status().message();
   expect_same(dense, dense_back.value());
@@ -309,8 +309,8 @@ TEST(ConfigLoader, HfConfigRoundTrip) {
     l.indexer_source = -1;
     l.indexer_slot = -1;
   }
-  ASSERT_TRUE(validate_model_config(v3).is_ok());
-  ASSERT_TRUE(check_hf_representable(v3, "deepseek_v3").is_ok()) << check_hf_representable(v3, "deepseek_v3").message();
+  ASSERT_TRUE(validate_model_config(v3).ok());
+  ASSERT_TRUE(check_hf_representable(v3, "deepseek_v3").ok()) << check_hf_representable(v3, "deepseek_v3").message();
   auto v3b = parse_hf_config_json(hf_config_json_from_config(v3, "deepseek_v3"));
   ASSERT_TRUE(v3b.ok()) << v3b.status().message();
   expect_same(v3, v3b.value());
@@ -318,12 +318,12 @@ TEST(ConfigLoader, HfConfigRoundTrip) {
 
 TEST(ConfigLoader, Ml4IsNotRepresentableAsHf) {
   Status s = check_hf_representable(preset("ml4-tiny"), "mistral4");
-  ASSERT_FALSE(s.is_ok());
+  ASSERT_FALSE(s.ok());
   for (const char* why : {"KV-sharing consumer", "NoPE", "SSMax", "indexer-reusing", "LeRoPE", "drafter", "indexer (DSA)"}) {
     EXPECT_NE(s.message().find(why), std::string::npos) << why << " in: " << s.message();
   }
   Status d = check_hf_representable(preset("mistral4-tiny"), "deepseek_v3");
-  ASSERT_FALSE(d.is_ok());
+  ASSERT_FALSE(d.ok());
   EXPECT_NE(d.message().find("softmax routing"), std::string::npos) << d.message();
   EXPECT_NE(d.message().find("llama_4_scaling"), std::string::npos) << d.message();
 }

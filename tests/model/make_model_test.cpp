@@ -30,7 +30,7 @@ TEST(MakeModel, MergedLayoutHoldsBothWithTheSameWeights) {
   o.out_dir = tmp.file("m");
   o.layout = "merged";
   o.tokenizer_json = read_text(std::string(ML4_SOURCE_DIR) + "/tests/golden/tokenizer/tekken_trained_v15_512.json");
-  ASSERT_TRUE(make_model(o).is_ok());
+  ASSERT_TRUE(make_model(o).ok());
   for (const char* f : {"params.json", "config.json", "consolidated.safetensors", "model.safetensors", "tekken.json",
                         "tokenizer.json", "tokenizer_config.json"})
     EXPECT_TRUE(fs::exists(fs::path(o.out_dir) / f)) << f;
@@ -56,7 +56,7 @@ TEST(MakeModel, MergedLayoutHoldsBothWithTheSameWeights) {
   // An unknown layout is refused.
   o.layout = "mixed";
   o.out_dir = tmp.file("x");
-  EXPECT_FALSE(make_model(o).is_ok());
+  EXPECT_FALSE(make_model(o).ok());
 }
 
 }  // namespace

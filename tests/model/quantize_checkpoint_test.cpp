@@ -51,7 +51,7 @@ void make_tiny(const std::string& dir, const std::string& preset, const std::str
   m.tokenizer_json = tiny_tekken();
   ASSERT_FALSE(m.tokenizer_json.empty());
   Status s = make_model(m);
-  ASSERT_TRUE(s.is_ok()) << s.message();
+  ASSERT_TRUE(s.ok()) << s.message();
 }
 
 // quantize_checkpoint(o) is refused with a message containing `needle`, writing nothing.

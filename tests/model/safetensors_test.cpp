@@ -177,8 +177,8 @@ TEST(Safetensors, BadLengthFieldsAndTruncation) {
   // A real file cut short: the last tensor's end falls past the data region.
   SafetensorsWriter w;
   std::mt19937 rng(7);
-  ASSERT_TRUE(w.add("layers.0.attention.wq.weight", random_tensor(DType::kBF16, {32, 64}, rng)).is_ok());
-  ASSERT_TRUE(w.write(p).is_ok());
+  ASSERT_TRUE(w.add("layers.0.attention.wq.weight", random_tensor(DType::kBF16, {32, 64}, rng)).ok());
+  ASSERT_TRUE(w.write(p).ok());
   std::string full = read_bytes(p);
   write_bytes(p, full.substr(0, full.size() - 2048));
   r = SafetensorsFile::open(p);
@@ -204,12 +204,12 @@ TEST(Safetensors, FuzzedHeadersNeverCrash) {
   std::mt19937 rng(2024);
   SafetensorsWriter w;
   w.set_metadata("format", "pt");
-  ASSERT_TRUE(w.add("a", random_tensor(DType::kF32, {3, 5}, rng)).is_ok());
-  ASSERT_TRUE(w.add("b.weight", random_tensor(DType::kBF16, {7}, rng)).is_ok());
-  ASSERT_TRUE(w.add("c", random_tensor(DType::kF8E4M3, {2, 2, 3}, rng)).is_ok());
-  ASSERT_TRUE(w.add("s", random_tensor(DType::kI64, {}, rng)).is_ok());
+  ASSERT_TRUE(w.add("a", random_tensor(DType::kF32, {3, 5}, rng)).ok());
+  ASSERT_TRUE(w.add("b.weight", random_tensor(DType::kBF16, {7}, rng)).ok());
+  ASSERT_TRUE(w.add("c", random_tensor(DType::kF8E4M3, {2, 2, 3}, rng)).ok());
+  ASSERT_TRUE(w.add("s", random_tensor(DType::kI64, {}, rng)).ok());
   std::string p = dir.file("fuzz.safetensors");
-  ASSERT_TRUE(w.write(p).is_ok());
+  ASSERT_TRUE(w.write(p).ok());
   const std::string orig = read_bytes(p);
   uint64_t hlen = 0;
   for (int i = 7; i >= 0; --i) hlen = (hlen << 8) | static_cast<uint8_t>(orig[i]);
@@ -279,11 +279,11 @@ TEST(Safetensors, RoundTripEveryDtypeSingleFile) {
   SafetensorsWriter w;
   w.set_metadata("format", "pt");
   w.set_metadata("ml4", "test");
-  for (auto& [n, t] : tensors) ASSERT_TRUE(w.add(n, t).is_ok());
-  EXPECT_FALSE(w.add(tensors[0].first, tensors[0].second).is_ok());  // duplicate name
-  EXPECT_FALSE(w.add("__metadata__", tensors[0].second).is_ok());
+  for (auto& [n, t] : tensors) ASSERT_TRUE(w.add(n, t).ok());
+  EXPECT_FALSE(w.add(tensors[0].first, tensors[0].second).ok());  // duplicate name
+  EXPECT_FALSE(w.add("__metadata__", tensors[0].second).ok());
   std::string p = dir.file("consolidated.safetensors");
-  ASSERT_TRUE(w.write(p).is_ok());
+  ASSERT_TRUE(w.write(p).ok());
   EXPECT_FALSE(fs::exists(p + ".tmp"));
 
   // File layout: header length a multiple of 8 (space padded); the data region holds the
@@ -338,10 +338,10 @@ TEST(Safetensors, WriterMatchesReferenceBytes) {
   for (int i = 0; i < 3; ++i) b.mutable_as<int8_t>()[i] = static_cast<int8_t>(i + 1);
   SafetensorsWriter w;
   w.set_metadata("format", "pt");
-  ASSERT_TRUE(w.add("a", a).is_ok());
-  ASSERT_TRUE(w.add("b.weight", b).is_ok());
+  ASSERT_TRUE(w.add("a", a).ok());
+  ASSERT_TRUE(w.add("b.weight", b).ok());
   std::string p = dir.file("ref.safetensors");
-  ASSERT_TRUE(w.write(p).is_ok());
+  ASSERT_TRUE(w.write(p).ok());
   EXPECT_EQ(read_bytes(p), want);
 }
 
@@ -349,12 +349,12 @@ TEST(Safetensors, WriterKeepsTheAddedOrderWhenAligned) {
   TempDir dir;
   std::mt19937 rng(3);
   SafetensorsWriter w;
-  ASSERT_TRUE(w.add("z", random_tensor(DType::kF32, {4}, rng)).is_ok());
-  ASSERT_TRUE(w.add("a", random_tensor(DType::kBF16, {4}, rng)).is_ok());
-  ASSERT_TRUE(w.add("m", random_tensor(DType::kU8, {3}, rng)).is_ok());
-  ASSERT_TRUE(w.add("b", random_tensor(DType::kU8, {5}, rng)).is_ok());
+  ASSERT_TRUE(w.add("z", random_tensor(DType::kF32, {4}, rng)).ok());
+  ASSERT_TRUE(w.add("a", random_tensor(DType::kBF16, {4}, rng)).ok());
+  ASSERT_TRUE(w.add("m", random_tensor(DType::kU8, {3}, rng)).ok());
+  ASSERT_TRUE(w.add("b", random_tensor(DType::kU8, {5}, rng)).ok());
   std::string p = dir.file("o.safetensors");
-  ASSERT_TRUE(w.write(p).is_ok());
+  ASSERT_TRUE(w.write(p).ok());
   auto f = SafetensorsFile::open(p);
   ASSERT_TRUE(f.ok());
   EXPECT_EQ((*f)->info("z")->begin, 0u);
@@ -363,11 +363,11 @@ TEST(Safetensors, WriterKeepsTheAddedOrderWhenAligned) {
   EXPECT_EQ((*f)->info("b")->begin, 27u);
   // A u8 [3] first would misalign what follows: larger elements move ahead, in added order.
   SafetensorsWriter w2;
-  ASSERT_TRUE(w2.add("m", random_tensor(DType::kU8, {3}, rng)).is_ok());
-  ASSERT_TRUE(w2.add("h", random_tensor(DType::kF16, {1}, rng)).is_ok());
-  ASSERT_TRUE(w2.add("z", random_tensor(DType::kF32, {1}, rng)).is_ok());
-  ASSERT_TRUE(w2.add("y", random_tensor(DType::kF32, {1}, rng)).is_ok());
-  ASSERT_TRUE(w2.write(p).is_ok());
+  ASSERT_TRUE(w2.add("m", random_tensor(DType::kU8, {3}, rng)).ok());
+  ASSERT_TRUE(w2.add("h", random_tensor(DType::kF16, {1}, rng)).ok());
+  ASSERT_TRUE(w2.add("z", random_tensor(DType::kF32, {1}, rng)).ok());
+  ASSERT_TRUE(w2.add("y", random_tensor(DType::kF32, {1}, rng)).ok());
+  ASSERT_TRUE(w2.write(p).ok());
   f = SafetensorsFile::open(p);
   ASSERT_TRUE(f.ok());
   EXPECT_EQ((*f)->info("z")->begin, 0u);
@@ -383,10 +383,10 @@ TEST(Safetensors, RoundTripSharded) {
   SafetensorsWriter w;
   uint64_t total = 0;
   for (auto& [n, t] : tensors) {
-    ASSERT_TRUE(w.add(n, t).is_ok());
+    ASSERT_TRUE(w.add(n, t).ok());
     total += t.nbytes();
   }
-  ASSERT_TRUE(w.write_sharded(dir.path().string(), "model", 200).is_ok());
+  ASSERT_TRUE(w.write_sharded(dir.path().string(), "model", 200).ok());
   // 200-byte shards: the 612-byte f32 tensor gets one of its own.
   std::string idx_text = read_bytes(dir.file("model.safetensors.index.json"));
   ASSERT_FALSE(idx_text.empty());
@@ -419,10 +419,10 @@ TEST(Safetensors, RoundTripSharded) {
   }
 
   // Rewriting as one shard replaces the index by a single file.
-  ASSERT_TRUE(w.write_sharded(dir.path().string(), "model", 1ull << 30).is_ok());
+  ASSERT_TRUE(w.write_sharded(dir.path().string(), "model", 1ull << 30).ok());
   EXPECT_TRUE(fs::exists(dir.file("model.safetensors")));
   EXPECT_FALSE(fs::exists(dir.file("model.safetensors.index.json")));
-  EXPECT_FALSE(w.write_sharded(dir.path().string(), "model", 0).is_ok());
+  EXPECT_FALSE(w.write_sharded(dir.path().string(), "model", 0).ok());
 }
 
 TEST(Safetensors, MisalignedTensorIsCopiedNotMisread) {

@@ -82,7 +82,7 @@ TEST(WeightShard, LoaderBindsTheRanksSlices) {
   mo.preset = "ml4-tiny";
   mo.out_dir = dir.str();
   mo.seed = 5;
-  ASSERT_TRUE(make_model(mo).is_ok());
+  ASSERT_TRUE(make_model(mo).ok());
   auto cfg = load_model_config(dir.str());
   ASSERT_TRUE(cfg.ok());
   auto ck = Checkpoint::open(dir.str());
@@ -114,10 +114,10 @@ TEST(WeightShard, LoaderBindsTheRanksSlices) {
     // add_absorb's shape check: the shard's wkv_b fits the rank's 2 heads, not the whole model.
     ModelConfig rank_cfg = *cfg;
     rank_cfg.n_heads = 2;
-    EXPECT_TRUE(check_wkv_b_shape(rank_cfg, b.wkv_b).is_ok());
-    EXPECT_TRUE(check_wkv_b_shape(*cfg, a.wkv_b).is_ok());
+    EXPECT_TRUE(check_wkv_b_shape(rank_cfg, b.wkv_b).ok());
+    EXPECT_TRUE(check_wkv_b_shape(*cfg, a.wkv_b).ok());
     const Status st = check_wkv_b_shape(*cfg, b.wkv_b);
-    EXPECT_FALSE(st.is_ok());
+    EXPECT_FALSE(st.ok());
     EXPECT_NE(st.message().find("wkv_b is ["), std::string::npos) << st.message();
   };
   for (int l : {0, 2, 7}) {  // dense, MoE + SSMax reuser, KV consumer

@@ -98,8 +98,8 @@ TEST(HotBuffer, ForgetFromDropsRewrittenPositions) {
 
 TEST(HiSparseState, RegionsAreTakenReleasedAndBounded) {
   HiSparseState st(3, 2, 16);
-  ASSERT_TRUE(st.begin_seq_step(7, 0, 100).is_ok());
-  ASSERT_TRUE(st.begin_seq_step(9, 0, 50).is_ok());
+  ASSERT_TRUE(st.begin_seq_step(7, 0, 100).ok());
+  ASSERT_TRUE(st.begin_seq_step(9, 0, 50).ok());
   auto third = st.region(11);
   ASSERT_FALSE(third.ok());
   EXPECT_NE(third.status().message().find("in use"), std::string::npos);
@@ -109,7 +109,7 @@ TEST(HiSparseState, RegionsAreTakenReleasedAndBounded) {
   st.buffer(g, 1).touch({5, 60, 98, 99}, rows.data(), &loads);
   EXPECT_EQ(st.resident_rows(), 4);
   // A step that starts at 98 (drafts past it rejected) forgets 98 and 99 in every layer.
-  ASSERT_TRUE(st.begin_seq_step(7, 98, 101).is_ok());
+  ASSERT_TRUE(st.begin_seq_step(7, 98, 101).ok());
   EXPECT_EQ(st.resident_rows(), 2);
   st.release(7);
   EXPECT_EQ(st.regions_in_use(), 1);

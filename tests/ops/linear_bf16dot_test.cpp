@@ -87,7 +87,7 @@ Case make_case(LinearFormat f, int64_t N, int64_t K, uint32_t seed, bool nan_cod
 class LinearBf16Dot : public testing::Test {
  protected:
   void SetUp() override {
-    if (!activation_dtype_supported(ActivationDtype::kBF16).is_ok())
+    if (!activation_dtype_supported(ActivationDtype::kBF16).ok())
       GTEST_SKIP() << activation_dtype_supported(ActivationDtype::kBF16).message();
   }
 };

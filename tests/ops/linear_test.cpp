@@ -30,7 +30,7 @@ void check_linear(LinearFormat format, int64_t M, int64_t N, int64_t K, uint32_t
   SCOPED_TRACE(testing::Message() << "format " << static_cast<int>(format) << " M=" << M
                                   << " N=" << N << " K=" << K);
   TestWeight t = make_weight(format, N, K, seed);
-  ASSERT_TRUE(validate_linear_weight(t.w).is_ok()) << validate_linear_weight(t.w).message();
+  ASSERT_TRUE(validate_linear_weight(t.w).ok()) << validate_linear_weight(t.w).message();
   std::vector<float> x = test::random_floats(static_cast<size_t>(M * K), seed + 1);
   std::vector<float> y(static_cast<size_t>(M * N), -7.0f);
   linear(x.data(), M, t.w, y.data());
@@ -355,7 +355,7 @@ TEST(Linear, BadWeightIsAnErrorNotACrash) {
   TestWeight t = make_weight(LinearFormat::kBF16, 8, 16, 61);
   t.w.in_features = 32;  // declared K disagrees with the tensor
   Status st = validate_linear_weight(t.w);
-  ASSERT_FALSE(st.is_ok());
+  ASSERT_FALSE(st.ok());
   EXPECT_NE(st.message().find("test.weight"), std::string::npos) << st.message();
   EXPECT_NE(st.message().find("[8, 32]"), std::string::npos) << st.message();
   std::vector<float> x(32, 1.0f), y(8, 0.0f);
@@ -364,11 +364,11 @@ TEST(Linear, BadWeightIsAnErrorNotACrash) {
 
   TestWeight f = make_weight(LinearFormat::kFP8Block, 8, 16, 62);
   f.w.scale = Tensor();
-  EXPECT_FALSE(validate_linear_weight(f.w).is_ok());
+  EXPECT_FALSE(validate_linear_weight(f.w).ok());
 
   TestWeight nv = make_weight(LinearFormat::kNVFP4, 4, 32, 63);
   nv.w.in_features = 24;  // not a multiple of 16
-  EXPECT_FALSE(validate_linear_weight(nv.w).is_ok());
+  EXPECT_FALSE(validate_linear_weight(nv.w).ok());
 }
 
 }  // namespace

@@ -62,7 +62,7 @@ class ActivationDtype : public ::testing::Test {
  protected:
   void SetUp() override {
     Status s = cpu::activation_dtype_supported(cpu::ActivationDtype::kBF16);
-    if (!s.is_ok()) GTEST_SKIP() << s.message();
+    if (!s.ok()) GTEST_SKIP() << s.message();
   }
 };
 

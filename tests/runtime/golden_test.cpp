@@ -32,22 +32,22 @@ TEST(Golden, ForcedDecisionsAreValidated) {
   future.forced_topk.assign(L, {});
   future.forced_topk[0] = {{0}, {0, 1}, {0, 3}, {0}};
   Status s = run(future);
-  EXPECT_FALSE(s.is_ok());
+  EXPECT_FALSE(s.ok());
   EXPECT_NE(s.message().find("forced_topk[0][2]"), std::string::npos) << s.message();
   ForwardTrace short_rows;  // fewer rows than tokens
   short_rows.forced_topk.assign(L, {});
   short_rows.forced_topk[0] = {{0}};
-  EXPECT_FALSE(run(short_rows).is_ok());
+  EXPECT_FALSE(run(short_rows).ok());
   ForwardTrace bad_expert;  // an expert id out of range, on an MoE layer
   bad_expert.forced_experts.assign(L, {});
   bad_expert.forced_experts[1].assign(tokens.size(), {0, r->config().moe.num_experts});
   s = run(bad_expert);
-  EXPECT_FALSE(s.is_ok());
+  EXPECT_FALSE(s.ok());
   EXPECT_NE(s.message().find("forced_experts[1]"), std::string::npos) << s.message();
   ForwardTrace dense;  // forcing experts on the dense layer 0
   dense.forced_experts.assign(L, {});
   dense.forced_experts[0].assign(tokens.size(), {0, 1});
-  EXPECT_FALSE(run(dense).is_ok());
+  EXPECT_FALSE(run(dense).ok());
 }
 
 }  // namespace

@@ -57,7 +57,7 @@ TEST(LatencyDecode, ListsEveryReasonAtOnce) {
   for (const auto& e : expect) EXPECT_TRUE(has(why, e)) << "missing reason: " << e;
 
   const Status st = check_decode_backend("latency_specialized", s);
-  ASSERT_FALSE(st.is_ok());
+  ASSERT_FALSE(st.ok());
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(st.message().find("refused (14 reasons)"), std::string::npos) << st.message();
   EXPECT_NE(st.message().find("never falls back"), std::string::npos);
@@ -77,9 +77,9 @@ TEST(LatencyDecode, StandardIsNeverRefusedAndUnknownIsNamed) {
   LatencyDecodeSetup s;  // everything the latency path refuses
   s.cuda_graphs = false;
   s.parallel.tensor_parallel_size = 4;
-  EXPECT_TRUE(check_decode_backend("standard", s).is_ok());
+  EXPECT_TRUE(check_decode_backend("standard", s).ok());
   const Status st = check_decode_backend("fast", s);
-  ASSERT_FALSE(st.is_ok());
+  ASSERT_FALSE(st.ok());
   EXPECT_NE(st.message().find("--decode-backend fast"), std::string::npos) << st.message();
 }
 

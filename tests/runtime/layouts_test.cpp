@@ -268,7 +268,7 @@ TEST(Layouts, HfRotateHalfRopeOrderLoadsIdentically) {
       offset = r;
     }
     if (group == 0) {
-      ASSERT_TRUE(w.add(name, t).is_ok());
+      ASSERT_TRUE(w.add(name, t).ok());
       continue;
     }
     ASSERT_EQ(t.dtype(), DType::kBF16) << name;
@@ -280,9 +280,9 @@ TEST(Layouts, HfRotateHalfRopeOrderLoadsIdentically) {
     for (int64_t g = 0; g < t.dim(0) / group; ++g)
       for (int j = 0; j < dr; ++j)  // stored row j holds native row perm[j]
         std::copy_n(src + (g * group + offset + perm[j]) * K, K, dst + (g * group + offset + j) * K);
-    ASSERT_TRUE(w.add(name, c).is_ok());
+    ASSERT_TRUE(w.add(name, c).ok());
   }
-  ASSERT_TRUE(w.write(out + "/model.safetensors").is_ok());
+  ASSERT_TRUE(w.write(out + "/model.safetensors").ok());
   {
     std::ifstream in(dir + "/hf/config.json");
     auto j = nlohmann::json::parse(in);

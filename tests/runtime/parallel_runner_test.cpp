@@ -43,7 +43,7 @@ TEST(ParallelWire, StepRoundTripsAndTruncationsAreRefused) {
   StepInput out;
   ForwardTrace f2;
   bool traced = false;
-  ASSERT_TRUE(decode_step(bytes, &out, &f2, &traced).is_ok());
+  ASSERT_TRUE(decode_step(bytes, &out, &f2, &traced).ok());
   ASSERT_TRUE(traced);
   ASSERT_EQ(out.seqs.size(), in.seqs.size());
   for (size_t i = 0; i < in.seqs.size(); ++i) {
@@ -65,11 +65,11 @@ TEST(ParallelWire, StepRoundTripsAndTruncationsAreRefused) {
     StepInput o;
     ForwardTrace t;
     bool tr = false;
-    EXPECT_FALSE(decode_step(part, &o, &t, &tr).is_ok()) << "cut at " << cut;
+    EXPECT_FALSE(decode_step(part, &o, &t, &tr).ok()) << "cut at " << cut;
   }
   std::vector<uint8_t> longer = bytes;
   longer.push_back(0);
-  EXPECT_FALSE(decode_step(longer, &out, &f2, &traced).is_ok());
+  EXPECT_FALSE(decode_step(longer, &out, &f2, &traced).ok());
 }
 
 // A DSpark draft step (ParallelRunner::draft broadcasts it): the same checks.
@@ -96,7 +96,7 @@ TEST(ParallelWire, DraftRoundTripsAndTruncationsAreRefused) {
   }
   const std::vector<uint8_t> bytes = encode_draft(in);
   DraftInput out;
-  ASSERT_TRUE(decode_draft(bytes, &out).is_ok());
+  ASSERT_TRUE(decode_draft(bytes, &out).ok());
   EXPECT_TRUE(out.want_probs);
   ASSERT_EQ(out.seqs.size(), in.seqs.size());
   for (size_t i = 0; i < in.seqs.size(); ++i) {
@@ -115,11 +115,11 @@ TEST(ParallelWire, DraftRoundTripsAndTruncationsAreRefused) {
   for (size_t cut = 0; cut < bytes.size(); ++cut) {
     std::vector<uint8_t> part(bytes.begin(), bytes.begin() + cut);
     DraftInput o;
-    EXPECT_FALSE(decode_draft(part, &o).is_ok()) << "cut at " << cut;
+    EXPECT_FALSE(decode_draft(part, &o).ok()) << "cut at " << cut;
   }
   std::vector<uint8_t> longer = bytes;
   longer.push_back(0);
-  EXPECT_FALSE(decode_draft(longer, &out).is_ok());
+  EXPECT_FALSE(decode_draft(longer, &out).ok());
 }
 
 TEST(ParallelWire, DpSliceMakesBlocksLocal) {

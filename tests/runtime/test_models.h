@@ -38,7 +38,7 @@ inline std::string test_model(const std::string& preset, uint64_t seed = 7, cons
   o.weight_dtype = dtype;
   o.layout = layout;
   Status s = make_model(o);
-  EXPECT_TRUE(s.is_ok()) << s.message();
+  EXPECT_TRUE(s.ok()) << s.message();
   made[key] = dir;
   return dir;
 }

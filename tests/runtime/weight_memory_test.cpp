@@ -81,7 +81,7 @@ struct Loaded {
   Loaded(MakeModelOptions mo, WeightLoadOptions wo) {
     mo.preset = "ml4-tiny";
     mo.out_dir = dir.str();
-    if (!make_model(mo).is_ok()) return;
+    if (!make_model(mo).ok()) return;
     cfg = load_model_config(dir.str());
     ck = Checkpoint::open(dir.str());
     if (!cfg.ok() || !ck.ok()) return;

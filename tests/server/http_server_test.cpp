@@ -33,9 +33,9 @@ TEST(HttpServer, HealthFailsFastOnHungOrDeadEngine) {
   so.served_model_name = "fake";
   so.http_threads = 8;
   OpenAiServer server(&async, &codec, &metrics, so);
-  ASSERT_TRUE(server.bind().is_ok());
+  ASSERT_TRUE(server.bind().ok());
   async.start();
-  std::thread serving([&] { EXPECT_TRUE(server.serve().is_ok()); });
+  std::thread serving([&] { EXPECT_TRUE(server.serve().ok()); });
 
   httplib::Client cli("127.0.0.1", server.bound_port());
   cli.set_read_timeout(5, 0);

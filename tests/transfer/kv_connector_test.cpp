@@ -107,7 +107,7 @@ TEST(KvConnector, LoadCopiesExactlyTheNamedBlocksAndReleasesTheHold) {
   prod->hold("req-a", 12);
   EXPECT_EQ(prod->stats().blocks_held, 12);
   KvLoadBlocks blocks{{r0, r1}, {l0, l1}};
-  ASSERT_TRUE(cons->start_load(7, source(*prod, "req-a", {{}, {}}), blocks).is_ok());
+  ASSERT_TRUE(cons->start_load(7, source(*prod, "req-a", {{}, {}}), blocks).ok());
   KvLoadResult res = wait_load(*cons, 7);
   ASSERT_TRUE(res.ok) << res.error;
   for (size_t reg = 0; reg < 3; ++reg) {
@@ -140,7 +140,7 @@ TEST(KvConnector, LoadCopiesExactlyTheNamedBlocksAndReleasesTheHold) {
 
   // Nothing to read (the consumer's prefix cache had it all): still done, hold released.
   prod->hold("req-b", 3);
-  ASSERT_TRUE(cons->start_load(8, source(*prod, "req-b", {{}, {}}), KvLoadBlocks{{{}, {}}, {{}, {}}}).is_ok());
+  ASSERT_TRUE(cons->start_load(8, source(*prod, "req-b", {{}, {}}), KvLoadBlocks{{{}, {}}, {{}, {}}}).ok());
   res = wait_load(*cons, 8);
   EXPECT_TRUE(res.ok) << res.error;
   EXPECT_EQ(wait_released(*prod, 1), std::vector<std::string>{"req-b"});
@@ -160,7 +160,7 @@ TEST(KvConnector, ExpiredHoldFailsTheLoad) {
   EXPECT_EQ(prod->stats().expired, 1);
   EXPECT_EQ(prod->stats().blocks_held, 0);
   // ... and a late consumer is told, so it fails instead of decoding from freed blocks.
-  ASSERT_TRUE(cons->start_load(1, source(*prod, "req-slow", {}), KvLoadBlocks{{{0}, {0}}, {{1}, {1}}}).is_ok());
+  ASSERT_TRUE(cons->start_load(1, source(*prod, "req-slow", {}), KvLoadBlocks{{{0}, {0}}, {{1}, {1}}}).ok());
   KvLoadResult res = wait_load(*cons, 1);
   EXPECT_FALSE(res.ok);
   EXPECT_NE(res.error.find("already freed"), std::string::npos) << res.error;
@@ -176,7 +176,7 @@ TEST(KvConnector, AbortReachesTheProducer) {
   ASSERT_TRUE(prod && cons);
   ASSERT_TRUE(cons->load_peer(prod->metadata()).ok());
   prod->hold("req-x", 2);
-  ASSERT_TRUE(cons->start_load(3, source(*prod, "req-x", {}), KvLoadBlocks{{{0}, {0}}, {{1}, {1}}}).is_ok());
+  ASSERT_TRUE(cons->start_load(3, source(*prod, "req-x", {}), KvLoadBlocks{{{0}, {0}}, {{1}, {1}}}).ok());
   cons->cancel_load(3);
   KvLoadResult res = wait_load(*cons, 3);
   EXPECT_FALSE(res.ok);
@@ -207,7 +207,7 @@ TEST(KvConnector, ProducerGoneFailsTheLoad) {
   src.request_id = "req-dead";
   const auto t0 = std::chrono::steady_clock::now();
   Status st = cons->start_load(4, src, KvLoadBlocks{{{0, 1}, {0}}, {{2, 3}, {4}}});
-  if (st.is_ok()) {
+  if (st.ok()) {
     KvLoadResult res = wait_load(*cons, 4);
     EXPECT_FALSE(res.ok);
     EXPECT_FALSE(res.cancelled);
@@ -249,7 +249,7 @@ TEST(KvConnector, ForeignLayoutCorruptMetadataAndBadBlocksAreRefused) {
   ASSERT_TRUE(cons->load_peer(md).ok());
   prod->hold("req-z", 2);
   Status bad = cons->start_load(1, source(*prod, "req-z", {}), KvLoadBlocks{{{8}, {0}}, {{0}, {0}}});
-  ASSERT_FALSE(bad.is_ok());
+  ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.message().find("outside the producer"), std::string::npos) << bad.message();
   EXPECT_EQ(cons->loads_in_flight(), 0u);
   std::this_thread::sleep_for(50ms);

@@ -58,8 +58,8 @@ std::unique_ptr<Pair> make_pair(std::mt19937_64& rng) {
   p->src1 = random_bytes(300000, rng);
   p->dst0.assign(1 << 20, 0);
   p->dst1.assign(300000, 0);
-  EXPECT_TRUE(p->producer->register_memory({{p->src0.data(), p->src0.size()}, {p->src1.data(), p->src1.size()}}).is_ok());
-  EXPECT_TRUE(p->consumer->register_memory({{p->dst0.data(), p->dst0.size()}, {p->dst1.data(), p->dst1.size()}}).is_ok());
+  EXPECT_TRUE(p->producer->register_memory({{p->src0.data(), p->src0.size()}, {p->src1.data(), p->src1.size()}}).ok());
+  EXPECT_TRUE(p->consumer->register_memory({{p->dst0.data(), p->dst0.size()}, {p->dst1.data(), p->dst1.size()}}).ok());
   Pair* raw = p.get();
   p->producer->set_notification_handler([raw](const std::string& m) {
     std::lock_guard<std::mutex> lk(raw->mu);
@@ -135,7 +135,7 @@ TEST(UcxAgent, ReadsExactRangesThenNotifies) {
   EXPECT_EQ(st.answer, "seen done req-2");
 
   // One-way notification.
-  ASSERT_TRUE(p->consumer->send_notification(*name, "abort req-3").is_ok());
+  ASSERT_TRUE(p->consumer->send_notification(*name, "abort req-3").ok());
   for (int i = 0; i < 5000 && p->num_notes() < 3; ++i) std::this_thread::sleep_for(1ms);
   std::lock_guard<std::mutex> lk(p->mu);
   ASSERT_EQ(p->notes.size(), 3u);
@@ -229,7 +229,7 @@ TEST(UcxAgent, DroppedPeerFailsItsTransfersAndCanBeLoadedAgain) {
   auto np = make_ucx_agent("producer-new");
   ASSERT_TRUE(np.ok());
   std::vector<uint8_t> src = random_bytes(8192, rng);
-  ASSERT_TRUE((*np)->register_memory({{src.data(), src.size()}}).is_ok());
+  ASSERT_TRUE((*np)->register_memory({{src.data(), src.size()}}).ok());
   auto n2 = p->consumer->load_peer((*np)->local_metadata().value());
   ASSERT_TRUE(n2.ok()) << n2.status().message();
   auto y = p->consumer->post_read(*n2, {{0, 0, 0, 0, src.size()}}, "");

@@ -114,7 +114,7 @@ Status run_generate_engine(const GenerateOptions& o, ModelRunner* runner, const 
   std::printf("\nengine: %ld steps, %ld tokens fed to the target in %.3f s, drafter %.3f s, rest %.3f s\n",
               static_cast<long>(c.steps), static_cast<long>(c.batched_tokens), c.forward_seconds, c.draft_seconds,
               c.step_seconds - c.forward_seconds - c.draft_seconds);
-  return Status::ok();
+  return ok_status();
 }
 
 Status run_generate(const GenerateOptions& o) {
@@ -201,7 +201,7 @@ Status run_generate(const GenerateOptions& o) {
   const size_t decoded = generated.size() > 0 ? generated.size() - 1 : 0;
   std::printf("prefill: %zu tokens in %.3f s (%.1f tok/s); decode: %zu tokens in %.3f s (%.2f tok/s)\n", prompt.size(),
               prefill_s, prompt.size() / prefill_s, decoded, decode_s, decoded > 0 ? decoded / decode_s : 0.0);
-  return Status::ok();
+  return ok_status();
 }
 
 CommandRegistrar reg("generate", [](CLI::App& app, int* exit_code) {
@@ -230,7 +230,7 @@ CommandRegistrar reg("generate", [](CLI::App& app, int* exit_code) {
       return;
     }
     Status s = run_generate(*o);
-    if (!s.is_ok()) {
+    if (!s.ok()) {
       ML4_LOG_ERROR("generate: {}", s.message());
       *exit_code = 1;
     }

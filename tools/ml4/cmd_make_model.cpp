@@ -113,7 +113,7 @@ CommandRegistrar reg("make-model", [](CLI::App& app, int* exit_code) {
     if (!tok.ok()) return fail(tok.status());
     o->tokenizer_json = std::move(tok).value();
     Status s = make_model(*o);
-    if (!s.is_ok()) return fail(s);
+    if (!s.ok()) return fail(s);
     ML4_LOG_INFO("make-model: wrote {} ({}, {:.3f}B parameters)", o->out_dir, cfg->name,
                  static_cast<double>(count_parameters(*cfg).total) / 1e9);
   });

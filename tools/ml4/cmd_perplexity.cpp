@@ -166,7 +166,7 @@ Status run_perplexity(const PerplexityOptions& o) {
     std::printf("tokens %lld, mean NLL %.6f, perplexity %.4f +/- %.4f, bits per byte %.4f (%.1f s, %.0f tok/s)\n",
                 static_cast<long long>(total.tokens), mean, ppl, ppl * se, bpb, secs, n_chunks * o.ctx / secs);
   }
-  return Status::ok();
+  return ok_status();
 }
 
 CommandRegistrar reg("perplexity", [](CLI::App& app, int* exit_code) {
@@ -185,7 +185,7 @@ CommandRegistrar reg("perplexity", [](CLI::App& app, int* exit_code) {
   add_device_options(cmd, &o->dev);
   cmd->callback([o, exit_code] {
     Status s = run_perplexity(*o);
-    if (!s.is_ok()) {
+    if (!s.ok()) {
       ML4_LOG_ERROR("perplexity: {}", s.message());
       *exit_code = 1;
     }

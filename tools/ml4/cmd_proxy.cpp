@@ -57,7 +57,7 @@ CommandRegistrar reg("proxy", [](CLI::App& app, int* exit_code) {
   cmd->add_option("--upstream-timeout", o->upstream_timeout_s, "read timeout of a request to an instance, seconds");
   cmd->callback([o, exit_code] {
     Status s = run_proxy(*o);
-    if (!s.is_ok()) {
+    if (!s.ok()) {
       ML4_LOG_ERROR("proxy: {}", s.message());
       *exit_code = 1;
     }

@@ -62,7 +62,7 @@ std::string default_model_dir() {
 }
 
 Status ensure_default_model(const std::string& dir) {
-  if (std::filesystem::exists(dir + "/params.json")) return Status::ok();
+  if (std::filesystem::exists(dir + "/params.json")) return ok_status();
   ML4_LOG_INFO("serve: building the default model ml4-tiny (seed 0) in {}", dir);
   std::error_code ec;
   std::filesystem::create_directories(std::filesystem::path(dir).parent_path(), ec);
@@ -74,7 +74,7 @@ Status ensure_default_model(const std::string& dir) {
   if (std::system(cmd.c_str()) != 0) return internal_error("'{}' failed", cmd);
   std::filesystem::rename(tmp, dir, ec);  // atomic: a half-written model is never picked up
   if (ec && !std::filesystem::exists(dir + "/params.json")) return io_error("cannot move {} to {}: {}", tmp, dir, ec.message());
-  return Status::ok();
+  return ok_status();
 }
 
 Status run_serve(ServeOptions o) {
@@ -230,7 +230,7 @@ CommandRegistrar reg("serve", [](CLI::App& app, int* exit_code) {
                   "\"draft_sample_method\":\"greedy\"}' (or \"probabilistic\")");
   cmd->callback([o, exit_code] {
     Status s = run_serve(*o);
-    if (!s.is_ok()) {
+    if (!s.ok()) {
       ML4_LOG_ERROR("serve: {}", s.message());
       *exit_code = 1;
     }

@@ -153,7 +153,7 @@ inline Result<std::unique_ptr<ModelRunner>> load_local_runner_on(const DeviceOpt
 
 // The start-up check of --decode-backend (runtime/latency_decode.h): every reason at once.
 inline Status check_decode_backend_on(const DeviceOptions& d, const std::string& model, const RunnerOptions& ro) {
-  if (d.decode_backend == "standard") return Status::ok();
+  if (d.decode_backend == "standard") return ok_status();
   LatencyDecodeSetup s;
   s.device = d.device;
   s.cuda_graphs = d.cuda_graphs;
@@ -186,8 +186,8 @@ inline Result<std::unique_ptr<ModelRunner>> load_runner_on(const DeviceOptions& 
   ML4_ASSIGN_OR_RETURN(std::unique_ptr<ModelRunner> r,
                        load_parallel_runner(d.parallel, model, ro, local, &worker_status));
   if (r == nullptr) {  // a worker whose group has finished
-    if (!worker_status.is_ok()) ML4_LOG_ERROR("{}", worker_status.message());
-    std::exit(worker_status.is_ok() ? 0 : 1);
+    if (!worker_status.ok()) ML4_LOG_ERROR("{}", worker_status.message());
+    std::exit(worker_status.ok() ? 0 : 1);
   }
   return r;
 }

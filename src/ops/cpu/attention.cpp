@@ -643,10 +643,10 @@ struct UpProjection {
 // Checks wkv_b against the shapes (false: out is NaN, the reason logged).
 bool up_projection_ok(const LinearWeight& w, int H, int dn, int dv, int r, float* out, int64_t n) {
   Status st = validate_linear_weight(w);
-  if (st.is_ok() && (w.out_features != static_cast<int64_t>(H) * (dn + dv) || w.in_features != r))
+  if (st.ok() && (w.out_features != static_cast<int64_t>(H) * (dn + dv) || w.in_features != r))
     st = invalid_argument("{}: wkv_b is [{}, {}], the heads need [{}, {}]", w.name, w.out_features, w.in_features,
                           static_cast<int64_t>(H) * (dn + dv), r);
-  if (st.is_ok()) return true;
+  if (st.ok()) return true;
   ML4_LOG_ERROR("mla: {}", st.message());
   std::fill(out, out + n, std::numeric_limits<float>::quiet_NaN());
   return false;
@@ -813,7 +813,7 @@ AbsorbLayout layout_absorb(const LinearWeight& wkv_b, int H, int dn, int dv) {
   AbsorbLayout u;
   const int64_t r = wkv_b.in_features;
   if (dv % 16 != 0 || r % 128 != 0 || wkv_b.out_features != static_cast<int64_t>(H) * (dn + dv) ||
-      !validate_linear_weight(wkv_b).is_ok() || !decode_kernels_ok(wkv_b))
+      !validate_linear_weight(wkv_b).ok() || !decode_kernels_ok(wkv_b))
     return u;
   const int64_t rb = r / 128;
   // uk: (h, c, d, i) <- row h*(dn+dv) + d, column 128 c + i; uv: (h, j, d) <- row h*(dn+dv) + dn + d, column j.

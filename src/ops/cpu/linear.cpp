@@ -90,7 +90,7 @@ Status expect(const Tensor& t, const char* what, std::initializer_list<DType> dt
     return invalid_argument("{}: expected {} {}, found {}", what, shape_str(shape), want,
                             t.describe());
   }
-  return Status::ok();
+  return ok_status();
 }
 
 #ifdef ML4_LINEAR_AVX2
@@ -130,7 +130,7 @@ Status validate_linear_weight(const LinearWeight& w) {
         break;
       case LinearFormat::kFP8Block:
         st = expect(w.weight, "weight", {DType::kF8E4M3, DType::kU8}, {N, K});
-        if (st.is_ok())
+        if (st.ok())
           st = expect(w.scale, "scale", {DType::kF32},
                       {ceil_div(N, kFp8BlockSize), ceil_div(K, kFp8BlockSize)});
         break;
@@ -140,9 +140,9 @@ Status validate_linear_weight(const LinearWeight& w) {
           break;
         }
         st = expect(w.weight, "weight", {DType::kF4E2M1x2, DType::kU8}, {N, K / 2});
-        if (st.is_ok())
+        if (st.ok())
           st = expect(w.scale, "scale", {DType::kF8E4M3, DType::kU8}, {N, K / kNvfp4GroupSize});
-        if (st.is_ok() && !std::isfinite(w.global_scale))
+        if (st.ok() && !std::isfinite(w.global_scale))
           st = invalid_argument("global_scale is {}", w.global_scale);
         break;
       case LinearFormat::kMXFP4:
@@ -151,12 +151,12 @@ Status validate_linear_weight(const LinearWeight& w) {
           break;
         }
         st = expect(w.weight, "weight", {DType::kF4E2M1x2, DType::kU8}, {N, K / 2});
-        if (st.is_ok())
+        if (st.ok())
           st = expect(w.scale, "scale", {DType::kE8M0, DType::kU8}, {N, K / kMxfp4GroupSize});
         break;
     }
   }
-  if (st.is_ok()) return st;
+  if (st.ok()) return st;
   return st.with_context(fmt::format("linear {} ({})", w.name.empty() ? "<unnamed>" : w.name,
                                      format_name(w.format)));
 }
@@ -498,7 +498,7 @@ bool is_direct(const LinearWeight& w, int64_t M) {
 // order for the GEMM; FP8's GEMM: its per-block halves order; else x itself).
 const float* prepare(const float* x, int64_t M, const LinearWeight& w, float* y) {
   const int64_t N = w.out_features, K = w.in_features;
-  if (Status st = validate_linear_weight(w); !st.is_ok()) {
+  if (Status st = validate_linear_weight(w); !st.ok()) {
     ML4_LOG_ERROR("{}", st.message());
     if (N > 0) std::fill(y, y + M * N, std::numeric_limits<float>::quiet_NaN());
     return nullptr;
@@ -619,8 +619,8 @@ int64_t bf16dot_group_rows(const LinearWeight& w) {
 // Checks w and the CPU; false: y is NaN, the reason logged.
 bool bf16dot_ready(const LinearWeight& w, int64_t M, float* y) {
   Status st = validate_linear_weight(w);
-  if (st.is_ok()) st = activation_dtype_supported(ActivationDtype::kBF16);
-  if (st.is_ok()) return true;
+  if (st.ok()) st = activation_dtype_supported(ActivationDtype::kBF16);
+  if (st.ok()) return true;
   ML4_LOG_ERROR("{}", st.message());
   if (w.out_features > 0) std::fill(y, y + M * w.out_features, std::numeric_limits<float>::quiet_NaN());
   return false;
@@ -675,9 +675,9 @@ const E4m3Bf16Tables& e4m3_bf16_tables() {
 #endif
 
 Status activation_dtype_supported(ActivationDtype a) {
-  if (a == ActivationDtype::kF32) return Status::ok();
+  if (a == ActivationDtype::kF32) return ok_status();
 #ifdef ML4_LINEAR_BF16DOT
-  if (kernels::bf16dot_usable()) return Status::ok();
+  if (kernels::bf16dot_usable()) return ok_status();
 #endif
   return invalid_argument(
       "--dtype bfloat16 on the CPU needs AVX512_BF16 and AVX512_VBMI (x86-64 Zen 4, Sapphire Rapids or later); "

@@ -84,7 +84,7 @@ Status fp8_act_quant(const Fp8ActQuantParams& p) {
   if (p.x_stride != 0 && p.x_stride < p.K) return invalid_argument("fp8_act_quant: stride {} < K {}", p.x_stride, p.K);
   if (p.rows_out != 0 && p.rows_out < p.M)
     return invalid_argument("fp8_act_quant: rows_out {} < M {}", p.rows_out, p.M);
-  if (p.M == 0) return Status::ok();
+  if (p.M == 0) return ok_status();
   if (!p.x || !p.q || !p.scale) return invalid_argument("fp8_act_quant: null pointer");
   const int64_t n_groups = (p.K + p.group - 1) / p.group;
   switch (p.x_dtype) {

@@ -323,7 +323,7 @@ Status mla_attention(const MlaAttentionParams& p) {
     return invalid_argument("mla_attention: r = {} (a multiple of 128, at most 512)", p.r);
   if (p.dr < 0 || p.dr > 64 || p.dr % 2 != 0 || (p.r + p.dr) % 4 != 0)
     return invalid_argument("mla_attention: dr = {} (even, <= 64, r + dr a multiple of 4)", p.dr);
-  if (p.T == 0) return Status::ok();
+  if (p.T == 0) return ok_status();
   if (p.T > 0x7fffffff || p.H > 65535 * kMlaHeadsPerBlock) return invalid_argument("mla_attention: T or H too large");
   if (!p.q_lat || (p.dr > 0 && !p.q_rope) || !p.head_scale || !p.cache || !p.out_lat || !p.lse)
     return invalid_argument("mla_attention: null pointer");
@@ -409,7 +409,7 @@ Status mla_attention(const MlaAttentionParams& p) {
                   p.r, p.out_lat, p.lse);
     ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "mla_combine_kernel"));
   }
-  return Status::ok();
+  return ok_status();
 }
 
 }  // namespace ml4::cuda

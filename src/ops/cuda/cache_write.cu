@@ -123,7 +123,7 @@ Status latent_cache_write(const LatentCacheWriteParams& p) {
     return invalid_argument("latent_cache_write: c/kr dtype must be f32 or bf16");
   if ((p.c_stride != 0 && p.c_stride < p.r) || (p.kr_stride != 0 && p.kr_stride < p.dr))
     return invalid_argument("latent_cache_write: row stride smaller than the row");
-  if (p.T == 0) return Status::ok();
+  if (p.T == 0) return ok_status();
   if (!p.c || (p.dr > 0 && !p.kr) || !p.slots || !p.cache || p.num_slots <= 0)
     return invalid_argument("latent_cache_write: null pointer or empty cache");
   if (p.dtype == KvCacheDtype::kFp8 && !(p.fp8_scale > 0.0f))
@@ -143,7 +143,7 @@ Status indexer_cache_write(const IndexerCacheWriteParams& p) {
     return invalid_argument("indexer_cache_write: dI = {} (a power of two in [128, 1024])", p.dI);
   if (!float_dtype(p.k_dtype)) return invalid_argument("indexer_cache_write: k dtype must be f32 or bf16");
   if (p.k_stride != 0 && p.k_stride < p.dI) return invalid_argument("indexer_cache_write: k_stride < dI");
-  if (p.T == 0) return Status::ok();
+  if (p.T == 0) return ok_status();
   if (!p.k || !p.slots || !p.cache || p.num_blocks <= 0)
     return invalid_argument("indexer_cache_write: null pointer or empty cache");
   if (p.T > 0x7fffffff) return invalid_argument("indexer_cache_write: T = {} too large", p.T);

@@ -54,7 +54,7 @@ __global__ void rescale_kernel(float* out, const float* lse, const float* lse_al
 
 Status merge_attention_parts(const float* parts, int n, int64_t part_stride, int64_t rows, int64_t cols, float* out,
                              cudaStream_t stream) {
-  if (rows <= 0 || cols <= 0) return Status::ok();
+  if (rows <= 0 || cols <= 0) return ok_status();
   if (n < 1) return invalid_argument("merge_attention_parts: {} parts", n);
   launch_kernel(merge_kernel, static_cast<unsigned>(rows), kThreads, 0, stream, parts, n, part_stride, rows, cols, out);
   return cuda_status(cudaGetLastError(), "merge_attention_parts");
@@ -62,7 +62,7 @@ Status merge_attention_parts(const float* parts, int n, int64_t part_stride, int
 
 Status rescale_attention_part(float* out, const float* lse, const float* lse_all, int n, int64_t rows, int64_t cols,
                               cudaStream_t stream) {
-  if (rows <= 0 || cols <= 0) return Status::ok();
+  if (rows <= 0 || cols <= 0) return ok_status();
   if (n < 1) return invalid_argument("rescale_attention_part: {} parts", n);
   launch_kernel(rescale_kernel, static_cast<unsigned>(rows), kThreads, 0, stream, out, lse, lse_all, n, rows, cols);
   return cuda_status(cudaGetLastError(), "rescale_attention_part");

@@ -13,7 +13,7 @@
 namespace ml4::cuda {
 
 Status cuda_status(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return Status::ok();
+  if (err == cudaSuccess) return ok_status();
   return internal_error("CUDA error {} ({}) in {}", static_cast<int>(err), cudaGetErrorString(err),
                         what);
 }
@@ -118,10 +118,10 @@ Status DeviceBuffer::download(void* host, size_t bytes, size_t offset) const {
 }
 
 Status DeviceBuffer::fill_bytes(uint8_t value) {
-  if (!ptr_) return Status::ok();
+  if (!ptr_) return ok_status();
   if (host_) {
     std::memset(ptr_, value, bytes_);
-    return Status::ok();
+    return ok_status();
   }
   return cuda_status(cudaMemset(ptr_, value, bytes_), "DeviceBuffer::fill_bytes");
 }
@@ -157,7 +157,7 @@ __global__ void fill_uniform_kernel(T* x, int64_t n, uint64_t seed, float lo, fl
 
 template <typename T>
 Status launch_fill(T* x, int64_t n, uint64_t seed, float lo, float hi, cudaStream_t s) {
-  if (n <= 0) return Status::ok();
+  if (n <= 0) return ok_status();
   const int threads = 256;
   const int64_t blocks = std::min<int64_t>((n + threads - 1) / threads, 8192);
   launch_kernel(fill_uniform_kernel<T>, static_cast<int>(blocks), threads, 0, s, x, n, seed, lo, hi);

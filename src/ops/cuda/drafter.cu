@@ -98,7 +98,7 @@ unsigned blocks_for(int64_t n) { return static_cast<unsigned>((n + kThreads - 1)
 }  // namespace
 
 Status block_embed(const BlockEmbedParams& p) {
-  if (p.T <= 0) return Status::ok();
+  if (p.T <= 0) return ok_status();
   if (p.B < 1 || p.D <= 0) return invalid_argument("block_embed: B {} D {}", p.B, p.D);
   switch (p.table_dtype) {
     case DType::kF32:
@@ -116,7 +116,7 @@ Status block_embed(const BlockEmbedParams& p) {
 }
 
 Status block_window_slots(const BlockWindowParams& p) {
-  if (p.T <= 0) return Status::ok();
+  if (p.T <= 0) return ok_status();
   if (p.stride < p.window + p.B) return invalid_argument("block_window_slots: stride {} < window {} + B {}", p.stride, p.window, p.B);
   launch_kernel(block_window_kernel, static_cast<unsigned>(p.T), kThreads, 0, p.stream, p);
   return cuda_status(cudaGetLastError(), "block_window_kernel");
@@ -124,20 +124,20 @@ Status block_window_slots(const BlockWindowParams& p) {
 
 Status gru_update(const float* gi, const float* gh, const float* b_ih, const float* b_hh, int64_t rows, int64_t r,
                   float* s, cudaStream_t stream) {
-  if (rows * r <= 0) return Status::ok();
+  if (rows * r <= 0) return ok_status();
   launch_kernel(gru_kernel, blocks_for(rows * r), kThreads, 0, stream, gi, gh, b_ih, b_hh, rows, r, s);
   return cuda_status(cudaGetLastError(), "gru_kernel");
 }
 
 Status add_rows(float* y, int64_t y_stride, const float* x, int64_t x_stride, int64_t rows, int64_t cols,
                 cudaStream_t stream) {
-  if (rows * cols <= 0) return Status::ok();
+  if (rows * cols <= 0) return ok_status();
   launch_kernel(add_rows_kernel, blocks_for(rows * cols), kThreads, 0, stream, y, y_stride, x, x_stride, rows, cols);
   return cuda_status(cudaGetLastError(), "add_rows_kernel");
 }
 
 Status fill_f32(float* x, int64_t n, float value, cudaStream_t stream) {
-  if (n <= 0) return Status::ok();
+  if (n <= 0) return ok_status();
   launch_kernel(fill_kernel, blocks_for(n), kThreads, 0, stream, x, n, value);
   return cuda_status(cudaGetLastError(), "fill_kernel");
 }

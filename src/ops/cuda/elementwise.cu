@@ -406,7 +406,7 @@ Status rms_norm(const RmsNormParams& p) {
   if (p.residual && static_cast<const void*>(p.y) == p.residual)
     return invalid_argument("rms_norm: y must not alias residual");
   if (p.x_stride != 0 && p.x_stride < p.dim) return invalid_argument("rms_norm: x_stride {} < dim {}", p.x_stride, p.dim);
-  if (p.rows == 0) return Status::ok();
+  if (p.rows == 0) return ok_status();
   if (p.rows > INT32_MAX) return invalid_argument("rms_norm: {} rows", p.rows);
   launch_kernel(rms_norm_kernel, static_cast<int>(p.rows), kThreads, 0, p.stream, p.x, p.residual, p.w, p.dim, p.eps,
                 p.y, static_cast<__nv_bfloat16*>(p.y_bf16), p.x_stride ? p.x_stride : p.dim);
@@ -418,7 +418,7 @@ Status silu_mul(const SiluMulParams& p) {
   const int64_t gs = p.g_stride ? p.g_stride : p.cols, us = p.u_stride ? p.u_stride : p.cols;
   if (gs < p.cols || us < p.cols) return invalid_argument("silu_mul: stride below cols");
   if (!p.g || !p.u || (!p.out && !p.out_bf16)) return invalid_argument("silu_mul: null input or no output");
-  if (p.rows == 0) return Status::ok();
+  if (p.rows == 0) return ok_status();
   launch_kernel(silu_mul_kernel, grid_for(p.rows * p.cols), kThreads, 0, p.stream, p.g, p.u, p.rows, p.cols, gs, us,
                 p.out, static_cast<__nv_bfloat16*>(p.out_bf16));
   return cuda_status(cudaGetLastError(), "silu_mul_kernel");
@@ -427,7 +427,7 @@ Status silu_mul(const SiluMulParams& p) {
 Status embedding(const EmbeddingParams& p) {
   if (p.V <= 0 || p.D <= 0 || p.T < 0) return invalid_argument("embedding: bad shape V={} D={} T={}", p.V, p.D, p.T);
   if (!p.table || !p.ids || !p.out) return invalid_argument("embedding: null pointer");
-  if (p.T == 0) return Status::ok();
+  if (p.T == 0) return ok_status();
   switch (p.table_dtype) {
     case DType::kF32:
       launch_kernel(embedding_kernel<float>, static_cast<int>(p.T), kThreads, 0, p.stream,
@@ -450,7 +450,7 @@ Status q_path(const QPathParams& p) {
     return invalid_argument("q_path: rope part [{}, {}) of a {}-wide head (even rope_dim, inv_freq set)",
                             p.rope_offset, p.rope_offset + p.rope_dim, p.head_stride);
   if (!p.q || !p.positions) return invalid_argument("q_path: null q or positions");
-  if (p.T == 0) return Status::ok();
+  if (p.T == 0) return ok_status();
   QPathArgs a{p.q, p.H, p.head_stride, p.rope_offset, p.rope_dim, p.positions, p.inv_freq, p.attn_factor,
               p.apply_rope, p.neox, p.lerope.enabled, p.lerope.window, p.lerope.leak, p.base_scale, p.llama4.enabled,
               p.llama4.original_max_position_embeddings, p.llama4.beta, p.ssmax_s, p.n_keys, p.head_scale,
@@ -462,7 +462,7 @@ Status q_path(const QPathParams& p) {
 
 Status layer_norm(const LayerNormParams& p) {
   if (p.rows < 0 || p.dim <= 0) return invalid_argument("layer_norm: bad shape rows={} dim={}", p.rows, p.dim);
-  if (p.rows == 0) return Status::ok();
+  if (p.rows == 0) return ok_status();
   if (!p.x || !p.w || !p.y) return invalid_argument("layer_norm: null pointer");
   launch_kernel(layer_norm_kernel, static_cast<unsigned>(p.rows), 128, 0, p.stream, p.x, p.w, p.b, p.dim, p.eps, p.y);
   return cuda_status(cudaGetLastError(), "layer_norm_kernel");
@@ -470,7 +470,7 @@ Status layer_norm(const LayerNormParams& p) {
 
 Status scale_inplace(float* x, int64_t n, float s, cudaStream_t stream) {
   if (n < 0 || (n > 0 && !x)) return invalid_argument("scale_inplace: bad arguments");
-  if (n == 0) return Status::ok();
+  if (n == 0) return ok_status();
   launch_kernel(scale_kernel, grid_for(n), kThreads, 0, stream, x, n, s);
   return cuda_status(cudaGetLastError(), "scale_kernel");
 }
@@ -478,7 +478,7 @@ Status scale_inplace(float* x, int64_t n, float s, cudaStream_t stream) {
 Status mla_absorb_q(const MlaAbsorbParams& p) {
   if (p.T < 0 || p.H <= 0 || p.dn <= 0 || p.r <= 0 || p.q_offset + p.dn > p.q_stride)
     return invalid_argument("mla_absorb_q: bad shape");
-  if (p.T == 0) return Status::ok();
+  if (p.T == 0) return ok_status();
   if (!p.q || !p.w_uk || !p.q_lat) return invalid_argument("mla_absorb_q: null pointer");
   if (absorb_weight_stationary(p, false)) {
     launch_kernel(absorb_q_ws_kernel, dim3(p.H, (p.r + kAbsCols - 1) / kAbsCols), dim3(32, kAbsGroups), 0, p.stream, p);
@@ -490,7 +490,7 @@ Status mla_absorb_q(const MlaAbsorbParams& p) {
 
 Status mla_apply_uv(const MlaAbsorbParams& p) {
   if (p.T < 0 || p.H <= 0 || p.dv <= 0 || p.r <= 0) return invalid_argument("mla_apply_uv: bad shape");
-  if (p.T == 0) return Status::ok();
+  if (p.T == 0) return ok_status();
   if (!p.lat || !p.w_uv || !p.o) return invalid_argument("mla_apply_uv: null pointer");
   if (absorb_weight_stationary(p, true)) {
     const int rows = kUvWarps * kUvRows;
@@ -553,14 +553,14 @@ Status mla_apply_uv_gemm(LtGemm& lt, const MlaAbsorbParams& p) {
 
 Status cast_f32_bf16(const float* x, int64_t n, void* out, cudaStream_t stream) {
   if (n < 0 || (n > 0 && (!x || !out))) return invalid_argument("cast_f32_bf16: bad arguments");
-  if (n == 0) return Status::ok();
+  if (n == 0) return ok_status();
   launch_kernel(cast_f32_bf16_kernel, grid_for(n), kThreads, 0, stream, x, n, static_cast<__nv_bfloat16*>(out));
   return cuda_status(cudaGetLastError(), "cast_f32_bf16_kernel");
 }
 
 Status transpose_2d(const void* in, int elem_bytes, int64_t rows, int64_t cols, void* out, cudaStream_t stream) {
   if (rows < 0 || cols < 0 || (elem_bytes != 2 && elem_bytes != 4)) return invalid_argument("transpose_2d: bad arguments");
-  if (rows * cols == 0) return Status::ok();
+  if (rows * cols == 0) return ok_status();
   if (elem_bytes == 4)
     launch_kernel(transpose_kernel<uint32_t>, grid_for(rows * cols), kThreads, 0, stream,
                   static_cast<const uint32_t*>(in), rows, cols, static_cast<uint32_t*>(out));
@@ -572,7 +572,7 @@ Status transpose_2d(const void* in, int elem_bytes, int64_t rows, int64_t cols, 
 
 Status cast_bf16_f32(const void* x, int64_t n, float* out, cudaStream_t stream) {
   if (n < 0 || (n > 0 && (!x || !out))) return invalid_argument("cast_bf16_f32: bad arguments");
-  if (n == 0) return Status::ok();
+  if (n == 0) return ok_status();
   launch_kernel(cast_bf16_f32_kernel, grid_for(n), kThreads, 0, stream, static_cast<const __nv_bfloat16*>(x), n, out);
   return cuda_status(cudaGetLastError(), "cast_bf16_f32_kernel");
 }

@@ -30,7 +30,7 @@ DeviceFault FaultWord::read() const {
 
 Status FaultWord::status(const char* what) const {
   const DeviceFault f = read();
-  if (f.code == kFaultNone) return Status::ok();
+  if (f.code == kFaultNone) return ok_status();
   if (f.code == kFaultWaitTimeout)
     return internal_error("{}: device fault: block {} waited {:.3f} s at wait site {} and gave up (a block never arrived)",
                           what, f.block, static_cast<double>(f.waited_us) * 1e-6, f.site);

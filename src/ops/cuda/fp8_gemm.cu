@@ -294,7 +294,7 @@ Status fp8_block_gemm(const Fp8GemmParams& p) {
   } else {
     ML4_RETURN_IF_ERROR((launch<128, 128, 2, 4, 3>(p, S, kper, part)));
   }
-  if (!part) return Status::ok();
+  if (!part) return ok_status();
   const int64_t MN = p.M * p.N, threads = 256, blocks = (MN / 2 + threads - 1) / threads;
   launch_kernel(split_reduce_kernel, static_cast<unsigned>(blocks), static_cast<unsigned>(threads), 0, p.stream, part,
                 S, MN, p.y, p.y_dtype == DType::kF32);

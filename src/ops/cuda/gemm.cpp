@@ -9,7 +9,7 @@ namespace ml4::cuda {
 namespace {
 
 Status lt_status(cublasStatus_t s, const char* what) {
-  if (s == CUBLAS_STATUS_SUCCESS) return Status::ok();
+  if (s == CUBLAS_STATUS_SUCCESS) return ok_status();
   return internal_error("cuBLASLt error {} ({}) in {}", static_cast<int>(s), cublasGetStatusString(s), what);
 }
 
@@ -62,7 +62,7 @@ Status LtGemm::pick_algo(Plan& p, const std::string& what) {
   if (hs != CUBLAS_STATUS_SUCCESS || found == 0)
     return unimplemented("cuBLASLt has no {} ({})", what, cublasGetStatusString(hs));
   p.algo = res.algo;
-  return Status::ok();
+  return ok_status();
 }
 
 Result<LtGemm::Plan*> LtGemm::plan(int kind, DType y_dtype, int64_t M, int64_t N, int64_t K, const float* x_scale,
@@ -116,7 +116,7 @@ Result<LtGemm::Plan*> LtGemm::plan(int kind, DType y_dtype, int64_t M, int64_t N
   // FP8 runs swapped only: W-as-A was refused for every shape on the H200 (gemm.h).
   Plan p;
   Status st = attempt(p, kind == 1);
-  if (!st.is_ok()) {
+  if (!st.ok()) {
     destroy(p);
     failed_.emplace(key, st);
     return st;
@@ -246,7 +246,7 @@ Status LtGemm::f32_batched(const GemmBatchedF32Params& p) {
             cublasLtMatrixLayoutSetAttribute(*l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
         ML4_LT_RETURN_IF_ERROR(
             cublasLtMatrixLayoutSetAttribute(*l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)));
-        return Status::ok();
+        return ok_status();
       };
       ML4_RETURN_IF_ERROR(layout(&np.a, p.trans_a ? p.k : p.m, p.trans_a ? p.m : p.k, p.lda, p.stride_a));
       ML4_RETURN_IF_ERROR(layout(&np.b, p.k, p.n, p.ldb, p.stride_b));
@@ -255,7 +255,7 @@ Status LtGemm::f32_batched(const GemmBatchedF32Params& p) {
                                        p.k, p.batch));
     };
     Status st = make();
-    if (!st.is_ok()) {
+    if (!st.ok()) {
       destroy(np);
       batched_failed_.emplace(key, st);
       return st;

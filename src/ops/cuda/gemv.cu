@@ -162,7 +162,7 @@ __global__ void splitk_reduce_kernel(const float* __restrict__ ws, int S, int64_
 // Rows per warp and K slices for a shape: aim at >= ~16 warps per SM.
 // y[i] = sum over the S split-K partials ws[s][i], in slice order (deterministic); S <= 1: nothing.
 Status reduce_splits(const float* ws, int S, int64_t n, float* y, cudaStream_t stream) {
-  if (S <= 1) return Status::ok();
+  if (S <= 1) return ok_status();
   launch_kernel(splitk_reduce_kernel, static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 4096)), 256, 0, stream,
                 ws, S, n, y);
   return cuda_status(cudaGetLastError(), "splitk_reduce_kernel");
@@ -312,7 +312,7 @@ Status grouped_gemv(const GroupedGemvParams& p) {
       return invalid_argument("grouped_gemv: bad grouped arguments");
     if (reinterpret_cast<uintptr_t>(p.x) & 15u) return invalid_argument("grouped_gemv: x must be 16-byte aligned");
     const int slots = p.max_active + (p.extra_w ? 1 : 0);
-    if (slots == 0) return Status::ok();
+    if (slots == 0) return ok_status();
     if (p.w_table2 &&
         (!p.y2 || (scaled && !p.s_table2) || (p.extra_w && !p.extra_w2) || (p.extra_w2 && scaled && !p.extra_s2)))
       return invalid_argument("grouped_gemv: bad second weight set");
@@ -361,7 +361,7 @@ Status grouped_gemv(const GroupedGemvParams& p) {
                               p.stream)
         .with_context("grouped_gemv");
   }
-  if (p.rows == 0) return Status::ok();
+  if (p.rows == 0) return ok_status();
   if (p.rows > 65535) return invalid_argument("grouped_gemv: {} rows (at most 65535)", p.rows);
   if (!p.x || !p.y || !p.row_expert || !p.w_table || (fp8 && !p.s_table)) return invalid_argument("grouped_gemv: null pointer");
   GemvGroup g{p.row_expert, p.row_src, p.w_table, fp8 ? p.s_table : nullptr};

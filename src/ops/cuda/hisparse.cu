@@ -26,7 +26,7 @@ __global__ void hot_gather_kernel(HotGatherParams p) {
 }  // namespace
 
 Status hot_gather(const HotGatherParams& p) {
-  if (p.n == 0) return Status::ok();
+  if (p.n == 0) return ok_status();
   if (p.pool == nullptr || p.hot == nullptr || p.src == nullptr || p.dst == nullptr || p.row_bytes <= 0)
     return invalid_argument("hot_gather: null buffer or empty rows");
   const unsigned blocks = static_cast<unsigned>((p.n + kWarps - 1) / kWarps);

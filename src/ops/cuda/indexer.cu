@@ -279,7 +279,7 @@ Status indexer_scores(const IndexerScoresParams& p) {
   if (p.T < 0 || p.max_length < 0) return invalid_argument("indexer_scores: T = {}, max_length = {}", p.T, p.max_length);
   if (p.scores_stride < p.max_length)
     return invalid_argument("indexer_scores: scores_stride {} < max_length {}", p.scores_stride, p.max_length);
-  if (p.T == 0 || p.max_length == 0) return Status::ok();
+  if (p.T == 0 || p.max_length == 0) return ok_status();
   if (!p.q || !p.q_scale || !p.weights || !p.cache || !p.block_table || !p.seq_of_token || !p.lengths || !p.scores)
     return invalid_argument("indexer_scores: null pointer");
   if (p.num_blocks <= 0 || p.block_table_stride <= 0)
@@ -312,7 +312,7 @@ Status indexer_query_quant(const IndexerQueryQuantParams& p) {
   if (p.rows < 0) return invalid_argument("indexer_query_quant: rows = {}", p.rows);
   if (p.dI < kDim || p.dI > 1024 || (p.dI & (p.dI - 1)) != 0)
     return invalid_argument("indexer_query_quant: dI = {} (a power of two in [128, 1024])", p.dI);
-  if (p.rows == 0) return Status::ok();
+  if (p.rows == 0) return ok_status();
   if (!p.q || !p.q8 || !p.scales) return invalid_argument("indexer_query_quant: null pointer");
   if (p.rows > 0x7fffffff) return invalid_argument("indexer_query_quant: rows = {} too large", p.rows);
   // The CPU reference's n^-0.5, rounded to f32 the same way (ops/cpu/quant.cpp).

@@ -71,12 +71,12 @@ Status LinearScratch::reserve(int64_t elems, int64_t groups) {
   if (out.bytes() < ab) {
     ML4_ASSIGN_OR_RETURN(out, DeviceBuffer::alloc(ab));
   }
-  return Status::ok();
+  return ok_status();
 }
 
 Status linear_f32(LtGemm& lt, const DeviceLinear& w, const float* x, int64_t M, float* y, LinearScratch& scratch,
                   cudaStream_t stream) {
-  if (M == 0) return Status::ok();
+  if (M == 0) return ok_status();
   switch (w.format) {
     case LinearFormat::kF32:
       return lt.f32({x, w.weight.as<float>(), y, M, w.N, w.K, stream});

@@ -291,7 +291,7 @@ Status moe_route(const MoeRouteParams& p) {
     return invalid_argument("moe_route: unsupported config experts={} per_tok={} groups={} groups_per_tok={}", E, K,
                             p.cfg.num_expert_groups, p.cfg.num_expert_groups_per_tok);
   if (p.T < 0 || (p.T > 0 && (!p.logits || !p.ids || !p.weights))) return invalid_argument("moe_route: bad arguments");
-  if (p.T == 0) return Status::ok();
+  if (p.T == 0) return ok_status();
   RouteArgs a{p.logits, p.T, E, K, G, std::min(p.cfg.num_expert_groups_per_tok, G),
               p.cfg.scoring == RouterScoring::kSoftmax, p.cfg.renormalize, static_cast<float>(p.cfg.routed_scale),
               p.bias, p.ids, p.weights, p.forced_ids};
@@ -312,7 +312,7 @@ Status router_route(const RouterRouteParams& p) {
                             r.cfg.num_expert_groups);
   if (p.D <= 0 || !p.x || !p.gate || !p.counter || !r.logits || !r.ids || !r.weights || r.forced_ids)
     return invalid_argument("router_route: bad arguments");
-  if (r.T == 0) return Status::ok();
+  if (r.T == 0) return ok_status();
   RouteArgs a{r.logits, r.T, E, K, G, std::min(r.cfg.num_expert_groups_per_tok, G),
               r.cfg.scoring == RouterScoring::kSoftmax, r.cfg.renormalize, static_cast<float>(r.cfg.routed_scale),
               r.bias, r.ids, r.weights, nullptr};
@@ -337,14 +337,14 @@ Status moe_permute(const MoePermuteParams& p) {
 
 Status gather_rows(const float* x, int64_t D, const int32_t* rows, int64_t n, float* out, cudaStream_t stream) {
   if (n < 0 || D <= 0) return invalid_argument("gather_rows: bad shape");
-  if (n == 0) return Status::ok();
+  if (n == 0) return ok_status();
   launch_kernel(gather_rows_kernel, static_cast<unsigned>(n), 256, 0, stream, x, D, rows, out);
   return cuda_status(cudaGetLastError(), "gather_rows_kernel");
 }
 
 Status moe_combine(const MoeCombineParams& p) {
   if (p.T < 0 || p.K <= 0 || p.D <= 0) return invalid_argument("moe_combine: bad shape");
-  if (p.T == 0) return Status::ok();
+  if (p.T == 0) return ok_status();
   if (!p.y_perm || !p.inv || !p.weights || !p.out) return invalid_argument("moe_combine: null pointer");
   launch_kernel(combine_kernel, static_cast<unsigned>(p.T), 256, 0, p.stream, p.y_perm, p.inv, p.weights, p.K, p.D,
                 p.shared, p.out);
@@ -352,7 +352,7 @@ Status moe_combine(const MoeCombineParams& p) {
 }
 
 Status MoeScratch::reserve(int64_t rows, int64_t D, int64_t I, int E, bool grouped_gemm) {
-  if (rows <= max_rows && (!grouped_gemm || max_tiles > 0)) return Status::ok();
+  if (rows <= max_rows && (!grouped_gemm || max_tiles > 0)) return ok_status();
   ML4_ASSIGN_OR_RETURN(xs, DeviceBuffer::alloc(rows * D * 4));
   // g, u, y: the routed rows, then (grouped decode path) the shared expert's T <= rows.
   ML4_ASSIGN_OR_RETURN(g, DeviceBuffer::alloc(2 * rows * I * 4));
@@ -381,12 +381,12 @@ Status MoeScratch::reserve(int64_t rows, int64_t D, int64_t I, int E, bool group
   }
   host_offsets.resize(E + 1);
   max_rows = rows;
-  return Status::ok();
+  return ok_status();
 }
 
 Status mlp_forward(LtGemm& lt, const DeviceMlp& m, const float* x, int64_t M, float* out, MoeScratch& s,
                    cudaStream_t stream) {
-  if (M == 0) return Status::ok();
+  if (M == 0) return ok_status();
   if (M > s.max_rows) return out_of_range("mlp_forward: {} rows, scratch holds {}", M, s.max_rows);
   const int64_t I = m.w1.N;
   ML4_RETURN_IF_ERROR(linear_f32(lt, m.w1, x, M, s.g.as<float>(), s.lin, stream));
@@ -399,7 +399,7 @@ Status moe_experts_forward(LtGemm& lt, const std::vector<DeviceMlp>& experts, co
                            const float* x, int64_t T, int64_t D, const int32_t* ids, const float* weights, int K,
                            float* out, MoeScratch& s, cudaStream_t stream) {
   const int E = static_cast<int>(experts.size());
-  if (T == 0) return Status::ok();
+  if (T == 0) return ok_status();
   if (T * K > s.max_rows) return out_of_range("moe: {} expert rows, scratch holds {}", T * K, s.max_rows);
   ML4_RETURN_IF_ERROR(moe_permute({ids, T, K, E, s.offsets.as<int32_t>(), s.perm_token.as<int32_t>(),
                                    s.inv.as<int32_t>(), stream}));
@@ -472,7 +472,7 @@ Result<MoeExpertTables> build_expert_tables(const std::vector<DeviceMlp>& expert
 
 Status mlp_forward_gemv(const DeviceMlp& m, const float* x, int64_t M, float* out, MoeScratch& s,
                         cudaStream_t stream, GemvImpl impl) {
-  if (M == 0) return Status::ok();
+  if (M == 0) return ok_status();
   if (M > s.max_rows || M > kGemvMaxM) return out_of_range("mlp_forward_gemv: {} rows", M);
   const int64_t I = m.w1.N;
   auto run = [&](const DeviceLinear& l, const float* in, float* o) {
@@ -488,7 +488,7 @@ Status mlp_forward_gemv(const DeviceMlp& m, const float* x, int64_t M, float* ou
 Status moe_experts_forward_grouped(const MoeExpertTables& tb, const DeviceMlp* shared, const float* x, int64_t T,
                                    const int32_t* ids, const float* weights, int K, float* out, MoeScratch& s,
                                    cudaStream_t stream, int x_parts) {
-  if (T == 0) return Status::ok();
+  if (T == 0) return ok_status();
   const int64_t n = T * K, D = tb.D, I = tb.I;
   if (n > s.max_rows) return out_of_range("moe grouped: {} expert rows, scratch holds {}", n, s.max_rows);
   if (K <= 0 || K > tb.E) return invalid_argument("moe grouped: {} experts per token of {}", K, tb.E);
@@ -567,7 +567,7 @@ bool moe_gemm_supported(const MoeExpertTables& tb, const DeviceMlp* shared) {
 Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shared, const float* x, int64_t T,
                                 const int32_t* ids, const float* weights, int K, float* out, MoeScratch& s,
                                 cudaStream_t stream) {
-  if (T == 0) return Status::ok();
+  if (T == 0) return ok_status();
   if (!moe_gemm_supported(tb, shared))
     return invalid_argument("moe grouped GEMM: needs FP8 block experts with D, I % 128 == 0 and a shared expert of "
                             "their shape (format {}, D {}, I {})", linear_format_name(tb.format), tb.D, tb.I);
@@ -646,7 +646,7 @@ Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shar
 Status moe_experts_forward_rowwise(const MoeExpertTables& tb, const DeviceMlp* shared, const float* x, int64_t T,
                                    const int32_t* ids, const float* weights, int K, float* out, MoeScratch& s,
                                    cudaStream_t stream) {
-  if (T == 0) return Status::ok();
+  if (T == 0) return ok_status();
   if (T > kGemvMaxM) return out_of_range("moe rowwise: {} tokens (at most {})", T, kGemvMaxM);
   const int64_t n = T * K;
   if (n > s.max_rows) return out_of_range("moe grouped: {} expert rows, scratch holds {}", n, s.max_rows);

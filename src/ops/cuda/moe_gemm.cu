@@ -300,7 +300,7 @@ Status moe_permute_gemm(const MoePermuteGemmParams& p) {
   launch_kernel(plan_kernel, 1, 256, (G + 1) * sizeof(int32_t), p.stream, p.cursor, p.E, G, p.T, p.offsets, p.tiles,
                 p.num_tiles, p.max_tiles);
   ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "plan_kernel"));
-  if (n == 0) return Status::ok();
+  if (n == 0) return ok_status();
   launch_kernel(scatter_kernel, blocks_for(n), 256, 0, p.stream, p.ids, n, p.K, p.E, p.T, p.shared_slot, p.cursor,
                 p.perm_token, p.inv);
   return cuda_status(cudaGetLastError(), "scatter_kernel");
@@ -313,7 +313,7 @@ Status moe_grouped_gemm(const MoeGroupedGemmParams& p) {
       (p.gate_up && (!p.w_up || !p.w_up_scale)))
     return invalid_argument("moe_grouped_gemm: null pointer");
   if (reinterpret_cast<uintptr_t>(p.a) & 15u) return invalid_argument("moe_grouped_gemm: A must be 16-byte aligned");
-  if (p.max_tiles <= 0) return Status::ok();
+  if (p.max_tiles <= 0) return ok_status();
   if (p.max_tiles > 65535) return invalid_argument("moe_grouped_gemm: {} tiles (at most 65535)", p.max_tiles);
   const GemmArgs a{static_cast<const uint8_t*>(p.a), p.a_scale, p.a_rows, p.w, p.w_scale, p.w_up, p.w_up_scale,
                    p.tiles, p.num_tiles, p.y, static_cast<int>(p.N), static_cast<int>(p.K)};

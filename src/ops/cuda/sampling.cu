@@ -997,7 +997,7 @@ Status check_args(const char* what, const float* logits, int64_t B, int64_t V, c
   if (B < 0 || B > INT32_MAX || V <= 0 || V > INT32_MAX)
     return invalid_argument("{}: bad shape B={} V={}", what, B, V);
   if (B > 0 && (!logits || !params || !tokens)) return invalid_argument("{}: null pointer", what);
-  return Status::ok();
+  return ok_status();
 }
 
 }  // namespace
@@ -1011,7 +1011,7 @@ Status argmax_rows(const float* a, int64_t a_stride, const float* b, int64_t b_s
                          int32_t* out, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   if (B < 0 || B > 65535 || V <= 0 || V > INT32_MAX || a_stride < V || (b != nullptr && b_stride < V))
     return invalid_argument("argmax_rows: bad shape B={} V={} strides {} {}", B, V, a_stride, b_stride);
-  if (B == 0) return Status::ok();
+  if (B == 0) return ok_status();
   if (!a || !out || !workspace) return invalid_argument("argmax_rows: null pointer");
   if (workspace_bytes < argmax_rows_workspace_bytes(B, V) || reinterpret_cast<uintptr_t>(workspace) % 8 != 0)
     return invalid_argument("argmax_rows: workspace of {} bytes, {} needed (8-byte aligned)", workspace_bytes,
@@ -1044,7 +1044,7 @@ size_t draft_rows_workspace_bytes(int64_t B, int64_t V) {
 Status draft_rows(const float* logits, int64_t B, int64_t V, const DeviceSamplingParams* params, int32_t* ids,
                   float* probs, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   if (B < 0 || B > 65535 || V <= 0 || V > INT32_MAX) return invalid_argument("draft_rows: bad shape B={} V={}", B, V);
-  if (B == 0) return Status::ok();
+  if (B == 0) return ok_status();
   if (!logits || !params || !ids || !probs || !workspace) return invalid_argument("draft_rows: null pointer");
   if (workspace_bytes < draft_rows_workspace_bytes(B, V) || reinterpret_cast<uintptr_t>(workspace) % 8 != 0)
     return invalid_argument("draft_rows: workspace of {} bytes, {} needed (8-byte aligned)", workspace_bytes,
@@ -1070,7 +1070,7 @@ Status draft_rows(const float* logits, int64_t B, int64_t V, const DeviceSamplin
 Status sample_rows(const float* logits, int64_t B, int64_t V, const DeviceSamplingParams* params, int32_t* tokens,
                    float* logprobs, cudaStream_t stream, int64_t row_stride) {
   ML4_RETURN_IF_ERROR(check_args("sample_rows", logits, B, V, params, tokens));
-  if (B == 0) return Status::ok();
+  if (B == 0) return ok_status();
   const int64_t stride = row_stride < 0 ? V : row_stride;
   const bool vec = V % 4 == 0 && stride % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
   if (vec)
@@ -1111,7 +1111,7 @@ Status sample_rows(const float* logits, int64_t B, int64_t V, const DeviceSampli
                    float* logprobs, void* workspace, size_t workspace_bytes, cudaStream_t stream,
                    int64_t row_stride) {
   ML4_RETURN_IF_ERROR(check_args("sample_rows", logits, B, V, params, tokens));
-  if (B == 0) return Status::ok();
+  if (B == 0) return ok_status();
   const size_t need = sample_rows_workspace_bytes(B, V);
   if (!workspace || workspace_bytes < need || reinterpret_cast<uintptr_t>(workspace) % 256 != 0)
     return invalid_argument("sample_rows: workspace {} B at {} (need {} B, 256-aligned)", workspace_bytes,
@@ -1149,7 +1149,7 @@ Status apply_token_bitmask(float* logits, int64_t B, int64_t V, const uint32_t* 
                            int64_t row_stride) {
   if (B < 0 || B > 65535LL * 1024 || V <= 0 || V > INT32_MAX)
     return invalid_argument("apply_token_bitmask: bad shape B={} V={}", B, V);
-  if (B == 0) return Status::ok();
+  if (B == 0) return ok_status();
   if (!logits || !allowed) return invalid_argument("apply_token_bitmask: null pointer");
   const int64_t stride = row_stride < 0 ? V : row_stride;
   if (stride < V) return invalid_argument("apply_token_bitmask: row stride {} < V {}", stride, V);
@@ -1166,7 +1166,7 @@ Status sample_rows_split_plans(const void* workspace, int64_t B, int64_t V, Spli
   for (int64_t b = 0; b < B; ++b)
     ML4_CUDA_RETURN_IF_ERROR(
         cudaMemcpy(plans + b, static_cast<const char*>(workspace) + b * rb + 16, 4, cudaMemcpyDeviceToHost));
-  return Status::ok();
+  return ok_status();
 }
 
 }  // namespace ml4::cuda

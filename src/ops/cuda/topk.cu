@@ -425,7 +425,7 @@ Status topk(const TopkParams& p) {
   if (p.T < 0 || p.k < 0) return invalid_argument("topk: T = {}, k = {}", p.T, p.k);
   const int64_t out_stride = p.out_stride ? p.out_stride : p.k;
   if (out_stride < p.k) return invalid_argument("topk: out_stride {} < k {}", out_stride, p.k);
-  if (p.T == 0 || (!p.positions && !p.slots && !p.counts)) return Status::ok();
+  if (p.T == 0 || (!p.positions && !p.slots && !p.counts)) return ok_status();
   if (!p.scores || !p.lengths) return invalid_argument("topk: null scores or lengths");
   if (p.slots && (!p.block_table || !p.seq_of_token || p.block_table_stride <= 0))
     return invalid_argument("topk: slot output needs block_table, block_table_stride and seq_of_token");

@@ -12,7 +12,7 @@ namespace {
 double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 Status nccl_status(ncclResult_t r, const char* what) {
-  if (r == ncclSuccess) return Status::ok();
+  if (r == ncclSuccess) return ok_status();
   return internal_error("{}: NCCL error {} ({})", what, static_cast<int>(r), ncclGetErrorString(r));
 }
 
@@ -98,7 +98,7 @@ class NcclCommunicator : public Communicator {
     if (bootstrap_ != nullptr) return bootstrap_->exchange_counts(send, recv);
     if (send.size() != 1) return internal_error("exchange_counts: {} counts for a group of 1", send.size());
     *recv = send;
-    return Status::ok();
+    return ok_status();
   }
   Status synchronize() override {
     if (cudaStreamSynchronize(stream_) != cudaSuccess) return internal_error("NCCL stream: {}", cudaGetErrorString(cudaGetLastError()));
@@ -110,13 +110,13 @@ class NcclCommunicator : public Communicator {
  private:
   Status check() const {
     if (MpiEnv* env = MpiEnv::get(); env != nullptr && env->failed()) return env->failure();
-    return Status::ok();
+    return ok_status();
   }
   Status count(double t0, int64_t bytes) {
     stats_.calls += 1;
     stats_.bytes += bytes;
     stats_.seconds += now_s() - t0;
-    return Status::ok();
+    return ok_status();
   }
 
   ncclComm_t comm_;

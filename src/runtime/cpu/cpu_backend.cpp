@@ -95,20 +95,20 @@ void CpuBackend::begin_step(const StepMetadata& md, const StepMetadata* write_md
 Status CpuBackend::set_embedding(const Tensor& table) {
   embed_ = &table;
   embed_first_ = 0;
-  return Status::ok();
+  return ok_status();
 }
 
 Status CpuBackend::set_embedding_shard(const Tensor& table, int64_t first_id) {
   embed_ = &table;
   embed_first_ = first_id;
-  return Status::ok();
+  return ok_status();
 }
 
 Status CpuBackend::set_activation_dtype(cpu::ActivationDtype a) {
   ML4_RETURN_IF_ERROR(cpu::activation_dtype_supported(a));
   if (!linears_.empty()) return internal_error("set_activation_dtype after weights were added");
   act_ = a;
-  return Status::ok();
+  return ok_status();
 }
 
 Result<LinearRef> CpuBackend::add_linear(const LinearWeight& w, LinearUse use) {
@@ -136,14 +136,14 @@ Result<MoeRef> CpuBackend::add_moe(const std::vector<MlpWeights>& experts, const
 
 Status CpuBackend::reserve_selections(int n) {
   selections_.assign(n, {});
-  return Status::ok();
+  return ok_status();
 }
 
 Status CpuBackend::enable_drafter() {
   if (drafter_group_ < 0) return invalid_argument("the KV cache has no drafter group");
   drafter_ = true;
   act_tokens_ = 0;  // the next step sizes the drafter's buffers
-  return Status::ok();
+  return ok_status();
 }
 
 // ---- ops ----
@@ -151,7 +151,7 @@ Status CpuBackend::enable_drafter() {
 Status CpuBackend::embedding(float* out) {
   if (embed_first_ == 0 && embed_->dim(0) == cfg_.vocab_size) {
     cpu::embedding_lookup(*embed_, md_->token_ids.data(), step_tokens(), out);
-    return Status::ok();
+    return ok_status();
   }
   // Vocabulary-parallel: rows of ids outside [first, first + rows) are zero.
   const int64_t D = cfg_.dim, rows = embed_->dim(0);
@@ -164,7 +164,7 @@ Status CpuBackend::embedding(float* out) {
       std::fill(out + t * D, out + (t + 1) * D, 0.0f);
     }
   }
-  return Status::ok();
+  return ok_status();
 }
 
 Status CpuBackend::rms_norm(const NormArgs& p) {
@@ -176,19 +176,19 @@ Status CpuBackend::rms_norm(const NormArgs& p) {
   } else {
     for (int64_t i = 0; i < p.rows; ++i) cpu::rms_norm(p.x + i * p.x_stride, p.w, 1, p.dim, p.eps, p.y + i * p.dim);
   }
-  return Status::ok();
+  return ok_status();
 }
 
 Status CpuBackend::layer_norm(const float* x, const float* w, const float* b, int64_t rows, int64_t dim, float eps,
                               float* y) {
   cpu::layer_norm(x, w, b, rows, dim, eps, y);
-  return Status::ok();
+  return ok_status();
 }
 
 Status CpuBackend::linear(LinearRef w, const float* x, int64_t M, float* y) {
   if (!w.valid() || w.id >= static_cast<int>(linears_.size())) return internal_error("linear: no weight {}", w.id);
   cpu::linear(x, M, *linears_[w.id], y, linear_act_[w.id]);
-  return Status::ok();
+  return ok_status();
 }
 
 Status CpuBackend::timed(const char* label, const Fn& fn) {
@@ -201,7 +201,7 @@ Status CpuBackend::timed(const char* label, const Fn& fn) {
 
 Status CpuBackend::silu_mul(const float* g, const float* u, int64_t rows, int64_t cols, float* out) {
   cpu::silu_mul(g, u, rows * cols, out);
-  return Status::ok();
+  return ok_status();
 }
 
 Status CpuBackend::rope(const RopeArgs& p) {
@@ -215,7 +215,7 @@ Status CpuBackend::rope(const RopeArgs& p) {
       cpu::rope_interleaved(x, p.heads, p.dim, p.stride, pp, p.inv_freq, p.attn_factor);
     }
   }
-  return Status::ok();
+  return ok_status();
 }
 
 Status CpuBackend::q_path(const QPathArgs& p) {
@@ -230,7 +230,7 @@ Status CpuBackend::q_path(const QPathArgs& p) {
       p.head_scale[t * H + h] = static_cast<float>(sc);
     }
   }
-  return Status::ok();
+  return ok_status();
 }
 
 Status CpuBackend::write_latent_rows(const StepMetadata& m, CacheGroup group, int cache_slot, const float* c,
@@ -244,7 +244,7 @@ Status CpuBackend::write_latent_rows(const StepMetadata& m, CacheGroup group, in
       cache_->write_latent(cache_slot, slots[t], c + t * c_stride, kr + t * kr_stride);
     }
   }
-  return Status::ok();
+  return ok_status();
 }
 
 Status CpuBackend::write_indexer_rows(const StepMetadata& m, int cache_slot, float* k) {
@@ -254,7 +254,7 @@ Status CpuBackend::write_indexer_rows(const StepMetadata& m, int cache_slot, flo
   const auto& slots = m.slots[indexer_group_];
   for (int64_t t = 0; t < T; ++t)
     if (slots[t] >= 0) cache_->write_indexer_key(cache_slot, slots[t], k + t * dI);
-  return Status::ok();
+  return ok_status();
 }
 
 Status CpuBackend::latent_cache_write(CacheGroup group, int cache_slot, const float* c, const float* kr,
@@ -366,7 +366,7 @@ Status CpuBackend::indexer_select(const IndexerSelectArgs& p) {
       std::vector<int32_t> idx;
       for (int64_t t = b; t < e; ++t) pick(t, sc + indexer_score_at_[t], indexer_visible_[t], idx);
     });
-    return Status::ok();
+    return ok_status();
   }
   // Per sequence, tokens in groups of up to kGroup: one parallel pass over the keys scores
   // every token of the group (each key row read once per group; the first group's pass also
@@ -409,7 +409,7 @@ Status CpuBackend::indexer_select(const IndexerSelectArgs& p) {
       });
     }
   }
-  return Status::ok();
+  return ok_status();
 }
 
 Status CpuBackend::merge_topk_candidates(const void* candidates, int n, int selection, int local_selection) {
@@ -446,19 +446,19 @@ Status CpuBackend::merge_topk_candidates(const void* candidates, int n, int sele
         if (md_->shard.holds(gp)) local[t].push_back(static_cast<int32_t>(md_->shard.local_index(gp)));
     }
   });
-  return Status::ok();
+  return ok_status();
 }
 
 Status CpuBackend::merge_attention_parts(const float* parts, int n, int64_t part_stride, int64_t rows, int64_t cols,
                                          float* out) {
   cpu::merge_attention_parts(parts, n, part_stride, rows, cols, out);
-  return Status::ok();
+  return ok_status();
 }
 
 Status CpuBackend::rescale_attention_part(float* out, const float* lse, const float* lse_all, int n, int64_t rows,
                                           int64_t cols) {
   cpu::rescale_attention_part(out, lse, lse_all, n, rows, cols);
-  return Status::ok();
+  return ok_status();
 }
 
 Result<std::vector<std::vector<int32_t>>> CpuBackend::read_selection(int selection) {
@@ -467,7 +467,7 @@ Result<std::vector<std::vector<int32_t>>> CpuBackend::read_selection(int selecti
 
 Status CpuBackend::set_selection(int selection, const std::vector<std::vector<int32_t>>& positions) {
   selections_[selection] = positions;
-  return Status::ok();
+  return ok_status();
 }
 
 // wkv_b as stored, plus (bf16 / FP8 on AVX-512) the decode kernels' layout of it; the jobs and
@@ -484,7 +484,7 @@ Status CpuBackend::mla_absorb_q(AbsorbRef a, const float* q, float* q_lat) {
   if (!a.valid() || a.id >= static_cast<int>(absorbs_.size())) return internal_error("mla_absorb_q: no wkv_b {}", a.id);
   cpu::mla_absorb_q(*absorbs_[a.id], q, step_tokens(), cfg_.n_heads, cfg_.qk_nope_head_dim, cfg_.v_head_dim,
                     cfg_.qk_nope_head_dim + cfg_.qk_rope_head_dim, cfg_.kv_lora_rank, q_lat, &absorb_layout_[a.id]);
-  return Status::ok();
+  return ok_status();
 }
 
 namespace {
@@ -618,7 +618,7 @@ Status CpuBackend::mla_attention(const MlaArgs& p) {
           decode_latent(dtype, rows[k - b], r, dr, scale, mla_keys_c_.data() + k * r, mla_keys_kr_.data() + k * dr);
         }
       });
-      return Status::ok();
+      return ok_status();
     }));
   }
   // Work units: (token, head group), tokens in sequence order.
@@ -626,7 +626,7 @@ Status CpuBackend::mla_attention(const MlaArgs& p) {
   for (int si = 0; si < ns; ++si)
     for (int64_t i = 0; i < md_->seqs[si].num_tokens; ++i) mla_tokens_.push_back({si, md_->seqs[si].first_token + i});
   const int64_t T = static_cast<int64_t>(mla_tokens_.size());
-  if (T == 0) return Status::ok();
+  if (T == 0) return ok_status();
   const int64_t want = std::clamp<int64_t>((num_threads() + T - 1) / T, 1, H);
   const int64_t hp = (H + want - 1) / want, groups = (H + hp - 1) / hp;
   parallel_for(T * groups, 1, [&](int64_t b, int64_t e) {
@@ -660,7 +660,7 @@ Status CpuBackend::mla_attention(const MlaArgs& p) {
       cpu::mla_attention_heads(ql, qr, qk, static_cast<int>(nh), r, dr, S, keys, hs, ol, lse);
     }
   });
-  return Status::ok();
+  return ok_status();
 }
 
 // HiSparse (offload/hisparse.h) with a bounded host "device" pool: the whole policy (diff,
@@ -669,7 +669,7 @@ Status CpuBackend::hisparse_reserve(int layers, int64_t rows) {
   const size_t tb = cache_->spec().groups[latent_group_].token_bytes_per_layer;
   hot_.assign(layers, std::vector<uint8_t>(rows * tb));
   hot_rows_ = rows;
-  return Status::ok();
+  return ok_status();
 }
 
 int64_t CpuBackend::hot_pool_bytes() const {
@@ -686,7 +686,7 @@ Status CpuBackend::hisparse_load_rows(int latent_slot, int hot_layer, const std:
     const uint8_t* src = cache_->page(latent_group_, latent_slot, slot / kPageTokens) + (slot % kPageTokens) * tb;
     std::memcpy(hot_[hot_layer].data() + h.row * tb, src, tb);
   }
-  return Status::ok();
+  return ok_status();
 }
 
 Status CpuBackend::set_hot_selection(const int32_t* rows, const int32_t* counts) {
@@ -694,14 +694,14 @@ Status CpuBackend::set_hot_selection(const int32_t* rows, const int32_t* counts)
   const int k = cfg_.indexer.topk;
   hot_selection_.resize(T);
   for (int64_t t = 0; t < T; ++t) hot_selection_[t].assign(rows + t * k, rows + t * k + counts[t]);
-  return Status::ok();
+  return ok_status();
 }
 
 Status CpuBackend::mla_apply_uv(AbsorbRef a, const float* out_lat, float* o) {
   if (!a.valid() || a.id >= static_cast<int>(absorbs_.size())) return internal_error("mla_apply_uv: no wkv_b {}", a.id);
   cpu::mla_apply_uv(*absorbs_[a.id], out_lat, step_tokens(), cfg_.n_heads, cfg_.qk_nope_head_dim, cfg_.v_head_dim,
                     cfg_.kv_lora_rank, o, &absorb_layout_[a.id]);
-  return Status::ok();
+  return ok_status();
 }
 
 Status CpuBackend::moe_route(const MoeRouteArgs& p) {
@@ -709,7 +709,7 @@ Status CpuBackend::moe_route(const MoeRouteArgs& p) {
   const int E = cfg_.moe.num_experts, K = cfg_.moe.num_experts_per_tok;
   if (p.forced_host == nullptr) {
     cpu::moe_route(p.logits, T, cfg_.moe, p.bias, p.ids, p.weights);
-    return Status::ok();
+    return ok_status();
   }
   // Forced experts, weighted as moe_route weighs its own choice (router probability,
   // renormalised, times routed_scale).
@@ -731,7 +731,7 @@ Status CpuBackend::moe_route(const MoeRouteArgs& p) {
       p.weights[t * K + k] = static_cast<float>(prob[forced[k]] * norm * cfg_.moe.routed_scale);
     }
   }
-  return Status::ok();
+  return ok_status();
 }
 
 // SwiGLU MLP: w2(silu(w1 x) * w3 x).
@@ -848,7 +848,7 @@ Status CpuBackend::moe_experts(MoeRef moe, const float* x, const int32_t* ids, c
   }
   if (M.shared != nullptr)
     for (int64_t i = 0; i < T * D; ++i) out[i] += sh[i];
-  return Status::ok();
+  return ok_status();
 }
 
 // ---- parallelism ----
@@ -865,12 +865,12 @@ Result<void*> CpuBackend::scratch(int slot, int64_t bytes) {
 
 Status CpuBackend::upload(void* dst, const void* src_host, int64_t bytes) {
   if (bytes > 0) std::memcpy(dst, src_host, bytes);
-  return Status::ok();
+  return ok_status();
 }
 
 Status CpuBackend::gather_rows_at(const float* src, const int32_t* idx, int64_t n, int64_t cols, float* dst) {
   for (int64_t i = 0; i < n; ++i) std::copy_n(src + static_cast<int64_t>(idx[i]) * cols, cols, dst + i * cols);
-  return Status::ok();
+  return ok_status();
 }
 
 Status CpuBackend::scatter_add_rows_at(const float* src, const int32_t* idx, int64_t n, int64_t cols, float* dst) {
@@ -879,7 +879,7 @@ Status CpuBackend::scatter_add_rows_at(const float* src, const int32_t* idx, int
     const float* x = src + i * cols;
     for (int64_t j = 0; j < cols; ++j) d[j] += x[j];
   }
-  return Status::ok();
+  return ok_status();
 }
 
 // As moe_experts over explicit rows; the k-sum runs in the same order (expert by expert,
@@ -914,7 +914,7 @@ Status CpuBackend::moe_experts_rows(MoeRef moe, const float* x, int64_t n, const
       for (int64_t d = 0; d < D; ++d) o[d] += wt * ys[i * D + d];
     }
   }
-  return Status::ok();
+  return ok_status();
 }
 
 Result<std::vector<int32_t>> CpuBackend::read_ints(const int32_t* p, int64_t n) {
@@ -925,7 +925,7 @@ Status CpuBackend::gather_logits_rows(const float* x, float* out) {
   const int64_t D = cfg_.dim;
   for (size_t i = 0; i < md_->logits_rows.size(); ++i)
     std::copy(x + md_->logits_rows[i] * D, x + (md_->logits_rows[i] + 1) * D, out + i * D);
-  return Status::ok();
+  return ok_status();
 }
 
 // ---- the DSpark drafter's ops ----
@@ -939,24 +939,24 @@ Result<TableRef> CpuBackend::add_table(const Tensor& t) {
 
 Status CpuBackend::gather_table_rows(TableRef t, const int32_t* ids, int64_t n, float* out) {
   cpu::embedding_lookup(*tables_[t.id], ids, n, out);
-  return Status::ok();
+  return ok_status();
 }
 
 Status CpuBackend::copy_rows(const float* src, int64_t src_stride, float* dst, int64_t dst_stride, int64_t rows,
                              int64_t cols) {
   for (int64_t i = 0; i < rows; ++i) std::copy_n(src + i * src_stride, cols, dst + i * dst_stride);
-  return Status::ok();
+  return ok_status();
 }
 
 Status CpuBackend::add_rows(float* y, int64_t y_stride, const float* x, int64_t x_stride, int64_t rows, int64_t cols) {
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t j = 0; j < cols; ++j) y[i * y_stride + j] += x[i * x_stride + j];
-  return Status::ok();
+  return ok_status();
 }
 
 Status CpuBackend::fill(float* x, int64_t n, float value) {
   std::fill(x, x + n, value);
-  return Status::ok();
+  return ok_status();
 }
 
 Status CpuBackend::block_embed(const float* mask, float* out) {
@@ -967,7 +967,7 @@ Status CpuBackend::block_embed(const float* mask, float* out) {
     cpu::embedding_lookup(*embed_, md_->token_ids.data() + seq.first_token, 1, out + seq.first_token * D);
     for (int64_t i = 1; i < seq.num_tokens; ++i) std::copy_n(mask + (i - 1) * D, D, out + (seq.first_token + i) * D);
   }
-  return Status::ok();
+  return ok_status();
 }
 
 Status CpuBackend::select_block_window(CacheGroup group, int64_t window) {
@@ -986,7 +986,7 @@ Status CpuBackend::select_block_window(CacheGroup group, int64_t window) {
     }
     for (int64_t i = 0; i < seq.num_tokens; ++i) window_[seq.first_token + i] = keys;
   }
-  return Status::ok();
+  return ok_status();
 }
 
 Status CpuBackend::gru_update(const float* gi, const float* gh, const float* b_ih, const float* b_hh, int64_t rows,
@@ -1003,14 +1003,14 @@ Status CpuBackend::gru_update(const float* gi, const float* gh, const float* b_i
       st[k] = static_cast<float>((1.0 - zg) * ng + zg * st[k]);
     }
   }
-  return Status::ok();
+  return ok_status();
 }
 
 Status CpuBackend::choose_tokens(float* logits, int64_t rows, const DeviceSamplingParams* params, int32_t* ids,
                                  float* probs, const float* base, int64_t base_stride) {
   if (base != nullptr) ML4_RETURN_IF_ERROR(add_rows(logits, cfg_.vocab_size, base, base_stride, rows, cfg_.vocab_size));
   cpu::choose_draft_tokens(logits, rows, cfg_.vocab_size, params, ids, probs);
-  return Status::ok();
+  return ok_status();
 }
 
 }  // namespace ml4

@@ -281,7 +281,7 @@ Result<StepOutput> CudaRunner::execute_step(const StepInput& in, ForwardTrace* t
         cudaStreamEndCapture(stream, &g);
         if (g) cudaGraphDestroy(g);
       }
-      if (!cap.is_ok()) {
+      if (!cap.ok()) {
         (void)cudaGetLastError();
         ML4_LOG_WARN("cuda runner: graph capture failed for {} tokens ({}); running eagerly", Tp, cap.message());
         opts_.cuda_graphs = false;
@@ -493,7 +493,7 @@ Result<DraftOutput> CudaRunner::draft_step(const DraftInput& in) {
         cudaStreamEndCapture(stream, &g);
         if (g) cudaGraphDestroy(g);
       }
-      if (!cap.is_ok()) {
+      if (!cap.ok()) {
         (void)cudaGetLastError();
         ML4_LOG_WARN("cuda runner: draft graph capture failed ({}); drafting eagerly", cap.message());
         draft_graphs_ok_ = false;

@@ -101,7 +101,7 @@ int run_step_bench(const StepBenchOptions& opt) {
     return 1;
   }
   auto& r = **rr;
-  if (!r.fill_kv_synthetic(99).is_ok()) return 1;
+  if (!r.fill_kv_synthetic(99).ok()) return 1;
   const double setup_s = std::chrono::duration<double>(Clock::now() - t0).count();
   if (r.cache_groups()[0].num_blocks < kMaxBatch * blocks_per_seq) {
     std::fprintf(stderr, "KV pool too small: %ld blocks\n", static_cast<long>(r.cache_groups()[0].num_blocks));
@@ -328,7 +328,7 @@ int run_hisparse_step_bench(const StepBenchOptions& opt) {
       return 1;
     }
     auto& r = **rr;
-    if (!r.fill_kv_synthetic(99).is_ok()) return 1;
+    if (!r.fill_kv_synthetic(99).ok()) return 1;
     if (r.cache_groups()[0].num_blocks < kMaxBatch * blocks_per_seq) {
       std::fprintf(stderr, "KV pool too small: %ld blocks\n", static_cast<long>(r.cache_groups()[0].num_blocks));
       return 1;

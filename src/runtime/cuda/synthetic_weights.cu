@@ -76,13 +76,13 @@ LinearWeight shape_only(const std::string& name, LinearFormat f, int64_t N, int6
 }  // namespace
 
 Status fill_synthetic_bytes(void* p, int64_t n, uint64_t seed, cudaStream_t stream) {
-  if (n <= 0) return Status::ok();
+  if (n <= 0) return ok_status();
   bytes_kernel<<<grid(n), 256, 0, stream>>>(static_cast<uint8_t*>(p), n, seed);
   return cuda_status(cudaGetLastError(), "synthetic bytes");
 }
 
 Status fill_synthetic_bf16(void* p, int64_t n, float amplitude, uint64_t seed, cudaStream_t stream) {
-  if (n <= 0) return Status::ok();
+  if (n <= 0) return ok_status();
   bf16_kernel<<<grid(n), 256, 0, stream>>>(static_cast<__nv_bfloat16*>(p), n, amplitude, seed);
   return cuda_status(cudaGetLastError(), "synthetic bf16");
 }

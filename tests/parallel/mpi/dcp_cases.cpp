@@ -421,14 +421,14 @@ TEST(ContextParallel, DsparkIsLosslessUnderDcp) {
       sp.temperature = 0.0;
       sp.max_tokens = 24;
       sp.ignore_eos = true;
-      for (size_t i = 0; i < prompts.size(); ++i) EXPECT_TRUE(e.add_request("r" + std::to_string(i), prompts[i], sp).is_ok());
+      for (size_t i = 0; i < prompts.size(); ++i) EXPECT_TRUE(e.add_request("r" + std::to_string(i), prompts[i], sp).ok());
       for (int step = 0; e.has_work() && step < 2000; ++step) {
         auto o = e.step();
         EXPECT_TRUE(o.ok()) << o.status().message();
         if (!o.ok()) break;
         for (auto& r : *o) out[r.request_id].insert(out[r.request_id].end(), r.new_tokens.begin(), r.new_tokens.end());
       }
-      EXPECT_TRUE(e.blocks().check_invariants().is_ok());
+      EXPECT_TRUE(e.blocks().check_invariants().ok());
       if (counters != nullptr) *counters = e.counters();
       return out;
     };

@@ -112,7 +112,7 @@ void serve() {
     Status ws;
     auto r = load(m, &ws);
     EXPECT_TRUE(r.ok()) << "rank " << rank() << ": " << r.status().message();
-    EXPECT_TRUE(ws.is_ok()) << "rank " << rank() << ": " << ws.message();
+    EXPECT_TRUE(ws.ok()) << "rank " << rank() << ": " << ws.message();
   }
 }
 
