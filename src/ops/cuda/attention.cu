@@ -276,6 +276,30 @@ bool use_decode_kernel(const MlaAttentionParams& p, int row_bytes) {
          reinterpret_cast<uintptr_t>(p.cache) % 16 == 0 && detail::mla_decode_supported(p.H, p.r, p.dr, row_bytes);
 }
 
+// The wgmma prefill kernel (attention_prefill.cu) applies: bf16 tensor cores, sparse, fp8_ds_mla
+// rows of r = 512, dr = 64, 16-byte aligned cache and q (its 16-byte copies and loads), and at
+// least a wave of (token, head block) CTAs (below that the split decode kernel fills the SMs).
+bool use_prefill_kernel(const MlaAttentionParams& p, int row_bytes) {
+  if (!(p.prefill_kernel && p.math == MlaMath::kBf16TensorCore && p.indices && p.dtype == KvCacheDtype::kFp8DsMla &&
+        detail::mla_prefill_supported(p.r, p.dr, row_bytes)))
+    return false;
+  if (reinterpret_cast<uintptr_t>(p.cache) % 16 != 0 || reinterpret_cast<uintptr_t>(p.q_lat) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(p.q_rope) % 16 != 0)
+    return false;
+  const int64_t blocks = p.T * ((p.H + kMlaHeadsPerBlock - 1) / kMlaHeadsPerBlock);
+  const int64_t need = p.prefill_min_blocks > 0 ? p.prefill_min_blocks : std::max(1, sm_count());
+  if (blocks < need) return false;
+  int dev = 0, limit = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
+    return false;
+  return static_cast<size_t>(limit) >= detail::mla_prefill_smem_bytes();
+}
+
+size_t prefill_workspace_bytes(const MlaAttentionParams& p) {
+  return detail::mla_prefill_workspace_bytes(p.num_slots, p.T, p.topk, p.scratch_pages);
+}
+
 int max_keys(const MlaAttentionParams& p) { return p.indices ? p.topk : p.max_length; }
 
 int choose_splits(const MlaAttentionParams& p) {
@@ -313,6 +337,8 @@ size_t smem_bytes(const MlaAttentionParams& p, int row_bytes) {
 }  // namespace
 
 size_t mla_attention_workspace_bytes(const MlaAttentionParams& p) {
+  if (p.T > 0 && use_prefill_kernel(p, static_cast<int>(latent_token_bytes(p.dtype, p.r, p.dr))))
+    return prefill_workspace_bytes(p);
   const int s = choose_splits(p);
   return s > 1 ? s * split_bytes(p) : 0;
 }
@@ -346,7 +372,9 @@ Status mla_attention(const MlaAttentionParams& p) {
   if (row_bytes % 4 != 0 || row_bytes / 4 > kMaxRowWords)
     return invalid_argument("mla_attention: row of {} bytes unsupported", row_bytes);
 
-  int splits = choose_splits(p);
+  const bool prefill = use_prefill_kernel(p, row_bytes) && p.workspace &&
+                       p.workspace_bytes >= prefill_workspace_bytes(p);
+  int splits = prefill ? 1 : choose_splits(p);
   if (splits > 1) {
     const size_t fit = p.workspace ? p.workspace_bytes / split_bytes(p) : 0;
     splits = static_cast<int>(std::min<size_t>(splits, fit));
@@ -389,7 +417,10 @@ Status mla_attention(const MlaAttentionParams& p) {
   const dim3 grid(static_cast<unsigned>(p.T), static_cast<unsigned>(splits),
                   static_cast<unsigned>((p.H + kMlaHeadsPerBlock - 1) / kMlaHeadsPerBlock));
   const bool tc = p.math == MlaMath::kBf16TensorCore && p.dtype != KvCacheDtype::kBf16 && (p.r + p.dr) % 16 == 0;
-  if (use_decode_kernel(p, row_bytes)) {
+  if (prefill) {
+    ML4_RETURN_IF_ERROR(
+        cuda_status(detail::launch_mla_prefill(a, p.workspace, p.scratch_pages, p.stream), "mla_prefill_kernel"));
+  } else if (use_decode_kernel(p, row_bytes)) {
     ML4_RETURN_IF_ERROR(cuda_status(detail::launch_mla_decode(a, grid, p.stream), "mla_decode_kernel"));
   } else if (tc) {
     ML4_RETURN_IF_ERROR(

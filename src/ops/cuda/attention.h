@@ -43,7 +43,10 @@ constexpr int kMlaHeadsPerBlock = 64;
 //     softmax (FlashMLA's numerics): ~1e-3 relative. Needs cache dtype fp8_ds_mla or fp8 and
 //     (r + dr) % 16 == 0; otherwise the kF32 kernel runs. Sparse fp8_ds_mla attention with
 //     r = 512, dr = 64 and H % 16 == 0, H <= 128 runs a dedicated decode kernel
-//     (attention_decode.cu, FlashMLA's schedule: see decode_kernel below), same numerics.
+//     (attention_decode.cu, FlashMLA's schedule: see decode_kernel below), same numerics; steps
+//     with at least a wave of (token, 64-head block) pairs (prefill) run the wgmma prefill kernel
+//     (attention_prefill.cu: the touched rows dequantized once to a bf16 scratch in the
+//     workspace; see prefill_kernel below), same numerics.
 enum class MlaMath { kF32, kBf16TensorCore };
 
 struct MlaAttentionParams {
@@ -81,6 +84,16 @@ struct MlaAttentionParams {
   // dedicated decode kernel (attention_decode.cu: producer warp + bulk-copy ring); false keeps
   // the generic tensor-core kernel (for comparisons).
   bool decode_kernel = true;
+  // kBf16TensorCore + sparse + fp8_ds_mla + r 512 + dr 64 (any H) with T * ceil(H / 64) >=
+  // prefill_min_blocks (0: the multiprocessor count) runs the wgmma prefill kernel
+  // (attention_prefill.cu) when the workspace holds its row scratch
+  // (mla_attention_workspace_bytes sizes it); false keeps the kernels above.
+  bool prefill_kernel = true;
+  int64_t prefill_min_blocks = 0;
+  // Upper bound on the cache pages (64 slots) the indices point into, sizing the prefill
+  // kernel's bf16 scratch (1152 B a slot): the step's block-table pages; 0 = every page of the
+  // cache. Keys on pages beyond the bound are skipped, so it must hold.
+  int64_t scratch_pages = 0;
   cudaStream_t stream = nullptr;
 };
 

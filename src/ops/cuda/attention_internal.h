@@ -3,6 +3,7 @@
 // fp8_ds_mla decode kernel). Not part of the API.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include <cuda_runtime.h>
@@ -56,5 +57,14 @@ cudaError_t launch_mla_tc(const Args& a, dim3 grid, size_t smem, cudaStream_t st
 // launch (grid.x = T, grid.y = splits; it picks the head blocks, ring depth and shared memory).
 bool mla_decode_supported(int H, int r, int dr, int row_bytes);
 cudaError_t launch_mla_decode(const Args& a, dim3 grid, cudaStream_t stream);
+
+// Sparse fp8_ds_mla prefill kernel (attention_prefill.cu, wgmma): whether it handles the row
+// format, its shared memory, the workspace for its bf16 row scratch (pages of the cache that the
+// indices may touch, at most scratch_pages; 0 = every page), and its launch (one split; grid
+// (T, 1, ceil(H / 64)) chosen inside).
+bool mla_prefill_supported(int r, int dr, int row_bytes);
+size_t mla_prefill_smem_bytes();
+size_t mla_prefill_workspace_bytes(int64_t num_slots, int64_t T, int topk, int64_t scratch_pages);
+cudaError_t launch_mla_prefill(const Args& a, void* workspace, int64_t scratch_pages, cudaStream_t stream);
 
 }  // namespace ml4::cuda::detail

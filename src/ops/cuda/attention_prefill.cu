@@ -1,0 +1,488 @@
+// Sparse MLA prefill over the fp8_ds_mla latent cache (r = 512, dr = 64) on Hopper wgmma: the
+// kernel mla_attention picks for MlaMath::kBf16TensorCore + sparse + kFp8DsMla when the step has
+// at least a wave of (token, 64-head block) pairs (attention.cu use_prefill_kernel). Same
+// function as attention_tc.cu / attention_decode.cu (q, keys and P rounded to bf16, f32
+// accumulation and softmax, natural-log lse, SSMax head_scale per token and head).
+//
+// Why a third kernel. Prefill is compute-bound: at 4096 tokens (causal, top-k 2048, mean 1536
+// keys) a layer is 0.88 TFLOP for 64 heads; the decode kernel (mma.sync, fp8 rows dequantized
+// per token in shared memory) ran it at ~132 TFLOP/s. Two things cost it: every token
+// dequantizes its own 2048 rows again (the step's cache is only T rows), and mma.sync feeds
+// both operands through registers (ldmatrix) where wgmma reads them from shared memory.
+//
+// Design (FlashMLA's sm90 sparse prefill schedule, written anew; deepseek-ai/FlashMLA):
+//   1. Pre-pass: the cache pages the step's indices touch are dequantized once into a bf16
+//      scratch [pages x 64][576] in the workspace (e4m3 x tile scale rounded to bf16 in f32, as
+//      attention_tc.cu does; rope bf16 copied). A page map (page -> scratch page, in page
+//      order: deterministic) is built by marking pages (mark_pages), one block scanning the
+//      marks (rank_pages) and dequantizing the listed pages (dequant_pages). The scratch holds
+//      at most `scratch_pages` pages (the caller's bound: the step's block-table pages); the
+//      workspace is sized for it (mla_prefill_workspace_bytes).
+//   2. Main kernel: one CTA per (token, 64-head block), 384 threads = 3 warpgroups. Tokens are
+//      taken last first (the longest key lists start first: less tail).
+//      Warpgroup 2 (producer, 40 registers after setmaxnreg): per tile of 64 keys, gathers the
+//        64 scratch rows with cp.async 16-byte chunks straight into the wgmma layout (9 slabs of
+//        [64 keys][128 bytes], 128-byte swizzle), invalid keys zero-filled, and signals the
+//        stage's `full` mbarrier (cp.async.mbarrier.arrive.noinc + a plain arrive that
+//        publishes the valid flags). Two stages (2 x 72 KB: shared memory holds no third).
+//        The next tile's indices and page-map entries are loaded before waiting on the stage.
+//      Warpgroups 0, 1 (consumers, 232 registers): Q (64 heads x 576, bf16, swizzled) stays
+//        in shared memory. Per tile:
+//          S = Q K^T: warpgroup w takes keys [32w, 32w + 32): 36 wgmma m64n32k16 (16 f32 each).
+//          Softmax: scale by head_scale, mask, row max over the 32 keys (quad shuffles),
+//            exchanged through shared memory with the other warpgroup (named barrier), so both
+//            hold the same running max; P = exp(s - m) rounded to bf16 to shared memory (the
+//            A operand of PV, one swizzled 64 x 64 slab); per-thread partial sums of the
+//            bf16 P (the sum matches the P that PV uses, as in the decode kernel).
+//          O = O * corr + P V: warpgroup w owns output columns [256w, 256w + 256): 4 wgmma
+//            m64n256k16 with V = the key tile's first 512 columns read N-major (no copy):
+//            128 f32 accumulators per thread. Then the stage is released (`empty`).
+//        Two named barriers per tile among the consumers. The row sums are reduced at the end
+//        (quad shuffles, then the two warpgroups in order: deterministic).
+//   Costs per 64-key tile: 64 x 64 x (576 + 512) x 2 = 8.9 MFLOP, 73.7 KB of bf16 rows from L2
+//   (the step's scratch is T x 1152 bytes: 4.7 MB at 4096 tokens, L2-resident). At 600 TFLOP/s
+//   the SMs together pull ~5 TB/s from L2: the second limit after the tensor cores.
+// Shared memory (227 KB usable): Q 72 KB + 2 key stages 144 KB + P 8 KB + flags: 226 KB.
+// One P buffer suffices: P of tile i + 1 is written after the first barrier of tile i + 1,
+// which both warpgroups reach only after waiting for their PV of tile i.
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include <algorithm>
+
+#include "kv/latent_layout.h"
+#include "ops/cuda/attention_internal.h"
+#include "ops/cuda/pdl.cuh"
+#include "ops/cuda/wgmma.cuh"
+
+namespace ml4::cuda::detail {
+namespace {
+
+constexpr int kR = 512, kDr = 64, kD = kR + kDr;
+constexpr int kRowBytes = 656;             // latent_token_bytes(kFp8DsMla, 512, 64)
+constexpr int kScaleOffset = kR;           // 4 f32 tile scales
+constexpr int kRopeOffset = kR + 16;       // 64 bf16
+constexpr int kRowBf16Bytes = kD * 2;      // scratch row: 1152 bytes
+constexpr int kKeys = 64;                  // keys per tile
+constexpr int kHeads = 64;                 // heads per CTA (wgmma M)
+constexpr int kSlabs = kD / 64;            // 128-byte column slabs of a row: 9
+constexpr int kSlabBytes = 64 * 128;       // [64 rows][128 bytes]
+constexpr int kTileBytes = kSlabs * kSlabBytes;  // 73,728
+constexpr int kStages = 2;
+constexpr int kThreads = 384;
+constexpr int kConsumers = 256;
+constexpr int kProducerRegs = 40, kConsumerRegs = 232;  // 128 x 40 + 256 x 232 <= 65536
+static_assert(kRowBytes == 656 && kD % 64 == 0, "fp8_ds_mla rows of r 512, dr 64");
+
+// Shared-memory byte offsets from the 1024-aligned base.
+constexpr int kQOff = 0;
+constexpr int kKOff = kQOff + kTileBytes;
+constexpr int kPOff = kKOff + kStages * kTileBytes;
+constexpr int kRowMaxOff = kPOff + kSlabBytes;   // f32 [2][64]
+constexpr int kRowSumOff = kRowMaxOff + 512;      // f32 [2][64]
+constexpr int kHsOff = kRowSumOff + 512;          // f32 [64]
+constexpr int kValidOff = kHsOff + 256;           // u8 [kStages][64]
+constexpr int kBarOff = kValidOff + kStages * kKeys;  // u64 full[kStages], empty[kStages]
+constexpr int kSmemUsed = kBarOff + 16 * kStages;
+constexpr int kSmemBytes = kSmemUsed + 1024;  // + alignment slack
+static_assert(kSmemBytes <= 232448, "fits the 227 KB opt-in shared memory of sm_90");
+static_assert(kBarOff % 8 == 0, "mbarriers are 8-byte aligned");
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+// Arrives on bar when all of this thread's earlier cp.async have landed (counts toward the
+// expected arrivals: .noinc).
+__device__ __forceinline__ void mbar_arrive_cp_async(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// 16 bytes global -> shared; !valid zero-fills and reads nothing.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+// Named barrier 1 among the 256 consumer threads (0 is __syncthreads).
+__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumers) : "memory"); }
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x = lo (low 16 bits)
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+__device__ __forceinline__ float e4m3_f32(uint32_t b) {
+  __nv_fp8_e4m3 v;
+  v.__x = static_cast<__nv_fp8_storage_t>(b);
+  return static_cast<float>(v);
+}
+
+// Workspace: [page map: num_pages int32][count: 16 bytes][page list: cap int32] then, 256-aligned,
+// the scratch [cap][64][576] bf16.
+struct Workspace {
+  int32_t* page_map;
+  int32_t* count;
+  int32_t* page_list;
+  uint8_t* scratch;
+};
+size_t scratch_offset(int64_t num_pages, int64_t cap) {
+  const size_t head = static_cast<size_t>(num_pages) * 4 + 16 + static_cast<size_t>(cap) * 4;
+  return (head + 255) / 256 * 256;
+}
+Workspace carve(void* ws, int64_t num_pages, int64_t cap) {
+  uint8_t* b = static_cast<uint8_t*>(ws);
+  Workspace w;
+  w.page_map = reinterpret_cast<int32_t*>(b);
+  w.count = reinterpret_cast<int32_t*>(b + num_pages * 4);
+  w.page_list = reinterpret_cast<int32_t*>(b + num_pages * 4 + 16);
+  w.scratch = b + scratch_offset(num_pages, cap);
+  return w;
+}
+
+// Marks every page that a valid index of the step points into: grid over T x topk entries.
+__global__ void mark_pages(const Args a, int32_t* __restrict__ mark) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= static_cast<int64_t>(a.T) * a.topk) return;
+  const int64_t t = i / a.topk;
+  const int j = static_cast<int>(i % a.topk);
+  const int n = a.index_lengths ? min(max(a.index_lengths[t], 0), a.topk) : a.topk;
+  if (j >= n) return;
+  const int64_t s = a.indices[t * a.indices_stride + j];
+  if (s >= 0 && s < a.num_slots) mark[s / kPageTokens] = 1;
+}
+
+// One block of 1024: mark -> scratch page (exclusive scan in page order) or -1; page list; count.
+__global__ void __launch_bounds__(1024) rank_pages(int32_t* __restrict__ map, int64_t num_pages, int64_t cap,
+                                                   int32_t* __restrict__ list, int32_t* __restrict__ count) {
+  __shared__ int32_t warp_sums[32];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  int64_t base_rank = 0;
+  for (int64_t p0 = 0; p0 < num_pages; p0 += 1024) {
+    const int64_t p = p0 + tid;
+    const int m = p < num_pages ? (map[p] != 0) : 0;
+    int x = m;  // inclusive warp scan
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, x, o);
+      if (lane >= o) x += y;
+    }
+    if (lane == 31) warp_sums[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+      int w = warp_sums[lane];
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, w, o);
+        if (lane >= o) w += y;
+      }
+      warp_sums[lane] = w;  // inclusive over warps
+    }
+    __syncthreads();
+    const int64_t rank = base_rank + (warp ? warp_sums[warp - 1] : 0) + x - m;
+    if (p < num_pages) {
+      const bool kept = m && rank < cap;
+      map[p] = kept ? static_cast<int32_t>(rank) : -1;
+      if (kept) list[rank] = static_cast<int32_t>(p);
+    }
+    base_rank += warp_sums[31];
+    __syncthreads();
+  }
+  if (tid == 0) *count = static_cast<int32_t>(std::min<int64_t>(base_rank, cap));
+}
+
+// Block b dequantizes listed page b (if b < count): 64 rows x 72 pieces of 8 values.
+__global__ void __launch_bounds__(256) dequant_pages(const uint8_t* __restrict__ cache,
+                                                     const int32_t* __restrict__ list,
+                                                     const int32_t* __restrict__ count, uint8_t* __restrict__ scratch) {
+  const int b = blockIdx.x;
+  if (b >= *count) return;
+  const int64_t page = list[b];
+  constexpr int kPieces = kD / 8;  // 64 fp8 pieces + 8 rope pieces
+  for (int i = threadIdx.x; i < kPageTokens * kPieces; i += blockDim.x) {
+    const int row = i / kPieces, c = i % kPieces;
+    const uint8_t* src = cache + (page * kPageTokens + row) * kRowBytes;
+    uint4 o;
+    if (c < kR / 8) {
+      const uint2 v = *reinterpret_cast<const uint2*>(src + 8 * c);
+      const float sc = *reinterpret_cast<const float*>(src + kScaleOffset + 4 * (8 * c / kDsMlaTile));
+      o.x = pack_bf16(e4m3_f32(v.x & 0xff) * sc, e4m3_f32((v.x >> 8) & 0xff) * sc);
+      o.y = pack_bf16(e4m3_f32((v.x >> 16) & 0xff) * sc, e4m3_f32(v.x >> 24) * sc);
+      o.z = pack_bf16(e4m3_f32(v.y & 0xff) * sc, e4m3_f32((v.y >> 8) & 0xff) * sc);
+      o.w = pack_bf16(e4m3_f32((v.y >> 16) & 0xff) * sc, e4m3_f32(v.y >> 24) * sc);
+    } else {
+      o = *reinterpret_cast<const uint4*>(src + kRopeOffset + 16 * (c - kR / 8));
+    }
+    *reinterpret_cast<uint4*>(scratch + (static_cast<int64_t>(b) * kPageTokens + row) * kRowBf16Bytes + 16 * c) = o;
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    mla_prefill_kernel(const Args a, const int32_t* __restrict__ page_map, const uint8_t* __restrict__ scratch) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t sbase = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  uint8_t* sgen = smem_raw + (sbase - smem_u32(smem_raw));  // generic pointer of sbase
+  float* rowmax = reinterpret_cast<float*>(sgen + kRowMaxOff);
+  float* rowsum = reinterpret_cast<float*>(sgen + kRowSumOff);
+  float* hs = reinterpret_cast<float*>(sgen + kHsOff);
+  uint8_t* valid = sgen + kValidOff;
+  const uint32_t full0 = sbase + kBarOff, empty0 = full0 + 8 * kStages;
+
+  const int t = a.T - 1 - static_cast<int>(blockIdx.x);  // longest lists first
+  const int h0 = blockIdx.z * kHeads;
+  const int HB = min(kHeads, a.H - h0);
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int n = a.index_lengths ? min(max(a.index_lengths[t], 0), a.topk) : a.topk;
+  const int ntiles = (n + kKeys - 1) / kKeys;
+
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full0 + 8 * s, 2 * 128);  // 128 cp.async arrivals + 128 plain ones
+      mbar_init(empty0 + 8 * s, kConsumers / 32);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (tid >= kConsumers) {
+    // Producer warpgroup: thread (kr, c8) moves 16-byte chunk c8 of every 128-byte slab of keys
+    // kr + 16 q (q < 4); all its keys share key % 8, hence one swizzle.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
+    const int ptid = tid - kConsumers, c8 = ptid & 7, kr = ptid >> 3;
+    const uint32_t swz = static_cast<uint32_t>((c8 ^ (kr & 7)) << 4);
+    const int32_t* idx = a.indices + static_cast<int64_t>(t) * a.indices_stride;
+    auto row_of = [&](int j) -> const uint8_t* {  // scratch row of key j, or null
+      if (j >= n) return nullptr;
+      const int64_t s = idx[j];
+      if (s < 0 || s >= a.num_slots) return nullptr;
+      const int32_t pg = page_map[s / kPageTokens];
+      if (pg < 0) return nullptr;
+      return scratch + (static_cast<int64_t>(pg) * kPageTokens + s % kPageTokens) * kRowBf16Bytes;
+    };
+    const uint8_t* src[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) src[q] = ntiles > 0 ? row_of(kr + 16 * q) : nullptr;
+    for (int i = 0; i < ntiles; ++i) {
+      const int st = i % kStages;
+      if (i >= kStages) mbar_wait(empty0 + 8 * st, ((i / kStages) - 1) & 1);
+      const uint32_t kt = sbase + kKOff + st * kTileBytes;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int key = kr + 16 * q;
+        const bool ok = src[q] != nullptr;
+        if (c8 == 0) valid[st * kKeys + key] = ok;
+        const uint8_t* s0 = ok ? src[q] + 16 * c8 : scratch;
+#pragma unroll
+        for (int sl = 0; sl < kSlabs; ++sl) cp_async16(kt + sl * kSlabBytes + key * 128 + swz, s0 + 128 * sl, ok);
+      }
+      mbar_arrive_cp_async(full0 + 8 * st);
+      mbar_arrive(full0 + 8 * st);  // publishes the valid flags (release)
+      if (i + 1 < ntiles) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) src[q] = row_of((i + 1) * kKeys + kr + 16 * q);
+      }
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
+
+  // Consumers. Q -> bf16, swizzled (rows >= HB zero); head scales.
+  for (int i = tid; i < kHeads * (kD / 8); i += kConsumers) {
+    const int h = i / (kD / 8), c = i % (kD / 8);
+    uint4 o = make_uint4(0, 0, 0, 0);
+    if (h < HB) {
+      const int64_t th = static_cast<int64_t>(t) * a.H + h0 + h;
+      const float* s = c < kR / 8 ? a.q_lat + th * kR + 8 * c : a.q_rope + th * kDr + 8 * (c - kR / 8);
+      const float4 x0 = *reinterpret_cast<const float4*>(s), x1 = *reinterpret_cast<const float4*>(s + 4);
+      o = make_uint4(pack_bf16(x0.x, x0.y), pack_bf16(x0.z, x0.w), pack_bf16(x1.x, x1.y), pack_bf16(x1.z, x1.w));
+    }
+    *reinterpret_cast<uint4*>(sgen + kQOff + (c / 8) * kSlabBytes + h * 128 + (((c % 8) ^ (h % 8)) << 4)) = o;
+  }
+  if (tid < kHeads) hs[tid] = tid < HB ? a.head_scale[static_cast<int64_t>(t) * a.H + h0 + tid] : 0.0f;
+  wgmma::fence_proxy_async();
+  consumer_sync();
+
+  const int wg = tid >> 7, wwarp = (tid >> 5) & 3, g = lane >> 2, tq = lane & 3;
+  const int r0 = 16 * wwarp + g, r1 = r0 + 8;  // this thread's accumulator rows (heads)
+  const float hs0 = hs[r0], hs1 = hs[r1];
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+  float o[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.0f;
+  const uint32_t qb = sbase + kQOff, pb = sbase + kPOff;
+
+  for (int i = 0; i < ntiles; ++i) {
+    const int st = i % kStages;
+    mbar_wait(full0 + 8 * st, (i / kStages) & 1);
+    wgmma::fence_proxy_async();  // the cp.async rows, written through the generic proxy
+    const uint32_t kt = sbase + kKOff + st * kTileBytes;
+
+    // S = Q K^T over keys [32 wg, 32 wg + 32).
+    float s[16];
+#pragma unroll
+    for (int e = 0; e < 16; ++e) s[e] = 0.0f;
+    wgmma::fence_operands(s);
+    wgmma::fence();
+#pragma unroll
+    for (int k = 0; k < kD / 16; ++k) {
+      const uint32_t off = (k / 4) * kSlabBytes + (k % 4) * 32;
+      wgmma::m64n32k16_bf16(s, wgmma::desc_k_major(qb + off), wgmma::desc_k_major(kt + wg * 32 * 128 + off), k);
+    }
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::fence_operands(s);
+
+    // Scale, mask, row max of this warpgroup's 32 keys.
+    const uint8_t* vf = valid + st * kKeys + 32 * wg;
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int c = 8 * j + 2 * tq;
+      const bool v0 = vf[c], v1 = vf[c + 1];
+      s[4 * j + 0] = v0 ? s[4 * j + 0] * hs0 : -INFINITY;
+      s[4 * j + 1] = v1 ? s[4 * j + 1] * hs0 : -INFINITY;
+      s[4 * j + 2] = v0 ? s[4 * j + 2] * hs1 : -INFINITY;
+      s[4 * j + 3] = v1 ? s[4 * j + 3] * hs1 : -INFINITY;
+      mx0 = fmaxf(mx0, fmaxf(s[4 * j + 0], s[4 * j + 1]));
+      mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    if (tq == 0) {
+      rowmax[wg * kHeads + r0] = mx0;
+      rowmax[wg * kHeads + r1] = mx1;
+    }
+    consumer_sync();  // both halves' row maxima; both warpgroups done with tile i - 1's P
+    const float mn0 = fmaxf(m_run[0], fmaxf(rowmax[r0], rowmax[kHeads + r0]));
+    const float mn1 = fmaxf(m_run[1], fmaxf(rowmax[r1], rowmax[kHeads + r1]));
+    const float corr0 = mn0 == -INFINITY ? 1.0f : __expf(m_run[0] - mn0);  // m_run = -inf -> 0
+    const float corr1 = mn1 == -INFINITY ? 1.0f : __expf(m_run[1] - mn1);
+    m_run[0] = mn0;
+    m_run[1] = mn1;
+    float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const __nv_bfloat162 p01 = __floats2bfloat162_rn(mn0 == -INFINITY ? 0.0f : __expf(s[4 * j + 0] - mn0),
+                                                       mn0 == -INFINITY ? 0.0f : __expf(s[4 * j + 1] - mn0));
+      const __nv_bfloat162 p23 = __floats2bfloat162_rn(mn1 == -INFINITY ? 0.0f : __expf(s[4 * j + 2] - mn1),
+                                                       mn1 == -INFINITY ? 0.0f : __expf(s[4 * j + 3] - mn1));
+      sum0 += __low2float(p01) + __high2float(p01);
+      sum1 += __low2float(p23) + __high2float(p23);
+      // P[head][key], key = 32 wg + 8 j + 2 tq: chunk 4 wg + j of the head's 128-byte row.
+      const int chunk = 4 * wg + j;
+      *reinterpret_cast<__nv_bfloat162*>(sgen + kPOff + r0 * 128 + ((chunk ^ (r0 % 8)) << 4) + 4 * tq) = p01;
+      *reinterpret_cast<__nv_bfloat162*>(sgen + kPOff + r1 * 128 + ((chunk ^ (r1 % 8)) << 4) + 4 * tq) = p23;
+    }
+    l_run[0] = l_run[0] * corr0 + sum0;
+    l_run[1] = l_run[1] * corr1 + sum1;
+    wgmma::fence_proxy_async();  // P, written through the generic proxy
+    consumer_sync();             // P complete
+
+    // O = O * corr + P V, columns [256 wg, 256 wg + 256): slabs 4 wg .. 4 wg + 3 of the tile.
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      o[4 * j + 0] *= corr0;
+      o[4 * j + 1] *= corr0;
+      o[4 * j + 2] *= corr1;
+      o[4 * j + 3] *= corr1;
+    }
+    wgmma::fence_operands(o);
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk) {
+      const uint64_t da = wgmma::desc_k_major(pb + kk * 32);
+      const uint64_t db = wgmma::desc_sw128(kt + 4 * wg * kSlabBytes + kk * 16 * 128, kSlabBytes, 1024);
+      wgmma::m64n256k16_bf16_bn(o, da, db, 1);
+    }
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::fence_operands(o);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty0 + 8 * st);
+  }
+
+  // Row sums: quad, then the two warpgroups in order; lse (natural log); normalised output.
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    l_run[rr] += __shfl_xor_sync(0xffffffffu, l_run[rr], 1);
+    l_run[rr] += __shfl_xor_sync(0xffffffffu, l_run[rr], 2);
+  }
+  if (tq == 0) {
+    rowsum[wg * kHeads + r0] = l_run[0];
+    rowsum[wg * kHeads + r1] = l_run[1];
+  }
+  consumer_sync();
+  const float l0 = rowsum[r0] + rowsum[kHeads + r0], l1 = rowsum[r1] + rowsum[kHeads + r1];
+  const float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+  const int64_t base = static_cast<int64_t>(t) * a.H + h0;
+  if (wg == 0 && tq == 0) {
+    if (r0 < HB) a.lse[base + r0] = l0 > 0.0f ? m_run[0] + logf(l0) : -INFINITY;
+    if (r1 < HB) a.lse[base + r1] = l1 > 0.0f ? m_run[1] + logf(l1) : -INFINITY;
+  }
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+    const int col = 256 * wg + 8 * j + 2 * tq;
+    if (r0 < HB) *reinterpret_cast<float2*>(a.out + (base + r0) * kR + col) = make_float2(o[4 * j] * inv0, o[4 * j + 1] * inv0);
+    if (r1 < HB)
+      *reinterpret_cast<float2*>(a.out + (base + r1) * kR + col) = make_float2(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
+  }
+}
+
+int64_t cap_pages(int64_t num_slots, int64_t T, int topk, int64_t scratch_pages) {
+  const int64_t num_pages = (num_slots + kPageTokens - 1) / kPageTokens;
+  int64_t cap = scratch_pages > 0 ? std::min(scratch_pages, num_pages) : num_pages;
+  return std::max<int64_t>(1, std::min(cap, T * std::max(topk, 1)));
+}
+
+}  // namespace
+
+bool mla_prefill_supported(int r, int dr, int row_bytes) { return r == kR && dr == kDr && row_bytes == kRowBytes; }
+
+size_t mla_prefill_smem_bytes() { return kSmemBytes; }
+
+size_t mla_prefill_workspace_bytes(int64_t num_slots, int64_t T, int topk, int64_t scratch_pages) {
+  const int64_t num_pages = (num_slots + kPageTokens - 1) / kPageTokens;
+  const int64_t cap = cap_pages(num_slots, T, topk, scratch_pages);
+  return scratch_offset(num_pages, cap) + static_cast<size_t>(cap) * kPageTokens * kRowBf16Bytes;
+}
+
+cudaError_t launch_mla_prefill(const Args& a, void* workspace, int64_t scratch_pages, cudaStream_t stream) {
+  const int64_t num_pages = (a.num_slots + kPageTokens - 1) / kPageTokens;
+  const int64_t cap = cap_pages(a.num_slots, a.T, a.topk, scratch_pages);
+  const Workspace w = carve(workspace, num_pages, cap);
+  cudaError_t e = cudaMemsetAsync(w.page_map, 0, static_cast<size_t>(num_pages) * 4, stream);
+  if (e != cudaSuccess) return e;
+  const int64_t entries = static_cast<int64_t>(a.T) * a.topk;
+  if (entries > 0) {
+    mark_pages<<<static_cast<unsigned>((entries + 255) / 256), 256, 0, stream>>>(a, w.page_map);
+  }
+  rank_pages<<<1, 1024, 0, stream>>>(w.page_map, num_pages, cap, w.page_list, w.count);
+  dequant_pages<<<static_cast<unsigned>(cap), 256, 0, stream>>>(a.cache, w.page_list, w.count, w.scratch);
+  e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  e = cudaFuncSetAttribute(mla_prefill_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (e != cudaSuccess) return e;
+  const dim3 grid(static_cast<unsigned>(a.T), 1, static_cast<unsigned>((a.H + kHeads - 1) / kHeads));
+  launch_kernel(mla_prefill_kernel, grid, kThreads, kSmemBytes, stream, a, static_cast<const int32_t*>(w.page_map),
+                static_cast<const uint8_t*>(w.scratch));
+  return cudaGetLastError();
+}
+
+}  // namespace ml4::cuda::detail
