@@ -13,14 +13,16 @@
 //
 // Bytes counted: the weights of the distinct active experts + the shared expert (each
 // 3 x 5632 x 6144 e4m3 + scales = 104 MB), activations negligible. The bound is that
-// over the measured copy bandwidth (argv[1], GB/s).
+// over the measured copy bandwidth (argv[1], GB/s). argv[2] = fp4: only fp4_prefill() below.
 #include <cstdio>
 #include <random>
 #include <set>
+#include <string>
 #include <vector>
 
 #include "gpu_bench_util.h"
 #include "ops/cuda/gemm.h"
+#include "ops/cuda/gemv.h"
 #include "ops/cuda/moe.h"
 #include "ops/cuda/moe_gemm.h"
 
@@ -152,6 +154,111 @@ void prefill(LtGemm& lt, const std::vector<DeviceMlp>& experts, const DeviceMlp&
   }
 }
 
+// Random FP4 weights as DeviceLinear holds them (linear.h): any byte is two valid e2m1 codes;
+// NVFP4 scales e4m3 in [0.5, 2] and a global scale of 1e-2, MXFP4 scales 2^-7.
+Result<DeviceLinear> random_fp4(LinearFormat f, int64_t N, int64_t K, uint64_t seed, cudaStream_t s) {
+  DeviceLinear d;
+  d.format = f;
+  d.N = N;
+  d.K = K;
+  const bool nv = f == LinearFormat::kNVFP4;
+  ML4_ASSIGN_OR_RETURN(d.weight, DeviceBuffer::alloc(N * K / 2));
+  ML4_RETURN_IF_ERROR(fill_uniform_e4m3(d.weight.data(), N * K / 2, seed, -448, 448, s));
+  if (nv) {
+    const int64_t off = fp4_global_offset(N, K);
+    ML4_ASSIGN_OR_RETURN(d.scale, DeviceBuffer::alloc(off + 16));
+    ML4_RETURN_IF_ERROR(fill_uniform_e4m3(d.scale.data(), N * K / 16, seed + 1, 0.5f, 2.0f, s));
+    const float g = 1e-2f;
+    ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
+    ML4_CUDA_RETURN_IF_ERROR(cudaMemcpy(static_cast<uint8_t*>(d.scale.data()) + off, &g, 4, cudaMemcpyHostToDevice));
+  } else {
+    ML4_ASSIGN_OR_RETURN(d.scale, DeviceBuffer::alloc(N * K / 32));
+    ML4_RETURN_IF_ERROR(d.scale.fill_bytes(120));
+  }
+  return std::move(d);
+}
+
+// FP4 routed experts in prefill (issue 18): the FP4 grouped GEMMs (moe_grouped_gemm_fp4, the
+// FP8 shared expert through cuBLASLt as NVFP4 checkpoints hold it) against the loop over FP4
+// experts (the FP4 weight stream per expert, f32 x) and the FP8 grouped GEMMs on FP8 experts
+// of the same shape (shared expert in the slot), whole layers; then at each T the two FP4
+// launches alone. FLOPs = 2 x rows x 3 x D x I over rows = T * (K + 1); the bound is the bf16
+// matrix rate (the FP4 weights are expanded to bf16: H100 SXM 989 TFLOP/s dense, ~2/3 of it
+// reached by cuBLASLt's bf16 GEMM, gpu_gemm_bench).
+void fp4_prefill(LtGemm& lt, const std::vector<DeviceMlp>& fp8_experts, const DeviceMlp& fp8_shared,
+                 const MoeExpertTables& fp8_tb, int E, int K, int64_t D, int64_t I, cudaStream_t s) {
+  std::printf("moe fp4 grouped GEMM kernel: %d CTAs per SM resident\n", moe_grouped_gemm_fp4_ctas_per_sm());
+  for (LinearFormat f : {LinearFormat::kNVFP4, LinearFormat::kMXFP4}) {
+    std::vector<DeviceMlp> experts(E);
+    uint64_t seed = 100;
+    for (int e = 0; e < E; ++e) {
+      auto a = random_fp4(f, I, D, seed++, s), b = random_fp4(f, D, I, seed++, s), c = random_fp4(f, I, D, seed++, s);
+      BENCH_CHECK(a.status());
+      BENCH_CHECK(b.status());
+      BENCH_CHECK(c.status());
+      experts[e] = DeviceMlp{std::move(a).value(), std::move(b).value(), std::move(c).value()};
+    }
+    auto tables = build_expert_tables(experts, &fp8_shared);
+    BENCH_CHECK(tables.status());
+    const MoeExpertTables& tb = *tables;
+    std::mt19937 g(11);
+    for (int64_t T : {512, 4096}) {
+      MoeInputs in = moe_inputs(T, E, K, D, I, g, nullptr, s);
+      const double rows = static_cast<double>(T) * (K + 1), flop = 2.0 * rows * 3.0 * D * I;
+      const double t_loop = bench::median_ms(s, 1, 3, [&](int) {
+        BENCH_CHECK(moe_experts_forward(lt, experts, &fp8_shared, in.x.as<float>(), T, D, in.ids.as<int32_t>(),
+                                        in.w.as<float>(), K, in.out.as<float>(), in.sc, s));
+      });
+      const double t_fp8 = bench::median_ms(s, 2, 10, [&](int) {
+        BENCH_CHECK(moe_experts_forward_gemm(fp8_tb, &fp8_shared, in.x.as<float>(), T, in.ids.as<int32_t>(),
+                                             in.w.as<float>(), K, in.out.as<float>(), in.sc, s));
+      });
+      const double t_fp4 = bench::median_ms(s, 2, 10, [&](int) {
+        BENCH_CHECK(moe_experts_forward_gemm(tb, &fp8_shared, in.x.as<float>(), T, in.ids.as<int32_t>(),
+                                             in.w.as<float>(), K, in.out.as<float>(), in.sc, s, &lt));
+      });
+      std::printf("moe fp4 prefill %s T=%ld (%.0f rows, %.2f TFLOP): %s grouped GEMMs %.3f ms (%.0f TFLOP/s); %s expert "
+                  "loop %.3f ms (%.0f TFLOP/s), %.2fx; fp8 grouped GEMMs %.3f ms (%.0f TFLOP/s)\n",
+                  linear_format_name(f), T, rows, flop / 1e12, linear_format_name(f), t_fp4, flop / (t_fp4 * 1e9),
+                  linear_format_name(f), t_loop, flop / (t_loop * 1e9), t_loop / t_fp4, t_fp8, flop / (t_fp8 * 1e9));
+      // The two FP4 launches alone over the routed rows (the last run's tile list: no shared slot).
+      MoeScratch& sc = in.sc;
+      const int64_t nrows = T * K;
+      MoeGroupedGemmFp4Params gp;
+      gp.nvfp4 = f == LinearFormat::kNVFP4;
+      gp.tiles = sc.tiles.as<MoeTile>();
+      gp.num_tiles = sc.num_tiles.as<int32_t>();
+      gp.max_tiles = moe_gemm_max_tiles(nrows, E);
+      gp.stream = s;
+      gp.gate_up = true;
+      gp.a = sc.u.data();
+      gp.a_rows = sc.perm_token.as<int32_t>();
+      gp.w = static_cast<const void* const*>(tb.w1.data());
+      gp.w_scale = static_cast<const float* const*>(tb.s1.data());
+      gp.w_up = static_cast<const void* const*>(tb.w3.data());
+      gp.w_up_scale = static_cast<const float* const*>(tb.s3.data());
+      gp.N = I;
+      gp.K = D;
+      gp.y_bf16 = sc.q.data();
+      const double t_gu = bench::median_ms(s, 2, 10, [&](int) { BENCH_CHECK(moe_grouped_gemm_fp4(gp)); });
+      gp.gate_up = false;
+      gp.a = sc.q.data();
+      gp.a_rows = nullptr;
+      gp.w = static_cast<const void* const*>(tb.w2.data());
+      gp.w_scale = static_cast<const float* const*>(tb.s2.data());
+      gp.N = D;
+      gp.K = I;
+      gp.y_bf16 = nullptr;
+      gp.y = sc.y.as<float>();
+      const double t_dn = bench::median_ms(s, 2, 10, [&](int) { BENCH_CHECK(moe_grouped_gemm_fp4(gp)); });
+      const double f_gu = 2.0 * nrows * 2 * I * D, f_dn = 2.0 * nrows * D * I;
+      std::printf("moe fp4 grouped GEMM %s T=%ld routed rows=%ld: gate+up %.3f ms (%.0f TFLOP/s), down %.3f ms (%.0f "
+                  "TFLOP/s)\n",
+                  linear_format_name(f), T, nrows, t_gu, f_gu / (t_gu * 1e9), t_dn, f_dn / (t_dn * 1e9));
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -188,6 +295,10 @@ int main(int argc, char** argv) {
   BENCH_CHECK(tables.status());
   const double expert_bytes = 3.0 * (I * D + (I / 128 + 1) * (D / 128) * 4.0);
   std::printf("moe E=%d K=%d D=%ld I=%ld fp8 block; %.1f MB per expert\n", E, K, D, I, expert_bytes / 1e6);
+  if (argc > 2 && std::string(argv[2]) == "fp4") {  // only the FP4 prefill comparison
+    fp4_prefill(**lt, experts, shared, *tables, E, K, D, I, s);
+    return 0;
+  }
   std::mt19937 g(7);
   for (int64_t T : {1, 2, 4, 8, 32, 64, 512}) {
     std::set<int> distinct;

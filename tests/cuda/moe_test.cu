@@ -405,6 +405,21 @@ TEST(CudaMoe, ExpertsAndSharedVsCpu) {
 // leaves the down projection's last 256-column tile partial; skewed routing gives one
 // expert every token (several 64-row tiles) and one no row; T = 5 gives tiles of 1-2 rows;
 // every 128 x 128 weight block scaled by its own power of two (a wrong scale index is gross).
+// Expert 0 first for every token, expert E-1 never; the K ids of a token stay distinct.
+void skew_routing(std::vector<int32_t>& ids, int64_t T, int E, int K) {
+  for (int64_t t = 0; t < T; ++t) {
+    for (int k = 0; k < K; ++k)
+      if (ids[t * K + k] == 0 || ids[t * K + k] == E - 1) ids[t * K + k] = ids[t * K];
+    ids[t * K] = 0;
+    for (int k = 1; k < K; ++k) {  // refill duplicates from 1..E-2
+      std::set<int32_t> used(ids.begin() + t * K, ids.begin() + t * K + k);
+      int32_t e = ids[t * K + k];
+      while (used.count(e) || e == 0 || e == E - 1) e = 1 + (e + 1) % (E - 2);
+      ids[t * K + k] = e;
+    }
+  }
+}
+
 // Also: the permutation's invariants, bit-identical repeats, a CUDA graph replay equal to
 // eager, and the path without a shared expert.
 TEST(CudaMoe, GroupedGemmPrefillVsCpu) {
@@ -418,19 +433,9 @@ TEST(CudaMoe, GroupedGemmPrefillVsCpu) {
     const std::vector<DeviceMlp>& dx = c.dx;
     const DeviceMlp& dshared = c.shared;
     const std::vector<float>& x = c.x;
-    std::vector<int32_t>& ids = c.ids;  // skewed below
+    std::vector<int32_t>& ids = c.ids;
     const std::vector<float>& w = c.w;
-    for (int64_t t = 0; t < T; ++t) {  // expert 0 first for every token, expert E-1 never
-      for (int k = 0; k < K; ++k)
-        if (ids[t * K + k] == 0 || ids[t * K + k] == E - 1) ids[t * K + k] = ids[t * K];
-      ids[t * K] = 0;
-      for (int k = 1; k < K; ++k) {  // keep the K ids distinct: refill duplicates from 1..E-2
-        std::set<int32_t> used(ids.begin() + t * K, ids.begin() + t * K + k);
-        int32_t e = ids[t * K + k];
-        while (used.count(e) || e == 0 || e == E - 1) e = 1 + (e + 1) % (E - 2);
-        ids[t * K + k] = e;
-      }
-    }
+    skew_routing(ids, T, E, K);
     for (bool with_shared : {true, false}) {
       std::vector<double> ref(T * D, 0.0);
       for (int64_t t = 0; t < T; ++t) {
@@ -518,6 +523,126 @@ TEST(CudaMoe, GroupedGemmPrefillVsCpu) {
                   E, K, D, I, T, with_shared ? 1 : 0, e, el, loop_quantizes ? "" : " (not run: GEMV experts)");
       EXPECT_LT(e, 1e-2);
       EXPECT_LT(el, 1e-2);
+    }
+  }
+}
+
+// The grouped GEMMs with NVFP4 / MXFP4 experts (moe_grouped_gemm_fp4, issue 18) against the
+// CPU's decode of the same weights (cpu::linear), fresh random inputs, routing skewed as above
+// (expert 0 every token: several 64-row tiles; expert E-1 no row; T = 5: tiles of 1-2 rows),
+// D = 640 leaving the down projection's last 256-column tile partial; the shared expert in the
+// tables' slot (FP4, the routed shape), outside it (FP8 block, through mlp_forward on
+// cuBLASLt, as NVFP4 checkpoints hold it) and absent. Two references:
+//   mimic: the CPU's arithmetic on what the GPU rounds -- x and the hidden rows to bf16,
+//          weights exact -- so only the f32 summation order and where the NVFP4 global scale
+//          is applied differ (~1e-6 relative; a hidden value within that of a bf16 rounding
+//          boundary lands one bf16 step apart, rare and 2^-8 of one element). Bound 1e-4.
+//   exact: f32 activations (what the FP4 GEMV loop computes). Rounding x and h to bf16 gives
+//          each element a relative error within +-2^-9 (RMS 2^-9 / sqrt(3) = 1.1e-3); x feeds
+//          gate and up, h the down projection, so the output's relative error is about
+//          sqrt(3) x 1.1e-3 ~ 2e-3. Bound 5e-3 (a wrong scale or a misplaced nibble is gross).
+// The FP8 shared expert quantizes its activations per 1x128 group (its own error, ~1e-2 of
+// its share): there both references take the CPU's FP8-activation MLP for it and the mimic
+// bound is not asserted (an e4m3 step flip of one hidden value is 2^-3 of it).
+// Also: bit-identical repeats, a CUDA graph replay equal to eager.
+TEST(CudaMoe, GroupedGemmFp4PrefillVsCpu) {
+  ML4_REQUIRE_GPU();
+  auto lt = LtGemm::create();
+  ML4_ASSERT_OK(lt.status());
+  const int E = 16, K = 4;
+  auto mimic_mlp = [](const HostMlp& m, std::vector<float> xq, int64_t M) {
+    const int64_t I = m.w1.out_features, D = m.w2.out_features;
+    for (auto& v : xq) v = round_bf16(v);
+    std::vector<float> g(M * I), u(M * I), y(M * D);
+    cpu::linear(xq.data(), M, m.w1, g.data());
+    cpu::linear(xq.data(), M, m.w3, u.data());
+    cpu::silu_mul(g.data(), u.data(), M * I, g.data());
+    for (auto& v : g) v = round_bf16(v);
+    cpu::linear(g.data(), M, m.w2, y.data());
+    return y;
+  };
+  for (LinearFormat f : {LinearFormat::kNVFP4, LinearFormat::kMXFP4}) {
+    for (auto [D, I, T] : {std::tuple<int64_t, int64_t, int64_t>{640, 384, 300}, {512, 256, 5}}) {
+      const uint32_t base = 1300 + static_cast<uint32_t>(T) + 17 * static_cast<uint32_t>(f);
+      MoeCase c = make_moe_case(f, E, K, D, I, T, base);
+      skew_routing(c.ids, T, E, K);
+      uint32_t seed = base + 5000;
+      auto fp8_shared = make_experts(LinearFormat::kFP8Block, 1, D, I, seed);
+      const std::vector<float>& x = c.x;
+      std::vector<double> routed_exact(T * D, 0.0), routed_mimic(T * D, 0.0);
+      for (int64_t t = 0; t < T; ++t) {
+        std::vector<float> xt(x.begin() + t * D, x.begin() + (t + 1) * D);
+        for (int k = 0; k < K; ++k) {
+          const HostMlp& m = c.hx[c.ids[t * K + k]];
+          const auto ye = host_mlp(m, xt, 1, D, /*exact=*/true), ym = mimic_mlp(m, xt, 1);
+          for (int64_t d = 0; d < D; ++d) {
+            routed_exact[t * D + d] += static_cast<double>(c.w[t * K + k]) * ye[d];
+            routed_mimic[t * D + d] += static_cast<double>(c.w[t * K + k]) * ym[d];
+          }
+        }
+      }
+      for (int mode = 0; mode < 3; ++mode) {  // shared expert: 0 the FP4 slot, 1 FP8 outside it, 2 none
+        const char* mode_name = mode == 0 ? "fp4 slot" : mode == 1 ? "fp8 via cuBLASLt" : "none";
+        const DeviceMlp* sh = mode == 0 ? &c.shared : mode == 1 ? &fp8_shared.second[0] : nullptr;
+        std::vector<double> ref_exact = routed_exact, ref_mimic = routed_mimic;
+        if (mode == 0) {
+          const auto ye = host_mlp(c.hx[E], x, T, D, true), ym = mimic_mlp(c.hx[E], x, T);
+          for (int64_t i = 0; i < T * D; ++i) {
+            ref_exact[i] += ye[i];
+            ref_mimic[i] += ym[i];
+          }
+        } else if (mode == 1) {
+          const auto yq = host_mlp(fp8_shared.first[0], x, T, D, /*exact=*/T <= kGemvMaxM);  // linear.h: GEMV up to 8 rows
+          for (int64_t i = 0; i < T * D; ++i) {
+            ref_exact[i] += yq[i];
+            ref_mimic[i] += yq[i];
+          }
+        }
+        auto tables = build_expert_tables(c.dx, sh);
+        ML4_ASSERT_OK(tables.status());
+        ASSERT_EQ(tables->shared_slot, mode == 0);
+        ASSERT_TRUE(moe_gemm_supported(*tables, sh, /*lt_available=*/true));
+        EXPECT_EQ(moe_gemm_supported(*tables, sh, false), mode != 1) << "an FP8 shared expert needs the LtGemm";
+        MoeScratch s;
+        ML4_ASSERT_OK(s.reserve(T * K, D, I, E));
+        auto dxb = to_device(x);
+        auto dids = to_device(c.ids);
+        auto dw = to_device(c.w);
+        std::vector<std::vector<float>> runs;
+        for (int rep = 0; rep < 2; ++rep) {
+          auto out = poisoned<float>(T * D);
+          ML4_ASSERT_OK(moe_experts_forward_gemm(*tables, sh, dxb.as<float>(), T, dids.as<int32_t>(), dw.as<float>(),
+                                                 K, out.as<float>(), s, nullptr, lt->get()));
+          sync();
+          runs.push_back(to_host<float>(out, T * D));
+        }
+        ASSERT_TRUE(all_finite(runs[0]));
+        EXPECT_EQ(0, std::memcmp(runs[0].data(), runs[1].data(), runs[0].size() * 4)) << "not deterministic";
+        const double ee = rel_err(runs[0], ref_exact), em = rel_err(runs[0], ref_mimic);
+        cudaStream_t st;
+        ASSERT_EQ(cudaStreamCreate(&st), cudaSuccess);
+        auto gout = poisoned<float>(T * D);
+        cudaGraph_t graph;
+        cudaGraphExec_t exec;
+        ASSERT_EQ(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal), cudaSuccess);
+        const Status cs = moe_experts_forward_gemm(*tables, sh, dxb.as<float>(), T, dids.as<int32_t>(),
+                                                   dw.as<float>(), K, gout.as<float>(), s, st, lt->get());
+        ASSERT_EQ(cudaStreamEndCapture(st, &graph), cudaSuccess);
+        ML4_ASSERT_OK(cs);
+        ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+        ASSERT_EQ(cudaGraphLaunch(exec, st), cudaSuccess);
+        ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+        const auto graphed = to_host<float>(gout, T * D);
+        cudaGraphExecDestroy(exec);
+        cudaGraphDestroy(graph);
+        cudaStreamDestroy(st);
+        EXPECT_EQ(0, std::memcmp(runs[0].data(), graphed.data(), graphed.size() * 4)) << "graph replay differs";
+        std::printf("moe grouped GEMM %s E=%d K=%d D=%ld I=%ld T=%ld shared=%s: rel_err %.3g vs the CPU on bf16 "
+                    "activations (bound 1e-4%s), %.3g vs the exact CPU (bound 5e-3)\n",
+                    linear_format_name(f), E, K, D, I, T, mode_name, em, mode == 1 ? ", not asserted" : "", ee);
+        if (mode != 1) EXPECT_LT(em, 1e-4);
+        EXPECT_LT(ee, 5e-3);
+      }
     }
   }
 }

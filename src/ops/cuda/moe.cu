@@ -560,21 +560,77 @@ Status moe_experts_forward_grouped(const MoeExpertTables& tb, const DeviceMlp* s
   return moe_combine({y, s.inv.as<int32_t>(), weights, T, K, D, sh, out, stream});
 }
 
-bool moe_gemm_supported(const MoeExpertTables& tb, const DeviceMlp* shared) {
-  return tb.format == LinearFormat::kFP8Block && tb.D % 128 == 0 && tb.I % 128 == 0 && (!shared || tb.shared_slot);
+bool moe_gemm_supported(const MoeExpertTables& tb, const DeviceMlp* shared, bool lt_available) {
+  if (tb.D % 128 != 0 || tb.I % 128 != 0) return false;
+  if (tb.format == LinearFormat::kFP8Block) return !shared || tb.shared_slot;
+  const bool fp4 = tb.format == LinearFormat::kNVFP4 || tb.format == LinearFormat::kMXFP4;
+  return fp4 && (!shared || tb.shared_slot || lt_available);
 }
+
+namespace {
+
+// moe_experts_forward_gemm for NVFP4 / MXFP4 experts (moe_grouped_gemm_fp4): x cast to bf16
+// once per token (into u, unused on this path), gate and up with silu into bf16 hidden rows
+// (q), the down projection into y. A shared expert outside the tables' slot (NVFP4
+// checkpoints keep it FP8) runs first through mlp_forward into xs.
+Status moe_gemm_fp4_layers(const MoeExpertTables& tb, const DeviceMlp* shared, const float* x, int64_t T,
+                           const float* weights, int K, float* out, MoeScratch& s, cudaStream_t stream, int64_t tiles,
+                           bool slot) {
+  const int64_t n = T * K, D = tb.D, I = tb.I;
+  if (static_cast<int64_t>(s.u.bytes()) < T * D * 2 || static_cast<int64_t>(s.q.bytes()) < (n + (slot ? T : 0)) * I * 2)
+    return internal_error("moe grouped GEMM fp4: scratch too small for T={} D={} I={}", T, D, I);
+  MoeGroupedGemmFp4Params g;
+  g.nvfp4 = tb.format == LinearFormat::kNVFP4;
+  g.tiles = s.tiles.as<MoeTile>();
+  g.num_tiles = s.num_tiles.as<int32_t>();
+  g.max_tiles = tiles;
+  g.stream = stream;
+  ML4_RETURN_IF_ERROR(cast_f32_bf16(x, T * D, s.u.data(), stream));
+  g.gate_up = true;
+  g.a = s.u.data();
+  g.a_rows = s.perm_token.as<int32_t>();
+  g.w = static_cast<const void* const*>(tb.w1.data());
+  g.w_scale = static_cast<const float* const*>(tb.s1.data());
+  g.w_up = static_cast<const void* const*>(tb.w3.data());
+  g.w_up_scale = static_cast<const float* const*>(tb.s3.data());
+  g.N = I;
+  g.K = D;
+  g.y_bf16 = s.q.data();
+  ML4_RETURN_IF_ERROR(moe_grouped_gemm_fp4(g));
+  g.gate_up = false;
+  g.a = s.q.data();
+  g.a_rows = nullptr;
+  g.w = static_cast<const void* const*>(tb.w2.data());
+  g.w_scale = static_cast<const float* const*>(tb.s2.data());
+  g.w_up = nullptr;
+  g.w_up_scale = nullptr;
+  g.N = D;
+  g.K = I;
+  g.y_bf16 = nullptr;
+  g.y = s.y.as<float>();
+  ML4_RETURN_IF_ERROR(moe_grouped_gemm_fp4(g));
+  const float* y = s.y.as<float>();
+  const float* sh = slot ? y + n * D : shared ? s.xs.as<float>() : nullptr;
+  return moe_combine({y, s.inv.as<int32_t>(), weights, T, K, D, sh, out, stream});
+}
+
+}  // namespace
 
 Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shared, const float* x, int64_t T,
                                 const int32_t* ids, const float* weights, int K, float* out, MoeScratch& s,
-                                cudaStream_t stream) {
+                                cudaStream_t stream, LtGemm* lt) {
   if (T == 0) return ok_status();
-  if (!moe_gemm_supported(tb, shared))
-    return invalid_argument("moe grouped GEMM: needs FP8 block experts with D, I % 128 == 0 and a shared expert of "
-                            "their shape (format {}, D {}, I {})", linear_format_name(tb.format), tb.D, tb.I);
+  if (!moe_gemm_supported(tb, shared, lt != nullptr))
+    return invalid_argument("moe grouped GEMM: needs FP8 block or FP4 experts with D, I % 128 == 0 and a shared "
+                            "expert of their shape (FP4: or an LtGemm for it) (format {}, D {}, I {})",
+                            linear_format_name(tb.format), tb.D, tb.I);
   const int64_t n = T * K, D = tb.D, I = tb.I;
   if (n > s.max_rows) return out_of_range("moe grouped GEMM: {} expert rows, scratch holds {}", n, s.max_rows);
   if (K <= 0 || K > tb.E) return invalid_argument("moe grouped GEMM: {} experts per token of {}", K, tb.E);
-  const bool slot = shared != nullptr;
+  const bool fp4 = tb.format != LinearFormat::kFP8Block;
+  const bool slot = shared != nullptr && tb.shared_slot;
+  if (fp4 && shared && !slot)  // before the scratch below is reused: mlp_forward writes g, u and xs
+    ML4_RETURN_IF_ERROR(mlp_forward(*lt, *shared, x, T, s.xs.as<float>(), s, stream).with_context("shared expert"));
   const int64_t rows = n + (slot ? T : 0);
   const int64_t tiles = moe_gemm_max_tiles(rows, tb.E + (slot ? 1 : 0));
   if (tiles > s.max_tiles)
@@ -595,6 +651,7 @@ Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shar
   pp.max_tiles = s.max_tiles;
   pp.stream = stream;
   ML4_RETURN_IF_ERROR(moe_permute_gemm(pp));
+  if (fp4) return moe_gemm_fp4_layers(tb, shared, x, T, weights, K, out, s, stream, tiles, slot);
   auto quant = [&](const float* in, int64_t M, int64_t cols) {
     Fp8ActQuantParams q;
     q.x = in;

@@ -5,7 +5,7 @@
 //   -> moe_permute (rows grouped by expert, stable: by expert, then token, then k)
 //   -> per expert: gather rows, SwiGLU MLP through DeviceLinear GEMMs (BF16 or FP8
 //      block) -- a loop of cuBLASLt calls over experts (moe_experts_forward), or for FP8
-//      experts every expert in one grouped launch per projection (moe_experts_forward_gemm)
+//      and FP4 experts every expert in one grouped launch per projection (moe_experts_forward_gemm)
 //   -> moe_combine: out[t] = sum_k w[t,k] y[perm(t,k)] (+ shared expert), in k order.
 // moe_experts_forward reads the expert offsets back to the host (one small copy), so it
 // is a graph break: a decode graph captures around it (SYSTEM.md S5).
@@ -149,10 +149,15 @@ Status moe_experts_forward_grouped(const MoeExpertTables& tb, const DeviceMlp* s
 // launch, the combine -- with the shared expert as group E when tables.shared_slot. No host
 // synchronization: capturable. Needs tables of FP8 block experts with D % 128 == 0 (the
 // scratch reserved for T * K rows); a shared expert must be the tables' slot.
-bool moe_gemm_supported(const MoeExpertTables& tb, const DeviceMlp* shared);
+// NVFP4 / MXFP4 experts (issue 18) take moe_grouped_gemm_fp4 instead: x cast to bf16 once
+// per token, gate and up with silu into bf16 hidden rows, the down projection -- weights
+// exact, activations rounded to bf16 (relative 2^-9 per element). Their shared expert is the
+// slot when it has the experts' format and shape, else (NVFP4 checkpoints keep it FP8) it
+// runs first through mlp_forward on `lt` (lt_available in moe_gemm_supported).
+bool moe_gemm_supported(const MoeExpertTables& tb, const DeviceMlp* shared, bool lt_available = false);
 Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shared, const float* x, int64_t T,
                                 const int32_t* ids, const float* weights, int K, float* out, MoeScratch& s,
-                                cudaStream_t stream);
+                                cudaStream_t stream, LtGemm* lt = nullptr);
 
 // The earlier decode path (T <= 8), kept as the benchmark's baseline: one weight stream per
 // (token, expert) row (row-mode grouped_gemv), the shared expert through the GEMV.

@@ -1,8 +1,5 @@
-// See moe_gemm.h. The wgmma operands follow the PTX ISA ("Asynchronous Warpgroup Level
-// Matrix Multiply-Accumulate", K-major e4m3 with the 128-byte swizzle): a tile of R rows x
-// 128 bytes is stored as R/8 atoms of 8 rows x 128 bytes (1024 bytes, 1024-aligned), the
-// 16-byte chunk c of row r at chunk c ^ (r % 8); the descriptor names the atom stride (SBO,
-// 1024 bytes) and the swizzle; each k32 step starts 32 bytes further into the rows.
+// See moe_gemm.h. The wgmma operands (K-major e4m3, 128-byte swizzle) and the descriptor
+// are moe_gemm_common.cuh's; each k32 step starts 32 bytes further into the rows.
 #include "ops/cuda/moe_gemm.h"
 #include "ops/cuda/pdl.cuh"
 
@@ -10,9 +7,12 @@
 
 #include "ops/cuda/cp_async.cuh"
 #include "ops/cuda/cuda_common.h"
+#include "ops/cuda/moe_gemm_common.cuh"
 
 namespace ml4::cuda {
 namespace {
+
+using namespace moe_gemm_detail;
 
 constexpr int kTileRows = kMoeGemmTileRows;  // A rows per CTA: one m64 per warpgroup, both on the same rows
 constexpr int kBRows = 256;                  // B rows per CTA: 128 per warpgroup (two 64-row sub-blocks)
@@ -20,19 +20,6 @@ constexpr int kStages = 4;
 constexpr int kThreads = 256;
 constexpr int kAStage = kTileRows * 128, kBStage = kBRows * 128, kStage = kAStage + kBStage;  // 40 KB
 constexpr int kSmem = kStages * kStage + 1024;  // + alignment slack: swizzle atoms sit on 1024 bytes
-
-// Shared-memory matrix descriptor: start address, LBO (unused by swizzled K-major
-// operands whose k step stays inside the 128-byte row), SBO = 1024 bytes between 8-row
-// atoms, layout 1 = 128-byte swizzle.
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
-         (uint64_t{1} << 62);
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // One warpgroup: d[64 x 128] (+)= A[64 x 32] . B[128 x 32]^T, e4m3 from shared memory
 // through the descriptors, f32 accumulators (the PTX ISA's m64nNk32 register order: d[4j + e]
@@ -56,13 +43,6 @@ __device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t da, ui
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "l"(da), "l"(db), "r"(accumulate));
-}
-
-// Orders the compiler's uses of the accumulators against the asynchronous MMAs (the
-// registers are the MMA's outputs only once wgmma.wait_group has returned).
-__device__ __forceinline__ void fence_operands(float (&d)[64]) {
-#pragma unroll
-  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 struct GemmArgs {

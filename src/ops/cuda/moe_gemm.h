@@ -18,6 +18,12 @@
 // activation quantization is per row, and the combine reads rows through `inv`. So results
 // are bit-identical run to run (tested).
 //
+//   moe_grouped_gemm_fp4: the same tiles and gate_up epilogue for NVFP4 / MXFP4 expert weights
+//     (moe_gemm_fp4.cu): A is bf16, each CTA expands its B tile to bf16 in shared memory
+//     (e2m1 x its group scale is exact in bf16) and runs wgmma m64n128k16 bf16 -> f32; the
+//     NVFP4 global scale multiplies the accumulators. gate_up writes the hidden activation
+//     as bf16 (the down projection's A), the plain GEMM f32.
+//
 // Layout: CTA = 2 warpgroups, tile 64 rows x 256 B rows (each warpgroup m64 x n128), K in
 // 128-byte blocks through a 4-stage cp.async ring (A rows gathered through `a_rows`; TMA
 // cannot gather on sm_90) stored in the 128-byte swizzle the wgmma descriptors name.
@@ -76,5 +82,29 @@ struct MoeGroupedGemmParams {
   cudaStream_t stream = nullptr;
 };
 Status moe_grouped_gemm(const MoeGroupedGemmParams& p);
+
+// FP4 experts: weights as DeviceLinear holds them (linear.h): packed e2m1 [N, K/2] (element
+// 2j in the low nibble of byte j) and the scale bytes -- NVFP4 e4m3 [N][K/16] then the f32
+// global scale at gemv.h's fp4_global_offset(N, K); MXFP4 e8m0 [N][K/32].
+struct MoeGroupedGemmFp4Params {
+  bool gate_up = false;                  // y_bf16 = bf16(silu(A W^T) * (A W_up^T)), else y = A W^T
+  bool nvfp4 = true;                     // else MXFP4
+  const void* a = nullptr;               // bf16 rows of K, 16-byte aligned
+  const int32_t* a_rows = nullptr;       // permuted row i reads a[a_rows[i]]; null: a[i]
+  const void* const* w = nullptr;        // [groups] packed e2m1 [N, K/2]
+  const float* const* w_scale = nullptr; // [groups] the scale bytes (MoeExpertTables' s1 / s2 / s3)
+  const void* const* w_up = nullptr;     // gate_up
+  const float* const* w_up_scale = nullptr;
+  const MoeTile* tiles = nullptr;        // from moe_permute_gemm
+  const int32_t* num_tiles = nullptr;
+  int64_t max_tiles = 0;
+  int64_t N = 0, K = 0;                  // N % 16 == 0, K % 64 == 0
+  float* y = nullptr;                    // !gate_up: [permuted rows, N] f32
+  void* y_bf16 = nullptr;                // gate_up: [permuted rows, N] bf16
+  cudaStream_t stream = nullptr;
+};
+Status moe_grouped_gemm_fp4(const MoeGroupedGemmFp4Params& p);
+// CTAs of moe_grouped_gemm_fp4's kernel resident per SM (designed for 2; the bench prints it).
+int moe_grouped_gemm_fp4_ctas_per_sm();
 
 }  // namespace ml4::cuda

@@ -961,7 +961,7 @@ bool CudaBackend::moe_grouped(const Moe& m) const {
 
 bool CudaBackend::moe_gemm(const Moe& m) const {
   return opts_.grouped_moe_gemm && !moe_grouped(m) && m.tables != nullptr &&
-         moe_gemm_supported(*m.tables, m.shared.get());
+         moe_gemm_supported(*m.tables, m.shared.get(), /*lt_available=*/true);
 }
 
 bool CudaBackend::moe_experts_capturable(MoeRef moe) const {
@@ -977,7 +977,8 @@ Status CudaBackend::moe_experts(MoeRef moe, const float* x, const int32_t* ids, 
   const int K = cfg_.moe.num_experts_per_tok;
   const int64_t D = cfg_.dim, T = step_T_;
   if (moe_gemm(M))
-    return moe_experts_forward_gemm(*M.tables, M.shared.get(), x, T, ids, weights, K, out, b.moe, stream_);
+    return moe_experts_forward_gemm(*M.tables, M.shared.get(), x, T, ids, weights, K, out, b.moe, stream_,
+                                    lt_.get());
   if (moe_grouped(M)) {
     for (int64_t t0 = 0; t0 < T; t0 += kGroupedMoeMaxTokens) {
       const int64_t n = std::min<int64_t>(kGroupedMoeMaxTokens, T - t0);
