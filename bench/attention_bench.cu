@@ -15,7 +15,9 @@
 //        bytes = B * 60k * 132 (keys) + 2 * B * 60k * 4 (scores written, read by top-k)
 //        flop  = 2 * B * 60k * HI * 128
 //   4. cache writes: 4096 latent rows (fp8_ds_mla) and 4096 indexer keys.
-// ML4_ATTN_BENCH=sparse stops after section 1.
+//   0. sparse MLA prefill (issue 18) at the ml4-slice-4 shapes, decode kernel against the wgmma
+//      prefill kernel (see the section).
+// ML4_ATTN_BENCH=prefill stops after section 0, ML4_ATTN_BENCH=sparse after section 1.
 // Output lines start with "ATTN" (one per measurement).
 #include <algorithm>
 #include <cstdio>
@@ -109,6 +111,74 @@ int main() {
       }
     }
     BENCH_CUDA(cudaStreamSynchronize(s));
+  }
+
+  // 0. Sparse MLA prefill (issue 18): one causal sequence of T = 4096 / 8192 tokens (ml4-slice-4:
+  // H 64, topk 2048) on shuffled pages of the cache; token p sees min(p + 1, 2048) keys (a random
+  // 2048-subset of [0, p] beyond). The decode kernel (prefill_kernel = false, today's prefill
+  // path) against the wgmma prefill kernel (attention_prefill.cu, its pre-pass included), same
+  // inputs, same run.
+  //   flop = 2 * H * (576 + 512) * sum_t n_t   (0.876 TFLOP at 4096, 2.58 TFLOP at 8192)
+  {
+    std::vector<int32_t> page_perm(num_slots / kPageTokens);
+    std::iota(page_perm.begin(), page_perm.end(), 0);
+    std::shuffle(page_perm.begin(), page_perm.end(), rng);
+    for (int64_t T : {4096, 8192}) {
+      std::vector<int32_t> idx(T * topk, -1), idx_len(T);
+      std::vector<int32_t> pos;
+      double keys = 0;
+      for (int64_t t = 0; t < T; ++t) {
+        const int n = static_cast<int>(std::min<int64_t>(t + 1, topk));
+        pos.resize(t + 1);
+        std::iota(pos.begin(), pos.end(), 0);
+        for (int j = 0; j < n && n < t + 1; ++j)  // partial Fisher-Yates: a random n-subset
+          std::swap(pos[j], pos[std::uniform_int_distribution<int64_t>(j, t)(rng)]);
+        for (int j = 0; j < n; ++j)
+          idx[t * topk + j] = page_perm[pos[j] / kPageTokens] * kPageTokens + pos[j] % kPageTokens;
+        idx_len[t] = n;
+        keys += n;
+      }
+      DeviceBuffer d_idx = upload(idx), d_len = upload(idx_len);
+      DeviceBuffer ql = must_alloc(size_t{4} * T * H * r), qr = must_alloc(size_t{4} * T * H * dr);
+      DeviceBuffer hs = must_alloc(size_t{4} * T * H), out = must_alloc(size_t{4} * T * H * r),
+                   lse = must_alloc(4 * T * H);
+      BENCH_CHECK(fill_uniform_f32(ql.as<float>(), T * H * r, 3, -1, 1, s));
+      BENCH_CHECK(fill_uniform_f32(qr.as<float>(), T * H * dr, 4, -1, 1, s));
+      BENCH_CHECK(fill_uniform_f32(hs.as<float>(), T * H, 5, 0.03f, 0.05f, s));
+      MlaAttentionParams p;
+      p.q_lat = ql.as<float>();
+      p.q_rope = qr.as<float>();
+      p.head_scale = hs.as<float>();
+      p.T = T;
+      p.H = H;
+      p.cache = cache.data();
+      p.num_slots = num_slots;
+      p.indices = d_idx.as<int32_t>();
+      p.topk = topk;
+      p.index_lengths = d_len.as<int32_t>();
+      p.out_lat = out.as<float>();
+      p.lse = lse.as<float>();
+      p.stream = s;
+      p.math = MlaMath::kBf16TensorCore;
+      p.scratch_pages = (T + kPageTokens - 1) / kPageTokens;  // the sequence's pages
+      const double flop = 2.0 * H * (576 + 512) * keys;
+      for (bool pre : {false, true}) {
+        p.prefill_kernel = pre;
+        const size_t wsb = mla_attention_workspace_bytes(p);
+        DeviceBuffer ws = must_alloc(wsb);
+        p.workspace = ws.data();
+        p.workspace_bytes = wsb;
+        const double ms = bench::median_ms(s, 2, 10, [&](int) { BENCH_CHECK(mla_attention(p)); });
+        std::printf("ATTN sparse_mla_prefill %s H=%d T=%lld topk=%d (mean %.0f keys): %.3f ms, %.1f TFLOP/s "
+                    "(ws %.1f MB)\n",
+                    pre ? "prefill-kernel" : "decode-kernel", H, static_cast<long long>(T), topk, keys / T, ms,
+                    flop / (ms * 1e9), wsb / 1e6);
+      }
+    }
+  }
+  if (const char* only = std::getenv("ML4_ATTN_BENCH"); only && std::string(only) == "prefill") {
+    BENCH_CUDA(cudaStreamDestroy(s));
+    return 0;
   }
 
   // 1. Sparse decode: the generic bf16 tensor-core kernel (decode_kernel = false) against the

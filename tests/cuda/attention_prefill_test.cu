@@ -10,10 +10,13 @@
 // head, one token has 4x larger scales (sharper softmax).
 // Bounds (the kBf16TensorCore ones of attention_test.cu): q, keys and P are rounded to bf16
 // (relative 2^-9 per value); the dot products and the softmax average these to ~1e-3 relative on
-// out_lat, bound 1e-2; logits of magnitude ~1-5 move by ~5e-3, so lse gets 2e-2 absolute. The
-// prefill and decode kernels differ only in rounding order and in the key dequantization (this
-// kernel: bf16(e4m3 x scale) in f32; the decode kernel: bf16(scale x 2^120) x bf16 bits, two
-// roundings), so they agree to the same bounds. The CPU reference covers a sample of tokens
+// out_lat, bound 1e-2. lse: a logit hs * q.k over 576 terms moves by the bf16 rounding of q and k,
+// standard deviation hs * sqrt(2 * 576 / 3) * 2^-9 ~ 0.038 hs; lse follows the largest logits,
+// so the bound per (token, head) row is 6 sigma ~ 0.25 hs (2e-2 at hs = 0.08, attention_test's
+// bound; the 4x-scaled token gets 4x) plus 4e-3 for the bf16 P in the row sum. The prefill and
+// decode kernels differ in rounding order and in the key dequantization (this kernel:
+// bf16(e4m3 x scale) in f32; the decode kernel: bf16(scale x 2^120) x bf16 bits, two roundings):
+// each is within the bound of the reference, so they agree to twice it on lse and 1e-2 on out. The CPU reference covers a sample of tokens
 // (its f64 sums cost ~0.3 GFLOP per token at topk 2048); the kernels are compared on all.
 // Every output is poisoned with NaN bytes; a repeat run must be bit-identical.
 #include <gtest/gtest.h>
@@ -181,37 +184,45 @@ void run_case(const Case& cs, uint32_t seed) {
     got_out.insert(got_out.end(), a.out.begin() + t * H * kR, a.out.begin() + (t + 1) * H * kR);
     got_lse.insert(got_lse.end(), a.lse.begin() + t * H, a.lse.begin() + (t + 1) * H);
   }
-  double lse_err = 0;
+  std::vector<float> got_hs;
+  for (int64_t t : sample) got_hs.insert(got_hs.end(), hs.begin() + t * H, hs.begin() + (t + 1) * H);
+  auto lse_bound = [](float h) { return 0.25 * h + 4e-3; };
+  double lse_err = 0, lse_ratio = 0;  // max |lse - ref|, and max of |lse - ref| / bound
   size_t empty_rows = 0;
   for (size_t i = 0; i < ref_lse.size(); ++i) {
     if (std::isinf(ref_lse[i])) {
       ++empty_rows;
       EXPECT_TRUE(std::isinf(got_lse[i]) && got_lse[i] < 0) << "row " << i << " lse " << got_lse[i];
     } else {
-      lse_err = std::max(lse_err, std::fabs(double(got_lse[i]) - ref_lse[i]));
+      const double d = std::fabs(double(got_lse[i]) - ref_lse[i]);
+      lse_err = std::max(lse_err, d);
+      lse_ratio = std::max(lse_ratio, d / lse_bound(got_hs[i]));
     }
   }
   const double e = testing::rel_err(got_out, ref_out);
   // Against the decode kernel, all tokens.
-  double lse_diff = 0;
+  double lse_diff = 0, diff_ratio = 0;
   for (size_t i = 0; i < a.lse.size(); ++i) {
     if (std::isinf(old.lse[i]) || std::isinf(a.lse[i])) {
       EXPECT_EQ(a.lse[i], old.lse[i]) << "row " << i;
     } else {
-      lse_diff = std::max(lse_diff, std::fabs(double(a.lse[i]) - old.lse[i]));
+      const double d = std::fabs(double(a.lse[i]) - old.lse[i]);
+      lse_diff = std::max(lse_diff, d);
+      diff_ratio = std::max(diff_ratio, d / (2 * lse_bound(hs[i])));
     }
   }
   const double e_old = testing::rel_err(a.out, old.out);
   std::printf(
       "prefill kernel H=%d topk=%d positions [%lld, %lld) scratch_pages=%lld (ws %zu B): vs CPU on %zu tokens: "
-      "||out - ref|| / ||ref|| = %.3g (bound 1e-2), max |lse - ref| = %.3g (bound 2e-2), %zu empty rows; "
-      "vs decode kernel on all: ||out - old|| / ||old|| = %.3g, max |lse - old| = %.3g\n",
+      "||out - ref|| / ||ref|| = %.3g (bound 1e-2), max |lse - ref| = %.3g (%.2f of its row's bound), %zu empty "
+      "rows; vs decode kernel on all: ||out - old|| / ||old|| = %.3g (bound 1e-2), max |lse - old| = %.3g (%.2f of "
+      "its bound)\n",
       H, topk, static_cast<long long>(cs.start), static_cast<long long>(len), static_cast<long long>(cs.scratch_pages),
-      ws_new, sample.size(), e, lse_err, empty_rows, e_old, lse_diff);
+      ws_new, sample.size(), e, lse_err, lse_ratio, empty_rows, e_old, lse_diff, diff_ratio);
   EXPECT_LT(e, 1e-2);
-  EXPECT_LT(lse_err, 2e-2);
+  EXPECT_LT(lse_ratio, 1.0);
   EXPECT_LT(e_old, 1e-2);
-  EXPECT_LT(lse_diff, 2e-2);
+  EXPECT_LT(diff_ratio, 1.0);
 }
 
 TEST(CudaMlaAttention, PrefillKernelMatchesCpuReference) {

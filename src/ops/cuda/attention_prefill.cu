@@ -326,16 +326,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int i = 0; i < 128; ++i) o[i] = 0.0f;
   const uint32_t qb = sbase + kQOff, pb = sbase + kPOff;
 
-  for (int i = 0; i < ntiles; ++i) {
+  // S = Q K^T over keys [32 wg, 32 wg + 32) of the tile in stage st, issued asynchronously.
+  float s[16];
+  auto issue_s = [&](int i) {
     const int st = i % kStages;
     mbar_wait(full0 + 8 * st, (i / kStages) & 1);
     wgmma::fence_proxy_async();  // the cp.async rows, written through the generic proxy
     const uint32_t kt = sbase + kKOff + st * kTileBytes;
-
-    // S = Q K^T over keys [32 wg, 32 wg + 32).
-    float s[16];
-#pragma unroll
-    for (int e = 0; e < 16; ++e) s[e] = 0.0f;
     wgmma::fence_operands(s);
     wgmma::fence();
 #pragma unroll
@@ -344,8 +341,20 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma::m64n32k16_bf16(s, wgmma::desc_k_major(qb + off), wgmma::desc_k_major(kt + wg * 32 * 128 + off), k);
     }
     wgmma::commit();
+  };
+  if (ntiles > 0) issue_s(0);
+
+  for (int i = 0; i < ntiles; ++i) {
+    const int st = i % kStages;
+    const uint32_t kt = sbase + kKOff + st * kTileBytes;
+    // S(i) done, and PV(i - 1) (committed before it): release that tile's stage.
     wgmma::wait<0>();
     wgmma::fence_operands(s);
+    wgmma::fence_operands(o);
+    if (i > 0) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty0 + 8 * ((i - 1) % kStages));
+    }
 
     // Scale, mask, row max of this warpgroup's 32 keys.
     const uint8_t* vf = valid + st * kKeys + 32 * wg;
@@ -412,11 +421,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma::m64n256k16_bf16_bn(o, da, db, 1);
     }
     wgmma::commit();
-    wgmma::wait<0>();
-    wgmma::fence_operands(o);
-    __syncwarp();
-    if (lane == 0) mbar_arrive(empty0 + 8 * st);
+    // The next tile's S queues behind this PV on the tensor cores (no drain between tiles).
+    if (i + 1 < ntiles) issue_s(i + 1);
   }
+  wgmma::wait<0>();
+  wgmma::fence_operands(o);
 
   // Row sums: quad, then the two warpgroups in order; lse (natural log); normalised output.
 #pragma unroll

@@ -57,6 +57,10 @@ struct CudaBackendOptions {
   bool fp4_weights = true;        // CudaRunnerOptions::fp4_weights
   int fp4_x_parts = 1;            // CudaRunnerOptions::fp4_x_parts (exact_activations: -1, the stream)
   bool fused_router = false;      // CudaRunnerOptions::fused_router
+  // Sparse MLA steps of a wave of tokens or more (prefill) on the wgmma prefill kernel
+  // (ops/cuda/attention_prefill.cu; MlaAttentionParams::prefill_kernel). ML4_MLA_PREFILL=0 turns
+  // it off (A/B against the decode kernel in `ml4 bench step`).
+  bool mla_prefill_kernel = true;
   // RunnerOptions::experts_to_mxfp4: routed FP8 experts re-quantized to MXFP4 on the device
   // as they are uploaded (ops/cuda/requant.h); needs fp4_weights.
   bool experts_to_mxfp4 = false;
