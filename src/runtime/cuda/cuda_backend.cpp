@@ -96,7 +96,7 @@ Status CudaBackend::set_embedding(const Tensor& table) {
     embed_dtype_ = table.dtype();
   }
   weight_bytes_ += static_cast<int64_t>(embed_.bytes());
-  return Status::ok();
+  return ok_status();
 }
 
 Result<DeviceLinear> CudaBackend::make_linear(const LinearWeight& w) {
@@ -168,7 +168,7 @@ Result<MoeRef> CudaBackend::add_moe(const std::vector<MlpWeights>& experts, cons
     ML4_ASSIGN_OR_RETURN(dst.w2, make_linear(src.w2));
     ML4_ASSIGN_OR_RETURN(dst.w3, make_linear(src.w3));
     max_hidden_ = std::max(max_hidden_, dst.w1.N);
-    return Status::ok();
+    return ok_status();
   };
   if (opts_.experts_to_mxfp4 && !opts_.fp4_weights)
     return unimplemented("experts re-quantized to MXFP4 need the GPU's FP4 path (CudaRunnerOptions::fp4_weights is off)");
@@ -202,7 +202,7 @@ Result<MoeRef> CudaBackend::add_moe(const std::vector<MlpWeights>& experts, cons
 Status CudaBackend::reserve_selections(int n) {
   num_selections_ = n;
   buf_->T = 0;  // the next ensure_buffers sizes the selection buffers
-  return Status::ok();
+  return ok_status();
 }
 
 // ---- memory ----
@@ -228,7 +228,7 @@ Status CudaBackend::allocate_kv(const KvCacheSpec& spec, const std::vector<int64
       kv_[gi].push_back(std::move(b));
     }
   }
-  return Status::ok();
+  return ok_status();
 }
 
 const DeviceBuffer* CudaBackend::kv_pool(int group, int layer_slot) const {
@@ -248,7 +248,7 @@ Status CudaBackend::ensure_buffers(int64_t T, int64_t R, int64_t S, int64_t maxb
     const int64_t n = std::max(T, 2 * b.T);
     auto f = [&](DeviceBuffer& d, int64_t count, size_t elem) -> Status {
       ML4_ASSIGN_OR_RETURN(d, DeviceBuffer::alloc(static_cast<size_t>(std::max<int64_t>(count, 1)) * elem));
-      return Status::ok();
+      return ok_status();
     };
     ML4_RETURN_IF_ERROR(f(b.residual, n * D, 4));
     ML4_RETURN_IF_ERROR(f(b.a, n * D, 4));
@@ -350,7 +350,7 @@ Status CudaBackend::ensure_buffers(int64_t T, int64_t R, int64_t S, int64_t maxb
   }
   b.maxb = maxb;  // this step's block-table row stride
   point_activations();
-  return Status::ok();
+  return ok_status();
 }
 
 void CudaBackend::point_activations() {
@@ -407,9 +407,9 @@ void CudaBackend::begin_forward(int64_t T, int64_t R, int64_t maxlen, Mode mode,
 // ---- schedule ----
 
 Status CudaBackend::end_segment() {
-  if (!in_segment_) return Status::ok();
+  if (!in_segment_) return ok_status();
   in_segment_ = false;
-  if (mode_ != Mode::kCapture) return Status::ok();
+  if (mode_ != Mode::kCapture) return ok_status();
   cudaGraph_t g = nullptr;
   ML4_CUDA_RETURN_IF_ERROR(cudaStreamEndCapture(stream_, &g));
   cudaGraphExec_t exec = nullptr;
@@ -417,7 +417,7 @@ Status CudaBackend::end_segment() {
   cudaGraphDestroy(g);
   ML4_CUDA_RETURN_IF_ERROR(inst);
   segments_->emplace_back(exec);
-  return Status::ok();
+  return ok_status();
 }
 
 Status CudaBackend::segment(const Fn& fn) {
@@ -429,19 +429,19 @@ Status CudaBackend::segment(const Fn& fn) {
       ML4_CUDA_RETURN_IF_ERROR(cudaGraphLaunch((*segments_)[next_graph_++], stream_));
     }
   }
-  return mode_ == Mode::kReplay ? Status::ok() : fn();
+  return mode_ == Mode::kReplay ? ok_status() : fn();
 }
 
 Status CudaBackend::host_sync(const Fn& fn) {
   ML4_RETURN_IF_ERROR(end_segment());
-  return mode_ == Mode::kCapture ? Status::ok() : fn();
+  return mode_ == Mode::kCapture ? ok_status() : fn();
 }
 
 Status CudaBackend::finish_forward() {
   ML4_RETURN_IF_ERROR(end_segment());
   if (mode_ == Mode::kReplay && next_graph_ != segments_->size())
     return internal_error("graph replay: {} of {} segments launched", next_graph_, segments_->size());
-  return Status::ok();
+  return ok_status();
 }
 
 // Profiling (eager steps only): events around one piece of the forward, its GPU
@@ -483,7 +483,7 @@ Status CudaBackend::side(const Fn& fn) {
   std::swap(stream_, side_stream_);
   on_side_ = !on_side_;
   Status st = cuda_status(cudaStreamWaitEvent(stream_, ev, 0), "side stream wait");
-  if (st.is_ok()) st = fn();
+  if (st.ok()) st = fn();
   std::swap(stream_, side_stream_);
   on_side_ = !on_side_;
   return st;
@@ -493,7 +493,7 @@ Status CudaBackend::join_side() {
   ML4_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_join_, side_stream_));
   ML4_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, ev_join_, 0));
   ++overlapped_layers_;
-  return Status::ok();
+  return ok_status();
 }
 
 // ---- ops ----
@@ -504,7 +504,7 @@ Status CudaBackend::set_embedding_shard(const Tensor& table, int64_t first_id) {
   ML4_RETURN_IF_ERROR(set_embedding(table));
   embed_first_ = first_id;
   embed_rows_ = table.dim(0);
-  return Status::ok();
+  return ok_status();
 }
 
 Status CudaBackend::embedding(float* out) {
@@ -540,7 +540,7 @@ Status CudaBackend::lin(const DeviceLinear& w, const float* x, int64_t M, float*
       gp.x_parts = opts_.fp4_x_parts;  // FP4 only
       ML4_RETURN_IF_ERROR(gemv(gp).with_context(w.name));
     }
-    return Status::ok();
+    return ok_status();
   }
   return linear_f32(*lt_, w, x, M, y, buf_->lin, stream_).with_context(w.name);
 }
@@ -678,7 +678,7 @@ Status CudaBackend::indexer_select(const IndexerSelectArgs& a) {
     tp.stream = stream_;
     ML4_RETURN_IF_ERROR(timed("attn: (indexer) of which top-k", [&] { return topk(tp); }));
   }
-  return Status::ok();
+  return ok_status();
 }
 
 // The positions the last indexer_select with record_positions wrote (traced steps read them
@@ -856,7 +856,7 @@ Status CudaBackend::mla_attention(const MlaArgs& a) {
 Status CudaBackend::hisparse_reserve(int layers, int64_t rows) {
   hot_layers_ = layers;
   hot_rows_ = rows;
-  return Status::ok();
+  return ok_status();
 }
 
 Status CudaBackend::allocate_hot_pool() {
@@ -869,16 +869,16 @@ Status CudaBackend::allocate_hot_pool() {
     hot_bytes_ += static_cast<int64_t>(b.bytes());
     hot_.push_back(std::move(b));
   }
-  return Status::ok();
+  return ok_status();
 }
 
 namespace {
 
 // Grows a device buffer to `bytes` (HiSparse steps run eagerly: no graph holds its address).
 Status grow(DeviceBuffer& b, size_t bytes) {
-  if (b.bytes() >= bytes) return Status::ok();
+  if (b.bytes() >= bytes) return ok_status();
   ML4_ASSIGN_OR_RETURN(b, DeviceBuffer::alloc(std::max<size_t>(bytes, 2 * b.bytes())));
-  return Status::ok();
+  return ok_status();
 }
 
 }  // namespace
@@ -886,7 +886,7 @@ Status grow(DeviceBuffer& b, size_t bytes) {
 // The misses' pool rows from the step's block tables, then one gather kernel reading the host
 // pool through unified addressing, in stream order after this step's cache writes.
 Status CudaBackend::hisparse_load_rows(int latent_slot, int hot_layer, const std::vector<HotLoad>& loads) {
-  if (loads.empty()) return Status::ok();
+  if (loads.empty()) return ok_status();
   if (md_ == nullptr) return internal_error("hisparse_load_rows needs the step's host metadata");
   if (hot_layer < 0 || hot_layer >= static_cast<int>(hot_.size()))
     return internal_error("hisparse_load_rows: hot layer {} of {}", hot_layer, hot_.size());
@@ -965,7 +965,7 @@ bool CudaBackend::moe_grouped(const Moe& m) const {
 
 bool CudaBackend::moe_gemm(const Moe& m) const {
   return opts_.grouped_moe_gemm && !moe_grouped(m) && m.tables != nullptr &&
-         moe_gemm_supported(*m.tables, m.shared.get());
+         moe_gemm_supported(*m.tables, m.shared.get(), /*lt_available=*/true);
 }
 
 bool CudaBackend::moe_experts_capturable(MoeRef moe) const {
@@ -981,7 +981,8 @@ Status CudaBackend::moe_experts(MoeRef moe, const float* x, const int32_t* ids, 
   const int K = cfg_.moe.num_experts_per_tok;
   const int64_t D = cfg_.dim, T = step_T_;
   if (moe_gemm(M))
-    return moe_experts_forward_gemm(*M.tables, M.shared.get(), x, T, ids, weights, K, out, b.moe, stream_);
+    return moe_experts_forward_gemm(*M.tables, M.shared.get(), x, T, ids, weights, K, out, b.moe, stream_,
+                                    lt_.get());
   if (moe_grouped(M)) {
     for (int64_t t0 = 0; t0 < T; t0 += kGroupedMoeMaxTokens) {
       const int64_t n = std::min<int64_t>(kGroupedMoeMaxTokens, T - t0);
@@ -989,7 +990,7 @@ Status CudaBackend::moe_experts(MoeRef moe, const float* x, const int32_t* ids, 
                                                       weights + t0 * K, K, out + t0 * D, b.moe, stream_,
                                                       opts_.fp4_x_parts));
     }
-    return Status::ok();
+    return ok_status();
   }
   return moe_experts_forward(*lt_, M.experts, M.shared.get(), x, T, D, ids, weights, K, out, b.moe, stream_);
 }
@@ -1020,7 +1021,7 @@ Status CudaBackend::enable_drafter() {
   if (drafter_group_ < 0 && !kv_.empty()) return invalid_argument("the KV cache has no drafter group");
   drafter_ = true;
   buf_->T = 0;  // the next ensure_buffers sizes the drafter's buffers
-  return Status::ok();
+  return ok_status();
 }
 
 Result<TableRef> CudaBackend::add_table(const Tensor& t) {
@@ -1042,7 +1043,7 @@ Status CudaBackend::gather_table_rows(TableRef t, const int32_t* ids, int64_t n,
 
 Status CudaBackend::copy_rows(const float* src, int64_t src_stride, float* dst, int64_t dst_stride, int64_t rows,
                               int64_t cols) {
-  if (rows <= 0 || cols <= 0) return Status::ok();
+  if (rows <= 0 || cols <= 0) return ok_status();
   return cuda_status(cudaMemcpy2DAsync(dst, dst_stride * 4, src, src_stride * 4, cols * 4, rows, cudaMemcpyDeviceToDevice,
                                        stream_),
                      "copy_rows");
@@ -1114,7 +1115,7 @@ Status CudaBackend::gru_update(const float* gi, const float* gh, const float* b_
 Status CudaBackend::stage_draft_params(const DeviceSamplingParams* params, int64_t count) {
   staged_params_ = nullptr;
   staged_count_ = 0;
-  if (params == nullptr || count <= 0) return Status::ok();
+  if (params == nullptr || count <= 0) return ok_status();
   Buffers& b = buffers();
   const size_t bytes = static_cast<size_t>(count) * sizeof(DeviceSamplingParams);
   if (bytes > b.draft_samp_params.bytes())
@@ -1125,7 +1126,7 @@ Status CudaBackend::stage_draft_params(const DeviceSamplingParams* params, int64
   ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(b.draft_samp_params.data(), params, bytes, cudaMemcpyHostToDevice, stream_));
   staged_params_ = params;
   staged_count_ = count;
-  return Status::ok();
+  return ok_status();
 }
 
 // Greedy rows without distributions: the device argmax (argmax_rows, the base added
