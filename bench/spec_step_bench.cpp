@@ -100,15 +100,19 @@ int main(int argc, char** argv) {
     return r.execute(StepInput{{d}}).ok();
   });
   // B tokens: the last accepted one + B - 1 drafts; one accepted, so the next step rewrites the rest.
-  auto verify = [&] {
+  // device_greedy: the rows verified on the device (greedy device sampling per row, step.h):
+  // B tokens come back instead of B x vocab logits.
+  auto verify_with = [&](bool device_greedy) {
     SeqStep d;
     d.seq_id = 1;
     d.tokens.assign(B, 17);
     d.start_pos = pos;
     d.num_logits = B;
     d.block_tables = s.block_tables;
+    if (device_greedy) d.device_sampling = DeviceSamplingParams{};
     return r.execute(StepInput{{d}}).ok();
   };
+  auto verify = [&] { return verify_with(false); };
   uint64_t draw = 0;
   auto draft_with = [&](bool sampled) {
     DraftInput in;
@@ -132,6 +136,11 @@ int main(int argc, char** argv) {
   auto draft = [&] { return draft_with(false); };
   measure("verify_block_tokens_logits", [&] {
     const bool ok = verify();
+    pos += 1;
+    return ok;
+  });
+  measure("verify_block_device_greedy", [&] {
+    const bool ok = verify_with(true);
     pos += 1;
     return ok;
   });

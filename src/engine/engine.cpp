@@ -37,6 +37,14 @@ bool device_samplable(const Request& r, bool masks) {
          (!r.grammar || masks);
 }
 
+// True when the runner's device can verify `r`'s drafts: greedy verification needs only each
+// row's argmax (spec_decode.h verify_greedy), which device sampling of greedy rows returns, so
+// the k + 1 rows of logits stay on the device. Random requests (the rejection sampler needs p and
+// q) and top-N logprobs take the rows to the host.
+bool device_verifiable(const Request& r, const DeviceSamplingParams& d) {
+  return !r.spec_tokens.empty() && sampling::greedy(d) && r.params.logprobs <= 0 && !r.grammar;
+}
+
 DeviceSamplingParams device_params(const Request& r) {
   DeviceSamplingParams d;
   d.temperature = static_cast<float>(r.params.temperature);
@@ -314,6 +322,9 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
         ss.allowed_tokens.assign(static_cast<size_t>(bitmask_words(vocab_)), 0u);
         r.grammar->fill_bitmask(ss.allowed_tokens.data());
       }
+    } else if (device && reaches_end && ss.num_logits == 1 + static_cast<int>(r.spec_tokens.size()) &&
+               device_verifiable(r, device_params(r))) {
+      ss.device_sampling = device_params(r);  // one greedy token per row: the rows' argmax
     }
     in.seqs.push_back(std::move(ss));
   }
@@ -331,22 +342,27 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
   // The runner returns one entry per sequence, or one per sequence that asked for logits;
   // sampled tokens (device sampling) instead of logits only when every such sequence
   // carries device_sampling (step.h).
-  size_t wanted = 0;
+  size_t wanted = 0, wanted_rows = 0;
+  int most_rows = 0;
   bool all_device = true;
   for (const auto& ss : in.seqs) {
     wanted += ss.num_logits > 0 ? 1 : 0;
+    wanted_rows += static_cast<size_t>(std::max(0, ss.num_logits));
+    most_rows = std::max(most_rows, ss.num_logits);
     if (ss.num_logits > 0 && !ss.device_sampling) all_device = false;
   }
   const bool sampled = !out.sampled.empty();
   const size_t entries = sampled ? out.sampled.size() : out.logits.size();
-  const bool per_seq = entries == in.seqs.size();
-  if (!per_seq && entries != wanted)
-    return internal_error("runner returned {} {} entries for {} sequences ({} asking for logits)", entries,
-                          sampled ? "sampled" : "logits", in.seqs.size(), wanted);
+  // Sampled tokens come one per row (a verifying sequence has 1 + k); the per-sequence form
+  // only where no sequence has more than one row.
+  const bool per_seq = entries == in.seqs.size() && (!sampled || most_rows <= 1);
+  if (!per_seq && entries != (sampled ? wanted_rows : wanted))
+    return internal_error("runner returned {} {} entries for {} sequences ({} asking for logits, {} rows)", entries,
+                          sampled ? "sampled" : "logits", in.seqs.size(), wanted, wanted_rows);
   if (sampled && (!all_device || out.sampled_logprob.size() != out.sampled.size()))
     return internal_error("runner sampled on the device for a step that did not ask for it, or without logprobs");
 
-  size_t li = 0;
+  size_t li = 0;  // the next entry: logits are one per sequence, sampled tokens one per row
   std::vector<Request*> drafting;  // DSpark: requests that propose drafts after this step
   for (size_t i = 0; i < so.seqs.size(); ++i) {
     Request& r = *so.seqs[i].req;
@@ -354,8 +370,9 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
     const int64_t chunk_end = r.num_computed + so.seqs[i].num_new_tokens;
     const bool samples = chunk_end >= r.num_tokens();  // the chunk reaches the end: a token is due
     r.num_computed = chunk_end;
+    const size_t e = per_seq ? i : li;
+    if (!per_seq && num_logits > 0) li += sampled ? static_cast<size_t>(num_logits) : 1;
     if (num_logits > 0 && !sampled && r.params.prompt_logprobs >= 0) {
-      const size_t e = per_seq ? i : li;
       if (out.logits[e].size() != static_cast<size_t>(num_logits) * vocab_)
         return internal_error("runner returned {} logits for seq {}, expected {}", out.logits[e].size(), r.seq_id,
                               static_cast<size_t>(num_logits) * vocab_);
@@ -368,13 +385,21 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
       }
     }
     if (num_logits > 0 && !samples) {
-      if (!per_seq) ++li;  // prompt-logprob rows of a chunk that does not end the prompt
+      // prompt-logprob rows of a chunk that does not end the prompt
     } else if (num_logits > 0 && !r.spec_tokens.empty()) {
-      const size_t e = per_seq ? i : li++;
-      if (sampled) return internal_error("runner sampled on the device for seq {}, which verifies drafts", r.seq_id);
-      ML4_RETURN_IF_ERROR(verify_step(r, out.logits[e], chunk_end - num_logits, done));
+      if (sampled) {
+        if (per_seq || e + static_cast<size_t>(num_logits) > out.sampled.size() ||
+            num_logits != 1 + static_cast<int>(r.spec_tokens.size()))
+          return internal_error("runner sampled {} tokens for seq {}, which verifies {} drafts", out.sampled.size(),
+                                r.seq_id, r.spec_tokens.size());
+        ML4_RETURN_IF_ERROR(verify_step(r, nullptr, out.sampled.data() + e, out.sampled_logprob.data() + e, chunk_end - num_logits, done));
+      } else {
+        const size_t need = static_cast<size_t>(num_logits) * vocab_;
+        if (out.logits[e].size() != need)
+          return internal_error("runner returned {} logits for seq {}, expected {}", out.logits[e].size(), r.seq_id, need);
+        ML4_RETURN_IF_ERROR(verify_step(r, out.logits[e].data(), nullptr, nullptr, chunk_end - num_logits, done));
+      }
     } else if (num_logits > 0) {
-      const size_t e = per_seq ? i : li++;
       const std::optional<DeviceSamplingParams>& ds = in.seqs[i].device_sampling;
       int32_t token = 0;
       float logprob = 0.0f;
@@ -431,8 +456,6 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
         r.text += r.detok.flush();
         finish(r, FinishReason::kStop);  // the grammar ended (its EOS was taken, even with ignore_eos)
       }
-    } else if (per_seq) {
-      ++li;
     }
     blocks_.cache_full_blocks(r);
     blocks_.release_outside_window(r);
@@ -472,14 +495,20 @@ int Engine::draft_count(const Request& r) const {
   return static_cast<int>(std::max<int64_t>(0, k));
 }
 
-Status Engine::verify_step(Request& r, const std::vector<float>& rows, int64_t anchor_pos, double done) {
+Status Engine::verify_step(Request& r, const float* rows, const int32_t* row_tokens, const float* row_logprobs,
+                           int64_t anchor_pos, double done) {
   const int k = static_cast<int>(r.spec_tokens.size());
-  const size_t need = static_cast<size_t>(k + 1) * vocab_;
-  if (rows.size() != need)
-    return internal_error("runner returned {} logits for seq {}, expected {}", rows.size(), r.seq_id, need);
-  DeviceSamplingParams sp = device_params(r);
-  const VerifyResult v = verify_drafts(rows.data(), vocab_, r.spec_tokens, r.spec_probs.empty() ? nullptr : r.spec_probs.data(),
-                                       sp, r.sample_seed, static_cast<int64_t>(r.output.size()));
+  VerifyResult v;
+  if (rows != nullptr) {
+    DeviceSamplingParams sp = device_params(r);
+    v = verify_drafts(rows, vocab_, r.spec_tokens, r.spec_probs.empty() ? nullptr : r.spec_probs.data(), sp,
+                      r.sample_seed, static_cast<int64_t>(r.output.size()));
+  } else {
+    for (int j = 0; j <= k; ++j)
+      if (row_tokens[j] < 0 || row_tokens[j] >= vocab_)
+        return internal_error("runner chose token {} for seq {}, outside [0, {})", row_tokens[j], r.seq_id, vocab_);
+    v = verify_greedy(row_tokens, r.spec_tokens);
+  }
   SpecDecodeCounters& c = counters_.spec;
   ++c.num_drafts;
   c.num_draft_tokens += k;
@@ -496,8 +525,14 @@ Status Engine::verify_step(Request& r, const std::vector<float>& rows, int64_t a
   r.last_token_time = done;
   for (size_t j = 0; j < v.tokens.size(); ++j) {
     const int32_t t = v.tokens[j];
-    if (r.params.logprobs >= 0)  // raw logprobs of the row that decided the token, as the host Sampler's
-      r.logprobs.push_back(Sampler::prompt_logprob(rows.data() + j * vocab_, vocab_, t, r.params.logprobs));
+    if (r.params.logprobs >= 0 && rows != nullptr) {  // raw logprobs of the row that decided the token
+      r.logprobs.push_back(Sampler::prompt_logprob(rows + j * vocab_, vocab_, t, r.params.logprobs));
+    } else if (r.params.logprobs >= 0) {  // the device's: the chosen token's, as device sampling gives
+      TokenLogprob lp;
+      lp.token = t;
+      lp.logprob = row_logprobs[j];
+      r.logprobs.push_back(std::move(lp));
+    }
     ++counters_.generation_tokens;
     if (append_token(r, t)) break;  // a stop inside the accepted run ends it there
   }

@@ -57,6 +57,22 @@ int32_t argmax(const float* row, int64_t vocab) {
   return static_cast<int32_t>(best);
 }
 
+// Greedy verification from each row's token (`row_token(j)`: row j's argmax): draft j passes
+// while it equals row j's token; the first mismatch emits row j's token, all passing emit row
+// k's as the bonus.
+template <typename RowToken>
+VerifyResult greedy_verify(const std::vector<int32_t>& drafts, RowToken row_token) {
+  VerifyResult out;
+  const int k = static_cast<int>(drafts.size());
+  for (int j = 0; j <= k; ++j) {
+    const int32_t t = row_token(j);
+    out.tokens.push_back(t);
+    if (j == k || t != drafts[j]) break;
+    ++out.accepted;
+  }
+  return out;
+}
+
 }  // namespace
 
 Result<SpeculativeConfig> parse_speculative_config(const std::string& text) {
@@ -149,19 +165,16 @@ void target_distribution(const float* l, int64_t V, const DeviceSamplingParams& 
   sampling::row_distribution(l, V, p, out->data());
 }
 
+VerifyResult verify_greedy(const int32_t* row_tokens, const std::vector<int32_t>& drafts) {
+  return greedy_verify(drafts, [&](int j) { return row_tokens[j]; });
+}
+
 VerifyResult verify_drafts(const float* rows, int64_t V, const std::vector<int32_t>& drafts, const float* draft_probs,
                            const DeviceSamplingParams& params, uint64_t seed, int64_t first_index) {
+  if (sampling::greedy(params))
+    return greedy_verify(drafts, [&](int j) { return argmax(rows + static_cast<int64_t>(j) * V, V); });
   VerifyResult out;
   const int k = static_cast<int>(drafts.size());
-  if (sampling::greedy(params)) {
-    for (int j = 0; j <= k; ++j) {
-      const int32_t t = argmax(rows + static_cast<int64_t>(j) * V, V);
-      out.tokens.push_back(t);
-      if (j == k || t != drafts[j]) break;
-      ++out.accepted;
-    }
-    return out;
-  }
   std::vector<double> p;
   for (int j = 0; j <= k; ++j) {
     target_distribution(rows + static_cast<int64_t>(j) * V, V, params, &p);

@@ -86,6 +86,11 @@ VerifyResult verify_drafts(const float* rows, int64_t vocab, const std::vector<i
                            const float* draft_probs, const DeviceSamplingParams& params, uint64_t seed,
                            int64_t first_index);
 
+// verify_drafts for a greedy request from each row's argmax alone (`row_tokens`: [k + 1], ties
+// to the lowest id), as a runner that samples greedy rows on its device returns them: the rows'
+// logits never leave the device.
+VerifyResult verify_greedy(const int32_t* row_tokens, const std::vector<int32_t>& drafts);
+
 // The distribution a row is drawn from under `params`: sampling::row_distribution (O(V) when
 // neither top-k nor top-p is on, the common case; with them it sorts the row).
 void target_distribution(const float* logits, int64_t vocab, const DeviceSamplingParams& params,

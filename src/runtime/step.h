@@ -25,9 +25,10 @@ struct SeqStep {
   // Logits are returned for the last `num_logits` tokens of this chunk (0: none, as for
   // a prefill chunk that does not end the prompt; 1: normal decode; 1+k: verification).
   int num_logits = 1;
-  // Set by the engine only when the runner samples on its device (and only with
-  // num_logits == 1): the runner may then return this sequence's token in
-  // StepOutput::sampled instead of its logits.
+  // Set by the engine only when the runner samples on its device, with num_logits == 1, or
+  // with 1 + k rows of greedy params (a request verifying its drafts greedily: each row's
+  // argmax decides, engine/spec_decode.h verify_greedy): the runner may then return one token
+  // per row in StepOutput::sampled instead of the logits.
   std::optional<DeviceSamplingParams> device_sampling;
   // Structured outputs, with device_sampling on a runner that applies_token_masks(): the
   // allowed tokens of this row as a bitmask ((vocab + 31) / 32 words, bit i % 32 of word i / 32;
@@ -42,12 +43,13 @@ struct StepInput {
 struct StepOutput {
   // For each seq in order, num_logits rows of [vocab] logits (f32), concatenated.
   std::vector<std::vector<float>> logits;
-  // Device sampling: when every sequence with num_logits > 0 carries device_sampling (and
-  // so num_logits == 1), a runner may leave `logits` empty and fill these instead: the
-  // sampled token and its logprob (log_softmax of the unmodified logits) for each sequence
-  // in order (-1 and 0 for a sequence with num_logits == 0), or one entry per sequence that
-  // asked for logits, as for `logits`. A runner may always return logits instead; the engine
-  // then draws on the host with the same counter-based generator.
+  // Device sampling: when every sequence with num_logits > 0 carries device_sampling, a
+  // runner may leave `logits` empty and fill these instead: the sampled token and its logprob
+  // (log_softmax of the unmodified logits) for each row asked for, sequences in order, rows in
+  // order (one entry per row: 1 + k for a verifying sequence). Where no sequence has more than
+  // one row, one entry per sequence in order is also accepted (-1 and 0 for a sequence with
+  // num_logits == 0). A runner may always return logits instead; the engine then draws on the
+  // host with the same counter-based generator.
   std::vector<int32_t> sampled;
   std::vector<float> sampled_logprob;
 };

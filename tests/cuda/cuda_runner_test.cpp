@@ -8,6 +8,7 @@
 #if defined(ML4_WITH_CUDA)
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 
@@ -516,6 +517,59 @@ TEST(CudaRunner, DeviceSamplingMatchesHostReference) {
     const int32_t want = sampling::sample_row_reference(logits->logits[s].data(), V, *decode.seqs[s].device_sampling, &lp);
     EXPECT_EQ(sampled->sampled[s], want) << "seq " << s;
     EXPECT_NEAR(sampled->sampled_logprob[s], lp, 1e-4) << "seq " << s;
+  }
+}
+
+// Greedy verification on the device (step.h): sequences verifying drafts carry greedy
+// device_sampling over their 1 + k rows and get one token per row, rows in order, each the
+// argmax of the row the same step returns as logits without it (ties to the lowest id, as the
+// host verifier); a step where one sequence lacks device_sampling returns logits for all.
+TEST(CudaRunner, GreedyVerificationRowsAreTheRowsArgmax) {
+  ML4_REQUIRE_GPU();
+  auto r = tiny_runner("fp8_ds_mla");
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  std::mt19937 rng(33);
+  std::uniform_int_distribution<int> tok(1, (*r)->config().vocab_size - 1);
+  const int V = (*r)->config().vocab_size;
+  const int rows[] = {5, 1, 8};  // 4 drafts, a plain greedy decode, 7 drafts
+  StepInput prefill, verify;
+  for (int s = 0; s < 3; ++s) {
+    std::vector<int32_t> p(12 + 7 * s);
+    for (auto& t : p) t = tok(rng);
+    prefill.seqs.push_back(::ml4::testing::seq_step(**r, s, p, 0, 2 * s, 2, 1));
+    std::vector<int32_t> v(rows[s]);
+    for (auto& t : v) t = tok(rng);
+    auto d = ::ml4::testing::seq_step(**r, s, v, static_cast<int64_t>(p.size()), 2 * s, 2, rows[s]);
+    DeviceSamplingParams dp;  // greedy
+    dp.temperature = 0.0f;
+    dp.seed = 5 + s;
+    dp.counter = 3;
+    d.device_sampling = dp;
+    verify.seqs.push_back(d);
+  }
+  ASSERT_TRUE((*r)->execute(prefill).ok());
+  auto sampled = (*r)->execute(verify);
+  ASSERT_TRUE(sampled.ok()) << sampled.status().message();
+  ASSERT_TRUE(sampled->logits.empty());
+  ASSERT_EQ(sampled->sampled.size(), static_cast<size_t>(5 + 1 + 8));
+  ASSERT_EQ(sampled->sampled_logprob.size(), sampled->sampled.size());
+  StepInput mixed = verify;
+  mixed.seqs[1].device_sampling.reset();  // one sequence wants logits: every sequence gets them
+  auto logits = (*r)->execute(mixed);
+  ASSERT_TRUE(logits.ok()) << logits.status().message();
+  ASSERT_TRUE(logits->sampled.empty());
+  ASSERT_EQ(logits->logits.size(), 3u);
+  size_t e = 0;
+  for (int s = 0; s < 3; ++s) {
+    ASSERT_EQ(logits->logits[s].size(), static_cast<size_t>(rows[s]) * V);
+    for (int j = 0; j < rows[s]; ++j, ++e) {
+      const float* row = logits->logits[s].data() + static_cast<size_t>(j) * V;
+      float lp = 0;
+      const int32_t want = sampling::sample_row_reference(row, V, *verify.seqs[s].device_sampling, &lp);
+      EXPECT_EQ(sampled->sampled[e], want) << "seq " << s << " row " << j;
+      EXPECT_EQ(want, static_cast<int32_t>(std::max_element(row, row + V) - row)) << "seq " << s << " row " << j;
+      EXPECT_NEAR(sampled->sampled_logprob[e], lp, 1e-4) << "seq " << s << " row " << j;
+    }
   }
 }
 

@@ -23,7 +23,8 @@
 // With device_sampling_ set it also plays a runner that samples on its device: it says so
 // (samples_on_device()) and, when every sequence with logits carries device_sampling, returns
 // StepOutput::sampled drawn by the host reference of the device contract
-// (ops/cpu/sampling.h) instead of the logits, as the CUDA runner does with its kernel.
+// (ops/cpu/sampling.h) instead of the logits, as the CUDA runner does with its kernel (one
+// token per row for a sequence verifying drafts greedily).
 // With token_masks_ too it applies SeqStep::allowed_tokens (grammar bitmasks) before the draw,
 // as the CUDA runner's apply_token_bitmask does; a mask sent to a runner that did not say it
 // applies masks is an error.
@@ -204,15 +205,26 @@ class FakeRunner : public ModelRunner {
         return invalid_argument("seq {}: a token mask this runner cannot apply", s.seq_id);
     }
     if (all_device && with_logits > 0) {
+      // One entry per sequence (-1 without rows) where every sequence has at most one row, as
+      // the contract allows; else one per row (verifying sequences: 1 + k greedy rows).
+      bool per_row = false;
+      for (const auto& s : in.seqs) per_row = per_row || s.num_logits > 1;
       for (size_t i = 0; i < in.seqs.size(); ++i) {
         const auto& s = in.seqs[i];
-        int32_t tok = -1;
-        float lp = 0.0f;
-        std::vector<float>& row = out.logits[i];
-        if (!s.allowed_tokens.empty()) mask_disallowed(row.data(), config_.vocab_size, s.allowed_tokens.data());
-        if (s.num_logits > 0) tok = sampling::sample_row_reference(row.data(), config_.vocab_size, *s.device_sampling, &lp);
-        out.sampled.push_back(tok);
-        out.sampled_logprob.push_back(lp);
+        if (s.num_logits > 1 && !sampling::greedy(*s.device_sampling))
+          return invalid_argument("seq {}: device sampling of {} rows that are not greedy", s.seq_id, s.num_logits);
+        if (s.num_logits == 0 && !per_row) {
+          out.sampled.push_back(-1);
+          out.sampled_logprob.push_back(0.0f);
+        }
+        for (int j = 0; j < s.num_logits; ++j) {
+          float lp = 0.0f;
+          float* row = out.logits[i].data() + static_cast<size_t>(j) * config_.vocab_size;
+          if (!s.allowed_tokens.empty()) mask_disallowed(row, config_.vocab_size, s.allowed_tokens.data());
+          out.sampled.push_back(sampling::sample_row_reference(row, config_.vocab_size, *s.device_sampling, &lp));
+          out.sampled_logprob.push_back(lp);
+        }
+        if (s.num_logits > 1) device_verify_rows_ += s.num_logits;
       }
       out.logits.clear();
       ++device_steps_;
@@ -243,6 +255,7 @@ class FakeRunner : public ModelRunner {
   int64_t masked_rows_ = 0;       // rows that came with a bitmask
   int64_t device_rows_ = 0;       // sequences that carried device_sampling
   int64_t device_steps_ = 0;      // steps answered with StepOutput::sampled
+  int64_t device_verify_rows_ = 0;  // ... rows of them that verified drafts (greedy, per row)
   int64_t draft_calls_ = 0;       // draft() calls
   double noise_ = 0.0;            // the drafter's perturbation of the target's logits
 

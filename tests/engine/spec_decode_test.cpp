@@ -133,7 +133,15 @@ TEST(SpecDecodeConfig, RefusesAModelWithoutDrafterOrTooManyDrafts) {
 }
 
 // Greedy with drafts == greedy without, through everything the scheduler does.
-TEST(SpecDecodeEngine, GreedyIsLosslessWithPrefixHitsChunksPreemptionAbortsAndStops) {
+// device: the runner samples on its device, so greedy requests without top-N logprobs verify
+// from each row's device argmax (engine.cpp device_verifiable) while the others, and steps
+// mixing them, take the rows to the host.
+class SpecDecodeGreedy : public ::testing::TestWithParam<bool> {};
+INSTANTIATE_TEST_SUITE_P(HostOrDevice, SpecDecodeGreedy, ::testing::Values(false, true),
+                         [](const auto& info) { return info.param ? "DeviceVerification" : "HostVerification"; });
+
+TEST_P(SpecDecodeGreedy, LosslessWithPrefixHitsChunksPreemptionAbortsAndStops) {
+  const bool device = GetParam();
   constexpr int V = 1300;
   std::mt19937 rng(2024);
   ByteTextCodec codec(V);
@@ -150,6 +158,7 @@ TEST(SpecDecodeEngine, GreedyIsLosslessWithPrefixHitsChunksPreemptionAbortsAndSt
     p.insert(p.end(), tail.begin(), tail.end());
     SamplingParams sp = greedy(8 + (i * 5) % 21);
     if (i % 4 == 1) sp.logprobs = 2;
+    if (i % 4 == 3) sp.logprobs = 0;  // the chosen token's: device-verifiable
     reqs.push_back({"g" + std::to_string(i), p, sp});
   }
   // The reference: each request alone, no drafts.
@@ -177,6 +186,7 @@ TEST(SpecDecodeEngine, GreedyIsLosslessWithPrefixHitsChunksPreemptionAbortsAndSt
   // a 20-token budget chunks prefills and cuts verification steps short.
   FakeRunner runner(V, FakeRunner::drafter_groups(40, 12 * 7, 12));
   runner.enable_drafter(5, 0.004);  // 4 drafts per step; the noise makes ~half of them wrong
+  runner.device_sampling_ = device;
   Engine e(&runner, &codec, config(12, 20, 4));
   ASSERT_TRUE(e.speculative());
   std::vector<int64_t> free0;
@@ -221,9 +231,20 @@ TEST(SpecDecodeEngine, GreedyIsLosslessWithPrefixHitsChunksPreemptionAbortsAndSt
     EXPECT_EQ(got.last[q.id].stop_reason, ref.last[q.id].stop_reason) << q.id;
     ASSERT_EQ(got.logprobs[q.id].size(), ref.logprobs[q.id].size()) << q.id;
     for (size_t t = 0; t < ref.logprobs[q.id].size(); ++t) {
-      EXPECT_EQ(got.logprobs[q.id][t].logprob, ref.logprobs[q.id][t].logprob) << q.id << " " << t;
+      EXPECT_EQ(got.logprobs[q.id][t].token, ref.logprobs[q.id][t].token) << q.id << " " << t;
+      // The device's logprob is its own log-softmax (ops/cpu/sampling.h's reference here): f32
+      // rounding of a different summation order, |logprob| < ~12 for 1,300 ids: 1e-5 absolute.
+      if (device && q.params.logprobs == 0)
+        EXPECT_NEAR(got.logprobs[q.id][t].logprob, ref.logprobs[q.id][t].logprob, 1e-5) << q.id << " " << t;
+      else
+        EXPECT_EQ(got.logprobs[q.id][t].logprob, ref.logprobs[q.id][t].logprob) << q.id << " " << t;
       EXPECT_EQ(got.logprobs[q.id][t].top, ref.logprobs[q.id][t].top) << q.id << " " << t;
     }
+  }
+  if (device) {  // greedy verification did run on the device, and mixed steps on the host
+    EXPECT_GT(runner.device_verify_rows_, 0);
+    std::printf("device verification: %ld rows on the device of %ld steps answered there\n",
+                (long)runner.device_verify_rows_, (long)runner.device_steps_);
   }
   const EngineCounters c = e.counters();
   std::printf("greedy: %ld drafts, %ld draft tokens, %ld accepted; per position", (long)c.spec.num_drafts,

@@ -295,10 +295,12 @@ Result<StepOutput> CudaRunner::execute_step(const StepInput& in, ForwardTrace* t
   }
   StepOutput out;
   // Device sampling (sampling.h): when every sequence asking for logits asked for it, draw
-  // the R tokens on the GPU and copy back 8 bytes per row instead of R x V logits.
+  // the R tokens on the GPU and copy back 8 bytes per row instead of R x V logits. A sequence
+  // verifying drafts greedily (step.h) has 1 + k greedy rows: each row's argmax.
   bool device_sample = R > 0 && trace == nullptr;
   for (const auto& s : in.seqs)
-    if (s.num_logits > 1 || (s.num_logits == 1 && !s.device_sampling)) device_sample = false;
+    if (s.num_logits > 0 && (!s.device_sampling || (s.num_logits > 1 && !sampling::greedy(*s.device_sampling))))
+      device_sample = false;
   if (device_sample) {
     if (b.samp_cap < R) {
       ML4_ASSIGN_OR_RETURN(b.samp_params, DeviceBuffer::alloc(R * sizeof(DeviceSamplingParams)));
@@ -309,7 +311,7 @@ Result<StepOutput> CudaRunner::execute_step(const StepInput& in, ForwardTrace* t
     }
     std::vector<DeviceSamplingParams> params;
     for (const auto& s : in.seqs)
-      if (s.num_logits == 1) params.push_back(*s.device_sampling);
+      for (int j = 0; j < s.num_logits; ++j) params.push_back(*s.device_sampling);
     ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(b.samp_params.data(), params.data(), R * sizeof(DeviceSamplingParams),
                                              cudaMemcpyHostToDevice, stream));
     // Grammar masks (SeqStep::allowed_tokens), rows in logits order; rows without one allow all.
@@ -320,7 +322,10 @@ Result<StepOutput> CudaRunner::execute_step(const StepInput& in, ForwardTrace* t
     if (!mask.empty()) {
       int64_t row = 0;
       for (const auto& sq : in.seqs) {
-        if (sq.num_logits != 1) continue;
+        if (sq.num_logits != 1) {  // verifying rows carry no mask (step.h)
+          row += sq.num_logits;
+          continue;
+        }
         if (!sq.allowed_tokens.empty()) {
           if (static_cast<int64_t>(sq.allowed_tokens.size()) != words)
             return invalid_argument("seq {}: allowed_tokens has {} words, the vocabulary needs {}", sq.seq_id,
