@@ -187,7 +187,9 @@ Result<DeviceLinear> random_fp4(LinearFormat f, int64_t N, int64_t K, uint64_t s
 // reached by cuBLASLt's bf16 GEMM, gpu_gemm_bench).
 void fp4_prefill(LtGemm& lt, const std::vector<DeviceMlp>& fp8_experts, const DeviceMlp& fp8_shared,
                  const MoeExpertTables& fp8_tb, int E, int K, int64_t D, int64_t I, cudaStream_t s) {
-  std::printf("moe fp4 grouped GEMM kernel: %d CTAs per SM resident\n", moe_grouped_gemm_fp4_ctas_per_sm());
+  std::printf("moe fp4 grouped GEMM kernel: CTAs per SM resident: %d (3 stages, the default), %d (4), %d (6)\n",
+              moe_grouped_gemm_fp4_ctas_per_sm(3), moe_grouped_gemm_fp4_ctas_per_sm(4),
+              moe_grouped_gemm_fp4_ctas_per_sm(6));
   for (LinearFormat f : {LinearFormat::kNVFP4, LinearFormat::kMXFP4}) {
     std::vector<DeviceMlp> experts(E);
     uint64_t seed = 100;
@@ -240,21 +242,27 @@ void fp4_prefill(LtGemm& lt, const std::vector<DeviceMlp>& fp8_experts, const De
       gp.N = I;
       gp.K = D;
       gp.y_bf16 = sc.q.data();
-      const double t_gu = bench::median_ms(s, 2, 10, [&](int) { BENCH_CHECK(moe_grouped_gemm_fp4(gp)); });
-      gp.gate_up = false;
-      gp.a = sc.q.data();
-      gp.a_rows = nullptr;
-      gp.w = static_cast<const void* const*>(tb.w2.data());
-      gp.w_scale = static_cast<const float* const*>(tb.s2.data());
-      gp.N = D;
-      gp.K = I;
-      gp.y_bf16 = nullptr;
-      gp.y = sc.y.as<float>();
-      const double t_dn = bench::median_ms(s, 2, 10, [&](int) { BENCH_CHECK(moe_grouped_gemm_fp4(gp)); });
+      MoeGroupedGemmFp4Params dn = gp;
+      dn.gate_up = false;
+      dn.a = sc.q.data();
+      dn.a_rows = nullptr;
+      dn.w = static_cast<const void* const*>(tb.w2.data());
+      dn.w_scale = static_cast<const float* const*>(tb.s2.data());
+      dn.w_up = nullptr;
+      dn.w_up_scale = nullptr;
+      dn.N = D;
+      dn.K = I;
+      dn.y_bf16 = nullptr;
+      dn.y = sc.y.as<float>();
       const double f_gu = 2.0 * nrows * 2 * I * D, f_dn = 2.0 * nrows * D * I;
-      std::printf("moe fp4 grouped GEMM %s T=%ld routed rows=%ld: gate+up %.3f ms (%.0f TFLOP/s), down %.3f ms (%.0f "
-                  "TFLOP/s)\n",
-                  linear_format_name(f), T, nrows, t_gu, f_gu / (t_gu * 1e9), t_dn, f_dn / (t_dn * 1e9));
+      for (int stages : {3, 4, 6}) {  // the ring depth (3, the default: two CTAs per SM; deeper: one)
+        gp.stages = dn.stages = stages;
+        const double t_gu = bench::median_ms(s, 2, 10, [&](int) { BENCH_CHECK(moe_grouped_gemm_fp4(gp)); });
+        const double t_dn = bench::median_ms(s, 2, 10, [&](int) { BENCH_CHECK(moe_grouped_gemm_fp4(dn)); });
+        std::printf("moe fp4 grouped GEMM %s T=%ld routed rows=%ld stages=%d: gate+up %.3f ms (%.0f TFLOP/s), down "
+                    "%.3f ms (%.0f TFLOP/s)\n",
+                    linear_format_name(f), T, nrows, stages, t_gu, f_gu / (t_gu * 1e9), t_dn, f_dn / (t_dn * 1e9));
+      }
     }
   }
 }

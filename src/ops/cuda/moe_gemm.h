@@ -102,9 +102,11 @@ struct MoeGroupedGemmFp4Params {
   float* y = nullptr;                    // !gate_up: [permuted rows, N] f32
   void* y_bf16 = nullptr;                // gate_up: [permuted rows, N] bf16
   cudaStream_t stream = nullptr;
+  int stages = 0;                        // cp.async ring depth: 0 = the default (3); 4 or 6 (bench)
 };
 Status moe_grouped_gemm_fp4(const MoeGroupedGemmFp4Params& p);
-// CTAs of moe_grouped_gemm_fp4's kernel resident per SM (designed for 2; the bench prints it).
-int moe_grouped_gemm_fp4_ctas_per_sm();
+// CTAs of moe_grouped_gemm_fp4's kernel resident per SM at a ring depth (0: the default,
+// designed for 2; the bench prints it).
+int moe_grouped_gemm_fp4_ctas_per_sm(int stages = 0);
 
 }  // namespace ml4::cuda

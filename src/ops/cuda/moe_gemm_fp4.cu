@@ -19,7 +19,8 @@
 // element, the accuracy bound the tests argue from).
 //
 // Shared memory: 2 x 32 KB bf16 B + 3 x (8 KB A + 8 KB raw) + 1 KB alignment = 113 KB, two
-// CTAs per SM (228 KB), so one CTA's expansion can run under the other's MMAs.
+// CTAs per SM (228 KB), so one CTA's expansion can run under the other's MMAs. (Deeper rings,
+// 4 or 6 stages at one CTA per SM, are compiled for the bench to compare.)
 // Deterministic: every output element is one thread's fixed-order sum (tested bit-identical).
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -39,14 +40,15 @@ using namespace moe_gemm_detail;
 constexpr int kTileRows = kMoeGemmTileRows;  // A rows per CTA (both warpgroups' m64)
 constexpr int kBRows = 256;                  // weight rows per CTA: 128 per warpgroup
 constexpr int kKBlock = 64;                  // k per stage: 128 bytes of bf16, one swizzle row
-constexpr int kStages = 3;
+constexpr int kDefaultStages = 3;  // the ring depth; 4 and 6 are there for the bench (MoeGroupedGemmFp4Params::stages)
 constexpr int kThreads = 256;
 constexpr int kAStage = kTileRows * kKBlock * 2;  // 8 KB
 constexpr int kRawStage = kBRows * kKBlock / 2;   // 8 KB of e2m1
 constexpr int kBBuf = kBRows * kKBlock * 2;       // 32 KB of bf16
-constexpr int kSmem = 2 * kBBuf + kStages * (kAStage + kRawStage) + 1024;
+constexpr int smem_bytes(int stages) { return 2 * kBBuf + stages * (kAStage + kRawStage) + 1024; }
 static_assert(kThreads == kBRows, "one thread expands one weight row");
-static_assert(2 * (kSmem + 1024) <= 228 * 1024, "two CTAs per SM (H100 / H200: 228 KB, 1 KB reserved per CTA)");
+static_assert(2 * (smem_bytes(kDefaultStages) + 1024) <= 228 * 1024,
+              "two CTAs per SM (H100 / H200: 228 KB, 1 KB reserved per CTA)");
 
 // One warpgroup: d[64 x 128] += A[64 x 16] . B[128 x 16]^T, bf16 K-major from shared memory,
 // f32 accumulators in the m64nNk16 register order (moe_gemm.cu's: d[4j + e] is row
@@ -124,7 +126,7 @@ struct Fp4Args {
   int N, K;
 };
 
-template <bool kGateUp, bool kNv>
+template <bool kGateUp, bool kNv, int kStages>
 __global__ void __launch_bounds__(kThreads, 2) grouped_gemm_fp4_kernel(const Fp4Args p) {
   pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
   pdl_launch_dependents();
@@ -216,7 +218,7 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_gemm_fp4_kernel(const Fp4
     if (st < KB) load(st);
     cp_commit();
   }
-  uint32_t sc_next = load_scale(1);
+  uint32_t sc_n1 = load_scale(1), sc_n2 = load_scale(2);  // the scales of blocks kb + 1, kb + 2
   {
     const uint32_t sc0 = load_scale(0);
     cp_wait<kStages - 2>();  // block 0 landed (this thread's copies)
@@ -230,7 +232,7 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_gemm_fp4_kernel(const Fp4
       if (j < KB) load(j);
       cp_commit();
     }
-    const uint32_t sc_after = load_scale(kb + 2);
+    const uint32_t sc_n3 = load_scale(kb + 3);
     const uint64_t da = smem_desc(sA + (kb % kStages) * kAStage);
     const uint64_t db = smem_desc(sB + (kb & 1) * kBBuf + wg * 128 * 128);
     fence_operands(acc);
@@ -240,8 +242,9 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_gemm_fp4_kernel(const Fp4
     wgmma_commit();
     // Under the MMAs: block kb + 1 into the other buffer (read by block kb - 1's MMAs, waited on).
     cp_wait<kStages - 2>();
-    if (kb + 1 < KB) expand((kb + 1) % kStages, (kb + 1) & 1, sc_next);
-    sc_next = sc_after;
+    if (kb + 1 < KB) expand((kb + 1) % kStages, (kb + 1) & 1, sc_n1);
+    sc_n1 = sc_n2;
+    sc_n2 = sc_n3;
     wgmma_wait_all();
     fence_operands(acc);
     fence_proxy_async();
@@ -284,26 +287,45 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_gemm_fp4_kernel(const Fp4
   }
 }
 
-template <bool kGateUp, bool kNv>
+template <bool kGateUp, bool kNv, int kStages>
 Status launch(const Fp4Args& a, dim3 grid, cudaStream_t stream) {
-  static const cudaError_t attr =
-      cudaFuncSetAttribute(grouped_gemm_fp4_kernel<kGateUp, kNv>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  constexpr int kSmem = smem_bytes(kStages);
+  static const cudaError_t attr = cudaFuncSetAttribute(grouped_gemm_fp4_kernel<kGateUp, kNv, kStages>,
+                                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   ML4_RETURN_IF_ERROR(cuda_status(attr, "cudaFuncSetAttribute(grouped_gemm_fp4_kernel)"));
-  launch_kernel(grouped_gemm_fp4_kernel<kGateUp, kNv>, grid, kThreads, kSmem, stream, a);
+  launch_kernel(grouped_gemm_fp4_kernel<kGateUp, kNv, kStages>, grid, kThreads, kSmem, stream, a);
   return cuda_status(cudaGetLastError(), "grouped_gemm_fp4_kernel");
+}
+
+template <int kStages>
+Status launch_stages(const MoeGroupedGemmFp4Params& p, const Fp4Args& a, dim3 grid) {
+  if (p.gate_up)
+    return p.nvfp4 ? launch<true, true, kStages>(a, grid, p.stream) : launch<true, false, kStages>(a, grid, p.stream);
+  return p.nvfp4 ? launch<false, true, kStages>(a, grid, p.stream) : launch<false, false, kStages>(a, grid, p.stream);
 }
 
 }  // namespace
 
-int moe_grouped_gemm_fp4_ctas_per_sm() {
-  if (cudaFuncSetAttribute(grouped_gemm_fp4_kernel<true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) !=
-      cudaSuccess)
-    return 0;
+namespace {
+template <int kStages>
+int ctas_per_sm() {
+  constexpr int kSmem = smem_bytes(kStages);
+  auto kernel = grouped_gemm_fp4_kernel<true, true, kStages>;
   int n = 0;
-  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, grouped_gemm_fp4_kernel<true, true>, kThreads, kSmem) ==
-                 cudaSuccess
-             ? n
-             : 0;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, kSmem) != cudaSuccess)
+    return 0;
+  return n;
+}
+}  // namespace
+
+int moe_grouped_gemm_fp4_ctas_per_sm(int stages) {
+  switch (stages == 0 ? kDefaultStages : stages) {
+    case 3: return ctas_per_sm<3>();
+    case 4: return ctas_per_sm<4>();
+    case 6: return ctas_per_sm<6>();
+  }
+  return 0;
 }
 
 Status moe_grouped_gemm_fp4(const MoeGroupedGemmFp4Params& p) {
@@ -322,8 +344,12 @@ Status moe_grouped_gemm_fp4(const MoeGroupedGemmFp4Params& p) {
                   static_cast<int>(p.K)};
   const int cols = p.gate_up ? 128 : 256;
   const dim3 grid(static_cast<unsigned>((p.N + cols - 1) / cols), static_cast<unsigned>(p.max_tiles));
-  if (p.gate_up) return p.nvfp4 ? launch<true, true>(a, grid, p.stream) : launch<true, false>(a, grid, p.stream);
-  return p.nvfp4 ? launch<false, true>(a, grid, p.stream) : launch<false, false>(a, grid, p.stream);
+  switch (p.stages == 0 ? kDefaultStages : p.stages) {
+    case 3: return launch_stages<3>(p, a, grid);
+    case 4: return launch_stages<4>(p, a, grid);
+    case 6: return launch_stages<6>(p, a, grid);
+  }
+  return invalid_argument("moe_grouped_gemm_fp4: stages {} (0, 3, 4 or 6)", p.stages);
 }
 
 }  // namespace ml4::cuda
