@@ -352,14 +352,11 @@ Result<StepOutput> CudaRunner::execute_step(const StepInput& in, ForwardTrace* t
         cudaMemcpyAsync(out.sampled_logprob.data(), b.samp_logprobs.data(), R * 4, cudaMemcpyDeviceToHost, stream));
     ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));  // params (host vector) and outputs
   } else if (R > 0) {
-    std::vector<float> logits(R * cfg_.vocab_size);
-    ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(logits.data(), b.logits.data(), logits.size() * 4,
-                                             cudaMemcpyDeviceToHost, stream));
-    ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
     const int64_t V = cfg_.vocab_size;
+    ML4_ASSIGN_OR_RETURN(const float* logits, download_floats(b.logits.data(), static_cast<size_t>(R * V), stream));
     size_t row = 0;
     for (const auto& s : in.seqs) {
-      out.logits.emplace_back(logits.begin() + row * V, logits.begin() + (row + s.num_logits) * V);
+      out.logits.emplace_back(logits + row * V, logits + (row + s.num_logits) * V);
       row += s.num_logits;
     }
   } else {
@@ -367,6 +364,26 @@ Result<StepOutput> CudaRunner::execute_step(const StepInput& in, ForwardTrace* t
     for (size_t i = 0; i < in.seqs.size(); ++i) out.logits.emplace_back();
   }
   return out;
+}
+
+Result<const float*> CudaRunner::download_floats(const void* device, size_t n, cudaStream_t stream) {
+  // Past 64 MiB (prompt logprobs over a long chunk) a pageable vector for this call only: pinned
+  // memory that size would stay locked for the runner's life.
+  constexpr size_t kPinnedMax = size_t{64} << 20;
+  std::vector<float>().swap(large_download_);
+  if (n * 4 > kPinnedMax) {
+    large_download_.resize(n);
+    ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(large_download_.data(), device, n * 4, cudaMemcpyDeviceToHost, stream));
+    ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+    return static_cast<const float*>(large_download_.data());
+  }
+  if (host_stage_.bytes() < n * 4) {
+    host_stage_ = DeviceBuffer();
+    ML4_ASSIGN_OR_RETURN(host_stage_, DeviceBuffer::alloc_host_mapped(std::max<size_t>(n * 4, size_t{1} << 20)));
+  }
+  ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_stage_.data(), device, n * 4, cudaMemcpyDeviceToHost, stream));
+  ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  return static_cast<const float*>(host_stage_.as<float>());
 }
 
 // As CpuRunner::draft: one block of B tokens per sequence (the anchor, then placeholders whose
@@ -509,10 +526,15 @@ Result<DraftOutput> CudaRunner::draft_step(const DraftInput& in) {
   }
   std::vector<int32_t> drafted(B * n);
   ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(drafted.data(), b.draft_ids.data(), drafted.size() * 4, cudaMemcpyDeviceToHost, stream));
-  std::vector<float> q(in.want_probs ? (B - 1) * n * V : 0);
-  if (in.want_probs)
-    ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(q.data(), b.draft_probs.data(), q.size() * 4, cudaMemcpyDeviceToHost, stream));
-  ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  // q is slot-major ([B - 1][n][V]): the slots up to the most drafts any sequence asked for.
+  int kmax = 0;
+  for (const auto& s : in.seqs) kmax = std::max(kmax, s.num_drafts);
+  const float* q = nullptr;
+  if (in.want_probs) {
+    ML4_ASSIGN_OR_RETURN(q, download_floats(b.draft_probs.data(), static_cast<size_t>(kmax * n * V), stream));
+  } else {
+    ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  }
   DraftOutput out;
   for (int64_t i = 0; i < n; ++i) {
     const int k = in.seqs[i].num_drafts;
@@ -520,8 +542,9 @@ Result<DraftOutput> CudaRunner::draft_step(const DraftInput& in) {
     for (int j = 0; j < k; ++j) t[j] = drafted[(j + 1) * n + i];
     out.tokens.push_back(std::move(t));
     if (in.want_probs) {
-      std::vector<float> qi(k * V);
-      for (int j = 0; j < k; ++j) std::copy_n(q.data() + (j * n + i) * V, V, qi.begin() + j * V);
+      std::vector<float> qi;
+      qi.reserve(static_cast<size_t>(k) * V);
+      for (int j = 0; j < k; ++j) qi.insert(qi.end(), q + (j * n + i) * V, q + (j * n + i + 1) * V);
       out.probs.push_back(std::move(qi));
     }
   }

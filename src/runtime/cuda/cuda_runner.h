@@ -184,6 +184,10 @@ class CudaRunner : public ModelRunner {
                                                     const std::string& model_dir);
   Status run_forward(CudaBackend::Mode mode, std::vector<GraphExec>* segments, const StepMetadata* md,
                      ForwardTrace* trace);
+  // Copies `n` floats from the device to the pinned staging buffer (grown as needed) on the
+  // stream, waits, and returns them: rows going to the host cross at the link's rate, without
+  // a pageable bounce or a zero-filled vector.
+  Result<const float*> download_floats(const void* device, size_t n, cudaStream_t stream);
 
   ModelConfig cfg_;
   int device_ = 0;  // the CUDA device current when the runner was made
@@ -207,6 +211,8 @@ class CudaRunner : public ModelRunner {
   int64_t draft_replays_ = 0;
   bool draft_graphs_ok_ = true;  // false after a failed capture: drafts run eagerly
   FaultWord fault_;              // kernels' sticky fault record (ops/cuda/fault.h), checked around each step
+  DeviceBuffer host_stage_;      // pinned host memory: logits rows and draft distributions (download_floats)
+  std::vector<float> large_download_;  // download_floats past the pinned size, until the next call
 };
 
 // The engine-facing factory (the CPU one is load_cpu_runner).
