@@ -12,8 +12,8 @@
 //   kF32      -> f32 [N, K]; full-f32 GEMM (no TF32): routers, MODEL.md 3.7
 //   kNVFP4 /  -> the packed e2m1 bytes [N, K/2] and the scale bytes as stored (NVFP4: then
 //   kMXFP4      its f32 global scale at gemv.h's fp4_global_offset); K % 32 == 0. Every M
-//               through the FP4 weight stream (gemv.h: exact decoding, f32 x); prefill reads
-//               the weights once per 8 tokens -- grouped FP4 GEMMs are issue 18's next step.
+//               through the FP4 weight stream (gemv.h: exact decoding, f32 x); routed experts
+//               of prefill-sized steps take moe_gemm.h's grouped FP4 GEMM instead.
 // LinearScratch holds the converted activations; reserve() it once for the largest M so
 // that calls allocate nothing (CUDA graphs replay fixed addresses).
 #pragma once

@@ -44,8 +44,8 @@ namespace ml4::cuda {
 
 // Tokens up to which MoE layers take the grouped decode path (moe_experts_forward_grouped:
 // each selected expert's weights read once per 8 of its rows, no host synchronization,
-// capturable); larger steps take the grouped GEMMs (FP8 experts, moe_experts_forward_gemm)
-// or loop over experts (cuBLASLt / FP8 GEMMs per expert).
+// capturable); larger steps take the grouped GEMMs (FP8, NVFP4 or MXFP4 experts,
+// moe_experts_forward_gemm) or, with grouped_moe_gemm off, loop over experts.
 constexpr int64_t kGroupedMoeMaxTokens = 128;
 
 struct CudaBackendOptions {

@@ -46,9 +46,10 @@ struct CudaRunnerOptions {
   // linear of the layer takes the GEMV (decode-sized steps or exact numerics) and the step is
   // neither traced nor profiled. The result does not change: the two branches share no output.
   bool overlap_indexer = true;
-  // MoE steps above kGroupedMoeMaxTokens with FP8 experts run every expert's GEMMs in one
-  // grouped launch per projection (moe_experts_forward_gemm: no host sync, capturable)
-  // instead of the loop over experts. On by default since CudaMoe.GroupedGemmPrefillVsCpu
+  // MoE steps above kGroupedMoeMaxTokens run every expert's GEMMs in one grouped launch per
+  // projection (moe_experts_forward_gemm: FP8 experts on e4m3 wgmma, NVFP4 / MXFP4 experts
+  // expanded to bf16 (moe_gemm_fp4.cu); no host sync, capturable) instead of the loop over
+  // experts. On by default since CudaMoe.GroupedGemmPrefillVsCpu
   // passed on a device (H100, 2026-12-05 sixth session); ml4-slice-4 prefill of 4096 tokens
   // 111.9 -> 89.4 ms on the H200 (docs/BENCHMARKS.md).
   bool grouped_moe_gemm = true;
