@@ -8,8 +8,8 @@
 #include "core/dtype.h"
 #include "kv/kv_cache_dtype.h"
 
-#if defined(__AVX2__) && defined(__F16C__)
-#include <immintrin.h>
+#include "core/e4m3_simd.h"
+#ifdef ML4_E4M3_F16C
 #define ML4_INDEXER_F16C 1
 #endif
 
@@ -48,10 +48,8 @@ void read_indexer_key_raw(const uint8_t* page, int offset_in_page, int dI, uint8
               4 * static_cast<size_t>(indexer_scales_per_token(dI)));
 }
 
-// Every value is e4m3 * scale rounded once. The F16C path computes (e4m3 / 256) * (256 * scale):
-// e4m3 s.eeee.mmm placed in an f16 as s.0eeee.mmm0000000 is exactly 2^-8 times its value
-// (subnormals too), and 256 * scale is exact, so the one rounding is of the same real product
-// (codes 0x7f / 0xff stay NaN).
+// Every value is e4m3 * scale rounded once. The F16C path computes (e4m3 / 256) * (256 * scale)
+// (core/e4m3_simd.h: the same real product while 256 * scale is finite; codes 0x7f / 0xff stay NaN).
 void decode_indexer_key(const uint8_t* page, int offset_in_page, int dI, float* k) {
   const uint8_t* values = page + static_cast<size_t>(offset_in_page) * dI;
   const uint8_t* scales = page + scale_offset(dI, offset_in_page);
@@ -64,14 +62,7 @@ void decode_indexer_key(const uint8_t* page, int offset_in_page, int dI, float* 
     std::memcpy(&scale, scales + 4 * (lo / kIndexerQuantBlock), 4);
     if (!std::isfinite(scale * 256.0f)) break;  // 256 * scale overflows: the scalar loop's bits
     const __m256 s256 = _mm256_set1_ps(scale * 256.0f);
-    for (; i < hi; i += 8) {
-      const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(values + i)));
-      const __m128i mag = _mm_and_si128(b, _mm_set1_epi16(0x7f));
-      const __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
-      const __m256 v = _mm256_cvtph_ps(_mm_or_si128(_mm_slli_epi16(mag, 7), sign));
-      const __m256i nan = _mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f)));
-      _mm256_storeu_ps(k + i, _mm256_mul_ps(_mm256_or_ps(v, _mm256_castsi256_ps(nan)), s256));
-    }
+    for (; i < hi; i += 8) _mm256_storeu_ps(k + i, _mm256_mul_ps(simd::e4m3x8_div256(values + i), s256));
   }
 #endif
   for (; i < dI; ++i) {

@@ -8,8 +8,8 @@
 
 #include "core/dtype.h"
 
-#if defined(__AVX2__) && defined(__F16C__)
-#include <immintrin.h>
+#include "core/e4m3_simd.h"
+#ifdef ML4_E4M3_F16C
 #define ML4_LATENT_F16C 1
 #endif
 
@@ -112,27 +112,19 @@ void decode_latent_scalar(KvCacheDtype dtype, const uint8_t* src, int r, int dr,
 }
 
 #ifdef ML4_LATENT_F16C
-// The vector decode: e4m3 s.eeee.mmm sign-extended to 16 bits, << 7, bit 14 cleared, is the
-// f16 s.0eeee.mmm0000000, exactly 2^-8 times the code's value (subnormals too); times
-// 256 * scale (exact while finite) it is the same real product as code * scale, rounded once.
-// The codes 0x7f / 0xff (NaN) are only noted in `probe` (the caller decodes such a row with the
-// table, whose NaNs keep their sign); bf16 widens by a 16-bit shift. n values from p.
+// The vector decode (core/e4m3_simd.h): 2^-8 times each code's value, exactly, times 256 * scale
+// (exact while finite): the same real product as code * scale, rounded once. The codes 0x7f /
+// 0xff (NaN) are only noted in `probe` (the caller decodes such a row with the table, whose NaNs
+// keep their sign); bf16 widens by a 16-bit shift. n values from p.
 inline void e4m3_times(const uint8_t* p, int n, __m256 s256, float* out, __m128i& probe) {
-  const __m256i keep = _mm256_set1_epi16(static_cast<short>(0xbfff));
   int i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i));
-    probe = _mm_max_epu8(probe, _mm_and_si128(b, _mm_set1_epi8(0x7f)));
-    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), keep);
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), s256));
-    _mm256_storeu_ps(out + i + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), s256));
+    __m128i lo, hi;
+    simd::e4m3x16_to_f16(p + i, lo, hi, probe);
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtph_ps(lo), s256));
+    _mm256_storeu_ps(out + i + 8, _mm256_mul_ps(_mm256_cvtph_ps(hi), s256));
   }
-  for (; i + 8 <= n; i += 8) {
-    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + i));
-    probe = _mm_max_epu8(probe, _mm_and_si128(b, _mm_set1_epi8(0x7f)));
-    const __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(b), 7), _mm256_castsi256_si128(keep));
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtph_ps(h), s256));
-  }
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtph_ps(simd::e4m3x8_to_f16(p + i, probe)), s256));
   const float s = _mm256_cvtss_f32(s256) * (1.0f / 256.0f);  // exact: s256 is 256 * scale
   for (; i < n; ++i) out[i] = e4m3_to_f32(p[i]) * s;
 }

@@ -41,6 +41,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "core/e4m3_simd.h"
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define ML4_LINEAR_AVX2 1
@@ -239,27 +241,11 @@ inline void decode_bf16_halves(const uint16_t* src, int64_t K, float* dst) {
 // ---------------------------------------------------------------------------------------
 // FP8 e4m3 (see the contract above for the order).
 #ifdef ML4_LINEAR_AVX2
-// 16 e4m3 bytes -> two f16 vectors (bytes 0-7, 8-15) holding 2^-8 times the e4m3 values.
-// NaN codes (0x7f / 0xff) come out as 480 * 2^-8: `nan_probe` collects max |byte| so the
-// caller can tell (probe_has_nan) and take the exact path.
-inline void e4m3x16_to_f16(const uint8_t* p, __m128i& lo, __m128i& hi, __m128i& nan_probe) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i z = _mm_setzero_si128(), keep = _mm_set1_epi16(static_cast<short>(0xbfff));
-  // byte in the high half, arithmetic shift by one: sign at bits 15 and 14, magnitude at
-  // 13..7; clearing bit 14 leaves sign << 15 | magnitude << 7.
-  lo = _mm_and_si128(_mm_srai_epi16(_mm_unpacklo_epi8(z, b), 1), keep);
-  hi = _mm_and_si128(_mm_srai_epi16(_mm_unpackhi_epi8(z, b), 1), keep);
-  nan_probe = _mm_max_epu8(nan_probe, _mm_and_si128(b, _mm_set1_epi8(0x7f)));
-}
-inline __m128i e4m3x8_to_f16(const uint8_t* p, __m128i& nan_probe) {
-  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  nan_probe = _mm_max_epu8(nan_probe, _mm_and_si128(b, _mm_set1_epi8(0x7f)));
-  return _mm_and_si128(_mm_srai_epi16(_mm_unpacklo_epi8(_mm_setzero_si128(), b), 1),
-                       _mm_set1_epi16(static_cast<short>(0xbfff)));
-}
-inline bool probe_has_nan(__m128i nan_probe) {
-  return _mm_movemask_epi8(_mm_cmpeq_epi8(nan_probe, _mm_set1_epi8(0x7f))) != 0;
-}
+// The e4m3 decode (core/e4m3_simd.h): 2^-8 times the codes' values, exactly.
+using simd::e4m3x16_to_f16;
+using simd::e4m3x8_to_f16;
+using simd::e4m3x8_div256;
+using simd::probe_has_nan;
 inline Vec8 f16x8(__m128i h) { return {_mm256_cvtph_ps(h)}; }
 inline Vec8 set8(float v) { return {_mm256_set1_ps(v)}; }
 #else
@@ -286,21 +272,6 @@ inline void permute_fp8_halves(const float* src, int64_t K, float* dst) {
   for (int64_t k = kv; k < K; ++k) dst[k] = src[k];
 }
 
-#ifdef ML4_LINEAR_AVX2
-// 8 e4m3 bytes -> 8 f32 times 2^-8, exactly: e4m3 s.eeee.mmm placed in an f16 as
-// s.0eeee.mmm0000000 is 2^-8 times the e4m3 value (also for subnormals, which f16 has
-// too), and F16C converts that to an always-normal f32 (an f32-subnormal trick would hit
-// the ~100-cycle denormal assist on 1/16 of the codes). The caller folds 2^8 into the
-// block scale (exact). Codes 0x7f/0xff become NaN.
-inline __m256 e4m3x8_div256(const uint8_t* p) {
-  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m128i mag = _mm_and_si128(b, _mm_set1_epi16(0x7f));
-  const __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
-  const __m256 v = _mm256_cvtph_ps(_mm_or_si128(_mm_slli_epi16(mag, 7), sign));
-  const __m256i nan = _mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f)));
-  return _mm256_or_ps(v, _mm256_castsi256_ps(nan));
-}
-#endif
 
 // Decodes one stored FP8 row for the GEMM path, in its order: [0, kv) as e4m3 * 2^-8 (exact;
 // NaN codes NaN), [kv, K) as e4m3 * s rounded once (lut: the e4m3 table, srow: the row's
