@@ -118,7 +118,9 @@ int main() {
   // 2048-subset of [0, p] beyond). The decode kernel (prefill_kernel = false, today's prefill
   // path) against the wgmma prefill kernel (attention_prefill.cu, its pre-pass included), same
   // inputs, same run.
-  //   flop = 2 * H * (576 + 512) * sum_t n_t   (0.876 TFLOP at 4096, 2.58 TFLOP at 8192)
+  //   flop = 2 * H * (576 + 512) * sum_t n_t   (0.876 TFLOP at 4096, 2.04 TFLOP at 8192)
+  // ML4_MLA_PREFILL_SKIP=mask leaves pieces of the prefill kernel out (attention_prefill.cu; wrong
+  // results, for the time breakdown in docs/BENCHMARKS.md).
   {
     std::vector<int32_t> page_perm(num_slots / kPageTokens);
     std::iota(page_perm.begin(), page_perm.end(), 0);

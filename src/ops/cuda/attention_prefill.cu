@@ -42,6 +42,11 @@
 //   Costs per 64-key tile: 64 x 64 x (576 + 512) x 2 = 8.9 MFLOP, 73.7 KB of bf16 rows from L2
 //   (the step's scratch is T x 1152 bytes: 4.7 MB at 4096 tokens, L2-resident). At 600 TFLOP/s
 //   the SMs together pull ~5 TB/s from L2: the second limit after the tensor cores.
+// Measured (docs/BENCHMARKS.md "Sparse MLA prefill kernel"): 260-297 TFLOP/s at ml4-slice-4's
+// 4096 / 8192-token prefill, 2.0-2.2x the decode kernel. ML4_MLA_PREFILL_SKIP (below) splits the
+// time: the MMAs are a third of it; the rest is the pre-pass's page marking, the Q load and output
+// stores, and per-tile overhead that is neither MMA nor row gathers (~2 us a tile; next steps in
+// BENCHMARKS.md).
 // Shared memory (227 KB usable): Q 72 KB + 2 key stages 144 KB + P 8 KB + flags: 226 KB.
 // One P buffer suffices: P of tile i + 1 is written after the first barrier of tile i + 1,
 // which both warpgroups reach only after waiting for their PV of tile i.
@@ -49,6 +54,7 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "kv/latent_layout.h"
 #include "ops/cuda/attention_internal.h"
@@ -87,6 +93,10 @@ constexpr int kSmemUsed = kBarOff + 16 * kStages;
 constexpr int kSmemBytes = kSmemUsed + 1024;  // + alignment slack
 static_assert(kSmemBytes <= 232448, "fits the 227 KB opt-in shared memory of sm_90");
 static_assert(kBarOff % 8 == 0, "mbarriers are 8-byte aligned");
+
+// ML4_MLA_PREFILL_SKIP (a measurement switch, read at each launch; the results are WRONG while
+// it is set): a bit mask of pieces left out, to time where a tile's time goes (BENCHMARKS.md).
+constexpr int kSkipExp = 1, kSkipLoads = 2, kSkipS = 4, kSkipPv = 8, kSkipQ = 16, kSkipStores = 32, kSkipPrepass = 64;
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -230,7 +240,8 @@ __global__ void __launch_bounds__(256) dequant_pages(const uint8_t* __restrict__
 }
 
 __global__ void __launch_bounds__(kThreads, 1)
-    mla_prefill_kernel(const Args a, const int32_t* __restrict__ page_map, const uint8_t* __restrict__ scratch) {
+    mla_prefill_kernel(const Args a, const int32_t* __restrict__ page_map, const uint8_t* __restrict__ scratch,
+                       const int skip) {
   pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
   pdl_launch_dependents();
   extern __shared__ uint8_t smem_raw[];
@@ -286,8 +297,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         const bool ok = src[q] != nullptr;
         if (c8 == 0) valid[st * kKeys + key] = ok;
         const uint8_t* s0 = ok ? src[q] + 16 * c8 : scratch;
+        if (!(skip & kSkipLoads)) {
 #pragma unroll
-        for (int sl = 0; sl < kSlabs; ++sl) cp_async16(kt + sl * kSlabBytes + key * 128 + swz, s0 + 128 * sl, ok);
+          for (int sl = 0; sl < kSlabs; ++sl) cp_async16(kt + sl * kSlabBytes + key * 128 + swz, s0 + 128 * sl, ok);
+        }
       }
       mbar_arrive_cp_async(full0 + 8 * st);
       mbar_arrive(full0 + 8 * st);  // publishes the valid flags (release)
@@ -302,7 +315,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
 
   // Consumers. Q -> bf16, swizzled (rows >= HB zero); head scales.
-  for (int i = tid; i < kHeads * (kD / 8); i += kConsumers) {
+  for (int i = (skip & kSkipQ) ? kHeads * (kD / 8) : tid; i < kHeads * (kD / 8); i += kConsumers) {
     const int h = i / (kD / 8), c = i % (kD / 8);
     uint4 o = make_uint4(0, 0, 0, 0);
     if (h < HB) {
@@ -338,7 +351,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int k = 0; k < kD / 16; ++k) {
       const uint32_t off = (k / 4) * kSlabBytes + (k % 4) * 32;
-      wgmma::m64n32k16_bf16(s, wgmma::desc_k_major(qb + off), wgmma::desc_k_major(kt + wg * 32 * 128 + off), k);
+      if (!(skip & kSkipS))
+        wgmma::m64n32k16_bf16(s, wgmma::desc_k_major(qb + off), wgmma::desc_k_major(kt + wg * 32 * 128 + off), k);
     }
     wgmma::commit();
   };
@@ -388,10 +402,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     float sum0 = 0.0f, sum1 = 0.0f;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const __nv_bfloat162 p01 = __floats2bfloat162_rn(mn0 == -INFINITY ? 0.0f : __expf(s[4 * j + 0] - mn0),
-                                                       mn0 == -INFINITY ? 0.0f : __expf(s[4 * j + 1] - mn0));
-      const __nv_bfloat162 p23 = __floats2bfloat162_rn(mn1 == -INFINITY ? 0.0f : __expf(s[4 * j + 2] - mn1),
-                                                       mn1 == -INFINITY ? 0.0f : __expf(s[4 * j + 3] - mn1));
+      auto ex = [&](float x, float m) { return (skip & kSkipExp) ? x : (m == -INFINITY ? 0.0f : __expf(x - m)); };
+      const __nv_bfloat162 p01 = __floats2bfloat162_rn(ex(s[4 * j + 0], mn0), ex(s[4 * j + 1], mn0));
+      const __nv_bfloat162 p23 = __floats2bfloat162_rn(ex(s[4 * j + 2], mn1), ex(s[4 * j + 3], mn1));
       sum0 += __low2float(p01) + __high2float(p01);
       sum1 += __low2float(p23) + __high2float(p23);
       // P[head][key], key = 32 wg + 8 j + 2 tq: chunk 4 wg + j of the head's 128-byte row.
@@ -418,7 +431,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int kk = 0; kk < kKeys / 16; ++kk) {
       const uint64_t da = wgmma::desc_k_major(pb + kk * 32);
       const uint64_t db = wgmma::desc_sw128(kt + 4 * wg * kSlabBytes + kk * 16 * 128, kSlabBytes, 1024);
-      wgmma::m64n256k16_bf16_bn(o, da, db, 1);
+      if (!(skip & kSkipPv)) wgmma::m64n256k16_bf16_bn(o, da, db, 1);
     }
     wgmma::commit();
     // The next tile's S queues behind this PV on the tensor cores (no drain between tiles).
@@ -447,11 +460,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 #pragma unroll
   for (int j = 0; j < 32; ++j) {
+    if (skip & kSkipStores) break;
     const int col = 256 * wg + 8 * j + 2 * tq;
     if (r0 < HB) *reinterpret_cast<float2*>(a.out + (base + r0) * kR + col) = make_float2(o[4 * j] * inv0, o[4 * j + 1] * inv0);
     if (r1 < HB)
       *reinterpret_cast<float2*>(a.out + (base + r1) * kR + col) = make_float2(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
   }
+}
+
+int skip_mask() {
+  const char* v = std::getenv("ML4_MLA_PREFILL_SKIP");
+  return v ? std::atoi(v) : 0;
 }
 
 int64_t cap_pages(int64_t num_slots, int64_t T, int topk, int64_t scratch_pages) {
@@ -476,21 +495,23 @@ cudaError_t launch_mla_prefill(const Args& a, void* workspace, int64_t scratch_p
   const int64_t num_pages = (a.num_slots + kPageTokens - 1) / kPageTokens;
   const int64_t cap = cap_pages(a.num_slots, a.T, a.topk, scratch_pages);
   const Workspace w = carve(workspace, num_pages, cap);
-  cudaError_t e = cudaMemsetAsync(w.page_map, 0, static_cast<size_t>(num_pages) * 4, stream);
-  if (e != cudaSuccess) return e;
-  const int64_t entries = static_cast<int64_t>(a.T) * a.topk;
-  if (entries > 0) {
-    mark_pages<<<static_cast<unsigned>((entries + 255) / 256), 256, 0, stream>>>(a, w.page_map);
+  const int skip = skip_mask();
+  cudaError_t e = cudaSuccess;
+  if (!(skip & kSkipPrepass)) {
+    e = cudaMemsetAsync(w.page_map, 0, static_cast<size_t>(num_pages) * 4, stream);
+    if (e != cudaSuccess) return e;
+    const int64_t entries = static_cast<int64_t>(a.T) * a.topk;
+    if (entries > 0) mark_pages<<<static_cast<unsigned>((entries + 255) / 256), 256, 0, stream>>>(a, w.page_map);
+    rank_pages<<<1, 1024, 0, stream>>>(w.page_map, num_pages, cap, w.page_list, w.count);
+    dequant_pages<<<static_cast<unsigned>(cap), 256, 0, stream>>>(a.cache, w.page_list, w.count, w.scratch);
+    e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
   }
-  rank_pages<<<1, 1024, 0, stream>>>(w.page_map, num_pages, cap, w.page_list, w.count);
-  dequant_pages<<<static_cast<unsigned>(cap), 256, 0, stream>>>(a.cache, w.page_list, w.count, w.scratch);
-  e = cudaGetLastError();
-  if (e != cudaSuccess) return e;
   e = cudaFuncSetAttribute(mla_prefill_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (e != cudaSuccess) return e;
   const dim3 grid(static_cast<unsigned>(a.T), 1, static_cast<unsigned>((a.H + kHeads - 1) / kHeads));
   launch_kernel(mla_prefill_kernel, grid, kThreads, kSmemBytes, stream, a, static_cast<const int32_t*>(w.page_map),
-                static_cast<const uint8_t*>(w.scratch));
+                static_cast<const uint8_t*>(w.scratch), skip);
   return cudaGetLastError();
 }
 
