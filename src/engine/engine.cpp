@@ -7,6 +7,7 @@
 #include <fmt/ranges.h>
 
 #include "core/log.h"
+#include "core/threads.h"
 #include "ops/cpu/sampling.h"
 #include "engine/sampler.h"
 
@@ -362,7 +363,36 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
   if (sampled && (!all_device || out.sampled_logprob.size() != out.sampled.size()))
     return internal_error("runner sampled on the device for a step that did not ask for it, or without logprobs");
 
-  size_t li = 0;  // the next entry: logits are one per sequence, sampled tokens one per row
+  // Each sequence's entry: logits are one per sequence, sampled tokens one per row.
+  std::vector<size_t> entry(so.seqs.size());
+  for (size_t i = 0, li = 0; i < so.seqs.size(); ++i) {
+    entry[i] = per_seq ? i : li;
+    if (!per_seq && in.seqs[i].num_logits > 0) li += sampled ? static_cast<size_t>(in.seqs[i].num_logits) : 1;
+  }
+  // Drafts verified from host rows (the rejection sampler: O(vocab) per row, f64) for every
+  // such sequence at once on the thread pool, before the loop below applies them in order:
+  // each result depends on its own request alone.
+  std::vector<VerifyResult> host_verified(so.seqs.size());
+  if (!sampled) {
+    std::vector<size_t> jobs;
+    for (size_t i = 0; i < so.seqs.size(); ++i) {
+      const Request& r = *so.seqs[i].req;
+      const int num_logits = in.seqs[i].num_logits;
+      if (num_logits > 0 && !r.spec_tokens.empty() && r.num_computed + so.seqs[i].num_new_tokens >= r.num_tokens() &&
+          out.logits[entry[i]].size() == static_cast<size_t>(num_logits) * vocab_)
+        jobs.push_back(i);
+    }
+    parallel_for(static_cast<int64_t>(jobs.size()), 1, [&](int64_t b, int64_t e) {
+      for (int64_t j = b; j < e; ++j) {
+        const size_t i = jobs[j];
+        const Request& r = *so.seqs[i].req;
+        host_verified[i] = verify_drafts(out.logits[entry[i]].data(), vocab_, r.spec_tokens,
+                                         r.spec_probs.empty() ? nullptr : r.spec_probs.data(), device_params(r),
+                                         r.sample_seed, static_cast<int64_t>(r.output.size()));
+      }
+    });
+  }
+
   std::vector<Request*> drafting;  // DSpark: requests that propose drafts after this step
   for (size_t i = 0; i < so.seqs.size(); ++i) {
     Request& r = *so.seqs[i].req;
@@ -370,8 +400,7 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
     const int64_t chunk_end = r.num_computed + so.seqs[i].num_new_tokens;
     const bool samples = chunk_end >= r.num_tokens();  // the chunk reaches the end: a token is due
     r.num_computed = chunk_end;
-    const size_t e = per_seq ? i : li;
-    if (!per_seq && num_logits > 0) li += sampled ? static_cast<size_t>(num_logits) : 1;
+    const size_t e = entry[i];
     if (num_logits > 0 && !sampled && r.params.prompt_logprobs >= 0) {
       if (out.logits[e].size() != static_cast<size_t>(num_logits) * vocab_)
         return internal_error("runner returned {} logits for seq {}, expected {}", out.logits[e].size(), r.seq_id,
@@ -392,12 +421,16 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
             num_logits != 1 + static_cast<int>(r.spec_tokens.size()))
           return internal_error("runner sampled {} tokens for seq {}, which verifies {} drafts", out.sampled.size(),
                                 r.seq_id, r.spec_tokens.size());
-        ML4_RETURN_IF_ERROR(verify_step(r, nullptr, out.sampled.data() + e, out.sampled_logprob.data() + e, chunk_end - num_logits, done));
+        for (int j = 0; j < num_logits; ++j)
+          if (out.sampled[e + j] < 0 || out.sampled[e + j] >= vocab_)
+            return internal_error("runner chose token {} for seq {}, outside [0, {})", out.sampled[e + j], r.seq_id, vocab_);
+        ML4_RETURN_IF_ERROR(apply_verified(r, verify_greedy(out.sampled.data() + e, r.spec_tokens), nullptr,
+                                           out.sampled_logprob.data() + e, chunk_end - num_logits, done));
       } else {
         const size_t need = static_cast<size_t>(num_logits) * vocab_;
         if (out.logits[e].size() != need)
           return internal_error("runner returned {} logits for seq {}, expected {}", out.logits[e].size(), r.seq_id, need);
-        ML4_RETURN_IF_ERROR(verify_step(r, out.logits[e].data(), nullptr, nullptr, chunk_end - num_logits, done));
+        ML4_RETURN_IF_ERROR(apply_verified(r, host_verified[i], out.logits[e].data(), nullptr, chunk_end - num_logits, done));
       }
     } else if (num_logits > 0) {
       const std::optional<DeviceSamplingParams>& ds = in.seqs[i].device_sampling;
@@ -495,20 +528,9 @@ int Engine::draft_count(const Request& r) const {
   return static_cast<int>(std::max<int64_t>(0, k));
 }
 
-Status Engine::verify_step(Request& r, const float* rows, const int32_t* row_tokens, const float* row_logprobs,
-                           int64_t anchor_pos, double done) {
+Status Engine::apply_verified(Request& r, const VerifyResult& v, const float* rows, const float* row_logprobs,
+                              int64_t anchor_pos, double done) {
   const int k = static_cast<int>(r.spec_tokens.size());
-  VerifyResult v;
-  if (rows != nullptr) {
-    DeviceSamplingParams sp = device_params(r);
-    v = verify_drafts(rows, vocab_, r.spec_tokens, r.spec_probs.empty() ? nullptr : r.spec_probs.data(), sp,
-                      r.sample_seed, static_cast<int64_t>(r.output.size()));
-  } else {
-    for (int j = 0; j <= k; ++j)
-      if (row_tokens[j] < 0 || row_tokens[j] >= vocab_)
-        return internal_error("runner chose token {} for seq {}, outside [0, {})", row_tokens[j], r.seq_id, vocab_);
-    v = verify_greedy(row_tokens, r.spec_tokens);
-  }
   SpecDecodeCounters& c = counters_.spec;
   ++c.num_drafts;
   c.num_draft_tokens += k;

@@ -181,11 +181,11 @@ class Engine {
   void fail_request(Request& r, const std::string& error, double now, std::vector<RequestOutput>* outputs);
   // DSpark: the drafts a decoding request may take next step (0: it does not speculate).
   int draft_count(const Request& r) const;
-  // Verifies r's drafts against its 1 + k rows (row 0 at anchor_pos), emits the tokens. Either
-  // the rows' logits ([1 + k, vocab]) or, verified on the device (greedy), each row's token and
-  // its raw logprob ([1 + k] each).
-  Status verify_step(Request& r, const float* rows, const int32_t* row_tokens, const float* row_logprobs,
-                     int64_t anchor_pos, double done);
+  // Emits r's verified drafts (`v`, from its 1 + k rows, row 0 at anchor_pos) and gives back the
+  // blocks past them. Logprobs come from the rows' logits ([1 + k, vocab]) or, verified on the
+  // device (greedy), from each row's raw logprob ([1 + k]).
+  Status apply_verified(Request& r, const VerifyResult& v, const float* rows, const float* row_logprobs,
+                        int64_t anchor_pos, double done);
   // One draft() call for the requests that decode next step.
   Status propose_drafts(const std::vector<Request*>& reqs);
 
