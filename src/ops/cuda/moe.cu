@@ -569,6 +569,29 @@ bool moe_gemm_supported(const MoeExpertTables& tb, const DeviceMlp* shared, bool
 
 namespace {
 
+// The two grouped GEMMs' weights and shapes (gate + up with silu: [I, D]; down: [D, I]), for
+// either kernel's parameters (MoeGroupedGemmParams, MoeGroupedGemmFp4Params).
+template <typename P>
+void gate_up_weights(P& g, const MoeExpertTables& tb) {
+  g.gate_up = true;
+  g.w = static_cast<const void* const*>(tb.w1.data());
+  g.w_scale = static_cast<const float* const*>(tb.s1.data());
+  g.w_up = static_cast<const void* const*>(tb.w3.data());
+  g.w_up_scale = static_cast<const float* const*>(tb.s3.data());
+  g.N = tb.I;
+  g.K = tb.D;
+}
+template <typename P>
+void down_weights(P& g, const MoeExpertTables& tb) {
+  g.gate_up = false;
+  g.w = static_cast<const void* const*>(tb.w2.data());
+  g.w_scale = static_cast<const float* const*>(tb.s2.data());
+  g.w_up = nullptr;
+  g.w_up_scale = nullptr;
+  g.N = tb.D;
+  g.K = tb.I;
+}
+
 // moe_experts_forward_gemm for NVFP4 / MXFP4 experts (moe_grouped_gemm_fp4): x cast to bf16
 // once per token (into u, unused on this path), gate and up with silu into bf16 hidden rows
 // (q), the down projection into y. A shared expert outside the tables' slot (NVFP4
@@ -586,26 +609,14 @@ Status moe_gemm_fp4_layers(const MoeExpertTables& tb, const DeviceMlp* shared, c
   g.max_tiles = tiles;
   g.stream = stream;
   ML4_RETURN_IF_ERROR(cast_f32_bf16(x, T * D, s.u.data(), stream));
-  g.gate_up = true;
+  gate_up_weights(g, tb);
   g.a = s.u.data();
   g.a_rows = s.perm_token.as<int32_t>();
-  g.w = static_cast<const void* const*>(tb.w1.data());
-  g.w_scale = static_cast<const float* const*>(tb.s1.data());
-  g.w_up = static_cast<const void* const*>(tb.w3.data());
-  g.w_up_scale = static_cast<const float* const*>(tb.s3.data());
-  g.N = I;
-  g.K = D;
   g.y_bf16 = s.q.data();
   ML4_RETURN_IF_ERROR(moe_grouped_gemm_fp4(g));
-  g.gate_up = false;
+  down_weights(g, tb);
   g.a = s.q.data();
   g.a_rows = nullptr;
-  g.w = static_cast<const void* const*>(tb.w2.data());
-  g.w_scale = static_cast<const float* const*>(tb.s2.data());
-  g.w_up = nullptr;
-  g.w_up_scale = nullptr;
-  g.N = D;
-  g.K = I;
   g.y_bf16 = nullptr;
   g.y = s.y.as<float>();
   ML4_RETURN_IF_ERROR(moe_grouped_gemm_fp4(g));
@@ -674,26 +685,14 @@ Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shar
   g.stream = stream;
   // Gate and up with silu: x's rows (quantized once per token) gathered through perm_token.
   ML4_RETURN_IF_ERROR(quant(x, T, D));
-  g.gate_up = true;
+  gate_up_weights(g, tb);
   g.a_rows = s.perm_token.as<int32_t>();
-  g.w = static_cast<const void* const*>(tb.w1.data());
-  g.w_scale = static_cast<const float* const*>(tb.s1.data());
-  g.w_up = static_cast<const void* const*>(tb.w3.data());
-  g.w_up_scale = static_cast<const float* const*>(tb.s3.data());
-  g.N = I;
-  g.K = D;
   g.y = s.g.as<float>();
   ML4_RETURN_IF_ERROR(moe_grouped_gemm(g));
   // Down: the hidden rows quantized in permuted order.
   ML4_RETURN_IF_ERROR(quant(s.g.as<float>(), rows, I));
-  g.gate_up = false;
+  down_weights(g, tb);
   g.a_rows = nullptr;
-  g.w = static_cast<const void* const*>(tb.w2.data());
-  g.w_scale = static_cast<const float* const*>(tb.s2.data());
-  g.w_up = nullptr;
-  g.w_up_scale = nullptr;
-  g.N = D;
-  g.K = I;
   g.y = s.y.as<float>();
   ML4_RETURN_IF_ERROR(moe_grouped_gemm(g));
   const float* y = s.y.as<float>();
