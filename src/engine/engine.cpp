@@ -340,9 +340,9 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
   const double done = mono_now();
   counters_.forward_seconds += done - t_fwd;
 
-  // The runner returns one entry per sequence, or one per sequence that asked for logits;
-  // sampled tokens (device sampling) instead of logits only when every such sequence
-  // carries device_sampling (step.h).
+  // The runner returns logits, one entry per sequence or one per sequence that asked for them,
+  // or, only when every such sequence carries device_sampling, sampled tokens: one per row
+  // (step.h).
   size_t wanted = 0, wanted_rows = 0;
   int most_rows = 0;
   bool all_device = true;
