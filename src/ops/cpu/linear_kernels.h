@@ -424,15 +424,25 @@ ML4_AVX512_FN inline __m512 e4m3x16_div256(const uint8_t* p, __m128i& probe) {
   return _mm512_cvtph_ps(
       _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16(static_cast<short>(0xbfff))));
 }
+// 32 e4m3 codes -> two 16-lane f32 vectors of 2^-8 times their values (codes 0-15, 16-31) by
+// sign extension (sign at bits 15 and 14, magnitude at 13..7 after << 7; clearing bit 14 leaves
+// sign << 15 | magnitude << 7, the f16 that is 2^-8 times the code's value); `probe` collects
+// max |code| (0x7f: a NaN code).
+ML4_AVX512_FN __attribute__((always_inline)) inline void e4m3x32_div256(const uint8_t* p, __m256i& probe, __m512& w0, __m512& w1) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  probe = _mm256_max_epu8(probe, _mm256_and_si256(b, _mm256_set1_epi8(0x7f)));
+  const __m512i h = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(b), 7),
+                                     _mm512_set1_epi16(static_cast<short>(0xbfff)));
+  w0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+  w1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+}
 ML4_AVX512_FN inline bool has_nan_code(__m128i probe) {
   return _mm_movemask_epi8(_mm_cmpeq_epi8(probe, _mm_set1_epi8(0x7f))) != 0;
 }
 
 // FP8 GEMV: RM activation rows (1..4, ldx apart) x one weight row (dot_tile_fp8<RM, 1>'s
-// result; y[i * ldy]). 32 weights per step, decoded once for all RM rows: e4m3 -> f16 by
-// sign extension (sign at bits 15 and 14, magnitude at 13..7 after << 7; clearing bit 14
-// leaves sign << 15 | magnitude << 7, the f16 that is 2^-8 times the e4m3 value), one 16-lane
-// accumulator per block and activation row (lanes 0-7: the block's even 8-steps, 8-15: its
+// result; y[i * ldy]). 32 weights per step, decoded once for all RM rows (e4m3x32_div256), one
+// 16-lane accumulator per block and activation row (lanes 0-7: the block's even 8-steps, 8-15: its
 // odd ones). One row at a time keeps one sequential weight stream per thread. Returns false
 // when a weight byte is a NaN code (the caller takes the exact path).
 #pragma GCC diagnostic push
@@ -453,10 +463,8 @@ ML4_AVX512_FN inline bool dot_row_fp8_avx512(const float* x, int64_t ldx, const 
     ML4_UNROLL for (int i = 0; i < RM; ++i) blk[i] = _mm512_setzero_ps();
     int64_t k = b0;
     for (; k + 32 <= b1; k += 32) {
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k));
-      probe = _mm256_max_epu8(probe, _mm256_and_si256(b, m7f));
-      const __m512i h = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(b), 7), keep);
-      const __m512 w0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), w1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+      __m512 w0, w1;
+      e4m3x32_div256(q + k, probe, w0, w1);
       ML4_UNROLL for (int i = 0; i < RM; ++i) blk[i] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i * ldx + k), w0, blk[i]);
       ML4_UNROLL for (int i = 0; i < RM; ++i) blk[i] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i * ldx + k + 16), w1, blk[i]);
     }
@@ -497,7 +505,6 @@ ML4_AVX512_FN inline bool dot_row_fp8_avx512(const float* x, int64_t ldx, const 
 template <int RN>
 ML4_AVX512_FN inline void dot_rows_fp8_avx512_m1(const float* x, const uint8_t* q, const float* s256, int64_t K,
                                                  float* y, bool* ok) {
-  const __m512i keep = _mm512_set1_epi16(static_cast<short>(0xbfff));
   const __m256i m7f = _mm256_set1_epi8(0x7f);
   __m512 acc[RN];
   __m256i probe[RN];
@@ -509,11 +516,8 @@ ML4_AVX512_FN inline void dot_rows_fp8_avx512_m1(const float* x, const uint8_t* 
     for (int64_t k = b0; k < b1; k += 32) {
       const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
       ML4_UNROLL for (int j = 0; j < RN; ++j) {
-        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j * K + k));
-        probe[j] = _mm256_max_epu8(probe[j], _mm256_and_si256(b, m7f));
-        const __m512i h = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(b), 7), keep);
-        const __m512 w0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
-        const __m512 w1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+        __m512 w0, w1;
+        e4m3x32_div256(q + j * K + k, probe[j], w0, w1);
         blk[j] = _mm512_fmadd_ps(x0, w0, blk[j]);
         blk[j] = _mm512_fmadd_ps(x1, w1, blk[j]);
       }
