@@ -1,5 +1,5 @@
-// See moe_gemm.h. The wgmma operands (K-major e4m3, 128-byte swizzle) and the descriptor
-// are moe_gemm_common.cuh's; each k32 step starts 32 bytes further into the rows.
+// See moe_gemm.h. The wgmma operands (K-major e4m3, 128-byte swizzle), the descriptor and the
+// MMA are wgmma.cuh's; each k32 step starts 32 bytes further into the rows.
 #include "ops/cuda/moe_gemm.h"
 #include "ops/cuda/pdl.cuh"
 
@@ -7,12 +7,10 @@
 
 #include "ops/cuda/cp_async.cuh"
 #include "ops/cuda/cuda_common.h"
-#include "ops/cuda/moe_gemm_common.cuh"
+#include "ops/cuda/wgmma.cuh"
 
 namespace ml4::cuda {
 namespace {
-
-using namespace moe_gemm_detail;
 
 constexpr int kTileRows = kMoeGemmTileRows;  // A rows per CTA: one m64 per warpgroup, both on the same rows
 constexpr int kBRows = 256;                  // B rows per CTA: 128 per warpgroup (two 64-row sub-blocks)
@@ -20,30 +18,6 @@ constexpr int kStages = 4;
 constexpr int kThreads = 256;
 constexpr int kAStage = kTileRows * 128, kBStage = kBRows * 128, kStage = kAStage + kBStage;  // 40 KB
 constexpr int kSmem = kStages * kStage + 1024;  // + alignment slack: swizzle atoms sit on 1024 bytes
-
-// One warpgroup: d[64 x 128] (+)= A[64 x 32] . B[128 x 32]^T, e4m3 from shared memory
-// through the descriptors, f32 accumulators (the PTX ISA's m64nNk32 register order: d[4j + e]
-// holds row 16 * warp + lane / 4 + 8 * (e / 2), column 8j + 2 * (lane % 4) + e % 2).
-__device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t da, uint64_t db, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-      "}, %64, %65, p, 1, 1;\n}\n"
-      :
-        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(da), "l"(db), "r"(accumulate));
-}
 
 struct GemmArgs {
   const uint8_t* a;
@@ -134,7 +108,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const GemmArg
   }
   for (int kb = 0; kb < KB; ++kb) {
     cp_wait<kStages - 2>();
-    fence_proxy_async();  // cp.async wrote through the generic proxy; the tensor cores read next
+    wgmma::fence_proxy_async();  // cp.async wrote through the generic proxy; the tensor cores read next
     __syncthreads();      // stage kb landed for every thread; stage kb - 1 is free (its MMAs were waited on)
     {
       const int j = kb + kStages - 1;
@@ -145,14 +119,14 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const GemmArg
     const float sa0 = as_ptr[0] ? __ldg(as_ptr[0] + kb) : 0.0f, sa1 = as_ptr[1] ? __ldg(as_ptr[1] + kb) : 0.0f;
     const float sb0 = bs_ptr[0] ? __ldg(bs_ptr[0] + kb) : 0.0f, sb1 = bs_ptr[1] ? __ldg(bs_ptr[1] + kb) : 0.0f;
     const uint32_t a_st = sbase + (kb % kStages) * kStage, b_st = a_st + kAStage + wg * 128 * 128;
-    const uint64_t da = smem_desc(a_st), db = smem_desc(b_st);
-    fence_operands(part);
-    wgmma_fence();
+    const uint64_t da = wgmma::desc_k_major(a_st), db = wgmma::desc_k_major(b_st);
+    wgmma::fence_operands(part);
+    wgmma::fence();
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) wgmma_m64n128k32(part, da + 2 * ks, db + 2 * ks, ks);  // + 32 bytes a k step
-    wgmma_commit();
-    wgmma_wait_all();
-    fence_operands(part);
+    for (int ks = 0; ks < 4; ++ks) wgmma::m64n128k32_e4m3(part, da + 2 * ks, db + 2 * ks, ks);  // + 32 bytes a k step
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::fence_operands(part);
     // Promotion: acc += partial * a_scale * w_scale (columns j < 8 are sub-block 0's).
     const float s00 = sa0 * sb0, s01 = sa0 * sb1, s10 = sa1 * sb0, s11 = sa1 * sb1;
 #pragma unroll

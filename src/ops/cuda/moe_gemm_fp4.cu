@@ -5,7 +5,7 @@
 // one group), 256 weight rows (2 warpgroups x m64n128; gate_up: 64 gate + the same 64 up rows
 // per warpgroup, so the epilogue holds g and u of one element), K in blocks of 64. Per block:
 //   A  64 rows x 64 bf16 = 128 bytes a row, cp.async (gathered through a_rows) into a 3-stage
-//      ring in the 128-byte swizzle (moe_gemm_common.cuh);
+//      ring in the 128-byte swizzle (wgmma.cuh);
 //   W  256 rows x 32 bytes of e2m1, cp.async into a 3-stage ring of raw bytes (each thread
 //      loads the row it will expand: no barrier between the copy and its reader), then
 //      expanded by that thread to bf16 -- e2m1 x its group scale (NVFP4 e4m3 per 16 k, 2 + 4
@@ -29,13 +29,11 @@
 #include "ops/cuda/cuda_common.h"
 #include "ops/cuda/gemv.h"
 #include "ops/cuda/moe_gemm.h"
-#include "ops/cuda/moe_gemm_common.cuh"
+#include "ops/cuda/wgmma.cuh"
 #include "ops/cuda/pdl.cuh"
 
 namespace ml4::cuda {
 namespace {
-
-using namespace moe_gemm_detail;
 
 constexpr int kTileRows = kMoeGemmTileRows;  // A rows per CTA (both warpgroups' m64)
 constexpr int kBRows = 256;                  // weight rows per CTA: 128 per warpgroup
@@ -49,30 +47,6 @@ constexpr int smem_bytes(int stages) { return 2 * kBBuf + stages * (kAStage + kR
 static_assert(kThreads == kBRows, "one thread expands one weight row");
 static_assert(2 * (smem_bytes(kDefaultStages) + 1024) <= 228 * 1024,
               "two CTAs per SM (H100 / H200: 228 KB, 1 KB reserved per CTA)");
-
-// One warpgroup: d[64 x 128] += A[64 x 16] . B[128 x 16]^T, bf16 K-major from shared memory,
-// f32 accumulators in the m64nNk16 register order (moe_gemm.cu's: d[4j + e] is row
-// 16 * warp + lane / 4 + 8 * (e / 2), column 8j + 2 * (lane % 4) + e % 2).
-__device__ __forceinline__ void wgmma_m64n128k16_bf16(float (&d)[64], uint64_t da, uint64_t db) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-      "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-      :
-        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(da), "l"(db), "r"(1));  // scale-d = 1: accumulate (acc starts at 0)
-}
 
 // 8 e2m1 (element j in nibble j: sign, 2 exponent bits of bias 1, 1 mantissa bit) -> 4 bf16x2
 // in k order: (0, 1), (2, 3), (4, 5), (6, 7). The nibbles are first reordered 0 2 4 6 1 3 5 7
@@ -224,7 +198,7 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_gemm_fp4_kernel(const Fp4
     cp_wait<kStages - 2>();  // block 0 landed (this thread's copies)
     expand(0, 0, sc0);
   }
-  fence_proxy_async();  // cp.async and st.shared wrote through the generic proxy; the tensor cores read next
+  wgmma::fence_proxy_async();  // cp.async and st.shared wrote through the generic proxy; the tensor cores read next
   __syncthreads();
   for (int kb = 0; kb < KB; ++kb) {
     {
@@ -233,21 +207,21 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_gemm_fp4_kernel(const Fp4
       cp_commit();
     }
     const uint32_t sc_n3 = load_scale(kb + 3);
-    const uint64_t da = smem_desc(sA + (kb % kStages) * kAStage);
-    const uint64_t db = smem_desc(sB + (kb & 1) * kBBuf + wg * 128 * 128);
-    fence_operands(acc);
-    wgmma_fence();
+    const uint64_t da = wgmma::desc_k_major(sA + (kb % kStages) * kAStage);
+    const uint64_t db = wgmma::desc_k_major(sB + (kb & 1) * kBBuf + wg * 128 * 128);
+    wgmma::fence_operands(acc);
+    wgmma::fence();
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) wgmma_m64n128k16_bf16(acc, da + 2 * ks, db + 2 * ks);  // + 32 bytes a k step
-    wgmma_commit();
+    for (int ks = 0; ks < 4; ++ks) wgmma::m64n128k16_bf16(acc, da + 2 * ks, db + 2 * ks, 1);  // + 32 bytes a k step
+    wgmma::commit();
     // Under the MMAs: block kb + 1 into the other buffer (read by block kb - 1's MMAs, waited on).
     cp_wait<kStages - 2>();
     if (kb + 1 < KB) expand((kb + 1) % kStages, (kb + 1) & 1, sc_n1);
     sc_n1 = sc_n2;
     sc_n2 = sc_n3;
-    wgmma_wait_all();
-    fence_operands(acc);
-    fence_proxy_async();
+    wgmma::wait<0>();
+    wgmma::fence_operands(acc);
+    wgmma::fence_proxy_async();
     __syncthreads();
   }
   cp_wait<0>();

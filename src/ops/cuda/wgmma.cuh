@@ -1,17 +1,17 @@
-// Hopper warpgroup MMA (wgmma, sm_90a) helpers for bf16 operands in shared memory with the
-// 128-byte swizzle. Layouts (PTX ISA "Asynchronous Warpgroup Level Matrix Multiply-Accumulate",
-// "Shared Memory Matrix Layout"; CUTLASS cute/arch/mma_sm90_desc.hpp names the same canonical
-// forms):
-//   K-major (A, or B with imm-trans-b 0): a tile of R rows x 64 bf16 (128 bytes) is R/8 atoms of
-//     8 rows x 128 bytes (1024 bytes, 1024-aligned); the 16-byte chunk c of row r sits at chunk
-//     c ^ (r % 8). SBO = 1024 (atom to atom along the rows); LBO unused; a k16 step is +32 bytes.
+// Hopper warpgroup MMA (wgmma, sm_90a) helpers: the one copy of the descriptor, fence, commit
+// and wait encodings for every wgmma kernel (attention_prefill.cu, moe_gemm.cu, moe_gemm_fp4.cu),
+// and the MMA shapes they use. Operands sit in shared memory with the 128-byte swizzle. Layouts
+// (PTX ISA "Asynchronous Warpgroup Level Matrix Multiply-Accumulate", "Shared Memory Matrix
+// Layout"; CUTLASS cute/arch/mma_sm90_desc.hpp names the same canonical forms):
+//   K-major (A, or B with imm-trans-b 0): a tile of R rows x 128 bytes (64 bf16, 128 e4m3) is R/8
+//     atoms of 8 rows x 128 bytes (1024 bytes, 1024-aligned); the 16-byte chunk c of row r sits at
+//     chunk c ^ (r % 8). SBO = 1024 (atom to atom along the rows); LBO unused; a k step (k16 bf16,
+//     k32 e4m3) is +32 bytes (descriptor + 2: the address field counts 16 bytes).
 //   N-major (B with imm-trans-b 1, "((T,8,m),(8,k)):((1,T,LBO),(8T,SBO))"): 64 N-elements
 //     contiguous (128 bytes, same swizzle) per K-row, K-rows 128 bytes apart; SBO = bytes between
 //     groups of 8 K-rows, LBO = bytes between 64-wide N blocks.
 // Accumulators (m64nN f32): d[4j + e] holds row 16 * (warp % 4) + lane / 4 + 8 * (e / 2), column
 // 8j + 2 * (lane % 4) + e % 2.
-// moe_gemm.cu keeps its own e4m3 copies of the descriptor and fences (its file is another
-// engineer's); they are the same encodings.
 #pragma once
 
 #include <cstdint>
@@ -29,6 +29,7 @@ __device__ __forceinline__ uint64_t desc_k_major(uint32_t addr) { return desc_sw
 
 __device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+// Waits until at most N committed groups are still in flight.
 template <int N>
 __device__ __forceinline__ void wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
@@ -37,56 +38,65 @@ __device__ __forceinline__ void wait() {
 // (wgmma operand reads) of this thread.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// Orders the compiler's uses of accumulators against the asynchronous MMAs.
+// Orders the compiler's uses of the accumulators against the asynchronous MMAs (the registers
+// are the MMA's outputs only once wait has returned).
 template <int N>
 __device__ __forceinline__ void fence_operands(float (&d)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// d[64 x 32] (+)= A[64 x 16] . B[16 x 32]: A and B K-major bf16 from shared memory.
+// The asm operand lists of N f32 accumulators ("+f" constraints) and their register names.
+#define ML4_WGMMA_ACC8(d, i) \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define ML4_WGMMA_ACC16(d) ML4_WGMMA_ACC8(d, 0), ML4_WGMMA_ACC8(d, 8)
+#define ML4_WGMMA_ACC64(d) \
+  ML4_WGMMA_ACC8(d, 0), ML4_WGMMA_ACC8(d, 8), ML4_WGMMA_ACC8(d, 16), ML4_WGMMA_ACC8(d, 24), ML4_WGMMA_ACC8(d, 32), \
+      ML4_WGMMA_ACC8(d, 40), ML4_WGMMA_ACC8(d, 48), ML4_WGMMA_ACC8(d, 56)
+#define ML4_WGMMA_ACC128(d) \
+  ML4_WGMMA_ACC64(d), ML4_WGMMA_ACC8(d, 64), ML4_WGMMA_ACC8(d, 72), ML4_WGMMA_ACC8(d, 80), ML4_WGMMA_ACC8(d, 88), \
+      ML4_WGMMA_ACC8(d, 96), ML4_WGMMA_ACC8(d, 104), ML4_WGMMA_ACC8(d, 112), ML4_WGMMA_ACC8(d, 120)
+#define ML4_WGMMA_REGS16 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+#define ML4_WGMMA_REGS64 ML4_WGMMA_REGS16 ", " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define ML4_WGMMA_REGS128 ML4_WGMMA_REGS64 ", " \
+  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
+  "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
+  "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+
+// d[64 x 32] (+)= A[64 x 16] . B[16 x 32]: A and B K-major bf16.
 __device__ __forceinline__ void m64n32k16_bf16(float (&d)[16], uint64_t da, uint64_t db, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
-      "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "l"(da), "l"(db), "r"(accumulate));
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {" ML4_WGMMA_REGS16 "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+               : ML4_WGMMA_ACC16(d)
+               : "l"(da), "l"(db), "r"(accumulate));
 }
 
-// d[64 x 256] (+)= A[64 x 16] . B[16 x 256]: A K-major, B N-major, bf16 from shared memory.
+// d[64 x 128] (+)= A[64 x 16] . B[128 x 16]^T: A and B K-major bf16.
+__device__ __forceinline__ void m64n128k16_bf16(float (&d)[64], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" ML4_WGMMA_REGS64 "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+               : ML4_WGMMA_ACC64(d)
+               : "l"(da), "l"(db), "r"(accumulate));
+}
+
+// d[64 x 128] (+)= A[64 x 32] . B[128 x 32]^T: A and B K-major e4m3 (no transpose for 8-bit types).
+__device__ __forceinline__ void m64n128k32_e4m3(float (&d)[64], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" ML4_WGMMA_REGS64 "}, %64, %65, p, 1, 1;\n}\n"
+               : ML4_WGMMA_ACC64(d)
+               : "l"(da), "l"(db), "r"(accumulate));
+}
+
+// d[64 x 256] (+)= A[64 x 16] . B[16 x 256]: A K-major, B N-major, bf16.
 __device__ __forceinline__ void m64n256k16_bf16_bn(float (&d)[128], uint64_t da, uint64_t db, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
-      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
-      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
-      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-      "}, %128, %129, p, 1, 1, 0, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
-        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
-        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
-        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
-        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(da), "l"(db), "r"(accumulate));
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" ML4_WGMMA_REGS128 "}, %128, %129, p, 1, 1, 0, 1;\n}\n"
+               : ML4_WGMMA_ACC128(d)
+               : "l"(da), "l"(db), "r"(accumulate));
 }
 
 }  // namespace ml4::cuda::wgmma
