@@ -120,8 +120,19 @@ int main() {
   // inputs, same run.
   //   flop = 2 * H * (576 + 512) * sum_t n_t   (0.876 TFLOP at 4096, 2.04 TFLOP at 8192)
   // ML4_MLA_PREFILL_SKIP=mask leaves pieces of the prefill kernel out (attention_prefill.cu; wrong
-  // results, for the time breakdown in docs/BENCHMARKS.md).
+  // results, for the time breakdown in docs/BENCHMARKS.md); ML4_ATTN_PREFILL_SKIPS="0,64,48,..."
+  // times the prefill kernel once per mask in the same process.
   {
+    std::vector<std::string> variants;  // skip masks
+    if (const char* v = std::getenv("ML4_ATTN_PREFILL_SKIPS")) {
+      const std::string list = v;
+      for (size_t b = 0; b < list.size();) {
+        size_t e = list.find(',', b);
+        if (e == std::string::npos) e = list.size();
+        variants.push_back(list.substr(b, e - b));
+        b = e + 1;
+      }
+    }
     std::vector<int32_t> page_perm(num_slots / kPageTokens);
     std::iota(page_perm.begin(), page_perm.end(), 0);
     std::shuffle(page_perm.begin(), page_perm.end(), rng);
@@ -170,11 +181,20 @@ int main() {
         DeviceBuffer ws = must_alloc(wsb);
         p.workspace = ws.data();
         p.workspace_bytes = wsb;
-        const double ms = bench::median_ms(s, 2, 10, [&](int) { BENCH_CHECK(mla_attention(p)); });
-        std::printf("ATTN sparse_mla_prefill %s H=%d T=%lld topk=%d (mean %.0f keys): %.3f ms, %.1f TFLOP/s "
-                    "(ws %.1f MB)\n",
-                    pre ? "prefill-kernel" : "decode-kernel", H, static_cast<long long>(T), topk, keys / T, ms,
-                    flop / (ms * 1e9), wsb / 1e6);
+        const size_t runs = pre ? std::max<size_t>(variants.size(), 1) : 1;
+        for (size_t v = 0; v < runs; ++v) {
+          std::string label;
+          if (pre && !variants.empty()) {
+            setenv("ML4_MLA_PREFILL_SKIP", variants[v].c_str(), 1);
+            label = " skip=" + variants[v];
+          }
+          const double ms = bench::median_ms(s, 2, 10, [&](int) { BENCH_CHECK(mla_attention(p)); });
+          std::printf("ATTN sparse_mla_prefill %s%s H=%d T=%lld topk=%d (mean %.0f keys): %.3f ms, %.1f TFLOP/s "
+                      "(ws %.1f MB)\n",
+                      pre ? "prefill-kernel" : "decode-kernel", label.c_str(), H, static_cast<long long>(T), topk,
+                      keys / T, ms, flop / (ms * 1e9), wsb / 1e6);
+        }
+        if (pre && !variants.empty()) unsetenv("ML4_MLA_PREFILL_SKIP");
       }
     }
   }

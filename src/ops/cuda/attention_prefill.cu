@@ -17,7 +17,8 @@
 //      order: deterministic) is built by marking pages (mark_pages), one block scanning the
 //      marks (rank_pages) and dequantizing the listed pages (dequant_pages). The scratch holds
 //      at most `scratch_pages` pages (the caller's bound: the step's block-table pages); the
-//      workspace is sized for it (mla_prefill_workspace_bytes).
+//      workspace is sized for it (mla_prefill_workspace_bytes). The marks are bits, set per
+//      block in shared memory and merged once per block (mark_pages says why).
 //   2. Main kernel: one CTA per (token, 64-head block), 384 threads = 3 warpgroups. Tokens are
 //      taken last first (the longest key lists start first: less tail).
 //      Warpgroup 2 (producer, 40 registers after setmaxnreg): per tile of 64 keys, gathers the
@@ -25,9 +26,10 @@
 //        [64 keys][128 bytes], 128-byte swizzle), invalid keys zero-filled, and signals the
 //        stage's `full` mbarrier (cp.async.mbarrier.arrive.noinc + a plain arrive that
 //        publishes the valid flags). Two stages (2 x 72 KB: shared memory holds no third).
-//        The next tile's indices and page-map entries are loaded before waiting on the stage.
+//        Each key resolves through its index and then the page map, each load issued a tile
+//        ahead of its use.
 //      Warpgroups 0, 1 (consumers, 232 registers): Q (64 heads x 576, bf16, swizzled) stays
-//        in shared memory. Per tile:
+//        in shared memory (loaded 9 pieces a thread at a time, streaming). Per tile:
 //          S = Q K^T: warpgroup w takes keys [32w, 32w + 32): 36 wgmma m64n32k16 (16 f32 each).
 //          Softmax: scale by head_scale, mask, row max over the 32 keys (quad shuffles),
 //            exchanged through shared memory with the other warpgroup (named barrier), so both
@@ -42,11 +44,13 @@
 //   Costs per 64-key tile: 64 x 64 x (576 + 512) x 2 = 8.9 MFLOP, 73.7 KB of bf16 rows from L2
 //   (the step's scratch is T x 1152 bytes: 4.7 MB at 4096 tokens, L2-resident). At 600 TFLOP/s
 //   the SMs together pull ~5 TB/s from L2: the second limit after the tensor cores.
-// Measured (docs/BENCHMARKS.md "Sparse MLA prefill kernel"): 260-297 TFLOP/s at ml4-slice-4's
-// 4096 / 8192-token prefill, 2.0-2.2x the decode kernel. ML4_MLA_PREFILL_SKIP (below) splits the
-// time: the MMAs are a third of it; the rest is the pre-pass's page marking, the Q load and output
-// stores, and per-tile overhead that is neither MMA nor row gathers (~2 us a tile; next steps in
-// BENCHMARKS.md).
+// Measured (docs/BENCHMARKS.md "Sparse MLA prefill kernel", H100): 344 / 356 TFLOP/s at
+// ml4-slice-4's 4096 / 8192-token prefill (2.55 / 5.74 ms), 2.6x the decode kernel; the first
+// version ran at 288 / 301 (its page marking in L2, Q loaded one piece at a time). ML4_MLA_PREFILL_SKIP
+// (below) splits the time at 4096: S 0.69 ms, PV 0.34, Q load + output stores 0.33 (1.1 GB of f32
+// through HBM with nothing beside it on the SM), pre-pass 0.05, and ~0.95 ms (~1.3 us a tile)
+// neither MMA nor gathers: the softmax and the two barriers between S and PV, with the tensor
+// cores idle (next steps in BENCHMARKS.md).
 // Shared memory (227 KB usable): Q 72 KB + 2 key stages 144 KB + P 8 KB + flags: 226 KB.
 // One P buffer suffices: P of tile i + 1 is written after the first barrier of tile i + 1,
 // which both warpgroups reach only after waiting for their PV of tile i.
@@ -140,49 +144,76 @@ __device__ __forceinline__ float e4m3_f32(uint32_t b) {
   return static_cast<float>(v);
 }
 
-// Workspace: [page map: num_pages int32][count: 16 bytes][page list: cap int32] then, 256-aligned,
-// the scratch [cap][64][576] bf16.
+// Workspace: [page map: num_pages int32][page bitmap: words uint32][count: 16 bytes][page list:
+// cap int32] then, 256-aligned, the scratch [cap][64][576] bf16.
+int64_t bitmap_words(int64_t num_pages) { return (num_pages + 31) / 32; }
 struct Workspace {
   int32_t* page_map;
+  uint32_t* bits;
   int32_t* count;
   int32_t* page_list;
   uint8_t* scratch;
 };
 size_t scratch_offset(int64_t num_pages, int64_t cap) {
-  const size_t head = static_cast<size_t>(num_pages) * 4 + 16 + static_cast<size_t>(cap) * 4;
+  const size_t head = static_cast<size_t>(num_pages + bitmap_words(num_pages)) * 4 + 16 + static_cast<size_t>(cap) * 4;
   return (head + 255) / 256 * 256;
 }
 Workspace carve(void* ws, int64_t num_pages, int64_t cap) {
   uint8_t* b = static_cast<uint8_t*>(ws);
+  const int64_t head = (num_pages + bitmap_words(num_pages)) * 4;
   Workspace w;
   w.page_map = reinterpret_cast<int32_t*>(b);
-  w.count = reinterpret_cast<int32_t*>(b + num_pages * 4);
-  w.page_list = reinterpret_cast<int32_t*>(b + num_pages * 4 + 16);
+  w.bits = reinterpret_cast<uint32_t*>(b + num_pages * 4);
+  w.count = reinterpret_cast<int32_t*>(b + head);
+  w.page_list = reinterpret_cast<int32_t*>(b + head + 16);
   w.scratch = b + scratch_offset(num_pages, cap);
   return w;
 }
 
-// Marks every page that a valid index of the step points into: grid over T x topk entries.
-__global__ void mark_pages(const Args a, int32_t* __restrict__ mark) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= static_cast<int64_t>(a.T) * a.topk) return;
-  const int64_t t = i / a.topk;
-  const int j = static_cast<int>(i % a.topk);
-  const int n = a.index_lengths ? min(max(a.index_lengths[t], 0), a.topk) : a.topk;
-  if (j >= n) return;
-  const int64_t s = a.indices[t * a.indices_stride + j];
-  if (s >= 0 && s < a.num_slots) mark[s / kPageTokens] = 1;
+// Sets bit p of bits for every page p that a valid index of the step points into. Block b takes
+// tokens b, b + grid, ...; its marks collect in a shared-memory copy of the bitmap (when it fits,
+// kMarkSmemWords) and reach the global one once per block, as an atomicOr of each non-zero word;
+// a bit already set is not set again. (Before, each of the T x topk indices stored to the page's
+// word: all of a sequence's indices hit its few dozen pages, and same-address stores serialize
+// in L2: 0.33 ms more at 4096 tokens, 0.82 at 8192.)
+constexpr int kMarkThreads = 256, kMarkBlocks = 264;  // two blocks per SM (132 SMs on the H100)
+constexpr int64_t kMarkSmemWords = 48 * 1024 / 4;      // the default shared-memory limit: 393,216 pages
+__global__ void __launch_bounds__(kMarkThreads) mark_pages(const Args a, uint32_t* __restrict__ bits, int64_t words) {
+  extern __shared__ uint32_t sbits[];
+  const bool local = words <= kMarkSmemWords;
+  uint32_t* m = local ? sbits : bits;
+  if (local) {
+    for (int64_t w = threadIdx.x; w < words; w += blockDim.x) sbits[w] = 0;
+    __syncthreads();
+  }
+  for (int64_t t = blockIdx.x; t < a.T; t += gridDim.x) {
+    const int n = a.index_lengths ? min(max(a.index_lengths[t], 0), a.topk) : a.topk;
+    const int32_t* idx = a.indices + t * a.indices_stride;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+      const int64_t s = idx[j];
+      if (s < 0 || s >= a.num_slots) continue;
+      const int64_t pg = s / kPageTokens;
+      const uint32_t bit = 1u << (pg & 31);
+      if (!(m[pg >> 5] & bit)) atomicOr(m + (pg >> 5), bit);
+    }
+  }
+  if (local) {
+    __syncthreads();
+    for (int64_t w = threadIdx.x; w < words; w += blockDim.x)
+      if (const uint32_t v = sbits[w]) atomicOr(bits + w, v);
+  }
 }
 
 // One block of 1024: mark -> scratch page (exclusive scan in page order) or -1; page list; count.
-__global__ void __launch_bounds__(1024) rank_pages(int32_t* __restrict__ map, int64_t num_pages, int64_t cap,
-                                                   int32_t* __restrict__ list, int32_t* __restrict__ count) {
+__global__ void __launch_bounds__(1024) rank_pages(const uint32_t* __restrict__ bits, int32_t* __restrict__ map,
+                                                   int64_t num_pages, int64_t cap, int32_t* __restrict__ list,
+                                                   int32_t* __restrict__ count) {
   __shared__ int32_t warp_sums[32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   int64_t base_rank = 0;
   for (int64_t p0 = 0; p0 < num_pages; p0 += 1024) {
     const int64_t p = p0 + tid;
-    const int m = p < num_pages ? (map[p] != 0) : 0;
+    const int m = p < num_pages ? static_cast<int>((bits[p >> 5] >> (p & 31)) & 1) : 0;
     int x = m;  // inclusive warp scan
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -276,17 +307,25 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int ptid = tid - kConsumers, c8 = ptid & 7, kr = ptid >> 3;
     const uint32_t swz = static_cast<uint32_t>((c8 ^ (kr & 7)) << 4);
     const int32_t* idx = a.indices + static_cast<int64_t>(t) * a.indices_stride;
-    auto row_of = [&](int j) -> const uint8_t* {  // scratch row of key j, or null
-      if (j >= n) return nullptr;
-      const int64_t s = idx[j];
+    auto slot_of = [&](int j) -> int32_t { return j < n ? idx[j] : -1; };  // key j's slot, -1 past n
+    auto row_of_slot = [&](int32_t s) -> const uint8_t* {                   // its scratch row, or null
       if (s < 0 || s >= a.num_slots) return nullptr;
       const int32_t pg = page_map[s / kPageTokens];
       if (pg < 0) return nullptr;
       return scratch + (static_cast<int64_t>(pg) * kPageTokens + s % kPageTokens) * kRowBf16Bytes;
     };
+    auto row_of = [&](int j) { return row_of_slot(slot_of(j)); };
+    // Keys resolve in two dependent loads (index, then page map), each issued a tile before its
+    // use: tile i's copies go out, then tile i + 1's rows are resolved from the indices loaded
+    // during tile i - 1, and tile i + 2's indices are loaded. (Before, both loads of tile i + 1
+    // came after tile i's copies: 0.12 ms of 5.9 at 8192 tokens, 0.02 at 4096.)
     const uint8_t* src[4];
+    int32_t next_slot[4];
 #pragma unroll
-    for (int q = 0; q < 4; ++q) src[q] = ntiles > 0 ? row_of(kr + 16 * q) : nullptr;
+    for (int q = 0; q < 4; ++q) {
+      src[q] = ntiles > 0 ? row_of(kr + 16 * q) : nullptr;
+      next_slot[q] = slot_of(kKeys + kr + 16 * q);
+    }
     for (int i = 0; i < ntiles; ++i) {
       const int st = i % kStages;
       if (i >= kStages) mbar_wait(empty0 + 8 * st, ((i / kStages) - 1) & 1);
@@ -304,9 +343,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       mbar_arrive_cp_async(full0 + 8 * st);
       mbar_arrive(full0 + 8 * st);  // publishes the valid flags (release)
-      if (i + 1 < ntiles) {
 #pragma unroll
-        for (int q = 0; q < 4; ++q) src[q] = row_of((i + 1) * kKeys + kr + 16 * q);
+      for (int q = 0; q < 4; ++q) {
+        src[q] = row_of_slot(next_slot[q]);
+        next_slot[q] = slot_of((i + 2) * kKeys + kr + 16 * q);
       }
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
@@ -314,17 +354,34 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
 
-  // Consumers. Q -> bf16, swizzled (rows >= HB zero); head scales.
-  for (int i = (skip & kSkipQ) ? kHeads * (kD / 8) : tid; i < kHeads * (kD / 8); i += kConsumers) {
+  // Consumers. Q -> bf16, swizzled (rows >= HB zero); head scales. Each thread's 18 pieces of 8
+  // values are loaded 9 at a time (two memory latencies, not 18), streaming (read once: they
+  // should not push the indices and the scratch out of L2).
+  auto q_src = [&](int i) {  // piece i = (head, 8-value column block) of Q, or null past HB
     const int h = i / (kD / 8), c = i % (kD / 8);
-    uint4 o = make_uint4(0, 0, 0, 0);
-    if (h < HB) {
-      const int64_t th = static_cast<int64_t>(t) * a.H + h0 + h;
-      const float* s = c < kR / 8 ? a.q_lat + th * kR + 8 * c : a.q_rope + th * kDr + 8 * (c - kR / 8);
-      const float4 x0 = *reinterpret_cast<const float4*>(s), x1 = *reinterpret_cast<const float4*>(s + 4);
-      o = make_uint4(pack_bf16(x0.x, x0.y), pack_bf16(x0.z, x0.w), pack_bf16(x1.x, x1.y), pack_bf16(x1.z, x1.w));
-    }
+    const int64_t th = static_cast<int64_t>(t) * a.H + h0 + h;
+    return h >= HB ? nullptr : c < kR / 8 ? a.q_lat + th * kR + 8 * c : a.q_rope + th * kDr + 8 * (c - kR / 8);
+  };
+  auto q_store = [&](int i, float4 x0, float4 x1) {
+    const int h = i / (kD / 8), c = i % (kD / 8);
+    const uint4 o = make_uint4(pack_bf16(x0.x, x0.y), pack_bf16(x0.z, x0.w), pack_bf16(x1.x, x1.y), pack_bf16(x1.z, x1.w));
     *reinterpret_cast<uint4*>(sgen + kQOff + (c / 8) * kSlabBytes + h * 128 + (((c % 8) ^ (h % 8)) << 4)) = o;
+  };
+  constexpr int kQPieces = kHeads * (kD / 8), kQPerThread = kQPieces / kConsumers, kQBatch = 9;
+  static_assert(kQPieces % kConsumers == 0 && kQPerThread % kQBatch == 0, "Q pieces split evenly");
+  if (!(skip & kSkipQ)) {
+#pragma unroll
+    for (int b0 = 0; b0 < kQPerThread; b0 += kQBatch) {
+      float4 x[kQBatch][2];
+#pragma unroll
+      for (int k = 0; k < kQBatch; ++k) {
+        const float* src = q_src(tid + kConsumers * (b0 + k));
+        x[k][0] = src ? __ldcs(reinterpret_cast<const float4*>(src)) : make_float4(0, 0, 0, 0);
+        x[k][1] = src ? __ldcs(reinterpret_cast<const float4*>(src) + 1) : make_float4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int k = 0; k < kQBatch; ++k) q_store(tid + kConsumers * (b0 + k), x[k][0], x[k][1]);
+    }
   }
   if (tid < kHeads) hs[tid] = tid < HB ? a.head_scale[static_cast<int64_t>(t) * a.H + h0 + tid] : 0.0f;
   wgmma::fence_proxy_async();
@@ -337,6 +394,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   float o[128];
 #pragma unroll
   for (int i = 0; i < 128; ++i) o[i] = 0.0f;
+  // Pins the zeroing here: sunk into S(0)'s wgmma group, it made ptxas serialize every wgmma of
+  // the kernel (C7515, "non wgmma instructions defining accumulator registers"): each MMA waited
+  // for the one before it.
+  wgmma::fence_operands(o);
   const uint32_t qb = sbase + kQOff, pb = sbase + kPOff;
 
   // S = Q K^T over keys [32 wg, 32 wg + 32) of the tile in stage st, issued asynchronously.
@@ -347,14 +408,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma::fence_proxy_async();  // the cp.async rows, written through the generic proxy
     const uint32_t kt = sbase + kKOff + st * kTileBytes;
     wgmma::fence_operands(s);
-    wgmma::fence();
+    if (!(skip & kSkipS)) {
+      wgmma::fence();
 #pragma unroll
-    for (int k = 0; k < kD / 16; ++k) {
-      const uint32_t off = (k / 4) * kSlabBytes + (k % 4) * 32;
-      if (!(skip & kSkipS))
+      for (int k = 0; k < kD / 16; ++k) {
+        const uint32_t off = (k / 4) * kSlabBytes + (k % 4) * 32;
         wgmma::m64n32k16_bf16(s, wgmma::desc_k_major(qb + off), wgmma::desc_k_major(kt + wg * 32 * 128 + off), k);
+      }
+      wgmma::commit();  // fence, MMAs and commit in one branch: no arrive injected by ptxas (C7519)
     }
-    wgmma::commit();
   };
   if (ntiles > 0) issue_s(0);
 
@@ -426,14 +488,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       o[4 * j + 3] *= corr1;
     }
     wgmma::fence_operands(o);
-    wgmma::fence();
+    if (!(skip & kSkipPv)) {
+      wgmma::fence();
 #pragma unroll
-    for (int kk = 0; kk < kKeys / 16; ++kk) {
-      const uint64_t da = wgmma::desc_k_major(pb + kk * 32);
-      const uint64_t db = wgmma::desc_sw128(kt + 4 * wg * kSlabBytes + kk * 16 * 128, kSlabBytes, 1024);
-      if (!(skip & kSkipPv)) wgmma::m64n256k16_bf16_bn(o, da, db, 1);
+      for (int kk = 0; kk < kKeys / 16; ++kk) {
+        const uint64_t da = wgmma::desc_k_major(pb + kk * 32);
+        const uint64_t db = wgmma::desc_sw128(kt + 4 * wg * kSlabBytes + kk * 16 * 128, kSlabBytes, 1024);
+        wgmma::m64n256k16_bf16_bn(o, da, db, 1);
+      }
+      wgmma::commit();
     }
-    wgmma::commit();
     // The next tile's S queues behind this PV on the tensor cores (no drain between tiles).
     if (i + 1 < ntiles) issue_s(i + 1);
   }
@@ -462,9 +526,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int j = 0; j < 32; ++j) {
     if (skip & kSkipStores) break;
     const int col = 256 * wg + 8 * j + 2 * tq;
-    if (r0 < HB) *reinterpret_cast<float2*>(a.out + (base + r0) * kR + col) = make_float2(o[4 * j] * inv0, o[4 * j + 1] * inv0);
-    if (r1 < HB)
-      *reinterpret_cast<float2*>(a.out + (base + r1) * kR + col) = make_float2(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
+    float2* d0 = reinterpret_cast<float2*>(a.out + (base + r0) * kR + col);
+    float2* d1 = reinterpret_cast<float2*>(a.out + (base + r1) * kR + col);
+    const float2 v0 = make_float2(o[4 * j] * inv0, o[4 * j + 1] * inv0), v1 = make_float2(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
+    if (r0 < HB) __stcs(d0, v0);  // written once, read by the next op: streaming, as the Q loads
+    if (r1 < HB) __stcs(d1, v1);
   }
 }
 
@@ -498,11 +564,13 @@ cudaError_t launch_mla_prefill(const Args& a, void* workspace, int64_t scratch_p
   const int skip = skip_mask();
   cudaError_t e = cudaSuccess;
   if (!(skip & kSkipPrepass)) {
-    e = cudaMemsetAsync(w.page_map, 0, static_cast<size_t>(num_pages) * 4, stream);
+    const int64_t words = bitmap_words(num_pages);
+    e = cudaMemsetAsync(w.bits, 0, static_cast<size_t>(words) * 4, stream);
     if (e != cudaSuccess) return e;
-    const int64_t entries = static_cast<int64_t>(a.T) * a.topk;
-    if (entries > 0) mark_pages<<<static_cast<unsigned>((entries + 255) / 256), 256, 0, stream>>>(a, w.page_map);
-    rank_pages<<<1, 1024, 0, stream>>>(w.page_map, num_pages, cap, w.page_list, w.count);
+    const size_t smem = words <= kMarkSmemWords ? static_cast<size_t>(words) * 4 : 0;
+    if (a.T > 0)
+      mark_pages<<<static_cast<unsigned>(std::min<int64_t>(a.T, kMarkBlocks)), kMarkThreads, smem, stream>>>(a, w.bits, words);
+    rank_pages<<<1, 1024, 0, stream>>>(w.bits, w.page_map, num_pages, cap, w.page_list, w.count);
     dequant_pages<<<static_cast<unsigned>(cap), 256, 0, stream>>>(a.cache, w.page_list, w.count, w.scratch);
     e = cudaGetLastError();
     if (e != cudaSuccess) return e;
