@@ -44,13 +44,14 @@
 //   Costs per 64-key tile: 64 x 64 x (576 + 512) x 2 = 8.9 MFLOP, 73.7 KB of bf16 rows from L2
 //   (the step's scratch is T x 1152 bytes: 4.7 MB at 4096 tokens, L2-resident). At 600 TFLOP/s
 //   the SMs together pull ~5 TB/s from L2: the second limit after the tensor cores.
-// Measured (docs/BENCHMARKS.md "Sparse MLA prefill kernel", H100): 344 / 356 TFLOP/s at
-// ml4-slice-4's 4096 / 8192-token prefill (2.55 / 5.74 ms), 2.6x the decode kernel; the first
-// version ran at 288 / 301 (its page marking in L2, Q loaded one piece at a time). ML4_MLA_PREFILL_SKIP
-// (below) splits the time at 4096: S 0.69 ms, PV 0.34, Q load + output stores 0.33 (1.1 GB of f32
-// through HBM with nothing beside it on the SM), pre-pass 0.05, and ~0.95 ms (~1.3 us a tile)
-// neither MMA nor gathers: the softmax and the two barriers between S and PV, with the tensor
-// cores idle (next steps in BENCHMARKS.md).
+// Measured (docs/BENCHMARKS.md "Sparse MLA prefill kernel", H100): 331-344 / 351-356 TFLOP/s at
+// ml4-slice-4's 4096 / 8192-token prefill (2.55-2.65 / 5.74-5.82 ms), 2.5x the decode kernel; the
+// first version ran at 288 / 301 in the same process (its page marking in L2, Q loaded one piece
+// at a time). ML4_MLA_PREFILL_SKIP (below) splits the 4096-token time: S 0.84 ms, PV 0.38, Q load
+// 0.19 and output stores 0.27 (1.1 GB of f32 through HBM, nothing beside them on the SM), pre-pass
+// 0.07, producer hand-offs 0.08; with no producer, MMA, Q or stores the consumers still take
+// 0.87 ms (pre-pass included; ~1 us a tile: the softmax, two barriers and two proxy fences between S and PV, the
+// tensor cores idle). Next steps in BENCHMARKS.md.
 // Shared memory (227 KB usable): Q 72 KB + 2 key stages 144 KB + P 8 KB + flags: 226 KB.
 // One P buffer suffices: P of tile i + 1 is written after the first barrier of tile i + 1,
 // which both warpgroups reach only after waiting for their PV of tile i.
@@ -100,7 +101,9 @@ static_assert(kBarOff % 8 == 0, "mbarriers are 8-byte aligned");
 
 // ML4_MLA_PREFILL_SKIP (a measurement switch, read at each launch; the results are WRONG while
 // it is set): a bit mask of pieces left out, to time where a tile's time goes (BENCHMARKS.md).
-constexpr int kSkipExp = 1, kSkipLoads = 2, kSkipS = 4, kSkipPv = 8, kSkipQ = 16, kSkipStores = 32, kSkipPrepass = 64;
+// kSkipProducer: no producer at all (the consumers do not wait for tiles; valid flags garbage).
+constexpr int kSkipExp = 1, kSkipLoads = 2, kSkipS = 4, kSkipPv = 8, kSkipQ = 16, kSkipStores = 32, kSkipPrepass = 64,
+              kSkipProducer = 128;
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -304,6 +307,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Producer warpgroup: thread (kr, c8) moves 16-byte chunk c8 of every 128-byte slab of keys
     // kr + 16 q (q < 4); all its keys share key % 8, hence one swizzle.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
+    if (skip & kSkipProducer) return;
     const int ptid = tid - kConsumers, c8 = ptid & 7, kr = ptid >> 3;
     const uint32_t swz = static_cast<uint32_t>((c8 ^ (kr & 7)) << 4);
     const int32_t* idx = a.indices + static_cast<int64_t>(t) * a.indices_stride;
@@ -404,7 +408,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   float s[16];
   auto issue_s = [&](int i) {
     const int st = i % kStages;
-    mbar_wait(full0 + 8 * st, (i / kStages) & 1);
+    if (!(skip & kSkipProducer)) mbar_wait(full0 + 8 * st, (i / kStages) & 1);
     wgmma::fence_proxy_async();  // the cp.async rows, written through the generic proxy
     const uint32_t kt = sbase + kKOff + st * kTileBytes;
     wgmma::fence_operands(s);
