@@ -50,8 +50,8 @@
 // at a time). ML4_MLA_PREFILL_SKIP (below) splits the 4096-token time: S 0.84 ms, PV 0.38, Q load
 // 0.19 and output stores 0.27 (1.1 GB of f32 through HBM, nothing beside them on the SM), pre-pass
 // 0.07, producer hand-offs 0.08; with no producer, MMA, Q or stores the consumers still take
-// 0.87 ms (pre-pass included; ~1 us a tile: the softmax, two barriers and two proxy fences between S and PV, the
-// tensor cores idle). Next steps in BENCHMARKS.md.
+// 0.87 ms (pre-pass included; ~1 us a tile: the softmax, two barriers and two proxy fences
+// between S and PV, the tensor cores idle). Next steps in BENCHMARKS.md.
 // Shared memory (227 KB usable): Q 72 KB + 2 key stages 144 KB + P 8 KB + flags: 226 KB.
 // One P buffer suffices: P of tile i + 1 is written after the first barrier of tile i + 1,
 // which both warpgroups reach only after waiting for their PV of tile i.
@@ -368,7 +368,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   auto q_store = [&](int i, float4 x0, float4 x1) {
     const int h = i / (kD / 8), c = i % (kD / 8);
-    const uint4 o = make_uint4(pack_bf16(x0.x, x0.y), pack_bf16(x0.z, x0.w), pack_bf16(x1.x, x1.y), pack_bf16(x1.z, x1.w));
+    const uint4 o =
+        make_uint4(pack_bf16(x0.x, x0.y), pack_bf16(x0.z, x0.w), pack_bf16(x1.x, x1.y), pack_bf16(x1.z, x1.w));
     *reinterpret_cast<uint4*>(sgen + kQOff + (c / 8) * kSlabBytes + h * 128 + (((c % 8) ^ (h % 8)) << 4)) = o;
   };
   constexpr int kQPieces = kHeads * (kD / 8), kQPerThread = kQPieces / kConsumers, kQBatch = 9;
@@ -532,7 +533,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int col = 256 * wg + 8 * j + 2 * tq;
     float2* d0 = reinterpret_cast<float2*>(a.out + (base + r0) * kR + col);
     float2* d1 = reinterpret_cast<float2*>(a.out + (base + r1) * kR + col);
-    const float2 v0 = make_float2(o[4 * j] * inv0, o[4 * j + 1] * inv0), v1 = make_float2(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
+    const float2 v0 = make_float2(o[4 * j] * inv0, o[4 * j + 1] * inv0);
+    const float2 v1 = make_float2(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
     if (r0 < HB) __stcs(d0, v0);  // written once, read by the next op: streaming, as the Q loads
     if (r1 < HB) __stcs(d1, v1);
   }
@@ -572,8 +574,8 @@ cudaError_t launch_mla_prefill(const Args& a, void* workspace, int64_t scratch_p
     e = cudaMemsetAsync(w.bits, 0, static_cast<size_t>(words) * 4, stream);
     if (e != cudaSuccess) return e;
     const size_t smem = words <= kMarkSmemWords ? static_cast<size_t>(words) * 4 : 0;
-    if (a.T > 0)
-      mark_pages<<<static_cast<unsigned>(std::min<int64_t>(a.T, kMarkBlocks)), kMarkThreads, smem, stream>>>(a, w.bits, words);
+    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(a.T, kMarkBlocks));
+    if (a.T > 0) mark_pages<<<blocks, kMarkThreads, smem, stream>>>(a, w.bits, words);
     rank_pages<<<1, 1024, 0, stream>>>(w.bits, w.page_map, num_pages, cap, w.page_list, w.count);
     dequant_pages<<<static_cast<unsigned>(cap), 256, 0, stream>>>(a.cache, w.page_list, w.count, w.scratch);
     e = cudaGetLastError();

@@ -47,8 +47,9 @@ __device__ __forceinline__ void fence_operands(float (&d)[N]) {
 }
 
 // The asm operand lists of N f32 accumulators ("+f" constraints) and their register names.
-#define ML4_WGMMA_ACC8(d, i) \
-  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define ML4_WGMMA_ACC8(d, i)                                                                                \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
+      "+f"(d[i + 7])
 #define ML4_WGMMA_ACC16(d) ML4_WGMMA_ACC8(d, 0), ML4_WGMMA_ACC8(d, 8)
 #define ML4_WGMMA_ACC64(d) \
   ML4_WGMMA_ACC8(d, 0), ML4_WGMMA_ACC8(d, 8), ML4_WGMMA_ACC8(d, 16), ML4_WGMMA_ACC8(d, 24), ML4_WGMMA_ACC8(d, 32), \
@@ -70,7 +71,8 @@ __device__ __forceinline__ void fence_operands(float (&d)[N]) {
 // d[64 x 32] (+)= A[64 x 16] . B[16 x 32]: A and B K-major bf16.
 __device__ __forceinline__ void m64n32k16_bf16(float (&d)[16], uint64_t da, uint64_t db, int accumulate) {
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {" ML4_WGMMA_REGS16 "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+               "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {" ML4_WGMMA_REGS16
+               "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
                : ML4_WGMMA_ACC16(d)
                : "l"(da), "l"(db), "r"(accumulate));
 }
@@ -78,7 +80,8 @@ __device__ __forceinline__ void m64n32k16_bf16(float (&d)[16], uint64_t da, uint
 // d[64 x 128] (+)= A[64 x 16] . B[128 x 16]^T: A and B K-major bf16.
 __device__ __forceinline__ void m64n128k16_bf16(float (&d)[64], uint64_t da, uint64_t db, int accumulate) {
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" ML4_WGMMA_REGS64 "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" ML4_WGMMA_REGS64
+               "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
                : ML4_WGMMA_ACC64(d)
                : "l"(da), "l"(db), "r"(accumulate));
 }
@@ -94,7 +97,8 @@ __device__ __forceinline__ void m64n128k32_e4m3(float (&d)[64], uint64_t da, uin
 // d[64 x 256] (+)= A[64 x 16] . B[16 x 256]: A K-major, B N-major, bf16.
 __device__ __forceinline__ void m64n256k16_bf16_bn(float (&d)[128], uint64_t da, uint64_t db, int accumulate) {
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" ML4_WGMMA_REGS128 "}, %128, %129, p, 1, 1, 0, 1;\n}\n"
+               "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" ML4_WGMMA_REGS128
+               "}, %128, %129, p, 1, 1, 0, 1;\n}\n"
                : ML4_WGMMA_ACC128(d)
                : "l"(da), "l"(db), "r"(accumulate));
 }
