@@ -47,20 +47,19 @@ StepInput decode_step(const CudaRunner& r, int batch, int64_t ctx, int64_t block
   return in;
 }
 
-double time_step(CudaRunner& r, const StepInput& in, int warm, int reps) {
-  for (int i = 0; i < warm; ++i) {
-    auto o = r.execute(in);
-    if (!o.ok()) {
-      std::fprintf(stderr, "step failed: %s\n", o.status().message().c_str());
-      std::abort();  // a bench step failed: nothing sensible to measure after it
-    }
-  }
+// The median step time; a failed step aborts the bench (nothing sensible to measure after it)
+// unless `failed` is given: then it gets the error and the result is -1.
+double time_step(CudaRunner& r, const StepInput& in, int warm, int reps, std::string* failed = nullptr) {
   std::vector<double> ms;
-  for (int i = 0; i < reps; ++i) {
+  for (int i = 0; i < warm + reps; ++i) {
     const auto t0 = Clock::now();
     auto o = r.execute(in);
-    ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
-    if (!o.ok()) std::abort();  // a bench step failed: nothing sensible to measure after it
+    if (i >= warm) ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+    if (o.ok()) continue;
+    std::fprintf(stderr, "step failed: %s\n", o.status().message().c_str());
+    if (failed == nullptr) std::abort();
+    *failed = o.status().message();
+    return -1.0;
   }
   return median(ms);
 }
@@ -246,9 +245,14 @@ int run_step_bench(const StepBenchOptions& opt) {
     for (auto [grouped, absorb] : {std::pair{false, false}, std::pair{true, false}, std::pair{true, true}}) {
       r.set_grouped_moe_gemm(grouped);
       r.set_absorb_gemm(absorb);
-      const double ms = time_step(r, in, 1, 3);
+      std::string failed;
+      const double ms = time_step(r, in, 1, 3, &failed);
       const char* moe = grouped ? "grouped_gemm" : "loop";
       const char* abs = absorb ? "gemm_tf32" : "kernel_f32";
+      if (ms < 0) {  // e.g. out of memory beside the KV pool on an 80 GB card: say so, go on
+        std::printf("PREFILL tokens=%ld moe=%s absorb=%s failed: %s\n", static_cast<long>(n), moe, abs, failed.c_str());
+        continue;
+      }
       std::printf("PREFILL tokens=%ld moe=%s absorb=%s ms=%.1f tok_s=%.0f\n", static_cast<long>(n), moe, abs, ms,
                   n / ms * 1e3);
       if (n != 4096) continue;
