@@ -227,7 +227,7 @@ int run_step_bench(const StepBenchOptions& opt) {
       std::printf("GRAPHS model=ml4-tiny batch=1 ctx=1024 graph_ms=%.3f eager_ms=%.3f speedup=%.2f\n", g, e, e / g);
     }
   }
-  for (int64_t n : {int64_t{4096}, int64_t{8192}}) {  // prefill: one sequence, last-token logits
+  for (int64_t n : {int64_t{4096}, int64_t{8192}, int64_t{32768}}) {  // prefill: one sequence, last-token logits
     StepInput in;
     SeqStep s;
     s.seq_id = 1000;
