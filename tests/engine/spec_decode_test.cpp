@@ -11,7 +11,9 @@
 //     threshold and power argued at the test);
 //   - no leaks after 1,000 mixed requests with aborts; a drafter pool too small to draft for
 //     everyone only costs drafts;
-//   - requests that cannot speculate (penalties, logit_bias, min_tokens) never carry drafts.
+//   - requests that cannot speculate (penalties, logit_bias, min_tokens) never carry drafts;
+//   - on a runner that samples on its device, steps mixing prompt-logprob chunks, device and
+//     host verification, random drafts and top-N logprobs give each request what it gets alone.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -428,6 +430,119 @@ TEST(SpecDecodeEngine, SeededSamplingDoesNotDependOnTheBatch) {
     EXPECT_EQ(alone.size(), 30u);
     EXPECT_EQ(run(true), alone) << (prob ? "probabilistic" : "greedy") << " drafts";
     EXPECT_GT(std::set<int32_t>(alone.begin(), alone.end()).size(), 5u);  // really sampled
+  }
+}
+
+// A runner that samples on its device, and steps that mix every kind of sequence: prefill
+// chunks with prompt-logprob rows, greedy verification (rows' argmax from the device, or host
+// rows when the step mixes), seeded random verification (host rows, the thread-pool pre-pass),
+// top-N logprobs, a request that cannot speculate, and chunks with no rows. Each request is
+// seeded or greedy, so its tokens, logprobs and prompt logprobs must be those it gets alone:
+// an entry read for the wrong sequence or row (engine.cpp's `entry`) changes them.
+TEST(SpecDecodeEngine, MixedStepsOnADeviceSamplingRunnerMatchEachRequestAlone) {
+  constexpr int V = 300;
+  std::mt19937 rng(31);
+  ByteTextCodec codec(V);
+  struct Req {
+    std::string id;
+    std::vector<int32_t> prompt;
+    SamplingParams params;
+  };
+  std::vector<Req> reqs;
+  auto seeded = [](double temperature, int max_tokens, uint64_t seed) {
+    SamplingParams p;
+    p.temperature = temperature;
+    p.max_tokens = max_tokens;
+    p.ignore_eos = true;
+    p.seed = seed;
+    return p;
+  };
+  // The greedy ones outlive the others: their last steps verify on the device alone.
+  reqs.push_back({"greedy", random_prompt(rng, 9, V), greedy(300)});
+  SamplingParams plp = greedy(250);
+  plp.prompt_logprobs = 2;  // its 70-token prompt is chunked beside the others' verification
+  plp.logprobs = 0;
+  reqs.push_back({"prompt_lp", random_prompt(rng, 70, V), plp});
+  SamplingParams rnd = seeded(0.8, 30, 11);
+  rnd.logprobs = 1;
+  reqs.push_back({"random", random_prompt(rng, 13, V), rnd});
+  reqs.push_back({"random2", random_prompt(rng, 40, V), seeded(1.1, 28, 12)});
+  SamplingParams top = greedy(27);
+  top.logprobs = 3;
+  reqs.push_back({"top_n", random_prompt(rng, 21, V), top});
+  SamplingParams pen = seeded(0.7, 20, 13);
+  pen.repetition_penalty = 1.2;  // no drafts
+  reqs.push_back({"penalty", random_prompt(rng, 33, V), pen});
+  SamplingParams dev = seeded(0.9, 26, 14);  // device-samplable between its verifications
+  reqs.push_back({"device_random", random_prompt(rng, 5, V), dev});
+
+  struct Out {
+    std::vector<int32_t> tokens;
+    std::vector<TokenLogprob> logprobs, prompt_logprobs;
+  };
+  int64_t mixed_steps = 0;
+  auto run = [&](const std::vector<const Req*>& batch, int64_t* device_verify_rows) {
+    FakeRunner r(V, FakeRunner::drafter_groups(1024, 1024, 16));
+    r.enable_drafter(5, 0.05);
+    r.device_sampling_ = true;
+    Engine e(&r, &codec, config(8, 24, 4));
+    EXPECT_TRUE(e.speculative());
+    e.set_step_hook([&](const SchedulerOutput&, const StepInput& in) {
+      bool device_verify = false, host_rows = false;
+      for (const auto& s : in.seqs) {
+        device_verify |= s.num_logits > 1 && s.device_sampling.has_value();
+        host_rows |= s.num_logits > 0 && !s.device_sampling;
+      }
+      if (batch.size() > 1 && device_verify && host_rows) ++mixed_steps;
+    });
+    for (const Req* q : batch) EXPECT_TRUE(e.add_request(q->id, q->prompt, q->params).ok());
+    std::map<std::string, Out> got;
+    for (int i = 0; i < 100000 && e.has_work(); ++i) {
+      auto res = e.step();
+      EXPECT_TRUE(res.ok()) << res.status().message();
+      if (!res.ok()) break;
+      for (auto& o : res.value()) {
+        Out& g = got[o.request_id];
+        g.tokens.insert(g.tokens.end(), o.new_tokens.begin(), o.new_tokens.end());
+        g.logprobs.insert(g.logprobs.end(), o.new_logprobs.begin(), o.new_logprobs.end());
+        if (!o.prompt_logprobs.empty()) g.prompt_logprobs = o.prompt_logprobs;
+      }
+    }
+    EXPECT_FALSE(e.has_work());
+    if (device_verify_rows != nullptr) {
+      EXPECT_GT(e.counters().spec.num_accepted_tokens, 0);
+      *device_verify_rows = r.device_verify_rows_;
+    }
+    return got;
+  };
+  std::vector<const Req*> all;
+  for (const auto& q : reqs) all.push_back(&q);
+  int64_t device_verify_rows = 0;
+  std::map<std::string, Out> batched = run(all, &device_verify_rows);
+  EXPECT_GT(mixed_steps, 0) << "no step mixed device verification with host rows";
+  EXPECT_GT(device_verify_rows, 0) << "no greedy verification on the device";
+  for (const auto& q : reqs) {
+    const Out alone = run({&q}, nullptr)[q.id];
+    const Out& b = batched[q.id];
+    EXPECT_EQ(b.tokens, alone.tokens) << q.id;
+    EXPECT_EQ(b.tokens.size(), static_cast<size_t>(q.params.max_tokens)) << q.id;
+    ASSERT_EQ(b.logprobs.size(), alone.logprobs.size()) << q.id;
+    for (size_t t = 0; t < alone.logprobs.size(); ++t) {
+      EXPECT_EQ(b.logprobs[t].token, alone.logprobs[t].token) << q.id << " " << t;
+      // A greedy row's logprob is the device's (its own log-softmax) or the host's, by what the
+      // step mixed: f32 rounding apart (the greedy test's bound).
+      EXPECT_NEAR(b.logprobs[t].logprob, alone.logprobs[t].logprob, 1e-5) << q.id << " " << t;
+      EXPECT_EQ(b.logprobs[t].top, alone.logprobs[t].top) << q.id << " " << t;
+    }
+    ASSERT_EQ(b.prompt_logprobs.size(), alone.prompt_logprobs.size()) << q.id;
+    if (q.params.prompt_logprobs >= 0) {
+      EXPECT_EQ(b.prompt_logprobs.size(), q.prompt.size() - 1) << q.id;
+    }
+    for (size_t t = 0; t < alone.prompt_logprobs.size(); ++t) {
+      EXPECT_EQ(b.prompt_logprobs[t].token, alone.prompt_logprobs[t].token) << q.id << " " << t;
+      EXPECT_EQ(b.prompt_logprobs[t].logprob, alone.prompt_logprobs[t].logprob) << q.id << " " << t;
+      EXPECT_EQ(b.prompt_logprobs[t].rank, alone.prompt_logprobs[t].rank) << q.id << " " << t;
+    }
   }
 }
 
