@@ -2,6 +2,7 @@
 #include "engine/engine.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 
 #include <fmt/ranges.h>
@@ -382,15 +383,23 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
           out.logits[entry[i]].size() == static_cast<size_t>(num_logits) * vocab_)
         jobs.push_back(i);
     }
+    // On the pool's threads an exception (bad_alloc: a vocab of doubles per row) would end the
+    // process: it is caught there and the step fails as a step does.
+    std::atomic<bool> failed{false};
     parallel_for(static_cast<int64_t>(jobs.size()), 1, [&](int64_t b, int64_t e) {
-      for (int64_t j = b; j < e; ++j) {
-        const size_t i = jobs[j];
-        const Request& r = *so.seqs[i].req;
-        host_verified[i] = verify_drafts(out.logits[entry[i]].data(), vocab_, r.spec_tokens,
-                                         r.spec_probs.empty() ? nullptr : r.spec_probs.data(), device_params(r),
-                                         r.sample_seed, static_cast<int64_t>(r.output.size()));
+      try {
+        for (int64_t j = b; j < e; ++j) {
+          const size_t i = jobs[j];
+          const Request& r = *so.seqs[i].req;
+          host_verified[i] = verify_drafts(out.logits[entry[i]].data(), vocab_, r.spec_tokens,
+                                           r.spec_probs.empty() ? nullptr : r.spec_probs.data(), device_params(r),
+                                           r.sample_seed, static_cast<int64_t>(r.output.size()));
+        }
+      } catch (const std::exception&) {
+        failed = true;
       }
     });
+    if (failed) return resource_exhausted("verifying drafts: out of host memory");
   }
 
   std::vector<Request*> drafting;  // DSpark: requests that propose drafts after this step

@@ -237,6 +237,10 @@ const DeviceBuffer* CudaBackend::kv_pool(int group, int layer_slot) const {
   return &kv_[group][layer_slot];
 }
 
+// The sparse MLA prefill kernel's workspace at most (its bf16 scratch is 73.7 KB per cache page:
+// 256 MiB holds 3,640 pages, 233k distinct tokens; a 32k-token prefill touches at most 512).
+constexpr size_t kMaxPrefillScratchBytes = size_t{256} << 20;
+
 Status CudaBackend::ensure_buffers(int64_t T, int64_t R, int64_t S, int64_t maxb) {
   Buffers& b = *buf_;
   const ModelConfig& c = cfg_;
@@ -349,6 +353,7 @@ Status CudaBackend::ensure_buffers(int64_t T, int64_t R, int64_t S, int64_t maxb
     b.bt_cap = S * maxb;
   }
   b.maxb = maxb;  // this step's block-table row stride
+  b.bt_rows = S;
   point_activations();
   return ok_status();
 }
@@ -825,7 +830,10 @@ Status CudaBackend::mla_attention(const MlaArgs& a) {
     ap.indices_stride = k;
     ap.topk = k;
     ap.index_lengths = b.topk_counts[a.selection].as<int32_t>();
-    ap.scratch_pages = b.bt_cap;  // the slots lie on the step's block-table pages (prefill kernel scratch)
+    // The prefill kernel's scratch: the selected slots lie on this step's block-table pages (a
+    // true bound; pages past it would be read as empty). This step's, not the buffers' high-water
+    // mark, which a large decode batch leaves behind.
+    ap.scratch_pages = b.bt_rows * b.maxb;
   } else {
     ap.block_table = b.block_table.as<int32_t>();
     ap.block_table_stride = b.maxb;
@@ -838,7 +846,14 @@ Status CudaBackend::mla_attention(const MlaArgs& a) {
   ap.math = opts_.exact_activations ? MlaMath::kF32 : MlaMath::kBf16TensorCore;
   ap.prefill_kernel = opts_.mla_prefill_kernel && a.selection >= 0;
   ap.stream = stream_;
-  const size_t need = mla_attention_workspace_bytes(ap);
+  size_t need = mla_attention_workspace_bytes(ap);
+  // A step whose block tables span more pages than kMaxPrefillScratchBytes of bf16 scratch holds
+  // (many sequences of long context, e.g. a graphed verification batch: it is not a prefill) takes
+  // the decode kernel instead of allocating that scratch beside the KV pool.
+  if (ap.prefill_kernel && need > kMaxPrefillScratchBytes) {
+    ap.prefill_kernel = false;
+    need = mla_attention_workspace_bytes(ap);
+  }
   if (need > b.attn_ws_bytes) {
     ++buffer_generation_;
     ML4_ASSIGN_OR_RETURN(b.attn_ws, DeviceBuffer::alloc(need));

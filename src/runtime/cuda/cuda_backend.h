@@ -177,6 +177,7 @@ class CudaBackend : public Backend {
   // Step buffers, grown to the largest step seen (fixed addresses between steps of a size).
   struct Buffers {
     int64_t T = 0, R = 0, bt_cap = 0, maxb = 0;
+    int64_t bt_rows = 0;  // this step's block-table rows (bt_cap: the buffers' high-water mark)
     DeviceBuffer residual, a, tmp, q, qlat_in, ckv, c, q_lat, q_rope, head_scale, out_lat, lse, o;
     DeviceBuffer router, router_counter, ids, wts, rows, normed, logits;
     DeviceBuffer logits_parts;  // tensor parallelism only

@@ -367,9 +367,10 @@ Result<StepOutput> CudaRunner::execute_step(const StepInput& in, ForwardTrace* t
 }
 
 Result<const float*> CudaRunner::download_floats(const void* device, size_t n, cudaStream_t stream) {
-  // Past 64 MiB (prompt logprobs over a long chunk) a pageable vector for this call only: pinned
-  // memory that size would stay locked for the runner's life.
-  constexpr size_t kPinnedMax = size_t{64} << 20;
+  // Past 256 MiB (prompt logprobs over a long chunk) a pageable vector for this call only:
+  // pinned memory that size would stay locked for the runner's life. 256 MiB holds the rows of
+  // 64 sequences verifying 7 drafts at a 131,072-id vocabulary (the c32 / c64 steps).
+  constexpr size_t kPinnedMax = size_t{256} << 20;
   std::vector<float>().swap(large_download_);
   if (n * 4 > kPinnedMax) {
     large_download_.resize(n);
@@ -378,8 +379,9 @@ Result<const float*> CudaRunner::download_floats(const void* device, size_t n, c
     return static_cast<const float*>(large_download_.data());
   }
   if (host_stage_.bytes() < n * 4) {
+    const size_t grown = std::min(kPinnedMax, std::max<size_t>(n * 4, 2 * host_stage_.bytes()));
     host_stage_ = DeviceBuffer();
-    ML4_ASSIGN_OR_RETURN(host_stage_, DeviceBuffer::alloc_host_mapped(std::max<size_t>(n * 4, size_t{1} << 20)));
+    ML4_ASSIGN_OR_RETURN(host_stage_, DeviceBuffer::alloc_host_mapped(std::max<size_t>(grown, size_t{1} << 20)));
   }
   ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_stage_.data(), device, n * 4, cudaMemcpyDeviceToHost, stream));
   ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
