@@ -324,9 +324,9 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
         ss.allowed_tokens.assign(static_cast<size_t>(bitmask_words(vocab_)), 0u);
         r.grammar->fill_bitmask(ss.allowed_tokens.data());
       }
-    } else if (device && reaches_end && ss.num_logits == 1 + static_cast<int>(r.spec_tokens.size()) &&
-               device_verifiable(r, device_params(r))) {
-      ss.device_sampling = device_params(r);  // one greedy token per row: the rows' argmax
+    } else if (device && reaches_end && ss.num_logits == 1 + static_cast<int>(r.spec_tokens.size())) {
+      const DeviceSamplingParams d = device_params(r);
+      if (device_verifiable(r, d)) ss.device_sampling = d;  // one greedy token per row: the rows' argmax
     }
     in.seqs.push_back(std::move(ss));
   }

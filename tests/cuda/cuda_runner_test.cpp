@@ -264,10 +264,14 @@ PairErr run_pair(CudaRunner& a, CudaRunner& b, int64_t chunk) {
 // top-k. They differ by the grouped path's bf16 rounding of the routed experts' x and hidden
 // rows: 3e-3 of the MoE output (CudaMoe.GroupedGemmFp4PrefillVsCpu), which these random
 // 12-layer models amplify (exact mode's ~1e-7 op differences reach 6e-4..6e-3 in the logits,
-// MatchesCpuRunnerExact): measured 0.079..0.113 on the H100 (2026-12-05). The control: the same
-// prompts prefilled in steps of at most 128 tokens through the decode-shaped grouped path with
-// the same rounding (fp4_x_parts 1: x and the hidden rows in bf16) against it exact
-// (fp4_x_parts 3), printed beside. Asserted: < 0.25 (wrong rows or scales give O(1)).
+// MatchesCpuRunnerExact): measured 0.079 / 0.089 / 0.113 (nvfp4 / mxfp4 / fp8-to-mxfp4) on an
+// H100 and, the same values, on an H200 (2026-12-05; the runs are deterministic). The control:
+// the same prompts prefilled in steps of at most 128 tokens through the decode-shaped grouped
+// path with the same rounding (fp4_x_parts 1: x and the hidden rows in bf16) against it exact
+// (fp4_x_parts 3), printed beside: 0.030..0.035, so the grouped path's 2.5-3.3x over it is not
+// explained by the bf16 rounding alone (open; the FP8 shared expert's e4m3 activations on this
+// path are the suspect). Asserted: < 0.15, 1.3x the worst measured, not a bound derived from the
+// dtype (wrong rows or scales give O(1)).
 void fp4_grouped_vs_loop(const std::string& weights) {
   const bool requant = weights == "fp8-to-mxfp4";
   const std::string dir = ::ml4::testing::test_model("ml4-tiny", 11, requant ? "fp8" : weights);
@@ -287,11 +291,11 @@ void fp4_grouped_vs_loop(const std::string& weights) {
   const PairErr e = run_pair(**loop, **grouped, 170);
   const PairErr c = run_pair(**exact_x, **bf16_x, 128);
   std::printf("ml4-tiny %s, 170-token prefill: FP4 grouped GEMMs vs the FP4 expert loop: logits rel_err %.3g "
-              "(prefill), %.3g (decode after it) (bound 0.25), %d of %d greedy tokens differ; control, bf16 vs exact "
+              "(prefill), %.3g (decode after it) (bound 0.15), %d of %d greedy tokens differ; control, bf16 vs exact "
               "x in the decode-shaped grouped path (prefill in steps <= 128 tokens): %.3g, %.3g, %d of %d\n",
               weights.c_str(), e.prefill, e.decode, e.mismatched, e.rows, c.prefill, c.decode, c.mismatched, c.rows);
-  EXPECT_LT(e.prefill, 0.25) << weights;
-  EXPECT_LT(e.decode, 0.25) << weights;
+  EXPECT_LT(e.prefill, 0.15) << weights;
+  EXPECT_LT(e.decode, 0.15) << weights;
 }
 
 TEST(CudaRunner, Fp4GroupedPrefillMatchesLoop) {

@@ -497,6 +497,16 @@ inline void prefetch_bytes(const uint8_t* p, size_t n) {
     __builtin_prefetch(reinterpret_cast<const void*>(a));
 }
 
+// Decodes cache rows rows[0, n) (decode_latent) to c + j r / kr + j dr, prefetching the row
+// kRowPrefetch ahead while it is one of the `avail` rows listed (a later call decodes the rest).
+inline void decode_rows(const uint8_t* const* rows, int64_t n, int64_t avail, size_t row_bytes, KvCacheDtype dtype,
+                        float scale, int r, int dr, float* c, float* kr) {
+  for (int64_t j = 0; j < n; ++j) {
+    if (j + kRowPrefetch < avail) prefetch_bytes(rows[j + kRowPrefetch], row_bytes);
+    decode_latent(dtype, rows[j], r, dr, scale, c + j * r, kr + j * dr);
+  }
+}
+
 // A token's keys read from their cache rows (row s at rows[s], S of them) a block at a time,
 // each row decoded (decode_latent) into the kernel's block buffer.
 class CacheKeyBlocks final : public cpu::MlaKeyBlocks {
@@ -504,11 +514,8 @@ class CacheKeyBlocks final : public cpu::MlaKeyBlocks {
   CacheKeyBlocks(const uint8_t* const* rows, int64_t S, size_t row_bytes, KvCacheDtype dtype, float scale, int r, int dr)
       : rows_(rows), S_(S), row_bytes_(row_bytes), dtype_(dtype), scale_(scale), r_(r), dr_(dr) {}
   void rows(int64_t s0, int64_t n, float* c_buf, float* kr_buf, const float** c, const float** kr) const override {
-    for (int64_t j = 0; j < n; ++j) {
-      if (s0 + j + kRowPrefetch < S_) prefetch_bytes(rows_[s0 + j + kRowPrefetch], row_bytes_);
-      decode_latent(dtype_, rows_[s0 + j], r_, dr_, scale_, c_buf + j * r_, kr_buf + j * dr_);
-      c[j] = c_buf + j * r_, kr[j] = kr_buf + j * dr_;
-    }
+    decode_rows(rows_ + s0, n, S_ - s0, row_bytes_, dtype_, scale_, r_, dr_, c_buf, kr_buf);
+    for (int64_t j = 0; j < n; ++j) c[j] = c_buf + j * r_, kr[j] = kr_buf + j * dr_;
   }
 
  private:
@@ -613,10 +620,8 @@ Status CpuBackend::mla_attention(const MlaArgs& p) {
         thread_local std::vector<const uint8_t*> rows;
         rows.resize(e - b);
         for (int64_t k = b; k < e; ++k) rows[k - b] = row_of(mla_index_[k].first, mla_index_[k].second);
-        for (int64_t k = b; k < e; ++k) {
-          if (k + kRowPrefetch < e) prefetch_bytes(rows[k + kRowPrefetch - b], row_bytes);
-          decode_latent(dtype, rows[k - b], r, dr, scale, mla_keys_c_.data() + k * r, mla_keys_kr_.data() + k * dr);
-        }
+        decode_rows(rows.data(), e - b, e - b, row_bytes, dtype, scale, r, dr, mla_keys_c_.data() + b * r,
+                    mla_keys_kr_.data() + b * dr);
       });
       return ok_status();
     }));
