@@ -47,6 +47,14 @@ bool device_verifiable(const Request& r, const DeviceSamplingParams& d) {
   return !r.spec_tokens.empty() && sampling::greedy(d) && r.params.logprobs <= 0 && !r.grammar;
 }
 
+// A random request whose drafts the runner can verify itself (SeqStep::device_verify): the
+// rejection sampler's p from its rows, q kept on the device or one-hot, so neither crosses to
+// the host. The same answer when its drafts are proposed (DraftSeq::keep_probs) and when they
+// are verified: it depends on the request's fixed parameters only.
+bool device_rejection_sampling(const ModelRunner& runner, const Request& r, const DeviceSamplingParams& d) {
+  return !sampling::greedy(d) && r.params.logprobs <= 0 && !r.grammar && runner.verifies_on_device(d);
+}
+
 DeviceSamplingParams device_params(const Request& r) {
   DeviceSamplingParams d;
   d.temperature = static_cast<float>(r.params.temperature);
@@ -291,6 +299,7 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
     if (fit < static_cast<int64_t>(r.spec_tokens.size())) {
       r.spec_tokens.resize(static_cast<size_t>(fit));
       if (!r.spec_probs.empty()) r.spec_probs.resize(static_cast<size_t>(fit) * vocab_);
+      if (fit == 0) r.spec_q_on_device = false;  // kept q of a prefix of the drafts still serves
     }
   }
 
@@ -326,8 +335,15 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
       }
     } else if (device && reaches_end && ss.num_logits == 1 + static_cast<int>(r.spec_tokens.size())) {
       const DeviceSamplingParams d = device_params(r);
-      if (device_verifiable(r, d)) ss.device_sampling = d;  // one greedy token per row: the rows' argmax
+      if (device_verifiable(r, d)) {
+        ss.device_sampling = d;  // one greedy token per row: the rows' argmax
+      } else if (device_rejection_sampling(*runner_, r, d) && (r.spec_q_on_device || r.spec_probs.empty())) {
+        ss.device_sampling = d;
+        ss.device_verify = r.spec_q_on_device ? SeqStep::DeviceVerify::kKeptQ : SeqStep::DeviceVerify::kOneHotQ;
+      }
     }
+    if (r.spec_q_on_device && !r.spec_tokens.empty() && ss.device_verify != SeqStep::DeviceVerify::kKeptQ)
+      return internal_error("seq {}: its drafts' q is on the device but the step does not verify there", r.seq_id);
     in.seqs.push_back(std::move(ss));
   }
   counters_.max_batched_tokens_seen = std::max(counters_.max_batched_tokens_seen, so.num_batched_tokens);
@@ -380,6 +396,7 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
       const Request& r = *so.seqs[i].req;
       const int num_logits = in.seqs[i].num_logits;
       if (num_logits > 0 && !r.spec_tokens.empty() && r.num_computed + so.seqs[i].num_new_tokens >= r.num_tokens() &&
+          in.seqs[i].device_verify == SeqStep::DeviceVerify::kNo &&
           out.logits[entry[i]].size() == static_cast<size_t>(num_logits) * vocab_)
         jobs.push_back(i);
     }
@@ -402,6 +419,11 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
     if (failed) return resource_exhausted("verifying drafts: out of host memory");
   }
 
+  bool any_device_verify = false;
+  for (const auto& ss : in.seqs) any_device_verify |= ss.device_verify != SeqStep::DeviceVerify::kNo;
+  if (any_device_verify && out.verified.size() != in.seqs.size())
+    return internal_error("runner returned {} verification results for {} sequences", out.verified.size(), in.seqs.size());
+
   std::vector<Request*> drafting;  // DSpark: requests that propose drafts after this step
   for (size_t i = 0; i < so.seqs.size(); ++i) {
     Request& r = *so.seqs[i].req;
@@ -410,7 +432,8 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
     const bool samples = chunk_end >= r.num_tokens();  // the chunk reaches the end: a token is due
     r.num_computed = chunk_end;
     const size_t e = entry[i];
-    if (num_logits > 0 && !sampled && r.params.prompt_logprobs >= 0) {
+    const bool device_verified = in.seqs[i].device_verify != SeqStep::DeviceVerify::kNo;
+    if (num_logits > 0 && !sampled && !device_verified && r.params.prompt_logprobs >= 0) {
       if (out.logits[e].size() != static_cast<size_t>(num_logits) * vocab_)
         return internal_error("runner returned {} logits for seq {}, expected {}", out.logits[e].size(), r.seq_id,
                               static_cast<size_t>(num_logits) * vocab_);
@@ -425,7 +448,21 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
     if (num_logits > 0 && !samples) {
       // prompt-logprob rows of a chunk that does not end the prompt
     } else if (num_logits > 0 && !r.spec_tokens.empty()) {
-      if (sampled) {
+      if (device_verified) {
+        const StepOutput::Verified& v = out.verified[i];
+        const int k = static_cast<int>(r.spec_tokens.size());
+        bool ok = v.accepted >= 0 && v.accepted <= k && v.tokens.size() == static_cast<size_t>(v.accepted) + 1 &&
+                  v.logprobs.size() == v.tokens.size() && num_logits == 1 + k;
+        for (size_t j = 0; ok && j < v.tokens.size(); ++j)
+          ok = v.tokens[j] >= 0 && v.tokens[j] < vocab_ && (j >= static_cast<size_t>(v.accepted) || v.tokens[j] == r.spec_tokens[j]);
+        if (!ok)
+          return internal_error("runner's verification of seq {} ({} accepted, {} tokens) does not fit its {} drafts",
+                                r.seq_id, v.accepted, v.tokens.size(), k);
+        VerifyResult vr;
+        vr.accepted = v.accepted;
+        vr.tokens = v.tokens;
+        ML4_RETURN_IF_ERROR(apply_verified(r, vr, nullptr, v.logprobs.data(), chunk_end - num_logits, done));
+      } else if (sampled) {
         if (per_seq || e + static_cast<size_t>(num_logits) > out.sampled.size() ||
             num_logits != 1 + static_cast<int>(r.spec_tokens.size()))
           return internal_error("runner sampled {} tokens for seq {}, which verifies {} drafts", out.sampled.size(),
@@ -547,6 +584,7 @@ Status Engine::apply_verified(Request& r, const VerifyResult& v, const float* ro
   for (int j = 0; j < v.accepted && j < static_cast<int>(c.accepted_per_pos.size()); ++j) ++c.accepted_per_pos[j];
   r.spec_tokens.clear();
   r.spec_probs.clear();
+  r.spec_q_on_device = false;
   if (r.output.empty()) {
     r.first_token_time = done;
     if (observer_) observer_->on_first_token(r.first_scheduled_time - r.arrival_time, done - r.arrival_time);
@@ -596,7 +634,8 @@ Status Engine::propose_drafts(const std::vector<Request*>& reqs) {
       d.sampling = device_params(*r);
       d.sampling->seed = draft_seed(r->sample_seed);
       d.sampling->counter = static_cast<int64_t>(r->output.size());  // slot j: the output index it proposes
-      din.want_probs = true;
+      d.keep_probs = device_rejection_sampling(*runner_, *r, device_params(*r));
+      din.want_probs = din.want_probs || !d.keep_probs;
     }
     din.seqs.push_back(std::move(d));
     who.push_back(r);
@@ -619,7 +658,8 @@ Status Engine::propose_drafts(const std::vector<Request*>& reqs) {
       ML4_LOG_DEBUG("seq {}: anchor {} at {}, drafts {}", r.seq_id, d.anchor_token, d.anchor_pos,
                     fmt::join(out.tokens[i], ","));
     r.spec_tokens = std::move(out.tokens[i]);
-    if (d.sampling) {  // q of probabilistic drafts; greedy drafts verify against one-hot q
+    r.spec_q_on_device = d.keep_probs;
+    if (d.sampling && !d.keep_probs) {  // q of probabilistic drafts; greedy drafts verify against one-hot q
       if (out.probs[i].size() != static_cast<size_t>(d.num_drafts) * vocab_)
         return internal_error("runner returned {} draft probabilities for seq {}, expected {}", out.probs[i].size(),
                               r.seq_id, static_cast<size_t>(d.num_drafts) * vocab_);

@@ -71,6 +71,7 @@ struct Request {
   int64_t num_cached_tokens = -1;    // prefix-cache hit at first scheduling (-1: not yet)
   std::vector<int32_t> spec_tokens;  // DSpark drafts to verify next step (engine/spec_decode.h)
   std::vector<float> spec_probs;     // their distributions q, [k x vocab] (probabilistic drafts only)
+  bool spec_q_on_device = false;     // ... kept by the runner instead (DraftSeq::keep_probs)
   int64_t num_external_tokens = 0;   // P/D: tokens whose KV arrived from elsewhere
   transfer::KvTransferRequest kv_transfer;  // P/D: what the API asked for
   RemoteKv remote_kv = RemoteKv::kNone;

@@ -30,6 +30,7 @@ void Scheduler::preempt(Request* r) {
   r->num_computed = 0;
   r->spec_tokens.clear();  // drafts are proposed again once it decodes
   r->spec_probs.clear();
+  r->spec_q_on_device = false;
   r->status = RequestStatus::kPreempted;
   ++r->num_preemptions;
   ++num_preemptions_;

@@ -34,6 +34,17 @@ struct SeqStep {
   // allowed tokens of this row as a bitmask ((vocab + 31) / 32 words, bit i % 32 of word i / 32;
   // xgrammar's layout), applied to the logits before the draw. Empty: no mask.
   std::vector<uint32_t> allowed_tokens;
+  // DSpark verification on the runner's device (ModelRunner::verifies_on_device): set by the
+  // engine only with num_logits == 1 + k and device_sampling holding a random request's params
+  // (seed, and the output index of the token row 0 decides as `counter`). The runner verifies
+  // the drafts, the chunk's last k tokens, as engine/spec_decode.h verify_drafts does (p from
+  // these rows under device_sampling, the same uniforms) and returns what it emits in
+  // StepOutput::verified; q is
+  //   kOneHotQ: one-hot at each draft (greedy drafts),
+  //   kKeptQ:   the distributions it kept on its device from this sequence's last draft()
+  //             (DraftSeq::keep_probs); a runner without them for these drafts fails the step.
+  enum class DeviceVerify : uint8_t { kNo, kOneHotQ, kKeptQ };
+  DeviceVerify device_verify = DeviceVerify::kNo;
 };
 
 struct StepInput {
@@ -52,6 +63,16 @@ struct StepOutput {
   // host with the same counter-based generator.
   std::vector<int32_t> sampled;
   std::vector<float> sampled_logprob;
+  // When any sequence has SeqStep::device_verify: one entry per sequence in order (empty for
+  // the others). `tokens` are the accepted drafts, then the correction or bonus token
+  // (accepted + 1 of them); `logprobs` each one's log_softmax under its raw row. The
+  // logits / sampled entries of these sequences are present as usual and not read.
+  struct Verified {
+    int accepted = 0;
+    std::vector<int32_t> tokens;
+    std::vector<float> logprobs;
+  };
+  std::vector<Verified> verified;
 };
 
 // DSpark (MODEL.md section 5, SYSTEM.md S7): one block of drafts per sequence, proposed after
@@ -70,11 +91,16 @@ struct DraftSeq {
   // Probabilistic drafts: slot j (1-based) is drawn with these parameters and counter
   // sampling->counter + j - 1; none: greedy (argmax).
   std::optional<DeviceSamplingParams> sampling;
+  // With `sampling`, on a runner that verifies_on_device(): keep these drafts' distributions
+  // on the device for the next execute() of this sequence (SeqStep::DeviceVerify::kKeptQ)
+  // instead of returning them (DraftOutput::probs[i] stays empty). Kept until the sequence is
+  // drafted again or released (ModelRunner::release).
+  bool keep_probs = false;
 };
 
 struct DraftInput {
   std::vector<DraftSeq> seqs;
-  bool want_probs = false;  // return each draft's distribution q (probabilistic verification)
+  bool want_probs = false;  // return each draft's distribution q (probabilistic verification), but for keep_probs sequences
 };
 
 struct DraftOutput {

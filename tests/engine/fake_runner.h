@@ -25,6 +25,10 @@
 // StepOutput::sampled drawn by the host reference of the device contract
 // (ops/cpu/sampling.h) instead of the logits, as the CUDA runner does with its kernel (one
 // token per row for a sequence verifying drafts greedily).
+// With device_verification_ too it verifies random requests' drafts itself (SeqStep::device_verify,
+// verifies_on_device() for rows without top-k / top-p, as the CUDA runner): q kept from draft()
+// (DraftSeq::keep_probs) per sequence until it is drafted again or released, the rows and the
+// uniforms of engine/spec_decode.h verify_drafts, results in StepOutput::verified.
 // With token_masks_ too it applies SeqStep::allowed_tokens (grammar bitmasks) before the draw,
 // as the CUDA runner's apply_token_bitmask does; a mask sent to a runner that did not say it
 // applies masks is an error.
@@ -36,6 +40,9 @@
 #include <thread>
 #include <vector>
 
+#include <map>
+
+#include "engine/spec_decode.h"
 #include "engine/structured_output.h"
 #include "ops/cpu/sampling.h"
 #include "runtime/model_runner.h"
@@ -79,6 +86,11 @@ class FakeRunner : public ModelRunner {
   bool samples_on_device() const override { return device_sampling_; }
   bool applies_token_masks() const override { return token_masks_; }
   bool has_drafter() const override { return config_.drafter.enabled; }
+  bool verifies_on_device(const DeviceSamplingParams& p) const override {
+    return device_sampling_ && device_verification_ && !sampling::top_k_on(p, config_.vocab_size) &&
+           !sampling::top_p_on(p);
+  }
+  void release(int64_t seq_id) override { kept_q_.erase(seq_id); }
 
   // The target's logits row after `history` (tokens at positions 0..p): a pure function.
   static std::vector<float> target_row(const std::vector<int32_t>& history, int vocab) {
@@ -145,8 +157,16 @@ class FakeRunner : public ModelRunner {
           q[t] = 1.0;
         }
         toks.push_back(t);
-        if (in.want_probs) probs.insert(probs.end(), q.begin(), q.end());
+        if (in.want_probs || d.keep_probs) probs.insert(probs.end(), q.begin(), q.end());
         history.push_back(t);
+      }
+      if (d.keep_probs) {
+        if (!d.sampling || !verifies_on_device(*d.sampling))
+          return invalid_argument("fake draft seq {}: keep_probs for drafts it cannot verify", d.seq_id);
+        kept_q_[d.seq_id] = {toks, std::move(probs)};
+        probs.clear();
+      } else {
+        kept_q_.erase(d.seq_id);
       }
       out.tokens.push_back(std::move(toks));
       if (in.want_probs) out.probs.push_back(std::move(probs));
@@ -193,6 +213,36 @@ class FakeRunner : public ModelRunner {
       }
       out.logits.push_back(std::move(rows));
     }
+    // DSpark verification of random requests (SeqStep::device_verify), before any row is
+    // replaced by a draw: the host verifier over the same rows, q as kept.
+    for (size_t i = 0; i < in.seqs.size(); ++i) {
+      const auto& s = in.seqs[i];
+      if (s.device_verify == SeqStep::DeviceVerify::kNo) continue;
+      if (out.verified.empty()) out.verified.resize(in.seqs.size());
+      const int k = s.num_logits - 1;
+      if (!s.device_sampling || !verifies_on_device(*s.device_sampling) || k < 1 ||
+          static_cast<int>(s.tokens.size()) < s.num_logits)
+        return invalid_argument("seq {}: device verification this runner cannot do", s.seq_id);
+      const std::vector<int32_t> drafts(s.tokens.end() - k, s.tokens.end());
+      const float* q = nullptr;
+      if (s.device_verify == SeqStep::DeviceVerify::kKeptQ) {
+        auto it = kept_q_.find(s.seq_id);
+        if (it == kept_q_.end() || it->second.tokens.size() < drafts.size() ||
+            !std::equal(drafts.begin(), drafts.end(), it->second.tokens.begin()))
+          return internal_error("seq {}: no kept q for these drafts", s.seq_id);
+        q = it->second.probs.data();
+      }
+      const int V = config_.vocab_size;
+      const VerifyResult v = verify_drafts(out.logits[i].data(), V, drafts, q, *s.device_sampling,
+                                           s.device_sampling->seed, s.device_sampling->counter);
+      StepOutput::Verified& o = out.verified[i];
+      o.accepted = v.accepted;
+      o.tokens = v.tokens;
+      for (size_t j = 0; j < v.tokens.size(); ++j)
+        o.logprobs.push_back(log_softmax_at(out.logits[i].data() + j * V, V, v.tokens[j]));
+      kept_q_.erase(s.seq_id);
+      ++device_verified_seqs_;
+    }
     bool all_device = device_sampling_ && !logits_anyway_;
     int64_t with_logits = 0;
     for (const auto& s : in.seqs) {
@@ -211,7 +261,7 @@ class FakeRunner : public ModelRunner {
       for (const auto& s : in.seqs) per_row = per_row || s.num_logits > 1;
       for (size_t i = 0; i < in.seqs.size(); ++i) {
         const auto& s = in.seqs[i];
-        if (s.num_logits > 1 && !sampling::greedy(*s.device_sampling))
+        if (s.num_logits > 1 && !sampling::greedy(*s.device_sampling) && s.device_verify == SeqStep::DeviceVerify::kNo)
           return invalid_argument("seq {}: device sampling of {} rows that are not greedy", s.seq_id, s.num_logits);
         if (s.num_logits == 0 && !per_row) {
           out.sampled.push_back(-1);
@@ -230,6 +280,15 @@ class FakeRunner : public ModelRunner {
       ++device_steps_;
     }
     return out;
+  }
+
+  // log_softmax of a raw row at `t` (f64 sums): the logprob a runner returns for a token it emits.
+  static float log_softmax_at(const float* row, int V, int32_t t) {
+    float m = row[0];
+    for (int v = 1; v < V; ++v) m = std::max(m, row[v]);
+    double sum = 0.0;
+    for (int v = 0; v < V; ++v) sum += std::exp(static_cast<double>(row[v]) - m);
+    return static_cast<float>(static_cast<double>(row[t]) - m - std::log(sum));
   }
 
   static std::vector<float> row_of(uint64_t h, int vocab) {
@@ -257,6 +316,9 @@ class FakeRunner : public ModelRunner {
   int64_t device_steps_ = 0;      // steps answered with StepOutput::sampled
   int64_t device_verify_rows_ = 0;  // ... rows of them that verified drafts (greedy, per row)
   int64_t draft_calls_ = 0;       // draft() calls
+  bool device_verification_ = false;  // verify random requests' drafts "on the device"
+  int64_t device_verified_seqs_ = 0;  // ... sequences so verified
+  size_t kept_q_size() const { return kept_q_.size(); }
   double noise_ = 0.0;            // the drafter's perturbation of the target's logits
 
  private:
@@ -269,6 +331,11 @@ class FakeRunner : public ModelRunner {
     return &pages_[g][static_cast<size_t>(b * page + pos % page)];
   }
 
+  struct KeptQ {
+    std::vector<int32_t> tokens;
+    std::vector<float> probs;  // [k x vocab]
+  };
+  std::map<int64_t, KeptQ> kept_q_;
   ModelConfig config_;
   std::vector<CacheGroupInfo> groups_;
   std::vector<std::vector<Cell>> pages_;

@@ -546,6 +546,103 @@ TEST(SpecDecodeEngine, MixedStepsOnADeviceSamplingRunnerMatchEachRequestAlone) {
   }
 }
 
+// Rejection sampling on the device (SeqStep::device_verify, DraftSeq::keep_probs): a runner that
+// verifies random requests itself, with q kept from its drafts, gives every seeded request the
+// tokens and logprobs the host verifier gives it (the same rows, uniforms and q), under a budget
+// that preempts and cuts verifications short, with aborts; kept q is released with its
+// sequence. Requests the device cannot verify (top-k / top-p rows, top-N logprobs) mix into the
+// same steps on the host path.
+TEST(SpecDecodeEngine, DeviceRejectionSamplingEqualsHostVerification) {
+  constexpr int V = 300;
+  std::mt19937 rng(47);
+  ByteTextCodec codec(V);
+  struct Req {
+    std::string id;
+    std::vector<int32_t> prompt;
+    SamplingParams params;
+  };
+  std::vector<Req> reqs;
+  auto seeded = [](double temperature, int max_tokens, uint64_t seed) {
+    SamplingParams p;
+    p.temperature = temperature;
+    p.max_tokens = max_tokens;
+    p.ignore_eos = true;
+    p.seed = seed;
+    return p;
+  };
+  for (int i = 0; i < 6; ++i) reqs.push_back({"t" + std::to_string(i), random_prompt(rng, 5 + 11 * i, V),
+                                              seeded(0.6 + 0.15 * i, 20 + 3 * i, 100 + i)});
+  SamplingParams mp = seeded(1.0, 30, 7);
+  mp.min_p = 0.2;
+  reqs.push_back({"min_p", random_prompt(rng, 17, V), mp});
+  SamplingParams lp = seeded(0.9, 25, 8);
+  lp.logprobs = 0;  // the chosen token's logprob: from the device
+  reqs.push_back({"logprob", random_prompt(rng, 23, V), lp});
+  SamplingParams tk = seeded(0.9, 25, 9);
+  tk.top_k = 20;  // the device cannot: host rows
+  reqs.push_back({"top_k", random_prompt(rng, 9, V), tk});
+  SamplingParams top = seeded(1.0, 22, 10);
+  top.logprobs = 2;  // top-N: host rows
+  reqs.push_back({"top_n", random_prompt(rng, 31, V), top});
+  reqs.push_back({"greedy", random_prompt(rng, 12, V), greedy(40)});
+
+  for (bool prob : {true, false}) {
+    auto run = [&](bool device_verification, int64_t* verified, int64_t* preemptions) {
+      // 45 blocks of 4 tokens per full group for 11 requests of up to ~95 tokens: it preempts;
+      // a 24-token budget chunks prefills and cuts verifications.
+      FakeRunner r(V, FakeRunner::drafter_groups(45, 11 * 7, 12));
+      r.enable_drafter(6, 0.3);
+      r.device_sampling_ = true;
+      r.device_verification_ = device_verification;
+      Engine e(&r, &codec, config(11, 24, 5, prob));
+      EXPECT_TRUE(e.speculative());
+      for (const Req& q : reqs) EXPECT_TRUE(e.add_request(q.id, q.prompt, q.params).ok());
+      RunOut got;
+      for (int step = 0; e.has_work() && step < 20000; ++step) {
+        if (step == 8) {
+          EXPECT_TRUE(e.abort("t5"));
+        }
+        auto res = e.step();
+        EXPECT_TRUE(res.ok()) << res.status().message();
+        if (!res.ok()) break;
+        collect(&got, res.value());
+      }
+      EXPECT_FALSE(e.has_work());
+      EXPECT_EQ(r.kept_q_size(), 0u);  // every kept q released with its sequence
+      EXPECT_GT(e.counters().spec.num_accepted_tokens, 0);
+      *verified = r.device_verified_seqs_;
+      *preemptions = e.counters().preemptions;
+      return got;
+    };
+    int64_t dv = 0, hv = 0, dp = 0, hp = 0;
+    const RunOut dev = run(true, &dv, &dp);
+    const RunOut host = run(false, &hv, &hp);
+    std::printf("%s drafts: %ld sequences verified on the device, %ld preemptions\n", prob ? "probabilistic" : "greedy",
+                (long)dv, (long)dp);
+    EXPECT_GT(dv, 0);
+    EXPECT_EQ(hv, 0);
+    EXPECT_GT(dp, 0);
+    EXPECT_EQ(dp, hp);
+    for (const Req& q : reqs) {
+      auto of = [&](const auto& m) { return m.count(q.id) ? m.at(q.id) : typename std::decay_t<decltype(m)>::mapped_type{}; };
+      EXPECT_EQ(of(dev.tokens), of(host.tokens)) << q.id << (prob ? " probabilistic" : " greedy");
+      if (q.id != "t5") {
+        EXPECT_EQ(of(dev.tokens).size(), static_cast<size_t>(q.params.max_tokens)) << q.id;
+      }
+      const auto a = of(dev.logprobs);
+      const auto b = of(host.logprobs);
+      ASSERT_EQ(a.size(), b.size()) << q.id;
+      for (size_t t = 0; t < a.size(); ++t) {
+        EXPECT_EQ(a[t].token, b[t].token) << q.id << " " << t;
+        // Device: the runner's log-softmax; host: the Sampler's over the same row, both f64
+        // sums of 300 terms rounded to f32 (|logprob| < ~10): 1e-5 absolute.
+        EXPECT_NEAR(a[t].logprob, b[t].logprob, 1e-5) << q.id << " " << t;
+        EXPECT_EQ(a[t].top, b[t].top) << q.id << " " << t;
+      }
+    }
+  }
+}
+
 // Penalties, logit_bias and min_tokens need the sampler's per-token edits: no drafts, and
 // their tokens are the non-speculative engine's.
 TEST(SpecDecodeEngine, IneligibleRequestsDecodeOneByOne) {
