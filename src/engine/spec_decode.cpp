@@ -9,26 +9,7 @@
 namespace ml4 {
 namespace {
 
-constexpr uint32_t kVerifyTag = 0x4d4c3456u;  // "ML4V": the verifier's draws
 constexpr uint64_t kDraftTag = 0x4d4c3444'52414654ull;  // "ML4DRAFT"
-
-// 53 random bits -> [0, 1).
-double unit(uint32_t hi, uint32_t lo) {
-  const uint64_t bits = (static_cast<uint64_t>(hi) << 21) ^ (lo >> 11);
-  return static_cast<double>(bits & ((1ull << 53) - 1)) * (1.0 / 9007199254740992.0);
-}
-
-struct Uniforms {
-  double accept = 0.0;  // the acceptance test's u
-  double draw = 0.0;    // the inverse-CDF draw of a correction or bonus token
-};
-
-Uniforms uniforms(uint64_t seed, int64_t index) {
-  const uint64_t c = static_cast<uint64_t>(index);
-  const sampling::Philox4 r = sampling::philox4x32_10(0u, kVerifyTag, static_cast<uint32_t>(c), static_cast<uint32_t>(c >> 32),
-                                                      static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
-  return {unit(r.v[0], r.v[1]), unit(r.v[2], r.v[3])};
-}
 
 // Inverse CDF over unnormalised non-negative weights, in id order.
 int32_t draw(const std::vector<double>& w, double u) {
@@ -178,7 +159,7 @@ VerifyResult verify_drafts(const float* rows, int64_t V, const std::vector<int32
   std::vector<double> p;
   for (int j = 0; j <= k; ++j) {
     target_distribution(rows + static_cast<int64_t>(j) * V, V, params, &p);
-    const Uniforms u = uniforms(seed, first_index + j);
+    const sampling::VerifyUniforms u = sampling::verify_uniforms(seed, first_index + j);
     if (j == k) {  // every draft passed: the bonus token, from p
       out.tokens.push_back(draw(p, u.draw));
       break;

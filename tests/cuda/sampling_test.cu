@@ -11,7 +11,8 @@
 //   - the host reference ops/cpu/sampling.h (the engine's fallback): the same token on
 //     all but float-rounding flips (>= 97% of rows; a flip needs two Gumbel scores within a
 //     few ulps);
-//   - determinism: same (seed, counter) -> the same token and logprob bits, in any batch order.
+//   - determinism: same (seed, counter) -> the same token and logprob bits, in any batch order;
+//   - DSpark's rejection sampler (verify_rows) against the host verifier, decision for decision.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -30,6 +31,7 @@
 #include "ops/cpu/basic.h"
 #include "ops/cpu/draft_tokens.h"
 #include "ops/cuda/sampling.h"
+#include "engine/spec_decode.h"
 
 namespace ml4::cuda {
 namespace {
@@ -507,6 +509,133 @@ TEST(CudaSampling, DraftRowsMatchHostDrafts) {
   const auto* p = reinterpret_cast<const DeviceSamplingParams*>(d.as<float>());
   DeviceBuffer ws = poisoned<uint8_t>(8);
   EXPECT_FALSE(draft_rows(d.as<float>(), 2, 8, p, d.as<int32_t>(), d.as<float>(), ws.data(), 8, nullptr).ok());
+}
+
+// DSpark's rejection sampler on the device (verify_rows) against the host verifier
+// (engine/spec_decode.h verify_drafts) on the same rows, q, parameters and uniforms: every
+// sequence's accepted count and tokens equal (the sums differ in order only, ~1e-16 relative:
+// a decision can flip only when u falls that close to its threshold, ~1e-13 per decision
+// here), logprobs within f32 rounding of the f64 log-softmax, unused outputs -1, repeat
+// launches bit-identical. Kept q (a noisy drafter's distribution, drafts drawn from it) and
+// one-hot q (greedy drafts: a draw from p, so they pass at the rate p(d) gives), temperatures
+// 0.7-1.3, min-p on and off, 1-7 drafts, a vocabulary that is not a multiple of the block.
+TEST(CudaSampling, VerifyRowsMatchTheHostVerifier) {
+  ML4_REQUIRE_GPU();
+  for (const int64_t V : {int64_t{8192 + 5}, int64_t{131072}}) {
+    constexpr int kSeqs = 8, kTrials = 24;
+    std::vector<VerifySeq> seqs(kSeqs);
+    int64_t rows = 0, qrows = 0, ndrafts = 0;
+    for (int s = 0; s < kSeqs; ++s) {
+      VerifySeq& v = seqs[s];
+      v.k = 1 + s % 7;
+      v.row0 = rows;
+      v.q0 = s % 2 == 0 ? qrows : -1;
+      v.draft0 = static_cast<int32_t>(ndrafts);
+      v.out0 = static_cast<int32_t>(rows);
+      v.params.temperature = s % 3 == 0 ? 0.7f : s % 3 == 1 ? 1.0f : 1.3f;
+      v.params.min_p = s % 4 == 1 ? 0.05f : 0.0f;
+      v.params.seed = 9000 + static_cast<uint64_t>(s);
+      ASSERT_TRUE(verify_rows_supported(v.params, V));
+      rows += 1 + v.k;
+      if (v.q0 >= 0) qrows += v.k;
+      ndrafts += v.k;
+    }
+    const auto l = testing::randn(rows * V, 77, 2.5f);
+    const auto noise = testing::randn(rows * V, 78, 0.7f);
+    std::vector<float> q(std::max<int64_t>(qrows, 1) * V, 0.0f);
+    std::vector<int32_t> drafts(ndrafts);
+    std::vector<double> dist(V);
+    std::vector<float> row(V), w(V);
+    for (int s = 0; s < kSeqs; ++s) {
+      const VerifySeq& v = seqs[s];
+      for (int j = 0; j < v.k; ++j) {
+        const float* lj = l.data() + (v.row0 + j) * V;
+        if (v.q0 >= 0) {  // a drafter near the target: q from perturbed logits, the draft drawn from q
+          for (int64_t i = 0; i < V; ++i) row[i] = lj[i] + noise[(v.row0 + j) * V + i];
+          sampling::row_distribution(row.data(), V, v.params, dist.data());
+          float* qj = q.data() + (v.q0 + j) * V;
+          for (int64_t i = 0; i < V; ++i) qj[i] = static_cast<float>(dist[i]);
+          drafts[v.draft0 + j] = sampling::draw_from_weights(qj, V, 55 + s, j);
+        } else {  // greedy drafts of another model: here a draw from p itself
+          sampling::row_distribution(lj, V, v.params, dist.data());
+          for (int64_t i = 0; i < V; ++i) w[i] = static_cast<float>(dist[i]);
+          drafts[v.draft0 + j] = sampling::draw_from_weights(w.data(), V, 66 + s, j);
+        }
+      }
+    }
+    auto dl = to_device(l), dq = to_device(q), dd = to_device(drafts);
+    int64_t decided = 0, accepted_total = 0, rejected = 0, bonus = 0;
+    std::vector<int32_t> first_tokens;
+    std::vector<float> first_logprobs;
+    for (int trial = 0; trial < kTrials; ++trial) {
+      for (int s = 0; s < kSeqs; ++s) seqs[s].params.counter = 1000 * trial + 3 * s;
+      auto ds = to_device(seqs);
+      for (int rep = 0; rep < (trial == 0 ? 2 : 1); ++rep) {
+        auto dt = poisoned<int32_t>(rows), dlp = poisoned<float>(rows), da = poisoned<int32_t>(kSeqs);
+        ML4_ASSERT_OK(verify_rows(dl.as<float>(), V, dq.as<float>(), dd.as<int32_t>(), ds.as<VerifySeq>(), kSeqs,
+                                  dt.as<int32_t>(), dlp.as<float>(), da.as<int32_t>(), nullptr));
+        ML4_ASSERT_OK(cuda_status(cudaDeviceSynchronize(), "verify_rows"));
+        const auto tokens = to_host<int32_t>(dt, rows);
+        const auto logprobs = to_host<float>(dlp, rows);
+        const auto acc = to_host<int32_t>(da, kSeqs);
+        if (rep == 1) {  // a repeat launch: the same bits
+          EXPECT_EQ(tokens, first_tokens);
+          EXPECT_EQ(0, std::memcmp(logprobs.data(), first_logprobs.data(), logprobs.size() * 4));
+          continue;
+        }
+        if (trial == 0) first_tokens = tokens, first_logprobs = logprobs;
+        for (int s = 0; s < kSeqs; ++s) {
+          const VerifySeq& v = seqs[s];
+          const std::vector<int32_t> dj(drafts.begin() + v.draft0, drafts.begin() + v.draft0 + v.k);
+          const VerifyResult h = verify_drafts(l.data() + v.row0 * V, V, dj, v.q0 >= 0 ? q.data() + v.q0 * V : nullptr,
+                                               v.params, v.params.seed, v.params.counter);
+          ASSERT_EQ(acc[s], h.accepted) << "V=" << V << " trial " << trial << " seq " << s;
+          for (int j = 0; j <= v.k; ++j) {
+            const int32_t t = tokens[v.out0 + j];
+            if (j > h.accepted) {
+              EXPECT_EQ(t, -1) << "seq " << s << " slot " << j;
+              EXPECT_EQ(logprobs[v.out0 + j], 0.0f);
+              continue;
+            }
+            ASSERT_EQ(t, h.tokens[j]) << "V=" << V << " trial " << trial << " seq " << s << " slot " << j;
+            const float* lj = l.data() + (v.row0 + j) * V;
+            const double m = *std::max_element(lj, lj + V);
+            double z = 0.0;
+            for (int64_t i = 0; i < V; ++i) z += std::exp(static_cast<double>(lj[i]) - m);
+            const double want = static_cast<double>(lj[t]) - m - std::log(z);
+            // f32 rounding of a value of magnitude < 32 (2^-19 ~ 1.9e-6) plus f64 sum-order noise.
+            EXPECT_NEAR(logprobs[v.out0 + j], want, 4e-6) << "seq " << s << " slot " << j;
+          }
+          ++decided;
+          accepted_total += h.accepted;
+          if (h.accepted < v.k) ++rejected; else ++bonus;
+        }
+      }
+    }
+    std::printf("verify_rows V=%lld: %lld verifications, %lld drafts accepted, %lld rejections, %lld bonus tokens\n",
+                static_cast<long long>(V), static_cast<long long>(decided), static_cast<long long>(accepted_total),
+                static_cast<long long>(rejected), static_cast<long long>(bonus));
+    EXPECT_GT(accepted_total, decided / 4);  // both branches ran, many times
+    EXPECT_GT(rejected, decided / 4);
+    EXPECT_GT(bonus, 0);
+  }
+  DeviceSamplingParams p;
+  p.temperature = 0.0f;
+  EXPECT_FALSE(verify_rows_supported(p, 8192));  // greedy rows verify by argmax
+  p.temperature = 1.0f;
+  p.top_k = 40;
+  EXPECT_FALSE(verify_rows_supported(p, 8192));
+  p.top_k = 0;
+  p.top_p = 0.9f;
+  EXPECT_FALSE(verify_rows_supported(p, 8192));
+  DeviceBuffer d = poisoned<float>(64);
+  const auto* vs = reinterpret_cast<const VerifySeq*>(d.as<float>());
+  EXPECT_FALSE(verify_rows(d.as<float>(), 8, nullptr, d.as<int32_t>(), vs, -1, d.as<int32_t>(), d.as<float>(),
+                           d.as<int32_t>(), nullptr).ok());
+  EXPECT_FALSE(verify_rows(nullptr, 8, nullptr, d.as<int32_t>(), vs, 1, d.as<int32_t>(), d.as<float>(),
+                           d.as<int32_t>(), nullptr).ok());
+  EXPECT_TRUE(verify_rows(d.as<float>(), 8, nullptr, d.as<int32_t>(), vs, 0, d.as<int32_t>(), d.as<float>(),
+                          d.as<int32_t>(), nullptr).ok());
 }
 
 TEST(CudaSampling, BadArgumentsAreErrors) {

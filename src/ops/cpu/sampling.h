@@ -96,6 +96,28 @@ ML4_SAMPLING_HD Philox4 draw_group(uint64_t seed, int64_t counter, uint32_t q) {
                        static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
 }
 
+// DSpark's verifier (engine/spec_decode.h verify_drafts, and its device version,
+// ops/cuda/sampling.h verify_rows): two 53-bit uniforms in [0, 1) per decided token, keyed by
+// the request's seed and the output index of that token under a tag of their own.
+constexpr uint32_t kVerifyTag = 0x4d4c3456u;  // "ML4V"
+struct VerifyUniforms {
+  double accept = 0.0;  // the acceptance test's u
+  double draw = 0.0;    // the inverse-CDF draw of a correction or bonus token
+};
+ML4_SAMPLING_HD double unit53(uint32_t hi, uint32_t lo) {
+  const uint64_t bits = (static_cast<uint64_t>(hi) << 21) ^ (lo >> 11);
+  return static_cast<double>(bits & ((1ull << 53) - 1)) * (1.0 / 9007199254740992.0);
+}
+ML4_SAMPLING_HD VerifyUniforms verify_uniforms(uint64_t seed, int64_t index) {
+  const uint64_t c = static_cast<uint64_t>(index);
+  const Philox4 r = philox4x32_10(0u, kVerifyTag, static_cast<uint32_t>(c), static_cast<uint32_t>(c >> 32),
+                                  static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
+  VerifyUniforms u;
+  u.accept = unit53(r.v[0], r.v[1]);
+  u.draw = unit53(r.v[2], r.v[3]);
+  return u;
+}
+
 // Gumbel noise -log(-log(u)), u = (x >> 9 + 0.5) / 2^23 in (0, 1): exact in f32.
 ML4_SAMPLING_HD float gumbel(uint32_t x) {
   const float u = (static_cast<float>(x >> 9) + 0.5f) * (1.0f / 8388608.0f);

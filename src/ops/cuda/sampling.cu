@@ -158,11 +158,9 @@ __host__ __device__ inline DraftWs draft_ws(void* base, int64_t B, int tiles) {
   return w;
 }
 
-// The row's best id from its tiles' keys (every thread gets it).
-__device__ __forceinline__ int64_t draft_best(const ull* keys, int tiles) {
+// The block's largest key (every thread gets it).
+__device__ __forceinline__ ull block_max_key(ull k) {
   __shared__ ull red[32];
-  ull k = 0;
-  for (int i = threadIdx.x; i < tiles; i += blockDim.x) k = keys[i] > k ? keys[i] : k;
   k = warp_max_key(k);
   if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = k;
   __syncthreads();
@@ -174,7 +172,18 @@ __device__ __forceinline__ int64_t draft_best(const ull* keys, int tiles) {
   __syncthreads();
   const ull best = red[0];
   __syncthreads();
-  return static_cast<int64_t>(0xFFFFFFFFu - static_cast<uint32_t>(best & 0xFFFFFFFFu));
+  return best;
+}
+
+__device__ __forceinline__ int64_t key_id(ull key) {
+  return static_cast<int64_t>(0xFFFFFFFFu - static_cast<uint32_t>(key & 0xFFFFFFFFu));
+}
+
+// The row's best id from its tiles' keys (every thread gets it).
+__device__ __forceinline__ int64_t draft_best(const ull* keys, int tiles) {
+  ull k = 0;
+  for (int i = threadIdx.x; i < tiles; i += blockDim.x) k = keys[i] > k ? keys[i] : k;
+  return key_id(block_max_key(k));
 }
 
 // e_i of row_distribution's temperature branch (0 where min-p drops it).
@@ -345,6 +354,151 @@ __global__ void draft_draw_kernel(const float* __restrict__ probs, int64_t V, co
 }
 
 // ---- one block per row (no workspace) --------------------------------------------------
+
+// ---- DSpark verification on the device (verify_rows) -------------------------------------
+//
+// One 1024-thread block per verifying sequence, its rows in order as verify_drafts walks them:
+// per row the argmax (keys, as the host's ranks_above), one pass for sum e_i (row_distribution's
+// weights: temperature, min-p) and sum exp(l_i - m) (the logprob), both f64 in a fixed order;
+// the acceptance test on the draft's p / q; on rejection (or for the bonus) an inverse-CDF draw
+// over the residual max(p - q, 0) (or p), each thread summing a contiguous run of ids, the
+// runs' sums scanned in thread order, and the thread whose run crosses u * total scanning it.
+
+constexpr int kVerifyThreads = 1024;
+
+// Thread 0's block_sum_f64, to every thread.
+__device__ __forceinline__ double block_total_f64(double v) {
+  __shared__ double total;
+  const double s = block_sum_f64(v);
+  if (threadIdx.x == 0) total = s;
+  __syncthreads();
+  const double r = total;
+  __syncthreads();
+  return r;
+}
+
+// sampling.h draw semantics over weights w(i) >= 0 for ids [0, V): the first id whose running
+// sum (id order) exceeds u * total; where rounding leaves no crossing, the last id with weight
+// > 0. -1 when no weight is positive. Every thread gets the id.
+template <typename Weight>
+__device__ int64_t block_draw(int64_t V, double u, Weight w) {
+  __shared__ double warp_tot[32];
+  __shared__ int crossing;
+  __shared__ unsigned long long last_any;
+  __shared__ long long chosen;
+  const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, nw = blockDim.x >> 5;
+  const int64_t per = (V + blockDim.x - 1) / blockDim.x;
+  const int64_t i0 = min(V, static_cast<int64_t>(tid) * per), i1 = min(V, i0 + per);
+  if (tid == 0) {
+    crossing = INT_MAX;
+    last_any = 0;
+    chosen = -1;
+  }
+  double mine = 0.0;
+  int64_t last = -1;
+  for (int64_t i = i0; i < i1; ++i) {
+    const double x = w(i);
+    if (x > 0.0) {
+      mine += x;
+      last = i;
+    }
+  }
+  // Inclusive scan of the runs' sums in thread order: within warps, then over the warp totals.
+  double incl = mine;
+  for (int o = 1; o < 32; o <<= 1) {
+    const double v = __shfl_up_sync(0xFFFFFFFFu, incl, o);
+    if (lane >= o) incl += v;
+  }
+  if (lane == 31) warp_tot[wid] = incl;
+  __syncthreads();
+  double before = 0.0, total = 0.0;
+  for (int k = 0; k < nw; ++k) {
+    if (k < wid) before += warp_tot[k];
+    total += warp_tot[k];
+  }
+  incl += before;
+  const double excl = incl - mine;
+  if (last >= 0) atomicMax(&last_any, static_cast<unsigned long long>(last + 1));
+  const double target = u * total;
+  if (mine > 0.0 && incl > target) atomicMin(&crossing, tid);
+  __syncthreads();
+  if (tid == crossing) {
+    double a = excl;
+    int64_t tok = last;
+    for (int64_t i = i0; i < i1; ++i) {
+      const double x = w(i);
+      if (!(x > 0.0)) continue;
+      a += x;
+      tok = i;
+      if (a > target) break;
+    }
+    chosen = tok;
+  }
+  __syncthreads();
+  const int64_t out = chosen >= 0 ? static_cast<int64_t>(chosen) : static_cast<int64_t>(last_any) - 1;
+  __syncthreads();
+  return out;
+}
+
+__global__ void __launch_bounds__(kVerifyThreads)
+    verify_rows_kernel(const float* __restrict__ logits, int64_t V, const float* __restrict__ q,
+                       const int32_t* __restrict__ drafts, const VerifySeq* __restrict__ seqs,
+                       int32_t* __restrict__ tokens, float* __restrict__ logprobs, int32_t* __restrict__ accepted) {
+  pdl_wait();
+  pdl_launch_dependents();
+  const VerifySeq s = seqs[blockIdx.x];
+  const DeviceSamplingParams& P = s.params;
+  int j = 0;
+  for (; j <= s.k; ++j) {
+    const float* l = logits + (s.row0 + j) * V;
+    ull key = 0;
+    for (int64_t i = threadIdx.x; i < V; i += blockDim.x) {
+      const ull c = argmax_key(l[i], i);
+      key = c > key ? c : key;
+    }
+    const int64_t best = key_id(block_max_key(key));
+    const double m = l[best];
+    double e = 0.0, z = 0.0;
+    for (int64_t i = threadIdx.x; i < V; i += blockDim.x) {
+      const float li = l[i];
+      e += draft_weight(li, i, m, P, best);
+      if (li == li) z += exp(static_cast<double>(li) - m);
+    }
+    const double esum = block_total_f64(e), lsum = block_total_f64(z);
+    const sampling::VerifyUniforms u = sampling::verify_uniforms(P.seed, P.counter + j);
+    auto p_of = [&](int64_t i) { return draft_weight(l[i], i, m, P, best) / esum; };
+    int64_t t = -1;
+    if (j < s.k) {
+      const int32_t d = drafts[s.draft0 + j];
+      const float* qr = s.q0 >= 0 ? q + (s.q0 + j) * V : nullptr;
+      const double qd = qr != nullptr ? static_cast<double>(qr[d]) : 1.0;
+      if (qd > 0.0 && p_of(d) / qd >= u.accept) {
+        if (threadIdx.x == 0) {
+          tokens[s.out0 + j] = d;
+          logprobs[s.out0 + j] = static_cast<float>(static_cast<double>(l[d]) - m - log(lsum));
+        }
+        continue;
+      }
+      // Rejected: the residual max(p - q, 0) (one-hot q: p without the draft).
+      t = block_draw(V, u.draw, [&](int64_t i) {
+        const double p = p_of(i);
+        return qr != nullptr ? fmax(0.0, p - static_cast<double>(qr[i])) : (i == d ? 0.0 : p);
+      });
+    }
+    if (t < 0) t = block_draw(V, u.draw, p_of);  // the bonus (p), or a residual of 0 (p == q)
+    if (t < 0) t = 0;                            // no positive weight: the host's draw gives 0
+    if (threadIdx.x == 0) {
+      tokens[s.out0 + j] = static_cast<int32_t>(t);
+      logprobs[s.out0 + j] = static_cast<float>(static_cast<double>(l[t]) - m - log(lsum));
+    }
+    break;
+  }
+  if (threadIdx.x == 0) accepted[blockIdx.x] = j;  // the drafts before the emitted token
+  for (int i = j + 1 + static_cast<int>(threadIdx.x); i <= s.k; i += blockDim.x) {
+    tokens[s.out0 + i] = -1;
+    logprobs[s.out0 + i] = 0.0f;
+  }
+}
 
 template <bool kVec>
 __global__ void __launch_bounds__(rowblock::kThreads, 1)
@@ -1065,6 +1219,20 @@ Status draft_rows(const float* logits, int64_t B, int64_t V, const DeviceSamplin
   launch_kernel(draft_draw_kernel, static_cast<unsigned>(B), 32, 0, stream, static_cast<const float*>(probs), V, params,
                 ids, workspace, tiles);
   return cuda_status(cudaGetLastError(), "draft_draw_kernel");
+}
+
+bool verify_rows_supported(const DeviceSamplingParams& p, int64_t V) {
+  return !sampling::greedy(p) && !sampling::top_k_on(p, V) && !sampling::top_p_on(p);
+}
+
+Status verify_rows(const float* logits, int64_t V, const float* q, const int32_t* drafts, const VerifySeq* seqs,
+                   int64_t n, int32_t* tokens, float* logprobs, int32_t* accepted, cudaStream_t stream) {
+  if (n < 0 || n > 65535 || V <= 0 || V > INT32_MAX) return invalid_argument("verify_rows: bad shape n={} V={}", n, V);
+  if (n == 0) return ok_status();
+  if (!logits || !drafts || !seqs || !tokens || !logprobs || !accepted) return invalid_argument("verify_rows: null pointer");
+  launch_kernel(verify_rows_kernel, static_cast<unsigned>(n), kVerifyThreads, 0, stream, logits, V, q, drafts, seqs,
+                tokens, logprobs, accepted);
+  return cuda_status(cudaGetLastError(), "verify_rows_kernel");
 }
 
 Status sample_rows(const float* logits, int64_t B, int64_t V, const DeviceSamplingParams* params, int32_t* tokens,

@@ -96,6 +96,32 @@ size_t draft_rows_workspace_bytes(int64_t B, int64_t V);
 Status draft_rows(const float* logits, int64_t B, int64_t V, const DeviceSamplingParams* params, int32_t* ids,
                   float* probs, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
+// DSpark verification of random requests on the device: engine/spec_decode.h verify_drafts
+// (vLLM's rejection sampler) for n sequences at once, so neither the target's rows nor the
+// drafts' q leave the device. Sequence s (VerifySeq, a DEVICE array) has k drafts at
+// drafts[draft0 ..], its 1 + k logits rows from logits row row0 (V floats apart), q's k rows
+// from q row q0 (q0 < 0: q one-hot at each draft, greedy drafts), and its parameters (seed;
+// counter = the output index of the token row 0 decides: the verifier's uniforms,
+// sampling::verify_uniforms). p = sampling::row_distribution of each row (temperature, min-p;
+// verify_rows_supported: not top-k / top-p); draft j is accepted when q(d) > 0 and p(d) / q(d)
+// >= u; the first rejection emits a draw from max(p - q, 0), all passing a bonus from p_k.
+// Out: tokens / logprobs [out0 .. out0 + k]: the accepted drafts, then the emitted token, then
+// -1 (logprob 0); the logprob of each is its row's log_softmax; accepted [n]. Sums are f64
+// in a fixed order other than the host's sequential one: a decision differs from
+// verify_drafts only where u falls within rounding (~1e-15 relative) of its threshold.
+struct VerifySeq {
+  int64_t row0 = 0;
+  int64_t q0 = -1;
+  int32_t k = 0;
+  int32_t draft0 = 0;
+  int32_t out0 = 0;
+  int32_t pad = 0;
+  DeviceSamplingParams params;
+};
+bool verify_rows_supported(const DeviceSamplingParams& p, int64_t V);
+Status verify_rows(const float* logits, int64_t V, const float* q, const int32_t* drafts, const VerifySeq* seqs,
+                   int64_t n, int32_t* tokens, float* logprobs, int32_t* accepted, cudaStream_t stream);
+
 // Samples one token per row. logits: device f32, row r at logits + r * row_stride
 // (row_stride < 0: V; 0: every row reads the same logits, for tests and benchmarks).
 // params: DEVICE array [B] of DeviceSamplingParams. tokens: device [B] int32. logprobs:
