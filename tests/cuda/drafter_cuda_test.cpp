@@ -4,11 +4,16 @@
 // equal up to rounding-level near-ties), and probabilistic drafts equal to the CPU runner's,
 // token for token (both draw with the counter-based generator of ops/cpu/sampling.h from the
 // same logits up to f32 rounding; a draw can only differ where a Gumbel race is decided within
-// that rounding, which these few draws of a 8192-token vocabulary do not meet).
+// that rounding, which these few draws of a 8192-token vocabulary do not meet). And random
+// requests verified on the device (CudaRunnerOptions::device_verification) equal the host
+// verifier's through the engine.
 #include <random>
 
 #include <gtest/gtest.h>
 
+#include "engine/engine.h"
+#include "engine/engine_test_util.h"
+#include "engine/spec_decode.h"
 #include "ops/cuda/cuda_common.h"
 #include "runtime/cuda/cuda_runner.h"
 #include "runtime/drafter_check.h"
@@ -163,6 +168,102 @@ TEST(CudaDrafter, GreedyDraftGraphsEqualEagerDrafts) {
   EXPECT_EQ((*e)->draft_replays(), 0);
   std::printf("greedy draft graphs: %d blocks compared, %lld replays\n", compared,
               static_cast<long long>((*g)->draft_replays()));
+}
+
+
+// DSpark's rejection sampler on the device through the engine (ml4-small with its drafter,
+// production numerics): seeded random requests (temperatures 0.7-1.2, min-p, a logprob
+// request, a top-k one that stays on the host), probabilistic and greedy drafts, with device
+// verification and without. The two runners compute the same logits and q (the same kernels
+// in the same steps), and verify_rows decides as verify_drafts does up to f64 rounding, so
+// every request's tokens are equal; logprobs within f32 rounding; the device did verify, and
+// no kept q outlives its request.
+TEST(CudaDrafter, DeviceRejectionSamplingEqualsHostVerification) {
+  if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
+  std::mt19937 rng(21);
+  std::vector<std::pair<std::vector<int32_t>, SamplingParams>> reqs;
+  for (int i = 0; i < 7; ++i) {
+    std::vector<int32_t> prompt;
+    for (int t = 0; t < 20 + 37 * i; ++t) prompt.push_back(3 + static_cast<int32_t>(rng() % 8000));
+    SamplingParams p;
+    p.temperature = 0.7 + 0.1 * i;
+    p.max_tokens = 48;
+    p.ignore_eos = true;
+    p.seed = 500 + i;
+    if (i == 2) p.min_p = 0.05;
+    if (i == 4) p.logprobs = 0;
+    if (i == 6) p.top_k = 40;  // not on the device: host rows beside device verification
+    reqs.push_back({prompt, p});
+  }
+  for (bool prob : {true, false}) {
+    auto run = [&](bool device, int64_t* verified) {
+      cuda::CudaRunnerOptions o;
+      o.base.kv_cache_dtype = "fp8_ds_mla";
+      o.base.kv_cache_bytes = 256ll << 20;
+      o.base.drafter = true;
+      o.device_verification = device;
+      auto cfg = ModelConfig{};
+      EngineConfig c;
+      c.scheduler.max_num_seqs = 8;
+      c.scheduler.max_num_batched_tokens = 256;
+      c.scheduler.max_model_len = 1024;
+      c.speculative.method = "dspark";
+      c.speculative.num_speculative_tokens = 7;
+      c.speculative.probabilistic_drafts = prob;
+      std::map<std::string, std::vector<int32_t>> toks;
+      std::map<std::string, std::vector<TokenLogprob>> lps;
+      setenv("ML4_DEVICE_VERIFY", device ? "1" : "0", 1);
+      // The drafter group holds a window per sequence: the engine's max_num_seqs as the runner's.
+      auto probe = cuda::CudaRunner::load(std::string(ML4_SOURCE_DIR) + "/assets/ml4-small", o);
+      EXPECT_TRUE(probe.ok()) << probe.status().message();
+      if (!probe.ok()) return toks;
+      cfg = (*probe)->config();
+      probe->reset();
+      o.base.max_num_seqs = drafter_runner_seqs(c.scheduler.max_num_seqs, cfg);
+      auto made = cuda::CudaRunner::load(std::string(ML4_SOURCE_DIR) + "/assets/ml4-small", o);
+      unsetenv("ML4_DEVICE_VERIFY");
+      EXPECT_TRUE(made.ok()) << made.status().message();
+      if (!made.ok()) return toks;
+      auto& r = *made;
+      ByteTextCodec codec(cfg.vocab_size);
+      Engine e(r.get(), &codec, c);
+      EXPECT_TRUE(e.speculative());
+      for (size_t i = 0; i < reqs.size(); ++i)
+        EXPECT_TRUE(e.add_request("r" + std::to_string(i), reqs[i].first, reqs[i].second).ok());
+      for (int i = 0; i < 20000 && e.has_work(); ++i) {
+        auto s = e.step();
+        EXPECT_TRUE(s.ok()) << s.status().message();
+        if (!s.ok()) break;
+        for (auto& x : *s) {
+          toks[x.request_id].insert(toks[x.request_id].end(), x.new_tokens.begin(), x.new_tokens.end());
+          lps[x.request_id].insert(lps[x.request_id].end(), x.new_logprobs.begin(), x.new_logprobs.end());
+        }
+      }
+      EXPECT_GT(e.counters().spec.num_accepted_tokens, 0);
+      EXPECT_EQ(r->kept_q_count(), 0u);
+      *verified = r->device_verifications();
+      for (const auto& [id, l] : lps)
+        for (size_t t = 0; t < l.size(); ++t) toks["lp_" + id].push_back(static_cast<int32_t>(std::lround(l[t].logprob * 1e4)));
+      return toks;
+    };
+    int64_t dv = 0, hv = 0;
+    const auto dev = run(true, &dv);
+    const auto host = run(false, &hv);
+    std::printf("%s drafts: %lld random verifications on the device\n", prob ? "probabilistic" : "greedy",
+                static_cast<long long>(dv));
+    EXPECT_GT(dv, 0);
+    EXPECT_EQ(hv, 0);
+    ASSERT_EQ(dev.size(), host.size());
+    for (const auto& [id, t] : host) {
+      if (id.rfind("lp_", 0) == 0) {  // logprobs x 1e4, rounded: f32 rounding apart (<= 1 unit)
+        ASSERT_EQ(dev.at(id).size(), t.size()) << id;
+        for (size_t i = 0; i < t.size(); ++i) EXPECT_LE(std::abs(dev.at(id)[i] - t[i]), 1) << id << " " << i;
+        continue;
+      }
+      EXPECT_EQ(dev.at(id), t) << id << (prob ? " probabilistic" : " greedy");
+      EXPECT_EQ(t.size(), 48u) << id;
+    }
+  }
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 
 #include "core/log.h"
 #include "kv/paged_kv_cache.h"
@@ -104,6 +105,19 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::create(const ModelConfig& cfg, c
   if (!prog.ok()) return prog.status().with_context(model_dir);
   r->program_ = std::move(prog).value();
   ML4_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());  // synthetic fills ran on the default stream
+  // Device verification's kept q (CudaRunnerOptions::device_verification), before the KV pool
+  // takes what is left: a slot of (block - 1) rows per sequence the engine can run.
+  if (const char* v = std::getenv("ML4_DEVICE_VERIFY"); v && (v[0] == '0' || v[0] == '1'))
+    r->opts_.device_verification = v[0] == '1';
+  if (!opts.base.drafter || plan != nullptr) r->opts_.device_verification = false;
+  if (r->opts_.device_verification) {
+    const int64_t slots = std::max<int64_t>(opts.base.max_num_seqs, 1);
+    const int64_t rows = slots * std::max(cfg.drafter.block_size - 1, 1);
+    ML4_ASSIGN_OR_RETURN(r->verify_q_, DeviceBuffer::alloc(static_cast<size_t>(rows * cfg.vocab_size) * 4));
+    for (int64_t i = slots - 1; i >= 0; --i) r->free_q_slots_.push_back(i);
+    ML4_LOG_INFO("cuda runner: device verification of random drafts, q for {} sequences ({:.1f} MiB)", slots,
+                 r->verify_q_.bytes() / 1048576.0);
+  }
   // KV pool.
   int64_t kv_budget = opts.base.kv_cache_bytes;
   if (opts.gpu_memory_utilization > 0) {
@@ -177,7 +191,11 @@ Result<DraftOutput> CudaRunner::draft(const DraftInput& in) {
 }
 
 Result<StepOutput> CudaRunner::execute_step(const StepInput& in, ForwardTrace* trace) {
-  cuda::set_programmatic_launch(opts_.programmatic_launch);  // process-wide: this runner's setting (pdl.cuh)
+  cuda::set_programmatic_launch(opts_.programmatic_launch);
+  std::vector<VerifySeq> vseqs;
+  std::vector<int32_t> vdrafts;
+  std::vector<size_t> vindex;
+  ML4_RETURN_IF_ERROR(stage_verification(in, &vseqs, &vdrafts, &vindex));  // process-wide: this runner's setting (pdl.cuh)
   ML4_ASSIGN_OR_RETURN(StepMetadata md, build_step_metadata(in, groups_, cfg_.vocab_size, max_model_len_));
   const int64_t T = md.num_tokens(), R = static_cast<int64_t>(md.logits_rows.size());
   const int64_t S = static_cast<int64_t>(md.seqs.size());
@@ -297,10 +315,14 @@ Result<StepOutput> CudaRunner::execute_step(const StepInput& in, ForwardTrace* t
   // Device sampling (sampling.h): when every sequence asking for logits asked for it, draw
   // the R tokens on the GPU and copy back 8 bytes per row instead of R x V logits. A sequence
   // verifying drafts greedily (step.h) has 1 + k greedy rows: each row's argmax.
+  // A sequence verifying on the device (SeqStep::device_verify) is drawn greedily here, unread.
   bool device_sample = R > 0 && trace == nullptr;
   for (const auto& s : in.seqs)
-    if (s.num_logits > 0 && (!s.device_sampling || (s.num_logits > 1 && !sampling::greedy(*s.device_sampling))))
+    if (s.num_logits > 0 && (!s.device_sampling || (s.num_logits > 1 && !sampling::greedy(*s.device_sampling) &&
+                                                    s.device_verify == SeqStep::DeviceVerify::kNo)))
       device_sample = false;
+  // DSpark verification on the device reads the rows before anything else touches them.
+  if (!vseqs.empty()) ML4_RETURN_IF_ERROR(run_verification(in, vseqs, vdrafts, vindex, nullptr));
   if (device_sample) {
     if (b.samp_cap < R) {
       ML4_ASSIGN_OR_RETURN(b.samp_params, DeviceBuffer::alloc(R * sizeof(DeviceSamplingParams)));
@@ -310,8 +332,11 @@ Result<StepOutput> CudaRunner::execute_step(const StepInput& in, ForwardTrace* t
       b.samp_cap = R;
     }
     std::vector<DeviceSamplingParams> params;
-    for (const auto& s : in.seqs)
-      for (int j = 0; j < s.num_logits; ++j) params.push_back(*s.device_sampling);
+    for (const auto& s : in.seqs) {
+      DeviceSamplingParams p = *s.device_sampling;
+      if (s.device_verify != SeqStep::DeviceVerify::kNo) p.temperature = 0.0f;
+      for (int j = 0; j < s.num_logits; ++j) params.push_back(p);
+    }
     ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(b.samp_params.data(), params.data(), R * sizeof(DeviceSamplingParams),
                                              cudaMemcpyHostToDevice, stream));
     // Grammar masks (SeqStep::allowed_tokens), rows in logits order; rows without one allow all.
@@ -363,7 +388,101 @@ Result<StepOutput> CudaRunner::execute_step(const StepInput& in, ForwardTrace* t
     ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
     for (size_t i = 0; i < in.seqs.size(); ++i) out.logits.emplace_back();
   }
+  if (!vseqs.empty()) ML4_RETURN_IF_ERROR(run_verification(in, vseqs, vdrafts, vindex, &out));
   return out;
+}
+
+bool CudaRunner::verifies_on_device(const DeviceSamplingParams& p) const {
+  return opts_.device_verification && program_->has_drafter() && verify_rows_supported(p, cfg_.vocab_size);
+}
+
+void CudaRunner::drop_kept_q(int64_t seq_id) {
+  auto it = kept_q_.find(seq_id);
+  if (it == kept_q_.end()) return;
+  free_q_slots_.push_back(it->second.slot);
+  kept_q_.erase(it);
+}
+
+Status CudaRunner::stage_verification(const StepInput& in, std::vector<VerifySeq>* vseqs, std::vector<int32_t>* vdrafts,
+                                      std::vector<size_t>* vindex) const {
+  const int qrows = std::max(cfg_.drafter.block_size - 1, 1);
+  int64_t row = 0;
+  for (size_t i = 0; i < in.seqs.size(); ++i) {
+    const SeqStep& s = in.seqs[i];
+    if (s.device_verify != SeqStep::DeviceVerify::kNo) {
+      const int k = s.num_logits - 1;
+      if (!s.device_sampling || !verifies_on_device(*s.device_sampling) || k < 1 ||
+          static_cast<int>(s.tokens.size()) < s.num_logits)
+        return invalid_argument("seq {}: device verification of {} rows with these parameters is not supported here",
+                                s.seq_id, s.num_logits);
+      VerifySeq v;
+      v.row0 = row;
+      v.k = k;
+      v.draft0 = static_cast<int32_t>(vdrafts->size());
+      v.out0 = static_cast<int32_t>(v.draft0 + vseqs->size());  // 1 + k outputs per sequence
+      v.params = *s.device_sampling;
+      vdrafts->insert(vdrafts->end(), s.tokens.end() - k, s.tokens.end());
+      if (s.device_verify == SeqStep::DeviceVerify::kKeptQ) {
+        auto it = kept_q_.find(s.seq_id);
+        if (it == kept_q_.end() || static_cast<int>(it->second.tokens.size()) < k ||
+            !std::equal(s.tokens.end() - k, s.tokens.end(), it->second.tokens.begin()))
+          return internal_error("seq {}: no q kept on the device for these drafts", s.seq_id);
+        v.q0 = it->second.slot * qrows;
+      }
+      vseqs->push_back(v);
+      vindex->push_back(i);
+    }
+    row += s.num_logits;
+  }
+  return ok_status();
+}
+
+// Launched (out == nullptr) right after the forward, on the step's stream; read (out set)
+// once the step has synchronised.
+Status CudaRunner::run_verification(const StepInput& in, const std::vector<VerifySeq>& vseqs,
+                                    const std::vector<int32_t>& vdrafts, const std::vector<size_t>& vindex,
+                                    StepOutput* out) {
+  const int64_t n = static_cast<int64_t>(vseqs.size()), outs = static_cast<int64_t>(vdrafts.size()) + n;
+  cudaStream_t stream = backend_->stream();
+  if (out == nullptr) {
+    auto fit = [](DeviceBuffer& d, size_t bytes) -> Status {
+      if (d.bytes() >= bytes) return ok_status();
+      ML4_ASSIGN_OR_RETURN(d, DeviceBuffer::alloc(std::max<size_t>(bytes, 4096)));
+      return ok_status();
+    };
+    ML4_RETURN_IF_ERROR(fit(verify_seqs_, n * sizeof(VerifySeq)));
+    ML4_RETURN_IF_ERROR(fit(verify_drafts_, vdrafts.size() * 4));
+    ML4_RETURN_IF_ERROR(fit(verify_tokens_, outs * 4));
+    ML4_RETURN_IF_ERROR(fit(verify_logprobs_, outs * 4));
+    ML4_RETURN_IF_ERROR(fit(verify_accepted_, n * 4));
+    ML4_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(verify_seqs_.data(), vseqs.data(), n * sizeof(VerifySeq), cudaMemcpyHostToDevice, stream));
+    ML4_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(verify_drafts_.data(), vdrafts.data(), vdrafts.size() * 4, cudaMemcpyHostToDevice, stream));
+    return verify_rows(backend_->buffers().logits.as<float>(), cfg_.vocab_size, verify_q_.as<float>(),
+                       verify_drafts_.as<int32_t>(), verify_seqs_.as<VerifySeq>(), n, verify_tokens_.as<int32_t>(),
+                       verify_logprobs_.as<float>(), verify_accepted_.as<int32_t>(), stream);
+  }
+  std::vector<int32_t> tokens(outs), accepted(n);
+  std::vector<float> logprobs(outs);
+  ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(tokens.data(), verify_tokens_.data(), outs * 4, cudaMemcpyDeviceToHost, stream));
+  ML4_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(logprobs.data(), verify_logprobs_.data(), outs * 4, cudaMemcpyDeviceToHost, stream));
+  ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(accepted.data(), verify_accepted_.data(), n * 4, cudaMemcpyDeviceToHost, stream));
+  ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  out->verified.assign(in.seqs.size(), StepOutput::Verified{});
+  for (int64_t v = 0; v < n; ++v) {
+    const VerifySeq& s = vseqs[v];
+    const int a = accepted[v];
+    if (a < 0 || a > s.k) return internal_error("verify_rows: {} drafts accepted of {}", a, s.k);
+    StepOutput::Verified& o = out->verified[vindex[v]];
+    o.accepted = a;
+    o.tokens.assign(tokens.begin() + s.out0, tokens.begin() + s.out0 + a + 1);
+    o.logprobs.assign(logprobs.begin() + s.out0, logprobs.begin() + s.out0 + a + 1);
+    drop_kept_q(in.seqs[vindex[v]].seq_id);  // drafts are proposed again after the step
+    ++device_verifications_;
+  }
+  return ok_status();
 }
 
 Result<const float*> CudaRunner::download_floats(const void* device, size_t n, cudaStream_t stream) {
@@ -416,8 +535,14 @@ Result<DraftOutput> CudaRunner::draft_step(const DraftInput& in) {
     if (static_cast<int>(s.block_tables.size()) > dg) maxb = std::max<int64_t>(maxb, s.block_tables[dg].size());
     step.seqs.push_back(std::move(s));
   }
-  bool any_sampled = false;
-  for (const auto& d : in.seqs) any_sampled |= d.sampling.has_value();
+  bool any_sampled = false, any_keep = false;
+  for (const auto& d : in.seqs) {
+    any_sampled |= d.sampling.has_value();
+    any_keep |= d.keep_probs;
+    if (d.keep_probs && (!d.sampling || !verifies_on_device(*d.sampling)))
+      return invalid_argument("draft seq {}: keep_probs for drafts this runner cannot verify on the device", d.seq_id);
+  }
+  const bool want_q = in.want_probs || any_keep;  // q made on the device, for the host or kept
   // Each slot's draw parameters (greedy for the sequences without sampling), slot-major.
   std::vector<DeviceSamplingParams> params;
   if (any_sampled) {
@@ -436,7 +561,7 @@ Result<DraftOutput> CudaRunner::draft_step(const DraftInput& in) {
   // Sampled drafts with their q are drawn on the device (sampling.h draft_rows) unless a row
   // has top-k or top-p; greedy drafts are argmaxes on the device. Either can be a graph; the
   // host draws the rest (and the drafter's softmax of greedy drafts, asked for diagnostics).
-  bool device_draws = any_sampled && in.want_probs;
+  bool device_draws = any_sampled && want_q;
   for (const auto& p : params) device_draws = device_draws && draft_rows_supported(p, V);
   const bool host_choice = any_sampled ? !device_draws : in.want_probs;
   const bool graph = opts_.cuda_graphs && draft_graphs_ok_ && !host_choice;
@@ -492,7 +617,7 @@ Result<DraftOutput> CudaRunner::draft_step(const DraftInput& in) {
   const int64_t maxlen = std::max<int64_t>(1, md.positions.empty() ? 1 : md.positions.back() + 1);
   auto run = [&](CudaBackend::Mode mode, std::vector<GraphExec>* segments) -> Status {
     backend_->begin_forward(T, R, maxlen, mode, segments, mode == CudaBackend::Mode::kEager ? &md : nullptr);
-    ML4_RETURN_IF_ERROR(program_->draft(any_sampled ? params.data() : nullptr, in.want_probs));
+    ML4_RETURN_IF_ERROR(program_->draft(any_sampled ? params.data() : nullptr, want_q));
     return backend_->finish_forward();
   };
   const auto key = std::make_pair(n + (any_sampled ? int64_t{1} << 32 : 0), maxb);  // sampled: other kernels
@@ -526,6 +651,27 @@ Result<DraftOutput> CudaRunner::draft_step(const DraftInput& in) {
       }
     }
   }
+  // Kept q (DraftSeq::keep_probs): each such sequence's rows, slot-major in draft_probs, into
+  // its slot of verify_q_, where the next step's verification reads them.
+  for (int64_t i = 0; i < n; ++i) {
+    const DraftSeq& d = in.seqs[i];
+    if (!d.keep_probs) {
+      drop_kept_q(d.seq_id);  // drafted again without: what was kept is stale
+      continue;
+    }
+    auto it = kept_q_.find(d.seq_id);
+    if (it == kept_q_.end()) {
+      if (free_q_slots_.empty())
+        return resource_exhausted("draft seq {}: device verification holds q for {} sequences already", d.seq_id,
+                                  kept_q_.size());
+      it = kept_q_.emplace(d.seq_id, KeptQ{free_q_slots_.back(), {}}).first;
+      free_q_slots_.pop_back();
+    }
+    const size_t row = static_cast<size_t>(V) * 4;
+    float* dst = verify_q_.as<float>() + it->second.slot * (B - 1) * V;
+    ML4_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(dst, row, b.draft_probs.as<float>() + i * V, n * row, row, d.num_drafts,
+                                               cudaMemcpyDeviceToDevice, stream));
+  }
   std::vector<int32_t> drafted(B * n);
   ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(drafted.data(), b.draft_ids.data(), drafted.size() * 4, cudaMemcpyDeviceToHost, stream));
   // q is slot-major ([B - 1][n][V]): the slots up to the most drafts any sequence asked for.
@@ -542,8 +688,11 @@ Result<DraftOutput> CudaRunner::draft_step(const DraftInput& in) {
     const int k = in.seqs[i].num_drafts;
     std::vector<int32_t> t(k);
     for (int j = 0; j < k; ++j) t[j] = drafted[(j + 1) * n + i];
+    if (in.seqs[i].keep_probs) kept_q_[in.seqs[i].seq_id].tokens = t;
     out.tokens.push_back(std::move(t));
-    if (in.want_probs) {
+    if (in.want_probs && in.seqs[i].keep_probs) {
+      out.probs.emplace_back();  // kept on the device
+    } else if (in.want_probs) {
       std::vector<float> qi;
       qi.reserve(static_cast<size_t>(k) * V);
       for (int j = 0; j < k; ++j) qi.insert(qi.end(), q + (j * n + i) * V, q + (j * n + i + 1) * V);

@@ -23,6 +23,7 @@
 #include "kv/cache_spec.h"
 #include "model/model_weights.h"
 #include "ops/cuda/fault.h"
+#include "ops/cuda/sampling.h"
 #include "runtime/cuda/cuda_backend.h"
 #include "runtime/model_forward.h"
 #include "runtime/model_runner.h"
@@ -88,6 +89,14 @@ struct CudaRunnerOptions {
   // instead of a cuBLASLt f32 GEMM and the route kernel. Off until CudaMoe.FusedRouterMatchesCpu
   // has passed on a device and the step bench's FUSEDROUTER lines have measured it.
   bool fused_router = false;
+  // DSpark's rejection sampler on the device (ops/cuda/sampling.h verify_rows) for random
+  // requests without top-k / top-p: draft() keeps their q in a buffer reserved at load
+  // (max_num_seqs x (block - 1) x vocab floats, before the KV pool is sized) and execute()
+  // verifies there, so neither the 1 + k target rows nor q cross to the host. Off until
+  // CudaSampling.VerifyRowsMatchTheHostVerifier and CudaRunner.DeviceRejectionSampling* have
+  // passed on a device (written 2026-12-05, ninth session, without one); the environment's
+  // ML4_DEVICE_VERIFY=1 / 0 overrides it at load.
+  bool device_verification = false;
 };
 
 class CudaRunner : public ModelRunner {
@@ -105,13 +114,19 @@ class CudaRunner : public ModelRunner {
   // Draws on the GPU (sampling.h) when every sequence of a step asks for device sampling.
   bool samples_on_device() const override { return true; }
   bool applies_token_masks() const override { return true; }
+  bool verifies_on_device(const DeviceSamplingParams& p) const override;
   std::vector<KvRegion> kv_regions() override;
   void bind_thread() const override;
   bool has_drafter() const override { return program_->has_drafter(); }
   Result<DraftOutput> draft(const DraftInput& in) override;
   void release(int64_t seq_id) override {
     if (hisparse_) hisparse_->release(seq_id);
+    drop_kept_q(seq_id);
   }
+  // Sequences whose drafts' q the runner holds for device verification (tests: leaks).
+  size_t kept_q_count() const { return kept_q_.size(); }
+  // Random requests' verifications done on the device.
+  int64_t device_verifications() const { return device_verifications_; }
   const HiSparseState* hisparse() const override { return hisparse_.get(); }
   // HiSparse: bytes of the hot buffers (device) and of the host pool (pinned host memory).
   int64_t hot_bytes() const { return backend_->hot_bytes(); }
@@ -189,6 +204,14 @@ class CudaRunner : public ModelRunner {
   // stream, waits, and returns them: rows going to the host cross at the link's rate, without
   // a pageable bounce or a zero-filled vector.
   Result<const float*> download_floats(const void* device, size_t n, cudaStream_t stream);
+  // Device verification (CudaRunnerOptions::device_verification): the kept q of `seq_id`
+  // dropped, its slot freed; and the step's verifications checked and staged before the
+  // forward runs (`vseqs` / `vdrafts`, the SeqStep index of each), then launched and read.
+  void drop_kept_q(int64_t seq_id);
+  Status stage_verification(const StepInput& in, std::vector<VerifySeq>* vseqs, std::vector<int32_t>* vdrafts,
+                            std::vector<size_t>* vindex) const;
+  Status run_verification(const StepInput& in, const std::vector<VerifySeq>& vseqs, const std::vector<int32_t>& vdrafts,
+                          const std::vector<size_t>& vindex, StepOutput* out);
 
   ModelConfig cfg_;
   int device_ = 0;  // the CUDA device current when the runner was made
@@ -214,6 +237,16 @@ class CudaRunner : public ModelRunner {
   FaultWord fault_;              // kernels' sticky fault record (ops/cuda/fault.h), checked around each step
   DeviceBuffer host_stage_;      // pinned host memory: logits rows and draft distributions (download_floats)
   std::vector<float> large_download_;  // download_floats past the pinned size, until the next call
+  // Device verification: per kept sequence its slot of (block - 1) q rows in verify_q_ and the
+  // drafts they belong to; free slots; the verifier's inputs and outputs.
+  struct KeptQ {
+    int64_t slot = 0;
+    std::vector<int32_t> tokens;
+  };
+  std::map<int64_t, KeptQ> kept_q_;
+  std::vector<int64_t> free_q_slots_;
+  DeviceBuffer verify_q_, verify_seqs_, verify_drafts_, verify_tokens_, verify_logprobs_, verify_accepted_;
+  int64_t device_verifications_ = 0;
 };
 
 // The engine-facing factory (the CPU one is load_cpu_runner).
