@@ -3,7 +3,10 @@
 // (b) verification steps (the last token + B - 1 drafts, B logits rows back to the host) and
 // (c) draft steps (CudaRunner::draft, greedy, and probabilistic at T = 1 with q back to the
 //     host), each timed alone: wall ms of the runner call,
-// median of 30 after 5, and whether the step replayed a CUDA graph.
+// median of 30 after 5, and whether the step replayed a CUDA graph; and (d) a random request's
+// whole cycle at T = 1, a probabilistic draft then the verification of its drafts, with q and
+// the rows to the host and verify_drafts there (`random_cycle_host`), or q kept on the device
+// and verify_rows there (`random_cycle_device`, CudaRunnerOptions::device_verification).
 //
 //   spec_step_bench --model assets/ml4-small [--prompt 128]
 //   spec_step_bench --preset ml4-slice-4     (synthetic weights at full width, with a synthetic
@@ -19,6 +22,7 @@
 #include <CLI/CLI.hpp>
 
 #if defined(ML4_WITH_CUDA)
+#include "engine/spec_decode.h"
 #include "model/presets.h"
 #include "runtime/cuda/cuda_runner.h"
 #endif
@@ -39,6 +43,7 @@ int main(int argc, char** argv) {
   o.base.kv_cache_bytes = 512ll << 20;
   o.base.drafter = true;
   o.base.max_num_seqs = 4;
+  o.device_verification = true;
   auto load = [&]() -> Result<std::unique_ptr<cuda::CudaRunner>> {
     if (preset.empty()) return cuda::CudaRunner::load(model, o);
     ML4_ASSIGN_OR_RETURN(ModelConfig cfg, preset_config(preset));
@@ -146,6 +151,51 @@ int main(int argc, char** argv) {
   });
   measure("draft_greedy", draft);
   measure("draft_probabilistic_t1", [&] { return draft_with(true); });
+  // (d) draft + verify of a random request (T = 1), q and rows to the host or kept on the device.
+  auto random_cycle = [&](bool device) {
+    DraftInput in;
+    DraftSeq d;
+    d.seq_id = 1;
+    d.anchor_token = 17;
+    d.anchor_pos = pos;
+    d.block_tables = s.block_tables;
+    d.num_drafts = B - 1;
+    DeviceSamplingParams p;
+    p.temperature = 1.0f;
+    p.seed = 7;
+    p.counter = static_cast<int64_t>(draw++) * B;
+    d.sampling = p;
+    d.keep_probs = device;
+    in.want_probs = !device;
+    in.seqs.push_back(d);
+    auto dr = r.draft(in);
+    if (!dr.ok()) return false;
+    SeqStep v;
+    v.seq_id = 1;
+    v.tokens = {17};
+    v.tokens.insert(v.tokens.end(), dr->tokens[0].begin(), dr->tokens[0].end());
+    v.start_pos = pos;
+    v.num_logits = B;
+    v.block_tables = s.block_tables;
+    DeviceSamplingParams tp = p;
+    tp.seed = 8;
+    if (device) {
+      v.device_sampling = tp;
+      v.device_verify = SeqStep::DeviceVerify::kKeptQ;
+    }
+    auto out = r.execute(StepInput{{v}});
+    if (!out.ok()) return false;
+    if (!device) {
+      const std::vector<int32_t> drafts(v.tokens.begin() + 1, v.tokens.end());
+      (void)verify_drafts(out->logits[0].data(), r.config().vocab_size, drafts, dr->probs[0].data(), tp, tp.seed, tp.counter);
+    } else if (out->verified.size() != 1 || out->verified[0].tokens.empty()) {
+      return false;
+    }
+    pos += 1;
+    return true;
+  };
+  measure("random_cycle_host", [&] { return random_cycle(false); });
+  measure("random_cycle_device", [&] { return random_cycle(true); });
   // Where a verification step and a draft spend their time: eager, events around each piece
   // (model_forward.cpp's timed() labels; adds a sync per piece), 5 calls each.
   std::map<std::string, double> prof;

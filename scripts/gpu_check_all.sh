@@ -87,6 +87,17 @@ ML4_SPEC_ROUNDS=1 ML4_SPEC_SERVE_ARGS="--device cuda --kv-cache-memory-bytes 214
 echo "rc=$?"
 cat "$out/spec/summary.md" 2>/dev/null || tail -30 "$out/spec.log"
 for f in "$out"/spec/server_*.log; do grep -iE "error|graph" "$f" | head -3; done
+# Random requests verified on the device (CudaRunnerOptions::device_verification) at T = 1, the
+# same grid: against the T = 1 rows above (host verification).
+if [ "${ML4_SPEC_DEVICE_VERIFY:-1}" = 1 ]; then
+  stamp "1b'. DSpark, T = 1, verification on the device"
+  ML4_DEVICE_VERIFY=1 ML4_SPEC_ROUNDS=1 ML4_SPEC_TEMPS=1 ML4_SPEC_SERVE_ARGS="--device cuda --kv-cache-memory-bytes 2147483648" \
+    timeout 200 bash "$root/bench/spec_decode_cpu.sh" "$carry/bin" "$out/spec_dv" 7 > "$out/spec_dv.log" 2>&1
+  echo "rc=$?"
+  cat "$out/spec_dv/summary.md" 2>/dev/null || tail -30 "$out/spec_dv.log"
+  for f in "$out"/spec_dv/server_*.log; do grep -iE "error|device verification" "$f" | head -3; done
+  rm -rf "$out/spec_dv"
+fi
 tar czf "$out/spec.tar.gz" -C "$out" spec && rm -rf "$out/spec"  # the run tool brings back few files
 fi
 
