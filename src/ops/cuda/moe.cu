@@ -629,7 +629,7 @@ Status moe_gemm_fp4_layers(const MoeExpertTables& tb, const DeviceMlp* shared, c
 
 Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shared, const float* x, int64_t T,
                                 const int32_t* ids, const float* weights, int K, float* out, MoeScratch& s,
-                                cudaStream_t stream, LtGemm* lt) {
+                                cudaStream_t stream, LtGemm* lt, bool gemm_overlap) {
   if (T == 0) return ok_status();
   if (!moe_gemm_supported(tb, shared, lt != nullptr))
     return invalid_argument("moe grouped GEMM: needs FP8 block or FP4 experts with D, I % 128 == 0 and a shared "
@@ -683,6 +683,7 @@ Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shar
   g.num_tiles = s.num_tiles.as<int32_t>();
   g.max_tiles = tiles;
   g.stream = stream;
+  g.overlap = gemm_overlap;
   // Gate and up with silu: x's rows (quantized once per token) gathered through perm_token.
   ML4_RETURN_IF_ERROR(quant(x, T, D));
   gate_up_weights(g, tb);

@@ -35,7 +35,12 @@ struct GemmArgs {
 
 // One CTA: tile blockIdx.y of the list, output columns [n0, n0 + 128) (gate_up: 64 per
 // warpgroup, gate and up of each) or [n0, n0 + 256) (128 per warpgroup).
-template <bool kGateUp>
+//
+// kOverlap (MoeGroupedGemmParams::overlap): block kb + 1's MMAs are issued into a second partial
+// accumulator before block kb's is promoted (wait<1> instead of wait<0>), so the tensor cores
+// run while the scales multiply in; the ring then prefetches kStages - 2 blocks ahead (the
+// stage of block kb - 1 may still be read by its MMAs when block kb + 2's load is issued).
+template <bool kGateUp, bool kOverlap>
 __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const GemmArgs p) {
   pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
   pdl_launch_dependents();
@@ -101,41 +106,83 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const GemmArg
   float acc[64], part[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = part[i] = 0.0f;  // part: the first MMA of a block ignores it (scale-d 0)
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < KB) load(s, s);
-    cp_commit();
-  }
-  for (int kb = 0; kb < KB; ++kb) {
-    cp_wait<kStages - 2>();
-    wgmma::fence_proxy_async();  // cp.async wrote through the generic proxy; the tensor cores read next
-    __syncthreads();      // stage kb landed for every thread; stage kb - 1 is free (its MMAs were waited on)
-    {
-      const int j = kb + kStages - 1;
-      if (j < KB) load(j % kStages, j);
-      cp_commit();
-    }
-    // The scales load while the tensor cores run.
-    const float sa0 = as_ptr[0] ? __ldg(as_ptr[0] + kb) : 0.0f, sa1 = as_ptr[1] ? __ldg(as_ptr[1] + kb) : 0.0f;
-    const float sb0 = bs_ptr[0] ? __ldg(bs_ptr[0] + kb) : 0.0f, sb1 = bs_ptr[1] ? __ldg(bs_ptr[1] + kb) : 0.0f;
-    const uint32_t a_st = sbase + (kb % kStages) * kStage, b_st = a_st + kAStage + wg * 128 * 128;
-    const uint64_t da = wgmma::desc_k_major(a_st), db = wgmma::desc_k_major(b_st);
-    wgmma::fence_operands(part);
-    wgmma::fence();
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) wgmma::m64n128k32_e4m3(part, da + 2 * ks, db + 2 * ks, ks);  // + 32 bytes a k step
-    wgmma::commit();
-    wgmma::wait<0>();
-    wgmma::fence_operands(part);
-    // Promotion: acc += partial * a_scale * w_scale (columns j < 8 are sub-block 0's).
-    const float s00 = sa0 * sb0, s01 = sa0 * sb1, s10 = sa1 * sb0, s11 = sa1 * sb1;
+  // Promotion: acc += partial * a_scale * w_scale (columns j < 8 are sub-block 0's); sc: the
+  // block's scales {a lo, a hi, w sub-block 0, w sub-block 1}.
+  auto promote = [&](float (&d)[64], const float (&sc)[4]) {
+    const float s00 = sc[0] * sc[2], s01 = sc[0] * sc[3], s10 = sc[1] * sc[2], s11 = sc[1] * sc[3];
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       const float lo = j < 8 ? s00 : s01, hi = j < 8 ? s10 : s11;
-      acc[4 * j + 0] = fmaf(part[4 * j + 0], lo, acc[4 * j + 0]);
-      acc[4 * j + 1] = fmaf(part[4 * j + 1], lo, acc[4 * j + 1]);
-      acc[4 * j + 2] = fmaf(part[4 * j + 2], hi, acc[4 * j + 2]);
-      acc[4 * j + 3] = fmaf(part[4 * j + 3], hi, acc[4 * j + 3]);
+      acc[4 * j + 0] = fmaf(d[4 * j + 0], lo, acc[4 * j + 0]);
+      acc[4 * j + 1] = fmaf(d[4 * j + 1], lo, acc[4 * j + 1]);
+      acc[4 * j + 2] = fmaf(d[4 * j + 2], hi, acc[4 * j + 2]);
+      acc[4 * j + 3] = fmaf(d[4 * j + 3], hi, acc[4 * j + 3]);
+    }
+  };
+  auto scales = [&](int kb, float (&sc)[4]) {
+    sc[0] = as_ptr[0] ? __ldg(as_ptr[0] + kb) : 0.0f;
+    sc[1] = as_ptr[1] ? __ldg(as_ptr[1] + kb) : 0.0f;
+    sc[2] = bs_ptr[0] ? __ldg(bs_ptr[0] + kb) : 0.0f;
+    sc[3] = bs_ptr[1] ? __ldg(bs_ptr[1] + kb) : 0.0f;
+  };
+  constexpr int kAhead = kOverlap ? kStages - 2 : kStages - 1;  // blocks in flight in the ring
+  // Waits for block kb's stage, refills the ring, and issues block kb's MMAs into d.
+  auto issue = [&](float (&d)[64], int kb) {
+    cp_wait<kAhead - 1>();
+    wgmma::fence_proxy_async();  // cp.async wrote through the generic proxy; the tensor cores read next
+    __syncthreads();  // stage kb landed for every thread; the stage refilled below is no MMA's any more
+    {
+      const int j = kb + kAhead;
+      if (j < KB) load(j % kStages, j);
+      cp_commit();
+    }
+    const uint32_t a_st = sbase + (kb % kStages) * kStage, b_st = a_st + kAStage + wg * 128 * 128;
+    const uint64_t da = wgmma::desc_k_major(a_st), db = wgmma::desc_k_major(b_st);
+    wgmma::fence_operands(d);
+    wgmma::fence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) wgmma::m64n128k32_e4m3(d, da + 2 * ks, db + 2 * ks, ks);  // + 32 bytes a k step
+    wgmma::commit();
+  };
+#pragma unroll
+  for (int s = 0; s < kAhead; ++s) {
+    if (s < KB) load(s, s);
+    cp_commit();
+  }
+  if constexpr (kOverlap) {
+    float part2[64], sa[4], sb[4];
+    for (int kb = 0; kb < KB; kb += 2) {
+      issue(part, kb);
+      scales(kb, sa);
+      if (kb > 0) {  // block kb - 1 (part2) done while block kb runs
+        wgmma::wait<1>();
+        wgmma::fence_operands(part2);
+        promote(part2, sb);
+      }
+      if (kb + 1 < KB) {
+        issue(part2, kb + 1);
+        scales(kb + 1, sb);
+        wgmma::wait<1>();
+        wgmma::fence_operands(part);
+        promote(part, sa);
+      }
+    }
+    wgmma::wait<0>();
+    if (KB % 2 == 1) {
+      wgmma::fence_operands(part);
+      promote(part, sa);
+    } else {
+      wgmma::fence_operands(part2);
+      promote(part2, sb);
+    }
+  } else {
+    for (int kb = 0; kb < KB; ++kb) {
+      issue(part, kb);
+      float sc[4];  // the scales load while the tensor cores run
+      scales(kb, sc);
+      wgmma::wait<0>();
+      wgmma::fence_operands(part);
+      promote(part, sc);
     }
   }
   cp_wait<0>();
@@ -273,12 +320,14 @@ Status moe_grouped_gemm(const MoeGroupedGemmParams& p) {
                    p.tiles, p.num_tiles, p.y, static_cast<int>(p.N), static_cast<int>(p.K)};
   const int cols = p.gate_up ? 128 : 256;
   const dim3 grid(static_cast<unsigned>((p.N + cols - 1) / cols), static_cast<unsigned>(p.max_tiles));
-  auto kernel = p.gate_up ? grouped_gemm_kernel<true> : grouped_gemm_kernel<false>;
-  static const cudaError_t attr_t = cudaFuncSetAttribute(grouped_gemm_kernel<true>,
-                                                         cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  static const cudaError_t attr_f = cudaFuncSetAttribute(grouped_gemm_kernel<false>,
-                                                         cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  ML4_RETURN_IF_ERROR(cuda_status(p.gate_up ? attr_t : attr_f, "cudaFuncSetAttribute(grouped_gemm_kernel)"));
+  auto kernel = p.gate_up ? (p.overlap ? grouped_gemm_kernel<true, true> : grouped_gemm_kernel<true, false>)
+                          : (p.overlap ? grouped_gemm_kernel<false, true> : grouped_gemm_kernel<false, false>);
+  static const cudaError_t attr[4] = {
+      cudaFuncSetAttribute(grouped_gemm_kernel<false, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
+      cudaFuncSetAttribute(grouped_gemm_kernel<false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
+      cudaFuncSetAttribute(grouped_gemm_kernel<true, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
+      cudaFuncSetAttribute(grouped_gemm_kernel<true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem)};
+  ML4_RETURN_IF_ERROR(cuda_status(attr[2 * p.gate_up + p.overlap], "cudaFuncSetAttribute(grouped_gemm_kernel)"));
   launch_kernel(kernel, grid, kThreads, kSmem, p.stream, a);
   return cuda_status(cudaGetLastError(), "grouped_gemm_kernel");
 }

@@ -80,6 +80,11 @@ struct MoeGroupedGemmParams {
   int64_t N = 0, K = 0;                  // N % 16 == 0, K % 128 == 0
   float* y = nullptr;                    // [permuted rows, N] f32
   cudaStream_t stream = nullptr;
+  // Block kb + 1's MMAs issued before block kb's partial sums are promoted (two partial
+  // accumulators, the ring 2 blocks ahead instead of 3): the same sums in the same order, so
+  // the same bits; whether it is faster is gpu_moe_bench's question (written 2026-12-05 ninth
+  // session without a device: off until CudaMoe.GroupedGemmOverlapIsBitIdentical has passed).
+  bool overlap = false;
 };
 Status moe_grouped_gemm(const MoeGroupedGemmParams& p);
 

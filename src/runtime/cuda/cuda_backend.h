@@ -52,6 +52,7 @@ struct CudaBackendOptions {
   bool exact_activations = false;
   bool overlap_indexer = true;
   bool grouped_moe_gemm = true;   // CudaRunnerOptions::grouped_moe_gemm
+  bool moe_gemm_overlap = false;  // CudaRunnerOptions::moe_gemm_overlap
   bool absorb_gemm = true;        // CudaRunnerOptions::absorb_gemm
   int64_t absorb_gemm_min_tokens = 64;
   bool fp4_weights = true;        // CudaRunnerOptions::fp4_weights
@@ -223,6 +224,7 @@ class CudaBackend : public Backend {
   void set_absorb_gemm(bool on) { opts_.absorb_gemm = on; }
   void set_fused_router(bool on) { opts_.fused_router = on; }
   void set_fp4_x_parts(int parts) { opts_.fp4_x_parts = parts; }
+  void set_moe_gemm_overlap(bool on) { opts_.moe_gemm_overlap = on; }
   void set_grouped_moe_gemm(bool on) {  // the next step reserves (or drops) the path's buffers
     opts_.grouped_moe_gemm = on;
     if (buf_) buf_->T = 0;

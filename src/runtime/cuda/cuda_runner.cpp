@@ -59,6 +59,7 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::create(const ModelConfig& cfg, c
   bo.exact_activations = opts.exact_activations;
   bo.overlap_indexer = opts.overlap_indexer;
   bo.grouped_moe_gemm = opts.grouped_moe_gemm;
+  bo.moe_gemm_overlap = opts.moe_gemm_overlap;
   bo.absorb_gemm = opts.absorb_gemm;
   bo.fused_router = opts.fused_router;
   bo.absorb_gemm_min_tokens = opts.absorb_gemm_min_tokens;

@@ -54,6 +54,11 @@ struct CudaRunnerOptions {
   // passed on a device (H100, 2026-12-05 sixth session); ml4-slice-4 prefill of 4096 tokens
   // 111.9 -> 89.4 ms on the H200 (docs/BENCHMARKS.md).
   bool grouped_moe_gemm = true;
+  // The FP8 grouped GEMMs issue each K block's MMAs before the previous block's promotion
+  // (moe_gemm.h MoeGroupedGemmParams::overlap; the same bits). Off until
+  // CudaMoe.GroupedGemmOverlapIsBitIdentical has passed and gpu_moe_bench / the step bench's
+  // PREFILL lines have measured it (written 2026-12-05, ninth session, without a device).
+  bool moe_gemm_overlap = false;
   // The MLA absorption (W_UK, W_UV) of steps of at least absorb_gemm_min_tokens tokens as
   // strided-batched TF32 GEMMs on the tensor cores (elementwise.h mla_absorb_q_gemm) instead
   // of the f32 CUDA-core kernels, outside exact mode (issue 18). Smaller steps keep the
@@ -157,6 +162,11 @@ class CudaRunner : public ModelRunner {
   void set_absorb_gemm(bool on) {
     opts_.absorb_gemm = on;
     backend_->set_absorb_gemm(on);
+    graphs_.clear();
+  }
+  void set_moe_gemm_overlap(bool on) {
+    opts_.moe_gemm_overlap = on;
+    backend_->set_moe_gemm_overlap(on);
     graphs_.clear();
   }
   void set_grouped_moe_gemm(bool on) {

@@ -241,13 +241,19 @@ int run_step_bench(const StepBenchOptions& opt) {
     }
     in.seqs.push_back(std::move(s));
     // The MoE as a loop over experts, then as grouped GEMMs; then also the MLA absorption as
-    // batched TF32 GEMMs (issue 18).
-    for (auto [grouped, absorb] : {std::pair{false, false}, std::pair{true, false}, std::pair{true, true}}) {
+    // batched TF32 GEMMs (issue 18); then the grouped GEMMs with their MMAs overlapping the
+    // promotion (CudaRunnerOptions::moe_gemm_overlap).
+    struct Config {
+      bool grouped, absorb, overlap;
+    };
+    for (auto [grouped, absorb, overlap] : {Config{false, false, false}, Config{true, false, false},
+                                            Config{true, true, false}, Config{true, true, true}}) {
       r.set_grouped_moe_gemm(grouped);
       r.set_absorb_gemm(absorb);
+      r.set_moe_gemm_overlap(overlap);
       std::string failed;
       const double ms = time_step(r, in, 1, 3, &failed);
-      const char* moe = grouped ? "grouped_gemm" : "loop";
+      const char* moe = grouped ? (overlap ? "grouped_gemm_overlap" : "grouped_gemm") : "loop";
       const char* abs = absorb ? "gemm_tf32" : "kernel_f32";
       if (ms < 0) {  // e.g. out of memory beside the KV pool on an 80 GB card: say so, go on
         std::printf("PREFILL tokens=%ld moe=%s absorb=%s failed: %s\n", static_cast<long>(n), moe, abs, failed.c_str());
@@ -266,6 +272,7 @@ int run_step_bench(const StepBenchOptions& opt) {
                     k.c_str(), v);
     }
     r.set_absorb_gemm(true);  // the default
+    r.set_moe_gemm_overlap(false);
     r.set_grouped_moe_gemm(false);
   }
   return 0;
