@@ -52,7 +52,8 @@ bool device_verifiable(const Request& r, const DeviceSamplingParams& d) {
 // the host. The same answer when its drafts are proposed (DraftSeq::keep_probs) and when they
 // are verified: it depends on the request's fixed parameters only.
 bool device_rejection_sampling(const ModelRunner& runner, const Request& r, const DeviceSamplingParams& d) {
-  return !sampling::greedy(d) && r.params.logprobs <= 0 && !r.grammar && runner.verifies_on_device(d);
+  return !sampling::greedy(d) && r.params.logprobs <= 0 && !r.grammar && runner.samples_on_device() &&
+         runner.verifies_on_device(d);
 }
 
 DeviceSamplingParams device_params(const Request& r) {
@@ -337,7 +338,8 @@ Result<std::vector<RequestOutput>> Engine::step(double now) {
       const DeviceSamplingParams d = device_params(r);
       if (device_verifiable(r, d)) {
         ss.device_sampling = d;  // one greedy token per row: the rows' argmax
-      } else if (device_rejection_sampling(*runner_, r, d) && (r.spec_q_on_device || r.spec_probs.empty())) {
+      } else if (!r.spec_tokens.empty() && device_rejection_sampling(*runner_, r, d) &&
+                 (r.spec_q_on_device || r.spec_probs.empty())) {  // (no drafts: penalties, min_tokens, ...)
         ss.device_sampling = d;
         ss.device_verify = r.spec_q_on_device ? SeqStep::DeviceVerify::kKeptQ : SeqStep::DeviceVerify::kOneHotQ;
       }

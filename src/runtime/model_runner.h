@@ -94,7 +94,8 @@ class ModelRunner {
   virtual bool applies_token_masks() const { return false; }
   // True when execute() honours SeqStep::device_verify for a random request drawn with `p`
   // (and draft() DraftSeq::keep_probs): DSpark's rejection sampler on the device, so neither
-  // the target's rows nor the drafts' q cross to the host.
+  // the target's rows nor the drafts' q cross to the host. Only asked of a runner that
+  // samples_on_device().
   virtual bool verifies_on_device(const DeviceSamplingParams& p) const { return false; }
   // The KV pages, one region per (group, layer slot); empty when the runner cannot expose
   // them. Block ids are those of the step's block tables. Reading or writing a block that a

@@ -585,10 +585,21 @@ TEST(SpecDecodeEngine, DeviceRejectionSamplingEqualsHostVerification) {
   top.logprobs = 2;  // top-N: host rows
   reqs.push_back({"top_n", random_prompt(rng, 31, V), top});
   reqs.push_back({"greedy", random_prompt(rng, 12, V), greedy(40)});
+  // Random requests that never draft (their sampling edits each token): one token per step,
+  // drawn on the host with their edits, beside the device verifications.
+  SamplingParams pen = seeded(0.9, 18, 11);
+  pen.repetition_penalty = 1.3;
+  reqs.push_back({"penalty", random_prompt(rng, 14, V), pen});
+  SamplingParams bias = seeded(1.0, 18, 12);
+  bias.logit_bias.push_back({17, 3.0f});
+  reqs.push_back({"logit_bias", random_prompt(rng, 8, V), bias});
+  SamplingParams mt = seeded(0.8, 18, 13);
+  mt.min_tokens = 6;
+  reqs.push_back({"min_tokens", random_prompt(rng, 19, V), mt});
 
   for (bool prob : {true, false}) {
     auto run = [&](bool device_verification, int64_t* verified, int64_t* preemptions) {
-      // 45 blocks of 4 tokens per full group for 11 requests of up to ~95 tokens: it preempts;
+      // 45 blocks of 4 tokens per full group for 14 requests of up to ~95 tokens: it preempts;
       // a 24-token budget chunks prefills and cuts verifications.
       FakeRunner r(V, FakeRunner::drafter_groups(45, 11 * 7, 12));
       r.enable_drafter(6, 0.3);

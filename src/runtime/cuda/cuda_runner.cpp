@@ -334,6 +334,7 @@ Result<StepOutput> CudaRunner::execute_step(const StepInput& in, ForwardTrace* t
     }
     std::vector<DeviceSamplingParams> params;
     for (const auto& s : in.seqs) {
+      if (s.num_logits == 0) continue;  // a chunk short of the prompt's end carries no parameters
       DeviceSamplingParams p = *s.device_sampling;
       if (s.device_verify != SeqStep::DeviceVerify::kNo) p.temperature = 0.0f;
       for (int j = 0; j < s.num_logits; ++j) params.push_back(p);
@@ -670,8 +671,14 @@ Result<DraftOutput> CudaRunner::draft_step(const DraftInput& in) {
     }
     const size_t row = static_cast<size_t>(V) * 4;
     float* dst = verify_q_.as<float>() + it->second.slot * (B - 1) * V;
-    ML4_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(dst, row, b.draft_probs.as<float>() + i * V, n * row, row, d.num_drafts,
-                                               cudaMemcpyDeviceToDevice, stream));
+    const float* src = b.draft_probs.as<float>() + i * V;
+    if (n * row <= static_cast<size_t>(INT32_MAX)) {  // one strided copy (its pitch is below 2^31)
+      ML4_CUDA_RETURN_IF_ERROR(
+          cudaMemcpy2DAsync(dst, row, src, n * row, row, d.num_drafts, cudaMemcpyDeviceToDevice, stream));
+    } else {
+      for (int j = 0; j < d.num_drafts; ++j)
+        ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst + j * V, src + j * n * V, row, cudaMemcpyDeviceToDevice, stream));
+    }
   }
   std::vector<int32_t> drafted(B * n);
   ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(drafted.data(), b.draft_ids.data(), drafted.size() * 4, cudaMemcpyDeviceToHost, stream));
