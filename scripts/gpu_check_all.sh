@@ -81,9 +81,9 @@ if on moegemm; then
 fi
 
 if on spec; then
-stamp "1b. DSpark on the H200 (ml4-small)"
+stamp "1b. DSpark on the H200 (ml4-small): 7 drafts and 3 (per-position acceptance falls below 0.2 after the third)"
 ML4_SPEC_ROUNDS=1 ML4_SPEC_SERVE_ARGS="--device cuda --kv-cache-memory-bytes 2147483648" \
-  timeout 240 bash "$root/bench/spec_decode_cpu.sh" "$carry/bin" "$out/spec" 7 > "$out/spec.log" 2>&1
+  timeout 300 bash "$root/bench/spec_decode_cpu.sh" "$carry/bin" "$out/spec" 7 3 > "$out/spec.log" 2>&1
 echo "rc=$?"
 cat "$out/spec/summary.md" 2>/dev/null || tail -30 "$out/spec.log"
 for f in "$out"/spec/server_*.log; do grep -iE "error|graph" "$f" | head -3; done
