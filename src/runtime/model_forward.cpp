@@ -282,8 +282,10 @@ Status ModelForward::draft_attention(int j) {
   return be_.linear(L.wo, x.o, T, x.tmp);
 }
 
-Status ModelForward::draft(const DeviceSamplingParams* params, bool want_probs) {
+Status ModelForward::draft(const DeviceSamplingParams* params, bool want_probs, int slots) {
   if (drafter_ == nullptr) return invalid_argument("this model program has no drafter (speculative decoding is off)");
+  if (slots < 1 || slots >= cfg_.drafter.block_size)
+    return invalid_argument("draft of {} slots, the block has {}", slots, cfg_.drafter.block_size - 1);
   const Activations& x = be_.acts();
   const int64_t T = be_.step_tokens(), R = be_.step_rows(), D = cfg_.dim, V = cfg_.vocab_size;
   const int64_t B = cfg_.drafter.block_size, r = cfg_.drafter.rnn_rank;
@@ -336,7 +338,7 @@ Status ModelForward::draft(const DeviceSamplingParams* params, bool want_probs) 
   return be_.segment([&] {
     return be_.timed("draft: markov head", [&]() -> Status {
       ML4_RETURN_IF_ERROR(be_.fill(x.markov_s, n * r, 0.0f));
-      for (int64_t j = 1; j < B; ++j) {
+      for (int64_t j = 1; j <= slots; ++j) {
         ML4_RETURN_IF_ERROR(be_.timed("draft: markov (of which) GRU", [&]() -> Status {
           ML4_RETURN_IF_ERROR(be_.gather_table_rows(drafter_->markov_embed, x.draft_ids + (j - 1) * n, n, x.markov_e));
           ML4_RETURN_IF_ERROR(be_.copy_rows(x.normed + (j - 1) * D, (B - 1) * D, x.markov_x, D + r, n, D));

@@ -69,7 +69,10 @@ class ModelForward {
   // draft_ids row 0 holding each sequence's accepted token). Fills draft_ids rows 1..B-1 with
   // the drafts, slot-major, and draft_probs with their distributions when want_probs.
   // params: null for greedy drafts, else [(B - 1) x n] sampling parameters, slot-major.
-  Status draft(const DeviceSamplingParams* params, bool want_probs);
+  // slots: the Markov head runs slots 1..slots only (the most drafts any sequence asked for,
+  // <= B - 1; slot j depends on slots < j alone, so the drafts it makes are the first of a
+  // full block's); rows of later slots are left as they were.
+  Status draft(const DeviceSamplingParams* params, bool want_probs, int slots);
 
   const ModelConfig& config() const { return cfg_; }
   bool has_drafter() const { return drafter_ != nullptr; }

@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstring>
 #include <cstdio>
 
 #include "runtime/golden_check.h"
@@ -105,6 +106,16 @@ inline void check_drafter_golden(ModelRunner& r, const char* label) {
     std::printf("drafter golden %s %s (prompt %ld): %d slots compared, worst rel L2 %.3g (bound 5e-3), near-tie "
                 "stops %d\n",
                 label, c.c_str(), static_cast<long>(n), compared, worst, near_ties);
+    // Fewer drafts run fewer Markov slots (ModelForward::draft's `slots`): slot j depends on
+    // slots < j alone, so 3 drafts are the full block's first 3, token and distribution, bit
+    // for bit (the same kernels on the same rows).
+    din.seqs[0].num_drafts = 3;
+    auto few = r.draft(din);
+    ASSERT_TRUE(few.ok()) << few.status().message();
+    ASSERT_EQ(few->tokens[0].size(), 3u);
+    EXPECT_TRUE(std::equal(few->tokens[0].begin(), few->tokens[0].end(), out->tokens[0].begin())) << c;
+    ASSERT_EQ(few->probs[0].size(), static_cast<size_t>(3 * V));
+    EXPECT_EQ(0, std::memcmp(few->probs[0].data(), out->probs[0].data(), 3 * V * sizeof(float))) << c;
   }
 }
 

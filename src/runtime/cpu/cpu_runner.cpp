@@ -151,7 +151,9 @@ Result<DraftOutput> CpuRunner::draft(const DraftInput& in) {
         params[j * n + i] = p;
       }
   }
-  ML4_RETURN_IF_ERROR(program_->draft(any_sampled ? params.data() : nullptr, in.want_probs));
+  int slots = 1;
+  for (const auto& d : in.seqs) slots = std::max(slots, d.num_drafts);
+  ML4_RETURN_IF_ERROR(program_->draft(any_sampled ? params.data() : nullptr, in.want_probs, slots));
   DraftOutput out;
   for (int64_t i = 0; i < n; ++i) {
     const int k = in.seqs[i].num_drafts;

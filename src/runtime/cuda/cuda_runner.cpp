@@ -567,6 +567,8 @@ Result<DraftOutput> CudaRunner::draft_step(const DraftInput& in) {
   for (const auto& p : params) device_draws = device_draws && draft_rows_supported(p, V);
   const bool host_choice = any_sampled ? !device_draws : in.want_probs;
   const bool graph = opts_.cuda_graphs && draft_graphs_ok_ && !host_choice;
+  int kmax = 1;  // the Markov head's slots: the most drafts any sequence asked for
+  for (const auto& s : in.seqs) kmax = std::max(kmax, s.num_drafts);
   if (graph) maxb = round_up_pow2(maxb, 4);
   ML4_ASSIGN_OR_RETURN(StepMetadata md, build_step_metadata(step, groups_, cfg_.vocab_size, 0, dg));
   const int64_t n = static_cast<int64_t>(in.seqs.size()), T = md.num_tokens(), R = static_cast<int64_t>(md.logits_rows.size());
@@ -619,10 +621,11 @@ Result<DraftOutput> CudaRunner::draft_step(const DraftInput& in) {
   const int64_t maxlen = std::max<int64_t>(1, md.positions.empty() ? 1 : md.positions.back() + 1);
   auto run = [&](CudaBackend::Mode mode, std::vector<GraphExec>* segments) -> Status {
     backend_->begin_forward(T, R, maxlen, mode, segments, mode == CudaBackend::Mode::kEager ? &md : nullptr);
-    ML4_RETURN_IF_ERROR(program_->draft(any_sampled ? params.data() : nullptr, want_q));
+    ML4_RETURN_IF_ERROR(program_->draft(any_sampled ? params.data() : nullptr, want_q, kmax));
     return backend_->finish_forward();
   };
-  const auto key = std::make_pair(n + (any_sampled ? int64_t{1} << 32 : 0), maxb);  // sampled: other kernels
+  // Sampled drafts run other kernels, and the Markov head runs kmax slots: both in the key.
+  const auto key = std::make_pair(n + (any_sampled ? int64_t{1} << 32 : 0) + (int64_t{kmax} << 40), maxb);
   if (auto it = graph ? draft_graphs_.find(key) : draft_graphs_.end(); it != draft_graphs_.end()) {
     ML4_RETURN_IF_ERROR(run(CudaBackend::Mode::kReplay, &it->second));
     ++draft_replays_;
@@ -683,8 +686,6 @@ Result<DraftOutput> CudaRunner::draft_step(const DraftInput& in) {
   std::vector<int32_t> drafted(B * n);
   ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(drafted.data(), b.draft_ids.data(), drafted.size() * 4, cudaMemcpyDeviceToHost, stream));
   // q is slot-major ([B - 1][n][V]): the slots up to the most drafts any sequence asked for.
-  int kmax = 0;
-  for (const auto& s : in.seqs) kmax = std::max(kmax, s.num_drafts);
   const float* q = nullptr;
   if (in.want_probs) {
     ML4_ASSIGN_OR_RETURN(q, download_floats(b.draft_probs.data(), static_cast<size_t>(kmax * n * V), stream));
