@@ -109,8 +109,9 @@ TEST(CudaDrafter, ProbabilisticDraftsEqualTheCpuRunners) {
 }
 
 // Greedy drafts run as CUDA graphs (CudaRunner::draft): over consecutive anchors (a window
-// that slides, two sequences at once, then one), the replayed drafts equal those of a runner
-// drafting eagerly, token for token (the same kernels on the same inputs), and replays happen.
+// that slides, two sequences at once, then one, then two asking for fewer drafts), the replayed
+// drafts equal those of a runner drafting eagerly, token for token (the same kernels on the
+// same inputs), and replays happen.
 TEST(CudaDrafter, GreedyDraftGraphsEqualEagerDrafts) {
   if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
   cuda::CudaRunnerOptions o;
@@ -146,15 +147,16 @@ TEST(CudaDrafter, GreedyDraftGraphsEqualEagerDrafts) {
   }
   (*g)->set_cuda_graphs(true);
   int compared = 0;
-  for (int step = 0; step < 12; ++step) {
+  // Steps 12..19 ask for 3 and 2 drafts: the Markov head runs 3 slots, a graph of its own.
+  for (int step = 0; step < 20; ++step) {
     DraftInput din;
-    for (int seq = 0; seq < (step < 8 ? 2 : 1); ++seq) {
+    for (int seq = 0; seq < (step < 8 || step >= 12 ? 2 : 1); ++seq) {
       DraftSeq d;
       d.seq_id = seq;
       d.anchor_token = static_cast<int32_t>(rng() % cfg.vocab_size);
       d.anchor_pos = 100 + 20 * seq + step;
       d.block_tables = tables(seq);
-      d.num_drafts = B - 1;
+      d.num_drafts = step >= 12 ? 3 - seq : B - 1;
       din.seqs.push_back(d);
     }
     auto a = (*g)->draft(din);
@@ -164,7 +166,7 @@ TEST(CudaDrafter, GreedyDraftGraphsEqualEagerDrafts) {
     EXPECT_EQ(a->tokens, b->tokens) << "step " << step;
     compared += static_cast<int>(din.seqs.size());
   }
-  EXPECT_GE((*g)->draft_replays(), 8);  // 12 draft steps of two shapes, the first of each captured
+  EXPECT_GE((*g)->draft_replays(), 15);  // 20 draft steps of three shapes, the first of each captured
   EXPECT_EQ((*e)->draft_replays(), 0);
   std::printf("greedy draft graphs: %d blocks compared, %lld replays\n", compared,
               static_cast<long long>((*g)->draft_replays()));

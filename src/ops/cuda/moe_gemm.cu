@@ -36,10 +36,10 @@ struct GemmArgs {
 // One CTA: tile blockIdx.y of the list, output columns [n0, n0 + 128) (gate_up: 64 per
 // warpgroup, gate and up of each) or [n0, n0 + 256) (128 per warpgroup).
 //
-// kOverlap (MoeGroupedGemmParams::overlap): block kb + 1's MMAs are issued into a second partial
-// accumulator before block kb's is promoted (wait<1> instead of wait<0>), so the tensor cores
-// run while the scales multiply in; the ring then prefetches kStages - 2 blocks ahead (the
-// stage of block kb - 1 may still be read by its MMAs when block kb + 2's load is issued).
+// kOverlap (MoeGroupedGemmParams::overlap): blocks kb and kb + 1 issued into two partial
+// accumulators before block kb's is promoted (wait<1>), so the tensor cores run block kb + 1
+// while block kb's scales multiply in; the ring then prefetches kStages - 2 blocks ahead (the
+// stage of block kb may still be read by its MMAs when block kb + 3's load is issued).
 template <bool kGateUp, bool kOverlap>
 __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const GemmArgs p) {
   pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
@@ -150,30 +150,28 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const GemmArg
     cp_commit();
   }
   if constexpr (kOverlap) {
+    // Two blocks per iteration, both issued, then each promoted once its group is done: block
+    // kb's promotion runs under block kb + 1's MMAs (every other promotion hidden). No group
+    // may stay in flight across the loop's back edge: ptxas then serializes every wgmma
+    // (warning C7514), which a one-block-ahead schedule (promote kb - 1 after issuing kb) hit.
     float part2[64], sa[4], sb[4];
     for (int kb = 0; kb < KB; kb += 2) {
       issue(part, kb);
       scales(kb, sa);
-      if (kb > 0) {  // block kb - 1 (part2) done while block kb runs
-        wgmma::wait<1>();
-        wgmma::fence_operands(part2);
-        promote(part2, sb);
-      }
       if (kb + 1 < KB) {
         issue(part2, kb + 1);
         scales(kb + 1, sb);
         wgmma::wait<1>();
         wgmma::fence_operands(part);
         promote(part, sa);
+        wgmma::wait<0>();
+        wgmma::fence_operands(part2);
+        promote(part2, sb);
+      } else {
+        wgmma::wait<0>();
+        wgmma::fence_operands(part);
+        promote(part, sa);
       }
-    }
-    wgmma::wait<0>();
-    if (KB % 2 == 1) {
-      wgmma::fence_operands(part);
-      promote(part, sa);
-    } else {
-      wgmma::fence_operands(part2);
-      promote(part2, sb);
     }
   } else {
     for (int kb = 0; kb < KB; ++kb) {
