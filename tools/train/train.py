@@ -432,12 +432,18 @@ class GeneratedRows:
     """The target's own continuations (gen_drafter_data.py): uint16 rows of prompt + generated
     tokens; batch() draws whole rows."""
 
-    def __init__(self, path, device):
-        meta = json.load(open(path + ".json"))
-        with open(path, "rb") as f:
-            flat = np.frombuffer(lzma.decompress(f.read()), dtype=np.uint16).astype(np.int64)
-        rows = flat.reshape(meta["rows"], meta["row_len"])
-        self.prompt_len = meta["prompt_len"]
+    def __init__(self, paths, device):
+        parts, shape = [], None
+        for path in paths.split(","):  # several files of one row shape: their rows in order
+            meta = json.load(open(path + ".json"))
+            if shape is not None and shape != (meta["row_len"], meta["prompt_len"]):
+                raise SystemExit(f"{path}: rows of {meta['row_len']} / prompt {meta['prompt_len']}, the others {shape}")
+            shape = (meta["row_len"], meta["prompt_len"])
+            with open(path, "rb") as f:
+                flat = np.frombuffer(lzma.decompress(f.read()), dtype=np.uint16).astype(np.int64)
+            parts.append(flat.reshape(meta["rows"], meta["row_len"]))
+        rows = np.concatenate(parts)
+        self.prompt_len = shape[1]
         self.device = device
         # The last tenth (at least one row) is held out: acceptance on the target's own text.
         n_out = max(1, rows.shape[0] // 10) if rows.shape[0] > 1 else 0
@@ -646,7 +652,8 @@ def main():
     ap.add_argument("--drafter-anchors", type=int, default=128)
     ap.add_argument("--drafter-slot-decay", type=float, default=0.8, help="loss weight of slot j ~ decay^(j-1)")
     ap.add_argument("--drafter-reuse", type=int, default=2, help="drafter steps (fresh anchors) per target forward")
-    ap.add_argument("--drafter-data", default="", help="gen_drafter_data.py's file: the target's own continuations")
+    ap.add_argument("--drafter-data", default="",
+                    help="gen_drafter_data.py's file (or files, comma-separated): the target's own continuations")
     ap.add_argument("--drafter-data-frac", type=float, default=0.75, help="share of drafter batches from --drafter-data")
     ap.add_argument("--drafter-from-target", action="store_true", help="with --target-from: start the drafter from "
                     "that file's mtp_dspark.* tensors (continue training the shipped drafter)")
