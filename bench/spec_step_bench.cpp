@@ -119,14 +119,14 @@ int main(int argc, char** argv) {
   };
   auto verify = [&] { return verify_with(false); };
   uint64_t draw = 0;
-  auto draft_with = [&](bool sampled) {
+  auto draft_with = [&](bool sampled, int drafts = 0) {
     DraftInput in;
     DraftSeq d;
     d.seq_id = 1;
     d.anchor_token = 17;
     d.anchor_pos = pos;
     d.block_tables = s.block_tables;
-    d.num_drafts = B - 1;
+    d.num_drafts = drafts > 0 ? drafts : B - 1;
     if (sampled) {  // probabilistic drafts at T = 1 with their q (drawn on the device: sampling.h draft_rows)
       DeviceSamplingParams p;
       p.temperature = 1.0f;
@@ -150,6 +150,7 @@ int main(int argc, char** argv) {
     return ok;
   });
   measure("draft_greedy", draft);
+  measure("draft_greedy_3_drafts", [&] { return draft_with(false, 3); });  // 3 Markov slots of B - 1
   measure("draft_probabilistic_t1", [&] { return draft_with(true); });
   // (d) draft + verify of a random request (T = 1), q and rows to the host or kept on the device.
   auto random_cycle = [&](bool device) {

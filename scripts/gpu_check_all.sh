@@ -77,7 +77,7 @@ if on moegemm; then
   # grouped_gemm_overlap is CudaRunnerOptions::moe_gemm_overlap).
   timeout 300 "$carry/bin/ml4" bench step --preset ml4-slice-4 --batch 1 --ctx 1024 --kv-gib 4 > "$out/prefill_bench.log" 2>&1
   echo "rc=$?"
-  grep -E "PREFILL |rror" "$out/prefill_bench.log" | cut -c1-300
+  grep -E "PREFILL |PREFILL_CHUNKED|rror" "$out/prefill_bench.log" | cut -c1-300
   for f in nvfp4 mxfp4 fp8-to-mxfp4; do  # decode steps with FP4 routed experts (issue 18) vs the FP8 rows above;
                                         # fp8-to-mxfp4 also times the on-device re-quantization (REQUANT line)
     timeout 200 "$carry/bin/ml4" bench step --preset ml4-slice-4 --experts $f --no-extras --ctx 8192 \
