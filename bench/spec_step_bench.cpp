@@ -119,14 +119,18 @@ int main(int argc, char** argv) {
   };
   auto verify = [&] { return verify_with(false); };
   uint64_t draw = 0;
-  auto draft_with = [&](bool sampled, int drafts = 0) {
-    DraftInput in;
+  auto draft_seq = [&](int drafts) {  // the block after the last accepted token (17 at pos)
     DraftSeq d;
     d.seq_id = 1;
     d.anchor_token = 17;
     d.anchor_pos = pos;
     d.block_tables = s.block_tables;
     d.num_drafts = drafts > 0 ? drafts : B - 1;
+    return d;
+  };
+  auto draft_with = [&](bool sampled, int drafts = 0) {
+    DraftInput in;
+    DraftSeq d = draft_seq(drafts);
     if (sampled) {  // probabilistic drafts at T = 1 with their q (drawn on the device: sampling.h draft_rows)
       DeviceSamplingParams p;
       p.temperature = 1.0f;
@@ -155,12 +159,7 @@ int main(int argc, char** argv) {
   // (d) draft + verify of a random request (T = 1), q and rows to the host or kept on the device.
   auto random_cycle = [&](bool device) {
     DraftInput in;
-    DraftSeq d;
-    d.seq_id = 1;
-    d.anchor_token = 17;
-    d.anchor_pos = pos;
-    d.block_tables = s.block_tables;
-    d.num_drafts = B - 1;
+    DraftSeq d = draft_seq(0);
     DeviceSamplingParams p;
     p.temperature = 1.0f;
     p.seed = 7;

@@ -451,6 +451,18 @@ TEST(CudaSampling, TokenBitmaskMatchesHostMaskingAndSampling) {
 // ulp at most), every row's q summing to 1; greedy rows one-hot at the argmax; both the float4
 // and the scalar argmax path (V % 4 != 0); twice, bit-identical; top-k / top-p rows are not
 // supported (the host draws those).
+// The device draws and verifier leave rows with top-k or top-p to the host.
+void expect_no_top_k_top_p(bool (*supported)(const DeviceSamplingParams&, int64_t)) {
+  DeviceSamplingParams p;
+  p.top_p = 0.9f;
+  EXPECT_FALSE(supported(p, 8192));
+  p.top_p = 1.0f;
+  p.top_k = 50;
+  EXPECT_FALSE(supported(p, 8192));
+  p.top_k = 0;
+  EXPECT_TRUE(supported(p, 8192));
+}
+
 TEST(CudaSampling, DraftRowsMatchHostDrafts) {
   ML4_REQUIRE_GPU();
   for (const int64_t V : {int64_t{8192}, int64_t{131072 + 3}}) {
@@ -499,12 +511,7 @@ TEST(CudaSampling, DraftRowsMatchHostDrafts) {
     std::printf("draft_rows V=%lld: %lld rows, ids equal to the host's: %s\n", static_cast<long long>(V),
                 static_cast<long long>(B), "checked above");
   }
-  DeviceSamplingParams tp;
-  tp.top_p = 0.9f;
-  EXPECT_FALSE(draft_rows_supported(tp, 8192));
-  tp.top_p = 1.0f;
-  tp.top_k = 50;
-  EXPECT_FALSE(draft_rows_supported(tp, 8192));
+  expect_no_top_k_top_p(draft_rows_supported);
   DeviceBuffer d = poisoned<float>(64);
   const auto* p = reinterpret_cast<const DeviceSamplingParams*>(d.as<float>());
   DeviceBuffer ws = poisoned<uint8_t>(8);
@@ -622,12 +629,7 @@ TEST(CudaSampling, VerifyRowsMatchTheHostVerifier) {
   DeviceSamplingParams p;
   p.temperature = 0.0f;
   EXPECT_FALSE(verify_rows_supported(p, 8192));  // greedy rows verify by argmax
-  p.temperature = 1.0f;
-  p.top_k = 40;
-  EXPECT_FALSE(verify_rows_supported(p, 8192));
-  p.top_k = 0;
-  p.top_p = 0.9f;
-  EXPECT_FALSE(verify_rows_supported(p, 8192));
+  expect_no_top_k_top_p(verify_rows_supported);
   DeviceBuffer d = poisoned<float>(64);
   const auto* vs = reinterpret_cast<const VerifySeq*>(d.as<float>());
   EXPECT_FALSE(verify_rows(d.as<float>(), 8, nullptr, d.as<int32_t>(), vs, -1, d.as<int32_t>(), d.as<float>(),

@@ -87,6 +87,21 @@ EngineConfig config(int max_seqs, int64_t budget, int drafts, bool probabilistic
   return c;
 }
 
+// A named request of the mixed-step tests, and a seeded random request's parameters.
+struct Req {
+  std::string id;
+  std::vector<int32_t> prompt;
+  SamplingParams params;
+};
+SamplingParams seeded(double temperature, int max_tokens, uint64_t seed) {
+  SamplingParams p;
+  p.temperature = temperature;
+  p.max_tokens = max_tokens;
+  p.ignore_eos = true;
+  p.seed = seed;
+  return p;
+}
+
 TEST(SpecDecodeConfig, ParsesVllmSpellingAndRefusesBadInput) {
   auto ok = parse_speculative_config(
       R"({"method":"dspark","num_speculative_tokens":7,"draft_sample_method":"probabilistic"})");
@@ -443,20 +458,7 @@ TEST(SpecDecodeEngine, MixedStepsOnADeviceSamplingRunnerMatchEachRequestAlone) {
   constexpr int V = 300;
   std::mt19937 rng(31);
   ByteTextCodec codec(V);
-  struct Req {
-    std::string id;
-    std::vector<int32_t> prompt;
-    SamplingParams params;
-  };
   std::vector<Req> reqs;
-  auto seeded = [](double temperature, int max_tokens, uint64_t seed) {
-    SamplingParams p;
-    p.temperature = temperature;
-    p.max_tokens = max_tokens;
-    p.ignore_eos = true;
-    p.seed = seed;
-    return p;
-  };
   // The greedy ones outlive the others: their last steps verify on the device alone.
   reqs.push_back({"greedy", random_prompt(rng, 9, V), greedy(300)});
   SamplingParams plp = greedy(250);
@@ -556,20 +558,7 @@ TEST(SpecDecodeEngine, DeviceRejectionSamplingEqualsHostVerification) {
   constexpr int V = 300;
   std::mt19937 rng(47);
   ByteTextCodec codec(V);
-  struct Req {
-    std::string id;
-    std::vector<int32_t> prompt;
-    SamplingParams params;
-  };
   std::vector<Req> reqs;
-  auto seeded = [](double temperature, int max_tokens, uint64_t seed) {
-    SamplingParams p;
-    p.temperature = temperature;
-    p.max_tokens = max_tokens;
-    p.ignore_eos = true;
-    p.seed = seed;
-    return p;
-  };
   for (int i = 0; i < 6; ++i) reqs.push_back({"t" + std::to_string(i), random_prompt(rng, 5 + 11 * i, V),
                                               seeded(0.6 + 0.15 * i, 20 + 3 * i, 100 + i)});
   SamplingParams mp = seeded(1.0, 30, 7);
