@@ -276,6 +276,15 @@ class Backend {
   // The step's indexer keys k [T, dI] (rotated): Hadamard + FP8 into an indexer layer slot
   // (k may be overwritten).
   virtual Status indexer_key_write(int cache_slot, float* k) = 0;
+  // The indexer's key half after its projection k [T, dim]: LayerNorm (w, b, eps), RoPE when
+  // `rope` (NeoX, on k), then indexer_key_write. A backend may fuse the three (CUDA:
+  // CudaBackendOptions::fused_indexer_keys); k's contents afterwards are unspecified.
+  virtual Status indexer_key_path(float* k, int64_t dim, const float* w, const float* b, float eps,
+                                  const RopeArgs* rope, int cache_slot) {
+    ML4_RETURN_IF_ERROR(layer_norm(k, w, b, step_tokens(), dim, eps, k));
+    if (rope != nullptr) ML4_RETURN_IF_ERROR(this->rope(*rope));
+    return indexer_key_write(cache_slot, k);
+  }
   // Prefill context parallelism (runtime/pcp_split.h): the same two writes for rows of the
   // whole step (every PCP rank's tokens, gathered, in the runner's write metadata order), where
   // the step itself holds only this rank's share.

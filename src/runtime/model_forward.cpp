@@ -391,18 +391,16 @@ Status ModelForward::indexer_keys(int l) {
   const int64_t T = be_.step_tokens();
   const int dI = cfg_.indexer.head_dim;
   ML4_RETURN_IF_ERROR(be_.linear(L.idx_wk, x.a, T, x.ik));
-  ML4_RETURN_IF_ERROR(be_.layer_norm(x.ik, L.idx_knorm_w, L.idx_knorm_b, T, dI, 1e-6f, x.ik));
   ML4_RETURN_IF_ERROR(be_.linear(L.idx_wproj, x.a, T, x.iw));
-  if (spec.rope) {
-    RopeArgs r = rope_args(x.ik, 1, dI, 0, cfg_.indexer.rope_head_dim, indexer_inv_freq_);
-    r.neox = true;
-    ML4_RETURN_IF_ERROR(be_.rope(r));
-  }
-  if (prefill_context_parallel()) {
-    ML4_ASSIGN_OR_RETURN(float* all, pcp_gather_rows(x.ik, dI));
-    return be_.indexer_key_write_gathered(spec.indexer_slot, all);
-  }
-  return be_.indexer_key_write(spec.indexer_slot, x.ik);
+  RopeArgs r = rope_args(x.ik, 1, dI, 0, cfg_.indexer.rope_head_dim, indexer_inv_freq_);
+  r.neox = true;
+  if (!prefill_context_parallel())
+    return be_.indexer_key_path(x.ik, dI, L.idx_knorm_w, L.idx_knorm_b, 1e-6f, spec.rope ? &r : nullptr,
+                                spec.indexer_slot);
+  ML4_RETURN_IF_ERROR(be_.layer_norm(x.ik, L.idx_knorm_w, L.idx_knorm_b, T, dI, 1e-6f, x.ik));
+  if (spec.rope) ML4_RETURN_IF_ERROR(be_.rope(r));
+  ML4_ASSIGN_OR_RETURN(float* all, pcp_gather_rows(x.ik, dI));
+  return be_.indexer_key_write_gathered(spec.indexer_slot, all);
 }
 
 // Prefill context parallelism (runtime/pcp_split.h): rows [T, width] of this rank's tokens,

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -16,6 +17,7 @@
 #include "kv/latent_layout.h"
 #include "ops/cpu/quant.h"
 #include "ops/cuda/cache_write.h"
+#include "ops/cuda/elementwise.h"
 
 namespace ml4::cuda {
 namespace {
@@ -151,6 +153,97 @@ TEST(CudaCacheWrite, IndexerKeysAreByteIdenticalToCpuEncoder) {
     EXPECT_EQ(diff, 0u);
     EXPECT_EQ(0, std::memcmp(outs[0].data(), outs[1].data(), ref.size())) << "repeat run differs";
   }
+}
+
+// The fused indexer key path (indexer_key_path, issue 19) against the three launches it
+// replaces (layer_norm, q_path's NeoX rope on one head, indexer_cache_write) on the same keys:
+// the same page bytes. Only LayerNorm's f64 sums run in another order (two values per thread,
+// 64 threads, against one value each over 128), ~1e-16 relative: an output byte can differ only
+// where that moves an f32 rounding, far below one in these 77 x 128 values. With rope and
+// without (NoPE), LeRoPE past its window, a bias, a padded slot; repeat runs identical.
+TEST(CudaCacheWrite, IndexerKeyPathEqualsTheThreeLaunches) {
+  ML4_REQUIRE_GPU();
+  std::mt19937 rng(123);
+  const int dI = 128, dr = 64;
+  const int64_t T = 77, num_blocks = 3;
+  std::normal_distribution<float> nd(0.3f, 2.0f);
+  std::vector<float> k(T * dI), w(dI), b(dI), inv(dr / 2);
+  for (auto& v : k) v = nd(rng);
+  for (auto& v : w) v = 0.5f + std::abs(nd(rng)) * 0.3f;
+  for (auto& v : b) v = nd(rng) * 0.1f;
+  for (int i = 0; i < dr / 2; ++i) inv[i] = static_cast<float>(std::pow(10000.0, -2.0 * i / dr));
+  std::vector<int64_t> pos(T);
+  for (int64_t t = 0; t < T; ++t) pos[t] = 3000 + 61 * t;  // past the LeRoPE window below
+  const auto slots = random_slots(T, num_blocks * kPageTokens, 7, rng);
+  auto dk = to_device(k), dw = to_device(w), db = to_device(b), dinv = to_device(inv), dpos = to_device(pos),
+       dslots = to_device(slots);
+  const size_t pb = indexer_page_bytes(dI);
+  for (bool rope : {true, false}) {
+    // The three launches, on a copy of the keys.
+    auto kc = to_device(k);
+    auto ref = poisoned<uint8_t>(num_blocks * pb);
+    ML4_ASSERT_OK(layer_norm({kc.as<float>(), dw.as<float>(), db.as<float>(), T, dI, 1e-6f, kc.as<float>(), nullptr}));
+    if (rope) {
+      QPathParams q;
+      q.q = kc.as<float>();
+      q.T = T;
+      q.H = 1;
+      q.head_stride = dI;
+      q.rope_offset = 0;
+      q.rope_dim = dr;
+      q.positions = dpos.as<int64_t>();
+      q.inv_freq = dinv.as<float>();
+      q.attn_factor = 1.0625f;
+      q.neox = true;
+      q.lerope = LeRopeConfig{true, 2048, 4.0};
+      ML4_ASSERT_OK(q_path(q));
+    }
+    IndexerCacheWriteParams wp;
+    wp.k = kc.data();
+    wp.slots = dslots.as<int64_t>();
+    wp.T = T;
+    wp.dI = dI;
+    wp.cache = ref.data();
+    wp.num_blocks = num_blocks;
+    ML4_ASSERT_OK(indexer_cache_write(wp));
+    ML4_ASSERT_OK(cuda_status(cudaDeviceSynchronize(), "sync"));
+    const auto want = to_host<uint8_t>(ref, num_blocks * pb);
+    std::vector<std::vector<uint8_t>> outs;
+    for (int rep = 0; rep < 2; ++rep) {
+      auto cache = poisoned<uint8_t>(num_blocks * pb);
+      IndexerKeyPathParams p;
+      p.k = dk.as<float>();
+      p.T = T;
+      p.dI = dI;
+      p.ln_w = dw.as<float>();
+      p.ln_b = db.as<float>();
+      p.eps = 1e-6f;
+      p.rope = rope;
+      p.rope_dim = dr;
+      p.positions = dpos.as<int64_t>();
+      p.inv_freq = dinv.as<float>();
+      p.attn_factor = 1.0625f;
+      p.lerope = true;
+      p.lerope_window = 2048;
+      p.lerope_leak = 4.0;
+      p.slots = dslots.as<int64_t>();
+      p.cache = cache.data();
+      p.num_blocks = num_blocks;
+      ML4_ASSERT_OK(indexer_key_path(p));
+      ML4_ASSERT_OK(cuda_status(cudaDeviceSynchronize(), "sync"));
+      outs.push_back(to_host<uint8_t>(cache, num_blocks * pb));
+    }
+    size_t diff = 0;
+    for (size_t i = 0; i < want.size(); ++i) diff += outs[0][i] != want[i];
+    std::printf("fused indexer key path rope=%d: %zu of %zu bytes differ from the three launches\n", rope, diff,
+                want.size());
+    EXPECT_EQ(diff, 0u);
+    EXPECT_EQ(0, std::memcmp(outs[0].data(), outs[1].data(), want.size())) << "repeat run differs";
+  }
+  IndexerKeyPathParams bad;
+  bad.T = 4;
+  bad.dI = 256;
+  EXPECT_FALSE(indexer_key_path(bad).ok());  // dI 128 only
 }
 
 TEST(CudaCacheWrite, BadShapesAreErrors) {

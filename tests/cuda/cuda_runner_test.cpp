@@ -388,18 +388,18 @@ TEST(CudaRunner, DecodeGraphsMatchEager) {
   graph_vs_eager("ml4-tiny");
 }
 
-// Programmatic dependent launch (ops/cuda/pdl.cuh, issue 19) changes when a kernel starts, not
-// what it computes: every kernel waits on the device for its predecessor before it touches the
-// step's data. A runner with it must give the logits of a runner without it bit for bit, graphed
-// against graphed and eager against eager (graphs pad the batch, which may move the last bits),
-// over a prefill of mixed lengths and decode steps (graph replays included).
-void pdl_vs_plain(const std::string& preset) {
+// A runner option that must not change what the runner computes (`what` names it; `set` turns
+// it on): a runner with it gives the logits of a runner without it bit for bit, graphed against
+// graphed and eager against eager (graphs pad the batch, which may move the last bits), over a
+// prefill of mixed lengths and decode steps (graph replays included).
+template <typename Set>
+void option_vs_plain(const std::string& preset, const char* what, Set set) {
   const std::string dir = ::ml4::testing::test_model(preset, 11, "bf16");
   CudaRunnerOptions o;
   o.base.kv_cache_dtype = "fp8_ds_mla";
   o.base.kv_cache_bytes = 64ll << 20;
   auto pdl_o = o;
-  pdl_o.programmatic_launch = true;
+  set(pdl_o);
   auto plain_eager_o = o, pdl_eager_o = pdl_o;
   plain_eager_o.cuda_graphs = pdl_eager_o.cuda_graphs = false;
   auto plain = CudaRunner::load(dir, o);
@@ -444,16 +444,28 @@ void pdl_vs_plain(const std::string& preset) {
       }
     }
   }
-  EXPECT_EQ(differing, 0) << preset << ": logits rows that differ with programmatic launch";
+  EXPECT_EQ(differing, 0) << preset << ": logits rows that differ with " << what;
   EXPECT_GT((*pdl)->graph_replays(), 0) << preset;
-  std::printf("%s: programmatic launch vs plain: %d differing logits rows (graphed and eager), %ld replays\n",
-              preset.c_str(), differing, static_cast<long>((*pdl)->graph_replays()));
+  std::printf("%s: %s vs plain: %d differing logits rows (graphed and eager), %ld replays\n", preset.c_str(), what,
+              differing, static_cast<long>((*pdl)->graph_replays()));
 }
 
+// Programmatic dependent launch (ops/cuda/pdl.cuh, issue 19) changes when a kernel starts, not
+// what it computes: every kernel waits on the device for its predecessor before it touches the
+// step's data.
 TEST(CudaRunner, ProgrammaticLaunchIsBitIdentical) {
   ML4_REQUIRE_GPU();
-  pdl_vs_plain("mistral4-tiny");
-  pdl_vs_plain("ml4-tiny");
+  auto on = [](CudaRunnerOptions& o) { o.programmatic_launch = true; };
+  option_vs_plain("mistral4-tiny", "programmatic launch", on);
+  option_vs_plain("ml4-tiny", "programmatic launch", on);
+}
+
+// The fused indexer key path (cache_write.h indexer_key_path, issue 19) writes the keys the
+// three launches write (its LayerNorm sums in f64 in another order: an f32 output, hence a
+// key byte, moves only where that ~1e-16 difference crosses a rounding), so the logits are too.
+TEST(CudaRunner, FusedIndexerKeysIsBitIdentical) {
+  ML4_REQUIRE_GPU();
+  option_vs_plain("ml4-tiny", "the fused indexer key path", [](CudaRunnerOptions& o) { o.fused_indexer_keys = true; });
 }
 
 // DSpark verification steps (every token a logits row, several tokens per sequence) take the

@@ -18,6 +18,7 @@
 #include "kv/latent_layout.h"
 #include "ops/cuda/cuda_common.h"
 #include "ops/cuda/fp8_groups.cuh"
+#include "ops/cuda/rope.cuh"
 
 namespace ml4::cuda {
 namespace {
@@ -83,6 +84,21 @@ __global__ void latent_write_kernel(const void* __restrict__ c, bool c_bf16, int
   }
 }
 
+// A key row in shared memory v [dI] (all dI / 2 threads): Hadamard + e4m3 per 128 values into
+// its slot of the indexer pages (values, then the page's scales).
+__device__ __forceinline__ void quantize_key_to_page(float* v, unsigned* gmax, int dI, bool hadamard, float hscale,
+                                                     int64_t slot, uint8_t* cache, int64_t page_bytes) {
+  const int tid = threadIdx.x, half = dI / 2, G = dI / kIndexerQuantBlock;
+  const Fp8GroupPair f = hadamard_fp8_groups(v, gmax, dI, hadamard, hscale);
+  const int64_t block = slot / kPageTokens, off = slot % kPageTokens;
+  uint8_t* page = cache + block * page_bytes;
+  uint8_t* values = page + off * dI;
+  float* scales = reinterpret_cast<float*>(page + int64_t{kPageTokens} * dI + off * 4 * G);
+  values[tid] = to_e4m3(f.x0 / f.s0);
+  values[tid + half] = to_e4m3(f.x1 / f.s1);
+  if (tid < G) scales[tid] = fp8_group_scale(gmax, tid);
+}
+
 // grid (T), block dI / 2: thread i owns values i and i + dI/2 between butterfly stages.
 __global__ void indexer_write_kernel(const void* __restrict__ k, bool k_bf16, int64_t k_stride,
                                      const int64_t* __restrict__ slots, int dI, bool hadamard,
@@ -96,20 +112,64 @@ __global__ void indexer_write_kernel(const void* __restrict__ k, bool k_bf16, in
   const int64_t slot = slots[t];
   if (slot < 0 || slot >= num_blocks * kPageTokens) return;
   const int tid = threadIdx.x, half = dI / 2;
-  const int G = dI / kIndexerQuantBlock;
   v[tid] = load_val(k, k_bf16, t * k_stride + tid);
   v[tid + half] = load_val(k, k_bf16, t * k_stride + tid + half);
-  const Fp8GroupPair f = hadamard_fp8_groups(v, gmax, dI, hadamard, hscale);
-  const int64_t block = slot / kPageTokens, off = slot % kPageTokens;
-  uint8_t* page = cache + block * page_bytes;
-  uint8_t* values = page + off * dI;
-  float* scales = reinterpret_cast<float*>(page + int64_t{kPageTokens} * dI + off * 4 * G);
-  values[tid] = to_e4m3(f.x0 / f.s0);
-  values[tid + half] = to_e4m3(f.x1 / f.s1);
-  if (tid < G) scales[tid] = fp8_group_scale(gmax, tid);
+  quantize_key_to_page(v, gmax, dI, hadamard, hscale, slot, cache, page_bytes);
+}
+
+// Block sum of one double per thread (dI / 2 = 64 threads: two warps), to every thread.
+__device__ __forceinline__ double key_block_sum(double v, double* red) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  double s = 0.0;
+  for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) s += red[w];
+  __syncthreads();
+  return s;
+}
+
+// grid (T), block dI / 2: thread i owns values i and i + dI/2 (as indexer_write_kernel).
+__global__ void indexer_key_path_kernel(IndexerKeyPathParams p, float hscale, int64_t page_bytes) {
+  pdl_wait();
+  pdl_launch_dependents();
+  __shared__ float v[128];
+  __shared__ unsigned gmax[1];
+  __shared__ double red[2];
+  __shared__ float cs[64];  // [rope_dim / 2][cos, sin]
+  const int64_t t = blockIdx.x;
+  const int64_t slot = p.slots[t];
+  if (slot < 0 || slot >= p.num_blocks * kPageTokens) return;
+  const int tid = threadIdx.x, half = p.dI / 2;
+  const float* kr = p.k + t * p.dI;
+  const float x0 = kr[tid], x1 = kr[tid + half];
+  // LayerNorm: f64 two-pass mean and variance (layer_norm_kernel's formula).
+  const double mean = key_block_sum(static_cast<double>(x0) + static_cast<double>(x1), red) / p.dI;
+  const double d0 = x0 - mean, d1 = x1 - mean;
+  const double var = key_block_sum(d0 * d0 + d1 * d1, red) / p.dI;
+  const double inv = 1.0 / sqrt(var + static_cast<double>(p.eps));
+  float y0 = static_cast<float>((x0 - mean) * inv) * p.ln_w[tid];
+  float y1 = static_cast<float>((x1 - mean) * inv) * p.ln_w[tid + half];
+  if (p.ln_b != nullptr) {
+    y0 = y0 + p.ln_b[tid];
+    y1 = y1 + p.ln_b[tid + half];
+  }
+  v[tid] = y0;
+  v[tid + half] = y1;
+  if (p.rope) {  // NeoX pairs (i, i + rope_dim / 2) of the first rope_dim values (q_path_kernel's)
+    const int rh = p.rope_dim / 2;
+    const double pos = rope_position(p.positions[t], p.lerope, p.lerope_window, p.lerope_leak);
+    if (tid < rh) rope_cos_sin(pos, p.inv_freq[tid], p.attn_factor, &cs[2 * tid], &cs[2 * tid + 1]);
+    __syncthreads();
+    if (tid < rh) rope_rotate(&v[tid], &v[tid + rh], cs[2 * tid], cs[2 * tid + 1]);
+  }
+  __syncthreads();
+  quantize_key_to_page(v, gmax, p.dI, true, hscale, slot, static_cast<uint8_t*>(p.cache), page_bytes);
 }
 
 bool float_dtype(DType d) { return d == DType::kF32 || d == DType::kBF16; }
+
+// The Hadamard scale as the CPU reference rounds it (ops/cpu/quant.cpp).
+float hadamard_scale(int dI) { return static_cast<float>(1.0 / std::sqrt(static_cast<double>(dI))); }
 
 }  // namespace
 
@@ -147,12 +207,24 @@ Status indexer_cache_write(const IndexerCacheWriteParams& p) {
   if (!p.k || !p.slots || !p.cache || p.num_blocks <= 0)
     return invalid_argument("indexer_cache_write: null pointer or empty cache");
   if (p.T > 0x7fffffff) return invalid_argument("indexer_cache_write: T = {} too large", p.T);
-  // The CPU reference's scale, rounded to f32 the same way (ops/cpu/quant.cpp).
-  const float hscale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(p.dI)));
+  const float hscale = hadamard_scale(p.dI);
   launch_kernel(indexer_write_kernel, static_cast<unsigned>(p.T), p.dI / 2, p.dI * sizeof(float), p.stream, p.k,
                 p.k_dtype == DType::kBF16, p.k_stride ? p.k_stride : p.dI, p.slots, p.dI, p.hadamard, hscale,
                 static_cast<uint8_t*>(p.cache), p.num_blocks, static_cast<int64_t>(indexer_page_bytes(p.dI)));
   return cuda_status(cudaGetLastError(), "indexer_write_kernel");
+}
+
+Status indexer_key_path(const IndexerKeyPathParams& p) {
+  if (p.T < 0 || p.dI != 128) return invalid_argument("indexer_key_path: T = {}, dI = {} (128 only)", p.T, p.dI);
+  if (p.rope && (p.rope_dim <= 0 || p.rope_dim > p.dI || p.rope_dim % 2 != 0 || !p.inv_freq || !p.positions))
+    return invalid_argument("indexer_key_path: rope_dim {} of {} (even), inv_freq and positions", p.rope_dim, p.dI);
+  if (p.T == 0) return ok_status();
+  if (!p.k || !p.ln_w || !p.slots || !p.cache || p.num_blocks <= 0)
+    return invalid_argument("indexer_key_path: null pointer or empty cache");
+  if (p.T > 0x7fffffff) return invalid_argument("indexer_key_path: T = {} too large", p.T);
+  launch_kernel(indexer_key_path_kernel, static_cast<unsigned>(p.T), p.dI / 2, 0, p.stream, p, hadamard_scale(p.dI),
+                static_cast<int64_t>(indexer_page_bytes(p.dI)));
+  return cuda_status(cudaGetLastError(), "indexer_key_path_kernel");
 }
 
 }  // namespace ml4::cuda

@@ -59,4 +59,33 @@ struct IndexerCacheWriteParams {
 };
 Status indexer_cache_write(const IndexerCacheWriteParams& p);
 
+// The indexer's key half after its projection, one kernel per step (issue 19's decode fusion):
+// per token, LayerNorm of k (f64 mean and variance, cpu::layer_norm / layer_norm's formula),
+// NeoX RoPE of its first rope_dim values when `rope` (q_path's angles and rotation, rope.cuh),
+// then indexer_cache_write's Hadamard + e4m3 into the page. The same f32 values as the three
+// launches (layer_norm, q_path, indexer_cache_write) but for the order of LayerNorm's f64 sums,
+// so the same bytes (a differing byte needs an f64 sum-order difference, ~1e-16, to move an f32
+// rounding). dI = 128 (ML4's indexer); k is read only.
+struct IndexerKeyPathParams {
+  const float* k = nullptr;          // [T, dI] f32: the wk projection
+  int64_t T = 0;
+  int dI = 128;
+  const float* ln_w = nullptr;       // [dI]
+  const float* ln_b = nullptr;       // [dI] or null
+  float eps = 1e-6f;
+  bool rope = true;                  // LayerSpec::rope (NoPE layers skip it)
+  int rope_dim = 64;                 // the first rope_dim values rotate, pairs (i, i + rope_dim / 2)
+  const int64_t* positions = nullptr;  // [T]
+  const float* inv_freq = nullptr;   // [rope_dim / 2]
+  float attn_factor = 1.0f;
+  bool lerope = false;
+  int64_t lerope_window = 0;
+  double lerope_leak = 0.0;
+  const int64_t* slots = nullptr;    // [T], < 0: skip
+  void* cache = nullptr;             // [num_blocks, indexer_page_bytes(dI)] bytes
+  int64_t num_blocks = 0;
+  cudaStream_t stream = nullptr;
+};
+Status indexer_key_path(const IndexerKeyPathParams& p);
+
 }  // namespace ml4::cuda

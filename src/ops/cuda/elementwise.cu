@@ -11,6 +11,7 @@
 
 #include "ops/cuda/cuda_common.h"
 #include "ops/cuda/gemm.h"
+#include "ops/cuda/rope.cuh"
 
 namespace ml4::cuda {
 namespace {
@@ -158,17 +159,9 @@ __global__ void q_path_kernel(QPathArgs a) {
   const int64_t p = a.positions[t];
   const int half = a.rope_dim / 2;
   if (a.apply_rope) {
-    // LeRoPE (cpu::lerope_position) in f64.
-    double pos = static_cast<double>(p);
-    if (a.lerope && p >= a.lerope_window && a.lerope_leak > 0.0)
-      pos = static_cast<double>(a.lerope_window) + static_cast<double>(p - a.lerope_window) / a.lerope_leak;
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
-      const double ang = pos * static_cast<double>(a.inv_freq[i]);
-      double s, c;
-      sincos(ang, &s, &c);
-      cs[2 * i] = static_cast<float>(c) * a.attn_factor;
-      cs[2 * i + 1] = static_cast<float>(s) * a.attn_factor;
-    }
+    const double pos = rope_position(p, a.lerope, a.lerope_window, a.lerope_leak);
+    for (int i = threadIdx.x; i < half; i += blockDim.x)
+      rope_cos_sin(pos, a.inv_freq[i], a.attn_factor, &cs[2 * i], &cs[2 * i + 1]);
     __syncthreads();
   }
   float* qt = a.q + t * a.H * a.head_stride;
@@ -176,11 +169,7 @@ __global__ void q_path_kernel(QPathArgs a) {
     for (int j = threadIdx.x; j < a.H * half; j += blockDim.x) {
       const int h = j / half, i = j % half;
       float* base = qt + h * a.head_stride + a.rope_offset;
-      float* x0p = a.neox ? base + i : base + 2 * i;
-      float* x1p = a.neox ? base + i + half : base + 2 * i + 1;
-      const float x0 = *x0p, x1 = *x1p, c = cs[2 * i], s = cs[2 * i + 1];
-      *x0p = x0 * c - x1 * s;
-      *x1p = x0 * s + x1 * c;
+      rope_rotate(a.neox ? base + i : base + 2 * i, a.neox ? base + i + half : base + 2 * i + 1, cs[2 * i], cs[2 * i + 1]);
     }
   }
   if (a.base_scale == 0.0) return;

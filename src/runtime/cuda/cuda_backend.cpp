@@ -626,6 +626,37 @@ Status CudaBackend::indexer_key_write(int cache_slot, float* k) {
   return indexer_cache_write(wp);
 }
 
+// LayerNorm + RoPE + the key write in one kernel (issue 19) when fused_indexer_keys; the three
+// launches otherwise (Backend's default).
+Status CudaBackend::indexer_key_path(float* k, int64_t dim, const float* w, const float* b, float eps,
+                                     const RopeArgs* rope, int cache_slot) {
+  if (!opts_.fused_indexer_keys || dim != 128 || (rope != nullptr && (rope->offset != 0 || rope->heads != 1)))
+    return Backend::indexer_key_path(k, dim, w, b, eps, rope, cache_slot);
+  IndexerKeyPathParams p;
+  p.k = k;
+  p.T = step_T_;
+  p.dI = static_cast<int>(dim);
+  p.ln_w = w;
+  p.ln_b = b;
+  p.eps = eps;
+  p.rope = rope != nullptr;
+  if (rope != nullptr) {
+    const QPathParams q = rope_params(*rope);
+    p.rope_dim = q.rope_dim;
+    p.positions = q.positions;
+    p.inv_freq = q.inv_freq;
+    p.attn_factor = q.attn_factor;
+    p.lerope = q.lerope.enabled;
+    p.lerope_window = q.lerope.window;
+    p.lerope_leak = q.lerope.leak;
+  }
+  p.slots = buf_->idx_slots.as<int64_t>();
+  p.cache = kv_[indexer_group_][cache_slot].data();
+  p.num_blocks = group_blocks_[indexer_group_];
+  p.stream = stream_;
+  return cuda::indexer_key_path(p);
+}
+
 // Hadamard + FP8 of the queries, then for a chunk of tokens at a time the scores over the
 // pages (f32 or FP8 tensor cores) and the radix top-k straight into latent cache slots.
 Status CudaBackend::indexer_select(const IndexerSelectArgs& a) {

@@ -58,6 +58,7 @@ struct CudaBackendOptions {
   bool fp4_weights = true;        // CudaRunnerOptions::fp4_weights
   int fp4_x_parts = 1;            // CudaRunnerOptions::fp4_x_parts (exact_activations: -1, the stream)
   bool fused_router = false;      // CudaRunnerOptions::fused_router
+  bool fused_indexer_keys = false;  // CudaRunnerOptions::fused_indexer_keys
   // Sparse MLA steps of a wave of tokens or more (prefill) on the wgmma prefill kernel
   // (ops/cuda/attention_prefill.cu; MlaAttentionParams::prefill_kernel). ML4_MLA_PREFILL=0 turns
   // it off (A/B against the decode kernel in `ml4 bench step`).
@@ -125,6 +126,8 @@ class CudaBackend : public Backend {
   Status rescale_attention_part(float* out, const float* lse, const float* lse_all, int n, int64_t rows,
                                 int64_t cols) override;
   Status indexer_key_write(int cache_slot, float* k) override;
+  Status indexer_key_path(float* k, int64_t dim, const float* w, const float* b, float eps, const RopeArgs* rope,
+                          int cache_slot) override;
   Status indexer_select(const IndexerSelectArgs& p) override;
   Result<std::vector<std::vector<int32_t>>> read_selection(int selection) override;
   Status set_selection(int selection, const std::vector<std::vector<int32_t>>& positions) override;
@@ -225,6 +228,7 @@ class CudaBackend : public Backend {
   void set_fused_router(bool on) { opts_.fused_router = on; }
   void set_fp4_x_parts(int parts) { opts_.fp4_x_parts = parts; }
   void set_moe_gemm_overlap(bool on) { opts_.moe_gemm_overlap = on; }
+  void set_fused_indexer_keys(bool on) { opts_.fused_indexer_keys = on; }
   void set_grouped_moe_gemm(bool on) {  // the next step reserves (or drops) the path's buffers
     opts_.grouped_moe_gemm = on;
     if (buf_) buf_->T = 0;

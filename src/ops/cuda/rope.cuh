@@ -1,0 +1,31 @@
+// Device helpers of rotary embedding, shared by the MLA / indexer query path (elementwise.cu
+// q_path_kernel) and the fused indexer key path (cache_write.cu), so both rotate with the same
+// f32 operations: cpu::rope_* (ops/cpu) computes the same angles in f64 and the same f32 products.
+#pragma once
+
+#include <cstdint>
+
+namespace ml4::cuda {
+
+// cpu::lerope_position: past the window the position advances by 1 / leak per token, in f64.
+__device__ __forceinline__ double rope_position(int64_t p, bool lerope, int64_t window, double leak) {
+  if (lerope && p >= window && leak > 0.0) return static_cast<double>(window) + static_cast<double>(p - window) / leak;
+  return static_cast<double>(p);
+}
+
+// (cos, sin) of pos * inv_freq, in f64, each rounded to f32 and times the attention factor.
+__device__ __forceinline__ void rope_cos_sin(double pos, float inv_freq, float attn_factor, float* c, float* s) {
+  double sd, cd;
+  sincos(pos * static_cast<double>(inv_freq), &sd, &cd);
+  *c = static_cast<float>(cd) * attn_factor;
+  *s = static_cast<float>(sd) * attn_factor;
+}
+
+// One pair (x0, x1) rotated by (c, s), in f32.
+__device__ __forceinline__ void rope_rotate(float* x0p, float* x1p, float c, float s) {
+  const float x0 = *x0p, x1 = *x1p;
+  *x0p = x0 * c - x1 * s;
+  *x1p = x0 * s + x1 * c;
+}
+
+}  // namespace ml4::cuda
