@@ -63,7 +63,7 @@ on() { [[ "$sections" == *" $1 "* ]]; }
 # device (kernel, and through the engine against host verification), fewer Markov slots (the
 # drafter golden's 3-draft check), the grouped GEMM overlap's bit identity; and the tests
 # around them.
-new=${FILTER_NEW:-CudaSampling.VerifyRows*:CudaSampling.DraftRows*:CudaDrafter.*:CudaMoe.GroupedGemm*:CudaRunner.GreedyVerification*:CudaRunner.DecodeGraphsMatchEager:CudaCacheWrite.*:CudaElementwise.*:CudaRunner.*BitIdentical}
+new=${FILTER_NEW:-CudaSampling.VerifyRows*:CudaSampling.DraftRows*:CudaDrafter.*:CudaMoe.GroupedGemm*:CudaRunner.GreedyVerification*:CudaRunner.DecodeGraphsMatchEager:CudaCacheWrite.*:CudaElementwise.*:CudaIndexer.*:CudaRunner.*BitIdentical}
 on tests && stamp "1a. new GPU tests: $new" && timeout 240 "$carry/bin/ml4_cuda_tests" --gtest_filter="$new" --gtest_color=no > "$out/new_tests.log" 2>&1
 on tests && grep -E "^\[  (FAILED|PASSED|SKIPPED) |^\[       OK|rel|Failure" "$out/new_tests.log" | tail -40
 
@@ -72,7 +72,7 @@ if on moegemm; then
   timeout 240 "$carry/bin/gpu_moe_bench" 4253 > "$out/moe_bench.log" 2>&1; echo "rc=$?"
   grep -E "prefill|grouped GEMM T|overlap|rror" "$out/moe_bench.log" | cut -c1-400
   timeout 300 "$carry/bin/ml4" bench step --preset ml4-slice-4 > "$out/step_bench.log" 2>&1; echo "rc=$?"
-  grep -E "STEP batch=1 |FUSEDROUTER|FUSEDKEYS|rror" "$out/step_bench.log" | cut -c1-300
+  grep -E "STEP batch=1 |FUSEDROUTER|FUSEDINDEXER|rror" "$out/step_bench.log" | cut -c1-300
   # Prefill at 4k / 8k / 32k with a small KV pool (an 80 GB card holds 8k only so; moe=...
   # grouped_gemm_overlap is CudaRunnerOptions::moe_gemm_overlap).
   timeout 300 "$carry/bin/ml4" bench step --preset ml4-slice-4 --batch 1 --ctx 1024 --kv-gib 4 > "$out/prefill_bench.log" 2>&1

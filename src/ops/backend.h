@@ -176,6 +176,10 @@ struct IndexerSelectArgs {
   float weight_scale = 1.0f;  // HI^-0.5 * dI^-0.5
   int selection = 0;
   bool record_positions = false;
+  // RoPE of the queries (NeoX, each head's first dims; q_rope->x == q), applied by the backend
+  // before their Hadamard + FP8 (CUDA with fused_indexer: in the same kernel); null: q is
+  // already rotated or the layer is NoPE.
+  const RopeArgs* q_rope = nullptr;
   // Decode context parallelism: instead of a selection, this rank's candidates over its keys:
   // its local top-min(topk, local keys visible) as scores [T, topk] (f32) followed by their
   // global positions [T, topk] (i32), padded with (-inf, -1); merge_topk_candidates() makes the
@@ -278,7 +282,7 @@ class Backend {
   virtual Status indexer_key_write(int cache_slot, float* k) = 0;
   // The indexer's key half after its projection k [T, dim]: LayerNorm (w, b, eps), RoPE when
   // `rope` (NeoX, on k), then indexer_key_write. A backend may fuse the three (CUDA:
-  // CudaBackendOptions::fused_indexer_keys); k's contents afterwards are unspecified.
+  // CudaBackendOptions::fused_indexer); k's contents afterwards are unspecified.
   virtual Status indexer_key_path(float* k, int64_t dim, const float* w, const float* b, float eps,
                                   const RopeArgs* rope, int cache_slot) {
     ML4_RETURN_IF_ERROR(layer_norm(k, w, b, step_tokens(), dim, eps, k));

@@ -429,12 +429,10 @@ Status ModelForward::indexer_select(int l, ForwardTrace* trace) {
   const int64_t T = be_.step_tokens();
   const int HI = cfg_.indexer.n_heads, dI = cfg_.indexer.head_dim;
   ML4_RETURN_IF_ERROR(be_.linear(L.idx_wq, cfg_.q_lora_rank > 0 ? x.q_latent : x.a, T, x.iq));
-  if (spec.rope) {
-    RopeArgs r = rope_args(x.iq, HI, dI, 0, cfg_.indexer.rope_head_dim, indexer_inv_freq_);
-    r.neox = true;
-    ML4_RETURN_IF_ERROR(be_.rope(r));
-  }
+  RopeArgs r = rope_args(x.iq, HI, dI, 0, cfg_.indexer.rope_head_dim, indexer_inv_freq_);
+  r.neox = true;
   IndexerSelectArgs s;
+  if (spec.rope) s.q_rope = &r;  // the backend rotates them before their quantization
   s.cache_slot = spec.indexer_slot;
   s.q = x.iq;
   s.w = x.iw;

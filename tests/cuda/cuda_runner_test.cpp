@@ -460,12 +460,14 @@ TEST(CudaRunner, ProgrammaticLaunchIsBitIdentical) {
   option_vs_plain("ml4-tiny", "programmatic launch", on);
 }
 
-// The fused indexer key path (cache_write.h indexer_key_path, issue 19) writes the keys the
-// three launches write (its LayerNorm sums in f64 in another order: an f32 output, hence a
-// key byte, moves only where that ~1e-16 difference crosses a rounding), so the logits are too.
-TEST(CudaRunner, FusedIndexerKeysIsBitIdentical) {
+// The fused indexer paths (issue 19): the key half in one kernel (cache_write.h
+// indexer_key_path) writes the keys the three launches write (its LayerNorm sums in f64 in
+// another order: an f32 output, hence a key byte, moves only where that ~1e-16 difference
+// crosses a rounding), and the queries rotated inside their quantization are the same bytes by
+// construction; so the logits are the same bits.
+TEST(CudaRunner, FusedIndexerIsBitIdentical) {
   ML4_REQUIRE_GPU();
-  option_vs_plain("ml4-tiny", "the fused indexer key path", [](CudaRunnerOptions& o) { o.fused_indexer_keys = true; });
+  option_vs_plain("ml4-tiny", "the fused indexer paths", [](CudaRunnerOptions& o) { o.fused_indexer = true; });
 }
 
 // DSpark verification steps (every token a logits row, several tokens per sequence) take the

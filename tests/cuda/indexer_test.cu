@@ -19,6 +19,7 @@
 #include "ops/cpu/attention.h"
 #include "ops/cpu/basic.h"
 #include "ops/cpu/quant.h"
+#include "ops/cuda/elementwise.h"
 #include "ops/cuda/indexer.h"
 #include "ops/cuda/topk.h"
 
@@ -237,6 +238,69 @@ TEST(CudaIndexer, QueryQuantIsByteIdenticalToCpu) {
       EXPECT_EQ(0, std::memcmp(gots.data(), refs.data(), refs.size() * 4)) << "scales differ";
     }
   }
+}
+
+// The fused query path (IndexerQueryQuantParams::rope, issue 19): RoPE inside the quantization
+// kernel gives the bytes and scales of q_path's NeoX rotation followed by the quantization: the
+// same f32 operations on each value (rope.cuh), no reduction between them. 29 tokens x 8 heads,
+// LeRoPE past its window; repeat runs identical.
+TEST(CudaIndexer, QueryQuantWithRopeEqualsRopeThenQuant) {
+  ML4_REQUIRE_GPU();
+  const int HI = 8, dI = 128, dr = 64;
+  const int64_t T = 29, rows = T * HI;
+  auto q = testing::randn(rows * dI, 31, 1.7f);
+  std::vector<float> inv(dr / 2);
+  for (int i = 0; i < dr / 2; ++i) inv[i] = static_cast<float>(std::pow(10000.0, -2.0 * i / dr));
+  std::vector<int64_t> pos(T);
+  for (int64_t t = 0; t < T; ++t) pos[t] = 17 + 211 * t;
+  auto dq = to_device(q), dinv = to_device(inv), dpos = to_device(pos);
+  // Rotate a copy, then quantize it.
+  auto rotated = to_device(q);
+  QPathParams r;
+  r.q = rotated.as<float>();
+  r.T = T;
+  r.H = HI;
+  r.head_stride = dI;
+  r.rope_dim = dr;
+  r.positions = dpos.as<int64_t>();
+  r.inv_freq = dinv.as<float>();
+  r.attn_factor = 0.875f;
+  r.neox = true;
+  r.lerope = LeRopeConfig{true, 1024, 3.0};
+  ML4_ASSERT_OK(q_path(r));
+  auto want8 = poisoned<uint8_t>(rows * dI);
+  auto want_s = poisoned<float>(rows);
+  ML4_ASSERT_OK(indexer_query_quant({rotated.as<float>(), rows, dI, true, want8.data(), want_s.as<float>(), nullptr}));
+  ML4_ASSERT_OK(cuda_status(cudaDeviceSynchronize(), "sync"));
+  const auto w8 = to_host<uint8_t>(want8, rows * dI);
+  const auto ws = to_host<float>(want_s, rows);
+  for (int rep = 0; rep < 2; ++rep) {
+    auto got8 = poisoned<uint8_t>(rows * dI);
+    auto got_s = poisoned<float>(rows);
+    IndexerQueryQuantParams p{dq.as<float>(), rows, dI, true, got8.data(), got_s.as<float>(), nullptr};
+    p.rope = true;
+    p.heads = HI;
+    p.rope_dim = dr;
+    p.positions = dpos.as<int64_t>();
+    p.inv_freq = dinv.as<float>();
+    p.attn_factor = 0.875f;
+    p.lerope = true;
+    p.lerope_window = 1024;
+    p.lerope_leak = 3.0;
+    ML4_ASSERT_OK(indexer_query_quant(p));
+    ML4_ASSERT_OK(cuda_status(cudaDeviceSynchronize(), "sync"));
+    const auto g8 = to_host<uint8_t>(got8, rows * dI);
+    const auto gs = to_host<float>(got_s, rows);
+    size_t diff = 0;
+    for (size_t i = 0; i < g8.size(); ++i) diff += g8[i] != w8[i];
+    EXPECT_EQ(diff, 0u) << "rep " << rep;
+    EXPECT_EQ(0, std::memcmp(gs.data(), ws.data(), ws.size() * 4)) << "rep " << rep;
+    if (rep == 0) std::printf("fused indexer query path: %zu of %zu bytes differ from rope then quant\n", diff, g8.size());
+  }
+  IndexerQueryQuantParams bad{dq.as<float>(), rows, dI, true, dq.data(), dq.as<float>(), nullptr};
+  bad.rope = true;
+  bad.heads = 7;  // rows not a multiple of it
+  EXPECT_FALSE(indexer_query_quant(bad).ok());
 }
 
 TEST(CudaIndexer, BadArgumentsAreErrors) {

@@ -20,6 +20,7 @@
 #include "kv/kv_cache_dtype.h"
 #include "ops/cuda/cuda_common.h"
 #include "ops/cuda/fp8_groups.cuh"
+#include "ops/cuda/rope.cuh"
 
 namespace ml4::cuda {
 namespace {
@@ -249,16 +250,27 @@ __global__ void __launch_bounds__(kThreads) indexer_fp8_kernel(
 // grid (rows), block dI / 2: the butterflies of ml4::cpu::hadamard_transform (pairs (j, j + h),
 // h = 1, 2, 4, ..., then * n^-0.5 as the host rounds it), then per-128 amax and e4m3 (the same
 // operations as cache_write.cu's indexer key path, which is byte-identical to the CPU encoder).
+// With p.rope (the fused query path), the row's first rope_dim values are rotated first, in
+// shared memory, as q_path_kernel rotates them.
 __global__ void query_quant_kernel(const float* __restrict__ q, int dI, bool hadamard, float hscale,
-                                   uint8_t* __restrict__ q8, float* __restrict__ scales) {
+                                   uint8_t* __restrict__ q8, float* __restrict__ scales, IndexerQueryQuantParams p) {
   pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
   pdl_launch_dependents();
-  extern __shared__ float v[];  // [dI]
+  extern __shared__ float v[];  // [dI], then [rope_dim] of (cos, sin) pairs with p.rope
   __shared__ unsigned gmax[8];
   const int64_t row = blockIdx.x;
   const int tid = threadIdx.x, half = dI / 2, G = dI / kDim;
   v[tid] = q[row * dI + tid];
   v[tid + half] = q[row * dI + tid + half];
+  if (p.rope) {
+    float* cs = v + dI;
+    const int rh = p.rope_dim / 2;
+    const double pos = rope_position(p.positions[row / p.heads], p.lerope, p.lerope_window, p.lerope_leak);
+    for (int i = tid; i < rh; i += blockDim.x) rope_cos_sin(pos, p.inv_freq[i], p.attn_factor, &cs[2 * i], &cs[2 * i + 1]);
+    __syncthreads();
+    for (int i = tid; i < rh; i += blockDim.x) rope_rotate(&v[i], &v[i + rh], cs[2 * i], cs[2 * i + 1]);
+    __syncthreads();
+  }
   const Fp8GroupPair f = hadamard_fp8_groups(v, gmax, dI, hadamard, hscale);
   q8[row * dI + tid] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(f.x0 / f.s0, __NV_SATFINITE, __NV_E4M3));
   q8[row * dI + tid + half] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(f.x1 / f.s1, __NV_SATFINITE, __NV_E4M3));
@@ -314,11 +326,16 @@ Status indexer_query_quant(const IndexerQueryQuantParams& p) {
     return invalid_argument("indexer_query_quant: dI = {} (a power of two in [128, 1024])", p.dI);
   if (p.rows == 0) return ok_status();
   if (!p.q || !p.q8 || !p.scales) return invalid_argument("indexer_query_quant: null pointer");
+  if (p.rope && (p.heads <= 0 || p.rows % p.heads != 0 || p.rope_dim <= 0 || p.rope_dim > p.dI || p.rope_dim % 2 != 0 ||
+                 !p.positions || !p.inv_freq))
+    return invalid_argument("indexer_query_quant: rope over {} rows of {} heads, rope_dim {} of {}", p.rows, p.heads,
+                            p.rope_dim, p.dI);
   if (p.rows > 0x7fffffff) return invalid_argument("indexer_query_quant: rows = {} too large", p.rows);
   // The CPU reference's n^-0.5, rounded to f32 the same way (ops/cpu/quant.cpp).
   const float hscale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(p.dI)));
-  launch_kernel(query_quant_kernel, static_cast<unsigned>(p.rows), p.dI / 2, p.dI * sizeof(float), p.stream, p.q, p.dI,
-                p.hadamard, hscale, static_cast<uint8_t*>(p.q8), p.scales);
+  const size_t smem = (p.dI + (p.rope ? p.rope_dim : 0)) * sizeof(float);
+  launch_kernel(query_quant_kernel, static_cast<unsigned>(p.rows), p.dI / 2, smem, p.stream, p.q, p.dI, p.hadamard,
+                hscale, static_cast<uint8_t*>(p.q8), p.scales, p);
   return cuda_status(cudaGetLastError(), "query_quant_kernel");
 }
 

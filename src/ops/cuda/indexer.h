@@ -63,6 +63,18 @@ struct IndexerQueryQuantParams {
   void* q8 = nullptr;         // [rows, dI] e4m3
   float* scales = nullptr;    // [rows, dI / 128]
   cudaStream_t stream = nullptr;
+  // Issue 19's fusion of the query path: RoPE first, in the kernel (q_path's NeoX rotation of
+  // each row's first rope_dim values at its token's position, rope.cuh), q read only. rows =
+  // T * heads, row r of token r / heads. Off: q is already rotated.
+  bool rope = false;
+  int heads = 1;
+  int rope_dim = 0;
+  const int64_t* positions = nullptr;  // [T]
+  const float* inv_freq = nullptr;     // [rope_dim / 2]
+  float attn_factor = 1.0f;
+  bool lerope = false;
+  int64_t lerope_window = 0;
+  double lerope_leak = 0.0;
 };
 Status indexer_query_quant(const IndexerQueryQuantParams& p);
 

@@ -279,6 +279,7 @@ Status CpuBackend::indexer_key_write_gathered(int cache_slot, float* k) {
 Status CpuBackend::indexer_select(const IndexerSelectArgs& p) {
   const int HI = cfg_.indexer.n_heads, dI = cfg_.indexer.head_dim;
   const int64_t T = step_tokens();
+  if (p.q_rope != nullptr) ML4_RETURN_IF_ERROR(rope(*p.q_rope));
   cpu::hadamard_transform(p.q, T * HI, dI);
   parallel_for(T * HI, 64, [&](int64_t b, int64_t e) {
     for (int64_t row = b; row < e; ++row) cpu::round_fp8_groups(p.q + row * dI, dI, 128);

@@ -626,11 +626,11 @@ Status CudaBackend::indexer_key_write(int cache_slot, float* k) {
   return indexer_cache_write(wp);
 }
 
-// LayerNorm + RoPE + the key write in one kernel (issue 19) when fused_indexer_keys; the three
+// LayerNorm + RoPE + the key write in one kernel (issue 19) when fused_indexer; the three
 // launches otherwise (Backend's default).
 Status CudaBackend::indexer_key_path(float* k, int64_t dim, const float* w, const float* b, float eps,
                                      const RopeArgs* rope, int cache_slot) {
-  if (!opts_.fused_indexer_keys || dim != 128 || (rope != nullptr && (rope->offset != 0 || rope->heads != 1)))
+  if (!opts_.fused_indexer || dim != 128 || (rope != nullptr && (rope->offset != 0 || rope->heads != 1)))
     return Backend::indexer_key_path(k, dim, w, b, eps, rope, cache_slot);
   IndexerKeyPathParams p;
   p.k = k;
@@ -664,7 +664,23 @@ Status CudaBackend::indexer_select(const IndexerSelectArgs& a) {
   const int HI = cfg_.indexer.n_heads, dI = cfg_.indexer.head_dim;
   const int k = cfg_.indexer.topk;
   const int64_t T = step_T_;
-  ML4_RETURN_IF_ERROR(indexer_query_quant({a.q, T * HI, dI, true, b.iq8.data(), b.iqs.as<float>(), stream_}));
+  IndexerQueryQuantParams qq{a.q, T * HI, dI, true, b.iq8.data(), b.iqs.as<float>(), stream_};
+  const RopeArgs* r = a.q_rope;
+  if (r != nullptr && opts_.fused_indexer && r->offset == 0 && r->heads == HI && r->stride == dI) {
+    const QPathParams q = rope_params(*r);  // rotated inside the quantization (issue 19)
+    qq.rope = true;
+    qq.heads = HI;
+    qq.rope_dim = q.rope_dim;
+    qq.positions = q.positions;
+    qq.inv_freq = q.inv_freq;
+    qq.attn_factor = q.attn_factor;
+    qq.lerope = q.lerope.enabled;
+    qq.lerope_window = q.lerope.window;
+    qq.lerope_leak = q.lerope.leak;
+  } else if (r != nullptr) {
+    ML4_RETURN_IF_ERROR(rope(*r));
+  }
+  ML4_RETURN_IF_ERROR(indexer_query_quant(qq));
   const int64_t maxlen = step_maxlen_;
   // Scores of a chunk of tokens at a time: at most 64 Mi floats (256 MiB) of scores.
   const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(T, (int64_t{64} << 20) / maxlen));

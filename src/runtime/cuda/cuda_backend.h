@@ -58,7 +58,7 @@ struct CudaBackendOptions {
   bool fp4_weights = true;        // CudaRunnerOptions::fp4_weights
   int fp4_x_parts = 1;            // CudaRunnerOptions::fp4_x_parts (exact_activations: -1, the stream)
   bool fused_router = false;      // CudaRunnerOptions::fused_router
-  bool fused_indexer_keys = false;  // CudaRunnerOptions::fused_indexer_keys
+  bool fused_indexer = false;  // CudaRunnerOptions::fused_indexer
   // Sparse MLA steps of a wave of tokens or more (prefill) on the wgmma prefill kernel
   // (ops/cuda/attention_prefill.cu; MlaAttentionParams::prefill_kernel). ML4_MLA_PREFILL=0 turns
   // it off (A/B against the decode kernel in `ml4 bench step`).
@@ -228,7 +228,7 @@ class CudaBackend : public Backend {
   void set_fused_router(bool on) { opts_.fused_router = on; }
   void set_fp4_x_parts(int parts) { opts_.fp4_x_parts = parts; }
   void set_moe_gemm_overlap(bool on) { opts_.moe_gemm_overlap = on; }
-  void set_fused_indexer_keys(bool on) { opts_.fused_indexer_keys = on; }
+  void set_fused_indexer(bool on) { opts_.fused_indexer = on; }
   void set_grouped_moe_gemm(bool on) {  // the next step reserves (or drops) the path's buffers
     opts_.grouped_moe_gemm = on;
     if (buf_) buf_->T = 0;

@@ -62,7 +62,7 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::create(const ModelConfig& cfg, c
   bo.moe_gemm_overlap = opts.moe_gemm_overlap;
   bo.absorb_gemm = opts.absorb_gemm;
   bo.fused_router = opts.fused_router;
-  bo.fused_indexer_keys = opts.fused_indexer_keys;
+  bo.fused_indexer = opts.fused_indexer;
   bo.absorb_gemm_min_tokens = opts.absorb_gemm_min_tokens;
   bo.fp4_weights = opts.fp4_weights;
   bo.fp4_x_parts = opts.exact_activations ? -1 : opts.fp4_x_parts;

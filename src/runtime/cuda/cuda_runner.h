@@ -94,11 +94,13 @@ struct CudaRunnerOptions {
   // instead of a cuBLASLt f32 GEMM and the route kernel. Off until CudaMoe.FusedRouterMatchesCpu
   // has passed on a device and the step bench's FUSEDROUTER lines have measured it.
   bool fused_router = false;
-  // The indexer key half (LayerNorm, RoPE, Hadamard + FP8 into its cache) as one kernel
-  // (issue 19, cache_write.h indexer_key_path) instead of three launches. Off until
-  // CudaCacheWrite.IndexerKeyPathEqualsTheThreeLaunches has passed on a device and the step
-  // bench's FUSEDKEYS lines have measured it (written 2026-12-05, ninth session, without one).
-  bool fused_indexer_keys = false;
+  // Issue 19's indexer fusions: the key half (LayerNorm, RoPE, Hadamard + FP8 into its cache)
+  // as one kernel instead of three (cache_write.h indexer_key_path), and the queries' RoPE
+  // inside their Hadamard + FP8 (indexer.h IndexerQueryQuantParams::rope) instead of two. Off
+  // until CudaCacheWrite.IndexerKeyPathEqualsTheThreeLaunches, CudaIndexer.QueryQuantWithRope*
+  // and CudaRunner.FusedIndexerIsBitIdentical have passed on a device and the step bench's
+  // FUSEDINDEXER lines have measured it (written 2026-12-05, ninth session, without one).
+  bool fused_indexer = false;
   // DSpark's rejection sampler on the device (ops/cuda/sampling.h verify_rows) for random
   // requests without top-k / top-p: draft() keeps their q in a buffer reserved at load
   // (max_num_seqs x (block - 1) x vocab floats, before the KV pool is sized) and execute()
@@ -158,9 +160,9 @@ class CudaRunner : public ModelRunner {
     graphs_.clear();
     draft_graphs_.clear();
   }
-  void set_fused_indexer_keys(bool on) {
-    opts_.fused_indexer_keys = on;
-    backend_->set_fused_indexer_keys(on);
+  void set_fused_indexer(bool on) {
+    opts_.fused_indexer = on;
+    backend_->set_fused_indexer(on);
     graphs_.clear();
     draft_graphs_.clear();
   }

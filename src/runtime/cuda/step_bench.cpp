@@ -172,13 +172,13 @@ int run_step_bench(const StepBenchOptions& opt) {
     std::printf("FUSEDROUTER model=%s batch=%d ctx=8192 fused_ms=%.3f plain_ms=%.3f gain=%.3f\n", preset.c_str(), batch,
                 on, off, off / on);
   }
-  for (int batch : {1, 4, 8}) {  // the indexer key half as one kernel (cache_write.h indexer_key_path) vs three
+  for (int batch : {1, 4, 8}) {  // the indexer fusions (CudaRunnerOptions::fused_indexer) vs the separate launches
     const StepInput fin = decode_step(r, batch, 8192, blocks_per_seq);
     const double off = time_step(r, fin, 3, 20);
-    r.set_fused_indexer_keys(true);
+    r.set_fused_indexer(true);
     const double on = time_step(r, fin, 3, 20);
-    r.set_fused_indexer_keys(false);
-    std::printf("FUSEDKEYS model=%s batch=%d ctx=8192 fused_ms=%.3f plain_ms=%.3f gain=%.3f\n", preset.c_str(), batch,
+    r.set_fused_indexer(false);
+    std::printf("FUSEDINDEXER model=%s batch=%d ctx=8192 fused_ms=%.3f plain_ms=%.3f gain=%.3f\n", preset.c_str(), batch,
                 on, off, off / on);
   }
   if (!opt.extras) return 0;
