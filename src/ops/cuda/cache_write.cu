@@ -135,7 +135,7 @@ __global__ void indexer_key_path_kernel(IndexerKeyPathParams p, float hscale, in
   __shared__ float v[128];
   __shared__ unsigned gmax[1];
   __shared__ double red[2];
-  __shared__ float cs[64];  // [rope_dim / 2][cos, sin]
+  __shared__ float cs[128];  // [rope_dim / 2][cos, sin], rope_dim <= dI = 128
   const int64_t t = blockIdx.x;
   const int64_t slot = p.slots[t];
   if (slot < 0 || slot >= p.num_blocks * kPageTokens) return;
@@ -147,14 +147,10 @@ __global__ void indexer_key_path_kernel(IndexerKeyPathParams p, float hscale, in
   const double d0 = x0 - mean, d1 = x1 - mean;
   const double var = key_block_sum(d0 * d0 + d1 * d1, red) / p.dI;
   const double inv = 1.0 / sqrt(var + static_cast<double>(p.eps));
-  float y0 = static_cast<float>((x0 - mean) * inv) * p.ln_w[tid];
-  float y1 = static_cast<float>((x1 - mean) * inv) * p.ln_w[tid + half];
-  if (p.ln_b != nullptr) {
-    y0 = y0 + p.ln_b[tid];
-    y1 = y1 + p.ln_b[tid + half];
-  }
-  v[tid] = y0;
-  v[tid + half] = y1;
+  const float z0 = static_cast<float>((x0 - mean) * inv), z1 = static_cast<float>((x1 - mean) * inv);
+  // layer_norm_kernel's z * w + b, one rounding (both pinned with the same intrinsics).
+  v[tid] = p.ln_b ? __fmaf_rn(z0, p.ln_w[tid], p.ln_b[tid]) : __fmul_rn(z0, p.ln_w[tid]);
+  v[tid + half] = p.ln_b ? __fmaf_rn(z1, p.ln_w[tid + half], p.ln_b[tid + half]) : __fmul_rn(z1, p.ln_w[tid + half]);
   if (p.rope) {  // NeoX pairs (i, i + rope_dim / 2) of the first rope_dim values (q_path_kernel's)
     const int rh = p.rope_dim / 2;
     const double pos = rope_position(p.positions[t], p.lerope, p.lerope_window, p.lerope_leak);

@@ -53,8 +53,10 @@ __global__ void layer_norm_kernel(const float* x, const float* __restrict__ w, c
   const double var = block_sum_f64(v, smem) / static_cast<double>(dim);
   const double inv = 1.0 / sqrt(var + static_cast<double>(eps));
   for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
-    const float o = static_cast<float>((xr[i] - mean) * inv) * w[i];
-    y[row * dim + i] = b ? o + b[i] : o;
+    const float z = static_cast<float>((xr[i] - mean) * inv);
+    // z * w + b with one rounding (what the compiler contracted it to; pinned, as the fused
+    // indexer key path computes the same: cache_write.cu).
+    y[row * dim + i] = b ? __fmaf_rn(z, w[i], b[i]) : __fmul_rn(z, w[i]);
   }
 }
 

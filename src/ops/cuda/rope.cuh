@@ -21,11 +21,14 @@ __device__ __forceinline__ void rope_cos_sin(double pos, float inv_freq, float a
   *s = static_cast<float>(sd) * attn_factor;
 }
 
-// One pair (x0, x1) rotated by (c, s), in f32.
+// One pair (x0, x1) rotated by (c, s), in f32, with its roundings pinned (the compiler would
+// contract x0 * c - x1 * s and x0 * s + x1 * c into an FMA of its choosing, differently at
+// different call sites): x0' = fma(x0, c, -(x1 s)), x1' = fma(x1, c, x0 s), what q_path_kernel
+// compiled to before this helper existed.
 __device__ __forceinline__ void rope_rotate(float* x0p, float* x1p, float c, float s) {
   const float x0 = *x0p, x1 = *x1p;
-  *x0p = x0 * c - x1 * s;
-  *x1p = x0 * s + x1 * c;
+  *x0p = __fmaf_rn(x0, c, -__fmul_rn(x1, s));
+  *x1p = __fmaf_rn(x1, c, __fmul_rn(x0, s));
 }
 
 }  // namespace ml4::cuda

@@ -630,7 +630,8 @@ Status CudaBackend::indexer_key_write(int cache_slot, float* k) {
 // launches otherwise (Backend's default).
 Status CudaBackend::indexer_key_path(float* k, int64_t dim, const float* w, const float* b, float eps,
                                      const RopeArgs* rope, int cache_slot) {
-  if (!opts_.fused_indexer || dim != 128 || (rope != nullptr && (rope->offset != 0 || rope->heads != 1)))
+  if (!opts_.fused_indexer || dim != 128 ||
+      (rope != nullptr && (rope->offset != 0 || rope->heads != 1 || !rope->neox || rope->dim > dim)))
     return Backend::indexer_key_path(k, dim, w, b, eps, rope, cache_slot);
   IndexerKeyPathParams p;
   p.k = k;
@@ -666,7 +667,7 @@ Status CudaBackend::indexer_select(const IndexerSelectArgs& a) {
   const int64_t T = step_T_;
   IndexerQueryQuantParams qq{a.q, T * HI, dI, true, b.iq8.data(), b.iqs.as<float>(), stream_};
   const RopeArgs* r = a.q_rope;
-  if (r != nullptr && opts_.fused_indexer && r->offset == 0 && r->heads == HI && r->stride == dI) {
+  if (r != nullptr && opts_.fused_indexer && r->neox && r->offset == 0 && r->heads == HI && r->stride == dI) {
     const QPathParams q = rope_params(*r);  // rotated inside the quantization (issue 19)
     qq.rope = true;
     qq.heads = HI;
