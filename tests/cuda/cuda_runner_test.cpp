@@ -388,18 +388,19 @@ TEST(CudaRunner, DecodeGraphsMatchEager) {
   graph_vs_eager("ml4-tiny");
 }
 
-// A runner option that must not change what the runner computes (`what` names it; `set` turns
-// it on): a runner with it gives the logits of a runner without it bit for bit, graphed against
-// graphed and eager against eager (graphs pad the batch, which may move the last bits), over a
-// prefill of mixed lengths and decode steps (graph replays included).
-template <typename Set>
-void option_vs_plain(const std::string& preset, const char* what, Set set) {
+// A runner option that must not change what the runner computes (`what` names it; `off` and
+// `on` set it): a runner with it gives the logits of a runner without it bit for bit, graphed
+// against graphed and eager against eager (graphs pad the batch, which may move the last
+// bits), over a prefill of mixed lengths and decode steps (graph replays included).
+template <typename Off, typename On>
+void option_vs_plain(const std::string& preset, const char* what, Off off, On on) {
   const std::string dir = ::ml4::testing::test_model(preset, 11, "bf16");
   CudaRunnerOptions o;
   o.base.kv_cache_dtype = "fp8_ds_mla";
   o.base.kv_cache_bytes = 64ll << 20;
+  off(o);
   auto pdl_o = o;
-  set(pdl_o);
+  on(pdl_o);
   auto plain_eager_o = o, pdl_eager_o = pdl_o;
   plain_eager_o.cuda_graphs = pdl_eager_o.cuda_graphs = false;
   auto plain = CudaRunner::load(dir, o);
@@ -455,9 +456,10 @@ void option_vs_plain(const std::string& preset, const char* what, Set set) {
 // step's data.
 TEST(CudaRunner, ProgrammaticLaunchIsBitIdentical) {
   ML4_REQUIRE_GPU();
+  auto off = [](CudaRunnerOptions& o) { o.programmatic_launch = false; };
   auto on = [](CudaRunnerOptions& o) { o.programmatic_launch = true; };
-  option_vs_plain("mistral4-tiny", "programmatic launch", on);
-  option_vs_plain("ml4-tiny", "programmatic launch", on);
+  option_vs_plain("mistral4-tiny", "programmatic launch", off, on);
+  option_vs_plain("ml4-tiny", "programmatic launch", off, on);
 }
 
 // The fused indexer paths (issue 19): the key half in one kernel (cache_write.h
@@ -467,7 +469,9 @@ TEST(CudaRunner, ProgrammaticLaunchIsBitIdentical) {
 // construction; so the logits are the same bits.
 TEST(CudaRunner, FusedIndexerIsBitIdentical) {
   ML4_REQUIRE_GPU();
-  option_vs_plain("ml4-tiny", "the fused indexer paths", [](CudaRunnerOptions& o) { o.fused_indexer = true; });
+  option_vs_plain(
+      "ml4-tiny", "the fused indexer paths", [](CudaRunnerOptions& o) { o.fused_indexer = false; },
+      [](CudaRunnerOptions& o) { o.fused_indexer = true; });
 }
 
 // DSpark verification steps (every token a logits row, several tokens per sequence) take the

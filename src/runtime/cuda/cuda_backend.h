@@ -52,13 +52,13 @@ struct CudaBackendOptions {
   bool exact_activations = false;
   bool overlap_indexer = true;
   bool grouped_moe_gemm = true;   // CudaRunnerOptions::grouped_moe_gemm
-  bool moe_gemm_overlap = false;  // CudaRunnerOptions::moe_gemm_overlap
+  bool moe_gemm_overlap = true;   // CudaRunnerOptions::moe_gemm_overlap
   bool absorb_gemm = true;        // CudaRunnerOptions::absorb_gemm
   int64_t absorb_gemm_min_tokens = 64;
   bool fp4_weights = true;        // CudaRunnerOptions::fp4_weights
   int fp4_x_parts = 1;            // CudaRunnerOptions::fp4_x_parts (exact_activations: -1, the stream)
   bool fused_router = false;      // CudaRunnerOptions::fused_router
-  bool fused_indexer = false;  // CudaRunnerOptions::fused_indexer
+  bool fused_indexer = true;   // CudaRunnerOptions::fused_indexer
   // Sparse MLA steps of a wave of tokens or more (prefill) on the wgmma prefill kernel
   // (ops/cuda/attention_prefill.cu; MlaAttentionParams::prefill_kernel). ML4_MLA_PREFILL=0 turns
   // it off (A/B against the decode kernel in `ml4 bench step`).

@@ -54,11 +54,12 @@ struct CudaRunnerOptions {
   // passed on a device (H100, 2026-12-05 sixth session); ml4-slice-4 prefill of 4096 tokens
   // 111.9 -> 89.4 ms on the H200 (docs/BENCHMARKS.md).
   bool grouped_moe_gemm = true;
-  // The FP8 grouped GEMMs issue each K block's MMAs before the previous block's promotion
-  // (moe_gemm.h MoeGroupedGemmParams::overlap; the same bits). Off until
-  // CudaMoe.GroupedGemmOverlapIsBitIdentical has passed and gpu_moe_bench / the step bench's
-  // PREFILL lines have measured it (written 2026-12-05, ninth session, without a device).
-  bool moe_gemm_overlap = false;
+  // The FP8 grouped GEMMs issue two K blocks' MMAs before the first one's promotion
+  // (moe_gemm.h MoeGroupedGemmParams::overlap; the same bits). On since
+  // CudaMoe.GroupedGemmOverlapIsBitIdentical passed on an H100 (2026-12-05, ninth session):
+  // gate+up at T = 4096 7.55 -> 6.60 ms, down unchanged, ml4-slice-4 prefill of 4096 tokens
+  // 60.6 -> 59.9 ms.
+  bool moe_gemm_overlap = true;
   // The MLA absorption (W_UK, W_UV) of steps of at least absorb_gemm_min_tokens tokens as
   // strided-batched TF32 GEMMs on the tensor cores (elementwise.h mla_absorb_q_gemm) instead
   // of the f32 CUDA-core kernels, outside exact mode (issue 18). Smaller steps keep the
@@ -96,19 +97,20 @@ struct CudaRunnerOptions {
   bool fused_router = false;
   // Issue 19's indexer fusions: the key half (LayerNorm, RoPE, Hadamard + FP8 into its cache)
   // as one kernel instead of three (cache_write.h indexer_key_path), and the queries' RoPE
-  // inside their Hadamard + FP8 (indexer.h IndexerQueryQuantParams::rope) instead of two. Off
-  // until CudaCacheWrite.IndexerKeyPathEqualsTheThreeLaunches, CudaIndexer.QueryQuantWithRope*
-  // and CudaRunner.FusedIndexerIsBitIdentical have passed on a device and the step bench's
-  // FUSEDINDEXER lines have measured it (written 2026-12-05, ninth session, without one).
-  bool fused_indexer = false;
+  // inside their Hadamard + FP8 (indexer.h IndexerQueryQuantParams::rope) instead of two. On
+  // since CudaCacheWrite.IndexerKeyPathEqualsTheThreeLaunches, CudaIndexer.QueryQuantWithRope*
+  // and CudaRunner.FusedIndexerIsBitIdentical passed on an H100 (2026-12-05, ninth session;
+  // the same bytes and logits): ml4-slice-4 decode 1.001-1.005x (FUSEDINDEXER lines).
+  bool fused_indexer = true;
   // DSpark's rejection sampler on the device (ops/cuda/sampling.h verify_rows) for random
   // requests without top-k / top-p: draft() keeps their q in a buffer reserved at load
   // (max_num_seqs x (block - 1) x vocab floats, before the KV pool is sized) and execute()
-  // verifies there, so neither the 1 + k target rows nor q cross to the host. Off until
-  // CudaSampling.VerifyRowsMatchTheHostVerifier and CudaRunner.DeviceRejectionSampling* have
-  // passed on a device (written 2026-12-05, ninth session, without one); the environment's
-  // ML4_DEVICE_VERIFY=1 / 0 overrides it at load.
-  bool device_verification = false;
+  // verifies there, so neither the 1 + k target rows nor q cross to the host. On since
+  // CudaSampling.VerifyRowsMatchTheHostVerifier and CudaDrafter.DeviceRejectionSampling*
+  // passed on an H100 (2026-12-05, ninth session; ml4-small T = 1 prob7 TPOT c1 / c8 / c32
+  // 0.77 / 1.62 / 2.73 -> 0.61 / 1.12 / 1.56 ms); the environment's ML4_DEVICE_VERIFY=1 / 0
+  // overrides it at load.
+  bool device_verification = true;
 };
 
 class CudaRunner : public ModelRunner {

@@ -280,8 +280,8 @@ int run_step_bench(const StepBenchOptions& opt) {
         std::printf("PREFILL_PROFILE tokens=%ld moe=%s absorb=%s %s ms=%.3f\n", static_cast<long>(n), moe, abs,
                     k.c_str(), v);
     }
-    r.set_absorb_gemm(true);  // the default
-    r.set_moe_gemm_overlap(false);
+    r.set_absorb_gemm(true);  // the defaults
+    r.set_moe_gemm_overlap(true);
     r.set_grouped_moe_gemm(false);
     if (n <= 8192) continue;
     // As a server prefills a long prompt (vLLM's chunked prefill, --max-num-batched-tokens):
