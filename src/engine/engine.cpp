@@ -633,10 +633,10 @@ Status Engine::propose_drafts(const std::vector<Request*>& reqs) {
     d.block_tables = r->block_tables;
     d.num_drafts = k;
     if (config_.speculative.probabilistic_drafts && r->params.temperature > 0.0) {
-      d.sampling = device_params(*r);
-      d.sampling->seed = draft_seed(r->sample_seed);
-      d.sampling->counter = static_cast<int64_t>(r->output.size());  // slot j: the output index it proposes
-      d.keep_probs = device_rejection_sampling(*runner_, *r, device_params(*r));
+      const DeviceSamplingParams target = device_params(*r);
+      d.sampling = target;
+      d.sampling->seed = draft_seed(r->sample_seed);  // counter: the output index slot 1 proposes
+      d.keep_probs = device_rejection_sampling(*runner_, *r, target);
       din.want_probs = din.want_probs || !d.keep_probs;
     }
     din.seqs.push_back(std::move(d));

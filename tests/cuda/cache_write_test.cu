@@ -219,13 +219,7 @@ TEST(CudaCacheWrite, IndexerKeyPathEqualsTheThreeLaunches) {
       p.ln_b = db.as<float>();
       p.eps = 1e-6f;
       p.rope = rope;
-      p.rope_dim = dr;
-      p.positions = dpos.as<int64_t>();
-      p.inv_freq = dinv.as<float>();
-      p.attn_factor = 1.0625f;
-      p.lerope = true;
-      p.lerope_window = 2048;
-      p.lerope_leak = 4.0;
+      p.rope_rows = {dr, dpos.as<int64_t>(), dinv.as<float>(), 1.0625f, true, 2048, 4.0};
       p.slots = dslots.as<int64_t>();
       p.cache = cache.data();
       p.num_blocks = num_blocks;

@@ -280,13 +280,7 @@ TEST(CudaIndexer, QueryQuantWithRopeEqualsRopeThenQuant) {
     IndexerQueryQuantParams p{dq.as<float>(), rows, dI, true, got8.data(), got_s.as<float>(), nullptr};
     p.rope = true;
     p.heads = HI;
-    p.rope_dim = dr;
-    p.positions = dpos.as<int64_t>();
-    p.inv_freq = dinv.as<float>();
-    p.attn_factor = 0.875f;
-    p.lerope = true;
-    p.lerope_window = 1024;
-    p.lerope_leak = 3.0;
+    p.rope_rows = {dr, dpos.as<int64_t>(), dinv.as<float>(), 0.875f, true, 1024, 3.0};
     ML4_ASSERT_OK(indexer_query_quant(p));
     ML4_ASSERT_OK(cuda_status(cudaDeviceSynchronize(), "sync"));
     const auto g8 = to_host<uint8_t>(got8, rows * dI);

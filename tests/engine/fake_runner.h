@@ -42,6 +42,7 @@
 
 #include <map>
 
+#include "engine/sampler.h"
 #include "engine/spec_decode.h"
 #include "engine/structured_output.h"
 #include "ops/cpu/sampling.h"
@@ -239,7 +240,7 @@ class FakeRunner : public ModelRunner {
       o.accepted = v.accepted;
       o.tokens = v.tokens;
       for (size_t j = 0; j < v.tokens.size(); ++j)
-        o.logprobs.push_back(log_softmax_at(out.logits[i].data() + j * V, V, v.tokens[j]));
+        o.logprobs.push_back(Sampler::prompt_logprob(out.logits[i].data() + j * V, V, v.tokens[j], 0).logprob);
       kept_q_.erase(s.seq_id);
       ++device_verified_seqs_;
     }
@@ -280,15 +281,6 @@ class FakeRunner : public ModelRunner {
       ++device_steps_;
     }
     return out;
-  }
-
-  // log_softmax of a raw row at `t` (f64 sums): the logprob a runner returns for a token it emits.
-  static float log_softmax_at(const float* row, int V, int32_t t) {
-    float m = row[0];
-    for (int v = 1; v < V; ++v) m = std::max(m, row[v]);
-    double sum = 0.0;
-    for (int v = 0; v < V; ++v) sum += std::exp(static_cast<double>(row[v]) - m);
-    return static_cast<float>(static_cast<double>(row[t]) - m - std::log(sum));
   }
 
   static std::vector<float> row_of(uint64_t h, int vocab) {

@@ -151,13 +151,7 @@ __global__ void indexer_key_path_kernel(IndexerKeyPathParams p, float hscale, in
   // layer_norm_kernel's z * w + b, one rounding (both pinned with the same intrinsics).
   v[tid] = p.ln_b ? __fmaf_rn(z0, p.ln_w[tid], p.ln_b[tid]) : __fmul_rn(z0, p.ln_w[tid]);
   v[tid + half] = p.ln_b ? __fmaf_rn(z1, p.ln_w[tid + half], p.ln_b[tid + half]) : __fmul_rn(z1, p.ln_w[tid + half]);
-  if (p.rope) {  // NeoX pairs (i, i + rope_dim / 2) of the first rope_dim values (q_path_kernel's)
-    const int rh = p.rope_dim / 2;
-    const double pos = rope_position(p.positions[t], p.lerope, p.lerope_window, p.lerope_leak);
-    if (tid < rh) rope_cos_sin(pos, p.inv_freq[tid], p.attn_factor, &cs[2 * tid], &cs[2 * tid + 1]);
-    __syncthreads();
-    if (tid < rh) rope_rotate(&v[tid], &v[tid + rh], cs[2 * tid], cs[2 * tid + 1]);
-  }
+  if (p.rope) rope_row(v, cs, p.rope_rows, t);  // q_path_kernel's NeoX rotation
   __syncthreads();
   quantize_key_to_page(v, gmax, p.dI, true, hscale, slot, static_cast<uint8_t*>(p.cache), page_bytes);
 }
@@ -212,8 +206,9 @@ Status indexer_cache_write(const IndexerCacheWriteParams& p) {
 
 Status indexer_key_path(const IndexerKeyPathParams& p) {
   if (p.T < 0 || p.dI != 128) return invalid_argument("indexer_key_path: T = {}, dI = {} (128 only)", p.T, p.dI);
-  if (p.rope && (p.rope_dim <= 0 || p.rope_dim > p.dI || p.rope_dim % 2 != 0 || !p.inv_freq || !p.positions))
-    return invalid_argument("indexer_key_path: rope_dim {} of {} (even), inv_freq and positions", p.rope_dim, p.dI);
+  const RopeRows& r = p.rope_rows;
+  if (p.rope && (r.dim <= 0 || r.dim > p.dI || r.dim % 2 != 0 || !r.inv_freq || !r.positions))
+    return invalid_argument("indexer_key_path: rope dim {} of {} (even), inv_freq and positions", r.dim, p.dI);
   if (p.T == 0) return ok_status();
   if (!p.k || !p.ln_w || !p.slots || !p.cache || p.num_blocks <= 0)
     return invalid_argument("indexer_key_path: null pointer or empty cache");

@@ -24,6 +24,7 @@
 #include "core/dtype.h"
 #include "core/status.h"
 #include "kv/kv_cache_dtype.h"
+#include "ops/cuda/rope_rows.h"
 
 namespace ml4::cuda {
 
@@ -74,13 +75,7 @@ struct IndexerKeyPathParams {
   const float* ln_b = nullptr;       // [dI] or null
   float eps = 1e-6f;
   bool rope = true;                  // LayerSpec::rope (NoPE layers skip it)
-  int rope_dim = 64;                 // the first rope_dim values rotate, pairs (i, i + rope_dim / 2)
-  const int64_t* positions = nullptr;  // [T]
-  const float* inv_freq = nullptr;   // [rope_dim / 2]
-  float attn_factor = 1.0f;
-  bool lerope = false;
-  int64_t lerope_window = 0;
-  double lerope_leak = 0.0;
+  RopeRows rope_rows;                // with rope: the rotation (dim <= dI)
   const int64_t* slots = nullptr;    // [T], < 0: skip
   void* cache = nullptr;             // [num_blocks, indexer_page_bytes(dI)] bytes
   int64_t num_blocks = 0;

@@ -262,15 +262,7 @@ __global__ void query_quant_kernel(const float* __restrict__ q, int dI, bool had
   const int tid = threadIdx.x, half = dI / 2, G = dI / kDim;
   v[tid] = q[row * dI + tid];
   v[tid + half] = q[row * dI + tid + half];
-  if (p.rope) {
-    float* cs = v + dI;
-    const int rh = p.rope_dim / 2;
-    const double pos = rope_position(p.positions[row / p.heads], p.lerope, p.lerope_window, p.lerope_leak);
-    for (int i = tid; i < rh; i += blockDim.x) rope_cos_sin(pos, p.inv_freq[i], p.attn_factor, &cs[2 * i], &cs[2 * i + 1]);
-    __syncthreads();
-    for (int i = tid; i < rh; i += blockDim.x) rope_rotate(&v[i], &v[i + rh], cs[2 * i], cs[2 * i + 1]);
-    __syncthreads();
-  }
+  if (p.rope) rope_row(v, v + dI, p.rope_rows, row / p.heads);
   const Fp8GroupPair f = hadamard_fp8_groups(v, gmax, dI, hadamard, hscale);
   q8[row * dI + tid] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(f.x0 / f.s0, __NV_SATFINITE, __NV_E4M3));
   q8[row * dI + tid + half] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(f.x1 / f.s1, __NV_SATFINITE, __NV_E4M3));
@@ -326,14 +318,15 @@ Status indexer_query_quant(const IndexerQueryQuantParams& p) {
     return invalid_argument("indexer_query_quant: dI = {} (a power of two in [128, 1024])", p.dI);
   if (p.rows == 0) return ok_status();
   if (!p.q || !p.q8 || !p.scales) return invalid_argument("indexer_query_quant: null pointer");
-  if (p.rope && (p.heads <= 0 || p.rows % p.heads != 0 || p.rope_dim <= 0 || p.rope_dim > p.dI || p.rope_dim % 2 != 0 ||
-                 !p.positions || !p.inv_freq))
-    return invalid_argument("indexer_query_quant: rope over {} rows of {} heads, rope_dim {} of {}", p.rows, p.heads,
-                            p.rope_dim, p.dI);
+  const RopeRows& r = p.rope_rows;
+  if (p.rope && (p.heads <= 0 || p.rows % p.heads != 0 || r.dim <= 0 || r.dim > p.dI || r.dim % 2 != 0 ||
+                 !r.positions || !r.inv_freq))
+    return invalid_argument("indexer_query_quant: rope over {} rows of {} heads, dim {} of {}", p.rows, p.heads, r.dim,
+                            p.dI);
   if (p.rows > 0x7fffffff) return invalid_argument("indexer_query_quant: rows = {} too large", p.rows);
   // The CPU reference's n^-0.5, rounded to f32 the same way (ops/cpu/quant.cpp).
   const float hscale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(p.dI)));
-  const size_t smem = (p.dI + (p.rope ? p.rope_dim : 0)) * sizeof(float);
+  const size_t smem = (p.dI + (p.rope ? r.dim : 0)) * sizeof(float);
   launch_kernel(query_quant_kernel, static_cast<unsigned>(p.rows), p.dI / 2, smem, p.stream, p.q, p.dI, p.hadamard,
                 hscale, static_cast<uint8_t*>(p.q8), p.scales, p);
   return cuda_status(cudaGetLastError(), "query_quant_kernel");

@@ -15,6 +15,7 @@
 #include <cuda_runtime.h>
 
 #include "core/status.h"
+#include "ops/cuda/rope_rows.h"
 
 namespace ml4::cuda {
 
@@ -68,13 +69,7 @@ struct IndexerQueryQuantParams {
   // T * heads, row r of token r / heads. Off: q is already rotated.
   bool rope = false;
   int heads = 1;
-  int rope_dim = 0;
-  const int64_t* positions = nullptr;  // [T]
-  const float* inv_freq = nullptr;     // [rope_dim / 2]
-  float attn_factor = 1.0f;
-  bool lerope = false;
-  int64_t lerope_window = 0;
-  double lerope_leak = 0.0;
+  RopeRows rope_rows;  // with rope (dim <= dI)
 };
 Status indexer_query_quant(const IndexerQueryQuantParams& p);
 

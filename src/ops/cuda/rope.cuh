@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "ops/cuda/rope_rows.h"
+
 namespace ml4::cuda {
 
 // cpu::lerope_position: past the window the position advances by 1 / leak per token, in f64.
@@ -29,6 +31,18 @@ __device__ __forceinline__ void rope_rotate(float* x0p, float* x1p, float c, flo
   const float x0 = *x0p, x1 = *x1p;
   *x0p = __fmaf_rn(x0, c, -__fmul_rn(x1, s));
   *x1p = __fmaf_rn(x1, c, __fmul_rn(x0, s));
+}
+
+// One row of a fused kernel (token `token`'s), its values v in shared memory: the first r.dim
+// rotated, NeoX pairs; cs: shared scratch of r.dim floats. Every thread of the block calls it
+// (two barriers).
+__device__ __forceinline__ void rope_row(float* v, float* cs, const RopeRows& r, int64_t token) {
+  const int rh = r.dim / 2;
+  const double pos = rope_position(r.positions[token], r.lerope, r.lerope_window, r.lerope_leak);
+  for (int i = threadIdx.x; i < rh; i += blockDim.x) rope_cos_sin(pos, r.inv_freq[i], r.attn_factor, &cs[2 * i], &cs[2 * i + 1]);
+  __syncthreads();
+  for (int i = threadIdx.x; i < rh; i += blockDim.x) rope_rotate(&v[i], &v[i + rh], cs[2 * i], cs[2 * i + 1]);
+  __syncthreads();
 }
 
 }  // namespace ml4::cuda

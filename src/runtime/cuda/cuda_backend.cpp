@@ -580,6 +580,19 @@ QPathParams CudaBackend::rope_params(const RopeArgs& r) const {
 
 Status CudaBackend::rope(const RopeArgs& p) { return cuda::q_path(rope_params(p)); }
 
+RopeRows CudaBackend::rope_rows(const RopeArgs& r) const {
+  const QPathParams q = rope_params(r);
+  RopeRows o;
+  o.dim = q.rope_dim;
+  o.positions = q.positions;
+  o.inv_freq = q.inv_freq;
+  o.attn_factor = q.attn_factor;
+  o.lerope = q.lerope.enabled;
+  o.lerope_window = q.lerope.window;
+  o.lerope_leak = q.lerope.leak;
+  return o;
+}
+
 const int32_t* CudaBackend::selection_counts(int selection) const {
   if (selection == kBlockWindow) return buf_->window_counts.as<int32_t>();
   return selection >= 0 ? buf_->topk_counts[selection].as<int32_t>() : nullptr;
@@ -641,16 +654,7 @@ Status CudaBackend::indexer_key_path(float* k, int64_t dim, const float* w, cons
   p.ln_b = b;
   p.eps = eps;
   p.rope = rope != nullptr;
-  if (rope != nullptr) {
-    const QPathParams q = rope_params(*rope);
-    p.rope_dim = q.rope_dim;
-    p.positions = q.positions;
-    p.inv_freq = q.inv_freq;
-    p.attn_factor = q.attn_factor;
-    p.lerope = q.lerope.enabled;
-    p.lerope_window = q.lerope.window;
-    p.lerope_leak = q.lerope.leak;
-  }
+  if (rope != nullptr) p.rope_rows = rope_rows(*rope);
   p.slots = buf_->idx_slots.as<int64_t>();
   p.cache = kv_[indexer_group_][cache_slot].data();
   p.num_blocks = group_blocks_[indexer_group_];
@@ -668,16 +672,9 @@ Status CudaBackend::indexer_select(const IndexerSelectArgs& a) {
   IndexerQueryQuantParams qq{a.q, T * HI, dI, true, b.iq8.data(), b.iqs.as<float>(), stream_};
   const RopeArgs* r = a.q_rope;
   if (r != nullptr && opts_.fused_indexer && r->neox && r->offset == 0 && r->heads == HI && r->stride == dI) {
-    const QPathParams q = rope_params(*r);  // rotated inside the quantization (issue 19)
-    qq.rope = true;
+    qq.rope = true;  // rotated inside the quantization (issue 19)
     qq.heads = HI;
-    qq.rope_dim = q.rope_dim;
-    qq.positions = q.positions;
-    qq.inv_freq = q.inv_freq;
-    qq.attn_factor = q.attn_factor;
-    qq.lerope = q.lerope.enabled;
-    qq.lerope_window = q.lerope.window;
-    qq.lerope_leak = q.lerope.leak;
+    qq.rope_rows = rope_rows(*r);
   } else if (r != nullptr) {
     ML4_RETURN_IF_ERROR(rope(*r));
   }

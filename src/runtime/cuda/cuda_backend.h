@@ -38,6 +38,7 @@
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/linear.h"
 #include "ops/cuda/moe.h"
+#include "ops/cuda/rope_rows.h"
 #include "runtime/step_metadata.h"
 
 namespace ml4::cuda {
@@ -248,6 +249,7 @@ class CudaBackend : public Backend {
   Status lin(const DeviceLinear& w, const float* x, int64_t M, float* y);
   Result<DeviceLinear> make_linear(const LinearWeight& w);
   QPathParams rope_params(const RopeArgs& r) const;
+  RopeRows rope_rows(const RopeArgs& r) const;  // the same rotation for a fused kernel (rope_rows.h)
   const int32_t* selection_counts(int selection) const;
   bool moe_grouped(const Moe& m) const;
   bool absorb_as_gemm() const;  // this step's absorption takes the batched GEMMs
