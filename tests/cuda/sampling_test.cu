@@ -449,18 +449,17 @@ TEST(CudaSampling, TokenBitmaskMatchesHostMaskingAndSampling) {
 // ~1e-16 of a cumulative boundary: the host sums sequentially, the device by tiles), q within
 // 1e-6 relative per row (f64 exp and sums in another order, then the same f32 rounding: a few
 // ulp at most), every row's q summing to 1; greedy rows one-hot at the argmax; both the float4
-// and the scalar argmax path (V % 4 != 0); twice, bit-identical; top-k / top-p rows are not
-// supported (the host draws those).
-// The device draws and verifier leave rows with top-k or top-p to the host.
-void expect_no_top_k_top_p(bool (*supported)(const DeviceSamplingParams&, int64_t)) {
-  DeviceSamplingParams p;
-  p.top_p = 0.9f;
-  EXPECT_FALSE(supported(p, 8192));
-  p.top_p = 1.0f;
-  p.top_k = 50;
-  EXPECT_FALSE(supported(p, 8192));
-  p.top_k = 0;
-  EXPECT_TRUE(supported(p, 8192));
+// and the scalar argmax path (V % 4 != 0); twice, bit-identical; rows with top-k, top-p and
+// both (the kept prefix cut on the device first: the same ids as the host's sort, the top-p
+// boundary from integer weights, 2^-40 per id, so a cut differs only where the cumulative
+// weight falls that close to top_p: ~1e-9 per row here).
+
+// Sampling parameters with top-k / top-p on every few rows (r % 4 == 2: top-k, 3: top-p, and
+// r % 8 == 7: both), temperatures 0.7-1.5, min-p on even rows.
+void with_top_k_top_p(DeviceSamplingParams& p, int64_t r) {
+  if (r % 4 == 2) p.top_k = static_cast<int32_t>(5 + 37 * (r / 4));
+  if (r % 4 == 3) p.top_p = r % 8 == 7 ? 0.8f : 0.9f;
+  if (r % 8 == 7) p.top_k = 300;
 }
 
 TEST(CudaSampling, DraftRowsMatchHostDrafts) {
@@ -475,7 +474,7 @@ TEST(CudaSampling, DraftRowsMatchHostDrafts) {
       p.min_p = r % 2 == 0 ? 0.05f : 0.0f;
       p.seed = 1000 + static_cast<uint64_t>(r);
       p.counter = 17 * r;
-      ASSERT_TRUE(draft_rows_supported(p, V));
+      with_top_k_top_p(p, r);
     }
     std::vector<int32_t> hid(B);
     std::vector<float> hq(B * V);
@@ -488,21 +487,26 @@ TEST(CudaSampling, DraftRowsMatchHostDrafts) {
       auto di = poisoned<int32_t>(B);
       auto dq = poisoned<float>(B * V);
       ML4_ASSERT_OK(draft_rows(dl.as<float>(), B, V, dp.as<DeviceSamplingParams>(), di.as<int32_t>(), dq.as<float>(),
-                               ws.data(), wb, nullptr));
+                               ws.data(), wb, nullptr, /*cuts=*/true));
       ML4_ASSERT_OK(cuda_status(cudaDeviceSynchronize(), "draft_rows"));
       auto ids = to_host<int32_t>(di, B);
       auto q = to_host<float>(dq, B * V);
       EXPECT_EQ(ids, hid) << "V=" << V;
       for (int64_t r = 0; r < B; ++r) {
         double num = 0.0, den = 0.0, sum = 0.0;
+        int64_t kept = 0, host_kept = 0;
         for (int64_t i = 0; i < V; ++i) {
           const double d = static_cast<double>(q[r * V + i]) - hq[r * V + i];
           num += d * d;
           den += static_cast<double>(hq[r * V + i]) * hq[r * V + i];
           sum += q[r * V + i];
+          kept += q[r * V + i] > 0.0f;
+          host_kept += hq[r * V + i] > 0.0f;
         }
         EXPECT_LT(std::sqrt(num / den), 1e-6) << "row " << r << " V=" << V;
         EXPECT_NEAR(sum, 1.0, 1e-5) << "row " << r;
+        EXPECT_EQ(kept, host_kept) << "row " << r << " V=" << V;  // the same kept set, not only its mass
+        if (needs_kept_cut(ps[r], V)) EXPECT_LT(host_kept, V / 2) << "row " << r;  // the cut cut
       }
       EXPECT_EQ(q[ids[0]], 1.0f);  // greedy row: one-hot
       runs.push_back(std::move(q));
@@ -511,11 +515,15 @@ TEST(CudaSampling, DraftRowsMatchHostDrafts) {
     std::printf("draft_rows V=%lld: %lld rows, ids equal to the host's: %s\n", static_cast<long long>(V),
                 static_cast<long long>(B), "checked above");
   }
-  expect_no_top_k_top_p(draft_rows_supported);
+  DeviceSamplingParams tk;
+  tk.top_k = 50;
+  EXPECT_TRUE(needs_kept_cut(tk, 8192));
+  tk.temperature = 0.0f;
+  EXPECT_FALSE(needs_kept_cut(tk, 8192));  // greedy: no cut
   DeviceBuffer d = poisoned<float>(64);
   const auto* p = reinterpret_cast<const DeviceSamplingParams*>(d.as<float>());
   DeviceBuffer ws = poisoned<uint8_t>(8);
-  EXPECT_FALSE(draft_rows(d.as<float>(), 2, 8, p, d.as<int32_t>(), d.as<float>(), ws.data(), 8, nullptr).ok());
+  EXPECT_FALSE(draft_rows(d.as<float>(), 2, 8, p, d.as<int32_t>(), d.as<float>(), ws.data(), 8, nullptr, false).ok());
 }
 
 // DSpark's rejection sampler on the device (verify_rows) against the host verifier
@@ -525,7 +533,9 @@ TEST(CudaSampling, DraftRowsMatchHostDrafts) {
 // here), logprobs within f32 rounding of the f64 log-softmax, unused outputs -1, repeat
 // launches bit-identical. Kept q (a noisy drafter's distribution, drafts drawn from it) and
 // one-hot q (greedy drafts: a draw from p, so they pass at the rate p(d) gives), temperatures
-// 0.7-1.3, min-p on and off, 1-7 drafts, a vocabulary that is not a multiple of the block.
+// 0.7-1.3, min-p on and off, top-k, top-p and both on half the sequences (with_top_k_top_p:
+// their cuts made on the device first, integer top-p weights against the host's f64 sort, see
+// DraftRowsMatchHostDrafts), 1-7 drafts, a vocabulary that is not a multiple of the block.
 TEST(CudaSampling, VerifyRowsMatchTheHostVerifier) {
   ML4_REQUIRE_GPU();
   for (const int64_t V : {int64_t{8192 + 5}, int64_t{131072}}) {
@@ -542,6 +552,7 @@ TEST(CudaSampling, VerifyRowsMatchTheHostVerifier) {
       v.params.temperature = s % 3 == 0 ? 0.7f : s % 3 == 1 ? 1.0f : 1.3f;
       v.params.min_p = s % 4 == 1 ? 0.05f : 0.0f;
       v.params.seed = 9000 + static_cast<uint64_t>(s);
+      with_top_k_top_p(v.params, s);
       ASSERT_TRUE(verify_rows_supported(v.params, V));
       rows += 1 + v.k;
       if (v.q0 >= 0) qrows += v.k;
@@ -571,6 +582,8 @@ TEST(CudaSampling, VerifyRowsMatchTheHostVerifier) {
       }
     }
     auto dl = to_device(l), dq = to_device(q), dd = to_device(drafts);
+    const size_t wb = verify_rows_workspace_bytes(rows);
+    auto ws = poisoned<uint8_t>(wb);
     int64_t decided = 0, accepted_total = 0, rejected = 0, bonus = 0;
     std::vector<int32_t> first_tokens;
     std::vector<float> first_logprobs;
@@ -579,8 +592,8 @@ TEST(CudaSampling, VerifyRowsMatchTheHostVerifier) {
       auto ds = to_device(seqs);
       for (int rep = 0; rep < (trial == 0 ? 2 : 1); ++rep) {
         auto dt = poisoned<int32_t>(rows), dlp = poisoned<float>(rows), da = poisoned<int32_t>(kSeqs);
-        ML4_ASSERT_OK(verify_rows(dl.as<float>(), V, dq.as<float>(), dd.as<int32_t>(), ds.as<VerifySeq>(), kSeqs,
-                                  dt.as<int32_t>(), dlp.as<float>(), da.as<int32_t>(), nullptr));
+        ML4_ASSERT_OK(verify_rows(dl.as<float>(), V, dq.as<float>(), dd.as<int32_t>(), ds.as<VerifySeq>(), kSeqs, 7,
+                                  dt.as<int32_t>(), dlp.as<float>(), da.as<int32_t>(), ws.data(), wb, rows, nullptr));
         ML4_ASSERT_OK(cuda_status(cudaDeviceSynchronize(), "verify_rows"));
         const auto tokens = to_host<int32_t>(dt, rows);
         const auto logprobs = to_host<float>(dlp, rows);
@@ -629,15 +642,21 @@ TEST(CudaSampling, VerifyRowsMatchTheHostVerifier) {
   DeviceSamplingParams p;
   p.temperature = 0.0f;
   EXPECT_FALSE(verify_rows_supported(p, 8192));  // greedy rows verify by argmax
-  expect_no_top_k_top_p(verify_rows_supported);
+  p.temperature = 1.0f;
+  p.top_p = 0.9f;
+  EXPECT_TRUE(verify_rows_supported(p, 8192));
   DeviceBuffer d = poisoned<float>(64);
+  DeviceBuffer ws = poisoned<uint8_t>(64);
   const auto* vs = reinterpret_cast<const VerifySeq*>(d.as<float>());
-  EXPECT_FALSE(verify_rows(d.as<float>(), 8, nullptr, d.as<int32_t>(), vs, -1, d.as<int32_t>(), d.as<float>(),
-                           d.as<int32_t>(), nullptr).ok());
-  EXPECT_FALSE(verify_rows(nullptr, 8, nullptr, d.as<int32_t>(), vs, 1, d.as<int32_t>(), d.as<float>(),
-                           d.as<int32_t>(), nullptr).ok());
-  EXPECT_TRUE(verify_rows(d.as<float>(), 8, nullptr, d.as<int32_t>(), vs, 0, d.as<int32_t>(), d.as<float>(),
-                          d.as<int32_t>(), nullptr).ok());
+  auto call = [&](const float* logits, int64_t n, int max_k, size_t wbytes, int64_t rows) {
+    return verify_rows(logits, 8, nullptr, d.as<int32_t>(), vs, n, max_k, d.as<int32_t>(), d.as<float>(),
+                       d.as<int32_t>(), ws.data(), wbytes, rows, nullptr);
+  };
+  EXPECT_FALSE(call(d.as<float>(), -1, 1, 64, 2).ok());
+  EXPECT_FALSE(call(nullptr, 1, 1, 64, 2).ok());
+  EXPECT_FALSE(call(d.as<float>(), 1, -1, 64, 2).ok());
+  EXPECT_FALSE(call(d.as<float>(), 1, 1, 16, 2).ok());  // workspace too small for 2 rows
+  EXPECT_TRUE(call(d.as<float>(), 0, 1, 0, 0).ok());
 }
 
 TEST(CudaSampling, BadArgumentsAreErrors) {

@@ -26,7 +26,7 @@
 // (ops/cpu/sampling.h) instead of the logits, as the CUDA runner does with its kernel (one
 // token per row for a sequence verifying drafts greedily).
 // With device_verification_ too it verifies random requests' drafts itself (SeqStep::device_verify,
-// verifies_on_device() for rows without top-k / top-p, as the CUDA runner): q kept from draft()
+// verifies_on_device() for random rows, top-k / top-p too, as the CUDA runner): q kept from draft()
 // (DraftSeq::keep_probs) per sequence until it is drafted again or released, the rows and the
 // uniforms of engine/spec_decode.h verify_drafts, results in StepOutput::verified.
 // With token_masks_ too it applies SeqStep::allowed_tokens (grammar bitmasks) before the draw,
@@ -88,8 +88,7 @@ class FakeRunner : public ModelRunner {
   bool applies_token_masks() const override { return token_masks_; }
   bool has_drafter() const override { return config_.drafter.enabled; }
   bool verifies_on_device(const DeviceSamplingParams& p) const override {
-    return device_sampling_ && device_verification_ && !sampling::top_k_on(p, config_.vocab_size) &&
-           !sampling::top_p_on(p);
+    return device_sampling_ && device_verification_ && !sampling::greedy(p);
   }
   void release(int64_t seq_id) override { kept_q_.erase(seq_id); }
 

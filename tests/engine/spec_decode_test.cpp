@@ -568,8 +568,12 @@ TEST(SpecDecodeEngine, DeviceRejectionSamplingEqualsHostVerification) {
   lp.logprobs = 0;  // the chosen token's logprob: from the device
   reqs.push_back({"logprob", random_prompt(rng, 23, V), lp});
   SamplingParams tk = seeded(0.9, 25, 9);
-  tk.top_k = 20;  // the device cannot: host rows
+  tk.top_k = 20;  // verified on the device too, as top-p below
   reqs.push_back({"top_k", random_prompt(rng, 9, V), tk});
+  SamplingParams tp = seeded(1.1, 25, 14);
+  tp.top_p = 0.8;
+  tp.top_k = 40;
+  reqs.push_back({"top_p", random_prompt(rng, 13, V), tp});
   SamplingParams top = seeded(1.0, 22, 10);
   top.logprobs = 2;  // top-N: host rows
   reqs.push_back({"top_n", random_prompt(rng, 31, V), top});

@@ -186,9 +186,11 @@ __device__ __forceinline__ int64_t draft_best(const ull* keys, int tiles) {
   return key_id(block_max_key(k));
 }
 
-// e_i of row_distribution's temperature branch (0 where min-p drops it).
+// e_i of sampling::row_distribution: exp((l_i - m) / T), 0 where min-p drops it and outside
+// the row's top-k / top-p cut (rowblock::KeptCut; off: every id).
 __device__ __forceinline__ double draft_weight(float l, int64_t i, double m, const DeviceSamplingParams& P,
-                                               int64_t best) {
+                                               int64_t best, const rowblock::KeptCut& cut) {
+  if (!cut.keeps(l, i)) return 0.0;
   const double e = exp((static_cast<double>(l) - m) / P.temperature);
   if (sampling::min_p_on(P) && i != best && !(e >= static_cast<double>(sampling::min_p_value(P)))) return 0.0;
   return e;
@@ -214,7 +216,9 @@ struct DraftTile {
   DraftWs w;
   DeviceSamplingParams P;
   const float* l;
-  __device__ DraftTile(const float* logits, int64_t V, const DeviceSamplingParams* params, void* ws)
+  rowblock::KeptCut cut;
+  __device__ DraftTile(const float* logits, int64_t V, const DeviceSamplingParams* params, void* ws,
+                       const rowblock::KeptCut* cuts)
       : tiles(static_cast<int>(gridDim.x)),
         row(blockIdx.y),
         best(0),
@@ -222,7 +226,8 @@ struct DraftTile {
         end(0),
         w(draft_ws(ws, gridDim.y, static_cast<int>(gridDim.x))),
         P(params[blockIdx.y]),
-        l(logits + static_cast<int64_t>(blockIdx.y) * V) {
+        l(logits + static_cast<int64_t>(blockIdx.y) * V),
+        cut(cuts != nullptr ? cuts[blockIdx.y] : rowblock::KeptCut{}) {
     end = t0 + kArgTile < V ? t0 + kArgTile : V;
     best = draft_best(w.keys + row * tiles, tiles);
   }
@@ -230,24 +235,24 @@ struct DraftTile {
 
 __global__ void __launch_bounds__(kArgThreads)
     draft_esum_kernel(const float* __restrict__ logits, int64_t V, const DeviceSamplingParams* __restrict__ params,
-                      void* ws) {
+                      void* ws, const rowblock::KeptCut* __restrict__ cuts) {
   pdl_wait();
   pdl_launch_dependents();
-  const DraftTile d(logits, V, params, ws);
+  const DraftTile d(logits, V, params, ws, cuts);
   if (sampling::greedy(d.P)) return;
   const double m = d.l[d.best];
   double acc = 0.0;
-  for (int64_t i = d.t0 + threadIdx.x; i < d.end; i += kArgThreads) acc += draft_weight(d.l[i], i, m, d.P, d.best);
+  for (int64_t i = d.t0 + threadIdx.x; i < d.end; i += kArgThreads) acc += draft_weight(d.l[i], i, m, d.P, d.best, d.cut);
   const double s = block_sum_f64(acc);
   if (threadIdx.x == 0) d.w.esum[d.row * d.tiles + blockIdx.x] = s;
 }
 
 __global__ void __launch_bounds__(kArgThreads)
     draft_probs_kernel(const float* __restrict__ logits, int64_t V, const DeviceSamplingParams* __restrict__ params,
-                       float* __restrict__ probs, void* ws) {
+                       float* __restrict__ probs, void* ws, const rowblock::KeptCut* __restrict__ cuts) {
   pdl_wait();
   pdl_launch_dependents();
-  const DraftTile d(logits, V, params, ws);
+  const DraftTile d(logits, V, params, ws, cuts);
   const int tiles = d.tiles;
   const int64_t row = d.row, best = d.best, t0 = d.t0, end = d.end;
   const DraftWs& w = d.w;
@@ -266,7 +271,7 @@ __global__ void __launch_bounds__(kArgThreads)
     for (int t = 0; t < tiles; ++t) sum += w.esum[row * tiles + t];
     const double m = l[best];
     for (int64_t i = t0 + threadIdx.x; i < end; i += kArgThreads) {
-      const float v = static_cast<float>(draft_weight(l[i], i, m, P, best) / sum);
+      const float v = static_cast<float>(draft_weight(l[i], i, m, P, best, d.cut) / sum);
       q[i] = v;
       if (v > 0.0f) {
         acc += v;
@@ -280,6 +285,34 @@ __global__ void __launch_bounds__(kArgThreads)
     w.qsum[row * tiles + blockIdx.x] = s;
     w.lastpos[row * tiles + blockIdx.x] = last;
   }
+}
+
+// The top-k / top-p cuts of sampled rows (rowblock::row_kept_cut), one 1024-thread block a
+// row: draft rows r (params[r]) and the verifier's rows (sequence blockIdx.x, row blockIdx.y).
+template <bool kVec>
+__global__ void __launch_bounds__(rowblock::kThreads, 1)
+    draft_cut_kernel(const float* __restrict__ logits, int64_t V, const DeviceSamplingParams* __restrict__ params,
+                     rowblock::KeptCut* __restrict__ cuts) {
+  pdl_wait();
+  pdl_launch_dependents();
+  __shared__ rowblock::Smem sm;
+  const DeviceSamplingParams P = params[blockIdx.x];
+  const rowblock::KeptCut c = rowblock::row_kept_cut<kVec>(sm, logits + static_cast<int64_t>(blockIdx.x) * V, V, P);
+  if (threadIdx.x == 0) cuts[blockIdx.x] = c;
+}
+
+template <bool kVec>
+__global__ void __launch_bounds__(rowblock::kThreads, 1)
+    verify_cut_kernel(const float* __restrict__ logits, int64_t V, const VerifySeq* __restrict__ seqs,
+                      rowblock::KeptCut* __restrict__ cuts) {
+  pdl_wait();
+  pdl_launch_dependents();
+  __shared__ rowblock::Smem sm;
+  const VerifySeq& s = seqs[blockIdx.x];
+  const int64_t j = blockIdx.y;
+  if (j > s.k) return;
+  const rowblock::KeptCut c = rowblock::row_kept_cut<kVec>(sm, logits + (s.row0 + j) * V, V, s.params);
+  if (threadIdx.x == 0) cuts[s.row0 + j] = c;
 }
 
 constexpr int kDrawLaneIds = kArgTile / 32;  // 128 ids per lane inside the crossing tile
@@ -443,7 +476,8 @@ __device__ int64_t block_draw(int64_t V, double u, Weight w) {
 __global__ void __launch_bounds__(kVerifyThreads)
     verify_rows_kernel(const float* __restrict__ logits, int64_t V, const float* __restrict__ q,
                        const int32_t* __restrict__ drafts, const VerifySeq* __restrict__ seqs,
-                       int32_t* __restrict__ tokens, float* __restrict__ logprobs, int32_t* __restrict__ accepted) {
+                       int32_t* __restrict__ tokens, float* __restrict__ logprobs, int32_t* __restrict__ accepted,
+                       const rowblock::KeptCut* __restrict__ cuts) {
   pdl_wait();
   pdl_launch_dependents();
   const VerifySeq s = seqs[blockIdx.x];
@@ -451,6 +485,7 @@ __global__ void __launch_bounds__(kVerifyThreads)
   int j = 0;
   for (; j <= s.k; ++j) {
     const float* l = logits + (s.row0 + j) * V;
+    const rowblock::KeptCut cut = cuts[s.row0 + j];
     ull key = 0;
     for (int64_t i = threadIdx.x; i < V; i += blockDim.x) {
       const ull c = argmax_key(l[i], i);
@@ -461,12 +496,12 @@ __global__ void __launch_bounds__(kVerifyThreads)
     double e = 0.0, z = 0.0;
     for (int64_t i = threadIdx.x; i < V; i += blockDim.x) {
       const float li = l[i];
-      e += draft_weight(li, i, m, P, best);
+      e += draft_weight(li, i, m, P, best, cut);
       if (li == li) z += exp(static_cast<double>(li) - m);
     }
     const double esum = block_total_f64(e), lsum = block_total_f64(z);
     const sampling::VerifyUniforms u = sampling::verify_uniforms(P.seed, P.counter + j);
-    auto p_of = [&](int64_t i) { return draft_weight(l[i], i, m, P, best) / esum; };
+    auto p_of = [&](int64_t i) { return draft_weight(l[i], i, m, P, best, cut) / esum; };
     int64_t t = -1;
     if (j < s.k) {
       const int32_t d = drafts[s.draft0 + j];
@@ -1186,17 +1221,24 @@ Status argmax_rows(const float* a, int64_t a_stride, const float* b, int64_t b_s
   return cuda_status(cudaGetLastError(), "argmax_final_kernel");
 }
 
-bool draft_rows_supported(const DeviceSamplingParams& p, int64_t V) {
-  return sampling::greedy(p) || (!sampling::top_k_on(p, V) && !sampling::top_p_on(p));
+bool needs_kept_cut(const DeviceSamplingParams& p, int64_t V) {
+  return !sampling::greedy(p) && (sampling::top_k_on(p, V) || sampling::top_p_on(p));
 }
+
+namespace {
+// draft_rows' workspace: DraftWs's tiles (28 B each), then 16-byte aligned, a KeptCut a row.
+size_t draft_tiles_bytes(int64_t B, int64_t V) {
+  return (static_cast<size_t>(B) * static_cast<size_t>((V + kArgTile - 1) / kArgTile) * 28 + 15) & ~size_t{15};
+}
+}  // namespace
 
 size_t draft_rows_workspace_bytes(int64_t B, int64_t V) {
   if (B <= 0 || V <= 0) return 0;
-  return static_cast<size_t>(B) * static_cast<size_t>((V + kArgTile - 1) / kArgTile) * 28;
+  return draft_tiles_bytes(B, V) + static_cast<size_t>(B) * sizeof(rowblock::KeptCut);
 }
 
 Status draft_rows(const float* logits, int64_t B, int64_t V, const DeviceSamplingParams* params, int32_t* ids,
-                  float* probs, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+                  float* probs, void* workspace, size_t workspace_bytes, cudaStream_t stream, bool cuts) {
   if (B < 0 || B > 65535 || V <= 0 || V > INT32_MAX) return invalid_argument("draft_rows: bad shape B={} V={}", B, V);
   if (B == 0) return ok_status();
   if (!logits || !params || !ids || !probs || !workspace) return invalid_argument("draft_rows: null pointer");
@@ -1212,26 +1254,52 @@ Status draft_rows(const float* logits, int64_t B, int64_t V, const DeviceSamplin
   else
     launch_kernel(argmax_tile_kernel<false>, grid, kArgThreads, 0, stream, logits, V, nullptr, int64_t{0}, V, w.keys);
   ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "draft_rows argmax_tile_kernel"));
-  launch_kernel(draft_esum_kernel, grid, kArgThreads, 0, stream, logits, V, params, workspace);
+  rowblock::KeptCut* cut = nullptr;
+  if (cuts) {
+    cut = reinterpret_cast<rowblock::KeptCut*>(static_cast<char*>(workspace) + draft_tiles_bytes(B, V));
+    if (vec)
+      launch_kernel(draft_cut_kernel<true>, static_cast<unsigned>(B), rowblock::kThreads, 0, stream, logits, V, params, cut);
+    else
+      launch_kernel(draft_cut_kernel<false>, static_cast<unsigned>(B), rowblock::kThreads, 0, stream, logits, V, params, cut);
+    ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "draft_cut_kernel"));
+  }
+  launch_kernel(draft_esum_kernel, grid, kArgThreads, 0, stream, logits, V, params, workspace,
+                static_cast<const rowblock::KeptCut*>(cut));
   ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "draft_esum_kernel"));
-  launch_kernel(draft_probs_kernel, grid, kArgThreads, 0, stream, logits, V, params, probs, workspace);
+  launch_kernel(draft_probs_kernel, grid, kArgThreads, 0, stream, logits, V, params, probs, workspace,
+                static_cast<const rowblock::KeptCut*>(cut));
   ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "draft_probs_kernel"));
   launch_kernel(draft_draw_kernel, static_cast<unsigned>(B), 32, 0, stream, static_cast<const float*>(probs), V, params,
                 ids, workspace, tiles);
   return cuda_status(cudaGetLastError(), "draft_draw_kernel");
 }
 
-bool verify_rows_supported(const DeviceSamplingParams& p, int64_t V) {
-  return !sampling::greedy(p) && !sampling::top_k_on(p, V) && !sampling::top_p_on(p);
+bool verify_rows_supported(const DeviceSamplingParams& p, int64_t) { return !sampling::greedy(p); }
+
+size_t verify_rows_workspace_bytes(int64_t rows) {
+  return rows > 0 ? static_cast<size_t>(rows) * sizeof(rowblock::KeptCut) : 0;
 }
 
 Status verify_rows(const float* logits, int64_t V, const float* q, const int32_t* drafts, const VerifySeq* seqs,
-                   int64_t n, int32_t* tokens, float* logprobs, int32_t* accepted, cudaStream_t stream) {
-  if (n < 0 || n > 65535 || V <= 0 || V > INT32_MAX) return invalid_argument("verify_rows: bad shape n={} V={}", n, V);
+                   int64_t n, int max_k, int32_t* tokens, float* logprobs, int32_t* accepted, void* workspace,
+                   size_t workspace_bytes, int64_t rows, cudaStream_t stream) {
+  if (n < 0 || n > 65535 || V <= 0 || V > INT32_MAX || max_k < 0 || max_k > 65534 || rows < 0)
+    return invalid_argument("verify_rows: bad shape n={} V={} max_k={} rows={}", n, V, max_k, rows);
   if (n == 0) return ok_status();
-  if (!logits || !drafts || !seqs || !tokens || !logprobs || !accepted) return invalid_argument("verify_rows: null pointer");
+  if (!logits || !drafts || !seqs || !tokens || !logprobs || !accepted || !workspace)
+    return invalid_argument("verify_rows: null pointer");
+  if (workspace_bytes < verify_rows_workspace_bytes(rows) || reinterpret_cast<uintptr_t>(workspace) % 8 != 0)
+    return invalid_argument("verify_rows: workspace of {} bytes, {} needed (8-byte aligned)", workspace_bytes,
+                            verify_rows_workspace_bytes(rows));
+  auto* cuts = static_cast<rowblock::KeptCut*>(workspace);
+  const dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>(max_k + 1));
+  if (V % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0)
+    launch_kernel(verify_cut_kernel<true>, grid, rowblock::kThreads, 0, stream, logits, V, seqs, cuts);
+  else
+    launch_kernel(verify_cut_kernel<false>, grid, rowblock::kThreads, 0, stream, logits, V, seqs, cuts);
+  ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "verify_cut_kernel"));
   launch_kernel(verify_rows_kernel, static_cast<unsigned>(n), kVerifyThreads, 0, stream, logits, V, q, drafts, seqs,
-                tokens, logprobs, accepted);
+                tokens, logprobs, accepted, static_cast<const rowblock::KeptCut*>(cuts));
   return cuda_status(cudaGetLastError(), "verify_rows_kernel");
 }
 

@@ -85,16 +85,21 @@ Status argmax_rows(const float* a, int64_t a_stride, const float* b, int64_t b_s
 // [B, V] (f32) and ids[r] = sampling::draw_from_weights(q, seed, counter) -- an inverse-CDF
 // draw with the host's uniform -- or, for a greedy row, q one-hot at the argmax and that id:
 // cpu::choose_draft_tokens with probs, on the device, so a sampled draft runs inside a CUDA
-// graph. Rows with top-k or top-p are not supported (draft_rows_supported; the caller draws
-// those on the host). Sums run in double in a fixed tiled order instead of the host's
-// sequential one: q agrees to ~1e-16 relative before its f32 rounding, and a token differs
-// from the host's only where u * total falls that close to a boundary of the cumulative sum.
+// graph. Sums run in double in a fixed tiled order instead of the host's sequential one: q
+// agrees to ~1e-16 relative before its f32 rounding, and a token differs from the host's only
+// where u * total falls that close to a boundary of the cumulative sum.
+// Rows with top-k or top-p (needs_kept_cut) first get their kept prefix, one 1024-thread block
+// a row: the sampler's radix select (the split path's fallback, sampling_row.cuh) over the
+// order (logit descending, id ascending), top-p on its integer weights (2^-40 per id from the
+// host's f64 sums: a cut differs from row_distribution's only where the cumulative weight
+// falls that close to top_p); `cuts` must be true when any row needs it (the caller knows the
+// parameters), false skips that launch.
 // params: DEVICE [B]. workspace: draft_rows_workspace_bytes(B, V), 8-byte aligned, no
 // initialisation, one per stream.
-bool draft_rows_supported(const DeviceSamplingParams& p, int64_t V);
+bool needs_kept_cut(const DeviceSamplingParams& p, int64_t V);
 size_t draft_rows_workspace_bytes(int64_t B, int64_t V);
 Status draft_rows(const float* logits, int64_t B, int64_t V, const DeviceSamplingParams* params, int32_t* ids,
-                  float* probs, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                  float* probs, void* workspace, size_t workspace_bytes, cudaStream_t stream, bool cuts);
 
 // DSpark verification of random requests on the device: engine/spec_decode.h verify_drafts
 // (vLLM's rejection sampler) for n sequences at once, so neither the target's rows nor the
@@ -102,8 +107,9 @@ Status draft_rows(const float* logits, int64_t B, int64_t V, const DeviceSamplin
 // drafts[draft0 ..], its 1 + k logits rows from logits row row0 (V floats apart), q's k rows
 // from q row q0 (q0 < 0: q one-hot at each draft, greedy drafts), and its parameters (seed;
 // counter = the output index of the token row 0 decides: the verifier's uniforms,
-// sampling::verify_uniforms). p = sampling::row_distribution of each row (temperature, min-p;
-// verify_rows_supported: not top-k / top-p); draft j is accepted when q(d) > 0 and p(d) / q(d)
+// sampling::verify_uniforms). p = sampling::row_distribution of each row (temperature, top-k,
+// top-p, min-p; the top-k / top-p cut as draft_rows makes it, every row of every sequence at
+// once before the verification); draft j is accepted when q(d) > 0 and p(d) / q(d)
 // >= u; the first rejection emits a draw from max(p - q, 0), all passing a bonus from p_k.
 // Out: tokens / logprobs [out0 .. out0 + k]: the accepted drafts, then the emitted token, then
 // -1 (logprob 0); the logprob of each is its row's log_softmax; accepted [n]. Sums are f64
@@ -118,9 +124,14 @@ struct VerifySeq {
   int32_t pad = 0;
   DeviceSamplingParams params;
 };
+// max_k: the largest k of the n sequences; rows: the logits rows they reach (every row0 + k <
+// rows); workspace: verify_rows_workspace_bytes(rows), 8-byte aligned, no initialisation.
+// verify_rows_supported: random rows (a greedy request verifies by each row's argmax instead).
 bool verify_rows_supported(const DeviceSamplingParams& p, int64_t V);
+size_t verify_rows_workspace_bytes(int64_t rows);
 Status verify_rows(const float* logits, int64_t V, const float* q, const int32_t* drafts, const VerifySeq* seqs,
-                   int64_t n, int32_t* tokens, float* logprobs, int32_t* accepted, cudaStream_t stream);
+                   int64_t n, int max_k, int32_t* tokens, float* logprobs, int32_t* accepted, void* workspace,
+                   size_t workspace_bytes, int64_t rows, cudaStream_t stream);
 
 // Samples one token per row. logits: device f32, row r at logits + r * row_stride
 // (row_stride < 0: V; 0: every row reads the same logits, for tests and benchmarks).

@@ -275,13 +275,58 @@ __device__ int64_t tie_cut(Smem& sm, const float* __restrict__ row, int64_t V, u
   return r;
 }
 
-// Samples one row with the whole block (blockDim.x == kThreads). want_lse: also the f64
-// sum_i exp(l_i - m) for the logprob. Returns the token (the argmax when greedy); *m_out
-// and *lse_out get the row max and the sum (0 unless want_lse).
+// The kept prefix of a row under top-k / top-p (ranks (key descending, id ascending); the
+// sampler's integer weights): keep keys above `key`, and ids <= id_cut among those equal to it.
+// on false: no cut (every id kept, min-p aside).
+struct KeptCut {
+  bool on = false;
+  uint32_t key = 0;
+  int64_t id_cut = INT64_MAX;
+  __device__ __forceinline__ bool keeps(float l, int64_t id) const {
+    if (!on) return true;
+    const uint32_t k = sampling::order_key(l);
+    return k > key || (k == key && id <= id_cut);
+  }
+};
+
+// Steps 3-5 of sample_row: the cut for a sampled row with max m (finite or not, not NaN).
+// z_all: the row's integer weight total (needed when top-p is on without top-k).
 template <bool kVec>
-__device__ int64_t sample_row(Smem& sm, const float* __restrict__ row, int64_t V, const DeviceSamplingParams& P,
-                              bool want_lse, float* m_out, double* lse_out) {
-  // 1. argmax
+__device__ KeptCut kept_cut(Smem& sm, const float* __restrict__ row, int64_t V, const DeviceSamplingParams& P, float m,
+                            float inv_t, bool k_on, bool p_on, ull z_all) {
+  KeptCut kc;
+  Cut cut{};
+  ull zk = z_all;
+  if (k_on) {
+    cut = radix_select<kVec>(sm, row, V, m, inv_t, false, static_cast<ull>(P.top_k));
+    kc.on = true;
+    zk = cut.mass;
+  }
+  if (p_on) {
+    const Cut cp = radix_select<kVec>(sm, row, V, m, inv_t, true, sampling::top_p_target(P.top_p, zk));
+    if (!kc.on || cp.key > cut.key || (cp.key == cut.key && cp.take < cut.take)) cut = cp;
+    kc.on = true;
+  }
+  kc.key = cut.key;
+  if (kc.on && cut.take < cut.ties) kc.id_cut = tie_cut(sm, row, V, cut.key, cut.take);
+  return kc;
+}
+
+// The integer weight total of a row (non-NaN ids), every thread gets it.
+template <bool kVec>
+__device__ ull weight_total(Smem& sm, const float* __restrict__ row, int64_t V, float m, float inv_t) {
+  ull z = 0;
+  for_each_group<kVec>(row, V, [&](const float* v, int64_t q) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      if (4 * q + j < V && v[j] == v[j]) z += sampling::fixed_weight(expf((v[j] - m) * inv_t));
+  });
+  return block_sum(sm.red_u, z);
+}
+
+// The row's argmax (value and id; id INT64_MAX for an empty row), every thread gets it.
+template <bool kVec>
+__device__ void row_argmax(Smem& sm, const float* __restrict__ row, int64_t V, float* m, int64_t* id) {
   float mv = __int_as_float(0x7fc00000);
   int64_t mi = INT64_MAX;
   for_each_group<kVec>(row, V, [&](const float* v, int64_t q) {
@@ -293,7 +338,36 @@ __device__ int64_t sample_row(Smem& sm, const float* __restrict__ row, int64_t V
       }
   });
   block_argmax(sm, mv, mi);
-  const float m = mv;
+  *m = mv;
+  *id = mi;
+}
+
+// The top-k / top-p cut of a row as sample_row draws from it, alone (the drafter's sampled
+// drafts and DSpark's verifier, sampling.cu): off for greedy rows, rows without top-k and
+// top-p, and rows whose max is NaN. The same for every thread.
+template <bool kVec>
+__device__ KeptCut row_kept_cut(Smem& sm, const float* __restrict__ row, int64_t V, const DeviceSamplingParams& P) {
+  const bool k_on = sampling::top_k_on(P, V), p_on = sampling::top_p_on(P);
+  if (sampling::greedy(P) || (!k_on && !p_on)) return KeptCut{};
+  float m;
+  int64_t mi;
+  row_argmax<kVec>(sm, row, V, &m, &mi);
+  if (!(m == m)) return KeptCut{};
+  const float inv_t = 1.0f / P.temperature;
+  const ull z_all = p_on && !k_on ? weight_total<kVec>(sm, row, V, m, inv_t) : 0ull;
+  return kept_cut<kVec>(sm, row, V, P, m, inv_t, k_on, p_on, z_all);
+}
+
+// Samples one row with the whole block (blockDim.x == kThreads). want_lse: also the f64
+// sum_i exp(l_i - m) for the logprob. Returns the token (the argmax when greedy); *m_out
+// and *lse_out get the row max and the sum (0 unless want_lse).
+template <bool kVec>
+__device__ int64_t sample_row(Smem& sm, const float* __restrict__ row, int64_t V, const DeviceSamplingParams& P,
+                              bool want_lse, float* m_out, double* lse_out) {
+  // 1. argmax
+  float m;
+  int64_t mi;
+  row_argmax<kVec>(sm, row, V, &m, &mi);
   *m_out = m;
   int64_t token = mi == INT64_MAX ? 0 : mi;
   const bool sample = !sampling::greedy(P) && m == m;
@@ -321,21 +395,7 @@ __device__ int64_t sample_row(Smem& sm, const float* __restrict__ row, int64_t V
 
   if (sample) {
     // 3-5. the kept prefix
-    bool cut_on = false;
-    Cut cut{};
-    ull zk = z_all;
-    if (k_on) {
-      cut = radix_select<kVec>(sm, row, V, m, inv_t, false, static_cast<ull>(P.top_k));
-      cut_on = true;
-      zk = cut.mass;
-    }
-    if (p_on) {
-      const Cut cp = radix_select<kVec>(sm, row, V, m, inv_t, true, sampling::top_p_target(P.top_p, zk));
-      if (!cut_on || cp.key > cut.key || (cp.key == cut.key && cp.take < cut.take)) cut = cp;
-      cut_on = true;
-    }
-    int64_t id_cut = INT64_MAX;
-    if (cut_on && cut.take < cut.ties) id_cut = tie_cut(sm, row, V, cut.key, cut.take);
+    const KeptCut cut = kept_cut<kVec>(sm, row, V, P, m, inv_t, k_on, p_on, z_all);
     // 6. Gumbel-max over the kept ids
     const bool mp_on = sampling::min_p_on(P);
     const float min_p = sampling::min_p_value(P);
@@ -347,11 +407,7 @@ __device__ int64_t sample_row(Smem& sm, const float* __restrict__ row, int64_t V
       for (int j = 0; j < 4; ++j) {
         const int64_t id = 4 * q + j;
         if (id >= V) continue;
-        bool kept = true;
-        if (cut_on) {
-          const uint32_t key = sampling::order_key(v[j]);
-          kept = key > cut.key || (key == cut.key && id <= id_cut);
-        }
+        bool kept = cut.keeps(v[j], id);
         const float s = (v[j] - m) * inv_t;
         if (mp_on && !(expf(s) >= min_p)) kept = false;
         if (!kept) continue;  // only kept ids compete (as the host reference)

@@ -1208,16 +1208,14 @@ Status CudaBackend::choose_tokens(float* logits, int64_t rows, const DeviceSampl
   }
   if (base != nullptr) ML4_RETURN_IF_ERROR(add_rows(logits, V, base, base_stride, rows, V));
   // Sampled drafts with their q on the device (no host round trip, so the draft can be a
-  // graph) when the runner staged these rows' parameters and every row is supported.
+  // graph) when the runner staged these rows' parameters.
   if (params != nullptr && probs != nullptr && staged_params_ != nullptr && params >= staged_params_ &&
       params + rows <= staged_params_ + staged_count_) {
-    bool ok = true;
-    for (int64_t i = 0; i < rows; ++i) ok = ok && draft_rows_supported(params[i], V);
-    if (ok) {
-      Buffers& b = buffers();
-      const auto* dp = static_cast<const DeviceSamplingParams*>(b.draft_samp_params.data()) + (params - staged_params_);
-      return draft_rows(logits, rows, V, dp, ids, probs, b.draft_samp_ws.data(), b.draft_samp_ws.bytes(), stream_);
-    }
+    bool cuts = false;  // some row has top-k or top-p: its kept prefix first
+    for (int64_t i = 0; i < rows; ++i) cuts = cuts || needs_kept_cut(params[i], V);
+    Buffers& b = buffers();
+    const auto* dp = static_cast<const DeviceSamplingParams*>(b.draft_samp_params.data()) + (params - staged_params_);
+    return draft_rows(logits, rows, V, dp, ids, probs, b.draft_samp_ws.data(), b.draft_samp_ws.bytes(), stream_, cuts);
   }
   std::vector<float> l(rows * V), q(probs != nullptr ? rows * V : 0);
   std::vector<int32_t> tok(rows);

@@ -458,13 +458,21 @@ Status CudaRunner::run_verification(const StepInput& in, const std::vector<Verif
     ML4_RETURN_IF_ERROR(fit(verify_tokens_, outs * 4));
     ML4_RETURN_IF_ERROR(fit(verify_logprobs_, outs * 4));
     ML4_RETURN_IF_ERROR(fit(verify_accepted_, n * 4));
+    int max_k = 0;
+    int64_t rows = 0;
+    for (const VerifySeq& v : vseqs) {
+      max_k = std::max(max_k, static_cast<int>(v.k));
+      rows = std::max(rows, v.row0 + v.k + 1);
+    }
+    ML4_RETURN_IF_ERROR(fit(verify_ws_, verify_rows_workspace_bytes(rows)));
     ML4_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(verify_seqs_.data(), vseqs.data(), n * sizeof(VerifySeq), cudaMemcpyHostToDevice, stream));
     ML4_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(verify_drafts_.data(), vdrafts.data(), vdrafts.size() * 4, cudaMemcpyHostToDevice, stream));
     return verify_rows(backend_->buffers().logits.as<float>(), cfg_.vocab_size, verify_q_.as<float>(),
-                       verify_drafts_.as<int32_t>(), verify_seqs_.as<VerifySeq>(), n, verify_tokens_.as<int32_t>(),
-                       verify_logprobs_.as<float>(), verify_accepted_.as<int32_t>(), stream);
+                       verify_drafts_.as<int32_t>(), verify_seqs_.as<VerifySeq>(), n, max_k,
+                       verify_tokens_.as<int32_t>(), verify_logprobs_.as<float>(), verify_accepted_.as<int32_t>(),
+                       verify_ws_.data(), verify_ws_.bytes(), rows, stream);
   }
   std::vector<int32_t> tokens(outs), accepted(n);
   std::vector<float> logprobs(outs);
@@ -515,8 +523,9 @@ Result<const float*> CudaRunner::download_floats(const void* device, size_t n, c
 // as CUDA graphs, one per (sequences, block-table stride rounded up to a power of two, greedy
 // or sampled): every input is device data uploaded before the launch (tokens, positions,
 // slots, the drafter block table, anchors, the staged draw parameters); the greedy choice is a
-// device argmax, a sampled draft with its q a device draw (draft_rows). Rows with top-k or
-// top-p (the host draws them) and greedy drafts returning their softmax run eagerly.
+// device argmax, a sampled draft with its q a device draw (draft_rows, top-k / top-p too).
+// Sampled drafts whose q nobody keeps (the host draws them) and greedy drafts returning their
+// softmax run eagerly.
 Result<DraftOutput> CudaRunner::draft_step(const DraftInput& in) {
   if (!program_->has_drafter()) return unimplemented("this runner has no DSpark drafter (RunnerOptions::drafter)");
   cuda::set_programmatic_launch(opts_.programmatic_launch);
@@ -561,11 +570,13 @@ Result<DraftOutput> CudaRunner::draft_step(const DraftInput& in) {
         params[j * in.seqs.size() + i] = p;
       }
   }
-  // Sampled drafts with their q are drawn on the device (sampling.h draft_rows) unless a row
-  // has top-k or top-p; greedy drafts are argmaxes on the device. Either can be a graph; the
-  // host draws the rest (and the drafter's softmax of greedy drafts, asked for diagnostics).
-  bool device_draws = any_sampled && want_q;
-  for (const auto& p : params) device_draws = device_draws && draft_rows_supported(p, V);
+  // Sampled drafts with their q are drawn on the device (sampling.h draft_rows; rows with
+  // top-k or top-p get their kept prefix first: `cuts`); greedy drafts are argmaxes on the
+  // device. Either can be a graph; the host draws sampled drafts without q (and the drafter's
+  // softmax of greedy drafts, asked for diagnostics).
+  const bool device_draws = any_sampled && want_q;
+  bool cuts = false;
+  for (const auto& p : params) cuts = cuts || needs_kept_cut(p, V);
   const bool host_choice = any_sampled ? !device_draws : in.want_probs;
   const bool graph = opts_.cuda_graphs && draft_graphs_ok_ && !host_choice;
   int kmax = 1;  // the Markov head's slots: the most drafts any sequence asked for
@@ -625,8 +636,10 @@ Result<DraftOutput> CudaRunner::draft_step(const DraftInput& in) {
     ML4_RETURN_IF_ERROR(program_->draft(any_sampled ? params.data() : nullptr, want_q, kmax));
     return backend_->finish_forward();
   };
-  // Sampled drafts run other kernels, and the Markov head runs kmax slots: both in the key.
-  const auto key = std::make_pair(n + (any_sampled ? int64_t{1} << 32 : 0) + (int64_t{kmax} << 40), maxb);
+  // Sampled drafts run other kernels (top-k / top-p rows one more), and the Markov head runs
+  // kmax slots: all in the key.
+  const auto key = std::make_pair(
+      n + (any_sampled ? int64_t{1} << 32 : 0) + (cuts ? int64_t{1} << 33 : 0) + (int64_t{kmax} << 40), maxb);
   if (auto it = graph ? draft_graphs_.find(key) : draft_graphs_.end(); it != draft_graphs_.end()) {
     ML4_RETURN_IF_ERROR(run(CudaBackend::Mode::kReplay, &it->second));
     ++draft_replays_;

@@ -103,7 +103,8 @@ struct CudaRunnerOptions {
   // the same bytes and logits): ml4-slice-4 decode 1.001-1.005x (FUSEDINDEXER lines).
   bool fused_indexer = true;
   // DSpark's rejection sampler on the device (ops/cuda/sampling.h verify_rows) for random
-  // requests without top-k / top-p: draft() keeps their q in a buffer reserved at load
+  // requests (top-k / top-p too, since the tenth session: not yet run on a device when
+  // written): draft() keeps their q in a buffer reserved at load
   // (max_num_seqs x (block - 1) x vocab floats, before the KV pool is sized) and execute()
   // verifies there, so neither the 1 + k target rows nor q cross to the host. On since
   // CudaSampling.VerifyRowsMatchTheHostVerifier and CudaDrafter.DeviceRejectionSampling*
@@ -270,7 +271,7 @@ class CudaRunner : public ModelRunner {
   };
   std::map<int64_t, KeptQ> kept_q_;
   std::vector<int64_t> free_q_slots_;
-  DeviceBuffer verify_q_, verify_seqs_, verify_drafts_, verify_tokens_, verify_logprobs_, verify_accepted_;
+  DeviceBuffer verify_q_, verify_seqs_, verify_drafts_, verify_tokens_, verify_logprobs_, verify_accepted_, verify_ws_;
   int64_t device_verifications_ = 0;
 };
 
