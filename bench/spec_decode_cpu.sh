@@ -17,7 +17,8 @@
 # one budget per server since all of them share the card); BUILD_DIR is any folder holding ml4.
 # ML4_SPEC_DATASET: a bench serve JSONL of text prompts instead of random tokens (e.g.
 # bench/data/ml4-small-val-prompts.jsonl: held-out corpus text, bench/make_text_prompts.py);
-# ML4_SPEC_CONCURRENCY (default "1 8 32") and ML4_SPEC_TEMPS (default "0 1") narrow the grid.
+# ML4_SPEC_CONCURRENCY (default "1 8 32") and ML4_SPEC_TEMPS (default "0 1") narrow the grid;
+# ML4_SPEC_BENCH_ARGS adds bench serve flags to every run (e.g. "--top-p 0.9").
 set -euo pipefail
 build=$(cd "${1:?usage: spec_decode_cpu.sh BUILD_DIR OUT_DIR [NUM_SPEC ...]}" && pwd)
 out=${2:?usage: spec_decode_cpu.sh BUILD_DIR OUT_DIR [NUM_SPEC ...]}
@@ -40,6 +41,7 @@ for n in "${specs[@]}"; do
 done
 
 dataset_args=(--input-len 128)
+read -r -a bench_extra <<< "${ML4_SPEC_BENCH_ARGS:-}"
 [ -n "${ML4_SPEC_DATASET:-}" ] && dataset_args=(--dataset "$(cd "$(dirname "$ML4_SPEC_DATASET")" && pwd)/$(basename "$ML4_SPEC_DATASET")")
 
 declare -A ports
@@ -70,7 +72,7 @@ for r in $(seq "$rounds"); do
         f="$out/${name}_t${t}_c${c}_r$r"
         curl -sf "http://127.0.0.1:${ports[$name]}/metrics" > "$f.before" || true
         "$ml4" bench serve --port "${ports[$name]}" --no-progress --max-concurrency "$c" --num-prompts "$n" \
-          "${dataset_args[@]}" --output-len 128 --num-warmups 2 --seed $((100 + c)) --temperature "$t" \
+          "${dataset_args[@]}" "${bench_extra[@]}" --output-len 128 --num-warmups 2 --seed $((100 + c)) --temperature "$t" \
           --result-file "$f.json" >"$f.txt"
         curl -sf "http://127.0.0.1:${ports[$name]}/metrics" > "$f.after" || true
         echo "round $r $name t=$t c=$c load $(cut -d' ' -f1 /proc/loadavg): $(grep -E 'Output token throughput|Mean TPOT|Acceptance length' "$f.txt" | tr -s ' ' | paste -sd ';')"

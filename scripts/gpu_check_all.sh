@@ -103,6 +103,18 @@ if [ "${ML4_SPEC_DEVICE_VERIFY:-1}" = 1 ]; then
   cat "$out/spec_dv/summary.md" 2>/dev/null || tail -30 "$out/spec_dv.log"
   for f in "$out"/spec_dv/server_*.log; do grep -iE "error|device verification" "$f" | head -3; done
   rm -rf "$out/spec_dv"
+  # Top-p (and top-k) requests: their drafts' q and their verification on the device too
+  # (draft_rows / verify_rows with the kept-prefix cut, tenth session); ML4_DEVICE_VERIFY=0 is
+  # the host verification they had before, the peer in the same call.
+  for dv in 1 0; do
+    stamp "1b''. DSpark, T = 1, top-p 0.9 top-k 50, verification on the device: $dv"
+    ML4_DEVICE_VERIFY=$dv ML4_SPEC_ROUNDS=1 ML4_SPEC_TEMPS=1 ML4_SPEC_BENCH_ARGS="--top-p 0.9 --top-k 50" \
+      ML4_SPEC_SERVE_ARGS="--device cuda --kv-cache-memory-bytes 2147483648" \
+      timeout 200 bash "$root/bench/spec_decode_cpu.sh" "$carry/bin" "$out/spec_tp$dv" 3 > "$out/spec_tp$dv.log" 2>&1
+    echo "rc=$?"
+    cat "$out/spec_tp$dv/summary.md" 2>/dev/null || tail -30 "$out/spec_tp$dv.log"
+    rm -rf "$out/spec_tp$dv"
+  done
 fi
 tar czf "$out/spec.tar.gz" -C "$out" spec && rm -rf "$out/spec"  # the run tool brings back few files
 fi
