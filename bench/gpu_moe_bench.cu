@@ -81,6 +81,29 @@ MoeInputs moe_inputs(int64_t T, int E, int K, int64_t D, int64_t I, std::mt19937
 // grouped launches alone against cuBLASLt's dense FP8 block GEMM of the same total size
 // (M = every routed and shared row: gate and up as one N = 2I GEMM, down N = D). FLOPs =
 // 2 x rows x 3 x D x I; the bound is the FP8 matrix rate (gpu_gemm_bench's cuBLASLt figure).
+// The grouped GEMM launches of moe_experts_forward_gemm, alone: gate + up (x gathered by
+// perm_token, silu into g), and down (the permuted hidden rows into y).
+void gate_up_launch(MoeGroupedGemmParams& gp, const MoeExpertTables& tb, MoeScratch& sc) {
+  gp.gate_up = true;
+  gp.a_rows = sc.perm_token.as<int32_t>();
+  gp.w = static_cast<const void* const*>(tb.w1.data());
+  gp.w_scale = static_cast<const float* const*>(tb.s1.data());
+  gp.w_up = static_cast<const void* const*>(tb.w3.data());
+  gp.w_up_scale = static_cast<const float* const*>(tb.s3.data());
+  gp.N = tb.I;
+  gp.K = tb.D;
+  gp.y = sc.g.as<float>();
+}
+void down_launch(MoeGroupedGemmParams& gp, const MoeExpertTables& tb, MoeScratch& sc) {
+  gp.gate_up = false;
+  gp.a_rows = nullptr;
+  gp.w = static_cast<const void* const*>(tb.w2.data());
+  gp.w_scale = static_cast<const float* const*>(tb.s2.data());
+  gp.N = tb.D;
+  gp.K = tb.I;
+  gp.y = sc.y.as<float>();
+}
+
 void prefill(LtGemm& lt, const std::vector<DeviceMlp>& experts, const DeviceMlp& shared, const MoeExpertTables& tb,
              int E, int K, int64_t D, int64_t I, cudaStream_t s) {
   std::mt19937 g(11);
@@ -100,6 +123,19 @@ void prefill(LtGemm& lt, const std::vector<DeviceMlp>& experts, const DeviceMlp&
     std::printf("moe prefill T=%ld (%.0f rows, %.2f TFLOP): expert loop %.3f ms (%.0f TFLOP/s), grouped GEMMs %.3f ms "
                 "(%.0f TFLOP/s), %.2fx\n",
                 T, rows, flop / 1e12, t_loop, flop / (t_loop * 1e9), t_gemm, flop / (t_gemm * 1e9), t_loop / t_gemm);
+    // The grouped GEMMs' variants, whole MoE: 64-row tiles with the overlapped promotion (the
+    // default), and 128-row tiles (MoeGroupedGemmParams::tall).
+    auto variant = [&](bool overlap, bool tall) {
+      return bench::median_ms(s, 2, 10, [&](int) {
+        BENCH_CHECK(moe_experts_forward_gemm(tb, &shared, x.as<float>(), T, dids.as<int32_t>(), dw.as<float>(), K,
+                                             out.as<float>(), sc, s, nullptr, overlap, tall));
+      });
+    };
+    const double t_ov = variant(true, false), t_tall = variant(false, true);
+    std::printf("moe prefill tiles T=%ld: 64-row %.3f ms (%.0f TFLOP/s), 64-row overlap %.3f ms (%.0f), 128-row %.3f ms "
+                "(%.0f), tall/overlap %.2fx\n",
+                T, t_gemm, flop / (t_gemm * 1e9), t_ov, flop / (t_ov * 1e9), t_tall, flop / (t_tall * 1e9),
+                t_ov / t_tall);
     if (T != 4096) continue;
     // The two grouped launches alone (the permutation and tile list of the last run stay).
     const int64_t nrows = T * (K + 1);
@@ -110,26 +146,12 @@ void prefill(LtGemm& lt, const std::vector<DeviceMlp>& experts, const DeviceMlp&
     gp.num_tiles = sc.num_tiles.as<int32_t>();
     gp.max_tiles = moe_gemm_max_tiles(nrows, E + 1);
     gp.stream = s;
-    gp.gate_up = true;
-    gp.a_rows = sc.perm_token.as<int32_t>();
-    gp.w = static_cast<const void* const*>(tb.w1.data());
-    gp.w_scale = static_cast<const float* const*>(tb.s1.data());
-    gp.w_up = static_cast<const void* const*>(tb.w3.data());
-    gp.w_up_scale = static_cast<const float* const*>(tb.s3.data());
-    gp.N = I;
-    gp.K = D;
-    gp.y = sc.g.as<float>();
+    gate_up_launch(gp, tb, sc);
     const double t_gu = bench::median_ms(s, 2, 10, [&](int) { BENCH_CHECK(moe_grouped_gemm(gp)); });
     gp.overlap = true;  // MoeGroupedGemmParams::overlap: the next block's MMAs before this block's promotion
     const double t_gu_ov = bench::median_ms(s, 2, 10, [&](int) { BENCH_CHECK(moe_grouped_gemm(gp)); });
     gp.overlap = false;
-    gp.gate_up = false;
-    gp.a_rows = nullptr;
-    gp.w = static_cast<const void* const*>(tb.w2.data());
-    gp.w_scale = static_cast<const float* const*>(tb.s2.data());
-    gp.N = D;
-    gp.K = I;
-    gp.y = sc.y.as<float>();
+    down_launch(gp, tb, sc);
     const double t_dn = bench::median_ms(s, 2, 10, [&](int) { BENCH_CHECK(moe_grouped_gemm(gp)); });
     gp.overlap = true;
     const double t_dn_ov = bench::median_ms(s, 2, 10, [&](int) { BENCH_CHECK(moe_grouped_gemm(gp)); });
@@ -137,6 +159,21 @@ void prefill(LtGemm& lt, const std::vector<DeviceMlp>& experts, const DeviceMlp&
     std::printf("moe grouped GEMM overlap T=%ld: gate+up %.3f -> %.3f ms, down %.3f -> %.3f ms (MMAs of block kb + 1 "
                 "before the promotion of kb)\n",
                 T, t_gu, t_gu_ov, t_dn, t_dn_ov);
+    {  // The same two launches on 128-row tiles: one tall forward leaves its permutation and tiles.
+      BENCH_CHECK(moe_experts_forward_gemm(tb, &shared, x.as<float>(), T, dids.as<int32_t>(), dw.as<float>(), K,
+                                           out.as<float>(), sc, s, nullptr, false, true));
+      MoeGroupedGemmParams tp = gp;
+      tp.tall = true;
+      tp.max_tiles = moe_gemm_max_tiles(nrows, E + 1, kMoeGemmTallTileRows);
+      gate_up_launch(tp, tb, sc);
+      const double t_gu_tall = bench::median_ms(s, 2, 10, [&](int) { BENCH_CHECK(moe_grouped_gemm(tp)); });
+      down_launch(tp, tb, sc);
+      const double t_dn_tall = bench::median_ms(s, 2, 10, [&](int) { BENCH_CHECK(moe_grouped_gemm(tp)); });
+      std::printf("moe grouped GEMM tall T=%ld: gate+up %.3f ms (%.0f TFLOP/s), down %.3f ms (%.0f TFLOP/s) on 128-row "
+                  "tiles\n",
+                  T, t_gu_tall, 2.0 * nrows * 2 * I * D / (t_gu_tall * 1e9), t_dn_tall,
+                  2.0 * nrows * D * I / (t_dn_tall * 1e9));
+    }
     // cuBLASLt dense: x [nrows, D] and h [nrows, I] random e4m3 with group-major scales.
     auto xa = DeviceBuffer::alloc(nrows * std::max(D, I)), xs = DeviceBuffer::alloc(nrows * (std::max(D, I) / 128) * 4);
     auto wgu = random_linear(2 * I, D, 77, s), wdn = random_linear(D, I, 78, s);

@@ -531,7 +531,11 @@ TEST(CudaMoe, GroupedGemmPrefillVsCpu) {
 // promotion, two partial accumulators) computes the same sums in the same order: the whole
 // grouped MoE (both launches, the shared slot) bit-identical to the serial kernel, for K
 // blocks odd, even and one (D / I of 640 / 384, 512 / 256, 128 / 256), tiles full and partial.
-TEST(CudaMoe, GroupedGemmOverlapIsBitIdentical) {
+// So does MoeGroupedGemmParams::tall (128-row tiles, each warpgroup 64 rows against both
+// halves of the B tile): expert 0 takes every token (skew_routing), so T = 300 gives it three
+// tall tiles, the last partial, and T = 5 tiles of one or two rows; D = 640 leaves the down
+// projection's last CTA with an empty second half (the three kernels against each other).
+TEST(CudaMoe, GroupedGemmVariantsAreBitIdentical) {
   ML4_REQUIRE_GPU();
   const int E = 16, K = 4;
   for (auto [D, I, T] : {std::tuple<int64_t, int64_t, int64_t>{640, 384, 300}, {512, 256, 5}, {128, 256, 70}}) {
@@ -545,10 +549,10 @@ TEST(CudaMoe, GroupedGemmOverlapIsBitIdentical) {
     auto dids = to_device(c.ids);
     auto dw = to_device(c.w);
     std::vector<std::vector<float>> runs;
-    for (bool overlap : {false, true}) {
+    for (auto [overlap, tall] : {std::pair{false, false}, {true, false}, {false, true}}) {
       auto out = poisoned<float>(T * D);
       ML4_ASSERT_OK(moe_experts_forward_gemm(*tables, &c.shared, dxb.as<float>(), T, dids.as<int32_t>(), dw.as<float>(),
-                                             K, out.as<float>(), s, nullptr, nullptr, overlap));
+                                             K, out.as<float>(), s, nullptr, nullptr, overlap, tall));
       sync();
       runs.push_back(to_host<float>(out, T * D));
     }
@@ -557,6 +561,8 @@ TEST(CudaMoe, GroupedGemmOverlapIsBitIdentical) {
     for (float v : runs[0]) norm += static_cast<double>(v) * v;
     EXPECT_GT(norm, 0.0);
     EXPECT_EQ(0, std::memcmp(runs[0].data(), runs[1].data(), runs[0].size() * 4)) << "D=" << D << " I=" << I << " T=" << T;
+    EXPECT_EQ(0, std::memcmp(runs[0].data(), runs[2].data(), runs[0].size() * 4))
+        << "tall: D=" << D << " I=" << I << " T=" << T;
   }
 }
 

@@ -629,7 +629,7 @@ Status moe_gemm_fp4_layers(const MoeExpertTables& tb, const DeviceMlp* shared, c
 
 Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shared, const float* x, int64_t T,
                                 const int32_t* ids, const float* weights, int K, float* out, MoeScratch& s,
-                                cudaStream_t stream, LtGemm* lt, bool gemm_overlap) {
+                                cudaStream_t stream, LtGemm* lt, bool gemm_overlap, bool gemm_tall) {
   if (T == 0) return ok_status();
   if (!moe_gemm_supported(tb, shared, lt != nullptr))
     return invalid_argument("moe grouped GEMM: needs FP8 block or FP4 experts with D, I % 128 == 0 and a shared "
@@ -643,7 +643,9 @@ Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shar
   if (fp4 && shared && !slot)  // before the scratch below is reused: mlp_forward writes g, u and xs
     ML4_RETURN_IF_ERROR(mlp_forward(*lt, *shared, x, T, s.xs.as<float>(), s, stream).with_context("shared expert"));
   const int64_t rows = n + (slot ? T : 0);
-  const int64_t tiles = moe_gemm_max_tiles(rows, tb.E + (slot ? 1 : 0));
+  const bool tall = gemm_tall && !fp4;
+  const int tile_rows = tall ? kMoeGemmTallTileRows : kMoeGemmTileRows;
+  const int64_t tiles = moe_gemm_max_tiles(rows, tb.E + (slot ? 1 : 0), tile_rows);
   if (tiles > s.max_tiles)
     return internal_error("moe grouped GEMM: {} tiles, the scratch holds {} (reserved without grouped_gemm?)", tiles,
                           s.max_tiles);
@@ -660,6 +662,7 @@ Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shar
   pp.tiles = s.tiles.as<MoeTile>();
   pp.num_tiles = s.num_tiles.as<int32_t>();
   pp.max_tiles = s.max_tiles;
+  pp.tile_rows = tile_rows;
   pp.stream = stream;
   ML4_RETURN_IF_ERROR(moe_permute_gemm(pp));
   if (fp4) return moe_gemm_fp4_layers(tb, shared, x, T, weights, K, out, s, stream, tiles, slot);
@@ -683,7 +686,8 @@ Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shar
   g.num_tiles = s.num_tiles.as<int32_t>();
   g.max_tiles = tiles;
   g.stream = stream;
-  g.overlap = gemm_overlap;
+  g.overlap = gemm_overlap && !tall;
+  g.tall = tall;
   // Gate and up with silu: x's rows (quantized once per token) gathered through perm_token.
   ML4_RETURN_IF_ERROR(quant(x, T, D));
   gate_up_weights(g, tb);

@@ -155,10 +155,12 @@ Status moe_experts_forward_grouped(const MoeExpertTables& tb, const DeviceMlp* s
 // slot when it has the experts' format and shape, else (NVFP4 checkpoints keep it FP8) it
 // runs first through mlp_forward on `lt` (lt_available in moe_gemm_supported).
 bool moe_gemm_supported(const MoeExpertTables& tb, const DeviceMlp* shared, bool lt_available = false);
-// gemm_overlap: MoeGroupedGemmParams::overlap for the FP8 grouped GEMMs (same bits).
+// gemm_overlap / gemm_tall: MoeGroupedGemmParams::overlap / ::tall for the FP8 grouped GEMMs
+// (same bits; tall wins when both are asked for; FP4 experts take neither).
 Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shared, const float* x, int64_t T,
                                 const int32_t* ids, const float* weights, int K, float* out, MoeScratch& s,
-                                cudaStream_t stream, LtGemm* lt = nullptr, bool gemm_overlap = false);
+                                cudaStream_t stream, LtGemm* lt = nullptr, bool gemm_overlap = false,
+                                bool gemm_tall = false);
 
 // The earlier decode path (T <= 8), kept as the benchmark's baseline: one weight stream per
 // (token, expert) row (row-mode grouped_gemv), the shared expert through the GEMV.

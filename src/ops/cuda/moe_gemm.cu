@@ -213,6 +213,166 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const GemmArg
   }
 }
 
+// The tall variant (MoeGroupedGemmParams::tall): 128 A rows per CTA, warpgroup wg on rows
+// [64 wg, 64 wg + 64) against the whole 256-row B tile, as two m64n128 halves one after the
+// other (a half's partial sums promoted before the next half's MMAs: acc 128 + partial 64
+// registers a thread). Per 128-wide K block the CTA moves 16 KB of A and 32 KB of B for twice
+// the MMAs of the 64-row CTA (8 + 32 KB): half the L2 bytes per FLOP, for tiles that waste
+// more rows on experts with few (a tile holds one group's rows).
+constexpr int kTallRows = 128;
+constexpr int kTallAStage = kTallRows * 128, kTallStage = kTallAStage + kBStage;  // 48 KB
+constexpr int kTallStages = 4;
+static_assert(kTallRows == kMoeGemmTallTileRows, "moe_gemm.h names the tall tile");
+constexpr int kTallSmem = kTallStages * kTallStage + 1024;
+
+template <bool kGateUp>
+__global__ void __launch_bounds__(kThreads, 1) grouped_gemm_tall_kernel(const GemmArgs p) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
+  if (static_cast<int>(blockIdx.y) >= __ldg(p.num_tiles)) return;
+  const MoeTile t = p.tiles[blockIdx.y];
+  const int nrows = t.row1 - t.row0, K = p.K, N = p.N, KB = K / 128;
+  const int n0 = blockIdx.x * (kGateUp ? 128 : 256);
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t sbase = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
+  const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, wwarp = (tid >> 5) & 3;
+
+  // Loader: chunk c of A rows lr + 32 i (i < 4) and of B rows lr + 32 j (j < 8): B sub-block
+  // j / 2 (64 rows: gate_up, half (j / 4) of W1 (j / 2 even) or W3 (odd); else rows 32 j on).
+  const int lr = tid >> 3, c = tid & 7;
+  const uint32_t swz = static_cast<uint32_t>((c ^ (lr & 7)) << 4);
+  auto a_source = [&](int r) { return p.a_rows ? __ldg(p.a_rows + t.row0 + r) : t.row0 + r; };
+  const uint8_t* a_src[4];
+  unsigned a_ok = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int r = lr + 32 * i;
+    if (r < nrows) a_ok |= 1u << i;
+    a_src[i] = p.a + static_cast<int64_t>(r < nrows ? a_source(r) : 0) * K + c * 16;
+  }
+  auto b_row = [&](int j) { return kGateUp ? n0 + (j >> 2) * 64 + (j & 1) * 32 + lr : n0 + 32 * j + lr; };
+  const uint8_t* const w0 = static_cast<const uint8_t*>(p.w[t.group]);
+  const uint8_t* const w1 = kGateUp ? static_cast<const uint8_t*>(p.wu[t.group]) : w0;
+  unsigned b_ok = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+    if (b_row(j) < N) b_ok |= 1u << j;
+  auto load = [&](int stage, int kb) {
+    const uint32_t st = sbase + stage * kTallStage;
+    const int64_t koff = static_cast<int64_t>(kb) * 128 + c * 16;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) cp_async16(st + (lr + 32 * i) * 128 + swz, a_src[i] + kb * 128, (a_ok >> i) & 1u);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const bool ok = (b_ok >> j) & 1u;
+      const uint8_t* m = kGateUp && ((j >> 1) & 1) ? w1 : w0;
+      cp_async16(st + kTallAStage + (lr + 32 * j) * 128 + swz, m + static_cast<int64_t>(ok ? b_row(j) : 0) * K + koff,
+                 ok);
+    }
+  };
+
+  // Scales: this thread's accumulator rows (64 wg + lo, + 8) and, per half h, the two B
+  // sub-blocks' scale rows (gate_up: W1 and W3 at columns n0 + 64 h; else both 128-row
+  // blocks' one row, n0 + 128 h).
+  const int r_lo = wg * 64 + wwarp * 16 + (lane >> 2);
+  const float* as_ptr[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = r_lo + 8 * h;
+    as_ptr[h] = r < nrows ? p.a_scale + static_cast<int64_t>(a_source(r)) * KB : nullptr;
+  }
+  const float* const ws0 = p.ws[t.group];
+  const float* const ws1 = kGateUp ? p.wus[t.group] : ws0;
+  auto scales = [&](int kb, int h, float (&sc)[4]) {
+    const int base = kGateUp ? n0 + 64 * h : n0 + 128 * h;
+    sc[0] = as_ptr[0] ? __ldg(as_ptr[0] + kb) : 0.0f;
+    sc[1] = as_ptr[1] ? __ldg(as_ptr[1] + kb) : 0.0f;
+    const bool ok = base < N;
+    sc[2] = ok ? __ldg(ws0 + static_cast<int64_t>(base / 128) * KB + kb) : 0.0f;
+    sc[3] = ok ? __ldg(ws1 + static_cast<int64_t>(base / 128) * KB + kb) : 0.0f;
+  };
+
+  float acc[128], part[64];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 64; ++i) part[i] = 0.0f;
+  constexpr int kAhead = kTallStages - 1;
+#pragma unroll
+  for (int s = 0; s < kAhead; ++s) {
+    if (s < KB) load(s, s);
+    cp_commit();
+  }
+  for (int kb = 0; kb < KB; ++kb) {
+    cp_wait<kAhead - 1>();
+    wgmma::fence_proxy_async();  // cp.async wrote through the generic proxy; the tensor cores read next
+    __syncthreads();  // stage kb landed for every thread; the stage refilled below is no MMA's any more
+    {
+      const int j = kb + kAhead;
+      if (j < KB) load(j % kTallStages, j);
+      cp_commit();
+    }
+    const uint32_t a_st = sbase + (kb % kTallStages) * kTallStage;
+    const uint64_t da = wgmma::desc_k_major(a_st + wg * 64 * 128);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint64_t db = wgmma::desc_k_major(a_st + kTallAStage + h * 128 * 128);
+      wgmma::fence_operands(part);
+      wgmma::fence();
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) wgmma::m64n128k32_e4m3(part, da + 2 * ks, db + 2 * ks, ks);
+      wgmma::commit();
+      float sc[4];  // the scales load while the tensor cores run
+      scales(kb, h, sc);
+      wgmma::wait<0>();
+      wgmma::fence_operands(part);
+      // acc half h += partial * a_scale * w_scale (sub-block 2h in columns j < 8, 2h + 1 above)
+      const float s00 = sc[0] * sc[2], s01 = sc[0] * sc[3], s10 = sc[1] * sc[2], s11 = sc[1] * sc[3];
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const float lo = j < 8 ? s00 : s01, hi = j < 8 ? s10 : s11;
+        const int b = 64 * h + 4 * j;
+        acc[b + 0] = fmaf(part[4 * j + 0], lo, acc[b + 0]);
+        acc[b + 1] = fmaf(part[4 * j + 1], lo, acc[b + 1]);
+        acc[b + 2] = fmaf(part[4 * j + 2], hi, acc[b + 2]);
+        acc[b + 3] = fmaf(part[4 * j + 3], hi, acc[b + 3]);
+      }
+    }
+  }
+  cp_wait<0>();
+
+  const int q = lane & 3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int r = r_lo + 8 * e;
+      if (r >= nrows) continue;
+      float* yrow = p.y + static_cast<int64_t>(t.row0 + r) * N;
+      const int b = 64 * h;
+      if (kGateUp) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const int col = n0 + h * 64 + 8 * j + 2 * q;
+          if (col >= N) continue;  // N is even, so col < N covers col + 1
+          const float g0 = acc[b + 4 * j + 2 * e], g1 = acc[b + 4 * j + 2 * e + 1];
+          const float u0 = acc[b + 4 * (j + 8) + 2 * e], u1 = acc[b + 4 * (j + 8) + 2 * e + 1];
+          // cpu::silu_mul: v / (1 + exp(-v)) * u in f32.
+          *reinterpret_cast<float2*>(yrow + col) =
+              make_float2(g0 / (1.0f + expf(-g0)) * u0, g1 / (1.0f + expf(-g1)) * u1);
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          const int col = n0 + h * 128 + 8 * j + 2 * q;
+          if (col >= N) continue;
+          *reinterpret_cast<float2*>(yrow + col) = make_float2(acc[b + 4 * j + 2 * e], acc[b + 4 * j + 2 * e + 1]);
+        }
+      }
+    }
+  }
+}
+
 // Per-group row counts (cursor zeroed before): a block's ids counted in shared memory first.
 __global__ void count_kernel(const int32_t* __restrict__ ids, int64_t n, int E, int32_t* __restrict__ cursor) {
   pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
@@ -232,7 +392,8 @@ __global__ void count_kernel(const int32_t* __restrict__ ids, int64_t n, int E, 
 // One block: offsets from the counts (the shared group last, T rows), cursors reset to the
 // offsets, and the tile list.
 __global__ void plan_kernel(int32_t* __restrict__ cursor, int E, int G, int64_t T, int32_t* __restrict__ offsets,
-                            MoeTile* __restrict__ tiles, int32_t* __restrict__ num_tiles, int64_t max_tiles) {
+                            MoeTile* __restrict__ tiles, int32_t* __restrict__ num_tiles, int64_t max_tiles,
+                            int tile_rows) {
   pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
   pdl_launch_dependents();
   extern __shared__ int32_t first_tile[];  // [G + 1]
@@ -243,7 +404,7 @@ __global__ void plan_kernel(int32_t* __restrict__ cursor, int E, int G, int64_t 
       offsets[g] = off;
       first_tile[g] = nt;
       off += cnt;
-      nt += (cnt + kTileRows - 1) / kTileRows;
+      nt += (cnt + tile_rows - 1) / tile_rows;
     }
     offsets[G] = off;
     first_tile[G] = nt;
@@ -253,8 +414,8 @@ __global__ void plan_kernel(int32_t* __restrict__ cursor, int E, int G, int64_t 
   for (int g = threadIdx.x; g < G; g += blockDim.x) {
     const int32_t r0 = offsets[g], r1 = offsets[g + 1];
     for (int32_t i = first_tile[g]; i < first_tile[g + 1] && i < max_tiles; ++i) {
-      const int32_t a = r0 + (i - first_tile[g]) * kTileRows;
-      tiles[i] = MoeTile{g, a, min(a + kTileRows, r1), 0};
+      const int32_t a = r0 + (i - first_tile[g]) * tile_rows;
+      tiles[i] = MoeTile{g, a, min(a + tile_rows, r1), 0};
     }
     if (g < E) cursor[g] = r0;
   }
@@ -287,9 +448,12 @@ Status moe_permute_gemm(const MoePermuteGemmParams& p) {
     return invalid_argument("moe_permute_gemm: null pointer");
   const int64_t n = p.T * p.K;
   const int G = p.E + (p.shared_slot ? 1 : 0);
-  if (p.max_tiles < moe_gemm_max_tiles(n + (p.shared_slot ? p.T : 0), G))
+  if (p.tile_rows != kMoeGemmTileRows && p.tile_rows != kMoeGemmTallTileRows)
+    return invalid_argument("moe_permute_gemm: tiles of {} rows ({} or {})", p.tile_rows, kMoeGemmTileRows,
+                            kMoeGemmTallTileRows);
+  if (p.max_tiles < moe_gemm_max_tiles(n + (p.shared_slot ? p.T : 0), G, p.tile_rows))
     return invalid_argument("moe_permute_gemm: {} tiles of room, {} needed at most", p.max_tiles,
-                            moe_gemm_max_tiles(n + (p.shared_slot ? p.T : 0), G));
+                            moe_gemm_max_tiles(n + (p.shared_slot ? p.T : 0), G, p.tile_rows));
   if (n + p.T >= (int64_t{1} << 31)) return invalid_argument("moe_permute_gemm: {} rows", n + p.T);
   ML4_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.cursor, 0, (p.E + 1) * sizeof(int32_t), p.stream));
   if (n > 0) {
@@ -297,7 +461,7 @@ Status moe_permute_gemm(const MoePermuteGemmParams& p) {
     ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "count_kernel"));
   }
   launch_kernel(plan_kernel, 1, 256, (G + 1) * sizeof(int32_t), p.stream, p.cursor, p.E, G, p.T, p.offsets, p.tiles,
-                p.num_tiles, p.max_tiles);
+                p.num_tiles, p.max_tiles, p.tile_rows);
   ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "plan_kernel"));
   if (n == 0) return ok_status();
   launch_kernel(scatter_kernel, blocks_for(n), 256, 0, p.stream, p.ids, n, p.K, p.E, p.T, p.shared_slot, p.cursor,
@@ -318,6 +482,16 @@ Status moe_grouped_gemm(const MoeGroupedGemmParams& p) {
                    p.tiles, p.num_tiles, p.y, static_cast<int>(p.N), static_cast<int>(p.K)};
   const int cols = p.gate_up ? 128 : 256;
   const dim3 grid(static_cast<unsigned>((p.N + cols - 1) / cols), static_cast<unsigned>(p.max_tiles));
+  if (p.tall) {
+    if (p.overlap) return invalid_argument("moe_grouped_gemm: tall tiles have no overlap variant");
+    auto kernel = p.gate_up ? grouped_gemm_tall_kernel<true> : grouped_gemm_tall_kernel<false>;
+    static const cudaError_t tall_attr[2] = {
+        cudaFuncSetAttribute(grouped_gemm_tall_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kTallSmem),
+        cudaFuncSetAttribute(grouped_gemm_tall_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kTallSmem)};
+    ML4_RETURN_IF_ERROR(cuda_status(tall_attr[p.gate_up], "cudaFuncSetAttribute(grouped_gemm_tall_kernel)"));
+    launch_kernel(kernel, grid, kThreads, kTallSmem, p.stream, a);
+    return cuda_status(cudaGetLastError(), "grouped_gemm_tall_kernel");
+  }
   auto kernel = p.gate_up ? (p.overlap ? grouped_gemm_kernel<true, true> : grouped_gemm_kernel<true, false>)
                           : (p.overlap ? grouped_gemm_kernel<false, true> : grouped_gemm_kernel<false, false>);
   static const cudaError_t attr[4] = {

@@ -38,14 +38,15 @@
 namespace ml4::cuda {
 
 constexpr int kMoeGemmTileRows = 64;
+constexpr int kMoeGemmTallTileRows = 128;  // MoeGroupedGemmParams::tall
 
 struct MoeTile {
   int32_t group = 0, row0 = 0, row1 = 0, pad = 0;  // rows [row0, row1) of the permuted space
 };
 
 // Upper bound of the tile count for `rows` permuted rows over `groups` groups.
-inline int64_t moe_gemm_max_tiles(int64_t rows, int64_t groups) {
-  return (rows + kMoeGemmTileRows - 1) / kMoeGemmTileRows + groups;
+inline int64_t moe_gemm_max_tiles(int64_t rows, int64_t groups, int tile_rows = kMoeGemmTileRows) {
+  return (rows + tile_rows - 1) / tile_rows + groups;
 }
 
 struct MoePermuteGemmParams {
@@ -60,7 +61,8 @@ struct MoePermuteGemmParams {
   int32_t* inv = nullptr;         // [T*K]: permuted row of (t, k), at t*K + k
   MoeTile* tiles = nullptr;       // [max_tiles]
   int32_t* num_tiles = nullptr;   // [1]
-  int64_t max_tiles = 0;          // >= moe_gemm_max_tiles(T*K (+ T), E (+ 1))
+  int64_t max_tiles = 0;          // >= moe_gemm_max_tiles(T*K (+ T), E (+ 1), tile_rows)
+  int tile_rows = kMoeGemmTileRows;  // or kMoeGemmTallTileRows (for MoeGroupedGemmParams::tall)
   cudaStream_t stream = nullptr;
 };
 Status moe_permute_gemm(const MoePermuteGemmParams& p);
@@ -82,9 +84,17 @@ struct MoeGroupedGemmParams {
   cudaStream_t stream = nullptr;
   // Block kb + 1's MMAs issued before block kb's partial sums are promoted (two partial
   // accumulators, the ring 2 blocks ahead instead of 3): the same sums in the same order, so
-  // the same bits; whether it is faster is gpu_moe_bench's question (written 2026-12-05 ninth
-  // session without a device: off until CudaMoe.GroupedGemmOverlapIsBitIdentical has passed).
+  // the same bits (CudaMoe.GroupedGemmVariantsAreBitIdentical); on by default in the runner
+  // (CudaRunnerOptions::moe_gemm_overlap) since the ninth session.
   bool overlap = false;
+  // Tiles of kMoeGemmTallTileRows rows (moe_permute_gemm with that tile_rows): a CTA of 128 A
+  // rows, each warpgroup 64 of them against the whole B tile in two m64n128 halves, so each
+  // 128-wide K block moves 48 KB for the MMAs the 64-row CTA does with 80 KB (twice 8 + 32):
+  // half the L2 traffic per FLOP (the 64-row kernel's suspected bound), more rows wasted on
+  // experts with few. The same sums in the same order: the same bits. No overlap variant
+  // (its second partial accumulator would need 256 registers a thread). Tenth session, written
+  // without a device.
+  bool tall = false;
 };
 Status moe_grouped_gemm(const MoeGroupedGemmParams& p);
 

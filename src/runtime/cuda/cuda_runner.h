@@ -56,10 +56,16 @@ struct CudaRunnerOptions {
   bool grouped_moe_gemm = true;
   // The FP8 grouped GEMMs issue two K blocks' MMAs before the first one's promotion
   // (moe_gemm.h MoeGroupedGemmParams::overlap; the same bits). On since
-  // CudaMoe.GroupedGemmOverlapIsBitIdentical passed on an H100 (2026-12-05, ninth session):
+  // CudaMoe.GroupedGemmOverlapIsBitIdentical (now GroupedGemmVariantsAreBitIdentical) passed on
+  // an H100 (2026-12-05, ninth session):
   // gate+up at T = 4096 7.55 -> 6.60 ms, down unchanged, ml4-slice-4 prefill of 4096 tokens
   // 60.6 -> 59.9 ms.
   bool moe_gemm_overlap = true;
+  // The FP8 grouped GEMMs on 128-row tiles (moe_gemm.h MoeGroupedGemmParams::tall; the same
+  // bits; takes the place of moe_gemm_overlap): half the L2 bytes per FLOP. Written in the
+  // tenth session without a device: off until CudaMoe.GroupedGemmVariantsAreBitIdentical has passed
+  // and the PREFILL lines show it faster.
+  bool moe_gemm_tall = false;
   // The MLA absorption (W_UK, W_UV) of steps of at least absorb_gemm_min_tokens tokens as
   // strided-batched TF32 GEMMs on the tensor cores (elementwise.h mla_absorb_q_gemm) instead
   // of the f32 CUDA-core kernels, outside exact mode (issue 18). Smaller steps keep the
@@ -183,6 +189,11 @@ class CudaRunner : public ModelRunner {
   void set_moe_gemm_overlap(bool on) {
     opts_.moe_gemm_overlap = on;
     backend_->set_moe_gemm_overlap(on);
+    graphs_.clear();
+  }
+  void set_moe_gemm_tall(bool on) {
+    opts_.moe_gemm_tall = on;
+    backend_->set_moe_gemm_tall(on);
     graphs_.clear();
   }
   void set_grouped_moe_gemm(bool on) {
