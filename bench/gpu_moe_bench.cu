@@ -13,8 +13,10 @@
 //
 // Bytes counted: the weights of the distinct active experts + the shared expert (each
 // 3 x 5632 x 6144 e4m3 + scales = 104 MB), activations negligible. The bound is that
-// over the measured copy bandwidth (argv[1], GB/s). argv[2] = fp4: only fp4_prefill() below.
+// over the measured copy bandwidth (argv[1], GB/s). argv[2] = fp4: only fp4_prefill() below;
+// argv[2] = prefill [T]: only prefill() (at one of its T), e.g. for a profiler.
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 #include <set>
 #include <string>
@@ -105,9 +107,10 @@ void down_launch(MoeGroupedGemmParams& gp, const MoeExpertTables& tb, MoeScratch
 }
 
 void prefill(LtGemm& lt, const std::vector<DeviceMlp>& experts, const DeviceMlp& shared, const MoeExpertTables& tb,
-             int E, int K, int64_t D, int64_t I, cudaStream_t s) {
+             int E, int K, int64_t D, int64_t I, cudaStream_t s, int64_t only_T = 0) {
   std::mt19937 g(11);
   for (int64_t T : {512, 1024, 4096, 8192}) {
+    if (only_T > 0 && T != only_T) continue;
     MoeInputs in = moe_inputs(T, E, K, D, I, g, nullptr, s);
     DeviceBuffer &dids = in.ids, &dw = in.w, &x = in.x, &out = in.out;
     MoeScratch& sc = in.sc;
@@ -351,6 +354,10 @@ int main(int argc, char** argv) {
   std::printf("moe E=%d K=%d D=%ld I=%ld fp8 block; %.1f MB per expert\n", E, K, D, I, expert_bytes / 1e6);
   if (argc > 2 && std::string(argv[2]) == "fp4") {  // only the FP4 prefill comparison
     fp4_prefill(**lt, experts, shared, *tables, E, K, D, I, s);
+    return 0;
+  }
+  if (argc > 2 && std::string(argv[2]) == "prefill") {  // only the FP8 prefill (argv[3]: one T), e.g. under ncu
+    prefill(**lt, experts, shared, *tables, E, K, D, I, s, argc > 3 ? std::atol(argv[3]) : 0);
     return 0;
   }
   std::mt19937 g(7);

@@ -18,7 +18,8 @@
 # ML4_SPEC_DATASET: a bench serve JSONL of text prompts instead of random tokens (e.g.
 # bench/data/ml4-small-val-prompts.jsonl: held-out corpus text, bench/make_text_prompts.py);
 # ML4_SPEC_CONCURRENCY (default "1 8 32") and ML4_SPEC_TEMPS (default "0 1") narrow the grid;
-# ML4_SPEC_BENCH_ARGS adds bench serve flags to every run (e.g. "--top-p 0.9").
+# ML4_SPEC_BENCH_ARGS adds bench serve flags to every run (e.g. "--top-p 0.9"); ML4_SPEC_MODEL
+# serves another model folder (e.g. ml4-small with a retrained drafter).
 set -euo pipefail
 build=$(cd "${1:?usage: spec_decode_cpu.sh BUILD_DIR OUT_DIR [NUM_SPEC ...]}" && pwd)
 out=${2:?usage: spec_decode_cpu.sh BUILD_DIR OUT_DIR [NUM_SPEC ...]}
@@ -27,7 +28,7 @@ specs=("${@:-7}")
 root=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 ml4="$build/ml4"
-model="$root/assets/ml4-small"
+model=${ML4_SPEC_MODEL:-$root/assets/ml4-small}
 rounds=${ML4_SPEC_ROUNDS:-2}
 
 configs=("plain|")
