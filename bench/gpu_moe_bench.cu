@@ -86,23 +86,13 @@ MoeInputs moe_inputs(int64_t T, int E, int K, int64_t D, int64_t I, std::mt19937
 // The grouped GEMM launches of moe_experts_forward_gemm, alone: gate + up (x gathered by
 // perm_token, silu into g), and down (the permuted hidden rows into y).
 void gate_up_launch(MoeGroupedGemmParams& gp, const MoeExpertTables& tb, MoeScratch& sc) {
-  gp.gate_up = true;
+  gate_up_weights(gp, tb);
   gp.a_rows = sc.perm_token.as<int32_t>();
-  gp.w = static_cast<const void* const*>(tb.w1.data());
-  gp.w_scale = static_cast<const float* const*>(tb.s1.data());
-  gp.w_up = static_cast<const void* const*>(tb.w3.data());
-  gp.w_up_scale = static_cast<const float* const*>(tb.s3.data());
-  gp.N = tb.I;
-  gp.K = tb.D;
   gp.y = sc.g.as<float>();
 }
 void down_launch(MoeGroupedGemmParams& gp, const MoeExpertTables& tb, MoeScratch& sc) {
-  gp.gate_up = false;
+  down_weights(gp, tb);
   gp.a_rows = nullptr;
-  gp.w = static_cast<const void* const*>(tb.w2.data());
-  gp.w_scale = static_cast<const float* const*>(tb.s2.data());
-  gp.N = tb.D;
-  gp.K = tb.I;
   gp.y = sc.y.as<float>();
 }
 

@@ -569,28 +569,6 @@ bool moe_gemm_supported(const MoeExpertTables& tb, const DeviceMlp* shared, bool
 
 namespace {
 
-// The two grouped GEMMs' weights and shapes (gate + up with silu: [I, D]; down: [D, I]), for
-// either kernel's parameters (MoeGroupedGemmParams, MoeGroupedGemmFp4Params).
-template <typename P>
-void gate_up_weights(P& g, const MoeExpertTables& tb) {
-  g.gate_up = true;
-  g.w = static_cast<const void* const*>(tb.w1.data());
-  g.w_scale = static_cast<const float* const*>(tb.s1.data());
-  g.w_up = static_cast<const void* const*>(tb.w3.data());
-  g.w_up_scale = static_cast<const float* const*>(tb.s3.data());
-  g.N = tb.I;
-  g.K = tb.D;
-}
-template <typename P>
-void down_weights(P& g, const MoeExpertTables& tb) {
-  g.gate_up = false;
-  g.w = static_cast<const void* const*>(tb.w2.data());
-  g.w_scale = static_cast<const float* const*>(tb.s2.data());
-  g.w_up = nullptr;
-  g.w_up_scale = nullptr;
-  g.N = tb.D;
-  g.K = tb.I;
-}
 
 // moe_experts_forward_gemm for NVFP4 / MXFP4 experts (moe_grouped_gemm_fp4): x cast to bf16
 // once per token (into u, unused on this path), gate and up with silu into bf16 hidden rows

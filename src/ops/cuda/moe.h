@@ -155,6 +155,29 @@ Status moe_experts_forward_grouped(const MoeExpertTables& tb, const DeviceMlp* s
 // slot when it has the experts' format and shape, else (NVFP4 checkpoints keep it FP8) it
 // runs first through mlp_forward on `lt` (lt_available in moe_gemm_supported).
 bool moe_gemm_supported(const MoeExpertTables& tb, const DeviceMlp* shared, bool lt_available = false);
+// The two grouped GEMMs' weights and shapes (gate + up with silu: [I, D]; down: [D, I]), for
+// either kernel's parameters (MoeGroupedGemmParams, MoeGroupedGemmFp4Params).
+template <typename P>
+void gate_up_weights(P& g, const MoeExpertTables& tb) {
+  g.gate_up = true;
+  g.w = static_cast<const void* const*>(tb.w1.data());
+  g.w_scale = static_cast<const float* const*>(tb.s1.data());
+  g.w_up = static_cast<const void* const*>(tb.w3.data());
+  g.w_up_scale = static_cast<const float* const*>(tb.s3.data());
+  g.N = tb.I;
+  g.K = tb.D;
+}
+template <typename P>
+void down_weights(P& g, const MoeExpertTables& tb) {
+  g.gate_up = false;
+  g.w = static_cast<const void* const*>(tb.w2.data());
+  g.w_scale = static_cast<const float* const*>(tb.s2.data());
+  g.w_up = nullptr;
+  g.w_up_scale = nullptr;
+  g.N = tb.D;
+  g.K = tb.I;
+}
+
 // gemm_overlap / gemm_tall: MoeGroupedGemmParams::overlap / ::tall for the FP8 grouped GEMMs
 // (same bits; tall wins when both are asked for; FP4 experts take neither).
 Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shared, const float* x, int64_t T,

@@ -33,6 +33,82 @@ struct GemmArgs {
   int N, K;
 };
 
+// What both kernels' CTAs start from: tile blockIdx.y of the list, output columns from n0
+// (cols a CTA), the 1024-aligned shared base, thread ids, and the loader's coordinates: this
+// thread moves 16-byte chunk c of rows lr + 32 i of each operand, all of them sharing row % 8,
+// so one swizzle.
+struct CtaTile {
+  MoeTile t;
+  int nrows, K, N, KB, n0, tid, wg, lane, wwarp, lr, c;
+  uint32_t sbase, swz;
+  __device__ CtaTile(const GemmArgs& p, int cols, const uint8_t* smem)
+      : t(p.tiles[blockIdx.y]),
+        nrows(t.row1 - t.row0),
+        K(p.K),
+        N(p.N),
+        KB(p.K / 128),
+        n0(static_cast<int>(blockIdx.x) * cols),
+        tid(threadIdx.x),
+        wg(tid >> 7),
+        lane(tid & 31),
+        wwarp((tid >> 5) & 3),
+        lr(tid >> 3),
+        c(tid & 7),
+        sbase((static_cast<uint32_t>(__cvta_generic_to_shared(smem)) + 1023u) & ~1023u),
+        swz(static_cast<uint32_t>(((tid & 7) ^ ((tid >> 3) & 7)) << 4)) {}
+  // The A row permuted row r of the tile reads.
+  __device__ int a_source(const GemmArgs& p, int r) const { return p.a_rows ? __ldg(p.a_rows + t.row0 + r) : t.row0 + r; }
+};
+
+// Promotion of one m64n128 partial into acc[kOff ..]: acc += d * a_scale * w_scale (columns
+// j < 8 are B sub-block 0's); sc: the block's scales {a lo, a hi, w sub-block 0, w sub-block 1}.
+template <int kOff, int kAcc>
+__device__ __forceinline__ void promote_into(float (&acc)[kAcc], const float (&d)[64], const float (&sc)[4]) {
+  const float s00 = sc[0] * sc[2], s01 = sc[0] * sc[3], s10 = sc[1] * sc[2], s11 = sc[1] * sc[3];
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    const float lo = j < 8 ? s00 : s01, hi = j < 8 ? s10 : s11;
+    acc[kOff + 4 * j + 0] = fmaf(d[4 * j + 0], lo, acc[kOff + 4 * j + 0]);
+    acc[kOff + 4 * j + 1] = fmaf(d[4 * j + 1], lo, acc[kOff + 4 * j + 1]);
+    acc[kOff + 4 * j + 2] = fmaf(d[4 * j + 2], hi, acc[kOff + 4 * j + 2]);
+    acc[kOff + 4 * j + 3] = fmaf(d[4 * j + 3], hi, acc[kOff + 4 * j + 3]);
+  }
+}
+
+// Stores one m64n128 accumulator block acc[kOff ..] (this thread's rows r_lo and r_lo + 8 of
+// the tile) at output columns col0 ..: gate_up writes silu(gate) * up (gate in columns j < 8,
+// up above: 64 output columns), else the 128 columns as they are.
+// y: the tile's first output row; scalars rather than CtaTile, which would then live in memory.
+template <bool kGateUp, int kOff, int kAcc>
+__device__ __forceinline__ void store_block(float* y, int nrows, int N, const float (&acc)[kAcc], int r_lo, int col0) {
+  const int q = threadIdx.x & 3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = r_lo + 8 * h;
+    if (r >= nrows) continue;
+    float* yrow = y + static_cast<int64_t>(r) * N;
+    if (kGateUp) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int col = col0 + 8 * j + 2 * q;
+        if (col >= N) continue;  // N is even, so col < N covers col + 1
+        const float g0 = acc[kOff + 4 * j + 2 * h], g1 = acc[kOff + 4 * j + 2 * h + 1];
+        const float u0 = acc[kOff + 4 * (j + 8) + 2 * h], u1 = acc[kOff + 4 * (j + 8) + 2 * h + 1];
+        // cpu::silu_mul: v / (1 + exp(-v)) * u in f32.
+        *reinterpret_cast<float2*>(yrow + col) =
+            make_float2(g0 / (1.0f + expf(-g0)) * u0, g1 / (1.0f + expf(-g1)) * u1);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const int col = col0 + 8 * j + 2 * q;
+        if (col >= N) continue;
+        *reinterpret_cast<float2*>(yrow + col) = make_float2(acc[kOff + 4 * j + 2 * h], acc[kOff + 4 * j + 2 * h + 1]);
+      }
+    }
+  }
+}
+
 // One CTA: tile blockIdx.y of the list, output columns [n0, n0 + 128) (gate_up: 64 per
 // warpgroup, gate and up of each) or [n0, n0 + 256) (128 per warpgroup).
 //
@@ -45,18 +121,14 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const GemmArg
   pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
   pdl_launch_dependents();
   if (static_cast<int>(blockIdx.y) >= __ldg(p.num_tiles)) return;
-  const MoeTile t = p.tiles[blockIdx.y];
-  const int nrows = t.row1 - t.row0, K = p.K, N = p.N, KB = K / 128;
-  const int n0 = blockIdx.x * (kGateUp ? 128 : 256);
   extern __shared__ uint8_t smem_raw[];
-  const uint32_t sbase = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
-  const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, wwarp = (tid >> 5) & 3;
+  const CtaTile ct(p, kGateUp ? 128 : 256, smem_raw);
+  const MoeTile& t = ct.t;
+  const int nrows = ct.nrows, K = ct.K, N = ct.N, KB = ct.KB, n0 = ct.n0, wg = ct.wg, lr = ct.lr, c = ct.c;
+  const uint32_t sbase = ct.sbase, swz = ct.swz;
+  auto a_source = [&](int r) { return ct.a_source(p, r); };
 
-  // Loader: this thread moves 16-byte chunk c of A rows lr and lr + 32 and of B rows
-  // lr + 32 j (j < 8; B sub-block j / 2). All of them share row % 8, so one swizzle.
-  const int lr = tid >> 3, c = tid & 7;
-  const uint32_t swz = static_cast<uint32_t>((c ^ (lr & 7)) << 4);
-  auto a_source = [&](int r) { return p.a_rows ? __ldg(p.a_rows + t.row0 + r) : t.row0 + r; };
+  // Loader: A rows lr and lr + 32, B rows lr + 32 j (j < 8; B sub-block j / 2).
   const uint8_t* a_src[2];
   bool a_ok[2];
 #pragma unroll
@@ -88,7 +160,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const GemmArg
   };
 
   // Scales: this thread's accumulator rows (lo, lo + 8) and its warpgroup's two sub-blocks.
-  const int r_lo = wwarp * 16 + (lane >> 2);
+  const int r_lo = ct.wwarp * 16 + (ct.lane >> 2);
   const float* as_ptr[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -106,19 +178,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const GemmArg
   float acc[64], part[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = part[i] = 0.0f;  // part: the first MMA of a block ignores it (scale-d 0)
-  // Promotion: acc += partial * a_scale * w_scale (columns j < 8 are sub-block 0's); sc: the
-  // block's scales {a lo, a hi, w sub-block 0, w sub-block 1}.
-  auto promote = [&](float (&d)[64], const float (&sc)[4]) {
-    const float s00 = sc[0] * sc[2], s01 = sc[0] * sc[3], s10 = sc[1] * sc[2], s11 = sc[1] * sc[3];
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const float lo = j < 8 ? s00 : s01, hi = j < 8 ? s10 : s11;
-      acc[4 * j + 0] = fmaf(d[4 * j + 0], lo, acc[4 * j + 0]);
-      acc[4 * j + 1] = fmaf(d[4 * j + 1], lo, acc[4 * j + 1]);
-      acc[4 * j + 2] = fmaf(d[4 * j + 2], hi, acc[4 * j + 2]);
-      acc[4 * j + 3] = fmaf(d[4 * j + 3], hi, acc[4 * j + 3]);
-    }
-  };
+  auto promote = [&](const float (&d)[64], const float (&sc)[4]) { promote_into<0>(acc, d, sc); };
   auto scales = [&](int kb, float (&sc)[4]) {
     sc[0] = as_ptr[0] ? __ldg(as_ptr[0] + kb) : 0.0f;
     sc[1] = as_ptr[1] ? __ldg(as_ptr[1] + kb) : 0.0f;
@@ -184,33 +244,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const GemmArg
     }
   }
   cp_wait<0>();
-
-  const int q = lane & 3;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = r_lo + 8 * h;
-    if (r >= nrows) continue;
-    float* yrow = p.y + static_cast<int64_t>(t.row0 + r) * N;
-    if (kGateUp) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int col = n0 + wg * 64 + 8 * j + 2 * q;
-        if (col >= N) continue;  // N is even, so col < N covers col + 1
-        const float g0 = acc[4 * j + 2 * h], g1 = acc[4 * j + 2 * h + 1];
-        const float u0 = acc[4 * (j + 8) + 2 * h], u1 = acc[4 * (j + 8) + 2 * h + 1];
-        // cpu::silu_mul: v / (1 + exp(-v)) * u in f32.
-        *reinterpret_cast<float2*>(yrow + col) =
-            make_float2(g0 / (1.0f + expf(-g0)) * u0, g1 / (1.0f + expf(-g1)) * u1);
-      }
-    } else {
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const int col = n0 + wg * 128 + 8 * j + 2 * q;
-        if (col >= N) continue;
-        *reinterpret_cast<float2*>(yrow + col) = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-      }
-    }
-  }
+  store_block<kGateUp, 0>(p.y + static_cast<int64_t>(t.row0) * N, nrows, N, acc, r_lo, n0 + wg * (kGateUp ? 64 : 128));
 }
 
 // The tall variant (MoeGroupedGemmParams::tall): 128 A rows per CTA, warpgroup wg on rows
@@ -230,18 +264,15 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_tall_kernel(const Ge
   pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
   pdl_launch_dependents();
   if (static_cast<int>(blockIdx.y) >= __ldg(p.num_tiles)) return;
-  const MoeTile t = p.tiles[blockIdx.y];
-  const int nrows = t.row1 - t.row0, K = p.K, N = p.N, KB = K / 128;
-  const int n0 = blockIdx.x * (kGateUp ? 128 : 256);
   extern __shared__ uint8_t smem_raw[];
-  const uint32_t sbase = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023u) & ~1023u;
-  const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, wwarp = (tid >> 5) & 3;
+  const CtaTile ct(p, kGateUp ? 128 : 256, smem_raw);
+  const MoeTile& t = ct.t;
+  const int nrows = ct.nrows, K = ct.K, N = ct.N, KB = ct.KB, n0 = ct.n0, wg = ct.wg, lr = ct.lr, c = ct.c;
+  const uint32_t sbase = ct.sbase, swz = ct.swz;
+  auto a_source = [&](int r) { return ct.a_source(p, r); };
 
-  // Loader: chunk c of A rows lr + 32 i (i < 4) and of B rows lr + 32 j (j < 8): B sub-block
-  // j / 2 (64 rows: gate_up, half (j / 4) of W1 (j / 2 even) or W3 (odd); else rows 32 j on).
-  const int lr = tid >> 3, c = tid & 7;
-  const uint32_t swz = static_cast<uint32_t>((c ^ (lr & 7)) << 4);
-  auto a_source = [&](int r) { return p.a_rows ? __ldg(p.a_rows + t.row0 + r) : t.row0 + r; };
+  // Loader: A rows lr + 32 i (i < 4), B rows lr + 32 j (j < 8): B sub-block j / 2 (64 rows:
+  // gate_up, half (j / 4) of W1 (j / 2 even) or W3 (odd); else rows 32 j on).
   const uint8_t* a_src[4];
   unsigned a_ok = 0;
 #pragma unroll
@@ -274,7 +305,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_tall_kernel(const Ge
   // Scales: this thread's accumulator rows (64 wg + lo, + 8) and, per half h, the two B
   // sub-blocks' scale rows (gate_up: W1 and W3 at columns n0 + 64 h; else both 128-row
   // blocks' one row, n0 + 128 h).
-  const int r_lo = wg * 64 + wwarp * 16 + (lane >> 2);
+  const int r_lo = wg * 64 + ct.wwarp * 16 + (ct.lane >> 2);
   const float* as_ptr[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -289,7 +320,10 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_tall_kernel(const Ge
     sc[1] = as_ptr[1] ? __ldg(as_ptr[1] + kb) : 0.0f;
     const bool ok = base < N;
     sc[2] = ok ? __ldg(ws0 + static_cast<int64_t>(base / 128) * KB + kb) : 0.0f;
-    sc[3] = ok ? __ldg(ws1 + static_cast<int64_t>(base / 128) * KB + kb) : 0.0f;
+    if (kGateUp)
+      sc[3] = ok ? __ldg(ws1 + static_cast<int64_t>(base / 128) * KB + kb) : 0.0f;
+    else
+      sc[3] = sc[2];  // both 64-row sub-blocks of a half in one 128-row scale block
   };
 
   float acc[128], part[64];
@@ -326,51 +360,16 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_tall_kernel(const Ge
       scales(kb, h, sc);
       wgmma::wait<0>();
       wgmma::fence_operands(part);
-      // acc half h += partial * a_scale * w_scale (sub-block 2h in columns j < 8, 2h + 1 above)
-      const float s00 = sc[0] * sc[2], s01 = sc[0] * sc[3], s10 = sc[1] * sc[2], s11 = sc[1] * sc[3];
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const float lo = j < 8 ? s00 : s01, hi = j < 8 ? s10 : s11;
-        const int b = 64 * h + 4 * j;
-        acc[b + 0] = fmaf(part[4 * j + 0], lo, acc[b + 0]);
-        acc[b + 1] = fmaf(part[4 * j + 1], lo, acc[b + 1]);
-        acc[b + 2] = fmaf(part[4 * j + 2], hi, acc[b + 2]);
-        acc[b + 3] = fmaf(part[4 * j + 3], hi, acc[b + 3]);
-      }
+      if (h == 0)  // acc half h (sub-block 2h in columns j < 8, 2h + 1 above)
+        promote_into<0>(acc, part, sc);
+      else
+        promote_into<64>(acc, part, sc);
     }
   }
   cp_wait<0>();
-
-  const int q = lane & 3;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int r = r_lo + 8 * e;
-      if (r >= nrows) continue;
-      float* yrow = p.y + static_cast<int64_t>(t.row0 + r) * N;
-      const int b = 64 * h;
-      if (kGateUp) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const int col = n0 + h * 64 + 8 * j + 2 * q;
-          if (col >= N) continue;  // N is even, so col < N covers col + 1
-          const float g0 = acc[b + 4 * j + 2 * e], g1 = acc[b + 4 * j + 2 * e + 1];
-          const float u0 = acc[b + 4 * (j + 8) + 2 * e], u1 = acc[b + 4 * (j + 8) + 2 * e + 1];
-          // cpu::silu_mul: v / (1 + exp(-v)) * u in f32.
-          *reinterpret_cast<float2*>(yrow + col) =
-              make_float2(g0 / (1.0f + expf(-g0)) * u0, g1 / (1.0f + expf(-g1)) * u1);
-        }
-      } else {
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-          const int col = n0 + h * 128 + 8 * j + 2 * q;
-          if (col >= N) continue;
-          *reinterpret_cast<float2*>(yrow + col) = make_float2(acc[b + 4 * j + 2 * e], acc[b + 4 * j + 2 * e + 1]);
-        }
-      }
-    }
-  }
+  float* const y = p.y + static_cast<int64_t>(t.row0) * N;
+  store_block<kGateUp, 0>(y, nrows, N, acc, r_lo, n0);
+  store_block<kGateUp, 64>(y, nrows, N, acc, r_lo, n0 + (kGateUp ? 64 : 128));
 }
 
 // Per-group row counts (cursor zeroed before): a block's ids counted in shared memory first.
