@@ -534,7 +534,8 @@ TEST(CudaMoe, GroupedGemmPrefillVsCpu) {
 // So does MoeGroupedGemmParams::tall (128-row tiles, each warpgroup 64 rows against both
 // halves of the B tile): expert 0 takes every token (skew_routing), so T = 300 gives it three
 // tall tiles, the last partial, and T = 5 tiles of one or two rows; D = 640 leaves the down
-// projection's last CTA with an empty second half (the three kernels against each other).
+// projection's last CTA with an empty second half. And MoeGemmOptions::group_major (the CTAs
+// in group-major order, MoeGroupedGemmParams::tile_first) with each: the same bits.
 TEST(CudaMoe, GroupedGemmVariantsAreBitIdentical) {
   ML4_REQUIRE_GPU();
   const int E = 16, K = 4;
@@ -549,10 +550,12 @@ TEST(CudaMoe, GroupedGemmVariantsAreBitIdentical) {
     auto dids = to_device(c.ids);
     auto dw = to_device(c.w);
     std::vector<std::vector<float>> runs;
-    for (auto [overlap, tall] : {std::pair{false, false}, {true, false}, {false, true}}) {
+    const MoeGemmOptions variants[] = {{false, false, false}, {true, false, false}, {false, true, false},
+                                       {false, false, true},  {true, false, true},  {false, true, true}};
+    for (const MoeGemmOptions& o : variants) {
       auto out = poisoned<float>(T * D);
       ML4_ASSERT_OK(moe_experts_forward_gemm(*tables, &c.shared, dxb.as<float>(), T, dids.as<int32_t>(), dw.as<float>(),
-                                             K, out.as<float>(), s, nullptr, nullptr, overlap, tall));
+                                             K, out.as<float>(), s, nullptr, nullptr, o));
       sync();
       runs.push_back(to_host<float>(out, T * D));
     }
@@ -560,9 +563,10 @@ TEST(CudaMoe, GroupedGemmVariantsAreBitIdentical) {
     double norm = 0.0;
     for (float v : runs[0]) norm += static_cast<double>(v) * v;
     EXPECT_GT(norm, 0.0);
-    EXPECT_EQ(0, std::memcmp(runs[0].data(), runs[1].data(), runs[0].size() * 4)) << "D=" << D << " I=" << I << " T=" << T;
-    EXPECT_EQ(0, std::memcmp(runs[0].data(), runs[2].data(), runs[0].size() * 4))
-        << "tall: D=" << D << " I=" << I << " T=" << T;
+    for (size_t v = 1; v < runs.size(); ++v)
+      EXPECT_EQ(0, std::memcmp(runs[0].data(), runs[v].data(), runs[0].size() * 4))
+          << "variant " << v << " (overlap " << variants[v].overlap << ", tall " << variants[v].tall << ", group-major "
+          << variants[v].group_major << "): D=" << D << " I=" << I << " T=" << T;
   }
 }
 

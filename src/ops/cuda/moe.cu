@@ -369,12 +369,13 @@ Status MoeScratch::reserve(int64_t rows, int64_t D, int64_t I, int E, bool group
   const int64_t wide = std::max(D, I);
   ML4_RETURN_IF_ERROR(lin.reserve(rows * wide, rows * ((wide + 127) / 128)));
   max_tiles = 0;
-  for (DeviceBuffer* d : {&cursor, &tiles, &num_tiles, &q, &q_scale}) *d = DeviceBuffer{};
+  for (DeviceBuffer* d : {&cursor, &tiles, &num_tiles, &tile_first, &q, &q_scale}) *d = DeviceBuffer{};
   if (grouped_gemm) {
     const int64_t tiles_max = moe_gemm_max_tiles(2 * rows, E + 1);
     ML4_ASSIGN_OR_RETURN(cursor, DeviceBuffer::alloc((E + 1) * 4));
     ML4_ASSIGN_OR_RETURN(tiles, DeviceBuffer::alloc(tiles_max * sizeof(MoeTile)));
     ML4_ASSIGN_OR_RETURN(num_tiles, DeviceBuffer::alloc(4));
+    ML4_ASSIGN_OR_RETURN(tile_first, DeviceBuffer::alloc((E + 2) * 4));
     ML4_ASSIGN_OR_RETURN(q, DeviceBuffer::alloc(2 * rows * wide));
     ML4_ASSIGN_OR_RETURN(q_scale, DeviceBuffer::alloc(2 * rows * ((wide + 127) / 128) * 4));
     max_tiles = tiles_max;
@@ -607,7 +608,7 @@ Status moe_gemm_fp4_layers(const MoeExpertTables& tb, const DeviceMlp* shared, c
 
 Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shared, const float* x, int64_t T,
                                 const int32_t* ids, const float* weights, int K, float* out, MoeScratch& s,
-                                cudaStream_t stream, LtGemm* lt, bool gemm_overlap, bool gemm_tall) {
+                                cudaStream_t stream, LtGemm* lt, MoeGemmOptions gemm) {
   if (T == 0) return ok_status();
   if (!moe_gemm_supported(tb, shared, lt != nullptr))
     return invalid_argument("moe grouped GEMM: needs FP8 block or FP4 experts with D, I % 128 == 0 and a shared "
@@ -621,7 +622,7 @@ Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shar
   if (fp4 && shared && !slot)  // before the scratch below is reused: mlp_forward writes g, u and xs
     ML4_RETURN_IF_ERROR(mlp_forward(*lt, *shared, x, T, s.xs.as<float>(), s, stream).with_context("shared expert"));
   const int64_t rows = n + (slot ? T : 0);
-  const bool tall = gemm_tall && !fp4;
+  const bool tall = gemm.tall && !fp4;
   const int tile_rows = tall ? kMoeGemmTallTileRows : kMoeGemmTileRows;
   const int64_t tiles = moe_gemm_max_tiles(rows, tb.E + (slot ? 1 : 0), tile_rows);
   if (tiles > s.max_tiles)
@@ -641,6 +642,7 @@ Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shar
   pp.num_tiles = s.num_tiles.as<int32_t>();
   pp.max_tiles = s.max_tiles;
   pp.tile_rows = tile_rows;
+  pp.tile_first = s.tile_first.as<int32_t>();
   pp.stream = stream;
   ML4_RETURN_IF_ERROR(moe_permute_gemm(pp));
   if (fp4) return moe_gemm_fp4_layers(tb, shared, x, T, weights, K, out, s, stream, tiles, slot);
@@ -664,8 +666,12 @@ Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shar
   g.num_tiles = s.num_tiles.as<int32_t>();
   g.max_tiles = tiles;
   g.stream = stream;
-  g.overlap = gemm_overlap && !tall;
+  g.overlap = gemm.overlap && !tall;
   g.tall = tall;
+  if (gemm.group_major) {
+    g.tile_first = s.tile_first.as<int32_t>();
+    g.groups = tb.E + (slot ? 1 : 0);
+  }
   // Gate and up with silu: x's rows (quantized once per token) gathered through perm_token.
   ML4_RETURN_IF_ERROR(quant(x, T, D));
   gate_up_weights(g, tb);

@@ -95,7 +95,7 @@ struct MoeScratch {
   DeviceBuffer row_src, gemv_ws;  // decode path: token of each (t, k) row; GEMV split-K partials
   // Grouped-GEMM path (moe_gemm.h): per-expert cursors, tile list and count, e4m3 rows
   // (x, then the hidden activation) and their per-row scales [rows][cols / 128].
-  DeviceBuffer cursor, tiles, num_tiles, q, q_scale;
+  DeviceBuffer cursor, tiles, num_tiles, tile_first, q, q_scale;
   int64_t max_tiles = 0;  // 0: reserved without the grouped-GEMM buffers
   LinearScratch lin;
   std::vector<int32_t> host_offsets;
@@ -178,12 +178,18 @@ void down_weights(P& g, const MoeExpertTables& tb) {
   g.K = tb.I;
 }
 
-// gemm_overlap / gemm_tall: MoeGroupedGemmParams::overlap / ::tall for the FP8 grouped GEMMs
-// (same bits; tall wins when both are asked for; FP4 experts take neither).
+// The FP8 grouped GEMMs' variants (moe_gemm.h), all giving the same bits: overlap
+// (MoeGroupedGemmParams::overlap), tall (128-row tiles; wins over overlap when both are
+// asked for), group_major (the CTA order of MoeGroupedGemmParams::tile_first). FP4 experts
+// take none of them.
+struct MoeGemmOptions {
+  bool overlap = false;
+  bool tall = false;
+  bool group_major = false;
+};
 Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shared, const float* x, int64_t T,
                                 const int32_t* ids, const float* weights, int K, float* out, MoeScratch& s,
-                                cudaStream_t stream, LtGemm* lt = nullptr, bool gemm_overlap = false,
-                                bool gemm_tall = false);
+                                cudaStream_t stream, LtGemm* lt = nullptr, MoeGemmOptions gemm = {});
 
 // The earlier decode path (T <= 8), kept as the benchmark's baseline: one weight stream per
 // (token, expert) row (row-mode grouped_gemv), the shared expert through the GEMV.

@@ -63,6 +63,7 @@ struct MoePermuteGemmParams {
   int32_t* num_tiles = nullptr;   // [1]
   int64_t max_tiles = 0;          // >= moe_gemm_max_tiles(T*K (+ T), E (+ 1), tile_rows)
   int tile_rows = kMoeGemmTileRows;  // or kMoeGemmTallTileRows (for MoeGroupedGemmParams::tall)
+  int32_t* tile_first = nullptr;  // [E + 2] or null: the first tile of each group (and the count)
   cudaStream_t stream = nullptr;
 };
 Status moe_permute_gemm(const MoePermuteGemmParams& p);
@@ -79,6 +80,11 @@ struct MoeGroupedGemmParams {
   const MoeTile* tiles = nullptr;        // from moe_permute_gemm
   const int32_t* num_tiles = nullptr;
   int64_t max_tiles = 0;                 // the grid's tile rows (CTAs past *num_tiles exit)
+  // moe_permute_gemm's tile_first and its group count (E, + 1 with the shared slot): the CTAs
+  // run group by group, a group's tiles of one column together (they share that slice of the
+  // weights in L2); null: column-fastest over the tile list. The same bits either way.
+  const int32_t* tile_first = nullptr;
+  int groups = 0;
   int64_t N = 0, K = 0;                  // N % 16 == 0, K % 128 == 0
   float* y = nullptr;                    // [permuted rows, N] f32
   cudaStream_t stream = nullptr;

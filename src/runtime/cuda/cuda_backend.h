@@ -54,7 +54,8 @@ struct CudaBackendOptions {
   bool overlap_indexer = true;
   bool grouped_moe_gemm = true;   // CudaRunnerOptions::grouped_moe_gemm
   bool moe_gemm_overlap = true;   // CudaRunnerOptions::moe_gemm_overlap
-  bool moe_gemm_tall = false;     // CudaRunnerOptions::moe_gemm_tall
+  bool moe_gemm_tall = true;      // CudaRunnerOptions::moe_gemm_tall
+  bool moe_gemm_group_major = false;  // CudaRunnerOptions::moe_gemm_group_major
   bool absorb_gemm = true;        // CudaRunnerOptions::absorb_gemm
   int64_t absorb_gemm_min_tokens = 64;
   bool fp4_weights = true;        // CudaRunnerOptions::fp4_weights
@@ -231,6 +232,7 @@ class CudaBackend : public Backend {
   void set_fp4_x_parts(int parts) { opts_.fp4_x_parts = parts; }
   void set_moe_gemm_overlap(bool on) { opts_.moe_gemm_overlap = on; }
   void set_moe_gemm_tall(bool on) { opts_.moe_gemm_tall = on; }
+  void set_moe_gemm_group_major(bool on) { opts_.moe_gemm_group_major = on; }
   void set_fused_indexer(bool on) { opts_.fused_indexer = on; }
   void set_grouped_moe_gemm(bool on) {  // the next step reserves (or drops) the path's buffers
     opts_.grouped_moe_gemm = on;

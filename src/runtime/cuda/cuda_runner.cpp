@@ -61,6 +61,7 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::create(const ModelConfig& cfg, c
   bo.grouped_moe_gemm = opts.grouped_moe_gemm;
   bo.moe_gemm_overlap = opts.moe_gemm_overlap;
   bo.moe_gemm_tall = opts.moe_gemm_tall;
+  bo.moe_gemm_group_major = opts.moe_gemm_group_major;
   bo.absorb_gemm = opts.absorb_gemm;
   bo.fused_router = opts.fused_router;
   bo.fused_indexer = opts.fused_indexer;

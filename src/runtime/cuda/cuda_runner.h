@@ -62,10 +62,16 @@ struct CudaRunnerOptions {
   // 60.6 -> 59.9 ms.
   bool moe_gemm_overlap = true;
   // The FP8 grouped GEMMs on 128-row tiles (moe_gemm.h MoeGroupedGemmParams::tall; the same
-  // bits; takes the place of moe_gemm_overlap): half the L2 bytes per FLOP. Written in the
-  // tenth session without a device: off until CudaMoe.GroupedGemmVariantsAreBitIdentical has passed
-  // and the PREFILL lines show it faster.
-  bool moe_gemm_tall = false;
+  // bits; takes the place of moe_gemm_overlap): half the L2 bytes per FLOP, and each expert's
+  // weights streamed from DRAM once per 128 rows instead of per 64 (ncu: the 64-row kernel is
+  // DRAM-bound, reading the weights 2.2x at T = 4096). On since
+  // CudaMoe.GroupedGemmVariantsAreBitIdentical passed on an H100 (2026-12-06, tenth session):
+  // whole MoE at T = 4096 9.88 -> 8.58 ms, ml4-slice-4 prefill of 4096 tokens 61.4 -> 57.5 ms.
+  bool moe_gemm_tall = true;
+  // The grouped GEMMs' CTAs group-major (MoeGroupedGemmParams::tile_first): an expert's tiles
+  // of one weight slice run together and share it in L2. The same bits. Tenth session, written
+  // without a device: off until measured.
+  bool moe_gemm_group_major = false;
   // The MLA absorption (W_UK, W_UV) of steps of at least absorb_gemm_min_tokens tokens as
   // strided-batched TF32 GEMMs on the tensor cores (elementwise.h mla_absorb_q_gemm) instead
   // of the f32 CUDA-core kernels, outside exact mode (issue 18). Smaller steps keep the
@@ -194,6 +200,11 @@ class CudaRunner : public ModelRunner {
   void set_moe_gemm_tall(bool on) {
     opts_.moe_gemm_tall = on;
     backend_->set_moe_gemm_tall(on);
+    graphs_.clear();
+  }
+  void set_moe_gemm_group_major(bool on) {
+    opts_.moe_gemm_group_major = on;
+    backend_->set_moe_gemm_group_major(on);
     graphs_.clear();
   }
   void set_grouped_moe_gemm(bool on) {

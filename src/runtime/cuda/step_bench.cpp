@@ -251,20 +251,26 @@ int run_step_bench(const StepBenchOptions& opt) {
     in.seqs.push_back(std::move(s));
     // The MoE as a loop over experts, then as grouped GEMMs; then also the MLA absorption as
     // batched TF32 GEMMs (issue 18); then the grouped GEMMs with their MMAs overlapping the
-    // promotion (CudaRunnerOptions::moe_gemm_overlap); then on 128-row tiles (moe_gemm_tall).
+    // promotion (CudaRunnerOptions::moe_gemm_overlap); then on 128-row tiles (moe_gemm_tall);
+    // then those CTAs group-major (moe_gemm_group_major).
     struct Config {
-      bool grouped, absorb, overlap, tall;
+      bool grouped, absorb, overlap, tall, group_major;
     };
-    for (auto [grouped, absorb, overlap, tall] :
-         {Config{false, false, false, false}, Config{true, false, false, false}, Config{true, true, false, false},
-          Config{true, true, true, false}, Config{true, true, false, true}}) {
+    for (auto [grouped, absorb, overlap, tall, gm] :
+         {Config{false, false, false, false, false}, Config{true, false, false, false, false},
+          Config{true, true, false, false, false}, Config{true, true, true, false, false},
+          Config{true, true, false, true, false}, Config{true, true, false, true, true}}) {
       r.set_grouped_moe_gemm(grouped);
       r.set_absorb_gemm(absorb);
       r.set_moe_gemm_overlap(overlap);
       r.set_moe_gemm_tall(tall);
+      r.set_moe_gemm_group_major(gm);
       std::string failed;
       const double ms = time_step(r, in, 1, 3, &failed);
-      const char* moe = grouped ? (tall ? "grouped_gemm_tall" : overlap ? "grouped_gemm_overlap" : "grouped_gemm") : "loop";
+      const char* moe = !grouped ? "loop"
+                        : tall   ? (gm ? "grouped_gemm_tall_group_major" : "grouped_gemm_tall")
+                        : overlap ? "grouped_gemm_overlap"
+                                  : "grouped_gemm";
       const char* abs = absorb ? "gemm_tf32" : "kernel_f32";
       if (ms < 0) {  // e.g. out of memory beside the KV pool on an 80 GB card: say so, go on
         std::printf("PREFILL tokens=%ld moe=%s absorb=%s failed: %s\n", static_cast<long>(n), moe, abs, failed.c_str());
@@ -285,6 +291,7 @@ int run_step_bench(const StepBenchOptions& opt) {
     r.set_absorb_gemm(true);  // the defaults
     r.set_moe_gemm_overlap(true);
     r.set_moe_gemm_tall(CudaRunnerOptions{}.moe_gemm_tall);
+    r.set_moe_gemm_group_major(CudaRunnerOptions{}.moe_gemm_group_major);
     r.set_grouped_moe_gemm(false);
     if (n <= 8192) continue;
     // As a server prefills a long prompt (vLLM's chunked prefill, --max-num-batched-tokens):
