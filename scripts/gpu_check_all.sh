@@ -59,11 +59,11 @@ stamp() { echo "==== [$(( $(date +%s) - t0 )) s] $*"; }
 sections=" ${SECTIONS:-tests moegemm spec specstep hisparse perplexity pd all} "
 on() { [[ "$sections" == *" $1 "* ]]; }
 
-# The ninth session's tests (written without a device): DSpark's rejection sampler on the
-# device (kernel, and through the engine against host verification), fewer Markov slots (the
-# drafter golden's 3-draft check), the grouped GEMM overlap's bit identity; and the tests
-# around them.
-new=${FILTER_NEW:-CudaSampling.VerifyRows*:CudaSampling.DraftRows*:CudaDrafter.*:CudaMoe.GroupedGemm*:CudaRunner.GreedyVerification*:CudaRunner.DecodeGraphsMatchEager:CudaCacheWrite.*:CudaElementwise.*:CudaIndexer.*:CudaRunner.*BitIdentical}
+# The tenth session's tests (written without a device): top-k / top-p drafts and their
+# verification on the device (CudaSampling.DraftRows* / VerifyRows*, CudaDrafter.*), the grouped
+# GEMM's 128-row tiles and group-major order (CudaMoe.GroupedGemmVariantsAreBitIdentical); and
+# the tests around them.
+new=${FILTER_NEW:-CudaSampling.*:CudaDrafter.*:CudaMoe.*:CudaRunner.GreedyVerification*:CudaRunner.DecodeGraphsMatchEager:CudaRunner.*BitIdentical}
 on tests && stamp "1a. new GPU tests: $new" && timeout 240 "$carry/bin/ml4_cuda_tests" --gtest_filter="$new" --gtest_color=no > "$out/new_tests.log" 2>&1
 on tests && grep -E "^\[  (FAILED|PASSED|SKIPPED) |^\[       OK|rel|Failure" "$out/new_tests.log" | tail -40
 
