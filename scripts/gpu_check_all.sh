@@ -176,7 +176,7 @@ if on train; then
     --data "$root/.device-carry-train/data" --tekken "$root/assets/ml4-small/tekken.json" --out "$out/train" \
     --target-from "$root/assets/ml4-small/consolidated.safetensors" --drafter-from-target \
     --target-seconds 0 --skip-target-eval --drafter-seconds "${ML4_DRAFTER_SECONDS:-300}" \
-    --drafter-data "${ML4_DRAFTER_DATA:-$root/tools/train/runs/drafter_data/ml4-small-cpu.tok.xz,$root/tools/train/runs/drafter_data/ml4-small-cpu-seed1.tok.xz}" \
+    --drafter-data "${ML4_DRAFTER_DATA:-$root/tools/train/runs/drafter_data/ml4-small-cpu.tok.xz,$root/tools/train/runs/drafter_data/ml4-small-cpu-seed1.tok.xz,$root/tools/train/runs/drafter_data/ml4-small-cpu-seed2.tok.xz}" \
     --drafter-data-frac "${ML4_DRAFTER_DATA_FRAC:-0.6}" --passkey-lengths \
     --deadline $(( ${ML4_DRAFTER_SECONDS:-300} + 100 )) > "$out/train/stdout.log" 2>&1
   echo "rc=$?"
