@@ -11,6 +11,8 @@
 #include <utility>
 #include <vector>
 
+#include <cuda_runtime.h>
+
 #include "kv/indexer_layout.h"
 #include "kv/latent_layout.h"
 #include "model/presets.h"
@@ -64,10 +66,46 @@ double time_step(CudaRunner& r, const StepInput& in, int warm, int reps, std::st
   return median(ms);
 }
 
+// This card's copy bandwidth: a 1 GiB device-to-device copy, bytes read + written, median of 10
+// (the convention of gpu_ceilings_bench's "HBM copy" ceiling). 0 when it cannot be measured.
+double measure_copy_gbps() {
+  const size_t bytes = size_t{1} << 30;
+  void *a = nullptr, *b = nullptr;
+  if (cudaMalloc(&a, bytes) != cudaSuccess) return 0.0;
+  if (cudaMalloc(&b, bytes) != cudaSuccess) {
+    cudaFree(a);
+    return 0.0;
+  }
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  std::vector<double> ms;
+  for (int i = 0; i < 12; ++i) {
+    cudaEventRecord(e0);
+    cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice);
+    cudaEventRecord(e1);
+    cudaEventSynchronize(e1);
+    float t = 0.0f;
+    cudaEventElapsedTime(&t, e0, e1);
+    if (i >= 2) ms.push_back(t);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaFree(a);
+  cudaFree(b);
+  const bool ok = cudaGetLastError() == cudaSuccess;
+  const double m = median(ms);
+  return ok && m > 0.0 ? 2.0 * bytes / (m * 1e6) : 0.0;
+}
+
 }  // namespace
 
 int run_step_bench(const StepBenchOptions& opt) {
   const double hbm_gbps = opt.copy_gbps > 0 ? opt.copy_gbps : 4253.0;
+  // The roofline keeps the H200's figure (comparable across sessions); the ratio against this
+  // card's own copy bandwidth is printed beside it (an H100's is ~3.0 TB/s, not 4.25).
+  const double card_gbps = measure_copy_gbps();
+  std::printf("COPY card_gbps=%.0f roofline_gbps=%.0f (1 GiB device-to-device, read + written)\n", card_gbps, hbm_gbps);
   const std::string& preset = opt.preset;
   auto cfg_r = preset_config(preset);
   if (!cfg_r.ok()) {
@@ -138,9 +176,10 @@ int run_step_bench(const StepBenchOptions& opt) {
       const double bytes = always + experts * per_expert * moe_layers + kv;
       const double roof = bytes / (hbm_gbps * 1e6);
       std::printf("STEP batch=%d ctx=%ld ms=%.3f graphs=%d roofline_ms=%.3f ratio=%.2f bytes_gb=%.2f (weights %.2f, "
-                  "kv %.3f) tok_s=%.0f\n",
+                  "kv %.3f) tok_s=%.0f card_ratio=%.2f\n",
                   batch, static_cast<long>(ctx), ms, graphed ? 1 : 0, roof, ms / roof, bytes / 1e9,
-                  (bytes - kv) / 1e9, kv / 1e9, batch / ms * 1e3);
+                  (bytes - kv) / 1e9, kv / 1e9, batch / ms * 1e3,
+                  card_gbps > 0 ? ms / (bytes / (card_gbps * 1e6)) : 0.0);
     }
   }
   if (o.fp4_weights) {  // FP4 experts on the tensor cores: x in 1, 2 or 3 bf16 parts (gemv.h)
