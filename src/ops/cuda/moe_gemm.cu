@@ -4,6 +4,7 @@
 #include "ops/cuda/pdl.cuh"
 
 #include <algorithm>
+#include <utility>
 
 #include "ops/cuda/cp_async.cuh"
 #include "ops/cuda/cuda_common.h"
@@ -307,13 +308,13 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_tall_kernel(const Ge
 
   // Loader: A rows lr + 32 i (i < 4), B rows lr + 32 j (j < 8): B sub-block j / 2 (64 rows:
   // gate_up, half (j / 4) of W1 (j / 2 even) or W3 (odd); else rows 32 j on).
-  const uint8_t* a_src[4];
+  int a_row[4];  // source rows (ints: registers are short here)
   unsigned a_ok = 0;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int r = lr + 32 * i;
     if (r < nrows) a_ok |= 1u << i;
-    a_src[i] = p.a + static_cast<int64_t>(r < nrows ? a_source(r) : 0) * K + c * 16;
+    a_row[i] = r < nrows ? a_source(r) : 0;
   }
   // B row of load j: n0 + lr + 32 * b_step(j) (b_step a constant once unrolled).
   auto b_step = [](int j) { return kGateUp ? (j >> 2) * 2 + (j & 1) : j; };
@@ -324,18 +325,26 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_tall_kernel(const Ge
 #pragma unroll
   for (int j = 0; j < 8; ++j)
     if (b_row(j) < N) b_ok |= 1u << j;
+#pragma unroll
+  for (int h = 0; h < 2; ++h)  // bits 8, 9: half h's scale row exists (its first row < N)
+    if ((kGateUp ? n0 + 64 * h : n0 + 128 * h) < N) b_ok |= 1u << (8 + h);
   const int64_t b_off = static_cast<int64_t>(n0 + lr) * K, k32 = static_cast<int64_t>(32) * K;
+  // Shared rows lr + 32 i sit 4 KiB apart: one base register, the rest immediates.
   auto load = [&](int stage, int kb) {
-    const uint32_t st = sbase + stage * kTallStage;
+    const uint32_t st = sbase + stage * kTallStage + lr * 128 + swz;
     const int64_t koff = static_cast<int64_t>(kb) * 128 + c * 16;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) cp_async16(st + (lr + 32 * i) * 128 + swz, a_src[i] + kb * 128, (a_ok >> i) & 1u);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
+    auto a_load = [&](auto i) {
+      cp_async16_at<i * 4096>(st, p.a + static_cast<int64_t>(a_row[i]) * K + koff, (a_ok >> i) & 1u);
+    };
+    auto b_load = [&](auto j) {
       const bool ok = (b_ok >> j) & 1u;
       const uint8_t* m = kGateUp && ((j >> 1) & 1) ? w1 : w0;
-      cp_async16(st + kTallAStage + (lr + 32 * j) * 128 + swz, m + (ok ? b_off + b_step(j) * k32 : 0) + koff, ok);
-    }
+      cp_async16_at<kTallAStage + j * 4096>(st, m + (ok ? b_off + b_step(j) * k32 : 0) + koff, ok);
+    };
+    [&]<int... I>(std::integer_sequence<int, I...>) { (a_load(std::integral_constant<int, I>{}), ...); }(
+        std::make_integer_sequence<int, 4>{});
+    [&]<int... J>(std::integer_sequence<int, J...>) { (b_load(std::integral_constant<int, J>{}), ...); }(
+        std::make_integer_sequence<int, 8>{});
   };
 
   // Scales: this thread's accumulator rows (64 wg + lo, + 8) and, per half h, the two B
@@ -354,7 +363,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_tall_kernel(const Ge
     const int base = kGateUp ? n0 + 64 * h : n0 + 128 * h;
     sc[0] = as_row[0] >= 0 ? __ldg(p.a_scale + static_cast<int64_t>(as_row[0]) * KB + kb) : 0.0f;
     sc[1] = as_row[1] >= 0 ? __ldg(p.a_scale + static_cast<int64_t>(as_row[1]) * KB + kb) : 0.0f;
-    const bool ok = base < N;
+    const bool ok = (b_ok >> (8 + h)) & 1u;
     sc[2] = ok ? __ldg(ws0 + static_cast<int64_t>(base / 128) * KB + kb) : 0.0f;
     if (kGateUp)
       sc[3] = ok ? __ldg(ws1 + static_cast<int64_t>(base / 128) * KB + kb) : 0.0f;
