@@ -642,7 +642,9 @@ Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shar
   pp.num_tiles = s.num_tiles.as<int32_t>();
   pp.max_tiles = s.max_tiles;
   pp.tile_rows = tile_rows;
-  pp.tile_first = s.tile_first.as<int32_t>();
+  // The group-major order's table, only when an FP8 launch below reads it.
+  const bool group_major = gemm.group_major && !fp4;
+  pp.tile_first = group_major ? s.tile_first.as<int32_t>() : nullptr;
   pp.stream = stream;
   ML4_RETURN_IF_ERROR(moe_permute_gemm(pp));
   if (fp4) return moe_gemm_fp4_layers(tb, shared, x, T, weights, K, out, s, stream, tiles, slot);
@@ -668,7 +670,7 @@ Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shar
   g.stream = stream;
   g.overlap = gemm.overlap && !tall;
   g.tall = tall;
-  if (gemm.group_major) {
+  if (group_major) {
     g.tile_first = s.tile_first.as<int32_t>();
     g.groups = tb.E + (slot ? 1 : 0);
   }

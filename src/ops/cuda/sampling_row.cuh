@@ -9,7 +9,6 @@
 #include <cstdint>
 
 #include "ops/cpu/sampling.h"
-#include "ops/cpu/sampling.h"
 
 namespace ml4::cuda::rowblock {
 

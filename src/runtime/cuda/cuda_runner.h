@@ -115,8 +115,8 @@ struct CudaRunnerOptions {
   // the same bytes and logits): ml4-slice-4 decode 1.001-1.005x (FUSEDINDEXER lines).
   bool fused_indexer = true;
   // DSpark's rejection sampler on the device (ops/cuda/sampling.h verify_rows) for random
-  // requests (top-k / top-p too, since the tenth session: not yet run on a device when
-  // written): draft() keeps their q in a buffer reserved at load
+  // requests (top-k / top-p too since the tenth session: CudaSampling.DraftRows* /
+  // VerifyRows* with them passed on an H100): draft() keeps their q in a buffer reserved at load
   // (max_num_seqs x (block - 1) x vocab floats, before the KV pool is sized) and execute()
   // verifies there, so neither the 1 + k target rows nor q cross to the host. On since
   // CudaSampling.VerifyRowsMatchTheHostVerifier and CudaDrafter.DeviceRejectionSampling*
