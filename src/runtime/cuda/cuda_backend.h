@@ -54,8 +54,8 @@ struct CudaBackendOptions {
   bool overlap_indexer = true;
   bool grouped_moe_gemm = true;   // CudaRunnerOptions::grouped_moe_gemm
   bool moe_gemm_overlap = true;   // CudaRunnerOptions::moe_gemm_overlap
-  bool moe_gemm_tall = true;      // CudaRunnerOptions::moe_gemm_tall
-  bool moe_gemm_group_major = false;  // CudaRunnerOptions::moe_gemm_group_major
+  bool moe_gemm_tall = false;     // CudaRunnerOptions::moe_gemm_tall
+  bool moe_gemm_group_major = true;  // CudaRunnerOptions::moe_gemm_group_major
   bool absorb_gemm = true;        // CudaRunnerOptions::absorb_gemm
   int64_t absorb_gemm_min_tokens = 64;
   bool fp4_weights = true;        // CudaRunnerOptions::fp4_weights

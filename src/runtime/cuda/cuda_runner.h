@@ -64,14 +64,17 @@ struct CudaRunnerOptions {
   // The FP8 grouped GEMMs on 128-row tiles (moe_gemm.h MoeGroupedGemmParams::tall; the same
   // bits; takes the place of moe_gemm_overlap): half the L2 bytes per FLOP, and each expert's
   // weights streamed from DRAM once per 128 rows instead of per 64 (ncu: the 64-row kernel is
-  // DRAM-bound, reading the weights 2.2x at T = 4096). On since
-  // CudaMoe.GroupedGemmVariantsAreBitIdentical passed on an H100 (2026-12-06, tenth session):
-  // whole MoE at T = 4096 9.88 -> 8.58 ms, ml4-slice-4 prefill of 4096 tokens 61.4 -> 57.5 ms.
-  bool moe_gemm_tall = true;
+  // DRAM-bound, reading the weights 2.2x at T = 4096). CudaMoe.GroupedGemmVariantsAreBitIdentical
+  // passed on an H100 (tenth session): whole MoE at T = 4096 9.88 -> 8.58 ms there. Off since the
+  // group-major order below reads the weights about once anyway, and the 64-row kernel beside it
+  // wins on the H200 (eleventh session, gpu_moe_bench 4253 prefill 4096: 64-row overlap 8.88 ms,
+  // + group-major 7.79; 128-row 8.52, + group-major 8.25).
+  bool moe_gemm_tall = false;
   // The grouped GEMMs' CTAs group-major (MoeGroupedGemmParams::tile_first): an expert's tiles
-  // of one weight slice run together and share it in L2. The same bits. Tenth session, written
-  // without a device: off until measured.
-  bool moe_gemm_group_major = false;
+  // of one weight slice run together and share it in L2. The same bits (the variants test
+  // passed on the H200, 2026-12-06 eleventh session). On: whole MoE at T = 4096 8.88 -> 7.79 ms
+  // with the 64-row overlapped kernel on the H200.
+  bool moe_gemm_group_major = true;
   // The MLA absorption (W_UK, W_UV) of steps of at least absorb_gemm_min_tokens tokens as
   // strided-batched TF32 GEMMs on the tensor cores (elementwise.h mla_absorb_q_gemm) instead
   // of the f32 CUDA-core kernels, outside exact mode (issue 18). Smaller steps keep the

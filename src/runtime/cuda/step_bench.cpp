@@ -291,14 +291,16 @@ int run_step_bench(const StepBenchOptions& opt) {
     // The MoE as a loop over experts, then as grouped GEMMs; then also the MLA absorption as
     // batched TF32 GEMMs (issue 18); then the grouped GEMMs with their MMAs overlapping the
     // promotion (CudaRunnerOptions::moe_gemm_overlap); then on 128-row tiles (moe_gemm_tall);
-    // then those CTAs group-major (moe_gemm_group_major).
+    // then those CTAs group-major (moe_gemm_group_major); then the 64-row overlapped ones
+    // group-major (the default).
     struct Config {
       bool grouped, absorb, overlap, tall, group_major;
     };
     for (auto [grouped, absorb, overlap, tall, gm] :
          {Config{false, false, false, false, false}, Config{true, false, false, false, false},
           Config{true, true, false, false, false}, Config{true, true, true, false, false},
-          Config{true, true, false, true, false}, Config{true, true, false, true, true}}) {
+          Config{true, true, false, true, false}, Config{true, true, false, true, true},
+          Config{true, true, true, false, true}}) {
       r.set_grouped_moe_gemm(grouped);
       r.set_absorb_gemm(absorb);
       r.set_moe_gemm_overlap(overlap);
@@ -308,7 +310,7 @@ int run_step_bench(const StepBenchOptions& opt) {
       const double ms = time_step(r, in, 1, 3, &failed);
       const char* moe = !grouped ? "loop"
                         : tall   ? (gm ? "grouped_gemm_tall_group_major" : "grouped_gemm_tall")
-                        : overlap ? "grouped_gemm_overlap"
+                        : overlap ? (gm ? "grouped_gemm_overlap_group_major" : "grouped_gemm_overlap")
                                   : "grouped_gemm";
       const char* abs = absorb ? "gemm_tf32" : "kernel_f32";
       if (ms < 0) {  // e.g. out of memory beside the KV pool on an 80 GB card: say so, go on
