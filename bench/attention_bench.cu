@@ -116,8 +116,8 @@ int main() {
   // 0. Sparse MLA prefill (issue 18): one causal sequence of T = 4096 / 8192 tokens (ml4-slice-4:
   // H 64, topk 2048) on shuffled pages of the cache; token p sees min(p + 1, 2048) keys (a random
   // 2048-subset of [0, p] beyond). The decode kernel (prefill_kernel = false, today's prefill
-  // path) against the wgmma prefill kernel (attention_prefill.cu, its pre-pass included), same
-  // inputs, same run.
+  // path) against the wgmma prefill kernel (attention_prefill.cu, its pre-pass included) in its
+  // tile and its pair schedule (MlaAttentionParams::prefill_pairs), same inputs, same run.
   //   flop = 2 * H * (576 + 512) * sum_t n_t   (0.876 TFLOP at 4096, 2.04 TFLOP at 8192)
   // ML4_MLA_PREFILL_SKIP=mask leaves pieces of the prefill kernel out (attention_prefill.cu; wrong
   // results, for the time breakdown in docs/BENCHMARKS.md); ML4_ATTN_PREFILL_SKIPS="0,64,48,..."
@@ -175,26 +175,28 @@ int main() {
       p.math = MlaMath::kBf16TensorCore;
       p.scratch_pages = (T + kPageTokens - 1) / kPageTokens;  // the sequence's pages
       const double flop = 2.0 * H * (576 + 512) * keys;
-      for (bool pre : {false, true}) {
+      for (int mode : {0, 1, 2}) {  // decode kernel, prefill kernel's tile schedule, its pair schedule
+        const bool pre = mode > 0;
         p.prefill_kernel = pre;
+        p.prefill_pairs = mode == 2;
         const size_t wsb = mla_attention_workspace_bytes(p);
         DeviceBuffer ws = must_alloc(wsb);
         p.workspace = ws.data();
         p.workspace_bytes = wsb;
-        const size_t runs = pre ? std::max<size_t>(variants.size(), 1) : 1;
+        const size_t runs = mode == 1 ? std::max<size_t>(variants.size(), 1) : 1;  // skips: tile schedule
         for (size_t v = 0; v < runs; ++v) {
           std::string label;
-          if (pre && !variants.empty()) {
+          if (mode == 1 && !variants.empty()) {
             setenv("ML4_MLA_PREFILL_SKIP", variants[v].c_str(), 1);
             label = " skip=" + variants[v];
           }
           const double ms = bench::median_ms(s, 2, 10, [&](int) { BENCH_CHECK(mla_attention(p)); });
           std::printf("ATTN sparse_mla_prefill %s%s H=%d T=%lld topk=%d (mean %.0f keys): %.3f ms, %.1f TFLOP/s "
                       "(ws %.1f MB)\n",
-                      pre ? "prefill-kernel" : "decode-kernel", label.c_str(), H, static_cast<long long>(T), topk,
+                      mode == 2 ? "prefill-kernel-pairs" : pre ? "prefill-kernel-tiles" : "decode-kernel", label.c_str(), H, static_cast<long long>(T), topk,
                       keys / T, ms, flop / (ms * 1e9), wsb / 1e6);
         }
-        if (pre && !variants.empty()) unsetenv("ML4_MLA_PREFILL_SKIP");
+        if (mode == 1 && !variants.empty()) unsetenv("ML4_MLA_PREFILL_SKIP");
       }
     }
   }

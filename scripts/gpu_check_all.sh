@@ -22,7 +22,8 @@ if [ "$mode" = pack ]; then
   build=${2:?usage: gpu_check_all.sh pack BUILD_DIR}
   "$root/scripts/gpu_pd_check.sh" pack "$build" || exit 1
   dest="$root/.device-carry-pd"
-  cp "$build/ml4_cuda_tests" "$build/hisparse_gather_bench" "$build/spec_step_bench" "$build/gpu_moe_bench" "$dest/bin/"
+  cp "$build/ml4_cuda_tests" "$build/hisparse_gather_bench" "$build/spec_step_bench" "$build/gpu_moe_bench" \
+    "$build/attention_bench" "$dest/bin/"
   ldd "$build/ml4_cuda_tests" | awk '/=> \// {print $3}' | while read -r lib; do
     base=$(basename "$lib")
     case "$base" in

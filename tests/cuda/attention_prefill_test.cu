@@ -18,7 +18,9 @@
 // bf16(e4m3 x scale) in f32; the decode kernel: bf16(scale x 2^120) x bf16 bits, two roundings):
 // each is within the bound of the reference, so they agree to twice it on lse and 1e-2 on out. The CPU reference covers a sample of tokens
 // (its f64 sums cost ~0.3 GFLOP per token at topk 2048); the kernels are compared on all.
-// Every output is poisoned with NaN bytes; a repeat run must be bit-identical.
+// Every output is poisoned with NaN bytes; a repeat run must be bit-identical. Both schedules of
+// the kernel (tile, pair) meet the same bounds; the pair schedule rounds warpgroup 0's P0 to
+// bf16 once before and once after its rescale (attention_prefill.cu), within the P bound above.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -54,7 +56,7 @@ struct Case {
   int64_t scratch_pages;  // MlaAttentionParams::scratch_pages (0: every page)
 };
 
-void run_case(const Case& cs, uint32_t seed) {
+void run_case(const Case& cs, uint32_t seed, bool pairs) {
   std::mt19937 rng(seed);
   const int H = cs.H, topk = cs.topk;
   const int64_t T = cs.T, len = cs.start + T;
@@ -131,6 +133,7 @@ void run_case(const Case& cs, uint32_t seed) {
     p.topk = topk;
     p.index_lengths = d_len.as<int32_t>();
     p.prefill_kernel = prefill;
+    p.prefill_pairs = pairs;
     p.prefill_min_blocks = 1;  // the prefill kernel at any T
     p.scratch_pages = cs.scratch_pages;
     auto out = poisoned<float>(T * H * kR), lse = poisoned<float>(T * H);
@@ -213,11 +216,11 @@ void run_case(const Case& cs, uint32_t seed) {
   }
   const double e_old = testing::rel_err(a.out, old.out);
   std::printf(
-      "prefill kernel H=%d topk=%d positions [%lld, %lld) scratch_pages=%lld (ws %zu B): vs CPU on %zu tokens: "
+      "prefill kernel (%s schedule) H=%d topk=%d positions [%lld, %lld) scratch_pages=%lld (ws %zu B): vs CPU on %zu tokens: "
       "||out - ref|| / ||ref|| = %.3g (bound 1e-2), max |lse - ref| = %.3g (%.2f of its row's bound), %zu empty "
       "rows; vs decode kernel on all: ||out - old|| / ||old|| = %.3g (bound 1e-2), max |lse - old| = %.3g (%.2f of "
       "its bound)\n",
-      H, topk, static_cast<long long>(cs.start), static_cast<long long>(len), static_cast<long long>(cs.scratch_pages),
+      pairs ? "pair" : "tile", H, topk, static_cast<long long>(cs.start), static_cast<long long>(len), static_cast<long long>(cs.scratch_pages),
       ws_new, sample.size(), e, lse_err, lse_ratio, empty_rows, e_old, lse_diff, diff_ratio);
   EXPECT_LT(e, 1e-2);
   EXPECT_LT(lse_ratio, 1.0);
@@ -230,11 +233,14 @@ TEST(CudaMlaAttention, PrefillKernelMatchesCpuReference) {
   // H 64 at the model's topk 2048 (p < topk and p > topk in one step, scratch bounded by the
   // sequence's pages); a chunk that starts mid-sequence at topk 256; H 16 (a padded head block)
   // and H 128 (two head blocks); 80 heads (a full block and a padded one).
-  run_case({64, 2048, 0, 2300, 37}, 1);
-  run_case({64, 256, 500, 300, 0}, 2);
-  run_case({16, 512, 0, 700, 0}, 3);
-  run_case({128, 256, 100, 200, 0}, 4);
-  run_case({80, 128, 0, 150, 0}, 5);
+  // Both schedules (MlaAttentionParams::prefill_pairs), each against the same references.
+  for (bool pairs : {true, false}) {
+    run_case({64, 2048, 0, 2300, 37}, 1, pairs);
+    run_case({64, 256, 500, 300, 0}, 2, pairs);
+    run_case({16, 512, 0, 700, 0}, 3, pairs);
+    run_case({128, 256, 100, 200, 0}, 4, pairs);
+    run_case({80, 128, 0, 150, 0}, 5, pairs);
+  }
 }
 
 }  // namespace

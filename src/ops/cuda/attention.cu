@@ -419,7 +419,7 @@ Status mla_attention(const MlaAttentionParams& p) {
   const bool tc = p.math == MlaMath::kBf16TensorCore && p.dtype != KvCacheDtype::kBf16 && (p.r + p.dr) % 16 == 0;
   if (prefill) {
     ML4_RETURN_IF_ERROR(
-        cuda_status(detail::launch_mla_prefill(a, p.workspace, p.scratch_pages, p.stream), "mla_prefill_kernel"));
+        cuda_status(detail::launch_mla_prefill(a, p.workspace, p.scratch_pages, p.prefill_pairs, p.stream), "mla_prefill_kernel"));
   } else if (use_decode_kernel(p, row_bytes)) {
     ML4_RETURN_IF_ERROR(cuda_status(detail::launch_mla_decode(a, grid, p.stream), "mla_decode_kernel"));
   } else if (tc) {

@@ -89,6 +89,11 @@ struct MlaAttentionParams {
   // (attention_prefill.cu) when the workspace holds its row scratch
   // (mla_attention_workspace_bytes sizes it); false keeps the kernels above.
   bool prefill_kernel = true;
+  // The prefill kernel's schedule: each warpgroup owns a whole 64-key tile of a pair (S by
+  // m64n64, its P kept in registers for its PV; attention_prefill.cu "pair schedule") instead
+  // of half of every tile (the tile schedule). Same function; P's bf16 rounding differs in
+  // warpgroup 0's half.
+  bool prefill_pairs = true;
   int64_t prefill_min_blocks = 0;
   // Upper bound on the cache pages (64 slots) the indices point into, sizing the prefill
   // kernel's bf16 scratch (1152 B a slot): the step's block-table pages; 0 = every page of the

@@ -65,6 +65,6 @@ cudaError_t launch_mla_decode(const Args& a, dim3 grid, cudaStream_t stream);
 bool mla_prefill_supported(int r, int dr, int row_bytes);
 size_t mla_prefill_smem_bytes();
 size_t mla_prefill_workspace_bytes(int64_t num_slots, int64_t T, int topk, int64_t scratch_pages);
-cudaError_t launch_mla_prefill(const Args& a, void* workspace, int64_t scratch_pages, cudaStream_t stream);
+cudaError_t launch_mla_prefill(const Args& a, void* workspace, int64_t scratch_pages, bool pairs, cudaStream_t stream);
 
 }  // namespace ml4::cuda::detail

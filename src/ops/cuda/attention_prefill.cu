@@ -540,6 +540,397 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
+// ---- The pair schedule (MlaAttentionParams::prefill_pairs; FlashMLA's sm90 sparse prefill
+// order, deepseek-ai/FlashMLA csrc/sm90/prefill/sparse, read for the schedule, written anew).
+// Why: the tile schedule above splits every 64-key tile between the warpgroups (S m64n32 each,
+// both reading all of Q: 1.5x the shared-memory operand bytes of m64n64) and runs both
+// softmaxes at once between two barriers, the tensor cores idle (~1 us a tile, BENCHMARKS.md).
+// Here warpgroup w owns key tile 2p + w of pair p (buffer Kw): S = Q Kw^T by m64n64k16, P kept
+// in registers as the A operand of its local PV (wgmma with A from registers), and the other
+// warpgroup's P read from shared memory for the remote PV. Warpgroup 0 owns output columns
+// [0, 256), warpgroup 1 [256, 512): V's left half (slabs 0-3) of K0 is warpgroup 0's local V,
+// the right half (slabs 4-7) warpgroup 1's remote V, and the other way round for K1.
+//   Per pair (named barriers A-D carry the running max and the P tiles one way each):
+//     wg 0: S0 done -> mask, m0 = max(m, rowmax S0), O, l *= e^(m - m0), P0 = e^(S0 - m0)
+//           -> max to smem, arrive A -> PV: O += P0 V0[:, :256] (registers) -> wait, K0 left
+//           half free -> sync B (wg 1's max m') -> P0 e^(m0 - m') to smem (over K0's RoPE
+//           slab, dead after S0) -> arrive C -> sync D -> O, l *= e^(m0 - m') -> PV: O += P1
+//           V1[:, :256] (smem) -> S0 of the next pair, its left half as soon as the producer
+//           refilled it -> K1 left half free when the remote PV retires.
+//     wg 1: S1 (right half first) done -> mask -> sync A -> m' = max(m0, rowmax S1), O, l *=
+//           e^(m - m'), P1 = e^(S1 - m') -> max to smem, arrive B -> PV: O += P1 V1[:, 256:]
+//           (registers) -> P1 to smem -> sync C -> PV: O += P0' V0[:, 256:] -> arrive D ->
+//           K1 right half free, then K0 right half free as the PVs retire.
+//   Warpgroup 0's softmax runs while warpgroup 1's S is on the tensor cores and the other way
+//   round. Producer: per pair K0 left, K1 right, K0 right, K1 left, each half behind its own
+//   free / ready mbarriers, so a half refills as soon as its last reader retires.
+// Numerics: q, keys and P in bf16, f32 softmax and accumulation, as above; the row sums add the
+// bf16 P. Warpgroup 0's local PV uses P0 rounded at m0 and then scaled in f32, the remote one
+// P0 scaled then rounded: the two column halves differ by the bf16 rounding of P0.
+// Shared memory: Q 72 KB, K0, K1 72 KB each, P1 8 KB (P0 sits in K0's RoPE slab), flags.
+constexpr int kPairQOff = 0;
+constexpr int kPairK0Off = kPairQOff + kTileBytes;
+constexpr int kPairK1Off = kPairK0Off + kTileBytes;
+constexpr int kPairP1Off = kPairK1Off + kTileBytes;
+constexpr int kPairP0Off = kPairK0Off + 8 * kSlabBytes;  // K0's RoPE slab
+constexpr int kPairHsOff = kPairP1Off + kSlabBytes;      // f32 [64]
+constexpr int kPairMaxOff = kPairHsOff + 256;            // f32 [64]
+constexpr int kPairSumOff = kPairMaxOff + 256;           // f32 [2][64]
+constexpr int kPairValidOff = kPairSumOff + 512;         // u8 [2][64]
+constexpr int kPairBarOff = kPairValidOff + 2 * kKeys;   // u64 ready[2 bufs][2 halves], free[2][2]
+constexpr int kPairSmemBytes = kPairBarOff + 8 * 8 + 1024;
+static_assert(kPairSmemBytes <= 232448, "fits the 227 KB opt-in shared memory of sm_90");
+static_assert(kPairBarOff % 8 == 0, "mbarriers are 8-byte aligned");
+// Named barriers (0 is __syncthreads, 1 consumer_sync).
+constexpr int kBarMax0 = 2, kBarMax1 = 3, kBarP0 = 4, kBarP1 = 5;
+__device__ __forceinline__ void named_arrive(int id) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(kConsumers) : "memory");
+}
+__device__ __forceinline__ void named_sync(int id) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(kConsumers) : "memory");
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    mla_prefill_pairs_kernel(const Args a, const int32_t* __restrict__ page_map, const uint8_t* __restrict__ scratch) {
+  pdl_wait();
+  pdl_launch_dependents();
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t sbase = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  uint8_t* sgen = smem_raw + (sbase - smem_u32(smem_raw));
+  float* hs = reinterpret_cast<float*>(sgen + kPairHsOff);
+  float* smax = reinterpret_cast<float*>(sgen + kPairMaxOff);
+  float* ssum = reinterpret_cast<float*>(sgen + kPairSumOff);
+  uint8_t* valid = sgen + kPairValidOff;
+  // ready(b, h) / free_(b, h): buffer b (K0, K1), half h (0: slabs 0-3, 1: slabs 4-8).
+  auto ready = [&](int b, int h) { return sbase + kPairBarOff + 8 * (2 * b + h); };
+  auto free_ = [&](int b, int h) { return sbase + kPairBarOff + 32 + 8 * (2 * b + h); };
+  auto kbuf = [&](int b) { return sbase + (b ? kPairK1Off : kPairK0Off); };
+
+  const int t = a.T - 1 - static_cast<int>(blockIdx.x);  // longest lists first
+  const int h0 = blockIdx.z * kHeads;
+  const int HB = min(kHeads, a.H - h0);
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int n = a.index_lengths ? min(max(a.index_lengths[t], 0), a.topk) : a.topk;
+  const int npairs = (n + 2 * kKeys - 1) / (2 * kKeys);
+
+  if (tid == 0) {
+    for (int b = 0; b < 2; ++b)
+      for (int h = 0; h < 2; ++h) {
+        mbar_init(ready(b, h), 2 * 128);  // 128 cp.async arrivals + 128 plain ones
+        mbar_init(free_(b, h), 4);        // one per warp of the releasing warpgroup
+      }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (tid >= kConsumers) {
+    // Producer: thread (kr, c8) moves 16-byte chunk c8 of each 128-byte slab of keys kr + 16 q.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
+    const int ptid = tid - kConsumers, c8 = ptid & 7, kr = ptid >> 3;
+    const uint32_t swz = static_cast<uint32_t>((c8 ^ (kr & 7)) << 4);
+    const int32_t* idx = a.indices + static_cast<int64_t>(t) * a.indices_stride;
+    auto slot_of = [&](int j) -> int32_t { return j < n ? idx[j] : -1; };
+    auto row_of_slot = [&](int32_t s) -> const uint8_t* {
+      if (s < 0 || s >= a.num_slots) return nullptr;
+      const int32_t pg = page_map[s / kPageTokens];
+      if (pg < 0) return nullptr;
+      return scratch + (static_cast<int64_t>(pg) * kPageTokens + s % kPageTokens) * kRowBf16Bytes;
+    };
+    // Rows of the pair being copied (resolved one pair ahead), slots of the pair after it.
+    const uint8_t* src[2][4];
+    int32_t next_slot[2][4];
+#pragma unroll
+    for (int b = 0; b < 2; ++b)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        src[b][q] = row_of_slot(slot_of(b * kKeys + kr + 16 * q));
+        next_slot[b][q] = slot_of((2 + b) * kKeys + kr + 16 * q);
+      }
+    auto copy_half = [&](int p, int b, int h) {
+      if (p > 0) mbar_wait(free_(b, h), (p - 1) & 1);
+      const uint32_t kt = kbuf(b);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int key = kr + 16 * q;
+        const bool ok = src[b][q] != nullptr;
+        if (h == b && c8 == 0) valid[b * kKeys + key] = ok;  // with the buffer's first half
+        const uint8_t* s0 = ok ? src[b][q] + 16 * c8 : scratch;
+#pragma unroll
+        for (int sl = h ? 4 : 0; sl < (h ? kSlabs : 4); ++sl)
+          cp_async16(kt + sl * kSlabBytes + key * 128 + swz, s0 + 128 * sl, ok);
+      }
+      mbar_arrive_cp_async(ready(b, h));
+      mbar_arrive(ready(b, h));  // publishes the valid flags (release)
+    };
+    for (int p = 0; p < npairs; ++p) {
+      copy_half(p, 0, 0);
+      copy_half(p, 1, 1);
+      copy_half(p, 0, 1);
+      copy_half(p, 1, 0);
+#pragma unroll
+      for (int b = 0; b < 2; ++b)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          src[b][q] = row_of_slot(next_slot[b][q]);
+          next_slot[b][q] = slot_of((2 * p + 4 + b) * kKeys + kr + 16 * q);
+        }
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
+
+  // Consumers: Q -> bf16, swizzled, as the tile kernel loads it.
+  auto q_src = [&](int i) {
+    const int h = i / (kD / 8), c = i % (kD / 8);
+    const int64_t th = static_cast<int64_t>(t) * a.H + h0 + h;
+    return h >= HB ? nullptr : c < kR / 8 ? a.q_lat + th * kR + 8 * c : a.q_rope + th * kDr + 8 * (c - kR / 8);
+  };
+  auto q_store = [&](int i, float4 x0, float4 x1) {
+    const int h = i / (kD / 8), c = i % (kD / 8);
+    const uint4 o =
+        make_uint4(pack_bf16(x0.x, x0.y), pack_bf16(x0.z, x0.w), pack_bf16(x1.x, x1.y), pack_bf16(x1.z, x1.w));
+    *reinterpret_cast<uint4*>(sgen + kPairQOff + (c / 8) * kSlabBytes + h * 128 + (((c % 8) ^ (h % 8)) << 4)) = o;
+  };
+  constexpr int kQPieces = kHeads * (kD / 8), kQPerThread = kQPieces / kConsumers, kQBatch = 9;
+#pragma unroll
+  for (int b0 = 0; b0 < kQPerThread; b0 += kQBatch) {
+    float4 x[kQBatch][2];
+#pragma unroll
+    for (int k = 0; k < kQBatch; ++k) {
+      const float* src = q_src(tid + kConsumers * (b0 + k));
+      x[k][0] = src ? __ldcs(reinterpret_cast<const float4*>(src)) : make_float4(0, 0, 0, 0);
+      x[k][1] = src ? __ldcs(reinterpret_cast<const float4*>(src) + 1) : make_float4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int k = 0; k < kQBatch; ++k) q_store(tid + kConsumers * (b0 + k), x[k][0], x[k][1]);
+  }
+  if (tid < kHeads) hs[tid] = tid < HB ? a.head_scale[static_cast<int64_t>(t) * a.H + h0 + tid] : 0.0f;
+  wgmma::fence_proxy_async();
+  consumer_sync();
+
+  const int wg = tid >> 7, wwarp = (tid >> 5) & 3, g = lane >> 2, tq = lane & 3;
+  const int r0 = 16 * wwarp + g, r1 = r0 + 8;
+  const float hs0 = hs[r0], hs1 = hs[r1];
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+  float o[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.0f;
+  wgmma::fence_operands(o);  // pinned here (C7515, as in the tile kernel)
+  const uint32_t qb = sbase + kPairQOff, kb = kbuf(wg);
+  float s[32];
+  uint32_t pa[16];  // P as bf16 pairs: the A fragments of the local PV (4 per k16 step)
+
+  // S += Q Kw^T over slabs [sl0, sl1) of this warpgroup's buffer once its half is ready.
+  auto issue_s = [&](int p, int h, bool first) {
+    mbar_wait(ready(wg, h), p & 1);
+    wgmma::fence_proxy_async();  // the cp.async rows, written through the generic proxy
+    wgmma::fence_operands(s);
+    wgmma::fence();
+#pragma unroll
+    for (int k = h ? 16 : 0; k < (h ? kD / 16 : 16); ++k) {
+      const uint32_t off = (k / 4) * kSlabBytes + (k % 4) * 32;
+      wgmma::m64n64k16_bf16(s, wgmma::desc_k_major(qb + off), wgmma::desc_k_major(kb + off),
+                            first && k == (h ? 16 : 0) ? 0 : 1);
+    }
+    wgmma::commit();
+  };
+  // Scales and masks S, returns this thread's two rows' maxima over the tile (quad-reduced).
+  auto mask_max = [&](float& mx0, float& mx1) {
+    const uint8_t* vf = valid + wg * kKeys;
+    mx0 = -INFINITY;
+    mx1 = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int c = 8 * j + 2 * tq;
+      const bool v0 = vf[c], v1 = vf[c + 1];
+      s[4 * j + 0] = v0 ? s[4 * j + 0] * hs0 : -INFINITY;
+      s[4 * j + 1] = v1 ? s[4 * j + 1] * hs0 : -INFINITY;
+      s[4 * j + 2] = v0 ? s[4 * j + 2] * hs1 : -INFINITY;
+      s[4 * j + 3] = v1 ? s[4 * j + 3] * hs1 : -INFINITY;
+      mx0 = fmaxf(mx0, fmaxf(s[4 * j + 0], s[4 * j + 1]));
+      mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+    }
+#pragma unroll
+    for (int d = 1; d <= 2; d <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, d));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, d));
+    }
+  };
+  auto rescale = [&](float c0, float c1) {
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      o[4 * j + 0] *= c0;
+      o[4 * j + 1] *= c0;
+      o[4 * j + 2] *= c1;
+      o[4 * j + 3] *= c1;
+    }
+    l_run[0] *= c0;
+    l_run[1] *= c1;
+  };
+  auto corr = [](float m_old, float m_new) { return m_new == -INFINITY ? 1.0f : __expf(m_old - m_new); };
+  // P = e^(S - m) in s (f32) and pa (bf16); adds the bf16 values to the row sums.
+  auto exp_rows = [&](float m0, float m1) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const float m = (j & 1) ? m1 : m0;
+      const float x0 = m == -INFINITY ? 0.0f : __expf(s[2 * j] - m);
+      const float x1 = m == -INFINITY ? 0.0f : __expf(s[2 * j + 1] - m);
+      const __nv_bfloat162 v = __floats2bfloat162_rn(x0, x1);
+      pa[j] = *reinterpret_cast<const uint32_t*>(&v);
+      s[2 * j] = x0;
+      s[2 * j + 1] = x1;
+      l_run[j & 1] += __low2float(v) + __high2float(v);
+    }
+  };
+  // Stores P (bf16 pairs pv[16], this thread's fragment) as the K-major A operand at sp.
+  auto store_p = [&](uint32_t sp_off, const uint32_t (&pv)[16]) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {  // keys 8j + 2tq, 8j + 2tq + 1: chunk j of the head's row
+      *reinterpret_cast<uint32_t*>(sgen + sp_off + r0 * 128 + ((j ^ (r0 % 8)) << 4) + 4 * tq) = pv[2 * j];
+      *reinterpret_cast<uint32_t*>(sgen + sp_off + r1 * 128 + ((j ^ (r1 % 8)) << 4) + 4 * tq) = pv[2 * j + 1];
+    }
+  };
+  // O += P V over V columns [256 c, 256 c + 256) of buffer vb: P from registers (local) or
+  // shared memory at sp (remote).
+  auto pv_local = [&](uint32_t vb, int c) {
+    wgmma::fence_operands(o);
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk) {
+      const uint32_t f[4] = {pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3]};
+      wgmma::m64n256k16_bf16_rs_bn(o, f, wgmma::desc_sw128(vb + 4 * c * kSlabBytes + kk * 16 * 128, kSlabBytes, 1024),
+                                   1);
+    }
+    wgmma::commit();
+  };
+  auto pv_remote = [&](uint32_t vb, int c, uint32_t sp) {
+    wgmma::fence_operands(o);
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk)
+      wgmma::m64n256k16_bf16_bn(o, wgmma::desc_k_major(sp + kk * 32),
+                                wgmma::desc_sw128(vb + 4 * c * kSlabBytes + kk * 16 * 128, kSlabBytes, 1024), 1);
+    wgmma::commit();
+  };
+  auto release = [&](int b, int h) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(free_(b, h));
+  };
+
+  if (wg == 0) {
+    if (npairs > 0) {
+      issue_s(0, 0, true);
+      issue_s(0, 1, false);
+      wgmma::wait<0>();
+      wgmma::fence_operands(s);
+    }
+    for (int p = 0; p < npairs; ++p) {
+      float mx0, mx1;
+      mask_max(mx0, mx1);
+      const float m0 = fmaxf(m_run[0], mx0), m1 = fmaxf(m_run[1], mx1);
+      rescale(corr(m_run[0], m0), corr(m_run[1], m1));
+      exp_rows(m0, m1);
+      if (tq == 0) {
+        smax[r0] = m0;
+        smax[r1] = m1;
+      }
+      named_arrive(kBarMax0);
+      pv_local(kbuf(0), 0);  // O[:, :256] += P0 V0[:, :256]
+      wgmma::wait<0>();
+      wgmma::fence_operands(o);
+      wgmma::fence_operands(pa);
+      release(0, 0);
+      named_sync(kBarMax1);  // warpgroup 1's max m' (>= m0)
+      const float f0 = corr(m0, smax[r0]), f1 = corr(m1, smax[r1]);
+      m_run[0] = smax[r0];
+      m_run[1] = smax[r1];
+      uint32_t p0[16];
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const __nv_bfloat162 v = __floats2bfloat162_rn(s[2 * j] * ((j & 1) ? f1 : f0), s[2 * j + 1] * ((j & 1) ? f1 : f0));
+        p0[j] = *reinterpret_cast<const uint32_t*>(&v);
+      }
+      store_p(kPairP0Off, p0);
+      wgmma::fence_proxy_async();
+      named_arrive(kBarP0);
+      named_sync(kBarP1);  // P1 in shared memory
+      rescale(f0, f1);
+      pv_remote(kbuf(1), 0, sbase + kPairP1Off);  // O[:, :256] += P1 V1[:, :256]
+      if (p + 1 < npairs) {
+        issue_s(p + 1, 0, true);
+        wgmma::wait<1>();  // the remote PV retired: K1's left half is free
+        release(1, 0);
+        issue_s(p + 1, 1, false);
+        wgmma::wait<0>();
+        wgmma::fence_operands(s);
+      } else {
+        wgmma::wait<0>();
+        release(1, 0);
+      }
+      wgmma::fence_operands(o);
+    }
+  } else {
+    for (int p = 0; p < npairs; ++p) {
+      issue_s(p, 1, true);
+      issue_s(p, 0, false);
+      wgmma::wait<0>();
+      wgmma::fence_operands(s);
+      float mx0, mx1;
+      mask_max(mx0, mx1);
+      named_sync(kBarMax0);  // warpgroup 0's m0 = max(m, its tile)
+      const float m0 = fmaxf(smax[r0], mx0), m1 = fmaxf(smax[r1], mx1);
+      rescale(corr(m_run[0], m0), corr(m_run[1], m1));
+      m_run[0] = m0;
+      m_run[1] = m1;
+      exp_rows(m0, m1);
+      if (tq == 0) {
+        smax[r0] = m0;
+        smax[r1] = m1;
+      }
+      named_arrive(kBarMax1);
+      pv_local(kbuf(1), 1);  // O[:, 256:] += P1 V1[:, 256:]
+      store_p(kPairP1Off, pa);
+      named_sync(kBarP0);  // P0 (at m') in K0's RoPE slab
+      pv_remote(kbuf(0), 1, sbase + kPairP0Off);  // O[:, 256:] += P0 V0[:, 256:]
+      wgmma::fence_proxy_async();                 // P1, written through the generic proxy
+      named_arrive(kBarP1);
+      wgmma::wait<1>();
+      wgmma::fence_operands(pa);
+      release(1, 1);
+      wgmma::wait<0>();
+      wgmma::fence_operands(o);
+      release(0, 1);
+    }
+  }
+
+  // Row sums: quad, then the two warpgroups in order; lse (natural log); normalised output.
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    l_run[rr] += __shfl_xor_sync(0xffffffffu, l_run[rr], 1);
+    l_run[rr] += __shfl_xor_sync(0xffffffffu, l_run[rr], 2);
+  }
+  if (tq == 0) {
+    ssum[wg * kHeads + r0] = l_run[0];
+    ssum[wg * kHeads + r1] = l_run[1];
+  }
+  consumer_sync();
+  const float l0 = ssum[r0] + ssum[kHeads + r0], l1 = ssum[r1] + ssum[kHeads + r1];
+  const float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+  const int64_t base = static_cast<int64_t>(t) * a.H + h0;
+  if (wg == 0 && tq == 0) {
+    if (r0 < HB) a.lse[base + r0] = l0 > 0.0f ? m_run[0] + logf(l0) : -INFINITY;
+    if (r1 < HB) a.lse[base + r1] = l1 > 0.0f ? m_run[1] + logf(l1) : -INFINITY;
+  }
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+    const int col = 256 * wg + 8 * j + 2 * tq;
+    if (r0 < HB) __stcs(reinterpret_cast<float2*>(a.out + (base + r0) * kR + col), make_float2(o[4 * j] * inv0, o[4 * j + 1] * inv0));
+    if (r1 < HB)
+      __stcs(reinterpret_cast<float2*>(a.out + (base + r1) * kR + col), make_float2(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1));
+  }
+}
+
 int skip_mask() {
   const char* v = std::getenv("ML4_MLA_PREFILL_SKIP");
   return v ? std::atoi(v) : 0;
@@ -555,7 +946,7 @@ int64_t cap_pages(int64_t num_slots, int64_t T, int topk, int64_t scratch_pages)
 
 bool mla_prefill_supported(int r, int dr, int row_bytes) { return r == kR && dr == kDr && row_bytes == kRowBytes; }
 
-size_t mla_prefill_smem_bytes() { return kSmemBytes; }
+size_t mla_prefill_smem_bytes() { return std::max(kSmemBytes, kPairSmemBytes); }
 
 size_t mla_prefill_workspace_bytes(int64_t num_slots, int64_t T, int topk, int64_t scratch_pages) {
   const int64_t num_pages = (num_slots + kPageTokens - 1) / kPageTokens;
@@ -563,7 +954,7 @@ size_t mla_prefill_workspace_bytes(int64_t num_slots, int64_t T, int topk, int64
   return scratch_offset(num_pages, cap) + static_cast<size_t>(cap) * kPageTokens * kRowBf16Bytes;
 }
 
-cudaError_t launch_mla_prefill(const Args& a, void* workspace, int64_t scratch_pages, cudaStream_t stream) {
+cudaError_t launch_mla_prefill(const Args& a, void* workspace, int64_t scratch_pages, bool pairs, cudaStream_t stream) {
   const int64_t num_pages = (a.num_slots + kPageTokens - 1) / kPageTokens;
   const int64_t cap = cap_pages(a.num_slots, a.T, a.topk, scratch_pages);
   const Workspace w = carve(workspace, num_pages, cap);
@@ -581,9 +972,16 @@ cudaError_t launch_mla_prefill(const Args& a, void* workspace, int64_t scratch_p
     e = cudaGetLastError();
     if (e != cudaSuccess) return e;
   }
+  const dim3 grid(static_cast<unsigned>(a.T), 1, static_cast<unsigned>((a.H + kHeads - 1) / kHeads));
+  if (pairs) {
+    e = cudaFuncSetAttribute(mla_prefill_pairs_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kPairSmemBytes);
+    if (e != cudaSuccess) return e;
+    launch_kernel(mla_prefill_pairs_kernel, grid, kThreads, kPairSmemBytes, stream, a,
+                  static_cast<const int32_t*>(w.page_map), static_cast<const uint8_t*>(w.scratch));
+    return cudaGetLastError();
+  }
   e = cudaFuncSetAttribute(mla_prefill_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (e != cudaSuccess) return e;
-  const dim3 grid(static_cast<unsigned>(a.T), 1, static_cast<unsigned>((a.H + kHeads - 1) / kHeads));
   launch_kernel(mla_prefill_kernel, grid, kThreads, kSmemBytes, stream, a, static_cast<const int32_t*>(w.page_map),
                 static_cast<const uint8_t*>(w.scratch), skip);
   return cudaGetLastError();

@@ -51,6 +51,7 @@ __device__ __forceinline__ void fence_operands(float (&d)[N]) {
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
       "+f"(d[i + 7])
 #define ML4_WGMMA_ACC16(d) ML4_WGMMA_ACC8(d, 0), ML4_WGMMA_ACC8(d, 8)
+#define ML4_WGMMA_ACC32(d) ML4_WGMMA_ACC16(d), ML4_WGMMA_ACC8(d, 16), ML4_WGMMA_ACC8(d, 24)
 #define ML4_WGMMA_ACC64(d) \
   ML4_WGMMA_ACC8(d, 0), ML4_WGMMA_ACC8(d, 8), ML4_WGMMA_ACC8(d, 16), ML4_WGMMA_ACC8(d, 24), ML4_WGMMA_ACC8(d, 32), \
       ML4_WGMMA_ACC8(d, 40), ML4_WGMMA_ACC8(d, 48), ML4_WGMMA_ACC8(d, 56)
@@ -58,8 +59,9 @@ __device__ __forceinline__ void fence_operands(float (&d)[N]) {
   ML4_WGMMA_ACC64(d), ML4_WGMMA_ACC8(d, 64), ML4_WGMMA_ACC8(d, 72), ML4_WGMMA_ACC8(d, 80), ML4_WGMMA_ACC8(d, 88), \
       ML4_WGMMA_ACC8(d, 96), ML4_WGMMA_ACC8(d, 104), ML4_WGMMA_ACC8(d, 112), ML4_WGMMA_ACC8(d, 120)
 #define ML4_WGMMA_REGS16 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
-#define ML4_WGMMA_REGS64 ML4_WGMMA_REGS16 ", " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+#define ML4_WGMMA_REGS32 ML4_WGMMA_REGS16 ", " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define ML4_WGMMA_REGS64 ML4_WGMMA_REGS32 ", " \
   "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
   "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
 #define ML4_WGMMA_REGS128 ML4_WGMMA_REGS64 ", " \
@@ -74,6 +76,15 @@ __device__ __forceinline__ void m64n32k16_bf16(float (&d)[16], uint64_t da, uint
                "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {" ML4_WGMMA_REGS16
                "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
                : ML4_WGMMA_ACC16(d)
+               : "l"(da), "l"(db), "r"(accumulate));
+}
+
+// d[64 x 64] (+)= A[64 x 16] . B[64 x 16]^T: A and B K-major bf16.
+__device__ __forceinline__ void m64n64k16_bf16(float (&d)[32], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" ML4_WGMMA_REGS32
+               "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+               : ML4_WGMMA_ACC32(d)
                : "l"(da), "l"(db), "r"(accumulate));
 }
 
@@ -101,6 +112,26 @@ __device__ __forceinline__ void m64n256k16_bf16_bn(float (&d)[128], uint64_t da,
                "}, %128, %129, p, 1, 1, 0, 1;\n}\n"
                : ML4_WGMMA_ACC128(d)
                : "l"(da), "l"(db), "r"(accumulate));
+}
+
+// d[64 x 256] (+)= A[64 x 16] . B[16 x 256] with A in registers (a[4]: the bf16 pairs of an
+// m64n16 accumulator fragment, a[0] row g cols 2t, 2t + 1; a[1] row g + 8; a[2], a[3] the same
+// 8 columns on), B N-major bf16. The caller keeps a unchanged (fence_operands) until a wait
+// has retired the MMA: the registers are read asynchronously.
+__device__ __forceinline__ void m64n256k16_bf16_rs_bn(float (&d)[128], const uint32_t (&a)[4], uint64_t db,
+                                                      int accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" ML4_WGMMA_REGS128
+               "}, {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
+               : ML4_WGMMA_ACC128(d)
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
+}
+
+// The u32 form of fence_operands (register A fragments).
+template <int N>
+__device__ __forceinline__ void fence_operands(uint32_t (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(d[i])::"memory");
 }
 
 }  // namespace ml4::cuda::wgmma

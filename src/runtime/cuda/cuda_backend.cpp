@@ -61,6 +61,7 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const ModelConfig& cfg,
   b->cfg_ = cfg;
   b->opts_ = opts;
   if (const char* v = std::getenv("ML4_MLA_PREFILL"); v && v[0] == '0') b->opts_.mla_prefill_kernel = false;
+  if (const char* v = std::getenv("ML4_MLA_PREFILL_PAIRS"); v && v[0] == '0') b->opts_.mla_prefill_pairs = false;
   b->synthetic_seed_ = synthetic_seed;
   b->max_model_len_ = max_model_len;
   ML4_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&b->stream_, cudaStreamNonBlocking));
@@ -890,6 +891,7 @@ Status CudaBackend::mla_attention(const MlaArgs& a) {
   ap.lse = a.lse;
   ap.math = opts_.exact_activations ? MlaMath::kF32 : MlaMath::kBf16TensorCore;
   ap.prefill_kernel = opts_.mla_prefill_kernel && a.selection >= 0;
+  ap.prefill_pairs = opts_.mla_prefill_pairs;
   ap.stream = stream_;
   size_t need = mla_attention_workspace_bytes(ap);
   // A step whose block tables span more pages than kMaxPrefillScratchBytes of bf16 scratch holds

@@ -66,6 +66,9 @@ struct CudaBackendOptions {
   // (ops/cuda/attention_prefill.cu; MlaAttentionParams::prefill_kernel). ML4_MLA_PREFILL=0 turns
   // it off (A/B against the decode kernel in `ml4 bench step`).
   bool mla_prefill_kernel = true;
+  // Its pair schedule (MlaAttentionParams::prefill_pairs); ML4_MLA_PREFILL_PAIRS=0 takes the
+  // tile schedule.
+  bool mla_prefill_pairs = true;
   // RunnerOptions::experts_to_mxfp4: routed FP8 experts re-quantized to MXFP4 on the device
   // as they are uploaded (ops/cuda/requant.h); needs fp4_weights.
   bool experts_to_mxfp4 = false;
@@ -233,6 +236,7 @@ class CudaBackend : public Backend {
   void set_moe_gemm_overlap(bool on) { opts_.moe_gemm_overlap = on; }
   void set_moe_gemm_tall(bool on) { opts_.moe_gemm_tall = on; }
   void set_moe_gemm_group_major(bool on) { opts_.moe_gemm_group_major = on; }
+  void set_mla_prefill_pairs(bool on) { opts_.mla_prefill_pairs = on; }
   void set_fused_indexer(bool on) { opts_.fused_indexer = on; }
   void set_grouped_moe_gemm(bool on) {  // the next step reserves (or drops) the path's buffers
     opts_.grouped_moe_gemm = on;

@@ -210,6 +210,11 @@ class CudaRunner : public ModelRunner {
     backend_->set_moe_gemm_group_major(on);
     graphs_.clear();
   }
+  // The MLA prefill kernel's schedule (CudaBackendOptions::mla_prefill_pairs), for the step bench.
+  void set_mla_prefill_pairs(bool on) {
+    backend_->set_mla_prefill_pairs(on);
+    graphs_.clear();
+  }
   void set_grouped_moe_gemm(bool on) {
     opts_.grouped_moe_gemm = on;
     backend_->set_grouped_moe_gemm(on);

@@ -329,6 +329,17 @@ int run_step_bench(const StepBenchOptions& opt) {
         std::printf("PREFILL_PROFILE tokens=%ld moe=%s absorb=%s %s ms=%.3f\n", static_cast<long>(n), moe, abs,
                     k.c_str(), v);
     }
+    // The defaults with the MLA prefill kernel's tile schedule (ML4_MLA_PREFILL_PAIRS=0), against
+    // the last line's pair schedule.
+    {
+      r.set_mla_prefill_pairs(false);
+      std::string failed;
+      const double ms = time_step(r, in, 1, 3, &failed);
+      r.set_mla_prefill_pairs(true);
+      if (ms >= 0)
+        std::printf("PREFILL tokens=%ld moe=grouped_gemm_overlap_group_major absorb=gemm_tf32 mla=tiles ms=%.1f tok_s=%.0f\n",
+                    static_cast<long>(n), ms, n / ms * 1e3);
+    }
     r.set_absorb_gemm(true);  // the defaults
     r.set_moe_gemm_overlap(true);
     r.set_moe_gemm_tall(CudaRunnerOptions{}.moe_gemm_tall);
