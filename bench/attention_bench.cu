@@ -200,6 +200,50 @@ int main() {
       }
     }
   }
+  // 0b. The indexer's FP8 scores of a causal prefill (issue 18): one sequence of T = 4096 / 8192
+  // tokens, token t scoring keys [0, t] (64 heads x 128), one token a block against four tokens
+  // a block sharing their key pages (IndexerScoresParams::tokens_per_block), same inputs, same run.
+  //   flop = 2 * 64 * 128 * sum_t (t + 1)   (68.7 GFLOP at 4096, 275 GFLOP at 8192)
+  for (int64_t T : {4096, 8192}) {
+    const int dIx = 128, HIx = 64;
+    const int64_t npages = T / kPageTokens;
+    DeviceBuffer ic = must_alloc(static_cast<size_t>(npages) * indexer_page_bytes(dIx));
+    BENCH_CHECK(fill_uniform_e4m3(ic.data(), static_cast<int64_t>(npages * indexer_page_bytes(dIx)), 43, -100, 100, s));
+    std::vector<int32_t> bt(npages), seq(T, 0), len(T);
+    std::iota(bt.begin(), bt.end(), 0);
+    std::shuffle(bt.begin(), bt.end(), rng);
+    std::iota(len.begin(), len.end(), 1);
+    DeviceBuffer d_bt = upload(bt), d_seq = upload(seq), d_len = upload(len);
+    DeviceBuffer q = must_alloc(size_t{1} * T * HIx * dIx), qs = must_alloc(size_t{4} * T * HIx),
+                 w = must_alloc(size_t{4} * T * HIx), sc = must_alloc(size_t{4} * T * T);
+    BENCH_CHECK(fill_uniform_e4m3(q.data(), T * HIx * dIx, 44, -100, 100, s));
+    BENCH_CHECK(fill_uniform_f32(qs.as<float>(), T * HIx, 45, 0.01f, 0.02f, s));
+    BENCH_CHECK(fill_uniform_f32(w.as<float>(), T * HIx, 46, -0.1f, 0.1f, s));
+    IndexerScoresParams ip;
+    ip.q = q.data();
+    ip.q_scale = qs.as<float>();
+    ip.weights = w.as<float>();
+    ip.cache = ic.data();
+    ip.num_blocks = npages;
+    ip.block_table = d_bt.as<int32_t>();
+    ip.block_table_stride = npages;
+    ip.seq_of_token = d_seq.as<int32_t>();
+    ip.lengths = d_len.as<int32_t>();
+    ip.T = T;
+    ip.HI = HIx;
+    ip.max_length = static_cast<int>(T);
+    ip.scores = sc.as<float>();
+    ip.scores_stride = T;
+    ip.math = IndexerMath::kFp8TensorCore;
+    ip.stream = s;
+    const double flop = 2.0 * HIx * dIx * (double(T) * (T + 1) / 2);
+    for (int tq : {1, 4}) {
+      ip.tokens_per_block = tq;
+      const double ms = bench::median_ms(s, 2, 10, [&](int) { BENCH_CHECK(indexer_scores(ip)); });
+      std::printf("ATTN indexer_prefill_scores T=%lld HI=%d tokens_per_block=%d: %.3f ms, %.1f TFLOP/s\n",
+                  static_cast<long long>(T), HIx, tq, ms, flop / (ms * 1e9));
+    }
+  }
   if (const char* only = std::getenv("ML4_ATTN_BENCH"); only && std::string(only) == "prefill") {
     BENCH_CUDA(cudaStreamDestroy(s));
     return 0;

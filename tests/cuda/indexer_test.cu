@@ -101,7 +101,11 @@ TEST(CudaIndexer, ScoresAndTopkMatchCpu) {
       auto d_seq = to_device(seq_of);
       auto d_len = to_device(lengths);
       std::vector<std::vector<float>> runs;
-      for (int rep = 0; rep < 2; ++rep) {
+      // Runs 0 and 1 one token a block, run 2 (FP8 tensor cores) four tokens a block sharing
+      // their keys (tokens_per_block; the groups here mix sequences 0-2 and 0, then hold only
+      // sequence 0): the same bits as run 0.
+      const int nruns = math == IndexerMath::kFp8TensorCore ? 3 : 2;
+      for (int rep = 0; rep < nruns; ++rep) {
         auto d_scores = poisoned<float>(T * stride);
         IndexerScoresParams p;
         p.q = d_q.data();
@@ -120,11 +124,15 @@ TEST(CudaIndexer, ScoresAndTopkMatchCpu) {
         p.scores = d_scores.as<float>();
         p.scores_stride = stride;
         p.math = math;
+        p.tokens_per_block = rep == 2 ? 4 : 1;
         ML4_ASSERT_OK(indexer_scores(p));
         ML4_ASSERT_OK(cuda_status(cudaDeviceSynchronize(), "sync"));
         runs.push_back(to_host<float>(d_scores, T * stride));
       }
       EXPECT_EQ(0, std::memcmp(runs[0].data(), runs[1].data(), runs[0].size() * 4)) << "repeat run differs";
+      if (nruns == 3)
+        EXPECT_EQ(0, std::memcmp(runs[0].data(), runs[2].data(), runs[0].size() * 4))
+            << "4 tokens a block differ from 1 (HI " << HI << ")";
       const auto& got = runs[0];
 
       // f64 reference; CPU f32 reference for the top-k comparison.

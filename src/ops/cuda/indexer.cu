@@ -30,6 +30,9 @@ constexpr int kPagesPerBlock = 4;
 constexpr int kDim = 128;
 constexpr int kRow = kDim + 4;  // padded f32 row
 constexpr int kHeadsPerThread = kIndexerMaxHeads / 4;
+// Steps of at least this many tokens group 4 tokens a block in the FP8 scores kernel (prefill):
+// decode-sized steps keep one token a block, whose tokens are mostly of different sequences.
+constexpr int64_t kGroupTokensFrom = 256;
 
 __device__ __forceinline__ float e4m3_f32(uint8_t b) {
   __nv_fp8_e4m3 v;
@@ -136,12 +139,17 @@ __global__ void __launch_bounds__(kThreads) indexer_scores_kernel(
   }
 }
 
-// FP8 tensor-core variant: grid (T, chunks of kPagesPerBlock pages), 256 threads = 8 warps.
-// Per page, S[key][head] = k8 . q8 as mma.sync m16n8k32 e4m3 (A = keys, row-major; B = q,
-// "column-major" = q rows as stored). Warp w: key tile w % 4 (16 keys), head n-tiles
-// [4 (w / 4), +4) of 8 heads. Fragment layout (PTX ISA, mma.m16n8k32 for 8-bit types): A reg i
-// holds 4 consecutive k of row g (+8 for regs 1, 3) at k = 4 tq (+16 for regs 2, 3); B reg i
-// holds k = 4 tq (+16) of column g; C as for m16n8k16. Rows padded to 144 B (bank spread).
+// FP8 tensor-core variant: grid (token groups of TQ, chunks of kPagesPerBlock pages), 256
+// threads = 8 warps. Per page, S[key][head] = k8 . q8 as mma.sync m16n8k32 e4m3 (A = keys,
+// row-major; B = q, "column-major" = q rows as stored). Warp w: key tile w % 4 (16 keys), head
+// n-tiles [4 (w / 4), +4) of 8 heads. Fragment layout (PTX ISA, mma.m16n8k32 for 8-bit types): A
+// reg i holds 4 consecutive k of row g (+8 for regs 1, 3) at k = 4 tq (+16 for regs 2, 3); B reg
+// i holds k = 4 tq (+16) of column g; C as for m16n8k16. Rows padded to 144 B (bank spread).
+// TQ = 4 (prefill, IndexerScoresParams::tokens_per_block): the block's tokens of one sequence
+// share each page's keys in shared memory and each key fragment feeds the MMAs of all of them
+// (with TQ = 1 every token reloaded its keys: ~1 GB of key reads a layer at 4096 tokens, the
+// kernel at ~200 TFLOP/s). Tokens of different sequences in a group take turns, one sequence
+// at a time. Per token the MMAs and sums run in the same order for any TQ: the same bits.
 constexpr int kRowB = kDim + 16;
 
 __device__ __forceinline__ void mma_e4m3(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
@@ -152,97 +160,146 @@ __device__ __forceinline__ void mma_e4m3(float* c, const uint32_t* a, uint32_t b
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Dynamic shared memory: q [TQ][heads][kRowB], keys [64][kRowB], wq [TQ][heads], kscale [64],
+// red [2][TQ][64].
+constexpr size_t fp8_smem_bytes(int tq) {
+  return static_cast<size_t>(tq) * kIndexerMaxHeads * kRowB + kPageTokens * kRowB +
+         4 * (static_cast<size_t>(tq) * kIndexerMaxHeads + kPageTokens + 2 * tq * kPageTokens);
+}
+
+template <int TQ>
 __global__ void __launch_bounds__(kThreads) indexer_fp8_kernel(
     const uint8_t* __restrict__ q, const float* __restrict__ q_scale, const float* __restrict__ weights,
     const uint8_t* __restrict__ cache, int64_t num_blocks, const int32_t* __restrict__ block_table,
     int64_t bt_stride, const int32_t* __restrict__ seq_of_token, const int32_t* __restrict__ lengths, int HI,
-    float w_scale, float* __restrict__ scores, int64_t scores_stride) {
+    float w_scale, float* __restrict__ scores, int64_t scores_stride, int64_t T) {
   pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
   pdl_launch_dependents();
-  __shared__ __align__(16) uint8_t qs[kIndexerMaxHeads * kRowB];
-  __shared__ __align__(16) uint8_t ks[kPageTokens * kRowB];
-  __shared__ float wq[kIndexerMaxHeads], kscale[kPageTokens], red[2][kPageTokens];
+  extern __shared__ __align__(16) uint8_t fp8_smem[];
+  uint8_t* qs = fp8_smem;
+  uint8_t* ks = qs + TQ * kIndexerMaxHeads * kRowB;
+  float* wq = reinterpret_cast<float*>(ks + kPageTokens * kRowB);
+  float* kscale = wq + TQ * kIndexerMaxHeads;
+  float* red = kscale + kPageTokens;  // [2][TQ][64]
   __shared__ int64_t page_id;
-  const int64_t t = blockIdx.x;
-  const int len = lengths[t];
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * TQ;
   const int page0 = blockIdx.y * kPagesPerBlock;
-  if (page0 * kPageTokens >= len) return;
+  int lens[TQ], seqs[TQ];
+  uint32_t todo = 0;  // the group's tokens with keys in this chunk
+#pragma unroll
+  for (int i = 0; i < TQ; ++i) {
+    const bool in = t0 + i < T;
+    lens[i] = in ? lengths[t0 + i] : 0;
+    seqs[i] = in ? seq_of_token[t0 + i] : -1;
+    if (in && page0 * kPageTokens < lens[i]) todo |= 1u << i;
+  }
+  if (!todo) return;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, tq = lane & 3, mt = warp & 3, hh = warp >> 2;
-  const int seq = seq_of_token[t];
   const int nt_total = (HI + 7) / 8;
-  for (int i = tid; i < kIndexerMaxHeads * (kDim / 16); i += kThreads) {
-    const int h = i / (kDim / 16), c = i % (kDim / 16);
+  for (int i = tid; i < TQ * kIndexerMaxHeads * (kDim / 16); i += kThreads) {
+    const int tk = i / (kIndexerMaxHeads * (kDim / 16)), h = i / (kDim / 16) % kIndexerMaxHeads, c = i % (kDim / 16);
     uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (h < HI) v = *reinterpret_cast<const uint4*>(q + (t * HI + h) * kDim + 16 * c);
-    *reinterpret_cast<uint4*>(qs + h * kRowB + 16 * c) = v;
+    if (h < HI && ((todo >> tk) & 1)) v = *reinterpret_cast<const uint4*>(q + ((t0 + tk) * HI + h) * kDim + 16 * c);
+    *reinterpret_cast<uint4*>(qs + (tk * kIndexerMaxHeads + h) * kRowB + 16 * c) = v;
   }
-  for (int h = tid; h < kIndexerMaxHeads; h += kThreads)
-    wq[h] = h < HI ? weights[t * HI + h] * w_scale * q_scale[t * HI + h] : 0.0f;
+  for (int i = tid; i < TQ * kIndexerMaxHeads; i += kThreads) {
+    const int tk = i / kIndexerMaxHeads, h = i % kIndexerMaxHeads;
+    const int64_t th = (t0 + tk) * HI + h;
+    wq[i] = h < HI && ((todo >> tk) & 1) ? weights[th] * w_scale * q_scale[th] : 0.0f;
+  }
   const int64_t page_bytes = kPageTokens * (kDim + 4);
-  for (int pg = page0; pg < page0 + kPagesPerBlock && pg * kPageTokens < len; ++pg) {
-    __syncthreads();
-    if (tid == 0) {
-      const int64_t b = block_table[seq * bt_stride + pg];
-      page_id = (b >= 0 && b < num_blocks) ? b : -1;
-    }
-    __syncthreads();
-    const int64_t b = page_id;
-    if (b < 0) {
-      if (tid < kPageTokens && pg * kPageTokens + tid < len)
-        scores[t * scores_stride + pg * kPageTokens + tid] = -__int_as_float(0x7f800000);
-      continue;
-    }
-    const uint8_t* page = cache + b * page_bytes;
-    for (int i = tid; i < kPageTokens * (kDim / 16); i += kThreads) {
-      const int s = i / (kDim / 16), c = i % (kDim / 16);
-      *reinterpret_cast<uint4*>(ks + s * kRowB + 16 * c) = *reinterpret_cast<const uint4*>(page + s * kDim + 16 * c);
-    }
-    if (tid < kPageTokens) kscale[tid] = reinterpret_cast<const float*>(page + kPageTokens * kDim)[tid];
-    __syncthreads();
-    float acc[4][4];
+  while (todo) {
+    // The next sequence's tokens in the group (uniform over the block).
+    const int seq = seqs[__ffs(todo) - 1];
+    uint32_t m = 0;
+    int len = 0;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-    const uint8_t* ka = ks + (16 * mt + g) * kRowB + 4 * tq;
+    for (int i = 0; i < TQ; ++i)
+      if (((todo >> i) & 1) && seqs[i] == seq) {
+        m |= 1u << i;
+        len = max(len, lens[i]);
+      }
+    todo &= ~m;
+    for (int pg = page0; pg < page0 + kPagesPerBlock && pg * kPageTokens < len; ++pg) {
+      __syncthreads();
+      if (tid == 0) {
+        const int64_t b = block_table[seq * bt_stride + pg];
+        page_id = (b >= 0 && b < num_blocks) ? b : -1;
+      }
+      __syncthreads();
+      const int64_t b = page_id;
+      if (b < 0) {
+        for (int i = tid; i < TQ * kPageTokens; i += kThreads) {
+          const int tk = i / kPageTokens, s = pg * kPageTokens + i % kPageTokens;
+          if (((m >> tk) & 1) && s < lens[tk]) scores[(t0 + tk) * scores_stride + s] = -__int_as_float(0x7f800000);
+        }
+        continue;
+      }
+      const uint8_t* page = cache + b * page_bytes;
+      for (int i = tid; i < kPageTokens * (kDim / 16); i += kThreads) {
+        const int s = i / (kDim / 16), c = i % (kDim / 16);
+        *reinterpret_cast<uint4*>(ks + s * kRowB + 16 * c) = *reinterpret_cast<const uint4*>(page + s * kDim + 16 * c);
+      }
+      if (tid < kPageTokens) kscale[tid] = reinterpret_cast<const float*>(page + kPageTokens * kDim)[tid];
+      __syncthreads();
+      float acc[TQ][4][4];
 #pragma unroll
-    for (int k0 = 0; k0 < kDim; k0 += 32) {
-      uint32_t a[4];
-      a[0] = *reinterpret_cast<const uint32_t*>(ka + k0);
-      a[1] = *reinterpret_cast<const uint32_t*>(ka + 8 * kRowB + k0);
-      a[2] = *reinterpret_cast<const uint32_t*>(ka + k0 + 16);
-      a[3] = *reinterpret_cast<const uint32_t*>(ka + 8 * kRowB + k0 + 16);
+      for (int i = 0; i < TQ; ++i)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int nt = 4 * hh + j;
-        if (nt < nt_total) {
-          const uint8_t* qb = qs + (8 * nt + g) * kRowB + 4 * tq + k0;
-          mma_e4m3(acc[j], a, *reinterpret_cast<const uint32_t*>(qb), *reinterpret_cast<const uint32_t*>(qb + 16));
+        for (int j = 0; j < 4; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
+      const uint8_t* ka = ks + (16 * mt + g) * kRowB + 4 * tq;
+#pragma unroll
+      for (int k0 = 0; k0 < kDim; k0 += 32) {
+        uint32_t a[4];
+        a[0] = *reinterpret_cast<const uint32_t*>(ka + k0);
+        a[1] = *reinterpret_cast<const uint32_t*>(ka + 8 * kRowB + k0);
+        a[2] = *reinterpret_cast<const uint32_t*>(ka + k0 + 16);
+        a[3] = *reinterpret_cast<const uint32_t*>(ka + 8 * kRowB + k0 + 16);
+#pragma unroll
+        for (int i = 0; i < TQ; ++i) {
+          if (!((m >> i) & 1)) continue;
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int nt = 4 * hh + j;
+            if (nt < nt_total) {
+              const uint8_t* qb = qs + (i * kIndexerMaxHeads + 8 * nt + g) * kRowB + 4 * tq + k0;
+              mma_e4m3(acc[i][j], a, *reinterpret_cast<const uint32_t*>(qb), *reinterpret_cast<const uint32_t*>(qb + 16));
+            }
+          }
         }
       }
-    }
-    float p0 = 0.f, p1 = 0.f;  // key rows 16 mt + g and + 8
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int h = 8 * (4 * hh + j) + 2 * tq;
-      if (4 * hh + j < nt_total) {
-        p0 = fmaf(wq[h], fmaxf(acc[j][0], 0.f), p0);
-        p0 = fmaf(wq[h + 1], fmaxf(acc[j][1], 0.f), p0);
-        p1 = fmaf(wq[h], fmaxf(acc[j][2], 0.f), p1);
-        p1 = fmaf(wq[h + 1], fmaxf(acc[j][3], 0.f), p1);
+      for (int i = 0; i < TQ; ++i) {
+        if (!((m >> i) & 1)) continue;
+        const float* w = wq + i * kIndexerMaxHeads;
+        float p0 = 0.f, p1 = 0.f;  // key rows 16 mt + g and + 8
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int h = 8 * (4 * hh + j) + 2 * tq;
+          if (4 * hh + j < nt_total) {
+            p0 = fmaf(w[h], fmaxf(acc[i][j][0], 0.f), p0);
+            p0 = fmaf(w[h + 1], fmaxf(acc[i][j][1], 0.f), p0);
+            p1 = fmaf(w[h], fmaxf(acc[i][j][2], 0.f), p1);
+            p1 = fmaf(w[h + 1], fmaxf(acc[i][j][3], 0.f), p1);
+          }
+        }
+        p0 += __shfl_xor_sync(0xffffffffu, p0, 1);
+        p0 += __shfl_xor_sync(0xffffffffu, p0, 2);
+        p1 += __shfl_xor_sync(0xffffffffu, p1, 1);
+        p1 += __shfl_xor_sync(0xffffffffu, p1, 2);
+        if (tq == 0) {
+          red[(hh * TQ + i) * kPageTokens + 16 * mt + g] = p0;
+          red[(hh * TQ + i) * kPageTokens + 16 * mt + g + 8] = p1;
+        }
       }
-    }
-    p0 += __shfl_xor_sync(0xffffffffu, p0, 1);
-    p0 += __shfl_xor_sync(0xffffffffu, p0, 2);
-    p1 += __shfl_xor_sync(0xffffffffu, p1, 1);
-    p1 += __shfl_xor_sync(0xffffffffu, p1, 2);
-    if (tq == 0) {
-      red[hh][16 * mt + g] = p0;
-      red[hh][16 * mt + g + 8] = p1;
-    }
-    __syncthreads();
-    if (tid < kPageTokens) {
-      const int s = pg * kPageTokens + tid;
-      if (s < len) scores[t * scores_stride + s] = (red[0][tid] + red[1][tid]) * kscale[tid];
+      __syncthreads();
+      for (int i = tid; i < TQ * kPageTokens; i += kThreads) {
+        const int tk = i / kPageTokens, key = i % kPageTokens, s = pg * kPageTokens + key;
+        if (((m >> tk) & 1) && s < lens[tk])
+          scores[(t0 + tk) * scores_stride + s] =
+              (red[tk * kPageTokens + key] + red[(TQ + tk) * kPageTokens + key]) * kscale[key];
+      }
     }
   }
 }
@@ -298,9 +355,16 @@ Status indexer_scores(const IndexerScoresParams& p) {
   if (chunks > 65535) return invalid_argument("indexer_scores: max_length {} too large", p.max_length);
   const dim3 grid(static_cast<unsigned>(p.T), static_cast<unsigned>(chunks));
   if (p.math == IndexerMath::kFp8TensorCore) {
-    launch_kernel(indexer_fp8_kernel, grid, kThreads, 0, p.stream, static_cast<const uint8_t*>(p.q), p.q_scale,
-                  p.weights, static_cast<const uint8_t*>(p.cache), p.num_blocks, p.block_table, p.block_table_stride,
-                  p.seq_of_token, p.lengths, p.HI, p.weight_scale, p.scores, p.scores_stride);
+    const int tq = p.tokens_per_block > 0 ? p.tokens_per_block : p.T >= kGroupTokensFrom ? 4 : 1;
+    if (tq != 1 && tq != 4) return invalid_argument("indexer_scores: tokens_per_block = {} (1 or 4)", tq);
+    auto kernel = tq == 4 ? indexer_fp8_kernel<4> : indexer_fp8_kernel<1>;
+    const size_t smem = fp8_smem_bytes(tq);
+    ML4_CUDA_RETURN_IF_ERROR(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    const dim3 g(static_cast<unsigned>((p.T + tq - 1) / tq), static_cast<unsigned>(chunks));
+    launch_kernel(kernel, g, kThreads, smem, p.stream, static_cast<const uint8_t*>(p.q), p.q_scale, p.weights,
+                  static_cast<const uint8_t*>(p.cache), p.num_blocks, p.block_table, p.block_table_stride,
+                  p.seq_of_token, p.lengths, p.HI, p.weight_scale, p.scores, p.scores_stride, p.T);
     return cuda_status(cudaGetLastError(), "indexer_fp8_kernel");
   }
   const size_t smem = smem_bytes(p.HI);

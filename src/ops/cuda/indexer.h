@@ -48,6 +48,9 @@ struct IndexerScoresParams {
   float* scores = nullptr;          // [T, scores_stride] f32
   int64_t scores_stride = 0;        // >= max_length
   IndexerMath math = IndexerMath::kF32;
+  // kFp8TensorCore: query tokens that share a block's key pages, 1 or 4 (the same bits either
+  // way); 0 picks 4 for steps of 256 tokens or more (prefill), else 1.
+  int tokens_per_block = 0;
   cudaStream_t stream = nullptr;
 };
 Status indexer_scores(const IndexerScoresParams& p);
