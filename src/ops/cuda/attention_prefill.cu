@@ -273,6 +273,91 @@ __global__ void __launch_bounds__(256) dequant_pages(const uint8_t* __restrict__
   }
 }
 
+// Key j of token t's list: its cache slot (-1 past n) and the slot's scratch row (null for an
+// invalid slot or an unlisted page). The producers of both schedules resolve keys so.
+struct KeyRows {
+  const int32_t* idx;
+  int n;
+  int64_t num_slots;
+  const int32_t* page_map;
+  const uint8_t* scratch;
+  __device__ __forceinline__ int32_t slot_of(int j) const { return j < n ? idx[j] : -1; }
+  __device__ __forceinline__ const uint8_t* row_of_slot(int32_t s) const {
+    if (s < 0 || s >= num_slots) return nullptr;
+    const int32_t pg = page_map[s / kPageTokens];
+    if (pg < 0) return nullptr;
+    return scratch + (static_cast<int64_t>(pg) * kPageTokens + s % kPageTokens) * kRowBf16Bytes;
+  }
+};
+
+// The consumers' prologue: token t's Q for heads [h0, h0 + HB) -> bf16, swizzled at q_smem (rows
+// >= HB zero), and the head scales into hs. Each thread's 18 pieces of 8 values are loaded 9 at a
+// time (two memory latencies, not 18), streaming (read once: they should not push the indices and
+// the scratch out of L2).
+__device__ __forceinline__ void load_q(const Args& a, int t, int h0, int HB, uint8_t* q_smem, float* hs, int tid) {
+  auto q_src = [&](int i) {  // piece i = (head, 8-value column block) of Q, or null past HB
+    const int h = i / (kD / 8), c = i % (kD / 8);
+    const int64_t th = static_cast<int64_t>(t) * a.H + h0 + h;
+    return h >= HB ? nullptr : c < kR / 8 ? a.q_lat + th * kR + 8 * c : a.q_rope + th * kDr + 8 * (c - kR / 8);
+  };
+  auto q_store = [&](int i, float4 x0, float4 x1) {
+    const int h = i / (kD / 8), c = i % (kD / 8);
+    const uint4 o =
+        make_uint4(pack_bf16(x0.x, x0.y), pack_bf16(x0.z, x0.w), pack_bf16(x1.x, x1.y), pack_bf16(x1.z, x1.w));
+    *reinterpret_cast<uint4*>(q_smem + (c / 8) * kSlabBytes + h * 128 + (((c % 8) ^ (h % 8)) << 4)) = o;
+  };
+  constexpr int kQPieces = kHeads * (kD / 8), kQPerThread = kQPieces / kConsumers, kQBatch = 9;
+  static_assert(kQPieces % kConsumers == 0 && kQPerThread % kQBatch == 0, "Q pieces split evenly");
+#pragma unroll
+  for (int b0 = 0; b0 < kQPerThread; b0 += kQBatch) {
+    float4 x[kQBatch][2];
+#pragma unroll
+    for (int k = 0; k < kQBatch; ++k) {
+      const float* src = q_src(tid + kConsumers * (b0 + k));
+      x[k][0] = src ? __ldcs(reinterpret_cast<const float4*>(src)) : make_float4(0, 0, 0, 0);
+      x[k][1] = src ? __ldcs(reinterpret_cast<const float4*>(src) + 1) : make_float4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int k = 0; k < kQBatch; ++k) q_store(tid + kConsumers * (b0 + k), x[k][0], x[k][1]);
+  }
+  if (tid < kHeads) hs[tid] = tid < HB ? a.head_scale[static_cast<int64_t>(t) * a.H + h0 + tid] : 0.0f;
+}
+
+// The consumers' epilogue: row sums (quad, then the two warpgroups in order, through sums [2][64]
+// in shared memory: deterministic), lse (natural log) by warpgroup 0, the normalised output of
+// warpgroup wg's columns [256 wg, 256 wg + 256) (streaming: written once, read by the next op).
+__device__ __forceinline__ void write_out(const Args& a, int t, int h0, int HB, const float (&o)[128], float (&l)[2],
+                                          const float (&m)[2], float* sums, int wg, int r0, int r1, int tq,
+                                          bool stores) {
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 1);
+    l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 2);
+  }
+  if (tq == 0) {
+    sums[wg * kHeads + r0] = l[0];
+    sums[wg * kHeads + r1] = l[1];
+  }
+  consumer_sync();
+  const float l0 = sums[r0] + sums[kHeads + r0], l1 = sums[r1] + sums[kHeads + r1];
+  const float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+  const int64_t base = static_cast<int64_t>(t) * a.H + h0;
+  if (wg == 0 && tq == 0) {
+    if (r0 < HB) a.lse[base + r0] = l0 > 0.0f ? m[0] + logf(l0) : -INFINITY;
+    if (r1 < HB) a.lse[base + r1] = l1 > 0.0f ? m[1] + logf(l1) : -INFINITY;
+  }
+  if (!stores) return;
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+    const int col = 256 * wg + 8 * j + 2 * tq;
+    if (r0 < HB)
+      __stcs(reinterpret_cast<float2*>(a.out + (base + r0) * kR + col), make_float2(o[4 * j] * inv0, o[4 * j + 1] * inv0));
+    if (r1 < HB)
+      __stcs(reinterpret_cast<float2*>(a.out + (base + r1) * kR + col),
+             make_float2(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1));
+  }
+}
+
 __global__ void __launch_bounds__(kThreads, 1)
     mla_prefill_kernel(const Args a, const int32_t* __restrict__ page_map, const uint8_t* __restrict__ scratch,
                        const int skip) {
@@ -310,14 +395,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (skip & kSkipProducer) return;
     const int ptid = tid - kConsumers, c8 = ptid & 7, kr = ptid >> 3;
     const uint32_t swz = static_cast<uint32_t>((c8 ^ (kr & 7)) << 4);
-    const int32_t* idx = a.indices + static_cast<int64_t>(t) * a.indices_stride;
-    auto slot_of = [&](int j) -> int32_t { return j < n ? idx[j] : -1; };  // key j's slot, -1 past n
-    auto row_of_slot = [&](int32_t s) -> const uint8_t* {                   // its scratch row, or null
-      if (s < 0 || s >= a.num_slots) return nullptr;
-      const int32_t pg = page_map[s / kPageTokens];
-      if (pg < 0) return nullptr;
-      return scratch + (static_cast<int64_t>(pg) * kPageTokens + s % kPageTokens) * kRowBf16Bytes;
-    };
+    const KeyRows keys{a.indices + static_cast<int64_t>(t) * a.indices_stride, n, a.num_slots, page_map, scratch};
+    auto slot_of = [&](int j) { return keys.slot_of(j); };
+    auto row_of_slot = [&](int32_t s) { return keys.row_of_slot(s); };
     auto row_of = [&](int j) { return row_of_slot(slot_of(j)); };
     // Keys resolve in two dependent loads (index, then page map), each issued a tile before its
     // use: tile i's copies go out, then tile i + 1's rows are resolved from the indices loaded
@@ -358,37 +438,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
 
-  // Consumers. Q -> bf16, swizzled (rows >= HB zero); head scales. Each thread's 18 pieces of 8
-  // values are loaded 9 at a time (two memory latencies, not 18), streaming (read once: they
-  // should not push the indices and the scratch out of L2).
-  auto q_src = [&](int i) {  // piece i = (head, 8-value column block) of Q, or null past HB
-    const int h = i / (kD / 8), c = i % (kD / 8);
-    const int64_t th = static_cast<int64_t>(t) * a.H + h0 + h;
-    return h >= HB ? nullptr : c < kR / 8 ? a.q_lat + th * kR + 8 * c : a.q_rope + th * kDr + 8 * (c - kR / 8);
-  };
-  auto q_store = [&](int i, float4 x0, float4 x1) {
-    const int h = i / (kD / 8), c = i % (kD / 8);
-    const uint4 o =
-        make_uint4(pack_bf16(x0.x, x0.y), pack_bf16(x0.z, x0.w), pack_bf16(x1.x, x1.y), pack_bf16(x1.z, x1.w));
-    *reinterpret_cast<uint4*>(sgen + kQOff + (c / 8) * kSlabBytes + h * 128 + (((c % 8) ^ (h % 8)) << 4)) = o;
-  };
-  constexpr int kQPieces = kHeads * (kD / 8), kQPerThread = kQPieces / kConsumers, kQBatch = 9;
-  static_assert(kQPieces % kConsumers == 0 && kQPerThread % kQBatch == 0, "Q pieces split evenly");
+  // Consumers: Q and the head scales (load_q).
   if (!(skip & kSkipQ)) {
-#pragma unroll
-    for (int b0 = 0; b0 < kQPerThread; b0 += kQBatch) {
-      float4 x[kQBatch][2];
-#pragma unroll
-      for (int k = 0; k < kQBatch; ++k) {
-        const float* src = q_src(tid + kConsumers * (b0 + k));
-        x[k][0] = src ? __ldcs(reinterpret_cast<const float4*>(src)) : make_float4(0, 0, 0, 0);
-        x[k][1] = src ? __ldcs(reinterpret_cast<const float4*>(src) + 1) : make_float4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int k = 0; k < kQBatch; ++k) q_store(tid + kConsumers * (b0 + k), x[k][0], x[k][1]);
-    }
+    load_q(a, t, h0, HB, sgen + kQOff, hs, tid);
+  } else if (tid < kHeads) {
+    hs[tid] = tid < HB ? a.head_scale[static_cast<int64_t>(t) * a.H + h0 + tid] : 0.0f;
   }
-  if (tid < kHeads) hs[tid] = tid < HB ? a.head_scale[static_cast<int64_t>(t) * a.H + h0 + tid] : 0.0f;
   wgmma::fence_proxy_async();
   consumer_sync();
 
@@ -509,35 +564,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   wgmma::wait<0>();
   wgmma::fence_operands(o);
 
-  // Row sums: quad, then the two warpgroups in order; lse (natural log); normalised output.
-#pragma unroll
-  for (int rr = 0; rr < 2; ++rr) {
-    l_run[rr] += __shfl_xor_sync(0xffffffffu, l_run[rr], 1);
-    l_run[rr] += __shfl_xor_sync(0xffffffffu, l_run[rr], 2);
-  }
-  if (tq == 0) {
-    rowsum[wg * kHeads + r0] = l_run[0];
-    rowsum[wg * kHeads + r1] = l_run[1];
-  }
-  consumer_sync();
-  const float l0 = rowsum[r0] + rowsum[kHeads + r0], l1 = rowsum[r1] + rowsum[kHeads + r1];
-  const float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
-  const int64_t base = static_cast<int64_t>(t) * a.H + h0;
-  if (wg == 0 && tq == 0) {
-    if (r0 < HB) a.lse[base + r0] = l0 > 0.0f ? m_run[0] + logf(l0) : -INFINITY;
-    if (r1 < HB) a.lse[base + r1] = l1 > 0.0f ? m_run[1] + logf(l1) : -INFINITY;
-  }
-#pragma unroll
-  for (int j = 0; j < 32; ++j) {
-    if (skip & kSkipStores) break;
-    const int col = 256 * wg + 8 * j + 2 * tq;
-    float2* d0 = reinterpret_cast<float2*>(a.out + (base + r0) * kR + col);
-    float2* d1 = reinterpret_cast<float2*>(a.out + (base + r1) * kR + col);
-    const float2 v0 = make_float2(o[4 * j] * inv0, o[4 * j + 1] * inv0);
-    const float2 v1 = make_float2(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
-    if (r0 < HB) __stcs(d0, v0);  // written once, read by the next op: streaming, as the Q loads
-    if (r1 < HB) __stcs(d1, v1);
-  }
+  write_out(a, t, h0, HB, o, l_run, m_run, rowsum, wg, r0, r1, tq, !(skip & kSkipStores));
 }
 
 // ---- The pair schedule (MlaAttentionParams::prefill_pairs; FlashMLA's sm90 sparse prefill
@@ -628,14 +655,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
     const int ptid = tid - kConsumers, c8 = ptid & 7, kr = ptid >> 3;
     const uint32_t swz = static_cast<uint32_t>((c8 ^ (kr & 7)) << 4);
-    const int32_t* idx = a.indices + static_cast<int64_t>(t) * a.indices_stride;
-    auto slot_of = [&](int j) -> int32_t { return j < n ? idx[j] : -1; };
-    auto row_of_slot = [&](int32_t s) -> const uint8_t* {
-      if (s < 0 || s >= a.num_slots) return nullptr;
-      const int32_t pg = page_map[s / kPageTokens];
-      if (pg < 0) return nullptr;
-      return scratch + (static_cast<int64_t>(pg) * kPageTokens + s % kPageTokens) * kRowBf16Bytes;
-    };
+    const KeyRows keys{a.indices + static_cast<int64_t>(t) * a.indices_stride, n, a.num_slots, page_map, scratch};
+    auto slot_of = [&](int j) { return keys.slot_of(j); };
+    auto row_of_slot = [&](int32_t s) { return keys.row_of_slot(s); };
     // Rows of the pair being copied (resolved one pair ahead), slots of the pair after it.
     const uint8_t* src[2][4];
     int32_t next_slot[2][4];
@@ -680,32 +702,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
 
-  // Consumers: Q -> bf16, swizzled, as the tile kernel loads it.
-  auto q_src = [&](int i) {
-    const int h = i / (kD / 8), c = i % (kD / 8);
-    const int64_t th = static_cast<int64_t>(t) * a.H + h0 + h;
-    return h >= HB ? nullptr : c < kR / 8 ? a.q_lat + th * kR + 8 * c : a.q_rope + th * kDr + 8 * (c - kR / 8);
-  };
-  auto q_store = [&](int i, float4 x0, float4 x1) {
-    const int h = i / (kD / 8), c = i % (kD / 8);
-    const uint4 o =
-        make_uint4(pack_bf16(x0.x, x0.y), pack_bf16(x0.z, x0.w), pack_bf16(x1.x, x1.y), pack_bf16(x1.z, x1.w));
-    *reinterpret_cast<uint4*>(sgen + kPairQOff + (c / 8) * kSlabBytes + h * 128 + (((c % 8) ^ (h % 8)) << 4)) = o;
-  };
-  constexpr int kQPieces = kHeads * (kD / 8), kQPerThread = kQPieces / kConsumers, kQBatch = 9;
-#pragma unroll
-  for (int b0 = 0; b0 < kQPerThread; b0 += kQBatch) {
-    float4 x[kQBatch][2];
-#pragma unroll
-    for (int k = 0; k < kQBatch; ++k) {
-      const float* src = q_src(tid + kConsumers * (b0 + k));
-      x[k][0] = src ? __ldcs(reinterpret_cast<const float4*>(src)) : make_float4(0, 0, 0, 0);
-      x[k][1] = src ? __ldcs(reinterpret_cast<const float4*>(src) + 1) : make_float4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int k = 0; k < kQBatch; ++k) q_store(tid + kConsumers * (b0 + k), x[k][0], x[k][1]);
-  }
-  if (tid < kHeads) hs[tid] = tid < HB ? a.head_scale[static_cast<int64_t>(t) * a.H + h0 + tid] : 0.0f;
+  load_q(a, t, h0, HB, sgen + kPairQOff, hs, tid);
   wgmma::fence_proxy_async();
   consumer_sync();
 
@@ -904,31 +901,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 
-  // Row sums: quad, then the two warpgroups in order; lse (natural log); normalised output.
-#pragma unroll
-  for (int rr = 0; rr < 2; ++rr) {
-    l_run[rr] += __shfl_xor_sync(0xffffffffu, l_run[rr], 1);
-    l_run[rr] += __shfl_xor_sync(0xffffffffu, l_run[rr], 2);
-  }
-  if (tq == 0) {
-    ssum[wg * kHeads + r0] = l_run[0];
-    ssum[wg * kHeads + r1] = l_run[1];
-  }
-  consumer_sync();
-  const float l0 = ssum[r0] + ssum[kHeads + r0], l1 = ssum[r1] + ssum[kHeads + r1];
-  const float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
-  const int64_t base = static_cast<int64_t>(t) * a.H + h0;
-  if (wg == 0 && tq == 0) {
-    if (r0 < HB) a.lse[base + r0] = l0 > 0.0f ? m_run[0] + logf(l0) : -INFINITY;
-    if (r1 < HB) a.lse[base + r1] = l1 > 0.0f ? m_run[1] + logf(l1) : -INFINITY;
-  }
-#pragma unroll
-  for (int j = 0; j < 32; ++j) {
-    const int col = 256 * wg + 8 * j + 2 * tq;
-    if (r0 < HB) __stcs(reinterpret_cast<float2*>(a.out + (base + r0) * kR + col), make_float2(o[4 * j] * inv0, o[4 * j + 1] * inv0));
-    if (r1 < HB)
-      __stcs(reinterpret_cast<float2*>(a.out + (base + r1) * kR + col), make_float2(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1));
-  }
+  write_out(a, t, h0, HB, o, l_run, m_run, ssum, wg, r0, r1, tq, true);
 }
 
 int skip_mask() {
