@@ -594,6 +594,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 // Numerics: q, keys and P in bf16, f32 softmax and accumulation, as above; the row sums add the
 // bf16 P. Warpgroup 0's local PV uses P0 rounded at m0 and then scaled in f32, the remote one
 // P0 scaled then rounded: the two column halves differ by the bf16 rounding of P0.
+// Measured (H100, attention_bench, 2026-12-06; docs/BENCHMARKS.md "Eleventh session"): 2.311 /
+// 5.211 ms at ml4-slice-4's 4096 / 8192-token prefill, 379 / 392 TFLOP/s, 1.13 / 1.11x the tile
+// schedule (predicted ~1.45x); FlashMLA reports 640 on an H800 with bf16 q and out through TMA.
 // Shared memory: Q 72 KB, K0, K1 72 KB each, P1 8 KB (P0 sits in K0's RoPE slab), flags.
 constexpr int kPairQOff = 0;
 constexpr int kPairK0Off = kPairQOff + kTileBytes;
