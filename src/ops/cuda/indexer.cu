@@ -32,6 +32,10 @@ constexpr int kRow = kDim + 4;  // padded f32 row
 constexpr int kHeadsPerThread = kIndexerMaxHeads / 4;
 // Steps of at least this many tokens group 4 tokens a block in the FP8 scores kernel (prefill):
 // decode-sized steps keep one token a block, whose tokens are mostly of different sequences.
+// CudaIndexer.ScoresAndTopkMatchCpu (the same bits both ways) passed on an H100, 2026-12-06;
+// attention_bench's causal prefill scores (64 heads): 1.114 -> 1.055 ms at 4096 tokens, 4.387 ->
+// 4.084 ms at 8192 (1.06-1.07x: the key reloads were not what bounds the kernel; each page's
+// chain of global loads and block barriers is, BENCHMARKS.md "Eleventh session").
 constexpr int64_t kGroupTokensFrom = 256;
 
 __device__ __forceinline__ float e4m3_f32(uint8_t b) {
@@ -147,8 +151,8 @@ __global__ void __launch_bounds__(kThreads) indexer_scores_kernel(
 // i holds k = 4 tq (+16) of column g; C as for m16n8k16. Rows padded to 144 B (bank spread).
 // TQ = 4 (prefill, IndexerScoresParams::tokens_per_block): the block's tokens of one sequence
 // share each page's keys in shared memory and each key fragment feeds the MMAs of all of them
-// (with TQ = 1 every token reloaded its keys: ~1 GB of key reads a layer at 4096 tokens, the
-// kernel at ~200 TFLOP/s). Tokens of different sequences in a group take turns, one sequence
+// (with TQ = 1 every token reloads its keys: ~1 GB of key reads a layer at 4096 tokens; sharing
+// them gained only 1.06x, the per-page chain of loads and barriers bounds both). Tokens of different sequences in a group take turns, one sequence
 // at a time. Per token the MMAs and sums run in the same order for any TQ: the same bits.
 constexpr int kRowB = kDim + 16;
 
