@@ -24,6 +24,7 @@
 #include <cstdlib>
 #include <string>
 #include <numeric>
+#include <utility>
 #include <random>
 #include <vector>
 
@@ -201,11 +202,12 @@ int main() {
     }
   }
   // 0b. The indexer's FP8 scores of a causal prefill (issue 18): one sequence of T = 4096 / 8192
-  // tokens, token t scoring keys [0, t] (64 heads x 128), one token a block against four tokens
-  // a block sharing their key pages (IndexerScoresParams::tokens_per_block), same inputs, same run.
-  //   flop = 2 * 64 * 128 * sum_t (t + 1)   (68.7 GFLOP at 4096, 275 GFLOP at 8192)
-  for (int64_t T : {4096, 8192}) {
-    const int dIx = 128, HIx = 64;
+  // tokens, token t scoring keys [0, t] (64 or 32 heads x 128), one token a block against four
+  // tokens a block sharing their key pages (IndexerScoresParams::tokens_per_block) and the wgmma
+  // kernel (IndexerMath::kFp8Wgmma), same inputs, same run.
+  //   flop = 2 * HI * 128 * sum_t (t + 1)   (68.7 GFLOP at 4096 x 64 heads, 275 GFLOP at 8192)
+  for (auto [T, HIx] : {std::pair<int64_t, int>{4096, 64}, {8192, 64}, {4096, 32}}) {  // ml4-slice-4: 32 heads
+    const int dIx = 128;
     const int64_t npages = T / kPageTokens;
     DeviceBuffer ic = must_alloc(static_cast<size_t>(npages) * indexer_page_bytes(dIx));
     BENCH_CHECK(fill_uniform_e4m3(ic.data(), static_cast<int64_t>(npages * indexer_page_bytes(dIx)), 43, -100, 100, s));
@@ -237,11 +239,12 @@ int main() {
     ip.math = IndexerMath::kFp8TensorCore;
     ip.stream = s;
     const double flop = 2.0 * HIx * dIx * (double(T) * (T + 1) / 2);
-    for (int tq : {1, 4}) {
+    for (int tq : {1, 4, 0}) {  // 0: the wgmma kernel (IndexerMath::kFp8Wgmma)
       ip.tokens_per_block = tq;
+      ip.math = tq == 0 ? IndexerMath::kFp8Wgmma : IndexerMath::kFp8TensorCore;
       const double ms = bench::median_ms(s, 2, 10, [&](int) { BENCH_CHECK(indexer_scores(ip)); });
-      std::printf("ATTN indexer_prefill_scores T=%lld HI=%d tokens_per_block=%d: %.3f ms, %.1f TFLOP/s\n",
-                  static_cast<long long>(T), HIx, tq, ms, flop / (ms * 1e9));
+      std::printf("ATTN indexer_prefill_scores T=%lld HI=%d %s: %.3f ms, %.1f TFLOP/s\n", static_cast<long long>(T), HIx,
+                  tq == 0 ? "wgmma" : tq == 1 ? "tokens_per_block=1" : "tokens_per_block=4", ms, flop / (ms * 1e9));
     }
   }
   if (const char* only = std::getenv("ML4_ATTN_BENCH"); only && std::string(only) == "prefill") {

@@ -37,10 +37,12 @@ TEST(CudaIndexer, ScoresAndTopkMatchCpu) {
   // Bounds: kF32 sums exact e4m3 products in f32 (~sqrt(192) * 2^-24 ~ 1e-6 relative): 1e-5.
   // kFp8TensorCore: Hopper's FP8 mma accumulates with fewer mantissa bits than f32 (DeepSeek-V3
   // report 3.3.2 measured ~14 bits: 2^-14 ~ 6e-5 per add, averaging over 128-term dots): 1e-3.
-  for (IndexerMath math : {IndexerMath::kF32, IndexerMath::kFp8TensorCore})
+  // kFp8Wgmma (the wgmma kernel at HI 64 and 32; HI 4 takes the mma.sync kernel): the same FP8
+  // products and bound, summed in another order.
+  for (IndexerMath math : {IndexerMath::kF32, IndexerMath::kFp8TensorCore, IndexerMath::kFp8Wgmma})
     for (int HI : {64, 32, 4}) {
       const double bound = math == IndexerMath::kF32 ? 1e-5 : 1e-3;
-      const char* mname = math == IndexerMath::kF32 ? "f32" : "fp8-tc";
+      const char* mname = math == IndexerMath::kF32 ? "f32" : math == IndexerMath::kFp8TensorCore ? "fp8-tc" : "fp8-wgmma";
       // Three sequences; tokens: a decode token of each, plus a prefill chunk of sequence 0.
       const std::vector<int32_t> ctx = {3000, 130, 64 * 5 + 3};
       const int64_t S = static_cast<int64_t>(ctx.size());

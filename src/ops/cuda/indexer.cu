@@ -18,9 +18,11 @@
 
 #include "kv/indexer_layout.h"
 #include "kv/kv_cache_dtype.h"
+#include "ops/cuda/cp_async.cuh"
 #include "ops/cuda/cuda_common.h"
 #include "ops/cuda/fp8_groups.cuh"
 #include "ops/cuda/rope.cuh"
+#include "ops/cuda/wgmma.cuh"
 
 namespace ml4::cuda {
 namespace {
@@ -308,6 +310,152 @@ __global__ void __launch_bounds__(kThreads) indexer_fp8_kernel(
   }
 }
 
+// The wgmma variant (IndexerMath::kFp8Wgmma; written 2026-12-06 without a device, not yet run).
+// Why: indexer_fp8_kernel is latency-bound (~13% of the FP8 rate on a causal prefill): every page
+// is a chain of global loads through registers and block barriers with no copy in flight under
+// the MMAs, and mma.sync m16n8k32 feeds both operands through registers. Here a block of two
+// warpgroups holds 128 query rows, (token, head) pairs of 128 / HI tokens of one group, as the
+// wgmma A operand (row r: token r / HI, head r % HI; 128-byte-swizzled K-major e4m3 in shared
+// memory), and takes kWgPages key pages of the tokens' sequence through a kWgStages-deep
+// cp.async ring (each page 64 keys x 128 B, K-major: the cache's own row layout, swizzled as
+// it lands). Per page each warpgroup runs S = Q K^T as 4 wgmma m64n64k32 (32 f32 a thread),
+// then relu(S) x w per row, the two rows a thread holds added, the 8 row groups of a warp added
+// by shuffles (a warp's 16 rows are one token's heads: HI % 16 == 0), the warps of a token
+// added in order through shared memory, times the key's scale. Two block barriers a page.
+// Deterministic, but not the bits of indexer_fp8_kernel (another summation order).
+constexpr int kWgRows = 128, kWgPages = 16, kWgStages = 4, kWgMaxTokens = kWgRows / 16;
+constexpr int kWgKeyBytes = kPageTokens * kDim;                      // 8 KB a stage
+constexpr int kWgQOff = 0;                                           // [128 rows][128 B]
+constexpr int kWgKOff = kWgQOff + kWgRows * kDim;                    // [stages][64 keys][128 B]
+constexpr int kWgScaleOff = kWgKOff + kWgStages * kWgKeyBytes;       // f32 [stages][64]
+constexpr int kWgWqOff = kWgScaleOff + kWgStages * kPageTokens * 4;  // f32 [128]
+constexpr int kWgRedOff = kWgWqOff + kWgRows * 4;                    // f32 [8 warps][64]
+constexpr int kWgSmem = kWgRedOff + 8 * kPageTokens * 4 + 1024;      // + alignment slack
+
+__global__ void __launch_bounds__(kThreads) indexer_wgmma_kernel(
+    const uint8_t* __restrict__ q, const float* __restrict__ q_scale, const float* __restrict__ weights,
+    const uint8_t* __restrict__ cache, int64_t num_blocks, const int32_t* __restrict__ block_table,
+    int64_t bt_stride, const int32_t* __restrict__ seq_of_token, const int32_t* __restrict__ lengths, int HI,
+    float w_scale, float* __restrict__ scores, int64_t scores_stride, int64_t T) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
+  extern __shared__ uint8_t wg_smem[];
+  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(wg_smem));
+  const uint32_t sbase = (raw + 1023u) & ~1023u;
+  uint8_t* sgen = wg_smem + (sbase - raw);
+  float* kscale = reinterpret_cast<float*>(sgen + kWgScaleOff);
+  float* wq = reinterpret_cast<float*>(sgen + kWgWqOff);
+  float* red = reinterpret_cast<float*>(sgen + kWgRedOff);
+  const int TQ = kWgRows / HI;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * TQ;
+  const int page0 = blockIdx.y * kWgPages;
+  int lens[kWgMaxTokens], seqs[kWgMaxTokens];
+  uint32_t todo = 0;  // the group's tokens with keys in this chunk
+#pragma unroll
+  for (int i = 0; i < kWgMaxTokens; ++i) {
+    const bool in = i < TQ && t0 + i < T;
+    lens[i] = in ? lengths[t0 + i] : 0;
+    seqs[i] = in ? seq_of_token[t0 + i] : -1;
+    if (in && page0 * kPageTokens < lens[i]) todo |= 1u << i;
+  }
+  if (!todo) return;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3, wg = tid >> 7;
+  for (int i = tid; i < kWgRows * (kDim / 16); i += kThreads) {
+    const int r = i / (kDim / 16), c = i % (kDim / 16), tk = r / HI, h = r % HI;
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (tk < TQ && ((todo >> tk) & 1)) v = *reinterpret_cast<const uint4*>(q + ((t0 + tk) * HI + h) * kDim + 16 * c);
+    *reinterpret_cast<uint4*>(sgen + kWgQOff + r * kDim + ((c ^ (r & 7)) << 4)) = v;
+  }
+  for (int r = tid; r < kWgRows; r += kThreads) {
+    const int tk = r / HI;
+    const int64_t th = (t0 + tk) * HI + r % HI;
+    wq[r] = tk < TQ && ((todo >> tk) & 1) ? weights[th] * w_scale * q_scale[th] : 0.0f;
+  }
+  wgmma::fence_proxy_async();  // Q, written through the generic proxy (made visible by the barrier below)
+  const int64_t page_bytes = kPageTokens * (kDim + 4);
+  const int r0 = 16 * warp + g;  // this thread's accumulator rows r0, r0 + 8 (one token's heads)
+  while (todo) {
+    // The next sequence's tokens in the group (uniform over the block).
+    const int seq = seqs[__ffs(todo) - 1];
+    uint32_t m = 0;
+    int len = 0;
+#pragma unroll
+    for (int i = 0; i < kWgMaxTokens; ++i)
+      if (((todo >> i) & 1) && seqs[i] == seq) {
+        m |= 1u << i;
+        len = max(len, lens[i]);
+      }
+    todo &= ~m;
+    const int np = min(kWgPages, (len + kPageTokens - 1) / kPageTokens - page0);
+    auto page_of = [&](int i) -> int64_t {  // chunk page i's cache block, or -1
+      const int64_t b = block_table[seq * bt_stride + page0 + i];
+      return (b >= 0 && b < num_blocks) ? b : -1;
+    };
+    auto load = [&](int i) {  // chunk page i into stage i % kWgStages (zeros for a missing page)
+      const int st = i % kWgStages;
+      const int64_t b = page_of(i);
+      const uint8_t* page = cache + (b < 0 ? 0 : b) * page_bytes;
+      for (int x = tid; x < kPageTokens * (kDim / 16); x += kThreads) {
+        const int key = x / (kDim / 16), c = x % (kDim / 16);
+        cp_async16(sbase + kWgKOff + st * kWgKeyBytes + key * kDim + ((c ^ (key & 7)) << 4),
+                   page + key * kDim + 16 * c, b >= 0);
+      }
+      if (tid < kPageTokens * 4 / 16)
+        cp_async16(sbase + kWgScaleOff + st * kPageTokens * 4 + 16 * tid, page + kPageTokens * kDim + 16 * tid, b >= 0);
+    };
+    __syncthreads();  // Q and wq written; the previous sequence's last reads of the ring and red done
+#pragma unroll
+    for (int i = 0; i < kWgStages - 1; ++i) {
+      if (i < np) load(i);
+      cp_commit();
+    }
+    for (int i = 0; i < np; ++i) {
+      const int st = i % kWgStages;
+      cp_wait<kWgStages - 2>();    // this thread's copies of page i have landed
+      wgmma::fence_proxy_async();  // ... and are visible to the async proxy after the barrier
+      __syncthreads();             // every thread's; every thread is done with page i - 1
+      if (i + kWgStages - 1 < np) load(i + kWgStages - 1);  // into page i - 1's stage
+      cp_commit();
+      float acc[32];
+      wgmma::fence_operands(acc);
+      wgmma::fence();
+      const uint32_t qa = sbase + kWgQOff + wg * 64 * kDim, kb = sbase + kWgKOff + st * kWgKeyBytes;
+#pragma unroll
+      for (int ks = 0; ks < kDim / 32; ++ks)
+        wgmma::m64n64k32_e4m3(acc, wgmma::desc_k_major(qa + 32 * ks), wgmma::desc_k_major(kb + 32 * ks), ks);
+      wgmma::commit();
+      wgmma::wait<0>();
+      wgmma::fence_operands(acc);
+      const float w0 = wq[r0], w1 = wq[r0 + 8];
+      float cs[16];  // column 8j + 2tq + e at cs[2j + e]: this thread's two rows
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          cs[2 * j + e] = fmaf(w1, fmaxf(acc[4 * j + 2 + e], 0.0f), w0 * fmaxf(acc[4 * j + e], 0.0f));
+#pragma unroll
+      for (int d = 4; d <= 16; d <<= 1)  // the warp's 8 row pairs (lanes of one tq)
+#pragma unroll
+        for (int k = 0; k < 16; ++k) cs[k] += __shfl_xor_sync(0xffffffffu, cs[k], d);
+      if (g == 0)
+#pragma unroll
+        for (int k = 0; k < 16; ++k) red[warp * kPageTokens + 8 * (k / 2) + 2 * tq + (k & 1)] = cs[k];
+      __syncthreads();
+      const int wpt = HI / 16;  // warps a token
+      const bool missing = page_of(i) < 0;
+      for (int x = tid; x < TQ * kPageTokens; x += kThreads) {
+        const int tk = x / kPageTokens, key = x % kPageTokens, s = (page0 + i) * kPageTokens + key;
+        if (!((m >> tk) & 1) || s >= lens[tk]) continue;
+        float v = 0.0f;
+        for (int ww = 0; ww < wpt; ++ww) v += red[(tk * wpt + ww) * kPageTokens + key];
+        scores[(t0 + tk) * scores_stride + s] =
+            missing ? -__int_as_float(0x7f800000) : v * kscale[st * kPageTokens + key];
+      }
+    }
+    cp_wait<0>();
+  }
+}
+
 // grid (rows), block dI / 2: the butterflies of ml4::cpu::hadamard_transform (pairs (j, j + h),
 // h = 1, 2, 4, ..., then * n^-0.5 as the host rounds it), then per-128 amax and e4m3 (the same
 // operations as cache_write.cu's indexer key path, which is byte-identical to the CPU encoder).
@@ -358,7 +506,17 @@ Status indexer_scores(const IndexerScoresParams& p) {
   const int chunks = (pages + kPagesPerBlock - 1) / kPagesPerBlock;
   if (chunks > 65535) return invalid_argument("indexer_scores: max_length {} too large", p.max_length);
   const dim3 grid(static_cast<unsigned>(p.T), static_cast<unsigned>(chunks));
-  if (p.math == IndexerMath::kFp8TensorCore) {
+  if (p.math == IndexerMath::kFp8Wgmma && p.HI % 16 == 0) {
+    ML4_CUDA_RETURN_IF_ERROR(
+        cudaFuncSetAttribute(indexer_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kWgSmem));
+    const int tq = kWgRows / p.HI;
+    const dim3 g(static_cast<unsigned>((p.T + tq - 1) / tq), static_cast<unsigned>((pages + kWgPages - 1) / kWgPages));
+    launch_kernel(indexer_wgmma_kernel, g, kThreads, kWgSmem, p.stream, static_cast<const uint8_t*>(p.q), p.q_scale,
+                  p.weights, static_cast<const uint8_t*>(p.cache), p.num_blocks, p.block_table, p.block_table_stride,
+                  p.seq_of_token, p.lengths, p.HI, p.weight_scale, p.scores, p.scores_stride, p.T);
+    return cuda_status(cudaGetLastError(), "indexer_wgmma_kernel");
+  }
+  if (p.math != IndexerMath::kF32) {  // kFp8TensorCore, or kFp8Wgmma at an HI it does not take
     const int tq = p.tokens_per_block > 0 ? p.tokens_per_block : p.T >= kGroupTokensFrom ? 4 : 1;
     if (tq != 1 && tq != 4) return invalid_argument("indexer_scores: tokens_per_block = {} (1 or 4)", tq);
     auto kernel = tq == 4 ? indexer_fp8_kernel<4> : indexer_fp8_kernel<1>;

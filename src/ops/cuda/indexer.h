@@ -27,7 +27,11 @@ constexpr int kIndexerMaxHeads = 64;
 //   kFp8TensorCore: mma.sync m16n8k32 e4m3 x e4m3 -> f32 on the tensor cores, as DeepSeek's
 //     fp8_index; Hopper's FP8 tensor-core accumulation keeps fewer bits than f32 (DeepSeek-V3
 //     report 3.3.2), so scores differ from kF32 by up to ~1e-4 relative.
-enum class IndexerMath { kF32, kFp8TensorCore };
+// kFp8Wgmma: the kFp8TensorCore scores by wgmma (128 query rows of 128 / HI tokens a block, key
+// pages through a cp.async ring; HI a multiple of 16, else it runs kFp8TensorCore). Sums in
+// another order than kFp8TensorCore (not the same bits; deterministic). Written 2026-12-06
+// without a device: not yet run.
+enum class IndexerMath { kF32, kFp8TensorCore, kFp8Wgmma };
 
 struct IndexerScoresParams {
   const void* q = nullptr;          // [T, HI, dI] e4m3

@@ -105,6 +105,14 @@ __device__ __forceinline__ void m64n128k32_e4m3(float (&d)[64], uint64_t da, uin
                : "l"(da), "l"(db), "r"(accumulate));
 }
 
+// d[64 x 64] (+)= A[64 x 32] . B[64 x 32]^T: A and B K-major e4m3.
+__device__ __forceinline__ void m64n64k32_e4m3(float (&d)[32], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {" ML4_WGMMA_REGS32 "}, %32, %33, p, 1, 1;\n}\n"
+               : ML4_WGMMA_ACC32(d)
+               : "l"(da), "l"(db), "r"(accumulate));
+}
+
 // d[64 x 256] (+)= A[64 x 16] . B[16 x 256]: A K-major, B N-major, bf16.
 __device__ __forceinline__ void m64n256k16_bf16_bn(float (&d)[128], uint64_t da, uint64_t db, int accumulate) {
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"

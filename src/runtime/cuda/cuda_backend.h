@@ -69,6 +69,9 @@ struct CudaBackendOptions {
   // Its pair schedule (MlaAttentionParams::prefill_pairs); ML4_MLA_PREFILL_PAIRS=0 takes the
   // tile schedule.
   bool mla_prefill_pairs = true;
+  // The indexer's FP8 scores by the wgmma kernel (IndexerMath::kFp8Wgmma; written without a
+  // device, not yet run): off; ML4_INDEXER_WGMMA=1 turns it on.
+  bool indexer_wgmma = false;
   // RunnerOptions::experts_to_mxfp4: routed FP8 experts re-quantized to MXFP4 on the device
   // as they are uploaded (ops/cuda/requant.h); needs fp4_weights.
   bool experts_to_mxfp4 = false;
@@ -237,6 +240,7 @@ class CudaBackend : public Backend {
   void set_moe_gemm_tall(bool on) { opts_.moe_gemm_tall = on; }
   void set_moe_gemm_group_major(bool on) { opts_.moe_gemm_group_major = on; }
   void set_mla_prefill_pairs(bool on) { opts_.mla_prefill_pairs = on; }
+  void set_indexer_wgmma(bool on) { opts_.indexer_wgmma = on; }
   void set_fused_indexer(bool on) { opts_.fused_indexer = on; }
   void set_grouped_moe_gemm(bool on) {  // the next step reserves (or drops) the path's buffers
     opts_.grouped_moe_gemm = on;

@@ -215,6 +215,11 @@ class CudaRunner : public ModelRunner {
     backend_->set_mla_prefill_pairs(on);
     graphs_.clear();
   }
+  // The indexer's wgmma scores kernel (CudaBackendOptions::indexer_wgmma), for the step bench.
+  void set_indexer_wgmma(bool on) {
+    backend_->set_indexer_wgmma(on);
+    graphs_.clear();
+  }
   void set_grouped_moe_gemm(bool on) {
     opts_.grouped_moe_gemm = on;
     backend_->set_grouped_moe_gemm(on);

@@ -340,6 +340,18 @@ int run_step_bench(const StepBenchOptions& opt) {
         std::printf("PREFILL tokens=%ld moe=grouped_gemm_overlap_group_major absorb=gemm_tf32 mla=tiles ms=%.1f tok_s=%.0f\n",
                     static_cast<long>(n), ms, n / ms * 1e3);
     }
+    // ... and with the indexer's scores on the wgmma kernel (CudaBackendOptions::indexer_wgmma).
+    {
+      r.set_indexer_wgmma(true);
+      std::string failed;
+      const double ms = time_step(r, in, 1, 3, &failed);
+      r.set_indexer_wgmma(false);
+      if (ms >= 0)
+        std::printf("PREFILL tokens=%ld moe=grouped_gemm_overlap_group_major absorb=gemm_tf32 indexer=wgmma ms=%.1f tok_s=%.0f\n",
+                    static_cast<long>(n), ms, n / ms * 1e3);
+      else
+        std::printf("PREFILL tokens=%ld indexer=wgmma failed: %s\n", static_cast<long>(n), failed.c_str());
+    }
     r.set_absorb_gemm(true);  // the defaults
     r.set_moe_gemm_overlap(true);
     r.set_moe_gemm_tall(CudaRunnerOptions{}.moe_gemm_tall);
