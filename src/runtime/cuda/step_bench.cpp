@@ -340,8 +340,10 @@ int run_step_bench(const StepBenchOptions& opt) {
         std::printf("PREFILL tokens=%ld moe=grouped_gemm_overlap_group_major absorb=gemm_tf32 mla=tiles ms=%.1f tok_s=%.0f\n",
                     static_cast<long>(n), ms, n / ms * 1e3);
     }
-    // ... and with the indexer's scores on the wgmma kernel (CudaBackendOptions::indexer_wgmma).
-    {
+    // ... and with the indexer's scores on the wgmma kernel (CudaBackendOptions::indexer_wgmma;
+    // not yet run on a device, so only when ML4_BENCH_INDEXER_WGMMA=1: a fault there would end
+    // the lines after it).
+    if (const char* v = std::getenv("ML4_BENCH_INDEXER_WGMMA"); v && v[0] == '1') {
       r.set_indexer_wgmma(true);
       std::string failed;
       const double ms = time_step(r, in, 1, 3, &failed);
