@@ -60,11 +60,10 @@ stamp() { echo "==== [$(( $(date +%s) - t0 )) s] $*"; }
 sections=" ${SECTIONS:-tests moegemm spec specstep hisparse perplexity pd all} "
 on() { [[ "$sections" == *" $1 "* ]]; }
 
-# The tenth session's tests (written without a device): top-k / top-p drafts and their
-# verification on the device (CudaSampling.DraftRows* / VerifyRows*, CudaDrafter.*), the grouped
-# GEMM's 128-row tiles and group-major order (CudaMoe.GroupedGemmVariantsAreBitIdentical); and
-# the tests around them.
-new=${FILTER_NEW:-CudaSampling.*:CudaDrafter.*:CudaMoe.*:CudaRunner.GreedyVerification*:CudaRunner.DecodeGraphsMatchEager:CudaRunner.*BitIdentical}
+# The eleventh session's test written without a device: the indexer's wgmma scores kernel
+# (CudaIndexer.WgmmaScoresAndTopkMatchCpu), alone, first. If it faults, rerun with
+# ML4_GTEST_EXCLUDE=CudaIndexer.Wgmma* so that it does not take the whole suite with it.
+new=${FILTER_NEW:-CudaIndexer.Wgmma*}
 on tests && stamp "1a. new GPU tests: $new" && timeout 240 "$carry/bin/ml4_cuda_tests" --gtest_filter="$new" --gtest_color=no > "$out/new_tests.log" 2>&1
 on tests && grep -E "^\[  (FAILED|PASSED|SKIPPED) |^\[       OK|rel|Failure" "$out/new_tests.log" | tail -40
 
@@ -79,6 +78,10 @@ if on moegemm; then
   timeout 300 "$carry/bin/ml4" bench step --preset ml4-slice-4 --batch 1 --ctx 1024 --kv-gib 4 > "$out/prefill_bench.log" 2>&1
   echo "rc=$?"
   grep -E "PREFILL |PREFILL_CHUNKED|rror" "$out/prefill_bench.log" | cut -c1-300
+  # The sparse MLA prefill kernel's two schedules and the indexer's prefill scores (one token a
+  # block, four, wgmma) on their own (attention_bench section 0).
+  ML4_ATTN_BENCH=prefill timeout 120 "$carry/bin/attention_bench" > "$out/attn_prefill.log" 2>&1; echo "rc=$?"
+  grep -E "ATTN (sparse_mla_prefill|indexer_prefill)" "$out/attn_prefill.log" | cut -c1-300
   for f in nvfp4 mxfp4 fp8-to-mxfp4; do  # decode steps with FP4 routed experts (issue 18) vs the FP8 rows above;
                                         # fp8-to-mxfp4 also times the on-device re-quantization (REQUANT line)
     timeout 200 "$carry/bin/ml4" bench step --preset ml4-slice-4 --experts $f --no-extras --ctx 8192 \
