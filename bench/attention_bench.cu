@@ -205,7 +205,7 @@ int main() {
   // tokens, token t scoring keys [0, t] (64 or 32 heads x 128), one token a block against four
   // tokens a block sharing their key pages (IndexerScoresParams::tokens_per_block) and the wgmma
   // kernel (IndexerMath::kFp8Wgmma), same inputs, same run.
-  //   flop = 2 * HI * 128 * sum_t (t + 1)   (68.7 GFLOP at 4096 x 64 heads, 275 GFLOP at 8192)
+  //   flop = 2 * HI * 128 * sum_t (t + 1)   (137 GFLOP at 4096 x 64 heads, 550 GFLOP at 8192)
   for (auto [T, HIx] : {std::pair<int64_t, int>{4096, 64}, {8192, 64}, {4096, 32}}) {  // ml4-slice-4: 32 heads
     const int dIx = 128;
     const int64_t npages = T / kPageTokens;
