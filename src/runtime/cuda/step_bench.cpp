@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <string>
 #include <utility>
@@ -329,31 +330,25 @@ int run_step_bench(const StepBenchOptions& opt) {
         std::printf("PREFILL_PROFILE tokens=%ld moe=%s absorb=%s %s ms=%.3f\n", static_cast<long>(n), moe, abs,
                     k.c_str(), v);
     }
-    // The defaults with the MLA prefill kernel's tile schedule (ML4_MLA_PREFILL_PAIRS=0), against
-    // the last line's pair schedule.
-    {
-      r.set_mla_prefill_pairs(false);
+    // The defaults with one switch flipped (set(true) flips it, set(false) restores the default),
+    // against the last line.
+    auto variant = [&](const char* label, const std::function<void(bool)>& set) {
+      set(true);
       std::string failed;
       const double ms = time_step(r, in, 1, 3, &failed);
-      r.set_mla_prefill_pairs(true);
+      set(false);
       if (ms >= 0)
-        std::printf("PREFILL tokens=%ld moe=grouped_gemm_overlap_group_major absorb=gemm_tf32 mla=tiles ms=%.1f tok_s=%.0f\n",
-                    static_cast<long>(n), ms, n / ms * 1e3);
-    }
-    // ... and with the indexer's scores on the wgmma kernel (CudaBackendOptions::indexer_wgmma;
-    // not yet run on a device, so only when ML4_BENCH_INDEXER_WGMMA=1: a fault there would end
-    // the lines after it).
-    if (const char* v = std::getenv("ML4_BENCH_INDEXER_WGMMA"); v && v[0] == '1') {
-      r.set_indexer_wgmma(true);
-      std::string failed;
-      const double ms = time_step(r, in, 1, 3, &failed);
-      r.set_indexer_wgmma(false);
-      if (ms >= 0)
-        std::printf("PREFILL tokens=%ld moe=grouped_gemm_overlap_group_major absorb=gemm_tf32 indexer=wgmma ms=%.1f tok_s=%.0f\n",
-                    static_cast<long>(n), ms, n / ms * 1e3);
+        std::printf("PREFILL tokens=%ld moe=grouped_gemm_overlap_group_major absorb=gemm_tf32 %s ms=%.1f tok_s=%.0f\n",
+                    static_cast<long>(n), label, ms, n / ms * 1e3);
       else
-        std::printf("PREFILL tokens=%ld indexer=wgmma failed: %s\n", static_cast<long>(n), failed.c_str());
-    }
+        std::printf("PREFILL tokens=%ld %s failed: %s\n", static_cast<long>(n), label, failed.c_str());
+    };
+    // The MLA prefill kernel's tile schedule (ML4_MLA_PREFILL_PAIRS=0).
+    variant("mla=tiles", [&](bool on) { r.set_mla_prefill_pairs(!on); });
+    // The indexer's scores on the wgmma kernel (CudaBackendOptions::indexer_wgmma; not yet run on
+    // a device, so only when ML4_BENCH_INDEXER_WGMMA=1: a fault there would end the lines after it).
+    if (const char* v = std::getenv("ML4_BENCH_INDEXER_WGMMA"); v && v[0] == '1')
+      variant("indexer=wgmma", [&](bool on) { r.set_indexer_wgmma(on); });
     r.set_absorb_gemm(true);  // the defaults
     r.set_moe_gemm_overlap(true);
     r.set_moe_gemm_tall(CudaRunnerOptions{}.moe_gemm_tall);
