@@ -735,7 +735,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     wgmma::commit();
   };
-  // Scales and masks S, returns this thread's two rows' maxima over the tile (quad-reduced).
+  // Scales and masks S, returns this thread's two rows' maxima over the tile (quad-reduced). The
+  // tile kernel runs the same loop over its 4 column groups; a shared helper left the tile
+  // kernel's SASS as it was but changed this kernel's, which ran on a device as it is.
   auto mask_max = [&](float& mx0, float& mx1) {
     const uint8_t* vf = valid + wg * kKeys;
     mx0 = -INFINITY;

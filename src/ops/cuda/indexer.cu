@@ -154,8 +154,11 @@ __global__ void __launch_bounds__(kThreads) indexer_scores_kernel(
 // TQ = 4 (prefill, IndexerScoresParams::tokens_per_block): the block's tokens of one sequence
 // share each page's keys in shared memory and each key fragment feeds the MMAs of all of them
 // (with TQ = 1 every token reloads its keys: ~1 GB of key reads a layer at 4096 tokens; sharing
-// them gained only 1.06x, the per-page chain of loads and barriers bounds both). Tokens of different sequences in a group take turns, one sequence
-// at a time. Per token the MMAs and sums run in the same order for any TQ: the same bits.
+// them gained only 1.06x, the per-page chain of loads and barriers bounds both). Tokens of
+// different sequences in a group take turns, one sequence at a time. Per token the MMAs and
+// sums run in the same order for any TQ: the same bits. (Its token-group bookkeeping repeats in
+// indexer_wgmma_kernel: folded into shared helpers it changed this kernel's SASS, which ran on
+// a device as it is.)
 constexpr int kRowB = kDim + 16;
 
 __device__ __forceinline__ void mma_e4m3(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
@@ -270,7 +273,8 @@ __global__ void __launch_bounds__(kThreads) indexer_fp8_kernel(
             const int nt = 4 * hh + j;
             if (nt < nt_total) {
               const uint8_t* qb = qs + (i * kIndexerMaxHeads + 8 * nt + g) * kRowB + 4 * tq + k0;
-              mma_e4m3(acc[i][j], a, *reinterpret_cast<const uint32_t*>(qb), *reinterpret_cast<const uint32_t*>(qb + 16));
+              mma_e4m3(acc[i][j], a, *reinterpret_cast<const uint32_t*>(qb),
+                       *reinterpret_cast<const uint32_t*>(qb + 16));
             }
           }
         }
@@ -311,8 +315,8 @@ __global__ void __launch_bounds__(kThreads) indexer_fp8_kernel(
 }
 
 // The wgmma variant (IndexerMath::kFp8Wgmma; written 2026-12-06 without a device, not yet run).
-// Why: indexer_fp8_kernel is latency-bound (~10% of the measured FP8 GEMM rate on a causal prefill): every page
-// is a chain of global loads through registers and block barriers with no copy in flight under
+// Why: indexer_fp8_kernel is latency-bound (~10% of the measured FP8 GEMM rate on a causal
+// prefill): every page is a chain of global loads through registers and block barriers with no copy in flight under
 // the MMAs, and mma.sync m16n8k32 feeds both operands through registers. Here a block of two
 // warpgroups holds 128 query rows, (token, head) pairs of 128 / HI tokens of one group, as the
 // wgmma A operand (row r: token r / HI, head r % HI; 128-byte-swizzled K-major e4m3 in shared
