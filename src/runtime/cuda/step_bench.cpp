@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
 #include "kv/indexer_layout.h"
@@ -144,6 +145,25 @@ int run_step_bench(const StepBenchOptions& opt) {
   if (r.cache_groups()[0].num_blocks < kMaxBatch * blocks_per_seq) {
     std::fprintf(stderr, "KV pool too small: %ld blocks\n", static_cast<long>(r.cache_groups()[0].num_blocks));
     return 1;
+  }
+  // ML4_BENCH_NCU_STEP=B (issue 19's per-kernel profile): one eager decode step of batch B at the
+  // largest context between cudaProfilerStart / Stop, for `ncu --profile-from-start off`, after
+  // the same step timed with graphs and eager; then nothing else.
+  if (const char* v = std::getenv("ML4_BENCH_NCU_STEP"); v && std::atoi(v) > 0) {
+    const int batch = std::atoi(v);
+    const StepInput in = decode_step(r, batch, kMaxCtx, blocks_per_seq);
+    const double g = time_step(r, in, 3, 20);
+    r.set_cuda_graphs(false);
+    const double e = time_step(r, in, 3, 20);
+    cudaDeviceSynchronize();
+    cudaProfilerStart();
+    const bool ok = r.execute(in).ok();
+    cudaDeviceSynchronize();
+    cudaProfilerStop();
+    r.set_cuda_graphs(true);
+    std::printf("NCUSTEP model=%s batch=%d ctx=%ld graph_ms=%.3f eager_ms=%.3f profiled_step_ok=%d\n", preset.c_str(),
+                batch, static_cast<long>(kMaxCtx), g, e, ok ? 1 : 0);
+    return ok ? 0 : 1;
   }
   const int E = cfg.moe.num_experts, K = cfg.moe.num_experts_per_tok;
   int moe_layers = 0, owners = 0;
