@@ -35,7 +35,9 @@ void sync() { ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess); }
 
 TEST(CudaElementwise, RmsNormWithAndWithoutResidual) {
   ML4_REQUIRE_GPU();
-  for (int64_t dim : {64, 1000, 7168}) {
+  // 64 .. 7168: the register-resident kernel (1, 6 and 8 float4s a thread); 1002 and 9000 the
+  // strided loop (dim % 4, wider than 8 float4s a thread).
+  for (int64_t dim : {64, 1000, 1002, 6144, 7168, 9000}) {
     const int64_t rows = 13;
     auto x = randn(rows * dim, 1 + dim, 2.0f, 0.3f), res = randn(rows * dim, 2 + dim), w = randn(dim, 3 + dim, 0.2f, 1.0f);
     // CPU: both variants.
@@ -71,6 +73,41 @@ TEST(CudaElementwise, RmsNormWithAndWithoutResidual) {
     std::printf("add_rms_norm dim=%ld rel_err=%.3g (bound 1e-5)\n", dim, e);
     EXPECT_LT(e, 1e-5);
   }
+  {  // In place over a strided row (the q / kv LoRA norms: x_stride > dim, y == x), both kernels.
+    for (int64_t dim : {512, 510}) {
+      const int64_t rows = 5, stride = dim + 64;
+      auto x = randn(rows * stride, 40 + dim, 1.5f, 0.1f), w = randn(dim, 41 + dim, 0.2f, 1.0f);
+      std::vector<float> ref = x;
+      for (int64_t r = 0; r < rows; ++r) cpu::rms_norm(x.data() + r * stride, w.data(), 1, dim, 1e-6f, ref.data() + r * stride);
+      auto dx = to_device(x), dw = to_device(w);
+      RmsNormParams p{dx.as<float>(), nullptr, dw.as<float>(), rows, dim, 1e-6f, dx.as<float>(), nullptr, nullptr};
+      p.x_stride = stride;
+      // y rows are dim apart (rms_norm writes rows of dim): in place means row 0 only shares
+      // its start with x, so check row by row with y == that row of x.
+      for (int64_t r = 0; r < rows; ++r) {
+        RmsNormParams q = p;
+        q.x = dx.as<float>() + r * stride;
+        q.y = dx.as<float>() + r * stride;
+        q.rows = 1;
+        ML4_ASSERT_OK(rms_norm(q));
+      }
+      sync();
+      auto y = to_host<float>(dx, rows * stride);
+      double num = 0, den = 0;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t i = 0; i < stride; ++i) {
+          const double a = y[r * stride + i], b = ref[r * stride + i];
+          if (i >= dim) {
+            ASSERT_EQ(a, b) << "past the row's dim: row " << r << " col " << i;
+            continue;
+          }
+          num += (a - b) * (a - b);
+          den += b * b;
+        }
+      std::printf("rms_norm in place, dim=%ld stride=%ld rel_err=%.3g (bound 1e-5)\n", dim, stride, std::sqrt(num / den));
+      EXPECT_LT(std::sqrt(num / den), 1e-5);
+    }
+  }
   auto b = DeviceBuffer::alloc(64);
   EXPECT_EQ(rms_norm({b->as<float>(), b->as<float>(), b->as<float>(), 1, 4, 1e-6f, b->as<float>(), nullptr, nullptr}).code(),
             StatusCode::kInvalidArgument);
@@ -99,7 +136,9 @@ TEST(CudaElementwise, SiluMulStridedAndBf16) {
 
 TEST(CudaElementwise, EmbeddingExactAndBadIdIsNan) {
   ML4_REQUIRE_GPU();
-  const int64_t V = 1000, D = 384;
+  // D 384: the bf16 table by 16-byte loads; 390 (not a multiple of 8): the row loop.
+  for (const int64_t D : {int64_t{384}, int64_t{390}}) {
+  const int64_t V = 1000;
   auto tf = randn(V * D, 21);
   std::vector<uint16_t> tb(V * D);
   for (size_t i = 0; i < tf.size(); ++i) tb[i] = f32_to_bf16(tf[i]);
@@ -129,6 +168,7 @@ TEST(CudaElementwise, EmbeddingExactAndBadIdIsNan) {
   auto y = to_host<float>(o, 3 * D);
   EXPECT_FALSE(std::isnan(y[0]));
   EXPECT_TRUE(std::isnan(y[D]) && std::isnan(y[2 * D + D - 1]));
+  }
 }
 
 TEST(CudaElementwise, QPathRopeYarnLeropeLlama4Ssmax) {

@@ -38,6 +38,12 @@ void scores_and_topk(std::initializer_list<IndexerMath> maths) {
   // report 3.3.2 measured ~14 bits: 2^-14 ~ 6e-5 per add, averaging over 128-term dots): 1e-3.
   // kFp8Wgmma (the wgmma kernel at HI 64 and 32; HI 4 takes the mma.sync kernel): the same FP8
   // products and bound, summed in another order.
+  // For the FP8 maths the error is taken against the magnitudes the accumulator adds, not the
+  // result: row norm of mag[s] = sum_h |w_h| sum_i |q_hi k_si|. What the MMA drops scales with
+  // those (bits cut below the largest partial sum), and a score that is a near-cancellation of
+  // its heads' terms (rows of 1-2 keys at HI 32 on the first device run: 2e-3 and 7e-3 of
+  // |score| with the wgmma kernel) is then not held to a tighter bound than its terms allow.
+  // A missing or misplaced head, key or page is ~1/HI of mag or more: far past 1e-3.
   for (IndexerMath math : maths)
     for (int HI : {64, 32, 4}) {
       const double bound = math == IndexerMath::kF32 ? 1e-5 : 1e-3;
@@ -137,20 +143,26 @@ void scores_and_topk(std::initializer_list<IndexerMath> maths) {
       const auto& got = runs[0];
 
       // f64 reference; CPU f32 reference for the top-k comparison.
-      double worst = 0;
+      double worst = 0, worst_mag = 0;
       for (int64_t t = 0; t < T; ++t) {
         const int n = lengths[t];
         const float* kk = keys[seq_of[t]].data();
-        std::vector<double> ref(n);
+        std::vector<double> ref(n), mag(n);
         std::vector<float> out(got.begin() + t * stride, got.begin() + t * stride + n);
         for (int s = 0; s < n; ++s) {
-          double acc = 0;
+          double acc = 0, m = 0;
           for (int h = 0; h < HI; ++h) {
-            double d = 0;
-            for (int i = 0; i < dI; ++i) d += static_cast<double>(qdeq[(t * HI + h) * dI + i]) * kk[s * dI + i];
+            double d = 0, a = 0;
+            for (int i = 0; i < dI; ++i) {
+              const double prod = static_cast<double>(qdeq[(t * HI + h) * dI + i]) * kk[s * dI + i];
+              d += prod;
+              a += std::fabs(prod);
+            }
             acc += w[t * HI + h] * std::max(0.0, d);
+            m += std::fabs(w[t * HI + h]) * a;
           }
           ref[s] = acc;
+          mag[s] = m;
         }
         for (int64_t i = n; i < stride; ++i) {
           uint32_t bits;
@@ -159,10 +171,18 @@ void scores_and_topk(std::initializer_list<IndexerMath> maths) {
         }
         ASSERT_TRUE(testing::all_finite(out)) << "row " << t;
         const double e = testing::rel_err(out, ref);
+        double num = 0, den = 0;
+        for (int s = 0; s < n; ++s) {
+          num += (out[s] - ref[s]) * (out[s] - ref[s]);
+          den += mag[s] * mag[s];
+        }
+        const double em = std::sqrt(num / den);
         worst = std::max(worst, e);
-        EXPECT_LT(e, bound) << mname << " row " << t;
+        worst_mag = std::max(worst_mag, em);
+        EXPECT_LT(math == IndexerMath::kF32 ? e : em, bound) << mname << " row " << t << " (of |score|: " << e << ")";
       }
-      std::printf("indexer %s HI=%d: worst row ||gpu - f64|| / ||f64|| = %.3g (bound %.0e)\n", mname, HI, worst, bound);
+      std::printf("indexer %s HI=%d: worst row ||gpu - f64|| / ||f64|| = %.3g, / ||mag|| = %.3g (bound %.0e on %s)\n",
+                  mname, HI, worst, worst_mag, bound, math == IndexerMath::kF32 ? "the first" : "the second");
 
       // GPU top-k on the GPU scores.
       const int k = 256;

@@ -314,7 +314,8 @@ __global__ void __launch_bounds__(kThreads) indexer_fp8_kernel(
   }
 }
 
-// The wgmma variant (IndexerMath::kFp8Wgmma; written 2026-12-06 without a device, not yet run).
+// The wgmma variant (IndexerMath::kFp8Wgmma; first run 2026-12-06 on an H100: 0.476 vs 1.049 ms
+// at 4096 tokens x 64 heads, 0.247 vs 0.882 at 32 heads, ml4's).
 // Why: indexer_fp8_kernel is latency-bound (~10% of the measured FP8 GEMM rate on a causal
 // prefill): every page is a chain of global loads through registers and block barriers with no copy in flight under
 // the MMAs, and mma.sync m16n8k32 feeds both operands through registers. Here a block of two

@@ -273,6 +273,51 @@ __global__ void combine_kernel(const float* __restrict__ y, const int32_t* __res
   }
 }
 
+// gather_rows_kernel and combine_kernel by float4, one per thread, grid (D / 4 in blocks of
+// 256, rows): a thread's loads (the K expert rows and the shared expert's) all issued before
+// any is used. The one-block-a-row loops wait a memory latency per 256 elements: 12 and 34 us
+// for a 6144-wide row on an H100 (ncu, batch-1 decode). The same operations per element (K
+// fused multiply-adds in k order, then the shared row added).
+__global__ void gather_rows_vec_kernel(const float4* __restrict__ x, int64_t D4, const int32_t* __restrict__ rows,
+                                       int64_t n, float4* __restrict__ out) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
+  const int64_t d = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (d >= D4) return;
+  for (int64_t i = blockIdx.y; i < n; i += gridDim.y) out[i * D4 + d] = x[int64_t{rows[i]} * D4 + d];
+}
+
+__global__ void combine_vec_kernel(const float4* __restrict__ y, const int32_t* __restrict__ inv,
+                                   const float* __restrict__ w, int K, int64_t D4, int64_t T,
+                                   const float4* __restrict__ shared, float4* __restrict__ out) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
+  const int64_t d = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (d >= D4) return;
+  for (int64_t t = blockIdx.y; t < T; t += gridDim.y) {
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 8
+    for (int k = 0; k < K; ++k) {
+      const float wk = w[t * K + k];
+      const float4 v = y[int64_t{inv[t * K + k]} * D4 + d];
+      acc.x = fmaf(wk, v.x, acc.x);
+      acc.y = fmaf(wk, v.y, acc.y);
+      acc.z = fmaf(wk, v.z, acc.z);
+      acc.w = fmaf(wk, v.w, acc.w);
+    }
+    if (shared) {
+      const float4 v = shared[t * D4 + d];
+      acc.x += v.x;
+      acc.y += v.y;
+      acc.z += v.z;
+      acc.w += v.w;
+    }
+    out[t * D4 + d] = acc;
+  }
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
 __global__ void decode_rows_kernel(int64_t n, int K, int32_t* __restrict__ row_src, int32_t* __restrict__ inv) {
   pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
   pdl_launch_dependents();
@@ -338,6 +383,13 @@ Status moe_permute(const MoePermuteParams& p) {
 Status gather_rows(const float* x, int64_t D, const int32_t* rows, int64_t n, float* out, cudaStream_t stream) {
   if (n < 0 || D <= 0) return invalid_argument("gather_rows: bad shape");
   if (n == 0) return ok_status();
+  if (D % 4 == 0 && aligned16(x) && aligned16(out)) {
+    const int64_t D4 = D / 4;
+    const dim3 grid(static_cast<unsigned>((D4 + 255) / 256), static_cast<unsigned>(std::min<int64_t>(n, 65535)));
+    launch_kernel(gather_rows_vec_kernel, grid, 256, 0, stream, reinterpret_cast<const float4*>(x), D4, rows, n,
+                  reinterpret_cast<float4*>(out));
+    return cuda_status(cudaGetLastError(), "gather_rows_vec_kernel");
+  }
   launch_kernel(gather_rows_kernel, static_cast<unsigned>(n), 256, 0, stream, x, D, rows, out);
   return cuda_status(cudaGetLastError(), "gather_rows_kernel");
 }
@@ -346,6 +398,13 @@ Status moe_combine(const MoeCombineParams& p) {
   if (p.T < 0 || p.K <= 0 || p.D <= 0) return invalid_argument("moe_combine: bad shape");
   if (p.T == 0) return ok_status();
   if (!p.y_perm || !p.inv || !p.weights || !p.out) return invalid_argument("moe_combine: null pointer");
+  if (p.D % 4 == 0 && aligned16(p.y_perm) && aligned16(p.out) && (!p.shared || aligned16(p.shared))) {
+    const int64_t D4 = p.D / 4;
+    const dim3 grid(static_cast<unsigned>((D4 + 255) / 256), static_cast<unsigned>(std::min<int64_t>(p.T, 65535)));
+    launch_kernel(combine_vec_kernel, grid, 256, 0, p.stream, reinterpret_cast<const float4*>(p.y_perm), p.inv,
+                  p.weights, p.K, D4, p.T, reinterpret_cast<const float4*>(p.shared), reinterpret_cast<float4*>(p.out));
+    return cuda_status(cudaGetLastError(), "combine_vec_kernel");
+  }
   launch_kernel(combine_kernel, static_cast<unsigned>(p.T), 256, 0, p.stream, p.y_perm, p.inv, p.weights, p.K, p.D,
                 p.shared, p.out);
   return cuda_status(cudaGetLastError(), "combine_kernel");

@@ -62,7 +62,7 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const ModelConfig& cfg,
   b->opts_ = opts;
   if (const char* v = std::getenv("ML4_MLA_PREFILL"); v && v[0] == '0') b->opts_.mla_prefill_kernel = false;
   if (const char* v = std::getenv("ML4_MLA_PREFILL_PAIRS"); v && v[0] == '0') b->opts_.mla_prefill_pairs = false;
-  if (const char* v = std::getenv("ML4_INDEXER_WGMMA"); v && v[0] == '1') b->opts_.indexer_wgmma = true;
+  if (const char* v = std::getenv("ML4_INDEXER_WGMMA"); v && (v[0] == '0' || v[0] == '1')) b->opts_.indexer_wgmma = v[0] == '1';
   b->synthetic_seed_ = synthetic_seed;
   b->max_model_len_ = max_model_len;
   ML4_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&b->stream_, cudaStreamNonBlocking));
@@ -709,7 +709,7 @@ Status CudaBackend::indexer_select(const IndexerSelectArgs& a) {
     sp.scores = b.scores.as<float>();
     sp.scores_stride = maxlen;
     sp.math = opts_.exact_activations ? IndexerMath::kF32
-              : opts_.indexer_wgmma     ? IndexerMath::kFp8Wgmma
+              : opts_.indexer_wgmma && T >= kIndexerWgmmaFromTokens ? IndexerMath::kFp8Wgmma
                                         : IndexerMath::kFp8TensorCore;
     sp.stream = stream_;
     ML4_RETURN_IF_ERROR(timed("attn: (indexer) of which scores", [&] { return indexer_scores(sp); }));

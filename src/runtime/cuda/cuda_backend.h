@@ -49,6 +49,10 @@ namespace ml4::cuda {
 // moe_experts_forward_gemm) or, with grouped_moe_gemm off, loop over experts.
 constexpr int64_t kGroupedMoeMaxTokens = 128;
 
+// Steps of this many tokens or more score the indexer by the wgmma kernel
+// (CudaBackendOptions::indexer_wgmma): it fills 128 query rows a block, a decode step a few.
+constexpr int64_t kIndexerWgmmaFromTokens = 256;
+
 struct CudaBackendOptions {
   bool exact_activations = false;
   bool overlap_indexer = true;
@@ -69,9 +73,11 @@ struct CudaBackendOptions {
   // Its pair schedule (MlaAttentionParams::prefill_pairs); ML4_MLA_PREFILL_PAIRS=0 takes the
   // tile schedule.
   bool mla_prefill_pairs = true;
-  // The indexer's FP8 scores by the wgmma kernel (IndexerMath::kFp8Wgmma; written without a
-  // device, not yet run): off; ML4_INDEXER_WGMMA=1 turns it on.
-  bool indexer_wgmma = false;
+  // The indexer's FP8 scores of steps of kIndexerWgmmaFromTokens tokens or more (prefill) by the
+  // wgmma kernel (IndexerMath::kFp8Wgmma: 2.2-3.6x the mma.sync kernel at 4096 tokens on an
+  // H100, CudaIndexer.WgmmaScoresAndTopkMatchCpu); decode-sized steps keep mma.sync.
+  // ML4_INDEXER_WGMMA=0 turns it off.
+  bool indexer_wgmma = true;
   // RunnerOptions::experts_to_mxfp4: routed FP8 experts re-quantized to MXFP4 on the device
   // as they are uploaded (ops/cuda/requant.h); needs fp4_weights.
   bool experts_to_mxfp4 = false;

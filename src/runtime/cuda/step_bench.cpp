@@ -365,10 +365,8 @@ int run_step_bench(const StepBenchOptions& opt) {
     };
     // The MLA prefill kernel's tile schedule (ML4_MLA_PREFILL_PAIRS=0).
     variant("mla=tiles", [&](bool on) { r.set_mla_prefill_pairs(!on); });
-    // The indexer's scores on the wgmma kernel (CudaBackendOptions::indexer_wgmma; not yet run on
-    // a device, so only when ML4_BENCH_INDEXER_WGMMA=1: a fault there would end the lines after it).
-    if (const char* v = std::getenv("ML4_BENCH_INDEXER_WGMMA"); v && v[0] == '1')
-      variant("indexer=wgmma", [&](bool on) { r.set_indexer_wgmma(on); });
+    // The indexer's prefill scores on the mma.sync kernel instead of wgmma (ML4_INDEXER_WGMMA=0).
+    variant("indexer=mma_sync", [&](bool on) { r.set_indexer_wgmma(!on); });
     r.set_absorb_gemm(true);  // the defaults
     r.set_moe_gemm_overlap(true);
     r.set_moe_gemm_tall(CudaRunnerOptions{}.moe_gemm_tall);
