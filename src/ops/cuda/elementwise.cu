@@ -246,24 +246,30 @@ struct QPathArgs {
   bool fold;
 };
 
-// One block per token: cos/sin of the token's angles once in shared memory, then every
-// head's pairs; then the head temperatures.
-__global__ void q_path_kernel(QPathArgs a) {
+// Grid (tokens, groups of kQpHeads heads), 128 threads: cos/sin of the token's angles in
+// shared memory, then the group's pairs (one a thread for 4 heads of 32 pairs); then the head
+// temperatures, and the fold with every load of the group's heads issued before any store.
+// One block a token (every head) walked its 64 heads' pairs 16 to a thread, each load after the
+// previous store: 10 us on an H100 for ml4's q (ncu, batch-1 decode), about one memory latency
+// per step. The same operations per element.
+constexpr int kQpHeads = 4, kQpThreads = 128, kQpFoldRegs = 8;
+
+__global__ void __launch_bounds__(kQpThreads) q_path_kernel(QPathArgs a) {
   pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
   pdl_launch_dependents();
   extern __shared__ float cs[];  // [rope_dim/2][2]
+  __shared__ float sfs[kQpHeads];
   const int64_t t = blockIdx.x;
+  const int h0 = static_cast<int>(blockIdx.y) * kQpHeads, nh = min(kQpHeads, a.H - h0);
   const int64_t p = a.positions[t];
   const int half = a.rope_dim / 2;
+  float* qt = a.q + (t * a.H + h0) * a.head_stride;  // the group's first head
   if (a.apply_rope) {
     const double pos = rope_position(p, a.lerope, a.lerope_window, a.lerope_leak);
     for (int i = threadIdx.x; i < half; i += blockDim.x)
       rope_cos_sin(pos, a.inv_freq[i], a.attn_factor, &cs[2 * i], &cs[2 * i + 1]);
     __syncthreads();
-  }
-  float* qt = a.q + t * a.H * a.head_stride;
-  if (a.apply_rope) {
-    for (int j = threadIdx.x; j < a.H * half; j += blockDim.x) {
+    for (int j = threadIdx.x; j < nh * half; j += blockDim.x) {
       const int h = j / half, i = j % half;
       float* base = qt + h * a.head_stride + a.rope_offset;
       rope_rotate(a.neox ? base + i : base + 2 * i, a.neox ? base + i + half : base + 2 * i + 1, cs[2 * i], cs[2 * i + 1]);
@@ -271,21 +277,35 @@ __global__ void q_path_kernel(QPathArgs a) {
   }
   if (a.base_scale == 0.0) return;
   // Temperature (cpu_attention.cpp step 6): f64 as on the CPU, rounded to f32 once.
-  double sc = a.base_scale;
-  if (a.llama4 && a.llama4_orig > 0) {
-    const double n = floor(static_cast<double>(p) / static_cast<double>(a.llama4_orig));
-    sc *= static_cast<double>(static_cast<float>(1.0 + a.llama4_beta * log(1.0 + n)));
-  }
-  const double nk = a.n_keys ? static_cast<double>(a.n_keys[t]) : static_cast<double>(p + 1);
-  __syncthreads();  // rope writes before the fold reads
-  for (int h = 0; h < a.H; ++h) {
+  if (threadIdx.x < nh) {
+    const int h = h0 + threadIdx.x;
+    double sc = a.base_scale;
+    if (a.llama4 && a.llama4_orig > 0) {
+      const double n = floor(static_cast<double>(p) / static_cast<double>(a.llama4_orig));
+      sc *= static_cast<double>(static_cast<float>(1.0 + a.llama4_beta * log(1.0 + n)));
+    }
+    const double nk = a.n_keys ? static_cast<double>(a.n_keys[t]) : static_cast<double>(p + 1);
     double s = sc;
     if (a.ssmax_s) s *= static_cast<double>(a.ssmax_s[h]) * log(nk);
     const float sf = static_cast<float>(s);
-    if (a.head_scale && threadIdx.x == 0) a.head_scale[t * a.H + h] = sf;
-    if (a.fold)
-      for (int d = threadIdx.x; d < a.head_stride; d += blockDim.x) qt[h * a.head_stride + d] *= sf;
+    sfs[threadIdx.x] = sf;
+    if (a.head_scale) a.head_scale[t * a.H + h] = sf;
   }
+  __syncthreads();  // rope writes before the fold reads; sfs written
+  if (!a.fold) return;
+  const int n = nh * a.head_stride;
+  float v[kQpFoldRegs];
+#pragma unroll
+  for (int k = 0; k < kQpFoldRegs; ++k) {
+    const int d = threadIdx.x + k * kQpThreads;
+    if (d < n) v[k] = qt[d];
+  }
+#pragma unroll
+  for (int k = 0; k < kQpFoldRegs; ++k) {
+    const int d = threadIdx.x + k * kQpThreads;
+    if (d < n) qt[d] = v[k] * sfs[d / a.head_stride];
+  }
+  for (int d = threadIdx.x + kQpFoldRegs * kQpThreads; d < n; d += kQpThreads) qt[d] *= sfs[d / a.head_stride];
 }
 
 __global__ void cast_f32_bf16_kernel(const float* __restrict__ x, int64_t n, __nv_bfloat16* __restrict__ o) {
@@ -566,7 +586,8 @@ Status q_path(const QPathParams& p) {
               p.llama4.original_max_position_embeddings, p.llama4.beta, p.ssmax_s, p.n_keys, p.head_scale,
               p.fold_scale};
   const size_t smem = static_cast<size_t>(std::max(p.rope_dim, 2)) * sizeof(float);
-  launch_kernel(q_path_kernel, static_cast<int>(p.T), 128, smem, p.stream, a);
+  const dim3 grid(static_cast<unsigned>(p.T), static_cast<unsigned>((p.H + kQpHeads - 1) / kQpHeads));
+  launch_kernel(q_path_kernel, grid, kQpThreads, smem, p.stream, a);
   return cuda_status(cudaGetLastError(), "q_path_kernel");
 }
 
