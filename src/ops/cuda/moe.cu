@@ -397,8 +397,7 @@ Status router_route(const RouterRouteParams& p) {
               r.cfg.scoring == RouterScoring::kSoftmax, r.cfg.renormalize, static_cast<float>(r.cfg.routed_scale),
               r.bias, r.ids, r.weights, nullptr};
   const size_t smem = static_cast<size_t>(kRouterThreads / 32) * (3 * E + G) * sizeof(float);
-  const bool vec = p.D % 4 == 0 && p.D <= 4 * kRouterThreads * kRouterVec && reinterpret_cast<uintptr_t>(p.x) % 16 == 0 &&
-                   reinterpret_cast<uintptr_t>(p.gate) % 16 == 0;
+  const bool vec = p.D % 4 == 0 && p.D <= 4 * kRouterThreads * kRouterVec && aligned16(p.x) && aligned16(p.gate);
   launch_kernel(router_route_kernel, static_cast<unsigned>(E), kRouterThreads, smem, r.stream, p.x, p.D, p.gate,
                 const_cast<float*>(r.logits), p.counter, vec, a);
   return cuda_status(cudaGetLastError(), "router_route_kernel");

@@ -998,7 +998,9 @@ Status CudaBackend::set_hot_selection(const int32_t* rows, const int32_t* counts
 
 Status CudaBackend::moe_router(LinearRef gate, const float* x, const float* bias, float* logits, int32_t* ids,
                                float* weights) {
-  const bool fuse = opts_.fused_router && gate.valid() &&
+  // Not under exact activations: its per-token sums are the same for any T <= 8, but steps of
+  // more tokens take the unfused GEMV, so a token's logits would depend on its step's size.
+  const bool fuse = opts_.fused_router && !opts_.exact_activations && gate.valid() &&
                     gate.id < static_cast<int>(linears_.size()) && router_[gate.id] &&
                     linears_[gate.id].format == LinearFormat::kF32 && linears_[gate.id].N == cfg_.moe.num_experts &&
                     router_route_supported(cfg_.moe, step_T_);

@@ -107,9 +107,10 @@ struct CudaRunnerOptions {
   bool programmatic_launch = false;
   // The decode router fused (issue 19, ops/cuda/moe.h router_route): for steps of at most 8
   // tokens without forced experts, the router's f32 GEMV and the top-k routing in one launch
-  // instead of a cuBLASLt f32 GEMM and the route kernel. Off until CudaMoe.FusedRouterMatchesCpu
-  // has passed on a device and the step bench's FUSEDROUTER lines have measured it.
-  bool fused_router = false;
+  // instead of cuBLAS's f32 GEMV (two kernels) and the route kernel. On since its GEMV loads
+  // the gate row by float4s into registers (twelfth session): ml4-slice-4 decode on an H100
+  // 1.003-1.007x at batch 1 and 4 (FUSEDROUTER lines; before, with a strided loop, 0.98x).
+  bool fused_router = true;
   // Issue 19's indexer fusions: the key half (LayerNorm, RoPE, Hadamard + FP8 into its cache)
   // as one kernel instead of three (cache_write.h indexer_key_path), and the queries' RoPE
   // inside their Hadamard + FP8 (indexer.h IndexerQueryQuantParams::rope) instead of two. On

@@ -126,6 +126,9 @@ int run_step_bench(const StepBenchOptions& opt) {
   const int64_t kMaxCtx = *std::max_element(opt.contexts.begin(), opt.contexts.end());
   const int64_t kMaxBatch = *std::max_element(opt.batches.begin(), opt.batches.end());
   const int64_t blocks_per_seq = (kMaxCtx + 63) / 64;
+  // The lines after the STEP table decode at 8192 tokens of context, or the largest --ctx when
+  // smaller (a small model's max_model_len, e.g. ml4-tiny's 4096).
+  const int64_t fixed_ctx = std::min<int64_t>(8192, kMaxCtx);
   CudaRunnerOptions o;
   o.base.kv_cache_dtype = "fp8_ds_mla";
   // Latent + indexer pages for 64 x 60k tokens, and the drafter's share of the split.
@@ -205,72 +208,77 @@ int run_step_bench(const StepBenchOptions& opt) {
   }
   if (o.fp4_weights) {  // FP4 experts on the tensor cores: x in 1, 2 or 3 bf16 parts (gemv.h)
     for (int batch : {1, 8, 64}) {
-      const StepInput fin = decode_step(r, batch, 8192, blocks_per_seq);
+      const StepInput fin = decode_step(r, batch, fixed_ctx, blocks_per_seq);
       double ms[4] = {0, 0, 0, 0};  // [0]: the CUDA-core stream (fp4_x_parts -1)
       for (int parts = 0; parts <= 3; ++parts) {
         r.set_fp4_x_parts(parts == 0 ? -1 : parts);
         ms[parts] = time_step(r, fin, 3, 20);
       }
       r.set_fp4_x_parts(o.fp4_x_parts);
-      std::printf("FP4PARTS experts=%s batch=%d ctx=8192 stream_ms=%.3f parts1_ms=%.3f parts2_ms=%.3f "
+      std::printf("FP4PARTS experts=%s batch=%d ctx=%ld stream_ms=%.3f parts1_ms=%.3f parts2_ms=%.3f "
                   "parts3_ms=%.3f\n",
-                  opt.experts.c_str(), batch, ms[0], ms[1], ms[2], ms[3]);
+                  opt.experts.c_str(), batch, static_cast<long>(fixed_ctx), ms[0], ms[1], ms[2], ms[3]);
     }
   }
   for (int batch : {1, 64}) {  // the same step returning logits (host sampling) instead
-    StepInput in = decode_step(r, batch, 8192, blocks_per_seq);
+    StepInput in = decode_step(r, batch, fixed_ctx, blocks_per_seq);
     for (auto& s : in.seqs) s.device_sampling.reset();
-    std::printf("STEP_LOGITS batch=%d ctx=8192 ms=%.3f (logits to the host, no device sampling)\n", batch,
+    std::printf("STEP_LOGITS batch=%d ctx=%ld ms=%.3f (logits to the host, no device sampling)\n",
+                batch, static_cast<long>(fixed_ctx),
                 time_step(r, in, 3, 20));
   }
-  for (int batch : {1, 4, 8}) {  // the decode router fused with its top-k (moe.h router_route) vs not
-    const StepInput fin = decode_step(r, batch, 8192, blocks_per_seq);
-    const double off = time_step(r, fin, 3, 20);
-    r.set_fused_router(true);
-    const double on = time_step(r, fin, 3, 20);
-    r.set_fused_router(false);
-    std::printf("FUSEDROUTER model=%s batch=%d ctx=8192 fused_ms=%.3f plain_ms=%.3f gain=%.3f\n", preset.c_str(), batch,
-                on, off, off / on);
-  }
-  for (int batch : {1, 4, 8}) {  // the indexer fusions (CudaRunnerOptions::fused_indexer) vs the separate launches
-    const StepInput fin = decode_step(r, batch, 8192, blocks_per_seq);
-    const double off = time_step(r, fin, 3, 20);
-    r.set_fused_indexer(true);
-    const double on = time_step(r, fin, 3, 20);
-    r.set_fused_indexer(false);
-    std::printf("FUSEDINDEXER model=%s batch=%d ctx=8192 fused_ms=%.3f plain_ms=%.3f gain=%.3f\n", preset.c_str(), batch,
-                on, off, off / on);
-  }
+  // A fusion on vs off at batch 1 / 4 / 8, each set explicitly and the default restored after
+  // (the lines once took the runner's current setting as "off", so a fusion that is on by
+  // default measured itself twice and stayed off for every line after).
+  auto fusion_ab = [&](const char* label, const std::function<void(bool)>& set, bool dflt) {
+    for (int batch : {1, 4, 8}) {
+      const StepInput fin = decode_step(r, batch, fixed_ctx, blocks_per_seq);
+      set(false);
+      const double off = time_step(r, fin, 3, 20);
+      set(true);
+      const double on = time_step(r, fin, 3, 20);
+      set(dflt);
+      std::printf("%s model=%s batch=%d ctx=%ld fused_ms=%.3f plain_ms=%.3f gain=%.3f\n", label, preset.c_str(), batch,
+                  static_cast<long>(fixed_ctx), on, off, off / on);
+    }
+  };
+  // The decode router fused with its top-k (moe.h router_route) vs cuBLAS's GEMV + route_kernel.
+  fusion_ab("FUSEDROUTER", [&](bool on) { r.set_fused_router(on); }, CudaRunnerOptions{}.fused_router);
+  // The indexer fusions (CudaRunnerOptions::fused_indexer) vs the separate launches.
+  fusion_ab("FUSEDINDEXER", [&](bool on) { r.set_fused_indexer(on); }, CudaRunnerOptions{}.fused_indexer);
   if (!opt.extras) return 0;
   {  // Graphs vs eager, batch 1, 8k.
-    const StepInput in = decode_step(r, 1, 8192, blocks_per_seq);
+    const StepInput in = decode_step(r, 1, fixed_ctx, blocks_per_seq);
     const double g = time_step(r, in, 3, 20);
     r.set_cuda_graphs(false);
     const double e = time_step(r, in, 3, 20);
     r.set_cuda_graphs(true);
-    std::printf("GRAPHS model=%s batch=1 ctx=8192 graph_ms=%.3f eager_ms=%.3f speedup=%.2f\n", preset.c_str(), g, e,
+    std::printf("GRAPHS model=%s batch=1 ctx=%ld graph_ms=%.3f eager_ms=%.3f speedup=%.2f\n",
+                preset.c_str(), static_cast<long>(fixed_ctx), g, e,
                 e / g);
     for (int batch : {1, 8, 64}) {  // programmatic dependent launch (pdl.cuh) on vs off, graphs on
-      const StepInput pin = decode_step(r, batch, 8192, blocks_per_seq);
+      const StepInput pin = decode_step(r, batch, fixed_ctx, blocks_per_seq);
       const double off = time_step(r, pin, 3, 20);
       r.set_programmatic_launch(true);
       const double on = time_step(r, pin, 3, 20);
       r.set_programmatic_launch(false);
-      std::printf("PDL model=%s batch=%d ctx=8192 pdl_ms=%.3f plain_ms=%.3f gain=%.2f\n", preset.c_str(), batch, on,
+      std::printf("PDL model=%s batch=%d ctx=%ld pdl_ms=%.3f plain_ms=%.3f gain=%.2f\n",
+                  preset.c_str(), batch, static_cast<long>(fixed_ctx), on,
                   off, off / on);
     }
     for (int batch : {1, 8, 64}) {  // the indexer on the main stream vs overlapped (graphs on)
-      const StepInput oin = decode_step(r, batch, 8192, blocks_per_seq);
+      const StepInput oin = decode_step(r, batch, fixed_ctx, blocks_per_seq);
       const double with = time_step(r, oin, 3, 20);
       r.set_overlap_indexer(false);
       const double without = time_step(r, oin, 3, 20);
       r.set_overlap_indexer(true);
-      std::printf("OVERLAP batch=%d ctx=8192 indexer_overlapped_ms=%.3f serial_ms=%.3f gain=%.2f\n", batch, with,
+      std::printf("OVERLAP batch=%d ctx=%ld indexer_overlapped_ms=%.3f serial_ms=%.3f gain=%.2f\n",
+                  batch, static_cast<long>(fixed_ctx), with,
                   without, without / with);
     }
     // Where the time goes (eager, events around each piece; adds a sync per piece).
     for (int batch : {1, 64}) {
-      const StepInput pin = decode_step(r, batch, 8192, blocks_per_seq);
+      const StepInput pin = decode_step(r, batch, fixed_ctx, blocks_per_seq);
       std::map<std::string, double> prof;
       r.set_cuda_graphs(false);
       r.set_profile(&prof);
@@ -279,7 +287,8 @@ int run_step_bench(const StepBenchOptions& opt) {
         if (!r.execute(pin).ok()) return 1;
       r.set_profile(nullptr);
       r.set_cuda_graphs(true);
-      for (const auto& [k, v] : prof) std::printf("PROFILE batch=%d ctx=8192 %s ms=%.3f\n", batch, k.c_str(), v / reps);
+      for (const auto& [k, v] : prof) std::printf("PROFILE batch=%d ctx=%ld %s ms=%.3f\n",
+                                                  batch, static_cast<long>(fixed_ctx), k.c_str(), v / reps);
     }
   }
   {  // Graphs where launches dominate: ml4-tiny (12 small layers), batch 1.
