@@ -114,6 +114,10 @@ int main() {
     BENCH_CUDA(cudaStreamSynchronize(s));
   }
 
+  // ML4_ATTN_BENCH=splits jumps to section 1's split sweep (decode steps of ml4: H 64, B <= 4).
+  const char* only_env = std::getenv("ML4_ATTN_BENCH");
+  const bool splits_only = only_env && std::string(only_env) == "splits";
+  if (splits_only) goto sparse_decode;
   // 0. Sparse MLA prefill (issue 18): one causal sequence of T = 4096 / 8192 tokens (ml4-slice-4:
   // H 64, topk 2048) on shuffled pages of the cache; token p sees min(p + 1, 2048) keys (a random
   // 2048-subset of [0, p] beyond). The decode kernel (prefill_kernel = false, today's prefill
@@ -252,11 +256,12 @@ int main() {
     return 0;
   }
 
+sparse_decode:
   // 1. Sparse decode: the generic bf16 tensor-core kernel (decode_kernel = false) against the
   // dedicated decode kernel (attention_decode.cu), same inputs, same run. Index sets rotate so
   // that the rows read by successive repetitions (>= 256 MB in all) do not sit in the 50 MB L2.
   for (int Hs : {16, 64}) {
-    for (int B : {1, 8, 32, 64, 128}) {
+    for (int B : splits_only ? std::vector<int>{1, 2, 4} : std::vector<int>{1, 8, 32, 64, 128}) {
       const size_t per_set = static_cast<size_t>(B) * topk;
       const int nsets = static_cast<int>(std::clamp<double>(256e6 / (per_set * tb), 1, 64));
       std::vector<int32_t> idx(per_set * nsets);
@@ -291,6 +296,19 @@ int main() {
       // Rows (+ their 4-byte indices), q in, out and lse out; split partials not counted.
       const double bytes = double(B) * topk * (tb + 4) + double(B) * Hs * ((r + dr) * 4 + r * 4 + 4);
       const double flop = 2.0 * B * Hs * topk * (576 + 512);
+      if (splits_only) {  // the decode kernel at forced split counts (0: choose_splits')
+        if (Hs != 64 || B > 4) continue;
+        for (int ns : {0, 4, 8, 16, 32, 64}) {
+          p.num_splits = ns;
+          const double ms = bench::median_ms(s, 3, 50, [&](int i) {
+            p.indices = d_idx.as<int32_t>() + static_cast<size_t>(i % nsets) * per_set;
+            BENCH_CHECK(mla_attention(p));
+          });
+          std::printf("ATTN sparse_mla_decode splits H=%d B=%d topk=%d num_splits=%d: %.4f ms\n", Hs, B, topk, ns, ms);
+        }
+        p.num_splits = 0;
+        continue;
+      }
       for (bool dec : {false, true}) {
         p.decode_kernel = dec;
         const double ms = bench::median_ms(s, 3, 20, [&](int i) {
@@ -304,7 +322,7 @@ int main() {
       }
     }
   }
-  if (const char* only = std::getenv("ML4_ATTN_BENCH"); only && std::string(only) == "sparse") {
+  if (splits_only || (only_env && std::string(only_env) == "sparse")) {
     BENCH_CUDA(cudaStreamDestroy(s));
     return 0;
   }
