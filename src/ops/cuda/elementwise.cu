@@ -13,6 +13,7 @@
 #include "ops/cuda/cuda_common.h"
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/rope.cuh"
+#include "ops/cuda/row_regs.cuh"
 
 namespace ml4::cuda {
 namespace {
@@ -116,15 +117,9 @@ __global__ void __launch_bounds__(kThreads) rms_norm_vec_kernel(const float* x, 
   float4* rr = residual ? reinterpret_cast<float4*>(residual + row * dim) : nullptr;
   const float4* w4 = reinterpret_cast<const float4*>(w);
   float4 v[V], r[V], wv[V];
-#pragma unroll
-  for (int j = 0; j < V; ++j) {
-    const int i = threadIdx.x + j * kThreads;
-    if (i < n4) {
-      v[j] = xr[i];
-      if (rr) r[j] = rr[i];
-      wv[j] = w4[i];
-    }
-  }
+  load_row_regs<kThreads>(v, xr, n4);
+  if (rr) load_row_regs<kThreads>(r, rr, n4);
+  load_row_regs<kThreads>(wv, w4, n4);
   double ss = 0.0;
 #pragma unroll
   for (int j = 0; j < V; ++j) {
@@ -295,11 +290,7 @@ __global__ void __launch_bounds__(kQpThreads) q_path_kernel(QPathArgs a) {
   if (!a.fold) return;
   const int n = nh * a.head_stride;
   float v[kQpFoldRegs];
-#pragma unroll
-  for (int k = 0; k < kQpFoldRegs; ++k) {
-    const int d = threadIdx.x + k * kQpThreads;
-    if (d < n) v[k] = qt[d];
-  }
+  load_row_regs<kQpThreads>(v, qt, n);
 #pragma unroll
   for (int k = 0; k < kQpFoldRegs; ++k) {
     const int d = threadIdx.x + k * kQpThreads;

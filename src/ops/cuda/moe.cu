@@ -11,6 +11,7 @@
 #include "ops/cuda/act_quant.h"
 #include "ops/cuda/elementwise.h"
 #include "ops/cuda/moe_gemm.h"
+#include "ops/cuda/row_regs.cuh"
 
 namespace ml4::cuda {
 namespace {
@@ -186,21 +187,13 @@ __global__ void __launch_bounds__(kRouterThreads)
     const int n4 = static_cast<int>(D / 4);
     const float4* g4 = reinterpret_cast<const float4*>(g);
     float4 gv[kRouterVec];
-#pragma unroll
-    for (int j = 0; j < kRouterVec; ++j) {
-      const int i = threadIdx.x + j * kRouterThreads;
-      if (i < n4) gv[j] = g4[i];
-    }
+    load_row_regs<kRouterThreads>(gv, g4, n4);
 #pragma unroll
     for (int t = 0; t < kRouterMaxT; ++t) {
       if (t >= T) break;
       const float4* x4 = reinterpret_cast<const float4*>(x + t * D);
       float4 xv[kRouterVec];
-#pragma unroll
-      for (int j = 0; j < kRouterVec; ++j) {
-        const int i = threadIdx.x + j * kRouterThreads;
-        if (i < n4) xv[j] = x4[i];
-      }
+      load_row_regs<kRouterThreads>(xv, x4, n4);
 #pragma unroll
       for (int j = 0; j < kRouterVec; ++j) {
         const int i = threadIdx.x + j * kRouterThreads;
