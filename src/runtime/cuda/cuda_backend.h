@@ -232,6 +232,8 @@ class CudaBackend : public Backend {
 
   int64_t weight_bytes() const { return weight_bytes_; }
   int64_t routed_expert_bytes() const { return routed_expert_bytes_; }
+  // The token embedding table's bytes (in weight_bytes; a step reads one row a token of it).
+  int64_t embedding_bytes() const { return static_cast<int64_t>(embed_.bytes()); }
   // experts_to_mxfp4: seconds spent re-quantizing, and the most device bytes held beyond the
   // result while doing it (one FP8 matrix at a time).
   double requant_seconds() const { return requant_seconds_; }

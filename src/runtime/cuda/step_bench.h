@@ -7,8 +7,10 @@
 // or eager launches, sampling on the GPU (temperature 0.8, top-k 50, top-p 0.95) and the
 // token copy to the host, the synchronization: what the engine waits for), median of 20
 // after 3 warm-ups, against the roofline
-//   bytes = weights read (everything but the routed experts, plus the expected number of
-//           distinct routed experts for B tokens: E (1 - (1 - k/E)^B) per MoE layer)
+//   bytes = weights read (everything but the routed experts and the token embedding table,
+//           plus B rows of that table, plus the expected number of distinct routed experts
+//           for B tokens: E (1 - (1 - k/E)^B) per MoE layer; the table was counted whole
+//           before the twelfth session, 1.61 GB too many on ml4-slice-4)
 //         + KV read (per layer min(ctx, top-k) latent rows; per indexer owner all ctx keys
 //           and the f32 scores written and read back)
 //   roofline = bytes / measured copy bandwidth (gpu_ceilings_bench).
