@@ -5,6 +5,8 @@
 #   0. MoE prefill as grouped GEMMs (issue 18): gpu_moe_bench (loop vs grouped GEMMs vs
 #      cuBLASLt dense) and the ml4-slice-4 step bench's PREFILL lines, both MoE paths; decode
 #      steps with NVFP4 / MXFP4 routed experts;
+#   D. the decode step (issue 19): ml4-slice-4 at batch 1 / 2 / 4, ml4-tiny, one step's
+#      per-kernel times under ncu (bench/ncu_kernel_table.py);
 #   1. the GPU tests added since the last run (FILTER_NEW), then DSpark on the H200:
 #      bench/spec_decode_cpu.sh against `ml4 serve --device cuda` on assets/ml4-small (one round);
 #   2. `ml4 perplexity --device cuda` on ml4-small (the CPU figure to match is in docs/ML4-SMALL.md);
@@ -55,17 +57,37 @@ export UCX_MODULE_DIR="$carry/ucx/lib/ucx"
 export ML4_SOURCE_DIR="$root"
 t0=$(date +%s)
 stamp() { echo "==== [$(( $(date +%s) - t0 )) s] $*"; }
-# SECTIONS picks parts (default all but train): tests moegemm spec specstep hisparse perplexity pd all;
+# SECTIONS picks parts (default all but train): tests decode moegemm spec specstep hisparse perplexity pd all;
 # train (not in the default: it needs the corpus carried, see below) retrains the DSpark drafter
-sections=" ${SECTIONS:-tests moegemm spec specstep hisparse perplexity pd all} "
+sections=" ${SECTIONS:-tests decode moegemm spec specstep hisparse perplexity pd all} "
 on() { [[ "$sections" == *" $1 "* ]]; }
 
-# The eleventh session's test written without a device: the indexer's wgmma scores kernel
-# (CudaIndexer.WgmmaScoresAndTopkMatchCpu), alone, first. If it faults, rerun with
-# ML4_GTEST_EXCLUDE=CudaIndexer.Wgmma* so that it does not take the whole suite with it.
-new=${FILTER_NEW:-CudaIndexer.Wgmma*}
+# The suites of the kernels the last session changed (twelfth: the row kernels, the fused
+# router, the MLA decode kernel's q load, the wgmma indexer), first. A suite that faults can be
+# left out of the whole run with ML4_GTEST_EXCLUDE=Suite.* so that it does not take the rest with it.
+new=${FILTER_NEW:-CudaElementwise.*:CudaMoe.FusedRouter*:CudaMlaAttention.*:CudaIndexer.*}
 on tests && stamp "1a. new GPU tests: $new" && timeout 240 "$carry/bin/ml4_cuda_tests" --gtest_filter="$new" --gtest_color=no > "$out/new_tests.log" 2>&1
 on tests && grep -E "^\[  (FAILED|PASSED|SKIPPED) |^\[       OK|rel|Failure" "$out/new_tests.log" | tail -40
+
+if on decode; then
+  # Issue 19: the decode step at batch 1 / 2 / 4 (8k and 60k context) against its roofline, the
+  # launch-bound ml4-tiny step, and one batch-1 step's per-kernel times under ncu (warm caches;
+  # bench/ncu_kernel_table.py groups them; compare with a previous session's CSV).
+  stamp "D. decode step, per-kernel profile"
+  timeout 150 "$carry/bin/ml4" bench step --preset ml4-slice-4 --batch 1,2,4 --ctx 8192,61440 --no-extras \
+    > "$out/decode_step.log" 2>&1; echo "rc=$?"
+  grep -E "^COPY|^STEP |FUSED|rror" "$out/decode_step.log" | cut -c1-200
+  timeout 60 "$carry/bin/ml4" bench step --preset ml4-tiny --batch 1,2,4 --ctx 1024 --kv-gib 1 --no-extras \
+    > "$out/decode_step_tiny.log" 2>&1; echo "rc=$?"
+  grep -E "^STEP |rror" "$out/decode_step_tiny.log" | cut -c1-200
+  if command -v ncu > /dev/null; then
+    ML4_BENCH_NCU_STEP=1 timeout 200 ncu --profile-from-start off --clock-control none --cache-control none \
+      --metrics gpu__time_duration.sum --csv --print-units base --log-file "$out/ncu_decode_b1.csv" \
+      "$carry/bin/ml4" bench step --preset ml4-slice-4 --batch 1 --ctx 8192 --kv-gib 4 > "$out/ncu_decode_b1.log" 2>&1
+    echo "ncu rc=$?"
+    python3 "$root/bench/ncu_kernel_table.py" "$out/ncu_decode_b1.csv" | head -30
+  fi
+fi
 
 if on moegemm; then
   stamp "0. MoE prefill: grouped GEMMs vs the expert loop"
