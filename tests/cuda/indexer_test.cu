@@ -234,8 +234,8 @@ TEST(CudaIndexer, ScoresAndTopkMatchCpu) {
   scores_and_topk({IndexerMath::kF32, IndexerMath::kFp8TensorCore});
 }
 
-// The wgmma scores kernel (written 2026-12-06 without a device): a test of its own, so that a
-// first run can take it alone (--gtest_filter=CudaIndexer.Wgmma*) before the whole suite.
+// The wgmma scores kernel (the runner's for steps of 256 tokens or more): its own test, so a
+// fault in it can be left out of a whole-suite run (ML4_GTEST_EXCLUDE=CudaIndexer.Wgmma*).
 TEST(CudaIndexer, WgmmaScoresAndTopkMatchCpu) {
   ML4_REQUIRE_GPU();
   scores_and_topk({IndexerMath::kFp8Wgmma});

@@ -273,8 +273,8 @@ __global__ void mla_combine_kernel(const float* __restrict__ part_out, const flo
 // bulk copies need it) and q (its float4 loads). Its split rule is choose_splits' (>= 64 keys per split).
 bool use_decode_kernel(const MlaAttentionParams& p, int row_bytes) {
   return p.decode_kernel && p.math == MlaMath::kBf16TensorCore && p.indices && p.dtype == KvCacheDtype::kFp8DsMla &&
-         reinterpret_cast<uintptr_t>(p.cache) % 16 == 0 && reinterpret_cast<uintptr_t>(p.q_lat) % 16 == 0 &&
-         reinterpret_cast<uintptr_t>(p.q_rope) % 16 == 0 && detail::mla_decode_supported(p.H, p.r, p.dr, row_bytes);
+         aligned16(p.cache) && aligned16(p.q_lat) && aligned16(p.q_rope) &&
+         detail::mla_decode_supported(p.H, p.r, p.dr, row_bytes);
 }
 
 // The wgmma prefill kernel (attention_prefill.cu) applies: bf16 tensor cores, sparse, fp8_ds_mla

@@ -25,6 +25,9 @@ bool device_available();
 // Multiprocessor count of the current device (cached after the first call; 0 if none).
 int sm_count();
 
+// True when p sits on a 16-byte boundary (the float4 / uint4 paths of the kernels).
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
 // Programmatic dependent launch for our kernels (pdl.cuh), process-wide: each CudaRunner step
 // sets its CudaRunnerOptions::programmatic_launch. Read at each launch, so a captured graph
 // keeps the setting it was captured with.

@@ -506,10 +506,10 @@ Status rms_norm(const RmsNormParams& p) {
   if (p.rows == 0) return ok_status();
   if (p.rows > INT32_MAX) return invalid_argument("rms_norm: {} rows", p.rows);
   const int64_t xs = p.x_stride ? p.x_stride : p.dim;
-  auto a16 = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
   const int v = static_cast<int>((p.dim / 4 + kThreads - 1) / kThreads);  // float4s a thread
-  if (p.dim % 4 == 0 && xs % 4 == 0 && v <= 8 && a16(p.x) && a16(p.w) && (!p.residual || a16(p.residual)) &&
-      (!p.y || a16(p.y)) && reinterpret_cast<uintptr_t>(p.y_bf16) % 8 == 0) {
+  if (p.dim % 4 == 0 && xs % 4 == 0 && v <= 8 && aligned16(p.x) && aligned16(p.w) &&
+      (!p.residual || aligned16(p.residual)) && (!p.y || aligned16(p.y)) &&
+      reinterpret_cast<uintptr_t>(p.y_bf16) % 8 == 0) {
     auto launch = [&](auto kernel) {
       launch_kernel(kernel, static_cast<int>(p.rows), kThreads, 0, p.stream, p.x, p.residual, p.w,
                     static_cast<int>(p.dim), p.eps, p.y, static_cast<__nv_bfloat16*>(p.y_bf16), xs);
@@ -547,7 +547,7 @@ Status embedding(const EmbeddingParams& p) {
                     static_cast<const float*>(p.table), p.V, p.D, p.ids, p.out, p.shard, p.first_id);
       break;
     case DType::kBF16:
-      if (p.D % 8 == 0 && reinterpret_cast<uintptr_t>(p.table) % 16 == 0 && reinterpret_cast<uintptr_t>(p.out) % 16 == 0) {
+      if (p.D % 8 == 0 && aligned16(p.table) && aligned16(p.out)) {
         const int64_t D8 = p.D / 8;
         const dim3 grid(static_cast<unsigned>((D8 + kThreads - 1) / kThreads),
                         static_cast<unsigned>(std::min<int64_t>(p.T, 65535)));

@@ -15,8 +15,6 @@ Status lt_status(cublasStatus_t s, const char* what) {
 
 #define ML4_LT_RETURN_IF_ERROR(expr) ML4_RETURN_IF_ERROR(lt_status((expr), #expr))
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-
 }  // namespace
 
 Result<std::unique_ptr<LtGemm>> LtGemm::create(size_t workspace_bytes) {

@@ -9,6 +9,7 @@
 #include <cmath>
 
 #include "ops/cuda/act_quant.h"
+#include "ops/cuda/cuda_common.h"
 #include "ops/cuda/elementwise.h"
 #include "ops/cuda/moe_gemm.h"
 #include "ops/cuda/row_regs.cuh"
@@ -343,8 +344,6 @@ __global__ void combine_vec_kernel(const float4* __restrict__ y, const int32_t* 
     out[t * D4 + d] = acc;
   }
 }
-
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 __global__ void decode_rows_kernel(int64_t n, int K, int32_t* __restrict__ row_src, int32_t* __restrict__ inv) {
   pdl_wait();  // pdl.cuh: nothing before this touches the step's activations

@@ -363,13 +363,13 @@ int run_step_bench(const StepBenchOptions& opt) {
         std::printf("PREFILL_PROFILE tokens=%ld moe=%s absorb=%s %s ms=%.3f\n", static_cast<long>(n), moe, abs,
                     k.c_str(), v);
     }
-    // The defaults with one switch flipped (set(true) flips it, set(false) restores the default),
-    // against the last line.
-    auto variant = [&](const char* label, const std::function<void(bool)>& set) {
-      set(true);
+    // The defaults with one switch set to `value` and then back to its default `dflt`, against
+    // the last line.
+    auto variant = [&](const char* label, const std::function<void(bool)>& set, bool value, bool dflt) {
+      set(value);
       std::string failed;
       const double ms = time_step(r, in, 1, 3, &failed);
-      set(false);
+      set(dflt);
       if (ms >= 0)
         std::printf("PREFILL tokens=%ld moe=grouped_gemm_overlap_group_major absorb=gemm_tf32 %s ms=%.1f tok_s=%.0f\n",
                     static_cast<long>(n), label, ms, n / ms * 1e3);
@@ -377,9 +377,9 @@ int run_step_bench(const StepBenchOptions& opt) {
         std::printf("PREFILL tokens=%ld %s failed: %s\n", static_cast<long>(n), label, failed.c_str());
     };
     // The MLA prefill kernel's tile schedule (ML4_MLA_PREFILL_PAIRS=0).
-    variant("mla=tiles", [&](bool on) { r.set_mla_prefill_pairs(!on); });
+    variant("mla=tiles", [&](bool on) { r.set_mla_prefill_pairs(on); }, false, CudaBackendOptions{}.mla_prefill_pairs);
     // The indexer's prefill scores on the mma.sync kernel instead of wgmma (ML4_INDEXER_WGMMA=0).
-    variant("indexer=mma_sync", [&](bool on) { r.set_indexer_wgmma(!on); });
+    variant("indexer=mma_sync", [&](bool on) { r.set_indexer_wgmma(on); }, false, CudaBackendOptions{}.indexer_wgmma);
     r.set_absorb_gemm(true);  // the defaults
     r.set_moe_gemm_overlap(true);
     r.set_moe_gemm_tall(CudaRunnerOptions{}.moe_gemm_tall);
