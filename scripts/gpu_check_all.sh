@@ -62,10 +62,10 @@ stamp() { echo "==== [$(( $(date +%s) - t0 )) s] $*"; }
 sections=" ${SECTIONS:-tests decode moegemm spec specstep hisparse perplexity pd all} "
 on() { [[ "$sections" == *" $1 "* ]]; }
 
-# The suites of the kernels the last session changed (twelfth: the row kernels, the fused
-# router, the MLA decode kernel's q load, the wgmma indexer), first. A suite that faults can be
+# The suites of the kernels the last session changed (thirteenth: the resident FFN kernel and
+# the latency path, the stream GEMV's body as a device function), first. A suite that faults can be
 # left out of the whole run with ML4_GTEST_EXCLUDE=Suite.* so that it does not take the rest with it.
-new=${FILTER_NEW:-CudaElementwise.*:CudaMoe.FusedRouter*:CudaMlaAttention.*:CudaIndexer.*}
+new=${FILTER_NEW:-CudaMoe.Resident*:CudaRunner.LatencyDecode*:CudaGemv.*:CudaMoe.*}
 on tests && stamp "1a. new GPU tests: $new" && timeout 240 "$carry/bin/ml4_cuda_tests" --gtest_filter="$new" --gtest_color=no > "$out/new_tests.log" 2>&1
 on tests && grep -E "^\[  (FAILED|PASSED|SKIPPED) |^\[       OK|rel|Failure" "$out/new_tests.log" | tail -40
 
@@ -76,16 +76,20 @@ if on decode; then
   stamp "D. decode step, per-kernel profile"
   timeout 150 "$carry/bin/ml4" bench step --preset ml4-slice-4 --batch 1,2,4 --ctx 8192,61440 --no-extras \
     > "$out/decode_step.log" 2>&1; echo "rc=$?"
-  grep -E "^COPY|^STEP |FUSED|rror" "$out/decode_step.log" | cut -c1-200
+  grep -E "^COPY|^STEP |^LATENCY|FUSED|rror" "$out/decode_step.log" | cut -c1-220
   timeout 60 "$carry/bin/ml4" bench step --preset ml4-tiny --batch 1,2,4 --ctx 1024 --kv-gib 1 --no-extras \
     > "$out/decode_step_tiny.log" 2>&1; echo "rc=$?"
-  grep -E "^STEP |rror" "$out/decode_step_tiny.log" | cut -c1-200
-  if command -v ncu > /dev/null; then
-    ML4_BENCH_NCU_STEP=1 timeout 200 ncu --profile-from-start off --clock-control none --cache-control none \
-      --metrics gpu__time_duration.sum --csv --print-units base --log-file "$out/ncu_decode_b1.csv" \
-      "$carry/bin/ml4" bench step --preset ml4-slice-4 --batch 1 --ctx 8192 --kv-gib 4 > "$out/ncu_decode_b1.log" 2>&1
-    echo "ncu rc=$?"
-    python3 "$root/bench/ncu_kernel_table.py" "$out/ncu_decode_b1.csv" | head -30
+  grep -E "^STEP |^LATENCY|rror" "$out/decode_step_tiny.log" | cut -c1-220
+  if command -v ncu > /dev/null; then  # the standard step, then the latency path's (ML4_LATENCY_DECODE=1)
+    for lat in 0 1; do
+      ML4_LATENCY_DECODE=$lat ML4_BENCH_NCU_STEP=1 timeout 200 ncu --profile-from-start off --clock-control none \
+        --cache-control none --metrics gpu__time_duration.sum --csv --print-units base \
+        --log-file "$out/ncu_decode_b1_lat$lat.csv" \
+        "$carry/bin/ml4" bench step --preset ml4-slice-4 --batch 1 --ctx 8192 --kv-gib 4 > "$out/ncu_decode_b1_lat$lat.log" 2>&1
+      echo "ncu latency=$lat rc=$?"
+      grep NCUSTEP "$out/ncu_decode_b1_lat$lat.log"
+    done
+    python3 "$root/bench/ncu_kernel_table.py" "$out/ncu_decode_b1_lat0.csv" "$out/ncu_decode_b1_lat1.csv" | head -40
   fi
 fi
 

@@ -54,6 +54,22 @@ struct MlpRef {
 struct MoeRef {
   int id = -1;
 };
+// Backend::ffn_block's operands: a MoE layer (gate valid: router, its bias, experts) or a dense
+// one (dense: its MLP).
+struct FfnBlockArgs {
+  const float* attn_out = nullptr;  // [T, dim], may be out
+  float* residual = nullptr;        // [T, dim]
+  const float* norm_w = nullptr;    // [dim]
+  float eps = 1e-6f;
+  LinearRef gate;
+  const float* router_bias = nullptr;
+  MoeRef moe;
+  MlpRef dense;
+  float* logits = nullptr;   // [T, E]
+  int32_t* ids = nullptr;    // [T, K]
+  float* weights = nullptr;  // [T, K]
+  float* out = nullptr;      // [T, dim]
+};
 // One layer's MLA up-projection wkv_b [H*(dn+dv), r], read as W_UK [H][dn][r] (head h's rows
 // h*(dn+dv) + [0, dn)) and W_UV [H][dv][r] (the next dv rows) by the absorbed form.
 struct AbsorbRef {
@@ -322,6 +338,14 @@ class Backend {
   // False when moe_experts must read device results back (then the program issues it
   // through host_sync).
   virtual bool moe_experts_capturable(MoeRef moe) const { return true; }
+  // The FFN half of a layer as one launch (issue 19, `--decode-backend latency_specialized`):
+  // residual += attn_out, then out = ffn(rms(residual) * norm_w), the FFN a MoE layer's router
+  // (its logits, ids and weights written as moe_router writes them) and experts, or a dense
+  // layer's MLP. A backend that can run this step's block so says (the CUDA resident kernel:
+  // ops/cuda/ffn_resident.h, steps of 1..4 tokens); the program runs the ops one by one
+  // otherwise. The same results as rms_norm + moe_router + moe_experts (or the MLP's linears).
+  virtual bool ffn_block_fused(const FfnBlockArgs& a) const { return false; }
+  virtual Status ffn_block(const FfnBlockArgs& a) { return unimplemented("ffn_block: not fused on this backend"); }
   virtual Result<std::vector<int32_t>> read_ints(const int32_t* p, int64_t n) = 0;
   // out[i] = x[logits row i] for the step's R logits rows (rows of dim).
   virtual Status gather_logits_rows(const float* x, float* out) = 0;

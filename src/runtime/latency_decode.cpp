@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include "ops/ffn_resident_shape.h"
+
 namespace ml4 {
 
 namespace {
@@ -25,19 +27,12 @@ Status validate_decode_backend(const std::string& backend) {
 
 std::vector<std::string> latency_decode_refusals(const LatencyDecodeSetup& s) {
   std::vector<std::string> why;
-  // The build first: what no flag can change.
-  why.push_back(
-      "this build has no latency-specialised decode kernels (issue 19: they are written and tested on the H200)");
   if (s.device != "cuda") why.push_back(fmt::format("--device {}: the path is a CUDA kernel (use --device cuda)", s.device));
-  if (!s.cuda_graphs)
-    why.push_back("--no-cuda-graphs: the latency path replays one CUDA graph per batch size (drop the flag)");
   if (s.batch_invariant)
-    why.push_back("--batch-invariant: the latency kernels use the standard path's bf16/FP8 numerics, not f32 "
-                  "activations (drop the flag)");
-  if (s.kv_cache_dtype != "fp8_ds_mla")
-    why.push_back(fmt::format("--kv-cache-dtype {}: the kernels read the fp8_ds_mla cache only", s.kv_cache_dtype));
+    why.push_back("--batch-invariant: the resident kernel uses the standard path's decode numerics, not f32 "
+                  "activations whatever the step's size (drop the flag)");
   if (s.quantization != "auto")
-    why.push_back(fmt::format("--quantization {}: the kernels stream FP8 block weights only", s.quantization));
+    why.push_back(fmt::format("--quantization {}: the kernel streams FP8 block weights only", s.quantization));
   const ParallelConfig& p = s.parallel;
   if (p.tensor_parallel_size != 1)
     why.push_back(fmt::format("--tensor-parallel-size {}: one kernel holds a whole layer on one GPU (needs 1)",
@@ -57,9 +52,25 @@ std::vector<std::string> latency_decode_refusals(const LatencyDecodeSetup& s) {
     why.push_back("HiSparse (--kv-transfer-config HiSparseConnector): the latent cache is in host memory, the "
                   "kernel reads it on the device");
   if (s.model != nullptr && s.model->weight_format != WeightFormat::kFP8Block)
-    why.push_back(fmt::format("the checkpoint's weights are {}: the kernels stream FP8 block weights (ml4 quantize "
+    why.push_back(fmt::format("the checkpoint's weights are {}: the kernel streams FP8 block weights (ml4 quantize "
                               "--to fp8 IN OUT)",
                               weight_format_label(s.model->weight_format)));
+  if (s.model != nullptr) {
+    // Every FFN kind the model has, as the kernel would see it (its dense MLP, its MoE with the
+    // shared experts as one MLP).
+    const ModelConfig& m = *s.model;
+    bool dense = false, moe = false;
+    for (const auto& l : m.layers) (l.ffn == FfnKind::kMoe ? moe : dense) = true;
+    std::string shape;
+    if (dense) shape = ffn_resident_unsupported(m.dim, nullptr, 0, m.hidden_dim, 1);
+    if (moe) {
+      const std::string w = ffn_resident_unsupported(
+          m.dim, &m.moe, m.moe.expert_hidden_dim,
+          static_cast<int64_t>(m.moe.num_shared_experts) * m.moe.expert_hidden_dim, 1);
+      shape += (shape.empty() || w.empty() ? "" : "; ") + w;
+    }
+    if (!shape.empty()) why.push_back("the model's FFN shapes: " + shape);
+  }
   return why;
 }
 

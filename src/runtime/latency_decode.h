@@ -1,12 +1,10 @@
-// `--decode-backend latency_specialized` (SYSTEM.md S17, issue 19): pure-decode steps of 1, 2
-// or 4 requests as one resident kernel per layer, with bounded device-side waits and a sticky
-// fault word. The path fails closed: a configuration it does not support is refused at
-// start-up with every reason listed, never served by a silent fallback to the standard path.
-//
-// What is decided here is the start-up contract; the kernels come with the H200 work of issue
-// 19. Until they exist, a build says so as one of the reasons, so the flag is always refused
-// (with the configuration's other reasons listed too, so a user sees everything to change at
-// once). `standard` (the default) is the path every other step runs on anyway.
+// `--decode-backend latency_specialized` (SYSTEM.md S17, issue 19): steps of 1..4 tokens run
+// each layer's FFN half (residual add, RMSNorm, router, experts or dense MLP, combine) as one
+// resident kernel (ops/cuda/ffn_resident.h) with bounded device-side waits and a sticky fault
+// word; the attention half runs the standard kernels. The path fails closed: a configuration
+// it does not support is refused at start-up with every reason listed, never served by a silent
+// fallback. Steps of more tokens (prefill) run the standard path in the same engine.
+// `standard` (the default) is the path every other step runs on anyway.
 #pragma once
 
 #include <string>
@@ -21,9 +19,7 @@ namespace ml4 {
 // What the start-up check looks at (the command's flags and the checkpoint's config).
 struct LatencyDecodeSetup {
   std::string device = "cpu";           // --device
-  bool cuda_graphs = true;              // !--no-cuda-graphs
   bool batch_invariant = false;         // --batch-invariant (f32 activations)
-  std::string kv_cache_dtype = "fp8_ds_mla";
   std::string quantization = "auto";    // --quantization (mxfp4: FP4 experts)
   ParallelConfig parallel;
   bool speculative = false;             // --speculative-config

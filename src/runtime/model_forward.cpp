@@ -925,6 +925,28 @@ Status ModelForward::forward(const StepMetadata* md, ForwardTrace* trace) {
       ML4_RETURN_IF_ERROR(be_.segment([&] { return attention(l, nullptr, nullptr, x.tmp); }));
     }
     ML4_RETURN_IF_ERROR(tp_all_reduce(x.tmp, T * D));  // wo is row-parallel
+    // The FFN half as one launch where the backend can (the latency-specialised decode path;
+    // not with a trace, which reads the routing back, nor split over ranks).
+    FfnBlockArgs fb;
+    fb.attn_out = x.tmp;
+    fb.residual = x.residual;
+    fb.norm_w = L.ffn_norm;
+    fb.eps = eps;
+    if (cfg_.layers[l].ffn == FfnKind::kMoe) {
+      fb.gate = L.gate;
+      fb.router_bias = L.router_bias;
+      fb.moe = L.moe;
+      fb.logits = x.router;
+      fb.ids = x.expert_ids;
+      fb.weights = x.expert_wts;
+    } else {
+      fb.dense = L.dense;
+    }
+    fb.out = x.tmp;
+    if (trace == nullptr && !tensor_parallel() && !expert_parallel() && be_.ffn_block_fused(fb)) {
+      ML4_RETURN_IF_ERROR(be_.segment([&] { return be_.timed("ffn block (resident)", [&] { return be_.ffn_block(fb); }); }));
+      continue;
+    }
     ML4_RETURN_IF_ERROR(be_.segment([&] { return be_.rms_norm({x.tmp, x.residual, L.ffn_norm, T, D, 0, eps, x.a}); }));
     switch (cfg_.layers[l].ffn) {
       case FfnKind::kDense:

@@ -10,7 +10,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <chrono>
+#include <fstream>
 #include <random>
+#include <sstream>
+#include <tuple>
+
+#include <unistd.h>
 
 #include "cuda_test_util.h"
 #include "ops/cpu/sampling.h"
@@ -659,6 +665,133 @@ TEST(CudaRunner, DeviceFaultFailsEveryLaterStep) {
     EXPECT_NE(bad.status().message().find("device fault"), std::string::npos) << bad.status().message();
     EXPECT_NE(bad.status().message().find("never arrived"), std::string::npos) << bad.status().message();
   }
+}
+
+// `--decode-backend latency_specialized` (each layer's FFN half as the resident kernel,
+// ops/cuda/ffn_resident.h, through Backend::ffn_block) against the standard path on ml4-tiny
+// with FP8 weights (a dense layer; MoE layers with a shared expert, two expert groups keeping
+// one, routed_scale 1.5), graphs on: one prefill of four prompts (28 tokens: the standard
+// path on both runners, logits equal), then decode steps of 1 to 4 sequences on the standard
+// runner's greedy tokens.
+// - One sequence: every linear of the standard step takes the stream GEMV, whose sums the
+//   resident kernel computes the same way, and its router, norm, SiLU and combine too: the
+//   logits are bit-identical.
+// - Two to four: the standard path's grouped expert GEMVs run on the tensor cores (x split into
+//   three bf16 parts here, exact; production uses one), and its attention linears at 3-4 rows
+//   too: summation order only (~1e-7), but ml4-tiny's random routing is near-tied, so one flip
+//   can move a row's logits (the exact CPU comparison measured up to 5.6e-3): bound 1e-2.
+// Then the fault switch: a block that never arrives at the kernel's first barrier (50 ms bound)
+// fails that step and every later one, naming the device fault.
+TEST(CudaRunner, LatencyDecodeMatchesStandard) {
+  ML4_REQUIRE_GPU();
+  const std::string dir = ::ml4::testing::test_model("ml4-tiny", 11, "fp8");
+  CudaRunnerOptions o;
+  o.base.kv_cache_dtype = "fp8_ds_mla";
+  o.base.kv_cache_bytes = 64ll << 20;
+  o.fp4_x_parts = 0;
+  auto std_r = CudaRunner::load(dir, o);
+  ASSERT_TRUE(std_r.ok()) << std_r.status().message();
+  o.latency_decode = true;
+  auto lat_r = CudaRunner::load(dir, o);
+  ASSERT_TRUE(lat_r.ok()) << lat_r.status().message();
+  CudaRunner& sr = **std_r;
+  CudaRunner& lr = **lat_r;
+  std::mt19937 g(31);
+  std::uniform_int_distribution<int> tok(1, sr.config().vocab_size - 1);
+  const int lens[4] = {5, 7, 9, 7};
+  std::vector<int64_t> pos(4);
+  std::vector<int32_t> next(4);
+  StepInput prefill;
+  for (int s = 0; s < 4; ++s) {
+    std::vector<int32_t> p(lens[s]);
+    for (auto& t : p) t = tok(g);
+    prefill.seqs.push_back(::ml4::testing::seq_step(sr, s + 1, p, 0, s, 1, 1));
+    pos[s] = lens[s];
+  }
+  auto a = sr.execute(prefill);
+  auto b = lr.execute(prefill);
+  ASSERT_TRUE(a.ok() && b.ok()) << a.status().message() << b.status().message();
+  ASSERT_EQ(a->logits.size(), 4u);
+  EXPECT_EQ(a->logits, b->logits) << "prefill runs the standard path on both";
+  EXPECT_EQ(lr.resident_ffn_launches(), 0) << "a 28-token step is not the latency path's";
+  for (int s = 0; s < 4; ++s) next[s] = argmax(a->logits[s]);
+  const std::vector<std::vector<int>> schedule = {{0}, {0}, {1, 2}, {0, 1, 2}, {0, 1, 2, 3}, {3}, {0, 1, 2, 3}, {2}};
+  double worst = 0.0;
+  for (const auto& seqs : schedule) {
+    StepInput in;
+    for (int s : seqs) in.seqs.push_back(::ml4::testing::seq_step(sr, s + 1, {next[s]}, pos[s], s, 1, 1));
+    auto ra = sr.execute(in);
+    auto rb = lr.execute(in);
+    ASSERT_TRUE(ra.ok()) << ra.status().message();
+    ASSERT_TRUE(rb.ok()) << rb.status().message();
+    ASSERT_EQ(ra->logits.size(), seqs.size());
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      ASSERT_TRUE(testing::all_finite(rb->logits[i]));
+      const double e = ::ml4::testing::rel_l2(rb->logits[i], ra->logits[i]);
+      if (seqs.size() == 1) {
+        EXPECT_EQ(rb->logits[i], ra->logits[i]) << "batch 1, seq " << seqs[i] << ": rel " << e;
+      } else {
+        worst = std::max(worst, e);
+        EXPECT_LT(e, 1e-2) << "batch " << seqs.size() << " seq " << seqs[i];
+      }
+      next[seqs[i]] = argmax(ra->logits[i]);
+      ++pos[seqs[i]];
+    }
+  }
+  std::printf("latency path vs standard on ml4-tiny fp8: batch 1 bit-identical; batches 2-4 worst rel_l2 %.3g (bound "
+              "1e-2); %ld resident launches, %ld graph replays\n",
+              worst, static_cast<long>(lr.resident_ffn_launches()), static_cast<long>(lr.graph_replays()));
+  EXPECT_GT(lr.resident_ffn_launches(), 0);
+  EXPECT_EQ(sr.resident_ffn_launches(), 0);
+  EXPECT_GT(lr.graph_replays(), 0);
+
+  lr.set_resident_fault_test(3, 0.05);
+  StepInput one;
+  one.seqs.push_back(::ml4::testing::seq_step(sr, 1, {next[0]}, pos[0], 0, 1, 1));
+  for (int i = 0; i < 2; ++i) {
+    auto bad = lr.execute(one);
+    ASSERT_FALSE(bad.ok());
+    EXPECT_NE(bad.status().message().find("device fault"), std::string::npos) << bad.status().message();
+    EXPECT_NE(bad.status().message().find("wait site 1"), std::string::npos) << bad.status().message();
+  }
+  // The other runner (the same card, its own fault word) goes on.
+  auto fine = sr.execute(one);
+  ASSERT_TRUE(fine.ok()) << fine.status().message();
+}
+
+// The fault test at the process level: `ml4 generate --decode-backend latency_specialized` with
+// the test switch (ML4_TEST_RESIDENT_NEVER_ARRIVE: the resident kernel's block 3 never arrives)
+// and a 50 ms bound must end by itself, non-zero, naming the device fault, within seconds; the
+// next process on the card then generates on the same path. (`ml4` beside this binary.)
+TEST(CudaRunner, LatencyDecodeFaultEndsTheProcessAndTheCardServesTheNext) {
+  ML4_REQUIRE_GPU();
+  char self[4096] = {};
+  ASSERT_GT(readlink("/proc/self/exe", self, sizeof(self) - 1), 0);
+  std::string ml4 = self;
+  ml4 = ml4.substr(0, ml4.rfind('/')) + "/ml4";
+  ASSERT_EQ(access(ml4.c_str(), X_OK), 0) << ml4;
+  const std::string dir = ::ml4::testing::test_model("ml4-tiny", 11, "fp8");
+  const std::string log = ::testing::TempDir() + "/latency_fault.log";
+  const std::string gen = "'" + ml4 + "' generate --device cuda --model '" + dir +
+                          "' --prompt-ids 5,17,33,9 --max-tokens 4 --temperature 0 "
+                          "--decode-backend latency_specialized --latency-wait-timeout 0.05";
+  auto run = [&](const std::string& env) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const int rc = std::system((env + " " + gen + " > '" + log + "' 2>&1").c_str());
+    std::ifstream f(log);
+    std::stringstream out;
+    out << f.rdbuf();
+    return std::make_tuple(rc, out.str(), std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  };
+  const auto [rc1, out1, s1] = run("ML4_TEST_RESIDENT_NEVER_ARRIVE=3");
+  EXPECT_NE(rc1, 0) << out1;
+  EXPECT_NE(out1.find("device fault"), std::string::npos) << out1;
+  EXPECT_EQ(out1.find("ids:"), std::string::npos) << out1;
+  EXPECT_LT(s1, 60.0);
+  const auto [rc2, out2, s2] = run("");
+  EXPECT_EQ(rc2, 0) << out2;
+  EXPECT_NE(out2.find("ids:"), std::string::npos) << out2;
+  std::printf("latency fault: faulting process exited %d after %.1f s; the next generated in %.1f s\n", rc1, s1, s2);
 }
 
 TEST(CudaRunner, SizesKvFromGpuMemoryUtilization) {

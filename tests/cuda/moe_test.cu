@@ -15,6 +15,7 @@
 // and CPU (one flip moves one element by 2^-4 relative): bound 1e-2, measured ~1e-4.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <random>
 #include <set>
 #include <tuple>
@@ -25,6 +26,7 @@
 #include "ops/cpu/linear.h"
 #include "ops/cpu/moe.h"
 #include "ops/cpu/quant.h"
+#include "ops/cuda/ffn_resident.h"
 #include "ops/cuda/gemv.h"
 #include "ops/cuda/moe.h"
 #include "ops/cuda/sampling.h"
@@ -689,6 +691,207 @@ TEST(CudaMoe, GroupedGemmFp4PrefillVsCpu) {
       }
     }
   }
+}
+
+// The resident FFN kernel (ops/cuda/ffn_resident.h) against the CPU on random inputs: the
+// residual add exact (one f32 add); the normalized row as the CPU computes it (f64 sum of
+// squares, one f32 scale) within 1e-6 (the sum's order differs); the router's logits against
+// f64 sums within 1e-5 (f32 sums of D products); the routing equal to cpu::moe_route on the
+// kernel's own logits (the same rule, exact); out against f32 CPU linears on the kernel's x
+// with the kernel's routing, f32 activations (no rounding of x or the hidden rows: the FP8
+// weights are decoded exactly, so only the summation order and expf's last bits differ,
+// ~1e-7): bound 1e-5 of the rows' norm. Shapes: ML4's routing (softmax, renormalized) with
+// and without a shared expert, ml4-tiny's (two groups keeping one, routed_scale 1.5, a
+// correction bias), a dense MLP; widths not multiples of 512 (the stream's partial batches);
+// T = 1..4. Two runs are bit-identical. The fault switch: a block that never arrives makes
+// the others' first barrier time out (50 ms here), the kernel ends, the record names wait
+// site 1 and a block other than the absent one, and the same stream then runs clean.
+TEST(CudaMoe, ResidentFfnMatchesCpu) {
+  ML4_REQUIRE_GPU();
+  struct Case {
+    int E, K, G, keep;
+    double scale;
+    bool bias, shared;
+    int64_t D, I, I_mlp;  // E == 0: a dense layer of hidden I_mlp
+  };
+  const Case cases[] = {{16, 4, 1, 1, 1.0, false, true, 640, 384, 384},
+                        {8, 2, 2, 1, 1.5, true, true, 256, 128, 128},
+                        {16, 4, 1, 1, 1.0, false, false, 384, 256, 0},
+                        {0, 0, 1, 1, 1.0, false, false, 512, 0, 1152}};
+  auto fault = FaultWord::create();
+  ML4_ASSERT_OK(fault.status());
+  auto barrier = poisoned<uint8_t>(sizeof(GridBarrierState));
+  uint32_t seed = 900;
+  for (const Case& c : cases) {
+    const int64_t D = c.D;
+    MoeConfig cfg = route_config(c.E, c.K, c.G, c.keep, RouterScoring::kSoftmax);
+    cfg.routed_scale = c.scale;
+    cfg.num_shared_experts = c.shared ? 1 : 0;
+    const bool moe = c.E > 0;
+    auto ex = make_experts(LinearFormat::kFP8Block, c.E, D, c.I, seed, /*blocky=*/true);
+    auto mlp = make_experts(LinearFormat::kFP8Block, c.I_mlp > 0 ? 1 : 0, D, c.I_mlp, seed, true);
+    Result<MoeExpertTables> tables = moe ? build_expert_tables(ex.second) : Result<MoeExpertTables>(MoeExpertTables{});
+    ML4_ASSERT_OK(tables.status());
+    auto gate = randn(std::max(c.E, 1) * D, seed++, 1.0f / std::sqrt(static_cast<float>(D)));
+    auto bias = randn(std::max(c.E, 1), seed++, 0.05f);
+    auto norm_w = randn(D, seed++, 0.2f);
+    for (auto& v : norm_w) v += 1.0f;
+    auto dgate = to_device(gate), dbias = to_device(bias), dnorm = to_device(norm_w);
+    for (int T = 1; T <= 4; ++T) {
+      auto attn = randn(T * D, seed++), res = randn(T * D, seed++, 3.0f);
+      const int K = moe ? c.K : 0;
+      auto hidden = poisoned<float>(ffn_resident_hidden_floats(T, K, c.I, c.I_mlp));
+      std::vector<std::vector<float>> outs;
+      for (int rep = 0; rep < 2; ++rep) {
+        auto dattn = to_device(attn), dres = to_device(res);
+        auto dout = poisoned<float>(T * D);
+        auto dlog = poisoned<float>(std::max(T * c.E, 1));
+        auto dids = poisoned<int32_t>(std::max(T * K, 1));
+        auto dw = poisoned<float>(std::max(T * K, 1));
+        ML4_ASSERT_OK(barrier.fill_bytes(0));
+        FfnResidentParams p;
+        p.T = T;
+        p.D = D;
+        p.attn_out = dattn.as<float>();
+        p.residual = dres.as<float>();
+        p.norm_w = dnorm.as<float>();
+        p.eps = 1e-6f;
+        if (moe) {
+          p.gate = dgate.as<float>();
+          p.bias = c.bias ? dbias.as<float>() : nullptr;
+          p.moe = cfg;
+          p.w1_table = static_cast<const void* const*>(tables->w1.data());
+          p.w3_table = static_cast<const void* const*>(tables->w3.data());
+          p.w2_table = static_cast<const void* const*>(tables->w2.data());
+          p.s1_table = static_cast<const float* const*>(tables->s1.data());
+          p.s3_table = static_cast<const float* const*>(tables->s3.data());
+          p.s2_table = static_cast<const float* const*>(tables->s2.data());
+          p.I_routed = c.I;
+          p.logits = dlog.as<float>();
+          p.ids = dids.as<int32_t>();
+          p.weights = dw.as<float>();
+        }
+        if (c.I_mlp > 0) {
+          const DeviceMlp& m = mlp.second[0];
+          p.mlp = ResidentMlp{m.w1.weight.data(), m.w3.weight.data(), m.w2.weight.data(), m.w1.scale.as<float>(),
+                              m.w3.scale.as<float>(), m.w2.scale.as<float>(), c.I_mlp};
+        }
+        p.hidden = hidden.as<float>();
+        p.out = dout.as<float>();
+        p.barrier = barrier.as<GridBarrierState>();
+        p.fault = fault->device();
+        ML4_ASSERT_OK(ffn_resident(p));
+        sync();
+        ML4_ASSERT_OK(fault->status("ffn_resident"));
+        const auto out = to_host<float>(dout, T * D);
+        ASSERT_TRUE(all_finite(out));
+        outs.push_back(out);
+        if (rep == 1) continue;
+        // The residual and the normalized rows.
+        const auto res2 = to_host<float>(dres, T * D);
+        std::vector<float> xn(T * D);
+        for (int64_t i = 0; i < T * D; ++i) ASSERT_EQ(res2[i], attn[i] + res[i]) << i;
+        for (int t = 0; t < T; ++t) {
+          double ss = 0.0;
+          for (int64_t d = 0; d < D; ++d) ss += static_cast<double>(res2[t * D + d]) * res2[t * D + d];
+          const float inv = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(D) + 1e-6));
+          for (int64_t d = 0; d < D; ++d) xn[t * D + d] = res2[t * D + d] * inv * norm_w[d];
+        }
+        // Routing and the reference output on the kernel's routing.
+        std::vector<double> ref(T * D, 0.0);
+        std::vector<int32_t> ids;
+        std::vector<float> w;
+        if (moe) {
+          const auto lg = to_host<float>(dlog, T * c.E);
+          std::vector<double> lref(T * c.E);
+          for (int t = 0; t < T; ++t)
+            for (int e = 0; e < c.E; ++e) {
+              double a = 0.0;
+              for (int64_t d = 0; d < D; ++d) a += static_cast<double>(gate[e * D + d]) * xn[t * D + d];
+              lref[t * c.E + e] = a;
+            }
+          EXPECT_LT(rel_err(lg, lref), 1e-5) << "logits, E=" << c.E << " T=" << T;
+          ids = to_host<int32_t>(dids, T * K);
+          w = to_host<float>(dw, T * K);
+          std::vector<int32_t> rid(T * K);
+          std::vector<float> rw(T * K);
+          cpu::moe_route(lg.data(), T, cfg, c.bias ? bias.data() : nullptr, rid.data(), rw.data());
+          EXPECT_EQ(ids, rid) << "E=" << c.E << " T=" << T;
+          EXPECT_LT(rel_err(w, rw), 1e-6);
+        }
+        for (int t = 0; t < T; ++t) {
+          std::vector<float> xt(xn.begin() + t * D, xn.begin() + (t + 1) * D);
+          for (int k = 0; k < K; ++k) {
+            auto y = host_mlp(ex.first[ids[t * K + k]], xt, 1, D, /*exact=*/true);
+            for (int64_t d = 0; d < D; ++d) ref[t * D + d] += static_cast<double>(w[t * K + k]) * y[d];
+          }
+          if (c.I_mlp > 0) {
+            auto y = host_mlp(mlp.first[0], xt, 1, D, true);
+            for (int64_t d = 0; d < D; ++d) ref[t * D + d] += y[d];
+          }
+        }
+        const double e = rel_err(out, ref);
+        std::printf("resident ffn E=%d K=%d shared=%d D=%ld I=%ld mlp=%ld T=%d: out rel_err=%.3g (bound 1e-5)\n", c.E,
+                    K, c.shared ? 1 : 0, static_cast<long>(D), static_cast<long>(c.I), static_cast<long>(c.I_mlp), T, e);
+        EXPECT_LT(e, 1e-5);
+      }
+      EXPECT_EQ(0, std::memcmp(outs[0].data(), outs[1].data(), outs[0].size() * 4)) << "not deterministic";
+    }
+  }
+
+  // The fault switch, on the last case's shape (a dense layer).
+  {
+    const Case& c = cases[3];
+    auto mlp = make_experts(LinearFormat::kFP8Block, 1, c.D, c.I_mlp, seed, false);
+    auto dnorm = to_device(std::vector<float>(c.D, 1.0f));
+    auto dattn = to_device(randn(c.D, seed++)), dres = to_device(randn(c.D, seed++));
+    auto hidden = poisoned<float>(ffn_resident_hidden_floats(1, 0, 0, c.I_mlp));
+    auto dout = poisoned<float>(c.D);
+    FfnResidentParams p;
+    p.T = 1;
+    p.D = c.D;
+    p.attn_out = dattn.as<float>();
+    p.residual = dres.as<float>();
+    p.norm_w = dnorm.as<float>();
+    const DeviceMlp& m = mlp.second[0];
+    p.mlp = ResidentMlp{m.w1.weight.data(), m.w3.weight.data(), m.w2.weight.data(), m.w1.scale.as<float>(),
+                        m.w3.scale.as<float>(), m.w2.scale.as<float>(), c.I_mlp};
+    p.hidden = hidden.as<float>();
+    p.out = dout.as<float>();
+    p.barrier = barrier.as<GridBarrierState>();
+    p.fault = fault->device();
+    p.timeout_ns = 50'000'000;
+    p.never_arrive_block = 3;
+    ML4_ASSERT_OK(barrier.fill_bytes(0));
+    const auto t0 = std::chrono::steady_clock::now();
+    ML4_ASSERT_OK(ffn_resident(p));
+    sync();
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const DeviceFault f = fault->read();
+    EXPECT_EQ(f.code, kFaultWaitTimeout);
+    EXPECT_EQ(f.site, 1u);
+    EXPECT_NE(f.block, 3u);
+    EXPECT_GE(f.waited_us, 50'000u);
+    EXPECT_LT(secs, 5.0);
+    const Status st = fault->status("ffn_resident");
+    EXPECT_NE(st.message().find("wait site 1"), std::string::npos) << st.message();
+    // The stream and the card go on: cleared, the same launch without the switch passes.
+    fault->clear();
+    ML4_ASSERT_OK(barrier.fill_bytes(0));
+    p.never_arrive_block = -1;
+    ML4_ASSERT_OK(ffn_resident(p));
+    sync();
+    ML4_ASSERT_OK(fault->status("ffn_resident"));
+    EXPECT_TRUE(all_finite(to_host<float>(dout, c.D)));
+  }
+  // Shapes the kernel does not take are refused by name.
+  FfnResidentParams bad;
+  bad.T = 5;
+  bad.D = 300;
+  const Status st = ffn_resident(bad);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("5 tokens"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("width 300"), std::string::npos) << st.message();
 }
 
 // The argmax of the drafter's Markov head and of greedy rows (argmax_rows): rows a + b (b at the

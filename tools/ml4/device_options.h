@@ -43,6 +43,7 @@ struct DeviceOptions {
   std::string quantization = "auto";  // mxfp4: RunnerOptions::experts_to_mxfp4
   bool mmap = false, no_mmap = false;  // cpu: RunnerOptions::weight_memory (neither: auto)
   std::string decode_backend = "standard";  // runtime/latency_decode.h
+  double latency_wait_timeout_s = 10.0;     // the resident kernel's device-side waits
   CLI::Option* kv_bytes_option = nullptr;  // set by add_device_options' caller
   ParallelConfig parallel;
 };
@@ -92,10 +93,16 @@ inline void add_device_options(CLI::App* cmd, DeviceOptions* d) {
       ->check(CLI::IsMember({"auto", "mxfp4"}))
       ->capture_default_str();
   cmd->add_option("--decode-backend", d->decode_backend,
-                  "standard, or latency_specialized: pure-decode steps of 1, 2 or 4 requests as one resident kernel "
-                  "per layer that fails closed (bounded waits, a sticky fault word). A configuration it does not "
-                  "support is refused at start-up with every reason listed; it never falls back")
+                  "standard, or latency_specialized: steps of 1 to 4 tokens run each layer's FFN half (norm, "
+                  "router, experts, combine) as one resident kernel that fails closed (bounded waits, a sticky "
+                  "fault word that stops the engine). A configuration it does not support is refused at start-up "
+                  "with every reason listed; it never falls back")
       ->check(CLI::IsMember({"standard", "latency_specialized"}))
+      ->capture_default_str();
+  cmd->add_option("--latency-wait-timeout", d->latency_wait_timeout_s,
+                  "latency_specialized: seconds a resident kernel's block waits at a grid barrier before it "
+                  "records a device fault (the step fails, /health turns unhealthy, the engine stops)")
+      ->check(CLI::PositiveNumber)
       ->capture_default_str();
   auto* no_mmap = cmd->add_flag("--no-mmap", d->no_mmap,
                                 "cpu: copy the linear weights into memory advised for huge pages (faster decode: "
@@ -144,6 +151,8 @@ inline Result<std::unique_ptr<ModelRunner>> load_local_runner_on(const DeviceOpt
   co.gpu_memory_utilization = explicit_bytes ? 0.0 : d.gpu_memory_utilization;
   co.cuda_graphs = d.cuda_graphs;
   co.exact_activations = d.batch_invariant;
+  co.latency_decode = d.decode_backend == "latency_specialized";
+  co.latency_wait_timeout_s = d.latency_wait_timeout_s;
   ML4_ASSIGN_OR_RETURN(auto r, cuda::CudaRunner::load(model, co));
   return std::unique_ptr<ModelRunner>(std::move(r));
 #else
@@ -156,9 +165,7 @@ inline Status check_decode_backend_on(const DeviceOptions& d, const std::string&
   if (d.decode_backend == "standard") return ok_status();
   LatencyDecodeSetup s;
   s.device = d.device;
-  s.cuda_graphs = d.cuda_graphs;
   s.batch_invariant = d.batch_invariant;
-  s.kv_cache_dtype = ro.kv_cache_dtype;
   s.quantization = d.quantization;
   s.parallel = d.parallel;
   s.speculative = ro.drafter;

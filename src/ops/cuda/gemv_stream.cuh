@@ -167,13 +167,14 @@ __device__ __forceinline__ void token_rows(const float* x, int64_t K, const int3
   }
 }
 
-// A token group's sums: every thread's acc[M][R] -> y_rows[m * N + n0 + r] for m < mrows and
-// n0 + r < N, by a shuffle tree in each warp and then the warps in order in shared memory
-// (bit-deterministic). red is free again when it returns.
-template <int M, int R>
-__device__ __forceinline__ void reduce_store(const float (&acc)[M][R], float (&red)[kStWarps][M * R], int mrows,
-                                             int64_t n0, int64_t N, float* y_rows) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+// A token group's sums: every thread's acc[M][R] -> store(m, r, v) for m < mrows and n0 + r < N,
+// by a shuffle tree in each warp and then the warps in order in shared memory
+// (bit-deterministic). tid: the thread's index in its kStThreads-thread group; sync: that
+// group's barrier (__syncthreads for a block of one group). red is free again when it returns.
+template <int M, int R, typename Sync, typename Store>
+__device__ __forceinline__ void reduce_store_to(const float (&acc)[M][R], float (&red)[kStWarps][M * R], int mrows,
+                                                int64_t n0, int64_t N, int tid, Sync sync, Store store) {
+  const int lane = tid & 31, warp = tid >> 5;
 #pragma unroll
   for (int m = 0; m < M; ++m)
 #pragma unroll
@@ -181,17 +182,29 @@ __device__ __forceinline__ void reduce_store(const float (&acc)[M][R], float (&r
       const float v = warp_sum(acc[m][r]);
       if (lane == 0) red[warp][m * R + r] = v;
     }
-  __syncthreads();
+  sync();
   if (tid < M * R) {
     const int m = tid / R, r = tid % R;
     if (m < mrows && n0 + r < N) {
       float v = red[0][tid];
 #pragma unroll
       for (int ww = 1; ww < kStWarps; ++ww) v += red[ww][tid];
-      y_rows[m * N + n0 + r] = v;
+      store(m, r, v);
     }
   }
-  __syncthreads();  // red is reused by the next token group
+  sync();  // red is reused by the next token group
+}
+
+struct BlockSync {
+  __device__ __forceinline__ void operator()() const { __syncthreads(); }
+};
+
+// y_rows[m * N + n0 + r] (a block of one group).
+template <int M, int R>
+__device__ __forceinline__ void reduce_store(const float (&acc)[M][R], float (&red)[kStWarps][M * R], int mrows,
+                                             int64_t n0, int64_t N, float* y_rows) {
+  reduce_store_to<M, R>(acc, red, mrows, n0, N, static_cast<int>(threadIdx.x), BlockSync{},
+                        [&](int m, int r, float v) { y_rows[m * N + n0 + r] = v; });
 }
 
 // Block-scale multiplier that undoes each decoding's power-of-two offset.
@@ -240,28 +253,31 @@ __device__ __forceinline__ void decode4_bf16(uint2 w, float (&f)[4]) {
   f[3] = __uint_as_float(w.y & 0xFFFF0000u);
 }
 
-// grid: (ceil(N / R), slots). M: tokens per pass (runtime mrows <= M).
-template <int M, int R, bool kFp8, int kConv>
-__global__ void __launch_bounds__(kStThreads, kStMinBlocks(M)) gemv_stream_kernel(const StArgs a) {
+// How the x rows are read: kXLdg, read-only for the whole kernel (__ldg); kXLdcg, written
+// earlier in the same kernel by other blocks (__ldcg: at L2, past the SM's non-coherent L1);
+// kXPlain, a generic load (x in shared memory).
+enum XLoad { kXLdg = 0, kXLdcg = 1, kXPlain = 2 };
+
+template <int kX>
+__device__ __forceinline__ float4 load_x(const float4* p) {
+  if constexpr (kX == kXLdg) return __ldg(p);
+  else if constexpr (kX == kXLdcg) return __ldcg(p);
+  else return *p;
+}
+
+// One block's (or one kStThreads-thread group's: tid its thread index in the group, sync the
+// group's barrier) work: weight rows [n0, n0 + R) (n0 < N) of w against the x rows of tokens
+// [r_begin, r_end) (r_begin < r_end), M at a time; each sum goes to store(p, r, v) for token
+// row p and weight row n0 + r. The arithmetic of every sum depends on neither M nor R.
+template <int M, int R, bool kFp8, int kConv, int kX, typename Sync, typename Store>
+__device__ __forceinline__ void stream_rows(const uint8_t* w, const float* w_scale, int64_t N, int64_t K, int64_t n0,
+                                            const float* x, const int32_t* xmap, int64_t x_off, int64_t r_begin,
+                                            int64_t r_end, int tid, float (&red)[kStWarps][M * R], Sync sync,
+                                            Store store) {
   using LoadT = std::conditional_t<kFp8, uint32_t, uint2>;
   constexpr int U = kStU;
   constexpr int64_t kEb = kFp8 ? 1 : 2;
-  prefetch_rows_l2<R>(a, a.K * kEb);
-  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
-  pdl_launch_dependents();
   constexpr float kMul = kFp8 ? conv_mul<kConv>() : 1.0f;
-  const int tid = threadIdx.x;
-  const int64_t N = a.N, K = a.K;
-
-  float* y;
-  SlotWork sw;
-  if (!block_work(a, &sw, &y)) return;
-  const uint8_t* w = sw.w;
-  const float* w_scale = sw.w_scale;
-  const int64_t r_begin = sw.r_begin, r_end = sw.r_end, x_off = sw.x_off, y_off = sw.y_off;
-  const int32_t* xmap = sw.xmap;
-  const int64_t n0 = blockIdx.x * int64_t{R};
-  if (n0 >= N || r_begin >= r_end) return;  // block-uniform
   const int64_t nq = K / 4;  // quads per row
   const int n_my = tid < nq ? static_cast<int>((nq - tid + kStThreads - 1) / kStThreads) : 0;
   const float* srow = kFp8 ? w_scale + (n0 / 128) * (K / 128) : nullptr;
@@ -269,18 +285,16 @@ __global__ void __launch_bounds__(kStThreads, kStMinBlocks(M)) gemv_stream_kerne
 #pragma unroll
   for (int r = 0; r < R; ++r)
     wrow[r] = reinterpret_cast<const LoadT*>(w + (min(n0 + r, N - 1) * K) * kEb);  // tail rows: read row N-1, unused
-  __shared__ float red[kStWarps][M * R];
 
   for (int64_t p0 = r_begin; p0 < r_end; p0 += M) {
     const int mrows = static_cast<int>(min(int64_t{M}, r_end - p0));
     const float4* xr[M];
-    token_rows<M>(a.x, K, xmap, x_off, p0, mrows, xr);
+    token_rows<M>(x, K, xmap, x_off, p0, mrows, xr);
     float acc[M][R];
 #pragma unroll
     for (int m = 0; m < M; ++m)
 #pragma unroll
       for (int r = 0; r < R; ++r) acc[m][r] = 0.0f;
-
     // Batch b = quads i in [b * U, (b + 1) * U) of this thread, all R rows.
     // Addresses: per-thread bases plus a per-batch offset; within a batch every load is an
     // immediate offset (u * kStThreads elements) from them.
@@ -331,7 +345,7 @@ __global__ void __launch_bounds__(kStThreads, kStMinBlocks(M)) gemv_stream_kerne
           const float4* px = xr[m] + tid + ob;
 #pragma unroll
           for (int u = 0; u < U; ++u)
-            xe[u][m] = u < rem && m < mrows ? __ldg(px + u * kStThreads) : make_float4(0, 0, 0, 0);
+            xe[u][m] = u < rem && m < mrows ? load_x<kX>(px + u * kStThreads) : make_float4(0, 0, 0, 0);
         }
       }
 #pragma unroll
@@ -346,7 +360,7 @@ __global__ void __launch_bounds__(kStThreads, kStMinBlocks(M)) gemv_stream_kerne
         for (int m = 0; m < M; ++m) {
           if (m >= mrows) break;
           float4 xv;
-          if constexpr (kEarlyX) xv = xe[u][m]; else xv = __ldg(xr[m] + tid + ob + u * kStThreads);
+          if constexpr (kEarlyX) xv = xe[u][m]; else xv = load_x<kX>(xr[m] + tid + ob + u * kStThreads);
           if constexpr (kFp8 && kConv == kConvF32Int) {
             constexpr float k64 = 18446744073709551616.0f;  // 2^64
             xv.x *= k64;
@@ -377,8 +391,29 @@ __global__ void __launch_bounds__(kStThreads, kStMinBlocks(M)) gemv_stream_kerne
       load(b, wv, sc);
       compute(b, wv, sc);
     }
-    reduce_store<M, R>(acc, red, mrows, n0, N, y + (y_off + p0) * N);
+    reduce_store_to<M, R>(acc, red, mrows, n0, N, tid, sync, [&](int m, int r, float v) { store(p0 + m, r, v); });
   }
+}
+
+// grid: (ceil(N / R), slots). M: tokens per pass (runtime mrows <= M).
+template <int M, int R, bool kFp8, int kConv>
+__global__ void __launch_bounds__(kStThreads, kStMinBlocks(M)) gemv_stream_kernel(const StArgs a) {
+  constexpr int64_t kEb = kFp8 ? 1 : 2;
+  prefetch_rows_l2<R>(a, a.K * kEb);
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
+  const int64_t N = a.N;
+
+  float* y;
+  SlotWork sw;
+  if (!block_work(a, &sw, &y)) return;
+  const int64_t r_begin = sw.r_begin, r_end = sw.r_end, y_off = sw.y_off;
+  const int64_t n0 = blockIdx.x * int64_t{R};
+  if (n0 >= N || r_begin >= r_end) return;  // block-uniform
+  __shared__ float red[kStWarps][M * R];
+  stream_rows<M, R, kFp8, kConv, kXLdg>(sw.w, sw.w_scale, N, a.K, n0, a.x, sw.xmap, sw.x_off, r_begin, r_end,
+                                        static_cast<int>(threadIdx.x), red, BlockSync{},
+                                        [&](int64_t p, int r, float v) { y[(y_off + p) * N + n0 + r] = v; });
 }
 
 }  // namespace ml4::cuda::gemv_stream

@@ -1063,6 +1063,93 @@ Status CudaBackend::moe_experts(MoeRef moe, const float* x, const int32_t* ids, 
   return moe_experts_forward(*lt_, M.experts, M.shared.get(), x, T, D, ids, weights, K, out, b.moe, stream_);
 }
 
+// The resident FFN kernel (issue 19): FP8 block weights throughout, an f32 router of E rows,
+// shapes ffn_resident_unsupported accepts, steps of 1..4 tokens, outside exact activations.
+bool CudaBackend::resident_ffn_params(const FfnBlockArgs& a, FfnResidentParams* p) const {
+  if (!resident_on_ || resident_fault_ == nullptr || opts_.exact_activations || step_T_ < 1 ||
+      step_T_ > kFfnResidentMaxTokens)
+    return false;
+  auto fp8 = [&](const DeviceLinear& l) { return l.format == LinearFormat::kFP8Block; };
+  auto mlp_of = [&](const DeviceLinear& w1, const DeviceLinear& w2, const DeviceLinear& w3, ResidentMlp* m) {
+    if (!fp8(w1) || !fp8(w2) || !fp8(w3) || w1.K != cfg_.dim || w3.K != cfg_.dim || w3.N != w1.N ||
+        w2.N != cfg_.dim || w2.K != w1.N)
+      return false;
+    *m = ResidentMlp{w1.weight.data(), w3.weight.data(), w2.weight.data(), w1.scale.as<float>(),
+                     w3.scale.as<float>(), w2.scale.as<float>(), w1.N};
+    return true;
+  };
+  FfnResidentParams q;
+  q.T = static_cast<int>(step_T_);
+  q.D = cfg_.dim;
+  if (a.gate.valid()) {
+    if (a.moe.id < 0 || a.moe.id >= static_cast<int>(moes_.size()) || a.gate.id >= static_cast<int>(linears_.size()))
+      return false;
+    const Moe& M = moes_[a.moe.id];
+    const DeviceLinear& g = linears_[a.gate.id];
+    if (!M.tables || M.tables->format != LinearFormat::kFP8Block || M.tables->D != cfg_.dim ||
+        g.format != LinearFormat::kF32 || g.N != cfg_.moe.num_experts || g.K != cfg_.dim)
+      return false;
+    if (M.shared && !mlp_of(M.shared->w1, M.shared->w2, M.shared->w3, &q.mlp)) return false;
+    q.gate = g.weight.as<float>();
+    q.bias = a.router_bias;
+    q.moe = cfg_.moe;
+    q.w1_table = static_cast<const void* const*>(M.tables->w1.data());
+    q.w3_table = static_cast<const void* const*>(M.tables->w3.data());
+    q.w2_table = static_cast<const void* const*>(M.tables->w2.data());
+    q.s1_table = static_cast<const float* const*>(M.tables->s1.data());
+    q.s3_table = static_cast<const float* const*>(M.tables->s3.data());
+    q.s2_table = static_cast<const float* const*>(M.tables->s2.data());
+    q.I_routed = M.tables->I;
+  } else {
+    const MlpRef& d = a.dense;
+    if (!d.w1.valid() || !mlp_of(linears_[d.w1.id], linears_[d.w2.id], linears_[d.w3.id], &q.mlp)) return false;
+  }
+  if (!ffn_resident_unsupported(q.D, q.gate ? &q.moe : nullptr, q.I_routed, q.mlp.w1 ? q.mlp.I : 0, q.T).empty())
+    return false;
+  if (ffn_resident_hidden_floats(q.T, q.gate ? q.moe.num_experts_per_tok : 0, q.I_routed, q.mlp.I) >
+      resident_hidden_floats_)
+    return false;
+  if (p == nullptr) return true;
+  q.attn_out = a.attn_out;
+  q.residual = a.residual;
+  q.norm_w = a.norm_w;
+  q.eps = a.eps;
+  q.logits = a.logits;
+  q.ids = a.ids;
+  q.weights = a.weights;
+  q.hidden = resident_hidden_.as<float>();
+  q.out = a.out;
+  q.barrier = resident_barrier_.as<GridBarrierState>();
+  q.fault = resident_fault_;
+  q.timeout_ns = opts_.resident_wait_timeout_ns;
+  q.never_arrive_block = resident_never_arrive_;
+  q.stream = stream_;
+  *p = q;
+  return true;
+}
+
+bool CudaBackend::ffn_block_fused(const FfnBlockArgs& a) const { return resident_ffn_params(a, nullptr); }
+
+Status CudaBackend::ffn_block(const FfnBlockArgs& a) {
+  FfnResidentParams p;
+  if (!resident_ffn_params(a, &p)) return internal_error("ffn_block: this step's FFN block is not fused");
+  ++resident_launches_;
+  return ffn_resident(p);
+}
+
+Status CudaBackend::set_resident_ffn(bool on, DeviceFault* fault) {
+  resident_on_ = on;
+  if (!on || resident_fault_ != nullptr) return ok_status();
+  if (fault == nullptr) return invalid_argument("set_resident_ffn: no fault word");
+  const int K = std::max(cfg_.moe.num_experts_per_tok, 0);
+  resident_hidden_floats_ = ffn_resident_hidden_floats(kFfnResidentMaxTokens, K, max_hidden_, max_hidden_);
+  ML4_ASSIGN_OR_RETURN(resident_hidden_, DeviceBuffer::alloc(static_cast<size_t>(resident_hidden_floats_) * 4));
+  ML4_ASSIGN_OR_RETURN(resident_barrier_, DeviceBuffer::alloc(sizeof(GridBarrierState)));
+  ML4_CUDA_RETURN_IF_ERROR(cudaMemset(resident_barrier_.data(), 0, sizeof(GridBarrierState)));
+  resident_fault_ = fault;
+  return ok_status();
+}
+
 Result<std::vector<int32_t>> CudaBackend::read_ints(const int32_t* p, int64_t n) {
   std::vector<int32_t> v(n);
   ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(v.data(), p, n * 4, cudaMemcpyDeviceToHost, stream_));

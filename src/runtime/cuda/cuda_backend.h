@@ -35,6 +35,7 @@
 #include "ops/backend.h"
 #include "ops/cuda/cuda_common.h"
 #include "ops/cuda/elementwise.h"
+#include "ops/cuda/ffn_resident.h"
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/linear.h"
 #include "ops/cuda/moe.h"
@@ -84,6 +85,8 @@ struct CudaBackendOptions {
   // A TP rank (parallel/parallel_plan.h): holds Activations::logits_parts for the logits'
   // all-gather.
   bool tensor_parallel = false;
+  // The resident FFN kernel's device waits (set_resident_ffn) end after this long.
+  uint64_t resident_wait_timeout_ns = 10'000'000'000ull;
 };
 
 struct GraphExec {
@@ -153,6 +156,8 @@ class CudaBackend : public Backend {
   Status moe_router(LinearRef gate, const float* x, const float* bias, float* logits, int32_t* ids,
                     float* weights) override;
   Status moe_experts(MoeRef moe, const float* x, const int32_t* ids, const float* weights, float* out) override;
+  bool ffn_block_fused(const FfnBlockArgs& a) const override;
+  Status ffn_block(const FfnBlockArgs& a) override;
   bool moe_experts_capturable(MoeRef moe) const override;
   Result<std::vector<int32_t>> read_ints(const int32_t* p, int64_t n) override;
   Status gather_logits_rows(const float* x, float* out) override;
@@ -255,6 +260,18 @@ class CudaBackend : public Backend {
     if (buf_) buf_->T = 0;
   }
   void set_profile(std::map<std::string, double>* p) { profile_ = p; }
+  // `--decode-backend latency_specialized` (issue 19): steps of 1..4 tokens run each layer's
+  // FFN half as one resident kernel (ops/cuda/ffn_resident.h) whose waits write `fault` (the
+  // runner's fault word). The first call that turns it on allocates the kernel's scratch and
+  // grid-barrier state; after every layer is registered.
+  Status set_resident_ffn(bool on, DeviceFault* fault);
+  // Tests: the kernel's block that never arrives at its first barrier (-1: none), and the bound
+  // of its waits.
+  int64_t resident_ffn_launches() const { return resident_launches_; }
+  void set_resident_fault_test(int never_arrive_block, uint64_t timeout_ns) {
+    resident_never_arrive_ = never_arrive_block;
+    opts_.resident_wait_timeout_ns = timeout_ns;
+  }
   Status fill_kv_synthetic(uint64_t seed);
   bool drafter_enabled() const { return drafter_; }
   int drafter_group() const { return drafter_group_; }
@@ -274,6 +291,8 @@ class CudaBackend : public Backend {
   bool moe_grouped(const Moe& m) const;
   bool absorb_as_gemm() const;  // this step's absorption takes the batched GEMMs
   bool moe_gemm(const Moe& m) const;
+  // The resident kernel's operands for this step's block; false when it does not take them.
+  bool resident_ffn_params(const FfnBlockArgs& a, FfnResidentParams* p) const;
   void point_activations();
   Status end_segment();
 
@@ -308,6 +327,12 @@ class CudaBackend : public Backend {
   int64_t embed_rows_ = 0;
   int64_t embed_first_ = -1;  // vocabulary-parallel: the first id the table holds (-1: whole)
   std::unique_ptr<Buffers> buf_;
+  DeviceBuffer resident_hidden_, resident_barrier_;
+  int64_t resident_hidden_floats_ = 0;
+  DeviceFault* resident_fault_ = nullptr;
+  bool resident_on_ = false;
+  int64_t resident_launches_ = 0;
+  int resident_never_arrive_ = -1;
   Activations acts_;
   cudaStream_t stream_ = nullptr;
   // The indexer's branch: its stream, the events side() waits on (two, alternating) and the

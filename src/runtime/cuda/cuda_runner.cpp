@@ -71,6 +71,7 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::create(const ModelConfig& cfg, c
   bo.experts_to_mxfp4 = opts.base.experts_to_mxfp4;
   const ParallelPlan* plan = opts.base.plan;
   bo.tensor_parallel = plan != nullptr;
+  bo.resident_wait_timeout_ns = static_cast<uint64_t>(std::max(opts.latency_wait_timeout_s, 1e-3) * 1e9);
   ML4_ASSIGN_OR_RETURN(r->backend_, CudaBackend::create(cfg, bo, synthetic_seed, r->max_model_len_));
   ModelForward::Options fo;
   fo.drafter = opts.base.drafter;
@@ -108,6 +109,13 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::create(const ModelConfig& cfg, c
   auto prog = ModelForward::create(cfg, weights, *r->backend_, fo);
   if (!prog.ok()) return prog.status().with_context(model_dir);
   r->program_ = std::move(prog).value();
+  if (opts.latency_decode) {
+    ML4_RETURN_IF_ERROR(r->backend_->set_resident_ffn(true, r->fault_.device()));
+    // The fault test's switch (issue 19), for a whole process: the resident kernel's block N
+    // never arrives at its first barrier, so the first latency step faults.
+    if (const char* v = std::getenv("ML4_TEST_RESIDENT_NEVER_ARRIVE"); v && *v)
+      r->backend_->set_resident_fault_test(std::atoi(v), bo.resident_wait_timeout_ns);
+  }
   ML4_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());  // synthetic fills ran on the default stream
   // Device verification's kept q (CudaRunnerOptions::device_verification), before the KV pool
   // takes what is left: a slot of (block - 1) rows per sequence the engine can run.

@@ -128,6 +128,12 @@ struct CudaRunnerOptions {
   // 0.77 / 1.62 / 2.73 -> 0.61 / 1.12 / 1.56 ms); the environment's ML4_DEVICE_VERIFY=1 / 0
   // overrides it at load.
   bool device_verification = true;
+  // `--decode-backend latency_specialized` (issue 19; runtime/latency_decode.h checks the
+  // configuration at start-up): steps of 1..4 tokens run each layer's FFN half as one resident
+  // kernel (ops/cuda/ffn_resident.h) whose device waits end after latency_wait_timeout_s with a
+  // fault that fails the step and every later one. The attention half runs the standard kernels.
+  bool latency_decode = false;
+  double latency_wait_timeout_s = 10.0;
 };
 
 class CudaRunner : public ModelRunner {
@@ -185,6 +191,14 @@ class CudaRunner : public ModelRunner {
     backend_->set_fused_indexer(on);
     graphs_.clear();
     draft_graphs_.clear();
+  }
+  // `--decode-backend latency_specialized` on or off (the step bench's A/B).
+  Status set_latency_decode(bool on) {
+    ML4_RETURN_IF_ERROR(backend_->set_resident_ffn(on, fault_.device()));
+    opts_.latency_decode = on;
+    graphs_.clear();
+    draft_graphs_.clear();
+    return ok_status();
   }
   void set_fused_router(bool on) {
     opts_.fused_router = on;
@@ -253,6 +267,15 @@ class CudaRunner : public ModelRunner {
   // The sticky fault record the runner's kernels write and every step checks (tests inject a
   // fault through it: ops/cuda/fault.h run_barrier_probe).
   const FaultWord& fault_word() const { return fault_; }
+  // Tests (latency_decode): the resident FFN kernel's block that never arrives at its first
+  // barrier, and the bound of its waits (cuda_backend.h set_resident_fault_test).
+  void set_resident_fault_test(int never_arrive_block, double timeout_s) {
+    backend_->set_resident_fault_test(never_arrive_block, static_cast<uint64_t>(timeout_s * 1e9));
+    graphs_.clear();  // captured launches hold the old values
+    draft_graphs_.clear();
+  }
+  // Resident FFN launches issued (eager steps and graph captures; replays not counted).
+  int64_t resident_ffn_launches() const { return backend_->resident_ffn_launches(); }
 
  private:
   CudaRunner() = default;

@@ -136,6 +136,8 @@ int run_step_bench(const StepBenchOptions& opt) {
   o.max_graph_batch = kMaxBatch;
   o.fp4_weights = opt.experts != "fp8";
   o.base.experts_to_mxfp4 = opt.experts == "fp8-to-mxfp4";  // made FP8, re-quantized on the device at load
+  // ML4_LATENCY_DECODE=1: every line (the ncu step too) on `--decode-backend latency_specialized`.
+  if (const char* v = std::getenv("ML4_LATENCY_DECODE"); v && v[0] == '1') o.latency_decode = true;
   const auto t0 = Clock::now();
   auto rr = CudaRunner::load_synthetic(cfg, o, 1234);
   if (!rr.ok()) {
@@ -164,8 +166,8 @@ int run_step_bench(const StepBenchOptions& opt) {
     cudaDeviceSynchronize();
     cudaProfilerStop();
     r.set_cuda_graphs(true);
-    std::printf("NCUSTEP model=%s batch=%d ctx=%ld graph_ms=%.3f eager_ms=%.3f profiled_step_ok=%d\n", preset.c_str(),
-                batch, static_cast<long>(kMaxCtx), g, e, ok ? 1 : 0);
+    std::printf("NCUSTEP model=%s batch=%d ctx=%ld latency_decode=%d graph_ms=%.3f eager_ms=%.3f profiled_step_ok=%d\n",
+                preset.c_str(), batch, static_cast<long>(kMaxCtx), o.latency_decode ? 1 : 0, g, e, ok ? 1 : 0);
     return ok ? 0 : 1;
   }
   const int E = cfg.moe.num_experts, K = cfg.moe.num_experts_per_tok;
@@ -189,19 +191,27 @@ int run_step_bench(const StepBenchOptions& opt) {
     std::printf("REQUANT fp8->mxfp4 on the device: %.2f s for %.2f GB of MXFP4 experts; beyond the result at most %.1f "
                 "MB (one FP8 matrix) while it ran\n",
                 r.requant_seconds(), r.routed_expert_bytes() / 1e9, r.requant_transient_bytes() / 1e6);
+  // The bytes a decode step of `batch` sequences at `ctx` must read: the weights (each routed
+  // expert once if any token picks it, the expected distinct count under uniform routing), one
+  // embedding row a token, the attended latent rows and the indexer's keys. Its KV part out.
+  auto step_bytes = [&](int batch, int64_t ctx, double* kv_out) {
+    const double experts = moe_layers > 0 ? E * (1.0 - std::pow(1.0 - static_cast<double>(K) / E, batch)) : 0.0;
+    double kv = 0.0;
+    for (const auto& l : cfg.layers) {
+      kv += batch * row * (l.sparse() ? std::min<double>(ctx, cfg.indexer.topk) : static_cast<double>(ctx));
+      if (l.indexer == IndexerRole::kOwner) kv += batch * ctx * (ikey + 8.0);
+    }
+    if (kv_out) *kv_out = kv;
+    return always + batch * embed_row + experts * per_expert * moe_layers + kv;
+  };
   for (int64_t ctx : opt.contexts) {
     for (int batch : opt.batches) {
       const StepInput in = decode_step(r, batch, ctx, blocks_per_seq);
       const int64_t replays = r.graph_replays();
       const double ms = time_step(r, in, 3, 20);
       const bool graphed = r.graph_replays() > replays;
-      const double experts = moe_layers > 0 ? E * (1.0 - std::pow(1.0 - static_cast<double>(K) / E, batch)) : 0.0;
       double kv = 0.0;
-      for (const auto& l : cfg.layers) {
-        kv += batch * row * (l.sparse() ? std::min<double>(ctx, cfg.indexer.topk) : static_cast<double>(ctx));
-        if (l.indexer == IndexerRole::kOwner) kv += batch * ctx * (ikey + 8.0);
-      }
-      const double bytes = always + batch * embed_row + experts * per_expert * moe_layers + kv;
+      const double bytes = step_bytes(batch, ctx, &kv);
       const double roof = bytes / (hbm_gbps * 1e6);
       std::printf("STEP batch=%d ctx=%ld ms=%.3f graphs=%d roofline_ms=%.3f ratio=%.2f bytes_gb=%.2f (weights %.2f, "
                   "kv %.3f) tok_s=%.0f card_ratio=%.2f\n",
@@ -246,6 +256,31 @@ int run_step_bench(const StepBenchOptions& opt) {
                   static_cast<long>(fixed_ctx), on, off, off / on);
     }
   };
+  // `--decode-backend latency_specialized` (issue 19: each layer's FFN half as one resident
+  // kernel) vs the standard path, batch 1 / 2 / 4 at both the fixed and the largest context,
+  // graphs on, against the roofline (H200 rate) and this card's copy rate.
+  if (!o.fp4_weights) {
+    for (int64_t ctx : {fixed_ctx, kMaxCtx}) {
+      for (int batch : {1, 2, 4}) {
+        const StepInput lin = decode_step(r, batch, ctx, blocks_per_seq);
+        (void)r.set_latency_decode(false);
+        const double standard = time_step(r, lin, 3, 20);
+        if (Status st = r.set_latency_decode(true); !st.ok()) {
+          std::fprintf(stderr, "latency path: %s\n", st.message().c_str());
+          return 1;
+        }
+        const double latency = time_step(r, lin, 3, 20);
+        (void)r.set_latency_decode(o.latency_decode);
+        const double bytes = step_bytes(batch, ctx, nullptr);
+        std::printf("LATENCY model=%s batch=%d ctx=%ld latency_ms=%.3f standard_ms=%.3f gain=%.3f ratio=%.2f "
+                    "card_ratio=%.2f (roofline %.3f ms at %.0f GB/s)\n",
+                    preset.c_str(), batch, static_cast<long>(ctx), latency, standard, standard / latency,
+                    latency / (bytes / (hbm_gbps * 1e6)), card_gbps > 0 ? latency / (bytes / (card_gbps * 1e6)) : 0.0,
+                    bytes / (hbm_gbps * 1e6), hbm_gbps);
+      }
+      if (kMaxCtx == fixed_ctx) break;
+    }
+  }
   // The decode router fused with its top-k (moe.h router_route) vs cuBLAS's GEMV + route_kernel.
   fusion_ab("FUSEDROUTER", [&](bool on) { r.set_fused_router(on); }, CudaRunnerOptions{}.fused_router);
   // The indexer fusions (CudaRunnerOptions::fused_indexer) vs the separate launches.

@@ -1,0 +1,412 @@
+// See ffn_resident.h.
+#include "ops/cuda/ffn_resident.h"
+
+#include <algorithm>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "ops/cuda/cuda_common.h"
+#include "ops/cuda/fault.cuh"
+#include "ops/cuda/gemv_stream.cuh"
+#include "ops/cuda/moe_route.cuh"
+#include "ops/cuda/pdl.cuh"
+
+namespace ml4::cuda {
+namespace {
+
+using gemv_stream::kStThreads;
+using gemv_stream::kStWarps;
+
+constexpr int kR = 4;  // weight rows per item
+constexpr int kMaxT = kFfnResidentMaxTokens;
+constexpr int kMaxK = kFfnResidentMaxTopK;
+constexpr int kMaxRows = kMaxT * kMaxK + kMaxT;  // routed rows, then the always-run MLP's
+constexpr int kNormThreads = 256;                // rms_norm_vec_kernel's block: its f64 sum order
+constexpr int kNormVec = 8;                      // float4s a thread: D <= 8192
+constexpr int kRouterVec = 16;                   // the router row's float4s a thread: D <= 8192
+constexpr int kConv = gemv_stream::kConvF16Hw;   // the stream GEMV's default decoding (exact)
+
+// A 128-thread group's barrier (named barrier 1 + group; 0 is __syncthreads).
+struct GroupSync {
+  int id;
+  __device__ __forceinline__ void operator()() const {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(kStThreads) : "memory");
+  }
+};
+
+// The routing the blocks lay out in shared memory after the first barrier: as moe_permute
+// (experts ascending, each expert's rows in (t, k) order).
+struct Routing {
+  int32_t ids[kMaxT * kMaxK];
+  float wts[kMaxT * kMaxK];
+  int32_t perm_token[kMaxT * kMaxK];  // token of permuted row i
+  int32_t inv[kMaxT * kMaxK];         // permuted row of (t, k)
+  int32_t expert[kMaxT * kMaxK];      // the active experts, ascending
+  int32_t begin[kMaxT * kMaxK + 1];   // their rows [begin[j], begin[j + 1])
+  int active;
+};
+
+// Step 0: rows t < T of (attn_out + residual), normalized, into xs [T][D] (shared memory), by
+// the block's first 256 threads with rms_norm_vec_kernel's arithmetic and sum order: per thread
+// float4 j = tid + 256 j ascending, then the f64 warp trees and warp 0's tree over the 8 warps.
+__device__ __noinline__ void norm_rows(const FfnResidentParams& p, float* xs, double* red8) {
+  const int n4 = static_cast<int>(p.D / 4), tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  for (int t = 0; t < p.T; ++t) {
+    double ss = 0.0;
+    float4 v[kNormVec], w[kNormVec];
+    if (tid < kNormThreads) {
+      const float4* x4 = reinterpret_cast<const float4*>(p.attn_out + t * p.D);
+      const float4* r4 = reinterpret_cast<const float4*>(p.residual + t * p.D);
+      const float4* w4 = reinterpret_cast<const float4*>(p.norm_w);
+      float4 r[kNormVec];
+#pragma unroll
+      for (int j = 0; j < kNormVec; ++j) {
+        const int i = tid + j * kNormThreads;
+        if (i < n4) {
+          v[j] = x4[i];
+          r[j] = r4[i];
+          w[j] = __ldg(w4 + i);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kNormVec; ++j) {
+        const int i = tid + j * kNormThreads;
+        if (i < n4) {
+          v[j].x += r[j].x;
+          v[j].y += r[j].y;
+          v[j].z += r[j].z;
+          v[j].w += r[j].w;
+          ss += static_cast<double>(v[j].x) * v[j].x;
+          ss += static_cast<double>(v[j].y) * v[j].y;
+          ss += static_cast<double>(v[j].z) * v[j].z;
+          ss += static_cast<double>(v[j].w) * v[j].w;
+        }
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      if (lane == 0) red8[warp] = ss;
+    }
+    __syncthreads();
+    if (warp == 0) {
+      double s = lane < kNormThreads / 32 ? red8[lane] : 0.0;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+      if (lane == 0) red8[kNormThreads / 32] = s;
+    }
+    __syncthreads();
+    const double total = red8[kNormThreads / 32];
+    const float inv = static_cast<float>(1.0 / sqrt(total / static_cast<double>(p.D) + static_cast<double>(p.eps)));
+    if (tid < kNormThreads) {
+      float4* o4 = reinterpret_cast<float4*>(xs + t * p.D);
+#pragma unroll
+      for (int j = 0; j < kNormVec; ++j) {
+        const int i = tid + j * kNormThreads;
+        if (i < n4)
+          o4[i] = make_float4(v[j].x * inv * w[j].x, v[j].y * inv * w[j].y, v[j].z * inv * w[j].z,
+                              v[j].w * inv * w[j].w);
+      }
+    }
+    __syncthreads();  // red8 is reused by the next row
+  }
+}
+
+// Expert e's router logit for every token, by one group, with router_route_kernel's arithmetic
+// and order: that kernel's thread i (256 a block) sums k = 4 (i + 256 j) .. +3 over j; here
+// group thread tid plays threads tid (lo) and tid + 128 (hi), and the warp sums of lo's four
+// warps then hi's four meet in that kernel's warp order.
+template <int M>
+__device__ __noinline__ void router_item(const FfnResidentParams& p, const float* xs, int e, int tid, GroupSync sync,
+                            float (&red)[kStWarps][M * kR]) {
+  const int n4 = static_cast<int>(p.D / 4), lane = tid & 31, warp = tid >> 5;
+  const float4* g4 = reinterpret_cast<const float4*>(p.gate + static_cast<int64_t>(e) * p.D);
+  float4 gv[kRouterVec];
+#pragma unroll
+  for (int j = 0; j < kRouterVec; ++j) {
+    const int i = tid + j * kStThreads;  // j even: lo's float4 j / 2; odd: hi's
+    if (i < n4) gv[j] = __ldg(g4 + i);
+  }
+  float lo[M], hi[M];
+#pragma unroll
+  for (int t = 0; t < M; ++t) {
+    lo[t] = 0.0f;
+    hi[t] = 0.0f;
+    if (t >= p.T) continue;
+    const float4* x4 = reinterpret_cast<const float4*>(xs + t * p.D);
+#pragma unroll
+    for (int j = 0; j < kRouterVec; ++j) {
+      const int i = tid + j * kStThreads;
+      if (i < n4) {
+        const float4 xv = x4[i];
+        float& acc = (j & 1) ? hi[t] : lo[t];
+        acc = fmaf(gv[j].x, xv.x, acc);
+        acc = fmaf(gv[j].y, xv.y, acc);
+        acc = fmaf(gv[j].z, xv.z, acc);
+        acc = fmaf(gv[j].w, xv.w, acc);
+      }
+    }
+  }
+  // red[warp][t] holds lo's warp sums, red[warp][M + t] hi's (M * kR >= 2M).
+#pragma unroll
+  for (int t = 0; t < M; ++t) {
+    const float a = gemv_stream::warp_sum(lo[t]), b = gemv_stream::warp_sum(hi[t]);
+    if (lane == 0) {
+      red[warp][t] = a;
+      red[warp][M + t] = b;
+    }
+  }
+  sync();
+  if (tid < p.T) {
+    float v = 0.0f;
+    for (int w = 0; w < kStWarps; ++w) v += red[w][tid];
+    for (int w = 0; w < kStWarps; ++w) v += red[w][M + tid];
+    p.logits[tid * p.moe.num_experts + e] = v;
+  }
+  sync();
+}
+
+// Gate and up rows [n0, n0 + kR) of one FP8 MLP for the rows [r0, r1) of x (xmap: their x
+// rows), then SiLU(g) * u (silu_mul_kernel's expression) into hidden rows [r0, r1) of width I.
+template <int M>
+__device__ __noinline__ void gate_up_item(const void* w1, const float* s1, const void* w3, const float* s3, int64_t I, int64_t D,
+                             int64_t n0, const float* xs, const int32_t* xmap, int r0, int r1, float* hidden, int tid,
+                             GroupSync sync, float (&red)[kStWarps][M * kR], float* g_st, float* u_st) {
+  auto st = [&](float* dst) { return [=](int64_t row, int r, float v) { dst[(row - r0) * kR + r] = v; }; };
+  gemv_stream::stream_rows<M, kR, true, kConv, gemv_stream::kXPlain>(static_cast<const uint8_t*>(w1), s1, I, D, n0, xs,
+                                                                     xmap, 0, r0, r1, tid, red, sync, st(g_st));
+  gemv_stream::stream_rows<M, kR, true, kConv, gemv_stream::kXPlain>(static_cast<const uint8_t*>(w3), s3, I, D, n0, xs,
+                                                                     xmap, 0, r0, r1, tid, red, sync, st(u_st));
+  if (tid < (r1 - r0) * kR) {
+    const int i = tid / kR, r = tid % kR;
+    if (n0 + r < I) {
+      const float gv = g_st[i * kR + r];
+      hidden[(r0 + i) * I + n0 + r] = gv / (1.0f + expf(-gv)) * u_st[i * kR + r];
+    }
+  }
+  sync();
+}
+
+// After the first barrier, in every block: each token routed by a warp (warp t: token t) from
+// the logits at L2, and moe_permute's layout over the T K <= 32 picks in shared memory; block 0
+// writes the routing out as the standard path does.
+__device__ __noinline__ void route_tokens(const FfnResidentParams& p, const RouteArgs& ra, float* route_sm,
+                                          Routing& rt) {
+  const int T = p.T, K = p.moe.num_experts_per_tok;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, E = p.moe.num_experts;
+  const int per = 3 * E + ra.G;
+  if (warp < T) {
+    float* sl = route_sm + warp * per;
+    for (int e = lane; e < E; e += 32) sl[e] = __ldcg(p.logits + warp * E + e);
+    __syncwarp();
+    RouteArgs a = ra;
+    a.ids = rt.ids;
+    a.weights = rt.wts;
+    route_row(a, warp, sl, sl + E);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {  // moe_permute's layout, over T * K <= 32 entries
+    const int n = T * K;
+    int na = 0;
+    rt.begin[0] = 0;
+    for (int last = -1;;) {  // the next larger expert id among the picks
+      int e = 0x7fffffff;
+      for (int i = 0; i < n; ++i)
+        if (rt.ids[i] > last && rt.ids[i] < e) e = rt.ids[i];
+      if (e == 0x7fffffff) break;
+      int o = rt.begin[na];
+      for (int i = 0; i < n; ++i)
+        if (rt.ids[i] == e) {
+          rt.perm_token[o] = i / K;
+          rt.inv[i] = o;
+          ++o;
+        }
+      rt.expert[na] = e;
+      rt.begin[++na] = o;
+      last = e;
+    }
+    rt.active = na;
+  }
+  __syncthreads();
+  if (blockIdx.x == 0 && threadIdx.x < T * K) {
+    p.ids[threadIdx.x] = rt.ids[threadIdx.x];
+    p.weights[threadIdx.x] = rt.wts[threadIdx.x];
+  }
+}
+
+// Step 3's item: output rows [n0, n0 + kR): the down projection of every routed row (y rows
+// 0 .. T K - 1, permuted order) and of the always-run MLP's (y rows T K + t), then moe_combine's
+// sum into out.
+template <int M>
+__device__ __noinline__ void down_item(const FfnResidentParams& p, const Routing& rt, int64_t n0,
+                                       const float* hidden_mlp, int tid, GroupSync sync,
+                                       float (&red)[kStWarps][M * kR], float* y) {
+  const bool moe = p.gate != nullptr;
+  const int T = p.T, K = moe ? p.moe.num_experts_per_tok : 0;
+  const int64_t D = p.D, Ir = p.I_routed, Im = p.mlp.I;
+  auto st = [&](int64_t row0) { return [=](int64_t row, int r, float v) { y[(row0 + row) * kR + r] = v; }; };
+  if (moe) {
+    for (int j = 0; j < rt.active; ++j) {
+      const int e = rt.expert[j];
+      gemv_stream::stream_rows<M, kR, true, kConv, gemv_stream::kXLdcg>(
+          static_cast<const uint8_t*>(p.w2_table[e]), p.s2_table[e], D, Ir, n0, p.hidden, nullptr, 0, rt.begin[j],
+          rt.begin[j + 1], tid, red, sync, st(0));
+    }
+  }
+  if (p.mlp.w1) {
+    gemv_stream::stream_rows<M, kR, true, kConv, gemv_stream::kXLdcg>(
+        static_cast<const uint8_t*>(p.mlp.w2), p.mlp.s2, D, Im, n0, hidden_mlp, nullptr, 0, 0, T, tid, red, sync,
+        st(T * K));
+  }
+  if (tid < T * kR) {
+    const int t = tid / kR, r = tid % kR;
+    if (n0 + r < D) {
+      float acc = 0.0f;
+      if (moe) {
+        for (int k = 0; k < K; ++k) acc = fmaf(rt.wts[t * K + k], y[rt.inv[t * K + k] * kR + r], acc);
+        if (p.mlp.w1) acc += y[(T * K + t) * kR + r];
+      } else {
+        acc = y[t * kR + r];
+      }
+      p.out[t * D + n0 + r] = acc;
+    }
+  }
+  sync();
+}
+
+template <int M, int G>
+__global__ void __launch_bounds__(G * kStThreads, 1) ffn_resident_kernel(const FfnResidentParams p, const RouteArgs ra) {
+  pdl_wait();
+  extern __shared__ float4 dyn4[];
+  float* xs = reinterpret_cast<float*>(dyn4);  // [T][D]
+  float* route_sm = xs + p.T * p.D;            // [T][3E + groups]
+  __shared__ float red[G][kStWarps][M * kR];
+  __shared__ float stage[G][2][kMaxRows * kR];
+  __shared__ double red8[kNormThreads / 32 + 1];
+  __shared__ Routing rt;
+  const int g = threadIdx.x / kStThreads, tid = threadIdx.x % kStThreads;
+  const GroupSync sync{1 + g};
+  const int NG = gridDim.x * G, gi = blockIdx.x * G + g;
+  const bool moe = p.gate != nullptr;
+  const int T = p.T, K = moe ? p.moe.num_experts_per_tok : 0;
+  const int64_t D = p.D, Ir = p.I_routed, Im = p.mlp.I;
+  float* hidden_mlp = p.hidden + static_cast<int64_t>(T) * K * Ir;  // the always-run MLP's rows [T][Im]
+
+  // 0. a = rms(attn_out + residual) * w in every block.
+  norm_rows(p, xs, red8);
+
+  // 1. Router logits (E items), then the always-run MLP's gate/up (Im / kR items).
+  const int n_router = moe ? p.moe.num_experts : 0;
+  const int n_mlp = p.mlp.w1 ? static_cast<int>((Im + kR - 1) / kR) : 0;
+  for (int i = gi; i < n_router + n_mlp; i += NG) {
+    if (i < n_router) {
+      router_item<M>(p, xs, i, tid, sync, red[g]);
+    } else {
+      gate_up_item<M>(p.mlp.w1, p.mlp.s1, p.mlp.w3, p.mlp.s3, Im, D, int64_t{i - n_router} * kR, xs, nullptr, 0, T,
+                      hidden_mlp, tid, sync, red[g], stage[g][0], stage[g][1]);
+    }
+  }
+  if (static_cast<int>(blockIdx.x) == p.never_arrive_block) return;  // the test switch
+  if (!bounded_grid_sync(p.barrier, gridDim.x, p.fault, p.timeout_ns, 1)) return;
+
+  // The residual (every block has read it), by block 0.
+  if (blockIdx.x == 0) {
+    const int64_t n4 = T * D / 4;
+    float4* r4 = reinterpret_cast<float4*>(p.residual);
+    const float4* a4 = reinterpret_cast<const float4*>(p.attn_out);
+    for (int64_t i = threadIdx.x; i < n4; i += blockDim.x) {
+      float4 r = r4[i];
+      const float4 a = a4[i];
+      r.x = a.x + r.x;
+      r.y = a.y + r.y;
+      r.z = a.z + r.z;
+      r.w = a.w + r.w;
+      r4[i] = r;
+    }
+  }
+
+  if (moe) {
+    route_tokens(p, ra, route_sm, rt);
+
+    // 2. The routed experts' gate/up: (active expert, kR rows) items.
+    const int per_e = static_cast<int>((Ir + kR - 1) / kR);
+    for (int i = gi; i < rt.active * per_e; i += NG) {
+      const int j = i / per_e, e = rt.expert[j];
+      gate_up_item<M>(p.w1_table[e], p.s1_table[e], p.w3_table[e], p.s3_table[e], Ir, D, int64_t{i % per_e} * kR, xs,
+                      rt.perm_token, rt.begin[j], rt.begin[j + 1], p.hidden, tid, sync, red[g], stage[g][0],
+                      stage[g][1]);
+    }
+    if (!bounded_grid_sync(p.barrier, gridDim.x, p.fault, p.timeout_ns, 2)) return;
+  }  // a dense layer's hidden rows were complete at the first barrier
+
+  // 3. Down projections of kR output rows: every routed row (y rows 0 .. T K - 1, permuted
+  // order) and the always-run MLP's (rows T K + t), then moe_combine's sum into out.
+  float* y = stage[g][0];
+  const int n_down = static_cast<int>((D + kR - 1) / kR);
+  for (int i = gi; i < n_down; i += NG) {
+    down_item<M>(p, rt, int64_t{i} * kR, hidden_mlp, tid, sync, red[g], stage[g][0]);
+  }
+}
+
+template <int M, int G>
+Status launch(const FfnResidentParams& p, const RouteArgs& ra, size_t smem) {
+  auto kernel = ffn_resident_kernel<M, G>;
+  ML4_RETURN_IF_ERROR(cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                       static_cast<int>(smem)),
+                                  "ffn_resident smem"));
+  int per_sm = 0;
+  ML4_RETURN_IF_ERROR(cuda_status(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, G * kStThreads, smem), "ffn_resident occupancy"));
+  if (per_sm < 1) return internal_error("ffn_resident: a {}-thread block with {} bytes of shared memory does not fit",
+                                        G * kStThreads, smem);
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(sm_count()));
+  cfg.blockDim = dim3(G * kStThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = p.stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cuda_status(cudaLaunchKernelEx(&cfg, kernel, p, ra), "ffn_resident_kernel");
+}
+
+}  // namespace
+
+int64_t ffn_resident_hidden_floats(int T, int K, int64_t I_routed, int64_t I_mlp) {
+  return static_cast<int64_t>(T) * K * I_routed + static_cast<int64_t>(T) * I_mlp;
+}
+
+Status ffn_resident(const FfnResidentParams& p) {
+  const MoeConfig* moe = p.gate ? &p.moe : nullptr;
+  const std::string why = ffn_resident_unsupported(p.D, moe, p.I_routed, p.mlp.w1 ? p.mlp.I : 0, p.T);
+  if (!why.empty()) return invalid_argument("ffn_resident: unsupported shape: {}", why);
+  if (!p.attn_out || !p.residual || !p.norm_w || !p.hidden || !p.out || !p.barrier || !p.fault)
+    return invalid_argument("ffn_resident: null pointer");
+  if (p.mlp.w1 && (!p.mlp.w2 || !p.mlp.w3 || !p.mlp.s1 || !p.mlp.s2 || !p.mlp.s3))
+    return invalid_argument("ffn_resident: incomplete MLP");
+  if (moe && (!p.w1_table || !p.w2_table || !p.w3_table || !p.s1_table || !p.s2_table || !p.s3_table || !p.logits ||
+              !p.ids || !p.weights))
+    return invalid_argument("ffn_resident: incomplete MoE");
+  if (!aligned16(p.attn_out) || !aligned16(p.residual) || !aligned16(p.norm_w) || !aligned16(p.hidden) ||
+      (p.gate && !aligned16(p.gate)))
+    return invalid_argument("ffn_resident: rows must be 16-byte aligned");
+  RouteArgs ra{};
+  int groups = 1;
+  if (moe) {
+    groups = std::max(p.moe.num_expert_groups, 1);
+    ra = RouteArgs{p.logits, p.T, p.moe.num_experts, p.moe.num_experts_per_tok, groups,
+                   std::min(p.moe.num_expert_groups_per_tok, groups), p.moe.scoring == RouterScoring::kSoftmax,
+                   p.moe.renormalize, static_cast<float>(p.moe.routed_scale), p.bias, nullptr, nullptr, nullptr};
+  }
+  const int E = moe ? p.moe.num_experts : 0;
+  const size_t smem = (static_cast<size_t>(p.T) * p.D + static_cast<size_t>(p.T) * (moe ? 3 * E + groups : 0)) *
+                      sizeof(float);
+  // As many 128-thread groups a multiprocessor as the stream GEMV runs blocks (gemv_stream.cuh
+  // kStMinBlocks): four at M = 1 (128 registers a thread), three at M = 2 and 4 (170).
+  if (p.T == 1) return launch<1, 4>(p, ra, smem);
+  if (p.T == 2) return launch<2, 3>(p, ra, smem);
+  return launch<4, 3>(p, ra, smem);
+}
+
+}  // namespace ml4::cuda

@@ -1,0 +1,92 @@
+// The FFN half of a decode layer as one resident kernel (SYSTEM.md S17, issue 19's
+// `--decode-backend latency_specialized`): for a step of at most 4 tokens,
+//
+//   residual += attn_out;  a = rms(residual) * norm_w;  out = ffn(a)
+//
+// where ffn is the layer's MoE (router, top-k, routed experts, shared expert, weighted
+// combine) or its dense MLP, all FP8 block-scaled. The standard path takes seven launches for
+// this (RMSNorm, the fused router, permute, grouped gate/up, SiLU, grouped down, combine); here
+// one cooperative launch of one block per multiprocessor does it in three phases separated by
+// two bounded grid barriers (ops/cuda/fault.cuh):
+//   0. every block normalizes the T rows into its own shared memory (no barrier: each block
+//      needs all of a anyway);
+//   1. the router's logits and the always-run MLP's (shared expert or dense) gate/up rows, with
+//      SiLU(g) * u in the same item's epilogue;
+//   -- barrier --  every block routes every token itself (the same warp routine as the standard
+//      path, moe_route.cuh) and lays out the permutation in shared memory; block 0 writes the
+//      residual and the routing;
+//   2. the routed experts' gate/up rows, SiLU in the epilogue;
+//   -- barrier --
+//   3. the down projections of every routed and always-run row for R output rows at a time, and
+//      the weighted combine of those rows in the same item: out is written once.
+// Each block's 128-thread groups work on items (R = 4 weight rows of one matrix) with the
+// weight-stream GEMV's own routine (gemv_stream.cuh stream_rows): every sum is computed as the
+// standard path's stream GEMV computes it, the router's logits as router_route's, the norm as
+// rms_norm's, the combine as moe_combine's. At T = 1 (where the standard path streams every
+// linear) the result is bit-identical to it; at T = 2 and 4 the standard path's expert GEMVs run
+// on the tensor cores, so it matches to f32 rounding.
+//
+// A wait that runs past timeout_ns records a fault in the runner's fault word (fault.h) and
+// ends the kernel; the host sees it after the step and stops. never_arrive_block is the test
+// switch: that block leaves before the first barrier.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "core/status.h"
+#include "ops/cuda/fault.h"
+#include "ops/ffn_resident_shape.h"
+
+namespace ml4::cuda {
+
+// An FP8 block-scaled MLP: gate w1 [I, D], up w3 [I, D], down w2 [D, I], scales [ceil(N/128)][K/128].
+struct ResidentMlp {
+  const void* w1 = nullptr;
+  const void* w3 = nullptr;
+  const void* w2 = nullptr;
+  const float* s1 = nullptr;
+  const float* s3 = nullptr;
+  const float* s2 = nullptr;
+  int64_t I = 0;
+};
+
+struct FfnResidentParams {
+  int T = 0;  // tokens, 1..kFfnResidentMaxTokens
+  int64_t D = 0;
+  const float* attn_out = nullptr;  // [T, D], added into residual (may be out)
+  float* residual = nullptr;        // [T, D], updated
+  const float* norm_w = nullptr;    // [D]
+  float eps = 1e-6f;
+  // MoE (gate != null): the f32 router [E, D], its bias [E] or null, the routing config, the
+  // routed experts' tables [E] of FP8 pointers, and the standard path's outputs (written too).
+  const float* gate = nullptr;
+  const float* bias = nullptr;
+  MoeConfig moe;
+  const void* const* w1_table = nullptr;
+  const void* const* w3_table = nullptr;
+  const void* const* w2_table = nullptr;
+  const float* const* s1_table = nullptr;
+  const float* const* s3_table = nullptr;
+  const float* const* s2_table = nullptr;
+  int64_t I_routed = 0;
+  float* logits = nullptr;   // [T, E]
+  int32_t* ids = nullptr;    // [T, K]
+  float* weights = nullptr;  // [T, K]
+  // The MLP every token runs: the shared expert (MoE) or the dense FFN; w1 == null: none.
+  ResidentMlp mlp;
+  float* hidden = nullptr;  // ffn_resident_hidden_floats(...) floats of scratch
+  float* out = nullptr;     // [T, D]
+  GridBarrierState* barrier = nullptr;  // zeroed once; a launch that passes leaves it zeroed
+  DeviceFault* fault = nullptr;
+  uint64_t timeout_ns = kDefaultWaitTimeoutNs;
+  int never_arrive_block = -1;  // test switch
+  cudaStream_t stream = nullptr;
+};
+
+int64_t ffn_resident_hidden_floats(int T, int K, int64_t I_routed, int64_t I_mlp);
+
+Status ffn_resident(const FfnResidentParams& p);
+
+}  // namespace ml4::cuda
