@@ -61,6 +61,7 @@ struct FfnBlockArgs {
   float* residual = nullptr;        // [T, dim]
   const float* norm_w = nullptr;    // [dim]
   float eps = 1e-6f;
+  float* a = nullptr;               // [T, dim]: rms(residual) * norm_w (written)
   LinearRef gate;
   const float* router_bias = nullptr;
   MoeRef moe;

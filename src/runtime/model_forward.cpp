@@ -932,6 +932,7 @@ Status ModelForward::forward(const StepMetadata* md, ForwardTrace* trace) {
     fb.residual = x.residual;
     fb.norm_w = L.ffn_norm;
     fb.eps = eps;
+    fb.a = x.a;
     if (cfg_.layers[l].ffn == FfnKind::kMoe) {
       fb.gate = L.gate;
       fb.router_bias = L.router_bias;

@@ -680,8 +680,9 @@ TEST(CudaRunner, DeviceFaultFailsEveryLaterStep) {
 //   three bf16 parts here, exact; production uses one), and its attention linears at 3-4 rows
 //   too: summation order only (~1e-7), but ml4-tiny's random routing is near-tied, so one flip
 //   can move a row's logits (the exact CPU comparison measured up to 5.6e-3): bound 1e-2.
-// Then the fault switch: a block that never arrives at the kernel's first barrier (50 ms bound)
-// fails that step and every later one, naming the device fault.
+// The graphed latency runner equals a latency runner without graphs (the same launches) bit
+// for bit (within 1e-5 where graphs pad the batch: 3 sequences). Then the fault switch: a block that never arrives at the kernel's first barrier
+// (50 ms bound) fails that step and every later one, naming the device fault.
 TEST(CudaRunner, LatencyDecodeMatchesStandard) {
   ML4_REQUIRE_GPU();
   const std::string dir = ::ml4::testing::test_model("ml4-tiny", 11, "fp8");
@@ -694,8 +695,12 @@ TEST(CudaRunner, LatencyDecodeMatchesStandard) {
   o.latency_decode = true;
   auto lat_r = CudaRunner::load(dir, o);
   ASSERT_TRUE(lat_r.ok()) << lat_r.status().message();
+  o.cuda_graphs = false;
+  auto eager_r = CudaRunner::load(dir, o);  // the latency path without graphs: the same launches
+  ASSERT_TRUE(eager_r.ok()) << eager_r.status().message();
   CudaRunner& sr = **std_r;
   CudaRunner& lr = **lat_r;
+  CudaRunner& er = **eager_r;
   std::mt19937 g(31);
   std::uniform_int_distribution<int> tok(1, sr.config().vocab_size - 1);
   const int lens[4] = {5, 7, 9, 7};
@@ -711,6 +716,7 @@ TEST(CudaRunner, LatencyDecodeMatchesStandard) {
   auto a = sr.execute(prefill);
   auto b = lr.execute(prefill);
   ASSERT_TRUE(a.ok() && b.ok()) << a.status().message() << b.status().message();
+  ASSERT_TRUE(er.execute(prefill).ok());
   ASSERT_EQ(a->logits.size(), 4u);
   EXPECT_EQ(a->logits, b->logits) << "prefill runs the standard path on both";
   EXPECT_EQ(lr.resident_ffn_launches(), 0) << "a 28-token step is not the latency path's";
@@ -722,11 +728,18 @@ TEST(CudaRunner, LatencyDecodeMatchesStandard) {
     for (int s : seqs) in.seqs.push_back(::ml4::testing::seq_step(sr, s + 1, {next[s]}, pos[s], s, 1, 1));
     auto ra = sr.execute(in);
     auto rb = lr.execute(in);
+    auto rc = er.execute(in);
     ASSERT_TRUE(ra.ok()) << ra.status().message();
     ASSERT_TRUE(rb.ok()) << rb.status().message();
+    ASSERT_TRUE(rc.ok()) << rc.status().message();
     ASSERT_EQ(ra->logits.size(), seqs.size());
     for (size_t i = 0; i < seqs.size(); ++i) {
       ASSERT_TRUE(testing::all_finite(rb->logits[i]));
+      const double ge = ::ml4::testing::rel_l2(rb->logits[i], rc->logits[i]);
+      if ((seqs.size() & (seqs.size() - 1)) == 0)  // a padded batch may move the last bits (option_vs_plain)
+        EXPECT_EQ(rb->logits[i], rc->logits[i]) << "graphed vs eager latency path, batch " << seqs.size() << ": rel " << ge;
+      else
+        EXPECT_LT(ge, 1e-5) << "graphed vs eager latency path, batch " << seqs.size();
       const double e = ::ml4::testing::rel_l2(rb->logits[i], ra->logits[i]);
       if (seqs.size() == 1) {
         EXPECT_EQ(rb->logits[i], ra->logits[i]) << "batch 1, seq " << seqs[i] << ": rel " << e;

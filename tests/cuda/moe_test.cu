@@ -744,6 +744,7 @@ TEST(CudaMoe, ResidentFfnMatchesCpu) {
       std::vector<std::vector<float>> outs;
       for (int rep = 0; rep < 2; ++rep) {
         auto dattn = to_device(attn), dres = to_device(res);
+        auto da = poisoned<float>(T * D);
         auto dout = poisoned<float>(T * D);
         auto dlog = poisoned<float>(std::max(T * c.E, 1));
         auto dids = poisoned<int32_t>(std::max(T * K, 1));
@@ -756,6 +757,7 @@ TEST(CudaMoe, ResidentFfnMatchesCpu) {
         p.residual = dres.as<float>();
         p.norm_w = dnorm.as<float>();
         p.eps = 1e-6f;
+        p.a = da.as<float>();
         if (moe) {
           p.gate = dgate.as<float>();
           p.bias = c.bias ? dbias.as<float>() : nullptr;
@@ -846,9 +848,10 @@ TEST(CudaMoe, ResidentFfnMatchesCpu) {
     auto dnorm = to_device(std::vector<float>(c.D, 1.0f));
     auto dattn = to_device(randn(c.D, seed++)), dres = to_device(randn(c.D, seed++));
     auto hidden = poisoned<float>(ffn_resident_hidden_floats(1, 0, 0, c.I_mlp));
-    auto dout = poisoned<float>(c.D);
+    auto dout = poisoned<float>(c.D), da = poisoned<float>(c.D);
     FfnResidentParams p;
     p.T = 1;
+    p.a = da.as<float>();
     p.D = c.D;
     p.attn_out = dattn.as<float>();
     p.residual = dres.as<float>();

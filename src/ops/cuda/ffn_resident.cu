@@ -22,20 +22,16 @@ constexpr int kR = 4;  // weight rows per item
 constexpr int kMaxT = kFfnResidentMaxTokens;
 constexpr int kMaxK = kFfnResidentMaxTopK;
 constexpr int kMaxRows = kMaxT * kMaxK + kMaxT;  // routed rows, then the always-run MLP's
-constexpr int kNormThreads = 256;                // rms_norm_vec_kernel's block: its f64 sum order
-constexpr int kNormVec = 8;                      // float4s a thread: D <= 8192
+constexpr int kNormVirtual = 256;                // rms_norm_vec_kernel's block: its f64 sum order
+constexpr int kNormVec = 8;                      // float4s a virtual thread: D <= 8192
 constexpr int kRouterVec = 16;                   // the router row's float4s a thread: D <= 8192
 constexpr int kConv = gemv_stream::kConvF16Hw;   // the stream GEMV's default decoding (exact)
+static_assert(kNormVirtual * kNormVec * 4 >= kFfnResidentMaxDim && kStThreads * kRouterVec * 4 >= kFfnResidentMaxDim);
+static_assert(kNormVirtual == 2 * kStThreads);
 
-// A 128-thread group's barrier (named barrier 1 + group; 0 is __syncthreads).
-struct GroupSync {
-  int id;
-  __device__ __forceinline__ void operator()() const {
-    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(kStThreads) : "memory");
-  }
-};
+using gemv_stream::BlockSync;
 
-// The routing the blocks lay out in shared memory after the first barrier: as moe_permute
+// The routing the blocks lay out in shared memory after the second barrier: as moe_permute
 // (experts ascending, each expert's rows in (t, k) order).
 struct Routing {
   int32_t ids[kMaxT * kMaxK];
@@ -47,78 +43,77 @@ struct Routing {
   int active;
 };
 
-// Step 0: rows t < T of (attn_out + residual), normalized, into xs [T][D] (shared memory), by
-// the block's first 256 threads with rms_norm_vec_kernel's arithmetic and sum order: per thread
-// float4 j = tid + 256 j ascending, then the f64 warp trees and warp 0's tree over the 8 warps.
-__device__ __noinline__ void norm_rows(const FfnResidentParams& p, float* xs, double* red8) {
+// Step 0, by block t for token t: residual[t] += attn_out[t], a[t] = rms(residual[t]) * w, with
+// rms_norm_vec_kernel's arithmetic and f64 sum order: that kernel's thread th (256 a block)
+// sums float4s th + 256 j over j; here thread tid plays th = tid (lo) and tid + 128 (hi), and
+// the warp trees of lo's four warps and hi's four meet as that kernel's eight warps do. The
+// summed row waits in shared memory (v) for the scaling.
+__device__ __noinline__ void norm_row(const FfnResidentParams& p, int t, float* v, double* red8) {
   const int n4 = static_cast<int>(p.D / 4), tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  for (int t = 0; t < p.T; ++t) {
-    double ss = 0.0;
-    float4 v[kNormVec], w[kNormVec];
-    if (tid < kNormThreads) {
-      const float4* x4 = reinterpret_cast<const float4*>(p.attn_out + t * p.D);
-      const float4* r4 = reinterpret_cast<const float4*>(p.residual + t * p.D);
-      const float4* w4 = reinterpret_cast<const float4*>(p.norm_w);
-      float4 r[kNormVec];
+  const float4* x4 = reinterpret_cast<const float4*>(p.attn_out + t * p.D);
+  float4* r4 = reinterpret_cast<float4*>(p.residual + t * p.D);
+  float4* v4 = reinterpret_cast<float4*>(v);
+  double ss[2] = {0.0, 0.0};
 #pragma unroll
-      for (int j = 0; j < kNormVec; ++j) {
-        const int i = tid + j * kNormThreads;
-        if (i < n4) {
-          v[j] = x4[i];
-          r[j] = r4[i];
-          w[j] = __ldg(w4 + i);
-        }
-      }
+  for (int h = 0; h < 2; ++h) {
+    float4 xv[kNormVec], rv[kNormVec];
 #pragma unroll
-      for (int j = 0; j < kNormVec; ++j) {
-        const int i = tid + j * kNormThreads;
-        if (i < n4) {
-          v[j].x += r[j].x;
-          v[j].y += r[j].y;
-          v[j].z += r[j].z;
-          v[j].w += r[j].w;
-          ss += static_cast<double>(v[j].x) * v[j].x;
-          ss += static_cast<double>(v[j].y) * v[j].y;
-          ss += static_cast<double>(v[j].z) * v[j].z;
-          ss += static_cast<double>(v[j].w) * v[j].w;
-        }
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-      if (lane == 0) red8[warp] = ss;
-    }
-    __syncthreads();
-    if (warp == 0) {
-      double s = lane < kNormThreads / 32 ? red8[lane] : 0.0;
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-      if (lane == 0) red8[kNormThreads / 32] = s;
-    }
-    __syncthreads();
-    const double total = red8[kNormThreads / 32];
-    const float inv = static_cast<float>(1.0 / sqrt(total / static_cast<double>(p.D) + static_cast<double>(p.eps)));
-    if (tid < kNormThreads) {
-      float4* o4 = reinterpret_cast<float4*>(xs + t * p.D);
-#pragma unroll
-      for (int j = 0; j < kNormVec; ++j) {
-        const int i = tid + j * kNormThreads;
-        if (i < n4)
-          o4[i] = make_float4(v[j].x * inv * w[j].x, v[j].y * inv * w[j].y, v[j].z * inv * w[j].z,
-                              v[j].w * inv * w[j].w);
+    for (int j = 0; j < kNormVec; ++j) {
+      const int i = tid + h * kStThreads + j * kNormVirtual;
+      if (i < n4) {
+        xv[j] = x4[i];
+        rv[j] = r4[i];
       }
     }
-    __syncthreads();  // red8 is reused by the next row
+#pragma unroll
+    for (int j = 0; j < kNormVec; ++j) {
+      const int i = tid + h * kStThreads + j * kNormVirtual;
+      if (i < n4) {
+        float4 a = xv[j];
+        a.x += rv[j].x;
+        a.y += rv[j].y;
+        a.z += rv[j].z;
+        a.w += rv[j].w;
+        ss[h] += static_cast<double>(a.x) * a.x;
+        ss[h] += static_cast<double>(a.y) * a.y;
+        ss[h] += static_cast<double>(a.z) * a.z;
+        ss[h] += static_cast<double>(a.w) * a.w;
+        v4[i] = a;
+      }
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss[h] += __shfl_xor_sync(0xffffffffu, ss[h], o);
+    if (lane == 0) red8[h * kStWarps + warp] = ss[h];
+  }
+  __syncthreads();
+  if (warp == 0) {
+    double s = lane < kNormVirtual / 32 ? red8[lane] : 0.0;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (lane == 0) red8[kNormVirtual / 32] = s;
+  }
+  __syncthreads();
+  const double total = red8[kNormVirtual / 32];
+  const float inv = static_cast<float>(1.0 / sqrt(total / static_cast<double>(p.D) + static_cast<double>(p.eps)));
+  const float4* w4 = reinterpret_cast<const float4*>(p.norm_w);
+  float4* a4 = reinterpret_cast<float4*>(p.a + t * p.D);
+  for (int i = tid; i < n4; i += kStThreads) {
+    const float4 a = v4[i], w = __ldg(w4 + i);
+    r4[i] = a;
+    a4[i] = make_float4(a.x * inv * w.x, a.y * inv * w.y, a.z * inv * w.z, a.w * inv * w.w);
   }
 }
 
-// Expert e's router logit for every token, by one group, with router_route_kernel's arithmetic
-// and order: that kernel's thread i (256 a block) sums k = 4 (i + 256 j) .. +3 over j; here
-// group thread tid plays threads tid (lo) and tid + 128 (hi), and the warp sums of lo's four
-// warps then hi's four meet in that kernel's warp order.
+// Expert e's router logit for every token, with router_route_kernel's arithmetic and order:
+// that kernel's thread i (256 a block) sums k = 4 (i + 256 j) .. +3 over j; here thread tid
+// plays threads tid (lo) and tid + 128 (hi), and the warp sums of lo's four warps then hi's
+// four meet in that kernel's warp order.
 template <int M>
-__device__ __noinline__ void router_item(const FfnResidentParams& p, const float* xs, int e, int tid, GroupSync sync,
-                            float (&red)[kStWarps][M * kR]) {
-  const int n4 = static_cast<int>(p.D / 4), lane = tid & 31, warp = tid >> 5;
+__device__ __noinline__ void router_item(const FfnResidentParams& p, int e, float (&red)[kStWarps][M * kR]) {
+  const int n4 = static_cast<int>(p.D / 4), tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const float4* g4 = reinterpret_cast<const float4*>(p.gate + static_cast<int64_t>(e) * p.D);
   float4 gv[kRouterVec];
 #pragma unroll
@@ -132,7 +127,7 @@ __device__ __noinline__ void router_item(const FfnResidentParams& p, const float
     lo[t] = 0.0f;
     hi[t] = 0.0f;
     if (t >= p.T) continue;
-    const float4* x4 = reinterpret_cast<const float4*>(xs + t * p.D);
+    const float4* x4 = reinterpret_cast<const float4*>(p.a + t * p.D);
 #pragma unroll
     for (int j = 0; j < kRouterVec; ++j) {
       const int i = tid + j * kStThreads;
@@ -155,27 +150,31 @@ __device__ __noinline__ void router_item(const FfnResidentParams& p, const float
       red[warp][M + t] = b;
     }
   }
-  sync();
+  __syncthreads();
   if (tid < p.T) {
     float v = 0.0f;
     for (int w = 0; w < kStWarps; ++w) v += red[w][tid];
     for (int w = 0; w < kStWarps; ++w) v += red[w][M + tid];
     p.logits[tid * p.moe.num_experts + e] = v;
   }
-  sync();
+  __syncthreads();
 }
 
-// Gate and up rows [n0, n0 + kR) of one FP8 MLP for the rows [r0, r1) of x (xmap: their x
-// rows), then SiLU(g) * u (silu_mul_kernel's expression) into hidden rows [r0, r1) of width I.
+// Gate and up rows [n0, n0 + kR) of one FP8 MLP for the rows [r0, r1) of a (xmap: their token
+// rows; a is read with plain loads: written in this kernel before a barrier), then SiLU(g) * u
+// (silu_mul_kernel's expression) into hidden rows [r0, r1) of width I.
 template <int M>
-__device__ __noinline__ void gate_up_item(const void* w1, const float* s1, const void* w3, const float* s3, int64_t I, int64_t D,
-                             int64_t n0, const float* xs, const int32_t* xmap, int r0, int r1, float* hidden, int tid,
-                             GroupSync sync, float (&red)[kStWarps][M * kR], float* g_st, float* u_st) {
+__device__ __noinline__ void gate_up_item(const FfnResidentParams& p, const void* w1, const float* s1, const void* w3,
+                             const float* s3, int64_t I, int64_t n0, const int32_t* xmap, int r0, int r1,
+                             float* hidden, float (&red)[kStWarps][M * kR], float* g_st, float* u_st) {
+  const int tid = threadIdx.x;
   auto st = [&](float* dst) { return [=](int64_t row, int r, float v) { dst[(row - r0) * kR + r] = v; }; };
-  gemv_stream::stream_rows<M, kR, true, kConv, gemv_stream::kXPlain>(static_cast<const uint8_t*>(w1), s1, I, D, n0, xs,
-                                                                     xmap, 0, r0, r1, tid, red, sync, st(g_st));
-  gemv_stream::stream_rows<M, kR, true, kConv, gemv_stream::kXPlain>(static_cast<const uint8_t*>(w3), s3, I, D, n0, xs,
-                                                                     xmap, 0, r0, r1, tid, red, sync, st(u_st));
+  gemv_stream::stream_rows<M, kR, true, kConv, gemv_stream::kXPlain>(static_cast<const uint8_t*>(w1), s1, I, p.D, n0,
+                                                                     p.a, xmap, 0, r0, r1, tid, red, BlockSync{},
+                                                                     st(g_st));
+  gemv_stream::stream_rows<M, kR, true, kConv, gemv_stream::kXPlain>(static_cast<const uint8_t*>(w3), s3, I, p.D, n0,
+                                                                     p.a, xmap, 0, r0, r1, tid, red, BlockSync{},
+                                                                     st(u_st));
   if (tid < (r1 - r0) * kR) {
     const int i = tid / kR, r = tid % kR;
     if (n0 + r < I) {
@@ -183,12 +182,12 @@ __device__ __noinline__ void gate_up_item(const void* w1, const float* s1, const
       hidden[(r0 + i) * I + n0 + r] = gv / (1.0f + expf(-gv)) * u_st[i * kR + r];
     }
   }
-  sync();
+  __syncthreads();
 }
 
-// After the first barrier, in every block: each token routed by a warp (warp t: token t) from
-// the logits at L2, and moe_permute's layout over the T K <= 32 picks in shared memory; block 0
-// writes the routing out as the standard path does.
+// After the second barrier, in every block: each token routed by a warp (warp t: token t) from
+// the logits (plain loads: written before the barrier), and moe_permute's layout over the T K <=
+// 32 picks in shared memory; block 0 writes the routing out as the standard path does.
 __device__ __noinline__ void route_tokens(const FfnResidentParams& p, const RouteArgs& ra, float* route_sm,
                                           Routing& rt) {
   const int T = p.T, K = p.moe.num_experts_per_tok;
@@ -196,7 +195,7 @@ __device__ __noinline__ void route_tokens(const FfnResidentParams& p, const Rout
   const int per = 3 * E + ra.G;
   if (warp < T) {
     float* sl = route_sm + warp * per;
-    for (int e = lane; e < E; e += 32) sl[e] = __ldcg(p.logits + warp * E + e);
+    for (int e = lane; e < E; e += 32) sl[e] = p.logits[warp * E + e];
     __syncwarp();
     RouteArgs a = ra;
     a.ids = rt.ids;
@@ -237,25 +236,24 @@ __device__ __noinline__ void route_tokens(const FfnResidentParams& p, const Rout
 // 0 .. T K - 1, permuted order) and of the always-run MLP's (y rows T K + t), then moe_combine's
 // sum into out.
 template <int M>
-__device__ __noinline__ void down_item(const FfnResidentParams& p, const Routing& rt, int64_t n0,
-                                       const float* hidden_mlp, int tid, GroupSync sync,
-                                       float (&red)[kStWarps][M * kR], float* y) {
+__device__ __noinline__ void down_item(const FfnResidentParams& p, const Routing& rt, int64_t n0, const float* hidden_mlp,
+                          float (&red)[kStWarps][M * kR], float* y) {
   const bool moe = p.gate != nullptr;
-  const int T = p.T, K = moe ? p.moe.num_experts_per_tok : 0;
+  const int T = p.T, K = moe ? p.moe.num_experts_per_tok : 0, tid = threadIdx.x;
   const int64_t D = p.D, Ir = p.I_routed, Im = p.mlp.I;
   auto st = [&](int64_t row0) { return [=](int64_t row, int r, float v) { y[(row0 + row) * kR + r] = v; }; };
   if (moe) {
     for (int j = 0; j < rt.active; ++j) {
       const int e = rt.expert[j];
-      gemv_stream::stream_rows<M, kR, true, kConv, gemv_stream::kXLdcg>(
+      gemv_stream::stream_rows<M, kR, true, kConv, gemv_stream::kXPlain>(
           static_cast<const uint8_t*>(p.w2_table[e]), p.s2_table[e], D, Ir, n0, p.hidden, nullptr, 0, rt.begin[j],
-          rt.begin[j + 1], tid, red, sync, st(0));
+          rt.begin[j + 1], tid, red, BlockSync{}, st(0));
     }
   }
   if (p.mlp.w1) {
-    gemv_stream::stream_rows<M, kR, true, kConv, gemv_stream::kXLdcg>(
-        static_cast<const uint8_t*>(p.mlp.w2), p.mlp.s2, D, Im, n0, hidden_mlp, nullptr, 0, 0, T, tid, red, sync,
-        st(T * K));
+    gemv_stream::stream_rows<M, kR, true, kConv, gemv_stream::kXPlain>(
+        static_cast<const uint8_t*>(p.mlp.w2), p.mlp.s2, D, Im, n0, hidden_mlp, nullptr, 0, 0, T, tid, red,
+        BlockSync{}, st(T * K));
   }
   if (tid < T * kR) {
     const int t = tid / kR, r = tid % kR;
@@ -270,100 +268,84 @@ __device__ __noinline__ void down_item(const FfnResidentParams& p, const Routing
       p.out[t * D + n0 + r] = acc;
     }
   }
-  sync();
+  __syncthreads();
 }
 
-template <int M, int G>
-__global__ void __launch_bounds__(G * kStThreads, 1) ffn_resident_kernel(const FfnResidentParams p, const RouteArgs ra) {
+// One kStThreads-thread block per item at a time, kStMinBlocks(M) blocks a multiprocessor (the
+// stream GEMV's own shape and register budget), every block resident (a cooperative launch).
+// Values another block wrote before a barrier (a, the logits, the hidden rows) are read with
+// plain loads: the barrier's fences order them (fault.cuh), and no block reads those addresses
+// before the barrier.
+template <int M>
+__global__ void __launch_bounds__(kStThreads, gemv_stream::kStMinBlocks(M))
+    ffn_resident_kernel(const FfnResidentParams p, const RouteArgs ra) {
   pdl_wait();
   extern __shared__ float4 dyn4[];
-  float* xs = reinterpret_cast<float*>(dyn4);  // [T][D]
-  float* route_sm = xs + p.T * p.D;            // [T][3E + groups]
-  __shared__ float red[G][kStWarps][M * kR];
-  __shared__ float stage[G][2][kMaxRows * kR];
-  __shared__ double red8[kNormThreads / 32 + 1];
+  float* v = reinterpret_cast<float*>(dyn4);  // [D]: step 0's summed row
+  float* route_sm = v + p.D;                  // [T][3E + groups]
+  __shared__ float red[kStWarps][M * kR];
+  __shared__ float stage[2][kMaxRows * kR];
+  __shared__ double red8[kNormVirtual / 32 + 1];
   __shared__ Routing rt;
-  const int g = threadIdx.x / kStThreads, tid = threadIdx.x % kStThreads;
-  const GroupSync sync{1 + g};
-  const int NG = gridDim.x * G, gi = blockIdx.x * G + g;
+  const int NB = gridDim.x, b = blockIdx.x;
   const bool moe = p.gate != nullptr;
   const int T = p.T, K = moe ? p.moe.num_experts_per_tok : 0;
-  const int64_t D = p.D, Ir = p.I_routed, Im = p.mlp.I;
+  const int64_t Ir = p.I_routed, Im = p.mlp.I;
   float* hidden_mlp = p.hidden + static_cast<int64_t>(T) * K * Ir;  // the always-run MLP's rows [T][Im]
 
-  // 0. a = rms(attn_out + residual) * w in every block.
-  norm_rows(p, xs, red8);
+  // 0. Token t's residual and normalized rows by block t (no other block reads either row).
+  if (b < T) norm_row(p, b, v, red8);
+  if (b == p.never_arrive_block) return;  // the test switch
+  if (!bounded_grid_sync(p.barrier, NB, p.fault, p.timeout_ns, 1)) return;
 
   // 1. Router logits (E items), then the always-run MLP's gate/up (Im / kR items).
   const int n_router = moe ? p.moe.num_experts : 0;
   const int n_mlp = p.mlp.w1 ? static_cast<int>((Im + kR - 1) / kR) : 0;
-  for (int i = gi; i < n_router + n_mlp; i += NG) {
-    if (i < n_router) {
-      router_item<M>(p, xs, i, tid, sync, red[g]);
-    } else {
-      gate_up_item<M>(p.mlp.w1, p.mlp.s1, p.mlp.w3, p.mlp.s3, Im, D, int64_t{i - n_router} * kR, xs, nullptr, 0, T,
-                      hidden_mlp, tid, sync, red[g], stage[g][0], stage[g][1]);
-    }
+  for (int i = b; i < n_router + n_mlp; i += NB) {
+    if (i < n_router)
+      router_item<M>(p, i, red);
+    else
+      gate_up_item<M>(p, p.mlp.w1, p.mlp.s1, p.mlp.w3, p.mlp.s3, Im, int64_t{i - n_router} * kR, nullptr, 0, T,
+                      hidden_mlp, red, stage[0], stage[1]);
   }
-  if (static_cast<int>(blockIdx.x) == p.never_arrive_block) return;  // the test switch
-  if (!bounded_grid_sync(p.barrier, gridDim.x, p.fault, p.timeout_ns, 1)) return;
-
-  // The residual (every block has read it), by block 0.
-  if (blockIdx.x == 0) {
-    const int64_t n4 = T * D / 4;
-    float4* r4 = reinterpret_cast<float4*>(p.residual);
-    const float4* a4 = reinterpret_cast<const float4*>(p.attn_out);
-    for (int64_t i = threadIdx.x; i < n4; i += blockDim.x) {
-      float4 r = r4[i];
-      const float4 a = a4[i];
-      r.x = a.x + r.x;
-      r.y = a.y + r.y;
-      r.z = a.z + r.z;
-      r.w = a.w + r.w;
-      r4[i] = r;
-    }
-  }
+  if (!bounded_grid_sync(p.barrier, NB, p.fault, p.timeout_ns, 2)) return;
 
   if (moe) {
     route_tokens(p, ra, route_sm, rt);
-
     // 2. The routed experts' gate/up: (active expert, kR rows) items.
     const int per_e = static_cast<int>((Ir + kR - 1) / kR);
-    for (int i = gi; i < rt.active * per_e; i += NG) {
+    for (int i = b; i < rt.active * per_e; i += NB) {
       const int j = i / per_e, e = rt.expert[j];
-      gate_up_item<M>(p.w1_table[e], p.s1_table[e], p.w3_table[e], p.s3_table[e], Ir, D, int64_t{i % per_e} * kR, xs,
-                      rt.perm_token, rt.begin[j], rt.begin[j + 1], p.hidden, tid, sync, red[g], stage[g][0],
-                      stage[g][1]);
+      gate_up_item<M>(p, p.w1_table[e], p.s1_table[e], p.w3_table[e], p.s3_table[e], Ir, int64_t{i % per_e} * kR,
+                      rt.perm_token, rt.begin[j], rt.begin[j + 1], p.hidden, red, stage[0], stage[1]);
     }
-    if (!bounded_grid_sync(p.barrier, gridDim.x, p.fault, p.timeout_ns, 2)) return;
-  }  // a dense layer's hidden rows were complete at the first barrier
+    if (!bounded_grid_sync(p.barrier, NB, p.fault, p.timeout_ns, 3)) return;
+  }  // a dense layer's hidden rows were complete at the second barrier
 
-  // 3. Down projections of kR output rows: every routed row (y rows 0 .. T K - 1, permuted
-  // order) and the always-run MLP's (rows T K + t), then moe_combine's sum into out.
-  float* y = stage[g][0];
-  const int n_down = static_cast<int>((D + kR - 1) / kR);
-  for (int i = gi; i < n_down; i += NG) {
-    down_item<M>(p, rt, int64_t{i} * kR, hidden_mlp, tid, sync, red[g], stage[g][0]);
-  }
+  // 3. The down projections and the combine, kR output rows an item.
+  const int n_down = static_cast<int>((p.D + kR - 1) / kR);
+  for (int i = b; i < n_down; i += NB) down_item<M>(p, rt, int64_t{i} * kR, hidden_mlp, red, stage[0]);
 }
 
-template <int M, int G>
+template <int M>
 Status launch(const FfnResidentParams& p, const RouteArgs& ra, size_t smem) {
-  auto kernel = ffn_resident_kernel<M, G>;
+  auto kernel = ffn_resident_kernel<M>;
   ML4_RETURN_IF_ERROR(cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                        static_cast<int>(smem)),
                                   "ffn_resident smem"));
   int per_sm = 0;
   ML4_RETURN_IF_ERROR(cuda_status(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, G * kStThreads, smem), "ffn_resident occupancy"));
-  if (per_sm < 1) return internal_error("ffn_resident: a {}-thread block with {} bytes of shared memory does not fit",
-                                        G * kStThreads, smem);
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kStThreads, smem), "ffn_resident occupancy"));
+  const int want = gemv_stream::kStMinBlocks(M);
+  if (per_sm < want)
+    return internal_error("ffn_resident: {} blocks a multiprocessor fit ({} bytes of shared memory), {} wanted", per_sm,
+                          smem, want);
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeCooperative;
   attr[0].val.cooperative = 1;
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(sm_count()));
-  cfg.blockDim = dim3(G * kStThreads);
+  cfg.gridDim = dim3(static_cast<unsigned>(want * sm_count()));
+  cfg.blockDim = dim3(kStThreads);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = p.stream;
   cfg.attrs = attr;
@@ -381,14 +363,14 @@ Status ffn_resident(const FfnResidentParams& p) {
   const MoeConfig* moe = p.gate ? &p.moe : nullptr;
   const std::string why = ffn_resident_unsupported(p.D, moe, p.I_routed, p.mlp.w1 ? p.mlp.I : 0, p.T);
   if (!why.empty()) return invalid_argument("ffn_resident: unsupported shape: {}", why);
-  if (!p.attn_out || !p.residual || !p.norm_w || !p.hidden || !p.out || !p.barrier || !p.fault)
+  if (!p.attn_out || !p.residual || !p.norm_w || !p.a || !p.hidden || !p.out || !p.barrier || !p.fault)
     return invalid_argument("ffn_resident: null pointer");
   if (p.mlp.w1 && (!p.mlp.w2 || !p.mlp.w3 || !p.mlp.s1 || !p.mlp.s2 || !p.mlp.s3))
     return invalid_argument("ffn_resident: incomplete MLP");
   if (moe && (!p.w1_table || !p.w2_table || !p.w3_table || !p.s1_table || !p.s2_table || !p.s3_table || !p.logits ||
               !p.ids || !p.weights))
     return invalid_argument("ffn_resident: incomplete MoE");
-  if (!aligned16(p.attn_out) || !aligned16(p.residual) || !aligned16(p.norm_w) || !aligned16(p.hidden) ||
+  if (!aligned16(p.attn_out) || !aligned16(p.residual) || !aligned16(p.norm_w) || !aligned16(p.a) || !aligned16(p.hidden) ||
       (p.gate && !aligned16(p.gate)))
     return invalid_argument("ffn_resident: rows must be 16-byte aligned");
   RouteArgs ra{};
@@ -400,13 +382,10 @@ Status ffn_resident(const FfnResidentParams& p) {
                    p.moe.renormalize, static_cast<float>(p.moe.routed_scale), p.bias, nullptr, nullptr, nullptr};
   }
   const int E = moe ? p.moe.num_experts : 0;
-  const size_t smem = (static_cast<size_t>(p.T) * p.D + static_cast<size_t>(p.T) * (moe ? 3 * E + groups : 0)) *
-                      sizeof(float);
-  // As many 128-thread groups a multiprocessor as the stream GEMV runs blocks (gemv_stream.cuh
-  // kStMinBlocks): four at M = 1 (128 registers a thread), three at M = 2 and 4 (170).
-  if (p.T == 1) return launch<1, 4>(p, ra, smem);
-  if (p.T == 2) return launch<2, 3>(p, ra, smem);
-  return launch<4, 3>(p, ra, smem);
+  const size_t smem = (static_cast<size_t>(p.D) + static_cast<size_t>(p.T) * (moe ? 3 * E + groups : 0)) * sizeof(float);
+  if (p.T == 1) return launch<1>(p, ra, smem);
+  if (p.T == 2) return launch<2>(p, ra, smem);
+  return launch<4>(p, ra, smem);
 }
 
 }  // namespace ml4::cuda

@@ -6,25 +6,23 @@
 // where ffn is the layer's MoE (router, top-k, routed experts, shared expert, weighted
 // combine) or its dense MLP, all FP8 block-scaled. The standard path takes seven launches for
 // this (RMSNorm, the fused router, permute, grouped gate/up, SiLU, grouped down, combine); here
-// one cooperative launch of one block per multiprocessor does it in three phases separated by
-// two bounded grid barriers (ops/cuda/fault.cuh):
-//   0. every block normalizes the T rows into its own shared memory (no barrier: each block
-//      needs all of a anyway);
+// one cooperative launch does it in four steps separated by bounded grid barriers
+// (ops/cuda/fault.cuh):
+//   0. block t normalizes token t (and writes its residual row);
 //   1. the router's logits and the always-run MLP's (shared expert or dense) gate/up rows, with
 //      SiLU(g) * u in the same item's epilogue;
-//   -- barrier --  every block routes every token itself (the same warp routine as the standard
-//      path, moe_route.cuh) and lays out the permutation in shared memory; block 0 writes the
-//      residual and the routing;
+//   -- every block routes every token itself (the standard path's warp routine, moe_route.cuh)
+//      and lays out the permutation in shared memory;
 //   2. the routed experts' gate/up rows, SiLU in the epilogue;
-//   -- barrier --
 //   3. the down projections of every routed and always-run row for R output rows at a time, and
 //      the weighted combine of those rows in the same item: out is written once.
-// Each block's 128-thread groups work on items (R = 4 weight rows of one matrix) with the
-// weight-stream GEMV's own routine (gemv_stream.cuh stream_rows): every sum is computed as the
-// standard path's stream GEMV computes it, the router's logits as router_route's, the norm as
-// rms_norm's, the combine as moe_combine's. At T = 1 (where the standard path streams every
-// linear) the result is bit-identical to it; at T = 2 and 4 the standard path's expert GEMVs run
-// on the tensor cores, so it matches to f32 rounding.
+// The blocks have the weight-stream GEMV's shape (128 threads, as many a multiprocessor as it
+// runs) and work on items of R = 4 weight rows of one matrix with its own routine
+// (gemv_stream.cuh stream_rows): every sum is computed as the standard path's stream GEMV
+// computes it, the router's logits as router_route's, the norm as rms_norm's, the combine as
+// moe_combine's. At T = 1 (where the standard path streams every linear) the result is
+// bit-identical to it; at T = 2..4 the standard path's expert GEMVs run on the tensor cores, so
+// it matches to their rounding.
 //
 // A wait that runs past timeout_ns records a fault in the runner's fault word (fault.h) and
 // ends the kernel; the host sees it after the step and stops. never_arrive_block is the test
@@ -59,6 +57,7 @@ struct FfnResidentParams {
   float* residual = nullptr;        // [T, D], updated
   const float* norm_w = nullptr;    // [D]
   float eps = 1e-6f;
+  float* a = nullptr;               // [T, D]: the normalized rows (written)
   // MoE (gate != null): the f32 router [E, D], its bias [E] or null, the routing config, the
   // routed experts' tables [E] of FP8 pointers, and the standard path's outputs (written too).
   const float* gate = nullptr;

@@ -1114,6 +1114,7 @@ bool CudaBackend::resident_ffn_params(const FfnBlockArgs& a, FfnResidentParams* 
   q.residual = a.residual;
   q.norm_w = a.norm_w;
   q.eps = a.eps;
+  q.a = a.a;
   q.logits = a.logits;
   q.ids = a.ids;
   q.weights = a.weights;
