@@ -675,7 +675,8 @@ TEST(CudaRunner, DeviceFaultFailsEveryLaterStep) {
 // runner's greedy tokens.
 // - One sequence: every linear of the standard step takes the stream GEMV, whose sums the
 //   resident kernel computes the same way, and its router, norm, SiLU and combine too: the
-//   logits are bit-identical.
+//   logits are bit-identical while the sequence has only ever decoded alone (a step at batch
+//   2..4 leaves its cache rows apart in the last bits, as below).
 // - Two to four: the standard path's grouped expert GEMVs run on the tensor cores (x split into
 //   three bf16 parts here, exact; production uses one), and its attention linears at 3-4 rows
 //   too: summation order only (~1e-7), but ml4-tiny's random routing is near-tied, so one flip
@@ -723,6 +724,7 @@ TEST(CudaRunner, LatencyDecodeMatchesStandard) {
   for (int s = 0; s < 4; ++s) next[s] = argmax(a->logits[s]);
   const std::vector<std::vector<int>> schedule = {{0}, {0}, {1, 2}, {0, 1, 2}, {0, 1, 2, 3}, {3}, {0, 1, 2, 3}, {2}};
   double worst = 0.0;
+  std::vector<bool> apart(4, false);  // a sequence whose earlier steps ran at batch > 1
   for (const auto& seqs : schedule) {
     StepInput in;
     for (int s : seqs) in.seqs.push_back(::ml4::testing::seq_step(sr, s + 1, {next[s]}, pos[s], s, 1, 1));
@@ -741,7 +743,7 @@ TEST(CudaRunner, LatencyDecodeMatchesStandard) {
       else
         EXPECT_LT(ge, 1e-5) << "graphed vs eager latency path, batch " << seqs.size();
       const double e = ::ml4::testing::rel_l2(rb->logits[i], ra->logits[i]);
-      if (seqs.size() == 1) {
+      if (seqs.size() == 1 && !apart[seqs[i]]) {
         EXPECT_EQ(rb->logits[i], ra->logits[i]) << "batch 1, seq " << seqs[i] << ": rel " << e;
       } else {
         worst = std::max(worst, e);
@@ -749,10 +751,11 @@ TEST(CudaRunner, LatencyDecodeMatchesStandard) {
       }
       next[seqs[i]] = argmax(ra->logits[i]);
       ++pos[seqs[i]];
+      apart[seqs[i]] = apart[seqs[i]] || seqs.size() > 1;  // its cache rows now differ in the last bits
     }
   }
-  std::printf("latency path vs standard on ml4-tiny fp8: batch 1 bit-identical; batches 2-4 worst rel_l2 %.3g (bound "
-              "1e-2); %ld resident launches, %ld graph replays\n",
+  std::printf("latency path vs standard on ml4-tiny fp8: batch 1 bit-identical; batches 2-4 (and what follows them) "
+              "worst rel_l2 %.3g (bound 1e-2); %ld resident launches, %ld graph replays\n",
               worst, static_cast<long>(lr.resident_ffn_launches()), static_cast<long>(lr.graph_replays()));
   EXPECT_GT(lr.resident_ffn_launches(), 0);
   EXPECT_EQ(sr.resident_ffn_launches(), 0);

@@ -26,6 +26,9 @@ constexpr int kNormVirtual = 256;                // rms_norm_vec_kernel's block:
 constexpr int kNormVec = 8;                      // float4s a virtual thread: D <= 8192
 constexpr int kRouterVec = 16;                   // the router row's float4s a thread: D <= 8192
 constexpr int kConv = gemv_stream::kConvF16Hw;   // the stream GEMV's default decoding (exact)
+// Blocks a multiprocessor: three, the stream GEMV's count at M = 2 and 4 (170 registers a thread);
+// at four (its M = 1 count, 128 registers) the item routines spilled in their loops.
+constexpr int kBlocksPerSm = 3;
 static_assert(kNormVirtual * kNormVec * 4 >= kFfnResidentMaxDim && kStThreads * kRouterVec * 4 >= kFfnResidentMaxDim);
 static_assert(kNormVirtual == 2 * kStThreads);
 
@@ -115,36 +118,39 @@ template <int M>
 __device__ __noinline__ void router_item(const FfnResidentParams& p, int e, float (&red)[kStWarps][M * kR]) {
   const int n4 = static_cast<int>(p.D / 4), tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const float4* g4 = reinterpret_cast<const float4*>(p.gate + static_cast<int64_t>(e) * p.D);
-  float4 gv[kRouterVec];
+  float acc[2][M];  // [lo, hi][token]
 #pragma unroll
-  for (int j = 0; j < kRouterVec; ++j) {
-    const int i = tid + j * kStThreads;  // j even: lo's float4 j / 2; odd: hi's
-    if (i < n4) gv[j] = __ldg(g4 + i);
-  }
-  float lo[M], hi[M];
+  for (int h = 0; h < 2; ++h) {
+    // h = 0: lo's float4s tid + 256 j, h = 1: hi's tid + 128 + 256 j (all of one half's gate
+    // loads issued first).
+    float4 gv[kRouterVec / 2];
 #pragma unroll
-  for (int t = 0; t < M; ++t) {
-    lo[t] = 0.0f;
-    hi[t] = 0.0f;
-    if (t >= p.T) continue;
-    const float4* x4 = reinterpret_cast<const float4*>(p.a + t * p.D);
+    for (int j = 0; j < kRouterVec / 2; ++j) {
+      const int i = tid + h * kStThreads + j * 2 * kStThreads;
+      if (i < n4) gv[j] = __ldg(g4 + i);
+    }
 #pragma unroll
-    for (int j = 0; j < kRouterVec; ++j) {
-      const int i = tid + j * kStThreads;
-      if (i < n4) {
-        const float4 xv = x4[i];
-        float& acc = (j & 1) ? hi[t] : lo[t];
-        acc = fmaf(gv[j].x, xv.x, acc);
-        acc = fmaf(gv[j].y, xv.y, acc);
-        acc = fmaf(gv[j].z, xv.z, acc);
-        acc = fmaf(gv[j].w, xv.w, acc);
+    for (int t = 0; t < M; ++t) {
+      acc[h][t] = 0.0f;
+      if (t >= p.T) continue;
+      const float4* x4 = reinterpret_cast<const float4*>(p.a + t * p.D);
+#pragma unroll
+      for (int j = 0; j < kRouterVec / 2; ++j) {
+        const int i = tid + h * kStThreads + j * 2 * kStThreads;
+        if (i < n4) {
+          const float4 xv = x4[i];
+          acc[h][t] = fmaf(gv[j].x, xv.x, acc[h][t]);
+          acc[h][t] = fmaf(gv[j].y, xv.y, acc[h][t]);
+          acc[h][t] = fmaf(gv[j].z, xv.z, acc[h][t]);
+          acc[h][t] = fmaf(gv[j].w, xv.w, acc[h][t]);
+        }
       }
     }
   }
   // red[warp][t] holds lo's warp sums, red[warp][M + t] hi's (M * kR >= 2M).
 #pragma unroll
   for (int t = 0; t < M; ++t) {
-    const float a = gemv_stream::warp_sum(lo[t]), b = gemv_stream::warp_sum(hi[t]);
+    const float a = gemv_stream::warp_sum(acc[0][t]), b = gemv_stream::warp_sum(acc[1][t]);
     if (lane == 0) {
       red[warp][t] = a;
       red[warp][M + t] = b;
@@ -277,7 +283,7 @@ __device__ __noinline__ void down_item(const FfnResidentParams& p, const Routing
 // plain loads: the barrier's fences order them (fault.cuh), and no block reads those addresses
 // before the barrier.
 template <int M>
-__global__ void __launch_bounds__(kStThreads, gemv_stream::kStMinBlocks(M))
+__global__ void __launch_bounds__(kStThreads, kBlocksPerSm)
     ffn_resident_kernel(const FfnResidentParams p, const RouteArgs ra) {
   pdl_wait();
   extern __shared__ float4 dyn4[];
@@ -336,7 +342,7 @@ Status launch(const FfnResidentParams& p, const RouteArgs& ra, size_t smem) {
   int per_sm = 0;
   ML4_RETURN_IF_ERROR(cuda_status(
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kStThreads, smem), "ffn_resident occupancy"));
-  const int want = gemv_stream::kStMinBlocks(M);
+  const int want = kBlocksPerSm;
   if (per_sm < want)
     return internal_error("ffn_resident: {} blocks a multiprocessor fit ({} bytes of shared memory), {} wanted", per_sm,
                           smem, want);
@@ -383,9 +389,8 @@ Status ffn_resident(const FfnResidentParams& p) {
   }
   const int E = moe ? p.moe.num_experts : 0;
   const size_t smem = (static_cast<size_t>(p.D) + static_cast<size_t>(p.T) * (moe ? 3 * E + groups : 0)) * sizeof(float);
-  if (p.T == 1) return launch<1>(p, ra, smem);
-  if (p.T == 2) return launch<2>(p, ra, smem);
-  return launch<4>(p, ra, smem);
+  // M = 1, or 4 for 2..4 tokens (the M = 2 instance spilled in its loops at 170 registers).
+  return p.T == 1 ? launch<1>(p, ra, smem) : launch<4>(p, ra, smem);
 }
 
 }  // namespace ml4::cuda
