@@ -703,7 +703,8 @@ TEST(CudaMoe, GroupedGemmFp4PrefillVsCpu) {
 // ~1e-7): bound 1e-5 of the rows' norm. Shapes: ML4's routing (softmax, renormalized) with
 // and without a shared expert, ml4-tiny's (two groups keeping one, routed_scale 1.5, a
 // correction bias), a dense MLP; widths not multiples of 512 (the stream's partial batches);
-// T = 1..4. Two runs are bit-identical. The fault switch: a block that never arrives makes
+// T = 1..4. A second run with the other load batch (8 quads, not 12) and no L2 prefetch gives
+// the same bits. The fault switch: a block that never arrives makes
 // the others' first barrier time out (50 ms here), the kernel ends, the record names wait
 // site 1 and a block other than the absent one, and the same stream then runs clean.
 TEST(CudaMoe, ResidentFfnMatchesCpu) {
@@ -782,6 +783,8 @@ TEST(CudaMoe, ResidentFfnMatchesCpu) {
         p.out = dout.as<float>();
         p.barrier = barrier.as<GridBarrierState>();
         p.fault = fault->device();
+        p.quads = rep == 0 ? 12 : 8;  // the second run with the other load batch and no L2 prefetch
+        p.prefetch = rep == 0;
         ML4_ASSERT_OK(ffn_resident(p));
         sync();
         ML4_ASSERT_OK(fault->status("ffn_resident"));
@@ -837,7 +840,8 @@ TEST(CudaMoe, ResidentFfnMatchesCpu) {
                     K, c.shared ? 1 : 0, static_cast<long>(D), static_cast<long>(c.I), static_cast<long>(c.I_mlp), T, e);
         EXPECT_LT(e, 1e-5);
       }
-      EXPECT_EQ(0, std::memcmp(outs[0].data(), outs[1].data(), outs[0].size() * 4)) << "not deterministic";
+      EXPECT_EQ(0, std::memcmp(outs[0].data(), outs[1].data(), outs[0].size() * 4))
+          << "quads 12 + prefetch vs quads 8 without: not the same sums";
     }
   }
 

@@ -30,14 +30,23 @@ __device__ __forceinline__ void raise_fault(DeviceFault* f, uint32_t code, uint3
   __threadfence_system();
 }
 
+// How long a waiting block looks only at the barrier before it also polls the fault record
+// (host memory: each look is a bus round trip), and its longest sleep between looks.
+inline constexpr uint64_t kFaultPollAfterNs = 20000;
+inline constexpr unsigned kMaxSpinSleepNs = 1024;
+
 // A grid-wide barrier for `nblocks` co-resident blocks. Every thread of the block calls it.
 // Thread 0 reads the generation, arrives (atomicAdd), and the last arrival resets the count and
 // advances the generation; the others spin until it moves, for at most timeout_ns, and stop
-// early when any block has recorded a fault (read every 16th spin: it is host memory). Returns false when the barrier was not passed (a
-// fault: this block's own timeout or another's): the caller must return from the kernel
-// without touching memory the barrier was guarding. The count is reset before the generation
-// advances (with a fence between), so a block that sees the new generation and arrives at the
-// next barrier finds the count at 0.
+// early when any block has recorded a fault. The spin backs off (sleeps of 32 ns doubling to
+// kMaxSpinSleepNs) and polls the fault record only after kFaultPollAfterNs, every 16th look:
+// hundreds of blocks looking at one L2 line and at host memory without pause may slow the
+// blocks still working (the resident FFN kernel, issue 19, waited at its barriers for 72% of
+// its warps' cycles with them; docs/BENCHMARKS.md). Returns false when the barrier was not passed (a fault: this block's
+// own timeout or another's): the caller must return from the kernel without touching memory
+// the barrier was guarding. The count is reset before the generation advances (with a fence
+// between), so a block that sees the new generation and arrives at the next barrier finds the
+// count at 0.
 __device__ __forceinline__ bool bounded_grid_sync(GridBarrierState* bar, unsigned nblocks, DeviceFault* fault,
                                                   uint64_t timeout_ns, uint32_t site) {
   __shared__ int passed;
@@ -53,21 +62,20 @@ __device__ __forceinline__ bool bounded_grid_sync(GridBarrierState* bar, unsigne
       atomicAdd(&bar->generation, 1u);
     } else {
       const uint64_t t0 = global_ns();
-      unsigned spins = 0;
+      unsigned spins = 0, sleep_ns = 32;
       while (*gen == mine) {
-        // The record is host memory (a bus round trip): looked at every 16th spin only, so a
-        // passing barrier does not wait on it.
-        if ((++spins & 15u) == 0 && fault_raised(fault)) {
-          ok = false;
-          break;
-        }
         const uint64_t waited = global_ns() - t0;
         if (waited > timeout_ns) {
           raise_fault(fault, kFaultWaitTimeout, site, waited);
           ok = false;
           break;
         }
-        __nanosleep(64);
+        if (waited > kFaultPollAfterNs && (++spins & 15u) == 0 && fault_raised(fault)) {
+          ok = false;
+          break;
+        }
+        __nanosleep(sleep_ns);
+        sleep_ns = min(2 * sleep_ns, kMaxSpinSleepNs);
       }
     }
     __threadfence();

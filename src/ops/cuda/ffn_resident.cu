@@ -46,6 +46,15 @@ struct Routing {
   int active;
 };
 
+// The rows [n0, n0 + kR) (clamped to N) of an FP8 matrix [N, K] into L2, by the block's
+// threads: the block's next item, fetched while it finishes this one (or waits at a barrier).
+__device__ __forceinline__ void prefetch_item(const void* w, int64_t N, int64_t K, int64_t n0) {
+  if (w == nullptr || n0 >= N) return;
+  const char* base = static_cast<const char*>(w) + n0 * K;
+  const int64_t lines = (min(int64_t{kR}, N - n0) * K + 127) / 128;
+  for (int64_t i = threadIdx.x; i < lines; i += blockDim.x) asm volatile("prefetch.global.L2 [%0];" ::"l"(base + i * 128));
+}
+
 // Step 0, by block t for token t: residual[t] += attn_out[t], a[t] = rms(residual[t]) * w, with
 // rms_norm_vec_kernel's arithmetic and f64 sum order: that kernel's thread th (256 a block)
 // sums float4s th + 256 j over j; here thread tid plays th = tid (lo) and tid + 128 (hi), and
@@ -169,16 +178,16 @@ __device__ __noinline__ void router_item(const FfnResidentParams& p, int e, floa
 // Gate and up rows [n0, n0 + kR) of one FP8 MLP for the rows [r0, r1) of a (xmap: their token
 // rows; a is read with plain loads: written in this kernel before a barrier), then SiLU(g) * u
 // (silu_mul_kernel's expression) into hidden rows [r0, r1) of width I.
-template <int M>
+template <int M, int U>
 __device__ __noinline__ void gate_up_item(const FfnResidentParams& p, const void* w1, const float* s1, const void* w3,
                              const float* s3, int64_t I, int64_t n0, const int32_t* xmap, int r0, int r1,
                              float* hidden, float (&red)[kStWarps][M * kR], float* g_st, float* u_st) {
   const int tid = threadIdx.x;
   auto st = [&](float* dst) { return [=](int64_t row, int r, float v) { dst[(row - r0) * kR + r] = v; }; };
-  gemv_stream::stream_rows<M, kR, true, kConv, gemv_stream::kXPlain>(static_cast<const uint8_t*>(w1), s1, I, p.D, n0,
+  gemv_stream::stream_rows<M, kR, true, kConv, gemv_stream::kXPlain, U>(static_cast<const uint8_t*>(w1), s1, I, p.D, n0,
                                                                      p.a, xmap, 0, r0, r1, tid, red, BlockSync{},
                                                                      st(g_st));
-  gemv_stream::stream_rows<M, kR, true, kConv, gemv_stream::kXPlain>(static_cast<const uint8_t*>(w3), s3, I, p.D, n0,
+  gemv_stream::stream_rows<M, kR, true, kConv, gemv_stream::kXPlain, U>(static_cast<const uint8_t*>(w3), s3, I, p.D, n0,
                                                                      p.a, xmap, 0, r0, r1, tid, red, BlockSync{},
                                                                      st(u_st));
   if (tid < (r1 - r0) * kR) {
@@ -241,7 +250,7 @@ __device__ __noinline__ void route_tokens(const FfnResidentParams& p, const Rout
 // Step 3's item: output rows [n0, n0 + kR): the down projection of every routed row (y rows
 // 0 .. T K - 1, permuted order) and of the always-run MLP's (y rows T K + t), then moe_combine's
 // sum into out.
-template <int M>
+template <int M, int U>
 __device__ __noinline__ void down_item(const FfnResidentParams& p, const Routing& rt, int64_t n0, const float* hidden_mlp,
                           float (&red)[kStWarps][M * kR], float* y) {
   const bool moe = p.gate != nullptr;
@@ -251,13 +260,13 @@ __device__ __noinline__ void down_item(const FfnResidentParams& p, const Routing
   if (moe) {
     for (int j = 0; j < rt.active; ++j) {
       const int e = rt.expert[j];
-      gemv_stream::stream_rows<M, kR, true, kConv, gemv_stream::kXPlain>(
+      gemv_stream::stream_rows<M, kR, true, kConv, gemv_stream::kXPlain, U>(
           static_cast<const uint8_t*>(p.w2_table[e]), p.s2_table[e], D, Ir, n0, p.hidden, nullptr, 0, rt.begin[j],
           rt.begin[j + 1], tid, red, BlockSync{}, st(0));
     }
   }
   if (p.mlp.w1) {
-    gemv_stream::stream_rows<M, kR, true, kConv, gemv_stream::kXPlain>(
+    gemv_stream::stream_rows<M, kR, true, kConv, gemv_stream::kXPlain, U>(
         static_cast<const uint8_t*>(p.mlp.w2), p.mlp.s2, D, Im, n0, hidden_mlp, nullptr, 0, 0, T, tid, red,
         BlockSync{}, st(T * K));
   }
@@ -282,7 +291,7 @@ __device__ __noinline__ void down_item(const FfnResidentParams& p, const Routing
 // Values another block wrote before a barrier (a, the logits, the hidden rows) are read with
 // plain loads: the barrier's fences order them (fault.cuh), and no block reads those addresses
 // before the barrier.
-template <int M>
+template <int M, int U>
 __global__ void __launch_bounds__(kStThreads, kBlocksPerSm)
     ffn_resident_kernel(const FfnResidentParams p, const RouteArgs ra) {
   pdl_wait();
@@ -299,43 +308,76 @@ __global__ void __launch_bounds__(kStThreads, kBlocksPerSm)
   const int64_t Ir = p.I_routed, Im = p.mlp.I;
   float* hidden_mlp = p.hidden + static_cast<int64_t>(T) * K * Ir;  // the always-run MLP's rows [T][Im]
 
-  // 0. Token t's residual and normalized rows by block t (no other block reads either row).
+  // Items' weights go to L2 one item ahead (prefetch_item): phase 1's and phase 3's are known
+  // from the start, phase 2's once the block has routed.
+  const int n_router = moe ? p.moe.num_experts : 0;
+  const int n_mlp = p.mlp.w1 ? static_cast<int>((Im + kR - 1) / kR) : 0;
+  const int n_down = static_cast<int>((p.D + kR - 1) / kR);
+  auto prefetch1 = [&](int i) {
+    if (!p.prefetch) return;
+    if (i < n_router) {
+      prefetch_item(p.gate + static_cast<int64_t>(i) * p.D, 1, p.D * 4, 0);
+    } else if (i < n_router + n_mlp) {
+      prefetch_item(p.mlp.w1, Im, p.D, int64_t{i - n_router} * kR);
+      prefetch_item(p.mlp.w3, Im, p.D, int64_t{i - n_router} * kR);
+    }
+  };
+  auto prefetch3 = [&](int i, bool routed) {
+    if (!p.prefetch || i >= n_down) return;
+    if (routed)
+      for (int j = 0; j < rt.active; ++j) prefetch_item(p.w2_table[rt.expert[j]], p.D, Ir, int64_t{i} * kR);
+    if (p.mlp.w1) prefetch_item(p.mlp.w2, p.D, Im, int64_t{i} * kR);
+  };
+
+  // 0. Token t's residual and normalized rows by block t (no other block reads either row);
+  // meanwhile the others fetch their first item.
   if (b < T) norm_row(p, b, v, red8);
+  prefetch1(b);
   if (b == p.never_arrive_block) return;  // the test switch
   if (!bounded_grid_sync(p.barrier, NB, p.fault, p.timeout_ns, 1)) return;
 
   // 1. Router logits (E items), then the always-run MLP's gate/up (Im / kR items).
-  const int n_router = moe ? p.moe.num_experts : 0;
-  const int n_mlp = p.mlp.w1 ? static_cast<int>((Im + kR - 1) / kR) : 0;
   for (int i = b; i < n_router + n_mlp; i += NB) {
+    prefetch1(i + NB);
     if (i < n_router)
       router_item<M>(p, i, red);
     else
-      gate_up_item<M>(p, p.mlp.w1, p.mlp.s1, p.mlp.w3, p.mlp.s3, Im, int64_t{i - n_router} * kR, nullptr, 0, T,
+      gate_up_item<M, U>(p, p.mlp.w1, p.mlp.s1, p.mlp.w3, p.mlp.s3, Im, int64_t{i - n_router} * kR, nullptr, 0, T,
                       hidden_mlp, red, stage[0], stage[1]);
   }
+  if (!moe) prefetch3(b, false);
   if (!bounded_grid_sync(p.barrier, NB, p.fault, p.timeout_ns, 2)) return;
 
   if (moe) {
     route_tokens(p, ra, route_sm, rt);
     // 2. The routed experts' gate/up: (active expert, kR rows) items.
     const int per_e = static_cast<int>((Ir + kR - 1) / kR);
+    auto prefetch2 = [&](int i) {
+      if (!p.prefetch || i >= rt.active * per_e) return;
+      const int e = rt.expert[i / per_e];
+      prefetch_item(p.w1_table[e], Ir, p.D, int64_t{i % per_e} * kR);
+      prefetch_item(p.w3_table[e], Ir, p.D, int64_t{i % per_e} * kR);
+    };
     for (int i = b; i < rt.active * per_e; i += NB) {
+      prefetch2(i + NB);
       const int j = i / per_e, e = rt.expert[j];
-      gate_up_item<M>(p, p.w1_table[e], p.s1_table[e], p.w3_table[e], p.s3_table[e], Ir, int64_t{i % per_e} * kR,
+      gate_up_item<M, U>(p, p.w1_table[e], p.s1_table[e], p.w3_table[e], p.s3_table[e], Ir, int64_t{i % per_e} * kR,
                       rt.perm_token, rt.begin[j], rt.begin[j + 1], p.hidden, red, stage[0], stage[1]);
     }
+    prefetch3(b, true);
     if (!bounded_grid_sync(p.barrier, NB, p.fault, p.timeout_ns, 3)) return;
   }  // a dense layer's hidden rows were complete at the second barrier
 
   // 3. The down projections and the combine, kR output rows an item.
-  const int n_down = static_cast<int>((p.D + kR - 1) / kR);
-  for (int i = b; i < n_down; i += NB) down_item<M>(p, rt, int64_t{i} * kR, hidden_mlp, red, stage[0]);
+  for (int i = b; i < n_down; i += NB) {
+    prefetch3(i + NB, moe);
+    down_item<M, U>(p, rt, int64_t{i} * kR, hidden_mlp, red, stage[0]);
+  }
 }
 
-template <int M>
+template <int M, int U>
 Status launch(const FfnResidentParams& p, const RouteArgs& ra, size_t smem) {
-  auto kernel = ffn_resident_kernel<M>;
+  auto kernel = ffn_resident_kernel<M, U>;
   ML4_RETURN_IF_ERROR(cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                        static_cast<int>(smem)),
                                   "ffn_resident smem"));
@@ -390,7 +432,9 @@ Status ffn_resident(const FfnResidentParams& p) {
   const int E = moe ? p.moe.num_experts : 0;
   const size_t smem = (static_cast<size_t>(p.D) + static_cast<size_t>(p.T) * (moe ? 3 * E + groups : 0)) * sizeof(float);
   // M = 1, or 4 for 2..4 tokens (the M = 2 instance spilled in its loops at 170 registers).
-  return p.T == 1 ? launch<1>(p, ra, smem) : launch<4>(p, ra, smem);
+  if (p.quads != 8 && p.quads != 12) return invalid_argument("ffn_resident: {} quads a batch (8 or 12)", p.quads);
+  if (p.quads == 8) return p.T == 1 ? launch<1, 8>(p, ra, smem) : launch<4, 8>(p, ra, smem);
+  return p.T == 1 ? launch<1, 12>(p, ra, smem) : launch<4, 12>(p, ra, smem);
 }
 
 }  // namespace ml4::cuda

@@ -81,6 +81,11 @@ struct FfnResidentParams {
   DeviceFault* fault = nullptr;
   uint64_t timeout_ns = kDefaultWaitTimeoutNs;
   int never_arrive_block = -1;  // test switch
+  // Quads (4 weights) a thread loads of a row in one batch, 8 (the stream GEMV's) or 12 (a
+  // 6144-wide row in one round trip); and whether each block fetches its next item's weights
+  // into L2 ahead. The same sums either way.
+  int quads = 12;
+  bool prefetch = true;
   cudaStream_t stream = nullptr;
 };
 

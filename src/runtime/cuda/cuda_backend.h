@@ -85,8 +85,12 @@ struct CudaBackendOptions {
   // A TP rank (parallel/parallel_plan.h): holds Activations::logits_parts for the logits'
   // all-gather.
   bool tensor_parallel = false;
-  // The resident FFN kernel's device waits (set_resident_ffn) end after this long.
+  // The resident FFN kernel's device waits (set_resident_ffn) end after this long; its load
+  // batch and L2 prefetch (FfnResidentParams::quads / prefetch; ML4_RESIDENT_QUADS=8|12,
+  // ML4_RESIDENT_PREFETCH=0|1 override them for A/B runs).
   uint64_t resident_wait_timeout_ns = 10'000'000'000ull;
+  int resident_quads = 12;
+  bool resident_prefetch = true;
 };
 
 struct GraphExec {
