@@ -703,8 +703,7 @@ TEST(CudaMoe, GroupedGemmFp4PrefillVsCpu) {
 // ~1e-7): bound 1e-5 of the rows' norm. Shapes: ML4's routing (softmax, renormalized) with
 // and without a shared expert, ml4-tiny's (two groups keeping one, routed_scale 1.5, a
 // correction bias), a dense MLP; widths not multiples of 512 (the stream's partial batches);
-// T = 1..4. A second run with the other load batch (8 quads, not 12) and no L2 prefetch gives
-// the same bits. The fault switch: a block that never arrives makes
+// T = 1..4. A second run with items of 8 weight rows (not 4) gives the same bits. The fault switch: a block that never arrives makes
 // the others' first barrier time out (50 ms here), the kernel ends, the record names wait
 // site 1 and a block other than the absent one, and the same stream then runs clean.
 TEST(CudaMoe, ResidentFfnMatchesCpu) {
@@ -783,8 +782,8 @@ TEST(CudaMoe, ResidentFfnMatchesCpu) {
         p.out = dout.as<float>();
         p.barrier = barrier.as<GridBarrierState>();
         p.fault = fault->device();
-        p.quads = rep == 0 ? 12 : 8;  // the second run with the other load batch and no L2 prefetch
-        p.prefetch = rep == 0;
+        p.rows = rep == 0 ? 4 : 8;  // the second run with items of 8 weight rows
+        p.blocks_per_sm = rep == 0 ? 0 : 3;
         ML4_ASSERT_OK(ffn_resident(p));
         sync();
         ML4_ASSERT_OK(fault->status("ffn_resident"));
@@ -841,7 +840,7 @@ TEST(CudaMoe, ResidentFfnMatchesCpu) {
         EXPECT_LT(e, 1e-5);
       }
       EXPECT_EQ(0, std::memcmp(outs[0].data(), outs[1].data(), outs[0].size() * 4))
-          << "quads 12 + prefetch vs quads 8 without: not the same sums";
+          << "items of 4 vs 8 rows: not the same sums";
     }
   }
 

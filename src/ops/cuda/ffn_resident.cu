@@ -18,7 +18,6 @@ namespace {
 using gemv_stream::kStThreads;
 using gemv_stream::kStWarps;
 
-constexpr int kR = 4;  // weight rows per item
 constexpr int kMaxT = kFfnResidentMaxTokens;
 constexpr int kMaxK = kFfnResidentMaxTopK;
 constexpr int kMaxRows = kMaxT * kMaxK + kMaxT;  // routed rows, then the always-run MLP's
@@ -26,9 +25,10 @@ constexpr int kNormVirtual = 256;                // rms_norm_vec_kernel's block:
 constexpr int kNormVec = 8;                      // float4s a virtual thread: D <= 8192
 constexpr int kRouterVec = 16;                   // the router row's float4s a thread: D <= 8192
 constexpr int kConv = gemv_stream::kConvF16Hw;   // the stream GEMV's default decoding (exact)
-// Blocks a multiprocessor: three, the stream GEMV's count at M = 2 and 4 (170 registers a thread);
-// at four (its M = 1 count, 128 registers) the item routines spilled in their loops.
-constexpr int kBlocksPerSm = 3;
+// Blocks a multiprocessor: the stream GEMV's own count (gemv_stream.cuh kStMinBlocks: four at
+// M = 1, 128 registers a thread; three at M = 4, 170); the kernel's one stream_rows call site
+// keeps its registers within them.
+constexpr int blocks_per_sm(int m) { return gemv_stream::kStMinBlocks(m); }
 static_assert(kNormVirtual * kNormVec * 4 >= kFfnResidentMaxDim && kStThreads * kRouterVec * 4 >= kFfnResidentMaxDim);
 static_assert(kNormVirtual == 2 * kStThreads);
 
@@ -45,15 +45,6 @@ struct Routing {
   int32_t begin[kMaxT * kMaxK + 1];   // their rows [begin[j], begin[j + 1])
   int active;
 };
-
-// The rows [n0, n0 + kR) (clamped to N) of an FP8 matrix [N, K] into L2, by the block's
-// threads: the block's next item, fetched while it finishes this one (or waits at a barrier).
-__device__ __forceinline__ void prefetch_item(const void* w, int64_t N, int64_t K, int64_t n0) {
-  if (w == nullptr || n0 >= N) return;
-  const char* base = static_cast<const char*>(w) + n0 * K;
-  const int64_t lines = (min(int64_t{kR}, N - n0) * K + 127) / 128;
-  for (int64_t i = threadIdx.x; i < lines; i += blockDim.x) asm volatile("prefetch.global.L2 [%0];" ::"l"(base + i * 128));
-}
 
 // Step 0, by block t for token t: residual[t] += attn_out[t], a[t] = rms(residual[t]) * w, with
 // rms_norm_vec_kernel's arithmetic and f64 sum order: that kernel's thread th (256 a block)
@@ -123,8 +114,8 @@ __device__ __noinline__ void norm_row(const FfnResidentParams& p, int t, float* 
 // that kernel's thread i (256 a block) sums k = 4 (i + 256 j) .. +3 over j; here thread tid
 // plays threads tid (lo) and tid + 128 (hi), and the warp sums of lo's four warps then hi's
 // four meet in that kernel's warp order.
-template <int M>
-__device__ __noinline__ void router_item(const FfnResidentParams& p, int e, float (&red)[kStWarps][M * kR]) {
+template <int M, int R>
+__device__ __noinline__ void router_item(const FfnResidentParams& p, int e, float (&red)[kStWarps][M * R]) {
   const int n4 = static_cast<int>(p.D / 4), tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const float4* g4 = reinterpret_cast<const float4*>(p.gate + static_cast<int64_t>(e) * p.D);
   float acc[2][M];  // [lo, hi][token]
@@ -156,7 +147,7 @@ __device__ __noinline__ void router_item(const FfnResidentParams& p, int e, floa
       }
     }
   }
-  // red[warp][t] holds lo's warp sums, red[warp][M + t] hi's (M * kR >= 2M).
+  // red[warp][t] holds lo's warp sums, red[warp][M + t] hi's (M * R >= 2M).
 #pragma unroll
   for (int t = 0; t < M; ++t) {
     const float a = gemv_stream::warp_sum(acc[0][t]), b = gemv_stream::warp_sum(acc[1][t]);
@@ -171,31 +162,6 @@ __device__ __noinline__ void router_item(const FfnResidentParams& p, int e, floa
     for (int w = 0; w < kStWarps; ++w) v += red[w][tid];
     for (int w = 0; w < kStWarps; ++w) v += red[w][M + tid];
     p.logits[tid * p.moe.num_experts + e] = v;
-  }
-  __syncthreads();
-}
-
-// Gate and up rows [n0, n0 + kR) of one FP8 MLP for the rows [r0, r1) of a (xmap: their token
-// rows; a is read with plain loads: written in this kernel before a barrier), then SiLU(g) * u
-// (silu_mul_kernel's expression) into hidden rows [r0, r1) of width I.
-template <int M, int U>
-__device__ __noinline__ void gate_up_item(const FfnResidentParams& p, const void* w1, const float* s1, const void* w3,
-                             const float* s3, int64_t I, int64_t n0, const int32_t* xmap, int r0, int r1,
-                             float* hidden, float (&red)[kStWarps][M * kR], float* g_st, float* u_st) {
-  const int tid = threadIdx.x;
-  auto st = [&](float* dst) { return [=](int64_t row, int r, float v) { dst[(row - r0) * kR + r] = v; }; };
-  gemv_stream::stream_rows<M, kR, true, kConv, gemv_stream::kXPlain, U>(static_cast<const uint8_t*>(w1), s1, I, p.D, n0,
-                                                                     p.a, xmap, 0, r0, r1, tid, red, BlockSync{},
-                                                                     st(g_st));
-  gemv_stream::stream_rows<M, kR, true, kConv, gemv_stream::kXPlain, U>(static_cast<const uint8_t*>(w3), s3, I, p.D, n0,
-                                                                     p.a, xmap, 0, r0, r1, tid, red, BlockSync{},
-                                                                     st(u_st));
-  if (tid < (r1 - r0) * kR) {
-    const int i = tid / kR, r = tid % kR;
-    if (n0 + r < I) {
-      const float gv = g_st[i * kR + r];
-      hidden[(r0 + i) * I + n0 + r] = gv / (1.0f + expf(-gv)) * u_st[i * kR + r];
-    }
   }
   __syncthreads();
 }
@@ -247,144 +213,189 @@ __device__ __noinline__ void route_tokens(const FfnResidentParams& p, const Rout
   }
 }
 
-// Step 3's item: output rows [n0, n0 + kR): the down projection of every routed row (y rows
-// 0 .. T K - 1, permuted order) and of the always-run MLP's (y rows T K + t), then moe_combine's
-// sum into out.
-template <int M, int U>
-__device__ __noinline__ void down_item(const FfnResidentParams& p, const Routing& rt, int64_t n0, const float* hidden_mlp,
-                          float (&red)[kStWarps][M * kR], float* y) {
-  const bool moe = p.gate != nullptr;
-  const int T = p.T, K = moe ? p.moe.num_experts_per_tok : 0, tid = threadIdx.x;
-  const int64_t D = p.D, Ir = p.I_routed, Im = p.mlp.I;
-  auto st = [&](int64_t row0) { return [=](int64_t row, int r, float v) { y[(row0 + row) * kR + r] = v; }; };
-  if (moe) {
-    for (int j = 0; j < rt.active; ++j) {
-      const int e = rt.expert[j];
-      gemv_stream::stream_rows<M, kR, true, kConv, gemv_stream::kXPlain, U>(
-          static_cast<const uint8_t*>(p.w2_table[e]), p.s2_table[e], D, Ir, n0, p.hidden, nullptr, 0, rt.begin[j],
-          rt.begin[j + 1], tid, red, BlockSync{}, st(0));
+// One stream_rows call: weight rows [n0, n0 + R) of w [N, K] against the x rows of tokens
+// [r0, r1) (xmap: their rows of x), sums into stage rows dst_row0 + (row - r0).
+struct Work {
+  const uint8_t* w = nullptr;
+  const float* s = nullptr;
+  int64_t N = 0, K = 0, n0 = 0;
+  const float* x = nullptr;
+  const int32_t* xmap = nullptr;
+  int r0 = 0, r1 = 0;
+  int dst = 0;       // stage buffer: 0 (gate, or the down rows) or 1 (up)
+  int dst_row0 = 0;  // its first row
+};
+
+// The items of the two gate/up phases and the down phase, each a sequence of Works the same
+// block runs back to back through the kernel's one stream_rows call (one register allocation,
+// the stream GEMV's own), followed by an epilogue:
+//   gate/up item (matrix pair, kR rows): Work 0 the gate rows into stage 0, Work 1 the up rows
+//     into stage 1, then SiLU(g) * u (silu_mul_kernel's expression) into the hidden rows;
+//   down item (kR output rows): one Work a routed expert with rows (y rows 0 .. T K - 1,
+//     permuted order) and one for the always-run MLP (y rows T K + t), then moe_combine's sum.
+struct Phase {
+  int kind = 0;  // 1: the always-run MLP's gate/up, 2: the routed experts' gate/up, 3: down
+  int items = 0;
+};
+
+template <int R>
+__device__ __forceinline__ int works_of(const FfnResidentParams& p, const Routing& rt, int kind) {
+  if (kind != 3) return 2;
+  return (p.gate ? rt.active : 0) + (p.mlp.w1 ? 1 : 0);
+}
+
+template <int R>
+__device__ __forceinline__ Work work_of(const FfnResidentParams& p, const Routing& rt, const float* hidden_mlp, int kind,
+                                        int item, int sub) {
+  Work w;
+  const int T = p.T;
+  if (kind == 1) {  // the always-run MLP's gate (sub 0) / up (sub 1) rows for every token
+    w.w = static_cast<const uint8_t*>(sub == 0 ? p.mlp.w1 : p.mlp.w3);
+    w.s = sub == 0 ? p.mlp.s1 : p.mlp.s3;
+    w.N = p.mlp.I;
+    w.K = p.D;
+    w.n0 = int64_t{item} * R;
+    w.x = p.a;
+    w.r1 = T;
+    w.dst = sub;
+  } else if (kind == 2) {  // expert j's rows of its tokens
+    const int per_e = static_cast<int>((p.I_routed + R - 1) / R), j = item / per_e, e = rt.expert[j];
+    w.w = static_cast<const uint8_t*>(sub == 0 ? p.w1_table[e] : p.w3_table[e]);
+    w.s = sub == 0 ? p.s1_table[e] : p.s3_table[e];
+    w.N = p.I_routed;
+    w.K = p.D;
+    w.n0 = int64_t{item % per_e} * R;
+    w.x = p.a;
+    w.xmap = rt.perm_token;
+    w.r0 = rt.begin[j];
+    w.r1 = rt.begin[j + 1];
+    w.dst = sub;
+  } else {  // down: sub < active: routed expert sub's rows; else the always-run MLP's
+    const int routed = p.gate ? rt.active : 0;
+    w.N = p.D;
+    w.n0 = int64_t{item} * R;
+    if (sub < routed) {
+      const int e = rt.expert[sub];
+      w.w = static_cast<const uint8_t*>(p.w2_table[e]);
+      w.s = p.s2_table[e];
+      w.K = p.I_routed;
+      w.x = p.hidden;
+      w.r0 = rt.begin[sub];
+      w.r1 = rt.begin[sub + 1];
+      w.dst_row0 = w.r0;
+    } else {
+      w.w = static_cast<const uint8_t*>(p.mlp.w2);
+      w.s = p.mlp.s2;
+      w.K = p.mlp.I;
+      w.x = hidden_mlp;
+      w.r1 = T;
+      w.dst_row0 = T * (p.gate ? p.moe.num_experts_per_tok : 0);
     }
   }
-  if (p.mlp.w1) {
-    gemv_stream::stream_rows<M, kR, true, kConv, gemv_stream::kXPlain, U>(
-        static_cast<const uint8_t*>(p.mlp.w2), p.mlp.s2, D, Im, n0, hidden_mlp, nullptr, 0, 0, T, tid, red,
-        BlockSync{}, st(T * K));
-  }
-  if (tid < T * kR) {
-    const int t = tid / kR, r = tid % kR;
-    if (n0 + r < D) {
+  return w;
+}
+
+// The item's epilogue, once its Works are in the stage: SiLU into the hidden rows (gate/up), or
+// the combine into out (down).
+template <int R>
+__device__ __forceinline__ void finish_item(const FfnResidentParams& p, const Routing& rt, float* hidden_mlp, int kind,
+                                            int item, const float* g_st, const float* u_st) {
+  const int tid = threadIdx.x, T = p.T;
+  if (kind != 3) {
+    const Work w = work_of<R>(p, rt, hidden_mlp, kind, item, 0);
+    float* hidden = kind == 1 ? hidden_mlp : p.hidden;
+    if (tid < (w.r1 - w.r0) * R) {
+      const int i = tid / R, r = tid % R;
+      if (w.n0 + r < w.N) {
+        const float gv = g_st[i * R + r];
+        hidden[(w.r0 + i) * w.N + w.n0 + r] = gv / (1.0f + expf(-gv)) * u_st[i * R + r];
+      }
+    }
+  } else if (tid < T * R) {
+    const bool moe = p.gate != nullptr;
+    const int K = moe ? p.moe.num_experts_per_tok : 0;
+    const int64_t n0 = int64_t{item} * R;
+    const int t = tid / R, r = tid % R;
+    if (n0 + r < p.D) {
       float acc = 0.0f;
       if (moe) {
-        for (int k = 0; k < K; ++k) acc = fmaf(rt.wts[t * K + k], y[rt.inv[t * K + k] * kR + r], acc);
-        if (p.mlp.w1) acc += y[(T * K + t) * kR + r];
+        for (int k = 0; k < K; ++k) acc = fmaf(rt.wts[t * K + k], g_st[rt.inv[t * K + k] * R + r], acc);
+        if (p.mlp.w1) acc += g_st[(T * K + t) * R + r];
       } else {
-        acc = y[t * kR + r];
+        acc = g_st[t * R + r];
       }
-      p.out[t * D + n0 + r] = acc;
+      p.out[t * p.D + n0 + r] = acc;
     }
   }
   __syncthreads();
 }
 
-// One kStThreads-thread block per item at a time, kStMinBlocks(M) blocks a multiprocessor (the
-// stream GEMV's own shape and register budget), every block resident (a cooperative launch).
-// Values another block wrote before a barrier (a, the logits, the hidden rows) are read with
-// plain loads: the barrier's fences order them (fault.cuh), and no block reads those addresses
-// before the barrier.
-template <int M, int U>
-__global__ void __launch_bounds__(kStThreads, kBlocksPerSm)
+// One kStThreads-thread block per item at a time, blocks_per_sm(M) a multiprocessor, every
+// block resident (a cooperative launch). Values another block wrote before a barrier (a, the
+// logits, the hidden rows) are read with plain loads: the barrier's fences order them
+// (fault.cuh), and no block reads those addresses before the barrier.
+template <int M, int R, int BPS>
+__global__ void __launch_bounds__(kStThreads, BPS)
     ffn_resident_kernel(const FfnResidentParams p, const RouteArgs ra) {
   pdl_wait();
   extern __shared__ float4 dyn4[];
   float* v = reinterpret_cast<float*>(dyn4);  // [D]: step 0's summed row
   float* route_sm = v + p.D;                  // [T][3E + groups]
-  __shared__ float red[kStWarps][M * kR];
-  __shared__ float stage[2][kMaxRows * kR];
+  __shared__ float red[kStWarps][M * R];
+  __shared__ float stage[2][kMaxRows * R];
   __shared__ double red8[kNormVirtual / 32 + 1];
   __shared__ Routing rt;
-  const int NB = gridDim.x, b = blockIdx.x;
+  const int NB = gridDim.x, b = blockIdx.x, tid = threadIdx.x;
   const bool moe = p.gate != nullptr;
   const int T = p.T, K = moe ? p.moe.num_experts_per_tok : 0;
-  const int64_t Ir = p.I_routed, Im = p.mlp.I;
-  float* hidden_mlp = p.hidden + static_cast<int64_t>(T) * K * Ir;  // the always-run MLP's rows [T][Im]
+  float* hidden_mlp = p.hidden + static_cast<int64_t>(T) * K * p.I_routed;  // the always-run MLP's rows [T][Im]
+  if (!moe) rt.active = 0;
 
-  // Items' weights go to L2 one item ahead (prefetch_item): phase 1's and phase 3's are known
-  // from the start, phase 2's once the block has routed.
-  const int n_router = moe ? p.moe.num_experts : 0;
-  const int n_mlp = p.mlp.w1 ? static_cast<int>((Im + kR - 1) / kR) : 0;
-  const int n_down = static_cast<int>((p.D + kR - 1) / kR);
-  auto prefetch1 = [&](int i) {
-    if (!p.prefetch) return;
-    if (i < n_router) {
-      prefetch_item(p.gate + static_cast<int64_t>(i) * p.D, 1, p.D * 4, 0);
-    } else if (i < n_router + n_mlp) {
-      prefetch_item(p.mlp.w1, Im, p.D, int64_t{i - n_router} * kR);
-      prefetch_item(p.mlp.w3, Im, p.D, int64_t{i - n_router} * kR);
-    }
-  };
-  auto prefetch3 = [&](int i, bool routed) {
-    if (!p.prefetch || i >= n_down) return;
-    if (routed)
-      for (int j = 0; j < rt.active; ++j) prefetch_item(p.w2_table[rt.expert[j]], p.D, Ir, int64_t{i} * kR);
-    if (p.mlp.w1) prefetch_item(p.mlp.w2, p.D, Im, int64_t{i} * kR);
-  };
-
-  // 0. Token t's residual and normalized rows by block t (no other block reads either row);
-  // meanwhile the others fetch their first item.
+  // 0. Token t's residual and normalized rows by block t (no other block reads either row).
   if (b < T) norm_row(p, b, v, red8);
-  prefetch1(b);
   if (b == p.never_arrive_block) return;  // the test switch
   if (!bounded_grid_sync(p.barrier, NB, p.fault, p.timeout_ns, 1)) return;
 
-  // 1. Router logits (E items), then the always-run MLP's gate/up (Im / kR items).
-  for (int i = b; i < n_router + n_mlp; i += NB) {
-    prefetch1(i + NB);
-    if (i < n_router)
-      router_item<M>(p, i, red);
-    else
-      gate_up_item<M, U>(p, p.mlp.w1, p.mlp.s1, p.mlp.w3, p.mlp.s3, Im, int64_t{i - n_router} * kR, nullptr, 0, T,
-                      hidden_mlp, red, stage[0], stage[1]);
-  }
-  if (!moe) prefetch3(b, false);
-  if (!bounded_grid_sync(p.barrier, NB, p.fault, p.timeout_ns, 2)) return;
-
-  if (moe) {
-    route_tokens(p, ra, route_sm, rt);
-    // 2. The routed experts' gate/up: (active expert, kR rows) items.
-    const int per_e = static_cast<int>((Ir + kR - 1) / kR);
-    auto prefetch2 = [&](int i) {
-      if (!p.prefetch || i >= rt.active * per_e) return;
-      const int e = rt.expert[i / per_e];
-      prefetch_item(p.w1_table[e], Ir, p.D, int64_t{i % per_e} * kR);
-      prefetch_item(p.w3_table[e], Ir, p.D, int64_t{i % per_e} * kR);
-    };
-    for (int i = b; i < rt.active * per_e; i += NB) {
-      prefetch2(i + NB);
-      const int j = i / per_e, e = rt.expert[j];
-      gate_up_item<M, U>(p, p.w1_table[e], p.s1_table[e], p.w3_table[e], p.s3_table[e], Ir, int64_t{i % per_e} * kR,
-                      rt.perm_token, rt.begin[j], rt.begin[j + 1], p.hidden, red, stage[0], stage[1]);
+  // 1. Router logits (E items, a block each), then the phases.
+  const int n_router = moe ? p.moe.num_experts : 0;
+  for (int i = b; i < n_router; i += NB) router_item<M, R>(p, i, red);
+  const int n_mlp = p.mlp.w1 ? static_cast<int>((p.mlp.I + R - 1) / R) : 0;
+  const int n_down = static_cast<int>((p.D + R - 1) / R);
+  // The always-run MLP's gate/up items go to the blocks after the router's.
+  const int first1 = (b - n_router % NB + NB) % NB;
+  for (int kind = 1; kind <= 3; ++kind) {
+    if (kind == 2) {
+      if (!bounded_grid_sync(p.barrier, NB, p.fault, p.timeout_ns, 2)) return;
+      if (!moe) continue;  // a dense layer's hidden rows are complete
+      route_tokens(p, ra, route_sm, rt);
     }
-    prefetch3(b, true);
-    if (!bounded_grid_sync(p.barrier, NB, p.fault, p.timeout_ns, 3)) return;
-  }  // a dense layer's hidden rows were complete at the second barrier
-
-  // 3. The down projections and the combine, kR output rows an item.
-  for (int i = b; i < n_down; i += NB) {
-    prefetch3(i + NB, moe);
-    down_item<M, U>(p, rt, int64_t{i} * kR, hidden_mlp, red, stage[0]);
+    if (kind == 3 && moe && !bounded_grid_sync(p.barrier, NB, p.fault, p.timeout_ns, 3)) return;
+    const int per_e = static_cast<int>((p.I_routed + R - 1) / R);
+    const int items = kind == 1 ? n_mlp : kind == 2 ? rt.active * per_e : n_down;
+    const int works = works_of<R>(p, rt, kind);
+    for (int i = kind == 1 ? first1 : b; i < items; i += NB) {
+      for (int sub = 0; sub < works; ++sub) {
+        const Work w = work_of<R>(p, rt, hidden_mlp, kind, i, sub);
+        float* dst = stage[w.dst] + (w.dst_row0 - w.r0) * R;
+        gemv_stream::stream_rows<M, R, true, kConv, gemv_stream::kXPlain>(
+            w.w, w.s, w.N, w.K, w.n0, w.x, w.xmap, 0, w.r0, w.r1, tid, red, BlockSync{},
+            [=](int64_t row, int r, float val) { dst[row * R + r] = val; });
+      }
+      finish_item<R>(p, rt, hidden_mlp, kind, i, stage[0], stage[1]);
+    }
   }
 }
 
-template <int M, int U>
+template <int M, int R, int BPS = blocks_per_sm(M)>
 Status launch(const FfnResidentParams& p, const RouteArgs& ra, size_t smem) {
-  auto kernel = ffn_resident_kernel<M, U>;
+  auto kernel = ffn_resident_kernel<M, R, BPS>;
   ML4_RETURN_IF_ERROR(cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                        static_cast<int>(smem)),
                                   "ffn_resident smem"));
   int per_sm = 0;
   ML4_RETURN_IF_ERROR(cuda_status(
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kStThreads, smem), "ffn_resident occupancy"));
-  const int want = kBlocksPerSm;
+  const int want = BPS;
   if (per_sm < want)
     return internal_error("ffn_resident: {} blocks a multiprocessor fit ({} bytes of shared memory), {} wanted", per_sm,
                           smem, want);
@@ -432,9 +443,10 @@ Status ffn_resident(const FfnResidentParams& p) {
   const int E = moe ? p.moe.num_experts : 0;
   const size_t smem = (static_cast<size_t>(p.D) + static_cast<size_t>(p.T) * (moe ? 3 * E + groups : 0)) * sizeof(float);
   // M = 1, or 4 for 2..4 tokens (the M = 2 instance spilled in its loops at 170 registers).
-  if (p.quads != 8 && p.quads != 12) return invalid_argument("ffn_resident: {} quads a batch (8 or 12)", p.quads);
-  if (p.quads == 8) return p.T == 1 ? launch<1, 8>(p, ra, smem) : launch<4, 8>(p, ra, smem);
-  return p.T == 1 ? launch<1, 12>(p, ra, smem) : launch<4, 12>(p, ra, smem);
+  if (p.rows != 4 && p.rows != 8) return invalid_argument("ffn_resident: {} weight rows an item (4 or 8)", p.rows);
+  if (p.rows == 8) return p.T == 1 ? launch<1, 8>(p, ra, smem) : launch<4, 8>(p, ra, smem);
+  if (p.T == 1 && p.blocks_per_sm == 3) return launch<1, 4, 3>(p, ra, smem);
+  return p.T == 1 ? launch<1, 4>(p, ra, smem) : launch<4, 4>(p, ra, smem);
 }
 
 }  // namespace ml4::cuda

@@ -17,7 +17,7 @@
 //   3. the down projections of every routed and always-run row for R output rows at a time, and
 //      the weighted combine of those rows in the same item: out is written once.
 // The blocks have the weight-stream GEMV's shape (128 threads, as many a multiprocessor as it
-// runs) and work on items of R = 4 weight rows of one matrix with its own routine
+// runs) and work on items of R (4 or 8) weight rows of one matrix with its own routine
 // (gemv_stream.cuh stream_rows): every sum is computed as the standard path's stream GEMV
 // computes it, the router's logits as router_route's, the norm as rms_norm's, the combine as
 // moe_combine's. At T = 1 (where the standard path streams every linear) the result is
@@ -81,11 +81,11 @@ struct FfnResidentParams {
   DeviceFault* fault = nullptr;
   uint64_t timeout_ns = kDefaultWaitTimeoutNs;
   int never_arrive_block = -1;  // test switch
-  // Quads (4 weights) a thread loads of a row in one batch, 8 (the stream GEMV's) or 12 (a
-  // 6144-wide row in one round trip); and whether each block fetches its next item's weights
-  // into L2 ahead. The same sums either way.
-  int quads = 12;
-  bool prefetch = true;
+  // Weight rows an item (4 or 8): a block's loads in flight per batch; blocks a multiprocessor
+  // (0: the stream GEMV's count for the step's size; 3 at one token: 170 registers instead of
+  // 128). The same sums either way.
+  int rows = 4;
+  int blocks_per_sm = 0;
   cudaStream_t stream = nullptr;
 };
 

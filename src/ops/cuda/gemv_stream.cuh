@@ -268,14 +268,14 @@ __device__ __forceinline__ float4 load_x(const float4* p) {
 // One block's (or one kStThreads-thread group's: tid its thread index in the group, sync the
 // group's barrier) work: weight rows [n0, n0 + R) (n0 < N) of w against the x rows of tokens
 // [r_begin, r_end) (r_begin < r_end), M at a time; each sum goes to store(p, r, v) for token
-// row p and weight row n0 + r. The arithmetic of every sum depends on neither M, R nor U (the
-// quads a thread loads a row in one batch).
-template <int M, int R, bool kFp8, int kConv, int kX, int U = kStU, typename Sync, typename Store>
+// row p and weight row n0 + r. The arithmetic of every sum depends on neither M nor R.
+template <int M, int R, bool kFp8, int kConv, int kX, typename Sync, typename Store>
 __device__ __forceinline__ void stream_rows(const uint8_t* w, const float* w_scale, int64_t N, int64_t K, int64_t n0,
                                             const float* x, const int32_t* xmap, int64_t x_off, int64_t r_begin,
                                             int64_t r_end, int tid, float (&red)[kStWarps][M * R], Sync sync,
                                             Store store) {
   using LoadT = std::conditional_t<kFp8, uint32_t, uint2>;
+  constexpr int U = kStU;
   constexpr int64_t kEb = kFp8 ? 1 : 2;
   constexpr float kMul = kFp8 ? conv_mul<kConv>() : 1.0f;
   const int64_t nq = K / 4;  // quads per row

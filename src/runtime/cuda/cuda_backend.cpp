@@ -63,10 +63,9 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const ModelConfig& cfg,
   if (const char* v = std::getenv("ML4_MLA_PREFILL"); v && v[0] == '0') b->opts_.mla_prefill_kernel = false;
   if (const char* v = std::getenv("ML4_MLA_PREFILL_PAIRS"); v && v[0] == '0') b->opts_.mla_prefill_pairs = false;
   if (const char* v = std::getenv("ML4_INDEXER_WGMMA"); v && (v[0] == '0' || v[0] == '1')) b->opts_.indexer_wgmma = v[0] == '1';
-  if (const char* v = std::getenv("ML4_RESIDENT_QUADS"); v && (std::atoi(v) == 8 || std::atoi(v) == 12))
-    b->opts_.resident_quads = std::atoi(v);
-  if (const char* v = std::getenv("ML4_RESIDENT_PREFETCH"); v && (v[0] == '0' || v[0] == '1'))
-    b->opts_.resident_prefetch = v[0] == '1';
+  if (const char* v = std::getenv("ML4_RESIDENT_ROWS"); v && (std::atoi(v) == 4 || std::atoi(v) == 8))
+    b->opts_.resident_rows = std::atoi(v);
+  if (const char* v = std::getenv("ML4_RESIDENT_BLOCKS"); v && std::atoi(v) == 3) b->opts_.resident_blocks_per_sm = 3;
   b->synthetic_seed_ = synthetic_seed;
   b->max_model_len_ = max_model_len;
   ML4_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&b->stream_, cudaStreamNonBlocking));
@@ -1128,8 +1127,8 @@ bool CudaBackend::resident_ffn_params(const FfnBlockArgs& a, FfnResidentParams* 
   q.fault = resident_fault_;
   q.timeout_ns = opts_.resident_wait_timeout_ns;
   q.never_arrive_block = resident_never_arrive_;
-  q.quads = opts_.resident_quads;
-  q.prefetch = opts_.resident_prefetch;
+  q.rows = opts_.resident_rows;
+  q.blocks_per_sm = opts_.resident_blocks_per_sm;
   q.stream = stream_;
   *p = q;
   return true;

@@ -85,12 +85,12 @@ struct CudaBackendOptions {
   // A TP rank (parallel/parallel_plan.h): holds Activations::logits_parts for the logits'
   // all-gather.
   bool tensor_parallel = false;
-  // The resident FFN kernel's device waits (set_resident_ffn) end after this long; its load
-  // batch and L2 prefetch (FfnResidentParams::quads / prefetch; ML4_RESIDENT_QUADS=8|12,
-  // ML4_RESIDENT_PREFETCH=0|1 override them for A/B runs).
+  // The resident FFN kernel's device waits (set_resident_ffn) end after this long; its weight
+  // rows an item and blocks a multiprocessor (FfnResidentParams::rows / blocks_per_sm;
+  // ML4_RESIDENT_ROWS=4|8 and ML4_RESIDENT_BLOCKS=3 override them for A/B runs).
   uint64_t resident_wait_timeout_ns = 10'000'000'000ull;
-  int resident_quads = 12;
-  bool resident_prefetch = true;
+  int resident_rows = 4;
+  int resident_blocks_per_sm = 0;
 };
 
 struct GraphExec {
