@@ -350,26 +350,39 @@ __global__ void __launch_bounds__(kStThreads, BPS)
   const int T = p.T, K = moe ? p.moe.num_experts_per_tok : 0;
   float* hidden_mlp = p.hidden + static_cast<int64_t>(T) * K * p.I_routed;  // the always-run MLP's rows [T][Im]
   if (!moe) rt.active = 0;
+  auto mark = [&](int k) {  // FfnResidentParams::trace
+    if (p.trace != nullptr && tid == 0) p.trace[b * kTracePoints + k] = global_ns();
+  };
+  mark(0);
 
   // 0. Token t's residual and normalized rows by block t (no other block reads either row).
   if (b < T) norm_row(p, b, v, red8);
+  mark(1);
   if (b == p.never_arrive_block) return;  // the test switch
   if (!bounded_grid_sync(p.barrier, NB, p.fault, p.timeout_ns, 1)) return;
+  mark(2);
 
   // 1. Router logits (E items, a block each), then the phases.
   const int n_router = moe ? p.moe.num_experts : 0;
   for (int i = b; i < n_router; i += NB) router_item<M, R>(p, i, red);
+  mark(3);
   const int n_mlp = p.mlp.w1 ? static_cast<int>((p.mlp.I + R - 1) / R) : 0;
   const int n_down = static_cast<int>((p.D + R - 1) / R);
   // The always-run MLP's gate/up items go to the blocks after the router's.
   const int first1 = (b - n_router % NB + NB) % NB;
   for (int kind = 1; kind <= 3; ++kind) {
     if (kind == 2) {
+      mark(4);
       if (!bounded_grid_sync(p.barrier, NB, p.fault, p.timeout_ns, 2)) return;
+      if (moe) route_tokens(p, ra, route_sm, rt);
+      mark(5);
       if (!moe) continue;  // a dense layer's hidden rows are complete
-      route_tokens(p, ra, route_sm, rt);
     }
-    if (kind == 3 && moe && !bounded_grid_sync(p.barrier, NB, p.fault, p.timeout_ns, 3)) return;
+    if (kind == 3 && moe) {
+      mark(6);
+      if (!bounded_grid_sync(p.barrier, NB, p.fault, p.timeout_ns, 3)) return;
+      mark(7);
+    }
     const int per_e = static_cast<int>((p.I_routed + R - 1) / R);
     const int items = kind == 1 ? n_mlp : kind == 2 ? rt.active * per_e : n_down;
     const int works = works_of<R>(p, rt, kind);
@@ -384,6 +397,7 @@ __global__ void __launch_bounds__(kStThreads, BPS)
       finish_item<R>(p, rt, hidden_mlp, kind, i, stage[0], stage[1]);
     }
   }
+  mark(8);
 }
 
 template <int M, int R, int BPS = blocks_per_sm(M)>
@@ -413,6 +427,8 @@ Status launch(const FfnResidentParams& p, const RouteArgs& ra, size_t smem) {
 }
 
 }  // namespace
+
+int ffn_resident_max_blocks() { return gemv_stream::kStMinBlocks(1) * sm_count(); }
 
 int64_t ffn_resident_hidden_floats(int T, int K, int64_t I_routed, int64_t I_mlp) {
   return static_cast<int64_t>(T) * K * I_routed + static_cast<int64_t>(T) * I_mlp;

@@ -50,6 +50,10 @@ struct ResidentMlp {
   int64_t I = 0;
 };
 
+inline constexpr int kTracePoints = 9;
+// Blocks of the widest launch (its blocks x kTracePoints words of FfnResidentParams::trace).
+int ffn_resident_max_blocks();
+
 struct FfnResidentParams {
   int T = 0;  // tokens, 1..kFfnResidentMaxTokens
   int64_t D = 0;
@@ -86,6 +90,11 @@ struct FfnResidentParams {
   // 128). The same sums either way.
   int rows = 4;
   int blocks_per_sm = 0;
+  // Profiling: when set, thread 0 of block b writes %globaltimer at each of kTracePoints points
+  // to trace[b * kTracePoints + k]: 0 start, 1 after the norm, 2 past barrier 1, 3 after the
+  // router, 4 end of phase 1, 5 past barrier 2 and the routing, 6 end of phase 2, 7 past
+  // barrier 3, 8 end (a dense layer skips 6 and 7).
+  uint64_t* trace = nullptr;
   cudaStream_t stream = nullptr;
 };
 

@@ -410,6 +410,7 @@ void CudaBackend::begin_forward(int64_t T, int64_t R, int64_t maxlen, Mode mode,
   mode_ = mode;
   segments_ = segments;
   md_ = md;
+  resident_trace_layer_ = 0;
   in_segment_ = false;
   next_graph_ = 0;
 }
@@ -1140,6 +1141,11 @@ Status CudaBackend::ffn_block(const FfnBlockArgs& a) {
   FfnResidentParams p;
   if (!resident_ffn_params(a, &p)) return internal_error("ffn_block: this step's FFN block is not fused");
   ++resident_launches_;
+  if (!resident_trace_.empty() && mode_ == Mode::kEager) {  // ML4_RESIDENT_TRACE: eager steps, layer by layer
+    const int64_t per = int64_t{ffn_resident_max_blocks()} * kTracePoints;
+    if ((resident_trace_layer_ + 1) * per * 8 <= static_cast<int64_t>(resident_trace_.bytes()))
+      p.trace = resident_trace_.as<uint64_t>() + resident_trace_layer_++ * per;
+  }
   return ffn_resident(p);
 }
 
@@ -1153,7 +1159,18 @@ Status CudaBackend::set_resident_ffn(bool on, DeviceFault* fault) {
   ML4_ASSIGN_OR_RETURN(resident_barrier_, DeviceBuffer::alloc(sizeof(GridBarrierState)));
   ML4_CUDA_RETURN_IF_ERROR(cudaMemset(resident_barrier_.data(), 0, sizeof(GridBarrierState)));
   resident_fault_ = fault;
+  if (const char* v = std::getenv("ML4_RESIDENT_TRACE"); v && v[0] == '1') {
+    const size_t bytes = static_cast<size_t>(cfg_.n_layers) * ffn_resident_max_blocks() * kTracePoints * 8;
+    ML4_ASSIGN_OR_RETURN(resident_trace_, DeviceBuffer::alloc(bytes));
+    ML4_CUDA_RETURN_IF_ERROR(cudaMemset(resident_trace_.data(), 0, bytes));
+  }
   return ok_status();
+}
+
+Result<std::vector<uint64_t>> CudaBackend::resident_trace() const {
+  std::vector<uint64_t> t(resident_trace_.bytes() / 8);
+  if (!t.empty()) ML4_RETURN_IF_ERROR(resident_trace_.download(t.data(), t.size() * 8));
+  return t;
 }
 
 Result<std::vector<int32_t>> CudaBackend::read_ints(const int32_t* p, int64_t n) {

@@ -272,6 +272,9 @@ class CudaBackend : public Backend {
   // Tests: the kernel's block that never arrives at its first barrier (-1: none), and the bound
   // of its waits.
   int64_t resident_ffn_launches() const { return resident_launches_; }
+  // ML4_RESIDENT_TRACE=1 (set before set_resident_ffn): the last eager step's per-layer phase
+  // timestamps, [layer][ffn_resident_max_blocks()][kTracePoints] (FfnResidentParams::trace).
+  Result<std::vector<uint64_t>> resident_trace() const;
   void set_resident_fault_test(int never_arrive_block, uint64_t timeout_ns) {
     resident_never_arrive_ = never_arrive_block;
     opts_.resident_wait_timeout_ns = timeout_ns;
@@ -336,6 +339,8 @@ class CudaBackend : public Backend {
   DeviceFault* resident_fault_ = nullptr;
   bool resident_on_ = false;
   int64_t resident_launches_ = 0;
+  DeviceBuffer resident_trace_;
+  int64_t resident_trace_layer_ = 0;
   int resident_never_arrive_ = -1;
   Activations acts_;
   cudaStream_t stream_ = nullptr;

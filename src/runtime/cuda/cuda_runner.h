@@ -276,6 +276,7 @@ class CudaRunner : public ModelRunner {
   }
   // Resident FFN launches issued (eager steps and graph captures; replays not counted).
   int64_t resident_ffn_launches() const { return backend_->resident_ffn_launches(); }
+  Result<std::vector<uint64_t>> resident_trace() const { return backend_->resident_trace(); }
 
  private:
   CudaRunner() = default;

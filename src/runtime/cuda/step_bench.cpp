@@ -100,6 +100,36 @@ double measure_copy_gbps() {
   return ok && m > 0.0 ? 2.0 * bytes / (m * 1e6) : 0.0;
 }
 
+// ML4_RESIDENT_TRACE=1: each resident FFN launch of the last eager step, its phases in us from
+// the earliest block's start (min / max over blocks of each point; ffn_resident.h).
+void print_resident_trace(const CudaRunner& r, int layers) {
+  auto t = r.resident_trace();
+  if (!t.ok() || t->empty()) return;
+  const int64_t per = int64_t{ffn_resident_max_blocks()} * kTracePoints;
+  static const char* names[kTracePoints] = {"start", "norm", "bar1", "router", "phase1", "bar2+route", "phase2",
+                                            "bar3", "end"};
+  for (int l = 0; l < layers && (l + 1) * per <= static_cast<int64_t>(t->size()); ++l) {
+    const uint64_t* L = t->data() + l * per;
+    uint64_t t0 = UINT64_MAX;
+    for (int64_t b = 0; b < ffn_resident_max_blocks(); ++b)
+      if (L[b * kTracePoints] != 0) t0 = std::min(t0, L[b * kTracePoints]);
+    if (t0 == UINT64_MAX) continue;
+    std::printf("RESIDENT_TRACE layer=%d", l);
+    for (int k = 0; k < kTracePoints; ++k) {
+      uint64_t lo = UINT64_MAX, hi = 0;
+      for (int64_t b = 0; b < ffn_resident_max_blocks(); ++b) {
+        const uint64_t v = L[b * kTracePoints + k];
+        if (v == 0) continue;
+        lo = std::min(lo, v);
+        hi = std::max(hi, v);
+      }
+      if (hi == 0) continue;
+      std::printf(" %s=%.1f..%.1f", names[k], (lo - t0) / 1e3, (hi - t0) / 1e3);
+    }
+    std::printf(" us\n");
+  }
+}
+
 }  // namespace
 
 int run_step_bench(const StepBenchOptions& opt) {
@@ -168,6 +198,7 @@ int run_step_bench(const StepBenchOptions& opt) {
     r.set_cuda_graphs(true);
     std::printf("NCUSTEP model=%s batch=%d ctx=%ld latency_decode=%d graph_ms=%.3f eager_ms=%.3f profiled_step_ok=%d\n",
                 preset.c_str(), batch, static_cast<long>(kMaxCtx), o.latency_decode ? 1 : 0, g, e, ok ? 1 : 0);
+    print_resident_trace(r, cfg.n_layers);
     return ok ? 0 : 1;
   }
   const int E = cfg.moe.num_experts, K = cfg.moe.num_experts_per_tok;
