@@ -703,7 +703,8 @@ TEST(CudaMoe, GroupedGemmFp4PrefillVsCpu) {
 // ~1e-7): bound 1e-5 of the rows' norm. Shapes: ML4's routing (softmax, renormalized) with
 // and without a shared expert, ml4-tiny's (two groups keeping one, routed_scale 1.5, a
 // correction bias), a dense MLP; widths not multiples of 512 (the stream's partial batches);
-// T = 1..4. A second run with items of 8 weight rows (not 4) gives the same bits. The fault switch: a block that never arrives makes
+// T = 1..4. A second run with 3 blocks a multiprocessor (T = 1: 4 by default) gives the same
+// bits (items go to blocks by a counter, so each run's assignment differs too). The fault switch: a block that never arrives makes
 // the others' first barrier time out (50 ms here), the kernel ends, the record names wait
 // site 1 and a block other than the absent one, and the same stream then runs clean.
 TEST(CudaMoe, ResidentFfnMatchesCpu) {
@@ -721,6 +722,7 @@ TEST(CudaMoe, ResidentFfnMatchesCpu) {
   auto fault = FaultWord::create();
   ML4_ASSERT_OK(fault.status());
   auto barrier = poisoned<uint8_t>(sizeof(GridBarrierState));
+  auto counters = poisoned<unsigned>(3);  // the kernel zeroes them
   uint32_t seed = 900;
   for (const Case& c : cases) {
     const int64_t D = c.D;
@@ -781,9 +783,9 @@ TEST(CudaMoe, ResidentFfnMatchesCpu) {
         p.hidden = hidden.as<float>();
         p.out = dout.as<float>();
         p.barrier = barrier.as<GridBarrierState>();
+        p.counters = counters.as<unsigned>();
         p.fault = fault->device();
-        p.rows = rep == 0 ? 4 : 8;  // the second run with items of 8 weight rows
-        p.blocks_per_sm = rep == 0 ? 0 : 3;
+        p.blocks_per_sm = rep == 0 ? 0 : 3;  // the second run with 3 blocks a multiprocessor
         ML4_ASSERT_OK(ffn_resident(p));
         sync();
         ML4_ASSERT_OK(fault->status("ffn_resident"));
@@ -840,7 +842,7 @@ TEST(CudaMoe, ResidentFfnMatchesCpu) {
         EXPECT_LT(e, 1e-5);
       }
       EXPECT_EQ(0, std::memcmp(outs[0].data(), outs[1].data(), outs[0].size() * 4))
-          << "items of 4 vs 8 rows: not the same sums";
+          << "the two launch shapes: not the same sums";
     }
   }
 
@@ -865,6 +867,7 @@ TEST(CudaMoe, ResidentFfnMatchesCpu) {
     p.hidden = hidden.as<float>();
     p.out = dout.as<float>();
     p.barrier = barrier.as<GridBarrierState>();
+    p.counters = counters.as<unsigned>();
     p.fault = fault->device();
     p.timeout_ns = 50'000'000;
     p.never_arrive_block = 3;

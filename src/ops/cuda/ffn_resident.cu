@@ -25,6 +25,8 @@ constexpr int kNormVirtual = 256;                // rms_norm_vec_kernel's block:
 constexpr int kNormVec = 8;                      // float4s a virtual thread: D <= 8192
 constexpr int kRouterVec = 16;                   // the router row's float4s a thread: D <= 8192
 constexpr int kConv = gemv_stream::kConvF16Hw;   // the stream GEMV's default decoding (exact)
+// Weight rows an item (8 measured slower on the H100: 2.79 vs 2.21 ms for the ml4-slice-4 step).
+constexpr int kRows = 4;
 // Blocks a multiprocessor: the stream GEMV's own count (gemv_stream.cuh kStMinBlocks: four at
 // M = 1, 128 registers a thread; three at M = 4, 170); the kernel's one stream_rows call site
 // keeps its registers within them.
@@ -103,10 +105,21 @@ __device__ __noinline__ void norm_row(const FfnResidentParams& p, int t, float* 
   const float inv = static_cast<float>(1.0 / sqrt(total / static_cast<double>(p.D) + static_cast<double>(p.eps)));
   const float4* w4 = reinterpret_cast<const float4*>(p.norm_w);
   float4* a4 = reinterpret_cast<float4*>(p.a + t * p.D);
-  for (int i = tid; i < n4; i += kStThreads) {
-    const float4 a = v4[i], w = __ldg(w4 + i);
-    r4[i] = a;
-    a4[i] = make_float4(a.x * inv * w.x, a.y * inv * w.y, a.z * inv * w.z, a.w * inv * w.w);
+  constexpr int kPass = 2 * kNormVec;  // float4s a thread (a strided loop waited a load latency a pass: 12 us)
+  float4 wv[kPass];
+#pragma unroll
+  for (int j = 0; j < kPass; ++j) {
+    const int i = tid + j * kStThreads;
+    if (i < n4) wv[j] = __ldg(w4 + i);
+  }
+#pragma unroll
+  for (int j = 0; j < kPass; ++j) {
+    const int i = tid + j * kStThreads;
+    if (i < n4) {
+      const float4 a = v4[i], w = wv[j];
+      r4[i] = a;
+      a4[i] = make_float4(a.x * inv * w.x, a.y * inv * w.y, a.z * inv * w.z, a.w * inv * w.w);
+    }
   }
 }
 
@@ -354,6 +367,8 @@ __global__ void __launch_bounds__(kStThreads, BPS)
     if (p.trace != nullptr && tid == 0) p.trace[b * kTracePoints + k] = global_ns();
   };
   mark(0);
+  // The phases' item counters, zeroed before the first barrier (read only after it).
+  if (b == 0 && tid < 3) p.counters[tid] = 0u;
 
   // 0. Token t's residual and normalized rows by block t (no other block reads either row).
   if (b < T) norm_row(p, b, v, red8);
@@ -368,25 +383,33 @@ __global__ void __launch_bounds__(kStThreads, BPS)
   mark(3);
   const int n_mlp = p.mlp.w1 ? static_cast<int>((p.mlp.I + R - 1) / R) : 0;
   const int n_down = static_cast<int>((p.D + R - 1) / R);
-  // The always-run MLP's gate/up items go to the blocks after the router's.
-  const int first1 = (b - n_router % NB + NB) % NB;
+  __shared__ int s_next;
   for (int kind = 1; kind <= 3; ++kind) {
     if (kind == 2) {
       mark(4);
       if (!bounded_grid_sync(p.barrier, NB, p.fault, p.timeout_ns, 2)) return;
-      if (moe) route_tokens(p, ra, route_sm, rt);
       mark(5);
       if (!moe) continue;  // a dense layer's hidden rows are complete
+      route_tokens(p, ra, route_sm, rt);
+      mark(6);
     }
     if (kind == 3 && moe) {
-      mark(6);
-      if (!bounded_grid_sync(p.barrier, NB, p.fault, p.timeout_ns, 3)) return;
       mark(7);
+      if (!bounded_grid_sync(p.barrier, NB, p.fault, p.timeout_ns, 3)) return;
+      mark(8);
     }
     const int per_e = static_cast<int>((p.I_routed + R - 1) / R);
     const int items = kind == 1 ? n_mlp : kind == 2 ? rt.active * per_e : n_down;
     const int works = works_of<R>(p, rt, kind);
-    for (int i = kind == 1 ? first1 : b; i < items; i += NB) {
+    // Items from a shared counter, the next one fetched while this one runs: a block that
+    // streams faster takes more (blocks striding statically ended a phase 20-100 us apart).
+    unsigned* counter = p.counters + (kind - 1);
+    if (tid == 0) s_next = static_cast<int>(atomicAdd(counter, 1u));
+    __syncthreads();
+    int i = s_next;
+    while (i < items) {
+      unsigned ahead = 0;
+      if (tid == 0) ahead = atomicAdd(counter, 1u);
       for (int sub = 0; sub < works; ++sub) {
         const Work w = work_of<R>(p, rt, hidden_mlp, kind, i, sub);
         float* dst = stage[w.dst] + (w.dst_row0 - w.r0) * R;
@@ -394,10 +417,13 @@ __global__ void __launch_bounds__(kStThreads, BPS)
             w.w, w.s, w.N, w.K, w.n0, w.x, w.xmap, 0, w.r0, w.r1, tid, red, BlockSync{},
             [=](int64_t row, int r, float val) { dst[row * R + r] = val; });
       }
-      finish_item<R>(p, rt, hidden_mlp, kind, i, stage[0], stage[1]);
+      finish_item<R>(p, rt, hidden_mlp, kind, i, stage[0], stage[1]);  // ends with __syncthreads
+      if (tid == 0) s_next = static_cast<int>(ahead);
+      __syncthreads();
+      i = s_next;
     }
   }
-  mark(8);
+  mark(9);
 }
 
 template <int M, int R, int BPS = blocks_per_sm(M)>
@@ -438,7 +464,7 @@ Status ffn_resident(const FfnResidentParams& p) {
   const MoeConfig* moe = p.gate ? &p.moe : nullptr;
   const std::string why = ffn_resident_unsupported(p.D, moe, p.I_routed, p.mlp.w1 ? p.mlp.I : 0, p.T);
   if (!why.empty()) return invalid_argument("ffn_resident: unsupported shape: {}", why);
-  if (!p.attn_out || !p.residual || !p.norm_w || !p.a || !p.hidden || !p.out || !p.barrier || !p.fault)
+  if (!p.attn_out || !p.residual || !p.norm_w || !p.a || !p.hidden || !p.out || !p.barrier || !p.counters || !p.fault)
     return invalid_argument("ffn_resident: null pointer");
   if (p.mlp.w1 && (!p.mlp.w2 || !p.mlp.w3 || !p.mlp.s1 || !p.mlp.s2 || !p.mlp.s3))
     return invalid_argument("ffn_resident: incomplete MLP");
@@ -459,10 +485,8 @@ Status ffn_resident(const FfnResidentParams& p) {
   const int E = moe ? p.moe.num_experts : 0;
   const size_t smem = (static_cast<size_t>(p.D) + static_cast<size_t>(p.T) * (moe ? 3 * E + groups : 0)) * sizeof(float);
   // M = 1, or 4 for 2..4 tokens (the M = 2 instance spilled in its loops at 170 registers).
-  if (p.rows != 4 && p.rows != 8) return invalid_argument("ffn_resident: {} weight rows an item (4 or 8)", p.rows);
-  if (p.rows == 8) return p.T == 1 ? launch<1, 8>(p, ra, smem) : launch<4, 8>(p, ra, smem);
-  if (p.T == 1 && p.blocks_per_sm == 3) return launch<1, 4, 3>(p, ra, smem);
-  return p.T == 1 ? launch<1, 4>(p, ra, smem) : launch<4, 4>(p, ra, smem);
+  if (p.T == 1 && p.blocks_per_sm == 3) return launch<1, kRows, 3>(p, ra, smem);
+  return p.T == 1 ? launch<1, kRows>(p, ra, smem) : launch<4, kRows>(p, ra, smem);
 }
 
 }  // namespace ml4::cuda

@@ -17,7 +17,7 @@
 //   3. the down projections of every routed and always-run row for R output rows at a time, and
 //      the weighted combine of those rows in the same item: out is written once.
 // The blocks have the weight-stream GEMV's shape (128 threads, as many a multiprocessor as it
-// runs) and work on items of R (4 or 8) weight rows of one matrix with its own routine
+// runs) and work on items of R = 4 weight rows of one matrix with its own routine
 // (gemv_stream.cuh stream_rows): every sum is computed as the standard path's stream GEMV
 // computes it, the router's logits as router_route's, the norm as rms_norm's, the combine as
 // moe_combine's. At T = 1 (where the standard path streams every linear) the result is
@@ -50,7 +50,7 @@ struct ResidentMlp {
   int64_t I = 0;
 };
 
-inline constexpr int kTracePoints = 9;
+inline constexpr int kTracePoints = 10;
 // Blocks of the widest launch (its blocks x kTracePoints words of FfnResidentParams::trace).
 int ffn_resident_max_blocks();
 
@@ -82,18 +82,17 @@ struct FfnResidentParams {
   float* hidden = nullptr;  // ffn_resident_hidden_floats(...) floats of scratch
   float* out = nullptr;     // [T, D]
   GridBarrierState* barrier = nullptr;  // zeroed once; a launch that passes leaves it zeroed
+  unsigned* counters = nullptr;         // 3 words: the phases' item counters (the kernel zeroes them)
   DeviceFault* fault = nullptr;
   uint64_t timeout_ns = kDefaultWaitTimeoutNs;
   int never_arrive_block = -1;  // test switch
-  // Weight rows an item (4 or 8): a block's loads in flight per batch; blocks a multiprocessor
-  // (0: the stream GEMV's count for the step's size; 3 at one token: 170 registers instead of
-  // 128). The same sums either way.
-  int rows = 4;
+  // Blocks a multiprocessor (0: the stream GEMV's count for the step's size; 3 at one token:
+  // 170 registers a thread instead of 128). The same sums either way.
   int blocks_per_sm = 0;
   // Profiling: when set, thread 0 of block b writes %globaltimer at each of kTracePoints points
   // to trace[b * kTracePoints + k]: 0 start, 1 after the norm, 2 past barrier 1, 3 after the
-  // router, 4 end of phase 1, 5 past barrier 2 and the routing, 6 end of phase 2, 7 past
-  // barrier 3, 8 end (a dense layer skips 6 and 7).
+  // router, 4 end of phase 1, 5 past barrier 2, 6 routed, 7 end of phase 2, 8 past barrier 3,
+  // 9 end (a dense layer skips 6 to 8).
   uint64_t* trace = nullptr;
   cudaStream_t stream = nullptr;
 };

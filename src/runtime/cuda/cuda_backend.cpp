@@ -63,8 +63,6 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const ModelConfig& cfg,
   if (const char* v = std::getenv("ML4_MLA_PREFILL"); v && v[0] == '0') b->opts_.mla_prefill_kernel = false;
   if (const char* v = std::getenv("ML4_MLA_PREFILL_PAIRS"); v && v[0] == '0') b->opts_.mla_prefill_pairs = false;
   if (const char* v = std::getenv("ML4_INDEXER_WGMMA"); v && (v[0] == '0' || v[0] == '1')) b->opts_.indexer_wgmma = v[0] == '1';
-  if (const char* v = std::getenv("ML4_RESIDENT_ROWS"); v && (std::atoi(v) == 4 || std::atoi(v) == 8))
-    b->opts_.resident_rows = std::atoi(v);
   if (const char* v = std::getenv("ML4_RESIDENT_BLOCKS"); v && std::atoi(v) == 3) b->opts_.resident_blocks_per_sm = 3;
   b->synthetic_seed_ = synthetic_seed;
   b->max_model_len_ = max_model_len;
@@ -1125,10 +1123,10 @@ bool CudaBackend::resident_ffn_params(const FfnBlockArgs& a, FfnResidentParams* 
   q.hidden = resident_hidden_.as<float>();
   q.out = a.out;
   q.barrier = resident_barrier_.as<GridBarrierState>();
+  q.counters = resident_counters_.as<unsigned>();
   q.fault = resident_fault_;
   q.timeout_ns = opts_.resident_wait_timeout_ns;
   q.never_arrive_block = resident_never_arrive_;
-  q.rows = opts_.resident_rows;
   q.blocks_per_sm = opts_.resident_blocks_per_sm;
   q.stream = stream_;
   *p = q;
@@ -1158,6 +1156,7 @@ Status CudaBackend::set_resident_ffn(bool on, DeviceFault* fault) {
   ML4_ASSIGN_OR_RETURN(resident_hidden_, DeviceBuffer::alloc(static_cast<size_t>(resident_hidden_floats_) * 4));
   ML4_ASSIGN_OR_RETURN(resident_barrier_, DeviceBuffer::alloc(sizeof(GridBarrierState)));
   ML4_CUDA_RETURN_IF_ERROR(cudaMemset(resident_barrier_.data(), 0, sizeof(GridBarrierState)));
+  ML4_ASSIGN_OR_RETURN(resident_counters_, DeviceBuffer::alloc(4 * sizeof(unsigned)));
   resident_fault_ = fault;
   if (const char* v = std::getenv("ML4_RESIDENT_TRACE"); v && v[0] == '1') {
     const size_t bytes = static_cast<size_t>(cfg_.n_layers) * ffn_resident_max_blocks() * kTracePoints * 8;

@@ -85,11 +85,9 @@ struct CudaBackendOptions {
   // A TP rank (parallel/parallel_plan.h): holds Activations::logits_parts for the logits'
   // all-gather.
   bool tensor_parallel = false;
-  // The resident FFN kernel's device waits (set_resident_ffn) end after this long; its weight
-  // rows an item and blocks a multiprocessor (FfnResidentParams::rows / blocks_per_sm;
-  // ML4_RESIDENT_ROWS=4|8 and ML4_RESIDENT_BLOCKS=3 override them for A/B runs).
+  // The resident FFN kernel's device waits (set_resident_ffn) end after this long; its blocks a
+  // multiprocessor (FfnResidentParams::blocks_per_sm; ML4_RESIDENT_BLOCKS=3 for A/B runs).
   uint64_t resident_wait_timeout_ns = 10'000'000'000ull;
-  int resident_rows = 4;
   int resident_blocks_per_sm = 0;
 };
 
@@ -334,7 +332,7 @@ class CudaBackend : public Backend {
   int64_t embed_rows_ = 0;
   int64_t embed_first_ = -1;  // vocabulary-parallel: the first id the table holds (-1: whole)
   std::unique_ptr<Buffers> buf_;
-  DeviceBuffer resident_hidden_, resident_barrier_;
+  DeviceBuffer resident_hidden_, resident_barrier_, resident_counters_;
   int64_t resident_hidden_floats_ = 0;
   DeviceFault* resident_fault_ = nullptr;
   bool resident_on_ = false;

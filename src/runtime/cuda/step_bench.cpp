@@ -106,8 +106,8 @@ void print_resident_trace(const CudaRunner& r, int layers) {
   auto t = r.resident_trace();
   if (!t.ok() || t->empty()) return;
   const int64_t per = int64_t{ffn_resident_max_blocks()} * kTracePoints;
-  static const char* names[kTracePoints] = {"start", "norm", "bar1", "router", "phase1", "bar2+route", "phase2",
-                                            "bar3", "end"};
+  static const char* names[kTracePoints] = {"start", "norm", "bar1", "router", "phase1", "bar2", "routed",
+                                            "phase2", "bar3", "end"};
   for (int l = 0; l < layers && (l + 1) * per <= static_cast<int64_t>(t->size()); ++l) {
     const uint64_t* L = t->data() + l * per;
     uint64_t t0 = UINT64_MAX;
