@@ -53,7 +53,7 @@ struct Routing {
 // sums float4s th + 256 j over j; here thread tid plays th = tid (lo) and tid + 128 (hi), and
 // the warp trees of lo's four warps and hi's four meet as that kernel's eight warps do. The
 // summed row waits in shared memory (v) for the scaling.
-__device__ __noinline__ void norm_row(const FfnResidentParams& p, int t, float* v, double* red8) {
+__device__ __forceinline__ void norm_row(const FfnResidentParams& p, int t, float* v, double* red8) {
   const int n4 = static_cast<int>(p.D / 4), tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const float4* x4 = reinterpret_cast<const float4*>(p.attn_out + t * p.D);
   float4* r4 = reinterpret_cast<float4*>(p.residual + t * p.D);
@@ -128,7 +128,7 @@ __device__ __noinline__ void norm_row(const FfnResidentParams& p, int t, float* 
 // plays threads tid (lo) and tid + 128 (hi), and the warp sums of lo's four warps then hi's
 // four meet in that kernel's warp order.
 template <int M, int R>
-__device__ __noinline__ void router_item(const FfnResidentParams& p, int e, float (&red)[kStWarps][M * R]) {
+__device__ __forceinline__ void router_item(const FfnResidentParams& p, int e, float (&red)[kStWarps][M * R]) {
   const int n4 = static_cast<int>(p.D / 4), tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const float4* g4 = reinterpret_cast<const float4*>(p.gate + static_cast<int64_t>(e) * p.D);
   float acc[2][M];  // [lo, hi][token]
@@ -182,7 +182,7 @@ __device__ __noinline__ void router_item(const FfnResidentParams& p, int e, floa
 // After the second barrier, in every block: each token routed by a warp (warp t: token t) from
 // the logits (plain loads: written before the barrier), and moe_permute's layout over the T K <=
 // 32 picks in shared memory; block 0 writes the routing out as the standard path does.
-__device__ __noinline__ void route_tokens(const FfnResidentParams& p, const RouteArgs& ra, float* route_sm,
+__device__ __forceinline__ void route_tokens(const FfnResidentParams& p, const RouteArgs& ra, float* route_sm,
                                           Routing& rt) {
   const int T = p.T, K = p.moe.num_experts_per_tok;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, E = p.moe.num_experts;
