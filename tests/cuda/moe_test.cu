@@ -722,7 +722,8 @@ TEST(CudaMoe, ResidentFfnMatchesCpu) {
   auto fault = FaultWord::create();
   ML4_ASSERT_OK(fault.status());
   auto barrier = poisoned<uint8_t>(sizeof(GridBarrierState));
-  auto counters = poisoned<unsigned>(3);  // the kernel zeroes them
+  auto counters = poisoned<unsigned>(4);  // the kernel zeroes them
+  auto routing = poisoned<uint8_t>(ffn_resident_routing_bytes());
   uint32_t seed = 900;
   for (const Case& c : cases) {
     const int64_t D = c.D;
@@ -784,6 +785,7 @@ TEST(CudaMoe, ResidentFfnMatchesCpu) {
         p.out = dout.as<float>();
         p.barrier = barrier.as<GridBarrierState>();
         p.counters = counters.as<unsigned>();
+        p.routing = routing.data();
         p.fault = fault->device();
         p.blocks_per_sm = rep == 0 ? 0 : 3;  // the second run with 3 blocks a multiprocessor
         ML4_ASSERT_OK(ffn_resident(p));

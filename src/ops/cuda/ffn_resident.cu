@@ -179,17 +179,24 @@ __device__ __forceinline__ void router_item(const FfnResidentParams& p, int e, f
   __syncthreads();
 }
 
-// After the second barrier, in every block: each token routed by a warp (warp t: token t) from
-// the logits (plain loads: written before the barrier), and moe_permute's layout over the T K <=
-// 32 picks in shared memory; block 0 writes the routing out as the standard path does.
-__device__ __forceinline__ void route_tokens(const FfnResidentParams& p, const RouteArgs& ra, float* route_sm,
-                                          Routing& rt) {
-  const int T = p.T, K = p.moe.num_experts_per_tok;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, E = p.moe.num_experts;
+// By the block that finishes the last router item, while the others go on with phase 1: each
+// token routed by a warp (warp t: token t) from the logits, and moe_permute's layout over the
+// T K <= 32 picks in shared memory, published to p.routing (the others copy it after the next
+// barrier) and written out as the standard path does.
+struct RouteIo {  // what the routing reads and writes (by value: no parameter block on the stack)
+  const float* logits;
+  void* routing;
+  int32_t* ids;
+  float* weights;
+  int T;
+};
+__device__ __noinline__ void route_tokens(const RouteIo p, const RouteArgs ra, float* route_sm, Routing& rt) {
+  const int T = p.T, K = ra.K;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, E = ra.E;
   const int per = 3 * E + ra.G;
   if (warp < T) {
     float* sl = route_sm + warp * per;
-    for (int e = lane; e < E; e += 32) sl[e] = p.logits[warp * E + e];
+    for (int e = lane; e < E; e += 32) sl[e] = __ldcg(p.logits + warp * E + e);
     __syncwarp();
     RouteArgs a = ra;
     a.ids = rt.ids;
@@ -220,7 +227,11 @@ __device__ __forceinline__ void route_tokens(const FfnResidentParams& p, const R
     rt.active = na;
   }
   __syncthreads();
-  if (blockIdx.x == 0 && threadIdx.x < T * K) {
+  // Published for the other blocks (read after the next barrier), and the routing's outputs.
+  const int32_t* src = reinterpret_cast<const int32_t*>(&rt);
+  int32_t* dst = static_cast<int32_t*>(p.routing);
+  for (int i = threadIdx.x; i < static_cast<int>(sizeof(Routing) / 4); i += blockDim.x) dst[i] = src[i];
+  if (threadIdx.x < T * K) {
     p.ids[threadIdx.x] = rt.ids[threadIdx.x];
     p.weights[threadIdx.x] = rt.wts[threadIdx.x];
   }
@@ -367,8 +378,9 @@ __global__ void __launch_bounds__(kStThreads, BPS)
     if (p.trace != nullptr && tid == 0) p.trace[b * kTracePoints + k] = global_ns();
   };
   mark(0);
-  // The phases' item counters, zeroed before the first barrier (read only after it).
-  if (b == 0 && tid < 3) p.counters[tid] = 0u;
+  // The phases' item counters and the router's done count, zeroed before the first barrier
+  // (used only after it).
+  if (b == 0 && tid < 4) p.counters[tid] = 0u;
 
   // 0. Token t's residual and normalized rows by block t (no other block reads either row).
   if (b < T) norm_row(p, b, v, red8);
@@ -379,7 +391,18 @@ __global__ void __launch_bounds__(kStThreads, BPS)
 
   // 1. Router logits (E items, a block each), then the phases.
   const int n_router = moe ? p.moe.num_experts : 0;
-  for (int i = b; i < n_router; i += NB) router_item<M, R>(p, i, red);
+  __shared__ int s_last;
+  for (int i = b; i < n_router; i += NB) {
+    router_item<M, R>(p, i, red);
+    __threadfence();  // the logits stored (release), then counted
+    __syncthreads();
+    if (tid == 0) s_last = atomicAdd(p.counters + 3, 1u) == static_cast<unsigned>(n_router - 1);
+    __syncthreads();
+    if (s_last) {
+      __threadfence();  // every router item's logits (acquire)
+      route_tokens(RouteIo{p.logits, p.routing, p.ids, p.weights, p.T}, ra, route_sm, rt);
+    }
+  }
   mark(3);
   const int n_mlp = p.mlp.w1 ? static_cast<int>((p.mlp.I + R - 1) / R) : 0;
   const int n_down = static_cast<int>((p.D + R - 1) / R);
@@ -390,7 +413,12 @@ __global__ void __launch_bounds__(kStThreads, BPS)
       if (!bounded_grid_sync(p.barrier, NB, p.fault, p.timeout_ns, 2)) return;
       mark(5);
       if (!moe) continue;  // a dense layer's hidden rows are complete
-      route_tokens(p, ra, route_sm, rt);
+      {  // the published routing into this block's shared memory
+        const int32_t* src = static_cast<const int32_t*>(p.routing);
+        int32_t* dst = reinterpret_cast<int32_t*>(&rt);
+        for (int j = tid; j < static_cast<int>(sizeof(Routing) / 4); j += kStThreads) dst[j] = src[j];
+        __syncthreads();
+      }
       mark(6);
     }
     if (kind == 3 && moe) {
@@ -454,6 +482,8 @@ Status launch(const FfnResidentParams& p, const RouteArgs& ra, size_t smem) {
 
 }  // namespace
 
+size_t ffn_resident_routing_bytes() { return sizeof(Routing); }
+
 int ffn_resident_max_blocks() { return gemv_stream::kStMinBlocks(1) * sm_count(); }
 
 int64_t ffn_resident_hidden_floats(int T, int K, int64_t I_routed, int64_t I_mlp) {
@@ -464,7 +494,8 @@ Status ffn_resident(const FfnResidentParams& p) {
   const MoeConfig* moe = p.gate ? &p.moe : nullptr;
   const std::string why = ffn_resident_unsupported(p.D, moe, p.I_routed, p.mlp.w1 ? p.mlp.I : 0, p.T);
   if (!why.empty()) return invalid_argument("ffn_resident: unsupported shape: {}", why);
-  if (!p.attn_out || !p.residual || !p.norm_w || !p.a || !p.hidden || !p.out || !p.barrier || !p.counters || !p.fault)
+  if (!p.attn_out || !p.residual || !p.norm_w || !p.a || !p.hidden || !p.out || !p.barrier || !p.counters ||
+      !p.fault || (p.gate && !p.routing))
     return invalid_argument("ffn_resident: null pointer");
   if (p.mlp.w1 && (!p.mlp.w2 || !p.mlp.w3 || !p.mlp.s1 || !p.mlp.s2 || !p.mlp.s3))
     return invalid_argument("ffn_resident: incomplete MLP");

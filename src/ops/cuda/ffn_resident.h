@@ -11,8 +11,9 @@
 //   0. block t normalizes token t (and writes its residual row);
 //   1. the router's logits and the always-run MLP's (shared expert or dense) gate/up rows, with
 //      SiLU(g) * u in the same item's epilogue;
-//   -- every block routes every token itself (the standard path's warp routine, moe_route.cuh)
-//      and lays out the permutation in shared memory;
+//      The block that finishes the last router item routes every token (the standard path's
+//      warp routine, moe_route.cuh) and lays out the permutation while the others go on;
+//   -- every block copies the routing;
 //   2. the routed experts' gate/up rows, SiLU in the epilogue;
 //   3. the down projections of every routed and always-run row for R output rows at a time, and
 //      the weighted combine of those rows in the same item: out is written once.
@@ -53,6 +54,7 @@ struct ResidentMlp {
 inline constexpr int kTracePoints = 10;
 // Blocks of the widest launch (its blocks x kTracePoints words of FfnResidentParams::trace).
 int ffn_resident_max_blocks();
+size_t ffn_resident_routing_bytes();
 
 struct FfnResidentParams {
   int T = 0;  // tokens, 1..kFfnResidentMaxTokens
@@ -82,7 +84,8 @@ struct FfnResidentParams {
   float* hidden = nullptr;  // ffn_resident_hidden_floats(...) floats of scratch
   float* out = nullptr;     // [T, D]
   GridBarrierState* barrier = nullptr;  // zeroed once; a launch that passes leaves it zeroed
-  unsigned* counters = nullptr;         // 3 words: the phases' item counters (the kernel zeroes them)
+  unsigned* counters = nullptr;         // 4 words: the phases' item counters (the kernel zeroes them)
+  void* routing = nullptr;              // MoE: ffn_resident_routing_bytes() (the routing, published)
   DeviceFault* fault = nullptr;
   uint64_t timeout_ns = kDefaultWaitTimeoutNs;
   int never_arrive_block = -1;  // test switch
