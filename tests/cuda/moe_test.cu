@@ -724,6 +724,7 @@ TEST(CudaMoe, ResidentFfnMatchesCpu) {
   auto barrier = poisoned<uint8_t>(sizeof(GridBarrierState));
   auto counters = poisoned<unsigned>(4);  // the kernel zeroes them
   auto routing = poisoned<uint8_t>(ffn_resident_routing_bytes());
+  auto row_counts = poisoned<unsigned>(1024);  // D / 4 words (D <= 640 here); the kernel zeroes them
   uint32_t seed = 900;
   for (const Case& c : cases) {
     const int64_t D = c.D;
@@ -743,7 +744,7 @@ TEST(CudaMoe, ResidentFfnMatchesCpu) {
     for (int T = 1; T <= 4; ++T) {
       auto attn = randn(T * D, seed++), res = randn(T * D, seed++, 3.0f);
       const int K = moe ? c.K : 0;
-      auto hidden = poisoned<float>(ffn_resident_hidden_floats(T, K, c.I, c.I_mlp));
+      auto hidden = poisoned<float>(ffn_resident_hidden_floats(T, K, c.I, c.I_mlp, D));
       std::vector<std::vector<float>> outs;
       for (int rep = 0; rep < 2; ++rep) {
         auto dattn = to_device(attn), dres = to_device(res);
@@ -786,6 +787,7 @@ TEST(CudaMoe, ResidentFfnMatchesCpu) {
         p.barrier = barrier.as<GridBarrierState>();
         p.counters = counters.as<unsigned>();
         p.routing = routing.data();
+        p.row_counts = row_counts.as<unsigned>();
         p.fault = fault->device();
         p.blocks_per_sm = rep == 0 ? 0 : 3;  // the second run with 3 blocks a multiprocessor
         ML4_ASSERT_OK(ffn_resident(p));
@@ -854,7 +856,7 @@ TEST(CudaMoe, ResidentFfnMatchesCpu) {
     auto mlp = make_experts(LinearFormat::kFP8Block, 1, c.D, c.I_mlp, seed, false);
     auto dnorm = to_device(std::vector<float>(c.D, 1.0f));
     auto dattn = to_device(randn(c.D, seed++)), dres = to_device(randn(c.D, seed++));
-    auto hidden = poisoned<float>(ffn_resident_hidden_floats(1, 0, 0, c.I_mlp));
+    auto hidden = poisoned<float>(ffn_resident_hidden_floats(1, 0, 0, c.I_mlp, c.D));
     auto dout = poisoned<float>(c.D), da = poisoned<float>(c.D);
     FfnResidentParams p;
     p.T = 1;
@@ -870,6 +872,7 @@ TEST(CudaMoe, ResidentFfnMatchesCpu) {
     p.out = dout.as<float>();
     p.barrier = barrier.as<GridBarrierState>();
     p.counters = counters.as<unsigned>();
+    p.row_counts = row_counts.as<unsigned>();
     p.fault = fault->device();
     p.timeout_ns = 50'000'000;
     p.never_arrive_block = 3;

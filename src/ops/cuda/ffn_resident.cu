@@ -250,19 +250,15 @@ struct Work {
   int dst_row0 = 0;  // its first row
 };
 
-// The items of the two gate/up phases and the down phase, each a sequence of Works the same
-// block runs back to back through the kernel's one stream_rows call (one register allocation,
-// the stream GEMV's own), followed by an epilogue:
-//   gate/up item (matrix pair, kR rows): Work 0 the gate rows into stage 0, Work 1 the up rows
-//     into stage 1, then SiLU(g) * u (silu_mul_kernel's expression) into the hidden rows;
-//   down item (kR output rows): one Work a routed expert with rows (y rows 0 .. T K - 1,
-//     permuted order) and one for the always-run MLP (y rows T K + t), then moe_combine's sum.
-struct Phase {
-  int kind = 0;  // 1: the always-run MLP's gate/up, 2: the routed experts' gate/up, 3: down
-  int items = 0;
-};
-
-template <int R>
+// The items of the two gate/up phases and the down phase. A gate/up item (a matrix pair, R
+// rows) is two Works the same block runs back to back through the kernel's one stream_rows call
+// (one register allocation, the stream GEMV's own): the gate rows into stage 0, the up rows into
+// stage 1, then SiLU(g) * u (silu_mul_kernel's expression) into the hidden rows. A down item is
+// one Work: R output rows of one routed expert with rows (y rows 0 .. T K - 1, permuted order)
+// or of the always-run MLP (y rows T K + t), into the y rows in global memory; the block that
+// finishes an output row block's last item sums it with moe_combine's arithmetic into out
+// (whole row blocks as one item, five Works long, left a 26 us tail on the H100).
+// Works a gate/up item, or down items an output row block.
 __device__ __forceinline__ int works_of(const FfnResidentParams& p, const Routing& rt, int kind) {
   if (kind != 3) return 2;
   return (p.gate ? rt.active : 0) + (p.mlp.w1 ? 1 : 0);
@@ -319,39 +315,42 @@ __device__ __forceinline__ Work work_of(const FfnResidentParams& p, const Routin
   return w;
 }
 
-// The item's epilogue, once its Works are in the stage: SiLU into the hidden rows (gate/up), or
-// the combine into out (down).
+// A gate/up item's epilogue, once its two Works are in the stage: SiLU into the hidden rows.
 template <int R>
-__device__ __forceinline__ void finish_item(const FfnResidentParams& p, const Routing& rt, float* hidden_mlp, int kind,
-                                            int item, const float* g_st, const float* u_st) {
-  const int tid = threadIdx.x, T = p.T;
-  if (kind != 3) {
-    const Work w = work_of<R>(p, rt, hidden_mlp, kind, item, 0);
-    float* hidden = kind == 1 ? hidden_mlp : p.hidden;
-    if (tid < (w.r1 - w.r0) * R) {
-      const int i = tid / R, r = tid % R;
-      if (w.n0 + r < w.N) {
-        const float gv = g_st[i * R + r];
-        hidden[(w.r0 + i) * w.N + w.n0 + r] = gv / (1.0f + expf(-gv)) * u_st[i * R + r];
-      }
-    }
-  } else if (tid < T * R) {
-    const bool moe = p.gate != nullptr;
-    const int K = moe ? p.moe.num_experts_per_tok : 0;
-    const int64_t n0 = int64_t{item} * R;
-    const int t = tid / R, r = tid % R;
-    if (n0 + r < p.D) {
-      float acc = 0.0f;
-      if (moe) {
-        for (int k = 0; k < K; ++k) acc = fmaf(rt.wts[t * K + k], g_st[rt.inv[t * K + k] * R + r], acc);
-        if (p.mlp.w1) acc += g_st[(T * K + t) * R + r];
-      } else {
-        acc = g_st[t * R + r];
-      }
-      p.out[t * p.D + n0 + r] = acc;
+__device__ __forceinline__ void finish_gate_up(const FfnResidentParams& p, const Routing& rt, float* hidden_mlp,
+                                               int kind, int item, const float* g_st, const float* u_st) {
+  const int tid = threadIdx.x;
+  const Work w = work_of<R>(p, rt, hidden_mlp, kind, item, 0);
+  float* hidden = kind == 1 ? hidden_mlp : p.hidden;
+  if (tid < (w.r1 - w.r0) * R) {
+    const int i = tid / R, r = tid % R;
+    if (w.n0 + r < w.N) {
+      const float gv = g_st[i * R + r];
+      hidden[(w.r0 + i) * w.N + w.n0 + r] = gv / (1.0f + expf(-gv)) * u_st[i * R + r];
     }
   }
   __syncthreads();
+}
+
+// Output rows [n0, n0 + R) once every down item of the row block is in y: moe_combine's sum
+// (the K routed rows in k order, then the always-run MLP's row) into out.
+template <int R>
+__device__ __forceinline__ void combine_rows(const FfnResidentParams& p, const Routing& rt, const float* y, int64_t n0) {
+  const int tid = threadIdx.x, T = p.T;
+  if (tid >= T * R) return;
+  const bool moe = p.gate != nullptr;
+  const int K = moe ? p.moe.num_experts_per_tok : 0;
+  const int t = tid / R, r = tid % R;
+  if (n0 + r >= p.D) return;
+  const float* yc = y + n0 + r;
+  float acc = 0.0f;
+  if (moe) {
+    for (int k = 0; k < K; ++k) acc = fmaf(rt.wts[t * K + k], __ldcg(yc + int64_t{rt.inv[t * K + k]} * p.D), acc);
+    if (p.mlp.w1) acc += __ldcg(yc + int64_t{T * K + t} * p.D);
+  } else {
+    acc = __ldcg(yc + int64_t{t} * p.D);
+  }
+  p.out[t * p.D + n0 + r] = acc;
 }
 
 // One kStThreads-thread block per item at a time, blocks_per_sm(M) a multiprocessor, every
@@ -373,6 +372,7 @@ __global__ void __launch_bounds__(kStThreads, BPS)
   const bool moe = p.gate != nullptr;
   const int T = p.T, K = moe ? p.moe.num_experts_per_tok : 0;
   float* hidden_mlp = p.hidden + static_cast<int64_t>(T) * K * p.I_routed;  // the always-run MLP's rows [T][Im]
+  float* y = hidden_mlp + static_cast<int64_t>(T) * p.mlp.I;                 // the down rows [T K + T][D]
   if (!moe) rt.active = 0;
   auto mark = [&](int k) {  // FfnResidentParams::trace
     if (p.trace != nullptr && tid == 0) p.trace[b * kTracePoints + k] = global_ns();
@@ -388,6 +388,8 @@ __global__ void __launch_bounds__(kStThreads, BPS)
   if (b == p.never_arrive_block) return;  // the test switch
   if (!bounded_grid_sync(p.barrier, NB, p.fault, p.timeout_ns, 1)) return;
   mark(2);
+  // The down row blocks' item counts, zeroed now (counted only after the next barrier).
+  for (int j = b * kStThreads + tid; j < static_cast<int>((p.D + R - 1) / R); j += NB * kStThreads) p.row_counts[j] = 0u;
 
   // 1. Router logits (E items, a block each), then the phases.
   const int n_router = moe ? p.moe.num_experts : 0;
@@ -427,8 +429,8 @@ __global__ void __launch_bounds__(kStThreads, BPS)
       mark(8);
     }
     const int per_e = static_cast<int>((p.I_routed + R - 1) / R);
-    const int items = kind == 1 ? n_mlp : kind == 2 ? rt.active * per_e : n_down;
-    const int works = works_of<R>(p, rt, kind);
+    const int works = works_of(p, rt, kind);  // down: items an output row block
+    const int items = kind == 1 ? n_mlp : kind == 2 ? rt.active * per_e : n_down * works;
     // Items from a shared counter, the next one fetched while this one runs: a block that
     // streams faster takes more (blocks striding statically ended a phase 20-100 us apart).
     unsigned* counter = p.counters + (kind - 1);
@@ -438,14 +440,28 @@ __global__ void __launch_bounds__(kStThreads, BPS)
     while (i < items) {
       unsigned ahead = 0;
       if (tid == 0) ahead = atomicAdd(counter, 1u);
-      for (int sub = 0; sub < works; ++sub) {
-        const Work w = work_of<R>(p, rt, hidden_mlp, kind, i, sub);
-        float* dst = stage[w.dst] + (w.dst_row0 - w.r0) * R;
+      const int item = kind == 3 ? i / works : i;
+      for (int sub = kind == 3 ? i % works : 0, n = kind == 3 ? 1 : works; n > 0; ++sub, --n) {
+        const Work w = work_of<R>(p, rt, hidden_mlp, kind, item, sub);
+        // Sums into the stage (gate/up) or the y rows (down), rows `stride` apart.
+        const int64_t stride = kind == 3 ? p.D : R;
+        float* dst = (kind == 3 ? y + w.n0 : stage[w.dst]) + (w.dst_row0 - w.r0) * stride;
         gemv_stream::stream_rows<M, R, true, kConv, gemv_stream::kXPlain>(
             w.w, w.s, w.N, w.K, w.n0, w.x, w.xmap, 0, w.r0, w.r1, tid, red, BlockSync{},
-            [=](int64_t row, int r, float val) { dst[row * R + r] = val; });
+            [=](int64_t row, int r, float val) { dst[row * stride + r] = val; });
       }
-      finish_item<R>(p, rt, hidden_mlp, kind, i, stage[0], stage[1]);  // ends with __syncthreads
+      if (kind != 3) {
+        finish_gate_up<R>(p, rt, hidden_mlp, kind, item, stage[0], stage[1]);  // ends with __syncthreads
+      } else {
+        __threadfence();  // this item's y rows (release), then counted; the row block's last sums
+        __syncthreads();
+        if (tid == 0) s_last = atomicAdd(p.row_counts + item, 1u) == static_cast<unsigned>(works - 1);
+        __syncthreads();
+        if (s_last) {
+          __threadfence();  // acquire the other items' y rows
+          combine_rows<R>(p, rt, y, int64_t{item} * R);
+        }
+      }
       if (tid == 0) s_next = static_cast<int>(ahead);
       __syncthreads();
       i = s_next;
@@ -486,8 +502,9 @@ size_t ffn_resident_routing_bytes() { return sizeof(Routing); }
 
 int ffn_resident_max_blocks() { return gemv_stream::kStMinBlocks(1) * sm_count(); }
 
-int64_t ffn_resident_hidden_floats(int T, int K, int64_t I_routed, int64_t I_mlp) {
-  return static_cast<int64_t>(T) * K * I_routed + static_cast<int64_t>(T) * I_mlp;
+int64_t ffn_resident_hidden_floats(int T, int K, int64_t I_routed, int64_t I_mlp, int64_t D) {
+  return static_cast<int64_t>(T) * K * I_routed + static_cast<int64_t>(T) * I_mlp +
+         (static_cast<int64_t>(T) * K + T) * D;
 }
 
 Status ffn_resident(const FfnResidentParams& p) {
@@ -495,6 +512,7 @@ Status ffn_resident(const FfnResidentParams& p) {
   const std::string why = ffn_resident_unsupported(p.D, moe, p.I_routed, p.mlp.w1 ? p.mlp.I : 0, p.T);
   if (!why.empty()) return invalid_argument("ffn_resident: unsupported shape: {}", why);
   if (!p.attn_out || !p.residual || !p.norm_w || !p.a || !p.hidden || !p.out || !p.barrier || !p.counters ||
+      !p.row_counts ||
       !p.fault || (p.gate && !p.routing))
     return invalid_argument("ffn_resident: null pointer");
   if (p.mlp.w1 && (!p.mlp.w2 || !p.mlp.w3 || !p.mlp.s1 || !p.mlp.s2 || !p.mlp.s3))

@@ -15,8 +15,8 @@
 //      warp routine, moe_route.cuh) and lays out the permutation while the others go on;
 //   -- every block copies the routing;
 //   2. the routed experts' gate/up rows, SiLU in the epilogue;
-//   3. the down projections of every routed and always-run row for R output rows at a time, and
-//      the weighted combine of those rows in the same item: out is written once.
+//   3. the down projections of every routed and always-run row, R output rows of one matrix an
+//      item; the block that finishes a row block's last item combines it into out.
 // The blocks have the weight-stream GEMV's shape (128 threads, as many a multiprocessor as it
 // runs) and work on items of R = 4 weight rows of one matrix with its own routine
 // (gemv_stream.cuh stream_rows): every sum is computed as the standard path's stream GEMV
@@ -81,11 +81,12 @@ struct FfnResidentParams {
   float* weights = nullptr;  // [T, K]
   // The MLP every token runs: the shared expert (MoE) or the dense FFN; w1 == null: none.
   ResidentMlp mlp;
-  float* hidden = nullptr;  // ffn_resident_hidden_floats(...) floats of scratch
+  float* hidden = nullptr;  // ffn_resident_hidden_floats(...) floats of scratch (hidden and down rows)
   float* out = nullptr;     // [T, D]
   GridBarrierState* barrier = nullptr;  // zeroed once; a launch that passes leaves it zeroed
   unsigned* counters = nullptr;         // 4 words: the phases' item counters (the kernel zeroes them)
   void* routing = nullptr;              // MoE: ffn_resident_routing_bytes() (the routing, published)
+  unsigned* row_counts = nullptr;       // D / 4 words: the down row blocks' finished items
   DeviceFault* fault = nullptr;
   uint64_t timeout_ns = kDefaultWaitTimeoutNs;
   int never_arrive_block = -1;  // test switch
@@ -100,7 +101,7 @@ struct FfnResidentParams {
   cudaStream_t stream = nullptr;
 };
 
-int64_t ffn_resident_hidden_floats(int T, int K, int64_t I_routed, int64_t I_mlp);
+int64_t ffn_resident_hidden_floats(int T, int K, int64_t I_routed, int64_t I_mlp, int64_t D);
 
 Status ffn_resident(const FfnResidentParams& p);
 

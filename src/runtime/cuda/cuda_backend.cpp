@@ -1108,7 +1108,7 @@ bool CudaBackend::resident_ffn_params(const FfnBlockArgs& a, FfnResidentParams* 
   }
   if (!ffn_resident_unsupported(q.D, q.gate ? &q.moe : nullptr, q.I_routed, q.mlp.w1 ? q.mlp.I : 0, q.T).empty())
     return false;
-  if (ffn_resident_hidden_floats(q.T, q.gate ? q.moe.num_experts_per_tok : 0, q.I_routed, q.mlp.I) >
+  if (ffn_resident_hidden_floats(q.T, q.gate ? q.moe.num_experts_per_tok : 0, q.I_routed, q.mlp.I, q.D) >
       resident_hidden_floats_)
     return false;
   if (p == nullptr) return true;
@@ -1125,6 +1125,7 @@ bool CudaBackend::resident_ffn_params(const FfnBlockArgs& a, FfnResidentParams* 
   q.barrier = resident_barrier_.as<GridBarrierState>();
   q.counters = resident_counters_.as<unsigned>();
   q.routing = resident_routing_.data();
+  q.row_counts = resident_row_counts_.as<unsigned>();
   q.fault = resident_fault_;
   q.timeout_ns = opts_.resident_wait_timeout_ns;
   q.never_arrive_block = resident_never_arrive_;
@@ -1153,12 +1154,13 @@ Status CudaBackend::set_resident_ffn(bool on, DeviceFault* fault) {
   if (!on || resident_fault_ != nullptr) return ok_status();
   if (fault == nullptr) return invalid_argument("set_resident_ffn: no fault word");
   const int K = std::max(cfg_.moe.num_experts_per_tok, 0);
-  resident_hidden_floats_ = ffn_resident_hidden_floats(kFfnResidentMaxTokens, K, max_hidden_, max_hidden_);
+  resident_hidden_floats_ = ffn_resident_hidden_floats(kFfnResidentMaxTokens, K, max_hidden_, max_hidden_, cfg_.dim);
   ML4_ASSIGN_OR_RETURN(resident_hidden_, DeviceBuffer::alloc(static_cast<size_t>(resident_hidden_floats_) * 4));
   ML4_ASSIGN_OR_RETURN(resident_barrier_, DeviceBuffer::alloc(sizeof(GridBarrierState)));
   ML4_CUDA_RETURN_IF_ERROR(cudaMemset(resident_barrier_.data(), 0, sizeof(GridBarrierState)));
   ML4_ASSIGN_OR_RETURN(resident_counters_, DeviceBuffer::alloc(4 * sizeof(unsigned)));
   ML4_ASSIGN_OR_RETURN(resident_routing_, DeviceBuffer::alloc(ffn_resident_routing_bytes()));
+  ML4_ASSIGN_OR_RETURN(resident_row_counts_, DeviceBuffer::alloc(static_cast<size_t>(cfg_.dim / 4 + 1) * 4));
   resident_fault_ = fault;
   if (const char* v = std::getenv("ML4_RESIDENT_TRACE"); v && v[0] == '1') {
     const size_t bytes = static_cast<size_t>(cfg_.n_layers) * ffn_resident_max_blocks() * kTracePoints * 8;
