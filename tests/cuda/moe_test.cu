@@ -724,7 +724,6 @@ TEST(CudaMoe, ResidentFfnMatchesCpu) {
   auto barrier = poisoned<uint8_t>(sizeof(GridBarrierState));
   auto counters = poisoned<unsigned>(4);  // the kernel zeroes them
   auto routing = poisoned<uint8_t>(ffn_resident_routing_bytes());
-  auto row_counts = poisoned<unsigned>(1024);  // D / 4 words (D <= 640 here); the kernel zeroes them
   uint32_t seed = 900;
   for (const Case& c : cases) {
     const int64_t D = c.D;
@@ -787,7 +786,6 @@ TEST(CudaMoe, ResidentFfnMatchesCpu) {
         p.barrier = barrier.as<GridBarrierState>();
         p.counters = counters.as<unsigned>();
         p.routing = routing.data();
-        p.row_counts = row_counts.as<unsigned>();
         p.fault = fault->device();
         p.blocks_per_sm = rep == 0 ? 0 : 3;  // the second run with 3 blocks a multiprocessor
         ML4_ASSERT_OK(ffn_resident(p));
@@ -872,7 +870,6 @@ TEST(CudaMoe, ResidentFfnMatchesCpu) {
     p.out = dout.as<float>();
     p.barrier = barrier.as<GridBarrierState>();
     p.counters = counters.as<unsigned>();
-    p.row_counts = row_counts.as<unsigned>();
     p.fault = fault->device();
     p.timeout_ns = 50'000'000;
     p.never_arrive_block = 3;

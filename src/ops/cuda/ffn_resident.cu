@@ -255,9 +255,9 @@ struct Work {
 // (one register allocation, the stream GEMV's own): the gate rows into stage 0, the up rows into
 // stage 1, then SiLU(g) * u (silu_mul_kernel's expression) into the hidden rows. A down item is
 // one Work: R output rows of one routed expert with rows (y rows 0 .. T K - 1, permuted order)
-// or of the always-run MLP (y rows T K + t), into the y rows in global memory; the block that
-// finishes an output row block's last item sums it with moe_combine's arithmetic into out
-// (whole row blocks as one item, five Works long, left a 26 us tail on the H100).
+// or of the always-run MLP (y rows T K + t), into the y rows in global memory (whole row
+// blocks as one item, five Works long, left a 26 us tail on the H100); after a fourth barrier
+// every thread sums its share of out with moe_combine's arithmetic.
 // Works a gate/up item, or down items an output row block.
 __device__ __forceinline__ int works_of(const FfnResidentParams& p, const Routing& rt, int kind) {
   if (kind != 3) return 2;
@@ -332,25 +332,16 @@ __device__ __forceinline__ void finish_gate_up(const FfnResidentParams& p, const
   __syncthreads();
 }
 
-// Output rows [n0, n0 + R) once every down item of the row block is in y: moe_combine's sum
-// (the K routed rows in k order, then the always-run MLP's row) into out.
-template <int R>
-__device__ __forceinline__ void combine_rows(const FfnResidentParams& p, const Routing& rt, const float* y, int64_t n0) {
-  const int tid = threadIdx.x, T = p.T;
-  if (tid >= T * R) return;
-  const bool moe = p.gate != nullptr;
-  const int K = moe ? p.moe.num_experts_per_tok : 0;
-  const int t = tid / R, r = tid % R;
-  if (n0 + r >= p.D) return;
-  const float* yc = y + n0 + r;
+// Output element (t, n) once every down row is in y: moe_combine's sum (the K routed rows in k
+// order, then the always-run MLP's row) into out.
+__device__ __forceinline__ void combine_one(const FfnResidentParams& p, const Routing& rt, const float* y, int t,
+                                            int64_t n) {
+  const int T = p.T, K = p.moe.num_experts_per_tok;
+  const float* yc = y + n;
   float acc = 0.0f;
-  if (moe) {
-    for (int k = 0; k < K; ++k) acc = fmaf(rt.wts[t * K + k], __ldcg(yc + int64_t{rt.inv[t * K + k]} * p.D), acc);
-    if (p.mlp.w1) acc += __ldcg(yc + int64_t{T * K + t} * p.D);
-  } else {
-    acc = __ldcg(yc + int64_t{t} * p.D);
-  }
-  p.out[t * p.D + n0 + r] = acc;
+  for (int k = 0; k < K; ++k) acc = fmaf(rt.wts[t * K + k], __ldcg(yc + int64_t{rt.inv[t * K + k]} * p.D), acc);
+  if (p.mlp.w1) acc += __ldcg(yc + int64_t{T * K + t} * p.D);
+  p.out[t * p.D + n] = acc;
 }
 
 // One kStThreads-thread block per item at a time, blocks_per_sm(M) a multiprocessor, every
@@ -388,8 +379,6 @@ __global__ void __launch_bounds__(kStThreads, BPS)
   if (b == p.never_arrive_block) return;  // the test switch
   if (!bounded_grid_sync(p.barrier, NB, p.fault, p.timeout_ns, 1)) return;
   mark(2);
-  // The down row blocks' item counts, zeroed now (counted only after the next barrier).
-  for (int j = b * kStThreads + tid; j < static_cast<int>((p.D + R - 1) / R); j += NB * kStThreads) p.row_counts[j] = 0u;
 
   // 1. Router logits (E items, a block each), then the phases.
   const int n_router = moe ? p.moe.num_experts : 0;
@@ -445,27 +434,22 @@ __global__ void __launch_bounds__(kStThreads, BPS)
         const Work w = work_of<R>(p, rt, hidden_mlp, kind, item, sub);
         // Sums into the stage (gate/up) or the y rows (down), rows `stride` apart.
         const int64_t stride = kind == 3 ? p.D : R;
-        float* dst = (kind == 3 ? y + w.n0 : stage[w.dst]) + (w.dst_row0 - w.r0) * stride;
+        float* dst = (kind == 3 ? (moe ? y : p.out) + w.n0 : stage[w.dst]) + (w.dst_row0 - w.r0) * stride;
         gemv_stream::stream_rows<M, R, true, kConv, gemv_stream::kXPlain>(
             w.w, w.s, w.N, w.K, w.n0, w.x, w.xmap, 0, w.r0, w.r1, tid, red, BlockSync{},
             [=](int64_t row, int r, float val) { dst[row * stride + r] = val; });
       }
-      if (kind != 3) {
-        finish_gate_up<R>(p, rt, hidden_mlp, kind, item, stage[0], stage[1]);  // ends with __syncthreads
-      } else {
-        __threadfence();  // this item's y rows (release), then counted; the row block's last sums
-        __syncthreads();
-        if (tid == 0) s_last = atomicAdd(p.row_counts + item, 1u) == static_cast<unsigned>(works - 1);
-        __syncthreads();
-        if (s_last) {
-          __threadfence();  // acquire the other items' y rows
-          combine_rows<R>(p, rt, y, int64_t{item} * R);
-        }
-      }
+      if (kind != 3) finish_gate_up<R>(p, rt, hidden_mlp, kind, item, stage[0], stage[1]);  // ends with __syncthreads
       if (tid == 0) s_next = static_cast<int>(ahead);
       __syncthreads();
       i = s_next;
     }
+  }
+  // 4. The combine, once every down row is in y (a dense layer's MLP wrote out directly).
+  if (moe) {
+    if (!bounded_grid_sync(p.barrier, NB, p.fault, p.timeout_ns, 4)) return;
+    for (int64_t j = int64_t{b} * kStThreads + tid; j < int64_t{T} * p.D; j += int64_t{NB} * kStThreads)
+      combine_one(p, rt, y, static_cast<int>(j / p.D), j % p.D);
   }
   mark(9);
 }
@@ -512,7 +496,6 @@ Status ffn_resident(const FfnResidentParams& p) {
   const std::string why = ffn_resident_unsupported(p.D, moe, p.I_routed, p.mlp.w1 ? p.mlp.I : 0, p.T);
   if (!why.empty()) return invalid_argument("ffn_resident: unsupported shape: {}", why);
   if (!p.attn_out || !p.residual || !p.norm_w || !p.a || !p.hidden || !p.out || !p.barrier || !p.counters ||
-      !p.row_counts ||
       !p.fault || (p.gate && !p.routing))
     return invalid_argument("ffn_resident: null pointer");
   if (p.mlp.w1 && (!p.mlp.w2 || !p.mlp.w3 || !p.mlp.s1 || !p.mlp.s2 || !p.mlp.s3))

@@ -6,7 +6,7 @@
 // where ffn is the layer's MoE (router, top-k, routed experts, shared expert, weighted
 // combine) or its dense MLP, all FP8 block-scaled. The standard path takes seven launches for
 // this (RMSNorm, the fused router, permute, grouped gate/up, SiLU, grouped down, combine); here
-// one cooperative launch does it in four steps separated by bounded grid barriers
+// one cooperative launch does it in steps separated by bounded grid barriers
 // (ops/cuda/fault.cuh):
 //   0. block t normalizes token t (and writes its residual row);
 //   1. the router's logits and the always-run MLP's (shared expert or dense) gate/up rows, with
@@ -16,7 +16,8 @@
 //   -- every block copies the routing;
 //   2. the routed experts' gate/up rows, SiLU in the epilogue;
 //   3. the down projections of every routed and always-run row, R output rows of one matrix an
-//      item; the block that finishes a row block's last item combines it into out.
+//      item, into y rows (a dense layer's straight into out);
+//   -- barrier -- 4. the weighted combine of the y rows into out.
 // The blocks have the weight-stream GEMV's shape (128 threads, as many a multiprocessor as it
 // runs) and work on items of R = 4 weight rows of one matrix with its own routine
 // (gemv_stream.cuh stream_rows): every sum is computed as the standard path's stream GEMV
@@ -86,7 +87,6 @@ struct FfnResidentParams {
   GridBarrierState* barrier = nullptr;  // zeroed once; a launch that passes leaves it zeroed
   unsigned* counters = nullptr;         // 4 words: the phases' item counters (the kernel zeroes them)
   void* routing = nullptr;              // MoE: ffn_resident_routing_bytes() (the routing, published)
-  unsigned* row_counts = nullptr;       // D / 4 words: the down row blocks' finished items
   DeviceFault* fault = nullptr;
   uint64_t timeout_ns = kDefaultWaitTimeoutNs;
   int never_arrive_block = -1;  // test switch

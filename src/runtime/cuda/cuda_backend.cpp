@@ -1125,7 +1125,6 @@ bool CudaBackend::resident_ffn_params(const FfnBlockArgs& a, FfnResidentParams* 
   q.barrier = resident_barrier_.as<GridBarrierState>();
   q.counters = resident_counters_.as<unsigned>();
   q.routing = resident_routing_.data();
-  q.row_counts = resident_row_counts_.as<unsigned>();
   q.fault = resident_fault_;
   q.timeout_ns = opts_.resident_wait_timeout_ns;
   q.never_arrive_block = resident_never_arrive_;
@@ -1160,7 +1159,6 @@ Status CudaBackend::set_resident_ffn(bool on, DeviceFault* fault) {
   ML4_CUDA_RETURN_IF_ERROR(cudaMemset(resident_barrier_.data(), 0, sizeof(GridBarrierState)));
   ML4_ASSIGN_OR_RETURN(resident_counters_, DeviceBuffer::alloc(4 * sizeof(unsigned)));
   ML4_ASSIGN_OR_RETURN(resident_routing_, DeviceBuffer::alloc(ffn_resident_routing_bytes()));
-  ML4_ASSIGN_OR_RETURN(resident_row_counts_, DeviceBuffer::alloc(static_cast<size_t>(cfg_.dim / 4 + 1) * 4));
   resident_fault_ = fault;
   if (const char* v = std::getenv("ML4_RESIDENT_TRACE"); v && v[0] == '1') {
     const size_t bytes = static_cast<size_t>(cfg_.n_layers) * ffn_resident_max_blocks() * kTracePoints * 8;

@@ -332,7 +332,7 @@ class CudaBackend : public Backend {
   int64_t embed_rows_ = 0;
   int64_t embed_first_ = -1;  // vocabulary-parallel: the first id the table holds (-1: whole)
   std::unique_ptr<Buffers> buf_;
-  DeviceBuffer resident_hidden_, resident_barrier_, resident_counters_, resident_routing_, resident_row_counts_;
+  DeviceBuffer resident_hidden_, resident_barrier_, resident_counters_, resident_routing_;
   int64_t resident_hidden_floats_ = 0;
   DeviceFault* resident_fault_ = nullptr;
   bool resident_on_ = false;
