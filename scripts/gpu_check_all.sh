@@ -71,8 +71,9 @@ on tests && grep -E "^\[  (FAILED|PASSED|SKIPPED) |^\[       OK|rel|Failure" "$o
 
 if on decode; then
   # Issue 19: the decode step at batch 1 / 2 / 4 (8k and 60k context) against its roofline, the
-  # launch-bound ml4-tiny step, and one batch-1 step's per-kernel times under ncu (warm caches;
-  # bench/ncu_kernel_table.py groups them; compare with a previous session's CSV).
+  # latency path beside the standard one (LATENCY lines), the launch-bound ml4-tiny step, one
+  # batch-1 step's per-kernel times under ncu on both paths (warm caches;
+  # bench/ncu_kernel_table.py groups them), and the resident FFN kernel's phase trace.
   stamp "D. decode step, per-kernel profile"
   timeout 150 "$carry/bin/ml4" bench step --preset ml4-slice-4 --batch 1,2,4 --ctx 8192,61440 --no-extras \
     > "$out/decode_step.log" 2>&1; echo "rc=$?"
@@ -91,6 +92,13 @@ if on decode; then
     done
     python3 "$root/bench/ncu_kernel_table.py" "$out/ncu_decode_b1_lat0.csv" "$out/ncu_decode_b1_lat1.csv" | head -40
   fi
+  # The resident FFN kernel's phases, per layer (min..max over its blocks, us from the first start).
+  for b in 1 4; do
+    ML4_RESIDENT_TRACE=1 ML4_LATENCY_DECODE=1 ML4_BENCH_NCU_STEP=$b timeout 100 "$carry/bin/ml4" bench step \
+      --preset ml4-slice-4 --batch $b --ctx 8192 --kv-gib 4 > "$out/resident_trace_b$b.log" 2>&1
+    echo "resident trace batch=$b rc=$?"
+    grep -E "NCUSTEP|RESIDENT_TRACE|rror" "$out/resident_trace_b$b.log" | cut -c1-330
+  done
 fi
 
 if on moegemm; then

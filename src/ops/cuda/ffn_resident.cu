@@ -36,8 +36,8 @@ static_assert(kNormVirtual == 2 * kStThreads);
 
 using gemv_stream::BlockSync;
 
-// The routing the blocks lay out in shared memory after the second barrier: as moe_permute
-// (experts ascending, each expert's rows in (t, k) order).
+// The routing (route_tokens) in shared memory: as moe_permute lays it out (experts ascending,
+// each expert's rows in (t, k) order).
 struct Routing {
   int32_t ids[kMaxT * kMaxK];
   float wts[kMaxT * kMaxK];
@@ -238,7 +238,8 @@ __device__ __noinline__ void route_tokens(const RouteIo p, const RouteArgs ra, f
 }
 
 // One stream_rows call: weight rows [n0, n0 + R) of w [N, K] against the x rows of tokens
-// [r0, r1) (xmap: their rows of x), sums into stage rows dst_row0 + (row - r0).
+// [r0, r1) (xmap: their rows of x), sums into destination rows dst_row0 + (row - r0) (of the
+// stage, or of the y rows).
 struct Work {
   const uint8_t* w = nullptr;
   const float* s = nullptr;
@@ -246,7 +247,7 @@ struct Work {
   const float* x = nullptr;
   const int32_t* xmap = nullptr;
   int r0 = 0, r1 = 0;
-  int dst = 0;       // stage buffer: 0 (gate, or the down rows) or 1 (up)
+  int dst = 0;       // gate/up: stage 0 (gate) or 1 (up)
   int dst_row0 = 0;  // its first row
 };
 
@@ -258,6 +259,7 @@ struct Work {
 // or of the always-run MLP (y rows T K + t), into the y rows in global memory (whole row
 // blocks as one item, five Works long, left a 26 us tail on the H100); after a fourth barrier
 // every thread sums its share of out with moe_combine's arithmetic.
+
 // Works a gate/up item, or down items an output row block.
 __device__ __forceinline__ int works_of(const FfnResidentParams& p, const Routing& rt, int kind) {
   if (kind != 3) return 2;

@@ -6,25 +6,26 @@
 // where ffn is the layer's MoE (router, top-k, routed experts, shared expert, weighted
 // combine) or its dense MLP, all FP8 block-scaled. The standard path takes seven launches for
 // this (RMSNorm, the fused router, permute, grouped gate/up, SiLU, grouped down, combine); here
-// one cooperative launch does it in steps separated by bounded grid barriers
-// (ops/cuda/fault.cuh):
+// one cooperative launch does it in steps separated by bounded grid barriers (fault.cuh):
 //   0. block t normalizes token t (and writes its residual row);
-//   1. the router's logits and the always-run MLP's (shared expert or dense) gate/up rows, with
-//      SiLU(g) * u in the same item's epilogue;
-//      The block that finishes the last router item routes every token (the standard path's
-//      warp routine, moe_route.cuh) and lays out the permutation while the others go on;
-//   -- every block copies the routing;
+//   -- barrier 1 --
+//   1. the router's logits (a block an expert) and the always-run MLP's (shared expert or
+//      dense) gate/up rows, SiLU(g) * u in the item's epilogue. The block that finishes the
+//      last router item routes every token (the standard path's warp routine, moe_route.cuh),
+//      lays out the permutation and publishes it while the others go on;
+//   -- barrier 2 -- every block copies the routing;
 //   2. the routed experts' gate/up rows, SiLU in the epilogue;
-//   3. the down projections of every routed and always-run row, R output rows of one matrix an
-//      item, into y rows (a dense layer's straight into out);
-//   -- barrier -- 4. the weighted combine of the y rows into out.
-// The blocks have the weight-stream GEMV's shape (128 threads, as many a multiprocessor as it
-// runs) and work on items of R = 4 weight rows of one matrix with its own routine
-// (gemv_stream.cuh stream_rows): every sum is computed as the standard path's stream GEMV
-// computes it, the router's logits as router_route's, the norm as rms_norm's, the combine as
-// moe_combine's. At T = 1 (where the standard path streams every linear) the result is
-// bit-identical to it; at T = 2..4 the standard path's expert GEMVs run on the tensor cores, so
-// it matches to their rounding.
+//   -- barrier 3 --
+//   3. the down projections, R output rows of one matrix an item, into y rows (a dense
+//      layer's straight into out);
+//   -- barrier 4 -- the weighted combine of the y rows into out, every thread a share.
+// Blocks have the weight-stream GEMV's shape (128 threads, as many a multiprocessor as it runs)
+// and take items of R = 4 weight rows from per-step counters; every item goes through one
+// stream_rows call (gemv_stream.cuh), so every sum is the standard path's stream GEMV's; the
+// router's logits are router_route's, the norm rms_norm's, the combine moe_combine's. At T = 1
+// (where the standard path streams every linear) the result is bit-identical to it; at T = 2..4
+// the standard path's expert GEMVs run on the tensor cores (x in bf16), so it matches to their
+// rounding.
 //
 // A wait that runs past timeout_ns records a fault in the runner's fault word (fault.h) and
 // ends the kernel; the host sees it after the step and stops. never_arrive_block is the test
