@@ -724,6 +724,12 @@ TEST(CudaMoe, ResidentFfnMatchesCpu) {
   auto barrier = poisoned<uint8_t>(sizeof(GridBarrierState));
   auto counters = poisoned<unsigned>(4);  // the kernel zeroes them
   auto routing = poisoned<uint8_t>(ffn_resident_routing_bytes());
+  auto scratch = [&](FfnResidentParams* p) {  // the kernel's own state
+    p->barrier = barrier.as<GridBarrierState>();
+    p->counters = counters.as<unsigned>();
+    p->routing = routing.data();
+    p->fault = fault->device();
+  };
   uint32_t seed = 900;
   for (const Case& c : cases) {
     const int64_t D = c.D;
@@ -765,28 +771,15 @@ TEST(CudaMoe, ResidentFfnMatchesCpu) {
           p.gate = dgate.as<float>();
           p.bias = c.bias ? dbias.as<float>() : nullptr;
           p.moe = cfg;
-          p.w1_table = static_cast<const void* const*>(tables->w1.data());
-          p.w3_table = static_cast<const void* const*>(tables->w3.data());
-          p.w2_table = static_cast<const void* const*>(tables->w2.data());
-          p.s1_table = static_cast<const float* const*>(tables->s1.data());
-          p.s3_table = static_cast<const float* const*>(tables->s3.data());
-          p.s2_table = static_cast<const float* const*>(tables->s2.data());
-          p.I_routed = c.I;
+          set_routed_experts(&p, *tables);
           p.logits = dlog.as<float>();
           p.ids = dids.as<int32_t>();
           p.weights = dw.as<float>();
         }
-        if (c.I_mlp > 0) {
-          const DeviceMlp& m = mlp.second[0];
-          p.mlp = ResidentMlp{m.w1.weight.data(), m.w3.weight.data(), m.w2.weight.data(), m.w1.scale.as<float>(),
-                              m.w3.scale.as<float>(), m.w2.scale.as<float>(), c.I_mlp};
-        }
+        if (c.I_mlp > 0) p.mlp = resident_mlp(mlp.second[0].w1, mlp.second[0].w2, mlp.second[0].w3);
         p.hidden = hidden.as<float>();
         p.out = dout.as<float>();
-        p.barrier = barrier.as<GridBarrierState>();
-        p.counters = counters.as<unsigned>();
-        p.routing = routing.data();
-        p.fault = fault->device();
+        scratch(&p);
         p.blocks_per_sm = rep == 0 ? 0 : 3;  // the second run with 3 blocks a multiprocessor
         ML4_ASSERT_OK(ffn_resident(p));
         sync();
@@ -863,14 +856,10 @@ TEST(CudaMoe, ResidentFfnMatchesCpu) {
     p.attn_out = dattn.as<float>();
     p.residual = dres.as<float>();
     p.norm_w = dnorm.as<float>();
-    const DeviceMlp& m = mlp.second[0];
-    p.mlp = ResidentMlp{m.w1.weight.data(), m.w3.weight.data(), m.w2.weight.data(), m.w1.scale.as<float>(),
-                        m.w3.scale.as<float>(), m.w2.scale.as<float>(), c.I_mlp};
+    p.mlp = resident_mlp(mlp.second[0].w1, mlp.second[0].w2, mlp.second[0].w3);
     p.hidden = hidden.as<float>();
     p.out = dout.as<float>();
-    p.barrier = barrier.as<GridBarrierState>();
-    p.counters = counters.as<unsigned>();
-    p.fault = fault->device();
+    scratch(&p);
     p.timeout_ns = 50'000'000;
     p.never_arrive_block = 3;
     ML4_ASSERT_OK(barrier.fill_bytes(0));

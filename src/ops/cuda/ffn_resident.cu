@@ -486,6 +486,21 @@ Status launch(const FfnResidentParams& p, const RouteArgs& ra, size_t smem) {
 
 size_t ffn_resident_routing_bytes() { return sizeof(Routing); }
 
+ResidentMlp resident_mlp(const DeviceLinear& w1, const DeviceLinear& w2, const DeviceLinear& w3) {
+  return ResidentMlp{w1.weight.data(), w3.weight.data(), w2.weight.data(), w1.scale.as<float>(),
+                     w3.scale.as<float>(), w2.scale.as<float>(), w1.N};
+}
+
+void set_routed_experts(FfnResidentParams* p, const MoeExpertTables& tb) {
+  p->w1_table = static_cast<const void* const*>(tb.w1.data());
+  p->w3_table = static_cast<const void* const*>(tb.w3.data());
+  p->w2_table = static_cast<const void* const*>(tb.w2.data());
+  p->s1_table = static_cast<const float* const*>(tb.s1.data());
+  p->s3_table = static_cast<const float* const*>(tb.s3.data());
+  p->s2_table = static_cast<const float* const*>(tb.s2.data());
+  p->I_routed = tb.I;
+}
+
 int ffn_resident_max_blocks() { return gemv_stream::kStMinBlocks(1) * sm_count(); }
 
 int64_t ffn_resident_hidden_floats(int T, int K, int64_t I_routed, int64_t I_mlp, int64_t D) {

@@ -38,6 +38,8 @@
 
 #include "core/status.h"
 #include "ops/cuda/fault.h"
+#include "ops/cuda/linear.h"
+#include "ops/cuda/moe.h"
 #include "ops/ffn_resident_shape.h"
 
 namespace ml4::cuda {
@@ -103,6 +105,11 @@ struct FfnResidentParams {
 };
 
 int64_t ffn_resident_hidden_floats(int T, int K, int64_t I_routed, int64_t I_mlp, int64_t D);
+
+// An FP8 MLP's matrices as the kernel takes them (shapes are the caller's to check).
+ResidentMlp resident_mlp(const DeviceLinear& w1, const DeviceLinear& w2, const DeviceLinear& w3);
+// The routed experts' tables (build_expert_tables) into p's w*_table / s*_table and I_routed.
+void set_routed_experts(FfnResidentParams* p, const MoeExpertTables& tb);
 
 Status ffn_resident(const FfnResidentParams& p);
 

@@ -1076,8 +1076,7 @@ bool CudaBackend::resident_ffn_params(const FfnBlockArgs& a, FfnResidentParams* 
     if (!fp8(w1) || !fp8(w2) || !fp8(w3) || w1.K != cfg_.dim || w3.K != cfg_.dim || w3.N != w1.N ||
         w2.N != cfg_.dim || w2.K != w1.N)
       return false;
-    *m = ResidentMlp{w1.weight.data(), w3.weight.data(), w2.weight.data(), w1.scale.as<float>(),
-                     w3.scale.as<float>(), w2.scale.as<float>(), w1.N};
+    *m = resident_mlp(w1, w2, w3);
     return true;
   };
   FfnResidentParams q;
@@ -1095,13 +1094,7 @@ bool CudaBackend::resident_ffn_params(const FfnBlockArgs& a, FfnResidentParams* 
     q.gate = g.weight.as<float>();
     q.bias = a.router_bias;
     q.moe = cfg_.moe;
-    q.w1_table = static_cast<const void* const*>(M.tables->w1.data());
-    q.w3_table = static_cast<const void* const*>(M.tables->w3.data());
-    q.w2_table = static_cast<const void* const*>(M.tables->w2.data());
-    q.s1_table = static_cast<const float* const*>(M.tables->s1.data());
-    q.s3_table = static_cast<const float* const*>(M.tables->s3.data());
-    q.s2_table = static_cast<const float* const*>(M.tables->s2.data());
-    q.I_routed = M.tables->I;
+    set_routed_experts(&q, *M.tables);
   } else {
     const MlpRef& d = a.dense;
     if (!d.w1.valid() || !mlp_of(linears_[d.w1.id], linears_[d.w2.id], linears_[d.w3.id], &q.mlp)) return false;
