@@ -103,6 +103,19 @@ TEST(CudaMoe, RouteMatchesCpu) {
 // within moe_route's 1e-6), for T = 1, 3 and 8 and the route configurations above; twice per
 // case (the done-counter resets itself; the results are bit-identical); unsupported shapes
 // are statuses.
+// The router's logits in f64: x [T, D] against gate [E, D].
+std::vector<double> router_logits_f64(const std::vector<float>& gate, const std::vector<float>& x, int64_t T, int E,
+                                      int64_t D) {
+  std::vector<double> ref(T * E);
+  for (int64_t t = 0; t < T; ++t)
+    for (int e = 0; e < E; ++e) {
+      double acc = 0.0;
+      for (int64_t k = 0; k < D; ++k) acc += static_cast<double>(x[t * D + k]) * gate[e * D + k];
+      ref[t * E + e] = acc;
+    }
+  return ref;
+}
+
 TEST(CudaMoe, FusedRouterMatchesCpu) {
   ML4_REQUIRE_GPU();
   struct Case {
@@ -125,13 +138,7 @@ TEST(CudaMoe, FusedRouterMatchesCpu) {
     ML4_ASSERT_OK(counter.fill_bytes(0));
     for (const int64_t T : {int64_t{1}, int64_t{3}, int64_t{8}}) {
       auto x = randn(T * D, seed++);
-      std::vector<double> ref(T * c.E);
-      for (int64_t t = 0; t < T; ++t)
-        for (int e = 0; e < c.E; ++e) {
-          double acc = 0.0;
-          for (int64_t k = 0; k < D; ++k) acc += static_cast<double>(x[t * D + k]) * gate[e * D + k];
-          ref[t * c.E + e] = acc;
-        }
+      const std::vector<double> ref = router_logits_f64(gate, x, T, c.E, D);
       auto dx = to_device(x);
       std::vector<std::vector<float>> logit_runs;
       for (int rep = 0; rep < 2; ++rep) {
@@ -804,14 +811,7 @@ TEST(CudaMoe, ResidentFfnMatchesCpu) {
         std::vector<float> w;
         if (moe) {
           const auto lg = to_host<float>(dlog, T * c.E);
-          std::vector<double> lref(T * c.E);
-          for (int t = 0; t < T; ++t)
-            for (int e = 0; e < c.E; ++e) {
-              double a = 0.0;
-              for (int64_t d = 0; d < D; ++d) a += static_cast<double>(gate[e * D + d]) * xn[t * D + d];
-              lref[t * c.E + e] = a;
-            }
-          EXPECT_LT(rel_err(lg, lref), 1e-5) << "logits, E=" << c.E << " T=" << T;
+          EXPECT_LT(rel_err(lg, router_logits_f64(gate, xn, T, c.E, D)), 1e-5) << "logits, E=" << c.E << " T=" << T;
           ids = to_host<int32_t>(dids, T * K);
           w = to_host<float>(dw, T * K);
           std::vector<int32_t> rid(T * K);

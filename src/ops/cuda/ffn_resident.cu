@@ -34,8 +34,6 @@ constexpr int blocks_per_sm(int m) { return gemv_stream::kStMinBlocks(m); }
 static_assert(kNormVirtual * kNormVec * 4 >= kFfnResidentMaxDim && kStThreads * kRouterVec * 4 >= kFfnResidentMaxDim);
 static_assert(kNormVirtual == 2 * kStThreads);
 
-using gemv_stream::BlockSync;
-
 // The routing (route_tokens) in shared memory: as moe_permute lays it out (experts ascending,
 // each expert's rows in (t, k) order).
 struct Routing {
@@ -438,7 +436,7 @@ __global__ void __launch_bounds__(kStThreads, BPS)
         const int64_t stride = kind == 3 ? p.D : R;
         float* dst = (kind == 3 ? (moe ? y : p.out) + w.n0 : stage[w.dst]) + (w.dst_row0 - w.r0) * stride;
         gemv_stream::stream_rows<M, R, true, kConv, gemv_stream::kXPlain>(
-            w.w, w.s, w.N, w.K, w.n0, w.x, w.xmap, 0, w.r0, w.r1, tid, red, BlockSync{},
+            w.w, w.s, w.N, w.K, w.n0, w.x, w.xmap, 0, w.r0, w.r1, red,
             [=](int64_t row, int r, float val) { dst[row * stride + r] = val; });
       }
       if (kind != 3) finish_gate_up<R>(p, rt, hidden_mlp, kind, item, stage[0], stage[1]);  // ends with __syncthreads

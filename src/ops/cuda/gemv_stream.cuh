@@ -169,12 +169,11 @@ __device__ __forceinline__ void token_rows(const float* x, int64_t K, const int3
 
 // A token group's sums: every thread's acc[M][R] -> store(m, r, v) for m < mrows and n0 + r < N,
 // by a shuffle tree in each warp and then the warps in order in shared memory
-// (bit-deterministic). tid: the thread's index in its kStThreads-thread group; sync: that
-// group's barrier (__syncthreads for a block of one group). red is free again when it returns.
-template <int M, int R, typename Sync, typename Store>
+// (bit-deterministic). red is free again when it returns.
+template <int M, int R, typename Store>
 __device__ __forceinline__ void reduce_store_to(const float (&acc)[M][R], float (&red)[kStWarps][M * R], int mrows,
-                                                int64_t n0, int64_t N, int tid, Sync sync, Store store) {
-  const int lane = tid & 31, warp = tid >> 5;
+                                                int64_t n0, int64_t N, Store store) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 #pragma unroll
   for (int m = 0; m < M; ++m)
 #pragma unroll
@@ -182,7 +181,7 @@ __device__ __forceinline__ void reduce_store_to(const float (&acc)[M][R], float 
       const float v = warp_sum(acc[m][r]);
       if (lane == 0) red[warp][m * R + r] = v;
     }
-  sync();
+  __syncthreads();
   if (tid < M * R) {
     const int m = tid / R, r = tid % R;
     if (m < mrows && n0 + r < N) {
@@ -192,19 +191,14 @@ __device__ __forceinline__ void reduce_store_to(const float (&acc)[M][R], float 
       store(m, r, v);
     }
   }
-  sync();  // red is reused by the next token group
+  __syncthreads();  // red is reused by the next token group
 }
 
-struct BlockSync {
-  __device__ __forceinline__ void operator()() const { __syncthreads(); }
-};
-
-// y_rows[m * N + n0 + r] (a block of one group).
+// y_rows[m * N + n0 + r].
 template <int M, int R>
 __device__ __forceinline__ void reduce_store(const float (&acc)[M][R], float (&red)[kStWarps][M * R], int mrows,
                                              int64_t n0, int64_t N, float* y_rows) {
-  reduce_store_to<M, R>(acc, red, mrows, n0, N, static_cast<int>(threadIdx.x), BlockSync{},
-                        [&](int m, int r, float v) { y_rows[m * N + n0 + r] = v; });
+  reduce_store_to<M, R>(acc, red, mrows, n0, N, [&](int m, int r, float v) { y_rows[m * N + n0 + r] = v; });
 }
 
 // Block-scale multiplier that undoes each decoding's power-of-two offset.
@@ -253,31 +247,28 @@ __device__ __forceinline__ void decode4_bf16(uint2 w, float (&f)[4]) {
   f[3] = __uint_as_float(w.y & 0xFFFF0000u);
 }
 
-// How the x rows are read: kXLdg, read-only for the whole kernel (__ldg); kXLdcg, written
-// earlier in the same kernel by other blocks (__ldcg: at L2, past the SM's non-coherent L1);
-// kXPlain, a generic load (x in shared memory).
-enum XLoad { kXLdg = 0, kXLdcg = 1, kXPlain = 2 };
+// How the x rows are read: kXLdg, read-only for the whole kernel (__ldg); kXPlain, a plain load
+// (written earlier in the same kernel before a grid barrier, or in shared memory).
+enum XLoad { kXLdg = 0, kXPlain = 1 };
 
 template <int kX>
 __device__ __forceinline__ float4 load_x(const float4* p) {
   if constexpr (kX == kXLdg) return __ldg(p);
-  else if constexpr (kX == kXLdcg) return __ldcg(p);
   else return *p;
 }
 
-// One block's (or one kStThreads-thread group's: tid its thread index in the group, sync the
-// group's barrier) work: weight rows [n0, n0 + R) (n0 < N) of w against the x rows of tokens
+// One block's work: weight rows [n0, n0 + R) (n0 < N) of w against the x rows of tokens
 // [r_begin, r_end) (r_begin < r_end), M at a time; each sum goes to store(p, r, v) for token
 // row p and weight row n0 + r. The arithmetic of every sum depends on neither M nor R.
-template <int M, int R, bool kFp8, int kConv, int kX, typename Sync, typename Store>
+template <int M, int R, bool kFp8, int kConv, int kX, typename Store>
 __device__ __forceinline__ void stream_rows(const uint8_t* w, const float* w_scale, int64_t N, int64_t K, int64_t n0,
                                             const float* x, const int32_t* xmap, int64_t x_off, int64_t r_begin,
-                                            int64_t r_end, int tid, float (&red)[kStWarps][M * R], Sync sync,
-                                            Store store) {
+                                            int64_t r_end, float (&red)[kStWarps][M * R], Store store) {
   using LoadT = std::conditional_t<kFp8, uint32_t, uint2>;
   constexpr int U = kStU;
   constexpr int64_t kEb = kFp8 ? 1 : 2;
   constexpr float kMul = kFp8 ? conv_mul<kConv>() : 1.0f;
+  const int tid = threadIdx.x;
   const int64_t nq = K / 4;  // quads per row
   const int n_my = tid < nq ? static_cast<int>((nq - tid + kStThreads - 1) / kStThreads) : 0;
   const float* srow = kFp8 ? w_scale + (n0 / 128) * (K / 128) : nullptr;
@@ -391,7 +382,7 @@ __device__ __forceinline__ void stream_rows(const uint8_t* w, const float* w_sca
       load(b, wv, sc);
       compute(b, wv, sc);
     }
-    reduce_store_to<M, R>(acc, red, mrows, n0, N, tid, sync, [&](int m, int r, float v) { store(p0 + m, r, v); });
+    reduce_store_to<M, R>(acc, red, mrows, n0, N, [&](int m, int r, float v) { store(p0 + m, r, v); });
   }
 }
 
@@ -411,8 +402,7 @@ __global__ void __launch_bounds__(kStThreads, kStMinBlocks(M)) gemv_stream_kerne
   const int64_t n0 = blockIdx.x * int64_t{R};
   if (n0 >= N || r_begin >= r_end) return;  // block-uniform
   __shared__ float red[kStWarps][M * R];
-  stream_rows<M, R, kFp8, kConv, kXLdg>(sw.w, sw.w_scale, N, a.K, n0, a.x, sw.xmap, sw.x_off, r_begin, r_end,
-                                        static_cast<int>(threadIdx.x), red, BlockSync{},
+  stream_rows<M, R, kFp8, kConv, kXLdg>(sw.w, sw.w_scale, N, a.K, n0, a.x, sw.xmap, sw.x_off, r_begin, r_end, red,
                                         [&](int64_t p, int r, float v) { y[(y_off + p) * N + n0 + r] = v; });
 }
 
