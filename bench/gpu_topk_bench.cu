@@ -1,6 +1,7 @@
-// The indexer's causal top-k (ops/cuda/topk.h) at decode shapes: one block per row against the
+// The indexer's causal top-k (ops/cuda/topk.h) at decode shapes: one block per row (looping over
+// the row in global memory, or holding it in registers up to 16k scores) against the
 // multi-block path, k = 2048, rows of 8k-256k normal scores, T = 1..32 rows. Prints
-// `TOPK T=.. n=.. splits=.. ms=..` per path and the speedup.
+// `TOPK T=.. n=.. path=.. ms=..` per path and its speedup over the looping kernel.
 //
 // Bytes per call: each path reads the row 4-5 times (3-4 radix passes, the count and the
 // write), ~1 MB at n = 61440, from L2 after the first pass: the floor is a few microseconds;
@@ -8,8 +9,10 @@
 // in the 14:50 attention run), which more blocks per row shorten.
 //
 // usage: gpu_topk_bench
+#include <algorithm>
 #include <cstdio>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "gpu_bench_util.h"
@@ -42,14 +45,18 @@ int main() {
   BENCH_CHECK(cnt.status());
   auto ws = DeviceBuffer::alloc(topk_workspace_bytes(max_T, 264));
   BENCH_CHECK(ws.status());
-  for (int64_t n : {8192, 16384, 61440, 262144}) {
+  for (int64_t n : {8192, 8448, 16384, 61440, 262144}) {
     for (int64_t T : {1, 4, 8, 32}) {
       std::vector<int32_t> lengths(T, static_cast<int32_t>(n));
       BENCH_CHECK(len->upload(lengths.data(), T * 4));
-      double one = 0;
-      for (int splits : {1, 0}) {
-        const int chosen = splits == 1 ? 1 : topk_choose_splits(T, n);
-        if (splits == 0 && chosen == 1) break;  // the multi-block path is not taken here
+      double loop = 0;
+      // loop: one block a row walking the row in global memory (max_length unknown); reg: one
+      // block a row with the row in registers (n <= 16384); multi: 4096 positions a block.
+      for (const char* path : {"loop", "reg", "multi"}) {
+        const std::string pa = path;
+        const int64_t multi = std::min<int64_t>(n / 4096, 264 / T);
+        if (pa == "reg" && n > 16384) continue;
+        if (pa == "multi" && multi < 4) continue;
         TopkParams p;
         p.scores = scores->as<float>();
         p.scores_stride = n;
@@ -58,15 +65,16 @@ int main() {
         p.k = k;
         p.positions = pos->as<int32_t>();
         p.counts = cnt->as<int32_t>();
-        p.splits = splits;
-        p.max_length = n;
+        p.splits = pa == "multi" ? static_cast<int>(multi) : 1;
+        p.max_length = pa == "loop" ? 0 : n;
         p.workspace = ws->data();
         p.workspace_bytes = ws->bytes();
         p.stream = stream;
         const double ms = bench::median_ms(stream, 3, 20, [&](int) { BENCH_CHECK(topk(p)); });
-        if (splits == 1) one = ms;
-        std::printf("TOPK T=%ld n=%ld splits=%d ms=%.4f%s\n", static_cast<long>(T), static_cast<long>(n), chosen, ms,
-                    splits == 1 ? "" : (" speedup=" + std::to_string(one / ms)).c_str());
+        if (pa == "loop") loop = ms;
+        std::printf("TOPK T=%ld n=%ld path=%s splits=%d ms=%.4f vs_loop=%.2f%s\n", static_cast<long>(T),
+                    static_cast<long>(n), path, p.splits, ms, loop / ms,
+                    topk_choose_splits(T, n) == p.splits && (pa != "loop" || n > 16384) ? " (default)" : "");
       }
     }
   }

@@ -110,8 +110,9 @@ void scores_and_topk(std::initializer_list<IndexerMath> maths) {
       std::vector<std::vector<float>> runs;
       // Runs 0 and 1 one token a block, run 2 (FP8 tensor cores) four tokens a block sharing
       // their keys (tokens_per_block; the groups here mix sequences 0-2 and 0, then hold only
-      // sequence 0): the same bits as run 0.
-      const int nruns = math == IndexerMath::kFp8TensorCore ? 3 : 2;
+      // sequence 0), runs 3 and 4 one and three key pages a block (pages_per_block; the
+      // kernel's own choice elsewhere): the same bits as run 0.
+      const int nruns = math == IndexerMath::kFp8TensorCore ? 5 : 2;
       for (int rep = 0; rep < nruns; ++rep) {
         auto d_scores = poisoned<float>(T * stride);
         IndexerScoresParams p;
@@ -132,14 +133,16 @@ void scores_and_topk(std::initializer_list<IndexerMath> maths) {
         p.scores_stride = stride;
         p.math = math;
         p.tokens_per_block = rep == 2 ? 4 : 1;
+        p.pages_per_block = rep == 3 ? 1 : rep == 4 ? 3 : 0;  // 0: the kernel's choice
         ML4_ASSERT_OK(indexer_scores(p));
         ML4_ASSERT_OK(cuda_status(cudaDeviceSynchronize(), "sync"));
         runs.push_back(to_host<float>(d_scores, T * stride));
       }
       EXPECT_EQ(0, std::memcmp(runs[0].data(), runs[1].data(), runs[0].size() * 4)) << "repeat run differs";
-      if (nruns == 3)
-        EXPECT_EQ(0, std::memcmp(runs[0].data(), runs[2].data(), runs[0].size() * 4))
-            << "4 tokens a block differ from 1 (HI " << HI << ")";
+      for (int rep = 2; rep < nruns; ++rep)
+        EXPECT_EQ(0, std::memcmp(runs[0].data(), runs[rep].data(), runs[0].size() * 4))
+            << (rep == 2 ? "4 tokens a block differ from 1" : rep == 3 ? "1 page a block differs" : "3 pages a block differ")
+            << " (HI " << HI << ")";
       const auto& got = runs[0];
 
       // f64 reference; CPU f32 reference for the top-k comparison.

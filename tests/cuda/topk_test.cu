@@ -116,6 +116,89 @@ TEST(CudaTopk, MatchesCpuTopkWithTiesNanAndPadding) {
   }
 }
 
+// The register path (rows of at most 16,384 scores when the caller passes max_length): against
+// cpu::topk and bit for bit against the looping one-block kernel (max_length 0), at every
+// register width (4, 8, 12, 16 keys a thread), with aligned rows (float4 loads) and an odd
+// stride (scalar loads), rows whose selection ends early (every score equal: the first digit
+// bin holds exactly the keys wanted), and a max_length below a row's length (that row takes the
+// looping code inside the kernel). Scores past each length are +inf: none may be selected.
+TEST(CudaTopk, RegisterPathMatchesCpuAndTheLoopKernel) {
+  ML4_REQUIRE_GPU();
+  std::mt19937 rng(77);
+  const float inf = std::numeric_limits<float>::infinity();
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  int runs = 0;
+  for (const auto& [max_length, stride] : std::vector<std::pair<int64_t, int64_t>>{
+           {4096, 4100}, {8192, 8196}, {8448, 8449}, {12288, 12288}, {16384, 16384}, {3000, 5120}}) {
+    std::vector<int32_t> lengths = {static_cast<int32_t>(std::min<int64_t>(max_length, stride)), 2049, 2048, 1, 0,
+                                    3000, 3000, 2500, 130, static_cast<int32_t>(max_length) - 1};
+    if (max_length == 3000) lengths[0] = 5000;  // longer than max_length says: the loop code
+    const int64_t T = static_cast<int64_t>(lengths.size());
+    std::vector<float> scores(T * stride, inf);
+    for (int64_t t = 0; t < T; ++t)
+      for (int i = 0; i < lengths[t]; ++i) scores[t * stride + i] = nd(rng);
+    for (int i = 0; i < 3000; ++i) scores[5 * stride + i] = static_cast<float>(static_cast<int>(rng() % 8) - 4) * 0.5f;
+    for (int i = 0; i < 3000; i += 7) scores[5 * stride + i] = -0.0f;
+    for (int i = 0; i < 3000; i += 13) scores[6 * stride + i] = std::numeric_limits<float>::quiet_NaN();
+    for (int i = 5; i < 3000; i += 101) scores[6 * stride + i] = -inf;
+    scores[6 * stride + 17] = inf;
+    for (int i = 0; i < 2500; ++i) scores[7 * stride + i] = 0.25f;  // one bin, ends after the first pass
+    const int64_t pages = (stride + kPageTokens - 1) / kPageTokens;
+    std::vector<int32_t> bt(T * pages);
+    std::iota(bt.begin(), bt.end(), 0);
+    std::shuffle(bt.begin(), bt.end(), rng);
+    std::vector<int32_t> seq_of(T);
+    std::iota(seq_of.begin(), seq_of.end(), 0);
+    auto d_scores = to_device(scores);
+    auto d_len = to_device(lengths);
+    auto d_bt = to_device(bt);
+    auto d_seq = to_device(seq_of);
+    for (int k : {2048, 16}) {
+      std::vector<std::vector<int32_t>> pos, slot;
+      for (int64_t ml : {max_length, int64_t{0}}) {  // the register kernel, then the loop kernel
+        auto d_pos = poisoned<int32_t>(T * k), d_slots = poisoned<int32_t>(T * k), d_cnt = poisoned<int32_t>(T);
+        TopkParams p;
+        p.scores = d_scores.as<float>();
+        p.scores_stride = stride;
+        p.lengths = d_len.as<int32_t>();
+        p.T = T;
+        p.k = k;
+        p.positions = d_pos.as<int32_t>();
+        p.slots = d_slots.as<int32_t>();
+        p.counts = d_cnt.as<int32_t>();
+        p.block_table = d_bt.as<int32_t>();
+        p.block_table_stride = pages;
+        p.seq_of_token = d_seq.as<int32_t>();
+        p.max_length = ml;
+        ML4_ASSERT_OK(topk(p));
+        ML4_ASSERT_OK(cuda_status(cudaDeviceSynchronize(), "sync"));
+        pos.push_back(to_host<int32_t>(d_pos, T * k));
+        slot.push_back(to_host<int32_t>(d_slots, T * k));
+        const auto cnt = to_host<int32_t>(d_cnt, T);
+        for (int64_t t = 0; t < T; ++t) EXPECT_EQ(cnt[t], std::min(k, lengths[t])) << "row " << t;
+      }
+      EXPECT_EQ(pos[0], pos[1]) << "max_length " << max_length << " k " << k << ": register vs loop kernel";
+      EXPECT_EQ(slot[0], slot[1]) << "max_length " << max_length << " k " << k << ": register vs loop kernel";
+      for (int64_t t = 0; t < T; ++t) {
+        std::vector<int32_t> ref(k);
+        cpu::topk(scores.data() + t * stride, lengths[t], k, ref.data());
+        const int kk = std::min(k, lengths[t]);
+        std::sort(ref.begin(), ref.begin() + kk);
+        int bad = 0;
+        for (int i = 0; i < k; ++i) {
+          const int32_t want = i < kk ? ref[i] : -1;
+          const int32_t want_slot = i < kk ? bt[t * pages + want / kPageTokens] * kPageTokens + want % kPageTokens : -1;
+          bad += pos[0][t * k + i] != want || slot[0][t * k + i] != want_slot;
+        }
+        EXPECT_EQ(bad, 0) << "max_length " << max_length << " stride " << stride << " k " << k << " row " << t
+                          << " (length " << lengths[t] << ")";
+      }
+      ++runs;
+    }
+  }
+  EXPECT_EQ(runs, 12);
+}
+
 TEST(CudaTopk, BadArgumentsAreErrors) {
   TopkParams p;
   p.T = 1;
@@ -130,11 +213,13 @@ TEST(CudaTopk, BadArgumentsAreErrors) {
   EXPECT_FALSE(topk(p).ok());
 }
 
-// The split choice (host only): several blocks per row only for small steps over long rows,
+// The split choice (host only): several blocks per row only for small steps over rows longer
+// than the register kernel's 16,384 scores,
 // about 4096 positions per block, at most two waves of blocks.
 TEST(CudaTopk, SplitChoice) {
   EXPECT_EQ(topk_choose_splits(1, 8192), 1);
-  EXPECT_EQ(topk_choose_splits(1, 16384), 4);
+  EXPECT_EQ(topk_choose_splits(1, 16384), 1);  // one block, the row in registers
+  EXPECT_EQ(topk_choose_splits(1, 16385), 4);
   EXPECT_EQ(topk_choose_splits(1, 61440), 15);
   EXPECT_EQ(topk_choose_splits(8, 1 << 20), 33);
   EXPECT_EQ(topk_choose_splits(32, 61440), 8);

@@ -14,6 +14,7 @@
 
 #include <cuda_fp8.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "kv/indexer_layout.h"
@@ -145,7 +146,7 @@ __global__ void __launch_bounds__(kThreads) indexer_scores_kernel(
   }
 }
 
-// FP8 tensor-core variant: grid (token groups of TQ, chunks of kPagesPerBlock pages), 256
+// FP8 tensor-core variant: grid (token groups of TQ, chunks of 1..kPagesPerBlock pages), 256
 // threads = 8 warps. Per page, S[key][head] = k8 . q8 as mma.sync m16n8k32 e4m3 (A = keys,
 // row-major; B = q, "column-major" = q rows as stored). Warp w: key tile w % 4 (16 keys), head
 // n-tiles [4 (w / 4), +4) of 8 heads. Fragment layout (PTX ISA, mma.m16n8k32 for 8-bit types): A
@@ -181,7 +182,7 @@ __global__ void __launch_bounds__(kThreads) indexer_fp8_kernel(
     const uint8_t* __restrict__ q, const float* __restrict__ q_scale, const float* __restrict__ weights,
     const uint8_t* __restrict__ cache, int64_t num_blocks, const int32_t* __restrict__ block_table,
     int64_t bt_stride, const int32_t* __restrict__ seq_of_token, const int32_t* __restrict__ lengths, int HI,
-    float w_scale, float* __restrict__ scores, int64_t scores_stride, int64_t T) {
+    float w_scale, float* __restrict__ scores, int64_t scores_stride, int64_t T, int ppb) {
   pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
   pdl_launch_dependents();
   extern __shared__ __align__(16) uint8_t fp8_smem[];
@@ -192,7 +193,7 @@ __global__ void __launch_bounds__(kThreads) indexer_fp8_kernel(
   float* red = kscale + kPageTokens;  // [2][TQ][64]
   __shared__ int64_t page_id;
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * TQ;
-  const int page0 = blockIdx.y * kPagesPerBlock;
+  const int page0 = blockIdx.y * ppb;
   int lens[TQ], seqs[TQ];
   uint32_t todo = 0;  // the group's tokens with keys in this chunk
 #pragma unroll
@@ -230,7 +231,7 @@ __global__ void __launch_bounds__(kThreads) indexer_fp8_kernel(
         len = max(len, lens[i]);
       }
     todo &= ~m;
-    for (int pg = page0; pg < page0 + kPagesPerBlock && pg * kPageTokens < len; ++pg) {
+    for (int pg = page0; pg < page0 + ppb && pg * kPageTokens < len; ++pg) {
       __syncthreads();
       if (tid == 0) {
         const int64_t b = block_table[seq * bt_stride + pg];
@@ -528,10 +529,19 @@ Status indexer_scores(const IndexerScoresParams& p) {
     const size_t smem = fp8_smem_bytes(tq);
     ML4_CUDA_RETURN_IF_ERROR(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    const dim3 g(static_cast<unsigned>((p.T + tq - 1) / tq), static_cast<unsigned>(chunks));
+    const int64_t groups = (p.T + tq - 1) / tq;
+    // Decode (ml4-slice-4 at 8k context, H100): 32 blocks of 4 pages took 16 us, a chain of
+    // four page loads and barriers each; 4 blocks a multiprocessor of 132 is ~528.
+    int ppb = p.pages_per_block;
+    if (ppb == 0) ppb = static_cast<int>(std::clamp<int64_t>((groups * pages + 527) / 528, 1, kPagesPerBlock));
+    if (ppb < 1 || ppb > kPagesPerBlock)
+      return invalid_argument("indexer_scores: pages_per_block = {} (1..{})", ppb, kPagesPerBlock);
+    const int fp8_chunks = (pages + ppb - 1) / ppb;
+    if (fp8_chunks > 65535) return invalid_argument("indexer_scores: max_length {} too large", p.max_length);
+    const dim3 g(static_cast<unsigned>(groups), static_cast<unsigned>(fp8_chunks));
     launch_kernel(kernel, g, kThreads, smem, p.stream, static_cast<const uint8_t*>(p.q), p.q_scale, p.weights,
                   static_cast<const uint8_t*>(p.cache), p.num_blocks, p.block_table, p.block_table_stride,
-                  p.seq_of_token, p.lengths, p.HI, p.weight_scale, p.scores, p.scores_stride, p.T);
+                  p.seq_of_token, p.lengths, p.HI, p.weight_scale, p.scores, p.scores_stride, p.T, ppb);
     return cuda_status(cudaGetLastError(), "indexer_fp8_kernel");
   }
   const size_t smem = smem_bytes(p.HI);

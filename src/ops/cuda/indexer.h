@@ -56,6 +56,10 @@ struct IndexerScoresParams {
   // kFp8TensorCore: query tokens that share a block's key pages, 1 or 4 (the same bits either
   // way); 0 picks 4 for steps of 256 tokens or more (prefill), else 1.
   int tokens_per_block = 0;
+  // kFp8TensorCore: key pages a block takes, 1..4 (the same bits either way); 0 picks the
+  // fewest that keep the grid within ~4 blocks a multiprocessor (decode: one page a block, so
+  // each block's chain of page loads and barriers runs once).
+  int pages_per_block = 0;
   cudaStream_t stream = nullptr;
 };
 Status indexer_scores(const IndexerScoresParams& p);

@@ -24,6 +24,7 @@ namespace ml4::cuda {
 namespace {
 
 constexpr int kThreads = 1024;
+constexpr int64_t kRegMaxLength = 16 * kThreads;  // topk_reg_kernel's longest rows
 
 __device__ __forceinline__ uint32_t order_key(float f) {
   if (isnan(f)) f = -__int_as_float(0x7f800000);
@@ -51,26 +52,63 @@ __device__ __forceinline__ void write_selected(const float* row, int lo, int hi,
   }
 }
 
-__global__ void __launch_bounds__(kThreads) topk_kernel(const float* __restrict__ scores, int64_t scores_stride,
-                                                        const int32_t* __restrict__ lengths, int k,
-                                                        int32_t* __restrict__ positions, int32_t* __restrict__ slots,
-                                                        int32_t* __restrict__ counts, int64_t out_stride,
-                                                        const int32_t* __restrict__ block_table, int64_t bt_stride,
-                                                        const int32_t* __restrict__ seq_of_token) {
-  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
-  pdl_launch_dependents();
-  using Scan = cub::BlockScan<int, kThreads>;
-  __shared__ typename Scan::TempStorage scan_tmp;
-  __shared__ unsigned hist[256];
-  __shared__ uint32_t s_prefix;
-  __shared__ int s_rem;
-  const int64_t t = blockIdx.x;
+// Warp 0 (tid < 32) finds the digit of the rem-th largest key among the keys that match
+// prefix: lane l owns bins [8l, 8l + 8), counted from the top. Writes the prefix with the
+// digit, the keys still wanted inside that bin, and whether they are the whole bin.
+__device__ __forceinline__ void find_digit(const unsigned* hist, uint32_t prefix, int shift, int rem,
+                                           uint32_t* s_prefix, int* s_rem, int* s_done) {
   const int tid = threadIdx.x;
-  const int n = max(lengths[t], 0);
-  const int kk = min(k, n);
-  const float* row = scores + t * scores_stride;
-  const int32_t* bt = slots ? block_table + static_cast<int64_t>(seq_of_token[t]) * bt_stride : nullptr;
+  unsigned c[8], tot = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    c[i] = hist[8 * tid + i];
+    tot += c[i];
+  }
+  unsigned incl = tot;  // keys in lanes >= tid (higher digits)
+  for (int o = 1; o < 32; o <<= 1) {
+    const unsigned v = __shfl_down_sync(0xffffffffu, incl, o);
+    if (tid + o < 32) incl += v;
+  }
+  unsigned above = incl - tot;
+  if (above < static_cast<unsigned>(rem) && static_cast<unsigned>(rem) <= incl) {
+    for (int i = 7; i >= 0; --i) {
+      if (static_cast<unsigned>(rem) <= above + c[i]) {
+        *s_prefix = prefix | (static_cast<uint32_t>(8 * tid + i) << shift);
+        *s_rem = rem - static_cast<int>(above);
+        *s_done = static_cast<unsigned>(rem) - above == c[i];
+        break;
+      }
+      above += c[i];
+    }
+  }
+}
 
+// -1 after the kk selected of row t up to k, and the row's count.
+__device__ __forceinline__ void fill_tail(int kk, int k, int64_t t, int32_t* positions, int32_t* slots,
+                                          int32_t* counts, int64_t out_stride) {
+  for (int i = kk + static_cast<int>(threadIdx.x); i < k; i += kThreads) {
+    if (positions) positions[t * out_stride + i] = -1;
+    if (slots) slots[t * out_stride + i] = -1;
+  }
+  if (counts && threadIdx.x == 0) counts[t] = kk;
+}
+
+
+// The one-block selection of a row of n scores (any n), positions [lo, lo + seg) a thread.
+struct RowSmem {
+  cub::BlockScan<int, kThreads>::TempStorage scan;
+  unsigned hist[256];
+  uint32_t prefix;
+  int rem;
+  int done;
+};
+
+__device__ __forceinline__ void topk_row_loop(const float* __restrict__ row, int n, int kk, int k, int64_t t,
+                                              int32_t* __restrict__ positions, int32_t* __restrict__ slots,
+                                              int32_t* __restrict__ counts, int64_t out_stride,
+                                              const int32_t* __restrict__ bt, RowSmem& sm) {
+  using Scan = cub::BlockScan<int, kThreads>;
+  const int tid = threadIdx.x;
   // Thread tid owns the contiguous positions [tid * seg, tid * seg + seg) of the row: loads
   // unrolled 8 deep keep several in flight per thread (a one-load-per-iteration loop was
   // latency-bound at ~25 us per pass for 60k scores), and per-thread counts in position order
@@ -84,7 +122,7 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const float* __restrict_
     uint32_t prefix = 0, mask = 0;
     int rem = kk;
     for (int shift = 24; shift >= 0; shift -= 8) {
-      for (int i = tid; i < 256; i += kThreads) hist[i] = 0;
+      for (int i = tid; i < 256; i += kThreads) sm.hist[i] = 0;
       __syncthreads();
       for (int i0 = 0; i0 < seg; i0 += 8) {  // warp-uniform trip count
         uint32_t u8[8];
@@ -102,39 +140,15 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const float* __restrict_
             // Warp-aggregated update: the top-byte bins are few and hot.
             const unsigned d = (u8[j] >> shift) & 0xffu;
             const unsigned peers = __match_any_sync(am, d);
-            if (lane == __ffs(peers) - 1) atomicAdd(&hist[d], static_cast<unsigned>(__popc(peers)));
+            if (lane == __ffs(peers) - 1) atomicAdd(&sm.hist[d], static_cast<unsigned>(__popc(peers)));
           }
         }
       }
       __syncthreads();
-      if (tid < 32) {
-        // Warp 0 finds the digit: lane l owns bins [8l, 8l + 8); counts from the top.
-        unsigned c[8], tot = 0;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          c[i] = hist[8 * tid + i];
-          tot += c[i];
-        }
-        unsigned incl = tot;  // keys in lanes >= tid (higher digits)
-        for (int o = 1; o < 32; o <<= 1) {
-          const unsigned v = __shfl_down_sync(0xffffffffu, incl, o);
-          if (tid + o < 32) incl += v;
-        }
-        unsigned above = incl - tot;
-        if (above < static_cast<unsigned>(rem) && static_cast<unsigned>(rem) <= incl) {
-          for (int i = 7; i >= 0; --i) {
-            if (static_cast<unsigned>(rem) <= above + c[i]) {
-              s_prefix = prefix | (static_cast<uint32_t>(8 * tid + i) << shift);
-              s_rem = rem - static_cast<int>(above);
-              break;
-            }
-            above += c[i];
-          }
-        }
-      }
+      if (tid < 32) find_digit(sm.hist, prefix, shift, rem, &sm.prefix, &sm.rem, &sm.done);
       __syncthreads();
-      prefix = s_prefix;
-      rem = s_rem;
+      prefix = sm.prefix;
+      rem = sm.rem;
       mask |= 0xffu << shift;
       __syncthreads();
     }
@@ -161,19 +175,139 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const float* __restrict_
       }
     }
     int eq_before, take_before;
-    Scan(scan_tmp).ExclusiveSum(eq, eq_before);
+    Scan(sm.scan).ExclusiveSum(eq, eq_before);
     __syncthreads();
     const int eq_take = max(0, min(eq, take_eq - eq_before));
-    Scan(scan_tmp).ExclusiveSum(gt + eq_take, take_before);
+    Scan(sm.scan).ExclusiveSum(gt + eq_take, take_before);
     write_selected(row, lo, min(n, lo + seg), thr, eq_take, positions, slots, bt, t * out_stride + take_before);
   }
-  for (int i = kk + tid; i < k; i += kThreads) {
-    if (positions) positions[t * out_stride + i] = -1;
-    if (slots) slots[t * out_stride + i] = -1;
-  }
-  if (counts && tid == 0) counts[t] = kk;
+  fill_tail(kk, k, t, positions, slots, counts, out_stride);
 }
 
+__global__ void __launch_bounds__(kThreads) topk_kernel(const float* __restrict__ scores, int64_t scores_stride,
+                                                        const int32_t* __restrict__ lengths, int k,
+                                                        int32_t* __restrict__ positions, int32_t* __restrict__ slots,
+                                                        int32_t* __restrict__ counts, int64_t out_stride,
+                                                        const int32_t* __restrict__ block_table, int64_t bt_stride,
+                                                        const int32_t* __restrict__ seq_of_token) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
+  __shared__ RowSmem sm;
+  const int64_t t = blockIdx.x;
+  const int n = max(lengths[t], 0);
+  const int32_t* bt = slots ? block_table + static_cast<int64_t>(seq_of_token[t]) * bt_stride : nullptr;
+  topk_row_loop(scores + t * scores_stride, n, min(k, n), k, t, positions, slots, counts, out_stride, bt, sm);
+}
+
+// Rows of at most kThreads * V scores (decode-sized steps, the host's longest row): the row is
+// read once, V keys a thread in registers (thread tid: positions [V tid, V tid + V), float4
+// loads), and every radix pass works on the registers: three block barriers a pass, no global
+// reads after the first. A pass whose digit bin holds exactly the keys still wanted ends the
+// passes early (all of them are selected: the same set). One block scan of the packed
+// (equal, above) counts places every thread's selected positions. The same output as
+// topk_kernel, bit for bit; a longer row (a host that under-counted) takes topk_row_loop.
+template <int V>
+__global__ void __launch_bounds__(kThreads) topk_reg_kernel(const float* __restrict__ scores, int64_t scores_stride,
+                                                            const int32_t* __restrict__ lengths, int k,
+                                                            int32_t* __restrict__ positions,
+                                                            int32_t* __restrict__ slots, int32_t* __restrict__ counts,
+                                                            int64_t out_stride, const int32_t* __restrict__ block_table,
+                                                            int64_t bt_stride, const int32_t* __restrict__ seq_of_token) {
+  static_assert(V % 4 == 0 && V <= kPageTokens && kThreads * V < 65536, "float4 loads, one page step, 16-bit counts");
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
+  using Scan = cub::BlockScan<int, kThreads>;
+  __shared__ RowSmem sm;
+  const int64_t t = blockIdx.x;
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int n = max(lengths[t], 0);
+  const int kk = min(k, n);
+  const float* row = scores + t * scores_stride;
+  const int32_t* bt = slots ? block_table + static_cast<int64_t>(seq_of_token[t]) * bt_stride : nullptr;
+  if (n > kThreads * V) {  // block-uniform
+    topk_row_loop(row, n, kk, k, t, positions, slots, counts, out_stride, bt, sm);
+    return;
+  }
+  const int lo = tid * V;
+  uint32_t u[V];  // 0: no score (every real key is > 0)
+  if ((reinterpret_cast<uintptr_t>(row) & 15) == 0) {
+#pragma unroll
+    for (int j = 0; j < V; j += 4) {
+      const float4 f = lo + j < n ? __ldg(reinterpret_cast<const float4*>(row + lo + j)) : make_float4(0.f, 0.f, 0.f, 0.f);
+      u[j] = lo + j < n ? order_key(f.x) : 0u;
+      u[j + 1] = lo + j + 1 < n ? order_key(f.y) : 0u;
+      u[j + 2] = lo + j + 2 < n ? order_key(f.z) : 0u;
+      u[j + 3] = lo + j + 3 < n ? order_key(f.w) : 0u;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < V; ++j) u[j] = lo + j < n ? order_key(row[lo + j]) : 0u;
+  }
+  // The pages of the thread's positions (V <= 64: at most two), loaded under the passes.
+  int32_t page_lo = 0, page_hi = 0;
+  if (bt != nullptr && lo < n) {
+    page_lo = bt[lo / kPageTokens];
+    page_hi = bt[(min(lo + V, n) - 1) / kPageTokens];
+  }
+  uint32_t prefix = 0, mask = 0;  // kk == n: every key matches the empty prefix and is taken
+  int rem = n;
+  if (kk < n && kk > 0) {
+    rem = kk;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+      if (tid < 256) sm.hist[tid] = 0;
+      __syncthreads();
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const bool act = u[j] != 0u && (u[j] & mask) == prefix;
+        const unsigned am = __ballot_sync(0xffffffffu, act);
+        if (act) {  // warp-aggregated: the top digits are few and hot
+          const unsigned d = (u[j] >> shift) & 0xffu;
+          const unsigned peers = __match_any_sync(am, d);
+          if (lane == __ffs(peers) - 1) atomicAdd(&sm.hist[d], static_cast<unsigned>(__popc(peers)));
+        }
+      }
+      __syncthreads();
+      if (tid < 32) find_digit(sm.hist, prefix, shift, rem, &sm.prefix, &sm.rem, &sm.done);
+      __syncthreads();  // the next pass clears hist only after this barrier: warp 0 is done
+      prefix = sm.prefix;
+      rem = sm.rem;
+      mask |= 0xffu << shift;
+      if (sm.done) break;  // block-uniform; sm.done is next written two barriers on
+    }
+  }
+  if (kk > 0) {
+    // Selected: keys whose masked digits are above the prefix, and the first rem (position
+    // order) of those equal to it.
+    int gt = 0, eq = 0;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const uint32_t m = u[j] & mask;
+      gt += u[j] != 0u && m > prefix;
+      eq += u[j] != 0u && m == prefix;
+    }
+    int before;
+    Scan(sm.scan).ExclusiveSum((eq << 16) | gt, before);
+    const int eq_before = before >> 16, gt_before = before & 0xffff;
+    int eq_take = max(0, min(eq, rem - eq_before));
+    int64_t off = t * out_stride + gt_before + min(eq_before, rem);
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const uint32_t m = u[j] & mask;
+      bool take = u[j] != 0u && m > prefix;
+      if (!take && u[j] != 0u && m == prefix && eq_take > 0) {
+        take = true;
+        --eq_take;
+      }
+      if (take) {
+        const int i = lo + j;
+        if (positions) positions[off] = i;
+        if (slots) slots[off] = (i / kPageTokens == lo / kPageTokens ? page_lo : page_hi) * kPageTokens + i % kPageTokens;
+        ++off;
+      }
+    }
+  }
+  fill_tail(kk, k, t, positions, slots, counts, out_stride);
+}
 
 // ---- Multi-block path (see topk.h). Per row the workspace holds kWsWords + 2 * splits words:
 // [0, 2048) the global histogram of the current pass, [2048, 2051) the pass tickets,
@@ -394,15 +528,23 @@ __global__ void __launch_bounds__(kMbThreads) topk_mb_write_kernel(MbArgs a, int
   write_selected(r.row, lo, hi, thr, eq_take, positions, slots, bt, t * out_stride + base_off + take_before);
 }
 
+// Keys a thread of topk_reg_kernel holds for rows of at most max_length scores (0: too long,
+// or the longest row is not known).
+int reg_keys(int64_t max_length) {
+  if (max_length <= 0 || max_length > kRegMaxLength) return 0;
+  return static_cast<int>((max_length + 4 * kThreads - 1) / (4 * kThreads)) * 4;
+}
+
 }  // namespace
 
 int topk_choose_splits(int64_t T, int64_t max_length) {
   // One block per row is ~22 us at 8k scores, ~100 us at 60k and ~0.8 ms at 256k (measured,
   // BENCHMARKS.md): its passes are latency chains. With ~4096 positions per block and at most
   // two waves of blocks the multi-block path is ~35 us from 16k to 256k; below 4 blocks per
-  // row its extra launches do not pay.
+  // row its extra launches do not pay. Rows of at most kRegMaxLength scores stay in one block's
+  // registers (topk_reg_kernel): one read of the row, no global reads in the passes.
   constexpr int64_t kChunk = 4096, kMaxBlocks = 264;
-  if (T <= 0) return 1;
+  if (T <= 0 || max_length <= kRegMaxLength) return 1;
   const int64_t s = std::min(max_length / kChunk, kMaxBlocks / T);
   return s >= 4 ? static_cast<int>(s) : 1;
 }
@@ -443,8 +585,11 @@ Status topk(const TopkParams& p) {
                   p.block_table, p.block_table_stride, p.seq_of_token);
     return cuda_status(cudaGetLastError(), "topk multi-block kernels");
   }
-  launch_kernel(topk_kernel, static_cast<unsigned>(p.T), kThreads, 0, p.stream, p.scores, p.scores_stride, p.lengths,
-                p.k, p.positions, p.slots, p.counts, out_stride, p.block_table, p.block_table_stride, p.seq_of_token);
+  const int v = reg_keys(p.max_length);
+  auto kernel = v == 4 ? topk_reg_kernel<4> : v == 8 ? topk_reg_kernel<8> : v == 12 ? topk_reg_kernel<12>
+              : v == 16 ? topk_reg_kernel<16> : topk_kernel;
+  launch_kernel(kernel, static_cast<unsigned>(p.T), kThreads, 0, p.stream, p.scores, p.scores_stride, p.lengths, p.k,
+                p.positions, p.slots, p.counts, out_stride, p.block_table, p.block_table_stride, p.seq_of_token);
   return cuda_status(cudaGetLastError(), "topk_kernel");
 }
 

@@ -10,7 +10,9 @@
 //             sparse indices), for the attention kernel to read directly;
 //   counts    [T]: k_t.
 // Method: four 8-bit radix passes over order-preserving u32 keys find the k-th largest key
-// and how many of its ties to take; a block-wide scan then compacts in position order.
+// and how many of its ties to take; a block-wide scan then compacts in position order. When
+// max_length (the longest row) is known and at most 16,384, each thread holds its 4-16 keys in
+// registers: the row is read once and the passes touch no global memory (decode-sized rows).
 // Long rows at small T (decode at long context) take a multi-block path when the caller gives
 // a workspace: each row is cut into `splits` chunks, one block each; three radix passes (11,
 // 11, 10 bits) add per-block histograms into the row's global histogram, and the last block of
@@ -46,7 +48,7 @@ struct TopkParams {
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   int splits = 0;
-  int64_t max_length = 0;
+  int64_t max_length = 0;  // >= every lengths[t], or 0 (unknown): picks the kernel and splits
   cudaStream_t stream = nullptr;
 };
 Status topk(const TopkParams& p);
