@@ -294,6 +294,17 @@ class Backend {
   // group at the step's slots of that group (tokens without a slot are skipped).
   virtual Status latent_cache_write(CacheGroup group, int cache_slot, const float* c, const float* kr,
                                     int kr_stride) = 0;
+  // The latent row's path into a layer slot of the latent group after wkv_a, ckv [T, r + dr] =
+  // [c | kr]: c = RMSNorm(c) (w, eps) into `c`, kr rotated in place when `rope` (ckv's rope
+  // part: x ckv, one head of r + dr, offset r), then latent_cache_write(kLatent, cache_slot, c,
+  // ckv + r, r + dr). A backend may fuse
+  // the three (CUDA: CudaBackendOptions::fused_indexer).
+  virtual Status latent_key_path(float* ckv, int r, int dr, const float* w, float eps, const RopeArgs* rope,
+                                 int cache_slot, float* c) {
+    ML4_RETURN_IF_ERROR(rms_norm({ckv, nullptr, w, step_tokens(), r, r + dr, eps, c}));
+    if (rope != nullptr) ML4_RETURN_IF_ERROR(this->rope(*rope));
+    return latent_cache_write(CacheGroup::kLatent, cache_slot, c, ckv + r, r + dr);
+  }
   // The step's indexer keys k [T, dI] (rotated): Hadamard + FP8 into an indexer layer slot
   // (k may be overwritten).
   virtual Status indexer_key_write(int cache_slot, float* k) = 0;

@@ -527,17 +527,23 @@ Status ModelForward::attention(int l, const StepMetadata* md, ForwardTrace* trac
   if (spec.owns_kv()) {
     ML4_RETURN_IF_ERROR(be_.timed("attn: kv projection + cache write", [&]() -> Status {
       ML4_RETURN_IF_ERROR(be_.linear(L.wkv_a, x.a, T, x.ckv));
-      ML4_RETURN_IF_ERROR(be_.rms_norm({x.ckv, nullptr, L.kv_a_norm, T, r, r + dr, eps, x.c}));
-      if (spec.rope) ML4_RETURN_IF_ERROR(be_.rope(rope_args(x.ckv, 1, r + dr, r, dr, inv_freq_)));
-      if (prefill_context_parallel()) {
-        // Every PCP rank writes the whole step's rows: [c | kr] of this rank's tokens, gathered.
-        ML4_RETURN_IF_ERROR(be_.copy_rows(x.c, r, x.ckv, r + dr, T, r));
-        ML4_ASSIGN_OR_RETURN(float* all, pcp_gather_rows(x.ckv, r + dr));
-        for (int slot : latent_write_slots_[l])
-          ML4_RETURN_IF_ERROR(be_.latent_cache_write_gathered(CacheGroup::kLatent, slot, all, r + dr, all + r, r + dr));
+      const RopeArgs kr_rope = rope_args(x.ckv, 1, r + dr, r, dr, inv_freq_);
+      const std::vector<int>& slots = latent_write_slots_[l];
+      if (!prefill_context_parallel() && !slots.empty()) {  // normalized, rotated, written: one call
+        ML4_RETURN_IF_ERROR(be_.latent_key_path(x.ckv, r, dr, L.kv_a_norm, eps, spec.rope ? &kr_rope : nullptr,
+                                                slots[0], x.c));
+        for (size_t i = 1; i < slots.size(); ++i)
+          ML4_RETURN_IF_ERROR(be_.latent_cache_write(CacheGroup::kLatent, slots[i], x.c, x.ckv + r, r + dr));
         return ok_status();
       }
-      for (int slot : latent_write_slots_[l]) ML4_RETURN_IF_ERROR(be_.latent_cache_write(CacheGroup::kLatent, slot, x.c, x.ckv + r, r + dr));
+      ML4_RETURN_IF_ERROR(be_.rms_norm({x.ckv, nullptr, L.kv_a_norm, T, r, r + dr, eps, x.c}));
+      if (spec.rope) ML4_RETURN_IF_ERROR(be_.rope(kr_rope));
+      if (!prefill_context_parallel()) return ok_status();  // no slot to write
+      // Every PCP rank writes the whole step's rows: [c | kr] of this rank's tokens, gathered.
+      ML4_RETURN_IF_ERROR(be_.copy_rows(x.c, r, x.ckv, r + dr, T, r));
+      ML4_ASSIGN_OR_RETURN(float* all, pcp_gather_rows(x.ckv, r + dr));
+      for (int slot : slots)
+        ML4_RETURN_IF_ERROR(be_.latent_cache_write_gathered(CacheGroup::kLatent, slot, all, r + dr, all + r, r + dr));
       return ok_status();
     }));
   }

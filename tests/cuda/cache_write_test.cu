@@ -240,6 +240,127 @@ TEST(CudaCacheWrite, IndexerKeyPathEqualsTheThreeLaunches) {
   EXPECT_FALSE(indexer_key_path(bad).ok());  // dI 128 only
 }
 
+// The fused latent path (RMSNorm of c, RoPE of kr in place, the slot's bytes: one kernel)
+// against the three launches it replaces (rms_norm, q_path's rotation, latent_cache_write), bit
+// for bit: the cache bytes, the normalized c and the rotated kr left in ckv. It runs the same
+// f32 operations with the same f64 sum partition (256 threads, 4 values a thread) as
+// rms_norm_vec_kernel, and the same rotation helpers as q_path_kernel, so no byte may differ.
+// Every cache dtype, ML4's shape (r 512, dr 64) and a small one (256, 32), interleaved and
+// NeoX pairs, NoPE, LeRoPE past its window, a padded slot; repeat runs identical.
+TEST(CudaCacheWrite, LatentKeyPathEqualsTheThreeLaunches) {
+  ML4_REQUIRE_GPU();
+  std::mt19937 rng(321);
+  const int64_t T = 37;
+  std::normal_distribution<float> nd(0.1f, 1.5f);
+  int cases = 0;
+  for (const auto& [r, dr] : std::vector<std::pair<int, int>>{{512, 64}, {256, 32}}) {
+    const int W = r + dr;
+    std::vector<float> ckv(T * W), w(r), inv(dr / 2);
+    for (auto& v : ckv) v = nd(rng);
+    for (auto& v : w) v = 0.5f + std::abs(nd(rng)) * 0.3f;
+    for (int i = 0; i < dr / 2; ++i) inv[i] = static_cast<float>(std::pow(10000.0, -2.0 * i / dr));
+    std::vector<int64_t> pos(T);
+    for (int64_t t = 0; t < T; ++t) pos[t] = 1500 + 37 * t;  // crosses the LeRoPE window below
+    const int64_t num_slots = 2 * kPageTokens;
+    const auto slots = random_slots(T, num_slots, 5, rng);
+    auto dw = to_device(w), dinv = to_device(inv), dpos = to_device(pos), dslots = to_device(slots);
+    for (KvCacheDtype dtype : {KvCacheDtype::kFp8DsMla, KvCacheDtype::kFp8, KvCacheDtype::kBf16}) {
+      const size_t tb = latent_token_bytes(dtype, r, dr);
+      for (int rope = 0; rope < 3; ++rope) {  // NoPE, interleaved, NeoX
+        const float fp8_scale = 0.03125f;
+        // The three launches.
+        auto ref_ckv = to_device(ckv);
+        auto ref_c = poisoned<float>(T * r);
+        auto ref_cache = poisoned<uint8_t>(num_slots * tb);
+        RmsNormParams np;
+        np.x = ref_ckv.as<float>();
+        np.w = dw.as<float>();
+        np.rows = T;
+        np.dim = r;
+        np.eps = 1e-6f;
+        np.y = ref_c.as<float>();
+        np.x_stride = W;
+        ML4_ASSERT_OK(rms_norm(np));
+        if (rope > 0) {
+          QPathParams q;
+          q.q = ref_ckv.as<float>();
+          q.T = T;
+          q.H = 1;
+          q.head_stride = W;
+          q.rope_offset = r;
+          q.rope_dim = dr;
+          q.positions = dpos.as<int64_t>();
+          q.inv_freq = dinv.as<float>();
+          q.attn_factor = 1.0625f;
+          q.neox = rope == 2;
+          q.lerope = LeRopeConfig{true, 2048, 4.0};
+          ML4_ASSERT_OK(q_path(q));
+        }
+        LatentCacheWriteParams wp;
+        wp.c = ref_c.data();
+        wp.kr = ref_ckv.as<float>() + r;
+        wp.kr_stride = W;
+        wp.slots = dslots.as<int64_t>();
+        wp.T = T;
+        wp.r = r;
+        wp.dr = dr;
+        wp.dtype = dtype;
+        wp.fp8_scale = fp8_scale;
+        wp.cache = ref_cache.data();
+        wp.num_slots = num_slots;
+        ML4_ASSERT_OK(latent_cache_write(wp));
+        ML4_ASSERT_OK(cuda_status(cudaDeviceSynchronize(), "sync"));
+        const auto want_cache = to_host<uint8_t>(ref_cache, num_slots * tb);
+        const auto want_c = to_host<float>(ref_c, T * r);
+        const auto want_ckv = to_host<float>(ref_ckv, T * W);
+        std::vector<std::vector<uint8_t>> caches;
+        for (int rep = 0; rep < 2; ++rep) {
+          auto d_ckv = to_device(ckv);
+          auto d_c = poisoned<float>(T * r);
+          auto cache = poisoned<uint8_t>(num_slots * tb);
+          LatentKeyPathParams p;
+          p.ckv = d_ckv.as<float>();
+          p.ckv_stride = W;
+          p.c = d_c.as<float>();
+          p.norm_w = dw.as<float>();
+          p.eps = 1e-6f;
+          p.rope = rope > 0;
+          p.neox = rope == 2;
+          p.rope_rows = {dr, dpos.as<int64_t>(), dinv.as<float>(), 1.0625f, true, 2048, 4.0};
+          p.slots = dslots.as<int64_t>();
+          p.T = T;
+          p.r = r;
+          p.dr = dr;
+          p.dtype = dtype;
+          p.fp8_scale = fp8_scale;
+          p.cache = cache.data();
+          p.num_slots = num_slots;
+          ML4_ASSERT_OK(latent_key_path(p));
+          ML4_ASSERT_OK(cuda_status(cudaDeviceSynchronize(), "sync"));
+          caches.push_back(to_host<uint8_t>(cache, num_slots * tb));
+          const auto got_c = to_host<float>(d_c, T * r);
+          const auto got_ckv = to_host<float>(d_ckv, T * W);
+          EXPECT_EQ(0, std::memcmp(got_c.data(), want_c.data(), want_c.size() * 4))
+              << "c differs: r " << r << " dtype " << static_cast<int>(dtype) << " rope " << rope;
+          EXPECT_EQ(0, std::memcmp(got_ckv.data(), want_ckv.data(), want_ckv.size() * 4))
+              << "ckv (rotated kr) differs: r " << r << " rope " << rope;
+        }
+        size_t diff = 0;
+        for (size_t i = 0; i < want_cache.size(); ++i) diff += caches[0][i] != want_cache[i];
+        EXPECT_EQ(diff, 0u) << "r " << r << " dtype " << static_cast<int>(dtype) << " rope " << rope;
+        EXPECT_EQ(caches[0], caches[1]) << "repeat run differs";
+        ++cases;
+      }
+    }
+  }
+  EXPECT_EQ(cases, 18);
+  std::printf("fused latent key path: 18 cases (2 shapes x 3 cache dtypes x NoPE / interleaved / NeoX) compared\n");
+  LatentKeyPathParams bad;
+  bad.T = 4;
+  bad.r = 2048;  // more than one value a thread
+  EXPECT_FALSE(latent_key_path(bad).ok());
+}
+
 TEST(CudaCacheWrite, BadShapesAreErrors) {
   // Argument checks run before any CUDA call, so these hold without a GPU too.
   LatentCacheWriteParams p;

@@ -116,8 +116,9 @@ TEST(CudaTopk, MatchesCpuTopkWithTiesNanAndPadding) {
   }
 }
 
-// The register path (rows of at most 16,384 scores when the caller passes max_length): against
-// cpu::topk and bit for bit against the looping one-block kernel (max_length 0), at every
+// The register path (rows of at most 16,384 scores when the caller passes max_length), with
+// 8-bit and 11-bit digits: against cpu::topk and bit for bit against the looping one-block
+// kernel (max_length 0), at every
 // register width (4, 8, 12, 16 keys a thread), with aligned rows (float4 loads) and an odd
 // stride (scalar loads), rows whose selection ends early (every score equal: the first digit
 // bin holds exactly the keys wanted), and a max_length below a row's length (that row takes the
@@ -155,7 +156,8 @@ TEST(CudaTopk, RegisterPathMatchesCpuAndTheLoopKernel) {
     auto d_seq = to_device(seq_of);
     for (int k : {2048, 16}) {
       std::vector<std::vector<int32_t>> pos, slot;
-      for (int64_t ml : {max_length, int64_t{0}}) {  // the register kernel, then the loop kernel
+      // The register kernel with 8-bit and 11-bit digits, then the loop kernel.
+      for (const auto& [ml, bits] : std::vector<std::pair<int64_t, int>>{{max_length, 8}, {max_length, 11}, {0, 0}}) {
         auto d_pos = poisoned<int32_t>(T * k), d_slots = poisoned<int32_t>(T * k), d_cnt = poisoned<int32_t>(T);
         TopkParams p;
         p.scores = d_scores.as<float>();
@@ -170,6 +172,7 @@ TEST(CudaTopk, RegisterPathMatchesCpuAndTheLoopKernel) {
         p.block_table_stride = pages;
         p.seq_of_token = d_seq.as<int32_t>();
         p.max_length = ml;
+        p.radix_bits = bits;
         ML4_ASSERT_OK(topk(p));
         ML4_ASSERT_OK(cuda_status(cudaDeviceSynchronize(), "sync"));
         pos.push_back(to_host<int32_t>(d_pos, T * k));
@@ -177,8 +180,10 @@ TEST(CudaTopk, RegisterPathMatchesCpuAndTheLoopKernel) {
         const auto cnt = to_host<int32_t>(d_cnt, T);
         for (int64_t t = 0; t < T; ++t) EXPECT_EQ(cnt[t], std::min(k, lengths[t])) << "row " << t;
       }
-      EXPECT_EQ(pos[0], pos[1]) << "max_length " << max_length << " k " << k << ": register vs loop kernel";
-      EXPECT_EQ(slot[0], slot[1]) << "max_length " << max_length << " k " << k << ": register vs loop kernel";
+      for (int run = 1; run < 3; ++run) {
+        EXPECT_EQ(pos[0], pos[run]) << "max_length " << max_length << " k " << k << ": run " << run << " differs";
+        EXPECT_EQ(slot[0], slot[run]) << "max_length " << max_length << " k " << k << ": run " << run << " differs";
+      }
       for (int64_t t = 0; t < T; ++t) {
         std::vector<int32_t> ref(k);
         cpu::topk(scores.data() + t * stride, lengths[t], k, ref.data());

@@ -19,6 +19,7 @@
 #include "ops/cuda/cuda_common.h"
 #include "ops/cuda/fp8_groups.cuh"
 #include "ops/cuda/rope.cuh"
+#include "ops/cuda/row_regs.cuh"
 
 namespace ml4::cuda {
 namespace {
@@ -49,6 +50,33 @@ __device__ __forceinline__ float block_amax(float v, unsigned* red) {
   return r;
 }
 
+// One token's latent row into its cache slot dst: threads [0, 128) take value i of each
+// 128-value tile (every thread of the block calls it: block_amax has barriers); c and kr may be
+// global or shared memory.
+__device__ __forceinline__ void write_latent_row(const void* c, bool c_bf16, int64_t c0, const void* kr,
+                                                 bool kr_bf16, int64_t k0, int r, int dr, int dtype,
+                                                 float fp8_scale, uint8_t* dst, unsigned* red) {
+  const int tid = threadIdx.x;
+  if (dtype == static_cast<int>(KvCacheDtype::kFp8DsMla)) {
+    const int tiles = r / kDsMlaTile;
+    for (int tile = 0; tile < tiles; ++tile) {
+      const float x = tid < kDsMlaTile ? load_val(c, c_bf16, c0 + tile * kDsMlaTile + tid) : 0.0f;
+      const float amax = block_amax(fabsf(x), red);
+      const float scale = fmaxf(amax / 448.0f, FLT_MIN);
+      if (tid < kDsMlaTile) dst[tile * kDsMlaTile + tid] = to_e4m3(x / scale);
+      if (tid == 0) *reinterpret_cast<float*>(dst + r + 4 * tile) = scale;  // 4-aligned: r % 128 == 0
+    }
+    uint8_t* rope = dst + r + 4 * tiles;
+    for (int i = tid; i < dr; i += blockDim.x) store_bf16(rope + 2 * i, load_val(kr, kr_bf16, k0 + i));
+  } else if (dtype == static_cast<int>(KvCacheDtype::kFp8)) {
+    for (int i = tid; i < r; i += blockDim.x) dst[i] = to_e4m3(load_val(c, c_bf16, c0 + i) / fp8_scale);
+    for (int i = tid; i < dr; i += blockDim.x) dst[r + i] = to_e4m3(load_val(kr, kr_bf16, k0 + i) / fp8_scale);
+  } else {
+    for (int i = tid; i < r; i += blockDim.x) store_bf16(dst + 2 * i, load_val(c, c_bf16, c0 + i));
+    for (int i = tid; i < dr; i += blockDim.x) store_bf16(dst + 2 * (r + i), load_val(kr, kr_bf16, k0 + i));
+  }
+}
+
 // grid (T), block 128: thread i handles value i of each 128-value tile.
 __global__ void latent_write_kernel(const void* __restrict__ c, bool c_bf16, int64_t c_stride,
                                     const void* __restrict__ kr, bool kr_bf16, int64_t kr_stride,
@@ -61,27 +89,64 @@ __global__ void latent_write_kernel(const void* __restrict__ c, bool c_bf16, int
   const int64_t t = blockIdx.x;
   const int64_t slot = slots[t];
   if (slot < 0 || slot >= num_slots) return;  // whole block leaves together
-  uint8_t* dst = cache + slot * token_bytes;
-  const int64_t c0 = t * c_stride, k0 = t * kr_stride;
-  const int tid = threadIdx.x;
-  if (dtype == static_cast<int>(KvCacheDtype::kFp8DsMla)) {
-    const int tiles = r / kDsMlaTile;
-    for (int tile = 0; tile < tiles; ++tile) {
-      const float x = load_val(c, c_bf16, c0 + tile * kDsMlaTile + tid);
-      const float amax = block_amax(fabsf(x), &red);
-      const float scale = fmaxf(amax / 448.0f, FLT_MIN);
-      dst[tile * kDsMlaTile + tid] = to_e4m3(x / scale);
-      if (tid == 0) *reinterpret_cast<float*>(dst + r + 4 * tile) = scale;  // 4-aligned: r % 128 == 0
-    }
-    uint8_t* rope = dst + r + 4 * tiles;
-    for (int i = tid; i < dr; i += blockDim.x) store_bf16(rope + 2 * i, load_val(kr, kr_bf16, k0 + i));
-  } else if (dtype == static_cast<int>(KvCacheDtype::kFp8)) {
-    for (int i = tid; i < r; i += blockDim.x) dst[i] = to_e4m3(load_val(c, c_bf16, c0 + i) / fp8_scale);
-    for (int i = tid; i < dr; i += blockDim.x) dst[r + i] = to_e4m3(load_val(kr, kr_bf16, k0 + i) / fp8_scale);
-  } else {
-    for (int i = tid; i < r; i += blockDim.x) store_bf16(dst + 2 * i, load_val(c, c_bf16, c0 + i));
-    for (int i = tid; i < dr; i += blockDim.x) store_bf16(dst + 2 * (r + i), load_val(kr, kr_bf16, k0 + i));
+  write_latent_row(c, c_bf16, t * c_stride, kr, kr_bf16, t * kr_stride, r, dr, dtype, fp8_scale,
+                   cache + slot * token_bytes, &red);
+}
+
+// grid (T), block kLkThreads (rms_norm_vec_kernel's 256, so that its f64 sum has the same
+// partition): the row ckv = [c | kr] of token t. c: RMSNorm as rms_norm_vec_kernel<1> computes
+// it (thread i: values 4i..4i+3, block_sum_f64, (v * inv) * w), to p.c and shared memory; kr:
+// rotated as q_path_kernel rotates one head's rope part (interleaved or NeoX pairs, rope.cuh),
+// back into ckv and shared memory; then the slot's bytes as latent_write_kernel writes them.
+constexpr int kLkThreads = 256, kLkMaxR = 4 * kLkThreads, kLkMaxDr = 256;
+
+__global__ void __launch_bounds__(kLkThreads) latent_key_path_kernel(LatentKeyPathParams p, int64_t token_bytes) {
+  pdl_wait();
+  pdl_launch_dependents();
+  __shared__ double sum_smem[32];
+  __shared__ unsigned red;
+  __shared__ __align__(16) float cv[kLkMaxR];
+  __shared__ float kv[kLkMaxDr];
+  __shared__ float cs[kLkMaxDr];
+  const int64_t t = blockIdx.x;
+  const int tid = threadIdx.x, r4 = p.r / 4;
+  float* row = p.ckv + t * p.ckv_stride;
+  float4 v = make_float4(0.f, 0.f, 0.f, 0.f), w = v;
+  if (tid < r4) {
+    v = reinterpret_cast<const float4*>(row)[tid];
+    w = reinterpret_cast<const float4*>(p.norm_w)[tid];
   }
+  for (int i = tid; i < p.dr; i += kLkThreads) kv[i] = row[p.r + i];
+  double ss = 0.0;
+  if (tid < r4) {
+    ss += static_cast<double>(v.x) * v.x;
+    ss += static_cast<double>(v.y) * v.y;
+    ss += static_cast<double>(v.z) * v.z;
+    ss += static_cast<double>(v.w) * v.w;
+  }
+  ss = block_sum_f64(ss, sum_smem);  // its barriers also publish kv
+  const float inv = static_cast<float>(1.0 / sqrt(ss / static_cast<double>(p.r) + static_cast<double>(p.eps)));
+  if (tid < r4) {
+    const float4 o = make_float4(v.x * inv * w.x, v.y * inv * w.y, v.z * inv * w.z, v.w * inv * w.w);
+    reinterpret_cast<float4*>(cv)[tid] = o;
+    if (p.c) reinterpret_cast<float4*>(p.c + t * p.r)[tid] = o;
+  }
+  if (p.rope) {
+    const RopeRows& rr = p.rope_rows;
+    const int half = rr.dim / 2;
+    const double pos = rope_position(rr.positions[t], rr.lerope, rr.lerope_window, rr.lerope_leak);
+    for (int i = tid; i < half; i += kLkThreads)
+      rope_cos_sin(pos, rr.inv_freq[i], rr.attn_factor, &cs[2 * i], &cs[2 * i + 1]);
+    __syncthreads();
+    for (int i = tid; i < half; i += kLkThreads)
+      rope_rotate(p.neox ? &kv[i] : &kv[2 * i], p.neox ? &kv[i + half] : &kv[2 * i + 1], cs[2 * i], cs[2 * i + 1]);
+  }
+  __syncthreads();
+  for (int i = tid; i < p.dr; i += kLkThreads) row[p.r + i] = kv[i];
+  const int64_t slot = p.slots[t];
+  if (slot < 0 || slot >= p.num_slots) return;  // whole block leaves together
+  write_latent_row(cv, false, 0, kv, false, 0, p.r, p.dr, static_cast<int>(p.dtype), p.fp8_scale,
+                   static_cast<uint8_t*>(p.cache) + slot * token_bytes, &red);
 }
 
 // A key row in shared memory v [dI] (all dI / 2 threads): Hadamard + e4m3 per 128 values into
@@ -185,6 +250,30 @@ Status latent_cache_write(const LatentCacheWriteParams& p) {
                 p.kr_stride ? p.kr_stride : p.dr, p.slots, p.r, p.dr, static_cast<int>(p.dtype), p.fp8_scale,
                 static_cast<uint8_t*>(p.cache), p.num_slots, token_bytes);
   return cuda_status(cudaGetLastError(), "latent_write_kernel");
+}
+
+Status latent_key_path(const LatentKeyPathParams& p) {
+  if (p.T < 0) return invalid_argument("latent_key_path: T = {}", p.T);
+  if (p.r <= 0 || p.r % 4 || p.r > kLkMaxR || p.dr < 0 || p.dr % 2 || p.dr > kLkMaxDr)
+    return invalid_argument("latent_key_path: r = {} (a multiple of 4, at most {}), dr = {} (even, at most {})", p.r,
+                            kLkMaxR, p.dr, kLkMaxDr);
+  if (p.dtype == KvCacheDtype::kFp8DsMla && p.r % kDsMlaTile != 0)
+    return invalid_argument("latent_key_path: fp8_ds_mla needs r % 128 == 0, got r = {}", p.r);
+  if (p.ckv_stride < p.r + p.dr) return invalid_argument("latent_key_path: row stride smaller than the row");
+  if (p.rope && (p.rope_rows.dim != p.dr || !p.rope_rows.positions || !p.rope_rows.inv_freq))
+    return invalid_argument("latent_key_path: RoPE over {} of the {} rope values", p.rope_rows.dim, p.dr);
+  if (p.dtype == KvCacheDtype::kFp8 && !(p.fp8_scale > 0.0f))
+    return invalid_argument("latent_key_path: fp8_scale must be > 0, got {}", p.fp8_scale);
+  if (p.T == 0) return ok_status();
+  if (!p.ckv || !p.norm_w || !p.slots || !p.cache || p.num_slots <= 0)
+    return invalid_argument("latent_key_path: null pointer or empty cache");
+  if ((reinterpret_cast<uintptr_t>(p.ckv) | reinterpret_cast<uintptr_t>(p.norm_w) |
+       reinterpret_cast<uintptr_t>(p.c) | static_cast<uintptr_t>(p.ckv_stride * 4)) & 15u)
+    return invalid_argument("latent_key_path: ckv, its rows, norm_w and c must be 16-byte aligned");
+  if (p.T > 0x7fffffff) return invalid_argument("latent_key_path: T = {} too large", p.T);
+  const int64_t token_bytes = static_cast<int64_t>(latent_token_bytes(p.dtype, p.r, p.dr));
+  launch_kernel(latent_key_path_kernel, static_cast<unsigned>(p.T), kLkThreads, 0, p.stream, p, token_bytes);
+  return cuda_status(cudaGetLastError(), "latent_key_path_kernel");
 }
 
 Status indexer_cache_write(const IndexerCacheWriteParams& p) {

@@ -46,6 +46,30 @@ struct LatentCacheWriteParams {
 };
 Status latent_cache_write(const LatentCacheWriteParams& p);
 
+// The latent row's path into the cache, one kernel (issue 19's decode fusions): ckv [T,
+// ckv_stride] holds [c | kr] (wkv_a's output); c = RMSNorm(c) * norm_w into `c` (when set),
+// kr rotated in place (interleaved pairs, or NeoX), then latent_cache_write of (c, kr) to
+// each token's slot. The same bytes as rms_norm + q_path's rotation + latent_cache_write.
+struct LatentKeyPathParams {
+  float* ckv = nullptr;               // [T, ckv_stride] f32, 16-byte aligned rows
+  int64_t ckv_stride = 0;             // >= r + dr
+  float* c = nullptr;                 // [T, r] f32 or null
+  const float* norm_w = nullptr;      // [r]
+  float eps = 1e-6f;
+  bool rope = true;                   // LayerSpec::rope (NoPE layers skip it)
+  bool neox = false;                  // pairs (i, i + dr / 2); else (2i, 2i + 1) (MLA)
+  RopeRows rope_rows;                 // with rope: dim == dr
+  const int64_t* slots = nullptr;     // [T], < 0: skip the write
+  int64_t T = 0;
+  int r = 512, dr = 64;               // r a multiple of 4 (of 128 for fp8_ds_mla), r <= 1024; dr even, <= 256
+  KvCacheDtype dtype = KvCacheDtype::kFp8DsMla;
+  float fp8_scale = 1.0f;             // kFp8 only
+  void* cache = nullptr;              // [num_slots, latent_token_bytes(dtype, r, dr)] bytes
+  int64_t num_slots = 0;
+  cudaStream_t stream = nullptr;
+};
+Status latent_key_path(const LatentKeyPathParams& p);
+
 struct IndexerCacheWriteParams {
   const void* k = nullptr;    // [T, dI] k_dtype (kF32 or kBF16), rows k_stride elements apart
   DType k_dtype = DType::kF32;

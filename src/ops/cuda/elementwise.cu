@@ -20,24 +20,6 @@ namespace {
 
 constexpr int kThreads = 256;
 
-__device__ double block_sum_f64(double v, double* smem) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) smem[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    v = lane < (blockDim.x >> 5) ? smem[lane] : 0.0;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (lane == 0) smem[0] = v;
-  }
-  __syncthreads();
-  const double r = smem[0];
-  __syncthreads();
-  return r;
-}
-
 // One block per row; mean and variance in f64 like cpu::layer_norm (two passes), so the
 // only difference is the order of the f64 sums.
 __global__ void layer_norm_kernel(const float* x, const float* __restrict__ w, const float* __restrict__ b,

@@ -15,4 +15,26 @@ __device__ __forceinline__ void load_row_regs(T (&v)[V], const T* src, int n) {
   }
 }
 
+// The sum of every thread's v over the block (blockDim.x a multiple of 32, at most 1024), the
+// same value to every thread: warp shuffles, then warp 0 over the warps' sums in warp order, so
+// a row kernel and a fused kernel that hand it the same per-thread values get the same bits.
+// smem: 32 doubles of shared memory. Three block barriers.
+__device__ __forceinline__ double block_sum_f64(double v, double* smem) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < (blockDim.x >> 5) ? smem[lane] : 0.0;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0) smem[0] = v;
+  }
+  __syncthreads();
+  const double r = smem[0];
+  __syncthreads();
+  return r;
+}
+
 }  // namespace ml4::cuda

@@ -25,6 +25,7 @@ namespace {
 
 constexpr int kThreads = 1024;
 constexpr int64_t kRegMaxLength = 16 * kThreads;  // topk_reg_kernel's longest rows
+constexpr int kRegRadixBits = 8;                   // its digits by default (TopkParams::radix_bits)
 
 __device__ __forceinline__ uint32_t order_key(float f) {
   if (isnan(f)) f = -__int_as_float(0x7f800000);
@@ -98,6 +99,16 @@ __device__ __forceinline__ void fill_tail(int kk, int k, int64_t t, int32_t* pos
 struct RowSmem {
   cub::BlockScan<int, kThreads>::TempStorage scan;
   unsigned hist[256];
+  uint32_t prefix;
+  int rem;
+  int done;
+};
+
+template <int B>
+struct RegSmem {
+  static constexpr int kBins = 1 << B;  // 8-bit digits (four passes) or 11 (three)
+  cub::BlockScan<int, kThreads>::TempStorage scan;
+  unsigned hist[kBins];
   uint32_t prefix;
   int rem;
   int done;
@@ -206,7 +217,7 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const float* __restrict_
 // passes early (all of them are selected: the same set). One block scan of the packed
 // (equal, above) counts places every thread's selected positions. The same output as
 // topk_kernel, bit for bit; a longer row (a host that under-counted) takes topk_row_loop.
-template <int V>
+template <int V, int B>
 __global__ void __launch_bounds__(kThreads) topk_reg_kernel(const float* __restrict__ scores, int64_t scores_stride,
                                                             const int32_t* __restrict__ lengths, int k,
                                                             int32_t* __restrict__ positions,
@@ -217,7 +228,11 @@ __global__ void __launch_bounds__(kThreads) topk_reg_kernel(const float* __restr
   pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
   pdl_launch_dependents();
   using Scan = cub::BlockScan<int, kThreads>;
-  __shared__ RowSmem sm;
+  __shared__ union {
+    RowSmem loop;
+    RegSmem<B> reg;
+  } smu;
+  RegSmem<B>& sm = smu.reg;
   const int64_t t = blockIdx.x;
   const int tid = threadIdx.x, lane = tid & 31;
   const int n = max(lengths[t], 0);
@@ -225,7 +240,7 @@ __global__ void __launch_bounds__(kThreads) topk_reg_kernel(const float* __restr
   const float* row = scores + t * scores_stride;
   const int32_t* bt = slots ? block_table + static_cast<int64_t>(seq_of_token[t]) * bt_stride : nullptr;
   if (n > kThreads * V) {  // block-uniform
-    topk_row_loop(row, n, kk, k, t, positions, slots, counts, out_stride, bt, sm);
+    topk_row_loop(row, n, kk, k, t, positions, slots, counts, out_stride, bt, smu.loop);
     return;
   }
   const int lo = tid * V;
@@ -253,25 +268,49 @@ __global__ void __launch_bounds__(kThreads) topk_reg_kernel(const float* __restr
   int rem = n;
   if (kk < n && kk > 0) {
     rem = kk;
-    for (int shift = 24; shift >= 0; shift -= 8) {
-      if (tid < 256) sm.hist[tid] = 0;
+    constexpr int kPasses = B == 8 ? 4 : 3;
+#pragma unroll 1
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int shift = B == 8 ? 24 - 8 * pass : pass == 0 ? 21 : pass == 1 ? 10 : 0;
+      const uint32_t dmask = B == 8 ? 0xffu : pass == 2 ? 0x3ffu : 0x7ffu;
+      for (int i = tid; i < RegSmem<B>::kBins; i += kThreads) sm.hist[i] = 0;
       __syncthreads();
 #pragma unroll
       for (int j = 0; j < V; ++j) {
         const bool act = u[j] != 0u && (u[j] & mask) == prefix;
-        const unsigned am = __ballot_sync(0xffffffffu, act);
-        if (act) {  // warp-aggregated: the top digits are few and hot
-          const unsigned d = (u[j] >> shift) & 0xffu;
-          const unsigned peers = __match_any_sync(am, d);
-          if (lane == __ffs(peers) - 1) atomicAdd(&sm.hist[d], static_cast<unsigned>(__popc(peers)));
+        const unsigned d = (u[j] >> shift) & dmask;
+        if constexpr (B == 8) {
+          const unsigned am = __ballot_sync(0xffffffffu, act);
+          if (act) {  // warp-aggregated: the top digits are few and hot
+            const unsigned peers = __match_any_sync(am, d);
+            if (lane == __ffs(peers) - 1) atomicAdd(&sm.hist[d], static_cast<unsigned>(__popc(peers)));
+          }
+        } else if (act) {  // 11-bit digits spread the hot top bins 8 ways: plain atomics
+          atomicAdd(&sm.hist[d], 1u);
         }
       }
       __syncthreads();
-      if (tid < 32) find_digit(sm.hist, prefix, shift, rem, &sm.prefix, &sm.rem, &sm.done);
-      __syncthreads();  // the next pass clears hist only after this barrier: warp 0 is done
+      if constexpr (B == 8) {
+        if (tid < 32) find_digit(sm.hist, prefix, shift, rem, &sm.prefix, &sm.rem, &sm.done);
+      } else {
+        // Thread tid owns bins 2047 - 2 tid and 2046 - 2 tid (from the top); a block scan gives
+        // the keys above them.
+        const unsigned c0 = sm.hist[RegSmem<B>::kBins - 1 - 2 * tid], c1 = sm.hist[RegSmem<B>::kBins - 2 - 2 * tid];
+        int above;
+        Scan(sm.scan).ExclusiveSum(static_cast<int>(c0 + c1), above);
+        if (above < rem && rem <= above + static_cast<int>(c0 + c1)) {
+          const bool first = rem <= above + static_cast<int>(c0);
+          const uint32_t bin = RegSmem<B>::kBins - (first ? 1 : 2) - 2 * tid;
+          const int a = first ? above : above + static_cast<int>(c0);
+          sm.prefix = prefix | (bin << shift);
+          sm.rem = rem - a;
+          sm.done = rem - a == static_cast<int>(first ? c0 : c1);
+        }
+      }
+      __syncthreads();  // the next pass clears hist only after this barrier: its readers are done
       prefix = sm.prefix;
       rem = sm.rem;
-      mask |= 0xffu << shift;
+      mask |= dmask << shift;
       if (sm.done) break;  // block-uniform; sm.done is next written two barriers on
     }
   }
@@ -586,8 +625,14 @@ Status topk(const TopkParams& p) {
     return cuda_status(cudaGetLastError(), "topk multi-block kernels");
   }
   const int v = reg_keys(p.max_length);
-  auto kernel = v == 4 ? topk_reg_kernel<4> : v == 8 ? topk_reg_kernel<8> : v == 12 ? topk_reg_kernel<12>
-              : v == 16 ? topk_reg_kernel<16> : topk_kernel;
+  if (p.radix_bits != 0 && p.radix_bits != 8 && p.radix_bits != 11)
+    return invalid_argument("topk: radix_bits = {} (0, 8 or 11)", p.radix_bits);
+  const bool b11 = p.radix_bits == 11 || (p.radix_bits == 0 && kRegRadixBits == 11);
+  auto kernel = v == 4    ? (b11 ? topk_reg_kernel<4, 11> : topk_reg_kernel<4, 8>)
+                : v == 8  ? (b11 ? topk_reg_kernel<8, 11> : topk_reg_kernel<8, 8>)
+                : v == 12 ? (b11 ? topk_reg_kernel<12, 11> : topk_reg_kernel<12, 8>)
+                : v == 16 ? (b11 ? topk_reg_kernel<16, 11> : topk_reg_kernel<16, 8>)
+                          : topk_kernel;
   launch_kernel(kernel, static_cast<unsigned>(p.T), kThreads, 0, p.stream, p.scores, p.scores_stride, p.lengths, p.k,
                 p.positions, p.slots, p.counts, out_stride, p.block_table, p.block_table_stride, p.seq_of_token);
   return cuda_status(cudaGetLastError(), "topk_kernel");

@@ -643,6 +643,35 @@ Status CudaBackend::indexer_key_write(int cache_slot, float* k) {
   return indexer_cache_write(wp);
 }
 
+// RMSNorm + RoPE + the latent write in one kernel (issue 19) when fused_indexer; the three
+// launches otherwise (Backend's default).
+Status CudaBackend::latent_key_path(float* ckv, int r, int dr, const float* w, float eps, const RopeArgs* rope,
+                                    int cache_slot, float* c) {
+  if (!opts_.fused_indexer || (rope != nullptr && (rope->x != ckv || rope->offset != r || rope->heads != 1 ||
+                                                   rope->stride != r + dr || rope->dim != dr)))
+    return Backend::latent_key_path(ckv, r, dr, w, eps, rope, cache_slot, c);
+  LatentKeyPathParams p;
+  p.ckv = ckv;
+  p.ckv_stride = r + dr;
+  p.c = c;
+  p.norm_w = w;
+  p.eps = eps;
+  p.rope = rope != nullptr;
+  if (rope != nullptr) {
+    p.rope_rows = rope_rows(*rope);
+    p.neox = rope->neox;
+  }
+  p.slots = buf_->slots.as<int64_t>();
+  p.T = step_T_;
+  p.r = r;
+  p.dr = dr;
+  p.dtype = kv_dtype_;
+  p.cache = kv_[latent_group_][cache_slot].data();
+  p.num_slots = num_blocks_ * kPageTokens;
+  p.stream = stream_;
+  return cuda::latent_key_path(p);
+}
+
 // LayerNorm + RoPE + the key write in one kernel (issue 19) when fused_indexer; the three
 // launches otherwise (Backend's default).
 Status CudaBackend::indexer_key_path(float* k, int64_t dim, const float* w, const float* b, float eps,

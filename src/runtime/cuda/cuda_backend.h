@@ -146,6 +146,8 @@ class CudaBackend : public Backend {
   Status rescale_attention_part(float* out, const float* lse, const float* lse_all, int n, int64_t rows,
                                 int64_t cols) override;
   Status indexer_key_write(int cache_slot, float* k) override;
+  Status latent_key_path(float* ckv, int r, int dr, const float* w, float eps, const RopeArgs* rope, int cache_slot,
+                         float* c) override;
   Status indexer_key_path(float* k, int64_t dim, const float* w, const float* b, float eps, const RopeArgs* rope,
                           int cache_slot) override;
   Status indexer_select(const IndexerSelectArgs& p) override;
