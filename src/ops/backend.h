@@ -197,6 +197,9 @@ struct IndexerSelectArgs {
   // before their Hadamard + FP8 (CUDA with fused_indexer: in the same kernel); null: q is
   // already rotated or the layer is NoPE.
   const RopeArgs* q_rope = nullptr;
+  // The side lane (Backend::side) on which this layer's key half was issued, waited for after
+  // the queries' quantization and before the scores read the pages (-1: issued in order).
+  int keys_lane = -1;
   // Decode context parallelism: instead of a selection, this rank's candidates over its keys:
   // its local top-min(topk, local keys visible) as scores [T, topk] (f32) followed by their
   // global positions [T, topk] (i32), padded with (-inf, -1); merge_topk_candidates() makes the
@@ -268,12 +271,15 @@ class Backend {
   // Ends the step's last segment.
   virtual Status finish_forward() { return ok_status(); }
   virtual Status timed(const char* label, const Fn& fn) { return fn(); }
-  // A second in-order queue: side(fn) issues fn there, after everything issued so far on the
-  // main queue; join_side() makes the main queue wait for everything issued on the side.
-  // Only worth it (and only allowed) when can_overlap says the linears involved may run
-  // concurrently.
+  // Side queues (lanes 0 and 1, in order each): side(fn, lane) issues fn on that lane, after
+  // everything issued so far on the main queue; wait_lane(lane), called inside fn of another
+  // lane, makes that queue wait for everything issued so far on `lane`; join_side() makes the
+  // main queue wait for everything issued on both. Only worth it (and only allowed) when
+  // can_overlap says the linears involved may run concurrently. No nesting.
+  static constexpr int kSideLanes = 2;
   virtual bool can_overlap(std::initializer_list<LinearRef> linears) const { return false; }
-  virtual Status side(const Fn& fn) { return fn(); }
+  virtual Status side(const Fn& fn, int lane = 0) { return fn(); }
+  virtual Status wait_lane(int lane) { return ok_status(); }
   virtual Status join_side() { return ok_status(); }
 
   // ---- the step ----

@@ -422,7 +422,7 @@ Result<float*> ModelForward::pcp_gather_rows(const float* rows, int64_t width) {
 
 // 5. The query half (DeepSeek-V3.2: q from the query-LoRA latent when there is one): the
 // queries, their scores over the pages, the causal top-k into the owner's selection.
-Status ModelForward::indexer_select(int l, ForwardTrace* trace) {
+Status ModelForward::indexer_select(int l, ForwardTrace* trace, int keys_lane) {
   const LayerSpec& spec = cfg_.layers[l];
   const LayerRefs& L = layers_[l];
   const Activations& x = be_.acts();
@@ -439,6 +439,7 @@ Status ModelForward::indexer_select(int l, ForwardTrace* trace) {
   s.weight_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(HI)) / std::sqrt(static_cast<double>(dI)));
   s.selection = selection_of_owner_[l];
   s.record_positions = trace != nullptr || hisparse_ != nullptr;
+  s.keys_lane = keys_lane;
   if (context_parallel()) {
     // Each rank's top-k over its keys (scores then positions, one buffer), gathered in one
     // exchange, merged into the exact global top-k.
@@ -502,15 +503,17 @@ Status ModelForward::attention(int l, const StepMetadata* md, ForwardTrace* trac
   const int H = cfg_.n_heads, dn = cfg_.qk_nope_head_dim, dr = cfg_.qk_rope_head_dim;
   const int r = cfg_.kv_lora_rank, qk = dn + dr;
   const float eps = static_cast<float>(cfg_.norm_eps);
-  // An indexer owner's branch on the side queue: keys at once, queries once the q latent is
-  // normalized; joined before the q path, which needs the top-k counts (SSMax's n).
+  // An indexer owner's branches on the side queues: keys at once (lane 1), queries once the q
+  // latent is normalized (lane 0); joined before the q path, which needs the top-k counts
+  // (SSMax's n).
   // (Not under DCP: its indexer exchanges candidates over the group, on the main queue.)
   const bool fork = trace == nullptr && hisparse_ == nullptr && spec.indexer == IndexerRole::kOwner && !context_parallel() &&
                     be_.can_overlap({L.wq, L.wq_a, L.wq_b, L.wkv_a, L.idx_wq, L.idx_wk, L.idx_wproj});
-  if (fork) ML4_RETURN_IF_ERROR(be_.side([&] { return indexer_keys(l); }));
+  // The two halves run side by side; the scores wait for the keys (IndexerSelectArgs::keys_lane).
+  if (fork) ML4_RETURN_IF_ERROR(be_.side([&] { return indexer_keys(l); }, 1));
   auto fork_select = [&]() -> Status {
     if (!fork) return ok_status();
-    return be_.side([&] { return indexer_select(l, nullptr); });
+    return be_.side([&] { return indexer_select(l, nullptr, 1); }, 0);
   };
   // 1. Queries (with or without the query LoRA).
   ML4_RETURN_IF_ERROR(be_.timed("attn: q projection", [&]() -> Status {

@@ -114,7 +114,7 @@ class ModelForward {
   Status draft_attention(int j);
   Status attention(int l, const StepMetadata* md, ForwardTrace* trace, float* out);
   Status indexer_keys(int l);
-  Status indexer_select(int l, ForwardTrace* trace);
+  Status indexer_select(int l, ForwardTrace* trace, int keys_lane = -1);  // keys_lane: IndexerSelectArgs
   Status select_keys(int l, const StepMetadata* md, ForwardTrace* trace, bool forked, int* selection);
   // HiSparse: the layer's selection diffed against its hot buffers, the missing rows loaded,
   // and the remapped rows set; *hot false when a sequence's rows overflow its hot buffer (the

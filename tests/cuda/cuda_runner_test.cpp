@@ -317,8 +317,8 @@ TEST(CudaRunner, Fp4GroupedPrefillMatchesLoop) {
 // graphs the padded batch (3 -> 4) and the rounded-up launch lengths change only the
 // attention's split points (f32 summation order, ~1e-7 relative): bound 1e-5, and
 // greedy tokens equal. A third runner runs the DSA indexer on the main stream instead of
-// overlapping it on a second one (CudaRunnerOptions::overlap_indexer): the same kernels on the
-// same inputs, so its logits must equal the eager runner's bit for bit.
+// overlapping its key and query halves on two side streams (CudaRunnerOptions::overlap_indexer):
+// the same kernels on the same inputs, so its logits must equal the eager runner's bit for bit.
 void graph_vs_eager(const std::string& preset) {
   const std::string dir = ::ml4::testing::test_model(preset, 11, "bf16");
   CudaRunnerOptions o;

@@ -226,6 +226,7 @@ int g_tc_prefetch = 0;
 // CUDA-core weight stream for small M (gemv_stream.cuh): configuration and launch.
 // ---------------------------------------------------------------------------------------
 GemvStreamConfig g_stream;
+constexpr int64_t kStreamBf16MaxRows = 64;
 
 template <int M, int R>
 void launch_st_mr(const gemv_stream::StArgs& a, dim3 grid, bool fp8, int conv, cudaStream_t s) {
@@ -399,7 +400,12 @@ Status gemv(const GemvParams& p) {
   if ((reinterpret_cast<uintptr_t>(p.x) | reinterpret_cast<uintptr_t>(p.w)) & 15u)
     return invalid_argument("gemv: x and w must be 16-byte aligned");
   const bool fp4_stream = fp4 && (p.x_parts < 0 || p.impl == GemvImpl::kStream || p.impl == GemvImpl::kCudaCore);
-  if (fp4_stream || (!fp4 && (p.impl == GemvImpl::kStream || (p.impl == GemvImpl::kAuto && fp8 && p.M <= g_stream.max_m)))) {
+  // BF16 matrices of a few rows (the indexer's head weights, 32 x dim) take the stream too:
+  // the tensor-core path split K 16 ways plus a reduction launch for them (5.6 + 2.2 us on the
+  // H200 in the ml4-slice-4 decode step).
+  const bool small_bf16 = p.format == LinearFormat::kBF16 && p.N <= kStreamBf16MaxRows;
+  if (fp4_stream || (!fp4 && (p.impl == GemvImpl::kStream ||
+                              (p.impl == GemvImpl::kAuto && (fp8 || small_bf16) && p.M <= g_stream.max_m)))) {
     gemv_stream::StArgs a;
     a.x = p.x;
     a.N = p.N;

@@ -12,7 +12,8 @@
 // Method: four 8-bit radix passes over order-preserving u32 keys find the k-th largest key
 // and how many of its ties to take; a block-wide scan then compacts in position order. When
 // max_length (the longest row) is known and at most 16,384, each thread holds its 4-16 keys in
-// registers: the row is read once and the passes touch no global memory (decode-sized rows).
+// registers: the row is read once, three passes of 11-bit digits touch no global memory
+// (decode-sized rows), and a pass whose bin holds exactly the keys still wanted ends them.
 // Long rows at small T (decode at long context) take a multi-block path when the caller gives
 // a workspace: each row is cut into `splits` chunks, one block each; three radix passes (11,
 // 11, 10 bits) add per-block histograms into the row's global histogram, and the last block of
@@ -50,7 +51,8 @@ struct TopkParams {
   int splits = 0;
   int64_t max_length = 0;  // >= every lengths[t], or 0 (unknown): picks the kernel and splits
   // The register kernel's radix digits: 8 bits (four passes, warp-aggregated histogram
-  // updates), 11 (three passes, plain updates, a block scan to find each digit); 0 the default.
+  // updates), 11 (three passes, plain updates, a block scan to find each digit); 0 the default
+  // (11: the faster, topk.cu kRegRadixBits).
   int radix_bits = 0;
   cudaStream_t stream = nullptr;
 };

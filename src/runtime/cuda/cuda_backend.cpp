@@ -68,8 +68,8 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const ModelConfig& cfg,
   b->max_model_len_ = max_model_len;
   ML4_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&b->stream_, cudaStreamNonBlocking));
   if (cfg.has_dsa() && opts.overlap_indexer) {
-    ML4_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&b->side_stream_, cudaStreamNonBlocking));
-    for (cudaEvent_t* e : {&b->ev_side_[0], &b->ev_side_[1], &b->ev_join_})
+    for (cudaStream_t& st : b->side_streams_) ML4_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    for (cudaEvent_t* e : {&b->ev_side_[0], &b->ev_side_[1], &b->ev_lane_[0], &b->ev_lane_[1]})
       ML4_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
   }
   ML4_ASSIGN_OR_RETURN(b->lt_, LtGemm::create());
@@ -79,9 +79,10 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const ModelConfig& cfg,
 
 CudaBackend::~CudaBackend() {
   buf_.reset();
-  for (cudaEvent_t e : {ev_side_[0], ev_side_[1], ev_join_})
+  for (cudaEvent_t e : {ev_side_[0], ev_side_[1], ev_lane_[0], ev_lane_[1]})
     if (e) cudaEventDestroy(e);
-  if (side_stream_) cudaStreamDestroy(side_stream_);
+  for (cudaStream_t st : side_streams_)
+    if (st) cudaStreamDestroy(st);
   if (stream_) cudaStreamDestroy(stream_);
 }
 
@@ -283,7 +284,9 @@ Status CudaBackend::ensure_buffers(int64_t T, int64_t R, int64_t S, int64_t maxb
     ML4_RETURN_IF_ERROR(f(b.seq_of, n, 4));
     ML4_RETURN_IF_ERROR(f(b.lengths, n, 4));
     ML4_RETURN_IF_ERROR(f(b.gemv_ws, gemv_workspace_floats(kGemvMaxM, 1, 1) * max_in_, 4));
-    if (side_stream_) ML4_RETURN_IF_ERROR(f(b.gemv_ws_side, gemv_workspace_floats(kGemvMaxM, 1, 1) * max_in_, 4));
+    for (int lane = 0; lane < kSideLanes; ++lane)
+      if (side_streams_[lane])
+        ML4_RETURN_IF_ERROR(f(b.gemv_ws_side[lane], gemv_workspace_floats(kGemvMaxM, 1, 1) * max_in_, 4));
     ML4_RETURN_IF_ERROR(b.lin.reserve(n * max_in_, n * ((max_in_ + 127) / 128)));
     if (c.has_dsa()) {
       const int64_t HI = c.indexer.n_heads, dI = c.indexer.head_dim, k = c.indexer.topk;
@@ -473,7 +476,8 @@ Status CudaBackend::timed(const char* label, const Fn& fn) {
 }
 
 bool CudaBackend::can_overlap(std::initializer_list<LinearRef> linears) const {
-  if (side_stream_ == nullptr || !opts_.overlap_indexer || (profile_ != nullptr && mode_ == Mode::kEager)) return false;
+  if (side_streams_[0] == nullptr || !opts_.overlap_indexer || (profile_ != nullptr && mode_ == Mode::kEager))
+    return false;
   // Only the GEMV may run on both streams at once (each has its own workspace); cuBLASLt
   // shares one workspace and scratch.
   for (LinearRef r : linears) {
@@ -484,23 +488,35 @@ bool CudaBackend::can_overlap(std::initializer_list<LinearRef> linears) const {
   return true;
 }
 
-// fn runs with stream_ switched to the side stream (and lin() to its GEMV workspace), after
+// fn runs with stream_ switched to the lane's stream (and lin() to its GEMV workspace), after
 // everything issued so far on the main stream.
-Status CudaBackend::side(const Fn& fn) {
+Status CudaBackend::side(const Fn& fn, int lane) {
+  if (lane < 0 || lane >= kSideLanes || on_lane_ >= 0) return internal_error("side: lane {} (inside lane {})", lane, on_lane_);
   cudaEvent_t ev = ev_side_[side_calls_++ % 2];
   ML4_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev, stream_));
-  std::swap(stream_, side_stream_);
-  on_side_ = !on_side_;
+  std::swap(stream_, side_streams_[lane]);
+  on_lane_ = lane;
+  lane_used_[lane] = true;
   Status st = cuda_status(cudaStreamWaitEvent(stream_, ev, 0), "side stream wait");
   if (st.ok()) st = fn();
-  std::swap(stream_, side_stream_);
-  on_side_ = !on_side_;
+  std::swap(stream_, side_streams_[lane]);
+  on_lane_ = -1;
   return st;
 }
 
+Status CudaBackend::wait_lane(int lane) {
+  if (lane < 0 || lane >= kSideLanes || lane == on_lane_) return internal_error("wait_lane: lane {} from lane {}", lane, on_lane_);
+  ML4_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_lane_[lane], side_streams_[lane]));
+  return cuda_status(cudaStreamWaitEvent(stream_, ev_lane_[lane], 0), "wait_lane");
+}
+
 Status CudaBackend::join_side() {
-  ML4_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_join_, side_stream_));
-  ML4_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, ev_join_, 0));
+  for (int lane = 0; lane < kSideLanes; ++lane) {
+    if (!lane_used_[lane]) continue;
+    ML4_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_lane_[lane], side_streams_[lane]));
+    ML4_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, ev_lane_[lane], 0));
+    lane_used_[lane] = false;
+  }
   ++overlapped_layers_;
   return ok_status();
 }
@@ -544,7 +560,7 @@ Status CudaBackend::lin(const DeviceLinear& w, const float* x, int64_t M, float*
   if (gemv_format(w) && (opts_.exact_activations || M <= kGemvMaxM)) {
     for (int64_t m0 = 0; m0 < M; m0 += kGemvMaxM) {
       const int64_t m = std::min<int64_t>(kGemvMaxM, M - m0);
-      float* ws = (on_side_ ? buf_->gemv_ws_side : buf_->gemv_ws).as<float>();
+      float* ws = (on_lane_ >= 0 ? buf_->gemv_ws_side[on_lane_] : buf_->gemv_ws).as<float>();
       GemvParams gp{x + m0 * w.K, m, w.N, w.K, w.format, w.weight.data(), w.scale.as<float>(), y + m0 * w.N, ws, stream_};
       gp.x_parts = opts_.fp4_x_parts;  // FP4 only
       ML4_RETURN_IF_ERROR(gemv(gp).with_context(w.name));
@@ -712,6 +728,7 @@ Status CudaBackend::indexer_select(const IndexerSelectArgs& a) {
     ML4_RETURN_IF_ERROR(rope(*r));
   }
   ML4_RETURN_IF_ERROR(indexer_query_quant(qq));
+  if (a.keys_lane >= 0) ML4_RETURN_IF_ERROR(wait_lane(a.keys_lane));  // this token's key, the head weights
   const int64_t maxlen = step_maxlen_;
   // Scores of a chunk of tokens at a time: at most 64 Mi floats (256 MiB) of scores.
   const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(T, (int64_t{64} << 20) / maxlen));

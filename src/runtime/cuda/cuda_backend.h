@@ -13,9 +13,10 @@
 //                 cut points only (the eager run before has produced this step's results);
 //       kReplay:  launch the recorded graphs in order and run the breaks eagerly between
 //                 them (they write into the same fixed buffers the next graph reads).
-//   - side() / join_side(): the second stream an indexer owner's DSA chain overlaps on when
-//     every linear involved takes the GEMV (each stream has its own GEMV workspace; cuBLASLt
-//     shares one), decode-sized steps that are neither traced nor profiled.
+//   - side() / wait_lane() / join_side(): the two side streams an indexer owner's DSA chain
+//     overlaps on (its query half on lane 0, its key half on lane 1) when every linear involved
+//     takes the GEMV (each stream has its own GEMV workspace; cuBLASLt shares one),
+//     decode-sized steps that are neither traced nor profiled.
 //   - timed(): per-piece GPU milliseconds on eager steps (set_profile).
 // Numerics: production (GEMMs with M > 8 on cuBLASLt / our FP8 kernel with bf16 or FP8
 // activations, attention on bf16 tensor cores, indexer scores on FP8 tensor cores) or exact
@@ -125,7 +126,8 @@ class CudaBackend : public Backend {
   Status finish_forward() override;
   Status timed(const char* label, const Fn& fn) override;
   bool can_overlap(std::initializer_list<LinearRef> linears) const override;
-  Status side(const Fn& fn) override;
+  Status side(const Fn& fn, int lane = 0) override;
+  Status wait_lane(int lane) override;
   Status join_side() override;
   const Activations& acts() const override { return acts_; }
   int64_t step_tokens() const override { return step_T_; }
@@ -209,7 +211,7 @@ class CudaBackend : public Backend {
     DeviceBuffer residual, a, tmp, q, qlat_in, ckv, c, q_lat, q_rope, head_scale, out_lat, lse, o;
     DeviceBuffer router, router_counter, ids, wts, rows, normed, logits;
     DeviceBuffer logits_parts;  // tensor parallelism only
-    DeviceBuffer tok, pos, slots, seq_of, lengths, block_table, row_idx, attn_ws, gemv_ws, gemv_ws_side;
+    DeviceBuffer tok, pos, slots, seq_of, lengths, block_table, row_idx, attn_ws, gemv_ws, gemv_ws_side[kSideLanes];
     size_t attn_ws_bytes = 0;
     // DSA: indexer q/k/weights, q in e4m3 + scales, key slots, scores for a chunk of tokens,
     // per-selection top-k slots and counts, traced positions.
@@ -344,13 +346,15 @@ class CudaBackend : public Backend {
   int resident_never_arrive_ = -1;
   Activations acts_;
   cudaStream_t stream_ = nullptr;
-  // The indexer's branch: its stream, the events side() waits on (two, alternating) and the
-  // join event, and whether stream_ currently is the side stream (lin() then uses the side
-  // GEMV workspace).
-  cudaStream_t side_stream_ = nullptr;
-  cudaEvent_t ev_side_[2] = {nullptr, nullptr}, ev_join_ = nullptr;
+  // The indexer's branches: a stream per side lane (0: the queries, 1: the keys), the events
+  // side() waits on (two, alternating), an event per lane for wait_lane() / join_side(), and
+  // the lane stream_ currently is (-1: the main stream; lin() then uses that lane's GEMV
+  // workspace).
+  cudaStream_t side_streams_[kSideLanes] = {nullptr, nullptr};
+  cudaEvent_t ev_side_[2] = {nullptr, nullptr}, ev_lane_[kSideLanes] = {nullptr, nullptr};
   int side_calls_ = 0;
-  bool on_side_ = false;
+  int on_lane_ = -1;
+  bool lane_used_[kSideLanes] = {false, false};
   int64_t overlapped_layers_ = 0;
   int64_t weight_bytes_ = 0, kv_bytes_ = 0, routed_expert_bytes_ = 0;
   double requant_seconds_ = 0.0;
