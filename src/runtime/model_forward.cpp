@@ -526,9 +526,11 @@ Status ModelForward::attention(int l, const StepMetadata* md, ForwardTrace* trac
     ML4_RETURN_IF_ERROR(fork_select());
     return be_.linear(L.wq, x.a, T, x.q);
   }));
-  // 3./4. The latent row (c, rotated kr) into the layer's pages (KV owners only).
+  // 3./4. The latent row (c, rotated kr) into the layer's pages (KV owners only); on the key
+  // lane after the indexer's key half when forked (the query lane waited for that half only),
+  // beside the q projection: the join before the q path orders it before the attention.
   if (spec.owns_kv()) {
-    ML4_RETURN_IF_ERROR(be_.timed("attn: kv projection + cache write", [&]() -> Status {
+    auto kv = [&] { return be_.timed("attn: kv projection + cache write", [&]() -> Status {
       ML4_RETURN_IF_ERROR(be_.linear(L.wkv_a, x.a, T, x.ckv));
       const RopeArgs kr_rope = rope_args(x.ckv, 1, r + dr, r, dr, inv_freq_);
       const std::vector<int>& slots = latent_write_slots_[l];
@@ -548,7 +550,8 @@ Status ModelForward::attention(int l, const StepMetadata* md, ForwardTrace* trac
       for (int slot : slots)
         ML4_RETURN_IF_ERROR(be_.latent_cache_write_gathered(CacheGroup::kLatent, slot, all, r + dr, all + r, r + dr));
       return ok_status();
-    }));
+    }); };
+    ML4_RETURN_IF_ERROR(fork ? be_.side(kv, 1) : kv());
   }
   // 6a. W_UK absorption of the nope part (the q path below touches only the rope part).
   ML4_RETURN_IF_ERROR(be_.timed("attn: W_UK absorption", [&] { return be_.mla_absorb_q(L.absorb, x.q, x.q_lat); }));
