@@ -276,10 +276,6 @@ class Backend {
   // lane, makes that queue wait for everything issued so far on `lane`; join_side() makes the
   // main queue wait for everything issued on both. Only worth it (and only allowed) when
   // can_overlap says the linears involved may run concurrently. No nesting.
-  // A hint: start bringing (the first part of) w's weights into the device's cache (CUDA: L2,
-  // up to CudaBackendOptions::l2_prefetch_bytes) for a use soon after; no effect on results.
-  // The CPU ignores it.
-  virtual Status prefetch_weights(LinearRef w) { return ok_status(); }
   static constexpr int kSideLanes = 2;
   virtual bool can_overlap(std::initializer_list<LinearRef> linears) const { return false; }
   virtual Status side(const Fn& fn, int lane = 0) { return fn(); }

@@ -558,9 +558,6 @@ Status ModelForward::attention(int l, const StepMetadata* md, ForwardTrace* trac
   // 5. The keys attended.
   int selection = -1;
   ML4_RETURN_IF_ERROR(select_keys(l, md, trace, fork, &selection));
-  // From here to the o projection a chain of small kernels leaves the memory idle: the o
-  // projection's first rows start into the cache beside it (joined before that projection).
-  if (fork) ML4_RETURN_IF_ERROR(be_.side([&] { return be_.prefetch_weights(L.wo); }, 1));
   // 2. + 6. (temperature): RoPE on the rope part, head scales (softmax scale, llama_4,
   // SSMax s_h ln n).
   QPathArgs qp;
@@ -598,7 +595,6 @@ Status ModelForward::attention(int l, const StepMetadata* md, ForwardTrace* trac
     ML4_RETURN_IF_ERROR(be_.timed("attn: MLA kernel", [&] { return be_.mla_attention(ma).with_context("layer " + std::to_string(l)); }));
   }
   ML4_RETURN_IF_ERROR(be_.timed("attn: W_UV", [&] { return be_.mla_apply_uv(L.absorb, x.out_lat, x.o); }));
-  if (fork) ML4_RETURN_IF_ERROR(be_.join_side());
   return be_.timed("attn: o projection", [&] { return be_.linear(L.wo, x.o, T, out); });
 }
 

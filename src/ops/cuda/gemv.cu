@@ -387,24 +387,6 @@ void gemv_set_l2_prefetch(int steps) { g_tc_prefetch = std::max(steps, 0); }
 void gemv_set_stream_config(const GemvStreamConfig& c) { g_stream = c; }
 GemvStreamConfig gemv_stream_config() { return g_stream; }
 
-namespace {
-__global__ void l2_prefetch_kernel(const char* p, int64_t lines) {
-  // No pdl_wait: it reads nothing another kernel writes (weights), so it may start early.
-  pdl_launch_dependents();
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < lines; i += int64_t{gridDim.x} * blockDim.x)
-    asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p + i * 128));
-}
-}  // namespace
-
-Status l2_prefetch(const void* p, int64_t bytes, cudaStream_t stream) {
-  if (bytes < 0 || (bytes > 0 && p == nullptr)) return invalid_argument("l2_prefetch: {} bytes at {}", bytes, p);
-  if (bytes == 0) return ok_status();
-  const int64_t lines = (bytes + 127) / 128;
-  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((lines + 255) / 256, 264));
-  launch_kernel(l2_prefetch_kernel, blocks, 256, 0, stream, static_cast<const char*>(p), lines);
-  return cuda_status(cudaGetLastError(), "l2_prefetch_kernel");
-}
-
 Status gemv(const GemvParams& p) {
   const bool fp4 = is_fp4(p.format), fp8 = p.format == LinearFormat::kFP8Block;
   // FP4 takes any number of rows (its weight stream runs passes of up to 8).

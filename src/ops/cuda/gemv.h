@@ -83,11 +83,6 @@ int64_t gemv_workspace_floats(int64_t M, int64_t N, int64_t K);
 
 Status gemv(const GemvParams& p);
 
-// Brings the first `bytes` of p into L2 (prefetch.global.L2::evict_last, one 128-byte line a
-// thread at a time): issued where the memory is idle (a chain of latency-bound kernels) for a
-// weight stream that follows, so that its first rows hit in L2. No effect on any result.
-Status l2_prefetch(const void* p, int64_t bytes, cudaStream_t stream);
-
 // Benchmark knob: the tensor-core path's L2 prefetch distance in warp steps (default 0: off, measured faster).
 void gemv_set_l2_prefetch(int steps);
 

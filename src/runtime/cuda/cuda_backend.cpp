@@ -64,7 +64,6 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const ModelConfig& cfg,
   if (const char* v = std::getenv("ML4_MLA_PREFILL_PAIRS"); v && v[0] == '0') b->opts_.mla_prefill_pairs = false;
   if (const char* v = std::getenv("ML4_INDEXER_WGMMA"); v && (v[0] == '0' || v[0] == '1')) b->opts_.indexer_wgmma = v[0] == '1';
   if (const char* v = std::getenv("ML4_RESIDENT_BLOCKS"); v && std::atoi(v) == 3) b->opts_.resident_blocks_per_sm = 3;
-  if (const char* v = std::getenv("ML4_L2_PREFETCH_MB")) b->opts_.l2_prefetch_bytes = std::atoll(v) << 20;  // A/B
   b->synthetic_seed_ = synthetic_seed;
   b->max_model_len_ = max_model_len;
   ML4_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&b->stream_, cudaStreamNonBlocking));
@@ -505,13 +504,6 @@ Status CudaBackend::side(const Fn& fn, int lane) {
   return st;
 }
 
-Status CudaBackend::prefetch_weights(LinearRef w) {
-  if (!w.valid() || opts_.l2_prefetch_bytes <= 0) return ok_status();
-  const DeviceLinear& d = linears_[w.id];
-  return l2_prefetch(d.weight.data(), std::min<int64_t>(opts_.l2_prefetch_bytes, static_cast<int64_t>(d.weight.bytes())),
-                     stream_);
-}
-
 Status CudaBackend::wait_lane(int lane) {
   if (lane < 0 || lane >= kSideLanes || lane == on_lane_) return internal_error("wait_lane: lane {} from lane {}", lane, on_lane_);
   ML4_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_lane_[lane], side_streams_[lane]));
@@ -519,13 +511,13 @@ Status CudaBackend::wait_lane(int lane) {
 }
 
 Status CudaBackend::join_side() {
-  if (lane_used_[0]) ++overlapped_layers_;  // the indexer's query half ran beside the main stream
   for (int lane = 0; lane < kSideLanes; ++lane) {
     if (!lane_used_[lane]) continue;
     ML4_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_lane_[lane], side_streams_[lane]));
     ML4_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, ev_lane_[lane], 0));
     lane_used_[lane] = false;
   }
+  ++overlapped_layers_;
   return ok_status();
 }
 

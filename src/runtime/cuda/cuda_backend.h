@@ -90,9 +90,6 @@ struct CudaBackendOptions {
   // multiprocessor (FfnResidentParams::blocks_per_sm; ML4_RESIDENT_BLOCKS=3 for A/B runs).
   uint64_t resident_wait_timeout_ns = 10'000'000'000ull;
   int resident_blocks_per_sm = 0;
-  // The most of a weight prefetch_weights brings into L2 (0: the hint is ignored;
-  // ML4_L2_PREFETCH_MB for A/B runs).
-  int64_t l2_prefetch_bytes = int64_t{32} << 20;
 };
 
 struct GraphExec {
@@ -129,7 +126,6 @@ class CudaBackend : public Backend {
   Status finish_forward() override;
   Status timed(const char* label, const Fn& fn) override;
   bool can_overlap(std::initializer_list<LinearRef> linears) const override;
-  Status prefetch_weights(LinearRef w) override;
   Status side(const Fn& fn, int lane = 0) override;
   Status wait_lane(int lane) override;
   Status join_side() override;
