@@ -12,8 +12,6 @@
 #include <random>
 
 #include "cuda_test_util.h"
-#include "model/model_weights.h"
-#include "model/quant.h"
 #include "ops/cpu/basic.h"
 #include "ops/cpu/norm.h"
 #include "ops/cpu/rope.h"
@@ -350,70 +348,6 @@ TEST(CudaElementwise, MlaAbsorptionMatchesF64) {
       ML4_ASSERT_OK(mla_absorb_q(p));
       ML4_ASSERT_OK(mla_apply_uv(p));
     });
-  }
-}
-
-// The weight-stationary absorption kernels reading wkv_b's own e4m3 bytes and block scales
-// (MlaAbsorbParams::wkvb8, the decode path for FP8 checkpoints) against the same kernels on
-// the f32 W_UK / W_UV that split_wkv_b dequantizes from that wkv_b: every weight is
-// float(e4m3) x scale rounded once either way, so the outputs must be bit-identical. Shapes:
-// ml4's (64 heads, 512-wide latent) at 1, 8 and 19 tokens; 176 rows a head (heads straddle the
-// 128-row scale blocks); r = 64 (not a multiple of 128: the bytes are ignored, f32 path).
-TEST(CudaElementwise, MlaAbsorptionFromFp8WkvbIsBitIdentical) {
-  ML4_REQUIRE_GPU();
-  const AbsorbShape shapes[] = {{64, 128, 128, 512, 192, 0, 1}, {64, 128, 128, 512, 192, 0, 8},
-                                {64, 128, 128, 512, 192, 0, 19}, {3, 136, 40, 128, 200, 8, 5},
-                                {2, 136, 40, 64, 200, 8, 9}};
-  uint32_t seed = 900;
-  for (const AbsorbShape& sh : shapes) {
-    const int64_t rows = int64_t{sh.H} * (sh.dn + sh.dv);
-    auto wf = randn(rows * sh.r, ++seed, 0.05f);
-    auto lw = quantize_linear(wf.data(), rows, sh.r, LinearFormat::kFP8Block, "wkv_b");
-    ML4_ASSERT_OK(lw.status());
-    const WkvbSplit split = split_wkv_b(*lw, sh.dn, sh.dv);
-    ASSERT_FALSE(split.w_uk.empty());
-    auto q = randn(sh.T * sh.H * sh.q_stride, ++seed);
-    auto lat = randn(sh.T * sh.H * sh.r, ++seed);
-    auto dq = to_device(q), dlat = to_device(lat), dwuk = to_device(split.w_uk), dwuv = to_device(split.w_uv);
-    auto d8 = DeviceBuffer::alloc(lw->weight.nbytes());
-    ML4_ASSERT_OK(d8.status());
-    ML4_ASSERT_OK(d8->upload(lw->weight.data(), lw->weight.nbytes()));
-    auto dsc = to_device(std::vector<float>(lw->scale.as<float>(), lw->scale.as<float>() + lw->scale.numel()));
-    std::vector<float> outs[2][2];
-    for (int fp8 = 0; fp8 < 2; ++fp8) {
-      auto dql = poisoned<float>(sh.T * sh.H * sh.r);
-      auto dout = poisoned<float>(sh.T * sh.H * sh.dv);
-      MlaAbsorbParams p;
-      p.T = sh.T;
-      p.H = sh.H;
-      p.dn = sh.dn;
-      p.dv = sh.dv;
-      p.r = sh.r;
-      p.q = dq.as<float>();
-      p.q_stride = sh.q_stride;
-      p.q_offset = sh.q_offset;
-      p.w_uk = dwuk.as<float>();
-      p.q_lat = dql.as<float>();
-      p.lat = dlat.as<float>();
-      p.w_uv = dwuv.as<float>();
-      p.o = dout.as<float>();
-      if (fp8) {
-        p.wkvb8 = static_cast<const uint8_t*>(d8->data());
-        p.wkvb_scale = dsc.as<float>();
-      }
-      ML4_ASSERT_OK(mla_absorb_q(p));
-      ML4_ASSERT_OK(mla_apply_uv(p));
-      sync();
-      outs[fp8][0] = to_host<float>(dql, sh.T * sh.H * sh.r);
-      outs[fp8][1] = to_host<float>(dout, sh.T * sh.H * sh.dv);
-      ASSERT_TRUE(all_finite(outs[fp8][0]) && all_finite(outs[fp8][1]));
-    }
-    EXPECT_EQ(std::memcmp(outs[0][0].data(), outs[1][0].data(), outs[0][0].size() * 4), 0)
-        << "W_UK from e4m3 differs, H=" << sh.H << " r=" << sh.r << " T=" << sh.T;
-    EXPECT_EQ(std::memcmp(outs[0][1].data(), outs[1][1].data(), outs[0][1].size() * 4), 0)
-        << "W_UV from e4m3 differs, H=" << sh.H << " r=" << sh.r << " T=" << sh.T;
-    std::printf("mla absorption from e4m3 wkv_b H=%d dn=%d dv=%d r=%d T=%ld: bit-identical to the f32 copies\n", sh.H,
-                sh.dn, sh.dv, sh.r, static_cast<long>(sh.T));
   }
 }
 

@@ -5,8 +5,6 @@
 #include "ops/cuda/pdl.cuh"
 
 #include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
 
 #include <algorithm>
 #include <cmath>
@@ -343,25 +341,6 @@ __global__ void apply_uv_kernel(MlaAbsorbParams p) {
   }
 }
 
-// Four consecutive weights (columns c .. c + 3, c % 4 == 0) of row d of head h's W_UK (uv
-// false) or W_UV: from wkv_b's e4m3 bytes times their block scale when p.wkvb8 is set (the
-// f32 copies' values exactly: e4m3 -> f32 is exact, then one f32 multiply as on the host),
-// else from the f32 copies.
-__device__ __forceinline__ float4 absorb_w4(const MlaAbsorbParams& p, int h, int d, int c, bool uv) {
-  if (p.wkvb8 != nullptr) {
-    const int64_t row = static_cast<int64_t>(h) * (p.dn + p.dv) + (uv ? p.dn : 0) + d;
-    const uint32_t q = __ldg(reinterpret_cast<const uint32_t*>(p.wkvb8 + row * p.r + c));
-    const float s = __ldg(p.wkvb_scale + (row / 128) * (p.r / 128) + c / 128);
-    auto f = [](uint32_t b) {
-      return __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(b & 0xffu), __NV_E4M3)));
-    };
-    return make_float4(f(q) * s, f(q >> 8) * s, f(q >> 16) * s, f(q >> 24) * s);
-  }
-  const float* wb = uv ? p.w_uv : p.w_uk;
-  const int rows = uv ? p.dv : p.dn;
-  return __ldg(reinterpret_cast<const float4*>(wb + (static_cast<int64_t>(h) * rows + d) * p.r + c));
-}
-
 // The weight-stationary absorption kernels (decode: the weights are read once per step, not
 // once per token; at ml4 width W_UK and W_UV are 16.8 MB of f32 each per layer). Each block
 // loads its weight tile into registers with 16-byte loads all in flight at once (64 KB per
@@ -381,11 +360,13 @@ __global__ void __launch_bounds__(256) absorb_q_ws_kernel(MlaAbsorbParams p) {
   const int h = blockIdx.x, lane = threadIdx.x, g = threadIdx.y, tid = g * 32 + lane;
   const int dpg = (p.dn + kAbsGroups - 1) / kAbsGroups, d0 = g * dpg;
   const int c = blockIdx.y * kAbsCols + 4 * lane;
+  const float* wb = p.w_uk + static_cast<int64_t>(h) * p.dn * p.r;
   float4 w[kAbsMaxDpg];
 #pragma unroll
   for (int i = 0; i < kAbsMaxDpg; ++i) {
     const int d = d0 + i;
-    w[i] = (i < dpg && d < p.dn && c < p.r) ? absorb_w4(p, h, d, c, false) : make_float4(0.f, 0.f, 0.f, 0.f);
+    w[i] = (i < dpg && d < p.dn && c < p.r) ? __ldg(reinterpret_cast<const float4*>(wb + static_cast<int64_t>(d) * p.r + c))
+                                            : make_float4(0.f, 0.f, 0.f, 0.f);
   }
   for (int64_t t0 = 0; t0 < p.T; t0 += kAbsTok) {
     const int nt = static_cast<int>(p.T - t0 < kAbsTok ? p.T - t0 : kAbsTok);
@@ -440,13 +421,15 @@ __global__ void __launch_bounds__(256) apply_uv_ws_kernel(MlaAbsorbParams p) {
   const int h = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int row0 = blockIdx.y * (kUvWarps * kUvRows) + warp * kUvRows;
   const int r4 = p.r / 4;
+  const float* wb = p.w_uv + static_cast<int64_t>(h) * p.dv * p.r;
   float4 w[kUvRows][kUvMaxR4 / 32];
 #pragma unroll
   for (int rr = 0; rr < kUvRows; ++rr) {
 #pragma unroll
     for (int i = 0; i < kUvMaxR4 / 32; ++i) {
       const int d = row0 + rr, j4 = lane + 32 * i;
-      w[rr][i] = (d < p.dv && j4 < r4) ? absorb_w4(p, h, d, 4 * j4, true) : make_float4(0.f, 0.f, 0.f, 0.f);
+      w[rr][i] = (d < p.dv && j4 < r4) ? __ldg(reinterpret_cast<const float4*>(wb + static_cast<int64_t>(d) * p.r) + j4)
+                                       : make_float4(0.f, 0.f, 0.f, 0.f);
     }
   }
   for (int64_t t0 = 0; t0 < p.T; t0 += kAbsTok) {
@@ -493,14 +476,6 @@ bool absorb_weight_stationary(const MlaAbsorbParams& p, bool uv) {
 }
 
 int grid_for(int64_t n) { return static_cast<int>(std::min<int64_t>((n + kThreads - 1) / kThreads, 65536)); }
-
-// p with its e4m3 wkv_b source dropped where the kernels cannot take it (absorb_w4 reads four
-// bytes at a time inside one 128-column scale block: r % 128 == 0, 4-byte aligned bytes).
-MlaAbsorbParams with_fp8_source(MlaAbsorbParams p) {
-  if (p.wkvb8 && (p.r % 128 != 0 || !p.wkvb_scale || reinterpret_cast<uintptr_t>(p.wkvb8) % 4 != 0))
-    p.wkvb8 = nullptr;
-  return p;
-}
 
 }  // namespace
 
@@ -610,8 +585,7 @@ Status mla_absorb_q(const MlaAbsorbParams& p) {
   if (p.T == 0) return ok_status();
   if (!p.q || !p.w_uk || !p.q_lat) return invalid_argument("mla_absorb_q: null pointer");
   if (absorb_weight_stationary(p, false)) {
-    launch_kernel(absorb_q_ws_kernel, dim3(p.H, (p.r + kAbsCols - 1) / kAbsCols), dim3(32, kAbsGroups), 0, p.stream,
-                  with_fp8_source(p));
+    launch_kernel(absorb_q_ws_kernel, dim3(p.H, (p.r + kAbsCols - 1) / kAbsCols), dim3(32, kAbsGroups), 0, p.stream, p);
     return cuda_status(cudaGetLastError(), "absorb_q_ws_kernel");
   }
   launch_kernel(absorb_q_kernel, dim3(static_cast<unsigned>(p.T), p.H), 128, 0, p.stream, p);
@@ -624,7 +598,7 @@ Status mla_apply_uv(const MlaAbsorbParams& p) {
   if (!p.lat || !p.w_uv || !p.o) return invalid_argument("mla_apply_uv: null pointer");
   if (absorb_weight_stationary(p, true)) {
     const int rows = kUvWarps * kUvRows;
-    launch_kernel(apply_uv_ws_kernel, dim3(p.H, (p.dv + rows - 1) / rows), 256, 0, p.stream, with_fp8_source(p));
+    launch_kernel(apply_uv_ws_kernel, dim3(p.H, (p.dv + rows - 1) / rows), 256, 0, p.stream, p);
     return cuda_status(cudaGetLastError(), "apply_uv_ws_kernel");
   }
   launch_kernel(apply_uv_kernel, dim3(static_cast<unsigned>(p.T), p.H), 256, 0, p.stream, p);

@@ -120,12 +120,6 @@ struct MlaAbsorbParams {
   const float* lat = nullptr;    // [T, H, r]
   const float* w_uv = nullptr;   // [H, dv, r]
   float* o = nullptr;            // [T, H, dv]
-  // Optional, for the weight-stationary kernels (decode-sized steps): wkv_b as stored, e4m3
-  // [H (dn + dv), r] with f32 scales per 128 x 128 block ([ceil(H (dn + dv) / 128), r / 128]).
-  // Each weight is then float(e4m3) x scale, one f32 multiply: the value dequantize_linear put
-  // into w_uk / w_uv, bit for bit, from a quarter of the bytes. Needs r % 128 == 0.
-  const uint8_t* wkvb8 = nullptr;
-  const float* wkvb_scale = nullptr;
   cudaStream_t stream = nullptr;
 };
 Status mla_absorb_q(const MlaAbsorbParams& p);

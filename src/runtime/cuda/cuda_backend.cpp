@@ -64,7 +64,6 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const ModelConfig& cfg,
   if (const char* v = std::getenv("ML4_MLA_PREFILL_PAIRS"); v && v[0] == '0') b->opts_.mla_prefill_pairs = false;
   if (const char* v = std::getenv("ML4_INDEXER_WGMMA"); v && (v[0] == '0' || v[0] == '1')) b->opts_.indexer_wgmma = v[0] == '1';
   if (const char* v = std::getenv("ML4_RESIDENT_BLOCKS"); v && std::atoi(v) == 3) b->opts_.resident_blocks_per_sm = 3;
-  if (const char* v = std::getenv("ML4_ABSORB_FP8"); v && v[0] == '0') b->opts_.absorb_fp8 = false;
   b->synthetic_seed_ = synthetic_seed;
   b->max_model_len_ = max_model_len;
   ML4_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&b->stream_, cudaStreamNonBlocking));
@@ -844,16 +843,6 @@ Result<AbsorbRef> CudaBackend::add_absorb(const LinearWeight& wkv_b) {
   ML4_ASSIGN_OR_RETURN(const float* uk, add_vector(s.w_uk));
   ML4_ASSIGN_OR_RETURN(const float* uv, add_vector(s.w_uv));
   absorbs_.push_back({uk, uv});
-  AbsorbFp8 f8;
-  if (wkv_b.format == LinearFormat::kFP8Block && cfg_.kv_lora_rank % 128 == 0) {
-    ML4_ASSIGN_OR_RETURN(f8.w8, DeviceBuffer::alloc(wkv_b.weight.nbytes()));
-    ML4_RETURN_IF_ERROR(f8.w8.upload(wkv_b.weight.data(), wkv_b.weight.nbytes()));
-    ML4_ASSIGN_OR_RETURN(f8.scale, DeviceBuffer::alloc(wkv_b.scale.nbytes()));
-    ML4_RETURN_IF_ERROR(f8.scale.upload(wkv_b.scale.data(), wkv_b.scale.nbytes()));
-    weight_bytes_ += static_cast<int64_t>(f8.w8.bytes() + f8.scale.bytes());
-    prefill_only_bytes_ += static_cast<int64_t>((s.w_uk.size() + s.w_uv.size()) * sizeof(float));
-  }
-  absorb_fp8_.push_back(std::move(f8));
   return AbsorbRef{static_cast<int>(absorbs_.size()) - 1};
 }
 
@@ -865,20 +854,12 @@ bool CudaBackend::absorb_as_gemm() const {
   return opts_.absorb_gemm && !opts_.exact_activations && bucket_T_ >= opts_.absorb_gemm_min_tokens;
 }
 
-void CudaBackend::fp8_absorb_source(int id, MlaAbsorbParams* ab) const {
-  const AbsorbFp8& f = absorb_fp8_[id];
-  if (!opts_.absorb_fp8 || f.w8.bytes() == 0) return;
-  ab->wkvb8 = static_cast<const uint8_t*>(f.w8.data());
-  ab->wkvb_scale = f.scale.as<float>();
-}
-
 Status CudaBackend::mla_absorb_q(AbsorbRef a, const float* q, float* q_lat) {
   if (!a.valid() || a.id >= static_cast<int>(absorbs_.size())) return internal_error("mla_absorb_q: no wkv_b {}", a.id);
   MlaAbsorbParams ab = absorb_params(cfg_, step_T_, stream_);
   ab.q = q;
   ab.w_uk = absorbs_[a.id].first;
   ab.q_lat = q_lat;
-  fp8_absorb_source(a.id, &ab);
   if (absorb_as_gemm()) {
     Status st = cuda::mla_absorb_q_gemm(*lt_, ab);
     if (st.code() != StatusCode::kUnimplemented) return st;  // a refused shape runs the kernel
@@ -892,7 +873,6 @@ Status CudaBackend::mla_apply_uv(AbsorbRef a, const float* out_lat, float* o) {
   ab.lat = out_lat;
   ab.w_uv = absorbs_[a.id].second;
   ab.o = o;
-  fp8_absorb_source(a.id, &ab);
   if (absorb_as_gemm()) {
     Status st = cuda::mla_apply_uv_gemm(*lt_, ab);
     if (st.code() != StatusCode::kUnimplemented) return st;

@@ -80,10 +80,6 @@ struct CudaBackendOptions {
   // H100, CudaIndexer.WgmmaScoresAndTopkMatchCpu); decode-sized steps keep mma.sync.
   // ML4_INDEXER_WGMMA=0 turns it off.
   bool indexer_wgmma = true;
-  // The weight-stationary absorption kernels (decode-sized steps) read W_UK / W_UV from wkv_b's
-  // own e4m3 bytes and block scales when the checkpoint stores it as FP8: the same f32 weights
-  // bit for bit (MlaAbsorbParams::wkvb8), a quarter of the bytes. ML4_ABSORB_FP8=0 turns it off.
-  bool absorb_fp8 = true;
   // RunnerOptions::experts_to_mxfp4: routed FP8 experts re-quantized to MXFP4 on the device
   // as they are uploaded (ops/cuda/requant.h); needs fp4_weights.
   bool experts_to_mxfp4 = false;
@@ -249,9 +245,6 @@ class CudaBackend : public Backend {
   int64_t routed_expert_bytes() const { return routed_expert_bytes_; }
   // The token embedding table's bytes (in weight_bytes; a step reads one row a token of it).
   int64_t embedding_bytes() const { return static_cast<int64_t>(embed_.bytes()); }
-  // Weight bytes decode-sized steps do not read: the f32 W_UK / W_UV copies of absorptions
-  // whose decode kernels read wkv_b's FP8 bytes instead (absorb_fp8); prefill's GEMMs read them.
-  int64_t prefill_only_bytes() const { return opts_.absorb_fp8 ? prefill_only_bytes_ : 0; }
   // experts_to_mxfp4: seconds spent re-quantizing, and the most device bytes held beyond the
   // result while doing it (one FP8 matrix at a time).
   double requant_seconds() const { return requant_seconds_; }
@@ -306,7 +299,6 @@ class CudaBackend : public Backend {
   const int32_t* selection_counts(int selection) const;
   bool moe_grouped(const Moe& m) const;
   bool absorb_as_gemm() const;  // this step's absorption takes the batched GEMMs
-  void fp8_absorb_source(int id, MlaAbsorbParams* ab) const;  // absorb_fp8: wkv_b's FP8 bytes, when held
   bool moe_gemm(const Moe& m) const;
   // The resident kernel's operands for this step's block; false when it does not take them.
   bool resident_ffn_params(const FfnBlockArgs& a, FfnResidentParams* p) const;
@@ -337,11 +329,6 @@ class CudaBackend : public Backend {
   std::vector<Moe> moes_;
   std::vector<DeviceBuffer> vectors_;
   std::vector<std::pair<const float*, const float*>> absorbs_;  // (W_UK, W_UV) per add_absorb, in vectors_
-  struct AbsorbFp8 {
-    DeviceBuffer w8, scale;  // wkv_b as stored (e4m3, f32 block scales); empty unless FP8
-  };
-  std::vector<AbsorbFp8> absorb_fp8_;  // [add_absorb]
-  int64_t prefill_only_bytes_ = 0;
   DeviceBuffer embed_;
   DType embed_dtype_ = DType::kBF16;
   int64_t max_in_ = 0, max_hidden_ = 0;

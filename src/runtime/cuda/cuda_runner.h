@@ -173,7 +173,6 @@ class CudaRunner : public ModelRunner {
   // Bytes of all routed experts of all layers (the rest of weight_bytes is read every step).
   int64_t routed_expert_bytes() const { return backend_->routed_expert_bytes(); }
   int64_t embedding_bytes() const { return backend_->embedding_bytes(); }
-  int64_t prefill_only_bytes() const { return backend_->prefill_only_bytes(); }
   double requant_seconds() const { return backend_->requant_seconds(); }
   int64_t requant_transient_bytes() const { return backend_->requant_transient_bytes(); }
   // Benchmarks: finite random bytes in every latent and indexer page.

@@ -210,9 +210,7 @@ int run_step_bench(const StepBenchOptions& opt) {
   // Read by every step: the weights but the routed experts and the token embedding table (of
   // which a step reads one row a token, counted below). Until the twelfth session the table
   // (1.61 GB of bf16 on ml4-slice-4) was counted whole: every roofline before was 1.6 GB high.
-  // Nor the f32 absorption copies where the decode kernels read wkv_b's FP8 bytes.
-  const double always = static_cast<double>(r.weight_bytes() - r.routed_expert_bytes() - r.embedding_bytes() -
-                                            r.prefill_only_bytes());
+  const double always = static_cast<double>(r.weight_bytes() - r.routed_expert_bytes() - r.embedding_bytes());
   const double embed_row = static_cast<double>(r.embedding_bytes()) / cfg.vocab_size;
   const double per_expert = moe_layers > 0 ? static_cast<double>(r.routed_expert_bytes()) / (E * moe_layers) : 0.0;
   const double row = static_cast<double>(latent_token_bytes(KvCacheDtype::kFp8DsMla, cfg.kv_lora_rank, cfg.qk_rope_head_dim));

@@ -8,7 +8,6 @@
 #include <cuda_bf16.h>
 
 #include "core/dtype.h"
-#include "model/quant.h"
 #include "ops/cuda/cuda_common.h"
 #include "ops/cuda/gemv.h"
 
@@ -168,15 +167,7 @@ void mla_shapes(AttentionWeights& A, const ModelConfig& cfg, const std::string& 
   }
   A.wo = shape_only(pre + "attention.wo.weight", f, D, H * dv);
   const std::vector<float> v = host_values(g, H * (dn + dv) * r, 0.0f, 1.0f / std::sqrt(static_cast<float>(r)));
-  const std::string name = pre + "attention.wkv_b.weight";
-  if (f == LinearFormat::kFP8Block) {  // as a checkpoint stores it (the decode absorptions read these bytes)
-    auto q = quantize_linear(v.data(), H * (dn + dv), r, LinearFormat::kFP8Block, name);
-    if (q.ok()) {
-      A.wkv_b = std::move(*q);
-      return;
-    }
-  }
-  A.wkv_b = shape_only(name, LinearFormat::kF32, H * (dn + dv), r);
+  A.wkv_b = shape_only(pre + "attention.wkv_b.weight", LinearFormat::kF32, H * (dn + dv), r);
   A.wkv_b.weight = Tensor(DType::kF32, {H * (dn + dv), r});
   std::copy(v.begin(), v.end(), A.wkv_b.weight.mutable_as<float>());
 }
