@@ -303,8 +303,7 @@ class Backend {
   // The latent row's path into a layer slot of the latent group after wkv_a, ckv [T, r + dr] =
   // [c | kr]: c = RMSNorm(c) (w, eps) into `c`, kr rotated in place when `rope` (ckv's rope
   // part: x ckv, one head of r + dr, offset r), then latent_cache_write(kLatent, cache_slot, c,
-  // ckv + r, r + dr). A backend may fuse
-  // the three (CUDA: CudaBackendOptions::fused_indexer).
+  // ckv + r, r + dr). A backend may fuse the three (CUDA: CudaBackendOptions::fused_indexer).
   virtual Status latent_key_path(float* ckv, int r, int dr, const float* w, float eps, const RopeArgs* rope,
                                  int cache_slot, float* c) {
     ML4_RETURN_IF_ERROR(rms_norm({ckv, nullptr, w, step_tokens(), r, r + dr, eps, c}));

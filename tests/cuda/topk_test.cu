@@ -12,6 +12,7 @@
 #include <limits>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "cuda_test_util.h"
@@ -25,6 +26,65 @@ namespace {
 using testing::poisoned;
 using testing::to_device;
 using testing::to_host;
+
+// One topk call over every row with all three outputs (pos / slots [T, k], counts [T]), from
+// poisoned buffers; `set` adds the path's own parameters (splits, workspace, max_length, ...).
+struct TopkOut {
+  std::vector<int32_t> pos, slots, counts;
+};
+template <typename Set>
+TopkOut run_topk(const float* scores, int64_t stride, const int32_t* lengths, int64_t T, int k, const int32_t* bt,
+                 int64_t pages, const int32_t* seq_of, Set set) {
+  auto d_pos = poisoned<int32_t>(T * k), d_slots = poisoned<int32_t>(T * k), d_cnt = poisoned<int32_t>(T);
+  TopkParams p;
+  p.scores = scores;
+  p.scores_stride = stride;
+  p.lengths = lengths;
+  p.T = T;
+  p.k = k;
+  p.positions = d_pos.as<int32_t>();
+  p.slots = d_slots.as<int32_t>();
+  p.counts = d_cnt.as<int32_t>();
+  p.block_table = bt;
+  p.block_table_stride = pages;
+  p.seq_of_token = seq_of;
+  set(p);
+  TopkOut o;
+  const Status st = topk(p);
+  EXPECT_TRUE(st.ok()) << st.message();
+  if (!st.ok()) return o;
+  EXPECT_TRUE(cuda_status(cudaDeviceSynchronize(), "sync").ok());
+  o.pos = to_host<int32_t>(d_pos, T * k);
+  o.slots = to_host<int32_t>(d_slots, T * k);
+  o.counts = to_host<int32_t>(d_cnt, T);
+  return o;
+}
+
+// Checks o against cpu::topk row by row: the counts, the positions in ascending order then -1,
+// and their slots (row t's pages: bt_of_row[t * pages + s / 64]). Returns the rows that differ.
+int64_t rows_differing(const std::vector<float>& scores, int64_t stride, const std::vector<int32_t>& lengths, int k,
+                       const TopkOut& o, const std::vector<int32_t>& bt_of_row, int64_t pages, const std::string& what) {
+  const int64_t T = static_cast<int64_t>(lengths.size());
+  if (o.pos.size() != static_cast<size_t>(T * k)) return T;
+  int64_t bad_rows = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    EXPECT_EQ(o.counts[t], std::min(k, lengths[t])) << what << " row " << t;
+    std::vector<int32_t> ref(k);
+    cpu::topk(scores.data() + t * stride, lengths[t], k, ref.data());
+    const int kk = std::min(k, lengths[t]);
+    std::sort(ref.begin(), ref.begin() + kk);
+    int bad = 0;
+    for (int i = 0; i < k; ++i) {
+      const int32_t want = i < kk ? ref[i] : -1;
+      const int32_t want_slot =
+          i < kk ? bt_of_row[t * pages + want / kPageTokens] * kPageTokens + want % kPageTokens : -1;
+      bad += o.pos[t * k + i] != want || o.slots[t * k + i] != want_slot;
+    }
+    bad_rows += bad != 0;
+    EXPECT_EQ(bad, 0) << what << " row " << t << " (length " << lengths[t] << ")";
+  }
+  return bad_rows;
+}
 
 TEST(CudaTopk, MatchesCpuTopkWithTiesNanAndPadding) {
   ML4_REQUIRE_GPU();
@@ -66,51 +126,19 @@ TEST(CudaTopk, MatchesCpuTopkWithTiesNanAndPadding) {
   auto d_bt = to_device(bt_rows);
   auto d_seq = to_device(seq_of);
   for (const auto& [k, splits] : std::vector<std::pair<int, int>>{{2048, 1}, {16, 1}, {2048, 7}, {16, 7}, {2048, 64}}) {
-    std::vector<std::vector<int32_t>> pos_runs, slot_runs;
+    std::vector<TopkOut> runs;
     auto d_ws = poisoned<uint8_t>(topk_workspace_bytes(T, splits));
-    for (int rep = 0; rep < 2; ++rep) {
-      auto d_pos = poisoned<int32_t>(T * k), d_slots = poisoned<int32_t>(T * k), d_cnt = poisoned<int32_t>(T);
-      TopkParams p;
-      p.scores = d_scores.as<float>();
-      p.scores_stride = stride;
-      p.lengths = d_len.as<int32_t>();
-      p.T = T;
-      p.k = k;
-      p.positions = d_pos.as<int32_t>();
-      p.slots = d_slots.as<int32_t>();
-      p.counts = d_cnt.as<int32_t>();
-      p.block_table = d_bt.as<int32_t>();
-      p.block_table_stride = pages;
-      p.seq_of_token = d_seq.as<int32_t>();
-      p.splits = splits;
-      p.workspace = d_ws.data();
-      p.workspace_bytes = topk_workspace_bytes(T, splits);
-      ML4_ASSERT_OK(topk(p));
-      ML4_ASSERT_OK(cuda_status(cudaDeviceSynchronize(), "sync"));
-      pos_runs.push_back(to_host<int32_t>(d_pos, T * k));
-      slot_runs.push_back(to_host<int32_t>(d_slots, T * k));
-      const auto cnt = to_host<int32_t>(d_cnt, T);
-      for (int64_t t = 0; t < T; ++t) EXPECT_EQ(cnt[t], std::min(k, lengths[t])) << "row " << t;
-    }
-    EXPECT_EQ(pos_runs[0], pos_runs[1]) << "repeat run differs";
-    EXPECT_EQ(slot_runs[0], slot_runs[1]) << "repeat run differs";
-    int64_t mismatched_rows = 0;
-    for (int64_t t = 0; t < T; ++t) {
-      std::vector<int32_t> ref(k);
-      cpu::topk(scores.data() + t * stride, lengths[t], k, ref.data());
-      const int kk = std::min(k, lengths[t]);
-      std::sort(ref.begin(), ref.begin() + kk);
-      const int32_t* got = pos_runs[0].data() + t * k;
-      const int32_t* gs = slot_runs[0].data() + t * k;
-      bool ok = true;
-      for (int i = 0; i < k; ++i) {
-        const int32_t want = i < kk ? ref[i] : -1;
-        const int32_t want_slot = i < kk ? bt[t * pages + want / kPageTokens] * kPageTokens + want % kPageTokens : -1;
-        if (got[i] != want || gs[i] != want_slot) ok = false;
-      }
-      if (!ok) ++mismatched_rows;
-      EXPECT_TRUE(ok) << "k=" << k << " splits=" << splits << " row " << t << " (length " << lengths[t] << ")";
-    }
+    for (int rep = 0; rep < 2; ++rep)
+      runs.push_back(run_topk(d_scores.as<float>(), stride, d_len.as<int32_t>(), T, k, d_bt.as<int32_t>(), pages,
+                              d_seq.as<int32_t>(), [&](TopkParams& p) {
+                                p.splits = splits;
+                                p.workspace = d_ws.data();
+                                p.workspace_bytes = topk_workspace_bytes(T, splits);
+                              }));
+    EXPECT_EQ(runs[0].pos, runs[1].pos) << "repeat run differs";
+    EXPECT_EQ(runs[0].slots, runs[1].slots) << "repeat run differs";
+    const int64_t mismatched_rows = rows_differing(scores, stride, lengths, k, runs[0], bt, pages,
+                                                   "k=" + std::to_string(k) + " splits=" + std::to_string(splits));
     std::printf("topk k=%d splits=%d: %lld of %lld rows differ from cpu::topk\n", k, splits,
                 static_cast<long long>(mismatched_rows), static_cast<long long>(T));
   }
@@ -155,49 +183,21 @@ TEST(CudaTopk, RegisterPathMatchesCpuAndTheLoopKernel) {
     auto d_bt = to_device(bt);
     auto d_seq = to_device(seq_of);
     for (int k : {2048, 16}) {
-      std::vector<std::vector<int32_t>> pos, slot;
       // The register kernel with 8-bit and 11-bit digits, then the loop kernel.
-      for (const auto& [ml, bits] : std::vector<std::pair<int64_t, int>>{{max_length, 8}, {max_length, 11}, {0, 0}}) {
-        auto d_pos = poisoned<int32_t>(T * k), d_slots = poisoned<int32_t>(T * k), d_cnt = poisoned<int32_t>(T);
-        TopkParams p;
-        p.scores = d_scores.as<float>();
-        p.scores_stride = stride;
-        p.lengths = d_len.as<int32_t>();
-        p.T = T;
-        p.k = k;
-        p.positions = d_pos.as<int32_t>();
-        p.slots = d_slots.as<int32_t>();
-        p.counts = d_cnt.as<int32_t>();
-        p.block_table = d_bt.as<int32_t>();
-        p.block_table_stride = pages;
-        p.seq_of_token = d_seq.as<int32_t>();
-        p.max_length = ml;
-        p.radix_bits = bits;
-        ML4_ASSERT_OK(topk(p));
-        ML4_ASSERT_OK(cuda_status(cudaDeviceSynchronize(), "sync"));
-        pos.push_back(to_host<int32_t>(d_pos, T * k));
-        slot.push_back(to_host<int32_t>(d_slots, T * k));
-        const auto cnt = to_host<int32_t>(d_cnt, T);
-        for (int64_t t = 0; t < T; ++t) EXPECT_EQ(cnt[t], std::min(k, lengths[t])) << "row " << t;
-      }
+      std::vector<TopkOut> outs;
+      for (const auto& [ml, bits] : std::vector<std::pair<int64_t, int>>{{max_length, 8}, {max_length, 11}, {0, 0}})
+        outs.push_back(run_topk(d_scores.as<float>(), stride, d_len.as<int32_t>(), T, k, d_bt.as<int32_t>(), pages,
+                                d_seq.as<int32_t>(), [&](TopkParams& p) {
+                                  p.max_length = ml;
+                                  p.radix_bits = bits;
+                                }));
       for (int run = 1; run < 3; ++run) {
-        EXPECT_EQ(pos[0], pos[run]) << "max_length " << max_length << " k " << k << ": run " << run << " differs";
-        EXPECT_EQ(slot[0], slot[run]) << "max_length " << max_length << " k " << k << ": run " << run << " differs";
+        EXPECT_EQ(outs[0].pos, outs[run].pos) << "max_length " << max_length << " k " << k << ": run " << run << " differs";
+        EXPECT_EQ(outs[0].slots, outs[run].slots) << "max_length " << max_length << " k " << k << ": run " << run << " differs";
       }
-      for (int64_t t = 0; t < T; ++t) {
-        std::vector<int32_t> ref(k);
-        cpu::topk(scores.data() + t * stride, lengths[t], k, ref.data());
-        const int kk = std::min(k, lengths[t]);
-        std::sort(ref.begin(), ref.begin() + kk);
-        int bad = 0;
-        for (int i = 0; i < k; ++i) {
-          const int32_t want = i < kk ? ref[i] : -1;
-          const int32_t want_slot = i < kk ? bt[t * pages + want / kPageTokens] * kPageTokens + want % kPageTokens : -1;
-          bad += pos[0][t * k + i] != want || slot[0][t * k + i] != want_slot;
-        }
-        EXPECT_EQ(bad, 0) << "max_length " << max_length << " stride " << stride << " k " << k << " row " << t
-                          << " (length " << lengths[t] << ")";
-      }
+      rows_differing(scores, stride, lengths, k, outs[0], bt, pages,
+                     "max_length " + std::to_string(max_length) + " stride " + std::to_string(stride) + " k " +
+                         std::to_string(k));
       ++runs;
     }
   }

@@ -68,7 +68,8 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const ModelConfig& cfg,
   b->max_model_len_ = max_model_len;
   ML4_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&b->stream_, cudaStreamNonBlocking));
   if (cfg.has_dsa() && opts.overlap_indexer) {
-    for (cudaStream_t& st : b->side_streams_) ML4_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    for (cudaStream_t& st : b->side_streams_)
+      ML4_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     for (cudaEvent_t* e : {&b->ev_side_[0], &b->ev_side_[1], &b->ev_lane_[0], &b->ev_lane_[1]})
       ML4_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
   }
@@ -491,7 +492,8 @@ bool CudaBackend::can_overlap(std::initializer_list<LinearRef> linears) const {
 // fn runs with stream_ switched to the lane's stream (and lin() to its GEMV workspace), after
 // everything issued so far on the main stream.
 Status CudaBackend::side(const Fn& fn, int lane) {
-  if (lane < 0 || lane >= kSideLanes || on_lane_ >= 0) return internal_error("side: lane {} (inside lane {})", lane, on_lane_);
+  if (lane < 0 || lane >= kSideLanes || on_lane_ >= 0)
+    return internal_error("side: lane {} (inside lane {})", lane, on_lane_);
   cudaEvent_t ev = ev_side_[side_calls_++ % 2];
   ML4_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev, stream_));
   std::swap(stream_, side_streams_[lane]);
@@ -505,7 +507,8 @@ Status CudaBackend::side(const Fn& fn, int lane) {
 }
 
 Status CudaBackend::wait_lane(int lane) {
-  if (lane < 0 || lane >= kSideLanes || lane == on_lane_) return internal_error("wait_lane: lane {} from lane {}", lane, on_lane_);
+  if (lane < 0 || lane >= kSideLanes || lane == on_lane_)
+    return internal_error("wait_lane: lane {} from lane {}", lane, on_lane_);
   ML4_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_lane_[lane], side_streams_[lane]));
   return cuda_status(cudaStreamWaitEvent(stream_, ev_lane_[lane], 0), "wait_lane");
 }
