@@ -1,6 +1,6 @@
 // The indexer's causal top-k (ops/cuda/topk.h) at decode shapes: one block per row (looping over
-// the row in global memory, holding it in registers up to 16k scores, or the long-row kernel up
-// to 64k) against the multi-block path, k = 2048, rows of 8k-256k normal scores, T = 1..32 rows. Prints
+// the row in global memory, or holding it in registers up to 16k scores) against the
+// multi-block path, k = 2048, rows of 8k-256k normal scores, T = 1..32 rows. Prints
 // `TOPK T=.. n=.. path=.. ms=..` per path and its speedup over the looping kernel.
 //
 // Bytes per call: each path reads the row 4-5 times (3-4 radix passes, the count and the
@@ -53,11 +53,10 @@ int main() {
       // loop: one block a row walking the row in global memory (max_length unknown); reg, reg11:
       // one block a row with the row in registers (n <= 16384), 8- or 11-bit digits; multi:
       // 4096 positions a block.
-      for (const char* path : {"loop", "reg", "reg11", "long", "multi"}) {
+      for (const char* path : {"loop", "reg", "reg11", "multi"}) {
         const std::string pa = path;
         const int64_t multi = std::min<int64_t>(n / 4096, 264 / T);
         if (pa.rfind("reg", 0) == 0 && n > 16384) continue;
-        if (pa == "long" && (n <= 16384 || n > 65536 || T > 8)) continue;
         if (pa == "multi" && multi < 4) continue;
         TopkParams p;
         p.scores = scores->as<float>();
@@ -68,7 +67,7 @@ int main() {
         p.positions = pos->as<int32_t>();
         p.counts = cnt->as<int32_t>();
         p.splits = pa == "multi" ? static_cast<int>(multi) : 1;
-        p.max_length = pa == "loop" ? 0 : n;  // "long": the long-row kernel (n in (16k, 64k], T <= 8)
+        p.max_length = pa == "loop" ? 0 : n;
         p.radix_bits = pa == "reg11" ? 11 : pa == "reg" ? 8 : 0;
         p.workspace = ws->data();
         p.workspace_bytes = ws->bytes();
@@ -77,7 +76,7 @@ int main() {
         if (pa == "loop") loop = ms;
         std::printf("TOPK T=%ld n=%ld path=%s splits=%d ms=%.4f vs_loop=%.2f%s\n", static_cast<long>(T),
                     static_cast<long>(n), path, p.splits, ms, loop / ms,
-                    (pa == "reg11" || pa == "long" || (pa == "multi" && topk_choose_splits(T, n) == p.splits)) ? " (default)"
+                    topk_choose_splits(T, n) == p.splits && pa != "reg11" && (pa != "loop" || n > 16384) ? " (default)"
                                                                                                          : "");
       }
     }

@@ -204,69 +204,6 @@ TEST(CudaTopk, RegisterPathMatchesCpuAndTheLoopKernel) {
   EXPECT_EQ(runs, 12);
 }
 
-// The long-row kernel (steps of at most 8 rows, the longest 16,385..65,536 scores): against
-// cpu::topk and bit for bit against the loop kernel and the multi-block path, with a row whose
-// threshold bin ends the passes at once, a row with more candidates than the kernel lists
-// (20,000 scores in one 11-bit bin, a partial take: the loop code), ties, NaN and infinities,
-// signed zeros, short and empty rows. Scores past each length are +inf.
-TEST(CudaTopk, LongRowKernelMatchesCpuTheLoopKernelAndMultiBlock) {
-  ML4_REQUIRE_GPU();
-  std::mt19937 rng(91);
-  const float inf = std::numeric_limits<float>::infinity();
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  int cases = 0;
-  for (const int64_t max_length : {int64_t{16385}, int64_t{30000}, int64_t{61440}, int64_t{65536}}) {
-    const int64_t stride = max_length + 64;
-    std::vector<int32_t> lengths = {static_cast<int32_t>(max_length), static_cast<int32_t>(max_length) - 7, 20000, 9000,
-                                    3000, 1, 0, static_cast<int32_t>(max_length / 2)};
-    const int64_t T = static_cast<int64_t>(lengths.size());
-    std::vector<float> scores(T * stride, inf);
-    for (int64_t t = 0; t < T; ++t)
-      for (int i = 0; i < lengths[t]; ++i) scores[t * stride + i] = nd(rng);
-    for (int i = 0; i < 20000; ++i) scores[2 * stride + i] = 1.0f + std::ldexp(static_cast<float>(rng() % 1000), -12);
-    // 2048 equal scores above the rest, one 11-bit bin: at k = 2048 the first pass ends the
-    // selection; at k = 16 its 2048 candidates are all ties (the first 16 by position).
-    for (int i = 0; i < 8192; i += 4) scores[3 * stride + i] = 1000.0f;
-    for (int i = 0; i < 3000; ++i) scores[4 * stride + i] = static_cast<float>(static_cast<int>(rng() % 8) - 4) * 0.5f;
-    for (int i = 0; i < 3000; i += 13) scores[4 * stride + i] = std::numeric_limits<float>::quiet_NaN();
-    scores[4 * stride + 17] = inf;
-    scores[4 * stride + 18] = -inf;
-    for (int i = 0; i < lengths[1]; i += 11) scores[1 * stride + i] = -0.0f;
-    const int64_t pages = (stride + kPageTokens - 1) / kPageTokens;
-    std::vector<int32_t> bt(T * pages);
-    std::iota(bt.begin(), bt.end(), 0);
-    std::shuffle(bt.begin(), bt.end(), rng);
-    std::vector<int32_t> seq_of(T);
-    std::iota(seq_of.begin(), seq_of.end(), 0);
-    auto d_scores = to_device(scores);
-    auto d_len = to_device(lengths);
-    auto d_bt = to_device(bt);
-    auto d_seq = to_device(seq_of);
-    auto d_ws = poisoned<uint8_t>(topk_workspace_bytes(T, 4));
-    for (int k : {2048, 16}) {
-      auto run = [&](auto set) {
-        return run_topk(d_scores.as<float>(), stride, d_len.as<int32_t>(), T, k, d_bt.as<int32_t>(), pages,
-                        d_seq.as<int32_t>(), set);
-      };
-      const TopkOut longk = run([&](TopkParams& p) { p.max_length = max_length; });  // the long-row kernel
-      const TopkOut loop = run([&](TopkParams&) {});
-      const TopkOut multi = run([&](TopkParams& p) {
-        p.splits = 4;
-        p.max_length = max_length;
-        p.workspace = d_ws.data();
-        p.workspace_bytes = topk_workspace_bytes(T, 4);
-      });
-      const std::string what = "max_length " + std::to_string(max_length) + " k " + std::to_string(k);
-      EXPECT_EQ(longk.pos, loop.pos) << what << ": long-row kernel vs loop kernel";
-      EXPECT_EQ(longk.slots, loop.slots) << what << ": long-row kernel vs loop kernel";
-      EXPECT_EQ(longk.pos, multi.pos) << what << ": long-row kernel vs multi-block";
-      EXPECT_EQ(rows_differing(scores, stride, lengths, k, longk, bt, pages, what), 0);
-      ++cases;
-    }
-  }
-  EXPECT_EQ(cases, 8);
-}
-
 TEST(CudaTopk, BadArgumentsAreErrors) {
   TopkParams p;
   p.T = 1;
@@ -282,15 +219,13 @@ TEST(CudaTopk, BadArgumentsAreErrors) {
 }
 
 // The split choice (host only): several blocks per row only for small steps over rows longer
-// than the register kernel's 16,384 scores (and, at up to 8 rows, the long-row kernel's 65,536),
+// than the register kernel's 16,384 scores,
 // about 4096 positions per block, at most two waves of blocks.
 TEST(CudaTopk, SplitChoice) {
   EXPECT_EQ(topk_choose_splits(1, 8192), 1);
   EXPECT_EQ(topk_choose_splits(1, 16384), 1);  // one block, the row in registers
-  EXPECT_EQ(topk_choose_splits(1, 16385), 1);  // one block, the long-row kernel (<= 8 rows)
-  EXPECT_EQ(topk_choose_splits(8, 65536), 1);
-  EXPECT_EQ(topk_choose_splits(1, 65537), 16);
-  EXPECT_EQ(topk_choose_splits(9, 61440), 15);
+  EXPECT_EQ(topk_choose_splits(1, 16385), 4);
+  EXPECT_EQ(topk_choose_splits(1, 61440), 15);
   EXPECT_EQ(topk_choose_splits(8, 1 << 20), 33);
   EXPECT_EQ(topk_choose_splits(32, 61440), 8);
   EXPECT_EQ(topk_choose_splits(66, 1 << 20), 4);

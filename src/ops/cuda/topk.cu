@@ -87,25 +87,6 @@ __device__ __forceinline__ void find_digit(const unsigned* hist, uint32_t prefix
   }
 }
 
-// find_digit over 2048 bins, every thread of the block (a block scan: call it with all threads,
-// hist complete): thread tid owns bins 2047 - 2 tid and 2046 - 2 tid (from the top).
-__device__ __forceinline__ void find_digit_wide(const unsigned* hist, uint32_t prefix, int shift, int rem,
-                                                cub::BlockScan<int, kThreads>::TempStorage& scan, uint32_t* s_prefix,
-                                                int* s_rem, int* s_done) {
-  const int tid = threadIdx.x;
-  const unsigned c0 = hist[2047 - 2 * tid], c1 = hist[2046 - 2 * tid];
-  int above;
-  cub::BlockScan<int, kThreads>(scan).ExclusiveSum(static_cast<int>(c0 + c1), above);
-  if (above < rem && rem <= above + static_cast<int>(c0 + c1)) {
-    const bool first = rem <= above + static_cast<int>(c0);
-    const uint32_t bin = 2047u - (first ? 0u : 1u) - 2u * tid;
-    const int a = first ? above : above + static_cast<int>(c0);
-    *s_prefix = prefix | (bin << shift);
-    *s_rem = rem - a;
-    *s_done = rem - a == static_cast<int>(first ? c0 : c1);
-  }
-}
-
 // -1 after the kk selected of row t up to k, and the row's count.
 __device__ __forceinline__ void fill_tail(int kk, int k, int64_t t, int32_t* positions, int32_t* slots,
                                           int32_t* counts, int64_t out_stride) {
@@ -315,7 +296,19 @@ __global__ void __launch_bounds__(kThreads) topk_reg_kernel(const float* __restr
       if constexpr (B == 8) {
         if (tid < 32) find_digit(sm.hist, prefix, shift, rem, &sm.prefix, &sm.rem, &sm.done);
       } else {
-        find_digit_wide(sm.hist, prefix, shift, rem, sm.scan, &sm.prefix, &sm.rem, &sm.done);
+        // Thread tid owns bins 2047 - 2 tid and 2046 - 2 tid (from the top); a block scan gives
+        // the keys above them.
+        const unsigned c0 = sm.hist[RegSmem<B>::kBins - 1 - 2 * tid], c1 = sm.hist[RegSmem<B>::kBins - 2 - 2 * tid];
+        int above;
+        Scan(sm.scan).ExclusiveSum(static_cast<int>(c0 + c1), above);
+        if (above < rem && rem <= above + static_cast<int>(c0 + c1)) {
+          const bool first = rem <= above + static_cast<int>(c0);
+          const uint32_t bin = RegSmem<B>::kBins - (first ? 1 : 2) - 2 * tid;
+          const int a = first ? above : above + static_cast<int>(c0);
+          sm.prefix = prefix | (bin << shift);
+          sm.rem = rem - a;
+          sm.done = rem - a == static_cast<int>(first ? c0 : c1);
+        }
       }
       __syncthreads();  // the next pass clears hist only after this barrier: its readers are done
       prefix = sm.prefix;
@@ -353,166 +346,6 @@ __global__ void __launch_bounds__(kThreads) topk_reg_kernel(const float* __restr
         if (slots) slots[off] = (i / kPageTokens == lo / kPageTokens ? page_lo : page_hi) * kPageTokens + i % kPageTokens;
         ++off;
       }
-    }
-  }
-  fill_tail(kk, k, t, positions, slots, counts, out_stride);
-}
-
-// ---- Long rows in one block (decode at 16k-64k context) ----
-// Rows of at most kLongMaxLength scores, one 1024-thread block each, without the multi-block
-// path's six launches: one pass over the row (coalesced, 16 loads a thread in flight) builds the
-// 11-bit histogram of the keys' top bits and keeps each key's top 16 bits in shared memory; the
-// keys in the threshold bin (the candidates, typically ~1-3% of the row) are listed in position
-// order and their full keys gathered once; the two remaining 11/10-bit passes run on that list.
-// Every other key is above or below the threshold by its top 11 bits alone. Thread tid owns
-// the contiguous positions [tid * seg, + seg), so two block scans place the writes in position
-// order. More than kCandCap candidates (a row of near-equal scores) takes topk_row_loop.
-constexpr int64_t kLongMaxLength = 65536;
-constexpr int64_t kLongMaxRows = 8;  // steps of more rows: the multi-block path fills the card better
-constexpr int kCandCap = 4096;
-
-struct LongSmem {
-  cub::BlockScan<int, kThreads>::TempStorage scan;
-  unsigned hist[2048];
-  int32_t cand_pos[kCandCap];
-  uint32_t cand_key[kCandCap];
-  uint32_t prefix;
-  int rem;
-  int done;
-};
-
-__global__ void __launch_bounds__(kThreads) topk_long_kernel(const float* __restrict__ scores, int64_t scores_stride,
-                                                             const int32_t* __restrict__ lengths, int k,
-                                                             int32_t* __restrict__ positions,
-                                                             int32_t* __restrict__ slots, int32_t* __restrict__ counts,
-                                                             int64_t out_stride,
-                                                             const int32_t* __restrict__ block_table,
-                                                             int64_t bt_stride,
-                                                             const int32_t* __restrict__ seq_of_token) {
-  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
-  pdl_launch_dependents();
-  using Scan = cub::BlockScan<int, kThreads>;
-  extern __shared__ uint16_t hs[];  // [kLongMaxLength]: each key's top 16 bits
-  __shared__ union {
-    RowSmem loop;
-    LongSmem lg;
-  } smu;
-  LongSmem& sm = smu.lg;
-  const int64_t t = blockIdx.x;
-  const int tid = threadIdx.x;
-  const int n = max(lengths[t], 0);
-  const int kk = min(k, n);
-  const float* row = scores + t * scores_stride;
-  const int32_t* bt = slots ? block_table + static_cast<int64_t>(seq_of_token[t]) * bt_stride : nullptr;
-  if (n > kLongMaxLength || kk == 0 || kk == n) {  // block-uniform; kk == n or 0 needs no passes
-    topk_row_loop(row, n, kk, k, t, positions, slots, counts, out_stride, bt, smu.loop);
-    return;
-  }
-  for (int i = tid; i < 2048; i += kThreads) sm.hist[i] = 0;
-  __syncthreads();
-  constexpr int U = 16;
-  for (int base = 0; base < n; base += kThreads * U) {
-    uint32_t u[U];
-#pragma unroll
-    for (int j = 0; j < U; ++j) {
-      const int i = base + j * kThreads + tid;
-      u[j] = i < n ? order_key(row[i]) : 0u;
-    }
-#pragma unroll
-    for (int j = 0; j < U; ++j) {
-      const int i = base + j * kThreads + tid;
-      if (i < n) {
-        hs[i] = static_cast<uint16_t>(u[j] >> 16);
-        atomicAdd(&sm.hist[u[j] >> 21], 1u);
-      }
-    }
-  }
-  __syncthreads();
-  find_digit_wide(sm.hist, 0u, 21, kk, sm.scan, &sm.prefix, &sm.rem, &sm.done);
-  __syncthreads();
-  uint32_t prefix = sm.prefix, mask = 0x7ffu << 21;
-  int rem = sm.rem;
-  const bool done1 = sm.done;
-  const uint32_t d1 = prefix >> 21;
-  const int seg = (n + kThreads - 1) / kThreads;
-  const int lo = min(n, tid * seg), hi = min(n, lo + seg);
-  int c_first = 0, c_mine = 0;  // this thread's candidates: cand_[c_first, c_first + c_mine)
-  if (!done1) {
-    for (int i = lo; i < hi; ++i) c_mine += (hs[i] >> 5) == d1;
-    int total;
-    Scan(sm.scan).ExclusiveSum(c_mine, c_first, total);
-    if (total > kCandCap) {  // block-uniform
-      __syncthreads();
-      topk_row_loop(row, n, kk, k, t, positions, slots, counts, out_stride, bt, smu.loop);
-      return;
-    }
-    for (int i = lo, o = c_first; i < hi; ++i)
-      if ((hs[i] >> 5) == d1) sm.cand_pos[o++] = i;
-    __syncthreads();
-    for (int c = tid; c < total; c += kThreads) sm.cand_key[c] = order_key(row[sm.cand_pos[c]]);
-    __syncthreads();
-#pragma unroll 1
-    for (int pass = 1; pass < 3; ++pass) {
-      const int shift = pass == 1 ? 10 : 0;
-      const uint32_t dmask = pass == 1 ? 0x7ffu : 0x3ffu;
-      for (int i = tid; i < 2048; i += kThreads) sm.hist[i] = 0;
-      __syncthreads();
-      for (int c = tid; c < total; c += kThreads) {
-        const uint32_t key = sm.cand_key[c];
-        if ((key & mask) == prefix) atomicAdd(&sm.hist[(key >> shift) & dmask], 1u);
-      }
-      __syncthreads();
-      find_digit_wide(sm.hist, prefix, shift, rem, sm.scan, &sm.prefix, &sm.rem, &sm.done);
-      __syncthreads();
-      prefix = sm.prefix;
-      rem = sm.rem;
-      mask |= dmask << shift;
-      if (sm.done) break;  // block-uniform
-    }
-  }
-  // Selected: top 11 bits above d1; then in the d1 bin (all of it after done1) the candidates
-  // above the prefix and the first rem equal to it, in position order.
-  int gt = 0, eq = 0;
-  for (int i = lo; i < hi; ++i) gt += (hs[i] >> 5) > d1;
-  if (done1) {
-    for (int i = lo; i < hi; ++i) gt += (hs[i] >> 5) == d1;
-  } else {
-    for (int c = c_first; c < c_first + c_mine; ++c) {
-      const uint32_t m = sm.cand_key[c] & mask;
-      gt += m > prefix;
-      eq += m == prefix;
-    }
-  }
-  int eq_before, before;
-  Scan(sm.scan).ExclusiveSum(eq, eq_before);
-  __syncthreads();
-  int eq_take = done1 ? 0 : max(0, min(eq, rem - eq_before));
-  Scan(sm.scan).ExclusiveSum(gt + eq_take, before);
-  int32_t page_lo = 0, page_hi = 0;
-  if (bt != nullptr && lo < hi) {
-    page_lo = bt[lo / kPageTokens];
-    page_hi = bt[(hi - 1) / kPageTokens];
-  }
-  int64_t off = t * out_stride + before;
-  for (int i = lo, c = c_first; i < hi; ++i) {
-    const uint32_t top = hs[i] >> 5;
-    bool take = top > d1;
-    if (top == d1) {
-      if (done1) {
-        take = true;
-      } else {
-        const uint32_t m = sm.cand_key[c++] & mask;
-        take = m > prefix;
-        if (!take && m == prefix && eq_take > 0) {
-          take = true;
-          --eq_take;
-        }
-      }
-    }
-    if (take) {
-      if (positions) positions[off] = i;
-      if (slots) slots[off] = (i / kPageTokens == lo / kPageTokens ? page_lo : page_hi) * kPageTokens + i % kPageTokens;
-      ++off;
     }
   }
   fill_tail(kk, k, t, positions, slots, counts, out_stride);
@@ -753,7 +586,7 @@ int topk_choose_splits(int64_t T, int64_t max_length) {
   // row its extra launches do not pay. Rows of at most kRegMaxLength scores stay in one block's
   // registers (topk_reg_kernel): one read of the row, no global reads in the passes.
   constexpr int64_t kChunk = 4096, kMaxBlocks = 264;
-  if (T <= 0 || max_length <= kRegMaxLength || (T <= kLongMaxRows && max_length <= kLongMaxLength)) return 1;
+  if (T <= 0 || max_length <= kRegMaxLength) return 1;
   const int64_t s = std::min(max_length / kChunk, kMaxBlocks / T);
   return s >= 4 ? static_cast<int>(s) : 1;
 }
@@ -793,14 +626,6 @@ Status topk(const TopkParams& p) {
     launch_kernel(topk_mb_write_kernel, grid, kMbThreads, 0, p.stream, a, p.positions, p.slots, p.counts, out_stride,
                   p.block_table, p.block_table_stride, p.seq_of_token);
     return cuda_status(cudaGetLastError(), "topk multi-block kernels");
-  }
-  if (p.max_length > kRegMaxLength && p.max_length <= kLongMaxLength && p.T <= kLongMaxRows) {
-    constexpr int kSmem = static_cast<int>(kLongMaxLength * sizeof(uint16_t));
-    ML4_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(topk_long_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-    launch_kernel(topk_long_kernel, static_cast<unsigned>(p.T), kThreads, kSmem, p.stream, p.scores, p.scores_stride,
-                  p.lengths, p.k, p.positions, p.slots, p.counts, out_stride, p.block_table, p.block_table_stride,
-                  p.seq_of_token);
-    return cuda_status(cudaGetLastError(), "topk_long_kernel");
   }
   const int v = reg_keys(p.max_length);
   if (p.radix_bits != 0 && p.radix_bits != 8 && p.radix_bits != 11)
