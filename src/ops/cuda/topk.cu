@@ -8,7 +8,8 @@
 // take_eq keys == thr in position order (the CPU's lower-index tie rule); each thread owns a
 // contiguous run of positions, so two block scans of per-thread counts place every selected
 // position: the output is in ascending position order and deterministic.
-// Rows with length <= k skip the passes: every position is selected.
+// Rows with length <= k skip the passes: every position is selected. topk_reg_kernel (rows of
+// at most 16,384 scores) does the same with the row in registers and 11-bit digits.
 #include "ops/cuda/topk.h"
 #include "ops/cuda/pdl.cuh"
 

@@ -1,6 +1,8 @@
 // Causal top-k of the indexer scores by radix select (one thread block per query row): the
-// k_t = min(k, lengths[t]) highest scores among [0, lengths[t]) of row t, never reading past
-// lengths[t] (padding is never scanned).
+// k_t = min(k, lengths[t]) highest scores among [0, lengths[t]) of row t, never selecting past
+// lengths[t] (padding is never scanned; the register kernel reads 16-byte-aligned rows by whole
+// float4s and ignores the up to 3 scores past lengths[t] in the last one, so such a row must be
+// readable up to lengths[t] rounded up to 4: true whenever scores_stride % 4 == 0).
 //
 // Semantics equal ml4::cpu::topk on the same row (NaN ranks as -inf, -0 == +0, ties go to the
 // lower position), but indices come out in ascending position order (what the attention
