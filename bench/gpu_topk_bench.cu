@@ -50,10 +50,9 @@ int main() {
       std::vector<int32_t> lengths(T, static_cast<int32_t>(n));
       BENCH_CHECK(len->upload(lengths.data(), T * 4));
       double loop = 0;
-      // loop: one block a row walking the row in global memory (max_length unknown); reg, reg11:
-      // one block a row with the row in registers (n <= 16384), 8- or 11-bit digits; multi:
-      // 4096 positions a block.
-      for (const char* path : {"loop", "reg", "reg11", "multi"}) {
+      // loop: one block a row walking the row in global memory (max_length unknown); reg: one
+      // block a row with the row in registers (n <= 16384); multi: 4096 positions a block.
+      for (const char* path : {"loop", "reg", "multi"}) {
         const std::string pa = path;
         const int64_t multi = std::min<int64_t>(n / 4096, 264 / T);
         if (pa.rfind("reg", 0) == 0 && n > 16384) continue;
@@ -68,7 +67,6 @@ int main() {
         p.counts = cnt->as<int32_t>();
         p.splits = pa == "multi" ? static_cast<int>(multi) : 1;
         p.max_length = pa == "loop" ? 0 : n;
-        p.radix_bits = pa == "reg11" ? 11 : pa == "reg" ? 8 : 0;
         p.workspace = ws->data();
         p.workspace_bytes = ws->bytes();
         p.stream = stream;
@@ -76,8 +74,7 @@ int main() {
         if (pa == "loop") loop = ms;
         std::printf("TOPK T=%ld n=%ld path=%s splits=%d ms=%.4f vs_loop=%.2f%s\n", static_cast<long>(T),
                     static_cast<long>(n), path, p.splits, ms, loop / ms,
-                    topk_choose_splits(T, n) == p.splits && pa != "reg11" && (pa != "loop" || n > 16384) ? " (default)"
-                                                                                                         : "");
+                    topk_choose_splits(T, n) == p.splits && (pa != "loop" || n > 16384) ? " (default)" : "");
       }
     }
   }

@@ -26,10 +26,6 @@ namespace {
 
 constexpr int kThreads = 1024;
 constexpr int64_t kRegMaxLength = 16 * kThreads;  // topk_reg_kernel's longest rows
-// Its digits by default (TopkParams::radix_bits): 11 bits, three passes (gpu_topk_bench on an
-// H200, 2026-12-06: 12.3 us against 16.7 with 8-bit digits and 22.9 for topk_kernel at 8192
-// scores; 14.6 / 23.7 / 45.4 at 16384).
-constexpr int kRegRadixBits = 11;
 
 __device__ __forceinline__ uint32_t order_key(float f) {
   if (isnan(f)) f = -__int_as_float(0x7f800000);
@@ -98,25 +94,20 @@ __device__ __forceinline__ void fill_tail(int kk, int k, int64_t t, int32_t* pos
   if (counts && threadIdx.x == 0) counts[t] = kk;
 }
 
-
-// The one-block selection of a row of n scores (any n), positions [lo, lo + seg) a thread.
-struct RowSmem {
-  cub::BlockScan<int, kThreads>::TempStorage scan;
-  unsigned hist[256];
-  uint32_t prefix;
-  int rem;
-  int done;
-};
-
-template <int B>
-struct RegSmem {
-  static constexpr int kBins = 1 << B;  // 8-bit digits (four passes) or 11 (three)
+// A one-block radix select's shared state: a histogram of kBins digits, and what the digit
+// finder leaves for every thread.
+template <int kBins>
+struct RadixSmem {
   cub::BlockScan<int, kThreads>::TempStorage scan;
   unsigned hist[kBins];
   uint32_t prefix;
   int rem;
   int done;
 };
+using RowSmem = RadixSmem<256>;   // topk_row_loop: 8-bit digits
+using RegSmem = RadixSmem<2048>;  // topk_reg_kernel: 11-bit digits
+
+// The one-block selection of a row of n scores (any n), positions [lo, lo + seg) a thread.
 
 __device__ __forceinline__ void topk_row_loop(const float* __restrict__ row, int n, int kk, int k, int64_t t,
                                               int32_t* __restrict__ positions, int32_t* __restrict__ slots,
@@ -216,12 +207,15 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const float* __restrict_
 
 // Rows of at most kThreads * V scores (decode-sized steps, the host's longest row): the row is
 // read once, V keys a thread in registers (thread tid: positions [V tid, V tid + V), float4
-// loads), and every radix pass works on the registers: three block barriers a pass, no global
+// loads), and every radix pass works on the registers: three passes of 11-bit digits (11, 11,
+// 10 bits; plain shared-memory atomics, the 2048 bins spread the hot top digits), no global
 // reads after the first. A pass whose digit bin holds exactly the keys still wanted ends the
 // passes early (all of them are selected: the same set). One block scan of the packed
 // (equal, above) counts places every thread's selected positions. The same output as
 // topk_kernel, bit for bit; a longer row (a host that under-counted) takes topk_row_loop.
-template <int V, int B>
+// gpu_topk_bench on an H200 (2026-12-06), 8192 scores: 12.3 us; 8-bit digits with
+// warp-aggregated atomics (four passes, removed) 16.7; topk_kernel 22.9.
+template <int V>
 __global__ void __launch_bounds__(kThreads) topk_reg_kernel(const float* __restrict__ scores, int64_t scores_stride,
                                                             const int32_t* __restrict__ lengths, int k,
                                                             int32_t* __restrict__ positions,
@@ -234,11 +228,11 @@ __global__ void __launch_bounds__(kThreads) topk_reg_kernel(const float* __restr
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ union {
     RowSmem loop;
-    RegSmem<B> reg;
+    RegSmem reg;
   } smu;
-  RegSmem<B>& sm = smu.reg;
+  RegSmem& sm = smu.reg;
   const int64_t t = blockIdx.x;
-  const int tid = threadIdx.x, lane = tid & 31;
+  const int tid = threadIdx.x;
   const int n = max(lengths[t], 0);
   const int kk = min(k, n);
   const float* row = scores + t * scores_stride;
@@ -272,39 +266,28 @@ __global__ void __launch_bounds__(kThreads) topk_reg_kernel(const float* __restr
   int rem = n;
   if (kk < n && kk > 0) {
     rem = kk;
-    constexpr int kPasses = B == 8 ? 4 : 3;
 #pragma unroll 1
-    for (int pass = 0; pass < kPasses; ++pass) {
-      const int shift = B == 8 ? 24 - 8 * pass : pass == 0 ? 21 : pass == 1 ? 10 : 0;
-      const uint32_t dmask = B == 8 ? 0xffu : pass == 2 ? 0x3ffu : 0x7ffu;
-      for (int i = tid; i < RegSmem<B>::kBins; i += kThreads) sm.hist[i] = 0;
+    for (int pass = 0; pass < 3; ++pass) {
+      const int shift = pass == 0 ? 21 : pass == 1 ? 10 : 0;
+      const uint32_t dmask = pass == 2 ? 0x3ffu : 0x7ffu;
+      for (int i = tid; i < 2048; i += kThreads) sm.hist[i] = 0;
       __syncthreads();
 #pragma unroll
       for (int j = 0; j < V; ++j) {
         const bool act = u[j] != 0u && (u[j] & mask) == prefix;
         const unsigned d = (u[j] >> shift) & dmask;
-        if constexpr (B == 8) {
-          const unsigned am = __ballot_sync(0xffffffffu, act);
-          if (act) {  // warp-aggregated: the top digits are few and hot
-            const unsigned peers = __match_any_sync(am, d);
-            if (lane == __ffs(peers) - 1) atomicAdd(&sm.hist[d], static_cast<unsigned>(__popc(peers)));
-          }
-        } else if (act) {  // 11-bit digits spread the hot top bins 8 ways: plain atomics
-          atomicAdd(&sm.hist[d], 1u);
-        }
+        if (act) atomicAdd(&sm.hist[d], 1u);
       }
       __syncthreads();
-      if constexpr (B == 8) {
-        if (tid < 32) find_digit(sm.hist, prefix, shift, rem, &sm.prefix, &sm.rem, &sm.done);
-      } else {
+      {
         // Thread tid owns bins 2047 - 2 tid and 2046 - 2 tid (from the top); a block scan gives
         // the keys above them.
-        const unsigned c0 = sm.hist[RegSmem<B>::kBins - 1 - 2 * tid], c1 = sm.hist[RegSmem<B>::kBins - 2 - 2 * tid];
+        const unsigned c0 = sm.hist[2047 - 2 * tid], c1 = sm.hist[2046 - 2 * tid];
         int above;
         Scan(sm.scan).ExclusiveSum(static_cast<int>(c0 + c1), above);
         if (above < rem && rem <= above + static_cast<int>(c0 + c1)) {
           const bool first = rem <= above + static_cast<int>(c0);
-          const uint32_t bin = RegSmem<B>::kBins - (first ? 1 : 2) - 2 * tid;
+          const uint32_t bin = 2048 - (first ? 1 : 2) - 2 * tid;
           const int a = first ? above : above + static_cast<int>(c0);
           sm.prefix = prefix | (bin << shift);
           sm.rem = rem - a;
@@ -629,13 +612,10 @@ Status topk(const TopkParams& p) {
     return cuda_status(cudaGetLastError(), "topk multi-block kernels");
   }
   const int v = reg_keys(p.max_length);
-  if (p.radix_bits != 0 && p.radix_bits != 8 && p.radix_bits != 11)
-    return invalid_argument("topk: radix_bits = {} (0, 8 or 11)", p.radix_bits);
-  const bool b11 = p.radix_bits == 11 || (p.radix_bits == 0 && kRegRadixBits == 11);
-  auto kernel = v == 4    ? (b11 ? topk_reg_kernel<4, 11> : topk_reg_kernel<4, 8>)
-                : v == 8  ? (b11 ? topk_reg_kernel<8, 11> : topk_reg_kernel<8, 8>)
-                : v == 12 ? (b11 ? topk_reg_kernel<12, 11> : topk_reg_kernel<12, 8>)
-                : v == 16 ? (b11 ? topk_reg_kernel<16, 11> : topk_reg_kernel<16, 8>)
+  auto kernel = v == 4    ? topk_reg_kernel<4>
+                : v == 8  ? topk_reg_kernel<8>
+                : v == 12 ? topk_reg_kernel<12>
+                : v == 16 ? topk_reg_kernel<16>
                           : topk_kernel;
   launch_kernel(kernel, static_cast<unsigned>(p.T), kThreads, 0, p.stream, p.scores, p.scores_stride, p.lengths, p.k,
                 p.positions, p.slots, p.counts, out_stride, p.block_table, p.block_table_stride, p.seq_of_token);

@@ -52,10 +52,6 @@ struct TopkParams {
   size_t workspace_bytes = 0;
   int splits = 0;
   int64_t max_length = 0;  // >= every lengths[t], or 0 (unknown): picks the kernel and splits
-  // The register kernel's radix digits: 8 bits (four passes, warp-aggregated histogram
-  // updates), 11 (three passes, plain updates, a block scan to find each digit); 0 the default
-  // (11: the faster, topk.cu kRegRadixBits).
-  int radix_bits = 0;
   cudaStream_t stream = nullptr;
 };
 Status topk(const TopkParams& p);

@@ -116,7 +116,9 @@ struct CudaRunnerOptions {
   // inside their Hadamard + FP8 (indexer.h IndexerQueryQuantParams::rope) instead of two. On
   // since CudaCacheWrite.IndexerKeyPathEqualsTheThreeLaunches, CudaIndexer.QueryQuantWithRope*
   // and CudaRunner.FusedIndexerIsBitIdentical passed on an H100 (2026-12-05, ninth session;
-  // the same bytes and logits): ml4-slice-4 decode 1.001-1.005x (FUSEDINDEXER lines).
+  // the same bytes and logits): ml4-slice-4 decode 1.001-1.005x (FUSEDINDEXER lines). Since the
+  // fourteenth session it also gates the latent row's path (RMSNorm + RoPE + cache write as one
+  // kernel, cache_write.h latent_key_path; CudaCacheWrite.LatentKeyPathEqualsTheThreeLaunches).
   bool fused_indexer = true;
   // DSpark's rejection sampler on the device (ops/cuda/sampling.h verify_rows) for random
   // requests (top-k / top-p too since the tenth session: CudaSampling.DraftRows* /
