@@ -126,12 +126,17 @@ void prefill(LtGemm& lt, const std::vector<DeviceMlp>& experts, const DeviceMlp&
       });
     };
     const double t_tall = variant({false, true, false}), t_tall_gm = variant({false, true, true});
+    const double t_ws = variant({false, false, false, true}), t_ws_gm = variant({false, false, true, true});
+    const double t_ws_gm_nq = variant({false, false, true, true, false});  // the hidden quantized by its own launch
     const double t_ov_gm = variant({true, false, true}), t_ov = variant({true, false, false});
     auto tf = [&](double ms) { return flop / (ms * 1e9); };
     std::printf("moe prefill tiles T=%ld: 64-row %.3f ms (%.0f TFLOP/s), 64-row overlap %.3f ms (%.0f), + group-major "
                 "%.3f ms (%.0f); 128-row %.3f ms (%.0f), + group-major %.3f ms (%.0f); best/overlap %.2fx\n",
                 T, t_gemm, tf(t_gemm), t_ov, tf(t_ov), t_ov_gm, tf(t_ov_gm), t_tall, tf(t_tall), t_tall_gm, tf(t_tall_gm),
                 t_ov / std::min({t_ov_gm, t_tall, t_tall_gm}));
+    std::printf("moe prefill specialized T=%ld: %.3f ms (%.0f TFLOP/s), + group-major %.3f ms (%.0f), its hidden quantized "
+                "apart %.3f ms; vs 64-row overlap group-major %.2fx\n",
+                T, t_ws, tf(t_ws), t_ws_gm, tf(t_ws_gm), t_ws_gm_nq, t_ov_gm / std::min(t_ws, t_ws_gm));
     if (T != 4096) continue;
     // The two grouped launches alone (the permutation and tile list of the last run stay).
     const int64_t nrows = T * (K + 1);
@@ -169,6 +174,16 @@ void prefill(LtGemm& lt, const std::vector<DeviceMlp>& experts, const DeviceMlp&
                   "tiles\n",
                   T, t_gu_tall, 2.0 * nrows * 2 * I * D / (t_gu_tall * 1e9), t_dn_tall,
                   2.0 * nrows * D * I / (t_dn_tall * 1e9));
+      tp.tall = false;  // the same tiles, warp-specialized and persistent
+      tp.specialized = true;
+      gate_up_launch(tp, tb, sc);
+      const double t_gu_ws = bench::median_ms(s, 2, 10, [&](int) { BENCH_CHECK(moe_grouped_gemm(tp)); });
+      down_launch(tp, tb, sc);
+      const double t_dn_ws = bench::median_ms(s, 2, 10, [&](int) { BENCH_CHECK(moe_grouped_gemm(tp)); });
+      std::printf("moe grouped GEMM specialized T=%ld: gate+up %.3f ms (%.0f TFLOP/s), down %.3f ms (%.0f TFLOP/s) on "
+                  "128-row tiles\n",
+                  T, t_gu_ws, 2.0 * nrows * 2 * I * D / (t_gu_ws * 1e9), t_dn_ws,
+                  2.0 * nrows * D * I / (t_dn_ws * 1e9));
     }
     // cuBLASLt dense: x [nrows, D] and h [nrows, I] random e4m3 with group-major scales.
     auto xa = DeviceBuffer::alloc(nrows * std::max(D, I)), xs = DeviceBuffer::alloc(nrows * (std::max(D, I) / 128) * 4);

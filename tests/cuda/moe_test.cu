@@ -545,11 +545,17 @@ TEST(CudaMoe, GroupedGemmPrefillVsCpu) {
 // halves of the B tile): expert 0 takes every token (skew_routing), so T = 300 gives it three
 // tall tiles, the last partial, and T = 5 tiles of one or two rows; D = 640 leaves the down
 // projection's last CTA with an empty second half. And MoeGemmOptions::group_major (the CTAs
-// in group-major order, MoeGroupedGemmParams::tile_first) with each: the same bits.
+// in group-major order, MoeGroupedGemmParams::tile_first) with each: the same bits. So does
+// MoeGemmOptions::specialized (the tall tiles warp-specialized and persistent: the T = 5 tiles
+// leave consumer warpgroup 1 idle; T = 2000 gives ~95 tall tiles x 3 columns, more than a
+// card's 132 multiprocessors, so its CTAs walk several tiles through the one ring), plain and
+// group-major, with its gate_up epilogue quantizing the hidden rows (quant_epilogue, the
+// default: the same e4m3 bytes and scales as fp8_act_quant) and without.
 TEST(CudaMoe, GroupedGemmVariantsAreBitIdentical) {
   ML4_REQUIRE_GPU();
   const int E = 16, K = 4;
-  for (auto [D, I, T] : {std::tuple<int64_t, int64_t, int64_t>{640, 384, 300}, {512, 256, 5}, {128, 256, 70}}) {
+  for (auto [D, I, T] :
+       {std::tuple<int64_t, int64_t, int64_t>{640, 384, 300}, {512, 256, 5}, {128, 256, 70}, {640, 384, 2000}}) {
     MoeCase c = make_moe_case(LinearFormat::kFP8Block, E, K, D, I, T, 1700 + static_cast<uint32_t>(T), /*blocky=*/true);
     skew_routing(c.ids, T, E, K);
     auto tables = build_expert_tables(c.dx, &c.shared);
@@ -560,8 +566,10 @@ TEST(CudaMoe, GroupedGemmVariantsAreBitIdentical) {
     auto dids = to_device(c.ids);
     auto dw = to_device(c.w);
     std::vector<std::vector<float>> runs;
-    const MoeGemmOptions variants[] = {{false, false, false}, {true, false, false}, {false, true, false},
-                                       {false, false, true},  {true, false, true},  {false, true, true}};
+    const MoeGemmOptions variants[] = {{false, false, false}, {true, false, false},        {false, true, false},
+                                       {false, false, true},  {true, false, true},         {false, true, true},
+                                       {false, false, false, true}, {false, false, true, true},
+                                       {false, false, true, true, false}};
     for (const MoeGemmOptions& o : variants) {
       auto out = poisoned<float>(T * D);
       ML4_ASSERT_OK(moe_experts_forward_gemm(*tables, &c.shared, dxb.as<float>(), T, dids.as<int32_t>(), dw.as<float>(),
@@ -576,7 +584,7 @@ TEST(CudaMoe, GroupedGemmVariantsAreBitIdentical) {
     for (size_t v = 1; v < runs.size(); ++v)
       EXPECT_EQ(0, std::memcmp(runs[0].data(), runs[v].data(), runs[0].size() * 4))
           << "variant " << v << " (overlap " << variants[v].overlap << ", tall " << variants[v].tall << ", group-major "
-          << variants[v].group_major << "): D=" << D << " I=" << I << " T=" << T;
+          << variants[v].group_major << ", specialized " << variants[v].specialized << "): D=" << D << " I=" << I << " T=" << T;
   }
 }
 

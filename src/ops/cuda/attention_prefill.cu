@@ -63,6 +63,7 @@
 
 #include "kv/latent_layout.h"
 #include "ops/cuda/attention_internal.h"
+#include "ops/cuda/mbarrier.cuh"
 #include "ops/cuda/pdl.cuh"
 #include "ops/cuda/wgmma.cuh"
 
@@ -105,30 +106,6 @@ static_assert(kBarOff % 8 == 0, "mbarriers are 8-byte aligned");
 constexpr int kSkipExp = 1, kSkipLoads = 2, kSkipS = 4, kSkipPv = 8, kSkipQ = 16, kSkipStores = 32, kSkipPrepass = 64,
               kSkipProducer = 128;
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
-}
-// Arrives on bar when all of this thread's earlier cp.async have landed (counts toward the
-// expected arrivals: .noinc).
-__device__ __forceinline__ void mbar_arrive_cp_async(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
 // 16 bytes global -> shared; !valid zero-fills and reads nothing.
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
@@ -384,7 +361,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(full0 + 8 * s, 2 * 128);  // 128 cp.async arrivals + 128 plain ones
       mbar_init(empty0 + 8 * s, kConsumers / 32);
     }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    mbar_init_fence();
   }
   __syncthreads();
 
@@ -649,7 +626,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_init(ready(b, h), 2 * 128);  // 128 cp.async arrivals + 128 plain ones
         mbar_init(free_(b, h), 4);        // one per warp of the releasing warpgroup
       }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    mbar_init_fence();
   }
   __syncthreads();
 

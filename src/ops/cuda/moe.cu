@@ -576,7 +576,8 @@ Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shar
   if (fp4 && shared && !slot)  // before the scratch below is reused: mlp_forward writes g, u and xs
     ML4_RETURN_IF_ERROR(mlp_forward(*lt, *shared, x, T, s.xs.as<float>(), s, stream).with_context("shared expert"));
   const int64_t rows = n + (slot ? T : 0);
-  const bool tall = gemm.tall && !fp4;
+  const bool specialized = gemm.specialized && !fp4;
+  const bool tall = (gemm.tall || specialized) && !fp4;
   const int tile_rows = tall ? kMoeGemmTallTileRows : kMoeGemmTileRows;
   const int64_t tiles = moe_gemm_max_tiles(rows, tb.E + (slot ? 1 : 0), tile_rows);
   if (tiles > s.max_tiles)
@@ -623,7 +624,8 @@ Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shar
   g.max_tiles = tiles;
   g.stream = stream;
   g.overlap = gemm.overlap && !tall;
-  g.tall = tall;
+  g.tall = tall && !specialized;
+  g.specialized = specialized;
   if (group_major) {
     g.tile_first = s.tile_first.as<int32_t>();
     g.groups = tb.E + (slot ? 1 : 0);
@@ -633,9 +635,25 @@ Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shar
   gate_up_weights(g, tb);
   g.a_rows = s.perm_token.as<int32_t>();
   g.y = s.g.as<float>();
+  // The specialized kernel quantizes the hidden rows itself, into s.g's memory (e4m3 rows, then
+  // the scales 256-aligned: rows x I x (1 + 4 / 128) bytes of the 2 x max_rows x I x 4 held).
+  const bool quant_epilogue = specialized && gemm.quant_epilogue && I % 128 == 0;
+  uint8_t* const hq = s.g.as<uint8_t>();
+  float* const hq_scale = reinterpret_cast<float*>(hq + (rows * I + 255) / 256 * 256);
+  if (quant_epilogue) {
+    g.y_q = hq;
+    g.y_q_scale = hq_scale;
+  }
   ML4_RETURN_IF_ERROR(moe_grouped_gemm(g));
+  g.y_q = nullptr;
+  g.y_q_scale = nullptr;
   // Down: the hidden rows quantized in permuted order.
-  ML4_RETURN_IF_ERROR(quant(s.g.as<float>(), rows, I));
+  if (quant_epilogue) {
+    g.a = hq;
+    g.a_scale = hq_scale;
+  } else {
+    ML4_RETURN_IF_ERROR(quant(s.g.as<float>(), rows, I));
+  }
   down_weights(g, tb);
   g.a_rows = nullptr;
   g.y = s.y.as<float>();

@@ -180,12 +180,16 @@ void down_weights(P& g, const MoeExpertTables& tb) {
 
 // The FP8 grouped GEMMs' variants (moe_gemm.h), all giving the same bits: overlap
 // (MoeGroupedGemmParams::overlap), tall (128-row tiles; wins over overlap when both are
-// asked for), group_major (the CTA order of MoeGroupedGemmParams::tile_first). FP4 experts
+// asked for), specialized (the tall tiles, warp-specialized and persistent), group_major (the CTA order of MoeGroupedGemmParams::tile_first). FP4 experts
 // take none of them.
 struct MoeGemmOptions {
   bool overlap = false;
   bool tall = false;
   bool group_major = false;
+  bool specialized = false;  // MoeGroupedGemmParams::specialized (128-row tiles; wins over tall and overlap)
+  // With specialized: the hidden rows quantized in the gate_up epilogue (MoeGroupedGemmParams::y_q;
+  // the same bytes as the separate quantization, which it replaces).
+  bool quant_epilogue = true;
 };
 Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shared, const float* x, int64_t T,
                                 const int32_t* ids, const float* weights, int K, float* out, MoeScratch& s,

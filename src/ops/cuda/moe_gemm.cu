@@ -3,11 +3,14 @@
 #include "ops/cuda/moe_gemm.h"
 #include "ops/cuda/pdl.cuh"
 
+#include <cuda_fp8.h>
+
 #include <algorithm>
 #include <utility>
 
 #include "ops/cuda/cp_async.cuh"
 #include "ops/cuda/cuda_common.h"
+#include "ops/cuda/mbarrier.cuh"
 #include "ops/cuda/wgmma.cuh"
 
 namespace ml4::cuda {
@@ -34,24 +37,25 @@ struct GemmArgs {
   int groups;
   float* y;
   int N, K;
+  uint8_t* yq;      // specialized gate_up: the hidden rows in e4m3 instead of y (null: y)
+  float* yq_scale;  // their scales [rows][N / 128]
 };
 
-// Which (tile, column) CTA blockIdx works on; false past the tile list. With tile_first (the
-// first tile of each group, [groups + 1]) the linear CTA order (x fastest, the order the
-// hardware starts them in) runs group by group, and within a group column by column with the
-// group's tiles adjacent: the CTAs reading one expert's slice of B run together (its tiles
-// share it in L2: the weights leave DRAM about once, where the column-fastest order read them
-// once per tile, 2.2x at 64-row tiles on ml4's 4096-token MoE, ncu), and a group's A tiles stay
-// in L2 across its columns. Without: column = blockIdx.x, tile = blockIdx.y.
-__device__ __forceinline__ bool cta_work(const GemmArgs& p, int* tile, int* col) {
-  const int nt = __ldg(p.num_tiles), ncols = static_cast<int>(gridDim.x);
-  if (p.tile_first == nullptr) {
-    *tile = static_cast<int>(blockIdx.y);
-    *col = static_cast<int>(blockIdx.x);
-    return *tile < nt;
-  }
-  const int64_t L = static_cast<int64_t>(blockIdx.y) * ncols + blockIdx.x;
+// Which (tile, column) the CTA with linear index L works on (of ncols columns); false past the
+// tile list. With tile_first (the first tile of each group, [groups + 1]) the linear order runs
+// group by group, and within a group column by column with the group's tiles adjacent: the
+// CTAs reading one expert's slice of B run together (its tiles share it in L2: the weights
+// leave DRAM about once, where the column-fastest order read them once per tile, 2.2x at
+// 64-row tiles on ml4's 4096-token MoE, ncu), and a group's A tiles stay in L2 across its
+// columns. Without: column = L % ncols, tile = L / ncols.
+__device__ __forceinline__ bool work_at(const GemmArgs& p, int64_t L, int ncols, int* tile, int* col) {
+  const int nt = __ldg(p.num_tiles);
   if (L >= static_cast<int64_t>(nt) * ncols) return false;
+  if (p.tile_first == nullptr) {
+    *tile = static_cast<int>(L / ncols);
+    *col = static_cast<int>(L % ncols);
+    return true;
+  }
   // The group g with tile_first[g] * ncols <= L < tile_first[g + 1] * ncols (non-empty).
   int lo = 0, hi = p.groups;
   while (hi - lo > 1) {
@@ -64,6 +68,12 @@ __device__ __forceinline__ bool cta_work(const GemmArgs& p, int* tile, int* col)
   *col = static_cast<int>(local / n);
   *tile = f + static_cast<int>(local % n);
   return true;
+}
+// The one-tile-a-CTA kernels: the grid is (columns, tile rows), x fastest (the order the
+// hardware starts CTAs in).
+__device__ __forceinline__ bool cta_work(const GemmArgs& p, int* tile, int* col) {
+  const int64_t L = static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
+  return work_at(p, L, static_cast<int>(gridDim.x), tile, col);
 }
 
 // What both kernels' CTAs start from: tile `tile` of the list, output columns from n0 =
@@ -108,6 +118,9 @@ __device__ __forceinline__ void promote_into(float (&acc)[kAcc], const float (&d
   }
 }
 
+// cpu::silu_mul: v / (1 + exp(-v)) * u in f32 (one expression for every epilogue: the same bits).
+__device__ __forceinline__ float silu_mul(float v, float u) { return v / (1.0f + expf(-v)) * u; }
+
 // Stores one m64n128 accumulator block acc[kOff ..] (this thread's rows r_lo and r_lo + 8 of
 // the tile) at output columns col0 ..: gate_up writes silu(gate) * up (gate in columns j < 8,
 // up above: 64 output columns), else the 128 columns as they are.
@@ -127,9 +140,7 @@ __device__ __forceinline__ void store_block(float* y, int nrows, int N, const fl
         if (col >= N) continue;  // N is even, so col < N covers col + 1
         const float g0 = acc[kOff + 4 * j + 2 * h], g1 = acc[kOff + 4 * j + 2 * h + 1];
         const float u0 = acc[kOff + 4 * (j + 8) + 2 * h], u1 = acc[kOff + 4 * (j + 8) + 2 * h + 1];
-        // cpu::silu_mul: v / (1 + exp(-v)) * u in f32.
-        *reinterpret_cast<float2*>(yrow + col) =
-            make_float2(g0 / (1.0f + expf(-g0)) * u0, g1 / (1.0f + expf(-g1)) * u1);
+        *reinterpret_cast<float2*>(yrow + col) = make_float2(silu_mul(g0, u0), silu_mul(g1, u1));
       }
     } else {
 #pragma unroll
@@ -281,6 +292,46 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const GemmArg
   store_block<kGateUp, 0>(p.y + static_cast<int64_t>(t.row0) * N, nrows, N, acc, r_lo, n0 + wg * (kGateUp ? 64 : 128));
 }
 
+// The gate_up epilogue with the hidden rows' FP8 quantization in it (MoeGroupedGemmParams::y_q):
+// acc holds both halves of a 128-row-wide B tile, i.e. output columns [col0, col0 + 128), one
+// quantization group, spread over a quad of threads (16 columns each a half and row). The
+// group's amax by two quad shuffles, then fp8_act_quant's arithmetic on the same f32 values:
+// s = max(amax, 1e-4) / 448, e4m3(v / s) saturated; the scale row-major [rows][N / 128].
+__device__ __forceinline__ void store_block_quant(uint8_t* yq, float* yq_scale, int nrows, int N,
+                                                  const float (&acc)[128], int r_lo, int col0) {
+  const int q = threadIdx.x & 3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = r_lo + 8 * h;  // quad-uniform
+    float v[32];  // half b, j, e at 16 b + 2 j + e: column col0 + 64 b + 8 j + 2 q + e
+    float amax = 0.0f;
+#pragma unroll
+    for (int b = 0; b < 2; ++b)
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float x = silu_mul(acc[64 * b + 4 * j + 2 * h + e], acc[64 * b + 4 * (j + 8) + 2 * h + e]);
+          v[16 * b + 2 * j + e] = x;
+          amax = fmaxf(amax, fabsf(x));
+        }
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    if (r >= nrows) continue;
+    const float s = fmaxf(amax, 1e-4f) / 448.0f;
+    uint8_t* row = yq + static_cast<int64_t>(r) * N + col0;
+#pragma unroll
+    for (int b = 0; b < 2; ++b)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const uint16_t lo = __nv_cvt_float_to_fp8(v[16 * b + 2 * j] / s, __NV_SATFINITE, __NV_E4M3);
+        const uint16_t hi = __nv_cvt_float_to_fp8(v[16 * b + 2 * j + 1] / s, __NV_SATFINITE, __NV_E4M3);
+        *reinterpret_cast<uint16_t*>(row + 64 * b + 8 * j + 2 * q) = static_cast<uint16_t>(lo | (hi << 8));
+      }
+    if (q == 0) yq_scale[static_cast<int64_t>(r) * (N / 128) + col0 / 128] = s;
+  }
+}
+
 // The tall variant (MoeGroupedGemmParams::tall): 128 A rows per CTA, warpgroup wg on rows
 // [64 wg, 64 wg + 64) against the whole 256-row B tile, as two m64n128 halves one after the
 // other (a half's partial sums promoted before the next half's MMAs: acc 128 + partial 64
@@ -417,6 +468,185 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_tall_kernel(const Ge
   store_block<kGateUp, 64>(y, nrows, N, acc, r_lo, n0 + (kGateUp ? 64 : 128));
 }
 
+// The warp-specialized persistent variant (MoeGroupedGemmParams::specialized): the tall
+// kernel's tile (128 A rows x 256 B rows a 128-wide K block, 48 KB a stage) and its sums in its
+// order (so its bits), with the loads taken off the MMA warps:
+//   warp 8 (the producer) moves every stage with cp.async and posts it on the stage's `full`
+//     mbarrier (cp.async.mbarrier.arrive.noinc: the barrier completes when the copies have
+//     landed), after the stage's `empty` barrier says all 8 consumer warps are done with its
+//     previous contents;
+//   warpgroups 0 and 1 (the consumers) each take 64 of the rows against both B halves: MMAs of
+//     half 0 into the partial accumulator, wait, promote, then half 1. No block-wide barrier
+//     between them, so one warpgroup's promotion (the CUDA cores) runs while the other's MMAs
+//     hold the tensor cores, where the tall kernel's two warpgroups promoted at the same time
+//     with the tensor cores idle. A tile of at most 64 rows leaves warpgroup 1 without MMAs
+//     (it still releases the stages).
+// Registers: a consumer thread holds 128 accumulators and a 64-register partial; ptxas gives
+// a 384-thread block's code 168 a thread, and compiles the code after setmaxnreg within the
+// new bound, so the producer gives registers up (setmaxnreg.dec) for the consumers' raise.
+// Persistent: the grid is one CTA a multiprocessor, CTA b taking the linear work indices b,
+// b + gridDim.x, ... of work_at's order; the producer runs ahead into the next tile's K blocks
+// while the consumers store, so the ring never drains between tiles.
+constexpr int kWsThreads = 384, kWsConsumers = 256;
+constexpr int kWsStages = 4;
+constexpr int kWsBarOff = kWsStages * kTallStage;  // full[kWsStages], empty[kWsStages]
+constexpr int kWsSmem = kWsBarOff + 16 * kWsStages + 1024;
+constexpr int kWsProducerRegs = 56, kWsConsumerRegs = 224;  // 128 x 72 + 256 x 216 = 384 x 168
+static_assert(128 * kWsProducerRegs + 256 * kWsConsumerRegs <= 384 * 168, "the block's registers");
+static_assert(kWsSmem <= 232448, "fits the 227 KB opt-in shared memory of sm_90");
+
+template <bool kGateUp>
+__global__ void __launch_bounds__(kWsThreads, 1) grouped_gemm_ws_kernel(const GemmArgs p, const int ncols) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t sbase = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const uint32_t full0 = sbase + kWsBarOff, empty0 = full0 + 8 * kWsStages;
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    for (int s = 0; s < kWsStages; ++s) {
+      mbar_init(full0 + 8 * s, 128);                 // one cp.async arrival per producer thread
+      mbar_init(empty0 + 8 * s, kWsConsumers / 32);  // one per consumer warp
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+  const int K = p.K, N = p.N, KB = K / 128, cols = kGateUp ? 128 : 256;
+  const int64_t step = gridDim.x;
+
+  if (tid >= kWsConsumers) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWsProducerRegs));
+    // Thread (lr, c) moves 16-byte chunk c of A rows lr + 16 i (i < 8) and B rows lr + 16 j
+    // (j < 16); all of them share row % 8, so one swizzle. B row 16 j + lr of the stage is row
+    // lr + 16 (j % 4) of 64-row sub-block j / 4 (the tall kernel's layout: gate_up sub-blocks
+    // W1, W3, W1, W3 at columns n0, n0, n0 + 64, n0 + 64; else rows n0 + 16 j + lr).
+    const int pt = tid - kWsConsumers, lr = pt >> 3, c = pt & 7;
+    const uint32_t swz = static_cast<uint32_t>((c ^ (lr & 7)) << 4);
+    auto b_row = [](int j) { return kGateUp ? (j >> 3) * 64 + 16 * (j & 3) : 16 * j; };  // from n0 + lr
+    uint32_t it = 0;  // K blocks issued so far, over all work items: stage it % kWsStages
+    for (int64_t L = blockIdx.x;; L += step) {
+      int tile, col;
+      if (!work_at(p, L, ncols, &tile, &col)) break;
+      const MoeTile t = p.tiles[tile];
+      const int nrows = t.row1 - t.row0, n0 = col * cols;
+      int a_row[8];  // source rows, -1 past the tile
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int r = lr + 16 * i;
+        a_row[i] = r < nrows ? (p.a_rows ? __ldg(p.a_rows + t.row0 + r) : t.row0 + r) : -1;
+      }
+      const int64_t b_off = static_cast<int64_t>(n0 + lr) * K + c * 16;
+      const uint8_t* const w0 = static_cast<const uint8_t*>(p.w[t.group]) + b_off;
+      const uint8_t* const w1 = kGateUp ? static_cast<const uint8_t*>(p.wu[t.group]) + b_off : w0;
+      const int brows = N - n0 - lr;  // B row b_row(j) exists while below this
+      for (int kb = 0; kb < KB; ++kb, ++it) {
+        const int st = static_cast<int>(it % kWsStages);
+        if (it >= kWsStages) mbar_wait(empty0 + 8 * st, ((it / kWsStages) - 1) & 1);
+        const uint32_t dst = sbase + st * kTallStage + lr * 128 + swz;
+        const int koff = kb * 128 + c * 16;
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          cp_async16(dst + i * 2048, p.a + (a_row[i] >= 0 ? static_cast<int64_t>(a_row[i]) * K + koff : 0),
+                     a_row[i] >= 0);
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          const bool ok = b_row(j) < brows;
+          const uint8_t* m = kGateUp && ((j >> 2) & 1) ? w1 : w0;
+          cp_async16(dst + kTallAStage + j * 2048, m + (ok ? static_cast<int64_t>(b_row(j)) * K + kb * 128 : 0), ok);
+        }
+        mbar_arrive_cp_async(full0 + 8 * st);
+      }
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kWsConsumerRegs));
+
+  const int wg = tid >> 7, wwarp = (tid >> 5) & 3, lane = tid & 31;
+  float acc[128], part[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) part[i] = 0.0f;  // the first MMA of a block ignores it (scale-d 0)
+  wgmma::fence_operands(part);
+  // One arrival of this warp on the stage's `empty` barrier. An idle warpgroup arrives only
+  // after the stage's full phase: each warp then arrives once per phase of `empty`, never early
+  // into the next one.
+  auto release = [&](int st) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty0 + 8 * st);
+  };
+  uint32_t it = 0;
+  for (int64_t L = blockIdx.x;; L += step) {
+    int tile, col;
+    if (!work_at(p, L, ncols, &tile, &col)) break;
+    const MoeTile t = p.tiles[tile];
+    const int nrows = t.row1 - t.row0, n0 = col * cols;
+    const bool active = wg * 64 < nrows;  // warpgroup-uniform
+    // Scales (the tall kernel's): this thread's accumulator rows and, per half h, the two B
+    // sub-blocks' scale rows.
+    const int r_lo = wg * 64 + wwarp * 16 + (lane >> 2);
+    int as_row[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = r_lo + 8 * h;
+      as_row[h] = r < nrows ? (p.a_rows ? __ldg(p.a_rows + t.row0 + r) : t.row0 + r) : -1;
+    }
+    const float* const ws0 = p.ws[t.group];
+    const float* const ws1 = kGateUp ? p.wus[t.group] : ws0;
+    auto scales = [&](int kb, int h, float (&sc)[4]) {
+      const int base = kGateUp ? n0 + 64 * h : n0 + 128 * h;
+      sc[0] = as_row[0] >= 0 ? __ldg(p.a_scale + static_cast<int64_t>(as_row[0]) * KB + kb) : 0.0f;
+      sc[1] = as_row[1] >= 0 ? __ldg(p.a_scale + static_cast<int64_t>(as_row[1]) * KB + kb) : 0.0f;
+      const bool ok = base < N;
+      sc[2] = ok ? __ldg(ws0 + static_cast<int64_t>(base / 128) * KB + kb) : 0.0f;
+      if (kGateUp)
+        sc[3] = ok ? __ldg(ws1 + static_cast<int64_t>(base / 128) * KB + kb) : 0.0f;
+      else
+        sc[3] = sc[2];  // both 64-row sub-blocks of a half in one 128-row scale block
+    };
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+    for (int kb = 0; kb < KB; ++kb, ++it) {
+      const int st = static_cast<int>(it % kWsStages);
+      mbar_wait(full0 + 8 * st, (it / kWsStages) & 1);  // also when idle: see release
+      if (active) {
+        wgmma::fence_proxy_async();  // cp.async wrote through the generic proxy; the tensor cores read next
+        const uint32_t a_st = sbase + st * kTallStage;
+        const uint64_t da = wgmma::desc_k_major(a_st + wg * 64 * 128);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint64_t db = wgmma::desc_k_major(a_st + kTallAStage + h * 128 * 128);
+          wgmma::fence_operands(part);
+          wgmma::fence();
+#pragma unroll
+          for (int ks = 0; ks < 4; ++ks) wgmma::m64n128k32_e4m3(part, da + 2 * ks, db + 2 * ks, ks);
+          wgmma::commit();
+          float sc[4];  // the scales load while the tensor cores run
+          scales(kb, h, sc);
+          wgmma::wait<0>();
+          wgmma::fence_operands(part);
+          if (h == 0) {
+            promote_into<0>(acc, part, sc);
+          } else {
+            release(st);  // the stage's last MMA of this warp is done: the producer may refill it
+            promote_into<64>(acc, part, sc);
+          }
+        }
+      } else {
+        release(st);
+      }
+    }
+    if (kGateUp && p.yq != nullptr) {
+      // The whole quad holds a row's group, and both of its rows are in or out together
+      // (warpgroup-uniform active): the shuffles see every lane.
+      if (active) store_block_quant(p.yq + static_cast<int64_t>(t.row0) * N, p.yq_scale + static_cast<int64_t>(t.row0) * (N / 128), nrows, N, acc, r_lo, n0);
+    } else if (active) {
+      float* const y = p.y + static_cast<int64_t>(t.row0) * N;
+      store_block<kGateUp, 0>(y, nrows, N, acc, r_lo, n0);
+      store_block<kGateUp, 64>(y, nrows, N, acc, r_lo, n0 + (kGateUp ? 64 : 128));
+    }
+  }
+}
+
 // Per-group row counts (cursor zeroed before): a block's ids counted in shared memory first.
 __global__ void count_kernel(const int32_t* __restrict__ ids, int64_t n, int E, int32_t* __restrict__ cursor) {
   pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
@@ -527,9 +757,38 @@ Status moe_grouped_gemm(const MoeGroupedGemmParams& p) {
   if (p.tile_first != nullptr && (p.groups <= 0 || p.groups > 8193))
     return invalid_argument("moe_grouped_gemm: {} groups with tile_first", p.groups);
   const GemmArgs a{static_cast<const uint8_t*>(p.a), p.a_scale, p.a_rows, p.w, p.w_scale, p.w_up, p.w_up_scale,
-                   p.tiles, p.num_tiles, p.tile_first, p.groups, p.y, static_cast<int>(p.N), static_cast<int>(p.K)};
+                   p.tiles,
+                   p.num_tiles,
+                   p.tile_first,
+                   p.groups,
+                   p.y,
+                   static_cast<int>(p.N),
+                   static_cast<int>(p.K),
+                   static_cast<uint8_t*>(p.y_q),
+                   p.y_q_scale};
   const int cols = p.gate_up ? 128 : 256;
-  const dim3 grid(static_cast<unsigned>((p.N + cols - 1) / cols), static_cast<unsigned>(p.max_tiles));
+  const int ncols = static_cast<int>((p.N + cols - 1) / cols);
+  if (p.y_q != nullptr && (!p.specialized || !p.gate_up || p.N % 128 != 0 || p.y_q_scale == nullptr))
+    return invalid_argument("moe_grouped_gemm: y_q needs specialized, gate_up, N % 128 == 0 (N={}) and y_q_scale",
+                            p.N);
+  if (p.specialized) {
+    auto kernel = p.gate_up ? grouped_gemm_ws_kernel<true> : grouped_gemm_ws_kernel<false>;
+    static const cudaError_t ws_attr[2] = {
+        cudaFuncSetAttribute(grouped_gemm_ws_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kWsSmem),
+        cudaFuncSetAttribute(grouped_gemm_ws_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kWsSmem)};
+    ML4_RETURN_IF_ERROR(cuda_status(ws_attr[p.gate_up], "cudaFuncSetAttribute(grouped_gemm_ws_kernel)"));
+    static const int sms = [] {
+      int dev = 0, n = 0;
+      cudaGetDevice(&dev);
+      cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+      return n > 0 ? n : 1;
+    }();
+    const int64_t items = p.max_tiles * ncols;  // an upper bound: CTAs past *num_tiles * ncols find no work
+    launch_kernel(kernel, static_cast<unsigned>(std::min<int64_t>(sms, items)), kWsThreads, kWsSmem, p.stream, a,
+                  ncols);
+    return cuda_status(cudaGetLastError(), "grouped_gemm_ws_kernel");
+  }
+  const dim3 grid(static_cast<unsigned>(ncols), static_cast<unsigned>(p.max_tiles));
   if (p.tall) {
     if (p.overlap) return invalid_argument("moe_grouped_gemm: tall tiles have no overlap variant");
     auto kernel = p.gate_up ? grouped_gemm_tall_kernel<true> : grouped_gemm_tall_kernel<false>;

@@ -62,7 +62,7 @@ struct MoePermuteGemmParams {
   MoeTile* tiles = nullptr;       // [max_tiles]
   int32_t* num_tiles = nullptr;   // [1]
   int64_t max_tiles = 0;          // >= moe_gemm_max_tiles(T*K (+ T), E (+ 1), tile_rows)
-  int tile_rows = kMoeGemmTileRows;  // or kMoeGemmTallTileRows (for MoeGroupedGemmParams::tall)
+  int tile_rows = kMoeGemmTileRows;  // or kMoeGemmTallTileRows (MoeGroupedGemmParams::tall / specialized)
   int32_t* tile_first = nullptr;  // [E + 2] or null: the first tile of each group (and the count)
   cudaStream_t stream = nullptr;
 };
@@ -101,6 +101,18 @@ struct MoeGroupedGemmParams {
   // (its second partial accumulator would need 256 registers a thread). Tenth session, written
   // without a device.
   bool tall = false;
+  // The tall tiles (moe_permute_gemm with kMoeGemmTallTileRows) and the tall kernel's sums in
+  // its order (the same bits), warp-specialized and persistent: a producer warpgroup moves the
+  // stages (mbarriers, no block-wide barrier), so each consumer warpgroup's promotion runs
+  // under the other's MMAs, and one CTA a multiprocessor walks the tile list, loading the next
+  // tile while the last one's outputs are stored. Wins over tall and overlap. Fifteenth session.
+  bool specialized = false;
+  // specialized gate_up only, N % 128 == 0: the hidden rows quantized in the epilogue as
+  // fp8_act_quant (group 128, row-major scales) quantizes y -- the same bytes and scales -- and
+  // written here instead of y: e4m3 [rows, N] and f32 [rows][N / 128]. Saves y's f32 round trip
+  // through memory and the quantization launch.
+  void* y_q = nullptr;
+  float* y_q_scale = nullptr;
 };
 Status moe_grouped_gemm(const MoeGroupedGemmParams& p);
 

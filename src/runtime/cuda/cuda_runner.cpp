@@ -62,6 +62,7 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::create(const ModelConfig& cfg, c
   bo.moe_gemm_overlap = opts.moe_gemm_overlap;
   bo.moe_gemm_tall = opts.moe_gemm_tall;
   bo.moe_gemm_group_major = opts.moe_gemm_group_major;
+  bo.moe_gemm_specialized = opts.moe_gemm_specialized;
   bo.absorb_gemm = opts.absorb_gemm;
   bo.fused_router = opts.fused_router;
   bo.fused_indexer = opts.fused_indexer;

@@ -75,6 +75,10 @@ struct CudaRunnerOptions {
   // passed on the H200, 2026-12-06 eleventh session). On: whole MoE at T = 4096 8.88 -> 7.79 ms
   // with the 64-row overlapped kernel on the H200.
   bool moe_gemm_group_major = true;
+  // The FP8 grouped GEMMs warp-specialized and persistent (moe_gemm.h
+  // MoeGroupedGemmParams::specialized: the tall tiles and bits, a producer warpgroup, one CTA a
+  // multiprocessor; takes the place of moe_gemm_tall and moe_gemm_overlap). Fifteenth session.
+  bool moe_gemm_specialized = false;
   // The MLA absorption (W_UK, W_UV) of steps of at least absorb_gemm_min_tokens tokens as
   // strided-batched TF32 GEMMs on the tensor cores (elementwise.h mla_absorb_q_gemm) instead
   // of the f32 CUDA-core kernels, outside exact mode (issue 18). Smaller steps keep the
@@ -226,6 +230,11 @@ class CudaRunner : public ModelRunner {
   void set_moe_gemm_group_major(bool on) {
     opts_.moe_gemm_group_major = on;
     backend_->set_moe_gemm_group_major(on);
+    graphs_.clear();
+  }
+  void set_moe_gemm_specialized(bool on) {
+    opts_.moe_gemm_specialized = on;
+    backend_->set_moe_gemm_specialized(on);
     graphs_.clear();
   }
   // The MLA prefill kernel's schedule (CudaBackendOptions::mla_prefill_pairs), for the step bench.

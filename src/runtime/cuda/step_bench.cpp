@@ -375,7 +375,10 @@ int run_step_bench(const StepBenchOptions& opt) {
       std::printf("GRAPHS model=ml4-tiny batch=1 ctx=1024 graph_ms=%.3f eager_ms=%.3f speedup=%.2f\n", g, e, e / g);
     }
   }
+  // ML4_BENCH_PREFILL_MAX=N: only the prefills of at most N tokens (a short device call).
+  const char* prefill_max = std::getenv("ML4_BENCH_PREFILL_MAX");
   for (int64_t n : {int64_t{4096}, int64_t{8192}, int64_t{32768}}) {  // prefill: one sequence, last-token logits
+    if (prefill_max != nullptr && n > std::atol(prefill_max)) continue;
     StepInput in;
     SeqStep s;
     s.seq_id = 1000;
@@ -444,6 +447,10 @@ int run_step_bench(const StepBenchOptions& opt) {
     };
     // The MLA prefill kernel's tile schedule (ML4_MLA_PREFILL_PAIRS=0).
     variant("mla=tiles", [&](bool on) { r.set_mla_prefill_pairs(on); }, false, CudaBackendOptions{}.mla_prefill_pairs);
+    // The grouped MoE GEMMs warp-specialized and persistent (moe_gemm_specialized), flipped.
+    variant(CudaRunnerOptions{}.moe_gemm_specialized ? "moe_specialized=off" : "moe_specialized=on",
+            [&](bool on) { r.set_moe_gemm_specialized(on); }, !CudaRunnerOptions{}.moe_gemm_specialized,
+            CudaRunnerOptions{}.moe_gemm_specialized);
     // The indexer's prefill scores on the mma.sync kernel instead of wgmma (ML4_INDEXER_WGMMA=0).
     variant("indexer=mma_sync", [&](bool on) { r.set_indexer_wgmma(on); }, false, CudaBackendOptions{}.indexer_wgmma);
     r.set_absorb_gemm(true);  // the defaults
