@@ -128,12 +128,15 @@ void prefill(LtGemm& lt, const std::vector<DeviceMlp>& experts, const DeviceMlp&
     const double t_tall = variant({false, true, false}), t_tall_gm = variant({false, true, true});
     const double t_ws = variant({false, false, false, true}), t_ws_gm = variant({false, false, true, true});
     const double t_ws_gm_nq = variant({false, false, true, true, false});  // the hidden quantized by its own launch
+    const double t_ov_gm_nq = variant({true, false, true, false, false});  // the default, hidden quantized apart
     const double t_ov_gm = variant({true, false, true}), t_ov = variant({true, false, false});
     auto tf = [&](double ms) { return flop / (ms * 1e9); };
     std::printf("moe prefill tiles T=%ld: 64-row %.3f ms (%.0f TFLOP/s), 64-row overlap %.3f ms (%.0f), + group-major "
                 "%.3f ms (%.0f); 128-row %.3f ms (%.0f), + group-major %.3f ms (%.0f); best/overlap %.2fx\n",
                 T, t_gemm, tf(t_gemm), t_ov, tf(t_ov), t_ov_gm, tf(t_ov_gm), t_tall, tf(t_tall), t_tall_gm, tf(t_tall_gm),
                 t_ov / std::min({t_ov_gm, t_tall, t_tall_gm}));
+    std::printf("moe prefill quant epilogue T=%ld: 64-row overlap group-major %.3f ms with, %.3f ms without\n", T,
+                t_ov_gm, t_ov_gm_nq);
     std::printf("moe prefill specialized T=%ld: %.3f ms (%.0f TFLOP/s), + group-major %.3f ms (%.0f), its hidden quantized "
                 "apart %.3f ms; vs 64-row overlap group-major %.2fx\n",
                 T, t_ws, tf(t_ws), t_ws_gm, tf(t_ws_gm), t_ws_gm_nq, t_ov_gm / std::min(t_ws, t_ws_gm));
@@ -145,6 +148,7 @@ void prefill(LtGemm& lt, const std::vector<DeviceMlp>& experts, const DeviceMlp&
     gp.a_scale = sc.q_scale.as<float>();
     gp.tiles = sc.tiles.as<MoeTile>();
     gp.num_tiles = sc.num_tiles.as<int32_t>();
+    gp.work_counter = sc.num_tiles.as<int32_t>() + 1;  // the specialized launches' counter (MoeScratch)
     gp.max_tiles = moe_gemm_max_tiles(nrows, E + 1);
     gp.stream = s;
     gate_up_launch(gp, tb, sc);

@@ -549,8 +549,9 @@ TEST(CudaMoe, GroupedGemmPrefillVsCpu) {
 // MoeGemmOptions::specialized (the tall tiles warp-specialized and persistent: the T = 5 tiles
 // leave consumer warpgroup 1 idle; T = 2000 gives ~95 tall tiles x 3 columns, more than a
 // card's 132 multiprocessors, so its CTAs walk several tiles through the one ring), plain and
-// group-major, with its gate_up epilogue quantizing the hidden rows (quant_epilogue, the
-// default: the same e4m3 bytes and scales as fp8_act_quant) and without.
+// group-major. And every one (but tall) with its gate_up epilogue quantizing the hidden rows
+// (quant_epilogue, the default) against the first, which quantizes them in fp8_act_quant's own
+// launch: the same e4m3 bytes and scales, so the same bits.
 TEST(CudaMoe, GroupedGemmVariantsAreBitIdentical) {
   ML4_REQUIRE_GPU();
   const int E = 16, K = 4;
@@ -566,10 +567,12 @@ TEST(CudaMoe, GroupedGemmVariantsAreBitIdentical) {
     auto dids = to_device(c.ids);
     auto dw = to_device(c.w);
     std::vector<std::vector<float>> runs;
-    const MoeGemmOptions variants[] = {{false, false, false}, {true, false, false},        {false, true, false},
-                                       {false, false, true},  {true, false, true},         {false, true, true},
-                                       {false, false, false, true}, {false, false, true, true},
-                                       {false, false, true, true, false}};
+    // The first quantizes the hidden rows in their own launch (fp8_act_quant), the reference of
+    // every other's quantizing epilogue (quant_epilogue, on by default; the tall kernel has none).
+    const MoeGemmOptions variants[] = {
+        {false, false, false, false, false}, {false, false, false}, {true, false, false},        {false, true, false},
+        {false, false, true},                {true, false, true},   {false, true, true},         {false, false, false, true},
+        {false, false, true, true},          {true, false, true, true, false}};
     for (const MoeGemmOptions& o : variants) {
       auto out = poisoned<float>(T * D);
       ML4_ASSERT_OK(moe_experts_forward_gemm(*tables, &c.shared, dxb.as<float>(), T, dids.as<int32_t>(), dw.as<float>(),
@@ -584,7 +587,8 @@ TEST(CudaMoe, GroupedGemmVariantsAreBitIdentical) {
     for (size_t v = 1; v < runs.size(); ++v)
       EXPECT_EQ(0, std::memcmp(runs[0].data(), runs[v].data(), runs[0].size() * 4))
           << "variant " << v << " (overlap " << variants[v].overlap << ", tall " << variants[v].tall << ", group-major "
-          << variants[v].group_major << ", specialized " << variants[v].specialized << "): D=" << D << " I=" << I << " T=" << T;
+          << variants[v].group_major << ", specialized " << variants[v].specialized
+          << ", quant epilogue " << variants[v].quant_epilogue << "): D=" << D << " I=" << I << " T=" << T;
   }
 }
 

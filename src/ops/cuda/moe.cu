@@ -328,7 +328,7 @@ Status MoeScratch::reserve(int64_t rows, int64_t D, int64_t I, int E, bool group
     const int64_t tiles_max = moe_gemm_max_tiles(2 * rows, E + 1);
     ML4_ASSIGN_OR_RETURN(cursor, DeviceBuffer::alloc((E + 1) * 4));
     ML4_ASSIGN_OR_RETURN(tiles, DeviceBuffer::alloc(tiles_max * sizeof(MoeTile)));
-    ML4_ASSIGN_OR_RETURN(num_tiles, DeviceBuffer::alloc(4));
+    ML4_ASSIGN_OR_RETURN(num_tiles, DeviceBuffer::alloc(8));  // the tile count, then a work counter
     ML4_ASSIGN_OR_RETURN(tile_first, DeviceBuffer::alloc((E + 2) * 4));
     ML4_ASSIGN_OR_RETURN(q, DeviceBuffer::alloc(2 * rows * wide));
     ML4_ASSIGN_OR_RETURN(q_scale, DeviceBuffer::alloc(2 * rows * ((wide + 127) / 128) * 4));
@@ -623,6 +623,7 @@ Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shar
   g.num_tiles = s.num_tiles.as<int32_t>();
   g.max_tiles = tiles;
   g.stream = stream;
+  g.work_counter = s.num_tiles.as<int32_t>() + 1;
   g.overlap = gemm.overlap && !tall;
   g.tall = tall && !specialized;
   g.specialized = specialized;
@@ -635,9 +636,9 @@ Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shar
   gate_up_weights(g, tb);
   g.a_rows = s.perm_token.as<int32_t>();
   g.y = s.g.as<float>();
-  // The specialized kernel quantizes the hidden rows itself, into s.g's memory (e4m3 rows, then
-  // the scales 256-aligned: rows x I x (1 + 4 / 128) bytes of the 2 x max_rows x I x 4 held).
-  const bool quant_epilogue = specialized && gemm.quant_epilogue && I % 128 == 0;
+  // The gate_up kernel quantizes the hidden rows itself, into s.g's memory (e4m3 rows, then the
+  // scales 256-aligned: rows x I x (1 + 4 / 128) bytes of the 2 x max_rows x I x 4 held).
+  const bool quant_epilogue = gemm.quant_epilogue && I % 128 == 0 && (specialized || !tall);
   uint8_t* const hq = s.g.as<uint8_t>();
   float* const hq_scale = reinterpret_cast<float*>(hq + (rows * I + 255) / 256 * 256);
   if (quant_epilogue) {

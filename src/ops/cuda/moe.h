@@ -187,8 +187,8 @@ struct MoeGemmOptions {
   bool tall = false;
   bool group_major = false;
   bool specialized = false;  // MoeGroupedGemmParams::specialized (128-row tiles; wins over tall and overlap)
-  // With specialized: the hidden rows quantized in the gate_up epilogue (MoeGroupedGemmParams::y_q;
-  // the same bytes as the separate quantization, which it replaces).
+  // The hidden rows quantized in the gate_up epilogue (MoeGroupedGemmParams::y_q; the same bytes
+  // as the separate quantization, which it replaces); not with tall (without specialized).
   bool quant_epilogue = true;
 };
 Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shared, const float* x, int64_t T,

@@ -21,7 +21,8 @@ constexpr int kBRows = 256;                  // B rows per CTA: 128 per warpgrou
 constexpr int kStages = 4;
 constexpr int kThreads = 256;
 constexpr int kAStage = kTileRows * 128, kBStage = kBRows * 128, kStage = kAStage + kBStage;  // 40 KB
-constexpr int kSmem = kStages * kStage + 1024;  // + alignment slack: swizzle atoms sit on 1024 bytes
+constexpr int kSmem = kStages * kStage + 512 + 1024;  // + the quantizing epilogue's [2][64] f32 + alignment slack
+                                                       // (swizzle atoms sit on 1024 bytes)
 
 struct GemmArgs {
   const uint8_t* a;
@@ -150,6 +151,53 @@ __device__ __forceinline__ void store_block(float* y, int nrows, int N, const fl
         *reinterpret_cast<float2*>(yrow + col) = make_float2(acc[kOff + 4 * j + 2 * h], acc[kOff + 4 * j + 2 * h + 1]);
       }
     }
+  }
+}
+
+// The hidden rows' FP8 quantization in the gate_up epilogue (MoeGroupedGemmParams::y_q):
+// fp8_act_quant's arithmetic on the same f32 values, s = max(amax, 1e-4) / 448 per row and
+// 128 columns, e4m3(v / s) saturated; the scales row-major [rows][N / 128].
+__device__ __forceinline__ float fp8_group_scale(float amax) { return fmaxf(amax, 1e-4f) / 448.0f; }
+// The max over a quad of lanes (the four threads holding one accumulator row's columns).
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+// This thread's 16 values of one row, v[2 j + e] at column 8 j + 2 q + e of the 64 from `row`.
+__device__ __forceinline__ void store_quant_row(uint8_t* row, const float (&v)[16], float amax) {
+  const float s = fp8_group_scale(amax);
+  const int q = threadIdx.x & 3;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const uint16_t lo = __nv_cvt_float_to_fp8(v[2 * j] / s, __NV_SATFINITE, __NV_E4M3);
+    const uint16_t hi = __nv_cvt_float_to_fp8(v[2 * j + 1] / s, __NV_SATFINITE, __NV_E4M3);
+    *reinterpret_cast<uint16_t*>(row + 8 * j + 2 * q) = static_cast<uint16_t>(lo | (hi << 8));
+  }
+}
+// The tall tile's gate_up epilogue: acc holds both halves of the 256-row B tile, output
+// columns [col0, col0 + 128), one group, spread over a quad (16 columns each a half and row).
+__device__ __forceinline__ void store_block_quant(uint8_t* yq, float* yq_scale, int nrows, int N,
+                                                  const float (&acc)[128], int r_lo, int col0) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = r_lo + 8 * h;  // quad-uniform
+    float v[2][16];  // half b: column col0 + 64 b + 8 j + 2 q + e at [b][2 j + e]
+    float amax = 0.0f;
+#pragma unroll
+    for (int b = 0; b < 2; ++b)
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          v[b][2 * j + e] = silu_mul(acc[64 * b + 4 * j + 2 * h + e], acc[64 * b + 4 * (j + 8) + 2 * h + e]);
+          amax = fmaxf(amax, fabsf(v[b][2 * j + e]));
+        }
+    amax = quad_max(amax);
+    if (r >= nrows) continue;
+    uint8_t* const row = yq + static_cast<int64_t>(r) * N + col0;
+    store_quant_row(row, v[0], amax);
+    store_quant_row(row + 64, v[1], amax);
+    if ((threadIdx.x & 3) == 0) yq_scale[static_cast<int64_t>(r) * (N / 128) + col0 / 128] = fp8_group_scale(amax);
   }
 }
 
@@ -289,47 +337,37 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_kernel(const GemmArg
     }
   }
   cp_wait<0>();
-  store_block<kGateUp, 0>(p.y + static_cast<int64_t>(t.row0) * N, nrows, N, acc, r_lo, n0 + wg * (kGateUp ? 64 : 128));
-}
-
-// The gate_up epilogue with the hidden rows' FP8 quantization in it (MoeGroupedGemmParams::y_q):
-// acc holds both halves of a 128-row-wide B tile, i.e. output columns [col0, col0 + 128), one
-// quantization group, spread over a quad of threads (16 columns each a half and row). The
-// group's amax by two quad shuffles, then fp8_act_quant's arithmetic on the same f32 values:
-// s = max(amax, 1e-4) / 448, e4m3(v / s) saturated; the scale row-major [rows][N / 128].
-__device__ __forceinline__ void store_block_quant(uint8_t* yq, float* yq_scale, int nrows, int N,
-                                                  const float (&acc)[128], int r_lo, int col0) {
-  const int q = threadIdx.x & 3;
+  if (kGateUp && p.yq != nullptr) {
+    // The hidden rows quantized here (MoeGroupedGemmParams::y_q): the CTA's 128 output columns
+    // are one group, 64 a warpgroup; each quad's amax of a row meets the other warpgroup's in
+    // shared memory (past the ring).
+    float* const red = reinterpret_cast<float*>(smem_raw + (sbase - smem_u32(smem_raw)) + kStages * kStage);
+    float v[2][16], amax[2];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = r_lo + 8 * h;  // quad-uniform
-    float v[32];  // half b, j, e at 16 b + 2 j + e: column col0 + 64 b + 8 j + 2 q + e
-    float amax = 0.0f;
-#pragma unroll
-    for (int b = 0; b < 2; ++b)
+    for (int h = 0; h < 2; ++h) {
+      amax[h] = 0.0f;
 #pragma unroll
       for (int j = 0; j < 8; ++j)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const float x = silu_mul(acc[64 * b + 4 * j + 2 * h + e], acc[64 * b + 4 * (j + 8) + 2 * h + e]);
-          v[16 * b + 2 * j + e] = x;
-          amax = fmaxf(amax, fabsf(x));
+          v[h][2 * j + e] = silu_mul(acc[4 * j + 2 * h + e], acc[4 * (j + 8) + 2 * h + e]);
+          amax[h] = fmaxf(amax[h], fabsf(v[h][2 * j + e]));
         }
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-    if (r >= nrows) continue;
-    const float s = fmaxf(amax, 1e-4f) / 448.0f;
-    uint8_t* row = yq + static_cast<int64_t>(r) * N + col0;
+      amax[h] = quad_max(amax[h]);
+      if ((threadIdx.x & 3) == 0) red[wg * 64 + r_lo + 8 * h] = amax[h];
+    }
+    __syncthreads();
 #pragma unroll
-    for (int b = 0; b < 2; ++b)
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const uint16_t lo = __nv_cvt_float_to_fp8(v[16 * b + 2 * j] / s, __NV_SATFINITE, __NV_E4M3);
-        const uint16_t hi = __nv_cvt_float_to_fp8(v[16 * b + 2 * j + 1] / s, __NV_SATFINITE, __NV_E4M3);
-        *reinterpret_cast<uint16_t*>(row + 64 * b + 8 * j + 2 * q) = static_cast<uint16_t>(lo | (hi << 8));
-      }
-    if (q == 0) yq_scale[static_cast<int64_t>(r) * (N / 128) + col0 / 128] = s;
+    for (int h = 0; h < 2; ++h) {
+      const int r = r_lo + 8 * h;
+      if (r >= nrows) continue;
+      store_quant_row(p.yq + static_cast<int64_t>(t.row0 + r) * N + n0 + 64 * wg, v[h], fmaxf(red[r], red[64 + r]));
+      if (wg == 0 && (threadIdx.x & 3) == 0) p.yq_scale[static_cast<int64_t>(t.row0 + r) * (N / 128) + n0 / 128] =
+          fp8_group_scale(fmaxf(red[r], red[64 + r]));
+    }
+    return;
   }
+  store_block<kGateUp, 0>(p.y + static_cast<int64_t>(t.row0) * N, nrows, N, acc, r_lo, n0 + wg * (kGateUp ? 64 : 128));
 }
 
 // The tall variant (MoeGroupedGemmParams::tall): 128 A rows per CTA, warpgroup wg on rows
@@ -484,35 +522,45 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_tall_kernel(const Ge
 // Registers: a consumer thread holds 128 accumulators and a 64-register partial; ptxas gives
 // a 384-thread block's code 168 a thread, and compiles the code after setmaxnreg within the
 // new bound, so the producer gives registers up (setmaxnreg.dec) for the consumers' raise.
-// Persistent: the grid is one CTA a multiprocessor, CTA b taking the linear work indices b,
-// b + gridDim.x, ... of work_at's order; the producer runs ahead into the next tile's K blocks
-// while the consumers store, so the ring never drains between tiles.
+// Persistent: the grid is one CTA a multiprocessor; each CTA takes its first work item (a
+// linear index of work_at's order) from blockIdx.x and every later one from a global counter
+// (work_counter, zeroed before the launch), so the items start in their order across the
+// grid as CTAs free up -- the order the hardware gives a one-item-a-CTA grid. (A static stride
+// over the items let the CTAs drift apart: an expert's two tiles of one weight slice then ran
+// at different times and the slice came from DRAM twice, 1.6x the weight bytes, ncu.) The
+// producer takes the items and posts each one's index in the stage of its first K block;
+// it runs ahead into the next item while the consumers store, so the ring never drains.
 constexpr int kWsThreads = 384, kWsConsumers = 256;
 constexpr int kWsStages = 4;
-constexpr int kWsBarOff = kWsStages * kTallStage;  // full[kWsStages], empty[kWsStages]
-constexpr int kWsSmem = kWsBarOff + 16 * kWsStages + 1024;
-constexpr int kWsProducerRegs = 56, kWsConsumerRegs = 224;  // 128 x 72 + 256 x 216 = 384 x 168
+constexpr int kWsBarOff = kWsStages * kTallStage;        // full[kWsStages], empty[kWsStages]
+constexpr int kWsSlotOff = kWsBarOff + 16 * kWsStages;   // int32 slot[kWsStages]: the item a stage starts
+constexpr int kWsNextOff = kWsSlotOff + 4 * kWsStages;   // int32 next[2]: the producer's item broadcast
+constexpr int kWsSmem = kWsNextOff + 8 + 1024;
+constexpr int kWsProducerRegs = 40, kWsConsumerRegs = 232;  // 128 x 40 + 256 x 232 = 384 x 168
 static_assert(128 * kWsProducerRegs + 256 * kWsConsumerRegs <= 384 * 168, "the block's registers");
 static_assert(kWsSmem <= 232448, "fits the 227 KB opt-in shared memory of sm_90");
 
 template <bool kGateUp>
-__global__ void __launch_bounds__(kWsThreads, 1) grouped_gemm_ws_kernel(const GemmArgs p, const int ncols) {
+__global__ void __launch_bounds__(kWsThreads, 1) grouped_gemm_ws_kernel(const GemmArgs p, const int ncols,
+                                                                        int32_t* __restrict__ work_counter) {
   pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
   pdl_launch_dependents();
   extern __shared__ uint8_t smem_raw[];
   const uint32_t sbase = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  uint8_t* const sgen = smem_raw + (sbase - smem_u32(smem_raw));  // generic pointer of sbase
+  volatile int32_t* const slot = reinterpret_cast<int32_t*>(sgen + kWsSlotOff);
+  volatile int32_t* const next = reinterpret_cast<int32_t*>(sgen + kWsNextOff);
   const uint32_t full0 = sbase + kWsBarOff, empty0 = full0 + 8 * kWsStages;
   const int tid = threadIdx.x;
   if (tid == 0) {
     for (int s = 0; s < kWsStages; ++s) {
-      mbar_init(full0 + 8 * s, 128);                 // one cp.async arrival per producer thread
+      mbar_init(full0 + 8 * s, 129);                 // a cp.async arrival per producer thread + thread 0's plain one
       mbar_init(empty0 + 8 * s, kWsConsumers / 32);  // one per consumer warp
     }
     mbar_init_fence();
   }
   __syncthreads();
   const int K = p.K, N = p.N, KB = K / 128, cols = kGateUp ? 128 : 256;
-  const int64_t step = gridDim.x;
 
   if (tid >= kWsConsumers) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWsProducerRegs));
@@ -524,9 +572,23 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_gemm_ws_kernel(const Ge
     const uint32_t swz = static_cast<uint32_t>((c ^ (lr & 7)) << 4);
     auto b_row = [](int j) { return kGateUp ? (j >> 3) * 64 + 16 * (j & 3) : 16 * j; };  // from n0 + lr
     uint32_t it = 0;  // K blocks issued so far, over all work items: stage it % kWsStages
-    for (int64_t L = blockIdx.x;; L += step) {
-      int tile, col;
-      if (!work_at(p, L, ncols, &tile, &col)) break;
+    for (int item = 0;; ++item) {
+      if (pt == 0) next[item & 1] = item == 0 ? static_cast<int32_t>(blockIdx.x)
+                                              : static_cast<int32_t>(gridDim.x) + atomicAdd(work_counter, 1);
+      asm volatile("bar.sync 1, 128;\n" ::: "memory");  // the producer warpgroup: next[item & 1] written
+      const int L = next[item & 1];
+      int tile = 0, col = 0;
+      const bool more = work_at(p, L, ncols, &tile, &col);
+      if (!more) {  // the end mark, in the stage the next item would have started in
+        const int st = static_cast<int>(it % kWsStages);
+        if (it >= kWsStages) mbar_wait(empty0 + 8 * st, ((it / kWsStages) - 1) & 1);
+        if (pt == 0) {
+          slot[st] = -1;
+          mbar_arrive(full0 + 8 * st);
+        }
+        mbar_arrive(full0 + 8 * st);
+        break;
+      }
       const MoeTile t = p.tiles[tile];
       const int nrows = t.row1 - t.row0, n0 = col * cols;
       int a_row[8];  // source rows, -1 past the tile
@@ -555,6 +617,10 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_gemm_ws_kernel(const Ge
           cp_async16(dst + kTallAStage + j * 2048, m + (ok ? static_cast<int64_t>(b_row(j)) * K + kb * 128 : 0), ok);
         }
         mbar_arrive_cp_async(full0 + 8 * st);
+        if (pt == 0) {
+          if (kb == 0) slot[st] = L;
+          mbar_arrive(full0 + 8 * st);  // releases the slot to the consumers' wait (acquire)
+        }
       }
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
@@ -575,40 +641,54 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_gemm_ws_kernel(const Ge
     if (lane == 0) mbar_arrive(empty0 + 8 * st);
   };
   uint32_t it = 0;
-  for (int64_t L = blockIdx.x;; L += step) {
-    int tile, col;
-    if (!work_at(p, L, ncols, &tile, &col)) break;
+  for (;;) {
+    const int st0 = static_cast<int>(it % kWsStages);
+    mbar_wait(full0 + 8 * st0, (it / kWsStages) & 1);
+    const int L = slot[st0];
+    if (L < 0) break;
+    int tile = 0, col = 0;
+    work_at(p, L, ncols, &tile, &col);
     const MoeTile t = p.tiles[tile];
     const int nrows = t.row1 - t.row0, n0 = col * cols;
     const bool active = wg * 64 < nrows;  // warpgroup-uniform
-    // Scales (the tall kernel's): this thread's accumulator rows and, per half h, the two B
-    // sub-blocks' scale rows.
+    // Scales (the tall kernel's values): this thread's accumulator rows, and per half h the two
+    // B sub-blocks' scale rows (gate_up: W1 and W3 at columns n0 + 64 h; else both 128-row
+    // blocks' one row, n0 + 128 h). Loaded a K block ahead of their promotion.
     const int r_lo = wg * 64 + wwarp * 16 + (lane >> 2);
-    int as_row[2];
+    const float* as_ptr[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = r_lo + 8 * h;
-      as_row[h] = r < nrows ? (p.a_rows ? __ldg(p.a_rows + t.row0 + r) : t.row0 + r) : -1;
+      as_ptr[h] = r < nrows ? p.a_scale + static_cast<int64_t>(p.a_rows ? __ldg(p.a_rows + t.row0 + r) : t.row0 + r) * KB
+                            : nullptr;
     }
     const float* const ws0 = p.ws[t.group];
     const float* const ws1 = kGateUp ? p.wus[t.group] : ws0;
-    auto scales = [&](int kb, int h, float (&sc)[4]) {
-      const int base = kGateUp ? n0 + 64 * h : n0 + 128 * h;
-      sc[0] = as_row[0] >= 0 ? __ldg(p.a_scale + static_cast<int64_t>(as_row[0]) * KB + kb) : 0.0f;
-      sc[1] = as_row[1] >= 0 ? __ldg(p.a_scale + static_cast<int64_t>(as_row[1]) * KB + kb) : 0.0f;
-      const bool ok = base < N;
-      sc[2] = ok ? __ldg(ws0 + static_cast<int64_t>(base / 128) * KB + kb) : 0.0f;
-      if (kGateUp)
-        sc[3] = ok ? __ldg(ws1 + static_cast<int64_t>(base / 128) * KB + kb) : 0.0f;
-      else
-        sc[3] = sc[2];  // both 64-row sub-blocks of a half in one 128-row scale block
+    auto load_scales = [&](int kb, float (&sc)[6]) {  // {a lo, a hi, half 0's two B, half 1's two B}
+      sc[0] = as_ptr[0] ? __ldg(as_ptr[0] + kb) : 0.0f;
+      sc[1] = as_ptr[1] ? __ldg(as_ptr[1] + kb) : 0.0f;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int base = kGateUp ? n0 + 64 * h : n0 + 128 * h;
+        const bool ok = base < N;
+        sc[2 + 2 * h] = ok ? __ldg(ws0 + static_cast<int64_t>(base / 128) * KB + kb) : 0.0f;
+        if (kGateUp)
+          sc[3 + 2 * h] = ok ? __ldg(ws1 + static_cast<int64_t>(base / 128) * KB + kb) : 0.0f;
+        else
+          sc[3 + 2 * h] = sc[2 + 2 * h];  // both 64-row sub-blocks of a half in one 128-row scale block
+      }
     };
+    float sc_next[6];
+    if (active) load_scales(0, sc_next);
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
     for (int kb = 0; kb < KB; ++kb, ++it) {
       const int st = static_cast<int>(it % kWsStages);
-      mbar_wait(full0 + 8 * st, (it / kWsStages) & 1);  // also when idle: see release
+      if (kb > 0) mbar_wait(full0 + 8 * st, (it / kWsStages) & 1);  // also when idle: see release
       if (active) {
+        const float sc0[4] = {sc_next[0], sc_next[1], sc_next[2], sc_next[3]};
+        const float sc1[4] = {sc_next[0], sc_next[1], sc_next[4], sc_next[5]};
+        if (kb + 1 < KB) load_scales(kb + 1, sc_next);  // under this block's MMAs
         wgmma::fence_proxy_async();  // cp.async wrote through the generic proxy; the tensor cores read next
         const uint32_t a_st = sbase + st * kTallStage;
         const uint64_t da = wgmma::desc_k_major(a_st + wg * 64 * 128);
@@ -620,15 +700,13 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_gemm_ws_kernel(const Ge
 #pragma unroll
           for (int ks = 0; ks < 4; ++ks) wgmma::m64n128k32_e4m3(part, da + 2 * ks, db + 2 * ks, ks);
           wgmma::commit();
-          float sc[4];  // the scales load while the tensor cores run
-          scales(kb, h, sc);
           wgmma::wait<0>();
           wgmma::fence_operands(part);
           if (h == 0) {
-            promote_into<0>(acc, part, sc);
+            promote_into<0>(acc, part, sc0);
           } else {
             release(st);  // the stage's last MMA of this warp is done: the producer may refill it
-            promote_into<64>(acc, part, sc);
+            promote_into<64>(acc, part, sc1);
           }
         }
       } else {
@@ -638,7 +716,9 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_gemm_ws_kernel(const Ge
     if (kGateUp && p.yq != nullptr) {
       // The whole quad holds a row's group, and both of its rows are in or out together
       // (warpgroup-uniform active): the shuffles see every lane.
-      if (active) store_block_quant(p.yq + static_cast<int64_t>(t.row0) * N, p.yq_scale + static_cast<int64_t>(t.row0) * (N / 128), nrows, N, acc, r_lo, n0);
+      if (active)
+        store_block_quant(p.yq + static_cast<int64_t>(t.row0) * N, p.yq_scale + static_cast<int64_t>(t.row0) * (N / 128),
+                          nrows, N, acc, r_lo, n0);
     } else if (active) {
       float* const y = p.y + static_cast<int64_t>(t.row0) * N;
       store_block<kGateUp, 0>(y, nrows, N, acc, r_lo, n0);
@@ -768,9 +848,8 @@ Status moe_grouped_gemm(const MoeGroupedGemmParams& p) {
                    p.y_q_scale};
   const int cols = p.gate_up ? 128 : 256;
   const int ncols = static_cast<int>((p.N + cols - 1) / cols);
-  if (p.y_q != nullptr && (!p.specialized || !p.gate_up || p.N % 128 != 0 || p.y_q_scale == nullptr))
-    return invalid_argument("moe_grouped_gemm: y_q needs specialized, gate_up, N % 128 == 0 (N={}) and y_q_scale",
-                            p.N);
+  if (p.y_q != nullptr && (p.tall || !p.gate_up || p.N % 128 != 0 || p.y_q_scale == nullptr))
+    return invalid_argument("moe_grouped_gemm: y_q needs gate_up, N % 128 == 0 (N={}), y_q_scale and not tall", p.N);
   if (p.specialized) {
     auto kernel = p.gate_up ? grouped_gemm_ws_kernel<true> : grouped_gemm_ws_kernel<false>;
     static const cudaError_t ws_attr[2] = {
@@ -783,9 +862,11 @@ Status moe_grouped_gemm(const MoeGroupedGemmParams& p) {
       cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
       return n > 0 ? n : 1;
     }();
+    if (p.work_counter == nullptr) return invalid_argument("moe_grouped_gemm: specialized needs a work_counter");
+    ML4_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.work_counter, 0, sizeof(int32_t), p.stream));
     const int64_t items = p.max_tiles * ncols;  // an upper bound: CTAs past *num_tiles * ncols find no work
     launch_kernel(kernel, static_cast<unsigned>(std::min<int64_t>(sms, items)), kWsThreads, kWsSmem, p.stream, a,
-                  ncols);
+                  ncols, p.work_counter);
     return cuda_status(cudaGetLastError(), "grouped_gemm_ws_kernel");
   }
   const dim3 grid(static_cast<unsigned>(ncols), static_cast<unsigned>(p.max_tiles));

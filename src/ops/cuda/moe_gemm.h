@@ -107,12 +107,15 @@ struct MoeGroupedGemmParams {
   // under the other's MMAs, and one CTA a multiprocessor walks the tile list, loading the next
   // tile while the last one's outputs are stored. Wins over tall and overlap. Fifteenth session.
   bool specialized = false;
-  // specialized gate_up only, N % 128 == 0: the hidden rows quantized in the epilogue as
+  // gate_up, N % 128 == 0, not tall: the hidden rows quantized in the epilogue as
   // fp8_act_quant (group 128, row-major scales) quantizes y -- the same bytes and scales -- and
   // written here instead of y: e4m3 [rows, N] and f32 [rows][N / 128]. Saves y's f32 round trip
-  // through memory and the quantization launch.
+  // through memory and the quantization launch (fifteenth session).
   void* y_q = nullptr;
   float* y_q_scale = nullptr;
+  // specialized: one int32 of device memory, the CTAs' shared work counter (zeroed by the call,
+  // on the stream, before the kernel).
+  int32_t* work_counter = nullptr;
 };
 Status moe_grouped_gemm(const MoeGroupedGemmParams& p);
 

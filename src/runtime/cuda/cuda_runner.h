@@ -79,6 +79,10 @@ struct CudaRunnerOptions {
   // MoeGroupedGemmParams::specialized: the tall tiles and bits, a producer warpgroup, one CTA a
   // multiprocessor; takes the place of moe_gemm_tall and moe_gemm_overlap). Fifteenth session.
   bool moe_gemm_specialized = false;
+  // The FP8 grouped gate_up GEMM quantizes the hidden rows in its epilogue (moe.h
+  // MoeGemmOptions::quant_epilogue; the same bytes as the separate quantization launch, so the
+  // same bits; not with moe_gemm_tall). Fifteenth session.
+  bool moe_quant_epilogue = true;
   // The MLA absorption (W_UK, W_UV) of steps of at least absorb_gemm_min_tokens tokens as
   // strided-batched TF32 GEMMs on the tensor cores (elementwise.h mla_absorb_q_gemm) instead
   // of the f32 CUDA-core kernels, outside exact mode (issue 18). Smaller steps keep the
@@ -235,6 +239,11 @@ class CudaRunner : public ModelRunner {
   void set_moe_gemm_specialized(bool on) {
     opts_.moe_gemm_specialized = on;
     backend_->set_moe_gemm_specialized(on);
+    graphs_.clear();
+  }
+  void set_moe_quant_epilogue(bool on) {
+    opts_.moe_quant_epilogue = on;
+    backend_->set_moe_quant_epilogue(on);
     graphs_.clear();
   }
   // The MLA prefill kernel's schedule (CudaBackendOptions::mla_prefill_pairs), for the step bench.

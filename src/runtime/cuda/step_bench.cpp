@@ -451,6 +451,9 @@ int run_step_bench(const StepBenchOptions& opt) {
     variant(CudaRunnerOptions{}.moe_gemm_specialized ? "moe_specialized=off" : "moe_specialized=on",
             [&](bool on) { r.set_moe_gemm_specialized(on); }, !CudaRunnerOptions{}.moe_gemm_specialized,
             CudaRunnerOptions{}.moe_gemm_specialized);
+    // The hidden rows quantized in their own launch instead of the gate_up epilogue.
+    variant("quant_epilogue=off", [&](bool on) { r.set_moe_quant_epilogue(on); }, false,
+            CudaRunnerOptions{}.moe_quant_epilogue);
     // The indexer's prefill scores on the mma.sync kernel instead of wgmma (ML4_INDEXER_WGMMA=0).
     variant("indexer=mma_sync", [&](bool on) { r.set_indexer_wgmma(on); }, false, CudaBackendOptions{}.indexer_wgmma);
     r.set_absorb_gemm(true);  // the defaults
