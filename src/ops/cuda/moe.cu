@@ -577,7 +577,7 @@ Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shar
     ML4_RETURN_IF_ERROR(mlp_forward(*lt, *shared, x, T, s.xs.as<float>(), s, stream).with_context("shared expert"));
   const int64_t rows = n + (slot ? T : 0);
   const bool specialized = gemm.specialized && !fp4;
-  const bool tall = (gemm.tall || specialized) && !fp4;
+  const bool tall = (gemm.tall && !fp4) || specialized;
   const int tile_rows = tall ? kMoeGemmTallTileRows : kMoeGemmTileRows;
   const int64_t tiles = moe_gemm_max_tiles(rows, tb.E + (slot ? 1 : 0), tile_rows);
   if (tiles > s.max_tiles)

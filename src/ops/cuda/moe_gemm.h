@@ -26,7 +26,10 @@
 //
 // Layout: CTA = 2 warpgroups, tile 64 rows x 256 B rows (each warpgroup m64 x n128), K in
 // 128-byte blocks through a 4-stage cp.async ring (A rows gathered through `a_rows`; TMA
-// cannot gather on sm_90) stored in the 128-byte swizzle the wgmma descriptors name.
+// cannot gather on sm_90) stored in the 128-byte swizzle the wgmma descriptors name. What
+// bounds it at ml4's shapes is L2 (81-83% of its peak at T = 4096, ncu: 40 KB a K block for
+// 4.2 MFLOP); the variants below trade that against other limits (docs/BENCHMARKS.md
+// "Fifteenth session").
 #pragma once
 
 #include <cstdint>

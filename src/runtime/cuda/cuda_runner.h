@@ -77,11 +77,16 @@ struct CudaRunnerOptions {
   bool moe_gemm_group_major = true;
   // The FP8 grouped GEMMs warp-specialized and persistent (moe_gemm.h
   // MoeGroupedGemmParams::specialized: the tall tiles and bits, a producer warpgroup, one CTA a
-  // multiprocessor; takes the place of moe_gemm_tall and moe_gemm_overlap). Fifteenth session.
+  // multiprocessor; takes the place of moe_gemm_tall and moe_gemm_overlap). Off: as fast as the
+  // default in the step (fifteenth session, H100: ml4-slice-4 prefill of 4096 tokens 52.7 vs
+  // 52.6 ms, 8192 100.6 vs 100.5; gate + up alone 5.15 ms vs the 64-row overlap's 6.69 in the
+  // column-fastest order, but the group-major order gives the 64-row kernel as much).
   bool moe_gemm_specialized = false;
   // The FP8 grouped gate_up GEMM quantizes the hidden rows in its epilogue (moe.h
   // MoeGemmOptions::quant_epilogue; the same bytes as the separate quantization launch, so the
-  // same bits; not with moe_gemm_tall). Fifteenth session.
+  // same bits, CudaMoe.GroupedGemmVariantsAreBitIdentical passed on an H100; not with
+  // moe_gemm_tall). On: whole MoE at T = 4096 8.27 -> 8.12 ms, ml4-slice-4 prefill of 4096 /
+  // 8192 tokens 53.2 -> 52.8 / 101.5 -> 100.4 ms (H100, fifteenth session, alternated runs).
   bool moe_quant_epilogue = true;
   // The MLA absorption (W_UK, W_UV) of steps of at least absorb_gemm_min_tokens tokens as
   // strided-batched TF32 GEMMs on the tensor cores (elementwise.h mla_absorb_q_gemm) instead
