@@ -1,6 +1,7 @@
 // Shared-memory mbarriers (sm_90) by shared address, for the warp-specialized kernels whose
-// producer warps hand stages to consumer warps: attention_prefill.cu, moe_gemm.cu. PTX ISA
-// "Parallel Synchronization and Communication Instructions: mbarrier".
+// producer warps hand stages to consumer warps: attention_decode.cu, attention_prefill.cu,
+// moe_gemm.cu. PTX ISA "Parallel Synchronization and Communication Instructions: mbarrier" and
+// "Data Movement: cp.async.bulk".
 #pragma once
 
 #include <cstdint>
@@ -33,6 +34,25 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
         : "r"(bar), "r"(parity)
         : "memory");
   } while (!done);
+}
+
+// The same by pointer (attention_decode.cu keeps its barriers as uint64_t in shared memory).
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) { mbar_init(smem_u32(bar), count); }
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) { mbar_arrive(smem_u32(bar)); }
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) { mbar_wait(smem_u32(bar), parity); }
+// Arrives and adds `bytes` to the phase's expected transaction count (cp.async.bulk's complete_tx).
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(smem_u32(bar)),
+               "r"(bytes)
+               : "memory");
+}
+// A bulk copy of `bytes` (a multiple of 16, both ends 16-byte aligned) from global memory into
+// shared memory, completing on bar's transaction count.
+__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   smem_u32(dst)),
+               "l"(src), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
 }
 
 }  // namespace ml4::cuda

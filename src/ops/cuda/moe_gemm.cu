@@ -380,6 +380,18 @@ constexpr int kTallRows = 128;
 constexpr int kTallAStage = kTallRows * 128, kTallStage = kTallAStage + kBStage;  // 48 KB
 constexpr int kTallStages = 4;
 static_assert(kTallRows == kMoeGemmTallTileRows, "moe_gemm.h names the tall tile");
+// Issues one half of a tall tile's K block: the 64 A rows of warpgroup wg against B half h (128
+// rows) of the stage at a_st, four m64n128k32 MMAs into part (the first one ignores part's old
+// values), committed as one group.
+__device__ __forceinline__ void tall_half_mma(float (&part)[64], uint32_t a_st, int wg, int h) {
+  const uint64_t da = wgmma::desc_k_major(a_st + wg * 64 * 128);
+  const uint64_t db = wgmma::desc_k_major(a_st + kTallAStage + h * 128 * 128);
+  wgmma::fence_operands(part);
+  wgmma::fence();
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) wgmma::m64n128k32_e4m3(part, da + 2 * ks, db + 2 * ks, ks);
+  wgmma::commit();
+}
 constexpr int kTallSmem = kTallStages * kTallStage + 1024;
 
 template <bool kGateUp>
@@ -481,15 +493,9 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_tall_kernel(const Ge
       cp_commit();
     }
     const uint32_t a_st = sbase + (kb % kTallStages) * kTallStage;
-    const uint64_t da = wgmma::desc_k_major(a_st + wg * 64 * 128);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const uint64_t db = wgmma::desc_k_major(a_st + kTallAStage + h * 128 * 128);
-      wgmma::fence_operands(part);
-      wgmma::fence();
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks) wgmma::m64n128k32_e4m3(part, da + 2 * ks, db + 2 * ks, ks);
-      wgmma::commit();
+      tall_half_mma(part, a_st, wg, h);
       float sc[4];  // the scales load while the tensor cores run
       scales(kb, h, sc);
       wgmma::wait<0>();
@@ -691,15 +697,9 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_gemm_ws_kernel(const Ge
         if (kb + 1 < KB) load_scales(kb + 1, sc_next);  // under this block's MMAs
         wgmma::fence_proxy_async();  // cp.async wrote through the generic proxy; the tensor cores read next
         const uint32_t a_st = sbase + st * kTallStage;
-        const uint64_t da = wgmma::desc_k_major(a_st + wg * 64 * 128);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const uint64_t db = wgmma::desc_k_major(a_st + kTallAStage + h * 128 * 128);
-          wgmma::fence_operands(part);
-          wgmma::fence();
-#pragma unroll
-          for (int ks = 0; ks < 4; ++ks) wgmma::m64n128k32_e4m3(part, da + 2 * ks, db + 2 * ks, ks);
-          wgmma::commit();
+          tall_half_mma(part, a_st, wg, h);
           wgmma::wait<0>();
           wgmma::fence_operands(part);
           if (h == 0) {
