@@ -108,7 +108,6 @@ using RowSmem = RadixSmem<256>;   // topk_row_loop: 8-bit digits
 using RegSmem = RadixSmem<2048>;  // topk_reg_kernel: 11-bit digits
 
 // The one-block selection of a row of n scores (any n), positions [lo, lo + seg) a thread.
-
 __device__ __forceinline__ void topk_row_loop(const float* __restrict__ row, int n, int kk, int k, int64_t t,
                                               int32_t* __restrict__ positions, int32_t* __restrict__ slots,
                                               int32_t* __restrict__ counts, int64_t out_stride,
