@@ -561,6 +561,10 @@ TEST(CudaMoe, GroupedGemmVariantsAreBitIdentical) {
     skew_routing(c.ids, T, E, K);
     auto tables = build_expert_tables(c.dx, &c.shared);
     ML4_ASSERT_OK(tables.status());
+    // The specialized variants' B by TMA (tma, on by default) needs the tables' tensor maps;
+    // without them they would quietly take cp.async.
+    ASSERT_NE(tables->t1.data(), nullptr);
+    ASSERT_NE(tables->t2.data(), nullptr);
     MoeScratch s;
     ML4_ASSERT_OK(s.reserve(T * K, D, I, E));
     auto dxb = to_device(c.x);
@@ -569,10 +573,12 @@ TEST(CudaMoe, GroupedGemmVariantsAreBitIdentical) {
     std::vector<std::vector<float>> runs;
     // The first quantizes the hidden rows in their own launch (fp8_act_quant), the reference of
     // every other's quantizing epilogue (quant_epilogue, on by default; the tall kernel has none).
+    // The specialized ones with B by TMA (the default) and by cp.async (the last two).
     const MoeGemmOptions variants[] = {
         {false, false, false, false, false}, {false, false, false}, {true, false, false},        {false, true, false},
         {false, false, true},                {true, false, true},   {false, true, true},         {false, false, false, true},
-        {false, false, true, true},          {true, false, true, true, false}};
+        {false, false, true, true},          {true, false, true, true, false}, {false, false, true, true, true, false},
+        {false, false, false, true, false, false}};
     for (const MoeGemmOptions& o : variants) {
       auto out = poisoned<float>(T * D);
       ML4_ASSERT_OK(moe_experts_forward_gemm(*tables, &c.shared, dxb.as<float>(), T, dids.as<int32_t>(), dw.as<float>(),
@@ -588,7 +594,8 @@ TEST(CudaMoe, GroupedGemmVariantsAreBitIdentical) {
       EXPECT_EQ(0, std::memcmp(runs[0].data(), runs[v].data(), runs[0].size() * 4))
           << "variant " << v << " (overlap " << variants[v].overlap << ", tall " << variants[v].tall << ", group-major "
           << variants[v].group_major << ", specialized " << variants[v].specialized
-          << ", quant epilogue " << variants[v].quant_epilogue << "): D=" << D << " I=" << I << " T=" << T;
+          << ", quant epilogue " << variants[v].quant_epilogue << ", tma " << variants[v].tma << "): D=" << D
+          << " I=" << I << " T=" << T;
   }
 }
 

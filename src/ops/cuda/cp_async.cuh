@@ -17,6 +17,11 @@ __device__ __forceinline__ void cp_async16_at(uint32_t dst, const void* src, boo
   const int n = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0+%3], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n), "n"(kOff));
 }
+// 4 bytes from src to shared address dst (through L1: .ca); !valid zero-fills them.
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
+  const int n = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 // Waits until at most N committed groups are still in flight.
 template <int N>

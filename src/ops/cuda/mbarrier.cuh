@@ -1,7 +1,7 @@
 // Shared-memory mbarriers (sm_90) by shared address, for the warp-specialized kernels whose
 // producer warps hand stages to consumer warps: attention_decode.cu, attention_prefill.cu,
 // moe_gemm.cu. PTX ISA "Parallel Synchronization and Communication Instructions: mbarrier" and
-// "Data Movement: cp.async.bulk".
+// "Data Movement: cp.async.bulk" / "Tensor copy".
 #pragma once
 
 #include <cstdint>
@@ -34,6 +34,24 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
         : "r"(bar), "r"(parity)
         : "memory");
   } while (!done);
+}
+
+// Arrives and adds `bytes` to the phase's expected transaction count, by shared address.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+// A 2-D tensor copy (cp.async.bulk.tensor, "Data Movement: Tensor copy") of the box at
+// coordinates (c0 innermost, c1) of the tensor map at `tmap` (a CUtensorMap in global memory,
+// written before the launch) into shared memory at dst (1024-aligned for the 128-byte
+// swizzle), completing on bar's transaction count. Elements outside the tensor arrive as zeros
+// and count toward the box's bytes.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* tmap, int c0, int c1, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+          dst),
+      "l"(tmap), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
 }
 
 // The same by pointer (attention_decode.cu keeps its barriers as uint64_t in shared memory).

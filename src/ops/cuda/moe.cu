@@ -422,6 +422,21 @@ Result<MoeExpertTables> build_expert_tables(const std::vector<DeviceMlp>& expert
     ML4_ASSIGN_OR_RETURN(*buf, DeviceBuffer::alloc(b));
     ML4_RETURN_IF_ERROR(buf->upload(src, b));
   }
+  if (t.format == LinearFormat::kFP8Block) {  // the grouped GEMM's TMA boxes (none: it uses cp.async)
+    const int n = static_cast<int>(w1.size());
+    std::vector<uint8_t> maps(3 * n * static_cast<size_t>(kMoeTensorMapBytes));
+    uint8_t* const m1 = maps.data();
+    uint8_t* const m3 = m1 + n * kMoeTensorMapBytes;
+    uint8_t* const m2 = m3 + n * kMoeTensorMapBytes;
+    if (moe_weight_tensor_maps(w1.data(), n, t.I, t.D, m1).ok() &&
+        moe_weight_tensor_maps(w3.data(), n, t.I, t.D, m3).ok() &&
+        moe_weight_tensor_maps(w2.data(), n, t.D, t.I, m2).ok()) {
+      for (auto [buf, src] : {std::pair<DeviceBuffer*, const uint8_t*>{&t.t1, m1}, {&t.t3, m3}, {&t.t2, m2}}) {
+        ML4_ASSIGN_OR_RETURN(*buf, DeviceBuffer::alloc(n * kMoeTensorMapBytes));
+        ML4_RETURN_IF_ERROR(buf->upload(src, n * kMoeTensorMapBytes));
+      }
+    }
+  }
   return std::move(t);
 }
 
@@ -627,6 +642,7 @@ Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shar
   g.overlap = gemm.overlap && !tall;
   g.tall = tall && !specialized;
   g.specialized = specialized;
+  const bool tma = specialized && gemm.tma;
   if (group_major) {
     g.tile_first = s.tile_first.as<int32_t>();
     g.groups = tb.E + (slot ? 1 : 0);
@@ -634,6 +650,8 @@ Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shar
   // Gate and up with silu: x's rows (quantized once per token) gathered through perm_token.
   ML4_RETURN_IF_ERROR(quant(x, T, D));
   gate_up_weights(g, tb);
+  g.w_tmap = tma ? tb.t1.data() : nullptr;
+  g.w_up_tmap = tma ? tb.t3.data() : nullptr;
   g.a_rows = s.perm_token.as<int32_t>();
   g.y = s.g.as<float>();
   // The gate_up kernel quantizes the hidden rows itself, into s.g's memory (e4m3 rows, then the
@@ -656,6 +674,8 @@ Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shar
     ML4_RETURN_IF_ERROR(quant(s.g.as<float>(), rows, I));
   }
   down_weights(g, tb);
+  g.w_tmap = tma ? tb.t2.data() : nullptr;
+  g.w_up_tmap = nullptr;
   g.a_rows = nullptr;
   g.y = s.y.as<float>();
   ML4_RETURN_IF_ERROR(moe_grouped_gemm(g));

@@ -122,6 +122,7 @@ struct MoeExpertTables {
   int64_t D = 0, I = 0;
   DeviceBuffer w1, w3, w2;  // [E (+ 1)] const void*
   DeviceBuffer s1, s3, s2;  // [E (+ 1)] const float* (FP8 only)
+  DeviceBuffer t1, t3, t2;  // [E (+ 1)] tensor maps of the FP8 weights (moe_weight_tensor_maps; empty where it failed)
 };
 Result<MoeExpertTables> build_expert_tables(const std::vector<DeviceMlp>& experts, const DeviceMlp* shared = nullptr);
 
@@ -187,6 +188,7 @@ struct MoeGemmOptions {
   bool tall = false;
   bool group_major = false;
   bool specialized = false;  // MoeGroupedGemmParams::specialized (128-row tiles; wins over tall and overlap)
+  bool tma = true;           // specialized: B by TMA where the tables hold tensor maps (MoeGroupedGemmParams::w_tmap)
   // The hidden rows quantized in the gate_up epilogue (MoeGroupedGemmParams::y_q; the same bytes
   // as the separate quantization, which it replaces); not with tall (without specialized).
   bool quant_epilogue = true;

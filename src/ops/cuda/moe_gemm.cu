@@ -3,6 +3,8 @@
 #include "ops/cuda/moe_gemm.h"
 #include "ops/cuda/pdl.cuh"
 
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_fp8.h>
 
 #include <algorithm>
@@ -40,6 +42,8 @@ struct GemmArgs {
   int N, K;
   uint8_t* yq;      // specialized gate_up: the hidden rows in e4m3 instead of y (null: y)
   float* yq_scale;  // their scales [rows][N / 128]
+  const uint8_t* w_tm;   // specialized: the tensor maps of w and wu (MoeGroupedGemmParams::w_tmap); null: cp.async
+  const uint8_t* wu_tm;
 };
 
 // Which (tile, column) the CTA with linear index L works on (of ncols columns); false past the
@@ -515,10 +519,10 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_tall_kernel(const Ge
 // The warp-specialized persistent variant (MoeGroupedGemmParams::specialized): the tall
 // kernel's tile (128 A rows x 256 B rows a 128-wide K block, 48 KB a stage) and its sums in its
 // order (so its bits), with the loads taken off the MMA warps:
-//   warp 8 (the producer) moves every stage with cp.async and posts it on the stage's `full`
-//     mbarrier (cp.async.mbarrier.arrive.noinc: the barrier completes when the copies have
-//     landed), after the stage's `empty` barrier says all 8 consumer warps are done with its
-//     previous contents;
+//   warpgroup 2 (the producer) moves every stage with cp.async (and B by TMA) and posts it on
+//     the stage's `full` mbarrier (cp.async.mbarrier.arrive.noinc and the TMA's transaction
+//     bytes: the barrier completes when the copies have landed), after the stage's `empty`
+//     barrier says all 8 consumer warps are done with its previous contents;
 //   warpgroups 0 and 1 (the consumers) each take 64 of the rows against both B halves: MMAs of
 //     half 0 into the partial accumulator, wait, promote, then half 1. No block-wide barrier
 //     between them, so one warpgroup's promotion (the CUDA cores) runs while the other's MMAs
@@ -534,15 +538,21 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_tall_kernel(const Ge
 // grid as CTAs free up -- the order the hardware gives a one-item-a-CTA grid. (A static stride
 // over the items let the CTAs drift apart: an expert's two tiles of one weight slice then ran
 // at different times and the slice came from DRAM twice, 1.6x the weight bytes, ncu.) The
-// producer takes the items and posts each one's index in the stage of its first K block;
-// it runs ahead into the next item while the consumers store, so the ring never drains.
+// producer takes the items (fetching the next one's index under the current one's loads) and
+// posts each one's rows and columns with the stage of its first K block, and every block's
+// scales with its stage (so the consumers read nothing from global memory but through the
+// tensor cores' operands); it runs ahead into the next item while the consumers store, so the
+// ring never drains. B moves by TMA where the tables hold tensor maps (w_tm), one thread
+// issuing four boxes a stage.
 constexpr int kWsThreads = 384, kWsConsumers = 256;
 constexpr int kWsStages = 4;
 constexpr int kWsBarOff = kWsStages * kTallStage;        // full[kWsStages], empty[kWsStages]
-constexpr int kWsSlotOff = kWsBarOff + 16 * kWsStages;   // int32 slot[kWsStages]: the item a stage starts
-constexpr int kWsNextOff = kWsSlotOff + 4 * kWsStages;   // int32 next[2]: the producer's item broadcast
-constexpr int kWsSmem = kWsNextOff + 8 + 1024;
-constexpr int kWsProducerRegs = 40, kWsConsumerRegs = 232;  // 128 x 40 + 256 x 232 = 384 x 168
+constexpr int kWsInfoOff = kWsBarOff + 16 * kWsStages;   // int32 [kWsStages][4]: the item a stage starts
+constexpr int kWsNextOff = kWsInfoOff + 16 * kWsStages;  // int32 next[2]: the producer's item broadcast
+constexpr int kWsScaleOff = kWsNextOff + 16;             // f32 [kWsStages][128 + 4]: a stage's scales
+constexpr int kWsScaleFloats = 128 + 4;                  // the A rows', then B's {half 0: 2, half 1: 2}
+constexpr int kWsSmem = kWsScaleOff + kWsStages * kWsScaleFloats * 4 + 1024;
+constexpr int kWsProducerRegs = 72, kWsConsumerRegs = 216;  // 128 x 72 + 256 x 216 = 384 x 168
 static_assert(128 * kWsProducerRegs + 256 * kWsConsumerRegs <= 384 * 168, "the block's registers");
 static_assert(kWsSmem <= 232448, "fits the 227 KB opt-in shared memory of sm_90");
 
@@ -554,8 +564,11 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_gemm_ws_kernel(const Ge
   extern __shared__ uint8_t smem_raw[];
   const uint32_t sbase = (smem_u32(smem_raw) + 1023u) & ~1023u;
   uint8_t* const sgen = smem_raw + (sbase - smem_u32(smem_raw));  // generic pointer of sbase
-  volatile int32_t* const slot = reinterpret_cast<int32_t*>(sgen + kWsSlotOff);
+  // info[4 st ..]: {first row, rows (-1: no more items), first output column} of the item whose
+  // first K block stage st holds, written by the producer with that stage.
+  volatile int32_t* const info = reinterpret_cast<int32_t*>(sgen + kWsInfoOff);
   volatile int32_t* const next = reinterpret_cast<int32_t*>(sgen + kWsNextOff);
+  const float* const sscale = reinterpret_cast<const float*>(sgen + kWsScaleOff);
   const uint32_t full0 = sbase + kWsBarOff, empty0 = full0 + 8 * kWsStages;
   const int tid = threadIdx.x;
   if (tid == 0) {
@@ -570,26 +583,30 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_gemm_ws_kernel(const Ge
 
   if (tid >= kWsConsumers) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWsProducerRegs));
-    // Thread (lr, c) moves 16-byte chunk c of A rows lr + 16 i (i < 8) and B rows lr + 16 j
-    // (j < 16); all of them share row % 8, so one swizzle. B row 16 j + lr of the stage is row
-    // lr + 16 (j % 4) of 64-row sub-block j / 4 (the tall kernel's layout: gate_up sub-blocks
-    // W1, W3, W1, W3 at columns n0, n0, n0 + 64, n0 + 64; else rows n0 + 16 j + lr).
+    // Thread (lr, c) moves 16-byte chunk c of A rows lr + 16 i (i < 8) and, by cp.async, B rows
+    // lr + 16 j (j < 16); all of them share row % 8, so one swizzle. B row 16 j + lr of the stage
+    // is row lr + 16 (j % 4) of 64-row sub-block j / 4 (the tall kernel's layout: gate_up
+    // sub-blocks W1, W3, W1, W3 at columns n0, n0, n0 + 64, n0 + 64; else rows n0 + 16 j + lr).
+    // Thread pt also moves A row pt's scale of the block, threads 64-67 B's four.
     const int pt = tid - kWsConsumers, lr = pt >> 3, c = pt & 7;
+    const bool tma = p.w_tm != nullptr;
     const uint32_t swz = static_cast<uint32_t>((c ^ (lr & 7)) << 4);
     auto b_row = [](int j) { return kGateUp ? (j >> 3) * 64 + 16 * (j & 3) : 16 * j; };  // from n0 + lr
+    if (pt == 0) next[0] = static_cast<int32_t>(blockIdx.x);
     uint32_t it = 0;  // K blocks issued so far, over all work items: stage it % kWsStages
     for (int item = 0;; ++item) {
-      if (pt == 0) next[item & 1] = item == 0 ? static_cast<int32_t>(blockIdx.x)
-                                              : static_cast<int32_t>(gridDim.x) + atomicAdd(work_counter, 1);
       asm volatile("bar.sync 1, 128;\n" ::: "memory");  // the producer warpgroup: next[item & 1] written
       const int L = next[item & 1];
+      // The item after this one, fetched while this one loads (every thread has read the
+      // slot it overwrites before the barrier above).
+      if (pt == 0) next[(item + 1) & 1] = static_cast<int32_t>(gridDim.x) + atomicAdd(work_counter, 1);
       int tile = 0, col = 0;
       const bool more = work_at(p, L, ncols, &tile, &col);
       if (!more) {  // the end mark, in the stage the next item would have started in
         const int st = static_cast<int>(it % kWsStages);
         if (it >= kWsStages) mbar_wait(empty0 + 8 * st, ((it / kWsStages) - 1) & 1);
         if (pt == 0) {
-          slot[st] = -1;
+          info[4 * st + 1] = -1;
           mbar_arrive(full0 + 8 * st);
         }
         mbar_arrive(full0 + 8 * st);
@@ -603,6 +620,15 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_gemm_ws_kernel(const Ge
         const int r = lr + 16 * i;
         a_row[i] = r < nrows ? (p.a_rows ? __ldg(p.a_rows + t.row0 + r) : t.row0 + r) : -1;
       }
+      const float* const as_src =
+          p.a_scale + (pt < nrows ? static_cast<int64_t>(p.a_rows ? __ldg(p.a_rows + t.row0 + pt) : t.row0 + pt) * KB : 0);
+      // B's scale q = 2 h + e (pt = 64 + q): half h's sub-block e (gate_up: W1 / W3 of the
+      // 128-row block at n0 + 64 h; else the block at n0 + 128 h, twice), 0 past N.
+      const int q = pt - 64, bbase = kGateUp ? n0 + 64 * (q >> 1) : n0 + 128 * (q >> 1);
+      const float* const bs_src = (q >= 0 && q < 4 && bbase < N)
+                                      ? (kGateUp && (q & 1) ? p.wus[t.group] : p.ws[t.group]) +
+                                            static_cast<int64_t>(bbase / 128) * KB
+                                      : nullptr;
       const int64_t b_off = static_cast<int64_t>(n0 + lr) * K + c * 16;
       const uint8_t* const w0 = static_cast<const uint8_t*>(p.w[t.group]) + b_off;
       const uint8_t* const w1 = kGateUp ? static_cast<const uint8_t*>(p.wu[t.group]) + b_off : w0;
@@ -612,20 +638,47 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_gemm_ws_kernel(const Ge
         if (it >= kWsStages) mbar_wait(empty0 + 8 * st, ((it / kWsStages) - 1) & 1);
         const uint32_t dst = sbase + st * kTallStage + lr * 128 + swz;
         const int koff = kb * 128 + c * 16;
+        if (tma) {
+          // B as four 64-row boxes, sub-block q at 8 KB q of the B stage: gate_up W1, W3, W1, W3
+          // at rows n0, n0, n0 + 64, n0 + 64 (b_row's layout); else rows n0 + 64 q. The
+          // arrival that expects their bytes comes first, so the phase cannot end before them.
+          if (pt == 0) {
+            if (kb == 0) {
+              info[4 * st] = t.row0;
+              info[4 * st + 1] = nrows;
+              info[4 * st + 2] = n0;
+            }
+            const uint32_t bar = full0 + 8 * st, bdst = sbase + st * kTallStage + kTallAStage;
+            mbar_arrive_expect_tx(bar, kBStage);  // also releases info to the consumers' wait
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+              const uint8_t* tm = (kGateUp && (b & 1) ? p.wu_tm : p.w_tm) + t.group * kMoeTensorMapBytes;
+              tma_load_2d(bdst + b * 8192, tm, kb * 128, kGateUp ? n0 + 64 * (b >> 1) : n0 + 64 * b, bar);
+            }
+          }
+        } else {
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+            const bool ok = b_row(j) < brows;
+            const uint8_t* m = kGateUp && ((j >> 2) & 1) ? w1 : w0;
+            cp_async16(dst + kTallAStage + j * 2048, m + (ok ? static_cast<int64_t>(b_row(j)) * K + kb * 128 : 0), ok);
+          }
+        }
 #pragma unroll
         for (int i = 0; i < 8; ++i)
           cp_async16(dst + i * 2048, p.a + (a_row[i] >= 0 ? static_cast<int64_t>(a_row[i]) * K + koff : 0),
                      a_row[i] >= 0);
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-          const bool ok = b_row(j) < brows;
-          const uint8_t* m = kGateUp && ((j >> 2) & 1) ? w1 : w0;
-          cp_async16(dst + kTallAStage + j * 2048, m + (ok ? static_cast<int64_t>(b_row(j)) * K + kb * 128 : 0), ok);
-        }
+        const uint32_t sc_dst = sbase + kWsScaleOff + st * (kWsScaleFloats * 4);
+        cp_async4(sc_dst + 4 * pt, as_src + kb, pt < nrows);
+        if (q >= 0 && q < 4) cp_async4(sc_dst + 4 * (128 + q), bs_src ? bs_src + kb : p.a_scale, bs_src != nullptr);
         mbar_arrive_cp_async(full0 + 8 * st);
-        if (pt == 0) {
-          if (kb == 0) slot[st] = L;
-          mbar_arrive(full0 + 8 * st);  // releases the slot to the consumers' wait (acquire)
+        if (pt == 0 && !tma) {
+          if (kb == 0) {
+            info[4 * st] = t.row0;
+            info[4 * st + 1] = nrows;
+            info[4 * st + 2] = n0;
+          }
+          mbar_arrive(full0 + 8 * st);  // releases info to the consumers' wait (acquire)
         }
       }
     }
@@ -635,6 +688,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_gemm_ws_kernel(const Ge
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kWsConsumerRegs));
 
   const int wg = tid >> 7, wwarp = (tid >> 5) & 3, lane = tid & 31;
+  const int r_lo = wg * 64 + wwarp * 16 + (lane >> 2);  // this thread's accumulator rows r_lo, r_lo + 8
   float acc[128], part[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) part[i] = 0.0f;  // the first MMA of a block ignores it (scale-d 0)
@@ -650,52 +704,22 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_gemm_ws_kernel(const Ge
   for (;;) {
     const int st0 = static_cast<int>(it % kWsStages);
     mbar_wait(full0 + 8 * st0, (it / kWsStages) & 1);
-    const int L = slot[st0];
-    if (L < 0) break;
-    int tile = 0, col = 0;
-    work_at(p, L, ncols, &tile, &col);
-    const MoeTile t = p.tiles[tile];
-    const int nrows = t.row1 - t.row0, n0 = col * cols;
+    const int row0 = info[4 * st0], nrows = info[4 * st0 + 1], n0 = info[4 * st0 + 2];
+    if (nrows < 0) break;
     const bool active = wg * 64 < nrows;  // warpgroup-uniform
-    // Scales (the tall kernel's values): this thread's accumulator rows, and per half h the two
-    // B sub-blocks' scale rows (gate_up: W1 and W3 at columns n0 + 64 h; else both 128-row
-    // blocks' one row, n0 + 128 h). Loaded a K block ahead of their promotion.
-    const int r_lo = wg * 64 + wwarp * 16 + (lane >> 2);
-    const float* as_ptr[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = r_lo + 8 * h;
-      as_ptr[h] = r < nrows ? p.a_scale + static_cast<int64_t>(p.a_rows ? __ldg(p.a_rows + t.row0 + r) : t.row0 + r) * KB
-                            : nullptr;
-    }
-    const float* const ws0 = p.ws[t.group];
-    const float* const ws1 = kGateUp ? p.wus[t.group] : ws0;
-    auto load_scales = [&](int kb, float (&sc)[6]) {  // {a lo, a hi, half 0's two B, half 1's two B}
-      sc[0] = as_ptr[0] ? __ldg(as_ptr[0] + kb) : 0.0f;
-      sc[1] = as_ptr[1] ? __ldg(as_ptr[1] + kb) : 0.0f;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int base = kGateUp ? n0 + 64 * h : n0 + 128 * h;
-        const bool ok = base < N;
-        sc[2 + 2 * h] = ok ? __ldg(ws0 + static_cast<int64_t>(base / 128) * KB + kb) : 0.0f;
-        if (kGateUp)
-          sc[3 + 2 * h] = ok ? __ldg(ws1 + static_cast<int64_t>(base / 128) * KB + kb) : 0.0f;
-        else
-          sc[3 + 2 * h] = sc[2 + 2 * h];  // both 64-row sub-blocks of a half in one 128-row scale block
-      }
-    };
-    float sc_next[6];
-    if (active) load_scales(0, sc_next);
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
     for (int kb = 0; kb < KB; ++kb, ++it) {
       const int st = static_cast<int>(it % kWsStages);
       if (kb > 0) mbar_wait(full0 + 8 * st, (it / kWsStages) & 1);  // also when idle: see release
       if (active) {
-        const float sc0[4] = {sc_next[0], sc_next[1], sc_next[2], sc_next[3]};
-        const float sc1[4] = {sc_next[0], sc_next[1], sc_next[4], sc_next[5]};
-        if (kb + 1 < KB) load_scales(kb + 1, sc_next);  // under this block's MMAs
-        wgmma::fence_proxy_async();  // cp.async wrote through the generic proxy; the tensor cores read next
+        // The block's scales, staged with it (the tall kernel's values: rows past the tile
+        // and B blocks past N read 0): {a lo, a hi, half h's two B sub-blocks}.
+        const float* const sc = sscale + st * kWsScaleFloats;
+        const float a_lo = sc[r_lo], a_hi = sc[r_lo + 8];
+        const float sc0[4] = {a_lo, a_hi, sc[128], sc[129]};
+        const float sc1[4] = {a_lo, a_hi, sc[130], sc[131]};
+        wgmma::fence_proxy_async();  // cp.async wrote A through the generic proxy; the tensor cores read next
         const uint32_t a_st = sbase + st * kTallStage;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -717,10 +741,10 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_gemm_ws_kernel(const Ge
       // The whole quad holds a row's group, and both of its rows are in or out together
       // (warpgroup-uniform active): the shuffles see every lane.
       if (active)
-        store_block_quant(p.yq + static_cast<int64_t>(t.row0) * N, p.yq_scale + static_cast<int64_t>(t.row0) * (N / 128),
+        store_block_quant(p.yq + static_cast<int64_t>(row0) * N, p.yq_scale + static_cast<int64_t>(row0) * (N / 128),
                           nrows, N, acc, r_lo, n0);
     } else if (active) {
-      float* const y = p.y + static_cast<int64_t>(t.row0) * N;
+      float* const y = p.y + static_cast<int64_t>(row0) * N;
       store_block<kGateUp, 0>(y, nrows, N, acc, r_lo, n0);
       store_block<kGateUp, 64>(y, nrows, N, acc, r_lo, n0 + (kGateUp ? 64 : 128));
     }
@@ -825,6 +849,31 @@ Status moe_permute_gemm(const MoePermuteGemmParams& p) {
   return cuda_status(cudaGetLastError(), "scatter_kernel");
 }
 
+Status moe_weight_tensor_maps(const void* const* w, int n, int64_t N, int64_t K, void* out) {
+  static_assert(sizeof(CUtensorMap) == kMoeTensorMapBytes, "moe_gemm.h's tensor map size");
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      fn = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  if (encode == nullptr) return unimplemented("moe_weight_tensor_maps: the driver has no cuTensorMapEncodeTiled");
+  if (N <= 0 || K <= 0 || K % 128 != 0) return invalid_argument("moe_weight_tensor_maps: N={} K={}", N, K);
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(N)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(K)};  // bytes between rows
+  const cuuint32_t box[2] = {128, 64}, elem[2] = {1, 1};
+  for (int i = 0; i < n; ++i) {
+    CUtensorMap* m = static_cast<CUtensorMap*>(out) + i;
+    const CUresult r = encode(m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(w[i]), dims, strides, box, elem,
+                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) return internal_error("cuTensorMapEncodeTiled: error {} for matrix {}", static_cast<int>(r), i);
+  }
+  return ok_status();
+}
+
 Status moe_grouped_gemm(const MoeGroupedGemmParams& p) {
   if (p.N <= 0 || p.K <= 0 || p.N % 16 != 0 || p.K % 128 != 0 || p.N > (int64_t{1} << 30) || p.K > (int64_t{1} << 30))
     return invalid_argument("moe_grouped_gemm: N={} (a multiple of 16) K={} (a multiple of 128)", p.N, p.K);
@@ -845,7 +894,11 @@ Status moe_grouped_gemm(const MoeGroupedGemmParams& p) {
                    static_cast<int>(p.N),
                    static_cast<int>(p.K),
                    static_cast<uint8_t*>(p.y_q),
-                   p.y_q_scale};
+                   p.y_q_scale,
+                   static_cast<const uint8_t*>(p.w_tmap),
+                   static_cast<const uint8_t*>(p.w_up_tmap)};
+  if (p.specialized && p.w_tmap != nullptr && p.gate_up && p.w_up_tmap == nullptr)
+    return invalid_argument("moe_grouped_gemm: gate_up with w_tmap needs w_up_tmap");
   const int cols = p.gate_up ? 128 : 256;
   const int ncols = static_cast<int>((p.N + cols - 1) / cols);
   if (p.y_q != nullptr && (p.tall || !p.gate_up || p.N % 128 != 0 || p.y_q_scale == nullptr))

@@ -117,11 +117,24 @@ struct MoeGroupedGemmParams {
   // through memory and the quantization launch (fifteenth session).
   void* y_q = nullptr;
   float* y_q_scale = nullptr;
+  // specialized: the weights' tensor maps, [groups] of kMoeTensorMapBytes each in device memory
+  // (moe_weight_tensor_maps over w and w_up): the producer moves B in four 64-row boxes by TMA,
+  // one thread issuing them, instead of 128 threads' cp.async (A stays cp.async: its rows are
+  // gathered). Null: cp.async. The same bytes in shared memory, so the same bits.
+  const void* w_tmap = nullptr;
+  const void* w_up_tmap = nullptr;
   // specialized: one int32 of device memory, the CTAs' shared work counter (zeroed by the call,
   // on the stream, before the kernel).
   int32_t* work_counter = nullptr;
 };
 Status moe_grouped_gemm(const MoeGroupedGemmParams& p);
+
+// One CUtensorMap per matrix w[i] (e4m3 [N, K] row-major, 16-byte aligned, host array of device
+// pointers) for MoeGroupedGemmParams::w_tmap: boxes of 128 bytes of K x 64 rows in the 128-byte
+// swizzle, rows past N read as zeros. Written to out (host memory, n x kMoeTensorMapBytes).
+// Fails where the driver has no cuTensorMapEncodeTiled.
+constexpr int kMoeTensorMapBytes = 128;
+Status moe_weight_tensor_maps(const void* const* w, int n, int64_t N, int64_t K, void* out);
 
 // FP4 experts: weights as DeviceLinear holds them (linear.h): packed e2m1 [N, K/2] (element
 // 2j in the low nibble of byte j) and the scale bytes -- NVFP4 e4m3 [N][K/16] then the f32
