@@ -235,146 +235,152 @@ int run_step_bench(const StepBenchOptions& opt) {
     if (kv_out) *kv_out = kv;
     return always + batch * embed_row + experts * per_expert * moe_layers + kv;
   };
-  for (int64_t ctx : opt.contexts) {
-    for (int batch : opt.batches) {
-      const StepInput in = decode_step(r, batch, ctx, blocks_per_seq);
-      const int64_t replays = r.graph_replays();
-      const double ms = time_step(r, in, 3, 20);
-      const bool graphed = r.graph_replays() > replays;
-      double kv = 0.0;
-      const double bytes = step_bytes(batch, ctx, &kv);
-      const double roof = bytes / (hbm_gbps * 1e6);
-      std::printf("STEP batch=%d ctx=%ld ms=%.3f graphs=%d roofline_ms=%.3f ratio=%.2f bytes_gb=%.2f (weights %.2f, "
-                  "kv %.3f) tok_s=%.0f card_ratio=%.2f\n",
-                  batch, static_cast<long>(ctx), ms, graphed ? 1 : 0, roof, ms / roof, bytes / 1e9,
-                  (bytes - kv) / 1e9, kv / 1e9, batch / ms * 1e3,
-                  card_gbps > 0 ? ms / (bytes / (card_gbps * 1e6)) : 0.0);
-    }
-  }
-  if (o.fp4_weights) {  // FP4 experts on the tensor cores: x in 1, 2 or 3 bf16 parts (gemv.h)
-    for (int batch : {1, 8, 64}) {
-      const StepInput fin = decode_step(r, batch, fixed_ctx, blocks_per_seq);
-      double ms[4] = {0, 0, 0, 0};  // [0]: the CUDA-core stream (fp4_x_parts -1)
-      for (int parts = 0; parts <= 3; ++parts) {
-        r.set_fp4_x_parts(parts == 0 ? -1 : parts);
-        ms[parts] = time_step(r, fin, 3, 20);
+  // ML4_BENCH_PREFILL_ONLY=1: no decode lines, and of the prefill lines the defaults and their
+  // variants only (a short device call).
+  const char* prefill_only_env = std::getenv("ML4_BENCH_PREFILL_ONLY");
+  const bool prefill_only = prefill_only_env != nullptr && prefill_only_env[0] == '1';
+  if (!prefill_only) {
+    for (int64_t ctx : opt.contexts) {
+      for (int batch : opt.batches) {
+        const StepInput in = decode_step(r, batch, ctx, blocks_per_seq);
+        const int64_t replays = r.graph_replays();
+        const double ms = time_step(r, in, 3, 20);
+        const bool graphed = r.graph_replays() > replays;
+        double kv = 0.0;
+        const double bytes = step_bytes(batch, ctx, &kv);
+        const double roof = bytes / (hbm_gbps * 1e6);
+        std::printf("STEP batch=%d ctx=%ld ms=%.3f graphs=%d roofline_ms=%.3f ratio=%.2f bytes_gb=%.2f (weights %.2f, "
+                    "kv %.3f) tok_s=%.0f card_ratio=%.2f\n",
+                    batch, static_cast<long>(ctx), ms, graphed ? 1 : 0, roof, ms / roof, bytes / 1e9,
+                    (bytes - kv) / 1e9, kv / 1e9, batch / ms * 1e3,
+                    card_gbps > 0 ? ms / (bytes / (card_gbps * 1e6)) : 0.0);
       }
-      r.set_fp4_x_parts(o.fp4_x_parts);
-      std::printf("FP4PARTS experts=%s batch=%d ctx=%ld stream_ms=%.3f parts1_ms=%.3f parts2_ms=%.3f "
-                  "parts3_ms=%.3f\n",
-                  opt.experts.c_str(), batch, static_cast<long>(fixed_ctx), ms[0], ms[1], ms[2], ms[3]);
     }
-  }
-  for (int batch : {1, 64}) {  // the same step returning logits (host sampling) instead
-    StepInput in = decode_step(r, batch, fixed_ctx, blocks_per_seq);
-    for (auto& s : in.seqs) s.device_sampling.reset();
-    std::printf("STEP_LOGITS batch=%d ctx=%ld ms=%.3f (logits to the host, no device sampling)\n",
-                batch, static_cast<long>(fixed_ctx),
-                time_step(r, in, 3, 20));
-  }
-  // A fusion on vs off at batch 1 / 4 / 8, each set explicitly and the default restored after
-  // (the lines once took the runner's current setting as "off", so a fusion that is on by
-  // default measured itself twice and stayed off for every line after).
-  auto fusion_ab = [&](const char* label, const std::function<void(bool)>& set, bool dflt) {
-    for (int batch : {1, 4, 8}) {
-      const StepInput fin = decode_step(r, batch, fixed_ctx, blocks_per_seq);
-      set(false);
-      const double off = time_step(r, fin, 3, 20);
-      set(true);
-      const double on = time_step(r, fin, 3, 20);
-      set(dflt);
-      std::printf("%s model=%s batch=%d ctx=%ld fused_ms=%.3f plain_ms=%.3f gain=%.3f\n", label, preset.c_str(), batch,
-                  static_cast<long>(fixed_ctx), on, off, off / on);
-    }
-  };
-  // `--decode-backend latency_specialized` (issue 19: each layer's FFN half as one resident
-  // kernel) vs the standard path, batch 1 / 2 / 4 at both the fixed and the largest context,
-  // graphs on, against the roofline (H200 rate) and this card's copy rate.
-  if (!o.fp4_weights) {
-    for (int64_t ctx : {fixed_ctx, kMaxCtx}) {
-      for (int batch : {1, 2, 4}) {
-        const StepInput lin = decode_step(r, batch, ctx, blocks_per_seq);
-        (void)r.set_latency_decode(false);
-        const double standard = time_step(r, lin, 3, 20);
-        if (Status st = r.set_latency_decode(true); !st.ok()) {
-          std::fprintf(stderr, "latency path: %s\n", st.message().c_str());
-          return 1;
+    if (o.fp4_weights) {  // FP4 experts on the tensor cores: x in 1, 2 or 3 bf16 parts (gemv.h)
+      for (int batch : {1, 8, 64}) {
+        const StepInput fin = decode_step(r, batch, fixed_ctx, blocks_per_seq);
+        double ms[4] = {0, 0, 0, 0};  // [0]: the CUDA-core stream (fp4_x_parts -1)
+        for (int parts = 0; parts <= 3; ++parts) {
+          r.set_fp4_x_parts(parts == 0 ? -1 : parts);
+          ms[parts] = time_step(r, fin, 3, 20);
         }
-        const double latency = time_step(r, lin, 3, 20);
-        (void)r.set_latency_decode(o.latency_decode);
-        const double bytes = step_bytes(batch, ctx, nullptr);
-        std::printf("LATENCY model=%s batch=%d ctx=%ld latency_ms=%.3f standard_ms=%.3f gain=%.3f ratio=%.2f "
-                    "card_ratio=%.2f (roofline %.3f ms at %.0f GB/s)\n",
-                    preset.c_str(), batch, static_cast<long>(ctx), latency, standard, standard / latency,
-                    latency / (bytes / (hbm_gbps * 1e6)), card_gbps > 0 ? latency / (bytes / (card_gbps * 1e6)) : 0.0,
-                    bytes / (hbm_gbps * 1e6), hbm_gbps);
+        r.set_fp4_x_parts(o.fp4_x_parts);
+        std::printf("FP4PARTS experts=%s batch=%d ctx=%ld stream_ms=%.3f parts1_ms=%.3f parts2_ms=%.3f "
+                    "parts3_ms=%.3f\n",
+                    opt.experts.c_str(), batch, static_cast<long>(fixed_ctx), ms[0], ms[1], ms[2], ms[3]);
       }
-      if (kMaxCtx == fixed_ctx) break;
     }
-  }
-  // The decode router fused with its top-k (moe.h router_route) vs cuBLAS's GEMV + route_kernel.
-  fusion_ab("FUSEDROUTER", [&](bool on) { r.set_fused_router(on); }, CudaRunnerOptions{}.fused_router);
-  // The indexer fusions (CudaRunnerOptions::fused_indexer) vs the separate launches.
-  fusion_ab("FUSEDINDEXER", [&](bool on) { r.set_fused_indexer(on); }, CudaRunnerOptions{}.fused_indexer);
-  if (!opt.extras) return 0;
-  {  // Graphs vs eager, batch 1, 8k.
-    const StepInput in = decode_step(r, 1, fixed_ctx, blocks_per_seq);
-    const double g = time_step(r, in, 3, 20);
-    r.set_cuda_graphs(false);
-    const double e = time_step(r, in, 3, 20);
-    r.set_cuda_graphs(true);
-    std::printf("GRAPHS model=%s batch=1 ctx=%ld graph_ms=%.3f eager_ms=%.3f speedup=%.2f\n",
-                preset.c_str(), static_cast<long>(fixed_ctx), g, e,
-                e / g);
-    for (int batch : {1, 8, 64}) {  // programmatic dependent launch (pdl.cuh) on vs off, graphs on
-      const StepInput pin = decode_step(r, batch, fixed_ctx, blocks_per_seq);
-      const double off = time_step(r, pin, 3, 20);
-      r.set_programmatic_launch(true);
-      const double on = time_step(r, pin, 3, 20);
-      r.set_programmatic_launch(false);
-      std::printf("PDL model=%s batch=%d ctx=%ld pdl_ms=%.3f plain_ms=%.3f gain=%.2f\n",
-                  preset.c_str(), batch, static_cast<long>(fixed_ctx), on,
-                  off, off / on);
+    for (int batch : {1, 64}) {  // the same step returning logits (host sampling) instead
+      StepInput in = decode_step(r, batch, fixed_ctx, blocks_per_seq);
+      for (auto& s : in.seqs) s.device_sampling.reset();
+      std::printf("STEP_LOGITS batch=%d ctx=%ld ms=%.3f (logits to the host, no device sampling)\n",
+                  batch, static_cast<long>(fixed_ctx),
+                  time_step(r, in, 3, 20));
     }
-    for (int batch : {1, 8, 64}) {  // the indexer on the main stream vs overlapped (graphs on)
-      const StepInput oin = decode_step(r, batch, fixed_ctx, blocks_per_seq);
-      const double with = time_step(r, oin, 3, 20);
-      r.set_overlap_indexer(false);
-      const double without = time_step(r, oin, 3, 20);
-      r.set_overlap_indexer(true);
-      std::printf("OVERLAP batch=%d ctx=%ld indexer_overlapped_ms=%.3f serial_ms=%.3f gain=%.2f\n",
-                  batch, static_cast<long>(fixed_ctx), with,
-                  without, without / with);
+    // A fusion on vs off at batch 1 / 4 / 8, each set explicitly and the default restored after
+    // (the lines once took the runner's current setting as "off", so a fusion that is on by
+    // default measured itself twice and stayed off for every line after).
+    auto fusion_ab = [&](const char* label, const std::function<void(bool)>& set, bool dflt) {
+      for (int batch : {1, 4, 8}) {
+        const StepInput fin = decode_step(r, batch, fixed_ctx, blocks_per_seq);
+        set(false);
+        const double off = time_step(r, fin, 3, 20);
+        set(true);
+        const double on = time_step(r, fin, 3, 20);
+        set(dflt);
+        std::printf("%s model=%s batch=%d ctx=%ld fused_ms=%.3f plain_ms=%.3f gain=%.3f\n", label, preset.c_str(),
+                    batch, static_cast<long>(fixed_ctx), on, off, off / on);
+      }
+    };
+    // `--decode-backend latency_specialized` (issue 19: each layer's FFN half as one resident
+    // kernel) vs the standard path, batch 1 / 2 / 4 at both the fixed and the largest context,
+    // graphs on, against the roofline (H200 rate) and this card's copy rate.
+    if (!o.fp4_weights) {
+      for (int64_t ctx : {fixed_ctx, kMaxCtx}) {
+        for (int batch : {1, 2, 4}) {
+          const StepInput lin = decode_step(r, batch, ctx, blocks_per_seq);
+          (void)r.set_latency_decode(false);
+          const double standard = time_step(r, lin, 3, 20);
+          if (Status st = r.set_latency_decode(true); !st.ok()) {
+            std::fprintf(stderr, "latency path: %s\n", st.message().c_str());
+            return 1;
+          }
+          const double latency = time_step(r, lin, 3, 20);
+          (void)r.set_latency_decode(o.latency_decode);
+          const double bytes = step_bytes(batch, ctx, nullptr);
+          std::printf("LATENCY model=%s batch=%d ctx=%ld latency_ms=%.3f standard_ms=%.3f gain=%.3f ratio=%.2f "
+                      "card_ratio=%.2f (roofline %.3f ms at %.0f GB/s)\n",
+                      preset.c_str(), batch, static_cast<long>(ctx), latency, standard, standard / latency,
+                      latency / (bytes / (hbm_gbps * 1e6)), card_gbps > 0 ? latency / (bytes / (card_gbps * 1e6)) : 0.0,
+                      bytes / (hbm_gbps * 1e6), hbm_gbps);
+        }
+        if (kMaxCtx == fixed_ctx) break;
+      }
     }
-    // Where the time goes (eager, events around each piece; adds a sync per piece).
-    for (int batch : {1, 64}) {
-      const StepInput pin = decode_step(r, batch, fixed_ctx, blocks_per_seq);
-      std::map<std::string, double> prof;
+    // The decode router fused with its top-k (moe.h router_route) vs cuBLAS's GEMV + route_kernel.
+    fusion_ab("FUSEDROUTER", [&](bool on) { r.set_fused_router(on); }, CudaRunnerOptions{}.fused_router);
+    // The indexer fusions (CudaRunnerOptions::fused_indexer) vs the separate launches.
+    fusion_ab("FUSEDINDEXER", [&](bool on) { r.set_fused_indexer(on); }, CudaRunnerOptions{}.fused_indexer);
+    if (!opt.extras) return 0;
+    {  // Graphs vs eager, batch 1, 8k.
+      const StepInput in = decode_step(r, 1, fixed_ctx, blocks_per_seq);
+      const double g = time_step(r, in, 3, 20);
       r.set_cuda_graphs(false);
-      r.set_profile(&prof);
-      const int reps = 5;
-      for (int i = 0; i < reps; ++i)
-        if (!r.execute(pin).ok()) return 1;
-      r.set_profile(nullptr);
+      const double e = time_step(r, in, 3, 20);
       r.set_cuda_graphs(true);
-      for (const auto& [k, v] : prof) std::printf("PROFILE batch=%d ctx=%ld %s ms=%.3f\n",
-                                                  batch, static_cast<long>(fixed_ctx), k.c_str(), v / reps);
+      std::printf("GRAPHS model=%s batch=1 ctx=%ld graph_ms=%.3f eager_ms=%.3f speedup=%.2f\n",
+                  preset.c_str(), static_cast<long>(fixed_ctx), g, e,
+                  e / g);
+      for (int batch : {1, 8, 64}) {  // programmatic dependent launch (pdl.cuh) on vs off, graphs on
+        const StepInput pin = decode_step(r, batch, fixed_ctx, blocks_per_seq);
+        const double off = time_step(r, pin, 3, 20);
+        r.set_programmatic_launch(true);
+        const double on = time_step(r, pin, 3, 20);
+        r.set_programmatic_launch(false);
+        std::printf("PDL model=%s batch=%d ctx=%ld pdl_ms=%.3f plain_ms=%.3f gain=%.2f\n",
+                    preset.c_str(), batch, static_cast<long>(fixed_ctx), on,
+                    off, off / on);
+      }
+      for (int batch : {1, 8, 64}) {  // the indexer on the main stream vs overlapped (graphs on)
+        const StepInput oin = decode_step(r, batch, fixed_ctx, blocks_per_seq);
+        const double with = time_step(r, oin, 3, 20);
+        r.set_overlap_indexer(false);
+        const double without = time_step(r, oin, 3, 20);
+        r.set_overlap_indexer(true);
+        std::printf("OVERLAP batch=%d ctx=%ld indexer_overlapped_ms=%.3f serial_ms=%.3f gain=%.2f\n",
+                    batch, static_cast<long>(fixed_ctx), with,
+                    without, without / with);
+      }
+      // Where the time goes (eager, events around each piece; adds a sync per piece).
+      for (int batch : {1, 64}) {
+        const StepInput pin = decode_step(r, batch, fixed_ctx, blocks_per_seq);
+        std::map<std::string, double> prof;
+        r.set_cuda_graphs(false);
+        r.set_profile(&prof);
+        const int reps = 5;
+        for (int i = 0; i < reps; ++i)
+          if (!r.execute(pin).ok()) return 1;
+        r.set_profile(nullptr);
+        r.set_cuda_graphs(true);
+        for (const auto& [k, v] : prof) std::printf("PROFILE batch=%d ctx=%ld %s ms=%.3f\n",
+                                                    batch, static_cast<long>(fixed_ctx), k.c_str(), v / reps);
+      }
     }
-  }
-  {  // Graphs where launches dominate: ml4-tiny (12 small layers), batch 1.
-    auto tiny_cfg = preset_config("ml4-tiny");
-    CudaRunnerOptions to;
-    to.base.kv_cache_dtype = "fp8_ds_mla";
-    to.base.kv_cache_bytes = int64_t{256} << 20;
-    auto tr = CudaRunner::load_synthetic(*tiny_cfg, to, 7);
-    if (tr.ok()) {
-      const StepInput in = decode_step(**tr, 1, 1024, 16);
-      const double g = time_step(**tr, in, 3, 50);
-      (*tr)->set_cuda_graphs(false);
-      const double e = time_step(**tr, in, 3, 50);
-      std::printf("GRAPHS model=ml4-tiny batch=1 ctx=1024 graph_ms=%.3f eager_ms=%.3f speedup=%.2f\n", g, e, e / g);
+    {  // Graphs where launches dominate: ml4-tiny (12 small layers), batch 1.
+      auto tiny_cfg = preset_config("ml4-tiny");
+      CudaRunnerOptions to;
+      to.base.kv_cache_dtype = "fp8_ds_mla";
+      to.base.kv_cache_bytes = int64_t{256} << 20;
+      auto tr = CudaRunner::load_synthetic(*tiny_cfg, to, 7);
+      if (tr.ok()) {
+        const StepInput in = decode_step(**tr, 1, 1024, 16);
+        const double g = time_step(**tr, in, 3, 50);
+        (*tr)->set_cuda_graphs(false);
+        const double e = time_step(**tr, in, 3, 50);
+        std::printf("GRAPHS model=ml4-tiny batch=1 ctx=1024 graph_ms=%.3f eager_ms=%.3f speedup=%.2f\n", g, e, e / g);
+      }
     }
-  }
+  }  // !prefill_only
   // ML4_BENCH_PREFILL_MAX=N: only the prefills of at most N tokens (a short device call).
   const char* prefill_max = std::getenv("ML4_BENCH_PREFILL_MAX");
   for (int64_t n : {int64_t{4096}, int64_t{8192}, int64_t{32768}}) {  // prefill: one sequence, last-token logits
@@ -399,11 +405,12 @@ int run_step_bench(const StepBenchOptions& opt) {
     struct Config {
       bool grouped, absorb, overlap, tall, group_major;
     };
-    for (auto [grouped, absorb, overlap, tall, gm] :
-         {Config{false, false, false, false, false}, Config{true, false, false, false, false},
-          Config{true, true, false, false, false}, Config{true, true, true, false, false},
-          Config{true, true, false, true, false}, Config{true, true, false, true, true},
-          Config{true, true, true, false, true}}) {
+    std::vector<Config> configs = {Config{false, false, false, false, false}, Config{true, false, false, false, false},
+                                   Config{true, true, false, false, false},  Config{true, true, true, false, false},
+                                   Config{true, true, false, true, false},   Config{true, true, false, true, true},
+                                   Config{true, true, true, false, true}};
+    if (prefill_only) configs.erase(configs.begin(), configs.end() - 1);  // the defaults' line
+    for (auto [grouped, absorb, overlap, tall, gm] : configs) {
       r.set_grouped_moe_gemm(grouped);
       r.set_absorb_gemm(absorb);
       r.set_moe_gemm_overlap(overlap);
