@@ -424,14 +424,19 @@ Result<MoeExpertTables> build_expert_tables(const std::vector<DeviceMlp>& expert
   }
   if (t.format == LinearFormat::kFP8Block) {  // the grouped GEMM's TMA boxes (none: it uses cp.async)
     const int n = static_cast<int>(w1.size());
-    std::vector<uint8_t> maps(3 * n * static_cast<size_t>(kMoeTensorMapBytes));
+    std::vector<uint8_t> maps(5 * n * static_cast<size_t>(kMoeTensorMapBytes));
     uint8_t* const m1 = maps.data();
     uint8_t* const m3 = m1 + n * kMoeTensorMapBytes;
     uint8_t* const m2 = m3 + n * kMoeTensorMapBytes;
+    uint8_t* const m1s = m2 + n * kMoeTensorMapBytes;
+    uint8_t* const m3s = m1s + n * kMoeTensorMapBytes;
     if (moe_weight_tensor_maps(w1.data(), n, t.I, t.D, m1).ok() &&
         moe_weight_tensor_maps(w3.data(), n, t.I, t.D, m3).ok() &&
-        moe_weight_tensor_maps(w2.data(), n, t.D, t.I, m2).ok()) {
-      for (auto [buf, src] : {std::pair<DeviceBuffer*, const uint8_t*>{&t.t1, m1}, {&t.t3, m3}, {&t.t2, m2}}) {
+        moe_weight_tensor_maps(w2.data(), n, t.D, t.I, m2).ok() &&
+        moe_weight_tensor_maps(w1.data(), n, t.I, t.D, m1s, 8).ok() &&
+        moe_weight_tensor_maps(w3.data(), n, t.I, t.D, m3s, 8).ok()) {
+      for (auto [buf, src] : {std::pair<DeviceBuffer*, const uint8_t*>{&t.t1, m1}, {&t.t3, m3}, {&t.t2, m2},
+                              {&t.t1s, m1s}, {&t.t3s, m3s}}) {
         ML4_ASSIGN_OR_RETURN(*buf, DeviceBuffer::alloc(n * kMoeTensorMapBytes));
         ML4_RETURN_IF_ERROR(buf->upload(src, n * kMoeTensorMapBytes));
       }
@@ -591,9 +596,10 @@ Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shar
   if (fp4 && shared && !slot)  // before the scratch below is reused: mlp_forward writes g, u and xs
     ML4_RETURN_IF_ERROR(mlp_forward(*lt, *shared, x, T, s.xs.as<float>(), s, stream).with_context("shared expert"));
   const int64_t rows = n + (slot ? T : 0);
-  const bool specialized = gemm.specialized && !fp4;
-  const bool tall = (gemm.tall && !fp4) || specialized;
-  const int tile_rows = tall ? kMoeGemmTallTileRows : kMoeGemmTileRows;
+  const bool swap = gemm.swap && !fp4 && tb.t1s.data() != nullptr;
+  const bool specialized = gemm.specialized && !fp4 && !swap;
+  const bool tall = ((gemm.tall && !fp4) || specialized) && !swap;
+  const int tile_rows = swap ? kMoeGemmSwapTileRows : tall ? kMoeGemmTallTileRows : kMoeGemmTileRows;
   const int64_t tiles = moe_gemm_max_tiles(rows, tb.E + (slot ? 1 : 0), tile_rows);
   if (tiles > s.max_tiles)
     return internal_error("moe grouped GEMM: {} tiles, the scratch holds {} (reserved without grouped_gemm?)", tiles,
@@ -642,7 +648,8 @@ Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shar
   g.overlap = gemm.overlap && !tall;
   g.tall = tall && !specialized;
   g.specialized = specialized;
-  const bool tma = specialized && gemm.tma;
+  g.swap = swap;
+  const bool tma = (specialized && gemm.tma) || swap;
   if (group_major) {
     g.tile_first = s.tile_first.as<int32_t>();
     g.groups = tb.E + (slot ? 1 : 0);
@@ -650,13 +657,13 @@ Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shar
   // Gate and up with silu: x's rows (quantized once per token) gathered through perm_token.
   ML4_RETURN_IF_ERROR(quant(x, T, D));
   gate_up_weights(g, tb);
-  g.w_tmap = tma ? tb.t1.data() : nullptr;
-  g.w_up_tmap = tma ? tb.t3.data() : nullptr;
+  g.w_tmap = !tma ? nullptr : swap ? tb.t1s.data() : tb.t1.data();  // swap: boxes of 8 rows
+  g.w_up_tmap = !tma ? nullptr : swap ? tb.t3s.data() : tb.t3.data();
   g.a_rows = s.perm_token.as<int32_t>();
   g.y = s.g.as<float>();
   // The gate_up kernel quantizes the hidden rows itself, into s.g's memory (e4m3 rows, then the
   // scales 256-aligned: rows x I x (1 + 4 / 128) bytes of the 2 x max_rows x I x 4 held).
-  const bool quant_epilogue = gemm.quant_epilogue && I % 128 == 0 && (specialized || !tall);
+  const bool quant_epilogue = gemm.quant_epilogue && I % 128 == 0 && (specialized || !tall) && !swap;
   uint8_t* const hq = s.g.as<uint8_t>();
   float* const hq_scale = reinterpret_cast<float*>(hq + (rows * I + 255) / 256 * 256);
   if (quant_epilogue) {

@@ -123,6 +123,7 @@ struct MoeExpertTables {
   DeviceBuffer w1, w3, w2;  // [E (+ 1)] const void*
   DeviceBuffer s1, s3, s2;  // [E (+ 1)] const float* (FP8 only)
   DeviceBuffer t1, t3, t2;  // [E (+ 1)] tensor maps of the FP8 weights (moe_weight_tensor_maps; empty where it failed)
+  DeviceBuffer t1s, t3s;    // W1's and W3's with boxes of 8 rows (MoeGroupedGemmParams::swap)
 };
 Result<MoeExpertTables> build_expert_tables(const std::vector<DeviceMlp>& experts, const DeviceMlp* shared = nullptr);
 
@@ -189,6 +190,7 @@ struct MoeGemmOptions {
   bool group_major = false;
   bool specialized = false;  // MoeGroupedGemmParams::specialized (128-row tiles; wins over tall and overlap)
   bool tma = true;           // specialized: B by TMA where the tables hold tensor maps (MoeGroupedGemmParams::w_tmap)
+  bool swap = false;         // MoeGroupedGemmParams::swap (tokens as the MMA's N; wins over the others; no quant epilogue)
   // The hidden rows quantized in the gate_up epilogue (MoeGroupedGemmParams::y_q; the same bytes
   // as the separate quantization, which it replaces); not with tall (without specialized).
   bool quant_epilogue = true;

@@ -751,6 +751,225 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_gemm_ws_kernel(const Ge
   }
 }
 
+// The swapped variant (MoeGroupedGemmParams::swap): tokens as the MMA's N. The other kernels
+// put a tile's rows in wgmma's M, which comes in 64s: an expert of 130 rows runs 192 rows of
+// MMAs (at ml4's 4096-token prefill the routed experts average 128 rows, and about a fifth of
+// the MMA rows computed zeros). Here the weights are M (each warpgroup 64 weight rows) and the
+// tile's tokens N, in steps of 16 up to kSwapRows, so an expert's rows take one tile and MMAs
+// for at most 15 rows more. Both warpgroups always have work (they split the weights, not the
+// rows), and share the token tile.
+//   Tile: 128 weight rows x up to 160 tokens, K in 128-byte blocks. gate_up: the weight rows
+//   interleave W1 and W3 by 8 (16-row slab s = rows n0 + 8 s .. of W1, then of W3), so a
+//   thread's accumulator rows r and r + 8 are gate and up of one output column: 64 output
+//   columns a tile. Down: W rows n0 .. n0 + 127 (128 output columns).
+//   Stages: the weights by TMA (gate_up: 16 boxes of 8 rows, MoeExpertTables::t1s / t3s; down:
+//   2 of 64), the tokens by cp.async (gathered through a_rows), the scales beside them; a
+//   producer warpgroup as in the specialized kernel, persistent, items from work_counter.
+//   Promotion: acc += partial * (a_scale[token] * w_scale), the other kernels' product and
+//   order; the hidden rows leave as f32 (no quantizing epilogue: a 128-column group spans two
+//   tiles).
+constexpr int kSwapRows = kMoeGemmSwapTileRows;
+constexpr int kSwapWStage = 128 * 128;                     // 128 weight rows x 128 bytes of K
+constexpr int kSwapStage = kSwapWStage + kSwapRows * 128;  // + the tokens: 36 KB
+constexpr int kSwapStages = 5;
+constexpr int kSwapBarOff = kSwapStages * kSwapStage;          // full[kSwapStages], empty[kSwapStages]
+constexpr int kSwapInfoOff = kSwapBarOff + 16 * kSwapStages;   // int32 [kSwapStages][4]: as the specialized kernel's
+constexpr int kSwapNextOff = kSwapInfoOff + 16 * kSwapStages;  // int32 next[2]
+constexpr int kSwapScaleOff = kSwapNextOff + 16;               // f32 [kSwapStages][kSwapScaleFloats]
+constexpr int kSwapScaleFloats = kSwapRows + 4;                // the tokens', then the weights' {W1 or W, W3}
+constexpr int kSwapSmem = kSwapScaleOff + kSwapStages * kSwapScaleFloats * 4 + 1024;
+static_assert(kSwapStage % 1024 == 0 && kSwapRows % 16 == 0 && kSwapRows <= 160, "the swapped tile");
+static_assert(kSwapSmem <= 232448, "fits the 227 KB opt-in shared memory of sm_90");
+
+// One item's K loop, promotion and stores on a tile of N / 16 x 16 token rows (nrows of them
+// real): this warpgroup's 64 weight rows of each stage against the stage's first N tokens.
+template <bool kGateUp, int N>
+__device__ __forceinline__ void swap_item(const GemmArgs& p, uint32_t sbase, const float* sscale, uint32_t full0,
+                                          uint32_t empty0, uint32_t& it, int row0, int nrows, int n0) {
+  constexpr int J = N / 8;  // accumulator column groups: d[4 j + e] at token 8 j + 2 q + (e & 1)
+  const int KB = p.K / 128, wg = threadIdx.x >> 7, wwarp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  const int q = lane & 3;
+  // Each token count its own arrays (one set of 80 + 80 shared by every case made ptxas
+  // serialize the MMAs, C7511, for some sets of cases).
+  float acc[N / 2], part[N / 2];
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) acc[i] = part[i] = 0.0f;  // the first MMA of a block ignores part (scale-d 0)
+  for (int kb = 0; kb < KB; ++kb, ++it) {
+    const int st = static_cast<int>(it % kSwapStages);
+    if (kb > 0) mbar_wait(full0 + 8 * st, (it / kSwapStages) & 1);
+    const float* const sc = sscale + st * kSwapScaleFloats;
+    const uint32_t w_st = sbase + st * kSwapStage;
+    wgmma::fence_proxy_async();  // cp.async wrote the tokens through the generic proxy
+    const uint64_t da = wgmma::desc_k_major(w_st + wg * 64 * 128), db = wgmma::desc_k_major(w_st + kSwapWStage);
+    wgmma::fence_operands(part);
+    wgmma::fence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) wgmma::m64nk32_e4m3<N>(part, da + 2 * ks, db + 2 * ks, ks);
+    wgmma::commit();
+    const float sw_lo = sc[kSwapRows], sw_hi = kGateUp ? sc[kSwapRows + 1] : sw_lo;  // rows r (gate) and r + 8 (up)
+    wgmma::wait<0>();
+    wgmma::fence_operands(part);
+    // The tokens' scales of this thread's columns, from the stage: released after them.
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      const float2 sa = *reinterpret_cast<const float2*>(sc + 8 * j + 2 * q);
+      acc[4 * j + 0] = fmaf(part[4 * j + 0], sa.x * sw_lo, acc[4 * j + 0]);
+      acc[4 * j + 1] = fmaf(part[4 * j + 1], sa.y * sw_lo, acc[4 * j + 1]);
+      acc[4 * j + 2] = fmaf(part[4 * j + 2], sa.x * sw_hi, acc[4 * j + 2]);
+      acc[4 * j + 3] = fmaf(part[4 * j + 3], sa.y * sw_hi, acc[4 * j + 3]);
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty0 + 8 * st);  // this warp's MMAs and reads of the stage are done
+  }
+  const int N_out = p.N;
+  if (kGateUp) {
+    const int col = n0 + 8 * (4 * wg + wwarp) + (lane >> 2);
+    if (col >= N_out) return;
+    float* const y = p.y + static_cast<int64_t>(row0) * N_out + col;
+#pragma unroll
+    for (int j = 0; j < J; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int t = 8 * j + 2 * q + e;
+        if (t < nrows) y[static_cast<int64_t>(t) * N_out] = silu_mul(acc[4 * j + e], acc[4 * j + 2 + e]);
+      }
+  } else {
+    const int col = n0 + 64 * wg + 16 * wwarp + (lane >> 2);
+    float* const y = p.y + static_cast<int64_t>(row0) * N_out + col;
+#pragma unroll
+    for (int j = 0; j < J; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int t = 8 * j + 2 * q + (e & 1);
+        if (t < nrows && col + 8 * (e >> 1) < N_out) y[static_cast<int64_t>(t) * N_out + 8 * (e >> 1)] = acc[4 * j + e];
+      }
+  }
+}
+
+template <bool kGateUp>
+__global__ void __launch_bounds__(kWsThreads, 1) grouped_gemm_swap_kernel(const GemmArgs p, const int ncols,
+                                                                          int32_t* __restrict__ work_counter) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t sbase = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  uint8_t* const sgen = smem_raw + (sbase - smem_u32(smem_raw));
+  volatile int32_t* const info = reinterpret_cast<int32_t*>(sgen + kSwapInfoOff);
+  volatile int32_t* const next = reinterpret_cast<int32_t*>(sgen + kSwapNextOff);
+  const float* const sscale = reinterpret_cast<const float*>(sgen + kSwapScaleOff);
+  const uint32_t full0 = sbase + kSwapBarOff, empty0 = full0 + 8 * kSwapStages;
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    for (int s = 0; s < kSwapStages; ++s) {
+      mbar_init(full0 + 8 * s, 129);                 // a cp.async arrival per producer thread + thread 0's expect_tx
+      mbar_init(empty0 + 8 * s, kWsConsumers / 32);  // one per consumer warp
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+  const int K = p.K, KB = K / 128, cols = kGateUp ? 64 : 128;
+
+  if (tid >= kWsConsumers) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWsProducerRegs));
+    // Thread (lr, c) moves 16-byte chunk c of token rows lr + 16 i (i < kSwapRows / 16), all
+    // sharing row % 8, so one swizzle; the scales of token rows pt and pt + 128; threads 64 and
+    // 65 the weights' (gate_up: W1's and W3's block of rows n0; else W's).
+    const int pt = tid - kWsConsumers, lr = pt >> 3, c = pt & 7;
+    const uint32_t swz = static_cast<uint32_t>((c ^ (lr & 7)) << 4);
+    if (pt == 0) next[0] = static_cast<int32_t>(blockIdx.x);
+    uint32_t it = 0;
+    for (int item = 0;; ++item) {
+      asm volatile("bar.sync 1, 128;\n" ::: "memory");
+      const int L = next[item & 1];
+      if (pt == 0) next[(item + 1) & 1] = static_cast<int32_t>(gridDim.x) + atomicAdd(work_counter, 1);
+      int tile = 0, col = 0;
+      const bool more = work_at(p, L, ncols, &tile, &col);
+      if (!more) {
+        const int st = static_cast<int>(it % kSwapStages);
+        if (it >= kSwapStages) mbar_wait(empty0 + 8 * st, ((it / kSwapStages) - 1) & 1);
+        if (pt == 0) {
+          info[4 * st + 1] = -1;
+          mbar_arrive(full0 + 8 * st);
+        }
+        mbar_arrive(full0 + 8 * st);
+        break;
+      }
+      const MoeTile t = p.tiles[tile];
+      const int nrows = t.row1 - t.row0, n0 = col * cols;
+      constexpr int kRowsPer = kSwapRows / 16;
+      int a_row[kRowsPer];  // source rows, -1 past the tile
+#pragma unroll
+      for (int i = 0; i < kRowsPer; ++i) {
+        const int r = lr + 16 * i;
+        a_row[i] = r < nrows ? (p.a_rows ? __ldg(p.a_rows + t.row0 + r) : t.row0 + r) : -1;
+      }
+      auto src_row = [&](int r) { return p.a_rows ? __ldg(p.a_rows + t.row0 + r) : t.row0 + r; };
+      const float* const as0 = p.a_scale + (pt < nrows ? static_cast<int64_t>(src_row(pt)) * KB : 0);
+      const int r1 = pt + 128;
+      const float* const as1 = p.a_scale + (r1 < nrows && r1 < kSwapRows ? static_cast<int64_t>(src_row(r1)) * KB : 0);
+      const float* const ws_src = (pt == 64 || (kGateUp && pt == 65))
+                                      ? (pt == 65 ? p.wus[t.group] : p.ws[t.group]) + static_cast<int64_t>(n0 / 128) * KB
+                                      : nullptr;
+      for (int kb = 0; kb < KB; ++kb, ++it) {
+        const int st = static_cast<int>(it % kSwapStages);
+        if (it >= kSwapStages) mbar_wait(empty0 + 8 * st, ((it / kSwapStages) - 1) & 1);
+        const uint32_t st_base = sbase + st * kSwapStage, bar = full0 + 8 * st;
+        if (pt == 0) {
+          if (kb == 0) {
+            info[4 * st] = t.row0;
+            info[4 * st + 1] = nrows;
+            info[4 * st + 2] = n0;
+          }
+          mbar_arrive_expect_tx(bar, kSwapWStage);  // also releases info to the consumers' wait
+          if (kGateUp) {
+#pragma unroll
+            for (int b = 0; b < 16; ++b)  // slab b / 2: W1 (b even) or W3 rows n0 + 8 (b / 2), 1 KB each
+              tma_load_2d(st_base + b * 1024, (b & 1 ? p.wu_tm : p.w_tm) + t.group * kMoeTensorMapBytes, kb * 128,
+                          n0 + 8 * (b >> 1), bar);
+          } else {
+#pragma unroll
+            for (int b = 0; b < 2; ++b)
+              tma_load_2d(st_base + b * 8192, p.w_tm + t.group * kMoeTensorMapBytes, kb * 128, n0 + 64 * b, bar);
+          }
+        }
+        const uint32_t dst = st_base + kSwapWStage + lr * 128 + swz;
+        const int koff = kb * 128 + c * 16;
+#pragma unroll
+        for (int i = 0; i < kRowsPer; ++i)
+          cp_async16(dst + i * 2048, p.a + (a_row[i] >= 0 ? static_cast<int64_t>(a_row[i]) * K + koff : 0),
+                     a_row[i] >= 0);
+        const uint32_t sc_dst = sbase + kSwapScaleOff + st * (kSwapScaleFloats * 4);
+        cp_async4(sc_dst + 4 * pt, as0 + kb, pt < nrows);
+        if (r1 < kSwapRows) cp_async4(sc_dst + 4 * r1, as1 + kb, r1 < nrows);
+        if (ws_src != nullptr) cp_async4(sc_dst + 4 * (kSwapRows + pt - 64), ws_src + kb, true);
+        mbar_arrive_cp_async(bar);  // with thread 0's expect_tx arrival, the 129
+      }
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kWsConsumerRegs));
+  uint32_t it = 0;
+  for (;;) {
+    const int st0 = static_cast<int>(it % kSwapStages);
+    mbar_wait(full0 + 8 * st0, (it / kSwapStages) & 1);
+    const int row0 = info[4 * st0], nrows = info[4 * st0 + 1], n0 = info[4 * st0 + 2];
+    if (nrows < 0) break;
+    switch ((nrows + 15) >> 4) {
+      case 1: swap_item<kGateUp, 16>(p, sbase, sscale, full0, empty0, it, row0, nrows, n0); break;
+      case 2: swap_item<kGateUp, 32>(p, sbase, sscale, full0, empty0, it, row0, nrows, n0); break;
+      case 3: swap_item<kGateUp, 48>(p, sbase, sscale, full0, empty0, it, row0, nrows, n0); break;
+      case 4: swap_item<kGateUp, 64>(p, sbase, sscale, full0, empty0, it, row0, nrows, n0); break;
+      case 5: swap_item<kGateUp, 80>(p, sbase, sscale, full0, empty0, it, row0, nrows, n0); break;
+      case 6: swap_item<kGateUp, 96>(p, sbase, sscale, full0, empty0, it, row0, nrows, n0); break;
+      case 7: swap_item<kGateUp, 112>(p, sbase, sscale, full0, empty0, it, row0, nrows, n0); break;
+      case 8: swap_item<kGateUp, 128>(p, sbase, sscale, full0, empty0, it, row0, nrows, n0); break;
+      case 9: swap_item<kGateUp, 144>(p, sbase, sscale, full0, empty0, it, row0, nrows, n0); break;
+      default: swap_item<kGateUp, 160>(p, sbase, sscale, full0, empty0, it, row0, nrows, n0); break;
+    }
+  }
+}
+
 // Per-group row counts (cursor zeroed before): a block's ids counted in shared memory first.
 __global__ void count_kernel(const int32_t* __restrict__ ids, int64_t n, int E, int32_t* __restrict__ cursor) {
   pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
@@ -828,9 +1047,9 @@ Status moe_permute_gemm(const MoePermuteGemmParams& p) {
     return invalid_argument("moe_permute_gemm: null pointer");
   const int64_t n = p.T * p.K;
   const int G = p.E + (p.shared_slot ? 1 : 0);
-  if (p.tile_rows != kMoeGemmTileRows && p.tile_rows != kMoeGemmTallTileRows)
-    return invalid_argument("moe_permute_gemm: tiles of {} rows ({} or {})", p.tile_rows, kMoeGemmTileRows,
-                            kMoeGemmTallTileRows);
+  if (p.tile_rows != kMoeGemmTileRows && p.tile_rows != kMoeGemmTallTileRows && p.tile_rows != kMoeGemmSwapTileRows)
+    return invalid_argument("moe_permute_gemm: tiles of {} rows ({}, {} or {})", p.tile_rows, kMoeGemmTileRows,
+                            kMoeGemmTallTileRows, kMoeGemmSwapTileRows);
   if (p.max_tiles < moe_gemm_max_tiles(n + (p.shared_slot ? p.T : 0), G, p.tile_rows))
     return invalid_argument("moe_permute_gemm: {} tiles of room, {} needed at most", p.max_tiles,
                             moe_gemm_max_tiles(n + (p.shared_slot ? p.T : 0), G, p.tile_rows));
@@ -849,7 +1068,7 @@ Status moe_permute_gemm(const MoePermuteGemmParams& p) {
   return cuda_status(cudaGetLastError(), "scatter_kernel");
 }
 
-Status moe_weight_tensor_maps(const void* const* w, int n, int64_t N, int64_t K, void* out) {
+Status moe_weight_tensor_maps(const void* const* w, int n, int64_t N, int64_t K, void* out, int box_rows) {
   static_assert(sizeof(CUtensorMap) == kMoeTensorMapBytes, "moe_gemm.h's tensor map size");
   static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
@@ -860,10 +1079,11 @@ Status moe_weight_tensor_maps(const void* const* w, int n, int64_t N, int64_t K,
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   }();
   if (encode == nullptr) return unimplemented("moe_weight_tensor_maps: the driver has no cuTensorMapEncodeTiled");
-  if (N <= 0 || K <= 0 || K % 128 != 0) return invalid_argument("moe_weight_tensor_maps: N={} K={}", N, K);
+  if (N <= 0 || K <= 0 || K % 128 != 0 || box_rows < 1 || box_rows > 256)
+    return invalid_argument("moe_weight_tensor_maps: N={} K={} box rows {}", N, K, box_rows);
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(N)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(K)};  // bytes between rows
-  const cuuint32_t box[2] = {128, 64}, elem[2] = {1, 1};
+  const cuuint32_t box[2] = {128, static_cast<cuuint32_t>(box_rows)}, elem[2] = {1, 1};
   for (int i = 0; i < n; ++i) {
     CUtensorMap* m = static_cast<CUtensorMap*>(out) + i;
     const CUresult r = encode(m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(w[i]), dims, strides, box, elem,
@@ -903,18 +1123,33 @@ Status moe_grouped_gemm(const MoeGroupedGemmParams& p) {
   const int ncols = static_cast<int>((p.N + cols - 1) / cols);
   if (p.y_q != nullptr && (p.tall || !p.gate_up || p.N % 128 != 0 || p.y_q_scale == nullptr))
     return invalid_argument("moe_grouped_gemm: y_q needs gate_up, N % 128 == 0 (N={}), y_q_scale and not tall", p.N);
+  static const int sms = [] {
+    int dev = 0, n = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    return n > 0 ? n : 1;
+  }();
+  if (p.swap) {
+    if (p.w_tmap == nullptr || (p.gate_up && p.w_up_tmap == nullptr) || p.y_q != nullptr || p.work_counter == nullptr)
+      return invalid_argument("moe_grouped_gemm: swap needs the weights' tensor maps, a work_counter and no y_q");
+    auto kernel = p.gate_up ? grouped_gemm_swap_kernel<true> : grouped_gemm_swap_kernel<false>;
+    static const cudaError_t swap_attr[2] = {
+        cudaFuncSetAttribute(grouped_gemm_swap_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSwapSmem),
+        cudaFuncSetAttribute(grouped_gemm_swap_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSwapSmem)};
+    ML4_RETURN_IF_ERROR(cuda_status(swap_attr[p.gate_up], "cudaFuncSetAttribute(grouped_gemm_swap_kernel)"));
+    ML4_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.work_counter, 0, sizeof(int32_t), p.stream));
+    const int swap_cols = static_cast<int>((p.N + (p.gate_up ? 63 : 127)) / (p.gate_up ? 64 : 128));
+    const int64_t items = p.max_tiles * swap_cols;
+    launch_kernel(kernel, static_cast<unsigned>(std::min<int64_t>(sms, items)), kWsThreads, kSwapSmem, p.stream, a,
+                  swap_cols, p.work_counter);
+    return cuda_status(cudaGetLastError(), "grouped_gemm_swap_kernel");
+  }
   if (p.specialized) {
     auto kernel = p.gate_up ? grouped_gemm_ws_kernel<true> : grouped_gemm_ws_kernel<false>;
     static const cudaError_t ws_attr[2] = {
         cudaFuncSetAttribute(grouped_gemm_ws_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kWsSmem),
         cudaFuncSetAttribute(grouped_gemm_ws_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kWsSmem)};
     ML4_RETURN_IF_ERROR(cuda_status(ws_attr[p.gate_up], "cudaFuncSetAttribute(grouped_gemm_ws_kernel)"));
-    static const int sms = [] {
-      int dev = 0, n = 0;
-      cudaGetDevice(&dev);
-      cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-      return n > 0 ? n : 1;
-    }();
     if (p.work_counter == nullptr) return invalid_argument("moe_grouped_gemm: specialized needs a work_counter");
     ML4_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.work_counter, 0, sizeof(int32_t), p.stream));
     const int64_t items = p.max_tiles * ncols;  // an upper bound: CTAs past *num_tiles * ncols find no work

@@ -42,6 +42,7 @@ namespace ml4::cuda {
 
 constexpr int kMoeGemmTileRows = 64;
 constexpr int kMoeGemmTallTileRows = 128;  // MoeGroupedGemmParams::tall
+constexpr int kMoeGemmSwapTileRows = 160;  // MoeGroupedGemmParams::swap
 
 struct MoeTile {
   int32_t group = 0, row0 = 0, row1 = 0, pad = 0;  // rows [row0, row1) of the permuted space
@@ -65,7 +66,7 @@ struct MoePermuteGemmParams {
   MoeTile* tiles = nullptr;       // [max_tiles]
   int32_t* num_tiles = nullptr;   // [1]
   int64_t max_tiles = 0;          // >= moe_gemm_max_tiles(T*K (+ T), E (+ 1), tile_rows)
-  int tile_rows = kMoeGemmTileRows;  // or kMoeGemmTallTileRows (MoeGroupedGemmParams::tall / specialized)
+  int tile_rows = kMoeGemmTileRows;  // or kMoeGemmTallTileRows (tall / specialized), kMoeGemmSwapTileRows (swap)
   int32_t* tile_first = nullptr;  // [E + 2] or null: the first tile of each group (and the count)
   cudaStream_t stream = nullptr;
 };
@@ -123,6 +124,14 @@ struct MoeGroupedGemmParams {
   // gathered). Null: cp.async. The same bytes in shared memory, so the same bits.
   const void* w_tmap = nullptr;
   const void* w_up_tmap = nullptr;
+  // Tokens as the MMA's N (moe_gemm.cu's grouped_gemm_swap_kernel): tiles of up to
+  // kMoeGemmSwapTileRows rows (moe_permute_gemm with that tile_rows) computed in steps of 16
+  // rows instead of wgmma's 64, each CTA 128 weight rows (gate_up: W1 and W3 interleaved by 8,
+  // 64 output columns; else 128), warp-specialized and persistent as `specialized`. Needs
+  // w_tmap (gate_up: boxes of 8 rows, and w_up_tmap; down: 64) and work_counter; no y_q. Takes
+  // the place of every other variant when set. The same sums per K block; whether the tensor
+  // cores' partial sums of the swapped operands are the same bits is the test's to say.
+  bool swap = false;
   // specialized: one int32 of device memory, the CTAs' shared work counter (zeroed by the call,
   // on the stream, before the kernel).
   int32_t* work_counter = nullptr;
@@ -130,11 +139,11 @@ struct MoeGroupedGemmParams {
 Status moe_grouped_gemm(const MoeGroupedGemmParams& p);
 
 // One CUtensorMap per matrix w[i] (e4m3 [N, K] row-major, 16-byte aligned, host array of device
-// pointers) for MoeGroupedGemmParams::w_tmap: boxes of 128 bytes of K x 64 rows in the 128-byte
-// swizzle, rows past N read as zeros. Written to out (host memory, n x kMoeTensorMapBytes).
-// Fails where the driver has no cuTensorMapEncodeTiled.
+// pointers) for MoeGroupedGemmParams::w_tmap: boxes of 128 bytes of K x box_rows rows in the
+// 128-byte swizzle, rows past N read as zeros. Written to out (host memory, n x
+// kMoeTensorMapBytes). Fails where the driver has no cuTensorMapEncodeTiled.
 constexpr int kMoeTensorMapBytes = 128;
-Status moe_weight_tensor_maps(const void* const* w, int n, int64_t N, int64_t K, void* out);
+Status moe_weight_tensor_maps(const void* const* w, int n, int64_t N, int64_t K, void* out, int box_rows = 64);
 
 // FP4 experts: weights as DeviceLinear holds them (linear.h): packed e2m1 [N, K/2] (element
 // 2j in the low nibble of byte j) and the scale bytes -- NVFP4 e4m3 [N][K/16] then the f32

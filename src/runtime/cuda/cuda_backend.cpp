@@ -1102,7 +1102,8 @@ Status CudaBackend::moe_experts(MoeRef moe, const float* x, const int32_t* ids, 
     return moe_experts_forward_gemm(*M.tables, M.shared.get(), x, T, ids, weights, K, out, b.moe, stream_,
                                     lt_.get(),
                                     MoeGemmOptions{opts_.moe_gemm_overlap, opts_.moe_gemm_tall, opts_.moe_gemm_group_major,
-                                                   opts_.moe_gemm_specialized, opts_.moe_quant_epilogue});
+                                                   opts_.moe_gemm_specialized, opts_.moe_quant_epilogue, true,
+                                                   opts_.moe_gemm_swap});
   if (moe_grouped(M)) {
     for (int64_t t0 = 0; t0 < T; t0 += kGroupedMoeMaxTokens) {
       const int64_t n = std::min<int64_t>(kGroupedMoeMaxTokens, T - t0);

@@ -82,6 +82,10 @@ struct CudaRunnerOptions {
   // 52.6 ms, 8192 100.6 vs 100.5; gate + up alone 5.15 ms vs the 64-row overlap's 6.69 in the
   // column-fastest order, but the group-major order gives the 64-row kernel as much).
   bool moe_gemm_specialized = false;
+  // The FP8 grouped GEMMs with the tokens as the MMA's N (moe_gemm.h MoeGroupedGemmParams::swap:
+  // tiles of up to 160 rows in steps of 16 instead of 64; takes the place of the other
+  // variants; no quantizing epilogue). Sixteenth session, off until measured.
+  bool moe_gemm_swap = false;
   // The FP8 grouped gate_up GEMM quantizes the hidden rows in its epilogue (moe.h
   // MoeGemmOptions::quant_epilogue; the same bytes as the separate quantization launch, so the
   // same bits, CudaMoe.GroupedGemmVariantsAreBitIdentical passed on an H100; not with
@@ -244,6 +248,11 @@ class CudaRunner : public ModelRunner {
   void set_moe_gemm_specialized(bool on) {
     opts_.moe_gemm_specialized = on;
     backend_->set_moe_gemm_specialized(on);
+    graphs_.clear();
+  }
+  void set_moe_gemm_swap(bool on) {
+    opts_.moe_gemm_swap = on;
+    backend_->set_moe_gemm_swap(on);
     graphs_.clear();
   }
   void set_moe_quant_epilogue(bool on) {

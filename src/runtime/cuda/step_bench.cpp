@@ -466,6 +466,10 @@ int run_step_bench(const StepBenchOptions& opt) {
     variant(CudaRunnerOptions{}.moe_gemm_specialized ? "moe_specialized=off" : "moe_specialized=on",
             [&](bool on) { r.set_moe_gemm_specialized(on); }, !CudaRunnerOptions{}.moe_gemm_specialized,
             CudaRunnerOptions{}.moe_gemm_specialized);
+    // The grouped MoE GEMMs with the tokens as the MMA's N (moe_gemm_swap), flipped.
+    variant(CudaRunnerOptions{}.moe_gemm_swap ? "moe_swap=off" : "moe_swap=on",
+            [&](bool on) { r.set_moe_gemm_swap(on); }, !CudaRunnerOptions{}.moe_gemm_swap,
+            CudaRunnerOptions{}.moe_gemm_swap);
     // The hidden rows quantized in their own launch instead of the gate_up epilogue.
     variant("quant_epilogue=off", [&](bool on) { r.set_moe_quant_epilogue(on); }, false,
             CudaRunnerOptions{}.moe_quant_epilogue);
