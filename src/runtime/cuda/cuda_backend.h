@@ -62,7 +62,7 @@ struct CudaBackendOptions {
   bool moe_gemm_overlap = true;   // CudaRunnerOptions::moe_gemm_overlap
   bool moe_gemm_tall = false;     // CudaRunnerOptions::moe_gemm_tall
   bool moe_gemm_group_major = true;  // CudaRunnerOptions::moe_gemm_group_major
-  bool moe_gemm_specialized = false;  // CudaRunnerOptions::moe_gemm_specialized
+  bool moe_gemm_specialized = true;   // CudaRunnerOptions::moe_gemm_specialized
   bool moe_gemm_swap = false;         // CudaRunnerOptions::moe_gemm_swap
   bool moe_quant_epilogue = true;     // CudaRunnerOptions::moe_quant_epilogue
   bool absorb_gemm = true;        // CudaRunnerOptions::absorb_gemm

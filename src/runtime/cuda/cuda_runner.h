@@ -76,12 +76,13 @@ struct CudaRunnerOptions {
   // with the 64-row overlapped kernel on the H200.
   bool moe_gemm_group_major = true;
   // The FP8 grouped GEMMs warp-specialized and persistent (moe_gemm.h
-  // MoeGroupedGemmParams::specialized: the tall tiles and bits, a producer warpgroup, one CTA a
-  // multiprocessor; takes the place of moe_gemm_tall and moe_gemm_overlap). Off: as fast as the
-  // default in the step (fifteenth session, H100: ml4-slice-4 prefill of 4096 tokens 52.7 vs
-  // 52.6 ms, 8192 100.6 vs 100.5; gate + up alone 5.15 ms vs the 64-row overlap's 6.69 in the
-  // column-fastest order, but the group-major order gives the 64-row kernel as much).
-  bool moe_gemm_specialized = false;
+  // MoeGroupedGemmParams::specialized: the tall tiles and bits, a producer warpgroup staging the
+  // operands (B by TMA), the scales and the item's rows, one CTA a multiprocessor; takes the
+  // place of moe_gemm_tall and moe_gemm_overlap). On since the sixteenth session: the whole MoE
+  // at T = 4096 with uniform routing 8.34 -> 6.99 ms (1.19x, H100, gpu_moe_bench); in
+  // ml4-slice-4's prefill step 53.0 -> 52.8 ms (its synthetic routing: see docs/BENCHMARKS.md
+  // "Sixteenth session").
+  bool moe_gemm_specialized = true;
   // The FP8 grouped GEMMs with the tokens as the MMA's N (moe_gemm.h MoeGroupedGemmParams::swap:
   // tiles of up to 160 rows in steps of 16 instead of 64; takes the place of the other
   // variants; no quantizing epilogue). Sixteenth session, off until measured.

@@ -410,15 +410,22 @@ int run_step_bench(const StepBenchOptions& opt) {
                                    Config{true, true, false, true, false},   Config{true, true, false, true, true},
                                    Config{true, true, true, false, true}};
     if (prefill_only) configs.erase(configs.begin(), configs.end() - 1);  // the defaults' line
-    for (auto [grouped, absorb, overlap, tall, gm] : configs) {
+    // The last line is the defaults': with the warp-specialized kernel where it is on by
+    // default (moe_gemm_specialized takes the place of overlap and tall), the others without.
+    const bool ws_default = CudaRunnerOptions{}.moe_gemm_specialized;
+    for (size_t ci = 0; ci < configs.size(); ++ci) {
+      const auto [grouped, absorb, overlap, tall, gm] = configs[ci];
+      const bool ws = ws_default && ci + 1 == configs.size();
       r.set_grouped_moe_gemm(grouped);
       r.set_absorb_gemm(absorb);
       r.set_moe_gemm_overlap(overlap);
       r.set_moe_gemm_tall(tall);
       r.set_moe_gemm_group_major(gm);
+      r.set_moe_gemm_specialized(ws);
       std::string failed;
       const double ms = time_step(r, in, 1, 3, &failed);
       const char* moe = !grouped ? "loop"
+                        : ws     ? "grouped_gemm_specialized_group_major"
                         : tall   ? (gm ? "grouped_gemm_tall_group_major" : "grouped_gemm_tall")
                         : overlap ? (gm ? "grouped_gemm_overlap_group_major" : "grouped_gemm_overlap")
                                   : "grouped_gemm";
@@ -454,7 +461,7 @@ int run_step_bench(const StepBenchOptions& opt) {
         if (b >= 0 && (base < 0 || b < base)) base = b;
       }
       if (failed.empty())
-        std::printf("PREFILL tokens=%ld moe=grouped_gemm_overlap_group_major absorb=gemm_tf32 %s ms=%.1f tok_s=%.0f "
+        std::printf("PREFILL tokens=%ld moe=defaults absorb=gemm_tf32 %s ms=%.1f tok_s=%.0f "
                     "base_ms=%.1f\n",
                     static_cast<long>(n), label, best, n / best * 1e3, base);
       else
@@ -479,6 +486,7 @@ int run_step_bench(const StepBenchOptions& opt) {
     r.set_moe_gemm_overlap(true);
     r.set_moe_gemm_tall(CudaRunnerOptions{}.moe_gemm_tall);
     r.set_moe_gemm_group_major(CudaRunnerOptions{}.moe_gemm_group_major);
+    r.set_moe_gemm_specialized(CudaRunnerOptions{}.moe_gemm_specialized);
     r.set_grouped_moe_gemm(false);
     if (n <= 8192) continue;
     // As a server prefills a long prompt (vLLM's chunked prefill, --max-num-batched-tokens):
