@@ -397,6 +397,19 @@ int run_step_bench(const StepBenchOptions& opt) {
       s.block_tables.push_back(std::move(bt));
     }
     in.seqs.push_back(std::move(s));
+    // ML4_BENCH_PREFILL_NCU=1: one default prefill of this size between cudaProfilerStart / Stop
+    // (after one untimed), for `ncu --profile-from-start off`; then nothing else.
+    if (const char* v = std::getenv("ML4_BENCH_PREFILL_NCU"); v && v[0] == '1') {
+      r.set_grouped_moe_gemm(true);
+      const bool warm = r.execute(in).ok();
+      cudaDeviceSynchronize();
+      cudaProfilerStart();
+      const bool ok = warm && r.execute(in).ok();
+      cudaDeviceSynchronize();
+      cudaProfilerStop();
+      std::printf("NCUPREFILL tokens=%ld ok=%d\n", static_cast<long>(n), ok ? 1 : 0);
+      return ok ? 0 : 1;
+    }
     // The MoE as a loop over experts, then as grouped GEMMs; then also the MLA absorption as
     // batched TF32 GEMMs (issue 18); then the grouped GEMMs with their MMAs overlapping the
     // promotion (CudaRunnerOptions::moe_gemm_overlap); then on 128-row tiles (moe_gemm_tall);
