@@ -24,12 +24,13 @@
 //     NVFP4 global scale multiplies the accumulators. gate_up writes the hidden activation
 //     as bf16 (the down projection's A), the plain GEMM f32.
 //
-// Layout: CTA = 2 warpgroups, tile 64 rows x 256 B rows (each warpgroup m64 x n128), K in
-// 128-byte blocks through a 4-stage cp.async ring (A rows gathered through `a_rows`; TMA
-// cannot gather on sm_90) stored in the 128-byte swizzle the wgmma descriptors name. What
-// bounds it at ml4's shapes is L2 (81-83% of its peak at T = 4096, ncu: 40 KB a K block for
-// 4.2 MFLOP); the variants below trade that against other limits (docs/BENCHMARKS.md
-// "Fifteenth session").
+// Layout of the plain kernel: CTA = 2 warpgroups, tile 64 rows x 256 B rows (each warpgroup
+// m64 x n128), K in 128-byte blocks through a 4-stage cp.async ring (A rows gathered through
+// `a_rows`; TMA cannot gather on sm_90) stored in the 128-byte swizzle the wgmma descriptors
+// name; bound by L2 at ml4's shapes (81-83% of its peak at T = 4096, ncu: 40 KB a K block for
+// 4.2 MFLOP). The variants below trade that against other limits; the runner's default is
+// `specialized` (128-row tiles, a producer warpgroup, B by TMA: the whole MoE at T = 4096
+// 1.19x the 64-row kernel on an H100, docs/BENCHMARKS.md "Sixteenth session").
 #pragma once
 
 #include <cstdint>
@@ -107,10 +108,12 @@ struct MoeGroupedGemmParams {
   bool tall = false;
   // The tall tiles (moe_permute_gemm with kMoeGemmTallTileRows) and the tall kernel's sums in
   // its order (the same bits), warp-specialized and persistent: a producer warpgroup moves the
-  // stages (mbarriers, no block-wide barrier), so each consumer warpgroup's promotion runs
-  // under the other's MMAs, and one CTA a multiprocessor takes work items from work_counter,
-  // loading the next tile while the last one's outputs are stored. Takes the place of tall and
-  // overlap when set; measured no faster than the default in the step (fifteenth session).
+  // stages (mbarriers, no block-wide barrier) with each block's scales and each item's rows
+  // beside them, so each consumer warpgroup's promotion runs under the other's MMAs and reads
+  // nothing from global memory, and one CTA a multiprocessor takes work items from
+  // work_counter, loading the next tile while the last one's outputs are stored. Takes the
+  // place of tall and overlap when set; the runner's default (CudaRunnerOptions::
+  // moe_gemm_specialized) since the sixteenth session.
   bool specialized = false;
   // gate_up, N % 128 == 0, not tall: the hidden rows quantized in the epilogue as
   // fp8_act_quant (group 128, row-major scales) quantizes y -- the same bytes and scales -- and
