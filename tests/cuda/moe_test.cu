@@ -537,6 +537,23 @@ TEST(CudaMoe, GroupedGemmPrefillVsCpu) {
   }
 }
 
+// The variants below (and gpu_moe_bench) build MoeGemmOptions by position: each field keeps
+// its place (a field once inserted ahead of quant_epilogue shifted every later one).
+TEST(CudaMoe, GemmOptionsKeepTheirPositions) {
+  const MoeGemmOptions a{true, false, false, false, false};
+  EXPECT_TRUE(a.overlap);
+  EXPECT_FALSE(a.quant_epilogue);
+  EXPECT_TRUE(a.tma);
+  EXPECT_FALSE(a.swap);
+  const MoeGemmOptions b{false, false, true, true, true, false};
+  EXPECT_TRUE(b.group_major && b.specialized && b.quant_epilogue);
+  EXPECT_FALSE(b.tma);
+  const MoeGemmOptions c{false, false, true, false, true, true, true};
+  EXPECT_TRUE(c.swap);
+  EXPECT_FALSE(MoeGemmOptions{}.swap);
+  EXPECT_FALSE(MoeGemmOptions{}.specialized);
+}
+
 // MoeGroupedGemmParams::overlap (the next K block's MMAs issued before this block's
 // promotion, two partial accumulators) computes the same sums in the same order: the whole
 // grouped MoE (both launches, the shared slot) bit-identical to the serial kernel, for K

@@ -189,11 +189,12 @@ struct MoeGemmOptions {
   bool tall = false;
   bool group_major = false;
   bool specialized = false;  // MoeGroupedGemmParams::specialized (128-row tiles; wins over tall and overlap)
-  bool tma = true;           // specialized: B by TMA where the tables hold tensor maps (MoeGroupedGemmParams::w_tmap)
-  bool swap = false;         // MoeGroupedGemmParams::swap (tokens as the MMA's N; wins over the others; no quant epilogue)
   // The hidden rows quantized in the gate_up epilogue (MoeGroupedGemmParams::y_q; the same bytes
   // as the separate quantization, which it replaces); not with tall (without specialized).
   bool quant_epilogue = true;
+  // New fields go last: callers initialize this struct by position.
+  bool tma = true;    // specialized: B by TMA where the tables hold tensor maps (MoeGroupedGemmParams::w_tmap)
+  bool swap = false;  // MoeGroupedGemmParams::swap (tokens as the MMA's N; wins over the others; no quant epilogue)
 };
 Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shared, const float* x, int64_t T,
                                 const int32_t* ids, const float* weights, int K, float* out, MoeScratch& s,

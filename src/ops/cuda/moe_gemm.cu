@@ -556,6 +556,29 @@ constexpr int kWsProducerRegs = 72, kWsConsumerRegs = 216;  // 128 x 72 + 256 x 
 static_assert(128 * kWsProducerRegs + 256 * kWsConsumerRegs <= 384 * 168, "the block's registers");
 static_assert(kWsSmem <= 232448, "fits the 227 KB opt-in shared memory of sm_90");
 
+// The persistent kernels' producer warpgroup, at the start of its work item `item`: the item's
+// tile and column (its index published in next[item & 1] before the barrier; the one after
+// fetched from work_counter here, under this item's loads -- every thread has read the slot it
+// overwrites before the barrier). False past the list, after posting the end mark (rows -1) in
+// the stage the next item would have started in, once the consumers are done with it.
+template <int kRing>
+__device__ __forceinline__ bool producer_item(const GemmArgs& p, int item, int ncols, int pt, volatile int32_t* next,
+                                              volatile int32_t* info, int32_t* work_counter, uint32_t full0,
+                                              uint32_t empty0, uint32_t it, int* tile, int* col) {
+  asm volatile("bar.sync 1, 128;\n" ::: "memory");  // the producer warpgroup: next[item & 1] written
+  const int L = next[item & 1];
+  if (pt == 0) next[(item + 1) & 1] = static_cast<int32_t>(gridDim.x) + atomicAdd(work_counter, 1);
+  if (work_at(p, L, ncols, tile, col)) return true;
+  const int st = static_cast<int>(it % kRing);
+  if (it >= kRing) mbar_wait(empty0 + 8 * st, ((it / kRing) - 1) & 1);
+  if (pt == 0) {
+    info[4 * st + 1] = -1;
+    mbar_arrive(full0 + 8 * st);
+  }
+  mbar_arrive(full0 + 8 * st);
+  return false;
+}
+
 template <bool kGateUp>
 __global__ void __launch_bounds__(kWsThreads, 1) grouped_gemm_ws_kernel(const GemmArgs p, const int ncols,
                                                                         int32_t* __restrict__ work_counter) {
@@ -595,23 +618,8 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_gemm_ws_kernel(const Ge
     if (pt == 0) next[0] = static_cast<int32_t>(blockIdx.x);
     uint32_t it = 0;  // K blocks issued so far, over all work items: stage it % kWsStages
     for (int item = 0;; ++item) {
-      asm volatile("bar.sync 1, 128;\n" ::: "memory");  // the producer warpgroup: next[item & 1] written
-      const int L = next[item & 1];
-      // The item after this one, fetched while this one loads (every thread has read the
-      // slot it overwrites before the barrier above).
-      if (pt == 0) next[(item + 1) & 1] = static_cast<int32_t>(gridDim.x) + atomicAdd(work_counter, 1);
       int tile = 0, col = 0;
-      const bool more = work_at(p, L, ncols, &tile, &col);
-      if (!more) {  // the end mark, in the stage the next item would have started in
-        const int st = static_cast<int>(it % kWsStages);
-        if (it >= kWsStages) mbar_wait(empty0 + 8 * st, ((it / kWsStages) - 1) & 1);
-        if (pt == 0) {
-          info[4 * st + 1] = -1;
-          mbar_arrive(full0 + 8 * st);
-        }
-        mbar_arrive(full0 + 8 * st);
-        break;
-      }
+      if (!producer_item<kWsStages>(p, item, ncols, pt, next, info, work_counter, full0, empty0, it, &tile, &col)) break;
       const MoeTile t = p.tiles[tile];
       const int nrows = t.row1 - t.row0, n0 = col * cols;
       int a_row[8];  // source rows, -1 past the tile
@@ -879,21 +887,9 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_gemm_swap_kernel(const 
     if (pt == 0) next[0] = static_cast<int32_t>(blockIdx.x);
     uint32_t it = 0;
     for (int item = 0;; ++item) {
-      asm volatile("bar.sync 1, 128;\n" ::: "memory");
-      const int L = next[item & 1];
-      if (pt == 0) next[(item + 1) & 1] = static_cast<int32_t>(gridDim.x) + atomicAdd(work_counter, 1);
       int tile = 0, col = 0;
-      const bool more = work_at(p, L, ncols, &tile, &col);
-      if (!more) {
-        const int st = static_cast<int>(it % kSwapStages);
-        if (it >= kSwapStages) mbar_wait(empty0 + 8 * st, ((it / kSwapStages) - 1) & 1);
-        if (pt == 0) {
-          info[4 * st + 1] = -1;
-          mbar_arrive(full0 + 8 * st);
-        }
-        mbar_arrive(full0 + 8 * st);
+      if (!producer_item<kSwapStages>(p, item, ncols, pt, next, info, work_counter, full0, empty0, it, &tile, &col))
         break;
-      }
       const MoeTile t = p.tiles[tile];
       const int nrows = t.row1 - t.row0, n0 = col * cols;
       constexpr int kRowsPer = kSwapRows / 16;

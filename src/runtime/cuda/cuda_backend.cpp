@@ -1098,12 +1098,17 @@ Status CudaBackend::moe_experts(MoeRef moe, const float* x, const int32_t* ids, 
   Buffers& b = *buf_;
   const int K = cfg_.moe.num_experts_per_tok;
   const int64_t D = cfg_.dim, T = step_T_;
-  if (moe_gemm(M))
+  if (moe_gemm(M)) {
+    MoeGemmOptions g;  // by name: a positional list once put one switch into another's field
+    g.overlap = opts_.moe_gemm_overlap;
+    g.tall = opts_.moe_gemm_tall;
+    g.group_major = opts_.moe_gemm_group_major;
+    g.specialized = opts_.moe_gemm_specialized;
+    g.quant_epilogue = opts_.moe_quant_epilogue;
+    g.swap = opts_.moe_gemm_swap;
     return moe_experts_forward_gemm(*M.tables, M.shared.get(), x, T, ids, weights, K, out, b.moe, stream_,
-                                    lt_.get(),
-                                    MoeGemmOptions{opts_.moe_gemm_overlap, opts_.moe_gemm_tall, opts_.moe_gemm_group_major,
-                                                   opts_.moe_gemm_specialized, opts_.moe_quant_epilogue, true,
-                                                   opts_.moe_gemm_swap});
+                                    lt_.get(), g);
+  }
   if (moe_grouped(M)) {
     for (int64_t t0 = 0; t0 < T; t0 += kGroupedMoeMaxTokens) {
       const int64_t n = std::min<int64_t>(kGroupedMoeMaxTokens, T - t0);

@@ -79,13 +79,13 @@ struct CudaRunnerOptions {
   // MoeGroupedGemmParams::specialized: the tall tiles and bits, a producer warpgroup staging the
   // operands (B by TMA), the scales and the item's rows, one CTA a multiprocessor; takes the
   // place of moe_gemm_tall and moe_gemm_overlap). On since the sixteenth session: the whole MoE
-  // at T = 4096 with uniform routing 8.34 -> 6.99 ms (1.19x, H100, gpu_moe_bench); in
-  // ml4-slice-4's prefill step 53.0 -> 52.8 ms (its synthetic routing: see docs/BENCHMARKS.md
-  // "Sixteenth session").
+  // at T = 4096 with uniform routing 8.34 -> 6.99 ms (1.19x, H100, gpu_moe_bench), bit-identical;
+  // not yet timed in the prefill step (docs/BENCHMARKS.md "Sixteenth session").
   bool moe_gemm_specialized = true;
   // The FP8 grouped GEMMs with the tokens as the MMA's N (moe_gemm.h MoeGroupedGemmParams::swap:
   // tiles of up to 160 rows in steps of 16 instead of 64; takes the place of the other
-  // variants; no quantizing epilogue). Sixteenth session, off until measured.
+  // variants; no quantizing epilogue). Sixteenth session: bit-identical, slower (whole MoE 8.27
+  // ms against the specialized kernel's 6.99 at T = 4096, H100), off.
   bool moe_gemm_swap = false;
   // The FP8 grouped gate_up GEMM quantizes the hidden rows in its epilogue (moe.h
   // MoeGemmOptions::quant_epilogue; the same bytes as the separate quantization launch, so the
