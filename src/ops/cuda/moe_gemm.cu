@@ -596,7 +596,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_gemm_ws_kernel(const Ge
   const int tid = threadIdx.x;
   if (tid == 0) {
     for (int s = 0; s < kWsStages; ++s) {
-      mbar_init(full0 + 8 * s, 129);                 // a cp.async arrival per producer thread + thread 0's plain one
+      mbar_init(full0 + 8 * s, 129);                 // a cp.async arrival per producer thread + thread 0's (with TMA: expect_tx)
       mbar_init(empty0 + 8 * s, kWsConsumers / 32);  // one per consumer warp
     }
     mbar_init_fence();
