@@ -596,7 +596,8 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_gemm_ws_kernel(const Ge
   const int tid = threadIdx.x;
   if (tid == 0) {
     for (int s = 0; s < kWsStages; ++s) {
-      mbar_init(full0 + 8 * s, 129);                 // a cp.async arrival per producer thread + thread 0's (with TMA: expect_tx)
+      mbar_init(full0 + 8 * s, 129);                 // a cp.async arrival per producer thread + thread 0's
+                                                     // (with TMA: the expect_tx one)
       mbar_init(empty0 + 8 * s, kWsConsumers / 32);  // one per consumer warp
     }
     mbar_init_fence();
@@ -619,7 +620,8 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_gemm_ws_kernel(const Ge
     uint32_t it = 0;  // K blocks issued so far, over all work items: stage it % kWsStages
     for (int item = 0;; ++item) {
       int tile = 0, col = 0;
-      if (!producer_item<kWsStages>(p, item, ncols, pt, next, info, work_counter, full0, empty0, it, &tile, &col)) break;
+      if (!producer_item<kWsStages>(p, item, ncols, pt, next, info, work_counter, full0, empty0, it, &tile, &col))
+        break;
       const MoeTile t = p.tiles[tile];
       const int nrows = t.row1 - t.row0, n0 = col * cols;
       int a_row[8];  // source rows, -1 past the tile
@@ -629,7 +631,8 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_gemm_ws_kernel(const Ge
         a_row[i] = r < nrows ? (p.a_rows ? __ldg(p.a_rows + t.row0 + r) : t.row0 + r) : -1;
       }
       const float* const as_src =
-          p.a_scale + (pt < nrows ? static_cast<int64_t>(p.a_rows ? __ldg(p.a_rows + t.row0 + pt) : t.row0 + pt) * KB : 0);
+          p.a_scale +
+          (pt < nrows ? static_cast<int64_t>(p.a_rows ? __ldg(p.a_rows + t.row0 + pt) : t.row0 + pt) * KB : 0);
       // B's scale q = 2 h + e (pt = 64 + q): half h's sub-block e (gate_up: W1 / W3 of the
       // 128-row block at n0 + 64 h; else the block at n0 + 128 h, twice), 0 past N.
       const int q = pt - 64, bbase = kGateUp ? n0 + 64 * (q >> 1) : n0 + 128 * (q >> 1);
@@ -904,7 +907,8 @@ __global__ void __launch_bounds__(kWsThreads, 1) grouped_gemm_swap_kernel(const 
       const int r1 = pt + 128;
       const float* const as1 = p.a_scale + (r1 < nrows && r1 < kSwapRows ? static_cast<int64_t>(src_row(r1)) * KB : 0);
       const float* const ws_src = (pt == 64 || (kGateUp && pt == 65))
-                                      ? (pt == 65 ? p.wus[t.group] : p.ws[t.group]) + static_cast<int64_t>(n0 / 128) * KB
+                                      ? (pt == 65 ? p.wus[t.group] : p.ws[t.group]) +
+                                            static_cast<int64_t>(n0 / 128) * KB
                                       : nullptr;
       for (int kb = 0; kb < KB; ++kb, ++it) {
         const int st = static_cast<int>(it % kSwapStages);
@@ -1085,7 +1089,8 @@ Status moe_weight_tensor_maps(const void* const* w, int n, int64_t N, int64_t K,
     const CUresult r = encode(m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(w[i]), dims, strides, box, elem,
                               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    if (r != CUDA_SUCCESS) return internal_error("cuTensorMapEncodeTiled: error {} for matrix {}", static_cast<int>(r), i);
+    if (r != CUDA_SUCCESS)
+      return internal_error("cuTensorMapEncodeTiled: error {} for matrix {}", static_cast<int>(r), i);
   }
   return ok_status();
 }
