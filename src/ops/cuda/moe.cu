@@ -596,7 +596,7 @@ Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shar
   if (fp4 && shared && !slot)  // before the scratch below is reused: mlp_forward writes g, u and xs
     ML4_RETURN_IF_ERROR(mlp_forward(*lt, *shared, x, T, s.xs.as<float>(), s, stream).with_context("shared expert"));
   const int64_t rows = n + (slot ? T : 0);
-  const bool swap = gemm.swap && !fp4 && tb.t1s.data() != nullptr;
+  const bool swap = gemm.swap && !fp4;  // moe_grouped_gemm refuses it without the tables' tensor maps
   const bool specialized = gemm.specialized && !fp4 && !swap;
   const bool tall = ((gemm.tall && !fp4) || specialized) && !swap;
   const int tile_rows = swap ? kMoeGemmSwapTileRows : tall ? kMoeGemmTallTileRows : kMoeGemmTileRows;

@@ -1124,12 +1124,7 @@ Status moe_grouped_gemm(const MoeGroupedGemmParams& p) {
   const int ncols = static_cast<int>((p.N + cols - 1) / cols);
   if (p.y_q != nullptr && (p.tall || !p.gate_up || p.N % 128 != 0 || p.y_q_scale == nullptr))
     return invalid_argument("moe_grouped_gemm: y_q needs gate_up, N % 128 == 0 (N={}), y_q_scale and not tall", p.N);
-  static const int sms = [] {
-    int dev = 0, n = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-    return n > 0 ? n : 1;
-  }();
+  const int sms = std::max(sm_count(), 1);  // the persistent kernels' grid
   if (p.swap) {
     if (p.w_tmap == nullptr || (p.gate_up && p.w_up_tmap == nullptr) || p.y_q != nullptr || p.work_counter == nullptr)
       return invalid_argument("moe_grouped_gemm: swap needs the weights' tensor maps, a work_counter and no y_q");

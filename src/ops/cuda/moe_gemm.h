@@ -132,8 +132,8 @@ struct MoeGroupedGemmParams {
   // rows instead of wgmma's 64, each CTA 128 weight rows (gate_up: W1 and W3 interleaved by 8,
   // 64 output columns; else 128), warp-specialized and persistent as `specialized`. Needs
   // w_tmap (gate_up: boxes of 8 rows, and w_up_tmap; down: 64) and work_counter; no y_q. Takes
-  // the place of every other variant when set. The same sums per K block; whether the tensor
-  // cores' partial sums of the swapped operands are the same bits is the test's to say.
+  // the place of every other variant when set. The same sums per K block, and the same bits
+  // (CudaMoe.GroupedGemmVariantsAreBitIdentical).
   bool swap = false;
   // specialized: one int32 of device memory, the CTAs' shared work counter (zeroed by the call,
   // on the stream, before the kernel).
