@@ -18,7 +18,10 @@
 // bf16(e4m3 x scale) in f32; the decode kernel: bf16(scale x 2^120) x bf16 bits, two roundings):
 // each is within the bound of the reference, so they agree to twice it on lse and 1e-2 on out. The CPU reference covers a sample of tokens
 // (its f64 sums cost ~0.3 GFLOP per token at topk 2048); the kernels are compared on all.
-// Every output is poisoned with NaN bytes; a repeat run must be bit-identical. Both schedules of
+// Every output is poisoned with NaN bytes; a repeat run must be bit-identical. q_lat is drawn
+// bf16-representable (the kernel rounds q to bf16 anyway), so the kernel's bf16 form
+// (MlaAttentionParams::lat_bf16: q_lat read as bf16, out_lat written as bf16) must give out_lat's
+// f32 values rounded to bf16 (RNE) bit for bit and the same lse bits. Both schedules of
 // the kernel (tile, pair) meet the same bounds; the pair schedule rounds warpgroup 0's P0 to
 // bf16 once before and once after its rescale (attention_prefill.cu), within the P bound above.
 #include <gtest/gtest.h>
@@ -30,6 +33,7 @@
 #include <random>
 #include <vector>
 
+#include "core/dtype.h"
 #include "cuda_test_util.h"
 #include "kv/latent_layout.h"
 #include "ops/cpu/attention.h"
@@ -104,21 +108,26 @@ void run_case(const Case& cs, uint32_t seed, bool pairs) {
   std::normal_distribution<float> nd(0.0f, 1.0f);
   std::uniform_real_distribution<float> us(0.02f, 0.08f);
   std::vector<float> q_lat(T * H * kR), q_rope(T * H * kDr), hs(T * H);
-  for (auto& v : q_lat) v = nd(rng);
+  for (auto& v : q_lat) v = round_bf16(nd(rng));
   for (auto& v : q_rope) v = nd(rng);
   for (auto& v : hs) v = us(rng);
   for (int h = 0; h < H; ++h) hs[(T / 2) * H + h] *= 4.0f;
 
   auto d_cache = to_device(bytes);
   auto d_ql = to_device(q_lat);
+  std::vector<uint16_t> q_lat16(q_lat.size());
+  for (size_t i = 0; i < q_lat.size(); ++i) q_lat16[i] = f32_to_bf16(q_lat[i]);
+  auto d_ql16 = to_device(q_lat16);
   auto d_qr = to_device(q_rope);
   auto d_hs = to_device(hs);
   auto d_idx = to_device(idx);
   auto d_len = to_device(idx_len);
-  auto run = [&](bool prefill, size_t* ws_used) {
+  std::vector<uint16_t> out16;  // the bf16 form's out_lat (lat16 runs)
+  auto run = [&](bool prefill, size_t* ws_used, bool lat16 = false) {
     MlaAttentionParams p;
     p.math = MlaMath::kBf16TensorCore;
-    p.q_lat = d_ql.as<float>();
+    p.q_lat = lat16 ? reinterpret_cast<const float*>(d_ql16.data()) : d_ql.as<float>();
+    p.lat_bf16 = lat16;
     p.q_rope = d_qr.as<float>();
     p.head_scale = d_hs.as<float>();
     p.T = T;
@@ -146,10 +155,23 @@ void run_case(const Case& cs, uint32_t seed, bool pairs) {
     EXPECT_TRUE(mla_attention(p).ok());
     EXPECT_TRUE(cuda_status(cudaDeviceSynchronize(), "sync").ok());
     *ws_used = ws_bytes;
+    if (lat16) {
+      std::vector<uint16_t> o16(T * H * kR);
+      EXPECT_TRUE(cuda_status(cudaMemcpy(o16.data(), out.data(), o16.size() * 2, cudaMemcpyDeviceToHost), "d2h").ok());
+      out16 = std::move(o16);
+      return Outputs{{}, to_host<float>(lse, T * H)};
+    }
     return Outputs{to_host<float>(out, T * H * kR), to_host<float>(lse, T * H)};
   };
-  size_t ws_new = 0, ws_old = 0;
+  size_t ws_new = 0, ws_old = 0, ws16 = 0;
   const Outputs a = run(true, &ws_new), b = run(true, &ws_new), old = run(false, &ws_old);
+  const Outputs a16 = run(true, &ws16, true);
+  {
+    size_t out_diff = 0;
+    for (size_t i = 0; i < a.out.size(); ++i) out_diff += out16[i] != f32_to_bf16(a.out[i]);
+    EXPECT_EQ(out_diff, 0u) << "bf16 out_lat is not the f32 out_lat rounded";
+    EXPECT_EQ(0, std::memcmp(a.lse.data(), a16.lse.data(), a.lse.size() * 4)) << "bf16 form's lse differs";
+  }
   // The prefill path sizes a scratch of >= the sequence's pages (the decode path needs none at
   // one split): a zero here would mean the prefill kernel did not run.
   ASSERT_GE(ws_new, static_cast<size_t>(std::min<int64_t>(seq_pages, cs.scratch_pages ? cs.scratch_pages : seq_pages)) *

@@ -11,6 +11,7 @@
 
 #include <random>
 
+#include "core/dtype.h"
 #include "cuda_test_util.h"
 #include "ops/cpu/basic.h"
 #include "ops/cpu/norm.h"
@@ -273,9 +274,11 @@ TEST(CudaElementwise, CastsRoundTrip) {
 struct AbsorbShape { int H, dn, dv, r, q_stride, q_offset; int64_t T; };
 
 // Both absorption products on random inputs against f64, run twice (bit-identical repeats);
-// run(p) issues them; both first-run errors must stay under bound.
+// run(p) issues them; both first-run errors must stay under bound. bf16: the lat_bf16 form
+// (bf16 weight copies, lat given as bf16, q_lat read back as bf16; the reference keeps the f32
+// inputs).
 template <typename Run>
-void check_absorption(const AbsorbShape& sh, uint32_t seed, double bound, const char* what, Run run) {
+void check_absorption(const AbsorbShape& sh, uint32_t seed, double bound, const char* what, Run run, bool bf16 = false) {
   auto q = randn(sh.T * sh.H * sh.q_stride, ++seed);
   auto wuk = randn(int64_t{sh.H} * sh.dn * sh.r, ++seed, 0.05f);
   auto lat = randn(sh.T * sh.H * sh.r, ++seed);
@@ -298,9 +301,16 @@ void check_absorption(const AbsorbShape& sh, uint32_t seed, double bound, const 
       }
     }
   auto dq = to_device(q), dwuk = to_device(wuk), dlat = to_device(lat), dwuv = to_device(wuv);
+  auto bits = [](const std::vector<float>& v) {
+    std::vector<uint16_t> b(v.size());
+    for (size_t i = 0; i < v.size(); ++i) b[i] = f32_to_bf16(v[i]);
+    return b;
+  };
+  auto dwuk16 = to_device(bits(wuk)), dlat16 = to_device(bits(lat)), dwuv16 = to_device(bits(wuv));
+  auto dq16 = poisoned<uint16_t>(sh.T * sh.H * sh.dn);
   std::vector<float> first_q, first_o;
   for (int rep = 0; rep < 2; ++rep) {
-    auto dql = poisoned<float>(ref_q.size());
+    auto dql = poisoned<float>(ref_q.size());  // bf16: its first half
     auto dout = poisoned<float>(ref_o.size());
     MlaAbsorbParams p;
     p.T = sh.T;
@@ -316,9 +326,22 @@ void check_absorption(const AbsorbShape& sh, uint32_t seed, double bound, const 
     p.lat = dlat.as<float>();
     p.w_uv = dwuv.as<float>();
     p.o = dout.as<float>();
+    if (bf16) {
+      p.lat_bf16 = true;
+      p.w_uk16 = dwuk16.data();
+      p.w_uv16 = dwuv16.data();
+      p.lat = reinterpret_cast<const float*>(dlat16.data());
+      p.q16 = dq16.data();
+    }
     run(p);
     sync();
-    auto gq = to_host<float>(dql, ref_q.size());
+    std::vector<float> gq(ref_q.size());
+    if (bf16) {
+      const auto g16 = to_host<uint16_t>(dql, ref_q.size());
+      for (size_t i = 0; i < gq.size(); ++i) gq[i] = bf16_to_f32(g16[i]);
+    } else {
+      gq = to_host<float>(dql, ref_q.size());
+    }
     auto go = to_host<float>(dout, ref_o.size());
     const double eq = rel_err(gq, ref_q), eo = rel_err(go, ref_o);
     if (rep == 0) {
@@ -369,6 +392,29 @@ TEST(CudaElementwise, MlaAbsorptionGemmMatchesF64) {
       ML4_ASSERT_OK(mla_absorb_q_gemm(**lt, p));
       ML4_ASSERT_OK(mla_apply_uv_gemm(**lt, p));
     });
+  }
+}
+
+// Their bf16 form (MlaAbsorbParams::lat_bf16: q's nope part, the weights and lat rounded to bf16,
+// f32 sums, q_lat rounded to bf16) against f64 of the unrounded f32 inputs. Bound: each bf16
+// input is off by up to 2^-9 relative (RMS ~1.1e-3 with round-to-nearest); a product carries
+// two (~1.6e-3), which sums of independent terms keep as the relative L2 error; q_lat's own
+// rounding adds ~1.1e-3 in quadrature: ~2e-3 for W_UK, ~1.6e-3 for W_UV. Bound 6e-3, three
+// times that.
+TEST(CudaElementwise, MlaAbsorptionGemmBf16MatchesF64) {
+  ML4_REQUIRE_GPU();
+  auto lt = LtGemm::create();
+  ML4_ASSERT_OK(lt.status());
+  const AbsorbShape shapes[] = {{64, 128, 128, 512, 192, 0, 200}, {4, 32, 32, 128, 48, 0, 70}, {3, 24, 12, 136, 40, 8, 65}};
+  uint32_t seed = 1900;
+  for (const AbsorbShape& sh : shapes) {
+    check_absorption(
+        sh, seed += 4, 6e-3, "mla absorption GEMM (bf16)",
+        [&](const MlaAbsorbParams& p) {
+          ML4_ASSERT_OK(mla_absorb_q_gemm(**lt, p));
+          ML4_ASSERT_OK(mla_apply_uv_gemm(**lt, p));
+        },
+        true);
   }
 }
 

@@ -344,6 +344,12 @@ size_t mla_attention_workspace_bytes(const MlaAttentionParams& p) {
   return s > 1 ? s * split_bytes(p) : 0;
 }
 
+bool mla_attention_runs_prefill(const MlaAttentionParams& p) {
+  if (p.T <= 0) return false;
+  return use_prefill_kernel(p, static_cast<int>(latent_token_bytes(p.dtype, p.r, p.dr))) && p.workspace &&
+         p.workspace_bytes >= prefill_workspace_bytes(p);
+}
+
 Status mla_attention(const MlaAttentionParams& p) {
   if (p.T < 0 || p.H <= 0) return invalid_argument("mla_attention: T = {}, H = {}", p.T, p.H);
   if (p.r <= 0 || p.r % kDsMlaTile != 0 || p.r > 512)
@@ -373,8 +379,8 @@ Status mla_attention(const MlaAttentionParams& p) {
   if (row_bytes % 4 != 0 || row_bytes / 4 > kMaxRowWords)
     return invalid_argument("mla_attention: row of {} bytes unsupported", row_bytes);
 
-  const bool prefill = use_prefill_kernel(p, row_bytes) && p.workspace &&
-                       p.workspace_bytes >= prefill_workspace_bytes(p);
+  const bool prefill = mla_attention_runs_prefill(p);
+  if (p.lat_bf16 && !prefill) return invalid_argument("mla_attention: bf16 q_lat / out_lat need the prefill kernel");
   int splits = prefill ? 1 : choose_splits(p);
   if (splits > 1) {
     const size_t fit = p.workspace ? p.workspace_bytes / split_bytes(p) : 0;
@@ -414,6 +420,7 @@ Status mla_attention(const MlaAttentionParams& p) {
   float* part_lse = splits > 1 ? part_out + static_cast<size_t>(splits) * p.T * p.H * p.r : nullptr;
   a.out = splits > 1 ? part_out : p.out_lat;
   a.lse = splits > 1 ? part_lse : p.lse;
+  a.lat_bf16 = p.lat_bf16 ? 1 : 0;
 
   const dim3 grid(static_cast<unsigned>(p.T), static_cast<unsigned>(splits),
                   static_cast<unsigned>((p.H + kMlaHeadsPerBlock - 1) / kMlaHeadsPerBlock));

@@ -75,6 +75,11 @@ struct MlaAttentionParams {
   // Outputs.
   float* out_lat = nullptr;           // [T, H, r] f32
   float* lse = nullptr;               // [T, H] natural log
+  // q_lat and out_lat hold bf16 [T, H, r] at the same addresses (mla_absorb_q_gemm's and
+  // mla_apply_uv_gemm's lat_bf16 form): half the bytes of the two through HBM. The prefill kernel
+  // only (it rounds q to bf16 anyway, so a q_lat already rounded gives the same out); a step it
+  // does not take (mla_attention_runs_prefill) is refused.
+  bool lat_bf16 = false;
   // Split-KV.
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
@@ -105,5 +110,7 @@ struct MlaAttentionParams {
 // Workspace for the split count mla_attention would choose for p (0 when it needs none).
 size_t mla_attention_workspace_bytes(const MlaAttentionParams& p);
 Status mla_attention(const MlaAttentionParams& p);
+// Whether mla_attention runs p on the prefill kernel (its shape, p.workspace and the step's size).
+bool mla_attention_runs_prefill(const MlaAttentionParams& p);
 
 }  // namespace ml4::cuda

@@ -35,6 +35,7 @@ struct Args {
   int splits;
   float* out;       // final out (splits == 1) or partial [splits][T][H][r]
   float* lse;       // final lse or partial [splits][T][H]
+  int lat_bf16;     // q_lat and out hold bf16 [T][H][r] (the prefill kernel only; splits == 1)
 };
 
 // Cache slot of key j of token t, or -1.

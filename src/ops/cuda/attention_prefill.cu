@@ -270,17 +270,24 @@ struct KeyRows {
 // The consumers' prologue: token t's Q for heads [h0, h0 + HB) -> bf16, swizzled at q_smem (rows
 // >= HB zero), and the head scales into hs. Each thread's 18 pieces of 8 values are loaded 9 at a
 // time (two memory latencies, not 18), streaming (read once: they should not push the indices and
-// the scratch out of L2).
+// the scratch out of L2). With a.lat_bf16, q_lat's pieces are bf16 already (16 bytes, copied as
+// they are); the rope part is f32 either way.
 __device__ __forceinline__ void load_q(const Args& a, int t, int h0, int HB, uint8_t* q_smem, float* hs, int tid) {
-  auto q_src = [&](int i) {  // piece i = (head, 8-value column block) of Q, or null past HB
+  auto q_src = [&](int i) -> const void* {  // piece i = (head, 8-value column block) of Q, or null past HB
     const int h = i / (kD / 8), c = i % (kD / 8);
     const int64_t th = static_cast<int64_t>(t) * a.H + h0 + h;
-    return h >= HB ? nullptr : c < kR / 8 ? a.q_lat + th * kR + 8 * c : a.q_rope + th * kDr + 8 * (c - kR / 8);
+    if (h >= HB) return nullptr;
+    if (c >= kR / 8) return a.q_rope + th * kDr + 8 * (c - kR / 8);
+    return a.lat_bf16 ? static_cast<const void*>(reinterpret_cast<const __nv_bfloat16*>(a.q_lat) + th * kR + 8 * c)
+                      : static_cast<const void*>(a.q_lat + th * kR + 8 * c);
   };
+  auto is_bf16 = [&](int i) { return a.lat_bf16 && i % (kD / 8) < kR / 8; };
   auto q_store = [&](int i, float4 x0, float4 x1) {
     const int h = i / (kD / 8), c = i % (kD / 8);
-    const uint4 o =
-        make_uint4(pack_bf16(x0.x, x0.y), pack_bf16(x0.z, x0.w), pack_bf16(x1.x, x1.y), pack_bf16(x1.z, x1.w));
+    const uint4 o = is_bf16(i) ? make_uint4(__float_as_uint(x0.x), __float_as_uint(x0.y), __float_as_uint(x0.z),
+                                            __float_as_uint(x0.w))
+                               : make_uint4(pack_bf16(x0.x, x0.y), pack_bf16(x0.z, x0.w), pack_bf16(x1.x, x1.y),
+                                            pack_bf16(x1.z, x1.w));
     *reinterpret_cast<uint4*>(q_smem + (c / 8) * kSlabBytes + h * 128 + (((c % 8) ^ (h % 8)) << 4)) = o;
   };
   constexpr int kQPieces = kHeads * (kD / 8), kQPerThread = kQPieces / kConsumers, kQBatch = 9;
@@ -290,9 +297,10 @@ __device__ __forceinline__ void load_q(const Args& a, int t, int h0, int HB, uin
     float4 x[kQBatch][2];
 #pragma unroll
     for (int k = 0; k < kQBatch; ++k) {
-      const float* src = q_src(tid + kConsumers * (b0 + k));
-      x[k][0] = src ? __ldcs(reinterpret_cast<const float4*>(src)) : make_float4(0, 0, 0, 0);
-      x[k][1] = src ? __ldcs(reinterpret_cast<const float4*>(src) + 1) : make_float4(0, 0, 0, 0);
+      const int i = tid + kConsumers * (b0 + k);
+      const float4* src = static_cast<const float4*>(q_src(i));
+      x[k][0] = src ? __ldcs(src) : make_float4(0, 0, 0, 0);  // bf16 pieces: their 16 bytes, as bits
+      x[k][1] = src && !is_bf16(i) ? __ldcs(src + 1) : make_float4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int k = 0; k < kQBatch; ++k) q_store(tid + kConsumers * (b0 + k), x[k][0], x[k][1]);
@@ -324,6 +332,19 @@ __device__ __forceinline__ void write_out(const Args& a, int t, int h0, int HB, 
     if (r1 < HB) a.lse[base + r1] = l1 > 0.0f ? m[1] + logf(l1) : -INFINITY;
   }
   if (!stores) return;
+  if (a.lat_bf16) {  // bf16 out: the same values rounded (RNE), half the bytes
+    __nv_bfloat16* out16 = reinterpret_cast<__nv_bfloat16*>(a.out);
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const int col = 256 * wg + 8 * j + 2 * tq;
+      if (r0 < HB)
+        __stcs(reinterpret_cast<unsigned int*>(out16 + (base + r0) * kR + col), pack_bf16(o[4 * j] * inv0, o[4 * j + 1] * inv0));
+      if (r1 < HB)
+        __stcs(reinterpret_cast<unsigned int*>(out16 + (base + r1) * kR + col),
+               pack_bf16(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1));
+    }
+    return;
+  }
 #pragma unroll
   for (int j = 0; j < 32; ++j) {
     const int col = 256 * wg + 8 * j + 2 * tq;

@@ -287,6 +287,22 @@ __global__ void cast_f32_bf16_kernel(const float* __restrict__ x, int64_t n, __n
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
     o[i] = __float2bfloat16_rn(x[i]);
 }
+// o[i][0, cols) = bf16(x[i * x_stride + (0, cols)]) (RNE), cols % 4 == 0, x 16-byte aligned rows.
+__global__ void cast_rows_f32_bf16_kernel(const float* __restrict__ x, int64_t x_stride, int64_t rows, int cols,
+                                          __nv_bfloat16* __restrict__ o) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
+  const int q4 = cols / 4;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < rows * q4; i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t row = i / q4, c = 4 * (i % q4);
+    const float4 v = __ldcs(reinterpret_cast<const float4*>(x + row * x_stride + c));
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+    uint2 packed;
+    packed.x = *reinterpret_cast<const uint32_t*>(&lo);
+    packed.y = *reinterpret_cast<const uint32_t*>(&hi);
+    *reinterpret_cast<uint2*>(o + row * cols + c) = packed;
+  }
+}
 __global__ void cast_bf16_f32_kernel(const __nv_bfloat16* __restrict__ x, int64_t n, float* __restrict__ o) {
   pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
   pdl_launch_dependents();
@@ -612,14 +628,11 @@ Status mla_apply_uv(const MlaAbsorbParams& p) {
 Status mla_absorb_q_gemm(LtGemm& lt, const MlaAbsorbParams& p) {
   if (p.T <= 0 || p.H <= 0 || p.dn <= 0 || p.r <= 0 || p.q_offset + p.dn > p.q_stride)
     return invalid_argument("mla_absorb_q_gemm: bad shape");
-  if (!p.q || !p.w_uk || !p.q_lat) return invalid_argument("mla_absorb_q_gemm: null pointer");
-  GemmBatchedF32Params g;  // (nvcc compiles C++17 here: no designated initializers)
-  g.a = p.w_uk;
+  if (!p.q || !(p.lat_bf16 ? p.w_uk16 : p.w_uk) || !p.q_lat || (p.lat_bf16 && !p.q16))
+    return invalid_argument("mla_absorb_q_gemm: null pointer");
+  GemmBatchedParams g;  // (nvcc compiles C++17 here: no designated initializers)
   g.lda = p.r;
   g.stride_a = int64_t{p.dn} * p.r;
-  g.b = p.q + p.q_offset;
-  g.ldb = int64_t{p.H} * p.q_stride;
-  g.stride_b = p.q_stride;
   g.d = p.q_lat;
   g.ldd = int64_t{p.H} * p.r;
   g.stride_d = p.r;
@@ -627,16 +640,34 @@ Status mla_absorb_q_gemm(LtGemm& lt, const MlaAbsorbParams& p) {
   g.n = p.T;
   g.k = p.dn;
   g.batch = p.H;
-  g.tf32 = true;
   g.stream = p.stream;
-  return lt.f32_batched(g);
+  if (p.lat_bf16) {  // q's nope part to bf16 [T, H, dn], then bf16 x bf16 -> bf16 q_lat
+    if (p.dn % 4 != 0 || p.q_stride % 4 != 0 || p.q_offset % 4 != 0)
+      return invalid_argument("mla_absorb_q_gemm: bf16 form needs dn, q_stride, q_offset multiples of 4");
+    const int64_t rows = p.T * p.H;
+    launch_kernel(cast_rows_f32_bf16_kernel, grid_for(rows * (p.dn / 4)), kThreads, 0, p.stream, p.q + p.q_offset,
+                  int64_t{p.q_stride}, rows, p.dn, static_cast<__nv_bfloat16*>(p.q16));
+    ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "cast_rows_f32_bf16_kernel"));
+    g.a = p.w_uk16;
+    g.b = p.q16;
+    g.ldb = int64_t{p.H} * p.dn;
+    g.stride_b = p.dn;
+    g.ab_dtype = g.d_dtype = DType::kBF16;
+  } else {
+    g.a = p.w_uk;
+    g.b = p.q + p.q_offset;
+    g.ldb = int64_t{p.H} * p.q_stride;
+    g.stride_b = p.q_stride;
+    g.tf32 = true;
+  }
+  return lt.batched(g);
 }
 
 Status mla_apply_uv_gemm(LtGemm& lt, const MlaAbsorbParams& p) {
   if (p.T <= 0 || p.H <= 0 || p.dv <= 0 || p.r <= 0) return invalid_argument("mla_apply_uv_gemm: bad shape");
-  if (!p.lat || !p.w_uv || !p.o) return invalid_argument("mla_apply_uv_gemm: null pointer");
-  GemmBatchedF32Params g;
-  g.a = p.w_uv;
+  if (!p.lat || !(p.lat_bf16 ? p.w_uv16 : p.w_uv) || !p.o) return invalid_argument("mla_apply_uv_gemm: null pointer");
+  GemmBatchedParams g;
+  g.a = p.lat_bf16 ? p.w_uv16 : static_cast<const void*>(p.w_uv);
   g.lda = p.r;
   g.stride_a = int64_t{p.dv} * p.r;
   g.trans_a = true;
@@ -650,9 +681,10 @@ Status mla_apply_uv_gemm(LtGemm& lt, const MlaAbsorbParams& p) {
   g.n = p.T;
   g.k = p.r;
   g.batch = p.H;
+  g.ab_dtype = p.lat_bf16 ? DType::kBF16 : DType::kF32;  // o stays f32 (the o projection quantizes it)
   g.tf32 = true;
   g.stream = p.stream;
-  return lt.f32_batched(g);
+  return lt.batched(g);
 }
 
 Status cast_f32_bf16(const float* x, int64_t n, void* out, cudaStream_t stream) {

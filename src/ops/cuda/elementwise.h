@@ -120,14 +120,25 @@ struct MlaAbsorbParams {
   const float* lat = nullptr;    // [T, H, r]
   const float* w_uv = nullptr;   // [H, dv, r]
   float* o = nullptr;            // [T, H, dv]
+  // The bf16 form of the GEMMs below (issue 18): q_lat and lat hold bf16 [T, H, r] at the same
+  // addresses, the weights come as bf16 copies, and q's nope part is first cast to bf16
+  // [T, H, dn] at q16 (scratch of T * H * dn * 2 bytes).
+  bool lat_bf16 = false;
+  const void* w_uk16 = nullptr;  // [H, dn, r] bf16
+  const void* w_uv16 = nullptr;  // [H, dv, r] bf16
+  void* q16 = nullptr;
   cudaStream_t stream = nullptr;
 };
 Status mla_absorb_q(const MlaAbsorbParams& p);
 Status mla_apply_uv(const MlaAbsorbParams& p);
 // The same two products as strided-batched GEMMs on the tensor cores, one batch entry per head
-// (LtGemm::f32_batched, TF32: inputs rounded to 10-bit mantissas, f32 sums; ~3e-4 relative
-// against the kernels above), for prefill-sized steps outside exact mode (issue 18). A shape
-// cuBLASLt refuses comes back as kUnimplemented; the caller then runs the kernels above.
+// (LtGemm::batched, TF32: inputs rounded to 10-bit mantissas, f32 sums; ~3e-4 relative
+// against the kernels above), for prefill-sized steps outside exact mode (issue 18). With
+// lat_bf16 the operands are bf16 (q's nope part and the weights rounded to bf16, f32 sums) and
+// q_lat comes out bf16, lat goes in bf16, o stays f32: half the latent bytes through HBM, for
+// the sparse MLA prefill kernel's bf16 q and out (MlaAttentionParams::lat_bf16). A shape
+// cuBLASLt refuses comes back as kUnimplemented; the caller then runs the kernels above (f32
+// form only: the kernels take no bf16).
 Status mla_absorb_q_gemm(LtGemm& lt, const MlaAbsorbParams& p);
 Status mla_apply_uv_gemm(LtGemm& lt, const MlaAbsorbParams& p);
 

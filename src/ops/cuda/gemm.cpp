@@ -216,15 +216,21 @@ Status LtGemm::f32(const GemmF32Params& p) {
                    "cublasLtMatmul(f32)");
 }
 
-Status LtGemm::f32_batched(const GemmBatchedF32Params& p) {
+Status LtGemm::batched(const GemmBatchedParams& p) {
   if (p.m <= 0 || p.n <= 0 || p.k <= 0 || p.batch <= 0)
-    return invalid_argument("gemm f32 batched: bad shape m={} n={} k={} batch={}", p.m, p.n, p.k, p.batch);
-  if (!p.a || !p.b || !p.d) return invalid_argument("gemm f32 batched: null pointer");
+    return invalid_argument("gemm batched: bad shape m={} n={} k={} batch={}", p.m, p.n, p.k, p.batch);
+  if (!p.a || !p.b || !p.d) return invalid_argument("gemm batched: null pointer");
+  auto lt_type = [](DType t) { return t == DType::kBF16 ? CUDA_R_16BF : CUDA_R_32F; };
+  if ((p.ab_dtype != DType::kF32 && p.ab_dtype != DType::kBF16) || (p.d_dtype != DType::kF32 && p.d_dtype != DType::kBF16))
+    return invalid_argument("gemm batched: operands {} / {} (f32 or bf16)", dtype_name(p.ab_dtype), dtype_name(p.d_dtype));
   if (p.lda < (p.trans_a ? p.k : p.m) || p.ldb < p.k || p.ldd < p.m || p.stride_a < 0 || p.stride_b < 0 ||
       p.stride_d < 0)
-    return invalid_argument("gemm f32 batched: leading dimensions lda={} ldb={} ldd={} below the shape m={} n={} k={}",
+    return invalid_argument("gemm batched: leading dimensions lda={} ldb={} ldd={} below the shape m={} n={} k={}",
                             p.lda, p.ldb, p.ldd, p.m, p.n, p.k);
-  const BatchedKey key{p.m, p.n, p.k, p.batch, p.lda, p.stride_a, p.trans_a, p.ldb, p.stride_b, p.ldd, p.stride_d, p.tf32};
+  const bool tf32 = p.tf32 && p.ab_dtype == DType::kF32;
+  const BatchedKey key{p.m,        p.n,   p.k,        p.batch,    p.lda,
+                       p.stride_a, p.trans_a, p.ldb,  p.stride_b, p.ldd,
+                       p.stride_d, tf32,  static_cast<int64_t>(p.ab_dtype), static_cast<int64_t>(p.d_dtype)};
   Plan* pl = nullptr;
   if (auto it = batched_plans_.find(key); it != batched_plans_.end()) {
     pl = &it->second;
@@ -232,13 +238,14 @@ Status LtGemm::f32_batched(const GemmBatchedF32Params& p) {
     if (auto bad = batched_failed_.find(key); bad != batched_failed_.end()) return bad->second;
     Plan np;
     auto make = [&]() -> Status {
-      const cublasComputeType_t ct = p.tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+      const cublasComputeType_t ct = tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
       ML4_LT_RETURN_IF_ERROR(cublasLtMatmulDescCreate(&np.op, ct, CUDA_R_32F));
       const cublasOperation_t opA = p.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, opN = CUBLAS_OP_N;
       ML4_LT_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(np.op, CUBLASLT_MATMUL_DESC_TRANSA, &opA, sizeof(opA)));
       ML4_LT_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(np.op, CUBLASLT_MATMUL_DESC_TRANSB, &opN, sizeof(opN)));
-      auto layout = [&](cublasLtMatrixLayout_t* l, int64_t rows, int64_t cols, int64_t ld, int64_t stride) -> Status {
-        ML4_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(l, CUDA_R_32F, rows, cols, ld));
+      auto layout = [&](cublasLtMatrixLayout_t* l, DType t, int64_t rows, int64_t cols, int64_t ld,
+                        int64_t stride) -> Status {
+        ML4_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(l, lt_type(t), rows, cols, ld));
         const int32_t count = p.batch;
         ML4_LT_RETURN_IF_ERROR(
             cublasLtMatrixLayoutSetAttribute(*l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
@@ -246,11 +253,13 @@ Status LtGemm::f32_batched(const GemmBatchedF32Params& p) {
             cublasLtMatrixLayoutSetAttribute(*l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)));
         return ok_status();
       };
-      ML4_RETURN_IF_ERROR(layout(&np.a, p.trans_a ? p.k : p.m, p.trans_a ? p.m : p.k, p.lda, p.stride_a));
-      ML4_RETURN_IF_ERROR(layout(&np.b, p.k, p.n, p.ldb, p.stride_b));
-      ML4_RETURN_IF_ERROR(layout(&np.d, p.m, p.n, p.ldd, p.stride_d));
-      return pick_algo(np, fmt::format("{} batched GEMM m={} n={} k={} batch={}", p.tf32 ? "tf32" : "f32", p.m, p.n,
-                                       p.k, p.batch));
+      ML4_RETURN_IF_ERROR(
+          layout(&np.a, p.ab_dtype, p.trans_a ? p.k : p.m, p.trans_a ? p.m : p.k, p.lda, p.stride_a));
+      ML4_RETURN_IF_ERROR(layout(&np.b, p.ab_dtype, p.k, p.n, p.ldb, p.stride_b));
+      ML4_RETURN_IF_ERROR(layout(&np.d, p.d_dtype, p.m, p.n, p.ldd, p.stride_d));
+      return pick_algo(np, fmt::format("{} batched GEMM ({} out) m={} n={} k={} batch={}",
+                                       tf32 ? "tf32" : dtype_name(p.ab_dtype), dtype_name(p.d_dtype), p.m, p.n, p.k,
+                                       p.batch));
     };
     Status st = make();
     if (!st.ok()) {
@@ -263,7 +272,7 @@ Status LtGemm::f32_batched(const GemmBatchedF32Params& p) {
   const float alpha = 1.0f, beta = 0.0f;
   return lt_status(cublasLtMatmul(handle_, pl->op, &alpha, p.a, pl->a, p.b, pl->b, &beta, p.d, pl->d, p.d, pl->d,
                                   &pl->algo, workspace_, workspace_bytes_, p.stream),
-                   "cublasLtMatmul(f32 batched)");
+                   "cublasLtMatmul(batched)");
 }
 
 }  // namespace ml4::cuda

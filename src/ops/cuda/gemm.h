@@ -69,24 +69,28 @@ struct GemmFp8BlockParams {
   int64_t w_scale_ld = 0;  // 0 = K/128; cuBLASLt needs roundup(K/128, 4)
 };
 
-// Strided-batched f32 GEMMs in cuBLASLt's own column-major terms (the MLA absorption of
+// Strided-batched GEMMs in cuBLASLt's own column-major terms (the MLA absorption of
 // prefill-sized steps, MODEL.md 3.6: one batch entry per head). For b < batch, with
-// X_b = X + b * stride_x:
+// X_b = X + b * stride_x (strides in elements):
 //   D_b[i, j] = sum_l op(A_b)[i, l] B_b[l, j]        (i < m, j < n, l < k)
 // A is m x k column-major (lda >= m), or with trans_a stored k x m (lda >= k) and read
 // transposed; B is k x n (ldb >= k), D m x n (ldd >= m). Batches may interleave (a stride
-// below ld * cols): the heads of one token's row. tf32: CUBLAS_COMPUTE_32F_FAST_TF32 (inputs
-// rounded to 10-bit mantissas on the tensor cores, f32 accumulation), else full f32.
-struct GemmBatchedF32Params {
-  const float* a = nullptr;
+// below ld * cols): the heads of one token's row. A and B are ab_dtype (kF32 or kBF16), D
+// d_dtype (kF32 or kBF16); sums in f32. f32 operands with tf32: CUBLAS_COMPUTE_32F_FAST_TF32
+// (inputs rounded to 10-bit mantissas on the tensor cores), else full f32; bf16 operands run
+// on the bf16 tensor cores, a bf16 D rounded from the f32 sums (RNE).
+struct GemmBatchedParams {
+  const void* a = nullptr;
   int64_t lda = 0, stride_a = 0;
   bool trans_a = false;
-  const float* b = nullptr;
+  const void* b = nullptr;
   int64_t ldb = 0, stride_b = 0;
-  float* d = nullptr;
+  void* d = nullptr;
   int64_t ldd = 0, stride_d = 0;
   int64_t m = 0, n = 0, k = 0;
   int batch = 1;
+  DType ab_dtype = DType::kF32;
+  DType d_dtype = DType::kF32;
   bool tf32 = false;
   cudaStream_t stream = nullptr;
 };
@@ -114,7 +118,7 @@ class LtGemm {
   Status fp8_block(const GemmFp8BlockParams& p);
   // Full f32 (CUBLAS_COMPUTE_32F, no TF32): the MoE router (MODEL.md 3.7).
   Status f32(const GemmF32Params& p);
-  Status f32_batched(const GemmBatchedF32Params& p);
+  Status batched(const GemmBatchedParams& p);
   // kAuto (default): cuBLASLt where it applies and is the faster one (top of this file),
   // else our kernel. Tests and benchmarks force one (a forced cuBLASLt call that cannot
   // run is kUnimplemented).
@@ -142,7 +146,7 @@ class LtGemm {
   // The heuristic's first algorithm for p's descriptors, or kUnimplemented naming `what`.
   Status pick_algo(Plan& p, const std::string& what);
   static void destroy(Plan& p);
-  using BatchedKey = std::array<int64_t, 12>;
+  using BatchedKey = std::array<int64_t, 14>;
 
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;

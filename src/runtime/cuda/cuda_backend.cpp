@@ -62,6 +62,7 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const ModelConfig& cfg,
   b->opts_ = opts;
   if (const char* v = std::getenv("ML4_MLA_PREFILL"); v && v[0] == '0') b->opts_.mla_prefill_kernel = false;
   if (const char* v = std::getenv("ML4_MLA_PREFILL_PAIRS"); v && v[0] == '0') b->opts_.mla_prefill_pairs = false;
+  if (const char* v = std::getenv("ML4_MLA_LATENT_BF16"); v && v[0] == '0') b->opts_.mla_latent_bf16 = false;
   if (const char* v = std::getenv("ML4_INDEXER_WGMMA"); v && (v[0] == '0' || v[0] == '1')) b->opts_.indexer_wgmma = v[0] == '1';
   if (const char* v = std::getenv("ML4_RESIDENT_BLOCKS"); v && std::atoi(v) == 3) b->opts_.resident_blocks_per_sm = 3;
   b->synthetic_seed_ = synthetic_seed;
@@ -415,6 +416,8 @@ void CudaBackend::begin_forward(int64_t T, int64_t R, int64_t maxlen, Mode mode,
   resident_trace_layer_ = 0;
   in_segment_ = false;
   next_graph_ = 0;
+  pending_absorb_ = {};  // an aborted forward's (mla_latent_bf16)
+  lat_out_bf16_ = nullptr;
 }
 
 // ---- schedule ----
@@ -846,6 +849,20 @@ Result<AbsorbRef> CudaBackend::add_absorb(const LinearWeight& wkv_b) {
   ML4_ASSIGN_OR_RETURN(const float* uk, add_vector(s.w_uk));
   ML4_ASSIGN_OR_RETURN(const float* uv, add_vector(s.w_uv));
   absorbs_.push_back({uk, uv});
+  std::pair<DeviceBuffer, DeviceBuffer> w16;
+  if (opts_.mla_latent_bf16 && opts_.absorb_gemm && !opts_.exact_activations) {
+    auto up16 = [&](const std::vector<float>& v) -> Result<DeviceBuffer> {
+      std::vector<uint16_t> h(v.size());
+      for (size_t i = 0; i < v.size(); ++i) h[i] = f32_to_bf16(v[i]);
+      ML4_ASSIGN_OR_RETURN(DeviceBuffer d, DeviceBuffer::alloc(h.size() * 2));
+      ML4_RETURN_IF_ERROR(d.upload(h.data(), h.size() * 2));
+      weight_bytes_ += static_cast<int64_t>(d.bytes());
+      return d;
+    };
+    ML4_ASSIGN_OR_RETURN(w16.first, up16(s.w_uk));
+    ML4_ASSIGN_OR_RETURN(w16.second, up16(s.w_uv));
+  }
+  absorbs16_.push_back(std::move(w16));
   return AbsorbRef{static_cast<int>(absorbs_.size()) - 1};
 }
 
@@ -859,10 +876,25 @@ bool CudaBackend::absorb_as_gemm() const {
 
 Status CudaBackend::mla_absorb_q(AbsorbRef a, const float* q, float* q_lat) {
   if (!a.valid() || a.id >= static_cast<int>(absorbs_.size())) return internal_error("mla_absorb_q: no wkv_b {}", a.id);
+  ML4_RETURN_IF_ERROR(flush_absorb());
+  if (opts_.mla_latent_bf16 && opts_.mla_prefill_kernel && absorb_as_gemm() && absorbs16_[a.id].first.data()) {
+    pending_absorb_ = {a, q, q_lat};  // mla_attention decides its form (cuda_backend.h, mla_latent_bf16)
+    return ok_status();
+  }
+  return absorb_q_now(a, q, q_lat, false);
+}
+
+Status CudaBackend::absorb_q_now(AbsorbRef a, const float* q, float* q_lat, bool bf16) {
   MlaAbsorbParams ab = absorb_params(cfg_, step_T_, stream_);
   ab.q = q;
   ab.w_uk = absorbs_[a.id].first;
   ab.q_lat = q_lat;
+  if (bf16) {  // q's nope part cast to bf16 into q_lat's upper half, the bf16 q_lat into its lower half
+    ab.lat_bf16 = true;
+    ab.w_uk16 = absorbs16_[a.id].first.data();
+    ab.q16 = reinterpret_cast<uint16_t*>(q_lat) + step_T_ * ab.H * ab.r;
+    return cuda::mla_absorb_q_gemm(*lt_, ab);
+  }
   if (absorb_as_gemm()) {
     Status st = cuda::mla_absorb_q_gemm(*lt_, ab);
     if (st.code() != StatusCode::kUnimplemented) return st;  // a refused shape runs the kernel
@@ -870,12 +902,29 @@ Status CudaBackend::mla_absorb_q(AbsorbRef a, const float* q, float* q_lat) {
   return cuda::mla_absorb_q(ab);
 }
 
+Status CudaBackend::flush_absorb() {
+  if (pending_absorb_.q_lat == nullptr) return ok_status();
+  const PendingAbsorb p = pending_absorb_;
+  pending_absorb_ = {};
+  return absorb_q_now(p.a, p.q, p.q_lat, false);
+}
+
 Status CudaBackend::mla_apply_uv(AbsorbRef a, const float* out_lat, float* o) {
   if (!a.valid() || a.id >= static_cast<int>(absorbs_.size())) return internal_error("mla_apply_uv: no wkv_b {}", a.id);
+  const bool bf16 = lat_out_bf16_ != nullptr;
+  if (bf16 && lat_out_bf16_ != out_lat)
+    return internal_error("mla_apply_uv: the bf16 out_lat of the last attention is not the one given");
+  lat_out_bf16_ = nullptr;
   MlaAbsorbParams ab = absorb_params(cfg_, step_T_, stream_);
   ab.lat = out_lat;
   ab.w_uv = absorbs_[a.id].second;
   ab.o = o;
+  if (bf16) {  // no kernel fallback: the kernels take f32 only
+    ab.lat_bf16 = true;
+    ab.w_uv16 = absorbs16_[a.id].second.data();
+    if (ab.w_uv16 == nullptr) return internal_error("mla_apply_uv: bf16 out_lat without bf16 W_UV {}", a.id);
+    return cuda::mla_apply_uv_gemm(*lt_, ab);
+  }
   if (absorb_as_gemm()) {
     Status st = cuda::mla_apply_uv_gemm(*lt_, ab);
     if (st.code() != StatusCode::kUnimplemented) return st;
@@ -962,7 +1011,24 @@ Status CudaBackend::mla_attention(const MlaArgs& a) {
   }
   ap.workspace = b.attn_ws.data();
   ap.workspace_bytes = b.attn_ws_bytes;
-  return cuda::mla_attention(ap);
+  // mla_latent_bf16: the deferred W_UK absorption, bf16 where the prefill kernel takes the step.
+  if (pending_absorb_.q_lat != nullptr) {
+    if (pending_absorb_.q_lat != a.q_lat) ML4_RETURN_IF_ERROR(flush_absorb());
+  }
+  if (pending_absorb_.q_lat != nullptr) {
+    const PendingAbsorb p = pending_absorb_;
+    pending_absorb_ = {};
+    ap.lat_bf16 = cuda::mla_attention_runs_prefill(ap);
+    if (ap.lat_bf16) {
+      Status st = absorb_q_now(p.a, p.q, p.q_lat, true);
+      if (st.code() == StatusCode::kUnimplemented) ap.lat_bf16 = false;  // cuBLASLt refused: f32 below
+      else ML4_RETURN_IF_ERROR(st);
+    }
+    if (!ap.lat_bf16) ML4_RETURN_IF_ERROR(absorb_q_now(p.a, p.q, p.q_lat, false));
+  }
+  ML4_RETURN_IF_ERROR(cuda::mla_attention(ap));
+  if (ap.lat_bf16) lat_out_bf16_ = a.out_lat;
+  return ok_status();
 }
 
 // ---- HiSparse (offload/hisparse.h) ----
@@ -1272,6 +1338,9 @@ Status CudaBackend::gather_table_rows(TableRef t, const int32_t* ids, int64_t n,
 Status CudaBackend::copy_rows(const float* src, int64_t src_stride, float* dst, int64_t dst_stride, int64_t rows,
                               int64_t cols) {
   if (rows <= 0 || cols <= 0) return ok_status();
+  ML4_RETURN_IF_ERROR(flush_absorb());  // a reader of q_lat (context parallelism)
+  if (lat_out_bf16_ != nullptr && src == lat_out_bf16_)
+    return internal_error("copy_rows: out_lat holds bf16 (mla_latent_bf16) and is read only by mla_apply_uv");
   return cuda_status(cudaMemcpy2DAsync(dst, dst_stride * 4, src, src_stride * 4, cols * 4, rows, cudaMemcpyDeviceToDevice,
                                        stream_),
                      "copy_rows");

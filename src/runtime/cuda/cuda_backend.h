@@ -83,6 +83,16 @@ struct CudaBackendOptions {
   // H100, CudaIndexer.WgmmaScoresAndTopkMatchCpu); decode-sized steps keep mma.sync.
   // ML4_INDEXER_WGMMA=0 turns it off.
   bool indexer_wgmma = true;
+  // The MLA latents of prefill steps in bf16 (issue 18): a step the sparse prefill kernel takes
+  // absorbs W_UK as a bf16 GEMM straight into bf16 q_lat and writes bf16 out_lat, which W_UV
+  // reads as a bf16 GEMM (MlaAbsorbParams::lat_bf16, MlaAttentionParams::lat_bf16): half the
+  // bytes of both through HBM. The kernel rounds q to bf16 anyway; what changes is q's nope part
+  // and W_UK / W_UV rounded to bf16 (not TF32) before their products, and out_lat rounded to
+  // bf16 before W_UV (the o projection then quantizes to FP8). W_UK's absorption is deferred to
+  // mla_attention, which knows whether the prefill kernel takes the step (else it runs the f32
+  // form there). Needs absorb_gemm; bf16 copies of W_UK / W_UV are made at add_absorb when on.
+  // ML4_MLA_LATENT_BF16=0 turns it off.
+  bool mla_latent_bf16 = true;
   // RunnerOptions::experts_to_mxfp4: routed FP8 experts re-quantized to MXFP4 on the device
   // as they are uploaded (ops/cuda/requant.h); needs fp4_weights.
   bool experts_to_mxfp4 = false;
@@ -265,6 +275,7 @@ class CudaBackend : public Backend {
   void set_moe_gemm_swap(bool on) { opts_.moe_gemm_swap = on; }
   void set_moe_quant_epilogue(bool on) { opts_.moe_quant_epilogue = on; }
   void set_mla_prefill_pairs(bool on) { opts_.mla_prefill_pairs = on; }
+  void set_mla_latent_bf16(bool on) { opts_.mla_latent_bf16 = on; }
   void set_indexer_wgmma(bool on) { opts_.indexer_wgmma = on; }
   void set_fused_indexer(bool on) { opts_.fused_indexer = on; }
   void set_grouped_moe_gemm(bool on) {  // the next step reserves (or drops) the path's buffers
@@ -305,6 +316,12 @@ class CudaBackend : public Backend {
   const int32_t* selection_counts(int selection) const;
   bool moe_grouped(const Moe& m) const;
   bool absorb_as_gemm() const;  // this step's absorption takes the batched GEMMs
+  // W_UK's absorption now: the batched GEMMs' f32 or bf16 form (q_lat then holds bf16), or the
+  // kernel.
+  Status absorb_q_now(AbsorbRef a, const float* q, float* q_lat, bool bf16);
+  // A W_UK absorption mla_absorb_q deferred (mla_latent_bf16), run in f32 form before anything
+  // but mla_attention reads its q_lat.
+  Status flush_absorb();
   bool moe_gemm(const Moe& m) const;
   // The resident kernel's operands for this step's block; false when it does not take them.
   bool resident_ffn_params(const FfnBlockArgs& a, FfnResidentParams* p) const;
@@ -335,6 +352,16 @@ class CudaBackend : public Backend {
   std::vector<Moe> moes_;
   std::vector<DeviceBuffer> vectors_;
   std::vector<std::pair<const float*, const float*>> absorbs_;  // (W_UK, W_UV) per add_absorb, in vectors_
+  std::vector<std::pair<DeviceBuffer, DeviceBuffer>> absorbs16_;  // their bf16 copies (mla_latent_bf16)
+  // mla_latent_bf16's state within a layer: the absorption mla_absorb_q deferred (q_lat == null:
+  // none), and the out_lat buffer mla_attention left holding bf16 for mla_apply_uv (or null).
+  struct PendingAbsorb {
+    AbsorbRef a;
+    const float* q = nullptr;
+    float* q_lat = nullptr;
+  };
+  PendingAbsorb pending_absorb_;
+  const float* lat_out_bf16_ = nullptr;
   DeviceBuffer embed_;
   DType embed_dtype_ = DType::kBF16;
   int64_t max_in_ = 0, max_hidden_ = 0;

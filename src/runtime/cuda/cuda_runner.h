@@ -266,6 +266,12 @@ class CudaRunner : public ModelRunner {
     backend_->set_mla_prefill_pairs(on);
     graphs_.clear();
   }
+  // The MLA latents of prefill steps in bf16 (CudaBackendOptions::mla_latent_bf16), for the step
+  // bench (on only where the backend made W_UK / W_UV's bf16 copies at load, i.e. it started on).
+  void set_mla_latent_bf16(bool on) {
+    backend_->set_mla_latent_bf16(on);
+    graphs_.clear();
+  }
   // The indexer's wgmma scores kernel (CudaBackendOptions::indexer_wgmma), for the step bench.
   void set_indexer_wgmma(bool on) {
     backend_->set_indexer_wgmma(on);
