@@ -550,6 +550,11 @@ TEST(CudaMoe, GemmOptionsKeepTheirPositions) {
   EXPECT_FALSE(b.tma);
   const MoeGemmOptions c{false, false, true, false, true, true, true};
   EXPECT_TRUE(c.swap);
+  EXPECT_FALSE(c.swap_down);
+  const MoeGemmOptions d{false, false, true, true, true, true, false, true};
+  EXPECT_TRUE(d.swap_down && d.specialized && d.tma);
+  EXPECT_FALSE(d.swap);
+  EXPECT_FALSE(MoeGemmOptions{}.swap_down);
   EXPECT_FALSE(MoeGemmOptions{}.swap);
   EXPECT_FALSE(MoeGemmOptions{}.specialized);
 }
@@ -568,7 +573,8 @@ TEST(CudaMoe, GemmOptionsKeepTheirPositions) {
 // card's 132 multiprocessors, so its CTAs walk several tiles through the one ring), plain and
 // group-major. And every one (but tall) with its gate_up epilogue quantizing the hidden rows
 // (quant_epilogue, the default) against the first, which quantizes them in fp8_act_quant's own
-// launch: the same e4m3 bytes and scales, so the same bits.
+// launch: the same e4m3 bytes and scales, so the same bits. And MoeGemmOptions::swap_down (the
+// down projection on the swapped kernel over a second tile list of 160-row tiles).
 TEST(CudaMoe, GroupedGemmVariantsAreBitIdentical) {
   ML4_REQUIRE_GPU();
   const int E = 16, K = 4;
@@ -597,7 +603,11 @@ TEST(CudaMoe, GroupedGemmVariantsAreBitIdentical) {
         {false, false, true},                {true, false, true},   {false, true, true},         {false, false, false, true},
         {false, false, true, true},          {true, false, true, true, false}, {false, false, true, true, true, false},
         {false, false, false, true, false, false}, {false, false, true, false, true, true, true},
-        {false, false, false, false, true, true, true}};
+        {false, false, false, false, true, true, true},
+        // The down projection alone on the swapped kernel over its own tiles (swap_down), gate_up
+        // specialized (group-major and not) or on the 64-row kernel.
+        {false, false, true, true, true, true, false, true}, {false, false, false, true, true, true, false, true},
+        {true, false, true, false, true, true, false, true}};
     for (const MoeGemmOptions& o : variants) {
       auto out = poisoned<float>(T * D);
       ML4_ASSERT_OK(moe_experts_forward_gemm(*tables, &c.shared, dxb.as<float>(), T, dids.as<int32_t>(), dw.as<float>(),
@@ -617,7 +627,8 @@ TEST(CudaMoe, GroupedGemmVariantsAreBitIdentical) {
       EXPECT_TRUE(same) << "variant " << v << " (overlap " << variants[v].overlap << ", tall " << variants[v].tall
                         << ", group-major " << variants[v].group_major << ", specialized " << variants[v].specialized
                         << ", quant epilogue " << variants[v].quant_epilogue << ", tma " << variants[v].tma
-                        << ", swap " << variants[v].swap << "): D=" << D << " I=" << I << " T=" << T;
+                        << ", swap " << variants[v].swap << ", swap_down " << variants[v].swap_down << "): D=" << D
+                        << " I=" << I << " T=" << T;
     }
   }
 }

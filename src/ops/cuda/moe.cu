@@ -323,13 +323,15 @@ Status MoeScratch::reserve(int64_t rows, int64_t D, int64_t I, int E, bool group
   const int64_t wide = std::max(D, I);
   ML4_RETURN_IF_ERROR(lin.reserve(rows * wide, rows * ((wide + 127) / 128)));
   max_tiles = 0;
-  for (DeviceBuffer* d : {&cursor, &tiles, &num_tiles, &tile_first, &q, &q_scale}) *d = DeviceBuffer{};
+  for (DeviceBuffer* d : {&cursor, &tiles, &num_tiles, &tile_first, &q, &q_scale, &tiles2, &tile_first2}) *d = DeviceBuffer{};
   if (grouped_gemm) {
     const int64_t tiles_max = moe_gemm_max_tiles(2 * rows, E + 1);
     ML4_ASSIGN_OR_RETURN(cursor, DeviceBuffer::alloc((E + 1) * 4));
     ML4_ASSIGN_OR_RETURN(tiles, DeviceBuffer::alloc(tiles_max * sizeof(MoeTile)));
-    ML4_ASSIGN_OR_RETURN(num_tiles, DeviceBuffer::alloc(8));  // the tile count, then a work counter
+    ML4_ASSIGN_OR_RETURN(tiles2, DeviceBuffer::alloc(tiles_max * sizeof(MoeTile)));
+    ML4_ASSIGN_OR_RETURN(num_tiles, DeviceBuffer::alloc(12));  // the tile count, a work counter, the second count
     ML4_ASSIGN_OR_RETURN(tile_first, DeviceBuffer::alloc((E + 2) * 4));
+    ML4_ASSIGN_OR_RETURN(tile_first2, DeviceBuffer::alloc((E + 2) * 4));
     ML4_ASSIGN_OR_RETURN(q, DeviceBuffer::alloc(2 * rows * wide));
     ML4_ASSIGN_OR_RETURN(q_scale, DeviceBuffer::alloc(2 * rows * ((wide + 127) / 128) * 4));
     max_tiles = tiles_max;
@@ -622,6 +624,16 @@ Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shar
   const bool group_major = gemm.group_major && !fp4;
   pp.tile_first = group_major ? s.tile_first.as<int32_t>() : nullptr;
   pp.stream = stream;
+  // swap_down: the down projection's own list of swap tiles.
+  const bool swap_down = gemm.swap_down && !fp4 && !swap && tb.t2.data() != nullptr;
+  const int64_t tiles2 = swap_down ? moe_gemm_max_tiles(rows, tb.E + (slot ? 1 : 0), kMoeGemmSwapTileRows) : 0;
+  if (swap_down) {
+    pp.tiles2 = s.tiles2.as<MoeTile>();
+    pp.num_tiles2 = s.num_tiles.as<int32_t>() + 2;
+    pp.max_tiles2 = s.max_tiles;
+    pp.tile_rows2 = kMoeGemmSwapTileRows;
+    pp.tile_first2 = group_major ? s.tile_first2.as<int32_t>() : nullptr;
+  }
   ML4_RETURN_IF_ERROR(moe_permute_gemm(pp));
   if (fp4) return moe_gemm_fp4_layers(tb, shared, x, T, weights, K, out, s, stream, tiles, slot);
   auto quant = [&](const float* in, int64_t M, int64_t cols) {
@@ -681,10 +693,17 @@ Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shar
     ML4_RETURN_IF_ERROR(quant(s.g.as<float>(), rows, I));
   }
   down_weights(g, tb);
-  g.w_tmap = tma ? tb.t2.data() : nullptr;
+  g.w_tmap = tma || swap_down ? tb.t2.data() : nullptr;
   g.w_up_tmap = nullptr;
   g.a_rows = nullptr;
   g.y = s.y.as<float>();
+  if (swap_down) {  // the swapped kernel over its own tiles (its 64-row boxes of W2: tb.t2)
+    g.swap = true;
+    g.tiles = s.tiles2.as<MoeTile>();
+    g.num_tiles = s.num_tiles.as<int32_t>() + 2;
+    g.max_tiles = tiles2;
+    if (group_major) g.tile_first = s.tile_first2.as<int32_t>();
+  }
   ML4_RETURN_IF_ERROR(moe_grouped_gemm(g));
   const float* y = s.y.as<float>();
   return moe_combine({y, s.inv.as<int32_t>(), weights, T, K, D, slot ? y + n * D : nullptr, out, stream});

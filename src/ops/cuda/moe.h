@@ -94,8 +94,10 @@ struct MoeScratch {
   DeviceBuffer offsets, perm_token, inv, active;
   DeviceBuffer row_src, gemv_ws;  // decode path: token of each (t, k) row; GEMV split-K partials
   // Grouped-GEMM path (moe_gemm.h): per-expert cursors, tile list and count, e4m3 rows
-  // (x, then the hidden activation) and their per-row scales [rows][cols / 128].
-  DeviceBuffer cursor, tiles, num_tiles, tile_first, q, q_scale;
+  // (x, then the hidden activation) and their per-row scales [rows][cols / 128]. num_tiles holds
+  // the count, the persistent kernels' work counter, and the second list's count; tiles2 /
+  // tile_first2: the second tile list (MoeGemmOptions::swap_down), max_tiles entries too.
+  DeviceBuffer cursor, tiles, num_tiles, tile_first, q, q_scale, tiles2, tile_first2;
   int64_t max_tiles = 0;  // 0: reserved without the grouped-GEMM buffers
   LinearScratch lin;
   std::vector<int32_t> host_offsets;
@@ -195,6 +197,12 @@ struct MoeGemmOptions {
   // New fields go last: callers initialize this struct by position.
   bool tma = true;    // specialized: B by TMA where the tables hold tensor maps (MoeGroupedGemmParams::w_tmap)
   bool swap = false;  // MoeGroupedGemmParams::swap (tokens as the MMA's N; wins over the others; no quant epilogue)
+  // The down projection alone on the swapped kernel (its own tile list of kMoeGemmSwapTileRows
+  // rows, MoePermuteGemmParams::tiles2), gate_up on the variant the fields above choose (and its
+  // quant epilogue): the swapped kernel is the faster one for down, the slower for gate_up
+  // (docs/BENCHMARKS.md "Sixteenth session"). The same bits (every variant's). FP8 experts with
+  // the tables' tensor maps; ignored with swap.
+  bool swap_down = false;
 };
 Status moe_experts_forward_gemm(const MoeExpertTables& tb, const DeviceMlp* shared, const float* x, int64_t T,
                                 const int32_t* ids, const float* weights, int K, float* out, MoeScratch& s,

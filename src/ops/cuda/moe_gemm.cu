@@ -988,22 +988,16 @@ __global__ void count_kernel(const int32_t* __restrict__ ids, int64_t n, int E, 
 
 // One block: offsets from the counts (the shared group last, T rows), cursors reset to the
 // offsets, and the tile list.
-__global__ void plan_kernel(int32_t* __restrict__ cursor, int E, int G, int64_t T, int32_t* __restrict__ offsets,
-                            MoeTile* __restrict__ tiles, int32_t* __restrict__ num_tiles, int64_t max_tiles,
-                            int tile_rows, int32_t* __restrict__ tile_first) {
-  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
-  pdl_launch_dependents();
-  extern __shared__ int32_t first_tile[];  // [G + 1]
+// One tile list over the groups' rows (offsets, [G + 1]): tiles of tile_rows rows, each group's
+// first tile in first_tile ([G + 1], shared memory) and, when given, tile_first.
+__device__ void plan_tiles(const int32_t* offsets, int G, MoeTile* __restrict__ tiles, int32_t* __restrict__ num_tiles,
+                           int64_t max_tiles, int tile_rows, int32_t* __restrict__ tile_first, int32_t* first_tile) {
   if (threadIdx.x == 0) {
-    int32_t off = 0, nt = 0;
+    int32_t nt = 0;
     for (int g = 0; g < G; ++g) {
-      const int32_t cnt = g < E ? cursor[g] : static_cast<int32_t>(T);
-      offsets[g] = off;
       first_tile[g] = nt;
-      off += cnt;
-      nt += (cnt + tile_rows - 1) / tile_rows;
+      nt += (offsets[g + 1] - offsets[g] + tile_rows - 1) / tile_rows;
     }
-    offsets[G] = off;
     first_tile[G] = nt;
     *num_tiles = static_cast<int32_t>(nt < max_tiles ? nt : max_tiles);  // the bound holds; min guards the grid
   }
@@ -1016,8 +1010,30 @@ __global__ void plan_kernel(int32_t* __restrict__ cursor, int E, int G, int64_t 
       const int32_t a = r0 + (i - first_tile[g]) * tile_rows;
       tiles[i] = MoeTile{g, a, min(a + tile_rows, r1), 0};
     }
-    if (g < E) cursor[g] = r0;
   }
+  __syncthreads();  // first_tile is reused by the next list
+}
+
+__global__ void plan_kernel(int32_t* __restrict__ cursor, int E, int G, int64_t T, int32_t* __restrict__ offsets,
+                            MoeTile* __restrict__ tiles, int32_t* __restrict__ num_tiles, int64_t max_tiles,
+                            int tile_rows, int32_t* __restrict__ tile_first, MoeTile* __restrict__ tiles2,
+                            int32_t* __restrict__ num_tiles2, int64_t max_tiles2, int tile_rows2,
+                            int32_t* __restrict__ tile_first2) {
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
+  extern __shared__ int32_t first_tile[];  // [G + 1]
+  if (threadIdx.x == 0) {
+    int32_t off = 0;
+    for (int g = 0; g < G; ++g) {
+      offsets[g] = off;
+      off += g < E ? cursor[g] : static_cast<int32_t>(T);
+    }
+    offsets[G] = off;
+  }
+  __syncthreads();
+  plan_tiles(offsets, G, tiles, num_tiles, max_tiles, tile_rows, tile_first, first_tile);
+  if (tiles2 != nullptr) plan_tiles(offsets, G, tiles2, num_tiles2, max_tiles2, tile_rows2, tile_first2, first_tile);
+  for (int g = threadIdx.x; g < E; g += blockDim.x) cursor[g] = offsets[g];
 }
 
 __global__ void scatter_kernel(const int32_t* __restrict__ ids, int64_t n, int K, int E, int64_t T, bool shared_slot,
@@ -1053,6 +1069,14 @@ Status moe_permute_gemm(const MoePermuteGemmParams& p) {
   if (p.max_tiles < moe_gemm_max_tiles(n + (p.shared_slot ? p.T : 0), G, p.tile_rows))
     return invalid_argument("moe_permute_gemm: {} tiles of room, {} needed at most", p.max_tiles,
                             moe_gemm_max_tiles(n + (p.shared_slot ? p.T : 0), G, p.tile_rows));
+  if (p.tiles2 != nullptr) {
+    if (!p.num_tiles2) return invalid_argument("moe_permute_gemm: tiles2 without num_tiles2");
+    if (p.tile_rows2 != kMoeGemmTileRows && p.tile_rows2 != kMoeGemmTallTileRows && p.tile_rows2 != kMoeGemmSwapTileRows)
+      return invalid_argument("moe_permute_gemm: second list of {}-row tiles", p.tile_rows2);
+    if (p.max_tiles2 < moe_gemm_max_tiles(n + (p.shared_slot ? p.T : 0), G, p.tile_rows2))
+      return invalid_argument("moe_permute_gemm: {} tiles of room in the second list, {} needed at most", p.max_tiles2,
+                              moe_gemm_max_tiles(n + (p.shared_slot ? p.T : 0), G, p.tile_rows2));
+  }
   if (n + p.T >= (int64_t{1} << 31)) return invalid_argument("moe_permute_gemm: {} rows", n + p.T);
   ML4_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.cursor, 0, (p.E + 1) * sizeof(int32_t), p.stream));
   if (n > 0) {
@@ -1060,7 +1084,8 @@ Status moe_permute_gemm(const MoePermuteGemmParams& p) {
     ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "count_kernel"));
   }
   launch_kernel(plan_kernel, 1, 256, (G + 1) * sizeof(int32_t), p.stream, p.cursor, p.E, G, p.T, p.offsets, p.tiles,
-                p.num_tiles, p.max_tiles, p.tile_rows, p.tile_first);
+                p.num_tiles, p.max_tiles, p.tile_rows, p.tile_first, p.tiles2, p.num_tiles2, p.max_tiles2, p.tile_rows2,
+                p.tile_first2);
   ML4_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "plan_kernel"));
   if (n == 0) return ok_status();
   launch_kernel(scatter_kernel, blocks_for(n), 256, 0, p.stream, p.ids, n, p.K, p.E, p.T, p.shared_slot, p.cursor,

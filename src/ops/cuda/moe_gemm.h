@@ -70,6 +70,13 @@ struct MoePermuteGemmParams {
   int tile_rows = kMoeGemmTileRows;  // or kMoeGemmTallTileRows (tall / specialized), kMoeGemmSwapTileRows (swap)
   int32_t* tile_first = nullptr;  // [E + 2] or null: the first tile of each group (and the count)
   cudaStream_t stream = nullptr;
+  // Optionally a second tile list over the same permuted rows, of tile_rows2 rows (a GEMM of the
+  // layer on another kernel: MoeGemmOptions::swap_down), with its own count and tile_first2.
+  MoeTile* tiles2 = nullptr;
+  int32_t* num_tiles2 = nullptr;
+  int64_t max_tiles2 = 0;
+  int tile_rows2 = 0;
+  int32_t* tile_first2 = nullptr;
 };
 Status moe_permute_gemm(const MoePermuteGemmParams& p);
 

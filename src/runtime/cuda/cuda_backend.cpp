@@ -1172,6 +1172,7 @@ Status CudaBackend::moe_experts(MoeRef moe, const float* x, const int32_t* ids, 
     g.specialized = opts_.moe_gemm_specialized;
     g.quant_epilogue = opts_.moe_quant_epilogue;
     g.swap = opts_.moe_gemm_swap;
+    g.swap_down = opts_.moe_gemm_swap_down;
     return moe_experts_forward_gemm(*M.tables, M.shared.get(), x, T, ids, weights, K, out, b.moe, stream_,
                                     lt_.get(), g);
   }

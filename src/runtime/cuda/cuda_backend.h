@@ -64,6 +64,7 @@ struct CudaBackendOptions {
   bool moe_gemm_group_major = true;  // CudaRunnerOptions::moe_gemm_group_major
   bool moe_gemm_specialized = true;   // CudaRunnerOptions::moe_gemm_specialized
   bool moe_gemm_swap = false;         // CudaRunnerOptions::moe_gemm_swap
+  bool moe_gemm_swap_down = false;    // CudaRunnerOptions::moe_gemm_swap_down
   bool moe_quant_epilogue = true;     // CudaRunnerOptions::moe_quant_epilogue
   bool absorb_gemm = true;        // CudaRunnerOptions::absorb_gemm
   int64_t absorb_gemm_min_tokens = 64;
@@ -273,6 +274,7 @@ class CudaBackend : public Backend {
   void set_moe_gemm_group_major(bool on) { opts_.moe_gemm_group_major = on; }
   void set_moe_gemm_specialized(bool on) { opts_.moe_gemm_specialized = on; }
   void set_moe_gemm_swap(bool on) { opts_.moe_gemm_swap = on; }
+  void set_moe_gemm_swap_down(bool on) { opts_.moe_gemm_swap_down = on; }
   void set_moe_quant_epilogue(bool on) { opts_.moe_quant_epilogue = on; }
   void set_mla_prefill_pairs(bool on) { opts_.mla_prefill_pairs = on; }
   void set_mla_latent_bf16(bool on) { opts_.mla_latent_bf16 = on; }

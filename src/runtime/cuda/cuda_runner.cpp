@@ -64,6 +64,7 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::create(const ModelConfig& cfg, c
   bo.moe_gemm_group_major = opts.moe_gemm_group_major;
   bo.moe_gemm_specialized = opts.moe_gemm_specialized;
   bo.moe_gemm_swap = opts.moe_gemm_swap;
+  bo.moe_gemm_swap_down = opts.moe_gemm_swap_down;
   bo.moe_quant_epilogue = opts.moe_quant_epilogue;
   bo.absorb_gemm = opts.absorb_gemm;
   bo.fused_router = opts.fused_router;

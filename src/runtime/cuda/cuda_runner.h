@@ -87,6 +87,9 @@ struct CudaRunnerOptions {
   // variants; no quantizing epilogue). Sixteenth session: bit-identical, slower (whole MoE 8.27
   // ms against the specialized kernel's 6.99 at T = 4096, H100), off.
   bool moe_gemm_swap = false;
+  // The down projection alone on the swapped kernel, gate_up on the specialized one (moe.h
+  // MoeGemmOptions::swap_down; the same bits). Off until timed in the step.
+  bool moe_gemm_swap_down = false;
   // The FP8 grouped gate_up GEMM quantizes the hidden rows in its epilogue (moe.h
   // MoeGemmOptions::quant_epilogue; the same bytes as the separate quantization launch, so the
   // same bits, CudaMoe.GroupedGemmVariantsAreBitIdentical passed on an H100; not with
@@ -254,6 +257,11 @@ class CudaRunner : public ModelRunner {
   void set_moe_gemm_swap(bool on) {
     opts_.moe_gemm_swap = on;
     backend_->set_moe_gemm_swap(on);
+    graphs_.clear();
+  }
+  void set_moe_gemm_swap_down(bool on) {
+    opts_.moe_gemm_swap_down = on;
+    backend_->set_moe_gemm_swap_down(on);
     graphs_.clear();
   }
   void set_moe_quant_epilogue(bool on) {

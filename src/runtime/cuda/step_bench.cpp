@@ -492,6 +492,10 @@ int run_step_bench(const StepBenchOptions& opt) {
     variant(CudaRunnerOptions{}.moe_gemm_swap ? "moe_swap=off" : "moe_swap=on",
             [&](bool on) { r.set_moe_gemm_swap(on); }, !CudaRunnerOptions{}.moe_gemm_swap,
             CudaRunnerOptions{}.moe_gemm_swap);
+    // The down projection alone on the swapped kernel (moe_gemm_swap_down), flipped.
+    variant(CudaRunnerOptions{}.moe_gemm_swap_down ? "moe_swap_down=off" : "moe_swap_down=on",
+            [&](bool on) { r.set_moe_gemm_swap_down(on); }, !CudaRunnerOptions{}.moe_gemm_swap_down,
+            CudaRunnerOptions{}.moe_gemm_swap_down);
     // The hidden rows quantized in their own launch instead of the gate_up epilogue.
     variant("quant_epilogue=off", [&](bool on) { r.set_moe_quant_epilogue(on); }, false,
             CudaRunnerOptions{}.moe_quant_epilogue);
