@@ -136,6 +136,17 @@ const Fp8Shape kFp8Shapes[] = {{1, 576, 512},   {3, 384, 256},   {8, 256, 1024},
                                {16, 576, 384},  {33, 256, 512},  {64, 512, 256},  {300, 256, 1024},
                                {1024, 640, 512}};
 
+// Each backend; cuBLASLt's twice: D row-major (LtGemm::set_fp8_row_out, the default, where
+// cuBLASLt takes it) and D transposed.
+std::vector<std::pair<Fp8Backend, bool>> expand_row_out(std::initializer_list<Fp8Backend> backends) {
+  std::vector<std::pair<Fp8Backend, bool>> v;
+  for (Fp8Backend be : backends) {
+    v.emplace_back(be, true);
+    if (be != Fp8Backend::kOwn) v.emplace_back(be, false);
+  }
+  return v;
+}
+
 // Runs every kFp8Shapes case through the given backends of LtGemm::fp8_block.
 void fp8_vs_cpu(std::initializer_list<Fp8Backend> backends) {
   auto lt = LtGemm::create();
@@ -179,8 +190,9 @@ void fp8_vs_cpu(std::initializer_list<Fp8Backend> backends) {
       for (int64_t k = 0; k < s.K; ++k) xdq[m * s.K + k] = e4m3_to_f32(q[m * s.K + k]) * xs[(k / 128) * s.M + m];
     std::vector<float> ref(s.M * s.N);
     cpu::linear(xdq.data(), s.M, *W, ref.data());
-    for (Fp8Backend be : backends) {
+    for (const auto& [be, row_out] : expand_row_out(backends)) {
       (*lt)->set_fp8_backend(be);
+      (*lt)->set_fp8_row_out(row_out);
       const bool padded = be != Fp8Backend::kOwn;
       GemmFp8BlockParams p{padded ? dq4.data() : dq.data(), padded ? dxs4.as<float>() : dxs.as<float>(),
                            dl->weight.data(), padded ? dl->gemm_scale() : dl->scale.as<float>(), nullptr,
@@ -217,13 +229,16 @@ void fp8_vs_cpu(std::initializer_list<Fp8Backend> backends) {
         }
         ASSERT_TRUE(all_finite(y)) << "unwritten or non-finite output (" << name << ")";
         const double err = rel_err(y, ref), bound = yt == DType::kF32 ? 1e-3 : 5e-3;
-        std::printf("gemm fp8 block M=%ld N=%ld K=%ld out=%s backend=%s (ran %s) rel_err=%.3g bound=%.0e\n", s.M,
-                    s.N, s.K, dtype_name(yt), name, (*lt)->last_fp8_used_lt() ? "cublaslt" : "own", err, bound);
+        std::printf("gemm fp8 block M=%ld N=%ld K=%ld out=%s backend=%s (ran %s%s) rel_err=%.3g bound=%.0e\n", s.M,
+                    s.N, s.K, dtype_name(yt), name, (*lt)->last_fp8_used_lt() ? "cublaslt" : "own",
+                    !(*lt)->last_fp8_used_lt() ? "" : (*lt)->last_fp8_row_out() ? ", row-major D" : ", D transposed",
+                    err, bound);
         EXPECT_LT(err, bound) << name;
         EXPECT_EQ(runs[0], runs[1]) << "repeat run not bit-identical (" << name << ")";
       }
     }
     (*lt)->set_fp8_backend(Fp8Backend::kAuto);
+    (*lt)->set_fp8_row_out(true);
   }
 }
 

@@ -2,6 +2,8 @@
 // naming the shape, never as a crash; fp8_block then runs our kernel instead (kAuto).
 #include "ops/cuda/gemm.h"
 
+#include <cstdlib>
+
 #include "ops/cuda/cuda_common.h"
 #include "ops/cuda/fp8_gemm.h"
 
@@ -28,6 +30,7 @@ Result<std::unique_ptr<LtGemm>> LtGemm::create(size_t workspace_bytes) {
   // shapes); a separate buffer so it never races cuBLASLt's workspace.
   g->own_ws_bytes_ = size_t{16} << 20;
   ML4_CUDA_RETURN_IF_ERROR(cudaMalloc(&g->own_ws_, g->own_ws_bytes_));
+  if (const char* v = std::getenv("ML4_LT_ROW_OUT"); v && v[0] == '0') g->fp8_row_out_ = false;
   return g;
 }
 
@@ -71,18 +74,21 @@ Result<LtGemm::Plan*> LtGemm::plan(int kind, DType y_dtype, int64_t M, int64_t N
   auto bad = failed_.find(key);  // a refused shape is asked about once
   if (bad != failed_.end()) return bad->second;
 
-  const cudaDataType_t in_t = kind == 0 ? CUDA_R_16BF : kind == 1 ? CUDA_R_8F_E4M3 : CUDA_R_32F;
+  // kind 3: FP8 as kind 1, D asked for row-major (fp8_row_out): y itself, no transpose.
+  const bool fp8 = kind == 1 || kind == 3;
+  const cudaDataType_t in_t = kind == 0 ? CUDA_R_16BF : fp8 ? CUDA_R_8F_E4M3 : CUDA_R_32F;
   const cudaDataType_t out_t = y_dtype == DType::kF32 ? CUDA_R_32F : CUDA_R_16BF;
   // swapped (FP8): A = x with VEC128 scales, B = W with BLK128x128 (the orientation of
   // NVIDIA's CUDALibrarySamples LtBlk128x128Fp8Matmul), D = y^T [N][M] in tbuf_,
   // transposed into y after the GEMM. M here is the padded row count (gemm.h).
-  auto attempt = [&](Plan& p, bool swapped) -> Status {
+  auto attempt = [&](Plan& p, bool swapped, bool row_d) -> Status {
     p.swapped = swapped;
+    p.row_d = row_d;
     ML4_LT_RETURN_IF_ERROR(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     const cublasOperation_t opT = CUBLAS_OP_T, opN = CUBLAS_OP_N;
     ML4_LT_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &opT, sizeof(opT)));
     ML4_LT_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &opN, sizeof(opN)));
-    if (kind == 1) {
+    if (fp8) {
       // DeepSeek-style block scaling (cuBLASLt 12.9+; sm_90 takes VEC128 x BLK128x128).
       const int32_t w_mode = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
       const int32_t x_mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
@@ -106,14 +112,24 @@ Result<LtGemm::Plan*> LtGemm::plan(int kind, DType y_dtype, int64_t M, int64_t N
     } else {
       ML4_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&p.a, in_t, K, M, K));
       ML4_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&p.b, in_t, K, N, K));
-      ML4_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&p.d, out_t, M, N, M));
+      ML4_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&p.d, out_t, M, N, row_d ? N : M));
+      if (row_d) {
+        const int32_t order = CUBLASLT_ORDER_ROW;
+        ML4_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutSetAttribute(p.d, CUBLASLT_MATRIX_LAYOUT_ORDER, &order, sizeof(order)));
+      }
     }
-    return pick_algo(p, fmt::format("{} GEMM for M={} N={} K={} -> {}", kind == 0 ? "bf16" : kind == 1 ? "fp8 block-scaled" : "f32",
-                                    M, N, K, dtype_name(y_dtype)));
+    return pick_algo(p, fmt::format("{} GEMM for M={} N={} K={} -> {}{}", kind == 0 ? "bf16" : fp8 ? "fp8 block-scaled" : "f32",
+                                    M, N, K, dtype_name(y_dtype), row_d ? " (row-major D)" : ""));
   };
-  // FP8 runs swapped only: W-as-A was refused for every shape on the H200 (gemm.h).
+  // FP8 runs swapped only: W-as-A was refused for every shape on the H200 (gemm.h); kind 3
+  // first asks for a row-major D, then takes the transposed one.
   Plan p;
-  Status st = attempt(p, kind == 1);
+  Status st = attempt(p, fp8, kind == 3);
+  if (!st.ok() && kind == 3) {
+    destroy(p);
+    p = Plan{};
+    st = attempt(p, true, false);
+  }
   if (!st.ok()) {
     destroy(p);
     failed_.emplace(key, st);
@@ -181,7 +197,7 @@ Status LtGemm::fp8_block(const GemmFp8BlockParams& p) {
                              (fp8_backend_ == Fp8Backend::kAuto && fp8_prefer_lt(p.M, p.N)));
   Plan* pl = nullptr;
   if (use_lt) {
-    auto r = plan(1, p.y_dtype, m_pad, p.N, p.K, p.x_scale, p.w_scale);
+    auto r = plan(fp8_row_out_ ? 3 : 1, p.y_dtype, m_pad, p.N, p.K, p.x_scale, p.w_scale);
     if (!r.ok()) {
       if (fp8_backend_ == Fp8Backend::kCublasLt) return r.status();
       use_lt = false;  // refused shape: our kernel takes it
@@ -190,6 +206,7 @@ Status LtGemm::fp8_block(const GemmFp8BlockParams& p) {
     }
   }
   last_used_lt_ = use_lt;
+  last_row_out_ = false;
   if (!use_lt) {
     return fp8_block_gemm({p.x, p.x_scale, m_pad, p.w, p.w_scale, p.w_scale_ld, p.y, p.y_dtype, p.M, p.N, p.K, own_ws_,
                            own_ws_bytes_, p.stream});
@@ -199,9 +216,18 @@ Status LtGemm::fp8_block(const GemmFp8BlockParams& p) {
   ML4_LT_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(pl->op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &pa, sizeof(pa)));
   ML4_LT_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(pl->op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &pb, sizeof(pb)));
   const float alpha = 1.0f, beta = 0.0f;
-  ML4_LT_RETURN_IF_ERROR(cublasLtMatmul(handle_, pl->op, &alpha, p.x, pl->a, p.w, pl->b, &beta, tbuf_, pl->d, tbuf_,
-                                        pl->d, &pl->algo, workspace_, workspace_bytes_, p.stream));
-  return transpose_out(tbuf_, m_pad, p.y_dtype == DType::kF32 ? 4 : 2, p.N, p.M, p.y, p.stream);
+  const size_t elem = p.y_dtype == DType::kF32 ? 4 : 2;
+  // A row-major D is y (m_pad == M) or y with the pad rows after it (written to tbuf_, the first
+  // M rows copied); else D is y^T, transposed into y.
+  void* d = pl->row_d && m_pad == p.M ? p.y : tbuf_;
+  ML4_LT_RETURN_IF_ERROR(cublasLtMatmul(handle_, pl->op, &alpha, p.x, pl->a, p.w, pl->b, &beta, d, pl->d, d, pl->d,
+                                        &pl->algo, workspace_, workspace_bytes_, p.stream));
+  last_row_out_ = pl->row_d;
+  if (d == p.y) return ok_status();
+  if (pl->row_d)
+    return cuda_status(cudaMemcpyAsync(p.y, tbuf_, static_cast<size_t>(p.M) * p.N * elem, cudaMemcpyDeviceToDevice, p.stream),
+                       "fp8 GEMM pad rows");
+  return transpose_out(tbuf_, m_pad, static_cast<int>(elem), p.N, p.M, p.y, p.stream);
 }
 
 Status LtGemm::f32(const GemmF32Params& p) {

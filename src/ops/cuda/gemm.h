@@ -123,6 +123,13 @@ class LtGemm {
   // else our kernel. Tests and benchmarks force one (a forced cuBLASLt call that cannot
   // run is kUnimplemented).
   void set_fp8_backend(Fp8Backend b) { fp8_backend_ = b; }
+  // cuBLASLt's FP8 GEMMs asked for a row-major D (CUBLASLT_ORDER_ROW: y written directly) before
+  // the column-major y^T that transpose_out turns into y (top of this file); a refused shape
+  // takes the transpose. On by default; off for A/B runs (ML4_LT_ROW_OUT=0 at create).
+  void set_fp8_row_out(bool on) { fp8_row_out_ = on; }
+  bool fp8_row_out() const { return fp8_row_out_; }
+  // Whether the last fp8_block call on cuBLASLt wrote y row-major (no transpose).
+  bool last_fp8_row_out() const { return last_row_out_; }
   // kAuto's choice for a shape cuBLASLt can take.
   static bool fp8_prefer_lt(int64_t M, int64_t N) { return M > 16 && (N >= 4096 || M >= 128); }
   // Whether the last fp8_block call ran cuBLASLt (tests and benchmarks report it).
@@ -137,8 +144,9 @@ class LtGemm {
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
     cublasLtMatmulAlgo_t algo{};
     bool swapped = false;  // FP8: x as A, W as B, D = y^T in tbuf_ (see the top of this file)
+    bool row_d = false;    // FP8 kind 3: D row-major, i.e. y (LtGemm::set_fp8_row_out)
   };
-  // (kind 0 = bf16 / 1 = fp8 block / 2 = f32, out dtype, M, N, K)
+  // (kind 0 = bf16 / 1 = fp8 block / 2 = f32 / 3 = fp8 block, row-major D first, out dtype, M, N, K)
   using Key = std::tuple<int, int, int64_t, int64_t, int64_t>;
   Result<Plan*> plan(int kind, DType y_dtype, int64_t M, int64_t N, int64_t K, const float* x_scale = nullptr,
                      const float* w_scale = nullptr);
@@ -160,7 +168,9 @@ class LtGemm {
   void* own_ws_ = nullptr;  // split-K partials of our FP8 kernel
   size_t own_ws_bytes_ = 0;
   Fp8Backend fp8_backend_ = Fp8Backend::kAuto;
+  bool fp8_row_out_ = true;
   bool last_used_lt_ = false;
+  bool last_row_out_ = false;
 };
 
 }  // namespace ml4::cuda

@@ -1027,7 +1027,10 @@ Status CudaBackend::mla_attention(const MlaArgs& a) {
     if (!ap.lat_bf16) ML4_RETURN_IF_ERROR(absorb_q_now(p.a, p.q, p.q_lat, false));
   }
   ML4_RETURN_IF_ERROR(cuda::mla_attention(ap));
-  if (ap.lat_bf16) lat_out_bf16_ = a.out_lat;
+  if (ap.lat_bf16) {
+    lat_out_bf16_ = a.out_lat;
+    ++latent_bf16_attentions_;
+  }
   return ok_status();
 }
 

@@ -278,6 +278,9 @@ class CudaBackend : public Backend {
   void set_moe_quant_epilogue(bool on) { opts_.moe_quant_epilogue = on; }
   void set_mla_prefill_pairs(bool on) { opts_.mla_prefill_pairs = on; }
   void set_mla_latent_bf16(bool on) { opts_.mla_latent_bf16 = on; }
+  void set_fp8_row_out(bool on) { lt_->set_fp8_row_out(on); }  // LtGemm::set_fp8_row_out
+  // Attention calls that ran on bf16 latents (mla_latent_bf16) since creation (tests).
+  int64_t latent_bf16_attentions() const { return latent_bf16_attentions_; }
   void set_indexer_wgmma(bool on) { opts_.indexer_wgmma = on; }
   void set_fused_indexer(bool on) { opts_.fused_indexer = on; }
   void set_grouped_moe_gemm(bool on) {  // the next step reserves (or drops) the path's buffers
@@ -364,6 +367,7 @@ class CudaBackend : public Backend {
   };
   PendingAbsorb pending_absorb_;
   const float* lat_out_bf16_ = nullptr;
+  int64_t latent_bf16_attentions_ = 0;
   DeviceBuffer embed_;
   DType embed_dtype_ = DType::kBF16;
   int64_t max_in_ = 0, max_hidden_ = 0;
