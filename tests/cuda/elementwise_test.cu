@@ -374,6 +374,25 @@ TEST(CudaElementwise, MlaAbsorptionMatchesF64) {
   }
 }
 
+// Both absorption GEMMs (mla_absorb_q_gemm, mla_apply_uv_gemm), f32 / TF32 or bf16 form, on ml4's
+// width and two toy shapes (the last with r = 132, or 136 in bf16: its operands' rows in 16 bytes).
+void check_absorption_gemms(bool bf16, double bound, uint32_t seed) {
+  ML4_REQUIRE_GPU();
+  auto lt = LtGemm::create();
+  ML4_ASSERT_OK(lt.status());
+  const AbsorbShape shapes[] = {
+      {64, 128, 128, 512, 192, 0, 200}, {4, 32, 32, 128, 48, 0, 70}, {3, 24, 12, bf16 ? 136 : 132, 40, 8, 65}};
+  for (const AbsorbShape& sh : shapes) {
+    check_absorption(
+        sh, seed += 4, bound, bf16 ? "mla absorption GEMM (bf16)" : "mla absorption GEMM (tf32)",
+        [&](const MlaAbsorbParams& p) {
+          ML4_ASSERT_OK(mla_absorb_q_gemm(**lt, p));
+          ML4_ASSERT_OK(mla_apply_uv_gemm(**lt, p));
+        },
+        bf16);
+  }
+}
+
 // The absorption as strided-batched TF32 GEMMs (prefill-sized steps outside exact mode):
 // against f64 on ml4's width and on toy shapes, with heads' rows interleaved as the runner
 // lays them out. Bound: TF32 keeps 10 mantissa bits, so each rounded input is off by up to
@@ -381,19 +400,7 @@ TEST(CudaElementwise, MlaAbsorptionMatchesF64) {
 // errors, and over sums of independent random terms the relative L2 error of the result is
 // that of one term: ~4e-4 with round-to-nearest, <= ~8e-4 with truncation. Bound 1.5e-3, about
 // twice the truncating case (the H200 gave 2.9e-4 on ML4's shape); the f32 kernels sit at 1e-7.
-TEST(CudaElementwise, MlaAbsorptionGemmMatchesF64) {
-  ML4_REQUIRE_GPU();
-  auto lt = LtGemm::create();
-  ML4_ASSERT_OK(lt.status());
-  const AbsorbShape shapes[] = {{64, 128, 128, 512, 192, 0, 200}, {4, 32, 32, 128, 48, 0, 70}, {3, 24, 12, 132, 40, 8, 65}};
-  uint32_t seed = 900;
-  for (const AbsorbShape& sh : shapes) {
-    check_absorption(sh, seed += 4, 1.5e-3, "mla absorption GEMM (tf32)", [&](const MlaAbsorbParams& p) {
-      ML4_ASSERT_OK(mla_absorb_q_gemm(**lt, p));
-      ML4_ASSERT_OK(mla_apply_uv_gemm(**lt, p));
-    });
-  }
-}
+TEST(CudaElementwise, MlaAbsorptionGemmMatchesF64) { check_absorption_gemms(false, 1.5e-3, 900); }
 
 // Their bf16 form (MlaAbsorbParams::lat_bf16: q's nope part, the weights and lat rounded to bf16,
 // f32 sums, q_lat rounded to bf16) against f64 of the unrounded f32 inputs. Bound: each bf16
@@ -401,22 +408,7 @@ TEST(CudaElementwise, MlaAbsorptionGemmMatchesF64) {
 // two (~1.6e-3), which sums of independent terms keep as the relative L2 error; q_lat's own
 // rounding adds ~1.1e-3 in quadrature: ~2e-3 for W_UK, ~1.6e-3 for W_UV. Bound 6e-3, three
 // times that.
-TEST(CudaElementwise, MlaAbsorptionGemmBf16MatchesF64) {
-  ML4_REQUIRE_GPU();
-  auto lt = LtGemm::create();
-  ML4_ASSERT_OK(lt.status());
-  const AbsorbShape shapes[] = {{64, 128, 128, 512, 192, 0, 200}, {4, 32, 32, 128, 48, 0, 70}, {3, 24, 12, 136, 40, 8, 65}};
-  uint32_t seed = 1900;
-  for (const AbsorbShape& sh : shapes) {
-    check_absorption(
-        sh, seed += 4, 6e-3, "mla absorption GEMM (bf16)",
-        [&](const MlaAbsorbParams& p) {
-          ML4_ASSERT_OK(mla_absorb_q_gemm(**lt, p));
-          ML4_ASSERT_OK(mla_apply_uv_gemm(**lt, p));
-        },
-        true);
-  }
-}
+TEST(CudaElementwise, MlaAbsorptionGemmBf16MatchesF64) { check_absorption_gemms(true, 6e-3, 1900); }
 
 }  // namespace
 }  // namespace ml4::cuda

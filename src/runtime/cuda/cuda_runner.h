@@ -80,7 +80,8 @@ struct CudaRunnerOptions {
   // operands (B by TMA), the scales and the item's rows, one CTA a multiprocessor; takes the
   // place of moe_gemm_tall and moe_gemm_overlap). On since the sixteenth session: the whole MoE
   // at T = 4096 with uniform routing 8.34 -> 6.99 ms (1.19x, H100, gpu_moe_bench), bit-identical;
-  // not yet timed in the prefill step (docs/BENCHMARKS.md "Sixteenth session").
+  // ml4-slice-4 prefill of 4096 / 8192 tokens 3.6 / 8.2 ms faster than the 64-row kernel (H100,
+  // seventeenth session; docs/BENCHMARKS.md "Seventeenth session").
   bool moe_gemm_specialized = true;
   // The FP8 grouped GEMMs with the tokens as the MMA's N (moe_gemm.h MoeGroupedGemmParams::swap:
   // tiles of up to 160 rows in steps of 16 instead of 64; takes the place of the other
@@ -88,7 +89,9 @@ struct CudaRunnerOptions {
   // ms against the specialized kernel's 6.99 at T = 4096, H100), off.
   bool moe_gemm_swap = false;
   // The down projection alone on the swapped kernel, gate_up on the specialized one (moe.h
-  // MoeGemmOptions::swap_down; the same bits). Off until timed in the step.
+  // MoeGemmOptions::swap_down; the same bits). Off: 1.05x the specialized kernel alone in the
+  // MoE bench (uniform routing), 0.4-1.6 ms slower in the ml4-slice-4 prefill step (H100,
+  // seventeenth session).
   bool moe_gemm_swap_down = false;
   // The FP8 grouped gate_up GEMM quantizes the hidden rows in its epilogue (moe.h
   // MoeGemmOptions::quant_epilogue; the same bytes as the separate quantization launch, so the
