@@ -30,7 +30,7 @@ Result<std::unique_ptr<LtGemm>> LtGemm::create(size_t workspace_bytes) {
   // shapes); a separate buffer so it never races cuBLASLt's workspace.
   g->own_ws_bytes_ = size_t{16} << 20;
   ML4_CUDA_RETURN_IF_ERROR(cudaMalloc(&g->own_ws_, g->own_ws_bytes_));
-  if (const char* v = std::getenv("ML4_LT_ROW_OUT"); v && v[0] == '0') g->fp8_row_out_ = false;
+  if (const char* v = std::getenv("ML4_LT_ROW_OUT"); v && (v[0] == '0' || v[0] == '1')) g->fp8_row_out_ = v[0] == '1';
   return g;
 }
 

@@ -125,7 +125,8 @@ class LtGemm {
   void set_fp8_backend(Fp8Backend b) { fp8_backend_ = b; }
   // cuBLASLt's FP8 GEMMs asked for a row-major D (CUBLASLT_ORDER_ROW: y written directly) before
   // the column-major y^T that transpose_out turns into y (top of this file); a refused shape
-  // takes the transpose. On by default; off for A/B runs (ML4_LT_ROW_OUT=0 at create).
+  // takes the transpose. Off by default until measured on a device (ML4_LT_ROW_OUT=1 at create
+  // turns it on; the step bench's "lt_row_out=on" line).
   void set_fp8_row_out(bool on) { fp8_row_out_ = on; }
   bool fp8_row_out() const { return fp8_row_out_; }
   // Whether the last fp8_block call on cuBLASLt wrote y row-major (no transpose).
@@ -168,7 +169,7 @@ class LtGemm {
   void* own_ws_ = nullptr;  // split-K partials of our FP8 kernel
   size_t own_ws_bytes_ = 0;
   Fp8Backend fp8_backend_ = Fp8Backend::kAuto;
-  bool fp8_row_out_ = true;
+  bool fp8_row_out_ = false;
   bool last_used_lt_ = false;
   bool last_row_out_ = false;
 };
