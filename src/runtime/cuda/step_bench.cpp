@@ -484,8 +484,8 @@ int run_step_bench(const StepBenchOptions& opt) {
     variant("mla=tiles", [&](bool on) { r.set_mla_prefill_pairs(on); }, false, CudaBackendOptions{}.mla_prefill_pairs);
     // The MLA latents of the prefill kernel's steps in f32 (ML4_MLA_LATENT_BF16=0).
     variant("mla_latent=f32", [&](bool on) { r.set_mla_latent_bf16(on); }, false, CudaBackendOptions{}.mla_latent_bf16);
-    // cuBLASLt's FP8 GEMMs writing y row-major instead of y^T transposed (ML4_LT_ROW_OUT=1).
-    variant("lt_row_out=on", [&](bool on) { r.set_fp8_row_out(on); }, true, false);
+    // cuBLASLt's FP8 GEMMs writing y^T and transposing it instead of y row-major (ML4_LT_ROW_OUT=0).
+    variant("lt_row_out=off", [&](bool on) { r.set_fp8_row_out(on); }, false, true);
     // The grouped MoE GEMMs warp-specialized and persistent (moe_gemm_specialized), flipped.
     variant(CudaRunnerOptions{}.moe_gemm_specialized ? "moe_specialized=off" : "moe_specialized=on",
             [&](bool on) { r.set_moe_gemm_specialized(on); }, !CudaRunnerOptions{}.moe_gemm_specialized,
