@@ -1012,9 +1012,7 @@ Status CudaBackend::mla_attention(const MlaArgs& a) {
   ap.workspace = b.attn_ws.data();
   ap.workspace_bytes = b.attn_ws_bytes;
   // mla_latent_bf16: the deferred W_UK absorption, bf16 where the prefill kernel takes the step.
-  if (pending_absorb_.q_lat != nullptr) {
-    if (pending_absorb_.q_lat != a.q_lat) ML4_RETURN_IF_ERROR(flush_absorb());
-  }
+  if (pending_absorb_.q_lat != nullptr && pending_absorb_.q_lat != a.q_lat) ML4_RETURN_IF_ERROR(flush_absorb());
   if (pending_absorb_.q_lat != nullptr) {
     const PendingAbsorb p = pending_absorb_;
     pending_absorb_ = {};

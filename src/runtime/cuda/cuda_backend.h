@@ -279,6 +279,8 @@ class CudaBackend : public Backend {
   void set_mla_prefill_pairs(bool on) { opts_.mla_prefill_pairs = on; }
   void set_mla_latent_bf16(bool on) { opts_.mla_latent_bf16 = on; }
   void set_fp8_row_out(bool on) { lt_->set_fp8_row_out(on); }  // LtGemm::set_fp8_row_out
+  bool fp8_row_out() const { return lt_->fp8_row_out(); }
+  bool mla_latent_bf16() const { return opts_.mla_latent_bf16; }
   // Attention calls that ran on bf16 latents (mla_latent_bf16) since creation (tests).
   int64_t latent_bf16_attentions() const { return latent_bf16_attentions_; }
   void set_indexer_wgmma(bool on) { opts_.indexer_wgmma = on; }

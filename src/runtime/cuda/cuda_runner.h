@@ -283,12 +283,14 @@ class CudaRunner : public ModelRunner {
     backend_->set_mla_latent_bf16(on);
     graphs_.clear();
   }
+  bool mla_latent_bf16() const { return backend_->mla_latent_bf16(); }
   int64_t latent_bf16_attentions() const { return backend_->latent_bf16_attentions(); }
   // cuBLASLt's FP8 GEMMs writing y row-major (LtGemm::set_fp8_row_out), for the step bench.
   void set_fp8_row_out(bool on) {
     backend_->set_fp8_row_out(on);
     graphs_.clear();
   }
+  bool fp8_row_out() const { return backend_->fp8_row_out(); }
   // The indexer's wgmma scores kernel (CudaBackendOptions::indexer_wgmma), for the step bench.
   void set_indexer_wgmma(bool on) {
     backend_->set_indexer_wgmma(on);

@@ -442,7 +442,8 @@ int run_step_bench(const StepBenchOptions& opt) {
                         : tall   ? (gm ? "grouped_gemm_tall_group_major" : "grouped_gemm_tall")
                         : overlap ? (gm ? "grouped_gemm_overlap_group_major" : "grouped_gemm_overlap")
                                   : "grouped_gemm";
-      const char* abs = absorb ? "gemm_tf32" : "kernel_f32";
+      // gemm: the batched GEMMs (TF32, or bf16 where the latents are: mla_latent_bf16).
+      const char* abs = absorb ? "gemm" : "kernel_f32";
       if (ms < 0) {  // e.g. out of memory beside the KV pool on an 80 GB card: say so, go on
         std::printf("PREFILL tokens=%ld moe=%s absorb=%s failed: %s\n", static_cast<long>(n), moe, abs, failed.c_str());
         continue;
@@ -474,7 +475,7 @@ int run_step_bench(const StepBenchOptions& opt) {
         if (b >= 0 && (base < 0 || b < base)) base = b;
       }
       if (failed.empty())
-        std::printf("PREFILL tokens=%ld moe=defaults absorb=gemm_tf32 %s ms=%.1f tok_s=%.0f "
+        std::printf("PREFILL tokens=%ld moe=defaults absorb=gemm %s ms=%.1f tok_s=%.0f "
                     "base_ms=%.1f\n",
                     static_cast<long>(n), label, best, n / best * 1e3, base);
       else
@@ -482,10 +483,12 @@ int run_step_bench(const StepBenchOptions& opt) {
     };
     // The MLA prefill kernel's tile schedule (ML4_MLA_PREFILL_PAIRS=0).
     variant("mla=tiles", [&](bool on) { r.set_mla_prefill_pairs(on); }, false, CudaBackendOptions{}.mla_prefill_pairs);
-    // The MLA latents of the prefill kernel's steps in f32 (ML4_MLA_LATENT_BF16=0).
-    variant("mla_latent=f32", [&](bool on) { r.set_mla_latent_bf16(on); }, false, CudaBackendOptions{}.mla_latent_bf16);
-    // cuBLASLt's FP8 GEMMs writing y^T and transposing it instead of y row-major (ML4_LT_ROW_OUT=0).
-    variant("lt_row_out=off", [&](bool on) { r.set_fp8_row_out(on); }, false, true);
+    // The MLA latents of the prefill kernel's steps in f32 (ML4_MLA_LATENT_BF16=0), and cuBLASLt's
+    // FP8 GEMMs writing y^T and transposing it instead of y row-major (ML4_LT_ROW_OUT=0); each
+    // restored to the state the process started in (its environment may have set it).
+    const bool latent0 = r.mla_latent_bf16(), row0 = r.fp8_row_out();
+    variant("mla_latent=f32", [&](bool on) { r.set_mla_latent_bf16(on); }, false, latent0);
+    variant("lt_row_out=off", [&](bool on) { r.set_fp8_row_out(on); }, false, row0);
     // The grouped MoE GEMMs warp-specialized and persistent (moe_gemm_specialized), flipped.
     variant(CudaRunnerOptions{}.moe_gemm_specialized ? "moe_specialized=off" : "moe_specialized=on",
             [&](bool on) { r.set_moe_gemm_specialized(on); }, !CudaRunnerOptions{}.moe_gemm_specialized,
