@@ -201,6 +201,23 @@ int run_step_bench(const StepBenchOptions& opt) {
     print_resident_trace(r, cfg.n_layers);
     return ok ? 0 : 1;
   }
+  // ML4_BENCH_NSYS_STEP=B: ten graphed decode steps of batch B at the largest context between
+  // cudaProfilerStart / Stop, for `nsys profile --capture-range=cudaProfilerApi
+  // --cuda-graph-trace=node` and bench/nsys_step_timeline.py (the time between kernels, per
+  // boundary, and the host's share of a step); then nothing else.
+  if (const char* v = std::getenv("ML4_BENCH_NSYS_STEP"); v && std::atoi(v) > 0) {
+    const int batch = std::atoi(v);
+    const StepInput in = decode_step(r, batch, kMaxCtx, blocks_per_seq);
+    const double g = time_step(r, in, 3, 20);
+    cudaDeviceSynchronize();
+    cudaProfilerStart();
+    const double p = time_step(r, in, 0, 10);
+    cudaDeviceSynchronize();
+    cudaProfilerStop();
+    std::printf("NSYSSTEP model=%s batch=%d ctx=%ld latency_decode=%d graph_ms=%.3f profiled_ms=%.3f\n",
+                preset.c_str(), batch, static_cast<long>(kMaxCtx), o.latency_decode ? 1 : 0, g, p);
+    return 0;
+  }
   const int E = cfg.moe.num_experts, K = cfg.moe.num_experts_per_tok;
   int moe_layers = 0, owners = 0;
   for (const auto& l : cfg.layers) {

@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""Where a graphed decode step's time goes between kernels (issue 19's "lost time per kernel
+boundary"), from an nsys SQLite export.
+
+Made on the device by
+  ML4_BENCH_NSYS_STEP=1 nsys profile --capture-range=cudaProfilerApi --cuda-graph-trace=node \
+      --trace=cuda -o step ml4 bench step --preset ml4-slice-4 --batch 1 --ctx 8192 --kv-gib 4
+  nsys export --type sqlite -o step.sqlite step.nsys-rep
+  python3 bench/nsys_step_timeline.py step.sqlite [--csv one_step.csv]
+
+The step bench runs ten graphed steps between cudaProfilerStart / Stop. For each step (the GPU
+work between one step's first and last activity; steps are told apart by the host's
+cudaGraphLaunch calls) it measures:
+  span    first start to last end on the GPU;
+  busy    the union of the kernels', copies' and memsets' intervals (any stream);
+  idle    span - busy: time in which nothing runs on the card, summed over the gaps;
+  period  from one step's first GPU start to the next's: span + the host's part.
+and prints the median step's kernels grouped by name, its largest gaps with the kernels on
+either side, and the gap count (the boundaries at which the card went idle). --csv writes that
+step's activities (start and end in us from the step's start, stream, name) for
+bench/plot_step_timeline.py.
+"""
+import argparse
+import collections
+import re
+import sqlite3
+import statistics
+
+
+def short(name):
+    name = name.replace("(anonymous namespace)::", "")
+    name = re.sub(r"\(.*$", "", name)
+    name = re.sub(r"<.*", "", name)
+    name = re.sub(r"^(void )?([\w]+::)*", "", name)
+    return name
+
+
+def table_exists(db, name):
+    return db.execute("SELECT count(*) FROM sqlite_master WHERE type='table' AND name=?", (name,)).fetchone()[0] > 0
+
+
+def load(path):
+    db = sqlite3.connect(path)
+    strings = dict(db.execute("SELECT id, value FROM StringIds"))
+    acts = []  # (start, end, stream, name, correlationId)
+    kcols = [r[1] for r in db.execute("PRAGMA table_info(CUPTI_ACTIVITY_KIND_KERNEL)")]
+    name_col = "demangledName" if "demangledName" in kcols else "shortName"
+    for s, e, st, n, c in db.execute(
+            f"SELECT start, end, streamId, {name_col}, correlationId FROM CUPTI_ACTIVITY_KIND_KERNEL"):
+        acts.append((s, e, st, short(strings.get(n, str(n))), c))
+    if table_exists(db, "CUPTI_ACTIVITY_KIND_MEMCPY"):
+        for s, e, st, k, c in db.execute(
+                "SELECT start, end, streamId, copyKind, correlationId FROM CUPTI_ACTIVITY_KIND_MEMCPY"):
+            acts.append((s, e, st, f"memcpy(kind {k})", c))
+    if table_exists(db, "CUPTI_ACTIVITY_KIND_MEMSET"):
+        for s, e, st, c in db.execute("SELECT start, end, streamId, correlationId FROM CUPTI_ACTIVITY_KIND_MEMSET"):
+            acts.append((s, e, st, "memset", c))
+    launches = []  # host cudaGraphLaunch calls: (start, end, correlationId)
+    if table_exists(db, "CUPTI_ACTIVITY_KIND_RUNTIME"):
+        for s, e, n, c in db.execute("SELECT start, end, nameId, correlationId FROM CUPTI_ACTIVITY_KIND_RUNTIME"):
+            if strings.get(n, "").startswith("cudaGraphLaunch"):
+                launches.append((s, e, c))
+    acts.sort()
+    launches.sort()
+    return acts, launches
+
+
+def steps_of(acts, launches):
+    """Split the activities into steps. The host synchronises at the end of a step, so a step's
+    first cudaGraphLaunch is issued after every activity of the earlier launches ended; a step
+    is everything that starts from that moment (its input copies before the launch, its
+    kernels, its result copies) until the next such moment."""
+    if not launches:
+        return [acts]
+    by_corr = collections.defaultdict(list)
+    for a in acts:
+        by_corr[a[4]].append(a)
+    splits = []
+    last_end = None
+    for s, e, c in launches:
+        ks = by_corr.get(c, [])
+        if not ks:
+            continue
+        if last_end is None or s >= last_end:
+            splits.append(last_end if last_end is not None else min(min(k[0] for k in ks), s))
+        last_end = max(last_end or 0, max(k[1] for k in ks))
+    splits.append(float("inf"))
+    steps = []
+    for i in range(len(splits) - 1):
+        steps.append([a for a in acts if splits[i] <= a[0] < splits[i + 1]])
+    return [s for s in steps if s]
+
+
+def measure(step):
+    span0 = min(a[0] for a in step)
+    span1 = max(a[1] for a in step)
+    busy, gaps = 0, []
+    cur_s, cur_e, cur_name = None, None, None
+    for s, e, st, n, c in sorted(step):
+        if cur_e is None:
+            cur_s, cur_e, cur_name = s, e, n
+            continue
+        if s > cur_e:
+            busy += cur_e - cur_s
+            gaps.append((s - cur_e, cur_name, n))
+            cur_s, cur_e, cur_name = s, e, n
+        elif e > cur_e:
+            cur_e, cur_name = e, n
+    busy += cur_e - cur_s
+    return span0, span1, busy, gaps
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("sqlite")
+    ap.add_argument("--csv", help="write the median step's activities here")
+    ap.add_argument("--top", type=int, default=15)
+    args = ap.parse_args()
+    acts, launches = load(args.sqlite)
+    steps = steps_of(acts, launches)
+    rows = []
+    for i, st in enumerate(steps):
+        s0, s1, busy, gaps = measure(st)
+        nxt = min(a[0] for a in steps[i + 1]) if i + 1 < len(steps) else None
+        rows.append((s0, s1, busy, gaps, nxt, st))
+    print(f"steps: {len(steps)} ({len(launches)} graph launches, {len(acts)} GPU activities)")
+    spans = [(r[1] - r[0]) / 1e3 for r in rows]
+    busys = [r[2] / 1e3 for r in rows]
+    periods = [(r[4] - r[0]) / 1e3 for r in rows if r[4] is not None]
+    print("step  span_us  busy_us  idle_us  gaps  idle_per_gap_us  activities  period_us")
+    for i, (s0, s1, busy, gaps, nxt, st) in enumerate(rows):
+        idle = (s1 - s0 - busy) / 1e3
+        per = (nxt - s0) / 1e3 if nxt is not None else float("nan")
+        print(f"{i:4d} {(s1 - s0) / 1e3:8.1f} {busy / 1e3:8.1f} {idle:8.1f} {len(gaps):5d} "
+              f"{idle / max(len(gaps), 1):16.2f} {len(st):11d} {per:10.1f}")
+    med_span = statistics.median(spans)
+    print(f"median: span {med_span:.1f} us, busy {statistics.median(busys):.1f} us, idle "
+          f"{statistics.median([a - b for a, b in zip(spans, busys)]):.1f} us"
+          + (f", period {statistics.median(periods):.1f} us (host part {statistics.median(periods) - med_span:.1f})"
+             if periods else ""))
+    # The median step (by span) in detail.
+    k = sorted(range(len(rows)), key=lambda i: (rows[i][1] - rows[i][0]))[len(rows) // 2]
+    s0, s1, busy, gaps, nxt, st = rows[k]
+    print(f"\nstep {k} by kernel name (us; 'sum' over the step's launches, concurrent ones counted each):")
+    g = collections.defaultdict(lambda: [0, 0.0])
+    for s, e, stream, n, c in st:
+        g[n][0] += 1
+        g[n][1] += (e - s) / 1e3
+    total = sum(v[1] for v in g.values())
+    print(f"{'kernel':48s} {'count':>5s} {'sum_us':>8s} {'mean_us':>8s}")
+    for n, (cnt, us) in sorted(g.items(), key=lambda kv: -kv[1][1]):
+        print(f"{n[:48]:48s} {cnt:5d} {us:8.1f} {us / cnt:8.2f}")
+    print(f"{'(all)':48s} {len(st):5d} {total:8.1f}")
+    hist = collections.Counter()
+    for d, a, b in gaps:
+        us = d / 1e3
+        hist["<1" if us < 1 else "1-2" if us < 2 else "2-4" if us < 4 else "4-8" if us < 8 else ">=8"] += 1
+    print(f"\nstep {k} gaps (card idle): {len(gaps)}, {sum(d for d, _, _ in gaps) / 1e3:.1f} us; by length (us): "
+          + ", ".join(f"{b}: {hist[b]}" for b in ["<1", "1-2", "2-4", "4-8", ">=8"]))
+    print(f"largest {args.top}:")
+    for d, a, b in sorted(gaps, reverse=True)[:args.top]:
+        print(f"  {d / 1e3:7.2f} us  {a[:40]:40s} -> {b[:40]}")
+    if args.csv:
+        with open(args.csv, "w") as f:
+            f.write("start_us,end_us,stream,name\n")
+            for s, e, stream, n, c in sorted(st):
+                f.write(f"{(s - s0) / 1e3:.3f},{(e - s0) / 1e3:.3f},{stream},{n}\n")
+
+
+if __name__ == "__main__":
+    main()
