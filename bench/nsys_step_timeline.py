@@ -67,9 +67,10 @@ def load(path):
 
 def steps_of(acts, launches):
     """Split the activities into steps. The host synchronises at the end of a step, so a step's
-    first cudaGraphLaunch is issued after every activity of the earlier launches ended; a step
-    is everything that starts from that moment (its input copies before the launch, its
-    kernels, its result copies) until the next such moment."""
+    first cudaGraphLaunch is issued after every activity of the earlier launches ended. Between
+    the previous graph's last kernel and that launch's first one lie the previous step's result
+    copies and this step's input copies; the step boundary is the longest idle gap there (the
+    host's own work between two steps)."""
     if not launches:
         return [acts]
     by_corr = collections.defaultdict(list)
@@ -81,8 +82,17 @@ def steps_of(acts, launches):
         ks = by_corr.get(c, [])
         if not ks:
             continue
-        if last_end is None or s >= last_end:
-            splits.append(last_end if last_end is not None else min(min(k[0] for k in ks), s))
+        first = min(k[0] for k in ks)
+        if last_end is None:
+            splits.append(min(a[0] for a in acts))
+        elif s >= last_end:
+            between = sorted(a for a in acts if last_end <= a[0] <= first)
+            best, split, prev_end = -1, first, last_end
+            for a in between:
+                if a[0] - prev_end > best:
+                    best, split = a[0] - prev_end, a[0]
+                prev_end = max(prev_end, a[1])
+            splits.append(split)
         last_end = max(last_end or 0, max(k[1] for k in ks))
     splits.append(float("inf"))
     steps = []
