@@ -383,6 +383,7 @@ class CudaRunner : public ModelRunner {
   bool draft_graphs_ok_ = true;  // false after a failed capture: drafts run eagerly
   FaultWord fault_;              // kernels' sticky fault record (ops/cuda/fault.h), checked around each step
   DeviceBuffer host_stage_;      // pinned host memory: logits rows and draft distributions (download_floats)
+  DeviceBuffer meta_stage_;      // pinned host memory: a step's metadata, sampling parameters and tokens
   std::vector<float> large_download_;  // download_floats past the pinned size, until the next call
   // Device verification: per kept sequence its slot of (block - 1) q rows in verify_q_ and the
   // drafts they belong to; free slots; the verifier's inputs and outputs.
