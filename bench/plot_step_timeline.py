@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""One decode step's GPU timeline, a lane per stream, from bench/nsys_step_timeline.py --csv.
+"""One decode step's GPU timeline, a lane per stream, from bench/step_timeline.py --csv.
 
   python3 bench/plot_step_timeline.py one_step.csv out.png [--title T] [--other b.csv --label-a A --label-b B]
 

@@ -26,6 +26,11 @@ if [ "$mode" = pack ]; then
   dest="$root/.device-carry-pd"
   cp "$build/ml4_cuda_tests" "$build/hisparse_gather_bench" "$build/spec_step_bench" "$build/gpu_moe_bench" \
     "$build/attention_bench" "$dest/bin/"
+  # The CUPTI tracer and its CUPTI (bench/step_timeline.py; the device has no Nsight Systems).
+  if [ -e "$build/libml4_cupti_trace.so" ]; then
+    cp "$build/libml4_cupti_trace.so" "$dest/lib/"
+    cp -L "$(ldd "$build/libml4_cupti_trace.so" | awk '/libcupti/ {print $3}')" "$dest/lib/"
+  fi
   ldd "$build/ml4_cuda_tests" | awk '/=> \// {print $3}' | while read -r lib; do
     base=$(basename "$lib")
     case "$base" in

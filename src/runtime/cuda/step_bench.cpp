@@ -203,7 +203,7 @@ int run_step_bench(const StepBenchOptions& opt) {
   }
   // ML4_BENCH_NSYS_STEP=B: ten graphed decode steps of batch B at the largest context between
   // cudaProfilerStart / Stop, for `nsys profile --capture-range=cudaProfilerApi
-  // --cuda-graph-trace=node` and bench/nsys_step_timeline.py (the time between kernels, per
+  // --cuda-graph-trace=node` and bench/step_timeline.py (the time between kernels, per
   // boundary, and the host's share of a step); then nothing else.
   if (const char* v = std::getenv("ML4_BENCH_NSYS_STEP"); v && std::atoi(v) > 0) {
     const int batch = std::atoi(v);

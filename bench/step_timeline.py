@@ -6,7 +6,10 @@ Made on the device by
   ML4_BENCH_NSYS_STEP=1 nsys profile --capture-range=cudaProfilerApi --cuda-graph-trace=node \
       --trace=cuda -o step ml4 bench step --preset ml4-slice-4 --batch 1 --ctx 8192 --kv-gib 4
   nsys export --type sqlite -o step.sqlite step.nsys-rep
-  python3 bench/nsys_step_timeline.py step.sqlite [--csv one_step.csv]
+  python3 bench/step_timeline.py step.sqlite [--csv one_step.csv]
+or, where there is no Nsight Systems (the device machine), bench/cupti_trace.cpp's CSV:
+  ML4_BENCH_NSYS_STEP=1 ML4_CUPTI_OUT=trace.csv LD_PRELOAD=libml4_cupti_trace.so ml4 bench step ...
+  python3 bench/step_timeline.py trace.csv [--csv one_step.csv]
 
 The step bench runs ten graphed steps between cudaProfilerStart / Stop. For each step (the GPU
 work between one step's first and last activity; steps are told apart by the host's
@@ -39,7 +42,32 @@ def table_exists(db, name):
     return db.execute("SELECT count(*) FROM sqlite_master WHERE type='table' AND name=?", (name,)).fetchone()[0] > 0
 
 
+def load_cupti(path):
+    """bench/cupti_trace.cpp's CSV: the activities between cudaProfilerStart and Stop."""
+    import csv
+    rows = list(csv.DictReader(open(path)))
+    runtime = [(int(r["start_ns"]), int(r["end_ns"]), r["name"], int(r["correlation"])) for r in rows if r["kind"] == "R"]
+    starts = [s for s, e, n, c in runtime if n.startswith("cudaProfilerStart")]
+    stops = [s for s, e, n, c in runtime if n.startswith("cudaProfilerStop")]
+    lo = starts[-1] if starts else 0
+    hi = stops[-1] if stops and (not starts or stops[-1] > lo) else float("inf")
+    acts = []
+    for r in rows:
+        if r["kind"] == "R":
+            continue
+        s, e = int(r["start_ns"]), int(r["end_ns"])
+        if lo <= s <= hi:
+            acts.append((s, e, int(r["stream"]), short(r["name"]) if r["kind"] == "K" else r["name"],
+                         int(r["correlation"])))
+    launches = [(s, e, c) for s, e, n, c in runtime if n.startswith("cudaGraphLaunch") and lo <= s <= hi]
+    acts.sort()
+    launches.sort()
+    return acts, launches
+
+
 def load(path):
+    if path.endswith(".csv"):
+        return load_cupti(path)
     db = sqlite3.connect(path)
     strings = dict(db.execute("SELECT id, value FROM StringIds"))
     acts = []  # (start, end, stream, name, correlationId)

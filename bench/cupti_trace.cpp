@@ -1,0 +1,136 @@
+// A preloadable CUPTI activity tracer (the device machine has no Nsight Systems): every kernel
+// (graph kernels one by one), copy, memset and CUDA runtime call of the process, with GPU
+// start and end on CUPTI's clock, written as CSV at exit for bench/step_timeline.py
+// (its CSV input). Built with the CUDA build as build/libml4_cupti_trace.so (target
+// ml4_cupti_trace); scripts/gpu_check_all.sh packs it with its libcupti:
+//   ML4_BENCH_NSYS_STEP=1 ML4_CUPTI_OUT=trace.csv LD_PRELOAD=libml4_cupti_trace.so ml4 bench step ...
+// Columns: kind (K kernel, C copy, S memset, R runtime call), start_ns, end_ns, stream,
+// correlation, graph_node, name.
+#include <cupti.h>
+
+#include <cxxabi.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr size_t kBufferBytes = size_t{8} << 20;
+
+struct Row {
+  char kind;
+  uint64_t start, end;
+  uint32_t stream, corr;
+  uint64_t node;
+  std::string name;
+};
+
+std::mutex g_mu;
+std::vector<Row> g_rows;
+
+std::string demangle(const char* n) {
+  if (n == nullptr) return "?";
+  int st = 0;
+  char* d = abi::__cxa_demangle(n, nullptr, nullptr, &st);
+  std::string s = st == 0 && d != nullptr ? d : n;
+  std::free(d);
+  return s;
+}
+
+void CUPTIAPI requested(uint8_t** buffer, size_t* size, size_t* max_records) {
+  *buffer = static_cast<uint8_t*>(std::aligned_alloc(8, kBufferBytes));
+  *size = kBufferBytes;
+  *max_records = 0;
+}
+
+void CUPTIAPI completed(CUcontext, uint32_t, uint8_t* buffer, size_t, size_t valid) {
+  CUpti_Activity* rec = nullptr;
+  std::vector<Row> rows;
+  while (cuptiActivityGetNextRecord(buffer, valid, &rec) == CUPTI_SUCCESS) {
+    switch (rec->kind) {
+      case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL:
+      case CUPTI_ACTIVITY_KIND_KERNEL: {
+        auto* k = reinterpret_cast<CUpti_ActivityKernel10*>(rec);
+        rows.push_back({'K', k->start, k->end, k->streamId, k->correlationId, k->graphNodeId, demangle(k->name)});
+        break;
+      }
+      case CUPTI_ACTIVITY_KIND_MEMCPY: {
+        auto* m = reinterpret_cast<CUpti_ActivityMemcpy6*>(rec);
+        rows.push_back({'C', m->start, m->end, m->streamId, m->correlationId, m->graphNodeId,
+                        "memcpy kind " + std::to_string(m->copyKind) + " " + std::to_string(m->bytes) + " B"});
+        break;
+      }
+      case CUPTI_ACTIVITY_KIND_MEMSET: {
+        auto* m = reinterpret_cast<CUpti_ActivityMemset4*>(rec);
+        rows.push_back({'S', m->start, m->end, m->streamId, m->correlationId, m->graphNodeId, "memset"});
+        break;
+      }
+      case CUPTI_ACTIVITY_KIND_RUNTIME: {
+        auto* a = reinterpret_cast<CUpti_ActivityAPI*>(rec);
+        const char* name = nullptr;
+        cuptiGetCallbackName(CUPTI_CB_DOMAIN_RUNTIME_API, a->cbid, &name);
+        rows.push_back({'R', a->start, a->end, 0, a->correlationId, 0, name ? name : "?"});
+        break;
+      }
+      default:
+        break;
+    }
+  }
+  std::free(buffer);
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_rows.insert(g_rows.end(), rows.begin(), rows.end());
+}
+
+bool g_written = false;
+
+void write_out() {
+  const char* out = std::getenv("ML4_CUPTI_OUT");
+  if (out == nullptr || g_written) return;
+  cuptiActivityFlushAll(1);
+  std::FILE* f = std::fopen(out, "w");
+  if (f == nullptr) return;
+  g_written = true;
+  std::fprintf(f, "kind,start_ns,end_ns,stream,correlation,graph_node,name\n");
+  std::lock_guard<std::mutex> lock(g_mu);
+  for (const Row& r : g_rows) {
+    std::string n = r.name;
+    for (char& c : n)
+      if (c == ',' || c == '"' || c == '\n') c = ';';
+    std::fprintf(f, "%c,%llu,%llu,%u,%u,%llu,%s\n", r.kind, static_cast<unsigned long long>(r.start),
+                 static_cast<unsigned long long>(r.end), r.stream, r.corr, static_cast<unsigned long long>(r.node),
+                 n.c_str());
+  }
+  std::fclose(f);
+}
+
+// The file is written when the program leaves cudaProfilerStop (the CUDA context is certainly
+// alive then), or at exit if it never calls it.
+void CUPTIAPI on_api(void*, CUpti_CallbackDomain domain, CUpti_CallbackId cbid, const void* data) {
+  const auto* info = static_cast<const CUpti_CallbackData*>(data);
+  if (domain == CUPTI_CB_DOMAIN_RUNTIME_API && cbid == CUPTI_RUNTIME_TRACE_CBID_cudaProfilerStop_v4000 &&
+      info->callbackSite == CUPTI_API_EXIT)
+    write_out();
+}
+
+struct Tracer {
+  Tracer() {
+    if (std::getenv("ML4_CUPTI_OUT") == nullptr) return;
+    CUpti_SubscriberHandle sub;
+    if (cuptiSubscribe(&sub, on_api, nullptr) == CUPTI_SUCCESS)
+      cuptiEnableCallback(1, sub, CUPTI_CB_DOMAIN_RUNTIME_API, CUPTI_RUNTIME_TRACE_CBID_cudaProfilerStop_v4000);
+    cuptiActivityRegisterCallbacks(requested, completed);
+    cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL);
+    cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY);
+    cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMSET);
+    cuptiActivityEnable(CUPTI_ACTIVITY_KIND_RUNTIME);
+  }
+  ~Tracer() { write_out(); }
+};
+
+Tracer g_tracer;
+
+}  // namespace
