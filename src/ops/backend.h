@@ -286,6 +286,9 @@ class Backend {
   virtual const Activations& acts() const = 0;
   virtual int64_t step_tokens() const = 0;
   virtual int64_t step_rows() const = 0;
+  // True when the step's logits rows are its tokens in order (every token asks for logits:
+  // decoding, DSpark's verification), so the final norm can write the rows itself.
+  virtual bool rows_are_tokens() const { return false; }
 
   // ---- ops ----
   virtual Status embedding(float* out) = 0;  // out[t] = table[token t]

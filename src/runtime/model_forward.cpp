@@ -971,9 +971,14 @@ Status ModelForward::forward(const StepMetadata* md, ForwardTrace* trace) {
         break;
     }
   }
-  // residual += the last FFN output (normalized into a, unused: only the rows matter).
+  // residual += the last FFN output, normalized into a (unused: only the rows matter), or
+  // straight into the rows when they are the step's tokens in order (a decode step: saves the
+  // gather and a second norm of the same values).
+  const bool rows_are_tokens = R > 0 && be_.rows_are_tokens() && !prefill_context_parallel();
   if (R > 0 || drafter_ != nullptr) {
-    ML4_RETURN_IF_ERROR(be_.segment([&] { return be_.rms_norm({x.tmp, x.residual, final_norm_, T, D, 0, eps, x.a}); }));
+    ML4_RETURN_IF_ERROR(be_.segment([&] {
+      return be_.rms_norm({x.tmp, x.residual, final_norm_, T, D, 0, eps, rows_are_tokens ? x.normed : x.a});
+    }));
   }
   if (drafter_ != nullptr) {
     ML4_RETURN_IF_ERROR(capture_hidden(cfg_.n_layers - 1));
@@ -982,8 +987,10 @@ Status ModelForward::forward(const StepMetadata* md, ForwardTrace* trace) {
   if (R > 0) {
     ML4_RETURN_IF_ERROR(be_.segment([&] {
       return be_.timed("final norm + lm_head", [&]() -> Status {
-        ML4_RETURN_IF_ERROR(be_.gather_logits_rows(x.residual, x.rows));
-        ML4_RETURN_IF_ERROR(be_.rms_norm({x.rows, nullptr, final_norm_, R, D, 0, eps, x.normed}));
+        if (!rows_are_tokens) {
+          ML4_RETURN_IF_ERROR(be_.gather_logits_rows(x.residual, x.rows));
+          ML4_RETURN_IF_ERROR(be_.rms_norm({x.rows, nullptr, final_norm_, R, D, 0, eps, x.normed}));
+        }
         return logits();
       });
     }));

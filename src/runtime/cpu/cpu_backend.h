@@ -61,6 +61,8 @@ class CpuBackend : public Backend {
   const Activations& acts() const override { return acts_; }
   int64_t step_tokens() const override { return md_ == nullptr ? 0 : md_->num_tokens(); }
   int64_t step_rows() const override { return md_ == nullptr ? 0 : static_cast<int64_t>(md_->logits_rows.size()); }
+  // logits_rows are increasing token indices: as many as the tokens means every token in order.
+  bool rows_are_tokens() const override { return md_ != nullptr && step_rows() == step_tokens(); }
 
   Status embedding(float* out) override;
   Status rms_norm(const NormArgs& p) override;

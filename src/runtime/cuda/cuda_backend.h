@@ -146,6 +146,10 @@ class CudaBackend : public Backend {
   const Activations& acts() const override { return acts_; }
   int64_t step_tokens() const override { return step_T_; }
   int64_t step_rows() const override { return step_R_; }
+  bool rows_are_tokens() const override { return rows_are_tokens_; }
+  // Set by the runner per step: its R logits rows are its T tokens (R == T) and the padded
+  // counts agree, so row t of the normed rows is token t's.
+  void set_rows_are_tokens(bool on) { rows_are_tokens_ = on; }
   Status embedding(float* out) override;
   Status rms_norm(const NormArgs& p) override;
   Status layer_norm(const float* x, const float* w, const float* b, int64_t rows, int64_t dim, float eps,
@@ -405,6 +409,7 @@ class CudaBackend : public Backend {
   int routers_ = 0;  // routers registered (synthetic seeds follow the MoE layer index)
   // This step's launch shape (padded in graph mode) and host metadata (traced steps).
   int64_t step_T_ = 0, step_R_ = 0, step_maxlen_ = 1;
+  bool rows_are_tokens_ = false;
   int64_t bucket_T_ = 0;  // begin_forward's bucket_T
   const DeviceSamplingParams* staged_params_ = nullptr;  // stage_draft_params
   int64_t staged_count_ = 0;

@@ -216,6 +216,7 @@ class StepStage {
 Status CudaRunner::run_forward(CudaBackend::Mode mode, std::vector<GraphExec>* segments, const StepMetadata* md,
                                ForwardTrace* trace) {
   backend_->begin_forward(step_T_, step_R_, step_maxlen_, mode, segments, md, step_bucket_T_);
+  backend_->set_rows_are_tokens(step_rows_are_tokens_);  // begin_forward cleared it (drafts leave it off)
   return program_->forward(md, trace);
 }
 
@@ -337,10 +338,13 @@ Result<StepOutput> CudaRunner::execute_step(const StepInput& in, ForwardTrace* t
   if (drafter_group >= 0) ML4_RETURN_IF_ERROR(h2d(b.drafter_slots, dslots, Tp * 8));
   step_T_ = Tp;
   step_R_ = Rp;
+  // Part of the graph's key: it changes the launch sequence (model_forward.cpp's final norm).
+  const bool rows_are_tokens = R == T && Rp == Tp;
+  step_rows_are_tokens_ = rows_are_tokens;
   step_maxlen_ = maxlen;
   step_bucket_T_ = bucket_T;
   if (graph) {
-    const GraphKey key{Tp, Rp, maxlen, maxb};
+    const GraphKey key{Tp, Rp, maxlen, maxb, rows_are_tokens};
     auto it = graphs_.find(key);
     if (it != graphs_.end()) {
       ML4_RETURN_IF_ERROR(run_forward(CudaBackend::Mode::kReplay, &it->second, nullptr, nullptr));
