@@ -372,8 +372,8 @@ class CudaRunner : public ModelRunner {
   std::unique_ptr<ModelForward> program_;
   // This step's launch shape (padded in graph mode).
   int64_t step_T_ = 0, step_R_ = 0, step_maxlen_ = 1;
-  int64_t step_bucket_T_ = 0;
-  bool step_rows_are_tokens_ = false;  // CudaBackend::set_rows_are_tokens for this step's forward  // the step's graph bucket (tokens), graphed or not
+  int64_t step_bucket_T_ = 0;  // the step's graph bucket (tokens), graphed or not
+  bool step_rows_are_tokens_ = false;  // CudaBackend::set_rows_are_tokens for this step's forward
   // (tokens, logits rows, max length, table stride, rows are the tokens) -> the step's graph
   // segments in order.
   using GraphKey = std::tuple<int64_t, int64_t, int64_t, int64_t, bool>;
