@@ -107,13 +107,19 @@ void write_out() {
   std::fclose(f);
 }
 
-// The file is written when the program leaves cudaProfilerStop (the CUDA context is certainly
-// alive then), or at exit if it never calls it.
+// The file is written at exit. Leaving cudaProfilerStop registers an atexit handler: handlers
+// run in reverse order of registration, so this one runs before the CUDA runtime's (registered
+// at the program's first CUDA call) tears the context down, and nothing is flushed from inside
+// a CUPTI callback. A program that never calls cudaProfilerStop is written by the tracer's
+// destructor (whatever CUPTI delivered by then).
 void CUPTIAPI on_api(void*, CUpti_CallbackDomain domain, CUpti_CallbackId cbid, const void* data) {
   const auto* info = static_cast<const CUpti_CallbackData*>(data);
+  static bool registered = false;
   if (domain == CUPTI_CB_DOMAIN_RUNTIME_API && cbid == CUPTI_RUNTIME_TRACE_CBID_cudaProfilerStop_v4000 &&
-      info->callbackSite == CUPTI_API_EXIT)
-    write_out();
+      info->callbackSite == CUPTI_API_EXIT && !registered) {
+    registered = true;
+    std::atexit(write_out);
+  }
 }
 
 struct Tracer {
