@@ -6,7 +6,8 @@
 #      cuBLASLt dense) and the ml4-slice-4 step bench's PREFILL lines, both MoE paths; decode
 #      steps with NVFP4 / MXFP4 routed experts;
 #   D. the decode step (issue 19): ml4-slice-4 at batch 1 / 2 / 4, ml4-tiny, one step's
-#      per-kernel times under ncu (bench/ncu_kernel_table.py);
+#      per-kernel times under ncu (bench/ncu_kernel_table.py), ten graphed steps' timeline
+#      under the CUPTI tracer (bench/step_timeline.py);
 #   1. the GPU tests added since the last run (FILTER_NEW), then DSpark on the H200:
 #      bench/spec_decode_cpu.sh against `ml4 serve --device cuda` on assets/ml4-small (one round);
 #   2. `ml4 perplexity --device cuda` on ml4-small (the CPU figure to match is in docs/ML4-SMALL.md);
@@ -63,6 +64,7 @@ export ML4_SOURCE_DIR="$root"
 t0=$(date +%s)
 stamp() { echo "==== [$(( $(date +%s) - t0 )) s] $*"; }
 # SECTIONS picks parts (default all but train): tests decode moegemm spec specstep hisparse perplexity pd all;
+# timeline (in decode too) alone runs the decode step's CUPTI timeline;
 # train (not in the default: it needs the corpus carried, see below) retrains the DSpark drafter
 sections=" ${SECTIONS:-tests decode moegemm spec specstep hisparse perplexity pd all} "
 on() { [[ "$sections" == *" $1 "* ]]; }
@@ -103,6 +105,23 @@ if on decode; then
       --preset ml4-slice-4 --batch $b --ctx 8192 --kv-gib 4 > "$out/resident_trace_b$b.log" 2>&1
     echo "resident trace batch=$b rc=$?"
     grep -E "NCUSTEP|RESIDENT_TRACE|rror" "$out/resident_trace_b$b.log" | cut -c1-330
+  done
+fi
+
+if on decode || on timeline; then
+  # Issue 19's lost time per kernel boundary: ten graphed steps under the CUPTI tracer (the
+  # machine has no Nsight Systems), each step's span / busy / idle time and its gaps
+  # (bench/step_timeline.py), the median step's activities as CSV for bench/plot_step_timeline.py.
+  stamp "D2. decode step timeline (CUPTI)"
+  for b in 1 4; do
+    ML4_BENCH_NSYS_STEP=$b ML4_CUPTI_OUT="$out/cupti_b$b.csv" LD_PRELOAD="$carry/lib/libml4_cupti_trace.so" \
+      timeout 150 "$carry/bin/ml4" bench step --preset ml4-slice-4 --batch $b --ctx 8192 --kv-gib 4 \
+      > "$out/timeline_b$b.log" 2>&1
+    echo "timeline batch=$b rc=$?"
+    grep -E "NSYSSTEP|rror" "$out/timeline_b$b.log"
+    python3 "$root/bench/step_timeline.py" "$out/cupti_b$b.csv" --top 30 --csv "$out/step_b$b.csv" \
+      > "$out/step_timeline_b$b.txt" 2>&1 && head -16 "$out/step_timeline_b$b.txt"
+    rm -f "$out/cupti_b$b.csv"  # every activity of the process: large; the step's CSV stays
   done
 fi
 
