@@ -202,9 +202,10 @@ int run_step_bench(const StepBenchOptions& opt) {
     return ok ? 0 : 1;
   }
   // ML4_BENCH_NSYS_STEP=B: ten graphed decode steps of batch B at the largest context between
-  // cudaProfilerStart / Stop, for `nsys profile --capture-range=cudaProfilerApi
-  // --cuda-graph-trace=node` and bench/step_timeline.py (the time between kernels, per
-  // boundary, and the host's share of a step); then nothing else.
+  // cudaProfilerStart / Stop, for the CUPTI tracer (bench/cupti_trace.cpp; or `nsys profile
+  // --capture-range=cudaProfilerApi --cuda-graph-trace=node` where there is one) and
+  // bench/step_timeline.py (the time between kernels, per boundary, and the host's share of a
+  // step); then nothing else.
   if (const char* v = std::getenv("ML4_BENCH_NSYS_STEP"); v && std::atoi(v) > 0) {
     const int batch = std::atoi(v);
     const StepInput in = decode_step(r, batch, kMaxCtx, blocks_per_seq);
