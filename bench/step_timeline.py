@@ -19,7 +19,9 @@ cudaGraphLaunch calls) it measures:
   idle    span - busy: time in which nothing runs on the card, summed over the gaps;
   period  from one step's first GPU start to the next's: span + the host's part.
 and prints the median step's kernels grouped by name, its largest gaps with the kernels on
-either side, and the gap count (the boundaries at which the card went idle). --csv writes that
+either side, the gap count (the boundaries at which the card went idle), and the step split
+three ways: weights streaming (a weight GEMV / GEMM running, --weights), other work only, idle,
+with the longest stretches without a weight kernel and what ran in them. --csv writes that
 step's activities (start and end in us from the step's start, stream, name) for
 bench/plot_step_timeline.py.
 """
@@ -153,6 +155,8 @@ def main():
     ap.add_argument("sqlite")
     ap.add_argument("--csv", help="write the median step's activities here")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--weights", default=r"gemv|gemm|Gemm|xmma|ffn_resident|absorb|apply_uv",
+                    help="regex of the kernels that stream weights (reductions excluded)")
     args = ap.parse_args()
     acts, launches = load(args.sqlite)
     steps = steps_of(acts, launches)
@@ -198,6 +202,32 @@ def main():
     print(f"largest {args.top}:")
     for d, a, b in sorted(gaps, reverse=True)[:args.top]:
         print(f"  {d / 1e3:7.2f} us  {a[:40]:40s} -> {b[:40]}")
+    # Three-way split of the median step: weights streaming (any weight kernel running), busy
+    # with other work only, idle; and the longest stretches without a weight kernel, with what
+    # ran in them (the serial small-kernel chains between the weight streams).
+    wre = re.compile(args.weights)
+    is_w = [bool(wre.search(n)) and "reduce" not in n for _, _, _, n, _ in st]
+    wiv = sorted((s, e) for (s, e, _, _, _), w in zip(st, is_w) if w)
+    merged = []
+    for s, e in wiv:
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    wbusy = sum(e - s for s, e in merged)
+    span = s1 - s0
+    print(f"\nstep {k}: weights streaming {wbusy / 1e3:.1f} us, other work only {(busy - wbusy) / 1e3:.1f} us, "
+          f"idle {(span - busy) / 1e3:.1f} us (of {span / 1e3:.1f}; weight kernels /{args.weights}/)")
+    holes, prev = [], s0
+    for s, e in merged + [[s1, s1]]:
+        if s > prev:
+            holes.append((s - prev, prev, s))
+        prev = max(prev, e)
+    print(f"longest stretches without a weight kernel ({len(holes)}, {sum(h[0] for h in holes) / 1e3:.1f} us):")
+    for d, a, b in sorted(holes, reverse=True)[:args.top]:
+        inside = [n for s, e, _, n, _ in st if s < b and e > a]
+        print(f"  {d / 1e3:7.2f} us at {(a - s0) / 1e3:7.1f}: {', '.join(x[:28] for x in inside[:8])}"
+              + (" ..." if len(inside) > 8 else ""))
     if args.csv:
         with open(args.csv, "w") as f:
             f.write("start_us,end_us,stream,name\n")
