@@ -3,7 +3,7 @@
 // start and end on CUPTI's clock, written as CSV at exit for bench/step_timeline.py
 // (its CSV input). Built with the CUDA build as build/libml4_cupti_trace.so (target
 // ml4_cupti_trace); scripts/gpu_check_all.sh packs it with its libcupti:
-//   ML4_BENCH_NSYS_STEP=1 ML4_CUPTI_OUT=trace.csv LD_PRELOAD=libml4_cupti_trace.so ml4 bench step ...
+//   ML4_BENCH_TRACE_STEP=1 ML4_CUPTI_OUT=trace.csv LD_PRELOAD=libml4_cupti_trace.so ml4 bench step ...
 // Columns: kind (K kernel, C copy, S memset, R runtime call), start_ns, end_ns, stream,
 // correlation, graph_node, name.
 #include <cupti.h>

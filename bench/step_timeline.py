@@ -1,15 +1,12 @@
 #!/usr/bin/env python3
 """Where a graphed decode step's time goes between kernels (issue 19's "lost time per kernel
-boundary"), from an nsys SQLite export.
+boundary"), from bench/cupti_trace.cpp's CSV (the device machine has no Nsight Systems).
 
 Made on the device by
-  ML4_BENCH_NSYS_STEP=1 nsys profile --capture-range=cudaProfilerApi --cuda-graph-trace=node \
-      --trace=cuda -o step ml4 bench step --preset ml4-slice-4 --batch 1 --ctx 8192 --kv-gib 4
-  nsys export --type sqlite -o step.sqlite step.nsys-rep
-  python3 bench/step_timeline.py step.sqlite [--csv one_step.csv]
-or, where there is no Nsight Systems (the device machine), bench/cupti_trace.cpp's CSV:
-  ML4_BENCH_NSYS_STEP=1 ML4_CUPTI_OUT=trace.csv LD_PRELOAD=libml4_cupti_trace.so ml4 bench step ...
+  ML4_BENCH_TRACE_STEP=1 ML4_CUPTI_OUT=trace.csv LD_PRELOAD=libml4_cupti_trace.so \
+      ml4 bench step --preset ml4-slice-4 --batch 1 --ctx 8192 --kv-gib 4
   python3 bench/step_timeline.py trace.csv [--csv one_step.csv]
+(scripts/gpu_check_all.sh's timeline section does both.)
 
 The step bench runs ten graphed steps between cudaProfilerStart / Stop. For each step (the GPU
 work between one step's first and last activity; steps are told apart by the host's
@@ -28,7 +25,6 @@ bench/plot_step_timeline.py.
 import argparse
 import collections
 import re
-import sqlite3
 import statistics
 
 
@@ -40,11 +36,7 @@ def short(name):
     return name
 
 
-def table_exists(db, name):
-    return db.execute("SELECT count(*) FROM sqlite_master WHERE type='table' AND name=?", (name,)).fetchone()[0] > 0
-
-
-def load_cupti(path):
+def load(path):
     """bench/cupti_trace.cpp's CSV: the activities between cudaProfilerStart and Stop."""
     import csv
     rows = list(csv.DictReader(open(path)))
@@ -62,34 +54,6 @@ def load_cupti(path):
             acts.append((s, e, int(r["stream"]), short(r["name"]) if r["kind"] == "K" else r["name"],
                          int(r["correlation"])))
     launches = [(s, e, c) for s, e, n, c in runtime if n.startswith("cudaGraphLaunch") and lo <= s <= hi]
-    acts.sort()
-    launches.sort()
-    return acts, launches
-
-
-def load(path):
-    if path.endswith(".csv"):
-        return load_cupti(path)
-    db = sqlite3.connect(path)
-    strings = dict(db.execute("SELECT id, value FROM StringIds"))
-    acts = []  # (start, end, stream, name, correlationId)
-    kcols = [r[1] for r in db.execute("PRAGMA table_info(CUPTI_ACTIVITY_KIND_KERNEL)")]
-    name_col = "demangledName" if "demangledName" in kcols else "shortName"
-    for s, e, st, n, c in db.execute(
-            f"SELECT start, end, streamId, {name_col}, correlationId FROM CUPTI_ACTIVITY_KIND_KERNEL"):
-        acts.append((s, e, st, short(strings.get(n, str(n))), c))
-    if table_exists(db, "CUPTI_ACTIVITY_KIND_MEMCPY"):
-        for s, e, st, k, c in db.execute(
-                "SELECT start, end, streamId, copyKind, correlationId FROM CUPTI_ACTIVITY_KIND_MEMCPY"):
-            acts.append((s, e, st, f"memcpy(kind {k})", c))
-    if table_exists(db, "CUPTI_ACTIVITY_KIND_MEMSET"):
-        for s, e, st, c in db.execute("SELECT start, end, streamId, correlationId FROM CUPTI_ACTIVITY_KIND_MEMSET"):
-            acts.append((s, e, st, "memset", c))
-    launches = []  # host cudaGraphLaunch calls: (start, end, correlationId)
-    if table_exists(db, "CUPTI_ACTIVITY_KIND_RUNTIME"):
-        for s, e, n, c in db.execute("SELECT start, end, nameId, correlationId FROM CUPTI_ACTIVITY_KIND_RUNTIME"):
-            if strings.get(n, "").startswith("cudaGraphLaunch"):
-                launches.append((s, e, c))
     acts.sort()
     launches.sort()
     return acts, launches
@@ -152,13 +116,13 @@ def measure(step):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("sqlite")
+    ap.add_argument("trace", help="bench/cupti_trace.cpp's CSV")
     ap.add_argument("--csv", help="write the median step's activities here")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--weights", default=r"gemv|gemm|Gemm|xmma|ffn_resident|absorb|apply_uv",
                     help="regex of the kernels that stream weights (reductions excluded)")
     args = ap.parse_args()
-    acts, launches = load(args.sqlite)
+    acts, launches = load(args.trace)
     steps = steps_of(acts, launches)
     rows = []
     for i, st in enumerate(steps):

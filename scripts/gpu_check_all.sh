@@ -114,11 +114,11 @@ if on decode || on timeline; then
   # (bench/step_timeline.py), the median step's activities as CSV for bench/plot_step_timeline.py.
   stamp "D2. decode step timeline (CUPTI)"
   for b in 1 4; do
-    ML4_BENCH_NSYS_STEP=$b ML4_CUPTI_OUT="$out/cupti_b$b.csv" LD_PRELOAD="$carry/lib/libml4_cupti_trace.so" \
+    ML4_BENCH_TRACE_STEP=$b ML4_CUPTI_OUT="$out/cupti_b$b.csv" LD_PRELOAD="$carry/lib/libml4_cupti_trace.so" \
       timeout 150 "$carry/bin/ml4" bench step --preset ml4-slice-4 --batch $b --ctx 8192 --kv-gib 4 \
       > "$out/timeline_b$b.log" 2>&1
     echo "timeline batch=$b rc=$?"
-    grep -E "NSYSSTEP|rror" "$out/timeline_b$b.log"
+    grep -E "TRACESTEP|rror" "$out/timeline_b$b.log"
     python3 "$root/bench/step_timeline.py" "$out/cupti_b$b.csv" --top 30 --csv "$out/step_b$b.csv" \
       > "$out/step_timeline_b$b.txt" 2>&1 && head -16 "$out/step_timeline_b$b.txt"
     rm -f "$out/cupti_b$b.csv"  # every activity of the process: large; the step's CSV stays

@@ -405,9 +405,9 @@ void CudaBackend::point_activations() {
 }
 
 void CudaBackend::begin_forward(int64_t T, int64_t R, int64_t maxlen, Mode mode, std::vector<GraphExec>* segments,
-                                const StepMetadata* md, int64_t bucket_T) {
+                                const StepMetadata* md, int64_t bucket_T, bool rows_are_tokens) {
   step_T_ = T;
-  rows_are_tokens_ = false;  // a runner that knows better sets it after this
+  rows_are_tokens_ = rows_are_tokens;
   bucket_T_ = bucket_T > 0 ? bucket_T : T;
   step_R_ = R;
   step_maxlen_ = maxlen;

@@ -147,9 +147,6 @@ class CudaBackend : public Backend {
   int64_t step_tokens() const override { return step_T_; }
   int64_t step_rows() const override { return step_R_; }
   bool rows_are_tokens() const override { return rows_are_tokens_; }
-  // Set by the runner per step: its R logits rows are its T tokens (R == T) and the padded
-  // counts agree, so row t of the normed rows is token t's.
-  void set_rows_are_tokens(bool on) { rows_are_tokens_ = on; }
   Status embedding(float* out) override;
   Status rms_norm(const NormArgs& p) override;
   Status layer_norm(const float* x, const float* w, const float* b, int64_t rows, int64_t dim, float eps,
@@ -219,8 +216,10 @@ class CudaBackend : public Backend {
   // token count of the step's graph bucket whether or not it runs graphed (0: T); choices of
   // numerics that depend on the step's size read it, so a step computes the same way eagerly
   // and in a graph.
+  // rows_are_tokens: the step's R logits rows are its T tokens in order (R == T, the padded
+  // counts equal), so row t of the normed rows is token t's (Backend::rows_are_tokens).
   void begin_forward(int64_t T, int64_t R, int64_t maxlen, Mode mode, std::vector<GraphExec>* segments,
-                     const StepMetadata* md, int64_t bucket_T = 0);
+                     const StepMetadata* md, int64_t bucket_T = 0, bool rows_are_tokens = false);
 
   // Step buffers, grown to the largest step seen (fixed addresses between steps of a size).
   struct Buffers {

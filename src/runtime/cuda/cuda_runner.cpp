@@ -180,43 +180,11 @@ int64_t round_up_pow2(int64_t v, int64_t lo) {
   return b;
 }
 
-// A step's host-side inputs and outputs in one pinned buffer: `begin` grows it to `bytes`
-// (plus each array's alignment) before anything is written, `take` hands out n elements set
-// to `fill`, 64-byte aligned. The caller synchronises the stream before the next begin.
-class StepStage {
- public:
-  static constexpr int64_t kAlign = 64, kArrays = 16;
-  Status begin(DeviceBuffer* buf, int64_t bytes) {
-    const size_t need = static_cast<size_t>(bytes + kAlign * kArrays);
-    if (buf->bytes() < need) {
-      *buf = DeviceBuffer();
-      ML4_ASSIGN_OR_RETURN(*buf, DeviceBuffer::alloc_host_mapped(std::max<size_t>(2 * need, size_t{64} << 10)));
-    }
-    base_ = static_cast<char*>(buf->data());
-    cap_ = buf->bytes();
-    used_ = 0;
-    return ok_status();
-  }
-  template <typename T> T* take(int64_t n, T fill) {
-    used_ = (used_ + kAlign - 1) / kAlign * kAlign;
-    T* p = reinterpret_cast<T*>(base_ + used_);
-    used_ += static_cast<size_t>(std::max<int64_t>(n, 0)) * sizeof(T);
-    if (used_ > cap_) std::abort();  // begin sized the stage for every take of the step
-    std::fill(p, p + std::max<int64_t>(n, 0), fill);
-    return p;
-  }
-
- private:
-  char* base_ = nullptr;
-  size_t cap_ = 0, used_ = 0;
-};
-
 }  // namespace
 
 Status CudaRunner::run_forward(CudaBackend::Mode mode, std::vector<GraphExec>* segments, const StepMetadata* md,
                                ForwardTrace* trace) {
-  backend_->begin_forward(step_T_, step_R_, step_maxlen_, mode, segments, md, step_bucket_T_);
-  backend_->set_rows_are_tokens(step_rows_are_tokens_);  // begin_forward cleared it (drafts leave it off)
+  backend_->begin_forward(step_T_, step_R_, step_maxlen_, mode, segments, md, step_bucket_T_, step_rows_are_tokens_);
   return program_->forward(md, trace);
 }
 
@@ -284,25 +252,11 @@ Result<StepOutput> CudaRunner::execute_step(const StepInput& in, ForwardTrace* t
   if (backend_->buffer_generation() != gen) graphs_.clear(), draft_graphs_.clear();  // captured addresses are stale
   CudaBackend::Buffers& b = backend_->buffers();
   cudaStream_t stream = backend_->stream();
-  // Per-step metadata to the device (one copy per array), padded to Tp tokens, written into
-  // pinned memory first: from pageable memory each cudaMemcpyAsync is staged by the driver on
-  // this thread (several microseconds, a dozen copies a step); from pinned memory it is a DMA
-  // queued on the stream. The stage is free again when the step has synchronised at its end.
-  const int64_t n_bt = Sp * maxb, n_ibt = indexer_group >= 0 ? Sp * maxb : 0;
+  // Per-step metadata to the device (one plain copy per array), padded to Tp tokens.
+  std::vector<int32_t> tok(Tp, 0), seq_of(Tp, static_cast<int32_t>(S)), lengths(Tp, 1), bt(Sp * maxb, 0),
+      ibt(indexer_group >= 0 ? Sp * maxb : 0, 0), rows(Rp, 0);
+  std::vector<int64_t> pos(Tp, 0), slots(Tp, -1), islots(Tp, -1), dslots(Tp, -1);
   const int drafter_group = backend_->drafter_enabled() ? backend_->drafter_group() : -1;
-  StepStage st;
-  ML4_RETURN_IF_ERROR(st.begin(&meta_stage_, Tp * (4 + 8 + 8 + 4 + 4 + 8 + 8) + (n_bt + n_ibt + Rp) * 4 +
-                                                 R * static_cast<int64_t>(sizeof(DeviceSamplingParams) + 8)));
-  int32_t* tok = st.take<int32_t>(Tp, 0);
-  int64_t* pos = st.take<int64_t>(Tp, 0);
-  int64_t* slots = st.take<int64_t>(Tp, -1);
-  int32_t* seq_of = st.take<int32_t>(Tp, static_cast<int32_t>(S));
-  int32_t* lengths = st.take<int32_t>(Tp, 1);
-  int32_t* bt = st.take<int32_t>(n_bt, 0);
-  int32_t* ibt = st.take<int32_t>(n_ibt, 0);
-  int64_t* islots = st.take<int64_t>(indexer_group >= 0 ? Tp : 0, -1);
-  int64_t* dslots = st.take<int64_t>(drafter_group >= 0 ? Tp : 0, -1);
-  int32_t* rows = st.take<int32_t>(Rp, 0);
   for (int64_t t = 0; t < T; ++t) {
     if (drafter_group >= 0) dslots[t] = md.slots[drafter_group][t];
     tok[t] = md.token_ids[t];
@@ -314,37 +268,36 @@ Result<StepOutput> CudaRunner::execute_step(const StepInput& in, ForwardTrace* t
   }
   for (int64_t s = 0; s < S; ++s) {
     const auto& tab = in.seqs[s].block_tables[latent_group];
-    std::copy(tab.begin(), tab.end(), bt + s * maxb);
+    std::copy(tab.begin(), tab.end(), bt.begin() + s * maxb);
     if (indexer_group >= 0) {
       const auto& itab = in.seqs[s].block_tables[indexer_group];
-      std::copy(itab.begin(), itab.end(), ibt + s * maxb);
+      std::copy(itab.begin(), itab.end(), ibt.begin() + s * maxb);
     }
   }
   for (int64_t i = 0; i < R; ++i) rows[i] = static_cast<int32_t>(md.logits_rows[i]);
   auto h2d = [&](DeviceBuffer& d, const void* src, size_t bytes) {
     return cuda_status(cudaMemcpyAsync(d.data(), src, bytes, cudaMemcpyHostToDevice, stream), "step metadata");
   };
-  ML4_RETURN_IF_ERROR(h2d(b.tok, tok, Tp * 4));
-  ML4_RETURN_IF_ERROR(h2d(b.pos, pos, Tp * 8));
-  ML4_RETURN_IF_ERROR(h2d(b.slots, slots, Tp * 8));
-  ML4_RETURN_IF_ERROR(h2d(b.seq_of, seq_of, Tp * 4));
-  ML4_RETURN_IF_ERROR(h2d(b.lengths, lengths, Tp * 4));
-  ML4_RETURN_IF_ERROR(h2d(b.block_table, bt, n_bt * 4));
+  ML4_RETURN_IF_ERROR(h2d(b.tok, tok.data(), Tp * 4));
+  ML4_RETURN_IF_ERROR(h2d(b.pos, pos.data(), Tp * 8));
+  ML4_RETURN_IF_ERROR(h2d(b.slots, slots.data(), Tp * 8));
+  ML4_RETURN_IF_ERROR(h2d(b.seq_of, seq_of.data(), Tp * 4));
+  ML4_RETURN_IF_ERROR(h2d(b.lengths, lengths.data(), Tp * 4));
+  ML4_RETURN_IF_ERROR(h2d(b.block_table, bt.data(), bt.size() * 4));
   if (indexer_group >= 0) {
-    ML4_RETURN_IF_ERROR(h2d(b.idx_block_table, ibt, n_ibt * 4));
-    ML4_RETURN_IF_ERROR(h2d(b.idx_slots, islots, Tp * 8));
+    ML4_RETURN_IF_ERROR(h2d(b.idx_block_table, ibt.data(), ibt.size() * 4));
+    ML4_RETURN_IF_ERROR(h2d(b.idx_slots, islots.data(), Tp * 8));
   }
-  if (Rp > 0) ML4_RETURN_IF_ERROR(h2d(b.row_idx, rows, Rp * 4));
-  if (drafter_group >= 0) ML4_RETURN_IF_ERROR(h2d(b.drafter_slots, dslots, Tp * 8));
+  if (Rp > 0) ML4_RETURN_IF_ERROR(h2d(b.row_idx, rows.data(), Rp * 4));
+  if (drafter_group >= 0) ML4_RETURN_IF_ERROR(h2d(b.drafter_slots, dslots.data(), Tp * 8));
   step_T_ = Tp;
   step_R_ = Rp;
   // Part of the graph's key: it changes the launch sequence (model_forward.cpp's final norm).
-  const bool rows_are_tokens = R == T && Rp == Tp;
-  step_rows_are_tokens_ = rows_are_tokens;
+  step_rows_are_tokens_ = R == T && Rp == Tp;
   step_maxlen_ = maxlen;
   step_bucket_T_ = bucket_T;
   if (graph) {
-    const GraphKey key{Tp, Rp, maxlen, maxb, rows_are_tokens};
+    const GraphKey key{Tp, Rp, maxlen, maxb, step_rows_are_tokens_};
     auto it = graphs_.find(key);
     if (it != graphs_.end()) {
       ML4_RETURN_IF_ERROR(run_forward(CudaBackend::Mode::kReplay, &it->second, nullptr, nullptr));
@@ -396,15 +349,14 @@ Result<StepOutput> CudaRunner::execute_step(const StepInput& in, ForwardTrace* t
       ML4_ASSIGN_OR_RETURN(b.samp_ws, DeviceBuffer::alloc(sample_rows_workspace_bytes(R, cfg_.vocab_size)));
       b.samp_cap = R;
     }
-    DeviceSamplingParams* params = st.take<DeviceSamplingParams>(R, DeviceSamplingParams{});
-    int64_t np = 0;
+    std::vector<DeviceSamplingParams> params;
     for (const auto& s : in.seqs) {
       if (s.num_logits == 0) continue;  // a chunk short of the prompt's end carries no parameters
       DeviceSamplingParams p = *s.device_sampling;
       if (s.device_verify != SeqStep::DeviceVerify::kNo) p.temperature = 0.0f;
-      for (int j = 0; j < s.num_logits; ++j) params[np++] = p;
+      for (int j = 0; j < s.num_logits; ++j) params.push_back(p);
     }
-    ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(b.samp_params.data(), params, R * sizeof(DeviceSamplingParams),
+    ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(b.samp_params.data(), params.data(), R * sizeof(DeviceSamplingParams),
                                              cudaMemcpyHostToDevice, stream));
     // Grammar masks (SeqStep::allowed_tokens), rows in logits order; rows without one allow all.
     std::vector<uint32_t> mask;
@@ -436,14 +388,13 @@ Result<StepOutput> CudaRunner::execute_step(const StepInput& in, ForwardTrace* t
                                     static_cast<const DeviceSamplingParams*>(b.samp_params.data()),
                                     b.samp_tokens.as<int32_t>(), b.samp_logprobs.as<float>(), b.samp_ws.data(),
                                     b.samp_ws.bytes(), stream));
-    int32_t* sampled = st.take<int32_t>(R, 0);
-    float* sampled_logprob = st.take<float>(R, 0.0f);
-    ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sampled, b.samp_tokens.data(), R * 4, cudaMemcpyDeviceToHost, stream));
+    out.sampled.resize(R);
+    out.sampled_logprob.resize(R);
     ML4_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(sampled_logprob, b.samp_logprobs.data(), R * 4, cudaMemcpyDeviceToHost, stream));
-    ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));  // the stage's inputs and outputs
-    out.sampled.assign(sampled, sampled + R);
-    out.sampled_logprob.assign(sampled_logprob, sampled_logprob + R);
+        cudaMemcpyAsync(out.sampled.data(), b.samp_tokens.data(), R * 4, cudaMemcpyDeviceToHost, stream));
+    ML4_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(out.sampled_logprob.data(), b.samp_logprobs.data(), R * 4, cudaMemcpyDeviceToHost, stream));
+    ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));  // params (host vector) and outputs
   } else if (R > 0) {
     const int64_t V = cfg_.vocab_size;
     ML4_ASSIGN_OR_RETURN(const float* logits, download_floats(b.logits.data(), static_cast<size_t>(R * V), stream));

@@ -373,7 +373,7 @@ class CudaRunner : public ModelRunner {
   // This step's launch shape (padded in graph mode).
   int64_t step_T_ = 0, step_R_ = 0, step_maxlen_ = 1;
   int64_t step_bucket_T_ = 0;  // the step's graph bucket (tokens), graphed or not
-  bool step_rows_are_tokens_ = false;  // CudaBackend::set_rows_are_tokens for this step's forward
+  bool step_rows_are_tokens_ = false;  // begin_forward's rows_are_tokens for this step's forward
   // (tokens, logits rows, max length, table stride, rows are the tokens) -> the step's graph
   // segments in order.
   using GraphKey = std::tuple<int64_t, int64_t, int64_t, int64_t, bool>;
@@ -385,7 +385,6 @@ class CudaRunner : public ModelRunner {
   bool draft_graphs_ok_ = true;  // false after a failed capture: drafts run eagerly
   FaultWord fault_;              // kernels' sticky fault record (ops/cuda/fault.h), checked around each step
   DeviceBuffer host_stage_;      // pinned host memory: logits rows and draft distributions (download_floats)
-  DeviceBuffer meta_stage_;      // pinned host memory: a step's metadata, sampling parameters and tokens
   std::vector<float> large_download_;  // download_floats past the pinned size, until the next call
   // Device verification: per kept sequence its slot of (block - 1) q rows in verify_q_ and the
   // drafts they belong to; free slots; the verifier's inputs and outputs.

@@ -201,12 +201,11 @@ int run_step_bench(const StepBenchOptions& opt) {
     print_resident_trace(r, cfg.n_layers);
     return ok ? 0 : 1;
   }
-  // ML4_BENCH_NSYS_STEP=B: ten graphed decode steps of batch B at the largest context between
-  // cudaProfilerStart / Stop, for the CUPTI tracer (bench/cupti_trace.cpp; or `nsys profile
-  // --capture-range=cudaProfilerApi --cuda-graph-trace=node` where there is one) and
+  // ML4_BENCH_TRACE_STEP=B: ten graphed decode steps of batch B at the largest context between
+  // cudaProfilerStart / Stop, for the CUPTI tracer (bench/cupti_trace.cpp) and
   // bench/step_timeline.py (the time between kernels, per boundary, and the host's share of a
   // step); then nothing else.
-  if (const char* v = std::getenv("ML4_BENCH_NSYS_STEP"); v && std::atoi(v) > 0) {
+  if (const char* v = std::getenv("ML4_BENCH_TRACE_STEP"); v && std::atoi(v) > 0) {
     const int batch = std::atoi(v);
     const StepInput in = decode_step(r, batch, kMaxCtx, blocks_per_seq);
     const double g = time_step(r, in, 3, 20);
@@ -215,7 +214,7 @@ int run_step_bench(const StepBenchOptions& opt) {
     const double p = time_step(r, in, 0, 10);
     cudaDeviceSynchronize();
     cudaProfilerStop();
-    std::printf("NSYSSTEP model=%s batch=%d ctx=%ld latency_decode=%d graph_ms=%.3f profiled_ms=%.3f\n",
+    std::printf("TRACESTEP model=%s batch=%d ctx=%ld latency_decode=%d graph_ms=%.3f profiled_ms=%.3f\n",
                 preset.c_str(), batch, static_cast<long>(kMaxCtx), o.latency_decode ? 1 : 0, g, p);
     return 0;
   }
