@@ -540,6 +540,17 @@ TEST(CudaRunner, FusedIndexerIsBitIdentical) {
       [](CudaRunnerOptions& o) { o.fused_indexer = true; });
 }
 
+// The final norm writing the logits rows itself (CudaRunnerOptions::final_norm_rows, issue 19)
+// against the gather + second norm: the same kernel on the same stored residual, so the same
+// bits, on a prefill (rows are not the tokens: the gather path in both) and decode steps.
+TEST(CudaRunner, FinalNormRowsAreBitIdentical) {
+  ML4_REQUIRE_GPU();
+  auto off = [](CudaRunnerOptions& o) { o.final_norm_rows = false; };
+  auto on = [](CudaRunnerOptions& o) { o.final_norm_rows = true; };
+  option_vs_plain("mistral4-tiny", "the final norm writing the rows", off, on);
+  option_vs_plain("ml4-tiny", "the final norm writing the rows", off, on);
+}
+
 // DSpark verification steps (every token a logits row, several tokens per sequence) take the
 // decode buckets (power-of-two token counts, the GEMV path): graphed and replayed, within the
 // decode graphs' bound of the eager runner, and a replay equal to the first graphed run.

@@ -293,7 +293,7 @@ Result<StepOutput> CudaRunner::execute_step(const StepInput& in, ForwardTrace* t
   step_T_ = Tp;
   step_R_ = Rp;
   // Part of the graph's key: it changes the launch sequence (model_forward.cpp's final norm).
-  step_rows_are_tokens_ = R == T && Rp == Tp;
+  step_rows_are_tokens_ = opts_.final_norm_rows && R == T && Rp == Tp;
   step_maxlen_ = maxlen;
   step_bucket_T_ = bucket_T;
   if (graph) {

@@ -144,6 +144,12 @@ struct CudaRunnerOptions {
   // fourteenth session it also gates the latent row's path (RMSNorm + RoPE + cache write as one
   // kernel, cache_write.h latent_key_path; CudaCacheWrite.LatentKeyPathEqualsTheThreeLaunches).
   bool fused_indexer = true;
+  // The final residual + RMSNorm writes the logits rows itself when a step's rows are its
+  // tokens in order (decoding, DSpark's verification; Backend::rows_are_tokens): no gather of
+  // the rows and no second norm of the same values, two launches fewer a step. Both paths norm
+  // the same stored f32 residual with the same kernel, so the logits are the same bits
+  // (CudaRunner.FinalNormRowsAreBitIdentical); off only for that comparison.
+  bool final_norm_rows = true;
   // DSpark's rejection sampler on the device (ops/cuda/sampling.h verify_rows) for random
   // requests (top-k / top-p too since the tenth session: CudaSampling.DraftRows* /
   // VerifyRows* with them passed on an H100): draft() keeps their q in a buffer reserved at load
