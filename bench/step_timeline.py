@@ -123,6 +123,20 @@ def main():
                     help="regex of the kernels that stream weights (reductions excluded)")
     args = ap.parse_args()
     acts, launches = load(args.trace)
+    if not acts:  # say what the file holds instead of failing on an empty step
+        import csv
+        kinds = collections.defaultdict(list)
+        for r in csv.DictReader(open(args.trace)):
+            kinds[r["kind"]].append((int(r["start_ns"]), r["name"]))
+        print("no GPU activity between cudaProfilerStart and Stop; the file holds:")
+        for k, v in sorted(kinds.items()):
+            print(f"  kind {k}: {len(v)} rows, start {min(v)[0]} .. {max(v)[0]}")
+        for k, v in kinds.items():
+            if k == "R":
+                for t, n in v:
+                    if "Profiler" in n:
+                        print(f"  {n} at {t}")
+        raise SystemExit(1)
     steps = steps_of(acts, launches)
     rows = []
     for i, st in enumerate(steps):

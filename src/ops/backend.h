@@ -353,6 +353,14 @@ class Backend {
     if (Status st = linear(gate, x, step_tokens(), logits); !st.ok()) return st.with_context("router");
     return moe_route({logits, bias, nullptr, ids, weights});
   }
+  // The FFN norm (n: residual += n.x, n.y = rms(residual) * n.w) and then moe_router over n.y.
+  // A backend may run both in one launch (the CUDA decode router, CudaRunnerOptions::
+  // fused_ffn_norm) with the same results.
+  virtual Status norm_moe_router(const NormArgs& n, LinearRef gate, const float* bias, float* logits, int32_t* ids,
+                                 float* weights) {
+    if (Status st = rms_norm(n); !st.ok()) return st;
+    return moe_router(gate, n.y, bias, logits, ids, weights);
+  }
   // out[T, dim] = sum_k w[t, k] expert_{ids[t, k]}(x[t]) + shared(x[t]).
   virtual Status moe_experts(MoeRef moe, const float* x, const int32_t* ids, const float* weights, float* out) = 0;
   // False when moe_experts must read device results back (then the program issues it

@@ -756,14 +756,14 @@ Status ModelForward::context_parallel_attention(MlaArgs ma) {
 
 // 7. MoE: the f32 router and its top-k; on traced steps the router's choice read back and
 // forced experts applied (a host round trip); then the routed and shared experts.
-Status ModelForward::moe(int l, ForwardTrace* trace, float* out) {
+Status ModelForward::moe(int l, ForwardTrace* trace, const NormArgs& norm, float* out) {
   const LayerRefs& L = layers_[l];
   const Activations& x = be_.acts();
   const int64_t T = be_.step_tokens();
   const int K = cfg_.moe.num_experts_per_tok;
   ML4_RETURN_IF_ERROR(be_.segment([&] {
-    return be_.timed("moe router", [&]() -> Status {
-      return be_.moe_router(L.gate, x.a, L.router_bias, x.router, x.expert_ids, x.expert_wts);
+    return be_.timed("ffn norm + moe router", [&]() -> Status {
+      return be_.norm_moe_router(norm, L.gate, L.router_bias, x.router, x.expert_ids, x.expert_wts);
     });
   }));
   if (trace != nullptr) {
@@ -960,14 +960,17 @@ Status ModelForward::forward(const StepMetadata* md, ForwardTrace* trace) {
       ML4_RETURN_IF_ERROR(be_.segment([&] { return be_.timed("ffn block (resident)", [&] { return be_.ffn_block(fb); }); }));
       continue;
     }
-    ML4_RETURN_IF_ERROR(be_.segment([&] { return be_.rms_norm({x.tmp, x.residual, L.ffn_norm, T, D, 0, eps, x.a}); }));
+    // residual += attention output, a = rms(residual): its own call before a dense MLP, the
+    // router's before the experts (a backend may run it inside the router's launch).
+    const NormArgs ffn_norm{x.tmp, x.residual, L.ffn_norm, T, D, 0, eps, x.a};
     switch (cfg_.layers[l].ffn) {
       case FfnKind::kDense:
+        ML4_RETURN_IF_ERROR(be_.segment([&] { return be_.rms_norm(ffn_norm); }));
         ML4_RETURN_IF_ERROR(be_.segment([&] { return be_.timed("dense ffn", [&] { return mlp(L.dense, x.a, T, x.tmp); }); }));
         ML4_RETURN_IF_ERROR(tp_all_reduce(x.tmp, T * D));  // w2 is row-parallel
         break;
       case FfnKind::kMoe:
-        ML4_RETURN_IF_ERROR(moe(l, trace, x.tmp));
+        ML4_RETURN_IF_ERROR(moe(l, trace, ffn_norm, x.tmp));
         break;
     }
   }

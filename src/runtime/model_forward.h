@@ -121,7 +121,7 @@ class ModelForward {
   // layer then reads the host pool directly).
   Status hisparse_rows(int l, const StepMetadata& md, const ForwardTrace* trace, int selection, bool* hot);
   Status mlp(const MlpRef& m, const float* x, int64_t M, float* y);
-  Status moe(int l, ForwardTrace* trace, float* out);
+  Status moe(int l, ForwardTrace* trace, const NormArgs& norm, float* out);
   // Parallelism: a sum over the TP group (no-op on one rank), the expert-parallel MoE, and
   // the logits from the ranks' vocabulary shards.
   // A group given (even of one rank: the single-GPU check of the NCCL path) runs its path.

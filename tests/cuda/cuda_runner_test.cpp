@@ -551,6 +551,17 @@ TEST(CudaRunner, FinalNormRowsAreBitIdentical) {
   option_vs_plain("ml4-tiny", "the final norm writing the rows", off, on);
 }
 
+// The FFN norm inside the fused router's launch (CudaRunnerOptions::fused_ffn_norm, issue 19)
+// against its own rms_norm launch: the same bits (CudaMoe.FusedRouterNormIsTheNormThenTheRouter
+// checks the kernel alone).
+TEST(CudaRunner, FusedFfnNormIsBitIdentical) {
+  ML4_REQUIRE_GPU();
+  auto off = [](CudaRunnerOptions& o) { o.fused_ffn_norm = false; };
+  auto on = [](CudaRunnerOptions& o) { o.fused_ffn_norm = true; };
+  option_vs_plain("mistral4-tiny", "the FFN norm inside the router", off, on);
+  option_vs_plain("ml4-tiny", "the FFN norm inside the router", off, on);
+}
+
 // DSpark verification steps (every token a logits row, several tokens per sequence) take the
 // decode buckets (power-of-two token counts, the GEMV path): graphed and replayed, within the
 // decode graphs' bound of the eager runner, and a replay equal to the first graphed run.

@@ -26,6 +26,7 @@
 #include "ops/cpu/linear.h"
 #include "ops/cpu/moe.h"
 #include "ops/cpu/quant.h"
+#include "ops/cuda/elementwise.h"
 #include "ops/cuda/ffn_resident.h"
 #include "ops/cuda/gemv.h"
 #include "ops/cuda/moe.h"
@@ -192,6 +193,93 @@ TEST(CudaMoe, FusedRouterMatchesCpu) {
   bad.route.cfg = big;
   bad.route.T = 1;
   EXPECT_EQ(router_route(bad).code(), StatusCode::kInvalidArgument);
+}
+
+// The FFN norm inside the router's launch (RouterRouteParams::norm_w, issue 19) against
+// rms_norm with a residual and then router_route: the normalized rows, the updated residual,
+// the logits and the routing are the same bits (the kernel repeats rms_norm_vec_kernel's
+// per-thread arithmetic and block sum). Fresh random rows of ml4's width (6144) and of 7168,
+// T = 1, 3, 8, each twice (the counter resets itself); a width the fused path does not take
+// is refused as unimplemented, not computed.
+TEST(CudaMoe, FusedRouterNormIsTheNormThenTheRouter) {
+  ML4_REQUIRE_GPU();
+  const MoeConfig cfg = route_config(128, 4, 1, 1, RouterScoring::kSoftmax);
+  uint32_t seed = 900;
+  auto counter = poisoned<uint8_t>(router_route_counter_bytes());
+  ML4_ASSERT_OK(counter.fill_bytes(0));
+  int checked = 0;
+  for (const int64_t D : {int64_t{6144}, int64_t{7168}}) {
+    auto gate = randn(128 * D, seed++, 0.02f);
+    auto bias = randn(128, seed++, 0.05f);
+    auto w = randn(D, seed++, 0.3f);
+    for (auto& v : w) v += 1.0f;
+    auto dg = to_device(gate), db = to_device(bias), dw = to_device(w);
+    for (const int64_t T : {int64_t{1}, int64_t{3}, int64_t{8}}) {
+      for (int rep = 0; rep < 2; ++rep) {
+        auto attn = randn(T * D, seed++), res = randn(T * D, seed++, 4.0f);
+        auto da = to_device(attn), dra = to_device(res), drb = to_device(res);
+        auto ya = poisoned<float>(T * D), yb = poisoned<float>(T * D);
+        auto la = poisoned<float>(T * 128), lb = poisoned<float>(T * 128);
+        auto ia = poisoned<int32_t>(T * 4), ib = poisoned<int32_t>(T * 4);
+        auto wa = poisoned<float>(T * 4), wb = poisoned<float>(T * 4);
+        RmsNormParams np;
+        np.x = da.as<float>();
+        np.residual = dra.as<float>();
+        np.w = dw.as<float>();
+        np.rows = T;
+        np.dim = D;
+        np.eps = 1e-6f;
+        np.y = ya.as<float>();
+        ML4_ASSERT_OK(rms_norm(np));
+        RouterRouteParams p;
+        p.x = ya.as<float>();
+        p.D = D;
+        p.gate = dg.as<float>();
+        p.counter = counter.as<unsigned>();
+        p.route = {la.as<float>(), T, cfg, db.as<float>(), ia.as<int32_t>(), wa.as<float>(), nullptr};
+        ML4_ASSERT_OK(router_route(p));
+        RouterRouteParams f = p;
+        f.x = yb.as<float>();
+        f.route = {lb.as<float>(), T, cfg, db.as<float>(), ib.as<int32_t>(), wb.as<float>(), nullptr};
+        f.attn = da.as<float>();
+        f.residual = drb.as<float>();
+        f.norm_w = dw.as<float>();
+        f.eps = 1e-6f;
+        ASSERT_TRUE(router_route_norm_supported(f));
+        ML4_ASSERT_OK(router_route(f));
+        sync();
+        EXPECT_EQ(to_host<float>(ya, T * D), to_host<float>(yb, T * D)) << "D=" << D << " T=" << T << ": normalized rows";
+        EXPECT_EQ(to_host<float>(dra, T * D), to_host<float>(drb, T * D)) << "D=" << D << " T=" << T << ": residual";
+        EXPECT_EQ(to_host<float>(la, T * 128), to_host<float>(lb, T * 128)) << "D=" << D << " T=" << T << ": logits";
+        EXPECT_EQ(to_host<int32_t>(ia, T * 4), to_host<int32_t>(ib, T * 4));
+        EXPECT_EQ(to_host<float>(wa, T * 4), to_host<float>(wb, T * 4));
+        // The residual really moved (the test would pass on two untouched buffers otherwise).
+        auto r_after = to_host<float>(drb, T * D);
+        EXPECT_EQ(r_after[0], attn[0] + res[0]);
+        ++checked;
+      }
+    }
+  }
+  EXPECT_EQ(checked, 12);
+  std::printf("router_route with the FFN norm: %d cases bit-identical to rms_norm + router_route\n", checked);
+  // A width the fused norm does not take: refused, not computed.
+  const int64_t D = 1030;
+  auto gate = to_device(randn(128 * D, seed++, 0.02f));
+  auto x = to_device(randn(D, seed++)), r = to_device(randn(D, seed++)), w = to_device(randn(D, seed++));
+  auto y = poisoned<float>(D), l = poisoned<float>(128);
+  auto ids = poisoned<int32_t>(4);
+  auto wts = poisoned<float>(4);
+  RouterRouteParams f;
+  f.x = y.as<float>();
+  f.D = D;
+  f.gate = gate.as<float>();
+  f.counter = counter.as<unsigned>();
+  f.route = {l.as<float>(), 1, cfg, nullptr, ids.as<int32_t>(), wts.as<float>(), nullptr};
+  f.attn = x.as<float>();
+  f.residual = r.as<float>();
+  f.norm_w = w.as<float>();
+  EXPECT_FALSE(router_route_norm_supported(f));
+  EXPECT_EQ(router_route(f).code(), StatusCode::kUnimplemented);
 }
 
 // Host-side twin of the GPU MLP on the activations the GPU GEMMs see.

@@ -34,13 +34,25 @@ __global__ void route_kernel(RouteArgs a) {
 // 8 warps x (3E + G) floats.
 constexpr int kRouterThreads = 256, kRouterMaxT = 8, kRouterVec = 8;  // float4s a thread: D <= 8192
 
+// With norm.w (RouterRouteParams's norm): x is first made from the attention output and the
+// residual, as rms_norm_vec_kernel does it with the same 256-thread partition and block sum (so
+// the same bits): every block norms every token's row in its registers and writes 1/E of `a`;
+// the last block adds the attention output into the residual after every block has read it.
+struct RouterNorm {
+  const float* attn = nullptr;
+  float* residual = nullptr;
+  const float* w = nullptr;
+  float eps = 0.0f;
+};
+
 __global__ void __launch_bounds__(kRouterThreads)
-    router_route_kernel(const float* __restrict__ x, int64_t D, const float* __restrict__ gate, float* logits,
-                        unsigned* counter, bool vec, RouteArgs a) {
+    router_route_kernel(const float* x, int64_t D, const float* __restrict__ gate, float* logits,
+                        unsigned* counter, bool vec, RouteArgs a, RouterNorm norm) {
   pdl_wait();
   pdl_launch_dependents();
   extern __shared__ float sm[];
   __shared__ float part[kRouterThreads / 32][kRouterMaxT];
+  __shared__ double red[32];
   __shared__ int last;
   const int e = blockIdx.x, lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   const int T = static_cast<int>(a.T);
@@ -54,14 +66,45 @@ __global__ void __launch_bounds__(kRouterThreads)
     // ml4's width), which made this kernel slower than cuBLAS's GEMV plus route_kernel.
     const int n4 = static_cast<int>(D / 4);
     const float4* g4 = reinterpret_cast<const float4*>(g);
-    float4 gv[kRouterVec];
+    float4 gv[kRouterVec], wv[kRouterVec];
     load_row_regs<kRouterThreads>(gv, g4, n4);
+    if (norm.w) load_row_regs<kRouterThreads>(wv, reinterpret_cast<const float4*>(norm.w), n4);
 #pragma unroll
     for (int t = 0; t < kRouterMaxT; ++t) {
       if (t >= T) break;
-      const float4* x4 = reinterpret_cast<const float4*>(x + t * D);
       float4 xv[kRouterVec];
-      load_row_regs<kRouterThreads>(xv, x4, n4);
+      if (norm.w) {  // rms_norm_vec_kernel's arithmetic, element for element
+        float4 rv[kRouterVec];
+        load_row_regs<kRouterThreads>(xv, reinterpret_cast<const float4*>(norm.attn + t * D), n4);
+        load_row_regs<kRouterThreads>(rv, reinterpret_cast<const float4*>(norm.residual + t * D), n4);
+        double ss = 0.0;
+#pragma unroll
+        for (int j = 0; j < kRouterVec; ++j) {
+          if (threadIdx.x + j * kRouterThreads < n4) {
+            xv[j].x += rv[j].x;
+            xv[j].y += rv[j].y;
+            xv[j].z += rv[j].z;
+            xv[j].w += rv[j].w;
+            ss += static_cast<double>(xv[j].x) * xv[j].x;
+            ss += static_cast<double>(xv[j].y) * xv[j].y;
+            ss += static_cast<double>(xv[j].z) * xv[j].z;
+            ss += static_cast<double>(xv[j].w) * xv[j].w;
+          }
+        }
+        ss = block_sum_f64(ss, red);
+        const float inv = static_cast<float>(1.0 / sqrt(ss / static_cast<double>(D) + static_cast<double>(norm.eps)));
+        float4* a4 = reinterpret_cast<float4*>(const_cast<float*>(x) + t * D);
+#pragma unroll
+        for (int j = 0; j < kRouterVec; ++j) {
+          const int i = threadIdx.x + j * kRouterThreads;
+          if (i >= n4) continue;
+          xv[j] = make_float4(xv[j].x * inv * wv[j].x, xv[j].y * inv * wv[j].y, xv[j].z * inv * wv[j].z,
+                              xv[j].w * inv * wv[j].w);
+          if (i % gridDim.x == blockIdx.x) a4[i] = xv[j];
+        }
+      } else {
+        load_row_regs<kRouterThreads>(xv, reinterpret_cast<const float4*>(x + t * D), n4);
+      }
 #pragma unroll
       for (int j = 0; j < kRouterVec; ++j) {
         const int i = threadIdx.x + j * kRouterThreads;
@@ -103,6 +146,20 @@ __global__ void __launch_bounds__(kRouterThreads)
   if (!last) return;
   __threadfence();
   if (threadIdx.x == 0) atomicExch(counter, 0u);
+  if (norm.w) {  // every block has read the residual: residual += attention output
+    const int64_t n4 = int64_t{T} * (D / 4);
+    const float4* at4 = reinterpret_cast<const float4*>(norm.attn);
+    float4* r4 = reinterpret_cast<float4*>(norm.residual);
+    for (int64_t i = threadIdx.x; i < n4; i += kRouterThreads) {
+      float4 v = at4[i];
+      const float4 r = r4[i];
+      v.x += r.x;
+      v.y += r.y;
+      v.z += r.z;
+      v.w += r.w;
+      r4[i] = v;
+    }
+  }
   if (w >= T) return;
   float* sl = sm + w * (3 * a.E + a.G);
   for (int i = lane; i < a.E; i += 32) sl[i] = __ldcg(logits + w * a.E + i);
@@ -257,9 +314,21 @@ Status router_route(const RouterRouteParams& p) {
               r.bias, r.ids, r.weights, nullptr};
   const size_t smem = static_cast<size_t>(kRouterThreads / 32) * (3 * E + G) * sizeof(float);
   const bool vec = p.D % 4 == 0 && p.D <= 4 * kRouterThreads * kRouterVec && aligned16(p.x) && aligned16(p.gate);
+  RouterNorm norm;
+  if (p.norm_w != nullptr) {
+    if (!router_route_norm_supported(p))
+      return unimplemented("router_route: the fused norm needs D % 4 == 0, D <= 8192 and distinct 16-byte rows");
+    norm = {p.attn, p.residual, p.norm_w, p.eps};
+  }
   launch_kernel(router_route_kernel, static_cast<unsigned>(E), kRouterThreads, smem, r.stream, p.x, p.D, p.gate,
-                const_cast<float*>(r.logits), p.counter, vec, a);
+                const_cast<float*>(r.logits), p.counter, vec, a, norm);
   return cuda_status(cudaGetLastError(), "router_route_kernel");
+}
+
+bool router_route_norm_supported(const RouterRouteParams& p) {
+  return p.attn && p.residual && p.norm_w && p.D % 4 == 0 && p.D <= 4 * kRouterThreads * kRouterVec &&
+         aligned16(p.x) && aligned16(p.gate) && aligned16(p.attn) && aligned16(p.residual) && aligned16(p.norm_w) && p.attn != p.x && p.residual != p.x &&
+         p.attn != p.residual;
 }
 
 bool router_route_supported(const MoeConfig& cfg, int64_t T) {

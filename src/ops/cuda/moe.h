@@ -47,8 +47,17 @@ struct RouterRouteParams {
   const float* gate = nullptr;
   unsigned* counter = nullptr;
   MoeRouteParams route;  // logits (written), T, cfg, bias, ids, weights, stream
+  // The FFN norm in the same launch (issue 19), when norm_w is set: x (written, [T, D]) =
+  // rms(attn + residual) * norm_w, and residual += attn, bit for bit as rms_norm with a residual
+  // (one launch and one serial row kernel fewer a MoE layer). Unimplemented where
+  // router_route_norm_supported is false.
+  const float* attn = nullptr;
+  float* residual = nullptr;
+  const float* norm_w = nullptr;
+  float eps = 0.0f;
 };
 bool router_route_supported(const MoeConfig& cfg, int64_t T);  // T <= 8, E <= 256, K <= 32
+bool router_route_norm_supported(const RouterRouteParams& p);  // D % 4 == 0, D <= 8192, aligned, distinct rows
 size_t router_route_counter_bytes();
 Status router_route(const RouterRouteParams& p);
 

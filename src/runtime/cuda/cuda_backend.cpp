@@ -1115,15 +1115,16 @@ Status CudaBackend::set_hot_selection(const int32_t* rows, const int32_t* counts
   return cuda_status(cudaStreamSynchronize(stream_), "set_hot_selection");  // the host arrays die after the call
 }
 
-Status CudaBackend::moe_router(LinearRef gate, const float* x, const float* bias, float* logits, int32_t* ids,
-                               float* weights) {
-  // Not under exact activations: its per-token sums are the same for any T <= 8, but steps of
-  // more tokens take the unfused GEMV, so a token's logits would depend on its step's size.
-  const bool fuse = opts_.fused_router && !opts_.exact_activations && gate.valid() &&
-                    gate.id < static_cast<int>(linears_.size()) && router_[gate.id] &&
-                    linears_[gate.id].format == LinearFormat::kF32 && linears_[gate.id].N == cfg_.moe.num_experts &&
-                    router_route_supported(cfg_.moe, step_T_);
-  if (!fuse) return Backend::moe_router(gate, x, bias, logits, ids, weights);
+// Not under exact activations: its per-token sums are the same for any T <= 8, but steps of
+// more tokens take the unfused GEMV, so a token's logits would depend on its step's size.
+bool CudaBackend::router_fused(LinearRef gate) const {
+  return opts_.fused_router && !opts_.exact_activations && gate.valid() && gate.id < static_cast<int>(linears_.size()) &&
+         router_[gate.id] && linears_[gate.id].format == LinearFormat::kF32 &&
+         linears_[gate.id].N == cfg_.moe.num_experts && router_route_supported(cfg_.moe, step_T_);
+}
+
+RouterRouteParams CudaBackend::router_params(LinearRef gate, const float* x, const float* bias, float* logits,
+                                             int32_t* ids, float* weights) const {
   const DeviceLinear& w = linears_[gate.id];
   RouterRouteParams p;
   p.x = x;
@@ -1131,7 +1132,27 @@ Status CudaBackend::moe_router(LinearRef gate, const float* x, const float* bias
   p.gate = w.weight.as<float>();
   p.counter = buf_->router_counter.as<unsigned>();
   p.route = MoeRouteParams{logits, step_T_, cfg_.moe, bias, ids, weights, nullptr, stream_};
-  return router_route(p).with_context("router");
+  return p;
+}
+
+Status CudaBackend::moe_router(LinearRef gate, const float* x, const float* bias, float* logits, int32_t* ids,
+                               float* weights) {
+  if (!router_fused(gate)) return Backend::moe_router(gate, x, bias, logits, ids, weights);
+  return router_route(router_params(gate, x, bias, logits, ids, weights)).with_context("router");
+}
+
+Status CudaBackend::norm_moe_router(const NormArgs& n, LinearRef gate, const float* bias, float* logits, int32_t* ids,
+                                    float* weights) {
+  if (opts_.fused_ffn_norm && router_fused(gate) && n.residual != nullptr && n.x_stride == 0 && n.rows == step_T_ &&
+      n.dim == linears_[gate.id].K) {
+    RouterRouteParams p = router_params(gate, n.y, bias, logits, ids, weights);
+    p.attn = n.x;
+    p.residual = n.residual;
+    p.norm_w = n.w;
+    p.eps = n.eps;
+    if (router_route_norm_supported(p)) return router_route(p).with_context("router + ffn norm");
+  }
+  return Backend::norm_moe_router(n, gate, bias, logits, ids, weights);
 }
 
 Status CudaBackend::moe_route(const MoeRouteArgs& a) {

@@ -71,6 +71,7 @@ struct CudaBackendOptions {
   bool fp4_weights = true;        // CudaRunnerOptions::fp4_weights
   int fp4_x_parts = 1;            // CudaRunnerOptions::fp4_x_parts (exact_activations: -1, the stream)
   bool fused_router = true;       // CudaRunnerOptions::fused_router
+  bool fused_ffn_norm = true;     // CudaRunnerOptions::fused_ffn_norm
   bool fused_indexer = true;   // CudaRunnerOptions::fused_indexer
   // Sparse MLA steps of a wave of tokens or more (prefill) on the wgmma prefill kernel
   // (ops/cuda/attention_prefill.cu; MlaAttentionParams::prefill_kernel). ML4_MLA_PREFILL=0 turns
@@ -174,6 +175,8 @@ class CudaBackend : public Backend {
   Status mla_attention(const MlaArgs& p) override;
   Status mla_apply_uv(AbsorbRef a, const float* out_lat, float* o) override;
   Status moe_route(const MoeRouteArgs& p) override;
+  Status norm_moe_router(const NormArgs& n, LinearRef gate, const float* bias, float* logits, int32_t* ids,
+                         float* weights) override;
   Status moe_router(LinearRef gate, const float* x, const float* bias, float* logits, int32_t* ids,
                     float* weights) override;
   Status moe_experts(MoeRef moe, const float* x, const int32_t* ids, const float* weights, float* out) override;
@@ -271,6 +274,7 @@ class CudaBackend : public Backend {
   void set_overlap_indexer(bool on) { opts_.overlap_indexer = on; }
   void set_absorb_gemm(bool on) { opts_.absorb_gemm = on; }
   void set_fused_router(bool on) { opts_.fused_router = on; }
+  void set_fused_ffn_norm(bool on) { opts_.fused_ffn_norm = on; }
   void set_fp4_x_parts(int parts) { opts_.fp4_x_parts = parts; }
   void set_moe_gemm_overlap(bool on) { opts_.moe_gemm_overlap = on; }
   void set_moe_gemm_tall(bool on) { opts_.moe_gemm_tall = on; }
@@ -325,6 +329,9 @@ class CudaBackend : public Backend {
   RopeRows rope_rows(const RopeArgs& r) const;  // the same rotation for a fused kernel (rope_rows.h)
   const int32_t* selection_counts(int selection) const;
   bool moe_grouped(const Moe& m) const;
+  bool router_fused(LinearRef gate) const;  // moe_router runs router_route (fused_router)
+  RouterRouteParams router_params(LinearRef gate, const float* x, const float* bias, float* logits, int32_t* ids,
+                                  float* weights) const;
   bool absorb_as_gemm() const;  // this step's absorption takes the batched GEMMs
   // W_UK's absorption now: the batched GEMMs' f32 or bf16 form (q_lat then holds bf16), or the
   // kernel.

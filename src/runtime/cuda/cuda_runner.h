@@ -135,6 +135,12 @@ struct CudaRunnerOptions {
   // the gate row by float4s into registers (twelfth session): ml4-slice-4 decode on an H100
   // 1.003-1.007x at batch 1 and 4 (FUSEDROUTER lines; before, with a strided loop, 0.98x).
   bool fused_router = true;
+  // The FFN norm of a MoE layer (residual += attention output, RMSNorm) inside the fused
+  // router's launch (issue 19, moe.h RouterRouteParams::norm_w; Backend::norm_moe_router):
+  // one launch and one serial row kernel fewer a MoE layer, the same bits
+  // (CudaMoe.FusedRouterNormIsTheNormThenTheRouter, CudaRunner.FusedFfnNormIsBitIdentical).
+  // Only where fused_router applies.
+  bool fused_ffn_norm = true;
   // Issue 19's indexer fusions: the key half (LayerNorm, RoPE, Hadamard + FP8 into its cache)
   // as one kernel instead of three (cache_write.h indexer_key_path), and the queries' RoPE
   // inside their Hadamard + FP8 (indexer.h IndexerQueryQuantParams::rope) instead of two. On
@@ -235,6 +241,12 @@ class CudaRunner : public ModelRunner {
   void set_fused_router(bool on) {
     opts_.fused_router = on;
     backend_->set_fused_router(on);
+    graphs_.clear();
+    draft_graphs_.clear();
+  }
+  void set_fused_ffn_norm(bool on) {
+    opts_.fused_ffn_norm = on;
+    backend_->set_fused_ffn_norm(on);
     graphs_.clear();
     draft_graphs_.clear();
   }

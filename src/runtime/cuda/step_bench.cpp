@@ -336,6 +336,8 @@ int run_step_bench(const StepBenchOptions& opt) {
     }
     // The decode router fused with its top-k (moe.h router_route) vs cuBLAS's GEMV + route_kernel.
     fusion_ab("FUSEDROUTER", [&](bool on) { r.set_fused_router(on); }, CudaRunnerOptions{}.fused_router);
+    // The FFN norm inside the fused router's launch (CudaRunnerOptions::fused_ffn_norm).
+    fusion_ab("FUSEDFFNNORM", [&](bool on) { r.set_fused_ffn_norm(on); }, CudaRunnerOptions{}.fused_ffn_norm);
     // The indexer fusions (CudaRunnerOptions::fused_indexer) vs the separate launches.
     fusion_ab("FUSEDINDEXER", [&](bool on) { r.set_fused_indexer(on); }, CudaRunnerOptions{}.fused_indexer);
     if (!opt.extras) return 0;
