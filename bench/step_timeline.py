@@ -37,62 +37,38 @@ def short(name):
 
 
 def load(path):
-    """bench/cupti_trace.cpp's CSV: the activities between cudaProfilerStart and Stop."""
+    """bench/cupti_trace.cpp's CSV: the GPU activities of the runtime calls made between
+    cudaProfilerStart and Stop, chosen by correlation id (the runtime calls' timestamps are the
+    host's, the GPU's may be on another clock), and the graph launches among those calls."""
     import csv
     rows = list(csv.DictReader(open(path)))
-    runtime = [(int(r["start_ns"]), int(r["end_ns"]), r["name"], int(r["correlation"])) for r in rows if r["kind"] == "R"]
+    runtime = sorted((int(r["start_ns"]), int(r["end_ns"]), r["name"], int(r["correlation"])) for r in rows if r["kind"] == "R")
     starts = [s for s, e, n, c in runtime if n.startswith("cudaProfilerStart")]
     stops = [s for s, e, n, c in runtime if n.startswith("cudaProfilerStop")]
     lo = starts[-1] if starts else 0
     hi = stops[-1] if stops and (not starts or stops[-1] > lo) else float("inf")
+    window = {c for s, e, n, c in runtime if lo <= s <= hi}
     acts = []
     for r in rows:
-        if r["kind"] == "R":
+        if r["kind"] == "R" or int(r["correlation"]) not in window:
             continue
-        s, e = int(r["start_ns"]), int(r["end_ns"])
-        if lo <= s <= hi:
-            acts.append((s, e, int(r["stream"]), short(r["name"]) if r["kind"] == "K" else r["name"],
-                         int(r["correlation"])))
+        acts.append((int(r["start_ns"]), int(r["end_ns"]), int(r["stream"]),
+                     short(r["name"]) if r["kind"] == "K" else r["name"], int(r["correlation"])))
     launches = [(s, e, c) for s, e, n, c in runtime if n.startswith("cudaGraphLaunch") and lo <= s <= hi]
     acts.sort()
-    launches.sort()
     return acts, launches
 
 
 def steps_of(acts, launches):
-    """Split the activities into steps. The host synchronises at the end of a step, so a step's
-    first cudaGraphLaunch is issued after every activity of the earlier launches ended. Between
-    the previous graph's last kernel and that launch's first one lie the previous step's result
-    copies and this step's input copies; the step boundary is the longest idle gap there (the
-    host's own work between two steps)."""
+    """One step per graph launch: the kernels, copies and memsets of the graph (they carry the
+    launch's correlation id). The step's input and result copies are the host's part (period -
+    span below). Without graph launches, everything is one step."""
     if not launches:
         return [acts]
     by_corr = collections.defaultdict(list)
     for a in acts:
         by_corr[a[4]].append(a)
-    splits = []
-    last_end = None
-    for s, e, c in launches:
-        ks = by_corr.get(c, [])
-        if not ks:
-            continue
-        first = min(k[0] for k in ks)
-        if last_end is None:
-            splits.append(min(a[0] for a in acts))
-        elif s >= last_end:
-            between = sorted(a for a in acts if last_end <= a[0] <= first)
-            best, split, prev_end = -1, first, last_end
-            for a in between:
-                if a[0] - prev_end > best:
-                    best, split = a[0] - prev_end, a[0]
-                prev_end = max(prev_end, a[1])
-            splits.append(split)
-        last_end = max(last_end or 0, max(k[1] for k in ks))
-    splits.append(float("inf"))
-    steps = []
-    for i in range(len(splits) - 1):
-        steps.append([a for a in acts if splits[i] <= a[0] < splits[i + 1]])
-    return [s for s in steps if s]
+    return [by_corr[c] for s, e, c in launches if by_corr.get(c)]
 
 
 def measure(step):
