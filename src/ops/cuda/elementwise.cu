@@ -102,23 +102,7 @@ __global__ void __launch_bounds__(kThreads) rms_norm_vec_kernel(const float* x, 
   load_row_regs<kThreads>(v, xr, n4);
   if (rr) load_row_regs<kThreads>(r, rr, n4);
   load_row_regs<kThreads>(wv, w4, n4);
-  double ss = 0.0;
-#pragma unroll
-  for (int j = 0; j < V; ++j) {
-    const int i = threadIdx.x + j * kThreads;
-    if (i < n4) {
-      if (rr) {
-        v[j].x += r[j].x;
-        v[j].y += r[j].y;
-        v[j].z += r[j].z;
-        v[j].w += r[j].w;
-      }
-      ss += static_cast<double>(v[j].x) * v[j].x;
-      ss += static_cast<double>(v[j].y) * v[j].y;
-      ss += static_cast<double>(v[j].z) * v[j].z;
-      ss += static_cast<double>(v[j].w) * v[j].w;
-    }
-  }
+  double ss = rr ? add_sum_squares<kThreads, true>(v, r, n4) : add_sum_squares<kThreads, false>(v, r, n4);
   ss = block_sum_f64(ss, smem);
   const float inv = static_cast<float>(1.0 / sqrt(ss / static_cast<double>(dim) + static_cast<double>(eps)));
 #pragma unroll
@@ -126,8 +110,7 @@ __global__ void __launch_bounds__(kThreads) rms_norm_vec_kernel(const float* x, 
     const int i = threadIdx.x + j * kThreads;
     if (i >= n4) continue;
     if (rr) rr[i] = v[j];
-    const float4 o = make_float4(v[j].x * inv * wv[j].x, v[j].y * inv * wv[j].y, v[j].z * inv * wv[j].z,
-                                 v[j].w * inv * wv[j].w);
+    const float4 o = rms_scale(v[j], inv, wv[j]);
     if (y) reinterpret_cast<float4*>(y + row * dim)[i] = o;
     if (yb) {
       const __nv_bfloat162 lo = __floats2bfloat162_rn(o.x, o.y), hi = __floats2bfloat162_rn(o.z, o.w);

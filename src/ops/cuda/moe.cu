@@ -77,29 +77,14 @@ __global__ void __launch_bounds__(kRouterThreads)
         float4 rv[kRouterVec];
         load_row_regs<kRouterThreads>(xv, reinterpret_cast<const float4*>(norm.attn + t * D), n4);
         load_row_regs<kRouterThreads>(rv, reinterpret_cast<const float4*>(norm.residual + t * D), n4);
-        double ss = 0.0;
-#pragma unroll
-        for (int j = 0; j < kRouterVec; ++j) {
-          if (threadIdx.x + j * kRouterThreads < n4) {
-            xv[j].x += rv[j].x;
-            xv[j].y += rv[j].y;
-            xv[j].z += rv[j].z;
-            xv[j].w += rv[j].w;
-            ss += static_cast<double>(xv[j].x) * xv[j].x;
-            ss += static_cast<double>(xv[j].y) * xv[j].y;
-            ss += static_cast<double>(xv[j].z) * xv[j].z;
-            ss += static_cast<double>(xv[j].w) * xv[j].w;
-          }
-        }
-        ss = block_sum_f64(ss, red);
+        const double ss = block_sum_f64(add_sum_squares<kRouterThreads, true>(xv, rv, n4), red);
         const float inv = static_cast<float>(1.0 / sqrt(ss / static_cast<double>(D) + static_cast<double>(norm.eps)));
         float4* a4 = reinterpret_cast<float4*>(const_cast<float*>(x) + t * D);
 #pragma unroll
         for (int j = 0; j < kRouterVec; ++j) {
           const int i = threadIdx.x + j * kRouterThreads;
           if (i >= n4) continue;
-          xv[j] = make_float4(xv[j].x * inv * wv[j].x, xv[j].y * inv * wv[j].y, xv[j].z * inv * wv[j].z,
-                              xv[j].w * inv * wv[j].w);
+          xv[j] = rms_scale(xv[j], inv, wv[j]);
           if (i % gridDim.x == blockIdx.x) a4[i] = xv[j];
         }
       } else {
