@@ -71,7 +71,7 @@ struct CudaBackendOptions {
   bool fp4_weights = true;        // CudaRunnerOptions::fp4_weights
   int fp4_x_parts = 1;            // CudaRunnerOptions::fp4_x_parts (exact_activations: -1, the stream)
   bool fused_router = true;       // CudaRunnerOptions::fused_router
-  bool fused_ffn_norm = true;     // CudaRunnerOptions::fused_ffn_norm
+  bool fused_ffn_norm = false;    // CudaRunnerOptions::fused_ffn_norm
   bool fused_indexer = true;   // CudaRunnerOptions::fused_indexer
   // Sparse MLA steps of a wave of tokens or more (prefill) on the wgmma prefill kernel
   // (ops/cuda/attention_prefill.cu; MlaAttentionParams::prefill_kernel). ML4_MLA_PREFILL=0 turns
