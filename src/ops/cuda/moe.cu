@@ -43,10 +43,11 @@ struct RouterNorm {
   float* residual = nullptr;
   const float* w = nullptr;
   float eps = 0.0f;
+  float* a = nullptr;  // the normalized rows (RouterRouteParams::x; x itself is then not read)
 };
 
 __global__ void __launch_bounds__(kRouterThreads)
-    router_route_kernel(const float* x, int64_t D, const float* __restrict__ gate, float* logits,
+    router_route_kernel(const float* __restrict__ x, int64_t D, const float* __restrict__ gate, float* logits,
                         unsigned* counter, bool vec, RouteArgs a, RouterNorm norm) {
   pdl_wait();
   pdl_launch_dependents();
@@ -79,7 +80,7 @@ __global__ void __launch_bounds__(kRouterThreads)
         load_row_regs<kRouterThreads>(rv, reinterpret_cast<const float4*>(norm.residual + t * D), n4);
         const double ss = block_sum_f64(add_sum_squares<kRouterThreads, true>(xv, rv, n4), red);
         const float inv = static_cast<float>(1.0 / sqrt(ss / static_cast<double>(D) + static_cast<double>(norm.eps)));
-        float4* a4 = reinterpret_cast<float4*>(const_cast<float*>(x) + t * D);
+        float4* a4 = reinterpret_cast<float4*>(norm.a + t * D);
 #pragma unroll
         for (int j = 0; j < kRouterVec; ++j) {
           const int i = threadIdx.x + j * kRouterThreads;
@@ -303,7 +304,7 @@ Status router_route(const RouterRouteParams& p) {
   if (p.norm_w != nullptr) {
     if (!router_route_norm_supported(p))
       return unimplemented("router_route: the fused norm needs D % 4 == 0, D <= 8192 and distinct 16-byte rows");
-    norm = {p.attn, p.residual, p.norm_w, p.eps};
+    norm = {p.attn, p.residual, p.norm_w, p.eps, const_cast<float*>(p.x)};
   }
   launch_kernel(router_route_kernel, static_cast<unsigned>(E), kRouterThreads, smem, r.stream, p.x, p.D, p.gate,
                 const_cast<float*>(r.logits), p.counter, vec, a, norm);
