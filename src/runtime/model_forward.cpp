@@ -754,7 +754,8 @@ Status ModelForward::context_parallel_attention(MlaArgs ma) {
   });
 }
 
-// 7. MoE: the f32 router and its top-k; on traced steps the router's choice read back and
+// 7. MoE: the FFN norm, then the f32 router and its top-k (one launch where the backend fuses
+// them, Backend::norm_moe_router); on traced steps the router's choice read back and
 // forced experts applied (a host round trip); then the routed and shared experts.
 Status ModelForward::moe(int l, ForwardTrace* trace, const NormArgs& norm, float* out) {
   const LayerRefs& L = layers_[l];

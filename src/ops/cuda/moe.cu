@@ -313,8 +313,8 @@ Status router_route(const RouterRouteParams& p) {
 
 bool router_route_norm_supported(const RouterRouteParams& p) {
   return p.attn && p.residual && p.norm_w && p.D % 4 == 0 && p.D <= 4 * kRouterThreads * kRouterVec &&
-         aligned16(p.x) && aligned16(p.gate) && aligned16(p.attn) && aligned16(p.residual) && aligned16(p.norm_w) && p.attn != p.x && p.residual != p.x &&
-         p.attn != p.residual;
+         aligned16(p.x) && aligned16(p.gate) && aligned16(p.attn) && aligned16(p.residual) && aligned16(p.norm_w) &&
+         p.attn != p.x && p.residual != p.x && p.attn != p.residual;
 }
 
 bool router_route_supported(const MoeConfig& cfg, int64_t T) {
