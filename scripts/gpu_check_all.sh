@@ -23,6 +23,10 @@ mode=${1:?usage: gpu_check_all.sh pack BUILD_DIR | run}
 root=$(cd "$(dirname "$0")/.." && pwd)
 if [ "$mode" = pack ]; then
   build=${2:?usage: gpu_check_all.sh pack BUILD_DIR}
+  # Build what is carried first: packing copies from BUILD_DIR, and a stale binary there once
+  # went to the device without the session's new tests (2026-12-07).
+  cmake --build "$build" --target ml4 ml4_cuda_tests hisparse_gather_bench spec_step_bench gpu_moe_bench \
+    attention_bench kv_transfer_bench ml4_cupti_trace || exit 1
   "$root/scripts/gpu_pd_check.sh" pack "$build" || exit 1
   dest="$root/.device-carry-pd"
   cp "$build/ml4_cuda_tests" "$build/hisparse_gather_bench" "$build/spec_step_bench" "$build/gpu_moe_bench" \
