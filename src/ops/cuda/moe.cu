@@ -132,18 +132,21 @@ __global__ void __launch_bounds__(kRouterThreads)
   if (!last) return;
   __threadfence();
   if (threadIdx.x == 0) atomicExch(counter, 0u);
-  if (norm.w) {  // every block has read the residual: residual += attention output
-    const int64_t n4 = int64_t{T} * (D / 4);
-    const float4* at4 = reinterpret_cast<const float4*>(norm.attn);
-    float4* r4 = reinterpret_cast<float4*>(norm.residual);
-    for (int64_t i = threadIdx.x; i < n4; i += kRouterThreads) {
-      float4 v = at4[i];
-      const float4 r = r4[i];
-      v.x += r.x;
-      v.y += r.y;
-      v.z += r.z;
-      v.w += r.w;
-      r4[i] = v;
+  if (norm.w) {  // every block has read the residual: residual += attention output, a row's
+    // loads all issued before its stores (one memory latency a token, not one per 256 float4s)
+    const int n4 = static_cast<int>(D / 4);
+    const float4* __restrict__ at4 = reinterpret_cast<const float4*>(norm.attn);
+    float4* __restrict__ r4 = reinterpret_cast<float4*>(norm.residual);
+    for (int t = 0; t < T; ++t) {
+      float4 av[kRouterVec], rv[kRouterVec];
+      load_row_regs<kRouterThreads>(av, at4 + t * n4, n4);
+      load_row_regs<kRouterThreads>(rv, r4 + t * n4, n4);
+#pragma unroll
+      for (int j = 0; j < kRouterVec; ++j) {
+        const int i = threadIdx.x + j * kRouterThreads;
+        if (i < n4) r4[t * n4 + i] = make_float4(av[j].x + rv[j].x, av[j].y + rv[j].y, av[j].z + rv[j].z,
+                                                 av[j].w + rv[j].w);
+      }
     }
   }
   if (w >= T) return;
