@@ -73,10 +73,10 @@ stamp() { echo "==== [$(( $(date +%s) - t0 )) s] $*"; }
 sections=" ${SECTIONS:-tests decode moegemm spec specstep hisparse perplexity pd all} "
 on() { [[ "$sections" == *" $1 "* ]]; }
 
-# The suites of the kernels the last session changed (thirteenth: the resident FFN kernel and
-# the latency path, the stream GEMV's body as a device function), first. A suite that faults can be
-# left out of the whole run with ML4_GTEST_EXCLUDE=Suite.* so that it does not take the rest with it.
-new=${FILTER_NEW:-CudaMoe.Resident*:CudaRunner.LatencyDecode*:CudaGemv.*:CudaMoe.*}
+# The suites of the kernels the last session changed (nineteenth: the FFN norm inside the fused
+# router, RMSNorm's helpers, the final norm's rows), first. A suite that faults can be left out
+# of the whole run with ML4_GTEST_EXCLUDE=Suite.* so that it does not take the rest with it.
+new=${FILTER_NEW:-CudaMoe.FusedRouter*:CudaRunner.Fused*:CudaRunner.FinalNorm*:CudaElementwise.*:CudaRunner.DecodeGraphsMatchEager}
 on tests && stamp "1a. new GPU tests: $new" && timeout 240 "$carry/bin/ml4_cuda_tests" --gtest_filter="$new" --gtest_color=no > "$out/new_tests.log" 2>&1
 on tests && grep -E "^\[  (FAILED|PASSED|SKIPPED) |^\[       OK|rel|Failure" "$out/new_tests.log" | tail -40
 
