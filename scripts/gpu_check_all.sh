@@ -236,12 +236,14 @@ if on train; then
   # carry [".device-carry-x", ".device-carry-train"] with prepare_data.py's output copied to
   # .device-carry-train/data. Writes OUT/train (consolidated.safetensors with the new drafter,
   # results.json with acceptance on held-out corpus and generated rows, stdout.log).
+  # ML4_DRAFTER_LAYERS=N grows the shipped one-layer drafter to N draft layers (ML4 has 3).
   stamp "T. DSpark drafter retraining (${ML4_DRAFTER_SECONDS:-300} s)"
   mkdir -p "$out/train"
   timeout $(( ${ML4_DRAFTER_SECONDS:-300} + 150 )) python3 "$root/tools/train/train.py" \
     --data "$root/.device-carry-train/data" --tekken "$root/assets/ml4-small/tekken.json" --out "$out/train" \
     --target-from "$root/assets/ml4-small/consolidated.safetensors" --drafter-from-target \
     --target-seconds 0 --skip-target-eval --drafter-seconds "${ML4_DRAFTER_SECONDS:-300}" \
+    --drafter-layers "${ML4_DRAFTER_LAYERS:-0}" \
     --drafter-data "${ML4_DRAFTER_DATA:-$root/tools/train/runs/drafter_data/ml4-small-cpu.tok.xz,$root/tools/train/runs/drafter_data/ml4-small-cpu-seed1.tok.xz,$root/tools/train/runs/drafter_data/ml4-small-cpu-seed2.tok.xz}" \
     --drafter-data-frac "${ML4_DRAFTER_DATA_FRAC:-0.6}" --passkey-lengths \
     --deadline $(( ${ML4_DRAFTER_SECONDS:-300} + 100 )) > "$out/train/stdout.log" 2>&1

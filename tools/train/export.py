@@ -149,4 +149,24 @@ def load_into(model, drafter, state):
             if k.startswith("mtp_dspark."):
                 n = k[len("mtp_dspark."):]
                 dsd[ren.get(n, n)] = v
-        drafter.load_state_dict(dsd)
+        grow_drafter(drafter, dsd)
+
+
+def grow_drafter(drafter, dsd):
+    """Loads a drafter's tensors (dsd) into `drafter`, which may have more draft layers than
+    dsd holds (train.py --drafter-layers): the file's layers load as they are, the others keep
+    their initialisation but for zero output projections (attention.wo, feed_forward.w2), so
+    each added layer adds nothing to the residual stream and the grown drafter starts as the
+    file's. Anything else missing or unexpected is an error."""
+    have = {int(k.split(".")[1]) for k in dsd if k.startswith("layers.")}
+    n = len(drafter.layers)
+    if have != set(range(len(have))) or len(have) > n:
+        raise ValueError(f"drafter file holds layers {sorted(have)}, the drafter has {n}")
+    missing, unexpected = drafter.load_state_dict(dsd, strict=False)
+    bad = [k for k in missing if not (k.startswith("layers.") and int(k.split(".")[1]) >= len(have))]
+    if bad or unexpected:
+        raise ValueError(f"drafter tensors: missing {bad}, unexpected {list(unexpected)}")
+    with torch.no_grad():
+        for i in range(len(have), n):
+            drafter.layers[i].attention.wo.weight.zero_()
+            drafter.layers[i].feed_forward.w2.weight.zero_()

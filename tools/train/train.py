@@ -657,6 +657,10 @@ def main():
     ap.add_argument("--drafter-data-frac", type=float, default=0.75, help="share of drafter batches from --drafter-data")
     ap.add_argument("--drafter-from-target", action="store_true", help="with --target-from: start the drafter from "
                     "that file's mtp_dspark.* tensors (continue training the shipped drafter)")
+    ap.add_argument("--drafter-layers", type=int, default=0,
+                    help="draft layers (0: params.json's mtp.n_layers; ML4 has 3). With --drafter-from-target a "
+                    "drafter of more layers than the file's starts as that drafter: its layers are loaded, the new "
+                    "ones appended with zero output projections (each an identity on the residual stream)")
     ap.add_argument("--eval-ctx", type=int, default=4096)
     ap.add_argument("--eval-chunks", type=int, default=2)
     ap.add_argument("--eval-every", type=float, default=30)
@@ -689,6 +693,8 @@ def main():
     data = Data(a.data, tk, dev)
     log(f"data: {len(data.train_np) / 1e6:.1f}M train tokens, device {dev}"
         + (f" ({torch.cuda.get_device_name()})" if dev.type == "cuda" else "") + f", torch {torch.__version__}")
+    if a.drafter_layers:
+        p["mtp"]["n_layers"] = a.drafter_layers
     model = Ml4Small(p).to(dev)
     drafter = DSparkDrafter(p).to(dev)
     if a.resume:
