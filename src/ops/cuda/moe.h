@@ -48,8 +48,9 @@ struct RouterRouteParams {
   unsigned* counter = nullptr;
   MoeRouteParams route;  // logits (written), T, cfg, bias, ids, weights, stream
   // The FFN norm in the same launch (issue 19), when norm_w is set: x (written, [T, D]) =
-  // rms(attn + residual) * norm_w, and residual += attn, bit for bit as rms_norm with a residual
-  // (one launch and one serial row kernel fewer a MoE layer). Unimplemented where
+  // rms(attn + residual) * norm_w, and residual += attn, with rms_norm's arithmetic (row_regs.cuh)
+  // so meant to be the same bits (CudaMoe.FusedRouterNormIsTheNormThenTheRouter; not yet run on
+  // a device); one launch and one serial row kernel fewer a MoE layer. Unimplemented where
   // router_route_norm_supported is false.
   const float* attn = nullptr;
   float* residual = nullptr;
