@@ -68,7 +68,8 @@ export ML4_SOURCE_DIR="$root"
 t0=$(date +%s)
 stamp() { echo "==== [$(( $(date +%s) - t0 )) s] $*"; }
 # SECTIONS picks parts (default all but train): tests decode moegemm spec specstep hisparse perplexity pd all;
-# timeline (in decode too) alone runs the decode step's CUPTI timeline;
+# timeline (in decode too) alone runs the decode step's CUPTI timeline; step the decode step's
+# figures and fusion A/B lines only (not in the default);
 # train (not in the default: it needs the corpus carried, see below) retrains the DSpark drafter
 sections=" ${SECTIONS:-tests decode moegemm spec specstep hisparse perplexity pd all} "
 on() { [[ "$sections" == *" $1 "* ]]; }
@@ -110,6 +111,15 @@ if on decode; then
     echo "resident trace batch=$b rc=$?"
     grep -E "NCUSTEP|RESIDENT_TRACE|rror" "$out/resident_trace_b$b.log" | cut -c1-330
   done
+fi
+
+if on step; then
+  # The decode step alone (issue 19): batch 1 / 2 / 4 at 8k and the fusion A/B lines (FUSED*),
+  # ~15 s; `decode` runs the longer profile around it.
+  stamp "D1. decode step"
+  timeout 120 "$carry/bin/ml4" bench step --preset ml4-slice-4 --batch 1,2,4 --ctx 8192 --no-extras \
+    > "$out/step.log" 2>&1; echo "rc=$?"
+  grep -E "^STEP |^FUSED|rror" "$out/step.log" | cut -c1-200
 fi
 
 if on decode || on timeline; then
