@@ -4,7 +4,10 @@ drafter of more draft layers computes the same block logits, bit for bit, before
 step (each added layer has zero output projections, so it adds exact zeros to the residual
 stream); and the added layers do train (their output projections get non-zero gradients).
 
-  python3 tools/train/check_grow_drafter.py [--model assets/ml4-small] [--layers 3]
+  python3 tools/train/check_grow_drafter.py [--model assets/ml4-small] [--layers 3] [--export DIR]
+
+--export DIR writes the grown, untrained model there (the target's tensors verbatim, tekken.json
+copied): served by ml4 with speculation it must draft exactly as the shipped model does.
 
 Runs on the CPU in f32 in a few seconds (random token rows, fresh each run unless --seed).
 Exit status 0 when both hold."""
@@ -16,7 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from export import dequantized_state, load_into  # noqa: E402
+from export import dequantized_state, export, load_into  # noqa: E402
 from ml4_small import DSparkDrafter, Ml4Small  # noqa: E402
 
 
@@ -25,6 +28,7 @@ def main():
     ap.add_argument("--model", default=os.path.join(os.path.dirname(__file__), "..", "..", "assets", "ml4-small"))
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--export", default="", help="write the grown, untrained model to this directory")
     a = ap.parse_args()
     if a.seed is not None:
         torch.manual_seed(a.seed)
@@ -58,6 +62,11 @@ def main():
     norms = [grown.layers[i].attention.wo.weight.grad.norm().item() for i in range(shipped_layers, a.layers)]
     trains = all(n > 0 for n in norms)
     print("added layers' wo gradient norms: " + ", ".join(f"{n:.3g}" for n in norms))
+    if a.export:
+        grown.zero_grad(set_to_none=True)
+        export(model, grown, pg, os.path.join(a.model, "tekken.json"), a.export,
+               target_file=os.path.join(a.model, "consolidated.safetensors"))
+        print(f"wrote {a.export}")
     return 0 if same and trains else 1
 
 
