@@ -19,7 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from export import dequantized_state, export, load_into  # noqa: E402
+from export import dequantized_state, drafter_state, export, grow_drafter, load_into  # noqa: E402
 from ml4_small import DSparkDrafter, Ml4Small  # noqa: E402
 
 
@@ -42,7 +42,7 @@ def main():
     pg = json.loads(json.dumps(p))
     pg["mtp"]["n_layers"] = a.layers
     grown = DSparkDrafter(pg).eval()
-    load_into(Ml4Small(p), grown, state)
+    grow_drafter(grown, drafter_state(state))
     B, T, S = 2, 96, one.B - 1
     x = torch.randint(1, p["vocab_size"], (B, T))
     anchors = torch.randint(16, T - S, (B, 8))

@@ -142,14 +142,19 @@ def load_into(model, drafter, state):
             new[name] = state[name]
     model.load_state_dict(new)
     if drafter is not None:
-        ren = {"markov.weight_ih": "markov.cell.weight_ih", "markov.weight_hh": "markov.cell.weight_hh",
-               "markov.bias_ih": "markov.cell.bias_ih", "markov.bias_hh": "markov.cell.bias_hh"}
-        dsd = {}
-        for k, v in state.items():
-            if k.startswith("mtp_dspark."):
-                n = k[len("mtp_dspark."):]
-                dsd[ren.get(n, n)] = v
-        grow_drafter(drafter, dsd)
+        grow_drafter(drafter, drafter_state(state))
+
+
+def drafter_state(state):
+    """The mtp_dspark.* tensors of native-named `state` under DSparkDrafter's parameter names."""
+    ren = {"markov.weight_ih": "markov.cell.weight_ih", "markov.weight_hh": "markov.cell.weight_hh",
+           "markov.bias_ih": "markov.cell.bias_ih", "markov.bias_hh": "markov.cell.bias_hh"}
+    dsd = {}
+    for k, v in state.items():
+        if k.startswith("mtp_dspark."):
+            n = k[len("mtp_dspark."):]
+            dsd[ren.get(n, n)] = v
+    return dsd
 
 
 def grow_drafter(drafter, dsd):

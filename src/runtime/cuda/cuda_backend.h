@@ -271,6 +271,7 @@ class CudaBackend : public Backend {
   int64_t requant_transient_bytes() const { return requant_transient_bytes_; }
   int64_t kv_bytes() const { return kv_bytes_; }
   int64_t overlapped_layers() const { return overlapped_layers_; }
+  int64_t fused_ffn_norms() const { return fused_ffn_norms_; }  // norm_moe_router calls run fused
   void set_overlap_indexer(bool on) { opts_.overlap_indexer = on; }
   void set_absorb_gemm(bool on) { opts_.absorb_gemm = on; }
   void set_fused_router(bool on) { opts_.fused_router = on; }
@@ -407,6 +408,7 @@ class CudaBackend : public Backend {
   int on_lane_ = -1;
   bool lane_used_[kSideLanes] = {false, false};
   int64_t overlapped_layers_ = 0;
+  int64_t fused_ffn_norms_ = 0;
   int64_t weight_bytes_ = 0, kv_bytes_ = 0, routed_expert_bytes_ = 0;
   double requant_seconds_ = 0.0;
   int64_t requant_transient_bytes_ = 0;

@@ -342,6 +342,7 @@ class CudaRunner : public ModelRunner {
   int64_t draft_replays() const { return draft_replays_; }
   // Layers whose indexer ran overlapped on the second stream (eager and captured steps).
   int64_t overlapped_layers() const { return backend_->overlapped_layers(); }
+  int64_t fused_ffn_norms() const { return backend_->fused_ffn_norms(); }
   size_t graphs_captured() const { return graphs_.size(); }
   int64_t kv_bytes() const { return backend_->kv_bytes(); }
   // The sticky fault record the runner's kernels write and every step checks (tests inject a
