@@ -247,14 +247,28 @@ if on train; then
   # .device-carry-train/data. Writes OUT/train (consolidated.safetensors with the new drafter,
   # results.json with acceptance on held-out corpus and generated rows, stdout.log).
   # ML4_DRAFTER_LAYERS=N grows the shipped one-layer drafter to N draft layers (ML4 has 3).
-  stamp "T. DSpark drafter retraining (${ML4_DRAFTER_SECONDS:-300} s)"
+  # ML4_DRAFTER_GEN_SECONDS=S first has the target continue corpus prompts on this GPU for S
+  # seconds (gen_drafter_data.py through `ml4 serve --device cuda`, greedy and T = 1) and adds
+  # those rows to the drafter's on-policy data.
   mkdir -p "$out/train"
+  drafter_data=${ML4_DRAFTER_DATA:-$root/tools/train/runs/drafter_data/ml4-small-cpu.tok.xz,$root/tools/train/runs/drafter_data/ml4-small-cpu-seed1.tok.xz,$root/tools/train/runs/drafter_data/ml4-small-cpu-seed2.tok.xz}
+  if [ "${ML4_DRAFTER_GEN_SECONDS:-0}" -gt 0 ]; then
+    stamp "T0. on-policy rows from ml4 serve --device cuda (${ML4_DRAFTER_GEN_SECONDS} s)"
+    timeout $(( ML4_DRAFTER_GEN_SECONDS + 120 )) python3 "$root/tools/train/gen_drafter_data.py" \
+      --data "$root/.device-carry-train/data" --out "$out/train/gen-cuda.tok.xz" --ml4 "$carry/bin/ml4" \
+      --model "$root/assets/ml4-small" --serve-arg=--device --serve-arg=cuda --n-seqs 32768 --prompt-len 256 \
+      --gen-len 512 --concurrency "${ML4_DRAFTER_GEN_CONCURRENCY:-128}" --seed 3 \
+      --max-seconds "$ML4_DRAFTER_GEN_SECONDS" > "$out/train/gen.log" 2>&1
+    echo "gen rc=$?"; tail -4 "$out/train/gen.log" | cut -c1-300
+    [ -s "$out/train/gen-cuda.tok.xz" ] && drafter_data="$drafter_data,$out/train/gen-cuda.tok.xz"
+  fi
+  stamp "T. DSpark drafter retraining (${ML4_DRAFTER_SECONDS:-300} s)"
   timeout $(( ${ML4_DRAFTER_SECONDS:-300} + 150 )) python3 "$root/tools/train/train.py" \
     --data "$root/.device-carry-train/data" --tekken "$root/assets/ml4-small/tekken.json" --out "$out/train" \
     --target-from "$root/assets/ml4-small/consolidated.safetensors" --drafter-from-target \
     --target-seconds 0 --skip-target-eval --drafter-seconds "${ML4_DRAFTER_SECONDS:-300}" \
     --drafter-layers "${ML4_DRAFTER_LAYERS:-0}" \
-    --drafter-data "${ML4_DRAFTER_DATA:-$root/tools/train/runs/drafter_data/ml4-small-cpu.tok.xz,$root/tools/train/runs/drafter_data/ml4-small-cpu-seed1.tok.xz,$root/tools/train/runs/drafter_data/ml4-small-cpu-seed2.tok.xz}" \
+    --drafter-data "$drafter_data" \
     --drafter-data-frac "${ML4_DRAFTER_DATA_FRAC:-0.6}" --passkey-lengths \
     --deadline $(( ${ML4_DRAFTER_SECONDS:-300} + 100 )) > "$out/train/stdout.log" 2>&1
   echo "rc=$?"

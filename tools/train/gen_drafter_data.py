@@ -85,6 +85,8 @@ def main():
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=600, help="seconds per request")
+    ap.add_argument("--max-seconds", type=float, default=0,
+                    help="stop sending after this long and write the rows finished by then (0: all rows)")
     a = ap.parse_args()
     if bool(a.url) == bool(a.ml4):
         sys.exit("give exactly one of --url and --ml4")
@@ -118,15 +120,29 @@ def main():
             return i, got
 
         rows = np.zeros((a.n_seqs, L), dtype=np.uint16)
+        finished = np.zeros(a.n_seqs, dtype=bool)
         t0, done = time.time(), 0
-        with cf.ThreadPoolExecutor(a.concurrency) as ex:
-            for i, got in ex.map(one, range(a.n_seqs)):
-                rows[i] = got
+        ex = cf.ThreadPoolExecutor(a.concurrency)
+        futures = [ex.submit(one, i) for i in range(a.n_seqs)]
+        try:
+            for fut in cf.as_completed(futures, timeout=a.max_seconds or None):
+                i, got = fut.result()
+                rows[i], finished[i] = got, True
                 done += 1
                 if done % max(1, a.n_seqs // 10) == 0:
                     el = time.time() - t0
                     print(f"{done}/{a.n_seqs} rows, {done * a.gen_len / el:.0f} generated tok/s", flush=True)
+        except cf.TimeoutError:
+            # --max-seconds: drop the rows not started, wait for those in flight (they finish
+            # within --timeout) and keep every finished one.
+            ex.shutdown(wait=True, cancel_futures=True)
+            for i, fut in enumerate(futures):
+                if not fut.cancelled() and fut.exception() is None and not finished[i]:
+                    rows[i], finished[i] = fut.result()[1], True
+            print(f"--max-seconds {a.max_seconds:g}: {int(finished.sum())} of {a.n_seqs} rows finished", flush=True)
+        ex.shutdown(wait=True)
         seconds = time.time() - t0
+        rows, temps = rows[finished], [t for t, f in zip(temps, finished) if f]
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
@@ -136,12 +152,13 @@ def main():
                 proc.kill()
     with open(a.out, "wb") as f:
         f.write(lzma.compress(rows.tobytes()))
-    meta = {"rows": a.n_seqs, "row_len": L, "prompt_len": a.prompt_len, "gen_len": a.gen_len,
+    n = len(rows)
+    meta = {"rows": n, "row_len": L, "prompt_len": a.prompt_len, "gen_len": a.gen_len,
             "temperatures": temps, "model": model, "seconds": seconds,
-            "generated_tok_s": a.n_seqs * a.gen_len / seconds}
+            "generated_tok_s": n * a.gen_len / seconds}
     with open(a.out + ".json", "w") as f:
         json.dump(meta, f, indent=1)
-    print(f"wrote {a.out}: {a.n_seqs} rows of {L} tokens in {seconds:.1f} s "
+    print(f"wrote {a.out}: {n} rows of {L} tokens in {seconds:.1f} s "
           f"({meta['generated_tok_s']:.0f} generated tok/s)")
 
 
