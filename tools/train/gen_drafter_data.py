@@ -19,7 +19,8 @@ prompts, `return_token_ids`, `ignore_eos`), greedy and/or sampled (--temperature
 stops it at the end.
 
 Writes FILE (uint16 rows of prompt-len + gen-len tokens, row-major, LZMA-compressed) and
-FILE.json (the row length, the prompt length, the count, each row's temperature, the model).
+FILE.json (the row length, the prompt length, the count, each row's temperature and prompt index
+(`row_index`: with --max-seconds only the rows finished in time are written), the model).
 """
 
 import argparse
@@ -142,7 +143,8 @@ def main():
             print(f"--max-seconds {a.max_seconds:g}: {int(finished.sum())} of {a.n_seqs} rows finished", flush=True)
         ex.shutdown(wait=True)
         seconds = time.time() - t0
-        rows, temps = rows[finished], [t for t, f in zip(temps, finished) if f]
+        kept = np.flatnonzero(finished)
+        rows, temps = rows[kept], [temps[i] for i in kept]
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
@@ -154,7 +156,7 @@ def main():
         f.write(lzma.compress(rows.tobytes()))
     n = len(rows)
     meta = {"rows": n, "row_len": L, "prompt_len": a.prompt_len, "gen_len": a.gen_len,
-            "temperatures": temps, "model": model, "seconds": seconds,
+            "temperatures": temps, "row_index": [int(i) for i in kept], "model": model, "seconds": seconds,
             "generated_tok_s": n * a.gen_len / seconds}
     with open(a.out + ".json", "w") as f:
         json.dump(meta, f, indent=1)
