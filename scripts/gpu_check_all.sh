@@ -249,7 +249,8 @@ if on train; then
   # ML4_DRAFTER_LAYERS=N grows the shipped one-layer drafter to N draft layers (ML4 has 3).
   # ML4_DRAFTER_GEN_SECONDS=S first has the target continue corpus prompts on this GPU for S
   # seconds (gen_drafter_data.py through `ml4 serve --device cuda`, greedy and T = 1) and adds
-  # those rows to the drafter's on-policy data.
+  # those rows to the drafter's on-policy data (rows of 256 + 512 tokens, as the CPU-made files:
+  # train.py refuses drafter data files of different row lengths).
   mkdir -p "$out/train"
   drafter_data=${ML4_DRAFTER_DATA:-$root/tools/train/runs/drafter_data/ml4-small-cpu.tok.xz,$root/tools/train/runs/drafter_data/ml4-small-cpu-seed1.tok.xz,$root/tools/train/runs/drafter_data/ml4-small-cpu-seed2.tok.xz}
   if [ "${ML4_DRAFTER_GEN_SECONDS:-0}" -gt 0 ]; then
