@@ -135,10 +135,11 @@ def main():
                     print(f"{done}/{a.n_seqs} rows, {done * a.gen_len / el:.0f} generated tok/s", flush=True)
         except cf.TimeoutError:
             # --max-seconds: drop the rows not started, wait for those in flight (they finish
-            # within --timeout) and keep every finished one.
+            # within --timeout) and keep every finished one; a failed request fails the run, as
+            # without the limit.
             ex.shutdown(wait=True, cancel_futures=True)
             for i, fut in enumerate(futures):
-                if not fut.cancelled() and fut.exception() is None and not finished[i]:
+                if not fut.cancelled() and not finished[i]:
                     rows[i], finished[i] = fut.result()[1], True
             print(f"--max-seconds {a.max_seconds:g}: {int(finished.sum())} of {a.n_seqs} rows finished", flush=True)
         ex.shutdown(wait=True)
