@@ -15,7 +15,7 @@
 #   4. every other GPU test (scripts/gpu_run.sh; FILTER_ALL, positive gtest patterns, default
 #      '*': e.g. the suites but a crashing new one, so that it does not hide the rest).
 #
-#   on the CPU machine, after a CUDA build:  [ML4_VAL_TEXT=val_novels.txt] scripts/gpu_check_all.sh pack BUILD_DIR
+#   on the CPU machine, after a CUDA build:  [ML4_VAL_TEXT=val_novels.txt] [ML4_PACK_SLIM=1] scripts/gpu_check_all.sh pack BUILD_DIR
 #   on the GPU machine (carry .device-carry-x):
 #     tar xJf .device-carry-x/carry.tar.xz && [SECTIONS="tests spec ..."] bash .device-carry-pd/gpu_check_all.sh run
 set -uo pipefail
@@ -52,7 +52,13 @@ if [ "$mode" = pack ]; then
   du -sh "$dest"
   # The run tool carries at most 64 MiB with the working tree: ship the folder xz-packed.
   rm -rf "$root/.device-carry-x" && mkdir -p "$root/.device-carry-x"
-  tar cJf "$root/.device-carry-x/carry.tar.xz" -C "$root" .device-carry-pd
+  # ML4_PACK_SLIM=1 leaves out the benches that only the moegemm, spec-step, attention and pd
+  # sections run (25 -> 15 MB packed), so that the training data (.device-carry-train, ~17 MB)
+  # fits beside it in one call.
+  slim=()
+  [ "${ML4_PACK_SLIM:-0}" = 1 ] && slim=(--exclude=attention_bench --exclude=gpu_moe_bench --exclude=spec_step_bench
+                                         --exclude=kv_transfer_bench)
+  tar cJf "$root/.device-carry-x/carry.tar.xz" "${slim[@]}" -C "$root" .device-carry-pd
   du -sh "$root/.device-carry-x"
   echo 'run tool: carry [".device-carry-x"], command: tar xJf .device-carry-x/carry.tar.xz && bash .device-carry-pd/gpu_check_all.sh run'
   exit 0
