@@ -461,7 +461,7 @@ TEST(CudaRunner, DecodeGraphsMatchEager) {
 // bits), over a prefill of mixed lengths and decode steps (graph replays included).
 template <typename Off, typename On>
 void option_vs_plain(const std::string& preset, const char* what, Off off, On on,
-                     const std::function<void(const CudaRunner&)>& check_on = nullptr) {
+                     const std::function<void(const CudaRunner&, bool on)>& check = nullptr) {
   const std::string dir = ::ml4::testing::test_model(preset, 11, "bf16");
   CudaRunnerOptions o;
   o.base.kv_cache_dtype = "fp8_ds_mla";
@@ -515,9 +515,11 @@ void option_vs_plain(const std::string& preset, const char* what, Off off, On on
   }
   EXPECT_EQ(differing, 0) << preset << ": logits rows that differ with " << what;
   EXPECT_GT((*pdl)->graph_replays(), 0) << preset;
-  if (check_on) {
-    check_on(**pdl);
-    check_on(**pdl_eager);
+  if (check) {  // the option's own evidence that it was (and was not) taken
+    check(**pdl, true);
+    check(**pdl_eager, true);
+    check(**plain, false);
+    check(**plain_eager, false);
   }
   std::printf("%s: %s vs plain: %d differing logits rows (graphed and eager), %ld replays\n", preset.c_str(), what,
               differing, static_cast<long>((*pdl)->graph_replays()));
@@ -564,8 +566,12 @@ TEST(CudaRunner, FusedFfnNormIsBitIdentical) {
   ML4_REQUIRE_GPU();
   auto off = [](CudaRunnerOptions& o) { o.fused_ffn_norm = false; };
   auto on = [](CudaRunnerOptions& o) { o.fused_ffn_norm = true; };
-  // The comparison means something only if the fused launch ran (decode steps of MoE layers).
-  auto ran = [](const CudaRunner& r) { EXPECT_GT(r.fused_ffn_norms(), 0) << "the fused FFN norm never ran"; };
+  // The comparison means something only if the fused launch ran with the option (decode steps
+  // of MoE layers) and never without it.
+  auto ran = [](const CudaRunner& r, bool on) {
+    if (on) EXPECT_GT(r.fused_ffn_norms(), 0) << "the fused FFN norm never ran";
+    else EXPECT_EQ(r.fused_ffn_norms(), 0) << "the fused FFN norm ran with the option off";
+  };
   option_vs_plain("mistral4-tiny", "the FFN norm inside the router", off, on, ran);
   option_vs_plain("ml4-tiny", "the FFN norm inside the router", off, on, ran);
 }
