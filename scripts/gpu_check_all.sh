@@ -281,6 +281,21 @@ if on train; then
   echo "rc=$?"
   grep -iE "acceptance|drafter step|rror" "$out/train/stdout.log" | tail -25 | cut -c1-300
   rm -f "$out"/train/ckpt.*.pt  # f32 checkpoints: too large to bring back, the export suffices
+  # ML4_DRAFTER_SPEC=1: the exported model (a whole model folder) through the engine at c1 on the
+  # held-out prompts, 3 drafts, T = 0 and 1, beside the shipped drafter in the same call.
+  if [ "${ML4_DRAFTER_SPEC:-0}" = 1 ] && [ -s "$out/train/consolidated.safetensors" ]; then
+    for m in trained shipped; do
+      stamp "T2. DSpark through ml4 serve --device cuda, $m drafter"
+      dir="$out/train"; [ $m = shipped ] && dir="$root/assets/ml4-small"
+      ML4_SPEC_MODEL="$dir" ML4_SPEC_ROUNDS=1 ML4_SPEC_CONCURRENCY=1 \
+        ML4_SPEC_DATASET="$root/bench/data/ml4-small-val-prompts.jsonl" \
+        ML4_SPEC_SERVE_ARGS="--device cuda --kv-cache-memory-bytes 2147483648" \
+        timeout 150 bash "$root/bench/spec_decode_cpu.sh" "$carry/bin" "$out/spec_$m" 3 > "$out/spec_$m.log" 2>&1
+      echo "rc=$?"
+      cat "$out/spec_$m/summary.md" 2>/dev/null || tail -20 "$out/spec_$m.log"
+    done
+    tar czf "$out/spec_train.tar.gz" -C "$out" spec_trained spec_shipped && rm -rf "$out"/spec_trained "$out"/spec_shipped
+  fi
 fi
 
 on all && stamp "4. the GPU tests" && OUT="$out/all" timeout 300 bash "$carry/gpu_run.sh" "${FILTER_ALL:-*}" none > "$out/all.log" 2>&1
