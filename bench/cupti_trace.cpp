@@ -41,6 +41,16 @@ std::string demangle(const char* n) {
   return s;
 }
 
+// Every CUPTI call's failure is reported (the nineteenth and twenty-first sessions' traces held
+// no activity at all, and the calls' results were then ignored).
+bool check(CUptiResult r, const char* what) {
+  if (r == CUPTI_SUCCESS) return true;
+  const char* msg = nullptr;
+  cuptiGetResultString(r, &msg);
+  std::fprintf(stderr, "cupti_trace: %s failed: %s (%d)\n", what, msg ? msg : "?", static_cast<int>(r));
+  return false;
+}
+
 void CUPTIAPI requested(uint8_t** buffer, size_t* size, size_t* max_records) {
   *buffer = static_cast<uint8_t*>(std::aligned_alloc(8, kBufferBytes));
   *size = kBufferBytes;
@@ -81,6 +91,9 @@ void CUPTIAPI completed(CUcontext, uint32_t, uint8_t* buffer, size_t, size_t val
     }
   }
   std::free(buffer);
+  size_t dropped = 0;
+  cuptiActivityGetNumDroppedRecords(nullptr, 0, &dropped);
+  if (dropped) std::fprintf(stderr, "cupti_trace: %zu records dropped\n", dropped);
   std::lock_guard<std::mutex> lock(g_mu);
   g_rows.insert(g_rows.end(), rows.begin(), rows.end());
 }
@@ -90,7 +103,14 @@ bool g_written = false;
 void write_out() {
   const char* out = std::getenv("ML4_CUPTI_OUT");
   if (out == nullptr || g_written) return;
-  cuptiActivityFlushAll(1);
+  check(cuptiActivityFlushAll(1), "cuptiActivityFlushAll");
+  {
+    // A process without CUDA work leaves the file alone: LD_PRELOAD reaches every process of
+    // the command line (`timeout ... ml4` loads the tracer into timeout too, which exits last
+    // and, before this check, overwrote ml4's trace with an empty one).
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (g_rows.empty()) return;
+  }
   std::FILE* f = std::fopen(out, "w");
   if (f == nullptr) return;
   g_written = true;
@@ -105,6 +125,7 @@ void write_out() {
                  n.c_str());
   }
   std::fclose(f);
+  std::fprintf(stderr, "cupti_trace: %zu activities written to %s\n", g_rows.size(), out);
 }
 
 // The file is written at exit. Leaving cudaProfilerStop registers an atexit handler: handlers
@@ -125,14 +146,18 @@ void CUPTIAPI on_api(void*, CUpti_CallbackDomain domain, CUpti_CallbackId cbid, 
 struct Tracer {
   Tracer() {
     if (std::getenv("ML4_CUPTI_OUT") == nullptr) return;
+    uint32_t version = 0;
+    if (check(cuptiGetVersion(&version), "cuptiGetVersion"))
+      std::fprintf(stderr, "cupti_trace: CUPTI API version %u\n", version);
     CUpti_SubscriberHandle sub;
-    if (cuptiSubscribe(&sub, on_api, nullptr) == CUPTI_SUCCESS)
-      cuptiEnableCallback(1, sub, CUPTI_CB_DOMAIN_RUNTIME_API, CUPTI_RUNTIME_TRACE_CBID_cudaProfilerStop_v4000);
-    cuptiActivityRegisterCallbacks(requested, completed);
-    cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL);
-    cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY);
-    cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMSET);
-    cuptiActivityEnable(CUPTI_ACTIVITY_KIND_RUNTIME);
+    if (check(cuptiSubscribe(&sub, on_api, nullptr), "cuptiSubscribe"))
+      check(cuptiEnableCallback(1, sub, CUPTI_CB_DOMAIN_RUNTIME_API, CUPTI_RUNTIME_TRACE_CBID_cudaProfilerStop_v4000),
+            "cuptiEnableCallback");
+    check(cuptiActivityRegisterCallbacks(requested, completed), "cuptiActivityRegisterCallbacks");
+    check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL), "enable CONCURRENT_KERNEL");
+    check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY), "enable MEMCPY");
+    check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMSET), "enable MEMSET");
+    check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_RUNTIME), "enable RUNTIME");
   }
   ~Tracer() { write_out(); }
 };

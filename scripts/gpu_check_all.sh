@@ -134,8 +134,10 @@ if on decode || on timeline; then
   # (bench/step_timeline.py), the median step's activities as CSV for bench/plot_step_timeline.py.
   stamp "D2. decode step timeline (CUPTI)"
   for b in 1 4; do
-    ML4_BENCH_TRACE_STEP=$b ML4_CUPTI_OUT="$out/cupti_b$b.csv" LD_PRELOAD="$carry/lib/libml4_cupti_trace.so" \
-      timeout 150 "$carry/bin/ml4" bench step --preset ml4-slice-4 --batch $b --ctx 8192 --kv-gib 4 \
+    # LD_PRELOAD through env, after timeout: only ml4 loads the tracer (before the twenty-first
+    # session timeout loaded it too and, exiting last, overwrote ml4's trace with an empty one).
+    ML4_BENCH_TRACE_STEP=$b ML4_CUPTI_OUT="$out/cupti_b$b.csv" \
+      timeout 150 env LD_PRELOAD="$carry/lib/libml4_cupti_trace.so" "$carry/bin/ml4" bench step --preset ml4-slice-4 --batch $b --ctx 8192 --kv-gib 4 \
       > "$out/timeline_b$b.log" 2>&1
     echo "timeline batch=$b rc=$?"
     grep -E "TRACESTEP|rror" "$out/timeline_b$b.log"
