@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """One decode step's GPU timeline, a lane per stream, from bench/step_timeline.py --csv.
 
-  python3 bench/plot_step_timeline.py one_step.csv out.png [--title T] [--other b.csv --label-a A --label-b B]
+  python3 bench/plot_step_timeline.py one_step.csv out.png [--title T] [--other b.csv --title-other T2]
 
 Kernels are coloured by kind (weight GEMVs, attention, indexer, MoE, norms and small row work,
 sampling, copies); the card's idle gaps show as white columns through every lane. With --other,

@@ -16,6 +16,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <tuple>
 #include <string>
 #include <vector>
@@ -338,6 +339,12 @@ class CudaRunner : public ModelRunner {
   Status read_cache_page(int group, int layer_slot, int64_t block, std::vector<uint8_t>* out) const;
   // Decode steps served by replaying a captured graph, and graphs held.
   int64_t graph_replays() const { return graph_replays_; }
+  // Benchmarks (ml4 bench step's STEPSPLIT lines): the last graphed step's forward n more times,
+  // back to back on the runner's stream, with no metadata upload, sampling or host
+  // synchronisation between them (the same cache slots written again), and the device
+  // milliseconds per forward by events: the device's part of a step, the rest of execute()'s
+  // time being the host's and the sampling's.
+  Result<double> replay_last_graph_ms(int n);
   // Draft steps served by replaying a captured graph.
   int64_t draft_replays() const { return draft_replays_; }
   // Layers whose indexer ran overlapped on the second stream (eager and captured steps).
@@ -368,6 +375,8 @@ class CudaRunner : public ModelRunner {
                                                     const std::string& model_dir);
   Status run_forward(CudaBackend::Mode mode, std::vector<GraphExec>* segments, const StepMetadata* md,
                      ForwardTrace* trace);
+  // host_stage_ holding at least `bytes` (grown by doubling, at most `cap` beyond the request).
+  Status grow_host_stage(size_t bytes, size_t cap);
   // Copies `n` floats from the device to the pinned staging buffer (grown as needed) on the
   // stream, waits, and returns them: rows going to the host cross at the link's rate, without
   // a pageable bounce or a zero-filled vector.
@@ -399,6 +408,7 @@ class CudaRunner : public ModelRunner {
   // segments in order.
   using GraphKey = std::tuple<int64_t, int64_t, int64_t, int64_t, bool>;
   std::map<GraphKey, std::vector<GraphExec>> graphs_;
+  std::optional<GraphKey> last_graph_;  // the last graphed step's key (replay_last_graph_ms)
   int64_t graph_replays_ = 0;
   // Greedy DSpark draft steps: (sequences, block-table stride) -> the draft's graph segments.
   std::map<std::pair<int64_t, int64_t>, std::vector<GraphExec>> draft_graphs_;

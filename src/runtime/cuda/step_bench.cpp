@@ -273,6 +273,28 @@ int run_step_bench(const StepBenchOptions& opt) {
                     card_gbps > 0 ? ms / (bytes / (card_gbps * 1e6)) : 0.0);
       }
     }
+    // Where a step's time goes beside its graph (issue 19, the host's part): the step as
+    // execute() runs it (top-k / top-p sampling on the device, as in the STEP lines), the same
+    // with greedy sampling (one argmax), and the graph's forward alone, replayed back to back
+    // without the host between (CudaRunner::replay_last_graph_ms): the device's part. outside_ms
+    // = step - graph: the metadata upload, the graph launch's latency, the sampling kernels, the
+    // read-back and the host's turn-around, during which the card is idle.
+    for (int batch : opt.batches) {
+      StepInput in = decode_step(r, batch, fixed_ctx, blocks_per_seq);
+      const double step = time_step(r, in, 3, 20);
+      auto graph = r.replay_last_graph_ms(20);
+      if (!graph.ok()) {
+        std::fprintf(stderr, "STEPSPLIT: %s\n", graph.status().message().c_str());
+        break;
+      }
+      for (auto& s : in.seqs) s.device_sampling->temperature = 0.0f;
+      const double greedy = time_step(r, in, 3, 20);
+      const double roof = step_bytes(batch, fixed_ctx, nullptr) / (hbm_gbps * 1e6);
+      std::printf("STEPSPLIT model=%s batch=%d ctx=%ld step_ms=%.3f greedy_step_ms=%.3f graph_ms=%.3f outside_ms=%.3f "
+                  "roofline_ms=%.3f graph_ratio=%.2f\n",
+                  preset.c_str(), batch, static_cast<long>(fixed_ctx), step, greedy, *graph, step - *graph, roof,
+                  *graph / roof);
+    }
     if (o.fp4_weights) {  // FP4 experts on the tensor cores: x in 1, 2 or 3 bf16 parts (gemv.h)
       for (int batch : {1, 8, 64}) {
         const StepInput fin = decode_step(r, batch, fixed_ctx, blocks_per_seq);
