@@ -286,6 +286,8 @@ if on train; then
   # ML4_DRAFTER_SPEC=1: the exported model (a whole model folder) through the engine at c1 on the
   # held-out prompts, 3 drafts, T = 0 and 1, beside the shipped drafter in the same call.
   if [ "${ML4_DRAFTER_SPEC:-0}" = 1 ] && [ -s "$out/train/consolidated.safetensors" ]; then
+    # The export holds no tokenizer (the twenty-first session's first try served byte tokens).
+    cp "$root/assets/ml4-small/tekken.json" "$out/train/"
     for m in trained shipped; do
       stamp "T2. DSpark through ml4 serve --device cuda, $m drafter"
       dir="$out/train"; [ $m = shipped ] && dir="$root/assets/ml4-small"
