@@ -297,6 +297,7 @@ Result<StepOutput> CudaRunner::execute_step(const StepInput& in, ForwardTrace* t
   step_rows_are_tokens_ = opts_.final_norm_rows && R == T && Rp == Tp;
   step_maxlen_ = maxlen;
   step_bucket_T_ = bucket_T;
+  last_graph_.reset();  // this step's metadata now fills the buffers: only its own graph may replay it
   if (graph) {
     const GraphKey key{Tp, Rp, maxlen, maxb, step_rows_are_tokens_};
     auto it = graphs_.find(key);
@@ -325,6 +326,7 @@ Result<StepOutput> CudaRunner::execute_step(const StepInput& in, ForwardTrace* t
         opts_.cuda_graphs = false;
       } else {
         graphs_.emplace(key, std::move(segments));
+        last_graph_ = key;
       }
     }
   } else {
@@ -418,7 +420,7 @@ Result<StepOutput> CudaRunner::execute_step(const StepInput& in, ForwardTrace* t
 }
 
 Result<double> CudaRunner::replay_last_graph_ms(int n) {
-  if (!last_graph_ || n <= 0) return invalid_argument("replay_last_graph_ms: no graphed step replayed yet");
+  if (!last_graph_ || n <= 0) return invalid_argument("replay_last_graph_ms: the last step ran no graph");
   auto it = graphs_.find(*last_graph_);
   if (it == graphs_.end()) return invalid_argument("replay_last_graph_ms: the last step's graph was dropped");
   cudaStream_t stream = backend_->stream();

@@ -408,7 +408,7 @@ class CudaRunner : public ModelRunner {
   // segments in order.
   using GraphKey = std::tuple<int64_t, int64_t, int64_t, int64_t, bool>;
   std::map<GraphKey, std::vector<GraphExec>> graphs_;
-  std::optional<GraphKey> last_graph_;  // the last graphed step's key (replay_last_graph_ms)
+  std::optional<GraphKey> last_graph_;  // the last step's graph when it had one (replay_last_graph_ms)
   int64_t graph_replays_ = 0;
   // Greedy DSpark draft steps: (sequences, block-table stride) -> the draft's graph segments.
   std::map<std::pair<int64_t, int64_t>, std::vector<GraphExec>> draft_graphs_;
