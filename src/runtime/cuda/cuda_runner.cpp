@@ -392,17 +392,13 @@ Result<StepOutput> CudaRunner::execute_step(const StepInput& in, ForwardTrace* t
                                     static_cast<const DeviceSamplingParams*>(b.samp_params.data()),
                                     b.samp_tokens.as<int32_t>(), b.samp_logprobs.as<float>(), b.samp_ws.data(),
                                     b.samp_ws.bytes(), stream));
-    // Both outputs through the pinned stage: DMAs the host does not wait on, then one
-    // synchronisation. Into the pageable vectors the host waited on each copy, the card idle
-    // meanwhile (the second ~20 us after the step under the twenty-first session's CUPTI trace).
-    ML4_RETURN_IF_ERROR(grow_host_stage(static_cast<size_t>(R) * 8, size_t{256} << 20));
-    auto* stage_tok = static_cast<int32_t*>(host_stage_.data());
-    auto* stage_lp = reinterpret_cast<float*>(stage_tok + R);
-    ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(stage_tok, b.samp_tokens.data(), R * 4, cudaMemcpyDeviceToHost, stream));
-    ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(stage_lp, b.samp_logprobs.data(), R * 4, cudaMemcpyDeviceToHost, stream));
+    out.sampled.resize(R);
+    out.sampled_logprob.resize(R);
+    ML4_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(out.sampled.data(), b.samp_tokens.data(), R * 4, cudaMemcpyDeviceToHost, stream));
+    ML4_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(out.sampled_logprob.data(), b.samp_logprobs.data(), R * 4, cudaMemcpyDeviceToHost, stream));
     ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));  // params (host vector) and outputs
-    out.sampled.assign(stage_tok, stage_tok + R);
-    out.sampled_logprob.assign(stage_lp, stage_lp + R);
   } else if (R > 0) {
     const int64_t V = cfg_.vocab_size;
     ML4_ASSIGN_OR_RETURN(const float* logits, download_floats(b.logits.data(), static_cast<size_t>(R * V), stream));
@@ -541,14 +537,6 @@ Status CudaRunner::run_verification(const StepInput& in, const std::vector<Verif
   return ok_status();
 }
 
-Status CudaRunner::grow_host_stage(size_t bytes, size_t cap) {
-  if (host_stage_.bytes() >= bytes) return ok_status();
-  const size_t grown = std::min(cap, std::max<size_t>(bytes, 2 * host_stage_.bytes()));
-  host_stage_ = DeviceBuffer();
-  ML4_ASSIGN_OR_RETURN(host_stage_, DeviceBuffer::alloc_host_mapped(std::max<size_t>(grown, size_t{1} << 20)));
-  return ok_status();
-}
-
 Result<const float*> CudaRunner::download_floats(const void* device, size_t n, cudaStream_t stream) {
   // Past 256 MiB (prompt logprobs over a long chunk) a pageable vector for this call only:
   // pinned memory that size would stay locked for the runner's life. 256 MiB holds the rows of
@@ -561,7 +549,11 @@ Result<const float*> CudaRunner::download_floats(const void* device, size_t n, c
     ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
     return static_cast<const float*>(large_download_.data());
   }
-  ML4_RETURN_IF_ERROR(grow_host_stage(n * 4, kPinnedMax));
+  if (host_stage_.bytes() < n * 4) {
+    const size_t grown = std::min(kPinnedMax, std::max<size_t>(n * 4, 2 * host_stage_.bytes()));
+    host_stage_ = DeviceBuffer();
+    ML4_ASSIGN_OR_RETURN(host_stage_, DeviceBuffer::alloc_host_mapped(std::max<size_t>(grown, size_t{1} << 20)));
+  }
   ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_stage_.data(), device, n * 4, cudaMemcpyDeviceToHost, stream));
   ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
   return static_cast<const float*>(host_stage_.as<float>());

@@ -375,8 +375,6 @@ class CudaRunner : public ModelRunner {
                                                     const std::string& model_dir);
   Status run_forward(CudaBackend::Mode mode, std::vector<GraphExec>* segments, const StepMetadata* md,
                      ForwardTrace* trace);
-  // host_stage_ holding at least `bytes` (grown by doubling, at most `cap` beyond the request).
-  Status grow_host_stage(size_t bytes, size_t cap);
   // Copies `n` floats from the device to the pinned staging buffer (grown as needed) on the
   // stream, waits, and returns them: rows going to the host cross at the link's rate, without
   // a pageable bounce or a zero-filled vector.
