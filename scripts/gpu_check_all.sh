@@ -95,7 +95,7 @@ if on decode; then
   stamp "D. decode step, per-kernel profile"
   timeout 150 "$carry/bin/ml4" bench step --preset ml4-slice-4 --batch 1,2,4 --ctx 8192,61440 --no-extras \
     > "$out/decode_step.log" 2>&1; echo "rc=$?"
-  grep -E "^COPY|^STEP |^LATENCY|FUSED|rror" "$out/decode_step.log" | cut -c1-220
+  grep -E "^COPY|^STEP |^STEPSPLIT|^LATENCY|FUSED|rror" "$out/decode_step.log" | cut -c1-220
   timeout 60 "$carry/bin/ml4" bench step --preset ml4-tiny --batch 1,2,4 --ctx 1024 --kv-gib 1 --no-extras \
     > "$out/decode_step_tiny.log" 2>&1; echo "rc=$?"
   grep -E "^STEP |^LATENCY|rror" "$out/decode_step_tiny.log" | cut -c1-220
