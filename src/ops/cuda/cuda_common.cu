@@ -18,6 +18,25 @@ Status cuda_status(cudaError_t err, const char* what) {
                         what);
 }
 
+Result<double> stream_ms(cudaStream_t stream, const std::function<Status()>& fn) {
+  struct Events {
+    cudaEvent_t start = nullptr, end = nullptr;
+    ~Events() {
+      if (start) cudaEventDestroy(start);
+      if (end) cudaEventDestroy(end);
+    }
+  } ev;
+  ML4_CUDA_RETURN_IF_ERROR(cudaEventCreate(&ev.start));
+  ML4_CUDA_RETURN_IF_ERROR(cudaEventCreate(&ev.end));
+  ML4_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev.start, stream));
+  ML4_RETURN_IF_ERROR(fn());
+  ML4_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev.end, stream));
+  ML4_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(ev.end));
+  float ms = 0.0f;
+  ML4_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, ev.start, ev.end));
+  return static_cast<double>(ms);
+}
+
 bool device_available() {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) {

@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include <cuda_runtime.h>
@@ -24,6 +25,10 @@ bool device_available();
 
 // Multiprocessor count of the current device (cached after the first call; 0 if none).
 int sm_count();
+
+// The GPU milliseconds of what fn enqueues on `stream`: events before and after, then a wait
+// for the second. fn's failure is the result's.
+Result<double> stream_ms(cudaStream_t stream, const std::function<Status()>& fn);
 
 // True when p sits on a 16-byte boundary (the float4 / uint4 paths of the kernels).
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }

@@ -465,19 +465,9 @@ Status CudaBackend::finish_forward() {
 // milliseconds added to (*profile_)[label].
 Status CudaBackend::timed(const char* label, const Fn& fn) {
   if (profile_ == nullptr || mode_ != Mode::kEager) return fn();
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  cudaEventRecord(e0, stream_);
-  Status st = fn();
-  cudaEventRecord(e1, stream_);
-  cudaEventSynchronize(e1);
-  float ms = 0;
-  cudaEventElapsedTime(&ms, e0, e1);
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
+  ML4_ASSIGN_OR_RETURN(const double ms, stream_ms(stream_, fn));
   (*profile_)[label] += ms;
-  return st;
+  return ok_status();
 }
 
 bool CudaBackend::can_overlap(std::initializer_list<LinearRef> linears) const {

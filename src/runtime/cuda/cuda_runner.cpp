@@ -419,21 +419,14 @@ Result<double> CudaRunner::replay_last_graph_ms(int n) {
   if (!last_graph_ || n <= 0) return invalid_argument("replay_last_graph_ms: the last step ran no graph");
   auto it = graphs_.find(*last_graph_);
   if (it == graphs_.end()) return invalid_argument("replay_last_graph_ms: the last step's graph was dropped");
-  cudaStream_t stream = backend_->stream();
-  cudaEvent_t e0 = nullptr, e1 = nullptr;
-  ML4_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e0));
-  ML4_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e1));
-  Status st = cuda_status(cudaEventRecord(e0, stream), "replay_last_graph_ms");
-  for (int i = 0; i < n && st.ok(); ++i) st = run_forward(CudaBackend::Mode::kReplay, &it->second, nullptr, nullptr);
-  if (st.ok()) st = cuda_status(cudaEventRecord(e1, stream), "replay_last_graph_ms");
-  if (st.ok()) st = cuda_status(cudaEventSynchronize(e1), "replay_last_graph_ms");
-  float ms = 0.0f;
-  if (st.ok()) st = cuda_status(cudaEventElapsedTime(&ms, e0, e1), "replay_last_graph_ms");
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  ML4_RETURN_IF_ERROR(st);
+  auto replays = [&]() -> Status {
+    for (int i = 0; i < n; ++i)
+      ML4_RETURN_IF_ERROR(run_forward(CudaBackend::Mode::kReplay, &it->second, nullptr, nullptr));
+    return ok_status();
+  };
+  ML4_ASSIGN_OR_RETURN(const double ms, stream_ms(backend_->stream(), replays));
   ML4_RETURN_IF_ERROR(fault_.status("cuda runner (graph replays)"));
-  return static_cast<double>(ms) / n;
+  return ms / n;
 }
 
 bool CudaRunner::verifies_on_device(const DeviceSamplingParams& p) const {
