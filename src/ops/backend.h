@@ -355,9 +355,12 @@ class Backend {
   }
   // The FFN norm (n: residual += n.x, n.y = rms(residual) * n.w) and then moe_router over n.y.
   // A backend may run both in one launch (the CUDA decode router, CudaRunnerOptions::
-  // fused_ffn_norm) with the same results.
-  virtual Status norm_moe_router(const NormArgs& n, LinearRef gate, const float* bias, float* logits, int32_t* ids,
-                                 float* weights) {
+  // fused_ffn_norm) with the same results. moe: the layer's experts when moe_experts(moe, n.y)
+  // follows in the same segment (else {}): a backend may start the shared expert as soon as
+  // the norm is done, beside the router, and moe_experts then waits for it (the CUDA decode
+  // path, CudaRunnerOptions::shared_expert_lane), with the same results.
+  virtual Status norm_moe_router(const NormArgs& n, MoeRef moe, LinearRef gate, const float* bias, float* logits,
+                                 int32_t* ids, float* weights) {
     if (Status st = rms_norm(n); !st.ok()) return st;
     return moe_router(gate, n.y, bias, logits, ids, weights);
   }

@@ -762,9 +762,12 @@ Status ModelForward::moe(int l, ForwardTrace* trace, const NormArgs& norm, float
   const Activations& x = be_.acts();
   const int64_t T = be_.step_tokens();
   const int K = cfg_.moe.num_experts_per_tok;
+  // The experts follow in the same segment unless a trace reads the router's choice back or
+  // expert parallelism dispatches them.
+  const MoeRef same_segment = trace == nullptr && !expert_parallel() ? L.moe : MoeRef{};
   ML4_RETURN_IF_ERROR(be_.segment([&] {
     return be_.timed("ffn norm + moe router", [&]() -> Status {
-      return be_.norm_moe_router(norm, L.gate, L.router_bias, x.router, x.expert_ids, x.expert_wts);
+      return be_.norm_moe_router(norm, same_segment, L.gate, L.router_bias, x.router, x.expert_ids, x.expert_wts);
     });
   }));
   if (trace != nullptr) {

@@ -588,6 +588,21 @@ TEST(CudaRunner, FusedFfnNormIsBitIdentical) {
   option_vs_plain("ml4-tiny", "the FFN norm inside the router", off, on, ran);
 }
 
+// The shared expert on its own lane beside the router (CudaRunnerOptions::shared_expert_lane,
+// issue 19) against the one-stream grouped path: the same bits, graphed and eager
+// (CudaMoe.SharedExpertSplitIsBitIdentical checks the split alone).
+TEST(CudaRunner, SharedExpertLaneIsBitIdentical) {
+  ML4_REQUIRE_GPU();
+  auto off = [](CudaRunnerOptions& o) { o.shared_expert_lane = false; };
+  auto on = [](CudaRunnerOptions& o) { o.shared_expert_lane = true; };
+  auto ran = [](const CudaRunner& r, bool on) {
+    if (on) EXPECT_GT(r.shared_lane_runs(), 0) << "the shared expert never ran on its lane";
+    else EXPECT_EQ(r.shared_lane_runs(), 0) << "the shared expert ran on its lane with the option off";
+  };
+  option_vs_plain("mistral4-tiny", "the shared expert on its lane", off, on, ran);
+  option_vs_plain("ml4-tiny", "the shared expert on its lane", off, on, ran);
+}
+
 // DSpark verification steps (every token a logits row, several tokens per sequence) take the
 // decode buckets (power-of-two token counts, the GEMV path): graphed and replayed, within the
 // decode graphs' bound of the eager runner, and a replay equal to the first graphed run.

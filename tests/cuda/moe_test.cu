@@ -493,6 +493,86 @@ TEST(CudaMoe, ExpertsAndSharedVsCpu) {
   }
 }
 
+// The shared expert split from the routed ones (moe.h MoeSharedPart, the shared expert's lane
+// of CudaRunnerOptions::shared_expert_lane): kSharedOnly on a second stream, started before
+// and running beside kRoutedOnly on the first, whose combine waits for it through an event,
+// against the whole layer in one call. The same launches with the slots split between them,
+// so the same bits (memcmp); both also within the decode path's 1e-5 of the exact-activation
+// reference (ExpertsAndSharedVsCpu's bound and argument). The shared expert has the routed
+// shape (the extra slot); without it the split is refused.
+TEST(CudaMoe, SharedExpertSplitIsBitIdentical) {
+  ML4_REQUIRE_GPU();
+  const int E = 8, K = 2;
+  const int64_t D = 256, I = 384, Tmax = 32;
+  cudaStream_t main_s = nullptr, lane = nullptr;
+  cudaEvent_t fork = nullptr, done = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&main_s, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaStreamCreateWithFlags(&lane, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming), cudaSuccess);
+  ASSERT_EQ(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), cudaSuccess);
+  for (LinearFormat f : {LinearFormat::kBF16, LinearFormat::kFP8Block, LinearFormat::kNVFP4}) {
+    MoeCase c = make_moe_case(f, E, K, D, I, Tmax, 900 + static_cast<uint32_t>(f));
+    auto tables = build_expert_tables(c.dx, &c.shared);
+    ML4_ASSERT_OK(tables.status());
+    ASSERT_TRUE(tables->shared_slot);
+    MoeScratch s;
+    ML4_ASSERT_OK(s.reserve(Tmax * K, D, I, E));
+    auto dxb = to_device(c.x);
+    auto dids = to_device(c.ids);
+    auto dw = to_device(c.w);
+    for (int64_t T : {int64_t{1}, int64_t{4}, int64_t{8}, int64_t{32}}) {
+      std::vector<double> ref(T * D, 0.0);
+      for (int64_t t = 0; t < T; ++t) {
+        std::vector<float> xt(c.x.begin() + t * D, c.x.begin() + (t + 1) * D);
+        for (int k = 0; k < K; ++k) {
+          auto y = host_mlp(c.hx[c.ids[t * K + k]], xt, 1, D, true);
+          for (int64_t d = 0; d < D; ++d) ref[t * D + d] += static_cast<double>(c.w[t * K + k]) * y[d];
+        }
+        auto ys = host_mlp(c.hx[E], xt, 1, D, true);
+        for (int64_t d = 0; d < D; ++d) ref[t * D + d] += ys[d];
+      }
+      auto whole = poisoned<float>(T * D);
+      ML4_ASSERT_OK(moe_experts_forward_grouped(*tables, &c.shared, dxb.as<float>(), T, dids.as<int32_t>(),
+                                                dw.as<float>(), K, whole.as<float>(), s, main_s));
+      ASSERT_EQ(cudaStreamSynchronize(main_s), cudaSuccess);
+      const std::vector<float> a = to_host<float>(whole, T * D);
+      auto split = poisoned<float>(T * D);
+      ASSERT_EQ(cudaEventRecord(fork, main_s), cudaSuccess);
+      ASSERT_EQ(cudaStreamWaitEvent(lane, fork, 0), cudaSuccess);
+      MoeSharedPart only;
+      only.mode = MoeSharedPart::kSharedOnly;
+      ML4_ASSERT_OK(moe_experts_forward_grouped(*tables, &c.shared, dxb.as<float>(), T, nullptr, nullptr, K, nullptr, s,
+                                                lane, 0, only));
+      ASSERT_EQ(cudaEventRecord(done, lane), cudaSuccess);
+      MoeSharedPart rest;
+      rest.mode = MoeSharedPart::kRoutedOnly;
+      rest.shared_ready = done;
+      ML4_ASSERT_OK(moe_experts_forward_grouped(*tables, &c.shared, dxb.as<float>(), T, dids.as<int32_t>(),
+                                                dw.as<float>(), K, split.as<float>(), s, main_s, 0, rest));
+      ASSERT_EQ(cudaStreamSynchronize(main_s), cudaSuccess);
+      const std::vector<float> b = to_host<float>(split, T * D);
+      ASSERT_TRUE(all_finite(a));
+      const double e = rel_err(b, ref);
+      std::printf("moe shared split %s T=%ld rel_err=%.3g (bound 1e-5), bit-identical to the whole: %s\n",
+                  linear_format_name(f), T, e, std::memcmp(a.data(), b.data(), a.size() * 4) == 0 ? "yes" : "NO");
+      EXPECT_LT(e, 1e-5) << linear_format_name(f) << " T=" << T;
+      EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * 4)) << linear_format_name(f) << " T=" << T;
+    }
+    // A shared expert of another width does not fit the extra slot: the split is refused.
+    uint32_t narrow_seed = 77;
+    auto narrow = make_experts(f, 1, D, I * 2, narrow_seed);
+    MoeSharedPart only;
+    only.mode = MoeSharedPart::kSharedOnly;
+    EXPECT_FALSE(moe_experts_forward_grouped(*tables, &narrow.second[0], dxb.as<float>(), 1, nullptr, nullptr, K,
+                                             nullptr, s, lane, 0, only)
+                     .ok());
+  }
+  cudaEventDestroy(fork);
+  cudaEventDestroy(done);
+  cudaStreamDestroy(main_s);
+  cudaStreamDestroy(lane);
+}
+
 // The grouped-GEMM prefill path (moe_gemm.h) against the same CPU reference as the loop:
 // x quantized per token and 1x128 group exactly as act_quant does, the hidden activation
 // likewise, so what differs is the accumulation order inside each 128-wide K block (the

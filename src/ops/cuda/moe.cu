@@ -522,7 +522,7 @@ Status mlp_forward_gemv(const DeviceMlp& m, const float* x, int64_t M, float* ou
 
 Status moe_experts_forward_grouped(const MoeExpertTables& tb, const DeviceMlp* shared, const float* x, int64_t T,
                                    const int32_t* ids, const float* weights, int K, float* out, MoeScratch& s,
-                                   cudaStream_t stream, int x_parts) {
+                                   cudaStream_t stream, int x_parts, MoeSharedPart part) {
   if (T == 0) return ok_status();
   const int64_t n = T * K, D = tb.D, I = tb.I;
   if (n > s.max_rows) return out_of_range("moe grouped: {} expert rows, scratch holds {}", n, s.max_rows);
@@ -533,6 +533,10 @@ Status moe_experts_forward_grouped(const MoeExpertTables& tb, const DeviceMlp* s
   const bool fused = shared && shared->w1.format == tb.format && shared->w2.format == tb.format &&
                      shared->w3.format == tb.format && shared->w1.N == I && shared->w3.N == I &&
                      shared->w1.K == D && shared->w3.K == D && shared->w2.N == D && shared->w2.K == I;
+  const bool shared_only = part.mode == MoeSharedPart::kSharedOnly;
+  const bool routed_only = part.mode == MoeSharedPart::kRoutedOnly;
+  if (part.mode != MoeSharedPart::kWhole && !fused)
+    return invalid_argument("moe grouped: the shared expert split from the routed ones needs it in the extra slot");
   if (shared && !fused) {
     for (int64_t t0 = 0; t0 < T; t0 += kGemvMaxM) {
       const int64_t m = std::min<int64_t>(kGemvMaxM, T - t0);
@@ -540,8 +544,12 @@ Status moe_experts_forward_grouped(const MoeExpertTables& tb, const DeviceMlp* s
                               .with_context("shared expert"));
     }
   }
-  ML4_RETURN_IF_ERROR(moe_permute({ids, T, K, tb.E, s.offsets.as<int32_t>(), s.perm_token.as<int32_t>(),
-                                   s.inv.as<int32_t>(), stream, s.active.as<int32_t>()}));
+  if (!shared_only)
+    ML4_RETURN_IF_ERROR(moe_permute({ids, T, K, tb.E, s.offsets.as<int32_t>(), s.perm_token.as<int32_t>(),
+                                     s.inv.as<int32_t>(), stream, s.active.as<int32_t>()}));
+  // The slots each launch serves: the routed experts (max_active, read from s.active on the
+  // device) unless shared_only, the extra (shared) one unless routed_only.
+  const bool with_extra = fused && !routed_only;
   auto params = [&](const DeviceBuffer& table, const DeviceBuffer& stable, const DeviceLinear* extra, const float* in,
                     const int32_t* row_src, int64_t N, int64_t Kd, int64_t extra_x_row0, float* y) {
     GroupedGemvParams p;
@@ -557,7 +565,7 @@ Status moe_experts_forward_grouped(const MoeExpertTables& tb, const DeviceMlp* s
     p.stream = stream;
     p.offsets = s.offsets.as<int32_t>();
     p.active = s.active.as<int32_t>();
-    p.max_active = static_cast<int>(std::min<int64_t>(tb.E, n));
+    p.max_active = shared_only ? 0 : static_cast<int>(std::min<int64_t>(tb.E, n));
     p.max_expert_rows = T;  // routed: <= T rows unless forced ids repeat (only picks the kernel); shared: T
     p.x_parts = x_parts;
     if (extra) {
@@ -578,19 +586,23 @@ Status moe_experts_forward_grouped(const MoeExpertTables& tb, const DeviceMlp* s
   float* y = s.y.as<float>();
   const int32_t* tok = s.perm_token.as<int32_t>();
   {  // gate and up projections in one launch (two on the tensor-core path): same rows, same x
-    GroupedGemvParams p = params(tb.w1, tb.s1, fused ? &shared->w1 : nullptr, x, tok, I, D, 0, g);
+    GroupedGemvParams p = params(tb.w1, tb.s1, with_extra ? &shared->w1 : nullptr, x, tok, I, D, 0, g);
     p.w_table2 = static_cast<const void* const*>(tb.w3.data());
     p.s_table2 = static_cast<const float* const*>(tb.s3.data());
-    if (fused) {
+    if (with_extra) {
       p.extra_w2 = shared->w3.weight.data();
       p.extra_s2 = shared->w3.scale.as<float>();
     }
     p.y2 = u;
     ML4_RETURN_IF_ERROR(grouped_gemv(p));
   }
-  const int64_t rows = n + (fused ? T : 0);
-  ML4_RETURN_IF_ERROR(silu_mul({g, u, rows, I, 0, 0, g, nullptr, stream}));
-  ML4_RETURN_IF_ERROR(run(tb.w2, tb.s2, fused ? &shared->w2 : nullptr, g, nullptr, D, I, n, y));
+  // SiLU is elementwise: the rows in one launch or split between the two parts, the same bits.
+  const int64_t row0 = shared_only ? n : 0, rows = (shared_only ? 0 : n) + (with_extra ? T : 0);
+  ML4_RETURN_IF_ERROR(silu_mul({g + row0 * I, u + row0 * I, rows, I, 0, 0, g + row0 * I, nullptr, stream}));
+  ML4_RETURN_IF_ERROR(run(tb.w2, tb.s2, with_extra ? &shared->w2 : nullptr, g, nullptr, D, I, n, y));
+  if (shared_only) return ok_status();
+  if (part.shared_ready)
+    ML4_RETURN_IF_ERROR(cuda_status(cudaStreamWaitEvent(stream, part.shared_ready, 0), "moe grouped: shared expert"));
   const float* sh = fused ? y + n * D : shared ? s.xs.as<float>() : nullptr;
   return moe_combine({y, s.inv.as<int32_t>(), weights, T, K, D, sh, out, stream});
 }

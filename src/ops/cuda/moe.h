@@ -152,9 +152,20 @@ Status mlp_forward_gemv(const DeviceMlp& m, const float* x, int64_t M, float* ou
 // (its T rows 8 at a time) when it has the routed shape. x_parts goes to every grouped_gemv
 // (gemv.h): FP4 experts take the tensor cores with x in x_parts bf16 parts (0: 3, exact), or
 // the exact CUDA-core stream for x_parts < 0.
+//
+// part splits the work across two streams (CudaRunnerOptions::shared_expert_lane) when the
+// shared expert rides in the extra slot (tb.shared_slot): kSharedOnly runs only the shared
+// expert's slot (its rows after the T * K routed ones in s.g, s.u and s.y; ids, weights and out
+// unused; no permute, so it may run beside the router), kRoutedOnly the rest, its combine
+// waiting for `shared_ready` (an event recorded after the kSharedOnly call, or null when the
+// same stream ran it). The same launches and per-slot arithmetic as kWhole, so the same bits.
+struct MoeSharedPart {
+  enum Mode { kWhole, kSharedOnly, kRoutedOnly } mode = kWhole;
+  cudaEvent_t shared_ready = nullptr;
+};
 Status moe_experts_forward_grouped(const MoeExpertTables& tb, const DeviceMlp* shared, const float* x, int64_t T,
                                    const int32_t* ids, const float* weights, int K, float* out, MoeScratch& s,
-                                   cudaStream_t stream, int x_parts = 0);
+                                   cudaStream_t stream, int x_parts = 0, MoeSharedPart part = {});
 
 // Prefill-shaped MoE with FP8 block experts (issue 18): the same function as
 // moe_experts_forward -- x quantized per 1x128 group (once per token, not per expert row),

@@ -67,11 +67,23 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const ModelConfig& cfg,
   if (const char* v = std::getenv("ML4_RESIDENT_BLOCKS"); v && std::atoi(v) == 3) b->opts_.resident_blocks_per_sm = 3;
   b->synthetic_seed_ = synthetic_seed;
   b->max_model_len_ = max_model_len;
-  ML4_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&b->stream_, cudaStreamNonBlocking));
+  // Every stream at the card's greatest priority but the shared expert's lane, at its least, so
+  // that a block of the router's chain is always dispatched before a waiting one of the shared
+  // expert (CudaBackendOptions::shared_expert_lane; graphs keep the priorities, end_segment).
+  // ML4_STREAM_PRIORITY=0 leaves them all at the default (the A/B of the priorities).
+  int least = 0, greatest = 0;
+  ML4_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  if (const char* v = std::getenv("ML4_STREAM_PRIORITY"); v && v[0] == '0') least = greatest = 0;
+  ML4_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&b->stream_, cudaStreamNonBlocking, greatest));
   if (cfg.has_dsa() && opts.overlap_indexer) {
     for (cudaStream_t& st : b->side_streams_)
-      ML4_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+      ML4_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&st, cudaStreamNonBlocking, greatest));
     for (cudaEvent_t* e : {&b->ev_side_[0], &b->ev_side_[1], &b->ev_lane_[0], &b->ev_lane_[1]})
+      ML4_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+  }
+  if (cfg.moe.num_shared_experts > 0) {
+    ML4_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&b->shared_stream_, cudaStreamNonBlocking, least));
+    for (cudaEvent_t* e : {&b->ev_shared_[0], &b->ev_shared_[1]})
       ML4_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
   }
   ML4_ASSIGN_OR_RETURN(b->lt_, LtGemm::create());
@@ -81,10 +93,11 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const ModelConfig& cfg,
 
 CudaBackend::~CudaBackend() {
   buf_.reset();
-  for (cudaEvent_t e : {ev_side_[0], ev_side_[1], ev_lane_[0], ev_lane_[1]})
+  for (cudaEvent_t e : {ev_side_[0], ev_side_[1], ev_lane_[0], ev_lane_[1], ev_shared_[0], ev_shared_[1]})
     if (e) cudaEventDestroy(e);
   for (cudaStream_t st : side_streams_)
     if (st) cudaStreamDestroy(st);
+  if (shared_stream_) cudaStreamDestroy(shared_stream_);
   if (stream_) cudaStreamDestroy(stream_);
 }
 
@@ -426,11 +439,13 @@ void CudaBackend::begin_forward(int64_t T, int64_t R, int64_t maxlen, Mode mode,
 Status CudaBackend::end_segment() {
   if (!in_segment_) return ok_status();
   in_segment_ = false;
+  ML4_RETURN_IF_ERROR(join_shared());  // a capture ends with every stream it forked joined
   if (mode_ != Mode::kCapture) return ok_status();
   cudaGraph_t g = nullptr;
   ML4_CUDA_RETURN_IF_ERROR(cudaStreamEndCapture(stream_, &g));
   cudaGraphExec_t exec = nullptr;
-  const cudaError_t inst = cudaGraphInstantiate(&exec, g, 0);
+  // Each kernel node keeps the priority of the stream it was captured from.
+  const cudaError_t inst = cudaGraphInstantiateWithFlags(&exec, g, cudaGraphInstantiateFlagUseNodePriority);
   cudaGraphDestroy(g);
   ML4_CUDA_RETURN_IF_ERROR(inst);
   segments_->emplace_back(exec);
@@ -1131,8 +1146,42 @@ Status CudaBackend::moe_router(LinearRef gate, const float* x, const float* bias
   return router_route(router_params(gate, x, bias, logits, ids, weights)).with_context("router");
 }
 
-Status CudaBackend::norm_moe_router(const NormArgs& n, LinearRef gate, const float* bias, float* logits, int32_t* ids,
-                                    float* weights) {
+// The shared expert on its own lane (CudaBackendOptions::shared_expert_lane): the grouped decode
+// path with the shared expert in the extra slot, one chunk, and no profile (whose times
+// assume one stream).
+bool CudaBackend::shared_lane(MoeRef moe) const {
+  if (!opts_.shared_expert_lane || shared_stream_ == nullptr || moe.id < 0 || moe.id >= static_cast<int>(moes_.size()) ||
+      (profile_ != nullptr && mode_ == Mode::kEager))
+    return false;
+  const Moe& M = moes_[moe.id];
+  return M.shared && M.tables && M.tables->shared_slot && moe_grouped(M) && step_T_ <= kGroupedMoeMaxTokens;
+}
+
+Status CudaBackend::join_shared() {
+  if (shared_pending_ < 0) return ok_status();
+  shared_pending_ = -1;
+  return cuda_status(cudaStreamWaitEvent(stream_, ev_shared_[1], 0), "shared expert lane join");
+}
+
+Status CudaBackend::norm_moe_router(const NormArgs& n, MoeRef moe, LinearRef gate, const float* bias, float* logits,
+                                    int32_t* ids, float* weights) {
+  if (shared_lane(moe)) {  // the norm, then the shared expert beside the router and the permute
+    ML4_RETURN_IF_ERROR(rms_norm(n));
+    ML4_RETURN_IF_ERROR(join_shared());
+    const Moe& M = moes_[moe.id];
+    ML4_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_shared_[0], stream_));
+    ML4_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(shared_stream_, ev_shared_[0], 0));
+    MoeSharedPart part;
+    part.mode = MoeSharedPart::kSharedOnly;
+    ML4_RETURN_IF_ERROR(moe_experts_forward_grouped(*M.tables, M.shared.get(), n.y, step_T_, nullptr, nullptr,
+                                                    cfg_.moe.num_experts_per_tok, nullptr, buf_->moe, shared_stream_,
+                                                    opts_.fp4_x_parts, part)
+                            .with_context("shared expert lane"));
+    ML4_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_shared_[1], shared_stream_));
+    shared_pending_ = moe.id;
+    ++shared_lane_runs_;
+    return moe_router(gate, n.y, bias, logits, ids, weights);
+  }
   if (opts_.fused_ffn_norm && router_fused(gate) && n.residual != nullptr && n.x_stride == 0 && n.rows == step_T_ &&
       n.dim == linears_[gate.id].K) {
     RouterRouteParams p = router_params(gate, n.y, bias, logits, ids, weights);
@@ -1146,7 +1195,7 @@ Status CudaBackend::norm_moe_router(const NormArgs& n, LinearRef gate, const flo
       return st.with_context("router + ffn norm");
     }
   }
-  return Backend::norm_moe_router(n, gate, bias, logits, ids, weights);
+  return Backend::norm_moe_router(n, moe, gate, bias, logits, ids, weights);
 }
 
 Status CudaBackend::moe_route(const MoeRouteArgs& a) {
@@ -1181,6 +1230,16 @@ Status CudaBackend::moe_experts(MoeRef moe, const float* x, const int32_t* ids, 
   Buffers& b = *buf_;
   const int K = cfg_.moe.num_experts_per_tok;
   const int64_t D = cfg_.dim, T = step_T_;
+  if (shared_pending_ >= 0) {  // norm_moe_router started this layer's shared expert on its lane
+    if (shared_pending_ != moe.id || !moe_grouped(M) || T > kGroupedMoeMaxTokens)
+      return internal_error("moe experts {}: the shared expert lane ran for MoE {}", moe.id, shared_pending_);
+    shared_pending_ = -1;
+    MoeSharedPart part;
+    part.mode = MoeSharedPart::kRoutedOnly;
+    part.shared_ready = ev_shared_[1];
+    return moe_experts_forward_grouped(*M.tables, M.shared.get(), x, T, ids, weights, K, out, b.moe, stream_,
+                                       opts_.fp4_x_parts, part);
+  }
   if (moe_gemm(M)) {
     MoeGemmOptions g;  // by name: a positional list once put one switch into another's field
     g.overlap = opts_.moe_gemm_overlap;

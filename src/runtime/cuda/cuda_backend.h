@@ -72,6 +72,7 @@ struct CudaBackendOptions {
   int fp4_x_parts = 1;            // CudaRunnerOptions::fp4_x_parts (exact_activations: -1, the stream)
   bool fused_router = true;       // CudaRunnerOptions::fused_router
   bool fused_ffn_norm = false;    // CudaRunnerOptions::fused_ffn_norm
+  bool shared_expert_lane = false;  // CudaRunnerOptions::shared_expert_lane
   bool fused_indexer = true;   // CudaRunnerOptions::fused_indexer
   // Sparse MLA steps of a wave of tokens or more (prefill) on the wgmma prefill kernel
   // (ops/cuda/attention_prefill.cu; MlaAttentionParams::prefill_kernel). ML4_MLA_PREFILL=0 turns
@@ -175,8 +176,8 @@ class CudaBackend : public Backend {
   Status mla_attention(const MlaArgs& p) override;
   Status mla_apply_uv(AbsorbRef a, const float* out_lat, float* o) override;
   Status moe_route(const MoeRouteArgs& p) override;
-  Status norm_moe_router(const NormArgs& n, LinearRef gate, const float* bias, float* logits, int32_t* ids,
-                         float* weights) override;
+  Status norm_moe_router(const NormArgs& n, MoeRef moe, LinearRef gate, const float* bias, float* logits,
+                         int32_t* ids, float* weights) override;
   Status moe_router(LinearRef gate, const float* x, const float* bias, float* logits, int32_t* ids,
                     float* weights) override;
   Status moe_experts(MoeRef moe, const float* x, const int32_t* ids, const float* weights, float* out) override;
@@ -272,10 +273,12 @@ class CudaBackend : public Backend {
   int64_t kv_bytes() const { return kv_bytes_; }
   int64_t overlapped_layers() const { return overlapped_layers_; }
   int64_t fused_ffn_norms() const { return fused_ffn_norms_; }  // norm_moe_router calls run fused
+  int64_t shared_lane_runs() const { return shared_lane_runs_; }  // shared experts started on their lane
   void set_overlap_indexer(bool on) { opts_.overlap_indexer = on; }
   void set_absorb_gemm(bool on) { opts_.absorb_gemm = on; }
   void set_fused_router(bool on) { opts_.fused_router = on; }
   void set_fused_ffn_norm(bool on) { opts_.fused_ffn_norm = on; }
+  void set_shared_expert_lane(bool on) { opts_.shared_expert_lane = on; }
   void set_fp4_x_parts(int parts) { opts_.fp4_x_parts = parts; }
   void set_moe_gemm_overlap(bool on) { opts_.moe_gemm_overlap = on; }
   void set_moe_gemm_tall(bool on) { opts_.moe_gemm_tall = on; }
@@ -330,6 +333,8 @@ class CudaBackend : public Backend {
   RopeRows rope_rows(const RopeArgs& r) const;  // the same rotation for a fused kernel (rope_rows.h)
   const int32_t* selection_counts(int selection) const;
   bool moe_grouped(const Moe& m) const;
+  bool shared_lane(MoeRef moe) const;  // norm_moe_router starts moe's shared expert on its lane
+  Status join_shared();                // stream_ waits for the shared expert's lane, if it runs
   bool router_fused(LinearRef gate) const;  // moe_router runs router_route (fused_router)
   RouterRouteParams router_params(LinearRef gate, const float* x, const float* bias, float* logits, int32_t* ids,
                                   float* weights) const;
@@ -409,6 +414,14 @@ class CudaBackend : public Backend {
   bool lane_used_[kSideLanes] = {false, false};
   int64_t overlapped_layers_ = 0;
   int64_t fused_ffn_norms_ = 0;
+  // The shared expert's lane (shared_expert_lane; models with shared experts): its stream, at
+  // the least priority; the events of its fork from stream_ [0] and of its end [1]; the MoE
+  // whose shared expert it is running (-1: none), which that MoE's moe_experts (or the segment's
+  // end) joins.
+  cudaStream_t shared_stream_ = nullptr;
+  cudaEvent_t ev_shared_[2] = {nullptr, nullptr};
+  int shared_pending_ = -1;
+  int64_t shared_lane_runs_ = 0;
   int64_t weight_bytes_ = 0, kv_bytes_ = 0, routed_expert_bytes_ = 0;
   double requant_seconds_ = 0.0;
   int64_t requant_transient_bytes_ = 0;

@@ -144,6 +144,15 @@ struct CudaRunnerOptions {
   // 2026-12-07, nineteenth session, when no device could be started; the step bench's
   // FUSEDFFNNORM lines measure it against the separate norm either way).
   bool fused_ffn_norm = false;
+  // The shared expert of a MoE layer on its own stream, started right after the FFN norm, so
+  // that its weights stream while the router, its top-k and the permute run (issue 19; moe.h
+  // MoeSharedPart; Backend::norm_moe_router): the decode steps' grouped path with the shared
+  // expert in the extra slot. The same launches split over two streams, so the same bits
+  // (CudaMoe.SharedExpertSplitIsBitIdentical, CudaRunner.SharedExpertLaneIsBitIdentical). The
+  // lane's stream has the least priority and every other the greatest, so the router's blocks
+  // go first. Off until those tests pass on a device and the step bench's SHAREDLANE lines
+  // show a gain (written 2026-12-07, twenty-second session).
+  bool shared_expert_lane = false;
   // Issue 19's indexer fusions: the key half (LayerNorm, RoPE, Hadamard + FP8 into its cache)
   // as one kernel instead of three (cache_write.h indexer_key_path), and the queries' RoPE
   // inside their Hadamard + FP8 (indexer.h IndexerQueryQuantParams::rope) instead of two. On
@@ -244,6 +253,12 @@ class CudaRunner : public ModelRunner {
   void set_fused_router(bool on) {
     opts_.fused_router = on;
     backend_->set_fused_router(on);
+    graphs_.clear();
+    draft_graphs_.clear();
+  }
+  void set_shared_expert_lane(bool on) {
+    opts_.shared_expert_lane = on;
+    backend_->set_shared_expert_lane(on);
     graphs_.clear();
     draft_graphs_.clear();
   }
@@ -350,6 +365,7 @@ class CudaRunner : public ModelRunner {
   // Layers whose indexer ran overlapped on the second stream (eager and captured steps).
   int64_t overlapped_layers() const { return backend_->overlapped_layers(); }
   int64_t fused_ffn_norms() const { return backend_->fused_ffn_norms(); }
+  int64_t shared_lane_runs() const { return backend_->shared_lane_runs(); }
   size_t graphs_captured() const { return graphs_.size(); }
   int64_t kv_bytes() const { return backend_->kv_bytes(); }
   // The sticky fault record the runner's kernels write and every step checks (tests inject a

@@ -168,6 +168,10 @@ int run_step_bench(const StepBenchOptions& opt) {
   o.base.experts_to_mxfp4 = opt.experts == "fp8-to-mxfp4";  // made FP8, re-quantized on the device at load
   // ML4_LATENCY_DECODE=1: every line (the ncu step too) on `--decode-backend latency_specialized`.
   if (const char* v = std::getenv("ML4_LATENCY_DECODE"); v && v[0] == '1') o.latency_decode = true;
+  // ML4_SHARED_EXPERT_LANE=1 / 0: the lines (the traced and ncu steps too) with the shared expert
+  // on its lane or not (CudaRunnerOptions::shared_expert_lane; the A/B lines set their own).
+  if (const char* v = std::getenv("ML4_SHARED_EXPERT_LANE"); v && (v[0] == '0' || v[0] == '1'))
+    o.shared_expert_lane = v[0] == '1';
   const auto t0 = Clock::now();
   auto rr = CudaRunner::load_synthetic(cfg, o, 1234);
   if (!rr.ok()) {
@@ -360,6 +364,8 @@ int run_step_bench(const StepBenchOptions& opt) {
     fusion_ab("FUSEDROUTER", [&](bool on) { r.set_fused_router(on); }, CudaRunnerOptions{}.fused_router);
     // The FFN norm inside the fused router's launch (CudaRunnerOptions::fused_ffn_norm).
     fusion_ab("FUSEDFFNNORM", [&](bool on) { r.set_fused_ffn_norm(on); }, CudaRunnerOptions{}.fused_ffn_norm);
+    // The shared expert on its own lane beside the router (CudaRunnerOptions::shared_expert_lane).
+    fusion_ab("SHAREDLANE", [&](bool on) { r.set_shared_expert_lane(on); }, CudaRunnerOptions{}.shared_expert_lane);
     // The indexer fusions (CudaRunnerOptions::fused_indexer) vs the separate launches.
     fusion_ab("FUSEDINDEXER", [&](bool on) { r.set_fused_indexer(on); }, CudaRunnerOptions{}.fused_indexer);
     if (!opt.extras) return 0;
