@@ -80,10 +80,10 @@ stamp() { echo "==== [$(( $(date +%s) - t0 )) s] $*"; }
 sections=" ${SECTIONS:-tests decode moegemm spec specstep hisparse perplexity pd all} "
 on() { [[ "$sections" == *" $1 "* ]]; }
 
-# The suites of the kernels the last session changed (nineteenth: the FFN norm inside the fused
-# router, RMSNorm's helpers, the final norm's rows), first. A suite that faults can be left out
+# The suites of the kernels the last session changed (twenty-second: the shared expert's lane),
+# first. A suite that faults can be left out
 # of the whole run with ML4_GTEST_EXCLUDE=Suite.* so that it does not take the rest with it.
-new=${FILTER_NEW:-CudaMoe.FusedRouter*:CudaRunner.Fused*:CudaRunner.FinalNorm*:CudaElementwise.*:CudaRunner.DecodeGraphsMatchEager}
+new=${FILTER_NEW:-CudaMoe.SharedExpertSplit*:CudaRunner.SharedExpertLane*:CudaRunner.Fused*:CudaRunner.DecodeGraphsMatchEager}
 on tests && stamp "1a. new GPU tests: $new" && timeout 240 "$carry/bin/ml4_cuda_tests" --gtest_filter="$new" --gtest_color=no > "$out/new_tests.log" 2>&1
 on tests && grep -E "^\[  (FAILED|PASSED|SKIPPED) |^\[       OK|rel|Failure" "$out/new_tests.log" | tail -40
 
@@ -95,7 +95,7 @@ if on decode; then
   stamp "D. decode step, per-kernel profile"
   timeout 150 "$carry/bin/ml4" bench step --preset ml4-slice-4 --batch 1,2,4 --ctx 8192,61440 --no-extras \
     > "$out/decode_step.log" 2>&1; echo "rc=$?"
-  grep -E "^COPY|^STEP |^STEPSPLIT|^LATENCY|FUSED|rror" "$out/decode_step.log" | cut -c1-220
+  grep -E "^COPY|^STEP |^STEPSPLIT|^LATENCY|FUSED|SHAREDLANE|rror" "$out/decode_step.log" | cut -c1-220
   timeout 60 "$carry/bin/ml4" bench step --preset ml4-tiny --batch 1,2,4 --ctx 1024 --kv-gib 1 --no-extras \
     > "$out/decode_step_tiny.log" 2>&1; echo "rc=$?"
   grep -E "^STEP |^LATENCY|rror" "$out/decode_step_tiny.log" | cut -c1-220
@@ -125,7 +125,7 @@ if on step; then
   stamp "D1. decode step"
   timeout 120 "$carry/bin/ml4" bench step --preset ml4-slice-4 --batch 1,2,4 --ctx 8192 --no-extras \
     > "$out/step.log" 2>&1; echo "rc=$?"
-  grep -E "^STEP |^STEPSPLIT|^FUSED|rror" "$out/step.log" | cut -c1-200
+  grep -E "^STEP |^STEPSPLIT|^FUSED|^SHAREDLANE|rror" "$out/step.log" | cut -c1-200
 fi
 
 if on decode || on timeline; then

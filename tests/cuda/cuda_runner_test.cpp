@@ -594,13 +594,30 @@ TEST(CudaRunner, FusedFfnNormIsBitIdentical) {
 TEST(CudaRunner, SharedExpertLaneIsBitIdentical) {
   ML4_REQUIRE_GPU();
   auto off = [](CudaRunnerOptions& o) { o.shared_expert_lane = false; };
-  auto on = [](CudaRunnerOptions& o) { o.shared_expert_lane = true; };
+  auto on = [](CudaRunnerOptions& o) {
+    o.shared_expert_lane = true;
+    o.shared_expert_lane_min_bytes = 0;  // the tiny models' shared experts are below the default
+  };
   auto ran = [](const CudaRunner& r, bool on) {
     if (on) EXPECT_GT(r.shared_lane_runs(), 0) << "the shared expert never ran on its lane";
     else EXPECT_EQ(r.shared_lane_runs(), 0) << "the shared expert ran on its lane with the option off";
   };
   option_vs_plain("mistral4-tiny", "the shared expert on its lane", off, on, ran);
   option_vs_plain("ml4-tiny", "the shared expert on its lane", off, on, ran);
+}
+
+// The o projection's weights pulled into L2 on the low lane during the attention chain
+// (CudaRunnerOptions::prefetch_wo_bytes): nothing reads what it does, so the same bits,
+// graphed (the lane forked and joined inside each capture) and eager.
+TEST(CudaRunner, PrefetchIsBitIdentical) {
+  ML4_REQUIRE_GPU();
+  auto off = [](CudaRunnerOptions& o) { o.prefetch_wo_bytes = 0; };
+  auto on = [](CudaRunnerOptions& o) { o.prefetch_wo_bytes = int64_t{1} << 20; };
+  auto ran = [](const CudaRunner& r, bool on) {
+    if (on) EXPECT_GT(r.prefetches(), 0) << "no prefetch ran";
+    else EXPECT_EQ(r.prefetches(), 0) << "a prefetch ran with the option off";
+  };
+  option_vs_plain("ml4-tiny", "the o projection prefetched", off, on, ran);
 }
 
 // DSpark verification steps (every token a logits row, several tokens per sequence) take the

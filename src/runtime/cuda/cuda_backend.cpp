@@ -67,9 +67,10 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const ModelConfig& cfg,
   if (const char* v = std::getenv("ML4_RESIDENT_BLOCKS"); v && std::atoi(v) == 3) b->opts_.resident_blocks_per_sm = 3;
   b->synthetic_seed_ = synthetic_seed;
   b->max_model_len_ = max_model_len;
-  // Every stream at the card's greatest priority but the shared expert's lane, at its least, so
-  // that a block of the router's chain is always dispatched before a waiting one of the shared
-  // expert (CudaBackendOptions::shared_expert_lane; graphs keep the priorities, end_segment).
+  // Every stream at the card's greatest priority but the low lane, at its least, so that a block
+  // of the main chain (the router's) is always dispatched before a waiting one of the lane's (the
+  // shared expert's: CudaBackendOptions::shared_expert_lane; graphs keep the priorities,
+  // end_segment).
   // ML4_STREAM_PRIORITY=0 leaves them all at the default (the A/B of the priorities).
   int least = 0, greatest = 0;
   ML4_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least, &greatest));
@@ -81,11 +82,9 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const ModelConfig& cfg,
     for (cudaEvent_t* e : {&b->ev_side_[0], &b->ev_side_[1], &b->ev_lane_[0], &b->ev_lane_[1]})
       ML4_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
   }
-  if (cfg.moe.num_shared_experts > 0) {
-    ML4_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&b->shared_stream_, cudaStreamNonBlocking, least));
-    for (cudaEvent_t* e : {&b->ev_shared_[0], &b->ev_shared_[1]})
-      ML4_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
-  }
+  ML4_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&b->low_stream_, cudaStreamNonBlocking, least));
+  for (cudaEvent_t* e : {&b->ev_low_[0], &b->ev_low_[1]})
+    ML4_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
   ML4_ASSIGN_OR_RETURN(b->lt_, LtGemm::create());
   b->buf_ = std::make_unique<Buffers>();
   return b;
@@ -93,11 +92,11 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const ModelConfig& cfg,
 
 CudaBackend::~CudaBackend() {
   buf_.reset();
-  for (cudaEvent_t e : {ev_side_[0], ev_side_[1], ev_lane_[0], ev_lane_[1], ev_shared_[0], ev_shared_[1]})
+  for (cudaEvent_t e : {ev_side_[0], ev_side_[1], ev_lane_[0], ev_lane_[1], ev_low_[0], ev_low_[1]})
     if (e) cudaEventDestroy(e);
   for (cudaStream_t st : side_streams_)
     if (st) cudaStreamDestroy(st);
-  if (shared_stream_) cudaStreamDestroy(shared_stream_);
+  if (low_stream_) cudaStreamDestroy(low_stream_);
   if (stream_) cudaStreamDestroy(stream_);
 }
 
@@ -439,7 +438,7 @@ void CudaBackend::begin_forward(int64_t T, int64_t R, int64_t maxlen, Mode mode,
 Status CudaBackend::end_segment() {
   if (!in_segment_) return ok_status();
   in_segment_ = false;
-  ML4_RETURN_IF_ERROR(join_shared());  // a capture ends with every stream it forked joined
+  ML4_RETURN_IF_ERROR(join_low());  // a capture ends with every stream it forked joined
   if (mode_ != Mode::kCapture) return ok_status();
   cudaGraph_t g = nullptr;
   ML4_CUDA_RETURN_IF_ERROR(cudaStreamEndCapture(stream_, &g));
@@ -1146,38 +1145,62 @@ Status CudaBackend::moe_router(LinearRef gate, const float* x, const float* bias
   return router_route(router_params(gate, x, bias, logits, ids, weights)).with_context("router");
 }
 
-// The shared expert on its own lane (CudaBackendOptions::shared_expert_lane): the grouped decode
-// path with the shared expert in the extra slot, one chunk, and no profile (whose times
-// assume one stream).
+// The shared expert on the low lane (CudaBackendOptions::shared_expert_lane): the grouped
+// decode path with the shared expert in the extra slot, one chunk, a shared expert of at least
+// shared_expert_lane_min_bytes, and no profile (whose times assume one stream).
 bool CudaBackend::shared_lane(MoeRef moe) const {
-  if (!opts_.shared_expert_lane || shared_stream_ == nullptr || moe.id < 0 || moe.id >= static_cast<int>(moes_.size()) ||
+  if (!opts_.shared_expert_lane || moe.id < 0 || moe.id >= static_cast<int>(moes_.size()) ||
       (profile_ != nullptr && mode_ == Mode::kEager))
     return false;
   const Moe& M = moes_[moe.id];
-  return M.shared && M.tables && M.tables->shared_slot && moe_grouped(M) && step_T_ <= kGroupedMoeMaxTokens;
+  if (!M.shared || !M.tables || !M.tables->shared_slot || !moe_grouped(M) || step_T_ > kGroupedMoeMaxTokens)
+    return false;
+  const DeviceMlp& sh = *M.shared;
+  return static_cast<int64_t>(sh.w1.bytes() + sh.w2.bytes() + sh.w3.bytes()) >= opts_.shared_expert_lane_min_bytes;
 }
 
-Status CudaBackend::join_shared() {
-  if (shared_pending_ < 0) return ok_status();
+Status CudaBackend::fork_low() {
+  ML4_RETURN_IF_ERROR(join_low());
+  ML4_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_low_[0], stream_));
+  ML4_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(low_stream_, ev_low_[0], 0));
+  low_open_ = true;
+  return ok_status();
+}
+
+Status CudaBackend::join_low() {
+  if (!low_open_) return ok_status();
+  low_open_ = false;
   shared_pending_ = -1;
-  return cuda_status(cudaStreamWaitEvent(stream_, ev_shared_[1], 0), "shared expert lane join");
+  ML4_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_low_[1], low_stream_));
+  return cuda_status(cudaStreamWaitEvent(stream_, ev_low_[1], 0), "low lane join");
+}
+
+// The first prefetch_wo_bytes of w's weights into L2 on the low lane, for decode-sized steps;
+// joined at the next fork or the segment's end (nothing reads what it does).
+Status CudaBackend::prefetch_weights(LinearRef w) {
+  if (opts_.prefetch_wo_bytes <= 0 || !w.valid() || step_T_ > kGemvMaxM || (profile_ != nullptr && mode_ == Mode::kEager))
+    return ok_status();
+  const DeviceLinear& l = linears_[w.id];
+  ML4_RETURN_IF_ERROR(fork_low());
+  ML4_RETURN_IF_ERROR(l2_prefetch(l.weight.data(), std::min<int64_t>(opts_.prefetch_wo_bytes, l.weight.bytes()),
+                                  low_stream_));
+  ++prefetches_;
+  return ok_status();
 }
 
 Status CudaBackend::norm_moe_router(const NormArgs& n, MoeRef moe, LinearRef gate, const float* bias, float* logits,
                                     int32_t* ids, float* weights) {
   if (shared_lane(moe)) {  // the norm, then the shared expert beside the router and the permute
     ML4_RETURN_IF_ERROR(rms_norm(n));
-    ML4_RETURN_IF_ERROR(join_shared());
+    ML4_RETURN_IF_ERROR(fork_low());
     const Moe& M = moes_[moe.id];
-    ML4_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_shared_[0], stream_));
-    ML4_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(shared_stream_, ev_shared_[0], 0));
     MoeSharedPart part;
     part.mode = MoeSharedPart::kSharedOnly;
     ML4_RETURN_IF_ERROR(moe_experts_forward_grouped(*M.tables, M.shared.get(), n.y, step_T_, nullptr, nullptr,
-                                                    cfg_.moe.num_experts_per_tok, nullptr, buf_->moe, shared_stream_,
+                                                    cfg_.moe.num_experts_per_tok, nullptr, buf_->moe, low_stream_,
                                                     opts_.fp4_x_parts, part)
                             .with_context("shared expert lane"));
-    ML4_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_shared_[1], shared_stream_));
+    ML4_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev_low_[1], low_stream_));
     shared_pending_ = moe.id;
     ++shared_lane_runs_;
     return moe_router(gate, n.y, bias, logits, ids, weights);
@@ -1234,9 +1257,10 @@ Status CudaBackend::moe_experts(MoeRef moe, const float* x, const int32_t* ids, 
     if (shared_pending_ != moe.id || !moe_grouped(M) || T > kGroupedMoeMaxTokens)
       return internal_error("moe experts {}: the shared expert lane ran for MoE {}", moe.id, shared_pending_);
     shared_pending_ = -1;
+    low_open_ = false;  // the combine joins it
     MoeSharedPart part;
     part.mode = MoeSharedPart::kRoutedOnly;
-    part.shared_ready = ev_shared_[1];
+    part.shared_ready = ev_low_[1];
     return moe_experts_forward_grouped(*M.tables, M.shared.get(), x, T, ids, weights, K, out, b.moe, stream_,
                                        opts_.fp4_x_parts, part);
   }

@@ -72,7 +72,9 @@ struct CudaBackendOptions {
   int fp4_x_parts = 1;            // CudaRunnerOptions::fp4_x_parts (exact_activations: -1, the stream)
   bool fused_router = true;       // CudaRunnerOptions::fused_router
   bool fused_ffn_norm = false;    // CudaRunnerOptions::fused_ffn_norm
-  bool shared_expert_lane = false;  // CudaRunnerOptions::shared_expert_lane
+  bool shared_expert_lane = true;   // CudaRunnerOptions::shared_expert_lane
+  int64_t shared_expert_lane_min_bytes = int64_t{16} << 20;  // CudaRunnerOptions::shared_expert_lane_min_bytes
+  int64_t prefetch_wo_bytes = 0;   // CudaRunnerOptions::prefetch_wo_bytes
   bool fused_indexer = true;   // CudaRunnerOptions::fused_indexer
   // Sparse MLA steps of a wave of tokens or more (prefill) on the wgmma prefill kernel
   // (ops/cuda/attention_prefill.cu; MlaAttentionParams::prefill_kernel). ML4_MLA_PREFILL=0 turns
@@ -181,6 +183,7 @@ class CudaBackend : public Backend {
   Status moe_router(LinearRef gate, const float* x, const float* bias, float* logits, int32_t* ids,
                     float* weights) override;
   Status moe_experts(MoeRef moe, const float* x, const int32_t* ids, const float* weights, float* out) override;
+  Status prefetch_weights(LinearRef w) override;
   bool ffn_block_fused(const FfnBlockArgs& a) const override;
   Status ffn_block(const FfnBlockArgs& a) override;
   bool moe_experts_capturable(MoeRef moe) const override;
@@ -279,6 +282,8 @@ class CudaBackend : public Backend {
   void set_fused_router(bool on) { opts_.fused_router = on; }
   void set_fused_ffn_norm(bool on) { opts_.fused_ffn_norm = on; }
   void set_shared_expert_lane(bool on) { opts_.shared_expert_lane = on; }
+  void set_prefetch_wo_bytes(int64_t bytes) { opts_.prefetch_wo_bytes = bytes; }
+  int64_t prefetches() const { return prefetches_; }  // prefetch_weights calls that launched
   void set_fp4_x_parts(int parts) { opts_.fp4_x_parts = parts; }
   void set_moe_gemm_overlap(bool on) { opts_.moe_gemm_overlap = on; }
   void set_moe_gemm_tall(bool on) { opts_.moe_gemm_tall = on; }
@@ -333,8 +338,9 @@ class CudaBackend : public Backend {
   RopeRows rope_rows(const RopeArgs& r) const;  // the same rotation for a fused kernel (rope_rows.h)
   const int32_t* selection_counts(int selection) const;
   bool moe_grouped(const Moe& m) const;
-  bool shared_lane(MoeRef moe) const;  // norm_moe_router starts moe's shared expert on its lane
-  Status join_shared();                // stream_ waits for the shared expert's lane, if it runs
+  bool shared_lane(MoeRef moe) const;  // norm_moe_router starts moe's shared expert on the low lane
+  Status fork_low();                   // the low lane waits for what stream_ has issued
+  Status join_low();                   // stream_ waits for the low lane, if it has work open
   bool router_fused(LinearRef gate) const;  // moe_router runs router_route (fused_router)
   RouterRouteParams router_params(LinearRef gate, const float* x, const float* bias, float* logits, int32_t* ids,
                                   float* weights) const;
@@ -414,13 +420,16 @@ class CudaBackend : public Backend {
   bool lane_used_[kSideLanes] = {false, false};
   int64_t overlapped_layers_ = 0;
   int64_t fused_ffn_norms_ = 0;
-  // The shared expert's lane (shared_expert_lane; models with shared experts): its stream, at
-  // the least priority; the events of its fork from stream_ [0] and of its end [1]; the MoE
-  // whose shared expert it is running (-1: none), which that MoE's moe_experts (or the segment's
-  // end) joins.
-  cudaStream_t shared_stream_ = nullptr;
-  cudaEvent_t ev_shared_[2] = {nullptr, nullptr};
+  // The low lane: a stream at the least priority for work that only fills what the main chain
+  // leaves (shared_expert_lane's shared experts, prefetch_wo_bytes' prefetches); the events of
+  // its fork from stream_ [0] and of its end [1]; whether it has work stream_ has not joined
+  // (join_low: the next fork, the MoE's combine, or the segment's end); the MoE whose shared
+  // expert it runs (-1: none), for that MoE's moe_experts.
+  cudaStream_t low_stream_ = nullptr;
+  cudaEvent_t ev_low_[2] = {nullptr, nullptr};
+  bool low_open_ = false;
   int shared_pending_ = -1;
+  int64_t prefetches_ = 0;
   int64_t shared_lane_runs_ = 0;
   int64_t weight_bytes_ = 0, kv_bytes_ = 0, routed_expert_bytes_ = 0;
   double requant_seconds_ = 0.0;
