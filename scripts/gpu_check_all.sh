@@ -123,7 +123,7 @@ if on step; then
   # The decode step alone (issue 19): batch 1 / 2 / 4 at 8k and the fusion A/B lines (FUSED*),
   # ~15 s; `decode` runs the longer profile around it.
   stamp "D1. decode step"
-  timeout 120 "$carry/bin/ml4" bench step --preset ml4-slice-4 --batch 1,2,4 --ctx 8192 --no-extras \
+  timeout 150 "$carry/bin/ml4" bench step --preset ml4-slice-4 --batch 1,2,4,8 --ctx 8192 --no-extras \
     > "$out/step.log" 2>&1; echo "rc=$?"
   grep -E "^STEP |^STEPSPLIT|^FUSED|^SHAREDLANE|rror" "$out/step.log" | cut -c1-200
 fi

@@ -364,10 +364,6 @@ class Backend {
     if (Status st = rms_norm(n); !st.ok()) return st;
     return moe_router(gate, n.y, bias, logits, ids, weights);
   }
-  // The weights of w are read next, after latency-bound work (the attention chain before the o
-  // projection): a backend may start pulling some of them into its cache now (CUDA:
-  // CudaRunnerOptions::prefetch_wo_bytes). No result; never needed for correctness.
-  virtual Status prefetch_weights(LinearRef w) { return ok_status(); }
   // out[T, dim] = sum_k w[t, k] expert_{ids[t, k]}(x[t]) + shared(x[t]).
   virtual Status moe_experts(MoeRef moe, const float* x, const int32_t* ids, const float* weights, float* out) = 0;
   // False when moe_experts must read device results back (then the program issues it

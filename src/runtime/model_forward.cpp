@@ -555,9 +555,6 @@ Status ModelForward::attention(int l, const StepMetadata* md, ForwardTrace* trac
   }
   // 6a. W_UK absorption of the nope part (the q path below touches only the rope part).
   ML4_RETURN_IF_ERROR(be_.timed("attn: W_UK absorption", [&] { return be_.mla_absorb_q(L.absorb, x.q, x.q_lat); }));
-  // What follows until the o projection (the keys' selection, the attention) is latency-bound
-  // at decode sizes: the o projection's weights may come into the cache meanwhile.
-  ML4_RETURN_IF_ERROR(be_.prefetch_weights(L.wo));
   // 5. The keys attended.
   int selection = -1;
   ML4_RETURN_IF_ERROR(select_keys(l, md, trace, fork, &selection));

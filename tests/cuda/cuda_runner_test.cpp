@@ -606,20 +606,6 @@ TEST(CudaRunner, SharedExpertLaneIsBitIdentical) {
   option_vs_plain("ml4-tiny", "the shared expert on its lane", off, on, ran);
 }
 
-// The o projection's weights pulled into L2 on the low lane during the attention chain
-// (CudaRunnerOptions::prefetch_wo_bytes): nothing reads what it does, so the same bits,
-// graphed (the lane forked and joined inside each capture) and eager.
-TEST(CudaRunner, PrefetchIsBitIdentical) {
-  ML4_REQUIRE_GPU();
-  auto off = [](CudaRunnerOptions& o) { o.prefetch_wo_bytes = 0; };
-  auto on = [](CudaRunnerOptions& o) { o.prefetch_wo_bytes = int64_t{1} << 20; };
-  auto ran = [](const CudaRunner& r, bool on) {
-    if (on) EXPECT_GT(r.prefetches(), 0) << "no prefetch ran";
-    else EXPECT_EQ(r.prefetches(), 0) << "a prefetch ran with the option off";
-  };
-  option_vs_plain("ml4-tiny", "the o projection prefetched", off, on, ran);
-}
-
 // DSpark verification steps (every token a logits row, several tokens per sequence) take the
 // decode buckets (power-of-two token counts, the GEMV path): graphed and replayed, within the
 // decode graphs' bound of the eager runner, and a replay equal to the first graphed run.

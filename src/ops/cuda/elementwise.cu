@@ -518,31 +518,6 @@ Status silu_mul(const SiluMulParams& p) {
   return cuda_status(cudaGetLastError(), "silu_mul_kernel");
 }
 
-namespace {
-constexpr unsigned kPrefetchChunk = 32u << 10;  // bytes one bulk prefetch asks for
-
-// Thread i asks for chunks i, i + threads, ...: one instruction each, nothing to wait for.
-__global__ void l2_prefetch_kernel(const char* p, int64_t bytes) {
-  const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t off = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kPrefetchChunk; off < bytes;
-       off += threads * kPrefetchChunk) {
-    const unsigned n = static_cast<unsigned>(min(static_cast<int64_t>(kPrefetchChunk), bytes - off));
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + off), "r"(n) : "memory");
-  }
-}
-}  // namespace
-
-Status l2_prefetch(const void* p, int64_t bytes, cudaStream_t stream) {
-  if (bytes < 0) return invalid_argument("l2_prefetch: {} bytes", bytes);
-  if (reinterpret_cast<uintptr_t>(p) & 15u) return invalid_argument("l2_prefetch: the address must be 16-byte aligned");
-  bytes &= ~int64_t{15};
-  if (bytes == 0) return ok_status();
-  const int64_t chunks = (bytes + kPrefetchChunk - 1) / kPrefetchChunk;
-  const unsigned threads = 128, blocks = static_cast<unsigned>(std::min<int64_t>((chunks + threads - 1) / threads, 64));
-  launch_kernel(l2_prefetch_kernel, blocks, threads, 0, stream, static_cast<const char*>(p), bytes);
-  return cuda_status(cudaGetLastError(), "l2_prefetch_kernel");
-}
-
 Status embedding(const EmbeddingParams& p) {
   if (p.V <= 0 || p.D <= 0 || p.T < 0) return invalid_argument("embedding: bad shape V={} D={} T={}", p.V, p.D, p.T);
   if (!p.table || !p.ids || !p.out) return invalid_argument("embedding: null pointer");

@@ -52,11 +52,6 @@ struct SiluMulParams {
 };
 Status silu_mul(const SiluMulParams& p);
 
-// Pulls [p, p + bytes) into L2 (Hopper's cp.async.bulk.prefetch.L2; bytes rounded down to 16,
-// p 16-byte aligned) and returns: no result, nothing waits for the lines. For weights that a
-// kernel reads soon after latency-bound work (CudaRunnerOptions::prefetch_wo_bytes).
-Status l2_prefetch(const void* p, int64_t bytes, cudaStream_t stream);
-
 struct EmbeddingParams {
   const void* table = nullptr;  // [V, D] table_dtype (kBF16 or kF32)
   DType table_dtype = DType::kBF16;

@@ -1175,19 +1175,6 @@ Status CudaBackend::join_low() {
   return cuda_status(cudaStreamWaitEvent(stream_, ev_low_[1], 0), "low lane join");
 }
 
-// The first prefetch_wo_bytes of w's weights into L2 on the low lane, for decode-sized steps;
-// joined at the next fork or the segment's end (nothing reads what it does).
-Status CudaBackend::prefetch_weights(LinearRef w) {
-  if (opts_.prefetch_wo_bytes <= 0 || !w.valid() || step_T_ > kGemvMaxM || (profile_ != nullptr && mode_ == Mode::kEager))
-    return ok_status();
-  const DeviceLinear& l = linears_[w.id];
-  ML4_RETURN_IF_ERROR(fork_low());
-  ML4_RETURN_IF_ERROR(l2_prefetch(l.weight.data(), std::min<int64_t>(opts_.prefetch_wo_bytes, l.weight.bytes()),
-                                  low_stream_));
-  ++prefetches_;
-  return ok_status();
-}
-
 Status CudaBackend::norm_moe_router(const NormArgs& n, MoeRef moe, LinearRef gate, const float* bias, float* logits,
                                     int32_t* ids, float* weights) {
   if (shared_lane(moe)) {  // the norm, then the shared expert beside the router and the permute

@@ -74,7 +74,6 @@ struct CudaBackendOptions {
   bool fused_ffn_norm = false;    // CudaRunnerOptions::fused_ffn_norm
   bool shared_expert_lane = true;   // CudaRunnerOptions::shared_expert_lane
   int64_t shared_expert_lane_min_bytes = int64_t{16} << 20;  // CudaRunnerOptions::shared_expert_lane_min_bytes
-  int64_t prefetch_wo_bytes = 0;   // CudaRunnerOptions::prefetch_wo_bytes
   bool fused_indexer = true;   // CudaRunnerOptions::fused_indexer
   // Sparse MLA steps of a wave of tokens or more (prefill) on the wgmma prefill kernel
   // (ops/cuda/attention_prefill.cu; MlaAttentionParams::prefill_kernel). ML4_MLA_PREFILL=0 turns
@@ -183,7 +182,6 @@ class CudaBackend : public Backend {
   Status moe_router(LinearRef gate, const float* x, const float* bias, float* logits, int32_t* ids,
                     float* weights) override;
   Status moe_experts(MoeRef moe, const float* x, const int32_t* ids, const float* weights, float* out) override;
-  Status prefetch_weights(LinearRef w) override;
   bool ffn_block_fused(const FfnBlockArgs& a) const override;
   Status ffn_block(const FfnBlockArgs& a) override;
   bool moe_experts_capturable(MoeRef moe) const override;
@@ -282,8 +280,6 @@ class CudaBackend : public Backend {
   void set_fused_router(bool on) { opts_.fused_router = on; }
   void set_fused_ffn_norm(bool on) { opts_.fused_ffn_norm = on; }
   void set_shared_expert_lane(bool on) { opts_.shared_expert_lane = on; }
-  void set_prefetch_wo_bytes(int64_t bytes) { opts_.prefetch_wo_bytes = bytes; }
-  int64_t prefetches() const { return prefetches_; }  // prefetch_weights calls that launched
   void set_fp4_x_parts(int parts) { opts_.fp4_x_parts = parts; }
   void set_moe_gemm_overlap(bool on) { opts_.moe_gemm_overlap = on; }
   void set_moe_gemm_tall(bool on) { opts_.moe_gemm_tall = on; }
@@ -421,7 +417,7 @@ class CudaBackend : public Backend {
   int64_t overlapped_layers_ = 0;
   int64_t fused_ffn_norms_ = 0;
   // The low lane: a stream at the least priority for work that only fills what the main chain
-  // leaves (shared_expert_lane's shared experts, prefetch_wo_bytes' prefetches); the events of
+  // leaves (shared_expert_lane's shared experts); the events of
   // its fork from stream_ [0] and of its end [1]; whether it has work stream_ has not joined
   // (join_low: the next fork, the MoE's combine, or the segment's end); the MoE whose shared
   // expert it runs (-1: none), for that MoE's moe_experts.
@@ -429,7 +425,6 @@ class CudaBackend : public Backend {
   cudaEvent_t ev_low_[2] = {nullptr, nullptr};
   bool low_open_ = false;
   int shared_pending_ = -1;
-  int64_t prefetches_ = 0;
   int64_t shared_lane_runs_ = 0;
   int64_t weight_bytes_ = 0, kv_bytes_ = 0, routed_expert_bytes_ = 0;
   double requant_seconds_ = 0.0;

@@ -157,13 +157,6 @@ struct CudaRunnerOptions {
   // (SHAREDLANE lines; docs/BENCHMARKS.md "Twenty-second session").
   bool shared_expert_lane = true;
   int64_t shared_expert_lane_min_bytes = int64_t{16} << 20;
-  // Decode-sized steps (<= 8 tokens) pull the first prefetch_wo_bytes of each layer's o
-  // projection into L2 on the low lane (Backend::prefetch_weights; elementwise.h l2_prefetch)
-  // once the W_UK absorption is issued, so that they arrive while the keys' selection and the
-  // attention (latency-bound) run. Nothing reads what it does: the same bits
-  // (CudaRunner.PrefetchIsBitIdentical). 0: off, until the step bench's PREFETCHWO lines show
-  // a size that gains (written 2026-12-07, twenty-second session).
-  int64_t prefetch_wo_bytes = 0;
   // Issue 19's indexer fusions: the key half (LayerNorm, RoPE, Hadamard + FP8 into its cache)
   // as one kernel instead of three (cache_write.h indexer_key_path), and the queries' RoPE
   // inside their Hadamard + FP8 (indexer.h IndexerQueryQuantParams::rope) instead of two. On
@@ -273,12 +266,6 @@ class CudaRunner : public ModelRunner {
     graphs_.clear();
     draft_graphs_.clear();
   }
-  void set_prefetch_wo_bytes(int64_t bytes) {
-    opts_.prefetch_wo_bytes = bytes;
-    backend_->set_prefetch_wo_bytes(bytes);
-    graphs_.clear();
-    draft_graphs_.clear();
-  }
   void set_fused_ffn_norm(bool on) {
     opts_.fused_ffn_norm = on;
     backend_->set_fused_ffn_norm(on);
@@ -383,7 +370,6 @@ class CudaRunner : public ModelRunner {
   int64_t overlapped_layers() const { return backend_->overlapped_layers(); }
   int64_t fused_ffn_norms() const { return backend_->fused_ffn_norms(); }
   int64_t shared_lane_runs() const { return backend_->shared_lane_runs(); }
-  int64_t prefetches() const { return backend_->prefetches(); }
   size_t graphs_captured() const { return graphs_.size(); }
   int64_t kv_bytes() const { return backend_->kv_bytes(); }
   // The sticky fault record the runner's kernels write and every step checks (tests inject a

@@ -325,6 +325,9 @@ int run_step_bench(const StepBenchOptions& opt) {
     // default measured itself twice and stayed off for every line after).
     auto fusion_ab = [&](const char* label, const std::function<void(bool)>& set, bool dflt) {
       for (int batch : {1, 4, 8}) {
+        // A batch above --batch's largest runs as a padded 64-token graph (the twenty-first and
+        // twenty-second sessions' batch-8 lines, 11.5-12.5 ms, were such steps).
+        if (batch > kMaxBatch) continue;
         const StepInput fin = decode_step(r, batch, fixed_ctx, blocks_per_seq);
         set(false);
         const int64_t replays = r.graph_replays();
@@ -332,8 +335,7 @@ int run_step_bench(const StepBenchOptions& opt) {
         set(true);
         const double on = time_step(r, fin, 3, 20);
         set(dflt);
-        // graphs=0: the batch is above --batch's largest, whose graphs the runner was sized for
-        // (the twenty-first session's batch-8 lines, 12.2 ms, were such eager steps).
+        // graphs=0: an eager step (the step did not replay a graph).
         std::printf("%s model=%s batch=%d ctx=%ld fused_ms=%.3f plain_ms=%.3f gain=%.3f graphs=%d\n", label,
                     preset.c_str(), batch, static_cast<long>(fixed_ctx), on, off, off / on,
                     r.graph_replays() > replays ? 1 : 0);
@@ -370,21 +372,6 @@ int run_step_bench(const StepBenchOptions& opt) {
     fusion_ab("FUSEDFFNNORM", [&](bool on) { r.set_fused_ffn_norm(on); }, CudaRunnerOptions{}.fused_ffn_norm);
     // The shared expert on its own lane beside the router (CudaRunnerOptions::shared_expert_lane).
     fusion_ab("SHAREDLANE", [&](bool on) { r.set_shared_expert_lane(on); }, CudaRunnerOptions{}.shared_expert_lane);
-    // The o projection's first N MB pulled into L2 during the attention chain
-    // (CudaRunnerOptions::prefetch_wo_bytes) against none, batch 1 and 4.
-    for (int batch : {1, 4}) {
-      if (batch > kMaxBatch) continue;
-      const StepInput pin = decode_step(r, batch, fixed_ctx, blocks_per_seq);
-      r.set_prefetch_wo_bytes(0);
-      const double none = time_step(r, pin, 3, 20);
-      for (int mb : {8, 16, 24, 32, 48}) {
-        r.set_prefetch_wo_bytes(int64_t{mb} << 20);
-        const double ms = time_step(r, pin, 3, 20);
-        std::printf("PREFETCHWO model=%s batch=%d ctx=%ld mb=%d ms=%.3f none_ms=%.3f gain=%.3f\n", preset.c_str(), batch,
-                    static_cast<long>(fixed_ctx), mb, ms, none, none / ms);
-      }
-      r.set_prefetch_wo_bytes(o.prefetch_wo_bytes);
-    }
     // The indexer fusions (CudaRunnerOptions::fused_indexer) vs the separate launches.
     fusion_ab("FUSEDINDEXER", [&](bool on) { r.set_fused_indexer(on); }, CudaRunnerOptions{}.fused_indexer);
     if (!opt.extras) return 0;
