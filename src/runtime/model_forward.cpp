@@ -504,8 +504,8 @@ Status ModelForward::attention(int l, const StepMetadata* md, ForwardTrace* trac
   const int r = cfg_.kv_lora_rank, qk = dn + dr;
   const float eps = static_cast<float>(cfg_.norm_eps);
   // An indexer owner's branches on the side queues: keys at once (lane 1), queries once the q
-  // latent is normalized (lane 0); joined before the q path, which needs the top-k counts
-  // (SSMax's n).
+  // latent is normalized (lane 0), then the latent row (lane 1, after the keys); joined before
+  // the q path, which needs the top-k counts (SSMax's n).
   // (Not under DCP: its indexer exchanges candidates over the group, on the main queue.)
   const bool fork = trace == nullptr && hisparse_ == nullptr && spec.indexer == IndexerRole::kOwner && !context_parallel() &&
                     be_.can_overlap({L.wq, L.wq_a, L.wq_b, L.wkv_a, L.idx_wq, L.idx_wk, L.idx_wproj});
@@ -515,44 +515,47 @@ Status ModelForward::attention(int l, const StepMetadata* md, ForwardTrace* trac
     if (!fork) return ok_status();
     return be_.side([&] { return indexer_select(l, nullptr, 1); }, 0);
   };
+  // 3./4. The latent row (c, rotated kr) into the layer's pages (KV owners only). Forked: on the
+  // key lane after the indexer's key half, issued right after the query lane's fork (whose
+  // scores wait for the key half only: the lane's event is recorded before this is issued) and
+  // before the q projection, so that it waits for neither (it reads only x.a); the join before
+  // the q path orders it before the attention. Otherwise on the main queue after the queries.
+  auto kv = [&] { return be_.timed("attn: kv projection + cache write", [&]() -> Status {
+    ML4_RETURN_IF_ERROR(be_.linear(L.wkv_a, x.a, T, x.ckv));
+    const RopeArgs kr_rope = rope_args(x.ckv, 1, r + dr, r, dr, inv_freq_);
+    const std::vector<int>& slots = latent_write_slots_[l];
+    if (!prefill_context_parallel() && !slots.empty()) {  // normalized, rotated, written: one call
+      ML4_RETURN_IF_ERROR(be_.latent_key_path(x.ckv, r, dr, L.kv_a_norm, eps, spec.rope ? &kr_rope : nullptr,
+                                              slots[0], x.c));
+      for (size_t i = 1; i < slots.size(); ++i)
+        ML4_RETURN_IF_ERROR(be_.latent_cache_write(CacheGroup::kLatent, slots[i], x.c, x.ckv + r, r + dr));
+      return ok_status();
+    }
+    ML4_RETURN_IF_ERROR(be_.rms_norm({x.ckv, nullptr, L.kv_a_norm, T, r, r + dr, eps, x.c}));
+    if (spec.rope) ML4_RETURN_IF_ERROR(be_.rope(kr_rope));
+    if (!prefill_context_parallel()) return ok_status();  // no slot to write
+    // Every PCP rank writes the whole step's rows: [c | kr] of this rank's tokens, gathered.
+    ML4_RETURN_IF_ERROR(be_.copy_rows(x.c, r, x.ckv, r + dr, T, r));
+    ML4_ASSIGN_OR_RETURN(float* all, pcp_gather_rows(x.ckv, r + dr));
+    for (int slot : slots)
+      ML4_RETURN_IF_ERROR(be_.latent_cache_write_gathered(CacheGroup::kLatent, slot, all, r + dr, all + r, r + dr));
+    return ok_status();
+  }); };
+  auto fork_kv = [&]() -> Status { return fork && spec.owns_kv() ? be_.side(kv, 1) : ok_status(); };
   // 1. Queries (with or without the query LoRA).
   ML4_RETURN_IF_ERROR(be_.timed("attn: q projection", [&]() -> Status {
     if (cfg_.q_lora_rank > 0) {
       ML4_RETURN_IF_ERROR(be_.linear(L.wq_a, x.a, T, x.q_latent));
       ML4_RETURN_IF_ERROR(be_.rms_norm({x.q_latent, nullptr, L.q_a_norm, T, cfg_.q_lora_rank, 0, eps, x.q_latent}));
       ML4_RETURN_IF_ERROR(fork_select());
+      ML4_RETURN_IF_ERROR(fork_kv());
       return be_.linear(L.wq_b, x.q_latent, T, x.q);
     }
     ML4_RETURN_IF_ERROR(fork_select());
+    ML4_RETURN_IF_ERROR(fork_kv());
     return be_.linear(L.wq, x.a, T, x.q);
   }));
-  // 3./4. The latent row (c, rotated kr) into the layer's pages (KV owners only); on the key
-  // lane after the indexer's key half when forked (the query lane waited for that half only),
-  // beside the q projection: the join before the q path orders it before the attention.
-  if (spec.owns_kv()) {
-    auto kv = [&] { return be_.timed("attn: kv projection + cache write", [&]() -> Status {
-      ML4_RETURN_IF_ERROR(be_.linear(L.wkv_a, x.a, T, x.ckv));
-      const RopeArgs kr_rope = rope_args(x.ckv, 1, r + dr, r, dr, inv_freq_);
-      const std::vector<int>& slots = latent_write_slots_[l];
-      if (!prefill_context_parallel() && !slots.empty()) {  // normalized, rotated, written: one call
-        ML4_RETURN_IF_ERROR(be_.latent_key_path(x.ckv, r, dr, L.kv_a_norm, eps, spec.rope ? &kr_rope : nullptr,
-                                                slots[0], x.c));
-        for (size_t i = 1; i < slots.size(); ++i)
-          ML4_RETURN_IF_ERROR(be_.latent_cache_write(CacheGroup::kLatent, slots[i], x.c, x.ckv + r, r + dr));
-        return ok_status();
-      }
-      ML4_RETURN_IF_ERROR(be_.rms_norm({x.ckv, nullptr, L.kv_a_norm, T, r, r + dr, eps, x.c}));
-      if (spec.rope) ML4_RETURN_IF_ERROR(be_.rope(kr_rope));
-      if (!prefill_context_parallel()) return ok_status();  // no slot to write
-      // Every PCP rank writes the whole step's rows: [c | kr] of this rank's tokens, gathered.
-      ML4_RETURN_IF_ERROR(be_.copy_rows(x.c, r, x.ckv, r + dr, T, r));
-      ML4_ASSIGN_OR_RETURN(float* all, pcp_gather_rows(x.ckv, r + dr));
-      for (int slot : slots)
-        ML4_RETURN_IF_ERROR(be_.latent_cache_write_gathered(CacheGroup::kLatent, slot, all, r + dr, all + r, r + dr));
-      return ok_status();
-    }); };
-    ML4_RETURN_IF_ERROR(fork ? be_.side(kv, 1) : kv());
-  }
+  if (spec.owns_kv() && !fork) ML4_RETURN_IF_ERROR(kv());
   // 6a. W_UK absorption of the nope part (the q path below touches only the rope part).
   ML4_RETURN_IF_ERROR(be_.timed("attn: W_UK absorption", [&] { return be_.mla_absorb_q(L.absorb, x.q, x.q_lat); }));
   // 5. The keys attended.

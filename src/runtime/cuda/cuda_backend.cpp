@@ -67,18 +67,23 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const ModelConfig& cfg,
   if (const char* v = std::getenv("ML4_RESIDENT_BLOCKS"); v && std::atoi(v) == 3) b->opts_.resident_blocks_per_sm = 3;
   b->synthetic_seed_ = synthetic_seed;
   b->max_model_len_ = max_model_len;
-  // Every stream at the card's greatest priority but the low lane, at its least, so that a block
-  // of the main chain (the router's) is always dispatched before a waiting one of the lane's (the
-  // shared expert's: CudaBackendOptions::shared_expert_lane; graphs keep the priorities,
-  // end_segment).
-  // ML4_STREAM_PRIORITY=0 leaves them all at the default (the A/B of the priorities).
+  // Three priorities, so that the block dispatcher serves the latency-bound chains before bulk
+  // weight streams that do not wait for them: the indexer's side lanes (its small projections,
+  // key path, query quantization, scores and top-k) above the main stream (whose q projection,
+  // thousands of blocks, otherwise queued ahead of them and held the chain ~25 us a layer), and
+  // the main stream (the router's chain) above the low lane (the shared expert:
+  // CudaBackendOptions::shared_expert_lane). Graphs keep them (end_segment).
+  // ML4_STREAM_PRIORITY=0 leaves every stream at the default, =1 puts the side lanes level with
+  // the main stream (the A/B of the priorities).
   int least = 0, greatest = 0;
   ML4_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-  if (const char* v = std::getenv("ML4_STREAM_PRIORITY"); v && v[0] == '0') least = greatest = 0;
-  ML4_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&b->stream_, cudaStreamNonBlocking, greatest));
+  int side_priority = greatest, main_priority = std::min(greatest + 1, least);  // lower is served first
+  if (const char* v = std::getenv("ML4_STREAM_PRIORITY"); v && v[0] == '0') least = side_priority = main_priority = 0;
+  if (const char* v = std::getenv("ML4_STREAM_PRIORITY"); v && v[0] == '1') main_priority = side_priority;
+  ML4_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&b->stream_, cudaStreamNonBlocking, main_priority));
   if (cfg.has_dsa() && opts.overlap_indexer) {
     for (cudaStream_t& st : b->side_streams_)
-      ML4_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&st, cudaStreamNonBlocking, greatest));
+      ML4_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&st, cudaStreamNonBlocking, side_priority));
     for (cudaEvent_t* e : {&b->ev_side_[0], &b->ev_side_[1], &b->ev_lane_[0], &b->ev_lane_[1]})
       ML4_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
   }
