@@ -27,7 +27,6 @@ struct Row {
   uint32_t stream, corr;
   uint64_t node;
   std::string name;
-  std::string grid;  // kernels: "XxYxZ/threads", which tells apart the launches of one kernel
 };
 
 std::mutex g_mu;
@@ -66,9 +65,7 @@ void CUPTIAPI completed(CUcontext, uint32_t, uint8_t* buffer, size_t, size_t val
       case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL:
       case CUPTI_ACTIVITY_KIND_KERNEL: {
         auto* k = reinterpret_cast<CUpti_ActivityKernel10*>(rec);
-        rows.push_back({'K', k->start, k->end, k->streamId, k->correlationId, k->graphNodeId, demangle(k->name),
-                        std::to_string(k->gridX) + "x" + std::to_string(k->gridY) + "x" + std::to_string(k->gridZ) +
-                            "/" + std::to_string(k->blockX * k->blockY * k->blockZ)});
+        rows.push_back({'K', k->start, k->end, k->streamId, k->correlationId, k->graphNodeId, demangle(k->name)});
         break;
       }
       case CUPTI_ACTIVITY_KIND_MEMCPY: {
@@ -117,15 +114,15 @@ void write_out() {
   std::FILE* f = std::fopen(out, "w");
   if (f == nullptr) return;
   g_written = true;
-  std::fprintf(f, "kind,start_ns,end_ns,stream,correlation,graph_node,name,grid\n");
+  std::fprintf(f, "kind,start_ns,end_ns,stream,correlation,graph_node,name\n");
   std::lock_guard<std::mutex> lock(g_mu);
   for (const Row& r : g_rows) {
     std::string n = r.name;
     for (char& c : n)
       if (c == ',' || c == '"' || c == '\n') c = ';';
-    std::fprintf(f, "%c,%llu,%llu,%u,%u,%llu,%s,%s\n", r.kind, static_cast<unsigned long long>(r.start),
+    std::fprintf(f, "%c,%llu,%llu,%u,%u,%llu,%s\n", r.kind, static_cast<unsigned long long>(r.start),
                  static_cast<unsigned long long>(r.end), r.stream, r.corr, static_cast<unsigned long long>(r.node),
-                 n.c_str(), r.grid.c_str());
+                 n.c_str());
   }
   std::fclose(f);
   std::fprintf(stderr, "cupti_trace: %zu activities written to %s\n", g_rows.size(), out);

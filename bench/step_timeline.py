@@ -28,9 +28,6 @@ import re
 import statistics
 
 
-GRID = {}  # correlation id -> the kernel's launch shape (cupti_trace.cpp's grid column)
-
-
 def short(name):
     name = name.replace("(anonymous namespace)::", "")
     name = re.sub(r"\(.*$", "", name)
@@ -57,7 +54,6 @@ def load(path):
             continue
         acts.append((int(r["start_ns"]), int(r["end_ns"]), int(r["stream"]),
                      short(r["name"]) if r["kind"] == "K" else r["name"], int(r["correlation"])))
-        GRID[int(r["correlation"])] = r.get("grid") or ""  # traces before the grid column have none
     launches = [(s, e, c) for s, e, n, c in runtime if n.startswith("cudaGraphLaunch") and lo <= s <= hi]
     acts.sort()
     return acts, launches
@@ -188,9 +184,9 @@ def main():
               + (" ..." if len(inside) > 8 else ""))
     if args.csv:
         with open(args.csv, "w") as f:
-            f.write("start_us,end_us,stream,name,grid\n")
+            f.write("start_us,end_us,stream,name\n")
             for s, e, stream, n, c in sorted(st):
-                f.write(f"{(s - s0) / 1e3:.3f},{(e - s0) / 1e3:.3f},{stream},{n},{GRID.get(c, '')}\n")
+                f.write(f"{(s - s0) / 1e3:.3f},{(e - s0) / 1e3:.3f},{stream},{n}\n")
 
 
 if __name__ == "__main__":
