@@ -606,21 +606,6 @@ TEST(CudaRunner, SharedExpertLaneIsBitIdentical) {
   option_vs_plain("ml4-tiny", "the shared expert on its lane", off, on, ran);
 }
 
-// The grouped MoE's rows laid out by the fused router's last block (CudaRunnerOptions::
-// fused_permute) against the permute launch: the same integers, so the same bits
-// (CudaMoe.RouterPermuteIsMoePermute checks the layout alone).
-TEST(CudaRunner, FusedPermuteIsBitIdentical) {
-  ML4_REQUIRE_GPU();
-  auto off = [](CudaRunnerOptions& o) { o.fused_permute = false; };
-  auto on = [](CudaRunnerOptions& o) { o.fused_permute = true; };
-  auto ran = [](const CudaRunner& r, bool on) {
-    if (on) EXPECT_GT(r.fused_permutes(), 0) << "the router's layout was never taken";
-    else EXPECT_EQ(r.fused_permutes(), 0) << "the router's layout was taken with the option off";
-  };
-  option_vs_plain("mistral4-tiny", "the rows laid out by the router", off, on, ran);
-  option_vs_plain("ml4-tiny", "the rows laid out by the router", off, on, ran);
-}
-
 // DSpark verification steps (every token a logits row, several tokens per sequence) take the
 // decode buckets (power-of-two token counts, the GEMV path): graphed and replayed, within the
 // decode graphs' bound of the eager runner, and a replay equal to the first graphed run.

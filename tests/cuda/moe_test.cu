@@ -195,59 +195,6 @@ TEST(CudaMoe, FusedRouterMatchesCpu) {
   EXPECT_EQ(router_route(bad).code(), StatusCode::kInvalidArgument);
 }
 
-// The grouped path's rows laid out by the router's last block (RouterRouteParams::offsets,
-// CudaRunnerOptions::fused_permute) against moe_permute over the same ids: the same integers,
-// offsets [E + 1], rows and inverse [T K], active experts [1 + count], for fresh random rows at
-// each shape FusedRouterMatchesCpu routes (E 16 / 128 / 256, K 4 / 8, T 1 / 3 / 8).
-TEST(CudaMoe, RouterPermuteIsMoePermute) {
-  ML4_REQUIRE_GPU();
-  const int shapes[][2] = {{128, 4}, {256, 8}, {16, 4}};
-  uint32_t seed = 700;
-  const int64_t D = 7168;
-  for (const auto& sh : shapes) {
-    const int E = sh[0], K = sh[1];
-    const MoeConfig cfg = route_config(E, K, 1, 1, RouterScoring::kSoftmax);
-    auto dg = to_device(randn(E * D, seed++, 0.02f));
-    auto counter = poisoned<uint8_t>(router_route_counter_bytes());
-    ML4_ASSERT_OK(counter.fill_bytes(0));
-    for (const int64_t T : {int64_t{1}, int64_t{3}, int64_t{8}}) {
-      const int64_t n = T * K;
-      auto dx = to_device(randn(T * D, seed++));
-      auto dl = poisoned<float>(T * E);
-      auto di = poisoned<int32_t>(n);
-      auto dw = poisoned<float>(n);
-      auto off = poisoned<int32_t>(E + 1), perm = poisoned<int32_t>(n), inv = poisoned<int32_t>(n),
-           act = poisoned<int32_t>(E + 1);
-      auto off2 = poisoned<int32_t>(E + 1), perm2 = poisoned<int32_t>(n), inv2 = poisoned<int32_t>(n),
-           act2 = poisoned<int32_t>(E + 1);
-      RouterRouteParams p;
-      p.x = dx.as<float>();
-      p.D = D;
-      p.gate = dg.as<float>();
-      p.counter = counter.as<unsigned>();
-      p.route = {dl.as<float>(), T, cfg, nullptr, di.as<int32_t>(), dw.as<float>(), nullptr};
-      p.offsets = off.as<int32_t>();
-      p.perm_token = perm.as<int32_t>();
-      p.inv = inv.as<int32_t>();
-      p.active = act.as<int32_t>();
-      ML4_ASSERT_OK(router_route(p));
-      ML4_ASSERT_OK(moe_permute({di.as<int32_t>(), T, K, E, off2.as<int32_t>(), perm2.as<int32_t>(), inv2.as<int32_t>(),
-                                 nullptr, act2.as<int32_t>()}));
-      sync();
-      const auto a0 = to_host<int32_t>(act2, E + 1);
-      const int64_t na = 1 + a0[0];
-      EXPECT_EQ(to_host<int32_t>(off, E + 1), to_host<int32_t>(off2, E + 1)) << "E=" << E << " T=" << T;
-      EXPECT_EQ(to_host<int32_t>(perm, n), to_host<int32_t>(perm2, n)) << "E=" << E << " T=" << T;
-      EXPECT_EQ(to_host<int32_t>(inv, n), to_host<int32_t>(inv2, n)) << "E=" << E << " T=" << T;
-      const auto a1 = to_host<int32_t>(act, E + 1);
-      EXPECT_EQ(std::vector<int32_t>(a1.begin(), a1.begin() + na), std::vector<int32_t>(a0.begin(), a0.begin() + na))
-          << "E=" << E << " T=" << T;
-      std::printf("router permute E=%d K=%d T=%ld: %ld active experts, layout equal to moe_permute's\n", E, K,
-                  static_cast<long>(T), static_cast<long>(a0[0]));
-    }
-  }
-}
-
 // The FFN norm inside the router's launch (RouterRouteParams::norm_w, issue 19) against
 // rms_norm with a residual and then router_route: the normalized rows, the updated residual,
 // the logits and the routing are the same bits (the kernel repeats rms_norm_vec_kernel's

@@ -34,48 +34,6 @@ __global__ void route_kernel(RouteArgs a) {
 // 8 warps x (3E + G) floats.
 constexpr int kRouterThreads = 256, kRouterMaxT = 8, kRouterVec = 8;  // float4s a thread: D <= 8192
 
-// moe_permute's outputs written by the router's last block (RouterRouteParams::offsets ...).
-struct PermuteOut {
-  int32_t* offsets = nullptr;  // null: none
-  int32_t* perm_token = nullptr;
-  int32_t* inv = nullptr;
-  int32_t* active = nullptr;
-};
-
-// permute_kernel's layout of the n <= blockDim.x picks in ids (shared memory), each entry by
-// its own thread and counted directly instead of scanned: offsets[e] = #picks below e; pick i
-// goes to row offsets[ids[i]] + #{j < i: ids[j] == ids[i]}; the active experts ascending, each
-// placed by its first pick (first[], shared memory) at #{first picks below it}. The same
-// integers as permute_kernel. Called by the whole block.
-__device__ void permute_picks(const int32_t* ids, int32_t* first, int n, int E, int K, const PermuteOut& o) {
-  const int tid = threadIdx.x;
-  if (tid < n) {
-    bool f = true;
-    for (int j = 0; j < tid; ++j) f = f && ids[j] != ids[tid];
-    first[tid] = f;
-  }
-  __syncthreads();
-  for (int e = tid; e <= E; e += blockDim.x) {
-    int c = 0;
-    for (int j = 0; j < n; ++j) c += ids[j] < e;
-    o.offsets[e] = c;
-  }
-  if (tid < n) {
-    const int e = ids[tid];
-    int below = 0, before = 0, distinct_below = 0, distinct = 0;
-    for (int j = 0; j < n; ++j) {
-      below += ids[j] < e;
-      before += j < tid && ids[j] == e;
-      distinct_below += first[j] && ids[j] < e;
-      distinct += first[j];
-    }
-    o.perm_token[below + before] = tid / K;
-    o.inv[tid] = below + before;
-    if (o.active && first[tid]) o.active[1 + distinct_below] = e;
-    if (o.active && tid == 0) o.active[0] = distinct;
-  }
-}
-
 // With norm.w (RouterRouteParams's norm): x is first made from the attention output and the
 // residual, as rms_norm_vec_kernel does it with the same 256-thread partition and block sum (so
 // the same bits): every block norms every token's row in its registers and writes 1/E of `a`;
@@ -90,14 +48,13 @@ struct RouterNorm {
 
 __global__ void __launch_bounds__(kRouterThreads)
     router_route_kernel(const float* __restrict__ x, int64_t D, const float* __restrict__ gate, float* logits,
-                        unsigned* counter, bool vec, RouteArgs a, RouterNorm norm, PermuteOut perm) {
+                        unsigned* counter, bool vec, RouteArgs a, RouterNorm norm) {
   pdl_wait();
   pdl_launch_dependents();
   extern __shared__ float sm[];
   __shared__ float part[kRouterThreads / 32][kRouterMaxT];
   __shared__ double red[32];
   __shared__ int last;
-  __shared__ int32_t picks[kRouterMaxT * kMaxTopK], first[kRouterMaxT * kMaxTopK];
   const int e = blockIdx.x, lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   const int T = static_cast<int>(a.T);
   const float* g = gate + static_cast<int64_t>(e) * D;
@@ -192,18 +149,11 @@ __global__ void __launch_bounds__(kRouterThreads)
       }
     }
   }
-  if (w < T) {
-    float* sl = sm + w * (3 * a.E + a.G);
-    for (int i = lane; i < a.E; i += 32) sl[i] = __ldcg(logits + w * a.E + i);
-    __syncwarp();
-    route_row(a, w, sl, sl + a.E);
-  }
-  if (!perm.offsets) return;
-  __syncthreads();  // the ids route_row wrote (global, this block's) are visible to the block
-  const int n = T * a.K;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) picks[i] = a.ids[i];
-  __syncthreads();
-  permute_picks(picks, first, n, a.E, a.K, perm);
+  if (w >= T) return;
+  float* sl = sm + w * (3 * a.E + a.G);
+  for (int i = lane; i < a.E; i += 32) sl[i] = __ldcg(logits + w * a.E + i);
+  __syncwarp();
+  route_row(a, w, sl, sl + a.E);
 }
 
 // One block: thread e counts expert e's rows, a serial scan gives offsets, then thread e
@@ -359,13 +309,8 @@ Status router_route(const RouterRouteParams& p) {
       return unimplemented("router_route: the fused norm needs D % 4 == 0, D <= 8192 and distinct 16-byte rows");
     norm = {p.attn, p.residual, p.norm_w, p.eps, const_cast<float*>(p.x)};
   }
-  PermuteOut perm;
-  if (p.offsets) {
-    if (!p.perm_token || !p.inv) return invalid_argument("router_route: the permutation needs offsets, perm_token and inv");
-    perm = {p.offsets, p.perm_token, p.inv, p.active};
-  }
   launch_kernel(router_route_kernel, static_cast<unsigned>(E), kRouterThreads, smem, r.stream, p.x, p.D, p.gate,
-                const_cast<float*>(r.logits), p.counter, vec, a, norm, perm);
+                const_cast<float*>(r.logits), p.counter, vec, a, norm);
   return cuda_status(cudaGetLastError(), "router_route_kernel");
 }
 
@@ -577,7 +522,7 @@ Status mlp_forward_gemv(const DeviceMlp& m, const float* x, int64_t M, float* ou
 
 Status moe_experts_forward_grouped(const MoeExpertTables& tb, const DeviceMlp* shared, const float* x, int64_t T,
                                    const int32_t* ids, const float* weights, int K, float* out, MoeScratch& s,
-                                   cudaStream_t stream, int x_parts, MoeSharedPart part, bool permuted) {
+                                   cudaStream_t stream, int x_parts, MoeSharedPart part) {
   if (T == 0) return ok_status();
   const int64_t n = T * K, D = tb.D, I = tb.I;
   if (n > s.max_rows) return out_of_range("moe grouped: {} expert rows, scratch holds {}", n, s.max_rows);
@@ -599,7 +544,7 @@ Status moe_experts_forward_grouped(const MoeExpertTables& tb, const DeviceMlp* s
                               .with_context("shared expert"));
     }
   }
-  if (!shared_only && !permuted)
+  if (!shared_only)
     ML4_RETURN_IF_ERROR(moe_permute({ids, T, K, tb.E, s.offsets.as<int32_t>(), s.perm_token.as<int32_t>(),
                                      s.inv.as<int32_t>(), stream, s.active.as<int32_t>()}));
   // The slots each launch serves: the routed experts (max_active, read from s.active on the

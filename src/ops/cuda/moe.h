@@ -56,14 +56,6 @@ struct RouterRouteParams {
   float* residual = nullptr;
   const float* norm_w = nullptr;
   float eps = 0.0f;
-  // moe_permute's outputs for the routed ids (MoePermuteParams' fields, the same integers),
-  // written by the same launch's last block when offsets is set: the grouped decode path's
-  // permute launch fewer (moe_experts_forward_grouped's `permuted`; CudaRunnerOptions::
-  // fused_permute).
-  int32_t* offsets = nullptr;
-  int32_t* perm_token = nullptr;
-  int32_t* inv = nullptr;
-  int32_t* active = nullptr;
 };
 bool router_route_supported(const MoeConfig& cfg, int64_t T);  // T <= 8, E <= 256, K <= 32
 bool router_route_norm_supported(const RouterRouteParams& p);  // D % 4 == 0, D <= 8192, aligned, distinct rows
@@ -167,16 +159,13 @@ Status mlp_forward_gemv(const DeviceMlp& m, const float* x, int64_t M, float* ou
 // unused; no permute, so it may run beside the router), kRoutedOnly the rest, its combine
 // waiting for `shared_ready` (an event recorded after the kSharedOnly call, or null when the
 // same stream ran it). The same launches and per-slot arithmetic as kWhole, so the same bits.
-// permuted: s.offsets, s.perm_token, s.inv and s.active already hold ids' permutation (the
-// router wrote them: RouterRouteParams::offsets); no permute launch.
 struct MoeSharedPart {
   enum Mode { kWhole, kSharedOnly, kRoutedOnly } mode = kWhole;
   cudaEvent_t shared_ready = nullptr;
 };
 Status moe_experts_forward_grouped(const MoeExpertTables& tb, const DeviceMlp* shared, const float* x, int64_t T,
                                    const int32_t* ids, const float* weights, int K, float* out, MoeScratch& s,
-                                   cudaStream_t stream, int x_parts = 0, MoeSharedPart part = {},
-                                   bool permuted = false);
+                                   cudaStream_t stream, int x_parts = 0, MoeSharedPart part = {});
 
 // Prefill-shaped MoE with FP8 block experts (issue 18): the same function as
 // moe_experts_forward -- x quantized per 1x128 group (once per token, not per expert row),

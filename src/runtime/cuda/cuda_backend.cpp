@@ -1144,26 +1144,10 @@ RouterRouteParams CudaBackend::router_params(LinearRef gate, const float* x, con
   return p;
 }
 
-// A fused router's launch also lays out moe_permute's rows for the grouped decode path
-// (CudaBackendOptions::fused_permute), when the MoE scratch holds them; moe_experts then skips
-// its permute for these ids (permuted_ids_), unless moe_route rewrote them in between.
-void CudaBackend::router_permute(RouterRouteParams* p) {
-  permuted_ids_ = nullptr;
-  MoeScratch& s = buf_->moe;
-  if (!opts_.fused_permute || s.offsets.empty() || s.max_rows < step_T_ * cfg_.moe.num_experts_per_tok) return;
-  p->offsets = s.offsets.as<int32_t>();
-  p->perm_token = s.perm_token.as<int32_t>();
-  p->inv = s.inv.as<int32_t>();
-  p->active = s.active.as<int32_t>();
-  permuted_ids_ = p->route.ids;
-}
-
 Status CudaBackend::moe_router(LinearRef gate, const float* x, const float* bias, float* logits, int32_t* ids,
                                float* weights) {
   if (!router_fused(gate)) return Backend::moe_router(gate, x, bias, logits, ids, weights);
-  RouterRouteParams p = router_params(gate, x, bias, logits, ids, weights);
-  router_permute(&p);
-  return router_route(p).with_context("router");
+  return router_route(router_params(gate, x, bias, logits, ids, weights)).with_context("router");
 }
 
 // The shared expert on the low lane (CudaBackendOptions::shared_expert_lane): the grouped
@@ -1216,7 +1200,6 @@ Status CudaBackend::norm_moe_router(const NormArgs& n, MoeRef moe, LinearRef gat
   if (opts_.fused_ffn_norm && router_fused(gate) && n.residual != nullptr && n.x_stride == 0 && n.rows == step_T_ &&
       n.dim == linears_[gate.id].K) {
     RouterRouteParams p = router_params(gate, n.y, bias, logits, ids, weights);
-    router_permute(&p);
     p.attn = n.x;
     p.residual = n.residual;
     p.norm_w = n.w;
@@ -1231,7 +1214,6 @@ Status CudaBackend::norm_moe_router(const NormArgs& n, MoeRef moe, LinearRef gat
 }
 
 Status CudaBackend::moe_route(const MoeRouteArgs& a) {
-  permuted_ids_ = nullptr;  // new ids: the grouped path permutes them itself
   MoeRouteParams rp{a.logits, step_T_, cfg_.moe, a.bias, a.ids, a.weights, nullptr, stream_};
   if (a.forced_host == nullptr) return cuda::moe_route(rp);
   const int64_t n = step_T_ * cfg_.moe.num_experts_per_tok;
@@ -1263,9 +1245,6 @@ Status CudaBackend::moe_experts(MoeRef moe, const float* x, const int32_t* ids, 
   Buffers& b = *buf_;
   const int K = cfg_.moe.num_experts_per_tok;
   const int64_t D = cfg_.dim, T = step_T_;
-  // The router laid these ids out already (router_permute): one chunk of the grouped path.
-  const bool permuted = permuted_ids_ == ids && ids != nullptr && T <= kGroupedMoeMaxTokens;
-  permuted_ids_ = nullptr;
   if (shared_pending_ >= 0) {  // norm_moe_router started this layer's shared expert on its lane
     if (shared_pending_ != moe.id || !moe_grouped(M) || T > kGroupedMoeMaxTokens)
       return internal_error("moe experts {}: the shared expert lane ran for MoE {}", moe.id, shared_pending_);
@@ -1274,9 +1253,8 @@ Status CudaBackend::moe_experts(MoeRef moe, const float* x, const int32_t* ids, 
     MoeSharedPart part;
     part.mode = MoeSharedPart::kRoutedOnly;
     part.shared_ready = ev_low_[1];
-    fused_permutes_ += permuted;
     return moe_experts_forward_grouped(*M.tables, M.shared.get(), x, T, ids, weights, K, out, b.moe, stream_,
-                                       opts_.fp4_x_parts, part, permuted);
+                                       opts_.fp4_x_parts, part);
   }
   if (moe_gemm(M)) {
     MoeGemmOptions g;  // by name: a positional list once put one switch into another's field
@@ -1291,12 +1269,11 @@ Status CudaBackend::moe_experts(MoeRef moe, const float* x, const int32_t* ids, 
                                     lt_.get(), g);
   }
   if (moe_grouped(M)) {
-    fused_permutes_ += permuted;
     for (int64_t t0 = 0; t0 < T; t0 += kGroupedMoeMaxTokens) {
       const int64_t n = std::min<int64_t>(kGroupedMoeMaxTokens, T - t0);
       ML4_RETURN_IF_ERROR(moe_experts_forward_grouped(*M.tables, M.shared.get(), x + t0 * D, n, ids + t0 * K,
                                                       weights + t0 * K, K, out + t0 * D, b.moe, stream_,
-                                                      opts_.fp4_x_parts, {}, permuted));
+                                                      opts_.fp4_x_parts));
     }
     return ok_status();
   }

@@ -73,7 +73,6 @@ struct CudaBackendOptions {
   bool fused_router = true;       // CudaRunnerOptions::fused_router
   bool fused_ffn_norm = false;    // CudaRunnerOptions::fused_ffn_norm
   bool shared_expert_lane = true;   // CudaRunnerOptions::shared_expert_lane
-  bool fused_permute = false;       // CudaRunnerOptions::fused_permute
   int64_t shared_expert_lane_min_bytes = int64_t{16} << 20;  // CudaRunnerOptions::shared_expert_lane_min_bytes
   bool fused_indexer = true;   // CudaRunnerOptions::fused_indexer
   // Sparse MLA steps of a wave of tokens or more (prefill) on the wgmma prefill kernel
@@ -281,8 +280,6 @@ class CudaBackend : public Backend {
   void set_fused_router(bool on) { opts_.fused_router = on; }
   void set_fused_ffn_norm(bool on) { opts_.fused_ffn_norm = on; }
   void set_shared_expert_lane(bool on) { opts_.shared_expert_lane = on; }
-  void set_fused_permute(bool on) { opts_.fused_permute = on; }
-  int64_t fused_permutes() const { return fused_permutes_; }  // grouped MoE calls that took the router's layout
   void set_fp4_x_parts(int parts) { opts_.fp4_x_parts = parts; }
   void set_moe_gemm_overlap(bool on) { opts_.moe_gemm_overlap = on; }
   void set_moe_gemm_tall(bool on) { opts_.moe_gemm_tall = on; }
@@ -337,7 +334,6 @@ class CudaBackend : public Backend {
   RopeRows rope_rows(const RopeArgs& r) const;  // the same rotation for a fused kernel (rope_rows.h)
   const int32_t* selection_counts(int selection) const;
   bool moe_grouped(const Moe& m) const;
-  void router_permute(RouterRouteParams* p);  // fused_permute: the router lays out the rows too
   bool shared_lane(MoeRef moe) const;  // norm_moe_router starts moe's shared expert on the low lane
   Status fork_low();                   // the low lane waits for what stream_ has issued
   Status join_low();                   // stream_ waits for the low lane, if it has work open
@@ -429,9 +425,6 @@ class CudaBackend : public Backend {
   cudaEvent_t ev_low_[2] = {nullptr, nullptr};
   bool low_open_ = false;
   int shared_pending_ = -1;
-  // The ids whose rows the last router launch laid out in buf_->moe (fused_permute), or null.
-  const int32_t* permuted_ids_ = nullptr;
-  int64_t fused_permutes_ = 0;
   int64_t shared_lane_runs_ = 0;
   int64_t weight_bytes_ = 0, kv_bytes_ = 0, routed_expert_bytes_ = 0;
   double requant_seconds_ = 0.0;

@@ -157,12 +157,6 @@ struct CudaRunnerOptions {
   // (SHAREDLANE lines; docs/BENCHMARKS.md "Twenty-second session").
   bool shared_expert_lane = true;
   int64_t shared_expert_lane_min_bytes = int64_t{16} << 20;
-  // The fused decode router's last block also lays out the grouped MoE's rows (moe_permute's
-  // offsets, rows, inverse and active experts; moe.h RouterRouteParams::offsets), one launch
-  // and one dependent hop fewer a MoE layer. The same integers (CudaMoe.RouterPermuteIsMoePermute),
-  // so the same bits (CudaRunner.FusedPermuteIsBitIdentical). Off until those pass on a device
-  // and the FUSEDPERMUTE lines show a gain (written 2026-12-07, twenty-second session).
-  bool fused_permute = false;
   // Issue 19's indexer fusions: the key half (LayerNorm, RoPE, Hadamard + FP8 into its cache)
   // as one kernel instead of three (cache_write.h indexer_key_path), and the queries' RoPE
   // inside their Hadamard + FP8 (indexer.h IndexerQueryQuantParams::rope) instead of two. On
@@ -263,12 +257,6 @@ class CudaRunner : public ModelRunner {
   void set_fused_router(bool on) {
     opts_.fused_router = on;
     backend_->set_fused_router(on);
-    graphs_.clear();
-    draft_graphs_.clear();
-  }
-  void set_fused_permute(bool on) {
-    opts_.fused_permute = on;
-    backend_->set_fused_permute(on);
     graphs_.clear();
     draft_graphs_.clear();
   }
@@ -382,7 +370,6 @@ class CudaRunner : public ModelRunner {
   int64_t overlapped_layers() const { return backend_->overlapped_layers(); }
   int64_t fused_ffn_norms() const { return backend_->fused_ffn_norms(); }
   int64_t shared_lane_runs() const { return backend_->shared_lane_runs(); }
-  int64_t fused_permutes() const { return backend_->fused_permutes(); }
   size_t graphs_captured() const { return graphs_.size(); }
   int64_t kv_bytes() const { return backend_->kv_bytes(); }
   // The sticky fault record the runner's kernels write and every step checks (tests inject a

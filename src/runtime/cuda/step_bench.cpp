@@ -372,8 +372,6 @@ int run_step_bench(const StepBenchOptions& opt) {
     fusion_ab("FUSEDFFNNORM", [&](bool on) { r.set_fused_ffn_norm(on); }, CudaRunnerOptions{}.fused_ffn_norm);
     // The shared expert on its own lane beside the router (CudaRunnerOptions::shared_expert_lane).
     fusion_ab("SHAREDLANE", [&](bool on) { r.set_shared_expert_lane(on); }, CudaRunnerOptions{}.shared_expert_lane);
-    // The grouped MoE's rows laid out by the router's launch (CudaRunnerOptions::fused_permute).
-    fusion_ab("FUSEDPERMUTE", [&](bool on) { r.set_fused_permute(on); }, CudaRunnerOptions{}.fused_permute);
     // The indexer fusions (CudaRunnerOptions::fused_indexer) vs the separate launches.
     fusion_ab("FUSEDINDEXER", [&](bool on) { r.set_fused_indexer(on); }, CudaRunnerOptions{}.fused_indexer);
     if (!opt.extras) return 0;
