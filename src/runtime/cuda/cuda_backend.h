@@ -417,10 +417,10 @@ class CudaBackend : public Backend {
   int64_t overlapped_layers_ = 0;
   int64_t fused_ffn_norms_ = 0;
   // The low lane: a stream at the least priority for work that only fills what the main chain
-  // leaves (shared_expert_lane's shared experts); the events of
-  // its fork from stream_ [0] and of its end [1]; whether it has work stream_ has not joined
-  // (join_low: the next fork, the MoE's combine, or the segment's end); the MoE whose shared
-  // expert it runs (-1: none), for that MoE's moe_experts.
+  // leaves (shared_expert_lane's shared experts); the events of its fork from stream_ [0] and of
+  // its end [1]; whether it has work stream_ has not joined (join_low: the next fork, the MoE's
+  // combine, or the segment's end); the MoE whose shared expert it runs (-1: none), for that
+  // MoE's moe_experts.
   cudaStream_t low_stream_ = nullptr;
   cudaEvent_t ev_low_[2] = {nullptr, nullptr};
   bool low_open_ = false;

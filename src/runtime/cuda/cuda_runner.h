@@ -138,11 +138,12 @@ struct CudaRunnerOptions {
   bool fused_router = true;
   // The FFN norm of a MoE layer (residual += attention output, RMSNorm) inside the fused
   // router's launch (issue 19, moe.h RouterRouteParams::norm_w; Backend::norm_moe_router):
-  // one launch and one serial row kernel fewer a MoE layer, meant to give the same bits
-  // (CudaMoe.FusedRouterNormIsTheNormThenTheRouter, CudaRunner.FusedFfnNormIsBitIdentical).
-  // Only where fused_router applies. Off until those tests pass on a device (written
-  // 2026-12-07, nineteenth session, when no device could be started; the step bench's
-  // FUSEDFFNNORM lines measure it against the separate norm either way).
+  // one launch and one serial row kernel fewer a MoE layer, the same bits
+  // (CudaMoe.FusedRouterNormIsTheNormThenTheRouter, CudaRunner.FusedFfnNormIsBitIdentical passed
+  // on an H100, twenty-first session). Only where fused_router applies, and not where
+  // shared_expert_lane is taken (its lane forks between the norm and the router). Off: the
+  // FUSEDFFNNORM lines measured 0.997-1.006 before the lane (twenty-first session); since the
+  // lane is on they compare equal paths on ml4-slice-4.
   bool fused_ffn_norm = false;
   // The shared expert of a MoE layer on its own stream, started right after the FFN norm, so
   // that its weights stream while the router, its top-k and the permute run (issue 19; moe.h
