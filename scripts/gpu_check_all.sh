@@ -80,10 +80,10 @@ stamp() { echo "==== [$(( $(date +%s) - t0 )) s] $*"; }
 sections=" ${SECTIONS:-tests decode moegemm spec specstep hisparse perplexity pd all} "
 on() { [[ "$sections" == *" $1 "* ]]; }
 
-# The suites of the kernels the last session changed (twenty-second: the shared expert's lane),
+# The suites of the kernels the last session changed (twenty-second: the shared expert's lane, PDL),
 # first. A suite that faults can be left out of the whole run with ML4_GTEST_EXCLUDE=Suite.* so
 # that it does not take the rest with it.
-new=${FILTER_NEW:-CudaMoe.SharedExpertSplit*:CudaRunner.SharedExpertLane*:CudaRunner.Fused*:CudaRunner.DecodeGraphsMatchEager}
+new=${FILTER_NEW:-CudaMoe.SharedExpertSplit*:CudaRunner.SharedExpertLane*:CudaRunner.ProgrammaticLaunch*:CudaRunner.Fused*:CudaRunner.DecodeGraphsMatchEager}
 on tests && stamp "1a. new GPU tests: $new" && timeout 240 "$carry/bin/ml4_cuda_tests" --gtest_filter="$new" --gtest_color=no > "$out/new_tests.log" 2>&1
 on tests && grep -E "^\[  (FAILED|PASSED|SKIPPED) |^\[       OK|rel|Failure" "$out/new_tests.log" | tail -40
 

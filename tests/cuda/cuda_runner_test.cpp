@@ -473,7 +473,7 @@ TEST(CudaRunner, DecodeGraphsMatchEager) {
 // bits), over a prefill of mixed lengths and decode steps (graph replays included).
 template <typename Off, typename On>
 void option_vs_plain(const std::string& preset, const char* what, Off off, On on,
-                     const std::function<void(const CudaRunner&, bool on)>& check = nullptr) {
+                     const std::function<void(const CudaRunner&, bool on)>& check = nullptr, int seqs = 3) {
   const std::string dir = ::ml4::testing::test_model(preset, 11, "bf16");
   CudaRunnerOptions o;
   o.base.kv_cache_dtype = "fp8_ds_mla";
@@ -493,7 +493,7 @@ void option_vs_plain(const std::string& preset, const char* what, Off off, On on
   ASSERT_TRUE(pdl_eager.ok()) << pdl_eager.status().message();
   std::mt19937 rng(21);
   std::uniform_int_distribution<int> tok(1, (*plain)->config().vocab_size - 1);
-  const int kSeqs = 3;
+  const int kSeqs = seqs;
   std::vector<int64_t> pos(kSeqs);
   StepInput in;
   for (int s = 0; s < kSeqs; ++s) {
@@ -542,10 +542,17 @@ void option_vs_plain(const std::string& preset, const char* what, Off off, On on
 // step's data.
 TEST(CudaRunner, ProgrammaticLaunchIsBitIdentical) {
   ML4_REQUIRE_GPU();
-  auto off = [](CudaRunnerOptions& o) { o.programmatic_launch = false; };
+  auto off = [](CudaRunnerOptions& o) {
+    o.programmatic_launch = false;
+    o.programmatic_launch_tokens = 0;
+  };
   auto on = [](CudaRunnerOptions& o) { o.programmatic_launch = true; };
   option_vs_plain("mistral4-tiny", "programmatic launch", off, on);
   option_vs_plain("ml4-tiny", "programmatic launch", off, on);
+  // The default: single-token decode steps with it, every other step without (graphs of both
+  // kinds in one runner), against none: one sequence decoding after its prefill.
+  auto single = [](CudaRunnerOptions& o) { o.programmatic_launch = false; };
+  option_vs_plain("ml4-tiny", "programmatic launch on single-token steps", off, single, nullptr, 1);
 }
 
 // The fused indexer paths (issue 19): the key half in one kernel (cache_write.h

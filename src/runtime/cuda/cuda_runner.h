@@ -128,8 +128,13 @@ struct CudaRunnerOptions {
   // on the same inputs, so the results are bit-identical either way
   // (CudaRunner.ProgrammaticLaunchIsBitIdentical passed on the H200, 2026-12-05). Off: the
   // ml4-slice-4 decode step gained 1% at batch 1 and 8 and lost 8% at batch 64 (step bench PDL
-  // lines, docs/BENCHMARKS.md).
+  // lines, docs/BENCHMARKS.md). programmatic_launch_tokens: decode steps of at most that many
+  // tokens (their graph bucket) take it anyway: since the twenty-second session's stream
+  // priorities and shared expert lane, batch 1 gains 1.2% with it (graph 1.736 -> 1.715 ms,
+  // H100) while batch 2 is even and batch 4 loses 3.6% (ML4_PDL lines, docs/BENCHMARKS.md);
+  // CudaRunner.ProgrammaticLaunchIsBitIdentical checks both. 0: never.
   bool programmatic_launch = false;
+  int64_t programmatic_launch_tokens = 1;
   // The decode router fused (issue 19, ops/cuda/moe.h router_route): for steps of at most 8
   // tokens without forced experts, the router's f32 GEMV and the top-k routing in one launch
   // instead of cuBLAS's f32 GEMV (two kernels) and the route kernel. On since its GEMV loads
@@ -238,6 +243,11 @@ class CudaRunner : public ModelRunner {
   // which hold one schedule or the other.
   void set_programmatic_launch(bool on) {
     opts_.programmatic_launch = on;
+    graphs_.clear();
+    draft_graphs_.clear();
+  }
+  void set_programmatic_launch_tokens(int64_t n) {
+    opts_.programmatic_launch_tokens = n;
     graphs_.clear();
     draft_graphs_.clear();
   }

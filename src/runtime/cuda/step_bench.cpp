@@ -172,6 +172,10 @@ int run_step_bench(const StepBenchOptions& opt) {
   // on its lane or not (CudaRunnerOptions::shared_expert_lane; the A/B lines set their own).
   if (const char* v = std::getenv("ML4_SHARED_EXPERT_LANE"); v && (v[0] == '0' || v[0] == '1'))
     o.shared_expert_lane = v[0] == '1';
+  // ML4_PDL=1 / 0: every line with programmatic dependent launch, or none (CudaRunnerOptions::
+  // programmatic_launch, programmatic_launch_tokens).
+  if (const char* v = std::getenv("ML4_PDL"); v && v[0] == '1') o.programmatic_launch = true;
+  if (const char* v = std::getenv("ML4_PDL"); v && v[0] == '0') o.programmatic_launch_tokens = 0;
   const auto t0 = Clock::now();
   auto rr = CudaRunner::load_synthetic(cfg, o, 1234);
   if (!rr.ok()) {
@@ -370,6 +374,10 @@ int run_step_bench(const StepBenchOptions& opt) {
     fusion_ab("FUSEDROUTER", [&](bool on) { r.set_fused_router(on); }, CudaRunnerOptions{}.fused_router);
     // The FFN norm inside the fused router's launch (CudaRunnerOptions::fused_ffn_norm).
     fusion_ab("FUSEDFFNNORM", [&](bool on) { r.set_fused_ffn_norm(on); }, CudaRunnerOptions{}.fused_ffn_norm);
+    // Programmatic dependent launch on single-token decode steps (CudaRunnerOptions::
+    // programmatic_launch_tokens 1 against 0; the batch 4 and 8 lines compare equal paths).
+    fusion_ab("PDL1", [&](bool on) { r.set_programmatic_launch_tokens(on ? 1 : 0); },
+              CudaRunnerOptions{}.programmatic_launch_tokens > 0);
     // The shared expert on its own lane beside the router (CudaRunnerOptions::shared_expert_lane).
     fusion_ab("SHAREDLANE", [&](bool on) { r.set_shared_expert_lane(on); }, CudaRunnerOptions{}.shared_expert_lane);
     // The indexer fusions (CudaRunnerOptions::fused_indexer) vs the separate launches.
@@ -386,10 +394,12 @@ int run_step_bench(const StepBenchOptions& opt) {
                   e / g);
       for (int batch : {1, 8, 64}) {  // programmatic dependent launch (pdl.cuh) on vs off, graphs on
         const StepInput pin = decode_step(r, batch, fixed_ctx, blocks_per_seq);
+        r.set_programmatic_launch_tokens(0);
         const double off = time_step(r, pin, 3, 20);
         r.set_programmatic_launch(true);
         const double on = time_step(r, pin, 3, 20);
-        r.set_programmatic_launch(false);
+        r.set_programmatic_launch(o.programmatic_launch);
+        r.set_programmatic_launch_tokens(o.programmatic_launch_tokens);
         std::printf("PDL model=%s batch=%d ctx=%ld pdl_ms=%.3f plain_ms=%.3f gain=%.2f\n",
                     preset.c_str(), batch, static_cast<long>(fixed_ctx), on,
                     off, off / on);
