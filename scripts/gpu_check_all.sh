@@ -125,7 +125,7 @@ if on step; then
   stamp "D1. decode step"
   timeout 150 "$carry/bin/ml4" bench step --preset ml4-slice-4 --batch 1,2,4,8 --ctx 8192 --no-extras \
     > "$out/step.log" 2>&1; echo "rc=$?"
-  grep -E "^STEP |^STEPSPLIT|^FUSED|^SHAREDLANE|rror" "$out/step.log" | cut -c1-200
+  grep -E "^STEP |^STEPSPLIT|^FUSED|^PDL1|^SHAREDLANE|rror" "$out/step.log" | cut -c1-200
 fi
 
 if on decode || on timeline; then

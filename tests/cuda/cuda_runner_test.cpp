@@ -547,12 +547,17 @@ TEST(CudaRunner, ProgrammaticLaunchIsBitIdentical) {
     o.programmatic_launch_tokens = 0;
   };
   auto on = [](CudaRunnerOptions& o) { o.programmatic_launch = true; };
-  option_vs_plain("mistral4-tiny", "programmatic launch", off, on);
-  option_vs_plain("ml4-tiny", "programmatic launch", off, on);
+  // The comparison means something only if steps ran with it (and none without it).
+  auto ran = [](const CudaRunner& r, bool on) {
+    if (on) EXPECT_GT(r.programmatic_steps(), 0) << "no step ran with programmatic launch";
+    else EXPECT_EQ(r.programmatic_steps(), 0) << "a step ran with programmatic launch with it off";
+  };
+  option_vs_plain("mistral4-tiny", "programmatic launch", off, on, ran);
+  option_vs_plain("ml4-tiny", "programmatic launch", off, on, ran);
   // The default: single-token decode steps with it, every other step without (graphs of both
   // kinds in one runner), against none: one sequence decoding after its prefill.
   auto single = [](CudaRunnerOptions& o) { o.programmatic_launch = false; };
-  option_vs_plain("ml4-tiny", "programmatic launch on single-token steps", off, single, nullptr, 1);
+  option_vs_plain("ml4-tiny", "programmatic launch on single-token steps", off, single, ran, 1);
 }
 
 // The fused indexer paths (issue 19): the key half in one kernel (cache_write.h

@@ -91,7 +91,7 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const ModelConfig& cfg,
   ML4_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least, &greatest));
   int side_priority = greatest, main_priority = std::min(greatest + 1, least);  // lower is served first
   if (const char* v = std::getenv("ML4_STREAM_PRIORITY"); v && v[0] == '0') least = side_priority = main_priority = 0;
-  if (const char* v = std::getenv("ML4_STREAM_PRIORITY"); v && v[0] == '1') main_priority = side_priority;
+  else if (v && v[0] == '1') main_priority = side_priority;
   ML4_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&b->stream_, cudaStreamNonBlocking, main_priority));
   if (cfg.has_dsa() && opts.overlap_indexer) {
     for (cudaStream_t& st : b->side_streams_)

@@ -241,7 +241,9 @@ Result<StepOutput> CudaRunner::execute_step(const StepInput& in, ForwardTrace* t
   int64_t Tp = decode ? round_up_pow2(T, 1) : (T + 63) / 64 * 64;
   const int64_t bucket_T = Tp;
   // Programmatic dependent launch for every step, or for decode steps of a small bucket.
-  cuda::set_programmatic_launch(opts_.programmatic_launch || (decode && Tp <= opts_.programmatic_launch_tokens));
+  const bool pdl = opts_.programmatic_launch || (decode && Tp <= opts_.programmatic_launch_tokens);
+  cuda::set_programmatic_launch(pdl);
+  programmatic_steps_ += pdl;
   // HiSparse steps run eagerly: each sparse layer diffs its selection on the host.
   const bool graph = opts_.cuda_graphs && trace == nullptr && hisparse_ == nullptr && T > 0 && Tp <= opts_.max_graph_tokens;
   int64_t Rp = R, Sp = S;

@@ -381,6 +381,8 @@ class CudaRunner : public ModelRunner {
   int64_t overlapped_layers() const { return backend_->overlapped_layers(); }
   int64_t fused_ffn_norms() const { return backend_->fused_ffn_norms(); }
   int64_t shared_lane_runs() const { return backend_->shared_lane_runs(); }
+  // Steps run with programmatic dependent launch (programmatic_launch, programmatic_launch_tokens).
+  int64_t programmatic_steps() const { return programmatic_steps_; }
   size_t graphs_captured() const { return graphs_.size(); }
   int64_t kv_bytes() const { return backend_->kv_bytes(); }
   // The sticky fault record the runner's kernels write and every step checks (tests inject a
@@ -439,6 +441,7 @@ class CudaRunner : public ModelRunner {
   std::map<GraphKey, std::vector<GraphExec>> graphs_;
   std::optional<GraphKey> last_graph_;  // the last step's graph when it had one (replay_last_graph_ms)
   int64_t graph_replays_ = 0;
+  int64_t programmatic_steps_ = 0;  // steps run with programmatic dependent launch
   // Greedy DSpark draft steps: (sequences, block-table stride) -> the draft's graph segments.
   std::map<std::pair<int64_t, int64_t>, std::vector<GraphExec>> draft_graphs_;
   int64_t draft_replays_ = 0;

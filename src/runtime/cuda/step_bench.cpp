@@ -175,7 +175,7 @@ int run_step_bench(const StepBenchOptions& opt) {
   // ML4_PDL=1 / 0: every line with programmatic dependent launch, or none (CudaRunnerOptions::
   // programmatic_launch, programmatic_launch_tokens).
   if (const char* v = std::getenv("ML4_PDL"); v && v[0] == '1') o.programmatic_launch = true;
-  if (const char* v = std::getenv("ML4_PDL"); v && v[0] == '0') o.programmatic_launch_tokens = 0;
+  else if (v && v[0] == '0') o.programmatic_launch_tokens = 0;
   const auto t0 = Clock::now();
   auto rr = CudaRunner::load_synthetic(cfg, o, 1234);
   if (!rr.ok()) {
