@@ -80,10 +80,10 @@ stamp() { echo "==== [$(( $(date +%s) - t0 )) s] $*"; }
 sections=" ${SECTIONS:-tests decode moegemm spec specstep hisparse perplexity pd all} "
 on() { [[ "$sections" == *" $1 "* ]]; }
 
-# The suites of the kernels the last session changed (twenty-second: the shared expert's lane, PDL),
+# The suites of the kernels the last session changed (twenty-third: the lanes' bulk priority, the step's metadata through mapped memory),
 # first. A suite that faults can be left out of the whole run with ML4_GTEST_EXCLUDE=Suite.* so
 # that it does not take the rest with it.
-new=${FILTER_NEW:-CudaMoe.SharedExpertSplit*:CudaRunner.SharedExpertLane*:CudaRunner.ProgrammaticLaunch*:CudaRunner.Fused*:CudaRunner.DecodeGraphsMatchEager}
+new=${FILTER_NEW:-CudaRunner.LaneBulkPriority*:CudaRunner.MappedStepIo*:CudaRunner.ProgrammaticLaunch*:CudaRunner.SharedExpertLane*:CudaRunner.DecodeGraphsMatchEager}
 on tests && stamp "1a. new GPU tests: $new" && timeout 240 "$carry/bin/ml4_cuda_tests" --gtest_filter="$new" --gtest_color=no > "$out/new_tests.log" 2>&1
 on tests && grep -E "^\[  (FAILED|PASSED|SKIPPED) |^\[       OK|rel|Failure" "$out/new_tests.log" | tail -40
 
@@ -125,7 +125,7 @@ if on step; then
   stamp "D1. decode step"
   timeout 150 "$carry/bin/ml4" bench step --preset ml4-slice-4 --batch 1,2,4,8 --ctx 8192 --no-extras \
     > "$out/step.log" 2>&1; echo "rc=$?"
-  grep -E "^STEP |^STEPSPLIT|^FUSED|^PDL1|^SHAREDLANE|rror" "$out/step.log" | cut -c1-200
+  grep -E "^STEP |^STEPSPLIT|^HOSTSPLIT|^FUSED|^PDL1|^SHAREDLANE|^LANEBULK|^MAPPEDIO|rror" "$out/step.log" | cut -c1-200
 fi
 
 if on decode || on timeline; then

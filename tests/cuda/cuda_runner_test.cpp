@@ -618,6 +618,36 @@ TEST(CudaRunner, SharedExpertLaneIsBitIdentical) {
   option_vs_plain("ml4-tiny", "the shared expert on its lane", off, on, ran);
 }
 
+// The indexer lanes' weight GEMVs launched at the main stream's priority
+// (CudaRunnerOptions::lane_bulk_priority, issue 19): where blocks are dispatched, not what they
+// compute, so the same bits, graphed and eager. The tiny models' GEMVs are small grids, so the
+// test takes every lane GEMV as bulk (lane_bulk_min_blocks 1) and checks that launches got the
+// attribute (stream capture must accept it, too).
+TEST(CudaRunner, LaneBulkPriorityIsBitIdentical) {
+  ML4_REQUIRE_GPU();
+  auto off = [](CudaRunnerOptions& o) { o.lane_bulk_priority = false; };
+  auto on = [](CudaRunnerOptions& o) {
+    o.lane_bulk_priority = true;
+    o.lane_bulk_min_blocks = 1;
+  };
+  auto ran = [](const CudaRunner& r, bool on) {
+    if (on) EXPECT_GT(r.lane_bulk_launches(), 0) << "no lane GEMV was launched at the main stream's priority";
+    else EXPECT_EQ(r.lane_bulk_launches(), 0) << "a lane GEMV got the main stream's priority with the option off";
+  };
+  option_vs_plain("ml4-tiny", "the lanes' bulk GEMVs at the main priority", off, on, ran);
+}
+
+// A step's metadata through mapped host memory and one copy launch (CudaRunnerOptions::
+// mapped_step_io, issue 19) against a cudaMemcpyAsync per array: the same bytes arrive, so the
+// same logits, on prefills of mixed lengths and graphed and eager decode steps.
+TEST(CudaRunner, MappedStepIoIsBitIdentical) {
+  ML4_REQUIRE_GPU();
+  auto off = [](CudaRunnerOptions& o) { o.mapped_step_io = false; };
+  auto on = [](CudaRunnerOptions& o) { o.mapped_step_io = true; };
+  option_vs_plain("mistral4-tiny", "the metadata through mapped memory", off, on);
+  option_vs_plain("ml4-tiny", "the metadata through mapped memory", off, on);
+}
+
 // DSpark verification steps (every token a logits row, several tokens per sequence) take the
 // decode buckets (power-of-two token counts, the GEMV path): graphed and replayed, within the
 // decode graphs' bound of the eager runner, and a replay equal to the first graphed run.

@@ -93,6 +93,7 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const ModelConfig& cfg,
   if (const char* v = std::getenv("ML4_STREAM_PRIORITY"); v && v[0] == '0') least = side_priority = main_priority = 0;
   else if (v && v[0] == '1') main_priority = side_priority;
   ML4_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&b->stream_, cudaStreamNonBlocking, main_priority));
+  b->main_priority_ = main_priority;
   if (cfg.has_dsa() && opts.overlap_indexer) {
     for (cudaStream_t& st : b->side_streams_)
       ML4_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&st, cudaStreamNonBlocking, side_priority));
@@ -591,7 +592,21 @@ Status CudaBackend::lin(const DeviceLinear& w, const float* x, int64_t M, float*
       float* ws = (on_lane_ >= 0 ? buf_->gemv_ws_side[on_lane_] : buf_->gemv_ws).as<float>();
       GemvParams gp{x + m0 * w.K, m, w.N, w.K, w.format, w.weight.data(), w.scale.as<float>(), y + m0 * w.N, ws, stream_};
       gp.x_parts = opts_.fp4_x_parts;  // FP4 only
-      ML4_RETURN_IF_ERROR(gemv(gp).with_context(w.name));
+      // lane_bulk_priority: on a side lane, a weight GEMV of at least two blocks an SM (idx_wq's
+      // 1,024 on ml4-slice-4) queues level with the main stream's, so that wq is not held behind
+      // it; the lane's small kernels (head weights, key path, quantization, scores, top-k) keep
+      // the lane's priority.
+      const bool bulk = opts_.lane_bulk_priority && on_lane_ >= 0;
+      if (bulk)
+        cuda::set_bulk_launch_priority(opts_.lane_bulk_min_blocks > 0 ? opts_.lane_bulk_min_blocks : 2 * cuda::sm_count(),
+                                       main_priority_);
+      const int64_t launches = bulk ? cuda::bulk_priority_launches() : 0;
+      const Status st = gemv(gp);
+      if (bulk) {
+        cuda::set_bulk_launch_priority(0, 0);
+        lane_bulk_launches_ += cuda::bulk_priority_launches() - launches;
+      }
+      ML4_RETURN_IF_ERROR(st.with_context(w.name));
     }
     return ok_status();
   }

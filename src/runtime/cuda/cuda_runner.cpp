@@ -3,13 +3,16 @@
 #include "runtime/cuda/cuda_runner.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 
 #include "core/log.h"
 #include "kv/paged_kv_cache.h"
 #include "model/checkpoint.h"
 #include "model/config_loader.h"
+#include "ops/cuda/host_copy.h"
 #include "ops/cuda/sampling.h"
 #include "runtime/cuda/synthetic_weights.h"
 #if defined(ML4_WITH_NCCL)
@@ -71,6 +74,8 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::create(const ModelConfig& cfg, c
   bo.fused_ffn_norm = opts.fused_ffn_norm;
   bo.shared_expert_lane = opts.shared_expert_lane;
   bo.shared_expert_lane_min_bytes = opts.shared_expert_lane_min_bytes;
+  bo.lane_bulk_priority = opts.lane_bulk_priority;
+  bo.lane_bulk_min_blocks = opts.lane_bulk_min_blocks;
   bo.fused_indexer = opts.fused_indexer;
   bo.absorb_gemm_min_tokens = opts.absorb_gemm_min_tokens;
   bo.fp4_weights = opts.fp4_weights;
@@ -210,6 +215,9 @@ Result<DraftOutput> CudaRunner::draft(const DraftInput& in) {
 }
 
 Result<StepOutput> CudaRunner::execute_step(const StepInput& in, ForwardTrace* trace) {
+  using Clock = std::chrono::steady_clock;
+  const auto t_enter = Clock::now();
+  auto us = [](Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double, std::micro>(b - a).count(); };
   cuda::set_programmatic_launch(opts_.programmatic_launch);
   std::vector<VerifySeq> vseqs;
   std::vector<int32_t> vdrafts;
@@ -282,8 +290,26 @@ Result<StepOutput> CudaRunner::execute_step(const StepInput& in, ForwardTrace* t
     }
   }
   for (int64_t i = 0; i < R; ++i) rows[i] = static_cast<int32_t>(md.logits_rows[i]);
-  auto h2d = [&](DeviceBuffer& d, const void* src, size_t bytes) {
-    return cuda_status(cudaMemcpyAsync(d.data(), src, bytes, cudaMemcpyHostToDevice, stream), "step metadata");
+  // mapped_step_io: the arrays into pinned, device-mapped host memory and one launch moving
+  // them all (host_copy.h); else a cudaMemcpyAsync each from the vectors.
+  const bool mapped = opts_.mapped_step_io;
+  CopySegments segs;
+  size_t staged = 0;
+  if (mapped) {
+    const size_t need = Tp * (4 + 8 + 8 + 4 + 4 + 8 + 8) + (bt.size() + ibt.size() + Rp) * 4 + 16 * kMaxCopySegments;
+    if (step_stage_.bytes() < need) {
+      step_stage_ = {};
+      ML4_ASSIGN_OR_RETURN(step_stage_, DeviceBuffer::alloc_host_mapped(std::max<size_t>(need, 64 << 10)));
+    }
+  }
+  auto h2d = [&](DeviceBuffer& d, const void* src, size_t bytes) -> Status {
+    if (!mapped) return cuda_status(cudaMemcpyAsync(d.data(), src, bytes, cudaMemcpyHostToDevice, stream), "step metadata");
+    char* at = static_cast<char*>(step_stage_.data()) + staged;
+    std::memcpy(at, src, bytes);
+    staged += (bytes + 15) / 16 * 16;
+    if (staged > step_stage_.bytes() || !segs.add(at, d.data(), static_cast<int64_t>(bytes)))
+      return internal_error("step metadata: {} bytes in {} segments do not fit the stage", staged, segs.n);
+    return ok_status();
   };
   ML4_RETURN_IF_ERROR(h2d(b.tok, tok.data(), Tp * 4));
   ML4_RETURN_IF_ERROR(h2d(b.pos, pos.data(), Tp * 8));
@@ -297,6 +323,7 @@ Result<StepOutput> CudaRunner::execute_step(const StepInput& in, ForwardTrace* t
   }
   if (Rp > 0) ML4_RETURN_IF_ERROR(h2d(b.row_idx, rows.data(), Rp * 4));
   if (drafter_group >= 0) ML4_RETURN_IF_ERROR(h2d(b.drafter_slots, dslots.data(), Tp * 8));
+  if (mapped) ML4_RETURN_IF_ERROR(copy_segments(segs, stream));
   step_T_ = Tp;
   step_R_ = Rp;
   // Part of the graph's key: it changes the launch sequence (model_forward.cpp's final norm).
@@ -304,6 +331,7 @@ Result<StepOutput> CudaRunner::execute_step(const StepInput& in, ForwardTrace* t
   step_maxlen_ = maxlen;
   step_bucket_T_ = bucket_T;
   last_graph_.reset();  // this step's metadata now fills the buffers: only its own graph may replay it
+  const auto t_issue = Clock::now();
   if (graph) {
     const GraphKey key{Tp, Rp, maxlen, maxb, step_rows_are_tokens_};
     auto it = graphs_.find(key);
@@ -339,6 +367,7 @@ Result<StepOutput> CudaRunner::execute_step(const StepInput& in, ForwardTrace* t
     ML4_RETURN_IF_ERROR(
         run_forward(CudaBackend::Mode::kEager, nullptr, trace != nullptr || hisparse_ != nullptr ? &md : nullptr, trace));
   }
+  const auto t_issued = Clock::now();
   StepOutput out;
   // Device sampling (sampling.h): when every sequence asking for logits asked for it, draw
   // the R tokens on the GPU and copy back 8 bytes per row instead of R x V logits. A sequence
@@ -404,7 +433,14 @@ Result<StepOutput> CudaRunner::execute_step(const StepInput& in, ForwardTrace* t
         cudaMemcpyAsync(out.sampled.data(), b.samp_tokens.data(), R * 4, cudaMemcpyDeviceToHost, stream));
     ML4_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(out.sampled_logprob.data(), b.samp_logprobs.data(), R * 4, cudaMemcpyDeviceToHost, stream));
+    const auto t_wait = Clock::now();
     ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));  // params (host vector) and outputs
+    const auto t_done = Clock::now();
+    host_split_.prep_us += us(t_enter, t_issue);
+    host_split_.launch_us += us(t_issue, t_issued);
+    host_split_.tail_us += us(t_issued, t_wait);
+    host_split_.wait_us += us(t_wait, t_done);
+    ++host_split_.steps;
   } else if (R > 0) {
     const int64_t V = cfg_.vocab_size;
     ML4_ASSIGN_OR_RETURN(const float* logits, download_floats(b.logits.data(), static_cast<size_t>(R * V), stream));

@@ -163,6 +163,19 @@ struct CudaRunnerOptions {
   // (SHAREDLANE lines; docs/BENCHMARKS.md "Twenty-second session").
   bool shared_expert_lane = true;
   int64_t shared_expert_lane_min_bytes = int64_t{16} << 20;
+  // The indexer lanes' bulk weight GEMVs (grids of at least two blocks an SM) launched at the
+  // main stream's priority instead of their lane's (cudaLaunchAttributePriority; CudaBackend::
+  // side): the lanes sit above the main stream so the DSA chain's small kernels go first, but
+  // idx_wq's 1,024 blocks then also go ahead of wq's (~10 us a layer late in the twenty-second
+  // session's trace). The same launches, so the same bits. Measured by the LANEBULK lines.
+  bool lane_bulk_priority = false;
+  // A step's metadata (token ids, positions, slots, block tables, logits rows) written into
+  // pinned, device-mapped host memory and moved into the device buffers by one kernel launch
+  // (ops/cuda/host_copy.h) instead of ten-odd cudaMemcpyAsync calls from pageable vectors, each a
+  // driver call on the host and a copy on the card in series before the forward (issue 19: the
+  // step's time outside its graph). The same bytes arrive. Measured by the MAPPEDIO lines.
+  bool mapped_step_io = true;
+  int lane_bulk_min_blocks = 0;  // the bulk grids' least block count (0: two an SM; the tests 1)
   // Issue 19's indexer fusions: the key half (LayerNorm, RoPE, Hadamard + FP8 into its cache)
   // as one kernel instead of three (cache_write.h indexer_key_path), and the queries' RoPE
   // inside their Hadamard + FP8 (indexer.h IndexerQueryQuantParams::rope) instead of two. On
@@ -268,6 +281,13 @@ class CudaRunner : public ModelRunner {
   void set_fused_router(bool on) {
     opts_.fused_router = on;
     backend_->set_fused_router(on);
+    graphs_.clear();
+    draft_graphs_.clear();
+  }
+  void set_mapped_step_io(bool on) { opts_.mapped_step_io = on; }
+  void set_lane_bulk_priority(bool on) {
+    opts_.lane_bulk_priority = on;
+    backend_->set_lane_bulk_priority(on);
     graphs_.clear();
     draft_graphs_.clear();
   }
@@ -383,6 +403,18 @@ class CudaRunner : public ModelRunner {
   int64_t shared_lane_runs() const { return backend_->shared_lane_runs(); }
   // Steps run with programmatic dependent launch (programmatic_launch, programmatic_launch_tokens).
   int64_t programmatic_steps() const { return programmatic_steps_; }
+  int64_t lane_bulk_launches() const { return backend_->lane_bulk_launches(); }  // lane_bulk_priority's launches
+  // The host's time in execute_step's parts, summed over the device-sampled steps since the
+  // last reset (issue 19: where a step's time outside its graph goes; the step bench's HOSTSPLIT
+  // lines): prep (metadata built and copied, until the forward is issued), launch (the forward
+  // issued: the graph launch and the layer program's walk in replay), tail (sampling and the
+  // read-back issued), wait (until the stream is done).
+  struct HostSplit {
+    double prep_us = 0, launch_us = 0, tail_us = 0, wait_us = 0;
+    int64_t steps = 0;
+  };
+  const HostSplit& host_split() const { return host_split_; }
+  void reset_host_split() { host_split_ = {}; }
   size_t graphs_captured() const { return graphs_.size(); }
   int64_t kv_bytes() const { return backend_->kv_bytes(); }
   // The sticky fault record the runner's kernels write and every step checks (tests inject a
@@ -442,12 +474,14 @@ class CudaRunner : public ModelRunner {
   std::optional<GraphKey> last_graph_;  // the last step's graph when it had one (replay_last_graph_ms)
   int64_t graph_replays_ = 0;
   int64_t programmatic_steps_ = 0;  // steps run with programmatic dependent launch
+  HostSplit host_split_;
   // Greedy DSpark draft steps: (sequences, block-table stride) -> the draft's graph segments.
   std::map<std::pair<int64_t, int64_t>, std::vector<GraphExec>> draft_graphs_;
   int64_t draft_replays_ = 0;
   bool draft_graphs_ok_ = true;  // false after a failed capture: drafts run eagerly
   FaultWord fault_;              // kernels' sticky fault record (ops/cuda/fault.h), checked around each step
   DeviceBuffer host_stage_;      // pinned host memory: logits rows and draft distributions (download_floats)
+  DeviceBuffer step_stage_;      // pinned, device-mapped: a step's metadata (mapped_step_io)
   std::vector<float> large_download_;  // download_floats past the pinned size, until the next call
   // Device verification: per kept sequence its slot of (block - 1) q rows in verify_q_ and the
   // drafts they belong to; free slots; the verifier's inputs and outputs.

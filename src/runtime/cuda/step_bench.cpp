@@ -289,7 +289,9 @@ int run_step_bench(const StepBenchOptions& opt) {
     // read-back and the host's turn-around, during which the card is idle.
     for (int batch : opt.batches) {
       StepInput in = decode_step(r, batch, fixed_ctx, blocks_per_seq);
+      r.reset_host_split();
       const double step = time_step(r, in, 3, 20);
+      const CudaRunner::HostSplit hs = r.host_split();
       auto graph = r.replay_last_graph_ms(20);
       if (!graph.ok()) {
         std::fprintf(stderr, "STEPSPLIT: %s\n", graph.status().message().c_str());
@@ -302,6 +304,14 @@ int run_step_bench(const StepBenchOptions& opt) {
                   "roofline_ms=%.3f graph_ratio=%.2f\n",
                   preset.c_str(), batch, static_cast<long>(fixed_ctx), step, greedy, *graph, step - *graph, roof,
                   *graph / roof);
+      // The host's side of the same steps (means over the 23, in us; CudaRunner::HostSplit).
+      if (hs.steps > 0) {
+        const double n = static_cast<double>(hs.steps);
+        std::printf("HOSTSPLIT model=%s batch=%d prep_us=%.1f launch_us=%.1f tail_us=%.1f wait_us=%.1f sum_us=%.1f "
+                    "step_us=%.1f\n",
+                    preset.c_str(), batch, hs.prep_us / n, hs.launch_us / n, hs.tail_us / n, hs.wait_us / n,
+                    (hs.prep_us + hs.launch_us + hs.tail_us + hs.wait_us) / n, step * 1e3);
+      }
     }
     if (o.fp4_weights) {  // FP4 experts on the tensor cores: x in 1, 2 or 3 bf16 parts (gemv.h)
       for (int batch : {1, 8, 64}) {
@@ -380,6 +390,10 @@ int run_step_bench(const StepBenchOptions& opt) {
               CudaRunnerOptions{}.programmatic_launch_tokens > 0);
     // The shared expert on its own lane beside the router (CudaRunnerOptions::shared_expert_lane).
     fusion_ab("SHAREDLANE", [&](bool on) { r.set_shared_expert_lane(on); }, CudaRunnerOptions{}.shared_expert_lane);
+    // The step's metadata through mapped host memory in one launch (CudaRunnerOptions::mapped_step_io).
+    fusion_ab("MAPPEDIO", [&](bool on) { r.set_mapped_step_io(on); }, CudaRunnerOptions{}.mapped_step_io);
+    // The indexer lanes' bulk GEMVs at the main stream's priority (CudaRunnerOptions::lane_bulk_priority).
+    fusion_ab("LANEBULK", [&](bool on) { r.set_lane_bulk_priority(on); }, CudaRunnerOptions{}.lane_bulk_priority);
     // The indexer fusions (CudaRunnerOptions::fused_indexer) vs the separate launches.
     fusion_ab("FUSEDINDEXER", [&](bool on) { r.set_fused_indexer(on); }, CudaRunnerOptions{}.fused_indexer);
     if (!opt.extras) return 0;
