@@ -56,7 +56,35 @@ def load(path):
                      short(r["name"]) if r["kind"] == "K" else r["name"], int(r["correlation"])))
     launches = [(s, e, c) for s, e, n, c in runtime if n.startswith("cudaGraphLaunch") and lo <= s <= hi]
     acts.sort()
-    return acts, launches
+    calls = [(s, e, n, c) for s, e, n, c in runtime if lo <= s <= hi]
+    return acts, launches, calls
+
+
+def between_steps(acts, launches, calls, top):
+    """What happens between two graphed steps: the host's runtime calls from one cudaGraphLaunch
+    to the next (offsets from the first launch's start and durations, us, host clock), and the
+    GPU's activities outside the graphs from one graph's last activity to the next one's first
+    (offsets from that end, GPU clock): the sampling, the read-back, the metadata upload."""
+    if len(launches) < 3:
+        return
+    graph_corr = {c for _, _, c in launches}
+    by_corr = collections.defaultdict(list)
+    for a in acts:
+        by_corr[a[4]].append(a)
+    i = len(launches) // 2
+    (l0, _, c0), (l1, _, c1) = launches[i], launches[i + 1]
+    print(f"\nbetween graph launches {i} and {i + 1}: host calls (us from launch {i}'s start; duration):")
+    for s, e, n, c in calls:
+        if l0 <= s <= l1:
+            print(f"  {(s - l0) / 1e3:8.1f} {(e - s) / 1e3:7.1f}  {n[:60]}")
+    if not by_corr.get(c0) or not by_corr.get(c1):
+        return
+    g_end = max(a[1] for a in by_corr[c0])
+    g_next = min(a[0] for a in by_corr[c1])
+    print(f"GPU between graph {i}'s end and graph {i + 1}'s start ({(g_next - g_end) / 1e3:.1f} us; us from the end; duration):")
+    for s, e, st, n, c in acts:
+        if c not in graph_corr and g_end <= s <= g_next:
+            print(f"  {(s - g_end) / 1e3:8.1f} {(e - s) / 1e3:7.1f}  {n[:60]}")
 
 
 def steps_of(acts, launches):
@@ -98,7 +126,7 @@ def main():
     ap.add_argument("--weights", default=r"gemv|gemm|Gemm|xmma|ffn_resident|absorb|apply_uv",
                     help="regex of the kernels that stream weights (reductions excluded)")
     args = ap.parse_args()
-    acts, launches = load(args.trace)
+    acts, launches, calls = load(args.trace)
     if not acts:  # say what the file holds instead of failing on an empty step
         import csv
         kinds = collections.defaultdict(list)
@@ -182,6 +210,7 @@ def main():
         inside = [n for s, e, _, n, _ in st if s < b and e > a]
         print(f"  {d / 1e3:7.2f} us at {(a - s0) / 1e3:7.1f}: {', '.join(x[:28] for x in inside[:8])}"
               + (" ..." if len(inside) > 8 else ""))
+    between_steps(acts, launches, calls, args.top)
     if args.csv:
         with open(args.csv, "w") as f:
             f.write("start_us,end_us,stream,name\n")

@@ -142,7 +142,7 @@ if on decode || on timeline; then
     echo "timeline batch=$b rc=$?"
     grep -E "TRACESTEP|rror" "$out/timeline_b$b.log"
     python3 "$root/bench/step_timeline.py" "$out/cupti_b$b.csv" --top 30 --csv "$out/step_b$b.csv" \
-      > "$out/step_timeline_b$b.txt" 2>&1 && head -16 "$out/step_timeline_b$b.txt"
+      > "$out/step_timeline_b$b.txt" 2>&1 && head -16 "$out/step_timeline_b$b.txt" && sed -n '/^between graph/,$p' "$out/step_timeline_b$b.txt" | head -60
     xz -T4 -f "$out/cupti_b$b.csv"  # every activity of the process: large, kept packed
   done
 fi

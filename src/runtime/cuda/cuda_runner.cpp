@@ -423,19 +423,31 @@ Result<StepOutput> CudaRunner::execute_step(const StepInput& in, ForwardTrace* t
       ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(b.samp_mask.data(), mask.data(), R * words * 4, cudaMemcpyHostToDevice, stream));
       ML4_RETURN_IF_ERROR(apply_token_bitmask(b.logits.as<float>(), R, cfg_.vocab_size, b.samp_mask.as<uint32_t>(), stream));
     }
+    // mapped_step_io: the sampler writes the tokens and logprobs straight into mapped host
+    // memory (no read-back copies after it); else into device buffers, then two copies.
+    if (mapped && sampled_out_.bytes() < static_cast<size_t>(R) * 8) {
+      sampled_out_ = {};
+      ML4_ASSIGN_OR_RETURN(sampled_out_, DeviceBuffer::alloc_host_mapped(std::max<int64_t>(R * 8, 4096)));
+    }
+    int32_t* tokens_at = mapped ? sampled_out_.as<int32_t>() : b.samp_tokens.as<int32_t>();
+    float* logprobs_at = mapped ? reinterpret_cast<float*>(sampled_out_.as<int32_t>() + R) : b.samp_logprobs.as<float>();
     ML4_RETURN_IF_ERROR(sample_rows(b.logits.as<float>(), R, cfg_.vocab_size,
-                                    static_cast<const DeviceSamplingParams*>(b.samp_params.data()),
-                                    b.samp_tokens.as<int32_t>(), b.samp_logprobs.as<float>(), b.samp_ws.data(),
-                                    b.samp_ws.bytes(), stream));
+                                    static_cast<const DeviceSamplingParams*>(b.samp_params.data()), tokens_at,
+                                    logprobs_at, b.samp_ws.data(), b.samp_ws.bytes(), stream));
     out.sampled.resize(R);
     out.sampled_logprob.resize(R);
-    ML4_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(out.sampled.data(), b.samp_tokens.data(), R * 4, cudaMemcpyDeviceToHost, stream));
-    ML4_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(out.sampled_logprob.data(), b.samp_logprobs.data(), R * 4, cudaMemcpyDeviceToHost, stream));
+    if (!mapped) {
+      ML4_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out.sampled.data(), tokens_at, R * 4, cudaMemcpyDeviceToHost, stream));
+      ML4_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(out.sampled_logprob.data(), logprobs_at, R * 4, cudaMemcpyDeviceToHost, stream));
+    }
     const auto t_wait = Clock::now();
     ML4_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));  // params (host vector) and outputs
     const auto t_done = Clock::now();
+    if (mapped) {
+      std::memcpy(out.sampled.data(), tokens_at, R * 4);
+      std::memcpy(out.sampled_logprob.data(), logprobs_at, R * 4);
+    }
     host_split_.prep_us += us(t_enter, t_issue);
     host_split_.launch_us += us(t_issue, t_issued);
     host_split_.tail_us += us(t_issued, t_wait);

@@ -173,7 +173,9 @@ struct CudaRunnerOptions {
   // pinned, device-mapped host memory and moved into the device buffers by one kernel launch
   // (ops/cuda/host_copy.h) instead of ten-odd cudaMemcpyAsync calls from pageable vectors, each a
   // driver call on the host and a copy on the card in series before the forward (issue 19: the
-  // step's time outside its graph). The same bytes arrive. Measured by the MAPPEDIO lines.
+  // step's time outside its graph); and the sampler writing its tokens and logprobs straight
+  // into mapped host memory instead of two read-back copies after it. The same bytes arrive.
+  // Measured by the MAPPEDIO lines.
   bool mapped_step_io = true;
   int lane_bulk_min_blocks = 0;  // the bulk grids' least block count (0: two an SM; the tests 1)
   // Issue 19's indexer fusions: the key half (LayerNorm, RoPE, Hadamard + FP8 into its cache)
@@ -482,6 +484,7 @@ class CudaRunner : public ModelRunner {
   FaultWord fault_;              // kernels' sticky fault record (ops/cuda/fault.h), checked around each step
   DeviceBuffer host_stage_;      // pinned host memory: logits rows and draft distributions (download_floats)
   DeviceBuffer step_stage_;      // pinned, device-mapped: a step's metadata (mapped_step_io)
+  DeviceBuffer sampled_out_;     // pinned, device-mapped: a step's sampled tokens, then logprobs (mapped_step_io)
   std::vector<float> large_download_;  // download_floats past the pinned size, until the next call
   // Device verification: per kept sequence its slot of (block - 1) q rows in verify_q_ and the
   // drafts they belong to; free slots; the verifier's inputs and outputs.
