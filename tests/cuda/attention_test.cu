@@ -199,6 +199,48 @@ TEST(CudaMlaAttention, SparseMatchesCpuReference) {
       // Runs 1 and 3 use the same (automatic) split count: bit-identical.
       EXPECT_EQ(0, std::memcmp(runs[1].out.data(), runs[3].out.data(), runs[1].out.size() * 4)) << "repeat run differs";
       EXPECT_EQ(0, std::memcmp(runs[1].lse.data(), runs[3].lse.data(), runs[1].lse.size() * 4)) << "repeat run differs";
+      // q_rope read in place from rows of a wider buffer (MlaAttentionParams::q_rope_stride: the
+      // runner passes the q projection's [T, H, dn + dr] rows) gives run 1's bits.
+      {
+        const int64_t qs = sh.dr + 12;  // a multiple of 4 (16-byte rows), past dr
+        std::vector<float> wide(T * sh.H * qs, std::nanf(""));
+        for (int64_t th = 0; th < T * sh.H; ++th)
+          std::copy_n(q_rope.data() + th * sh.dr, sh.dr, wide.data() + th * qs + 8);
+        auto d_wide = to_device(wide);
+        MlaAttentionParams p;
+        p.math = math;
+        p.q_lat = d_ql.as<float>();
+        p.q_rope = d_wide.as<float>() + 8;
+        p.q_rope_stride = qs;
+        p.head_scale = d_hs.as<float>();
+        p.T = T;
+        p.H = sh.H;
+        p.r = sh.r;
+        p.dr = sh.dr;
+        p.cache = d_cache.data();
+        p.num_slots = num_slots;
+        p.dtype = sh.dtype;
+        p.indices = d_idx.as<int32_t>();
+        p.topk = topk;
+        p.index_lengths = d_len.as<int32_t>();
+        auto out = poisoned<float>(T * sh.H * sh.r), lse = poisoned<float>(T * sh.H);
+        p.out_lat = out.as<float>();
+        p.lse = lse.as<float>();
+        const size_t ws_bytes = mla_attention_workspace_bytes(p);
+        DeviceBuffer ws;
+        if (ws_bytes > 0) {
+          auto b = DeviceBuffer::alloc(ws_bytes);
+          ASSERT_TRUE(b.ok());
+          ws = std::move(b).value();
+        }
+        p.workspace = ws.data();
+        p.workspace_bytes = ws_bytes;
+        ML4_ASSERT_OK(mla_attention(p));
+        ML4_ASSERT_OK(cuda_status(cudaDeviceSynchronize(), "sync"));
+        const auto got = to_host<float>(out, T * sh.H * sh.r), got_lse = to_host<float>(lse, T * sh.H);
+        EXPECT_EQ(0, std::memcmp(got.data(), runs[1].out.data(), got.size() * 4)) << "strided q_rope differs, H=" << sh.H;
+        EXPECT_EQ(0, std::memcmp(got_lse.data(), runs[1].lse.data(), got_lse.size() * 4)) << "strided q_rope differs";
+      }
     }
   }
 }

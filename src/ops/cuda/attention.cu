@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_kernel(const Args a) {
   for (int i = tid; i < HB * D; i += kThreads) {
     const int h = i / D, v = i % D;
     const int64_t th = static_cast<int64_t>(t) * a.H + h0 + h;
-    qs[h * DP + v] = v < a.r ? a.q_lat[th * a.r + v] : a.q_rope[th * a.dr + (v - a.r)];
+    qs[h * DP + v] = v < a.r ? a.q_lat[th * a.r + v] : a.q_rope[th * a.q_rope_stride + (v - a.r)];
   }
   if (tid < HB) {
     m_s[tid] = -INFINITY;
@@ -273,7 +273,7 @@ __global__ void mla_combine_kernel(const float* __restrict__ part_out, const flo
 // bulk copies need it) and q (its float4 loads). Its split rule is choose_splits' (>= 64 keys per split).
 bool use_decode_kernel(const MlaAttentionParams& p, int row_bytes) {
   return p.decode_kernel && p.math == MlaMath::kBf16TensorCore && p.indices && p.dtype == KvCacheDtype::kFp8DsMla &&
-         aligned16(p.cache) && aligned16(p.q_lat) && aligned16(p.q_rope) &&
+         aligned16(p.cache) && aligned16(p.q_lat) && aligned16(p.q_rope) && p.q_rope_stride % 4 == 0 &&
          detail::mla_decode_supported(p.H, p.r, p.dr, row_bytes);
 }
 
@@ -285,7 +285,7 @@ bool use_prefill_kernel(const MlaAttentionParams& p, int row_bytes) {
         detail::mla_prefill_supported(p.r, p.dr, row_bytes)))
     return false;
   if (reinterpret_cast<uintptr_t>(p.cache) % 16 != 0 || reinterpret_cast<uintptr_t>(p.q_lat) % 16 != 0 ||
-      reinterpret_cast<uintptr_t>(p.q_rope) % 16 != 0)
+      reinterpret_cast<uintptr_t>(p.q_rope) % 16 != 0 || p.q_rope_stride % 4 != 0)
     return false;
   const int64_t blocks = p.T * ((p.H + kMlaHeadsPerBlock - 1) / kMlaHeadsPerBlock);
   const int64_t need = p.prefill_min_blocks > 0 ? p.prefill_min_blocks : std::max(1, sm_count());
@@ -358,6 +358,8 @@ Status mla_attention(const MlaAttentionParams& p) {
     return invalid_argument("mla_attention: dr = {} (even, <= 64, r + dr a multiple of 4)", p.dr);
   if (p.T == 0) return ok_status();
   if (p.T > 0x7fffffff || p.H > 65535 * kMlaHeadsPerBlock) return invalid_argument("mla_attention: T or H too large");
+  if (p.q_rope_stride < 0 || (p.q_rope_stride > 0 && p.q_rope_stride < p.dr))
+    return invalid_argument("mla_attention: q_rope_stride {} below dr {}", p.q_rope_stride, p.dr);
   if (!p.q_lat || (p.dr > 0 && !p.q_rope) || !p.head_scale || !p.cache || !p.out_lat || !p.lse)
     return invalid_argument("mla_attention: null pointer");
   if (p.num_slots <= 0) return invalid_argument("mla_attention: empty cache");
@@ -396,6 +398,7 @@ Status mla_attention(const MlaAttentionParams& p) {
   Args a{};
   a.q_lat = p.q_lat;
   a.q_rope = p.q_rope;
+  a.q_rope_stride = p.q_rope_stride > 0 ? p.q_rope_stride : p.dr;
   a.head_scale = p.head_scale;
   a.T = static_cast<int>(p.T);
   a.H = p.H;

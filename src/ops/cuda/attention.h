@@ -51,7 +51,8 @@ enum class MlaMath { kF32, kBf16TensorCore };
 
 struct MlaAttentionParams {
   const float* q_lat = nullptr;       // [T, H, r] f32
-  const float* q_rope = nullptr;      // [T, H, dr] f32
+  const float* q_rope = nullptr;      // [T, H, q_rope_stride] f32, dr used of each row
+  int64_t q_rope_stride = 0;          // floats between (t, h) rows of q_rope; 0: dr (multiple of 4)
   const float* head_scale = nullptr;  // [T, H] softmax scale per token and head (SSMax etc.)
   int64_t T = 0;
   int H = 64;

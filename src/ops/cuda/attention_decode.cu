@@ -334,7 +334,7 @@ __global__ void __launch_bounds__(kThreadsOf<WS>, 1) mla_decode_kernel(const Arg
         if (i < n4) {
           const int h = i / kQ4, v = 4 * (i % kQ4);
           const int64_t th = static_cast<int64_t>(t) * a.H + h0 + h;
-          q4[b] = *reinterpret_cast<const float4*>(v < kR ? a.q_lat + th * kR + v : a.q_rope + th * kDr + (v - kR));
+          q4[b] = *reinterpret_cast<const float4*>(v < kR ? a.q_lat + th * kR + v : a.q_rope + th * a.q_rope_stride + (v - kR));
         }
       }
 #pragma unroll

@@ -16,6 +16,7 @@ namespace ml4::cuda::detail {
 struct Args {
   const float* q_lat;
   const float* q_rope;
+  int64_t q_rope_stride;  // floats between (t, h) rows
   const float* head_scale;
   int T, H, r, dr;
   const uint8_t* cache;

@@ -277,7 +277,7 @@ __device__ __forceinline__ void load_q(const Args& a, int t, int h0, int HB, uin
     const int h = i / (kD / 8), c = i % (kD / 8);
     const int64_t th = static_cast<int64_t>(t) * a.H + h0 + h;
     if (h >= HB) return nullptr;
-    if (c >= kR / 8) return a.q_rope + th * kDr + 8 * (c - kR / 8);
+    if (c >= kR / 8) return a.q_rope + th * a.q_rope_stride + 8 * (c - kR / 8);
     return a.lat_bf16 ? static_cast<const void*>(reinterpret_cast<const __nv_bfloat16*>(a.q_lat) + th * kR + 8 * c)
                       : static_cast<const void*>(a.q_lat + th * kR + 8 * c);
   };

@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_tc_kernel(const Args a) {
     float x0 = 0.f, x1 = 0.f;
     if (h < HB) {
       const int64_t th = static_cast<int64_t>(t) * a.H + h0 + h;
-      const float* src = v < a.r ? a.q_lat + th * a.r + v : a.q_rope + th * a.dr + (v - a.r);
+      const float* src = v < a.r ? a.q_lat + th * a.r + v : a.q_rope + th * a.q_rope_stride + (v - a.r);
       x0 = src[0];
       x1 = src[1];
     }

@@ -53,25 +53,6 @@ std::atomic<bool> g_programmatic_launch{false};
 void set_programmatic_launch(bool on) { g_programmatic_launch.store(on, std::memory_order_relaxed); }
 bool programmatic_launch() { return g_programmatic_launch.load(std::memory_order_relaxed); }
 
-namespace {
-thread_local int t_bulk_min_blocks = 0, t_bulk_priority = 0;
-std::atomic<int64_t> g_bulk_launches{0};
-}  // namespace
-
-void set_bulk_launch_priority(int min_blocks, int priority) {
-  t_bulk_min_blocks = min_blocks;
-  t_bulk_priority = priority;
-}
-
-bool bulk_launch_priority(int64_t blocks, int* priority) {
-  if (t_bulk_min_blocks <= 0 || blocks < t_bulk_min_blocks) return false;
-  *priority = t_bulk_priority;
-  g_bulk_launches.fetch_add(1, std::memory_order_relaxed);
-  return true;
-}
-
-int64_t bulk_priority_launches() { return g_bulk_launches.load(std::memory_order_relaxed); }
-
 int sm_count() {
   static int cached = -1;
   if (cached < 0) {

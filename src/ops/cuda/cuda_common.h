@@ -39,17 +39,6 @@ inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 1
 void set_programmatic_launch(bool on);
 bool programmatic_launch();
 
-// Launch priority for bulk grids (pdl.cuh launch_kernel), per host thread: while set, a kernel
-// of at least `min_blocks` blocks is launched at `priority` (cudaLaunchAttributePriority; stream
-// capture keeps it on the kernel node) instead of its stream's. CudaBackend::side sets it so a
-// side lane's weight GEMVs queue level with the main stream while the lane's small kernels keep
-// the lane's priority (CudaBackendOptions::lane_bulk_priority). min_blocks 0: off.
-void set_bulk_launch_priority(int min_blocks, int priority);
-// The priority for a grid of `blocks` blocks, or false to launch at the stream's.
-bool bulk_launch_priority(int64_t blocks, int* priority);
-// Launches given a priority so (process-wide count; the tests check the option took effect).
-int64_t bulk_priority_launches();
-
 // Owns one cudaMalloc'd allocation; moves, never copies.
 class DeviceBuffer {
  public:

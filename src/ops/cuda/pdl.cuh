@@ -35,28 +35,19 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
-// `kernel<<<grid, block, smem, stream>>>(args...)`, with the PDL attribute when the switch is on
-// and a launch priority where bulk_launch_priority() gives one (cuda_common.h).
+// `kernel<<<grid, block, smem, stream>>>(args...)`, with the PDL attribute when the switch is on.
 template <typename... P, typename... A>
 cudaError_t launch_kernel(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, A&&... args) {
-  cudaLaunchAttribute attr[2];
-  unsigned n = 0;
-  if (programmatic_launch()) {
-    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[n++].val.programmaticStreamSerializationAllowed = 1;
-  }
-  int priority = 0;
-  if (bulk_launch_priority(static_cast<int64_t>(grid.x) * grid.y * grid.z, &priority)) {
-    attr[n].id = cudaLaunchAttributePriority;
-    attr[n++].val.priority = priority;
-  }
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cfg.attrs = attr;
-  cfg.numAttrs = n;
+  cfg.numAttrs = programmatic_launch() ? 1 : 0;
   return cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...);
 }
 

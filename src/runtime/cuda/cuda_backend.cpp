@@ -66,7 +66,7 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const ModelConfig& cfg,
   if (const char* v = std::getenv("ML4_INDEXER_WGMMA"); v && (v[0] == '0' || v[0] == '1')) b->opts_.indexer_wgmma = v[0] == '1';
   if (const char* v = std::getenv("ML4_RESIDENT_BLOCKS"); v && std::atoi(v) == 3) b->opts_.resident_blocks_per_sm = 3;
   {  // The GEMV's choices (gemv.h GemvStreamConfig, process-wide), for A/B runs of whole steps:
-     // ML4_GEMV_MAX_M, ML4_GEMV_GROUPED_MAX_ROWS, ML4_GEMV_CONV, ML4_GEMV_ROWS.
+     // ML4_GEMV_MAX_M, ML4_GEMV_GROUPED_MAX_ROWS, ML4_GEMV_CONV, ML4_GEMV_ROWS, ML4_GEMV_TC_MIN_MB.
     GemvStreamConfig c = gemv_stream_config();
     auto env_int = [](const char* name, int* v) {
       if (const char* s = std::getenv(name); s && *s) *v = std::atoi(s);
@@ -75,6 +75,9 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const ModelConfig& cfg,
     env_int("ML4_GEMV_GROUPED_MAX_ROWS", &c.grouped_max_rows);
     env_int("ML4_GEMV_CONV", &c.conv);
     env_int("ML4_GEMV_ROWS", &c.rows);
+    int tc_min_mb = 0;
+    env_int("ML4_GEMV_TC_MIN_MB", &tc_min_mb);
+    c.tc_min_bytes = int64_t{tc_min_mb} << 20;
     gemv_set_stream_config(c);
   }
   b->synthetic_seed_ = synthetic_seed;
@@ -93,7 +96,6 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const ModelConfig& cfg,
   if (const char* v = std::getenv("ML4_STREAM_PRIORITY"); v && v[0] == '0') least = side_priority = main_priority = 0;
   else if (v && v[0] == '1') main_priority = side_priority;
   ML4_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&b->stream_, cudaStreamNonBlocking, main_priority));
-  b->main_priority_ = main_priority;
   if (cfg.has_dsa() && opts.overlap_indexer) {
     for (cudaStream_t& st : b->side_streams_)
       ML4_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&st, cudaStreamNonBlocking, side_priority));
@@ -298,7 +300,6 @@ Status CudaBackend::ensure_buffers(int64_t T, int64_t R, int64_t S, int64_t maxb
     ML4_RETURN_IF_ERROR(f(b.ckv, n * (r + dr), 4));
     ML4_RETURN_IF_ERROR(f(b.c, n * r, 4));
     ML4_RETURN_IF_ERROR(f(b.q_lat, n * H * r, 4));
-    ML4_RETURN_IF_ERROR(f(b.q_rope, n * H * dr, 4));
     ML4_RETURN_IF_ERROR(f(b.head_scale, n * H, 4));
     ML4_RETURN_IF_ERROR(f(b.out_lat, n * H * r, 4));
     ML4_RETURN_IF_ERROR(f(b.lse, n * H, 4));
@@ -592,21 +593,7 @@ Status CudaBackend::lin(const DeviceLinear& w, const float* x, int64_t M, float*
       float* ws = (on_lane_ >= 0 ? buf_->gemv_ws_side[on_lane_] : buf_->gemv_ws).as<float>();
       GemvParams gp{x + m0 * w.K, m, w.N, w.K, w.format, w.weight.data(), w.scale.as<float>(), y + m0 * w.N, ws, stream_};
       gp.x_parts = opts_.fp4_x_parts;  // FP4 only
-      // lane_bulk_priority: on a side lane, a weight GEMV of at least two blocks an SM (idx_wq's
-      // 1,024 on ml4-slice-4) queues level with the main stream's, so that wq is not held behind
-      // it; the lane's small kernels (head weights, key path, quantization, scores, top-k) keep
-      // the lane's priority.
-      const bool bulk = opts_.lane_bulk_priority && on_lane_ >= 0;
-      if (bulk)
-        cuda::set_bulk_launch_priority(opts_.lane_bulk_min_blocks > 0 ? opts_.lane_bulk_min_blocks : 2 * cuda::sm_count(),
-                                       main_priority_);
-      const int64_t launches = bulk ? cuda::bulk_priority_launches() : 0;
-      const Status st = gemv(gp);
-      if (bulk) {
-        cuda::set_bulk_launch_priority(0, 0);
-        lane_bulk_launches_ += cuda::bulk_priority_launches() - launches;
-      }
-      ML4_RETURN_IF_ERROR(st.with_context(w.name));
+      ML4_RETURN_IF_ERROR(gemv(gp).with_context(w.name));
     }
     return ok_status();
   }
@@ -969,8 +956,9 @@ Status CudaBackend::mla_apply_uv(AbsorbRef a, const float* out_lat, float* o) {
   return cuda::mla_apply_uv(ab);
 }
 
-// The rope part of q copied contiguous for the kernel, then absorbed MLA over the pages:
-// the selection's slots, or every key of the token's sequence.
+// Absorbed MLA over the pages (the selection's slots, or every key of the token's sequence),
+// reading the rope part of q where the q projection left it (rows of qk floats; until the
+// twenty-third session a 16 KB copy made it contiguous first, one launch and ~2 us a layer).
 Status CudaBackend::mla_attention(const MlaArgs& a) {
   if (a.heads != 0 && a.heads != cfg_.n_heads)
     return unimplemented("mla_attention over {} heads (decode context parallelism) on CUDA", a.heads);
@@ -979,11 +967,10 @@ Status CudaBackend::mla_attention(const MlaArgs& a) {
   const int H = cfg_.n_heads, dn = cfg_.qk_nope_head_dim, dr = cfg_.qk_rope_head_dim;
   const int qk = dn + dr;
   const int64_t T = step_T_;
-  ML4_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(b.q_rope.data(), dr * 4, a.q + dn, qk * 4, dr * 4, T * H,
-                                             cudaMemcpyDeviceToDevice, stream_));
   MlaAttentionParams ap;
   ap.q_lat = a.q_lat;
-  ap.q_rope = b.q_rope.as<float>();
+  ap.q_rope = a.q + dn;
+  ap.q_rope_stride = qk;
   ap.head_scale = a.head_scale;
   ap.T = T;
   ap.H = H;

@@ -74,8 +74,6 @@ struct CudaBackendOptions {
   bool fused_ffn_norm = false;    // CudaRunnerOptions::fused_ffn_norm
   bool shared_expert_lane = true;   // CudaRunnerOptions::shared_expert_lane
   int64_t shared_expert_lane_min_bytes = int64_t{16} << 20;  // CudaRunnerOptions::shared_expert_lane_min_bytes
-  bool lane_bulk_priority = false;  // CudaRunnerOptions::lane_bulk_priority
-  int lane_bulk_min_blocks = 0;     // CudaRunnerOptions::lane_bulk_min_blocks
   bool fused_indexer = true;   // CudaRunnerOptions::fused_indexer
   // Sparse MLA steps of a wave of tokens or more (prefill) on the wgmma prefill kernel
   // (ops/cuda/attention_prefill.cu; MlaAttentionParams::prefill_kernel). ML4_MLA_PREFILL=0 turns
@@ -232,7 +230,7 @@ class CudaBackend : public Backend {
   struct Buffers {
     int64_t T = 0, R = 0, bt_cap = 0, maxb = 0;
     int64_t bt_rows = 0;  // this step's block-table rows (bt_cap: the buffers' high-water mark)
-    DeviceBuffer residual, a, tmp, q, qlat_in, ckv, c, q_lat, q_rope, head_scale, out_lat, lse, o;
+    DeviceBuffer residual, a, tmp, q, qlat_in, ckv, c, q_lat, head_scale, out_lat, lse, o;
     DeviceBuffer router, router_counter, ids, wts, rows, normed, logits;
     DeviceBuffer logits_parts;  // tensor parallelism only
     DeviceBuffer tok, pos, slots, seq_of, lengths, block_table, row_idx, attn_ws, gemv_ws, gemv_ws_side[kSideLanes];
@@ -282,8 +280,6 @@ class CudaBackend : public Backend {
   void set_fused_router(bool on) { opts_.fused_router = on; }
   void set_fused_ffn_norm(bool on) { opts_.fused_ffn_norm = on; }
   void set_shared_expert_lane(bool on) { opts_.shared_expert_lane = on; }
-  void set_lane_bulk_priority(bool on) { opts_.lane_bulk_priority = on; }
-  int64_t lane_bulk_launches() const { return lane_bulk_launches_; }  // lane GEMVs launched at the main priority
   void set_fp4_x_parts(int parts) { opts_.fp4_x_parts = parts; }
   void set_moe_gemm_overlap(bool on) { opts_.moe_gemm_overlap = on; }
   void set_moe_gemm_tall(bool on) { opts_.moe_gemm_tall = on; }
@@ -417,8 +413,6 @@ class CudaBackend : public Backend {
   cudaEvent_t ev_side_[2] = {nullptr, nullptr}, ev_lane_[kSideLanes] = {nullptr, nullptr};
   int side_calls_ = 0;
   int on_lane_ = -1;
-  int main_priority_ = 0;
-  int64_t lane_bulk_launches_ = 0;  // stream_'s (side(): lane_bulk_priority launches a lane's bulk grids at it)
   bool lane_used_[kSideLanes] = {false, false};
   int64_t overlapped_layers_ = 0;
   int64_t fused_ffn_norms_ = 0;

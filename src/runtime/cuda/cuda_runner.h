@@ -163,21 +163,15 @@ struct CudaRunnerOptions {
   // (SHAREDLANE lines; docs/BENCHMARKS.md "Twenty-second session").
   bool shared_expert_lane = true;
   int64_t shared_expert_lane_min_bytes = int64_t{16} << 20;
-  // The indexer lanes' bulk weight GEMVs (grids of at least two blocks an SM) launched at the
-  // main stream's priority instead of their lane's (cudaLaunchAttributePriority; CudaBackend::
-  // side): the lanes sit above the main stream so the DSA chain's small kernels go first, but
-  // idx_wq's 1,024 blocks then also go ahead of wq's (~10 us a layer late in the twenty-second
-  // session's trace). The same launches, so the same bits. Measured by the LANEBULK lines.
-  bool lane_bulk_priority = false;
   // A step's metadata (token ids, positions, slots, block tables, logits rows) written into
   // pinned, device-mapped host memory and moved into the device buffers by one kernel launch
   // (ops/cuda/host_copy.h) instead of ten-odd cudaMemcpyAsync calls from pageable vectors, each a
   // driver call on the host and a copy on the card in series before the forward (issue 19: the
   // step's time outside its graph); and the sampler writing its tokens and logprobs straight
-  // into mapped host memory instead of two read-back copies after it. The same bytes arrive.
-  // Measured by the MAPPEDIO lines.
+  // into mapped host memory instead of two read-back copies after it. The same bytes arrive
+  // (CudaRunner.MappedStepIoIsBitIdentical). MAPPEDIO lines: 1.013x at batch 1 on an H100
+  // (twenty-third session).
   bool mapped_step_io = true;
-  int lane_bulk_min_blocks = 0;  // the bulk grids' least block count (0: two an SM; the tests 1)
   // Issue 19's indexer fusions: the key half (LayerNorm, RoPE, Hadamard + FP8 into its cache)
   // as one kernel instead of three (cache_write.h indexer_key_path), and the queries' RoPE
   // inside their Hadamard + FP8 (indexer.h IndexerQueryQuantParams::rope) instead of two. On
@@ -287,12 +281,6 @@ class CudaRunner : public ModelRunner {
     draft_graphs_.clear();
   }
   void set_mapped_step_io(bool on) { opts_.mapped_step_io = on; }
-  void set_lane_bulk_priority(bool on) {
-    opts_.lane_bulk_priority = on;
-    backend_->set_lane_bulk_priority(on);
-    graphs_.clear();
-    draft_graphs_.clear();
-  }
   void set_shared_expert_lane(bool on) {
     opts_.shared_expert_lane = on;
     backend_->set_shared_expert_lane(on);
@@ -405,7 +393,6 @@ class CudaRunner : public ModelRunner {
   int64_t shared_lane_runs() const { return backend_->shared_lane_runs(); }
   // Steps run with programmatic dependent launch (programmatic_launch, programmatic_launch_tokens).
   int64_t programmatic_steps() const { return programmatic_steps_; }
-  int64_t lane_bulk_launches() const { return backend_->lane_bulk_launches(); }  // lane_bulk_priority's launches
   // The host's time in execute_step's parts, summed over the device-sampled steps since the
   // last reset (issue 19: where a step's time outside its graph goes; the step bench's HOSTSPLIT
   // lines): prep (metadata built and copied, until the forward is issued), launch (the forward
