@@ -155,13 +155,20 @@ TEST(CudaMlaAttention, SparseMatchesCpuReference) {
     auto d_hs = to_device(hs);
     auto d_idx = to_device(idx);
     auto d_len = to_device(idx_len);
+    const int64_t qs = sh.dr + 12;  // q_rope rows of a wider buffer: a multiple of 4 (16-byte rows), past dr
+    std::vector<float> wide(T * sh.H * qs, std::nanf(""));
+    for (int64_t th = 0; th < T * sh.H; ++th) std::copy_n(q_rope.data() + th * sh.dr, sh.dr, wide.data() + th * qs + 8);
+    auto d_wide = to_device(wide);
     for (MlaMath math : {MlaMath::kF32, MlaMath::kBf16TensorCore}) {
       std::vector<Outputs> runs;
-      for (int splits : {1, 0, 7, 0}) {
+      constexpr int kSplits[] = {1, 0, 7, 0, 0};  // run 4: q_rope strided
+      for (int run = 0; run < 5; ++run) {
+        const int splits = kSplits[run];
         MlaAttentionParams p;
         p.math = math;
         p.q_lat = d_ql.as<float>();
-        p.q_rope = d_qr.as<float>();
+        p.q_rope = run == 4 ? d_wide.as<float>() + 8 : d_qr.as<float>();
+        p.q_rope_stride = run == 4 ? qs : 0;
         p.head_scale = d_hs.as<float>();
         p.T = T;
         p.H = sh.H;
@@ -199,48 +206,10 @@ TEST(CudaMlaAttention, SparseMatchesCpuReference) {
       // Runs 1 and 3 use the same (automatic) split count: bit-identical.
       EXPECT_EQ(0, std::memcmp(runs[1].out.data(), runs[3].out.data(), runs[1].out.size() * 4)) << "repeat run differs";
       EXPECT_EQ(0, std::memcmp(runs[1].lse.data(), runs[3].lse.data(), runs[1].lse.size() * 4)) << "repeat run differs";
-      // q_rope read in place from rows of a wider buffer (MlaAttentionParams::q_rope_stride: the
-      // runner passes the q projection's [T, H, dn + dr] rows) gives run 1's bits.
-      {
-        const int64_t qs = sh.dr + 12;  // a multiple of 4 (16-byte rows), past dr
-        std::vector<float> wide(T * sh.H * qs, std::nanf(""));
-        for (int64_t th = 0; th < T * sh.H; ++th)
-          std::copy_n(q_rope.data() + th * sh.dr, sh.dr, wide.data() + th * qs + 8);
-        auto d_wide = to_device(wide);
-        MlaAttentionParams p;
-        p.math = math;
-        p.q_lat = d_ql.as<float>();
-        p.q_rope = d_wide.as<float>() + 8;
-        p.q_rope_stride = qs;
-        p.head_scale = d_hs.as<float>();
-        p.T = T;
-        p.H = sh.H;
-        p.r = sh.r;
-        p.dr = sh.dr;
-        p.cache = d_cache.data();
-        p.num_slots = num_slots;
-        p.dtype = sh.dtype;
-        p.indices = d_idx.as<int32_t>();
-        p.topk = topk;
-        p.index_lengths = d_len.as<int32_t>();
-        auto out = poisoned<float>(T * sh.H * sh.r), lse = poisoned<float>(T * sh.H);
-        p.out_lat = out.as<float>();
-        p.lse = lse.as<float>();
-        const size_t ws_bytes = mla_attention_workspace_bytes(p);
-        DeviceBuffer ws;
-        if (ws_bytes > 0) {
-          auto b = DeviceBuffer::alloc(ws_bytes);
-          ASSERT_TRUE(b.ok());
-          ws = std::move(b).value();
-        }
-        p.workspace = ws.data();
-        p.workspace_bytes = ws_bytes;
-        ML4_ASSERT_OK(mla_attention(p));
-        ML4_ASSERT_OK(cuda_status(cudaDeviceSynchronize(), "sync"));
-        const auto got = to_host<float>(out, T * sh.H * sh.r), got_lse = to_host<float>(lse, T * sh.H);
-        EXPECT_EQ(0, std::memcmp(got.data(), runs[1].out.data(), got.size() * 4)) << "strided q_rope differs, H=" << sh.H;
-        EXPECT_EQ(0, std::memcmp(got_lse.data(), runs[1].lse.data(), got_lse.size() * 4)) << "strided q_rope differs";
-      }
+      // Run 4 reads q_rope in place from rows of a wider buffer (MlaAttentionParams::
+      // q_rope_stride: the runner passes the q projection's [T, H, dn + dr] rows): run 1's bits.
+      EXPECT_EQ(0, std::memcmp(runs[1].out.data(), runs[4].out.data(), runs[1].out.size() * 4)) << "strided q_rope differs";
+      EXPECT_EQ(0, std::memcmp(runs[1].lse.data(), runs[4].lse.data(), runs[1].lse.size() * 4)) << "strided q_rope differs";
     }
   }
 }
