@@ -75,8 +75,7 @@ t0=$(date +%s)
 stamp() { echo "==== [$(( $(date +%s) - t0 )) s] $*"; }
 # SECTIONS picks parts (default all but train): tests decode moegemm spec specstep hisparse perplexity pd all;
 # timeline (in decode too) alone runs the decode step's CUPTI timeline; step the decode step's
-# figures and fusion A/B lines only (not in the default); gemvtc the FP8 GEMVs by size on the
-# tensor cores (not in the default);
+# figures and fusion A/B lines only (not in the default);
 # train (not in the default: it needs the corpus carried, see below) retrains the DSpark drafter
 sections=" ${SECTIONS:-tests decode moegemm spec specstep hisparse perplexity pd all} "
 on() { [[ "$sections" == *" $1 "* ]]; }
@@ -127,17 +126,6 @@ if on step; then
   timeout 150 "$carry/bin/ml4" bench step --preset ml4-slice-4 --batch 1,2,4,8 --ctx 8192 --no-extras \
     > "$out/step.log" 2>&1; echo "rc=$?"
   grep -E "^STEP |^STEPSPLIT|^HOSTSPLIT|^FUSED|^PDL1|^SHAREDLANE|^MAPPEDIO|rror" "$out/step.log" | cut -c1-200
-fi
-
-if on gemvtc; then
-  # FP8 GEMVs of at least N MB on the tensor cores at M = 1 (GemvStreamConfig::tc_min_bytes),
-  # whole steps, one process per setting, the default (0: none) first and last.
-  stamp "D1'. FP8 GEMVs by size on the tensor cores"
-  for mb in 0 40 64 96 0; do
-    ML4_GEMV_TC_MIN_MB=$mb timeout 100 "$carry/bin/ml4" bench step --preset ml4-slice-4 --batch 1,2,4 --ctx 8192 \
-      --no-extras > "$out/gemvtc_$mb.log" 2>&1
-    echo "tc_min_mb=$mb rc=$?"; grep -E "^STEP |^STEPSPLIT|rror" "$out/gemvtc_$mb.log" | cut -c1-160
-  done
 fi
 
 if on decode || on timeline; then

@@ -404,9 +404,8 @@ Status gemv(const GemvParams& p) {
   // the tensor-core path split K 16 ways plus a reduction launch for them (5.6 + 2.2 us on the
   // H200 in the ml4-slice-4 decode step).
   const bool small_bf16 = p.format == LinearFormat::kBF16 && p.N <= kStreamBf16MaxRows;
-  const bool large_fp8 = fp8 && g_stream.tc_min_bytes > 0 && p.N * p.K >= g_stream.tc_min_bytes && p.workspace != nullptr;
-  if (fp4_stream || (!fp4 && (p.impl == GemvImpl::kStream || (p.impl == GemvImpl::kAuto && (fp8 || small_bf16) &&
-                                                               p.M <= g_stream.max_m && !large_fp8)))) {
+  if (fp4_stream || (!fp4 && (p.impl == GemvImpl::kStream ||
+                              (p.impl == GemvImpl::kAuto && (fp8 || small_bf16) && p.M <= g_stream.max_m)))) {
     gemv_stream::StArgs a;
     a.x = p.x;
     a.N = p.N;

@@ -93,9 +93,6 @@ struct GemvStreamConfig {
   int grouped_max_rows = 1;  // grouped_gemv: FP8 with max_expert_rows <= this streams (MoE T = 1)
   int conv = 1;              // e4m3 decoding: 0 integer -> f16, 1 cvt.e4m3x2 -> f16, 2 integer -> f32
   int rows = 0;              // rows per block: 2, 4, or 0 (by N)
-  // kAuto: an FP8 gemv of at least this many weight bytes takes the tensor cores (split K over a
-  // workspace) at any M; 0: never (the step bench's A/B: ML4_GEMV_TC_MIN_MB).
-  int64_t tc_min_bytes = 0;
 };
 void gemv_set_stream_config(const GemvStreamConfig& c);
 GemvStreamConfig gemv_stream_config();
