@@ -4,7 +4,8 @@
 // pageable vectors, each a driver call on the host and a copy on the card, in series before
 // the forward; written into pinned, device-mapped host memory instead (DeviceBuffer::
 // alloc_host_mapped), one launch reads every segment over the bus and writes it where the
-// forward's graph expects it. The same kernel brings the sampled tokens back.
+// forward's graph expects it (CudaRunnerOptions::mapped_step_io; the sampler then writes its
+// tokens into mapped memory itself).
 #pragma once
 
 #include <cstdint>

@@ -396,8 +396,8 @@ class CudaRunner : public ModelRunner {
   // The host's time in execute_step's parts, summed over the device-sampled steps since the
   // last reset (issue 19: where a step's time outside its graph goes; the step bench's HOSTSPLIT
   // lines): prep (metadata built and copied, until the forward is issued), launch (the forward
-  // issued: the graph launch and the layer program's walk in replay), tail (sampling and the
-  // read-back issued), wait (until the stream is done).
+  // issued: the graph launch and the layer program's walk in replay), tail (the sampling issued,
+  // and the read-back copies without mapped_step_io), wait (until the stream is done).
   struct HostSplit {
     double prep_us = 0, launch_us = 0, tail_us = 0, wait_us = 0;
     int64_t steps = 0;
