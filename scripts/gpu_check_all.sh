@@ -75,7 +75,8 @@ t0=$(date +%s)
 stamp() { echo "==== [$(( $(date +%s) - t0 )) s] $*"; }
 # SECTIONS picks parts (default all but train): tests decode moegemm spec specstep hisparse perplexity pd all;
 # timeline (in decode too) alone runs the decode step's CUPTI timeline; step the decode step's
-# figures and fusion A/B lines only (not in the default);
+# figures and fusion A/B lines only (not in the default); gapcause the graph's first idle gap
+# under each stream setting (not in the default);
 # train (not in the default: it needs the corpus carried, see below) retrains the DSpark drafter
 sections=" ${SECTIONS:-tests decode moegemm spec specstep hisparse perplexity pd all} "
 on() { [[ "$sections" == *" $1 "* ]]; }
@@ -126,6 +127,21 @@ if on step; then
   timeout 150 "$carry/bin/ml4" bench step --preset ml4-slice-4 --batch 1,2,4,8 --ctx 8192 --no-extras \
     > "$out/step.log" 2>&1; echo "rc=$?"
   grep -E "^STEP |^STEPSPLIT|^HOSTSPLIT|^FUSED|^PDL1|^SHAREDLANE|^MAPPEDIO|rror" "$out/step.log" | cut -c1-200
+fi
+
+if on gapcause; then
+  # The ~9 us idle after the embedding (the graph's first kernel) at every batch (twenty-third
+  # session, not explained): one traced batch-1 step per setting, the first kernels and the largest
+  # gaps. If the gap follows a setting, that is its cause (stream priorities, PDL, the lane).
+  stamp "D3. the gap after the embedding"
+  for cfg in ML4_NONE=1 ML4_STREAM_PRIORITY=0 ML4_PDL=0 ML4_SHARED_EXPERT_LANE=0; do
+    echo "== $cfg"
+    env $cfg ML4_BENCH_TRACE_STEP=1 ML4_CUPTI_OUT="$out/gap.csv" timeout 100 env LD_PRELOAD="$carry/lib/libml4_cupti_trace.so" \
+      "$carry/bin/ml4" bench step --preset ml4-slice-4 --batch 1 --ctx 8192 --kv-gib 4 2>&1 | grep TRACESTEP
+    python3 "$root/bench/step_timeline.py" "$out/gap.csv" --csv "$out/gap_step.csv" --top 4 | grep -E "^median|us  " | head -6
+    head -4 "$out/gap_step.csv"
+  done
+  rm -f "$out/gap.csv" "$out/gap_step.csv"
 fi
 
 if on decode || on timeline; then
