@@ -84,7 +84,7 @@ on() { [[ "$sections" == *" $1 "* ]]; }
 # The suites of the kernels the last session changed (twenty-third: the step's metadata through mapped memory, q_rope read in place),
 # first. A suite that faults can be left out of the whole run with ML4_GTEST_EXCLUDE=Suite.* so
 # that it does not take the rest with it.
-new=${FILTER_NEW:-CudaMlaAttention.SparseMatchesCpuReference:CudaRunner.MappedStepIo*:CudaRunner.ProgrammaticLaunch*:CudaRunner.SharedExpertLane*:CudaRunner.DecodeGraphsMatchEager}
+new=${FILTER_NEW:-CudaRunner.MappedSampledOutput*:CudaMlaAttention.SparseMatchesCpuReference:CudaRunner.MappedStepIo*:CudaRunner.ProgrammaticLaunch*:CudaRunner.SharedExpertLane*:CudaRunner.DecodeGraphsMatchEager}
 on tests && stamp "1a. new GPU tests: $new" && timeout 240 "$carry/bin/ml4_cuda_tests" --gtest_filter="$new" --gtest_color=no > "$out/new_tests.log" 2>&1
 on tests && grep -E "^\[  (FAILED|PASSED|SKIPPED) |^\[       OK|rel|Failure" "$out/new_tests.log" | tail -40
 

@@ -623,7 +623,8 @@ TEST(CudaRunner, SharedExpertLaneIsBitIdentical) {
 
 // A step's metadata through mapped host memory and one copy launch (CudaRunnerOptions::
 // mapped_step_io, issue 19) against a cudaMemcpyAsync per array: the same bytes arrive, so the
-// same logits, on prefills of mixed lengths and graphed and eager decode steps.
+// same logits, on prefills of mixed lengths and graphed and eager decode steps. (Its other
+// half, sampled tokens written into mapped memory: CudaRunner.MappedSampledOutputIsTheCopiedOne.)
 TEST(CudaRunner, MappedStepIoIsBitIdentical) {
   ML4_REQUIRE_GPU();
   auto off = [](CudaRunnerOptions& o) { o.mapped_step_io = false; };
@@ -680,8 +681,9 @@ TEST(CudaRunner, VerificationStepsRunAsDecodeGraphs) {
 }
 
 // The ml4-tiny test model (bf16 weights) on a runner with 64 MiB of KV in `kv`.
-Result<std::unique_ptr<CudaRunner>> tiny_runner(const std::string& kv) {
+Result<std::unique_ptr<CudaRunner>> tiny_runner(const std::string& kv, bool mapped_step_io = true) {
   CudaRunnerOptions o;
+  o.mapped_step_io = mapped_step_io;
   o.base.kv_cache_dtype = kv;
   o.base.kv_cache_bytes = 64ll << 20;
   return CudaRunner::load(::ml4::testing::test_model("ml4-tiny", 11, "bf16"), o);
@@ -732,6 +734,56 @@ TEST(CudaRunner, DeviceSamplingMatchesHostReference) {
     EXPECT_EQ(sampled->sampled[s], want) << "seq " << s;
     EXPECT_NEAR(sampled->sampled_logprob[s], lp, 1e-4) << "seq " << s;
   }
+}
+
+// The sampler writing its tokens and logprobs into mapped host memory (mapped_step_io) returns
+// what the device buffers and two read-back copies return: the same bits, over decode steps of
+// eight sequences with greedy, temperature, top-k, top-p and min-p rows (graphed after the first).
+TEST(CudaRunner, MappedSampledOutputIsTheCopiedOne) {
+  ML4_REQUIRE_GPU();
+  auto mapped = tiny_runner("fp8_ds_mla", true);
+  auto copied = tiny_runner("fp8_ds_mla", false);
+  ASSERT_TRUE(mapped.ok() && copied.ok());
+  std::mt19937 rng(23);
+  std::uniform_int_distribution<int> tok(1, (*mapped)->config().vocab_size - 1);
+  const int kSeqs = 8;
+  StepInput prefill;
+  std::vector<int64_t> pos(kSeqs);
+  for (int s = 0; s < kSeqs; ++s) {
+    std::vector<int32_t> p(12 + 5 * s);
+    for (auto& t : p) t = tok(rng);
+    pos[s] = static_cast<int64_t>(p.size());
+    prefill.seqs.push_back(::ml4::testing::seq_step(**mapped, s, p, 0, 2 * s, 2, 1));
+  }
+  ASSERT_TRUE((*mapped)->execute(prefill).ok());
+  ASSERT_TRUE((*copied)->execute(prefill).ok());
+  std::vector<int32_t> next(kSeqs);
+  for (auto& t : next) t = tok(rng);
+  for (int step = 0; step < 4; ++step) {
+    StepInput decode;
+    for (int s = 0; s < kSeqs; ++s) {
+      auto d = ::ml4::testing::seq_step(**mapped, s, {next[s]}, pos[s]++, 2 * s, 2, 1);
+      DeviceSamplingParams dp;
+      dp.temperature = s == 0 ? 0.0f : 0.6f + 0.1f * s;
+      dp.top_k = s % 3 == 1 ? 20 : 0;
+      dp.top_p = s % 3 == 2 ? 0.8f : 1.0f;
+      dp.min_p = s == 5 ? 0.05f : 0.0f;
+      dp.seed = 500 + s;
+      dp.counter = step;
+      d.device_sampling = dp;
+      decode.seqs.push_back(d);
+    }
+    auto a = (*mapped)->execute(decode);
+    auto b = (*copied)->execute(decode);
+    ASSERT_TRUE(a.ok()) << a.status().message();
+    ASSERT_TRUE(b.ok()) << b.status().message();
+    ASSERT_EQ(a->sampled.size(), static_cast<size_t>(kSeqs));
+    EXPECT_EQ(a->sampled, b->sampled) << "step " << step;
+    ASSERT_EQ(a->sampled_logprob.size(), b->sampled_logprob.size());
+    EXPECT_EQ(0, std::memcmp(a->sampled_logprob.data(), b->sampled_logprob.data(), kSeqs * 4)) << "step " << step;
+    for (int s = 0; s < kSeqs; ++s) next[s] = a->sampled[s];
+  }
+  EXPECT_GT((*mapped)->graph_replays(), 0);
 }
 
 // Greedy verification on the device (step.h): sequences verifying drafts carry greedy
