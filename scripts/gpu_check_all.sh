@@ -26,11 +26,11 @@ if [ "$mode" = pack ]; then
   # Build what is carried first: packing copies from BUILD_DIR, and a stale binary there once
   # went to the device without the session's new tests (2026-12-07).
   cmake --build "$build" --target ml4 ml4_cuda_tests hisparse_gather_bench spec_step_bench gpu_moe_bench \
-    attention_bench kv_transfer_bench ml4_cupti_trace || exit 1
+    attention_bench kv_transfer_bench ml4_cupti_trace gpu_gemm_bench gpu_sampling_bench || exit 1
   "$root/scripts/gpu_pd_check.sh" pack "$build" || exit 1
   dest="$root/.device-carry-pd"
   cp "$build/ml4_cuda_tests" "$build/hisparse_gather_bench" "$build/spec_step_bench" "$build/gpu_moe_bench" \
-    "$build/attention_bench" "$dest/bin/"
+    "$build/attention_bench" "$build/gpu_gemm_bench" "$build/gpu_sampling_bench" "$dest/bin/"
   # The CUPTI tracer and its CUPTI (bench/step_timeline.py; the device has no Nsight Systems).
   if [ -e "$build/libml4_cupti_trace.so" ]; then
     cp "$build/libml4_cupti_trace.so" "$dest/lib/"
@@ -76,7 +76,8 @@ stamp() { echo "==== [$(( $(date +%s) - t0 )) s] $*"; }
 # SECTIONS picks parts (default all but train): tests decode moegemm spec specstep hisparse perplexity pd all;
 # timeline (in decode too) alone runs the decode step's CUPTI timeline; step the decode step's
 # figures and fusion A/B lines only (not in the default); gapcause the graph's first idle gap
-# under each stream setting (not in the default);
+# under each stream setting (not in the default); gemv the decode GEMV's variants and the sampler's
+# kernels under ncu (not in the default);
 # train (not in the default: it needs the corpus carried, see below) retrains the DSpark drafter
 sections=" ${SECTIONS:-tests decode moegemm spec specstep hisparse perplexity pd all} "
 on() { [[ "$sections" == *" $1 "* ]]; }
@@ -84,7 +85,7 @@ on() { [[ "$sections" == *" $1 "* ]]; }
 # The suites of the kernels the last session changed (twenty-third: the step's metadata through mapped memory, q_rope read in place),
 # first. A suite that faults can be left out of the whole run with ML4_GTEST_EXCLUDE=Suite.* so
 # that it does not take the rest with it.
-new=${FILTER_NEW:-CudaRunner.MappedSampledOutput*:CudaMlaAttention.SparseMatchesCpuReference:CudaRunner.MappedStepIo*:CudaRunner.ProgrammaticLaunch*:CudaRunner.SharedExpertLane*:CudaRunner.DecodeGraphsMatchEager}
+new=${FILTER_NEW:-CudaRunner.MappedSampledOutput*:CudaGemv.MatchesCpuLinear:CudaMlaAttention.SparseMatchesCpuReference:CudaRunner.MappedStepIo*:CudaRunner.ProgrammaticLaunch*:CudaRunner.SharedExpertLane*:CudaRunner.DecodeGraphsMatchEager}
 on tests && stamp "1a. new GPU tests: $new" && timeout 240 "$carry/bin/ml4_cuda_tests" --gtest_filter="$new" --gtest_color=no > "$out/new_tests.log" 2>&1
 on tests && grep -E "^\[  (FAILED|PASSED|SKIPPED) |^\[       OK|rel|Failure" "$out/new_tests.log" | tail -40
 
@@ -126,7 +127,30 @@ if on step; then
   stamp "D1. decode step"
   timeout 150 "$carry/bin/ml4" bench step --preset ml4-slice-4 --batch 1,2,4,8 --ctx 8192 --no-extras \
     > "$out/step.log" 2>&1; echo "rc=$?"
-  grep -E "^STEP |^STEPSPLIT|^HOSTSPLIT|^FUSED|^PDL1|^SHAREDLANE|^MAPPEDIO|rror" "$out/step.log" | cut -c1-200
+  grep -E "^STEP |^STEPSPLIT|^HOSTSPLIT|^FUSED|^PDL1|^SHAREDLANE|^MAPPEDIO|^GEMVBATCH|rror" "$out/step.log" | cut -c1-200
+fi
+
+if on gemv; then
+  # The decode GEMV at M = 1 on this card (gpu_gemm_bench gemv: every variant, single launch and
+  # 20 back to back; st-c1-r4-u = the whole row span in one load batch, GemvStreamConfig::batch 0),
+  # then the sampler's kernels one by one under ncu (gpu_sampling_bench profile: per config
+  # greedy, T=1, top-k 50, top-p 0.9, k+p+min-p, top-p 0.99 at B = 1, 8, 64, in that order).
+  stamp "G. the decode GEMV's variants, the sampler's kernels"
+  timeout 150 "$carry/bin/gpu_gemm_bench" "${ML4_COPY_GBPS:-3000}" gemv > "$out/gemm_gemv.log" 2>&1; echo "rc=$?"
+  grep -E "^copy|fp8 +st-c1-r4|fp8 +gemv-tc" "$out/gemm_gemv.log" | awk '$2 == 1 || /^copy/' | cut -c1-150
+  if command -v ncu > /dev/null; then
+    timeout 120 ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv --print-units base \
+      --log-file "$out/ncu_sampling.csv" "$carry/bin/gpu_sampling_bench" 3000 profile > "$out/sampling_profile.log" 2>&1
+    echo "ncu sampling rc=$?"
+    python3 - "$out/ncu_sampling.csv" <<'PY'
+import csv, sys
+rows = [r for r in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('"'))]
+for r in rows[:40]:
+    print(f"{r['Kernel Name'][:60]:60s} {float(r['Metric Value'].replace(',', '')) / 1e3:8.2f} us")
+PY
+  fi
+  timeout 100 "$carry/bin/gpu_sampling_bench" 3000 > "$out/sampling.log" 2>&1; echo "sampling rc=$?"
+  grep -E " 1 " "$out/sampling.log" | cut -c1-160
 fi
 
 if on gapcause; then
