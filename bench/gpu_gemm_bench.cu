@@ -147,20 +147,18 @@ int main(int argc, char** argv) {
           const double gbytes = wbytes + (fp8 ? nb * kb * 4.0 : 0.0) + M * sh.K * 4.0 + M * sh.N * 4.0;
           struct V {
             GemvImpl impl;
-            int conv, rows, batch = 8;
+            int conv, rows;
           };
           // (decoding 2, integer -> f32, measured slowest on the H200 at every shape: not listed)
           std::vector<V> vs = {{GemvImpl::kCudaCore, 0, 0}, {GemvImpl::kTensorCore, 0, 0},
                                {GemvImpl::kStream, 1, 2}, {GemvImpl::kStream, 1, 4}};
           if (fp8) vs.push_back({GemvImpl::kStream, 0, 4});
-          if (fp8) vs.push_back({GemvImpl::kStream, 1, 4, 0});  // the whole row span in one batch
           if (profile_only) vs = {{GemvImpl::kTensorCore, 0, 0}, {GemvImpl::kStream, 1, 4}};
           const GemvStreamConfig saved = gemv_stream_config();
           for (const V& v : vs) {
             GemvStreamConfig c = saved;
             c.conv = v.conv;
             c.rows = v.rows;
-            c.batch = v.batch;
             gemv_set_stream_config(c);
             auto launch = [&](int i) {
               const int cc = i % copies;
@@ -170,7 +168,7 @@ int main(int argc, char** argv) {
             };
             char name[32];
             if (v.impl == GemvImpl::kStream)
-              std::snprintf(name, sizeof name, v.batch == 8 ? "st-c%d-r%d" : "st-c%d-r%d-u", v.conv, v.rows);
+              std::snprintf(name, sizeof name, "st-c%d-r%d", v.conv, v.rows);
             else
               std::snprintf(name, sizeof name, "%s", v.impl == GemvImpl::kCudaCore ? "gemv-cc" : "gemv-tc");
             if (profile_only) {  // a few launches for the profiler, no timing

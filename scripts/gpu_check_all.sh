@@ -85,7 +85,7 @@ on() { [[ "$sections" == *" $1 "* ]]; }
 # The suites of the kernels the last session changed (twenty-third: the step's metadata through mapped memory, q_rope read in place),
 # first. A suite that faults can be left out of the whole run with ML4_GTEST_EXCLUDE=Suite.* so
 # that it does not take the rest with it.
-new=${FILTER_NEW:-CudaRunner.MappedSampledOutput*:CudaGemv.MatchesCpuLinear:CudaMlaAttention.SparseMatchesCpuReference:CudaRunner.MappedStepIo*:CudaRunner.ProgrammaticLaunch*:CudaRunner.SharedExpertLane*:CudaRunner.DecodeGraphsMatchEager}
+new=${FILTER_NEW:-CudaRunner.MappedSampledOutput*:CudaMlaAttention.SparseMatchesCpuReference:CudaRunner.MappedStepIo*:CudaRunner.ProgrammaticLaunch*:CudaRunner.SharedExpertLane*:CudaRunner.DecodeGraphsMatchEager}
 on tests && stamp "1a. new GPU tests: $new" && timeout 240 "$carry/bin/ml4_cuda_tests" --gtest_filter="$new" --gtest_color=no > "$out/new_tests.log" 2>&1
 on tests && grep -E "^\[  (FAILED|PASSED|SKIPPED) |^\[       OK|rel|Failure" "$out/new_tests.log" | tail -40
 
@@ -127,12 +127,12 @@ if on step; then
   stamp "D1. decode step"
   timeout 150 "$carry/bin/ml4" bench step --preset ml4-slice-4 --batch 1,2,4,8 --ctx 8192 --no-extras \
     > "$out/step.log" 2>&1; echo "rc=$?"
-  grep -E "^STEP |^STEPSPLIT|^HOSTSPLIT|^FUSED|^PDL1|^SHAREDLANE|^MAPPEDIO|^GEMVBATCH|rror" "$out/step.log" | cut -c1-200
+  grep -E "^STEP |^STEPSPLIT|^HOSTSPLIT|^FUSED|^PDL1|^SHAREDLANE|^MAPPEDIO|rror" "$out/step.log" | cut -c1-200
 fi
 
 if on gemv; then
   # The decode GEMV at M = 1 on this card (gpu_gemm_bench gemv: every variant, single launch and
-  # 20 back to back; st-c1-r4-u = the whole row span in one load batch, GemvStreamConfig::batch 0),
+  # 20 back to back),
   # then the sampler's kernels one by one under ncu (gpu_sampling_bench profile: per config
   # greedy, T=1, top-k 50, top-p 0.9, k+p+min-p, top-p 0.99 at B = 1, 8, 64, in that order).
   stamp "G. the decode GEMV's variants, the sampler's kernels"

@@ -228,29 +228,9 @@ int g_tc_prefetch = 0;
 GemvStreamConfig g_stream;
 constexpr int64_t kStreamBf16MaxRows = 64;
 
-// GemvStreamConfig::batch 0: U = 12 or 16 when that holds every quad of the thread's row span.
-int stream_batch(int64_t K) {
-  if (g_stream.batch != 0) return gemv_stream::kStU;
-  const int64_t per_thread = (K / 4 + gemv_stream::kStThreads - 1) / gemv_stream::kStThreads;
-  return per_thread <= 8 ? 8 : per_thread <= 12 ? 12 : per_thread <= 16 ? 16 : 8;
-}
-
 template <int M, int R>
 void launch_st_mr(const gemv_stream::StArgs& a, dim3 grid, bool fp8, int conv, cudaStream_t s) {
   using namespace gemv_stream;
-  if constexpr (R == 4 && M <= 2) {
-    if (fp8 && conv == kConvF16Hw) {
-      const int u = stream_batch(a.K);
-      if (u == 12) {
-        launch_kernel(gemv_stream_kernel<M, R, true, kConvF16Hw, 12>, grid, kStThreads, 0, s, a);
-        return;
-      }
-      if (u == 16) {
-        launch_kernel(gemv_stream_kernel<M, R, true, kConvF16Hw, 16>, grid, kStThreads, 0, s, a);
-        return;
-      }
-    }
-  }
   if (!fp8)
     launch_kernel(gemv_stream_kernel<M, R, false, kConvF16Int>, grid, kStThreads, 0, s, a);
   else if (conv == kConvF16Int)

@@ -93,9 +93,6 @@ struct GemvStreamConfig {
   int grouped_max_rows = 1;  // grouped_gemv: FP8 with max_expert_rows <= this streams (MoE T = 1)
   int conv = 1;              // e4m3 decoding: 0 integer -> f16, 1 cvt.e4m3x2 -> f16, 2 integer -> f32
   int rows = 0;              // rows per block: 2, 4, or 0 (by N)
-  // Quads a thread loads per batch (gemv_stream.cuh U): 8, or 0 = the smallest of 8 / 12 / 16
-  // that holds the thread's whole row span (FP8, cvt decoding, 4 rows a block, M <= 2; else 8).
-  int batch = 8;
 };
 void gemv_set_stream_config(const GemvStreamConfig& c);
 GemvStreamConfig gemv_stream_config();

@@ -44,10 +44,7 @@ constexpr int kStThreads = kStWarps * 32;
 // Blocks per SM the registers must allow (M = 1: 128 registers, 16 warps per SM).
 constexpr int kStMinBlocks(int m) { return m <= 1 ? 4 : m <= 4 ? 3 : 2; }
 
-constexpr int kStU = 8;  // quads per row per thread in one load batch (the default)
-// A batch of U = 12 or 16 quads (GemvStreamConfig::batch 0, FP8 at R = 4 and M <= 2 only) holds
-// a whole row span of K <= 6144 (12 quads a thread) or 8192 (16) in one batch: every weight load
-// of the block is issued before any is used, one memory latency a block instead of two.
+constexpr int kStU = 8;  // quads per row per thread in one load batch
 
 enum StConv { kConvF16Int = 0, kConvF16Hw = 1, kConvF32Int = 2 };
 
@@ -262,13 +259,13 @@ __device__ __forceinline__ float4 load_x(const float4* p) {
 
 // One block's work: weight rows [n0, n0 + R) (n0 < N) of w against the x rows of tokens
 // [r_begin, r_end) (r_begin < r_end), M at a time; each sum goes to store(p, r, v) for token
-// row p and weight row n0 + r. The arithmetic of every sum depends on neither M, R nor U (the
-// quads a thread loads per batch: the same products, FMAs and order of accumulation).
-template <int M, int R, bool kFp8, int kConv, int kX, typename Store, int U = kStU>
+// row p and weight row n0 + r. The arithmetic of every sum depends on neither M nor R.
+template <int M, int R, bool kFp8, int kConv, int kX, typename Store>
 __device__ __forceinline__ void stream_rows(const uint8_t* w, const float* w_scale, int64_t N, int64_t K, int64_t n0,
                                             const float* x, const int32_t* xmap, int64_t x_off, int64_t r_begin,
                                             int64_t r_end, float (&red)[kStWarps][M * R], Store store) {
   using LoadT = std::conditional_t<kFp8, uint32_t, uint2>;
+  constexpr int U = kStU;
   constexpr int64_t kEb = kFp8 ? 1 : 2;
   constexpr float kMul = kFp8 ? conv_mul<kConv>() : 1.0f;
   const int tid = threadIdx.x;
@@ -331,7 +328,7 @@ __device__ __forceinline__ void stream_rows(const uint8_t* w, const float* w_sca
     auto compute = [&](int b, const LoadT (&wv)[U][R], const float (&sc)[U]) {
       const int rem = n_my - b * U;
       const int64_t ob = int64_t{b} * (U * kStThreads);
-      constexpr bool kEarlyX = M <= 2 && U <= kStU;  // the batch's x loads issued together (registers allow)
+      constexpr bool kEarlyX = M <= 2;  // the batch's x loads issued together (registers allow at M <= 2)
       float4 xe[kEarlyX ? U : 1][kEarlyX ? M : 1];
       if constexpr (kEarlyX) {
 #pragma unroll
@@ -389,8 +386,8 @@ __device__ __forceinline__ void stream_rows(const uint8_t* w, const float* w_sca
   }
 }
 
-// grid: (ceil(N / R), slots). M: tokens per pass (runtime mrows <= M). U: quads per batch.
-template <int M, int R, bool kFp8, int kConv, int U = kStU>
+// grid: (ceil(N / R), slots). M: tokens per pass (runtime mrows <= M).
+template <int M, int R, bool kFp8, int kConv>
 __global__ void __launch_bounds__(kStThreads, kStMinBlocks(M)) gemv_stream_kernel(const StArgs a) {
   constexpr int64_t kEb = kFp8 ? 1 : 2;
   prefetch_rows_l2<R>(a, a.K * kEb);
@@ -405,9 +402,8 @@ __global__ void __launch_bounds__(kStThreads, kStMinBlocks(M)) gemv_stream_kerne
   const int64_t n0 = blockIdx.x * int64_t{R};
   if (n0 >= N || r_begin >= r_end) return;  // block-uniform
   __shared__ float red[kStWarps][M * R];
-  auto store = [&](int64_t p, int r, float v) { y[(y_off + p) * N + n0 + r] = v; };
-  stream_rows<M, R, kFp8, kConv, kXLdg, decltype(store), U>(sw.w, sw.w_scale, N, a.K, n0, a.x, sw.xmap, sw.x_off,
-                                                            r_begin, r_end, red, store);
+  stream_rows<M, R, kFp8, kConv, kXLdg>(sw.w, sw.w_scale, N, a.K, n0, a.x, sw.xmap, sw.x_off, r_begin, r_end, red,
+                                        [&](int64_t p, int r, float v) { y[(y_off + p) * N + n0 + r] = v; });
 }
 
 }  // namespace ml4::cuda::gemv_stream

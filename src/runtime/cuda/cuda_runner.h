@@ -281,12 +281,6 @@ class CudaRunner : public ModelRunner {
     draft_graphs_.clear();
   }
   void set_mapped_step_io(bool on) { opts_.mapped_step_io = on; }
-  // Drops the captured graphs (the step bench's A/B of a process-wide kernel setting, e.g.
-  // gemv.h GemvStreamConfig, which a graph keeps as it was at capture).
-  void clear_graphs() {
-    graphs_.clear();
-    draft_graphs_.clear();
-  }
   void set_shared_expert_lane(bool on) {
     opts_.shared_expert_lane = on;
     backend_->set_shared_expert_lane(on);

@@ -18,7 +18,6 @@
 #include "kv/indexer_layout.h"
 #include "kv/latent_layout.h"
 #include "model/presets.h"
-#include "ops/cuda/gemv.h"
 #include "runtime/cuda/cuda_runner.h"
 
 namespace ml4::cuda {
@@ -394,18 +393,6 @@ int run_step_bench(const StepBenchOptions& opt) {
     fusion_ab("SHAREDLANE", [&](bool on) { r.set_shared_expert_lane(on); }, CudaRunnerOptions{}.shared_expert_lane);
     // The step's metadata through mapped host memory in one launch (CudaRunnerOptions::mapped_step_io).
     fusion_ab("MAPPEDIO", [&](bool on) { r.set_mapped_step_io(on); }, CudaRunnerOptions{}.mapped_step_io);
-    // The GEMV's whole row span in one load batch (gemv.h GemvStreamConfig::batch 0) vs 8 quads.
-    {
-      const GemvStreamConfig saved = gemv_stream_config();
-      fusion_ab("GEMVBATCH", [&](bool on) {
-        GemvStreamConfig c = saved;
-        c.batch = on ? 0 : 8;
-        gemv_set_stream_config(c);
-        r.clear_graphs();
-      }, saved.batch == 0);
-      gemv_set_stream_config(saved);
-      r.clear_graphs();
-    }
     // The indexer fusions (CudaRunnerOptions::fused_indexer) vs the separate launches.
     fusion_ab("FUSEDINDEXER", [&](bool on) { r.set_fused_indexer(on); }, CudaRunnerOptions{}.fused_indexer);
     if (!opt.extras) return 0;
