@@ -77,7 +77,8 @@ stamp() { echo "==== [$(( $(date +%s) - t0 )) s] $*"; }
 # timeline (in decode too) alone runs the decode step's CUPTI timeline; step the decode step's
 # figures and fusion A/B lines only (not in the default); gapcause the graph's first idle gap
 # under each stream setting (not in the default); gemv the decode GEMV's variants and the sampler's
-# kernels under ncu (not in the default);
+# kernels under ncu (not in the default); binab every carried bin/ml4-<variant> build against
+# bin/ml4 (not in the default);
 # train (not in the default: it needs the corpus carried, see below) retrains the DSpark drafter
 sections=" ${SECTIONS:-tests decode moegemm spec specstep hisparse perplexity pd all} "
 on() { [[ "$sections" == *" $1 "* ]]; }
@@ -149,8 +150,27 @@ for r in rows[:40]:
     print(f"{r['Kernel Name'][:60]:60s} {float(r['Metric Value'].replace(',', '')) / 1e3:8.2f} us")
 PY
   fi
+  if command -v ncu > /dev/null; then  # the final kernel of top-k + top-p + min-p at B = 1 (the 5th call): why so slow
+    timeout 120 ncu --clock-control none --cache-control none -k regex:final_kernel --launch-skip 4 --launch-count 1 \
+      --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats --section SpeedOfLight \
+      "$carry/bin/gpu_sampling_bench" 3000 profile > "$out/ncu_final.txt" 2>&1
+    echo "ncu final rc=$?"
+    grep -E "Duration|Registers|Shared Memory Config|Achieved Occupancy|Stall|Issued Warp|No Eligible|Active Warps|Eligible Warps|Warp Cycles" "$out/ncu_final.txt" | head -40
+  fi
   timeout 100 "$carry/bin/gpu_sampling_bench" 3000 > "$out/sampling.log" 2>&1; echo "sampling rc=$?"
   grep -E " 1 " "$out/sampling.log" | cut -c1-160
+fi
+
+if on binab; then
+  # Two builds of ml4 against each other (a compile-time switch): every bin/ml4-<variant> carried
+  # beside bin/ml4, alternating, twice; step figures at batch 1 / 2 / 4.
+  stamp "D4. builds against each other"
+  for i in 1 2; do
+    for b in "$carry"/bin/ml4-* "$carry/bin/ml4"; do
+      echo "== $(basename "$b") run $i"
+      timeout 100 "$b" bench step --preset ml4-slice-4 --batch 1,2,4 --ctx 8192 --no-extras 2>&1 | grep -E "^STEP |^STEPSPLIT|^PDL1|rror" | cut -c1-200
+    done
+  done
 fi
 
 if on gapcause; then
@@ -158,7 +178,7 @@ if on gapcause; then
   # session, not explained): one traced batch-1 step per setting, the first kernels and the largest
   # gaps. If the gap follows a setting, that is its cause (stream priorities, PDL, the lane).
   stamp "D3. the gap after the embedding"
-  for cfg in ML4_NONE=1 ML4_STREAM_PRIORITY=0 ML4_PDL=0 ML4_SHARED_EXPERT_LANE=0; do
+  for cfg in ${GAP_CFGS:-ML4_NONE=1 ML4_STREAM_PRIORITY=0 ML4_PDL=0 ML4_SHARED_EXPERT_LANE=0}; do
     echo "== $cfg"
     env $cfg ML4_BENCH_TRACE_STEP=1 ML4_CUPTI_OUT="$out/gap.csv" timeout 100 env LD_PRELOAD="$carry/lib/libml4_cupti_trace.so" \
       "$carry/bin/ml4" bench step --preset ml4-slice-4 --batch 1 --ctx 8192 --kv-gib 4 2>&1 | grep TRACESTEP

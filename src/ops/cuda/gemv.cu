@@ -415,6 +415,12 @@ Status gemv(const GemvParams& p) {
     a.y = p.y;
     a.rows = static_cast<int>(p.M);
     a.prefetch_l2 = programmatic_launch();  // only where it can overlap the previous kernel (pdl.cuh)
+    if (!fp4 && p.next_w != nullptr && p.next_bytes >= 16 &&
+        (reinterpret_cast<uintptr_t>(p.next_w) & 15u) == 0) {
+      a.next_w = p.next_w;
+      a.next_bytes = p.next_bytes;
+      a.tail_blocks = gemv_stream::kStMinBlocks(pow2_tokens(p.M)) * std::max(sm_count(), 1);
+    }
     if (fp4) return launch_fp4(a, pow2_tokens(p.M), 1, p.format == LinearFormat::kNVFP4, p.stream);
     return launch_stream(a, pow2_tokens(p.M), 1, fp8, p.stream);
   }

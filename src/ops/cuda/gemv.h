@@ -67,6 +67,11 @@ struct GemvParams {
   // Negative: FP4 takes the exact CUDA-core stream, as impl kStream does (other formats ignore
   // x_parts).
   int x_parts = 0;
+  // The next weight stream's bytes (FP8 / BF16 stream kernel only): the blocks of this launch's
+  // last wave, done with their rows, prefetch them into L2 (a share each), so that the DRAM's
+  // idle tail of this launch starts the next one's reads.
+  const void* next_w = nullptr;
+  int64_t next_bytes = 0;
 };
 
 constexpr int kGemvMaxM = 8;

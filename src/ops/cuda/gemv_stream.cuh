@@ -110,6 +110,9 @@ struct StArgs : GroupedArgs {
   float* y = nullptr;
   int rows = 0;  // gemv: M
   bool prefetch_l2 = false;  // prefetch_rows_l2 before pdl_wait (with programmatic launch only)
+  const void* next_w = nullptr;  // tail_prefetch_l2: the next launch's weights
+  int64_t next_bytes = 0;
+  int tail_blocks = 0;
   // Grouped: blockIdx.y = slot. Second weight set: slots [slots, 2 * slots) use these, writing y2.
   int slots = 0;
   const void* const* w_table2 = nullptr;
@@ -152,6 +155,23 @@ __device__ __forceinline__ void prefetch_rows_l2(const StArgs& a, int64_t row_by
   const char* base = reinterpret_cast<const char*>(a.w) + n0 * row_bytes;
   const int64_t lines = (min(int64_t{R}, a.N - n0) * row_bytes + 127) / 128;
   for (int64_t i = threadIdx.x; i < lines; i += blockDim.x) asm volatile("prefetch.global.L2 [%0];" ::"l"(base + i * 128));
+}
+
+// A plain gemv's last-wave block (one of the last a.tail_blocks), done with its rows: its share
+// of the next launch's weights into L2 by one bulk prefetch (cp.async.bulk.prefetch.L2: the
+// block exits at once; the copy engine fetches while the other blocks finish).
+__device__ __forceinline__ void tail_prefetch_l2(const StArgs& a) {
+  if (a.next_w == nullptr || a.offsets || threadIdx.x != 0) return;
+  const int64_t tail = min(static_cast<int64_t>(gridDim.x), static_cast<int64_t>(a.tail_blocks));
+  const int64_t j = static_cast<int64_t>(blockIdx.x) - (gridDim.x - tail);
+  if (j < 0) return;
+  const int64_t share = ((a.next_bytes + tail - 1) / tail + 15) & ~int64_t{15};
+  const int64_t off = j * share;
+  if (off >= a.next_bytes) return;
+  const uint32_t len = static_cast<uint32_t>(min(share, (a.next_bytes - off) & ~int64_t{15}));
+  if (len == 0) return;
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(static_cast<const char*>(a.next_w) + off), "r"(len)
+               : "memory");
 }
 
 // x rows of the token group [p0, p0 + mrows) (rows past mrows repeat the last, unused): row
@@ -404,6 +424,7 @@ __global__ void __launch_bounds__(kStThreads, kStMinBlocks(M)) gemv_stream_kerne
   __shared__ float red[kStWarps][M * R];
   stream_rows<M, R, kFp8, kConv, kXLdg>(sw.w, sw.w_scale, N, a.K, n0, a.x, sw.xmap, sw.x_off, r_begin, r_end, red,
                                         [&](int64_t p, int r, float v) { y[(y_off + p) * N + n0 + r] = v; });
+  tail_prefetch_l2(a);
 }
 
 }  // namespace ml4::cuda::gemv_stream

@@ -814,7 +814,9 @@ __device__ RowPlan make_plan(const RowWs& w, const DeviceSamplingParams& P, bool
   const int32_t mode = k_eff ? (p_on ? kModeKP : kModeK) : (p_on ? kModeP : kModeAll);
   if (threadIdx.x == 0) *sp = RowPlan{mode == kModeAll ? kModeAll : kModeFallback, kBins, -1, 0, 0, 0, 0};
   __syncthreads();
-  if (mode != kModeAll) {
+  // K2 weighs the bins only for top-p alone (mass_by_bin); a row with top-k at or above its
+  // non-NaN count and top-p has no weights: the fallback (rows of NaN logits only).
+  if (mode != kModeAll && !(mode == kModeP && k_on)) {
     // The cut bin: the first whose inclusive count (top-k) or weight (top-p alone) reaches
     // the target; exactly one thread's range holds it.
     const bool by_mass = mode == kModeP;
@@ -879,9 +881,12 @@ __global__ void __launch_bounds__(kSplitThreads)
   row_max<kTileWarps>(w, T, m, mi, sv, si);
   if (!isfinite(m)) return;  // K3 plans the fallback
   const float inv_t = 1.0f / P.temperature;
+  // Weights per bin only where the plan cuts by weight (top-p without top-k): with top-k the cut
+  // is by count and K4 weighs the candidates itself.
+  const bool mass_by_bin = p_on && !k_on;
   for (int i = threadIdx.x; i < kBins; i += kSplitThreads) {
     hc[i] = 0;
-    if (p_on) h2[i] = h1[i] = h0[i] = 0;
+    if (mass_by_bin) h2[i] = h1[i] = h0[i] = 0;
   }
   __syncthreads();
   const int64_t t = static_cast<int64_t>(blockIdx.y) * kTileWarps + (threadIdx.x >> 5);
@@ -896,7 +901,7 @@ __global__ void __launch_bounds__(kSplitThreads)
         if (4 * group_of(t, j) + c < V && x == x) {
           const int b = bin_of(x, m);
           atomicAdd(&hc[b], 1u);
-          if (p_on) {
+          if (mass_by_bin) {
             const ull wt = sampling::fixed_weight(expf((x - m) * inv_t));
             const unsigned p2 = static_cast<unsigned>(wt >> 28), p1 = static_cast<unsigned>(wt >> 14) & 0x3fffu,
                            p0 = static_cast<unsigned>(wt) & 0x3fffu;
@@ -910,7 +915,7 @@ __global__ void __launch_bounds__(kSplitThreads)
   __syncthreads();
   for (int i = threadIdx.x; i < kBins; i += kSplitThreads) {
     if (hc[i]) atomicAdd(&w.hcount[i], hc[i]);
-    if (p_on) {
+    if (mass_by_bin) {
       const ull mass = (static_cast<ull>(h2[i]) << 28) + (static_cast<ull>(h1[i]) << 14) + h0[i];
       if (mass) atomicAdd(&w.hmass[i], mass);
     }

@@ -10,7 +10,7 @@
 //   K1 one pass over the row by (row, 4 warp-tiles of 1024 logits) blocks: per-tile max /
 //      argmax and f64 sum exp(l - m_tile) (the logprob; a fixed partition, whatever B is);
 //   K2 (rows with top-k or top-p) a histogram of (m - l) in bins of 1/32 logit (2048 bins,
-//      the last takes everything more than 64 below the max): count and integer weight.
+//      the last takes everything more than 64 below the max): count, and integer weight for top-p alone.
 //      The row's last K2 block to finish scans the histogram to a plan: the bin holding the
 //      top-k cut (count) or the top-p cut (weight, top-p alone); ids in bins before it are
 //      surely kept, ids in the cut bin are candidates (top-k and top-p together: every id of
