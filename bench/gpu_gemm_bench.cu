@@ -154,6 +154,7 @@ int main(int argc, char** argv) {
           std::vector<V> vs = {{GemvImpl::kCudaCore, 0, 0}, {GemvImpl::kTensorCore, 0, 0},
                                {GemvImpl::kStream, 1, 2}, {GemvImpl::kStream, 1, 4}};
           if (fp8) vs.push_back({GemvImpl::kStream, 0, 4});
+          if (fp8) vs.push_back({GemvImpl::kStream, 1, 8});  // 8 rows a block
           if (fp8) {  // the last wave prefetches the next launch's weights (GemvParams::next_w)
             vs.push_back({GemvImpl::kStream, 1, 4, 8});
             vs.push_back({GemvImpl::kStream, 1, 4, 16});

@@ -138,7 +138,7 @@ if on gemv; then
   # greedy, T=1, top-k 50, top-p 0.9, k+p+min-p, top-p 0.99 at B = 1, 8, 64, in that order).
   stamp "G. the decode GEMV's variants, the sampler's kernels"
   timeout 150 "$carry/bin/gpu_gemm_bench" "${ML4_COPY_GBPS:-3000}" gemv > "$out/gemm_gemv.log" 2>&1; echo "rc=$?"
-  grep -E "^copy|fp8 +st-c1-r4|fp8 +gemv-tc" "$out/gemm_gemv.log" | awk '$2 == 1 || /^copy/' | cut -c1-150
+  grep -E "^copy|fp8 +st-" "$out/gemm_gemv.log" | awk '$2 == 1 || /^copy/' | cut -c1-150
   if command -v ncu > /dev/null; then
     timeout 120 ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv --print-units base \
       --log-file "$out/ncu_sampling.csv" "$carry/bin/gpu_sampling_bench" 3000 profile > "$out/sampling_profile.log" 2>&1
@@ -165,7 +165,15 @@ if on binab; then
   # Two builds of ml4 against each other (a compile-time switch): every bin/ml4-<variant> carried
   # beside bin/ml4, alternating, twice; step figures at batch 1 / 2 / 4.
   stamp "D4. builds against each other"
+  # AB_ENVS="ML4_NONE=1 ML4_GEMV_ROWS=8": bin/ml4 under each setting instead.
   for i in 1 2; do
+    if [ -n "${AB_ENVS:-}" ]; then
+      for e in $AB_ENVS; do
+        echo "== $e run $i"
+        env "$e" timeout 100 "$carry/bin/ml4" bench step --preset ml4-slice-4 --batch 1,2,4 --ctx 8192 --no-extras 2>&1 | grep -E "^STEP |^STEPSPLIT|rror" | cut -c1-200
+      done
+      continue
+    fi
     for b in "$carry"/bin/ml4-* "$carry/bin/ml4"; do
       echo "== $(basename "$b") run $i"
       timeout 100 "$b" bench step --preset ml4-slice-4 --batch 1,2,4 --ctx 8192 --no-extras 2>&1 | grep -E "^STEP |^STEPSPLIT|^PDL1|rror" | cut -c1-200

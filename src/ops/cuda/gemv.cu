@@ -242,19 +242,28 @@ void launch_st_mr(const gemv_stream::StArgs& a, dim3 grid, bool fp8, int conv, c
 }
 
 // Rows per block: 4 (32 loads of 4 bytes in flight per thread) unless that leaves fewer
-// than ~16 blocks per SM.
-int stream_rows(int64_t N) {
+// than ~16 blocks per SM. 8 (FP8 at M <= 2 only, on request): twice the bytes in flight per
+// thread and half the x loads per weight byte.
+int stream_rows(int64_t N, bool eight_ok = false) {
   if (g_stream.rows == 2 || g_stream.rows == 4) return g_stream.rows;
+  if (g_stream.rows == 8) return eight_ok ? 8 : 4;
   return N >= int64_t{16} * std::max(sm_count(), 1) ? 4 : 2;
 }
 
 // mt: tokens (1, 2, or more: passes of 4; the kernel stops at the real count).
 Status launch_stream(const gemv_stream::StArgs& a, int mt, unsigned slots, bool fp8, cudaStream_t s) {
-  const int R = stream_rows(a.N);
-  const dim3 grid(static_cast<unsigned>((a.N + R - 1) / R), slots, 1);
   const int conv = g_stream.conv;
+  const int R = stream_rows(a.N, fp8 && conv == gemv_stream::kConvF16Hw && mt <= 2);
+  const dim3 grid(static_cast<unsigned>((a.N + R - 1) / R), slots, 1);
   auto go = [&](auto m_tag) {
     constexpr int M = decltype(m_tag)::value;
+    if constexpr (M <= 2) {
+      if (R == 8 && fp8 && conv == gemv_stream::kConvF16Hw) {
+        launch_kernel(gemv_stream::gemv_stream_kernel<M, 8, true, gemv_stream::kConvF16Hw>, grid,
+                      gemv_stream::kStThreads, 0, s, a);
+        return;
+      }
+    }
     R == 2 ? launch_st_mr<M, 2>(a, grid, fp8, conv, s) : launch_st_mr<M, 4>(a, grid, fp8, conv, s);
   };
   if (mt <= 1)
