@@ -348,7 +348,7 @@ __device__ __forceinline__ void stream_rows(const uint8_t* w, const float* w_sca
     auto compute = [&](int b, const LoadT (&wv)[U][R], const float (&sc)[U]) {
       const int rem = n_my - b * U;
       const int64_t ob = int64_t{b} * (U * kStThreads);
-      constexpr bool kEarlyX = M <= 2;  // the batch's x loads issued together (registers allow at M <= 2)
+      constexpr bool kEarlyX = M <= 2 && R <= 4;  // the batch's x loads issued together (registers allow)
       float4 xe[kEarlyX ? U : 1][kEarlyX ? M : 1];
       if constexpr (kEarlyX) {
 #pragma unroll
