@@ -664,6 +664,9 @@ __device__ __forceinline__ void warp_argmax(float& v, int64_t& i) {
   }
 }
 
+// The block's best (value, id). ranks_above is a total order on distinct ids, so the result does
+// not depend on the order of the comparisons: the warps' results meet in a scan (NW <= 4) or
+// in warp 0's shuffle tree (NW > 4: one step of five instead of a 32-long chain in every thread).
 template <int NW>
 __device__ __forceinline__ void block_argmax(float& v, int64_t& i, float* sv, int64_t* si) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -673,13 +676,28 @@ __device__ __forceinline__ void block_argmax(float& v, int64_t& i, float* sv, in
     si[warp] = i;
   }
   __syncthreads();
-  v = sv[0];
-  i = si[0];
-  for (int w = 1; w < NW; ++w)
-    if (ranks_above(sv[w], si[w], v, i)) {
-      v = sv[w];
-      i = si[w];
+  if constexpr (NW > 4) {
+    if (warp == 0) {
+      float wv = lane < NW ? sv[lane] : __int_as_float(0x7fc00000);
+      int64_t wi = lane < NW ? si[lane] : INT64_MAX;
+      warp_argmax(wv, wi);
+      if (lane == 0) {
+        sv[0] = wv;
+        si[0] = wi;
+      }
     }
+    __syncthreads();
+    v = sv[0];
+    i = si[0];
+  } else {
+    v = sv[0];
+    i = si[0];
+    for (int w = 1; w < NW; ++w)
+      if (ranks_above(sv[w], si[w], v, i)) {
+        v = sv[w];
+        i = si[w];
+      }
+  }
   __syncthreads();
 }
 
@@ -698,7 +716,8 @@ __device__ __forceinline__ void row_max(const RowWs& w, int64_t T, float& m, int
   block_argmax<NW>(m, mi, sv, si);
 }
 
-// Exclusive prefix sums of (a, b) over the block in thread order, and the totals.
+// Exclusive prefix sums of (a, b) over the block in thread order, and the totals. sa / sb: NW
+// entries (NW + 1 when NW > 4).
 template <int NW>
 __device__ __forceinline__ void block_scan2(ull a, ull b, ull* ea, ull* eb, ull* ta, ull* tb, ull* sa, ull* sb) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -717,13 +736,44 @@ __device__ __forceinline__ void block_scan2(ull a, ull b, ull* ea, ull* eb, ull*
   }
   __syncthreads();
   ull pa = 0, pb = 0, qa = 0, qb = 0;
-  for (int w = 0; w < NW; ++w) {
-    if (w < warp) {
-      pa += sa[w];
-      pb += sb[w];
+  if constexpr (NW > 4) {
+    // Warp 0 scans the NW warp totals (integers: any order gives the same sums); slot NW holds
+    // the block's totals (sa / sb have NW + 1 entries).
+    if (warp == 0) {
+      const ull wa = lane < NW ? sa[lane] : 0ull, wb = lane < NW ? sb[lane] : 0ull;
+      ull xa = wa, xb = wb;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const ull ya = __shfl_up_sync(0xffffffffu, xa, o), yb = __shfl_up_sync(0xffffffffu, xb, o);
+        if (lane >= o) {
+          xa += ya;
+          xb += yb;
+        }
+      }
+      __syncwarp();
+      if (lane < NW) {
+        sa[lane] = xa - wa;  // exclusive
+        sb[lane] = xb - wb;
+      }
+      if (lane == 31) {
+        sa[NW] = xa;
+        sb[NW] = xb;
+      }
     }
-    qa += sa[w];
-    qb += sb[w];
+    __syncthreads();
+    pa = sa[warp];
+    pb = sb[warp];
+    qa = sa[NW];
+    qb = sb[NW];
+  } else {
+    for (int w = 0; w < NW; ++w) {
+      if (w < warp) {
+        pa += sa[w];
+        pb += sb[w];
+      }
+      qa += sa[w];
+      qb += sb[w];
+    }
   }
   __syncthreads();
   *ea = pa + ia - a;
@@ -1055,7 +1105,7 @@ struct FinalSmem {
   float sv[kFinalWarps];
   int64_t si[kFinalWarps];
   double sd[kFinalWarps];
-  ull sa[kFinalWarps], sb[kFinalWarps];
+  ull sa[kFinalWarps + 1], sb[kFinalWarps + 1];  // block_scan2: the warps' prefixes, then the totals
   ull zk;
 };
 
@@ -1069,19 +1119,41 @@ __global__ void __launch_bounds__(kFinalThreads, 1)
   pdl_launch_dependents();
   __shared__ FinalSmem sm;
   const int64_t r = blockIdx.x;
-  const DeviceSamplingParams P = params[r];
+  const int tid = threadIdx.x;
   const RowWs w = row_ws(ws, r, T);
   const float* row = logits + r * stride;
-  float m;
-  int64_t mi;
-  row_max<kFinalWarps>(w, T, m, mi, sm.sv, sm.si);
+  const int64_t U = (V + kSub - 1) / kSub;
+  // Every load that depends on nothing else here, issued together (one round trip to L2 instead
+  // of a chain of them): the row's parameters, this thread's first tile stat and tile best, the
+  // plan, the candidate count and this thread's two candidate slots (stale beyond the count:
+  // unused). What a row does not use (a greedy row's plan) is read and ignored.
+  const DeviceSamplingParams P = params[r];
+  TileStat st0{};
+  if (tid < T) st0 = w.stat[tid];
+  TileBest b0{};
+  if (tid < U) b0 = w.best[tid];
+  const RowPlan pl0 = *w.plan;
+  const unsigned cand_count = *w.cand_count;
+  const ull c0 = w.cand[tid], c1 = w.cand[tid + kFinalThreads];
+  auto stat = [&](int64_t t) { return t == tid ? st0 : w.stat[t]; };
+  // The row's max and its id (row_max, from the loads above).
+  float m = __int_as_float(0x7fc00000);
+  int64_t mi = INT64_MAX;
+  for (int64_t t = tid; t < T; t += kFinalThreads) {
+    const TileStat st = stat(t);
+    if (ranks_above(st.m, st.id, m, mi)) {
+      m = st.m;
+      mi = st.id;
+    }
+  }
+  block_argmax<kFinalWarps>(m, mi, sm.sv, sm.si);
   int64_t token = mi == INT64_MAX ? 0 : mi;
   if (logprobs) {
     // sum_t sum_t * exp(m_t - m) in f64, tiles in a fixed order (warp sums here, thread 0
     // adds them in warp order at the end).
     double s = 0.0;
-    for (int64_t t = threadIdx.x; t < T; t += kFinalThreads) {
-      const TileStat st = w.stat[t];
+    for (int64_t t = tid; t < T; t += kFinalThreads) {
+      const TileStat st = stat(t);
       if (st.sum > 0.0) s += st.sum * exp(static_cast<double>(st.m) - static_cast<double>(m));
     }
 #pragma unroll
@@ -1090,7 +1162,7 @@ __global__ void __launch_bounds__(kFinalThreads, 1)
     __syncthreads();
   }
   if (!sampling::greedy(P) && m == m) {
-    const RowPlan pl = *w.plan;
+    const RowPlan pl = pl0;
     if (pl.mode == kModeFallback) {
       float m2;
       double unused;
@@ -1098,23 +1170,22 @@ __global__ void __launch_bounds__(kFinalThreads, 1)
     } else {
       float bv = __int_as_float(0x7fc00000);
       int64_t bi = INT64_MAX;
-      const int64_t U = (V + kSub - 1) / kSub;
-      for (int64_t t = threadIdx.x; t < U; t += kFinalThreads) {
-        const TileBest b = w.best[t];
+      for (int64_t t = tid; t < U; t += kFinalThreads) {
+        const TileBest b = t == tid ? b0 : w.best[t];
         const int64_t id = b.id == INT32_MAX ? INT64_MAX : b.id;
         if (ranks_above(b.score, id, bv, bi)) {
           bv = b.score;
           bi = id;
         }
       }
-      const int n = static_cast<int>(min(min(pl.n, *w.cand_count), static_cast<unsigned>(kCap)));
+      const int n = static_cast<int>(min(min(pl.n, cand_count), static_cast<unsigned>(kCap)));
       if (pl.mode != kModeAll && n > 0) {
         int N = 64;
         while (N < n) N <<= 1;
         const int t = threadIdx.x;
         ull x[2];
-        x[0] = t < n ? w.cand[t] : 0ull;
-        x[1] = t + kFinalThreads < n ? w.cand[t + kFinalThreads] : 0ull;
+        x[0] = t < n ? c0 : 0ull;
+        x[1] = t + kFinalThreads < n ? c1 : 0ull;
         bitonic_desc(x, N, sm.u.keys);
         // Thread t now holds sorted positions t and t + 1024.
         const float inv_t = 1.0f / P.temperature;
