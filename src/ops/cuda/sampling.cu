@@ -922,6 +922,11 @@ __global__ void __launch_bounds__(kSplitThreads)
   __shared__ bool last;
   const int64_t r = blockIdx.x;
   const DeviceSamplingParams P = params[r];
+  // The warp's tile, loaded beside the parameters and the tile stats (the loads do not depend on
+  // them; a row that needs no histogram drops them).
+  const int64_t t = static_cast<int64_t>(blockIdx.y) * kTileWarps + (threadIdx.x >> 5);
+  float v[8][4];
+  if (t < T) load_tile<kVec>(logits + r * stride, V, t, v);
   if (sampling::greedy(P)) return;
   const bool k_on = sampling::top_k_on(P, V), p_on = sampling::top_p_on(P);
   if (!k_on && !p_on) return;
@@ -939,10 +944,7 @@ __global__ void __launch_bounds__(kSplitThreads)
     if (mass_by_bin) h2[i] = h1[i] = h0[i] = 0;
   }
   __syncthreads();
-  const int64_t t = static_cast<int64_t>(blockIdx.y) * kTileWarps + (threadIdx.x >> 5);
   if (t < T) {
-    float v[8][4];
-    load_tile<kVec>(logits + r * stride, V, t, v);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -992,8 +994,14 @@ __global__ void __launch_bounds__(kSplitThreads)
   __shared__ int64_t si[kTileWarps];
   const int64_t r = blockIdx.x;
   const DeviceSamplingParams P = params[r];
-  if (sampling::greedy(P)) return;
   const RowWs w = row_ws(ws, r, T);
+  // The warp's logits and K2's plan, loaded beside the parameters and the tile stats (the loads
+  // do not depend on them; ids >= V read as NaN).
+  const int64_t u = static_cast<int64_t>(blockIdx.y) * kTileWarps + (threadIdx.x >> 5);
+  float v[2][4];
+  load_groups<kVec, 2>(logits + r * stride, V, u * (kSub / 4), v);
+  const RowPlan k2_plan = *w.plan;
+  if (sampling::greedy(P)) return;
   float m;
   int64_t mi;
   row_max<kTileWarps>(w, T, m, mi, sv, si);
@@ -1001,15 +1009,12 @@ __global__ void __launch_bounds__(kSplitThreads)
   const bool k_on = sampling::top_k_on(P, V), p_on = sampling::top_p_on(P);
   RowPlan pl{kModeAll, kBins, -1, 0, 0, 0, 0};
   if (k_on || p_on) {
-    if (isfinite(m)) pl = *w.plan;  // K2's last block
+    if (isfinite(m)) pl = k2_plan;  // K2's last block
     else pl.mode = kModeFallback;
   }
   if (!((k_on || p_on) && isfinite(m)) && blockIdx.y == 0 && threadIdx.x == 0) *w.plan = pl;
   if (pl.mode == kModeFallback) return;
-  const int64_t u = static_cast<int64_t>(blockIdx.y) * kTileWarps + (threadIdx.x >> 5);
   if (4 * u * (kSub / 4) >= V) return;
-  float v[2][4];
-  load_groups<kVec, 2>(logits + r * stride, V, u * (kSub / 4), v);
   const float inv_t = 1.0f / P.temperature;
   const bool mp_on = sampling::min_p_on(P), all = pl.mode == kModeAll;
   const float min_p = sampling::min_p_value(P);
