@@ -102,12 +102,13 @@ TEST(CudaGemv, MatchesCpuLinear) {
         if (v.impl == GemvImpl::kStream && v.conv == 1 && f == LinearFormat::kFP8Block) {
           // The last wave's L2 prefetch of the next launch's weights (here its own, any length)
           // changes no output bit.
-          for (int64_t bytes : {int64_t{16}, W->weight.nbytes() - 16, int64_t{40} << 20}) {
+          const int64_t wb = static_cast<int64_t>(W->weight.nbytes());
+          for (int64_t bytes : {int64_t{16}, wb - 16, int64_t{40} << 20}) {
             auto dy = poisoned<float>(s.M * s.N);
             GemvParams gp{dx.as<float>(), s.M, s.N, s.K, f, dw->data(), dws.as<float>(), dy.as<float>(), nullptr,
                           nullptr, v.impl};
             gp.next_w = dw->data();
-            gp.next_bytes = std::min<int64_t>(bytes, W->weight.nbytes());
+            gp.next_bytes = std::min(bytes, wb);
             ML4_ASSERT_OK(gemv(gp));
             ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
             EXPECT_EQ(0, std::memcmp(to_host<float>(dy, s.M * s.N).data(), runs[0].data(), runs[0].size() * 4))
