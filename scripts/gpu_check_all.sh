@@ -83,10 +83,12 @@ stamp() { echo "==== [$(( $(date +%s) - t0 )) s] $*"; }
 sections=" ${SECTIONS:-tests decode moegemm spec specstep hisparse perplexity pd all} "
 on() { [[ "$sections" == *" $1 "* ]]; }
 
-# The suites of the kernels the last session changed (twenty-third: the step's metadata through mapped memory, q_rope read in place),
-# first. A suite that faults can be left out of the whole run with ML4_GTEST_EXCLUDE=Suite.* so
-# that it does not take the rest with it.
-new=${FILTER_NEW:-CudaRunner.MappedSampledOutput*:CudaMlaAttention.SparseMatchesCpuReference:CudaRunner.MappedStepIo*:CudaRunner.ProgrammaticLaunch*:CudaRunner.SharedExpertLane*:CudaRunner.DecodeGraphsMatchEager}
+# The suites of the kernels the last session changed (twenty-fourth: the split sampler's kernels K2-K4,
+# the FP8 GEMV's 8-row blocks and next-launch L2 prefetch, none run on a device), first. A suite
+# that faults can be left out of the whole run with ML4_GTEST_EXCLUDE=Suite.* so that it does not
+# take the rest with it. The twenty-fourth session's pending measurement:
+#   FILTER_NEW=... SECTIONS="tests gemv step binab all" AB_ENVS="ML4_NONE=1 ML4_GEMV_ROWS=8"
+new=${FILTER_NEW:-CudaSampling.*:CudaRunner.DeviceSampling*:CudaRunner.MappedSampledOutput*:CudaGemv.MatchesCpuLinear:CudaRunner.DecodeGraphsMatchEager}
 on tests && stamp "1a. new GPU tests: $new" && timeout 240 "$carry/bin/ml4_cuda_tests" --gtest_filter="$new" --gtest_color=no > "$out/new_tests.log" 2>&1
 on tests && grep -E "^\[  (FAILED|PASSED|SKIPPED) |^\[       OK|rel|Failure" "$out/new_tests.log" | tail -40
 
