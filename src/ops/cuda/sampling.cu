@@ -722,14 +722,7 @@ template <int NW>
 __device__ __forceinline__ void block_scan2(ull a, ull b, ull* ea, ull* eb, ull* ta, ull* tb, ull* sa, ull* sb) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   ull ia = a, ib = b;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const ull ya = __shfl_up_sync(0xffffffffu, ia, o), yb = __shfl_up_sync(0xffffffffu, ib, o);
-    if (lane >= o) {
-      ia += ya;
-      ib += yb;
-    }
-  }
+  rowblock::warp_scan2(ia, ib);
   if (lane == 31) {
     sa[warp] = ia;
     sb[warp] = ib;
@@ -742,14 +735,7 @@ __device__ __forceinline__ void block_scan2(ull a, ull b, ull* ea, ull* eb, ull*
     if (warp == 0) {
       const ull wa = lane < NW ? sa[lane] : 0ull, wb = lane < NW ? sb[lane] : 0ull;
       ull xa = wa, xb = wb;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const ull ya = __shfl_up_sync(0xffffffffu, xa, o), yb = __shfl_up_sync(0xffffffffu, xb, o);
-        if (lane >= o) {
-          xa += ya;
-          xb += yb;
-        }
-      }
+      rowblock::warp_scan2(xa, xb);
       __syncwarp();
       if (lane < NW) {
         sa[lane] = xa - wa;  // exclusive

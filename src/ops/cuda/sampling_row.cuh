@@ -49,6 +49,19 @@ struct Cut {
   ull mass;  // integer weight of the kept prefix
 };
 
+// Inclusive prefix sums of (a, b) over the warp's lanes, in lane order (integers: exact).
+__device__ __forceinline__ void warp_scan2(ull& a, ull& b) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const ull ya = __shfl_up_sync(0xffffffffu, a, o), yb = __shfl_up_sync(0xffffffffu, b, o);
+    if (lane >= o) {
+      a += ya;
+      b += yb;
+    }
+  }
+}
+
 // The 4 logits of group q (ids [4q, 4q + 4)); ids >= V read as NaN. kVec: one float4 load
 // (the caller checked the row's alignment and V).
 template <bool kVec>
@@ -200,14 +213,7 @@ __device__ Cut radix_select(Smem& sm, const float* __restrict__ row, int64_t V, 
         ms += sm.mass[b];
       }
       ull ci = c, mi = ms;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const ull yc = __shfl_up_sync(0xffffffffu, ci, o), ym = __shfl_up_sync(0xffffffffu, mi, o);
-        if (lane >= o) {
-          ci += yc;
-          mi += ym;
-        }
-      }
+      warp_scan2(ci, mi);
       const ull total_c = __shfl_sync(0xffffffffu, ci, 31), total_m = __shfl_sync(0xffffffffu, mi, 31);
       ull tgt = sm.target;
       // Clamp (rounding cannot make the target exceed the total, but never select nothing).
