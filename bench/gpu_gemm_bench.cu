@@ -48,7 +48,7 @@ int main(int argc, char** argv) {
                           {"expert_w1", 5632, 6144}, {"expert_w2", 6144, 5632}, {"dense_w1", 16384, 6144}};
   // argv[2] == "gemv": decode rows only (M <= 8: our GEMV variants and the BF16 cuBLASLt /
   // own FP8 GEMM peers), for a short device run.
-  // argv[2] == "profile": FP8 wo at M = 1 only, one launch per GEMV kernel, untimed (for ncu).
+  // argv[2] == "profile": wo at M = 1 only (BF16 and FP8), one launch per GEMV kernel, untimed (for ncu).
   const bool profile_only = argc > 2 && std::string(argv[2]) == "profile";
   const bool gemv_only = profile_only || (argc > 2 && std::string(argv[2]) == "gemv");
   std::vector<int64_t> Ms = {1, 2, 4, 8, 32, 64, 4096};
@@ -70,7 +70,7 @@ int main(int argc, char** argv) {
   for (int pass = 0; pass < (gemv_only ? 2 : 3); ++pass) {
     const int fp8 = pass > 0;
     const Fp8Backend fp8_be = pass == 1 ? Fp8Backend::kOwn : Fp8Backend::kCublasLt;
-    if (profile_only && pass == 0) continue;
+    // (profile: BF16 too, the stream kernel at the copy rate beside the FP8 one)
     for (const auto& sh : shapes) {
       if (profile_only && std::string(sh.name) != "wo") continue;
       const size_t wbytes = sh.N * sh.K * (fp8 ? 1 : 2);
@@ -160,7 +160,7 @@ int main(int argc, char** argv) {
             vs.push_back({GemvImpl::kStream, 1, 4, 16});
             vs.push_back({GemvImpl::kStream, 1, 4, 32});
           }
-          if (profile_only) vs = {{GemvImpl::kTensorCore, 0, 0}, {GemvImpl::kStream, 1, 4}};
+          if (profile_only) vs = {{GemvImpl::kTensorCore, 0, 0}, {GemvImpl::kStream, 1, 4}, {GemvImpl::kStream, 1, 8}};
           const GemvStreamConfig saved = gemv_stream_config();
           for (const V& v : vs) {
             GemvStreamConfig c = saved;
