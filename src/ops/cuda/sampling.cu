@@ -908,14 +908,13 @@ __global__ void __launch_bounds__(kSplitThreads)
   __shared__ bool last;
   const int64_t r = blockIdx.x;
   const DeviceSamplingParams P = params[r];
-  // The warp's tile, loaded beside the parameters and the tile stats (the loads do not depend on
-  // them; a row that needs no histogram drops them).
-  const int64_t t = static_cast<int64_t>(blockIdx.y) * kTileWarps + (threadIdx.x >> 5);
-  float v[8][4];
-  if (t < T) load_tile<kVec>(logits + r * stride, V, t, v);
   if (sampling::greedy(P)) return;
   const bool k_on = sampling::top_k_on(P, V), p_on = sampling::top_p_on(P);
   if (!k_on && !p_on) return;
+  // The warp's tile, loaded beside the tile stats row_max reads (neither depends on the other).
+  const int64_t t = static_cast<int64_t>(blockIdx.y) * kTileWarps + (threadIdx.x >> 5);
+  float v[8][4];
+  if (t < T) load_tile<kVec>(logits + r * stride, V, t, v);
   const RowWs w = row_ws(ws, r, T);
   float m;
   int64_t mi;
@@ -980,14 +979,14 @@ __global__ void __launch_bounds__(kSplitThreads)
   __shared__ int64_t si[kTileWarps];
   const int64_t r = blockIdx.x;
   const DeviceSamplingParams P = params[r];
+  if (sampling::greedy(P)) return;
   const RowWs w = row_ws(ws, r, T);
-  // The warp's logits and K2's plan, loaded beside the parameters and the tile stats (the loads
-  // do not depend on them; ids >= V read as NaN).
+  // The warp's logits and K2's plan, loaded beside the tile stats row_max reads (none depends on
+  // another; ids >= V read as NaN).
   const int64_t u = static_cast<int64_t>(blockIdx.y) * kTileWarps + (threadIdx.x >> 5);
   float v[2][4];
   load_groups<kVec, 2>(logits + r * stride, V, u * (kSub / 4), v);
   const RowPlan k2_plan = *w.plan;
-  if (sampling::greedy(P)) return;
   float m;
   int64_t mi;
   row_max<kTileWarps>(w, T, m, mi, sv, si);
