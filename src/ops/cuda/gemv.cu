@@ -242,8 +242,8 @@ void launch_st_mr(const gemv_stream::StArgs& a, dim3 grid, bool fp8, int conv, c
 }
 
 // Rows per block: 4 (32 loads of 4 bytes in flight per thread) unless that leaves fewer
-// than ~16 blocks per SM. 8 (FP8 at M <= 2 only, on request): twice the bytes in flight per
-// thread and half the x loads per weight byte.
+// than ~16 blocks per SM. 8 (FP8 at M = 1 only, on request): twice the bytes in flight per
+// thread and half the x loads per weight byte (at M = 2 its registers spill).
 int stream_rows(int64_t N, bool eight_ok = false) {
   if (g_stream.rows == 2 || g_stream.rows == 4) return g_stream.rows;
   if (g_stream.rows == 8) return eight_ok ? 8 : 4;
@@ -253,11 +253,11 @@ int stream_rows(int64_t N, bool eight_ok = false) {
 // mt: tokens (1, 2, or more: passes of 4; the kernel stops at the real count).
 Status launch_stream(const gemv_stream::StArgs& a, int mt, unsigned slots, bool fp8, cudaStream_t s) {
   const int conv = g_stream.conv;
-  const int R = stream_rows(a.N, fp8 && conv == gemv_stream::kConvF16Hw && mt <= 2);
+  const int R = stream_rows(a.N, fp8 && conv == gemv_stream::kConvF16Hw && mt <= 1);
   const dim3 grid(static_cast<unsigned>((a.N + R - 1) / R), slots, 1);
   auto go = [&](auto m_tag) {
     constexpr int M = decltype(m_tag)::value;
-    if constexpr (M <= 2) {
+    if constexpr (M == 1) {
       if (R == 8 && fp8 && conv == gemv_stream::kConvF16Hw) {
         launch_kernel(gemv_stream::gemv_stream_kernel<M, 8, true, gemv_stream::kConvF16Hw>, grid,
                       gemv_stream::kStThreads, 0, s, a);
