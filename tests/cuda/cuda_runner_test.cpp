@@ -538,6 +538,15 @@ void option_vs_plain(const std::string& preset, const char* what, Off off, On on
               differing, static_cast<long>((*pdl)->graph_replays()));
 }
 
+// option_vs_plain's check for an option that counts where it was taken: a runner with it counted
+// some (`what` never happened otherwise), one without it none.
+std::function<void(const CudaRunner&, bool)> taken_iff_on(int64_t (CudaRunner::*count)() const, const char* what) {
+  return [count, what](const CudaRunner& r, bool on) {
+    if (on) EXPECT_GT((r.*count)(), 0) << "never with the option on: " << what;
+    else EXPECT_EQ((r.*count)(), 0) << "with the option off: " << what;
+  };
+}
+
 // Programmatic dependent launch (ops/cuda/pdl.cuh, issue 19) changes when a kernel starts, not
 // what it computes: every kernel waits on the device for its predecessor before it touches the
 // step's data.
@@ -549,10 +558,7 @@ TEST(CudaRunner, ProgrammaticLaunchIsBitIdentical) {
   };
   auto on = [](CudaRunnerOptions& o) { o.programmatic_launch = true; };
   // The comparison means something only if steps ran with it (and none without it).
-  auto ran = [](const CudaRunner& r, bool on) {
-    if (on) EXPECT_GT(r.programmatic_steps(), 0) << "no step ran with programmatic launch";
-    else EXPECT_EQ(r.programmatic_steps(), 0) << "a step ran with programmatic launch with it off";
-  };
+  const auto ran = taken_iff_on(&CudaRunner::programmatic_steps, "a step with programmatic launch");
   option_vs_plain("mistral4-tiny", "programmatic launch", off, on, ran);
   option_vs_plain("ml4-tiny", "programmatic launch", off, on, ran);
   // The default: single-token decode steps with it, every other step without (graphs of both
@@ -571,10 +577,7 @@ TEST(CudaRunner, GemvNextPrefetchIsBitIdentical) {
   ML4_REQUIRE_GPU();
   auto off = [](CudaRunnerOptions& o) { o.gemv_next_prefetch = false; };
   auto on = [](CudaRunnerOptions& o) { o.gemv_next_prefetch = true; };
-  auto ran = [](const CudaRunner& r, bool on) {
-    if (on) EXPECT_GT(r.gemv_next_prefetches(), 0) << "no GEMV was given the next one's weights";
-    else EXPECT_EQ(r.gemv_next_prefetches(), 0) << "a GEMV prefetched with the option off";
-  };
+  const auto ran = taken_iff_on(&CudaRunner::gemv_next_prefetches, "a GEMV given the next one's weights");
   option_vs_plain("ml4-tiny", "the next GEMV's L2 prefetch", off, on, ran, 1, "fp8");
 }
 
@@ -610,10 +613,7 @@ TEST(CudaRunner, FusedFfnNormIsBitIdentical) {
   auto on = [](CudaRunnerOptions& o) { o.fused_ffn_norm = true; };
   // The comparison means something only if the fused launch ran with the option (decode steps
   // of MoE layers) and never without it.
-  auto ran = [](const CudaRunner& r, bool on) {
-    if (on) EXPECT_GT(r.fused_ffn_norms(), 0) << "the fused FFN norm never ran";
-    else EXPECT_EQ(r.fused_ffn_norms(), 0) << "the fused FFN norm ran with the option off";
-  };
+  const auto ran = taken_iff_on(&CudaRunner::fused_ffn_norms, "the fused FFN norm");
   option_vs_plain("mistral4-tiny", "the FFN norm inside the router", off, on, ran);
   option_vs_plain("ml4-tiny", "the FFN norm inside the router", off, on, ran);
 }
@@ -628,10 +628,7 @@ TEST(CudaRunner, SharedExpertLaneIsBitIdentical) {
     o.shared_expert_lane = true;
     o.shared_expert_lane_min_bytes = 0;  // the tiny models' shared experts are below the default
   };
-  auto ran = [](const CudaRunner& r, bool on) {
-    if (on) EXPECT_GT(r.shared_lane_runs(), 0) << "the shared expert never ran on its lane";
-    else EXPECT_EQ(r.shared_lane_runs(), 0) << "the shared expert ran on its lane with the option off";
-  };
+  const auto ran = taken_iff_on(&CudaRunner::shared_lane_runs, "the shared expert on its lane");
   option_vs_plain("mistral4-tiny", "the shared expert on its lane", off, on, ran);
   option_vs_plain("ml4-tiny", "the shared expert on its lane", off, on, ran);
 }
@@ -704,6 +701,19 @@ Result<std::unique_ptr<CudaRunner>> tiny_runner(const std::string& kv, bool mapp
   return CudaRunner::load(::ml4::testing::test_model("ml4-tiny", 11, "bf16"), o);
 }
 
+// Sequence s's sampling parameters in the device-sampling tests: row 0 greedy, then temperature
+// t0 + dt * s with top-k 20 (s % 3 == 1), top-p 0.8 (s % 3 == 2) and min-p 0.05 (s == 5).
+DeviceSamplingParams mixed_sampling(int s, float t0, float dt, uint64_t seed, int64_t counter) {
+  DeviceSamplingParams dp;
+  dp.temperature = s == 0 ? 0.0f : t0 + dt * s;
+  dp.top_k = s % 3 == 1 ? 20 : 0;
+  dp.top_p = s % 3 == 2 ? 0.8f : 1.0f;
+  dp.min_p = s == 5 ? 0.05f : 0.0f;
+  dp.seed = seed;
+  dp.counter = counter;
+  return dp;
+}
+
 // Device sampling through the runner: a decode step whose sequences all ask for it returns
 // tokens (and logprobs) drawn on the GPU; the same step again without it (the step is
 // idempotent) returns the logits, and the host reference (ops/cpu/sampling.h, the
@@ -723,14 +733,7 @@ TEST(CudaRunner, DeviceSamplingMatchesHostReference) {
     for (auto& t : p) t = tok(rng);
     prefill.seqs.push_back(::ml4::testing::seq_step(**r, s, p, 0, 2 * s, 2, 1));
     auto d = ::ml4::testing::seq_step(**r, s, {tok(rng)}, static_cast<int64_t>(p.size()), 2 * s, 2, 1);
-    DeviceSamplingParams dp;
-    dp.temperature = s == 0 ? 0.0f : 0.5f + 0.2f * s;
-    dp.top_k = s % 3 == 1 ? 20 : 0;
-    dp.top_p = s % 3 == 2 ? 0.8f : 1.0f;
-    dp.min_p = s == 5 ? 0.05f : 0.0f;
-    dp.seed = 1000 + s;
-    dp.counter = 7;
-    d.device_sampling = dp;
+    d.device_sampling = mixed_sampling(s, 0.5f, 0.2f, 1000 + s, 7);
     decode.seqs.push_back(d);
   }
   ASSERT_TRUE((*r)->execute(prefill).ok());
@@ -778,14 +781,7 @@ TEST(CudaRunner, MappedSampledOutputIsTheCopiedOne) {
     StepInput decode;
     for (int s = 0; s < kSeqs; ++s) {
       auto d = ::ml4::testing::seq_step(**mapped, s, {next[s]}, pos[s]++, 2 * s, 2, 1);
-      DeviceSamplingParams dp;
-      dp.temperature = s == 0 ? 0.0f : 0.6f + 0.1f * s;
-      dp.top_k = s % 3 == 1 ? 20 : 0;
-      dp.top_p = s % 3 == 2 ? 0.8f : 1.0f;
-      dp.min_p = s == 5 ? 0.05f : 0.0f;
-      dp.seed = 500 + s;
-      dp.counter = step;
-      d.device_sampling = dp;
+      d.device_sampling = mixed_sampling(s, 0.6f, 0.1f, 500 + s, step);
       decode.seqs.push_back(d);
     }
     auto a = (*mapped)->execute(decode);
