@@ -149,23 +149,27 @@ int main(int argc, char** argv) {
             GemvImpl impl;
             int conv, rows;
             int64_t prefetch_mb = 0;  // back to back: each launch prefetches the next one's first MB
+            int ring = 0;             // "st-ringS": the weights through a shared-memory ring of S stages
           };
           // (decoding 2, integer -> f32, measured slowest on the H200 at every shape: not listed)
           std::vector<V> vs = {{GemvImpl::kCudaCore, 0, 0}, {GemvImpl::kTensorCore, 0, 0},
                                {GemvImpl::kStream, 1, 2}, {GemvImpl::kStream, 1, 4}};
           if (fp8) vs.push_back({GemvImpl::kStream, 0, 4});
-          if (fp8) vs.push_back({GemvImpl::kStream, 1, 8});  // 8 rows a block
+          if (fp8) vs.push_back({GemvImpl::kStream, 1, 0, 0, 4});  // shared-memory ring, 4 / 8 stages
+          if (fp8) vs.push_back({GemvImpl::kStream, 1, 0, 0, 8});
           if (fp8) {  // the last wave prefetches the next launch's weights (GemvParams::next_w)
             vs.push_back({GemvImpl::kStream, 1, 4, 8});
             vs.push_back({GemvImpl::kStream, 1, 4, 16});
             vs.push_back({GemvImpl::kStream, 1, 4, 32});
           }
-          if (profile_only) vs = {{GemvImpl::kTensorCore, 0, 0}, {GemvImpl::kStream, 1, 4}, {GemvImpl::kStream, 1, 8}};
+          if (profile_only)
+            vs = {{GemvImpl::kStream, 1, 4}, {GemvImpl::kStream, 1, 0, 0, 4}, {GemvImpl::kStream, 1, 0, 0, 8}};
           const GemvStreamConfig saved = gemv_stream_config();
           for (const V& v : vs) {
             GemvStreamConfig c = saved;
             c.conv = v.conv;
             c.rows = v.rows;
+            c.ring = v.ring;
             gemv_set_stream_config(c);
             auto launch = [&](int i) {
               const int cc = i % copies;
@@ -181,6 +185,8 @@ int main(int argc, char** argv) {
             char name[32];
             if (v.impl == GemvImpl::kStream && v.prefetch_mb > 0)
               std::snprintf(name, sizeof name, "st-pf%ld", static_cast<long>(v.prefetch_mb));
+            else if (v.impl == GemvImpl::kStream && v.ring > 0)
+              std::snprintf(name, sizeof name, "st-ring%d", v.ring);
             else if (v.impl == GemvImpl::kStream)
               std::snprintf(name, sizeof name, "st-c%d-r%d", v.conv, v.rows);
             else

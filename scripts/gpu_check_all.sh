@@ -83,11 +83,12 @@ stamp() { echo "==== [$(( $(date +%s) - t0 )) s] $*"; }
 sections=" ${SECTIONS:-tests decode moegemm spec specstep hisparse perplexity pd all} "
 on() { [[ "$sections" == *" $1 "* ]]; }
 
-# The suites of the kernels the last session changed (twenty-fourth: the split sampler's kernels K2-K4,
-# the FP8 GEMV's 8-row blocks and next-launch L2 prefetch, none run on a device), first. A suite
+# The suites of the kernels the last sessions changed (twenty-fourth: the split sampler's kernels K2-K4,
+# the FP8 GEMV's 8-row blocks and next-launch L2 prefetch; twenty-fifth: its 8-byte loads; none run on
+# a device), first. A suite
 # that faults can be left out of the whole run with ML4_GTEST_EXCLUDE=Suite.* so that it does not
-# take the rest with it. The twenty-fourth session's pending measurement:
-#   FILTER_NEW=... SECTIONS="tests gemv step binab all" AB_ENVS="ML4_NONE=1 ML4_GEMV_ROWS=8"
+# take the rest with it. The pending measurement:
+#   SECTIONS="tests gemv step binab all" AB_ENVS="ML4_NONE=1 ML4_GEMV_ROWS=8 ML4_GEMV_VEC=8"
 new=${FILTER_NEW:-CudaSampling.*:CudaRunner.DeviceSampling*:CudaRunner.MappedSampledOutput*:CudaGemv.MatchesCpuLinear:CudaRunner.GemvNextPrefetch*:CudaRunner.DecodeGraphsMatchEager}
 on tests && stamp "1a. new GPU tests: $new" && timeout 240 "$carry/bin/ml4_cuda_tests" --gtest_filter="$new" --gtest_color=no > "$out/new_tests.log" 2>&1
 on tests && grep -E "^\[  (FAILED|PASSED|SKIPPED) |^\[       OK|rel|Failure" "$out/new_tests.log" | tail -40
@@ -135,17 +136,23 @@ fi
 
 if on gemv; then
   # The decode GEMV at M = 1 on this card (gpu_gemm_bench gemv: every variant, single launch and
-  # 20 back to back),
-  # then the sampler's kernels one by one under ncu (gpu_sampling_bench profile: per config
-  # greedy, T=1, top-k 50, top-p 0.9, k+p+min-p, top-p 0.99 at B = 1, 8, 64, in that order).
-  stamp "G. the decode GEMV's variants, the sampler's kernels"
+  # 20 back to back), then its stream kernels under ncu.
+  stamp "G. the decode GEMV's variants"
   timeout 150 "$carry/bin/gpu_gemm_bench" "${ML4_COPY_GBPS:-3000}" gemv > "$out/gemm_gemv.log" 2>&1; echo "rc=$?"
   grep -E "^copy|fp8 +st-" "$out/gemm_gemv.log" | awk '$2 == 1 || /^copy/' | cut -c1-150
-  if command -v ncu > /dev/null; then  # why FP8 streams slower than BF16: wo at M = 1, 4 and 8 rows a block, BF16
+  if command -v ncu > /dev/null; then  # wo at M = 1: the register stream, the ring at 4 and 8 stages
     timeout 120 ncu --clock-control none --cache-control none -k regex:gemv_stream --section WarpStateStats \
       --section SpeedOfLight --section Occupancy "$carry/bin/gpu_gemm_bench" 3000 profile > "$out/ncu_gemv.txt" 2>&1
     echo "ncu gemv rc=$?"
-    grep -E "gemv_stream_kernel|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Stall Long|Stall Wait|Warp Cycles Per Issued" "$out/ncu_gemv.txt" | head -40
+    grep -E "gemv_stream_kernel|gemv_stream_ring|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Stall Long|Stall Wait|Warp Cycles Per Issued" "$out/ncu_gemv.txt" | head -60
+  fi
+fi
+
+if on sampling; then
+  # The sampler's kernels one by one under ncu (gpu_sampling_bench profile: per config greedy, T=1,
+  # top-k 50, top-p 0.9, k+p+min-p, top-p 0.99 at B = 1, 8, 64, in that order), then its bench.
+  stamp "S. the sampler's kernels"
+  if command -v ncu > /dev/null; then
     timeout 120 ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv --print-units base \
       --log-file "$out/ncu_sampling.csv" "$carry/bin/gpu_sampling_bench" 3000 profile > "$out/sampling_profile.log" 2>&1
     echo "ncu sampling rc=$?"
@@ -155,8 +162,7 @@ rows = [r for r in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('
 for r in rows[:40]:
     print(f"{r['Kernel Name'][:60]:60s} {float(r['Metric Value'].replace(',', '')) / 1e3:8.2f} us")
 PY
-  fi
-  if command -v ncu > /dev/null; then  # the final kernel of top-k + top-p + min-p at B = 1 (the 5th call): why so slow
+    # the final kernel of top-k + top-p + min-p at B = 1 (the 5th call): why so slow
     timeout 120 ncu --clock-control none --cache-control none -k regex:final_kernel --launch-skip 4 --launch-count 1 \
       --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats --section SpeedOfLight \
       "$carry/bin/gpu_sampling_bench" 3000 profile > "$out/ncu_final.txt" 2>&1

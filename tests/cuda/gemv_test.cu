@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
 
 #include "cuda_test_util.h"
 #include "model/quant.h"
@@ -38,7 +39,8 @@ TEST(CudaGemv, MatchesCpuLinear) {
     int64_t M, N, K;
   };
   const Shape shapes[] = {{1, 576, 6144}, {3, 576, 1024}, {8, 160, 2048}, {2, 12288, 512}, {5, 9000, 256},
-                          {8, 16384, 384}, {4, 100, 128}, {6, 1536, 6144}, {7, 200, 1000}, {1, 4100, 2048}};
+                          {8, 16384, 384}, {4, 100, 128}, {6, 1536, 6144}, {7, 200, 1000}, {1, 4100, 2048},
+                          {1, 301, 640}, {1, 300, 20480}};
   uint32_t seed = 1;
   for (LinearFormat f : {LinearFormat::kBF16, LinearFormat::kFP8Block}) {
     for (const auto& s : shapes) {
@@ -66,7 +68,9 @@ TEST(CudaGemv, MatchesCpuLinear) {
         bool ws;
         GemvImpl impl;
         int conv, rows;  // stream kernel: e4m3 decoding, rows per block (0: by N)
+        int ring = 0;    // FP8 at M = 1: shared-memory ring stages (bit-identical to stream-c1)
       };
+      std::vector<float> stream_c1;  // stream-c1's output: the ring kernel's bits
       const GemvStreamConfig saved = gemv_stream_config();
       for (const Variant v : {Variant{"tc+splitk", true, GemvImpl::kTensorCore, 0, 0},
                               Variant{"tc", false, GemvImpl::kTensorCore, 0, 0},
@@ -76,13 +80,15 @@ TEST(CudaGemv, MatchesCpuLinear) {
                               Variant{"stream-c0r2", false, GemvImpl::kStream, 0, 2},
                               Variant{"stream-c0r4", false, GemvImpl::kStream, 0, 4},
                               Variant{"stream-c1", false, GemvImpl::kStream, 1, 0},
-                              Variant{"stream-c1r8", false, GemvImpl::kStream, 1, 8},
+                              Variant{"stream-ring4", false, GemvImpl::kStream, 1, 0, 4},
+                              Variant{"stream-ring8", false, GemvImpl::kStream, 1, 0, 8},
                               Variant{"stream-c2", false, GemvImpl::kStream, 2, 0}}) {
         if (f == LinearFormat::kBF16 && v.impl == GemvImpl::kStream && v.conv != 1) continue;  // no e4m3 to decode
         GemvStreamConfig c = saved;  // kAuto variants: the defaults
         if (v.impl == GemvImpl::kStream) {
           c.conv = v.conv;
           c.rows = v.rows;
+          c.ring = v.ring;
         }
         gemv_set_stream_config(c);
         std::vector<std::vector<float>> runs;
@@ -99,6 +105,12 @@ TEST(CudaGemv, MatchesCpuLinear) {
                     s.N, s.K, e);
         EXPECT_LT(e, 1e-5) << v.name;
         EXPECT_EQ(0, std::memcmp(runs[0].data(), runs[1].data(), runs[0].size() * 4)) << "not deterministic " << v.name;
+        if (std::string(v.name) == "stream-c1") stream_c1 = runs[0];
+        if (v.ring > 0) {  // the same per-thread k order and arithmetic: the same bits
+          ASSERT_EQ(stream_c1.size(), runs[0].size());
+          EXPECT_EQ(0, std::memcmp(runs[0].data(), stream_c1.data(), runs[0].size() * 4))
+              << v.name << " differs from stream-c1";
+        }
         if (v.impl == GemvImpl::kStream && v.conv == 1 && f == LinearFormat::kFP8Block) {
           // The last wave's L2 prefetch of the next launch's weights (here its own, any length)
           // changes no output bit.

@@ -463,10 +463,15 @@ TEST(CudaMoe, ExpertsAndSharedVsCpu) {
       // 1: grouped with the other grouped kernel (the CUDA-core stream turned off where it is
       // the default, T = 1, and on where it is not: T >= 3 then runs in passes of 4 rows; FP4:
       // the exact CUDA-core stream); 2: row-wise (T <= 8).
+      // 3, 4 (FP8, T = 1): path 0 with the weights through the stream's shared-memory ring of 4 / 8
+      // stages (GemvStreamConfig::ring): path 0's bits.
       const GemvStreamConfig saved = gemv_stream_config();
-      for (int path = 0; path < (Tb <= kGemvMaxM && !fp4 ? 3 : 2); ++path) {  // FP4: no row-wise path
+      const bool ring_paths = f == LinearFormat::kFP8Block && Tb == 1;
+      std::vector<float> path0;
+      for (int path = 0; path < (ring_paths ? 5 : Tb <= kGemvMaxM && !fp4 ? 3 : 2); ++path) {  // FP4: no row-wise
         GemvStreamConfig c = saved;
         if (path == 1) c.grouped_max_rows = Tb <= saved.grouped_max_rows ? 0 : 1 << 20;
+        if (path >= 3) c.ring = path == 3 ? 4 : 8;
         gemv_set_stream_config(c);
         std::vector<std::vector<float>> gr;
         for (int rep = 0; rep < 2; ++rep) {
@@ -485,9 +490,17 @@ TEST(CudaMoe, ExpertsAndSharedVsCpu) {
         const double e2 = rel_err(gr[0], ref2);
         gemv_set_stream_config(saved);
         std::printf("moe %s decode %s T=%ld rel_err=%.3g (bound 1e-5)\n",
-                    path == 0 ? "grouped" : path == 1 ? "grouped-other" : "rowwise", linear_format_name(f), Tb, e2);
+                    path == 0   ? "grouped"
+                    : path == 1 ? "grouped-other"
+                    : path == 2 ? "rowwise"
+                    : path == 3 ? "grouped-ring4"
+                                : "grouped-ring8",
+                    linear_format_name(f), Tb, e2);
         EXPECT_LT(e2, 1e-5) << "T=" << Tb << " path " << path;
         EXPECT_EQ(0, std::memcmp(gr[0].data(), gr[1].data(), gr[0].size() * 4)) << "not deterministic";
+        if (path == 0) path0 = gr[0];
+        if (path >= 3)
+          EXPECT_EQ(0, std::memcmp(gr[0].data(), path0.data(), gr[0].size() * 4)) << "ring path " << path << " differs";
       }
     }
   }

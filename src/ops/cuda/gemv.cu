@@ -242,25 +242,39 @@ void launch_st_mr(const gemv_stream::StArgs& a, dim3 grid, bool fp8, int conv, c
 }
 
 // Rows per block: 4 (32 loads of 4 bytes in flight per thread) unless that leaves fewer
-// than ~16 blocks per SM. 8 (FP8 at M = 1 only, on request): twice the bytes in flight per
-// thread and half the x loads per weight byte (at M = 2 its registers spill).
-int stream_rows(int64_t N, bool eight_ok = false) {
+// than ~16 blocks per SM.
+int stream_rows(int64_t N) {
   if (g_stream.rows == 2 || g_stream.rows == 4) return g_stream.rows;
-  if (g_stream.rows == 8) return eight_ok ? 8 : 4;
   return N >= int64_t{16} * std::max(sm_count(), 1) ? 4 : 2;
+}
+
+// The ring kernel (gemv_stream_ring_kernel) at NS stages: its shared memory raised past the
+// 48 KB default once per instantiation.
+template <int M, int R, int NS>
+cudaError_t launch_ring(const gemv_stream::StArgs& a, dim3 grid, cudaStream_t s) {
+  using namespace gemv_stream;
+  constexpr size_t smem = ring_smem_bytes(R, NS);
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(gemv_stream_ring_kernel<M, R, NS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(smem));
+  if (attr != cudaSuccess) return attr;
+  return launch_kernel(gemv_stream_ring_kernel<M, R, NS>, grid, kStThreads, smem, s, a);
 }
 
 // mt: tokens (1, 2, or more: passes of 4; the kernel stops at the real count).
 Status launch_stream(const gemv_stream::StArgs& a, int mt, unsigned slots, bool fp8, cudaStream_t s) {
   const int conv = g_stream.conv;
-  const int R = stream_rows(a.N, fp8 && conv == gemv_stream::kConvF16Hw && mt <= 1);
+  const int R = stream_rows(a.N);
   const dim3 grid(static_cast<unsigned>((a.N + R - 1) / R), slots, 1);
+  cudaError_t ring_err = cudaSuccess;
   auto go = [&](auto m_tag) {
     constexpr int M = decltype(m_tag)::value;
-    if constexpr (M == 1) {
-      if (R == 8 && fp8 && conv == gemv_stream::kConvF16Hw) {
-        launch_kernel(gemv_stream::gemv_stream_kernel<M, 8, true, gemv_stream::kConvF16Hw>, grid,
-                      gemv_stream::kStThreads, 0, s, a);
+    if constexpr (M == 1) {  // FP8 at one token: the weights through a shared-memory ring, on request
+      if (fp8 && conv == gemv_stream::kConvF16Hw && (g_stream.ring == 4 || g_stream.ring == 8)) {
+        if (g_stream.ring == 4)
+          ring_err = R == 2 ? launch_ring<M, 2, 4>(a, grid, s) : launch_ring<M, 4, 4>(a, grid, s);
+        else
+          ring_err = R == 2 ? launch_ring<M, 2, 8>(a, grid, s) : launch_ring<M, 4, 8>(a, grid, s);
         return;
       }
     }
@@ -272,6 +286,7 @@ Status launch_stream(const gemv_stream::StArgs& a, int mt, unsigned slots, bool 
     go(std::integral_constant<int, 2>{});
   else  // 3..8 tokens: passes of 4 (the CUDA-core stream's cost grows with M; 8 was measured 2-4x the
     go(std::integral_constant<int, 4>{});  // tensor-core kernel at M = 8 and is not built)
+  if (ring_err != cudaSuccess) return cuda_status(ring_err, "gemv_stream_ring_kernel");
   return cuda_status(cudaGetLastError(), "gemv_stream_kernel");
 }
 

@@ -97,7 +97,9 @@ struct GemvStreamConfig {
   int max_m = 2;             // kAuto: FP8 gemv with M <= max_m streams
   int grouped_max_rows = 1;  // grouped_gemv: FP8 with max_expert_rows <= this streams (MoE T = 1)
   int conv = 1;              // e4m3 decoding: 0 integer -> f16, 1 cvt.e4m3x2 -> f16, 2 integer -> f32
-  int rows = 0;              // rows per block: 2, 4, 8 (FP8 with cvt decoding at M = 1; else 4), or 0 (by N)
+  int rows = 0;              // rows per block: 2, 4, or 0 (by N)
+  int ring = 0;              // FP8 with cvt decoding at M = 1: weights through a shared-memory ring of
+                             // this many stages (4 or 8; gemv_stream.cuh gemv_stream_ring_kernel), or 0
 };
 void gemv_set_stream_config(const GemvStreamConfig& c);
 GemvStreamConfig gemv_stream_config();

@@ -29,6 +29,7 @@
 // multiplied by the (power-of-two adjusted) block scale with one f32 FMA: the same
 // arithmetic as cpu::linear up to summation order.
 #pragma once
+#include "ops/cuda/cp_async.cuh"
 #include "ops/cuda/pdl.cuh"
 
 #include <cstdint>
@@ -260,6 +261,27 @@ __device__ __forceinline__ void decode4(uint32_t w, float (&f)[4]) {
   }
 }
 
+// One quad of every row into acc: acc[r] += (x . w_r) * sc (FP8; BF16 adds the dot itself). The
+// same operations in every kernel that streams quads, so their sums agree bit for bit.
+template <int R, bool kFp8, int kConv>
+__device__ __forceinline__ void quad_dot(float4 xv, const float (&wf)[R][4], float sc, float (&acc)[R]) {
+  if constexpr (kFp8 && kConv == kConvF32Int) {
+    constexpr float k64 = 18446744073709551616.0f;  // 2^64
+    xv.x *= k64;
+    xv.y *= k64;
+    xv.z *= k64;
+    xv.w *= k64;
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    float d = xv.x * wf[r][0];
+    d = fmaf(xv.y, wf[r][1], d);
+    d = fmaf(xv.z, wf[r][2], d);
+    d = fmaf(xv.w, wf[r][3], d);
+    if constexpr (kFp8) acc[r] = fmaf(d, sc, acc[r]); else acc[r] += d;
+  }
+}
+
 __device__ __forceinline__ void decode4_bf16(uint2 w, float (&f)[4]) {
   f[0] = __uint_as_float(w.x << 16);
   f[1] = __uint_as_float(w.x & 0xFFFF0000u);
@@ -372,21 +394,7 @@ __device__ __forceinline__ void stream_rows(const uint8_t* w, const float* w_sca
           if (m >= mrows) break;
           float4 xv;
           if constexpr (kEarlyX) xv = xe[u][m]; else xv = load_x<kX>(xr[m] + tid + ob + u * kStThreads);
-          if constexpr (kFp8 && kConv == kConvF32Int) {
-            constexpr float k64 = 18446744073709551616.0f;  // 2^64
-            xv.x *= k64;
-            xv.y *= k64;
-            xv.z *= k64;
-            xv.w *= k64;
-          }
-#pragma unroll
-          for (int r = 0; r < R; ++r) {
-            float d = xv.x * wf[r][0];
-            d = fmaf(xv.y, wf[r][1], d);
-            d = fmaf(xv.z, wf[r][2], d);
-            d = fmaf(xv.w, wf[r][3], d);
-            if constexpr (kFp8) acc[m][r] = fmaf(d, sc[u], acc[m][r]); else acc[m][r] += d;
-          }
+          quad_dot<R, kFp8, kConv>(xv, wf, kFp8 ? sc[u] : 1.0f, acc[m]);
         }
       }
     };
@@ -425,6 +433,134 @@ __global__ void __launch_bounds__(kStThreads, kStMinBlocks(M)) gemv_stream_kerne
   stream_rows<M, R, kFp8, kConv, kXLdg>(sw.w, sw.w_scale, N, a.K, n0, a.x, sw.xmap, sw.x_off, r_begin, r_end, red,
                                         [&](int64_t p, int r, float v) { y[(y_off + p) * N + n0 + r] = v; });
   tail_prefetch_l2(a);
+}
+
+// The FP8 weight stream at one token through a shared-memory ring (GemvStreamConfig::ring):
+// the same block layout, per-thread k order and arithmetic as gemv_stream_kernel<1, R, true,
+// kConvF16Hw> (so the same bits), but the weights travel by cp.async (16 bytes, L2 only) into NS
+// ring stages instead of registers: a thread has up to NS - 1 stages of kRingU quads a row in
+// flight while it decodes one, with no register cost, and a plain GEMV issues its first stages
+// before pdl_wait (the weights do not depend on the previous kernel). Each warp copies exactly
+// the quads its own lanes use (per stage and row: 4 segments of 32 quads, lane l the 16 bytes
+// 4 (l % 8) .. of segment l / 8), so __syncwarp orders the copies and the reads; no block barrier.
+constexpr int kRingU = 4;  // quads per row per thread in one ring stage
+// A stage: R rows of [kStWarps][kRingU][32] weight words, then [kStWarps][kRingU] block scales.
+constexpr int ring_stage_words(int R) { return R * kStThreads * kRingU + kStWarps * kRingU; }
+constexpr size_t ring_smem_bytes(int R, int NS) { return size_t{4} * NS * ring_stage_words(R); }
+
+template <int M, int R, int NS>
+__global__ void __launch_bounds__(kStThreads) gemv_stream_ring_kernel(const StArgs a) {
+  constexpr int kConv = kConvF16Hw;
+  extern __shared__ __align__(16) uint32_t ring[];  // [NS] stages (ring_stage_words)
+  __shared__ float red[kStWarps][M * R];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t N = a.N, K = a.K, n0 = blockIdx.x * int64_t{R};
+  const int nq = static_cast<int>(K / 4);  // quads per row (K % 128 == 0: whole 32-quad segments)
+  const int n_my = tid < nq ? (nq - tid + kStThreads - 1) / kStThreads : 0;
+  const int n_st = (n_my + kRingU - 1) / kRingU;  // stages of this thread (warp-uniform: nq % 32 == 0)
+  const bool plain = a.offsets == nullptr;
+
+  float* y = nullptr;
+  SlotWork sw;
+  const uint8_t* w0 = nullptr;  // row n0 (rows n0 + r at r * K bytes; tail rows read row N - 1, unused)
+  int tail = R;                 // rows of this block below N
+  const float* srow = nullptr;
+  auto bind = [&] {
+    w0 = sw.w + n0 * K;
+    tail = static_cast<int>(min(int64_t{R}, N - n0));
+    srow = sw.w_scale + (n0 / 128) * (K / 128);
+  };
+  // Stage st into slot st % NS: this lane's 16 bytes of each row (segment l / 8 of the warp's
+  // four), and lanes 0..3 the block scale of the warp's quads at u = lane (q / 32).
+  const uint32_t ring_base = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+  const int seg = lane >> 3;
+  const uint32_t my_dst = 4u * static_cast<uint32_t>((warp * kRingU + seg) * 32 + 4 * (lane & 7));
+  auto issue = [&](int st) {
+    if (st < n_st) {
+      const uint32_t stage = ring_base + 4u * static_cast<uint32_t>((st % NS) * ring_stage_words(R));
+      const int q = warp * 32 + (st * kRingU + seg) * kStThreads + 4 * (lane & 7);
+      const bool valid = q < nq;
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        cp_async16(stage + my_dst + 4u * r * kStThreads * kRingU, w0 + min(r, tail - 1) * K + int64_t{q} * 4, valid);
+      if (lane < kRingU) {
+        const int qu = warp * 32 + (st * kRingU + lane) * kStThreads;
+        cp_async4(stage + 4u * (R * kStThreads * kRingU + warp * kRingU + lane), srow + qu / 32, qu < nq);
+      }
+    }
+    cp_commit();
+  };
+
+  bool early = false;
+  if (plain && a.rows > 0) {  // the weights are known before the previous kernel ends
+    block_work(a, &sw, &y);
+    bind();
+    for (int st = 0; st < NS - 1; ++st) issue(st);
+    early = true;
+  }
+  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
+  pdl_launch_dependents();
+  if (!plain) {
+    if (!block_work(a, &sw, &y)) return;
+    bind();
+  }
+  const int64_t r_begin = sw.r_begin, r_end = sw.r_end, y_off = sw.y_off;
+  if (n0 >= N || r_begin >= r_end) {  // block-uniform
+    cp_wait<0>();
+    return;
+  }
+  for (int64_t p0 = r_begin; p0 < r_end; p0 += M) {
+    const int mrows = static_cast<int>(min(int64_t{M}, r_end - p0));
+    const float4* xr[M];
+    token_rows<M>(a.x, K, sw.xmap, sw.x_off, p0, mrows, xr);
+    float acc[M][R];
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+      for (int r = 0; r < R; ++r) acc[m][r] = 0.0f;
+    if (!early)
+      for (int st = 0; st < NS - 1; ++st) issue(st);
+    early = false;
+#pragma unroll 1
+    for (int st = 0; st < n_st; ++st) {
+      // The slot of stage st + NS - 1 (read at stage st - 1 by the whole warp) refills first:
+      // NS - 1 stages ahead.
+      __syncwarp();
+      issue(st + NS - 1);
+      const int rem = n_my - st * kRingU;
+      const int qb = tid + st * (kRingU * kStThreads);
+      float4 xe[kRingU][M];
+#pragma unroll
+      for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int u = 0; u < kRingU; ++u)
+          xe[u][m] = u < rem && m < mrows ? __ldg(xr[m] + qb + u * kStThreads) : make_float4(0, 0, 0, 0);
+      cp_wait<NS - 1>();  // this lane's copies of stage st have landed ...
+      __syncwarp();       // ... and so have the warp's
+      const uint32_t* stage = ring + (st % NS) * ring_stage_words(R);
+      uint32_t wv[kRingU][R];
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int u = 0; u < kRingU; ++u) wv[u][r] = stage[((r * kStWarps + warp) * kRingU + u) * 32 + lane];
+      const float4 sc4 = *reinterpret_cast<const float4*>(stage + R * kStThreads * kRingU + warp * kRingU);
+      const float sc[kRingU] = {sc4.x, sc4.y, sc4.z, sc4.w};
+#pragma unroll
+      for (int u = 0; u < kRingU; ++u) {
+        if (u >= rem) break;
+        float wf[R][4];
+#pragma unroll
+        for (int r = 0; r < R; ++r) decode4<kConv>(wv[u][r], wf[r]);
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          if (m >= mrows) break;
+          quad_dot<R, true, kConv>(xe[u][m], wf, sc[u] * conv_mul<kConv>(), acc[m]);
+        }
+      }
+    }
+    cp_wait<0>();  // no copy in flight into a ring the next pass (or exit) leaves behind
+    reduce_store_to<M, R>(acc, red, mrows, n0, N, [&](int m, int r, float v) { y[(y_off + p0 + m) * N + n0 + r] = v; });
+  }
 }
 
 }  // namespace ml4::cuda::gemv_stream
