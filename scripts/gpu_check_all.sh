@@ -76,20 +76,20 @@ stamp() { echo "==== [$(( $(date +%s) - t0 )) s] $*"; }
 # SECTIONS picks parts (default all but train): tests decode moegemm spec specstep hisparse perplexity pd all;
 # timeline (in decode too) alone runs the decode step's CUPTI timeline; step the decode step's
 # figures and fusion A/B lines only (not in the default); gapcause the graph's first idle gap
-# under each stream setting (not in the default); gemv the decode GEMV's variants and the sampler's
-# kernels under ncu (not in the default); binab every carried bin/ml4-<variant> build against
+# under each stream setting (not in the default); gemv the decode GEMV's variants under ncu (not in
+# the default); sampling the sampler's kernels under ncu and its bench (not in the default); sampling the sampler's kernels under ncu and its bench (not
+# in the default); binab every carried bin/ml4-<variant> build against
 # bin/ml4 (not in the default);
 # train (not in the default: it needs the corpus carried, see below) retrains the DSpark drafter
 sections=" ${SECTIONS:-tests decode moegemm spec specstep hisparse perplexity pd all} "
 on() { [[ "$sections" == *" $1 "* ]]; }
 
-# The suites of the kernels the last sessions changed (twenty-fourth: the split sampler's kernels K2-K4,
-# the FP8 GEMV's 8-row blocks and next-launch L2 prefetch; twenty-fifth: its 8-byte loads; none run on
-# a device), first. A suite
-# that faults can be left out of the whole run with ML4_GTEST_EXCLUDE=Suite.* so that it does not
-# take the rest with it. The pending measurement:
-#   SECTIONS="tests gemv step binab all" AB_ENVS="ML4_NONE=1 ML4_GEMV_ROWS=8 ML4_GEMV_VEC=8"
-new=${FILTER_NEW:-CudaSampling.*:CudaRunner.DeviceSampling*:CudaRunner.MappedSampledOutput*:CudaGemv.MatchesCpuLinear:CudaRunner.GemvNextPrefetch*:CudaRunner.DecodeGraphsMatchEager}
+# The suites of the kernels the last session changed (twenty-fifth: the FP8 GEMV's shared-memory
+# ring, `GemvStreamConfig::ring`, bit-equal to the register stream), first. A suite that faults can
+# be left out of the whole run with ML4_GTEST_EXCLUDE=Suite.* so that it does not take the rest
+# with it. The twenty-fifth session's measurement:
+#   SECTIONS="tests gemv step binab" AB_ENVS="ML4_NONE=1 ML4_GEMV_RING=4 ML4_GEMV_RING=8"
+new=${FILTER_NEW:-CudaGemv.*:CudaMoe.*:CudaRunner.DecodeGraphsMatchEager:CudaRunner.LatencyDecodeMatchesStandard}
 on tests && stamp "1a. new GPU tests: $new" && timeout 240 "$carry/bin/ml4_cuda_tests" --gtest_filter="$new" --gtest_color=no > "$out/new_tests.log" 2>&1
 on tests && grep -E "^\[  (FAILED|PASSED|SKIPPED) |^\[       OK|rel|Failure" "$out/new_tests.log" | tail -40
 
@@ -177,7 +177,7 @@ if on binab; then
   # Two builds of ml4 against each other (a compile-time switch): every bin/ml4-<variant> carried
   # beside bin/ml4, alternating, twice; step figures at batch 1 / 2 / 4.
   stamp "D4. builds against each other"
-  # AB_ENVS="ML4_NONE=1 ML4_GEMV_ROWS=8": bin/ml4 under each setting instead.
+  # AB_ENVS="ML4_NONE=1 ML4_GEMV_RING=4": bin/ml4 under each setting instead.
   for i in 1 2; do
     if [ -n "${AB_ENVS:-}" ]; then
       for e in $AB_ENVS; do
