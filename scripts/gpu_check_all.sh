@@ -77,9 +77,8 @@ stamp() { echo "==== [$(( $(date +%s) - t0 )) s] $*"; }
 # timeline (in decode too) alone runs the decode step's CUPTI timeline; step the decode step's
 # figures and fusion A/B lines only (not in the default); gapcause the graph's first idle gap
 # under each stream setting (not in the default); gemv the decode GEMV's variants under ncu (not in
-# the default); sampling the sampler's kernels under ncu and its bench (not in the default); sampling the sampler's kernels under ncu and its bench (not
-# in the default); binab every carried bin/ml4-<variant> build against
-# bin/ml4 (not in the default);
+# the default); sampling the sampler's kernels under ncu and its bench (not in the default); binab
+# every carried bin/ml4-<variant> build against bin/ml4 (not in the default);
 # train (not in the default: it needs the corpus carried, see below) retrains the DSpark drafter
 sections=" ${SECTIONS:-tests decode moegemm spec specstep hisparse perplexity pd all} "
 on() { [[ "$sections" == *" $1 "* ]]; }
