@@ -148,45 +148,31 @@ int main(int argc, char** argv) {
           struct V {
             GemvImpl impl;
             int conv, rows;
-            int64_t prefetch_mb = 0;  // back to back: each launch prefetches the next one's first MB
-            int ring = 0;             // "st-ringS": the weights through a shared-memory ring of S stages
+            int warp_rows = 0;  // "st-warp": each warp its own 4 rows (FP8 at M = 1)
           };
           // (decoding 2, integer -> f32, measured slowest on the H200 at every shape: not listed)
           std::vector<V> vs = {{GemvImpl::kCudaCore, 0, 0}, {GemvImpl::kTensorCore, 0, 0},
                                {GemvImpl::kStream, 1, 2}, {GemvImpl::kStream, 1, 4}};
           if (fp8) vs.push_back({GemvImpl::kStream, 0, 4});
-          if (fp8) vs.push_back({GemvImpl::kStream, 1, 0, 0, 4});  // shared-memory ring, 4 / 8 stages
-          if (fp8) vs.push_back({GemvImpl::kStream, 1, 0, 0, 8});
-          if (fp8) {  // the last wave prefetches the next launch's weights (GemvParams::next_w)
-            vs.push_back({GemvImpl::kStream, 1, 4, 8});
-            vs.push_back({GemvImpl::kStream, 1, 4, 16});
-            vs.push_back({GemvImpl::kStream, 1, 4, 32});
-          }
-          if (profile_only)
-            vs = {{GemvImpl::kStream, 1, 4}, {GemvImpl::kStream, 1, 0, 0, 4}, {GemvImpl::kStream, 1, 0, 0, 8}};
+          if (fp8) vs.push_back({GemvImpl::kStream, 1, 0, 1});
+          if (profile_only) vs = {{GemvImpl::kStream, 1, 4}, {GemvImpl::kStream, 1, 0, 1}};
           const GemvStreamConfig saved = gemv_stream_config();
           for (const V& v : vs) {
             GemvStreamConfig c = saved;
             c.conv = v.conv;
             c.rows = v.rows;
-            c.ring = v.ring;
+            c.warp_rows = v.warp_rows;
             gemv_set_stream_config(c);
             auto launch = [&](int i) {
               const int cc = i % copies;
               GemvParams gp{x->as<float>(), M, sh.N, sh.K, fp8 ? LinearFormat::kFP8Block : LinearFormat::kBF16,
                             ws[cc].data(), fp8 ? wss[cc].as<float>() : nullptr, y->as<float>(), gws->as<float>(),
                             s, v.impl};
-              if (v.prefetch_mb > 0) {
-                gp.next_w = ws[(i + 1) % copies].data();
-                gp.next_bytes = std::min<int64_t>(v.prefetch_mb << 20, static_cast<int64_t>(wbytes));
-              }
               BENCH_CHECK(gemv(gp));
             };
             char name[32];
-            if (v.impl == GemvImpl::kStream && v.prefetch_mb > 0)
-              std::snprintf(name, sizeof name, "st-pf%ld", static_cast<long>(v.prefetch_mb));
-            else if (v.impl == GemvImpl::kStream && v.ring > 0)
-              std::snprintf(name, sizeof name, "st-ring%d", v.ring);
+            if (v.impl == GemvImpl::kStream && v.warp_rows > 0)
+              std::snprintf(name, sizeof name, "st-warp");
             else if (v.impl == GemvImpl::kStream)
               std::snprintf(name, sizeof name, "st-c%d-r%d", v.conv, v.rows);
             else

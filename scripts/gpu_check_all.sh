@@ -83,12 +83,12 @@ stamp() { echo "==== [$(( $(date +%s) - t0 )) s] $*"; }
 sections=" ${SECTIONS:-tests decode moegemm spec specstep hisparse perplexity pd all} "
 on() { [[ "$sections" == *" $1 "* ]]; }
 
-# The suites of the kernels the last session changed (twenty-fifth: the FP8 GEMV's shared-memory
-# ring, `GemvStreamConfig::ring`, bit-equal to the register stream), first. A suite that faults can
-# be left out of the whole run with ML4_GTEST_EXCLUDE=Suite.* so that it does not take the rest
-# with it. The twenty-fifth session's measurement:
-#   SECTIONS="tests gemv step binab" AB_ENVS="ML4_NONE=1 ML4_GEMV_RING=4 ML4_GEMV_RING=8"
-new=${FILTER_NEW:-CudaGemv.*:CudaMoe.*:CudaRunner.DecodeGraphsMatchEager:CudaRunner.LatencyDecodeMatchesStandard}
+# The suites of the kernels the last session changed (twenty-fifth: the stream GEMV's one-warp rows,
+# `GemvStreamConfig::warp_rows`; the next-GEMV prefetch removed), first. A suite that faults can be
+# left out of the whole run with ML4_GTEST_EXCLUDE=Suite.* so that it does not take the rest with it.
+# The twenty-fifth session's measurement:
+#   SECTIONS="tests gemv step binab" AB_ENVS="ML4_NONE=1 ML4_GEMV_WARP_ROWS=1"
+new=${FILTER_NEW:-CudaGemv.*:CudaMoe.*:CudaRunner.*}
 on tests && stamp "1a. new GPU tests: $new" && timeout 240 "$carry/bin/ml4_cuda_tests" --gtest_filter="$new" --gtest_color=no > "$out/new_tests.log" 2>&1
 on tests && grep -E "^\[  (FAILED|PASSED|SKIPPED) |^\[       OK|rel|Failure" "$out/new_tests.log" | tail -40
 
@@ -130,7 +130,7 @@ if on step; then
   stamp "D1. decode step"
   timeout 150 "$carry/bin/ml4" bench step --preset ml4-slice-4 --batch 1,2,4,8 --ctx 8192 --no-extras \
     > "$out/step.log" 2>&1; echo "rc=$?"
-  grep -E "^STEP |^STEPSPLIT|^HOSTSPLIT|^FUSED|^PDL1|^SHAREDLANE|^MAPPEDIO|^NEXTPF|rror" "$out/step.log" | cut -c1-200
+  grep -E "^STEP |^STEPSPLIT|^HOSTSPLIT|^FUSED|^PDL1|^SHAREDLANE|^MAPPEDIO|rror" "$out/step.log" | cut -c1-200
 fi
 
 if on gemv; then
@@ -139,11 +139,11 @@ if on gemv; then
   stamp "G. the decode GEMV's variants"
   timeout 150 "$carry/bin/gpu_gemm_bench" "${ML4_COPY_GBPS:-3000}" gemv > "$out/gemm_gemv.log" 2>&1; echo "rc=$?"
   grep -E "^copy|fp8 +st-" "$out/gemm_gemv.log" | awk '$2 == 1 || /^copy/' | cut -c1-150
-  if command -v ncu > /dev/null; then  # wo at M = 1: the register stream, the ring at 4 and 8 stages
+  if command -v ncu > /dev/null; then  # wo at M = 1: BF16, FP8 4 rows a block, FP8 4 rows a warp
     timeout 120 ncu --clock-control none --cache-control none -k regex:gemv_stream --section WarpStateStats \
       --section SpeedOfLight --section Occupancy "$carry/bin/gpu_gemm_bench" 3000 profile > "$out/ncu_gemv.txt" 2>&1
     echo "ncu gemv rc=$?"
-    grep -E "gemv_stream_kernel|gemv_stream_ring|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Stall Long|Stall Wait|Warp Cycles Per Issued" "$out/ncu_gemv.txt" | head -60
+    grep -E "gemv_stream_kernel|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Stall Long|Stall Wait|Warp Cycles Per Issued" "$out/ncu_gemv.txt" | head -60
   fi
 fi
 
@@ -176,7 +176,7 @@ if on binab; then
   # Two builds of ml4 against each other (a compile-time switch): every bin/ml4-<variant> carried
   # beside bin/ml4, alternating, twice; step figures at batch 1 / 2 / 4.
   stamp "D4. builds against each other"
-  # AB_ENVS="ML4_NONE=1 ML4_GEMV_RING=4": bin/ml4 under each setting instead.
+  # AB_ENVS="ML4_NONE=1 ML4_GEMV_WARP_ROWS=1": bin/ml4 under each setting instead.
   for i in 1 2; do
     if [ -n "${AB_ENVS:-}" ]; then
       for e in $AB_ENVS; do

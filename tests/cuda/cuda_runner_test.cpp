@@ -473,9 +473,8 @@ TEST(CudaRunner, DecodeGraphsMatchEager) {
 // bits), over a prefill of mixed lengths and decode steps (graph replays included).
 template <typename Off, typename On>
 void option_vs_plain(const std::string& preset, const char* what, Off off, On on,
-                     const std::function<void(const CudaRunner&, bool on)>& check = nullptr, int seqs = 3,
-                     const std::string& dtype = "bf16") {
-  const std::string dir = ::ml4::testing::test_model(preset, 11, dtype);
+                     const std::function<void(const CudaRunner&, bool on)>& check = nullptr, int seqs = 3) {
+  const std::string dir = ::ml4::testing::test_model(preset, 11, "bf16");
   CudaRunnerOptions o;
   o.base.kv_cache_dtype = "fp8_ds_mla";
   o.base.kv_cache_bytes = 64ll << 20;
@@ -568,17 +567,6 @@ TEST(CudaRunner, ProgrammaticLaunchIsBitIdentical) {
     o.programmatic_launch_tokens = 1;  // `off` set 0
   };
   option_vs_plain("ml4-tiny", "programmatic launch on single-token steps", off, single, ran, 1);
-}
-
-// Each decode GEMV's last wave prefetching the next one's weights into L2
-// (CudaRunnerOptions::gemv_next_prefetch): loads that nothing reads back, so the same bits. FP8
-// weights and one sequence, so that the decode GEMVs take the stream kernel that prefetches.
-TEST(CudaRunner, GemvNextPrefetchIsBitIdentical) {
-  ML4_REQUIRE_GPU();
-  auto off = [](CudaRunnerOptions& o) { o.gemv_next_prefetch = false; };
-  auto on = [](CudaRunnerOptions& o) { o.gemv_next_prefetch = true; };
-  const auto ran = taken_iff_on(&CudaRunner::gemv_next_prefetches, "a GEMV given the next one's weights");
-  option_vs_plain("ml4-tiny", "the next GEMV's L2 prefetch", off, on, ran, 1, "fp8");
 }
 
 // The fused indexer paths (issue 19): the key half in one kernel (cache_write.h

@@ -248,33 +248,17 @@ int stream_rows(int64_t N) {
   return N >= int64_t{16} * std::max(sm_count(), 1) ? 4 : 2;
 }
 
-// The ring kernel (gemv_stream_ring_kernel) at NS stages: its shared memory raised past the
-// 48 KB default once per instantiation.
-template <int M, int R, int NS>
-cudaError_t launch_ring(const gemv_stream::StArgs& a, dim3 grid, cudaStream_t s) {
-  using namespace gemv_stream;
-  constexpr size_t smem = ring_smem_bytes(R, NS);
-  static const cudaError_t attr =
-      cudaFuncSetAttribute(gemv_stream_ring_kernel<M, R, NS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(smem));
-  if (attr != cudaSuccess) return attr;
-  return launch_kernel(gemv_stream_ring_kernel<M, R, NS>, grid, kStThreads, smem, s, a);
-}
-
 // mt: tokens (1, 2, or more: passes of 4; the kernel stops at the real count).
 Status launch_stream(const gemv_stream::StArgs& a, int mt, unsigned slots, bool fp8, cudaStream_t s) {
   const int conv = g_stream.conv;
   const int R = stream_rows(a.N);
   const dim3 grid(static_cast<unsigned>((a.N + R - 1) / R), slots, 1);
-  cudaError_t ring_err = cudaSuccess;
   auto go = [&](auto m_tag) {
     constexpr int M = decltype(m_tag)::value;
-    if constexpr (M == 1) {  // FP8 at one token: the weights through a shared-memory ring, on request
-      if (fp8 && conv == gemv_stream::kConvF16Hw && (g_stream.ring == 4 || g_stream.ring == 8)) {
-        if (g_stream.ring == 4)
-          ring_err = R == 2 ? launch_ring<M, 2, 4>(a, grid, s) : launch_ring<M, 4, 4>(a, grid, s);
-        else
-          ring_err = R == 2 ? launch_ring<M, 2, 8>(a, grid, s) : launch_ring<M, 4, 8>(a, grid, s);
+    if constexpr (M == 1) {  // FP8 at one token: each warp its own 4 rows, on request
+      if (fp8 && conv == gemv_stream::kConvF16Hw && g_stream.warp_rows == 1) {
+        const dim3 wgrid(static_cast<unsigned>((a.N + 3) / 4), slots, 1);
+        launch_kernel(gemv_stream::gemv_stream_kernel<M, 4, true, gemv_stream::kConvF16Hw, 32>, wgrid, 32, 0, s, a);
         return;
       }
     }
@@ -286,7 +270,6 @@ Status launch_stream(const gemv_stream::StArgs& a, int mt, unsigned slots, bool 
     go(std::integral_constant<int, 2>{});
   else  // 3..8 tokens: passes of 4 (the CUDA-core stream's cost grows with M; 8 was measured 2-4x the
     go(std::integral_constant<int, 4>{});  // tensor-core kernel at M = 8 and is not built)
-  if (ring_err != cudaSuccess) return cuda_status(ring_err, "gemv_stream_ring_kernel");
   return cuda_status(cudaGetLastError(), "gemv_stream_kernel");
 }
 
@@ -439,12 +422,6 @@ Status gemv(const GemvParams& p) {
     a.y = p.y;
     a.rows = static_cast<int>(p.M);
     a.prefetch_l2 = programmatic_launch();  // only where it can overlap the previous kernel (pdl.cuh)
-    if (!fp4 && p.next_w != nullptr && p.next_bytes >= 16 &&
-        (reinterpret_cast<uintptr_t>(p.next_w) & 15u) == 0) {
-      a.next_w = p.next_w;
-      a.next_bytes = p.next_bytes;
-      a.tail_blocks = gemv_stream::kStMinBlocks(pow2_tokens(p.M)) * std::max(sm_count(), 1);
-    }
     if (fp4) return launch_fp4(a, pow2_tokens(p.M), 1, p.format == LinearFormat::kNVFP4, p.stream);
     return launch_stream(a, pow2_tokens(p.M), 1, fp8, p.stream);
   }

@@ -67,11 +67,6 @@ struct GemvParams {
   // Negative: FP4 takes the exact CUDA-core stream, as impl kStream does (other formats ignore
   // x_parts).
   int x_parts = 0;
-  // The next weight stream's bytes (FP8 / BF16 stream kernel only): the blocks of this launch's
-  // last wave, done with their rows, prefetch them into L2 (a share each), so that the DRAM's
-  // idle tail of this launch starts the next one's reads.
-  const void* next_w = nullptr;
-  int64_t next_bytes = 0;
 };
 
 constexpr int kGemvMaxM = 8;
@@ -98,8 +93,9 @@ struct GemvStreamConfig {
   int grouped_max_rows = 1;  // grouped_gemv: FP8 with max_expert_rows <= this streams (MoE T = 1)
   int conv = 1;              // e4m3 decoding: 0 integer -> f16, 1 cvt.e4m3x2 -> f16, 2 integer -> f32
   int rows = 0;              // rows per block: 2, 4, or 0 (by N)
-  int ring = 0;              // FP8 with cvt decoding at M = 1: weights through a shared-memory ring of
-                             // this many stages (4 or 8; gemv_stream.cuh gemv_stream_ring_kernel), or 0
+  int warp_rows = 0;         // FP8 with cvt decoding at M = 1: 1 = each warp streams its own 4 rows
+                             // (one-warp blocks; gemv_stream.cuh stream_rows kT = 32), 0 = a block's
+                             // four warps share 4 rows (the default)
 };
 void gemv_set_stream_config(const GemvStreamConfig& c);
 GemvStreamConfig gemv_stream_config();

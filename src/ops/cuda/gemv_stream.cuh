@@ -29,7 +29,6 @@
 // multiplied by the (power-of-two adjusted) block scale with one f32 FMA: the same
 // arithmetic as cpu::linear up to summation order.
 #pragma once
-#include "ops/cuda/cp_async.cuh"
 #include "ops/cuda/pdl.cuh"
 
 #include <cstdint>
@@ -111,9 +110,6 @@ struct StArgs : GroupedArgs {
   float* y = nullptr;
   int rows = 0;  // gemv: M
   bool prefetch_l2 = false;  // prefetch_rows_l2 before pdl_wait (with programmatic launch only)
-  const void* next_w = nullptr;  // tail_prefetch_l2: the next launch's weights
-  int64_t next_bytes = 0;
-  int tail_blocks = 0;
   // Grouped: blockIdx.y = slot. Second weight set: slots [slots, 2 * slots) use these, writing y2.
   int slots = 0;
   const void* const* w_table2 = nullptr;
@@ -156,23 +152,6 @@ __device__ __forceinline__ void prefetch_rows_l2(const StArgs& a, int64_t row_by
   const char* base = reinterpret_cast<const char*>(a.w) + n0 * row_bytes;
   const int64_t lines = (min(int64_t{R}, a.N - n0) * row_bytes + 127) / 128;
   for (int64_t i = threadIdx.x; i < lines; i += blockDim.x) asm volatile("prefetch.global.L2 [%0];" ::"l"(base + i * 128));
-}
-
-// A plain gemv's last-wave block (one of the last a.tail_blocks), done with its rows: its share
-// of the next launch's weights into L2 by one bulk prefetch (cp.async.bulk.prefetch.L2: the
-// block exits at once; the copy engine fetches while the other blocks finish).
-__device__ __forceinline__ void tail_prefetch_l2(const StArgs& a) {
-  if (a.next_w == nullptr || a.offsets || threadIdx.x != 0) return;
-  const int64_t tail = min(static_cast<int64_t>(gridDim.x), static_cast<int64_t>(a.tail_blocks));
-  const int64_t j = static_cast<int64_t>(blockIdx.x) - (gridDim.x - tail);
-  if (j < 0) return;
-  const int64_t share = ((a.next_bytes + tail - 1) / tail + 15) & ~int64_t{15};
-  const int64_t off = j * share;
-  if (off >= a.next_bytes) return;
-  const uint32_t len = static_cast<uint32_t>(min(share, (a.next_bytes - off) & ~int64_t{15}));
-  if (len == 0) return;
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(static_cast<const char*>(a.next_w) + off), "r"(len)
-               : "memory");
 }
 
 // x rows of the token group [p0, p0 + mrows) (rows past mrows repeat the last, unused): row
@@ -302,7 +281,10 @@ __device__ __forceinline__ float4 load_x(const float4* p) {
 // One block's work: weight rows [n0, n0 + R) (n0 < N) of w against the x rows of tokens
 // [r_begin, r_end) (r_begin < r_end), M at a time; each sum goes to store(p, r, v) for token
 // row p and weight row n0 + r. The arithmetic of every sum depends on neither M nor R.
-template <int M, int R, bool kFp8, int kConv, int kX, typename Store>
+// kT: the threads that share the rows, the block's kStThreads (partial sums meet in shared
+// memory) or one warp (warp_rows: blocks of one warp, sums by shuffles alone; another per-thread
+// k order, so other bits than kStThreads).
+template <int M, int R, bool kFp8, int kConv, int kX, int kT = kStThreads, typename Store>
 __device__ __forceinline__ void stream_rows(const uint8_t* w, const float* w_scale, int64_t N, int64_t K, int64_t n0,
                                             const float* x, const int32_t* xmap, int64_t x_off, int64_t r_begin,
                                             int64_t r_end, float (&red)[kStWarps][M * R], Store store) {
@@ -312,7 +294,7 @@ __device__ __forceinline__ void stream_rows(const uint8_t* w, const float* w_sca
   constexpr float kMul = kFp8 ? conv_mul<kConv>() : 1.0f;
   const int tid = threadIdx.x;
   const int64_t nq = K / 4;  // quads per row
-  const int n_my = tid < nq ? static_cast<int>((nq - tid + kStThreads - 1) / kStThreads) : 0;
+  const int n_my = tid < nq ? static_cast<int>((nq - tid + kT - 1) / kT) : 0;
   const float* srow = kFp8 ? w_scale + (n0 / 128) * (K / 128) : nullptr;
   const LoadT* wrow[R];
 #pragma unroll
@@ -330,23 +312,23 @@ __device__ __forceinline__ void stream_rows(const uint8_t* w, const float* w_sca
       for (int r = 0; r < R; ++r) acc[m][r] = 0.0f;
     // Batch b = quads i in [b * U, (b + 1) * U) of this thread, all R rows.
     // Addresses: per-thread bases plus a per-batch offset; within a batch every load is an
-    // immediate offset (u * kStThreads elements) from them.
+    // immediate offset (u * kT elements) from them.
     auto load = [&](int b, LoadT (&wv)[U][R], float (&sc)[U]) {
       const int rem = n_my - b * U;  // quads left in this batch
-      const int64_t ob = int64_t{b} * (U * kStThreads);
+      const int64_t ob = int64_t{b} * (U * kT);
       auto src = [&](int r) -> const LoadT* { return wrow[r] + tid + ob; };
       auto ld = [&](const LoadT* p) -> LoadT { return __ldcs(p); };
-      const float* ps = kFp8 ? srow + (tid >> 5) + int64_t{b} * (U * kStThreads / 32) : nullptr;  // k/128 = q/32
+      const float* ps = kFp8 ? srow + (tid >> 5) + int64_t{b} * (U * kT / 32) : nullptr;  // k/128 = q/32
       if (rem >= U) {  // a full batch (every batch when K % 512 == 0): no predicates
 #pragma unroll
         for (int r = 0; r < R; ++r) {
           const LoadT* pw = src(r);
 #pragma unroll
-          for (int u = 0; u < U; ++u) wv[u][r] = ld(pw + u * kStThreads);
+          for (int u = 0; u < U; ++u) wv[u][r] = ld(pw + u * kT);
         }
         if constexpr (kFp8) {
 #pragma unroll
-          for (int u = 0; u < U; ++u) sc[u] = __ldg(ps + u * (kStThreads / 32)) * kMul;
+          for (int u = 0; u < U; ++u) sc[u] = __ldg(ps + u * (kT / 32)) * kMul;
         }
       } else {
 #pragma unroll
@@ -355,7 +337,7 @@ __device__ __forceinline__ void stream_rows(const uint8_t* w, const float* w_sca
 #pragma unroll
           for (int u = 0; u < U; ++u) {
             if (u < rem) {
-              wv[u][r] = ld(pw + u * kStThreads);
+              wv[u][r] = ld(pw + u * kT);
             } else {
               if constexpr (kFp8) wv[u][r] = 0u; else wv[u][r] = make_uint2(0u, 0u);
             }
@@ -363,13 +345,13 @@ __device__ __forceinline__ void stream_rows(const uint8_t* w, const float* w_sca
         }
         if constexpr (kFp8) {
 #pragma unroll
-          for (int u = 0; u < U; ++u) sc[u] = u < rem ? __ldg(ps + u * (kStThreads / 32)) * kMul : 0.0f;
+          for (int u = 0; u < U; ++u) sc[u] = u < rem ? __ldg(ps + u * (kT / 32)) * kMul : 0.0f;
         }
       }
     };
     auto compute = [&](int b, const LoadT (&wv)[U][R], const float (&sc)[U]) {
       const int rem = n_my - b * U;
-      const int64_t ob = int64_t{b} * (U * kStThreads);
+      const int64_t ob = int64_t{b} * (U * kT);
       constexpr bool kEarlyX = M <= 2 && R <= 4;  // the batch's x loads issued together (registers allow)
       float4 xe[kEarlyX ? U : 1][kEarlyX ? M : 1];
       if constexpr (kEarlyX) {
@@ -378,7 +360,7 @@ __device__ __forceinline__ void stream_rows(const uint8_t* w, const float* w_sca
           const float4* px = xr[m] + tid + ob;
 #pragma unroll
           for (int u = 0; u < U; ++u)
-            xe[u][m] = u < rem && m < mrows ? load_x<kX>(px + u * kStThreads) : make_float4(0, 0, 0, 0);
+            xe[u][m] = u < rem && m < mrows ? load_x<kX>(px + u * kT) : make_float4(0, 0, 0, 0);
         }
       }
 #pragma unroll
@@ -393,7 +375,7 @@ __device__ __forceinline__ void stream_rows(const uint8_t* w, const float* w_sca
         for (int m = 0; m < M; ++m) {
           if (m >= mrows) break;
           float4 xv;
-          if constexpr (kEarlyX) xv = xe[u][m]; else xv = load_x<kX>(xr[m] + tid + ob + u * kStThreads);
+          if constexpr (kEarlyX) xv = xe[u][m]; else xv = load_x<kX>(xr[m] + tid + ob + u * kT);
           quad_dot<R, kFp8, kConv>(xv, wf, kFp8 ? sc[u] : 1.0f, acc[m]);
         }
       }
@@ -410,13 +392,23 @@ __device__ __forceinline__ void stream_rows(const uint8_t* w, const float* w_sca
       load(b, wv, sc);
       compute(b, wv, sc);
     }
-    reduce_store_to<M, R>(acc, red, mrows, n0, N, [&](int m, int r, float v) { store(p0 + m, r, v); });
+    if constexpr (kT == 32) {  // one warp: its shuffle tree alone
+#pragma unroll
+      for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const float v = warp_sum(acc[m][r]);
+          if (tid == 0 && m < mrows && n0 + r < N) store(p0 + m, r, v);
+        }
+    } else {
+      reduce_store_to<M, R>(acc, red, mrows, n0, N, [&](int m, int r, float v) { store(p0 + m, r, v); });
+    }
   }
 }
 
-// grid: (ceil(N / R), slots). M: tokens per pass (runtime mrows <= M).
-template <int M, int R, bool kFp8, int kConv>
-__global__ void __launch_bounds__(kStThreads, kStMinBlocks(M)) gemv_stream_kernel(const StArgs a) {
+// grid: (ceil(N / R), slots), kT threads a block. M: tokens per pass (runtime mrows <= M).
+template <int M, int R, bool kFp8, int kConv, int kT = kStThreads>
+__global__ void __launch_bounds__(kT, kStMinBlocks(M) * (kStThreads / kT)) gemv_stream_kernel(const StArgs a) {
   constexpr int64_t kEb = kFp8 ? 1 : 2;
   prefetch_rows_l2<R>(a, a.K * kEb);
   pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
@@ -430,137 +422,8 @@ __global__ void __launch_bounds__(kStThreads, kStMinBlocks(M)) gemv_stream_kerne
   const int64_t n0 = blockIdx.x * int64_t{R};
   if (n0 >= N || r_begin >= r_end) return;  // block-uniform
   __shared__ float red[kStWarps][M * R];
-  stream_rows<M, R, kFp8, kConv, kXLdg>(sw.w, sw.w_scale, N, a.K, n0, a.x, sw.xmap, sw.x_off, r_begin, r_end, red,
+  stream_rows<M, R, kFp8, kConv, kXLdg, kT>(sw.w, sw.w_scale, N, a.K, n0, a.x, sw.xmap, sw.x_off, r_begin, r_end, red,
                                         [&](int64_t p, int r, float v) { y[(y_off + p) * N + n0 + r] = v; });
-  tail_prefetch_l2(a);
-}
-
-// The FP8 weight stream at one token through a shared-memory ring (GemvStreamConfig::ring):
-// the same block layout, per-thread k order and arithmetic as gemv_stream_kernel<1, R, true,
-// kConvF16Hw> (so the same bits), but the weights travel by cp.async (16 bytes, L2 only) into NS
-// ring stages instead of registers: a thread has up to NS - 1 stages of kRingU quads a row in
-// flight while it decodes one, with no register cost, and a plain GEMV issues its first stages
-// before pdl_wait (the weights do not depend on the previous kernel). Each warp copies exactly
-// the quads its own lanes use (per stage and row: 4 segments of 32 quads, lane l the 16 bytes
-// 4 (l % 8) .. of segment l / 8), so __syncwarp orders the copies and the reads; no block barrier.
-constexpr int kRingU = 4;  // quads per row per thread in one ring stage
-// A stage: R rows of [kStWarps][kRingU][32] weight words, then [kStWarps][kRingU] block scales.
-constexpr int ring_stage_words(int R) { return R * kStThreads * kRingU + kStWarps * kRingU; }
-constexpr size_t ring_smem_bytes(int R, int NS) { return size_t{4} * NS * ring_stage_words(R); }
-
-template <int M, int R, int NS>
-__global__ void __launch_bounds__(kStThreads) gemv_stream_ring_kernel(const StArgs a) {
-  constexpr int kConv = kConvF16Hw;
-  extern __shared__ __align__(16) uint32_t ring[];  // [NS] stages (ring_stage_words)
-  __shared__ float red[kStWarps][M * R];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int64_t N = a.N, K = a.K, n0 = blockIdx.x * int64_t{R};
-  const int nq = static_cast<int>(K / 4);  // quads per row (K % 128 == 0: whole 32-quad segments)
-  const int n_my = tid < nq ? (nq - tid + kStThreads - 1) / kStThreads : 0;
-  const int n_st = (n_my + kRingU - 1) / kRingU;  // stages of this thread (warp-uniform: nq % 32 == 0)
-  const bool plain = a.offsets == nullptr;
-
-  float* y = nullptr;
-  SlotWork sw;
-  const uint8_t* w0 = nullptr;  // row n0 (rows n0 + r at r * K bytes; tail rows read row N - 1, unused)
-  int tail = R;                 // rows of this block below N
-  const float* srow = nullptr;
-  auto bind = [&] {
-    w0 = sw.w + n0 * K;
-    tail = static_cast<int>(min(int64_t{R}, N - n0));
-    srow = sw.w_scale + (n0 / 128) * (K / 128);
-  };
-  // Stage st into slot st % NS: this lane's 16 bytes of each row (segment l / 8 of the warp's
-  // four), and lanes 0..3 the block scale of the warp's quads at u = lane (q / 32).
-  const uint32_t ring_base = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
-  const int seg = lane >> 3;
-  const uint32_t my_dst = 4u * static_cast<uint32_t>((warp * kRingU + seg) * 32 + 4 * (lane & 7));
-  auto issue = [&](int st) {
-    if (st < n_st) {
-      const uint32_t stage = ring_base + 4u * static_cast<uint32_t>((st % NS) * ring_stage_words(R));
-      const int q = warp * 32 + (st * kRingU + seg) * kStThreads + 4 * (lane & 7);
-      const bool valid = q < nq;
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-        cp_async16(stage + my_dst + 4u * r * kStThreads * kRingU, w0 + min(r, tail - 1) * K + int64_t{q} * 4, valid);
-      if (lane < kRingU) {
-        const int qu = warp * 32 + (st * kRingU + lane) * kStThreads;
-        cp_async4(stage + 4u * (R * kStThreads * kRingU + warp * kRingU + lane), srow + qu / 32, qu < nq);
-      }
-    }
-    cp_commit();
-  };
-
-  bool early = false;
-  if (plain && a.rows > 0) {  // the weights are known before the previous kernel ends
-    block_work(a, &sw, &y);
-    bind();
-    for (int st = 0; st < NS - 1; ++st) issue(st);
-    early = true;
-  }
-  pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
-  pdl_launch_dependents();
-  if (!plain) {
-    if (!block_work(a, &sw, &y)) return;
-    bind();
-  }
-  const int64_t r_begin = sw.r_begin, r_end = sw.r_end, y_off = sw.y_off;
-  if (n0 >= N || r_begin >= r_end) {  // block-uniform
-    cp_wait<0>();
-    return;
-  }
-  for (int64_t p0 = r_begin; p0 < r_end; p0 += M) {
-    const int mrows = static_cast<int>(min(int64_t{M}, r_end - p0));
-    const float4* xr[M];
-    token_rows<M>(a.x, K, sw.xmap, sw.x_off, p0, mrows, xr);
-    float acc[M][R];
-#pragma unroll
-    for (int m = 0; m < M; ++m)
-#pragma unroll
-      for (int r = 0; r < R; ++r) acc[m][r] = 0.0f;
-    if (!early)
-      for (int st = 0; st < NS - 1; ++st) issue(st);
-    early = false;
-#pragma unroll 1
-    for (int st = 0; st < n_st; ++st) {
-      // The slot of stage st + NS - 1 (read at stage st - 1 by the whole warp) refills first:
-      // NS - 1 stages ahead.
-      __syncwarp();
-      issue(st + NS - 1);
-      const int rem = n_my - st * kRingU;
-      const int qb = tid + st * (kRingU * kStThreads);
-      float4 xe[kRingU][M];
-#pragma unroll
-      for (int m = 0; m < M; ++m)
-#pragma unroll
-        for (int u = 0; u < kRingU; ++u)
-          xe[u][m] = u < rem && m < mrows ? __ldg(xr[m] + qb + u * kStThreads) : make_float4(0, 0, 0, 0);
-      cp_wait<NS - 1>();  // this lane's copies of stage st have landed ...
-      __syncwarp();       // ... and so have the warp's
-      const uint32_t* stage = ring + (st % NS) * ring_stage_words(R);
-      uint32_t wv[kRingU][R];
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int u = 0; u < kRingU; ++u) wv[u][r] = stage[((r * kStWarps + warp) * kRingU + u) * 32 + lane];
-      const float4 sc4 = *reinterpret_cast<const float4*>(stage + R * kStThreads * kRingU + warp * kRingU);
-      const float sc[kRingU] = {sc4.x, sc4.y, sc4.z, sc4.w};
-#pragma unroll
-      for (int u = 0; u < kRingU; ++u) {
-        if (u >= rem) break;
-        float wf[R][4];
-#pragma unroll
-        for (int r = 0; r < R; ++r) decode4<kConv>(wv[u][r], wf[r]);
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-          if (m >= mrows) break;
-          quad_dot<R, true, kConv>(xe[u][m], wf, sc[u] * conv_mul<kConv>(), acc[m]);
-        }
-      }
-    }
-    cp_wait<0>();  // no copy in flight into a ring the next pass (or exit) leaves behind
-    reduce_store_to<M, R>(acc, red, mrows, n0, N, [&](int m, int r, float v) { y[(y_off + p0 + m) * N + n0 + r] = v; });
-  }
 }
 
 }  // namespace ml4::cuda::gemv_stream

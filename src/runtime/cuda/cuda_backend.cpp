@@ -66,7 +66,7 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const ModelConfig& cfg,
   if (const char* v = std::getenv("ML4_INDEXER_WGMMA"); v && (v[0] == '0' || v[0] == '1')) b->opts_.indexer_wgmma = v[0] == '1';
   if (const char* v = std::getenv("ML4_RESIDENT_BLOCKS"); v && std::atoi(v) == 3) b->opts_.resident_blocks_per_sm = 3;
   {  // The GEMV's choices (gemv.h GemvStreamConfig, process-wide), for A/B runs of whole steps:
-     // ML4_GEMV_MAX_M, ML4_GEMV_GROUPED_MAX_ROWS, ML4_GEMV_CONV, ML4_GEMV_ROWS, ML4_GEMV_RING.
+     // ML4_GEMV_MAX_M, ML4_GEMV_GROUPED_MAX_ROWS, ML4_GEMV_CONV, ML4_GEMV_ROWS, ML4_GEMV_WARP_ROWS.
     GemvStreamConfig c = gemv_stream_config();
     auto env_int = [](const char* name, int* v) {
       if (const char* s = std::getenv(name); s && *s) *v = std::atoi(s);
@@ -75,7 +75,7 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const ModelConfig& cfg,
     env_int("ML4_GEMV_GROUPED_MAX_ROWS", &c.grouped_max_rows);
     env_int("ML4_GEMV_CONV", &c.conv);
     env_int("ML4_GEMV_ROWS", &c.rows);
-    env_int("ML4_GEMV_RING", &c.ring);
+    env_int("ML4_GEMV_WARP_ROWS", &c.warp_rows);
     gemv_set_stream_config(c);
   }
   b->synthetic_seed_ = synthetic_seed;
@@ -444,7 +444,6 @@ void CudaBackend::begin_forward(int64_t T, int64_t R, int64_t maxlen, Mode mode,
   segments_ = segments;
   md_ = md;
   resident_trace_layer_ = 0;
-  gemv_prev_ = nullptr;
   in_segment_ = false;
   next_graph_ = 0;
   pending_absorb_ = {};  // an aborted forward's (mla_latent_bf16)
@@ -592,16 +591,6 @@ Status CudaBackend::lin(const DeviceLinear& w, const float* x, int64_t M, float*
       float* ws = (on_lane_ >= 0 ? buf_->gemv_ws_side[on_lane_] : buf_->gemv_ws).as<float>();
       GemvParams gp{x + m0 * w.K, m, w.N, w.K, w.format, w.weight.data(), w.scale.as<float>(), y + m0 * w.N, ws, stream_};
       gp.x_parts = opts_.fp4_x_parts;  // FP4 only
-      if (opts_.gemv_next_prefetch && M <= 2) {  // the stream GEMV's sizes (gemv.h GemvStreamConfig::max_m)
-        if (gemv_prev_ != nullptr) gemv_next_[gemv_prev_->weight.data()] = &w;
-        gemv_prev_ = &w;
-        if (auto it = gemv_next_.find(w.weight.data()); it != gemv_next_.end()) {
-          gp.next_w = it->second->weight.data();
-          gp.next_bytes = std::min<int64_t>(static_cast<int64_t>(it->second->weight.bytes()),
-                                            opts_.gemv_next_prefetch_bytes);
-          ++gemv_next_prefetches_;
-        }
-      }
       ML4_RETURN_IF_ERROR(gemv(gp).with_context(w.name));
     }
     return ok_status();
@@ -1264,7 +1253,6 @@ bool CudaBackend::moe_experts_capturable(MoeRef moe) const {
 // the grouped GEMMs (capturable), or the expert loop, which reads the per-expert row counts
 // back.
 Status CudaBackend::moe_experts(MoeRef moe, const float* x, const int32_t* ids, const float* weights, float* out) {
-  gemv_prev_ = nullptr;  // gemv_next_prefetch: the experts' bytes lie between (a chain of GEMVs only)
   const Moe& M = moes_[moe.id];
   Buffers& b = *buf_;
   const int K = cfg_.moe.num_experts_per_tok;

@@ -27,7 +27,6 @@
 #include <map>
 #include <memory>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include <cuda_runtime.h>
@@ -75,8 +74,6 @@ struct CudaBackendOptions {
   bool fused_ffn_norm = false;    // CudaRunnerOptions::fused_ffn_norm
   bool shared_expert_lane = true;   // CudaRunnerOptions::shared_expert_lane
   int64_t shared_expert_lane_min_bytes = int64_t{16} << 20;  // CudaRunnerOptions::shared_expert_lane_min_bytes
-  bool gemv_next_prefetch = false;  // CudaRunnerOptions::gemv_next_prefetch
-  int64_t gemv_next_prefetch_bytes = int64_t{16} << 20;
   bool fused_indexer = true;   // CudaRunnerOptions::fused_indexer
   // Sparse MLA steps of a wave of tokens or more (prefill) on the wgmma prefill kernel
   // (ops/cuda/attention_prefill.cu; MlaAttentionParams::prefill_kernel). ML4_MLA_PREFILL=0 turns
@@ -283,9 +280,6 @@ class CudaBackend : public Backend {
   void set_fused_router(bool on) { opts_.fused_router = on; }
   void set_fused_ffn_norm(bool on) { opts_.fused_ffn_norm = on; }
   void set_shared_expert_lane(bool on) { opts_.shared_expert_lane = on; }
-  void set_gemv_next_prefetch(bool on) { opts_.gemv_next_prefetch = on; }
-  // GEMV launches issued with the next one's weights to prefetch (tests: the option was taken).
-  int64_t gemv_next_prefetches() const { return gemv_next_prefetches_; }
   void set_fp4_x_parts(int parts) { opts_.fp4_x_parts = parts; }
   void set_moe_gemm_overlap(bool on) { opts_.moe_gemm_overlap = on; }
   void set_moe_gemm_tall(bool on) { opts_.moe_gemm_tall = on; }
@@ -419,11 +413,6 @@ class CudaBackend : public Backend {
   cudaEvent_t ev_side_[2] = {nullptr, nullptr}, ev_lane_[kSideLanes] = {nullptr, nullptr};
   int side_calls_ = 0;
   int on_lane_ = -1;
-  // gemv_next_prefetch: the GEMV issued after each weight's in the last forward (lin() records it;
-  // a MoE layer's experts break the chain), and the one issued last in this forward.
-  std::unordered_map<const void*, const DeviceLinear*> gemv_next_;
-  const DeviceLinear* gemv_prev_ = nullptr;
-  int64_t gemv_next_prefetches_ = 0;
   bool lane_used_[kSideLanes] = {false, false};
   int64_t overlapped_layers_ = 0;
   int64_t fused_ffn_norms_ = 0;

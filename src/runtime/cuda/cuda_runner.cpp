@@ -74,8 +74,6 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::create(const ModelConfig& cfg, c
   bo.fused_ffn_norm = opts.fused_ffn_norm;
   bo.shared_expert_lane = opts.shared_expert_lane;
   bo.shared_expert_lane_min_bytes = opts.shared_expert_lane_min_bytes;
-  bo.gemv_next_prefetch = opts.gemv_next_prefetch;
-  bo.gemv_next_prefetch_bytes = opts.gemv_next_prefetch_bytes;
   bo.fused_indexer = opts.fused_indexer;
   bo.absorb_gemm_min_tokens = opts.absorb_gemm_min_tokens;
   bo.fp4_weights = opts.fp4_weights;

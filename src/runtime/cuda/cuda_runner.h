@@ -172,12 +172,6 @@ struct CudaRunnerOptions {
   // (CudaRunner.MappedStepIoIsBitIdentical). MAPPEDIO lines: 1.013x at batch 1 on an H100
   // (twenty-third session).
   bool mapped_step_io = true;
-  // The last wave of each decode weight GEMV prefetching, into L2, the first bytes of the GEMV
-  // issued after it in the previous forward (gemv.h GemvParams::next_w; at most
-  // gemv_next_prefetch_bytes), so that the DRAM's idle tail of one launch starts the next one's
-  // reads. Written in the twenty-fourth session and not measured (NEXTPF lines): off.
-  bool gemv_next_prefetch = false;
-  int64_t gemv_next_prefetch_bytes = int64_t{16} << 20;
   // Issue 19's indexer fusions: the key half (LayerNorm, RoPE, Hadamard + FP8 into its cache)
   // as one kernel instead of three (cache_write.h indexer_key_path), and the queries' RoPE
   // inside their Hadamard + FP8 (indexer.h IndexerQueryQuantParams::rope) instead of two. On
@@ -287,13 +281,6 @@ class CudaRunner : public ModelRunner {
     draft_graphs_.clear();
   }
   void set_mapped_step_io(bool on) { opts_.mapped_step_io = on; }
-  int64_t gemv_next_prefetches() const { return backend_->gemv_next_prefetches(); }
-  void set_gemv_next_prefetch(bool on) {
-    opts_.gemv_next_prefetch = on;
-    backend_->set_gemv_next_prefetch(on);
-    graphs_.clear();
-    draft_graphs_.clear();
-  }
   void set_shared_expert_lane(bool on) {
     opts_.shared_expert_lane = on;
     backend_->set_shared_expert_lane(on);

@@ -393,8 +393,6 @@ int run_step_bench(const StepBenchOptions& opt) {
     fusion_ab("SHAREDLANE", [&](bool on) { r.set_shared_expert_lane(on); }, CudaRunnerOptions{}.shared_expert_lane);
     // The step's metadata through mapped host memory in one launch (CudaRunnerOptions::mapped_step_io).
     fusion_ab("MAPPEDIO", [&](bool on) { r.set_mapped_step_io(on); }, CudaRunnerOptions{}.mapped_step_io);
-    // Each decode GEMV's last wave prefetching the next one's weights (CudaRunnerOptions::gemv_next_prefetch).
-    fusion_ab("NEXTPF", [&](bool on) { r.set_gemv_next_prefetch(on); }, CudaRunnerOptions{}.gemv_next_prefetch);
     // The indexer fusions (CudaRunnerOptions::fused_indexer) vs the separate launches.
     fusion_ab("FUSEDINDEXER", [&](bool on) { r.set_fused_indexer(on); }, CudaRunnerOptions{}.fused_indexer);
     if (!opt.extras) return 0;
