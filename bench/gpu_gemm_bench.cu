@@ -155,7 +155,8 @@ int main(int argc, char** argv) {
                                {GemvImpl::kStream, 1, 2}, {GemvImpl::kStream, 1, 4}};
           if (fp8) vs.push_back({GemvImpl::kStream, 0, 4});
           if (fp8) vs.push_back({GemvImpl::kStream, 1, 0, 1});
-          if (profile_only) vs = {{GemvImpl::kStream, 1, 4}, {GemvImpl::kStream, 1, 0, 1}};
+          if (fp8) vs.push_back({GemvImpl::kStream, 1, 0, 2});
+          if (profile_only) vs = {{GemvImpl::kStream, 1, 4}, {GemvImpl::kStream, 1, 0, 1}, {GemvImpl::kStream, 1, 0, 2}};
           const GemvStreamConfig saved = gemv_stream_config();
           for (const V& v : vs) {
             GemvStreamConfig c = saved;
@@ -172,7 +173,7 @@ int main(int argc, char** argv) {
             };
             char name[32];
             if (v.impl == GemvImpl::kStream && v.warp_rows > 0)
-              std::snprintf(name, sizeof name, "st-warp");
+              std::snprintf(name, sizeof name, v.warp_rows == 1 ? "st-warp" : "st-warp4");
             else if (v.impl == GemvImpl::kStream)
               std::snprintf(name, sizeof name, "st-c%d-r%d", v.conv, v.rows);
             else

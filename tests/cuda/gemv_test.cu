@@ -79,6 +79,7 @@ TEST(CudaGemv, MatchesCpuLinear) {
                               Variant{"stream-c0r4", false, GemvImpl::kStream, 0, 4},
                               Variant{"stream-c1", false, GemvImpl::kStream, 1, 0},
                               Variant{"stream-warp", false, GemvImpl::kStream, 1, 0, 1},
+                              Variant{"stream-warp4", false, GemvImpl::kStream, 1, 0, 2},
                               Variant{"stream-c2", false, GemvImpl::kStream, 2, 0}}) {
         if (f == LinearFormat::kBF16 && v.impl == GemvImpl::kStream && v.conv != 1) continue;  // no e4m3 to decode
         GemvStreamConfig c = saved;  // kAuto variants: the defaults

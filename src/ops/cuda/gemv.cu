@@ -256,9 +256,14 @@ Status launch_stream(const gemv_stream::StArgs& a, int mt, unsigned slots, bool 
   auto go = [&](auto m_tag) {
     constexpr int M = decltype(m_tag)::value;
     if constexpr (M == 1) {  // FP8 at one token: each warp its own 4 rows, on request
-      if (fp8 && conv == gemv_stream::kConvF16Hw && g_stream.warp_rows == 1) {
-        const dim3 wgrid(static_cast<unsigned>((a.N + 3) / 4), slots, 1);
-        launch_kernel(gemv_stream::gemv_stream_kernel<M, 4, true, gemv_stream::kConvF16Hw, 32>, wgrid, 32, 0, s, a);
+      if (fp8 && conv == gemv_stream::kConvF16Hw && (g_stream.warp_rows == 1 || g_stream.warp_rows == 2)) {
+        using gemv_stream::gemv_stream_kernel;
+        if (g_stream.warp_rows == 1)  // blocks of one warp
+          launch_kernel(gemv_stream_kernel<M, 4, true, gemv_stream::kConvF16Hw, 32>, dim3((a.N + 3) / 4, slots, 1),
+                        32, 0, s, a);
+        else  // blocks of four warps, 16 rows
+          launch_kernel(gemv_stream_kernel<M, 4, true, gemv_stream::kConvF16Hw, 32, gemv_stream::kStThreads>,
+                        dim3((a.N + 15) / 16, slots, 1), gemv_stream::kStThreads, 0, s, a);
         return;
       }
     }
