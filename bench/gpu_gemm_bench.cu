@@ -148,15 +148,14 @@ int main(int argc, char** argv) {
           struct V {
             GemvImpl impl;
             int conv, rows;
-            int warp_rows = 0;  // "st-warp": each warp its own 4 rows (FP8 at M = 1)
+            int warp_rows = 0;  // 2 ("st-warp"): each warp its own 4 rows (FP8 at M = 1); 0: shared
           };
           // (decoding 2, integer -> f32, measured slowest on the H200 at every shape: not listed)
           std::vector<V> vs = {{GemvImpl::kCudaCore, 0, 0}, {GemvImpl::kTensorCore, 0, 0},
                                {GemvImpl::kStream, 1, 2}, {GemvImpl::kStream, 1, 4}};
           if (fp8) vs.push_back({GemvImpl::kStream, 0, 4});
-          if (fp8) vs.push_back({GemvImpl::kStream, 1, 0, 1});
           if (fp8) vs.push_back({GemvImpl::kStream, 1, 0, 2});
-          if (profile_only) vs = {{GemvImpl::kStream, 1, 4}, {GemvImpl::kStream, 1, 0, 1}, {GemvImpl::kStream, 1, 0, 2}};
+          if (profile_only) vs = {{GemvImpl::kStream, 1, 4}, {GemvImpl::kStream, 1, 0, 2}};
           const GemvStreamConfig saved = gemv_stream_config();
           for (const V& v : vs) {
             GemvStreamConfig c = saved;
@@ -173,7 +172,7 @@ int main(int argc, char** argv) {
             };
             char name[32];
             if (v.impl == GemvImpl::kStream && v.warp_rows > 0)
-              std::snprintf(name, sizeof name, v.warp_rows == 1 ? "st-warp" : "st-warp4");
+              std::snprintf(name, sizeof name, "st-warp");
             else if (v.impl == GemvImpl::kStream)
               std::snprintf(name, sizeof name, "st-c%d-r%d", v.conv, v.rows);
             else

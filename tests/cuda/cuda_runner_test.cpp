@@ -876,10 +876,12 @@ TEST(CudaRunner, DeviceFaultFailsEveryLaterStep) {
 // one, routed_scale 1.5), graphs on: one prefill of four prompts (28 tokens: the standard
 // path on both runners, logits equal), then decode steps of 1 to 4 sequences on the standard
 // runner's greedy tokens.
-// - One sequence: every linear of the standard step takes the stream GEMV, whose sums the
-//   resident kernel computes the same way, and its router, norm, SiLU and combine too: the
-//   logits are bit-identical while the sequence has only ever decoded alone (a step at batch
-//   2..4 leaves its cache rows apart in the last bits, as below).
+// - One sequence: every linear of the standard step takes the stream GEMV with four warps
+//   sharing 4 rows (ml4-tiny's widths are below the 16 blocks an SM where one-warp blocks take
+//   over, gemv.cu warp_rows_at; at ml4-slice widths the two paths differ in summation order),
+//   whose sums the resident kernel computes the same way, and its router, norm, SiLU and combine
+//   too: the logits are bit-identical while the sequence has only ever decoded alone (a step at
+//   batch 2..4 leaves its cache rows apart in the last bits, as below).
 // - Two to four: the standard path's grouped expert GEMVs run on the tensor cores (x split into
 //   three bf16 parts here, exact; production uses one), and its attention linears at 3-4 rows
 //   too: summation order only (~1e-7), but ml4-tiny's random routing is near-tied, so one flip

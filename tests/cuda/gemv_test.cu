@@ -67,7 +67,8 @@ TEST(CudaGemv, MatchesCpuLinear) {
         bool ws;
         GemvImpl impl;
         int conv, rows;  // stream kernel: e4m3 decoding, rows per block (0: by N)
-        int warp_rows = 0;  // FP8 at M = 1: each warp its own 4 rows (another summation order)
+        int warp_rows = 1;  // FP8 at M = 1: each warp its own 4 rows (another summation order): 1
+                            // where N >= 16 blocks an SM (the default), 2 always, 0 never
       };
       const GemvStreamConfig saved = gemv_stream_config();
       for (const Variant v : {Variant{"tc+splitk", true, GemvImpl::kTensorCore, 0, 0},
@@ -78,8 +79,8 @@ TEST(CudaGemv, MatchesCpuLinear) {
                               Variant{"stream-c0r2", false, GemvImpl::kStream, 0, 2},
                               Variant{"stream-c0r4", false, GemvImpl::kStream, 0, 4},
                               Variant{"stream-c1", false, GemvImpl::kStream, 1, 0},
-                              Variant{"stream-warp", false, GemvImpl::kStream, 1, 0, 1},
-                              Variant{"stream-warp4", false, GemvImpl::kStream, 1, 0, 2},
+                              Variant{"stream-c1-shared", false, GemvImpl::kStream, 1, 0, 0},
+                              Variant{"stream-warp", false, GemvImpl::kStream, 1, 0, 2},
                               Variant{"stream-c2", false, GemvImpl::kStream, 2, 0}}) {
         if (f == LinearFormat::kBF16 && v.impl == GemvImpl::kStream && v.conv != 1) continue;  // no e4m3 to decode
         GemvStreamConfig c = saved;  // kAuto variants: the defaults

@@ -248,6 +248,16 @@ int stream_rows(int64_t N) {
   return N >= int64_t{16} * std::max(sm_count(), 1) ? 4 : 2;
 }
 
+// FP8 at M = 1: blocks of one warp, each streaming its own 4 rows over the whole of K (one
+// setup and no cross-warp reduction per 4 rows, where a block of four warps sharing 4 rows pays
+// both every 2 load batches at K ~ 8k: ~1/3 of the kernel's instructions). Measured on the H200
+// (docs/BENCHMARKS.md "Twenty-fifth session"): 4-14% faster back to back at N >= 5632, 40-60%
+// slower at N = 576 / 1536 (too few warps to fill the card), so by default (warp_rows 1) only
+// where 4 rows a block would be chosen (N >= 16 blocks an SM); 2: at every N.
+bool warp_rows_at(int64_t N) {
+  return g_stream.warp_rows == 2 || (g_stream.warp_rows == 1 && stream_rows(N) == 4);
+}
+
 // mt: tokens (1, 2, or more: passes of 4; the kernel stops at the real count).
 Status launch_stream(const gemv_stream::StArgs& a, int mt, unsigned slots, bool fp8, cudaStream_t s) {
   const int conv = g_stream.conv;
@@ -255,15 +265,10 @@ Status launch_stream(const gemv_stream::StArgs& a, int mt, unsigned slots, bool 
   const dim3 grid(static_cast<unsigned>((a.N + R - 1) / R), slots, 1);
   auto go = [&](auto m_tag) {
     constexpr int M = decltype(m_tag)::value;
-    if constexpr (M == 1) {  // FP8 at one token: each warp its own 4 rows, on request
-      if (fp8 && conv == gemv_stream::kConvF16Hw && (g_stream.warp_rows == 1 || g_stream.warp_rows == 2)) {
-        using gemv_stream::gemv_stream_kernel;
-        if (g_stream.warp_rows == 1)  // blocks of one warp
-          launch_kernel(gemv_stream_kernel<M, 4, true, gemv_stream::kConvF16Hw, 32>, dim3((a.N + 3) / 4, slots, 1),
-                        32, 0, s, a);
-        else  // blocks of four warps, 16 rows
-          launch_kernel(gemv_stream_kernel<M, 4, true, gemv_stream::kConvF16Hw, 32, gemv_stream::kStThreads>,
-                        dim3((a.N + 15) / 16, slots, 1), gemv_stream::kStThreads, 0, s, a);
+    if constexpr (M == 1) {  // FP8 at one token: each warp its own 4 rows (warp_rows_at)
+      if (fp8 && conv == gemv_stream::kConvF16Hw && warp_rows_at(a.N)) {
+        launch_kernel(gemv_stream::gemv_stream_kernel<M, 4, true, gemv_stream::kConvF16Hw, 32>,
+                      dim3(static_cast<unsigned>((a.N + 3) / 4), slots, 1), 32, 0, s, a);
         return;
       }
     }

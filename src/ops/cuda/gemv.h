@@ -93,9 +93,9 @@ struct GemvStreamConfig {
   int grouped_max_rows = 1;  // grouped_gemv: FP8 with max_expert_rows <= this streams (MoE T = 1)
   int conv = 1;              // e4m3 decoding: 0 integer -> f16, 1 cvt.e4m3x2 -> f16, 2 integer -> f32
   int rows = 0;              // rows per block: 2, 4, or 0 (by N)
-  int warp_rows = 0;         // FP8 with cvt decoding at M = 1: each warp streams its own 4 rows
-                             // (gemv_stream.cuh stream_rows kT = 32) in blocks of one warp (1) or
-                             // four (2); 0: a block's four warps share 4 rows (the default)
+  int warp_rows = 1;         // FP8 with cvt decoding at M = 1: blocks of one warp, each streaming its
+                             // own 4 rows (gemv_stream.cuh stream_rows kT = 32), where N >= 16
+                             // blocks an SM (1), at every N (2), or never (0: four warps share 4 rows)
 };
 void gemv_set_stream_config(const GemvStreamConfig& c);
 GemvStreamConfig gemv_stream_config();

@@ -292,7 +292,7 @@ __device__ __forceinline__ void stream_rows(const uint8_t* w, const float* w_sca
   constexpr int U = kStU;
   constexpr int64_t kEb = kFp8 ? 1 : 2;
   constexpr float kMul = kFp8 ? conv_mul<kConv>() : 1.0f;
-  const int tid = kT == 32 ? threadIdx.x & 31 : threadIdx.x;
+  const int tid = threadIdx.x;
   const int64_t nq = K / 4;  // quads per row
   const int n_my = tid < nq ? static_cast<int>((nq - tid + kT - 1) / kT) : 0;
   const float* srow = kFp8 ? w_scale + (n0 / 128) * (K / 128) : nullptr;
@@ -406,13 +406,12 @@ __device__ __forceinline__ void stream_rows(const uint8_t* w, const float* w_sca
   }
 }
 
-// grid: (ceil(N / (R kB / kT)), slots), kB threads a block, kT of them sharing R rows (kT = 32:
-// each warp its own R rows). M: tokens per pass (runtime mrows <= M).
-template <int M, int R, bool kFp8, int kConv, int kT = kStThreads, int kB = kT>
-__global__ void __launch_bounds__(kB, kStMinBlocks(M) * (kStThreads / kB)) gemv_stream_kernel(const StArgs a) {
+// grid: (ceil(N / R), slots), kT threads a block (kT = 32: blocks of one warp). M: tokens per
+// pass (runtime mrows <= M).
+template <int M, int R, bool kFp8, int kConv, int kT = kStThreads>
+__global__ void __launch_bounds__(kT, kStMinBlocks(M) * (kStThreads / kT)) gemv_stream_kernel(const StArgs a) {
   constexpr int64_t kEb = kFp8 ? 1 : 2;
-  constexpr int kGroups = kB / kT;  // row groups a block
-  prefetch_rows_l2<R * kGroups>(a, a.K * kEb);
+  prefetch_rows_l2<R>(a, a.K * kEb);
   pdl_wait();  // pdl.cuh: nothing before this touches the step's activations
   pdl_launch_dependents();
   const int64_t N = a.N;
@@ -421,8 +420,8 @@ __global__ void __launch_bounds__(kB, kStMinBlocks(M) * (kStThreads / kB)) gemv_
   SlotWork sw;
   if (!block_work(a, &sw, &y)) return;
   const int64_t r_begin = sw.r_begin, r_end = sw.r_end, y_off = sw.y_off;
-  const int64_t n0 = (blockIdx.x * int64_t{kGroups} + (kGroups == 1 ? 0 : threadIdx.x / kT)) * R;
-  if (n0 >= N || r_begin >= r_end) return;  // uniform in the kT threads that share a barrier (if any)
+  const int64_t n0 = blockIdx.x * int64_t{R};
+  if (n0 >= N || r_begin >= r_end) return;  // block-uniform
   __shared__ float red[kStWarps][M * R];
   stream_rows<M, R, kFp8, kConv, kXLdg, kT>(sw.w, sw.w_scale, N, a.K, n0, a.x, sw.xmap, sw.x_off, r_begin, r_end, red,
                                         [&](int64_t p, int r, float v) { y[(y_off + p) * N + n0 + r] = v; });
