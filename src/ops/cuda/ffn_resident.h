@@ -23,7 +23,9 @@
 // and take items of R = 4 weight rows from per-step counters; every item goes through one
 // stream_rows call (gemv_stream.cuh), so every sum is the standard path's stream GEMV's; the
 // router's logits are router_route's, the norm rms_norm's, the combine moe_combine's. At T = 1
-// (where the standard path streams every linear) the result is bit-identical to it; at T = 2..4
+// (where the standard path streams every linear) the result is bit-identical to it for matrices
+// below 16 blocks an SM (wider ones the standard path streams a warp per 4 rows, gemv.cu
+// warp_rows_at: another summation order, so it matches to f32 rounding there); at T = 2..4
 // the standard path's expert GEMVs run on the tensor cores (x in bf16), so it matches to their
 // rounding.
 //

@@ -12,7 +12,10 @@
 // batch (kStU quads x R rows) are issued before any is used; the blocks are short and
 // many (N / R), so the SMs stay evenly loaded without a split-K workspace. The partial
 // sums meet in a fixed order (warp shuffle tree, then warps 0..kStWarps-1 in shared
-// memory): bit-deterministic.
+// memory): bit-deterministic. At M = 1 (FP8, wide matrices: gemv.cu warp_rows_at) blocks of one
+// warp each own R rows instead (quad q = lane + i * 32; its shuffle tree alone): the setup and
+// the cross-warp reduction that a four-warp block pays every 2 load batches at K ~ 8k (~1/3 of
+// its instructions) are paid once per R x K.
 //
 // Exact e4m3 decoding, three variants (StConv; measured against each other):
 //   kConvF16Int: integer ops build an f16x2 holding two e4m3 values times 2^-8 exactly
@@ -240,8 +243,7 @@ __device__ __forceinline__ void decode4(uint32_t w, float (&f)[4]) {
   }
 }
 
-// One quad of every row into acc: acc[r] += (x . w_r) * sc (FP8; BF16 adds the dot itself). The
-// same operations in every kernel that streams quads, so their sums agree bit for bit.
+// One quad of every row into acc: acc[r] += (x . w_r) * sc (FP8; BF16 adds the dot itself).
 template <int R, bool kFp8, int kConv>
 __device__ __forceinline__ void quad_dot(float4 xv, const float (&wf)[R][4], float sc, float (&acc)[R]) {
   if constexpr (kFp8 && kConv == kConvF32Int) {
@@ -423,8 +425,8 @@ __global__ void __launch_bounds__(kT, kStMinBlocks(M) * (kStThreads / kT)) gemv_
   const int64_t n0 = blockIdx.x * int64_t{R};
   if (n0 >= N || r_begin >= r_end) return;  // block-uniform
   __shared__ float red[kStWarps][M * R];
-  stream_rows<M, R, kFp8, kConv, kXLdg, kT>(sw.w, sw.w_scale, N, a.K, n0, a.x, sw.xmap, sw.x_off, r_begin, r_end, red,
-                                        [&](int64_t p, int r, float v) { y[(y_off + p) * N + n0 + r] = v; });
+  stream_rows<M, R, kFp8, kConv, kXLdg, kT>(sw.w, sw.w_scale, N, a.K, n0, a.x, sw.xmap, sw.x_off, r_begin, r_end,
+                                            red, [&](int64_t p, int r, float v) { y[(y_off + p) * N + n0 + r] = v; });
 }
 
 }  // namespace ml4::cuda::gemv_stream
