@@ -148,7 +148,7 @@ int main(int argc, char** argv) {
           struct V {
             GemvImpl impl;
             int conv, rows;
-            int warp_rows = 0;  // 2 ("st-warp"): each warp its own 4 rows (FP8 at M = 1); 0: shared
+            int warp_rows = 0;  // 2 ("st-warp"): each warp its own 4 rows (FP8 at M <= 2); 0: shared
           };
           // (decoding 2, integer -> f32, measured slowest on the H200 at every shape: not listed)
           std::vector<V> vs = {{GemvImpl::kCudaCore, 0, 0}, {GemvImpl::kTensorCore, 0, 0},
@@ -162,6 +162,7 @@ int main(int argc, char** argv) {
             c.conv = v.conv;
             c.rows = v.rows;
             c.warp_rows = v.warp_rows;
+            c.warp_rows_max_m = 2;
             gemv_set_stream_config(c);
             auto launch = [&](int i) {
               const int cc = i % copies;

@@ -39,7 +39,7 @@ TEST(CudaGemv, MatchesCpuLinear) {
   };
   const Shape shapes[] = {{1, 576, 6144}, {3, 576, 1024}, {8, 160, 2048}, {2, 12288, 512}, {5, 9000, 256},
                           {8, 16384, 384}, {4, 100, 128}, {6, 1536, 6144}, {7, 200, 1000}, {1, 4100, 2048},
-                          {1, 301, 640}, {1, 300, 20480}};
+                          {1, 301, 640}, {1, 300, 20480}, {2, 301, 640}};
   uint32_t seed = 1;
   for (LinearFormat f : {LinearFormat::kBF16, LinearFormat::kFP8Block}) {
     for (const auto& s : shapes) {
@@ -69,6 +69,7 @@ TEST(CudaGemv, MatchesCpuLinear) {
         int conv, rows;  // stream kernel: e4m3 decoding, rows per block (0: by N)
         int warp_rows = 1;  // FP8 at M = 1: each warp its own 4 rows (another summation order): 1
                             // where N >= 16 blocks an SM (the default), 2 always, 0 never
+        int warp_rows_max_m = 1;  // ... at M up to this
       };
       const GemvStreamConfig saved = gemv_stream_config();
       for (const Variant v : {Variant{"tc+splitk", true, GemvImpl::kTensorCore, 0, 0},
@@ -81,6 +82,7 @@ TEST(CudaGemv, MatchesCpuLinear) {
                               Variant{"stream-c1", false, GemvImpl::kStream, 1, 0},
                               Variant{"stream-c1-shared", false, GemvImpl::kStream, 1, 0, 0},
                               Variant{"stream-warp", false, GemvImpl::kStream, 1, 0, 2},
+                              Variant{"stream-warp-m2", false, GemvImpl::kStream, 1, 0, 2, 2},
                               Variant{"stream-c2", false, GemvImpl::kStream, 2, 0}}) {
         if (f == LinearFormat::kBF16 && v.impl == GemvImpl::kStream && v.conv != 1) continue;  // no e4m3 to decode
         GemvStreamConfig c = saved;  // kAuto variants: the defaults
@@ -88,6 +90,7 @@ TEST(CudaGemv, MatchesCpuLinear) {
           c.conv = v.conv;
           c.rows = v.rows;
           c.warp_rows = v.warp_rows;
+          c.warp_rows_max_m = v.warp_rows_max_m;
         }
         gemv_set_stream_config(c);
         std::vector<std::vector<float>> runs;

@@ -265,8 +265,8 @@ Status launch_stream(const gemv_stream::StArgs& a, int mt, unsigned slots, bool 
   const dim3 grid(static_cast<unsigned>((a.N + R - 1) / R), slots, 1);
   auto go = [&](auto m_tag) {
     constexpr int M = decltype(m_tag)::value;
-    if constexpr (M == 1) {  // FP8 at one token: each warp its own 4 rows (warp_rows_at)
-      if (fp8 && conv == gemv_stream::kConvF16Hw && warp_rows_at(a.N)) {
+    if constexpr (M <= 2) {  // FP8 at one token (two on request): each warp its own 4 rows (warp_rows_at)
+      if (fp8 && conv == gemv_stream::kConvF16Hw && M <= g_stream.warp_rows_max_m && warp_rows_at(a.N)) {
         launch_kernel(gemv_stream::gemv_stream_kernel<M, 4, true, gemv_stream::kConvF16Hw, 32>,
                       dim3(static_cast<unsigned>((a.N + 3) / 4), slots, 1), 32, 0, s, a);
         return;

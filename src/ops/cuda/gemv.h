@@ -96,6 +96,7 @@ struct GemvStreamConfig {
   int warp_rows = 1;         // FP8 with cvt decoding at M = 1: blocks of one warp, each streaming its
                              // own 4 rows (gemv_stream.cuh stream_rows kT = 32), where N >= 16
                              // blocks an SM (1), at every N (2), or never (0: four warps share 4 rows)
+  int warp_rows_max_m = 1;   // ... at M up to this (1, or 2: 168 registers, no spill; not yet measured)
 };
 void gemv_set_stream_config(const GemvStreamConfig& c);
 GemvStreamConfig gemv_stream_config();
