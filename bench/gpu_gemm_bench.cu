@@ -166,10 +166,9 @@ int main(int argc, char** argv) {
             gemv_set_stream_config(c);
             auto launch = [&](int i) {
               const int cc = i % copies;
-              GemvParams gp{x->as<float>(), M, sh.N, sh.K, fp8 ? LinearFormat::kFP8Block : LinearFormat::kBF16,
-                            ws[cc].data(), fp8 ? wss[cc].as<float>() : nullptr, y->as<float>(), gws->as<float>(),
-                            s, v.impl};
-              BENCH_CHECK(gemv(gp));
+              BENCH_CHECK(gemv({x->as<float>(), M, sh.N, sh.K, fp8 ? LinearFormat::kFP8Block : LinearFormat::kBF16,
+                                ws[cc].data(), fp8 ? wss[cc].as<float>() : nullptr, y->as<float>(), gws->as<float>(),
+                                s, v.impl}));
             };
             char name[32];
             if (v.impl == GemvImpl::kStream && v.warp_rows > 0)

@@ -85,6 +85,7 @@ TEST(CudaGemv, MatchesCpuLinear) {
                               Variant{"stream-warp-m2", false, GemvImpl::kStream, 1, 0, 2, 2},
                               Variant{"stream-c2", false, GemvImpl::kStream, 2, 0}}) {
         if (f == LinearFormat::kBF16 && v.impl == GemvImpl::kStream && v.conv != 1) continue;  // no e4m3 to decode
+        if (v.warp_rows_max_m == 2 && s.M != 2) continue;  // elsewhere the same launch as stream-warp
         GemvStreamConfig c = saved;  // kAuto variants: the defaults
         if (v.impl == GemvImpl::kStream) {
           c.conv = v.conv;

@@ -463,14 +463,15 @@ TEST(CudaMoe, ExpertsAndSharedVsCpu) {
       // 1: grouped with the other grouped kernel (the CUDA-core stream turned off where it is
       // the default, T = 1, and on where it is not: T >= 3 then runs in passes of 4 rows; FP4:
       // the exact CUDA-core stream); 2: row-wise (T <= 8).
-      // 3, 4 (FP8, T = 1): path 0 with each warp streaming its own 4 rows at every N / never
-      // (GemvStreamConfig::warp_rows 2 / 0; the default, 1, takes them at N >= 16 blocks an SM).
+      // 3 (FP8, T = 1): path 0 with each warp streaming its own 4 rows at every N
+      // (GemvStreamConfig::warp_rows 2; the default, 1, takes them only at N >= 16 blocks an SM,
+      // wider than these experts, so path 0 is the four-warp kernel).
       const GemvStreamConfig saved = gemv_stream_config();
       const bool warp_path = f == LinearFormat::kFP8Block && Tb == 1;
-      for (int path = 0; path < (warp_path ? 5 : Tb <= kGemvMaxM && !fp4 ? 3 : 2); ++path) {  // FP4: no row-wise
+      for (int path = 0; path < (warp_path ? 4 : Tb <= kGemvMaxM && !fp4 ? 3 : 2); ++path) {  // FP4: no row-wise
         GemvStreamConfig c = saved;
         if (path == 1) c.grouped_max_rows = Tb <= saved.grouped_max_rows ? 0 : 1 << 20;
-        if (path >= 3) c.warp_rows = path == 3 ? 2 : 0;
+        if (path == 3) c.warp_rows = 2;
         gemv_set_stream_config(c);
         std::vector<std::vector<float>> gr;
         for (int rep = 0; rep < 2; ++rep) {
@@ -492,8 +493,7 @@ TEST(CudaMoe, ExpertsAndSharedVsCpu) {
                     path == 0   ? "grouped"
                     : path == 1 ? "grouped-other"
                     : path == 2 ? "rowwise"
-                    : path == 3 ? "grouped-warp-rows"
-                                : "grouped-shared-rows",
+                                : "grouped-warp-rows",
                     linear_format_name(f), Tb, e2);
         EXPECT_LT(e2, 1e-5) << "T=" << Tb << " path " << path;
         EXPECT_EQ(0, std::memcmp(gr[0].data(), gr[1].data(), gr[0].size() * 4)) << "not deterministic";

@@ -251,7 +251,7 @@ int stream_rows(int64_t N) {
 // FP8 at M = 1: blocks of one warp, each streaming its own 4 rows over the whole of K (one
 // setup and no cross-warp reduction per 4 rows, where a block of four warps sharing 4 rows pays
 // both every 2 load batches at K ~ 8k: ~1/3 of the kernel's instructions). Measured on the H200
-// (docs/BENCHMARKS.md "Twenty-fifth session"): 4-14% faster back to back at N >= 5632, 40-60%
+// (docs/BENCHMARKS.md "Twenty-fifth session"): 2-14% faster back to back at N >= 5632, 40-60%
 // slower at N = 576 / 1536 (too few warps to fill the card), so by default (warp_rows 1) only
 // where 4 rows a block would be chosen (N >= 16 blocks an SM); 2: at every N.
 bool warp_rows_at(int64_t N) {
@@ -260,9 +260,9 @@ bool warp_rows_at(int64_t N) {
 
 // mt: tokens (1, 2, or more: passes of 4; the kernel stops at the real count).
 Status launch_stream(const gemv_stream::StArgs& a, int mt, unsigned slots, bool fp8, cudaStream_t s) {
-  const int conv = g_stream.conv;
   const int R = stream_rows(a.N);
   const dim3 grid(static_cast<unsigned>((a.N + R - 1) / R), slots, 1);
+  const int conv = g_stream.conv;
   auto go = [&](auto m_tag) {
     constexpr int M = decltype(m_tag)::value;
     if constexpr (M <= 2) {  // FP8 at one token (two on request): each warp its own 4 rows (warp_rows_at)

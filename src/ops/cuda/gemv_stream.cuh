@@ -243,26 +243,6 @@ __device__ __forceinline__ void decode4(uint32_t w, float (&f)[4]) {
   }
 }
 
-// One quad of every row into acc: acc[r] += (x . w_r) * sc (FP8; BF16 adds the dot itself).
-template <int R, bool kFp8, int kConv>
-__device__ __forceinline__ void quad_dot(float4 xv, const float (&wf)[R][4], float sc, float (&acc)[R]) {
-  if constexpr (kFp8 && kConv == kConvF32Int) {
-    constexpr float k64 = 18446744073709551616.0f;  // 2^64
-    xv.x *= k64;
-    xv.y *= k64;
-    xv.z *= k64;
-    xv.w *= k64;
-  }
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    float d = xv.x * wf[r][0];
-    d = fmaf(xv.y, wf[r][1], d);
-    d = fmaf(xv.z, wf[r][2], d);
-    d = fmaf(xv.w, wf[r][3], d);
-    if constexpr (kFp8) acc[r] = fmaf(d, sc, acc[r]); else acc[r] += d;
-  }
-}
-
 __device__ __forceinline__ void decode4_bf16(uint2 w, float (&f)[4]) {
   f[0] = __uint_as_float(w.x << 16);
   f[1] = __uint_as_float(w.x & 0xFFFF0000u);
@@ -354,7 +334,7 @@ __device__ __forceinline__ void stream_rows(const uint8_t* w, const float* w_sca
     auto compute = [&](int b, const LoadT (&wv)[U][R], const float (&sc)[U]) {
       const int rem = n_my - b * U;
       const int64_t ob = int64_t{b} * (U * kT);
-      constexpr bool kEarlyX = M <= 2 && R <= 4;  // the batch's x loads issued together (registers allow)
+      constexpr bool kEarlyX = M <= 2;  // the batch's x loads issued together (registers allow at M <= 2)
       float4 xe[kEarlyX ? U : 1][kEarlyX ? M : 1];
       if constexpr (kEarlyX) {
 #pragma unroll
@@ -378,7 +358,21 @@ __device__ __forceinline__ void stream_rows(const uint8_t* w, const float* w_sca
           if (m >= mrows) break;
           float4 xv;
           if constexpr (kEarlyX) xv = xe[u][m]; else xv = load_x<kX>(xr[m] + tid + ob + u * kT);
-          quad_dot<R, kFp8, kConv>(xv, wf, kFp8 ? sc[u] : 1.0f, acc[m]);
+          if constexpr (kFp8 && kConv == kConvF32Int) {
+            constexpr float k64 = 18446744073709551616.0f;  // 2^64
+            xv.x *= k64;
+            xv.y *= k64;
+            xv.z *= k64;
+            xv.w *= k64;
+          }
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            float d = xv.x * wf[r][0];
+            d = fmaf(xv.y, wf[r][1], d);
+            d = fmaf(xv.z, wf[r][2], d);
+            d = fmaf(xv.w, wf[r][3], d);
+            if constexpr (kFp8) acc[m][r] = fmaf(d, sc[u], acc[m][r]); else acc[m][r] += d;
+          }
         }
       }
     };
