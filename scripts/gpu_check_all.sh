@@ -83,13 +83,13 @@ stamp() { echo "==== [$(( $(date +%s) - t0 )) s] $*"; }
 sections=" ${SECTIONS:-tests decode moegemm spec specstep hisparse perplexity pd all} "
 on() { [[ "$sections" == *" $1 "* ]]; }
 
-# The suites of the kernels the last session changed (twenty-fifth: the stream GEMV's one-warp rows,
-# on by default at M = 1 where N >= 16 blocks an SM, passed on an H100; at M = 2 on request,
-# `GemvStreamConfig::warp_rows_max_m`, not run), first. A suite that faults can be left out of the
+# The suites of the kernels the last session changed (twenty-sixth: the f16 mma GEMV for FP8 at
+# M <= 4, gemv_mma.cuh, off unless GemvStreamConfig::mma / ML4_GEMV_MMA; the twenty-fifth's one-warp
+# rows at M = 2 on request, `warp_rows_max_m`), first. A suite that faults can be left out of the
 # whole run with ML4_GTEST_EXCLUDE=Suite.* so that it does not take the rest with it. The pending
-# measurement (batch 2 with one-warp rows):
-#   SECTIONS="tests gemv step binab" AB_ENVS="ML4_NONE=1 ML4_GEMV_WARP_ROWS_MAX_M=2"
-new=${FILTER_NEW:-CudaGemv.MatchesCpuLinear}
+# measurement:
+#   SECTIONS="tests gemv binab" AB_ENVS="ML4_NONE=1 ML4_GEMV_MMA=1 ML4_GEMV_MMA=4 ML4_GEMV_WARP_ROWS_MAX_M=2"
+new=${FILTER_NEW:-CudaGemv.*:CudaMoe.*}
 on tests && stamp "1a. new GPU tests: $new" && timeout 240 "$carry/bin/ml4_cuda_tests" --gtest_filter="$new" --gtest_color=no > "$out/new_tests.log" 2>&1
 on tests && grep -E "^\[  (FAILED|PASSED|SKIPPED) |^\[       OK|rel|Failure" "$out/new_tests.log" | tail -40
 
@@ -139,12 +139,14 @@ if on gemv; then
   # 20 back to back), then its stream kernels under ncu.
   stamp "G. the decode GEMV's variants"
   timeout 150 "$carry/bin/gpu_gemm_bench" "${ML4_COPY_GBPS:-3000}" gemv > "$out/gemm_gemv.log" 2>&1; echo "rc=$?"
-  grep -E "^copy|fp8 +st-" "$out/gemm_gemv.log" | awk '$2 == 1 || /^copy/' | cut -c1-150
-  if command -v ncu > /dev/null; then  # wo at M = 1: BF16, FP8 4 rows a block, FP8 4 rows a warp
-    timeout 120 ncu --clock-control none --cache-control none -k regex:gemv_stream --section WarpStateStats \
+  # back to back: every FP8 stream variant at M = 1; at M = 2 and 4 the default, the tensor cores, mma
+  grep -E "^copy|fp8 +(st-|gemv-tc).*back-to-back" "$out/gemm_gemv.log" |
+    awk '/^copy/ || $2 == 1 || ($2 <= 4 && /st-mma|st-c1-r4|gemv-tc/)' | cut -c1-150
+  if command -v ncu > /dev/null; then  # wo at M = 1: BF16, FP8 4 rows a block, FP8 4 rows a warp, FP8 mma
+    timeout 120 ncu --clock-control none --cache-control none -k regex:'gemv_(stream|mma)' --section WarpStateStats \
       --section SpeedOfLight --section Occupancy "$carry/bin/gpu_gemm_bench" 3000 profile > "$out/ncu_gemv.txt" 2>&1
     echo "ncu gemv rc=$?"
-    grep -E "gemv_stream_kernel|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Stall Long|Stall Wait|Warp Cycles Per Issued" "$out/ncu_gemv.txt" | head -60
+    grep -E "gemv_stream_kernel|gemv_mma_kernel|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Stall Long|Stall Wait|Warp Cycles Per Issued" "$out/ncu_gemv.txt" | head -60
   fi
 fi
 

@@ -13,7 +13,11 @@
 // checks both kernels' e4m3 decoding on every finite code (subnormals, -0, +-448) bit for
 // bit: one-hot x makes every
 // output a single exact product (weight times a power-of-two block scale), so any variant
-// must return exactly e4m3_to_f32(code) * scale.
+// must return exactly e4m3_to_f32(code) * scale. The f16 mma kernel (gemv_mma.cuh, variants
+// "stream-mma" / "auto-mma") keeps x to 22 bits (two f16 parts of x times a power of two per
+// 256 k): each element off by <= 2^-22 relative, rms ~1.4e-7, far inside the same 1e-5; one-hot
+// x (1.0, a power of two) it keeps exactly. MmaKeepsEachTokensRange gives its tokens magnitudes
+// 2^-100 .. 2^60 apart and checks each token's own relative error.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -70,6 +74,7 @@ TEST(CudaGemv, MatchesCpuLinear) {
         int warp_rows = 1;  // FP8 at M = 1: each warp its own 4 rows (another summation order): 1
                             // where N >= 16 blocks an SM (the default), 2 always, 0 never
         int warp_rows_max_m = 1;  // ... at M up to this
+        int mma = 0;              // FP8 at M <= this on the tensor cores in f16 (gemv_mma.cuh)
       };
       const GemvStreamConfig saved = gemv_stream_config();
       for (const Variant v : {Variant{"tc+splitk", true, GemvImpl::kTensorCore, 0, 0},
@@ -83,7 +88,10 @@ TEST(CudaGemv, MatchesCpuLinear) {
                               Variant{"stream-c1-shared", false, GemvImpl::kStream, 1, 0, 0},
                               Variant{"stream-warp", false, GemvImpl::kStream, 1, 0, 2},
                               Variant{"stream-warp-m2", false, GemvImpl::kStream, 1, 0, 2, 2},
-                              Variant{"stream-c2", false, GemvImpl::kStream, 2, 0}}) {
+                              Variant{"stream-c2", false, GemvImpl::kStream, 2, 0},
+                              Variant{"stream-mma", false, GemvImpl::kStream, 1, 0, 1, 1, 4},
+                              Variant{"auto-mma", false, GemvImpl::kAuto, 1, 0, 1, 1, 4}}) {
+        if (v.mma > 0 && f != LinearFormat::kFP8Block) continue;  // FP8 only
         if (f == LinearFormat::kBF16 && v.impl == GemvImpl::kStream && v.conv != 1) continue;  // no e4m3 to decode
         if (v.warp_rows_max_m == 2 && s.M != 2) continue;  // elsewhere the same launch as stream-warp
         GemvStreamConfig c = saved;  // kAuto variants: the defaults
@@ -93,6 +101,7 @@ TEST(CudaGemv, MatchesCpuLinear) {
           c.warp_rows = v.warp_rows;
           c.warp_rows_max_m = v.warp_rows_max_m;
         }
+        c.mma = v.mma;
         gemv_set_stream_config(c);
         std::vector<std::vector<float>> runs;
         for (int rep = 0; rep < 2; ++rep) {
@@ -122,6 +131,50 @@ TEST(CudaGemv, MatchesCpuLinear) {
             StatusCode::kInvalidArgument);
 }
 
+
+TEST(CudaGemv, MmaKeepsEachTokensRange) {
+  ML4_REQUIRE_GPU();
+  // K = 1280: 10 scale blocks over 4 warps (2, 3, 2, 3: chunks of 256 and of 128 k); N = 300:
+  // a partial 16-row tile. Token m is randn times 2^e[m]; M = 3 runs a pass of 4 with one
+  // row unused, M = 6 two passes.
+  const int64_t N = 300, K = 1280;
+  const int e[6] = {-100, 60, 0, -37, 17, 90};
+  auto wf = randn(N * K, 77, 0.05f);
+  auto W = quantize_linear(wf.data(), N, K, LinearFormat::kFP8Block, "w");
+  ML4_ASSERT_OK(W.status());
+  auto dw = DeviceBuffer::alloc(W->weight.nbytes());
+  ML4_ASSERT_OK(dw.status());
+  ML4_ASSERT_OK(dw->upload(W->weight.data(), W->weight.nbytes()));
+  auto dsc = DeviceBuffer::alloc(W->scale.nbytes());
+  ML4_ASSERT_OK(dsc.status());
+  ML4_ASSERT_OK(dsc->upload(W->scale.data(), W->scale.nbytes()));
+  const GemvStreamConfig saved = gemv_stream_config();
+  GemvStreamConfig c = saved;
+  c.mma = 4;
+  gemv_set_stream_config(c);
+  for (int64_t M : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{4}, int64_t{6}}) {
+    auto x = randn(M * K, 100 + static_cast<uint32_t>(M));
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) x[m * K + k] = std::ldexp(x[m * K + k], e[m]);
+    std::vector<float> ref(M * N);
+    cpu::linear(x.data(), M, *W, ref.data());
+    auto dx = to_device(x);
+    auto dy = poisoned<float>(M * N);
+    ML4_ASSERT_OK(gemv({dx.as<float>(), M, N, K, LinearFormat::kFP8Block, dw->data(), dsc->as<float>(),
+                        dy.as<float>(), nullptr, nullptr, GemvImpl::kStream}));
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const auto y = to_host<float>(dy, M * N);
+    for (int64_t m = 0; m < M; ++m) {
+      const std::vector<float> ym(y.begin() + m * N, y.begin() + (m + 1) * N);
+      const std::vector<float> rm(ref.begin() + m * N, ref.begin() + (m + 1) * N);
+      ASSERT_TRUE(all_finite(ym)) << "M " << M << " token " << m;
+      const double err = rel_err(ym, rm);
+      std::printf("gemv mma M=%ld token %ld (x ~2^%d) rel_err=%.3g (bound 1e-5)\n", M, m, e[m], err);
+      EXPECT_LT(err, 1e-5) << "M " << M << " token " << m;
+    }
+  }
+  gemv_set_stream_config(saved);
+}
 
 // NVFP4 / MXFP4 through upload_linear, M = 1..20 (passes of up to 8 tokens), N not a multiple
 // of the rows a block owns, K a multiple of 256 and not (a partial load batch), on both
@@ -265,10 +318,12 @@ TEST(CudaGemv, AllE4m3CodesExact) {
   auto ds = to_device(sc);
   auto ws = poisoned<float>(gemv_workspace_floats(M, N, K));
   const GemvStreamConfig saved = gemv_stream_config();
-  for (int variant = 0; variant < 5; ++variant) {  // tensor cores, CUDA cores, the stream with each e4m3 decoding
+  // tensor cores, CUDA cores, the stream with each e4m3 decoding, the f16 mma kernel (passes of 4)
+  for (int variant = 0; variant < 6; ++variant) {
     const GemvImpl impl = variant == 0 ? GemvImpl::kTensorCore : variant == 1 ? GemvImpl::kCudaCore : GemvImpl::kStream;
     GemvStreamConfig c = saved;
-    c.conv = std::max(variant - 2, 0);
+    c.conv = variant == 5 ? 1 : std::max(variant - 2, 0);
+    c.mma = variant == 5 ? 4 : 0;
     gemv_set_stream_config(c);
     for (bool use_ws : {true, false}) {
       auto dy = poisoned<float>(M * N);
@@ -284,8 +339,8 @@ TEST(CudaGemv, AllE4m3CodesExact) {
             ADD_FAILURE() << "impl " << static_cast<int>(impl) << " ws " << use_ws << " m " << m << " n " << n
                           << " code " << int{w[n * K + km[m]]} << ": " << y[m * N + n] << " want " << want;
         }
-      std::printf("gemv all-e4m3-codes impl=%d conv=%d ws=%d: %d of %ld outputs differ (bound 0: exact)\n",
-                  static_cast<int>(impl), c.conv, use_ws, bad, M * N);
+      std::printf("gemv all-e4m3-codes impl=%d conv=%d mma=%d ws=%d: %d of %ld outputs differ (bound 0: exact)\n",
+                  static_cast<int>(impl), c.conv, c.mma, use_ws, bad, M * N);
       EXPECT_EQ(bad, 0);
     }
   }

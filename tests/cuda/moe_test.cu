@@ -466,12 +466,22 @@ TEST(CudaMoe, ExpertsAndSharedVsCpu) {
       // 3 (FP8, T = 1): path 0 with each warp streaming its own 4 rows at every N
       // (GemvStreamConfig::warp_rows 2; the default, 1, takes them only at N >= 16 blocks an SM,
       // wider than these experts, so path 0 is the four-warp kernel).
+      // 4 (FP8, T = 1 and 3): the f16 mma kernel (gemv_mma.cuh; GemvStreamConfig::mma 4, the
+      // grouped stream taken up to 4 rows an expert: T = 3 runs one pass of 4 with the shared
+      // expert's 3 rows; x kept to 22 bits, ~1e-7: the same bound).
       const GemvStreamConfig saved = gemv_stream_config();
-      const bool warp_path = f == LinearFormat::kFP8Block && Tb == 1;
-      for (int path = 0; path < (warp_path ? 4 : Tb <= kGemvMaxM && !fp4 ? 3 : 2); ++path) {  // FP4: no row-wise
+      const bool fp8 = f == LinearFormat::kFP8Block;
+      for (int path = 0; path < 5; ++path) {
+        if ((path == 2 && (Tb > kGemvMaxM || fp4)) || (path == 3 && !(fp8 && Tb == 1)) ||  // FP4: no row-wise
+            (path == 4 && !(fp8 && Tb <= 3)))
+          continue;
         GemvStreamConfig c = saved;
         if (path == 1) c.grouped_max_rows = Tb <= saved.grouped_max_rows ? 0 : 1 << 20;
         if (path == 3) c.warp_rows = 2;
+        if (path == 4) {
+          c.mma = 4;
+          c.grouped_max_rows = 4;
+        }
         gemv_set_stream_config(c);
         std::vector<std::vector<float>> gr;
         for (int rep = 0; rep < 2; ++rep) {
@@ -493,7 +503,8 @@ TEST(CudaMoe, ExpertsAndSharedVsCpu) {
                     path == 0   ? "grouped"
                     : path == 1 ? "grouped-other"
                     : path == 2 ? "rowwise"
-                                : "grouped-warp-rows",
+                    : path == 3 ? "grouped-warp-rows"
+                                : "grouped-mma",
                     linear_format_name(f), Tb, e2);
         EXPECT_LT(e2, 1e-5) << "T=" << Tb << " path " << path;
         EXPECT_EQ(0, std::memcmp(gr[0].data(), gr[1].data(), gr[0].size() * 4)) << "not deterministic";

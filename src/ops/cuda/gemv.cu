@@ -10,6 +10,7 @@
 
 #include "ops/cuda/cuda_common.h"
 #include "ops/cuda/gemv_fp4.cuh"
+#include "ops/cuda/gemv_mma.cuh"
 #include "ops/cuda/gemv_stream.cuh"
 #include "ops/cuda/gemv_tc.cuh"
 
@@ -265,6 +266,12 @@ Status launch_stream(const gemv_stream::StArgs& a, int mt, unsigned slots, bool 
   const int conv = g_stream.conv;
   auto go = [&](auto m_tag) {
     constexpr int M = decltype(m_tag)::value;
+    if (fp8 && M <= g_stream.mma) {  // the tensor cores, f16 (gemv_mma.cuh)
+      launch_kernel(gemv_mma::gemv_mma_kernel<M>,
+                    dim3(static_cast<unsigned>((a.N + gemv_mma::kMmaRows - 1) / gemv_mma::kMmaRows), slots, 1),
+                    gemv_mma::kMmaThreads, 0, s, a);
+      return;
+    }
     if constexpr (M <= 2) {  // FP8 at one token (two on request): each warp its own 4 rows (warp_rows_at)
       if (fp8 && conv == gemv_stream::kConvF16Hw && M <= g_stream.warp_rows_max_m && warp_rows_at(a.N)) {
         launch_kernel(gemv_stream::gemv_stream_kernel<M, 4, true, gemv_stream::kConvF16Hw, 32>,
@@ -422,7 +429,8 @@ Status gemv(const GemvParams& p) {
   // H200 in the ml4-slice-4 decode step).
   const bool small_bf16 = p.format == LinearFormat::kBF16 && p.N <= kStreamBf16MaxRows;
   if (fp4_stream || (!fp4 && (p.impl == GemvImpl::kStream ||
-                              (p.impl == GemvImpl::kAuto && (fp8 || small_bf16) && p.M <= g_stream.max_m)))) {
+                              (p.impl == GemvImpl::kAuto && (fp8 || small_bf16) &&
+                               p.M <= std::max(g_stream.max_m, fp8 ? g_stream.mma : 0))))) {
     gemv_stream::StArgs a;
     a.x = p.x;
     a.N = p.N;
