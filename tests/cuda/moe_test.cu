@@ -466,8 +466,8 @@ TEST(CudaMoe, ExpertsAndSharedVsCpu) {
       // 3 (FP8, T = 1): path 0 with each warp streaming its own 4 rows at every N
       // (GemvStreamConfig::warp_rows 2; the default, 1, takes them only at N >= 16 blocks an SM,
       // wider than these experts, so path 0 is the four-warp kernel).
-      // 4 (FP8, T = 1 and 3): the f16 mma kernel (gemv_mma.cuh; GemvStreamConfig::mma 4, the
-      // grouped stream taken up to 4 rows an expert: T = 3 runs one pass of 4 with the shared
+      // 4 (FP8, T = 1 and 3): the f16 mma kernel (gemv_mma.cuh; GemvStreamConfig::mma 4, which
+      // takes grouped launches of up to 4 rows an expert: T = 3 runs one pass of 4 with the shared
       // expert's 3 rows; x kept to 22 bits, ~1e-7: the same bound).
       const GemvStreamConfig saved = gemv_stream_config();
       const bool fp8 = f == LinearFormat::kFP8Block;
@@ -478,10 +478,7 @@ TEST(CudaMoe, ExpertsAndSharedVsCpu) {
         GemvStreamConfig c = saved;
         if (path == 1) c.grouped_max_rows = Tb <= saved.grouped_max_rows ? 0 : 1 << 20;
         if (path == 3) c.warp_rows = 2;
-        if (path == 4) {
-          c.mma = 4;
-          c.grouped_max_rows = 4;
-        }
+        if (path == 4) c.mma = 4;
         gemv_set_stream_config(c);
         std::vector<std::vector<float>> gr;
         for (int rep = 0; rep < 2; ++rep) {

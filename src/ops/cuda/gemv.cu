@@ -344,7 +344,8 @@ Status grouped_gemv(const GroupedGemvParams& p) {
     // The CUDA-core weight streams (FP4 on request: the exact stream; FP8, or bf16 on request,
     // for few rows per expert).
     const bool fp4_stream = fp4 && (p.x_parts < 0 || p.impl == GemvImpl::kStream || p.impl == GemvImpl::kCudaCore);
-    if (fp4_stream || (!fp4 && p.max_expert_rows > 0 && p.max_expert_rows <= g_stream.grouped_max_rows &&
+    const int stream_rows_max = std::max(g_stream.grouped_max_rows, fp8 ? g_stream.mma : 0);
+    if (fp4_stream || (!fp4 && p.max_expert_rows > 0 && p.max_expert_rows <= stream_rows_max &&
                        (fp8 || p.impl == GemvImpl::kStream) && p.impl != GemvImpl::kTensorCore)) {
       gemv_stream::StArgs a;
       static_cast<gemv_stream::GroupedArgs&>(a) = grouped_args(p, scaled);

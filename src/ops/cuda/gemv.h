@@ -99,7 +99,8 @@ struct GemvStreamConfig {
   int warp_rows_max_m = 1;   // ... at M up to this (1, or 2: 168 registers, no spill; not yet measured)
   int mma = 0;               // FP8 with M <= mma (0 off, 1, 2 or 4) on the tensor cores in f16, x as
                              // two f16 parts scaled by a power of two per 256 k (gemv_mma.cuh), where
-                             // the stream would run (and, with kAuto, M <= mma streams)
+                             // the stream would run (and, with kAuto, M <= mma streams; grouped:
+                             // max_expert_rows <= mma)
 };
 void gemv_set_stream_config(const GemvStreamConfig& c);
 GemvStreamConfig gemv_stream_config();
