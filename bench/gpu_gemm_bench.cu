@@ -150,13 +150,15 @@ int main(int argc, char** argv) {
             int conv, rows;
             int warp_rows = 0;  // 2 ("st-warp"): each warp its own 4 rows (FP8 at M <= 2); 0: shared
             int mma = 0;        // 4 ("st-mma"): FP8 at M <= 4 on the tensor cores in f16 (gemv_mma.cuh)
+            int mma_warps = 0;  // its warps a block ("st-mmaW"; 0: by N)
           };
           // (decoding 2, integer -> f32, measured slowest on the H200 at every shape: not listed)
           std::vector<V> vs = {{GemvImpl::kCudaCore, 0, 0}, {GemvImpl::kTensorCore, 0, 0},
                                {GemvImpl::kStream, 1, 2}, {GemvImpl::kStream, 1, 4}};
           if (fp8) vs.push_back({GemvImpl::kStream, 0, 4});
           if (fp8) vs.push_back({GemvImpl::kStream, 1, 0, 2});
-          if (fp8) vs.push_back({GemvImpl::kStream, 1, 0, 0, 4});
+          if (fp8)
+            for (int mw : {0, 4, 8, 16}) vs.push_back({GemvImpl::kStream, 1, 0, 0, 4, mw});
           if (profile_only) vs = {{GemvImpl::kStream, 1, 4}, {GemvImpl::kStream, 1, 0, 2}, {GemvImpl::kStream, 1, 0, 0, 4}};
           const GemvStreamConfig saved = gemv_stream_config();
           for (const V& v : vs) {
@@ -166,6 +168,7 @@ int main(int argc, char** argv) {
             c.warp_rows = v.warp_rows;
             c.warp_rows_max_m = 2;
             c.mma = v.mma;
+            c.mma_warps = v.mma_warps;
             gemv_set_stream_config(c);
             auto launch = [&](int i) {
               const int cc = i % copies;
@@ -174,7 +177,9 @@ int main(int argc, char** argv) {
                                 s, v.impl}));
             };
             char name[32];
-            if (v.mma > 0)
+            if (v.mma > 0 && v.mma_warps > 0)
+              std::snprintf(name, sizeof name, "st-mma%d", v.mma_warps);
+            else if (v.mma > 0)
               std::snprintf(name, sizeof name, "st-mma");
             else if (v.impl == GemvImpl::kStream && v.warp_rows > 0)
               std::snprintf(name, sizeof name, "st-warp");

@@ -75,6 +75,7 @@ TEST(CudaGemv, MatchesCpuLinear) {
                             // where N >= 16 blocks an SM (the default), 2 always, 0 never
         int warp_rows_max_m = 1;  // ... at M up to this
         int mma = 0;              // FP8 at M <= this on the tensor cores in f16 (gemv_mma.cuh)
+        int mma_warps = 0;        // its warps a block (0: by N)
       };
       const GemvStreamConfig saved = gemv_stream_config();
       for (const Variant v : {Variant{"tc+splitk", true, GemvImpl::kTensorCore, 0, 0},
@@ -90,6 +91,9 @@ TEST(CudaGemv, MatchesCpuLinear) {
                               Variant{"stream-warp-m2", false, GemvImpl::kStream, 1, 0, 2, 2},
                               Variant{"stream-c2", false, GemvImpl::kStream, 2, 0},
                               Variant{"stream-mma", false, GemvImpl::kStream, 1, 0, 1, 1, 4},
+                              Variant{"stream-mma4", false, GemvImpl::kStream, 1, 0, 1, 1, 4, 4},
+                              Variant{"stream-mma8", false, GemvImpl::kStream, 1, 0, 1, 1, 4, 8},
+                              Variant{"stream-mma16", false, GemvImpl::kStream, 1, 0, 1, 1, 4, 16},
                               Variant{"auto-mma", false, GemvImpl::kAuto, 1, 0, 1, 1, 4}}) {
         if (v.mma > 0 && f != LinearFormat::kFP8Block) continue;  // FP8 only
         if (f == LinearFormat::kBF16 && v.impl == GemvImpl::kStream && v.conv != 1) continue;  // no e4m3 to decode
@@ -102,6 +106,7 @@ TEST(CudaGemv, MatchesCpuLinear) {
           c.warp_rows_max_m = v.warp_rows_max_m;
         }
         c.mma = v.mma;
+        c.mma_warps = v.mma_warps;
         gemv_set_stream_config(c);
         std::vector<std::vector<float>> runs;
         for (int rep = 0; rep < 2; ++rep) {
@@ -151,8 +156,10 @@ TEST(CudaGemv, MmaKeepsEachTokensRange) {
   const GemvStreamConfig saved = gemv_stream_config();
   GemvStreamConfig c = saved;
   c.mma = 4;
-  gemv_set_stream_config(c);
+  for (int warps : {4, 16})
   for (int64_t M : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{4}, int64_t{6}}) {
+    c.mma_warps = warps;  // 16: 10 scale blocks over 16 warps, six of them idle (16 -> 8 at M > 2)
+    gemv_set_stream_config(c);
     auto x = randn(M * K, 100 + static_cast<uint32_t>(M));
     for (int64_t m = 0; m < M; ++m)
       for (int64_t k = 0; k < K; ++k) x[m * K + k] = std::ldexp(x[m * K + k], e[m]);
@@ -169,7 +176,7 @@ TEST(CudaGemv, MmaKeepsEachTokensRange) {
       const std::vector<float> rm(ref.begin() + m * N, ref.begin() + (m + 1) * N);
       ASSERT_TRUE(all_finite(ym)) << "M " << M << " token " << m;
       const double err = rel_err(ym, rm);
-      std::printf("gemv mma M=%ld token %ld (x ~2^%d) rel_err=%.3g (bound 1e-5)\n", M, m, e[m], err);
+      std::printf("gemv mma warps=%d M=%ld token %ld (x ~2^%d) rel_err=%.3g (bound 1e-5)\n", warps, M, m, e[m], err);
       EXPECT_LT(err, 1e-5) << "M " << M << " token " << m;
     }
   }

@@ -259,6 +259,18 @@ bool warp_rows_at(int64_t N) {
   return g_stream.warp_rows == 2 || (g_stream.warp_rows == 1 && stream_rows(N) == 4);
 }
 
+// The f16 mma kernel's warps a block (they split K): GemvStreamConfig::mma_warps, or by the
+// number of 16-row blocks: the fewest of 4, 8, 16 that make >= 8 warps an SM (16 only at M <= 2,
+// its shared memory).
+int mma_warps(int64_t blocks, int m) {
+  const int cap = m <= 2 ? 16 : 8;
+  if (g_stream.mma_warps == 4 || g_stream.mma_warps == 8 || g_stream.mma_warps == 16)
+    return std::min(g_stream.mma_warps, cap);
+  const int64_t target = int64_t{8} * std::max(sm_count(), 1);
+  for (int w : {4, 8}) if (blocks * w >= target) return w;
+  return cap;
+}
+
 // mt: tokens (1, 2, or more: passes of 4; the kernel stops at the real count).
 Status launch_stream(const gemv_stream::StArgs& a, int mt, unsigned slots, bool fp8, cudaStream_t s) {
   const int R = stream_rows(a.N);
@@ -267,9 +279,16 @@ Status launch_stream(const gemv_stream::StArgs& a, int mt, unsigned slots, bool 
   auto go = [&](auto m_tag) {
     constexpr int M = decltype(m_tag)::value;
     if (fp8 && M <= g_stream.mma) {  // the tensor cores, f16 (gemv_mma.cuh)
-      launch_kernel(gemv_mma::gemv_mma_kernel<M>,
-                    dim3(static_cast<unsigned>((a.N + gemv_mma::kMmaRows - 1) / gemv_mma::kMmaRows), slots, 1),
-                    gemv_mma::kMmaThreads, 0, s, a);
+      const int64_t tiles = (a.N + gemv_mma::kMmaRows - 1) / gemv_mma::kMmaRows;
+      const int W = mma_warps(tiles * slots, M);
+      const dim3 grid(static_cast<unsigned>(tiles), slots, 1);
+      if (W == 16) {
+        if constexpr (M <= 2) launch_kernel(gemv_mma::gemv_mma_kernel<M, 16>, grid, 16 * 32, 0, s, a);
+      } else if (W == 8) {
+        launch_kernel(gemv_mma::gemv_mma_kernel<M, 8>, grid, 8 * 32, 0, s, a);
+      } else {
+        launch_kernel(gemv_mma::gemv_mma_kernel<M, 4>, grid, 4 * 32, 0, s, a);
+      }
       return;
     }
     if constexpr (M <= 2) {  // FP8 at one token (two on request): each warp its own 4 rows (warp_rows_at)

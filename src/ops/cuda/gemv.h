@@ -101,6 +101,7 @@ struct GemvStreamConfig {
                              // two f16 parts scaled by a power of two per 256 k (gemv_mma.cuh), where
                              // the stream would run (and, with kAuto, M <= mma streams; grouped:
                              // max_expert_rows <= mma)
+  int mma_warps = 0;         // its warps a block, splitting K: 4, 8, 16 (M <= 2), or 0: by N (gemv.cu mma_warps)
 };
 void gemv_set_stream_config(const GemvStreamConfig& c);
 GemvStreamConfig gemv_stream_config();

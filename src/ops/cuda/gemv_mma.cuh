@@ -4,7 +4,8 @@
 // instructions per 4 weights of a row in its loop (21.5 with its setup) and reaching 70-86% of
 // copy where the same kernel streams bf16 at 96-101% (docs/BENCHMARKS.md "Twenty-fifth session").
 //
-// Block = 4 warps, 16 weight rows (one mma m16 tile); the warps split K into contiguous ranges
+// Block = W warps (4, 8 or 16: more where N has few 16-row tiles), 16 weight rows (one mma m16
+// tile); the warps split K into contiguous ranges
 // of whole 128-k scale blocks and meet once, at the end, in shared memory (fixed order:
 // deterministic). A warp works in chunks of 256 k (4 steps of 64 k, 2 scale blocks): lane
 // (g, t) = (lane / 4, lane % 4) loads 16 bytes of row g and of row g + 8 at k = k0 + 64 s + 16 t
@@ -44,12 +45,11 @@ namespace ml4::cuda::gemv_mma {
 
 using gemv_stream::StArgs;
 
-constexpr int kMmaWarps = 4;
-constexpr int kMmaThreads = kMmaWarps * 32;
 constexpr int kMmaRows = 16;   // weight rows per block
 constexpr int kMmaSteps = 4;   // 64-k steps per chunk
 constexpr int kMmaChunk = 64 * kMmaSteps;
-constexpr int kMmaMinBlocks(int m) { return m <= 2 ? 4 : 3; }
+// Warps per SM the registers must allow (M <= 2: 128 registers, M = 4: 168).
+constexpr int kMmaMinWarps(int m) { return m <= 2 ? 16 : 12; }
 
 // Two e4m3 (low 16 bits of v: k, k + 1) -> f16x2, exactly.
 __device__ __forceinline__ uint32_t e4m3x2_f16x2(uint32_t v) {
@@ -93,10 +93,12 @@ __device__ __forceinline__ int x_shift(float amax) {
 
 __device__ __forceinline__ float pow2f(int s) { return __uint_as_float(static_cast<uint32_t>(s + 127) << 23); }
 
-// grid: (ceil(N / 16), slots). M: tokens per pass (1, 2 or 4; runtime mrows <= M).
-template <int M>
-__global__ void __launch_bounds__(kMmaThreads, kMmaMinBlocks(M)) gemv_mma_kernel(const StArgs a) {
+// grid: (ceil(N / 16), slots), W * 32 threads. M: tokens per pass (1, 2 or 4; runtime mrows <= M).
+template <int M, int W>
+__global__ void __launch_bounds__(W * 32, kMmaMinWarps(M) / W > 0 ? kMmaMinWarps(M) / W : 1)
+    gemv_mma_kernel(const StArgs a) {
   constexpr int C = 2 * M;  // B columns in use
+  static_assert(W * kMmaSteps * 2 * C * 4 * 16 <= 32 * 1024, "stage: at most 32 KB");
   gemv_stream::prefetch_rows_l2<kMmaRows>(a, a.K);
   pdl_wait();
   pdl_launch_dependents();
@@ -109,11 +111,11 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaMinBlocks(M)) gemv_mma_kernel
   if (n0 >= N || r_begin >= r_end) return;  // block-uniform
 
   // Per warp: [step][half][column][t] uint4 (16 f16: column c's x at k0 + 64 step + 16 t + 8 half).
-  __shared__ uint4 stage[kMmaWarps][kMmaSteps][2][C][4];
-  __shared__ float red[kMmaWarps][M][kMmaRows];
+  __shared__ uint4 stage[W][kMmaSteps][2][C][4];
+  __shared__ float red[W][M][kMmaRows];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int64_t nb = K / 128;  // scale blocks per row
-  const int64_t kb_begin = warp * nb / kMmaWarps, kb_end = (warp + 1) * nb / kMmaWarps;
+  const int64_t kb_begin = warp * nb / W, kb_end = (warp + 1) * nb / W;
   const int64_t k_begin = kb_begin * 128, k_end = kb_end * 128;
   const int nch = static_cast<int>((k_end - k_begin + kMmaChunk - 1) / kMmaChunk);
   const uint8_t* wa = sw.w + min(n0 + g, N - 1) * K + 16 * t;  // tail rows: row N - 1, unused
@@ -218,7 +220,7 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaMinBlocks(M)) gemv_mma_kernel
       if (m < mrows && n0 + r < N) {
         float v = red[0][m][r];
 #pragma unroll
-        for (int ww = 1; ww < kMmaWarps; ++ww) v += red[ww][m][r];
+        for (int ww = 1; ww < W; ++ww) v += red[ww][m][r];
         y[(sw.y_off + p0 + m) * N + n0 + r] = v;
       }
     }
