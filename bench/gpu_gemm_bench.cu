@@ -167,7 +167,8 @@ int main(int argc, char** argv) {
             c.rows = v.rows;
             c.warp_rows = v.warp_rows;
             c.warp_rows_max_m = 2;
-            c.mma = v.mma;
+            c.mma = v.mma;  // 0: the stream variants are the CUDA-core stream at every M
+            c.mma_min_m = 1;
             c.mma_warps = v.mma_warps;
             gemv_set_stream_config(c);
             auto launch = [&](int i) {

@@ -416,6 +416,7 @@ int main(int argc, char** argv) {
     const GemvStreamConfig saved = gemv_stream_config();
     GemvStreamConfig st_all = saved;
     st_all.grouped_max_rows = 1 << 20;  // the CUDA-core stream for every T (passes of 4 rows), for comparison
+    st_all.mma = 0;
     gemv_set_stream_config(st_all);
     const double t_grp_st = !grouped ? 0.0 : bench::median_ms(s, 2, 20, [&](int) {
       BENCH_CHECK(moe_experts_forward_grouped(*tables, &shared, x.as<float>(), T, dids.as<int32_t>(),
@@ -423,12 +424,13 @@ int main(int argc, char** argv) {
     });
     GemvStreamConfig tc_only = saved;
     tc_only.grouped_max_rows = 0;  // the tensor-core grouped kernel for every T, for comparison
+    tc_only.mma = 0;
     gemv_set_stream_config(tc_only);
     const double t_grp_tc = !grouped ? 0.0 : bench::median_ms(s, 2, 20, [&](int) {
       BENCH_CHECK(moe_experts_forward_grouped(*tables, &shared, x.as<float>(), T, dids.as<int32_t>(),
                                               dw.as<float>(), K, out.as<float>(), sc, s));
     });
-    gemv_set_stream_config(saved);  // the default: the CUDA-core stream for T <= grouped_max_rows (1)
+    gemv_set_stream_config(saved);  // the default: the CUDA-core stream for T <= 2, the f16 mma kernel for 3-4
     const double t_grp = !grouped ? 0.0 : bench::median_ms(s, 2, 20, [&](int) {
       BENCH_CHECK(moe_experts_forward_grouped(*tables, &shared, x.as<float>(), T, dids.as<int32_t>(),
                                               dw.as<float>(), K, out.as<float>(), sc, s));

@@ -179,12 +179,12 @@ if on binab; then
   # Two builds of ml4 against each other (a compile-time switch): every bin/ml4-<variant> carried
   # beside bin/ml4, alternating, twice; step figures at batch 1 / 2 / 4.
   stamp "D4. builds against each other"
-  # AB_ENVS="ML4_NONE=1 ML4_GEMV_WARP_ROWS=1": bin/ml4 under each setting instead.
+  # AB_ENVS="ML4_NONE=1 ML4_GEMV_WARP_ROWS=1": bin/ml4 under each setting instead (A=1,B=2: both).
   for i in 1 2; do
     if [ -n "${AB_ENVS:-}" ]; then
       for e in $AB_ENVS; do
         echo "== $e run $i"
-        env "$e" timeout 100 "$carry/bin/ml4" bench step --preset ml4-slice-4 --batch 1,2,4 --ctx 8192 --no-extras 2>&1 | grep -E "^STEP |^STEPSPLIT|rror" | cut -c1-200
+        env ${e//,/ } timeout 100 "$carry/bin/ml4" bench step --preset ml4-slice-4 --batch 1,2,4 --ctx 8192 --no-extras 2>&1 | grep -E "^STEP |^STEPSPLIT|rror" | cut -c1-200
       done
       continue
     fi

@@ -73,7 +73,7 @@ TEST(CudaGemv, MatchesCpuLinear) {
         int conv, rows;  // stream kernel: e4m3 decoding, rows per block (0: by N)
         int warp_rows = 1;  // FP8 at M = 1: each warp its own 4 rows (another summation order): 1
                             // where N >= 16 blocks an SM (the default), 2 always, 0 never
-        int warp_rows_max_m = 1;  // ... at M up to this
+        int warp_rows_max_m = 1;  // ... at M up to this (the stream variants; kAuto: the default, 2)
         int mma = 0;              // FP8 at M <= this on the tensor cores in f16 (gemv_mma.cuh)
         int mma_warps = 0;        // its warps a block (0: by N)
       };
@@ -104,9 +104,13 @@ TEST(CudaGemv, MatchesCpuLinear) {
           c.rows = v.rows;
           c.warp_rows = v.warp_rows;
           c.warp_rows_max_m = v.warp_rows_max_m;
+          c.mma = v.mma;  // 0: the CUDA-core stream at every M (its passes of 4 too)
         }
-        c.mma = v.mma;
-        c.mma_warps = v.mma_warps;
+        if (v.mma > 0) {  // at every M
+          c.mma = v.mma;
+          c.mma_min_m = 1;
+          c.mma_warps = v.mma_warps;
+        }
         gemv_set_stream_config(c);
         std::vector<std::vector<float>> runs;
         for (int rep = 0; rep < 2; ++rep) {
@@ -156,6 +160,7 @@ TEST(CudaGemv, MmaKeepsEachTokensRange) {
   const GemvStreamConfig saved = gemv_stream_config();
   GemvStreamConfig c = saved;
   c.mma = 4;
+  c.mma_min_m = 1;
   for (int warps : {4, 16})
   for (int64_t M : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{4}, int64_t{6}}) {
     c.mma_warps = warps;  // 16: 10 scale blocks over 16 warps, six of them idle (16 -> 8 at M > 2)
@@ -331,6 +336,7 @@ TEST(CudaGemv, AllE4m3CodesExact) {
     GemvStreamConfig c = saved;
     c.conv = variant == 5 ? 1 : std::max(variant - 2, 0);
     c.mma = variant == 5 ? 4 : 0;
+    c.mma_min_m = 1;
     gemv_set_stream_config(c);
     for (bool use_ws : {true, false}) {
       auto dy = poisoned<float>(M * N);

@@ -15,6 +15,7 @@
 // and CPU (one flip moves one element by 2^-4 relative): bound 1e-2, measured ~1e-4.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <random>
 #include <set>
@@ -460,15 +461,15 @@ TEST(CudaMoe, ExpertsAndSharedVsCpu) {
         for (int64_t d = 0; d < D; ++d) ref2[t * D + d] += ys[d];
       }
       // path 0: grouped, default kernel choice (FP4: the tensor cores, x in 3 parts, exact);
-      // 1: grouped with the other grouped kernel (the CUDA-core stream turned off where it is
-      // the default, T = 1, and on where it is not: T >= 3 then runs in passes of 4 rows; FP4:
-      // the exact CUDA-core stream); 2: row-wise (T <= 8).
+      // 1: grouped with the other grouped kernel (the stream kernels turned off where they are
+      // the default, T <= 4, and the CUDA-core stream on where it is not: T >= 8 then runs in
+      // passes of 4 rows; FP4: the exact CUDA-core stream); 2: row-wise (T <= 8).
       // 3 (FP8, T = 1): path 0 with each warp streaming its own 4 rows at every N
       // (GemvStreamConfig::warp_rows 2; the default, 1, takes them only at N >= 16 blocks an SM,
       // wider than these experts, so path 0 is the four-warp kernel).
-      // 4 (FP8, T = 1 and 3): the f16 mma kernel (gemv_mma.cuh; GemvStreamConfig::mma 4, which
-      // takes grouped launches of up to 4 rows an expert: T = 3 runs one pass of 4 with the shared
-      // expert's 3 rows; x kept to 22 bits, ~1e-7: the same bound).
+      // 4 (FP8, T = 1 and 3): the f16 mma kernel at every M (gemv_mma.cuh; by default it takes
+      // grouped launches of 3-4 rows an expert: T = 3 runs one pass of 4 with the shared expert's
+      // 3 rows, the default's path 0 too; x kept to 22 bits, ~1e-7: the same bound).
       const GemvStreamConfig saved = gemv_stream_config();
       const bool fp8 = f == LinearFormat::kFP8Block;
       for (int path = 0; path < 5; ++path) {
@@ -476,9 +477,16 @@ TEST(CudaMoe, ExpertsAndSharedVsCpu) {
             (path == 4 && !(fp8 && Tb <= 3)))
           continue;
         GemvStreamConfig c = saved;
-        if (path == 1) c.grouped_max_rows = Tb <= saved.grouped_max_rows ? 0 : 1 << 20;
+        if (path == 1) {
+          const bool streams = Tb <= std::max(saved.grouped_max_rows, saved.mma);
+          c.grouped_max_rows = streams ? 0 : 1 << 20;
+          c.mma = 0;  // the CUDA-core stream when on
+        }
         if (path == 3) c.warp_rows = 2;
-        if (path == 4) c.mma = 4;
+        if (path == 4) {
+          c.mma = 4;
+          c.mma_min_m = 1;
+        }
         gemv_set_stream_config(c);
         std::vector<std::vector<float>> gr;
         for (int rep = 0; rep < 2; ++rep) {

@@ -278,7 +278,7 @@ Status launch_stream(const gemv_stream::StArgs& a, int mt, unsigned slots, bool 
   const int conv = g_stream.conv;
   auto go = [&](auto m_tag) {
     constexpr int M = decltype(m_tag)::value;
-    if (fp8 && M <= g_stream.mma) {  // the tensor cores, f16 (gemv_mma.cuh)
+    if (fp8 && M <= g_stream.mma && M >= g_stream.mma_min_m) {  // the tensor cores, f16 (gemv_mma.cuh)
       const int64_t tiles = (a.N + gemv_mma::kMmaRows - 1) / gemv_mma::kMmaRows;
       const int W = mma_warps(tiles * slots, M);
       const dim3 grid(static_cast<unsigned>(tiles), slots, 1);

@@ -18,10 +18,15 @@
 //   R = 2-4 rows per block, K split over the block's threads, 4-byte coalesced loads and
 //   exact e4m3 decoding (cvt.e4m3x2 -> f16 -> f32), f32 FMAs; no workspace (the H200
 //   profile and figures: docs/BENCHMARKS.md "FP8 decode GEMV, profiled (engineer gemv3)");
+//   f16 tensor-core stream for FP8 at M <= 4 (GemvStreamConfig::mma, where the stream would
+//   run; gemv_mma.cuh): blocks of 4-16 warps over 16 rows splitting K, each lane's 16-byte
+//   load four m16n8k16 A fragments after cvt e4m3x2 -> f16x2, x as two f16 parts (hi + lo of
+//   x times a power of two per 256 k: 22 bits) in B's columns, 2 per token; ~36 instructions
+//   per KB of weights a warp where the CUDA-core stream's loop issues ~96;
 //   CUDA-core path (null workspace, or GemvImpl::kCudaCore): the earlier kernel (one warp
 //   per R rows, f32 FMAs), kept for callers without a workspace and as the bench baseline.
-// Both match cpu::linear to f32 rounding (x f32 times exactly decoded W, f32 sums: only
-// the summation order differs).
+// All match cpu::linear to f32 rounding (x f32 times exactly decoded W, f32 sums: only
+// the summation order differs; the f16 mma kernel also rounds x to 22 bits, ~1e-7).
 // NVFP4 / MXFP4 weights (any M: passes of 8 tokens, also the prefill path of linear_f32 for
 // now) take the tensor-core kernel (gemv_tc.cuh: e2m1 decoded to bf16 in registers through
 // byte tables, times the group scale exactly; x in x_parts bf16 parts) unless impl is kStream
@@ -90,17 +95,17 @@ void gemv_set_l2_prefetch(int steps);
 // defaults are the measured choice, docs/BENCHMARKS.md "FP8 decode GEMV, profiled").
 struct GemvStreamConfig {
   int max_m = 2;             // kAuto: FP8 gemv with M <= max_m streams
-  int grouped_max_rows = 1;  // grouped_gemv: FP8 with max_expert_rows <= this streams (MoE T = 1)
+  int grouped_max_rows = 2;  // grouped_gemv: FP8 with max_expert_rows <= this streams (MoE T = 1, 2)
   int conv = 1;              // e4m3 decoding: 0 integer -> f16, 1 cvt.e4m3x2 -> f16, 2 integer -> f32
   int rows = 0;              // rows per block: 2, 4, or 0 (by N)
   int warp_rows = 1;         // FP8 with cvt decoding at M = 1: blocks of one warp, each streaming its
                              // own 4 rows (gemv_stream.cuh stream_rows kT = 32), where N >= 16
                              // blocks an SM (1), at every N (2), or never (0: four warps share 4 rows)
-  int warp_rows_max_m = 1;   // ... at M up to this (1, or 2: 168 registers, no spill; not yet measured)
-  int mma = 0;               // FP8 with M <= mma (0 off, 1, 2 or 4) on the tensor cores in f16, x as
-                             // two f16 parts scaled by a power of two per 256 k (gemv_mma.cuh), where
-                             // the stream would run (and, with kAuto, M <= mma streams; grouped:
-                             // max_expert_rows <= mma)
+  int warp_rows_max_m = 2;   // ... at M up to this (1 or 2; at 2: 168 registers, no spill)
+  int mma = 4;               // FP8 with mma_min_m <= M <= mma (1, 2 or 4; 0 off) on the tensor cores in
+  int mma_min_m = 3;         // f16, x as two f16 parts scaled by a power of two per 256 k (gemv_mma.cuh),
+                             // where the stream would run (so with kAuto, M <= mma streams; grouped:
+                             // max_expert_rows <= mma). M is the launch's pass: 3 and 4 tokens run M = 4
   int mma_warps = 0;         // its warps a block, splitting K: 4, 8, 16 (M <= 2), or 0: by N (gemv.cu mma_warps)
 };
 void gemv_set_stream_config(const GemvStreamConfig& c);
