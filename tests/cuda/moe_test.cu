@@ -449,7 +449,7 @@ TEST(CudaMoe, ExpertsAndSharedVsCpu) {
     // of any one output. The earlier row-wise path (T <= 8) is checked the same way.
     auto tables = build_expert_tables(dx);
     ML4_ASSERT_OK(tables.status());
-    for (int64_t Tb : {int64_t{1}, int64_t{3}, int64_t{8}, int64_t{32}, int64_t{64}}) {
+    for (int64_t Tb : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{8}, int64_t{32}, int64_t{64}}) {
       std::vector<double> ref2(Tb * D, 0.0);
       for (int64_t t = 0; t < Tb; ++t) {
         std::vector<float> xt(x.begin() + t * D, x.begin() + (t + 1) * D);
@@ -464,16 +464,16 @@ TEST(CudaMoe, ExpertsAndSharedVsCpu) {
       // 1: grouped with the other grouped kernel (the stream kernels turned off where they are
       // the default, T <= 4, and the CUDA-core stream on where it is not: T >= 8 then runs in
       // passes of 4 rows; FP4: the exact CUDA-core stream); 2: row-wise (T <= 8).
-      // 3 (FP8, T = 1): path 0 with each warp streaming its own 4 rows at every N
+      // 3 (FP8, T = 1, 2): path 0 with each warp streaming its own 4 rows at every N
       // (GemvStreamConfig::warp_rows 2; the default, 1, takes them only at N >= 16 blocks an SM,
-      // wider than these experts, so path 0 is the four-warp kernel).
+      // wider than these experts, so path 0 is the four-warp kernel; at T = 2 its M = 2 kernel).
       // 4 (FP8, T = 1 and 3): the f16 mma kernel at every M (gemv_mma.cuh; by default it takes
       // grouped launches of 3-4 rows an expert: T = 3 runs one pass of 4 with the shared expert's
       // 3 rows, the default's path 0 too; x kept to 22 bits, ~1e-7: the same bound).
       const GemvStreamConfig saved = gemv_stream_config();
       const bool fp8 = f == LinearFormat::kFP8Block;
       for (int path = 0; path < 5; ++path) {
-        if ((path == 2 && (Tb > kGemvMaxM || fp4)) || (path == 3 && !(fp8 && Tb == 1)) ||  // FP4: no row-wise
+        if ((path == 2 && (Tb > kGemvMaxM || fp4)) || (path == 3 && !(fp8 && Tb <= 2)) ||  // FP4: no row-wise
             (path == 4 && !(fp8 && Tb <= 3)))
           continue;
         GemvStreamConfig c = saved;
