@@ -73,7 +73,7 @@ TEST(CudaGemv, MatchesCpuLinear) {
         int conv, rows;  // stream kernel: e4m3 decoding, rows per block (0: by N)
         int warp_rows = 1;  // FP8 at M = 1: each warp its own 4 rows (another summation order): 1
                             // where N >= 16 blocks an SM (the default), 2 always, 0 never
-        int warp_rows_max_m = 1;  // ... at M up to this (the stream variants; kAuto: the default, 2)
+        int warp_rows_max_m = 1;  // ... at M up to this (the stream variants; kAuto: the default)
         int mma = 0;              // FP8 at M <= this on the tensor cores in f16 (gemv_mma.cuh)
         int mma_warps = 0;        // its warps a block (0: by N)
       };

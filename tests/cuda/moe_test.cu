@@ -468,7 +468,7 @@ TEST(CudaMoe, ExpertsAndSharedVsCpu) {
       // (GemvStreamConfig::warp_rows 2; the default, 1, takes them only at N >= 16 blocks an SM,
       // wider than these experts, so path 0 is the four-warp kernel; at T = 2 its M = 2 kernel).
       // 4 (FP8, T = 1 and 3): the f16 mma kernel at every M (gemv_mma.cuh; by default it takes
-      // grouped launches of 3-4 rows an expert: T = 3 runs one pass of 4 with the shared expert's
+      // grouped launches of 2-4 rows an expert: T = 3 runs one pass of 4 with the shared expert's
       // 3 rows, the default's path 0 too; x kept to 22 bits, ~1e-7: the same bound).
       const GemvStreamConfig saved = gemv_stream_config();
       const bool fp8 = f == LinearFormat::kFP8Block;
@@ -482,7 +482,12 @@ TEST(CudaMoe, ExpertsAndSharedVsCpu) {
           c.grouped_max_rows = streams ? 0 : 1 << 20;
           c.mma = 0;  // the CUDA-core stream when on
         }
-        if (path == 3) c.warp_rows = 2;
+        if (path == 3) {  // the stream with one-warp rows, also at two rows an expert
+          c.warp_rows = 2;
+          c.warp_rows_max_m = 2;
+          c.grouped_max_rows = 2;
+          c.mma = 0;
+        }
         if (path == 4) {
           c.mma = 4;
           c.mma_min_m = 1;

@@ -95,15 +95,15 @@ void gemv_set_l2_prefetch(int steps);
 // defaults are the measured choice, docs/BENCHMARKS.md "FP8 decode GEMV, profiled").
 struct GemvStreamConfig {
   int max_m = 2;             // kAuto: FP8 gemv with M <= max_m streams
-  int grouped_max_rows = 2;  // grouped_gemv: FP8 with max_expert_rows <= this streams (MoE T = 1, 2)
+  int grouped_max_rows = 1;  // grouped_gemv: FP8 with max_expert_rows <= this streams (MoE T = 1)
   int conv = 1;              // e4m3 decoding: 0 integer -> f16, 1 cvt.e4m3x2 -> f16, 2 integer -> f32
   int rows = 0;              // rows per block: 2, 4, or 0 (by N)
   int warp_rows = 1;         // FP8 with cvt decoding at M = 1: blocks of one warp, each streaming its
                              // own 4 rows (gemv_stream.cuh stream_rows kT = 32), where N >= 16
                              // blocks an SM (1), at every N (2), or never (0: four warps share 4 rows)
-  int warp_rows_max_m = 2;   // ... at M up to this (1 or 2; at 2: 168 registers, no spill)
+  int warp_rows_max_m = 1;   // ... at M up to this (1 or 2; at 2: 168 registers, no spill)
   int mma = 4;               // FP8 with mma_min_m <= M <= mma (1, 2 or 4; 0 off) on the tensor cores in
-  int mma_min_m = 3;         // f16, x as two f16 parts scaled by a power of two per 256 k (gemv_mma.cuh),
+  int mma_min_m = 2;         // f16, x as two f16 parts scaled by a power of two per 256 k (gemv_mma.cuh),
                              // where the stream would run (so with kAuto, M <= mma streams; grouped:
                              // max_expert_rows <= mma). M is the launch's pass: 3 and 4 tokens run M = 4
   int mma_warps = 0;         // its warps a block, splitting K: 4, 8, 16 (M <= 2), or 0: by N (gemv.cu mma_warps)
