@@ -271,14 +271,15 @@ int mma_warps(int64_t blocks, int m) {
   return cap;
 }
 
-// mt: tokens (1, 2, or more: passes of 4; the kernel stops at the real count).
-Status launch_stream(const gemv_stream::StArgs& a, int mt, unsigned slots, bool fp8, cudaStream_t s) {
+// mt: tokens (1, 2, or more: passes of 4; the kernel stops at the real count). mma: the f16 mma
+// kernel may take FP8 (GemvParams::x_parts >= 0).
+Status launch_stream(const gemv_stream::StArgs& a, int mt, unsigned slots, bool fp8, bool mma, cudaStream_t s) {
   const int R = stream_rows(a.N);
   const dim3 grid(static_cast<unsigned>((a.N + R - 1) / R), slots, 1);
   const int conv = g_stream.conv;
   auto go = [&](auto m_tag) {
     constexpr int M = decltype(m_tag)::value;
-    if (fp8 && M <= g_stream.mma && M >= g_stream.mma_min_m) {  // the tensor cores, f16 (gemv_mma.cuh)
+    if (fp8 && mma && M <= g_stream.mma && M >= g_stream.mma_min_m) {  // the tensor cores, f16 (gemv_mma.cuh)
       const int64_t tiles = (a.N + gemv_mma::kMmaRows - 1) / gemv_mma::kMmaRows;
       const int W = mma_warps(tiles * slots, M);
       const dim3 grid(static_cast<unsigned>(tiles), slots, 1);
@@ -363,7 +364,8 @@ Status grouped_gemv(const GroupedGemvParams& p) {
     // The CUDA-core weight streams (FP4 on request: the exact stream; FP8, or bf16 on request,
     // for few rows per expert).
     const bool fp4_stream = fp4 && (p.x_parts < 0 || p.impl == GemvImpl::kStream || p.impl == GemvImpl::kCudaCore);
-    const int stream_rows_max = std::max(g_stream.grouped_max_rows, fp8 ? g_stream.mma : 0);
+    const bool mma = fp8 && p.x_parts >= 0;  // negative: x whole (the exact mode)
+    const int stream_rows_max = std::max(g_stream.grouped_max_rows, mma ? g_stream.mma : 0);
     if (fp4_stream || (!fp4 && p.max_expert_rows > 0 && p.max_expert_rows <= stream_rows_max &&
                        (fp8 || p.impl == GemvImpl::kStream) && p.impl != GemvImpl::kTensorCore)) {
       gemv_stream::StArgs a;
@@ -381,7 +383,7 @@ Status grouped_gemv(const GroupedGemvParams& p) {
       const unsigned grid_y = static_cast<unsigned>(slots * (p.w_table2 ? 2 : 1));
       const int mt = p.max_expert_rows > 0 ? pow2_tokens(p.max_expert_rows) : 8;
       if (fp4) return launch_fp4(a, mt, grid_y, p.format == LinearFormat::kNVFP4, p.stream).with_context("grouped_gemv");
-      return launch_stream(a, mt, grid_y, fp8, p.stream).with_context("grouped_gemv");
+      return launch_stream(a, mt, grid_y, fp8, mma, p.stream).with_context("grouped_gemv");
     }
     if (p.w_table2) {  // tensor-core path: one launch per weight set
       GroupedGemvParams q = p;
@@ -450,7 +452,7 @@ Status gemv(const GemvParams& p) {
   const bool small_bf16 = p.format == LinearFormat::kBF16 && p.N <= kStreamBf16MaxRows;
   if (fp4_stream || (!fp4 && (p.impl == GemvImpl::kStream ||
                               (p.impl == GemvImpl::kAuto && (fp8 || small_bf16) &&
-                               p.M <= std::max(g_stream.max_m, fp8 ? g_stream.mma : 0))))) {
+                               p.M <= std::max(g_stream.max_m, fp8 && p.x_parts >= 0 ? g_stream.mma : 0))))) {
     gemv_stream::StArgs a;
     a.x = p.x;
     a.N = p.N;
@@ -461,7 +463,7 @@ Status gemv(const GemvParams& p) {
     a.rows = static_cast<int>(p.M);
     a.prefetch_l2 = programmatic_launch();  // only where it can overlap the previous kernel (pdl.cuh)
     if (fp4) return launch_fp4(a, pow2_tokens(p.M), 1, p.format == LinearFormat::kNVFP4, p.stream);
-    return launch_stream(a, pow2_tokens(p.M), 1, fp8, p.stream);
+    return launch_stream(a, pow2_tokens(p.M), 1, fp8, p.x_parts >= 0, p.stream);
   }
   // FP4 always takes the tensor cores here (any M: passes of 8 tokens; split-K only with a
   // workspace and M <= 8, the workspace's size).

@@ -69,8 +69,8 @@ struct GemvParams {
   // FP4 on the tensor cores: x as 1, 2 or 3 bf16 parts (0: 3). 3 is x exactly (every product
   // exact, the sums f32: cpu::linear to f32 rounding); 2 keeps 16 bits (relative error per
   // element <= 2^-17); 1 rounds x to bf16 (<= 2^-9). Fewer parts, fewer mmas per weight byte.
-  // Negative: FP4 takes the exact CUDA-core stream, as impl kStream does (other formats ignore
-  // x_parts).
+  // Negative: FP4 takes the exact CUDA-core stream, as impl kStream does, and FP8 never the f16
+  // mma kernel (x kept whole: the exact mode's choice; bf16 ignores x_parts).
   int x_parts = 0;
 };
 
@@ -152,7 +152,7 @@ struct GroupedGemvParams {
   const void* extra_w2 = nullptr;
   const float* extra_s2 = nullptr;
   float* y2 = nullptr;
-  int x_parts = 0;                    // FP4 on the tensor cores: GemvParams::x_parts
+  int x_parts = 0;                    // GemvParams::x_parts (FP4 parts; negative: exact, also for FP8)
 };
 Status grouped_gemv(const GroupedGemvParams& p);
 
