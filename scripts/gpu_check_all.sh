@@ -84,12 +84,13 @@ sections=" ${SECTIONS:-tests decode moegemm spec specstep hisparse perplexity pd
 on() { [[ "$sections" == *" $1 "* ]]; }
 
 # The suites of the kernels the last session changed (twenty-sixth: the f16 mma GEMV for FP8 at
-# 2-4 tokens, gemv_mma.cuh, the default since 6b070d4; its kernel passed CudaGemv / CudaMoe on an
-# H100, the runner suites under the new default not yet), first. A suite that faults can be left out of the
-# whole run with ML4_GTEST_EXCLUDE=Suite.* so that it does not take the rest with it. The pending
-# measurement:
-#   FILTER_NEW='CudaGemv.*:CudaMoe.*:CudaRunner.*' SECTIONS="tests binab" AB_ENVS="ML4_NONE=1
-#   ML4_GEMV_MMA=0 ML4_GEMV_MMA_MIN_M=3,ML4_GEMV_WARP_ROWS_MAX_M=2,ML4_GEMV_GROUPED_MAX_ROWS=2"
+# 2-4 tokens, gemv_mma.cuh, the default since 47af805; its kernel passed CudaGemv / CudaMoe on an
+# H100 at ee3dedf, the runner suites under the new default not yet), first. A suite that faults can
+# be left out of the whole run with ML4_GTEST_EXCLUDE=Suite.* so that it does not take the rest with
+# it. The pending call (the suites under the new default, then the one-warp rows at 2 tokens against
+# the mma kernel there, then everything):
+#   SECTIONS="tests binab all" AB_ENVS="ML4_NONE=1 ML4_GEMV_MMA=0
+#   ML4_GEMV_MMA_MIN_M=3,ML4_GEMV_WARP_ROWS_MAX_M=2,ML4_GEMV_GROUPED_MAX_ROWS=2"
 new=${FILTER_NEW:-CudaGemv.*:CudaMoe.*:CudaRunner.*}
 on tests && stamp "1a. new GPU tests: $new" && timeout 240 "$carry/bin/ml4_cuda_tests" --gtest_filter="$new" --gtest_color=no > "$out/new_tests.log" 2>&1
 on tests && grep -E "^\[  (FAILED|PASSED|SKIPPED) |^\[       OK|rel|Failure" "$out/new_tests.log" | tail -40
