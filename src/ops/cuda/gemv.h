@@ -18,8 +18,8 @@
 //   R = 2-4 rows per block, K split over the block's threads, 4-byte coalesced loads and
 //   exact e4m3 decoding (cvt.e4m3x2 -> f16 -> f32), f32 FMAs; no workspace (the H200
 //   profile and figures: docs/BENCHMARKS.md "FP8 decode GEMV, profiled (engineer gemv3)");
-//   f16 tensor-core stream for FP8 at M <= 4 (GemvStreamConfig::mma, where the stream would
-//   run; gemv_mma.cuh): blocks of 4-16 warps over 16 rows splitting K, each lane's 16-byte
+//   f16 tensor-core stream for FP8 at M = 2..4 by default (GemvStreamConfig::mma / mma_min_m,
+//   where the stream would run; gemv_mma.cuh; slower than the stream at M = 1): blocks of 4-16 warps over 16 rows splitting K, each lane's 16-byte
 //   load four m16n8k16 A fragments after cvt e4m3x2 -> f16x2, x as two f16 parts (hi + lo of
 //   x times a power of two per 256 k: 22 bits) in B's columns, 2 per token; ~36 instructions
 //   per KB of weights a warp where the CUDA-core stream's loop issues ~96;
@@ -50,7 +50,8 @@
 
 namespace ml4::cuda {
 
-// kAuto: FP8 with M <= gemv_stream_config().max_m: kStream; otherwise kTensorCore with a
+// kAuto: FP8 with M <= gemv_stream_config().max_m (or .mma, unless x_parts < 0): kStream (which
+// hands mma_min_m..mma tokens to the f16 mma kernel); otherwise kTensorCore with a
 // workspace, the CUDA-core kernel without one. kStream: the CUDA-core weight stream
 // (gemv_stream.cuh: R rows per block, K split over the block, integer e4m3 decoding; no
 // workspace).
