@@ -13,11 +13,12 @@
 // checks both kernels' e4m3 decoding on every finite code (subnormals, -0, +-448) bit for
 // bit: one-hot x makes every
 // output a single exact product (weight times a power-of-two block scale), so any variant
-// must return exactly e4m3_to_f32(code) * scale. The f16 mma kernel (gemv_mma.cuh, variants
-// "stream-mma" / "auto-mma") keeps x to 22 bits (two f16 parts of x times a power of two per
-// 256 k): each element off by <= 2^-22 relative, rms ~1.4e-7, far inside the same 1e-5; one-hot
-// x (1.0, a power of two) it keeps exactly. MmaKeepsEachTokensRange gives its tokens magnitudes
-// 2^-100 .. 2^60 apart and checks each token's own relative error.
+// must return exactly e4m3_to_f32(code) * scale. The f16 mma kernel (gemv_mma.cuh; variants
+// "stream-mma4/8/16", each warp count, and "auto-mma", kAuto with the count by N) keeps x to 22
+// bits (two f16 parts of x times a power of two per 256 k): each element off by <= 2^-22
+// relative, rms ~1.4e-7, far inside the same 1e-5; one-hot x (1.0, a power of two) it keeps
+// exactly. MmaKeepsEachTokensRange gives its tokens magnitudes 2^-100 .. 2^90 apart and checks
+// each token's own relative error.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -90,7 +91,6 @@ TEST(CudaGemv, MatchesCpuLinear) {
                               Variant{"stream-warp", false, GemvImpl::kStream, 1, 0, 2},
                               Variant{"stream-warp-m2", false, GemvImpl::kStream, 1, 0, 2, 2},
                               Variant{"stream-c2", false, GemvImpl::kStream, 2, 0},
-                              Variant{"stream-mma", false, GemvImpl::kStream, 1, 0, 1, 1, 4},
                               Variant{"stream-mma4", false, GemvImpl::kStream, 1, 0, 1, 1, 4, 4},
                               Variant{"stream-mma8", false, GemvImpl::kStream, 1, 0, 1, 1, 4, 8},
                               Variant{"stream-mma16", false, GemvImpl::kStream, 1, 0, 1, 1, 4, 16},
@@ -161,28 +161,29 @@ TEST(CudaGemv, MmaKeepsEachTokensRange) {
   GemvStreamConfig c = saved;
   c.mma = 4;
   c.mma_min_m = 1;
-  for (int warps : {4, 16})
-  for (int64_t M : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{4}, int64_t{6}}) {
+  for (int warps : {4, 16}) {
     c.mma_warps = warps;  // 16: 10 scale blocks over 16 warps, six of them idle (16 -> 8 at M > 2)
     gemv_set_stream_config(c);
-    auto x = randn(M * K, 100 + static_cast<uint32_t>(M));
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = 0; k < K; ++k) x[m * K + k] = std::ldexp(x[m * K + k], e[m]);
-    std::vector<float> ref(M * N);
-    cpu::linear(x.data(), M, *W, ref.data());
-    auto dx = to_device(x);
-    auto dy = poisoned<float>(M * N);
-    ML4_ASSERT_OK(gemv({dx.as<float>(), M, N, K, LinearFormat::kFP8Block, dw->data(), dsc->as<float>(),
-                        dy.as<float>(), nullptr, nullptr, GemvImpl::kStream}));
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    const auto y = to_host<float>(dy, M * N);
-    for (int64_t m = 0; m < M; ++m) {
-      const std::vector<float> ym(y.begin() + m * N, y.begin() + (m + 1) * N);
-      const std::vector<float> rm(ref.begin() + m * N, ref.begin() + (m + 1) * N);
-      ASSERT_TRUE(all_finite(ym)) << "M " << M << " token " << m;
-      const double err = rel_err(ym, rm);
-      std::printf("gemv mma warps=%d M=%ld token %ld (x ~2^%d) rel_err=%.3g (bound 1e-5)\n", warps, M, m, e[m], err);
-      EXPECT_LT(err, 1e-5) << "M " << M << " token " << m;
+    for (int64_t M : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{4}, int64_t{6}}) {
+      auto x = randn(M * K, 100 + static_cast<uint32_t>(M));
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < K; ++k) x[m * K + k] = std::ldexp(x[m * K + k], e[m]);
+      std::vector<float> ref(M * N);
+      cpu::linear(x.data(), M, *W, ref.data());
+      auto dx = to_device(x);
+      auto dy = poisoned<float>(M * N);
+      ML4_ASSERT_OK(gemv({dx.as<float>(), M, N, K, LinearFormat::kFP8Block, dw->data(), dsc->as<float>(),
+                          dy.as<float>(), nullptr, nullptr, GemvImpl::kStream}));
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const auto y = to_host<float>(dy, M * N);
+      for (int64_t m = 0; m < M; ++m) {
+        const std::vector<float> ym(y.begin() + m * N, y.begin() + (m + 1) * N);
+        const std::vector<float> rm(ref.begin() + m * N, ref.begin() + (m + 1) * N);
+        ASSERT_TRUE(all_finite(ym)) << "M " << M << " token " << m;
+        const double err = rel_err(ym, rm);
+        std::printf("gemv mma warps=%d M=%ld token %ld (x ~2^%d) rel_err=%.3g (bound 1e-5)\n", warps, M, m, e[m], err);
+        EXPECT_LT(err, 1e-5) << "M " << M << " token " << m;
+      }
     }
   }
   gemv_set_stream_config(saved);

@@ -467,14 +467,14 @@ TEST(CudaMoe, ExpertsAndSharedVsCpu) {
       // 3 (FP8, T = 1, 2): path 0 with each warp streaming its own 4 rows at every N
       // (GemvStreamConfig::warp_rows 2; the default, 1, takes them only at N >= 16 blocks an SM,
       // wider than these experts, so path 0 is the four-warp kernel; at T = 2 its M = 2 kernel).
-      // 4 (FP8, T = 1 and 3): the f16 mma kernel at every M (gemv_mma.cuh; by default it takes
-      // grouped launches of 2-4 rows an expert: T = 3 runs one pass of 4 with the shared expert's
-      // 3 rows, the default's path 0 too; x kept to 22 bits, ~1e-7: the same bound).
+      // 4 (FP8, T = 1): the f16 mma kernel at one row (gemv_mma.cuh; by default it takes grouped
+      // launches of 2-4 rows an expert, so path 0 runs it at T = 2 and 3, T = 3 one pass of 4 with
+      // the shared expert's 3 rows; x kept to 22 bits, ~1e-7: the same bound).
       const GemvStreamConfig saved = gemv_stream_config();
       const bool fp8 = f == LinearFormat::kFP8Block;
       for (int path = 0; path < 5; ++path) {
         if ((path == 2 && (Tb > kGemvMaxM || fp4)) || (path == 3 && !(fp8 && Tb <= 2)) ||  // FP4: no row-wise
-            (path == 4 && !(fp8 && Tb <= 3)))
+            (path == 4 && !(fp8 && Tb == 1)))
           continue;
         GemvStreamConfig c = saved;
         if (path == 1) {

@@ -271,8 +271,13 @@ int mma_warps(int64_t blocks, int m) {
   return cap;
 }
 
-// mt: tokens (1, 2, or more: passes of 4; the kernel stops at the real count). mma: the f16 mma
-// kernel may take FP8 (GemvParams::x_parts >= 0).
+// Whether the f16 mma kernel may take these weights: FP8 unless x_parts < 0 (the exact mode
+// keeps x whole), and the most tokens the stream launch then takes (kAuto's and grouped_gemv's
+// bound: `base`, max_m or grouped_max_rows, or the mma kernel's).
+bool mma_ok(bool fp8, int x_parts) { return fp8 && x_parts >= 0; }
+int stream_max_rows(int base, bool mma) { return std::max(base, mma ? g_stream.mma : 0); }
+
+// mt: tokens (1, 2, or more: passes of 4; the kernel stops at the real count). mma: mma_ok.
 Status launch_stream(const gemv_stream::StArgs& a, int mt, unsigned slots, bool fp8, bool mma, cudaStream_t s) {
   const int R = stream_rows(a.N);
   const dim3 grid(static_cast<unsigned>((a.N + R - 1) / R), slots, 1);
@@ -367,9 +372,9 @@ Status grouped_gemv(const GroupedGemvParams& p) {
     // The CUDA-core weight streams (FP4 on request: the exact stream; FP8, or bf16 on request,
     // for few rows per expert).
     const bool fp4_stream = fp4 && (p.x_parts < 0 || p.impl == GemvImpl::kStream || p.impl == GemvImpl::kCudaCore);
-    const bool mma = fp8 && p.x_parts >= 0;  // negative: x whole (the exact mode)
-    const int stream_rows_max = std::max(g_stream.grouped_max_rows, mma ? g_stream.mma : 0);
-    if (fp4_stream || (!fp4 && p.max_expert_rows > 0 && p.max_expert_rows <= stream_rows_max &&
+    const bool mma = mma_ok(fp8, p.x_parts);
+    if (fp4_stream || (!fp4 && p.max_expert_rows > 0 &&
+                       p.max_expert_rows <= stream_max_rows(g_stream.grouped_max_rows, mma) &&
                        (fp8 || p.impl == GemvImpl::kStream) && p.impl != GemvImpl::kTensorCore)) {
       gemv_stream::StArgs a;
       static_cast<gemv_stream::GroupedArgs&>(a) = grouped_args(p, scaled);
@@ -453,9 +458,10 @@ Status gemv(const GemvParams& p) {
   // the tensor-core path split K 16 ways plus a reduction launch for them (5.6 + 2.2 us on the
   // H200 in the ml4-slice-4 decode step).
   const bool small_bf16 = p.format == LinearFormat::kBF16 && p.N <= kStreamBf16MaxRows;
+  const bool mma = mma_ok(fp8, p.x_parts);
   if (fp4_stream || (!fp4 && (p.impl == GemvImpl::kStream ||
                               (p.impl == GemvImpl::kAuto && (fp8 || small_bf16) &&
-                               p.M <= std::max(g_stream.max_m, fp8 && p.x_parts >= 0 ? g_stream.mma : 0))))) {
+                               p.M <= stream_max_rows(g_stream.max_m, mma))))) {
     gemv_stream::StArgs a;
     a.x = p.x;
     a.N = p.N;
@@ -466,7 +472,7 @@ Status gemv(const GemvParams& p) {
     a.rows = static_cast<int>(p.M);
     a.prefetch_l2 = programmatic_launch();  // only where it can overlap the previous kernel (pdl.cuh)
     if (fp4) return launch_fp4(a, pow2_tokens(p.M), 1, p.format == LinearFormat::kNVFP4, p.stream);
-    return launch_stream(a, pow2_tokens(p.M), 1, fp8, p.x_parts >= 0, p.stream);
+    return launch_stream(a, pow2_tokens(p.M), 1, fp8, mma, p.stream);
   }
   // FP4 always takes the tensor cores here (any M: passes of 8 tokens; split-K only with a
   // workspace and M <= 8, the workspace's size).
