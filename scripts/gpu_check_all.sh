@@ -146,9 +146,10 @@ if on gemv; then
     awk '/^copy/ || $2 == 1 || ($2 <= 4 && /st-mma|st-c1-r4|gemv-tc/)' | cut -c1-150
   if command -v ncu > /dev/null; then  # wo at M = 1: BF16, FP8 4 rows a block, FP8 4 rows a warp, FP8 mma
     timeout 120 ncu --clock-control none --cache-control none -k regex:'gemv_(stream|mma)' --section WarpStateStats \
-      --section SpeedOfLight --section Occupancy "$carry/bin/gpu_gemm_bench" 3000 profile > "$out/ncu_gemv.txt" 2>&1
+      --section SpeedOfLight --section Occupancy --section SourceCounters --section SchedulerStats \
+      "$carry/bin/gpu_gemm_bench" 3000 profile > "$out/ncu_gemv.txt" 2>&1
     echo "ncu gemv rc=$?"
-    grep -E "gemv_stream_kernel|gemv_mma_kernel|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Stall Long|Stall Wait|Warp Cycles Per Issued" "$out/ncu_gemv.txt" | head -60
+    grep -E "gemv_stream_kernel|gemv_mma_kernel|Duration|Elapsed Cycles|SM Active Cycles|DRAM Throughput|Achieved Occupancy|Registers Per|Stall Long|Stall Wait|Warp Cycles Per Issued|Issued Warp|No Eligible" "$out/ncu_gemv.txt" | head -90
   fi
 fi
 

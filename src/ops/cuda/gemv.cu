@@ -288,6 +288,17 @@ Status launch_stream(const gemv_stream::StArgs& a, int mt, unsigned slots, bool 
       const int64_t tiles = (a.N + gemv_mma::kMmaRows - 1) / gemv_mma::kMmaRows;
       const int W = mma_warps(tiles * slots, M);
       const dim3 grid(static_cast<unsigned>(tiles), slots, 1);
+      if constexpr (M == 1) {
+        if (g_stream.mma_pipe == 1) {
+          if (W == 16)
+            launch_kernel(gemv_mma::gemv_mma_kernel<1, 16, true>, grid, 16 * 32, 0, s, a);
+          else if (W == 8)
+            launch_kernel(gemv_mma::gemv_mma_kernel<1, 8, true>, grid, 8 * 32, 0, s, a);
+          else
+            launch_kernel(gemv_mma::gemv_mma_kernel<1, 4, true>, grid, 4 * 32, 0, s, a);
+          return;
+        }
+      }
       if constexpr (M <= 2) {  // 16 warps' stages fit only at M <= 2
         if (W == 16) {
           launch_kernel(gemv_mma::gemv_mma_kernel<M, 16>, grid, 16 * 32, 0, s, a);

@@ -108,6 +108,8 @@ struct GemvStreamConfig {
                              // where the stream would run (so with kAuto, M <= mma streams; grouped:
                              // max_expert_rows <= mma). M is the launch's pass: 3 and 4 tokens run M = 4
   int mma_warps = 0;         // its warps a block, splitting K: 4, 8, 16 (M <= 2), or 0: by N (gemv.cu mma_warps)
+  int mma_pipe = 0;          // 1: at M = 1 its pipelined variant (gemv_mma.cuh P: one x scale a warp, x
+                             // loaded with the weights, two mma chains)
 };
 void gemv_set_stream_config(const GemvStreamConfig& c);
 GemvStreamConfig gemv_stream_config();
