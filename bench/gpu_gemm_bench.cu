@@ -151,7 +151,6 @@ int main(int argc, char** argv) {
             int warp_rows = 0;  // 2 ("st-warp"): each warp its own 4 rows (FP8 at M <= 2); 0: shared
             int mma = 0;        // 4 ("st-mma"): FP8 at M <= 4 on the tensor cores in f16 (gemv_mma.cuh)
             int mma_warps = 0;  // its warps a block ("st-mmaW"; 0: by N)
-            int mma_pipe = 0;   // 1 ("st-mmap", "st-mmapW"): its pipelined variant at M = 1
           };
           // (decoding 2, integer -> f32, measured slowest on the H200 at every shape: not listed)
           std::vector<V> vs = {{GemvImpl::kCudaCore, 0, 0}, {GemvImpl::kTensorCore, 0, 0},
@@ -160,11 +159,7 @@ int main(int argc, char** argv) {
           if (fp8) vs.push_back({GemvImpl::kStream, 1, 0, 2});
           if (fp8)
             for (int mw : {0, 4, 8, 16}) vs.push_back({GemvImpl::kStream, 1, 0, 0, 4, mw});
-          if (fp8 && M == 1)
-            for (int mw : {0, 8, 16}) vs.push_back({GemvImpl::kStream, 1, 0, 0, 4, mw, 1});
-          if (profile_only)
-            vs = {{GemvImpl::kStream, 1, 4}, {GemvImpl::kStream, 1, 0, 2}, {GemvImpl::kStream, 1, 0, 0, 4},
-                  {GemvImpl::kStream, 1, 0, 0, 4, 0, 1}};
+          if (profile_only) vs = {{GemvImpl::kStream, 1, 4}, {GemvImpl::kStream, 1, 0, 2}, {GemvImpl::kStream, 1, 0, 0, 4}};
           const GemvStreamConfig saved = gemv_stream_config();
           for (const V& v : vs) {
             GemvStreamConfig c = saved;
@@ -175,7 +170,6 @@ int main(int argc, char** argv) {
             c.mma = v.mma;  // 0: the stream variants are the CUDA-core stream at every M
             c.mma_min_m = 1;
             c.mma_warps = v.mma_warps;
-            c.mma_pipe = v.mma_pipe;
             gemv_set_stream_config(c);
             auto launch = [&](int i) {
               const int cc = i % copies;
@@ -184,11 +178,7 @@ int main(int argc, char** argv) {
                                 s, v.impl}));
             };
             char name[32];
-            if (v.mma_pipe > 0 && v.mma_warps > 0)
-              std::snprintf(name, sizeof name, "st-mmap%d", v.mma_warps);
-            else if (v.mma_pipe > 0)
-              std::snprintf(name, sizeof name, "st-mmap");
-            else if (v.mma > 0 && v.mma_warps > 0)
+            if (v.mma > 0 && v.mma_warps > 0)
               std::snprintf(name, sizeof name, "st-mma%d", v.mma_warps);
             else if (v.mma > 0)
               std::snprintf(name, sizeof name, "st-mma");

@@ -146,7 +146,7 @@ if on gemv; then
     awk '/^copy/ || $2 == 1 || ($2 <= 4 && /st-mma|st-c1-r4|gemv-tc/)' | cut -c1-150
   if command -v ncu > /dev/null; then  # wo at M = 1: BF16, FP8 4 rows a block, FP8 4 rows a warp, FP8 mma
     timeout 120 ncu --clock-control none --cache-control none -k regex:'gemv_(stream|mma)' --section WarpStateStats \
-      --section SpeedOfLight --section Occupancy --section SourceCounters --section SchedulerStats \
+      --section SpeedOfLight --section Occupancy --section SchedulerStats \
       "$carry/bin/gpu_gemm_bench" 3000 profile > "$out/ncu_gemv.txt" 2>&1
     echo "ncu gemv rc=$?"
     grep -E "gemv_stream_kernel|gemv_mma_kernel|Duration|Elapsed Cycles|SM Active Cycles|DRAM Throughput|Achieved Occupancy|Registers Per|Stall Long|Stall Wait|Warp Cycles Per Issued|Issued Warp|No Eligible" "$out/ncu_gemv.txt" | head -90
@@ -188,6 +188,9 @@ if on binab; then
       for e in $AB_ENVS; do
         echo "== $e run $i"
         env ${e//,/ } timeout 100 "$carry/bin/ml4" bench step --preset ml4-slice-4 --batch 1,2,4 --ctx 8192 --no-extras 2>&1 | grep -E "^STEP |^STEPSPLIT|rror" | cut -c1-200
+        # AB_TINY=1: the launch-bound ml4-tiny step (bf16 weights) under each setting too
+        [ "${AB_TINY:-0}" = 1 ] && env ${e//,/ } timeout 60 "$carry/bin/ml4" bench step --preset ml4-tiny --batch 1,2,4 \
+          --ctx 1024 --kv-gib 1 --no-extras 2>&1 | grep -E "^STEP |rror" | cut -c1-200
       done
       continue
     fi

@@ -77,7 +77,6 @@ TEST(CudaGemv, MatchesCpuLinear) {
         int warp_rows_max_m = 1;  // ... at M up to this (the stream variants; kAuto: the default)
         int mma = 0;              // FP8 at M <= this on the tensor cores in f16 (gemv_mma.cuh)
         int mma_warps = 0;        // its warps a block (0: by N)
-        int mma_pipe = 0;         // 1: its pipelined variant at M = 1 (gemv_mma.cuh P)
       };
       const GemvStreamConfig saved = gemv_stream_config();
       for (const Variant v : {Variant{"tc+splitk", true, GemvImpl::kTensorCore, 0, 0},
@@ -95,9 +94,7 @@ TEST(CudaGemv, MatchesCpuLinear) {
                               Variant{"stream-mma4", false, GemvImpl::kStream, 1, 0, 1, 1, 4, 4},
                               Variant{"stream-mma8", false, GemvImpl::kStream, 1, 0, 1, 1, 4, 8},
                               Variant{"stream-mma16", false, GemvImpl::kStream, 1, 0, 1, 1, 4, 16},
-                              Variant{"auto-mma", false, GemvImpl::kAuto, 1, 0, 1, 1, 4},
-                              Variant{"stream-mmap4", false, GemvImpl::kStream, 1, 0, 1, 1, 4, 4, 1},
-                              Variant{"stream-mmap16", false, GemvImpl::kStream, 1, 0, 1, 1, 4, 16, 1}}) {
+                              Variant{"auto-mma", false, GemvImpl::kAuto, 1, 0, 1, 1, 4}}) {
         if (v.mma > 0 && f != LinearFormat::kFP8Block) continue;  // FP8 only
         if (f == LinearFormat::kBF16 && v.impl == GemvImpl::kStream && v.conv != 1) continue;  // no e4m3 to decode
         if (v.warp_rows_max_m == 2 && s.M != 2) continue;  // elsewhere the same launch as stream-warp
@@ -113,7 +110,6 @@ TEST(CudaGemv, MatchesCpuLinear) {
           c.mma = v.mma;
           c.mma_min_m = 1;
           c.mma_warps = v.mma_warps;
-          c.mma_pipe = v.mma_pipe;
         }
         gemv_set_stream_config(c);
         std::vector<std::vector<float>> runs;
@@ -165,13 +161,10 @@ TEST(CudaGemv, MmaKeepsEachTokensRange) {
   GemvStreamConfig c = saved;
   c.mma = 4;
   c.mma_min_m = 1;
-  for (int pipe : {0, 1})  // 1: the pipelined variant (M = 1 only; one x scale per warp's K range)
   for (int warps : {4, 16}) {
     c.mma_warps = warps;  // 16: 10 scale blocks over 16 warps, six of them idle (16 -> 8 at M > 2)
-    c.mma_pipe = pipe;
     gemv_set_stream_config(c);
     for (int64_t M : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{4}, int64_t{6}}) {
-      if (pipe == 1 && M != 1) continue;
       auto x = randn(M * K, 100 + static_cast<uint32_t>(M));
       for (int64_t m = 0; m < M; ++m)
         for (int64_t k = 0; k < K; ++k) x[m * K + k] = std::ldexp(x[m * K + k], e[m]);
@@ -188,8 +181,7 @@ TEST(CudaGemv, MmaKeepsEachTokensRange) {
         const std::vector<float> rm(ref.begin() + m * N, ref.begin() + (m + 1) * N);
         ASSERT_TRUE(all_finite(ym)) << "M " << M << " token " << m;
         const double err = rel_err(ym, rm);
-        std::printf("gemv mma pipe=%d warps=%d M=%ld token %ld (x ~2^%d) rel_err=%.3g (bound 1e-5)\n", pipe, warps,
-                    M, m, e[m], err);
+        std::printf("gemv mma warps=%d M=%ld token %ld (x ~2^%d) rel_err=%.3g (bound 1e-5)\n", warps, M, m, e[m], err);
         EXPECT_LT(err, 1e-5) << "M " << M << " token " << m;
       }
     }

@@ -466,16 +466,15 @@ TEST(CudaMoe, ExpertsAndSharedVsCpu) {
       // passes of 4 rows; FP4: the exact CUDA-core stream); 2: row-wise (T <= 8).
       // 3 (FP8, T = 1, 2): path 0 with each warp streaming its own 4 rows at every N
       // (GemvStreamConfig::warp_rows 2; the default, 1, takes them only at N >= 16 blocks an SM,
-      // wider than these experts, so path 0 is the four-warp kernel; at T = 2 its M = 2 kernel).
-      // 4 (FP8, T = 1): the f16 mma kernel at one row (gemv_mma.cuh; by default it takes grouped
-      // launches of 2-4 rows an expert, so path 0 runs it at T = 2 and 3, T = 3 one pass of 4 with
-      // the shared expert's 3 rows; x kept to 22 bits, ~1e-7: the same bound). 5 (FP8, T = 1): 4 with
-      // its pipelined variant (GemvStreamConfig::mma_pipe: one x scale per warp's K range).
+      // wider than these experts, so path 0 is the four-warp kernel, at T = 2 its M = 2 kernel).
+      // 4 (FP8, T = 1, 2): the f16 mma kernel at one and two rows (gemv_mma.cuh; by default it
+      // takes grouped launches of 3-4 rows an expert, so path 0 runs it at T = 3, one pass of 4
+      // with the shared expert's 3 rows; x kept to 22 bits, ~1e-7: the same bound).
       const GemvStreamConfig saved = gemv_stream_config();
       const bool fp8 = f == LinearFormat::kFP8Block;
-      for (int path = 0; path < 6; ++path) {
+      for (int path = 0; path < 5; ++path) {
         if ((path == 2 && (Tb > kGemvMaxM || fp4)) || (path == 3 && !(fp8 && Tb <= 2)) ||  // FP4: no row-wise
-            (path >= 4 && !(fp8 && Tb == 1)))
+            (path == 4 && !(fp8 && Tb <= 2)))
           continue;
         GemvStreamConfig c = saved;
         if (path == 1) {
@@ -489,10 +488,9 @@ TEST(CudaMoe, ExpertsAndSharedVsCpu) {
           c.grouped_max_rows = 2;
           c.mma = 0;
         }
-        if (path >= 4) {
+        if (path == 4) {
           c.mma = 4;
           c.mma_min_m = 1;
-          c.mma_pipe = path == 5 ? 1 : 0;
         }
         gemv_set_stream_config(c);
         std::vector<std::vector<float>> gr;
@@ -516,8 +514,7 @@ TEST(CudaMoe, ExpertsAndSharedVsCpu) {
                     : path == 1 ? "grouped-other"
                     : path == 2 ? "rowwise"
                     : path == 3 ? "grouped-warp-rows"
-                    : path == 4 ? "grouped-mma"
-                                : "grouped-mma-pipe",
+                                : "grouped-mma",
                     linear_format_name(f), Tb, e2);
         EXPECT_LT(e2, 1e-5) << "T=" << Tb << " path " << path;
         EXPECT_EQ(0, std::memcmp(gr[0].data(), gr[1].data(), gr[0].size() * 4)) << "not deterministic";

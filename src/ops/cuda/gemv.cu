@@ -288,17 +288,6 @@ Status launch_stream(const gemv_stream::StArgs& a, int mt, unsigned slots, bool 
       const int64_t tiles = (a.N + gemv_mma::kMmaRows - 1) / gemv_mma::kMmaRows;
       const int W = mma_warps(tiles * slots, M);
       const dim3 grid(static_cast<unsigned>(tiles), slots, 1);
-      if constexpr (M == 1) {
-        if (g_stream.mma_pipe == 1) {
-          if (W == 16)
-            launch_kernel(gemv_mma::gemv_mma_kernel<1, 16, true>, grid, 16 * 32, 0, s, a);
-          else if (W == 8)
-            launch_kernel(gemv_mma::gemv_mma_kernel<1, 8, true>, grid, 8 * 32, 0, s, a);
-          else
-            launch_kernel(gemv_mma::gemv_mma_kernel<1, 4, true>, grid, 4 * 32, 0, s, a);
-          return;
-        }
-      }
       if constexpr (M <= 2) {  // 16 warps' stages fit only at M <= 2
         if (W == 16) {
           launch_kernel(gemv_mma::gemv_mma_kernel<M, 16>, grid, 16 * 32, 0, s, a);
@@ -465,13 +454,16 @@ Status gemv(const GemvParams& p) {
   if ((reinterpret_cast<uintptr_t>(p.x) | reinterpret_cast<uintptr_t>(p.w)) & 15u)
     return invalid_argument("gemv: x and w must be 16-byte aligned");
   const bool fp4_stream = fp4 && (p.x_parts < 0 || p.impl == GemvImpl::kStream || p.impl == GemvImpl::kCudaCore);
-  // BF16 matrices of a few rows (the indexer's head weights, 32 x dim) take the stream too:
-  // the tensor-core path split K 16 ways plus a reduction launch for them (5.6 + 2.2 us on the
-  // H200 in the ml4-slice-4 decode step).
-  const bool small_bf16 = p.format == LinearFormat::kBF16 && p.N <= kStreamBf16MaxRows;
+  // BF16 at M <= max_m takes the stream too: for a few rows (the indexer's head weights, 32 x
+  // dim) the tensor-core path split K 16 ways plus a reduction launch (5.6 + 2.2 us on the
+  // H200 in the ml4-slice-4 decode step); at any N it streams at 95-101% of copy back to back
+  // where gemv_tc reaches 71-87% (H100, M = 1 and 2; docs/BENCHMARKS.md "Twenty-seventh
+  // session"; bf16_stream 0 keeps the wide ones on gemv_tc).
+  const bool bf16_streams =
+      p.format == LinearFormat::kBF16 && (g_stream.bf16_stream == 1 || p.N <= kStreamBf16MaxRows);
   const bool mma = mma_ok(fp8, p.x_parts);
   if (fp4_stream || (!fp4 && (p.impl == GemvImpl::kStream ||
-                              (p.impl == GemvImpl::kAuto && (fp8 || small_bf16) &&
+                              (p.impl == GemvImpl::kAuto && (fp8 || bf16_streams) &&
                                p.M <= stream_max_rows(g_stream.max_m, mma))))) {
     gemv_stream::StArgs a;
     a.x = p.x;

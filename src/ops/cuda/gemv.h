@@ -14,12 +14,13 @@
 //   (a variant streaming the weights through a per-warp cp.async shared-memory ring with an
 //   integer e4m3 -> bf16 conversion was measured 0-20% slower on the H200 and removed;
 //   docs/BENCHMARKS.md "GEMV ring kernel");
-//   CUDA-core weight stream (kStream; kAuto's choice for FP8 at M <= 2, gemv_stream.cuh):
+//   CUDA-core weight stream (kStream; kAuto's choice for FP8 and BF16 at M <= 2, gemv_stream.cuh):
 //   R = 2-4 rows per block, K split over the block's threads, 4-byte coalesced loads and
 //   exact e4m3 decoding (cvt.e4m3x2 -> f16 -> f32), f32 FMAs; no workspace (the H200
 //   profile and figures: docs/BENCHMARKS.md "FP8 decode GEMV, profiled (engineer gemv3)");
-//   f16 tensor-core stream for FP8 at M = 2..4 by default (GemvStreamConfig::mma / mma_min_m,
-//   where the stream would run; gemv_mma.cuh; slower than the stream at M = 1): blocks of 4-16 warps over 16 rows splitting K, each lane's 16-byte
+//   f16 tensor-core stream for FP8 at M = 3..4 by default (GemvStreamConfig::mma / mma_min_m,
+//   where the stream would run; gemv_mma.cuh; slower than the stream at M = 1 and, in the
+//   step, at M = 2): blocks of 4-16 warps over 16 rows splitting K, each lane's 16-byte
 //   load four m16n8k16 A fragments after cvt e4m3x2 -> f16x2, x as two f16 parts (hi + lo of
 //   x times a power of two per 256 k: 22 bits) in B's columns, 2 per token; ~36 instructions
 //   per KB of weights a warp where the CUDA-core stream's loop issues ~96;
@@ -96,20 +97,19 @@ void gemv_set_l2_prefetch(int steps);
 // defaults are the measured choice, docs/BENCHMARKS.md "FP8 decode GEMV, profiled").
 struct GemvStreamConfig {
   int max_m = 2;             // kAuto: FP8 gemv with M <= max_m streams
-  int grouped_max_rows = 1;  // grouped_gemv: FP8 with max_expert_rows <= this streams (MoE T = 1)
+  int bf16_stream = 1;       // kAuto: BF16 with M <= max_m streams too, at any N (1), or only at N <= 64 (0)
+  int grouped_max_rows = 2;  // grouped_gemv: FP8 with max_expert_rows <= this streams (MoE T <= 2)
   int conv = 1;              // e4m3 decoding: 0 integer -> f16, 1 cvt.e4m3x2 -> f16, 2 integer -> f32
   int rows = 0;              // rows per block: 2, 4, or 0 (by N)
   int warp_rows = 1;         // FP8 with cvt decoding at M = 1: blocks of one warp, each streaming its
                              // own 4 rows (gemv_stream.cuh stream_rows kT = 32), where N >= 16
                              // blocks an SM (1), at every N (2), or never (0: four warps share 4 rows)
-  int warp_rows_max_m = 1;   // ... at M up to this (1 or 2; at 2: 168 registers, no spill)
+  int warp_rows_max_m = 2;   // ... at M up to this (1 or 2; at 2: 168 registers, no spill)
   int mma = 4;               // FP8 with mma_min_m <= M <= mma (1, 2 or 4; 0 off) on the tensor cores in
-  int mma_min_m = 2;         // f16, x as two f16 parts scaled by a power of two per 256 k (gemv_mma.cuh),
+  int mma_min_m = 3;         // f16, x as two f16 parts scaled by a power of two per 256 k (gemv_mma.cuh),
                              // where the stream would run (so with kAuto, M <= mma streams; grouped:
                              // max_expert_rows <= mma). M is the launch's pass: 3 and 4 tokens run M = 4
   int mma_warps = 0;         // its warps a block, splitting K: 4, 8, 16 (M <= 2), or 0: by N (gemv.cu mma_warps)
-  int mma_pipe = 0;          // 1: at M = 1 its pipelined variant (gemv_mma.cuh P: one x scale a warp, x
-                             // loaded with the weights, two mma chains)
 };
 void gemv_set_stream_config(const GemvStreamConfig& c);
 GemvStreamConfig gemv_stream_config();

@@ -65,7 +65,7 @@ __device__ __forceinline__ uint32_t e4m3x2_f16x2(uint32_t v) {
 
 __device__ __forceinline__ void mma_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                         uint32_t b0, uint32_t b1) {
-  asm(
+  asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -100,14 +100,9 @@ __device__ __forceinline__ int x_shift(float amax) {
 __device__ __forceinline__ float pow2f(int s) { return __uint_as_float(static_cast<uint32_t>(s + 127) << 23); }
 
 // grid: (ceil(N / 16), slots), W * 32 threads. M: tokens per pass (1, 2 or 4; runtime mrows <= M).
-// P (GemvStreamConfig::mma_pipe; M = 1 only): each warp takes one S per token for its whole K
-// range from a scan of its x before the loop (no per-chunk max over the warp; the bound above
-// holds with "chunk" read as "the warp's K range"), loads each chunk's x with its weights (one
-// chunk ahead), and alternates two accumulators per scale block (two mma chains, not one).
-template <int M, int W, bool P = false>
+template <int M, int W>
 __global__ void __launch_bounds__(W * 32, kMmaMinWarps(M) / W > 0 ? kMmaMinWarps(M) / W : 1)
     gemv_mma_kernel(const StArgs a) {
-  static_assert(!P || M == 1, "the pipelined variant is written for one token");
   constexpr int C = 2 * M;  // B columns in use
   static_assert(W * kMmaSteps * 2 * C * 4 * 16 <= 32 * 1024, "stage: at most 32 KB");
   gemv_stream::prefetch_rows_l2<kMmaRows>(a, a.K);
@@ -145,86 +140,49 @@ __global__ void __launch_bounds__(W * 32, kMmaMinWarps(M) / W > 0 ? kMmaMinWarps
       xr[m] = a.x + (sw.xmap ? int64_t{sw.xmap[i]} : sw.x_off + i) * K;
     }
     float tot0 = 0.0f, tot1 = 0.0f;  // rows g and g + 8, token t
-    // One chunk's weights (and with P its x: this lane's 8 values, zero past the range).
-    struct Buf {
-      uint4 w[kMmaSteps][2];
-      float4 x[P ? 2 : 1];
-    };
-    auto load_w = [&](int c, Buf& b) {
+    auto load_w = [&](int c, uint4 (&w)[kMmaSteps][2]) {
       const int64_t k0 = k_begin + int64_t{c} * kMmaChunk;
 #pragma unroll
       for (int s = 0; s < kMmaSteps; ++s) {
         if (k0 + 64 * s < k_end) {
-          b.w[s][0] = __ldcs(reinterpret_cast<const uint4*>(wa + k0 + 64 * s));
-          b.w[s][1] = __ldcs(reinterpret_cast<const uint4*>(wb + k0 + 64 * s));
-        }
-      }
-      if constexpr (P) {
-        if (k0 + 8 * lane < k_end) {
-          const float4* px = reinterpret_cast<const float4*>(xr[0] + k0 + 8 * lane);
-          b.x[0] = __ldg(px);
-          b.x[1] = __ldg(px + 1);
-        } else {
-          b.x[0] = b.x[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+          w[s][0] = __ldcs(reinterpret_cast<const uint4*>(wa + k0 + 64 * s));
+          w[s][1] = __ldcs(reinterpret_cast<const uint4*>(wb + k0 + 64 * s));
         }
       }
     };
-    // P: the warp's one S for this token, from its whole K range (issued after the first chunk's
-    // loads, so that they are in flight meanwhile).
-    float p_scale = 1.0f, p_inv = 1.0f;
-    auto scan_x = [&]() {
-      float amax = 0.0f;
-      for (int64_t k = k_begin + 4 * lane; k < k_end; k += 128) {
-        const float4 u = __ldg(reinterpret_cast<const float4*>(xr[0] + k));
-        amax = fmaxf(fmaxf(amax, fmaxf(fabsf(u.x), fabsf(u.y))), fmaxf(fabsf(u.z), fabsf(u.w)));
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-      const int S = x_shift(amax);
-      p_scale = pow2f(S);
-      p_inv = pow2f(-S);
-    };
-    auto run = [&](int c, const Buf& b) {
+    auto run = [&](int c, const uint4 (&w)[kMmaSteps][2]) {
       const int64_t k0 = k_begin + int64_t{c} * kMmaChunk;
       const bool half_chunk = k0 + 128 >= k_end;  // the range's last chunk may hold one scale block
       // Stage x: each token's 256 values of this chunk, 8 a lane, scaled and split.
       float inv_t = 1.0f;
       float sc0 = __ldg(srow + k0 / 128), sc1 = half_chunk ? 0.0f : __ldg(srow + k0 / 128 + 1);
-      if constexpr (P) {
-        const float f[8] = {b.x[0].x * p_scale, b.x[0].y * p_scale, b.x[0].z * p_scale, b.x[0].w * p_scale,
-                            b.x[1].x * p_scale, b.x[1].y * p_scale, b.x[1].z * p_scale, b.x[1].w * p_scale};
-        split8(f, &st[s_st][h_st][0][t_st], &st[s_st][h_st][1][t_st]);
-        if (t == 0) inv_t = p_inv;
-      } else {
 #pragma unroll
-        for (int m = 0; m < M; ++m) {
-          float f[8];
-          if (m < mrows && !(half_chunk && lane >= 16)) {
-            const float4* px = reinterpret_cast<const float4*>(xr[m] + k0 + 8 * lane);
-            const float4 u = __ldg(px), v = __ldg(px + 1);
-            f[0] = u.x, f[1] = u.y, f[2] = u.z, f[3] = u.w, f[4] = v.x, f[5] = v.y, f[6] = v.z, f[7] = v.w;
-          } else {
+      for (int m = 0; m < M; ++m) {
+        float f[8];
+        if (m < mrows && !(half_chunk && lane >= 16)) {
+          const float4* px = reinterpret_cast<const float4*>(xr[m] + k0 + 8 * lane);
+          const float4 u = __ldg(px), v = __ldg(px + 1);
+          f[0] = u.x, f[1] = u.y, f[2] = u.z, f[3] = u.w, f[4] = v.x, f[5] = v.y, f[6] = v.z, f[7] = v.w;
+        } else {
 #pragma unroll
-            for (int i = 0; i < 8; ++i) f[i] = 0.0f;
-          }
-          float amax = 0.0f;
-#pragma unroll
-          for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[i]));
-#pragma unroll
-          for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-          const int S = x_shift(amax);
-          const float scale = pow2f(S);
-          if (t == m) inv_t = pow2f(-S);
-#pragma unroll
-          for (int i = 0; i < 8; ++i) f[i] *= scale;
-          split8(f, &st[s_st][h_st][2 * m][t_st], &st[s_st][h_st][2 * m + 1][t_st]);
+          for (int i = 0; i < 8; ++i) f[i] = 0.0f;
         }
+        float amax = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[i]));
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        const int S = x_shift(amax);
+        const float scale = pow2f(S);
+        if (t == m) inv_t = pow2f(-S);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) f[i] *= scale;
+        split8(f, &st[s_st][h_st][2 * m][t_st], &st[s_st][h_st][2 * m + 1][t_st]);
       }
       __syncwarp();
       sc0 *= inv_t;
       sc1 *= inv_t;
       float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      float acc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // P: the odd mmas' chain
 #pragma unroll
       for (int s = 0; s < kMmaSteps; ++s) {
         if (s >= 2 && half_chunk) break;
@@ -233,42 +191,30 @@ __global__ void __launch_bounds__(W * 32, kMmaMinWarps(M) / W > 0 ? kMmaMinWarps
           b0 = st[s][0][g][t];
           b1 = st[s][1][g][t];
         }
-        const uint32_t ra[4] = {b.w[s][0].x, b.w[s][0].y, b.w[s][0].z, b.w[s][0].w};
-        const uint32_t rb[4] = {b.w[s][1].x, b.w[s][1].y, b.w[s][1].z, b.w[s][1].w};
+        const uint32_t ra[4] = {w[s][0].x, w[s][0].y, w[s][0].z, w[s][0].w};
+        const uint32_t rb[4] = {w[s][1].x, w[s][1].y, w[s][1].z, w[s][1].w};
         const uint32_t bw[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const uint32_t a0 = e4m3x2_f16x2(ra[i]), a1 = e4m3x2_f16x2(rb[i]);
-          const uint32_t a2 = e4m3x2_f16x2(ra[i] >> 16), a3 = e4m3x2_f16x2(rb[i] >> 16);
-          if (P && (i & 1))
-            mma_f16(acc2, a0, a1, a2, a3, bw[2 * i], bw[2 * i + 1]);
-          else
-            mma_f16(acc, a0, a1, a2, a3, bw[2 * i], bw[2 * i + 1]);
-        }
+        for (int i = 0; i < 4; ++i)
+          mma_f16(acc, e4m3x2_f16x2(ra[i]), e4m3x2_f16x2(rb[i]), e4m3x2_f16x2(ra[i] >> 16),
+                  e4m3x2_f16x2(rb[i] >> 16), bw[2 * i], bw[2 * i + 1]);
         if (s & 1) {  // a 128-k scale block done: hi + lo times its scale
           const float sc = s == 1 ? sc0 : sc1;
-          if constexpr (P) {
-            tot0 = fmaf((acc[0] + acc[1]) + (acc2[0] + acc2[1]), sc, tot0);
-            tot1 = fmaf((acc[2] + acc[3]) + (acc2[2] + acc2[3]), sc, tot1);
-            acc2[0] = acc2[1] = acc2[2] = acc2[3] = 0.0f;
-          } else {
-            tot0 = fmaf(acc[0] + acc[1], sc, tot0);
-            tot1 = fmaf(acc[2] + acc[3], sc, tot1);
-          }
+          tot0 = fmaf(acc[0] + acc[1], sc, tot0);
+          tot1 = fmaf(acc[2] + acc[3], sc, tot1);
           acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
         }
       }
       __syncwarp();  // the stage is rewritten by the next chunk
     };
-    Buf b0, b1;
-    if (nch > 0) load_w(0, b0);
-    if constexpr (P) scan_x();
+    uint4 w0[kMmaSteps][2], w1[kMmaSteps][2];
+    if (nch > 0) load_w(0, w0);
     for (int c = 0; c < nch; c += 2) {
-      if (c + 1 < nch) load_w(c + 1, b1);
-      run(c, b0);
+      if (c + 1 < nch) load_w(c + 1, w1);
+      run(c, w0);
       if (c + 1 >= nch) break;
-      if (c + 2 < nch) load_w(c + 2, b0);
-      run(c + 1, b1);
+      if (c + 2 < nch) load_w(c + 2, w0);
+      run(c + 1, w1);
     }
     if (t < M) {
       red[warp][t][g] = tot0;

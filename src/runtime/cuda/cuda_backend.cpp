@@ -66,14 +66,15 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const ModelConfig& cfg,
   if (const char* v = std::getenv("ML4_INDEXER_WGMMA"); v && (v[0] == '0' || v[0] == '1')) b->opts_.indexer_wgmma = v[0] == '1';
   if (const char* v = std::getenv("ML4_RESIDENT_BLOCKS"); v && std::atoi(v) == 3) b->opts_.resident_blocks_per_sm = 3;
   {  // The GEMV's choices (gemv.h GemvStreamConfig, process-wide), for A/B runs of whole steps:
-     // ML4_GEMV_MAX_M, ML4_GEMV_GROUPED_MAX_ROWS, ML4_GEMV_CONV, ML4_GEMV_ROWS, ML4_GEMV_WARP_ROWS,
-     // ML4_GEMV_WARP_ROWS_MAX_M, ML4_GEMV_MMA,
-     // ML4_GEMV_MMA_MIN_M, ML4_GEMV_MMA_WARPS, ML4_GEMV_MMA_PIPE.
+     // ML4_GEMV_MAX_M, ML4_GEMV_BF16_STREAM, ML4_GEMV_GROUPED_MAX_ROWS, ML4_GEMV_CONV,
+     // ML4_GEMV_ROWS, ML4_GEMV_WARP_ROWS, ML4_GEMV_WARP_ROWS_MAX_M, ML4_GEMV_MMA,
+     // ML4_GEMV_MMA_MIN_M, ML4_GEMV_MMA_WARPS.
     GemvStreamConfig c = gemv_stream_config();
     auto env_int = [](const char* name, int* v) {
       if (const char* s = std::getenv(name); s && *s) *v = std::atoi(s);
     };
     env_int("ML4_GEMV_MAX_M", &c.max_m);
+    env_int("ML4_GEMV_BF16_STREAM", &c.bf16_stream);
     env_int("ML4_GEMV_GROUPED_MAX_ROWS", &c.grouped_max_rows);
     env_int("ML4_GEMV_CONV", &c.conv);
     env_int("ML4_GEMV_ROWS", &c.rows);
@@ -82,7 +83,6 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const ModelConfig& cfg,
     env_int("ML4_GEMV_MMA", &c.mma);
     env_int("ML4_GEMV_MMA_MIN_M", &c.mma_min_m);
     env_int("ML4_GEMV_MMA_WARPS", &c.mma_warps);
-    env_int("ML4_GEMV_MMA_PIPE", &c.mma_pipe);
     gemv_set_stream_config(c);
   }
   b->synthetic_seed_ = synthetic_seed;
