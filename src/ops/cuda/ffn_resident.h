@@ -25,9 +25,9 @@
 // router's logits are router_route's, the norm rms_norm's, the combine moe_combine's. At T = 1
 // (where the standard path streams every linear) the result is bit-identical to it for matrices
 // below 16 blocks an SM (wider ones the standard path streams a warp per 4 rows, gemv.cu
-// warp_rows_at: another summation order, so it matches to f32 rounding there); at T = 2..4
-// the standard path runs its expert GEMVs on the f16 mma kernel (gemv_mma.cuh: x kept to 22
-// bits), so it matches to their rounding.
+// warp_rows_at: another summation order, so it matches to f32 rounding there); at T = 2 the
+// standard path streams its wide expert GEMVs a warp per 4 rows too, at T = 3..4 on the f16
+// mma kernel (gemv_mma.cuh: x kept to 22 bits), so it matches to their rounding.
 //
 // A wait that runs past timeout_ns records a fault in the runner's fault word (fault.h) and
 // ends the kernel; the host sees it after the step and stops. never_arrive_block is the test

@@ -32,11 +32,12 @@
 // mmas, 2 shared-memory loads for B (lanes g < 2M only) and, once per chunk, the x staging; the
 // stream kernel's loop issues ~96. Measured (H100, docs/BENCHMARKS.md "Twenty-sixth session"):
 // at one token 6-12% slower than the stream back to back (latency-bound: 16-row blocks are one
-// partial wave, and each warp waits on its x chunk before its weights are used); at 4 tokens,
-// where its cost does not grow with M, 20-38% faster than the stream and 8-17% faster than the
-// bf16-part tensor-core kernel (gemv_tc.cuh) but at the widest shape; at 2 tokens the stream's
-// one-warp rows beat it alone (which of the two the step prefers is not measured yet). The
-// default from 2 tokens (GemvStreamConfig::mma_min_m), the setting measured in the step.
+// partial wave; a variant with one x scale a warp, x loaded with the weights and two mma chains
+// was slower still, twenty-seventh session); at 4 tokens, where its cost does not grow with M,
+// 20-38% faster than the stream and 8-17% faster than the bf16-part tensor-core kernel
+// (gemv_tc.cuh) but at the widest shape; at 2 tokens the stream's one-warp rows beat it alone
+// and in the step (batch 2 2.30 -> 2.22 ms, H100). The default from 3 tokens
+// (GemvStreamConfig::mma_min_m).
 #pragma once
 
 #include <cstdint>
