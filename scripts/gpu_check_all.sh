@@ -86,9 +86,10 @@ on() { [[ "$sections" == *" $1 "* ]]; }
 # The suites of the kernels the last session changed (twenty-seventh: the GEMV's defaults, FP8 at 2
 # tokens on the one-warp rows, BF16 at 1-2 tokens on the stream at any N), first. A suite that
 # faults can be left out of the whole run with ML4_GTEST_EXCLUDE=Suite.* so that it does not take
-# the rest with it. The pending call (the suites under the new defaults, the step against the old
-# BF16 choice and the old defaults, ml4-tiny too, then everything):
-#   AB_TINY=1 SECTIONS="tests binab all" AB_ENVS="ML4_NONE=1 ML4_GEMV_BF16_STREAM=0
+# the rest with it. The pending call (the suites under the new defaults, the GEMV bench with its
+# back-to-back-with-PDL lines, the step against the old BF16 choice and the old defaults, ml4-tiny
+# too, then everything; ~4 min of wall time):
+#   AB_TINY=1 SECTIONS="tests gemv binab all" AB_ENVS="ML4_NONE=1 ML4_GEMV_BF16_STREAM=0
 #   ML4_GEMV_BF16_STREAM=0,ML4_GEMV_MMA_MIN_M=2,ML4_GEMV_WARP_ROWS_MAX_M=1,ML4_GEMV_GROUPED_MAX_ROWS=1"
 new=${FILTER_NEW:-CudaGemv.*:CudaMoe.*:CudaRunner.*}
 on tests && stamp "1a. new GPU tests: $new" && timeout 240 "$carry/bin/ml4_cuda_tests" --gtest_filter="$new" --gtest_color=no > "$out/new_tests.log" 2>&1
@@ -141,7 +142,7 @@ if on gemv; then
   stamp "G. the decode GEMV's variants"
   timeout 150 "$carry/bin/gpu_gemm_bench" "${ML4_COPY_GBPS:-3000}" gemv > "$out/gemm_gemv.log" 2>&1; echo "rc=$?"
   # back to back: every FP8 stream variant at M = 1; at M = 2 and 4 the default, the tensor cores, mma
-  grep -E "^copy|fp8 +(st-|gemv-tc).*back-to-back" "$out/gemm_gemv.log" |
+  grep -E "^copy|(fp8|bf16) +(st-|gemv-tc).*back-to-back" "$out/gemm_gemv.log" |
     awk '/^copy/ || $2 == 1 || ($2 <= 4 && /st-mma|st-c1-r4|gemv-tc/)' | cut -c1-150
   if command -v ncu > /dev/null; then  # wo at M = 1: BF16, FP8 4 rows a block, FP8 4 rows a warp, FP8 mma
     timeout 120 ncu --clock-control none --cache-control none -k regex:'gemv_(stream|mma)' --section WarpStateStats \
