@@ -204,8 +204,8 @@ int main(int argc, char** argv) {
             std::printf("%-10s %5ld %6ld %6ld %5s %-9s %9.1f us back-to-back (%.0f%% of copy)\n", sh.name, M, sh.N,
                         sh.K, fp8 ? "fp8" : "bf16", name, b2b * 1e3, 100.0 * gbytes / (b2b * 1e6) / copy_gbps);
             // The same with programmatic dependent launch (pdl.cuh; the decode step's setting at one
-            // token): each launch's prologue and L2 prefetch of its first rows overlap the tail of the
-            // one before, so the difference is what a launch's ramp and tail cost in the step.
+            // token): each launch's prologue and its blocks' L2 prefetch of their rows overlap the tail
+            // of the one before, so the difference is what a launch's ramp and tail cost in the step.
             const bool pdl_saved = programmatic_launch();
             set_programmatic_launch(true);
             const double b2b_pdl = bench::median_ms(s, 1, 5, [&](int j) {

@@ -430,7 +430,7 @@ int main(int argc, char** argv) {
       BENCH_CHECK(moe_experts_forward_grouped(*tables, &shared, x.as<float>(), T, dids.as<int32_t>(),
                                               dw.as<float>(), K, out.as<float>(), sc, s));
     });
-    gemv_set_stream_config(saved);  // the default: the CUDA-core stream for T = 1, the f16 mma kernel for 2-4
+    gemv_set_stream_config(saved);  // the default: the CUDA-core stream for T <= 2, the f16 mma kernel for 3-4
     const double t_grp = !grouped ? 0.0 : bench::median_ms(s, 2, 20, [&](int) {
       BENCH_CHECK(moe_experts_forward_grouped(*tables, &shared, x.as<float>(), T, dids.as<int32_t>(),
                                               dw.as<float>(), K, out.as<float>(), sc, s));

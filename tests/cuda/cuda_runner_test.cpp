@@ -882,8 +882,9 @@ TEST(CudaRunner, DeviceFaultFailsEveryLaterStep) {
 //   whose sums the resident kernel computes the same way, and its router, norm, SiLU and combine
 //   too: the logits are bit-identical while the sequence has only ever decoded alone (a step at
 //   batch 2..4 leaves its cache rows apart in the last bits, as below).
-// - Two to four: the standard path's grouped expert GEMVs and attention linears run on the f16
-//   mma kernel (gemv_mma.cuh: x kept to 22 bits): summation order and x's last bits (~1e-7), but ml4-tiny's random routing is near-tied, so one flip
+// - Two to four: the standard path's grouped expert GEMVs and attention linears run on the
+//   stream's M = 2 kernel (two tokens) or the f16 mma kernel (three, four: gemv_mma.cuh, x kept
+//   to 22 bits): summation order and x's last bits (~1e-7), but ml4-tiny's random routing is near-tied, so one flip
 //   can move a row's logits (the exact CPU comparison measured up to 5.6e-3): bound 1e-2.
 // The graphed latency runner equals a latency runner without graphs (the same launches) bit
 // for bit (within 1e-5 where graphs pad the batch: 3 sequences). Then the fault switch: a block that never arrives at the kernel's first barrier

@@ -300,7 +300,7 @@ Status launch_stream(const gemv_stream::StArgs& a, int mt, unsigned slots, bool 
         launch_kernel(gemv_mma::gemv_mma_kernel<M, 4>, grid, 4 * 32, 0, s, a);
       return;
     }
-    if constexpr (M <= 2) {  // FP8 at one token (two on request): each warp its own 4 rows (warp_rows_at)
+    if constexpr (M <= 2) {  // FP8 at one or two tokens (warp_rows_max_m): each warp its own 4 rows (warp_rows_at)
       if (fp8 && conv == gemv_stream::kConvF16Hw && M <= g_stream.warp_rows_max_m && warp_rows_at(a.N)) {
         launch_kernel(gemv_stream::gemv_stream_kernel<M, 4, true, gemv_stream::kConvF16Hw, 32>,
                       dim3(static_cast<unsigned>((a.N + 3) / 4), slots, 1), 32, 0, s, a);
@@ -458,9 +458,11 @@ Status gemv(const GemvParams& p) {
   // dim) the tensor-core path split K 16 ways plus a reduction launch (5.6 + 2.2 us on the
   // H200 in the ml4-slice-4 decode step); at any N it streams at 95-101% of copy back to back
   // where gemv_tc reaches 71-87% (H100, M = 1 and 2; docs/BENCHMARKS.md "Twenty-seventh
-  // session"; bf16_stream 0 keeps the wide ones on gemv_tc).
-  const bool bf16_streams =
-      p.format == LinearFormat::kBF16 && (g_stream.bf16_stream == 1 || p.N <= kStreamBf16MaxRows);
+  // session"; bf16_stream 0 keeps the wide ones on gemv_tc). Not in the exact mode (x_parts < 0):
+  // there a wide BF16 matrix stays on gemv_tc at every M, so a token's sums do not depend on how
+  // many rows share its launch (batch invariance, as before).
+  const bool bf16_streams = p.format == LinearFormat::kBF16 &&
+                            ((g_stream.bf16_stream == 1 && p.x_parts >= 0) || p.N <= kStreamBf16MaxRows);
   const bool mma = mma_ok(fp8, p.x_parts);
   if (fp4_stream || (!fp4 && (p.impl == GemvImpl::kStream ||
                               (p.impl == GemvImpl::kAuto && (fp8 || bf16_streams) &&

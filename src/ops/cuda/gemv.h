@@ -3,7 +3,7 @@
 //
 // A decode GEMM is a pure weight stream, so the kernel's job is keeping enough 16-byte
 // loads in flight while the arithmetic stays off the critical path. Two kernels:
-//   tensor-core path (default whenever a workspace is given): one warp owns a 16-row mma
+//   tensor-core path (default whenever a workspace is given, except at M <= 2): one warp owns a 16-row mma
 //   tile, each lane's 16-byte weight load is used unchanged as its m16n8k16 A fragment
 //   (bf16; e4m3 converted exactly to bf16), the k permutation this implies is applied to
 //   x as well; x (f32, <= 8 tokens = the mma's n) is staged per 1024-k chunk in shared
@@ -52,8 +52,9 @@
 namespace ml4::cuda {
 
 // kAuto: FP8 with M <= gemv_stream_config().max_m (or .mma, unless x_parts < 0): kStream (which
-// hands mma_min_m..mma tokens to the f16 mma kernel); otherwise kTensorCore with a
-// workspace, the CUDA-core kernel without one. kStream: the CUDA-core weight stream
+// hands mma_min_m..mma tokens to the f16 mma kernel); BF16 with M <= max_m likewise (bf16_stream,
+// unless x_parts < 0; always at N <= 64); otherwise kTensorCore with a workspace, the CUDA-core
+// kernel without one. kStream: the CUDA-core weight stream
 // (gemv_stream.cuh: R rows per block, K split over the block, integer e4m3 decoding; no
 // workspace).
 enum class GemvImpl { kAuto, kCudaCore, kTensorCore, kStream };
@@ -67,7 +68,7 @@ struct GemvParams {
   float* y = nullptr;              // [M, N] f32
   float* workspace = nullptr;      // gemv_workspace_floats(M, N, K) floats, or null (no split-K)
   cudaStream_t stream = nullptr;
-  GemvImpl impl = GemvImpl::kAuto;  // kAuto: tensor cores with a workspace, CUDA cores without
+  GemvImpl impl = GemvImpl::kAuto;  // kAuto: above (the stream at M <= 2, tensor cores with a workspace)
   // FP4 on the tensor cores: x as 1, 2 or 3 bf16 parts (0: 3). 3 is x exactly (every product
   // exact, the sums f32: cpu::linear to f32 rounding); 2 keeps 16 bits (relative error per
   // element <= 2^-17); 1 rounds x to bf16 (<= 2^-9). Fewer parts, fewer mmas per weight byte.
@@ -97,7 +98,8 @@ void gemv_set_l2_prefetch(int steps);
 // defaults are the measured choice, docs/BENCHMARKS.md "FP8 decode GEMV, profiled").
 struct GemvStreamConfig {
   int max_m = 2;             // kAuto: FP8 gemv with M <= max_m streams
-  int bf16_stream = 1;       // kAuto: BF16 with M <= max_m streams too, at any N (1), or only at N <= 64 (0)
+  int bf16_stream = 1;       // kAuto: BF16 with M <= max_m streams too, at any N (1; not with x_parts < 0),
+                             // or only at N <= 64 (0)
   int grouped_max_rows = 2;  // grouped_gemv: FP8 with max_expert_rows <= this streams (MoE T <= 2)
   int conv = 1;              // e4m3 decoding: 0 integer -> f16, 1 cvt.e4m3x2 -> f16, 2 integer -> f32
   int rows = 0;              // rows per block: 2, 4, or 0 (by N)

@@ -12,7 +12,7 @@
 // batch (kStU quads x R rows) are issued before any is used; the blocks are short and
 // many (N / R), so the SMs stay evenly loaded without a split-K workspace. The partial
 // sums meet in a fixed order (warp shuffle tree, then warps 0..kStWarps-1 in shared
-// memory): bit-deterministic. At M = 1 (FP8, wide matrices: gemv.cu warp_rows_at) blocks of one
+// memory): bit-deterministic. At M <= 2 (FP8, wide matrices: gemv.cu warp_rows_at) blocks of one
 // warp each own R rows instead (quad q = lane + i * 32; its shuffle tree alone): the setup and
 // the cross-warp reduction that a four-warp block pays every 2 load batches at K ~ 8k (~1/3 of
 // its instructions) are paid once per R x K.
