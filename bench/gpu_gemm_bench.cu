@@ -197,24 +197,22 @@ int main(int argc, char** argv) {
             const double gms = bench::median_ms(s, 3, 30, launch);
             row(sh.name, M, sh.N, sh.K, fp8 ? "fp8" : "bf16", name, gms, gbytes, fp8 ? fp8_peak : bf16_peak);
             // Back to back: 20 launches (weights rotating) between one event pair, per launch --
-            // what a graph of consecutive GEMVs sees, without the single launch's fixed latency.
-            const double b2b = bench::median_ms(s, 1, 5, [&](int j) {
-                                 for (int i = 0; i < 20; ++i) launch(j * 20 + i);
-                               }) / 20.0;
-            std::printf("%-10s %5ld %6ld %6ld %5s %-9s %9.1f us back-to-back (%.0f%% of copy)\n", sh.name, M, sh.N,
-                        sh.K, fp8 ? "fp8" : "bf16", name, b2b * 1e3, 100.0 * gbytes / (b2b * 1e6) / copy_gbps);
-            // The same with programmatic dependent launch (pdl.cuh; the decode step's setting at one
-            // token): each launch's prologue and its blocks' L2 prefetch of their rows overlap the tail
-            // of the one before, so the difference is what a launch's ramp and tail cost in the step.
+            // what a graph of consecutive GEMVs sees, without the single launch's fixed latency;
+            // then the same with programmatic dependent launch (pdl.cuh; the decode step's setting
+            // at one token): each launch's prologue and its blocks' L2 prefetch of their rows overlap
+            // the tail of the one before, so the difference is what a launch's ramp and tail cost in
+            // the step.
             const bool pdl_saved = programmatic_launch();
-            set_programmatic_launch(true);
-            const double b2b_pdl = bench::median_ms(s, 1, 5, [&](int j) {
-                                     for (int i = 0; i < 20; ++i) launch(j * 20 + i);
-                                   }) / 20.0;
+            for (bool pdl : {false, true}) {
+              set_programmatic_launch(pdl);
+              const double b2b = bench::median_ms(s, 1, 5, [&](int j) {
+                                   for (int i = 0; i < 20; ++i) launch(j * 20 + i);
+                                 }) / 20.0;
+              std::printf("%-10s %5ld %6ld %6ld %5s %-9s %9.1f us back-to-back%s (%.0f%% of copy)\n", sh.name, M,
+                          sh.N, sh.K, fp8 ? "fp8" : "bf16", name, b2b * 1e3, pdl ? ", PDL" : "",
+                          100.0 * gbytes / (b2b * 1e6) / copy_gbps);
+            }
             set_programmatic_launch(pdl_saved);
-            std::printf("%-10s %5ld %6ld %6ld %5s %-9s %9.1f us back-to-back, PDL (%.0f%% of copy)\n", sh.name, M,
-                        sh.N, sh.K, fp8 ? "fp8" : "bf16", name, b2b_pdl * 1e3,
-                        100.0 * gbytes / (b2b_pdl * 1e6) / copy_gbps);
           }
           gemv_set_stream_config(saved);
         }

@@ -141,6 +141,55 @@ TEST(CudaGemv, MatchesCpuLinear) {
 }
 
 
+// The exact mode (x_parts -1, CudaBackend::lin under exact_activations) must keep a token's
+// sums independent of the rows that share its launch: a wide BF16 matrix (N > 64) stays on the
+// tensor-core kernel at every M there (bf16_stream applies only outside it), whose columns
+// accumulate independently, so each token of a 5-row launch equals that token computed alone
+// and in a pair, bit for bit (K = 256: one split-K slice at every M). Outside the exact mode
+// the same rows take the stream at M <= 2 (another summation order), which is what this
+// guards against; checked there against the CPU at the dtype's bound (1e-5, as above).
+TEST(CudaGemv, ExactModeBf16IsBatchInvariant) {
+  ML4_REQUIRE_GPU();
+  const int64_t M = 5, N = 300, K = 256;
+  auto wf = randn(N * K, 91, 0.05f);
+  auto W = quantize_linear(wf.data(), N, K, LinearFormat::kBF16, "w");
+  ML4_ASSERT_OK(W.status());
+  auto dw = DeviceBuffer::alloc(W->weight.nbytes());
+  ML4_ASSERT_OK(dw.status());
+  ML4_ASSERT_OK(dw->upload(W->weight.data(), W->weight.nbytes()));
+  auto x = randn(M * K, 92);
+  std::vector<float> ref(M * N);
+  cpu::linear(x.data(), M, *W, ref.data());
+  auto dx = to_device(x);
+  auto ws = poisoned<float>(gemv_workspace_floats(M, N, K));
+  auto run = [&](int64_t m0, int64_t m, int x_parts) {
+    auto dy = poisoned<float>(m * N);
+    GemvParams p{dx.as<float>() + m0 * K, m, N, K, LinearFormat::kBF16, dw->data(), nullptr, dy.as<float>(),
+                 ws.as<float>(), nullptr};
+    p.x_parts = x_parts;
+    EXPECT_TRUE(gemv(p).ok());
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    return to_host<float>(dy, m * N);
+  };
+  const auto all = run(0, M, -1);
+  ASSERT_TRUE(all_finite(all));
+  EXPECT_LT(rel_err(all, ref), 1e-5);
+  int differ = 0;
+  for (int64_t t = 0; t < M; ++t) {
+    const auto alone = run(t, 1, -1);
+    differ += std::memcmp(alone.data(), all.data() + t * N, N * 4) != 0;
+    if (t + 1 < M) {
+      const auto pair = run(t, 2, -1);
+      differ += std::memcmp(pair.data(), all.data() + t * N, 2 * N * 4) != 0;
+    }
+  }
+  std::printf("gemv exact-mode bf16: %d of %ld single / pair launches differ from the 5-row launch (bound 0)\n",
+              differ, 2 * M - 1);
+  EXPECT_EQ(differ, 0);
+  const auto streamed = run(0, 1, 0);  // outside the exact mode: the stream at M = 1
+  EXPECT_LT(rel_err(streamed, std::vector<float>(ref.begin(), ref.begin() + N)), 1e-5);
+}
+
 TEST(CudaGemv, MmaKeepsEachTokensRange) {
   ML4_REQUIRE_GPU();
   // K = 1280: 10 scale blocks over 4 warps (2, 3, 2, 3: chunks of 256 and of 128 k); N = 300:

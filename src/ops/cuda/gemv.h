@@ -72,8 +72,9 @@ struct GemvParams {
   // FP4 on the tensor cores: x as 1, 2 or 3 bf16 parts (0: 3). 3 is x exactly (every product
   // exact, the sums f32: cpu::linear to f32 rounding); 2 keeps 16 bits (relative error per
   // element <= 2^-17); 1 rounds x to bf16 (<= 2^-9). Fewer parts, fewer mmas per weight byte.
-  // Negative: FP4 takes the exact CUDA-core stream, as impl kStream does, and FP8 never the f16
-  // mma kernel (x kept whole: the exact mode's choice; bf16 ignores x_parts).
+  // Negative (the exact mode's choice): FP4 takes the exact CUDA-core stream, as impl kStream
+  // does, FP8 never the f16 mma kernel (x kept whole), BF16 wider than 64 rows the tensor cores
+  // at every M (GemvStreamConfig::bf16_stream not applied: one summation order whatever the M).
   int x_parts = 0;
 };
 
@@ -97,7 +98,7 @@ void gemv_set_l2_prefetch(int steps);
 // Where the CUDA-core weight stream (kStream) runs and how (benchmark/test knobs; the
 // defaults are the measured choice, docs/BENCHMARKS.md "FP8 decode GEMV, profiled").
 struct GemvStreamConfig {
-  int max_m = 2;             // kAuto: FP8 gemv with M <= max_m streams
+  int max_m = 2;             // kAuto: FP8 gemv with M <= max_m streams (BF16 too: bf16_stream)
   int bf16_stream = 1;       // kAuto: BF16 with M <= max_m streams too, at any N (1; not with x_parts < 0),
                              // or only at N <= 64 (0)
   int grouped_max_rows = 2;  // grouped_gemv: FP8 with max_expert_rows <= this streams (MoE T <= 2)
