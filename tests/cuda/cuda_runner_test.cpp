@@ -193,6 +193,71 @@ TEST(CudaRunner, MatchesCpuRunnerExact) {
   compare_runs("ml4-tiny", "fp8_ds_mla", true, 1e-2, "fp8-to-mxfp4");
 }
 
+// The exact mode (--batch-invariant) on an FP8 checkpoint: a sequence's logits do not depend on
+// the batch it runs in. Three sequences (21, 30 and 13 prompt tokens: the linears' 8-row chunks
+// then mix sequences) prefilled in one step and decoded 6 steps together, against each sequence
+// alone in a runner of its own on the same tokens, bit for bit, eager and with graphs (which pad
+// 3 rows to 4). Every op is either per token with one order whatever the step (the GEMVs: gemv_tc
+// with the split-K count of 8 rows, FP8 and bf16; the router: router_route in chunks of <= 8 tokens;
+// the grouped MoE: each token its own mma column) or per sequence (attention, indexer).
+TEST(CudaRunner, ExactModeIsBatchInvariant) {
+  ML4_REQUIRE_GPU();
+  const std::string dir = ::ml4::testing::test_model("ml4-tiny", 11, "fp8");
+  for (bool graphs : {false, true}) {
+    CudaRunnerOptions o;
+    o.base.kv_cache_dtype = "fp8_ds_mla";
+    o.base.kv_cache_bytes = 64ll << 20;
+    o.exact_activations = true;
+    o.cuda_graphs = graphs;
+    auto batch = CudaRunner::load(dir, o);
+    ASSERT_TRUE(batch.ok()) << batch.status().message();
+    constexpr int kSeqs = 3;
+    std::vector<std::unique_ptr<CudaRunner>> alone;
+    for (int s = 0; s < kSeqs; ++s) {
+      auto r = CudaRunner::load(dir, o);
+      ASSERT_TRUE(r.ok()) << r.status().message();
+      alone.push_back(std::move(r).value());
+    }
+    std::mt19937 rng(33);
+    std::uniform_int_distribution<int> tok(1, (*batch)->config().vocab_size - 1);
+    const int lens[kSeqs] = {21, 30, 13};
+    std::vector<std::vector<int32_t>> next(kSeqs);
+    std::vector<int64_t> pos(kSeqs, 0);
+    for (int s = 0; s < kSeqs; ++s) {
+      next[s].resize(lens[s]);
+      for (auto& t : next[s]) t = tok(rng);
+    }
+    int differing = 0, rows = 0;
+    for (int step = 0; step < 7; ++step) {
+      StepInput in;
+      for (int s = 0; s < kSeqs; ++s) in.seqs.push_back(::ml4::testing::seq_step(**batch, s, next[s], pos[s], 4 * s, 4, 1));
+      auto b = (*batch)->execute(in);
+      ASSERT_TRUE(b.ok()) << b.status().message();
+      for (int s = 0; s < kSeqs; ++s) {
+        StepInput one;
+        one.seqs.push_back(::ml4::testing::seq_step(*alone[s], s, next[s], pos[s], 4 * s, 4, 1));
+        auto a = alone[s]->execute(one);
+        ASSERT_TRUE(a.ok()) << a.status().message();
+        ASSERT_TRUE(testing::all_finite(a->logits[0]));
+        ++rows;
+        if (a->logits[0] != b->logits[s]) {
+          ++differing;
+          std::printf("  graphs=%d step %d seq %d: logits differ alone vs in the batch (rel %.3g)\n", graphs ? 1 : 0,
+                      step, s, ::ml4::testing::rel_l2(a->logits[0], b->logits[s]));
+        }
+      }
+      for (int s = 0; s < kSeqs; ++s) {
+        pos[s] += static_cast<int64_t>(next[s].size());
+        next[s] = {argmax(b->logits[s])};
+      }
+    }
+    std::printf("exact mode, ml4-tiny fp8, graphs=%d: %d of %d logits rows differ alone vs in a batch of 3 (bound 0)\n",
+                graphs ? 1 : 0, differing, rows);
+    EXPECT_EQ(differing, 0) << "graphs=" << graphs;
+    if (graphs) EXPECT_GT((*batch)->graph_replays(), 0);
+  }
+}
+
 // Production mode: bf16-rounded GEMM inputs for M > 8 (prefill), bf16 tensor-core
 // attention (q, keys and P rounded to bf16), FP8 tensor-core indexer: three 2^-9 roundings
 // per layer input instead of f32 sums, ~1e-2 relative per layer on these random models;

@@ -30,6 +30,7 @@
 #include "model/quant.h"
 #include "ops/cpu/linear.h"
 #include "ops/cuda/gemv.h"
+#include "ops/cuda/gemv_tc.cuh"
 #include "ops/cuda/linear.h"
 
 namespace ml4::cuda {
@@ -141,53 +142,76 @@ TEST(CudaGemv, MatchesCpuLinear) {
 }
 
 
-// The exact mode (x_parts -1, CudaBackend::lin under exact_activations) must keep a token's
-// sums independent of the rows that share its launch: a wide BF16 matrix (N > 64) stays on the
-// tensor-core kernel at every M there (bf16_stream applies only outside it), whose columns
-// accumulate independently, so each token of a 5-row launch equals that token computed alone
-// and in a pair, bit for bit (K = 256: one split-K slice at every M). Outside the exact mode
-// the same rows take the stream at M <= 2 (another summation order), which is what this
-// guards against; checked there against the CPU at the dtype's bound (1e-5, as above).
-TEST(CudaGemv, ExactModeBf16IsBatchInvariant) {
+// The exact mode (x_parts < 0, --batch-invariant): a token's outputs do not depend on the
+// other rows of its launch. Each format's 8-row launch against every window of 1..7 of its
+// rows launched alone (offsets 0 and 8 - m), bit for bit: BF16 and FP8 take gemv_tc at every M
+// and N with the split-K count of 8 rows, FP4 the exact CUDA-core stream. The wide shape is the
+// smallest (by N * K) whose split-K count outside the exact mode differs between 1 and 8 rows on
+// this card (gemv_tc::tc_split), so the split rule is exercised; the narrow one (N = 300, K = 256)
+// would stream at M <= 2 outside the exact mode. The 8-row launch also matches cpu::linear (f32
+// sums of exact products: 1e-5), and outside the exact mode the M = 1 launch too.
+TEST(CudaGemv, ExactModeIsBatchInvariant) {
   ML4_REQUIRE_GPU();
-  const int64_t M = 5, N = 300, K = 256;
-  auto wf = randn(N * K, 91, 0.05f);
-  auto W = quantize_linear(wf.data(), N, K, LinearFormat::kBF16, "w");
-  ML4_ASSERT_OK(W.status());
-  auto dw = DeviceBuffer::alloc(W->weight.nbytes());
-  ML4_ASSERT_OK(dw.status());
-  ML4_ASSERT_OK(dw->upload(W->weight.data(), W->weight.nbytes()));
-  auto x = randn(M * K, 92);
-  std::vector<float> ref(M * N);
-  cpu::linear(x.data(), M, *W, ref.data());
-  auto dx = to_device(x);
-  auto ws = poisoned<float>(gemv_workspace_floats(M, N, K));
-  auto run = [&](int64_t m0, int64_t m, int x_parts) {
-    auto dy = poisoned<float>(m * N);
-    GemvParams p{dx.as<float>() + m0 * K, m, N, K, LinearFormat::kBF16, dw->data(), nullptr, dy.as<float>(),
-                 ws.as<float>(), nullptr};
-    p.x_parts = x_parts;
-    EXPECT_TRUE(gemv(p).ok());
-    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    return to_host<float>(dy, m * N);
+  constexpr int64_t M = kGemvMaxM;
+  struct Shape {
+    int64_t N, K;
   };
-  const auto all = run(0, M, -1);
-  ASSERT_TRUE(all_finite(all));
-  EXPECT_LT(rel_err(all, ref), 1e-5);
-  int differ = 0;
-  for (int64_t t = 0; t < M; ++t) {
-    const auto alone = run(t, 1, -1);
-    differ += std::memcmp(alone.data(), all.data() + t * N, N * 4) != 0;
-    if (t + 1 < M) {
-      const auto pair = run(t, 2, -1);
-      differ += std::memcmp(pair.data(), all.data() + t * N, 2 * N * 4) != 0;
+  auto split_varies = [](int64_t N, int64_t K, gemv_tc::TcFormat f) {
+    int64_t ks = 0;
+    const int s1 = gemv_tc::tc_split(1, N, K, f, true, &ks);
+    for (int64_t m = 2; m <= M; ++m)
+      if (gemv_tc::tc_split(m, N, K, f, true, &ks) != s1) return true;
+    return false;
+  };
+  uint32_t seed = 91;
+  for (LinearFormat f : {LinearFormat::kBF16, LinearFormat::kFP8Block, LinearFormat::kNVFP4}) {
+    std::vector<Shape> shapes = {{300, 256}};
+    if (f != LinearFormat::kNVFP4) {
+      Shape wide{0, 0};
+      for (int64_t N = 16; N <= 20000; N += 16)
+        for (int64_t K = 256; K <= 8192; K += 128)
+          if ((wide.N == 0 || N * K < wide.N * wide.K) && split_varies(N, K, gemv_tc::tc_format(f))) wide = {N, K};
+      ASSERT_GT(wide.N, 0) << "no shape whose split-K count depends on M: the rule this test guards is gone";
+      shapes.push_back(wide);
+    }
+    for (const Shape s : shapes) {
+      auto wf = randn(s.N * s.K, seed++, 0.05f);
+      auto W = quantize_linear(wf.data(), s.N, s.K, f, "w");
+      ML4_ASSERT_OK(W.status());
+      auto dl = upload_linear(*W);
+      ML4_ASSERT_OK(dl.status());
+      auto x = randn(M * s.K, seed++);
+      std::vector<float> ref(M * s.N);
+      cpu::linear(x.data(), M, *W, ref.data());
+      auto dx = to_device(x);
+      auto ws = poisoned<float>(gemv_workspace_floats(M, s.N, s.K));
+      auto run = [&](int64_t m0, int64_t m, int x_parts) {
+        auto dy = poisoned<float>(m * s.N);
+        GemvParams p{dx.as<float>() + m0 * s.K, m, s.N, s.K, f, dl->weight.data(), dl->scale.as<float>(),
+                     dy.as<float>(), ws.as<float>(), nullptr};
+        p.x_parts = x_parts;
+        EXPECT_TRUE(gemv(p).ok());
+        EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        return to_host<float>(dy, m * s.N);
+      };
+      const auto all = run(0, M, -1);
+      ASSERT_TRUE(all_finite(all));
+      EXPECT_LT(rel_err(all, ref), 1e-5) << linear_format_name(f) << " N=" << s.N << " K=" << s.K;
+      int differ = 0, launches = 0;
+      for (int64_t m = 1; m < M; ++m) {
+        for (int64_t m0 : {int64_t{0}, M - m}) {
+          const auto part = run(m0, m, -1);
+          differ += std::memcmp(part.data(), all.data() + m0 * s.N, m * s.N * 4) != 0;
+          ++launches;
+        }
+      }
+      std::printf("gemv exact mode %s N=%ld K=%ld: %d of %d launches of 1..7 rows differ from the 8-row one (bound 0)\n",
+                  linear_format_name(f), s.N, s.K, differ, launches);
+      EXPECT_EQ(differ, 0) << linear_format_name(f) << " N=" << s.N << " K=" << s.K;
+      const auto one = run(0, 1, 0);  // outside the exact mode (the stream at M = 1)
+      EXPECT_LT(rel_err(one, std::vector<float>(ref.begin(), ref.begin() + s.N)), 1e-5);
     }
   }
-  std::printf("gemv exact-mode bf16: %d of %ld single / pair launches differ from the 5-row launch (bound 0)\n",
-              differ, 2 * M - 1);
-  EXPECT_EQ(differ, 0);
-  const auto streamed = run(0, 1, 0);  // outside the exact mode: the stream at M = 1
-  EXPECT_LT(rel_err(streamed, std::vector<float>(ref.begin(), ref.begin() + N)), 1e-5);
 }
 
 TEST(CudaGemv, MmaKeepsEachTokensRange) {

@@ -373,7 +373,9 @@ Status grouped_gemv(const GroupedGemvParams& p) {
     // for few rows per expert).
     const bool fp4_stream = fp4 && (p.x_parts < 0 || p.impl == GemvImpl::kStream || p.impl == GemvImpl::kCudaCore);
     const bool mma = mma_ok(fp8, p.x_parts);
-    if (fp4_stream || (!fp4 && p.max_expert_rows > 0 &&
+    // Not in the exact mode (x_parts < 0): there FP8 and bf16 take the tensor cores whatever the
+    // rows an expert, so a token's sums do not depend on the step (batch invariance).
+    if (fp4_stream || (!fp4 && p.x_parts >= 0 && p.max_expert_rows > 0 &&
                        p.max_expert_rows <= stream_max_rows(g_stream.grouped_max_rows, mma) &&
                        (fp8 || p.impl == GemvImpl::kStream) && p.impl != GemvImpl::kTensorCore)) {
       gemv_stream::StArgs a;
@@ -459,13 +461,14 @@ Status gemv(const GemvParams& p) {
   // H200 in the ml4-slice-4 decode step); at any N it streams at 95-101% of copy back to back
   // where gemv_tc reaches 71-87% (H100, M = 1 and 2; docs/BENCHMARKS.md "Twenty-seventh
   // session"; bf16_stream 0 keeps the wide ones on gemv_tc). Not in the exact mode (x_parts < 0):
-  // there a wide BF16 matrix stays on gemv_tc at every M, so a token's sums do not depend on how
-  // many rows share its launch (batch invariance, as before).
-  const bool bf16_streams = p.format == LinearFormat::kBF16 &&
-                            ((g_stream.bf16_stream == 1 && p.x_parts >= 0) || p.N <= kStreamBf16MaxRows);
+  // there FP8 and BF16 take gemv_tc at every M and N, its split-K count chosen as for 8 rows, so
+  // a token's sums do not depend on how many rows share its launch (batch invariance: each
+  // token is its own mma column; x in three exact bf16 parts, f32 sums).
+  const bool exact = !fp4 && p.x_parts < 0 && p.impl == GemvImpl::kAuto;
+  const bool bf16_streams = p.format == LinearFormat::kBF16 && (g_stream.bf16_stream == 1 || p.N <= kStreamBf16MaxRows);
   const bool mma = mma_ok(fp8, p.x_parts);
   if (fp4_stream || (!fp4 && (p.impl == GemvImpl::kStream ||
-                              (p.impl == GemvImpl::kAuto && (fp8 || bf16_streams) &&
+                              (p.impl == GemvImpl::kAuto && !exact && (fp8 || bf16_streams) &&
                                p.M <= stream_max_rows(g_stream.max_m, mma))))) {
     gemv_stream::StArgs a;
     a.x = p.x;
@@ -481,11 +484,12 @@ Status gemv(const GemvParams& p) {
   }
   // FP4 always takes the tensor cores here (any M: passes of 8 tokens; split-K only with a
   // workspace and M <= 8, the workspace's size).
-  const bool tc = fp4 || p.impl == GemvImpl::kTensorCore || (p.impl == GemvImpl::kAuto && p.workspace != nullptr);
+  const bool tc = fp4 || exact || p.impl == GemvImpl::kTensorCore || (p.impl == GemvImpl::kAuto && p.workspace != nullptr);
   if (tc) {
     int64_t Ks = 0;
     const gemv_tc::TcFormat tf = gemv_tc::tc_format(p.format);
-    const int S = gemv_tc::tc_split(p.M, p.N, p.K, tf, p.workspace != nullptr && p.M <= kGemvMaxM, &Ks);
+    // The exact mode's split does not depend on M (S at 8 rows <= S at fewer: the workspace fits).
+    const int S = gemv_tc::tc_split(exact ? kGemvMaxM : p.M, p.N, p.K, tf, p.workspace != nullptr && p.M <= kGemvMaxM, &Ks);
     TcArgs a;
     a.x = p.x;
     a.N = p.N;

@@ -51,10 +51,10 @@
 
 namespace ml4::cuda {
 
-// kAuto: FP8 with M <= gemv_stream_config().max_m (or .mma, unless x_parts < 0): kStream (which
-// hands mma_min_m..mma tokens to the f16 mma kernel); BF16 with M <= max_m likewise (bf16_stream,
-// unless x_parts < 0; always at N <= 64); otherwise kTensorCore with a workspace, the CUDA-core
-// kernel without one. kStream: the CUDA-core weight stream
+// kAuto: FP8 with M <= gemv_stream_config().max_m (or .mma): kStream (which hands
+// mma_min_m..mma tokens to the f16 mma kernel); BF16 with M <= max_m likewise (bf16_stream;
+// always at N <= 64); otherwise kTensorCore with a workspace, the CUDA-core kernel without one.
+// With x_parts < 0 (the exact mode) FP8 and BF16 always kTensorCore (x_parts above). kStream: the CUDA-core weight stream
 // (gemv_stream.cuh: R rows per block, K split over the block, integer e4m3 decoding; no
 // workspace).
 enum class GemvImpl { kAuto, kCudaCore, kTensorCore, kStream };
@@ -72,9 +72,10 @@ struct GemvParams {
   // FP4 on the tensor cores: x as 1, 2 or 3 bf16 parts (0: 3). 3 is x exactly (every product
   // exact, the sums f32: cpu::linear to f32 rounding); 2 keeps 16 bits (relative error per
   // element <= 2^-17); 1 rounds x to bf16 (<= 2^-9). Fewer parts, fewer mmas per weight byte.
-  // Negative (the exact mode's choice): FP4 takes the exact CUDA-core stream, as impl kStream
-  // does, FP8 never the f16 mma kernel (x kept whole), BF16 wider than 64 rows the tensor cores
-  // at every M (GemvStreamConfig::bf16_stream not applied: one summation order whatever the M).
+  // Negative (the exact mode's choice, with impl kAuto): FP4 takes the exact CUDA-core stream, as
+  // impl kStream does; FP8 and BF16 the tensor cores (x in three exact parts) at every M and N,
+  // with the split-K count of 8 rows (grouped_gemv: never the stream), so a token's sums do not
+  // depend on the rows that share its launch (CudaGemv.ExactModeIsBatchInvariant).
   int x_parts = 0;
 };
 
@@ -158,7 +159,7 @@ struct GroupedGemvParams {
   const void* extra_w2 = nullptr;
   const float* extra_s2 = nullptr;
   float* y2 = nullptr;
-  int x_parts = 0;                    // GemvParams::x_parts (FP4 parts; negative: exact, also for FP8)
+  int x_parts = 0;                    // GemvParams::x_parts (FP4 parts; negative: the exact mode, FP8 / bf16 never stream)
 };
 Status grouped_gemv(const GroupedGemvParams& p);
 

@@ -1146,9 +1146,13 @@ Status CudaBackend::set_hot_selection(const int32_t* rows, const int32_t* counts
 // Not under exact activations: its per-token sums are the same for any T <= 8, but steps of
 // more tokens take the unfused GEMV, so a token's logits would depend on its step's size.
 bool CudaBackend::router_fused(LinearRef gate) const {
-  return opts_.fused_router && !opts_.exact_activations && gate.valid() && gate.id < static_cast<int>(linears_.size()) &&
-         router_[gate.id] && linears_[gate.id].format == LinearFormat::kF32 &&
-         linears_[gate.id].N == cfg_.moe.num_experts && router_route_supported(cfg_.moe, step_T_);
+  return opts_.fused_router && !opts_.exact_activations && router_kernel_takes(gate, step_T_);
+}
+
+bool CudaBackend::router_kernel_takes(LinearRef gate, int64_t T) const {
+  return gate.valid() && gate.id < static_cast<int>(linears_.size()) && router_[gate.id] &&
+         linears_[gate.id].format == LinearFormat::kF32 && linears_[gate.id].N == cfg_.moe.num_experts &&
+         router_route_supported(cfg_.moe, T);
 }
 
 RouterRouteParams CudaBackend::router_params(LinearRef gate, const float* x, const float* bias, float* logits,
@@ -1165,6 +1169,18 @@ RouterRouteParams CudaBackend::router_params(LinearRef gate, const float* x, con
 
 Status CudaBackend::moe_router(LinearRef gate, const float* x, const float* bias, float* logits, int32_t* ids,
                                float* weights) {
+  if (opts_.exact_activations && router_kernel_takes(gate, std::min<int64_t>(step_T_, kGemvMaxM))) {
+    // The exact mode: the fused kernel in chunks of <= 8 tokens, each token's logits its own
+    // f32 sums in one order whatever the step (cuBLASLt's f32 GEMM picks its algorithm, and so
+    // its summation order, by M: a token's experts could depend on its batch).
+    const int64_t D = linears_[gate.id].K, E = cfg_.moe.num_experts, K = cfg_.moe.num_experts_per_tok;
+    for (int64_t t0 = 0; t0 < step_T_; t0 += kGemvMaxM) {
+      RouterRouteParams p = router_params(gate, x + t0 * D, bias, logits + t0 * E, ids + t0 * K, weights + t0 * K);
+      p.route.T = std::min<int64_t>(kGemvMaxM, step_T_ - t0);
+      ML4_RETURN_IF_ERROR(router_route(p).with_context("router (exact mode)"));
+    }
+    return ok_status();
+  }
   if (!router_fused(gate)) return Backend::moe_router(gate, x, bias, logits, ids, weights);
   return router_route(router_params(gate, x, bias, logits, ids, weights)).with_context("router");
 }

@@ -338,6 +338,7 @@ class CudaBackend : public Backend {
   Status fork_low();                   // the low lane waits for what stream_ has issued
   Status join_low();                   // stream_ waits for the low lane, if it has work open
   bool router_fused(LinearRef gate) const;  // moe_router runs router_route (fused_router)
+  bool router_kernel_takes(LinearRef gate, int64_t T) const;  // router_route takes this gate at T tokens
   RouterRouteParams router_params(LinearRef gate, const float* x, const float* bias, float* logits, int32_t* ids,
                                   float* weights) const;
   bool absorb_as_gemm() const;  // this step's absorption takes the batched GEMMs
