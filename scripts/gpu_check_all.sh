@@ -187,7 +187,7 @@ if on binab; then
     if [ -n "${AB_ENVS:-}" ]; then
       for e in $AB_ENVS; do
         echo "== $e run $i"
-        env ${e//,/ } timeout 100 "$carry/bin/ml4" bench step --preset ml4-slice-4 --batch 1,2,4 --ctx 8192 --no-extras 2>&1 | grep -E "^STEP |^STEPSPLIT|rror" | cut -c1-200
+        env ${e//,/ } timeout 100 "$carry/bin/ml4" bench step --preset ml4-slice-4 --batch 1,2,4 --ctx 8192 --no-extras 2>&1 | grep -E "^STEP |^STEPSPLIT|^HOSTSPLIT|rror" | cut -c1-200
         # AB_TINY=1: the launch-bound ml4-tiny step (bf16 weights) under each setting too
         [ "${AB_TINY:-0}" = 1 ] && env ${e//,/ } timeout 60 "$carry/bin/ml4" bench step --preset ml4-tiny --batch 1,2,4 \
           --ctx 1024 --kv-gib 1 --no-extras 2>&1 | grep -E "^STEP |rror" | cut -c1-200

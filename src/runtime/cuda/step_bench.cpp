@@ -172,6 +172,9 @@ int run_step_bench(const StepBenchOptions& opt) {
   // on its lane or not (CudaRunnerOptions::shared_expert_lane; the A/B lines set their own).
   if (const char* v = std::getenv("ML4_SHARED_EXPERT_LANE"); v && (v[0] == '0' || v[0] == '1'))
     o.shared_expert_lane = v[0] == '1';
+  // ML4_BATCH_INVARIANT=1: every line in the exact mode (`--batch-invariant`: f32 activations, the
+  // GEMVs on gemv_tc at every M, the router in chunks of 8 tokens), for its cost.
+  if (const char* v = std::getenv("ML4_BATCH_INVARIANT"); v && v[0] == '1') o.exact_activations = true;
   // ML4_PDL=1 / 0: every line with programmatic dependent launch, or none (CudaRunnerOptions::
   // programmatic_launch, programmatic_launch_tokens).
   if (const char* v = std::getenv("ML4_PDL"); v && v[0] == '1') o.programmatic_launch = true;
