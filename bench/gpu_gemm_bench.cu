@@ -201,17 +201,23 @@ int main(int argc, char** argv) {
             // then the same with programmatic dependent launch (pdl.cuh; the decode step's setting
             // at one token): each launch's prologue and its blocks' L2 prefetch of their rows overlap
             // the tail of the one before, so the difference is what a launch's ramp and tail cost in
-            // the step.
+            // the step. Third: PDL without the L2 prefetch (GemvStreamConfig::pdl_prefetch_bytes 0).
             const bool pdl_saved = programmatic_launch();
-            for (bool pdl : {false, true}) {
-              set_programmatic_launch(pdl);
+            const GemvStreamConfig with_prefetch = gemv_stream_config();
+            for (int mode = 0; mode < 3; ++mode) {
+              set_programmatic_launch(mode > 0);
+              GemvStreamConfig pc = with_prefetch;
+              if (mode == 2) pc.pdl_prefetch_bytes = 0;
+              gemv_set_stream_config(pc);
               const double b2b = bench::median_ms(s, 1, 5, [&](int j) {
                                    for (int i = 0; i < 20; ++i) launch(j * 20 + i);
                                  }) / 20.0;
               std::printf("%-10s %5ld %6ld %6ld %5s %-9s %9.1f us back-to-back%s (%.0f%% of copy)\n", sh.name, M,
-                          sh.N, sh.K, fp8 ? "fp8" : "bf16", name, b2b * 1e3, pdl ? ", PDL" : "",
+                          sh.N, sh.K, fp8 ? "fp8" : "bf16", name, b2b * 1e3,
+                          mode == 1 ? ", PDL" : mode == 2 ? ", PDL no prefetch" : "",
                           100.0 * gbytes / (b2b * 1e6) / copy_gbps);
             }
+            gemv_set_stream_config(with_prefetch);
             set_programmatic_launch(pdl_saved);
           }
           gemv_set_stream_config(saved);

@@ -478,7 +478,7 @@ Status gemv(const GemvParams& p) {
     a.w_scale = p.w_scale;
     a.y = p.y;
     a.rows = static_cast<int>(p.M);
-    a.prefetch_l2 = programmatic_launch();  // only where it can overlap the previous kernel (pdl.cuh)
+    a.prefetch_l2 = programmatic_launch() ? g_stream.pdl_prefetch_bytes : 0;  // only where it can overlap (pdl.cuh)
     if (fp4) return launch_fp4(a, pow2_tokens(p.M), 1, p.format == LinearFormat::kNVFP4, p.stream);
     return launch_stream(a, pow2_tokens(p.M), 1, fp8, mma, p.stream);
   }

@@ -114,6 +114,9 @@ struct GemvStreamConfig {
                              // where the stream would run (so with kAuto, M <= mma streams; grouped:
                              // max_expert_rows <= mma). M is the launch's pass: 3 and 4 tokens run M = 4
   int mma_warps = 0;         // its warps a block, splitting K: 4, 8, 16 (M <= 2), or 0: by N (gemv.cu mma_warps)
+  // Under programmatic launch a plain stream GEMV's blocks prefetch their rows into L2 before they
+  // wait on their predecessor: all of them (-1), at most this many bytes a block, or none (0).
+  int64_t pdl_prefetch_bytes = -1;
 };
 void gemv_set_stream_config(const GemvStreamConfig& c);
 GemvStreamConfig gemv_stream_config();

@@ -112,7 +112,7 @@ struct StArgs : GroupedArgs {
   const float* w_scale = nullptr;
   float* y = nullptr;
   int rows = 0;  // gemv: M
-  bool prefetch_l2 = false;  // prefetch_rows_l2 before pdl_wait (with programmatic launch only)
+  int64_t prefetch_l2 = 0;  // bytes of its rows a block prefetches before pdl_wait (programmatic launch only; < 0: all)
   // Grouped: blockIdx.y = slot. Second weight set: slots [slots, 2 * slots) use these, writing y2.
   int slots = 0;
   const void* const* w_table2 = nullptr;
@@ -143,17 +143,20 @@ __device__ __forceinline__ bool block_work(const StArgs& a, SlotWork* sw, float*
 
 // The block's weight rows [n0, n0 + R) of a plain gemv (one contiguous range of R * row_bytes)
 // into L2, before pdl_wait: the weights are read-only for the whole step, so with programmatic
-// launch (pdl.cuh) their fetch overlaps the previous kernel's tail. Only then (a.prefetch_l2):
+// launch (pdl.cuh) their fetch overlaps the previous kernel's tail. Only then (a.prefetch_l2 != 0,
+// at most that many bytes a block where > 0: GemvStreamConfig::pdl_prefetch_bytes):
 // without the overlap an L2 prefetch in this GEMV measured 5-25% slower (docs/BENCHMARKS.md,
 // session 3 run A). Grouped launches learn their experts from the routing the previous kernel
 // wrote, so they prefetch nothing.
 template <int R>
 __device__ __forceinline__ void prefetch_rows_l2(const StArgs& a, int64_t row_bytes) {
-  if (!a.prefetch_l2 || a.offsets) return;
+  if (a.prefetch_l2 == 0 || a.offsets) return;
   const int64_t n0 = blockIdx.x * int64_t{R};
   if (n0 >= a.N) return;
   const char* base = reinterpret_cast<const char*>(a.w) + n0 * row_bytes;
-  const int64_t lines = (min(int64_t{R}, a.N - n0) * row_bytes + 127) / 128;
+  int64_t bytes = min(int64_t{R}, a.N - n0) * row_bytes;
+  if (a.prefetch_l2 > 0) bytes = min(bytes, a.prefetch_l2);
+  const int64_t lines = (bytes + 127) / 128;
   for (int64_t i = threadIdx.x; i < lines; i += blockDim.x) asm volatile("prefetch.global.L2 [%0];" ::"l"(base + i * 128));
 }
 

@@ -68,7 +68,7 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const ModelConfig& cfg,
   {  // The GEMV's choices (gemv.h GemvStreamConfig, process-wide), for A/B runs of whole steps:
      // ML4_GEMV_MAX_M, ML4_GEMV_BF16_STREAM, ML4_GEMV_GROUPED_MAX_ROWS, ML4_GEMV_CONV,
      // ML4_GEMV_ROWS, ML4_GEMV_WARP_ROWS, ML4_GEMV_WARP_ROWS_MAX_M, ML4_GEMV_MMA,
-     // ML4_GEMV_MMA_MIN_M, ML4_GEMV_MMA_WARPS.
+     // ML4_GEMV_MMA_MIN_M, ML4_GEMV_MMA_WARPS, ML4_GEMV_PDL_PREFETCH (bytes a block; -1 all, 0 none).
     GemvStreamConfig c = gemv_stream_config();
     auto env_int = [](const char* name, int* v) {
       if (const char* s = std::getenv(name); s && *s) *v = std::atoi(s);
@@ -83,6 +83,7 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const ModelConfig& cfg,
     env_int("ML4_GEMV_MMA", &c.mma);
     env_int("ML4_GEMV_MMA_MIN_M", &c.mma_min_m);
     env_int("ML4_GEMV_MMA_WARPS", &c.mma_warps);
+    if (const char* v = std::getenv("ML4_GEMV_PDL_PREFETCH"); v && *v) c.pdl_prefetch_bytes = std::atoll(v);
     gemv_set_stream_config(c);
   }
   b->synthetic_seed_ = synthetic_seed;
