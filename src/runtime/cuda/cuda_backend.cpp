@@ -1144,8 +1144,8 @@ Status CudaBackend::set_hot_selection(const int32_t* rows, const int32_t* counts
   return cuda_status(cudaStreamSynchronize(stream_), "set_hot_selection");  // the host arrays die after the call
 }
 
-// Not under exact activations: its per-token sums are the same for any T <= 8, but steps of
-// more tokens take the unfused GEMV, so a token's logits would depend on its step's size.
+// Not under exact activations, whose moe_router runs the same kernel in chunks of <= 8 tokens
+// at every step size (its per-token sums are the same for any T <= 8).
 bool CudaBackend::router_fused(LinearRef gate) const {
   return opts_.fused_router && !opts_.exact_activations && router_kernel_takes(gate, step_T_);
 }
@@ -1170,14 +1170,16 @@ RouterRouteParams CudaBackend::router_params(LinearRef gate, const float* x, con
 
 Status CudaBackend::moe_router(LinearRef gate, const float* x, const float* bias, float* logits, int32_t* ids,
                                float* weights) {
-  if (opts_.exact_activations && router_kernel_takes(gate, std::min<int64_t>(step_T_, kGemvMaxM))) {
+  constexpr int64_t kChunk = 8;  // router_route's most tokens a launch
+  if (opts_.exact_activations && router_kernel_takes(gate, std::min(step_T_, kChunk))) {
     // The exact mode: the fused kernel in chunks of <= 8 tokens, each token's logits its own
     // f32 sums in one order whatever the step (cuBLASLt's f32 GEMM picks its algorithm, and so
-    // its summation order, by M: a token's experts could depend on its batch).
+    // its summation order, by M: a token's experts could depend on its batch). Gates it does not
+    // take (> 256 experts, top-k > 32) keep cuBLASLt, and with it that dependence.
     const int64_t D = linears_[gate.id].K, E = cfg_.moe.num_experts, K = cfg_.moe.num_experts_per_tok;
-    for (int64_t t0 = 0; t0 < step_T_; t0 += kGemvMaxM) {
+    for (int64_t t0 = 0; t0 < step_T_; t0 += kChunk) {
       RouterRouteParams p = router_params(gate, x + t0 * D, bias, logits + t0 * E, ids + t0 * K, weights + t0 * K);
-      p.route.T = std::min<int64_t>(kGemvMaxM, step_T_ - t0);
+      p.route.T = std::min(kChunk, step_T_ - t0);
       ML4_RETURN_IF_ERROR(router_route(p).with_context("router (exact mode)"));
     }
     return ok_status();
