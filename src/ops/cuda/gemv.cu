@@ -377,7 +377,9 @@ Status grouped_gemv(const GroupedGemvParams& p) {
     // rows an expert, so a token's sums do not depend on the step (batch invariance).
     if (fp4_stream || (!fp4 && p.x_parts >= 0 && p.max_expert_rows > 0 &&
                        p.max_expert_rows <= stream_max_rows(g_stream.grouped_max_rows, mma) &&
-                       (fp8 || p.impl == GemvImpl::kStream) && p.impl != GemvImpl::kTensorCore)) {
+                       (fp8 || p.impl == GemvImpl::kStream ||
+                        (p.format == LinearFormat::kBF16 && g_stream.bf16_stream == 2)) &&
+                       p.impl != GemvImpl::kTensorCore)) {
       gemv_stream::StArgs a;
       static_cast<gemv_stream::GroupedArgs&>(a) = grouped_args(p, scaled);
       a.x = p.x;
@@ -465,7 +467,7 @@ Status gemv(const GemvParams& p) {
   // a token's sums do not depend on how many rows share its launch (batch invariance: each
   // token is its own mma column; x in three exact bf16 parts, f32 sums).
   const bool exact = !fp4 && p.x_parts < 0 && p.impl == GemvImpl::kAuto;
-  const bool bf16_streams = p.format == LinearFormat::kBF16 && (g_stream.bf16_stream == 1 || p.N <= kStreamBf16MaxRows);
+  const bool bf16_streams = p.format == LinearFormat::kBF16 && (g_stream.bf16_stream >= 1 || p.N <= kStreamBf16MaxRows);
   const bool mma = mma_ok(fp8, p.x_parts);
   if (fp4_stream || (!fp4 && (p.impl == GemvImpl::kStream ||
                               (p.impl == GemvImpl::kAuto && !exact && (fp8 || bf16_streams) &&

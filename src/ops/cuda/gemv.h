@@ -101,7 +101,8 @@ void gemv_set_l2_prefetch(int steps);
 struct GemvStreamConfig {
   int max_m = 2;             // kAuto: FP8 gemv with M <= max_m streams (BF16 too: bf16_stream)
   int bf16_stream = 1;       // kAuto: BF16 with M <= max_m streams too, at any N (1; not with x_parts < 0),
-                             // or only at N <= 64 (0)
+                             // or only at N <= 64 (0); 2: grouped_gemv's BF16 experts too, with
+                             // max_expert_rows <= grouped_max_rows (else they take the tensor cores)
   int grouped_max_rows = 2;  // grouped_gemv: FP8 with max_expert_rows <= this streams (MoE T <= 2)
   int conv = 1;              // e4m3 decoding: 0 integer -> f16, 1 cvt.e4m3x2 -> f16, 2 integer -> f32
   int rows = 0;              // rows per block: 2, 4, or 0 (by N)
