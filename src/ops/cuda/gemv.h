@@ -100,9 +100,10 @@ void gemv_set_l2_prefetch(int steps);
 // defaults are the measured choice, docs/BENCHMARKS.md "FP8 decode GEMV, profiled").
 struct GemvStreamConfig {
   int max_m = 2;             // kAuto: FP8 gemv with M <= max_m streams (BF16 too: bf16_stream)
-  int bf16_stream = 1;       // kAuto: BF16 with M <= max_m streams too, at any N (1; not with x_parts < 0),
-                             // or only at N <= 64 (0); 2: grouped_gemv's BF16 experts too, with
-                             // max_expert_rows <= grouped_max_rows (else they take the tensor cores)
+  int bf16_stream = 2;       // kAuto: BF16 with M <= max_m streams too, at any N (1; not with x_parts < 0),
+                             // or only at N <= 64 (0); 2 (the default): grouped_gemv's BF16 experts
+                             // too, with max_expert_rows <= grouped_max_rows (ml4-tiny's batch-1
+                             // step 0.68 -> 0.60 ms on the H100; docs/BENCHMARKS.md "Twenty-eighth session")
   int grouped_max_rows = 2;  // grouped_gemv: FP8 with max_expert_rows <= this streams (MoE T <= 2)
   int conv = 1;              // e4m3 decoding: 0 integer -> f16, 1 cvt.e4m3x2 -> f16, 2 integer -> f32
   int rows = 0;              // rows per block: 2, 4, or 0 (by N)
@@ -116,8 +117,10 @@ struct GemvStreamConfig {
                              // max_expert_rows <= mma). M is the launch's pass: 3 and 4 tokens run M = 4
   int mma_warps = 0;         // its warps a block, splitting K: 4, 8, 16 (M <= 2), or 0: by N (gemv.cu mma_warps)
   // Under programmatic launch a plain stream GEMV's blocks prefetch their rows into L2 before they
-  // wait on their predecessor: all of them (-1), at most this many bytes a block, or none (0).
-  int64_t pdl_prefetch_bytes = -1;
+  // wait on their predecessor: all of them (-1), at most this many bytes a block, or none (0, the
+  // default: the one-warp rows keep ~16 blocks an SM resident, whose prefetch of the next launch's
+  // first wave, ~50 MB, cost the H100's batch-1 step ~30 us; docs/BENCHMARKS.md "Twenty-eighth session").
+  int64_t pdl_prefetch_bytes = 0;
 };
 void gemv_set_stream_config(const GemvStreamConfig& c);
 GemvStreamConfig gemv_stream_config();
