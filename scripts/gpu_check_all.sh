@@ -83,14 +83,14 @@ stamp() { echo "==== [$(( $(date +%s) - t0 )) s] $*"; }
 sections=" ${SECTIONS:-tests decode moegemm spec specstep hisparse perplexity pd all} "
 on() { [[ "$sections" == *" $1 "* ]]; }
 
-# The suites of the kernels the last session changed (twenty-seventh: the GEMV's defaults, FP8 at 2
-# tokens on the one-warp rows, BF16 at 1-2 tokens on the stream at any N), first. A suite that
+# The suites of the kernels the last session changed (twenty-eighth: the exact mode's GEMV and
+# router rules, the GEMV defaults pdl_prefetch_bytes 0 and bf16_stream 2), first. A suite that
 # faults can be left out of the whole run with ML4_GTEST_EXCLUDE=Suite.* so that it does not take
-# the rest with it. The pending call (the suites under the new defaults, the GEMV bench with its
-# back-to-back-with-PDL lines, the step against the old BF16 choice and the old defaults, ml4-tiny
-# too, then everything; ~4 min of wall time):
-#   AB_TINY=1 SECTIONS="tests gemv binab all" AB_ENVS="ML4_NONE=1 ML4_GEMV_BF16_STREAM=0
-#   ML4_GEMV_BF16_STREAM=0,ML4_GEMV_MMA_MIN_M=2,ML4_GEMV_WARP_ROWS_MAX_M=1,ML4_GEMV_GROUPED_MAX_ROWS=1"
+# the rest with it. The pending call (the suites under the new compiled defaults, the GEMV bench's
+# back-to-back lines with PDL and without its prefetch, the step against the old two settings,
+# ml4-tiny too, then everything; ~4 min of wall time; on an H200 add ML4_GEMV_MMA_MIN_M=1):
+#   AB_TINY=1 SECTIONS="tests gemv binab all" AB_ENVS="ML4_NONE=1 ML4_GEMV_PDL_PREFETCH=-1
+#   ML4_GEMV_BF16_STREAM=1"
 new=${FILTER_NEW:-CudaGemv.*:CudaMoe.*:CudaRunner.*}
 on tests && stamp "1a. new GPU tests: $new" && timeout 240 "$carry/bin/ml4_cuda_tests" --gtest_filter="$new" --gtest_color=no > "$out/new_tests.log" 2>&1
 on tests && grep -E "^\[  (FAILED|PASSED|SKIPPED) |^\[       OK|rel|Failure" "$out/new_tests.log" | tail -40
