@@ -48,14 +48,19 @@ inline bool all_finite(const std::vector<float>& v) {
 
 template <typename T> T* dptr(const ml4::cuda::DeviceBuffer& b) { return b.as<T>(); }
 
+// Allocates a device buffer holding `bytes` bytes from `host` (fails the test on an error).
+inline ml4::cuda::DeviceBuffer to_device_bytes(const void* host, size_t bytes) {
+  auto b = ml4::cuda::DeviceBuffer::alloc(bytes);
+  EXPECT_TRUE(b.ok()) << b.status().message();
+  if (!b.ok()) return {};
+  EXPECT_TRUE(b->upload(host, bytes).ok());
+  return std::move(b).value();
+}
+
 // Allocates a device buffer holding `host` (dies on failure, via the test's ASSERT).
 template <typename T>
 ml4::cuda::DeviceBuffer to_device(const std::vector<T>& host) {
-  auto b = ml4::cuda::DeviceBuffer::alloc(host.size() * sizeof(T));
-  EXPECT_TRUE(b.ok()) << b.status().message();
-  if (!b.ok()) return {};
-  EXPECT_TRUE(b->upload(host.data(), host.size() * sizeof(T)).ok());
-  return std::move(b).value();
+  return to_device_bytes(host.data(), host.size() * sizeof(T));
 }
 
 // A device buffer of n T's poisoned with 0xFF bytes (NaN for f32/bf16/e4m3, -1 for ints).

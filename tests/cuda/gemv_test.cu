@@ -38,13 +38,6 @@ namespace {
 
 using namespace testing;
 
-DeviceBuffer to_device_bytes(const void* p, size_t n) {
-  auto b = DeviceBuffer::alloc(n);
-  EXPECT_TRUE(b.ok());
-  EXPECT_TRUE(b->upload(p, n).ok());
-  return std::move(b).value();
-}
-
 TEST(CudaGemv, MatchesCpuLinear) {
   ML4_REQUIRE_GPU();
   struct Shape {

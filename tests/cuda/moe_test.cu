@@ -464,7 +464,8 @@ TEST(CudaMoe, ExpertsAndSharedVsCpu) {
       // 1: grouped with the other grouped kernel (the stream kernels turned off where they are
       // the default, T <= 4, and the CUDA-core stream on where it is not: T >= 8 then runs in
       // passes of 4 rows; FP4: the exact CUDA-core stream); 2: row-wise (T <= 8).
-      // (BF16 experts take the tensor cores by default; paths 1 and 3 stream them, bf16_stream 2.)
+      // (BF16 experts: path 0 streams them at T <= 2, bf16_stream 2, path 1 then takes the tensor
+      // cores; at T > 2 the other way round.)
       // 3 (FP8, T = 1, 2): path 0 with each warp streaming its own 4 rows at every N
       // (GemvStreamConfig::warp_rows 2; the default, 1, takes them only at N >= 16 blocks an SM,
       // wider than these experts, so path 0 is the four-warp kernel, at T = 2 its M = 2 kernel).
@@ -475,22 +476,22 @@ TEST(CudaMoe, ExpertsAndSharedVsCpu) {
       const bool fp8 = f == LinearFormat::kFP8Block;
       const bool bf16 = f == LinearFormat::kBF16;
       for (int path = 0; path < 5; ++path) {
-        if ((path == 2 && (Tb > kGemvMaxM || fp4)) || (path == 3 && !((fp8 || bf16) && Tb <= 2)) ||  // FP4: no row-wise
+        if ((path == 2 && (Tb > kGemvMaxM || fp4)) || (path == 3 && !(fp8 && Tb <= 2)) ||  // FP4: no row-wise
             (path == 4 && !(fp8 && Tb <= 2)))
           continue;
         GemvStreamConfig c = saved;
-        if (path == 1) {
-          const bool streams = fp8 && Tb <= std::max(saved.grouped_max_rows, saved.mma);
+        if (path == 1) {  // whichever of the stream and the tensor cores path 0 did not take
+          const bool streams = fp8 ? Tb <= std::max(saved.grouped_max_rows, saved.mma)
+                                   : bf16 && saved.bf16_stream == 2 && Tb <= saved.grouped_max_rows;
           c.grouped_max_rows = streams ? 0 : 1 << 20;
-          c.mma = 0;           // the CUDA-core stream when on
-          c.bf16_stream = 2;   // BF16 experts: the stream at every T (passes of 4 rows)
+          c.mma = 0;                         // the CUDA-core stream when on
+          c.bf16_stream = streams ? 1 : 2;   // BF16 experts: the stream at every T (passes of 4 rows), or never
         }
-        if (path == 3) {  // the stream with one-warp rows (FP8; BF16: the stream), also at two rows an expert
+        if (path == 3) {  // the stream with one-warp rows, also at two rows an expert
           c.warp_rows = 2;
           c.warp_rows_max_m = 2;
           c.grouped_max_rows = 2;
           c.mma = 0;
-          c.bf16_stream = 2;
         }
         if (path == 4) {
           c.mma = 4;
